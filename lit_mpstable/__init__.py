@@ -1,0 +1,26 @@
+"""lit_mpstable: stable mixed-precision training for PyTorch Lightning.
+
+``from lit_mpstable import StablePrecision`` loads Lightning; the numerics core (``lit_mpstable.scaling``,
+``lit_mpstable.formats``, ...) imports torch only, so importing this package itself loads nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["StablePrecision", "DynamicLossScaler", "StaticLossScaler"]
+__version__ = "0.1.0"
+
+_LAZY = {
+    "StablePrecision": "lit_mpstable.plugin",
+    "DynamicLossScaler": "lit_mpstable.scaling",
+    "StaticLossScaler": "lit_mpstable.scaling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lit_mpstable' has no attribute {name!r}")

@@ -1,0 +1,283 @@
+"""StablePrecision: the Lightning precision plugin. A translation table from Lightning hooks to core calls."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager
+from typing import Any, Literal, get_args
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_utilities.core.rank_zero import WarningCache
+
+from lit_mpstable.islands import FP32Islands
+from lit_mpstable.scaling import DynamicLossScaler, StaticLossScaler
+
+__all__ = ["StablePrecision"]
+
+PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
+ScalerName = Literal["dynamic", "static"]
+OpPolicyName = Literal["autocast"]
+
+_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
+_DEFAULT = object()  # sentinel: "scaler not given", so None can mean "no scaling"
+_held_schedulers: weakref.WeakKeyDictionary[Any, StablePrecision] = weakref.WeakKeyDictionary()
+_warnings = WarningCache()
+
+
+class StablePrecision(Precision):
+    """Mixed precision that is stable by default: loss scaling done right, FP32 islands and live telemetry.
+
+    Args:
+        precision: Lightning's spelling (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
+            ``"bf16-true"``) or ``"auto"``: BF16 where the device supports it, else FP16.
+        scaler: ``"dynamic"``, ``"static"``, ``None`` (no scaling) or a ``torch.amp.GradScaler``-like instance.
+            Default: dynamic for FP16 modes, none otherwise.
+        master_weights: for ``*-true`` modes, keep FP32 master weights (arrives with the master-weight module).
+        fp8: FP8 recipe (not available yet: only ``None``).
+        fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
+        op_policy: ``"autocast"``: PyTorch's per-op lists.
+        device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else the CPU.
+
+    Raises:
+        ValueError: an argument is not one of the allowed values.
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionName = "bf16-mixed",
+        *,
+        scaler: ScalerName | torch.amp.GradScaler | None = _DEFAULT,  # type: ignore[assignment]
+        master_weights: bool = True,
+        fp8: Any = None,
+        fp32_modules: Iterable[type[nn.Module] | str] = (),
+        op_policy: OpPolicyName = "autocast",
+        device: str | None = None,
+    ) -> None:
+        if precision not in get_args(PrecisionName):
+            raise ValueError(f"StablePrecision(precision={precision!r}): allowed values are {list(get_args(PrecisionName))}.")
+        if device is not None and device not in ("cpu", "cuda"):
+            raise ValueError(f"StablePrecision(device={device!r}): allowed values are 'cpu', 'cuda' or None (auto).")
+        if op_policy not in get_args(OpPolicyName):
+            raise ValueError(f"StablePrecision(op_policy={op_policy!r}): allowed values are {list(get_args(OpPolicyName))}.")
+        if fp8 is not None:
+            raise ValueError(f"StablePrecision(fp8={fp8!r}): FP8 is not available in this version; use fp8=None.")
+        if not isinstance(master_weights, bool):
+            raise ValueError(f"StablePrecision(master_weights={master_weights!r}): must be True or False.")
+        if precision in ("16-true", "bf16-true"):
+            raise ValueError(
+                f"StablePrecision(precision={precision!r}): true 16-bit modes are not available in this version;"
+                " use '16-mixed' or 'bf16-mixed'."
+            )
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if precision == "auto":
+            bf16_ok = self.device == "cpu" or torch.cuda.is_bf16_supported()
+            precision = "bf16-mixed" if bf16_ok else "16-mixed"
+        self.precision = precision
+        self.scaler = self._build_scaler(scaler)
+        self.master_weights = master_weights
+        self.fp8 = fp8
+        self.op_policy = op_policy
+        self.islands = FP32Islands(fp32_modules)
+        self.last_step_skipped = False
+        self.step_count = 0
+        self.overflow_count = 0
+        self.fallback_active = False
+        self.stats: dict[str, Any] = {}
+
+    def _build_scaler(self, scaler: Any) -> torch.amp.GradScaler | None:
+        fp16 = self.precision in ("16-mixed", "16-true")
+        if scaler is _DEFAULT:
+            scaler = "dynamic" if fp16 else None
+        if scaler is None:
+            return None
+        if isinstance(scaler, str):
+            if scaler not in get_args(ScalerName):
+                raise ValueError(
+                    f"StablePrecision(scaler={scaler!r}): allowed values are {list(get_args(ScalerName))}, None or a"
+                    " GradScaler-like instance."
+                )
+            if not fp16:
+                raise ValueError(
+                    f"StablePrecision({self.precision!r}, scaler={scaler!r}): loss scaling is only meaningful for FP16"
+                    " modes (BF16 and FP32 share FP32's exponent range); use scaler=None."
+                )
+            return DynamicLossScaler(self.device) if scaler == "dynamic" else StaticLossScaler(self.device)
+        needed = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
+        missing = [name for name in needed if not callable(getattr(scaler, name, None))]
+        if missing:
+            raise ValueError(
+                f"StablePrecision(scaler={scaler!r}): a scaler instance needs GradScaler's methods; missing {missing}."
+            )
+        return scaler
+
+    # ------------------------------------------------------------------------------------------- live state
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without scaling). Reading it synchronises with the device."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return 1.0
+        return float(self.scaler.get_scale())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The 16-bit compute dtype, or ``torch.float32`` for ``"32-true"``."""
+        return _DTYPES.get(self.precision, torch.float32)
+
+    # ---------------------------------------------------------------------------------------- Lightning hooks
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        self.islands.attach(module, device_type=self.device, output_dtype=None)
+        return module
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        device_type = next((p.device.type for p in model.parameters()), self.device)
+        if device_type in ("cpu", "cuda"):
+            self.device = device_type
+            self.islands.device_type = device_type
+        if self.precision == "16-mixed" and self.device == "cpu":
+            _warnings.warn(
+                "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower than"
+                " BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed."
+            )
+        automatic = getattr(_lightning_module(model), "automatic_optimization", True)
+        for config in lr_schedulers:
+            if getattr(config, "interval", "step") == "step" or not automatic:
+                _hold_on_skip(config.scheduler, self)
+        return model, optimizers, lr_schedulers
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision == "32-true":
+            yield
+            return
+        # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad regions.
+        with torch.autocast(self.device, dtype=self.dtype, cache_enabled=False):
+            yield
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if self.scaler is None:
+            output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            self._record_step(skipped=False)
+            return output
+        if isinstance(optimizer, LBFGS):
+            raise ValueError("StablePrecision with loss scaling: LBFGS re-evaluates the loss inside step(); use scaler=None.")
+        closure_result = closure()
+        # training_step returned None: Lightning ran no backward, so there is nothing to unscale or step.
+        if closure_result is None and model.automatic_optimization:
+            return closure_result
+        # Order matters: unscale first, so on_before_optimizer_step and clipping see true gradient values and the
+        # clip threshold means what the user wrote. This also holds for fused optimizers: after unscale_ GradScaler
+        # hands them found_inf and no grad_scale, so they skip without rescaling.
+        self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        self._record_step(skipped=bool(getattr(self.scaler, "last_step_skipped", False)))
+        return output
+
+    def _record_step(self, *, skipped: bool) -> None:
+        self.last_step_skipped = skipped
+        self.step_count += 1
+        self.overflow_count += int(skipped)
+
+    # ------------------------------------------------------------------------------------------- state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly; plain Python scalars and dicts (``weights_only=True`` loads it).
+
+        Keys: ``precision``, ``scaler`` (the scaler's own state dict, ``{}`` without scaling), ``step_count``,
+        ``overflow_count``, ``last_step_skipped``, ``fallback_active``.
+        """
+        return {
+            "precision": self.precision,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "step_count": self.step_count,
+            "overflow_count": self.overflow_count,
+            "last_step_skipped": self.last_step_skipped,
+            "fallback_active": self.fallback_active,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Strict: a missing or unknown key raises ``KeyError`` naming it.
+
+        Raises:
+            KeyError: keys differ from :meth:`state_dict`'s.
+            ValueError: the checkpoint was written with scaling but this plugin has none, or the other way round.
+        """
+        expected = set(self.state_dict())
+        if set(state_dict) != expected:
+            missing, unknown = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+            raise KeyError(
+                f"StablePrecision.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the checkpoint"
+                " written by another version of lit_mpstable?"
+            )
+        if bool(state_dict["scaler"]) != (self.scaler is not None and self.scaler.is_enabled()):
+            raise ValueError(
+                f"StablePrecision.load_state_dict: the checkpoint was written {'with' if state_dict['scaler'] else 'without'}"
+                f" loss scaling (precision={state_dict['precision']!r}) but this plugin runs"
+                f" {self.precision!r} with scaler={self.scaler!r}; construct the plugin the way the run was saved."
+            )
+        if self.scaler is not None and state_dict["scaler"]:
+            self.scaler.load_state_dict(state_dict["scaler"])
+        self.step_count = int(state_dict["step_count"])
+        self.overflow_count = int(state_dict["overflow_count"])
+        self.last_step_skipped = bool(state_dict["last_step_skipped"])
+        self.fallback_active = bool(state_dict["fallback_active"])
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under "MixedPrecision": carry it over.
+        if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint and self.scaler is not None:
+            self.scaler.load_state_dict(checkpoint["MixedPrecision"])
+            rank_zero_info("StablePrecision: loss-scaler state taken from a Lightning MixedPrecision checkpoint.")
+
+
+def _lightning_module(model: nn.Module) -> nn.Module:
+    while not isinstance(model, pl.LightningModule) and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def _held_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+    plugin = _held_schedulers.get(self)
+    if plugin is not None and plugin.last_step_skipped:
+        # The optimizer step was skipped (inf/NaN gradients): the schedule stays where the weights are.
+        return None
+    return super(type(self), self).step(*args, **kwargs)
+
+
+def _hold_on_skip(scheduler: Any, plugin: StablePrecision) -> None:
+    """Make ``scheduler.step()`` a no-op right after a skipped optimizer step.
+
+    The scheduler's class is swapped for a one-method subclass, so its ``state_dict`` (its ``__dict__``) is
+    unchanged and checkpoints stay plain; the plugin is looked up in a weak map, not stored on the scheduler.
+    """
+    _held_schedulers[scheduler] = plugin
+    cls = type(scheduler)
+    if getattr(cls, "_lit_mpstable_held", False):
+        return
+    scheduler.__class__ = type(
+        cls.__name__, (cls,), {"step": _held_step, "_lit_mpstable_held": True, "__module__": cls.__module__}
+    )

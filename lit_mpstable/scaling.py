@@ -1,0 +1,286 @@
+"""Loss scalers: drop-in replacements for ``torch.amp.GradScaler`` on any device."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["DynamicLossScaler", "StaticLossScaler"]
+
+# The keys torch.amp.GradScaler.state_dict() writes; a dict with exactly these loads as a legacy checkpoint.
+_GRADSCALER_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
+
+
+class DynamicLossScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` plus hysteresis, scale bounds, overflow counters and a host-side skip flag.
+
+    With default arguments it follows GradScaler step for step (same scale trajectory, same skipped steps)
+    until the scale would pass ``max_scale`` (2**24, reached only after 8 growth intervals of clean steps).
+
+    - ``hysteresis=k`` backs off only on the k-th overflowing step since the scale last grew (DeepSpeed and
+      Megatron-LM semantics): every overflow still skips its step and resets the growth tracker, but isolated
+      overflows no longer halve the scale. Once used up, each further overflow backs off until the scale grows.
+    - ``min_scale``/``max_scale`` bound the scale. An overflow while already at ``min_scale`` is counted in
+      ``min_scale_hits`` and warned about from the second such step on: the model overflows even at the
+      smallest allowed scale, which scaling alone cannot fix.
+    - ``last_step_skipped`` is a Python bool set from the one host synchronisation GradScaler's ``step``
+      already makes; ``overflow_count`` stays on the device until read.
+
+    Raises:
+        ValueError: an argument is out of range (each message names the argument and the rule).
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = 2.0**24,
+        enabled: bool = True,
+    ) -> None:
+        name = type(self).__name__
+        if not init_scale > 0 or not math.isfinite(init_scale):
+            raise ValueError(f"{name}(init_scale={init_scale!r}): init_scale must be a finite number > 0; 2.**16 is usual.")
+        if not growth_factor > 1:
+            raise ValueError(
+                f"{name}(growth_factor={growth_factor!r}): growth_factor must be > 1 so clean steps grow the scale; 2.0 is usual."
+            )
+        if not 0 < backoff_factor < 1:
+            raise ValueError(
+                f"{name}(backoff_factor={backoff_factor!r}): backoff_factor must be in (0, 1) so an overflow shrinks the"
+                " scale; 0.5 is usual."
+            )
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"{name}(growth_interval={growth_interval!r}): growth_interval must be an int >= 1 (steps).")
+        if not (isinstance(hysteresis, int) and hysteresis >= 1):
+            raise ValueError(
+                f"{name}(hysteresis={hysteresis!r}): hysteresis must be an int >= 1 (overflowing steps tolerated before"
+                " a backoff); 1 backs off on every overflow, as GradScaler does."
+            )
+        if min_scale is not None and not min_scale > 0:
+            raise ValueError(f"{name}(min_scale={min_scale!r}): min_scale must be > 0 or None.")
+        if max_scale is not None and not max_scale > 0:
+            raise ValueError(f"{name}(max_scale={max_scale!r}): max_scale must be > 0 or None.")
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
+            raise ValueError(f"{name}(min_scale={min_scale!r}, max_scale={max_scale!r}): min_scale must be <= max_scale.")
+        if (min_scale is not None and init_scale < min_scale) or (max_scale is not None and init_scale > max_scale):
+            raise ValueError(
+                f"{name}(init_scale={init_scale!r}): init_scale must lie within [min_scale, max_scale] ="
+                f" [{min_scale!r}, {max_scale!r}]."
+            )
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.last_step_skipped = False
+        self.step_count = 0
+        """Calls of ``update()`` that consumed inf checks, i.e. iterations; a host int, no sync."""
+        # Device-side state, created lazily next to the scale (same device), like GradScaler's own.
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._overflow_count: torch.Tensor | None = None
+        self._min_scale_hits: torch.Tensor | None = None
+        self._init_hysteresis_tracker = hysteresis
+        self._init_overflow_count = 0
+        self._init_min_scale_hits = 0
+        self._min_scale_warned = False
+
+    # ----------------------------------------------------------------------------------------- lazy state
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+        self._overflow_count = torch.full((), self._init_overflow_count, dtype=torch.int64, device=dev)
+        self._min_scale_hits = torch.full((), self._init_min_scale_hits, dtype=torch.int64, device=dev)
+
+    # ---------------------------------------------------------------------------------------- stepping
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any):
+        # The one host sync GradScaler makes per step lives here; record its answer for free.
+        found_inf = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
+        self.last_step_skipped = bool(found_inf)
+        if found_inf:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (if not done yet), then step unless the gradients hold inf/NaN; see ``GradScaler.step``.
+
+        For optimizers that skip inside their own fused ``step`` (``fused=True``), reading whether the step was
+        skipped costs one host synchronisation, the same one an unfused optimizer pays in GradScaler.
+        """
+        if not self._enabled:
+            self.last_step_skipped = False
+            return optimizer.step(*args, **kwargs)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            result = super().step(optimizer, *args, **kwargs)
+            found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+            self.last_step_skipped = bool(sum(v.item() for v in found))
+            return result
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the scale from this iteration's inf checks; all on the device, no host sync.
+
+        The GradScaler rule (backoff on overflow, growth after ``growth_interval`` clean steps) with hysteresis
+        and bounds added. Passing ``new_scale`` sets the scale by hand (clamped to the bounds).
+        """
+        if not self._enabled:
+            return
+        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            super().update(new_scale)
+            self._clamp_(scale)
+            return
+        found_infs = [
+            found_inf.to(device=scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if not found_infs:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found = torch.stack(found_infs).sum() > 0
+        self._update_scale_(scale, growth_tracker, found)
+        self._per_optimizer_states.clear()
+        self.step_count += 1
+        if self.min_scale is not None and self.last_step_skipped and not self._min_scale_warned:
+            # Host already knows this step overflowed; one extra read on overflow steps only.
+            if int(self._min_scale_hits.item()) >= 2:
+                self._min_scale_warned = True
+                warnings.warn(
+                    f"{type(self).__name__}: gradients overflowed again at min_scale={self.min_scale!r}; loss scaling"
+                    " cannot fix this. Look for the module producing inf/NaN or fall back to a wider format.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found: torch.Tensor) -> None:
+        # Same arithmetic as torch._amp_update_scale_ (float32 scale, int32 tracker, growth only to a finite value),
+        # written with tensor ops so hysteresis and the bounds fit in without a host sync.
+        assert self._hysteresis_tracker is not None and self._overflow_count is not None
+        assert self._min_scale_hits is not None
+        hysteresis_left = self._hysteresis_tracker - found.int()
+        backoff = found & (hysteresis_left <= 0)
+        tracker = torch.where(found, 0, growth_tracker + 1)
+        grow = tracker >= self._growth_interval
+        grown = scale * self._growth_factor
+        grow = grow & torch.isfinite(grown)
+        if self.min_scale is not None:
+            self._min_scale_hits += (found & (scale <= self.min_scale)).long()
+        new_scale = torch.where(backoff, scale * self._backoff_factor, torch.where(grow, grown, scale))
+        scale.copy_(new_scale)
+        self._clamp_(scale)
+        growth_tracker.copy_(torch.where(tracker >= self._growth_interval, 0, tracker))
+        self._hysteresis_tracker.copy_(torch.where(grow, self.hysteresis, hysteresis_left.clamp_min(0)))
+        self._overflow_count += found.long()
+
+    def _clamp_(self, scale: torch.Tensor) -> None:
+        if self.min_scale is not None or self.max_scale is not None:
+            scale.clamp_(min=self.min_scale, max=self.max_scale)
+
+    # ------------------------------------------------------------------------------------------ reading
+    @property
+    def overflow_count(self) -> int:
+        """Iterations whose gradients held inf/NaN. Reading it synchronises with the device."""
+        return self._init_overflow_count if self._overflow_count is None else int(self._overflow_count.item())
+
+    @property
+    def min_scale_hits(self) -> int:
+        """Overflowing iterations that happened while the scale was already at ``min_scale`` (syncs)."""
+        return self._init_min_scale_hits if self._min_scale_hits is None else int(self._min_scale_hits.item())
+
+    def _get_hysteresis_tracker(self) -> int:
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    # --------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """GradScaler's keys plus ``hysteresis``, ``min_scale``, ``max_scale`` and the counters.
+
+        Keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker`` (as
+        GradScaler), ``hysteresis``, ``_hysteresis_tracker``, ``min_scale``, ``max_scale``, ``overflow_count``,
+        ``min_scale_hits``, ``step_count``. Python scalars only (``weights_only=True`` loads it). Empty when disabled.
+        """
+        if not self._enabled:
+            return {}
+        state = super().state_dict()
+        state.update(
+            hysteresis=self.hysteresis,
+            _hysteresis_tracker=self._get_hysteresis_tracker(),
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            overflow_count=self.overflow_count,
+            min_scale_hits=self.min_scale_hits,
+            step_count=self.step_count,
+        )
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`, or from a plain ``torch.amp.GradScaler`` state dict.
+
+        Raises:
+            RuntimeError: the dict is empty (saved with scaling disabled?).
+            KeyError: a key is missing or unknown.
+        """
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise RuntimeError(
+                f"{type(self).__name__}.load_state_dict: the state dict is empty; was it saved with scaling disabled?"
+            )
+        keys = set(state_dict)
+        if keys == _GRADSCALER_KEYS:
+            # Written by torch.amp.GradScaler (e.g. Lightning's own "16-mixed"): keep our extra state as constructed.
+            super().load_state_dict(state_dict)
+            return
+        expected = set(self.state_dict())
+        if keys != expected:
+            missing, unknown = sorted(expected - keys), sorted(keys - expected)
+            raise KeyError(
+                f"{type(self).__name__}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was it saved"
+                " by a different scaler class or version?"
+            )
+        super().load_state_dict(state_dict)
+        self.hysteresis = int(state_dict["hysteresis"])
+        self.min_scale = state_dict["min_scale"]
+        self.max_scale = state_dict["max_scale"]
+        self.step_count = int(state_dict["step_count"])
+        self._init_hysteresis_tracker = int(state_dict["_hysteresis_tracker"])
+        self._init_overflow_count = int(state_dict["overflow_count"])
+        self._init_min_scale_hits = int(state_dict["min_scale_hits"])
+        for tensor, value in (
+            (self._hysteresis_tracker, self._init_hysteresis_tracker),
+            (self._overflow_count, self._init_overflow_count),
+            (self._min_scale_hits, self._init_min_scale_hits),
+        ):
+            if tensor is not None:
+                tensor.fill_(value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            state.update(
+                _init_hysteresis_tracker=self._get_hysteresis_tracker(),
+                _init_overflow_count=self.overflow_count,
+                _init_min_scale_hits=self.min_scale_hits,
+                _hysteresis_tracker=None,
+                _overflow_count=None,
+                _min_scale_hits=None,
+            )
+        return state
+
+
+class StaticLossScaler(DynamicLossScaler):
+    """A fixed loss scale: overflowing steps are still skipped and counted, but the scale never changes."""
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, enabled: bool = True) -> None:
+        super().__init__(device, init_scale=init_scale, max_scale=None, enabled=enabled)
+
+    def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found: torch.Tensor) -> None:
+        assert self._overflow_count is not None
+        self._overflow_count += found.long()

@@ -1,0 +1,102 @@
+"""Small models, data and fault injection shared by the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+class TinyMLP(nn.Module):
+    """Three linear layers, dimensions multiples of 16 (FP8-eligible in the middle)."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 16) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+def regression_data(n: int = 64, d_in: int = 16, d_out: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic linear-regression task with noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    w = torch.randn(d_in, d_out, generator=g) / d_in**0.5
+    return x, x @ w + 0.01 * torch.randn(n, d_out, generator=g)
+
+
+def inject_overflow(module: nn.Module, steps: Iterable[int], value: float = float("inf")) -> list[int]:
+    """Make the gradient of ``module.weight`` hold ``value`` on the given backward calls (0-based).
+
+    Returns a list that records the backward calls seen, so a test can check where it fired.
+    """
+    steps = set(steps)
+    seen: list[int] = []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        call = len(seen)
+        seen.append(call)
+        if call in steps:
+            grad = grad.clone()
+            grad.view(-1)[0] = value
+        return grad
+
+    module.weight.register_hook(hook)
+    return seen
+
+
+def make_module(**kwargs):
+    """A TinyModule (LightningModule) built lazily so core tests never import Lightning through this file."""
+    import lightning.pytorch as pl
+
+    class TinyModule(pl.LightningModule):
+        """TinyMLP on `regression_data`; options: lr, optimizer ("sgd", "adamw", "adamw_fused"), scheduler (bool)."""
+
+        def __init__(self, lr: float = 0.05, optimizer: str = "sgd", scheduler: bool = False, n: int = 64) -> None:
+            super().__init__()
+            self.model = TinyMLP()
+            self.lr, self.optimizer_name, self.use_scheduler = lr, optimizer, scheduler
+            self.x, self.y = regression_data(n)
+            self.losses: list[float] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x).float(), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def train_dataloader(self):
+            ds = torch.utils.data.TensorDataset(self.x, self.y)
+            return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=False)
+
+        def configure_optimizers(self):
+            if self.optimizer_name == "sgd":
+                opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+            else:
+                opt = torch.optim.AdamW(self.parameters(), lr=self.lr, fused=self.optimizer_name == "adamw_fused")
+            if not self.use_scheduler:
+                return opt
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return TinyModule(**kwargs)
+
+
+def make_trainer(plugin=None, **kwargs):
+    """A quiet CPU Trainer: no progress bar, summary, logger or checkpointing unless asked."""
+    import lightning.pytorch as pl
+
+    defaults = dict(
+        accelerator="cpu", devices=1, max_steps=4, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(plugins=[plugin] if plugin is not None else None, **defaults)
