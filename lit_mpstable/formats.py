@@ -29,7 +29,8 @@ class Format:
     @classmethod
     def from_dtype(cls, name: str, dtype: torch.dtype) -> Format:
         info = torch.finfo(dtype)
-        return cls(name, dtype, float(info.max), float(info.tiny), float(info.smallest_subnormal), float(info.eps))
+        # smallest subnormal = 2**(emin - mantissa bits) = tiny * eps for every format in the table
+        return cls(name, dtype, float(info.max), float(info.tiny), float(info.tiny) * float(info.eps), float(info.eps))
 
 
 FORMATS: dict[str, Format] = {

@@ -15,7 +15,6 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_utilities.core.rank_zero import WarningCache
 
 from lit_mpstable.islands import FP32Islands
 from lit_mpstable.scaling import DynamicLossScaler, StaticLossScaler
@@ -29,7 +28,6 @@ OpPolicyName = Literal["autocast"]
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
 _DEFAULT = object()  # sentinel: "scaler not given", so None can mean "no scaling"
 _held_schedulers: weakref.WeakKeyDictionary[Any, StablePrecision] = weakref.WeakKeyDictionary()
-_warnings = WarningCache()
 
 
 class StablePrecision(Precision):
@@ -91,6 +89,7 @@ class StablePrecision(Precision):
         self.overflow_count = 0
         self.fallback_active = False
         self.stats: dict[str, Any] = {}
+        self._warned: set[str] = set()  # warnings fire once per cause and plugin
 
     def _build_scaler(self, scaler: Any) -> torch.amp.GradScaler | None:
         fp16 = self.precision in ("16-mixed", "16-true")
@@ -145,8 +144,9 @@ class StablePrecision(Precision):
         if device_type in ("cpu", "cuda"):
             self.device = device_type
             self.islands.device_type = device_type
-        if self.precision == "16-mixed" and self.device == "cpu":
-            _warnings.warn(
+        if self.precision == "16-mixed" and self.device == "cpu" and "fp16-cpu" not in self._warned:
+            self._warned.add("fp16-cpu")
+            rank_zero_warn(
                 "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower than"
                 " BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed."
             )

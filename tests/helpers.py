@@ -55,12 +55,17 @@ def make_module(**kwargs):
     import lightning.pytorch as pl
 
     class TinyModule(pl.LightningModule):
-        """TinyMLP on `regression_data`; options: lr, optimizer ("sgd", "adamw", "adamw_fused"), scheduler (bool)."""
+        """TinyMLP on `regression_data`; options: lr, optimizer ("sgd", "adamw", "adamw_fused"), scheduler (bool),
+        poison_steps (optimizer steps whose fc2 gradient gets an inf)."""
 
-        def __init__(self, lr: float = 0.05, optimizer: str = "sgd", scheduler: bool = False, n: int = 64) -> None:
+        def __init__(
+            self, lr: float = 0.05, optimizer: str = "sgd", scheduler: bool = False, n: int = 64,
+            poison_steps: Iterable[int] = (),
+        ) -> None:
             super().__init__()
             self.model = TinyMLP()
             self.lr, self.optimizer_name, self.use_scheduler = lr, optimizer, scheduler
+            self.poison_steps = set(poison_steps)
             self.x, self.y = regression_data(n)
             self.losses: list[float] = []
 
@@ -72,6 +77,11 @@ def make_module(**kwargs):
             loss = nn.functional.mse_loss(self(x).float(), y)
             self.losses.append(loss.item())
             return loss
+
+        def on_after_backward(self) -> None:
+            # Fault injection keyed on the optimizer step, so a resumed run poisons the same steps.
+            if self.trainer.global_step in self.poison_steps:
+                self.model.fc2.weight.grad.view(-1)[0] = float("inf")
 
         def train_dataloader(self):
             ds = torch.utils.data.TensorDataset(self.x, self.y)

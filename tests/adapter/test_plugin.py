@@ -1,0 +1,287 @@
+"""StablePrecision in real Lightning runs on the CPU: hook order, skips, LR hold, islands, resume."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import TinyMLP, make_module, make_trainer, regression_data
+from torch import nn
+
+from lit_mpstable import StablePrecision
+from lit_mpstable.scaling import DynamicLossScaler
+
+
+# ----------------------------------------------------------------------------------------------- construction
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(precision="fp16"), "precision"),
+        (dict(precision="16-mixed", scaler="magic"), "scaler"),
+        (dict(precision="bf16-mixed", scaler="dynamic"), "scaler"),
+        (dict(op_policy="fastest"), "op_policy"),
+        (dict(device="tpu"), "device"),
+        (dict(scaler=object()), "scaler"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(kwargs: dict, argument: str) -> None:
+    with pytest.raises(ValueError, match=argument):
+        StablePrecision(**kwargs)
+
+
+def test_defaults_per_precision() -> None:
+    assert StablePrecision("16-mixed").scaler is not None
+    assert StablePrecision("bf16-mixed").scaler is None
+    assert StablePrecision("32-true").loss_scale == 1.0
+    assert StablePrecision("auto", device="cpu").precision == "bf16-mixed"
+    assert isinstance(StablePrecision("16-mixed", scaler="static").scaler, DynamicLossScaler)
+    assert StablePrecision("16-mixed", scaler=None).scaler is None
+
+
+# ------------------------------------------------------------------------------- equivalence with a raw loop
+class _Exact(pl.LightningModule):
+    """TinyMLP in FP32 with an explicit scaler: results must equal a hand-written GradScaler loop bit for bit."""
+
+    def __init__(self, accumulate: int = 1, poison: set[int] = frozenset()) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TinyMLP()
+        self.poison = poison
+        self.x, self.y = regression_data(64)
+        self.seen_grad_norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x), y)
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step in self.poison:
+            self.model.fc2.weight.grad.view(-1)[0] = float("inf")
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.seen_grad_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=8)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _raw_loop(steps: int, accumulate: int, poison: set[int], clip: float | None):
+    """The reference: the PyTorch AMP recipe written by hand (unscale, clip, step, update, scheduler if applied)."""
+    torch.manual_seed(0)
+    model = TinyMLP()
+    x, y = regression_data(64)
+    loader = list(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    norms, lrs = [], []
+    batches = iter(loader)
+    for step in range(steps):
+        for _ in range(accumulate):
+            bx, by = next(batches)
+            scaler.scale(nn.functional.mse_loss(model(bx), by) / accumulate).backward()
+        if step in poison:
+            model.fc2.weight.grad.view(-1)[0] = float("inf")
+        scaler.unscale_(opt)
+        norms.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        lrs.append(opt.param_groups[0]["lr"])  # the lr this step uses
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if not (scaler.get_scale() < before):  # held on skipped steps, as StablePrecision does
+            sched.step()
+        opt.zero_grad()
+    return model, scaler, norms, lrs
+
+
+@pytest.mark.parametrize("accumulate, clip", [(1, None), (2, 0.05)])
+def test_matches_hand_written_amp_loop(accumulate: int, clip: float | None) -> None:
+    steps, poison = 4, {1}
+    module = _Exact(poison=poison)
+    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    lrs = []
+
+    class RecordLR(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            lrs.append(optimizer.param_groups[0]["lr"])  # the lr this step uses
+
+    trainer = make_trainer(
+        plugin, max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip, callbacks=[RecordLR()]
+    )
+    trainer.fit(module)
+    ref_model, ref_scaler, ref_norms, ref_lrs = _raw_loop(steps, accumulate, poison, clip)
+
+    # on_before_optimizer_step saw the unscaled gradients (scaled ones would be 2**10 times larger).
+    assert module.seen_grad_norms == pytest.approx(ref_norms, rel=1e-6)
+    for ours, ref in zip(module.model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+    assert plugin.loss_scale == ref_scaler.get_scale()
+    assert plugin.overflow_count == 1 and plugin.step_count == steps
+    assert lrs == pytest.approx(ref_lrs)
+
+
+# ------------------------------------------------------------------------------------------- skip behaviour
+def test_lr_schedule_held_on_skipped_steps() -> None:
+    module = make_module(scheduler=True, poison_steps={1, 2})
+    plugin = StablePrecision("16-mixed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(plugin, max_steps=4).fit(module)
+    # StepLR halves the lr on every *applied* step: 4 steps, 2 skipped -> 2 halvings (Lightning's plugin: 4).
+    assert plugin.overflow_count == 2
+    assert module.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**2)
+    assert plugin.loss_scale == 2.0**14
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_fused_optimizer_skips_are_detected(optimizer: str) -> None:
+    module = make_module(optimizer=optimizer, scheduler=True, poison_steps={2}, lr=1e-3)
+    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=256.0))
+    skipped, weights = [], []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            skipped.append(plugin.last_step_skipped)
+            weights.append(pl_module.model.fc2.weight.detach().clone())
+
+    make_trainer(plugin, max_steps=4, gradient_clip_val=1.0, callbacks=[Record()]).fit(module)
+    assert skipped == [False, False, True, False]
+    assert torch.equal(weights[1], weights[2])  # the poisoned step changed nothing
+    assert module.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5**3)
+
+
+def test_real_fp16_autocast_on_cpu_warns_once() -> None:
+    dtypes = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            with trainer.precision_plugin.forward_context():
+                dtypes.append(pl_module(batch[0]).dtype)
+
+    plugin = StablePrecision("16-mixed")
+    with pytest.warns(UserWarning, match="FP16 arithmetic is emulated") as record:
+        make_trainer(plugin, max_steps=2, callbacks=[Probe()]).fit(make_module())
+    assert dtypes == [torch.float16, torch.float16]  # not silently BF16 as Lightning's "16-mixed" on CPU
+    assert sum("emulated" in str(w.message) for w in record) == 1
+
+
+class _TwoOptimizers(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.b = TinyMLP(), TinyMLP()
+        self.x, self.y = regression_data(32)
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        for net, opt in ((self.a, opt_a), (self.b, opt_b)):
+            loss = nn.functional.mse_loss(net(batch[0]).float(), batch[1])
+            opt.zero_grad()
+            self.manual_backward(loss)
+            if net is self.b and self.global_step in (1, 2):  # global_step counts both optimizers' steps
+                self.b.fc1.weight.grad.view(-1)[0] = float("nan")
+            opt.step()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+
+def test_manual_optimization_with_two_optimizers() -> None:
+    module = _TwoOptimizers()
+    b_before = module.b.fc1.weight.detach().clone()
+    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=64.0))
+    make_trainer(plugin, max_steps=4).fit(module)  # max_steps counts both optimizers: 2 batches
+    assert plugin.step_count == 4
+    assert plugin.overflow_count == 1  # b's step in the first batch saw global_step 1
+    assert plugin.loss_scale == 32.0
+    assert not torch.equal(b_before, module.b.fc1.weight)  # b still trained on its clean step
+
+
+# ----------------------------------------------------------------------------------------------- islands
+class _WithNorm(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = TinyMLP()
+        self.norm = nn.LayerNorm(16)
+        self.seen: dict[str, torch.dtype] = {}
+        self.body.fc2.register_forward_hook(lambda m, i, o: self.seen.__setitem__("fc2", o.dtype))
+        self.norm.register_forward_hook(lambda m, i, o: self.seen.__setitem__("norm_in", i[0].dtype))
+        self.x, self.y = regression_data(16)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.norm(self.body(batch[0])).float(), batch[1])
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("spec", [nn.LayerNorm, "norm", "body.fc2"])
+def test_fp32_islands(spec) -> None:
+    module = _WithNorm()
+    make_trainer(StablePrecision("bf16-mixed", fp32_modules=[spec]), max_steps=1).fit(module)
+    if spec == "body.fc2":
+        assert module.seen["fc2"] == torch.float32  # autocast off inside the island
+    else:
+        assert module.seen["fc2"] == torch.bfloat16
+        # The island's hook sees the input after the pre-hook cast it up.
+        assert module.seen["norm_in"] == torch.float32
+
+
+def test_fp32_islands_stale_pattern_is_an_error() -> None:
+    with pytest.raises(ValueError, match="match no module"):
+        make_trainer(StablePrecision("bf16-mixed", fp32_modules=["encoder.*"]), max_steps=1).fit(_WithNorm())
+
+
+# ------------------------------------------------------------------------------------------------ resume
+def test_resume_reproduces_the_uninterrupted_run(tmp_path) -> None:
+    poison = {1, 5}  # one epoch is 4 steps: checkpoint after a whole epoch (Lightning replays a cut epoch)
+
+    def plugin():
+        return StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**8, growth_interval=2, hysteresis=2))
+
+    full_plugin = plugin()
+    torch.manual_seed(0)
+    full = make_module(scheduler=True, poison_steps=poison)
+    make_trainer(full_plugin, max_steps=-1, max_epochs=2).fit(full)
+
+    first_plugin = plugin()
+    torch.manual_seed(0)
+    first = make_module(scheduler=True, poison_steps=poison)
+    trainer = make_trainer(first_plugin, max_steps=-1, max_epochs=1)
+    trainer.fit(first)
+    path = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)  # plain tensors and scalars only
+    assert checkpoint["StablePrecision"]["scaler"]["_hysteresis_tracker"] == first_plugin.scaler.state_dict()["_hysteresis_tracker"]
+
+    resumed_plugin = plugin()
+    resumed = make_module(scheduler=True, poison_steps=poison)
+    make_trainer(resumed_plugin, max_steps=-1, max_epochs=2).fit(resumed, ckpt_path=path)
+    assert resumed_plugin.state_dict() == full_plugin.state_dict()
+    for a, b in zip(resumed.parameters(), full.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_load_state_dict_is_strict() -> None:
+    plugin = StablePrecision("16-mixed")
+    state = plugin.state_dict()
+    with pytest.raises(KeyError, match="step_count"):
+        plugin.load_state_dict({k: v for k, v in state.items() if k != "step_count"})
+    with pytest.raises(ValueError, match="without loss scaling"):
+        plugin.load_state_dict(StablePrecision("bf16-mixed").state_dict())

@@ -1,0 +1,191 @@
+"""DynamicLossScaler against torch.amp.GradScaler, hand-computed trajectories, bounds, state."""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from helpers import TinyMLP, regression_data
+
+from lit_mpstable.scaling import DynamicLossScaler, StaticLossScaler
+
+INF, NAN = float("inf"), float("nan")
+
+
+def _run(scaler, steps: int, bad: dict[int, float], *, seed: int = 0, fused: bool = False):
+    """Train TinyMLP for `steps` with scaled losses; `bad[k]` poisons one gradient element on step k."""
+    torch.manual_seed(seed)
+    model = TinyMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    x, y = regression_data(32)
+    scales, skipped = [], []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        if step in bad:
+            model.fc2.weight.grad.view(-1)[3] = bad[step]
+        before = model.fc2.weight.detach().clone()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(torch.equal(before, model.fc2.weight))
+    return scales, skipped, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_matches_gradscaler_step_for_step(fused: bool) -> None:
+    # growth_interval=3 makes growth happen often enough to be compared; inf and nan both poison steps.
+    bad = {2: INF, 3: NAN, 9: -INF, 10: INF, 11: INF, 20: NAN}
+    kwargs = dict(init_scale=2.0**10, growth_interval=3)
+    ref = _run(torch.amp.GradScaler("cpu", **kwargs), 30, bad, fused=fused)
+    ours = _run(DynamicLossScaler("cpu", **kwargs), 30, bad, fused=fused)
+    assert ours[0] == ref[0]  # scale trajectory
+    assert ours[1] == ref[1]  # which steps were skipped
+    for a, b in zip(ours[2], ref[2]):
+        assert torch.equal(a, b)  # parameters bit for bit
+
+
+def test_default_arguments_equal_gradscaler() -> None:
+    ours, ref = DynamicLossScaler("cpu"), torch.amp.GradScaler("cpu")
+    for name in ("get_scale", "get_growth_factor", "get_backoff_factor", "get_growth_interval", "is_enabled"):
+        assert getattr(ours, name)() == getattr(ref, name)()
+    a, b = _run(ours, 6, {1: INF}), _run(ref, 6, {1: INF})
+    assert a[0] == b[0] == [2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**15, 2.0**15]
+
+
+def test_last_step_skipped_and_counters() -> None:
+    scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=100)
+    _, skipped, _ = _run(scaler, 5, {1: INF, 4: NAN})
+    assert skipped == [False, True, False, False, True]
+    assert scaler.last_step_skipped is True
+    assert scaler.overflow_count == 2
+    assert scaler.step_count == 5
+
+
+def _trajectory(scaler: DynamicLossScaler, overflows: list[bool]) -> list[float]:
+    """Drive update() directly with a found-inf pattern (no model): the scale after each step."""
+    scaler.scale(torch.ones(()))  # lazily creates the scale on the CPU
+    out = []
+    for found in overflows:
+        opt_state = scaler._per_optimizer_states[0]
+        opt_state["found_inf_per_device"] = {"cpu": torch.tensor(float(found))}
+        scaler.update()
+        out.append(scaler.get_scale())
+    return out
+
+
+def test_hysteresis_hand_computed() -> None:
+    # hysteresis=2: first overflow only skips, second backs off, third too (budget used up) until the scale grows.
+    s = DynamicLossScaler("cpu", init_scale=64.0, growth_interval=2, hysteresis=2)
+    pattern = [True, False, True, True, False, False, True, True]
+    expected = [64.0, 64.0, 32.0, 16.0, 16.0, 32.0, 32.0, 16.0]
+    # step 0: overflow, budget 2->1, no backoff; step 1 clean (tracker 1);
+    # step 2: overflow, budget 1->0 -> 32; step 3: overflow, budget used -> 16; steps 4,5 clean -> grow to 32 and
+    # refill budget to 2; step 6: overflow, budget 2->1, no backoff; step 7: overflow -> 16.
+    assert _trajectory(s, pattern) == expected
+
+
+def test_bounds_and_min_scale_report() -> None:
+    s = DynamicLossScaler("cpu", init_scale=4.0, growth_interval=1, min_scale=1.0, max_scale=16.0)
+    assert _trajectory(s, [False] * 4) == [8.0, 16.0, 16.0, 16.0]  # capped at max_scale
+    s = DynamicLossScaler("cpu", init_scale=4.0, growth_interval=100, min_scale=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s.scale(torch.ones(()))
+        for _ in range(5):
+            s._per_optimizer_states[0]["found_inf_per_device"] = {"cpu": torch.tensor(1.0)}
+            s.last_step_skipped = True  # what step() records from its host sync
+            s.update()
+    assert s.get_scale() == 1.0
+    assert s.min_scale_hits == 3  # overflows at scale 1.0 (steps 3, 4, 5)
+    messages = [str(w.message) for w in caught if "min_scale" in str(w.message)]
+    assert len(messages) == 1  # reported once, not silently accepted and not spammed
+
+
+def test_static_scaler_skips_but_never_changes() -> None:
+    s = StaticLossScaler("cpu", init_scale=128.0)
+    scales, skipped, _ = _run(s, 4, {1: INF})
+    assert scales == [128.0] * 4
+    assert skipped == [False, True, False, False]
+    assert s.overflow_count == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(init_scale=0.0), "init_scale"),
+        (dict(init_scale=-1.0), "init_scale"),
+        (dict(growth_factor=1.0), "growth_factor"),
+        (dict(backoff_factor=1.5), "backoff_factor"),
+        (dict(backoff_factor=0.0), "backoff_factor"),
+        (dict(growth_interval=0), "growth_interval"),
+        (dict(hysteresis=0), "hysteresis"),
+        (dict(min_scale=8.0, max_scale=4.0, init_scale=4.0), "min_scale"),
+        (dict(init_scale=2.0**30), "init_scale"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict, argument: str) -> None:
+    with pytest.raises(ValueError, match=argument) as info:
+        DynamicLossScaler("cpu", **kwargs)
+    assert repr(next(iter(kwargs.values()))) in str(info.value)
+
+
+def test_state_dict_round_trip_resumes_exactly() -> None:
+    bad = {1: INF, 5: INF}
+    full = DynamicLossScaler("cpu", init_scale=2.0**8, growth_interval=2, hysteresis=2)
+    full_scales, _, _ = _run(full, 8, bad)
+
+    first = DynamicLossScaler("cpu", init_scale=2.0**8, growth_interval=2, hysteresis=2)
+    _run(first, 4, bad)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    resumed = DynamicLossScaler("cpu", init_scale=1.0, growth_interval=9, hysteresis=1)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == first.state_dict()
+    # Continue the same pattern (shifted by 4 steps): the scale trajectory matches the uninterrupted run.
+    tail = _trajectory(resumed, [k + 4 in bad for k in range(4)])
+    assert tail == full_scales[4:]
+
+
+def test_load_state_dict_is_strict_but_takes_gradscaler_dicts() -> None:
+    s = DynamicLossScaler("cpu")
+    state = s.state_dict()
+    with pytest.raises(KeyError, match="hysteresis"):
+        s.load_state_dict({k: v for k, v in state.items() if k != "hysteresis"})
+    with pytest.raises(KeyError, match="bogus"):
+        s.load_state_dict({**state, "bogus": 1})
+    with pytest.raises(RuntimeError, match="disabled"):
+        s.load_state_dict({})
+    ref = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+    s.load_state_dict(ref.state_dict())
+    assert s.get_scale() == 512.0 and s.get_growth_interval() == 7
+
+
+def test_no_extra_host_sync_in_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    # update() must not read device values on clean steps: count Tensor.item calls.
+    s = DynamicLossScaler("cpu", init_scale=4.0, growth_interval=3, min_scale=1.0)
+    s.scale(torch.ones(()))
+    calls = []
+    original = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: calls.append(1) or original(self))
+    for _ in range(5):
+        s._per_optimizer_states[0]["found_inf_per_device"] = {"cpu": torch.tensor(0.0)}
+        s.update()
+    assert calls == []
+
+
+def test_pickle_round_trip() -> None:
+    import pickle
+
+    s = DynamicLossScaler("cpu", init_scale=32.0, hysteresis=3)
+    _run(s, 3, {1: INF})
+    clone = pickle.loads(pickle.dumps(s))
+    assert clone.state_dict() == s.state_dict()
+    assert math.isclose(clone.get_scale(), 32.0)
