@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Generator, Iterable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -16,7 +16,10 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 
+from lightning_utilities.core.apply_func import apply_to_collection
+
 from lit_mpstable.islands import FP32Islands
+from lit_mpstable.master import MasterWeights
 from lit_mpstable.scaling import DynamicLossScaler, StaticLossScaler
 
 __all__ = ["StablePrecision"]
@@ -38,7 +41,9 @@ class StablePrecision(Precision):
             ``"bf16-true"``) or ``"auto"``: BF16 where the device supports it, else FP16.
         scaler: ``"dynamic"``, ``"static"``, ``None`` (no scaling) or a ``torch.amp.GradScaler``-like instance.
             Default: dynamic for FP16 modes, none otherwise.
-        master_weights: for ``*-true`` modes, keep FP32 master weights (arrives with the master-weight module).
+        master_weights: for ``*-true`` modes, keep an FP32 master copy of every trainable parameter, owned by the
+            optimizers (so their state is FP32 too); the 16-bit weights are refreshed from it after each applied
+            step. ``False``: Lightning's plain ``*-true`` behaviour.
         fp8: FP8 recipe (not available yet: only ``None``).
         fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
         op_policy: ``"autocast"``: PyTorch's per-op lists.
@@ -69,11 +74,6 @@ class StablePrecision(Precision):
             raise ValueError(f"StablePrecision(fp8={fp8!r}): FP8 is not available in this version; use fp8=None.")
         if not isinstance(master_weights, bool):
             raise ValueError(f"StablePrecision(master_weights={master_weights!r}): must be True or False.")
-        if precision in ("16-true", "bf16-true"):
-            raise ValueError(
-                f"StablePrecision(precision={precision!r}): true 16-bit modes are not available in this version;"
-                " use '16-mixed' or 'bf16-mixed'."
-            )
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if precision == "auto":
             bf16_ok = self.device == "cpu" or torch.cuda.is_bf16_supported()
@@ -88,6 +88,7 @@ class StablePrecision(Precision):
         self.step_count = 0
         self.overflow_count = 0
         self.fallback_active = False
+        self.master: MasterWeights | None = None
         self.stats: dict[str, Any] = {}
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
 
@@ -130,11 +131,41 @@ class StablePrecision(Precision):
         """The 16-bit compute dtype, or ``torch.float32`` for ``"32-true"``."""
         return _DTYPES.get(self.precision, torch.float32)
 
+    @property
+    def true_16bit(self) -> bool:
+        """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
+        return self.precision in ("16-true", "bf16-true")
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of parameters, gradients, FP32 masters and optimizer state (tensor sizes, no allocator overhead)."""
+        if self.master is None:
+            raise RuntimeError(
+                f"StablePrecision({self.precision!r}).memory_report(): available once fit() has set up FP32 master"
+                " weights (a '*-true' precision with master_weights=True)."
+            )
+        return self.master.memory_report()
+
     # ---------------------------------------------------------------------------------------- Lightning hooks
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        self.islands.attach(module, device_type=self.device, output_dtype=None)
+        if self.true_16bit:
+            module = module.to(dtype=self.dtype)
+        self.islands.attach(module, device_type=self.device, output_dtype=self.dtype if self.true_16bit else None)
         return module
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if not self.true_16bit:
+            return data
+        return apply_to_collection(data, function=_cast_floating, dtype=torch.Tensor, dst_type=self.dtype)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return _default_dtype(self.dtype) if self.true_16bit else super().tensor_init_context()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
 
     @override
     def connect(
@@ -150,7 +181,10 @@ class StablePrecision(Precision):
                 "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower than"
                 " BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed."
             )
-        automatic = getattr(_lightning_module(model), "automatic_optimization", True)
+        module = _lightning_module(model)
+        if self.true_16bit and self.master_weights:
+            self.master = MasterWeights(module, optimizers)
+        automatic = getattr(module, "automatic_optimization", True)
         for config in lr_schedulers:
             if getattr(config, "interval", "step") == "step" or not automatic:
                 _hold_on_skip(config.scheduler, self)
@@ -161,6 +195,11 @@ class StablePrecision(Precision):
     def forward_context(self) -> Generator[None, None, None]:
         if self.precision == "32-true":
             yield
+            return
+        if self.true_16bit:
+            # Like Lightning's HalfPrecision: tensors created inside forward default to the 16-bit dtype.
+            with _default_dtype(self.dtype):
+                yield
             return
         # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad regions.
         with torch.autocast(self.device, dtype=self.dtype, cache_enabled=False):
@@ -176,6 +215,8 @@ class StablePrecision(Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
+        if self.master is not None:
+            return self._master_step(optimizer, model, closure, **kwargs)
         if self.scaler is None:
             output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             self._record_step(skipped=False)
@@ -196,6 +237,30 @@ class StablePrecision(Precision):
         self._record_step(skipped=bool(getattr(self.scaler, "last_step_skipped", False)))
         return output
 
+    def _master_step(self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any):
+        if isinstance(optimizer, LBFGS):
+            raise ValueError("StablePrecision with master weights: LBFGS re-evaluates the loss inside step(); use 32-true.")
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            return closure_result
+        # The optimizer holds the FP32 masters: move the 16-bit grads there (and free them), unscale the FP32
+        # grads, then hooks and clipping see true FP32 gradients; the 16-bit weights follow an applied step.
+        self.master.copy_grads_to_master_(optimizer)
+        self.master.zero_model_grads_(optimizer)
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if self.scaler is not None:
+            output = self.scaler.step(optimizer, **kwargs)
+            self.scaler.update()
+            skipped = bool(getattr(self.scaler, "last_step_skipped", False))
+        else:
+            output, skipped = optimizer.step(**kwargs), False
+        if not skipped:
+            self.master.refresh_model_(optimizer)
+        self._record_step(skipped=skipped)
+        return output
+
     def _record_step(self, *, skipped: bool) -> None:
         self.last_step_skipped = skipped
         self.step_count += 1
@@ -207,9 +272,11 @@ class StablePrecision(Precision):
         """Everything needed to resume exactly; plain Python scalars and dicts (``weights_only=True`` loads it).
 
         Keys: ``precision``, ``scaler`` (the scaler's own state dict, ``{}`` without scaling), ``step_count``,
-        ``overflow_count``, ``last_step_skipped``, ``fallback_active``.
+        ``overflow_count``, ``last_step_skipped``, ``fallback_active``, ``masters`` (FP32 master tensors by
+        parameter name, ``{}`` without masters).
         """
         return {
+            "masters": self.master.state_dict() if self.master is not None else {},
             "precision": self.precision,
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "step_count": self.step_count,
@@ -222,9 +289,10 @@ class StablePrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Strict: a missing or unknown key raises ``KeyError`` naming it.
 
+        A checkpoint of another precision loads too (scaler state is used only where both sides scale).
+
         Raises:
             KeyError: keys differ from :meth:`state_dict`'s.
-            ValueError: the checkpoint was written with scaling but this plugin has none, or the other way round.
         """
         expected = set(self.state_dict())
         if set(state_dict) != expected:
@@ -233,25 +301,63 @@ class StablePrecision(Precision):
                 f"StablePrecision.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the checkpoint"
                 " written by another version of lit_mpstable?"
             )
-        if bool(state_dict["scaler"]) != (self.scaler is not None and self.scaler.is_enabled()):
-            raise ValueError(
-                f"StablePrecision.load_state_dict: the checkpoint was written {'with' if state_dict['scaler'] else 'without'}"
-                f" loss scaling (precision={state_dict['precision']!r}) but this plugin runs"
-                f" {self.precision!r} with scaler={self.scaler!r}; construct the plugin the way the run was saved."
-            )
-        if self.scaler is not None and state_dict["scaler"]:
+        scaling = self.scaler is not None and self.scaler.is_enabled()
+        if scaling and state_dict["scaler"]:
             self.scaler.load_state_dict(state_dict["scaler"])
+        elif scaling or state_dict["scaler"]:
+            # A precision switch on resume (e.g. 16-mixed -> bf16-mixed) is legitimate: say what happens.
+            rank_zero_info(
+                f"StablePrecision: checkpoint written with precision={state_dict['precision']!r}"
+                f" {'with' if state_dict['scaler'] else 'without'} loss scaling; this run ({self.precision!r})"
+                f" {'starts a fresh scaler' if scaling else 'does not scale'}."
+            )
         self.step_count = int(state_dict["step_count"])
         self.overflow_count = int(state_dict["overflow_count"])
         self.last_step_skipped = bool(state_dict["last_step_skipped"])
         self.fallback_active = bool(state_dict["fallback_active"])
+        if self.master is not None and state_dict["masters"]:
+            self.master.load_state_dict(state_dict["masters"])
+
+    def _masters_from_weights(self, weights: dict[str, torch.Tensor] | None) -> None:
+        assert self.master is not None
+        if weights is None:
+            self.master.rebuild_from_model_()
+            source = "the 16-bit model weights"
+        else:
+            names = [name for name, _, _ in self.master.named_pairs()]
+            self.master.load_state_dict({name: weights[name].float() for name in names})
+            dtypes = sorted({str(weights[name].dtype) for name in names})
+            source = f"the checkpoint's model weights ({', '.join(dtypes)})"
+        rank_zero_info(f"StablePrecision: the checkpoint holds no FP32 masters; built them from {source}.")
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under "MixedPrecision": carry it over.
-        if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint and self.scaler is not None:
+        # Runs before load_state_dict. A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under
+        # "MixedPrecision": carry it over.
+        ours = checkpoint.get(type(self).__qualname__)
+        if ours is None and "MixedPrecision" in checkpoint and self.scaler is not None:
             self.scaler.load_state_dict(checkpoint["MixedPrecision"])
             rank_zero_info("StablePrecision: loss-scaler state taken from a Lightning MixedPrecision checkpoint.")
+        # Written without masters (plain FP32, Lightning's bf16-true, ours with master_weights=False): build them
+        # from the checkpoint's weights at whatever precision they were saved, not from their 16-bit rounding.
+        if self.master is not None and not (ours or {}).get("masters"):
+            weights = checkpoint.get("state_dict", {})
+            names = [name for name, _, _ in self.master.named_pairs()]
+            self._masters_from_weights(weights if all(name in weights for name in names) else None)
+
+
+def _cast_floating(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
+    return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _lightning_module(model: nn.Module) -> nn.Module:

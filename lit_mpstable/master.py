@@ -1,0 +1,226 @@
+"""FP32 master weights for the ``*-true`` modes: the optimizers own FP32 copies, the model keeps 16-bit weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = ["MasterWeights"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class MasterWeights:
+    """FP32 master copies of a 16-bit model's trainable parameters, owned by the optimizers.
+
+    BF16 keeps 8 significant bits, so a weight update below half a unit in the last place is rounded away and
+    training stalls (FP16 keeps 11 bits: the same happens at smaller updates). apex O2, DeepSpeed and Megatron-LM
+    let an FP32 copy receive the update instead; this class does that for any ``torch.optim.Optimizer``:
+
+    - At construction every trainable 16-bit parameter of ``model`` that an optimizer holds is replaced, inside
+      that optimizer's ``param_groups``, by an FP32 ``nn.Parameter`` master at the same position, so group
+      hyper-parameters, LR schedulers and the indices of ``optimizer.state_dict()`` stay valid. Optimizer state
+      already kept for the old parameter moves to the master, cast to FP32.
+    - Each step: backward (16-bit grads), :meth:`copy_grads_to_master_`, :meth:`zero_model_grads_`, unscale and
+      clip on the optimizer as usual, ``optimizer.step()``, :meth:`refresh_model_`.
+    - ``optimizer.zero_grad()`` now reaches the masters only: call :meth:`zero_model_grads_` after copying, or
+      the 16-bit grads keep accumulating across steps.
+
+    FP32 parameters (FP32 islands), frozen parameters and parameters that are not the model's stay in the
+    optimizers as they are and get no master. A parameter held by two optimizers gets one master, held by both.
+    """
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+        self._model = model
+        named = {id(param): name for name, param in model.named_parameters()}
+        self._optimizers: list[Optimizer] = []
+        self._masters: dict[str, nn.Parameter] = {}
+        self._params: dict[str, nn.Parameter] = {}
+        self._names_by_optimizer: dict[int, list[str]] = {}
+        for optimizer in optimizers:
+            if id(optimizer) in self._names_by_optimizer:
+                continue
+            self._optimizers.append(optimizer)
+            self._names_by_optimizer[id(optimizer)] = self._bind(optimizer, named)
+
+    def _bind(self, optimizer: Optimizer, named: dict[int, str]) -> list[str]:
+        bound: list[str] = []
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, param in enumerate(params):
+                name = named.get(id(param))
+                if name is None or not param.requires_grad or param.dtype not in _LOW_PRECISION:
+                    continue
+                master = self._masters.get(name)
+                if master is None:
+                    # .float() copies (the dtype differs), so the master never aliases the 16-bit weight.
+                    master = nn.Parameter(param.detach().float(), requires_grad=True)
+                    self._masters[name], self._params[name] = master, param
+                # In place: some optimizers (LBFGS) keep a reference to the group's list itself.
+                params[i] = master
+                state = optimizer.state.pop(param, None)
+                if state is not None:
+                    optimizer.state[master] = {key: _to_fp32(value) for key, value in state.items()}
+                if name not in bound:
+                    bound.append(name)
+        return bound
+
+    # ------------------------------------------------------------------------------------------ reading
+    @property
+    def masters(self) -> list[nn.Parameter]:
+        """The FP32 masters, in the order the optimizers hold them."""
+        return list(self._masters.values())
+
+    def named_pairs(self) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]:
+        """Yield ``(qualified name, master, 16-bit model parameter)`` for every master."""
+        for name, master in self._masters.items():
+            yield name, master, self._params[name]
+
+    def _select(self, optimizer: Optimizer | None) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        if optimizer is None:
+            names: list[str] = list(self._masters)
+        elif id(optimizer) in self._names_by_optimizer:
+            names = self._names_by_optimizer[id(optimizer)]
+        else:
+            raise ValueError(
+                f"MasterWeights: optimizer {type(optimizer).__name__} (id {id(optimizer):#x}) was not given at"
+                " construction, so it holds no masters; pass one of those optimizers or None (all)."
+            )
+        return [self._masters[name] for name in names], [self._params[name] for name in names]
+
+    # ---------------------------------------------------------------------------------------- stepping
+    @torch.no_grad()
+    def copy_grads_to_master_(self, optimizer: Optimizer | None = None) -> None:
+        """Set each master's grad to its 16-bit parameter's grad cast to FP32; no host sync.
+
+        A parameter without a grad leaves its master without one, so the optimizer skips it as it would have
+        skipped the parameter. A master grad that already exists is overwritten in place (one grouped copy);
+        ``optimizer.zero_grad()`` (``set_to_none=True``) makes the next call allocate again, as backward would.
+        Inf/NaN values are copied as they are, so a loss scaler's ``unscale_`` on the optimizer still sees them.
+
+        Args:
+            optimizer: only the masters this optimizer holds; ``None``: all.
+        """
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for master, param in zip(*self._select(optimizer)):
+            grad = param.grad
+            if grad is None:
+                master.grad = None
+            elif master.grad is None:
+                master.grad = grad.float()
+            else:
+                dst.append(master.grad)
+                src.append(grad)
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    @torch.no_grad()
+    def refresh_model_(self, optimizer: Optimizer | None = None) -> None:
+        """Copy the masters into the 16-bit parameters (round to nearest); call after an applied step; no host sync.
+
+        After a skipped step the masters are unchanged, so refreshing then is harmless (it rewrites equal values).
+
+        Args:
+            optimizer: only the masters this optimizer holds; ``None``: all.
+        """
+        masters, params = self._select(optimizer)
+        if masters:
+            torch._foreach_copy_(params, masters)
+
+    def zero_model_grads_(self, optimizer: Optimizer | None = None) -> None:
+        """Drop the 16-bit grads of the parameters that have masters (after copying, to free their memory).
+
+        Needed every step: ``optimizer.zero_grad()`` no longer reaches these grads.
+        """
+        for param in self._select(optimizer)[1]:
+            param.grad = None
+
+    @torch.no_grad()
+    def rebuild_from_model_(self) -> None:
+        """Set every master to its 16-bit parameter cast to FP32, e.g. after loading a checkpoint without masters.
+
+        The bits below the 16-bit resolution that the masters had gathered are lost; optimizer state is kept.
+        """
+        masters, params = self._select(None)
+        if masters:
+            torch._foreach_copy_(masters, params)
+
+    # --------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """``{qualified parameter name: FP32 master}``; tensors only, so ``torch.load(weights_only=True)`` reads it.
+
+        Like ``nn.Module.state_dict``, the tensors share storage with the masters (detached, not copied): clone
+        them to keep an in-memory snapshot that later steps must not change.
+        """
+        return {name: master.detach() for name, master in self._masters.items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the masters from :meth:`state_dict`, then refresh the 16-bit weights from them.
+
+        The masters are the more precise copy, so the model follows them and not the other way round.
+
+        Raises:
+            KeyError: a name is missing or unknown (each one is listed).
+            ValueError: a tensor's shape differs from its master's.
+        """
+        expected, given = set(self._masters), set(state)
+        if expected != given:
+            missing, unknown = sorted(expected - given), sorted(given - expected)
+            raise KeyError(
+                f"MasterWeights.load_state_dict: missing keys {missing}, unknown keys {unknown}; was it saved from a"
+                " different model, or with other parameters trainable or in FP32?"
+            )
+        for name, master in self._masters.items():
+            if state[name].shape != master.shape:
+                raise ValueError(
+                    f"MasterWeights.load_state_dict: {name!r} has shape {tuple(state[name].shape)}, the master"
+                    f" {tuple(master.shape)}; was it saved from a different model?"
+                )
+        masters = list(self._masters.values())
+        if masters:
+            torch._foreach_copy_(masters, [state[name] for name in self._masters])
+        self.refresh_model_()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held by training state, by kind; counts tensors, not allocator overhead. Reads no device data.
+
+        Keys: ``params_16bit`` (every FP16/BF16 parameter of the model, frozen ones too), ``grads_16bit`` (their
+        grads that exist now), ``masters``, ``master_grads``, ``optimizer_state`` (every tensor in the optimizers'
+        ``state``, ``step`` counters included), ``params_fp32_other`` (trainable parameters of any other dtype,
+        which have no master), ``total`` (their sum).
+        """
+        params = dict(self._model.named_parameters())
+        low = [p for p in params.values() if p.dtype in _LOW_PRECISION]
+        other = [p for p in params.values() if p.dtype not in _LOW_PRECISION and p.requires_grad]
+        masters = self.masters
+        state: dict[int, torch.Tensor] = {}
+        for optimizer in self._optimizers:
+            for param_state in optimizer.state.values():
+                state.update((id(v), v) for v in param_state.values() if isinstance(v, torch.Tensor))
+        report = {
+            "params_16bit": _nbytes(low),
+            "grads_16bit": _nbytes(p.grad for p in low if p.grad is not None),
+            "masters": _nbytes(masters),
+            "master_grads": _nbytes(m.grad for m in masters if m.grad is not None),
+            "optimizer_state": _nbytes(state.values()),
+            "params_fp32_other": _nbytes(other),
+        }
+        report["total"] = sum(report.values())
+        return report
+
+
+def _to_fp32(value: Any) -> Any:
+    # Only 16-bit floating state is widened; int step counters and FP32 state stay as they are.
+    if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION:
+        return value.float()
+    return value
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

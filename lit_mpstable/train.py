@@ -1,0 +1,96 @@
+"""Hydra entry point: ``python -m lit_mpstable.train [group=option ...]``. Trains, then writes ``summary.json``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+__all__ = ["main", "run"]
+
+
+class _StepRecorder(pl.Callback):
+    """Records, per optimizer step, the loss scale and whether the step was skipped (reads public plugin state)."""
+
+    def __init__(self) -> None:
+        self.loss_scale: list[float] = []
+        self.skipped: list[bool] = []
+        self.train_loss: list[float] = []
+        self.started = self.stopped = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        plugin = trainer.precision_plugin
+        self.loss_scale.append(float(getattr(plugin, "loss_scale", 1.0)))
+        self.skipped.append(bool(getattr(plugin, "last_step_skipped", False)))
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.train_loss.append(float(loss))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.stopped = time.perf_counter()
+
+
+def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """Train one configuration and return (and write) its summary."""
+    torch.set_num_threads(int(cfg.threads))
+    pl.seed_everything(int(cfg.seed), verbose=False)
+    data = instantiate(cfg.data)
+    extra = {"vocab_size": data.vocab_size, "seq_len": data.seq_len} if hasattr(data, "vocab_size") else {}
+    model = instantiate(cfg.model, **extra)
+    plugin = instantiate(cfg.plugin)
+    recorder = _StepRecorder()
+    trainer = instantiate(cfg.trainer, plugins=[plugin], callbacks=[recorder], default_root_dir=str(out_dir))
+    trainer.fit(model, datamodule=data)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    steps = len(recorder.skipped)
+    summary = {
+        "precision": plugin.precision,
+        "model": type(model).__name__,
+        "steps": steps,
+        "steps_per_s": steps / max(recorder.stopped - recorder.started, 1e-9),
+        "final_train_loss": recorder.train_loss[-1] if recorder.train_loss else None,
+        "val_loss": metrics.get("val/loss"),
+        "val_acc": metrics.get("val/acc"),
+        "loss_scale": plugin.loss_scale,
+        "skipped_steps": int(sum(recorder.skipped)),
+        "overflow_rate": sum(recorder.skipped) / max(steps, 1),
+        "loss_scale_trajectory": recorder.loss_scale,
+        "train_loss_curve": recorder.train_loss,
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _print_summary(summary: dict[str, Any], out_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"lit_mpstable run: {summary['model']} in {summary['precision']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("steps", "steps_per_s", "final_train_loss", "val_loss", "val_acc", "loss_scale", "skipped_steps"):
+        value = summary[key]
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console = Console()
+    console.print(table)
+    console.print(f"summary written to {out_dir / 'summary.json'}")
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    _print_summary(run(cfg, out_dir), out_dir)
+
+
+if __name__ == "__main__":
+    main()

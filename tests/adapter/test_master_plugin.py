@@ -1,0 +1,194 @@
+"""StablePrecision("bf16-true" | "16-true") with FP32 master weights, in real Lightning runs on the CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import TinyMLP, make_module, make_trainer, regression_data, stall_task
+from torch import nn
+
+from lit_mpstable import StablePrecision
+
+
+class _Stall(pl.LightningModule):
+    """Full-batch linear regression whose SGD updates are below half a BF16 ulp (see helpers.stall_task)."""
+
+    def __init__(self, lr: float = 0.005) -> None:
+        super().__init__()
+        self.x, self.y, w0 = stall_task()
+        self.lin = nn.Linear(16, 16, bias=False)
+        with torch.no_grad():
+            self.lin.weight.copy_(w0)
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.lin(x).float() - y) ** 2).sum(1).mean()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=64)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    @torch.no_grad()
+    def fp32_loss(self) -> float:
+        return ((self.x @ self.lin.weight.float().T - self.y) ** 2).sum(1).mean().item()
+
+
+def _fit_stall(plugin: StablePrecision | None, precision: str | None = None, steps: int = 60) -> tuple[float, _Stall]:
+    module = _Stall()
+    kwargs = dict(max_steps=steps, max_epochs=-1)
+    if precision is not None:
+        kwargs["precision"] = precision
+    make_trainer(plugin, **kwargs).fit(module)
+    return module.fp32_loss(), module
+
+
+def test_bf16_true_stalls_without_masters_and_matches_fp32_with_them() -> None:
+    start = _Stall().fp32_loss()
+    fp32, _ = _fit_stall(StablePrecision("32-true"))
+    plain, plain_module = _fit_stall(StablePrecision("bf16-true", master_weights=False))
+    lightning_plain, _ = _fit_stall(None, precision="bf16-true")
+    mastered, mastered_module = _fit_stall(StablePrecision("bf16-true"))
+    print(f"\n[bf16-true stall] start {start:.4f} fp32 {fp32:.4f} plain {plain:.4f} lightning {lightning_plain:.4f} "
+          f"masters {mastered:.4f}")
+    assert plain == pytest.approx(start, rel=1e-6)  # not a single weight moved
+    assert lightning_plain == plain  # master_weights=False is Lightning's own bf16-true
+    assert plain_module.lin.weight.dtype == mastered_module.lin.weight.dtype == torch.bfloat16
+    assert fp32 < 0.5 * start
+    assert mastered == pytest.approx(fp32, rel=0.01)
+
+
+class _Groups(pl.LightningModule):
+    """Two param groups, a frozen layer, an FP32 island, AdamW + a step scheduler, optional poisoned steps."""
+
+    def __init__(self, poison: set[int] = frozenset()) -> None:
+        super().__init__()
+        self.net = TinyMLP()
+        self.norm = nn.LayerNorm(16)
+        self.net.fc1.requires_grad_(False)
+        self.poison = poison
+        self.x, self.y = regression_data(64)
+        self.grad_dtypes: list[torch.dtype] = []
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.norm(self.net(batch[0])).float(), batch[1])
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step in self.poison:
+            self.net.fc2.weight.grad.view(-1)[0] = float("inf")
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=16)
+
+    def configure_optimizers(self):
+        groups = [
+            {"params": [p for n, p in self.net.named_parameters() if p.requires_grad], "lr": 1e-2},
+            {"params": self.norm.parameters(), "lr": 1e-3, "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW(groups)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return [opt], [{"scheduler": sched, "interval": "step"}]
+
+
+def test_groups_frozen_islands_clipping_and_fp32_state() -> None:
+    module = _Groups()
+    plugin = StablePrecision("bf16-true", fp32_modules=[nn.LayerNorm])
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            seen.append({p.grad.dtype for g in optimizer.param_groups for p in g["params"] if p.grad is not None})
+
+    make_trainer(plugin, max_steps=4, gradient_clip_val=0.5, callbacks=[Probe()]).fit(module)
+    opt = module.trainer.optimizers[0]
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 * 0.25, 1e-3 * 0.25])
+    assert module.net.fc2.weight.dtype == torch.bfloat16 and module.net.fc1.weight.dtype == torch.bfloat16
+    assert module.norm.weight.dtype == torch.float32  # island stays FP32 and is optimized directly
+    assert seen == [{torch.float32}] * 4  # hooks and clipping see FP32 (master) gradients
+    for state in opt.state.values():
+        assert state["exp_avg"].dtype == torch.float32
+    names = set(plugin.state_dict()["masters"])
+    assert names == {"net.fc2.weight", "net.fc2.bias", "net.fc3.weight", "net.fc3.bias"}  # frozen fc1: no master
+    report = plugin.memory_report()
+    assert report["masters"] == sum(4 * module.get_parameter(n).numel() for n in names)
+
+
+def test_16_true_skips_on_overflow_and_masters_unchanged() -> None:
+    module = _Groups(poison={1})
+    plugin = StablePrecision("16-true", fp32_modules=[nn.LayerNorm])
+    masters = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            masters.append(plugin.state_dict()["masters"]["net.fc2.weight"].clone())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(plugin, max_steps=3, callbacks=[Probe()]).fit(module)
+    assert plugin.overflow_count == 1 and plugin.loss_scale == 2.0**15
+    assert torch.equal(masters[0], masters[1]) and not torch.equal(masters[1], masters[2])
+    assert torch.equal(module.net.fc2.weight, masters[2].half())  # 16-bit weights follow the masters
+
+
+def test_resume_is_bit_exact_and_checkpoint_holds_fp32_masters(tmp_path) -> None:
+    def fit(module, epochs, ckpt=None):
+        plugin = StablePrecision("bf16-true")
+        trainer = make_trainer(plugin, max_steps=-1, max_epochs=epochs)
+        trainer.fit(module, ckpt_path=ckpt)
+        return trainer, plugin
+
+    torch.manual_seed(0)
+    full = make_module(optimizer="adamw", scheduler=True, lr=1e-2)
+    _, full_plugin = fit(full, 2)
+    torch.manual_seed(0)
+    first = make_module(optimizer="adamw", scheduler=True, lr=1e-2)
+    trainer, first_plugin = fit(first, 1)
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    checkpoint = torch.load(tmp_path / "mid.ckpt", weights_only=True)
+    saved = checkpoint["StablePrecision"]["masters"]["model.fc2.weight"]
+    assert saved.dtype == torch.float32 and not torch.equal(saved, saved.bfloat16().float())  # not rounded
+    opt_state = checkpoint["optimizer_states"][0]["state"][0]
+    assert opt_state["exp_avg"].dtype == torch.float32
+
+    resumed = make_module(optimizer="adamw", scheduler=True, lr=1e-2)
+    _, resumed_plugin = fit(resumed, 2, tmp_path / "mid.ckpt")
+    for name, master in full_plugin.state_dict()["masters"].items():
+        assert torch.equal(master, resumed_plugin.state_dict()["masters"][name]), name
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_loading_a_plain_fp32_checkpoint_keeps_its_fp32_values(tmp_path) -> None:
+    torch.manual_seed(0)
+    source = make_module(optimizer="adamw", lr=1e-2)
+    trainer = make_trainer(StablePrecision("32-true"), max_steps=-1, max_epochs=1)
+    trainer.fit(source)
+    trainer.save_checkpoint(tmp_path / "fp32.ckpt")
+    fp32_weight = source.model.fc2.weight.detach().clone()
+
+    target = make_module(optimizer="adamw", lr=1e-2)
+    plugin = StablePrecision("bf16-true")
+    masters_at_start = []
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            masters_at_start.append(plugin.state_dict()["masters"]["model.fc2.weight"].clone())
+
+    make_trainer(plugin, max_steps=-1, max_epochs=2, callbacks=[Probe()]).fit(target, ckpt_path=tmp_path / "fp32.ckpt")
+    assert torch.equal(masters_at_start[0], fp32_weight)  # the FP32 values, not their BF16 rounding
+
+
+def test_plain_true_mode_matches_lightning() -> None:
+    torch.manual_seed(0)
+    ours = make_module(optimizer="adamw", lr=1e-2)
+    make_trainer(StablePrecision("bf16-true", master_weights=False), max_steps=4).fit(ours)
+    torch.manual_seed(0)
+    theirs = make_module(optimizer="adamw", lr=1e-2)
+    make_trainer(None, precision="bf16-true", max_steps=4).fit(theirs)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)
