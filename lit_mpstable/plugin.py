@@ -84,10 +84,16 @@ class StablePrecision(Precision):
         self.fp8 = fp8
         self.op_policy = op_policy
         self.islands = FP32Islands(fp32_modules)
+        self._user_islands = list(self.islands.specs)
+        self._module: nn.Module | None = None
+        self._fp32_fallback = False
+        self._fallback_modules: list[str] = []
         self.last_step_skipped = False
         self.step_count = 0
         self.overflow_count = 0
-        self.fallback_active = False
+        self.skipped_steps = 0
+        """Steps not applied: overflows plus steps discarded by :meth:`skip_step`."""
+        self._skip_requested = False
         self.master: MasterWeights | None = None
         self.stats: dict[str, Any] = {}
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
@@ -132,6 +138,16 @@ class StablePrecision(Precision):
         return _DTYPES.get(self.precision, torch.float32)
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in now: :attr:`dtype`, or FP32 while a global fallback is active."""
+        return torch.float32 if self._fp32_fallback else self.dtype
+
+    @property
+    def fallback_active(self) -> bool:
+        """Whether any part of the run has been moved to FP32 by :meth:`fallback`."""
+        return self._fp32_fallback or bool(self._fallback_modules)
+
+    @property
     def true_16bit(self) -> bool:
         """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
         return self.precision in ("16-true", "bf16-true")
@@ -148,16 +164,56 @@ class StablePrecision(Precision):
     # ---------------------------------------------------------------------------------------- Lightning hooks
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.true_16bit:
-            module = module.to(dtype=self.dtype)
-        self.islands.attach(module, device_type=self.device, output_dtype=self.dtype if self.true_16bit else None)
+        self._module = module
+        self._apply_precision()
         return module
+
+    def _apply_precision(self) -> None:
+        # Casts the model's parameters in place (same Parameter objects), so optimizers and masters stay bound.
+        assert self._module is not None
+        dtype = self.compute_dtype
+        if self.true_16bit:
+            self._module.to(dtype=dtype)
+        self.islands.attach(
+            self._module, device_type=self.device, output_dtype=dtype if self.true_16bit and dtype != torch.float32 else None
+        )
+
+    # ------------------------------------------------------------------------------------------ fallback
+    def fallback(self, modules: Iterable[str] | None = None, *, reason: str) -> str:
+        """Move to FP32: the named modules (qualified names) become FP32 islands, or with ``modules=None`` the
+        whole model computes in FP32 (loss scaling and master weights keep working). Returns what was done.
+
+        Callbacks decide when (``PrecisionFallback``); :meth:`restore_precision` undoes it.
+        """
+        if self._module is None:
+            raise RuntimeError("StablePrecision.fallback(): the plugin has not set up a model yet (call it during fit).")
+        if modules is None:
+            self._fp32_fallback = True
+            action = "the whole model now computes in FP32"
+        else:
+            new = [name for name in modules if name not in self._fallback_modules]
+            self._fallback_modules.extend(new)
+            self.islands.add(self._module, new)
+            action = f"modules {new} now run in FP32"
+        self._apply_precision()
+        rank_zero_info(f"StablePrecision fallback at step {self.step_count}: {action} ({reason}).")
+        return action
+
+    def restore_precision(self) -> None:
+        """Undo every :meth:`fallback`: back to the configured precision and the user's own FP32 islands."""
+        if self._module is None or not self.fallback_active:
+            return
+        self._fp32_fallback, self._fallback_modules = False, []
+        self.islands.detach()
+        self.islands = FP32Islands(self._user_islands)
+        self._apply_precision()
+        rank_zero_info(f"StablePrecision at step {self.step_count}: low precision restored ({self.precision}).")
 
     @override
     def convert_input(self, data: Any) -> Any:
         if not self.true_16bit:
             return data
-        return apply_to_collection(data, function=_cast_floating, dtype=torch.Tensor, dst_type=self.dtype)
+        return apply_to_collection(data, function=_cast_floating, dtype=torch.Tensor, dst_type=self.compute_dtype)
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:
@@ -193,7 +249,7 @@ class StablePrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.precision == "32-true":
+        if self.compute_dtype == torch.float32:
             yield
             return
         if self.true_16bit:
@@ -215,38 +271,28 @@ class StablePrecision(Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        if self.master is not None:
-            return self._master_step(optimizer, model, closure, **kwargs)
-        if self.scaler is None:
+        if isinstance(optimizer, LBFGS):
+            if self.scaler is not None or self.master is not None:
+                raise ValueError(
+                    "StablePrecision: LBFGS re-evaluates the loss inside step(), which loss scaling and master weights"
+                    " cannot follow; use scaler=None with a '*-mixed' or '32-true' precision."
+                )
             output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             self._record_step(skipped=False)
             return output
-        if isinstance(optimizer, LBFGS):
-            raise ValueError("StablePrecision with loss scaling: LBFGS re-evaluates the loss inside step(); use scaler=None.")
         closure_result = closure()
         # training_step returned None: Lightning ran no backward, so there is nothing to unscale or step.
         if closure_result is None and model.automatic_optimization:
             return closure_result
-        # Order matters: unscale first, so on_before_optimizer_step and clipping see true gradient values and the
-        # clip threshold means what the user wrote. This also holds for fused optimizers: after unscale_ GradScaler
-        # hands them found_inf and no grad_scale, so they skip without rescaling.
-        self.scaler.unscale_(optimizer)
-        self._after_closure(model, optimizer)
-        output = self.scaler.step(optimizer, **kwargs)
-        self.scaler.update()
-        self._record_step(skipped=bool(getattr(self.scaler, "last_step_skipped", False)))
-        return output
-
-    def _master_step(self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any):
-        if isinstance(optimizer, LBFGS):
-            raise ValueError("StablePrecision with master weights: LBFGS re-evaluates the loss inside step(); use 32-true.")
-        closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            return closure_result
-        # The optimizer holds the FP32 masters: move the 16-bit grads there (and free them), unscale the FP32
-        # grads, then hooks and clipping see true FP32 gradients; the 16-bit weights follow an applied step.
-        self.master.copy_grads_to_master_(optimizer)
-        self.master.zero_model_grads_(optimizer)
+        if self._skip_requested:
+            return self._discard_step(optimizer)
+        if self.master is not None:
+            # The optimizer holds the FP32 masters: move the 16-bit grads there and free them.
+            self.master.copy_grads_to_master_(optimizer)
+            self.master.zero_model_grads_(optimizer)
+        # Order matters: unscale before on_before_optimizer_step and clipping, so both see true gradient values and
+        # the clip threshold means what the user wrote. Fused optimizers too: after unscale_ GradScaler hands them
+        # found_inf and no grad_scale, so they skip without rescaling.
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
@@ -256,15 +302,32 @@ class StablePrecision(Precision):
             skipped = bool(getattr(self.scaler, "last_step_skipped", False))
         else:
             output, skipped = optimizer.step(**kwargs), False
-        if not skipped:
+        if self.master is not None and not skipped:
             self.master.refresh_model_(optimizer)
         self._record_step(skipped=skipped)
         return output
 
-    def _record_step(self, *, skipped: bool) -> None:
+    def skip_step(self) -> None:
+        """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged.
+
+        Callbacks call it from a hook inside the step (``on_before_backward``, ``on_after_backward``), e.g. on a
+        non-finite or spiking loss, so a poisoned batch never reaches the weights.
+        """
+        self._skip_requested = True
+
+    def _discard_step(self, optimizer: Optimizer) -> None:
+        self._skip_requested = False
+        optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.zero_model_grads_(optimizer)
+        self._record_step(skipped=True, overflow=False)
+        return None
+
+    def _record_step(self, *, skipped: bool, overflow: bool | None = None) -> None:
         self.last_step_skipped = skipped
         self.step_count += 1
-        self.overflow_count += int(skipped)
+        self.skipped_steps += int(skipped)
+        self.overflow_count += int(skipped if overflow is None else overflow)
 
     # ------------------------------------------------------------------------------------------- state
     @override
@@ -272,8 +335,8 @@ class StablePrecision(Precision):
         """Everything needed to resume exactly; plain Python scalars and dicts (``weights_only=True`` loads it).
 
         Keys: ``precision``, ``scaler`` (the scaler's own state dict, ``{}`` without scaling), ``step_count``,
-        ``overflow_count``, ``last_step_skipped``, ``fallback_active``, ``masters`` (FP32 master tensors by
-        parameter name, ``{}`` without masters).
+        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``fallback_global`` (bool),
+        ``fallback_modules`` (names), ``masters`` (FP32 master tensors by parameter name, ``{}`` without masters).
         """
         return {
             "masters": self.master.state_dict() if self.master is not None else {},
@@ -282,7 +345,9 @@ class StablePrecision(Precision):
             "step_count": self.step_count,
             "overflow_count": self.overflow_count,
             "last_step_skipped": self.last_step_skipped,
-            "fallback_active": self.fallback_active,
+            "skipped_steps": self.skipped_steps,
+            "fallback_global": self._fp32_fallback,
+            "fallback_modules": list(self._fallback_modules),
         }
 
     @override
@@ -314,7 +379,19 @@ class StablePrecision(Precision):
         self.step_count = int(state_dict["step_count"])
         self.overflow_count = int(state_dict["overflow_count"])
         self.last_step_skipped = bool(state_dict["last_step_skipped"])
-        self.fallback_active = bool(state_dict["fallback_active"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
+        saved = (bool(state_dict["fallback_global"]), list(state_dict["fallback_modules"]))
+        if saved != (self._fp32_fallback, self._fallback_modules) and self._module is None:
+            # Not set up yet: convert_module applies these when the model arrives.
+            self._fp32_fallback, self._fallback_modules = saved
+            self.islands.specs.extend(saved[1])
+        elif saved != (self._fp32_fallback, self._fallback_modules):
+            # Re-apply the saved fallback decisions exactly (a rollback may also undo later ones).
+            self.restore_precision()
+            if state_dict["fallback_modules"]:
+                self.fallback(state_dict["fallback_modules"], reason="restored from checkpoint")
+            if state_dict["fallback_global"]:
+                self.fallback(None, reason="restored from checkpoint")
         if self.master is not None and state_dict["masters"]:
             self.master.load_state_dict(state_dict["masters"])
 
