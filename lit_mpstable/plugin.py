@@ -183,7 +183,8 @@ class StablePrecision(Precision):
         """Move to FP32: the named modules (qualified names) become FP32 islands, or with ``modules=None`` the
         whole model computes in FP32 (loss scaling and master weights keep working). Returns what was done.
 
-        Callbacks decide when (``PrecisionFallback``); :meth:`restore_precision` undoes it.
+        Takes effect from the next batch (Lightning casts a batch before its hooks run). Callbacks decide when
+        (``PrecisionFallback``); :meth:`restore_precision` undoes it.
         """
         if self._module is None:
             raise RuntimeError("StablePrecision.fallback(): the plugin has not set up a model yet (call it during fit).")

@@ -1,0 +1,83 @@
+"""StablePrecision.fallback / restore_precision: global and per module, mixed and true modes, and state."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import make_module, make_trainer
+
+from lit_mpstable import StablePrecision
+
+
+class _Switch(pl.Callback):
+    """Calls fallback at step `at` and restore_precision at step `back`; records the fc2 output dtype per step."""
+
+    def __init__(self, modules, at: int, back: int | None = None) -> None:
+        self.modules, self.at, self.back = modules, at, back
+        self.dtypes: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # Decisions take effect from the next batch (Lightning converts a batch's inputs before its hooks run).
+        plugin = trainer.precision_plugin
+        if trainer.global_step == self.at:
+            plugin.fallback(self.modules, reason="test")
+        if trainer.global_step == self.back:
+            plugin.restore_precision()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        plugin = trainer.precision_plugin
+        seen = {}
+
+        def record(name):
+            def hook(module, inputs, output) -> None:
+                seen[name] = output.dtype
+
+            return hook
+
+        handles = [pl_module.model.get_submodule(n).register_forward_hook(record(n)) for n in ("fc2", "fc3")]
+        with plugin.forward_context():
+            pl_module(plugin.convert_input(batch[0]))
+        for handle in handles:
+            handle.remove()
+        self.dtypes.append((seen["fc2"], seen["fc3"]))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_global_fallback_and_restore(precision: str) -> None:
+    plugin = StablePrecision(precision)
+    switch = _Switch(None, at=1, back=3)
+    module = make_module(optimizer="adamw", lr=1e-2)
+    make_trainer(plugin, max_steps=4, callbacks=[switch]).fit(module)
+    bf, fp = (torch.bfloat16,) * 2, (torch.float32,) * 2
+    assert switch.dtypes == [bf, fp, fp, bf]
+    assert not plugin.fallback_active and plugin.compute_dtype == torch.bfloat16
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_module_fallback_moves_only_that_module(precision: str) -> None:
+    plugin = StablePrecision(precision)
+    switch = _Switch(["model.fc2"], at=1)
+    module = make_module(optimizer="adamw", lr=1e-2)
+    make_trainer(plugin, max_steps=3, callbacks=[switch]).fit(module)
+    # Mixed: autocast is off inside the island; true: its weights are FP32 and its output is cast back down.
+    island_out = torch.float32 if precision == "bf16-mixed" else torch.bfloat16
+    assert switch.dtypes == [(torch.bfloat16, torch.bfloat16)] + [(island_out, torch.bfloat16)] * 2
+    assert module.model.fc2.weight.dtype == (torch.float32 if precision == "bf16-true" else torch.float32)
+    assert module.model.fc3.weight.dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
+    assert plugin.fallback_active and plugin.islands.names == ["model.fc2"]
+    state = plugin.state_dict()
+    assert state["fallback_modules"] == ["model.fc2"] and state["fallback_global"] is False
+
+
+def test_fallback_survives_resume(tmp_path) -> None:
+    plugin = StablePrecision("bf16-true")
+    trainer = make_trainer(plugin, max_steps=-1, max_epochs=1, callbacks=[_Switch(["model.fc2"], at=1)])
+    trainer.fit(make_module(optimizer="adamw", lr=1e-2))
+    trainer.save_checkpoint(tmp_path / "fb.ckpt")
+    resumed = StablePrecision("bf16-true")
+    module = make_module(optimizer="adamw", lr=1e-2)
+    make_trainer(resumed, max_steps=-1, max_epochs=2).fit(module, ckpt_path=tmp_path / "fb.ckpt")
+    assert resumed.fallback_active and resumed.islands.names == ["model.fc2"]
+    assert module.model.fc2.weight.dtype == torch.float32 and module.model.fc3.weight.dtype == torch.bfloat16
