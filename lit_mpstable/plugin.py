@@ -25,11 +25,10 @@ from lit_mpstable.scaling import DynamicLossScaler, StaticLossScaler
 __all__ = ["StablePrecision"]
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
-ScalerName = Literal["dynamic", "static"]
+ScalerName = Literal["auto", "dynamic", "static"]
 OpPolicyName = Literal["autocast"]
 
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
-_DEFAULT = object()  # sentinel: "scaler not given", so None can mean "no scaling"
 _held_schedulers: weakref.WeakKeyDictionary[Any, StablePrecision] = weakref.WeakKeyDictionary()
 
 
@@ -39,8 +38,8 @@ class StablePrecision(Precision):
     Args:
         precision: Lightning's spelling (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
             ``"bf16-true"``) or ``"auto"``: BF16 where the device supports it, else FP16.
-        scaler: ``"dynamic"``, ``"static"``, ``None`` (no scaling) or a ``torch.amp.GradScaler``-like instance.
-            Default: dynamic for FP16 modes, none otherwise.
+        scaler: ``"auto"`` (dynamic for FP16 modes, none otherwise), ``"dynamic"``, ``"static"``, ``None`` (no
+            scaling) or a ``torch.amp.GradScaler``-like instance.
         master_weights: for ``*-true`` modes, keep an FP32 master copy of every trainable parameter, owned by the
             optimizers (so their state is FP32 too); the 16-bit weights are refreshed from it after each applied
             step. ``False``: Lightning's plain ``*-true`` behaviour.
@@ -57,7 +56,7 @@ class StablePrecision(Precision):
         self,
         precision: PrecisionName = "bf16-mixed",
         *,
-        scaler: ScalerName | torch.amp.GradScaler | None = _DEFAULT,  # type: ignore[assignment]
+        scaler: ScalerName | torch.amp.GradScaler | None = "auto",
         master_weights: bool = True,
         fp8: Any = None,
         fp32_modules: Iterable[type[nn.Module] | str] = (),
@@ -100,7 +99,7 @@ class StablePrecision(Precision):
 
     def _build_scaler(self, scaler: Any) -> torch.amp.GradScaler | None:
         fp16 = self.precision in ("16-mixed", "16-true")
-        if scaler is _DEFAULT:
+        if isinstance(scaler, str) and scaler == "auto":
             scaler = "dynamic" if fp16 else None
         if scaler is None:
             return None
