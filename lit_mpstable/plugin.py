@@ -18,7 +18,9 @@ from typing_extensions import override
 
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lit_mpstable.fp8 import FP8Config, fp8_autocast_context, fp8_config
 from lit_mpstable.islands import FP32Islands
+from lit_mpstable.layout import PrecisionLayout
 from lit_mpstable.master import MasterWeights
 from lit_mpstable.scaling import DynamicLossScaler, StaticLossScaler
 
@@ -43,7 +45,8 @@ class StablePrecision(Precision):
         master_weights: for ``*-true`` modes, keep an FP32 master copy of every trainable parameter, owned by the
             optimizers (so their state is FP32 too); the 16-bit weights are refreshed from it after each applied
             step. ``False``: Lightning's plain ``*-true`` behaviour.
-        fp8: FP8 recipe (not available yet: only ``None``).
+        fp8: ``None``, a recipe name (``"delayed"``, ``"current"``, ``"mxfp8"``) or an ``FP8Config``: eligible
+            ``nn.Linear`` layers run their three GEMMs in FP8 on top of the base precision.
         fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
         op_policy: ``"autocast"``: PyTorch's per-op lists.
         device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else the CPU.
@@ -58,7 +61,7 @@ class StablePrecision(Precision):
         *,
         scaler: ScalerName | torch.amp.GradScaler | None = "auto",
         master_weights: bool = True,
-        fp8: Any = None,
+        fp8: str | FP8Config | None = None,
         fp32_modules: Iterable[type[nn.Module] | str] = (),
         op_policy: OpPolicyName = "autocast",
         device: str | None = None,
@@ -69,8 +72,6 @@ class StablePrecision(Precision):
             raise ValueError(f"StablePrecision(device={device!r}): allowed values are 'cpu', 'cuda' or None (auto).")
         if op_policy not in get_args(OpPolicyName):
             raise ValueError(f"StablePrecision(op_policy={op_policy!r}): allowed values are {list(get_args(OpPolicyName))}.")
-        if fp8 is not None:
-            raise ValueError(f"StablePrecision(fp8={fp8!r}): FP8 is not available in this version; use fp8=None.")
         if not isinstance(master_weights, bool):
             raise ValueError(f"StablePrecision(master_weights={master_weights!r}): must be True or False.")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,13 +81,12 @@ class StablePrecision(Precision):
         self.precision = precision
         self.scaler = self._build_scaler(scaler)
         self.master_weights = master_weights
-        self.fp8 = fp8
+        self.fp8 = fp8_config(fp8)
         self.op_policy = op_policy
-        self.islands = FP32Islands(fp32_modules)
-        self._user_islands = list(self.islands.specs)
-        self._module: nn.Module | None = None
-        self._fp32_fallback = False
-        self._fallback_modules: list[str] = []
+        self.layout = PrecisionLayout(
+            self.dtype, cast_parameters=self.true_16bit, fp32_modules=fp32_modules, fp8=self.fp8
+        )
+        self._pending_layout: dict[str, Any] | None = None
         self.last_step_skipped = False
         self.step_count = 0
         self.overflow_count = 0
@@ -139,12 +139,17 @@ class StablePrecision(Precision):
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the model computes in now: :attr:`dtype`, or FP32 while a global fallback is active."""
-        return torch.float32 if self._fp32_fallback else self.dtype
+        return self.layout.compute_dtype
 
     @property
     def fallback_active(self) -> bool:
-        """Whether any part of the run has been moved to FP32 by :meth:`fallback`."""
-        return self._fp32_fallback or bool(self._fallback_modules)
+        """Whether any part of the run has been moved up the precision ladder by :meth:`fallback`."""
+        return self.layout.fallback_active
+
+    @property
+    def islands(self) -> FP32Islands:
+        """The FP32 islands in force (``islands.names``: qualified module names)."""
+        return self.layout.islands
 
     @property
     def true_16bit(self) -> bool:
@@ -163,51 +168,30 @@ class StablePrecision(Precision):
     # ---------------------------------------------------------------------------------------- Lightning hooks
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        self._module = module
-        self._apply_precision()
+        self.layout.attach(module, self.device)
+        if self._pending_layout is not None:  # state loaded before the model arrived
+            self.layout.load_state_dict(self._pending_layout)
+            self._pending_layout = None
         return module
-
-    def _apply_precision(self) -> None:
-        # Casts the model's parameters in place (same Parameter objects), so optimizers and masters stay bound.
-        assert self._module is not None
-        dtype = self.compute_dtype
-        if self.true_16bit:
-            self._module.to(dtype=dtype)
-        self.islands.attach(
-            self._module, device_type=self.device, output_dtype=dtype if self.true_16bit and dtype != torch.float32 else None
-        )
 
     # ------------------------------------------------------------------------------------------ fallback
     def fallback(self, modules: Iterable[str] | None = None, *, reason: str) -> str:
-        """Move to FP32: the named modules (qualified names) become FP32 islands, or with ``modules=None`` the
-        whole model computes in FP32 (loss scaling and master weights keep working). Returns what was done.
+        """Climb one rung of the precision ladder: with ``modules=None`` the whole run (FP8 -> base precision ->
+        FP32), else the named modules (qualified names: FP8 layers leave FP8, others become FP32 islands). Loss
+        scaling and master weights keep working. Returns what was done, also logged once on rank zero.
 
         Takes effect from the next batch (Lightning casts a batch before its hooks run). Callbacks decide when
         (``PrecisionFallback``); :meth:`restore_precision` undoes it.
         """
-        if self._module is None:
-            raise RuntimeError("StablePrecision.fallback(): the plugin has not set up a model yet (call it during fit).")
-        if modules is None:
-            self._fp32_fallback = True
-            action = "the whole model now computes in FP32"
-        else:
-            new = [name for name in modules if name not in self._fallback_modules]
-            self._fallback_modules.extend(new)
-            self.islands.add(self._module, new)
-            action = f"modules {new} now run in FP32"
-        self._apply_precision()
+        action = self.layout.fallback(modules)
         rank_zero_info(f"StablePrecision fallback at step {self.step_count}: {action} ({reason}).")
         return action
 
     def restore_precision(self) -> None:
-        """Undo every :meth:`fallback`: back to the configured precision and the user's own FP32 islands."""
-        if self._module is None or not self.fallback_active:
-            return
-        self._fp32_fallback, self._fallback_modules = False, []
-        self.islands.detach()
-        self.islands = FP32Islands(self._user_islands)
-        self._apply_precision()
-        rank_zero_info(f"StablePrecision at step {self.step_count}: low precision restored ({self.precision}).")
+        """Undo every :meth:`fallback`: back to the configured precision, FP8 layers and the user's own islands."""
+        if self.fallback_active:
+            self.layout.restore()
+            rank_zero_info(f"StablePrecision at step {self.step_count}: low precision restored ({self.precision}).")
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -230,7 +214,7 @@ class StablePrecision(Precision):
         device_type = next((p.device.type for p in model.parameters()), self.device)
         if device_type in ("cpu", "cuda"):
             self.device = device_type
-            self.islands.device_type = device_type
+            self.layout.islands.device_type = self.layout.device_type = device_type
         if self.precision == "16-mixed" and self.device == "cpu" and "fp16-cpu" not in self._warned:
             self._warned.add("fp16-cpu")
             rank_zero_warn(
@@ -249,17 +233,19 @@ class StablePrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.compute_dtype == torch.float32:
-            yield
-            return
-        if self.true_16bit:
-            # Like Lightning's HalfPrecision: tensors created inside forward default to the 16-bit dtype.
-            with _default_dtype(self.dtype):
+        # TransformerEngine's FP8 needs its own autocast around the forward; a no-op for the native FP8 layers.
+        fp8_context = fp8_autocast_context(self.fp8) if self.fp8 is not None and self.layout.fp8_layers else None
+        with fp8_context or _nothing():
+            if self.compute_dtype == torch.float32:
                 yield
-            return
-        # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad regions.
-        with torch.autocast(self.device, dtype=self.dtype, cache_enabled=False):
-            yield
+            elif self.true_16bit:
+                # Like Lightning's HalfPrecision: tensors created inside forward default to the 16-bit dtype.
+                with _default_dtype(self.dtype):
+                    yield
+            else:
+                # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad regions.
+                with torch.autocast(self.device, dtype=self.dtype, cache_enabled=False):
+                    yield
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
@@ -335,8 +321,9 @@ class StablePrecision(Precision):
         """Everything needed to resume exactly; plain Python scalars and dicts (``weights_only=True`` loads it).
 
         Keys: ``precision``, ``scaler`` (the scaler's own state dict, ``{}`` without scaling), ``step_count``,
-        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``fallback_global`` (bool),
-        ``fallback_modules`` (names), ``masters`` (FP32 master tensors by parameter name, ``{}`` without masters).
+        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallback decisions and FP8 amax
+        histories, see ``PrecisionLayout.state_dict``), ``masters`` (FP32 master tensors by parameter name, ``{}``
+        without masters).
         """
         return {
             "masters": self.master.state_dict() if self.master is not None else {},
@@ -346,8 +333,7 @@ class StablePrecision(Precision):
             "overflow_count": self.overflow_count,
             "last_step_skipped": self.last_step_skipped,
             "skipped_steps": self.skipped_steps,
-            "fallback_global": self._fp32_fallback,
-            "fallback_modules": list(self._fallback_modules),
+            "layout": self.layout.state_dict(),
         }
 
     @override
@@ -380,18 +366,10 @@ class StablePrecision(Precision):
         self.overflow_count = int(state_dict["overflow_count"])
         self.last_step_skipped = bool(state_dict["last_step_skipped"])
         self.skipped_steps = int(state_dict["skipped_steps"])
-        saved = (bool(state_dict["fallback_global"]), list(state_dict["fallback_modules"]))
-        if saved != (self._fp32_fallback, self._fallback_modules) and self._module is None:
-            # Not set up yet: convert_module applies these when the model arrives.
-            self._fp32_fallback, self._fallback_modules = saved
-            self.islands.specs.extend(saved[1])
-        elif saved != (self._fp32_fallback, self._fallback_modules):
-            # Re-apply the saved fallback decisions exactly (a rollback may also undo later ones).
-            self.restore_precision()
-            if state_dict["fallback_modules"]:
-                self.fallback(state_dict["fallback_modules"], reason="restored from checkpoint")
-            if state_dict["fallback_global"]:
-                self.fallback(None, reason="restored from checkpoint")
+        if self.layout.module is None:
+            self._pending_layout = state_dict["layout"]
+        else:
+            self.layout.load_state_dict(state_dict["layout"])
         if self.master is not None and state_dict["masters"]:
             self.master.load_state_dict(state_dict["masters"])
 
@@ -425,6 +403,11 @@ class StablePrecision(Precision):
 
 def _cast_floating(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
     return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
+
+
+@contextmanager
+def _nothing() -> Generator[None, None, None]:
+    yield
 
 
 @contextmanager

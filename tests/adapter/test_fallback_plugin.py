@@ -67,8 +67,8 @@ def test_module_fallback_moves_only_that_module(precision: str) -> None:
     assert module.model.fc2.weight.dtype == (torch.float32 if precision == "bf16-true" else torch.float32)
     assert module.model.fc3.weight.dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
     assert plugin.fallback_active and plugin.islands.names == ["model.fc2"]
-    state = plugin.state_dict()
-    assert state["fallback_modules"] == ["model.fc2"] and state["fallback_global"] is False
+    layout = plugin.state_dict()["layout"]
+    assert layout["fp32_modules"] == ["model.fc2"] and layout["fp32"] is False
 
 
 def test_fallback_survives_resume(tmp_path) -> None:

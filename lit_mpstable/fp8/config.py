@@ -1,0 +1,149 @@
+"""FP8Config, its validation, and the preset factory keyed by recipe name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Union, get_args
+
+import torch
+from torch import nn
+
+__all__ = ["FP8Config", "FP8Recipe", "FP8Format", "FP8Backend", "AmaxComputeAlgo", "ModuleFilter", "fp8_config"]
+
+FP8Recipe = Literal["delayed", "current", "mxfp8"]
+FP8Format = Literal["hybrid", "e4m3"]
+FP8Backend = Literal["native", "torchao", "transformer_engine"]
+AmaxComputeAlgo = Literal["max", "most_recent"]
+ModuleFilter = Union[Sequence[Union[str, type]], Callable[[nn.Module, str], bool], None]
+
+
+@dataclass(frozen=True)
+class FP8Config:
+    """Which ``nn.Linear`` layers run their three GEMMs in FP8, and how their scales are chosen.
+
+    Recipes:
+
+    - ``"delayed"`` (TransformerEngine's ``DelayedScaling``): each tensor's scale comes from the amax history of
+      the *previous* steps, ``scale = fp8_max / amax / 2**margin``; the current amax is appended after use.
+    - ``"current"``: the scale comes from this tensor's own amax (one extra reduction per tensor, no state).
+    - ``"mxfp8"`` (OCP Microscaling): one power-of-two (E8M0) scale per 32 consecutive elements along the GEMM
+      reduction dimension; ``margin`` and the amax history are not used.
+
+    Raises:
+        ValueError: a field is out of range (the message names the field, the value and what is allowed).
+        TypeError: ``filter`` is neither None, a callable, nor a list of names, patterns and module types.
+    """
+
+    recipe: FP8Recipe = "delayed"
+    format: FP8Format = "hybrid"
+    """``"hybrid"``: E4M3 for inputs and weights, E5M2 for gradients; ``"e4m3"``: E4M3 for all three."""
+    margin: int = 0
+    """Scales are divided by ``2**margin`` (headroom above the amax), as TransformerEngine's ``margin``."""
+    amax_history_len: int = 1024
+    """Steps of amax kept per tensor by the delayed recipe (TransformerEngine's default)."""
+    amax_compute_algo: AmaxComputeAlgo = "max"
+    """Delayed recipe: the amax is the max over the history, or the most recent entry."""
+    filter: ModuleFilter = None
+    """None = default rule (every nn.Linear but the first and last, dims multiples of 16); else a list of
+    qualified names / fnmatch patterns / module types, or a callable ``(module, fqn) -> bool``."""
+    backend: FP8Backend = "native"
+    """``"native"``: this package's FP8Linear; ``"torchao"`` / ``"transformer_engine"``: those libraries' layers."""
+    emulate: bool | None = None
+    """None = ``torch._scaled_mm`` where it runs on the device, else exact emulation; True/False force one."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("recipe", FP8Recipe),
+            ("format", FP8Format),
+            ("backend", FP8Backend),
+            ("amax_compute_algo", AmaxComputeAlgo),
+        ):
+            value = getattr(self, name)
+            if value not in get_args(allowed):
+                raise ValueError(f"FP8Config({name}={value!r}): {name} must be one of {list(get_args(allowed))}.")
+        if not (isinstance(self.margin, int) and not isinstance(self.margin, bool) and self.margin >= 0):
+            raise ValueError(
+                f"FP8Config(margin={self.margin!r}): margin must be an int >= 0 (scales shrink by 2**margin);"
+                " 0 is usual."
+            )
+        if not (isinstance(self.amax_history_len, int) and self.amax_history_len >= 1):
+            raise ValueError(
+                f"FP8Config(amax_history_len={self.amax_history_len!r}): amax_history_len must be an int >= 1 (steps);"
+                " 1024 is TransformerEngine's default."
+            )
+        if self.emulate not in (None, True, False):
+            raise ValueError(f"FP8Config(emulate={self.emulate!r}): emulate must be None (auto), True or False.")
+        object.__setattr__(self, "filter", _check_filter(self.filter))
+        self._check_backend()
+
+    def _check_backend(self) -> None:
+        # What the optional backends cannot express is refused here, not ignored at conversion time.
+        call = f"FP8Config(recipe={self.recipe!r}, backend={self.backend!r}"
+        if self.backend != "native" and self.margin and self.recipe != "delayed":
+            raise ValueError(
+                f"{call}, margin={self.margin!r}): {self.backend} applies a margin only to the delayed recipe."
+            )
+        if self.backend == "transformer_engine" and self.emulate:
+            raise ValueError(f"{call}, emulate=True): TransformerEngine has no emulation; use backend='native'.")
+        if self.backend == "torchao" and self.recipe == "delayed":
+            raise ValueError(f"{call}): torchao removed delayed scaling; use recipe='current', or backend='native'.")
+        if self.backend == "torchao" and self.recipe == "mxfp8" and self.format == "hybrid":
+            raise ValueError(
+                f"{call}, format='hybrid'): torchao's MXFP8 training casts gradients to E4M3 as well;"
+                " set format='e4m3'."
+            )
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        """The FP8 dtype of inputs and weights."""
+        return torch.float8_e4m3fn
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The FP8 dtype of output gradients."""
+        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
+
+
+def _check_filter(value: ModuleFilter) -> ModuleFilter:
+    # A list becomes a tuple so the frozen config stays hashable and nobody edits it behind our back.
+    if value is None or callable(value) and not isinstance(value, type):
+        return value
+    if isinstance(value, (str, type)):
+        value = (value,)
+    if not isinstance(value, Sequence):
+        raise TypeError(
+            f"FP8Config(filter={value!r}): filter must be None, a callable (module, fqn) -> bool, or a list of"
+            " qualified names, fnmatch patterns and module types."
+        )
+    for item in value:
+        if not (isinstance(item, str) or isinstance(item, type) and issubclass(item, nn.Module)):
+            raise TypeError(
+                f"FP8Config(filter=[..., {item!r}, ...]): each filter entry must be a qualified name, an fnmatch"
+                " pattern or an nn.Module subclass."
+            )
+    if not value:
+        raise ValueError("FP8Config(filter=[]): an empty filter selects no layer; use fp8=None to turn FP8 off.")
+    return tuple(value)
+
+
+def fp8_config(name: str | FP8Config | Mapping[str, Any] | None) -> FP8Config | None:
+    """The preset for a recipe name (``"delayed"``, ``"current"``, ``"mxfp8"``); an FP8Config or None passes through.
+
+    ``fp8_config("delayed") == FP8Config(recipe="delayed")``, so ``fp8="delayed"`` in Python or YAML and the
+    explicit config build the same object. A mapping (e.g. a Hydra node ``{recipe: delayed, margin: 1}``) gives
+    ``FP8Config(**mapping)``.
+
+    Raises:
+        ValueError: an unknown recipe name.
+        TypeError: neither a string, an FP8Config nor None.
+    """
+    if name is None or isinstance(name, FP8Config):
+        return name
+    if isinstance(name, Mapping):
+        return FP8Config(**{str(key): value for key, value in name.items() if key != "_target_"})
+    if not isinstance(name, str):
+        raise TypeError(f"fp8_config({name!r}): expected a recipe name, an FP8Config, a mapping of its fields or None.")
+    if name not in get_args(FP8Recipe):
+        raise ValueError(f"fp8_config({name!r}): unknown FP8 recipe; allowed: {list(get_args(FP8Recipe))} or None.")
+    return FP8Config(recipe=name)

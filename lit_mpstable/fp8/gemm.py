@@ -1,0 +1,88 @@
+"""FP8 matrix products: ``torch._scaled_mm`` where the device runs it, exact emulation elsewhere."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+__all__ = ["fp8_mm", "scaled_mm_supported"]
+
+
+def scaled_mm_supported(device: torch.device | str) -> bool:
+    """Whether ``torch._scaled_mm`` computes FP8 GEMMs correctly on ``device`` (probed once per device).
+
+    CUDA needs compute capability >= 8.9 (Ada, Hopper and later). Recent CPU builds of torch also implement it;
+    the probe runs a 16x16 product of each operand pairing FP8Linear uses and compares with an fp32 matmul.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.get_device_capability(index) < (8, 9):
+            return False
+        device = torch.device("cuda", index)
+    return _probe(str(device))
+
+
+@functools.cache
+def _probe(device: str) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-8, 9, (16, 16), generator=gen).float().to(device)
+    b = torch.randint(-8, 9, (16, 16), generator=gen).float().to(device)
+    one = torch.ones((), device=device)
+    try:
+        for a_dtype, b_dtype in ((torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)):
+            out = torch._scaled_mm(a.to(a_dtype), b.to(b_dtype).t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            if not torch.equal(out, a @ b.t()):  # small integers: both products are exact
+                return False
+    except Exception:  # noqa: BLE001 - any failure (missing kernel, unsupported dtype or layout) means "not here"
+        return False
+    return True
+
+
+_SCALED_MM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fits_scaled_mm(a: torch.Tensor, b_t: torch.Tensor) -> bool:
+    # cuBLASLt's FP8 kernels need every dimension a multiple of 16; other shapes take the emulated path (the CPU
+    # kernel takes any shape).
+    if a.device.type != "cuda" or all(size % 16 == 0 for size in (*a.shape, b_t.shape[0])):
+        return True
+    if not _warned_shape:
+        _warned_shape.append(True)
+        warnings.warn(
+            f"fp8_mm: a GEMM of shape ({a.shape[0]} x {a.shape[1]}) @ ({b_t.shape[1]} x {b_t.shape[0]}) has a dimension"
+            " that is not a multiple of 16, which torch._scaled_mm needs on CUDA; such GEMMs run emulated (same"
+            " numerics, slower). Make batch * sequence length a multiple of 16 to avoid it. (Warned once.)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+_warned_shape: list[bool] = []
+
+
+def fp8_mm(
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    a_inv_scale: torch.Tensor,
+    b_inv_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    use_scaled_mm: bool,
+) -> torch.Tensor:
+    """``(a * a_inv_scale) @ (b_t * b_inv_scale).T`` for FP8 ``a`` (M, K) and ``b_t`` (N, K), reduced along K.
+
+    Both operands have K contiguous ("TN" layout), which is what ``_scaled_mm`` wants: ``b_t.t()`` is the
+    column-major second operand. The emulated path dequantises exactly (an FP8 value times an fp32 scale) and
+    multiplies in fp32; the two paths agree up to fp32 accumulation order.
+    """
+    if use_scaled_mm and _fits_scaled_mm(a, b_t):
+        mm_dtype = out_dtype if out_dtype in _SCALED_MM_OUT_DTYPES else torch.float32
+        out = torch._scaled_mm(
+            a.contiguous(), b_t.contiguous().t(), scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=mm_dtype
+        )
+        return out.to(out_dtype)
+    return ((a.float() * a_inv_scale) @ (b_t.float() * b_inv_scale).t()).to(out_dtype)

@@ -1,0 +1,264 @@
+"""FP8Linear: an nn.Linear whose three GEMMs take FP8 operands; parameters and master weights are untouched."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_mpstable.fp8.config import FP8Config
+from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
+from lit_mpstable.fp8.quant import (
+    MX_BLOCK_SIZE,
+    amax_from_history,
+    compute_scale,
+    dequantize_mx,
+    quantize,
+    quantize_mx,
+    update_amax_history_,
+)
+
+__all__ = ["FP8Linear", "FP8_TENSORS"]
+
+FP8_TENSORS = ("x", "w", "grad_out")
+"""The three FP8 operands of a linear layer, in the row order of ``amax_history`` and ``scale``."""
+_X, _W, _GRAD = range(3)
+_WARNED_EMULATION: set[str] = set()
+_HOOK_DICTS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
+)  # fmt: skip
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` with FP8 GEMMs: ``y = x W^T``, ``grad_x = dY W`` and ``grad_W = dY^T x`` take FP8 operands.
+
+    Weight and bias stay the same ``nn.Parameter`` objects in their own dtype (the FP32 master weights); only
+    the GEMM operands are cast. Outputs come in the base precision: the autocast dtype inside ``torch.autocast``,
+    else the input's dtype; ``grad_x`` has the input's dtype and ``grad_W`` the weight's.
+
+    Execution: ``torch._scaled_mm`` where :func:`scaled_mm_supported` (and every GEMM dim is a multiple of 16),
+    else exact emulation (saturating cast, dequantise, fp32 matmul). ``"mxfp8"`` is always emulated: hardware MX
+    GEMMs need Blackwell and a swizzled scale layout.
+
+    State (delayed recipe only): non-persistent buffers ``amax_history`` (3, amax_history_len) and ``scale`` (3,),
+    rows in :data:`FP8_TENSORS` order. Non-persistent keeps ``model.state_dict()`` identical with and without FP8,
+    so plain checkpoints load either way; :meth:`fp8_state_dict` / :meth:`load_fp8_state_dict` save and restore
+    them (the precision plugin stores them in its own state). Histories are updated only in ``train()`` mode.
+
+    Telemetry: with ``collect_stats = True`` each call records, per operand, the saturated fraction (finite values
+    beyond what rounds to the FP8 max: 464 for E4M3, 61440 for E5M2), the underflow fraction (nonzero values that
+    became 0) and the amax, as 0-dim tensors in :attr:`fp8_stats` (no host sync); it costs a few passes per tensor.
+    For mxfp8, ``x`` and ``w`` are measured in the forward GEMM and ``grad_out`` in the ``grad_x`` GEMM.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        config: FP8Config | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.fp8_config = config if config is not None else FP8Config()
+        self.collect_stats = False
+        self.fp8_stats: dict[str, torch.Tensor | float] = {}
+        if self.fp8_config.recipe == "delayed":
+            buffer_device = self.weight.device
+            history = torch.zeros(3, self.fp8_config.amax_history_len, device=buffer_device)
+            self.register_buffer("amax_history", history, persistent=False)
+            self.register_buffer("scale", torch.ones(3, device=buffer_device), persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: FP8Config) -> FP8Linear:
+        """An FP8Linear sharing ``linear``'s parameters (same objects: optimizers keep working) and hooks."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, config=config, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias
+        if new.fp8_config.recipe == "delayed":
+            new.amax_history = torch.zeros_like(new.amax_history, device=linear.weight.device)
+            new.scale = torch.ones_like(new.scale, device=linear.weight.device)
+        new.train(linear.training)
+        for name in _HOOK_DICTS:  # share the dicts, so handles registered on the original still remove them
+            setattr(new, name, getattr(linear, name))
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` sharing this layer's parameters and hooks (FP8 state is dropped)."""
+        linear = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
+        linear.weight, linear.bias = self.weight, self.bias
+        linear.train(self.training)
+        for name in _HOOK_DICTS:
+            setattr(linear, name, getattr(self, name))
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.fp8_config.recipe!r}, format={self.fp8_config.format!r}"
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device_type = x.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+        # Autocast off inside: the casts are ours, and fp32 emulation must not be downcast to 16 bits.
+        with torch.autocast(device_type, enabled=False):
+            return _FP8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
+
+    def _use_scaled_mm(self, device: torch.device) -> bool:
+        emulate = self.fp8_config.emulate
+        if emulate is None:
+            supported = scaled_mm_supported(device)
+            if not supported and str(device) not in _WARNED_EMULATION:
+                _WARNED_EMULATION.add(str(device))
+                warnings.warn(
+                    f"FP8Linear: torch._scaled_mm does not run FP8 GEMMs on {device} (CUDA needs compute capability"
+                    " >= 8.9), so FP8 is emulated there: FP8 numerics, no speed-up. Set FP8Config(emulate=True) to"
+                    " say that is intended. (Warned once per device.)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return supported
+        if not emulate and not scaled_mm_supported(device):
+            raise RuntimeError(
+                f"FP8Config(emulate=False): torch._scaled_mm does not run FP8 GEMMs on {device} (CUDA needs compute"
+                " capability >= 8.9); use emulate=None to fall back to emulation."
+            )
+        return not emulate
+
+    def _dtype(self, role: int) -> torch.dtype:
+        return self.fp8_config.grad_dtype if role == _GRAD else self.fp8_config.forward_dtype
+
+    def _cast(self, t: torch.Tensor, role: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-tensor recipes: (FP8 data, inverse scale) of ``t``; records the amax (delayed) and stats."""
+        config, dtype = self.fp8_config, self._dtype(role)
+        amax = t.detach().abs().amax().float()
+        if config.recipe == "delayed":
+            scale = self.scale[role].clone()  # from previous steps; the buffer is updated below
+        else:
+            scale = compute_scale(amax, dtype, margin=config.margin)
+        data = quantize(t, scale, dtype)
+        if self.collect_stats:
+            self._record_stats(role, t, t.float() * scale, data, amax)
+        if config.recipe == "delayed" and self.training:
+            with torch.no_grad():
+                history = update_amax_history_(self.amax_history[role], amax)
+                amax_next = amax_from_history(history, config.amax_compute_algo)
+                self.scale[role] = compute_scale(amax_next, dtype, margin=config.margin, previous=self.scale[role])
+        return data, scale.reciprocal()
+
+    def _cast_mx(self, t: torch.Tensor, role: int, record: bool = True) -> torch.Tensor:
+        """MX recipe: ``t`` quantised in blocks of 32 along its last dim and dequantised to fp32 (emulation)."""
+        dtype = self._dtype(role)
+        data, block_scale = quantize_mx(t, dtype)
+        values = dequantize_mx(data, block_scale)
+        if record and self.collect_stats:
+            per_element = block_scale.repeat_interleave(MX_BLOCK_SIZE, dim=-1)[..., : t.shape[-1]]
+            self._record_stats(role, t, t.float() / per_element, data, t.detach().abs().amax().float())
+        return values
+
+    @torch.no_grad()
+    def _record_stats(
+        self, role: int, t: torch.Tensor, scaled: torch.Tensor, data: torch.Tensor, amax: torch.Tensor
+    ) -> None:
+        name = FP8_TENSORS[role]
+        finite = torch.isfinite(scaled)
+        nonzero = t != 0
+        saturated = (scaled.abs() > _clip_threshold(data.dtype)) & finite
+        underflowed = (data.float() == 0) & nonzero
+        self.fp8_stats[f"{name}_saturation_frac"] = saturated.sum() / finite.sum().clamp_min(1)
+        self.fp8_stats[f"{name}_underflow_frac"] = underflowed.sum() / nonzero.sum().clamp_min(1)
+        self.fp8_stats[f"{name}_amax"] = amax
+        self.fp8_stats[f"{name}_numel"] = float(t.numel())
+
+    # ------------------------------------------------------------------------------------------------- state
+    def fp8_state_dict(self) -> dict[str, torch.Tensor]:
+        """Keys ``amax_history`` and ``scale`` (copies) for the delayed recipe; empty for the stateless ones."""
+        if self.fp8_config.recipe != "delayed":
+            return {}
+        return {"amax_history": self.amax_history.detach().clone(), "scale": self.scale.detach().clone()}
+
+    def load_fp8_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`fp8_state_dict`'s output (copied into the buffers, on their device).
+
+        Raises:
+            KeyError: a key is missing or unknown (saved with another recipe?).
+            ValueError: a shape differs (saved with another ``amax_history_len``?).
+        """
+        expected = self.fp8_state_dict()
+        if set(state) != set(expected):
+            raise KeyError(
+                f"FP8Linear.load_fp8_state_dict: missing keys {sorted(set(expected) - set(state))}, unknown keys"
+                f" {sorted(set(state) - set(expected))}; was it saved with another FP8 recipe?"
+            )
+        for key, value in state.items():
+            buffer = getattr(self, key)
+            if tuple(value.shape) != tuple(buffer.shape):
+                raise ValueError(
+                    f"FP8Linear.load_fp8_state_dict: {key} has shape {tuple(value.shape)}, expected"
+                    f" {tuple(buffer.shape)}; was it saved with another amax_history_len?"
+                )
+            buffer.copy_(value)
+
+
+def _clip_threshold(dtype: torch.dtype) -> float:
+    # Up to half an ulp above the max a value rounds to the max anyway; only what lies beyond is clipped (464 for
+    # E4M3, 61440 for E5M2). Counting from the max itself would flag amax * (448 / amax) = 448.00003 as saturated.
+    info = torch.finfo(dtype)
+    emax = int(info.max).bit_length() - 1
+    return info.max + 2.0**emax * info.eps / 2
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """The three GEMMs of a linear layer with FP8 operands; saves FP8 data (per-tensor) or inputs (MX)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        layer: FP8Linear,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.has_bias = layer, x.shape, x.dtype, bias is not None
+        ctx.mx = layer.fp8_config.recipe == "mxfp8"
+        if ctx.mx:
+            # MX scales run along the reduction dim, which differs per GEMM: keep the inputs, quantise each time.
+            y = (layer._cast_mx(x2, _X) @ layer._cast_mx(weight, _W).t()).to(out_dtype)
+            ctx.save_for_backward(x2, weight)
+        else:
+            ctx.use_scaled_mm = layer._use_scaled_mm(x.device)
+            x_fp8, x_inv = layer._cast(x2, _X)
+            w_fp8, w_inv = layer._cast(weight, _W)
+            y = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype=out_dtype, use_scaled_mm=ctx.use_scaled_mm)
+            ctx.save_for_backward(x_fp8, w_fp8, x_inv, w_inv)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        layer = ctx.layer
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if ctx.mx:
+                x2, weight = ctx.saved_tensors
+                w_dtype = weight.dtype
+                # grad_x = dY W: reduce over out_features; grad_W = dY^T x: reduce over the tokens.
+                grad_x = layer._cast_mx(g2, _GRAD) @ layer._cast_mx(weight.t(), _W, record=False).t()
+                grad_w = layer._cast_mx(g2.t(), _GRAD, record=False) @ layer._cast_mx(x2.t(), _X, record=False).t()
+            else:
+                x_fp8, w_fp8, x_inv, w_inv = ctx.saved_tensors
+                w_dtype = layer.weight.dtype
+                g_fp8, g_inv = layer._cast(g2, _GRAD)
+                # A per-tensor scale does not depend on the axis: the forward's FP8 data is reused, transposed.
+                fast = ctx.use_scaled_mm
+                grad_x = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, out_dtype=torch.float32, use_scaled_mm=fast)
+                grad_w = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, out_dtype=torch.float32, use_scaled_mm=fast)
+            grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
+        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(w_dtype), grad_b, None, None

@@ -1,0 +1,138 @@
+"""Pure FP8 quantisation: amax -> scale, saturating casts, and OCP MX block scaling."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "MX_BLOCK_SIZE",
+    "amax_from_history",
+    "compute_scale",
+    "dequantize",
+    "dequantize_mx",
+    "fp8_max",
+    "mx_block_scales",
+    "quantize",
+    "quantize_mx",
+    "update_amax_history_",
+]
+
+MX_BLOCK_SIZE = 32
+"""Elements sharing one E8M0 scale (OCP Microscaling Formats spec v1.0, MXFP8)."""
+
+_E8M0_MIN_EXP, _E8M0_MAX_EXP = -127, 127  # E8M0 encodes 2**-127 .. 2**127 (0xFF is NaN)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype: 448 for E4M3, 57344 for E5M2."""
+    return float(torch.finfo(dtype).max)
+
+
+def compute_scale(
+    amax: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, previous: torch.Tensor | float = 1.0
+) -> torch.Tensor:
+    """The multiplier that maps ``amax`` onto the largest FP8 value: ``fp8_max / amax / 2**margin``, in fp32.
+
+    Where ``amax`` is 0 or not finite, or the scale would not be finite (amax below ~fp8_max / 3e38), there is no
+    information to scale by, so ``previous`` is kept (1.0 for a tensor never seen). No host synchronisation.
+    """
+    amax = amax.float()  # fp32: the reciprocal of a tiny bf16/fp16 amax overflows those formats
+    scale = fp8_max(dtype) / amax / 2.0**margin
+    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale)
+    previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
+    return torch.where(usable, scale, previous)
+
+
+def amax_from_history(history: torch.Tensor, algo: str = "max") -> torch.Tensor:
+    """The amax a delayed scale is computed from: the max over ``history[..., :]`` or its newest entry ``[..., 0]``."""
+    if algo == "max":
+        return history.amax(dim=-1)
+    if algo == "most_recent":
+        return history[..., 0]
+    raise ValueError(f"amax_from_history(algo={algo!r}): algo must be 'max' or 'most_recent'.")
+
+
+def update_amax_history_(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Roll ``history`` one step along its last dim and write ``amax`` as the newest entry (index 0), in place.
+
+    A non-finite amax (an overflowing step that the loss scaler will skip) is recorded as 0, so one bad step
+    does not freeze the scale for the whole history length.
+    """
+    amax = amax.float()
+    history.copy_(history.roll(1, dims=-1))
+    history[..., 0] = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    return history
+
+
+def _saturating_cast(scaled: torch.Tensor, source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Clamp finite values to the format's range (the plain cast gives NaN/inf, or on some builds silently clips inf
+    # to 448), and send non-finite inputs to NaN on every device, so an overflow still reaches the loss scaler.
+    limit = fp8_max(dtype)
+    clamped = scaled.clamp(-limit, limit)
+    return torch.where(torch.isfinite(source), clamped, torch.nan).to(dtype)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """``x * scale`` cast to ``dtype`` (an FP8 dtype) with saturation at ``±fp8_max``; inf/NaN inputs become NaN.
+
+    The product is formed in fp32, so ``x ~= dequantize(quantize(x, s, dtype), s)`` up to FP8 rounding.
+    """
+    return _saturating_cast(x.float() * scale, x, dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q / scale`` in fp32, then cast to ``dtype``: the inverse of :func:`quantize` on representable values."""
+    return (q.float() / scale).to(dtype)
+
+
+def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    # (..., n) -> (..., ceil(n / block_size), block_size), zero-padded: zeros never raise a block's amax.
+    pad = -x.shape[-1] % block_size
+    return F.pad(x.float(), (0, pad)).unflatten(-1, (-1, block_size))
+
+
+def mx_block_scales(x: torch.Tensor, dtype: torch.dtype, *, block_size: int = MX_BLOCK_SIZE) -> torch.Tensor:
+    """Power-of-two (E8M0) scales, one per ``block_size`` consecutive elements of the last dim, in fp32.
+
+    As the OCP MX spec v1.0 (section 6.3): ``X = 2**(floor(log2(amax_block)) - emax)`` with ``emax`` the exponent of
+    the format's largest normal (8 for E4M3, 15 for E5M2), clamped to E8M0's range ``[2**-127, 2**127]``. The
+    elements are ``x / X``; the floor rule lets them reach up to ``2**(emax+1)``, so values above ``fp8_max``
+    (448 for E4M3) saturate, with relative error up to 2**-3 (E4M3 rounding alone errs by at most 2**-4).
+    An all-zero block gets ``2**-127``. Shape: ``(..., ceil(n / block_size))``.
+    """
+    amax = _blocks(x, block_size).abs().amax(dim=-1)
+    # amax = m * 2**e with m in [0.5, 1), so floor(log2(amax)) = e - 1 exactly; log2 would round values just below
+    # a power of two up to it.
+    _, exponent = torch.frexp(amax)
+    emax = int(torch.finfo(dtype).max).bit_length() - 1
+    shared = (exponent - 1 - emax).clamp(_E8M0_MIN_EXP, _E8M0_MAX_EXP)
+    shared = torch.where(amax > 0, shared, _E8M0_MIN_EXP)
+    scale = torch.ldexp(torch.ones_like(amax), shared)
+    return torch.where(torch.isfinite(amax), scale, torch.nan)  # E8M0's NaN: the block held inf/NaN
+
+
+def quantize_mx(
+    x: torch.Tensor, dtype: torch.dtype, *, block_size: int = MX_BLOCK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX-quantise along the last dim: ``(data, block_scale)`` with ``x ~= data * block_scale`` blockwise.
+
+    ``data`` has ``x``'s shape and FP8 ``dtype``; ``block_scale`` is :func:`mx_block_scales` (fp32 powers of two, so
+    ``block_scale.to(torch.float8_e8m0fnu)`` is lossless). The division by a power of two is exact.
+    """
+    scale = mx_block_scales(x, dtype, block_size=block_size)
+    blocks = _blocks(x, block_size)
+    data = _saturating_cast(blocks / scale.unsqueeze(-1), blocks, dtype)
+    return data.flatten(-2)[..., : x.shape[-1]], scale
+
+
+def dequantize_mx(
+    data: torch.Tensor,
+    block_scale: torch.Tensor,
+    *,
+    block_size: int = MX_BLOCK_SIZE,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``data * block_scale`` blockwise along the last dim, in fp32, then cast to ``dtype``."""
+    values = _blocks(data, block_size) * block_scale.unsqueeze(-1)
+    return values.flatten(-2)[..., : data.shape[-1]].to(dtype)

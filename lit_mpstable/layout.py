@@ -1,0 +1,143 @@
+"""The precision layout of a model: its base dtype, FP32 islands, FP8 layers, and the fallbacks on top of them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_mpstable.fp8 import FP8Config, FP8Linear, convert_from_fp8, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
+from lit_mpstable.islands import FP32Islands
+
+__all__ = ["PrecisionLayout"]
+
+
+class PrecisionLayout:
+    """Decides, and applies in place, which parts of a model compute in which format.
+
+    The ladder a global fallback climbs, one rung per call: FP8 layers back to the base precision, then the whole
+    model to FP32. A module fallback takes the named modules one rung up: an FP8 layer back to the base precision,
+    any other module into an FP32 island. Parameters are cast in place (``param.data``), so optimizers and master
+    weights stay bound to the same ``Parameter`` objects.
+
+    Args:
+        dtype: the base compute dtype (``torch.float32`` for ``"32-true"``).
+        cast_parameters: ``*-true`` modes: parameters themselves live in ``dtype`` (else autocast does the casting).
+        fp32_modules: the user's FP32 islands (types or qualified-name patterns).
+        fp8: the FP8 recipe, or ``None``.
+    """
+
+    def __init__(
+        self, dtype: torch.dtype, *, cast_parameters: bool, fp32_modules: Iterable[Any] = (), fp8: FP8Config | None = None
+    ) -> None:
+        self.dtype, self.cast_parameters, self.fp8 = dtype, cast_parameters, fp8
+        self.islands = FP32Islands(fp32_modules)
+        self._user_islands = list(self.islands.specs)
+        self.module: nn.Module | None = None
+        self.device_type = "cpu"
+        self.fp32 = False  # global fallback to FP32
+        self.fp8_off = False  # global fallback out of FP8
+        self.fp8_removed: list[str] = []  # FP8 layers moved back to the base precision
+        self.fp32_modules: list[str] = []  # modules moved into FP32 islands
+
+    # ----------------------------------------------------------------------------------------------- reading
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32 if self.fp32 else self.dtype
+
+    @property
+    def fallback_active(self) -> bool:
+        return self.fp32 or self.fp8_off or bool(self.fp8_removed) or bool(self.fp32_modules)
+
+    @property
+    def fp8_layers(self) -> list[str]:
+        """Qualified names of the layers that compute in FP8 now."""
+        if self.module is None:
+            return []
+        return [name for name, m in self.module.named_modules() if isinstance(m, FP8Linear)]
+
+    # ---------------------------------------------------------------------------------------------- applying
+    def attach(self, module: nn.Module, device_type: str) -> None:
+        """Apply the layout to ``module`` (again after a second ``fit``, or after a fallback decision)."""
+        self.module, self.device_type = module, device_type
+        self._apply()
+
+    def _apply(self) -> None:
+        assert self.module is not None
+        dtype = self.compute_dtype
+        if self.cast_parameters:
+            self.module.to(dtype=dtype)
+        if self.fp8 is not None:
+            if self.fp8_off:
+                convert_from_fp8(self.module)
+            else:
+                convert_to_fp8(self.module, self.fp8)  # no-op for layers already in FP8
+                removed = [name for name in self.fp8_removed if name in self.fp8_layers]
+                convert_from_fp8(self.module, removed)
+        # In *-true modes an island's output goes back to the 16-bit dtype the next layer expects.
+        out = dtype if self.cast_parameters and dtype != torch.float32 else None
+        self.islands.attach(self.module, device_type=self.device_type, output_dtype=out)
+
+    def fallback(self, modules: Iterable[str] | None = None) -> str:
+        """One rung up the ladder, globally (``modules=None``) or for the named modules; returns what was done."""
+        if self.module is None:
+            raise RuntimeError("fallback(): no model attached yet (call it during fit).")
+        if modules is None:
+            if self.fp8_layers and not self.fp8_off:
+                self.fp8_off = True
+                action = "FP8 layers now compute in the base precision"
+            else:
+                self.fp32 = True
+                action = "the whole model now computes in FP32"
+        else:
+            fp8_layers = set(self.fp8_layers)
+            out_of_fp8 = [name for name in modules if name in fp8_layers and name not in self.fp8_removed]
+            islands = [name for name in modules if name not in fp8_layers and name not in self.fp32_modules]
+            self.fp8_removed.extend(out_of_fp8)
+            self.fp32_modules.extend(islands)
+            self.islands.specs.extend(islands)
+            parts = [f"{out_of_fp8} left FP8"] if out_of_fp8 else []
+            parts += [f"{islands} now run in FP32"] if islands else []
+            action = "; ".join(parts) or "nothing new to move"
+        self._apply()
+        return action
+
+    def restore(self) -> None:
+        """Undo every fallback: the configured precision, FP8 layers and the user's own islands again."""
+        self.fp32 = self.fp8_off = False
+        self.fp8_removed, self.fp32_modules = [], []
+        self.islands.detach()
+        self.islands = FP32Islands(self._user_islands)
+        if self.module is not None:
+            self._apply()
+
+    # ------------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Keys: ``fp32``, ``fp8_off``, ``fp8_removed``, ``fp32_modules`` (the fallbacks) and ``fp8`` (amax histories
+        and scales by ``"<layer>.<key>"``); plain values and tensors."""
+        return {
+            "fp32": self.fp32,
+            "fp8_off": self.fp8_off,
+            "fp8_removed": list(self.fp8_removed),
+            "fp32_modules": list(self.fp32_modules),
+            "fp8": fp8_state_dict(self.module) if self.module is not None else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Re-apply the saved fallbacks exactly (a rollback may undo later ones), then the FP8 state. Strict."""
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            raise KeyError(
+                f"PrecisionLayout.load_state_dict: missing keys {sorted(expected - set(state))}, unknown keys"
+                f" {sorted(set(state) - expected)}."
+            )
+        self.restore()
+        self.fp32, self.fp8_off = bool(state["fp32"]), bool(state["fp8_off"])
+        self.fp8_removed, self.fp32_modules = list(state["fp8_removed"]), list(state["fp32_modules"])
+        self.islands.specs.extend(self.fp32_modules)
+        if self.module is not None:
+            self._apply()
+            if state["fp8"]:
+                load_fp8_state_dict(self.module, state["fp8"])

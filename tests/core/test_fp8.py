@@ -1,0 +1,739 @@
+"""FP8 core: quantisation, scaling recipes, FP8Linear against a float64 reference, swap, state, telemetry, backends.
+
+Error bounds (derived once, used by every GEMM test). Round to nearest with unit roundoff ``u`` (half the spacing
+above 1: 2**-4 for E4M3's 3 mantissa bits, 2**-3 for E5M2's 2) and, below the normal range, an absolute error of at
+most ``eta`` = half the smallest subnormal (2**-10 for E4M3, 2**-17 for E5M2), both in scaled units. A per-tensor
+scale ``s`` turns these into ``|a' - a| <= u |a| + h`` with ``h = eta / s``. For one product term
+
+    |a'b' - ab| <= |a' - a||b'| + |a||b' - b|
+               <= (u_a + u_b + u_a u_b)|a||b| + h_a (1 + u_b)|b| + (1 + u_a)|a| h_b + h_a h_b
+
+so a K-term dot product of quantised operands is off from the exact one by at most the sum of these terms over k,
+plus the fp32 work (the scale products and the K-term accumulation, Higham's gamma_{K+3} = (K+3) 2**-24 / (1 - ...))
+times ``sum |a'||b'|``. Saturation adds nothing here: per-tensor scales map the amax onto the FP8 max.
+
+MXFP8 (OCP floor rule) differs in two ways: the block scale ``X = 2**(floor(log2 amax_block) - emax)`` lets a
+block's largest elements reach ``2**(emax+1)`` (512 for E4M3, 65536 for E5M2), so those above the max saturate, with
+relative error < (512 - 448) / 512 = 2**-3 (E4M3) and < (65536 - 57344) / 65536 = 2**-3 (E5M2); so ``u = 2**-3`` for
+both formats; and ``h = eta * X <= eta * 2**(floor(log2 amax_tensor) - emax)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+from helpers import TinyMLP
+from torch import nn
+
+from lit_mpstable.fp8 import (
+    FP8Config,
+    FP8Linear,
+    amax_from_history,
+    collect_fp8_stats_,
+    compute_scale,
+    convert_from_fp8,
+    convert_to_fp8,
+    dequantize,
+    dequantize_mx,
+    fp8_autocast_context,
+    fp8_config,
+    fp8_mm,
+    fp8_state_dict,
+    fp8_stats,
+    load_fp8_state_dict,
+    mx_block_scales,
+    quantize,
+    quantize_mx,
+    scaled_mm_supported,
+    select_fp8_modules,
+    update_amax_history_,
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Format facts written out by hand (the OCP FP8 spec), so the tests do not read the code's own constants.
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+UNIT_ROUNDOFF = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
+EMAX = {E4M3: 8, E5M2: 15}
+MX_UNIT_ROUNDOFF = 2.0**-3
+
+
+def test_format_facts_agree_with_torch() -> None:
+    for dtype in (E4M3, E5M2):
+        info = torch.finfo(dtype)
+        assert (info.max, info.eps / 2, info.tiny * info.eps / 2) == (
+            FP8_MAX[dtype], UNIT_ROUNDOFF[dtype], HALF_SUBNORMAL[dtype],
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def never_zero(*shape: int, low: float = -10.0, high: float = 1.0) -> torch.Tensor:
+    """Random signs and log-uniform magnitudes e**[low, high]: spans FP8's normal and subnormal ranges, never 0."""
+    magnitude = torch.empty(shape).uniform_(low, high).exp()
+    sign = torch.randint(0, 2, shape) * 2 - 1
+    return sign * magnitude
+
+
+def gemm_bound(a: torch.Tensor, b_t: torch.Tensor, *, u_a: float, u_b: float, h_a: float, h_b: float) -> torch.Tensor:
+    """Elementwise bound on ``|a' @ b_t'.T - a @ b_t.T|`` (see the module docstring), float64."""
+    a_abs, b_abs = a.double().abs(), b_t.double().abs()
+    k = a.shape[-1]
+    quantisation = (
+        (u_a + u_b + u_a * u_b) * (a_abs @ b_abs.T)
+        + h_a * (1 + u_b) * b_abs.sum(1)[None, :]
+        + (1 + u_a) * h_b * a_abs.sum(1)[:, None]
+        + k * h_a * h_b
+    )
+    gamma = (k + 3) * 2.0**-24 / (1 - (k + 3) * 2.0**-24)
+    accumulation = gamma * (((1 + u_a) * a_abs + h_a) @ ((1 + u_b) * b_abs + h_b).T)
+    return quantisation + accumulation
+
+
+def per_tensor_terms(t: torch.Tensor, dtype: torch.dtype, recipe: str) -> tuple[float, float]:
+    """(u, h) of one operand: per-tensor scale 448/amax (or 57344/amax), or MX's block scales."""
+    amax = t.double().abs().max().item()
+    if recipe == "mxfp8":
+        return MX_UNIT_ROUNDOFF, HALF_SUBNORMAL[dtype] * 2.0 ** (math.floor(math.log2(amax)) - EMAX[dtype])
+    return UNIT_ROUNDOFF[dtype], HALF_SUBNORMAL[dtype] * amax / FP8_MAX[dtype]
+
+
+def operand_bound(a, b_t, a_dtype, b_dtype, recipe):
+    u_a, h_a = per_tensor_terms(a, a_dtype, recipe)
+    u_b, h_b = per_tensor_terms(b_t, b_dtype, recipe)
+    return gemm_bound(a, b_t, u_a=u_a, u_b=u_b, h_a=h_a, h_b=h_b)
+
+
+def assert_within(actual: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> None:
+    err = (actual.double() - exact).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error exceeds the derived bound by {worst:.3f}x"
+    assert err.max() > 0, "no rounding at all: the test would not notice a wrong bound"
+
+
+def all_finite_values(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of an FP8 dtype (its 256 bit patterns, minus NaN/inf)."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    return values[torch.isfinite(values)]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.relu(self.attn(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.odd = nn.Linear(32, 24)  # not a multiple of 16
+        self.out = nn.Linear(24, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.odd(x))
+
+
+# ------------------------------------------------------------------------------------------------- config
+@pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8"])
+def test_preset_factory_builds_the_same_object_as_the_dataclass(recipe: str) -> None:
+    assert fp8_config(recipe) == FP8Config(recipe=recipe)
+    config = FP8Config(recipe=recipe, margin=1)
+    assert fp8_config(config) is config
+    from_mapping = fp8_config({"recipe": recipe, "margin": 1, "filter": ["fc2"]})  # a Hydra node
+    assert from_mapping == FP8Config(recipe, margin=1, filter=("fc2",))
+    assert fp8_config(None) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("recipe", "tensorwise"),
+        ("format", "e5m2"),
+        ("backend", "apex"),
+        ("amax_compute_algo", "mean"),
+        ("margin", -1),
+        ("margin", 1.5),
+        ("amax_history_len", 0),
+        ("emulate", "auto"),
+    ],
+)
+def test_bad_config_names_the_field_and_value(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"{field}={value!r}"):
+        FP8Config(**{field: value})
+
+
+def test_bad_choice_lists_allowed_values_and_unknown_preset_raises() -> None:
+    with pytest.raises(ValueError, match=r"\['delayed', 'current', 'mxfp8'\]"):
+        FP8Config(recipe="tensorwise")
+    with pytest.raises(ValueError, match="fp8_config\\('fast'\\)"):
+        fp8_config("fast")
+    with pytest.raises(TypeError, match="filter"):
+        FP8Config(filter=[3])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(backend="torchao", recipe="delayed"),
+        dict(backend="torchao", recipe="mxfp8"),  # hybrid: torchao's MX casts gradients to E4M3
+        dict(backend="transformer_engine", emulate=True),
+        dict(backend="transformer_engine", recipe="current", margin=1),
+    ],
+)
+def test_backend_limits_are_refused_at_construction(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="backend"):
+        FP8Config(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------- quantisation
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("scale", [1.0, 2.0**-5, 2.0**7])
+def test_round_trip_is_exact_for_representable_values(dtype: torch.dtype, scale: float) -> None:
+    values = all_finite_values(dtype) / scale  # power-of-two scales: value * scale is exact
+    q = quantize(values, torch.tensor(scale), dtype)
+    assert q.dtype == dtype
+    assert torch.equal(dequantize(q, torch.tensor(scale)), values)
+
+
+# name -> (input, E4M3 result, E5M2 result): the edges of each format's range
+SATURATION_CASES = {
+    "largest normal": (448.0, 448.0, 448.0),
+    "e4m3 max + 1 ulp": (480.0, 448.0, 512.0),  # E5M2: a tie between 448 and 512, to even
+    "e5m2 largest normal": (57344.0, 448.0, 57344.0),
+    "e5m2 max + 1 ulp": (65536.0, 448.0, 57344.0),
+    "far above": (1e30, 448.0, 57344.0),
+    "far below": (-1e30, -448.0, -57344.0),
+    "e4m3 smallest subnormal": (2.0**-9, 2.0**-9, 2.0**-9),
+    "half of it (ties to even: 0)": (2.0**-10, 0.0, 2.0**-10),
+}
+
+
+@pytest.mark.parametrize("case", SATURATION_CASES)
+def test_quantize_saturates_at_the_format_max(case: str) -> None:
+    value, e4m3, e5m2 = SATURATION_CASES[case]
+    x = torch.tensor([value])
+    assert quantize(x, 1.0, E4M3).float().item() == e4m3
+    assert quantize(x, 1.0, E5M2).float().item() == e5m2
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_non_finite_inputs_become_nan_not_the_max(dtype: torch.dtype) -> None:
+    # A saturated inf would hide an FP16 overflow from the loss scaler.
+    q = quantize(torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0]), 1.0, dtype).float()
+    assert q[:3].isnan().all() and q[3] == 1.0
+
+
+def test_compute_scale_from_amax_with_margin_and_fallbacks() -> None:
+    assert compute_scale(torch.tensor(2.0), E4M3).item() == 224.0
+    assert compute_scale(torch.tensor(2.0), E5M2, margin=2).item() == 57344.0 / 2 / 4
+    for amax in (0.0, float("inf"), float("nan"), 1e-38):  # no usable amax (1e-38: the scale overflows fp32)
+        assert compute_scale(torch.tensor(amax), E4M3, previous=torch.tensor(3.0)).item() == 3.0
+        assert compute_scale(torch.tensor(amax), E4M3).item() == 1.0
+    amax = torch.tensor(1e-3, dtype=torch.bfloat16)  # computed in fp32: 448 / 1e-3 fits bf16's range but not its eps
+    assert compute_scale(amax, E4M3).dtype == torch.float32
+
+
+def test_amax_history_rolls_and_computes() -> None:
+    history = torch.zeros(2, 4)
+    for amax in ([1.0, 5.0], [3.0, float("inf")], [2.0, 1.0]):
+        update_amax_history_(history, torch.tensor(amax))
+    assert history.tolist() == [[2.0, 3.0, 1.0, 0.0], [1.0, 0.0, 5.0, 0.0]]  # newest first; inf recorded as 0
+    assert amax_from_history(history, "max").tolist() == [3.0, 5.0]
+    assert amax_from_history(history, "most_recent").tolist() == [2.0, 1.0]
+
+
+# ------------------------------------------------------------------------------------------------------ MX
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_mx_scales_are_ocp_powers_of_two(dtype: torch.dtype) -> None:
+    x = never_zero(4, 70, low=-12, high=4)  # 70: a partial last block
+    scales = mx_block_scales(x, dtype)
+    assert scales.shape == (4, 3)
+    mantissa, _ = torch.frexp(scales)
+    assert (mantissa == 0.5).all()  # powers of two
+    assert torch.equal(scales.to(torch.float8_e8m0fnu).float(), scales)  # E8M0-representable
+    for row in range(4):
+        for block in range(3):
+            amax = x[row, 32 * block : 32 * (block + 1)].abs().max().item()
+            expected = 2.0 ** (math.floor(math.log2(amax)) - EMAX[dtype])  # OCP MX v1.0, section 6.3
+            assert scales[row, block].item() == expected
+
+
+def test_mx_round_trip_and_edge_blocks() -> None:
+    # A block holding exact E4M3 values times a power of two comes back unchanged.
+    values = all_finite_values(E4M3)
+    block = values[values.abs() <= 256][:32] * 2.0**-20
+    block[0] = 256 * 2.0**-20  # the block amax sets X = 2**(8 - 20 - 8): every element stays representable
+    data, scale = quantize_mx(block[None], E4M3)
+    assert torch.equal(dequantize_mx(data, scale), block[None])
+    zeros = torch.zeros(1, 32)
+    data, scale = quantize_mx(zeros, E4M3)
+    assert scale.item() == 2.0**-127 and torch.equal(dequantize_mx(data, scale), zeros)
+    data, scale = quantize_mx(torch.tensor([[1.0, float("inf")] + [0.0] * 30]), E4M3)
+    assert scale.isnan().all()  # E8M0 NaN: the overflow stays visible
+
+
+# ---------------------------------------------------------------------------------------------- GEMM bounds
+@pytest.mark.parametrize("use_scaled_mm", [False, True])
+@pytest.mark.parametrize("b_dtype", [E4M3, E5M2])
+def test_per_tensor_gemm_is_within_the_derived_bound(use_scaled_mm: bool, b_dtype: torch.dtype) -> None:
+    if use_scaled_mm and not scaled_mm_supported("cpu"):
+        pytest.skip("torch._scaled_mm does not run on this CPU build")
+    a, b_t = never_zero(32, 64), never_zero(48, 64)
+    s_a, s_b = 448.0 / a.abs().max(), FP8_MAX[b_dtype] / b_t.abs().max()
+    out = fp8_mm(
+        quantize(a, s_a, E4M3), quantize(b_t, s_b, b_dtype), 1 / s_a, 1 / s_b,
+        out_dtype=torch.float32, use_scaled_mm=use_scaled_mm,
+    )  # fmt: skip
+    exact = a.double() @ b_t.double().T
+    assert_within(out, exact, operand_bound(a, b_t, E4M3, b_dtype, "current"))
+
+
+def test_the_bound_is_tight_enough_to_catch_a_coarser_format() -> None:
+    # K = 1 (outer products): no cancellation, each element shows its own rounding error. E4M3 operands stay
+    # within the E4M3 bound; an E5M2 operand (one mantissa bit fewer) claimed as E4M3 breaks it.
+    a, b_t = never_zero(64, 1, low=-3, high=1), never_zero(64, 1, low=-3, high=1)
+    s_a, s_b = 448.0 / a.abs().max(), 448.0 / b_t.abs().max()
+    bound = operand_bound(a, b_t, E4M3, E4M3, "current")
+    exact = a.double() @ b_t.double().T
+    b_fp8 = quantize(b_t, s_b, E4M3)
+    for a_dtype, within in ((E4M3, True), (E5M2, False)):
+        out = fp8_mm(quantize(a, s_a, a_dtype), b_fp8, 1 / s_a, 1 / s_b, out_dtype=torch.float32, use_scaled_mm=False)
+        assert bool(((out.double() - exact).abs() <= bound).all()) is within
+
+
+def test_scaled_mm_and_emulation_agree() -> None:
+    if not scaled_mm_supported("cpu"):
+        pytest.skip("torch._scaled_mm does not run on this CPU build")
+    a, b_t = quantize(never_zero(32, 64), 16.0, E4M3), quantize(never_zero(16, 64), 16.0, E5M2)
+    inv = torch.tensor(1 / 16)
+    fast = fp8_mm(a, b_t, inv, inv, out_dtype=torch.float32, use_scaled_mm=True)
+    emulated = fp8_mm(a, b_t, inv, inv, out_dtype=torch.float32, use_scaled_mm=False)
+    torch.testing.assert_close(fast, emulated, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_mx_gemm_is_within_the_derived_bound(dtype: torch.dtype) -> None:
+    a, b_t = never_zero(32, 96, low=-12, high=3), never_zero(16, 96)
+    a_mx, b_mx = (dequantize_mx(*quantize_mx(t, dtype)) for t in (a, b_t))
+    exact = a.double() @ b_t.double().T
+    assert_within(a_mx @ b_mx.T, exact, operand_bound(a, b_t, dtype, dtype, "mxfp8"))
+
+
+# ---------------------------------------------------------------------------------------------- FP8Linear
+def fp8_linear(recipe: str, *, d_in: int = 64, d_out: int = 32, **config) -> FP8Linear:
+    layer = FP8Linear(d_in, d_out, config=FP8Config(recipe=recipe, **config))
+    with torch.no_grad():
+        layer.weight.copy_(never_zero(d_out, d_in, low=-8, high=-1))
+        layer.bias.copy_(never_zero(d_out))
+    return layer
+
+
+def run_step(layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    layer.zero_grad()
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    (y.float() * grad_out).sum().backward()
+    return y
+
+
+@pytest.mark.parametrize("emulate", [True, None])
+@pytest.mark.parametrize(
+    ("recipe", "fmt"), [("delayed", "hybrid"), ("current", "hybrid"), ("current", "e4m3"), ("mxfp8", "hybrid")]
+)
+def test_fp8_linear_forward_backward_within_bound(recipe: str, fmt: str, emulate: bool | None) -> None:
+    layer = fp8_linear(recipe, format=fmt, emulate=emulate)
+    x, grad_out = never_zero(48, 64), never_zero(48, 32, low=-6, high=2)
+    run_step(layer, x, grad_out)  # delayed: this step's amaxes set the next step's scales
+    y = run_step(layer, x, grad_out)
+    w, b = layer.weight.detach().double(), layer.bias.detach().double()
+    g_dtype = E5M2 if fmt == "hybrid" else E4M3
+    exact_y = x.double() @ w.T
+    assert_within(y - b, exact_y, operand_bound(x, w, E4M3, E4M3, recipe) + 2.0**-22 * (exact_y.abs() + b.abs()))
+    exact_grad_w = grad_out.double().T @ x.double()
+    assert_within(layer.weight.grad, exact_grad_w, operand_bound(grad_out.T, x.T, g_dtype, E4M3, recipe))
+    torch.testing.assert_close(layer.bias.grad.double(), grad_out.double().sum(0), rtol=1e-6, atol=1e-5)
+
+
+def test_fp8_linear_input_gradient_within_bound() -> None:
+    layer = fp8_linear("current")
+    x, grad_out = never_zero(48, 64).requires_grad_(), never_zero(48, 32)
+    (layer(x) * grad_out).sum().backward()
+    w = layer.weight.detach()
+    assert_within(x.grad, grad_out.double() @ w.double(), operand_bound(grad_out, w.T, E5M2, E4M3, "current"))
+
+
+def test_fp8_linear_under_bf16_autocast() -> None:
+    layer = fp8_linear("current", d_in=32, d_out=32)
+    x, grad_out = never_zero(16, 32, low=-4, high=1).requires_grad_(), never_zero(16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        z = layer(y)  # a bf16 input, as from a previous autocast op
+    assert y.dtype == z.dtype == torch.bfloat16
+    (y.float() * grad_out).sum().backward()
+    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+    w, b = layer.weight.detach().double(), layer.bias.detach().double()
+    exact = x.detach().double() @ w.T
+    # bf16 rounds the GEMM output, the bias and their sum: at most 2**-8 relative each
+    bound = operand_bound(x.detach(), w, E4M3, E4M3, "current")
+    assert_within(y, exact + b, bound + 2.0**-7 * (exact.abs() + b.abs() + bound))
+
+
+def test_auto_mode_warns_once_when_it_has_to_emulate(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lit_mpstable.fp8.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "scaled_mm_supported", lambda device: False)
+    monkeypatch.setattr(linear_module, "_WARNED_EMULATION", set())
+    layer = fp8_linear("current", d_in=32, d_out=16)
+    with pytest.warns(RuntimeWarning, match="emulated"):
+        layer(torch.randn(4, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.randn(4, 32))  # once per device
+    with pytest.raises(RuntimeError, match="emulate=False"):
+        fp8_linear("current", emulate=False)(torch.randn(4, 64))
+
+
+def test_gradients_reach_weight_and_bias_of_a_converted_model() -> None:
+    model = TinyMLP()
+    weight = model.fc2.weight
+    assert convert_to_fp8(model, "current") == ["fc2"]
+    assert model.fc2.weight is weight  # same Parameter: an optimizer built earlier keeps working
+    model(never_zero(8, 16)).square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------- delayed scaling
+def test_delayed_scaling_uses_the_previous_steps_history() -> None:
+    layer = fp8_linear("delayed", amax_history_len=4)
+    layer.collect_stats = True
+    x, grad_out = never_zero(32, 64), never_zero(32, 32)
+    amax1 = x.abs().max()
+    run_step(layer, x, grad_out)
+    assert layer.amax_history[0, 0] == amax1 and layer.scale[0] == 448 / amax1
+    run_step(layer, 10 * x, grad_out)  # scaled with step 1's amax: a tenfold input saturates
+    expected = ((10 * x).abs() * (448 / amax1) > 464).float().mean()  # 464: beyond it the cast clips
+    assert layer.fp8_stats["x_saturation_frac"] == pytest.approx(expected.item()) and expected > 0.05
+    assert layer.amax_history[0, :2].tolist() == pytest.approx([10 * amax1.item(), amax1.item()])
+    assert layer.scale[0].item() == pytest.approx(448 / (10 * amax1.item()))  # max over the history
+    run_step(layer, x, grad_out)
+    assert layer.scale[0].item() == pytest.approx(448 / (10 * amax1.item()))  # the 10x step is still in it
+
+
+def test_delayed_most_recent_margin_and_eval_mode() -> None:
+    layer = fp8_linear("delayed", amax_compute_algo="most_recent", margin=1)
+    x, grad_out = never_zero(16, 64), never_zero(16, 32)
+    run_step(layer, 10 * x, grad_out)
+    run_step(layer, x, grad_out)
+    assert layer.scale[0].item() == pytest.approx(448 / x.abs().max().item() / 2)
+    layer.eval()
+    before = layer.fp8_state_dict()
+    layer(5 * x)
+    assert all(torch.equal(before[k], v) for k, v in layer.fp8_state_dict().items())  # eval leaves history alone
+
+
+def test_overflowing_input_reaches_the_output_and_leaves_the_scale() -> None:
+    layer = fp8_linear("delayed")
+    x, grad_out = never_zero(16, 64), never_zero(16, 32)
+    run_step(layer, x, grad_out)
+    scale = layer.scale.clone()
+    x[3, 5] = float("inf")
+    y = run_step(layer, x, grad_out)
+    assert y[3].isnan().all() and y[:3].isfinite().all()
+    assert torch.equal(layer.scale, scale) and layer.amax_history[0, 0] == 0
+
+
+# ------------------------------------------------------------------------------------------------- state
+def train(model: nn.Module, steps: int, *, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outs = []
+    for _ in range(steps):
+        x = torch.randn(16, 16, generator=gen)
+        opt.zero_grad()
+        y = model(x)
+        outs.append(y.detach())
+        y.square().mean().backward()
+        opt.step()
+    return outs
+
+
+def test_state_round_trip_gives_identical_next_steps() -> None:
+    torch.manual_seed(0)
+    reference = TinyMLP()
+    init = {k: v.clone() for k, v in reference.state_dict().items()}
+    convert_to_fp8(reference, FP8Config(recipe="delayed", amax_history_len=8))
+    train(reference, 3)
+    buffer = io.BytesIO()
+    torch.save({"model": reference.state_dict(), "fp8": fp8_state_dict(reference)}, buffer)
+    assert set(reference.state_dict()) == set(init)  # FP8 buffers are not in the model's state dict
+    expected = train(reference, 2, seed=2)
+
+    def resumed(with_fp8_state: bool) -> list[torch.Tensor]:
+        model = TinyMLP()
+        convert_to_fp8(model, FP8Config(recipe="delayed", amax_history_len=8))
+        buffer.seek(0)
+        checkpoint = torch.load(buffer, weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        if with_fp8_state:
+            load_fp8_state_dict(model, checkpoint["fp8"])
+        return train(model, 2, seed=2)
+
+    assert all(torch.equal(a, b) for a, b in zip(resumed(True), expected))
+    assert not all(torch.equal(a, b) for a, b in zip(resumed(False), expected))  # the state matters
+
+
+def test_load_fp8_state_dict_is_strict() -> None:
+    model = TinyMLP()
+    convert_to_fp8(model, "delayed")
+    state = fp8_state_dict(model)
+    assert set(state) == {"fc2.amax_history", "fc2.scale"}
+    with pytest.raises(KeyError, match="fc2.scale"):
+        load_fp8_state_dict(model, {"fc2.amax_history": state["fc2.amax_history"]})
+    with pytest.raises(KeyError, match="fc9.scale"):
+        load_fp8_state_dict(model, {**state, "fc9.scale": state["fc2.scale"]})
+    with pytest.raises(ValueError, match="amax_history_len"):
+        load_fp8_state_dict(model, {**state, "fc2.amax_history": torch.zeros(3, 16)})
+    plain = TinyMLP()
+    plain.load_state_dict(model.state_dict())  # a plain checkpoint loads either way
+
+
+# ------------------------------------------------------------------------------------------------- filters
+def test_default_filter_skips_first_last_and_odd_dims() -> None:
+    assert select_fp8_modules(TinyMLP(), FP8Config()) == ["fc2"]
+    blocks = ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]
+    assert select_fp8_modules(Stack(), FP8Config()) == blocks  # not inp (first), odd (24), out (last)
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected"),
+    [
+        (["fc*"], ["fc1", "fc2", "fc3"]),
+        (["fc3"], ["fc3"]),
+        ([nn.Linear], ["fc1", "fc2", "fc3"]),
+        (lambda module, name: module.out_features == 32, ["fc1", "fc2"]),
+    ],
+)
+def test_user_filters_replace_the_default_rule(rule, expected: list[str]) -> None:
+    assert select_fp8_modules(TinyMLP(), FP8Config(filter=rule)) == expected
+
+
+def test_filter_entries_match_containers() -> None:
+    assert select_fp8_modules(Stack(), FP8Config(filter=["blocks.1"])) == ["blocks.1.attn", "blocks.1.mlp"]
+    assert select_fp8_modules(Stack(), FP8Config(filter=["*.mlp"])) == ["blocks.0.mlp", "blocks.1.mlp"]
+    assert len(select_fp8_modules(Stack(), FP8Config(filter=[Block]))) == 4
+
+
+def test_stale_filter_raises() -> None:
+    with pytest.raises(ValueError, match=r"\['fc9'\] match no nn.Linear"):
+        convert_to_fp8(TinyMLP(), FP8Config(filter=["fc2", "fc9"]))
+    with pytest.raises(ValueError, match="Block"):
+        select_fp8_modules(TinyMLP(), FP8Config(filter=[Block]))
+
+
+def test_multihead_attention_projection_is_never_swapped() -> None:
+    model = nn.Sequential(nn.Linear(32, 32), nn.MultiheadAttention(32, 2), nn.Linear(32, 32))
+    assert select_fp8_modules(model, FP8Config(filter=["*"])) == ["0", "2"]
+
+
+def test_convert_from_fp8_restores_plain_linears_with_hooks() -> None:
+    model = TinyMLP()
+    calls = []
+    model.fc2.register_forward_hook(lambda *args: calls.append(1))
+    weight = model.fc2.weight
+    convert_to_fp8(model, "current")
+    model(torch.randn(4, 16))
+    assert convert_from_fp8(model, ["fc2"]) == ["fc2"]
+    assert type(model.fc2) is nn.Linear and model.fc2.weight is weight
+    model(torch.randn(4, 16))
+    assert calls == [1, 1]  # the hook fired on the FP8 layer and again after moving back
+    with pytest.raises(ValueError, match="fc2"):
+        convert_from_fp8(model, ["fc2"])
+    assert convert_to_fp8(model, None) == []
+
+
+# ----------------------------------------------------------------------------------------------- telemetry
+def test_stats_are_collected_only_when_asked() -> None:
+    model = TinyMLP()
+    convert_to_fp8(model, "current")
+    model(torch.randn(4, 16)).sum().backward()
+    assert fp8_stats(model) == {}
+    collect_fp8_stats_(model)
+    x = torch.randn(32, 16)
+    model(x).sum().backward()
+    stats = fp8_stats(model)
+    assert set(stats) == {"fc2", "total"}
+    metrics = ("saturation_frac", "underflow_frac", "amax", "numel")
+    assert set(stats["fc2"]) == {f"{t}_{m}" for t in ("x", "w", "grad_out") for m in metrics}
+    assert set(stats["total"]) == {"fp8_saturation_frac", "fp8_underflow_frac"}
+    collect_fp8_stats_(model, False)
+    assert fp8_stats(model) == {}
+
+
+def test_underflow_fraction_counts_values_flushed_to_zero() -> None:
+    layer = fp8_linear("current", d_in=32, d_out=16)
+    layer.collect_stats = True
+    x = torch.full((4, 32), 1e-4)
+    x[0, 0] = 448.0  # scale 1: 1e-4 is below half of E4M3's smallest subnormal (2**-10 ~ 9.8e-4)
+    x[1, :8] = 1e-2  # representable (subnormal)
+    run_step(layer, x, torch.ones(4, 16))
+    assert layer.fp8_stats["x_underflow_frac"].item() == pytest.approx((128 - 1 - 8) / 128)
+    totals = fp8_stats(nn.Sequential(layer))["total"]
+    assert 0 < totals["fp8_underflow_frac"] < 1
+
+
+# ------------------------------------------------------------------------------------------------- backends
+def fake_module(name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    return module
+
+
+@pytest.fixture
+def fake_transformer_engine(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
+    calls = types.SimpleNamespace(linear=[], autocast=[])
+
+    class Linear(nn.Linear):
+        def __init__(self, in_features, out_features, *, bias, params_dtype, device) -> None:
+            super().__init__(in_features, out_features, bias=bias, dtype=params_dtype, device=device)
+            calls.linear.append((in_features, out_features, bias, params_dtype, device))
+
+    class Recipe:
+        def __init__(self, **kwargs) -> None:
+            self.kwargs = kwargs
+
+    names = ("DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling")
+    recipes = {name: type(name, (Recipe,), {}) for name in names}
+    fp8_format = types.SimpleNamespace(HYBRID="HYBRID", E4M3="E4M3")
+    recipe = fake_module("transformer_engine.common.recipe", Format=fp8_format, **recipes)
+    def fp8_autocast(**kwargs):
+        calls.autocast.append(kwargs)
+        return contextlib.nullcontext()
+
+    pytorch = fake_module("transformer_engine.pytorch", Linear=Linear, fp8_autocast=fp8_autocast)
+    for name, module in {
+        "transformer_engine": fake_module("transformer_engine", pytorch=pytorch),
+        "transformer_engine.pytorch": pytorch,
+        "transformer_engine.common": fake_module("transformer_engine.common", recipe=recipe),
+        "transformer_engine.common.recipe": recipe,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return calls
+
+
+def test_transformer_engine_swap_copies_weights(fake_transformer_engine) -> None:
+    model = TinyMLP()
+    weight, bias = model.fc2.weight, model.fc2.bias
+    assert convert_to_fp8(model, FP8Config(backend="transformer_engine")) == ["fc2"]
+    assert fake_transformer_engine.linear == [(32, 32, True, torch.float32, torch.device("cpu"))]
+    assert type(model.fc2).__name__ == "Linear" and model.fc2.weight is not weight
+    assert torch.equal(model.fc2.weight, weight) and torch.equal(model.fc2.bias, bias)
+
+
+@pytest.mark.parametrize(
+    ("config", "recipe", "kwargs"),
+    [
+        (
+            FP8Config(margin=2, amax_history_len=16, amax_compute_algo="most_recent", backend="transformer_engine"),
+            "DelayedScaling",
+            dict(margin=2, fp8_format="HYBRID", amax_history_len=16, amax_compute_algo="most_recent"),
+        ),
+        (
+            FP8Config(recipe="current", format="e4m3", backend="transformer_engine"),
+            "Float8CurrentScaling",
+            dict(fp8_format="E4M3"),
+        ),
+        (FP8Config(recipe="mxfp8", backend="transformer_engine"), "MXFP8BlockScaling", dict(fp8_format="HYBRID")),
+    ],
+)
+def test_transformer_engine_autocast_recipe(fake_transformer_engine, config, recipe, kwargs) -> None:
+    fp8_autocast_context(config)
+    (call,) = fake_transformer_engine.autocast
+    assert call["enabled"] is True
+    assert type(call["fp8_recipe"]).__name__ == recipe and call["fp8_recipe"].kwargs == kwargs
+
+
+def test_native_backend_needs_no_autocast_context() -> None:
+    with fp8_autocast_context("delayed"):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("backend", "recipe", "pip"),
+    [
+        ("transformer_engine", "delayed", 'pip install "transformer-engine[pytorch]"'),
+        ("torchao", "current", "pip install torchao"),
+    ],
+)
+def test_missing_backend_names_the_pip_line(monkeypatch: pytest.MonkeyPatch, backend: str, recipe: str, pip) -> None:
+    for name in (backend, f"{backend}.pytorch", f"{backend}.float8"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ModuleNotFoundError, match=pip.replace("[", r"\[").replace("]", r"\]")):
+        convert_to_fp8(TinyMLP(), FP8Config(recipe=recipe, backend=backend))
+
+
+def test_torchao_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    class Float8LinearConfig:
+        def __init__(self, **kwargs) -> None:
+            self.kwargs = kwargs
+
+    def convert_to_float8_training(module, *, module_filter_fn, config):
+        calls.append((module, module_filter_fn, config))
+
+    float8 = fake_module(
+        "torchao.float8", Float8LinearConfig=Float8LinearConfig, CastConfig=lambda **kw: kw,
+        convert_to_float8_training=convert_to_float8_training,
+    )  # fmt: skip
+    monkeypatch.setitem(sys.modules, "torchao", fake_module("torchao", float8=float8))
+    monkeypatch.setitem(sys.modules, "torchao.float8", float8)
+    model = TinyMLP()
+    assert convert_to_fp8(model, FP8Config(recipe="current", format="e4m3", backend="torchao", emulate=True)) == ["fc2"]
+    ((module, module_filter_fn, config),) = calls
+    assert module is model
+    assert [name for name, m in model.named_modules() if module_filter_fn(m, name)] == ["fc2"]
+    assert config.kwargs == {"emulate": True, "cast_config_grad_output": {"target_dtype": E4M3}}
+
+
+def test_torchao_real_run_on_cpu() -> None:
+    pytest.importorskip("torchao.float8")
+    model = TinyMLP(32, 32, 32)
+    reference = TinyMLP(32, 32, 32)
+    reference.load_state_dict(model.state_dict())
+    convert_to_fp8(model, FP8Config(recipe="current", backend="torchao"))
+    assert type(model.fc2).__name__ == "Float8Linear"
+    x = torch.randn(16, 32)
+    y = model(x)
+    y.square().sum().backward()
+    assert model.fc2.weight.grad is not None and model.fc2.bias.grad is not None
+    torch.testing.assert_close(y, reference(x), rtol=0.1, atol=0.05)
+
+
+# ------------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_scaled_mm_path_on_cuda_matches_emulation(recipe: str) -> None:
+    assert scaled_mm_supported("cuda"), "the H100/H200/L4-class GPU should run torch._scaled_mm"
+    fast = fp8_linear(recipe, d_in=64, d_out=32, emulate=False).cuda()
+    slow = fp8_linear(recipe, d_in=64, d_out=32, emulate=True).cuda()
+    slow.load_state_dict(fast.state_dict())
+    x, grad_out = never_zero(48, 64).cuda(), never_zero(48, 32).cuda()
+    for _ in range(2):
+        y_fast, y_slow = run_step(fast, x, grad_out), run_step(slow, x, grad_out)
+    torch.testing.assert_close(y_fast, y_slow, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.weight.grad, slow.weight.grad, rtol=1e-5, atol=1e-5)
