@@ -14,6 +14,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from lit_mpstable.report import write_report
+
 __all__ = ["main", "run"]
 
 
@@ -24,6 +26,7 @@ class _StepRecorder(pl.Callback):
         self.loss_scale: list[float] = []
         self.skipped: list[bool] = []
         self.train_loss: list[float] = []
+        self.val_loss: list[tuple[int, float]] = []
         self.started = self.stopped = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -35,6 +38,10 @@ class _StepRecorder(pl.Callback):
         self.skipped.append(bool(getattr(plugin, "last_step_skipped", False)))
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.train_loss.append(float(loss))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
+            self.val_loss.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stopped = time.perf_counter()
@@ -65,9 +72,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "skipped_steps": int(sum(recorder.skipped)),
         "overflow_rate": sum(recorder.skipped) / max(steps, 1),
         "loss_scale_trajectory": recorder.loss_scale,
+        "skipped_trajectory": recorder.skipped,
         "train_loss_curve": recorder.train_loss,
+        "val_loss_curve": recorder.val_loss,
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_report(summary, out_dir)
     return summary
 
 
@@ -83,7 +93,7 @@ def _print_summary(summary: dict[str, Any], out_dir: Path) -> None:
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console = Console()
     console.print(table)
-    console.print(f"summary written to {out_dir / 'summary.json'}")
+    console.print(f"summary: {out_dir / 'summary.json'}\nstability report: {out_dir / 'report.md'}")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
