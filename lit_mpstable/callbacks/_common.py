@@ -1,0 +1,195 @@
+"""What the callbacks share: finding the plugin, step counting, the windowed-overflow metric, and the one place
+the ``mp/*`` metrics are logged."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torchmetrics import Metric
+
+from lit_mpstable.plugin import StablePrecision
+
+__all__ = [
+    "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "check", "clone_tensors",
+    "is_int", "is_number", "log_mp", "plugin_metrics", "strict_keys",
+]
+
+METRIC_NAMES = (
+    "mp/loss_scale", "mp/overflow_rate", "mp/skipped_steps", "mp/grad_norm", "mp/grad_underflow_frac",
+    "mp/fallback_active", "mp/rollbacks", "mp/fp8_saturation_frac", "mp/fp8_underflow_frac",
+)
+_PROG_BAR = frozenset({"mp/loss_scale", "mp/overflow_rate"})
+_STATS = ("grad_norm", "grad_underflow_frac", "fp8_saturation_frac", "fp8_underflow_frac")
+_FORMAT_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def is_int(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def check(ok: bool, call: str, rule: str) -> None:
+    """Raise ``ValueError("{call}: {rule}")`` unless ``ok``; ``call`` echoes the argument and its value."""
+    if not ok:
+        raise ValueError(f"{call}: {rule}")
+
+
+def strict_keys(owner: str, state: Mapping[str, Any], expected: set[str]) -> None:
+    if set(state) != expected:
+        missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise KeyError(
+            f"{owner}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the state written by another"
+            " version of lit_mpstable?"
+        )
+
+
+def clone_tensors(obj: Any) -> Any:
+    """A copy of nested dicts/lists in which every tensor is cloned (state dicts share storage with live tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, Mapping):
+        return {key: clone_tensors(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tensors(value) for value in obj)
+    return obj
+
+
+# ------------------------------------------------------------------------------------------------ plugin access
+class PluginCallback(pl.Callback):
+    """Base of the four callbacks: finds the :class:`StablePrecision` plugin at fit start, or warns once (rank
+    zero) and leaves every hook inert."""
+
+    def __init__(self) -> None:
+        self._plugin: StablePrecision | None = None
+        self._warned_no_plugin = False
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        plugin = trainer.precision_plugin
+        self._plugin = plugin if isinstance(plugin, StablePrecision) else None
+        if self._plugin is None and not self._warned_no_plugin:
+            self._warned_no_plugin = True
+            rank_zero_warn(
+                f"{type(self).__name__} does nothing: the trainer's precision plugin is {type(plugin).__name__}, not"
+                " StablePrecision; use Trainer(plugins=[StablePrecision(...)])."
+            )
+
+
+class StepCounter:
+    """Optimizer steps, overflows and skipped steps the plugin recorded since the last call: host ints, no sync.
+
+    A batch in which no optimizer stepped (gradient accumulation) shows 0 steps.
+    """
+
+    def __init__(self) -> None:
+        self.seen = (0, 0, 0)
+
+    @staticmethod
+    def _now(plugin: StablePrecision) -> tuple[int, int, int]:
+        return plugin.step_count, plugin.overflow_count, plugin.skipped_steps
+
+    def reset(self, plugin: StablePrecision) -> None:
+        self.seen = self._now(plugin)
+
+    def delta(self, plugin: StablePrecision) -> tuple[int, int, int]:
+        now = self._now(plugin)
+        steps, overflows, skipped = (a - b for a, b in zip(now, self.seen))
+        self.seen = now
+        return steps, overflows, skipped
+
+
+class LaggedFlag:
+    """Whether something happened in a step, kept on the device, summed across ranks, and read one step later,
+    when the device has long computed it: a per-step check without a per-step host sync."""
+
+    def __init__(self) -> None:
+        self.current: torch.Tensor | None = None
+        self.previous: torch.Tensor | None = None
+
+    def mark(self, flag: torch.Tensor) -> None:
+        """OR a 0-dim bool tensor into the step in progress."""
+        self.current = flag if self.current is None else self.current | flag
+
+    def end_step(self, strategy: Any) -> bool | None:
+        """Close the step; return the previous step's flag (on any rank), ``None`` if there was none."""
+        flag, self.current = self.current, None
+        if flag is not None:
+            flag = strategy.reduce(flag.float(), reduce_op="sum")
+        previous, self.previous = self.previous, flag
+        return None if previous is None else bool(previous.item() > 0)
+
+    def unread(self) -> bool | None:
+        """The flag :meth:`end_step` will return next (synchronises), for checkpoints."""
+        return None if self.previous is None else bool(self.previous.item() > 0)
+
+    def load(self, value: bool | None) -> None:
+        self.current, self.previous = None, None if value is None else torch.tensor(float(value))
+
+
+class WindowedCounts(Metric):
+    """Overflows, skipped steps and optimizer steps of the last ``window`` stepping batches, as a ring buffer.
+
+    One ``(window, 3)`` state, summed across processes when :meth:`compute` synchronises (so the rate
+    ``overflows / steps`` is the rate over all ranks). :meth:`update` writes three scalars in place: no host sync.
+    """
+
+    full_state_update = False
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+        self.position = 0
+        self.add_state("counts", default=torch.zeros(window, 3), dist_reduce_fx="sum")
+
+    def update(self, overflows: int, skipped: int, steps: int) -> None:  # type: ignore[override]
+        row = self.counts[self.position % self.window]
+        row[0], row[1], row[2] = overflows, skipped, steps
+        self.position += 1
+
+    def compute(self) -> torch.Tensor:
+        """``[overflows, skipped, steps]`` summed over the window (and over processes)."""
+        return self.counts.sum(0)
+
+    def reset(self) -> None:
+        super().reset()
+        self.position = 0
+
+
+# ------------------------------------------------------------------------------------------------ logging
+def _scalar(value: Any, dtype: torch.dtype) -> float | torch.Tensor | None:
+    if isinstance(value, Mapping):  # per-format statistics: the format the model computes in
+        value = value.get(_FORMAT_IDS.get(dtype, ""))
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().reshape(()) if value.numel() == 1 else None
+    return float(value) if is_number(value) else None
+
+
+def plugin_metrics(plugin: StablePrecision, *, overflow_rate: float, rollbacks: int) -> dict[str, Any]:
+    """The ``mp/*`` values for this step. Reads ``plugin.loss_scale``, which synchronises: call on logging steps."""
+    values: dict[str, Any] = {
+        "mp/loss_scale": plugin.loss_scale,
+        "mp/overflow_rate": overflow_rate,
+        "mp/skipped_steps": float(plugin.skipped_steps),
+        "mp/fallback_active": float(plugin.fallback_active),
+        "mp/rollbacks": float(rollbacks),
+    }
+    for key in _STATS:  # telemetry fills these on some steps only
+        value = _scalar(plugin.stats.get(key), plugin.dtype)
+        if value is not None:
+            values[f"mp/{key}"] = value
+    return values
+
+
+def log_mp(pl_module: pl.LightningModule, values: Mapping[str, Any]) -> None:
+    """The one place ``mp/*`` metrics are logged, always with the same arguments per name (Lightning accepts a
+    name logged twice in one hook only then): per step, loss scale and overflow rate in the progress bar."""
+    for name, value in values.items():
+        assert name in METRIC_NAMES, name
+        pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name in _PROG_BAR, batch_size=1)

@@ -1,0 +1,158 @@
+"""AMPPreflight: before training, compares the low-precision forward with FP32 on the first real batch."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+
+from lit_mpstable.callbacks._common import PluginCallback, check, is_number, strict_keys
+from lit_mpstable.callbacks._rules import compare_outputs, default_forward, first_tensor
+from lit_mpstable.fp8 import FP8Linear, convert_from_fp8
+
+__all__ = ["AMPPreflight", "compare_outputs", "default_forward"]
+
+PreflightAction = Literal["fallback", "warn", "raise"]
+# Guessed: unit roundoffs (bf16 2**-9, fp16 2**-12, fp8 e4m3 2**-4) times the few-fold that some layers of rounding
+# add up to, with margin over what healthy models show (bf16 0.3-0.5%, fp16 0.06%, fp8 2.5-4.5% measured on TinyMLP,
+# bf16 ~1% on the demo Transformer). Relative to the FP32 output's max abs, so the tolerance follows its scale.
+DEFAULT_RTOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
+FP8_RTOL = 0.15
+
+
+def _has_fp8(module: nn.Module) -> bool:
+    return any(isinstance(m, FP8Linear) for m in module.modules())
+
+
+def _fp32_copy(module: pl.LightningModule) -> pl.LightningModule:
+    # 16-bit weights and FP8 layers compute in low precision whatever autocast says: a copy can leave both.
+    fp32 = copy.deepcopy(module)  # LightningModule.__getstate__ leaves the trainer out
+    convert_from_fp8(fp32)
+    return fp32.float()
+
+
+def _upcast(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.is_floating_point() else tensor
+
+
+class AMPPreflight(PluginCallback):
+    """Runs the LightningModule's forward on the first training batch in FP32 and in the plugin's low-precision
+    forward context, compares the outputs (the first floating tensor) and acts when they disagree.
+
+    - FP32 reference: autocast off for ``*-mixed``; for ``*-true`` or with FP8 layers a deep copy of the module,
+      FP8 layers turned back into ``nn.Linear`` and cast to FP32 (costs one FP32 copy of the model, once).
+      In ``*-true`` modes the copy's FP32 islands still round their outputs to the 16-bit dtype, as in training.
+    - Both forwards run in eval mode under ``no_grad`` with the RNG state forked, so training is unaffected.
+    - ``action``: ``"fallback"`` calls ``plugin.fallback(None, reason=...)`` (effective from this batch's forward)
+      and checks again, one rung of the plugin's ladder (FP8 -> base precision -> FP32) at a time, until the outputs
+      agree; ``"warn"`` warns; ``"raise"`` raises ``RuntimeError``. Each message holds the measured errors.
+    - Nothing to compare while the model computes in FP32 (``"32-true"``, a fallback already active).
+
+    Args:
+        atol: absolute tolerance; default 0.
+        rtol: tolerance relative to the FP32 output's max abs; default per format: fp16 1e-2, bf16 5e-2, with FP8
+            layers 0.15.
+        forward_fn: ``(module, batch) -> output``; default :func:`default_forward`.
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
+
+    def __init__(
+        self, atol: float | None = None, rtol: float | None = None, *, action: PreflightAction = "fallback",
+        forward_fn: Callable[[pl.LightningModule, Any], Any] | None = None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        for arg, value in (("atol", atol), ("rtol", rtol)):
+            check(value is None or (is_number(value) and value >= 0), f"{name}({arg}={value!r})",
+                  "must be a number >= 0, or None for the per-format default.")
+        check(action in get_args(PreflightAction), f"{name}(action={action!r})",
+              f"allowed values are {list(get_args(PreflightAction))}.")
+        check(forward_fn is None or callable(forward_fn), f"{name}(forward_fn={forward_fn!r})",
+              "must be a callable (module, batch) -> output, or None.")
+        self.atol, self.rtol, self.action, self.forward_fn = atol, rtol, action, forward_fn or default_forward
+        self.result: dict[str, Any] = {}
+        """The last check: ``compare_outputs``' keys plus ``precision``, ``atol``, ``rtol``, ``step``."""
+        self._pending = False
+
+    @property
+    def state_key(self) -> str:
+        return type(self).__qualname__ + repr(dict(atol=self.atol, rtol=self.rtol, action=self.action))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pending = self._plugin is not None and self._plugin.compute_dtype != torch.float32
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        plugin = self._plugin
+        assert plugin is not None
+        # A global fallback climbs one rung (FP8 -> base precision -> FP32): check again after each, until they agree.
+        for _ in range(3):
+            if plugin.compute_dtype == torch.float32 or (message := self._check(trainer, pl_module, batch)) is None:
+                return
+            if self.action == "raise":
+                raise RuntimeError(message + ". Use action='fallback' to train in FP32, or fp32_modules=[...].")
+            if self.action == "warn":
+                rank_zero_warn(message + ".")
+                return
+            plugin.fallback(None, reason=message)
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> str | None:
+        """Compare once; the disagreement message, or ``None`` when the outputs agree (on every rank)."""
+        plugin = self._plugin
+        assert plugin is not None
+        rtol = self.rtol if self.rtol is not None else FP8_RTOL if _has_fp8(pl_module) else DEFAULT_RTOL[plugin.dtype]
+        atol = self.atol if self.atol is not None else 0.0
+        try:
+            reference, low = self._forwards(pl_module, plugin, batch)
+            result = compare_outputs(reference, low, atol=atol, rtol=rtol)
+        except Exception as error:  # a failed check must not stop training: say why and go on
+            rank_zero_warn(f"AMPPreflight skipped: the forward on the first batch failed ({error!r}); pass forward_fn.")
+            return None
+        self.result = {**result, "precision": plugin.precision, "atol": atol, "rtol": rtol, "step": trainer.global_step}
+        if not trainer.strategy.reduce_boolean_decision(not result["passed"], all=False):
+            return None
+        return (
+            f"AMPPreflight: the {plugin.precision} forward disagrees with FP32 on the first batch: max abs error"
+            f" {result['max_abs_error']:.3g}, max rel error {result['max_rel_error']:.3g} (of the FP32 output's max abs"
+            f" {result['ref_max_abs']:.3g}), {result['nonfinite']} values non-finite in low precision only; allowed:"
+            f" atol={atol:g} + rtol={rtol:g} * max abs"
+        )
+
+    def _forwards(self, pl_module: pl.LightningModule, plugin: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        modes = {module: module.training for module in pl_module.modules()}
+        device = pl_module.device
+        pl_module.eval()  # no dropout, no BatchNorm statistics update
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                with plugin.forward_context():
+                    low = first_tensor(self.forward_fn(pl_module, batch))
+                with torch.autocast(device.type, enabled=False):
+                    if plugin.precision.endswith("-true") or _has_fp8(pl_module):
+                        as_fp32 = apply_to_collection(batch, torch.Tensor, _upcast)
+                        reference = first_tensor(self.forward_fn(_fp32_copy(pl_module), as_fp32))
+                    else:
+                        reference = first_tensor(self.forward_fn(pl_module, batch))
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        return reference, low
+
+    def state_dict(self) -> dict[str, Any]:
+        """Keys: ``result`` (the last check, plain values; ``{}`` before the first)."""
+        return {"result": dict(self.result)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        strict_keys(type(self).__name__, state_dict, set(self.state_dict()))
+        self.result = dict(state_dict["result"])

@@ -1,0 +1,121 @@
+"""OverflowMonitor: logs the ``mp/*`` metrics and warns when the windowed overflow rate gets high."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lit_mpstable.callbacks._common import (
+    PluginCallback, StepCounter, WindowedCounts, check, is_int, is_number, log_mp, plugin_metrics, strict_keys,
+)
+from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
+
+__all__ = ["OverflowMonitor"]
+
+
+class OverflowMonitor(PluginCallback):
+    """Logs ``mp/loss_scale``, ``mp/overflow_rate``, ``mp/skipped_steps``, ``mp/fallback_active``, ``mp/rollbacks``
+    and, when telemetry provides them, ``mp/grad_norm``, ``mp/grad_underflow_frac``, ``mp/fp8_*``, through
+    ``LightningModule.log`` (every logger and the progress bar see them); warns, naming the modules blamed for the
+    last overflow, each time the overflow rate over a full window rises above ``warn_rate``.
+
+    The window lives in a torchmetrics ring buffer (:class:`WindowedCounts`: overflows, skipped steps and steps
+    per stepping batch, summed across processes); per step the callback only writes three scalars into it. The
+    loss scale and the rate are read (one host sync) on logging steps only, where the warning is also decided.
+    ``mp/overflow_rate`` is the window's rate; ``mp/skipped_steps`` the run's total (``plugin.skipped_steps``:
+    overflows plus steps discarded by ``skip_step``, restored on resume).
+
+    Args:
+        window: optimizer steps the overflow rate is measured over.
+        warn_rate: warn when the windowed rate exceeds it (once per crossing).
+        log_every_n_steps: logging period in optimizer steps; ``None``: the trainer's ``log_every_n_steps``
+            (loggers write only on the trainer's logging steps, so keep them aligned).
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
+
+    def __init__(self, window: int = 100, warn_rate: float = 0.01, log_every_n_steps: int | None = None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        check(is_int(window, 1), f"{name}(window={window!r})", "must be an int >= 1 (optimizer steps).")
+        check(
+            is_number(warn_rate) and 0 <= warn_rate <= 1, f"{name}(warn_rate={warn_rate!r})",
+            "must be a fraction in [0, 1]; 0.01 (1% of steps overflowing) is usual.",
+        )
+        check(
+            log_every_n_steps is None or is_int(log_every_n_steps, 1),
+            f"{name}(log_every_n_steps={log_every_n_steps!r})", "must be an int >= 1, or None for the trainer's own.",
+        )
+        self.window, self.warn_rate, self.log_every_n_steps = window, warn_rate, log_every_n_steps
+        self.windowed = WindowedCounts(window)
+        self.above = False
+        """Whether the rate was above ``warn_rate`` at the last logging step (a warning fires on each crossing)."""
+        self.blamed: list[str] = []
+        """Modules blamed for the latest overflow (from ``plugin.stats["blamed_modules"]``)."""
+        self._steps = StepCounter()
+
+    @property
+    def state_key(self) -> str:
+        return type(self).__qualname__ + repr(dict(window=self.window, warn_rate=self.warn_rate))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self.windowed.to(pl_module.device)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._plugin is not None:
+            self._steps.reset(self._plugin)  # after a checkpoint restored the plugin's counters
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        plugin = self._plugin
+        if plugin is None:
+            return
+        steps, overflows, skipped = self._steps.delta(plugin)
+        if steps == 0:
+            return
+        self.windowed.update(overflows, skipped, steps)
+        if overflows:
+            self.blamed = list(plugin.stats.get("blamed_modules") or self.blamed)
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if every and trainer.global_step % every == 0:
+            self._log(trainer, pl_module)
+
+    def overflow_rate(self) -> tuple[float, bool]:
+        """Overflowing steps / steps over the window, across processes, and whether the window is full
+        (synchronises)."""
+        overflows, _, steps = self.windowed.compute().tolist()
+        return (overflows / steps if steps else 0.0), self.windowed.position >= self.window
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._plugin is not None
+        rate, full = self.overflow_rate()
+        rollbacks = next((cb.rollbacks for cb in trainer.callbacks if isinstance(cb, ScaleCheckpoint)), 0)
+        log_mp(pl_module, plugin_metrics(self._plugin, overflow_rate=rate, rollbacks=rollbacks))
+        above = full and rate > self.warn_rate  # a partial window would make the first overflow look like 50%
+        if above and not self.above:
+            blamed = self.blamed or "unknown (plugin.stats holds no 'blamed_modules')"
+            rank_zero_warn(
+                f"OverflowMonitor at step {trainer.global_step}: {rate:.1%} of the last {self.window} optimizer steps"
+                f" overflowed (warn_rate={self.warn_rate:.1%}); modules blamed for the last overflow: {blamed}. Each"
+                " overflow skips a step; consider PrecisionFallback(mode='module') or"
+                " StablePrecision(fp32_modules=...)."
+            )
+        self.above = above
+
+    def state_dict(self) -> dict[str, Any]:
+        """Keys: ``counts`` (the window: rows of ``[overflows, skipped, steps]``), ``position``, ``above``,
+        ``blamed``."""
+        return {"counts": self.windowed.counts.tolist(), "position": self.windowed.position, "above": self.above,
+                "blamed": list(self.blamed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        strict_keys(type(self).__name__, state_dict, set(self.state_dict()))
+        counts = self.windowed.counts.new_tensor(state_dict["counts"])
+        check(counts.shape == self.windowed.counts.shape, f"{type(self).__name__}.load_state_dict(counts of shape"
+              f" {tuple(counts.shape)})", f"this monitor's window is {self.window}; the checkpoint's differs.")
+        self.windowed.counts.copy_(counts)
+        self.windowed.position = int(state_dict["position"])
+        self.above, self.blamed = bool(state_dict["above"]), list(state_dict["blamed"])

@@ -1,0 +1,172 @@
+"""PrecisionFallback: moves the blamed modules, or the whole model, to FP32 when overflow persists."""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from typing import Any, Literal, get_args
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lit_mpstable.callbacks._common import (
+    LaggedFlag, PluginCallback, StepCounter, check, is_int, is_number, log_mp, strict_keys,
+)
+from lit_mpstable.callbacks._rules import fallback_reason
+
+__all__ = ["PrecisionFallback", "fallback_reason"]
+
+FallbackMode = Literal["global", "module"]
+
+
+class PrecisionFallback(PluginCallback):
+    """Widens the precision after persistent overflow, logs why, and optionally retries low precision after a cooldown.
+
+    Triggers (checked after every optimizer step, all on host values): ``patience`` consecutive overflowing steps;
+    the loss scale at or below ``min_scale`` (read only after an overflow, the only time it drops); a non-finite
+    loss on ``nonfinite_loss_patience`` consecutive steps (flags reduced across ranks on the device and read one
+    step late, so no step waits for the device); more than ``max_overflow_rate`` of the last ``window`` steps
+    overflowing. Each decision climbs one rung of the plugin's ladder: ``mode="global"`` calls
+    ``plugin.fallback(None)`` (FP8 layers -> base precision -> FP32); ``mode="module"`` passes the names in
+    ``plugin.stats["blamed_modules"]`` (FP8 layers leave FP8, other modules become FP32 islands), and without such
+    names, or once they all run in FP32, falls back globally and says why. After ``cooldown`` steps
+    ``plugin.restore_precision()`` tries low precision again (undoing every fallback: the plugin has no finer
+    undo). Decisions: warned once on rank zero, kept in :attr:`decisions`, shown in ``mp/fallback_active``.
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
+
+    def __init__(
+        self, patience: int = 10, *, min_scale: float | None = 1.0, mode: FallbackMode = "global",
+        cooldown: int | None = None, max_overflow_rate: float | None = 0.2, nonfinite_loss_patience: int | None = 3,
+        window: int = 100,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        check(is_int(patience, 1), f"{name}(patience={patience!r})", "must be an int >= 1 (consecutive overflows).")
+        check(min_scale is None or (is_number(min_scale) and min_scale > 0), f"{name}(min_scale={min_scale!r})",
+              "must be a number > 0 or None (no scale trigger).")
+        check(mode in get_args(FallbackMode), f"{name}(mode={mode!r})", f"allowed: {list(get_args(FallbackMode))}.")
+        check(cooldown is None or is_int(cooldown, 1), f"{name}(cooldown={cooldown!r})", "must be an int >= 1 or None.")
+        check(max_overflow_rate is None or (is_number(max_overflow_rate) and 0 <= max_overflow_rate < 1),
+              f"{name}(max_overflow_rate={max_overflow_rate!r})", "must be a fraction in [0, 1) or None.")
+        check(nonfinite_loss_patience is None or is_int(nonfinite_loss_patience, 1),
+              f"{name}(nonfinite_loss_patience={nonfinite_loss_patience!r})", "must be an int >= 1 or None.")
+        check(is_int(window, 1), f"{name}(window={window!r})", "must be an int >= 1 (optimizer steps).")
+        self.patience, self.min_scale, self.mode, self.cooldown = patience, min_scale, mode, cooldown
+        self.max_overflow_rate, self.nonfinite_loss_patience = max_overflow_rate, nonfinite_loss_patience
+        self.window = window
+        self.overflow_run = 0
+        self.nonfinite_run = 0
+        self.recent: deque[tuple[int, int]] = deque(maxlen=window)  # (overflows, steps) per stepping batch
+        self.cooldown_end = -1
+        """Global step at which low precision is retried; -1: none pending."""
+        self.decisions: list[dict[str, Any]] = []
+        """Per decision: ``step``, ``action`` (``"fallback"``/``"restore"``), ``modules`` (None: global), ``reason``
+        and ``effect`` (what the plugin did: a global fallback climbs one rung, FP8 -> base precision -> FP32)."""
+        self.blamed: list[str] = []
+        self._steps = StepCounter()
+        self._nonfinite = LaggedFlag()  # a non-finite loss in the step
+        self._warned_fp32 = False
+
+    @property
+    def state_key(self) -> str:
+        return type(self).__qualname__ + repr(dict(mode=self.mode, patience=self.patience))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._plugin is not None:
+            self._steps.reset(self._plugin)
+        self._nonfinite.current = None  # the previous step's flag stays: it may come from a checkpoint
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._plugin is not None and self.nonfinite_loss_patience is not None:
+            self._nonfinite.mark(~torch.isfinite(loss.detach()).all())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        plugin = self._plugin
+        if plugin is None:
+            return
+        steps, overflows, _ = self._steps.delta(plugin)
+        if steps == 0:
+            return
+        step = trainer.global_step
+        self._observe(trainer, overflows, steps)
+        if 0 <= self.cooldown_end <= step:
+            plugin.restore_precision()
+            self._record(step, "restore", None, f"cooldown of {self.cooldown} steps over", "low precision restored")
+        elif (reason := self._reason(overflows)) is not None:
+            self._fall_back(trainer, pl_module, reason)
+        if trainer.log_every_n_steps and step % trainer.log_every_n_steps == 0:
+            log_mp(pl_module, {"mp/fallback_active": float(plugin.fallback_active)})
+
+    def _observe(self, trainer: pl.Trainer, overflows: int, steps: int) -> None:
+        assert self._plugin is not None
+        self.overflow_run = self.overflow_run + overflows if overflows else 0
+        self.recent.append((overflows, steps))
+        self.blamed = list(self._plugin.stats.get("blamed_modules") or self.blamed)
+        seen = self._nonfinite.end_step(trainer.strategy)  # the previous step's: no stall
+        if seen is not None:
+            self.nonfinite_run = self.nonfinite_run + 1 if seen else 0
+
+    def _reason(self, overflows: int) -> str | None:
+        assert self._plugin is not None
+        scaled = overflows and self.min_scale is not None and self._plugin.scaler is not None
+        full = sum(s for _, s in self.recent) >= self.window
+        return fallback_reason(
+            overflow_run=self.overflow_run, patience=self.patience, min_scale=self.min_scale,
+            loss_scale=self._plugin.loss_scale if scaled else None, nonfinite_run=self.nonfinite_run,
+            nonfinite_patience=self.nonfinite_loss_patience, max_overflow_rate=self.max_overflow_rate,
+            overflow_rate=sum(o for o, _ in self.recent) / sum(s for _, s in self.recent) if full else None,
+            window=self.window,
+        )
+
+    def _fall_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reason: str) -> None:
+        plugin, step = self._plugin, trainer.global_step
+        assert plugin is not None
+        if plugin.compute_dtype == torch.float32:  # nothing left to widen
+            if not self._warned_fp32:
+                self._warned_fp32 = True
+                rank_zero_warn(f"PrecisionFallback at step {step}: {reason}, but the model already computes in FP32;"
+                               " this is not a precision problem (check the learning rate and the data).")
+            return
+        known = dict(pl_module.named_modules())
+        blamed = [n for n in trainer.strategy.broadcast(self.blamed, src=0) if n in known]  # rank 0 decides names
+        new = [n for n in blamed if n not in plugin.islands.names]
+        modules: list[str] | None = new if self.mode == "module" and new and "" not in new else None
+        if self.mode == "module" and modules is None:
+            why = ("the root module is blamed" if "" in new else "the blamed modules already run in FP32" if blamed
+                   else "plugin.stats names no blamed modules (overflow attribution off?)")
+            reason += f"; {why}, so globally"
+        effect = plugin.fallback(modules, reason=f"PrecisionFallback: {reason}")
+        self._record(step, "fallback", modules, reason, effect)
+        if self.cooldown is not None:
+            self.cooldown_end = step + self.cooldown
+
+    def _record(self, step: int, action: str, modules: list[str] | None, reason: str, effect: str) -> None:
+        self.decisions.append(dict(step=step, action=action, modules=modules, reason=reason, effect=effect))
+        self.overflow_run = self.nonfinite_run = 0  # the next decision needs fresh evidence
+        self.recent.clear()
+        if action == "restore":
+            self.cooldown_end = -1
+        rank_zero_warn(f"PrecisionFallback at step {step}: {effect} ({reason}).")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Keys: ``overflow_run``, ``nonfinite_run``, ``previous_nonfinite`` (the unread flag of the last step, None
+        if none), ``recent``, ``cooldown_end``, ``decisions``, ``blamed``."""
+        return {
+            "overflow_run": self.overflow_run, "nonfinite_run": self.nonfinite_run,
+            "previous_nonfinite": self._nonfinite.unread(),
+            "recent": [list(pair) for pair in self.recent], "cooldown_end": self.cooldown_end,
+            "decisions": copy.deepcopy(self.decisions), "blamed": list(self.blamed),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        strict_keys(type(self).__name__, state_dict, set(self.state_dict()))
+        self.overflow_run, self.nonfinite_run = int(state_dict["overflow_run"]), int(state_dict["nonfinite_run"])
+        self.recent.clear()
+        self.recent.extend((int(o), int(s)) for o, s in state_dict["recent"])
+        self.cooldown_end, self.blamed = int(state_dict["cooldown_end"]), list(state_dict["blamed"])
+        self.decisions = copy.deepcopy(list(state_dict["decisions"]))
+        self._nonfinite.load(state_dict["previous_nonfinite"])

@@ -1,0 +1,250 @@
+"""The four callbacks: one shared conformance test each, then OverflowMonitor and AMPPreflight in real runs."""
+
+from __future__ import annotations
+
+import csv
+import io
+import warnings
+
+import pytest
+import torch
+from cb_helpers import PoisonModule, quiet
+from helpers import make_trainer
+
+from lit_mpstable import StablePrecision
+from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint
+from lit_mpstable.callbacks.amp_preflight import compare_outputs
+from lit_mpstable.scaling import DynamicLossScaler
+
+FACTORIES = {
+    "OverflowMonitor": lambda: OverflowMonitor(window=3, log_every_n_steps=1),
+    "PrecisionFallback": lambda: PrecisionFallback(patience=2, cooldown=2),
+    "ScaleCheckpoint": lambda: ScaleCheckpoint(every_n_steps=2, min_history=2, window=4),
+    "AMPPreflight": lambda: AMPPreflight(),
+}
+
+
+def _plugin() -> StablePrecision:
+    # BF16 autocast plus a loss scaler, so overflows (injected) exercise every code path quickly on the CPU.
+    return StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+
+
+# ------------------------------------------------------------------------------------------------ conformance
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_conformance_two_fits_and_state_round_trip(name: str) -> None:
+    callback = FACTORIES[name]()
+    module = PoisonModule(inf_grad_steps={1, 2}, loss_factor={5: 1e6})
+    for _ in range(2):  # the same instance in two fits, each with a fresh trainer and plugin
+        with quiet():
+            make_trainer(_plugin(), max_steps=6, log_every_n_steps=1, callbacks=[callback]).fit(module)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+    buffer = io.BytesIO()
+    torch.save(callback.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    fresh = FACTORIES[name]()
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == callback.state_dict()
+    assert fresh.state_key == callback.state_key
+    with pytest.raises(KeyError, match="missing keys"):
+        fresh.load_state_dict({})
+
+
+BAD_ARGUMENTS = [
+    (OverflowMonitor, dict(window=0), "window"),
+    (OverflowMonitor, dict(warn_rate=1.5), "warn_rate"),
+    (OverflowMonitor, dict(log_every_n_steps=0), "log_every_n_steps"),
+    (PrecisionFallback, dict(patience=0), "patience"),
+    (PrecisionFallback, dict(min_scale=-1.0), "min_scale"),
+    (PrecisionFallback, dict(mode="layer"), "mode"),
+    (PrecisionFallback, dict(cooldown=0), "cooldown"),
+    (PrecisionFallback, dict(max_overflow_rate=1.0), "max_overflow_rate"),
+    (PrecisionFallback, dict(nonfinite_loss_patience=0), "nonfinite_loss_patience"),
+    (PrecisionFallback, dict(window=True), "window"),
+    (ScaleCheckpoint, dict(every_n_steps=0), "every_n_steps"),
+    (ScaleCheckpoint, dict(spike_zscore=0), "spike_zscore"),
+    (ScaleCheckpoint, dict(window=1), "window"),
+    (ScaleCheckpoint, dict(max_rollbacks=-1), "max_rollbacks"),
+    (ScaleCheckpoint, dict(min_history=100), "min_history"),
+    (AMPPreflight, dict(atol=-1.0), "atol"),
+    (AMPPreflight, dict(rtol=float("nan")), "rtol"),
+    (AMPPreflight, dict(action="ignore"), "action"),
+    (AMPPreflight, dict(forward_fn=3), "forward_fn"),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, argument", BAD_ARGUMENTS, ids=[f"{c.__name__}-{a}" for c, _, a in BAD_ARGUMENTS])
+def test_conformance_bad_arguments_raise_value_error_naming_them(cls, kwargs: dict, argument: str) -> None:
+    value = next(iter(kwargs.values()))
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\({argument}={value!r}"):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_conformance_without_stable_precision_warns_once_and_does_nothing(name: str) -> None:
+    callback = FACTORIES[name]()
+    module = PoisonModule(loss_factor={3: 1e6})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            trainer = make_trainer(None, precision="bf16-mixed", max_steps=4, log_every_n_steps=1, callbacks=[callback])
+            trainer.fit(module)
+    ours = [w for w in record if "does nothing" in str(w.message)]
+    assert len(ours) == 1 and name in str(ours[0].message) and "StablePrecision" in str(ours[0].message)
+    assert not [key for key in module.trainer.callback_metrics if key.startswith("mp/")]
+    assert callback.state_dict() == FACTORIES[name]().state_dict()  # nothing recorded
+
+
+# ------------------------------------------------------------------------------------------------ OverflowMonitor
+class _CountingPlugin(StablePrecision):
+    reads = 0
+
+    @property
+    def loss_scale(self) -> float:
+        type(self).reads += 1
+        return super().loss_scale
+
+
+def test_overflow_monitor_logs_every_metric_to_loggers_and_progress_bar(tmp_path) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    plugin = _CountingPlugin("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**10))
+    _CountingPlugin.reads = 0
+    monitor = OverflowMonitor(window=4)
+    trainer = make_trainer(
+        plugin, max_steps=8, log_every_n_steps=2, callbacks=[monitor], logger=CSVLogger(tmp_path, name="run"),
+    )
+    with pytest.warns(UserWarning, match="OverflowMonitor at step 4: 25.0%"):  # warn_rate 1%
+        trainer.fit(PoisonModule(inf_grad_steps={1, 5}, n=128))
+    assert _CountingPlugin.reads == 4  # the syncing loss scale is read on logging steps only (8 steps / 2)
+    assert set(trainer.progress_bar_metrics) == {"mp/loss_scale", "mp/overflow_rate"}
+    # After step 8 the window holds steps 5..8, one of which (index 5) overflowed; the scale backed off twice.
+    assert trainer.callback_metrics["mp/overflow_rate"] == pytest.approx(0.25)
+    assert trainer.callback_metrics["mp/loss_scale"] == 2.0**8
+    assert trainer.callback_metrics["mp/skipped_steps"] == 2
+    with open(trainer.logger.log_dir + "/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    logged = [row for row in rows if row.get("mp/loss_scale")]
+    assert [int(row["step"]) for row in logged] == [1, 3, 5, 7]  # Lightning's 0-based logging steps
+    assert {"mp/rollbacks", "mp/fallback_active", "mp/overflow_rate", "mp/skipped_steps"} <= set(rows[0])
+
+
+def test_overflow_monitor_warns_once_per_crossing_naming_blamed_modules() -> None:
+    class Blame(PoisonModule):
+        def on_after_backward(self) -> None:
+            super().on_after_backward()
+            if self.global_step in self.inf_grad_steps:
+                self.trainer.precision_plugin.stats["blamed_modules"] = ["model.fc2"]
+
+    # Overflows at steps 1-2 (the rate over the first full window is 50%), a clean stretch (it falls to 0), then
+    # at 8-9 (it rises again).
+    module = Blame(inf_grad_steps={1, 2, 8, 9})
+    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu"))
+    monitor = OverflowMonitor(window=4, warn_rate=0.25, log_every_n_steps=1)
+    with pytest.warns(UserWarning) as record:
+        make_trainer(plugin, max_steps=10, callbacks=[monitor]).fit(module)
+    ours = [str(w.message) for w in record if "OverflowMonitor" in str(w.message)]
+    assert len(ours) == 2
+    assert "at step 4: 50.0% of the last 4" in ours[0] and "['model.fc2']" in ours[0]
+    assert "at step 10: 50.0%" in ours[1]
+
+
+def test_overflow_monitor_logs_telemetry_when_present_and_rollbacks() -> None:
+    class Telemetry(PoisonModule):
+        def on_after_backward(self) -> None:
+            self.trainer.precision_plugin.stats.update(
+                grad_norm=torch.tensor(2.5), grad_underflow_frac={"fp16": 0.25, "bf16": 0.125},
+                fp8_saturation_frac=0.01, fp8_underflow_frac=torch.tensor([0.02]), blamed_modules=[],
+            )
+
+    callbacks = [ScaleCheckpoint(every_n_steps=2, min_history=2), OverflowMonitor(log_every_n_steps=1)]
+    trainer = make_trainer(StablePrecision("bf16-mixed"), max_steps=4, callbacks=callbacks)
+    with quiet():
+        trainer.fit(Telemetry(loss_factor={3: 1e6}))
+    metrics = trainer.callback_metrics
+    assert metrics["mp/grad_norm"] == 2.5 and metrics["mp/grad_underflow_frac"] == 0.125  # the bf16 entry
+    assert metrics["mp/fp8_saturation_frac"] == pytest.approx(0.01)
+    assert metrics["mp/fp8_underflow_frac"] == pytest.approx(0.02)
+    assert metrics["mp/rollbacks"] == 1 and metrics["mp/skipped_steps"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ AMPPreflight
+def test_compare_outputs_by_hand() -> None:
+    ref = torch.tensor([1.0, -4.0, 2.0])
+    result = compare_outputs(ref, torch.tensor([1.0, -3.9, 2.0]), atol=0.0, rtol=0.05)
+    assert result["max_abs_error"] == pytest.approx(0.1, rel=1e-5) and result["ref_max_abs"] == 4.0
+    assert result["max_rel_error"] == pytest.approx(0.025, rel=1e-5) and result["passed"]
+    assert not compare_outputs(ref, torch.tensor([1.0, -3.7, 2.0]), atol=0.0, rtol=0.05)["passed"]
+    inf = compare_outputs(ref, torch.tensor([1.0, float("inf"), 2.0]), atol=1.0, rtol=1.0)
+    assert inf["nonfinite"] == 1 and not inf["passed"]
+
+
+def _fit_with(preflight, precision: str, module: PoisonModule, steps: int = 3):
+    plugin = StablePrecision(precision)
+    callbacks = [preflight] if preflight is not None else []
+    make_trainer(plugin, max_steps=steps, callbacks=callbacks).fit(module)
+    return plugin
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_preflight_passes_and_leaves_training_untouched(precision: str) -> None:
+    torch.manual_seed(0)
+    reference = PoisonModule(optimizer="adamw", lr=1e-2)
+    _fit_with(None, precision, reference)
+    rng_reference = torch.get_rng_state()
+    torch.manual_seed(0)
+    module = PoisonModule(optimizer="adamw", lr=1e-2)
+    preflight = AMPPreflight()
+    plugin = _fit_with(preflight, precision, module)
+    assert preflight.result["passed"] and 0 < preflight.result["max_rel_error"] < 0.05
+    assert not plugin.fallback_active
+    assert torch.equal(torch.get_rng_state(), rng_reference)
+    for ours, ref in zip(module.parameters(), reference.parameters()):
+        assert ours.dtype == ref.dtype and torch.equal(ours, ref)
+
+
+def test_preflight_falls_back_before_the_first_fp16_step() -> None:
+    preflight = AMPPreflight()
+    with quiet():
+        plugin = _fit_with(preflight, "16-mixed", PoisonModule(amplify=True), steps=3)
+    assert preflight.result["nonfinite"] > 0 and not preflight.result["passed"]
+    assert plugin.compute_dtype == torch.float32
+    assert plugin.overflow_count == 0  # even the first batch ran in FP32
+
+
+def test_preflight_whose_forward_fails_warns_and_training_goes_on() -> None:
+    def broken(module, batch):
+        raise KeyError("no such input")
+
+    preflight = AMPPreflight(forward_fn=broken)
+    with pytest.warns(UserWarning, match=r"AMPPreflight skipped: .*KeyError.*no such input"):
+        plugin = _fit_with(preflight, "bf16-mixed", PoisonModule(), steps=2)
+    assert preflight.result == {} and not plugin.fallback_active and plugin.step_count == 2
+
+
+def test_preflight_tight_tolerance_reports_the_measured_error() -> None:
+    with quiet():
+        plugin = _fit_with(AMPPreflight(rtol=1e-7), "bf16-mixed", PoisonModule(), steps=1)
+    assert plugin.compute_dtype == torch.float32
+    with pytest.warns(UserWarning, match=r"max abs error [0-9.e-]+, max rel error [0-9.e-]+ .*rtol=1e-07"):
+        plugin = _fit_with(AMPPreflight(rtol=1e-7, action="warn"), "bf16-mixed", PoisonModule(), steps=1)
+    assert not plugin.fallback_active
+    with pytest.raises(RuntimeError, match="disagrees with FP32"):
+        _fit_with(AMPPreflight(rtol=1e-7, action="raise"), "bf16-mixed", PoisonModule(), steps=1)
+
+
+def test_preflight_climbs_out_of_fp8_and_stops_where_outputs_agree() -> None:
+    # FP8 (E4M3, 3 mantissa bits) is off by ~3% on TinyMLP, BF16 alone by ~0.5%: with rtol=2% the first check
+    # fails, the plugin leaves FP8, and the second check (against an FP32 copy without FP8 layers) passes.
+    from lit_mpstable.fp8 import FP8Linear
+
+    preflight = AMPPreflight(rtol=0.02)
+    module = PoisonModule()
+    plugin = StablePrecision("bf16-mixed", fp8="delayed")
+    assert any(isinstance(m, FP8Linear) for m in plugin.convert_module(module).modules())
+    with quiet():
+        make_trainer(plugin, max_steps=2, callbacks=[preflight]).fit(module)
+    assert preflight.result["passed"] and preflight.result["max_rel_error"] < 0.02
+    assert plugin.compute_dtype == torch.bfloat16 and plugin.fallback_active
+    assert not any(isinstance(m, FP8Linear) for m in module.modules())
