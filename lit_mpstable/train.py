@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,11 @@ import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from lit_mpstable.config import register_configs
 from lit_mpstable.report import write_report
 
 __all__ = ["main", "run"]
@@ -55,9 +58,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     extra = {"vocab_size": data.vocab_size, "seq_len": data.seq_len} if hasattr(data, "vocab_size") else {}
     model = instantiate(cfg.model, **extra)
     plugin = instantiate(cfg.plugin)
+    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
     recorder = _StepRecorder()
-    trainer = instantiate(cfg.trainer, plugins=[plugin], callbacks=[recorder], default_root_dir=str(out_dir))
+    trainer = instantiate(cfg.trainer, plugins=[plugin], callbacks=[*callbacks, recorder], default_root_dir=str(out_dir))
     trainer.fit(model, datamodule=data)
+    rollbacks = sum(getattr(cb, "rollbacks", 0) for cb in callbacks)
+    decisions = [d for cb in callbacks for d in getattr(cb, "decisions", [])]
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     steps = len(recorder.skipped)
     summary = {
@@ -70,7 +76,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "val_acc": metrics.get("val/acc"),
         "loss_scale": plugin.loss_scale,
         "skipped_steps": int(sum(recorder.skipped)),
-        "overflow_rate": sum(recorder.skipped) / max(steps, 1),
+        "overflow_rate": plugin.overflow_count / max(plugin.step_count, 1),
+        "fallbacks": len(decisions),
+        "rollbacks": rollbacks,
+        "events": [{"step": d.get("step"), "what": f"fallback: {d.get('effect')} ({d.get('reason')})"} for d in decisions],
         "loss_scale_trajectory": recorder.loss_scale,
         "skipped_trajectory": recorder.skipped,
         "train_loss_curve": recorder.train_loss,
@@ -96,10 +105,20 @@ def _print_summary(summary: dict[str, Any], out_dir: Path) -> None:
     console.print(f"summary: {out_dir / 'summary.json'}\nstability report: {out_dir / 'report.md'}")
 
 
+register_configs()
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    _print_summary(run(cfg, out_dir), out_dir)
+    try:
+        summary = run(cfg, out_dir)
+    except InstantiationException as error:
+        # A bad value in a config: the constructor's message names the argument and what is allowed.
+        cause = error.__cause__ or error
+        print(f"lit_mpstable.train: invalid configuration: {type(cause).__name__}: {cause}", file=sys.stderr)
+        sys.exit(2)
+    _print_summary(summary, out_dir)
 
 
 if __name__ == "__main__":
