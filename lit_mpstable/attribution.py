@@ -1,0 +1,216 @@
+"""Opt-in attribution of inf/NaN: which parameters hold them, and which module produced them first."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lit_mpstable.telemetry import amax_per_tensor
+
+__all__ = ["OverflowTracer", "nonfinite_grad_params", "trace_nonfinite"]
+
+
+def nonfinite_grad_params(named_params: nn.Module | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the parameters whose gradients hold inf or NaN, in the given order.
+
+    Meant for a step already known to overflow: it synchronises with the device (once per device).
+    """
+    named = named_params.named_parameters() if isinstance(named_params, nn.Module) else named_params
+    pairs = [(name, _dense(param.grad)) for name, param in named if param.grad is not None]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, grad) in enumerate(pairs):
+        by_device.setdefault(grad.device, []).append(i)
+    bad: set[int] = set()
+    for indices in by_device.values():
+        finite = torch.isfinite(amax_per_tensor([pairs[i][1] for i in indices])).tolist()
+        bad.update(i for i, ok in zip(indices, finite) if not ok)
+    return [name for i, (name, _) in enumerate(pairs) if i in bad]
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad._values() if grad.is_sparse else grad
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The floating-point tensors in a (nested) tuple, list or dict, or the tensor itself."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    return []
+
+
+def _any_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    flags = [~torch.isfinite(t).all() for t in tensors]
+    return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()
+
+
+class _Edge:
+    """One tensor that crosses a module boundary: who produced it and who consumed it, in forward order."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ref = weakref.ref(tensor)
+        self.producers: list[tuple[int, int, str]] = []  # (depth, call order, module name)
+        self.consumers: list[tuple[int, int, str]] = []
+
+    def blamed(self) -> str:
+        # A bad gradient arriving at this tensor was made by the backward of a module that consumed it (that module's
+        # grad_input). The deepest consumer is the most specific; among equally deep ones, the last to run forward
+        # ran first in backward. With no consuming module (the model output), it is the producer's grad_output.
+        return max(self.consumers or self.producers)[2]
+
+
+class OverflowTracer:
+    """Hooks on every submodule that record where inf/NaN first appears, forward and backward.
+
+    Forward: a module whose output holds inf/NaN. Backward, in execution order: a module whose parameter gradients
+    hold inf/NaN, or a gradient holding inf/NaN that arrives at a tensor between modules; that gradient is blamed on
+    the deepest module that consumed the tensor (its grad_input), or, for the model output, on the module that
+    produced it (its grad_output). Plain tensor and parameter hooks are used rather than full module backward hooks,
+    which break models that modify a module output in place (``nn.ReLU(inplace=True)``).
+
+    Each check stays on the device; reading ``first_forward``/``first_backward`` (or the lists) synchronises once.
+    Use it for one diagnostic step, not every step: it checks every module output and gradient. Events accumulate
+    until :meth:`reset`.
+
+    Example::
+
+        with trace_nonfinite(model) as tracer:
+            loss = model(x).sum()
+            loss.backward()
+        print(tracer.first_forward, tracer.first_backward)
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"OverflowTracer(model={model!r}): model must be a torch.nn.Module.")
+        self.model = model
+        self._handles: list[RemovableHandle] = []
+        self._forward_events: list[tuple[str, torch.Tensor]] = []
+        self._backward_events: list[tuple[str, torch.Tensor]] = []
+        self._edges: dict[int, _Edge] = {}
+        self._calls = 0
+
+    # ------------------------------------------------------------------------------------------- hooks
+    def attach(self) -> OverflowTracer:
+        """Register the hooks (idempotent); :meth:`detach` removes them."""
+        if self._handles:
+            return self
+        owners: dict[nn.Parameter, str] = {}
+        for name, module in self.model.named_modules():
+            depth = name.count(".") + 1 if name else 0
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name, depth), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_hook(name, depth)))
+            for param in module.parameters(recurse=False):
+                owners.setdefault(param, name)
+        for param, owner in owners.items():
+            if param.requires_grad:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._param_hook(owner)))
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook; recorded events stay readable."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._edges.clear()
+
+    def reset(self) -> None:
+        """Forget the recorded events (for the next step)."""
+        self._forward_events.clear()
+        self._backward_events.clear()
+        self._edges.clear()
+        self._calls = 0
+
+    def __enter__(self) -> OverflowTracer:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def _edge(self, tensor: torch.Tensor) -> _Edge:
+        edge = self._edges.get(id(tensor))
+        if edge is None or edge.ref() is not tensor:  # ids are reused once a tensor is freed
+            edge = self._edges[id(tensor)] = _Edge(tensor)
+            self._handles.append(tensor.register_hook(self._grad_hook(edge)))
+        return edge
+
+    def _pre_hook(self, name: str, depth: int):
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._calls += 1
+            if torch.is_grad_enabled():
+                for tensor in _tensors((args, kwargs)):
+                    if tensor.requires_grad:
+                        self._edge(tensor).consumers.append((depth, self._calls, name))
+
+        return hook
+
+    def _post_hook(self, name: str, depth: int):
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            self._calls += 1
+            tensors = _tensors(output)
+            if not tensors:
+                return
+            self._forward_events.append((name, _any_nonfinite(tensors)))
+            if torch.is_grad_enabled():
+                for tensor in tensors:
+                    if tensor.requires_grad:
+                        self._edge(tensor).producers.append((depth, self._calls, name))
+
+        return hook
+
+    def _grad_hook(self, edge: _Edge):
+        def hook(grad: torch.Tensor) -> None:
+            self._backward_events.append((edge.blamed(), _any_nonfinite([grad])))
+
+        return hook
+
+    def _param_hook(self, owner: str):
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                self._backward_events.append((owner, _any_nonfinite([_dense(param.grad)])))
+
+        return hook
+
+    # ------------------------------------------------------------------------------------------ reading
+    @property
+    def first_forward(self) -> str | None:
+        """Qualified name of the first module (``""`` is the root) whose output held inf/NaN, or None (syncs)."""
+        names = _flagged(self._forward_events)
+        return names[0] if names else None
+
+    @property
+    def first_backward(self) -> str | None:
+        """Qualified name of the first module blamed for an inf/NaN gradient in backward, or None (syncs)."""
+        names = _flagged(self._backward_events)
+        return names[0] if names else None
+
+    @property
+    def forward_modules(self) -> list[str]:
+        """Every module whose output held inf/NaN, each once, in execution order (syncs)."""
+        return list(dict.fromkeys(_flagged(self._forward_events)))
+
+    @property
+    def backward_modules(self) -> list[str]:
+        """Every module blamed for an inf/NaN gradient, each once, in backward execution order (syncs)."""
+        return list(dict.fromkeys(_flagged(self._backward_events)))
+
+
+def _flagged(events: list[tuple[str, torch.Tensor]]) -> list[str]:
+    if not events:
+        return []
+    device = events[0][1].device
+    flags = torch.stack([flag.to(device) for _, flag in events]).tolist()
+    return [name for (name, _), bad in zip(events, flags) if bad]
+
+
+def trace_nonfinite(model: nn.Module) -> OverflowTracer:
+    """An :class:`OverflowTracer` for ``model``, to use as ``with trace_nonfinite(model) as tracer:``."""
+    return OverflowTracer(model)

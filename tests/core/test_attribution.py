@@ -1,0 +1,105 @@
+"""Overflow attribution: an inf injected into one named layer is blamed on that layer and no other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import TinyMLP, inject_overflow, regression_data
+from lit_mpstable.attribution import OverflowTracer, nonfinite_grad_params, trace_nonfinite
+
+
+def _backward(model: nn.Module, scale: float = 1.0) -> None:
+    x, y = regression_data(8)
+    (nn.functional.mse_loss(model(x), y) * scale).backward()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("layer", ["fc1", "fc2", "fc3"])
+def test_injected_overflow_is_attributed_to_its_layer_only(layer, value):
+    model = TinyMLP()
+    seen = inject_overflow(getattr(model, layer), steps=[0], value=value)
+    with trace_nonfinite(model) as tracer:
+        _backward(model)
+    assert seen == [0]
+    assert nonfinite_grad_params(model) == [f"{layer}.weight"]
+    assert tracer.first_backward == layer and tracer.backward_modules == [layer]
+    assert tracer.first_forward is None and tracer.forward_modules == []
+
+
+def test_clean_step_blames_nothing():
+    model = TinyMLP()
+    with trace_nonfinite(model) as tracer:
+        _backward(model)
+    assert nonfinite_grad_params(model.named_parameters()) == []
+    assert tracer.first_forward is None and tracer.first_backward is None
+
+
+def test_forward_overflow_names_the_first_module_in_execution_order():
+    model = TinyMLP()
+    with torch.no_grad():
+        model.fc2.bias[3] = float("inf")
+    with trace_nonfinite(model) as tracer:
+        _backward(model)
+    assert tracer.first_forward == "fc2"
+    assert tracer.forward_modules == ["fc2", "act", "fc3", ""]  # the root ("") finishes last
+    assert tracer.first_backward == "fc3"  # the NaN loss gradient first arrives at fc3's output (grad_output)
+
+
+def test_activation_gradient_overflow_is_blamed_on_the_module_whose_backward_made_it():
+    # fc3's weight is finite but huge: fc3's gradient with respect to its input (grad_input) overflows, fc3's own
+    # weight gradient does not, and everything upstream inherits the inf.
+    model = TinyMLP()
+    with torch.no_grad():
+        model.fc3.weight[0].fill_(1e30)
+    with trace_nonfinite(model) as tracer:
+        out = model(regression_data(8)[0] * 1e-3)
+        (out[:, 0] * 1e15).sum().backward()
+    assert tracer.first_forward is None
+    assert nonfinite_grad_params(model) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]  # not fc3
+    assert tracer.first_backward == "fc3"
+    assert tracer.backward_modules == ["fc3", "act", "fc2", "fc1"]
+
+
+def test_nested_transformer_layer_blames_the_leaf():
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+    inject_overflow(model.layers[1].linear1, steps=[0])
+    with trace_nonfinite(model) as tracer:
+        model(torch.randn(2, 5, 16)).square().mean().backward()
+    assert tracer.first_backward == "layers.1.linear1" and tracer.backward_modules == ["layers.1.linear1"]
+    assert nonfinite_grad_params(model) == ["layers.1.linear1.weight"]
+
+
+def test_in_place_activation_is_supported():
+    # Full module backward hooks would raise here ("a view ... is being modified inplace").
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    inject_overflow(model[0], steps=[0])
+    with trace_nonfinite(model) as tracer:
+        model(torch.randn(3, 4)).sum().backward()
+    assert tracer.first_backward == "0"
+
+
+def test_hooks_are_removed_on_exit_and_events_can_be_reset():
+    model = TinyMLP()
+    inject_overflow(model.fc1, steps=[0])
+    tracer = OverflowTracer(model)
+    with tracer:
+        _backward(model)
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+    for param in model.parameters():
+        assert not getattr(param, "_post_accumulate_grad_hooks", None)
+    assert tracer.first_backward == "fc1"  # still readable after exit
+    tracer.reset()
+    assert tracer.first_backward is None
+    model.zero_grad()
+    tracer.attach()
+    _backward(model)  # inject_overflow fires on the first backward only
+    tracer.detach()
+    assert tracer.first_backward is None
+
+
+def test_rejects_a_non_module():
+    with pytest.raises(TypeError, match="model"):
+        OverflowTracer([nn.Linear(2, 2)])

@@ -1,0 +1,166 @@
+"""Gradient telemetry: fractions against hand-computed edge cases, per-module grouping, no host sync."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import TinyMLP, regression_data
+from lit_mpstable.formats import FORMATS, overflow_fraction, underflow_fraction
+from lit_mpstable.telemetry import DEFAULT_FORMATS, GradStats, GradTelemetry, amax_per_tensor, grad_stats
+
+INF, NAN = float("inf"), float("nan")
+
+
+def _after(value: float) -> float:
+    """The next float32 above ``value`` (one ulp up)."""
+    return torch.nextafter(torch.tensor(value), torch.tensor(INF)).item()
+
+
+def edge_cases(name: str) -> dict[str, float]:
+    fmt = FORMATS[name]
+    return {
+        "largest normal": fmt.max,  # fits
+        "max + 1 ulp": _after(fmt.max),  # overflows
+        "smallest subnormal": fmt.smallest_subnormal,  # survives
+        "half smallest subnormal": fmt.smallest_subnormal / 2,  # flushes to zero (ties to even)
+        "just above half": _after(fmt.smallest_subnormal / 2),  # rounds up to the smallest subnormal
+        "one": 1.0,
+        "zero": 0.0,  # not counted
+        "inf": INF,  # nonzero, overflows
+        "nan": NAN,  # not counted
+    }
+
+
+def _params(*tensors: torch.Tensor, names: tuple[str, ...] = ()) -> list[tuple[str, nn.Parameter]]:
+    pairs = []
+    for i, values in enumerate(tensors):
+        param = nn.Parameter(torch.zeros_like(values))
+        param.grad = values.clone()
+        pairs.append((names[i] if names else f"p{i}", param))
+    return pairs
+
+
+@pytest.mark.parametrize("name", DEFAULT_FORMATS)
+def test_fractions_on_named_edge_cases(name):
+    # 7 counted elements (all but zero and nan): 1 flushes (half smallest subnormal), 2 overflow (max + 1 ulp, inf).
+    values = torch.tensor(list(edge_cases(name).values()))
+    stats = grad_stats(_params(values), formats=[name])
+    assert stats.underflow_frac[name].item() == pytest.approx(1 / 7)
+    assert stats.overflow_frac[name].item() == pytest.approx(2 / 7)
+    assert math.isnan(stats.amax.item()) and math.isnan(stats.norm.item())
+
+
+@pytest.mark.parametrize("scale", [2.0**10, 2.0**-7, torch.tensor(2.0**10)])
+def test_scale_applies_before_the_cast(scale):
+    # The same edge cases divided by the scale give the same fractions once multiplied back.
+    cases = edge_cases("fp16")
+    del cases["inf"], cases["nan"]
+    values = torch.tensor(list(cases.values())) / float(scale)
+    stats = grad_stats(_params(values), scale=scale, formats=["fp16", "fp8_e4m3"])
+    assert stats.underflow_frac["fp16"].item() == pytest.approx(1 / 6)
+    assert stats.overflow_frac["fp16"].item() == pytest.approx(1 / 6)
+    # FP8 E4M3 (max 448, smallest subnormal 2**-9): the three values near 2**-25 flush, 65504 and above overflow.
+    assert stats.underflow_frac["fp8_e4m3"].item() == pytest.approx(3 / 6)
+    assert stats.overflow_frac["fp8_e4m3"].item() == pytest.approx(2 / 6)
+
+
+def test_agrees_with_format_range_checks_on_random_data():
+    g = torch.randn(1000) * torch.logspace(-12, 8, 1000)
+    stats = grad_stats(_params(g[:600], g[600:]), scale=2.0**4)
+    for name in DEFAULT_FORMATS:
+        assert stats.underflow_frac[name].item() == pytest.approx(underflow_fraction(g, name, 2.0**4).item())
+        assert stats.overflow_frac[name].item() == pytest.approx(overflow_fraction(g, name, 2.0**4).item())
+    assert stats.norm.item() == pytest.approx(g.norm().item(), rel=1e-6)
+    assert stats.amax.item() == g.abs().max().item()
+
+
+def test_16_bit_gradients_are_compared_in_float32():
+    # In float16, bf16's max (3.4e38) would round to inf and inf would not count as overflowing.
+    stats = grad_stats(_params(torch.tensor([1.0, INF, 2.0**-24], dtype=torch.float16)))
+    assert stats.overflow_frac["bf16"].item() == pytest.approx(1 / 3)
+    assert stats.underflow_frac["fp16"].item() == 0.0
+    assert stats.underflow_frac["fp8_e5m2"].item() == pytest.approx(1 / 3)
+
+
+def test_per_module_grouping_and_to_floats():
+    torch.manual_seed(0)
+    model = TinyMLP()
+    model.register_parameter("gain", nn.Parameter(torch.ones(1)))
+    x, y = regression_data(8)
+    nn.functional.mse_loss(model(x) * model.gain, y).backward()
+    model.fc2.bias.grad = None  # a parameter without a gradient is left out
+    stats = grad_stats(model, per_module=True)
+    assert list(stats.modules) == ["", "fc1", "fc2", "fc3"]  # the root's own parameters come first
+    fc1 = torch.cat([model.fc1.weight.grad.flatten(), model.fc1.bias.grad])
+    assert stats.modules["fc1"].norm.item() == pytest.approx(fc1.norm().item(), rel=1e-6)
+    assert stats.modules["fc2"].amax.item() == model.fc2.weight.grad.abs().max().item()
+    assert stats.modules[""].norm.item() == pytest.approx(model.gain.grad.abs().item())
+    norms = [s.norm for s in stats.modules.values()]
+    assert stats.norm.item() == pytest.approx(torch.stack(norms).norm().item(), rel=1e-6)
+
+    floats = stats.to_floats()
+    assert set(floats) == {"norm", "amax", "underflow_frac", "overflow_frac", "modules"}
+    assert set(floats["underflow_frac"]) == set(DEFAULT_FORMATS)
+    assert floats["modules"]["fc3"]["amax"] == stats.modules["fc3"].amax.item()
+    assert all(isinstance(v, float) for v in floats["modules"]["fc1"]["overflow_frac"].values())
+
+
+def test_no_gradients_give_zeros():
+    stats = grad_stats(nn.Linear(2, 2))
+    assert stats.norm.item() == 0.0 and stats.to_floats()["underflow_frac"]["fp16"] == 0.0
+
+
+def test_computing_does_not_sync(monkeypatch):
+    pairs = _params(torch.randn(32), torch.randn(4, 4))
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("host synchronisation")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    monkeypatch.setattr(torch.Tensor, "tolist", no_sync)
+    stats = grad_stats(pairs, scale=torch.tensor(2.0**16), per_module=True)
+    assert isinstance(stats, GradStats) and stats.norm.dim() == 0
+
+
+def test_amax_per_tensor_propagates_inf_and_nan():
+    tensors = [torch.tensor([1.0, -3.0]), torch.tensor([NAN, 1.0]), torch.tensor([-INF]), torch.empty(0)]
+    amax = amax_per_tensor(tensors).tolist()
+    assert amax[0] == 3.0 and math.isnan(amax[1]) and amax[2] == INF and amax[3] == 0.0
+
+
+def test_telemetry_is_due_every_n_steps():
+    telemetry = GradTelemetry(every_n_steps=3, formats=["fp16"])
+    pairs = _params(torch.randn(8))
+    results = [telemetry.maybe_compute(pairs, step) for step in range(7)]
+    assert [r is not None for r in results] == [True, False, False, True, False, False, True]
+    assert telemetry.latest is results[6] and list(telemetry.latest.underflow_frac) == ["fp16"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_bad_every_n_steps_names_the_argument(bad):
+    with pytest.raises(ValueError, match=r"GradTelemetry\(every_n_steps="):
+        GradTelemetry(every_n_steps=bad)
+
+
+def test_unknown_format_names_the_argument():
+    with pytest.raises(ValueError, match=r"grad_stats\(formats=.*'fp7'"):
+        grad_stats(_params(torch.ones(2)), formats=["fp16", "fp7"])
+    with pytest.raises(ValueError, match=r"GradTelemetry\(formats="):
+        GradTelemetry(formats=["e4m3"])
+
+
+def test_core_imports_without_lightning_hydra_omegaconf(monkeypatch):
+    # In-process (a subprocess would spend seconds importing torch): block the packages, drop our modules, reimport;
+    # monkeypatch puts every sys.modules entry back afterwards.
+    for name in ("lightning", "lightning.pytorch", "pytorch_lightning", "hydra", "omegaconf"):
+        monkeypatch.setitem(sys.modules, name, None)
+    for name in [m for m in sys.modules if m == "lit_mpstable" or m.startswith("lit_mpstable.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in ("lit_mpstable.scaling", "lit_mpstable.telemetry", "lit_mpstable.attribution"):
+        importlib.import_module(name)
