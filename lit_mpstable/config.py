@@ -38,6 +38,8 @@ class StablePrecisionConfig:
     fp32_modules: list[Any] = field(default_factory=list)
     op_policy: str = "autocast"
     device: Optional[str] = None
+    telemetry_every_n_steps: Optional[int] = 50
+    diagnose: bool = False
 
 
 @dataclass

@@ -22,14 +22,18 @@ from lit_mpstable.fp8 import FP8Config, fp8_autocast_context, fp8_config
 from lit_mpstable.islands import FP32Islands
 from lit_mpstable.layout import PrecisionLayout
 from lit_mpstable.master import MasterWeights
-from lit_mpstable.scaling import DynamicLossScaler, StaticLossScaler
+from lit_mpstable.attribution import OverflowTracer, nonfinite_grad_params
+from lit_mpstable.fp8 import collect_fp8_stats_, fp8_stats
+from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.telemetry import GradTelemetry
 
 __all__ = ["StablePrecision"]
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
-ScalerName = Literal["auto", "dynamic", "static"]
+ScalerName = Literal["auto", "dynamic", "static", "adaptive"]
 OpPolicyName = Literal["autocast"]
 
+_FORMAT_IDS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
 _held_schedulers: weakref.WeakKeyDictionary[Any, StablePrecision] = weakref.WeakKeyDictionary()
 
@@ -50,6 +54,10 @@ class StablePrecision(Precision):
         fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
         op_policy: ``"autocast"``: PyTorch's per-op lists.
         device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else the CPU.
+        telemetry_every_n_steps: gradient telemetry (norm, underflow per layer, FP8 saturation) into :attr:`stats`
+            every N optimizer steps (one host sync on those steps only); ``None`` turns it off.
+        diagnose: trace every step for the first module producing inf/NaN (costly); by default only the step
+            after an overflow is traced.
 
     Raises:
         ValueError: an argument is not one of the allowed values.
@@ -65,6 +73,8 @@ class StablePrecision(Precision):
         fp32_modules: Iterable[type[nn.Module] | str] = (),
         op_policy: OpPolicyName = "autocast",
         device: str | None = None,
+        telemetry_every_n_steps: int | None = 50,
+        diagnose: bool = False,
     ) -> None:
         if precision not in get_args(PrecisionName):
             raise ValueError(f"StablePrecision(precision={precision!r}): allowed values are {list(get_args(PrecisionName))}.")
@@ -72,6 +82,14 @@ class StablePrecision(Precision):
             raise ValueError(f"StablePrecision(device={device!r}): allowed values are 'cpu', 'cuda' or None (auto).")
         if op_policy not in get_args(OpPolicyName):
             raise ValueError(f"StablePrecision(op_policy={op_policy!r}): allowed values are {list(get_args(OpPolicyName))}.")
+        if telemetry_every_n_steps is not None and (
+            isinstance(telemetry_every_n_steps, bool) or not isinstance(telemetry_every_n_steps, int)
+            or telemetry_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"StablePrecision(telemetry_every_n_steps={telemetry_every_n_steps!r}): must be an int >= 1 (optimizer"
+                " steps between computations) or None (off); 50 keeps the cost under 1% of a step."
+            )
         if not isinstance(master_weights, bool):
             raise ValueError(f"StablePrecision(master_weights={master_weights!r}): must be True or False.")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,6 +113,19 @@ class StablePrecision(Precision):
         self._skip_requested = False
         self.master: MasterWeights | None = None
         self.stats: dict[str, Any] = {}
+        """Latest telemetry: ``grad_norm``, ``grad_amax``, ``grad_underflow_frac``, ``grad_overflow_frac`` (in the
+        compute format at the current scale), ``grad_underflow_per_module``, ``fp8_saturation_frac``,
+        ``fp8_underflow_frac``, ``stats_step``; after an overflow ``blamed_params`` and ``blamed_modules``
+        (qualified names relative to the LightningModule), refined by tracing the next step."""
+        self.last_loss: torch.Tensor | None = None
+        """The latest loss before scaling, detached, on the device (reading it syncs)."""
+        self.diagnose = diagnose
+        formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
+        self.telemetry = (
+            GradTelemetry(telemetry_every_n_steps, formats=formats, per_module=True) if telemetry_every_n_steps else None
+        )
+        self._tracer: OverflowTracer | None = None
+        self._traced = False
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
 
     def _build_scaler(self, scaler: Any) -> torch.amp.GradScaler | None:
@@ -114,7 +145,9 @@ class StablePrecision(Precision):
                     f"StablePrecision({self.precision!r}, scaler={scaler!r}): loss scaling is only meaningful for FP16"
                     " modes (BF16 and FP32 share FP32's exponent range); use scaler=None."
                 )
-            return DynamicLossScaler(self.device) if scaler == "dynamic" else StaticLossScaler(self.device)
+            return {"dynamic": DynamicLossScaler, "static": StaticLossScaler, "adaptive": AdaptiveLossScaler}[scaler](
+                self.device
+            )
         needed = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
         missing = [name for name in needed if not callable(getattr(scaler, name, None))]
         if missing:
@@ -172,6 +205,9 @@ class StablePrecision(Precision):
         if self._pending_layout is not None:  # state loaded before the model arrived
             self.layout.load_state_dict(self._pending_layout)
             self._pending_layout = None
+        if self._tracer is not None:
+            self._tracer.detach()
+        self._tracer = OverflowTracer(module).attach() if self.diagnose else None
         return module
 
     # ------------------------------------------------------------------------------------------ fallback
@@ -215,9 +251,9 @@ class StablePrecision(Precision):
         if device_type in ("cpu", "cuda"):
             self.device = device_type
             self.layout.islands.device_type = self.layout.device_type = device_type
-        if self.precision == "16-mixed" and self.device == "cpu" and "fp16-cpu" not in self._warned:
-            self._warned.add("fp16-cpu")
-            rank_zero_warn(
+        if self.precision == "16-mixed" and self.device == "cpu":
+            self._warn_once(
+                "fp16-cpu",
                 "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower than"
                 " BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed."
             )
@@ -249,6 +285,7 @@ class StablePrecision(Precision):
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        self.last_loss = tensor.detach()
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
@@ -281,6 +318,7 @@ class StablePrecision(Precision):
         # found_inf and no grad_scale, so they skip without rescaling.
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+        self._observe()
         self._after_closure(model, optimizer)
         if self.scaler is not None:
             output = self.scaler.step(optimizer, **kwargs)
@@ -290,8 +328,68 @@ class StablePrecision(Precision):
             output, skipped = optimizer.step(**kwargs), False
         if self.master is not None and not skipped:
             self.master.refresh_model_(optimizer)
+        if skipped:
+            self._blame()
         self._record_step(skipped=skipped)
         return output
+
+    # ----------------------------------------------------------------------------------- telemetry, blame
+    def _named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        # With masters the FP32 master holds the gradient; names stay the model's.
+        assert self.layout.module is not None
+        masters = {name: m for name, m, _ in self.master.named_pairs()} if self.master is not None else {}
+        return [(name, masters.get(name, p)) for name, p in self.layout.module.named_parameters()]
+
+    def _observe(self) -> None:
+        """On unscaled gradients, before hooks and clipping: telemetry when due, and the traced step's verdict."""
+        self._traced = False
+        if self._tracer is not None:
+            first = self._tracer.first_forward or self._tracer.first_backward
+            if first is not None:
+                self.stats["blamed_modules"], self._traced = [first], True
+                where = "forward output" if self._tracer.first_forward else "backward gradient"
+                self._warn_once(f"blame:{first}", f"StablePrecision: inf/NaN first appeared in the {where} of"
+                                f" {first!r} (step {self.step_count}); fp32_modules=[{first!r}] would keep it in FP32.")
+            if self.diagnose:
+                self._tracer.reset()
+            else:
+                self._tracer.detach()
+                self._tracer = None
+        telemetry, fp8 = self.telemetry, self.fp8 is not None and bool(self.layout.fp8_layers)
+        if telemetry is None or self.layout.module is None:
+            return
+        if telemetry.is_due(self.step_count):
+            scale = self.scaler.get_scale() if self.scaler is not None else 1.0  # syncs on due steps only
+            values = telemetry.maybe_compute(self._named_grads(), self.step_count, scale=scale).to_floats()
+            fmt = telemetry.formats[0]
+            self.stats.update(
+                stats_step=self.step_count, grad_norm=values["norm"], grad_amax=values["amax"],
+                grad_underflow_frac=values["underflow_frac"][fmt], grad_overflow_frac=values["overflow_frac"][fmt],
+                grad_underflow_per_module={k: v["underflow_frac"][fmt] for k, v in values["modules"].items()},
+            )
+            if fp8 and (totals := fp8_stats(self.layout.module).get("total")):
+                self.stats.update({k: float(v) for k, v in totals.items()})
+        if fp8:
+            # FP8 layers record saturation/underflow in the forward and backward of the step before a due one.
+            collect_fp8_stats_(self.layout.module, telemetry.is_due(self.step_count + 1))
+
+    def _blame(self) -> None:
+        """After an overflow: name the parameters with inf/NaN gradients, and trace the next step for the module."""
+        if self.layout.module is None:
+            return
+        params = nonfinite_grad_params(self._named_grads())
+        self.stats["blamed_params"] = params
+        # Parameters are registered in forward order, and inf spreads backward to every earlier layer: the last one
+        # is the nearest guess, unless this step was traced and the tracer named the module.
+        if not self._traced:
+            self.stats["blamed_modules"] = [params[-1].rpartition(".")[0]] if params else []
+        if self._tracer is None:
+            self._tracer = OverflowTracer(self.layout.module).attach()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
 
     def skip_step(self) -> None:
         """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged.

@@ -147,8 +147,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         ]
         if not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
-        found = torch.stack(found_infs).sum() > 0
-        self._update_scale_(scale, growth_tracker, found)
+        found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
+        self._update_scale_(scale, growth_tracker, found_inf)
         self._per_optimizer_states.clear()
         self.step_count += 1
         if self.min_scale is not None and self.last_step_skipped and not self._min_scale_warned:
@@ -162,25 +162,33 @@ class DynamicLossScaler(torch.amp.GradScaler):
                     stacklevel=2,
                 )
 
-    def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found: torch.Tensor) -> None:
-        # Same arithmetic as torch._amp_update_scale_ (float32 scale, int32 tracker, growth only to a finite value),
-        # written with tensor ops so hysteresis and the bounds fit in without a host sync.
+    def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._hysteresis_tracker is not None and self._overflow_count is not None
         assert self._min_scale_hits is not None
+        found = found_inf > 0
+        if self.min_scale is not None:
+            self._min_scale_hits += found & (scale <= self.min_scale)
+        self._overflow_count += found
+        if self.hysteresis == 1:
+            # GradScaler's own fused kernel, then the bounds: a handful of scalar ops instead of twenty.
+            torch._amp_update_scale_(
+                scale, growth_tracker, found_inf.float(), self._growth_factor, self._backoff_factor, self._growth_interval
+            )
+            self._clamp_(scale)
+            return
+        # The same arithmetic as torch._amp_update_scale_ (float32 scale, int32 tracker, growth only to a finite
+        # value), written with tensor ops so hysteresis fits in without a host sync.
         hysteresis_left = self._hysteresis_tracker - found.int()
         backoff = found & (hysteresis_left <= 0)
         tracker = torch.where(found, 0, growth_tracker + 1)
         grow = tracker >= self._growth_interval
         grown = scale * self._growth_factor
         grow = grow & torch.isfinite(grown)
-        if self.min_scale is not None:
-            self._min_scale_hits += (found & (scale <= self.min_scale)).long()
         new_scale = torch.where(backoff, scale * self._backoff_factor, torch.where(grow, grown, scale))
         scale.copy_(new_scale)
         self._clamp_(scale)
         growth_tracker.copy_(torch.where(tracker >= self._growth_interval, 0, tracker))
         self._hysteresis_tracker.copy_(torch.where(grow, self.hysteresis, hysteresis_left.clamp_min(0)))
-        self._overflow_count += found.long()
 
     def _clamp_(self, scale: torch.Tensor) -> None:
         if self.min_scale is not None or self.max_scale is not None:
@@ -285,9 +293,9 @@ class StaticLossScaler(DynamicLossScaler):
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, enabled: bool = True) -> None:
         super().__init__(device, init_scale=init_scale, max_scale=None, enabled=enabled)
 
-    def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found: torch.Tensor) -> None:
+    def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._overflow_count is not None
-        self._overflow_count += found.long()
+        self._overflow_count += found_inf > 0
 
 
 # Guessed bound: the k-th consecutive overflow backs off by backoff_factor**(2**(k-1)), at most backoff_factor**8
@@ -441,8 +449,9 @@ class AdaptiveLossScaler(DynamicLossScaler):
         finally:
             self._step_amax = None
 
-    def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found: torch.Tensor) -> None:
+    def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._state is not None and self._overflow_count is not None and self._min_scale_hits is not None
+        found = found_inf > 0
         state = self._state
         history, extra = state["_amax_history"], state["_extra_headroom"]
         last_overflow, streak = state["_last_overflow_scale"], state["_overflow_streak"]

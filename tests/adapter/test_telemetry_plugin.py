@@ -1,0 +1,88 @@
+"""plugin.stats: gradient telemetry on unscaled gradients, overflow attribution, and scaler="adaptive"."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import make_module, make_trainer
+
+from lit_mpstable import StablePrecision
+from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler
+
+
+class _Probe(pl.Callback):
+    """At on_before_optimizer_step (after telemetry ran): the true gradient norm and the plugin's stats."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, float, dict]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in pl_module.parameters()])).item()
+        self.rows.append((trainer.precision_plugin.step_count, norm, dict(trainer.precision_plugin.stats)))
+
+
+def test_telemetry_every_n_steps_on_unscaled_gradients() -> None:
+    probe = _Probe()
+    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**10), telemetry_every_n_steps=3)
+    make_trainer(plugin, max_steps=7, max_epochs=-1, callbacks=[probe]).fit(make_module())
+    due = [(step, norm, stats) for step, norm, stats in probe.rows if stats.get("stats_step") == step]
+    assert [step for step, _, _ in due] == [0, 3, 6]
+    for _, norm, stats in due:
+        assert stats["grad_norm"] == pytest.approx(norm, rel=1e-5)  # unscaled: not 2**10 times larger
+        assert set(stats["grad_underflow_per_module"]) == {"model.fc1", "model.fc2", "model.fc3"}
+        assert 0.0 <= stats["grad_underflow_frac"] <= 1.0
+
+
+def test_overflow_in_one_layer_is_attributed_to_it() -> None:
+    module = make_module(poison_steps={1})  # an inf in model.fc2.weight's gradient on step 1
+    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(plugin, max_steps=3).fit(module)
+    assert plugin.stats["blamed_params"] == ["model.fc2.weight"]
+    assert plugin.stats["blamed_modules"] == ["model.fc2"]
+
+
+def test_forward_overflow_is_traced_to_the_module_that_made_it() -> None:
+    class Amplify(torch.nn.Module):
+        def forward(self, x):
+            return x * 1e5 / 1e5  # inf in FP16, harmless in FP32
+
+    module = make_module()
+    module.model.fc2 = torch.nn.Sequential(module.model.fc2, Amplify())
+    plugin = StablePrecision("16-mixed", diagnose=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(plugin, max_steps=2).fit(module)
+    assert plugin.overflow_count == 2
+    assert plugin.stats["blamed_modules"] == ["model.fc2.1"]
+    assert any("first appeared in the forward output of 'model.fc2.1'" in str(w.message) for w in caught)
+
+
+def test_adaptive_scaler_settles_in_a_few_steps() -> None:
+    scales = {}
+    for name in ("dynamic", "adaptive"):
+        plugin = StablePrecision("16-mixed", scaler=name)
+        seen = []
+
+        class Record(pl.Callback):
+            def on_train_batch_end(self, trainer, *args) -> None:
+                seen.append(trainer.precision_plugin.loss_scale)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_trainer(plugin, max_steps=6, max_epochs=-1, callbacks=[Record()]).fit(make_module(n=32))
+        scales[name] = seen
+    assert isinstance(StablePrecision("16-mixed", scaler="adaptive").scaler, AdaptiveLossScaler)
+    assert scales["dynamic"] == [2.0**16] * 6  # GradScaler's rule: thousands of steps to move
+    # The adaptive rule jumps to the largest power of two with headroom below FP16's max (far above 2**16 for
+    # these small gradients, up to max_scale) and stays there.
+    assert scales["adaptive"][0] > 2.0**16 and len(set(scales["adaptive"][1:])) == 1
+
+
+def test_bad_telemetry_argument() -> None:
+    with pytest.raises(ValueError, match="telemetry_every_n_steps=0"):
+        StablePrecision(telemetry_every_n_steps=0)
