@@ -94,6 +94,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._init_overflow_count = 0
         self._init_min_scale_hits = 0
         self._min_scale_warned = False
+        # Host mirror of the iteration's overflow and of the growth tracker, fed by step()'s sync (see update()).
+        self._host_found: bool | None = None
+        self._host_overflows = 0
+        self._host_tracker = 0
 
     # ----------------------------------------------------------------------------------------- lazy state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -106,7 +110,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any):
         # The one host sync GradScaler makes per step lives here; record its answer for free.
         found_inf = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
-        self.last_step_skipped = bool(found_inf)
+        self._note_skip(bool(found_inf))
         if found_inf:
             return None
         return optimizer.step(*args, **kwargs)
@@ -123,9 +127,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             result = super().step(optimizer, *args, **kwargs)
             found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-            self.last_step_skipped = bool(sum(v.item() for v in found))
+            self._note_skip(bool(sum(v.item() for v in found)))
             return result
         return super().step(optimizer, *args, **kwargs)
+
+    def _note_skip(self, skipped: bool) -> None:
+        # What the step's host sync found, kept for update(): an iteration overflowed if any optimizer's step did.
+        self.last_step_skipped = skipped
+        self._host_found = skipped or bool(self._host_found)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from this iteration's inf checks; all on the device, no host sync.
@@ -149,6 +158,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded prior to update.")
         found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
         self._update_scale_(scale, growth_tracker, found_inf)
+        self._host_found = None
         self._per_optimizer_states.clear()
         self.step_count += 1
         if self.min_scale is not None and self.last_step_skipped and not self._min_scale_warned:
@@ -165,12 +175,28 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._hysteresis_tracker is not None and self._overflow_count is not None
         assert self._min_scale_hits is not None
+        host_found = self._host_found
+        if self.hysteresis == 1 and host_found is not None:
+            # The host already knows (from step()'s sync) whether this iteration overflowed, and so whether the
+            # scale can grow now: a clean step costs GradScaler's one fused kernel, nothing more.
+            if host_found and self.min_scale is not None:
+                self._min_scale_hits += scale <= self.min_scale
+            self._host_overflows += int(host_found)
+            self._host_tracker = 0 if host_found else self._host_tracker + 1
+            grew = self._host_tracker >= self._growth_interval
+            if grew:
+                self._host_tracker = 0
+            torch._amp_update_scale_(
+                scale, growth_tracker, found_inf.float(), self._growth_factor, self._backoff_factor, self._growth_interval
+            )
+            if (grew and self.max_scale is not None) or (host_found and self.min_scale is not None):
+                self._clamp_(scale)
+            return
         found = found_inf > 0
         if self.min_scale is not None:
             self._min_scale_hits += found & (scale <= self.min_scale)
         self._overflow_count += found
         if self.hysteresis == 1:
-            # GradScaler's own fused kernel, then the bounds: a handful of scalar ops instead of twenty.
             torch._amp_update_scale_(
                 scale, growth_tracker, found_inf.float(), self._growth_factor, self._backoff_factor, self._growth_interval
             )
@@ -198,7 +224,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
     @property
     def overflow_count(self) -> int:
         """Iterations whose gradients held inf/NaN. Reading it synchronises with the device."""
-        return self._init_overflow_count if self._overflow_count is None else int(self._overflow_count.item())
+        device = self._init_overflow_count if self._overflow_count is None else int(self._overflow_count.item())
+        return device + self._host_overflows
 
     @property
     def min_scale_hits(self) -> int:
@@ -246,6 +273,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 f"{type(self).__name__}.load_state_dict: the state dict is empty; was it saved with scaling disabled?"
             )
         keys = set(state_dict)
+        self._host_found, self._host_tracker = None, int(state_dict.get("_growth_tracker", 0))
         if keys == _GRADSCALER_KEYS:
             # Written by torch.amp.GradScaler (e.g. Lightning's own "16-mixed"): keep our extra state as constructed.
             super().load_state_dict(state_dict)
@@ -263,7 +291,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.max_scale = state_dict["max_scale"]
         self.step_count = int(state_dict["step_count"])
         self._init_hysteresis_tracker = int(state_dict["_hysteresis_tracker"])
-        self._init_overflow_count = int(state_dict["overflow_count"])
+        self._init_overflow_count, self._host_overflows = int(state_dict["overflow_count"]), 0
         self._init_min_scale_hits = int(state_dict["min_scale_hits"])
         for tensor, value in (
             (self._hysteresis_tracker, self._init_hysteresis_tracker),
@@ -279,6 +307,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             state.update(
                 _init_hysteresis_tracker=self._get_hysteresis_tracker(),
                 _init_overflow_count=self.overflow_count,
+                _host_overflows=0,
                 _init_min_scale_hits=self.min_scale_hits,
                 _hysteresis_tracker=None,
                 _overflow_count=None,

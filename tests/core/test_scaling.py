@@ -189,3 +189,19 @@ def test_pickle_round_trip() -> None:
     clone = pickle.loads(pickle.dumps(s))
     assert clone.state_dict() == s.state_dict()
     assert math.isclose(clone.get_scale(), 32.0)
+
+
+def test_bounds_hold_on_the_stepping_path() -> None:
+    # Through step() the host knows each iteration's outcome and clamps only when the scale can cross a bound.
+    capped = DynamicLossScaler("cpu", init_scale=2.0**23, growth_interval=1, max_scale=2.0**24)
+    assert _run(capped, 3, {})[0] == [2.0**24] * 3
+    floored = DynamicLossScaler("cpu", init_scale=2.0**3, min_scale=2.0**2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scales, skipped, _ = _run(floored, 4, {k: INF for k in range(4)})
+    assert scales == [4.0] * 4 and skipped == [True] * 4
+    assert floored.min_scale_hits == 3 and floored.overflow_count == 4
+    state = floored.state_dict()
+    resumed = DynamicLossScaler("cpu", init_scale=2.0**3, min_scale=2.0**2)
+    resumed.load_state_dict(state)
+    assert resumed.overflow_count == 4 and resumed.state_dict() == state
