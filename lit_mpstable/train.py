@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lit_mpstable.config import register_configs
+from lit_mpstable.memory import MemoryProbe
 from lit_mpstable.report import write_report
 
 __all__ = ["main", "run"]
@@ -31,6 +32,21 @@ class _StepRecorder(pl.Callback):
         self.train_loss: list[float] = []
         self.val_loss: list[tuple[int, float]] = []
         self.started = self.stopped = 0.0
+        self.peak_bytes: int | None = None
+        self._probe: MemoryProbe | None = None
+
+    # Peak tensor memory of one step after warm-up (step 2): the CUDA allocator's counter on a GPU, the profiler's
+    # allocation events on the CPU.
+    _PROBE_STEP = 2
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self._PROBE_STEP or self.peak_bytes is not None:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        else:
+            self._probe = MemoryProbe()
+            self._probe.start(pl_module, trainer.optimizers)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.started = time.perf_counter()
@@ -41,6 +57,11 @@ class _StepRecorder(pl.Callback):
         self.skipped.append(bool(getattr(plugin, "last_step_skipped", False)))
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.train_loss.append(float(loss))
+        if self._probe is not None:
+            self._probe.stop()
+            self.peak_bytes, self._probe = self._probe.peak_bytes, None
+        elif trainer.global_step == self._PROBE_STEP + 1 and pl_module.device.type == "cuda":
+            self.peak_bytes = torch.cuda.max_memory_allocated(pl_module.device)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
@@ -71,6 +92,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "model": type(model).__name__,
         "steps": steps,
         "steps_per_s": steps / max(recorder.stopped - recorder.started, 1e-9),
+        "peak_memory_mib": recorder.peak_bytes / 2**20 if recorder.peak_bytes is not None else None,
         "final_train_loss": recorder.train_loss[-1] if recorder.train_loss else None,
         "val_loss": metrics.get("val/loss"),
         "val_acc": metrics.get("val/acc"),
@@ -101,7 +123,9 @@ def _print_summary(summary: dict[str, Any], out_dir: Path) -> None:
     table = Table(title=f"lit_mpstable run: {summary['model']} in {summary['precision']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("steps", "steps_per_s", "final_train_loss", "val_loss", "val_acc", "loss_scale", "skipped_steps"):
+    keys = ("steps", "steps_per_s", "final_train_loss", "val_loss", "val_acc", "peak_memory_mib", "loss_scale",
+            "skipped_steps", "fallbacks", "rollbacks")
+    for key in keys:
         value = summary[key]
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console = Console()
