@@ -50,6 +50,7 @@ from common import (  # noqa: E402
     summary,
 )
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from policy_workloads import CNNSize, SDPAGPTSize, cnn_workload, sdpa_gpt_workload  # noqa: E402
 
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.scaling import DynamicLossScaler  # noqa: E402
@@ -224,6 +225,70 @@ register(
         trainer=lambda: {"plugins": [StablePrecision("16-mixed")]},
     )
 )
+
+# bf16-true with and without FP32 master weights, against Lightning's own.
+register(Config("L-bf16-true", "gpt", 'Trainer(precision="bf16-true")', trainer=lambda: {"precision": "bf16-true"}))
+register(
+    Config(
+        "SP-bf16-true", "gpt", 'StablePrecision("bf16-true") (FP32 master weights)',
+        trainer=lambda: {"plugins": [StablePrecision("bf16-true")]},
+    )
+)
+register(
+    Config(
+        "SP-bf16-true-nomaster", "gpt", 'StablePrecision("bf16-true", master_weights=False)',
+        trainer=lambda: {"plugins": [StablePrecision("bf16-true", master_weights=False)]},
+    )
+)
+
+# The per-op precision policy: the faster of FP32 and BF16 per op family. The demo Transformer's attention is
+# nn.MultiheadAttention (one op for the policy, projections included); zoo.GPT calls SDPA itself.
+register(
+    Config(
+        "SP-bf16-mixed-auto", "gpt", 'StablePrecision("bf16-mixed", op_policy="auto")',
+        trainer=lambda: {"plugins": [StablePrecision("bf16-mixed", op_policy="auto")]},
+    )
+)
+_POLICY_SUITES = {"sdpa": "gpt-sdpa", "mlp": "policy-mlp", "cnn": "policy-cnn"}
+SUITES["gpt-sdpa"] = Suite(
+    name="gpt-sdpa",
+    title="GPT with F.scaled_dot_product_attention (lit_mpstable.zoo.GPT), per-op precision policy",
+    workload=lambda steps: sdpa_gpt_workload(SDPAGPTSize(), steps),
+    steps=10,
+    warmup=2,  # step 0 of an op_policy="auto" run also records and measures the op families
+    unit="ms",
+    columns=("ratio:sdpa/L-32-true", "ratio:sdpa/L-bf16-mixed"),
+    size=asdict(SDPAGPTSize()),
+)
+SUITES["policy-mlp"] = Suite(
+    name="policy-mlp",
+    title="Per-op precision policy on the tiny MLP (per-op overhead dominates)",
+    workload=lambda steps: mlp_workload(MLPSize(), steps),
+    steps=80,
+    warmup=10,
+    unit="us",
+    columns=("ratio:mlp/L-bf16-mixed", "ratio:mlp/L-32-true"),
+    size=asdict(MLPSize()),
+)
+SUITES["policy-cnn"] = Suite(
+    name="policy-cnn",
+    title="Per-op precision policy on a small CNN (conv + batch norm)",
+    workload=lambda steps: cnn_workload(CNNSize(), steps),
+    steps=30,
+    warmup=5,
+    unit="ms",
+    columns=("ratio:cnn/L-bf16-mixed", "ratio:cnn/L-32-true"),
+    size=asdict(CNNSize()),
+)
+for _prefix, _suite in _POLICY_SUITES.items():
+    register(Config(f"{_prefix}/L-32-true", _suite, 'Trainer(precision="32-true")',
+                    trainer=lambda: {"precision": "32-true"}))
+    register(Config(f"{_prefix}/L-bf16-mixed", _suite, 'Trainer(precision="bf16-mixed")',
+                    trainer=lambda: {"precision": "bf16-mixed"}))
+    register(Config(f"{_prefix}/SP-bf16-mixed", _suite, 'StablePrecision("bf16-mixed") (op_policy="autocast")',
+                    trainer=lambda: {"plugins": [StablePrecision("bf16-mixed")]}))
+    register(Config(f"{_prefix}/SP-bf16-mixed-auto", _suite, 'StablePrecision("bf16-mixed", op_policy="auto")',
+                    trainer=lambda: {"plugins": [StablePrecision("bf16-mixed", op_policy="auto")]}))
 
 
 # ---------------------------------------------------------------------------------------------------- running
@@ -433,6 +498,32 @@ def _checks(suites: dict[str, Any]) -> dict[str, Any]:
                 "delta_us": v["delta_us"],
                 "goal": "costs no more than GradScaler: ratio ~1, delta ~0",
             }
+        checks.update(_policy_checks(suites, clock, vs))
+    return checks
+
+
+def _policy_checks(suites: dict[str, Any], clock: str, vs: Callable[..., Any]) -> dict[str, Any]:
+    """op_policy="auto": >= 1.65x FP32 on the SDPA GPT with the final loss within 0.5 % of FP32's; never slower
+    than Lightning's bf16-mixed (>= 0.98) on the MLP and the CNN."""
+    checks: dict[str, Any] = {}
+    if (v := vs("gpt-sdpa", "sdpa/SP-bf16-mixed-auto", "sdpa/L-32-true", clock)) is not None:
+        losses = {name: suites["gpt-sdpa"][name]["final_loss"]["median"] for name in ("sdpa/SP-bf16-mixed-auto",
+                                                                                      "sdpa/L-32-true")}
+        gap = abs(losses["sdpa/SP-bf16-mixed-auto"] / losses["sdpa/L-32-true"] - 1)
+        lightning = vs("gpt-sdpa", "sdpa/L-bf16-mixed", "sdpa/L-32-true", clock)
+        checks[f"op_policy_auto_speedup_over_fp32 ({clock})"] = {
+            "throughput_ratio": v["throughput_ratio"],
+            "lightning_bf16_mixed_ratio": lightning["throughput_ratio"] if lightning else None,
+            "final_loss_gap_pct": 100 * gap,
+            "goal": ">= 1.65 and final_loss_gap_pct <= 0.5",
+            "met": v["throughput_ratio"]["median"] >= 1.65 and gap <= 0.005,
+        }
+    for prefix in ("mlp", "cnn"):
+        if (v := vs(f"policy-{prefix}", f"{prefix}/SP-bf16-mixed-auto", f"{prefix}/L-bf16-mixed", clock)) is not None:
+            ratio = v["throughput_ratio"]
+            checks[f"op_policy_auto_vs_lightning_bf16_{prefix} ({clock})"] = {
+                "throughput_ratio": ratio, "goal": ">= 0.98", "met": ratio["median"] >= 0.98
+            }
     return checks
 
 
@@ -522,7 +613,7 @@ def _check_text(value: dict[str, Any]) -> str:
     if "median" in value:
         return fmt_iqr(value, 1)
     text = ", ".join(
-        f"{k} {fmt_iqr(v, 3 if k == 'throughput_ratio' else 1)}" if isinstance(v, dict) else f"{k} {v:.3f}"
+        f"{k} {fmt_iqr(v, 3 if k.endswith('ratio') else 1)}" if isinstance(v, dict) else f"{k} {v:.3f}"
         for k, v in value.items()
         if isinstance(v, (dict, float))
     )
@@ -536,8 +627,8 @@ def _check_text(value: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------------- CLI
 QUICK = {
     "repeats": 3,
-    "steps": {"gpt": 6, "scaler-raw": 60, "scaler-lightning": 20},
-    "warmup": {"gpt": 2, "scaler-raw": 10, "scaler-lightning": 5},
+    "steps": {"gpt": 6, "scaler-raw": 60, "scaler-lightning": 20, "gpt-sdpa": 6, "policy-mlp": 20, "policy-cnn": 8},
+    "warmup": {"gpt": 2, "scaler-raw": 10, "scaler-lightning": 5, "gpt-sdpa": 2, "policy-mlp": 5, "policy-cnn": 2},
 }
 
 

@@ -36,7 +36,8 @@ class StablePrecisionConfig:
     fp8: Any = None
     """null, a recipe name ("delayed", "current", "mxfp8") or an FP8RecipeConfig node."""
     fp32_modules: list[Any] = field(default_factory=list)
-    op_policy: str = "autocast"
+    op_policy: Any = "autocast"
+    """"autocast", "auto", or a mapping {family: dtype} such as {attention: fp32} (see lit_mpstable.policy)."""
     device: Optional[str] = None
     telemetry_every_n_steps: Optional[int] = 50
     diagnose: bool = False

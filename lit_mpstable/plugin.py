@@ -5,11 +5,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager
+from types import SimpleNamespace
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import LBFGS, Optimizer
@@ -22,6 +24,7 @@ from lit_mpstable.fp8 import FP8Config, fp8_autocast_context, fp8_config
 from lit_mpstable.islands import FP32Islands
 from lit_mpstable.layout import PrecisionLayout
 from lit_mpstable.master import MasterWeights
+from lit_mpstable.policy import OpPolicy
 from lit_mpstable.attribution import OverflowTracer, nonfinite_grad_params
 from lit_mpstable.fp8 import collect_fp8_stats_, fp8_stats
 from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
@@ -31,11 +34,15 @@ __all__ = ["StablePrecision"]
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
 ScalerName = Literal["auto", "dynamic", "static", "adaptive"]
-OpPolicyName = Literal["autocast"]
+OpPolicyName = Literal["autocast", "auto"]
 
 _FORMAT_IDS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
 _held_schedulers: weakref.WeakKeyDictionary[Any, StablePrecision] = weakref.WeakKeyDictionary()
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # a torch build without torch.distributed
+    _DTENSOR = ()  # type: ignore[assignment,misc]
 
 
 class StablePrecision(Precision):
@@ -52,7 +59,10 @@ class StablePrecision(Precision):
         fp8: ``None``, a recipe name (``"delayed"``, ``"current"``, ``"mxfp8"``) or an ``FP8Config``: eligible
             ``nn.Linear`` layers run their three GEMMs in FP8 on top of the base precision.
         fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
-        op_policy: ``"autocast"``: PyTorch's per-op lists.
+        op_policy: ``"autocast"``: PyTorch's per-op lists; ``"auto"``: per op family (matmul, conv, attention,
+            norm, softmax) the faster of FP32 and the 16-bit dtype, measured on the model's shapes in the first
+            forward, FP32 only where it is also numerically no worse; or a mapping such as ``{"attention": "fp32"}``
+            (see ``lit_mpstable.policy.OpPolicy``). ``"*-mixed"`` precisions only; ``fp32_modules`` always win.
         device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else the CPU.
         telemetry_every_n_steps: gradient telemetry (norm, underflow per layer, FP8 saturation) into :attr:`stats`
             every N optimizer steps (one host sync on those steps only); ``None`` turns it off.
@@ -71,7 +81,7 @@ class StablePrecision(Precision):
         master_weights: bool = True,
         fp8: str | FP8Config | None = None,
         fp32_modules: Iterable[type[nn.Module] | str] = (),
-        op_policy: OpPolicyName = "autocast",
+        op_policy: OpPolicyName | dict[str, str] = "autocast",
         device: str | None = None,
         telemetry_every_n_steps: int | None = 50,
         diagnose: bool = False,
@@ -80,8 +90,6 @@ class StablePrecision(Precision):
             raise ValueError(f"StablePrecision(precision={precision!r}): allowed values are {list(get_args(PrecisionName))}.")
         if device is not None and device not in ("cpu", "cuda"):
             raise ValueError(f"StablePrecision(device={device!r}): allowed values are 'cpu', 'cuda' or None (auto).")
-        if op_policy not in get_args(OpPolicyName):
-            raise ValueError(f"StablePrecision(op_policy={op_policy!r}): allowed values are {list(get_args(OpPolicyName))}.")
         if telemetry_every_n_steps is not None and (
             isinstance(telemetry_every_n_steps, bool) or not isinstance(telemetry_every_n_steps, int)
             or telemetry_every_n_steps < 1
@@ -101,6 +109,12 @@ class StablePrecision(Precision):
         self.master_weights = master_weights
         self.fp8 = fp8_config(fp8)
         self.op_policy = op_policy
+        self.policy = OpPolicy(op_policy, dtype=self.dtype)  # validates families and dtypes
+        if not self.policy.is_default and self.precision not in ("16-mixed", "bf16-mixed"):
+            raise ValueError(
+                f"StablePrecision({self.precision!r}, op_policy={op_policy!r}): a per-op policy steers autocast, which"
+                " only the '*-mixed' precisions use; use 'bf16-mixed' or '16-mixed', or op_policy='autocast'."
+            )
         self.layout = PrecisionLayout(
             self.dtype, cast_parameters=self.true_16bit, fp32_modules=fp32_modules, fp8=self.fp8
         )
@@ -116,7 +130,9 @@ class StablePrecision(Precision):
         """Latest telemetry: ``grad_norm``, ``grad_amax``, ``grad_underflow_frac``, ``grad_overflow_frac`` (in the
         compute format at the current scale), ``grad_underflow_per_module``, ``fp8_saturation_frac``,
         ``fp8_underflow_frac``, ``stats_step``; after an overflow ``blamed_params`` and ``blamed_modules``
-        (qualified names relative to the LightningModule), refined by tracing the next step."""
+        (qualified names relative to the LightningModule), refined by tracing the next step. Rank-local: each rank
+        measures its own gradients (identical after DDP's all-reduce; this rank's shard under FSDP2) and names the
+        parameters where it saw the inf; callbacks agree on names before acting."""
         self.last_loss: torch.Tensor | None = None
         """The latest loss before scaling, detached, on the device (reading it syncs)."""
         self.diagnose = diagnose
@@ -201,6 +217,7 @@ class StablePrecision(Precision):
     # ---------------------------------------------------------------------------------------- Lightning hooks
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
+        _check_strategy(self, module)  # the first hook every strategy's setup calls: refuse before converting
         self.layout.attach(module, self.device)
         if self._pending_layout is not None:  # state loaded before the model arrived
             self.layout.load_state_dict(self._pending_layout)
@@ -280,8 +297,12 @@ class StablePrecision(Precision):
                     yield
             else:
                 # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad regions.
-                with torch.autocast(self.device, dtype=self.dtype, cache_enabled=False):
+                # The op policy runs inside autocast: it overrides it for whole op families, never inside FP32 islands.
+                autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+                with autocast, self.policy.context(self.device):
                     yield
+                if self.stats.get("op_policy") != self.policy.choices:  # decided (first forward), forced or resumed
+                    self._show_op_policy()
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
@@ -318,6 +339,10 @@ class StablePrecision(Precision):
         # found_inf and no grad_scale, so they skip without rescaling.
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+            # Distributed: an inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must
+            # skip the step on every rank; one all-reduce of the found-inf flag (and the adaptive amax), on the device.
+            if callable(sync := getattr(self.scaler, "sync_found_inf_", None)):
+                sync(optimizer)
         self._observe()
         self._after_closure(model, optimizer)
         if self.scaler is not None:
@@ -338,7 +363,7 @@ class StablePrecision(Precision):
         # With masters the FP32 master holds the gradient; names stay the model's.
         assert self.layout.module is not None
         masters = {name: m for name, m, _ in self.master.named_pairs()} if self.master is not None else {}
-        return [(name, masters.get(name, p)) for name, p in self.layout.module.named_parameters()]
+        return [(name, _shard_view(masters.get(name, p))) for name, p in self.layout.module.named_parameters()]
 
     def _observe(self) -> None:
         """On unscaled gradients, before hooks and clipping: telemetry when due, and the traced step's verdict."""
@@ -383,8 +408,18 @@ class StablePrecision(Precision):
         # is the nearest guess, unless this step was traced and the tracer named the module.
         if not self._traced:
             self.stats["blamed_modules"] = [params[-1].rpartition(".")[0]] if params else []
-        if self._tracer is None:
+        # The tracer reads whole parameter gradients; FSDP2's are DTensor shards (the check above reads this rank's).
+        if self._tracer is None and not any(isinstance(p, _DTENSOR) for p in self.layout.module.parameters()):
             self._tracer = OverflowTracer(self.layout.module).attach()
+
+    def _show_op_policy(self) -> None:
+        self.stats["op_policy"] = dict(self.policy.choices)
+        measured = self.policy.measurements
+        self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms} for f, m in measured.items()}
+        if not self.policy.is_default:
+            parts = [f"{f}={c}" + (f" ({measured[f].fp32_ms:.1f} ms fp32 vs {measured[f].autocast_ms:.1f} ms autocast)"
+                                   if f in measured else "") for f, c in self.policy.choices.items()]
+            rank_zero_info(f"StablePrecision op_policy={self.op_policy!r} on {self.device}: {', '.join(parts)}.")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -395,7 +430,9 @@ class StablePrecision(Precision):
         """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged.
 
         Callbacks call it from a hook inside the step (``on_before_backward``, ``on_after_backward``), e.g. on a
-        non-finite or spiking loss, so a poisoned batch never reaches the weights.
+        non-finite or spiking loss, so a poisoned batch never reaches the weights. In distributed runs call it on
+        every rank or none (reduce the trigger first, as ``ScaleCheckpoint`` does): a stepping rank waits in the
+        found-inf all-reduce for the others.
         """
         self._skip_requested = True
 
@@ -421,7 +458,7 @@ class StablePrecision(Precision):
         Keys: ``precision``, ``scaler`` (the scaler's own state dict, ``{}`` without scaling), ``step_count``,
         ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallback decisions and FP8 amax
         histories, see ``PrecisionLayout.state_dict``), ``masters`` (FP32 master tensors by parameter name, ``{}``
-        without masters).
+        without masters), ``op_policy`` (the dtype choice per op family, so a resumed ``"auto"`` run keeps it).
         """
         return {
             "masters": self.master.state_dict() if self.master is not None else {},
@@ -432,6 +469,7 @@ class StablePrecision(Precision):
             "last_step_skipped": self.last_step_skipped,
             "skipped_steps": self.skipped_steps,
             "layout": self.layout.state_dict(),
+            "op_policy": self.policy.state_dict(),
         }
 
     @override
@@ -470,6 +508,7 @@ class StablePrecision(Precision):
             self.layout.load_state_dict(state_dict["layout"])
         if self.master is not None and state_dict["masters"]:
             self.master.load_state_dict(state_dict["masters"])
+        self.policy.load_state_dict(state_dict["op_policy"])
 
     def _masters_from_weights(self, weights: dict[str, torch.Tensor] | None) -> None:
         assert self.master is not None
@@ -522,6 +561,60 @@ def _lightning_module(model: nn.Module) -> nn.Module:
     while not isinstance(model, pl.LightningModule) and isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
+
+
+def _shard_view(param: torch.Tensor) -> Any:
+    """A parameter whose gradient is a DTensor (FSDP2) as this rank's gradient shard (read as ``.grad``), so telemetry
+    and blame work on sharded models; rank-local there. Any other parameter as it is."""
+    return SimpleNamespace(grad=param.grad.to_local()) if isinstance(param.grad, _DTENSOR) else param
+
+
+def _check_strategy(plugin: StablePrecision, model: nn.Module) -> None:
+    """Refuse, at setup, the strategies whose own numerics would collide with ours; warn where ranks could disagree.
+
+    Raises:
+        ValueError: DeepSpeed (its own loss scaler and masters: the loss would be scaled twice); FSDP1 (needs
+            Lightning's FSDPPrecision); with FSDP2, FP32 master weights (its MixedPrecisionPolicy is the tool), FP8
+            (the layers are sharded before the plugin could swap them) or ``diagnose=True`` (whole gradients).
+    """
+    try:
+        strategy = _lightning_module(model).trainer.strategy
+    except (AttributeError, RuntimeError):  # not attached to a Trainer (a direct call, Fabric)
+        return
+    call = f"StablePrecision({plugin.precision!r}) with {type(strategy).__name__}"
+    if isinstance(strategy, DeepSpeedStrategy):
+        raise ValueError(
+            f"{call}: DeepSpeed brings its own loss scaler, FP32 master weights and backward, so StablePrecision"
+            " would scale the loss twice. Use Trainer(strategy='deepspeed', precision='16-mixed' or 'bf16-mixed')"
+            " without StablePrecision, or StablePrecision with DDP or ModelParallelStrategy (FSDP2)."
+        )
+    if isinstance(strategy, FSDPStrategy):
+        raise ValueError(
+            f"{call}: FSDP1 shards flat parameters and only works with Lightning's FSDPPrecision. Use"
+            " ModelParallelStrategy (FSDP2, fully_shard in configure_model), which StablePrecision supports."
+        )
+    if isinstance(strategy, ModelParallelStrategy):
+        if plugin.true_16bit and plugin.master_weights:
+            raise ValueError(
+                f"{call}, master_weights=True: the FP32 masters would be unsharded copies beside FSDP2's sharded"
+                " parameters, which it gathers and reduces in 16 bits. FSDP2's own tool keeps sharded FP32 masters:"
+                " fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,"
+                " reduce_dtype=torch.float32)) in configure_model with StablePrecision('32-true') (plus"
+                " scaler=DynamicLossScaler(...) for param_dtype=torch.float16); or master_weights=False."
+            )
+        if plugin.fp8 is not None or plugin.diagnose:
+            what = "fp8" if plugin.fp8 is not None else "diagnose=True"
+            why = ("fully_shard in configure_model has already made the nn.Linear layers FSDP modules, so none would"
+                   " be swapped for FP8Linear" if plugin.fp8 is not None else
+                   "the overflow tracer reads whole parameter gradients, FSDP2 holds DTensor shards")
+            raise ValueError(f"{call}, {what}: {why}. Use DDP for it, or leave it off with FSDP2.")
+    unsynced = plugin.scaler is not None and not callable(getattr(plugin.scaler, "sync_found_inf_", None))
+    if unsynced and getattr(strategy, "world_size", 1) > 1:
+        plugin._warn_once(
+            "unsynced-scaler",
+            f"{call}: the scaler {type(plugin.scaler).__name__} has no sync_found_inf_(), so an inf/NaN gradient only"
+            " some ranks see makes only those ranks skip the step. Use lit_mpstable.scaling.DynamicLossScaler.",
+        )
 
 
 def _held_step(self: Any, *args: Any, **kwargs: Any) -> Any:

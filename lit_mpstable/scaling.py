@@ -8,6 +8,7 @@ from collections import defaultdict
 from typing import Any, get_args
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from lit_mpstable.formats import FormatName, get_format
 from lit_mpstable.telemetry import amax_per_tensor
@@ -32,6 +33,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
       smallest allowed scale, which scaling alone cannot fix.
     - ``last_step_skipped`` is a Python bool set from the one host synchronisation GradScaler's ``step``
       already makes; ``overflow_count`` stays on the device until read.
+    - Distributed: :meth:`sync_found_inf_` between ``unscale_`` and ``step`` makes every rank skip together.
 
     Raises:
         ValueError: an argument is out of range (each message names the argument and the rule).
@@ -114,6 +116,55 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if found_inf:
             return None
         return optimizer.step(*args, **kwargs)
+
+    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: Any = None) -> None:
+        """Agree across ranks on whether this step's gradients hold inf/NaN, so every rank skips it or none does.
+
+        Unscales first if ``unscale_`` has not run, then makes one all-reduce (MAX) of this optimizer's found-inf
+        flags, on the scale's device (no host sync); ``AdaptiveLossScaler`` puts its gradient amax into the same
+        all-reduce. Call it on every rank after ``unscale_`` and before ``step``; the skip, the scale, the counters
+        and the adaptive statistics then stay identical on every rank. A no-op without an initialised
+        ``torch.distributed`` or with one process.
+
+        DDP all-reduces gradients during backward, so an inf produced there reaches every rank anyway. This covers
+        what DDP does not: an inf written after backward on some ranks (a hook, gradient surgery) and sharded
+        gradients, where each rank checks only its shard (DTensor gradients are already reduced inside ``unscale_``;
+        a second MAX costs one scalar all-reduce and changes nothing).
+
+        Args:
+            group: the process group to agree in; default: the world.
+
+        Raises:
+            RuntimeError: called after ``step()`` for this optimizer.
+        """
+        if not self._enabled:
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError(
+                f"{type(self).__name__}.sync_found_inf_() is being called after step(); call it between unscale_() and"
+                " step()."
+            )
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if _world_size(group) == 1:
+            return
+        scale, _ = self._check_scale_growth_tracker("sync_found_inf_")
+        found = state["found_inf_per_device"]
+        # A rank without gradients for this optimizer still takes part in the collective, with 0.
+        local = sum((flag.to(scale.device) for flag in found.values()), torch.zeros((), device=scale.device))
+        values = torch.stack([local.float(), *self._sync_values(scale.device)])
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group)
+        for flag in found.values():
+            flag.copy_(values[0])
+        self._load_synced_values(values[1:])
+
+    def _sync_values(self, device: torch.device) -> list[torch.Tensor]:
+        """0-dim float32 tensors that :meth:`sync_found_inf_` reduces with MAX next to the found-inf flag."""
+        return []
+
+    def _load_synced_values(self, values: torch.Tensor) -> None:
+        """Take back the reduced :meth:`_sync_values`."""
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet), then step unless the gradients hold inf/NaN; see ``GradScaler.step``.
@@ -327,6 +378,17 @@ class StaticLossScaler(DynamicLossScaler):
         self._overflow_count += found_inf > 0
 
 
+def _world_size(group: Any) -> int:
+    dist = torch.distributed
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2, tensor parallel); any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 # Guessed bound: the k-th consecutive overflow backs off by backoff_factor**(2**(k-1)), at most backoff_factor**8
 # (2**-8 at 0.5): a scale 2**9 too large is left in 4 steps instead of 9, and the first clean scale undershoots by
 # at most 8 binades for that one step (the measured amax then sets it).
@@ -352,7 +414,8 @@ class AdaptiveLossScaler(DynamicLossScaler):
     scale into overflow. Steps whose gradients are all zero (or absent) keep the scale.
 
     The amax costs one extra read of the gradients (a single multi-tensor kernel on CUDA) and stays on the device;
-    the only host synchronisation is the skip decision GradScaler makes.
+    the only host synchronisation is the skip decision GradScaler makes. With sharded (DTensor) gradients it is this
+    rank's until :meth:`sync_found_inf_` takes the MAX over the ranks: call it in distributed runs (the plugin does).
 
     On inf/NaN the step is skipped, as in GradScaler, and the scale backs off: by ``backoff_factor``, and faster on
     consecutive overflows (``backoff_factor**2``, then ``**4``, at most ``**8``), since an overflowing step measures
@@ -464,9 +527,21 @@ class AdaptiveLossScaler(DynamicLossScaler):
                     grad = param.grad._values() if param.grad.is_sparse else param.grad
                     by_device[grad.device].append(grad)
         for grads in by_device.values():
+            # Sharded (DTensor) gradients: this rank's shard; sync_found_inf_ takes the MAX across ranks.
+            grads = [_local(grad) for grad in grads]
             amax = amax_per_tensor(grads).max().to(found_inf.device, non_blocking=True)
             self._step_amax = amax if self._step_amax is None else torch.maximum(self._step_amax, amax)
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    def _sync_values(self, device: torch.device) -> list[torch.Tensor]:
+        amax = self._step_amax if self._step_amax is not None else torch.zeros((), device=device)
+        # inf for NaN (not nan_to_num: it also turns inf into the largest finite value): MAX with NaN differs between
+        # backends, and either one marks the step as overflowing.
+        amax = amax.float()
+        return [torch.where(torch.isnan(amax), math.inf, amax)]
+
+    def _load_synced_values(self, values: torch.Tensor) -> None:
+        self._step_amax = values[0]
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Set the next scale from this iteration's amax and inf checks; all on the device, no host sync.

@@ -3,7 +3,7 @@ the ``mp/*`` metrics are logged."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,8 +14,8 @@ from torchmetrics import Metric
 from lit_mpstable.plugin import StablePrecision
 
 __all__ = [
-    "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "check", "clone_tensors",
-    "is_int", "is_number", "log_mp", "plugin_metrics", "strict_keys",
+    "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "agreed_names", "any_rank",
+    "check", "clone_tensors", "is_int", "is_number", "log_mp", "plugin_metrics", "strict_keys",
 ]
 
 METRIC_NAMES = (
@@ -60,6 +60,29 @@ def clone_tensors(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(clone_tensors(value) for value in obj)
     return obj
+
+
+# ------------------------------------------------------------------------------------------------ across ranks
+def any_rank(trainer: pl.Trainer, flags: Sequence[bool], device: torch.device) -> list[bool]:
+    """Each flag OR-ed over the ranks: one all-reduce (MAX) and one host read; the flags as they are on one process.
+    Every rank must call it at the same point."""
+    if trainer.world_size == 1:
+        return [bool(flag) for flag in flags]
+    reduced = trainer.strategy.reduce(torch.tensor([float(f) for f in flags], device=device), reduce_op="max")
+    return [value > 0 for value in reduced.tolist()]
+
+
+def agreed_names(trainer: pl.Trainer, names: Sequence[str]) -> list[str]:
+    """The same names on every rank: rank 0's, or, when rank 0 has none, those of the first rank that has any (an
+    inf only some ranks see, in a gradient shard or written after DDP's all-reduce, is blamed there only).
+
+    One all-gather of the lists when several processes run. Every rank must call it at the same point.
+    """
+    if trainer.world_size == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return list(names)
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, list(names))
+    return next((list(g) for g in gathered if g), [])
 
 
 # ------------------------------------------------------------------------------------------------ plugin access

@@ -119,10 +119,15 @@ class AMPPreflight(PluginCallback):
             result = compare_outputs(reference, low, atol=atol, rtol=rtol)
         except Exception as error:  # a failed check must not stop training: say why and go on
             rank_zero_warn(f"AMPPreflight skipped: the forward on the first batch failed ({error!r}); pass forward_fn.")
+            result = None
+        if result is not None:
+            self.result = {**result, "precision": plugin.precision, "atol": atol, "rtol": rtol,
+                           "step": trainer.global_step}
+        # Every rank reaches the reduction, whatever its own check did: any rank's disagreement decides for all.
+        if not trainer.strategy.reduce_boolean_decision(result is not None and not result["passed"], all=False):
             return None
-        self.result = {**result, "precision": plugin.precision, "atol": atol, "rtol": rtol, "step": trainer.global_step}
-        if not trainer.strategy.reduce_boolean_decision(not result["passed"], all=False):
-            return None
+        if result is None or result["passed"]:
+            return f"AMPPreflight: the {plugin.precision} forward disagrees with FP32 on another rank's first batch"
         return (
             f"AMPPreflight: the {plugin.precision} forward disagrees with FP32 on the first batch: max abs error"
             f" {result['max_abs_error']:.3g}, max rel error {result['max_rel_error']:.3g} (of the FP32 output's max abs"

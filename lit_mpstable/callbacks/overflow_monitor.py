@@ -8,7 +8,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
-    PluginCallback, StepCounter, WindowedCounts, check, is_int, is_number, log_mp, plugin_metrics, strict_keys,
+    PluginCallback, StepCounter, WindowedCounts, agreed_names, check, is_int, is_number, log_mp, plugin_metrics,
+    strict_keys,
 )
 from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
 
@@ -95,8 +96,8 @@ class OverflowMonitor(PluginCallback):
         rollbacks = next((cb.rollbacks for cb in trainer.callbacks if isinstance(cb, ScaleCheckpoint)), 0)
         log_mp(pl_module, plugin_metrics(self._plugin, overflow_rate=rate, rollbacks=rollbacks))
         above = full and rate > self.warn_rate  # a partial window would make the first overflow look like 50%
-        if above and not self.above:
-            blamed = self.blamed or "unknown (plugin.stats holds no 'blamed_modules')"
+        if above and not self.above:  # the rate is summed over ranks: every rank gets here together
+            blamed = agreed_names(trainer, self.blamed) or "unknown (plugin.stats holds no 'blamed_modules')"
             rank_zero_warn(
                 f"OverflowMonitor at step {trainer.global_step}: {rate:.1%} of the last {self.window} optimizer steps"
                 f" overflowed (warn_rate={self.warn_rate:.1%}); modules blamed for the last overflow: {blamed}. Each"

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
-    LaggedFlag, PluginCallback, StepCounter, check, is_int, is_number, log_mp, strict_keys,
+    LaggedFlag, PluginCallback, StepCounter, agreed_names, check, is_int, is_number, log_mp, strict_keys,
 )
 from lit_mpstable.callbacks._rules import fallback_reason
 
@@ -33,6 +33,10 @@ class PrecisionFallback(PluginCallback):
     names, or once they all run in FP32, falls back globally and says why. After ``cooldown`` steps
     ``plugin.restore_precision()`` tries low precision again (undoing every fallback: the plugin has no finer
     undo). Decisions: warned once on rank zero, kept in :attr:`decisions`, shown in ``mp/fallback_active``.
+
+    Distributed runs decide alike on every rank: overflow counts and the scale come from the plugin, whose scaler
+    all-reduces the found-inf flag before every skip (``sync_found_inf_``), the non-finite-loss flag is reduced, and
+    the blamed names are agreed (rank 0's, else the first rank's that has any), so every rank moves the same modules.
 
     Raises:
         ValueError: an argument is out of range.
@@ -132,7 +136,7 @@ class PrecisionFallback(PluginCallback):
                                " this is not a precision problem (check the learning rate and the data).")
             return
         known = dict(pl_module.named_modules())
-        blamed = [n for n in trainer.strategy.broadcast(self.blamed, src=0) if n in known]  # rank 0 decides names
+        blamed = [n for n in agreed_names(trainer, self.blamed) if n in known]  # the same names on every rank
         new = [n for n in blamed if n not in plugin.islands.names]
         modules: list[str] | None = new if self.mode == "module" and new and "" not in new else None
         if self.mode == "module" and modules is None:

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit_mpstable.callbacks._common import PluginCallback, check, is_int, is_number, log_mp, strict_keys
+from lit_mpstable.callbacks._common import PluginCallback, any_rank, check, is_int, is_number, log_mp, strict_keys
 from lit_mpstable.callbacks._rules import spike_zscore
 from lit_mpstable.callbacks._snapshot import layout_key, restore_snapshot, take_snapshot, weights_finite
 
@@ -28,7 +28,8 @@ class ScaleCheckpoint(PluginCallback):
       than ``spike_zscore`` standard deviations above the last ``window`` finite losses, makes it call
       ``plugin.skip_step()`` (the batch never reaches the weights) and, at the end of the batch, restore the
       snapshot exactly; only the plugin's event counters stay as they are. Non-finite weights at a snapshot step
-      roll back too. Decided alike on every rank (any rank's trigger counts).
+      roll back too. Decided alike on every rank: any rank's trigger rolls back all of them, under the same
+      ``kind``; an event's ``loss`` and ``zscore`` are this rank's (each rank sees its own batch).
     - After ``max_rollbacks`` rollbacks the next one raises ``RuntimeError``. Metric: ``mp/rollbacks``.
 
     Lightning already stores ``plugin.state_dict()`` in every full checkpoint; ``on_save_checkpoint`` makes sure.
@@ -76,11 +77,14 @@ class ScaleCheckpoint(PluginCallback):
             return
         value = loss.detach().float().item() / self._plugin.loss_scale  # the hook sees the scaled loss
         z = spike_zscore(value, self.losses, self.min_history)
-        bad = not math.isfinite(value) or (z is not None and z > self.spike_zscore)
-        if not trainer.strategy.reduce_boolean_decision(bad, all=False):
+        finite = math.isfinite(value)
+        # Any rank's trigger rolls back every rank, and all of them name the same kind (one all-reduce).
+        nonfinite, spike = any_rank(trainer, [not finite, finite and z is not None and z > self.spike_zscore],
+                                    pl_module.device)
+        if not (nonfinite or spike):
             self.losses.append(value)
             return
-        kind = "loss spike" if math.isfinite(value) else "non-finite loss"
+        kind = "non-finite loss" if nonfinite else "loss spike"
         self._check_budget(kind, trainer.global_step, value, z)
         self._plugin.skip_step()
         self._pending = dict(step=trainer.global_step, kind=kind, loss=value, zscore=z)

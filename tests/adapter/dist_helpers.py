@@ -1,0 +1,236 @@
+"""Two-process CPU runs (gloo) for the distributed tests: faults on one rank only, and per-rank results on disk.
+
+The runs fork (the children inherit the imports: ~0.2 s a run instead of ~5 s with spawn); everything they run
+lives here at module level, so spawning works too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from helpers import TinyMLP, regression_data
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler
+
+WORLD_SIZE = 2
+# A collective that one rank never joins (ranks deciding differently) fails after this instead of hanging for 30 min.
+TIMEOUT = timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_ranks(out_dir: Path) -> list[dict[str, Any]]:
+    """What each rank wrote, in rank order."""
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+
+
+# ------------------------------------------------------------------------------------- plain PyTorch + gloo
+def _loop(
+    rank: int, scaler: DynamicLossScaler, *, sync: bool, inf_step: int, big_step: int | None
+) -> dict[str, Any]:
+    """DDP on TinyMLP, 4 steps; rank 1 only gets an inf gradient at ``inf_step`` and a large finite one at
+    ``big_step``, both written after backward (after DDP's gradient all-reduce)."""
+    torch.manual_seed(0)
+    model = TinyMLP()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = regression_data(32)
+    x, y = x[rank::WORLD_SIZE], y[rank::WORLD_SIZE]
+    skipped, scales = [], []
+    for step in range(4):
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.mse_loss(ddp(x), y)).backward()
+        if rank == 1 and step in (inf_step, big_step):
+            value = float("inf") if step == inf_step else 1e3 * scaler.get_scale()  # still scaled here
+            model.fc2.weight.grad.view(-1)[0] = value
+        scaler.unscale_(optimizer)
+        if sync:
+            scaler.sync_found_inf_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        skipped.append(scaler.last_step_skipped)
+        scales.append(scaler.get_scale())
+    return {"skipped": skipped, "scales": scales, "overflow_count": scaler.overflow_count,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def scaler_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """torch.multiprocessing target: each scaler with and without ``sync_found_inf_``; results to ``rank{r}.pt``."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=TIMEOUT
+    )
+    try:
+        results = {}
+        # The large finite gradient only for the adaptive scaler: it changes the weights of one rank anyway.
+        for name, cls, big_step in (("dynamic", DynamicLossScaler, None), ("adaptive", AdaptiveLossScaler, 2)):
+            for sync in (True, False):
+                scaler = cls("cpu", init_scale=2.0**8)
+                results[name, sync] = _loop(rank, scaler, sync=sync, inf_step=1, big_step=big_step)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------- Lightning
+class RankFaultModule(pl.LightningModule):
+    """TinyMLP regression with faults on ``fault_rank`` only, keyed on the optimizer step.
+
+    Args:
+        inf_grad_steps: fc2's weight gradient gets an inf in ``on_after_backward`` of the step's last micro-batch
+            (after DDP's all-reduce; earlier micro-batches run under ``no_sync``).
+        big_grad_steps: the same, with a finite gradient of 1e3 (unscaled): a larger amax on that rank only.
+        loss_factor: ``{step: factor}``: that rank's loss is multiplied by ``factor`` (a loss spike).
+    """
+
+    def __init__(
+        self, *, fault_rank: int = 1, inf_grad_steps: Iterable[int] = (), big_grad_steps: Iterable[int] = (),
+        loss_factor: Mapping[int, float] | None = None,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TinyMLP()
+        self.fault_rank = fault_rank
+        self.inf_grad_steps, self.big_grad_steps = set(inf_grad_steps), set(big_grad_steps)
+        self.loss_factor = dict(loss_factor or {})
+        self.x, self.y = regression_data(64)
+        self.batch_idx = -1
+
+    def _faulty(self, steps: Iterable[int]) -> bool:
+        return self.global_rank == self.fault_rank and self.global_step in steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.batch_idx = batch_idx
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        return loss * self.loss_factor.get(self.global_step, 1.0) if self._faulty(self.loss_factor) else loss
+
+    def on_after_backward(self) -> None:
+        grad = self.model.fc2.weight.grad
+        grad = grad.to_local() if isinstance(grad, DTensor) else grad  # FSDP2: this rank's shard
+        if (self.batch_idx + 1) % self.trainer.accumulate_grad_batches:
+            return  # not the last micro-batch
+        if self._faulty(self.inf_grad_steps):
+            grad.view(-1)[0] = float("inf")
+        elif self._faulty(self.big_grad_steps):
+            grad.view(-1)[0] = 1e3 * self.trainer.precision_plugin.loss_scale  # gradients are still scaled here
+
+    def train_dataloader(self):
+        dataset = torch.utils.data.TensorDataset(self.x, self.y)
+        return torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class ShardedFaultModule(RankFaultModule):
+    """:class:`RankFaultModule` with every linear layer and the model sharded by FSDP2 (``fully_shard``)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.model.fc1, self.model.fc2, self.model.fc3):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def forward_off_on_rank1(module: pl.LightningModule, batch: Any) -> torch.Tensor:
+    """An ``AMPPreflight`` forward whose low-precision output is off by 1 on rank 1 only."""
+    output = module(batch[0])
+    return output + 1.0 if module.global_rank == 1 and torch.is_autocast_enabled("cpu") else output
+
+
+class RankReport(pl.Callback):
+    """Per step: loss scale and skip flag; at the end, weights, plugin state and every callback's decisions, written
+    to ``out_dir/rank{global_rank}.pt``. List it last."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = str(out_dir)
+        self.scales: list[float] = []
+        self.skipped: list[bool] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        torch.set_num_threads(1)  # as conftest does; a spawned process would start with the machine's default
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        plugin = trainer.precision_plugin
+        self.scales.append(plugin.loss_scale)
+        self.skipped.append(plugin.last_step_skipped)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        plugin = trainer.precision_plugin
+        report = {
+            "world_size": trainer.world_size,
+            "scales": self.scales,
+            "skipped": self.skipped,
+            # Sharded weights gathered whole (a collective: every rank reaches this hook).
+            "params": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                       for k, v in pl_module.state_dict().items()},
+            "counters": (plugin.step_count, plugin.overflow_count, plugin.skipped_steps),
+            "islands": list(plugin.islands.names),
+            "fallback_active": plugin.fallback_active,
+            "scaler": plugin.scaler.state_dict() if plugin.scaler is not None else {},
+        }
+        for callback in trainer.callbacks:
+            for name in ("decisions", "events", "rollbacks"):
+                if hasattr(callback, name):
+                    report[f"{type(callback).__name__}.{name}"] = getattr(callback, name)
+        torch.save(report, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def fit_ddp(module: pl.LightningModule, plugin: Any, callbacks: list[pl.Callback], out_dir: Path, max_steps: int,
+            **trainer_kwargs: Any) -> list[dict[str, Any]]:
+    """Fit with DDP (``ddp_fork``) on 2 CPU processes (gloo) and return what each rank reported."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD_SIZE, strategy=DDPStrategy(start_method="fork", timeout=TIMEOUT),
+        plugins=[plugin], callbacks=[*callbacks, RankReport(out_dir)], max_steps=max_steps,
+        enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(module)
+    return read_ranks(out_dir)
+
+
+def _external_worker(rank: int, port: int, module: pl.LightningModule, plugin: Any, out_dir: Path, max_steps: int):
+    # Processes "launched externally" (as torchrun would): Lightning's ModelParallelStrategy would otherwise re-run
+    # the command line (pytest) once per rank.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size=WORLD_SIZE, tensor_parallel_size=1, timeout=TIMEOUT)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, plugins=[plugin], callbacks=[RankReport(out_dir)],
+        max_steps=max_steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(module)
+
+
+def fit_fsdp2(module: pl.LightningModule, plugin: Any, out_dir: Path, max_steps: int) -> list[dict[str, Any]]:
+    """Fit on 2 CPU processes (gloo) with Lightning's ModelParallelStrategy (FSDP2) and return each rank's report."""
+    torch.multiprocessing.start_processes(
+        _external_worker, args=(free_port(), module, plugin, out_dir, max_steps), nprocs=WORLD_SIZE,
+        start_method="fork",
+    )
+    return read_ranks(out_dir)

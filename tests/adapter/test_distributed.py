@@ -1,0 +1,218 @@
+"""Distributed runs decide alike on every rank: 2 CPU processes over gloo (a plain PyTorch DDP loop, Lightning DDP
+and FSDP2), refusals of strategies that bring their own numerics, and the multi-node trainer config."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from dist_helpers import (
+    RankFaultModule, ShardedFaultModule, fit_ddp, fit_fsdp2, forward_off_on_rank1, read_ranks, scaler_worker,
+)
+from helpers import TinyMLP, make_module
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+from lit_mpstable import StablePrecision
+from lit_mpstable.callbacks import AMPPreflight, PrecisionFallback, ScaleCheckpoint
+from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler
+
+pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's CPU/num_workers notices, the callbacks' reports
+
+
+def _same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------------- the scaler, plain PyTorch
+def test_sync_found_inf_makes_every_rank_skip_in_a_plain_ddp_loop(tmp_path: Path) -> None:
+    # Rank 1 alone gets an inf gradient at step 1 and a 1e3 gradient at step 2, written after DDP's all-reduce.
+    # Forked: the children inherit the imports (spawn works too, ~5 s slower).
+    mp.start_processes(scaler_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
+    rank0, rank1 = read_ranks(tmp_path)
+    for name in ("dynamic", "adaptive"):
+        synced0, synced1 = rank0[name, True], rank1[name, True]
+        assert synced0["skipped"] == synced1["skipped"] == [False, True, False, False], name
+        assert synced0["scales"] == synced1["scales"], name
+        assert synced0["overflow_count"] == synced1["overflow_count"] == 1
+        # Without the sync the ranks part ways: rank 0 applies the step rank 1 skips.
+        alone0, alone1 = rank0[name, False], rank1[name, False]
+        assert alone0["skipped"] == [False, False, False, False] and alone1["skipped"][1], name
+        assert not _same_params(alone0["params"], alone1["params"])
+    assert _same_params(rank0["dynamic", True]["params"], rank1["dynamic", True]["params"])
+    # Dynamic: 256 -> 128 on the overflow (hand-computed; growth_interval is 2000).
+    assert rank0["dynamic", True]["scales"] == [256.0, 128.0, 128.0, 128.0]
+    # Adaptive: after step 2 both ranks size the scale for rank 1's amax of 1e3: the largest power of two s with
+    # 1e3 * s * headroom (2) <= 65504 is 32; without the sync rank 0 never sees it.
+    assert rank0["adaptive", True]["scales"][2:] == [32.0, 32.0]
+    assert rank0["adaptive", False]["scales"][2] > 1e3
+
+
+def test_sync_found_inf_is_a_no_op_on_one_process_and_unscales_first() -> None:
+    model = TinyMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(2, 16)).sum()).backward()
+    scaled = model.fc1.weight.grad.clone()
+    scaler.sync_found_inf_(optimizer)  # unscales, as step() would
+    torch.testing.assert_close(model.fc1.weight.grad, scaled / 4.0)
+    scaler.step(optimizer)
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.sync_found_inf_(optimizer)
+
+
+# -------------------------------------------------------------------------------------- Lightning, DDP
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_inf_on_one_rank_skips_the_step_on_both(tmp_path: Path, accumulate: int) -> None:
+    # With accumulation the first micro-batch runs under DDP's no_sync; the inf lands after the last one's all-reduce.
+    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+    module = RankFaultModule(inf_grad_steps={2})
+    rank0, rank1 = fit_ddp(module, plugin, [], tmp_path, max_steps=4, accumulate_grad_batches=accumulate)
+    assert rank0["world_size"] == 2
+    stepping = slice(accumulate - 1, None, accumulate)  # the batches that end with an optimizer step
+    assert rank0["skipped"][stepping] == rank1["skipped"][stepping] == [False, False, True, False]
+    assert rank0["scales"] == rank1["scales"] and rank0["scales"][stepping] == [256.0, 256.0, 128.0, 128.0]
+    assert rank0["counters"] == rank1["counters"] == (4, 1, 1)
+    assert rank0["scaler"] == rank1["scaler"]
+    assert _same_params(rank0["params"], rank1["params"])
+
+
+def test_adaptive_scales_stay_identical_when_one_rank_sees_larger_gradients(tmp_path: Path) -> None:
+    plugin = StablePrecision("32-true", scaler=AdaptiveLossScaler("cpu", init_scale=2.0**8))
+    module = RankFaultModule(inf_grad_steps={1}, big_grad_steps={2})
+    rank0, rank1 = fit_ddp(module, plugin, [], tmp_path, max_steps=4)
+    assert rank0["skipped"] == rank1["skipped"] == [False, True, False, False]
+    assert rank0["scales"] == rank1["scales"]
+    assert rank0["scaler"] == rank1["scaler"]  # amax history, extra headroom, counters
+    assert rank0["scales"][2:] == [32.0, 32.0]  # sized for rank 1's amax of 1e3 (see the plain-PyTorch test)
+
+
+def test_fallback_triggered_by_one_ranks_overflows_happens_on_both(tmp_path: Path) -> None:
+    plugin = StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+    fallback = PrecisionFallback(patience=2, mode="module", min_scale=None, max_overflow_rate=None)
+    rank0, rank1 = fit_ddp(RankFaultModule(inf_grad_steps={1, 2}), plugin, [fallback], tmp_path, max_steps=4)
+    decisions0, decisions1 = rank0["PrecisionFallback.decisions"], rank1["PrecisionFallback.decisions"]
+    assert decisions0 == decisions1 and len(decisions0) == 1
+    # Only rank 1 saw the inf, so only it could blame fc2: the agreed names move the same module on both ranks.
+    assert decisions0[0]["modules"] == ["model.fc2"] and decisions0[0]["step"] == 3
+    assert rank0["islands"] == rank1["islands"] and "model.fc2" in rank0["islands"]
+    assert _same_params(rank0["params"], rank1["params"])
+
+
+def test_rollback_on_one_ranks_loss_spike_happens_on_both(tmp_path: Path) -> None:
+    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3, window=10)
+    module = RankFaultModule(loss_factor={5: 1e3})
+    rank0, rank1 = fit_ddp(module, plugin, [checkpoint], tmp_path, max_steps=7)
+    assert rank0["ScaleCheckpoint.rollbacks"] == rank1["ScaleCheckpoint.rollbacks"] == 1
+    events0, events1 = rank0["ScaleCheckpoint.events"], rank1["ScaleCheckpoint.events"]
+    assert [(e["step"], e["kind"], e["restored_step"]) for e in events0] == [(5, "loss spike", 4)]
+    assert [(e["step"], e["kind"], e["restored_step"]) for e in events1] == [(5, "loss spike", 4)]
+    assert rank0["skipped"] == rank1["skipped"] and rank0["skipped"][5]
+    assert _same_params(rank0["params"], rank1["params"])
+
+
+def test_preflight_disagreement_on_one_rank_falls_back_on_both(tmp_path: Path) -> None:
+    preflight = AMPPreflight(forward_fn=forward_off_on_rank1)
+    rank0, rank1 = fit_ddp(RankFaultModule(), StablePrecision("bf16-mixed"), [preflight], tmp_path, max_steps=1)
+    assert rank0["fallback_active"] and rank1["fallback_active"]
+
+
+# --------------------------------------------------------------------------- Lightning, FSDP2 (ModelParallel)
+@pytest.mark.parametrize("scaler_cls", [DynamicLossScaler, AdaptiveLossScaler])
+def test_fsdp2_sharded_gradients_skip_and_scale_alike(tmp_path: Path, scaler_cls: type) -> None:
+    # Gradients are DTensor shards: GradScaler's unscale_ runs on them (DTensor reduces the found-inf flag across the
+    # mesh itself); the adaptive amax is per shard until sync_found_inf_ takes the MAX. Lightning's own
+    # MixedPrecision refuses '16-mixed' with this strategy; StablePrecision's scaler makes it work.
+    plugin = StablePrecision("16-mixed", scaler=scaler_cls("cpu", init_scale=2.0**8), device="cpu")
+    module = ShardedFaultModule(inf_grad_steps={1}, big_grad_steps={2})
+    rank0, rank1 = fit_fsdp2(module, plugin, tmp_path, max_steps=4)
+    assert rank0["world_size"] == 2
+    assert rank0["skipped"] == rank1["skipped"] == [False, True, False, False]
+    assert rank0["scales"] == rank1["scales"] and rank0["scaler"] == rank1["scaler"]
+    assert rank0["counters"] == rank1["counters"] == (4, 1, 1)
+    if scaler_cls is AdaptiveLossScaler:
+        assert rank0["scales"][2:] == [32.0, 32.0]  # sized for the 1e3 in rank 1's shard
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def _bare(strategy_cls: type) -> object:
+    strategy = strategy_cls.__new__(strategy_cls)
+    strategy.cluster_environment = None  # world_size 1
+    return strategy
+
+
+def _attached(strategy: object) -> torch.nn.Module:
+    module = make_module()
+    module.trainer = SimpleNamespace(strategy=strategy)  # what convert_module reads: the strategy in use
+    return module
+
+
+@pytest.mark.parametrize(
+    "strategy_cls, plugin_kwargs, match",
+    [
+        (DeepSpeedStrategy, dict(precision="16-mixed"), "scale the loss twice"),
+        (DeepSpeedStrategy, dict(precision="bf16-mixed"), "DeepSpeed brings its own loss scaler"),
+        (FSDPStrategy, dict(precision="bf16-mixed"), "FSDPPrecision"),
+        (ModelParallelStrategy, dict(precision="bf16-true"), "MixedPrecisionPolicy"),
+        (ModelParallelStrategy, dict(precision="bf16-mixed", fp8="current"), "FP8Linear"),
+        (ModelParallelStrategy, dict(precision="16-mixed", diagnose=True), "DTensor"),
+    ],
+)
+def test_strategies_with_their_own_numerics_are_refused_at_setup(strategy_cls, plugin_kwargs, match) -> None:
+    # DeepSpeed and FSDP1 need CUDA (and DeepSpeed its package) to be built: an uninitialised instance stands in
+    # for the type check, the only thing the plugin reads.
+    strategy = _bare(strategy_cls)
+    plugin = StablePrecision(device="cpu", **plugin_kwargs)
+    with pytest.raises(ValueError, match=match):
+        plugin.convert_module(_attached(strategy))
+
+
+@pytest.mark.parametrize(
+    "strategy, plugin_kwargs",
+    [
+        (_bare(ModelParallelStrategy), dict(precision="bf16-true", master_weights=False)),
+        (_bare(ModelParallelStrategy), dict(precision="16-mixed", fp32_modules=["model.fc2"])),
+        (SimpleNamespace(world_size=2), dict(precision="bf16-true", fp8="current")),  # DDP or anything else
+    ],
+)
+def test_other_combinations_are_accepted(strategy: object, plugin_kwargs: dict) -> None:
+    StablePrecision(device="cpu", **plugin_kwargs).convert_module(_attached(strategy))
+
+
+def test_a_scaler_without_sync_warns_in_multi_process_runs() -> None:
+    plugin = StablePrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"), device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugin.convert_module(_attached(SimpleNamespace(world_size=2)))
+    assert any("sync_found_inf_" in str(w.message) for w in caught)
+
+
+# ------------------------------------------------------------------------------------------------ multi-node
+def _compose(overrides: list[str], *, return_hydra_config: bool = False):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lit_mpstable.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides, return_hydra_config=return_hydra_config)
+
+
+def test_multi_node_trainer_config_composes() -> None:
+    # What `python -m lit_mpstable.train --cfg job trainer=ddp trainer.num_nodes=2` prints.
+    cfg = _compose(["trainer=ddp", "trainer.num_nodes=2"])
+    assert cfg.trainer.num_nodes == 2 and cfg.trainer.strategy == "ddp"
+    assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
+
+
+def test_submitit_launcher_asks_slurm_for_the_trainers_nodes() -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
+    cfg = _compose(["trainer=ddp", "trainer.num_nodes=2", "hydra/launcher=submitit"], return_hydra_config=True)
+    assert cfg.hydra.launcher.nodes == 2
