@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager
-from types import SimpleNamespace
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import LBFGS, Optimizer
@@ -25,10 +22,10 @@ from lit_mpstable.islands import FP32Islands
 from lit_mpstable.layout import PrecisionLayout
 from lit_mpstable.master import MasterWeights
 from lit_mpstable.policy import OpPolicy
-from lit_mpstable.attribution import OverflowTracer, nonfinite_grad_params
-from lit_mpstable.fp8 import collect_fp8_stats_, fp8_stats
+from lit_mpstable.observer import GradObserver, shard_view
 from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
-from lit_mpstable.telemetry import GradTelemetry
+from lit_mpstable.schedulers import hold_on_skip
+from lit_mpstable.strategies import check_strategy, lightning_module
 
 __all__ = ["StablePrecision"]
 
@@ -38,11 +35,6 @@ OpPolicyName = Literal["autocast", "auto"]
 
 _FORMAT_IDS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
-_held_schedulers: weakref.WeakKeyDictionary[Any, StablePrecision] = weakref.WeakKeyDictionary()
-try:
-    from torch.distributed.tensor import DTensor as _DTENSOR
-except ImportError:  # a torch build without torch.distributed
-    _DTENSOR = ()  # type: ignore[assignment,misc]
 
 
 class StablePrecision(Precision):
@@ -137,11 +129,7 @@ class StablePrecision(Precision):
         """The latest loss before scaling, detached, on the device (reading it syncs)."""
         self.diagnose = diagnose
         formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
-        self.telemetry = (
-            GradTelemetry(telemetry_every_n_steps, formats=formats, per_module=True) if telemetry_every_n_steps else None
-        )
-        self._tracer: OverflowTracer | None = None
-        self._traced = False
+        self.observer = GradObserver(telemetry_every_n_steps, formats, diagnose=diagnose)
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
 
     def _build_scaler(self, scaler: Any) -> torch.amp.GradScaler | None:
@@ -217,14 +205,14 @@ class StablePrecision(Precision):
     # ---------------------------------------------------------------------------------------- Lightning hooks
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        _check_strategy(self, module)  # the first hook every strategy's setup calls: refuse before converting
+        # The first hook every strategy's setup calls: refuse before converting.
+        if warning := check_strategy(self, module):
+            self._warn_once("strategy", warning)
         self.layout.attach(module, self.device)
         if self._pending_layout is not None:  # state loaded before the model arrived
             self.layout.load_state_dict(self._pending_layout)
             self._pending_layout = None
-        if self._tracer is not None:
-            self._tracer.detach()
-        self._tracer = OverflowTracer(module).attach() if self.diagnose else None
+        self.observer.attach(module)
         return module
 
     # ------------------------------------------------------------------------------------------ fallback
@@ -274,13 +262,13 @@ class StablePrecision(Precision):
                 "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower than"
                 " BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed."
             )
-        module = _lightning_module(model)
+        module = lightning_module(model)
         if self.true_16bit and self.master_weights:
             self.master = MasterWeights(module, optimizers)
         automatic = getattr(module, "automatic_optimization", True)
         for config in lr_schedulers:
             if getattr(config, "interval", "step") == "step" or not automatic:
-                _hold_on_skip(config.scheduler, self)
+                hold_on_skip(config.scheduler, lambda: self.last_step_skipped)
         return model, optimizers, lr_schedulers
 
     @override
@@ -363,54 +351,24 @@ class StablePrecision(Precision):
         # With masters the FP32 master holds the gradient; names stay the model's.
         assert self.layout.module is not None
         masters = {name: m for name, m, _ in self.master.named_pairs()} if self.master is not None else {}
-        return [(name, _shard_view(masters.get(name, p))) for name, p in self.layout.module.named_parameters()]
+        return [(name, shard_view(masters.get(name, p))) for name, p in self.layout.module.named_parameters()]
 
     def _observe(self) -> None:
         """On unscaled gradients, before hooks and clipping: telemetry when due, and the traced step's verdict."""
-        self._traced = False
-        if self._tracer is not None:
-            first = self._tracer.first_forward or self._tracer.first_backward
-            if first is not None:
-                self.stats["blamed_modules"], self._traced = [first], True
-                where = "forward output" if self._tracer.first_forward else "backward gradient"
-                self._warn_once(f"blame:{first}", f"StablePrecision: inf/NaN first appeared in the {where} of"
-                                f" {first!r} (step {self.step_count}); fp32_modules=[{first!r}] would keep it in FP32.")
-            if self.diagnose:
-                self._tracer.reset()
-            else:
-                self._tracer.detach()
-                self._tracer = None
-        telemetry, fp8 = self.telemetry, self.fp8 is not None and bool(self.layout.fp8_layers)
-        if telemetry is None or self.layout.module is None:
+        module = self.layout.module
+        if module is None:
             return
-        if telemetry.is_due(self.step_count):
-            scale = self.scaler.get_scale() if self.scaler is not None else 1.0  # syncs on due steps only
-            values = telemetry.maybe_compute(self._named_grads(), self.step_count, scale=scale).to_floats()
-            fmt = telemetry.formats[0]
-            self.stats.update(
-                stats_step=self.step_count, grad_norm=values["norm"], grad_amax=values["amax"],
-                grad_underflow_frac=values["underflow_frac"][fmt], grad_overflow_frac=values["overflow_frac"][fmt],
-                grad_underflow_per_module={k: v["underflow_frac"][fmt] for k, v in values["modules"].items()},
-            )
-            if fp8 and (totals := fp8_stats(self.layout.module).get("total")):
-                self.stats.update({k: float(v) for k, v in totals.items()})
-        if fp8:
-            # FP8 layers record saturation/underflow in the forward and backward of the step before a due one.
-            collect_fp8_stats_(self.layout.module, telemetry.is_due(self.step_count + 1))
+        scale = self.scaler.get_scale if self.scaler is not None else lambda: 1.0  # called on due steps only
+        fp8 = self.fp8 is not None and bool(self.layout.fp8_layers)
+        updates, warning = self.observer.observe(module, self._named_grads, self.step_count, scale, fp8=fp8)
+        self.stats.update(updates)
+        if warning is not None:
+            self._warn_once(warning.split(" (step")[0], f"StablePrecision: {warning}")
 
     def _blame(self) -> None:
         """After an overflow: name the parameters with inf/NaN gradients, and trace the next step for the module."""
-        if self.layout.module is None:
-            return
-        params = nonfinite_grad_params(self._named_grads())
-        self.stats["blamed_params"] = params
-        # Parameters are registered in forward order, and inf spreads backward to every earlier layer: the last one
-        # is the nearest guess, unless this step was traced and the tracer named the module.
-        if not self._traced:
-            self.stats["blamed_modules"] = [params[-1].rpartition(".")[0]] if params else []
-        # The tracer reads whole parameter gradients; FSDP2's are DTensor shards (the check above reads this rank's).
-        if self._tracer is None and not any(isinstance(p, _DTENSOR) for p in self.layout.module.parameters()):
-            self._tracer = OverflowTracer(self.layout.module).attach()
+        if self.layout.module is not None:
+            self.stats.update(self.observer.blame(self.layout.module, self._named_grads()))
 
     def _show_op_policy(self) -> None:
         self.stats["op_policy"] = dict(self.policy.choices)
@@ -555,86 +513,3 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def _lightning_module(model: nn.Module) -> nn.Module:
-    while not isinstance(model, pl.LightningModule) and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
-
-
-def _shard_view(param: torch.Tensor) -> Any:
-    """A parameter whose gradient is a DTensor (FSDP2) as this rank's gradient shard (read as ``.grad``), so telemetry
-    and blame work on sharded models; rank-local there. Any other parameter as it is."""
-    return SimpleNamespace(grad=param.grad.to_local()) if isinstance(param.grad, _DTENSOR) else param
-
-
-def _check_strategy(plugin: StablePrecision, model: nn.Module) -> None:
-    """Refuse, at setup, the strategies whose own numerics would collide with ours; warn where ranks could disagree.
-
-    Raises:
-        ValueError: DeepSpeed (its own loss scaler and masters: the loss would be scaled twice); FSDP1 (needs
-            Lightning's FSDPPrecision); with FSDP2, FP32 master weights (its MixedPrecisionPolicy is the tool), FP8
-            (the layers are sharded before the plugin could swap them) or ``diagnose=True`` (whole gradients).
-    """
-    try:
-        strategy = _lightning_module(model).trainer.strategy
-    except (AttributeError, RuntimeError):  # not attached to a Trainer (a direct call, Fabric)
-        return
-    call = f"StablePrecision({plugin.precision!r}) with {type(strategy).__name__}"
-    if isinstance(strategy, DeepSpeedStrategy):
-        raise ValueError(
-            f"{call}: DeepSpeed brings its own loss scaler, FP32 master weights and backward, so StablePrecision"
-            " would scale the loss twice. Use Trainer(strategy='deepspeed', precision='16-mixed' or 'bf16-mixed')"
-            " without StablePrecision, or StablePrecision with DDP or ModelParallelStrategy (FSDP2)."
-        )
-    if isinstance(strategy, FSDPStrategy):
-        raise ValueError(
-            f"{call}: FSDP1 shards flat parameters and only works with Lightning's FSDPPrecision. Use"
-            " ModelParallelStrategy (FSDP2, fully_shard in configure_model), which StablePrecision supports."
-        )
-    if isinstance(strategy, ModelParallelStrategy):
-        if plugin.true_16bit and plugin.master_weights:
-            raise ValueError(
-                f"{call}, master_weights=True: the FP32 masters would be unsharded copies beside FSDP2's sharded"
-                " parameters, which it gathers and reduces in 16 bits. FSDP2's own tool keeps sharded FP32 masters:"
-                " fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,"
-                " reduce_dtype=torch.float32)) in configure_model with StablePrecision('32-true') (plus"
-                " scaler=DynamicLossScaler(...) for param_dtype=torch.float16); or master_weights=False."
-            )
-        if plugin.fp8 is not None or plugin.diagnose:
-            what = "fp8" if plugin.fp8 is not None else "diagnose=True"
-            why = ("fully_shard in configure_model has already made the nn.Linear layers FSDP modules, so none would"
-                   " be swapped for FP8Linear" if plugin.fp8 is not None else
-                   "the overflow tracer reads whole parameter gradients, FSDP2 holds DTensor shards")
-            raise ValueError(f"{call}, {what}: {why}. Use DDP for it, or leave it off with FSDP2.")
-    unsynced = plugin.scaler is not None and not callable(getattr(plugin.scaler, "sync_found_inf_", None))
-    if unsynced and getattr(strategy, "world_size", 1) > 1:
-        plugin._warn_once(
-            "unsynced-scaler",
-            f"{call}: the scaler {type(plugin.scaler).__name__} has no sync_found_inf_(), so an inf/NaN gradient only"
-            " some ranks see makes only those ranks skip the step. Use lit_mpstable.scaling.DynamicLossScaler.",
-        )
-
-
-def _held_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-    plugin = _held_schedulers.get(self)
-    if plugin is not None and plugin.last_step_skipped:
-        # The optimizer step was skipped (inf/NaN gradients): the schedule stays where the weights are.
-        return None
-    return super(type(self), self).step(*args, **kwargs)
-
-
-def _hold_on_skip(scheduler: Any, plugin: StablePrecision) -> None:
-    """Make ``scheduler.step()`` a no-op right after a skipped optimizer step.
-
-    The scheduler's class is swapped for a one-method subclass, so its ``state_dict`` (its ``__dict__``) is
-    unchanged and checkpoints stay plain; the plugin is looked up in a weak map, not stored on the scheduler.
-    """
-    _held_schedulers[scheduler] = plugin
-    cls = type(scheduler)
-    if getattr(cls, "_lit_mpstable_held", False):
-        return
-    scheduler.__class__ = type(
-        cls.__name__, (cls,), {"step": _held_step, "_lit_mpstable_held": True, "__module__": cls.__module__}
-    )

@@ -102,7 +102,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "fallbacks": len(decisions),
         "rollbacks": rollbacks,
         "grad_underflow_per_layer": plugin.stats.get("grad_underflow_per_module", {}),
-        "underflow_format": plugin.telemetry.formats[0] if plugin.telemetry is not None else None,
+        "underflow_format": plugin.observer.telemetry.formats[0] if plugin.observer.telemetry is not None else None,
         "fp8_saturation_frac": plugin.stats.get("fp8_saturation_frac"),
         "fp8_underflow_frac": plugin.stats.get("fp8_underflow_frac"),
         "events": [{"step": d.get("step"), "what": f"fallback: {d.get('effect')} ({d.get('reason')})"} for d in decisions],

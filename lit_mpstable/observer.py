@@ -1,0 +1,109 @@
+"""What a training step's gradients say: telemetry every N steps, and who is to blame after an overflow."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_mpstable.attribution import OverflowTracer, nonfinite_grad_params
+from lit_mpstable.fp8 import collect_fp8_stats_, fp8_stats
+from lit_mpstable.telemetry import GradTelemetry
+
+__all__ = ["GradObserver", "shard_view"]
+
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # a torch build without torch.distributed
+    _DTENSOR = ()  # type: ignore[assignment,misc]
+
+NamedGrads = list[tuple[str, Any]]
+
+
+def shard_view(param: torch.Tensor) -> Any:
+    """A parameter whose gradient is a DTensor (FSDP2) as this rank's gradient shard (read as ``.grad``), so telemetry
+    and blame work on sharded models; rank-local there. Any other parameter as it is."""
+    return SimpleNamespace(grad=param.grad.to_local()) if isinstance(param.grad, _DTENSOR) else param
+
+
+class GradObserver:
+    """Gradient telemetry on unscaled gradients every ``every_n_steps`` steps, and overflow attribution.
+
+    Results are plain dicts for ``StablePrecision.stats``. After an overflowing step :meth:`blame` names the
+    parameters whose gradients hold inf/NaN and arms an :class:`OverflowTracer` for the next step, whose verdict
+    (the first module producing inf/NaN) :meth:`observe` reports. ``diagnose=True`` traces every step.
+
+    Args:
+        every_n_steps: telemetry period in optimizer steps; ``None`` turns telemetry off.
+        formats: format ids; the first is the one whose underflow/overflow fractions are reported.
+        diagnose: keep the tracer attached on every step (costly: it checks every module output and gradient).
+    """
+
+    def __init__(self, every_n_steps: int | None, formats: Sequence[str], *, diagnose: bool = False) -> None:
+        self.telemetry = GradTelemetry(every_n_steps, formats=formats, per_module=True) if every_n_steps else None
+        self.diagnose = diagnose
+        self.tracer: OverflowTracer | None = None
+        self._traced = False
+
+    def attach(self, module: nn.Module) -> None:
+        """A new model (each ``fit``): drop the old tracer, and trace from the start with ``diagnose=True``."""
+        if self.tracer is not None:
+            self.tracer.detach()
+        self.tracer = OverflowTracer(module).attach() if self.diagnose else None
+
+    def observe(
+        self, module: nn.Module, named_grads: Callable[[], NamedGrads], step: int, scale: Callable[[], float],
+        *, fp8: bool = False,
+    ) -> tuple[dict[str, Any], str | None]:
+        """Call on unscaled gradients, before hooks and clipping. Returns ``(stats updates, warning or None)``.
+
+        ``scale`` is called (and may sync) only on due steps; ``fp8`` adds the FP8 layers' saturation/underflow.
+        """
+        updates: dict[str, Any] = {}
+        warning = None
+        self._traced = False
+        if self.tracer is not None:
+            first = self.tracer.first_forward or self.tracer.first_backward
+            if first is not None:
+                updates["blamed_modules"], self._traced = [first], True
+                where = "forward output" if self.tracer.first_forward else "backward gradient"
+                warning = (f"inf/NaN first appeared in the {where} of {first!r} (step {step});"
+                           f" fp32_modules=[{first!r}] would keep it in FP32.")
+            if self.diagnose:
+                self.tracer.reset()
+            else:
+                self.tracer.detach()
+                self.tracer = None
+        telemetry = self.telemetry
+        if telemetry is None:
+            return updates, warning
+        if telemetry.is_due(step):
+            values = telemetry.maybe_compute(named_grads(), step, scale=scale()).to_floats()
+            fmt = telemetry.formats[0]
+            updates.update(
+                stats_step=step, grad_norm=values["norm"], grad_amax=values["amax"],
+                grad_underflow_frac=values["underflow_frac"][fmt], grad_overflow_frac=values["overflow_frac"][fmt],
+                grad_underflow_per_module={k: v["underflow_frac"][fmt] for k, v in values["modules"].items()},
+            )
+            if fp8 and (totals := fp8_stats(module).get("total")):
+                updates.update({k: float(v) for k, v in totals.items()})
+        if fp8:
+            # FP8 layers record saturation/underflow in the forward and backward of the step before a due one.
+            collect_fp8_stats_(module, telemetry.is_due(step + 1))
+        return updates, warning
+
+    def blame(self, module: nn.Module, named_grads: NamedGrads) -> dict[str, Any]:
+        """After an overflow (syncs once): the parameters with inf/NaN gradients, the module guessed or traced."""
+        params = nonfinite_grad_params(named_grads)
+        updates: dict[str, Any] = {"blamed_params": params}
+        # Parameters are registered in forward order, and inf spreads backward to every earlier layer: the last one
+        # is the nearest guess, unless this step was traced and the tracer named the module.
+        if not self._traced:
+            updates["blamed_modules"] = [params[-1].rpartition(".")[0]] if params else []
+        # The tracer reads whole parameter gradients; FSDP2's are DTensor shards (the check above reads this rank's).
+        if self.tracer is None and not any(isinstance(p, _DTENSOR) for p in module.parameters()):
+            self.tracer = OverflowTracer(module).attach()
+        return updates
