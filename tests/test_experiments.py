@@ -1,0 +1,132 @@
+"""Experiments: aggregate.py on a synthetic sweep, every conf/experiment option composes, a joblib multirun works."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import get_class, instantiate
+
+from lit_mpstable.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # experiments._models, the Hydra targets of some experiment configs
+
+# experiments/aggregate.py is a script, not a package module: load it from its path.
+_spec = importlib.util.spec_from_file_location("aggregate", ROOT / "experiments" / "aggregate.py")
+aggregate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(aggregate)
+
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def _summary(precision: str, scales: list[float], skipped: list[bool], losses: list[float]) -> dict:
+    return {
+        "precision": precision, "model": "MLPClassifier", "steps": len(losses), "steps_per_s": 10.0,
+        "peak_memory_mib": 2.0, "final_train_loss": losses[-1], "val_loss": 0.5, "val_acc": 0.9,
+        "loss_scale": scales[-1], "skipped_steps": sum(skipped), "overflow_rate": sum(skipped) / len(losses),
+        "fallbacks": 0, "rollbacks": 0, "events": [], "loss_scale_trajectory": scales, "skipped_trajectory": skipped,
+        "train_loss_curve": losses, "val_loss_curve": [[len(losses), 0.5]],
+    }
+
+
+def _fake_sweep(root: Path) -> Path:
+    """Two finished jobs as Hydra writes them, and one that wrote no summary (failed or still running)."""
+    jobs = {
+        "0": (["precision=fp32", "model=mlp", "trainer.max_steps=4"], _summary("32-true", [1.0] * 4, [False] * 4,
+                                                                             [2.3, 2.0, 1.8, 1.7])),
+        "1": (["precision=fp16_mixed", "model=mlp", "trainer.max_steps=4"],
+              _summary("16-mixed", [2.0**20, 2.0**15, 2.0**15, 2.0**15], [True, False, False, False],
+                       [2.3, 2.3, 1.9, 1.8])),
+        "2": (["precision=bf16_mixed", "model=mlp", "trainer.max_steps=4"], None),
+    }
+    for job, (overrides, summary) in jobs.items():
+        (root / job / ".hydra").mkdir(parents=True)
+        (root / job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        if summary is not None:
+            (root / job / "summary.json").write_text(json.dumps(summary))
+    (root / "multirun.yaml").write_text(
+        "hydra:\n  overrides:\n    hydra:\n    - hydra/launcher=joblib\n    - hydra.mode=MULTIRUN\n    task:\n"
+        "    - precision=fp32,fp16_mixed,bf16_mixed\n    - model=mlp\n    - trainer.max_steps=4\n"
+    )
+    return root
+
+
+def test_aggregate_writes_one_row_per_job(tmp_path: Path) -> None:
+    sweep = _fake_sweep(tmp_path / "sweep")
+    paths = aggregate.main([str(sweep), "--out", str(tmp_path / "out")])
+
+    with paths["csv"].open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["label"], r["status"]) for r in rows] == [
+        ("0", "precision=fp32", "ok"), ("1", "precision=fp16_mixed", "ok"),
+        ("2", "precision=bf16_mixed", "no summary.json"),
+    ]
+    fp16 = rows[1]
+    assert fp16["skipped_steps"] == "1" and float(fp16["overflow_rate"]) == 0.25
+    assert float(fp16["effective_steps_per_s"]) == pytest.approx(10.0 * 3 / 4)
+    assert fp16["settle_step"] == "1"  # 2**20 is 32x the final scale; from step 1 on it stays at 2**15
+    text = paths["md"].read_text()
+    assert "| 1 | precision=fp16_mixed | ok | 16-mixed |" in text
+    assert "Shared overrides: `model=mlp` `trainer.max_steps=4`" in text
+    assert "python -m lit_mpstable.train -m hydra/launcher=joblib precision=fp32,fp16_mixed,bf16_mixed" in text
+    assert paths["loss_curves.png"].stat().st_size > 0 and paths["loss_scale.png"].stat().st_size > 0
+
+
+def test_aggregate_rejects_a_directory_without_jobs(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no job directories"):
+        aggregate.load_runs(tmp_path)
+
+
+def _compose(overrides: list[str]):
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_and_instantiates(name: str) -> None:
+    cfg = _compose([f"experiment={name}"])
+    plugin = instantiate(cfg.plugin)
+    assert type(plugin).__name__ == "StablePrecision"
+    callbacks = [instantiate(node) for node in (cfg.callbacks or {}).values()]
+    assert all(hasattr(cb, "state_dict") for cb in callbacks)
+    assert get_class(cfg.model._target_)  # the model class imports (experiments._models for some)
+    expected = {"classic_fp32": "32-true", "classic_bf16_true": "bf16-true", "classic_fp8_mxfp8": "bf16-mixed",
+                "classic_mlp_fp16_adaptive": "16-mixed", "bf16_small_lr": "bf16-true", "fault_storm": "16-mixed"}
+    if name in expected:
+        assert plugin.precision == expected[name]
+
+
+def test_command_line_overrides_win_over_an_experiment() -> None:
+    cfg = _compose(["experiment=bf16_small_lr", "precision=fp32", "plugin.master_weights=false"])
+    assert cfg.plugin.precision == "32-true" and cfg.plugin.master_weights is False and cfg.model.lr == 1e-4
+
+
+@pytest.mark.slow
+def test_two_job_multirun_with_the_joblib_launcher_aggregates(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, "-m", "lit_mpstable.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+         "experiment=classic_mlp_fp32,classic_mlp_fp16_dynamic", "trainer.max_steps=2", "trainer.limit_val_batches=0",
+         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Joblib" in result.stdout + result.stderr  # the joblib launcher ran the jobs
+    paths = aggregate.main([str(sweep), "--out", str(tmp_path / "out")])
+    with paths["csv"].open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["label"], r["precision"], r["steps"]) for r in rows] == [
+        ("experiment=classic_mlp_fp32", "32-true", "2"), ("experiment=classic_mlp_fp16_dynamic", "16-mixed", "2"),
+    ]
