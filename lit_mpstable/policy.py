@@ -131,8 +131,10 @@ class OpPolicy:
 
     def context(self, device_type: str) -> AbstractContextManager:
         """Enter inside ``torch.autocast``. Free when nothing is forced (no mode at all); with ``"auto"`` the first
-        forward runs as autocast would, is recorded, and decides the families when it ends."""
-        if self.pending:
+        forward with gradients enabled runs as autocast would, is recorded, and decides the families when it ends."""
+        # Decide on a training forward: under no_grad (Lightning's sanity-check validation) nothing runs backward,
+        # so the measurement would not be the one training pays for.
+        if self.pending and torch.is_grad_enabled():
             return self._record_then_decide(device_type)
         forced = self._forced()
         return _PolicyMode(device_type, forced) if forced else nullcontext()

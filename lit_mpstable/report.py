@@ -43,8 +43,13 @@ def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
         bad = [i for i, s in enumerate(skipped) if s]
         if bad:
             ax.scatter(bad, [scales[i] for i in bad], color="crimson", marker="v", zorder=3, label="skipped step")
+        for i, event in enumerate(summary.get("events") or []):
+            kind = str(event.get("what", "")).split(":")[0]
+            ax.axvline(event.get("step") or 0, color="gray", ls="--", lw=1, label="fallback / restore / rollback" if i == 0 else None)
+            ax.annotate(kind, (event.get("step") or 0, 1), xycoords=("data", "axes fraction"), rotation=90,
+                        va="top", ha="right", fontsize=7, color="dimgray")
         ax.set_yscale("log", base=2)
-        ax.set(xlabel="optimizer step", ylabel="loss scale", title="Loss scale (skipped steps marked)")
+        ax.set(xlabel="optimizer step", ylabel="loss scale", title="Loss scale (skipped steps and decisions marked)")
         ax.legend(loc="best")
         fig.tight_layout()
         fig.savefig(out_dir / "loss_scale.png", dpi=110)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ class _StepRecorder(pl.Callback):
         self.train_loss: list[float] = []
         self.val_loss: list[tuple[int, float]] = []
         self.started = self.stopped = 0.0
+        self.step_seconds: list[float] = []
+        self._batch_started = 0.0
         self.peak_bytes: int | None = None
         self._probe: MemoryProbe | None = None
 
@@ -40,6 +44,7 @@ class _StepRecorder(pl.Callback):
     _PROBE_STEP = 2
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batch_started = time.perf_counter()
         if trainer.global_step != self._PROBE_STEP or self.peak_bytes is not None:
             return
         if pl_module.device.type == "cuda":
@@ -52,6 +57,7 @@ class _StepRecorder(pl.Callback):
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.step_seconds.append(time.perf_counter() - self._batch_started)  # validation and logging excluded
         plugin = trainer.precision_plugin
         self.loss_scale.append(float(getattr(plugin, "loss_scale", 1.0)))
         self.skipped.append(bool(getattr(plugin, "last_step_skipped", False)))
@@ -71,27 +77,34 @@ class _StepRecorder(pl.Callback):
         self.stopped = time.perf_counter()
 
 
-def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
-    """Train one configuration and return (and write) its summary."""
+def run(cfg: DictConfig, out_dir: Path, *, callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
+    """Train one configuration (plus any extra ``callbacks``) and return (and write) its summary."""
     torch.set_num_threads(int(cfg.threads))
     pl.seed_everything(int(cfg.seed), verbose=False)
     data = instantiate(cfg.data)
     extra = {"vocab_size": data.vocab_size, "seq_len": data.seq_len} if hasattr(data, "vocab_size") else {}
     model = instantiate(cfg.model, **extra)
     plugin = instantiate(cfg.plugin)
-    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None] + list(callbacks)
     recorder = _StepRecorder()
     trainer = instantiate(cfg.trainer, plugins=[plugin], callbacks=[*callbacks, recorder], default_root_dir=str(out_dir))
     trainer.fit(model, datamodule=data)
     rollbacks = sum(getattr(cb, "rollbacks", 0) for cb in callbacks)
     decisions = [d for cb in callbacks for d in getattr(cb, "decisions", [])]
+    events = [
+        {"step": d.get("step"), "what": f"{d.get('action')}: {d.get('effect')} ({d.get('reason')})"} for d in decisions
+    ] + [
+        {"step": e.get("step"), "what": f"rollback to step {e.get('restored_step')} ({e.get('kind')}, loss {e.get('loss')})"}
+        for cb in callbacks for e in getattr(cb, "events", [])
+    ]
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     steps = len(recorder.skipped)
     summary = {
         "precision": plugin.precision,
         "model": type(model).__name__,
         "steps": steps,
-        "steps_per_s": steps / max(recorder.stopped - recorder.started, 1e-9),
+        "steps_per_s": 1.0 / statistics.median(recorder.step_seconds) if recorder.step_seconds else None,
+        "wall_s": recorder.stopped - recorder.started,
         "peak_memory_mib": recorder.peak_bytes / 2**20 if recorder.peak_bytes is not None else None,
         "final_train_loss": recorder.train_loss[-1] if recorder.train_loss else None,
         "val_loss": metrics.get("val/loss"),
@@ -99,13 +112,14 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "loss_scale": plugin.loss_scale,
         "skipped_steps": int(sum(recorder.skipped)),
         "overflow_rate": plugin.overflow_count / max(plugin.step_count, 1),
-        "fallbacks": len(decisions),
+        "fallbacks": sum(d.get("action") == "fallback" for d in decisions),
+        "op_policy": plugin.stats.get("op_policy"),
         "rollbacks": rollbacks,
         "grad_underflow_per_layer": plugin.stats.get("grad_underflow_per_module", {}),
         "underflow_format": plugin.observer.telemetry.formats[0] if plugin.observer.telemetry is not None else None,
         "fp8_saturation_frac": plugin.stats.get("fp8_saturation_frac"),
         "fp8_underflow_frac": plugin.stats.get("fp8_underflow_frac"),
-        "events": [{"step": d.get("step"), "what": f"fallback: {d.get('effect')} ({d.get('reason')})"} for d in decisions],
+        "events": sorted(events, key=lambda e: e["step"] or 0),
         "loss_scale_trajectory": recorder.loss_scale,
         "skipped_trajectory": recorder.skipped,
         "train_loss_curve": recorder.train_loss,

@@ -92,6 +92,16 @@ def test_auto_records_the_model_shapes_and_decides_per_family_from_injected_timi
     assert {c.args[0].shape for c in seen["matmul"]} == {(2, 8, 16)} and sum(c.count for c in seen["matmul"]) == 4
 
 
+def test_auto_waits_for_a_forward_with_gradients() -> None:
+    # Lightning's sanity-check validation runs under no_grad first: the decision must come from a training forward.
+    policy = OpPolicy("auto", dtype=BF16, measure=fake_measure({"attention": (53.0, 29.0)}, {}))
+    with torch.no_grad():
+        forward(TinyAttention(), policy, torch.randn(2, 8, 16))
+    assert policy.pending
+    forward(TinyAttention(), policy, torch.randn(2, 8, 16))
+    assert not policy.pending and policy.choices["attention"] == "fp32"
+
+
 def test_a_tensor_passed_twice_is_remembered_as_one() -> None:
     # nn.MultiheadAttention takes its fused in-projection only when query is key is value: measure it that way.
     seen: dict[str, list[OpCall]] = {}
