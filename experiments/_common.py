@@ -27,12 +27,12 @@ import torch  # noqa: E402
 from hydra import compose as _hydra_compose  # noqa: E402
 from hydra import initialize_config_dir  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.config import register_configs  # noqa: E402
 from lit_mpstable.memory import MemoryProbe  # noqa: E402
+from lit_mpstable.train import build  # noqa: E402
 
 __all__ = [
     "CONF", "QUIET", "RESULTS", "ROOT", "Fit", "Recorder", "command_line", "compose", "environment_line", "fit",
@@ -137,17 +137,11 @@ class Fit:
 
 
 def fit(cfg: DictConfig, *, extra_callbacks: Sequence[pl.Callback] = (), probe_step: int | None = 2) -> Fit:
-    """Build data, model, plugin, callbacks and trainer from ``cfg`` as ``lit_mpstable.train.run`` does, add a
-    :class:`Recorder` and ``extra_callbacks`` (after the config's own), and fit."""
-    torch.set_num_threads(int(cfg.threads))
-    pl.seed_everything(int(cfg.seed), verbose=False)
-    data = instantiate(cfg.data)
-    extra = {"vocab_size": data.vocab_size, "seq_len": data.seq_len} if hasattr(data, "vocab_size") else {}
-    model = instantiate(cfg.model, **extra)
-    plugin = instantiate(cfg.plugin)
-    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    """Build the run with ``lit_mpstable.train.build``, add ``extra_callbacks`` (after the config's own) and a
+    :class:`Recorder`, and fit."""
     recorder = Recorder(probe_step)
-    trainer = instantiate(cfg.trainer, plugins=[plugin], callbacks=[*callbacks, *extra_callbacks, recorder])
+    built = build(cfg, extra_callbacks=[*extra_callbacks, recorder])
+    trainer, plugin, model, data, callbacks = built.trainer, built.plugin, built.model, built.data, built.callbacks
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
     return Fit(cfg, trainer, plugin, model, data, callbacks, recorder, time.perf_counter() - start)

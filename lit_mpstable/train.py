@@ -7,6 +7,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from lit_mpstable.config import register_configs
 from lit_mpstable.memory import MemoryProbe
 from lit_mpstable.report import write_report
 
-__all__ = ["main", "run"]
+__all__ = ["Built", "build", "main", "run"]
 
 
 class _StepRecorder(pl.Callback):
@@ -77,18 +78,39 @@ class _StepRecorder(pl.Callback):
         self.stopped = time.perf_counter()
 
 
-def run(cfg: DictConfig, out_dir: Path, *, callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
-    """Train one configuration (plus any extra ``callbacks``) and return (and write) its summary."""
+@dataclass
+class Built:
+    """A run composed from a config: what :func:`build` instantiated, ready for ``trainer.fit(model, datamodule=data)``."""
+
+    data: pl.LightningDataModule
+    model: pl.LightningModule
+    plugin: Any
+    callbacks: list[pl.Callback]
+    """The config's callbacks (``cfg.callbacks``), in order."""
+    trainer: pl.Trainer
+
+
+def build(cfg: DictConfig, *, extra_callbacks: Sequence[pl.Callback] = (), **trainer_kwargs: Any) -> Built:
+    """Seed, then instantiate data, model (vocabulary from the data), plugin, callbacks and trainer from ``cfg``;
+    ``extra_callbacks`` run after the config's own."""
     torch.set_num_threads(int(cfg.threads))
     pl.seed_everything(int(cfg.seed), verbose=False)
     data = instantiate(cfg.data)
     extra = {"vocab_size": data.vocab_size, "seq_len": data.seq_len} if hasattr(data, "vocab_size") else {}
     model = instantiate(cfg.model, **extra)
     plugin = instantiate(cfg.plugin)
-    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None] + list(callbacks)
+    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    trainer = instantiate(cfg.trainer, plugins=[plugin], callbacks=[*callbacks, *extra_callbacks], **trainer_kwargs)
+    return Built(data, model, plugin, callbacks, trainer)
+
+
+def run(cfg: DictConfig, out_dir: Path, *, callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
+    """Train one configuration (plus any extra ``callbacks``) and return (and write) its summary."""
     recorder = _StepRecorder()
-    trainer = instantiate(cfg.trainer, plugins=[plugin], callbacks=[*callbacks, recorder], default_root_dir=str(out_dir))
-    trainer.fit(model, datamodule=data)
+    built = build(cfg, extra_callbacks=[*callbacks, recorder], default_root_dir=str(out_dir))
+    model, plugin, trainer = built.model, built.plugin, built.trainer
+    callbacks = [*built.callbacks, *callbacks]
+    trainer.fit(model, datamodule=built.data)
     rollbacks = sum(getattr(cb, "rollbacks", 0) for cb in callbacks)
     decisions = [d for cb in callbacks for d in getattr(cb, "decisions", [])]
     events = [
