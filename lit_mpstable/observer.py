@@ -86,6 +86,7 @@ class GradObserver:
             updates.update(
                 stats_step=step, grad_norm=values["norm"], grad_amax=values["amax"],
                 grad_underflow_frac=values["underflow_frac"][fmt], grad_overflow_frac=values["overflow_frac"][fmt],
+                grad_zero_frac=values["zero_frac"],
                 grad_underflow_per_module={k: v["underflow_frac"][fmt] for k, v in values["modules"].items()},
             )
             if fp8 and (totals := fp8_stats(module).get("total")):

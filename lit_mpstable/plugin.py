@@ -120,7 +120,8 @@ class StablePrecision(Precision):
         self.master: MasterWeights | None = None
         self.stats: dict[str, Any] = {}
         """Latest telemetry: ``grad_norm``, ``grad_amax``, ``grad_underflow_frac``, ``grad_overflow_frac`` (in the
-        compute format at the current scale), ``grad_underflow_per_module``, ``fp8_saturation_frac``,
+        compute format at the current scale), ``grad_zero_frac`` (exact zeros: what FP16 already flushed, against
+        an FP32 run's), ``grad_underflow_per_module``, ``fp8_saturation_frac``,
         ``fp8_underflow_frac``, ``stats_step``; after an overflow ``blamed_params`` and ``blamed_modules``
         (qualified names relative to the LightningModule), refined by tracing the next step. Rank-local: each rank
         measures its own gradients (identical after DDP's all-reduce; this rank's shard under FSDP2) and names the

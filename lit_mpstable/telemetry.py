@@ -63,6 +63,9 @@ class GradStats:
     """Format -> fraction of the nonzero elements whose ``|grad * scale|`` exceeds its largest finite value."""
     modules: dict[str, GradStats] = field(default_factory=dict)
     """Owning module's qualified name (``""`` for the root) -> the same statistics over its own parameters."""
+    zero_frac: torch.Tensor | None = None
+    """Fraction of all gradient elements that are exactly zero. In FP16 the backward has already flushed what
+    underflowed: compare with an FP32 run (``underflow_frac`` only forecasts the next cast of the nonzero ones)."""
 
     def to_floats(self) -> dict[str, Any]:
         """The same statistics as nested plain dicts of Python floats, read with one host synchronisation.
@@ -79,6 +82,7 @@ class GradStats:
 
 def _collect(stats: GradStats, out: list[torch.Tensor]) -> None:
     out += [stats.norm, stats.amax, *stats.underflow_frac.values(), *stats.overflow_frac.values()]
+    out += [stats.zero_frac] if stats.zero_frac is not None else []
     for sub in stats.modules.values():
         _collect(sub, out)
 
@@ -87,6 +91,8 @@ def _rebuild(stats: GradStats, values: Any) -> dict[str, Any]:
     result: dict[str, Any] = {"norm": next(values), "amax": next(values)}
     result["underflow_frac"] = {name: next(values) for name in stats.underflow_frac}
     result["overflow_frac"] = {name: next(values) for name in stats.overflow_frac}
+    if stats.zero_frac is not None:
+        result["zero_frac"] = next(values)
     if stats.modules:
         result["modules"] = {name: _rebuild(sub, values) for name, sub in stats.modules.items()}
     return result
@@ -144,7 +150,7 @@ def grad_stats(
     grads = _named_grads(params)
     if not grads:
         zero = torch.zeros((), dtype=torch.float32)
-        return GradStats(zero, zero, {f: zero for f in formats}, {f: zero for f in formats})
+        return GradStats(zero, zero, {f: zero for f in formats}, {f: zero for f in formats}, zero_frac=zero)
     device = grads[0][1].device
     # Column 0 counts |g| > 0 (the nonzero, non-NaN elements); then |g| > underflow threshold and |g| > max per format.
     bounds = [0.0]
@@ -165,25 +171,29 @@ def grad_stats(
         amaxes.append(absolute.amax())
         counts.append(torch.stack([torch.count_nonzero(absolute > t) for t in thresholds]))
     norms_t, amaxes_t, counts_t = torch.stack(norms), torch.stack(amaxes), torch.stack(counts)
+    numels = torch.tensor([max(grad.numel(), 1) for _, grad in grads], device=device)  # host sizes: no sync
 
-    total = _summarise(norms_t, amaxes_t, counts_t, formats)
+    total = _summarise(norms_t, amaxes_t, counts_t, formats, numels)
     if not per_module:
         return total
     owners = [name.rpartition(".")[0] for name, _ in grads]
     modules = {}
     for owner in dict.fromkeys(owners):
         rows = torch.tensor([i for i, o in enumerate(owners) if o == owner], device=device)
-        modules[owner] = _summarise(norms_t[rows], amaxes_t[rows], counts_t[rows], formats)
-    return GradStats(total.norm, total.amax, total.underflow_frac, total.overflow_frac, modules)
+        modules[owner] = _summarise(norms_t[rows], amaxes_t[rows], counts_t[rows], formats, numels[rows])
+    return GradStats(total.norm, total.amax, total.underflow_frac, total.overflow_frac, modules, total.zero_frac)
 
 
-def _summarise(norms: torch.Tensor, amaxes: torch.Tensor, counts: torch.Tensor, formats: tuple[str, ...]) -> GradStats:
+def _summarise(
+    norms: torch.Tensor, amaxes: torch.Tensor, counts: torch.Tensor, formats: tuple[str, ...], numels: torch.Tensor
+) -> GradStats:
     counts = counts.sum(0)
     nonzero = counts[0]
     denominator = nonzero.clamp_min(1).float()
     underflow = {name: (nonzero - counts[1 + 2 * i]).float() / denominator for i, name in enumerate(formats)}
     overflow = {name: counts[2 + 2 * i].float() / denominator for i, name in enumerate(formats)}
-    return GradStats(torch.linalg.vector_norm(norms), amaxes.max(), underflow, overflow)
+    zero = 1.0 - nonzero.float() / numels.sum().float()
+    return GradStats(torch.linalg.vector_norm(norms), amaxes.max(), underflow, overflow, zero_frac=zero)
 
 
 class GradTelemetry:

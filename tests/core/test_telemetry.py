@@ -105,7 +105,7 @@ def test_per_module_grouping_and_to_floats():
     assert stats.norm.item() == pytest.approx(torch.stack(norms).norm().item(), rel=1e-6)
 
     floats = stats.to_floats()
-    assert set(floats) == {"norm", "amax", "underflow_frac", "overflow_frac", "modules"}
+    assert set(floats) == {"norm", "amax", "underflow_frac", "overflow_frac", "zero_frac", "modules"}
     assert set(floats["underflow_frac"]) == set(DEFAULT_FORMATS)
     assert floats["modules"]["fc3"]["amax"] == stats.modules["fc3"].amax.item()
     assert all(isinstance(v, float) for v in floats["modules"]["fc1"]["overflow_frac"].values())
@@ -164,3 +164,17 @@ def test_core_imports_without_lightning_hydra_omegaconf(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     for name in ("lit_mpstable.scaling", "lit_mpstable.telemetry", "lit_mpstable.attribution"):
         importlib.import_module(name)
+
+
+def test_zero_fraction_counts_exact_zeros_over_all_elements() -> None:
+    # What FP16 already flushed shows as exact zeros; underflow_frac only sees the nonzero elements.
+    from lit_mpstable.telemetry import grad_stats
+
+    a = torch.nn.Parameter(torch.ones(4))
+    a.grad = torch.tensor([0.0, 0.0, 1.0, 2.0**-30])
+    b = torch.nn.Parameter(torch.ones(4))
+    b.grad = torch.tensor([0.0, 3.0, 0.0, 0.0])
+    stats = grad_stats([("m.a", a), ("n.b", b)], formats=("fp16",), per_module=True).to_floats()
+    assert stats["zero_frac"] == pytest.approx(5 / 8)
+    assert stats["modules"]["m"]["zero_frac"] == pytest.approx(2 / 4)
+    assert stats["underflow_frac"]["fp16"] == pytest.approx(1 / 3)  # 2**-30 among the 3 nonzero
