@@ -41,6 +41,7 @@ class PrecisionLayout:
         self.fp8_off = False  # global fallback out of FP8
         self.fp8_removed: list[str] = []  # FP8 layers moved back to the base precision
         self.fp32_modules: list[str] = []  # modules moved into FP32 islands
+        self._fp8_layers: list[str] = []
 
     # ----------------------------------------------------------------------------------------------- reading
     @property
@@ -53,9 +54,11 @@ class PrecisionLayout:
 
     @property
     def fp8_layers(self) -> list[str]:
-        """Qualified names of the layers that compute in FP8 now."""
-        if self.module is None:
-            return []
+        """Qualified names of the layers that compute in FP8 now (kept by ``_apply``: read on every forward)."""
+        return list(self._fp8_layers)
+
+    def _find_fp8_layers(self) -> list[str]:
+        assert self.module is not None
         return [name for name, m in self.module.named_modules() if isinstance(m, FP8Linear)]
 
     # ---------------------------------------------------------------------------------------------- applying
@@ -74,8 +77,9 @@ class PrecisionLayout:
                 convert_from_fp8(self.module)
             else:
                 convert_to_fp8(self.module, self.fp8)  # no-op for layers already in FP8
-                removed = [name for name in self.fp8_removed if name in self.fp8_layers]
+                removed = [name for name in self.fp8_removed if name in self._find_fp8_layers()]
                 convert_from_fp8(self.module, removed)
+        self._fp8_layers = self._find_fp8_layers() if self.fp8 is not None else []
         # In *-true modes an island's output goes back to the 16-bit dtype the next layer expects.
         out = dtype if self.cast_parameters and dtype != torch.float32 else None
         self.islands.attach(self.module, device_type=self.device_type, output_dtype=out)
