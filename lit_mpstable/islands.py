@@ -46,22 +46,22 @@ def _checked(specs: Iterable[Any]) -> list[type[nn.Module] | str]:
     return specs
 
 
-def _to_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32:
-        return value.float()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_fp32(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_fp32(v) for k, v in value.items()}
-    return value
-
-
 def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
+    """``value`` with every floating tensor in it cast to ``dtype``; lists, tuples, namedtuples (PackedSequence)
+    and dicts are rebuilt as the same type."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_to_dtype(v, dtype) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_to_dtype(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_dtype(v, dtype) for k, v in value.items()}
     return value
+
+
+def _to_fp32(value: Any) -> Any:
+    return _to_dtype(value, torch.float32)
 
 
 class FP32Islands:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lit_mpstable.fp8 import FP8Config, FP8Linear, convert_from_fp8, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
-from lit_mpstable.islands import FP32Islands
+from lit_mpstable.islands import FP32Islands, match_modules
 
 __all__ = ["PrecisionLayout"]
 
@@ -71,7 +71,7 @@ class PrecisionLayout:
         assert self.module is not None
         dtype = self.compute_dtype
         if self.cast_parameters:
-            self.module.to(dtype=dtype)
+            _cast_outside(self.module, dtype, match_modules(self.module, self.islands.specs) if self.islands.specs else {})
         if self.fp8 is not None:
             if self.fp8_off:
                 convert_from_fp8(self.module)
@@ -145,3 +145,18 @@ class PrecisionLayout:
             self._apply()
             if state["fp8"]:
                 load_fp8_state_dict(self.module, state["fp8"])
+
+
+def _cast_outside(root: nn.Module, dtype: torch.dtype, islands: dict[str, nn.Module]) -> None:
+    """Cast the floating parameters and buffers of ``root`` to ``dtype`` in place, except inside ``islands``: a
+    round trip through 16 bits would round their FP32 values (and overflow FP16 for statistics above 65504)."""
+    inside = {id(m) for island in islands.values() for m in island.modules()}
+    for module in root.modules():
+        if id(module) in inside:
+            continue
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)  # same Parameter object: optimizers and masters stay bound
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_floating_point() and buffer.dtype != dtype:
+                setattr(module, name, buffer.to(dtype))

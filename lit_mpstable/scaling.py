@@ -99,7 +99,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         # Host mirror of the iteration's overflow and of the growth tracker, fed by step()'s sync (see update()).
         self._host_found: bool | None = None
         self._host_overflows = 0
-        self._host_tracker = 0
+        self._host_tracker: int | None = 0
 
     # ----------------------------------------------------------------------------------------- lazy state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -199,6 +199,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if new_scale is not None:
             super().update(new_scale)
             self._clamp_(scale)
+            self._host_found = None  # this iteration's outcome is consumed; the device tracker is untouched
             return
         found_infs = [
             found_inf.to(device=scale.device, non_blocking=True)
@@ -233,10 +234,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
             if host_found and self.min_scale is not None:
                 self._min_scale_hits += scale <= self.min_scale
             self._host_overflows += int(host_found)
-            self._host_tracker = 0 if host_found else self._host_tracker + 1
-            grew = self._host_tracker >= self._growth_interval
-            if grew:
-                self._host_tracker = 0
+            # None: the mirror lost track (an update without step()); an overflow puts it back in step (0).
+            tracker = 0 if host_found else None if self._host_tracker is None else self._host_tracker + 1
+            grew = tracker is None or tracker >= self._growth_interval
+            self._host_tracker = 0 if tracker is not None and grew else tracker
             torch._amp_update_scale_(
                 scale, growth_tracker, found_inf.float(), self._growth_factor, self._backoff_factor, self._growth_interval
             )
@@ -244,6 +245,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 self._clamp_(scale)
             return
         found = found_inf > 0
+        self._host_tracker = None  # the device decides here; the host mirror no longer knows the tracker
         if self.min_scale is not None:
             self._min_scale_hits += found & (scale <= self.min_scale)
         self._overflow_count += found

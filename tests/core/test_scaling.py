@@ -205,3 +205,26 @@ def test_bounds_hold_on_the_stepping_path() -> None:
     resumed = DynamicLossScaler("cpu", init_scale=2.0**3, min_scale=2.0**2)
     resumed.load_state_dict(state)
     assert resumed.overflow_count == 4 and resumed.state_dict() == state
+
+
+def test_bounds_hold_after_an_update_without_step_or_with_new_scale() -> None:
+    # The host mirror loses track when update() runs without step() or with new_scale: it then clamps every time.
+    s = DynamicLossScaler("cpu", init_scale=4.0, growth_interval=2, max_scale=4.0)
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = regression_data(8)
+    scales = []
+    for step in range(6):
+        opt.zero_grad()
+        s.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        s.unscale_(opt)
+        if step == 0:
+            s.update()  # the user decided not to step
+        elif step == 1:
+            s.step(opt)
+            s.update(new_scale=4.0)
+        else:
+            s.step(opt)
+            s.update()
+        scales.append(s.get_scale())
+    assert max(scales) <= 4.0
