@@ -69,6 +69,17 @@ class MasterWeights:
                     bound.append(name)
         return bound
 
+    def bind_new_(self, optimizer: Optimizer) -> list[str]:
+        """Give masters to 16-bit parameters added to ``optimizer`` since construction (``add_param_group``, as
+        Lightning's ``BackboneFinetuning`` does) or unfrozen since; returns their names."""
+        if id(optimizer) not in self._names_by_optimizer:
+            self._optimizers.append(optimizer)
+            self._names_by_optimizer[id(optimizer)] = []
+        named = {id(param): name for name, param in self._model.named_parameters()}
+        new = [name for name in self._bind(optimizer, named) if name not in self._names_by_optimizer[id(optimizer)]]
+        self._names_by_optimizer[id(optimizer)].extend(new)
+        return new
+
     # ------------------------------------------------------------------------------------------ reading
     @property
     def masters(self) -> list[nn.Parameter]:

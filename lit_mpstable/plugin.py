@@ -153,6 +153,16 @@ class StablePrecision(Precision):
             return {"dynamic": DynamicLossScaler, "static": StaticLossScaler, "adaptive": AdaptiveLossScaler}[scaler](
                 self.device
             )
+        if type(scaler) is torch.amp.GradScaler:
+            # Adopted with its settings and state: our subclass also reports skipped steps (LR hold, counters,
+            # attribution), which a plain GradScaler keeps to itself.
+            adopted = DynamicLossScaler(
+                scaler._device, scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(),
+                scaler.get_growth_interval(), max_scale=None, enabled=scaler.is_enabled(),
+            )
+            if scaler.is_enabled():
+                adopted.load_state_dict(scaler.state_dict())
+            return adopted
         needed = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
         missing = [name for name in needed if not callable(getattr(scaler, name, None))]
         if missing:
@@ -316,10 +326,17 @@ class StablePrecision(Precision):
         closure_result = closure()
         # training_step returned None: Lightning ran no backward, so there is nothing to unscale or step.
         if closure_result is None and model.automatic_optimization:
+            if self.master is not None:  # optimizer.zero_grad() reaches only the masters: drop the 16-bit grads
+                self.master.zero_model_grads_(optimizer)
             return closure_result
         if self._skip_requested:
             return self._discard_step(optimizer)
         if self.master is not None:
+            # A 16-bit trainable parameter held by the optimizer has no master yet: added with add_param_group or
+            # unfrozen since setup (fine-tuning). A flag check per parameter (cheap); binding only when one appears.
+            if any(p.requires_grad and p.dtype == self.dtype for g in optimizer.param_groups for p in g["params"]):
+                if new := self.master.bind_new_(optimizer):
+                    rank_zero_info(f"StablePrecision: FP32 masters for {len(new)} parameters added or unfrozen.")
             # The optimizer holds the FP32 masters: move the 16-bit grads there and free them.
             self.master.copy_grads_to_master_(optimizer)
             self.master.zero_model_grads_(optimizer)

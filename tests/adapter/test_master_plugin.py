@@ -192,3 +192,43 @@ def test_plain_true_mode_matches_lightning() -> None:
     make_trainer(None, precision="bf16-true", max_steps=4).fit(theirs)
     for a, b in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(a, b)
+
+
+class _Unfreeze(pl.LightningModule):
+    """fc1 starts frozen; at step 2 it is unfrozen, in the optimizer already or through add_param_group."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.net, self.how = TinyMLP(), how
+        self.net.fc1.requires_grad_(False)
+        self.x, self.y = regression_data(64)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self.trainer.global_step == 2 and not self.net.fc1.weight.requires_grad:
+            self.net.fc1.requires_grad_(True)
+            if self.how == "add_param_group":
+                self.trainer.optimizers[0].add_param_group({"params": list(self.net.fc1.parameters()), "lr": 1e-2})
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=16)
+
+    def configure_optimizers(self):
+        params = self.parameters() if self.how == "in_optimizer" else [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=1e-2)
+
+
+@pytest.mark.parametrize("how", ["in_optimizer", "add_param_group"])
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_parameters_unfrozen_later_get_masters(precision: str, how: str) -> None:
+    module = _Unfreeze(how)
+    plugin = StablePrecision(precision)
+    before = module.net.fc1.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(plugin, max_steps=4).fit(module)
+    masters = plugin.state_dict()["masters"]
+    assert "net.fc1.weight" in masters and masters["net.fc1.weight"].dtype == torch.float32
+    assert not torch.equal(before.to(module.net.fc1.weight.dtype), module.net.fc1.weight)  # it trains after unfreezing

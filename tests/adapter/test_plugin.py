@@ -288,3 +288,14 @@ def test_load_state_dict_is_strict() -> None:
     bf16.step_count = 7
     plugin.load_state_dict(bf16.state_dict())
     assert plugin.step_count == 7 and plugin.loss_scale == 2.0**16
+
+
+def test_a_plain_gradscaler_instance_is_adopted_with_its_state() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+    plugin = StablePrecision("32-true", scaler=scaler)
+    assert isinstance(plugin.scaler, DynamicLossScaler)
+    assert plugin.loss_scale == 512.0 and plugin.scaler.get_growth_interval() == 7
+    module = make_module(scheduler=True, poison_steps={1})
+    make_trainer(plugin, max_steps=3).fit(module)
+    assert plugin.overflow_count == 1  # a plain GradScaler would keep the skip to itself
+    assert module.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**2)  # held once
