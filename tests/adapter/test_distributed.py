@@ -183,8 +183,13 @@ def test_other_combinations_are_accepted(strategy: object, plugin_kwargs: dict) 
     StablePrecision(device="cpu", **plugin_kwargs).convert_module(_attached(strategy))
 
 
+class _OwnScaler(torch.amp.GradScaler):
+    """A user's own GradScaler subclass: used as given (a plain GradScaler would be adopted as ours)."""
+
+
 def test_a_scaler_without_sync_warns_in_multi_process_runs() -> None:
-    plugin = StablePrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"), device="cpu")
+    plugin = StablePrecision("16-mixed", scaler=_OwnScaler("cpu"), device="cpu")
+    assert type(plugin.scaler) is _OwnScaler
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plugin.convert_module(_attached(SimpleNamespace(world_size=2)))
