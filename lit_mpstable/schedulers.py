@@ -30,5 +30,18 @@ def hold_on_skip(scheduler: Any, skipped: Callable[[], bool]) -> None:
     if getattr(cls, "_lit_mpstable_held", False):
         return
     scheduler.__class__ = type(
-        cls.__name__, (cls,), {"step": _held_step, "_lit_mpstable_held": True, "__module__": cls.__module__}
+        cls.__name__, (cls,),
+        {"step": _held_step, "_lit_mpstable_held": True, "__module__": cls.__module__, "__reduce_ex__": _reduce_ex},
     )
+
+
+def _reduce_ex(self: Any, protocol: int) -> Any:
+    # Pickle as the original class (the held subclass is made at run time and cannot be imported): a copy is a
+    # plain scheduler with the same state.
+    return _rebuild, (type(self).__mro__[1], self.__dict__)
+
+
+def _rebuild(cls: type, state: dict[str, Any]) -> Any:
+    scheduler = cls.__new__(cls)
+    scheduler.__dict__.update(state)
+    return scheduler
