@@ -276,10 +276,8 @@ class StablePrecision(Precision):
         module = lightning_module(model)
         if self.true_16bit and self.master_weights:
             self.master = MasterWeights(module, optimizers)
-        automatic = getattr(module, "automatic_optimization", True)
         for config in lr_schedulers:
-            if getattr(config, "interval", "step") == "step" or not automatic:
-                hold_on_skip(config.scheduler, lambda: self.last_step_skipped)
+            hold_on_skip(config.scheduler, lambda: self.step_count - self.skipped_steps)
         return model, optimizers, lr_schedulers
 
     @override

@@ -1,4 +1,4 @@
-"""Holding an LR scheduler on skipped optimizer steps, as DeepSpeed, Megatron-LM and accelerate do."""
+"""Holding an LR scheduler while the weights do not move, as DeepSpeed, Megatron-LM and accelerate do."""
 
 from __future__ import annotations
 
@@ -8,24 +8,31 @@ from typing import Any
 
 __all__ = ["hold_on_skip"]
 
-_skipped: weakref.WeakKeyDictionary[Any, Callable[[], bool]] = weakref.WeakKeyDictionary()
+# scheduler -> [applied_steps(), the count when the scheduler last stepped]
+_progress: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _held_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-    skipped = _skipped.get(self)
-    if skipped is not None and skipped():
-        # The optimizer step was skipped (inf/NaN gradients): the schedule stays where the weights are.
-        return None
+    progress = _progress.get(self)
+    if progress is not None:
+        applied = progress[0]()
+        if applied == progress[1]:
+            # No optimizer step was applied since this scheduler last stepped (skipped for inf/NaN gradients):
+            # the schedule stays where the weights are.
+            return None
+        progress[1] = applied
     return super(type(self), self).step(*args, **kwargs)
 
 
-def hold_on_skip(scheduler: Any, skipped: Callable[[], bool]) -> None:
-    """Make ``scheduler.step()`` a no-op whenever ``skipped()`` says the last optimizer step was skipped.
+def hold_on_skip(scheduler: Any, applied_steps: Callable[[], int]) -> None:
+    """Make ``scheduler.step()`` a no-op unless ``applied_steps()`` (optimizer steps actually applied) grew since
+    the scheduler last stepped: a per-step schedule holds on a skipped step, a per-epoch one only when the whole
+    epoch was skipped.
 
     The scheduler's class is swapped for a one-method subclass, so its ``state_dict`` (its ``__dict__``) is
-    unchanged and checkpoints stay plain; ``skipped`` lives in a weak map, not on the scheduler.
+    unchanged and checkpoints stay plain; the counter lives in a weak map, not on the scheduler.
     """
-    _skipped[scheduler] = skipped
+    _progress[scheduler] = [applied_steps, applied_steps()]
     cls = type(scheduler)
     if getattr(cls, "_lit_mpstable_held", False):
         return
