@@ -112,13 +112,18 @@ class Workload:
     tokens_per_step: int
 
 
+def token_windows(vocab: int, seq: int, n: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` (input, next-token target) windows of length ``seq`` from a deterministic synthetic token stream:
+    a random walk mod ``vocab``, so the next token is learnable."""
+    g = torch.Generator().manual_seed(seed)
+    stream = torch.randint(1, 5, (n * seq + 1,), generator=g).cumsum(0) % vocab
+    windows = stream[: n * seq + 1].unfold(0, seq + 1, seq)[:n]
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
 def gpt_workload(size: GPTSize, steps: int, *, seed: int = 0) -> Workload:
     """The demo Transformer on a deterministic synthetic token stream (a random walk mod vocab: learnable)."""
-    g = torch.Generator().manual_seed(seed)
-    n = steps * size.batch
-    stream = torch.randint(1, 5, (n * size.seq + 1,), generator=g).cumsum(0) % size.vocab
-    windows = stream[: n * size.seq + 1].unfold(0, size.seq + 1, size.seq)[:n]
-    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    x, y = token_windows(size.vocab, size.seq, steps * size.batch, seed=seed)
     torch.manual_seed(seed)
     net = Transformer(
         vocab_size=size.vocab, ninp=size.d_model, nhead=size.nhead, nhid=size.ffn, nlayers=size.nlayers,

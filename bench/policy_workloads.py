@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from common import BenchModule, Workload
+from common import BenchModule, Workload, token_windows
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -52,11 +52,7 @@ class LogitsModule(BenchModule):
 
 def sdpa_gpt_workload(size: SDPAGPTSize, steps: int, *, seed: int = 0) -> Workload:
     """zoo.GPT (pre-norm, causal SDPA) on the harness's synthetic token stream (a random walk mod vocab)."""
-    g = torch.Generator().manual_seed(seed)
-    n = steps * size.batch
-    stream = torch.randint(1, 5, (n * size.seq + 1,), generator=g).cumsum(0) % size.vocab
-    windows = stream[: n * size.seq + 1].unfold(0, size.seq + 1, size.seq)[:n]
-    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    x, y = token_windows(size.vocab, size.seq, steps * size.batch, seed=seed)
     torch.manual_seed(seed)
     net = GPT(size.vocab, size.d_model, size.n_layers, size.n_heads, size.seq)
     loader = DataLoader(TensorDataset(x, y), batch_size=size.batch, shuffle=False)
