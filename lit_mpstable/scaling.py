@@ -10,6 +10,7 @@ from typing import Any, get_args
 import torch
 from torch.amp.grad_scaler import OptState
 
+from lit_mpstable._validate import bool_arg, choice_arg, int_arg, real_arg
 from lit_mpstable.formats import FormatName, get_format
 from lit_mpstable.telemetry import amax_per_tensor
 
@@ -17,6 +18,21 @@ __all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "StaticLossScaler"]
 
 # The keys torch.amp.GradScaler.state_dict() writes; a dict with exactly these loads as a legacy checkpoint.
 _GRADSCALER_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
+
+
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+_DEVICE_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflow_count", "_min_scale_hits")
+
+
+def resolve_device(call: str, device: str | None) -> str:
+    """The device type a scaler is built for: ``device``, or for None CUDA when available, else the CPU.
+
+    Raises:
+        ValueError: not a device type a loss scaler runs on.
+    """
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice_arg(call, "device", device, _DEVICE_TYPES)
 
 
 class DynamicLossScaler(torch.amp.GradScaler):
@@ -41,7 +57,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def __init__(
         self,
-        device: str = "cuda",
+        device: str | None = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -52,36 +68,30 @@ class DynamicLossScaler(torch.amp.GradScaler):
         enabled: bool = True,
     ) -> None:
         name = type(self).__name__
-        if not init_scale > 0 or not math.isfinite(init_scale):
-            raise ValueError(f"{name}(init_scale={init_scale!r}): init_scale must be a finite number > 0; 2.**16 is usual.")
-        if not growth_factor > 1:
-            raise ValueError(
-                f"{name}(growth_factor={growth_factor!r}): growth_factor must be > 1 so clean steps grow the scale; 2.0 is usual."
-            )
-        if not 0 < backoff_factor < 1:
-            raise ValueError(
-                f"{name}(backoff_factor={backoff_factor!r}): backoff_factor must be in (0, 1) so an overflow shrinks the"
-                " scale; 0.5 is usual."
-            )
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(f"{name}(growth_interval={growth_interval!r}): growth_interval must be an int >= 1 (steps).")
-        if not (isinstance(hysteresis, int) and hysteresis >= 1):
-            raise ValueError(
-                f"{name}(hysteresis={hysteresis!r}): hysteresis must be an int >= 1 (overflowing steps tolerated before"
-                " a backoff); 1 backs off on every overflow, as GradScaler does."
-            )
-        if min_scale is not None and not min_scale > 0:
-            raise ValueError(f"{name}(min_scale={min_scale!r}): min_scale must be > 0 or None.")
-        if max_scale is not None and not max_scale > 0:
-            raise ValueError(f"{name}(max_scale={max_scale!r}): max_scale must be > 0 or None.")
+        device = resolve_device(name, device)
+        real_arg(name, "init_scale", init_scale, low=0.0, low_open=True, unit="2.**16 is usual")
+        real_arg(name, "growth_factor", growth_factor, low=1.0, low_open=True,
+                 unit="clean steps grow the scale by it; 2.0 is usual")
+        real_arg(name, "backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True, high_open=True,
+                 unit="an overflow shrinks the scale by it; 0.5 is usual")
+        int_arg(name, "growth_interval", growth_interval, low=1, unit="clean steps between growths; torch keeps the"
+                " tracker in int32")
+        int_arg(name, "hysteresis", hysteresis, low=1, unit="overflowing steps tolerated before a backoff; 1 backs"
+                " off on every overflow, as GradScaler does")
+        real_arg(name, "min_scale", min_scale, low=0.0, low_open=True, none=True)
+        real_arg(name, "max_scale", max_scale, low=0.0, low_open=True, none=True)
+        bool_arg(name, "enabled", enabled)
         if min_scale is not None and max_scale is not None and min_scale > max_scale:
             raise ValueError(f"{name}(min_scale={min_scale!r}, max_scale={max_scale!r}): min_scale must be <= max_scale.")
-        if (min_scale is not None and init_scale < min_scale) or (max_scale is not None and init_scale > max_scale):
-            raise ValueError(
-                f"{name}(init_scale={init_scale!r}): init_scale must lie within [min_scale, max_scale] ="
-                f" [{min_scale!r}, {max_scale!r}]."
-            )
-        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        if min_scale is not None and init_scale < min_scale:
+            raise ValueError(f"{name}(init_scale={init_scale!r}): init_scale must be >= min_scale={min_scale!r}.")
+        # An init_scale above max_scale is accepted, as GradScaler accepts any: the cap applies to growth.
+        # torch disables a "cuda" GradScaler on a machine without CUDA (FP16 would then train unscaled); ours stays
+        # enabled and is adopted onto the run's device by the plugin (adopt_device_), or works on whatever device
+        # the loss lives on in a plain loop: the scale tensor is created next to the first scaled output.
+        super().__init__("cpu" if device == "cuda" and not torch.cuda.is_available() else device, init_scale,
+                         growth_factor, backoff_factor, growth_interval, enabled)
+        self._device = device
         self.hysteresis = hysteresis
         self.min_scale = min_scale
         self.max_scale = max_scale
@@ -107,6 +117,18 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
         self._overflow_count = torch.full((), self._init_overflow_count, dtype=torch.int64, device=dev)
         self._min_scale_hits = torch.full((), self._init_min_scale_hits, dtype=torch.int64, device=dev)
+
+    def adopt_device_(self, device_type: str) -> str | None:
+        """Follow the run's device type (a plugin calls it with its own); returns the type the scaler was built for
+        when that differs (for the caller to say so), else None. State tensors already created move along."""
+        if device_type == self._device:
+            return None
+        previous, self._device = self._device, device_type
+        for attr in _DEVICE_TENSORS:
+            tensor = getattr(self, attr, None)
+            if isinstance(tensor, torch.Tensor):
+                setattr(self, attr, tensor.to(device_type))
+        return previous
 
     # ---------------------------------------------------------------------------------------- stepping
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any):
@@ -198,7 +220,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             super().update(new_scale)
-            self._clamp_(scale)
+            self._clamp_(scale, self.max_scale)
             self._host_found = None  # this iteration's outcome is consumed; the device tracker is untouched
             return
         found_infs = [
@@ -238,22 +260,24 @@ class DynamicLossScaler(torch.amp.GradScaler):
             tracker = 0 if host_found else None if self._host_tracker is None else self._host_tracker + 1
             grew = tracker is None or tracker >= self._growth_interval
             self._host_tracker = 0 if tracker is not None and grew else tracker
+            cap = self._growth_cap(scale) if grew else None
             torch._amp_update_scale_(
                 scale, growth_tracker, found_inf.float(), self._growth_factor, self._backoff_factor, self._growth_interval
             )
-            if (grew and self.max_scale is not None) or (host_found and self.min_scale is not None):
-                self._clamp_(scale)
+            if cap is not None or (host_found and self.min_scale is not None):
+                self._clamp_(scale, cap)
             return
         found = found_inf > 0
         self._host_tracker = None  # the device decides here; the host mirror no longer knows the tracker
         if self.min_scale is not None:
             self._min_scale_hits += found & (scale <= self.min_scale)
         self._overflow_count += found
+        cap = self._growth_cap(scale)
         if self.hysteresis == 1:
             torch._amp_update_scale_(
                 scale, growth_tracker, found_inf.float(), self._growth_factor, self._backoff_factor, self._growth_interval
             )
-            self._clamp_(scale)
+            self._clamp_(scale, cap)
             return
         # The same arithmetic as torch._amp_update_scale_ (float32 scale, int32 tracker, growth only to a finite
         # value), written with tensor ops so hysteresis fits in without a host sync.
@@ -265,13 +289,23 @@ class DynamicLossScaler(torch.amp.GradScaler):
         grow = grow & torch.isfinite(grown)
         new_scale = torch.where(backoff, scale * self._backoff_factor, torch.where(grow, grown, scale))
         scale.copy_(new_scale)
-        self._clamp_(scale)
+        self._clamp_(scale, cap)
         growth_tracker.copy_(torch.where(tracker >= self._growth_interval, 0, tracker))
         self._hysteresis_tracker.copy_(torch.where(grow, self.hysteresis, hysteresis_left.clamp_min(0)))
 
-    def _clamp_(self, scale: torch.Tensor) -> None:
-        if self.min_scale is not None or self.max_scale is not None:
-            scale.clamp_(min=self.min_scale, max=self.max_scale)
+    def _growth_cap(self, scale: torch.Tensor) -> torch.Tensor | None:
+        # Growth may not pass max_scale, but a scale already above it (init_scale > max_scale, as GradScaler
+        # accepts) is not pulled down either: the cap is max(scale before the update, max_scale).
+        return None if self.max_scale is None else scale.clamp(min=self.max_scale)
+
+    def _clamp_(self, scale: torch.Tensor, cap: torch.Tensor | float | None) -> None:
+        """Bound the scale: below by ``min_scale``, above by ``cap`` (a growth cap, or ``max_scale``) if given."""
+        if isinstance(cap, torch.Tensor):
+            torch.minimum(scale, cap, out=scale)
+        elif cap is not None:
+            scale.clamp_(max=cap)
+        if self.min_scale is not None:
+            scale.clamp_(min=self.min_scale)
 
     # ------------------------------------------------------------------------------------------ reading
     @property
@@ -372,7 +406,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 class StaticLossScaler(DynamicLossScaler):
     """A fixed loss scale: overflowing steps are still skipped and counted, but the scale never changes."""
 
-    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, enabled: bool = True) -> None:
+    def __init__(self, device: str | None = None, init_scale: float = 2.0**16, enabled: bool = True) -> None:
         super().__init__(device, init_scale=init_scale, max_scale=None, enabled=enabled)
 
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -395,6 +429,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 # (2**-8 at 0.5): a scale 2**9 too large is left in 4 steps instead of 9, and the first clean scale undershoots by
 # at most 8 binades for that one step (the measured amax then sets it).
 _MAX_BACKOFF_DOUBLINGS = 3
+# The amax window lives on the device and is re-read every step; longer windows than this only slow it down.
+_MAX_AMAX_HISTORY = 2**16
 # Lowest scale when min_scale is None: the smallest normal float32, so 1/scale stays finite.
 _SCALE_FLOOR = torch.finfo(torch.float32).tiny
 # AdaptiveLossScaler's device-side state beyond DynamicLossScaler's, and its dtypes.
@@ -441,7 +477,7 @@ class AdaptiveLossScaler(DynamicLossScaler):
 
     def __init__(
         self,
-        device: str = "cuda",
+        device: str | None = None,
         init_scale: float = 2.0**16,
         *,
         target_format: FormatName = "fp16",
@@ -454,22 +490,12 @@ class AdaptiveLossScaler(DynamicLossScaler):
         enabled: bool = True,
     ) -> None:
         name = type(self).__name__
-        try:
-            fmt = get_format(target_format)
-        except ValueError:
-            raise ValueError(
-                f"{name}(target_format={target_format!r}): unknown format; allowed: {list(get_args(FormatName))}."
-            ) from None
-        if not (isinstance(headroom, (int, float)) and 1 <= headroom < math.inf):
-            raise ValueError(
-                f"{name}(headroom={headroom!r}): headroom must be a finite number >= 1 (the factor kept between"
-                " amax * scale and the format's max); 2.0 is usual."
-            )
-        if isinstance(amax_history_len, bool) or not isinstance(amax_history_len, int) or amax_history_len < 1:
-            raise ValueError(
-                f"{name}(amax_history_len={amax_history_len!r}): amax_history_len must be an int >= 1 (clean steps in"
-                " the amax window); 16 is usual."
-            )
+        choice_arg(name, "target_format", target_format, get_args(FormatName))
+        fmt = get_format(target_format)
+        real_arg(name, "headroom", headroom, low=1.0, unit="the factor kept between amax * scale and the format's"
+                 " max; 2.0 is usual")
+        int_arg(name, "amax_history_len", amax_history_len, low=1, high=_MAX_AMAX_HISTORY,
+                unit="clean steps in the amax window; 16 is usual")
         super().__init__(
             device,
             init_scale,
@@ -509,6 +535,12 @@ class AdaptiveLossScaler(DynamicLossScaler):
         self._state = {
             key: torch.tensor(self._init_state[key], dtype=dtype, device=dev) for key, dtype in _ADAPTIVE_STATE.items()
         }
+
+    def adopt_device_(self, device_type: str) -> str | None:
+        previous = super().adopt_device_(device_type)
+        if previous is not None and self._state is not None:
+            self._state = {key: tensor.to(device_type) for key, tensor in self._state.items()}
+        return previous
 
     def _read_state(self) -> dict[str, Any]:
         if self._state is None:

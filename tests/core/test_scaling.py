@@ -126,7 +126,7 @@ def test_static_scaler_skips_but_never_changes() -> None:
         (dict(growth_interval=0), "growth_interval"),
         (dict(hysteresis=0), "hysteresis"),
         (dict(min_scale=8.0, max_scale=4.0, init_scale=4.0), "min_scale"),
-        (dict(init_scale=2.0**30), "init_scale"),
+        (dict(init_scale=0.5, min_scale=1.0), "init_scale"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs: dict, argument: str) -> None:
@@ -228,3 +228,48 @@ def test_bounds_hold_after_an_update_without_step_or_with_new_scale() -> None:
             s.update()
         scales.append(s.get_scale())
     assert max(scales) <= 4.0
+
+
+def test_init_scale_above_max_scale_is_accepted_as_gradscaler_accepts_it() -> None:
+    # PyTorch's own test_grad_scale_will_not_overflow: init_scale=1e38 with fast growth; the scale stays finite.
+    model = torch.nn.Linear(5, 1)
+    optimizer = torch.optim.Adam(model.parameters())
+    scaler = DynamicLossScaler("cpu", growth_interval=1, growth_factor=2**4, init_scale=1e38)
+    loss = ((model(torch.randn(1, 5)) - 1e-30 * torch.randn(1, 1)) ** 2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert math.isfinite(scaler.get_scale()) and scaler.get_scale() == pytest.approx(1e38)
+    # The cap applies to growth: a scale above max_scale neither grows nor is pulled down to it; backoff still works.
+    capped = DynamicLossScaler("cpu", init_scale=2.0**30, growth_interval=1)
+    scales, skipped, _ = _run(capped, 4, {2: INF})
+    assert scales == [2.0**30, 2.0**30, 2.0**29, 2.0**29]
+    assert skipped == [False, False, True, False]
+
+
+def test_gradscaler_step_for_step_with_max_scale_none() -> None:
+    # Without the cap, a scale far above 2**24 follows GradScaler exactly (the README's claim).
+    bad = {3: INF, 4: NAN}
+    kwargs = dict(init_scale=2.0**30, growth_interval=1)
+    ref = _run(torch.amp.GradScaler("cpu", **kwargs), 8, bad)
+    ours = _run(DynamicLossScaler("cpu", max_scale=None, **kwargs), 8, bad)
+    assert ours[0] == ref[0] and ours[1] == ref[1]
+
+
+def test_device_none_follows_the_machine() -> None:
+    scaler = DynamicLossScaler()
+    assert scaler._device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert scaler.is_enabled()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_scaler_is_not_silently_disabled_without_cuda() -> None:
+    # torch.amp.GradScaler("cuda") disables itself here, so FP16 would train unscaled; ours keeps scaling.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert not torch.amp.GradScaler("cuda").is_enabled()
+    scaler = DynamicLossScaler("cuda", init_scale=2.0**10)
+    assert scaler.is_enabled()
+    assert scaler.scale(torch.ones(())).item() == 2.0**10
+    assert scaler.adopt_device_("cpu") == "cuda" and scaler._device == "cpu"
+    assert scaler.adopt_device_("cpu") is None
