@@ -97,6 +97,8 @@ class OverflowTracer:
         self._backward_events: list[tuple[str, torch.Tensor]] = []
         self._edges: dict[int, _Edge] = {}
         self._calls = 0
+        self._inputs: list[torch.Tensor | None] = []  # per module call in progress: its inputs held inf/NaN
+        self._root_inputs: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------------------------------- hooks
     def attach(self) -> OverflowTracer:
@@ -127,6 +129,8 @@ class OverflowTracer:
         self._forward_events.clear()
         self._backward_events.clear()
         self._edges.clear()
+        self._inputs.clear()
+        self._root_inputs.clear()
         self._calls = 0
 
     def __enter__(self) -> OverflowTracer:
@@ -145,8 +149,13 @@ class OverflowTracer:
     def _pre_hook(self, name: str, depth: int):
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self._calls += 1
+            inputs = _tensors((args, kwargs))
+            bad_in = _any_nonfinite(inputs) if inputs else None
+            self._inputs.append(bad_in)
+            if depth == 0 and bad_in is not None:
+                self._root_inputs.append(bad_in)
             if torch.is_grad_enabled():
-                for tensor in _tensors((args, kwargs)):
+                for tensor in inputs:
                     if tensor.requires_grad:
                         self._edge(tensor).consumers.append((depth, self._calls, name))
 
@@ -155,10 +164,14 @@ class OverflowTracer:
     def _post_hook(self, name: str, depth: int):
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             self._calls += 1
+            bad_in = self._inputs.pop() if self._inputs else None
             tensors = _tensors(output)
             if not tensors:
                 return
-            self._forward_events.append((name, _any_nonfinite(tensors)))
+            # Blame a module only for inf/NaN it made: finite inputs, non-finite output. A poisoned batch passes
+            # through every layer, and no layer is to blame for it (see nonfinite_input).
+            bad_out = _any_nonfinite(tensors)
+            self._forward_events.append((name, bad_out if bad_in is None else bad_out & ~bad_in))
             if torch.is_grad_enabled():
                 for tensor in tensors:
                     if tensor.requires_grad:
@@ -181,8 +194,15 @@ class OverflowTracer:
 
     # ------------------------------------------------------------------------------------------ reading
     @property
+    def nonfinite_input(self) -> bool:
+        """Whether an input of the root module (the batch) held inf/NaN (syncs)."""
+        return bool(torch.stack([f.to(self._root_inputs[0].device) for f in self._root_inputs]).any()) \
+            if self._root_inputs else False
+
+    @property
     def first_forward(self) -> str | None:
-        """Qualified name of the first module (``""`` is the root) whose output held inf/NaN, or None (syncs)."""
+        """Qualified name of the first module (``""`` is the root) whose inputs were finite and whose output held
+        inf/NaN, or None (syncs)."""
         names = _flagged(self._forward_events)
         return names[0] if names else None
 
@@ -194,7 +214,8 @@ class OverflowTracer:
 
     @property
     def forward_modules(self) -> list[str]:
-        """Every module whose output held inf/NaN, each once, in execution order (syncs)."""
+        """Every module whose inputs were finite and whose output held inf/NaN, each once, in execution order: the
+        module that made it first, then the containers around it (syncs)."""
         return list(dict.fromkeys(_flagged(self._forward_events)))
 
     @property

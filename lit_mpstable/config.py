@@ -32,7 +32,9 @@ class StablePrecisionConfig:
     precision: str = "bf16-mixed"
     scaler: Any = "auto"
     """"auto", "dynamic", "static", "adaptive", null, or a scaler node with its own _target_."""
-    master_weights: bool = True
+    master_weights: Any = True
+    """true/false, or "fp32", "kahan", "stochastic"."""
+    skip_nonfinite: bool = True
     fp8: Any = None
     """null, a recipe name ("delayed", "current", "mxfp8") or an FP8RecipeConfig node."""
     fp32_modules: list[Any] = field(default_factory=list)
@@ -46,7 +48,7 @@ class StablePrecisionConfig:
 @dataclass
 class DynamicLossScalerConfig:
     _target_: str = "lit_mpstable.scaling.DynamicLossScaler"
-    device: str = "cuda"
+    device: Optional[str] = None
     init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -60,7 +62,7 @@ class DynamicLossScalerConfig:
 @dataclass
 class StaticLossScalerConfig:
     _target_: str = "lit_mpstable.scaling.StaticLossScaler"
-    device: str = "cuda"
+    device: Optional[str] = None
     init_scale: float = 2.0**16
     enabled: bool = True
 
@@ -68,7 +70,7 @@ class StaticLossScalerConfig:
 @dataclass
 class AdaptiveLossScalerConfig:
     _target_: str = "lit_mpstable.scaling.AdaptiveLossScaler"
-    device: str = "cuda"
+    device: Optional[str] = None
     init_scale: float = 2.0**16
     target_format: str = "fp16"
     headroom: float = 2.0

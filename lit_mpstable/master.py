@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,10 +32,19 @@ class MasterWeights:
 
     FP32 parameters (FP32 islands), frozen parameters and parameters that are not the model's stay in the
     optimizers as they are and get no master. A parameter held by two optimizers gets one master, held by both.
+
+    Args:
+        initial: FP32 values to start the masters from, by qualified name (the weights before the model was cast to
+            16 bits: starting from the 16-bit rounding would lose what the FP32 initialisation had below it).
+            Names missing here start from the 16-bit parameter.
     """
 
-    def __init__(self, model: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+    def __init__(
+        self, model: nn.Module, optimizers: Sequence[Optimizer], *, initial: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
         self._model = model
+        self._initial = dict(initial or {})
+        self._grad_versions: dict[int, list[tuple[torch.Tensor | None, int]]] = {}
         named = {id(param): name for name, param in model.named_parameters()}
         self._optimizers: list[Optimizer] = []
         self._masters: dict[str, nn.Parameter] = {}
@@ -57,8 +66,10 @@ class MasterWeights:
                     continue
                 master = self._masters.get(name)
                 if master is None:
-                    # .float() copies (the dtype differs), so the master never aliases the 16-bit weight.
-                    master = nn.Parameter(param.detach().float(), requires_grad=True)
+                    start = self._initial.pop(name, None)
+                    if start is None or start.shape != param.shape:
+                        start = param.detach().float()  # .float() copies: the master never aliases the 16-bit weight
+                    master = nn.Parameter(start.detach().to(param.device, torch.float32), requires_grad=True)
                     self._masters[name], self._params[name] = master, param
                 # In place: some optimizers (LBFGS) keep a reference to the group's list itself.
                 params[i] = master
@@ -91,16 +102,18 @@ class MasterWeights:
         for name, master in self._masters.items():
             yield name, master, self._params[name]
 
-    def _select(self, optimizer: Optimizer | None) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    def _names(self, optimizer: Optimizer | None) -> list[str]:
         if optimizer is None:
-            names: list[str] = list(self._masters)
-        elif id(optimizer) in self._names_by_optimizer:
-            names = self._names_by_optimizer[id(optimizer)]
-        else:
-            raise ValueError(
-                f"MasterWeights: optimizer {type(optimizer).__name__} (id {id(optimizer):#x}) was not given at"
-                " construction, so it holds no masters; pass one of those optimizers or None (all)."
-            )
+            return list(self._masters)
+        if id(optimizer) in self._names_by_optimizer:
+            return self._names_by_optimizer[id(optimizer)]
+        raise ValueError(
+            f"MasterWeights: optimizer {type(optimizer).__name__} (id {id(optimizer):#x}) was not given at"
+            " construction, so it holds no masters; pass one of those optimizers or None (all)."
+        )
+
+    def _select(self, optimizer: Optimizer | None) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        names = self._names(optimizer)
         return [self._masters[name] for name in names], [self._params[name] for name in names]
 
     # ---------------------------------------------------------------------------------------- stepping
@@ -150,6 +163,39 @@ class MasterWeights:
         """
         for param in self._select(optimizer)[1]:
             param.grad = None
+
+    @torch.no_grad()
+    def expose_grads_(self, optimizer: Optimizer | None = None, *, copy: bool = True) -> None:
+        """Let the 16-bit parameters show their masters' (unscaled) gradients, for hooks, ``grad_norm`` and a user's
+        own clipping; :meth:`absorb_grads_` later takes back whatever was changed there. No host sync.
+
+        Args:
+            copy: write the master grads into the 16-bit grads (after unscaling: they differ); ``False`` when the
+                16-bit grads already hold the same values (nothing was scaled).
+        """
+        masters, params = self._select(optimizer)
+        pairs = [(m.grad, p) for m, p in zip(masters, params) if m.grad is not None and p.grad is not None]
+        if copy and pairs:
+            torch._foreach_copy_([p.grad for _, p in pairs], [g for g, _ in pairs])
+        self._grad_versions[id(optimizer)] = [(p.grad, p.grad._version if p.grad is not None else -1) for p in params]
+
+    @torch.no_grad()
+    def absorb_grads_(self, optimizer: Optimizer | None = None) -> list[str]:
+        """Copy into the masters every 16-bit gradient changed since :meth:`expose_grads_` (modified in place, e.g.
+        by ``clip_grad_norm_(model.parameters())``, replaced or set to None); returns their names. A version-counter
+        check per parameter, no host sync."""
+        seen = self._grad_versions.pop(id(optimizer), None)
+        if seen is None:
+            return []
+        changed = []
+        for name, (grad, version) in zip(self._names(optimizer), seen):
+            param, master = self._params[name], self._masters[name]
+            now = param.grad
+            if now is grad and (now is None or now._version == version):
+                continue
+            changed.append(name)
+            master.grad = None if now is None else now.float()
+        return changed
 
     @torch.no_grad()
     def rebuild_from_model_(self) -> None:

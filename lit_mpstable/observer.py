@@ -67,7 +67,10 @@ class GradObserver:
         self._traced = False
         if self.tracer is not None:
             first = self.tracer.first_forward or self.tracer.first_backward
-            if first is not None:
+            if self.tracer.nonfinite_input:
+                updates["nonfinite_input"], updates["blamed_modules"], self._traced = True, [], True
+                warning = f"the input batch held inf/NaN (step {step}); no module is to blame, check the data."
+            elif first is not None:
                 updates["blamed_modules"], self._traced = [first], True
                 where = "forward output" if self.tracer.first_forward else "backward gradient"
                 warning = (f"inf/NaN first appeared in the {where} of {first!r} (step {step});"
@@ -96,10 +99,17 @@ class GradObserver:
             collect_fp8_stats_(module, telemetry.is_due(step + 1))
         return updates, warning
 
-    def blame(self, module: nn.Module, named_grads: NamedGrads) -> dict[str, Any]:
-        """After an overflow (syncs once): the parameters with inf/NaN gradients, the module guessed or traced."""
+    def blame(self, module: nn.Module, named_grads: NamedGrads, *, nonfinite_input: bool = False) -> dict[str, Any]:
+        """After an overflow (syncs once): the parameters with inf/NaN gradients, the module guessed or traced.
+
+        ``nonfinite_input``: the step's batch held inf/NaN; then no module is blamed (``blamed_modules`` is empty and
+        ``nonfinite_input`` True in the result): every layer it passed through went non-finite, none made it so.
+        """
         params = nonfinite_grad_params(named_grads)
-        updates: dict[str, Any] = {"blamed_params": params}
+        updates: dict[str, Any] = {"blamed_params": params, "nonfinite_input": nonfinite_input}
+        if nonfinite_input:
+            updates["blamed_modules"] = []
+            return updates
         # Parameters are registered in forward order, and inf spreads backward to every earlier layer: the last one
         # is the nearest guess, unless this step was traced and the tracer named the module.
         if not self._traced:

@@ -92,6 +92,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         super().__init__("cpu" if device == "cuda" and not torch.cuda.is_available() else device, init_scale,
                          growth_factor, backoff_factor, growth_interval, enabled)
         self._device = device
+        self.allow_fp16_grads = False
+        """Unscale FP16 gradients in place (GradScaler refuses them: small values flush). Set by the precision
+        core for ``"16-true"`` without master weights, where the gradients themselves are FP16."""
         self.hysteresis = hysteresis
         self.min_scale = min_scale
         self.max_scale = max_scale
@@ -118,6 +121,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._overflow_count = torch.full((), self._init_overflow_count, dtype=torch.int64, device=dev)
         self._min_scale_hits = torch.full((), self._init_min_scale_hits, dtype=torch.int64, device=dev)
 
+    def ensure_state_(self, device: torch.device | str) -> None:
+        """Create the scale and tracker tensors on ``device`` if ``scale()`` has not yet (a scaler used only to check
+        gradients, at scale 1, never scales a loss)."""
+        if self._enabled and self._scale is None:
+            self._lazy_init_scale_growth_tracker(torch.device(device))
+
     def adopt_device_(self, device_type: str) -> str | None:
         """Follow the run's device type (a plugin calls it with its own); returns the type the scaler was built for
         when that differs (for the caller to say so), else None. State tensors already created move along."""
@@ -138,6 +147,24 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if found_inf:
             return None
         return optimizer.step(*args, **kwargs)
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self.allow_fp16_grads)
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether this iteration's gradients of ``optimizer`` hold inf/NaN (after ``unscale_``). Reads the device
+        flag (a host sync; ``step`` reads the same flag, so calling both costs one device round trip)."""
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY:
+            raise RuntimeError(f"{type(self).__name__}.found_inf() needs unscale_() first.")
+        return bool(sum(v.item() for v in state["found_inf_per_device"].values()))
+
+    def forget_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop this iteration's record for ``optimizer`` (unscaled, inf checks) without touching the scale: the
+        iteration was discarded, so the next one starts fresh."""
+        self._per_optimizer_states.pop(id(optimizer), None)
 
     def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: Any = None) -> None:
         """Agree across ranks on whether this step's gradients hold inf/NaN, so every rank skips it or none does.

@@ -1,4 +1,4 @@
-"""Holding an LR scheduler while the weights do not move, as DeepSpeed, Megatron-LM and accelerate do."""
+"""Holding LR schedulers while the weights do not move, as DeepSpeed, Megatron-LM and accelerate do."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["hold_on_skip"]
+__all__ = ["ScheduleHold", "hold_on_skip"]
 
 # scheduler -> [applied_steps(), the count when the scheduler last stepped]
 _progress: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
@@ -40,6 +40,43 @@ def hold_on_skip(scheduler: Any, applied_steps: Callable[[], int]) -> None:
         cls.__name__, (cls,),
         {"step": _held_step, "_lit_mpstable_held": True, "__module__": cls.__module__, "__reduce_ex__": _reduce_ex},
     )
+
+
+class ScheduleHold:
+    """The schedulers one run holds (:func:`hold_on_skip`), and where each stood when it last stepped.
+
+    That baseline is training state: a checkpoint taken between a scheduler's steps must bring it back, or the
+    first step after a resume compares against the restored step counters and moves a schedule it should hold.
+    """
+
+    def __init__(self, applied_steps: Callable[[], int]) -> None:
+        self.applied_steps = applied_steps
+        self._held: list[weakref.ref] = []
+        self._pending: list[int] | None = None
+
+    def hold(self, schedulers: list[Any]) -> None:
+        """Hold these schedulers (a new ``fit`` replaces the previous ones); a loaded baseline applies to them."""
+        for scheduler in schedulers:
+            hold_on_skip(scheduler, self.applied_steps)
+        self._held = [weakref.ref(s) for s in schedulers]
+        if self._pending is not None:
+            self.load_state_dict(self._pending)
+
+    def state_dict(self) -> list[int]:
+        """The applied-step count at each held scheduler's last step, in the order they were held."""
+        return [int(_progress[s][1]) for ref in self._held if (s := ref()) is not None and s in _progress]
+
+    def load_state_dict(self, baselines: list[int]) -> None:
+        """Restore the baselines (kept until the schedulers are held, if they are not yet); a checkpoint holding
+        another number of schedulers re-bases them all on the current count."""
+        live = [s for ref in self._held if (s := ref()) is not None and s in _progress]
+        if not live:
+            self._pending = list(baselines)
+            return
+        self._pending = None
+        same = len(baselines) == len(live)
+        for i, scheduler in enumerate(live):
+            _progress[scheduler][1] = int(baselines[i]) if same else self.applied_steps()
 
 
 def _reduce_ex(self: Any, protocol: int) -> Any:

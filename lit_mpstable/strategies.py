@@ -1,30 +1,25 @@
-"""Which Lightning strategies StablePrecision works with, checked at setup."""
+"""Which Lightning strategies the precision core works with, checked at setup (for either Trainer package)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
-
-if TYPE_CHECKING:
-    from lit_mpstable.plugin import StablePrecision
 
 __all__ = ["check_strategy", "lightning_module"]
 
 
-def lightning_module(model: nn.Module) -> nn.Module:
-    """The LightningModule inside strategy wrappers (DDP's ``module``)."""
+def lightning_module(model: nn.Module, pl: ModuleType) -> nn.Module:
+    """The LightningModule of package ``pl`` inside strategy wrappers (DDP's ``module``)."""
     while not isinstance(model, pl.LightningModule) and isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
 
 
-
-def check_strategy(plugin: StablePrecision, model: nn.Module) -> str | None:
+def check_strategy(plugin: Any, model: nn.Module, pl: ModuleType) -> str | None:
     """Refuse, at setup, the strategies whose own numerics would collide with ours; returns a warning where ranks
-    could disagree (else None).
+    could disagree (else None). ``plugin`` is a ``StablePrecision`` of package ``pl``.
 
     Raises:
         ValueError: DeepSpeed (its own loss scaler and masters: the loss would be scaled twice); FSDP1 (needs
@@ -32,22 +27,23 @@ def check_strategy(plugin: StablePrecision, model: nn.Module) -> str | None:
             (the layers are sharded before the plugin could swap them) or ``diagnose=True`` (whole gradients).
     """
     try:
-        strategy = lightning_module(model).trainer.strategy
-    except (AttributeError, RuntimeError):  # not attached to a Trainer (a direct call, Fabric)
+        strategy = lightning_module(model, pl).trainer.strategy
+    except (AttributeError, RuntimeError):  # not attached to a Trainer (a direct call)
         return None
+    strategies = pl.strategies
     call = f"StablePrecision({plugin.precision!r}) with {type(strategy).__name__}"
-    if isinstance(strategy, DeepSpeedStrategy):
+    if isinstance(strategy, strategies.DeepSpeedStrategy):
         raise ValueError(
             f"{call}: DeepSpeed brings its own loss scaler, FP32 master weights and backward, so StablePrecision"
             " would scale the loss twice. Use Trainer(strategy='deepspeed', precision='16-mixed' or 'bf16-mixed')"
             " without StablePrecision, or StablePrecision with DDP or ModelParallelStrategy (FSDP2)."
         )
-    if isinstance(strategy, FSDPStrategy):
+    if isinstance(strategy, strategies.FSDPStrategy):
         raise ValueError(
             f"{call}: FSDP1 shards flat parameters and only works with Lightning's FSDPPrecision. Use"
             " ModelParallelStrategy (FSDP2, fully_shard in configure_model), which StablePrecision supports."
         )
-    if isinstance(strategy, ModelParallelStrategy):
+    if isinstance(strategy, strategies.ModelParallelStrategy):
         if plugin.true_16bit and plugin.master_weights:
             raise ValueError(
                 f"{call}, master_weights=True: the FP32 masters would be unsharded copies beside FSDP2's sharded"

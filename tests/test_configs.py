@@ -118,7 +118,7 @@ def test_two_job_multirun_with_the_basic_launcher(tmp_path: Path) -> None:
     "override, message",
     [
         ("precision=fp17", "Available options in 'precision'"),
-        ("plugin.master_weights=maybe", "plugin.master_weights"),
+        ("plugin.master_weights=maybe", "StablePrecision(master_weights='maybe'): allowed"),
         ("callbacks.precision_fallback.mode=layer", "PrecisionFallback(mode='layer'): allowed"),
         ("plugin.precision=fp16", "StablePrecision(precision='fp16')"),
     ],

@@ -74,6 +74,7 @@ class PrecisionFallback(PluginCallback):
         self._steps = StepCounter()
         self._nonfinite = LaggedFlag()  # a non-finite loss in the step
         self._warned_fp32 = False
+        self._warned_data = False
 
     @property
     def state_key(self) -> str:
@@ -86,7 +87,10 @@ class PrecisionFallback(PluginCallback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._plugin is not None and self.nonfinite_loss_patience is not None:
-            self._nonfinite.mark(~torch.isfinite(loss.detach()).all())
+            flag = ~torch.isfinite(loss.detach()).all()
+            if (data := self._plugin.input_nonfinite) is not None:
+                flag = flag & ~data  # a poisoned batch is a data problem, not a precision one
+            self._nonfinite.mark(flag)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         plugin = self._plugin
@@ -107,6 +111,13 @@ class PrecisionFallback(PluginCallback):
 
     def _observe(self, trainer: pl.Trainer, overflows: int, steps: int) -> None:
         assert self._plugin is not None
+        if overflows and self._plugin.stats.get("nonfinite_input"):
+            # The batch itself held inf/NaN: a data problem no precision can fix; it does not count as overflow.
+            overflows = 0
+            if not self._warned_data:
+                self._warned_data = True
+                rank_zero_warn(f"PrecisionFallback at step {trainer.global_step}: the batch held inf/NaN, so the"
+                               " skipped step is not counted towards a precision fallback; check the data.")
         self.overflow_run = self.overflow_run + overflows if overflows else 0
         self.recent.append((overflows, steps))
         self.blamed = list(self._plugin.stats.get("blamed_modules") or self.blamed)

@@ -285,7 +285,7 @@ def test_load_state_dict_is_strict() -> None:
         plugin.load_state_dict({k: v for k, v in state.items() if k != "step_count"})
     # A precision switch on resume loads: counters come over, the FP16 scaler keeps its fresh state.
     bf16 = StablePrecision("bf16-mixed")
-    bf16.step_count = 7
+    bf16.stepper.step_count = 7
     plugin.load_state_dict(bf16.state_dict())
     assert plugin.step_count == 7 and plugin.loss_scale == 2.0**16
 

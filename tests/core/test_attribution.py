@@ -43,7 +43,9 @@ def test_forward_overflow_names_the_first_module_in_execution_order():
     with trace_nonfinite(model) as tracer:
         _backward(model)
     assert tracer.first_forward == "fc2"
-    assert tracer.forward_modules == ["fc2", "act", "fc3", ""]  # the root ("") finishes last
+    # Only modules whose inputs were finite made the inf: fc2, and the root that contains it (act and fc3 passed
+    # fc2's inf along). The root ("") finishes last.
+    assert tracer.forward_modules == ["fc2", ""]
     assert tracer.first_backward == "fc3"  # the NaN loss gradient first arrives at fc3's output (grad_output)
 
 
@@ -103,3 +105,17 @@ def test_hooks_are_removed_on_exit_and_events_can_be_reset():
 def test_rejects_a_non_module():
     with pytest.raises(TypeError, match="model"):
         OverflowTracer([nn.Linear(2, 2)])
+
+
+def test_a_nonfinite_input_batch_is_reported_as_such_and_no_layer_is_blamed():
+    # A NaN in the data passes through every layer; blaming the first (or last) layer would move the wrong module.
+    model = TinyMLP()
+    x = torch.randn(4, 16)
+    x[1, 2] = float("nan")
+    with trace_nonfinite(model) as tracer:
+        model(x).sum().backward()
+    assert tracer.nonfinite_input
+    assert tracer.first_forward is None and tracer.forward_modules == []
+    with trace_nonfinite(model) as clean:
+        model(torch.randn(4, 16)).sum()
+    assert not clean.nonfinite_input

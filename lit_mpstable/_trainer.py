@@ -1,0 +1,129 @@
+"""The Trainer adapter: Lightning's precision-plugin hooks mapped onto the PrecisionStepper.
+
+Written once for both Trainer packages: ``lit_mpstable.StablePrecision`` mixes it into
+``lightning.pytorch``'s ``Precision``, ``lit_mpstable.pytorch_lightning.StablePrecision`` into
+``pytorch_lightning``'s; ``_pl`` names the package whose classes (LightningModule, strategies) it checks against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.optim import LBFGS, Optimizer
+
+from lit_mpstable._frontend import StableFrontEnd
+from lit_mpstable.stepper import tensor_init_context
+from lit_mpstable.strategies import check_strategy, lightning_module
+
+__all__ = ["TrainerPrecision"]
+
+
+class TrainerPrecision(StableFrontEnd):
+    """Hooks of a Trainer precision plugin; the numerics live in ``self.stepper``."""
+
+    _pl: ModuleType  # the Trainer package (set by the concrete class)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        # The first hook every strategy's setup calls: refuse before converting.
+        if warning := check_strategy(self, module, self._pl):
+            self._warn_once("strategy", warning)
+        self.stepper.setup_module(module)
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        return self.stepper.convert_input(data)
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        return tensor_init_context(self.stepper)
+
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        module = lightning_module(model, self._pl)
+        self.stepper.setup_optimizers(module, optimizers, [config.scheduler for config in lr_schedulers])
+        if self.precision == "16-mixed" and self.device == "cpu":
+            self._warn_once(
+                "fp16-cpu",
+                "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower than"
+                " BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed.",
+            )
+        self._show_notes()
+        return model, optimizers, lr_schedulers
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        choices = self.stepper.stats.get("op_policy")
+        with self.stepper.forward_context():
+            yield
+        if self.stepper.stats.get("op_policy") != choices and not self.policy.is_default:
+            measured = self.policy.measurements
+            parts = [f"{f}={c}" + (f" ({measured[f].fp32_ms:.1f} ms fp32 vs {measured[f].autocast_ms:.1f} ms"
+                                   " autocast)" if f in measured else "") for f, c in self.policy.choices.items()]
+            rank_zero_info(f"StablePrecision op_policy={self.stepper.op_policy!r} on {self.device}: {', '.join(parts)}.")
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        return super().pre_backward(self.stepper.scale_loss(tensor), module)  # type: ignore[misc]
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizer, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if isinstance(optimizer, LBFGS):
+            return self._lbfgs_step(optimizer, model, closure, **kwargs)
+        closure_result = closure()
+        stepper = self.stepper
+        if closure_result is None and model.automatic_optimization:
+            stepper.drop_grads_(optimizer)  # training_step returned None: no backward ran, nothing to step
+            return closure_result
+        if stepper.skip_requested:  # a callback discarded this batch before backward
+            return stepper.discard_(optimizer)
+        # Order matters: unscale before on_before_optimizer_step and clipping, so both see true gradient values and
+        # the clip threshold means what the user wrote (fused optimizers too: after unscale_ GradScaler hands them
+        # found_inf and no grad_scale). With FP32 masters the hooks see them on the 16-bit parameters; whatever a
+        # hook changes there goes back into the masters before the step.
+        stepper.unscale_(optimizer)
+        self._after_closure(model, optimizer)  # type: ignore[attr-defined]
+        output = stepper.step(optimizer, **kwargs)
+        self._show_notes()
+        return output
+
+    def _lbfgs_step(self, optimizer: Optimizer, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.scaler is not None or self.master is not None:
+            raise ValueError(
+                "StablePrecision: LBFGS re-evaluates the loss inside step(), which loss scaling and master weights"
+                " cannot follow; use scaler=None with a '*-mixed' or '32-true' precision."
+            )
+        self._warn_once("lbfgs", "StablePrecision: LBFGS re-evaluates the loss inside step(), so its gradients are"
+                        " not checked for inf/NaN (skip_nonfinite does not apply to it).")
+        output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
+        self.stepper.count_unchecked_step()
+        return output
+
+    # LightningModule.clip_gradients passes the LightningOptimizer wrapper; the step gets the optimizer itself.
+    def main_params(self, optimizer: Optimizer) -> Any:
+        return self.stepper.main_params(self._unwrap(optimizer))
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        self.stepper.clip_grad_norm_(self._unwrap(optimizer), clip_val)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
+        self.stepper.clip_grad_value_(self._unwrap(optimizer), clip_val)
+
+    def _unwrap(self, optimizer: Any) -> Optimizer:
+        return optimizer.optimizer if isinstance(optimizer, self._pl.core.optimizer.LightningOptimizer) else optimizer
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Runs before load_state_dict. A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under
+        # "MixedPrecision": carry it over. (A checkpoint without FP32 masters needs nothing: its weights were loaded
+        # into the FP32 model before setup, and the masters start from them.)
+        if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint and self.scaler is not None:
+            self.scaler.load_state_dict(checkpoint["MixedPrecision"])
+            rank_zero_info("StablePrecision: loss-scaler state taken from a Lightning MixedPrecision checkpoint.")

@@ -1,0 +1,555 @@
+"""PrecisionStepper: the mixed-precision training step in pure PyTorch, which every front end drives.
+
+One iteration, in this order (a plain loop calls the same methods the Trainer and Fabric adapters call)::
+
+    with stepper.forward_context():
+        loss = model(stepper.convert_input(x))
+    stepper.scale_loss(loss).backward()
+    stepper.unscale_(optimizer)             # optional: before reading or clipping gradients
+    stepper.clip_grad_norm_(optimizer, 1.0)  # optional
+    stepper.step(optimizer)                 # skips (and counts) a step whose gradients hold inf/NaN
+    optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lit_mpstable._validate import bool_arg, choice_arg, int_arg
+from lit_mpstable.fp8 import FP8Config, fp8_autocast_context, fp8_config
+from lit_mpstable.islands import FP32Islands
+from lit_mpstable.layout import PrecisionLayout
+from lit_mpstable.master import MasterWeights
+from lit_mpstable.observer import GradObserver, shard_view
+from lit_mpstable.policy import OpPolicy
+from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler, resolve_device
+from lit_mpstable.schedulers import ScheduleHold
+
+__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
+
+PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
+ScalerName = Literal["auto", "dynamic", "static", "adaptive"]
+MasterMode = Literal["fp32", "kahan", "stochastic"]
+OpPolicyName = Literal["autocast", "auto"]
+
+_FORMAT_IDS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
+_SCALERS = {"dynamic": DynamicLossScaler, "static": StaticLossScaler, "adaptive": AdaptiveLossScaler}
+_GRADSCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
+# The run's event counters: history, not numeric state (a rollback keeps their live values). The scaler's own
+# counters are the same facts seen from the scaler, kept in step with these.
+_COUNTERS = ("step_count", "overflow_count", "skipped_steps", "last_step_skipped")
+_SCALER_COUNTERS = ("overflow_count", "step_count", "min_scale_hits")
+
+
+class PrecisionStepper:
+    """The precision of one training run and its step protocol: loss scaling, the non-finite check, FP32 master
+    weights, clipping on true gradients, skip-and-count, FP32 islands, FP8 layers, the per-op policy, telemetry.
+
+    Arguments are :class:`~lit_mpstable.StablePrecision`'s (the adapters pass them through); ``owner`` is the class
+    name error messages use (a front end passes its own). The step order is the
+    one GradScaler documents, plus what it leaves to the caller: the gradients are unscaled (and, with masters,
+    moved into FP32) before anyone reads or clips them; a step whose gradients hold inf/NaN is skipped in every mode
+    (``skip_nonfinite``), its LR schedule held, and counted.
+
+    Raises:
+        ValueError, TypeError: an argument is not one of the allowed values (each message names it).
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionName = "bf16-mixed",
+        *,
+        scaler: ScalerName | torch.amp.GradScaler | None = "auto",
+        master_weights: bool | MasterMode = True,
+        skip_nonfinite: bool = True,
+        fp8: str | FP8Config | None = None,
+        fp32_modules: Iterable[type[nn.Module] | str] = (),
+        op_policy: OpPolicyName | dict[str, str] = "autocast",
+        device: str | None = None,
+        telemetry_every_n_steps: int | None = 50,
+        diagnose: bool = False,
+        owner: str | None = None,
+    ) -> None:
+        self.owner = call = owner or type(self).__name__
+        self.warnings: list[str] = []
+        """Messages the front end should show once (each is appended once), e.g. a scaler adopted onto the device."""
+        choice_arg(call, "precision", precision, get_args(PrecisionName))
+        if device is not None:
+            choice_arg(call, "device", device, ("cpu", "cuda"))
+        if not isinstance(master_weights, bool):
+            choice_arg(call, "master_weights", master_weights, (True, False, *get_args(MasterMode)))
+        bool_arg(call, "skip_nonfinite", skip_nonfinite)
+        bool_arg(call, "diagnose", diagnose)
+        int_arg(call, "telemetry_every_n_steps", telemetry_every_n_steps, low=1, none=True,
+                unit="optimizer steps between computations; 50 keeps the cost under 1% of a step")
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if precision == "auto":
+            bf16_ok = self.device == "cpu" or torch.cuda.is_bf16_supported()
+            precision = "bf16-mixed" if bf16_ok else "16-mixed"
+        self.precision: str = precision
+        self.master_mode: str | None = ("fp32" if master_weights is True else master_weights or None)
+        if not self.true_16bit:
+            self.master_mode = None  # the *-mixed modes keep FP32 weights: nothing to master
+        self.scaler = self._build_scaler(scaler)
+        if not skip_nonfinite and self.scaler is not None:
+            raise ValueError(
+                f"{call}({precision!r}, skip_nonfinite=False): a loss scaler always skips a step whose gradients hold"
+                " inf/NaN (that is how it finds a scale that fits); use scaler=None to turn the check off too."
+            )
+        # Without a scaler, a fixed scale of 1 does GradScaler's fused inf/NaN check and skip: NaN never reaches the
+        # weights in BF16 or FP32 either.
+        self._checker = self.scaler if self.scaler is not None else (
+            StaticLossScaler(self.device, init_scale=1.0) if skip_nonfinite else None)
+        self.skip_nonfinite = skip_nonfinite
+        self.fp8 = fp8_config(fp8)
+        self.op_policy = op_policy
+        self.policy = OpPolicy(op_policy, dtype=self.dtype)
+        if not self.policy.is_default and self.precision not in ("16-mixed", "bf16-mixed"):
+            raise ValueError(
+                f"{call}({self.precision!r}, op_policy={op_policy!r}): a per-op policy steers autocast, which only the"
+                " '*-mixed' precisions use; use 'bf16-mixed' or '16-mixed', or op_policy='autocast'."
+            )
+        self.layout = PrecisionLayout(self.dtype, cast_parameters=self.true_16bit, fp32_modules=fp32_modules,
+                                      fp8=self.fp8)
+        self.diagnose = diagnose
+        formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
+        self.observer = GradObserver(telemetry_every_n_steps, formats, diagnose=diagnose)
+        self.master: MasterWeights | None = None
+        self.schedules = ScheduleHold(lambda: self.step_count - self.skipped_steps)
+        self.step_count = 0
+        """Optimizer steps taken or skipped (one per optimizer per iteration)."""
+        self.overflow_count = 0
+        """Steps skipped because their gradients held inf/NaN."""
+        self.skipped_steps = 0
+        """Steps not applied: overflows plus steps discarded by :meth:`skip_step`."""
+        self.last_step_skipped = False
+        self.stats: dict[str, Any] = {}
+        self.last_loss: torch.Tensor | None = None
+        """The latest loss before scaling, detached, on the device (reading it syncs)."""
+        self._initial: dict[str, torch.Tensor] = {}  # FP32 weights before the 16-bit cast, for the masters
+        self._pending: dict[str, Any] = {}  # state loaded before the model or optimizers arrived
+        self._unscaled: set[int] = set()  # optimizers unscaled (and checked) in this iteration
+        self._skip_requested = False
+        self._input_nonfinite: torch.Tensor | None = None
+
+    def _build_scaler(self, scaler: Any) -> torch.amp.GradScaler | None:
+        call = self.owner
+        fp16 = self.precision in ("16-mixed", "16-true")
+        if isinstance(scaler, str):
+            choice_arg(call, "scaler", scaler, get_args(ScalerName))
+            if scaler == "auto":
+                return _SCALERS["dynamic"](self.device) if fp16 else None
+            if not fp16:
+                raise ValueError(
+                    f"{call}({self.precision!r}, scaler={scaler!r}): loss scaling is only meaningful for FP16 modes"
+                    " (BF16 and FP32 share FP32's exponent range); use scaler=None."
+                )
+            return _SCALERS[scaler](self.device)
+        if scaler is None:
+            return None
+        missing = [name for name in _GRADSCALER_METHODS if not callable(getattr(scaler, name, None))]
+        if missing:
+            raise ValueError(f"{call}(scaler={scaler!r}): a scaler instance needs GradScaler's methods; missing {missing}.")
+        if not scaler.is_enabled():
+            if getattr(scaler, "_device", None) == "cuda" and not torch.cuda.is_available():
+                raise ValueError(
+                    f"{call}(scaler={type(scaler).__name__}('cuda')): torch disabled this GradScaler because CUDA is"
+                    " not available here, so FP16 would train unscaled. Pass scaler='dynamic' or"
+                    " DynamicLossScaler(...) (device=None follows the run), or a scaler built for 'cpu'."
+                )
+            self.warnings.append(
+                f"{call}(scaler={type(scaler).__name__}(enabled=False)): taken as no loss scaling (scaler=None)."
+            )
+            return None
+        if type(scaler) is torch.amp.GradScaler:
+            # Adopted with its settings and state: our subclass also reports skipped steps (LR hold, counters,
+            # attribution), which a plain GradScaler keeps to itself.
+            adopted = DynamicLossScaler(
+                scaler._device, scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(),
+                scaler.get_growth_interval(), max_scale=None,
+            )
+            adopted.load_state_dict(scaler.state_dict())
+            return adopted
+        return scaler
+
+    # ------------------------------------------------------------------------------------------- live state
+    @property
+    def dtype(self) -> torch.dtype:
+        """The 16-bit compute dtype, or ``torch.float32`` for ``"32-true"``."""
+        return _DTYPES.get(self.precision, torch.float32)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in now: :attr:`dtype`, or FP32 while a global fallback is active."""
+        return self.layout.compute_dtype
+
+    @property
+    def true_16bit(self) -> bool:
+        """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
+        return self.precision in ("16-true", "bf16-true")
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without scaling). Reading it synchronises with the device."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return 1.0
+        return float(self.scaler.get_scale())
+
+    @property
+    def fallback_active(self) -> bool:
+        return self.layout.fallback_active
+
+    @property
+    def islands(self) -> FP32Islands:
+        return self.layout.islands
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Apply the layout (16-bit cast of ``*-true`` modes, FP8 swap, FP32 islands) in place; returns ``module``."""
+        if self.master_mode == "fp32" and self.master is None:
+            # Masters start from these FP32 values, not from their 16-bit rounding (kept until the optimizers come).
+            self._initial = {name: p.detach().clone() for name, p in module.named_parameters()
+                             if p.requires_grad and p.dtype == torch.float32}
+        self.layout.attach(module, self.device)
+        if "layout" in self._pending:
+            self.layout.load_state_dict(self._pending.pop("layout"))
+        self.observer.attach(module)
+        return module
+
+    def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: list[Any] = ()) -> None:
+        """Bind FP32 masters into ``optimizers`` (``*-true`` modes) and hold ``schedulers`` on skipped steps."""
+        device_type = next((p.device.type for p in module.parameters()), self.device)
+        if device_type in ("cpu", "cuda"):
+            self.device = self.layout.islands.device_type = self.layout.device_type = device_type
+        for scaler in {id(s): s for s in (self.scaler, self._checker) if s is not None}.values():
+            adopt = getattr(scaler, "adopt_device_", None)
+            if callable(adopt) and (previous := adopt(self.device)) is not None and scaler is self.scaler:
+                self.warnings.append(
+                    f"{type(scaler).__name__} built for {previous!r} adopted onto the run's device {self.device!r}."
+                )
+        if isinstance(self.scaler, DynamicLossScaler):
+            self.scaler.allow_fp16_grads = self.precision == "16-true" and self.master_mode is None
+        if self.master_mode == "fp32":
+            self.master = MasterWeights(module, optimizers, initial=self._initial)
+            self._initial = {}
+            if "masters" in self._pending:
+                self.master.load_state_dict(self._pending.pop("masters"))
+        self.schedules.hold(list(schedulers))
+
+    # -------------------------------------------------------------------------------------- forward, backward
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Autocast (``*-mixed``), the 16-bit default dtype (``*-true``), the op policy and FP8's own context."""
+        fp8_context = fp8_autocast_context(self.fp8) if self.fp8 is not None and self.layout.fp8_layers else None
+        with fp8_context or nullcontext():
+            if self.compute_dtype == torch.float32:
+                yield
+            elif self.true_16bit:
+                with _default_dtype(self.dtype):  # tensors created inside forward default to the 16-bit dtype
+                    yield
+            else:
+                # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
+                # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
+                with torch.autocast(self.device, dtype=self.dtype, cache_enabled=False), self.policy.context(self.device):
+                    yield
+                if self.stats.get("op_policy") != self.policy.choices:  # decided (first forward), forced or resumed
+                    self.stats["op_policy"] = dict(self.policy.choices)
+                    self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
+                                                  for f, m in self.policy.measurements.items()}
+
+    def convert_input(self, data: Any) -> Any:
+        """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
+        device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
+        tensors = _floating_tensors(data)
+        if tensors:
+            flag = torch.stack([~torch.isfinite(t).all() for t in tensors]).any()
+            self._input_nonfinite = flag if self._input_nonfinite is None else self._input_nonfinite | flag
+        if not self.true_16bit:
+            return data
+        return _map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on: multiplied by the loss scale when scaling."""
+        self.last_loss = loss.detach()
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    # ------------------------------------------------------------------------------------------------- step
+    def unscale_(self, optimizer: Optimizer) -> None:
+        """Make ``optimizer``'s gradients true values (once per iteration): into the FP32 masters, unscaled there,
+        checked for inf/NaN (agreed across ranks), and shown on the model's 16-bit parameters for hooks and a user's
+        own clipping. No host sync."""
+        if id(optimizer) in self._unscaled:
+            return
+        self._unscaled.add(id(optimizer))
+        master = self.master
+        if master is not None:
+            if any(p.requires_grad and p.dtype == self.dtype for g in optimizer.param_groups for p in g["params"]):
+                master.bind_new_(optimizer)  # added (add_param_group) or unfrozen since setup
+            master.copy_grads_to_master_(optimizer)
+        if self._checker is not None:
+            if self._checker is not self.scaler:  # the scale-1 check: no loss was scaled to create its state
+                self._checker.ensure_state_(_first_grad_device(optimizer) or self.device)
+            self._checker.unscale_(optimizer)
+            # An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step
+            # on every rank: one all-reduce of the found-inf flag (and the adaptive amax), on the device.
+            if callable(sync := getattr(self._checker, "sync_found_inf_", None)):
+                sync(optimizer)
+        if master is not None:
+            master.expose_grads_(optimizer, copy=self.scaler is not None)
+        self._observe()
+
+    def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
+        """The parameters the optimizer updates (the FP32 masters with ``master_weights``), after :meth:`unscale_`.
+        Empty when the gradients hold inf/NaN (the step will be skipped; clipping them would only raise)."""
+        self.unscale_(optimizer)
+        if self.master is not None:
+            self.master.absorb_grads_(optimizer)
+        if self._checker is not None and self._checker.found_inf(optimizer):
+            return iter(())
+        return (p for group in optimizer.param_groups for p in group["params"])
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip ``optimizer``'s true gradients to a total norm (on the masters with ``master_weights``)."""
+        self.unscale_(optimizer)
+        if self.master is not None:
+            self.master.absorb_grads_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        if self.master is not None:
+            self.master.expose_grads_(optimizer)  # hooks after this see the clipped values
+        return norm
+
+    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        """Clamp ``optimizer``'s true gradients to ``±clip_value`` (on the masters with ``master_weights``)."""
+        self.unscale_(optimizer)
+        if self.master is not None:
+            self.master.absorb_grads_(optimizer)
+        torch.nn.utils.clip_grad_value_(
+            [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None], clip_value
+        )
+        if self.master is not None:
+            self.master.expose_grads_(optimizer)
+
+    def skip_step(self) -> None:
+        """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged."""
+        self._skip_requested = True
+
+    @property
+    def input_nonfinite(self) -> torch.Tensor | None:
+        """Whether a batch of the step in progress held inf/NaN, as a 0-dim device bool (None: no floating inputs
+        seen). Reading its value syncs."""
+        return self._input_nonfinite
+
+    @property
+    def skip_requested(self) -> bool:
+        """Whether :meth:`skip_step` was called for the step in progress."""
+        return self._skip_requested
+
+    def count_unchecked_step(self) -> None:
+        """Count a step the front end took itself, unchecked (LBFGS evaluates its closure inside ``step``)."""
+        self._record(skipped=False, overflow=False)
+
+    def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """Step ``optimizer`` unless its gradients hold inf/NaN (or :meth:`skip_step` was called); then update the
+        scale, refresh the 16-bit weights from the masters, and count. One host sync: the skip decision."""
+        if self._skip_requested:
+            return self.discard_(optimizer)
+        self.unscale_(optimizer)
+        master = self.master
+        if master is not None:
+            master.absorb_grads_(optimizer)
+        checker = self._checker
+        if checker is None:
+            output, skipped = optimizer.step(**kwargs), False
+        else:
+            output = checker.step(optimizer, **kwargs)
+            checker.update()
+            skipped = bool(getattr(checker, "last_step_skipped", False))
+        self._unscaled.discard(id(optimizer))
+        if master is not None:
+            if not skipped:
+                master.refresh_model_(optimizer)
+            master.zero_model_grads_(optimizer)
+        if skipped:
+            self._blame()
+        self._record(skipped=skipped, overflow=skipped)
+        return output
+
+    def discard_(self, optimizer: Optimizer) -> None:
+        """End the iteration for ``optimizer`` without stepping (a requested skip): gradients dropped, counted."""
+        self._skip_requested = False
+        self.drop_grads_(optimizer)
+        self._record(skipped=True, overflow=False)
+
+    def drop_grads_(self, optimizer: Optimizer) -> None:
+        """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
+        optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.zero_model_grads_(optimizer)
+        if self._checker is not None and callable(forget := getattr(self._checker, "forget_", None)):
+            forget(optimizer)
+        self._unscaled.discard(id(optimizer))
+
+    def _record(self, *, skipped: bool, overflow: bool) -> None:
+        self.last_step_skipped = skipped
+        self.step_count += 1
+        self.skipped_steps += int(skipped)
+        self.overflow_count += int(overflow)
+        self._input_nonfinite = None
+
+    # ----------------------------------------------------------------------------------- telemetry, blame
+    def named_grads(self) -> list[tuple[str, Any]]:
+        """``(name, parameter)`` of the model, the FP32 master standing in where there is one (it holds the true
+        gradient); FSDP2 parameters as this rank's gradient shard."""
+        module = self.layout.module
+        if module is None:
+            return []
+        masters = {name: m for name, m, _ in self.master.named_pairs()} if self.master is not None else {}
+        return [(name, shard_view(masters.get(name, p))) for name, p in module.named_parameters()]
+
+    def _observe(self) -> None:
+        module = self.layout.module
+        if module is None:
+            return
+        scale = self.scaler.get_scale if self.scaler is not None else lambda: 1.0  # called on due steps only
+        fp8 = self.fp8 is not None and bool(self.layout.fp8_layers)
+        updates, warning = self.observer.observe(module, self.named_grads, self.step_count, scale, fp8=fp8)
+        self.stats.update(updates)
+        if warning is not None and warning not in self.warnings:
+            self.warnings.append(warning)
+
+    def _blame(self) -> None:
+        """After an overflow: the data if the batch held inf/NaN, else the parameters with inf/NaN gradients and
+        (traced on the next step) the first module whose inputs were finite and outputs were not."""
+        module = self.layout.module
+        if module is None:
+            return
+        nonfinite_input = self._input_nonfinite is not None and bool(self._input_nonfinite)
+        self.stats.update(self.observer.blame(module, self.named_grads(), nonfinite_input=nonfinite_input))
+
+    # --------------------------------------------------------------------------------------------- fallback
+    def fallback(self, modules: Iterable[str] | None = None) -> str:
+        """One rung up the precision ladder, globally or for the named modules; returns what was done."""
+        return self.layout.fallback(modules)
+
+    def restore_precision(self) -> bool:
+        """Undo every fallback; returns whether there was one."""
+        if not self.fallback_active:
+            return False
+        self.layout.restore()
+        return True
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly; tensors and plain Python values (``weights_only=True`` loads it).
+
+        Keys: ``precision``, ``scaler`` (its own state dict, ``{}`` without scaling), ``step_count``,
+        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallbacks, FP8 amax histories),
+        ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
+        ``schedules`` (where each held LR scheduler last stepped, in applied steps).
+        """
+        return {
+            "masters": self.master.state_dict() if self.master is not None else dict(self._pending.get("masters", {})),
+            "precision": self.precision,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "step_count": self.step_count,
+            "overflow_count": self.overflow_count,
+            "last_step_skipped": self.last_step_skipped,
+            "skipped_steps": self.skipped_steps,
+            "layout": self.layout.state_dict(),
+            "op_policy": self.policy.state_dict(),
+            "schedules": self.schedules.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
+        """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
+        run's and the scaler's) keep their live values (a rollback undoes the weights, not the history).
+
+        Returns notes for the front end to show (a precision switch on resume, say).
+
+        Raises:
+            KeyError: keys differ from :meth:`state_dict`'s (each is named).
+        """
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise KeyError(
+                f"{self.owner}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the checkpoint"
+                " written by another version of lit_mpstable?"
+            )
+        notes = []
+        scaling = self.scaler is not None and self.scaler.is_enabled()
+        if scaling and state["scaler"]:
+            scaler_state = dict(state["scaler"])
+            if keep_counters:
+                live = self.scaler.state_dict()
+                scaler_state.update({k: live[k] for k in _SCALER_COUNTERS if k in live and k in scaler_state})
+            self.scaler.load_state_dict(scaler_state)
+        elif scaling or state["scaler"]:
+            # A precision switch on resume (e.g. 16-mixed -> bf16-mixed) is legitimate: say what happens.
+            notes.append(
+                f"checkpoint written with precision={state['precision']!r}"
+                f" {'with' if state['scaler'] else 'without'} loss scaling; this run ({self.precision!r})"
+                f" {'starts a fresh scaler' if scaling else 'does not scale'}."
+            )
+        if not keep_counters:
+            self.step_count, self.overflow_count = int(state["step_count"]), int(state["overflow_count"])
+            self.skipped_steps, self.last_step_skipped = int(state["skipped_steps"]), bool(state["last_step_skipped"])
+            self.schedules.load_state_dict(list(state["schedules"]))
+        if self.layout.module is None:
+            self._pending["layout"] = state["layout"]
+        else:
+            self.layout.load_state_dict(state["layout"])
+        if state["masters"]:
+            if self.master is not None:
+                self.master.load_state_dict(state["masters"])
+            elif self.master_mode == "fp32":
+                self._pending["masters"] = state["masters"]
+        self.policy.load_state_dict(state["op_policy"])
+        return notes
+
+
+def _first_grad_device(optimizer: Optimizer) -> torch.device | None:
+    return next((p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
+
+
+def _floating_tensors(data: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_tensors(data, lambda t: found.append(t) if t.is_floating_point() and t.numel() else None)
+    return found
+
+
+def _map_tensors(data: Any, fn: Any) -> Any:
+    """``data`` with ``fn`` applied to every tensor; lists, tuples, namedtuples and dicts rebuilt as they were."""
+    if isinstance(data, torch.Tensor):
+        out = fn(data)
+        return data if out is None else out
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_map_tensors(v, fn) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_map_tensors(v, fn) for v in data)
+    if isinstance(data, dict):
+        return type(data)((k, _map_tensors(v, fn)) for k, v in data.items())
+    return data
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def tensor_init_context(stepper: PrecisionStepper) -> AbstractContextManager:
+    """Where new tensors and modules are made: in the 16-bit dtype for ``*-true`` modes, else unchanged."""
+    return _default_dtype(stepper.dtype) if stepper.true_16bit else nullcontext()
