@@ -124,6 +124,9 @@ class ScaleCheckpointConfig:
     window: int = 50
     max_rollbacks: int = 3
     min_history: int = 10
+    on_spike: str = "skip"
+    spike_patience: int = 3
+    snapshot_device: str = "cpu"
 
 
 @dataclass

@@ -222,8 +222,9 @@ class GradTelemetry:
         """The statistics of the last computation, or None before the first."""
 
     def is_due(self, step: int) -> bool:
-        """Whether ``step`` (0-based optimizer steps) is one to compute on: 0, N, 2N, ..."""
-        return step % self.every_n_steps == 0
+        """Whether ``step`` (0-based optimizer steps) is one to compute on: 0, then N-1, 2N-1, ... (the steps after
+        which Lightning's ``log_every_n_steps=N`` logs, so a value is logged on the step it was measured)."""
+        return step == 0 or (step + 1) % self.every_n_steps == 0
 
     def maybe_compute(self, params: NamedParams, step: int, *, scale: float | torch.Tensor = 1.0) -> GradStats | None:
         """Compute, store in ``latest`` and return :func:`grad_stats` when ``step`` is due; else return None."""

@@ -15,7 +15,7 @@ from lit_mpstable.plugin import StablePrecision
 
 __all__ = [
     "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "agreed_names", "any_rank",
-    "check", "clone_tensors", "is_int", "is_number", "log_mp", "plugin_metrics", "strict_keys",
+    "check", "is_int", "is_number", "log_measured", "log_mp", "measured_metrics", "plugin_metrics", "strict_keys",
 ]
 
 METRIC_NAMES = (
@@ -23,7 +23,9 @@ METRIC_NAMES = (
     "mp/fallback_active", "mp/rollbacks", "mp/fp8_saturation_frac", "mp/fp8_underflow_frac",
 )
 _PROG_BAR = frozenset({"mp/loss_scale", "mp/overflow_rate"})
-_STATS = ("grad_norm", "grad_underflow_frac", "fp8_saturation_frac", "fp8_underflow_frac")
+# Telemetry logged on the step it was measured. grad_underflow_frac is not among them: the telemetry's is a forecast
+# (FP16 has already flushed what underflowed); PrecisionProbe measures it and logs it itself.
+_STATS = ("grad_norm", "fp8_saturation_frac", "fp8_underflow_frac")
 _FORMAT_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -49,17 +51,6 @@ def strict_keys(owner: str, state: Mapping[str, Any], expected: set[str]) -> Non
             f"{owner}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the state written by another"
             " version of lit_mpstable?"
         )
-
-
-def clone_tensors(obj: Any) -> Any:
-    """A copy of nested dicts/lists in which every tensor is cloned (state dicts share storage with live tensors)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, Mapping):
-        return {key: clone_tensors(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_tensors(value) for value in obj)
-    return obj
 
 
 # ------------------------------------------------------------------------------------------------ across ranks
@@ -194,25 +185,46 @@ def _scalar(value: Any, dtype: torch.dtype) -> float | torch.Tensor | None:
     return float(value) if is_number(value) else None
 
 
-def plugin_metrics(plugin: StablePrecision, *, overflow_rate: float, rollbacks: int) -> dict[str, Any]:
-    """The ``mp/*`` values for this step. Reads ``plugin.loss_scale``, which synchronises: call on logging steps."""
-    values: dict[str, Any] = {
-        "mp/loss_scale": plugin.loss_scale,
+def plugin_metrics(plugin: StablePrecision, *, overflow_rate: float) -> dict[str, Any]:
+    """The ``mp/*`` values of the plugin's state after this step: the loss scale (only when scaling; reading it
+    synchronises: call on logging steps), the windowed ``overflow_rate`` given, skipped steps, fallback."""
+    values: dict[str, Any] = {"mp/loss_scale": plugin.loss_scale} if plugin.scaler is not None else {}
+    values.update({
         "mp/overflow_rate": overflow_rate,
         "mp/skipped_steps": float(plugin.skipped_steps),
         "mp/fallback_active": float(plugin.fallback_active),
-        "mp/rollbacks": float(rollbacks),
-    }
-    for key in _STATS:  # telemetry fills these on some steps only
-        value = _scalar(plugin.stats.get(key), plugin.dtype)
-        if value is not None:
-            values[f"mp/{key}"] = value
+    })
     return values
 
 
-def log_mp(pl_module: pl.LightningModule, values: Mapping[str, Any]) -> None:
+def measured_metrics(plugin: StablePrecision) -> dict[str, float]:
+    """The telemetry measured on the step just taken, as ``mp/*`` floats; empty on every other step (a value is never
+    repeated as if fresh). Reads device values (one sync) only when there is something to read."""
+    if plugin.stats.get("stats_step") != plugin.step_count - 1:
+        return {}
+    values = {f"mp/{key}": _scalar(plugin.stats.get(key), plugin.dtype) for key in _STATS}
+    return {name: float(value) for name, value in values.items() if value is not None}
+
+
+def log_measured(trainer: pl.Trainer, values: Mapping[str, float]) -> None:
+    """Metrics measured only on some steps go straight to the trainer's loggers, labelled with this step: logged
+    through ``LightningModule.log`` Lightning would repeat the last value at every later logging step of the epoch
+    as if it were fresh."""
+    if not values:
+        return
+    for name in values:
+        assert name in METRIC_NAMES, name
+    # The step label Lightning gives this batch's own metrics (it increments it after on_train_batch_end).
+    step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step - 1)
+    for logger in trainer.loggers:
+        logger.log_metrics(dict(values), step=step)
+
+
+def log_mp(pl_module: pl.LightningModule, values: Mapping[str, Any], *, prog_bar: bool = False) -> None:
     """The one place ``mp/*`` metrics are logged, always with the same arguments per name (Lightning accepts a
-    name logged twice in one hook only then): per step, loss scale and overflow rate in the progress bar."""
+    name logged twice in one hook only then): per step; with ``prog_bar`` the loss scale and overflow rate also in
+    the progress bar (callers pass it only when a scaler makes them move). Each fact has one writer:
+    OverflowMonitor the plugin's state, ScaleCheckpoint ``mp/rollbacks``, PrecisionProbe its measurements."""
     for name, value in values.items():
         assert name in METRIC_NAMES, name
-        pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name in _PROG_BAR, batch_size=1)
+        pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar and name in _PROG_BAR, batch_size=1)

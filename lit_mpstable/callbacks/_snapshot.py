@@ -1,55 +1,66 @@
-"""In-memory training snapshots for ScaleCheckpoint: what is copied, and the order a restore must follow."""
+"""In-memory training snapshots for ScaleCheckpoint: what is copied, where it lives, and the order a restore follows."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
-from lit_mpstable.callbacks._common import clone_tensors
-from lit_mpstable.plugin import StablePrecision
-
-__all__ = ["layout_key", "restore_snapshot", "take_snapshot", "weights_finite"]
-
-# The plugin's event counters are history, not numeric state: a rollback keeps their live values.
-_COUNTER_KEYS = ("step_count", "overflow_count", "skipped_steps", "last_step_skipped")
+__all__ = ["layout_key", "restore_snapshot", "state_finite", "take_snapshot"]
 
 
-def layout_key(plugin: StablePrecision) -> tuple:
+def layout_key(plugin: Any) -> tuple:
     """What a precision fallback changes, as far as the plugin's public state shows it."""
     return plugin.fallback_active, plugin.compute_dtype, tuple(plugin.islands.names)
 
 
-def weights_finite(module: torch.nn.Module) -> bool:
-    """Whether every parameter is finite: one reduction per tensor, one host sync."""
-    weights = [p.detach() for p in module.parameters() if p.numel()]
-    return bool(torch.stack([w.abs().amax().float() for w in weights]).isfinite().all()) if weights else True
+def _copy(obj: Any, device: torch.device | None) -> Any:
+    """Nested dicts/lists with every tensor copied (to ``device``, else where it is): state dicts share storage with
+    live tensors, and a snapshot must not follow them."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone() if device is None or obj.device == device else obj.detach().to(device, copy=True)
+    if isinstance(obj, Mapping):
+        return {key: _copy(value, device) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy(value, device) for value in obj)
+    return copy.copy(obj)
 
 
-def take_snapshot(trainer: pl.Trainer, pl_module: pl.LightningModule, plugin: StablePrecision) -> dict[str, Any]:
-    """Copies, on their devices, of the module, optimizer, LR scheduler and plugin state dicts."""
+def state_finite(module: torch.nn.Module, optimizers: list[Any]) -> bool:
+    """Whether every parameter and every floating optimizer-state tensor is finite: one reduction per tensor, one
+    host sync."""
+    tensors = [p.detach() for p in module.parameters() if p.numel()]
+    tensors += [v for opt in optimizers for state in opt.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() and type(v) is torch.Tensor]
+    if not tensors:
+        return True
+    device = tensors[0].device
+    return bool(torch.stack([t.abs().amax().float().to(device) for t in tensors]).isfinite().all())
+
+
+def take_snapshot(trainer: Any, pl_module: Any, plugin: Any, device: str | None) -> dict[str, Any]:
+    """Copies of the module, optimizer, LR scheduler and plugin state dicts, on ``device`` (None: where they are)."""
+    target = torch.device(device) if device is not None else None
     return {
         "step": trainer.global_step,
-        "model": clone_tensors(pl_module.state_dict()),
-        "plugin": clone_tensors(plugin.state_dict()),  # FP32 masters share storage with the optimizer's parameters
-        "optimizers": [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers],
+        "model": _copy(pl_module.state_dict(), target),
+        "plugin": _copy(plugin.state_dict(), target),  # FP32 masters share storage with the optimizer's parameters
+        "optimizers": [_copy(opt.state_dict(), target) for opt in trainer.optimizers],
         "schedulers": [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs],
     }
 
 
-def restore_snapshot(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, plugin: StablePrecision, snapshot: dict[str, Any]
-) -> None:
-    """Load ``snapshot`` back through public ``load_state_dict`` methods; the snapshot stays intact for reuse."""
-    live = plugin.state_dict()
-    counters = {key: live[key] for key in _COUNTER_KEYS if key in live}
+def restore_snapshot(trainer: Any, pl_module: Any, plugin: Any, snapshot: dict[str, Any]) -> None:
+    """Load ``snapshot`` back through public ``load_state_dict`` methods; the snapshot stays intact for reuse.
+
+    The plugin's event counters are history, not numeric state: ``restore_state`` keeps their live values."""
     # The plugin first: it re-applies the snapshot's precision layout (casts, FP8 swaps) the weights belong to.
-    plugin.load_state_dict({**clone_tensors(snapshot["plugin"]), **counters})
-    pl_module.load_state_dict(snapshot["model"])  # copies into the live parameters
+    plugin.restore_state(_copy(snapshot["plugin"], None))
+    pl_module.load_state_dict(snapshot["model"])  # copies into the live parameters, onto their devices
     # optimizer.load_state_dict keeps tensors that already have the right dtype and device: hand it copies.
     for optimizer, state in zip(trainer.optimizers, snapshot["optimizers"]):
-        optimizer.load_state_dict(copy.deepcopy(state))
+        optimizer.load_state_dict(_copy(state, None))
     for config, state in zip(trainer.lr_scheduler_configs, snapshot["schedulers"]):
         config.scheduler.load_state_dict(copy.deepcopy(state))

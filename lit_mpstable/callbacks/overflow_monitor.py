@@ -8,19 +8,20 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
-    PluginCallback, StepCounter, WindowedCounts, agreed_names, check, is_int, is_number, log_mp, plugin_metrics,
-    strict_keys,
+    PluginCallback, StepCounter, WindowedCounts, agreed_names, check, is_int, is_number, log_measured, log_mp,
+    measured_metrics, plugin_metrics, strict_keys,
 )
-from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
+from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
 
 __all__ = ["OverflowMonitor"]
 
 
 class OverflowMonitor(PluginCallback):
-    """Logs ``mp/loss_scale``, ``mp/overflow_rate``, ``mp/skipped_steps``, ``mp/fallback_active``, ``mp/rollbacks``
-    and, when telemetry provides them, ``mp/grad_norm``, ``mp/grad_underflow_frac``, ``mp/fp8_*``, through
-    ``LightningModule.log`` (every logger and the progress bar see them); warns, naming the modules blamed for the
-    last overflow, each time the overflow rate over a full window rises above ``warn_rate``.
+    """Logs ``mp/loss_scale`` (when a scaler runs: also in the progress bar, with the rate), ``mp/overflow_rate``,
+    ``mp/skipped_steps``, ``mp/fallback_active`` and, on the steps the plugin's telemetry measured them,
+    ``mp/grad_norm`` and ``mp/fp8_*``, through ``LightningModule.log`` (every logger sees them); warns, naming the
+    modules blamed for the last overflow, each time the overflow rate over a full window rises above ``warn_rate``.
+    (``mp/rollbacks`` is ScaleCheckpoint's to log, ``mp/grad_underflow_frac`` PrecisionProbe's.)
 
     The window lives in a torchmetrics ring buffer (:class:`WindowedCounts`: overflows, skipped steps and steps
     per stepping batch, summed across processes); per step the callback only writes three scalars into it. The
@@ -54,6 +55,8 @@ class OverflowMonitor(PluginCallback):
         self.windowed = WindowedCounts(window)
         self.above = False
         """Whether the rate was above ``warn_rate`` at the last logging step (a warning fires on each crossing)."""
+        self.latest_measured: dict[str, float] = {}
+        """The telemetry logged at the last logging step that had fresh values (``mp/grad_norm``, ``mp/fp8_*``)."""
         self.blamed: list[str] = []
         """Modules blamed for the latest overflow (from ``plugin.stats["blamed_modules"]``)."""
         self._steps = StepCounter()
@@ -80,6 +83,9 @@ class OverflowMonitor(PluginCallback):
         self.windowed.update(overflows, skipped, steps)
         if overflows:
             self.blamed = list(plugin.stats.get("blamed_modules") or self.blamed)
+        if measured := measured_metrics(plugin):  # on the step the telemetry measured them, whatever the period
+            self.latest_measured = measured
+            log_measured(trainer, measured)
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every and trainer.global_step % every == 0:
             self._log(trainer, pl_module)
@@ -93,18 +99,22 @@ class OverflowMonitor(PluginCallback):
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._plugin is not None
         rate, full = self.overflow_rate()
-        rollbacks = next((cb.rollbacks for cb in trainer.callbacks if isinstance(cb, ScaleCheckpoint)), 0)
-        log_mp(pl_module, plugin_metrics(self._plugin, overflow_rate=rate, rollbacks=rollbacks))
+        log_mp(pl_module, plugin_metrics(self._plugin, overflow_rate=rate), prog_bar=self._plugin.scaler is not None)
         above = full and rate > self.warn_rate  # a partial window would make the first overflow look like 50%
         if above and not self.above:  # the rate is summed over ranks: every rank gets here together
             blamed = agreed_names(trainer, self.blamed) or "unknown (plugin.stats holds no 'blamed_modules')"
             rank_zero_warn(
                 f"OverflowMonitor at step {trainer.global_step}: {rate:.1%} of the last {self.window} optimizer steps"
                 f" overflowed (warn_rate={self.warn_rate:.1%}); modules blamed for the last overflow: {blamed}. Each"
-                " overflow skips a step; consider PrecisionFallback(mode='module') or"
-                " StablePrecision(fp32_modules=...)."
+                f" overflow skips a step; {self._advice(trainer)}"
             )
         self.above = above
+
+    @staticmethod
+    def _advice(trainer: pl.Trainer) -> str:
+        if any(isinstance(cb, PrecisionFallback) for cb in trainer.callbacks):
+            return "PrecisionFallback is installed and decides when to widen the precision."
+        return "consider PrecisionFallback(mode='module') or StablePrecision(fp32_modules=...)."
 
     def state_dict(self) -> dict[str, Any]:
         """Keys: ``counts`` (the window: rows of ``[overflows, skipped, steps]``), ``position``, ``above``,

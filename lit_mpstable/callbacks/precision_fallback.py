@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
-    LaggedFlag, PluginCallback, StepCounter, agreed_names, check, is_int, is_number, log_mp, strict_keys,
+    LaggedFlag, PluginCallback, StepCounter, agreed_names, check, is_int, is_number, strict_keys,
 )
 from lit_mpstable.callbacks._rules import fallback_reason
 
@@ -106,8 +106,6 @@ class PrecisionFallback(PluginCallback):
             self._record(step, "restore", None, f"cooldown of {self.cooldown} steps over", "low precision restored")
         elif (reason := self._reason(overflows)) is not None:
             self._fall_back(trainer, pl_module, reason)
-        if trainer.log_every_n_steps and step % trainer.log_every_n_steps == 0:
-            log_mp(pl_module, {"mp/fallback_active": float(plugin.fallback_active)})
 
     def _observe(self, trainer: pl.Trainer, overflows: int, steps: int) -> None:
         assert self._plugin is not None

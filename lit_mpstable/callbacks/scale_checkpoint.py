@@ -1,11 +1,12 @@
-"""ScaleCheckpoint: a last-known-good snapshot in memory, and a rollback to it on a loss spike or bad weights."""
+"""ScaleCheckpoint: a spiking batch is skipped; bad weights or persistent spikes roll back to a last-known-good
+snapshot."""
 
 from __future__ import annotations
 
 import copy
 import math
 from collections import deque
-from typing import Any
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -13,27 +14,34 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import PluginCallback, any_rank, check, is_int, is_number, log_mp, strict_keys
 from lit_mpstable.callbacks._rules import spike_zscore
-from lit_mpstable.callbacks._snapshot import layout_key, restore_snapshot, take_snapshot, weights_finite
+from lit_mpstable.callbacks._snapshot import layout_key, restore_snapshot, state_finite, take_snapshot
 
 __all__ = ["ScaleCheckpoint", "spike_zscore"]
 
+OnSpike = Literal["skip", "rollback"]
+
 
 class ScaleCheckpoint(PluginCallback):
-    """Keeps a last-known-good snapshot in memory and rolls back to it on a loss spike or non-finite weights.
+    """Keeps a poisoned batch out of the weights, and a last-known-good snapshot to roll back to when that is not
+    enough.
 
+    - In ``on_before_backward`` it reads the loss (one host sync per backward). A non-finite loss, or one more than
+      ``spike_zscore`` standard deviations above the last ``window`` finite losses, calls ``plugin.skip_step()``:
+      the batch never reaches the weights. With ``on_spike="skip"`` (the default) that is all: nothing else is
+      undone, since nothing else went wrong. A rollback follows when spikes persist (``spike_patience`` skipped
+      batches within ``window`` optimizer steps), or on every spike with ``on_spike="rollback"``.
     - Every ``every_n_steps`` optimizer steps, at train start and after a precision fallback, it checks that the
-      weights are finite (one host sync) and snapshots module, optimizers, LR schedulers and plugin state, cloned
-      on their devices (one extra copy of weights and optimizer state in memory).
-    - In ``on_before_backward`` it reads the loss (one host sync per backward): a non-finite loss, or one more
-      than ``spike_zscore`` standard deviations above the last ``window`` finite losses, makes it call
-      ``plugin.skip_step()`` (the batch never reaches the weights) and, at the end of the batch, restore the
-      snapshot exactly; only the plugin's event counters stay as they are. Non-finite weights at a snapshot step
-      roll back too. Decided alike on every rank: any rank's trigger rolls back all of them, under the same
-      ``kind``; an event's ``loss`` and ``zscore`` are this rank's (each rank sees its own batch).
-    - After ``max_rollbacks`` rollbacks the next one raises ``RuntimeError``. Metric: ``mp/rollbacks``.
+      weights and the optimizer state are finite (one host sync) and snapshots module, optimizers, LR schedulers and
+      plugin state, on ``snapshot_device`` ("cpu" by default: never a second copy in accelerator memory; "device"
+      keeps it where the tensors are, faster to restore). Non-finite weights or optimizer state roll back.
+    - A rollback restores the snapshot exactly; the plugin's event counters stay as they are. Decided alike on every
+      rank: any rank's trigger acts on all of them, under the same ``kind``; an event's ``loss`` and ``zscore`` are
+      this rank's (each rank sees its own batch).
+    - After ``max_rollbacks`` rollbacks the next one raises ``RuntimeError``. Metric: ``mp/rollbacks`` (its one
+      writer); skipped batches show in ``mp/skipped_steps``.
 
-    Lightning already stores ``plugin.state_dict()`` in every full checkpoint; ``on_save_checkpoint`` makes sure.
-    One instance per run: two would undo each other's rollbacks.
+    Lightning stores ``plugin.state_dict()`` in every full checkpoint; this callback's own state (counts, events, the
+    recent losses) rides in the callback state. Snapshots stay in memory. One instance per run.
 
     Raises:
         ValueError: an argument is out of range.
@@ -41,26 +49,36 @@ class ScaleCheckpoint(PluginCallback):
 
     def __init__(
         self, every_n_steps: int = 50, *, spike_zscore: float = 6.0, window: int = 50, max_rollbacks: int = 3,
-        min_history: int = 10,
+        min_history: int = 10, on_spike: OnSpike = "skip", spike_patience: int = 3, snapshot_device: str = "cpu",
     ) -> None:
         super().__init__()
         name = type(self).__name__
         check(is_int(every_n_steps, 1), f"{name}(every_n_steps={every_n_steps!r})", "must be an int >= 1 (steps).")
-        check(is_number(spike_zscore) and spike_zscore > 0, f"{name}(spike_zscore={spike_zscore!r})",
-              "must be a number > 0 (standard deviations above the recent mean loss); 6.0 is usual.")
+        check(is_number(spike_zscore) and 0 < spike_zscore < math.inf, f"{name}(spike_zscore={spike_zscore!r})",
+              "must be a finite number > 0 (standard deviations above the recent mean loss); 6.0 is usual.")
         check(is_int(window, 2), f"{name}(window={window!r})", "must be an int >= 2 (recent losses).")
         check(is_int(max_rollbacks, 0), f"{name}(max_rollbacks={max_rollbacks!r})", "must be an int >= 0.")
         check(is_int(min_history, 2) and min_history <= window, f"{name}(min_history={min_history!r})",
               f"must be an int in [2, window={window}] (losses needed before spikes are judged).")
+        check(on_spike in get_args(OnSpike), f"{name}(on_spike={on_spike!r})", f"allowed: {list(get_args(OnSpike))}.")
+        check(is_int(spike_patience, 1), f"{name}(spike_patience={spike_patience!r})",
+              "must be an int >= 1 (skipped batches within `window` steps before a rollback).")
+        check(snapshot_device in ("cpu", "device"), f"{name}(snapshot_device={snapshot_device!r})",
+              "allowed: 'cpu' (off the accelerator) or 'device' (where the tensors are).")
         self.every_n_steps, self.spike_zscore, self.max_rollbacks = every_n_steps, spike_zscore, max_rollbacks
-        self.min_history = min_history
+        self.min_history, self.on_spike, self.spike_patience = min_history, on_spike, spike_patience
+        self.window, self.snapshot_device = window, snapshot_device
         self.rollbacks = 0
+        self.skips = 0
+        """Batches skipped for a spiking or non-finite loss (each also counted in ``plugin.skipped_steps``)."""
         self.events: list[dict[str, Any]] = []
-        """One dict per rollback: ``step``, ``kind``, ``loss``, ``zscore`` (None if not judged), ``restored_step``."""
+        """One dict per skip or rollback: ``step``, ``kind``, ``action`` (``"skip"``/``"rollback"``), ``loss``,
+        ``zscore`` (None if not judged) and, for a rollback, ``restored_step``."""
         self.losses: deque[float] = deque(maxlen=window)
+        self._skipped_at: deque[int] = deque()  # optimizer steps of recent skips, for persistence
         self._snapshot: dict[str, Any] | None = None
         self._layout: tuple | None = None  # the precision layout at the snapshot
-        self._pending: dict[str, Any] | None = None  # the rollback decided in this batch
+        self._pending: dict[str, Any] | None = None  # the skip decided in this batch
 
     @property
     def snapshot_step(self) -> int | None:
@@ -78,73 +96,94 @@ class ScaleCheckpoint(PluginCallback):
         value = loss.detach().float().item() / self._plugin.loss_scale  # the hook sees the scaled loss
         z = spike_zscore(value, self.losses, self.min_history)
         finite = math.isfinite(value)
-        # Any rank's trigger rolls back every rank, and all of them name the same kind (one all-reduce).
+        # Any rank's trigger acts on every rank, and all of them name the same kind (one all-reduce).
         nonfinite, spike = any_rank(trainer, [not finite, finite and z is not None and z > self.spike_zscore],
                                     pl_module.device)
         if not (nonfinite or spike):
             self.losses.append(value)
             return
-        kind = "non-finite loss" if nonfinite else "loss spike"
-        self._check_budget(kind, trainer.global_step, value, z)
         self._plugin.skip_step()
-        self._pending = dict(step=trainer.global_step, kind=kind, loss=value, zscore=z)
+        self._pending = dict(step=trainer.global_step, kind="non-finite loss" if nonfinite else "loss spike",
+                             loss=value, zscore=z)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._plugin is None:
             return
         step = trainer.global_step
         if self._pending is not None:  # backward is over: the weights may change now
-            self._roll_back(trainer, pl_module, self._pending)
+            event, self._pending = self._pending, None
+            self._on_skip(trainer, pl_module, event)
         elif step != self.snapshot_step and (step % self.every_n_steps == 0 or layout_key(self._plugin) != self._layout):
-            if trainer.strategy.reduce_boolean_decision(weights_finite(pl_module), all=True):
+            if trainer.strategy.reduce_boolean_decision(state_finite(pl_module, trainer.optimizers), all=True):
                 self._take(trainer, pl_module)
             else:
-                self._check_budget("non-finite weights", step, None, None)
-                self._roll_back(trainer, pl_module, dict(step=step, kind="non-finite weights", loss=None, zscore=None))
+                self._roll_back(trainer, pl_module, dict(step=step, kind="non-finite weights or optimizer state",
+                                                         loss=None, zscore=None))
         if trainer.log_every_n_steps and step % trainer.log_every_n_steps == 0:
             log_mp(pl_module, {"mp/rollbacks": float(self.rollbacks)})
 
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        if self._plugin is not None and "optimizer_states" in checkpoint:  # a full checkpoint, not weights only
-            checkpoint.setdefault(type(self._plugin).__qualname__, self._plugin.state_dict())
+    def _on_skip(self, trainer: pl.Trainer, pl_module: pl.LightningModule, event: dict[str, Any]) -> None:
+        step = event["step"]
+        self._skipped_at.append(step)
+        while self._skipped_at and self._skipped_at[0] <= step - self.window:
+            self._skipped_at.popleft()
+        if self.on_spike == "rollback" or len(self._skipped_at) >= self.spike_patience:
+            if self.on_spike == "skip":
+                event["kind"] += f" ({len(self._skipped_at)} skipped within {self.window} steps)"
+            self._skipped_at.clear()
+            self._roll_back(trainer, pl_module, event)
+            return
+        self.skips += 1
+        self.events.append({**event, "action": "skip"})
+        rank_zero_warn(
+            f"ScaleCheckpoint at step {step}: {event['kind']} (loss {_fmt(event['loss'], '.4g')}, z-score"
+            f" {_fmt(event['zscore'], '.1f')}); that batch was skipped, nothing else changed"
+            f" ({len(self._skipped_at)} of spike_patience={self.spike_patience} within {self.window} steps before a"
+            " rollback)."
+        )
 
     def _take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._plugin is not None
-        self._snapshot, self._layout = take_snapshot(trainer, pl_module, self._plugin), layout_key(self._plugin)
+        device = "cpu" if self.snapshot_device == "cpu" else None
+        self._snapshot, self._layout = take_snapshot(trainer, pl_module, self._plugin, device), layout_key(self._plugin)
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, event: dict[str, Any]) -> None:
         assert self._plugin is not None and self._snapshot is not None
+        self._check_budget(event)
         restore_snapshot(trainer, pl_module, self._plugin, self._snapshot)
-        self._pending, self.rollbacks = None, self.rollbacks + 1
-        self.events.append({**event, "restored_step": self.snapshot_step})
+        self.rollbacks += 1
+        self.events.append({**event, "action": "rollback", "restored_step": self.snapshot_step})
         rank_zero_warn(
             f"ScaleCheckpoint at step {event['step']}: {event['kind']} (loss {_fmt(event['loss'], '.4g')}, z-score"
-            f" {_fmt(event['zscore'], '.1f')}); the batch was skipped and model, optimizer, LR schedule and plugin"
-            f" state restored to step {self.snapshot_step} (rollback {self.rollbacks} of {self.max_rollbacks})."
+            f" {_fmt(event['zscore'], '.1f')}); model, optimizer, LR schedule and plugin state restored to step"
+            f" {self.snapshot_step} (rollback {self.rollbacks} of {self.max_rollbacks})."
         )
 
-    def _check_budget(self, kind: str, step: int, loss: float | None, z: float | None) -> None:
+    def _check_budget(self, event: dict[str, Any]) -> None:
         if self.rollbacks < self.max_rollbacks:
             return
         raise RuntimeError(
-            f"ScaleCheckpoint: {kind} at step {step} (loss {_fmt(loss, '.4g')}, z-score {_fmt(z, '.1f')} vs the last"
-            f" {len(self.losses)} finite losses), after {self.rollbacks} rollbacks to the snapshot of step"
-            f" {self.snapshot_step} (max_rollbacks={self.max_rollbacks}): training keeps diverging. Try a lower"
-            " learning rate or a longer warmup, gradient clipping, PrecisionFallback or a wider precision"
-            " ('bf16-mixed', '32-true'), checking the data near this step, or a larger spike_zscore / max_rollbacks."
+            f"ScaleCheckpoint: {event['kind']} at step {event['step']} (loss {_fmt(event['loss'], '.4g')}, z-score"
+            f" {_fmt(event['zscore'], '.1f')} vs the last {len(self.losses)} finite losses), after {self.rollbacks}"
+            f" rollbacks to the snapshot of step {self.snapshot_step} (max_rollbacks={self.max_rollbacks}): training"
+            " keeps diverging. Try a lower learning rate or a longer warmup, gradient clipping, PrecisionFallback or"
+            " a wider precision ('bf16-mixed', '32-true'), checking the data near this step, or a larger"
+            " spike_zscore / max_rollbacks."
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Keys: ``rollbacks``, ``events``, ``losses`` (the recent finite losses). Snapshots stay in memory only."""
-        return {"rollbacks": self.rollbacks, "events": copy.deepcopy(self.events), "losses": list(self.losses)}
+        """Keys: ``rollbacks``, ``skips``, ``events``, ``losses`` (the recent finite losses), ``skipped_at`` (steps of
+        the recent skips). Snapshots stay in memory only."""
+        return {"rollbacks": self.rollbacks, "skips": self.skips, "events": copy.deepcopy(self.events),
+                "losses": list(self.losses), "skipped_at": list(self._skipped_at)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         strict_keys(type(self).__name__, state_dict, set(self.state_dict()))
-        self.rollbacks, self.events = int(state_dict["rollbacks"]), copy.deepcopy(list(state_dict["events"]))
+        self.rollbacks, self.skips = int(state_dict["rollbacks"]), int(state_dict["skips"])
+        self.events = copy.deepcopy(list(state_dict["events"]))
         self.losses.clear()
         self.losses.extend(float(v) for v in state_dict["losses"])
+        self._skipped_at = deque(int(v) for v in state_dict["skipped_at"])
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -146,3 +146,37 @@ def fp32_scaler_plugin(**scaler_kwargs):
     from lit_mpstable.scaling import DynamicLossScaler
 
     return StablePrecision("32-true", scaler=DynamicLossScaler("cpu", **scaler_kwargs))
+
+
+class ListLogger:
+    """A Lightning logger that keeps every ``log_metrics`` call as ``(step, metrics)``: what reaches a real logger."""
+
+    def __new__(cls, *args, **kwargs):
+        from lightning.pytorch.loggers.logger import Logger
+
+        class _ListLogger(Logger):
+            def __init__(self) -> None:
+                super().__init__()
+                self.rows: list[tuple[int, dict[str, float]]] = []
+
+            @property
+            def name(self) -> str:
+                return "list"
+
+            @property
+            def version(self) -> int:
+                return 0
+
+            def log_hyperparams(self, params, *args, **kwargs) -> None:
+                pass
+
+            def log_metrics(self, metrics, step=None) -> None:
+                self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+            def steps_with(self, name: str) -> list[int]:
+                return [step for step, metrics in self.rows if name in metrics]
+
+            def values(self, name: str) -> list[float]:
+                return [metrics[name] for _, metrics in self.rows if name in metrics]
+
+        return _ListLogger()

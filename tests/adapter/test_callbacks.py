@@ -6,9 +6,10 @@ import csv
 import io
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
-from cb_helpers import PoisonModule, quiet
+from cb_helpers import ListLogger, PoisonModule, quiet
 from helpers import make_trainer
 
 from lit_mpstable import StablePrecision
@@ -127,7 +128,8 @@ def test_overflow_monitor_logs_every_metric_to_loggers_and_progress_bar(tmp_path
         rows = list(csv.DictReader(f))
     logged = [row for row in rows if row.get("mp/loss_scale")]
     assert [int(row["step"]) for row in logged] == [1, 3, 5, 7]  # Lightning's 0-based logging steps
-    assert {"mp/rollbacks", "mp/fallback_active", "mp/overflow_rate", "mp/skipped_steps"} <= set(rows[0])
+    assert {"mp/fallback_active", "mp/overflow_rate", "mp/skipped_steps"} <= set(rows[0])
+    assert "mp/rollbacks" not in rows[0]  # ScaleCheckpoint's fact, and it is not installed: one writer per metric
 
 
 def test_overflow_monitor_warns_once_per_crossing_naming_blamed_modules() -> None:
@@ -150,23 +152,37 @@ def test_overflow_monitor_warns_once_per_crossing_naming_blamed_modules() -> Non
     assert "at step 10: 50.0%" in ours[1]
 
 
-def test_overflow_monitor_logs_telemetry_when_present_and_rollbacks() -> None:
+def test_overflow_monitor_logs_telemetry_on_the_step_it_was_measured_and_rollbacks() -> None:
     class Telemetry(PoisonModule):
         def on_after_backward(self) -> None:
-            self.trainer.precision_plugin.stats.update(
-                grad_norm=torch.tensor(2.5), grad_underflow_frac={"fp16": 0.25, "bf16": 0.125},
+            plugin = self.trainer.precision_plugin
+            measured = self.global_step == 2  # only this step's values are fresh (steps 0..3)
+            plugin.stats.update(
+                grad_norm=torch.tensor(2.5 if measured else 9.0), grad_underflow_frac={"fp16": 0.25, "bf16": 0.125},
                 fp8_saturation_frac=0.01, fp8_underflow_frac=torch.tensor([0.02]), blamed_modules=[],
+                stats_step=plugin.step_count if measured else -1,
             )
 
-    callbacks = [ScaleCheckpoint(every_n_steps=2, min_history=2), OverflowMonitor(log_every_n_steps=1)]
-    trainer = make_trainer(StablePrecision("bf16-mixed"), max_steps=4, callbacks=callbacks)
+    logger = ListLogger()
+    callbacks = [ScaleCheckpoint(every_n_steps=2, min_history=2, on_spike="rollback"), OverflowMonitor(log_every_n_steps=1)]
+    plugin = StablePrecision("bf16-mixed", telemetry_every_n_steps=None)  # only the stats written above
+    trainer = make_trainer(plugin, max_steps=4, callbacks=callbacks, log_every_n_steps=1, logger=logger)
     with quiet():
         trainer.fit(Telemetry(loss_factor={3: 1e6}))
-    metrics = trainer.callback_metrics
-    assert metrics["mp/grad_norm"] == 2.5 and metrics["mp/grad_underflow_frac"] == 0.125  # the bf16 entry
-    assert metrics["mp/fp8_saturation_frac"] == pytest.approx(0.01)
-    assert metrics["mp/fp8_underflow_frac"] == pytest.approx(0.02)
-    assert metrics["mp/rollbacks"] == 1 and metrics["mp/skipped_steps"] == 1
+    assert logger.steps_with("mp/grad_norm") == [2] and logger.values("mp/grad_norm") == [2.5]  # never the stale 9.0
+    assert not logger.steps_with("mp/grad_underflow_frac")  # the telemetry's is a forecast: PrecisionProbe measures it
+    assert logger.values("mp/fp8_saturation_frac") == [pytest.approx(0.01)]
+    assert logger.values("mp/fp8_underflow_frac") == [pytest.approx(0.02)]
+    assert trainer.callback_metrics["mp/rollbacks"] == 1 and trainer.callback_metrics["mp/skipped_steps"] == 1
+
+
+def test_grad_norm_reaches_the_logger_on_the_telemetry_steps_only() -> None:
+    logger = ListLogger()
+    plugin = StablePrecision("32-true", telemetry_every_n_steps=4)
+    trainer = make_trainer(plugin, max_steps=8, log_every_n_steps=2, callbacks=[OverflowMonitor()], logger=logger)
+    trainer.fit(PoisonModule(n=128))
+    assert logger.steps_with("mp/grad_norm") == [0, 3, 7]  # measured on steps 1, 4 and 8, each logged once
+    assert logger.steps_with("mp/skipped_steps") == [1, 3, 5, 7]
 
 
 # ------------------------------------------------------------------------------------------------ AMPPreflight

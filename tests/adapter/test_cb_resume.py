@@ -27,7 +27,7 @@ def _callbacks() -> list:
     return [
         OverflowMonitor(window=5, log_every_n_steps=1),
         PrecisionFallback(patience=3, cooldown=6),
-        ScaleCheckpoint(every_n_steps=4, min_history=3),
+        ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback"),
         AMPPreflight(),
     ]
 

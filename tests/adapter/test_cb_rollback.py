@@ -60,7 +60,7 @@ def test_poisoned_batch_rolls_back_exactly_and_training_recovers(poison: str) ->
     def run(faults: dict):
         torch.manual_seed(0)
         module = PoisonModule(optimizer="adamw", lr=3e-2, scheduler=True, n=128, **faults)
-        checkpoint = ScaleCheckpoint(every_n_steps=EVERY, min_history=4, window=16)
+        checkpoint = ScaleCheckpoint(every_n_steps=EVERY, min_history=4, window=16, on_spike="rollback")
         recorder = _FullRecorder()
         plugin = fp32_scaler_plugin(init_scale=2.0**8, growth_interval=3)
         with quiet():
@@ -97,7 +97,7 @@ def test_rollbacks_restore_fp32_masters_of_bf16_true_twice() -> None:
     # to the same snapshot would restore what the steps in between wrote.
     module = PoisonModule(optimizer="adamw", lr=1e-2, loss_factor={5: 1e6, 7: 1e6})
     recorder = _FullRecorder()
-    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3)
+    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback")
     with quiet():
         make_trainer(StablePrecision("bf16-true"), max_steps=9, callbacks=[checkpoint, recorder]).fit(module)
     assert [e["restored_step"] for e in checkpoint.events] == [4, 4]
@@ -123,18 +123,19 @@ def test_non_finite_weights_roll_back_before_a_snapshot() -> None:
     module = PoisonModule()
     checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3)
     recorder = Recorder()
-    with pytest.warns(UserWarning, match="ScaleCheckpoint at step 4: non-finite weights"):
+    with pytest.warns(UserWarning, match="ScaleCheckpoint at step 4: non-finite weights or optimizer state"):
         callbacks = [_CorruptWeights(4), checkpoint, recorder]
         trainer = make_trainer(StablePrecision("bf16-mixed"), max_steps=6, callbacks=callbacks)
         trainer.fit(module)
-    assert checkpoint.events == [dict(step=4, kind="non-finite weights", loss=None, zscore=None, restored_step=2)]
+    assert checkpoint.events == [dict(step=4, kind="non-finite weights or optimizer state", loss=None, zscore=None,
+                                      action="rollback", restored_step=2)]
     _assert_same(recorder.weights[3], recorder.weights[1])
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
 def test_too_many_rollbacks_raise_with_where_and_what_to_try() -> None:
     module = PoisonModule(loss_factor={5: 1e6, 6: 1e6, 7: 1e6})
-    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3, max_rollbacks=2)
+    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3, max_rollbacks=2, on_spike="rollback")
     with quiet(), pytest.raises(RuntimeError) as error:
         make_trainer(StablePrecision("bf16-mixed"), max_steps=10, callbacks=[checkpoint]).fit(module)
     message = str(error.value)
@@ -150,10 +151,88 @@ def test_a_rollback_never_undoes_a_precision_fallback() -> None:
     from lit_mpstable.scaling import DynamicLossScaler
 
     plugin = StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu"))
-    fallback, checkpoint = PrecisionFallback(patience=2), ScaleCheckpoint(every_n_steps=100, min_history=2)
+    fallback = PrecisionFallback(patience=2)
+    checkpoint = ScaleCheckpoint(every_n_steps=100, min_history=2, on_spike="rollback")
     module = PoisonModule(inf_grad_steps={1, 2}, loss_factor={5: 1e6})
     with quiet():
         make_trainer(plugin, max_steps=7, callbacks=[fallback, checkpoint]).fit(module)
     assert [d["step"] for d in fallback.decisions] == [3]
     assert [(e["step"], e["restored_step"]) for e in checkpoint.events] == [(5, 3)]
     assert plugin.compute_dtype == torch.float32 and plugin.overflow_count == 2
+
+
+# --------------------------------------------------------------------------------- skip first, roll back later
+def test_a_spike_skips_that_batch_only_by_default() -> None:
+    # The spike never reaches the weights, and nothing older is thrown away: the run after it equals a run that
+    # never saw that batch's update (the snapshot of step 8 is not restored).
+    def run(faults: dict):
+        torch.manual_seed(0)
+        module = PoisonModule(optimizer="adamw", lr=3e-2, n=128, **faults)
+        checkpoint, recorder = ScaleCheckpoint(every_n_steps=EVERY, min_history=4, window=16), _FullRecorder()
+        with quiet():
+            make_trainer(StablePrecision("32-true"), max_steps=14, callbacks=[checkpoint, recorder]).fit(module)
+        return checkpoint, recorder
+
+    checkpoint, recorder = run({"loss_factor": {POISON: 1e6}})
+    assert checkpoint.rollbacks == 0 and checkpoint.skips == 1
+    assert [(e["step"], e["action"], e["kind"]) for e in checkpoint.events] == [(POISON, "skip", "loss spike")]
+    _assert_same(recorder.weights[POISON], recorder.weights[POISON - 1])  # the batch did not move the weights
+    _assert_same(recorder.optimizer_states[POISON], recorder.optimizer_states[POISON - 1])
+    assert not torch.equal(recorder.weights[POISON - 1]["model.fc2.weight"],
+                           recorder.weights[EVERY * 2 - 1]["model.fc2.weight"])  # steps 8..9 kept, not undone
+
+
+def test_persistent_spikes_roll_back() -> None:
+    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, window=8, spike_patience=2)
+    recorder = _FullRecorder()
+    module = PoisonModule(optimizer="adamw", lr=1e-2, loss_factor={5: 1e6, 7: 1e6})
+    with quiet():
+        make_trainer(StablePrecision("32-true"), max_steps=9, callbacks=[checkpoint, recorder]).fit(module)
+    assert [(e["step"], e["action"]) for e in checkpoint.events] == [(5, "skip"), (7, "rollback")]
+    assert checkpoint.events[1]["restored_step"] == 4 and "2 skipped within 8 steps" in checkpoint.events[1]["kind"]
+    _assert_same(recorder.weights[7], recorder.weights[3])
+
+
+class _CorruptOptimizerState(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step == 3:
+            state = trainer.optimizers[0].state[next(iter(trainer.optimizers[0].state))]
+            state["exp_avg_sq"].view(-1)[0] = float("inf")
+
+
+def test_non_finite_optimizer_state_rolls_back() -> None:
+    checkpoint, recorder = ScaleCheckpoint(every_n_steps=2, min_history=3), _FullRecorder()
+    with quiet():
+        make_trainer(StablePrecision("bf16-mixed"), max_steps=5,
+                     callbacks=[_CorruptOptimizerState(), checkpoint, recorder]).fit(PoisonModule(optimizer="adamw"))
+    assert [(e["step"], e["kind"], e["restored_step"]) for e in checkpoint.events] == [
+        (4, "non-finite weights or optimizer state", 2)]
+
+
+def test_snapshots_live_off_the_accelerator_by_default() -> None:
+    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3)
+    with quiet():
+        make_trainer(StablePrecision("bf16-true"), max_steps=3, callbacks=[checkpoint]).fit(PoisonModule())
+    snapshot = checkpoint._snapshot
+    tensors = list(snapshot["model"].values()) + list(snapshot["plugin"]["masters"].values())
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
+    with pytest.raises(ValueError, match="snapshot_device='gpu'"):
+        ScaleCheckpoint(snapshot_device="gpu")
+    with pytest.raises(ValueError, match="on_spike='undo'"):
+        ScaleCheckpoint(on_spike="undo")
+
+
+@pytest.mark.gpu
+def test_a_cpu_snapshot_adds_no_accelerator_memory() -> None:
+    sizes = {}
+    for device in ("cpu", "device"):
+        torch.cuda.empty_cache()
+        checkpoint = ScaleCheckpoint(every_n_steps=1, min_history=3, snapshot_device=device)
+        module = PoisonModule(optimizer="adamw", n=256)
+        trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=3, plugins=[StablePrecision("bf16-mixed")],
+                             callbacks=[checkpoint], enable_progress_bar=False, logger=False,
+                             enable_checkpointing=False, enable_model_summary=False)
+        trainer.fit(module)
+        sizes[device] = torch.cuda.memory_allocated()
+        del trainer, checkpoint, module
+    assert sizes["cpu"] < sizes["device"]

@@ -104,7 +104,7 @@ def test_fallback_triggered_by_one_ranks_overflows_happens_on_both(tmp_path: Pat
 
 def test_rollback_on_one_ranks_loss_spike_happens_on_both(tmp_path: Path) -> None:
     plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
-    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3, window=10)
+    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3, window=10, on_spike="rollback")
     module = RankFaultModule(loss_factor={5: 1e3})
     rank0, rank1 = fit_ddp(module, plugin, [checkpoint], tmp_path, max_steps=7)
     assert rank0["ScaleCheckpoint.rollbacks"] == rank1["ScaleCheckpoint.rollbacks"] == 1
