@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
@@ -37,6 +37,17 @@ def _fp32_copy(module: pl.LightningModule) -> pl.LightningModule:
     return fp32.float()
 
 
+def _training_step_loss(module: pl.LightningModule, batch: Any) -> Any:
+    """The loss ``training_step`` returns on ``batch``, its own ``self.log`` calls muted (a check is not a step)."""
+    quiet = {name: getattr(module, name) for name in ("log", "log_dict")}
+    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        return module.training_step(batch, 0)
+    finally:
+        for name in quiet:
+            module.__dict__.pop(name, None)
+
+
 def _upcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.is_floating_point() else tensor
 
@@ -52,13 +63,16 @@ class AMPPreflight(PluginCallback):
     - ``action``: ``"fallback"`` calls ``plugin.fallback(None, reason=...)`` (effective from this batch's forward)
       and checks again, one rung of the plugin's ladder (FP8 -> base precision -> FP32) at a time, until the outputs
       agree; ``"warn"`` warns; ``"raise"`` raises ``RuntimeError``. Each message holds the measured errors.
-    - Nothing to compare while the model computes in FP32 (``"32-true"``, a fallback already active).
+    - Nothing to compare while the model computes in FP32 (``"32-true"``, a fallback already active). A check that
+      passes says so (rank-zero info, with the measured error); one that cannot run warns why.
 
     Args:
         atol: absolute tolerance; default 0.
         rtol: tolerance relative to the FP32 output's max abs; default per format: fp16 1e-2, bf16 5e-2, with FP8
             layers 0.15.
-        forward_fn: ``(module, batch) -> output``; default :func:`default_forward`.
+        forward_fn: ``(module, batch) -> output``; default: :func:`default_forward` on the module's ``forward``, or,
+            for a LightningModule without one, the loss its ``training_step`` returns (its ``self.log`` calls muted;
+            manual optimization is skipped with a warning: its training step steps optimizers).
 
     Raises:
         ValueError: an argument is out of range.
@@ -77,7 +91,7 @@ class AMPPreflight(PluginCallback):
               f"allowed values are {list(get_args(PreflightAction))}.")
         check(forward_fn is None or callable(forward_fn), f"{name}(forward_fn={forward_fn!r})",
               "must be a callable (module, batch) -> output, or None.")
-        self.atol, self.rtol, self.action, self.forward_fn = atol, rtol, action, forward_fn or default_forward
+        self.atol, self.rtol, self.action, self.forward_fn = atol, rtol, action, forward_fn
         self.result: dict[str, Any] = {}
         """The last check: ``compare_outputs``' keys plus ``precision``, ``atol``, ``rtol``, ``step``."""
         self._pending = False
@@ -114,17 +128,26 @@ class AMPPreflight(PluginCallback):
         assert plugin is not None
         rtol = self.rtol if self.rtol is not None else FP8_RTOL if _has_fp8(pl_module) else DEFAULT_RTOL[plugin.dtype]
         atol = self.atol if self.atol is not None else 0.0
+        forward, how = self._forward_fn(pl_module)
         try:
-            reference, low = self._forwards(pl_module, plugin, batch)
+            if forward is None:
+                raise TypeError(how)
+            reference, low = self._forwards(pl_module, plugin, batch, forward)
             result = compare_outputs(reference, low, atol=atol, rtol=rtol)
         except Exception as error:  # a failed check must not stop training: say why and go on
-            rank_zero_warn(f"AMPPreflight skipped: the forward on the first batch failed ({error!r}); pass forward_fn.")
+            rank_zero_warn(f"AMPPreflight skipped: the check on the first batch ({how}) failed ({error!r}); pass"
+                           " forward_fn=(module, batch) -> output.")
             result = None
         if result is not None:
             self.result = {**result, "precision": plugin.precision, "atol": atol, "rtol": rtol,
                            "step": trainer.global_step}
         # Every rank reaches the reduction, whatever its own check did: any rank's disagreement decides for all.
         if not trainer.strategy.reduce_boolean_decision(result is not None and not result["passed"], all=False):
+            if result is not None:
+                rank_zero_info(
+                    f"AMPPreflight: the {plugin.precision} {how} agrees with FP32 on the first batch (max rel error"
+                    f" {result['max_rel_error']:.3g}, allowed {atol:g} + {rtol:g} * max abs)."
+                )
             return None
         if result is None or result["passed"]:
             return f"AMPPreflight: the {plugin.precision} forward disagrees with FP32 on another rank's first batch"
@@ -135,20 +158,33 @@ class AMPPreflight(PluginCallback):
             f" atol={atol:g} + rtol={rtol:g} * max abs"
         )
 
-    def _forwards(self, pl_module: pl.LightningModule, plugin: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_fn(self, pl_module: pl.LightningModule) -> tuple[Callable[[Any, Any], Any] | None, str]:
+        """What to compare and how it is called: ``forward_fn``; else ``forward``; else, for a LightningModule that
+        defines none (it computes everything in ``training_step``), the training step's loss."""
+        if self.forward_fn is not None:
+            return self.forward_fn, "forward_fn"
+        if type(pl_module).forward is not pl.LightningModule.forward:
+            return default_forward, "forward"
+        if not pl_module.automatic_optimization:
+            return None, "training_step, which steps optimizers itself in manual optimization"
+        return _training_step_loss, "training_step loss"
+
+    def _forwards(
+        self, pl_module: pl.LightningModule, plugin: Any, batch: Any, forward: Callable[[Any, Any], Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         modes = {module: module.training for module in pl_module.modules()}
         device = pl_module.device
         pl_module.eval()  # no dropout, no BatchNorm statistics update
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 with plugin.forward_context():
-                    low = first_tensor(self.forward_fn(pl_module, batch))
+                    low = first_tensor(forward(pl_module, batch))
                 with torch.autocast(device.type, enabled=False):
                     if plugin.precision.endswith("-true") or _has_fp8(pl_module):
                         as_fp32 = apply_to_collection(batch, torch.Tensor, _upcast)
-                        reference = first_tensor(self.forward_fn(_fp32_copy(pl_module), as_fp32))
+                        reference = first_tensor(forward(_fp32_copy(pl_module), as_fp32))
                     else:
-                        reference = first_tensor(self.forward_fn(pl_module, batch))
+                        reference = first_tensor(forward(pl_module, batch))
         finally:
             for module, training in modes.items():
                 module.training = training

@@ -220,6 +220,36 @@ def test_preflight_passes_and_leaves_training_untouched(precision: str) -> None:
         assert ours.dtype == ref.dtype and torch.equal(ours, ref)
 
 
+def test_a_passing_preflight_says_so(caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        _fit_with(AMPPreflight(), "bf16-mixed", PoisonModule(), steps=1)
+    assert any("AMPPreflight: the bf16-mixed forward agrees with FP32" in r.message and "max rel error" in r.message
+               for r in caplog.records)
+
+
+class _NoForward(PoisonModule):
+    """Everything in training_step, as many LightningModules are written: no forward() to call."""
+
+    forward = pl.LightningModule.forward
+
+    def training_step(self, batch, batch_idx):
+        self.log("train_loss", 1.0)  # must not reach the logs from the check
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.model(x).float(), y)
+
+
+def test_preflight_runs_through_training_step_without_forward() -> None:
+    preflight = AMPPreflight()
+    _fit_with(preflight, "bf16-mixed", _NoForward(), steps=1)
+    assert preflight.result["passed"] and 0 < preflight.result["max_rel_error"] < 0.05
+    amplified = AMPPreflight()
+    with quiet():
+        plugin = _fit_with(amplified, "16-mixed", _NoForward(amplify=True), steps=1)
+    assert not amplified.result["passed"] and plugin.compute_dtype == torch.float32  # FP16 overflow caught
+
+
 def test_preflight_falls_back_before_the_first_fp16_step() -> None:
     preflight = AMPPreflight()
     with quiet():
