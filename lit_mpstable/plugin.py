@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lit_mpstable.fp8 import FP8Config, fp8_autocast_context, fp8_config
+from lit_mpstable.fp8 import FP8Config, fp8_config
 from lit_mpstable.islands import FP32Islands
 from lit_mpstable.layout import PrecisionLayout
 from lit_mpstable.master import MasterWeights
@@ -284,8 +284,7 @@ class StablePrecision(Precision):
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         # TransformerEngine's FP8 needs its own autocast around the forward; a no-op for the native FP8 layers.
-        fp8_context = fp8_autocast_context(self.fp8) if self.fp8 is not None and self.layout.fp8_layers else None
-        with fp8_context or _nothing():
+        with self.layout.forward_context():
             if self.compute_dtype == torch.float32:
                 yield
             elif self.true_16bit:
