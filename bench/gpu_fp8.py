@@ -1,29 +1,39 @@
-"""FP8 against BF16 on one GPU: raw GEMM throughput (torch._scaled_mm) and a GPT training step with the FP8 swap.
+"""FP8 against BF16 on one GPU, for each FP8 backend (native FP8Linear, torchao, TransformerEngine): raw GEMMs, one
+linear layer, and a GPT training step.
 
-    .venv/bin/python bench/gpu_fp8.py                    # ~1-2 min on an H100/H200
-    .venv/bin/python bench/gpu_fp8.py --quick            # smaller sizes, fewer steps (< 30 s)
+    .venv/bin/python bench/gpu_fp8.py                    # a few minutes on an H100/H200
+    .venv/bin/python bench/gpu_fp8.py --quick            # smaller sizes, fewer steps (< 1 min)
+    .venv/bin/python bench/gpu_fp8.py --runs bf16 native:delayed te:delayed --parts model
 
-Without CUDA, or on a GPU below compute capability 8.9, it prints why and exits 0 (nothing to measure). Writes a
-Markdown table to stdout and JSON to ``--out`` (default ``bench/results/gpu_fp8.json``). Parts:
+Without CUDA, or on a GPU below compute capability 8.9, it prints why and exits 0 (nothing to measure). A backend
+whose package is not installed, or that cannot run a recipe here (MXFP8 needs Blackwell), gives a row marked
+"skipped" with the reason. Writes Markdown tables to stdout and JSON to ``--out`` (default
+``bench/results/gpu_fp8.json``). Parts:
 
 1. ``gemm``: an n x n x n product for n = 1024 .. 8192: BF16 ``mm``, FP8 ``_scaled_mm`` on pre-quantised E4M3
    operands (the kernel alone; fast accumulation off and on), and FP8 including this package's per-tensor
    quantisation of both operands (what FP8Linear pays per GEMM).
-2. ``check``: FP8Linear through ``_scaled_mm`` against its exact emulation (same inputs): the relative difference
+2. ``linear``: one n x n linear layer on n tokens, forward and backward (three GEMMs) under BF16 autocast, for each
+   run (BF16 ``nn.Linear``, or the layer each backend swaps in through ``lit_mpstable.fp8.fp8_backend``).
+3. ``check``: FP8Linear through ``_scaled_mm`` against its exact emulation (same inputs): the relative difference
    of output and gradients, which must be at fp32-accumulation level. It validates the CUDA operand layouts.
-3. ``model``: a GPT-style decoder (pre-LN, d=2048, 4 layers) training step under BF16 autocast, then with
-   ``convert_to_fp8`` for each recipe (mxfp8 is emulated: slow by design, measured for completeness), plus
-   torchao's and TransformerEngine's layers when those packages are installed.
+4. ``model``: a GPT-style decoder (pre-LN, d=2048, 4 layers) training step under BF16 autocast, for each run.
+
+Runs: ``bf16``; ``<recipe>`` or ``native:<recipe>`` (recipes: delayed, current, mxfp8; native mxfp8 is emulated:
+slow by design); ``torchao:<recipe>`` (current, mxfp8); ``te:<recipe>`` (delayed, current, mxfp8).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +41,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from lit_mpstable.fp8 import FP8Config, FP8Linear, convert_to_fp8, fp8_autocast_context, quantize  # noqa: E402
+from lit_mpstable.fp8 import FP8Config, FP8Linear, fp8_backend, quantize, select_fp8_modules  # noqa: E402
+from lit_mpstable.fp8.config import FP8Recipe  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -145,16 +156,15 @@ def bench_model(runs: list[str], args: argparse.Namespace) -> list[dict]:
     for run in runs:
         torch.manual_seed(0)
         model = GPT(vocab, d, layers, heads, context).cuda()
-        config = None if run == "bf16" else _config(run)
         try:
-            swapped = convert_to_fp8(model, config) if config else []
+            swapped, fp8_context = swap(model, run)
         except (ModuleNotFoundError, ValueError) as err:
             rows.append({"run": run, "skipped": str(err)})
             continue
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
         def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16), fp8_autocast_context(config):
+            with torch.autocast("cuda", dtype=torch.bfloat16), fp8_context():
                 logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
             opt.zero_grad(set_to_none=True)
@@ -177,23 +187,101 @@ def bench_model(runs: list[str], args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _config(run: str) -> FP8Config:
+_BACKENDS = {"native": "native", "torchao": "torchao", "te": "transformer_engine"}
+
+
+def run_name(text: str) -> str:
+    """``--runs`` entries: ``bf16``, ``<recipe>``, ``native:<recipe>``, ``torchao:<recipe>`` or ``te:<recipe>``."""
+    backend, _, recipe = text.rpartition(":")
+    if text != "bf16" and (backend not in ("", *_BACKENDS) or recipe not in get_args(FP8Recipe)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected 'bf16', a recipe {list(get_args(FP8Recipe))} or '<backend>:<recipe>' with a backend"
+            f" of {list(_BACKENDS)}"
+        )
+    return text
+
+
+def _config(run: str) -> FP8Config | None:
+    if run == "bf16":
+        return None
     backend, _, recipe = run.rpartition(":")
-    if backend == "torchao":
-        return FP8Config(recipe=recipe, backend="torchao", format="e4m3" if recipe == "mxfp8" else "hybrid")
-    if backend == "te":
-        return FP8Config(recipe=recipe, backend="transformer_engine")
-    return FP8Config(recipe=recipe, emulate=None)
+    backend = _BACKENDS[backend or "native"]
+    fmt = "e4m3" if backend == "torchao" and recipe == "mxfp8" else "hybrid"  # torchao's MX casts gradients to E4M3
+    return FP8Config(recipe=recipe, backend=backend, format=fmt)
+
+
+def swap(model: nn.Module, run: str) -> tuple[list[str], Callable[[], contextlib.AbstractContextManager]]:
+    """Swap ``model``'s selected linear layers for ``run``'s FP8 layers through the backend seam; returns their names
+    and the forward context factory. Raises what the backend raises (ModuleNotFoundError, ValueError)."""
+    config = _config(run)
+    if config is None:
+        return [], contextlib.nullcontext
+    backend = fp8_backend(config)  # a missing package or an impossible recipe is refused here
+    names = select_fp8_modules(model, config)
+    backend.convert_(model, names)
+    return names, backend.forward_context
+
+
+# ---------------------------------------------------------------------------------------------------- linear
+class _Single(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def bench_linear(sizes: list[int], runs: list[str], min_seconds: float) -> list[dict]:
+    """One n x n linear layer on n tokens, forward + backward under BF16 autocast, per run."""
+    rows = []
+    for n in sizes:
+        x = torch.randn(n, n, device="cuda", requires_grad=True)
+        grad = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        for run in runs:
+            model = _Single(n).cuda()
+            config = _config(run)
+            try:
+                if config is None:
+                    context = contextlib.nullcontext
+                else:
+                    backend = fp8_backend(config)
+                    backend.convert_(model, ["layer"])  # by name: the default rule skips a model's only layer
+                    context = backend.forward_context
+
+                def step():
+                    with torch.autocast("cuda", dtype=torch.bfloat16), context():
+                        y = model(x)
+                    y.backward(grad.to(y.dtype))
+
+                seconds = cuda_time(step, warmup=3, min_seconds=min_seconds)
+            except Exception as err:  # noqa: BLE001 - a backend missing or failing on this GPU is a result
+                rows.append({"n": n, "run": run, "skipped": f"{type(err).__name__}: {err}"[:300]})
+                continue
+            rows.append({"n": n, "run": run, "ms": seconds * 1e3, "tflops": 3 * 2 * n**3 / seconds / 1e12})
+            del model
+        torch.cuda.empty_cache()
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
+RUNS = ["bf16", "delayed", "current", "mxfp8", "torchao:current", "torchao:mxfp8", "te:delayed", "te:current",
+        "te:mxfp8"]  # fmt: skip
+PARTS = ["gemm", "linear", "check", "model"]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sizes up to 4096, a smaller model, shorter timing")
-    runs = ["bf16", "delayed", "current", "mxfp8", "torchao:current", "te:delayed"]
-    parser.add_argument("--runs", nargs="+", default=runs, help="recipes, 'torchao:<recipe>' or 'te:<recipe>'")
+    parser.add_argument("--runs", nargs="+", type=run_name, default=RUNS,
+                        help="bf16, <recipe>, native:<recipe>, torchao:<recipe> or te:<recipe>")  # fmt: skip
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which parts to run")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "gpu_fp8.json")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_fp8: skipped: CUDA is not available; this benchmark needs a GPU of compute capability >= 8.9.")
         return 0
@@ -207,20 +295,23 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [1024, 2048, 4096] if args.quick else [1024, 2048, 4096, 8192]
 
     started = time.perf_counter()
-    gemm = bench_gemm(sizes, min_seconds=0.2 if args.quick else 0.5)
-    check = [check_scaled_mm(recipe) for recipe in ("delayed", "current")]
-    model = bench_model(args.runs, args)
+    timing = 0.2 if args.quick else 0.5
+    parts = set(args.parts)
+    gemm = bench_gemm(sizes, min_seconds=timing) if "gemm" in parts else []
+    linear = bench_linear(sizes, args.runs, min_seconds=timing) if "linear" in parts else []
+    check = [check_scaled_mm(recipe) for recipe in ("delayed", "current")] if "check" in parts else []
+    model = bench_model(args.runs, args) if "model" in parts else []
     report = {
         "device": torch.cuda.get_device_name(), "capability": list(capability), "torch": torch.__version__,
         "python": platform.python_version(), "quick": args.quick, "seconds": time.perf_counter() - started,
         "model_shape": {"d_model": args.d_model, "layers": args.layers, "seq_len": args.seq_len, "batch": args.batch},
-        "gemm": gemm, "check": check, "model": model,
+        "gemm": gemm, "linear": linear, "check": check, "model": model,
     }  # fmt: skip
     print(_tables(report))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
-    worst = max(max(row["y"], row["grad_x"], row["grad_w"]) for row in check)
+    worst = max((max(row["y"], row["grad_x"], row["grad_w"]) for row in check), default=0.0)
     return 0 if worst < 1e-3 else 1  # NaN fails too
 
 
@@ -228,6 +319,14 @@ def _tables(report: dict) -> str:
     lines = [f"## {report['device']} (cc {report['capability']}), torch {report['torch']}", "",
              "| n | case | ms | TFLOP/s |", "| ---: | --- | ---: | ---: |"]  # fmt: skip
     lines += [f"| {r['n']} | {r['case']} | {r['ms']:.3f} | {r['tflops']:.0f} |" for r in report["gemm"]]
+    lines += ["", "| n | run | ms (fwd+bwd) | TFLOP/s | speedup vs bf16 |", "| ---: | --- | ---: | ---: | ---: |"]
+    bf16 = {r["n"]: r["ms"] for r in report["linear"] if r["run"] == "bf16" and "ms" in r}
+    for r in report["linear"]:
+        if "skipped" in r:
+            lines.append(f"| {r['n']} | {r['run']} | skipped: {r['skipped']} | | |")
+            continue
+        speedup = f"{bf16[r['n']] / r['ms']:.2f}x" if r["n"] in bf16 else "-"
+        lines.append(f"| {r['n']} | {r['run']} | {r['ms']:.3f} | {r['tflops']:.0f} | {speedup} |")
     lines += ["", "_scaled_mm against emulation (relative difference):", "",
               "| recipe | y | grad_x | grad_w |", "| --- | ---: | ---: | ---: |"]  # fmt: skip
     lines += [f"| {r['recipe']} | {r['y']:.2e} | {r['grad_x']:.2e} | {r['grad_w']:.2e} |" for r in report["check"]]

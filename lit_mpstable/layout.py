@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
-from lit_mpstable.fp8 import FP8Config, FP8Linear, convert_from_fp8, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
+from lit_mpstable.fp8 import FP8Config, fp8_backend, select_fp8_modules
 from lit_mpstable.islands import FP32Islands, match_modules
 
 __all__ = ["PrecisionLayout"]
@@ -18,21 +19,32 @@ class PrecisionLayout:
     """Decides, and applies in place, which parts of a model compute in which format.
 
     The ladder a global fallback climbs, one rung per call: FP8 layers back to the base precision, then the whole
-    model to FP32. A module fallback takes the named modules one rung up: an FP8 layer back to the base precision,
-    any other module into an FP32 island. Parameters are cast in place (``param.data``), so optimizers and master
-    weights stay bound to the same ``Parameter`` objects.
+    model to FP32 (FP8 included). A module fallback takes the named modules one rung up: an FP8 layer back to the
+    base precision, any other module into an FP32 island. Parameters are cast in place (``param.data``) and FP8
+    layers of every backend share the ``Parameter`` objects of the layers they replace, so optimizers and master
+    weights stay bound through every fallback and restore.
+
+    FP8 goes through the backend seam only (:class:`~lit_mpstable.fp8.FP8Backend`, built here, so a backend refuses
+    what it cannot do when the plugin is constructed). The layers to run in FP8 are selected once per model, on the
+    first :meth:`attach` (a stale ``filter`` is an error there), and remembered by qualified name: a restore, a
+    rollback, a resume and a second ``fit`` re-apply that decision instead of selecting among layers already swapped.
 
     Args:
         dtype: the base compute dtype (``torch.float32`` for ``"32-true"``).
         cast_parameters: ``*-true`` modes: parameters themselves live in ``dtype`` (else autocast does the casting).
         fp32_modules: the user's FP32 islands (types or qualified-name patterns).
         fp8: the FP8 recipe, or ``None``.
+
+    Raises:
+        ValueError: the FP8 backend cannot do what ``fp8`` asks.
+        ModuleNotFoundError: the FP8 backend's package is not installed.
     """
 
     def __init__(
         self, dtype: torch.dtype, *, cast_parameters: bool, fp32_modules: Iterable[Any] = (), fp8: FP8Config | None = None
     ) -> None:
         self.dtype, self.cast_parameters, self.fp8 = dtype, cast_parameters, fp8
+        self.fp8_backend = fp8_backend(fp8) if fp8 is not None else None
         self.islands = FP32Islands(fp32_modules)
         self._user_islands = list(self.islands.specs)
         self.module: nn.Module | None = None
@@ -41,6 +53,7 @@ class PrecisionLayout:
         self.fp8_off = False  # global fallback out of FP8
         self.fp8_removed: list[str] = []  # FP8 layers moved back to the base precision
         self.fp32_modules: list[str] = []  # modules moved into FP32 islands
+        self._fp8_selected: list[str] | None = None  # chosen once per model, then re-applied
         self._fp8_layers: list[str] = []
 
     # ----------------------------------------------------------------------------------------------- reading
@@ -57,13 +70,37 @@ class PrecisionLayout:
         """Qualified names of the layers that compute in FP8 now (kept by ``_apply``: read on every forward)."""
         return list(self._fp8_layers)
 
-    def _find_fp8_layers(self) -> list[str]:
-        assert self.module is not None
-        return [name for name, m in self.module.named_modules() if isinstance(m, FP8Linear)]
+    @property
+    def fp8_selected(self) -> list[str]:
+        """Qualified names of the layers the FP8 filter selected for this model (FP8 unless a fallback moved them)."""
+        return list(self._fp8_selected or [])
+
+    def forward_context(self) -> ContextManager:
+        """The FP8 backend's forward context (TransformerEngine's autocast) while FP8 layers are active, else a no-op.
+
+        Cheap (one list check): the plugin enters it around every forward.
+        """
+        if self._fp8_layers:
+            return self.fp8_backend.forward_context()
+        return contextlib.nullcontext()
+
+    def sync_fp8_(self, group: Any = None) -> None:
+        """Make the FP8 scaling state agree across the ranks of ``group`` (default: all ranks). Call it once per
+        optimizer step, after the step (skipped or not), on every rank.
+
+        Native delayed recipe: one MAX all-reduce of all layers' amax histories together, on the device (no host
+        sync), then the scales recomputed from them, so every rank starts the next step with the same scales.
+        Nothing to do on one process (numerics unchanged), for the stateless recipes, or for TransformerEngine
+        (its autocast reduces amaxes itself).
+        """
+        if self._fp8_layers:
+            self.fp8_backend.sync_(self.module, self._fp8_layers, group)
 
     # ---------------------------------------------------------------------------------------------- applying
     def attach(self, module: nn.Module, device_type: str) -> None:
         """Apply the layout to ``module`` (again after a second ``fit``, or after a fallback decision)."""
+        if module is not self.module:
+            self._fp8_selected = None  # another model: select its layers on first use
         self.module, self.device_type = module, device_type
         self._apply()
 
@@ -72,17 +109,22 @@ class PrecisionLayout:
         dtype = self.compute_dtype
         if self.cast_parameters:
             _cast_outside(self.module, dtype, match_modules(self.module, self.islands.specs) if self.islands.specs else {})
-        if self.fp8 is not None:
-            if self.fp8_off:
-                convert_from_fp8(self.module)
-            else:
-                convert_to_fp8(self.module, self.fp8)  # no-op for layers already in FP8
-                removed = [name for name in self.fp8_removed if name in self._find_fp8_layers()]
-                convert_from_fp8(self.module, removed)
-        self._fp8_layers = self._find_fp8_layers() if self.fp8 is not None else []
+        if self.fp8_backend is not None:
+            self._apply_fp8()
         # In *-true modes an island's output goes back to the 16-bit dtype the next layer expects.
         out = dtype if self.cast_parameters and dtype != torch.float32 else None
         self.islands.attach(self.module, device_type=self.device_type, output_dtype=out)
+
+    def _apply_fp8(self) -> None:
+        module, backend = self.module, self.fp8_backend
+        if self._fp8_selected is None:
+            self._fp8_selected = select_fp8_modules(module, self.fp8)
+        off = self.fp8_off or self.fp32
+        wanted = [] if off else [name for name in self._fp8_selected if name not in self.fp8_removed]
+        active = [name for name in self._fp8_selected if backend.is_fp8_layer(module.get_submodule(name))]
+        backend.revert_(module, [name for name in active if name not in wanted])
+        backend.convert_(module, [name for name in wanted if name not in active])
+        self._fp8_layers = wanted
 
     def fallback(self, modules: Iterable[str] | None = None) -> str:
         """One rung up the ladder, globally (``modules=None``) or for the named modules; returns what was done."""
@@ -110,41 +152,58 @@ class PrecisionLayout:
 
     def restore(self) -> None:
         """Undo every fallback: the configured precision, FP8 layers and the user's own islands again."""
+        self._clear_fallbacks()
+        if self.module is not None:
+            self._apply()
+
+    def _clear_fallbacks(self) -> None:
         self.fp32 = self.fp8_off = False
         self.fp8_removed, self.fp32_modules = [], []
         self.islands.detach()
         self.islands = FP32Islands(self._user_islands)
-        if self.module is not None:
-            self._apply()
 
     # ------------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Keys: ``fp32``, ``fp8_off``, ``fp8_removed``, ``fp32_modules`` (the fallbacks) and ``fp8`` (amax histories
-        and scales by ``"<layer>.<key>"``); plain values and tensors."""
+        """Keys: ``fp32``, ``fp8_off``, ``fp8_removed``, ``fp32_modules`` (the fallbacks) and ``fp8`` (the FP8
+        backend's scaling state of the active FP8 layers by ``"<layer>.<key>"``: amax histories and scales for the
+        native delayed recipe, TransformerEngine's serialised state, nothing for stateless recipes); plain values
+        and tensors."""
+        active = self.module is not None and self.fp8_backend is not None
         return {
             "fp32": self.fp32,
             "fp8_off": self.fp8_off,
             "fp8_removed": list(self.fp8_removed),
             "fp32_modules": list(self.fp32_modules),
-            "fp8": fp8_state_dict(self.module) if self.module is not None else {},
+            "fp8": self.fp8_backend.state_dict(self.module, self._fp8_layers) if active else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Re-apply the saved fallbacks exactly (a rollback may undo later ones), then the FP8 state. Strict."""
+        """Re-apply the saved fallbacks exactly (a rollback may undo later ones), then the FP8 state. Strict.
+
+        An empty ``fp8`` entry (written without FP8, or before the model was attached) keeps the current FP8 state.
+
+        Raises:
+            KeyError: the keys differ from :meth:`state_dict`'s, or the FP8 state belongs to other layers.
+        """
         expected = set(self.state_dict())
         if set(state) != expected:
             raise KeyError(
                 f"PrecisionLayout.load_state_dict: missing keys {sorted(expected - set(state))}, unknown keys"
                 f" {sorted(set(state) - expected)}."
             )
-        self.restore()
+        self._clear_fallbacks()
         self.fp32, self.fp8_off = bool(state["fp32"]), bool(state["fp8_off"])
         self.fp8_removed, self.fp32_modules = list(state["fp8_removed"]), list(state["fp32_modules"])
         self.islands.specs.extend(self.fp32_modules)
         if self.module is not None:
             self._apply()
+            if state["fp8"] and self.fp8_backend is None:
+                raise KeyError(
+                    f"PrecisionLayout.load_state_dict: the checkpoint holds FP8 state ({sorted(state['fp8'])[:4]}...)"
+                    " but this run has fp8=None; resume with the FP8 config it was written with."
+                )
             if state["fp8"]:
-                load_fp8_state_dict(self.module, state["fp8"])
+                self.fp8_backend.load_state_dict(self.module, self._fp8_layers, state["fp8"])
 
 
 def _cast_outside(root: nn.Module, dtype: torch.dtype, islands: dict[str, nn.Module]) -> None:

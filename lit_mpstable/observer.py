@@ -60,7 +60,8 @@ class GradObserver:
     ) -> tuple[dict[str, Any], str | None]:
         """Call on unscaled gradients, before hooks and clipping. Returns ``(stats updates, warning or None)``.
 
-        ``scale`` is called (and may sync) only on due steps; ``fp8`` adds the FP8 layers' saturation/underflow.
+        ``scale`` is called (and may sync) only on due steps; ``fp8`` adds the FP8 layers' saturation/underflow,
+        through the FP8 backend seam (any backend's layers; one that records none says so once).
         """
         updates: dict[str, Any] = {}
         warning = None

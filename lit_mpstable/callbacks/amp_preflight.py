@@ -14,7 +14,7 @@ from torch import nn
 
 from lit_mpstable.callbacks._common import PluginCallback, check, is_number, strict_keys
 from lit_mpstable.callbacks._rules import compare_outputs, default_forward, first_tensor
-from lit_mpstable.fp8 import FP8Linear, convert_from_fp8
+from lit_mpstable.fp8 import convert_from_fp8, find_fp8_layers
 
 __all__ = ["AMPPreflight", "compare_outputs", "default_forward"]
 
@@ -27,11 +27,12 @@ FP8_RTOL = 0.15
 
 
 def _has_fp8(module: nn.Module) -> bool:
-    return any(isinstance(m, FP8Linear) for m in module.modules())
+    return bool(find_fp8_layers(module))  # any backend's FP8 layers (native, torchao, TransformerEngine)
 
 
 def _fp32_copy(module: pl.LightningModule) -> pl.LightningModule:
-    # 16-bit weights and FP8 layers compute in low precision whatever autocast says: a copy can leave both.
+    # 16-bit weights and FP8 layers compute in low precision whatever autocast says: a copy can leave both. Every
+    # backend's layers go back to nn.Linear (a TE layer would need its autocast; torchao's would still quantise).
     fp32 = copy.deepcopy(module)  # LightningModule.__getstate__ leaves the trainer out
     convert_from_fp8(fp32)
     return fp32.float()

@@ -1,11 +1,40 @@
-"""FP8 training core: FP8Config and recipes (delayed, current, mxfp8), FP8Linear, the module swap. Torch only."""
+"""FP8 training core: FP8Config and recipes (delayed, current, mxfp8), FP8Linear, the module swap, and one backend
+seam (:class:`FP8Backend`) behind which the native layers, torchao and TransformerEngine look alike. Torch only;
+the optional packages are imported when a backend that needs them is built.
+
+How our recipes relate to TransformerEngine's (``backend="transformer_engine"`` hands them to TE as written):
+
+- ``"delayed"`` uses TE's ``DelayedScaling`` formula, ``scale = fp8_max / amax / 2**margin``, with ``amax`` the max
+  over the last ``amax_history_len`` amaxes including the current one (``"most_recent"``: the current one), the
+  scale computed after the tensor's cast and used from the next cast on. TE keeps the history as (len, tensors)
+  with the current amax in row 0 and rolls it by -1 at each update; ours is (3, len), newest first, rolled by +1
+  before writing: the same window (``tests/core/test_fp8_backends.py`` checks the scales bit for bit). Where they
+  differ: TE updates a forward's scales when its ``autocast`` exits (a layer called twice in one forward overwrites
+  its amax: TE forbids that with ``reduce_amax``), ours after each call; TE keeps a non-finite amax in the
+  history, which freezes the scale for up to ``amax_history_len`` steps, ours records it as 0; TE all-reduces the
+  newest amaxes over its ``amax_reduction_group`` at every autocast exit and after the backward
+  (``reduce_amax=True``), ours reduces the whole history once per optimizer step (``PrecisionLayout.sync_fp8_``).
+  ``margin`` means the same in both (scales divided by ``2**margin``); TE has it for delayed scaling only, ours
+  applies to ``"current"`` too.
+- ``"current"`` is TE's ``Float8CurrentScaling`` and torchao's tensorwise dynamic scaling: each tensor scaled by
+  its own amax, no state; ours and torchao's give the same correctly rounded scales and FP8 bytes. TE also
+  offers power-of-two scales and an amax epsilon (off by default) and, under sequence parallelism, reduces input
+  amaxes over the tensor-parallel group; we reduce nothing (each rank its own amax).
+- ``"mxfp8"`` follows the OCP MX spec: one E8M0 scale per 32 elements along the reduction dim, the floor rule, so a
+  block's largest elements may saturate by up to 2**-3. TE's ``MXFP8BlockScaling`` rounds the block exponent up
+  (``amax / fp8_max`` up to a power of two): nothing saturates, and a block's small values lose up to one binade
+  more. TE's default format there is E4M3 for gradients too (ours: E5M2 with ``format="hybrid"``); both quantise
+  the row- and column-wise copies from the high-precision tensor; TE's needs a Blackwell GPU.
+"""
 
 from __future__ import annotations
 
-from lit_mpstable.fp8.backends import fp8_autocast_context
+from lit_mpstable.fp8.backend import FP8Backend
+from lit_mpstable.fp8.backends import BACKENDS, backend_of, find_fp8_layers, fp8_autocast_context, fp8_backend
 from lit_mpstable.fp8.config import FP8Config, fp8_config
 from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
 from lit_mpstable.fp8.linear import FP8_TENSORS, FP8Linear
+from lit_mpstable.fp8.native import NativeBackend
 from lit_mpstable.fp8.quant import (
     MX_BLOCK_SIZE,
     amax_from_history,
@@ -27,20 +56,30 @@ from lit_mpstable.fp8.swap import (
     load_fp8_state_dict,
     select_fp8_modules,
 )
+from lit_mpstable.fp8.te_backend import TransformerEngineBackend, transformer_engine_recipe
+from lit_mpstable.fp8.torchao_backend import TorchaoBackend
 
 __all__ = [
+    "BACKENDS",
+    "FP8Backend",
     "FP8Config",
     "FP8Linear",
     "FP8_TENSORS",
     "MX_BLOCK_SIZE",
+    "NativeBackend",
+    "TorchaoBackend",
+    "TransformerEngineBackend",
     "amax_from_history",
+    "backend_of",
     "collect_fp8_stats_",
     "compute_scale",
     "convert_from_fp8",
     "convert_to_fp8",
     "dequantize",
     "dequantize_mx",
+    "find_fp8_layers",
     "fp8_autocast_context",
+    "fp8_backend",
     "fp8_config",
     "fp8_max",
     "fp8_mm",
@@ -52,5 +91,6 @@ __all__ = [
     "quantize_mx",
     "scaled_mm_supported",
     "select_fp8_modules",
+    "transformer_engine_recipe",
     "update_amax_history_",
 ]

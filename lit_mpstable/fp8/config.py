@@ -9,11 +9,11 @@ from typing import Any, Literal, Union, get_args
 import torch
 from torch import nn
 
-__all__ = ["FP8Config", "FP8Recipe", "FP8Format", "FP8Backend", "AmaxComputeAlgo", "ModuleFilter", "fp8_config"]
+__all__ = ["FP8Config", "FP8Recipe", "FP8Format", "FP8BackendName", "AmaxComputeAlgo", "ModuleFilter", "fp8_config"]
 
 FP8Recipe = Literal["delayed", "current", "mxfp8"]
 FP8Format = Literal["hybrid", "e4m3"]
-FP8Backend = Literal["native", "torchao", "transformer_engine"]
+FP8BackendName = Literal["native", "torchao", "transformer_engine"]
 AmaxComputeAlgo = Literal["max", "most_recent"]
 ModuleFilter = Union[Sequence[Union[str, type]], Callable[[nn.Module, str], bool], None]
 
@@ -47,7 +47,7 @@ class FP8Config:
     filter: ModuleFilter = None
     """None = default rule (every nn.Linear but the first and last, dims multiples of 16); else a list of
     qualified names / fnmatch patterns / module types, or a callable ``(module, fqn) -> bool``."""
-    backend: FP8Backend = "native"
+    backend: FP8BackendName = "native"
     """``"native"``: this package's FP8Linear; ``"torchao"`` / ``"transformer_engine"``: those libraries' layers."""
     emulate: bool | None = None
     """None = ``torch._scaled_mm`` where it runs on the device, else exact emulation; True/False force one."""
@@ -56,7 +56,7 @@ class FP8Config:
         for name, allowed in (
             ("recipe", FP8Recipe),
             ("format", FP8Format),
-            ("backend", FP8Backend),
+            ("backend", FP8BackendName),
             ("amax_compute_algo", AmaxComputeAlgo),
         ):
             value = getattr(self, name)

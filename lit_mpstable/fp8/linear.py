@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_mpstable.fp8.backend import share_hooks
 from lit_mpstable.fp8.config import FP8Config
 from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
 from lit_mpstable.fp8.quant import (
@@ -26,10 +27,6 @@ FP8_TENSORS = ("x", "w", "grad_out")
 """The three FP8 operands of a linear layer, in the row order of ``amax_history`` and ``scale``."""
 _X, _W, _GRAD = range(3)
 _WARNED_EMULATION: set[str] = set()
-_HOOK_DICTS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
-)  # fmt: skip
 
 
 class FP8Linear(nn.Linear):
@@ -83,8 +80,7 @@ class FP8Linear(nn.Linear):
             new.amax_history = torch.zeros_like(new.amax_history, device=linear.weight.device)
             new.scale = torch.ones_like(new.scale, device=linear.weight.device)
         new.train(linear.training)
-        for name in _HOOK_DICTS:  # share the dicts, so handles registered on the original still remove them
-            setattr(new, name, getattr(linear, name))
+        share_hooks(linear, new)  # handles registered on the original still remove them
         return new
 
     def to_linear(self) -> nn.Linear:
@@ -92,8 +88,7 @@ class FP8Linear(nn.Linear):
         linear = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
         linear.weight, linear.bias = self.weight, self.bias
         linear.train(self.training)
-        for name in _HOOK_DICTS:
-            setattr(linear, name, getattr(self, name))
+        share_hooks(self, linear)
         return linear
 
     def extra_repr(self) -> str:

@@ -32,13 +32,17 @@ def fp8_max(dtype: torch.dtype) -> float:
 def compute_scale(
     amax: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, previous: torch.Tensor | float = 1.0
 ) -> torch.Tensor:
-    """The multiplier that maps ``amax`` onto the largest FP8 value: ``fp8_max / amax / 2**margin``, in fp32.
+    """The multiplier that maps ``amax`` onto the largest FP8 value: ``fp8_max / amax / 2**margin``, in fp32,
+    correctly rounded.
 
     Where ``amax`` is 0 or not finite, or the scale would not be finite (amax below ~fp8_max / 3e38), there is no
     information to scale by, so ``previous`` is kept (1.0 for a tensor never seen). No host synchronisation.
     """
     amax = amax.float()  # fp32: the reciprocal of a tiny bf16/fp16 amax overflows those formats
-    scale = fp8_max(dtype) / amax / 2.0**margin
+    # A tensor divided by a tensor rounds once. ``fp8_max / amax`` would not: torch computes a Python number over a
+    # tensor as ``amax.reciprocal() * fp8_max``, 1 ulp off the quotient for ~1 amax in 4 (torchao divides in
+    # float64, TE's kernel in fp32: both round once, so the three agree bit for bit).
+    scale = torch.full_like(amax, fp8_max(dtype)) / amax / 2.0**margin
     usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale)
     previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
     return torch.where(usable, scale, previous)

@@ -1,14 +1,17 @@
-"""Choosing the FP8 layers, swapping them in and out, and their state and telemetry across a model."""
+"""Choosing the FP8 layers, swapping them in and out, and their state and telemetry across a model, any backend."""
 
 from __future__ import annotations
 
 import fnmatch
+from collections import defaultdict
 
 import torch
 from torch import nn
 
+from lit_mpstable.fp8.backend import FP8Backend
+from lit_mpstable.fp8.backends import backend_of, find_fp8_layers, fp8_backend
 from lit_mpstable.fp8.config import FP8Config, fp8_config
-from lit_mpstable.fp8.linear import FP8_TENSORS, FP8Linear
+from lit_mpstable.fp8.linear import FP8_TENSORS
 
 __all__ = [
     "collect_fp8_stats_",
@@ -23,10 +26,6 @@ __all__ = [
 _TOTAL = "total"
 
 
-def _fp8_layers(model: nn.Module) -> dict[str, FP8Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
-
-
 def _ancestors(name: str) -> list[str]:
     # "a.b.c" -> ["a.b.c", "a.b", "a", ""]: a filter entry naming a container selects the linears inside it.
     parts = name.split(".") if name else []
@@ -37,11 +36,12 @@ def select_fp8_modules(model: nn.Module, config: FP8Config) -> list[str]:
     """Qualified names of the ``nn.Linear`` layers ``config.filter`` selects, in ``named_modules`` order.
 
     Only exact ``nn.Linear`` modules are candidates: subclasses may bypass ``forward`` (``MultiheadAttention``'s
-    ``out_proj``) or override it. The filter:
+    ``out_proj``) or override it; layers some backend already made FP8 are not candidates again (a caller that
+    re-applies a decision keeps the names, as ``PrecisionLayout`` does). The filter:
 
     - ``None``: every candidate except the first and the last linear layer of the model (embedding-side and
-      output-side layers are the most sensitive) and layers whose ``in_features`` or ``out_features`` is not a
-      multiple of 16 (FP8 GEMM kernels need it).
+      output-side layers are the most sensitive; FP8 layers count for "first" and "last") and layers whose
+      ``in_features`` or ``out_features`` is not a multiple of 16 (FP8 GEMM kernels need it).
     - a list: a candidate is selected when an entry matches it or one of its parent modules: a string by
       ``fnmatch`` on the qualified name (``"blocks.*.mlp"``), a type by ``isinstance``. Replaces the default rule.
     - a callable ``(module, fqn) -> bool``, called on each candidate. Replaces the default rule.
@@ -50,8 +50,9 @@ def select_fp8_modules(model: nn.Module, config: FP8Config) -> list[str]:
         ValueError: a list entry matches no candidate (a stale filter would quantise other layers than meant).
     """
     modules = dict(model.named_modules())
-    linears = [name for name, m in modules.items() if type(m) in (nn.Linear, FP8Linear)]
-    candidates = [name for name in linears if type(modules[name]) is nn.Linear]
+    fp8 = {name for name, m in modules.items() if backend_of(m) is not None}
+    candidates = [name for name, m in modules.items() if type(m) is nn.Linear and name not in fp8]
+    linears = [name for name, m in modules.items() if type(m) is nn.Linear or name in fp8]
     rule = config.filter
     if rule is None:
         edges = {linears[0], linears[-1]} if linears else set()
@@ -82,69 +83,61 @@ def _matches(entry: str | type, name: str, module: nn.Module) -> bool:
     return isinstance(module, entry) if isinstance(entry, type) else fnmatch.fnmatchcase(name, entry)
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    if not name:
-        raise ValueError(f"cannot swap the root module {type(model).__name__} in place; wrap it in a container.")
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, new)
+def _by_backend(layers: dict[str, type[FP8Backend]]) -> dict[type[FP8Backend], list[str]]:
+    groups: dict[type[FP8Backend], list[str]] = defaultdict(list)
+    for name, backend in layers.items():
+        groups[backend].append(name)
+    return groups
 
 
 def convert_to_fp8(model: nn.Module, config: FP8Config | str) -> list[str]:
-    """Swap the layers :func:`select_fp8_modules` picks for FP8 layers, in place; returns their names.
+    """Swap the layers :func:`select_fp8_modules` picks for the FP8 layers of ``config.backend``, in place; returns
+    their names. They share the original parameters (optimizers built earlier keep working).
 
-    ``config`` may be a recipe name (see :func:`fp8_config`). With ``backend="native"`` the layers become
-    :class:`FP8Linear` sharing the original parameters; other backends are delegated to
-    :mod:`lit_mpstable.fp8.backends`.
+    ``config`` may be a recipe name (see :func:`fp8_config`).
     """
     config = fp8_config(config)
     if config is None:
         return []
+    backend = fp8_backend(config)
     names = select_fp8_modules(model, config)
-    if config.backend != "native":
-        from lit_mpstable.fp8 import backends
-
-        backends.convert(model, config, names)
-        return names
-    for name in names:
-        _replace(model, name, FP8Linear.from_linear(model.get_submodule(name), config))
+    backend.convert_(model, names)
     return names
 
 
 def convert_from_fp8(model: nn.Module, names: list[str] | None = None) -> list[str]:
-    """Move FP8Linear layers back to plain ``nn.Linear`` (same parameters), in place; returns their names.
-
-    ``names=None`` converts every FP8Linear. Their FP8 state (amax histories) is dropped.
+    """Move FP8 layers (any backend) back to plain ``nn.Linear`` with the same parameters, in place; returns their
+    names. ``names=None`` converts every FP8 layer. Their FP8 state (amax histories) is dropped.
 
     Raises:
-        ValueError: a name is not an FP8Linear of ``model``.
+        ValueError: a name is not an FP8 layer of ``model``.
     """
-    layers = _fp8_layers(model)
+    layers = find_fp8_layers(model)
     names = list(layers) if names is None else list(names)
     unknown = [name for name in names if name not in layers]
     if unknown:
         raise ValueError(
-            f"convert_from_fp8(names={names!r}): {unknown!r} are not FP8Linear layers; those are {list(layers)}."
+            f"convert_from_fp8(names={names!r}): {unknown!r} are not FP8 layers; those are {list(layers)}."
         )
-    for name in names:
-        _replace(model, name, layers[name].to_linear())
+    for backend, group in _by_backend({name: layers[name] for name in names}).items():
+        backend.revert_(model, group)
     return names
 
 
 def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every FP8Linear's :meth:`~FP8Linear.fp8_state_dict`, keyed ``"<fqn>.<key>"`` (e.g. ``"fc2.amax_history"``).
+    """Every FP8 layer's scaling state, keyed ``"<fqn>.<key>"`` (e.g. ``"fc2.amax_history"``).
 
     Plain tensors only (copies), so it saves and loads with ``torch.load(..., weights_only=True)``. Empty when no
     layer holds state (no FP8 layer, or a stateless recipe).
     """
-    return {
-        f"{name}.{key}": value
-        for name, layer in _fp8_layers(model).items()
-        for key, value in layer.fp8_state_dict().items()
-    }
+    state: dict[str, torch.Tensor] = {}
+    for backend, names in _by_backend(find_fp8_layers(model)).items():
+        state.update(backend.state_dict(model, names))
+    return state
 
 
 def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Restore :func:`fp8_state_dict`'s output into the model's FP8Linear layers. Strict.
+    """Restore :func:`fp8_state_dict`'s output into the model's FP8 layers. Strict.
 
     Raises:
         KeyError: keys are missing or unknown (another recipe or filter, or layers moved back to base precision).
@@ -157,28 +150,30 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
             f" {sorted(set(state) - set(expected))}; was it saved with another FP8 recipe or filter, or before/after"
             " a fallback moved layers back to base precision?"
         )
-    for name, layer in _fp8_layers(model).items():
-        prefix = f"{name}."
-        layer.load_fp8_state_dict({key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)})
+    for backend, names in _by_backend(find_fp8_layers(model)).items():
+        prefixes = tuple(f"{name}." for name in names)
+        backend.load_state_dict(model, names, {k: v for k, v in state.items() if k.startswith(prefixes)})
 
 
 def collect_fp8_stats_(model: nn.Module, enabled: bool = True) -> None:
-    """Turn per-layer FP8 telemetry on or off (``collect_stats``) for every FP8Linear; off clears old stats."""
-    for layer in _fp8_layers(model).values():
-        layer.collect_stats = enabled
-        if not enabled:
-            layer.fp8_stats.clear()
+    """Turn per-layer FP8 telemetry on or off for every FP8 layer; off clears old stats. A backend that records
+    none warns once when asked."""
+    for backend, names in _by_backend(find_fp8_layers(model)).items():
+        backend.collect_stats_(model, names, enabled)
 
 
 def fp8_stats(model: nn.Module) -> dict[str, dict[str, torch.Tensor | float]]:
-    """Latest FP8 telemetry: ``{fqn: layer.fp8_stats}`` for layers that collected some, plus ``"total"``.
+    """Latest FP8 telemetry: ``{fqn: stats}`` for layers that collected some, plus ``"total"``.
 
     Per layer, for each operand ``x``, ``w``, ``grad_out``: ``<t>_saturation_frac``, ``<t>_underflow_frac``,
     ``<t>_amax`` (0-dim tensors) and ``<t>_numel`` (a float). ``"total"`` holds ``fp8_saturation_frac`` and
     ``fp8_underflow_frac``: the fractions averaged over all operands of all layers, weighted by element count, as
     0-dim tensors (no host sync). The result is empty when no layer collected stats.
     """
-    per_layer = {name: dict(layer.fp8_stats) for name, layer in _fp8_layers(model).items() if layer.fp8_stats}
+    per_layer = {}
+    for name, backend in find_fp8_layers(model).items():
+        if stats := backend.layer_stats(model.get_submodule(name)):
+            per_layer[name] = stats
     if not per_layer:
         return {}
     if _TOTAL in per_layer:

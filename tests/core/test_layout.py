@@ -1,10 +1,13 @@
-"""PrecisionLayout in *-true modes: casts never round the FP32 islands' own parameters and buffers."""
+"""PrecisionLayout: casts never round the FP32 islands' own values; FP8 through the backend seam, selected once."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from fp8_stand_ins import install_transformer_engine
 from torch import nn
 
+from lit_mpstable.fp8 import FP8Config, FP8Linear
 from lit_mpstable.layout import PrecisionLayout
 
 
@@ -21,3 +24,58 @@ def test_islands_keep_their_fp32_values_through_casts_fallbacks_and_restores() -
         action()
         assert torch.equal(model[1].running_var, expected_var) and torch.equal(model[1].weight, expected_weight)
     assert model[2].weight.dtype == torch.float16  # the module fallback was undone
+
+
+# ---------------------------------------------------------------------------------------------------------- FP8
+def _tiny_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def test_the_fp8_selection_is_made_once_and_reapplied() -> None:
+    # An explicit filter names layers that are FP8Linear after the first swap: selecting again among exact nn.Linear
+    # layers would call the filter stale. The layout keeps the names and re-applies them.
+    model = _tiny_mlp()
+    layout = PrecisionLayout(torch.bfloat16, cast_parameters=False, fp8=FP8Config(recipe="delayed", filter=["2"]))
+    layout.attach(model, "cpu")
+    assert layout.fp8_selected == layout.fp8_layers == ["2"] and isinstance(model[2], FP8Linear)
+    state = layout.state_dict()
+    for action in (
+        lambda: layout.fallback(None), layout.restore,  # global fallback, restore
+        lambda: layout.fallback(["2"]), lambda: layout.load_state_dict(state),  # module fallback, rollback
+        lambda: layout.attach(model, "cpu"),  # a second fit
+    ):
+        action()
+    assert layout.fp8_layers == ["2"] and isinstance(model[2], FP8Linear) and type(model[0]) is nn.Linear
+    other = _tiny_mlp()  # another model: selected afresh
+    layout.attach(other, "cpu")
+    assert isinstance(other[2], FP8Linear)
+    with pytest.raises(ValueError, match=r"\['9'\] match no nn.Linear"):  # stale at the first selection
+        PrecisionLayout(torch.bfloat16, cast_parameters=False, fp8=FP8Config(filter=["9"])).attach(_tiny_mlp(), "cpu")
+
+
+def test_whole_model_fp32_leaves_fp8_for_every_backend() -> None:
+    pytest.importorskip("torchao.float8")
+    model = _tiny_mlp()
+    fp8 = FP8Config(recipe="current", backend="torchao", emulate=True)
+    layout = PrecisionLayout(torch.bfloat16, cast_parameters=False, fp8=fp8)
+    layout.attach(model, "cpu")
+    assert type(model[2]).__name__ == "Float8Linear" and layout.fp8_layers == ["2"]
+    assert "FP8" in layout.fallback(None)  # the first rung reaches torchao's layers too
+    assert type(model[2]) is nn.Linear and not layout.fp32
+    layout.restore()
+    layout.load_state_dict({**layout.state_dict(), "fp32": True})  # FP32 without the FP8 rung (e.g. a checkpoint)
+    assert type(model[2]) is nn.Linear and layout.fp8_layers == []
+
+
+def test_forward_context_enters_the_backends_only_while_fp8_layers_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    te = install_transformer_engine(monkeypatch)
+    layout = PrecisionLayout(torch.bfloat16, cast_parameters=False, fp8=FP8Config(backend="transformer_engine"))
+    model = _tiny_mlp()
+    layout.attach(model, "cpu")
+    with layout.forward_context():
+        model(torch.randn(4, 16))
+    assert len(te.autocast) == 1 and te.forwards == [layout.fp8_backend.recipe]
+    layout.fallback(None)
+    with layout.forward_context():
+        model(torch.randn(4, 16))  # the stand-in would raise outside TE's autocast: it is gone
+    assert len(te.autocast) == 1 and type(model[2]) is nn.Linear

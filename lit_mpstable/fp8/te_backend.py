@@ -1,0 +1,128 @@
+"""The TransformerEngine FP8 backend: te.Linear layers, TE's autocast around the forward, TE's own scaling state."""
+
+from __future__ import annotations
+
+import io
+import sys
+from typing import Any, ClassVar, ContextManager
+
+import torch
+from torch import nn
+
+from lit_mpstable.fp8.backend import FP8Backend, optional_import, replace_module, share_hooks
+from lit_mpstable.fp8.config import FP8Config
+
+__all__ = ["TransformerEngineBackend", "transformer_engine_recipe"]
+
+_EXTRA_STATE = "_extra_state"  # the key torch.nn.Module gives get_extra_state()'s value in a state dict
+_STATE_KEY = "extra_state"
+
+
+def transformer_engine_recipe(config: FP8Config) -> Any:
+    """TransformerEngine's recipe for ``config``: DelayedScaling, Float8CurrentScaling or MXFP8BlockScaling.
+
+    Raises:
+        ModuleNotFoundError: TransformerEngine is not installed.
+        ValueError: this TransformerEngine version has no class for the recipe.
+    """
+    recipe = optional_import("transformer_engine.common.recipe", "transformer_engine")
+    fp8_format = recipe.Format.HYBRID if config.format == "hybrid" else recipe.Format.E4M3
+    if config.recipe == "delayed":
+        return recipe.DelayedScaling(
+            margin=config.margin,
+            fp8_format=fp8_format,
+            amax_history_len=config.amax_history_len,
+            amax_compute_algo=config.amax_compute_algo,
+        )
+    name = {"current": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling"}[config.recipe]
+    if not hasattr(recipe, name):
+        raise ValueError(
+            f"FP8Config(recipe={config.recipe!r}, backend='transformer_engine'): this TransformerEngine has no"
+            f" recipe.{name} (current scaling needs TE >= 2.2, MXFP8 TE >= 2.0); upgrade it, or use recipe='delayed'."
+        )
+    return getattr(recipe, name)(fp8_format=fp8_format)
+
+
+class TransformerEngineBackend(FP8Backend):
+    """``transformer_engine.pytorch.Linear`` layers that take over the original ``Parameter`` objects.
+
+    - Conversion builds a ``te.Linear`` of the same shape and dtype and hands it the original ``weight`` and
+      ``bias`` (TE accepts re-registered parameters, as FSDP2 does to it); reverting hands them to an
+      ``nn.Linear``. So optimizers and master weights stay bound through fallbacks and restores, and the
+      reverted layer holds the trained weights.
+    - :meth:`forward_context`: ``te.autocast(enabled=True, recipe=...)`` (TE >= 2.x), else
+      ``te.fp8_autocast(enabled=True, fp8_recipe=...)``, with the recipe built once.
+    - State: TE's own ``get_extra_state()`` (its amax histories and scales, serialised by TE into a uint8 tensor;
+      empty for stateless recipes), under ``"<fqn>.extra_state"``. It is kept out of ``model.state_dict()`` so a
+      model checkpoint loads into the plain model Lightning restores before ``convert_module`` (and a strict load
+      into a TE layer without it leaves TE's state alone); the plugin's state carries it.
+    - Cross-rank amaxes: TE reduces them itself inside its autocast (``DelayedScaling.reduce_amax=True``, over the
+      default process group), so :meth:`sync_` has nothing to do. No saturation/underflow telemetry.
+
+    Raises:
+        ModuleNotFoundError: TransformerEngine is not installed.
+        ValueError: its recipe class for ``config.recipe`` is missing (FP8Config refuses ``emulate=True``).
+    """
+
+    name: ClassVar[str] = "transformer_engine"
+
+    def __init__(self, config: FP8Config) -> None:
+        super().__init__(config)
+        te = optional_import("transformer_engine.pytorch", "transformer_engine")
+        self.recipe = transformer_engine_recipe(config)
+        if hasattr(te, "autocast"):  # TE 2.x; fp8_autocast is deprecated there (and warns on every call)
+            self._autocast, self._recipe_kwarg = te.autocast, "recipe"
+        else:
+            self._autocast, self._recipe_kwarg = te.fp8_autocast, "fp8_recipe"
+
+    @classmethod
+    def is_fp8_layer(cls, module: nn.Module) -> bool:
+        te = sys.modules.get("transformer_engine.pytorch")
+        return te is not None and isinstance(module, te.Linear)
+
+    def convert_(self, model: nn.Module, names: list[str]) -> None:
+        te = optional_import("transformer_engine.pytorch", "transformer_engine")
+        for name in names:
+            linear = model.get_submodule(name)
+            layer = te.Linear(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                params_dtype=linear.weight.dtype,
+                device=linear.weight.device,
+            )
+            layer.weight = linear.weight
+            if linear.bias is not None:
+                layer.bias = linear.bias
+            layer.train(linear.training)
+            share_hooks(linear, layer)
+            layer.register_state_dict_post_hook(_drop_extra_state)
+            layer.register_load_state_dict_pre_hook(_keep_extra_state)
+            replace_module(model, name, layer)
+
+    def forward_context(self) -> ContextManager:
+        return self._autocast(enabled=True, **{self._recipe_kwarg: self.recipe})
+
+    @classmethod
+    def layer_state(cls, layer: nn.Module) -> dict[str, torch.Tensor]:
+        state = layer.get_extra_state()
+        if isinstance(state, io.BytesIO):  # TE 1.x serialised with torch.save into a buffer
+            state = torch.frombuffer(bytearray(state.getvalue()), dtype=torch.uint8)
+        return {_STATE_KEY: state.detach().clone()}
+
+    @classmethod
+    def load_layer_state(cls, layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        value = state[_STATE_KEY]
+        if isinstance(layer.get_extra_state(), io.BytesIO):  # hand it back in the form this TE reads
+            value = io.BytesIO(value.numpy().tobytes())
+        layer.set_extra_state(value)
+
+
+def _drop_extra_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    state_dict.pop(prefix + _EXTRA_STATE, None)
+
+
+def _keep_extra_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    # A state dict without TE's extra state (ours: see the class docstring) loads the parameters and leaves TE's
+    # FP8 state as it is: TE's set_extra_state returns at once for None (its path for checkpoints without FP8 state).
+    state_dict.setdefault(prefix + _EXTRA_STATE, None)

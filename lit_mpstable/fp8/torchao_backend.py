@@ -1,0 +1,140 @@
+"""The torchao FP8 backend: torchao's Float8Linear (current scaling) and its MXFP8 weight wrapper, behind the seam."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lit_mpstable.fp8.backend import FP8Backend, optional_import, share_hooks
+from lit_mpstable.fp8.config import FP8Config
+from lit_mpstable.fp8.gemm import scaled_mm_supported
+
+__all__ = ["TorchaoBackend"]
+
+_MX_CONFIG = "torchao.prototype.moe_training.config"
+_MX_TENSOR = "torchao.prototype.moe_training.tensor"
+
+
+class TorchaoBackend(FP8Backend):
+    """torchao's FP8 training layers, sharing the original ``Parameter`` objects.
+
+    - ``recipe="current"``: ``torchao.float8.convert_to_float8_training`` with ``Float8LinearConfig`` (tensorwise
+      dynamic scaling, E4M3 forward, E5M2 or E4M3 gradients), restricted to the selected names. Reverting gives an
+      ``nn.Linear`` with the same parameters.
+    - ``recipe="mxfp8"``: torchao's ``MXFP8TrainingOpConfig`` through ``quantize_``: the layer stays an ``nn.Linear``
+      whose parameters hold an ``MXFP8TrainingWeightWrapperTensor``. torchao makes new Parameters; their contents
+      are swapped into the original ones (``torch.utils.swap_tensors``), and back on revert, so the objects that
+      optimizers hold stay the ones the model computes with.
+
+    Stateless (nothing to checkpoint, nothing to synchronise across ranks) and without telemetry.
+
+    Raises:
+        ModuleNotFoundError: torchao is not installed.
+        ValueError: ``recipe="mxfp8"`` with a torchao that has no MXFP8 training config (FP8Config itself refuses
+            ``recipe="delayed"``: torchao removed delayed scaling).
+    """
+
+    name: ClassVar[str] = "torchao"
+
+    def __init__(self, config: FP8Config) -> None:
+        super().__init__(config)
+        if config.recipe == "mxfp8":
+            optional_import("torchao", "torchao")
+            try:
+                importlib.import_module(_MX_CONFIG)
+                importlib.import_module("torchao.quantization.quantize_.common")
+            except ImportError as err:
+                raise ValueError(
+                    "FP8Config(recipe='mxfp8', backend='torchao'): this torchao version has no MXFP8 training config"
+                    f" ({_MX_CONFIG}.MXFP8TrainingOpConfig); use backend='native' or upgrade torchao."
+                ) from err
+        else:
+            optional_import("torchao.float8", "torchao")
+
+    @classmethod
+    def is_fp8_layer(cls, module: nn.Module) -> bool:
+        linear_module = sys.modules.get("torchao.float8.float8_linear")
+        if linear_module is not None and isinstance(module, linear_module.Float8Linear):
+            return True
+        return type(module) is nn.Linear and _mx_wrapped(module.weight)
+
+    def convert_(self, model: nn.Module, names: list[str]) -> None:
+        if not names:
+            return
+        selected = set(names)
+
+        def module_filter_fn(module: nn.Module, fqn: str) -> bool:
+            return fqn in selected
+
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        originals = {name: model.get_submodule(name) for name in names}
+        if self.config.recipe == "mxfp8":
+            self._convert_mx(model, originals, module_filter_fn, device)
+            return
+        float8 = optional_import("torchao.float8", "torchao")
+        emulate = self.config.emulate if self.config.emulate is not None else not scaled_mm_supported(device)
+        grad = {}  # torchao's default is hybrid: E5M2 gradients
+        if self.config.format == "e4m3":
+            grad["cast_config_grad_output"] = float8.CastConfig(target_dtype=torch.float8_e4m3fn)
+        float8_config = float8.Float8LinearConfig(emulate=emulate, **grad)
+        float8.convert_to_float8_training(model, module_filter_fn=module_filter_fn, config=float8_config)
+        for name, linear in originals.items():
+            share_hooks(linear, model.get_submodule(name))
+
+    def _convert_mx(self, model: nn.Module, originals: dict[str, nn.Module], module_filter_fn: Any, device) -> None:
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+        from torchao.quantization import quantize_
+        from torchao.quantization.quantize_.common import KernelPreference
+
+        hardware_mx = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)  # Blackwell
+        emulate = self.config.emulate if self.config.emulate is not None else not hardware_mx
+        preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
+        before = {name: dict(layer.named_parameters(recurse=False)) for name, layer in originals.items()}
+        quantize_(model, MXFP8TrainingOpConfig(kernel_preference=preference), filter_fn=module_filter_fn)
+        for name, params in before.items():
+            layer = model.get_submodule(name)
+            for key, original in params.items():
+                wrapped = getattr(layer, key)
+                torch.utils.swap_tensors(original, wrapped)  # the original object now holds torchao's wrapper
+                setattr(layer, key, original)
+            # The model's state dict keeps plain tensors, so checkpoints load with weights_only=True and into the
+            # plain model (a wrapper subclass would need torchao and an unsafe load).
+            setattr(layer, _HOOK, layer.register_state_dict_post_hook(_plain_state))
+
+    @classmethod
+    def revert_(cls, model: nn.Module, names: list[str]) -> None:
+        float8 = [name for name in names if type(model.get_submodule(name)) is not nn.Linear]
+        super().revert_(model, float8)
+        for name in names:
+            if name not in float8:
+                layer = model.get_submodule(name)
+                for param in layer.parameters(recurse=False):
+                    if _mx_wrapped(param):
+                        plain = nn.Parameter(_unwrap(param), requires_grad=param.requires_grad)
+                        torch.utils.swap_tensors(param, plain)
+                if (handle := getattr(layer, _HOOK, None)) is not None:
+                    handle.remove()
+                    delattr(layer, _HOOK)
+
+
+_HOOK = "_lit_mpstable_plain_state_hook"
+
+
+def _mx_wrapped(tensor: Any) -> bool:
+    tensor_module = sys.modules.get(_MX_TENSOR)
+    return tensor_module is not None and isinstance(tensor, tensor_module.TrainingWeightWrapperBaseTensor)
+
+
+def _unwrap(tensor: torch.Tensor) -> torch.Tensor:
+    (inner,), _ = tensor.__tensor_flatten__()  # the tensor-subclass protocol names its plain tensor
+    return getattr(tensor, inner)
+
+
+def _plain_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for key in ("weight", "bias"):
+        if _mx_wrapped(value := state_dict.get(prefix + key)):
+            state_dict[prefix + key] = _unwrap(value).detach()
