@@ -73,7 +73,7 @@ def schema_type(hint: Any) -> Any:
 
 
 def _item_type(hint: Any) -> Any:
-    # Containers hold primitives, enums or anything (OmegaConf has no list of lists of a type).
+    # An item that is itself a container, a class or a union of kinds stays unchecked (Any): the constructor checks it.
     item = schema_type(hint)
     base = typing.get_args(item)[0] if typing.get_origin(item) is Union else item
     return item if base in _PRIMITIVES or (isinstance(base, type) and issubclass(base, enum.Enum)) else Any
