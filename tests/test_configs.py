@@ -267,6 +267,14 @@ def test_any_hydra_app_composes_our_groups_through_the_search_path(registered: b
     assert ("window" in cfg.callbacks.overflow_monitor) == registered  # the schema's fields, when registered
 
 
+def test_the_search_path_plugin_imports_hydra_only() -> None:
+    # Hydra imports every plugin module when any app starts: ours must not pull in torch, Lightning or ourselves.
+    probe = ("import sys, hydra_plugins.lit_mpstable_searchpath.lit_mpstable_searchpath; "
+             "print(sorted(m for m in ('torch', 'lightning', 'lit_mpstable') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("option", _options("model"))
 def test_models_and_data_instantiate(option: str) -> None:
     cfg = _compose([f"model={option}", f"data={'digits' if option == 'mlp' else 'stdlib_chars'}"])

@@ -48,12 +48,10 @@ def wheel(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def venv(wheel: Path) -> Path:
-    """A fresh environment: the wheel installed with ``--no-deps``, and the core dependencies (torch, Lightning,
-    Hydra, ...) as links to this environment's packages, so nothing is downloaded."""
+    """A fresh environment: the core dependencies (torch, Lightning, Hydra, ...) as links to this environment's
+    packages, so nothing is downloaded, and the wheel installed with ``--no-deps``."""
     env = wheel.parents[1] / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", env])
-    _run([sys.executable, "-m", "pip", "--python", env / "bin" / "python", "install", "-q", "--no-deps",
-          "--no-index", wheel])
     deps = wheel.parents[1] / "deps"
     deps.mkdir()
     for folder in {Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}:
@@ -63,6 +61,8 @@ def venv(wheel: Path) -> Path:
     site = Path(_run([env / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
                 .stdout.strip())
     (site / "_core_dependencies.pth").write_text(f"{deps}\n")
+    # pip comes with the links; run by the new interpreter, it installs there (console script included).
+    _run([env / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel])
     return env
 
 
