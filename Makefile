@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build; users get the range in pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
+	# .[dev]: the report and demo extras (figures, rich table, digits data) plus the test tools
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -26,4 +27,4 @@ bench: $(STAMP)
 	$(PY) bench/bench_precision.py
 
 clean:
-	rm -rf $(VENV) outputs multirun lightning_logs .pytest_cache
+	rm -rf $(VENV) outputs multirun lightning_logs .pytest_cache build dist *.egg-info

@@ -1,5 +1,5 @@
-"""What the experiment scripts share: compose a run from ``conf/`` (``experiment=...``), fit it with a recorder,
-summarise, and write a table, a figure and the command that reproduces them into ``experiments/results/``."""
+"""What the experiment scripts share: compose a run from ``lit_mpstable/conf/`` (``experiment=...``), fit it with a
+recorder, summarise, and write a table, a figure and the command that reproduces them into ``experiments/results/``."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the package without installing, and `experiments._models` as a Hydra target
+if str(ROOT) not in sys.path:  # the package without installing
     sys.path.insert(0, str(ROOT))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from hydra import compose as _hydra_compose  # noqa: E402
-from hydra import initialize_config_dir  # noqa: E402
+from hydra import initialize_config_module  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
@@ -39,7 +39,8 @@ __all__ = [
     "markdown_table", "pyplot", "quiet", "smooth", "tail_mean", "write_result",
 ]
 
-CONF = ROOT / "conf"
+CONF = ROOT / "lit_mpstable" / "conf"
+"""The configs (package data, composed as ``pkg://lit_mpstable.conf``)."""
 RESULTS = ROOT / "experiments" / "results"
 QUIET = ("trainer.enable_progress_bar=false", "trainer.enable_model_summary=false")
 """Overrides every experiment run gets: no progress bar or model summary in the logs."""
@@ -55,10 +56,10 @@ def quiet() -> None:
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:
-    """``conf/train.yaml`` with ``overrides``, as ``python -m lit_mpstable.train <overrides>`` would compose it."""
+    """``train.yaml`` with ``overrides``, as ``python -m lit_mpstable.train <overrides>`` would compose it."""
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module(config_module="lit_mpstable.conf", version_base="1.3"):
         return _hydra_compose(config_name="train", overrides=[*QUIET, *overrides])
 
 

@@ -6,7 +6,7 @@ overflow rate, accuracy/loss gap, loss-scale settling and effective throughput.
     .venv/bin/python experiments/classic.py --reuse            # keep an existing sweep, redo the timing only
     .venv/bin/python experiments/classic.py --rows classic_mlp_fp32,classic_mlp_fp16_dynamic trainer.max_steps=20
 
-Rows are ``conf/experiment/classic_*.yaml``. Quality (losses, accuracy, overflow, loss scale, peak tensor memory)
+Rows are ``experiment/classic_*.yaml`` configs. Quality (losses, accuracy, overflow, loss scale, peak tensor memory)
 comes from one full run per row, launched as one Hydra multirun of ``python -m lit_mpstable.train`` (joblib launcher
 with ``--jobs`` > 1) into ``--sweep-dir``; ``experiments/aggregate.py`` turns it into
 ``experiments/results/classic_sweep/``. Speed comes from separate short runs made alone, round-robin: each round
@@ -298,11 +298,11 @@ def main(argv: list[str] | None = None) -> None:
                                                                else ".")
     aggregate_main([str(args.sweep_dir), "--out", str(args.out / "classic_sweep")])
     intro = (
-        "Main rows: the GPT on stdlib text (`conf/model/gpt.yaml`: d=128, 2 layers, 4 heads, 445k parameters;\n"
+        "Main rows: the GPT on stdlib text (`model/gpt.yaml`: d=128, 2 layers, 4 heads, 445k parameters;\n"
         "batches of 16x64 characters; AdamW lr 3e-3, warmup 20, cosine; 300 steps; validation every 50 steps on 20\n"
         "held-out batches). FP16 is emulated on CPUs (~7x slower than BF16 on this GPT), so the FP16 rows use the\n"
         "digits MLP (64-256-256-10, batch 64, 300 steps), against their own FP32 baseline. Rows are\n"
-        "`experiment=classic_*` (`conf/experiment/`), no callbacks.\n\n"
+        "`experiment=classic_*` (in `lit_mpstable/conf/`), no callbacks.\n\n"
         f"- ms/step, speed-up: {args.rounds} rounds of short runs made alone ({args.warmup} warm-up +"
         f" {args.timing_steps} timed steps, median), rows round-robin; speed-up = median over rounds of\n"
         "  baseline time / row time in the same round (range: min-max). Process CPU time per step (one torch\n"

@@ -1,14 +1,23 @@
-"""Structured configs: one dataclass per public constructor (same fields and defaults, plus ``_target_``).
+"""Structured configs derived from the constructors: one dataclass per public constructor, plus ``_target_``.
 
-A config is only a schema: validation lives once, in the constructor. ``register_configs()`` puts the schemas in
-Hydra's ConfigStore, so ``conf/train.yaml`` type-checks ``plugin.*`` before anything is built. Any other Hydra
-project can instantiate these nodes (or write the ``_target_`` by hand).
+Each schema is built from its constructor's signature (names, defaults and type hints), so the two cannot drift:
+a new argument, a changed default or an ``int`` becoming ``int | None`` shows up in the schema by itself. A config is
+only a schema: validation lives once, in the constructor. ``register_configs()`` puts the schemas in Hydra's
+ConfigStore (``schema/<name>``), so a composed ``plugin.*`` or callback node is type-checked before anything is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import collections.abc
+import dataclasses
+import enum
+import importlib
+import inspect
+import types
+import typing
+from typing import Any, Literal, Optional, Union
+
+from omegaconf import MISSING
 
 __all__ = [
     "AMPPreflightConfig",
@@ -17,126 +26,117 @@ __all__ = [
     "FP8RecipeConfig",
     "OverflowMonitorConfig",
     "PrecisionFallbackConfig",
+    "SCHEMAS",
     "ScaleCheckpointConfig",
     "StablePrecisionConfig",
     "StaticLossScalerConfig",
+    "derive_schema",
     "register_configs",
+    "schema_type",
 ]
 
-# Omegaconf only accepts typing.Optional / Any here (no `X | None` at run time), hence the older spellings.
+_PRIMITIVES = (bool, int, float, str)
+_SEQUENCES = (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Iterable,
+              collections.abc.Collection)
+_MAPPINGS = (dict, collections.abc.Mapping)
 
 
-@dataclass
-class StablePrecisionConfig:
-    _target_: str = "lit_mpstable.StablePrecision"
-    precision: str = "bf16-mixed"
-    scaler: Any = "auto"
-    """"auto", "dynamic", "static", "adaptive", null, or a scaler node with its own _target_."""
-    master_weights: Any = True
-    """true/false, or "fp32", "kahan", "stochastic"."""
-    skip_nonfinite: bool = True
-    fp8: Any = None
-    """null, a recipe name ("delayed", "current", "mxfp8") or an FP8RecipeConfig node."""
-    fp32_modules: list[Any] = field(default_factory=list)
-    op_policy: Any = "autocast"
-    """"autocast", "auto", or a mapping {family: dtype} such as {attention: fp32} (see lit_mpstable.policy)."""
-    device: Optional[str] = None
-    telemetry_every_n_steps: Optional[int] = 50
-    diagnose: bool = False
+def schema_type(hint: Any) -> Any:
+    """The closest type OmegaConf 2.3 can check for a constructor's type hint.
+
+    ``bool``, ``int``, ``float``, ``str`` and enums stay; ``X | None`` becomes ``Optional[X]``; a ``Literal`` of strings
+    becomes ``str`` (OmegaConf has no ``Literal``: the constructor checks the choice); sequences become ``list[X]``
+    and string-keyed mappings ``dict[str, X]``; unions of different kinds, classes and callables become ``Any``
+    (the constructor checks them).
+    """
+    if hint is Any or hint in _PRIMITIVES or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        return hint
+    if hint in _SEQUENCES:
+        return list[Any]
+    if hint in _MAPPINGS:
+        return dict[str, Any]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        kinds = {type(arg) for arg in args}
+        return kinds.pop() if len(kinds) == 1 and kinds <= set(_PRIMITIVES) else Any
+    if origin in (Union, types.UnionType):
+        members = {schema_type(arg) for arg in args if arg is not type(None)}
+        inner = members.pop() if len(members) == 1 else Any
+        return Optional[inner] if type(None) in args and inner is not Any else inner
+    if origin in _SEQUENCES:
+        items = [arg for arg in args if arg is not Ellipsis]
+        return list[_item_type(items[0]) if len(set(items)) == 1 else Any]
+    if origin in _MAPPINGS:
+        key, value = args or (Any, Any)
+        return dict[str, _item_type(value)] if key is str else Any
+    return Any
 
 
-@dataclass
-class DynamicLossScalerConfig:
-    _target_: str = "lit_mpstable.scaling.DynamicLossScaler"
-    device: Optional[str] = None
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    min_scale: Optional[float] = None
-    max_scale: Optional[float] = 2.0**24
-    enabled: bool = True
+def _item_type(hint: Any) -> Any:
+    # An item that is itself a container, a class or a union of kinds stays unchecked (Any): the constructor checks it.
+    item = schema_type(hint)
+    base = typing.get_args(item)[0] if typing.get_origin(item) is Union else item
+    return item if base in _PRIMITIVES or (isinstance(base, type) and issubclass(base, enum.Enum)) else Any
 
 
-@dataclass
-class StaticLossScalerConfig:
-    _target_: str = "lit_mpstable.scaling.StaticLossScaler"
-    device: Optional[str] = None
-    init_scale: float = 2.0**16
-    enabled: bool = True
+def _field(name: str, hint: Any, default: Any, owner: str) -> tuple[str, Any, dataclasses.Field]:
+    if default is inspect.Parameter.empty:
+        return name, hint, dataclasses.field(default=MISSING)
+    if isinstance(default, (tuple, list, set, frozenset)):
+        items = list(default)
+        return name, hint, dataclasses.field(default_factory=lambda: list(items))
+    if isinstance(default, dict):
+        entries = dict(default)
+        return name, hint, dataclasses.field(default_factory=lambda: dict(entries))
+    if default is None or isinstance(default, (*_PRIMITIVES, enum.Enum)):
+        return name, hint, dataclasses.field(default=default)
+    raise TypeError(
+        f"derive_schema({owner}): the default of {name!r} is {default!r}, which a config cannot hold; give the"
+        " constructor a plain default (None, a number, a string, a list) or a hand-written schema."
+    )
 
 
-@dataclass
-class AdaptiveLossScalerConfig:
-    _target_: str = "lit_mpstable.scaling.AdaptiveLossScaler"
-    device: Optional[str] = None
-    init_scale: float = 2.0**16
-    target_format: str = "fp16"
-    headroom: float = 2.0
-    amax_history_len: int = 16
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    min_scale: Optional[float] = None
-    max_scale: Optional[float] = 2.0**24
-    enabled: bool = True
+def derive_schema(target: str | type, *, name: str | None = None) -> type:
+    """A dataclass mirroring the constructor ``target`` (a class, or its import path, which becomes ``_target_``):
+    one field per argument, with its default and :func:`schema_type` of its hint. ``name`` defaults to the class
+    name + ``Config``.
+
+    Raises:
+        TypeError: an annotation does not evaluate (a name imported only under ``TYPE_CHECKING``?), or a default is
+            not a plain value.
+    """
+    if isinstance(target, str):
+        module, _, attribute = target.rpartition(".")
+        constructor = getattr(importlib.import_module(module), attribute)
+    else:
+        constructor, attribute = target, target.__name__
+        target = f"{target.__module__}.{target.__qualname__}"
+    signature = inspect.signature(constructor)
+    annotated = constructor if dataclasses.is_dataclass(constructor) else constructor.__init__
+    try:
+        hints = typing.get_type_hints(annotated)
+    except NameError as error:
+        raise TypeError(f"derive_schema({target!r}): an annotation does not evaluate ({error}).") from error
+    fields = [("_target_", str, dataclasses.field(default=target))]
+    for param in signature.parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        fields.append(_field(param.name, schema_type(hints.get(param.name, Any)), param.default, target))
+    schema = dataclasses.make_dataclass(name or f"{attribute}Config", fields)
+    schema.__module__ = __name__  # where ours live: lit_mpstable.config.StablePrecisionConfig (pickle, reprs)
+    schema.__doc__ = f"Schema of ``{target}``, derived from its signature (fields, defaults, types)."
+    return schema
 
 
-@dataclass
-class FP8RecipeConfig:
-    _target_: str = "lit_mpstable.fp8.FP8Config"
-    recipe: str = "delayed"
-    format: str = "hybrid"
-    margin: int = 0
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    filter: Optional[list[str]] = None
-    """Qualified names or fnmatch patterns (types and callables need Python, not YAML)."""
-    backend: str = "native"
-    emulate: Optional[bool] = None
-
-
-@dataclass
-class OverflowMonitorConfig:
-    _target_: str = "lit_mpstable.callbacks.OverflowMonitor"
-    window: int = 100
-    warn_rate: float = 0.01
-    log_every_n_steps: Optional[int] = None
-
-
-@dataclass
-class PrecisionFallbackConfig:
-    _target_: str = "lit_mpstable.callbacks.PrecisionFallback"
-    patience: int = 10
-    min_scale: Optional[float] = 1.0
-    mode: str = "global"
-    cooldown: Optional[int] = None
-    max_overflow_rate: Optional[float] = 0.2
-    nonfinite_loss_patience: int = 3
-    window: int = 100
-
-
-@dataclass
-class ScaleCheckpointConfig:
-    _target_: str = "lit_mpstable.callbacks.ScaleCheckpoint"
-    every_n_steps: int = 50
-    spike_zscore: float = 6.0
-    window: int = 50
-    max_rollbacks: int = 3
-    min_history: int = 10
-    on_spike: str = "skip"
-    spike_patience: int = 3
-    snapshot_device: str = "cpu"
-
-
-@dataclass
-class AMPPreflightConfig:
-    _target_: str = "lit_mpstable.callbacks.AMPPreflight"
-    atol: Optional[float] = None
-    rtol: Optional[float] = None
-    action: str = "fallback"
-    forward_fn: Any = None
-
+StablePrecisionConfig = derive_schema("lit_mpstable.StablePrecision")
+DynamicLossScalerConfig = derive_schema("lit_mpstable.scaling.DynamicLossScaler")
+StaticLossScalerConfig = derive_schema("lit_mpstable.scaling.StaticLossScaler")
+AdaptiveLossScalerConfig = derive_schema("lit_mpstable.scaling.AdaptiveLossScaler")
+FP8RecipeConfig = derive_schema("lit_mpstable.fp8.FP8Config", name="FP8RecipeConfig")
+OverflowMonitorConfig = derive_schema("lit_mpstable.callbacks.OverflowMonitor")
+PrecisionFallbackConfig = derive_schema("lit_mpstable.callbacks.PrecisionFallback")
+ScaleCheckpointConfig = derive_schema("lit_mpstable.callbacks.ScaleCheckpoint")
+AMPPreflightConfig = derive_schema("lit_mpstable.callbacks.AMPPreflight")
 
 SCHEMAS: dict[str, type] = {
     "stable_precision": StablePrecisionConfig,
@@ -149,10 +149,16 @@ SCHEMAS: dict[str, type] = {
     "scale_checkpoint": ScaleCheckpointConfig,
     "amp_preflight": AMPPreflightConfig,
 }
+"""ConfigStore names (``schema/<name>``) of the schemas; the YAML options under ``callbacks/`` and ``scaler/`` use
+the same names."""
 
 
 def register_configs() -> None:
-    """Store every schema in Hydra's ConfigStore under the group ``schema`` (``schema/stable_precision``, ...)."""
+    """Store every schema in Hydra's ConfigStore under the group ``schema`` (``schema/stable_precision``, ...).
+
+    Call it before ``@hydra.main`` runs (at import of your app) to have the lit_mpstable nodes type-checked: the
+    ``callbacks/`` and ``scaler/`` options pick their schema up when it is registered.
+    """
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()

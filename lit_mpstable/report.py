@@ -1,8 +1,10 @@
-"""The stability report of one run: ``report.md`` plus PNG figures, written from a run summary (a plain dict)."""
+"""The stability report of one run: ``report.md`` plus PNG figures (with the ``report`` extra), written from a run
+summary (a plain dict)."""
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ def _fmt(value: Any) -> str:
 
 
 def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
+    """Draws the figures; raises ModuleNotFoundError without matplotlib (the ``report`` extra)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,7 +90,13 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
     """Write ``report.md`` and its figures into ``out_dir``; returns the report's path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures = _figures(summary, out_dir)
+    try:
+        figures, no_figures = _figures(summary, out_dir), None
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.partition(".")[0] != "matplotlib":
+            raise
+        figures, no_figures = [], 'Figures not drawn: matplotlib is not installed (pip install "lit_mpstable[report]").'
+        warnings.warn(f"write_report: {no_figures}", stacklevel=2)
     scales = summary.get("loss_scale_trajectory") or []
     overflow_rate = summary.get("overflow_rate") or 0.0
     rows = [
@@ -116,6 +125,8 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
     lines += ["## Checks", ""] + [f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in checks] + [""]
     for event in summary.get("events") or []:
         lines.append(f"- step {event.get('step')}: {event.get('what')}")
+    if no_figures:
+        lines += [no_figures, ""]
     for title, name in figures:
         lines += [f"## {title}", "", f"![{title}]({name})", ""]
     path = out_dir / "report.md"

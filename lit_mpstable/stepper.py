@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable._validate import bool_arg, choice_arg, int_arg
-from lit_mpstable.fp8 import FP8Config, fp8_autocast_context, fp8_config
+from lit_mpstable.fp8 import FP8Config, fp8_config
 from lit_mpstable.islands import FP32Islands
 from lit_mpstable.layout import PrecisionLayout
 from lit_mpstable.master import MasterWeights
@@ -247,8 +247,7 @@ class PrecisionStepper:
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         """Autocast (``*-mixed``), the 16-bit default dtype (``*-true``), the op policy and FP8's own context."""
-        fp8_context = fp8_autocast_context(self.fp8) if self.fp8 is not None and self.layout.fp8_layers else None
-        with fp8_context or nullcontext():
+        with self.layout.forward_context():  # the FP8 backend's own context (TE's autocast) while FP8 layers run
             if self.compute_dtype == torch.float32:
                 yield
             elif self.true_16bit:
@@ -398,6 +397,9 @@ class PrecisionStepper:
         self._unscaled.discard(id(optimizer))
 
     def _record(self, *, skipped: bool, overflow: bool) -> None:
+        # Every rank, every step (applied or skipped): delayed-scaling FP8 amax histories agreed across ranks (one
+        # all-reduce; nothing on one process).
+        self.layout.sync_fp8_()
         self.last_step_skipped = skipped
         self.step_count += 1
         self.skipped_steps += int(skipped)

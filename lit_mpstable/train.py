@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import time
@@ -20,6 +21,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lit_mpstable.config import register_configs
+from lit_mpstable.fp8 import select_fp8_modules
+from lit_mpstable.islands import match_modules
 from lit_mpstable.memory import MemoryProbe
 from lit_mpstable.report import write_report
 
@@ -78,6 +81,23 @@ class _StepRecorder(pl.Callback):
         self.stopped = time.perf_counter()
 
 
+class _NoSuchModule(ValueError):
+    """A module name or pattern in the config (``plugin.fp32_modules``, an FP8 filter) matches nothing in the model."""
+
+
+def _check_names(plugin: Any, model: pl.LightningModule) -> None:
+    # The plugin matches these names only when the trainer hands it the model (fit start, after data setup): checked
+    # here, right after the model is built, so a typo fails before training with the names the model does have.
+    # Patterns are relative to the LightningModule, as the plugin sees them.
+    try:
+        if plugin.islands.specs:
+            match_modules(model, plugin.islands.specs)
+        if plugin.fp8 is not None:
+            select_fp8_modules(model, plugin.fp8)
+    except ValueError as error:
+        raise _NoSuchModule(str(error)) from error
+
+
 @dataclass
 class Built:
     """A run composed from a config: what :func:`build` instantiated, ready for ``trainer.fit(model, datamodule=data)``."""
@@ -99,6 +119,7 @@ def build(cfg: DictConfig, *, extra_callbacks: Sequence[pl.Callback] = (), **tra
     extra = {"vocab_size": data.vocab_size, "seq_len": data.seq_len} if hasattr(data, "vocab_size") else {}
     model = instantiate(cfg.model, **extra)
     plugin = instantiate(cfg.plugin)
+    _check_names(plugin, model)
     callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
     trainer = instantiate(cfg.trainer, plugins=[plugin], callbacks=[*callbacks, *extra_callbacks], **trainer_kwargs)
     return Built(data, model, plugin, callbacks, trainer)
@@ -153,36 +174,72 @@ def run(cfg: DictConfig, out_dir: Path, *, callbacks: Sequence[pl.Callback] = ()
 
 
 def _print_summary(summary: dict[str, Any], out_dir: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"lit_mpstable run: {summary['model']} in {summary['precision']}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
     keys = ("steps", "steps_per_s", "final_train_loss", "val_loss", "val_acc", "peak_memory_mib", "loss_scale",
             "skipped_steps", "fallbacks", "rollbacks")
-    for key in keys:
-        value = summary[key]
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    rows = [(key, f"{summary[key]:.4g}" if isinstance(summary[key], float) else str(summary[key])) for key in keys]
+    title = f"lit_mpstable run: {summary['model']} in {summary['precision']}"
+    paths = f"summary: {out_dir / 'summary.json'}\nstability report: {out_dir / 'report.md'}"
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ModuleNotFoundError:
+        width = max(len(key) for key in keys)
+        print("\n".join([title, *(f"  {key:<{width}}  {value}" for key, value in rows), paths]))
+        print('(a plain table: rich is not installed; pip install "lit_mpstable[report]" for a formatted one)')
+        return
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in rows:
+        table.add_row(key, value)
     console = Console()
     console.print(table)
-    console.print(f"summary: {out_dir / 'summary.json'}\nstability report: {out_dir / 'report.md'}")
+    console.print(paths)
 
 
 register_configs()
 
+_SCALER_KEY = re.compile(r"^[+~]{0,2}scaler\.")  # the group's name used as a key: scaler.init_scale=...
+_PLUGIN_SCALER_KEY = re.compile(r"^[+~]{0,2}plugin\.scaler\.")
+_SCALER_OPTIONS = (
+    "scaler options live in the plugin's scaler node, plugin.scaler.<option>, which exists once a scaler node is"
+    " chosen: scaler=dynamic (or static, adaptive) plugin.scaler.init_scale=1024. The default (scaler=default) is"
+    " the name 'auto' (the plugin picks), which has no options."
+)
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
-def main(cfg: DictConfig) -> None:
+
+@hydra.main(version_base="1.3", config_path="pkg://lit_mpstable.conf", config_name="train")
+def _app(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run(cfg, out_dir)
-    except InstantiationException as error:
-        # A bad value in a config: the constructor's message names the argument and what is allowed.
+    except (InstantiationException, _NoSuchModule) as error:
+        # A bad value in a config: the constructor's (or the name check's) message names the argument, the value and
+        # what is allowed; a traceback would bury it.
         cause = error.__cause__ or error
         print(f"lit_mpstable.train: invalid configuration: {type(cause).__name__}: {cause}", file=sys.stderr)
         sys.exit(2)
     _print_summary(summary, out_dir)
+
+
+def main() -> None:
+    """``lit-mpstable-train`` and ``python -m lit_mpstable.train``: the Hydra app over ``pkg://lit_mpstable.conf``.
+
+    ``scaler.<option>=...`` (the group's name used as a key) is refused up front with the path that works; an
+    override of ``plugin.scaler.<option>`` that Hydra rejects (the scaler is a name, not a node) gets the same hint.
+    """
+    overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+    misplaced = [arg for arg in overrides if _SCALER_KEY.match(arg)]
+    if misplaced:
+        print(f"lit_mpstable.train: {misplaced[0]!r}: there is no key 'scaler'; {_SCALER_OPTIONS}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        _app()
+    except SystemExit as exit_:
+        # Hydra has printed its own message ("Key 'init_scale' is not in struct"); add how to get there.
+        if exit_.code == 1 and any(_PLUGIN_SCALER_KEY.match(arg) for arg in overrides):
+            print(f"lit_mpstable.train: {_SCALER_OPTIONS}", file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Small real models and data that need no download: a character-level GPT on Python's own standard-library
-source, and an MLP on scikit-learn's handwritten digits. Used by ``train``, the experiments and the benchmarks."""
+source, and an MLP on scikit-learn's handwritten digits (the ``demo`` extra). Used by ``train``, the experiments and
+the benchmarks."""
 
 from __future__ import annotations
 
@@ -155,7 +156,12 @@ class DigitsData(pl.LightningDataModule):
         self.batch_size = batch_size
 
     def setup(self, stage: str | None = None) -> None:
-        from sklearn.datasets import load_digits
+        try:
+            from sklearn.datasets import load_digits
+        except ModuleNotFoundError as error:
+            raise ModuleNotFoundError(
+                'DigitsData needs scikit-learn (its digits ship with it): pip install "lit_mpstable[demo]"'
+            ) from error
 
         digits = load_digits()
         x = torch.tensor(digits.data, dtype=torch.float32) / 16.0

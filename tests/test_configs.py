@@ -1,49 +1,201 @@
-"""Configs: schemas mirror the constructors, every group option composes and instantiates, the entry point runs."""
+"""Configs: schemas match the constructors, every group option composes and instantiates (in our app and, through
+the search-path plugin, in any Hydra app), the entry point runs, and config mistakes fail early with the fix."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import json
 import subprocess
 import sys
+import types
+import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, Literal, Optional
 
 import pytest
-from hydra import compose, initialize_config_dir
+import torch
+from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException
 from hydra.utils import get_class, instantiate
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ValidationError
+from torch import nn
 
-from lit_mpstable.config import SCHEMAS, register_configs
+import lit_mpstable.conf
+from lit_mpstable.config import SCHEMAS, derive_schema, register_configs
+from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(lit_mpstable.conf.__file__).parent
+
+
+# ------------------------------------------------------------------------------------------ schema vs constructor
+def _expected_type(hint: Any) -> Any:
+    """What a schema field must be for a constructor hint, spelled out case by case (OmegaConf 2.3 types)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in (bool, int, float, str):
+        return hint
+    if origin is Literal and all(isinstance(a, str) for a in args):
+        return str  # no Literal in OmegaConf: the constructor checks the choice
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        inner = _expected_type(rest[0]) if len(rest) == 1 else None
+        return None if inner is None else Optional[inner]
+    return None  # anything else: not checked here (the default must pass, and null where the hint takes None)
+
+
+def _disagreements(schema: type, target: Callable) -> list[str]:
+    """Where ``schema`` and ``target``'s signature differ: names, defaults, and types (a primitive hint must be the
+    same primitive, ``X | None`` must stay optional, and OmegaConf must accept the constructor's default)."""
+    params = {p.name: p for p in inspect.signature(target).parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    annotated = target if dataclasses.is_dataclass(target) else target.__init__
+    hints = typing.get_type_hints(annotated)
+    fields = {f.name: f for f in dataclasses.fields(schema) if f.name != "_target_"}
+    field_types = typing.get_type_hints(schema)  # evaluated (a hand-written schema may hold strings)
+    problems = [f"{name}: only in the schema" for name in fields.keys() - params.keys()]
+    problems += [f"{name}: only in the constructor" for name in params.keys() - fields.keys()]
+    for name in fields.keys() & params.keys():
+        field, param = fields[name], params[name]
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        expected = MISSING if param.default is inspect.Parameter.empty else param.default
+        expected = list(expected) if isinstance(expected, tuple) else expected
+        if default != expected or (type(default) is bool) != (type(expected) is bool):  # 0 == False in Python
+            problems.append(f"{name}: default {default!r} != {expected!r}")
+        want = _expected_type(hints.get(name, Any))
+        if want is not None and field_types[name] != want:
+            problems.append(f"{name}: type {field_types[name]} != {want} (hint {hints.get(name)})")
+        hint_args = typing.get_args(hints.get(name))
+        if type(None) in hint_args or hints.get(name, Any) is Any:
+            try:  # optional in the constructor: null must pass the schema
+                OmegaConf.merge(OmegaConf.structured(schema), {name: None})
+            except ValidationError:
+                problems.append(f"{name}: the constructor takes None, the schema does not")
+    return problems
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_schema_mirrors_the_constructor(name: str) -> None:
+def test_schema_matches_its_constructor(name: str) -> None:
     schema = SCHEMAS[name]
-    fields = {f.name: f for f in dataclasses.fields(schema) if f.name != "_target_"}
-    target = get_class(schema._target_)
-    params = {
-        p.name: p for p in inspect.signature(target).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    assert _disagreements(schema, get_class(schema._target_)) == []
+    OmegaConf.structured(schema)  # and OmegaConf accepts every field with its default
+
+
+class _Color(enum.Enum):
+    RED = "red"
+
+
+class _Hints:
+    def __init__(
+        self, count: int = 1, patience: int | None = 3, mode: Literal["global", "module"] = "global",
+        maybe_mode: Literal["a", "b"] | None = None, flag: bool = True, names: tuple[str, ...] = ("a",),
+        specs: Iterable[type[nn.Module] | str] = (), table: dict[str, float] | None = None,
+        fn: Callable[..., Any] | None = None, choice: bool | Literal["x"] = True, color: _Color = _Color.RED,
+        rate: float = 0.5, *args: Any, required: int, **kwargs: Any,
+    ) -> None: ...
+
+
+class _Stub:
+    """A constructor to drift from: the historical bug was `nonfinite_loss_patience: int` for `int | None`."""
+
+    def __init__(self, patience: int = 10, *, nonfinite_loss_patience: int | None = 3, mode: Literal["a", "b"] = "a",
+                 diagnose: bool = False, device: str | None = None) -> None: ...
+
+
+@dataclasses.dataclass
+class _StubConfig:
+    _target_: str = f"{__name__}._Stub"
+    patience: int = 10
+    nonfinite_loss_patience: Optional[int] = 3
+    mode: str = "a"
+    diagnose: bool = False
+    device: Optional[str] = None
+
+
+def _drifted(drop: tuple[str, ...] = (), **changes: tuple[Any, Any]) -> type:
+    kinds = typing.get_type_hints(_StubConfig)
+    fields = {f.name: (kinds[f.name], f.default) for f in dataclasses.fields(_StubConfig)} | changes
+    return dataclasses.make_dataclass(
+        "Drifted", [(name, kind, dataclasses.field(default=value)) for name, (kind, value) in fields.items()
+                    if name not in drop]
+    )
+
+
+@pytest.mark.parametrize(
+    "drop, changes, problem",
+    [
+        ((), {"nonfinite_loss_patience": (int, 3)}, "nonfinite_loss_patience: type"),  # the historical bug
+        ((), {"patience": (int, 5)}, "patience: default 5 != 10"),
+        ((), {"diagnose": (int, 0)}, "diagnose: default 0 != False"),
+        ((), {"device": (str, "cuda")}, "device: default 'cuda' != None"),
+        ((), {"mode": (Any, "a")}, "mode: type typing.Any != <class 'str'>"),
+        (("mode",), {}, "mode: only in the constructor"),
+        ((), {"window": (int, 100)}, "window: only in the schema"),
+    ],
+)
+def test_the_check_fails_when_a_schema_drifts(drop: tuple, changes: dict, problem: str) -> None:
+    assert _disagreements(_StubConfig, _Stub) == []  # the faithful schema passes
+    found = _disagreements(_drifted(drop, **changes), _Stub)
+    field = problem.split(":")[0]
+    assert any(p.startswith(problem) for p in found) and all(p.startswith(f"{field}:") for p in found), found
+
+
+def test_derived_schema_of_a_drifted_constructor_follows_it() -> None:
+    assert _disagreements(derive_schema(_Stub), _Stub) == []
+    fields = {f.name: f.type for f in dataclasses.fields(derive_schema(_Stub))}
+    assert fields["nonfinite_loss_patience"] == Optional[int] and fields["device"] == Optional[str]
+
+
+def test_derive_schema_maps_each_kind_of_hint() -> None:
+    schema = derive_schema(_Hints)
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    assert {name: f.type for name, f in fields.items()} == {
+        "_target_": str, "count": int, "patience": Optional[int], "mode": str, "maybe_mode": Optional[str],
+        "flag": bool, "names": list[str], "specs": list[Any], "table": Optional[dict[str, float]], "fn": Any,
+        "choice": Any, "color": _Color, "rate": float, "required": int,
     }
-    assert set(fields) == set(params), f"{name}: fields and {target.__name__}'s arguments differ"
-    for key, field in fields.items():
-        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-        expected = params[key].default
-        expected = list(expected) if isinstance(expected, tuple) else expected
-        assert default == expected, f"{name}.{key}: schema default {default!r} != constructor default {expected!r}"
+    assert fields["_target_"].default == f"{__name__}._Hints" and fields["names"].default_factory() == ["a"]
+    assert fields["required"].default == MISSING
+    node = OmegaConf.structured(schema)
+    node.patience, node.choice, node.table = None, "x", {"a": 1}
+    with pytest.raises(ValidationError):
+        node.count = 1.5  # int stays int
+    with pytest.raises(ValidationError):
+        node.flag = "maybe"  # bool stays bool
+    with pytest.raises(ValidationError):
+        node.count = None  # not optional in the constructor, not in the schema
 
 
+def test_derive_schema_refuses_what_a_config_cannot_hold() -> None:
+    class Odd:
+        def __init__(self, dtype: torch.dtype = torch.float16) -> None: ...
+
+    class Unresolvable:
+        def __init__(self, x: "NotImported" = 1) -> None: ...  # noqa: F821
+
+    with pytest.raises(TypeError, match=r"the default of 'dtype' is torch.float16"):
+        derive_schema(Odd)
+    with pytest.raises(TypeError, match=r"an annotation does not evaluate .*NotImported"):
+        derive_schema(Unresolvable)
+
+
+# ----------------------------------------------------------------------------------------- composing our groups
 def _compose(overrides: list[str]):
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module(config_module="lit_mpstable.conf", version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+_SCALERS = {"dynamic": DynamicLossScaler, "static": StaticLossScaler, "adaptive": AdaptiveLossScaler}
 
 
 @pytest.mark.parametrize(
@@ -52,7 +204,7 @@ def _options(group: str) -> list[str]:
 def test_every_option_composes_and_instantiates(group: str, option: str) -> None:
     overrides = [f"{group}={option}"]
     if group == "scaler" and option not in ("default", "none"):
-        overrides.append("precision=fp16_mixed")  # scaling is for FP16 modes
+        overrides += ["precision=fp16_mixed", "plugin.scaler.device=cpu"]  # scaling is for FP16 modes
     cfg = _compose(overrides)
     plugin = instantiate(cfg.plugin)
     assert type(plugin).__name__ == "StablePrecision"
@@ -63,8 +215,59 @@ def test_every_option_composes_and_instantiates(group: str, option: str) -> None
         expected = {"fp32": "32-true", "bf16_mixed": "bf16-mixed", "fp16_mixed": "16-mixed", "bf16_true": "bf16-true",
                     "fp16_true": "16-true", "auto": "bf16-mixed"}[option]
         assert plugin.precision == expected
+    if group == "scaler":
+        assert (plugin.scaler is None) == (option in ("default", "none"))  # default: none for bf16-mixed
+        if option in _SCALERS:
+            assert type(plugin.scaler) is _SCALERS[option] and plugin.scaler.is_enabled()
     if group == "fp8":
         assert (plugin.fp8 is None) == (option == "none")
+
+
+def test_scaler_options_are_set_on_the_scaler_node() -> None:
+    cfg = _compose(["precision=fp16_mixed", "scaler=dynamic", "plugin.scaler.device=cpu",
+                    "plugin.scaler.init_scale=1024", "plugin.scaler.hysteresis=2"])
+    plugin = instantiate(cfg.plugin)
+    assert plugin.loss_scale == 1024.0 and plugin.scaler.hysteresis == 2
+
+
+def test_a_scaler_node_without_a_device_scales_on_this_machine() -> None:
+    plugin = instantiate(_compose(["precision=fp16_mixed", "scaler=dynamic", "plugin.scaler.init_scale=1024"]).plugin)
+    assert plugin.scaler.is_enabled() and plugin.loss_scale == 1024.0
+
+
+def test_nodes_are_typed_in_our_app() -> None:
+    cfg = _compose(["callbacks.precision_fallback.nonfinite_loss_patience=null"])
+    assert instantiate(cfg.callbacks.precision_fallback).nonfinite_loss_patience is None  # the trigger turns off
+    with pytest.raises(ConfigCompositionException, match="patiense"):
+        _compose(["callbacks.precision_fallback.patiense=3"])
+    with pytest.raises(ConfigCompositionException, match="plugin.scaler.init_scale"):
+        _compose(["precision=fp16_mixed", "scaler=dynamic", "plugin.scaler.init_scale=big"])
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_any_hydra_app_composes_our_groups_through_the_search_path(registered: bool, tmp_path, monkeypatch) -> None:
+    # An app with an empty config directory of its own: our groups come from the search-path plugin.
+    register_configs()
+    if not registered:  # an app that never called register_configs(): untyped nodes, still instantiable
+        monkeypatch.delitem(ConfigStore.instance().repo, "schema")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        cfg = compose(overrides=["+precision=fp16_mixed", "+scaler=dynamic", "+callbacks=overflow_monitor",
+                                 "++plugin.scaler.device=cpu", "++plugin.scaler.init_scale=256"])
+        providers = [e.provider for e in GlobalHydra.instance().config_loader().get_search_path().get_path()]
+    assert "lit_mpstable" in providers
+    plugin = instantiate(cfg.plugin)
+    assert plugin.precision == "16-mixed" and type(plugin.scaler) is DynamicLossScaler and plugin.loss_scale == 256.0
+    assert type(instantiate(cfg.callbacks.overflow_monitor)).__name__ == "OverflowMonitor"
+    assert ("window" in cfg.callbacks.overflow_monitor) == registered  # the schema's fields, when registered
+
+
+def test_the_search_path_plugin_imports_hydra_only() -> None:
+    # Hydra imports every plugin module when any app starts: ours must not pull in torch, Lightning or ourselves.
+    probe = ("import sys, hydra_plugins.lit_mpstable_searchpath.lit_mpstable_searchpath; "
+             "print(sorted(m for m in ('torch', 'lightning', 'lit_mpstable') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("option", _options("model"))
@@ -76,11 +279,12 @@ def test_models_and_data_instantiate(option: str) -> None:
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
+# -------------------------------------------------------------------------------------------------- running it
 @pytest.mark.parametrize(
     "overrides",
     [
         ["precision=bf16_mixed"],
-        ["precision=fp16_mixed", "model=mlp", "data=digits", "scaler=dynamic"],
+        ["precision=fp16_mixed", "model=mlp", "data=digits", "scaler=dynamic", "plugin.scaler.device=cpu"],
         ["precision=bf16_true", "fp8=current"],
     ],
 )
@@ -99,6 +303,27 @@ def test_five_step_runs_write_summary_and_report(overrides: list[str], tmp_path:
     assert (tmp_path / "loss_scale.png").stat().st_size > 0
 
 
+def test_a_report_without_matplotlib_says_why(tmp_path: Path, monkeypatch) -> None:
+    from lit_mpstable.report import write_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ModuleNotFoundError
+    summary = {"precision": "16-mixed", "model": "M", "steps": 2, "final_train_loss": 1.0,
+               "loss_scale_trajectory": [2.0, 1.0], "skipped_trajectory": [False, True], "train_loss_curve": [2.0, 1.0]}
+    with pytest.warns(UserWarning, match=r"matplotlib is not installed"):
+        text = write_report(summary, tmp_path).read_text()
+    assert 'pip install "lit_mpstable[report]"' in text and "![" not in text
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_digits_without_scikit_learn_names_the_extra(monkeypatch) -> None:
+    from lit_mpstable.zoo import DigitsData
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    with pytest.raises(ModuleNotFoundError, match=r'pip install "lit_mpstable\[demo\]"'):
+        DigitsData().setup()
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lit_mpstable.train", *args], cwd=cwd, capture_output=True, text=True, timeout=300
@@ -108,31 +333,37 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_two_job_multirun_with_the_basic_launcher(tmp_path: Path) -> None:
     result = _cli("-m", "precision=fp32,bf16_mixed", "model=mlp", "data=digits", "callbacks=none",
-                  "trainer.max_steps=3", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
+                  "trainer.max_steps=3", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}",
+                  cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     summaries = sorted(tmp_path.glob("*/summary.json"))
     assert [json.loads(p.read_text())["precision"] for p in summaries] == ["32-true", "bf16-mixed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "override, message",
+    "overrides, code, messages",
     [
-        ("precision=fp17", "Available options in 'precision'"),
-        ("plugin.master_weights=maybe", "StablePrecision(master_weights='maybe'): allowed"),
-        ("callbacks.precision_fallback.mode=layer", "PrecisionFallback(mode='layer'): allowed"),
-        ("plugin.precision=fp16", "StablePrecision(precision='fp16')"),
+        (["precision=fp17"], 1, ["Available options in 'precision'"]),
+        (["plugin.master_weights=maybe"], None, ["master_weights", "maybe"]),
+        (["callbacks.precision_fallback.mode=layer"], 2, ["PrecisionFallback(mode='layer'): allowed"]),
+        (["plugin.precision=fp16"], 2, ["StablePrecision(precision='fp16')"]),
+        # the group's name used as a key, on the default config (where plugin.scaler is the name 'auto')
+        (["scaler.init_scale=-1"], 2, ["'scaler.init_scale=-1'", "scaler=dynamic (or static, adaptive)"
+                                                                 " plugin.scaler.init_scale=1024"]),
+        (["plugin.scaler.init_scale=-1"], 1, ["Key 'init_scale' is not in struct", "plugin.scaler.<option>"]),
+        (["precision=fp16_mixed", "scaler=dynamic", "plugin.scaler.init_scale=-1"], 2,
+         ["DynamicLossScaler(init_scale=-1"]),
+        # a pattern that matches no module: the name check runs before training, with the model's real names
+        (["plugin.fp32_modules=[model.hed]"], 2, ["['model.hed']", "match no module of GPTLM", "'model.head'"]),
+        (["+plugin.fp8={recipe: delayed, filter: [model.blocks.*.nope]}"], 2,
+         ["['model.blocks.*.nope'] match no nn.Linear layer", "model.blocks.0.fc"]),
     ],
 )
-def test_bad_overrides_name_the_key_and_allowed_values(override: str, message: str, tmp_path: Path) -> None:
-    result = _cli(override, "trainer.max_steps=1", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
-    assert result.returncode != 0
-    assert message in result.stderr
+def test_config_mistakes_fail_before_training_with_the_fix(overrides, code, messages, tmp_path: Path) -> None:
+    result = _cli(*overrides, "trainer.max_steps=1", "model.d_model=32", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode != 0 and (code is None or result.returncode == code), result.stderr[-2000:]
+    for message in messages:
+        assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr  # one message, not a wall
-
-
-def test_scaler_instance_node_instantiates() -> None:
-    # A scaler node with its own _target_ (any argument of the constructor) instead of a name.
-    cfg = _compose(["precision=fp16_mixed"])
-    cfg.plugin.scaler = {"_target_": "lit_mpstable.scaling.DynamicLossScaler", "device": "cpu", "hysteresis": 2}
-    plugin = instantiate(cfg.plugin)
-    assert plugin.scaler.hysteresis == 2 and plugin.loss_scale == 2.0**16
+    assert "GPU available" not in result.stdout + result.stderr  # failed before the Trainer was built

@@ -1,4 +1,5 @@
-"""Experiments: aggregate.py on a synthetic sweep, every conf/experiment option composes, a joblib multirun works."""
+"""Experiments: aggregate.py on a synthetic sweep, every experiment config composes, the demo models' scripted faults,
+a joblib multirun works."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+import torch
+from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class, instantiate
 
+import lit_mpstable.conf
 from lit_mpstable.config import register_configs
+from lit_mpstable.demos import FaultyMLP, WeightedLossMLP
+from lit_mpstable.zoo import MLPClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-if str(ROOT) not in sys.path:
-    sys.path.append(str(ROOT))  # experiments._models, the Hydra targets of some experiment configs
+CONF = Path(lit_mpstable.conf.__file__).parent
 
 # experiments/aggregate.py is a script, not a package module: load it from its path.
 _spec = importlib.util.spec_from_file_location("aggregate", ROOT / "experiments" / "aggregate.py")
@@ -90,7 +93,7 @@ def test_aggregate_rejects_a_directory_without_jobs(tmp_path: Path) -> None:
 def _compose(overrides: list[str]):
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module(config_module="lit_mpstable.conf", version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 
@@ -101,7 +104,7 @@ def test_every_experiment_composes_and_instantiates(name: str) -> None:
     assert type(plugin).__name__ == "StablePrecision"
     callbacks = [instantiate(node) for node in (cfg.callbacks or {}).values()]
     assert all(hasattr(cb, "state_dict") for cb in callbacks)
-    assert get_class(cfg.model._target_)  # the model class imports (experiments._models for some)
+    assert get_class(cfg.model._target_).__module__.startswith("lit_mpstable.")  # importable wherever installed
     expected = {"classic_fp32": "32-true", "classic_bf16_true": "bf16-true", "classic_fp8_mxfp8": "bf16-mixed",
                 "classic_mlp_fp16_adaptive": "16-mixed", "bf16_small_lr": "bf16-true", "fault_storm": "16-mixed"}
     if name in expected:
@@ -111,6 +114,46 @@ def test_every_experiment_composes_and_instantiates(name: str) -> None:
 def test_command_line_overrides_win_over_an_experiment() -> None:
     cfg = _compose(["experiment=bf16_small_lr", "precision=fp32", "plugin.master_weights=false"])
     assert cfg.plugin.precision == "32-true" and cfg.plugin.master_weights is False and cfg.model.lr == 1e-4
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.rand(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _twins(cls: type, **kwargs) -> tuple[MLPClassifier, MLPClassifier]:
+    model = cls(hidden=32, **kwargs)
+    clean = MLPClassifier(hidden=32)
+    clean.load_state_dict(model.state_dict())
+    return model, clean
+
+
+def test_faulty_mlp_spikes_exactly_the_scripted_batch() -> None:
+    faulty, clean = _twins(FaultyMLP, spike_batch=1, spike_factor=1e6)
+    batch = _batch()
+    losses = [faulty.training_step(batch, i) for i in range(3)]
+    reference = clean.training_step(batch, 0)
+    assert losses[0] == reference and losses[2] == reference
+    assert losses[1] == reference * 1e6 and faulty.batches_seen == 3
+
+
+def test_faulty_mlp_storm_overflows_fp16_only_and_only_on_its_batches() -> None:
+    faulty, clean = _twins(FaultyMLP, storm_module="model.0", storm_start=1, storm_stop=2)
+    batch = _batch()
+    reference = clean.training_step(batch, 0)
+    assert all(faulty.training_step(batch, i) == reference for i in range(3))  # FP32: y * 2**20 / 2**20 == y
+    faulty.half().batches_seen = 0
+    x, y = batch
+    finite = [bool(torch.isfinite(faulty.training_step((x.half(), y), i))) for i in range(3)]
+    assert finite == [True, False, True]  # FP16: y * 2**20 passes 65504 on the storm batch
+
+
+def test_weighted_loss_mlp_scales_the_loss_and_adams_eps_alike() -> None:
+    weighted, clean = _twins(WeightedLossMLP, loss_weight=2.0**-24)
+    batch = _batch()
+    assert weighted.training_step(batch, 0) == clean.training_step(batch, 0) * 2.0**-24
+    eps = [g["eps"] for g in weighted.configure_optimizers()["optimizer"].param_groups]
+    assert eps == [g["eps"] * 2.0**-24 for g in clean.configure_optimizers()["optimizer"].param_groups]
 
 
 @pytest.mark.slow

@@ -205,7 +205,7 @@ def _compose(overrides: list[str], *, return_hydra_config: bool = False):
 
     register_configs()
     GlobalHydra.instance().clear()
-    conf = Path(__file__).resolve().parents[2] / "conf"
+    conf = Path(__file__).resolve().parents[2] / "lit_mpstable" / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         return compose(config_name="train", overrides=overrides, return_hydra_config=return_hydra_config)
 

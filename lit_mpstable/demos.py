@@ -1,8 +1,5 @@
-"""Models the experiments need beyond ``lit_mpstable.zoo``: a loss weight and scripted faults.
-
-Hydra targets (``experiments._models.WeightedLossMLP``, ...): importable when the repository root is on
-``sys.path``, as it is for ``python -m lit_mpstable.train`` run from the root and for the experiment scripts.
-"""
+"""Demo models for the experiment configs: a loss-weighted MLP and models with scripted faults (loss spikes,
+overflow storms). Hydra targets such as ``lit_mpstable.demos.FaultyMLP``, importable wherever the package is."""
 
 from __future__ import annotations
 
