@@ -28,7 +28,7 @@ from lit_mpstable.layout import PrecisionLayout
 from lit_mpstable.master import MasterWeights
 from lit_mpstable.observer import GradObserver, shard_view
 from lit_mpstable.policy import OpPolicy
-from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler, resolve_device
+from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
 from lit_mpstable.schedulers import ScheduleHold
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
