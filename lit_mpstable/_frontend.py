@@ -29,6 +29,11 @@ class StableFrontEnd:
         ValueError, TypeError: an argument is not one of the allowed values.
     """
 
+    can_skip = True
+    """Callbacks may discard a step in progress (:meth:`skip_step`)."""
+    can_fallback = True
+    """Callbacks may widen the precision (:meth:`fallback`)."""
+
     def __init__(
         self,
         precision: PrecisionName = "bf16-mixed",

@@ -70,7 +70,7 @@ def inject_overflow(module: nn.Module, steps: Iterable[int], value: float = floa
 
 def make_module(**kwargs):
     """A TinyModule (LightningModule) built lazily so core tests never import Lightning through this file."""
-    import lightning.pytorch as pl
+    from trainer_pkg import pl
 
     class TinyModule(pl.LightningModule):
         """TinyMLP on `regression_data`; options: lr, optimizer ("sgd", "adamw", "adamw_fused"), scheduler (bool),
@@ -120,7 +120,7 @@ def make_module(**kwargs):
 
 def make_trainer(plugin=None, **kwargs):
     """A quiet CPU Trainer: no progress bar, summary, logger or checkpointing unless asked."""
-    import lightning.pytorch as pl
+    from trainer_pkg import pl
 
     defaults = dict(
         accelerator="cpu", devices=1, max_steps=4, enable_progress_bar=False, enable_model_summary=False,

@@ -3,6 +3,7 @@ the ``mp/*`` metrics are logged."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,7 +12,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
-from lit_mpstable.plugin import StablePrecision
+from lit_mpstable._frontend import StableFrontEnd
+from lit_mpstable.callbacks._view import ForeignPrecision
 
 __all__ = [
     "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "agreed_names", "any_rank",
@@ -78,22 +80,50 @@ def agreed_names(trainer: pl.Trainer, names: Sequence[str]) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ plugin access
 class PluginCallback(pl.Callback):
-    """Base of the four callbacks: finds the :class:`StablePrecision` plugin at fit start, or warns once (rank
-    zero) and leaves every hook inert."""
+    """Base of the callbacks: finds the precision plugin at fit start. ``StablePrecision`` is used as it is; with
+    Lightning's own plugins (``MixedPrecision``, ``HalfPrecision``, ``FSDPPrecision``, ...) a callback whose
+    ``foreign_note`` is set works from a :class:`ForeignPrecision` view of it (its GradScaler's scale and skipped
+    steps) and says once what it cannot do there; one whose ``foreign_note`` is None says once that it needs
+    StablePrecision and leaves every hook inert."""
+
+    foreign_note: str | None = None
+    """What this callback does differently with Lightning's own precision plugins, or None: nothing without ours."""
 
     def __init__(self) -> None:
-        self._plugin: StablePrecision | None = None
+        self._plugin: Any = None
         self._warned_no_plugin = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plugin = trainer.precision_plugin
-        self._plugin = plugin if isinstance(plugin, StablePrecision) else None
-        if self._plugin is None and not self._warned_no_plugin:
+        if isinstance(plugin, StableFrontEnd):
+            self._plugin = plugin
+            return
+        self._plugin = view_of(plugin, trainer) if self.foreign_note is not None else None
+        if not self._warned_no_plugin:
             self._warned_no_plugin = True
+            name, theirs = type(self).__name__, type(plugin).__name__
             rank_zero_warn(
-                f"{type(self).__name__} does nothing: the trainer's precision plugin is {type(plugin).__name__}, not"
-                " StablePrecision; use Trainer(plugins=[StablePrecision(...)])."
+                f"{name} with {theirs}: {self.foreign_note}" if self.foreign_note is not None else
+                f"{name} does nothing: the trainer's precision plugin is {theirs}; it needs StablePrecision"
+                " (Trainer(plugins=[StablePrecision(...)]) instead of precision=...)."
             )
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if isinstance(self._plugin, ForeignPrecision):
+            self._plugin.remove()
+
+
+# One view per foreign plugin and fit, shared by every callback (one step hook per optimizer).
+_VIEWS: weakref.WeakKeyDictionary[Any, ForeignPrecision] = weakref.WeakKeyDictionary()
+
+
+def view_of(plugin: Any, trainer: pl.Trainer) -> ForeignPrecision:
+    view = _VIEWS.get(plugin)
+    if view is None or view._trainer is not trainer or not view._handles:
+        if view is not None:
+            view.remove()
+        view = _VIEWS[plugin] = ForeignPrecision(plugin, trainer)
+    return view
 
 
 class StepCounter:
@@ -106,13 +136,13 @@ class StepCounter:
         self.seen = (0, 0, 0)
 
     @staticmethod
-    def _now(plugin: StablePrecision) -> tuple[int, int, int]:
+    def _now(plugin: Any) -> tuple[int, int, int]:
         return plugin.step_count, plugin.overflow_count, plugin.skipped_steps
 
-    def reset(self, plugin: StablePrecision) -> None:
+    def reset(self, plugin: Any) -> None:
         self.seen = self._now(plugin)
 
-    def delta(self, plugin: StablePrecision) -> tuple[int, int, int]:
+    def delta(self, plugin: Any) -> tuple[int, int, int]:
         now = self._now(plugin)
         steps, overflows, skipped = (a - b for a, b in zip(now, self.seen))
         self.seen = now
@@ -185,7 +215,7 @@ def _scalar(value: Any, dtype: torch.dtype) -> float | torch.Tensor | None:
     return float(value) if is_number(value) else None
 
 
-def plugin_metrics(plugin: StablePrecision, *, overflow_rate: float) -> dict[str, Any]:
+def plugin_metrics(plugin: Any, *, overflow_rate: float) -> dict[str, Any]:
     """The ``mp/*`` values of the plugin's state after this step: the loss scale (only when scaling; reading it
     synchronises: call on logging steps), the windowed ``overflow_rate`` given, skipped steps, fallback."""
     values: dict[str, Any] = {"mp/loss_scale": plugin.loss_scale} if plugin.scaler is not None else {}
@@ -197,7 +227,7 @@ def plugin_metrics(plugin: StablePrecision, *, overflow_rate: float) -> dict[str
     return values
 
 
-def measured_metrics(plugin: StablePrecision) -> dict[str, float]:
+def measured_metrics(plugin: Any) -> dict[str, float]:
     """The telemetry measured on the step just taken, as ``mp/*`` floats; empty on every other step (a value is never
     repeated as if fresh). Reads device values (one sync) only when there is something to read."""
     if plugin.stats.get("stats_step") != plugin.step_count - 1:

@@ -38,6 +38,13 @@ def _fp32_copy(module: pl.LightningModule) -> pl.LightningModule:
     return fp32.float()
 
 
+def _defines_forward(module: nn.Module) -> bool:
+    """Whether a class of the user's defines ``forward`` (LightningModule's own, in either Trainer package, only
+    calls nn.Module's, which raises)."""
+    qualname = getattr(type(module).forward, "__qualname__", "")
+    return qualname not in ("LightningModule.forward", "_forward_unimplemented")
+
+
 def _training_step_loss(module: pl.LightningModule, batch: Any) -> Any:
     """The loss ``training_step`` returns on ``batch``, its own ``self.log`` calls muted (a check is not a step)."""
     quiet = {name: getattr(module, name) for name in ("log", "log_dict")}
@@ -79,6 +86,9 @@ class AMPPreflight(PluginCallback):
         ValueError: an argument is out of range.
     """
 
+    foreign_note = ("it compares the first batch and warns on disagreement (raises with action='raise'); falling back"
+                    " needs StablePrecision.")
+
     def __init__(
         self, atol: float | None = None, rtol: float | None = None, *, action: PreflightAction = "fallback",
         forward_fn: Callable[[pl.LightningModule, Any], Any] | None = None,
@@ -118,8 +128,9 @@ class AMPPreflight(PluginCallback):
                 return
             if self.action == "raise":
                 raise RuntimeError(message + ". Use action='fallback' to train in FP32, or fp32_modules=[...].")
-            if self.action == "warn":
-                rank_zero_warn(message + ".")
+            if self.action == "warn" or not plugin.can_fallback:
+                rank_zero_warn(message + ("." if plugin.can_fallback else
+                                          "; falling back needs StablePrecision (action='fallback')."))
                 return
             plugin.fallback(None, reason=message)
 
@@ -164,7 +175,7 @@ class AMPPreflight(PluginCallback):
         defines none (it computes everything in ``training_step``), the training step's loss."""
         if self.forward_fn is not None:
             return self.forward_fn, "forward_fn"
-        if type(pl_module).forward is not pl.LightningModule.forward:
+        if _defines_forward(pl_module):
             return default_forward, "forward"
         if not pl_module.automatic_optimization:
             return None, "training_step, which steps optimizers itself in manual optimization"

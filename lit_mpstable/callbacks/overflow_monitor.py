@@ -39,6 +39,9 @@ class OverflowMonitor(PluginCallback):
         ValueError: an argument is out of range.
     """
 
+    foreign_note = ("it logs the GradScaler's scale and skipped steps (counted without a host sync); blamed modules"
+                    " and gradient telemetry need StablePrecision.")
+
     def __init__(self, window: int = 100, warn_rate: float = 0.01, log_every_n_steps: int | None = None) -> None:
         super().__init__()
         name = type(self).__name__

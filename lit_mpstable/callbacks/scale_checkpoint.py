@@ -47,6 +47,9 @@ class ScaleCheckpoint(PluginCallback):
         ValueError: an argument is out of range.
     """
 
+    foreign_note = ("a spiking or non-finite loss rolls back to the last snapshot (the batch's update is undone with"
+                    " it); skipping only that batch needs StablePrecision.")
+
     def __init__(
         self, every_n_steps: int = 50, *, spike_zscore: float = 6.0, window: int = 50, max_rollbacks: int = 3,
         min_history: int = 10, on_spike: OnSpike = "skip", spike_patience: int = 3, snapshot_device: str = "cpu",
@@ -102,7 +105,8 @@ class ScaleCheckpoint(PluginCallback):
         if not (nonfinite or spike):
             self.losses.append(value)
             return
-        self._plugin.skip_step()
+        if self._plugin.can_skip:
+            self._plugin.skip_step()
         self._pending = dict(step=trainer.global_step, kind="non-finite loss" if nonfinite else "loss spike",
                              loss=value, zscore=z)
 
@@ -127,8 +131,8 @@ class ScaleCheckpoint(PluginCallback):
         self._skipped_at.append(step)
         while self._skipped_at and self._skipped_at[0] <= step - self.window:
             self._skipped_at.popleft()
-        if self.on_spike == "rollback" or len(self._skipped_at) >= self.spike_patience:
-            if self.on_spike == "skip":
+        if self.on_spike == "rollback" or len(self._skipped_at) >= self.spike_patience or not self._plugin.can_skip:
+            if self.on_spike == "skip" and self._plugin.can_skip:
                 event["kind"] += f" ({len(self._skipped_at)} skipped within {self.window} steps)"
             self._skipped_at.clear()
             self._roll_back(trainer, pl_module, event)

@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 
-import lightning.pytorch as pl
+from trainer_pkg import pl
 import torch
 from helpers import TinyMLP, regression_data
 from torch import nn
@@ -142,7 +142,7 @@ def quiet():
 
 def fp32_scaler_plugin(**scaler_kwargs):
     """``StablePrecision("32-true")`` with an explicit DynamicLossScaler: fast; overflows come from injected infs."""
-    from lit_mpstable import StablePrecision
+    from trainer_pkg import StablePrecision
     from lit_mpstable.scaling import DynamicLossScaler
 
     return StablePrecision("32-true", scaler=DynamicLossScaler("cpu", **scaler_kwargs))
@@ -152,7 +152,7 @@ class ListLogger:
     """A Lightning logger that keeps every ``log_metrics`` call as ``(step, metrics)``: what reaches a real logger."""
 
     def __new__(cls, *args, **kwargs):
-        from lightning.pytorch.loggers.logger import Logger
+        Logger = pl.loggers.logger.Logger
 
         class _ListLogger(Logger):
             def __init__(self) -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from trainer_pkg import pl
 import pytest
 import torch
 from cb_helpers import BlameFirstNonfinite, PoisonModule, Recorder, quiet
 from helpers import make_trainer
 
-from lit_mpstable import StablePrecision
-from lit_mpstable.callbacks import PrecisionFallback
+from trainer_pkg import StablePrecision
+from trainer_pkg import PrecisionFallback
 from lit_mpstable.callbacks.precision_fallback import fallback_reason
 from lit_mpstable.scaling import DynamicLossScaler
 

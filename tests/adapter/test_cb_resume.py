@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from trainer_pkg import pl
+
+ModelCheckpoint = pl.callbacks.ModelCheckpoint
 import torch
 from cb_helpers import PoisonModule, quiet
 from helpers import make_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_mpstable import StablePrecision
-from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint
+from trainer_pkg import StablePrecision
+from trainer_pkg import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint
 from lit_mpstable.scaling import DynamicLossScaler
 
 # One epoch is 8 steps (checkpoints at epoch ends: Lightning replays a cut epoch). Overflows at 1-3 make

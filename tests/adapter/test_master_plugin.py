@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import warnings
 
-import lightning.pytorch as pl
+from trainer_pkg import pl
 import pytest
 import torch
 from helpers import TinyMLP, make_module, make_trainer, regression_data, stall_task
 from torch import nn
 
-from lit_mpstable import StablePrecision
+from trainer_pkg import StablePrecision
 
 
 class _Stall(pl.LightningModule):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import warnings
 
-import lightning.pytorch as pl
+from trainer_pkg import pl
 import pytest
 import torch
 from helpers import TinyMLP, make_module, make_trainer, regression_data
 from torch import nn
 
-from lit_mpstable import StablePrecision
+from trainer_pkg import StablePrecision
 from lit_mpstable.scaling import DynamicLossScaler
 
 
@@ -211,7 +211,7 @@ def test_manual_clip_gradients_before_step_is_applied(precision: str, algorithm:
 
 # ------------------------------------------------------------------------- blame: a poisoned batch is data
 def test_a_nonfinite_batch_is_blamed_on_the_data_not_on_a_layer() -> None:
-    from lit_mpstable.callbacks import PrecisionFallback
+    from trainer_pkg import PrecisionFallback
 
     module = _PoisonBatch(set())
     module.x[8:32:8, 0] = float("inf")  # the data itself: the first sample of batches 1, 2 and 3

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import warnings
 
-import lightning.pytorch as pl
+from trainer_pkg import pl
 import pytest
 import torch
 from helpers import make_module, make_trainer
 
-from lit_mpstable import StablePrecision
+from trainer_pkg import StablePrecision
 from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler
 
 
