@@ -194,6 +194,16 @@ class StableFrontEnd:
         if self.stepper.restore_precision():
             rank_zero_info(f"StablePrecision at step {self.step_count}: low precision restored ({self.precision}).")
 
+    def validate(self, model: nn.Module) -> None:
+        """Check ``fp32_modules`` and the FP8 filter against ``model`` before training, without changing it (the
+        plugin checks again when the trainer hands it the model).
+
+        Raises:
+            ValueError: a pattern matches no module (the message lists the model's names), or ``fp8`` is set and no
+                layer of ``model`` is eligible.
+        """
+        self.stepper.layout.validate(model)
+
     def restore_state(self, state: dict[str, Any]) -> None:
         """Load numeric state from :meth:`state_dict` (a rollback): scale, masters, layout, FP8 histories; the
         event counters (steps, overflows, skips; the scaler's too) keep their live values."""

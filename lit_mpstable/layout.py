@@ -46,7 +46,7 @@ class PrecisionLayout:
         self.dtype, self.cast_parameters, self.fp8 = dtype, cast_parameters, fp8
         self.fp8_backend = fp8_backend(fp8) if fp8 is not None else None
         self.islands = FP32Islands(fp32_modules)
-        self._user_islands = list(self.islands.specs)
+        self._user_islands = tuple(self.islands.specs)  # the user's; fallback islands are in fp32_modules
         self.module: nn.Module | None = None
         self.device_type = "cpu"
         self.fp32 = False  # global fallback to FP32
@@ -96,16 +96,36 @@ class PrecisionLayout:
         if self._fp8_layers:
             self.fp8_backend.sync_(self.module, self._fp8_layers, group)
 
+    def validate(self, module: nn.Module) -> None:
+        """Check the user's islands and the FP8 filter against ``module`` without changing it.
+
+        Raises:
+            ValueError: an island pattern or FP8 filter entry matches nothing, or ``fp8`` is set and no layer of
+                ``module`` is eligible (FP8 would silently do nothing).
+        """
+        if self._user_islands:
+            match_modules(module, self._user_islands)
+        if self.fp8 is not None and not select_fp8_modules(module, self.fp8):
+            raise ValueError(
+                f"fp8={self.fp8.recipe!r}: no nn.Linear layer of {type(module).__name__} is eligible for FP8 (the"
+                " default filter leaves out the first and last linear layers and those whose in/out features are not"
+                " multiples of 16), so FP8 would do nothing; pass FP8Config(filter=[...]) naming layers, or fp8=None."
+            )
+
     # ---------------------------------------------------------------------------------------------- applying
     def attach(self, module: nn.Module, device_type: str) -> None:
         """Apply the layout to ``module`` (again after a second ``fit``, or after a fallback decision)."""
         if module is not self.module:
             self._fp8_selected = None  # another model: select its layers on first use
+            self.validate(module)
         self.module, self.device_type = module, device_type
         self._apply()
 
     def _apply(self) -> None:
         assert self.module is not None
+        # The islands in force are derived, never edited: the user's specs plus the modules moved by fallbacks.
+        self.islands.detach()
+        self.islands = FP32Islands([*self._user_islands, *self.fp32_modules])
         dtype = self.compute_dtype
         if self.cast_parameters:
             _cast_outside(self.module, dtype, match_modules(self.module, self.islands.specs) if self.islands.specs else {})
@@ -143,7 +163,6 @@ class PrecisionLayout:
             islands = [name for name in modules if name not in fp8_layers and name not in self.fp32_modules]
             self.fp8_removed.extend(out_of_fp8)
             self.fp32_modules.extend(islands)
-            self.islands.specs.extend(islands)
             parts = [f"{out_of_fp8} left FP8"] if out_of_fp8 else []
             parts += [f"{islands} now run in FP32"] if islands else []
             action = "; ".join(parts) or "nothing new to move"
@@ -159,8 +178,6 @@ class PrecisionLayout:
     def _clear_fallbacks(self) -> None:
         self.fp32 = self.fp8_off = False
         self.fp8_removed, self.fp32_modules = [], []
-        self.islands.detach()
-        self.islands = FP32Islands(self._user_islands)
 
     # ------------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -194,7 +211,6 @@ class PrecisionLayout:
         self._clear_fallbacks()
         self.fp32, self.fp8_off = bool(state["fp32"]), bool(state["fp8_off"])
         self.fp8_removed, self.fp32_modules = list(state["fp8_removed"]), list(state["fp32_modules"])
-        self.islands.specs.extend(self.fp32_modules)
         if self.module is not None:
             self._apply()
             if state["fp8"] and self.fp8_backend is None:

@@ -21,8 +21,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lit_mpstable.config import register_configs
-from lit_mpstable.fp8 import select_fp8_modules
-from lit_mpstable.islands import match_modules
 from lit_mpstable.memory import MemoryProbe
 from lit_mpstable.report import write_report
 
@@ -90,10 +88,7 @@ def _check_names(plugin: Any, model: pl.LightningModule) -> None:
     # here, right after the model is built, so a typo fails before training with the names the model does have.
     # Patterns are relative to the LightningModule, as the plugin sees them.
     try:
-        if plugin.islands.specs:
-            match_modules(model, plugin.islands.specs)
-        if plugin.fp8 is not None:
-            select_fp8_modules(model, plugin.fp8)
+        plugin.validate(model)
     except ValueError as error:
         raise _NoSuchModule(str(error)) from error
 

@@ -223,3 +223,26 @@ def test_a_nonfinite_batch_is_blamed_on_the_data_not_on_a_layer() -> None:
     assert plugin.overflow_count == 3
     assert plugin.stats["nonfinite_input"] is True and plugin.stats["blamed_modules"] == []
     assert not plugin.fallback_active and fallback.decisions == []  # no layer moved to FP32 for bad data
+
+
+# ------------------------------------------------------------------------- FP8 that would do nothing is refused
+def test_fp8_on_a_model_without_an_eligible_layer_is_refused() -> None:
+    class TwoLinears(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)  # first and last: the default filter skips both
+
+        def training_step(self, batch, batch_idx):
+            return self.b(self.a(batch[0])).float().pow(2).mean()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 16)), batch_size=8)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    plugin = StablePrecision("bf16-mixed", fp8="delayed")
+    with pytest.raises(ValueError, match="no nn.Linear layer of TwoLinears is eligible"):
+        plugin.validate(TwoLinears())
+    with pytest.raises(ValueError, match="eligible"):
+        make_trainer(plugin, max_steps=1).fit(TwoLinears())
