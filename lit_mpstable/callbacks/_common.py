@@ -3,6 +3,7 @@ the ``mp/*`` metrics are logged."""
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,10 +14,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
 from lit_mpstable._frontend import StableFrontEnd
+from lit_mpstable._validate import INT32_MAX
 from lit_mpstable.callbacks._view import ForeignPrecision
 
 __all__ = [
-    "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "agreed_names", "any_rank",
+    "MAX_WINDOW", "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "agreed_names", "any_rank",
     "check", "is_int", "is_number", "log_measured", "log_mp", "measured_metrics", "plugin_metrics", "strict_keys",
 ]
 
@@ -29,15 +31,19 @@ _PROG_BAR = frozenset({"mp/loss_scale", "mp/overflow_rate"})
 # (FP16 has already flushed what underflowed); PrecisionProbe measures it and logs it itself.
 _STATS = ("grad_norm", "fp8_saturation_frac", "fp8_underflow_frac")
 _FORMAT_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+MAX_WINDOW = 2**20
+"""Longest window of steps a callback keeps (a ring buffer on the device: 2**20 steps is already 12 MiB)."""
 
 
 # ------------------------------------------------------------------------------------------------ validation
-def is_int(value: Any, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+def is_int(value: Any, low: int, high: int = INT32_MAX) -> bool:
+    """An int (not a bool) in ``[low, high]``; step counts are bounded so nothing overflows or allocates forever."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A finite real number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check(ok: bool, call: str, rule: str) -> None:

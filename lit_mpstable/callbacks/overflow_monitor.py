@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
-    PluginCallback, StepCounter, WindowedCounts, agreed_names, check, is_int, is_number, log_measured, log_mp,
+    MAX_WINDOW, PluginCallback, StepCounter, WindowedCounts, agreed_names, check, is_int, is_number, log_measured, log_mp,
     measured_metrics, plugin_metrics, strict_keys,
 )
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
@@ -45,7 +45,8 @@ class OverflowMonitor(PluginCallback):
     def __init__(self, window: int = 100, warn_rate: float = 0.01, log_every_n_steps: int | None = None) -> None:
         super().__init__()
         name = type(self).__name__
-        check(is_int(window, 1), f"{name}(window={window!r})", "must be an int >= 1 (optimizer steps).")
+        check(is_int(window, 1, MAX_WINDOW), f"{name}(window={window!r})",
+              f"must be an int in [1, {MAX_WINDOW}] (optimizer steps).")
         check(
             is_number(warn_rate) and 0 <= warn_rate <= 1, f"{name}(warn_rate={warn_rate!r})",
             "must be a fraction in [0, 1]; 0.01 (1% of steps overflowing) is usual.",

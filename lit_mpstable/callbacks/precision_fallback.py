@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
-    LaggedFlag, PluginCallback, StepCounter, agreed_names, check, is_int, is_number, strict_keys,
+    MAX_WINDOW, LaggedFlag, PluginCallback, StepCounter, agreed_names, check, is_int, is_number, strict_keys,
 )
 from lit_mpstable.callbacks._rules import fallback_reason
 
@@ -58,7 +58,8 @@ class PrecisionFallback(PluginCallback):
               f"{name}(max_overflow_rate={max_overflow_rate!r})", "must be a fraction in [0, 1) or None.")
         check(nonfinite_loss_patience is None or is_int(nonfinite_loss_patience, 1),
               f"{name}(nonfinite_loss_patience={nonfinite_loss_patience!r})", "must be an int >= 1 or None.")
-        check(is_int(window, 1), f"{name}(window={window!r})", "must be an int >= 1 (optimizer steps).")
+        check(is_int(window, 1, MAX_WINDOW), f"{name}(window={window!r})",
+              f"must be an int in [1, {MAX_WINDOW}] (optimizer steps).")
         self.patience, self.min_scale, self.mode, self.cooldown = patience, min_scale, mode, cooldown
         self.max_overflow_rate, self.nonfinite_loss_patience = max_overflow_rate, nonfinite_loss_patience
         self.window = window

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit_mpstable.callbacks._common import PluginCallback, any_rank, check, is_int, is_number, log_mp, strict_keys
+from lit_mpstable.callbacks._common import MAX_WINDOW, PluginCallback, any_rank, check, is_int, is_number, log_mp, strict_keys
 from lit_mpstable.callbacks._rules import spike_zscore
 from lit_mpstable.callbacks._snapshot import layout_key, restore_snapshot, state_finite, take_snapshot
 
@@ -59,7 +59,8 @@ class ScaleCheckpoint(PluginCallback):
         check(is_int(every_n_steps, 1), f"{name}(every_n_steps={every_n_steps!r})", "must be an int >= 1 (steps).")
         check(is_number(spike_zscore) and 0 < spike_zscore < math.inf, f"{name}(spike_zscore={spike_zscore!r})",
               "must be a finite number > 0 (standard deviations above the recent mean loss); 6.0 is usual.")
-        check(is_int(window, 2), f"{name}(window={window!r})", "must be an int >= 2 (recent losses).")
+        check(is_int(window, 2, MAX_WINDOW), f"{name}(window={window!r})",
+              f"must be an int in [2, {MAX_WINDOW}] (recent losses).")
         check(is_int(max_rollbacks, 0), f"{name}(max_rollbacks={max_rollbacks!r})", "must be an int >= 0.")
         check(is_int(min_history, 2) and min_history <= window, f"{name}(min_history={min_history!r})",
               f"must be an int in [2, window={window}] (losses needed before spikes are judged).")

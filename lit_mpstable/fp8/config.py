@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Union, get_args
 
 import torch
 from torch import nn
+
+from lit_mpstable._validate import int_arg
 
 __all__ = ["FP8Config", "FP8Recipe", "FP8Format", "FP8BackendName", "AmaxComputeAlgo", "ModuleFilter", "fp8_config"]
 
@@ -62,18 +65,13 @@ class FP8Config:
             value = getattr(self, name)
             if value not in get_args(allowed):
                 raise ValueError(f"FP8Config({name}={value!r}): {name} must be one of {list(get_args(allowed))}.")
-        if not (isinstance(self.margin, int) and not isinstance(self.margin, bool) and self.margin >= 0):
-            raise ValueError(
-                f"FP8Config(margin={self.margin!r}): margin must be an int >= 0 (scales shrink by 2**margin);"
-                " 0 is usual."
-            )
-        if not (isinstance(self.amax_history_len, int) and self.amax_history_len >= 1):
-            raise ValueError(
-                f"FP8Config(amax_history_len={self.amax_history_len!r}): amax_history_len must be an int >= 1 (steps);"
-                " 1024 is TransformerEngine's default."
-            )
-        if self.emulate not in (None, True, False):
-            raise ValueError(f"FP8Config(emulate={self.emulate!r}): emulate must be None (auto), True or False.")
+        # 2**margin must stay a normal float32 factor; the history lives on the device, three rows per layer.
+        int_arg("FP8Config", "margin", self.margin, low=0, high=64,
+                unit="scales shrink by 2**margin; 0 is usual")
+        int_arg("FP8Config", "amax_history_len", self.amax_history_len, low=1, high=2**16,
+                unit="steps of amax per tensor; 1024 is TransformerEngine's default")
+        if self.emulate is not None and not isinstance(self.emulate, bool):
+            raise TypeError(f"FP8Config(emulate={self.emulate!r}): emulate must be None (auto), True or False.")
         object.__setattr__(self, "filter", _check_filter(self.filter))
         self._check_backend()
 
@@ -117,6 +115,10 @@ def _check_filter(value: ModuleFilter) -> ModuleFilter:
             " qualified names, fnmatch patterns and module types."
         )
     for item in value:
+        if isinstance(item, str) and not item.strip():
+            # "" names the root: as an ancestor of every layer it would select them all.
+            raise ValueError(f"FP8Config(filter={list(value)!r}): an empty name would select every layer; name layers"
+                             " or patterns, or use filter=None for the default rule.")
         if not (isinstance(item, str) or isinstance(item, type) and issubclass(item, nn.Module)):
             raise TypeError(
                 f"FP8Config(filter=[..., {item!r}, ...]): each filter entry must be a qualified name, an fnmatch"
@@ -141,7 +143,11 @@ def fp8_config(name: str | FP8Config | Mapping[str, Any] | None) -> FP8Config | 
     if name is None or isinstance(name, FP8Config):
         return name
     if isinstance(name, Mapping):
-        return FP8Config(**{str(key): value for key, value in name.items() if key != "_target_"})
+        fields = {str(key): value for key, value in name.items() if key != "_target_"}
+        known = [f.name for f in dataclasses.fields(FP8Config)]
+        if unknown := sorted(set(fields) - set(known)):
+            raise ValueError(f"fp8={dict(name)!r}: unknown FP8Config fields {unknown}; the fields are {known}.")
+        return FP8Config(**fields)
     if not isinstance(name, str):
         raise TypeError(f"fp8_config({name!r}): expected a recipe name, an FP8Config, a mapping of its fields or None.")
     if name not in get_args(FP8Recipe):

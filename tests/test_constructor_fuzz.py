@@ -1,0 +1,181 @@
+"""Every public constructor, fuzzed one argument at a time: a value inside the documented domain is accepted, one
+outside it raises ValueError or TypeError naming the argument, and nothing else ever escapes (no bare ``'>' not
+supported``, no MemoryError from a huge history, no OverflowError at the first update)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, get_args
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lit_mpstable import StablePrecision
+from lit_mpstable._validate import INT32_MAX
+from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint
+from lit_mpstable.callbacks._common import MAX_WINDOW
+from lit_mpstable.formats import FormatName
+from lit_mpstable.fp8 import FP8Config
+from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.stepper import PrecisionStepper
+
+Oracle = Callable[[Any], bool]
+
+
+def ints(lo: int, hi: int) -> Oracle:
+    return lambda v: type(v) is int and lo <= v <= hi
+
+
+def reals(lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False) -> Oracle:
+    def ok(v: Any) -> bool:
+        if type(v) not in (int, float) or not math.isfinite(v):
+            return False
+        return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+
+    return ok
+
+
+def one_of(*choices: Any) -> Oracle:
+    return lambda v: any(type(v) is type(c) and v == c for c in choices)
+
+
+def optional(oracle: Oracle) -> Oracle:
+    return lambda v: v is None or oracle(v)
+
+
+def boolean(v: Any) -> bool:
+    return type(v) is bool
+
+
+# Values of every kind, with the edges that broke constructors before: bools for ints, inf/nan, 10**30, "", "yes".
+ANYTHING = st.one_of(
+    st.none(), st.booleans(), st.integers(-(10**30), 10**30), st.integers(-3, 70),
+    st.floats(allow_nan=True, allow_infinity=True), st.floats(-2.0, 3.0),
+    st.sampled_from(["", "yes", "tpu", "cuda", "cpu", "fp16", "none", 2**31, 2**31 - 1, 2**16 + 1, 2**20 + 1, 0.0, -0.0]),
+    st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+    st.sampled_from([object(), b"x", torch.float16, 1 + 2j]),
+)
+
+
+def _values(valid: list[Any]) -> st.SearchStrategy:
+    return st.one_of(ANYTHING, st.sampled_from(valid)) if valid else ANYTHING
+
+
+SCALER = dict(
+    device=(optional(one_of("cpu", "cuda", "xpu", "mps")), ["cpu", None]),
+    init_scale=(reals(0, lo_open=True), [1.0, 2**30, 3]),
+    growth_factor=(reals(1, lo_open=True), [1.5, 4]),
+    backoff_factor=(reals(0, 1, lo_open=True, hi_open=True), [0.25]),
+    growth_interval=(ints(1, INT32_MAX), [1, 7]),
+    hysteresis=(ints(1, INT32_MAX), [2]),
+    min_scale=(optional(reals(0, 2.0**16, lo_open=True)), [1.0]),  # at most init_scale (2**16)
+    max_scale=(optional(reals(0, lo_open=True)), [None, 8.0]),  # below init_scale is accepted, as GradScaler's cap
+    enabled=(boolean, [False]),
+)
+CASES: dict[str, tuple[Callable[..., Any], dict[str, tuple[Oracle, list[Any]]]]] = {
+    "DynamicLossScaler": (DynamicLossScaler, SCALER),
+    "StaticLossScaler": (StaticLossScaler, {k: SCALER[k] for k in ("device", "init_scale", "enabled")}),
+    "AdaptiveLossScaler": (AdaptiveLossScaler, {
+        **{k: SCALER[k] for k in ("device", "init_scale", "backoff_factor", "growth_interval", "min_scale",
+                                  "max_scale", "enabled")},
+        "target_format": (one_of(*get_args(FormatName)), list(get_args(FormatName))),
+        "headroom": (reals(1), [1, 4.0]),
+        "amax_history_len": (ints(1, 2**16), [1, 2**16]),
+    }),
+    "PrecisionStepper": (PrecisionStepper, {
+        "precision": (one_of("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"), ["16-true", "auto"]),
+        "master_weights": (one_of(True, False, "fp32", "kahan", "stochastic"), ["kahan", "stochastic", "fp32"]),
+        "skip_nonfinite": (boolean, [False]),
+        "device": (optional(one_of("cpu", "cuda")), ["cpu"]),
+        "telemetry_every_n_steps": (optional(ints(1, INT32_MAX)), [None, 1]),
+        "diagnose": (boolean, [True]),
+        "scaler": (optional(one_of("auto")), ["auto", None]),  # named scalers need an FP16 precision (bf16 default)
+        "fp8": (lambda v: v is None or one_of("delayed", "current", "mxfp8")(v) or v in ({}, {"margin": 1}),
+                ["current", {"margin": 1}, {"marginn": 1}]),
+        "op_policy": (lambda v: one_of("autocast", "auto")(v) or v in ({}, {"attention": "fp32"}),
+                      ["auto", {"attention": "fp32"}, {"attention": "fast"}, {"matmull": "fp32"}]),
+    }),
+    "FP8Config": (FP8Config, {
+        "recipe": (one_of("delayed", "current", "mxfp8"), ["current", "mxfp8"]),
+        "format": (one_of("hybrid", "e4m3"), ["e4m3"]),
+        "margin": (ints(0, 64), [0, 64]),
+        "amax_history_len": (ints(1, 2**16), [1, 2**16]),
+        "amax_compute_algo": (one_of("max", "most_recent"), ["most_recent"]),
+        "emulate": (optional(boolean), [True, None]),
+        "backend": (one_of("native"), ["native"]),  # the optional backends are checked separately below
+    }),
+    "OverflowMonitor": (OverflowMonitor, {
+        "window": (ints(1, MAX_WINDOW), [1, MAX_WINDOW]),
+        "warn_rate": (reals(0, 1), [0, 1.0, 0.5]),
+        "log_every_n_steps": (optional(ints(1, INT32_MAX)), [None, 3]),
+    }),
+    "PrecisionFallback": (PrecisionFallback, {
+        "patience": (ints(1, INT32_MAX), [1]),
+        "min_scale": (optional(reals(0, lo_open=True)), [None, 0.5]),
+        "mode": (one_of("global", "module"), ["module"]),
+        "cooldown": (optional(ints(1, INT32_MAX)), [None, 5]),
+        "max_overflow_rate": (optional(reals(0, 1, hi_open=True)), [None, 0.0]),
+        "nonfinite_loss_patience": (optional(ints(1, INT32_MAX)), [None, 1]),
+        "window": (ints(1, MAX_WINDOW), [1]),
+    }),
+    "ScaleCheckpoint": (ScaleCheckpoint, {
+        "every_n_steps": (ints(1, INT32_MAX), [1]),
+        "spike_zscore": (reals(0, lo_open=True), [0.5]),
+        "window": (ints(10, MAX_WINDOW), [10, MAX_WINDOW]),  # at least min_history (10)
+        "max_rollbacks": (ints(0, INT32_MAX), [0]),
+        "min_history": (ints(2, 50), [2, 50]),  # at most window (50)
+        "on_spike": (one_of("skip", "rollback"), ["rollback"]),
+        "spike_patience": (ints(1, INT32_MAX), [1]),
+        "snapshot_device": (one_of("cpu", "device"), ["device"]),
+    }),
+    "AMPPreflight": (AMPPreflight, {
+        "atol": (optional(reals(0)), [None, 0.0]),
+        "rtol": (optional(reals(0)), [None, 1e-3]),
+        "action": (one_of("fallback", "warn", "raise"), ["warn", "raise"]),
+        "forward_fn": (lambda v: v is None or callable(v), [None, lambda module, batch: batch]),
+    }),
+}
+CASES["StablePrecision"] = (StablePrecision, CASES["PrecisionStepper"][1])  # the same arguments, passed through
+PARAMS = [(name, arg) for name, (_, args) in CASES.items() for arg in args]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, arg", PARAMS, ids=[f"{n}.{a}" for n, a in PARAMS])
+def test_each_argument_is_accepted_exactly_inside_its_domain(name: str, arg: str) -> None:
+    factory, args = CASES[name]
+    oracle, valid = args[arg]
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(value=_values(valid))
+    def check(value: Any) -> None:
+        try:
+            factory(**{arg: value})
+        except (ValueError, TypeError) as error:
+            assert not oracle(value), f"{name}({arg}={value!r}) refused a valid value: {error}"
+            assert arg in str(error) and repr(value)[:20] in str(error), f"unclear message: {error}"
+        else:
+            assert oracle(value), f"{name}({arg}={value!r}) accepted a value outside its domain"
+
+    check()
+
+
+def test_the_oracles_can_fail() -> None:
+    # The fuzz above is only as good as its oracles: they tell valid from invalid the way the docs do.
+    assert ints(1, 5)(3) and not ints(1, 5)(True) and not ints(1, 5)(6) and not ints(1, 5)(2.0)
+    assert reals(1, lo_open=True)(1.5) and not reals(1, lo_open=True)(1) and not reals(0)(math.inf)
+    assert one_of("a")("a") and not one_of(1)(True) and optional(boolean)(None) and not boolean(1)
+
+
+@pytest.mark.parametrize("backend", ["torchao", "transformer_engine"])
+def test_optional_fp8_backends_refuse_clearly(backend: str) -> None:
+    # A backend that cannot do the default (delayed) recipe, or is not installed, says which and how to fix it.
+    with pytest.raises((ValueError, ModuleNotFoundError), match=backend.split("_")[0]):
+        try:
+            FP8Config(backend=backend)
+        except (ValueError, ModuleNotFoundError):
+            raise
+        else:
+            raise ValueError(f"{backend}: accepted (installed and able)")
