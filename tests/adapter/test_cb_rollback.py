@@ -236,3 +236,16 @@ def test_a_cpu_snapshot_adds_no_accelerator_memory() -> None:
         sizes[device] = torch.cuda.memory_allocated()
         del trainer, checkpoint, module
     assert sizes["cpu"] < sizes["device"]
+
+
+def test_after_a_rollback_the_plugin_and_its_scaler_count_the_same() -> None:
+    # One owner per fact: the event counters are history, and a rollback restores neither the plugin's nor the
+    # scaler's copy of them.
+    plugin = fp32_scaler_plugin(init_scale=2.0**8)
+    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback")
+    with quiet():
+        make_trainer(plugin, max_steps=10, callbacks=[checkpoint]).fit(
+            PoisonModule(inf_grad_steps={1, 6}, loss_factor={7: 1e6}))
+    assert checkpoint.rollbacks == 1
+    assert plugin.overflow_count == plugin.scaler.overflow_count == 2
+    assert plugin.step_count == plugin.scaler.step_count + 1  # the spiking step was discarded before the scaler saw it

@@ -246,3 +246,12 @@ def test_fp8_on_a_model_without_an_eligible_layer_is_refused() -> None:
         plugin.validate(TwoLinears())
     with pytest.raises(ValueError, match="eligible"):
         make_trainer(plugin, max_steps=1).fit(TwoLinears())
+
+
+# ------------------------------------------------------------------------------------------------ small things
+def test_the_plugin_reads_like_its_call() -> None:
+    assert repr(StablePrecision()) == "StablePrecision('bf16-mixed')"
+    assert repr(StablePrecision("16-mixed", scaler="adaptive", fp32_modules=["head"])) == (
+        "StablePrecision('16-mixed', scaler='adaptive', fp32_modules=['head'])")
+    with pytest.raises(Exception, match=r"StablePrecision\('bf16-mixed'\)"):  # Lightning's own refusal shows it
+        pl.Trainer(precision="16-mixed", plugins=[StablePrecision()])
