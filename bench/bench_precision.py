@@ -154,7 +154,7 @@ SUITES["gpt"] = Suite(
     steps=10,
     warmup=2,  # only the first step is measurably slower (~10 %); see README
     unit="ms",
-    columns=("ratio:L-bf16-mixed", "ratio:raw-fp32"),
+    columns=("ratio:L-bf16-mixed", "ratio:raw-fp32", "delta:SP-bf16-mixed-noskip"),
     memory=True,
     size=asdict(GPTSize()),
 )
@@ -187,6 +187,12 @@ register(
     Config(
         "SP-bf16-mixed", "gpt", 'Trainer(plugins=[StablePrecision("bf16-mixed")])',
         trainer=lambda: {"plugins": [StablePrecision("bf16-mixed")]},
+    )
+)
+register(
+    Config(
+        "SP-bf16-mixed-noskip", "gpt", 'StablePrecision("bf16-mixed", skip_nonfinite=False): no inf/NaN check',
+        trainer=lambda: {"plugins": [StablePrecision("bf16-mixed", skip_nonfinite=False)]},
     )
 )
 register(
