@@ -122,7 +122,7 @@ class PrecisionStepper:
         formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
         self.observer = GradObserver(telemetry_every_n_steps, formats, diagnose=diagnose)
         self.master: MasterWeights | None = None
-        self.schedules = ScheduleHold(lambda: self.step_count - self.skipped_steps)
+        self.schedules = ScheduleHold(self.applied_steps)  # a bound method, not a lambda: spawned ranks unpickle it
         self.step_count = 0
         """Optimizer steps taken or skipped (one per optimizer per iteration)."""
         self.overflow_count = 0
@@ -194,6 +194,10 @@ class PrecisionStepper:
     def true_16bit(self) -> bool:
         """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
         return self.precision in ("16-true", "bf16-true")
+
+    def applied_steps(self) -> int:
+        """Optimizer steps applied (not skipped): what held LR schedulers follow."""
+        return self.step_count - self.skipped_steps
 
     @property
     def loss_scale(self) -> float:

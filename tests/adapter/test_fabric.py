@@ -121,6 +121,14 @@ def test_the_trainer_plugin_fails_in_fabric_and_ours_is_a_fabric_precision_plugi
         StablePrecision("bf16-mixed", scaler="dynamic")
 
 
+def test_the_plugin_pickles_for_ddp_spawn_and_the_copy_trains_alike() -> None:
+    # strategy="ddp_spawn" pickles the Fabric, plugin included, into every rank.
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(StablePrecision("16-mixed", fp32_modules=["fc3"])))
+    assert_same_weights(train(copy, 2), train(StablePrecision("16-mixed", fp32_modules=["fc3"]), 2))
+
+
 # ----------------------------------------------------------------------------------- parity with Fabric's own
 PARITY = {
     "32-true": ({}, lambda: Precision()),
