@@ -49,6 +49,26 @@ class StablePrecision(StableFrontEnd, Precision):
     with Fabric's own plugins, outputs come back in the default dtype (FP32); unlike ``MixedPrecision``, ``*-mixed``
     inputs stay FP32 (autocast casts them per op, and FP32 islands see them unrounded). One model per plugin.
 
+    Args:
+        precision: Lightning's spelling (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
+            ``"bf16-true"``) or ``"auto"``: BF16 where the device supports it, else FP16. ``"16-mixed"`` on the
+            CPU is real FP16 (Fabric's own turns it into BF16), said once.
+        scaler: ``"auto"`` (dynamic for FP16 modes, none otherwise), ``"dynamic"``, ``"static"``, ``"adaptive"``,
+            ``None`` or a ``torch.amp.GradScaler``-like instance (a plain GradScaler is adopted with its state).
+        master_weights: for ``*-true`` modes, ``True``/``"fp32"``: FP32 masters owned by the optimizers (their
+            state is FP32 too), the 16-bit weights refreshed after each applied step; ``False``: Fabric's plain
+            ``HalfPrecision``.
+        skip_nonfinite: in every mode a step whose gradients hold inf/NaN is skipped and counted, so NaN never
+            reaches the weights; ``False`` (no scaler only): Fabric's behaviour.
+        fp8: ``None``, ``"delayed"``, ``"current"``, ``"mxfp8"`` or an ``FP8Config``: eligible ``nn.Linear``
+            layers run their GEMMs in FP8, swapped when ``fabric.setup`` converts the model.
+        fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
+        op_policy: ``"autocast"``, ``"auto"`` (per op family the faster of FP32 and 16 bits, measured in the first
+            forward) or a mapping such as ``{"attention": "fp32"}``; ``"*-mixed"`` precisions only.
+        device: ``"cpu"`` or ``"cuda"``; the model's device wins from the first forward on.
+        telemetry_every_n_steps: gradient telemetry into :attr:`stats` every N optimizer steps; ``None``: off.
+        diagnose: trace every step for the first module producing inf/NaN (costly).
+
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).
     """
@@ -113,7 +133,8 @@ class StablePrecision(StableFrontEnd, Precision):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 f"{self!r}: Fabric stepped a {type(optimizer).__name__}, not a torch optimizer. DeepSpeed brings its"
-                " own loss scaler and FP32 masters; use Fabric(strategy='deepspeed', precision=...) without this plugin."
+                " own loss scaler and FP32 masters; use Fabric(strategy='deepspeed', precision=...) without this"
+                " plugin."
             )
         optimizer = self._start(optimizer)
         if isinstance(optimizer, LBFGS) or "closure" in kwargs:
@@ -159,9 +180,8 @@ class StablePrecision(StableFrontEnd, Precision):
 
     def _bind(self, optimizer: Optimizer) -> None:
         stepper = self.stepper
-        if stepper.master_mode == "fp32" and any(
-            isinstance(v, torch.Tensor) and v.dtype in _LOW_PRECISION for s in optimizer.state.values() for v in s.values()
-        ):
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if stepper.master_mode == "fp32" and any(v.dtype in _LOW_PRECISION for v in state):
             self._warn_once(
                 "rounded-state",
                 f"{self!r}: {type(optimizer).__name__} held 16-bit state before its FP32 master weights were bound"

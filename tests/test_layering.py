@@ -9,7 +9,9 @@ import sys
 import lit_mpstable
 
 # Modules allowed to import Lightning or Hydra: the adapter, the callbacks, configs, the entry point, the demo models.
-ADAPTER = {"plugin", "callbacks", "config", "train", "report", "zoo", "demos", "strategies", "_frontend", "_trainer"}
+ADAPTER = {
+    "plugin", "fabric", "callbacks", "config", "train", "report", "zoo", "demos", "strategies", "_frontend", "_trainer",
+}
 
 
 def _core_modules() -> list[str]:

@@ -4,7 +4,7 @@ clipping, islands, FP8, conversions, refusals and torch.compile."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -22,27 +22,27 @@ INF, NAN = float("inf"), float("nan")
 _DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
-def fabric_of(plugin: Precision) -> Fabric:
+def fabric_of(plugin: Precision, accelerator: str = "cpu") -> Fabric:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # FP16 on the CPU, said once: tested on its own below
-        return Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        return Fabric(accelerator=accelerator, devices=1, plugins=[plugin])
 
 
 def train(
     plugin: Precision, steps: int = 4, *, poison: Iterable[int] = (), value: float = INF, skip: Iterable[int] = (),
     max_norm: float | None = None, clip_val: float | None = None, model: nn.Module | None = None,
-    optimizer: str = "adamw",
+    optimizer: str = "adamw", accelerator: str = "cpu",
 ) -> dict[str, Any]:
     """A Fabric loop on TinyMLP (seed 0), batches of 16; fc2's weight gradient gets ``value`` on the ``poison`` steps;
     the loop itself leaves out ``optimizer.step()`` on the ``skip`` steps (a reference that skips by hand)."""
-    fabric = fabric_of(plugin)
+    fabric = fabric_of(plugin, accelerator)
     torch.manual_seed(0)
     model = model if model is not None else TinyMLP()
     inject_overflow(model.fc2, poison, value)
     params = model.parameters()
     opt = torch.optim.AdamW(params, lr=1e-2) if optimizer == "adamw" else torch.optim.SGD(params, lr=0.1)
     model, opt = fabric.setup(model, opt)
-    x, y = regression_data(64)
+    x, y = (t.to(fabric.device) for t in regression_data(64))
     out: dict[str, Any] = {"scales": [], "skipped": [], "norms": [], "losses": []}
     for step in range(steps):
         batch = slice(16 * (step % 4), 16 * (step % 4 + 1))
@@ -151,6 +151,20 @@ def test_clean_steps_are_bit_identical_to_fabrics_own_plugin(precision: str) -> 
     assert ours["scales"] == theirs["scales"] and not any(ours["skipped"])
     assert plugin.step_count == 4 and plugin.overflow_count == 0
     assert ours["params"]["fc1.weight"].dtype == _DTYPES.get(precision, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "bf16-true"])
+def test_on_cuda_parity_holds_and_the_plugin_follows_the_model_there(precision: str) -> None:
+    # Fabric converts the model on the CPU and moves it afterwards: autocast, scaler and masters must follow it.
+    kwargs, builtin = PARITY[precision]
+    builtin_plugin = MixedPrecision(precision, "cuda") if precision.endswith("mixed") else builtin()
+    plugin = StablePrecision(precision, device="cpu", **kwargs)
+    ours = train(plugin, accelerator="cuda", poison={2})
+    theirs = train(builtin_plugin, accelerator="cuda", poison={2}, skip=() if precision == "16-mixed" else {2})
+    assert plugin.device == "cuda" and ours["params"]["fc1.weight"].is_cuda
+    assert ours["skipped"] == [False, False, True, False]
+    assert_same_weights(ours, theirs)
 
 
 def test_16_mixed_skips_and_rescales_as_gradscaler_does() -> None:
@@ -280,7 +294,8 @@ def test_fp8_native_runs_fc2_in_fp8_as_the_plain_stepper_loop_does() -> None:
         stepper.scale_loss(F.mse_loss(out.float(), y[batch])).backward()
         stepper.step(opt)
     assert_same_weights(ours, {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}})
-    assert not torch.equal(ours["params"]["fc2.weight"], train(StablePrecision("bf16-mixed"), 3, poison={1})["params"]["fc2.weight"])
+    without_fp8 = train(StablePrecision("bf16-mixed"), 3, poison={1})
+    assert not torch.equal(ours["params"]["fc2.weight"], without_fp8["params"]["fc2.weight"])
 
 
 # ---------------------------------------------------------------------------------------------- conversions
@@ -290,7 +305,8 @@ def test_inputs_outputs_and_init_contexts() -> None:
     assert mixed.convert_input(x).dtype == torch.float32  # autocast casts per op; islands see the FP32 values
     assert true.convert_input(x).dtype == torch.bfloat16
     for plugin in (mixed, true):
-        assert plugin.convert_output({"y": x.bfloat16(), "ids": torch.ones(2, dtype=torch.long)})["y"].dtype == torch.float32
+        out = plugin.convert_output({"y": x.bfloat16(), "ids": torch.ones(2, dtype=torch.long)})
+        assert (out["y"].dtype, out["ids"].dtype) == (torch.float32, torch.long)
     assert StablePrecision("32-true").convert_output(x.bfloat16()).dtype == torch.bfloat16  # as Fabric's Precision()
     fabric = fabric_of(true)
     with fabric.init_module():

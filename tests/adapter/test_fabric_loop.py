@@ -5,7 +5,7 @@ DDP on gloo with an inf on one rank only."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
