@@ -122,7 +122,7 @@ class PrecisionStepper:
         formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
         self.observer = GradObserver(telemetry_every_n_steps, formats, diagnose=diagnose)
         self.master: MasterWeights | None = None
-        self.schedules = ScheduleHold(lambda: self.step_count - self.skipped_steps)
+        self.schedules = ScheduleHold(self.applied_steps)  # a bound method, not a lambda: spawned ranks unpickle it
         self.step_count = 0
         """Optimizer steps taken or skipped (one per optimizer per iteration)."""
         self.overflow_count = 0
@@ -195,6 +195,10 @@ class PrecisionStepper:
         """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
         return self.precision in ("16-true", "bf16-true")
 
+    def applied_steps(self) -> int:
+        """Optimizer steps applied (not skipped): what held LR schedulers follow."""
+        return self.step_count - self.skipped_steps
+
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without scaling). Reading it synchronises with the device."""
@@ -225,6 +229,21 @@ class PrecisionStepper:
 
     def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: list[Any] = ()) -> None:
         """Bind FP32 masters into ``optimizers`` (``*-true`` modes) and hold ``schedulers`` on skipped steps."""
+        self.adopt_device_(module)
+        for scaler in (self.scaler, self._checker):  # the scale-1 check of scaler=None unscales FP16 gradients too
+            if isinstance(scaler, DynamicLossScaler):
+                scaler.allow_fp16_grads = self.precision == "16-true" and self.master_mode is None
+        if self.master_mode == "fp32":
+            self.master = MasterWeights(module, optimizers, initial=self._initial)
+            self._initial = {}
+            if "masters" in self._pending:
+                self.master.load_state_dict(self._pending.pop("masters"))
+        self.schedules.hold(list(schedulers))
+
+    def adopt_device_(self, module: nn.Module) -> None:
+        """Run where ``module`` lives (its first parameter's device): autocast, the FP32 islands and the loss scalers
+        follow it. :meth:`setup_optimizers` calls it; a front end that meets the model before it is moved (Fabric
+        converts it first) calls it again before the first forward."""
         device_type = next((p.device.type for p in module.parameters()), self.device)
         if device_type in ("cpu", "cuda"):
             self.device = self.layout.islands.device_type = self.layout.device_type = device_type
@@ -234,14 +253,23 @@ class PrecisionStepper:
                 self.warnings.append(
                     f"{type(scaler).__name__} built for {previous!r} adopted onto the run's device {self.device!r}."
                 )
-        if isinstance(self.scaler, DynamicLossScaler):
-            self.scaler.allow_fp16_grads = self.precision == "16-true" and self.master_mode is None
-        if self.master_mode == "fp32":
-            self.master = MasterWeights(module, optimizers, initial=self._initial)
-            self._initial = {}
-            if "masters" in self._pending:
-                self.master.load_state_dict(self._pending.pop("masters"))
-        self.schedules.hold(list(schedulers))
+
+    @torch.no_grad()
+    def follow_model_weights_(self) -> list[str]:
+        """Restart from its 16-bit weight every FP32 master whose rounding that weight no longer is, and return their
+        names: weights loaded into the model after the masters were bound (a pretrained checkpoint loaded after
+        ``fabric.setup``) would otherwise be overwritten from the stale master by the next applied step. One host
+        sync; a front end calls it once per optimizer, before its first step."""
+        if self.master is None:
+            return []
+        pairs = list(self.master.named_pairs())
+        if not pairs:
+            return []
+        stale = torch.stack([(master.to(param.dtype) != param).any() for _, master, param in pairs]).tolist()
+        for (_, master, param), changed in zip(pairs, stale):
+            if changed:
+                master.copy_(param)
+        return [name for (name, _, _), changed in zip(pairs, stale) if changed]
 
     # -------------------------------------------------------------------------------------- forward, backward
     @contextmanager

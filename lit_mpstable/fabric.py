@@ -1,0 +1,207 @@
+"""StablePrecision for Lightning Fabric: Fabric's precision-plugin hooks mapped onto the PrecisionStepper."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.wrappers import _FabricOptimizer
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.optim import LBFGS, Optimizer
+
+from lit_mpstable._frontend import StableFrontEnd
+from lit_mpstable._trainer import TrainerPrecision
+from lit_mpstable.stepper import tensor_init_context
+
+__all__ = ["StablePrecision"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class StablePrecision(StableFrontEnd, Precision):
+    """Mixed precision that is stable by default, for Lightning Fabric: ``Fabric(plugins=[StablePrecision(...)])``
+    instead of ``precision=``. The arguments, live state (``loss_scale``, ``last_step_skipped``, ``overflow_count``,
+    ``stats``, ...), actions and state dict are those of :class:`lit_mpstable.StablePrecision`, the Trainer plugin.
+
+    In the loop, ``fabric.backward(loss)`` scales the loss; ``optimizer.step()`` unscales, checks the gradients for
+    inf/NaN (agreed across ranks), steps or skips and counts, updates the scale and refreshes the 16-bit weights from
+    the FP32 masters; ``fabric.clip_gradients`` clips the true gradients (the masters'), and on an overflowing step
+    clips nothing and returns a norm of 0 instead of raising (the step is skipped).
+
+    Fabric shows a precision plugin each optimizer only at its step, so two things are the loop's to say:
+
+    - LR schedulers: :meth:`hold_schedulers` makes ``scheduler.step()`` a no-op after a skipped step (or call it
+      only ``if not plugin.last_step_skipped``).
+    - Exact resume with FP32 master weights (``*-true`` modes): :meth:`setup_optimizers` after ``fabric.setup`` and
+      before ``fabric.load``, so the checkpoint's FP32 optimizer state loads into the masters (torch would round it
+      to the 16-bit parameters otherwise; a warning says so)::
+
+        model, optimizer = fabric.setup(model, optimizer)
+        plugin.setup_optimizers(optimizer)
+        plugin.hold_schedulers(scheduler)
+        fabric.load(path, {"model": model, "optimizer": optimizer, "precision": plugin})
+
+    Weights loaded into the model after ``fabric.setup`` (a pretrained checkpoint) are where the masters start. As
+    with Fabric's own plugins, outputs come back in the default dtype (FP32); unlike ``MixedPrecision``, ``*-mixed``
+    inputs stay FP32 (autocast casts them per op, and FP32 islands see them unrounded). One model per plugin.
+
+    Args:
+        precision: Lightning's spelling (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
+            ``"bf16-true"``) or ``"auto"``: BF16 where the device supports it, else FP16. ``"16-mixed"`` on the
+            CPU is real FP16 (Fabric's own turns it into BF16), said once.
+        scaler: ``"auto"`` (dynamic for FP16 modes, none otherwise), ``"dynamic"``, ``"static"``, ``"adaptive"``,
+            ``None`` or a ``torch.amp.GradScaler``-like instance (a plain GradScaler is adopted with its state).
+        master_weights: for ``*-true`` modes, ``True``/``"fp32"``: FP32 masters owned by the optimizers (their
+            state is FP32 too), the 16-bit weights refreshed after each applied step; ``False``: Fabric's plain
+            ``HalfPrecision``.
+        skip_nonfinite: in every mode a step whose gradients hold inf/NaN is skipped and counted, so NaN never
+            reaches the weights; ``False`` (no scaler only): Fabric's behaviour.
+        fp8: ``None``, ``"delayed"``, ``"current"``, ``"mxfp8"`` or an ``FP8Config``: eligible ``nn.Linear``
+            layers run their GEMMs in FP8, swapped when ``fabric.setup`` converts the model.
+        fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
+        op_policy: ``"autocast"``, ``"auto"`` (per op family the faster of FP32 and 16 bits, measured in the first
+            forward) or a mapping such as ``{"attention": "fp32"}``; ``"*-mixed"`` precisions only.
+        device: ``"cpu"`` or ``"cuda"``; the model's device wins from the first forward on.
+        telemetry_every_n_steps: gradient telemetry into :attr:`stats` every N optimizer steps; ``None``: off.
+        diagnose: trace every step for the first module producing inf/NaN (costly).
+
+    Raises:
+        ValueError, TypeError: an argument is not one of the allowed values (the message names it).
+    """
+
+    _placed = False  # the first forward has moved autocast, islands and scalers to the model's device
+    _bound: tuple[Optimizer, ...] = ()  # optimizers set up (FP32 masters bound), in the order met
+    _started: tuple[Optimizer, ...] = ()  # optimizers that reached their first step
+    _schedulers: tuple[Any, ...] = ()
+
+    # ----------------------------------------------------------------------------------------------- model
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.layout.module is not None and module is not self.layout.module:
+            raise RuntimeError(
+                f"{self!r}: a second model was set up ({type(module).__name__}); one plugin drives one model's"
+                " precision (its islands, masters and FP8 layers). Give each model a Fabric of its own."
+            )
+        self.stepper.setup_module(module)
+        return module
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        return tensor_init_context(self.stepper)
+
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    def convert_input(self, data: Any) -> Any:
+        return self.stepper.convert_input(data)
+
+    def forward_context(self) -> AbstractContextManager:
+        if not self._placed and self.layout.module is not None:
+            # Fabric converts the model before moving it: its device is known from the first forward on.
+            self._placed = True
+            self.stepper.adopt_device_(self.layout.module)
+            if self.precision == "16-mixed" and self.device == "cpu":
+                self._warn_once(
+                    "fp16-cpu",
+                    "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower"
+                    " than BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed.",
+                )
+            self._show_notes()
+        return TrainerPrecision.forward_context(self)  # autocast, the op policy and its one-time report
+
+    def convert_output(self, data: Any) -> Any:
+        if self.dtype == torch.float32:
+            return data
+        dtype = torch.get_default_dtype()  # as Fabric's own plugins: a loss computed outside the model is FP32
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    # ------------------------------------------------------------------------------------------------ step
+    def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        self.stepper.scale_loss(tensor).backward(*args, **kwargs)
+
+    # Fabric's clip_gradients calls unscale_gradients, then clips main_params with error_if_nonfinite=True: on an
+    # overflowing step main_params is empty, so nothing raises and the step is skipped.
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        self.stepper.unscale_(self._start(optimizer))
+
+    def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
+        return self.stepper.main_params(self._start(optimizer))
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"{self!r}: Fabric stepped a {type(optimizer).__name__}, not a torch optimizer. DeepSpeed brings its"
+                " own loss scaler and FP32 masters; use Fabric(strategy='deepspeed', precision=...) without this"
+                " plugin."
+            )
+        optimizer = self._start(optimizer)
+        if isinstance(optimizer, LBFGS) or "closure" in kwargs:
+            return self._closure_step(optimizer, **kwargs)
+        output = self.stepper.step(optimizer, **kwargs)
+        self._show_notes()
+        return output
+
+    def _closure_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        if self.scaler is not None or self.master is not None:
+            raise ValueError(
+                f"{self!r}: {type(optimizer).__name__}.step(closure) re-evaluates the loss inside the step, which loss"
+                " scaling and master weights cannot follow; use scaler=None with a '*-mixed' or '32-true' precision."
+            )
+        self._warn_once("closure", "StablePrecision: an optimizer step with a closure re-evaluates the loss inside"
+                        " step(), so its gradients are not checked for inf/NaN (skip_nonfinite does not apply to it).")
+        output = optimizer.step(**kwargs)
+        self.stepper.count_unchecked_step()
+        return output
+
+    # ------------------------------------------------------------------------------------------ optimizers
+    def setup_optimizers(self, *optimizers: Optimizer) -> None:
+        """Set up ``optimizers`` now rather than at their first step: FP32 masters bound (``*-true`` modes), so that
+        ``fabric.load`` of their state afterwards resumes exactly. Call it after ``fabric.setup``; Fabric's wrapped
+        optimizers are accepted, and an optimizer already set up is left as it is."""
+        for optimizer in optimizers:
+            optimizer = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
+            if optimizer not in self._bound:
+                self._bind(optimizer)
+
+    def hold_schedulers(self, *schedulers: Any) -> None:
+        """Make each ``scheduler.step()`` a no-op unless an optimizer step was applied since it last stepped, so
+        skipped steps (inf/NaN gradients) do not move the LR schedule. A call replaces the schedulers held before;
+        where each stands is part of :meth:`state_dict`."""
+        self._schedulers = schedulers
+        if self._bound:  # else the first optimizer's setup holds them, with any positions loaded before it
+            self.stepper.schedules.hold(list(schedulers))
+
+    def _module(self) -> nn.Module:
+        if self.layout.module is None:
+            raise RuntimeError(f"{self!r}: no model was set up; call fabric.setup(model, optimizer) first.")
+        return self.layout.module
+
+    def _bind(self, optimizer: Optimizer) -> None:
+        stepper = self.stepper
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if stepper.master_mode == "fp32" and any(v.dtype in _LOW_PRECISION for v in state):
+            self._warn_once(
+                "rounded-state",
+                f"{self!r}: {type(optimizer).__name__} held 16-bit state before its FP32 master weights were bound"
+                " (loaded by fabric.load before the first step?): it was rounded to 16 bits, so the run does not"
+                " resume exactly. Call plugin.setup_optimizers(optimizer) after fabric.setup, before fabric.load.",
+            )
+        if not self._bound:
+            stepper.setup_optimizers(self._module(), [optimizer], list(self._schedulers))
+        elif stepper.master is not None:
+            stepper.master.bind_new_(optimizer)
+        self._bound = (*self._bound, optimizer)
+        self._show_notes()
+
+    def _start(self, optimizer: Optimizer) -> Optimizer:
+        """``optimizer``, set up if Fabric hands it over for the first time, its masters following any weights loaded
+        into the model since they were bound."""
+        if optimizer in self._started:
+            return optimizer
+        if optimizer not in self._bound:
+            self._bind(optimizer)
+        self.stepper.follow_model_weights_()
+        self._started = (*self._started, optimizer)
+        return optimizer

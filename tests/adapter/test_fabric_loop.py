@@ -1,0 +1,230 @@
+"""lit_mpstable.fabric.StablePrecision in whole Fabric loops: exact resume through fabric.save/fabric.load, held LR
+schedulers, weights loaded after setup, a litgpt-style loop (two optimizers, gradient accumulation) and 2-process
+DDP on gloo with an inf on one rank only."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import TinyMLP, regression_data
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.strategies import DDPStrategy
+
+from lit_mpstable.fabric import StablePrecision
+
+INF = float("inf")
+LR, GAMMA = 1e-2, 0.8
+
+
+def fabric_of(plugin: Precision, **kwargs: Any) -> Fabric:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FP16 on the CPU, said once
+        return Fabric(accelerator="cpu", devices=1, plugins=[plugin], **kwargs)
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------ resume, schedulers
+def resumable_run(
+    precision: str, steps: range, *, poison: set[int], load: Path | None = None, save: Path | None = None,
+    bind_before_load: bool = True,
+) -> dict[str, Any]:
+    """AdamW + StepLR (held on skips) + clipping on TinyMLP; fc2's gradient gets an inf on the ``poison`` steps
+    (global step numbers). A resumed run starts from other weights: the checkpoint must bring everything back."""
+    plugin = StablePrecision(precision)
+    fabric = fabric_of(plugin)
+    torch.manual_seed(0 if load is None else 123)
+    model = TinyMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
+    model, opt = fabric.setup(model, opt)
+    if bind_before_load:
+        plugin.setup_optimizers(opt)  # the documented exact-resume path
+    plugin.hold_schedulers(sched)
+    state = {"model": model, "optimizer": opt, "precision": plugin, "scheduler": sched}
+    if load is not None:
+        fabric.load(load, state, weights_only=True)
+    x, y = regression_data(64)
+    out: dict[str, Any] = {"lrs": [], "scales": [], "skipped": []}
+    for step in steps:
+        batch = slice(16 * (step % 4), 16 * (step % 4 + 1))
+        opt.zero_grad()
+        fabric.backward(F.mse_loss(model(x[batch]), y[batch]))
+        if step in poison:
+            model.fc2.weight.grad.view(-1)[0] = INF
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        sched.step()
+        out["lrs"].append(opt.param_groups[0]["lr"])
+        out["scales"].append(plugin.loss_scale)
+        out["skipped"].append(plugin.last_step_skipped)
+    if save is not None:
+        fabric.save(save, state)
+    out.update(params=snapshot(model), plugin=plugin.state_dict(), optimizer=opt.state_dict())
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-mixed", "16-true"])
+def test_save_and_load_resume_bit_exactly_with_an_overflow_after_the_resume(precision: str, tmp_path: Path) -> None:
+    whole = resumable_run(precision, range(6), poison={1, 4})
+    first = resumable_run(precision, range(3), poison={1, 4}, save=tmp_path / "ckpt.pt")
+    resumed = resumable_run(precision, range(3, 6), poison={1, 4}, load=tmp_path / "ckpt.pt")
+    assert whole["skipped"] == [False, True, False, False, True, False]
+    assert first["skipped"] + resumed["skipped"] == whole["skipped"]
+    assert first["scales"] + resumed["scales"] == whole["scales"]
+    # The schedule holds on the skipped steps 1 and 4 (hand-computed), across the resume too.
+    assert first["lrs"] + resumed["lrs"] == pytest.approx([LR * GAMMA**k for k in (1, 1, 2, 3, 3, 4)], rel=1e-12)
+    for name, value in whole["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+    masters = whole["plugin"]["masters"]
+    assert bool(masters) == precision.endswith("true")
+    assert all(torch.equal(resumed["plugin"]["masters"][name], m) for name, m in masters.items())
+    assert {k: v for k, v in resumed["plugin"].items() if k != "masters"} == {
+        k: v for k, v in whole["plugin"].items() if k != "masters"}
+    for index, state in whole["optimizer"]["state"].items():
+        assert state["exp_avg"].dtype == torch.float32
+        for key, value in state.items():
+            assert torch.equal(resumed["optimizer"]["state"][index][key], value), (index, key)
+
+
+def test_loading_optimizer_state_before_the_masters_are_bound_warns_and_is_inexact(tmp_path: Path) -> None:
+    whole = resumable_run("bf16-true", range(4), poison=set())
+    resumable_run("bf16-true", range(2), poison=set(), save=tmp_path / "ckpt.pt")
+    with pytest.warns(UserWarning, match="setup_optimizers"):
+        lazy = resumable_run("bf16-true", range(2, 4), poison=set(), load=tmp_path / "ckpt.pt",
+                             bind_before_load=False)
+    # Adam's second moments were rounded to BF16 on the way in: the masters drift off the uninterrupted run.
+    assert not torch.equal(lazy["plugin"]["masters"]["fc1.weight"], whole["plugin"]["masters"]["fc1.weight"])
+
+
+@pytest.mark.parametrize("bind_early", [False, True])
+def test_weights_loaded_after_setup_are_where_the_masters_start(bind_early: bool) -> None:
+    plugin = StablePrecision("bf16-true")
+    fabric = fabric_of(plugin)
+    torch.manual_seed(0)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    if bind_early:
+        plugin.setup_optimizers(opt)
+    torch.manual_seed(1)
+    pretrained = TinyMLP().to(torch.bfloat16).state_dict()
+    model.load_state_dict(pretrained)  # as litgpt loads a checkpoint after fabric.setup
+    x, y = regression_data(16)
+    fabric.backward(F.mse_loss(model(x), y))
+    opt.step()  # lr=0: the step must leave the loaded weights as they are, not restore the initial ones
+    for name, value in pretrained.items():
+        assert torch.equal(model.state_dict()[name], value), name
+        assert torch.equal(plugin.state_dict()["masters"][name], value.float()), name
+
+
+def test_held_schedulers_and_the_last_step_skipped_alternative_hold_on_skipped_steps() -> None:
+    def run(hold: bool) -> list[float]:
+        plugin = StablePrecision("bf16-mixed")
+        fabric = fabric_of(plugin)
+        torch.manual_seed(0)
+        model = TinyMLP()
+        model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
+        if hold:
+            plugin.hold_schedulers(sched)  # before the first step: held from the optimizer's setup on
+        x, y = regression_data(16)
+        lrs = []
+        for step in range(5):
+            opt.zero_grad()
+            fabric.backward(F.mse_loss(model(x), y))
+            if step in (1, 3):
+                model.fc2.weight.grad.view(-1)[0] = INF
+            opt.step()
+            if hold or not plugin.last_step_skipped:
+                sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        return lrs
+
+    expected = pytest.approx([LR * GAMMA**k for k in (1, 1, 2, 2, 3)], rel=1e-12)
+    assert run(hold=True) == expected and run(hold=False) == expected
+
+
+# --------------------------------------------------------------------------------------- litgpt-style loop
+def litgpt_loop(
+    fabric: Fabric, steps: int = 3, *, accumulate: int = 2, poison: Iterable[int] = (), poison_rank: int = 0,
+    skip_second: Iterable[int] = (),
+) -> dict[str, Any]:
+    """Two optimizers (SGD with momentum on fc1, AdamW on fc2/fc3), ``accumulate`` micro-batches per step under
+    ``fabric.no_backward_sync``, clipping per optimizer. fc2's gradient gets an inf on ``poison_rank`` at the
+    ``poison`` steps, after the last micro-batch's backward (after DDP's all-reduce); the loop leaves the second
+    optimizer's step out by hand on ``skip_second`` (a reference)."""
+    torch.manual_seed(0)
+    model = TinyMLP()
+    first = torch.optim.SGD(model.fc1.parameters(), lr=0.05, momentum=0.9)
+    second = torch.optim.AdamW([*model.fc2.parameters(), *model.fc3.parameters()], lr=LR)
+    model, first, second = fabric.setup(model, first, second)
+    x, y = regression_data(64)
+    x, y = x[fabric.global_rank :: fabric.world_size], y[fabric.global_rank :: fabric.world_size]
+    plugin = fabric.strategy.precision
+    skipped = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            start = 4 * (step * accumulate + micro) % len(x)
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                loss = F.mse_loss(model(x[start : start + 4]), y[start : start + 4]) / accumulate
+                fabric.backward(loss)
+        if step in poison and fabric.global_rank == poison_rank:
+            model.fc2.weight.grad.view(-1)[0] = INF
+        for opt in (first, second):
+            if opt is second and step in skip_second:
+                opt.zero_grad()
+                continue
+            fabric.clip_gradients(model, opt, max_norm=1.0)
+            opt.step()
+            skipped.append(getattr(plugin, "last_step_skipped", False))
+            opt.zero_grad()
+    scaler = getattr(plugin, "scaler", None)
+    return {"params": snapshot(model), "skipped": skipped, "world_size": fabric.world_size,
+            "scale": float(scaler.get_scale()) if scaler is not None else 1.0,
+            "counters": (getattr(plugin, "step_count", 0), getattr(plugin, "overflow_count", 0))}
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_litgpt_style_loop_matches_fabrics_own_and_skips_per_optimizer(precision: str) -> None:
+    ours = litgpt_loop(fabric_of(plugin := StablePrecision(precision)), poison={1})
+    assert ours["skipped"] == [False, False, False, True, False, False]  # the inf is in fc2: the second optimizer's
+    assert plugin.step_count == 6 and plugin.overflow_count == 1
+    if precision == "bf16-mixed":
+        theirs = litgpt_loop(fabric_of(MixedPrecision("bf16-mixed", "cpu")), poison={1}, skip_second={1})
+        for name, value in theirs["params"].items():
+            assert torch.equal(ours["params"][name], value), name
+    assert all(torch.isfinite(v).all() for v in ours["params"].values())
+
+
+# ------------------------------------------------------------------------------------------- 2-process DDP
+def _ddp_worker(fabric: Fabric, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    result = litgpt_loop(fabric, poison={1}, poison_rank=1)
+    torch.save(result, Path(out_dir) / f"rank{fabric.global_rank}.pt")
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true"])
+def test_ddp_an_inf_on_one_rank_makes_both_ranks_skip(precision: str, tmp_path: Path) -> None:
+    strategy = DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[StablePrecision(precision)])
+    fabric.launch(_ddp_worker, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    for rank in ranks:  # rank 0 never saw the inf: it skips because rank 1 did
+        assert rank["skipped"] == [False, False, False, True, False, False]
+        assert rank["counters"] == (6, 1)
+    assert ranks[0]["scale"] == ranks[1]["scale"] == (2.0**15 if precision == "16-mixed" else 1.0)
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(ranks[1]["params"][name], value), name
