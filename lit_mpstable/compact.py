@@ -17,9 +17,9 @@ __all__ = ["CompactMode", "CompactWeights", "quantized_state_classes", "stochast
 CompactMode = Literal["kahan", "stochastic"]
 _MODES: tuple[str, ...] = get_args(CompactMode)
 _LOW = (torch.float16, torch.bfloat16)
-# Random numbers are drawn per block of elements from a generator seeded by (seed, step, parameter, tensor, block), so
-# an element gets the same ones however the step is chunked; slices are whole blocks. Larger on accelerators: one
-# kernel launch per block.
+# Random numbers are drawn per block of elements from a generator seeded by (seed, step, parameter, block), so an
+# element gets the same ones however the step is chunked; slices are whole blocks. Larger on accelerators: one kernel
+# launch per block.
 _BLOCK_CPU, _BLOCK_ACCELERATOR = 2**16, 2**20
 # Updates that are elementwise given per-parameter scalars (step, NAdam's mu_product, ASGD's eta): a parameter can be
 # stepped in slices, bit for bit. Exact types only: a subclass may add a per-tensor norm (LAMB, LARS).
@@ -27,7 +27,9 @@ _ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD"))
 
 
-def stochastic_round(value: torch.Tensor, dtype: torch.dtype, *, generator: torch.Generator | None = None) -> torch.Tensor:
+def stochastic_round(
+    value: torch.Tensor, dtype: torch.dtype, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Round ``value`` to ``dtype`` (BF16 or FP16) up or down at random, so that ``E[round(x)] == x``.
 
     Each element becomes one of its two ``dtype`` neighbours, the upper one with probability (x - lower) / (upper -
@@ -38,7 +40,24 @@ def stochastic_round(value: torch.Tensor, dtype: torch.dtype, *, generator: torc
         raise ValueError(f"stochastic_round(dtype={dtype!r}): dtype must be torch.bfloat16 or torch.float16.")
     src = value.detach().to(torch.float32, copy=True)
     uniform = torch.rand(src.shape, generator=generator, device=src.device)
-    return _round_stochastic(src, _noise(uniform, dtype), dtype)
+    return _round_stochastic_(torch.empty_like(src, dtype=dtype), src, _noise(uniform, dtype))
+
+
+def quantized_state_classes() -> list[type]:
+    """torchao's quantized optimizer-state classes (8-bit, 4-bit, FP8), for ``torch.serialization.safe_globals``.
+
+    ``torch.load(weights_only=True)`` refuses a checkpoint holding them unless they are allowed; importing
+    ``torchao.optim`` allows them process-wide (it calls ``add_safe_globals``), this names them explicitly:
+    ``with torch.serialization.safe_globals(quantized_state_classes()): torch.load(path, weights_only=True)``.
+    bitsandbytes keeps plain tensors, which need nothing.
+    """
+    try:
+        from torchao.optim.subclass_4bit import OptimState4bit
+        from torchao.optim.subclass_8bit import OptimState8bit
+        from torchao.optim.subclass_fp8 import OptimStateFp8
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError("quantized_state_classes() needs torchao: pip install torchao") from error
+    return [OptimState8bit, OptimState4bit, OptimStateFp8]
 
 
 def _noise(uniform: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -46,23 +65,23 @@ def _noise(uniform: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return uniform.mul_(65536.0).to(torch.int32) if dtype == torch.bfloat16 else uniform
 
 
-def _round_stochastic(src: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Stochastic rounding of FP32 ``src`` (overwritten) with :func:`_noise` (kept)."""
+def _round_stochastic_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Write FP32 ``src`` (overwritten), stochastically rounded with :func:`_noise` (kept), into 16-bit ``dst``."""
     noise = noise.view(src.shape)
-    if dtype == torch.bfloat16:
+    if dst.dtype == torch.bfloat16:
         # BF16 is FP32's upper half: adding 16 random bits to the lower half carries into the upper one with
         # probability (lower half) / 2**16, then truncation rounds toward zero. The sign is not in those bits, so the
         # carry rounds away from zero: up in magnitude, for negative values too (torchao's construction).
         bits = src.view(torch.int32)
         bits.add_(noise).bitwise_and_(-65536)
-        return src.to(torch.bfloat16)
+        return dst.copy_(src)  # exact now
     # FP16 has its own exponent bits: take the nearest neighbour and the one on the other side of src, and pick the
     # far one with probability |residual| / spacing (both exact in FP32; an infinite spacing gives probability 0).
     near = src.to(torch.float16)
     residual = src.sub_(near)
     far = torch.nextafter(near, torch.where(residual > 0, torch.inf, -torch.inf).to(torch.float16))
     spacing = far.float().sub_(near).abs_()
-    return torch.where(noise < residual.abs_().div_(spacing), far, near)
+    return dst.copy_(torch.where(noise < residual.abs_().div_(spacing), far, near))
 
 
 def _mix(*values: int) -> int:
@@ -96,30 +115,29 @@ class _Piece:
 
 
 class CompactWeights:
-    """16-bit weights updated as if they were FP32, with 16-bit optimizer state and no FP32 copy between steps.
+    """16-bit weights that train like FP32 ones, with 16-bit optimizer state and no FP32 copy between steps.
 
-    BF16 keeps 8 significant bits, so plain 16-bit training rounds every update below half an ulp away and stalls.
-    FP32 masters (:class:`~lit_mpstable.master.MasterWeights`) fix that for 4 extra bytes per parameter; this class
-    for 2 or none:
+    BF16 keeps 8 significant bits, so an update below half an ulp rounds away and plain 16-bit training stalls. FP32
+    masters (:class:`~lit_mpstable.master.MasterWeights`) fix that for 4 more bytes per parameter (and FP32 state);
+    this class for 2 or none:
 
-    - ``"kahan"``: each 16-bit weight has a 16-bit compensation holding the part of its FP32 value the weight could
-      not (Zamirai et al., "Revisiting BFloat16 Training"; optimi). ``w + comp`` carries ~16 significant bits.
-    - ``"stochastic"``: each update is rounded up or down at random, unbiased, so small updates survive on average.
+    - ``"kahan"``: a 16-bit compensation per weight holds what the weight could not (Zamirai et al. 2020, "Revisiting
+      BFloat16 Training"; optimi): ``w + comp`` carries ~16 significant bits.
+    - ``"stochastic"``: weights are rounded up or down at random, without bias, so small updates survive on average.
 
-    The optimizers keep the model's own 16-bit parameters, so ``optimizer.state_dict()``, LR schedulers and
-    checkpoints work unchanged. :meth:`step_` replaces ``optimizer.step()``: it steps in chunks of at most about
-    ``chunk_bytes`` of FP32 copies (value, gradient and per-element state; the optimizer's own temporaries come on
-    top; default 4 MiB on the CPU, 256 MiB on accelerators), each through FP32 stand-in parameters the optimizer sees in the groups' places, then rounds the results
-    back: weights as ``mode`` says, per-element floating state (exp_avg, momentum_buffer...) stochastically in both
-    modes. Nearest rounding would stall state as it stalls weights: Adam's ``exp_avg_sq`` moves by (1 - beta2) = 0.1%
-    of itself per step, below half a BF16 ulp, so it could never decrease (it stays at its peak when gradients
-    shrink, and the steps come out too small). Elementwise ``torch.optim`` optimizers step large parameters in slices;
-    others step whole parameters. State that is not a per-element floating tensor (``step``, torchao's quantized
-    subclasses, bitsandbytes' uint8 codes and absmax) stays as the optimizer keeps it. FP32 parameters (FP32 islands),
-    frozen and unnamed parameters are stepped as they are.
+    The optimizers keep the model's own 16-bit parameters: ``optimizer.state_dict()``, LR schedulers and checkpoints
+    work unchanged. :meth:`step_` replaces ``optimizer.step()``: chunk by chunk (about ``chunk_bytes`` of FP32 copies
+    of value, gradient and per-element state; the optimizer's temporaries come on top), FP32 stand-ins take the
+    parameters' places in the groups, the optimizer steps them, and the results are rounded back. Per-element floating
+    state (exp_avg, momentum_buffer...) is kept in the parameter's dtype and rounded stochastically in both modes: with
+    nearest rounding Adam's ``exp_avg_sq``, which moves by 0.1% of itself per step (below half a BF16 ulp), could
+    never decrease, and steps would shrink once gradients do. Other state (``step``, torchao's quantized subclasses,
+    bitsandbytes' codes and absmax) stays as the optimizer keeps it. Elementwise ``torch.optim`` optimizers step large
+    parameters in slices, others whole parameters. FP32 parameters (FP32 islands), frozen and unnamed ones are
+    stepped as they are.
 
-    Random numbers are a function of ``(seed, steps, parameter name, tensor, element)``: they do not depend on the
-    chunking, and a resumed or rolled-back run repeats them exactly.
+    Random numbers are a function of ``(seed, steps, parameter name, element)``: independent of the chunking, and
+    repeated exactly by a resumed or rolled-back run.
 
     Raises:
         ValueError: ``mode``, ``seed`` or ``chunk_bytes`` is invalid, or an optimizer is not per-parameter (LBFGS).
@@ -232,7 +250,7 @@ class CompactWeights:
         if clip_value is not None and not clip_value > 0:
             raise ValueError(f"CompactWeights.step_(clip_value={clip_value!r}): must be positive, or None.")
         self.steps += 1
-        self._before: dict[int, dict[Any, Any]] = {}
+        self._before = {}
         groups, output = optimizer.param_groups, None
         pieces = self._pieces(optimizer)
         for chunk in self._chunks(pieces, self._budget(pieces[0].param.device) if pieces else 0):
@@ -359,7 +377,7 @@ class CompactWeights:
             comp = piece.view(self._comp[piece.name])
             comp.copy_(value.sub_(weight))  # the residual is exact in FP32; its rounding is what is lost
         else:
-            weight.copy_(self._round(value, piece, noise))
+            self._round_(weight, value, piece, noise)
         if new_state:
             non_castable = getattr(optimizer, "non_castable_tensor_keys", ())
             state = optimizer.state[p]
@@ -368,14 +386,14 @@ class CompactWeights:
                     dst = state.get(key)
                     if type(dst) is not torch.Tensor or dst.dtype != p.dtype or dst.shape != p.shape:
                         dst = state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    piece.view(dst).copy_(self._round(v, piece, noise))
+                    self._round_(piece.view(dst), v, piece, noise)
                 elif piece.start == 0:  # per-parameter scalars: every slice computes the same ones
                     state[key] = v
         if piece.stop == p.numel():
             p.grad = None
 
-    def _round(self, src: torch.Tensor, piece: _Piece, noise: list[torch.Tensor]) -> torch.Tensor:
-        """Stochastic rounding of ``src`` (overwritten) to the parameter's dtype. The uniform numbers are a function
+    def _round_(self, dst: torch.Tensor, src: torch.Tensor, piece: _Piece, noise: list[torch.Tensor]) -> None:
+        """Stochastic rounding of ``src`` (overwritten) into ``dst``. The uniform numbers are a function
         of (seed, steps, parameter, element), drawn per block, and shared by the weight and its state tensors: each
         is rounded without bias, for a third of the random numbers (~3 ns each on a CPU); their errors at one
         element are correlated, which changes only second-order terms (the ratio m / sqrt(v) even gains)."""
@@ -390,7 +408,7 @@ class CompactWeights:
                 generator.manual_seed(_mix(self.seed, self.steps, key, start // block))
                 uniform[start - piece.start : start - piece.start + block].uniform_(generator=generator)
             noise.append(_noise(uniform, piece.param.dtype))
-        return _round_stochastic(src, noise[0], piece.param.dtype)
+        _round_stochastic_(dst, src, noise[0])
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -510,19 +528,3 @@ def _inner_tensors(value: Any) -> list[torch.Tensor]:
 def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
-
-def quantized_state_classes() -> list[type]:
-    """torchao's quantized optimizer-state classes (8-bit, 4-bit, FP8), for ``torch.serialization.safe_globals``.
-
-    ``torch.load(weights_only=True)`` refuses a checkpoint holding them unless they are allowed; importing
-    ``torchao.optim`` allows them process-wide (it calls ``add_safe_globals``), this names them explicitly:
-    ``with torch.serialization.safe_globals(quantized_state_classes()): torch.load(path, weights_only=True)``.
-    bitsandbytes keeps plain tensors, which need nothing.
-    """
-    try:
-        from torchao.optim.subclass_4bit import OptimState4bit
-        from torchao.optim.subclass_8bit import OptimState8bit
-        from torchao.optim.subclass_fp8 import OptimStateFp8
-    except ModuleNotFoundError as error:
-        raise ModuleNotFoundError("quantized_state_classes() needs torchao: pip install torchao") from error
-    return [OptimState8bit, OptimState4bit, OptimStateFp8]
