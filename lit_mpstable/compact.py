@@ -121,8 +121,8 @@ class CompactWeights:
     masters (:class:`~lit_mpstable.master.MasterWeights`) fix that for 4 more bytes per parameter (and FP32 state);
     this class for 2 or none:
 
-    - ``"kahan"``: a 16-bit compensation per weight holds what the weight could not (Zamirai et al. 2020, "Revisiting
-      BFloat16 Training"; optimi): ``w + comp`` carries ~16 significant bits.
+    - ``"kahan"``: a BF16 compensation per weight holds what the weight could not (Zamirai et al. 2020, "Revisiting
+      BFloat16 Training"; optimi): ``w + comp`` carries 8 more significant bits than ``w``.
     - ``"stochastic"``: weights are rounded up or down at random, without bias, so small updates survive on average.
 
     The optimizers keep the model's own 16-bit parameters: ``optimizer.state_dict()``, LR schedulers and checkpoints
@@ -167,7 +167,7 @@ class CompactWeights:
         self._params: dict[str, nn.Parameter] = {}  # compact: 16-bit, trainable when bound, named in the model
         self._names: dict[int, str] = {}
         self._comp: dict[str, torch.Tensor] = {}
-        self._plain: dict[int, torch.Tensor] = {}  # stepped as they are (FP32, unnamed)
+        self._unnamed: dict[int, torch.Tensor] = {}  # 16-bit but not the model's: stepped as they are
         self._generators: dict[torch.device, torch.Generator] = {}
         self._before: dict[int, dict[Any, Any]] = {}  # during step_: each parameter's state before it
         for optimizer in optimizers:
@@ -189,19 +189,18 @@ class CompactWeights:
         unnamed = 0
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if id(p) in self._names or id(p) in self._plain or not p.requires_grad:
-                    continue
-                if p.dtype not in _LOW:
-                    self._plain[id(p)] = p
+                if id(p) in self._names or id(p) in self._unnamed or not p.requires_grad or p.dtype not in _LOW:
                     continue
                 named = named if named is not None else {id(q): n for n, q in self._model.named_parameters()}
                 name = named.get(id(p))
                 if name is None:
-                    self._plain[id(p)], unnamed = p, unnamed + 1
+                    self._unnamed[id(p)], unnamed = p, unnamed + 1
                     continue
                 self._params[name], self._names[id(p)] = p, name
                 if self.mode == "kahan":
-                    self._comp[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    # BF16 for FP16 weights too: an FP16 compensation (residuals below 2**-11 |w|) is subnormal for
+                    # |w| < 2**-3 and zero below 2**-13; BF16 keeps 8 bits at any magnitude.
+                    self._comp[name] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
                 new.append(name)
         if unnamed:
             warnings.warn(
@@ -227,7 +226,7 @@ class CompactWeights:
 
         Gradients are cast to FP32, multiplied by ``grad_multiplier`` (fold loss-scale unscaling and clip-by-norm
         into it), then clamped to ``[-clip_value, clip_value]``. Parameters without a gradient are skipped, as the
-        optimizer would. Afterwards every stepped parameter's gradient is None (freed chunk by chunk). The optimizer
+        optimizer would (none with one: the optimizer is not called). Afterwards every stepped parameter's gradient is None (freed chunk by chunk). The optimizer
         is called once per chunk (its step hooks too). If it raises, the chunks before stay stepped, and the failing
         chunk's parameters, gradients and per-element state are unchanged. Skipping a step (inf/NaN) is the
         caller's decision: then do not call this.
@@ -289,11 +288,16 @@ class CompactWeights:
                 if grad is None:
                     continue
                 name = self._names.get(id(p))
+                if name is not None and p.dtype not in _LOW:  # cast to FP32 since (a fallback): it holds it all
+                    if name in self._comp:
+                        self._comp[name].zero_()
+                    name = None
                 if name is None:
-                    if p.requires_grad and p.dtype in _LOW and id(p) not in self._plain:
+                    if p.requires_grad and p.dtype in _LOW and id(p) not in self._unnamed:
                         raise RuntimeError(
                             f"CompactWeights.step_: a {p.dtype} trainable parameter of shape {tuple(p.shape)} was"
-                            " added to the optimizer or unfrozen after binding; call bind_new_(optimizer) first."
+                            " added to the optimizer, unfrozen or cast to 16 bits after binding; call"
+                            " bind_new_(optimizer) first."
                         )
                     pieces.append(_Piece(gi, p, None, 0, p.numel(), p.numel() * grad.element_size()))
                     continue
@@ -343,19 +347,19 @@ class CompactWeights:
             if multiplier is None and clip is None:
                 return p, None
             original = p.grad
-            p.grad = _transform(original.float(), multiplier, clip).to(original.dtype)
+            p.grad = _transform(original.to(torch.float32, copy=True), multiplier, clip).to(original.dtype)
             return p, original
-        value = piece.view(p.detach()).float()
+        value = piece.view(p.detach()).to(torch.float32, copy=True)
         if self.mode == "kahan":
             value.add_(piece.view(self._comp[piece.name]))
         proxy = nn.Parameter(value)
-        proxy.grad = _transform(piece.view(p.grad).float(), multiplier, clip)
+        proxy.grad = _transform(piece.view(p.grad).to(torch.float32, copy=True), multiplier, clip)
         # Every slice of a parameter starts from its state before this step, though earlier slices are written back.
         state = self._before.setdefault(id(p), dict(optimizer.state.get(p, {})))
         if state:
             non_castable = getattr(optimizer, "non_castable_tensor_keys", ())
             optimizer.state[proxy] = {
-                key: piece.view(v).float() if _per_element(key, v, p, non_castable)
+                key: piece.view(v).to(torch.float32, copy=True) if _per_element(key, v, p, non_castable)
                 else v if piece.whole or not isinstance(v, torch.Tensor) else v.clone()
                 for key, v in state.items()
             }
