@@ -1,0 +1,534 @@
+"""16-bit weights that train like FP32 ones: Kahan-compensated or stochastically rounded updates, 16-bit state."""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = ["CompactMode", "CompactWeights", "quantized_state_classes", "stochastic_round"]
+
+CompactMode = Literal["kahan", "stochastic"]
+_MODES: tuple[str, ...] = get_args(CompactMode)
+_LOW = (torch.float16, torch.bfloat16)
+# Random numbers are drawn per block of elements from a generator seeded by (seed, step, parameter, block), so an
+# element gets the same ones however the step is chunked; slices are whole blocks. Larger on accelerators: one kernel
+# launch per block.
+_BLOCK_CPU, _BLOCK_ACCELERATOR = 2**16, 2**20
+# Updates that are elementwise given per-parameter scalars (step, NAdam's mu_product, ASGD's eta): a parameter can be
+# stepped in slices, bit for bit. Exact types only: a subclass may add a per-tensor norm (LAMB, LARS).
+_ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD"))
+
+
+def stochastic_round(
+    value: torch.Tensor, dtype: torch.dtype, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Round ``value`` to ``dtype`` (BF16 or FP16) up or down at random, so that ``E[round(x)] == x``.
+
+    Each element becomes one of its two ``dtype`` neighbours, the upper one with probability (x - lower) / (upper -
+    lower), resolved to 2**-16 for BF16 and 2**-24 for FP16 (so an update below 2**-16 of a BF16 ulp never counts).
+    Values ``dtype`` holds exactly are kept and inf stays inf; beyond FP16's range the result is nearest rounding's.
+    """
+    if dtype not in _LOW:
+        raise ValueError(f"stochastic_round(dtype={dtype!r}): dtype must be torch.bfloat16 or torch.float16.")
+    src = value.detach().to(torch.float32, copy=True)
+    uniform = torch.rand(src.shape, generator=generator, device=src.device)
+    return _round_stochastic_(torch.empty_like(src, dtype=dtype), src, _noise(uniform, dtype))
+
+
+def quantized_state_classes() -> list[type]:
+    """torchao's quantized optimizer-state classes (8-bit, 4-bit, FP8), for ``torch.serialization.safe_globals``.
+
+    ``torch.load(weights_only=True)`` refuses a checkpoint holding them unless they are allowed; importing
+    ``torchao.optim`` allows them process-wide (it calls ``add_safe_globals``), this names them explicitly:
+    ``with torch.serialization.safe_globals(quantized_state_classes()): torch.load(path, weights_only=True)``.
+    bitsandbytes keeps plain tensors, which need nothing.
+    """
+    try:
+        from torchao.optim.subclass_4bit import OptimState4bit
+        from torchao.optim.subclass_8bit import OptimState8bit
+        from torchao.optim.subclass_fp8 import OptimStateFp8
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError("quantized_state_classes() needs torchao: pip install torchao") from error
+    return [OptimState8bit, OptimState4bit, OptimStateFp8]
+
+
+def _noise(uniform: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # BF16: 16 random bits (the uniform number's top 16 of 24); FP16: the uniform numbers themselves.
+    return uniform.mul_(65536.0).to(torch.int32) if dtype == torch.bfloat16 else uniform
+
+
+def _round_stochastic_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Write FP32 ``src`` (overwritten), stochastically rounded with :func:`_noise` (kept), into 16-bit ``dst``."""
+    noise = noise.view(src.shape)
+    if dst.dtype == torch.bfloat16:
+        # BF16 is FP32's upper half: adding 16 random bits to the lower half carries into the upper one with
+        # probability (lower half) / 2**16, then truncation rounds toward zero. The sign is not in those bits, so the
+        # carry rounds away from zero: up in magnitude, for negative values too (torchao's construction).
+        bits = src.view(torch.int32)
+        bits.add_(noise).bitwise_and_(-65536)
+        return dst.copy_(src)  # exact now
+    # FP16 has its own exponent bits: take the nearest neighbour and the one on the other side of src, and pick the
+    # far one with probability |residual| / spacing (both exact in FP32; an infinite spacing gives probability 0).
+    near = src.to(torch.float16)
+    residual = src.sub_(near)
+    far = torch.nextafter(near, torch.where(residual > 0, torch.inf, -torch.inf).to(torch.float16))
+    spacing = far.float().sub_(near).abs_()
+    return dst.copy_(torch.where(noise < residual.abs_().div_(spacing), far, near))
+
+
+def _mix(*values: int) -> int:
+    # splitmix64 over the values, folded to 32 bits: the CPU generator (mt19937) uses a seed's low 32 bits only.
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 29
+    return (h ^ (h >> 32)) & 0xFFFFFFFF
+
+
+@dataclass
+class _Piece:
+    """Part of one parameter's step: elements [start, stop) of a compact parameter, or a whole parameter that is
+    stepped as it is (``name`` None: FP32 islands, frozen or unnamed parameters)."""
+
+    group: int
+    param: nn.Parameter
+    name: str | None
+    start: int
+    stop: int
+    nbytes: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.param.numel()
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.whole else t.view(-1)[self.start : self.stop]
+
+
+class CompactWeights:
+    """16-bit weights that train like FP32 ones, with 16-bit optimizer state and no FP32 copy between steps.
+
+    BF16 keeps 8 significant bits, so an update below half an ulp rounds away and plain 16-bit training stalls. FP32
+    masters (:class:`~lit_mpstable.master.MasterWeights`) fix that for 4 more bytes per parameter (and FP32 state);
+    this class for 2 or none:
+
+    - ``"kahan"``: a BF16 compensation per weight holds what the weight could not (Zamirai et al. 2020, "Revisiting
+      BFloat16 Training"; optimi): ``w + comp`` carries 8 more significant bits than ``w``.
+    - ``"stochastic"``: weights are rounded up or down at random, without bias, so small updates survive on average.
+
+    The optimizers keep the model's own 16-bit parameters: ``optimizer.state_dict()``, LR schedulers and checkpoints
+    work unchanged. :meth:`step_` replaces ``optimizer.step()``: chunk by chunk (about ``chunk_bytes`` of FP32 copies
+    of value, gradient and per-element state; the optimizer's temporaries come on top), FP32 stand-ins take the
+    parameters' places in the groups, the optimizer steps them, and the results are rounded back. Per-element floating
+    state (exp_avg, momentum_buffer...) is kept in the parameter's dtype and rounded stochastically in both modes: with
+    nearest rounding Adam's ``exp_avg_sq``, which moves by 0.1% of itself per step (below half a BF16 ulp), could
+    never decrease, and steps would shrink once gradients do. Other state (``step``, torchao's quantized subclasses,
+    bitsandbytes' codes and absmax) stays as the optimizer keeps it. Elementwise ``torch.optim`` optimizers step large
+    parameters in slices, others whole parameters. FP32 parameters (FP32 islands), frozen and unnamed ones are
+    stepped as they are.
+
+    Random numbers are a function of ``(seed, steps, parameter name, element)``: independent of the chunking, and
+    repeated exactly by a resumed or rolled-back run.
+
+    Raises:
+        ValueError: ``mode``, ``seed`` or ``chunk_bytes`` is invalid, or an optimizer is not per-parameter (LBFGS).
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizers: Sequence[Optimizer], mode: CompactMode, *, seed: int = 0,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"CompactWeights(mode={mode!r}): mode must be one of {_MODES}.")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"CompactWeights(seed={seed!r}): seed must be an int in [0, 2**64).")
+        if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+                                        or chunk_bytes < 1):
+            raise ValueError(
+                f"CompactWeights(chunk_bytes={chunk_bytes!r}): chunk_bytes must be a positive int (bytes of FP32"
+                " copies per optimizer call; at least one block of 65536 elements is stepped at a time) or None"
+                " (4 MiB on the CPU, 256 MiB on accelerators)."
+            )
+        self.mode: CompactMode = mode
+        self.seed = seed
+        self.chunk_bytes = chunk_bytes
+        self.steps = 0  # step_ calls so far: part of every random key
+        self._model = model
+        self._optimizers: list[Optimizer] = []
+        self._params: dict[str, nn.Parameter] = {}  # compact: 16-bit, trainable when bound, named in the model
+        self._names: dict[int, str] = {}
+        self._comp: dict[str, torch.Tensor] = {}
+        self._unnamed: dict[int, torch.Tensor] = {}  # 16-bit but not the model's: stepped as they are
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._before: dict[int, dict[Any, Any]] = {}  # during step_: each parameter's state before it
+        for optimizer in optimizers:
+            if all(optimizer is not o for o in self._optimizers):
+                self.bind_new_(optimizer)
+
+    def bind_new_(self, optimizer: Optimizer) -> list[str]:
+        """Bind ``optimizer`` (if new) and the 16-bit trainable parameters it holds that are not bound yet (added with
+        ``add_param_group`` or unfrozen since); returns their names. Cheap when nothing is new: call it every step."""
+        if all(optimizer is not o for o in self._optimizers):
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise ValueError(
+                    "CompactWeights: LBFGS keeps one state for all parameters and re-evaluates the loss inside step(),"
+                    " which stepping in chunks cannot follow; use a per-parameter optimizer (SGD, Adam, ...)."
+                )
+            self._optimizers.append(optimizer)
+        new: list[str] = []
+        named: dict[int, str] | None = None
+        unnamed = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in self._names or id(p) in self._unnamed or not p.requires_grad or p.dtype not in _LOW:
+                    continue
+                named = named if named is not None else {id(q): n for n, q in self._model.named_parameters()}
+                name = named.get(id(p))
+                if name is None:
+                    self._unnamed[id(p)], unnamed = p, unnamed + 1
+                    continue
+                self._params[name], self._names[id(p)] = p, name
+                if self.mode == "kahan":
+                    # BF16 for FP16 weights too: an FP16 compensation (residuals below 2**-11 |w|) is subnormal for
+                    # |w| < 2**-3 and zero below 2**-13; BF16 keeps 8 bits at any magnitude.
+                    self._comp[name] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+                new.append(name)
+        if unnamed:
+            warnings.warn(
+                f"CompactWeights: {unnamed} 16-bit trainable parameters of {type(optimizer).__name__} are not the"
+                " model's, so they have no name to checkpoint a compensation under; they are stepped as they are"
+                " (updates below half an ulp are lost).", stacklevel=2,
+            )
+        return new
+
+    # ------------------------------------------------------------------------------------------ reading
+    def named_buffers(self) -> Iterator[tuple[str, nn.Parameter, torch.Tensor | None]]:
+        """Yield ``(qualified name, 16-bit parameter, compensation or None)`` for every compact parameter."""
+        for name, p in self._params.items():
+            yield name, p, self._comp.get(name)
+
+    # ------------------------------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def step_(
+        self, optimizer: Optimizer, *, grad_multiplier: torch.Tensor | float | None = None,
+        clip_value: float | None = None, **step_kwargs: Any,
+    ) -> Any:
+        """One ``optimizer.step(**step_kwargs)`` on the current gradients, in FP32; no host sync.
+
+        Gradients are cast to FP32, multiplied by ``grad_multiplier`` (fold loss-scale unscaling and clip-by-norm
+        into it), then clamped to ``[-clip_value, clip_value]``. Parameters without a gradient are skipped, as the
+        optimizer would (none with one: the optimizer is not called). Afterwards every stepped parameter's gradient is None (freed chunk by chunk). The optimizer
+        is called once per chunk (its step hooks too). If it raises, the chunks before stay stepped, and the failing
+        chunk's parameters, gradients and per-element state are unchanged. Skipping a step (inf/NaN) is the
+        caller's decision: then do not call this.
+
+        Raises:
+            ValueError: the optimizer is not bound, a closure is given (it would run once per chunk), or
+                ``clip_value`` is not positive.
+            RuntimeError: a 16-bit trainable parameter of the optimizer was not bound (call :meth:`bind_new_`).
+        """
+        if all(optimizer is not o for o in self._optimizers):
+            raise ValueError(
+                f"CompactWeights.step_: optimizer {type(optimizer).__name__} (id {id(optimizer):#x}) is not bound;"
+                " pass it at construction or call bind_new_(optimizer) first."
+            )
+        if step_kwargs.get("closure") is not None:
+            raise ValueError(
+                "CompactWeights.step_(closure=...): the optimizer is called once per chunk, so a closure would run"
+                " forward and backward several times; run it first, then call step_ without it."
+            )
+        if clip_value is not None and not clip_value > 0:
+            raise ValueError(f"CompactWeights.step_(clip_value={clip_value!r}): must be positive, or None.")
+        self.steps += 1
+        self._before = {}
+        groups, output = optimizer.param_groups, None
+        pieces = self._pieces(optimizer)
+        for chunk in self._chunks(pieces, self._budget(pieces[0].param.device) if pieces else 0):
+            saved = [group["params"] for group in groups]
+            entered: list[tuple[_Piece, torch.Tensor, torch.Tensor | None]] = []
+            try:
+                lists: list[list[torch.Tensor]] = [[] for _ in groups]
+                for piece in chunk:
+                    proxy, grad = self._enter(optimizer, piece, grad_multiplier, clip_value)
+                    entered.append((piece, proxy, grad))
+                    lists[piece.group].append(proxy)
+                for group, params in zip(groups, lists):
+                    group["params"] = params
+                output = optimizer.step(**step_kwargs)
+            except BaseException:
+                for piece, proxy, grad in entered:
+                    optimizer.state.pop(proxy, None)
+                    if piece.name is None and grad is not None:
+                        piece.param.grad = grad  # restore the untransformed gradient
+                raise
+            finally:
+                for group, params in zip(groups, saved):
+                    group["params"] = params
+            for piece, proxy, _ in entered:
+                self._leave(optimizer, piece, proxy)
+        self._before = {}
+        return output
+
+    def _pieces(self, optimizer: Optimizer) -> list[_Piece]:
+        non_castable = getattr(optimizer, "non_castable_tensor_keys", ())
+        sliceable = type(optimizer) in _ELEMENTWISE
+        pieces: list[_Piece] = []
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                name = self._names.get(id(p))
+                if name is not None and p.dtype not in _LOW:  # cast to FP32 since (a fallback): it holds it all
+                    if name in self._comp:
+                        self._comp[name].zero_()
+                    name = None
+                if name is None:
+                    if p.requires_grad and p.dtype in _LOW and id(p) not in self._unnamed:
+                        raise RuntimeError(
+                            f"CompactWeights.step_: a {p.dtype} trainable parameter of shape {tuple(p.shape)} was"
+                            " added to the optimizer, unfrozen or cast to 16 bits after binding; call"
+                            " bind_new_(optimizer) first."
+                        )
+                    pieces.append(_Piece(gi, p, None, 0, p.numel(), p.numel() * grad.element_size()))
+                    continue
+                state = optimizer.state.get(p, {})
+                for key, value in state.items():  # e.g. loaded from an FP32 run: keep the invariant (16-bit)
+                    if _per_element(key, value, p, non_castable) and value.dtype != p.dtype:
+                        state[key] = value.to(p.dtype)
+                n_states = sum(_per_element(k, v, p, non_castable) for k, v in state.items()) if state else 2
+                per_element = 4 * (2 + n_states)
+                numel = p.numel()
+                size = numel
+                if sliceable and p.is_contiguous() and grad.layout == torch.strided and grad.is_contiguous():
+                    block = _block(p.device)
+                    size = max(block, self._budget(p.device) // per_element // block * block)
+                for start in range(0, numel, size):
+                    stop = min(numel, start + size)
+                    pieces.append(_Piece(gi, p, name, start, stop, (stop - start) * per_element))
+        return pieces
+
+    def _budget(self, device: torch.device) -> int:
+        # Small chunks on the CPU: their FP32 copies come back from the allocator's cache (larger ones are fresh
+        # pages every step, slower) and the transient stays small; measured in bench/bench_compact_core.py. On an
+        # accelerator, fewer optimizer calls matter more (a guessed default; no GPU measurement yet).
+        if self.chunk_bytes is not None:
+            return self.chunk_bytes
+        return 4 * 2**20 if device.type == "cpu" else 256 * 2**20
+
+    def _chunks(self, pieces: list[_Piece], budget: int) -> Iterator[list[_Piece]]:
+        chunk: list[_Piece] = []
+        used = 0
+        for piece in pieces:
+            if chunk and used + piece.nbytes > budget:
+                yield chunk
+                chunk, used = [], 0
+            chunk.append(piece)
+            used += piece.nbytes
+        if chunk:
+            yield chunk
+
+    def _enter(
+        self, optimizer: Optimizer, piece: _Piece, multiplier: torch.Tensor | float | None, clip: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensor the optimizer steps for ``piece`` (an FP32 stand-in, or the parameter itself), with its FP32
+        gradient and state in place; returns it and the parameter's original gradient when that was replaced."""
+        p = piece.param
+        if piece.name is None:
+            if multiplier is None and clip is None:
+                return p, None
+            original = p.grad
+            p.grad = _transform(original.to(torch.float32, copy=True), multiplier, clip).to(original.dtype)
+            return p, original
+        value = piece.view(p.detach()).to(torch.float32, copy=True)
+        if self.mode == "kahan":
+            value.add_(piece.view(self._comp[piece.name]))
+        proxy = nn.Parameter(value)
+        proxy.grad = _transform(piece.view(p.grad).to(torch.float32, copy=True), multiplier, clip)
+        # Every slice of a parameter starts from its state before this step, though earlier slices are written back.
+        state = self._before.setdefault(id(p), dict(optimizer.state.get(p, {})))
+        if state:
+            non_castable = getattr(optimizer, "non_castable_tensor_keys", ())
+            optimizer.state[proxy] = {
+                key: piece.view(v).to(torch.float32, copy=True) if _per_element(key, v, p, non_castable)
+                else v if piece.whole or not isinstance(v, torch.Tensor) else v.clone()
+                for key, v in state.items()
+            }
+        return proxy, None
+
+    def _leave(self, optimizer: Optimizer, piece: _Piece, proxy: torch.Tensor) -> None:
+        """Round the stepped FP32 stand-in back into the 16-bit parameter, compensation and state."""
+        p = piece.param
+        if piece.name is None:
+            if piece.stop == p.numel():
+                p.grad = None
+            return
+        proxy.grad = None  # frees the FP32 gradient before the rounding temporaries
+        new_state = optimizer.state.pop(proxy, {})
+        value, weight = proxy.detach(), piece.view(p.detach())
+        noise: list[torch.Tensor] = []  # drawn once, when first needed
+        if self.mode == "kahan":
+            weight.copy_(value)  # round to nearest
+            comp = piece.view(self._comp[piece.name])
+            comp.copy_(value.sub_(weight))  # the residual is exact in FP32; its rounding is what is lost
+        else:
+            self._round_(weight, value, piece, noise)
+        if new_state:
+            non_castable = getattr(optimizer, "non_castable_tensor_keys", ())
+            state = optimizer.state[p]
+            for key, v in new_state.items():
+                if _per_element(key, v, proxy, non_castable):
+                    dst = state.get(key)
+                    if type(dst) is not torch.Tensor or dst.dtype != p.dtype or dst.shape != p.shape:
+                        dst = state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    self._round_(piece.view(dst), v, piece, noise)
+                elif piece.start == 0:  # per-parameter scalars: every slice computes the same ones
+                    state[key] = v
+        if piece.stop == p.numel():
+            p.grad = None
+
+    def _round_(self, dst: torch.Tensor, src: torch.Tensor, piece: _Piece, noise: list[torch.Tensor]) -> None:
+        """Stochastic rounding of ``src`` (overwritten) into ``dst``. The uniform numbers are a function
+        of (seed, steps, parameter, element), drawn per block, and shared by the weight and its state tensors: each
+        is rounded without bias, for a third of the random numbers (~3 ns each on a CPU); their errors at one
+        element are correlated, which changes only second-order terms (the ratio m / sqrt(v) even gains)."""
+        if not noise:
+            device, block = src.device, _block(src.device)
+            generator = self._generators.get(device)
+            if generator is None:
+                generator = self._generators[device] = torch.Generator(device)
+            uniform = torch.empty(src.numel(), device=device)
+            key = zlib.crc32(piece.name.encode())  # type: ignore[union-attr]
+            for start in range(piece.start, piece.stop, block):
+                generator.manual_seed(_mix(self.seed, self.steps, key, start // block))
+                uniform[start - piece.start : start - piece.start + block].uniform_(generator=generator)
+            noise.append(_noise(uniform, piece.param.dtype))
+        _round_stochastic_(dst, src, noise[0])
+
+    # --------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """``mode``, ``seed``, ``steps`` (the random keys) and ``compensation`` (``{parameter name: tensor}``, empty
+        for ``"stochastic"``); plain values and tensors only, so ``torch.load(weights_only=True)`` reads it.
+
+        The tensors share storage with the compensations (detached, not copied): clone them for an in-memory
+        snapshot that later steps must not change. The weights and optimizer state are in the model's and the
+        optimizers' own state dicts.
+        """
+        return {
+            "mode": self.mode, "seed": self.seed, "steps": self.steps,
+            "compensation": {name: comp.detach() for name, comp in self._comp.items()},
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s values (load the model's weights from the same checkpoint).
+
+        Raises:
+            KeyError: a key or parameter name is missing or unknown (each one is listed).
+            ValueError: the mode or a tensor's shape differs.
+        """
+        _check_keys("", {"mode", "seed", "steps", "compensation"}, set(state), "a different lit_mpstable version?")
+        if state["mode"] != self.mode:
+            raise ValueError(
+                f"CompactWeights.load_state_dict: saved with mode={state['mode']!r}, this object has"
+                f" mode={self.mode!r}; build it with the saved mode, or call zero_compensation_() instead of loading."
+            )
+        comp = state["compensation"]
+        _check_keys(
+            "compensation ", set(self._comp), set(comp), "saved from a different model, or with other parameters"
+            " trainable or in FP32?",
+        )
+        for name, buffer in self._comp.items():
+            if comp[name].shape != buffer.shape:
+                raise ValueError(
+                    f"CompactWeights.load_state_dict: compensation {name!r} has shape {tuple(comp[name].shape)}, the"
+                    f" parameter {tuple(buffer.shape)}; was it saved from a different model?"
+                )
+        if self._comp:
+            torch._foreach_copy_(list(self._comp.values()), [comp[name] for name in self._comp])
+        self.seed, self.steps = int(state["seed"]), int(state["steps"])
+
+    @torch.no_grad()
+    def zero_compensation_(self) -> None:
+        """Zero every compensation: the weights alone are the value (e.g. after loading a checkpoint without one)."""
+        if self._comp:
+            torch._foreach_zero_(list(self._comp.values()))
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held by training state, by kind; counts tensors (quantized states by their inner tensors), not
+        allocator overhead. Reads no device data.
+
+        Keys: ``params_16bit`` (every FP16/BF16 parameter of the model, frozen ones too), ``compensation``,
+        ``grads`` (the model's gradients that exist now), ``optimizer_state`` (every tensor in the optimizers'
+        ``state``, ``step`` counters included), ``params_fp32_other`` (trainable parameters of any other dtype),
+        ``total`` (their sum).
+        """
+        params = list(self._model.parameters())
+        state: dict[int, torch.Tensor] = {}
+        for optimizer in self._optimizers:
+            for param_state in optimizer.state.values():
+                for value in param_state.values():
+                    state.update((id(t), t) for t in _inner_tensors(value))
+        report = {
+            "params_16bit": _nbytes(p for p in params if p.dtype in _LOW),
+            "compensation": _nbytes(self._comp.values()),
+            "grads": _nbytes(p.grad for p in params if p.grad is not None),
+            "optimizer_state": _nbytes(state.values()),
+            "params_fp32_other": _nbytes(p for p in params if p.dtype not in _LOW and p.requires_grad),
+        }
+        report["total"] = sum(report.values())
+        return report
+
+
+def _block(device: torch.device) -> int:
+    return _BLOCK_CPU if device.type == "cpu" else _BLOCK_ACCELERATOR
+
+
+def _per_element(key: Any, value: Any, param: torch.Tensor, non_castable: Any) -> bool:
+    # Exactly what torch's Optimizer.load_state_dict casts to the parameter's dtype (floating, not "step"), unless the
+    # optimizer opts out (bitsandbytes), and per element: so it is 16-bit between steps and round-trips bit for bit.
+    return (
+        type(value) is torch.Tensor and value.is_floating_point() and key != "step" and key not in non_castable
+        and value.shape == param.shape
+    )
+
+
+def _transform(grad: torch.Tensor, multiplier: torch.Tensor | float | None, clip: float | None) -> torch.Tensor:
+    # In place on a fresh FP32 copy.
+    if multiplier is not None:
+        grad.mul_(multiplier)
+    if clip is not None:
+        grad.clamp_(-clip, clip)
+    return grad
+
+
+def _check_keys(what: str, expected: set[str], given: set[str], cause: str) -> None:
+    if expected != given:
+        raise KeyError(
+            f"CompactWeights.load_state_dict: missing {what}keys {sorted(expected - given)}, unknown {what}keys"
+            f" {sorted(given - expected)}; {cause}"
+        )
+
+
+def _inner_tensors(value: Any) -> list[torch.Tensor]:
+    # Wrapper subclasses (torchao's quantized states) hold their data in inner tensors.
+    if not isinstance(value, torch.Tensor):
+        return []
+    if type(value) is torch.Tensor or not hasattr(value, "__tensor_flatten__"):
+        return [value]
+    names, _ = value.__tensor_flatten__()
+    return [t for name in names for t in _inner_tensors(getattr(value, name))]
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
