@@ -59,8 +59,10 @@ def compose(overrides: Sequence[str]) -> DictConfig:
     """``train.yaml`` with ``overrides``, as ``python -m lit_mpstable.train <overrides>`` would compose it."""
     register_configs()
     GlobalHydra.instance().clear()
+    chosen = any(str(o).lstrip("+~").startswith("experiment=") for o in overrides)
+    one_run = [] if chosen else ["experiment=none"]  # the default experiment is the side-by-side showcase
     with initialize_config_module(config_module="lit_mpstable.conf", version_base="1.3"):
-        return _hydra_compose(config_name="train", overrides=[*QUIET, *overrides])
+        return _hydra_compose(config_name="train", overrides=[*QUIET, *one_run, *overrides])
 
 
 class Recorder(pl.Callback):

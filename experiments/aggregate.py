@@ -100,7 +100,7 @@ def comparison_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             row["status"] = "no summary.json"
             rows.append(row)
             continue
-        row.update({key: s.get(key) for key, _ in COLUMNS if key in s})
+        row.update({key: s.get(key) for key, _ in COLUMNS if key in s and key not in ("label", "overrides")})
         steps = s.get("steps") or 0
         skipped = s.get("skipped_steps") or 0
         final = s.get("final_train_loss")

@@ -141,6 +141,11 @@ class StableFrontEnd:
         return self.stepper.last_loss
 
     @property
+    def checks_nonfinite(self) -> bool:
+        """Whether a step whose gradients hold inf/NaN is skipped and counted (a loss scaler, or ``skip_nonfinite``)."""
+        return self.stepper.checks_nonfinite
+
+    @property
     def input_nonfinite(self) -> torch.Tensor | None:
         """Whether a batch of the step in progress held inf/NaN: a 0-dim device bool, or None when the batches hold no
         floating tensors (token ids). Reading its value syncs."""

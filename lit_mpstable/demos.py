@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_mpstable.zoo import GPTLM, MLPClassifier
+from lit_mpstable.zoo import GPTLM, DigitsData, MLPClassifier
 
-__all__ = ["FaultyGPTLM", "FaultyMLP", "WeightedLossMLP"]
+__all__ = ["FaultyDigitsData", "FaultyGPTLM", "FaultyMLP", "WeightedLossMLP"]
 
 
 class WeightedLossMLP(MLPClassifier):
@@ -97,3 +97,26 @@ class FaultyMLP(_Faults, MLPClassifier):
     ) -> None:
         super().__init__(**kwargs)
         self._setup_faults(spike_batch, spike_factor, storm_module, storm_start, storm_stop, storm_factor)
+
+
+class FaultyDigitsData(DigitsData):
+    """:class:`DigitsData` whose ``bad_batch``-th training batch of the run (0-based, counted across epochs) carries a
+    NaN in its first input: a corrupted record as it comes out of the data pipeline, before the model sees it."""
+
+    def __init__(self, batch_size: int = 64, *, bad_batch: int | None = None, bad_value: float = float("nan")) -> None:
+        super().__init__(batch_size)
+        self.bad_batch, self.bad_value = bad_batch, float(bad_value)
+        self.batches_served = 0
+
+    def _collate(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        x, y = (torch.stack(column) for column in zip(*samples))
+        if self.batches_served == self.bad_batch:
+            x = x.clone()
+            x.view(-1)[0] = self.bad_value
+        self.batches_served += 1
+        return [x, y]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        return torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True,
+                                           generator=generator, collate_fn=self._collate)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["settle_step", "write_report"]
+__all__ = ["settle_step", "write_comparison_report", "write_report"]
 
 
 def settle_step(scales: Sequence[float], factor: float = 2.0) -> int | None:
@@ -40,17 +40,14 @@ def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
 
     figures = []
     scales, skipped = summary.get("loss_scale_trajectory") or [], summary.get("skipped_trajectory") or []
-    if scales:
+    # Without a scaler (BF16, FP32) the scale is a flat line at 1: drawn only if steps were skipped or decided.
+    if scales and (any(s != 1.0 for s in scales) or any(skipped) or summary.get("events")):
         fig, ax = plt.subplots(figsize=(7, 3.2))
         ax.plot(range(len(scales)), scales, lw=1.5, label="loss scale")
         bad = [i for i, s in enumerate(skipped) if s]
         if bad:
             ax.scatter(bad, [scales[i] for i in bad], color="crimson", marker="v", zorder=3, label="skipped step")
-        for i, event in enumerate(summary.get("events") or []):
-            kind = str(event.get("what", "")).split(":")[0]
-            ax.axvline(event.get("step") or 0, color="gray", ls="--", lw=1, label="fallback / restore / rollback" if i == 0 else None)
-            ax.annotate(kind, (event.get("step") or 0, 1), xycoords=("data", "axes fraction"), rotation=90,
-                        va="top", ha="right", fontsize=7, color="dimgray")
+        _mark_events(ax, summary.get("events") or [])
         ax.set_yscale("log", base=2)
         ax.set(xlabel="optimizer step", ylabel="loss scale", title="Loss scale (skipped steps and decisions marked)")
         ax.legend(loc="best")
@@ -72,7 +69,7 @@ def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
         plt.close(fig)
         figures.append(("Loss curves", "loss.png"))
     underflow = summary.get("grad_underflow_per_layer") or {}
-    if underflow:
+    if any(value > 0 for value in underflow.values()):  # all zero (BF16, or nothing at risk): an empty chart
         names = list(underflow)
         fig, ax = plt.subplots(figsize=(7, 0.3 * len(names) + 1.2))
         ax.barh(names, [underflow[n] for n in names], color="steelblue")
@@ -84,6 +81,100 @@ def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
         plt.close(fig)
         figures.append(("Gradient underflow per layer", "underflow.png"))
     return figures
+
+
+_EVENT_COLOURS = {"fallback": "darkorange", "restore": "seagreen", "skip": "purple", "rollback": "crimson"}
+
+
+def _mark_events(ax: Any, events: Sequence[dict[str, Any]]) -> None:
+    """A dashed vertical line per decision, coloured by kind, named once in the legend."""
+    named: set[str] = set()
+    for event in events:
+        kind = str(event.get("kind") or str(event.get("what", "")).split(":")[0])
+        ax.axvline(event.get("step") or 0, color=_EVENT_COLOURS.get(kind, "gray"), ls="--", lw=1,
+                   label=kind if kind not in named else None)
+        named.add(kind)
+
+
+def _running_median(values: Sequence[float], window: int = 15) -> list[float]:
+    """Running median over the last ``window`` finite values: follows the trend, ignores a one-batch spike."""
+    out, recent = [], []
+    for value in values:
+        if math.isfinite(value):
+            recent = (recent + [value])[-window:]
+        out.append(sorted(recent)[len(recent) // 2] if recent else math.nan)
+    return out
+
+
+def _comparison_figure(runs: dict[str, dict[str, Any]], out_dir: Path) -> str:
+    """Loss, validation accuracy and loss scale of both runs on the same axes; returns the file name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"builtin": dict(color="tab:gray", ls="-"), "stable": dict(color="tab:blue", ls="-")}
+    fig, (loss_ax, acc_ax, scale_ax) = plt.subplots(3, 1, figsize=(8, 8.2), sharex=True,
+                                                    gridspec_kw=dict(height_ratios=[1.2, 1, 1]))
+    for key, summary in runs.items():
+        label, style = summary["label"], styles.get(key, {})
+        losses = summary.get("train_loss_curve") or []
+        loss_ax.plot(range(len(losses)), _running_median(losses), lw=1, alpha=0.45, **style)
+        val = summary.get("val_loss_curve") or []
+        if val:
+            loss_ax.plot([p[0] for p in val], [p[1] for p in val], marker="o", ms=3, lw=1.5, label=label, **style)
+        acc = summary.get("val_acc_curve") or []
+        if acc:
+            acc_ax.plot([p[0] for p in acc], [100 * p[1] for p in acc], marker="o", ms=3, lw=1.2, label=label, **style)
+        scales = summary.get("loss_scale_trajectory") or []
+        scale_ax.plot(range(len(scales)), scales, lw=1.5, label=label, **style)
+        bad = [i for i, s in enumerate(summary.get("skipped_trajectory") or []) if s]
+        if bad:
+            scale_ax.scatter(bad, [scales[i] for i in bad], s=12, marker="v", color=style.get("color"), zorder=3)
+    for ax in (loss_ax, acc_ax, scale_ax):
+        _mark_events(ax, runs.get("stable", {}).get("events") or [])
+    loss_ax.set_yscale("log")
+    loss_ax.set(ylabel="loss (log)", title="The same faulty FP16 run: Lightning's built-in precision vs lit_mpstable")
+    acc_ax.set(ylabel="val accuracy (%)")
+    scale_ax.set_yscale("log", base=2)
+    scale_ax.set(ylabel="loss scale (log2)", xlabel="optimizer step")
+    loss_ax.legend(loc="upper right", fontsize=8)
+    handles, labels = scale_ax.get_legend_handles_labels()
+    scale_ax.legend(handles, labels, loc="center right", fontsize=7)
+    fig.text(0.01, 0.005, "dots: validation loss; thin: running median of the training loss; triangles: skipped steps;"
+             " dashed: lit_mpstable's callbacks deciding", fontsize=7, color="dimgray")
+    fig.tight_layout()
+    name = "comparison.png"
+    fig.savefig(out_dir / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def write_comparison_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write ``report.md`` for a side-by-side run (``{"runs": {"builtin": ..., "stable": ...}, "rows": [...]}``): the
+    figure with both runs, the two-column table, and what StablePrecision's callbacks did, with each run's own report
+    linked."""
+    out_dir = Path(out_dir)
+    runs, rows = summary["runs"], summary["rows"]
+    base, ours = runs["builtin"], runs["stable"]
+    lines = [f"# Stability report: {ours['model']} in {ours['precision']}, side by side", ""]
+    try:
+        lines += [f"![both runs]({_comparison_figure(runs, out_dir)})", ""]
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.partition(".")[0] != "matplotlib":
+            raise
+        lines += ['Figures not drawn: matplotlib is not installed (pip install "lit_mpstable[report]").', ""]
+    lines += [f"| | {base['label']} | {ours['label']} |", "| --- | ---: | ---: |"]
+    for label, key, spec in rows:
+        cells = [("-" if r.get(key) is None else (str(int(r[key])) if spec == "d" else format(r[key], spec)))
+                 for r in (base, ours)]
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+    lines += ["", f"## What {ours['label']} did", ""]
+    lines += [f"- step {e.get('step')}: {e.get('kind')}: {e.get('what')}" for e in ours.get("events") or []] or ["- nothing"]
+    lines += ["", "Each run's own report: [built-in](builtin/report.md), [StablePrecision](stable/report.md).", ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
 
 
 def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:

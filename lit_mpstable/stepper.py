@@ -369,6 +369,11 @@ class PrecisionStepper:
         self._skip_requested = True
 
     @property
+    def checks_nonfinite(self) -> bool:
+        """Whether a step whose gradients hold inf/NaN is skipped (a scaler, or ``skip_nonfinite``)."""
+        return self._checker is not None
+
+    @property
     def input_nonfinite(self) -> torch.Tensor | None:
         """Whether a batch of the step in progress held inf/NaN, as a 0-dim device bool (None: no floating inputs
         seen). Reading its value syncs."""

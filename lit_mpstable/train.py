@@ -20,30 +20,47 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from lit_mpstable._frontend import StableFrontEnd
+from lit_mpstable.callbacks._common import view_of
+from lit_mpstable.callbacks._view import ForeignPrecision
 from lit_mpstable.config import register_configs
 from lit_mpstable.memory import MemoryProbe
 from lit_mpstable.report import write_report
+from lit_mpstable.showcase import compare, print_comparison
 
 __all__ = ["Built", "build", "main", "run"]
 
 
 class _StepRecorder(pl.Callback):
-    """Records, per optimizer step, the loss scale and whether the step was skipped (reads public plugin state)."""
+    """Records, per optimizer step, the loss scale and whether the step was skipped; reads the plugin's public state,
+    or, for Lightning's own precision plugins, the callbacks' view of their GradScaler."""
 
     def __init__(self) -> None:
         self.loss_scale: list[float] = []
         self.skipped: list[bool] = []
         self.train_loss: list[float] = []
         self.val_loss: list[tuple[int, float]] = []
+        self.val_acc: list[tuple[int, float]] = []
         self.started = self.stopped = 0.0
         self.step_seconds: list[float] = []
         self._batch_started = 0.0
         self.peak_bytes: int | None = None
         self._probe: MemoryProbe | None = None
+        self.live: Any = None
+        self._skipped_before = 0
 
     # Peak tensor memory of one step after warm-up (step 2): the CUDA allocator's counter on a GPU, the profiler's
     # allocation events on the CPU.
     _PROBE_STEP = 2
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        plugin = trainer.precision_plugin
+        self.live = plugin if isinstance(plugin, StableFrontEnd) else view_of(plugin, trainer)
+        self._skipped_before = self.live.skipped_steps
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if isinstance(self.live, ForeignPrecision):
+            self.live.remove()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch_started = time.perf_counter()
@@ -60,9 +77,10 @@ class _StepRecorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.step_seconds.append(time.perf_counter() - self._batch_started)  # validation and logging excluded
-        plugin = trainer.precision_plugin
-        self.loss_scale.append(float(getattr(plugin, "loss_scale", 1.0)))
-        self.skipped.append(bool(getattr(plugin, "last_step_skipped", False)))
+        self.loss_scale.append(self.live.loss_scale)
+        skipped = self.live.skipped_steps
+        self.skipped.append(skipped > self._skipped_before)
+        self._skipped_before = skipped
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.train_loss.append(float(loss))
         if self._probe is not None:
@@ -72,8 +90,11 @@ class _StepRecorder(pl.Callback):
             self.peak_bytes = torch.cuda.max_memory_allocated(pl_module.device)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
-            self.val_loss.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
+        metrics = trainer.callback_metrics
+        if not trainer.sanity_checking and "val/loss" in metrics:
+            self.val_loss.append((trainer.global_step, float(metrics["val/loss"])))
+            if "val/acc" in metrics:
+                self.val_acc.append((trainer.global_step, float(metrics["val/acc"])))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stopped = time.perf_counter()
@@ -105,63 +126,90 @@ class Built:
     trainer: pl.Trainer
 
 
-def build(cfg: DictConfig, *, extra_callbacks: Sequence[pl.Callback] = (), **trainer_kwargs: Any) -> Built:
+def build(
+    cfg: DictConfig, *, extra_callbacks: Sequence[pl.Callback] = (), plugin: Any = None, config_callbacks: bool = True,
+    **trainer_kwargs: Any,
+) -> Built:
     """Seed, then instantiate data, model (vocabulary from the data), plugin, callbacks and trainer from ``cfg``;
-    ``extra_callbacks`` run after the config's own."""
+    ``extra_callbacks`` run after the config's own. ``plugin`` replaces ``cfg.plugin`` (another precision plugin, such
+    as Lightning's own); ``config_callbacks=False`` leaves ``cfg.callbacks`` out."""
     torch.set_num_threads(int(cfg.threads))
     pl.seed_everything(int(cfg.seed), verbose=False)
     data = instantiate(cfg.data)
     extra = {"vocab_size": data.vocab_size, "seq_len": data.seq_len} if hasattr(data, "vocab_size") else {}
     model = instantiate(cfg.model, **extra)
-    plugin = instantiate(cfg.plugin)
-    _check_names(plugin, model)
-    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    if plugin is None:
+        plugin = instantiate(cfg.plugin)
+        _check_names(plugin, model)
+    nodes = (cfg.get("callbacks") or {}).values() if config_callbacks else ()
+    callbacks = [instantiate(node) for node in nodes if node is not None]
     trainer = instantiate(cfg.trainer, plugins=[plugin], callbacks=[*callbacks, *extra_callbacks], **trainer_kwargs)
     return Built(data, model, plugin, callbacks, trainer)
 
 
-def run(cfg: DictConfig, out_dir: Path, *, callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
-    """Train one configuration (plus any extra ``callbacks``) and return (and write) its summary."""
+def _events(callbacks: Sequence[pl.Callback]) -> list[dict[str, Any]]:
+    """What the callbacks decided, as ``{"step", "kind", "what"}`` in step order (kind: fallback, restore, skip,
+    rollback)."""
+    events = [{"step": d.get("step"), "kind": d.get("action"), "what": f"{d.get('effect')} ({d.get('reason')})"}
+              for cb in callbacks for d in getattr(cb, "decisions", [])]
+    for cb in callbacks:
+        for e in getattr(cb, "events", []):
+            action = e.get("action", "rollback")
+            where = f" to step {e.get('restored_step')}" if action == "rollback" else ""
+            loss = e.get("loss")
+            what = f"{action}{where} ({e.get('kind')}{'' if loss is None else f', loss {loss:.4g}'})"
+            events.append({"step": e.get("step"), "kind": action, "what": what})
+    return sorted(events, key=lambda e: e["step"] or 0)
+
+
+def run(
+    cfg: DictConfig, out_dir: Path, *, callbacks: Sequence[pl.Callback] = (), plugin: Any = None,
+    config_callbacks: bool = True, label: str | None = None,
+) -> dict[str, Any]:
+    """Train one configuration (plus any extra ``callbacks``) and return (and write) its summary. ``plugin`` and
+    ``config_callbacks`` as in :func:`build`; ``label`` names the run in reports (default: the plugin)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     recorder = _StepRecorder()
-    built = build(cfg, extra_callbacks=[*callbacks, recorder], default_root_dir=str(out_dir))
-    model, plugin, trainer = built.model, built.plugin, built.trainer
+    built = build(cfg, extra_callbacks=[*callbacks, recorder], plugin=plugin, config_callbacks=config_callbacks,
+                  default_root_dir=str(out_dir))
+    model, trainer = built.model, built.trainer
     callbacks = [*built.callbacks, *callbacks]
     trainer.fit(model, datamodule=built.data)
-    rollbacks = sum(getattr(cb, "rollbacks", 0) for cb in callbacks)
-    decisions = [d for cb in callbacks for d in getattr(cb, "decisions", [])]
-    events = [
-        {"step": d.get("step"), "what": f"{d.get('action')}: {d.get('effect')} ({d.get('reason')})"} for d in decisions
-    ] + [
-        {"step": e.get("step"), "what": f"rollback to step {e.get('restored_step')} ({e.get('kind')}, loss {e.get('loss')})"}
-        for cb in callbacks for e in getattr(cb, "events", [])
-    ]
+    live = recorder.live
+    events = _events(callbacks)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    steps = len(recorder.skipped)
+    stats = live.stats
+    telemetry = getattr(getattr(live, "observer", None), "telemetry", None)
     summary = {
-        "precision": plugin.precision,
+        "label": label or repr(built.plugin),
+        "precision": live.precision,
         "model": type(model).__name__,
-        "steps": steps,
+        "callbacks": [type(cb).__name__ for cb in built.callbacks],
+        "steps": len(recorder.skipped),
         "steps_per_s": 1.0 / statistics.median(recorder.step_seconds) if recorder.step_seconds else None,
         "wall_s": recorder.stopped - recorder.started,
         "peak_memory_mib": recorder.peak_bytes / 2**20 if recorder.peak_bytes is not None else None,
         "final_train_loss": recorder.train_loss[-1] if recorder.train_loss else None,
         "val_loss": metrics.get("val/loss"),
         "val_acc": metrics.get("val/acc"),
-        "loss_scale": plugin.loss_scale,
+        "loss_scale": live.loss_scale,
         "skipped_steps": int(sum(recorder.skipped)),
-        "overflow_rate": plugin.overflow_count / max(plugin.step_count, 1),
-        "fallbacks": sum(d.get("action") == "fallback" for d in decisions),
-        "op_policy": plugin.stats.get("op_policy"),
-        "rollbacks": rollbacks,
-        "grad_underflow_per_layer": plugin.stats.get("grad_underflow_per_module", {}),
-        "underflow_format": plugin.observer.telemetry.formats[0] if plugin.observer.telemetry is not None else None,
-        "fp8_saturation_frac": plugin.stats.get("fp8_saturation_frac"),
-        "fp8_underflow_frac": plugin.stats.get("fp8_underflow_frac"),
-        "events": sorted(events, key=lambda e: e["step"] or 0),
+        "overflow_rate": live.overflow_count / max(live.step_count, 1),
+        "fallbacks": sum(e["kind"] == "fallback" for e in events),
+        "op_policy": stats.get("op_policy"),
+        "rollbacks": sum(getattr(cb, "rollbacks", 0) for cb in callbacks),
+        "grad_underflow_per_layer": stats.get("grad_underflow_per_module", {}),
+        "underflow_format": telemetry.formats[0] if telemetry is not None else None,
+        "fp8_saturation_frac": stats.get("fp8_saturation_frac"),
+        "fp8_underflow_frac": stats.get("fp8_underflow_frac"),
+        "probe": next((cb.history for cb in callbacks if hasattr(cb, "history") and hasattr(cb, "every_n_steps")),
+                      None),
+        "events": events,
         "loss_scale_trajectory": recorder.loss_scale,
         "skipped_trajectory": recorder.skipped,
         "train_loss_curve": recorder.train_loss,
         "val_loss_curve": recorder.val_loss,
+        "val_acc_curve": recorder.val_acc,
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_report(summary, out_dir)
@@ -207,14 +255,20 @@ _SCALER_OPTIONS = (
 def _app(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        summary = run(cfg, out_dir)
+        if cfg.get("compare"):
+            summary = compare(cfg, out_dir, run)
+        else:
+            summary = run(cfg, out_dir)
     except (InstantiationException, _NoSuchModule) as error:
         # A bad value in a config: the constructor's (or the name check's) message names the argument, the value and
         # what is allowed; a traceback would bury it.
         cause = error.__cause__ or error
         print(f"lit_mpstable.train: invalid configuration: {type(cause).__name__}: {cause}", file=sys.stderr)
         sys.exit(2)
-    _print_summary(summary, out_dir)
+    if cfg.get("compare"):
+        print_comparison(summary, out_dir)
+    else:
+        _print_summary(summary, out_dir)
 
 
 def main() -> None:

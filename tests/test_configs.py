@@ -3,10 +3,13 @@ the search-path plugin, in any Hydra app), the entry point runs, and config mist
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import dataclasses
 import enum
 import inspect
 import json
+import re
 import subprocess
 import sys
 import types
@@ -184,11 +187,17 @@ def test_derive_schema_refuses_what_a_config_cannot_hold() -> None:
 
 
 # ----------------------------------------------------------------------------------------- composing our groups
+def _one_run(overrides: Sequence[str]) -> list[str]:
+    """``experiment=none`` unless one is chosen: the groups' own defaults (the main job is the showcase)."""
+    chosen = any(o.lstrip("+~").startswith("experiment=") for o in overrides)
+    return [*overrides] if chosen else [*overrides, "experiment=none"]
+
+
 def _compose(overrides: list[str]):
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="lit_mpstable.conf", version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=_one_run(overrides))
 
 
 def _options(group: str) -> list[str]:
@@ -299,8 +308,11 @@ def test_five_step_runs_write_summary_and_report(overrides: list[str], tmp_path:
     summary = run(cfg, tmp_path)
     assert summary["steps"] == 5 and summary["final_train_loss"] == pytest.approx(summary["train_loss_curve"][-1])
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 5
-    assert "Stability report" in (tmp_path / "report.md").read_text()
-    assert (tmp_path / "loss_scale.png").stat().st_size > 0
+    report = (tmp_path / "report.md").read_text()
+    assert "Stability report" in report and (tmp_path / "loss.png").stat().st_size > 0
+    # The loss-scale figure only where a scaler moves the scale: a flat line at 1 says nothing (BF16 runs).
+    scaled = summary["precision"] == "16-mixed"
+    assert (tmp_path / "loss_scale.png").exists() == scaled and ("loss_scale.png" in report) == scaled
 
 
 def test_a_report_without_matplotlib_says_why(tmp_path: Path, monkeypatch) -> None:
@@ -326,7 +338,8 @@ def test_digits_without_scikit_learn_names_the_extra(monkeypatch) -> None:
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lit_mpstable.train", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "lit_mpstable.train", *_one_run(args)], cwd=cwd, capture_output=True, text=True,
+        timeout=300
     )
 
 
@@ -367,3 +380,25 @@ def test_config_mistakes_fail_before_training_with_the_fix(overrides, code, mess
         assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr  # one message, not a wall
     assert "GPU available" not in result.stdout + result.stderr  # failed before the Trainer was built
+
+
+@pytest.mark.slow
+def test_the_main_job_runs_both_precisions_side_by_side(tmp_path: Path) -> None:
+    # `make run`: no overrides at all. The same faulty FP16 run with Lightning's built-in precision and with ours.
+    result = subprocess.run([sys.executable, "-m", "lit_mpstable.train", f"hydra.run.dir={tmp_path}",
+                             "trainer.enable_progress_bar=false"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    builtin, ours = runs["builtin"], runs["stable"]
+    assert builtin["precision"] == ours["precision"] == "16-mixed" and builtin["steps"] == ours["steps"] == 400
+    assert builtin["callbacks"] == [] and "PrecisionFallback" in ours["callbacks"]
+    # The storm collapses the built-in scaler; ours moves the overflowing layer to FP32, skips the spike.
+    assert builtin["loss_scale"] < 1e-10 and builtin["skipped_steps"] > 60
+    assert ours["skipped_steps"] < 12 and ours["fallbacks"] >= 1
+    assert ours["val_acc"] > builtin["val_acc"] + 0.1
+    cells = {cell.strip() for line in result.stdout.splitlines() for cell in re.split("[│┃]", line)}
+    assert {"Lightning built-in", "lit_mpstable", "val accuracy", "skipped steps"} <= cells
+    report = (tmp_path / "report.md").read_text()
+    assert "![both runs](comparison.png)" in report and (tmp_path / "comparison.png").stat().st_size > 10_000
+    assert (tmp_path / "builtin" / "report.md").exists() and (tmp_path / "stable" / "report.md").exists()

@@ -22,7 +22,7 @@ LAYERS = {
     "core": {"_validate", "formats", "scaling", "master", "compact", "islands", "layout", "telemetry", "attribution",
              "observer", "policy", "schedulers", "memory", "stepper", "probe", "fp8"},
     "adapters": {"_frontend", "_trainer", "plugin", "strategies", "fabric", "pytorch_lightning", "callbacks"},
-    "app": {"config", "train", "report", "report_probe", "zoo", "demos", "conf"},
+    "app": {"config", "train", "report", "report_probe", "showcase", "zoo", "demos", "conf"},
 }
 RANK = {"core": 0, "adapters": 1, "app": 2}
 

@@ -91,7 +91,7 @@ def test_the_wheel_holds_the_configs_the_plugin_and_core_dependencies_only(wheel
 
 def test_lit_mpstable_train_runs_from_an_empty_folder_with_core_dependencies_only(venv: Path, empty: Path) -> None:
     run_dir = empty.parent / "run"
-    result = _run([venv / "bin" / "lit-mpstable-train", "trainer.max_steps=3", "model.d_model=32",
+    result = _run([venv / "bin" / "lit-mpstable-train", "experiment=none", "trainer.max_steps=3", "model.d_model=32",
                    "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
                    "trainer.enable_model_summary=false", f"hydra.run.dir={run_dir}"], cwd=empty)
     summary = json.loads((run_dir / "summary.json").read_text())

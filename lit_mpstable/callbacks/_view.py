@@ -69,6 +69,11 @@ class ForeignPrecision:
 
     # ------------------------------------------------------------------------------------------- live state
     @property
+    def checks_nonfinite(self) -> bool:
+        """GradScaler skips a step whose gradients hold inf/NaN; without one nothing does."""
+        return self.scaler is not None
+
+    @property
     def dtype(self) -> torch.dtype:
         return _DTYPES.get(self.precision, torch.float32)
 

@@ -25,9 +25,11 @@ class ScaleCheckpoint(PluginCallback):
     """Keeps a poisoned batch out of the weights, and a last-known-good snapshot to roll back to when that is not
     enough.
 
-    - In ``on_before_backward`` it reads the loss (one host sync per backward). A non-finite loss, or one more than
-      ``spike_zscore`` standard deviations above the last ``window`` finite losses, calls ``plugin.skip_step()``:
-      the batch never reaches the weights. With ``on_spike="skip"`` (the default) that is all: nothing else is
+    - In ``on_before_backward`` it reads the loss (one host sync per backward). A loss more than ``spike_zscore``
+      standard deviations above the last ``window`` finite losses calls ``plugin.skip_step()``: the batch never
+      reaches the weights. A non-finite loss is left to the plugin's own inf/NaN check, which skips the step and
+      counts (and attributes) it as an overflow; it is handled here, as a spike, with ``on_spike="rollback"`` or where
+      nothing checks (a plugin without a scaler and with ``skip_nonfinite=False``, Lightning's ``HalfPrecision``). With ``on_spike="skip"`` (the default) that is all: nothing else is
       undone, since nothing else went wrong. A rollback follows when spikes persist (``spike_patience`` skipped
       batches within ``window`` optimizer steps), or on every spike with ``on_spike="rollback"``.
     - Every ``every_n_steps`` optimizer steps, at train start and after a precision fallback, it checks that the
@@ -105,6 +107,10 @@ class ScaleCheckpoint(PluginCallback):
                                     pl_module.device)
         if not (nonfinite or spike):
             self.losses.append(value)
+            return
+        if not spike and self._plugin.checks_nonfinite and self.on_spike == "skip":
+            # A non-finite loss makes non-finite gradients, which the plugin's own check skips and counts (and
+            # attributes: an FP16 overflow in one layer is then the fallback's to fix, not a rollback's).
             return
         if self._plugin.can_skip:
             self._plugin.skip_step()
