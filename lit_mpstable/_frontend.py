@@ -215,13 +215,11 @@ class StableFrontEnd:
         self.stepper.load_state_dict(state, keep_counters=True)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of parameters, gradients, FP32 masters and optimizer state (tensor sizes, no allocator overhead)."""
-        if self.master is None:
-            raise RuntimeError(
-                f"StablePrecision({self.precision!r}).memory_report(): available once training has set up FP32"
-                " master weights (a '*-true' precision with master_weights=True)."
-            )
-        return self.master.memory_report()
+        """Bytes of training state by kind: ``weights``, ``masters`` (FP32 masters), ``gradients``,
+        ``optimizer_state`` (quantized states by their inner tensors), ``compensation`` (``master_weights="kahan"``),
+        ``total``; tensor sizes, each storage once, no allocator overhead. The stability report adds the
+        activations' peak, measured. Available once training has set up model and optimizers."""
+        return self.stepper.memory_report()
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

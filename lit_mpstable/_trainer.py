@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable._frontend import StableFrontEnd
+from lit_mpstable.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
 from lit_mpstable.stepper import tensor_init_context
 from lit_mpstable.strategies import check_strategy, lightning_module
 
@@ -120,10 +121,16 @@ class TrainerPrecision(StableFrontEnd):
     def _unwrap(self, optimizer: Any) -> Optimizer:
         return optimizer.optimizer if isinstance(optimizer, self._pl.core.optimizer.LightningOptimizer) else optimizer
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning loads checkpoints with a callable map_location, which torch.load refuses for tensor subclasses:
+        # torchao's 8-bit/4-bit/FP8 optimizer states go in flat (plain tensors) and are rebuilt on load.
+        flatten_optimizer_states_(checkpoint.get("optimizer_states", []))
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before load_state_dict. A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under
         # "MixedPrecision": carry it over. (A checkpoint without FP32 masters needs nothing: its weights were loaded
-        # into the FP32 model before setup, and the masters start from them.)
+        # into the FP32 model before setup, and the masters start from them.) Runs before the optimizers are restored.
+        unflatten_optimizer_states_(checkpoint.get("optimizer_states", []))
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint and self.scaler is not None:
             self.scaler.load_state_dict(checkpoint["MixedPrecision"])
             rank_zero_info("StablePrecision: loss-scaler state taken from a Lightning MixedPrecision checkpoint.")

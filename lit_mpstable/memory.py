@@ -4,23 +4,67 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["MemoryProbe", "resident_bytes"]
+__all__ = ["MemoryProbe", "plain_tensors", "resident_bytes", "training_memory"]
+
+
+def plain_tensors(value: Any) -> list[torch.Tensor]:
+    """The plain tensors holding ``value``'s data: itself, or for a wrapper subclass (torchao's 8-bit and FP8
+    optimizer states, DTensor) its inner tensors, recursively; nothing for a non-tensor."""
+    if not isinstance(value, torch.Tensor):
+        return []
+    if type(value) is torch.Tensor or type(value) is nn.Parameter or not hasattr(value, "__tensor_flatten__"):
+        return [value]
+    names, _ = value.__tensor_flatten__()
+    return [t for name in names for t in plain_tensors(getattr(value, name))]
 
 
 def resident_bytes(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
     """Bytes held between steps: parameters, gradients, the optimizers' own parameters (FP32 masters) and their
     state; each storage counted once."""
-    params = list(module.parameters()) + [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-    tensors = params + [p.grad for p in params if p.grad is not None]
-    tensors += [t for opt in optimizers for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    return training_memory(module, optimizers)["total"]
+
+
+def training_memory(
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, extra: dict[str, Iterable[Any]] | None = None,
+) -> dict[str, int]:
+    """Bytes of training state by kind, each storage counted once (in the first kind it appears in): ``weights`` (the
+    model's parameters), ``masters`` (parameters the optimizers hold that are not the model's: FP32 masters),
+    ``gradients`` (of both), ``optimizer_state`` (every tensor in the optimizers' ``state``, quantized states by
+    their inner tensors), then each ``extra`` kind (e.g. ``compensation``), and ``total``. Reads no device data."""
+    seen: set[int] = set()
+
+    def count(tensors: Iterable[Any]) -> int:
+        total = 0
+        for tensor in tensors:
+            for plain in plain_tensors(tensor):
+                storage = plain.untyped_storage()
+                key = storage.data_ptr() or id(storage)
+                if key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
+        return total
+
+    model_params = list(module.parameters())
+    held = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    own = {id(p) for p in model_params}
+    report = {
+        "weights": count(model_params),
+        "masters": count(p for p in held if id(p) not in own),
+        "gradients": count(p.grad for p in (*model_params, *held) if p.grad is not None),
+        "optimizer_state": count(v for opt in optimizers for state in opt.state.values() for v in state.values()),
+    }
+    for kind, tensors in (extra or {}).items():
+        report[kind] = count(tensors)
+    report["total"] = sum(report.values())
+    return report
 
 
 @contextmanager

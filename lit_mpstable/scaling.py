@@ -121,6 +121,17 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._overflow_count = torch.full((), self._init_overflow_count, dtype=torch.int64, device=dev)
         self._min_scale_hits = torch.full((), self._init_min_scale_hits, dtype=torch.int64, device=dev)
 
+    def get_scale_tensor(self) -> torch.Tensor:
+        """The scale as the 0-dim device tensor the scaler updates in place (``get_scale()`` reads it to the host,
+        which syncs; this does not). Valid after the first ``scale()``.
+
+        Raises:
+            RuntimeError: the scaler is disabled, or has no scale yet.
+        """
+        if not self._enabled or self._scale is None:
+            raise RuntimeError(f"{type(self).__name__}.get_scale_tensor(): no scale yet (disabled, or before scale()).")
+        return self._scale
+
     def ensure_state_(self, device: torch.device | str) -> None:
         """Create the scale and tracker tensors on ``device`` if ``scale()`` has not yet (a scaler used only to check
         gradients, at scale 1, never scales a loss)."""
@@ -160,6 +171,41 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.READY:
             raise RuntimeError(f"{type(self).__name__}.found_inf() needs unscale_() first.")
         return bool(sum(v.item() for v in state["found_inf_per_device"].values()))
+
+    def check_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record whether ``optimizer``'s gradients hold inf/NaN without unscaling them (they stay scaled, in their own
+        dtype): for a caller that unscales itself, in FP32, as compact 16-bit weights do. Then
+        :meth:`sync_found_inf_`, :meth:`found_inf`, :meth:`step_with` and :meth:`update` work as after ``unscale_``.
+        No host sync.
+
+        Raises:
+            RuntimeError: ``unscale_`` or ``check_`` already ran for this optimizer in this iteration.
+        """
+        if not self._enabled:
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:
+            raise RuntimeError(f"{type(self).__name__}.check_() after unscale_()/check_() in the same iteration.")
+        scale, _ = self._check_scale_growth_tracker("check_")
+        one = torch.ones((), dtype=torch.float32, device=scale.device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        state["found_inf_per_device"] = super()._unscale_grads_(optimizer, one, found_inf, True)
+        state["stage"] = OptState.UNSCALED
+
+    def step_with(self, optimizer: torch.optim.Optimizer, update: Any) -> Any:
+        """``step`` with the caller's own update: ``update()`` runs unless this iteration's gradients of ``optimizer``
+        hold inf/NaN (checked by ``unscale_`` or :meth:`check_`; one host sync, as ``step``'s), and its result is
+        returned; ``last_step_skipped`` is set either way. Call :meth:`update` after, as after ``step``."""
+        if not self._enabled:
+            self.last_step_skipped = False
+            return update()
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY:
+            self.check_(optimizer)
+        found = bool(sum(v.item() for v in state["found_inf_per_device"].values()))
+        self._note_skip(found)
+        state["stage"] = OptState.STEPPED
+        return None if found else update()
 
     def forget_(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop this iteration's record for ``optimizer`` (unscaled, inf checks) without touching the scale: the

@@ -25,7 +25,9 @@ from lit_mpstable._validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.fp8 import FP8Config, fp8_config
 from lit_mpstable.islands import FP32Islands
 from lit_mpstable.layout import PrecisionLayout
+from lit_mpstable.compact import CompactWeights
 from lit_mpstable.master import MasterWeights
+from lit_mpstable.memory import training_memory
 from lit_mpstable.observer import GradObserver, shard_view
 from lit_mpstable.policy import OpPolicy
 from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
@@ -122,6 +124,11 @@ class PrecisionStepper:
         formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
         self.observer = GradObserver(telemetry_every_n_steps, formats, diagnose=diagnose)
         self.master: MasterWeights | None = None
+        self.compact: CompactWeights | None = None
+        """``master_weights="kahan"``/``"stochastic"``: 16-bit weights updated through transient FP32 views."""
+        self._compact_grad: dict[int, list[Any]] = {}  # per optimizer this iteration: [multiplier, clip value]
+        self.optimizers: list[Optimizer] = []
+        """The optimizers this run steps (given at setup, or met at their first step)."""
         self.schedules = ScheduleHold(self.applied_steps)  # a bound method, not a lambda: spawned ranks unpickle it
         self.step_count = 0
         """Optimizer steps taken or skipped (one per optimizer per iteration)."""
@@ -229,6 +236,7 @@ class PrecisionStepper:
 
     def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: list[Any] = ()) -> None:
         """Bind FP32 masters into ``optimizers`` (``*-true`` modes) and hold ``schedulers`` on skipped steps."""
+        self.optimizers = list(optimizers)
         self.adopt_device_(module)
         for scaler in (self.scaler, self._checker):  # the scale-1 check of scaler=None unscales FP16 gradients too
             if isinstance(scaler, DynamicLossScaler):
@@ -238,6 +246,23 @@ class PrecisionStepper:
             self._initial = {}
             if "masters" in self._pending:
                 self.master.load_state_dict(self._pending.pop("masters"))
+        elif self.master_mode in ("kahan", "stochastic"):
+            if self._checker is not None and not callable(getattr(self._checker, "check_", None)):
+                raise ValueError(
+                    f"{self.owner}({self.precision!r}, master_weights={self.master_mode!r},"
+                    f" scaler={type(self._checker).__name__}(...)): compact weights unscale in FP32 themselves and need"
+                    " a scaler that checks without unscaling (check_()); use scaler='dynamic' or DynamicLossScaler."
+                )
+            self.compact = CompactWeights(module, optimizers, self.master_mode, seed=torch.initial_seed() % 2**31)
+            if self.precision == "16-true":
+                self.warnings.append(
+                    f"{self.owner}('16-true', master_weights={self.master_mode!r}): optimizer state stays FP16, where"
+                    " Adam's second moment (about 1e-3 * grad**2) falls into the subnormal range for gradients below"
+                    " ~1e-2 and its rounding distorts the steps; with Adam-family optimizers prefer 'bf16-true' or"
+                    " master_weights=True (SGD-like optimizers are fine)."
+                )
+            if "compact" in self._pending:
+                self.compact.load_state_dict(self._pending.pop("compact"))
         self.schedules.hold(list(schedulers))
 
     def adopt_device_(self, module: nn.Module) -> None:
@@ -315,6 +340,12 @@ class PrecisionStepper:
         if id(optimizer) in self._unscaled:
             return
         self._unscaled.add(id(optimizer))
+        if all(optimizer is not known for known in self.optimizers):
+            self.optimizers.append(optimizer)
+        if self.compact is not None:
+            self._check_compact_(optimizer)
+            self._observe()
+            return
         master = self.master
         if master is not None:
             if any(p.requires_grad and p.dtype == self.dtype for g in optimizer.param_groups for p in g["params"]):
@@ -332,6 +363,22 @@ class PrecisionStepper:
             master.expose_grads_(optimizer, copy=self.scaler is not None)
         self._observe()
 
+    def _check_compact_(self, optimizer: Optimizer) -> None:
+        # Compact weights keep the gradients as they are (scaled, 16-bit) until the FP32 chunks of the step unscale
+        # them: the check here only looks (check_), and the unscale factor waits in the multiplier.
+        assert self.compact is not None
+        self.compact.bind_new_(optimizer)
+        checker = self._checker
+        multiplier: torch.Tensor | None = None
+        if checker is not None:
+            checker.ensure_state_(_first_grad_device(optimizer) or self.device)
+            checker.check_(optimizer)
+            if callable(sync := getattr(checker, "sync_found_inf_", None)):
+                sync(optimizer)
+            if checker is self.scaler:
+                multiplier = self.scaler.get_scale_tensor().reciprocal()
+        self._compact_grad[id(optimizer)] = [multiplier, None]
+
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
         """The parameters the optimizer updates (the FP32 masters with ``master_weights``), after :meth:`unscale_`.
         Empty when the gradients hold inf/NaN (the step will be skipped; clipping them would only raise)."""
@@ -343,8 +390,11 @@ class PrecisionStepper:
         return (p for group in optimizer.param_groups for p in group["params"])
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip ``optimizer``'s true gradients to a total norm (on the masters with ``master_weights``)."""
+        """Clip ``optimizer``'s true gradients to a total norm (on the masters with ``master_weights``; with compact
+        weights the clip factor joins the FP32 unscale of the step: the 16-bit gradients are not rounded twice)."""
         self.unscale_(optimizer)
+        if self.compact is not None:
+            return self._clip_compact_norm_(optimizer, max_norm, norm_type)
         if self.master is not None:
             self.master.absorb_grads_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -354,8 +404,13 @@ class PrecisionStepper:
         return norm
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
-        """Clamp ``optimizer``'s true gradients to ``±clip_value`` (on the masters with ``master_weights``)."""
+        """Clamp ``optimizer``'s true gradients to ``±clip_value`` (on the masters with ``master_weights``; with
+        compact weights in the step's FP32 chunks, after unscaling)."""
         self.unscale_(optimizer)
+        if self.compact is not None:
+            pending = self._compact_grad[id(optimizer)]
+            pending[1] = float(clip_value) if pending[1] is None else min(pending[1], float(clip_value))
+            return
         if self.master is not None:
             self.master.absorb_grads_(optimizer)
         torch.nn.utils.clip_grad_value_(
@@ -363,6 +418,19 @@ class PrecisionStepper:
         )
         if self.master is not None:
             self.master.expose_grads_(optimizer)
+
+    def _clip_compact_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        pending = self._compact_grad[id(optimizer)]
+        multiplier = pending[0] if pending[0] is not None else torch.ones((), device=grads[0].device if grads else None)
+        if not grads:
+            return torch.zeros(())
+        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        norm = torch.linalg.vector_norm(norms, norm_type) * multiplier  # of the true (unscaled) gradients, in FP32
+        # clip_grad_norm_'s rule, as a factor for the step's FP32 chunks: no host sync.
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        pending[0] = multiplier * coefficient
+        return norm
 
     def skip_step(self) -> None:
         """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged."""
@@ -398,10 +466,11 @@ class PrecisionStepper:
         if master is not None:
             master.absorb_grads_(optimizer)
         checker = self._checker
+        update = self._compact_update(optimizer, kwargs) if self.compact is not None else None
         if checker is None:
-            output, skipped = optimizer.step(**kwargs), False
+            output, skipped = (update() if update is not None else optimizer.step(**kwargs)), False
         else:
-            output = checker.step(optimizer, **kwargs)
+            output = checker.step_with(optimizer, update) if update is not None else checker.step(optimizer, **kwargs)
             checker.update()
             skipped = bool(getattr(checker, "last_step_skipped", False))
         self._unscaled.discard(id(optimizer))
@@ -413,6 +482,12 @@ class PrecisionStepper:
             self._blame()
         self._record(skipped=skipped, overflow=skipped)
         return output
+
+    def _compact_update(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Any:
+        assert self.compact is not None
+        multiplier, clip = self._compact_grad.pop(id(optimizer), [None, None])
+        compact = self.compact
+        return lambda: compact.step_(optimizer, grad_multiplier=multiplier, clip_value=clip, **kwargs)
 
     def discard_(self, optimizer: Optimizer) -> None:
         """End the iteration for ``optimizer`` without stepping (a requested skip): gradients dropped, counted."""
@@ -427,6 +502,7 @@ class PrecisionStepper:
             self.master.zero_model_grads_(optimizer)
         if self._checker is not None and callable(forget := getattr(self._checker, "forget_", None)):
             forget(optimizer)
+        self._compact_grad.pop(id(optimizer), None)
         self._unscaled.discard(id(optimizer))
 
     def _record(self, *, skipped: bool, overflow: bool) -> None:
@@ -438,6 +514,19 @@ class PrecisionStepper:
         self.skipped_steps += int(skipped)
         self.overflow_count += int(overflow)
         self._input_nonfinite = None
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of training state by kind (``lit_mpstable.memory.training_memory``): ``weights``, ``masters`` (FP32
+        masters), ``gradients``, ``optimizer_state``, ``compensation`` (``"kahan"``), ``total``. Reads no device data.
+
+        Raises:
+            RuntimeError: no model or optimizer has been set up yet.
+        """
+        module = self.layout.module
+        if module is None or not self.optimizers:
+            raise RuntimeError(f"{self.owner}.memory_report(): available once training has set up model and optimizers.")
+        compensation = [c for _, _, c in self.compact.named_buffers() if c is not None] if self.compact else []
+        return training_memory(module, self.optimizers, extra={"compensation": compensation})
 
     # ----------------------------------------------------------------------------------- telemetry, blame
     def named_grads(self) -> list[tuple[str, Any]]:
@@ -488,10 +577,12 @@ class PrecisionStepper:
         Keys: ``precision``, ``scaler`` (its own state dict, ``{}`` without scaling), ``step_count``,
         ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallbacks, FP8 amax histories),
         ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
-        ``schedules`` (where each held LR scheduler last stepped, in applied steps).
+        ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
+        compensation buffers and rounding seed, ``{}`` without).
         """
         return {
             "masters": self.master.state_dict() if self.master is not None else dict(self._pending.get("masters", {})),
+            "compact": self.compact.state_dict() if self.compact is not None else dict(self._pending.get("compact", {})),
             "precision": self.precision,
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "step_count": self.step_count,
@@ -547,6 +638,11 @@ class PrecisionStepper:
                 self.master.load_state_dict(state["masters"])
             elif self.master_mode == "fp32":
                 self._pending["masters"] = state["masters"]
+        if state["compact"]:
+            if self.compact is not None:
+                self.compact.load_state_dict(state["compact"])
+            elif self.master_mode in ("kahan", "stochastic"):
+                self._pending["compact"] = state["compact"]
         self.policy.load_state_dict(state["op_policy"])
         return notes
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -101,9 +102,14 @@ class GPT(nn.Module):
 class _Classifier(pl.LightningModule):
     """Shared training logic: cross-entropy in FP32 (the loss is a reduction), accuracy, AdamW + cosine schedule."""
 
-    def __init__(self, lr: float, weight_decay: float, warmup_steps: int, total_steps: int) -> None:
+    def __init__(
+        self, lr: float, weight_decay: float, warmup_steps: int, total_steps: int, optimizer: Any = None
+    ) -> None:
         super().__init__()
         self.lr, self.weight_decay, self.warmup_steps, self.total_steps = lr, weight_decay, warmup_steps, total_steps
+        self.optimizer_factory = optimizer
+        """``(params, lr=..., weight_decay=...) -> Optimizer`` (e.g. ``torchao.optim.AdamW8bit``, or a Hydra node
+        with ``_partial_: true``); None: ``torch.optim.AdamW``."""
 
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
         x, y = batch
@@ -121,7 +127,8 @@ class _Classifier(pl.LightningModule):
         self._step(batch, "val")
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        factory = self.optimizer_factory or torch.optim.AdamW
+        opt = factory(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
         def schedule(step: int) -> float:
             if step < self.warmup_steps:
@@ -139,8 +146,9 @@ class GPTLM(_Classifier):
     def __init__(
         self, vocab_size: int, d_model: int = 128, n_layers: int = 2, n_heads: int = 4, seq_len: int = 64,
         lr: float = 3e-3, weight_decay: float = 0.01, warmup_steps: int = 20, total_steps: int = 300,
+        optimizer: Any = None,
     ) -> None:
-        super().__init__(lr, weight_decay, warmup_steps, total_steps)
+        super().__init__(lr, weight_decay, warmup_steps, total_steps, optimizer)
         self.save_hyperparameters()
         self.model = GPT(vocab_size, d_model, n_layers, n_heads, seq_len)
 
@@ -184,10 +192,10 @@ class MLPClassifier(_Classifier):
 
     def __init__(
         self, hidden: int = 256, lr: float = 3e-3, weight_decay: float = 0.01, warmup_steps: int = 10,
-        total_steps: int = 300,
+        total_steps: int = 300, optimizer: Any = None,
     ) -> None:
-        super().__init__(lr, weight_decay, warmup_steps, total_steps)
-        self.save_hyperparameters()
+        super().__init__(lr, weight_decay, warmup_steps, total_steps, optimizer)
+        self.save_hyperparameters(ignore=["optimizer"])
         self.model = nn.Sequential(
             nn.Linear(64, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 10)
         )

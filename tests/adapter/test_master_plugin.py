@@ -116,6 +116,11 @@ def test_groups_frozen_islands_clipping_and_fp32_state() -> None:
     assert names == {"net.fc2.weight", "net.fc2.bias", "net.fc3.weight", "net.fc3.bias"}  # frozen fc1: no master
     report = plugin.memory_report()
     assert report["masters"] == sum(4 * module.get_parameter(n).numel() for n in names)
+    params = list(module.parameters())
+    assert report["weights"] == sum(p.numel() * p.element_size() for p in params)
+    states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert report["optimizer_state"] == sum(v.numel() * v.element_size() for v in states)
+    assert report["compensation"] == 0 and report["total"] == sum(v for k, v in report.items() if k != "total")
 
 
 def test_16_true_skips_on_overflow_and_masters_unchanged() -> None:

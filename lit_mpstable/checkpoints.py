@@ -1,0 +1,78 @@
+"""Optimizer states that a checkpoint cannot hold as they are: tensor subclasses (torchao's 8-bit, 4-bit and FP8
+states) are stored flat, as their plain inner tensors, and rebuilt on load.
+
+Lightning loads checkpoints with a callable ``map_location``, which ``torch.load`` refuses for wrapper subclasses
+("Callable map_location not supported with _rebuild_wrapper_subclass"), so a run with ``torchao.optim.AdamW8bit``
+could save but never resume. Flat, the states are plain tensors and values: ``torch.load(weights_only=True)`` reads
+them. Only known classes are rebuilt (an allow-list, as ``weights_only`` has one).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["flatten_optimizer_states_", "unflatten_optimizer_states_"]
+
+_MARK = "lit_mpstable.flat_tensor"
+# Classes whose __tensor_flatten__ / __tensor_unflatten__ round trip is known to rebuild them exactly.
+_ALLOWED = (
+    "torchao.optim.subclass_8bit.OptimState8bit",
+    "torchao.optim.subclass_4bit.OptimState4bit",
+    "torchao.optim.subclass_fp8.OptimStateFp8",
+)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _flatten(value: torch.Tensor) -> dict[str, Any]:
+    names, context = value.__tensor_flatten__()
+    return {
+        _MARK: _qualname(type(value)), "inner": {name: getattr(value, name) for name in names},
+        "context": list(context), "size": list(value.shape), "stride": list(value.stride()),
+    }
+
+
+def _rebuild(flat: dict[str, Any]) -> torch.Tensor:
+    name = flat[_MARK]
+    if name not in _ALLOWED:
+        raise ValueError(f"checkpoint optimizer state: {name!r} is not a tensor class lit_mpstable rebuilds; allowed:"
+                         f" {list(_ALLOWED)}.")
+    module, _, cls_name = name.rpartition(".")
+    cls = getattr(importlib.import_module(module), cls_name)
+    return cls.__tensor_unflatten__(dict(flat["inner"]), tuple(flat["context"]), torch.Size(flat["size"]),
+                                    tuple(flat["stride"]))
+
+
+def flatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> int:
+    """Replace, in these ``optimizer.state_dict()`` results, every allowed tensor-subclass state by its flat form
+    (the live optimizer is not touched: the dicts are the state dicts' own); returns how many were replaced."""
+    count = 0
+    for optimizer_state in optimizer_states:
+        for state in optimizer_state.get("state", {}).values():
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and _qualname(type(value)) in _ALLOWED:
+                    state[key] = _flatten(value)
+                    count += 1
+    return count
+
+
+def unflatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> int:
+    """Rebuild, in place, every state :func:`flatten_optimizer_states_` stored flat; returns how many.
+
+    Raises:
+        ValueError: a flat state names a class outside the allow-list.
+    """
+    count = 0
+    for optimizer_state in optimizer_states:
+        for state in optimizer_state.get("state", {}).values():
+            for key, value in list(state.items()):
+                if isinstance(value, dict) and _MARK in value:
+                    state[key] = _rebuild(value)
+                    count += 1
+    return count

@@ -1,0 +1,166 @@
+"""master_weights="kahan" | "stochastic" in real Lightning runs: FP32-master quality at 16-bit memory, with any
+optimizer (8-bit ones included), skips, clipping, islands, rollback and exact resume."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from cb_helpers import PoisonModule, quiet
+from helpers import make_trainer
+from test_master_plugin import _fit_stall, _Groups, _Stall
+from torch import nn
+from trainer_pkg import ScaleCheckpoint, StablePrecision, pl
+
+MODES = ["kahan", "stochastic"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sub_ulp_updates_follow_fp32_where_plain_bf16_stalls(mode: str) -> None:
+    start = _Stall().fp32_loss()
+    fp32, _ = _fit_stall(StablePrecision("32-true"), steps=60)
+    plain, _ = _fit_stall(StablePrecision("bf16-true", master_weights=False), steps=60)
+    compact, module = _fit_stall(StablePrecision("bf16-true", master_weights=mode), steps=60)
+    assert plain == pytest.approx(start, rel=1e-6)  # every update rounded away
+    assert module.lin.weight.dtype == torch.bfloat16
+    # kahan carries what rounding drops; stochastic rounding follows FP32 in expectation (its noise: a few %)
+    assert compact == pytest.approx(fp32, rel=0.005 if mode == "kahan" else 0.1)
+    assert compact < 0.6 * start
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_groups_frozen_islands_clipping_and_a_skipped_step(mode: str) -> None:
+    module = _Groups(poison={1})
+    plugin = StablePrecision("bf16-true", master_weights=mode, fp32_modules=[nn.LayerNorm])
+    weights = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            weights.append(pl_module.net.fc2.weight.detach().clone())
+
+    make_trainer(plugin, max_steps=4, gradient_clip_val=0.5, callbacks=[Probe()]).fit(module)
+    opt = module.trainer.optimizers[0]
+    assert plugin.overflow_count == 1 and torch.equal(weights[0], weights[1])  # the poisoned step changed nothing
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 * 0.5, 1e-3 * 0.5])  # held once: 3 applied
+    assert module.net.fc2.weight.dtype == torch.bfloat16 and module.norm.weight.dtype == torch.float32
+    for param, state in opt.state.items():
+        assert state["exp_avg"].dtype == param.dtype  # 16-bit state for 16-bit weights, FP32 for the island
+    assert plugin.master is None
+    report = plugin.memory_report()
+    expected_comp = sum(2 * p.numel() for p in (module.net.fc2.weight, module.net.fc2.bias,
+                                                module.net.fc3.weight, module.net.fc3.bias))
+    assert report["compensation"] == (expected_comp if mode == "kahan" else 0)  # frozen fc1 and the island: none
+
+
+def _clip_run(master_weights, clip) -> torch.Tensor:
+    torch.manual_seed(0)
+    module = _Groups()
+    make_trainer(StablePrecision("bf16-true", master_weights=master_weights), max_steps=3,
+                 gradient_clip_val=clip).fit(module)
+    return module.net.fc3.weight.detach().float()
+
+
+def test_clipping_acts_like_on_fp32_masters() -> None:
+    with_masters, kahan = _clip_run(True, 0.05), _clip_run("kahan", 0.05)
+    assert not torch.allclose(kahan, _clip_run("kahan", None))  # the clip did something
+    torch.testing.assert_close(kahan, with_masters, rtol=0, atol=2**-7)  # within a BF16 ulp of the FP32-master run
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_is_bit_exact_with_an_overflow_after_it(tmp_path, mode: str) -> None:
+    poison = {5}  # one epoch is 4 steps; the second epoch's second step overflows
+
+    def fit(module, epochs, ckpt=None):
+        plugin = StablePrecision("bf16-true", master_weights=mode)
+        trainer = make_trainer(plugin, max_steps=-1, max_epochs=epochs)
+        with quiet():
+            trainer.fit(module, ckpt_path=ckpt)
+        return trainer, plugin
+
+    torch.manual_seed(0)
+    full = PoisonModule(optimizer="adamw", lr=1e-2, inf_grad_steps=poison)
+    _, full_plugin = fit(full, 2)
+    torch.manual_seed(0)
+    first = PoisonModule(optimizer="adamw", lr=1e-2, inf_grad_steps=poison)
+    trainer, _ = fit(first, 1)
+    trainer.save_checkpoint(tmp_path / "e1.ckpt")
+    saved = torch.load(tmp_path / "e1.ckpt", weights_only=True)["StablePrecision"]["compact"]
+    assert saved["mode"] == mode and bool(saved["compensation"]) == (mode == "kahan")
+    resumed = PoisonModule(optimizer="adamw", lr=1e-2, inf_grad_steps=poison)
+    _, plugin = fit(resumed, 2, tmp_path / "e1.ckpt")
+    assert plugin.overflow_count == 1
+    for a, b in zip(resumed.parameters(), full.parameters()):
+        assert torch.equal(a, b)
+    full_state, resumed_state = full.trainer.optimizers[0].state_dict(), resumed.trainer.optimizers[0].state_dict()
+    for key in full_state["state"]:
+        for name, value in full_state["state"][key].items():
+            assert torch.equal(value, resumed_state["state"][key][name])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rollback_restores_compensation_and_rounding_stream(mode: str) -> None:
+    snapshots = []
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            snapshots.append((copy.deepcopy(trainer.precision_plugin.state_dict()["compact"]),
+                              pl_module.model.fc2.weight.detach().clone()))
+
+    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback")
+    with quiet():
+        make_trainer(StablePrecision("bf16-true", master_weights=mode), max_steps=7, callbacks=[checkpoint, Keep()]
+                     ).fit(PoisonModule(optimizer="adamw", lr=1e-2, loss_factor={6: 1e6}))
+    assert [(e["step"], e["restored_step"]) for e in checkpoint.events] == [(6, 4)]
+    restored, at_snapshot = snapshots[6], snapshots[3]
+    assert restored[0]["steps"] == at_snapshot[0]["steps"]  # the rounding stream is where it was
+    for name, value in at_snapshot[0]["compensation"].items():
+        assert torch.equal(restored[0]["compensation"][name], value)
+    assert torch.equal(restored[1], at_snapshot[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [*MODES, True])
+@pytest.mark.parametrize("library", ["torchao", "bitsandbytes"])
+def test_8bit_optimizer_states_skip_checkpoint_and_resume(tmp_path, mode, library: str) -> None:
+    def optimizer(params):
+        if library == "torchao":
+            from torchao.optim import AdamW8bit
+
+            return AdamW8bit(params, lr=1e-3, block_size=256)
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=1e-3)
+
+    class Big(PoisonModule):  # 8-bit states only for tensors of >= 4096 elements (both libraries' default)
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.model.fc1, self.model.fc2, self.model.fc3 = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+
+        def configure_optimizers(self):
+            return optimizer(self.parameters())
+
+    def fit(module, epochs, ckpt=None):
+        plugin = StablePrecision("bf16-true", master_weights=mode)
+        trainer = make_trainer(plugin, max_steps=-1, max_epochs=epochs)  # epoch ends: Lightning replays a cut one
+        with quiet():
+            trainer.fit(module, ckpt_path=ckpt)
+        return trainer
+
+    torch.manual_seed(0)
+    full = Big(inf_grad_steps={5})
+    fit(full, 2)
+    torch.manual_seed(0)
+    first = Big(inf_grad_steps={5})
+    trainer = fit(first, 1)
+    big = next(p for p in trainer.optimizers[0].param_groups[0]["params"] if p.numel() >= 4096)
+    states = trainer.optimizers[0].state[big].values()
+    assert any(v.dtype == torch.uint8 or "8bit" in type(v).__name__ for v in states if torch.is_tensor(v))
+    trainer.save_checkpoint(tmp_path / "e1.ckpt")
+    torch.load(tmp_path / "e1.ckpt", weights_only=True)  # plain tensors and values only
+    resumed = Big(inf_grad_steps={5})
+    resumed_trainer = fit(resumed, 2, tmp_path / "e1.ckpt")
+    assert resumed_trainer.precision_plugin.overflow_count == 1  # the skip after the resume left the states alone
+    for a, b in zip(resumed.parameters(), full.parameters()):
+        assert torch.equal(a, b)
