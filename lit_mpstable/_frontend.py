@@ -11,6 +11,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lit_mpstable.fp8 import FP8Config
+from lit_mpstable.fsdp import island_mp_policy as fsdp_island_mp_policy
+from lit_mpstable.fsdp import mp_policy as fsdp_mp_policy
 from lit_mpstable.islands import FP32Islands
 from lit_mpstable.master import MasterWeights
 from lit_mpstable.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
@@ -31,8 +33,6 @@ class StableFrontEnd:
 
     can_skip = True
     """Callbacks may discard a step in progress (:meth:`skip_step`)."""
-    can_fallback = True
-    """Callbacks may widen the precision (:meth:`fallback`)."""
 
     def __init__(
         self,
@@ -174,6 +174,28 @@ class StableFrontEnd:
     @property
     def device(self) -> str:
         return self.stepper.device
+
+    @property
+    def can_fallback(self) -> bool:
+        """Callbacks may widen the precision (:meth:`fallback`): always, except where FSDP2 fixed it at
+        ``fully_shard`` (``*-true`` modes, FP8 layers)."""
+        return self.stepper.can_fallback
+
+    # ---- FSDP2 (begin)
+    @property
+    def mp_policy(self) -> Any:
+        """The ``torch.distributed.fsdp.MixedPrecisionPolicy`` for this precision, for every ``fully_shard`` call in
+        ``configure_model``: in ``*-true`` modes FP32 sharded parameters (FSDP2's own master weights) computed in
+        the 16-bit dtype and reduced in FP32; in ``*-mixed`` modes FP32 parameters under autocast. Setup refuses
+        units sharded otherwise. See :func:`lit_mpstable.fsdp.mp_policy`."""
+        return fsdp_mp_policy(self.precision, master_weights=self.stepper.master_mode is not None)
+
+    @property
+    def island_mp_policy(self) -> Any:
+        """The policy of an FP32 island (``fp32_modules``) sharded as its own ``fully_shard`` unit: FP32 compute, and
+        in ``*-true`` modes its output cast back to 16 bits. Under FSDP2 ``*-true`` every island needs one."""
+        return fsdp_island_mp_policy(self.precision)
+    # ---- FSDP2 (end)
 
     # ---------------------------------------------------------------------------------------------- actions
     def skip_step(self) -> None:

@@ -20,7 +20,7 @@ from torch.optim import LBFGS, Optimizer
 from lit_mpstable._frontend import StableFrontEnd
 from lit_mpstable.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
 from lit_mpstable.stepper import tensor_init_context
-from lit_mpstable.strategies import check_strategy, lightning_module
+from lit_mpstable.strategies import check_strategy, lightning_module, shards_with_fsdp2
 
 __all__ = ["TrainerPrecision"]
 
@@ -31,10 +31,13 @@ class TrainerPrecision(StableFrontEnd):
     _pl: ModuleType  # the Trainer package (set by the concrete class)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
+        """The FP8 swap, FP32 islands and (``*-true``) 16-bit cast, in place. With ModelParallelStrategy (FSDP2) call
+        it yourself at the top of ``configure_model``, before ``fully_shard`` (FP8 layers must exist before sharding);
+        the strategy's own call after ``configure_model`` then only checks the units' policies (``mp_policy``)."""
         # The first hook every strategy's setup calls: refuse before converting.
         if warning := check_strategy(self, module, self._pl):
             self._warn_once("strategy", warning)
-        self.stepper.setup_module(module)
+        self.stepper.setup_module(module, fsdp2=shards_with_fsdp2(module, self._pl))
         return module
 
     def convert_input(self, data: Any) -> Any:

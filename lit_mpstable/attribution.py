@@ -12,6 +12,11 @@ from torch.utils.hooks import RemovableHandle
 
 from lit_mpstable.telemetry import amax_per_tensor
 
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # a torch build without torch.distributed
+    _DTENSOR = ()  # type: ignore[assignment,misc]
+
 __all__ = ["OverflowTracer", "nonfinite_grad_params", "trace_nonfinite"]
 
 
@@ -33,6 +38,9 @@ def nonfinite_grad_params(named_params: nn.Module | Iterable[tuple[str, torch.Te
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """The values a gradient holds on this rank: a sparse one's values, a DTensor's (FSDP2) local shard."""
+    if isinstance(grad, _DTENSOR):
+        return grad.to_local()
     return grad._values() if grad.is_sparse else grad
 
 
@@ -75,6 +83,10 @@ class OverflowTracer:
     the deepest module that consumed the tensor (its grad_input), or, for the model output, on the module that
     produced it (its grad_output). Plain tensor and parameter hooks are used rather than full module backward hooks,
     which break models that modify a module output in place (``nn.ReLU(inplace=True)``).
+
+    FSDP2 models (DTensor parameters) work too, rank-local: module outputs are plain tensors, and FSDP2 runs the
+    parameters' post-accumulate-grad hooks when it assigns each sharded gradient (after its reduce-scatter), where
+    the tracer reads this rank's shard.
 
     Each check stays on the device; reading ``first_forward``/``first_backward`` (or the lists) synchronises once.
     Use it for one diagnostic step, not every step: it checks every module output and gradient. Events accumulate

@@ -115,7 +115,6 @@ class GradObserver:
         # is the nearest guess, unless this step was traced and the tracer named the module.
         if not self._traced:
             updates["blamed_modules"] = [params[-1].rpartition(".")[0]] if params else []
-        # The tracer reads whole parameter gradients; FSDP2's are DTensor shards (the check above reads this rank's).
-        if self.tracer is None and not any(isinstance(p, _DTENSOR) for p in module.parameters()):
+        if self.tracer is None:  # FSDP2's DTensor gradients included: the tracer reads this rank's shard
             self.tracer = OverflowTracer(module).attach()
         return updates

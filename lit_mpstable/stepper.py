@@ -26,6 +26,9 @@ from lit_mpstable.fp8 import FP8Config, fp8_config
 from lit_mpstable.islands import FP32Islands
 from lit_mpstable.layout import PrecisionLayout
 from lit_mpstable.compact import CompactWeights
+from lit_mpstable.fsdp import (
+    check_fsdp2_setup, check_fsdp_policies, fsdp2_fallback_refusal, fsdp_units, unsharded_message,
+)
 from lit_mpstable.master import MasterWeights
 from lit_mpstable.memory import training_memory
 from lit_mpstable.observer import GradObserver, shard_view
@@ -124,6 +127,9 @@ class PrecisionStepper:
         formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
         self.observer = GradObserver(telemetry_every_n_steps, formats, diagnose=diagnose)
         self.master: MasterWeights | None = None
+        self.fsdp2 = False
+        """The model is (or will be) sharded by FSDP2: its FP32 sharded parameters are the masters, nothing is cast."""
+        self._fsdp_checked = False  # a sharded model's policies were checked (the strategy's call after fully_shard)
         self.compact: CompactWeights | None = None
         """``master_weights="kahan"``/``"stochastic"``: 16-bit weights updated through transient FP32 views."""
         self._compact_grad: dict[int, list[Any]] = {}  # per optimizer this iteration: [multiplier, clip value]
@@ -221,10 +227,36 @@ class PrecisionStepper:
     def islands(self) -> FP32Islands:
         return self.layout.islands
 
+    @property
+    def can_fallback(self) -> bool:
+        """Whether :meth:`fallback` can widen the precision: always, except where FSDP2 fixed it at ``fully_shard``
+        (each unit's ``param_dtype`` in ``*-true`` modes; FP8 layers, bound to the layer objects it sharded)."""
+        return not (self.fsdp2 and (self.true_16bit or bool(self.layout.fp8_layers)))
+
     # ------------------------------------------------------------------------------------------------ setup
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        """Apply the layout (16-bit cast of ``*-true`` modes, FP8 swap, FP32 islands) in place; returns ``module``."""
-        if self.master_mode == "fp32" and self.master is None:
+    def setup_module(self, module: nn.Module, *, fsdp2: bool = False) -> nn.Module:
+        """Apply the layout (16-bit cast of ``*-true`` modes, FP8 swap, FP32 islands) in place; returns ``module``.
+
+        FSDP2 (``fsdp2=True``: the strategy shards the model, now or later; detected anyway once ``fully_shard`` ran):
+        FSDP2's FP32 sharded parameters are the master weights, so none are built and no parameter is cast (without
+        masters, only before sharding). Called before ``fully_shard`` it swaps the FP8 layers and hooks the islands
+        (FSDP2 binds parameters to the layer objects it shards); called after, it changes nothing and checks every
+        unit's ``MixedPrecisionPolicy`` against the precision (:func:`~lit_mpstable.fsdp.check_fsdp_policies`).
+
+        Raises:
+            ValueError: FSDP2 with a sharded model whose policies do not match, FP8 layers not swapped before
+                sharding, or ``master_weights="kahan"``/``"stochastic"`` (FSDP2 keeps FP32 shards instead).
+        """
+        # ---- FSDP2 (begin)
+        sharded = bool(fsdp_units(module))
+        self.fsdp2 = fsdp2 or sharded
+        # Never cast FSDP2's sharded parameters; with masters they stay FP32, for they are the masters.
+        self.layout.cast_parameters = self.true_16bit and not (self.fsdp2 and (sharded or self.master_mode is not None))
+        if self.fsdp2:
+            check_fsdp2_setup(self.owner, self.precision, master_mode=self.master_mode, fp8=self.fp8,
+                              sharded_before_fp8=sharded and self.fp8 is not None and self.layout.module is not module)
+        # ---- FSDP2 (end)
+        elif self.master_mode == "fp32" and self.master is None:
             # Masters start from these FP32 values, not from their 16-bit rounding (kept until the optimizers come).
             self._initial = {name: p.detach().clone() for name, p in module.named_parameters()
                              if p.requires_grad and p.dtype == torch.float32}
@@ -232,6 +264,10 @@ class PrecisionStepper:
         if "layout" in self._pending:
             self.layout.load_state_dict(self._pending.pop("layout"))
         self.observer.attach(module)
+        if sharded:
+            check_fsdp_policies(module, self.precision, master_weights=self.master_mode is not None,
+                                islands=self.layout.islands.names, owner=self.owner)
+        self._fsdp_checked = sharded
         return module
 
     def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: list[Any] = ()) -> None:
@@ -241,12 +277,14 @@ class PrecisionStepper:
         for scaler in (self.scaler, self._checker):  # the scale-1 check of scaler=None unscales FP16 gradients too
             if isinstance(scaler, DynamicLossScaler):
                 scaler.allow_fp16_grads = self.precision == "16-true" and self.master_mode is None
-        if self.master_mode == "fp32":
+        if self.fsdp2 and self.true_16bit and not self._fsdp_checked:
+            raise ValueError(unsharded_message(self.owner, self.precision, module))
+        if self.master_mode == "fp32" and not self.fsdp2:  # FSDP2: its FP32 sharded parameters are the masters
             self.master = MasterWeights(module, optimizers, initial=self._initial)
             self._initial = {}
             if "masters" in self._pending:
                 self.master.load_state_dict(self._pending.pop("masters"))
-        elif self.master_mode in ("kahan", "stochastic"):
+        elif self.master_mode in ("kahan", "stochastic") and not self.fsdp2:
             if self._checker is not None and not callable(getattr(self._checker, "check_", None)):
                 raise ValueError(
                     f"{self.owner}({self.precision!r}, master_weights={self.master_mode!r},"
@@ -560,7 +598,14 @@ class PrecisionStepper:
 
     # --------------------------------------------------------------------------------------------- fallback
     def fallback(self, modules: Iterable[str] | None = None) -> str:
-        """One rung up the precision ladder, globally or for the named modules; returns what was done."""
+        """One rung up the precision ladder, globally or for the named modules; returns what was done.
+
+        Raises:
+            RuntimeError: under FSDP2, a rung it cannot climb (see :attr:`can_fallback`).
+        """
+        if self.fsdp2 and (why := fsdp2_fallback_refusal(modules, true_16bit=self.true_16bit, dtype=self.dtype,
+                                                        fp8_layers=self.layout.fp8_layers)):
+            raise RuntimeError(f"{self.owner}({self.precision!r}).fallback({modules!r}) with FSDP2: {why}.")
         return self.layout.fallback(modules)
 
     def restore_precision(self) -> bool:
@@ -682,5 +727,7 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
 
 
 def tensor_init_context(stepper: PrecisionStepper) -> AbstractContextManager:
-    """Where new tensors and modules are made: in the 16-bit dtype for ``*-true`` modes, else unchanged."""
-    return _default_dtype(stepper.dtype) if stepper.true_16bit else nullcontext()
+    """Where new tensors and modules are made: in the 16-bit dtype for ``*-true`` modes without FP32 masters, else
+    unchanged. With FP32 masters the model is built in FP32: the masters start from exact values (setup casts the
+    model), and under FSDP2 the FP32 parameters are the masters (its policy computes in 16 bits)."""
+    return _default_dtype(stepper.dtype) if stepper.true_16bit and stepper.master_mode != "fp32" else nullcontext()

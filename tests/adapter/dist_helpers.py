@@ -95,11 +95,14 @@ class RankFaultModule(pl.LightningModule):
             (after DDP's all-reduce; earlier micro-batches run under ``no_sync``).
         big_grad_steps: the same, with a finite gradient of 1e3 (unscaled): a larger amax on that rank only.
         loss_factor: ``{step: factor}``: that rank's loss is multiplied by ``factor`` (a loss spike).
+        batch_by_step: train on the batch the optimizer step picks, not the one the loader hands over: rank r's k-th
+            step takes 8 of the samples r, r+2, ... from ``8 * (k % 4)``, so both ranks together take samples
+            ``16 (k % 4) ...`` (independent of Lightning's shuffling sampler, its seed, and how a resume replays it).
     """
 
     def __init__(
         self, *, fault_rank: int = 1, inf_grad_steps: Iterable[int] = (), big_grad_steps: Iterable[int] = (),
-        loss_factor: Mapping[int, float] | None = None,
+        loss_factor: Mapping[int, float] | None = None, batch_by_step: bool = False,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -109,6 +112,7 @@ class RankFaultModule(pl.LightningModule):
         self.loss_factor = dict(loss_factor or {})
         self.x, self.y = regression_data(64)
         self.batch_idx = -1
+        self.batch_by_step = batch_by_step
 
     def _faulty(self, steps: Iterable[int]) -> bool:
         return self.global_rank == self.fault_rank and self.global_step in steps
@@ -118,6 +122,9 @@ class RankFaultModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.batch_by_step:
+            rows = slice(self.global_rank + 16 * (self.global_step % 4), None, WORLD_SIZE)
+            x, y = (self.trainer.precision_plugin.convert_input(t[rows][:8]) for t in (self.x, self.y))
         self.batch_idx = batch_idx
         loss = nn.functional.mse_loss(self(x).float(), y)
         return loss * self.loss_factor.get(self.global_step, 1.0) if self._faulty(self.loss_factor) else loss
@@ -141,15 +148,57 @@ class RankFaultModule(pl.LightningModule):
 
 
 class ShardedFaultModule(RankFaultModule):
-    """:class:`RankFaultModule` with every linear layer and the model sharded by FSDP2 (``fully_shard``)."""
+    """:class:`RankFaultModule` with every linear layer and the model sharded by FSDP2 (``fully_shard``).
+
+    Args:
+        convert_first: call ``plugin.convert_module(self)`` before sharding (the documented way: FP8 layers and
+            islands exist before ``fully_shard``).
+        policy: ``"plugin"``: ``plugin.mp_policy`` for every unit and ``plugin.island_mp_policy`` for the islands;
+            ``None``: FSDP2's default (no mixed precision); or a ``MixedPrecisionPolicy`` for every unit.
+        units: the layers sharded as their own units before the root ``model``.
+        forward_inf_steps: fc2's output turns inf on ``fault_rank`` at these steps (a module to blame).
+        all_gather_fp8: ``lit_mpstable.fsdp.fp8_all_gather_`` between the FP8 swap and ``fully_shard`` (torchao).
+    """
+
+    def __init__(self, *, convert_first: bool = False, policy: Any = None,
+                 units: Iterable[str] = ("model.fc1", "model.fc2", "model.fc3"), forward_inf_steps: Iterable[int] = (),
+                 all_gather_fp8: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.convert_first, self.policy, self.units = convert_first, policy, tuple(units)
+        self.all_gather_fp8, self.gathered_fp8 = all_gather_fp8, []
+        self.forward_inf_steps = set(forward_inf_steps)
+        self.seen_dtypes: set[torch.dtype] = set()
+        """The dtypes fc2's weight had inside its forward (FSDP2's unsharded parameter: what it computed in)."""
 
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        plugin = self.trainer.precision_plugin
+        if self.convert_first:
+            plugin.convert_module(self)
+        if self.all_gather_fp8:
+            from lit_mpstable.fsdp import fp8_all_gather_
+
+            self.gathered_fp8 = fp8_all_gather_(self)
+        islands = set(plugin.islands.names) if hasattr(plugin, "islands") else set()
+
+        def policy(name: str) -> MixedPrecisionPolicy:
+            if self.policy == "plugin":
+                return plugin.island_mp_policy if name in islands else plugin.mp_policy
+            return self.policy or MixedPrecisionPolicy()
 
         mesh = self.device_mesh["data_parallel"]
-        for layer in (self.model.fc1, self.model.fc2, self.model.fc3):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+        for name in self.units:
+            fully_shard(self.get_submodule(name), mesh=mesh, mp_policy=policy(name))
+        fully_shard(self.model, mesh=mesh, mp_policy=policy("model"))
+        self.fc2_shard_type = type(self.model.fc2.weight.to_local()).__name__  # what FSDP2 all-gathers
+        # After fully_shard: FSDP2's own hooks run first (the unshard before, the output cast after).
+        self.model.fc2.register_forward_pre_hook(lambda module, args: self.seen_dtypes.add(module.weight.dtype))
+        self.model.fc2.register_forward_hook(self._forward_fault)
+
+    def _forward_fault(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        """fc2's output overflows (inf) on ``fault_rank`` at ``forward_inf_steps``: the module to blame."""
+        return output * float("inf") if self._faulty(self.forward_inf_steps) else None
 
 
 def forward_off_on_rank1(module: pl.LightningModule, batch: Any) -> torch.Tensor:
@@ -184,6 +233,16 @@ class RankReport(pl.Callback):
             # Sharded weights gathered whole (a collective: every rank reaches this hook).
             "params": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                        for k, v in pl_module.state_dict().items()},
+            # Our FP32 masters where there are (DDP *-true); FSDP2's are the parameters themselves.
+            "masters": {name: master.detach().clone() for name, master, _ in plugin.master.named_pairs()}
+            if getattr(plugin, "master", None) is not None else {},
+            "param_dtypes": {name: p.dtype for name, p in pl_module.named_parameters()},
+            "seen_dtypes": set(getattr(pl_module, "seen_dtypes", ())),
+            "gathered_fp8": list(getattr(pl_module, "gathered_fp8", [])),
+            "fc2_shard_type": getattr(pl_module, "fc2_shard_type", None),
+            "fp8": dict(plugin.layout.state_dict()["fp8"]) if hasattr(plugin, "layout") else {},
+            "fp8_layers": plugin.layout.fp8_layers if hasattr(plugin, "layout") else [],
+            "stats": {k: v for k, v in plugin.stats.items() if k in ("blamed_modules", "blamed_params")},
             "counters": (plugin.step_count, plugin.overflow_count, plugin.skipped_steps),
             "islands": list(plugin.islands.names),
             "fallback_active": plugin.fallback_active,
@@ -201,6 +260,7 @@ def fit_ddp(module: pl.LightningModule, plugin: Any, callbacks: list[pl.Callback
     """Fit with DDP (``ddp_fork``) on 2 CPU processes (gloo) and return what each rank reported."""
     from lightning.pytorch.strategies import DDPStrategy
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD_SIZE, strategy=DDPStrategy(start_method="fork", timeout=TIMEOUT),
         plugins=[plugin], callbacks=[*callbacks, RankReport(out_dir)], max_steps=max_steps,
@@ -211,7 +271,10 @@ def fit_ddp(module: pl.LightningModule, plugin: Any, callbacks: list[pl.Callback
     return read_ranks(out_dir)
 
 
-def _external_worker(rank: int, port: int, module: pl.LightningModule, plugin: Any, out_dir: Path, max_steps: int):
+def _external_worker(
+    rank: int, port: int, module: pl.LightningModule, plugin: Any, out_dir: Path, max_steps: int,
+    callbacks: list[pl.Callback] = (), trainer_kwargs: Mapping[str, Any] | None = None, ckpt_path: str | None = None,
+) -> None:
     # Processes "launched externally" (as torchrun would): Lightning's ModelParallelStrategy would otherwise re-run
     # the command line (pytest) once per rank.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank),
@@ -219,18 +282,24 @@ def _external_worker(rank: int, port: int, module: pl.LightningModule, plugin: A
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     strategy = ModelParallelStrategy(data_parallel_size=WORLD_SIZE, tensor_parallel_size=1, timeout=TIMEOUT)
+    options = dict(enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, plugins=[plugin], callbacks=[RankReport(out_dir)],
-        max_steps=max_steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
-        enable_checkpointing=False,
+        accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, plugins=[plugin],
+        callbacks=[*callbacks, RankReport(out_dir)], max_steps=max_steps, **{**options, **(trainer_kwargs or {})},
     )
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
 
 
-def fit_fsdp2(module: pl.LightningModule, plugin: Any, out_dir: Path, max_steps: int) -> list[dict[str, Any]]:
-    """Fit on 2 CPU processes (gloo) with Lightning's ModelParallelStrategy (FSDP2) and return each rank's report."""
+def fit_fsdp2(
+    module: pl.LightningModule, plugin: Any, out_dir: Path, max_steps: int, callbacks: list[pl.Callback] = (), *,
+    ckpt_path: str | Path | None = None, **trainer_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Fit on 2 CPU processes (gloo) with Lightning's ModelParallelStrategy (FSDP2) and return each rank's report;
+    ``ckpt_path`` resumes from a checkpoint (a DCP folder of shards)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     torch.multiprocessing.start_processes(
-        _external_worker, args=(free_port(), module, plugin, out_dir, max_steps), nprocs=WORLD_SIZE,
-        start_method="fork",
+        _external_worker, nprocs=WORLD_SIZE, start_method="fork",
+        args=(free_port(), module, plugin, out_dir, max_steps, list(callbacks), trainer_kwargs,
+              None if ckpt_path is None else str(ckpt_path)),
     )
     return read_ranks(out_dir)

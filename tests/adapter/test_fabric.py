@@ -308,8 +308,11 @@ def test_inputs_outputs_and_init_contexts() -> None:
         out = plugin.convert_output({"y": x.bfloat16(), "ids": torch.ones(2, dtype=torch.long)})
         assert (out["y"].dtype, out["ids"].dtype) == (torch.float32, torch.long)
     assert StablePrecision("32-true").convert_output(x.bfloat16()).dtype == torch.bfloat16  # as Fabric's Precision()
-    fabric = fabric_of(true)
-    with fabric.init_module():
+    # With FP32 masters a model is built in FP32 (the masters start from exact values; setup casts it), without
+    # them in the 16-bit dtype, as Fabric's own HalfPrecision does.
+    with fabric_of(true).init_module():
+        assert nn.Linear(2, 2).weight.dtype == torch.float32
+    with fabric_of(StablePrecision("bf16-true", master_weights=False)).init_module():
         assert nn.Linear(2, 2).weight.dtype == torch.bfloat16
     assert torch.get_default_dtype() == torch.float32
 
