@@ -54,13 +54,14 @@ class _ScaleGrad(torch.autograd.Function):
 class GradientAttenuatedLinear(nn.Linear):
     """An ``nn.Linear`` whose output gradient is multiplied by ``factor`` on its way in and whose parameter gradients
     are divided by it on their way out: exactly ``nn.Linear`` in FP32 (and BF16) for a power of two, but in FP16 the
-    attenuated gradient flushes to zero (below 6e-8) and the layer silently stops learning, while the loss, the
-    other layers and the loss scale look healthy. A scripted stand-in for a path whose gradients are far smaller than
-    the rest (a LayerScale branch initialised at 1e-9, a down-weighted auxiliary loss). The gradient it passes to the
-    layers before it is attenuated too (they starve as well): use it on a first layer.
+    attenuated gradient flushes to zero (below 6e-8; with the default 2**-40 even at a loss scale of 2**16) and the
+    layer silently stops learning, while the loss, the other layers and the loss scale look healthy. A scripted
+    stand-in for a path whose gradients are far smaller than the rest (a LayerScale branch initialised at 1e-12, a
+    down-weighted auxiliary loss). The gradient it passes to the layers before it is attenuated too (they starve as
+    well): use it on a first layer.
     """
 
-    factor: float = 2.0**-32
+    factor: float = 2.0**-40
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, factor: float) -> GradientAttenuatedLinear:
@@ -95,7 +96,7 @@ class _Faults:
 
     def _setup_faults(
         self, spike_batch: int | None, spike_factor: float, storm_module: str | None, storm_start: int,
-        storm_stop: int, storm_factor: float, underflow_module: str | None = None, underflow_factor: float = 2.0**-32,
+        storm_stop: int, storm_factor: float, underflow_module: str | None = None, underflow_factor: float = 2.0**-40,
     ) -> None:
         self.batches_seen = 0
         self.spike_batch, self.spike_factor = spike_batch, float(spike_factor)
@@ -145,7 +146,7 @@ class FaultyMLP(_Faults, MLPClassifier):
     def __init__(
         self, *, spike_batch: int | None = None, spike_factor: float = 1e6, storm_module: str | None = None,
         storm_start: int = 0, storm_stop: int = 0, storm_factor: float = 2.0**20, underflow_module: str | None = None,
-        underflow_factor: float = 2.0**-32, **kwargs: Any,
+        underflow_factor: float = 2.0**-40, **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._setup_faults(spike_batch, spike_factor, storm_module, storm_start, storm_stop, storm_factor,

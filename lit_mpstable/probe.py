@@ -39,8 +39,9 @@ def forward_state(stepper: PrecisionStepper) -> dict[str, Any]:
     (last micro-)batch to probe; copies, plain tensors."""
     layout = stepper.layout
     rng: dict[str, torch.Tensor] = {"cpu": torch.get_rng_state()}
-    if stepper.device == "cuda" and torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    device = next(layout.module.parameters()).device if layout.module is not None else torch.device(stepper.device)
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
     layers = layout.fp8_layers
     fp8 = layout.fp8_backend.state_dict(layout.module, layers) if layers else {}
     return {"rng": rng, "fp8_layers": layers, "fp8": fp8}
@@ -291,7 +292,9 @@ def with_metric_vector(result: dict[str, Any], values: Sequence[float]) -> dict[
 @contextmanager
 def _forked_rng(device: torch.device) -> Generator[None, None, None]:
     """Fork the RNG: training's stream continues as if nothing ran (each pass restores the step's state itself)."""
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=devices):
         yield
 

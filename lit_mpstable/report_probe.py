@@ -31,9 +31,9 @@ def write_probe_figure(
     history: Sequence[Mapping[str, Any]], out_dir: str | Path, *, name: str = "probe.png",
     title: str = "What low precision cost each layer's gradients (PrecisionProbe)",
 ) -> tuple[str, str] | None:
-    """Draw the probe's history as two heatmaps side by side, layers (rows) x probe steps (columns): the fraction of
-    gradient elements flushed to zero, and the relative error to FP32 (log colour scale). Returns ``(title, file
-    name)`` for the report, or ``None`` (nothing drawn) without probe records.
+    """Draw the probe's history as two heatmaps, one above the other, layers (rows) x probe steps (columns): the
+    fraction of gradient elements flushed to zero, and the relative error to FP32 (log colour scale). Returns
+    ``(title, file name)`` for the report, or ``None`` (nothing drawn) without probe records.
 
     Raises:
         ModuleNotFoundError: matplotlib is missing (the ``report`` extra).
@@ -51,12 +51,12 @@ def write_probe_figure(
     low, high = _REL_ERROR_RANGE
     error = [[min(max(v, low), high) if math.isfinite(v) else (high if v == math.inf else math.nan) for v in row]
              for row in error]
-    width = min(4.0 + 0.45 * len(steps), 16.0)
-    fig, axes = plt.subplots(1, 2, figsize=(2 * width, 1.2 + 0.32 * len(modules)), squeeze=False)
+    width = min(max(6.0, 2.5 + 0.55 * len(steps)), 14.0)
+    panel = max(1.8, 0.8 + 0.3 * len(modules))
+    fig, axes = plt.subplots(2, 1, figsize=(width, 2 * panel + 0.9), squeeze=False)
     panels = (
-        (axes[0][0], underflow, dict(cmap="magma", vmin=0.0, vmax=1.0), "flushed to zero (fraction of FP32 nonzero)",
-         "{:.0%}"),
-        (axes[0][1], error, dict(cmap="viridis", norm=LogNorm(vmin=low, vmax=high)), "||g - g32|| / ||g32||",
+        (axes[0][0], underflow, dict(cmap="magma", vmin=0.0, vmax=1.0), "flushed (fraction)", "{:.0%}"),
+        (axes[1][0], error, dict(cmap="viridis", norm=LogNorm(vmin=low, vmax=high)), "||g - g32|| / ||g32||",
          "{:.1g}"),
     )
     for ax, values, style, label, fmt in panels:
@@ -74,9 +74,9 @@ def write_probe_figure(
                         shade = value if style.get("norm") is None else style["norm"](value)
                         ax.text(col, row, fmt.format(value), ha="center", va="center", fontsize=6.5,
                                 color="black" if shade > 0.6 else "white")
-    axes[0][0].set_title("Gradient underflow")
-    axes[0][1].set_title("Gradient relative error")
-    fig.suptitle(title)
+    axes[0][0].set_title("Gradient elements flushed to zero (of those nonzero in FP32)", fontsize=10)
+    axes[1][0].set_title("Gradient relative error to FP32", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)

@@ -183,8 +183,9 @@ class PrecisionFallback(PluginCallback):
             if name not in self._warned_fp32_modules:
                 self._warned_fp32_modules.add(name)
                 rank_zero_warn(f"PrecisionFallback at step {step}: {name!r} already computes in FP32 and its gradient"
-                               f" is still {errors[name]:.3g} away from FP32's (max_grad_error={self.max_grad_error:g}):"
-                               " the error reaches it from the layers it feeds; look at their probe numbers.")
+                               f" is still {errors[name]:.3g} away from FP32's"
+                               f" (max_grad_error={self.max_grad_error:g}): the error reaches it from the layers it"
+                               " feeds; look at their probe numbers.")
         names = [n for n in names if n not in fp32]
         if not names:
             return

@@ -32,6 +32,8 @@ class PrecisionProbe(PluginCallback):
     (on the step measured, never repeated), to ``PrecisionFallback(max_grad_error=...)``, and, with ``raise_scale``,
     to the scaler's ``note_underflow_`` (``AdaptiveLossScaler``: a higher scale when gradients flush and nothing
     overflows). A probe step whose gradients hold inf/NaN (the step is skipped) is measured on the next step instead.
+    A recompute that fails (a ``training_step`` that cannot run on a copy) stops the probe with a warning, never
+    the training.
 
     The recompute calls the LightningModule's ``training_step`` (its ``self.log`` muted, divided by
     ``accumulate_grad_batches`` as Lightning divides the loss) on deep copies of the module, with the trainer
@@ -45,7 +47,8 @@ class PrecisionProbe(PluginCallback):
         every_n_steps: optimizer steps between probes (0-based steps 0, N-1, 2N-1, ...: Lightning's logging steps
             for ``log_every_n_steps=N``).
         raise_scale: pass the measured underflow to the scaler's ``note_underflow_`` where it has one.
-        loss_fn: ``(module, batch) -> loss`` instead of ``training_step`` (it gets a copy of the LightningModule).
+        loss_fn: ``(module, batch) -> loss`` instead of ``training_step``: it gets a copy of the LightningModule
+            and returns the loss as backpropagated (divided by ``accumulate_grad_batches``).
 
     Raises:
         ValueError: an argument is out of range.
@@ -116,11 +119,24 @@ class PrecisionProbe(PluginCallback):
         step, batch, batch_idx, start = capture
         recompute = trainer.accumulate_grad_batches > 1 or trainer.world_size > 1
         loss_fn = self.loss_fn or _training_step_loss(trainer, batch_idx)
-        result = measure(plugin.stepper, pl_module, loss_fn, batch, recompute=recompute, start=start, step=step)
+        try:
+            result: dict[str, Any] | None = measure(
+                plugin.stepper, pl_module, loss_fn, batch, recompute=recompute, start=start, step=step)
+        except Exception as error:  # a diagnostic must not stop training: say why (once) and stop probing
+            result, failure = None, error
         # Every rank agrees: one rank's inf/NaN gradient skips the step everywhere, and the probe waits for the next.
-        if any_rank(trainer, [not result["finite"]], pl_module.device)[0]:
+        failed, nonfinite = any_rank(trainer, [result is None, result is not None and not result["finite"]],
+                                     pl_module.device)
+        if failed:
+            self._inert = True
+            cause = f"{failure!r}" if result is None else "an error on another rank"
+            rank_zero_warn(f"PrecisionProbe stops probing at step {step}: the recompute failed ({cause}); pass"
+                           " loss_fn=(module, batch) -> loss if training_step cannot be replayed on a copy.")
+            return
+        if nonfinite:
             self.pending = True
             return
+        assert result is not None
         self.pending = False
         if trainer.world_size > 1:
             values = torch.tensor(metric_vector(result), dtype=torch.float64, device=pl_module.device)

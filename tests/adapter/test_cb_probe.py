@@ -3,6 +3,7 @@ gradient accumulation, and DDP on 2 gloo processes."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
@@ -15,9 +16,8 @@ from helpers import make_trainer
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import PrecisionFallback, PrecisionProbe
-from lit_mpstable.callbacks.precision_probe import _training_step_loss
-from lit_mpstable.demos import GradientAttenuatedLinear
-from lit_mpstable.probe import measure
+from lit_mpstable.demos import FaultyMLP, GradientAttenuatedLinear
+from lit_mpstable.probe import forward_state, measure
 from lit_mpstable.scaling import AdaptiveLossScaler
 
 PROBE_METRICS = ("mp/grad_underflow_frac", "mp/grad_rel_error", "mp/grad_cosine")
@@ -37,6 +37,32 @@ def _fit(plugin, callbacks, module=None, steps: int = 6, **kwargs):
     with quiet():
         make_trainer(plugin, max_steps=steps, callbacks=callbacks, log_every_n_steps=1, **kwargs).fit(module)
     return module
+
+
+# ------------------------------------------------------------------------------------------------ the fault
+def test_gradient_attenuated_linear_is_nn_linear_in_fp32_and_flushes_in_fp16() -> None:
+    linear = torch.nn.Linear(16, 16)
+    plain = copy.deepcopy(linear)
+    attenuated = GradientAttenuatedLinear.from_linear(linear, 2.0**-40)
+    assert attenuated.weight is linear.weight and attenuated.bias is linear.bias
+    x = torch.randn(8, 16)
+    for dtype, autocast in ((torch.float32, False), (torch.float16, True)):
+        grads = []
+        for module in (plain, attenuated):
+            module.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                out = module(x)
+            (out.float() ** 2).sum().backward()
+            grads.append((module.weight.grad.clone(), module.bias.grad.clone()))
+        (w_plain, b_plain), (w_att, b_att) = grads
+        if dtype == torch.float32:
+            assert torch.equal(w_att, w_plain) and torch.equal(b_att, b_plain)  # powers of two: bit for bit
+        else:
+            assert torch.count_nonzero(w_plain) > 0 and torch.count_nonzero(w_att) == torch.count_nonzero(b_att) == 0
+    faulty = FaultyMLP(hidden=32, underflow_module="model.0")
+    assert isinstance(faulty.model[0], GradientAttenuatedLinear) and type(faulty.model[2]) is torch.nn.Linear
+    with pytest.raises(ValueError, match=r"underflow_module='model.1' is a GELU, not nn.Linear"):
+        FaultyMLP(hidden=32, underflow_module="model.1")
 
 
 # ------------------------------------------------------------------------------------------------ what and when
@@ -109,6 +135,17 @@ def test_probe_is_inert_under_manual_optimization() -> None:
     assert probe.history == []
 
 
+def test_a_replay_that_fails_stops_the_probe_not_the_training() -> None:
+    def broken(module, batch):
+        raise KeyError("no such input")
+
+    probe = PrecisionProbe(every_n_steps=1, loss_fn=broken)
+    plugin = StablePrecision("bf16-mixed")
+    with pytest.warns(UserWarning, match=r"PrecisionProbe stops probing at step 0: .*KeyError.*no such input"):
+        make_trainer(plugin, max_steps=3, callbacks=[probe]).fit(PoisonModule())
+    assert probe.history == [] and plugin.step_count == 3
+
+
 def test_state_dict_is_strict() -> None:
     probe = PrecisionProbe(every_n_steps=2)
     _fit(StablePrecision("bf16-mixed"), [probe], steps=3)
@@ -138,6 +175,21 @@ def test_fallback_lifts_the_layer_whose_gradients_underflow_and_only_it() -> Non
     healthy = PrecisionFallback(max_grad_error=0.5, grad_error_patience=2)
     _fit(StablePrecision("16-mixed"), [PrecisionProbe(every_n_steps=1), healthy], PoisonModule(), steps=4)
     assert healthy.decisions == []
+
+
+def test_fallback_lifts_the_most_downstream_layer_and_names_an_fp32_one_that_inherits_the_error() -> None:
+    # Loss x 2**-40 without scaling: every FP16 gradient flushes, and fc1, an FP32 island, still gets nothing: the
+    # gradient reaching it comes out of fc2's FP16 backward. fc3, the last of the others, climbs first.
+    fallback = PrecisionFallback(max_grad_error=0.5, grad_error_patience=1)
+    plugin = StablePrecision("16-mixed", scaler=None, fp32_modules=["model.fc1"])
+    module = PoisonModule(loss_factor={step: 2.0**-40 for step in range(2)})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        make_trainer(plugin, max_steps=2, callbacks=[PrecisionProbe(every_n_steps=1), fallback]).fit(module)
+    assert [d["modules"] for d in fallback.decisions] == [["model.fc3"], ["model.fc2"]]
+    assert "['model.fc2'] (before it" in fallback.decisions[0]["reason"]
+    ours = [str(w.message) for w in record if "already computes in FP32" in str(w.message)]
+    assert len(ours) == 1 and "'model.fc1'" in ours[0]  # once, however many probes flag it
 
 
 def test_fallback_takes_an_fp8_layer_out_of_fp8_first() -> None:
@@ -197,16 +249,28 @@ class _RankWeighted(RankFaultModule):
         return loss * 2.0**-40 if self.global_rank == 1 else loss
 
 
-class _LocalProbe(PrecisionProbe):
-    """Keeps this rank's own measurement of its batch (what the probe averages), logging nothing."""
+class _LocalProbe(pl.Callback):
+    """This rank's own measurement of its batch, on the probe's steps (what the probe averages), logging nothing."""
+
+    def __init__(self, probe: PrecisionProbe) -> None:
+        self.probe, self.history, self._start = probe, [], None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        stepper = trainer.precision_plugin.stepper
+        self._start = (batch, batch_idx, forward_state(stepper)) if self.probe.is_due(stepper.step_count) else None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self._capture is not None:
-            step, batch, batch_idx, start = self._capture
-            self._capture = None
-            loss_fn = _training_step_loss(trainer, batch_idx)
-            self.history.append(measure(trainer.precision_plugin.stepper, pl_module, loss_fn, batch, recompute=True,
-                                        start=start, step=step))
+        if self._start is None:
+            return
+        batch, batch_idx, start = self._start
+
+        def loss_fn(module, batch):
+            module.trainer = trainer  # the copy: global_rank reads true
+            return module.training_step(batch, batch_idx)
+
+        stepper = trainer.precision_plugin.stepper
+        self.history.append(measure(stepper, pl_module, loss_fn, batch, recompute=True, start=start,
+                                    step=stepper.step_count))
 
 
 class _SaveHistories(pl.Callback):
@@ -219,7 +283,8 @@ class _SaveHistories(pl.Callback):
 
 
 def test_ddp_each_rank_probes_its_batch_and_the_metrics_are_averaged(tmp_path: Path) -> None:
-    local, probe = _LocalProbe(every_n_steps=2), PrecisionProbe(every_n_steps=2)
+    probe = PrecisionProbe(every_n_steps=2)
+    local = _LocalProbe(probe)
     fallback = PrecisionFallback(max_grad_error=0.4, grad_error_patience=1)
     callbacks = [local, probe, fallback, _SaveHistories(tmp_path, local=local, probe=probe)]
     ranks = fit_ddp(_RankWeighted(), StablePrecision("16-mixed", scaler=None), callbacks, tmp_path, max_steps=6)

@@ -125,13 +125,28 @@ def test_the_reference_weights_are_the_fp32_masters() -> None:
     assert optimizer.state == {}
 
 
+def test_fp32_islands_of_a_true_16bit_run_stay_fp32_in_the_reference() -> None:
+    # In bf16-true an FP32 island's output goes back to BF16 for the next layer; the FP32 reference must not do that.
+    stepper, model = _setup("bf16-true", fp32_modules=["fc2"])
+    loss_fn = _mse()
+    _backward(stepper, model, loss_fn)
+    named = dict(stepper.named_grads())  # masters, and fc2's own FP32 parameters
+    weights = {n: p.detach() for n, p in named.items()}
+    fp32 = TinyMLP()  # a fresh model: no island hooks at all
+    fp32.load_state_dict(weights)
+    batch = (stepper.convert_input(X), Y)
+    expected = _expected({n: p.grad for n, p in named.items()}, _fp32_grads(fp32, loss_fn, batch))
+    assert measure(stepper, model, loss_fn, batch)["rel_error"] == pytest.approx(expected["rel_error"], rel=1e-9)
+
+
 # ------------------------------------------------------------------------------------------------ side effects
 class _Noisy(nn.Module):
     """Dropout, BatchNorm and a Python counter: everything a replay could disturb."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.norm, self.drop, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.5), nn.Linear(32, 16)
+        self.fc1, self.norm, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 16)
+        self.drop = nn.Dropout(0.5)
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
