@@ -353,3 +353,35 @@ def test_probe_figure_is_drawn_only_with_data(tmp_path) -> None:
     assert write_probe_figure([{"step": 0, "modules": {}}], tmp_path) is None
     title, name = write_probe_figure(HISTORY, tmp_path)
     assert (tmp_path / name).stat().st_size > 10_000 and "PrecisionProbe" in title
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+def test_on_cuda_the_reading_matches_the_count_and_dropout_is_replayed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.3), nn.ReLU(), nn.Linear(64, 16)).cuda()
+    stepper = PrecisionStepper("16-mixed", scaler=None, device="cuda")
+    stepper.setup_module(model)
+    batch = (X.cuda(), Y.cuda())
+    loss_fn = _mse(2.0**-20)
+    start = forward_state(stepper)
+    _backward(stepper, model, loss_fn, batch)
+    run = {n: p.grad for n, p in model.named_parameters()}
+    # The FP32 count by hand, with the step's dropout masks (CUDA RNG state from before the forward).
+    reference = copy.deepcopy(model).float()
+    with torch.random.fork_rng(devices=[0]):
+        torch.cuda.set_rng_state(start["rng"]["cuda"])
+        loss = loss_fn(reference, batch)
+        names, params = zip(*reference.named_parameters())
+        ref = dict(zip(names, torch.autograd.grad(loss, params)))
+    result = measure(stepper, model, loss_fn, batch, start=start)
+    expected = _expected(run, ref)
+    assert 0.0 < expected["underflow_frac"] < 1.0
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    # At loss weight 1 nothing flushes: a small error means the FP16 run and the FP32 replay drew the same masks
+    # (on the CPU they do, measured ~1e-3; another mask would read ~0.5).
+    model.zero_grad(set_to_none=True)
+    start = forward_state(stepper)
+    _backward(stepper, model, _mse(), batch)
+    assert measure(stepper, model, _mse(), batch, start=start)["rel_error"] < 0.05
