@@ -1,14 +1,20 @@
 """Fault injection: an overflow storm handled by PrecisionFallback, a loss spike handled by ScaleCheckpoint's rollback,
-each against the same run without the callback and without the fault.
+a silent underflow caught by PrecisionProbe and repaired by PrecisionFallback, each against the same run without the
+callback and without the fault.
 
-    .venv/bin/python experiments/fault_injection.py                          # ~1.5 min on 1 thread
+    .venv/bin/python experiments/fault_injection.py                          # ~2 min on 1 thread
     .venv/bin/python experiments/fault_injection.py trainer.max_steps=40     # extra overrides go to every run
+    .venv/bin/python experiments/fault_injection.py --cases underflow        # one case only
 
 - Overflow storm (``experiment=fault_storm``): the digits MLP in 16-mixed with dynamic loss scaling; on training
   batches 30-89 the first layer's output ``y`` becomes ``y * 2**20 / 2**20`` (inf in FP16, ``y`` in FP32: an
   activation past FP16's range). ``experiment=fault_storm_fallback`` adds ``PrecisionFallback(cooldown=50)``.
 - Loss spike (``experiment=fault_spike``): the GPT on stdlib text in bf16-mixed; training batch 175 has its loss
   multiplied by 1e6. ``experiment=fault_spike_rollback`` adds ``ScaleCheckpoint()`` (snapshots every 50 steps).
+- Silent underflow (``experiment=fault_underflow``): the digits MLP in 16-mixed with dynamic loss scaling whose first
+  layer's gradients are 2**-40 times smaller inside backward (``demos.GradientAttenuatedLinear``: exact in FP32): in
+  FP16 they flush to zero, the layer stops learning, nothing overflows. ``PrecisionProbe(every_n_steps=20)`` measures
+  it; ``experiment=fault_underflow_fallback`` adds ``PrecisionFallback(max_grad_error=0.5)``.
 
 Writes ``experiments/results/fault_injection.{md,json,png}``.
 """
@@ -20,11 +26,16 @@ import math
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     RESULTS, Fit, command_line, compose, fit, markdown_table, pyplot, quiet, smooth, tail_mean, write_result,
 )
+
+from lit_mpstable.report_probe import write_probe_figure  # noqa: E402
 
 RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # (case, label, overrides)
@@ -36,13 +47,39 @@ RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("spike", "no fault", ("experiment=fault_spike", "model.spike_batch=null")),
     ("spike", "spike, no callbacks", ("experiment=fault_spike",)),
     ("spike", "spike + ScaleCheckpoint", ("experiment=fault_spike_rollback",)),
+    ("underflow", "no fault", ("experiment=fault_underflow", "model.underflow_module=null")),
+    ("underflow", "FP32, fault (exact there)", ("experiment=fault_underflow", "precision=fp32", "scaler=default")),
+    ("underflow", "fault + PrecisionProbe", ("experiment=fault_underflow",)),
+    ("underflow", "fault + PrecisionProbe + PrecisionFallback", ("experiment=fault_underflow_fallback",)),
 )
+CASES = ("storm", "spike", "underflow")
+WATCHED = "model.0"
+"""The module the silent underflow hits, whose learning the underflow case follows."""
 
 
-def summarise(case: str, label: str, run: Fit) -> dict:
+class WeightDrift(pl.Callback):
+    """Per optimizer step, ``||W - W_0|| / ||W_0||`` of ``WATCHED``'s weight: how far the layer has learned."""
+
+    def __init__(self) -> None:
+        self.drift: list[float] = []
+        self._initial: torch.Tensor | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._initial = pl_module.get_submodule(WATCHED).weight.detach().float().clone()
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        weight = pl_module.get_submodule(WATCHED).weight.detach().float()
+        self.drift.append(float((weight - self._initial).norm() / self._initial.norm()))
+
+
+def summarise(case: str, label: str, run: Fit, drift: WeightDrift | None = None) -> dict:
     rec = run.recorder
+    probes = [r for cb in run.callbacks for r in getattr(cb, "history", [])]
     decisions = [d for cb in run.callbacks for d in getattr(cb, "decisions", [])]
-    rollbacks = [e for cb in run.callbacks for e in getattr(cb, "events", [])]
+    events = [e for cb in run.callbacks for e in getattr(cb, "events", [])]
+    # ScaleCheckpoint skips a spiking batch by default (on_spike="skip") and rolls back only when spikes persist.
+    rollbacks = [e for e in events if e.get("action") == "rollback"]
+    skips = [e for e in events if e.get("action") == "skip"]
     finite = [v for v in rec.loss if math.isfinite(v)]
     redone = sum(e["step"] - e["restored_step"] for e in rollbacks)
     return {
@@ -54,10 +91,16 @@ def summarise(case: str, label: str, run: Fit) -> dict:
         "decisions": [{"step": d["step"], "action": d["action"], "effect": d["effect"], "reason": d["reason"]}
                       for d in decisions],
         "rollbacks": [{k: e[k] for k in ("step", "kind", "loss", "restored_step")} for e in rollbacks],
+        "batch_skips": [{k: e[k] for k in ("step", "kind", "loss")} for e in skips],
         "storm": [run.cfg.model.get("storm_start", 0), run.cfg.model.get("storm_stop", 0)],
         "spike_batch": run.cfg.model.get("spike_batch"),
         "loss_curve": rec.loss, "scale_curve": rec.scale, "skipped_curve": rec.skipped, "fallback_curve": rec.fallback,
         "val_curve": rec.val, "seconds": run.seconds,
+        "probe_steps": [r["step"] for r in probes],
+        "watched_underflow": [r["modules"][WATCHED]["underflow_frac"] for r in probes],
+        "watched_rel_error": [r["modules"][WATCHED]["rel_error"] for r in probes],
+        "others_max_rel_error": [max(v["rel_error"] for k, v in r["modules"].items() if k != WATCHED) for r in probes],
+        "probes": probes, "drift_curve": drift.drift if drift is not None else [],
     }
 
 
@@ -66,6 +109,7 @@ def _events(r: dict) -> str:
              for d in r["decisions"]]
     parts += [f"{e['step']}: {e['kind']} (loss {e['loss']:.3g}), rolled back to {e['restored_step']}"
               for e in r["rollbacks"]]
+    parts += [f"{e['step']}: {e['kind']} (loss {e['loss']:.3g}), batch skipped" for e in r.get("batch_skips", [])]
     return "; ".join(parts) or "-"
 
 
@@ -73,9 +117,28 @@ def _scale(value: float) -> str:
     return f"2^{math.log2(value):.0f}" if value > 0 and value != 1.0 else f"{value:g}"
 
 
+def _first_last(values: list[float], fmt: str = "{:.3g}") -> str:
+    return "-" if not values else f"{fmt.format(values[0])} -> {fmt.format(values[-1])}"
+
+
+def underflow_table(rows: list[dict]) -> str:
+    header = ["run", "final train loss (last 20)", "val loss", "val acc", "skipped steps", "min / final loss scale",
+              f"{WATCHED} flushed (probe: first -> last)", f"{WATCHED} rel. error (first -> last)",
+              "other layers' max rel. error (max over probes)",
+              f"{WATCHED} weight moved (norm of W - W0 / norm of W0, final)",
+              "steps under fallback", "decisions (step: what)"]
+    body = [[r["run"], f"{r['final_train_loss']:.4f}", f"{r['val_loss']:.4f}", f"{r['val_acc']:.2%}", r["skipped"],
+             f"{_scale(r['min_scale'])} / {_scale(r['final_scale'])}",
+             _first_last(r["watched_underflow"], "{:.1%}"), _first_last(r["watched_rel_error"]),
+             f"{max(r['others_max_rel_error']):.2g}" if r["others_max_rel_error"] else "-",
+             f"{r['drift_curve'][-1]:.3g}" if r["drift_curve"] else "-", r["fallback_steps"], _events(r)]
+            for r in rows]
+    return markdown_table(header, body)
+
+
 def table(results: list[dict]) -> str:
     header = ["run", "final train loss (last 20)", "val loss", "val acc", "skipped steps", "steps redone",
-              "steps under fallback", "min / final loss scale", "decisions and rollbacks (step: what)"]
+              "steps under fallback", "min / final loss scale", "decisions, skips and rollbacks (step: what)"]
     blocks = []
     titles = {"storm": "Overflow storm: digits MLP, 16-mixed, dynamic scaling, batches {0}-{1} overflow",
               "spike": "Loss spike: GPT on stdlib text, bf16-mixed, batch {0} has a 1e6x loss"}
@@ -91,14 +154,23 @@ def table(results: list[dict]) -> str:
                  f"{_scale(r['min_scale'])} / {_scale(r['final_scale'])}",
                  _events(r)] for r in rows]
         blocks.append(f"## {title}\n\n" + markdown_table(header, body))
+    rows = [r for r in results if r["case"] == "underflow"]
+    if rows:
+        title = (f"Silent underflow: digits MLP, 16-mixed, dynamic scaling, {WATCHED}'s gradients x 2^-40 inside"
+                 " backward")
+        blocks.append(f"## {title}\n\n" + underflow_table(rows))
     return "\n\n".join(blocks)
 
 
 def figure(results: list[dict], path: Path) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(13, 7.5))
+    cases = [case for case in CASES if any(r["case"] == case for r in results)]
+    fig, axes = plt.subplots(2, len(cases), figsize=(6.5 * len(cases), 7.5), squeeze=False)
     colors = {"no fault": "0.55"}
-    for col, case in enumerate(("storm", "spike")):
+    for col, case in enumerate(cases):
+        if case == "underflow":
+            _underflow_panels(axes[0][col], axes[1][col], [r for r in results if r["case"] == case], colors)
+            continue
         rows = [r for r in results if r["case"] == case]
         top, bottom = axes[0][col], axes[1][col]
         for i, r in enumerate(rows):
@@ -141,19 +213,52 @@ def figure(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _underflow_panels(top, bottom, rows: list[dict], colors: dict[str, str]) -> None:
+    for i, r in enumerate(rows):
+        color = colors.get(r["run"], f"C{i}")
+        style = dict(color=color, lw=1.2, ls=":" if r["run"].startswith("FP32") else "-")  # FP32 lies on "no fault"
+        steps = range(1, len(r["loss_curve"]) + 1)
+        top.plot(steps, smooth(r["loss_curve"]), label=r["run"], **style)
+        if r["drift_curve"]:
+            bottom.plot(steps, r["drift_curve"], label=r["run"], **style)
+        for d in r["decisions"]:
+            for ax in (top, bottom):
+                ax.axvline(d["step"], color=color, ls="--", lw=0.9)
+        if r["probe_steps"]:
+            bottom.scatter([s + 1 for s in r["probe_steps"]], [min(e, 1.0) for e in r["watched_rel_error"]],
+                           color=color, marker="x", s=22, label="probe: its gradient's rel. error" if i == 0 else None)
+    top.set_yscale("log")
+    top.set(title=f"Silent underflow in {WATCHED} (FP16, nothing overflows)", ylabel="train loss (10-step mean)")
+    bottom.set(xlabel="optimizer step", ylabel=f"{WATCHED}: ||W - W0|| / ||W0||  (x: probe)",
+               title=f"How far {WATCHED} learned; x: probe's error; dashed: fallback")
+    top.legend(fontsize=7)
+    bottom.legend(fontsize=7, loc="center right")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (e.g. trainer.max_steps=40)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="which faults to run")
     args = parser.parse_args(argv)
     quiet()
     results = []
     for case, label, overrides in RUNS:
-        run = fit(compose([*overrides, *args.overrides]), probe_step=None)
-        results.append(summarise(case, label, run))
+        if case not in args.cases:
+            continue
+        drift = WeightDrift() if case == "underflow" else None
+        run = fit(compose([*overrides, *args.overrides]), extra_callbacks=[drift] if drift else [], probe_step=None)
+        results.append(summarise(case, label, run, drift))
         r = results[-1]
         print(f"{case} | {label}: val loss {r['val_loss']:.4f}, {run.seconds:.0f} s", flush=True)
     text = table(results)
+    heatmaps = [r for r in results if r["case"] == "underflow" and r["probes"] and r["run"].startswith("fault +")]
+    for r in heatmaps:  # the stability report's per-layer figure, for each faulty probed run
+        name = f"fault_injection_probe_{'fallback' if r['decisions'] else 'no_fallback'}.png"
+        drawn = write_probe_figure(r["probes"], args.out, name=name, title=f"Silent underflow, {r['run']}:"
+                                   " PrecisionProbe per layer (lit_mpstable.report_probe)")
+        if drawn is not None:
+            text += f"\n\n{r['run']}, the probe's numbers per layer and probe step:\n\n![{drawn[0]}]({drawn[1]})"
     print(text)
     intro = (
         "Scripted faults on real models, each run against the same run without the fault and without the callback.\n"
@@ -164,9 +269,18 @@ def main(argv: list[str] | None = None) -> None:
         "bf16-mixed, one training batch's loss x 1e6) and `experiment=fault_spike_rollback` (+ `ScaleCheckpoint()`,\n"
         "snapshot every 50 steps). Faults are keyed on training batches seen, so a rollback does not replay them.\n"
         "300 optimizer steps per run; val = the last validation (20 batches). *steps redone*: steps a rollback\n"
-        "undid; *steps under fallback*: steps with `plugin.fallback_active` (whole model or the blamed module in FP32)."
+        "undid; *steps under fallback*: steps with `plugin.fallback_active` (the whole model or the blamed module in\n"
+        "FP32).\n"
+        "Silent underflow: `experiment=fault_underflow` (the digits MLP, 16-mixed, dynamic scaler; model.0 is a\n"
+        "`demos.GradientAttenuatedLinear`: the gradient reaching its output is multiplied by 2^-40 and its parameter\n"
+        "gradients by 2^40, exact in FP32, flushed to zero in FP16: the layer stops learning, nothing overflows;\n"
+        "`PrecisionProbe(every_n_steps=20)`) and `experiment=fault_underflow_fallback` (+\n"
+        "`PrecisionFallback(max_grad_error=0.5, grad_error_patience=2)`). *flushed*: elements nonzero in the FP32\n"
+        "recompute and zero in the run's gradient; *rel. error*: ||g - g32|| / ||g32||; *weight moved*: how far\n"
+        "model.0's weight got from its initial value (AdamW's weight decay alone moves it ~5e-3 in 300 steps)."
     )
-    write_result("fault_injection", title="Fault injection: overflow storm and loss spike", intro=intro, tables=text,
+    write_result("fault_injection", title="Fault injection: overflow storm, loss spike and silent underflow",
+                 intro=intro, tables=text,
                  command=command_line("fault_injection.py", argv), data={"runs": results}, out_dir=args.out)
     figure(results, args.out / "fault_injection.png")
     print(f"wrote {args.out / 'fault_injection.md'}")

@@ -26,6 +26,7 @@ __all__ = [
     "FP8RecipeConfig",
     "OverflowMonitorConfig",
     "PrecisionFallbackConfig",
+    "PrecisionProbeConfig",
     "SCHEMAS",
     "ScaleCheckpointConfig",
     "StablePrecisionConfig",
@@ -135,6 +136,7 @@ AdaptiveLossScalerConfig = derive_schema("lit_mpstable.scaling.AdaptiveLossScale
 FP8RecipeConfig = derive_schema("lit_mpstable.fp8.FP8Config", name="FP8RecipeConfig")
 OverflowMonitorConfig = derive_schema("lit_mpstable.callbacks.OverflowMonitor")
 PrecisionFallbackConfig = derive_schema("lit_mpstable.callbacks.PrecisionFallback")
+PrecisionProbeConfig = derive_schema("lit_mpstable.callbacks.PrecisionProbe")
 ScaleCheckpointConfig = derive_schema("lit_mpstable.callbacks.ScaleCheckpoint")
 AMPPreflightConfig = derive_schema("lit_mpstable.callbacks.AMPPreflight")
 
@@ -146,6 +148,7 @@ SCHEMAS: dict[str, type] = {
     "fp8_recipe": FP8RecipeConfig,
     "overflow_monitor": OverflowMonitorConfig,
     "precision_fallback": PrecisionFallbackConfig,
+    "precision_probe": PrecisionProbeConfig,
     "scale_checkpoint": ScaleCheckpointConfig,
     "amp_preflight": AMPPreflightConfig,
 }

@@ -1,5 +1,6 @@
 """Demo models for the experiment configs: a loss-weighted MLP and models with scripted faults (loss spikes,
-overflow storms). Hydra targets such as ``lit_mpstable.demos.FaultyMLP``, importable wherever the package is."""
+overflow storms, silent underflow). Hydra targets such as ``lit_mpstable.demos.FaultyMLP``, importable wherever the
+package is."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_mpstable.fp8.backend import share_hooks
 from lit_mpstable.zoo import GPTLM, DigitsData, MLPClassifier
 
-__all__ = ["FaultyDigitsData", "FaultyGPTLM", "FaultyMLP", "WeightedLossMLP"]
+__all__ = ["FaultyDigitsData", "FaultyGPTLM", "FaultyMLP", "GradientAttenuatedLinear", "WeightedLossMLP"]
 
 
 class WeightedLossMLP(MLPClassifier):
@@ -36,6 +38,47 @@ class WeightedLossMLP(MLPClassifier):
         return config
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity forward; the backward multiplies the gradient by ``factor`` in the gradient's own dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class GradientAttenuatedLinear(nn.Linear):
+    """An ``nn.Linear`` whose output gradient is multiplied by ``factor`` on its way in and whose parameter gradients
+    are divided by it on their way out: exactly ``nn.Linear`` in FP32 (and BF16) for a power of two, but in FP16 the
+    attenuated gradient flushes to zero (below 6e-8; with the default 2**-40 even at a loss scale of 2**16) and the
+    layer silently stops learning, while the loss, the other layers and the loss scale look healthy. A scripted
+    stand-in for a path whose gradients are far smaller than the rest (a LayerScale branch initialised at 1e-12, a
+    down-weighted auxiliary loss). The gradient it passes to the layers before it is attenuated too (they starve as
+    well): use it on a first layer.
+    """
+
+    factor: float = 2.0**-40
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, factor: float) -> GradientAttenuatedLinear:
+        """The same layer (its ``Parameter`` objects, mode and hooks), attenuated by ``factor``."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias
+        new.train(linear.training)
+        share_hooks(linear, new)
+        new.factor = float(factor)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _ScaleGrad.apply(self.weight, 1.0 / self.factor)
+        bias = _ScaleGrad.apply(self.bias, 1.0 / self.factor) if self.bias is not None else None
+        return _ScaleGrad.apply(nn.functional.linear(x, weight, bias), self.factor)
+
+
 class _Faults:
     """Scripted faults, keyed on the number of training batches seen (a rollback restores weights, not this count,
     so it never replays a fault).
@@ -45,13 +88,15 @@ class _Faults:
       ``y * storm_factor / storm_factor``: an intermediate value past FP16's range (65504) for ``|y| >= 2**-4`` with
       the default ``2**20``. In FP16 that is inf; in FP32 (and BF16) the same ``y``, exactly, since the factor is a
       power of two. So the fault is precision-dependent, as a real activation overflow is.
+    - Silent underflow: the linear layer ``underflow_module`` becomes a :class:`GradientAttenuatedLinear` with
+      ``underflow_factor`` (for the whole run): in FP16 its gradients flush to zero, in FP32 nothing changes.
     """
 
     batches_seen: int
 
     def _setup_faults(
         self, spike_batch: int | None, spike_factor: float, storm_module: str | None, storm_start: int,
-        storm_stop: int, storm_factor: float,
+        storm_stop: int, storm_factor: float, underflow_module: str | None = None, underflow_factor: float = 2.0**-40,
     ) -> None:
         self.batches_seen = 0
         self.spike_batch, self.spike_factor = spike_batch, float(spike_factor)
@@ -60,6 +105,13 @@ class _Faults:
         if storm_module is not None:
             module: nn.Module = self.get_submodule(storm_module)  # type: ignore[attr-defined]
             module.register_forward_hook(self._storm_hook)
+        if underflow_module is not None:
+            parent, _, child = underflow_module.rpartition(".")
+            container: nn.Module = self.get_submodule(parent)  # type: ignore[attr-defined]
+            linear = container.get_submodule(child)
+            if type(linear) is not nn.Linear:
+                raise ValueError(f"underflow_module={underflow_module!r} is a {type(linear).__name__}, not nn.Linear.")
+            setattr(container, child, GradientAttenuatedLinear.from_linear(linear, underflow_factor))
 
     def _storm_hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
         return output * self.storm_factor / self.storm_factor if self._storm_on else None
@@ -88,15 +140,17 @@ class FaultyGPTLM(_Faults, GPTLM):
 
 
 class FaultyMLP(_Faults, MLPClassifier):
-    """:class:`MLPClassifier` with the scripted faults of :class:`_Faults` (e.g. ``storm_module="model.0"``, the
-    first linear layer)."""
+    """:class:`MLPClassifier` with the scripted faults of :class:`_Faults` (e.g. ``storm_module="model.0"`` or
+    ``underflow_module="model.0"``, the first linear layer)."""
 
     def __init__(
         self, *, spike_batch: int | None = None, spike_factor: float = 1e6, storm_module: str | None = None,
-        storm_start: int = 0, storm_stop: int = 0, storm_factor: float = 2.0**20, **kwargs: Any,
+        storm_start: int = 0, storm_stop: int = 0, storm_factor: float = 2.0**20, underflow_module: str | None = None,
+        underflow_factor: float = 2.0**-40, **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._setup_faults(spike_batch, spike_factor, storm_module, storm_start, storm_stop, storm_factor)
+        self._setup_faults(spike_batch, spike_factor, storm_module, storm_start, storm_stop, storm_factor,
+                           underflow_module, underflow_factor)
 
 
 class FaultyDigitsData(DigitsData):

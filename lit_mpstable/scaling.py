@@ -516,7 +516,7 @@ _ADAPTIVE_STATE = {
 
 
 class AdaptiveLossScaler(DynamicLossScaler):
-    """A loss scaler that sets each next scale from the measured gradient amax: steady in a handful of steps.
+    """A loss scaler that sets each next scale from the measured gradient amax: a safe scale after one clean step.
 
     After every clean step the scale becomes the largest power of two ``s`` with ``amax * s * headroom <= max`` of
     ``target_format`` (65504 for FP16), bounded by ``min_scale``/``max_scale``. ``amax`` is the largest unscaled
@@ -536,6 +536,19 @@ class AdaptiveLossScaler(DynamicLossScaler):
     headroom that keeps it below that scale; without it the same overflowing scale would be chosen again on every
     clean step. The extra headroom is relative to the amax, so the scale still follows gradients that shrink, and it
     halves after each ``growth_interval`` consecutive clean steps (GradScaler's probing rhythm).
+
+    What "steady" means: the scale is right for the current gradients after the first clean step, and from then on it
+    tracks their amax; it settles on one value only as far as the amax does. On the digits MLP in FP16 (300 steps,
+    ``experiment=classic_mlp_fp16_adaptive``) the amax falls from 2^-3.5 to 2^-6 as the model converges (a spike to
+    2^-1.7 at step 22), so the scale goes 2^16 -> 2^18 after step 1 and then between 2^16 and 2^20 (12 changes, 0
+    overflows, 0 skipped steps): within 2x of its final 2^20 only from step 227. Each change follows the gradients
+    and costs nothing; a changing scale is not instability. (DynamicLossScaler keeps 2^16 there for 2000 steps.)
+
+    Measured underflow (:meth:`note_underflow_`, which ``PrecisionProbe`` calls) lowers the headroom: while the probe
+    finds gradients flushing to zero and nothing overflows, each report multiplies the next scales by
+    ``growth_factor``, down to no headroom at all (``amax * scale <= max``: parameter gradients never overflow). An
+    overflow gives the headroom back and, when it followed such a raise, refuses raises for ``growth_interval`` steps
+    (the headroom was needed: activation gradients inside backward are larger than the parameters').
 
     Args:
         target_format: the format the scaled gradients live in (``"fp16"``; ``"fp8_e5m2"`` for FP8 gradients).
@@ -587,6 +600,13 @@ class AdaptiveLossScaler(DynamicLossScaler):
             "_last_overflow_scale": 0.0,
             "_overflow_streak": 0,
         }
+        self.underflow_boost = 1.0
+        """Headroom given up for measured underflow (:meth:`note_underflow_`): a power of ``growth_factor`` in
+        ``[1, headroom]`` multiplying the rule's scale. Host state: it changes only on probe reports and overflows."""
+        self.overflowed_since_note = False
+        """Whether a step overflowed since the last :meth:`note_underflow_` (from the step's own host sync)."""
+        self.raise_blocked_until = 0
+        """``step_count`` before which :meth:`note_underflow_` raises nothing (an overflow followed a raise)."""
         self._state: dict[str, torch.Tensor] | None = None  # created next to the scale, like GradScaler's own
         self._step_amax: torch.Tensor | None = None  # scaled gradient amax of this iteration, all optimizers
         self._last_amax: torch.Tensor | None = None
@@ -655,10 +675,41 @@ class AdaptiveLossScaler(DynamicLossScaler):
 
         Passing ``new_scale`` sets the scale by hand (clamped to the bounds) until the next update measures again.
         """
+        # This iteration's overflow, as step()'s sync found it (read before super().update() consumes it).
+        overflowed = self._host_found if self._host_found is not None else self.last_step_skipped
         try:
             super().update(new_scale)
         finally:
             self._step_amax = None
+        if overflowed and new_scale is None:
+            self.overflowed_since_note = True
+            if self.underflow_boost > 1.0:
+                self.underflow_boost = 1.0  # the headroom given up was needed after all
+                self.raise_blocked_until = self.step_count + self._growth_interval
+
+    def note_underflow_(self, underflow_frac: float, *, threshold: float = 0.01) -> bool:
+        """Take a measured underflow into account: the fraction of gradient elements, nonzero in FP32, that the run's
+        precision flushed to zero (``PrecisionProbe`` calls it after each probe with its ``mp/grad_underflow_frac``).
+
+        Above ``threshold``, when no step overflowed since the last call (nor, after a raise that overflowed, within
+        ``growth_interval`` steps of it), the rule gives up one ``growth_factor`` of headroom: the next scales are
+        that much higher, at most until ``amax * scale`` reaches the format's max. Host values only, no sync. In
+        distributed runs pass the same value on every rank (the probe's average). Returns whether it raised.
+
+        Raises:
+            ValueError: ``underflow_frac`` or ``threshold`` is not a fraction.
+        """
+        name = f"{type(self).__name__}.note_underflow_"
+        real_arg(name, "underflow_frac", underflow_frac, low=0.0, high=1.0)
+        real_arg(name, "threshold", threshold, low=0.0, high=1.0, high_open=True)
+        overflowed, self.overflowed_since_note = self.overflowed_since_note, False
+        if not self._enabled or overflowed or underflow_frac <= threshold or self.step_count < self.raise_blocked_until:
+            return False
+        raised = min(self.underflow_boost * self._growth_factor, self.headroom)
+        if raised <= self.underflow_boost:
+            return False
+        self.underflow_boost = raised
+        return True
 
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._state is not None and self._overflow_count is not None and self._min_scale_hits is not None
@@ -692,7 +743,7 @@ class AdaptiveLossScaler(DynamicLossScaler):
 
         # The k-th consecutive overflow backs off by backoff_factor ** 2**(k-1) (streak counts the earlier ones).
         backed_off = scale * self._backoff_factor ** torch.exp2(streak.clamp(max=_MAX_BACKOFF_DOUBLINGS).float())
-        adaptive = torch.where(window_amax > 0, target / extra, scale)
+        adaptive = torch.where(window_amax > 0, target / extra * self.underflow_boost, scale)
         if self.min_scale is not None:
             self._min_scale_hits += (found & (scale <= self.min_scale)).long()
         last_overflow.copy_(torch.where(found, scale, 0.0))
@@ -704,9 +755,10 @@ class AdaptiveLossScaler(DynamicLossScaler):
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """DynamicLossScaler's keys plus ``target_format``, ``headroom``, ``amax_history_len`` and the device state:
-        ``_amax_history`` (list of floats, newest first, 0 = empty), ``_extra_headroom`` (float >= 1),
-        ``_last_overflow_scale`` (float, 0 = none) and ``_overflow_streak`` (int).
+        """DynamicLossScaler's keys plus ``target_format``, ``headroom``, ``amax_history_len``, ``underflow_boost``,
+        ``overflowed_since_note``, ``raise_blocked_until`` and the device state: ``_amax_history`` (list of floats,
+        newest first, 0 = empty), ``_extra_headroom`` (float >= 1), ``_last_overflow_scale`` (float, 0 = none) and
+        ``_overflow_streak`` (int).
 
         Python scalars and lists only (``weights_only=True`` loads it). Empty when disabled.
         """
@@ -716,6 +768,9 @@ class AdaptiveLossScaler(DynamicLossScaler):
                 target_format=self.target_format,
                 headroom=self.headroom,
                 amax_history_len=self.amax_history_len,
+                underflow_boost=self.underflow_boost,
+                overflowed_since_note=self.overflowed_since_note,
+                raise_blocked_until=self.raise_blocked_until,
                 **self._read_state(),
             )
         return state
@@ -740,6 +795,9 @@ class AdaptiveLossScaler(DynamicLossScaler):
         self.target_format = get_format(state_dict["target_format"]).name
         self.headroom = float(state_dict["headroom"])
         self.amax_history_len = len(history)
+        self.underflow_boost = float(state_dict["underflow_boost"])
+        self.overflowed_since_note = bool(state_dict["overflowed_since_note"])
+        self.raise_blocked_until = int(state_dict["raise_blocked_until"])
         self._init_state = {key: state_dict[key] for key in _ADAPTIVE_STATE}
         if self._state is not None:
             self._lazy_init_adaptive_state(self._state["_amax_history"].device)

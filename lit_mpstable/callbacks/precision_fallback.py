@@ -1,4 +1,5 @@
-"""PrecisionFallback: moves the blamed modules, or the whole model, to FP32 when overflow persists."""
+"""PrecisionFallback: moves the blamed modules, or the whole model, to FP32 when overflow persists, and the modules
+whose gradients PrecisionProbe measures too far from FP32 one rung up."""
 
 from __future__ import annotations
 
@@ -27,7 +28,14 @@ class PrecisionFallback(PluginCallback):
     the loss scale at or below ``min_scale`` (read only after an overflow, the only time it drops); a non-finite
     loss on ``nonfinite_loss_patience`` consecutive steps (flags reduced across ranks on the device and read one
     step late, so no step waits for the device); more than ``max_overflow_rate`` of the last ``window`` steps
-    overflowing. Each decision climbs one rung of the plugin's ladder: ``mode="global"`` calls
+    overflowing; and, with ``max_grad_error``, a module whose gradient error measured by ``PrecisionProbe``
+    (``plugin.stats["probe"]``: ``||g - g32|| / ||g32||``) exceeds it on ``grad_error_patience`` probes in a row
+    (default: ``patience``) climbs one rung (an FP8 layer leaves FP8, any other module becomes an FP32 island),
+    whatever ``mode`` says, since the probe names it. Errors flow backward (a module's gradient carries the errors of
+    the modules after it), so of several such modules only the last in registration order (the forward order,
+    as overflow blame assumes) climbs per decision, and the others are measured again first; one whose error persists
+    in FP32 is told about once (its error comes from elsewhere). Each overflow decision climbs one rung of the
+    plugin's ladder: ``mode="global"`` calls
     ``plugin.fallback(None)`` (FP8 layers -> base precision -> FP32); ``mode="module"`` passes the names in
     ``plugin.stats["blamed_modules"]`` (FP8 layers leave FP8, other modules become FP32 islands), and without such
     names, or once they all run in FP32, falls back globally and says why. After ``cooldown`` steps
@@ -36,7 +44,8 @@ class PrecisionFallback(PluginCallback):
 
     Distributed runs decide alike on every rank: overflow counts and the scale come from the plugin, whose scaler
     all-reduces the found-inf flag before every skip (``sync_found_inf_``), the non-finite-loss flag is reduced, and
-    the blamed names are agreed (rank 0's, else the first rank's that has any), so every rank moves the same modules.
+    the blamed names are agreed (rank 0's, else the first rank's that has any), so every rank moves the same modules;
+    the probe's measurements are averaged across ranks, so its decisions agree too.
 
     Raises:
         ValueError: an argument is out of range.
@@ -45,7 +54,7 @@ class PrecisionFallback(PluginCallback):
     def __init__(
         self, patience: int = 10, *, min_scale: float | None = 1.0, mode: FallbackMode = "global",
         cooldown: int | None = None, max_overflow_rate: float | None = 0.2, nonfinite_loss_patience: int | None = 3,
-        window: int = 100,
+        window: int = 100, max_grad_error: float | None = None, grad_error_patience: int | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -60,9 +69,20 @@ class PrecisionFallback(PluginCallback):
               f"{name}(nonfinite_loss_patience={nonfinite_loss_patience!r})", "must be an int >= 1 or None.")
         check(is_int(window, 1, MAX_WINDOW), f"{name}(window={window!r})",
               f"must be an int in [1, {MAX_WINDOW}] (optimizer steps).")
+        check(max_grad_error is None or (is_number(max_grad_error) and max_grad_error > 0),
+              f"{name}(max_grad_error={max_grad_error!r})",
+              "must be a number > 0 (a relative error: 0.5 flags a module whose gradient is half lost) or None.")
+        check(grad_error_patience is None or is_int(grad_error_patience, 1),
+              f"{name}(grad_error_patience={grad_error_patience!r})", "must be an int >= 1 (probes) or None.")
         self.patience, self.min_scale, self.mode, self.cooldown = patience, min_scale, mode, cooldown
         self.max_overflow_rate, self.nonfinite_loss_patience = max_overflow_rate, nonfinite_loss_patience
         self.window = window
+        self.max_grad_error = max_grad_error
+        self.grad_error_patience = grad_error_patience if grad_error_patience is not None else patience
+        self.grad_error_runs: dict[str, int] = {}
+        """Module -> consecutive probes whose measured gradient error exceeded ``max_grad_error``."""
+        self.last_probe_step = -1
+        """The step of the last probe result read (each is counted once)."""
         self.overflow_run = 0
         self.nonfinite_run = 0
         self.recent: deque[tuple[int, int]] = deque(maxlen=window)  # (overflows, steps) per stepping batch
@@ -76,6 +96,7 @@ class PrecisionFallback(PluginCallback):
         self._nonfinite = LaggedFlag()  # a non-finite loss in the step
         self._warned_fp32 = False
         self._warned_data = False
+        self._warned_fp32_modules: set[str] = set()
 
     @property
     def state_key(self) -> str:
@@ -102,11 +123,14 @@ class PrecisionFallback(PluginCallback):
             return
         step = trainer.global_step
         self._observe(trainer, overflows, steps)
+        drifting = self._probed(pl_module)
         if 0 <= self.cooldown_end <= step:
             plugin.restore_precision()
             self._record(step, "restore", None, f"cooldown of {self.cooldown} steps over", "low precision restored")
         elif (reason := self._reason(overflows)) is not None:
             self._fall_back(trainer, pl_module, reason)
+        elif drifting:
+            self._lift(trainer, drifting)
 
     def _observe(self, trainer: pl.Trainer, overflows: int, steps: int) -> None:
         assert self._plugin is not None
@@ -135,6 +159,49 @@ class PrecisionFallback(PluginCallback):
             overflow_rate=sum(o for o, _ in self.recent) / sum(s for _, s in self.recent) if full else None,
             window=self.window,
         )
+
+    def _probed(self, pl_module: pl.LightningModule) -> list[str]:
+        """Count a new probe result; the modules over ``max_grad_error`` for ``grad_error_patience`` probes."""
+        assert self._plugin is not None
+        probe = self._plugin.stats.get("probe")
+        if self.max_grad_error is None or not probe or probe.get("step") == self.last_probe_step:
+            return []
+        self.last_probe_step = int(probe["step"])
+        for name, measured in probe["modules"].items():
+            over = not measured["rel_error"] <= self.max_grad_error  # NaN counts as over
+            self.grad_error_runs[name] = self.grad_error_runs.get(name, 0) + 1 if over else 0
+        known = dict(pl_module.named_modules())
+        return [n for n, run in self.grad_error_runs.items() if run >= self.grad_error_patience and n in known]
+
+    def _lift(self, trainer: pl.Trainer, names: list[str]) -> None:
+        plugin, step = self._plugin, trainer.global_step
+        assert plugin is not None
+        errors = {n: plugin.stats["probe"]["modules"][n]["rel_error"] for n in names}
+        fp32 = [n for n in names if plugin.compute_dtype == torch.float32 or any(
+            n == i or n.startswith(i + ".") for i in plugin.islands.names if i)]
+        for name in fp32:
+            self.grad_error_runs[name] = 0
+            if name not in self._warned_fp32_modules:
+                self._warned_fp32_modules.add(name)
+                rank_zero_warn(f"PrecisionFallback at step {step}: {name!r} already computes in FP32 and its gradient"
+                               f" is still {errors[name]:.3g} away from FP32's"
+                               f" (max_grad_error={self.max_grad_error:g}): the error reaches it from the layers it"
+                               " feeds; look at their probe numbers.")
+        names = [n for n in names if n not in fp32]
+        if not names:
+            return
+        source, others = names[-1], names[:-1]  # the most downstream: the others may only inherit its error
+        reason = (f"PrecisionProbe measured a gradient error of {errors[source]:.3g} in {source or '(root)'!r} above"
+                  f" max_grad_error={self.max_grad_error:g} on {self.grad_error_patience} probes in a row")
+        if others:
+            reason += f"; {others} (before it, so possibly its error flowing back) are measured again first"
+        modules = None if source == "" else [source]  # parameters of the root module: the whole model climbs
+        effect = plugin.fallback(modules, reason=f"PrecisionFallback: {reason}")
+        for name in names:
+            self.grad_error_runs[name] = 0  # the next rung needs fresh evidence
+        self._record(step, "fallback", modules, reason, effect)
+        if self.cooldown is not None:
+            self.cooldown_end = step + self.cooldown
 
     def _fall_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reason: str) -> None:
         plugin, step = self._plugin, trainer.global_step
@@ -168,12 +235,13 @@ class PrecisionFallback(PluginCallback):
 
     def state_dict(self) -> dict[str, Any]:
         """Keys: ``overflow_run``, ``nonfinite_run``, ``previous_nonfinite`` (the unread flag of the last step, None
-        if none), ``recent``, ``cooldown_end``, ``decisions``, ``blamed``."""
+        if none), ``recent``, ``cooldown_end``, ``decisions``, ``blamed``, ``grad_error_runs``, ``last_probe_step``."""
         return {
             "overflow_run": self.overflow_run, "nonfinite_run": self.nonfinite_run,
             "previous_nonfinite": self._nonfinite.unread(),
             "recent": [list(pair) for pair in self.recent], "cooldown_end": self.cooldown_end,
             "decisions": copy.deepcopy(self.decisions), "blamed": list(self.blamed),
+            "grad_error_runs": dict(self.grad_error_runs), "last_probe_step": self.last_probe_step,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -184,3 +252,5 @@ class PrecisionFallback(PluginCallback):
         self.cooldown_end, self.blamed = int(state_dict["cooldown_end"]), list(state_dict["blamed"])
         self.decisions = copy.deepcopy(list(state_dict["decisions"]))
         self._nonfinite.load(state_dict["previous_nonfinite"])
+        self.grad_error_runs = {str(k): int(v) for k, v in state_dict["grad_error_runs"].items()}
+        self.last_probe_step = int(state_dict["last_probe_step"])

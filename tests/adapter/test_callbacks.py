@@ -1,4 +1,4 @@
-"""The four callbacks: one shared conformance test each, then OverflowMonitor and AMPPreflight in real runs."""
+"""The callbacks: one shared conformance test each, then OverflowMonitor and AMPPreflight in real runs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cb_helpers import ListLogger, PoisonModule, quiet
 from helpers import make_trainer
 
 from trainer_pkg import StablePrecision
-from trainer_pkg import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint
+from trainer_pkg import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
 from lit_mpstable.callbacks.amp_preflight import compare_outputs
 from lit_mpstable.scaling import DynamicLossScaler
 
@@ -22,6 +22,7 @@ FACTORIES = {
     "PrecisionFallback": lambda: PrecisionFallback(patience=2, cooldown=2),
     "ScaleCheckpoint": lambda: ScaleCheckpoint(every_n_steps=2, min_history=2, window=4),
     "AMPPreflight": lambda: AMPPreflight(),
+    "PrecisionProbe": lambda: PrecisionProbe(every_n_steps=2),
 }
 
 
@@ -63,6 +64,11 @@ BAD_ARGUMENTS = [
     (PrecisionFallback, dict(max_overflow_rate=1.0), "max_overflow_rate"),
     (PrecisionFallback, dict(nonfinite_loss_patience=0), "nonfinite_loss_patience"),
     (PrecisionFallback, dict(window=True), "window"),
+    (PrecisionFallback, dict(max_grad_error=0.0), "max_grad_error"),
+    (PrecisionFallback, dict(grad_error_patience=0), "grad_error_patience"),
+    (PrecisionProbe, dict(every_n_steps=0), "every_n_steps"),
+    (PrecisionProbe, dict(raise_scale=1), "raise_scale"),
+    (PrecisionProbe, dict(loss_fn="training_step"), "loss_fn"),
     (ScaleCheckpoint, dict(every_n_steps=0), "every_n_steps"),
     (ScaleCheckpoint, dict(spike_zscore=0), "spike_zscore"),
     (ScaleCheckpoint, dict(window=1), "window"),
