@@ -80,8 +80,9 @@ class GradientAttenuatedLinear(nn.Linear):
 
 
 class _Faults:
-    """Scripted faults, keyed on the number of training batches seen (a rollback restores weights, not this count,
-    so it never replays a fault).
+    """Scripted faults, keyed on the optimizer step being taken while a trainer runs the model (a rollback restores
+    weights, not the step count, so it never replays a fault; a replay of the step, as PrecisionProbe's, sees the
+    same one), else on the number of training steps called.
 
     - Loss spike: the loss of batch ``spike_batch`` is multiplied by ``spike_factor`` (a corrupted batch).
     - Overflow storm: on batches ``storm_start <= b < storm_stop`` the output ``y`` of ``storm_module`` becomes
@@ -93,6 +94,12 @@ class _Faults:
     """
 
     batches_seen: int
+
+    def _batch_index(self) -> int:
+        try:
+            return self.trainer.global_step  # type: ignore[attr-defined]
+        except RuntimeError:  # not attached to a trainer: count the calls
+            return self.batches_seen
 
     def _setup_faults(
         self, spike_batch: int | None, spike_factor: float, storm_module: str | None, storm_start: int,
@@ -117,7 +124,7 @@ class _Faults:
         return output * self.storm_factor / self.storm_factor if self._storm_on else None
 
     def training_step(self, batch, batch_idx):
-        seen, self.batches_seen = self.batches_seen, self.batches_seen + 1
+        seen, self.batches_seen = self._batch_index(), self.batches_seen + 1
         self._storm_on = self.storm_start <= seen < self.storm_stop
         try:
             loss = super().training_step(batch, batch_idx)  # type: ignore[misc]

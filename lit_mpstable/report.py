@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lit_mpstable.report_probe import write_probe_figure
+
 __all__ = ["settle_step", "write_comparison_report", "write_report"]
 
 
@@ -68,8 +70,11 @@ def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
         fig.savefig(out_dir / "loss.png", dpi=110)
         plt.close(fig)
         figures.append(("Loss curves", "loss.png"))
+    if (drawn := write_probe_figure(summary.get("probe_history") or [], out_dir)) is not None:
+        figures.append(drawn)
     underflow = summary.get("grad_underflow_per_layer") or {}
-    if any(value > 0 for value in underflow.values()):  # all zero (BF16, or nothing at risk): an empty chart
+    if not summary.get("probe_history") and any(value > 0 for value in underflow.values()):
+        # The telemetry's forecast, only where no probe measured (and never an all-zero chart).
         names = list(underflow)
         fig, ax = plt.subplots(figsize=(7, 0.3 * len(names) + 1.2))
         ax.barh(names, [underflow[n] for n in names], color="steelblue")
@@ -169,6 +174,9 @@ def write_comparison_report(summary: dict[str, Any], out_dir: str | Path) -> Pat
         cells = [("-" if r.get(key) is None else (str(int(r[key])) if spec == "d" else format(r[key], spec)))
                  for r in (base, ours)]
         lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+    if (out_dir / "stable" / "probe.png").exists():
+        lines += ["", f"## Per layer, what {ours['precision']} cost {ours['label']}'s gradients (PrecisionProbe)", "",
+                  "![probe](stable/probe.png)"]
     lines += ["", f"## What {ours['label']} did", ""]
     lines += [f"- step {e.get('step')}: {e.get('kind')}: {e.get('what')}" for e in ours.get("events") or []] or ["- nothing"]
     lines += ["", "Each run's own report: [built-in](builtin/report.md), [StablePrecision](stable/report.md).", ""]

@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lit_mpstable._frontend import StableFrontEnd
+from lit_mpstable.callbacks import PrecisionProbe
 from lit_mpstable.callbacks._common import view_of
 from lit_mpstable.callbacks._view import ForeignPrecision
 from lit_mpstable.config import register_configs
@@ -202,8 +203,7 @@ def run(
         "underflow_format": telemetry.formats[0] if telemetry is not None else None,
         "fp8_saturation_frac": stats.get("fp8_saturation_frac"),
         "fp8_underflow_frac": stats.get("fp8_underflow_frac"),
-        "probe": next((cb.history for cb in callbacks if hasattr(cb, "history") and hasattr(cb, "every_n_steps")),
-                      None),
+        "probe_history": next((cb.history for cb in callbacks if isinstance(cb, PrecisionProbe)), []),
         "events": events,
         "loss_scale_trajectory": recorder.loss_scale,
         "skipped_trajectory": recorder.skipped,

@@ -219,7 +219,7 @@ def test_every_option_composes_and_instantiates(group: str, option: str) -> None
     assert type(plugin).__name__ == "StablePrecision"
     callbacks = [instantiate(node) for node in cfg.callbacks.values()]
     if group == "callbacks":
-        assert len(callbacks) == (0 if option == "none" else 1 if option != "default" else 4)
+        assert len(callbacks) == (0 if option == "none" else 1 if option != "default" else 5)
     if group == "precision":
         expected = {"fp32": "32-true", "bf16_mixed": "bf16-mixed", "fp16_mixed": "16-mixed", "bf16_true": "bf16-true",
                     "fp16_true": "16-true", "auto": "bf16-mixed"}[option]

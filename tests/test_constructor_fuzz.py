@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from lit_mpstable import StablePrecision
 from lit_mpstable._validate import INT32_MAX
-from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint
+from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
 from lit_mpstable.callbacks._common import MAX_WINDOW
 from lit_mpstable.formats import FormatName
 from lit_mpstable.fp8 import FP8Config
@@ -120,6 +120,13 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, tuple[Oracle, list[Any]]]]]
         "max_overflow_rate": (optional(reals(0, 1, hi_open=True)), [None, 0.0]),
         "nonfinite_loss_patience": (optional(ints(1, INT32_MAX)), [None, 1]),
         "window": (ints(1, MAX_WINDOW), [1]),
+        "max_grad_error": (optional(reals(0, lo_open=True)), [None, 0.5]),
+        "grad_error_patience": (optional(ints(1, INT32_MAX)), [None, 2]),
+    }),
+    "PrecisionProbe": (PrecisionProbe, {
+        "every_n_steps": (ints(1, INT32_MAX), [1, 100]),
+        "raise_scale": (boolean, [False]),
+        "loss_fn": (lambda v: v is None or callable(v), [None, lambda module, batch: batch]),
     }),
     "ScaleCheckpoint": (ScaleCheckpoint, {
         "every_n_steps": (ints(1, INT32_MAX), [1]),
