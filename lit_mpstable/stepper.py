@@ -170,6 +170,12 @@ class PrecisionStepper:
         missing = [name for name in _GRADSCALER_METHODS if not callable(getattr(scaler, name, None))]
         if missing:
             raise ValueError(f"{call}(scaler={scaler!r}): a scaler instance needs GradScaler's methods; missing {missing}.")
+        if self.precision.startswith("bf16") and scaler.is_enabled():
+            # Lightning's MixedPrecision refuses this; it works (every step is scaled, checked, unscaled), but says so.
+            self.warnings.append(
+                f"{call}({self.precision!r}, scaler={type(scaler).__name__}(...)): BF16 shares FP32's exponent range,"
+                " so loss scaling buys nothing but a pass over the gradients; scaler=None keeps the inf/NaN check."
+            )
         if not scaler.is_enabled():
             if getattr(scaler, "_device", None) == "cuda" and not torch.cuda.is_available():
                 raise ValueError(

@@ -103,6 +103,14 @@ class PrecisionFallback(PluginCallback):
         return type(self).__qualname__ + repr(dict(mode=self.mode, patience=self.patience))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._plugin is not None and not self._plugin.can_fallback:
+            # FSDP2 fixed the compute dtype of each unit at fully_shard (*-true modes, FP8 layers): say so once and
+            # stay out of the way rather than fail the run at its first decision.
+            rank_zero_warn(f"PrecisionFallback does nothing in this run: {self._plugin!r} cannot widen its precision"
+                           " after fully_shard (FSDP2 with a '*-true' precision or FP8 layers); use a '*-mixed'"
+                           " precision for fallbacks under FSDP2.")
+            self._plugin = None
+            return
         if self._plugin is not None:
             self._steps.reset(self._plugin)
         self._nonfinite.current = None  # the previous step's flag stays: it may come from a checkpoint
