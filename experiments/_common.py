@@ -88,7 +88,7 @@ class Recorder(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.probe_step and self.peak_bytes is None:
             self._probe = MemoryProbe()
-            self._probe.start(pl_module, trainer.optimizers)
+            self._probe.start(pl_module, trainer.optimizers, getattr(trainer.precision_plugin, "state_tensors", list)())
         self._t0, self._cpu0 = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -26,10 +26,17 @@ from _common import (  # noqa: E402
     RESULTS, command_line, compose, fit, markdown_table, pyplot, quiet, smooth, tail_mean, write_result,
 )
 
+_ADAMW8BIT = ("+model.optimizer._target_=torchao.optim.AdamW8bit", "+model.optimizer._partial_=true")
 RUNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("32-true", ("experiment=bf16_small_lr", "precision=fp32")),
     ("bf16-true, FP32 masters", ("experiment=bf16_small_lr", "plugin.master_weights=true")),
     ("bf16-true, no masters", ("experiment=bf16_small_lr", "plugin.master_weights=false")),
+    ("bf16-true, kahan", ("experiment=bf16_small_lr", "plugin.master_weights=kahan")),
+    ("bf16-true, stochastic", ("experiment=bf16_small_lr", "plugin.master_weights=stochastic")),
+    ("32-true, AdamW8bit", ("experiment=bf16_small_lr", "precision=fp32", *_ADAMW8BIT)),
+    ("bf16-true, kahan, AdamW8bit", ("experiment=bf16_small_lr", "plugin.master_weights=kahan", *_ADAMW8BIT)),
+    ("bf16-true, stochastic, AdamW8bit", ("experiment=bf16_small_lr", "plugin.master_weights=stochastic",
+                                          *_ADAMW8BIT)),
 )
 
 
@@ -91,12 +98,17 @@ def main(argv: list[str] | None = None) -> None:
         })
         print(f"{label}: val loss {run.val_loss:.4f}, {run.seconds:.0f} s", flush=True)
 
+    def reference(r: dict) -> dict:  # the FP32 run with the same optimizer
+        eight = any("AdamW8bit" in o for o in r["overrides"])
+        return next(x for x in results if "precision=fp32" in x["overrides"]
+                    and any("AdamW8bit" in o for o in x["overrides"]) == eight)
+
     base = results[0]
-    header = ["run", "final train loss (last 20)", "val loss", "val loss vs FP32", "val acc",
+    header = ["run", "final train loss (last 20)", "val loss", "val loss vs FP32 (same optimizer)", "val acc",
               "optimizer's weights changed per step", "model weights moved from init", "peak tensor MiB",
               "median ms/step"]
     rows = [[r["run"], f"{r['final_train_loss']:.4f}", f"{r['val_loss']:.4f}",
-             f"{(r['val_loss'] - base['val_loss']) / base['val_loss']:+.2%}", f"{r['val_acc']:.2%}",
+             f"{(r['val_loss'] - reference(r)['val_loss']) / reference(r)['val_loss']:+.2%}", f"{r['val_acc']:.2%}",
              f"{r['updated_per_step']:.1%}", f"{r['moved_from_init']:.1%}", f"{r['peak_mib']:.1f}",
              f"{r['step_ms']:.0f}"] for r in results]
     text = markdown_table(header, rows)

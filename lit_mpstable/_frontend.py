@@ -236,6 +236,11 @@ class StableFrontEnd:
         event counters (steps, overflows, skips; the scaler's too) keep their live values."""
         self.stepper.load_state_dict(state, keep_counters=True)
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Resident tensors of the precision itself (compensation buffers) that neither the model nor the optimizers
+        hold; give them to ``lit_mpstable.memory.MemoryProbe.start(..., extra=...)``."""
+        return self.stepper.state_tensors()
+
     def memory_report(self) -> dict[str, int]:
         """Bytes of training state by kind: ``weights``, ``masters`` (FP32 masters), ``gradients``,
         ``optimizer_state`` (quantized states by their inner tensors), ``compensation`` (``master_weights="kahan"``),

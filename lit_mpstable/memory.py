@@ -95,12 +95,16 @@ class MemoryProbe:
         self.peak_bytes: int | None = None
         self._prof: torch.profiler.profile | None = None
 
-    def start(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def start(
+        self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], extra: Iterable[torch.Tensor] = ()
+    ) -> None:
+        """Profile from here; ``extra``: resident tensors neither the module nor the optimizers hold (a precision
+        plugin's compensation buffers: ``plugin.state_tensors()``)."""
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         for param in module.parameters():
             param.grad = None  # with FP32 masters the optimizers do not reach the 16-bit grads
-        self.resident = resident_bytes(module, optimizers)
+        self.resident = training_memory(module, optimizers, extra={"extra": extra})["total"]
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         with _quiet_fd2():
             self._prof.__enter__()

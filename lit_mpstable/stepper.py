@@ -559,6 +559,11 @@ class PrecisionStepper:
         self.overflow_count += int(overflow)
         self._input_nonfinite = None
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Resident tensors of the precision itself that neither the model nor the optimizers hold (compensation
+        buffers), for memory accounting."""
+        return [c for _, _, c in self.compact.named_buffers() if c is not None] if self.compact is not None else []
+
     def memory_report(self) -> dict[str, int]:
         """Bytes of training state by kind (``lit_mpstable.memory.training_memory``): ``weights``, ``masters`` (FP32
         masters), ``gradients``, ``optimizer_state``, ``compensation`` (``"kahan"``), ``total``. Reads no device data.
@@ -569,8 +574,7 @@ class PrecisionStepper:
         module = self.layout.module
         if module is None or not self.optimizers:
             raise RuntimeError(f"{self.owner}.memory_report(): available once training has set up model and optimizers.")
-        compensation = [c for _, _, c in self.compact.named_buffers() if c is not None] if self.compact else []
-        return training_memory(module, self.optimizers, extra={"compensation": compensation})
+        return training_memory(module, self.optimizers, extra={"compensation": self.state_tensors()})
 
     # ----------------------------------------------------------------------------------- telemetry, blame
     def named_grads(self) -> list[tuple[str, Any]]:

@@ -71,7 +71,7 @@ class _StepRecorder(pl.Callback):
             torch.cuda.reset_peak_memory_stats(pl_module.device)
         else:
             self._probe = MemoryProbe()
-            self._probe.start(pl_module, trainer.optimizers)
+            self._probe.start(pl_module, trainer.optimizers, getattr(self.live, "state_tensors", list)())
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.started = time.perf_counter()
