@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
         "*optimizer's weights changed per step*: fraction of the elements the optimizer updates (FP32 masters when\n"
         "kept, else the BF16 weights) that an applied step changed, every 10th step, averaged; *model weights moved\n"
         "from init*: fraction of the model's own weights that differ from their initial value at the end. Peak\n"
-        "tensor memory of one step (`lit_mpstable.memory.MemoryProbe`): the masters' cost. ms/step is wall time on\n"
-        "a shared machine."
+        "tensor memory of one step (`lit_mpstable.memory.MemoryProbe`, compensation buffers included). kahan and\n"
+        "stochastic keep 16-bit weights (and 16-bit optimizer state), updated through FP32 views; AdamW8bit is\n"
+        "torchao's, compared with FP32 + AdamW8bit. ms/step is wall time on a shared machine."
     )
     write_result("bf16_masters", title="BF16 without master weights vs with, against FP32", intro=intro, tables=text,
                  command=command_line("bf16_masters.py", argv), data={"runs": results}, out_dir=args.out)

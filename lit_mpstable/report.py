@@ -224,6 +224,9 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
     lines += ["## Checks", ""] + [f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in checks] + [""]
     for event in summary.get("events") or []:
         lines.append(f"- step {event.get('step')}: {event.get('what')}")
+    if memory := {k: v for k, v in (summary.get("memory_mib") or {}).items() if v}:
+        lines += ["", "## Memory at the measured step (MiB)", "", "| kind | MiB |", "| --- | ---: |"]
+        lines += [f"| {kind.replace('_', ' ')} | {mib:.2f} |" for kind, mib in memory.items()] + [""]
     if no_figures:
         lines += [no_figures, ""]
     for title, name in figures:

@@ -25,7 +25,7 @@ from lit_mpstable.callbacks import PrecisionProbe
 from lit_mpstable.callbacks._common import view_of
 from lit_mpstable.callbacks._view import ForeignPrecision
 from lit_mpstable.config import register_configs
-from lit_mpstable.memory import MemoryProbe
+from lit_mpstable.memory import MemoryProbe, training_memory
 from lit_mpstable.report import write_report
 from lit_mpstable.showcase import compare, print_comparison
 
@@ -46,6 +46,8 @@ class _StepRecorder(pl.Callback):
         self.step_seconds: list[float] = []
         self._batch_started = 0.0
         self.peak_bytes: int | None = None
+        self.resident_bytes: int | None = None
+        self.memory: dict[str, int] = {}
         self._probe: MemoryProbe | None = None
         self.live: Any = None
         self._skipped_before = 0
@@ -86,7 +88,9 @@ class _StepRecorder(pl.Callback):
         self.train_loss.append(float(loss))
         if self._probe is not None:
             self._probe.stop()
-            self.peak_bytes, self._probe = self._probe.peak_bytes, None
+            self.peak_bytes, self.resident_bytes, self._probe = self._probe.peak_bytes, self._probe.resident, None
+            report = getattr(self.live, "memory_report", None)  # Lightning's own plugins have none: count it here
+            self.memory = report() if callable(report) else training_memory(pl_module, trainer.optimizers)
         elif trainer.global_step == self._PROBE_STEP + 1 and pl_module.device.type == "cuda":
             self.peak_bytes = torch.cuda.max_memory_allocated(pl_module.device)
 
@@ -190,6 +194,11 @@ def run(
         "steps_per_s": 1.0 / statistics.median(recorder.step_seconds) if recorder.step_seconds else None,
         "wall_s": recorder.stopped - recorder.started,
         "peak_memory_mib": recorder.peak_bytes / 2**20 if recorder.peak_bytes is not None else None,
+        # Resident training state by kind at the probed step, and what the step allocated on top (activations,
+        # gradients being made, the optimizer's temporaries): the peak is their sum.
+        "memory_mib": {**{k: v / 2**20 for k, v in recorder.memory.items() if k != "total"},
+                       **({"step_peak_on_top": (recorder.peak_bytes - recorder.resident_bytes) / 2**20}
+                          if recorder.peak_bytes is not None and recorder.resident_bytes is not None else {})},
         "final_train_loss": recorder.train_loss[-1] if recorder.train_loss else None,
         "val_loss": metrics.get("val/loss"),
         "val_acc": metrics.get("val/acc"),
