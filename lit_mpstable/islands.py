@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -65,49 +65,94 @@ def _to_fp32(value: Any) -> Any:
 
 
 class FP32Islands:
-    """Forward hooks that turn autocast off inside the matched modules and cast their inputs to FP32.
+    """Matched modules run their forward with autocast off and their inputs cast to FP32.
 
-    ``attach`` may be called again (a second ``fit``): earlier hooks are removed first.
+    The module's ``forward`` is wrapped (an instance attribute over the class's), not hooked: autocast is turned
+    off by a ``with`` block inside the call, which ``torch.compile`` traces into the graph like any other code.
+    (Entering autocast in a forward pre-hook and leaving it in a forward hook cannot be traced.) Each module keeps
+    one wrapper per setting, re-installed as the same object by every later :meth:`attach`, so a compiled model's
+    guards on it still hold after a fallback, a restore, a rollback or a second ``fit``.
+
+    ``attach`` may be called again (a second ``fit``): earlier wrappers are removed first.
     """
 
     def __init__(self, specs: Iterable[type[nn.Module] | str] = ()) -> None:
         self.specs = _checked(specs)
-        self.device_type = "cpu"
+        self._device_type = "cpu"
         self.output_dtype: torch.dtype | None = None
         self.names: list[str] = []
-        self._handles: list[Any] = []
-        self._contexts: list[torch.autocast] = []
+        self._modules: list[nn.Module] = []
+
+    @property
+    def device_type(self) -> str:
+        """The device whose autocast the islands turn off (set again when the run's device is known)."""
+        return self._device_type
+
+    @device_type.setter
+    def device_type(self, device_type: str) -> None:
+        self._device_type = device_type
+        for module in self._modules:
+            _install(module, device_type, self.output_dtype)
 
     def attach(self, root: nn.Module, *, device_type: str, output_dtype: torch.dtype | None) -> None:
-        """Hook the matched modules of ``root``; ``output_dtype`` casts their outputs back (``*-true`` modes)."""
+        """Wrap the matched modules of ``root``; ``output_dtype`` casts their outputs back (``*-true`` modes)."""
         self.detach()
-        self.device_type, self.output_dtype = device_type, output_dtype
+        self._device_type, self.output_dtype = device_type, output_dtype
         if not self.specs:
             return
         for name, module in match_modules(root, self.specs).items():
             module.float()
-            self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+            _install(module, device_type, output_dtype)
+            self._modules.append(module)
             self.names.append(name)
 
     def add(self, root: nn.Module, names: Iterable[str]) -> None:
-        """Make more modules of ``root`` islands (used by fallback); already-hooked names are ignored."""
+        """Make more modules of ``root`` islands (used by fallback); already-wrapped names are ignored."""
         self.specs.extend(name for name in names if name not in self.names)
         self.attach(root, device_type=self.device_type, output_dtype=self.output_dtype)
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        for module in self._modules:
+            _uninstall(module)
+        self._modules.clear()
         self.names.clear()
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        context = torch.autocast(self.device_type, enabled=False)
-        context.__enter__()
-        self._contexts.append(context)
-        return _to_fp32(args), _to_fp32(kwargs)
 
-    def _exit(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        # always_call=True: runs even when forward raised, so autocast is never left switched off.
-        self._contexts.pop().__exit__(None, None, None)
-        return output if self.output_dtype is None else _to_dtype(output, self.output_dtype)
+# On an island module: the forward it had before (a user's own instance attribute, or None for the class's) and
+# its wrappers by (device_type, output_dtype).
+_STATE = "_lit_mpstable_fp32_island"
+
+
+def _install(module: nn.Module, device_type: str, output_dtype: torch.dtype | None) -> None:
+    state = module.__dict__.get(_STATE)
+    current = module.__dict__.get("forward")
+    if state is None or (current is not None and current not in state["wrappers"].values()):
+        # First time, or the user set their own forward since: wrap whatever forward the module has now.
+        state = module.__dict__[_STATE] = {"inner": current, "wrappers": {}}
+    key = (device_type, output_dtype)
+    if key not in state["wrappers"]:
+        state["wrappers"][key] = _island_forward(module, state["inner"], device_type, output_dtype)
+    module.__dict__["forward"] = state["wrappers"][key]
+
+
+def _uninstall(module: nn.Module) -> None:
+    state = module.__dict__.get(_STATE)
+    if state is None or module.__dict__.get("forward") not in state["wrappers"].values():
+        return  # not ours (any more): leave it
+    if state["inner"] is None:
+        del module.__dict__["forward"]
+    else:
+        module.__dict__["forward"] = state["inner"]
+
+
+def _island_forward(
+    module: nn.Module, inner: Callable[..., Any] | None, device_type: str, output_dtype: torch.dtype | None
+) -> Callable[..., Any]:
+    forward = inner if inner is not None else type(module).forward.__get__(module)
+
+    def island_forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, enabled=False):
+            output = forward(*_to_fp32(args), **_to_fp32(kwargs))
+        return output if output_dtype is None else _to_dtype(output, output_dtype)
+
+    return island_forward
