@@ -69,9 +69,9 @@ class FP32Islands:
 
     The module's ``forward`` is wrapped (an instance attribute over the class's), not hooked: autocast is turned
     off by a ``with`` block inside the call, which ``torch.compile`` traces into the graph like any other code.
-    (Entering autocast in a forward pre-hook and leaving it in a forward hook cannot be traced.) Each module keeps
-    one wrapper per setting, re-installed as the same object by every later :meth:`attach`, so a compiled model's
-    guards on it still hold after a fallback, a restore, a rollback or a second ``fit``.
+    (Entering autocast in a forward pre-hook and leaving it in a forward hook cannot be traced.) Its code is the same
+    for every module and setting, so re-attaching after a rollback or a restore meets the compiled graph's guards:
+    only a new layout recompiles.
 
     ``attach`` may be called again (a second ``fit``): earlier wrappers are removed first.
     """
@@ -118,31 +118,20 @@ class FP32Islands:
         self.names.clear()
 
 
-# On an island module: the forward it had before (a user's own instance attribute, or None for the class's) and
-# its wrappers by (device_type, output_dtype).
-_STATE = "_lit_mpstable_fp32_island"
-
-
 def _install(module: nn.Module, device_type: str, output_dtype: torch.dtype | None) -> None:
-    state = module.__dict__.get(_STATE)
     current = module.__dict__.get("forward")
-    if state is None or (current is not None and current not in state["wrappers"].values()):
-        # First time, or the user set their own forward since: wrap whatever forward the module has now.
-        state = module.__dict__[_STATE] = {"inner": current, "wrappers": {}}
-    key = (device_type, output_dtype)
-    if key not in state["wrappers"]:
-        state["wrappers"][key] = _island_forward(module, state["inner"], device_type, output_dtype)
-    module.__dict__["forward"] = state["wrappers"][key]
+    inner = getattr(current, "island_inner", current)  # wrapped again (a new setting): wrap what was there first
+    module.__dict__["forward"] = _island_forward(module, inner, device_type, output_dtype)
 
 
 def _uninstall(module: nn.Module) -> None:
-    state = module.__dict__.get(_STATE)
-    if state is None or module.__dict__.get("forward") not in state["wrappers"].values():
+    current = module.__dict__.get("forward")
+    if not hasattr(current, "island_inner"):
         return  # not ours (any more): leave it
-    if state["inner"] is None:
-        del module.__dict__["forward"]
+    if current.island_inner is None:
+        del module.__dict__["forward"]  # the class's forward again
     else:
-        module.__dict__["forward"] = state["inner"]
+        module.__dict__["forward"] = current.island_inner  # the user's own instance forward
 
 
 def _island_forward(
@@ -155,4 +144,5 @@ def _island_forward(
             output = forward(*_to_fp32(args), **_to_fp32(kwargs))
         return output if output_dtype is None else _to_dtype(output, output_dtype)
 
+    island_forward.island_inner = inner  # type: ignore[attr-defined]  # what detach puts back (None: the class's)
     return island_forward
