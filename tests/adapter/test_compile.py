@@ -9,6 +9,7 @@ inductor itself. A graph break or a recompilation shows as one more graph than t
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import warnings
 from contextlib import contextmanager
@@ -34,6 +35,9 @@ from lit_mpstable.stepper import PrecisionStepper
 pytestmark = pytest.mark.slow
 
 STEPS = 5
+# Compact 16-bit masters ("kahan", "stochastic") and the Fabric front end: tested where this version has them.
+COMPACT = importlib.util.find_spec("lit_mpstable.compact") is not None
+needs_compact = pytest.mark.skipif(not COMPACT, reason="master_weights='kahan'/'stochastic' not in this version")
 
 
 class Net(nn.Module):
@@ -135,6 +139,8 @@ FEATURES = {
     "16-true+masters": (dict(precision="16-true"), "fp16"),
     "bf16-true+masters": (dict(precision="bf16-true"), "bf16"),
     "bf16-true-no-masters": (dict(precision="bf16-true", master_weights=False), "bf16"),
+    "bf16-true+kahan": (dict(precision="bf16-true", master_weights="kahan"), "bf16"),
+    "bf16-true+stochastic": (dict(precision="bf16-true", master_weights="stochastic"), "bf16"),
     "islands-by-type": (dict(precision="bf16-mixed", fp32_modules=[nn.LayerNorm]), "bf16"),
     "islands-by-name-true": (dict(precision="bf16-true", fp32_modules=["head", "ln"]), "bf16"),
     "op_policy-auto": (dict(precision="bf16-mixed", op_policy="auto"), "bf16"),
@@ -146,7 +152,9 @@ FEATURES = {
 }
 
 
-@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize(
+    "feature", [pytest.param(f, marks=needs_compact) if f.endswith(("kahan", "stochastic")) else f for f in FEATURES]
+)
 def test_feature_compiles_without_extra_graphs_and_matches_eager(feature: str, baseline: Run, monkeypatch) -> None:
     kwargs, fmt = FEATURES[feature]
     monkeypatch.setattr(policy_module, "measure_calls", measure_attention_fp32)
@@ -371,3 +379,36 @@ def test_lightning_op_policy_auto_logs_its_decision_once_on_a_compiled_module(mo
     assert (graphs, breaks) == (baseline_graphs, baseline_breaks)  # recorded eagerly, compiled once, decided
     lines = [r.getMessage() for r in caplog.records if "op_policy" in r.getMessage()]
     assert len(lines) == 1 and "attention=fp32" in lines[0]
+
+
+# --------------------------------------------------------------------------------------------------------- Fabric
+def test_fabric_setup_of_a_compiled_model_adds_no_graph_and_matches_eager() -> None:
+    fabric_module = pytest.importorskip("lit_mpstable.fabric")
+    from lightning.fabric import Fabric
+
+    def run(plugin, compiled: bool) -> tuple[int, int, list[float]]:
+        with counting() as backend, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            fabric = Fabric(accelerator="cpu", devices=1, **({"plugins": [plugin]} if plugin else
+                                                             {"precision": "bf16-mixed"}))
+            model = Net()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            model, optimizer = fabric.setup(torch.compile(model, backend=backend) if compiled else model, optimizer)
+            losses = []
+            for x, y in batches():
+                loss = F.mse_loss(model(x).float(), y)
+                fabric.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+            return backend.frame_count, sum(counters["graph_break"].values()), losses
+
+    def plugin():
+        return fabric_module.StablePrecision("bf16-mixed", fp32_modules=[nn.LayerNorm], fp8="delayed")
+
+    graphs, breaks, _ = run(None, compiled=True)
+    ours, our_breaks, losses = run(plugin(), compiled=True)
+    _, _, eager = run(plugin(), compiled=False)
+    assert (ours, our_breaks) == (graphs, breaks) and breaks == 0
+    torch.testing.assert_close(losses, eager, rtol=TOL["bf16"], atol=TOL["bf16"])
