@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable
+import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["FP32Islands", "match_modules"]
+__all__ = ["FP32Islands", "island_forward", "match_modules"]
 
 
 def match_modules(root: nn.Module, specs: Iterable[type[nn.Module] | str]) -> dict[str, nn.Module]:
@@ -67,42 +68,34 @@ def _to_fp32(value: Any) -> Any:
 class FP32Islands:
     """Matched modules run their forward with autocast off and their inputs cast to FP32.
 
-    The module's ``forward`` is wrapped (an instance attribute over the class's), not hooked: autocast is turned
-    off by a ``with`` block inside the call, which ``torch.compile`` traces into the graph like any other code.
-    (Entering autocast in a forward pre-hook and leaving it in a forward hook cannot be traced.) Its code is the same
-    for every module and setting, so re-attaching after a rollback or a restore meets the compiled graph's guards:
-    only a new layout recompiles.
+    The module's ``forward`` is wrapped (an instance attribute over the class's: :func:`island_forward` bound to the
+    module), not hooked: autocast is turned off by a ``with`` block inside the call, which ``torch.compile`` traces
+    into the graph like any other code. (Entering autocast in a forward pre-hook and leaving it in a forward hook
+    cannot be traced.) The wrapper is the same function for every module, reading :attr:`device_type` and
+    :attr:`output_dtype` from this object when called: re-attaching (a rollback, a restore) meets a compiled graph's
+    guards, and ``copy.deepcopy`` of the model gives islands on the copy, run by a copy of this object.
 
     ``attach`` may be called again (a second ``fit``): earlier wrappers are removed first.
     """
 
     def __init__(self, specs: Iterable[type[nn.Module] | str] = ()) -> None:
         self.specs = _checked(specs)
-        self._device_type = "cpu"
+        self.device_type = "cpu"
+        """The device whose autocast the islands turn off (set again when the run's device is known)."""
         self.output_dtype: torch.dtype | None = None
         self.names: list[str] = []
         self._modules: list[nn.Module] = []
 
-    @property
-    def device_type(self) -> str:
-        """The device whose autocast the islands turn off (set again when the run's device is known)."""
-        return self._device_type
-
-    @device_type.setter
-    def device_type(self, device_type: str) -> None:
-        self._device_type = device_type
-        for module in self._modules:
-            _install(module, device_type, self.output_dtype)
-
     def attach(self, root: nn.Module, *, device_type: str, output_dtype: torch.dtype | None) -> None:
         """Wrap the matched modules of ``root``; ``output_dtype`` casts their outputs back (``*-true`` modes)."""
         self.detach()
-        self._device_type, self.output_dtype = device_type, output_dtype
+        self.device_type, self.output_dtype = device_type, output_dtype
         if not self.specs:
             return
         for name, module in match_modules(root, self.specs).items():
             module.float()
-            _install(module, device_type, output_dtype)
+            module.__dict__[_ISLAND] = (self, module.__dict__.get("forward"))  # a user's own forward is kept
+            module.__dict__["forward"] = types.MethodType(island_forward, module)
             self._modules.append(module)
             self.names.append(name)
 
@@ -113,36 +106,23 @@ class FP32Islands:
 
     def detach(self) -> None:
         for module in self._modules:
-            _uninstall(module)
+            _, inner = module.__dict__.pop(_ISLAND, (None, None))
+            if inner is None:
+                module.__dict__.pop("forward", None)  # the class's forward again
+            else:
+                module.__dict__["forward"] = inner  # the user's own instance forward
         self._modules.clear()
         self.names.clear()
 
 
-def _install(module: nn.Module, device_type: str, output_dtype: torch.dtype | None) -> None:
-    current = module.__dict__.get("forward")
-    inner = getattr(current, "island_inner", current)  # wrapped again (a new setting): wrap what was there first
-    module.__dict__["forward"] = _island_forward(module, inner, device_type, output_dtype)
+_ISLAND = "_fp32_island"  # on an island module: (its FP32Islands, the instance forward it had or None)
 
 
-def _uninstall(module: nn.Module) -> None:
-    current = module.__dict__.get("forward")
-    if not hasattr(current, "island_inner"):
-        return  # not ours (any more): leave it
-    if current.island_inner is None:
-        del module.__dict__["forward"]  # the class's forward again
-    else:
-        module.__dict__["forward"] = current.island_inner  # the user's own instance forward
-
-
-def _island_forward(
-    module: nn.Module, inner: Callable[..., Any] | None, device_type: str, output_dtype: torch.dtype | None
-) -> Callable[..., Any]:
+def island_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """An island's ``forward``: autocast off, floating inputs in FP32, the output cast to the islands' ``output_dtype``
+    when set; then the module's own forward (the class's, or the instance one it had)."""
+    islands, inner = module.__dict__[_ISLAND]
     forward = inner if inner is not None else type(module).forward.__get__(module)
-
-    def island_forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type, enabled=False):
-            output = forward(*_to_fp32(args), **_to_fp32(kwargs))
-        return output if output_dtype is None else _to_dtype(output, output_dtype)
-
-    island_forward.island_inner = inner  # type: ignore[attr-defined]  # what detach puts back (None: the class's)
-    return island_forward
+    with torch.autocast(islands.device_type, enabled=False):
+        output = forward(*_to_fp32(args), **_to_fp32(kwargs))
+    return output if islands.output_dtype is None else _to_dtype(output, islands.output_dtype)

@@ -45,3 +45,22 @@ def test_wrapping_the_forward_keeps_a_users_own_forward_and_never_wraps_twice() 
     assert out.dtype == torch.bfloat16 and torch.equal(out, (3.0 * first.float()).bfloat16())  # own forward kept
     islands.detach()
     assert root[1].forward is own and "forward" not in root[0].__dict__
+
+
+def test_a_deep_copy_of_the_model_has_its_own_islands() -> None:
+    # copy.deepcopy (PrecisionProbe's FP32 replay, snapshots) must give a copy whose islands run the copy's weights
+    # and follow a copy of the islands object, not the original's.
+    import copy
+
+    root = nn.Sequential(nn.Linear(4, 4))
+    islands = FP32Islands([nn.Linear])
+    islands.attach(root, device_type="cpu", output_dtype=torch.bfloat16)
+    memo: dict = {}
+    twin = copy.deepcopy(root, memo)
+    with torch.no_grad():
+        twin[0].weight.mul_(2.0)
+    memo[id(islands)].output_dtype = None  # the copy's islands: FP32 outputs now, the original's unchanged
+    x = torch.ones(1, 4)
+    assert root(x).dtype == torch.bfloat16 and twin(x).dtype == torch.float32
+    expected = nn.functional.linear(x, twin[0].weight, twin[0].bias)
+    assert torch.equal(twin(x), expected) and not torch.equal(root(x).float(), expected)
