@@ -69,8 +69,8 @@ class FP32Islands:
     """Matched modules run their forward with autocast off and their inputs cast to FP32.
 
     The module's ``forward`` is wrapped (an instance attribute over the class's: :func:`island_forward` bound to the
-    module), not hooked: autocast is turned off by a ``with`` block inside the call, which ``torch.compile`` traces
-    into the graph like any other code. (Entering autocast in a forward pre-hook and leaving it in a forward hook
+    module), and its inputs cast by a forward pre-hook: autocast is turned off by a ``with`` block inside the call,
+    which ``torch.compile`` traces into the graph like any other code. (Entering autocast in a forward pre-hook and leaving it in a forward hook
     cannot be traced.) The wrapper is the same function for every module, reading :attr:`device_type` and
     :attr:`output_dtype` from this object when called: re-attaching (a rollback, a restore) meets a compiled graph's
     guards, and ``copy.deepcopy`` of the model gives islands on the copy, run by a copy of this object.
@@ -85,6 +85,7 @@ class FP32Islands:
         self.output_dtype: torch.dtype | None = None
         self.names: list[str] = []
         self._modules: list[nn.Module] = []
+        self._handles: list[Any] = []
 
     def attach(self, root: nn.Module, *, device_type: str, output_dtype: torch.dtype | None) -> None:
         """Wrap the matched modules of ``root``; ``output_dtype`` casts their outputs back (``*-true`` modes)."""
@@ -94,6 +95,8 @@ class FP32Islands:
             return
         for name, module in match_modules(root, self.specs).items():
             module.float()
+            # Inputs cast in a pre-hook, so the module's own hooks see them as its forward does.
+            self._handles.append(module.register_forward_pre_hook(_inputs_to_fp32, with_kwargs=True))
             module.__dict__[_ISLAND] = (self, module.__dict__.get("forward"))  # a user's own forward is kept
             module.__dict__["forward"] = types.MethodType(island_forward, module)
             self._modules.append(module)
@@ -105,6 +108,9 @@ class FP32Islands:
         self.attach(root, device_type=self.device_type, output_dtype=self.output_dtype)
 
     def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         for module in self._modules:
             _, inner = module.__dict__.pop(_ISLAND, (None, None))
             if inner is None:
@@ -118,9 +124,14 @@ class FP32Islands:
 _ISLAND = "_fp32_island"  # on an island module: (its FP32Islands, the instance forward it had or None)
 
 
+def _inputs_to_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return _to_fp32(args), _to_fp32(kwargs)
+
+
 def island_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """An island's ``forward``: autocast off, floating inputs in FP32, the output cast to the islands' ``output_dtype``
-    when set; then the module's own forward (the class's, or the instance one it had)."""
+    """An island's ``forward``: autocast off around the module's own forward (the class's, or the instance one it
+    had), floating inputs in FP32 (the pre-hook cast them already, unless ``forward`` is called directly), the output
+    cast to the islands' ``output_dtype`` when set."""
     islands, inner = module.__dict__[_ISLAND]
     forward = inner if inner is not None else type(module).forward.__get__(module)
     with torch.autocast(islands.device_type, enabled=False):
