@@ -177,8 +177,9 @@ class OpPolicy:
         else:
             peak = float(recording.activation_bytes + 4 * recording.parameter_bytes)
         self.step_cost = StepCost((clock(device_type) - recording.started) * 1e3, peak)
-        # Measure in no more memory than the step held beyond its resident state: activations, then gradients.
-        memory = max(recording.activation_bytes + recording.parameter_bytes, 1 << 20)
+        # Measure in no more memory than the step held beyond its resident state (activations, then gradients), by
+        # estimate; half of it, for what the estimate cannot see (kernel workspaces, the allocator's rounding).
+        memory = max((recording.activation_bytes + recording.parameter_bytes) / 2, 1 << 20)
         auto = [family for family, choice in self.choices.items() if choice == "auto"]
         seen = {f: [c for c in recording.calls.values() if c.family == f] for f in auto}
         decide = [f for f in auto if seen[f] and f not in _AUTOCAST_FP32.get(device_type, ())]
