@@ -20,7 +20,9 @@ whose package is not installed, or that cannot run a recipe here (MXFP8 needs Bl
 4. ``model``: a GPT-style decoder (pre-LN, d=2048, 4 layers) training step under BF16 autocast, for each run.
 
 Runs: ``bf16``; ``<recipe>`` or ``native:<recipe>`` (recipes: delayed, current, mxfp8; native mxfp8 is emulated:
-slow by design); ``torchao:<recipe>`` (current, mxfp8); ``te:<recipe>`` (delayed, current, mxfp8).
+slow by design); ``torchao:<recipe>`` (current, mxfp8); ``te:<recipe>`` (delayed, current, mxfp8). Any run with
+``+compile`` appended (``bf16+compile``, ``delayed+compile``) is the same model under ``torch.compile`` (inductor,
+default options; the FP8 layers swapped in first, as StablePrecision does), timed after its compilation.
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ def bench_model(runs: list[str], args: argparse.Namespace) -> list[dict]:
             rows.append({"run": run, "skipped": str(err)})
             continue
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        model = _compiled(model, run)
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16), fp8_context():
@@ -190,18 +193,29 @@ def bench_model(runs: list[str], args: argparse.Namespace) -> list[dict]:
 _BACKENDS = {"native": "native", "torchao": "torchao", "te": "transformer_engine"}
 
 
+_COMPILE = "+compile"
+
+
 def run_name(text: str) -> str:
-    """``--runs`` entries: ``bf16``, ``<recipe>``, ``native:<recipe>``, ``torchao:<recipe>`` or ``te:<recipe>``."""
-    backend, _, recipe = text.rpartition(":")
-    if text != "bf16" and (backend not in ("", *_BACKENDS) or recipe not in get_args(FP8Recipe)):
+    """``--runs`` entries: ``bf16``, ``<recipe>``, ``native:<recipe>``, ``torchao:<recipe>`` or ``te:<recipe>``, each
+    optionally followed by ``+compile``."""
+    base = text.removesuffix(_COMPILE)
+    backend, _, recipe = base.rpartition(":")
+    if base != "bf16" and (backend not in ("", *_BACKENDS) or recipe not in get_args(FP8Recipe)):
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected 'bf16', a recipe {list(get_args(FP8Recipe))} or '<backend>:<recipe>' with a backend"
-            f" of {list(_BACKENDS)}"
+            f" of {list(_BACKENDS)}, optionally followed by {_COMPILE!r}"
         )
     return text
 
 
+def _compiled(model: nn.Module, run: str) -> nn.Module:
+    """``torch.compile(model)`` for a ``+compile`` run (after the FP8 swap), else ``model``."""
+    return torch.compile(model) if run.endswith(_COMPILE) else model
+
+
 def _config(run: str) -> FP8Config | None:
+    run = run.removesuffix(_COMPILE)
     if run == "bf16":
         return None
     backend, _, recipe = run.rpartition(":")
@@ -248,6 +262,7 @@ def bench_linear(sizes: list[int], runs: list[str], min_seconds: float) -> list[
                     backend = fp8_backend(config)
                     backend.convert_(model, ["layer"])  # by name: the default rule skips a model's only layer
                     context = backend.forward_context
+                model = _compiled(model, run)
 
                 def step():
                     with torch.autocast("cuda", dtype=torch.bfloat16), context():
@@ -266,7 +281,7 @@ def bench_linear(sizes: list[int], runs: list[str], min_seconds: float) -> list[
 
 # ----------------------------------------------------------------------------------------------------- main
 RUNS = ["bf16", "delayed", "current", "mxfp8", "torchao:current", "torchao:mxfp8", "te:delayed", "te:current",
-        "te:mxfp8"]  # fmt: skip
+        "te:mxfp8", "bf16+compile", "delayed+compile", "current+compile", "torchao:current+compile"]  # fmt: skip
 PARTS = ["gemm", "linear", "check", "model"]
 
 

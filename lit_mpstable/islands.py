@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import fnmatch
+import types
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["FP32Islands", "match_modules"]
+__all__ = ["FP32Islands", "island_forward", "match_modules"]
 
 
 def match_modules(root: nn.Module, specs: Iterable[type[nn.Module] | str]) -> dict[str, nn.Module]:
@@ -65,33 +66,44 @@ def _to_fp32(value: Any) -> Any:
 
 
 class FP32Islands:
-    """Forward hooks that turn autocast off inside the matched modules and cast their inputs to FP32.
+    """Matched modules run their forward with autocast off and their inputs cast to FP32.
 
-    ``attach`` may be called again (a second ``fit``): earlier hooks are removed first.
+    The module's ``forward`` is wrapped (an instance attribute over the class's: :func:`island_forward` bound to the
+    module), and its inputs cast by a forward pre-hook: autocast is turned off by a ``with`` block inside the call,
+    which ``torch.compile`` traces into the graph like any other code. (Entering autocast in a forward pre-hook and leaving it in a forward hook
+    cannot be traced.) The wrapper is the same function for every module, reading :attr:`device_type` and
+    :attr:`output_dtype` from this object when called: re-attaching (a rollback, a restore) meets a compiled graph's
+    guards, and ``copy.deepcopy`` of the model gives islands on the copy, run by a copy of this object.
+
+    ``attach`` may be called again (a second ``fit``): earlier wrappers are removed first.
     """
 
     def __init__(self, specs: Iterable[type[nn.Module] | str] = ()) -> None:
         self.specs = _checked(specs)
         self.device_type = "cpu"
+        """The device whose autocast the islands turn off (set again when the run's device is known)."""
         self.output_dtype: torch.dtype | None = None
         self.names: list[str] = []
+        self._modules: list[nn.Module] = []
         self._handles: list[Any] = []
-        self._contexts: list[torch.autocast] = []
 
     def attach(self, root: nn.Module, *, device_type: str, output_dtype: torch.dtype | None) -> None:
-        """Hook the matched modules of ``root``; ``output_dtype`` casts their outputs back (``*-true`` modes)."""
+        """Wrap the matched modules of ``root``; ``output_dtype`` casts their outputs back (``*-true`` modes)."""
         self.detach()
         self.device_type, self.output_dtype = device_type, output_dtype
         if not self.specs:
             return
         for name, module in match_modules(root, self.specs).items():
             module.float()
-            self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+            # Inputs cast in a pre-hook, so the module's own hooks see them as its forward does.
+            self._handles.append(module.register_forward_pre_hook(_inputs_to_fp32, with_kwargs=True))
+            module.__dict__[_ISLAND] = (self, module.__dict__.get("forward"))  # a user's own forward is kept
+            module.__dict__["forward"] = types.MethodType(island_forward, module)
+            self._modules.append(module)
             self.names.append(name)
 
     def add(self, root: nn.Module, names: Iterable[str]) -> None:
-        """Make more modules of ``root`` islands (used by fallback); already-hooked names are ignored."""
+        """Make more modules of ``root`` islands (used by fallback); already-wrapped names are ignored."""
         self.specs.extend(name for name in names if name not in self.names)
         self.attach(root, device_type=self.device_type, output_dtype=self.output_dtype)
 
@@ -99,15 +111,29 @@ class FP32Islands:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in self._modules:
+            _, inner = module.__dict__.pop(_ISLAND, (None, None))
+            if inner is None:
+                module.__dict__.pop("forward", None)  # the class's forward again
+            else:
+                module.__dict__["forward"] = inner  # the user's own instance forward
+        self._modules.clear()
         self.names.clear()
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        context = torch.autocast(self.device_type, enabled=False)
-        context.__enter__()
-        self._contexts.append(context)
-        return _to_fp32(args), _to_fp32(kwargs)
 
-    def _exit(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        # always_call=True: runs even when forward raised, so autocast is never left switched off.
-        self._contexts.pop().__exit__(None, None, None)
-        return output if self.output_dtype is None else _to_dtype(output, self.output_dtype)
+_ISLAND = "_fp32_island"  # on an island module: (its FP32Islands, the instance forward it had or None)
+
+
+def _inputs_to_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return _to_fp32(args), _to_fp32(kwargs)
+
+
+def island_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """An island's ``forward``: autocast off around the module's own forward (the class's, or the instance one it
+    had), floating inputs in FP32 (the pre-hook cast them already, unless ``forward`` is called directly), the output
+    cast to the islands' ``output_dtype`` when set."""
+    islands, inner = module.__dict__[_ISLAND]
+    forward = inner if inner is not None else type(module).forward.__get__(module)
+    with torch.autocast(islands.device_type, enabled=False):
+        output = forward(*_to_fp32(args), **_to_fp32(kwargs))
+    return output if islands.output_dtype is None else _to_dtype(output, islands.output_dtype)

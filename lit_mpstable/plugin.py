@@ -31,8 +31,10 @@ class StablePrecision(TrainerPrecision, Precision):
             ``nn.Linear`` layers run their three GEMMs in FP8 on top of the base precision.
         fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
         op_policy: ``"autocast"``: PyTorch's per-op lists; ``"auto"``: per op family (matmul, conv, attention,
-            norm, softmax) the faster of FP32 and the 16-bit dtype, measured on the model's shapes in the first
-            forward, FP32 only where it is also numerically no worse; or a mapping such as ``{"attention": "fp32"}``.
+            norm, softmax) the faster of FP32 and the 16-bit dtype, recorded in the first training forward and
+            measured on the model's shapes at the start of the second (within the memory a step holds), FP32 only
+            where it is also numerically no worse and lowers the step's time x memory; or a mapping such as
+            ``{"attention": "fp32"}``.
             ``"*-mixed"`` precisions only; ``fp32_modules`` always win.
         device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else the CPU (the run's device wins).
         telemetry_every_n_steps: gradient telemetry into :attr:`stats` on step 0 and every N-th optimizer step

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FAMILIES", "Measurement", "OpCall", "OpPolicy", "choose", "measure_calls"]
+from lit_mpstable.opcalls import (
+    Measurement,
+    OpCall,
+    SavedTensors,
+    clock,
+    leaves,
+    measure_calls,
+    plain_ptr,
+    run_in,
+    specs_of,
+)
+
+__all__ = ["FAMILIES", "Measurement", "OpCall", "OpPolicy", "StepCost", "choose", "measure_calls"]
 
 Family = Literal["matmul", "conv", "attention", "norm", "softmax"]
 
@@ -37,65 +48,59 @@ _FORMAT_IDS = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 @dataclass(frozen=True)
-class Measurement:
-    """Time per forward (forward + backward of the family's calls, weighted by how often each ran) and the worst
-    relative error against FP64, autocast's way and in FP32."""
+class StepCost:
+    """One training step of the model: its time and peak tensor memory, measured or estimated in the first step
+    (see :class:`OpPolicy`); what a family's saved time and added memory are weighed against."""
 
-    autocast_ms: float
-    fp32_ms: float
-    autocast_err: float
-    fp32_err: float
+    ms: float
+    peak_bytes: float
 
 
-def choose(m: Measurement, margin: float = 0.2) -> str:
-    """``"fp32"`` only when FP32 is faster by more than ``margin`` *and* numerically no worse; else ``"autocast"``.
+def choose(m: Measurement, margin: float = 0.2, step: StepCost | None = None) -> str:
+    """``"fp32"`` only when FP32 is faster by more than ``margin``, numerically no worse, and (given ``step``)
+    pays for the memory it adds with speed: the step's time x peak memory must not grow,
+    ``(step.ms - saved_ms) * (step.peak_bytes + extra_bytes) <= step.ms * step.peak_bytes``; else ``"autocast"``.
 
     The margin is a guess that covers timer noise on a shared CPU (a few percent) and what a per-op measurement
     cannot see: the casts between neighbouring ops. nn.MultiheadAttention measured ~10 % faster in FP32 yet made
-    the demo Transformer's step no faster; SDPA in lit_mpstable.zoo.GPT measures ~40 % faster, and is.
+    the demo Transformer's step no faster; SDPA in lit_mpstable.zoo.GPT measures ~40 % faster, and is. Time x memory
+    is the cost of a step on a machine whose memory bounds the batch: FP32 that is 10 % faster for 5 % more memory
+    lowers it; 3 % faster for 5 % more does not.
     """
     faster = m.fp32_ms < (1.0 - margin) * m.autocast_ms
-    return "fp32" if faster and m.fp32_err <= m.autocast_err else "autocast"
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """A tensor argument, remembered by shape and dtype only; ``slot`` numbers distinct tensors, so a call passing one
-    tensor twice (self-attention: query is key is value) is measured that way, on its fused path."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    slot: int
+    pays = step is None or m.fp32_extra_bytes <= 0 or (
+        (step.ms - (m.autocast_ms - m.fp32_ms)) * (step.peak_bytes + m.fp32_extra_bytes) <= step.ms * step.peak_bytes
+    )
+    return "fp32" if faster and pays and m.fp32_err <= m.autocast_err else "autocast"
 
 
 @dataclass
-class OpCall:
-    """One distinct call seen in a forward (function + argument shapes) and how often it ran."""
+class _Recording:
+    """The first training forward: its calls, when it started, and the bytes it held for the backward."""
 
-    family: str
-    func: Callable
-    args: tuple
-    kwargs: dict[str, Any]
-    count: int = 1
-
-    @property
-    def key(self) -> str:
-        return f"{getattr(self.func, '__qualname__', self.func)}{self.args!r}{sorted(self.kwargs.items())!r}"
-
-    @property
-    def nbytes(self) -> int:
-        specs = [s for s in _leaves((self.args, self.kwargs)) if isinstance(s, _Spec)]
-        return self.count * sum(s.dtype.itemsize * math.prod(s.shape) for s in specs)
+    calls: dict[str, OpCall]
+    started: float
+    activation_bytes: int = 0
+    parameter_bytes: int = 0
 
 
 class OpPolicy:
     """Which dtype each op family runs in while autocast is on: autocast's own choice, FP32, or the 16-bit format.
 
     ``spec`` is ``"autocast"`` (PyTorch's per-op lists everywhere), ``"auto"`` (every family measured on the model's
-    own shapes during the first forward, see :func:`measure_calls` and :func:`choose`), or a mapping
-    ``{family: request}`` with requests ``"autocast"``, ``"auto"``, ``"fp32"`` or the 16-bit format id; families left
-    out keep ``"autocast"``. A forced dtype applies only where autocast is on, so FP32 islands always win.
+    own shapes, see below), or a mapping ``{family: request}`` with requests ``"autocast"``, ``"auto"``, ``"fp32"``
+    or the 16-bit format id; families left out keep ``"autocast"``. A forced dtype applies only where autocast is
+    on, so FP32 islands always win.
+
+    ``"auto"``: the first forward with gradients enabled runs as autocast would and records every call of the
+    families to decide (shapes only), and the bytes the forward holds for its backward (the step's activation
+    memory). The next forward starts by measuring (:func:`measure_calls`): after the first step, when its
+    activations are gone, each call cut to fit in the memory they held (:meth:`OpCall.fitted`). The time between the
+    two forwards (CPU time on the CPU) is the step's time; its peak memory is CUDA's peak allocation, or on the CPU
+    the activations plus four times the parameters (weights, gradients and two optimizer moments as AdamW keeps: a
+    guess). Then :func:`choose` decides each family. A compiled model (``torch.compile``) runs the recording forward
+    eagerly, so the calls are the model's own, and compiles from the second forward on, with the decided policy:
+    one compilation.
 
     Args:
         dtype: the autocast dtype (``torch.bfloat16`` or ``torch.float16``).
@@ -118,10 +123,13 @@ class OpPolicy:
         self.choices: dict[str, str] = dict(self.requested)
         """Per family: ``"autocast"``, a format id (``"fp32"``, ``"bf16"``, ``"fp16"``), or ``"auto"`` until decided."""
         self.measurements: dict[str, Measurement] = {}
+        self.step_cost: StepCost | None = None
+        """The first step's time and peak memory that ``"auto"`` weighed the families against (once decided)."""
+        self._recording: _Recording | None = None
 
     @property
     def pending(self) -> bool:
-        """Whether some family waits for the first forward to be measured."""
+        """Whether some family waits to be measured (decided at the start of the second training forward)."""
         return "auto" in self.choices.values()
 
     @property
@@ -131,11 +139,13 @@ class OpPolicy:
 
     def context(self, device_type: str) -> AbstractContextManager:
         """Enter inside ``torch.autocast``. Free when nothing is forced (no mode at all); with ``"auto"`` the first
-        forward with gradients enabled runs as autocast would, is recorded, and decides the families when it ends."""
-        # Decide on a training forward: under no_grad (Lightning's sanity-check validation) nothing runs backward,
-        # so the measurement would not be the one training pays for.
+        forward with gradients enabled is recorded, and the next one decides the families before it runs."""
+        if self._recording is not None:
+            self._decide(device_type)
+        # Record a training forward: under no_grad (Lightning's sanity-check validation) nothing runs backward, so the
+        # measurement would not be the one training pays for.
         if self.pending and torch.is_grad_enabled():
-            return self._record_then_decide(device_type)
+            return self._record(device_type)
         forced = self._forced()
         return _PolicyMode(device_type, forced) if forced else nullcontext()
 
@@ -147,18 +157,38 @@ class OpPolicy:
         }
 
     @contextmanager
-    def _record_then_decide(self, device_type: str) -> Generator[None, None, None]:
-        calls: dict[str, OpCall] = {}
+    def _record(self, device_type: str) -> Generator[None, None, None]:
+        recording = _Recording({}, clock(device_type))
         auto = [family for family, choice in self.choices.items() if choice == "auto"]
-        with _PolicyMode(device_type, self._forced(), record=auto, calls=calls):
+        mode = _PolicyMode(device_type, self._forced(), record=auto, calls=recording.calls)
+        saved = SavedTensors()
+        with _eager(), mode, saved.hooks():
             yield
-        seen = {f: [c for c in calls.values() if c.family == f] for f in auto}
+        parameters = mode.parameters
+        recording.parameter_bytes = sum(parameters.values())
+        recording.activation_bytes = sum(n for ptr, n in saved.storages.items() if ptr not in parameters)
+        self._recording = recording
+
+    def _decide(self, device_type: str) -> None:
+        recording, self._recording = self._recording, None
+        assert recording is not None
+        if device_type == "cuda" and torch.cuda.is_available():
+            peak = float(torch.cuda.max_memory_allocated())
+        else:
+            peak = float(recording.activation_bytes + 4 * recording.parameter_bytes)
+        self.step_cost = StepCost((clock(device_type) - recording.started) * 1e3, peak)
+        # Measure in no more memory than the step held beyond its resident state (activations, then gradients), by
+        # estimate; half of it, for what the estimate cannot see (kernel workspaces, the allocator's rounding).
+        memory = max((recording.activation_bytes + recording.parameter_bytes) / 2, 1 << 20)
+        auto = [family for family, choice in self.choices.items() if choice == "auto"]
+        seen = {f: [c for c in recording.calls.values() if c.family == f] for f in auto}
         decide = [f for f in auto if seen[f] and f not in _AUTOCAST_FP32.get(device_type, ())]
         for family in auto:
             self.choices[family] = "autocast"  # absent from the forward, or already FP32 under autocast here
-            if family in decide:
-                m = self._measure(seen[family], device_type, self.dtype, self.budget_s / len(decide))
-                self.measurements[family], self.choices[family] = m, choose(m, self.margin)
+            calls = [fitted for call in seen[family] if (fitted := call.fitted(memory)) is not None]
+            if family in decide and calls:
+                m = self._measure(calls, device_type, self.dtype, self.budget_s / len(decide))
+                self.measurements[family], self.choices[family] = m, choose(m, self.margin, self.step_cost)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Every rank must compute alike: rank 0's decision holds everywhere (one broadcast, once per run).
             decided = [self.choices]
@@ -167,7 +197,7 @@ class OpPolicy:
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, str]:
-        """The choice per family (``"auto"`` where the first forward has not run yet)."""
+        """The choice per family (``"auto"`` where it is not decided yet)."""
         return dict(self.choices)
 
     def load_state_dict(self, state: Mapping[str, str]) -> None:
@@ -179,6 +209,8 @@ class OpPolicy:
         for family, request in self.requested.items():
             if request == "auto" and saved[family] != "auto":
                 self.choices[family] = saved[family]
+        if not self.pending:
+            self._recording = None
 
 
 def _parse(spec: Any, dtype: torch.dtype) -> dict[str, str]:
@@ -203,9 +235,16 @@ def _parse(spec: Any, dtype: torch.dtype) -> dict[str, str]:
     return {family: str(spec.get(family, "autocast")) for family in FAMILIES}
 
 
+def _eager() -> AbstractContextManager:
+    """A compiled model runs this forward eagerly: the recording must see each call as it runs, with its real
+    tensors, which a traced graph replaces. (Inside a region being compiled, there is nothing to switch.)"""
+    return nullcontext() if torch.compiler.is_compiling() else torch.compiler.set_stance("force_eager")
+
+
 class _PolicyMode(TorchFunctionMode):
     """Runs the forced families in their dtype with autocast off inside the op, and (``calls``) records the shapes of
-    the ``record`` families. Ops where autocast is off (FP32 islands) are left alone: islands win."""
+    the ``record`` families and the parameters the forward uses. Ops where autocast is off (FP32 islands) are left
+    alone: islands win. Under ``torch.compile`` this runs while tracing, and what it does is part of the graph."""
 
     def __init__(
         self, device_type: str, dtypes: Mapping[str, torch.dtype], *, record: Iterable[str] = (),
@@ -215,142 +254,36 @@ class _PolicyMode(TorchFunctionMode):
         self.device_type, self.calls, record = device_type, calls, set(record)
         self.dtypes = {func: dtypes[family] for func, family in _FAMILY_OF.items() if family in dtypes}
         self.record = {func: family for func, family in _FAMILY_OF.items() if family in record}
+        self.parameters: dict[int, int] = {}  # recording: storage -> bytes of every parameter an op was given
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         # Every torch call of the forward passes here (~1 us each, measured): two dict lookups for all but the few.
         kwargs = kwargs or {}
-        if self.calls is not None and func in self.record and torch.is_autocast_enabled(self.device_type):
-            call = OpCall(self.record[func], func, *_specs(args, kwargs))
+        if self.calls is not None:
+            return self._recorded(func, args, kwargs)
+        dtype = self.dtypes.get(func)
+        if dtype is None or not torch.is_autocast_enabled(self.device_type):
+            return func(*args, **kwargs)
+        return run_in(dtype, _FAMILY_OF[func], self.device_type, func, args, kwargs)
+
+    def _recorded(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        for value in leaves((args, kwargs)):
+            if isinstance(value, nn.Parameter):
+                self.parameters[plain_ptr(value) or id(value)] = value.numel() * value.element_size()
+        dtype = self.dtypes.get(func)
+        autocast = torch.is_autocast_enabled(self.device_type)
+        if dtype is None or not autocast:
+            out = func(*args, **kwargs)
+        else:
+            out = run_in(dtype, _FAMILY_OF[func], self.device_type, func, args, kwargs)
+        if func in self.record and autocast:
+            first = out[0] if isinstance(out, tuple) else out
+            call = OpCall(self.record[func], func, *specs_of(args, kwargs),
+                          out_numel=first.numel() if isinstance(first, torch.Tensor) else 0)
             if call.key in self.calls:
                 self.calls[call.key].count += 1
             else:
                 self.calls[call.key] = call
-        dtype = self.dtypes.get(func)
-        if dtype is None or not torch.is_autocast_enabled(self.device_type):
-            return func(*args, **kwargs)
-        return _run_in(dtype, _FAMILY_OF[func], self.device_type, func, args, kwargs)
-
-
-def _run_in(dtype: torch.dtype, family: str, device_type: str, func: Callable, args: tuple, kwargs: dict) -> Any:
-    """``func`` with autocast off and its floating inputs in ``dtype``. Norms cast only their input: their FP32
-    running statistics are updated in place, and CPU/CUDA norm kernels take FP32 affine parameters with 16-bit
-    inputs. The output stays in ``dtype``, as an FP32 island's does; the next autocast op casts it as it needs."""
-    if family == "norm" and args:
-        args = (_cast(args[0], dtype), *args[1:])
-    elif family == "norm":
-        kwargs = {**kwargs, "input": _cast(kwargs["input"], dtype)}
-    else:
-        args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
-    with torch.autocast(device_type, enabled=False):
-        return func(*args, **kwargs)
-
-
-def _map(fn: Callable[[Any], Any], value: Any) -> Any:
-    """``fn`` on every leaf of nested lists, tuples and dicts (an op's arguments); ``torch.Size`` is a leaf."""
-    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-        return type(value)(_map(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(fn, v) for k, v in value.items()}
-    return fn(value)
-
-
-def _leaves(value: Any) -> list[Any]:
-    found: list[Any] = []
-    _map(found.append, value)
-    return found
-
-
-def _cast(value: Any, dtype: torch.dtype) -> Any:
-    return _map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, value)
-
-
-def _specs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    slots: dict[int, int] = {}
-
-    def spec(v: Any) -> Any:
-        if not isinstance(v, torch.Tensor):
-            return v
-        return _Spec(tuple(v.shape), v.dtype, v.requires_grad, slots.setdefault(id(v), len(slots)))
-
-    return _map(spec, (args, kwargs))
-
-
-# ------------------------------------------------------------------------------------------- measurement
-# Per device, dtype and call shapes: (autocast s, fp32 s, autocast error, fp32 error, seconds the measuring took).
-_MEASURED: dict[tuple, tuple[float, float, float, float, float]] = {}
-
-
-def measure_calls(calls: list[OpCall], device_type: str, dtype: torch.dtype, budget_s: float) -> Measurement:
-    """Time the recorded calls of one family (forward + backward, autocast's way and in FP32) on fresh tensors of
-    the same shapes, largest first, until ``budget_s`` is spent; each result is cached per device, dtype and shapes
-    (a cached call is charged what it cost once, so a later run measures the same calls, for free). Errors are
-    relative to an FP64 run of the same call. Totals are weighted by how often each call ran."""
-    totals, spent = [0.0, 0.0, 0.0, 0.0], 0.0
-    for i, call in enumerate(sorted(calls, key=lambda c: c.nbytes, reverse=True)):
-        if i and spent > budget_s:
-            break
-        key = (device_type, dtype, call.key)
-        if key not in _MEASURED:
-            started = time.perf_counter()
-            _MEASURED[key] = (*_measure_one(call, device_type, dtype), time.perf_counter() - started)
-        t_auto, t_fp32, e_auto, e_fp32, cost_s = _MEASURED[key]
-        spent += cost_s
-        totals = [totals[0] + call.count * t_auto, totals[1] + call.count * t_fp32, max(totals[2], e_auto),
-                  max(totals[3], e_fp32)]
-    return Measurement(totals[0] * 1e3, totals[1] * 1e3, totals[2], totals[3])
-
-
-def _measure_one(call: OpCall, device_type: str, dtype: torch.dtype, repeats: int = 2) -> tuple[float, ...]:
-    generator = torch.Generator(device_type).manual_seed(0)  # the training run's RNG stream stays untouched
-    made: dict[int, torch.Tensor] = {}
-
-    def fresh(value: Any) -> Any:
-        if not isinstance(value, _Spec) or value.slot in made:
-            return made[value.slot] if isinstance(value, _Spec) else value
-        if not value.dtype.is_floating_point:
-            t = torch.ones(value.shape, dtype=value.dtype, device=device_type)
-        else:  # positive values: a sampled running variance must not be negative; the timing does not care
-            t = torch.rand(value.shape, generator=generator, device=device_type).add_(0.5).to(value.dtype)
-            t.requires_grad_(value.requires_grad)
-        made[value.slot] = t
-        return t
-
-    def run(fp32: bool, *, backward: bool = True) -> torch.Tensor:
-        with torch.autocast(device_type, dtype=dtype, cache_enabled=False):
-            out = _run_in(torch.float32, call.family, device_type, call.func, args, kwargs) if fp32 else \
-                call.func(*args, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        if backward and leaves and out.requires_grad:
-            for leaf in leaves:
-                leaf.grad = None
-            out.backward(torch.ones_like(out))
         return out
 
-    with torch.inference_mode(False), torch.enable_grad():
-        args, kwargs = _map(fresh, (call.args, call.kwargs))
-        leaves = [t for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-        seconds: dict[bool, list[float]] = {False: [], True: []}
-        for i in range(repeats + 1):  # the first round warms up (kernel selection, allocator); alternate the two
-            for fp32 in (False, True):
-                _sync(device_type)
-                start = time.perf_counter()
-                run(fp32)
-                _sync(device_type)
-                if i:
-                    seconds[fp32].append(time.perf_counter() - start)
-        with torch.no_grad():
-            with torch.autocast(device_type, enabled=False):
-                ref = call.func(*_cast(args, torch.float64), **_cast(kwargs, torch.float64))
-            ref = ref[0] if isinstance(ref, tuple) else ref
-            errors = [_rel_err(run(fp32, backward=False), ref) for fp32 in (False, True)]
-    return min(seconds[False]), min(seconds[True]), errors[0], errors[1]
 
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    err = float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-    return err if err == err else math.inf  # NaN (an FP16 overflow) counts as the worst error
-
-
-def _sync(device_type: str) -> None:
-    if device_type == "cuda":
-        torch.cuda.synchronize()

@@ -151,6 +151,7 @@ class PrecisionStepper:
         self._unscaled: set[int] = set()  # optimizers unscaled (and checked) in this iteration
         self._skip_requested = False
         self._input_nonfinite: torch.Tensor | None = None
+        self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
 
     def _build_scaler(self, scaler: Any) -> torch.amp.GradScaler | None:
         call = self.owner
@@ -343,8 +344,15 @@ class PrecisionStepper:
     # -------------------------------------------------------------------------------------- forward, backward
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """Autocast (``*-mixed``), the 16-bit default dtype (``*-true``), the op policy and FP8's own context."""
-        with self.layout.forward_context():  # the FP8 backend's own context (TE's autocast) while FP8 layers run
+        """Autocast (``*-mixed``), the 16-bit default dtype (``*-true``), the op policy and FP8's own context.
+
+        With ``torch.compile``: none of this adds a graph break (autocast and the policy's mode are traced into the
+        graph, or guarded on from outside it). The forward that traces an overflow (the step after one, or every step
+        with ``diagnose``) runs eagerly: its hooks would break the graph and recompile it for one step.
+        """
+        self._note_recompile()
+        traced = self.observer.tracer is not None
+        with _eager() if traced else nullcontext(), self.layout.forward_context():
             if self.compute_dtype == torch.float32:
                 yield
             elif self.true_16bit:
@@ -355,10 +363,20 @@ class PrecisionStepper:
                 # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
                 with torch.autocast(self.device, dtype=self.dtype, cache_enabled=False), self.policy.context(self.device):
                     yield
-                if self.stats.get("op_policy") != self.policy.choices:  # decided (first forward), forced or resumed
-                    self.stats["op_policy"] = dict(self.policy.choices)
+                if not self.policy.pending and self.stats.get("op_policy") != self.policy.choices:
+                    self.stats["op_policy"] = dict(self.policy.choices)  # decided (second forward), forced or resumed
                     self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
                                                   for f, m in self.policy.measurements.items()}
+
+    def _note_recompile(self) -> None:
+        layout = self.layout
+        seen = (layout.fp32, layout.fp8_off, tuple(layout.fp8_removed), tuple(layout.fp32_modules))
+        changed, self._layout_seen = self._layout_seen not in (None, seen), seen
+        if changed and layout.module is not None and _compiled(layout.module):
+            note = ("a compiled model recompiles once after each fallback or restore (its graph holds the precision"
+                    f" layout); from then on it runs compiled again (step {self.step_count}).")
+            if not any(w.startswith(note.split(" (step")[0]) for w in self.warnings):
+                self.warnings.append(note)
 
     def convert_input(self, data: Any) -> Any:
         """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
@@ -700,6 +718,24 @@ class PrecisionStepper:
                 self._pending["compact"] = state["compact"]
         self.policy.load_state_dict(state["op_policy"])
         return notes
+
+
+def _eager() -> AbstractContextManager:
+    # Inside a region being compiled there is nothing to switch (and set_stance would refuse).
+    return nullcontext() if torch.compiler.is_compiling() else torch.compiler.set_stance("force_eager")
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule runs through ``torch.compile`` (as Lightning unwraps it too: the module keeps
+    a compiled ``forward``), or, for a model compiled from outside (``torch.compile(model)`` in a plain loop, which
+    the model cannot see), whether torch.compile has compiled a graph in this process."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.utils import counters
+
+    return getattr(module, "_compiler_ctx", None) is not None or counters["stats"]["unique_graphs"] > 0 or any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules()
+    )
 
 
 def _first_grad_device(optimizer: Optimizer) -> torch.device | None:

@@ -151,7 +151,13 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     if not name:
         raise ValueError(f"cannot swap the root module {type(model).__name__} in place; wrap it in a container.")
     parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, new)
+    owner = model.get_submodule(parent)
+    setattr(owner, child, new)
+    if child == "_orig_mod":
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        if isinstance(owner, OptimizedModule):
+            owner._initialize()  # torch.compile(layer) itself: its compiled forward still calls the layer it wrapped
 
 
 def share_hooks(source: nn.Module, target: nn.Module) -> None:

@@ -48,7 +48,10 @@ class FP8Linear(nn.Linear):
     Telemetry: with ``collect_stats = True`` each call records, per operand, the saturated fraction (finite values
     beyond what rounds to the FP8 max: 464 for E4M3, 61440 for E5M2), the underflow fraction (nonzero values that
     became 0) and the amax, as 0-dim tensors in :attr:`fp8_stats` (no host sync); it costs a few passes per tensor.
-    For mxfp8, ``x`` and ``w`` are measured in the forward GEMM and ``grad_out`` in the ``grad_x`` GEMM.
+    For mxfp8, ``x`` and ``w`` are measured in the forward GEMM and ``grad_out`` in the ``grad_x`` GEMM. The GEMMs
+    write them into the non-persistent buffer ``stats_buffer`` (rows in :data:`FP8_TENSORS` order), in place:
+    ``torch.compile`` traces that into the graph, where Python state written inside the autograd function would
+    break it.
     """
 
     def __init__(
@@ -64,9 +67,10 @@ class FP8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.fp8_config = config if config is not None else FP8Config()
         self.collect_stats = False
-        self.fp8_stats: dict[str, torch.Tensor | float] = {}
+        self._stats_numel: dict[str, float] = {}  # operands measured since stats were last cleared: their sizes
+        buffer_device = self.weight.device
+        self.register_buffer("stats_buffer", torch.zeros(3, 3, device=buffer_device), persistent=False)
         if self.fp8_config.recipe == "delayed":
-            buffer_device = self.weight.device
             history = torch.zeros(3, self.fp8_config.amax_history_len, device=buffer_device)
             self.register_buffer("amax_history", history, persistent=False)
             self.register_buffer("scale", torch.ones(3, device=buffer_device), persistent=False)
@@ -76,6 +80,7 @@ class FP8Linear(nn.Linear):
         """An FP8Linear sharing ``linear``'s parameters (same objects: optimizers keep working) and hooks."""
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, config=config, device="meta")
         new.weight, new.bias = linear.weight, linear.bias
+        new.stats_buffer = torch.zeros_like(new.stats_buffer, device=linear.weight.device)
         if new.fp8_config.recipe == "delayed":
             new.amax_history = torch.zeros_like(new.amax_history, device=linear.weight.device)
             new.scale = torch.ones_like(new.scale, device=linear.weight.device)
@@ -99,30 +104,16 @@ class FP8Linear(nn.Linear):
         device_type = x.device.type
         autocast = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+        if self.collect_stats:  # sizes here, values in the GEMMs: no Python state changes inside the autograd function
+            self._stats_numel = {"x": float(x.numel()), "w": float(self.weight.numel())}
+            if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+                self._stats_numel["grad_out"] = float(x.numel() // self.in_features * self.out_features)
         # Autocast off inside: the casts are ours, and fp32 emulation must not be downcast to 16 bits.
         with torch.autocast(device_type, enabled=False):
             return _FP8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
 
     def _use_scaled_mm(self, device: torch.device) -> bool:
-        emulate = self.fp8_config.emulate
-        if emulate is None:
-            supported = scaled_mm_supported(device)
-            if not supported and str(device) not in _WARNED_EMULATION:
-                _WARNED_EMULATION.add(str(device))
-                warnings.warn(
-                    f"FP8Linear: torch._scaled_mm does not run FP8 GEMMs on {device} (CUDA needs compute capability"
-                    " >= 8.9), so FP8 is emulated there: FP8 numerics, no speed-up. Set FP8Config(emulate=True) to"
-                    " say that is intended. (Warned once per device.)",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            return supported
-        if not emulate and not scaled_mm_supported(device):
-            raise RuntimeError(
-                f"FP8Config(emulate=False): torch._scaled_mm does not run FP8 GEMMs on {device} (CUDA needs compute"
-                " capability >= 8.9); use emulate=None to fall back to emulation."
-            )
-        return not emulate
+        return _scaled_mm_decision(self.fp8_config.emulate, str(device))
 
     def _dtype(self, role: int) -> torch.dtype:
         return self.fp8_config.grad_dtype if role == _GRAD else self.fp8_config.forward_dtype
@@ -159,15 +150,28 @@ class FP8Linear(nn.Linear):
     def _record_stats(
         self, role: int, t: torch.Tensor, scaled: torch.Tensor, data: torch.Tensor, amax: torch.Tensor
     ) -> None:
-        name = FP8_TENSORS[role]
         finite = torch.isfinite(scaled)
         nonzero = t != 0
         saturated = (scaled.abs() > _clip_threshold(data.dtype)) & finite
         underflowed = (data.float() == 0) & nonzero
-        self.fp8_stats[f"{name}_saturation_frac"] = saturated.sum() / finite.sum().clamp_min(1)
-        self.fp8_stats[f"{name}_underflow_frac"] = underflowed.sum() / nonzero.sum().clamp_min(1)
-        self.fp8_stats[f"{name}_amax"] = amax
-        self.fp8_stats[f"{name}_numel"] = float(t.numel())
+        self.stats_buffer[role] = torch.stack(
+            [saturated.sum() / finite.sum().clamp_min(1), underflowed.sum() / nonzero.sum().clamp_min(1), amax]
+        )
+
+    @property
+    def fp8_stats(self) -> dict[str, torch.Tensor | float]:
+        """The latest telemetry, per operand measured since stats were last cleared: ``<t>_saturation_frac``,
+        ``<t>_underflow_frac``, ``<t>_amax`` (0-dim tensors, copies) and ``<t>_numel`` (a float)."""
+        stats: dict[str, torch.Tensor | float] = {}
+        for name, numel in self._stats_numel.items():
+            saturation, underflow, amax = self.stats_buffer[FP8_TENSORS.index(name)].clone().unbind()
+            stats.update({f"{name}_saturation_frac": saturation, f"{name}_underflow_frac": underflow,
+                          f"{name}_amax": amax, f"{name}_numel": numel})
+        return stats
+
+    def clear_stats(self) -> None:
+        """Forget the recorded telemetry (:attr:`fp8_stats` becomes empty)."""
+        self._stats_numel = {}
 
     # ------------------------------------------------------------------------------------------------- state
     def fp8_state_dict(self) -> dict[str, torch.Tensor]:
@@ -197,6 +201,31 @@ class FP8Linear(nn.Linear):
                     f" {tuple(buffer.shape)}; was it saved with another amax_history_len?"
                 )
             buffer.copy_(value)
+
+
+# Run by torch.compile at trace time, in plain Python, and baked into the graph as a constant: the probe behind it
+# runs real FP8 GEMMs (a seeded generator, an equality check) that cannot be traced, and is cached per device.
+@torch.compiler.assume_constant_result
+def _scaled_mm_decision(emulate: bool | None, device: str) -> bool:
+    """Whether FP8 GEMMs on ``device`` go through ``torch._scaled_mm`` (else exact emulation)."""
+    if emulate is None:
+        supported = scaled_mm_supported(device)
+        if not supported and device not in _WARNED_EMULATION:
+            _WARNED_EMULATION.add(device)
+            warnings.warn(
+                f"FP8Linear: torch._scaled_mm does not run FP8 GEMMs on {device} (CUDA needs compute capability"
+                " >= 8.9), so FP8 is emulated there: FP8 numerics, no speed-up. Set FP8Config(emulate=True) to"
+                " say that is intended. (Warned once per device.)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        return supported
+    if not emulate and not scaled_mm_supported(device):
+        raise RuntimeError(
+            f"FP8Config(emulate=False): torch._scaled_mm does not run FP8 GEMMs on {device} (CUDA needs compute"
+            " capability >= 8.9); use emulate=None to fall back to emulation."
+        )
+    return not emulate
 
 
 def _clip_threshold(dtype: torch.dtype) -> float:

@@ -52,7 +52,7 @@ class NativeBackend(FP8Backend):
             layer = model.get_submodule(name)
             layer.collect_stats = enabled
             if not enabled:
-                layer.fp8_stats.clear()
+                layer.clear_stats()
 
     @classmethod
     def layer_stats(cls, layer: nn.Module) -> dict[str, torch.Tensor | float]:

@@ -377,7 +377,5 @@ def test_compiled_models_train_and_skip(how: str, precision: str) -> None:
         torch.testing.assert_close(compiled["params"][name], value, rtol=1e-2, atol=1e-3)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="FP32 islands under torch.compile: the island's autocast"
-                   " is entered in a traced pre-hook and left in an eager post-hook (lit_mpstable/islands.py)")
 def test_compiled_model_with_fp32_islands() -> None:
     train(StablePrecision("bf16-mixed", fp32_modules=["fc3"]), 1, model=_compiled("wrapped"))

@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 from lit_mpstable.islands import FP32Islands
-from lit_mpstable.policy import FAMILIES, Measurement, OpCall, OpPolicy, choose, measure_calls
+from lit_mpstable.memory import MemoryProbe
+from lit_mpstable.policy import FAMILIES, Measurement, OpCall, OpPolicy, StepCost, choose, measure_calls
 
 BF16 = torch.bfloat16
 
@@ -61,6 +63,12 @@ def forward(model: nn.Module, policy: OpPolicy, x: torch.Tensor) -> torch.Tensor
         return model(x)
 
 
+def decide(policy: OpPolicy, device_type: str = "cpu") -> None:
+    """The start of the next forward, where "auto" measures what the first one recorded."""
+    with policy.context(device_type):
+        pass
+
+
 # -------------------------------------------------------------------------------------------- decision rule
 @pytest.mark.parametrize(
     "m, expected",
@@ -76,11 +84,22 @@ def test_choose_keeps_fp32_only_when_faster_and_no_worse(m: Measurement, expecte
     assert choose(m) == expected
 
 
+@pytest.mark.parametrize("extra_bytes, expected", [(40.0, "fp32"), (100.0, "autocast"), (-10.0, "fp32")])
+def test_fp32_must_pay_for_its_memory_with_speed(extra_bytes: float, expected: str) -> None:
+    # A 100 ms step peaking at 1000 bytes; FP32 saves 5 ms (5 %). For 4 % more memory time x memory falls
+    # (95 x 1040 = 98800 < 100000): worth it. For 10 % more it rises (95 x 1100 = 104500): not worth it.
+    m = Measurement(10.0, 5.0, 1e-3, 1e-7, fp32_extra_bytes=extra_bytes)
+    assert choose(m, step=StepCost(ms=100.0, peak_bytes=1000.0)) == expected
+    assert choose(m) == "fp32"  # without a step to weigh against: speed and numerics only
+
+
 def test_auto_records_the_model_shapes_and_decides_per_family_from_injected_timings() -> None:
     seen: dict[str, list[OpCall]] = {}
     policy = OpPolicy("auto", dtype=BF16, measure=fake_measure({"attention": (53.0, 29.0), "matmul": (10, 21)}, seen))
     assert policy.pending
     forward(TinyAttention(), policy, torch.randn(2, 8, 16))
+    assert policy.pending and not seen  # recorded; measured when the next forward starts (after this step)
+    decide(policy)
     assert not policy.pending
     assert policy.choices == {"matmul": "autocast", "conv": "autocast", "attention": "fp32", "norm": "autocast",
                               "softmax": "autocast"}
@@ -99,6 +118,7 @@ def test_auto_waits_for_a_forward_with_gradients() -> None:
         forward(TinyAttention(), policy, torch.randn(2, 8, 16))
     assert policy.pending
     forward(TinyAttention(), policy, torch.randn(2, 8, 16))
+    decide(policy)
     assert not policy.pending and policy.choices["attention"] == "fp32"
 
 
@@ -111,6 +131,7 @@ def test_a_tensor_passed_twice_is_remembered_as_one() -> None:
     with torch.autocast("cpu", dtype=BF16, cache_enabled=False), policy.context("cpu"):
         mha(x, x, x, need_weights=False)
         mha(x, memory, memory, need_weights=False)
+    decide(policy)
     self_attention, cross_attention = seen["attention"]
     assert len({spec.slot for spec in self_attention.args[:3]}) == 1
     assert [spec.slot for spec in cross_attention.args[:3]] == [0, 1, 1]
@@ -124,6 +145,7 @@ def test_auto_on_cuda_leaves_families_autocast_already_runs_in_fp32() -> None:
     policy = OpPolicy({"norm": "auto"}, dtype=BF16, measure=fake_measure({}, seen))
     with policy.context("cuda"):
         pass
+    decide(policy, "cuda")
     assert policy.choices["norm"] == "autocast" and not seen
 
 
@@ -168,6 +190,7 @@ def test_fp32_islands_win_over_the_policy() -> None:
     forward(model, OpPolicy({"norm": "bf16"}, dtype=BF16), torch.randn(2, 8, 16))
     auto = OpPolicy({"norm": "auto"}, dtype=BF16, measure=fake_measure({"norm": (10, 1)}, seen))
     forward(model, auto, torch.randn(2, 8, 16))
+    decide(auto)
     assert len(outputs) == 4 and all(kernel_input_dtype(out) == torch.float32 for out in outputs)
     assert not seen and auto.choices["norm"] == "autocast"  # calls inside islands are not even measured
     islands.detach()
@@ -176,10 +199,100 @@ def test_fp32_islands_win_over_the_policy() -> None:
     assert len(outputs) == 2 and all(kernel_input_dtype(out) == BF16 for out in outputs)  # outside islands: forced
 
 
+def test_the_first_step_is_weighed_by_its_time_and_memory_measured_before_the_next_forward() -> None:
+    # One linear layer whose input needs no gradient: autocast saves only the input's BF16 copy for the weight's
+    # gradient (4 x 16 x 2 bytes); the parameters hold 32 x 16 + 32 FP32 values.
+    layer, seen = nn.Linear(16, 32), {}
+    policy = OpPolicy({"matmul": "auto"}, dtype=BF16, measure=fake_measure({"matmul": (2.0, 1.0)}, seen))
+    forward(layer, policy, torch.randn(4, 16)).float().sum().backward()
+    assert not seen and policy.step_cost is None  # nothing measured while the step's activations are alive
+    decide(policy)
+    activations, parameters = 4 * 16 * 2, (32 * 16 + 32) * 4
+    assert policy.step_cost.peak_bytes == activations + 4 * parameters  # weights, grads, two optimizer moments
+    assert policy.step_cost.ms > 0 and policy.choices["matmul"] == "fp32"
+
+
+def test_a_call_too_big_to_measure_is_cut_along_its_batch_and_counts_for_the_whole() -> None:
+    # BatchNorm on 64 samples of 64 channels: the running statistics have 64 entries too, and are not the batch.
+    x = torch.randn(64, 64, 8, 8, dtype=BF16)
+    stats, weight = torch.zeros(64), nn.Parameter(torch.ones(64))
+    policy = OpPolicy({"norm": "auto"}, dtype=BF16)
+    with torch.autocast("cpu", dtype=BF16), policy.context("cpu"):
+        F.batch_norm(x, stats, stats.clone(), weight, training=True)
+    (call,) = policy._recording.calls.values()
+    full = call.measure_bytes
+    assert full == 18 * 2 * x.numel() + 18 * (64 + 64 + 64)  # input and output; stats and weight once each
+    cut = call.fitted(full / 4)
+    keep = int(64 * (full / 4 / 18 - 3 * 64) / (2 * x.numel()))  # what fits after the 64-entry tensors: 15 samples
+    assert keep == 15 and cut.args[0].shape == (15, 64, 8, 8) and cut.measure_bytes <= full / 4
+    assert [a.shape for a in (*cut.args[1:], cut.kwargs["weight"])] == [(64,)] * 3
+    assert cut.count == pytest.approx(64 / 15)
+    assert call.fitted(full) is call and call.fitted(10.0) is None
+    m = measure_calls([cut], "cpu", BF16, budget_s=0.0)
+    assert m.autocast_ms > 0 and m.fp32_err < m.autocast_err
+
+
+def test_auto_measures_within_the_memory_of_a_training_step() -> None:
+    # A CNN whose FP32 batch-norm measurement at full batch would hold more than the whole BF16 step: the peak of the
+    # step that measures stays that of a plain autocast step.
+    def steps(policy: OpPolicy | None) -> int:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
+                            nn.Linear(16 * 16 * 16, 10))
+        x, peaks = torch.randn(64, 3, 16, 16), []
+        for _ in range(2):  # the first step records, the second measures first
+            probe = MemoryProbe()
+            probe.start(net, [])
+            with torch.autocast("cpu", dtype=BF16, cache_enabled=False), (
+                    policy.context("cpu") if policy is not None else nullcontext()):
+                net(x).float().square().mean().backward()
+            probe.stop()
+            peaks.append(probe.peak_bytes)
+        return max(peaks)
+
+    plain = steps(None)
+    policy = OpPolicy("auto", dtype=BF16)
+    auto = steps(policy)
+    assert not policy.pending and set(policy.measurements) == {"conv", "norm", "matmul"}
+    assert auto <= 1.05 * plain
+
+
+def test_fp32_compute_holds_the_16_bit_inputs_for_the_backward_and_gives_the_same_gradients() -> None:
+    # Forced FP32 attention keeps its inputs' BF16 sources for the backward (cast up again there, exactly): FP32
+    # attention then holds only its FP32 output more than BF16 attention does (2 more bytes per element).
+    model = TinyAttention()
+    calls: dict[str, list[OpCall]] = {}
+    policy = OpPolicy({"attention": "auto"}, dtype=BF16, measure=fake_measure({}, calls))
+    forward(model, policy, torch.randn(2, 8, 16))
+    decide(policy)
+    m = measure_calls(calls["attention"], "cpu", BF16, budget_s=0.0)
+    assert m.fp32_extra_bytes == calls["attention"][0].count * 2 * 2 * 8 * 8 * 2
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    forward(model, OpPolicy({"attention": "fp32"}, dtype=BF16), x).float().sum().backward()
+    grads = [p.grad.clone() for p in (x, *model.parameters())]
+    for p in (x, *model.parameters()):
+        p.grad = None
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False), _PlainFP32Attention():
+        model(x).float().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, (x, *model.parameters())))
+
+
+class _PlainFP32Attention(TorchFunctionMode):
+    """The reference: SDPA on FP32 copies of its inputs, autocast off, autograd keeping what it keeps."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False):
+            return func(*(a.float() for a in args), **kwargs)
+
+
 def test_measure_calls_runs_both_variants_on_fresh_tensors_of_the_recorded_shapes() -> None:
     calls: dict[str, list[OpCall]] = {}
     policy = OpPolicy("auto", dtype=BF16, measure=fake_measure({}, calls))
     forward(TinyAttention(), policy, torch.randn(2, 8, 16))
+    decide(policy)
     rng = torch.get_rng_state()
     m = measure_calls(calls["attention"], "cpu", BF16, budget_s=0.05)
     assert torch.equal(rng, torch.get_rng_state())  # the training run's random stream is untouched
@@ -213,6 +326,7 @@ def test_a_mapping_fills_unnamed_families_with_autocast() -> None:
 def test_state_round_trip_resumes_the_decision_without_measuring_again() -> None:
     first = OpPolicy("auto", dtype=BF16, measure=fake_measure({"attention": (53.0, 29.0)}))
     forward(TinyAttention(), first, torch.randn(2, 8, 16))
+    decide(first)
     state = first.state_dict()
     assert all(isinstance(v, str) for v in state.values())  # plain strings: weights_only checkpoints load it
 
@@ -242,6 +356,7 @@ def _rank_decides(rank: int, port: int, out_dir: str) -> None:
         times = {"attention": (53.0, 29.0) if rank == 0 else (29.0, 53.0)}
         policy = OpPolicy({"attention": "auto"}, dtype=BF16, measure=fake_measure(times))
         forward(TinyAttention(), policy, torch.randn(2, 8, 16))
+        decide(policy)
         torch.save(policy.choices, f"{out_dir}/rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
