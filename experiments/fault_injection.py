@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         "`experiment=fault_storm_fallback` (+ `PrecisionFallback(cooldown=50)`; the module row adds\n"
         "`callbacks.precision_fallback.mode=module`). Spike: `experiment=fault_spike` (the GPT on stdlib text,\n"
         "bf16-mixed, one training batch's loss x 1e6) and `experiment=fault_spike_rollback` (+ `ScaleCheckpoint()`,\n"
-        "snapshot every 50 steps). Faults are keyed on training batches seen, so a rollback does not replay them.\n"
+        "snapshot every 50 steps). Faults are keyed on the optimizer step being taken, so a rollback does not replay them.\n"
         "300 optimizer steps per run; val = the last validation (20 batches). *steps redone*: steps a rollback\n"
         "undid; *steps under fallback*: steps with `plugin.fallback_active` (the whole model or the blamed module in\n"
         "FP32).\n"
