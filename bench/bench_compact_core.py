@@ -16,8 +16,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from helpers import stall_task  # noqa: E402
 
 from lit_mpstable.compact import CompactWeights  # noqa: E402
 from lit_mpstable.master import MasterWeights  # noqa: E402
-from lit_mpstable.memory import MemoryProbe  # noqa: E402
+from lit_mpstable.memory import MemoryProbe, quiet_fd2  # noqa: E402
 
 MiB = 2**20
 
@@ -165,27 +164,13 @@ def make_run(config: Config, model: nn.Module, lr: float = 1e-3) -> Run:
 
 
 # --------------------------------------------------------------------------------------------------- memory
-@contextmanager
-def _quiet_fd2() -> Iterator[None]:
-    # Kineto prints profiler start/stop lines to file descriptor 2.
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def _allocation_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     """(highest running sum of allocations minus frees, the sum at the end) while ``fn`` runs."""
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_fd2():
+    with quiet_fd2():
         prof.__enter__()
     fn()
-    with _quiet_fd2():
+    with quiet_fd2():
         prof.__exit__(None, None, None)
     running = peak = 0
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]

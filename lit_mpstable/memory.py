@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MemoryProbe", "plain_tensors", "resident_bytes", "training_memory"]
+__all__ = ["MemoryProbe", "plain_tensors", "quiet_fd2", "resident_bytes", "training_memory"]
 
 
 def plain_tensors(value: Any) -> list[torch.Tensor]:
@@ -68,7 +68,8 @@ def training_memory(
 
 
 @contextmanager
-def _quiet_fd2() -> Iterator[None]:
+def quiet_fd2() -> Iterator[None]:
+    """Silence file descriptor 2 inside the block (Kineto prints its profiler start/stop lines there)."""
     # Kineto prints "profiler_start/stop" lines straight to file descriptor 2; silence just those calls.
     sys.stderr.flush()
     saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
@@ -106,12 +107,12 @@ class MemoryProbe:
             param.grad = None  # with FP32 masters the optimizers do not reach the 16-bit grads
         self.resident = training_memory(module, optimizers, extra={"extra": extra})["total"]
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_fd2():
+        with quiet_fd2():
             self._prof.__enter__()
 
     def stop(self) -> None:
         assert self._prof is not None, "MemoryProbe.stop() without start()"
-        with _quiet_fd2():
+        with quiet_fd2():
             self._prof.__exit__(None, None, None)
         events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"]
         running = peak = 0

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lit_mpstable.fp8 import convert_from_fp8
+from lit_mpstable.stepper import default_dtype
 
 if TYPE_CHECKING:
     from lit_mpstable.stepper import PrecisionStepper
@@ -158,7 +159,7 @@ def _fp32_grads(
     if islands is not None:
         islands.output_dtype = None
     _restore_rng(start["rng"], device)
-    with torch.enable_grad(), torch.autocast(device.type, enabled=False), _default_dtype(torch.float32):
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False), default_dtype(torch.float32):
         loss = _checked_loss(loss_fn(reference, _upcast(batch)))
         return list(torch.autograd.grad(loss.float(), [params[n] for n in names], allow_unused=True))
 
@@ -303,16 +304,6 @@ def _restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(rng["cpu"])
     if device.type == "cuda" and "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"], device)
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _upcast(data: Any) -> Any:

@@ -356,7 +356,7 @@ class PrecisionStepper:
             if self.compute_dtype == torch.float32:
                 yield
             elif self.true_16bit:
-                with _default_dtype(self.dtype):  # tensors created inside forward default to the 16-bit dtype
+                with default_dtype(self.dtype):  # tensors created inside forward default to the 16-bit dtype
                     yield
             else:
                 # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
@@ -763,7 +763,8 @@ def _map_tensors(data: Any, fn: Any) -> Any:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    """``torch.set_default_dtype(dtype)`` inside the block, the previous default restored after (also on error)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -776,4 +777,4 @@ def tensor_init_context(stepper: PrecisionStepper) -> AbstractContextManager:
     """Where new tensors and modules are made: in the 16-bit dtype for ``*-true`` modes without FP32 masters, else
     unchanged. With FP32 masters the model is built in FP32: the masters start from exact values (setup casts the
     model), and under FSDP2 the FP32 parameters are the masters (its policy computes in 16 bits)."""
-    return _default_dtype(stepper.dtype) if stepper.true_16bit and stepper.master_mode != "fp32" else nullcontext()
+    return default_dtype(stepper.dtype) if stepper.true_16bit and stepper.master_mode != "fp32" else nullcontext()
