@@ -7,6 +7,7 @@ import re
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,6 +263,8 @@ _SCALER_OPTIONS = (
 
 @hydra.main(version_base="1.3", config_path="pkg://lit_mpstable.conf", config_name="train")
 def _app(cfg: DictConfig) -> None:
+    # Lightning's own deprecation notice about torch's pytree API, printed once per fit: not the user's to act on.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         if cfg.get("compare"):
