@@ -12,15 +12,16 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.compact_fused import FusedAdam, noise_bits
+
 __all__ = ["CompactMode", "CompactWeights", "quantized_state_classes", "stochastic_round"]
 
 CompactMode = Literal["kahan", "stochastic"]
 _MODES: tuple[str, ...] = get_args(CompactMode)
 _LOW = (torch.float16, torch.bfloat16)
-# Random numbers are drawn per block of elements from a generator seeded by (seed, step, parameter, block), so an
-# element gets the same ones however the step is chunked; slices are whole blocks. Larger on accelerators: one kernel
-# launch per block.
-_BLOCK_CPU, _BLOCK_ACCELERATOR = 2**16, 2**20
+# Random numbers are a hash of (seed, step, parameter, element index): an element gets the same ones however the step
+# is sliced, on any device, eagerly or in the fused kernel. Slices are at least this many elements.
+_MIN_SLICE = 2**12
 # Updates that are elementwise given per-parameter scalars (step, NAdam's mu_product, ASGD's eta): a parameter can be
 # stepped in slices, bit for bit. Exact types only: a subclass may add a per-tensor norm (LAMB, LARS).
 _ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
@@ -85,7 +86,7 @@ def _round_stochastic_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor
 
 
 def _mix(*values: int) -> int:
-    # splitmix64 over the values, folded to 32 bits: the CPU generator (mt19937) uses a seed's low 32 bits only.
+    # splitmix64 over the values, folded to 32 bits: the key hash32 adds the element index to.
     h = 0x9E3779B97F4A7C15
     for v in values:
         h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
@@ -136,16 +137,25 @@ class CompactWeights:
     parameters in slices, others whole parameters. FP32 parameters (FP32 islands), frozen and unnamed ones are
     stepped as they are.
 
-    Random numbers are a function of ``(seed, steps, parameter name, element)``: independent of the chunking, and
-    repeated exactly by a resumed or rolled-back run.
+    Random numbers are a function of ``(seed, steps, parameter name, element)``: independent of the chunking and the
+    device, and repeated exactly by a resumed or rolled-back run.
+
+    ``fused``: exact ``torch.optim.Adam``/``AdamW`` groups (no ``amsgrad``) on BF16 parameters skip the FP32
+    stand-ins: one kernel compiled by ``torch.compile`` per parameter reads each 16-bit tensor once, does the same
+    arithmetic in registers and allocates nothing (:mod:`lit_mpstable.compact_fused`; the same random numbers, results
+    equal to the stand-ins' to FP32 rounding). ``None`` (default): on the CPU, falling back to the stand-ins with a
+    warning if compiling fails; ``True``: on any device (inductor's GPU kernels are not measured by this project
+    yet), and a failure to compile raises; ``False``: never (no compiler needed). The first fused step compiles
+    (seconds; inductor caches it on disk).
 
     Raises:
-        ValueError: ``mode``, ``seed`` or ``chunk_bytes`` is invalid, or an optimizer is not per-parameter (LBFGS).
+        ValueError: ``mode``, ``seed``, ``chunk_bytes`` or ``fused`` is invalid, or an optimizer is not
+            per-parameter (LBFGS).
     """
 
     def __init__(
         self, model: nn.Module, optimizers: Sequence[Optimizer], mode: CompactMode, *, seed: int = 0,
-        chunk_bytes: int | None = None,
+        chunk_bytes: int | None = None, fused: bool | None = None,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"CompactWeights(mode={mode!r}): mode must be one of {_MODES}.")
@@ -155,11 +165,18 @@ class CompactWeights:
                                         or chunk_bytes < 1):
             raise ValueError(
                 f"CompactWeights(chunk_bytes={chunk_bytes!r}): chunk_bytes must be a positive int (bytes of FP32"
-                " copies per optimizer call; at least one block of 65536 elements is stepped at a time) or None"
+                " copies per optimizer call; at least 4096 elements of a parameter are stepped at a time) or None"
                 " (4 MiB on the CPU, 256 MiB on accelerators)."
+            )
+        if fused is not None and not isinstance(fused, bool):
+            raise ValueError(
+                f"CompactWeights(fused={fused!r}): fused must be True (compiled Adam/AdamW steps on any device), False"
+                " (never) or None (on the CPU, when torch.compile works)."
             )
         self.mode: CompactMode = mode
         self.seed = seed
+        self.fused = fused
+        self._fused_failed = False
         self.chunk_bytes = chunk_bytes
         self.steps = 0  # step_ calls so far: part of every random key
         self._model = model
@@ -168,7 +185,7 @@ class CompactWeights:
         self._names: dict[int, str] = {}
         self._comp: dict[str, torch.Tensor] = {}
         self._unnamed: dict[int, torch.Tensor] = {}  # 16-bit but not the model's: stepped as they are
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._fused: FusedAdam | None = None  # built at the first fused step
         self._before: dict[int, dict[Any, Any]] = {}  # during step_: each parameter's state before it
         for optimizer in optimizers:
             if all(optimizer is not o for o in self._optimizers):
@@ -251,8 +268,9 @@ class CompactWeights:
         self.steps += 1
         self._before = {}
         groups, output = optimizer.param_groups, None
-        pieces = self._pieces(optimizer)
-        for chunk in self._chunks(pieces, self._budget(pieces[0].param.device) if pieces else 0):
+        pieces, fused = self._step_fused_(optimizer, self._pieces(optimizer), grad_multiplier, clip_value)
+        chunks = list(self._chunks(pieces, self._budget(pieces[0].param.device) if pieces else 0))
+        for chunk in chunks or ([[]] if fused else []):  # fused alone: one call for the hooks (empty groups)
             saved = [group["params"] for group in groups]
             entered: list[tuple[_Piece, torch.Tensor, torch.Tensor | None]] = []
             try:
@@ -277,6 +295,76 @@ class CompactWeights:
                 self._leave(optimizer, piece, proxy)
         self._before = {}
         return output
+
+    def _step_fused_(
+        self, optimizer: Optimizer, pieces: list[_Piece], multiplier: torch.Tensor | float | None, clip: float | None
+    ) -> tuple[list[_Piece], bool]:
+        """Step whole the parameters the fused kernel takes (it allocates nothing: slicing would only add calls);
+        returns the other pieces, in order, and whether any parameter was stepped."""
+        rest: list[_Piece] = []
+        stepped = False
+        scalars: dict[tuple[int, float, torch.device], torch.Tensor] = {}  # one small tensor per group, usually
+        for i, piece in enumerate(pieces):
+            p = piece.param
+            if piece.start != 0 and p.grad is None:  # a later slice of a parameter stepped whole
+                continue
+            if not self._fusable(optimizer, piece):
+                rest.append(piece)
+                continue
+            state = optimizer.state[p]
+            if not state:  # as torch's Adam initializes it, the moments in the parameter's dtype
+                scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                state["step"] = torch.tensor(0.0, dtype=scalar_dtype)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            key = (piece.group, float(state["step"]) + 1, p.device)
+            if key not in scalars:
+                mult = _multiplier_tensor(multiplier, p.device)
+                scalars[key] = FusedAdam.scalars(optimizer.param_groups[piece.group], key[1], mult, clip)
+            self._fused = FusedAdam() if self._fused is None else self._fused
+            comp = self._comp[piece.name].view(-1) if self.mode == "kahan" else None  # type: ignore[index]
+            try:
+                self._fused.step_(
+                    p.detach().view(-1), comp, p.grad.view(-1), state["exp_avg"].view(-1),
+                    state["exp_avg_sq"].view(-1), scalars[key], self._key(piece),
+                )
+            except Exception as error:  # compiling failed (no C++ compiler, an unsupported device...)
+                if self.fused is True:
+                    raise RuntimeError(
+                        f"CompactWeights(fused=True): the fused Adam step of {piece.name!r} failed: {error}"
+                    ) from error
+                self._fused_failed = True
+                warnings.warn(
+                    f"CompactWeights: the fused Adam step did not compile ({type(error).__name__}:"
+                    f" {str(error).strip().splitlines()[0] if str(error).strip() else ''}); stepping"
+                    " through FP32 copies instead (slower). Pass fused=False to skip the attempt.", stacklevel=3,
+                )
+                return rest + pieces[i:], stepped
+            state["step"] += 1
+            p.grad = None
+            stepped = True
+        return rest, stepped
+
+    def _fusable(self, optimizer: Optimizer, piece: _Piece) -> bool:
+        p, grad = piece.param, piece.param.grad
+        if (
+            self.fused is False or self._fused_failed or piece.name is None or p.dtype != torch.bfloat16
+            or (p.device.type != "cpu" and self.fused is not True)
+            or not FusedAdam.eligible(optimizer, optimizer.param_groups[piece.group])
+            or not p.is_contiguous() or grad is None or grad.layout != torch.strided or not grad.is_contiguous()
+            or grad.dtype != p.dtype
+        ):
+            return False
+        state = optimizer.state.get(p, {})
+        if not state:
+            return True
+        if set(state) != {"step", "exp_avg", "exp_avg_sq"} or not torch.is_tensor(state["step"]):
+            return False
+        step = state["step"]
+        return step.device.type == "cpu" and step.numel() == 1 and all(
+            type(state[k]) is torch.Tensor and state[k].dtype == p.dtype and state[k].shape == p.shape
+            and state[k].is_contiguous() for k in ("exp_avg", "exp_avg_sq")
+        )
 
     def _pieces(self, optimizer: Optimizer) -> list[_Piece]:
         non_castable = getattr(optimizer, "non_castable_tensor_keys", ())
@@ -310,8 +398,7 @@ class CompactWeights:
                 numel = p.numel()
                 size = numel
                 if sliceable and p.is_contiguous() and grad.layout == torch.strided and grad.is_contiguous():
-                    block = _block(p.device)
-                    size = max(block, self._budget(p.device) // per_element // block * block)
+                    size = max(_MIN_SLICE, self._budget(p.device) // per_element)
                 for start in range(0, numel, size):
                     stop = min(numel, start + size)
                     pieces.append(_Piece(gi, p, name, start, stop, (stop - start) * per_element))
@@ -397,22 +484,17 @@ class CompactWeights:
             p.grad = None
 
     def _round_(self, dst: torch.Tensor, src: torch.Tensor, piece: _Piece, noise: list[torch.Tensor]) -> None:
-        """Stochastic rounding of ``src`` (overwritten) into ``dst``. The uniform numbers are a function
-        of (seed, steps, parameter, element), drawn per block, and shared by the weight and its state tensors: each
-        is rounded without bias, for a third of the random numbers (~3 ns each on a CPU); their errors at one
+        """Stochastic rounding of ``src`` (overwritten) into ``dst``. The random numbers are
+        :func:`~lit_mpstable.compact_fused.noise_bits` of (seed, steps, parameter, element) and shared by the weight
+        and its state tensors: each is rounded without bias, for a third of the random numbers; their errors at one
         element are correlated, which changes only second-order terms (the ratio m / sqrt(v) even gains)."""
         if not noise:
-            device, block = src.device, _block(src.device)
-            generator = self._generators.get(device)
-            if generator is None:
-                generator = self._generators[device] = torch.Generator(device)
-            uniform = torch.empty(src.numel(), device=device)
-            key = zlib.crc32(piece.name.encode())  # type: ignore[union-attr]
-            for start in range(piece.start, piece.stop, block):
-                generator.manual_seed(_mix(self.seed, self.steps, key, start // block))
-                uniform[start - piece.start : start - piece.start + block].uniform_(generator=generator)
-            noise.append(_noise(uniform, piece.param.dtype))
+            noise.append(noise_bits(src.numel(), self._key(piece) + piece.start, src.device, piece.param.dtype))
         _round_stochastic_(dst, src, noise[0])
+
+    def _key(self, piece: _Piece) -> int:
+        # Hash of (seed, steps, parameter name): the random key of the parameter's element 0 at this step.
+        return _mix(self.seed, self.steps, zlib.crc32(piece.name.encode()))  # type: ignore[union-attr]
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -489,10 +571,6 @@ class CompactWeights:
         return report
 
 
-def _block(device: torch.device) -> int:
-    return _BLOCK_CPU if device.type == "cpu" else _BLOCK_ACCELERATOR
-
-
 def _per_element(key: Any, value: Any, param: torch.Tensor, non_castable: Any) -> bool:
     # Exactly what torch's Optimizer.load_state_dict casts to the parameter's dtype (floating, not "step"), unless the
     # optimizer opts out (bitsandbytes), and per element: so it is 16-bit between steps and round-trips bit for bit.
@@ -500,6 +578,12 @@ def _per_element(key: Any, value: Any, param: torch.Tensor, non_castable: Any) -
         type(value) is torch.Tensor and value.is_floating_point() and key != "step" and key not in non_castable
         and value.shape == param.shape
     )
+
+
+def _multiplier_tensor(multiplier: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
+    if isinstance(multiplier, torch.Tensor):
+        return multiplier.detach().to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(1.0 if multiplier is None else float(multiplier), dtype=torch.float32, device=device)
 
 
 def _transform(grad: torch.Tensor, multiplier: torch.Tensor | float | None, clip: float | None) -> torch.Tensor:

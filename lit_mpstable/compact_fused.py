@@ -1,0 +1,164 @@
+"""One compiled pass per parameter for CompactWeights' Adam and AdamW steps, instead of FP32 copies of everything.
+
+The generic path (:class:`~lit_mpstable.compact.CompactWeights` stepping FP32 stand-ins) reads and writes each
+tensor several times and runs the optimizer's own ~10 passes in FP32. Here one kernel, compiled by
+``torch.compile`` (inductor), reads the 16-bit weight, compensation, gradient and moments once, does torch's Adam
+arithmetic in FP32 (the same operations in the same order), and writes them back: the weight and its compensation
+rounded to nearest (``"kahan"``) or the weight stochastically rounded (``"stochastic"``), the moments stochastically
+rounded. The random bits are :func:`hash32` of the element index and a per-step key, the very numbers the generic
+path draws, and the rounding is its rounding but for ties (:func:`_round_stochastic_bf16`). Nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["FusedAdam", "hash32", "noise_bits"]
+
+# 0x846CA68B as a signed 32-bit integer: the hash runs on int32 tensors with wrapping arithmetic.
+_M1, _M2 = 0x7FEB352D, 0x846CA68B - 2**32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' ``lowbias32`` of every element of an int32 tensor (wrapping multiplication; the logical right
+    shifts are arithmetic ones masked): a bijection of 32-bit words whose output bits each flip with probability
+    ~1/2 when one input bit does. Eager and compiled code give the same words."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _M1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _M2
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def noise_bits(numel: int, offset: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The random numbers of ``numel`` elements whose keys are ``offset, offset + 1, ...`` (mod 2**32): for BF16, 16
+    random bits per element (int32 in [0, 65536)); for FP16, uniform FP32 numbers in [0, 1) with 24 random bits."""
+    words = hash32(torch.arange(numel, dtype=torch.int32, device=device).add_(_signed32(offset)))
+    if dtype == torch.bfloat16:
+        return words.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
+    return words.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(2.0**-24)
+
+
+def _signed32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - 2**32 if value >= 2**31 else value
+
+
+_SPLIT = float(2**23 + 1)  # Veltkamp's constant that rounds an FP32 number to one significant bit
+_BIG = 2.0**103  # beyond it a * _SPLIT would overflow: such values are rounded to nearest
+
+
+def _round_stochastic_bf16(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """FP32 ``x`` stochastically rounded to BF16 with the 16 random bits ``k`` (an FP32 tensor holding k - 32767):
+    bit for bit ``lit_mpstable.compact._round_stochastic_`` (adding k to the low half of x's bits and truncating),
+    in float arithmetic a compiled kernel keeps vectorized (its bit casts are not, beside BF16 data), except that a
+    tie (one draw in 65536 for each x) rounds to even and that ``|x| >= 2**103`` rounds to nearest.
+
+    With ``e = 2**floor(log2 |x|)`` and FP32's spacing ``d = e * 2**-23`` there, ``y = |x| + (k - 32767) d`` is exact
+    and sits within half a BF16 spacing (``2**16 d``) of the value the bit trick picks, so rounding y to nearest picks
+    it; ``y >= e`` keeps y out of the finer grid below e; subnormals have d = 2**-149.
+    """
+    a = x.abs()
+    clamped = torch.clamp(a, max=_BIG)
+    t = clamped * _SPLIT
+    p = t - (t - clamped)  # a to one significant bit: e or 2e
+    e = torch.where(p > a, p * 0.5, p)
+    y = torch.maximum(a + k * torch.clamp(e * 2.0**-23, min=2.0**-149), e)
+    return torch.copysign(y, x).to(torch.bfloat16)
+
+
+def _adam_kernel(
+    w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+    scalars: torch.Tensor, key: torch.Tensor,
+) -> None:
+    # torch's _single_tensor_adam, operation for operation, on FP32 values of the 16-bit tensors. scalars: gradient
+    # multiplier (negative to maximize: the clip is symmetric), clip, 1 - lr * wd (AdamW; else 1), wd (Adam's L2; else
+    # 0), 1 - beta1, beta2, 1 - beta2, sqrt(bias correction 2), eps, -lr / bias correction 1. Tensors, not Python
+    # numbers: one graph serves every group and step (multiplying by 1 and adding 0 are exact).
+    value = w.float() + comp.float() if comp is not None else w.float()
+    grad = (g.float() * scalars[0]).clamp(-scalars[1], scalars[1])
+    value = value * scalars[2]
+    grad = grad + value * scalars[3]
+    exp_avg = torch.lerp(m.float(), grad, scalars[4])
+    exp_avg_sq = v.float() * scalars[5] + scalars[6] * grad * grad
+    denom = exp_avg_sq.sqrt() / scalars[7] + scalars[8]
+    value = value + scalars[9] * exp_avg / denom
+    index = torch.arange(w.numel(), device=w.device, dtype=torch.int32)
+    k = ((hash32(index + key) >> 16) & 0xFFFF).float() - 32767.0  # shared by weight and moments, as eagerly
+    if comp is not None:
+        rounded = value.to(w.dtype)
+        w.copy_(rounded)
+        comp.copy_((value - rounded.float()).to(comp.dtype))  # needs emulate_precision_casts: the rounding is real
+    else:
+        w.copy_(_round_stochastic_bf16(value, k))
+    m.copy_(_round_stochastic_bf16(exp_avg, k))
+    v.copy_(_round_stochastic_bf16(exp_avg_sq, k))
+
+
+class FusedAdam:
+    """The compiled step of one BF16 parameter for exact ``torch.optim.Adam``/``AdamW`` groups.
+
+    :meth:`eligible` says whether a group can take it (no ``amsgrad``, ``capturable``, ``differentiable``);
+    :meth:`step_` runs it. The kernel is compiled once per mode (and once more for one-element parameters), with
+    dynamic sizes: learning-rate schedules, steps and parameter sizes cause no recompilation.
+    """
+
+    # A call this long compiled (a warm call takes microseconds to milliseconds): said once, so a pause is explained.
+    SLOW_S = 5.0
+
+    def __init__(self) -> None:
+        self._kernel: Callable[..., None] = torch.compile(
+            _adam_kernel, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+        )
+        self._said_slow = False
+
+    @staticmethod
+    def eligible(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+        return (
+            type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+            and not group.get("amsgrad", False) and not group.get("capturable", False)
+            and not group.get("differentiable", False)
+        )
+
+    @staticmethod
+    def scalars(
+        group: dict[str, Any], step: float, multiplier: torch.Tensor, clip: float | None
+    ) -> torch.Tensor:
+        """The kernel's scalars for one parameter at optimizer step ``step`` (already incremented), computed in
+        Python floats as torch's single-tensor Adam does; ``multiplier`` is a 0-d FP32 tensor (no host read)."""
+        lr = float(group["lr"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        weight_decay, eps = float(group["weight_decay"]), float(group["eps"])
+        decoupled = bool(group.get("decoupled_weight_decay", False))
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        values = torch.tensor([
+            -1.0 if group.get("maximize", False) else 1.0, float("inf") if clip is None else float(clip),
+            (1 - lr * weight_decay) if decoupled else 1.0, 0.0 if decoupled else weight_decay,
+            1 - beta1, beta2, 1 - beta2, bias_correction2**0.5, eps, -(lr / bias_correction1),
+        ], dtype=torch.float32, device=multiplier.device)
+        values[0] *= multiplier
+        return values
+
+    def step_(
+        self, w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+        scalars: torch.Tensor, offset: int,
+    ) -> None:
+        """Step flat tensors in place: ``w`` and ``comp`` (``None`` for ``"stochastic"``), moments ``m`` and ``v``,
+        from gradient ``g`` (:meth:`scalars` says the rest); ``offset`` is the random key of the first element.
+        Nothing is allocated: every value lives in the kernel's registers."""
+        start = time.perf_counter()
+        self._kernel(w, comp, g, m, v, scalars, torch.tensor(_signed32(offset), dtype=torch.int32, device=w.device))
+        elapsed = time.perf_counter() - start
+        if elapsed > self.SLOW_S and not self._said_slow:
+            self._said_slow = True
+            warnings.warn(
+                f"lit_mpstable: compiling CompactWeights' fused Adam kernel took {elapsed:.0f} s; inductor caches it on"
+                " disk, so later runs start in seconds (CompactWeights(fused=False) steps without compiling).",
+                stacklevel=4,
+            )

@@ -1,0 +1,224 @@
+"""CompactWeights' fused Adam/AdamW step (lit_mpstable.compact_fused) against the generic path through FP32 copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import lit_mpstable.compact_fused as fused_module
+from lit_mpstable.compact import CompactWeights
+from lit_mpstable.compact_fused import FusedAdam, _adam_kernel, hash32, noise_bits
+
+MODES = ["kahan", "stochastic"]
+
+
+def _lowbias32(x: int) -> int:
+    # The reference, on Python integers (unbounded, masked to 32 bits): Chris Wellons' lowbias32.
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_the_hash_is_lowbias32_eagerly_and_compiled() -> None:
+    offsets = [0, 12345, 2**31 - 5, 2**32 - 3]  # wrapping past int32's top and past 2**32
+    n = 37  # not a multiple of any vector width: the compiled loop's tail too
+    for offset in offsets:
+        expected = [(_lowbias32(offset + i) >> 16) & 0xFFFF for i in range(n)]
+        assert noise_bits(n, offset, torch.device("cpu"), torch.bfloat16).tolist() == expected
+        fp16 = noise_bits(n, offset, torch.device("cpu"), torch.float16)
+        assert fp16.tolist() == [((_lowbias32(offset + i) >> 8) & 0xFFFFFF) * 2.0**-24 for i in range(n)]
+    signed = torch.tensor([v - 2**32 if v >= 2**31 else v for v in (0, 1, 2**31 - 1, 2**31, 2**32 - 1)],
+                          dtype=torch.int32)
+    compiled = torch.compile(hash32, dynamic=True)(signed)
+    assert [w & 0xFFFFFFFF for w in compiled.tolist()] == [_lowbias32(v) for v in (0, 1, 2**31 - 1, 2**31, 2**32 - 1)]
+    # The bits are uniform: each of the 16 is set in half of 2**16 consecutive keys (a chi-square-free check).
+    bits = noise_bits(2**16, 99, torch.device("cpu"), torch.bfloat16)
+    ones = torch.stack([(bits >> b) & 1 for b in range(16)]).sum(1).double() / 2**16
+    assert bool(((ones - 0.5).abs() < 0.01).all()), ones
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 300)  # 19200 weights: several slices at chunk_bytes=2**16
+        self.b = nn.Linear(300, 8)
+        self.scale = nn.Parameter(torch.ones(1))  # a one-element parameter: its own compiled variant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) * self.scale
+
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1),
+    "adam_l2": lambda params: torch.optim.Adam(params, lr=3e-3, weight_decay=0.05),
+    "adam_maximize": lambda params: torch.optim.Adam(params, lr=3e-3, betas=(0.8, 0.99), maximize=True),
+    "adamw_tensor_lr": lambda params: torch.optim.AdamW(params, lr=torch.tensor(2e-3), fused=True),
+}
+
+
+def _run(mode: str, name: str, fused: bool | None, steps: int = 4, chunk_bytes: int | None = None):
+    torch.manual_seed(0)
+    model = _Net().bfloat16()
+    opt = OPTIMIZERS[name](model.parameters())
+    cw = CompactWeights(model, [opt], mode, seed=3, fused=fused, chunk_bytes=chunk_bytes)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(16, 64, generator=g).bfloat16()
+        (model(x).float().square().mean()).backward()
+        cw.step_(opt, grad_multiplier=torch.tensor(0.5), clip_value=0.02 if step == 1 else None)
+    return model, opt, cw
+
+
+def _values(model: nn.Module, cw: CompactWeights) -> dict[str, torch.Tensor]:
+    comp = cw.state_dict()["compensation"]
+    return {n: p.detach().double() + (comp[n].double() if n in comp else 0) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_fused_matches_the_fp32_copies(mode: str, name: str) -> None:
+    model, opt, cw = _run(mode, name, fused=None)
+    ref_model, ref_opt, ref_cw = _run(mode, name, fused=False)
+    assert cw._fused is not None and ref_cw._fused is None  # each took its own path
+    # Eager torch computes lerp with a fused multiply-add, the kernel with two roundings: FP32 moments an ulp apart
+    # now and then; a rounding tie goes to even in the kernel (one draw in 65536). Either shows in a Kahan
+    # compensation (8 more bits) or flips a stochastic rounding, and a flipped moment changes that element's later
+    # updates by 2**-8 of themselves. So: nearly all bits equal, and the rest within a small fraction of the distance
+    # the weights moved (4 steps of at most ~lr each), or a BF16 ulp or two for stochastically rounded weights.
+    got, expected = _values(model, cw), _values(ref_model, ref_cw)
+    for pname, value in expected.items():
+        diff = (got[pname] - value).abs()
+        assert (diff == 0).double().mean() >= 0.98, pname
+        bound = 2.0**-10 * 4 * 3e-3 + (2.0**-6 if mode == "stochastic" else 2.0**-20) * value.abs()
+        assert bool((diff <= bound).all()), (pname, diff.max())
+    for p, ref_p in zip(model.parameters(), ref_model.parameters()):
+        state, ref_state = opt.state[p], ref_opt.state[ref_p]
+        assert state.keys() == ref_state.keys() and torch.equal(state["step"], ref_state["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].dtype == torch.bfloat16
+            a, b = state[key].double(), ref_state[key].double()
+            assert (a == b).double().mean() >= 0.98, key
+            # The gradients come from the weights, so a moment near zero may move more than an ulp: bound by the scale.
+            assert (a - b).abs().max() <= 2.0**-6 * b.abs().max(), key
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_slices_resume_and_recompile_nothing(mode: str) -> None:
+    # Slicing changes nothing bit for bit (an elementwise kernel; random numbers keyed by element).
+    sliced, _, sliced_cw = _run(mode, "adamw", fused=None, chunk_bytes=2**16)
+    whole, _, whole_cw = _run(mode, "adamw", fused=None)
+    for (n, a), b in zip(sliced.named_parameters(), whole.parameters()):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), n
+    # Learning rates, steps, multipliers and slice lengths are tensors or dynamic sizes: no graph after the first.
+    torch.manual_seed(0)
+    model = _Net().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    cw = CompactWeights(model, [opt], mode, chunk_bytes=2**16)
+    compiled = []
+    for step in range(5):
+        model(torch.randn(4, 64).bfloat16()).float().sum().backward()
+        cw.step_(opt, grad_multiplier=1.0 / (step + 1))
+        schedule.step()  # would warn if optimizer.step had not been called
+        compiled.append(counters["stats"]["unique_graphs"])
+    assert compiled[1:] == [compiled[0]] * 4, compiled
+
+
+def test_a_kernel_that_cannot_compile_falls_back_with_a_warning(monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(fused_module.torch, "compile", lambda fn, **kwargs: broken)
+    with pytest.warns(UserWarning, match="did not compile .*no C\\+\\+ compiler.*fused=False"):
+        model, _, cw = _run("kahan", "adamw", fused=None)
+    ref_model, _, _ = _run("kahan", "adamw", fused=False)
+    assert cw._fused_failed
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    with pytest.raises(RuntimeError, match=r"fused=True.*'scale'.*no C\+\+ compiler"):
+        _run("kahan", "adamw", fused=True)
+
+
+def test_what_the_kernel_does_not_take_goes_through_fp32_copies() -> None:
+    torch.manual_seed(0)
+    model = _Net().bfloat16()
+    model.b.float()  # an FP32 island: stepped as it is
+    amsgrad = torch.optim.AdamW([model.a.weight], lr=1e-3, amsgrad=True)
+    plain = torch.optim.AdamW([model.a.bias, model.b.weight, model.b.bias, model.scale], lr=1e-3)
+    cw = CompactWeights(model, [amsgrad, plain], "kahan")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    island = model.b.weight.detach().clone()
+    cw.step_(amsgrad)
+    cw.step_(plain)
+    assert set(amsgrad.state[model.a.weight]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    assert amsgrad.state[model.a.weight]["max_exp_avg_sq"].dtype == torch.bfloat16
+    assert plain.state[model.b.weight]["exp_avg"].dtype == torch.float32 and not torch.equal(model.b.weight, island)
+    assert cw._fused is not None  # a.bias and scale took the kernel
+
+
+def _bit_trick(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    # The generic path's rounding, written out: 16 random bits added to the low half of FP32's bits, then truncated.
+    return ((x.clone().view(torch.int32) + k) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def test_the_kernels_rounding_is_the_bit_trick_but_for_ties() -> None:
+    g = torch.Generator().manual_seed(0)
+    n = 400_000
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-149, 103, (n,), generator=g).float())
+    # Binade edges (a power of two and its FP32 neighbours), subnormals, zeros, infinities, NaN.
+    edges = torch.exp2(torch.randint(-149, 103, (50_000,), generator=g).float())
+    x[:50_000] = edges * (1 + torch.randint(-3, 4, (50_000,), generator=g).float() * 2.0**-23)
+    x[50_000:50_010] = torch.tensor([0.0, -0.0, 1e-45, -3e-39, 2.0**-126, float("inf"), -float("inf"),
+                                     float("nan"), 3.3e30, -1.9960938])
+    x[50_010:60_000] = -x[50_010:60_000]
+    k = torch.randint(0, 65536, (n,), dtype=torch.int32, generator=g)
+    expected = _bit_trick(x, k)
+    tie = ((x.view(torch.int32) & 0xFFFF) + k) == 0xFFFF  # x + (k - 32767) ulps is halfway: round half to even
+    assert 0 < int(tie.sum()) < 20
+    for got in (fused_module._round_stochastic_bf16(x, k.float() - 32767.0),
+                torch.compile(fused_module._round_stochastic_bf16, dynamic=True)(x, k.float() - 32767.0)):
+        same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+        assert bool(same[~tie].all()), x[~same & ~tie][:5]
+        assert bool(((got.float() - expected.float()).abs()[tie] <= expected.float().abs()[tie] * 2.0**-7).all())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_compiled_kernel_computes_what_the_eager_one_does(mode: str) -> None:
+    # The kernel's torch code run eagerly (every cast rounding for real) against inductor's C++: the same bits but
+    # where eager lerp's fused multiply-add differs by an FP32 ulp (and a compensation or rounding with it), so the
+    # compiler kept every rounding (emulate_precision_casts) and reordered nothing that matters.
+    g = torch.Generator().manual_seed(2)
+    n = 10_007
+    def tensors():
+        w = torch.randn(n, generator=g).bfloat16()
+        return [w, (w.float() * 2.0**-9).bfloat16() if mode == "kahan" else None, torch.randn(n, generator=g).bfloat16(),
+                (torch.randn(n, generator=g) * 0.1).bfloat16(), (torch.rand(n, generator=g) * 0.01).bfloat16()]
+    eager = tensors()
+    g.manual_seed(2)
+    compiled = tensors()
+    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "decoupled_weight_decay": True}
+    scalars = FusedAdam.scalars(group, 3.0, torch.tensor(0.5), 1.0)
+    key = torch.tensor(-12345, dtype=torch.int32)
+    _adam_kernel(*eager, scalars, key)
+    FusedAdam()._kernel(*compiled, scalars, key)
+    weight = eager[0].double().abs()
+    for a, b in zip(eager, compiled):
+        if a is None:
+            continue
+        assert (a == b).double().mean() > 0.999
+        # An ulp of itself, or (a compensation near zero) an FP32 ulp of the weight it completes.
+        assert bool(((a.double() - b.double()).abs() <= 2.0**-7 * a.double().abs() + 2.0**-22 * weight).all())
+    assert not torch.equal(eager[0], tensors()[0])  # it did step
+
+
+def test_bad_fused_argument_is_named() -> None:
+    model = _Net().bfloat16()
+    with pytest.raises(ValueError, match=r"fused='yes'.*True .*False .*None"):
+        CompactWeights(model, [torch.optim.AdamW(model.parameters())], "kahan", fused="yes")
