@@ -108,8 +108,9 @@ class FusedAdam:
     dynamic sizes: learning-rate schedules, steps and parameter sizes cause no recompilation.
     """
 
-    # A call this long compiled (a warm call takes microseconds to milliseconds): said once, so a pause is explained.
-    SLOW_S = 5.0
+    # A call this long compiled (a warm call takes microseconds to milliseconds, loading the kernel from inductor's
+    # disk cache ~2-5 s on a busy 2-core machine, compiling it cold 20-30 s): said once, so a pause is explained.
+    SLOW_S = 15.0
 
     def __init__(self) -> None:
         self._kernel: Callable[..., None] = torch.compile(
@@ -158,7 +159,8 @@ class FusedAdam:
         if elapsed > self.SLOW_S and not self._said_slow:
             self._said_slow = True
             warnings.warn(
-                f"lit_mpstable: compiling CompactWeights' fused Adam kernel took {elapsed:.0f} s; inductor caches it on"
-                " disk, so later runs start in seconds (CompactWeights(fused=False) steps without compiling).",
+                f"lit_mpstable: the first fused Adam step of master_weights='kahan'/'stochastic' took {elapsed:.0f} s:"
+                " inductor compiled its kernel, which it keeps on disk, so later runs load it in seconds"
+                " (lit_mpstable.compact.CompactWeights(fused=False) steps without compiling).",
                 stacklevel=4,
             )

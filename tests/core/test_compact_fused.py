@@ -145,6 +145,14 @@ def test_a_kernel_that_cannot_compile_falls_back_with_a_warning(monkeypatch) -> 
         _run("kahan", "adamw", fused=True)
 
 
+def test_a_slow_first_call_is_explained_once(monkeypatch) -> None:
+    # A call longer than SLOW_S compiled: said once per object, with the way out (a negative limit makes each slow).
+    monkeypatch.setattr(FusedAdam, "SLOW_S", -1.0)
+    with pytest.warns(UserWarning, match="first fused Adam step.*compiled its kernel.*fused=False") as record:
+        _run("stochastic", "adamw", fused=None)
+    assert sum("first fused Adam step" in str(w.message) for w in record) == 1
+
+
 def test_what_the_kernel_does_not_take_goes_through_fp32_copies() -> None:
     torch.manual_seed(0)
     model = _Net().bfloat16()
