@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable._validate import bool_arg, choice_arg, int_arg
+from lit_mpstable.attribution import any_nonfinite
 from lit_mpstable.fp8 import FP8Config, fp8_config
 from lit_mpstable.islands import FP32Islands
 from lit_mpstable.layout import PrecisionLayout
@@ -383,7 +384,7 @@ class PrecisionStepper:
         device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
         tensors = _floating_tensors(data)
         if tensors:
-            flag = torch.stack([~torch.isfinite(t).all() for t in tensors]).any()
+            flag = any_nonfinite(tensors)
             self._input_nonfinite = flag if self._input_nonfinite is None else self._input_nonfinite | flag
         if not self.true_16bit:
             return data

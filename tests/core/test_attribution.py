@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from helpers import TinyMLP, inject_overflow, regression_data
-from lit_mpstable.attribution import OverflowTracer, nonfinite_grad_params, trace_nonfinite
+from lit_mpstable.attribution import OverflowTracer, any_nonfinite, nonfinite_grad_params, trace_nonfinite
 
 
 def _backward(model: nn.Module, scale: float = 1.0) -> None:
@@ -119,3 +119,19 @@ def test_a_nonfinite_input_batch_is_reported_as_such_and_no_layer_is_blamed():
     with trace_nonfinite(model) as clean:
         model(torch.randn(4, 16)).sum()
     assert not clean.nonfinite_input
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_any_nonfinite_finds_one_bad_element_anywhere_as_isfinite_does(dtype):
+    g = torch.Generator().manual_seed(0)
+    for shape in [(), (1,), (7, 13), (3, 5, 4)]:
+        clean = torch.randn(shape, generator=g).to(dtype)
+        assert not bool(any_nonfinite([clean, torch.empty(0, dtype=dtype)]))
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for index in range(clean.numel()):
+                t = clean.clone()
+                t.view(-1)[index] = bad
+                got = any_nonfinite([clean, t])
+                assert got.shape == () and got.dtype == torch.bool
+                assert bool(got) == bool((~torch.isfinite(t)).any()), (shape, bad, index)
+    assert not bool(any_nonfinite([])) and not bool(any_nonfinite([torch.empty(0, 3, dtype=dtype)]))
