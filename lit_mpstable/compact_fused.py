@@ -108,8 +108,8 @@ class FusedAdam:
     dynamic sizes: learning-rate schedules, steps and parameter sizes cause no recompilation.
     """
 
-    # A call this long compiled (a warm call takes microseconds to milliseconds, loading the kernel from inductor's
-    # disk cache ~2-5 s on a busy 2-core machine, compiling it cold 20-30 s): said once, so a pause is explained.
+    # A call this long compiled (a warm call takes microseconds to milliseconds; the first call of a run traces and
+    # loads the kernel from inductor's disk cache in ~6 s on a 2-core CPU, compiles it cold in 18-20 s): said once.
     SLOW_S = 15.0
 
     def __init__(self) -> None:
