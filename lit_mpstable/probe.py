@@ -63,7 +63,8 @@ def measure(
     Call it after the backward and the stepper's ``unscale_``, before ``step``: the run's gradients are then the
     true ones (scaled backward, unscaled; the FP32 masters where there are any: :meth:`PrecisionStepper.named_grads`).
     The FP32 reference runs on a deep copy of ``module``: FP8 layers back to ``nn.Linear``, everything cast to FP32,
-    the FP32 masters as weights where they exist (else the weights upcast), floating inputs upcast, autocast off.
+    the FP32 masters as weights where they exist (with master_weights="kahan" the 16-bit weights plus their
+    compensation; else the weights upcast), floating inputs upcast, autocast off.
     Nothing of the run is touched: not ``.grad``, the optimizer, the module's state (BatchNorm statistics, Python
     attributes a ``loss_fn`` changes: they change on the copy), the FP8 scaling state, nor the RNG stream (forked;
     each pass starts from ``start``'s RNG state, so dropout draws the step's masks).
@@ -144,17 +145,22 @@ def _fp32_grads(
     stepper: PrecisionStepper, module: nn.Module, loss_fn: LossFn, batch: Any, names: Sequence[str],
     start: dict[str, Any], device: torch.device,
 ) -> list[torch.Tensor | None]:
-    """FP32 gradients of ``names`` on a copy of ``module``: no FP8, FP32 weights (the masters where they exist)."""
+    """FP32 gradients of ``names`` on a copy of ``module``: no FP8, FP32 weights (the masters where they exist, the
+    compensated values of ``master_weights='kahan'``)."""
     memo: dict[int, Any] = {}
     reference = copy.deepcopy(module, memo)
     convert_from_fp8(reference)
     reference.float()
     params = dict(reference.named_parameters())
-    if stepper.master is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if stepper.master is not None:
             for name, master, _ in stepper.master.named_pairs():
                 if name in params:
                     params[name].copy_(master)
+        if stepper.compact is not None:  # master_weights='kahan': a weight is its 16-bit part plus its compensation
+            for name, _, compensation in stepper.compact.named_buffers():
+                if compensation is not None and name in params:
+                    params[name].add_(compensation.float())
     islands = memo.get(id(stepper.islands))  # the copy's FP32 islands: in *-true modes they cast outputs to 16 bits
     if islands is not None:
         islands.output_dtype = None

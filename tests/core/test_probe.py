@@ -125,6 +125,55 @@ def test_the_reference_weights_are_the_fp32_masters() -> None:
     assert optimizer.state == {}
 
 
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_with_compact_weights_the_reference_weights_are_the_compensated_values(mode: str) -> None:
+    # master_weights='kahan': a weight's value is its BF16 part plus its compensation, which the FP32 reference must
+    # use; 'stochastic': the BF16 weights are the values. The run's gradients are the BF16 parameters' own.
+    stepper, model = _setup("bf16-true", master_weights=mode)
+    loss_fn = _mse()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stepper.setup_optimizers(model, [optimizer])
+    for _ in range(3):  # a few steps, so compensation holds something
+        with stepper.forward_context():
+            loss = loss_fn(model, (stepper.convert_input(X), Y))
+        stepper.scale_loss(loss).backward()
+        stepper.unscale_(optimizer)
+        stepper.step(optimizer)
+    comp = stepper.compact.state_dict()["compensation"]
+    assert (mode == "kahan") == bool(comp) and all(bool(c.any()) for c in comp.values())
+    with stepper.forward_context():
+        loss = loss_fn(model, (stepper.convert_input(X), Y))
+    stepper.scale_loss(loss).backward()
+    stepper.unscale_(optimizer)
+    run = {n: p.grad for n, p in model.named_parameters()}
+    fp32 = TinyMLP()
+    fp32.load_state_dict({n: p.detach().float() + (comp[n].float() if n in comp else 0)
+                          for n, p in model.named_parameters()})
+    batch = (stepper.convert_input(X), Y)
+    expected = _expected(run, _fp32_grads(fp32, loss_fn, batch))
+    result = measure(stepper, model, loss_fn, batch)
+    assert result["rel_error"] == pytest.approx(expected["rel_error"], rel=1e-9)
+    if mode == "kahan":
+        upcast = _expected(run, _fp32_grads(model, loss_fn, batch))
+        assert abs(upcast["rel_error"] - expected["rel_error"]) > 1e-6  # the test can tell the two apart
+
+
+def test_recompute_runs_the_op_policy_the_step_ran() -> None:
+    # op_policy={'matmul': 'fp32'}: the step's linears compute in FP32 under bf16-mixed. The recomputed run gradient
+    # follows the policy, so it reads what the step's own gradient reads; without the policy (plain autocast) the
+    # error would be BF16's, orders of magnitude larger.
+    stepper, model = _setup("bf16-mixed", op_policy={"matmul": "fp32"})
+    loss_fn = _mse()
+    _backward(stepper, model, loss_fn)
+    own = measure(stepper, model, loss_fn, (X, Y))
+    recomputed = measure(stepper, model, loss_fn, (X, Y), recompute=True)
+    assert recomputed["rel_error"] == pytest.approx(own["rel_error"], rel=1e-6, abs=1e-12)
+    plain, plain_model = _setup("bf16-mixed")
+    plain_model.load_state_dict(model.state_dict())
+    _backward(plain, plain_model, loss_fn)
+    assert measure(plain, plain_model, loss_fn, (X, Y))["rel_error"] > 100 * own["rel_error"]
+
+
 def test_fp32_islands_of_a_true_16bit_run_stay_fp32_in_the_reference() -> None:
     # In bf16-true an FP32 island's output goes back to BF16 for the next layer; the FP32 reference must not do that.
     stepper, model = _setup("bf16-true", fp32_modules=["fc2"])
