@@ -111,6 +111,18 @@ class _CountingPlugin(StablePrecision):
         return super().loss_scale
 
 
+@pytest.mark.parametrize("with_fallback", [False, True])
+def test_overflow_monitor_recommends_precision_fallback_only_when_it_is_not_installed(with_fallback: bool) -> None:
+    callbacks = [OverflowMonitor(window=4)] + ([PrecisionFallback(mode="module")] if with_fallback else [])
+    trainer = make_trainer(StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**10)),
+                           max_steps=8, log_every_n_steps=2, callbacks=callbacks)
+    with pytest.warns(UserWarning, match="OverflowMonitor at step 4") as record:
+        trainer.fit(PoisonModule(inf_grad_steps={1, 5}, n=128))
+    said = " ".join(str(w.message) for w in record if "OverflowMonitor at step" in str(w.message))
+    assert ("consider PrecisionFallback" in said) is not with_fallback
+    assert ("PrecisionFallback is installed" in said) is with_fallback
+
+
 def test_overflow_monitor_logs_every_metric_to_loggers_and_progress_bar(tmp_path) -> None:
     CSVLogger = pl.loggers.CSVLogger
 

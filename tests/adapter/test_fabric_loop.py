@@ -228,3 +228,36 @@ def test_ddp_an_inf_on_one_rank_makes_both_ranks_skip(precision: str, tmp_path: 
     assert ranks[0]["scale"] == ranks[1]["scale"] == (2.0**15 if precision == "16-mixed" else 1.0)
     for name, value in ranks[0]["params"].items():
         assert torch.equal(ranks[1]["params"][name], value), name
+
+
+# ------------------------------------------------------------------------------------ the probe
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_probe_measures_a_fabric_loop_through_its_stepper(recompute: bool) -> None:
+    # lit_mpstable.probe.measure on the Fabric plugin's stepper: FP16 without scaling at a loss weight of 2**-14 flushes
+    # part of the gradients; its reading equals a hand count against an FP32 copy, and training is left as it was.
+    from lit_mpstable.probe import forward_state, measure
+
+    plugin = StablePrecision("16-mixed", scaler=None)
+    fabric = fabric_of(plugin)
+    torch.manual_seed(0)
+    raw = TinyMLP()
+    model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
+    batch = regression_data(16)
+
+    def loss_fn(module: torch.nn.Module, b) -> torch.Tensor:
+        return F.mse_loss(module(b[0]).float(), b[1]) * 2.0**-14
+
+    start = forward_state(plugin.stepper)
+    fabric.backward(loss_fn(model, batch))
+    run = {n: p.grad.clone() for n, p in raw.named_parameters()}
+    reference = TinyMLP()
+    reference.load_state_dict(raw.state_dict())
+    names, params = zip(*reference.float().named_parameters())
+    expected = dict(zip(names, torch.autograd.grad(loss_fn(reference, batch), params)))
+    result = measure(plugin.stepper, raw, loss_fn, batch, start=start, recompute=recompute, step=0)
+    g = torch.cat([run[n].double().flatten() for n in names])
+    r = torch.cat([expected[n].double().flatten() for n in names])
+    assert result["underflow_frac"] == pytest.approx(((g == 0) & (r != 0)).sum().item() / (r != 0).sum().item())
+    assert 0.05 < result["underflow_frac"] < 1.0 and result["recomputed"] is recompute
+    assert all(torch.equal(p.grad, run[n]) for n, p in raw.named_parameters())  # the run's gradients untouched
+    optimizer.step()
