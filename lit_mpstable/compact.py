@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.compact_fused import FusedAdam, noise_bits
+from lit_mpstable.compact_fused import FusedAdam, host_to_device, noise_bits
 
 __all__ = ["CompactMode", "CompactWeights", "quantized_state_classes", "stochastic_round"]
 
@@ -145,8 +145,9 @@ class CompactWeights:
     arithmetic in registers and allocates nothing (:mod:`lit_mpstable.compact_fused`; the same random numbers, results
     equal to the stand-ins' to FP32 rounding). ``None`` (default): on the CPU, falling back to the stand-ins with a
     warning if compiling fails; ``True``: on any device (inductor's GPU kernels are not measured by this project
-    yet), and a failure to compile raises; ``False``: never (no compiler needed). The first fused step compiles
-    (seconds; inductor caches it on disk).
+    yet), and a failure to compile raises; ``False``: never (no compiler needed). The first fused step of a run
+    compiles (18-20 s on a 2-core CPU, ~6 s from inductor's disk cache). An optimizer with step hooks (its own or
+    global ones) is not fused: its hooks see the step inside ``optimizer.step()``, on the stand-ins.
 
     Raises:
         ValueError: ``mode``, ``seed``, ``chunk_bytes`` or ``fused`` is invalid, or an optimizer is not
@@ -243,10 +244,12 @@ class CompactWeights:
 
         Gradients are cast to FP32, multiplied by ``grad_multiplier`` (fold loss-scale unscaling and clip-by-norm
         into it), then clamped to ``[-clip_value, clip_value]``. Parameters without a gradient are skipped, as the
-        optimizer would (none with one: the optimizer is not called). Afterwards every stepped parameter's gradient is None (freed chunk by chunk). The optimizer
-        is called once per chunk (its step hooks too). If it raises, the chunks before stay stepped, and the failing
-        chunk's parameters, gradients and per-element state are unchanged. Skipping a step (inf/NaN) is the
-        caller's decision: then do not call this.
+        optimizer would (none with one: the optimizer is not called). Afterwards every stepped parameter's gradient
+        is None (freed chunk by chunk). The optimizer is called once per chunk (its step hooks too); parameters the
+        fused kernel stepped are out of its groups, and with them alone it is called once with empty groups (what
+        counts its steps, an LR scheduler, still sees one). If it raises, the chunks before stay stepped, and the
+        failing chunk's parameters, gradients and per-element state are unchanged. Skipping a step (inf/NaN) is
+        the caller's decision: then do not call this.
 
         Raises:
             ValueError: the optimizer is not bound, a closure is given (it would run once per chunk), or
@@ -301,6 +304,8 @@ class CompactWeights:
     ) -> tuple[list[_Piece], bool]:
         """Step whole the parameters the fused kernel takes (it allocates nothing: slicing would only add calls);
         returns the other pieces, in order, and whether any parameter was stepped."""
+        if _has_step_hooks(optimizer):  # they must see the step happen inside optimizer.step(), on its parameters
+            return pieces, False
         rest: list[_Piece] = []
         stepped = False
         scalars: dict[tuple[int, float, torch.device], torch.Tensor] = {}  # one small tensor per group, usually
@@ -350,7 +355,7 @@ class CompactWeights:
         if (
             self.fused is False or self._fused_failed or piece.name is None or p.dtype != torch.bfloat16
             or (p.device.type != "cpu" and self.fused is not True)
-            or not FusedAdam.eligible(optimizer, optimizer.param_groups[piece.group])
+            or p.numel() == 0 or not FusedAdam.eligible(optimizer, optimizer.param_groups[piece.group], p.device)
             or not p.is_contiguous() or grad is None or grad.layout != torch.strided or not grad.is_contiguous()
             or grad.dtype != p.dtype
         ):
@@ -580,10 +585,20 @@ def _per_element(key: Any, value: Any, param: torch.Tensor, non_castable: Any) -
     )
 
 
+def _has_step_hooks(optimizer: Optimizer) -> bool:
+    # The optimizer's own step pre/post hooks and the global ones (torch.optim.optimizer.register_optimizer_step_*).
+    from torch.optim import optimizer as module
+
+    return bool(
+        getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None)
+        or getattr(module, "_global_optimizer_pre_hooks", None) or getattr(module, "_global_optimizer_post_hooks", None)
+    )
+
+
 def _multiplier_tensor(multiplier: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
     if isinstance(multiplier, torch.Tensor):
         return multiplier.detach().to(device=device, dtype=torch.float32).reshape(())
-    return torch.tensor(1.0 if multiplier is None else float(multiplier), dtype=torch.float32, device=device)
+    return host_to_device(torch.tensor(1.0 if multiplier is None else float(multiplier), dtype=torch.float32), device)
 
 
 def _transform(grad: torch.Tensor, multiplier: torch.Tensor | float | None, clip: float | None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FusedAdam", "hash32", "noise_bits"]
+__all__ = ["FusedAdam", "hash32", "host_to_device", "noise_bits"]
 
 # 0x846CA68B as a signed 32-bit integer: the hash runs on int32 tensors with wrapping arithmetic.
 _M1, _M2 = 0x7FEB352D, 0x846CA68B - 2**32
@@ -42,6 +42,18 @@ def noise_bits(numel: int, offset: int, device: torch.device, dtype: torch.dtype
     if dtype == torch.bfloat16:
         return words.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
     return words.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(2.0**-24)
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU ``tensor`` on ``device`` without waiting for the device: a copy from pinned memory, queued (a copy
+    from pageable memory waits for the work queued before it)."""
+    if device.type == "cpu":
+        return tensor
+    try:
+        tensor = tensor.pin_memory()
+    except RuntimeError:  # no pinning on this machine: a plain copy
+        pass
+    return tensor.to(device, non_blocking=True)
 
 
 def _signed32(value: int) -> int:
@@ -83,7 +95,8 @@ def _adam_kernel(
     value = w.float() + comp.float() if comp is not None else w.float()
     grad = (g.float() * scalars[0]).clamp(-scalars[1], scalars[1])
     value = value * scalars[2]
-    grad = grad + value * scalars[3]
+    # Adam's L2 term; where there is none it is skipped as torch does (an inf weight times 0 would be NaN).
+    grad = torch.where(scalars[3] != 0, grad + value * scalars[3], grad)
     exp_avg = torch.lerp(m.float(), grad, scalars[4])
     exp_avg_sq = v.float() * scalars[5] + scalars[6] * grad * grad
     denom = exp_avg_sq.sqrt() / scalars[7] + scalars[8]
@@ -103,9 +116,10 @@ def _adam_kernel(
 class FusedAdam:
     """The compiled step of one BF16 parameter for exact ``torch.optim.Adam``/``AdamW`` groups.
 
-    :meth:`eligible` says whether a group can take it (no ``amsgrad``, ``capturable``, ``differentiable``);
-    :meth:`step_` runs it. The kernel is compiled once per mode (and once more for one-element parameters), with
-    dynamic sizes: learning-rate schedules, steps and parameter sizes cause no recompilation.
+    :meth:`eligible` says whether a group can take it (no ``amsgrad``, ``capturable``, ``differentiable``; no
+    ``fused`` group off the CPU, whose ``step`` torch keeps on the device); :meth:`step_` runs it. The kernel is
+    compiled per mode, with dynamic sizes: learning-rate schedules, steps and parameter sizes cause no recompilation
+    (one-element parameters and gradients that are views at an offset into a larger buffer get their own variant).
     """
 
     # A call this long compiled (a warm call takes microseconds to milliseconds; the first call of a run traces and
@@ -119,10 +133,11 @@ class FusedAdam:
         self._said_slow = False
 
     @staticmethod
-    def eligible(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    def eligible(optimizer: torch.optim.Optimizer, group: dict[str, Any], device: torch.device) -> bool:
         return (
             type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
             and not group.get("amsgrad", False) and not group.get("capturable", False)
+            and not (group.get("fused", False) and device.type != "cpu")
             and not group.get("differentiable", False)
         )
 
@@ -142,7 +157,8 @@ class FusedAdam:
             -1.0 if group.get("maximize", False) else 1.0, float("inf") if clip is None else float(clip),
             (1 - lr * weight_decay) if decoupled else 1.0, 0.0 if decoupled else weight_decay,
             1 - beta1, beta2, 1 - beta2, bias_correction2**0.5, eps, -(lr / bias_correction1),
-        ], dtype=torch.float32, device=multiplier.device)
+        ], dtype=torch.float32)
+        values = host_to_device(values, multiplier.device)
         values[0] *= multiplier
         return values
 
@@ -154,7 +170,8 @@ class FusedAdam:
         from gradient ``g`` (:meth:`scalars` says the rest); ``offset`` is the random key of the first element.
         Nothing is allocated: every value lives in the kernel's registers."""
         start = time.perf_counter()
-        self._kernel(w, comp, g, m, v, scalars, torch.tensor(_signed32(offset), dtype=torch.int32, device=w.device))
+        key = host_to_device(torch.tensor(_signed32(offset), dtype=torch.int32), w.device)
+        self._kernel(w, comp, g, m, v, scalars, key)
         elapsed = time.perf_counter() - start
         if elapsed > self.SLOW_S and not self._said_slow:
             self._said_slow = True

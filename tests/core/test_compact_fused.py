@@ -230,3 +230,55 @@ def test_bad_fused_argument_is_named() -> None:
     model = _Net().bfloat16()
     with pytest.raises(ValueError, match=r"fused='yes'.*True .*False .*None"):
         CompactWeights(model, [torch.optim.AdamW(model.parameters())], "kahan", fused="yes")
+
+
+def test_an_optimizer_with_step_hooks_is_stepped_inside_optimizer_step() -> None:
+    # A pre-hook that sets lr to 0 must stop the update, and a post-hook must see the parameters stepped: the fused
+    # kernel would run before optimizer.step() and out of its groups, so hooked optimizers take the FP32 stand-ins.
+    seen: list[int] = []
+
+    def zero_lr(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+
+    torch.manual_seed(0)
+    model = _Net().bfloat16()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    opt.register_step_pre_hook(zero_lr)
+    opt.register_step_post_hook(lambda o, a, k: seen.append(sum(len(g["params"]) for g in o.param_groups)))
+    cw = CompactWeights(model, [opt], "kahan")
+    model(torch.randn(4, 64).bfloat16()).float().sum().backward()
+    cw.step_(opt)
+    assert cw._fused is None and seen == [5]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(lambda o, a, k: None)  # a global hook too
+    try:
+        plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cw = CompactWeights(model, [plain], "kahan")
+        model(torch.randn(4, 64).bfloat16()).float().sum().backward()
+        cw.step_(plain)
+        assert cw._fused is None
+    finally:
+        handle.remove()
+
+
+def test_an_infinite_weight_without_weight_decay_keeps_finite_moments_as_torch_does() -> None:
+    # Adam without weight decay adds no L2 term: an inf weight times a zero decay must not turn the moments NaN.
+    results = {}
+    for fused in (None, False):
+        torch.manual_seed(0)
+        model = _Net().bfloat16()
+        with torch.no_grad():
+            model.a.weight[0, 0] = float("inf")
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        cw = CompactWeights(model, [opt], "stochastic", fused=fused)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.01)
+        cw.step_(opt)
+        results[fused] = (opt.state[model.a.weight]["exp_avg"][0, 0], opt.state[model.a.weight]["exp_avg_sq"][0, 0])
+        assert (cw._fused is not None) is (fused is None)
+    assert all(bool(torch.isfinite(t)) for t in results[None]), results
+    assert [float(t) for t in results[None]] == [float(t) for t in results[False]]
