@@ -98,7 +98,8 @@ def _mix(*values: int) -> int:
 @dataclass
 class _Piece:
     """Part of one parameter's step: elements [start, stop) of a compact parameter, or a whole parameter that is
-    stepped as it is (``name`` None: FP32 islands, frozen or unnamed parameters)."""
+    stepped as it is (``name`` None: FP32 islands, frozen or unnamed parameters); ``fused``: a whole parameter the
+    fused kernel takes."""
 
     group: int
     param: nn.Parameter
@@ -106,6 +107,7 @@ class _Piece:
     start: int
     stop: int
     nbytes: int
+    fused: bool = False
 
     @property
     def whole(self) -> bool:
@@ -302,18 +304,14 @@ class CompactWeights:
     def _step_fused_(
         self, optimizer: Optimizer, pieces: list[_Piece], multiplier: torch.Tensor | float | None, clip: float | None
     ) -> tuple[list[_Piece], bool]:
-        """Step whole the parameters the fused kernel takes (it allocates nothing: slicing would only add calls);
-        returns the other pieces, in order, and whether any parameter was stepped."""
-        if _has_step_hooks(optimizer):  # they must see the step happen inside optimizer.step(), on its parameters
-            return pieces, False
+        """Step the parameters the fused kernel takes (:meth:`_pieces` leaves them whole: the kernel allocates
+        nothing, so slices would only add calls); returns the other pieces, in order, and whether any was stepped."""
         rest: list[_Piece] = []
         stepped = False
         scalars: dict[tuple[int, float, torch.device], torch.Tensor] = {}  # one small tensor per group, usually
         for i, piece in enumerate(pieces):
             p = piece.param
-            if piece.start != 0 and p.grad is None:  # a later slice of a parameter stepped whole
-                continue
-            if not self._fusable(optimizer, piece):
+            if not piece.fused:
                 rest.append(piece)
                 continue
             state = optimizer.state[p]
@@ -354,6 +352,7 @@ class CompactWeights:
         p, grad = piece.param, piece.param.grad
         if (
             self.fused is False or self._fused_failed or piece.name is None or p.dtype != torch.bfloat16
+            or _has_step_hooks(optimizer)  # they must see the step inside optimizer.step(), on its parameters
             or (p.device.type != "cpu" and self.fused is not True)
             or p.numel() == 0 or not FusedAdam.eligible(optimizer, optimizer.param_groups[piece.group], p.device)
             or not p.is_contiguous() or grad is None or grad.layout != torch.strided or not grad.is_contiguous()
@@ -402,6 +401,11 @@ class CompactWeights:
                 per_element = 4 * (2 + n_states)
                 numel = p.numel()
                 size = numel
+                whole = _Piece(gi, p, name, 0, numel, numel * per_element)
+                if self._fusable(optimizer, whole):  # one kernel, no FP32 copies: nothing to slice
+                    whole.fused = True
+                    pieces.append(whole)
+                    continue
                 if sliceable and p.is_contiguous() and grad.layout == torch.strided and grad.is_contiguous():
                     size = max(_MIN_SLICE, self._budget(p.device) // per_element)
                 for start in range(0, numel, size):
