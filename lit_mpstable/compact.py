@@ -26,6 +26,9 @@ _MIN_SLICE = 2**12
 # stepped in slices, bit for bit. Exact types only: a subclass may add a per-tensor norm (LAMB, LARS).
 _ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD"))
+# torchao's low-bit Adams (exact types): elementwise too, with states quantized in blocks of ``block_size`` elements
+# that a slice on block boundaries views in place (their subclasses implement view(-1) and slice for resharding).
+_TORCHAO_BLOCKWISE = ("Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8")
 
 
 def stochastic_round(
@@ -99,7 +102,7 @@ def _mix(*values: int) -> int:
 class _Piece:
     """Part of one parameter's step: elements [start, stop) of a compact parameter, or a whole parameter that is
     stepped as it is (``name`` None: FP32 islands, frozen or unnamed parameters); ``fused``: a whole parameter the
-    fused kernel takes."""
+    fused kernel takes; ``per_element``: set on a whole parameter that :meth:`CompactWeights._chunks` may slice."""
 
     group: int
     param: nn.Parameter
@@ -108,6 +111,7 @@ class _Piece:
     stop: int
     nbytes: int
     fused: bool = False
+    per_element: int = 0  # bytes of FP32 copies per element of a parameter that may be sliced (0: never)
 
     @property
     def whole(self) -> bool:
@@ -135,9 +139,10 @@ class CompactWeights:
     state (exp_avg, momentum_buffer...) is kept in the parameter's dtype and rounded stochastically in both modes: with
     nearest rounding Adam's ``exp_avg_sq``, which moves by 0.1% of itself per step (below half a BF16 ulp), could
     never decrease, and steps would shrink once gradients do. Other state (``step``, torchao's quantized subclasses,
-    bitsandbytes' codes and absmax) stays as the optimizer keeps it. Elementwise ``torch.optim`` optimizers step large
-    parameters in slices, others whole parameters. FP32 parameters (FP32 islands), frozen and unnamed ones are
-    stepped as they are.
+    bitsandbytes' codes and absmax) stays as the optimizer keeps it. Elementwise ``torch.optim`` optimizers and
+    torchao's low-bit Adams (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8`` and their Adam forms: slices on their
+    quantization blocks, whose states they update in place) step large parameters in slices, others whole parameters.
+    FP32 parameters (FP32 islands), frozen and unnamed ones are stepped as they are.
 
     Random numbers are a function of ``(seed, steps, parameter name, element)``: independent of the chunking and the
     device, and repeated exactly by a resumed or rolled-back run.
@@ -273,8 +278,12 @@ class CompactWeights:
         self.steps += 1
         self._before = {}
         groups, output = optimizer.param_groups, None
-        pieces, fused = self._step_fused_(optimizer, self._pieces(optimizer), grad_multiplier, clip_value)
-        chunks = list(self._chunks(pieces, self._budget(pieces[0].param.device) if pieces else 0))
+        pieces = self._pieces(optimizer)
+        grads = [(piece.param, _grad_bytes(piece.param)) for piece in pieces if piece.fused]
+        pieces, fused = self._step_fused_(optimizer, pieces, grad_multiplier, clip_value)
+        freed = sum(nbytes for p, nbytes in grads if p.grad is None)  # the fused step dropped them
+        base, cap = self._budget(pieces[0].param.device, optimizer) if pieces else (0, 0)
+        chunks = list(self._chunks(pieces, base, cap, freed))
         for chunk in chunks or ([[]] if fused else []):  # fused alone: one call for the hooks (empty groups)
             saved = [group["params"] for group in groups]
             entered: list[tuple[_Piece, torch.Tensor, torch.Tensor | None]] = []
@@ -372,7 +381,8 @@ class CompactWeights:
 
     def _pieces(self, optimizer: Optimizer) -> list[_Piece]:
         non_castable = getattr(optimizer, "non_castable_tensor_keys", ())
-        sliceable = type(optimizer) in _ELEMENTWISE
+        block = _block_size(optimizer)
+        sliceable = block is not None or type(optimizer) in _ELEMENTWISE
         pieces: list[_Piece] = []
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -394,42 +404,71 @@ class CompactWeights:
                     pieces.append(_Piece(gi, p, None, 0, p.numel(), p.numel() * grad.element_size()))
                     continue
                 state = optimizer.state.get(p, {})
+                sliced = (sliceable and p.is_contiguous() and grad.layout == torch.strided and grad.is_contiguous()
+                          and (block is None or _init_blockwise_(optimizer, p, state, block)))
                 for key, value in state.items():  # e.g. loaded from an FP32 run: keep the invariant (16-bit)
                     if _per_element(key, value, p, non_castable) and value.dtype != p.dtype:
                         state[key] = value.to(p.dtype)
                 n_states = sum(_per_element(k, v, p, non_castable) for k, v in state.items()) if state else 2
                 per_element = 4 * (2 + n_states)
                 numel = p.numel()
-                size = numel
                 whole = _Piece(gi, p, name, 0, numel, numel * per_element)
                 if self._fusable(optimizer, whole):  # one kernel, no FP32 copies: nothing to slice
                     whole.fused = True
-                    pieces.append(whole)
-                    continue
-                if sliceable and p.is_contiguous() and grad.layout == torch.strided and grad.is_contiguous():
-                    size = max(_MIN_SLICE, self._budget(p.device) // per_element)
-                for start in range(0, numel, size):
-                    stop = min(numel, start + size)
-                    pieces.append(_Piece(gi, p, name, start, stop, (stop - start) * per_element))
+                elif sliced:
+                    whole.per_element = per_element
+                pieces.append(whole)
         return pieces
 
-    def _budget(self, device: torch.device) -> int:
-        # Small chunks on the CPU: their FP32 copies come back from the allocator's cache (larger ones are fresh
-        # pages every step, slower) and the transient stays small; measured in bench/bench_compact_core.py. On an
-        # accelerator, fewer optimizer calls matter more (a guessed default; no GPU measurement yet).
-        if self.chunk_bytes is not None:
-            return self.chunk_bytes
-        return 4 * 2**20 if device.type == "cpu" else 256 * 2**20
+    def _budget(self, device: torch.device, optimizer: Optimizer) -> tuple[int, int]:
+        """Bytes of FP32 copies per optimizer call: at first, and at most once the step has freed gradients.
 
-    def _chunks(self, pieces: list[_Piece], budget: int) -> Iterator[list[_Piece]]:
+        Small chunks on the CPU: their FP32 copies come back from the allocator's cache (larger ones are fresh pages
+        every step, slower) and the transient stays small; measured in bench/bench_compact_core.py. torchao's low-bit
+        Adams allocate FP32 temporaries about the size of the copies on top, when every gradient is still held, and
+        each call costs them ~1 ms (a torch.compile wrapper per parameter): they start at 512 KiB and grow by half the
+        gradient bytes freed (copies and temporaries together take their place), to 4 MiB. On an accelerator, fewer optimizer calls matter more (a guessed default; no GPU
+        measurement yet)."""
+        if self.chunk_bytes is not None:
+            return self.chunk_bytes, self.chunk_bytes
+        if device.type != "cpu":
+            return 256 * 2**20, 256 * 2**20
+        return (2**19, 4 * 2**20) if _block_size(optimizer) is not None else (4 * 2**20, 4 * 2**20)
+
+    def _chunks(self, pieces: list[_Piece], base: int, cap: int, freed: int) -> Iterator[list[_Piece]]:
+        """Group the pieces into optimizer calls of about ``min(base + freed / 2, cap)`` bytes of FP32 copies each,
+        ``freed`` being the gradient bytes dropped by the calls before (the given ``freed``: the fused step's), so
+        that the step's transient (copies and the optimizer's temporaries) stays near its first call's; sliceable
+        parameters that do not fit are cut into slices of a multiple of 4096 elements (a power-of-two multiple when
+        the budget grows: few distinct shapes for a compiled optimizer)."""
         chunk: list[_Piece] = []
-        used = 0
+        used = pending = 0  # pending: gradients the current chunk will free
+
+        def limit() -> int:
+            return min(base + freed // 2, cap)
+
         for piece in pieces:
-            if chunk and used + piece.nbytes > budget:
+            if piece.per_element and piece.nbytes > limit() - used:
+                if chunk:
+                    yield chunk
+                    chunk, used, freed, pending = [], 0, freed + pending, 0
+                size = max(_MIN_SLICE, limit() // piece.per_element // _MIN_SLICE * _MIN_SLICE)
+                if cap > base:
+                    size = _MIN_SLICE << ((size // _MIN_SLICE).bit_length() - 1)
+                for start in range(0, piece.stop, size):
+                    if chunk:
+                        yield chunk
+                    stop = min(piece.stop, start + size)
+                    chunk = [_Piece(piece.group, piece.param, piece.name, start, stop, (stop - start) * piece.per_element)]
+                    used = chunk[0].nbytes
+                pending += _grad_bytes(piece.param)
+                continue
+            if chunk and used + piece.nbytes > limit():
                 yield chunk
-                chunk, used = [], 0
+                chunk, used, freed, pending = [], 0, freed + pending, 0
             chunk.append(piece)
             used += piece.nbytes
+            pending += _grad_bytes(piece.param)
         if chunk:
             yield chunk
 
@@ -456,7 +495,9 @@ class CompactWeights:
             non_castable = getattr(optimizer, "non_castable_tensor_keys", ())
             optimizer.state[proxy] = {
                 key: piece.view(v).to(torch.float32, copy=True) if _per_element(key, v, p, non_castable)
-                else v if piece.whole or not isinstance(v, torch.Tensor) else v.clone()
+                else v if piece.whole or not isinstance(v, torch.Tensor)
+                else piece.view(v) if _quantized(v, p)  # blocks of its own, stepped in place
+                else v.clone()
                 for key, v in state.items()
             }
         return proxy, None
@@ -487,8 +528,8 @@ class CompactWeights:
                     if type(dst) is not torch.Tensor or dst.dtype != p.dtype or dst.shape != p.shape:
                         dst = state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     self._round_(piece.view(dst), v, piece, noise)
-                elif piece.start == 0:  # per-parameter scalars: every slice computes the same ones
-                    state[key] = v
+                elif piece.start == 0 and (piece.whole or not _quantized(v, proxy)):
+                    state[key] = v  # per-parameter scalars: every slice computes the same ones
         if piece.stop == p.numel():
             p.grad = None
 
@@ -589,6 +630,39 @@ def _per_element(key: Any, value: Any, param: torch.Tensor, non_castable: Any) -
     )
 
 
+def _quantized(value: Any, param: torch.Tensor) -> bool:
+    # A per-element state held by a wrapper subclass (torchao's 8-bit, 4-bit, FP8 states).
+    return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and value.shape == param.shape
+
+
+def _block_size(optimizer: Optimizer) -> int | None:
+    """The quantization block of a torchao low-bit Adam (exact type), else None."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torchao.optim") or cls.__name__ not in _TORCHAO_BLOCKWISE:
+        return None
+    block = getattr(optimizer, "block_size", None)
+    new_buffer = getattr(optimizer, "_new_buffer", None)
+    ok = isinstance(block, int) and not isinstance(block, bool) and block > 0 and callable(new_buffer)
+    return block if ok and _MIN_SLICE % block == 0 else None
+
+
+def _init_blockwise_(optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any], block: int) -> bool:
+    """Whether ``p``'s quantized states can be stepped in slices; on its first step, creates them whole first (as the
+    optimizer's own ``step`` would on the FP32 stand-in; a slice would get a state of its own shape)."""
+    if p.numel() % block or any(g["amsgrad"] for g in optimizer.param_groups if any(q is p for q in g["params"])):
+        return False  # whole: torchao keeps such states unquantized; its amsgrad fails on FP32 stand-ins anyway
+    if not state:
+        # The optimizer's own constructor of zero states, on a stand-in with the parameter's shape and the FP32 dtype
+        # the optimizer sees (an expanded scalar: no memory). Unquantized states become 16-bit as usual.
+        stand_in = torch.empty((), dtype=torch.float32, device=p.device).expand(p.shape)
+        fresh = {"step": torch.tensor(0.0), "exp_avg": optimizer._new_buffer(stand_in, True),  # type: ignore[operator]
+                 "exp_avg_sq": optimizer._new_buffer(stand_in, False)}  # type: ignore[operator]
+        for key, value in fresh.items():
+            state[key] = value if key == "step" or _quantized(value, p) else value.to(p.dtype)
+        optimizer.state[p] = state
+    return True
+
+
 def _has_step_hooks(optimizer: Optimizer) -> bool:
     # The optimizer's own step pre/post hooks and the global ones (torch.optim.optimizer.register_optimizer_step_*).
     from torch.optim import optimizer as module
@@ -630,6 +704,11 @@ def _inner_tensors(value: Any) -> list[torch.Tensor]:
         return [value]
     names, _ = value.__tensor_flatten__()
     return [t for name in names for t in _inner_tensors(getattr(value, name))]
+
+
+def _grad_bytes(param: torch.Tensor) -> int:
+    grad = param.grad
+    return 0 if grad is None else grad.numel() * grad.element_size()
 
 
 def _nbytes(tensors: Any) -> int:

@@ -376,11 +376,11 @@ def test_chunking_changes_nothing_bit_for_bit(mode: str, fused: bool | None) -> 
         assert all(_bitwise_equal(a.detach(), b.detach()) for a, b in zip(whole.parameters(), huge.parameters()))
 
 
-def _resume_setup(mode: str, opt_factory, dtype: torch.dtype = torch.bfloat16, d: int = 16):
+def _resume_setup(mode: str, opt_factory, dtype: torch.dtype = torch.bfloat16, d: int = 16, chunk_bytes=None):
     torch.manual_seed(0)
     model = TinyMLP(d, 2 * d, d).to(dtype)
     opt = opt_factory(model.parameters())
-    return model, opt, CompactWeights(model, [opt], mode, seed=7)
+    return model, opt, CompactWeights(model, [opt], mode, seed=7, chunk_bytes=chunk_bytes)
 
 
 def _resume_steps(model, opt, cw, steps: int, start: int, dtype: torch.dtype = torch.bfloat16, d: int = 16) -> None:
@@ -391,16 +391,18 @@ def _resume_steps(model, opt, cw, steps: int, start: int, dtype: torch.dtype = t
         opt.zero_grad()
 
 
-def _check_resume(mode: str, opt_factory, dtype: torch.dtype = torch.bfloat16, d: int = 16, steps: int = 3) -> None:
-    model, opt, cw = _resume_setup(mode, opt_factory, dtype, d)
+def _check_resume(
+    mode: str, opt_factory, dtype: torch.dtype = torch.bfloat16, d: int = 16, steps: int = 3, chunk_bytes=None
+) -> None:
+    model, opt, cw = _resume_setup(mode, opt_factory, dtype, d, chunk_bytes)
     _resume_steps(model, opt, cw, 2 * steps, 0, dtype, d)
-    model2, opt2, cw2 = _resume_setup(mode, opt_factory, dtype, d)
+    model2, opt2, cw2 = _resume_setup(mode, opt_factory, dtype, d, chunk_bytes)
     _resume_steps(model2, opt2, cw2, steps, 0, dtype, d)
     buf = io.BytesIO()
     torch.save({"model": model2.state_dict(), "opt": opt2.state_dict(), "compact": cw2.state_dict()}, buf)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
-    model3, opt3, cw3 = _resume_setup(mode, opt_factory, dtype, d)
+    model3, opt3, cw3 = _resume_setup(mode, opt_factory, dtype, d, chunk_bytes)
     model3.load_state_dict(ckpt["model"])
     opt3.load_state_dict(ckpt["opt"])
     cw3.load_state_dict(ckpt["compact"])
@@ -474,6 +476,75 @@ def test_quantized_optimizer_states(name: str) -> None:
         assert model.fc2.weight.dtype == torch.bfloat16
     for mode in MODES:
         _check_resume(mode, factory, torch.bfloat16, 64, steps=2)
+        if not name.startswith("bnb"):  # torchao's states stepped in slices (8192 elements: 2 of 4096) resume too
+            _check_resume(mode, factory, torch.bfloat16, 64, steps=2, chunk_bytes=1)
+
+
+def _flat_state(value) -> list[torch.Tensor]:
+    if type(value) is torch.Tensor or not torch.is_tensor(value):
+        return [value]
+    names, _ = value.__tensor_flatten__()
+    return [getattr(value, n) for n in names]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8", "Adam8bit"])
+def test_torchao_low_bit_adams_step_in_slices_bit_for_bit(mode: str, name: str) -> None:
+    # Their states are quantized in blocks: a slice on block boundaries views its blocks and is stepped in place, so
+    # the FP32 copies (and torchao's FP32 temporaries) stay within the chunk budget, with the whole-parameter result.
+    ao = pytest.importorskip("torchao.optim")
+    cls = getattr(ao, name)
+    tiny, calls_tiny, opt_tiny, cw_tiny = _wide_run(mode, 1, cls, fused=None)
+    huge, calls_huge, opt_huge, cw_huge = _wide_run(mode, 2**40, cls, fused=None)
+    assert calls_huge == 3 and calls_tiny == 3 * (768 * 256 // 2**12 + 3)  # sliced: 48 slices + 3 small parameters
+    big = opt_tiny.state[tiny.big.weight]
+    keys = {"step", "exp_avg", "exp_avg_sq"}
+    assert set(big) == keys and all(type(big[k]) is not torch.Tensor and big[k].shape == tiny.big.weight.shape
+                                    for k in keys - {"step"}), big  # created whole, quantized, before the slices
+    assert float(big["step"]) == 3
+    for (pname, a), (_, b) in zip(tiny.named_parameters(), huge.named_parameters()):
+        assert _bitwise_equal(a.detach(), b.detach()), pname
+        sa, sb = opt_tiny.state[a], opt_huge.state[b]
+        assert set(sa) == set(sb), pname
+        for key in sa:
+            assert type(sa[key]) is type(sb[key]), (pname, key)
+            assert all(_bitwise_equal(x, y) for x, y in zip(_flat_state(sa[key]), _flat_state(sb[key]))), (pname, key)
+    for (_, _, a), (_, _, b) in zip(cw_tiny.named_buffers(), cw_huge.named_buffers()):
+        assert a is None and b is None or _bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("cap", [2**19, 4 * 2**20])
+def test_chunks_grow_with_the_gradients_freed_and_keep_the_first_calls_transient(cap: int) -> None:
+    # torchao's low-bit Adams on the CPU: 512 KiB of FP32 copies per call at first, growing by half the gradient
+    # bytes the calls before freed (the optimizer's temporaries match the copies), to 4 MiB.
+    from lit_mpstable.compact import _Piece
+
+    params = [nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (2**18, 2**18, 2**18, 3000, 2**20 + 4096)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    cw = CompactWeights(nn.ParameterList(params), [], "stochastic")
+    pieces = [_Piece(0, p, str(i), 0, p.numel(), 8 * p.numel(), per_element=8) for i, p in enumerate(params)]
+    chunks = list(cw._chunks(pieces, 2**19, cap, 0))
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for chunk in chunks:
+        for piece in chunk:
+            covered.setdefault(id(piece.param), []).append((piece.start, piece.stop))
+    for p in params:  # every element once, in order
+        ranges = covered[id(p)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == p.numel()
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    sizes = [[piece.stop - piece.start for piece in chunk] for chunk in chunks]
+    if cap == 2**19:  # a fixed budget: 65536-element slices throughout (and the remainders)
+        assert sizes == [[65536]] * 12 + [[3000]] + [[65536]] * 16 + [[4096]], sizes
+    else:  # the third parameter's slices double once two parameters' gradients are freed
+        assert sizes == [[65536]] * 8 + [[131072]] * 2 + [[3000]] + [[131072]] * 8 + [[4096]], sizes
+    held = sum(p.grad.numel() * 2 for p in params)
+    transients = []
+    for chunk in chunks:  # held gradients plus copies and as much again in temporaries
+        transients.append(held + 2 * sum(piece.nbytes for piece in chunk))
+        held -= sum(piece.param.numel() * 2 for piece in chunk if piece.stop == piece.param.numel())
+    assert max(transients) == transients[0]
 
 
 def test_quantized_state_classes_are_torchao_subclasses() -> None:
