@@ -128,3 +128,53 @@ def make_trainer(plugin=None, **kwargs):
     )
     defaults.update(kwargs)
     return pl.Trainer(plugins=[plugin] if plugin is not None else None, **defaults)
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every operation that needs a tensor's value on the host: on an accelerator each one waits for the
+    device (a host sync). ``.item()``, ``float()``/``int()``/``bool()`` and ``if tensor:`` (all through
+    ``_local_scalar_dense`` or ``is_nonzero``), ``torch.equal``, data-dependent shapes (``nonzero``,
+    ``masked_select``, ``unique``, indexing by a boolean mask...) and ``tolist()``/``numpy()`` (not dispatched: patched for the duration).
+    On a CPU-only run it cannot see a device-to-host copy (``.cpu()`` of a CPU tensor does nothing), so it checks
+    what code decides from tensor values, not where tensors live.
+
+        with HostReads() as reads:
+            step()
+        assert reads.ops == []
+    """
+
+    _READS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "nonzero_static", "masked_select", "unique",
+              "_unique", "_unique2", "unique_dim", "unique_consecutive", "bincount", "repeat_interleave", "item"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self._patched: list[tuple[str, object]] = []
+
+    def __enter__(self):
+        for name in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, name)
+            self._patched.append((name, original))
+
+            def patched(tensor, *args, _name=name, _original=original, **kwargs):
+                self.ops.append(_name)
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, patched)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._patched:
+            setattr(torch.Tensor, name, original)
+        self._patched = []
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self._READS:
+            self.ops.append(name)
+        elif name.startswith(("index", "_index_put")) and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        ):
+            self.ops.append(f"{name} by a mask")  # t[mask]: the result's size depends on the values
+        return func(*args, **(kwargs or {}))

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TinyMLP, regression_data
+from helpers import HostReads, TinyMLP, regression_data
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
@@ -261,3 +261,34 @@ def test_the_probe_measures_a_fabric_loop_through_its_stepper(recompute: bool) -
     assert 0.05 < result["underflow_frac"] < 1.0 and result["recomputed"] is recompute
     assert all(torch.equal(p.grad, run[n]) for n, p in raw.named_parameters())  # the run's gradients untouched
     optimizer.step()
+
+
+# ------------------------------------------------------------------------------------------- host syncs
+@pytest.mark.parametrize(
+    ("precision", "masters"),
+    [("bf16-mixed", None), ("16-mixed", None), ("bf16-true", None), ("bf16-true", "kahan"),
+     ("bf16-true", "stochastic"), ("16-true", None)],
+)
+def test_a_clean_step_reads_the_device_once_the_skip_decision(precision: str, masters: str | None) -> None:
+    # Every operation that needs a tensor's value on the host (item, if tensor:, tolist, masked indexing...), from
+    # forward to optimizer.step, on the steps that are neither the first (telemetry is due), an overflow (its blame)
+    # nor the one after it (the attribution traces it). SGD: torch's Adam reads its CPU step counters, which on an
+    # accelerator are no sync.
+    plugin = StablePrecision(precision, **({"master_weights": masters} if masters else {}))
+    fabric = fabric_of(plugin)
+    torch.manual_seed(0)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
+    x, y = regression_data(64)
+    reads = []
+    for step in range(8):
+        batch = slice(16 * (step % 4), 16 * (step % 4 + 1))
+        opt.zero_grad()
+        with HostReads() as step_reads:
+            fabric.backward(F.mse_loss(model(x[batch]).float(), y[batch]))
+            if step == 5:
+                model.module.fc2.weight.grad.view(-1)[0] = INF
+            opt.step()
+        reads.append(step_reads.ops)
+    assert plugin.stepper.skipped_steps == 1
+    assert [reads[step] for step in (1, 2, 3, 4, 7)] == [["_local_scalar_dense"]] * 5, reads

@@ -1,6 +1,6 @@
 """Distributed FP8 (delayed recipe): ``PrecisionLayout.sync_fp8_`` makes every rank's amax histories and scales
-agree, 2 CPU processes over gloo with different data per rank; without it they part ways (the control). On one
-process it changes nothing."""
+agree with one all-reduce per step and no host read, 2 CPU processes over gloo with different data per rank; without
+it they part ways (the control). On one process it changes nothing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import TinyMLP, regression_data
+from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
 from lit_mpstable.fp8 import FP8Config
@@ -39,7 +39,14 @@ def _train(rank: int, *, sync: bool, ddp: bool) -> dict[str, list]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = regression_data(16, seed=rank)
     x = x * (1 + 3 * rank)
-    out: dict[str, list] = {"scale": [], "history": [], "w_amax": [], "outputs": []}
+    out: dict[str, list] = {"scale": [], "history": [], "w_amax": [], "outputs": [], "host_reads": [], "collectives": []}
+    calls: list[str] = []
+    all_reduce = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append("all_reduce")
+        return all_reduce(*args, **kwargs)
+
     for _ in range(STEPS):
         out["w_amax"].append(model.fc2.weight.detach().abs().max().item())
         optimizer.zero_grad()
@@ -47,7 +54,15 @@ def _train(rank: int, *, sync: bool, ddp: bool) -> dict[str, list]:
         nn.functional.mse_loss(prediction, y).backward()
         optimizer.step()
         if sync:
-            layout.sync_fp8_()
+            calls.clear()
+            dist.all_reduce = counted
+            try:
+                with HostReads() as reads:
+                    layout.sync_fp8_()
+            finally:
+                dist.all_reduce = all_reduce
+            out["host_reads"].append(reads.ops)
+            out["collectives"].append(list(calls))
         out["outputs"].append(prediction.detach().clone())
         out["scale"].append(model.fc2.scale.clone())
         out["history"].append(model.fc2.amax_history.clone())
@@ -71,6 +86,8 @@ def test_synced_amax_histories_give_every_rank_the_same_scales(tmp_path: Path) -
     mp.start_processes(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD_SIZE, start_method="fork")
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
     synced = [r[True] for r in ranks]
+    for r in synced:  # per step one MAX all-reduce of every history, and nothing read on the host
+        assert r["collectives"] == [["all_reduce"]] * STEPS and r["host_reads"] == [[]] * STEPS
     for step in range(STEPS):
         assert torch.equal(synced[0]["scale"][step], synced[1]["scale"][step])
         assert torch.equal(synced[0]["history"][step], synced[1]["history"][step])
