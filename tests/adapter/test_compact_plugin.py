@@ -171,3 +171,52 @@ def test_8bit_optimizer_states_skip_checkpoint_and_resume(tmp_path, precision: s
     assert trainer.precision_plugin.overflow_count < overflows
     for a, b in zip(resumed.parameters(), full.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_8bit_states_stepped_in_slices_skip_checkpoint_and_resume(tmp_path, mode: str, monkeypatch) -> None:
+    # A 512x256 weight (131072 elements) is stepped in two slices of torchao's quantization blocks at the default
+    # CPU budget: the skip, the checkpoint and the resume are as exact as whole-parameter steps.
+    from torchao.optim import AdamW8bit
+
+    from lit_mpstable.compact import CompactWeights
+
+    sliced: list[str] = []
+    enter = CompactWeights._enter
+
+    def spy(self, optimizer, piece, *args):
+        if not piece.whole:
+            sliced.append(piece.name)
+        return enter(self, optimizer, piece, *args)
+
+    monkeypatch.setattr(CompactWeights, "_enter", spy)
+
+    class Wide(PoisonModule):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.model.fc1, self.model.fc2, self.model.fc3 = nn.Linear(16, 512), nn.Linear(512, 256), nn.Linear(256, 16)
+
+        def configure_optimizers(self):
+            return AdamW8bit(self.parameters(), lr=1e-3)
+
+    def fit(module, epochs, ckpt=None):
+        trainer = make_trainer(StablePrecision("bf16-true", master_weights=mode), max_steps=-1, max_epochs=epochs)
+        with quiet():
+            trainer.fit(module, ckpt_path=ckpt)
+        return trainer
+
+    torch.manual_seed(0)
+    full = Wide(inf_grad_steps={5})
+    full_trainer = fit(full, 2)
+    assert "model.fc2.weight" in sliced and full_trainer.precision_plugin.overflow_count == 1
+    state = full_trainer.optimizers[0].state[full.model.fc2.weight]
+    assert all(type(state[k]).__name__ == "OptimState8bit" and state[k].shape == (256, 512)
+               for k in ("exp_avg", "exp_avg_sq"))
+    torch.manual_seed(0)
+    first = Wide(inf_grad_steps={5})
+    fit(first, 1).save_checkpoint(tmp_path / "e1.ckpt")
+    resumed = Wide(inf_grad_steps={5})
+    assert fit(resumed, 2, tmp_path / "e1.ckpt").precision_plugin.overflow_count == 1
+    for a, b in zip(resumed.parameters(), full.parameters()):
+        assert torch.equal(a, b)
