@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from cb_helpers import PoisonModule, quiet
-from helpers import make_trainer
+from helpers import TinyMLP, make_trainer, regression_data
 from test_master_plugin import _fit_stall, _Groups, _Stall
 from torch import nn
 from trainer_pkg import ScaleCheckpoint, StablePrecision, pl
@@ -52,6 +52,78 @@ def test_groups_frozen_islands_clipping_and_a_skipped_step(mode: str) -> None:
     expected_comp = sum(2 * p.numel() for p in (module.net.fc2.weight, module.net.fc2.bias,
                                                 module.net.fc3.weight, module.net.fc3.bias))
     assert report["compensation"] == (expected_comp if mode == "kahan" else 0)  # frozen fc1 and the island: none
+
+
+class _Accumulating(pl.LightningModule):
+    """TinyMLP regression, AdamW, unshuffled batches; ``poison``: the batch index whose fc2 gradient gets an inf."""
+
+    def __init__(self, batch_size: int, poison: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, (self.x, self.y) = TinyMLP(), regression_data(64)
+        self.batch_size, self.poison = batch_size, poison
+        self.after: dict[int, torch.Tensor] = {}  # fc2's weight after each batch
+        self.start: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self) -> None:
+        self.start = {name: p.detach().clone() for name, p in self.net.named_parameters()}  # 16-bit by now
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
+
+    def on_after_backward(self) -> None:
+        if self.trainer.fit_loop.epoch_loop.batch_idx == self.poison:
+            self.net.fc2.weight.grad.view(-1)[0] = float("inf")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.after[batch_idx] = self.net.fc2.weight.detach().clone()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=self.batch_size)
+
+    def configure_optimizers(self):  # SGD: the update is linear in the gradient (Adam's first step is its sign)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_accumulation_steps_once_per_window_and_skips_a_poisoned_window(mode: str) -> None:
+    def fit(module, accumulate):
+        plugin = StablePrecision("bf16-true", master_weights=mode)
+        make_trainer(plugin, max_epochs=1, max_steps=-1, accumulate_grad_batches=accumulate).fit(module)
+        return plugin
+
+    full, accumulated = _Accumulating(32), _Accumulating(16)
+    full_plugin, accumulated_plugin = fit(full, 1), fit(accumulated, 2)
+    # Two micro-batches of 16 (their 16-bit gradients summed) against one batch of 32: one update per window, the
+    # same random keys (the step count), values apart by the BF16 rounding of the summed gradients.
+    assert full_plugin.stepper.compact.steps == accumulated_plugin.stepper.compact.steps == 2
+    assert torch.equal(accumulated.after[0], accumulated.start["fc2.weight"])  # nothing moves inside a window
+    differ: list[torch.Tensor] = []
+    for (name, a), b in zip(accumulated.net.named_parameters(), full.net.parameters()):
+        got, expected = a.detach().double(), b.detach().double()
+        if mode == "kahan":
+            comp = dict((n, c) for n, _, c in accumulated_plugin.stepper.compact.named_buffers())
+            ref = dict((n, c) for n, _, c in full_plugin.stepper.compact.named_buffers())
+            got, expected = got + comp[f"net.{name}"].double(), expected + ref[f"net.{name}"].double()
+        moved = expected - accumulated.start[name].double()
+        if mode == "kahan":  # the BF16 rounding of a few gradient sums, relative to what training moved (~2^-8.5)
+            assert (got - expected).norm() < 2**-6 * moved.norm(), name
+        else:  # the same random bits round nearly equal values to the same neighbour, nearly always
+            larger = torch.maximum(got.abs(), expected.abs()).clamp_min(2.0**-120)
+            ulp = torch.ldexp(torch.ones_like(larger), torch.frexp(larger).exponent - 8)  # BF16's spacing there
+            apart = (got - expected).abs()
+            # Beyond an ulp per rounding (two steps), the gap is the update's own (the gradients' BF16 rounding, as for
+            # kahan; elementwise it can be large where two micro-batches' gradients cancel). Under 1% of the elements
+            # end apart (measured, over all parameters).
+            beyond = (apart - 2 * ulp).clamp_min(0)
+            assert beyond.norm() < 2**-6 * moved.norm(), name
+            differ.append((apart > 0).double())
+    assert not differ or torch.cat([d.reshape(-1) for d in differ]).mean() < 0.05
+    poisoned = _Accumulating(16, poison=1)  # the second micro-batch of the first window
+    plugin = fit(poisoned, 2)
+    assert plugin.overflow_count == 1 and plugin.stepper.compact.steps == 1
+    assert torch.equal(poisoned.after[1], poisoned.start["fc2.weight"])  # the whole window skipped
+    assert not torch.equal(poisoned.after[3], poisoned.after[1])  # the next window stepped
 
 
 def _clip_run(master_weights, clip) -> torch.Tensor:
