@@ -1,11 +1,12 @@
 """Memory of the *-true modes through the Trainer: FP32 masters, Kahan-compensated and stochastically rounded 16-bit
-weights, 8-bit AdamW states, against Lightning's own 32-true and bf16-true, in one run.
+weights, 8-bit AdamW states (torchao's ``+8bit``, bitsandbytes' ``+bnb8bit``), against Lightning's own 32-true and
+bf16-true, in one run.
 
 Per config: peak tensor memory of one training step (``lit_mpstable.memory.MemoryProbe``: resident state plus the
 step's own allocations, profiled) and process CPU time per step (median over the steps of a run after warm-up,
 then the median over alternating rounds of the per-round ratio to Lightning's bf16-true).
 
-    .venv/bin/python bench/bench_memory.py                 # ~4 min on 2 shared cores
+    .venv/bin/python bench/bench_memory.py --rounds 9      # ~8 min on 2 shared cores
     .venv/bin/python bench/bench_memory.py --quick         # smoke run
 """
 
@@ -38,6 +39,12 @@ def _adamw8bit(params: Any, lr: float) -> torch.optim.Optimizer:
     from torchao.optim import AdamW8bit
 
     return AdamW8bit(params, lr=lr)
+
+
+def _bnb_adamw8bit(params: Any, lr: float) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=lr)
 
 
 class Workload(pl.LightningModule):
@@ -81,6 +88,10 @@ CONFIGS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[..., torch.optim
     "SP-kahan+8bit": (lambda: {"plugins": [StablePrecision("bf16-true", master_weights="kahan")]}, _adamw8bit),
     "SP-stochastic+8bit": (lambda: {"plugins": [StablePrecision("bf16-true", master_weights="stochastic")]},
                            _adamw8bit),
+    "L-bf16-true+bnb8bit": (lambda: {"precision": "bf16-true"}, _bnb_adamw8bit),
+    "SP-kahan+bnb8bit": (lambda: {"plugins": [StablePrecision("bf16-true", master_weights="kahan")]}, _bnb_adamw8bit),
+    "SP-stochastic+bnb8bit": (lambda: {"plugins": [StablePrecision("bf16-true", master_weights="stochastic")]},
+                              _bnb_adamw8bit),
 }
 
 

@@ -29,6 +29,10 @@ _ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
 # torchao's low-bit Adams (exact types): elementwise too, with states quantized in blocks of ``block_size`` elements
 # that a slice on block boundaries views in place (their subclasses implement view(-1) and slice for resharding).
 _TORCHAO_BLOCKWISE = ("Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8")
+# bitsandbytes' 8-bit Adams: codes ``state1``/``state2`` (uint8, the parameter's shape) and one ``absmax`` per block of
+# 256 elements, updated in place by its blockwise kernel.
+_BNB_BLOCKWISE = ("Adam8bit", "AdamW8bit")
+_BNB_BLOCK = 256
 
 
 def stochastic_round(
@@ -139,10 +143,11 @@ class CompactWeights:
     state (exp_avg, momentum_buffer...) is kept in the parameter's dtype and rounded stochastically in both modes: with
     nearest rounding Adam's ``exp_avg_sq``, which moves by 0.1% of itself per step (below half a BF16 ulp), could
     never decrease, and steps would shrink once gradients do. Other state (``step``, torchao's quantized subclasses,
-    bitsandbytes' codes and absmax) stays as the optimizer keeps it. Elementwise ``torch.optim`` optimizers and
-    torchao's low-bit Adams (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8`` and their Adam forms: slices on their
-    quantization blocks, whose states they update in place) step large parameters in slices, others whole parameters.
-    FP32 parameters (FP32 islands), frozen and unnamed ones are stepped as they are.
+    bitsandbytes' codes and absmax) stays as the optimizer keeps it. Elementwise ``torch.optim`` optimizers and the
+    low-bit Adams (torchao's ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8`` and their Adam forms; bitsandbytes'
+    ``AdamW8bit`` and ``Adam8bit``: slices on their quantization blocks, whose states they update in place) step large
+    parameters in slices, others whole parameters. FP32 parameters (FP32 islands), frozen and unnamed ones are
+    stepped as they are.
 
     Random numbers are a function of ``(seed, steps, parameter name, element)``: independent of the chunking and the
     device, and repeated exactly by a resumed or rolled-back run.
@@ -157,8 +162,8 @@ class CompactWeights:
     global ones) is not fused: its hooks see the step inside ``optimizer.step()``, on the stand-ins.
 
     Raises:
-        ValueError: ``mode``, ``seed``, ``chunk_bytes`` or ``fused`` is invalid, or an optimizer is not
-            per-parameter (LBFGS).
+        ValueError: ``mode``, ``seed``, ``chunk_bytes`` or ``fused`` is invalid, an optimizer is not per-parameter
+            (LBFGS), or it has bitsandbytes per-parameter overrides (see :meth:`bind_new_`).
     """
 
     def __init__(
@@ -201,7 +206,21 @@ class CompactWeights:
 
     def bind_new_(self, optimizer: Optimizer) -> list[str]:
         """Bind ``optimizer`` (if new) and the 16-bit trainable parameters it holds that are not bound yet (added with
-        ``add_param_group`` or unfrozen since); returns their names. Cheap when nothing is new: call it every step."""
+        ``add_param_group`` or unfrozen since); returns their names. Cheap when nothing is new: call it every step.
+
+        Raises:
+            ValueError: LBFGS, or bitsandbytes per-parameter overrides (``GlobalOptimManager.override_config``) for
+                a parameter of ``optimizer``: it looks them up by the parameter's identity, so the FP32 stand-ins
+                stepped in its place would silently go without them.
+        """
+        overrides = getattr(getattr(optimizer, "mng", None), "pid2config", None)
+        if overrides and any(id(p) in overrides for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(
+                f"CompactWeights: {type(optimizer).__name__} has bitsandbytes per-parameter overrides"
+                " (GlobalOptimManager.override_config), which it finds by the parameter's identity; the FP32 stand-ins"
+                " that master_weights='kahan'/'stochastic' step in the parameters' place would not get them. Give those"
+                " parameters a param group of their own with the options instead."
+            )
         if all(optimizer is not o for o in self._optimizers):
             if isinstance(optimizer, torch.optim.LBFGS):
                 raise ValueError(
@@ -424,9 +443,9 @@ class CompactWeights:
         """Bytes of FP32 copies per optimizer call: at first, and at most once the step has freed gradients.
 
         Small chunks on the CPU: their FP32 copies come back from the allocator's cache (larger ones are fresh pages
-        every step, slower) and the transient stays small; measured in bench/bench_compact_core.py. torchao's low-bit
-        Adams allocate FP32 temporaries about the size of the copies on top, when every gradient is still held, and
-        each call costs them ~1 ms (a torch.compile wrapper per parameter): they start at 512 KiB and grow by half the
+        every step, slower) and the transient stays small; measured in bench/bench_compact_core.py. The low-bit Adams
+        allocate FP32 temporaries about the size of the copies on top, when every gradient is still held (and each
+        call costs torchao's ~1 ms, a torch.compile wrapper per parameter): they start at 512 KiB and grow by half the
         gradient bytes freed (copies and temporaries together take their place), to 4 MiB. On an accelerator, fewer optimizer calls matter more (a guessed default; no GPU
         measurement yet)."""
         if self.chunk_bytes is not None:
@@ -496,7 +515,8 @@ class CompactWeights:
             optimizer.state[proxy] = {
                 key: piece.view(v).to(torch.float32, copy=True) if _per_element(key, v, p, non_castable)
                 else v if piece.whole or not isinstance(v, torch.Tensor)
-                else piece.view(v) if _quantized(v, p)  # blocks of its own, stepped in place
+                else piece.view(v) if _quantized(v, p) or _codes(key, v, p)  # its own blocks, stepped in place
+                else v[piece.start // _BNB_BLOCK : -(-piece.stop // _BNB_BLOCK)] if _absmax(key, v, p)
                 else v.clone()
                 for key, v in state.items()
             }
@@ -528,7 +548,7 @@ class CompactWeights:
                     if type(dst) is not torch.Tensor or dst.dtype != p.dtype or dst.shape != p.shape:
                         dst = state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     self._round_(piece.view(dst), v, piece, noise)
-                elif piece.start == 0 and (piece.whole or not _quantized(v, proxy)):
+                elif piece.start == 0 and (piece.whole or not isinstance(v, torch.Tensor) or v.dim() == 0):
                     state[key] = v  # per-parameter scalars: every slice computes the same ones
         if piece.stop == p.numel():
             p.grad = None
@@ -635,9 +655,27 @@ def _quantized(value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and value.shape == param.shape
 
 
+def _codes(key: Any, value: Any, param: torch.Tensor) -> bool:
+    # bitsandbytes' 8-bit codes of a state: per element, not floating.
+    return key in ("state1", "state2") and type(value) is torch.Tensor and value.dtype == torch.uint8 and (
+        value.shape == param.shape)
+
+
+def _absmax(key: Any, value: Any, param: torch.Tensor) -> bool:
+    # bitsandbytes' per-block scales of a state.
+    return key in ("absmax1", "absmax2") and type(value) is torch.Tensor and value.shape == (
+        -(-param.numel() // _BNB_BLOCK),)
+
+
 def _block_size(optimizer: Optimizer) -> int | None:
-    """The quantization block of a torchao low-bit Adam (exact type), else None."""
+    """The quantization block of a torchao low-bit Adam or a bitsandbytes 8-bit Adam (exact types; bitsandbytes:
+    8-bit, no update-norm clipping, not paged), else None."""
     cls = type(optimizer)
+    if cls.__module__.startswith("bitsandbytes.optim") and cls.__name__ in _BNB_BLOCKWISE:
+        args = getattr(optimizer, "args", None)
+        ok = (getattr(args, "optim_bits", None) == 8 and getattr(args, "max_unorm", None) == 0
+              and not getattr(optimizer, "is_paged", True) and callable(getattr(optimizer, "init_state", None)))
+        return _BNB_BLOCK if ok else None
     if not cls.__module__.startswith("torchao.optim") or cls.__name__ not in _TORCHAO_BLOCKWISE:
         return None
     block = getattr(optimizer, "block_size", None)
@@ -649,6 +687,8 @@ def _block_size(optimizer: Optimizer) -> int | None:
 def _init_blockwise_(optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any], block: int) -> bool:
     """Whether ``p``'s quantized states can be stepped in slices; on its first step, creates them whole first (as the
     optimizer's own ``step`` would on the FP32 stand-in; a slice would get a state of its own shape)."""
+    if block == _BNB_BLOCK and type(optimizer).__module__.startswith("bitsandbytes"):
+        return _init_bnb_(optimizer, p, state)
     if p.numel() % block or any(g["amsgrad"] for g in optimizer.param_groups if any(q is p for q in g["params"])):
         return False  # whole: torchao keeps such states unquantized; its amsgrad fails on FP32 stand-ins anyway
     if not state:
@@ -661,6 +701,23 @@ def _init_blockwise_(optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any
             state[key] = value if key == "step" or _quantized(value, p) else value.to(p.dtype)
         optimizer.state[p] = state
     return True
+
+
+def _init_bnb_(optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any]) -> bool:
+    # 8-bit codes (what bitsandbytes gives a parameter of min_8bit_size or more elements) are sliced; smaller ones
+    # keep FP32 states whole. Created whole first, by the optimizer's init_state on a stand-in of p's shape (it reads
+    # the shape and device only).
+    if p.numel() < optimizer.args.min_8bit_size:  # type: ignore[attr-defined]
+        return False
+    if not state:
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    stand_in = torch.empty((), dtype=torch.float32, device=p.device).expand(p.shape)
+                    optimizer.init_state(group, stand_in, gi, pi)  # type: ignore[attr-defined]
+                    state.update(optimizer.state.pop(stand_in))
+                    optimizer.state[p] = state
+    return _codes("state1", state.get("state1"), p)
 
 
 def _has_step_hooks(optimizer: Optimizer) -> bool:

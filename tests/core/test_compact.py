@@ -264,6 +264,26 @@ def test_any_optimizer_matches_fp32_masters(name: str, mode: str) -> None:
     assert all(v.dtype == torch.float32 for k, v in opt.state[model.fc3.weight].items() if torch.is_tensor(v))
 
 
+def test_bitsandbytes_per_parameter_overrides_are_refused_not_dropped() -> None:
+    # bitsandbytes finds an override by the parameter's identity: the FP32 stand-ins would step without it (an lr
+    # override of 0 was ignored before this check).
+    bnb = pytest.importorskip("bitsandbytes")
+    model = nn.Linear(64, 64).bfloat16()
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    try:
+        manager.register_parameters(model.parameters())
+        opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+        cw = CompactWeights(model, [opt], "kahan")  # no override yet: fine
+        manager.override_config(model.weight, "lr", 0.0)
+        with pytest.raises(ValueError, match=r"AdamW8bit has bitsandbytes per-parameter overrides"):
+            cw.bind_new_(opt)  # the stepper calls it every step: an override added later is caught too
+        with pytest.raises(ValueError, match=r"param group of their own"):
+            CompactWeights(model, [bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)], "stochastic")
+    finally:
+        manager.pid2config.clear()
+        manager.index2config.clear()
+
+
 def test_lbfgs_and_closures_are_refused() -> None:
     model = TinyMLP().bfloat16()
     with pytest.raises(ValueError, match="LBFGS"):
@@ -376,6 +396,29 @@ def test_chunking_changes_nothing_bit_for_bit(mode: str, fused: bool | None) -> 
         assert all(_bitwise_equal(a.detach(), b.detach()) for a, b in zip(whole.parameters(), huge.parameters()))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
+                                  "Rprop", "ASGD"])
+def test_every_elementwise_optimizer_steps_in_slices_bit_for_bit(mode: str, name: str) -> None:
+    # Per-element state is sliced, per-parameter scalars (step, NAdam's mu_product, ASGD's eta and mu) come from the
+    # first slice: the result is the whole-parameter step's, bit for bit.
+    kwargs = {"SGD": {"momentum": 0.9}}.get(name, {})
+
+    def factory(params, lr):
+        return getattr(torch.optim, name)(params, lr=lr, **kwargs)
+
+    tiny, calls_tiny, opt_tiny, cw_tiny = _wide_run(mode, 1, factory)
+    huge, calls_huge, opt_huge, cw_huge = _wide_run(mode, 2**40, factory)
+    assert calls_tiny == 3 * (768 * 256 // 2**12 + 3) and calls_huge == 3
+    for (pname, a), (_, b) in zip(tiny.named_parameters(), huge.named_parameters()):
+        assert _bitwise_equal(a.detach(), b.detach()), pname
+        sa, sb = opt_tiny.state[a], opt_huge.state[b]
+        assert set(sa) == set(sb) and all(
+            _bitwise_equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) else sa[k] == sb[k] for k in sa), pname
+    for (_, _, a), (_, _, b) in zip(cw_tiny.named_buffers(), cw_huge.named_buffers()):
+        assert a is None and b is None or _bitwise_equal(a, b)
+
+
 def _resume_setup(mode: str, opt_factory, dtype: torch.dtype = torch.bfloat16, d: int = 16, chunk_bytes=None):
     torch.manual_seed(0)
     model = TinyMLP(d, 2 * d, d).to(dtype)
@@ -476,8 +519,7 @@ def test_quantized_optimizer_states(name: str) -> None:
         assert model.fc2.weight.dtype == torch.bfloat16
     for mode in MODES:
         _check_resume(mode, factory, torch.bfloat16, 64, steps=2)
-        if not name.startswith("bnb"):  # torchao's states stepped in slices (8192 elements: 2 of 4096) resume too
-            _check_resume(mode, factory, torch.bfloat16, 64, steps=2, chunk_bytes=1)
+        _check_resume(mode, factory, torch.bfloat16, 64, steps=2, chunk_bytes=1)  # in slices (8192: 2 of 4096)
 
 
 def _flat_state(value) -> list[torch.Tensor]:
@@ -489,26 +531,36 @@ def _flat_state(value) -> list[torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8", "Adam8bit"])
-def test_torchao_low_bit_adams_step_in_slices_bit_for_bit(mode: str, name: str) -> None:
-    # Their states are quantized in blocks: a slice on block boundaries views its blocks and is stepped in place, so
-    # the FP32 copies (and torchao's FP32 temporaries) stay within the chunk budget, with the whole-parameter result.
-    ao = pytest.importorskip("torchao.optim")
-    cls = getattr(ao, name)
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8", "Adam8bit", "bnb.AdamW8bit", "bnb.Adam8bit"])
+def test_low_bit_adams_step_in_slices_bit_for_bit(mode: str, name: str) -> None:
+    # Their states are quantized in blocks: a slice on block boundaries views its blocks (torchao's subclasses;
+    # bitsandbytes' codes and per-block absmax) and is stepped in place, so the FP32 copies (and the optimizer's FP32
+    # temporaries) stay within the chunk budget, with the whole-parameter result.
+    if name.startswith("bnb."):
+        cls = getattr(pytest.importorskip("bitsandbytes").optim, name[4:])
+    else:
+        cls = getattr(pytest.importorskip("torchao.optim"), name)
     tiny, calls_tiny, opt_tiny, cw_tiny = _wide_run(mode, 1, cls, fused=None)
     huge, calls_huge, opt_huge, cw_huge = _wide_run(mode, 2**40, cls, fused=None)
     assert calls_huge == 3 and calls_tiny == 3 * (768 * 256 // 2**12 + 3)  # sliced: 48 slices + 3 small parameters
     big = opt_tiny.state[tiny.big.weight]
-    keys = {"step", "exp_avg", "exp_avg_sq"}
-    assert set(big) == keys and all(type(big[k]) is not torch.Tensor and big[k].shape == tiny.big.weight.shape
-                                    for k in keys - {"step"}), big  # created whole, quantized, before the slices
-    assert float(big["step"]) == 3
+    if name.startswith("bnb."):  # created whole before the slices: 8-bit codes and a scale per 256 elements
+        assert big["state1"].dtype == big["state2"].dtype == torch.uint8 and big["step"] == 3
+        assert big["state1"].shape == tiny.big.weight.shape and big["absmax1"].shape == (768 * 256 // 256,)
+    else:
+        keys = {"step", "exp_avg", "exp_avg_sq"}
+        assert set(big) == keys and all(type(big[k]) is not torch.Tensor and big[k].shape == tiny.big.weight.shape
+                                        for k in keys - {"step"}), big  # created whole, quantized, before the slices
+        assert float(big["step"]) == 3
     for (pname, a), (_, b) in zip(tiny.named_parameters(), huge.named_parameters()):
         assert _bitwise_equal(a.detach(), b.detach()), pname
         sa, sb = opt_tiny.state[a], opt_huge.state[b]
         assert set(sa) == set(sb), pname
         for key in sa:
             assert type(sa[key]) is type(sb[key]), (pname, key)
+            if not torch.is_tensor(sa[key]):  # bitsandbytes' step count
+                assert sa[key] == sb[key], (pname, key)
+                continue
             assert all(_bitwise_equal(x, y) for x, y in zip(_flat_state(sa[key]), _flat_state(sb[key]))), (pname, key)
     for (_, _, a), (_, _, b) in zip(cw_tiny.named_buffers(), cw_huge.named_buffers()):
         assert a is None and b is None or _bitwise_equal(a, b)
