@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["flatten_optimizer_states_", "unflatten_optimizer_states_"]
+__all__ = ["copy_quantized_state", "flatten_optimizer_states_", "unflatten_optimizer_states_"]
 
 _MARK = "lit_mpstable.flat_tensor"
 # Classes whose __tensor_flatten__ / __tensor_unflatten__ round trip is known to rebuild them exactly.
@@ -47,6 +47,20 @@ def _rebuild(flat: dict[str, Any]) -> torch.Tensor:
     cls = getattr(importlib.import_module(module), cls_name)
     return cls.__tensor_unflatten__(dict(flat["inner"]), tuple(flat["context"]), torch.Size(flat["size"]),
                                     tuple(flat["stride"]))
+
+
+def copy_quantized_state(value: torch.Tensor, device: torch.device | None) -> torch.Tensor | None:
+    """A copy of an allowed tensor-subclass state (on ``device``, else where it is) that shares nothing with it, or
+    None for any other tensor. torchao's states implement neither ``clone`` nor a copying ``.to()`` (theirs keeps the
+    inner tensors when the device does not change): their inner tensors are copied and the state rebuilt."""
+    if _qualname(type(value)) not in _ALLOWED:
+        return None
+    names, context = value.__tensor_flatten__()
+    inner = {}
+    for name in names:
+        t = getattr(value, name).detach()
+        inner[name] = t.clone() if device is None or t.device == device else t.to(device, copy=True)
+    return type(value).__tensor_unflatten__(inner, context, value.shape, value.stride())
 
 
 def flatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> int:

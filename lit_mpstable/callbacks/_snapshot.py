@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from lit_mpstable.checkpoints import copy_quantized_state
+
 __all__ = ["layout_key", "restore_snapshot", "state_finite", "take_snapshot"]
 
 
@@ -18,8 +20,11 @@ def layout_key(plugin: Any) -> tuple:
 
 def _copy(obj: Any, device: torch.device | None) -> Any:
     """Nested dicts/lists with every tensor copied (to ``device``, else where it is): state dicts share storage with
-    live tensors, and a snapshot must not follow them."""
+    live tensors, and a snapshot must not follow them (torchao's quantized states included)."""
     if isinstance(obj, torch.Tensor):
+        quantized = copy_quantized_state(obj, device)
+        if quantized is not None:
+            return quantized
         return obj.detach().clone() if device is None or obj.device == device else obj.detach().to(device, copy=True)
     if isinstance(obj, Mapping):
         return {key: _copy(value, device) for key, value in obj.items()}

@@ -297,3 +297,48 @@ def test_8bit_states_stepped_in_slices_skip_checkpoint_and_resume(tmp_path, mode
     assert fit(resumed, 2, tmp_path / "e1.ckpt").precision_plugin.overflow_count == 1
     for a, b in zip(resumed.parameters(), full.parameters()):
         assert torch.equal(a, b)
+
+
+def _state_tensors(value) -> list[torch.Tensor]:
+    if type(value) is torch.Tensor:
+        return [value.detach().clone()]
+    names, _ = value.__tensor_flatten__()
+    return [getattr(value, name).detach().clone() for name in names]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "mode"), [("bf16-true", "kahan"), ("bf16-true", "stochastic"),
+                                                 ("bf16-true", False), ("32-true", None)])
+def test_a_rollback_restores_torchao_8bit_states_exactly(precision: str, mode) -> None:
+    # ScaleCheckpoint snapshots and restores torchao's quantized states (their clone is unimplemented and their
+    # .to() keeps the inner tensors): the restored states equal the snapshot's, bit for bit, and the snapshot did
+    # not follow the steps after it.
+    from torchao.optim import AdamW8bit
+
+    states, kinds = [], set()
+
+    class Wide(PoisonModule):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.model.fc1, self.model.fc2, self.model.fc3 = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+
+        def configure_optimizers(self):
+            return AdamW8bit(self.parameters(), lr=1e-2)
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            state = trainer.optimizers[0].state[pl_module.model.fc2.weight]
+            states.append({k: _state_tensors(v) for k, v in state.items() if k != "step"})
+            kinds.update(type(v).__name__ for k, v in state.items() if k != "step")
+
+    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback")
+    plugin = StablePrecision(precision, **({} if mode is None else {"master_weights": mode}))
+    with quiet():
+        make_trainer(plugin, max_steps=7, callbacks=[checkpoint, Keep()]).fit(Wide(loss_factor={6: 1e6}))
+    assert [(e["step"], e["restored_step"]) for e in checkpoint.events] == [(6, 4)]
+    restored, at_snapshot, after = states[6], states[3], states[5]
+    assert kinds == {"OptimState8bit"}  # fc2's 4096 elements: quantized
+    for key, tensors in at_snapshot.items():
+        assert all(torch.equal(a, b) for a, b in zip(restored[key], tensors)), key
+        assert not all(torch.equal(a, b) for a, b in zip(after[key], tensors)), key  # the steps between moved it
+
