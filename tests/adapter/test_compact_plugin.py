@@ -4,6 +4,7 @@ optimizer (8-bit ones included), skips, clipping, islands, rollback and exact re
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -245,6 +246,18 @@ def test_8bit_optimizer_states_skip_checkpoint_and_resume(tmp_path, precision: s
         assert torch.equal(a, b)
 
 
+class _Widened(PoisonModule):
+    """PoisonModule with layers 16-h1-h2-16 and the optimizer ``make(params, lr=lr)``."""
+
+    def __init__(self, h1: int, h2: int, make, lr: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.model.fc1, self.model.fc2, self.model.fc3 = nn.Linear(16, h1), nn.Linear(h1, h2), nn.Linear(h2, 16)
+        self.make_optimizer, self.optimizer_lr = make, lr
+
+    def configure_optimizers(self):
+        return self.make_optimizer(self.parameters(), lr=self.optimizer_lr)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("library", ["torchao", "bitsandbytes"])
@@ -268,13 +281,7 @@ def test_8bit_states_stepped_in_slices_skip_checkpoint_and_resume(tmp_path, mode
 
     monkeypatch.setattr(CompactWeights, "_enter", spy)
 
-    class Wide(PoisonModule):
-        def __init__(self, **kwargs) -> None:
-            super().__init__(**kwargs)
-            self.model.fc1, self.model.fc2, self.model.fc3 = nn.Linear(16, 512), nn.Linear(512, 256), nn.Linear(256, 16)
-
-        def configure_optimizers(self):
-            return AdamW8bit(self.parameters(), lr=1e-3)
+    Wide = functools.partial(_Widened, 512, 256, AdamW8bit, 1e-3)  # noqa: N806
 
     def fit(module, epochs, ckpt=None):
         trainer = make_trainer(StablePrecision("bf16-true", master_weights=mode), max_steps=-1, max_epochs=epochs)
@@ -317,13 +324,7 @@ def test_a_rollback_restores_torchao_8bit_states_exactly(precision: str, mode) -
 
     states, kinds = [], set()
 
-    class Wide(PoisonModule):
-        def __init__(self, **kwargs) -> None:
-            super().__init__(**kwargs)
-            self.model.fc1, self.model.fc2, self.model.fc3 = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 16)
-
-        def configure_optimizers(self):
-            return AdamW8bit(self.parameters(), lr=1e-2)
+    Wide = functools.partial(_Widened, 64, 64, AdamW8bit, 1e-2)  # noqa: N806
 
     class Keep(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args) -> None:
