@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.compact_fused import FusedAdam, host_to_device, noise_bits
+from lit_mpstable.memory import plain_tensors
 
 __all__ = ["CompactMode", "CompactWeights", "quantized_state_classes", "stochastic_round"]
 
@@ -404,7 +405,7 @@ class CompactWeights:
         sliceable = block is not None or type(optimizer) in _ELEMENTWISE
         pieces: list[_Piece] = []
         for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
+            for pi, p in enumerate(group["params"]):
                 grad = p.grad
                 if grad is None:
                     continue
@@ -424,7 +425,7 @@ class CompactWeights:
                     continue
                 state = optimizer.state.get(p, {})
                 sliced = (sliceable and p.is_contiguous() and grad.layout == torch.strided and grad.is_contiguous()
-                          and (block is None or _init_blockwise_(optimizer, p, state, block)))
+                          and (block is None or _init_blockwise_(optimizer, p, state, block, gi, pi)))
                 for key, value in state.items():  # e.g. loaded from an FP32 run: keep the invariant (16-bit)
                     if _per_element(key, value, p, non_castable) and value.dtype != p.dtype:
                         state[key] = value.to(p.dtype)
@@ -629,7 +630,7 @@ class CompactWeights:
         for optimizer in self._optimizers:
             for param_state in optimizer.state.values():
                 for value in param_state.values():
-                    state.update((id(t), t) for t in _inner_tensors(value))
+                    state.update((id(t), t) for t in plain_tensors(value))
         report = {
             "params_16bit": _nbytes(p for p in params if p.dtype in _LOW),
             "compensation": _nbytes(self._comp.values()),
@@ -684,12 +685,16 @@ def _block_size(optimizer: Optimizer) -> int | None:
     return block if ok and _MIN_SLICE % block == 0 else None
 
 
-def _init_blockwise_(optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any], block: int) -> bool:
-    """Whether ``p``'s quantized states can be stepped in slices; on its first step, creates them whole first (as the
-    optimizer's own ``step`` would on the FP32 stand-in; a slice would get a state of its own shape)."""
+def _init_blockwise_(
+    optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any], block: int, group_index: int, index: int
+) -> bool:
+    """Whether ``p`` (``optimizer.param_groups[group_index]["params"][index]``) has quantized states that can be
+    stepped in slices; on its first step, creates them whole first (as the optimizer's own ``step`` would on the FP32
+    stand-in; a slice would get a state of its own shape)."""
+    group = optimizer.param_groups[group_index]
     if block == _BNB_BLOCK and type(optimizer).__module__.startswith("bitsandbytes"):
-        return _init_bnb_(optimizer, p, state)
-    if p.numel() % block or any(g["amsgrad"] for g in optimizer.param_groups if any(q is p for q in g["params"])):
+        return _init_bnb_(optimizer, p, state, group, group_index, index)
+    if p.numel() % block or group["amsgrad"]:
         return False  # whole: torchao keeps such states unquantized; its amsgrad fails on FP32 stand-ins anyway
     if not state:
         # The optimizer's own constructor of zero states, on a stand-in with the parameter's shape and the FP32 dtype
@@ -703,20 +708,19 @@ def _init_blockwise_(optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any
     return True
 
 
-def _init_bnb_(optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any]) -> bool:
+def _init_bnb_(
+    optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any], group: dict[str, Any], group_index: int, index: int
+) -> bool:
     # 8-bit codes (what bitsandbytes gives a parameter of min_8bit_size or more elements) are sliced; smaller ones
     # keep FP32 states whole. Created whole first, by the optimizer's init_state on a stand-in of p's shape (it reads
     # the shape and device only).
     if p.numel() < optimizer.args.min_8bit_size:  # type: ignore[attr-defined]
         return False
     if not state:
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, q in enumerate(group["params"]):
-                if q is p:
-                    stand_in = torch.empty((), dtype=torch.float32, device=p.device).expand(p.shape)
-                    optimizer.init_state(group, stand_in, gi, pi)  # type: ignore[attr-defined]
-                    state.update(optimizer.state.pop(stand_in))
-                    optimizer.state[p] = state
+        stand_in = torch.empty((), dtype=torch.float32, device=p.device).expand(p.shape)
+        optimizer.init_state(group, stand_in, group_index, index)  # type: ignore[attr-defined]
+        state.update(optimizer.state.pop(stand_in))
+        optimizer.state[p] = state
     return _codes("state1", state.get("state1"), p)
 
 
@@ -751,16 +755,6 @@ def _check_keys(what: str, expected: set[str], given: set[str], cause: str) -> N
             f"CompactWeights.load_state_dict: missing {what}keys {sorted(expected - given)}, unknown {what}keys"
             f" {sorted(given - expected)}; {cause}"
         )
-
-
-def _inner_tensors(value: Any) -> list[torch.Tensor]:
-    # Wrapper subclasses (torchao's quantized states) hold their data in inner tensors.
-    if not isinstance(value, torch.Tensor):
-        return []
-    if type(value) is torch.Tensor or not hasattr(value, "__tensor_flatten__"):
-        return [value]
-    names, _ = value.__tensor_flatten__()
-    return [t for name in names for t in _inner_tensors(getattr(value, name))]
 
 
 def _grad_bytes(param: torch.Tensor) -> int:
