@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_callbacks.py --quick                          # smoke run, < 30 s
     .venv/bin/python bench/bench_callbacks.py --configs "all four" --repeats 20 # one A/B pair, more rounds
 
-Workload: ``lit_mpstable.zoo.GPTLM`` (d_model 128, 2 layers, seq 64, batch 16) on ``CharLMData``, AdamW, under
+Workload: ``lit_mpstable.app.zoo.GPTLM`` (d_model 128, 2 layers, seq 64, batch 16) on ``CharLMData``, AdamW, under
 ``StablePrecision("bf16-mixed")``, 1 thread. Configs run round-robin (each round starts one config later), each
 run a freshly seeded fit of ``steps`` steps; the first ``warmup`` steps are dropped. Two measures:
 
@@ -36,7 +36,7 @@ import torch
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint
-from lit_mpstable.zoo import GPTLM, CharLMData
+from lit_mpstable.app.zoo import GPTLM, CharLMData
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -1,4 +1,4 @@
-"""Compact 16-bit weights (lit_mpstable.compact.CompactWeights) in a plain PyTorch loop, against FP32, plain BF16 and
+"""Compact 16-bit weights (lit_mpstable.core.compact.CompactWeights) in a plain PyTorch loop, against FP32, plain BF16 and
 BF16 + FP32 masters: peak tensor memory of one training step and where it goes, CPU time per step, and the losses
 after 300 steps on the stall case and on a GPT. Writes results/compact_core/results.{json,md}.
 
@@ -28,9 +28,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers.stall_task
 from helpers import stall_task  # noqa: E402
 
-from lit_mpstable.compact import CompactWeights  # noqa: E402
-from lit_mpstable.master import MasterWeights  # noqa: E402
-from lit_mpstable.memory import MemoryProbe, quiet_fd2  # noqa: E402
+from lit_mpstable.core.compact import CompactWeights  # noqa: E402
+from lit_mpstable.core.master import MasterWeights  # noqa: E402
+from lit_mpstable.core.memory import MemoryProbe, quiet_fd2  # noqa: E402
 
 MiB = 2**20
 
@@ -60,7 +60,7 @@ def _mlp_batches(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _gpt() -> nn.Module:
-    from lit_mpstable.zoo import GPT  # imports Lightning: only here
+    from lit_mpstable.app.zoo import GPT  # imports Lightning: only here
 
     torch.manual_seed(0)
     return GPT(256, d_model=256, n_layers=4, n_heads=4, seq_len=128)
@@ -83,7 +83,7 @@ def _xent(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
 
 WORKLOADS = {
     "mlp": Workload("mlp", "MLP 784-1024-1024-1024-10, batch 256 (parameter-dominated)", _mlp, _mlp_batches, _xent),
-    "gpt": Workload("gpt", "lit_mpstable.zoo.GPT d_model 256, 4 layers, 4 heads, seq 128, batch 8, vocab 256", _gpt,
+    "gpt": Workload("gpt", "lit_mpstable.app.zoo.GPT d_model 256, 4 layers, 4 heads, seq 128, batch 8, vocab 256", _gpt,
                     _gpt_batches, _xent),
 }
 
@@ -322,7 +322,7 @@ def stall_losses(steps: int, lr: float, seeds: int) -> dict[str, Any]:
 
 
 def _schedule(step: int, warmup: int, total: int) -> float:
-    # lit_mpstable.zoo's GPTLM schedule: linear warm-up, cosine to 10%.
+    # lit_mpstable.app.zoo's GPTLM schedule: linear warm-up, cosine to 10%.
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -332,7 +332,7 @@ def _schedule(step: int, warmup: int, total: int) -> float:
 def gpt_losses(configs: list[Config], steps: int, lr: float) -> dict[str, Any]:
     """experiment=bf16_small_lr in a plain loop: zoo.GPT (d 128, 2 layers, seq 64) on stdlib text, batch 16, AdamW
     lr 1e-4 (below half a BF16 ulp of most weights), weight decay 0.01, warm-up 20 + cosine; val loss (20 batches)."""
-    from lit_mpstable.zoo import GPT, CharLMData
+    from lit_mpstable.app.zoo import GPT, CharLMData
 
     data = CharLMData(seq_len=64, batch_size=16)
     data.setup()

@@ -5,7 +5,7 @@ op_policy="auto" buys there, and FP8 compiled against eager (on the CPU: numbers
     .venv/bin/python bench/bench_compile.py --quick            # smoke run -> results/compile/compile_quick.*
     .venv/bin/python bench/bench_compile.py --configs compiled/L-bf16-mixed,compiled/SP-bf16-mixed --repeats 12
 
-The model is ``lit_mpstable.zoo.GPT`` (the ``gpt-sdpa`` workload of ``bench_precision.py``). "Compiled" is what
+The model is ``lit_mpstable.app.zoo.GPT`` (the ``gpt-sdpa`` workload of ``bench_precision.py``). "Compiled" is what
 ``Trainer.fit(torch.compile(module))`` does (Lightning unwraps the OptimizedModule and compiles ``forward`` and
 ``training_step``), applied by a callback so that compiling is part of the config; each config compiles once per
 process (inductor, default options) and later runs reuse the graphs. The first steps of a run (compilation, the

@@ -1,10 +1,10 @@
-"""What lit_mpstable.fabric.StablePrecision costs in a Fabric loop next to Fabric's own plugin in the same mode.
+"""What lit_mpstable.frontends.fabric.StablePrecision costs in a Fabric loop next to Fabric's own plugin in the same mode.
 
     .venv/bin/python bench/bench_fabric.py                   # ~3-4 min on 2 shared cores -> results/fabric/fabric.*
     .venv/bin/python bench/bench_fabric.py --quick           # smoke run, < 30 s -> results/fabric/fabric_quick.*
     .venv/bin/python bench/bench_fabric.py --configs fabric-bf16-true,SP-bf16-true --repeats 12
 
-Workload: ``lit_mpstable.zoo.GPT`` (vocab 256, d_model 256, 4 layers, 4 heads, seq 128, batch 8; the gpt-sdpa
+Workload: ``lit_mpstable.app.zoo.GPT`` (vocab 256, d_model 256, 4 layers, 4 heads, seq 128, batch 8; the gpt-sdpa
 suite of bench_precision.py) on the harness's synthetic token stream, AdamW, a plain Fabric loop (forward,
 cross-entropy in FP32, ``fabric.backward``, ``optimizer.step()``, ``zero_grad``) on the CPU, 1 thread.
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, fmt_iqr, markdown_table, summary, token_windows  # noqa: E402
 from policy_workloads import SDPAGPTSize  # noqa: E402
 
-from lit_mpstable.zoo import GPT  # noqa: E402
+from lit_mpstable.app.zoo import GPT  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results" / "fabric"
 GOAL = 1.02  # ours may take at most 2% more CPU time per step than Fabric's own plugin
@@ -46,7 +46,7 @@ def _fabric(precision: str, ours: bool) -> Any:
 
     if not ours:
         return Fabric(accelerator="cpu", devices=1, precision=precision)
-    from lit_mpstable.fabric import StablePrecision
+    from lit_mpstable.frontends.fabric import StablePrecision
 
     return Fabric(accelerator="cpu", devices=1, plugins=[StablePrecision(precision)])
 
@@ -135,7 +135,7 @@ def write(result: dict[str, Any], out: Path, stem: str) -> None:
               f" {'identical' if c['same_losses'] else 'DIFFER'}" for name, c in result["checks"].items()]
     text = "\n".join([
         "# bench_fabric results", "",
-        f"`lit_mpstable.zoo.GPT` {meta['size']}, AdamW, a plain Fabric loop on the CPU ({meta['cpu']},"
+        f"`lit_mpstable.app.zoo.GPT` {meta['size']}, AdamW, a plain Fabric loop on the CPU ({meta['cpu']},"
         f" {meta['torch_threads']} thread); {meta['repeats']} rounds x {meta['steps']} steps ({meta['warmup']} warmup"
         f" dropped), configs round-robin. Medians [first, third quartile] over runs; ratios paired per round.",
         f"torch {meta['torch']}, lightning {meta['lightning']}, load average {meta['loadavg']}, {meta['time']}.", "",

@@ -2,7 +2,7 @@
 weights, 8-bit AdamW states (torchao's ``+8bit``, bitsandbytes' ``+bnb8bit``), against Lightning's own 32-true and
 bf16-true, in one run.
 
-Per config: peak tensor memory of one training step (``lit_mpstable.memory.MemoryProbe``: resident state plus the
+Per config: peak tensor memory of one training step (``lit_mpstable.core.memory.MemoryProbe``: resident state plus the
 step's own allocations, profiled) and process CPU time per step (median over the steps of a run after warm-up,
 then the median over alternating rounds of the per-round ratio to Lightning's bf16-true).
 
@@ -28,8 +28,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lit_mpstable import StablePrecision  # noqa: E402
-from lit_mpstable.memory import MemoryProbe  # noqa: E402
-from lit_mpstable.zoo import GPT  # noqa: E402
+from lit_mpstable.core.memory import MemoryProbe  # noqa: E402
+from lit_mpstable.app.zoo import GPT  # noqa: E402
 
 TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                num_sanity_val_steps=0, accelerator="cpu", devices=1)
@@ -52,7 +52,7 @@ class Workload(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.kind, self.make_optimizer = kind, optimizer
-        if kind == "gpt":  # lit_mpstable.zoo.GPT: d_model 256, 4 layers, seq 128, batch 8
+        if kind == "gpt":  # lit_mpstable.app.zoo.GPT: d_model 256, 4 layers, seq 128, batch 8
             self.net = GPT(vocab_size=256, d_model=256, n_layers=4, n_heads=4, seq_len=128)
             g = torch.Generator().manual_seed(0)
             stream = torch.randint(1, 5, (64 * 128 + 1,), generator=g).cumsum(0) % 256
@@ -174,7 +174,7 @@ def main() -> None:
              " step 2 (resident state + the step's allocations, torch.profiler); CPU time per step, median of the"
              " per-round ratio to Lightning's bf16-true [IQR].", ""]
     titles = {"mlp": "MLP 784-1024x3-10, batch 256 (parameter-dominated)",
-              "gpt": "lit_mpstable.zoo.GPT, d_model 256, 4 layers, seq 128, batch 8"}
+              "gpt": "lit_mpstable.app.zoo.GPT, d_model 256, 4 layers, seq 128, batch 8"}
     for kind, rows in results.items():
         lines += [f"## {titles[kind]}", "", "| config | peak MiB | x FP32 peak | x L-bf16-true peak | CPU ms/step |"
                   " x L-bf16-true time | loss after the run |", "|---|---|---|---|---|---|---|"]

@@ -53,7 +53,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from policy_workloads import CNNSize, SDPAGPTSize, cnn_workload, sdpa_gpt_workload  # noqa: E402
 
 from lit_mpstable import StablePrecision  # noqa: E402
-from lit_mpstable.scaling import DynamicLossScaler  # noqa: E402
+from lit_mpstable.core.scaling import DynamicLossScaler  # noqa: E402
 
 __all__ = ["Config", "Suite", "CONFIGS", "SUITES", "register", "run_benchmark", "stable_callbacks", "main"]
 
@@ -258,7 +258,7 @@ register(
 _POLICY_SUITES = {"sdpa": "gpt-sdpa", "mlp": "policy-mlp", "cnn": "policy-cnn"}
 SUITES["gpt-sdpa"] = Suite(
     name="gpt-sdpa",
-    title="GPT with F.scaled_dot_product_attention (lit_mpstable.zoo.GPT), per-op precision policy",
+    title="GPT with F.scaled_dot_product_attention (lit_mpstable.app.zoo.GPT), per-op precision policy",
     workload=lambda steps: sdpa_gpt_workload(SDPAGPTSize(), steps),
     steps=10,
     warmup=2,  # an op_policy="auto" run records in step 0 and measures at the start of step 1 (cached in later runs)

@@ -5,7 +5,7 @@
     .venv/bin/python bench/bench_probe.py --part accuracy  # ~1 min
     .venv/bin/python bench/bench_probe.py --quick          # smoke run, < 1 min -> results/probe/*_quick.*
 
-**Cost.** ``lit_mpstable.zoo.GPTLM`` (d_model 128, 2 layers, seq 64, batch 16) on ``CharLMData``, AdamW, under
+**Cost.** ``lit_mpstable.app.zoo.GPTLM`` (d_model 128, 2 layers, seq 64, batch 16) on ``CharLMData``, AdamW, under
 ``StablePrecision("bf16-mixed")``, 1 thread, no validation, no logger. Two configs, without and with
 ``PrecisionProbe(every_n_steps=100)``, alternate (each round starts with the other one), each run a freshly seeded
 fit of ``--steps`` steps; per run the process CPU time from the first batch's start to the last batch's end (the
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.callbacks import PrecisionProbe  # noqa: E402
-from lit_mpstable.zoo import GPTLM, CharLMData  # noqa: E402
+from lit_mpstable.app.zoo import GPTLM, CharLMData  # noqa: E402
 
 RESULTS_DIR = ROOT / "bench" / "results" / "probe"
 TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

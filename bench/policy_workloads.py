@@ -1,5 +1,5 @@
 """Workloads for the per-op precision policy benchmarks: a GPT whose attention is F.scaled_dot_product_attention
-(lit_mpstable.zoo.GPT), and a small CNN (convolutions + batch norm). The MLP is common.mlp_workload."""
+(lit_mpstable.app.zoo.GPT), and a small CNN (convolutions + batch norm). The MLP is common.mlp_workload."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from common import BenchModule, Workload, token_windows
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_mpstable.zoo import GPT
+from lit_mpstable.app.zoo import GPT
 
 __all__ = ["SDPAGPTSize", "CNNSize", "LogitsModule", "sdpa_gpt_workload", "cnn_workload"]
 
 
 @dataclass(frozen=True)
 class SDPAGPTSize:
-    """lit_mpstable.zoo.GPT as the issue measured it: 4 layers, d=256, seq 128 (attention is a real share)."""
+    """lit_mpstable.app.zoo.GPT as the issue measured it: 4 layers, d=256, seq 128 (attention is a real share)."""
 
     vocab: int = 256  # byte-level
     d_model: int = 256

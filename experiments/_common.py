@@ -30,9 +30,9 @@ from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from lit_mpstable import StablePrecision  # noqa: E402
-from lit_mpstable.config import register_configs  # noqa: E402
-from lit_mpstable.memory import MemoryProbe  # noqa: E402
-from lit_mpstable.train import build  # noqa: E402
+from lit_mpstable.app.config import register_configs  # noqa: E402
+from lit_mpstable.core.memory import MemoryProbe  # noqa: E402
+from lit_mpstable.app.train import build  # noqa: E402
 
 __all__ = [
     "CONF", "QUIET", "RESULTS", "ROOT", "Fit", "Recorder", "command_line", "compose", "environment_line", "fit",
@@ -56,7 +56,7 @@ def quiet() -> None:
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:
-    """``train.yaml`` with ``overrides``, as ``python -m lit_mpstable.train <overrides>`` would compose it."""
+    """``train.yaml`` with ``overrides``, as ``python -m lit_mpstable.app.train <overrides>`` would compose it."""
     register_configs()
     GlobalHydra.instance().clear()
     chosen = any(str(o).lstrip("+~").startswith("experiment=") for o in overrides)
@@ -69,7 +69,7 @@ class Recorder(pl.Callback):
     """Per optimizer step: the trained loss, loss scale, skip flag, whether a precision fallback was active after
     the step (``plugin.fallback_active``), and the step's wall and process CPU time (batch start to batch end:
     validation left out; CPU time leaves out the waits for a core on a shared machine). Per validation: (step,
-    loss, acc). Peak tensor memory of step ``probe_step`` when it is not None (``lit_mpstable.memory.MemoryProbe``).
+    loss, acc). Peak tensor memory of step ``probe_step`` when it is not None (``lit_mpstable.core.memory.MemoryProbe``).
     """
 
     def __init__(self, probe_step: int | None = 2) -> None:
@@ -140,7 +140,7 @@ class Fit:
 
 
 def fit(cfg: DictConfig, *, extra_callbacks: Sequence[pl.Callback] = (), probe_step: int | None = 2) -> Fit:
-    """Build the run with ``lit_mpstable.train.build``, add ``extra_callbacks`` (after the config's own) and a
+    """Build the run with ``lit_mpstable.app.train.build``, add ``extra_callbacks`` (after the config's own) and a
     :class:`Recorder`, and fit."""
     recorder = Recorder(probe_step)
     built = build(cfg, extra_callbacks=[*extra_callbacks, recorder])

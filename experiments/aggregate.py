@@ -1,4 +1,4 @@
-"""One comparison table (Markdown and CSV) and figures from a Hydra multirun sweep of ``lit_mpstable.train``.
+"""One comparison table (Markdown and CSV) and figures from a Hydra multirun sweep of ``lit_mpstable.app.train``.
 
     .venv/bin/python experiments/aggregate.py multirun/<date>/<time>              # writes into the sweep dir
     .venv/bin/python experiments/aggregate.py multirun/<date>/<time> --out DIR
@@ -27,7 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the package without installing
 
-from lit_mpstable.report import settle_step  # noqa: E402
+from lit_mpstable.app.report import settle_step  # noqa: E402
 
 __all__ = ["COLUMNS", "comparison_rows", "label_runs", "load_runs", "main", "sweep_command", "write_comparison"]
 
@@ -123,7 +123,7 @@ def _cell(value: Any) -> str:
 
 
 def sweep_command(sweep_dir: Path) -> str | None:
-    """The ``python -m lit_mpstable.train -m ...`` command of the sweep, from its ``multirun.yaml``."""
+    """The ``python -m lit_mpstable.app.train -m ...`` command of the sweep, from its ``multirun.yaml``."""
     path = Path(sweep_dir) / "multirun.yaml"
     if not path.exists():
         return None
@@ -131,7 +131,7 @@ def sweep_command(sweep_dir: Path) -> str | None:
     # hydra.mode is implied by -m; an absolute sweep dir is this machine's own (a relative one is kept).
     hydra = [o for o in overrides.get("hydra", [])
              if not o.startswith("hydra.mode=") and not o.startswith("hydra.sweep.dir=/")]
-    return " ".join(["python -m lit_mpstable.train -m", *hydra, *overrides.get("task", [])])
+    return " ".join(["python -m lit_mpstable.app.train -m", *hydra, *overrides.get("task", [])])
 
 
 def write_comparison(runs: Sequence[dict[str, Any]], out_dir: Path, *, sweep_dir: Path | None = None,
@@ -161,7 +161,7 @@ def write_comparison(runs: Sequence[dict[str, Any]], out_dir: Path, *, sweep_dir
         "steps/s: optimizer steps per second of the whole fit (validation included; parallel jobs share the",
         "machine, so compare speed only between runs made alike). effective steps/s: steps/s x applied / all",
         "steps. settle step: first step from which the loss scale stays within 2x of its final value",
-        "(`lit_mpstable.report.settle_step`). overflow rate: overflowing / all optimizer steps.", "",
+        "(`lit_mpstable.app.report.settle_step`). overflow rate: overflowing / all optimizer steps.", "",
     ]
     lines += [f"![{name}]({name})" for name, made in figures.items() if made] + [""]
     if command:

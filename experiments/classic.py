@@ -7,7 +7,7 @@ overflow rate, accuracy/loss gap, loss-scale settling and effective throughput.
     .venv/bin/python experiments/classic.py --rows classic_mlp_fp32,classic_mlp_fp16_dynamic trainer.max_steps=20
 
 Rows are ``experiment/classic_*.yaml`` configs. Quality (losses, accuracy, overflow, loss scale, peak tensor memory)
-comes from one full run per row, launched as one Hydra multirun of ``python -m lit_mpstable.train`` (joblib launcher
+comes from one full run per row, launched as one Hydra multirun of ``python -m lit_mpstable.app.train`` (joblib launcher
 with ``--jobs`` > 1) into ``--sweep-dir``; ``experiments/aggregate.py`` turns it into
 ``experiments/results/classic_sweep/``. Speed comes from separate short runs made alone, round-robin: each round
 runs every row once (round r starts at row r), a run's time is the median of its steps after warm-up, and a row's
@@ -37,7 +37,7 @@ from _common import (  # noqa: E402
 from aggregate import load_runs  # noqa: E402
 from aggregate import main as aggregate_main  # noqa: E402
 
-from lit_mpstable.report import settle_step  # noqa: E402
+from lit_mpstable.app.report import settle_step  # noqa: E402
 
 # (experiment, label, baseline experiment); listed slowest first, so a parallel sweep ends sooner.
 ROWS: tuple[tuple[str, str, str], ...] = (
@@ -60,9 +60,9 @@ GOAL = 0.005  # the accuracy/loss gap to stay under: 0.5%
 
 
 def sweep(names: list[str], sweep_dir: Path, jobs: int, overrides: list[str]) -> Path:
-    """One Hydra multirun of ``lit_mpstable.train`` over ``experiment=<names>``; its output goes to sweep.log."""
+    """One Hydra multirun of ``lit_mpstable.app.train`` over ``experiment=<names>``; its output goes to sweep.log."""
     launcher = ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}"] if jobs > 1 else []
-    command = [sys.executable, "-m", "lit_mpstable.train", "-m", "experiment=" + ",".join(names), *launcher,
+    command = [sys.executable, "-m", "lit_mpstable.app.train", "-m", "experiment=" + ",".join(names), *launcher,
                f"hydra.sweep.dir={sweep_dir}", *QUIET, *overrides]
     sweep_dir.mkdir(parents=True, exist_ok=True)
     log = sweep_dir / "sweep.log"
@@ -310,9 +310,9 @@ def main(argv: list[str] | None = None) -> None:
         "  wall-time equivalents are in brackets after ';' and in the JSON.\n"
         "- throughput = tokens (GPT) or samples (MLP) per step / median CPU time per step; effective =\n"
         "  throughput x applied steps / all steps of the full run.\n"
-        "- peak MiB: peak tensor memory of step 2 of the full run (`lit_mpstable.memory.MemoryProbe`:\n"
+        "- peak MiB: peak tensor memory of step 2 of the full run (`lit_mpstable.core.memory.MemoryProbe`:\n"
         "  parameters, masters, gradients, optimizer state and the step's activations); memory saved vs FP32.\n"
-        "- overflow rate (skipped steps), settle step (`lit_mpstable.report.settle_step`: first step from which\n"
+        "- overflow rate (skipped steps), settle step (`lit_mpstable.app.report.settle_step`: first step from which\n"
         "  the loss scale stays within 2x of its final value), val loss / acc: from the full 300-step run; gaps\n"
         "  relative (loss) and in percentage points (accuracy) against the baseline; goal: both under 0.5%.\n\n"
         "The sweep's own table (every summary field, loss curves, loss scales): [classic_sweep/comparison.md]"

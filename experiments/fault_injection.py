@@ -35,7 +35,7 @@ from _common import (  # noqa: E402
     RESULTS, Fit, command_line, compose, fit, markdown_table, pyplot, quiet, smooth, tail_mean, write_result,
 )
 
-from lit_mpstable.report_probe import write_probe_figure  # noqa: E402
+from lit_mpstable.app.report_probe import write_probe_figure  # noqa: E402
 
 RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # (case, label, overrides)
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in heatmaps:  # the stability report's per-layer figure, for each faulty probed run
         name = f"fault_injection_probe_{'fallback' if r['decisions'] else 'no_fallback'}.png"
         drawn = write_probe_figure(r["probes"], args.out, name=name, title=f"Silent underflow, {r['run']}:"
-                                   " PrecisionProbe per layer (lit_mpstable.report_probe)")
+                                   " PrecisionProbe per layer (lit_mpstable.app.report_probe)")
         if drawn is not None:
             text += f"\n\n{r['run']}, the probe's numbers per layer and probe step:\n\n![{drawn[0]}]({drawn[1]})"
     print(text)

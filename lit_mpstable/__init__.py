@@ -1,7 +1,7 @@
 """lit_mpstable: stable mixed-precision training for PyTorch Lightning.
 
-``from lit_mpstable import StablePrecision`` loads Lightning; the numerics core (``lit_mpstable.scaling``,
-``lit_mpstable.formats``, ...) imports torch only, so importing this package itself loads nothing else.
+``from lit_mpstable import StablePrecision`` loads Lightning; the numerics core (``lit_mpstable.core.scaling``,
+``lit_mpstable.core.formats``, ...) imports torch only, so importing this package itself loads nothing else.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ __all__ = ["StablePrecision", "DynamicLossScaler", "StaticLossScaler"]
 __version__ = "0.1.0"
 
 _LAZY = {
-    "StablePrecision": "lit_mpstable.plugin",
-    "DynamicLossScaler": "lit_mpstable.scaling",
-    "StaticLossScaler": "lit_mpstable.scaling",
+    "StablePrecision": "lit_mpstable.frontends.plugin",
+    "DynamicLossScaler": "lit_mpstable.core.scaling",
+    "StaticLossScaler": "lit_mpstable.core.scaling",
 }
 
 

@@ -30,8 +30,8 @@ from omegaconf.errors import ValidationError
 from torch import nn
 
 import lit_mpstable.conf
-from lit_mpstable.config import SCHEMAS, derive_schema, register_configs
-from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.app.config import SCHEMAS, derive_schema, register_configs
+from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
 
 CONF = Path(lit_mpstable.conf.__file__).parent
 
@@ -298,7 +298,7 @@ def test_models_and_data_instantiate(option: str) -> None:
     ],
 )
 def test_five_step_runs_write_summary_and_report(overrides: list[str], tmp_path: Path) -> None:
-    from lit_mpstable.train import run
+    from lit_mpstable.app.train import run
 
     quick = ["trainer.max_steps=5", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
              "trainer.limit_val_batches=0"]
@@ -320,7 +320,7 @@ def test_the_memory_preset_runs_with_every_callback(tmp_path: Path) -> None:
     # bf16-true, stochastic rounding, torchao's AdamW8bit and the default callbacks: ScaleCheckpoint snapshots the
     # quantized states (their clone is unimplemented: the preset crashed at its first snapshot).
     pytest.importorskip("torchao.optim")
-    from lit_mpstable.train import run
+    from lit_mpstable.app.train import run
 
     cfg = _compose(["experiment=memory", "callbacks=default", "model.d_model=32", "trainer.max_steps=6",
                     "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
@@ -330,7 +330,7 @@ def test_the_memory_preset_runs_with_every_callback(tmp_path: Path) -> None:
 
 
 def test_a_report_without_matplotlib_says_why(tmp_path: Path, monkeypatch) -> None:
-    from lit_mpstable.report import write_report
+    from lit_mpstable.app.report import write_report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ModuleNotFoundError
     summary = {"precision": "16-mixed", "model": "M", "steps": 2, "final_train_loss": 1.0,
@@ -342,7 +342,7 @@ def test_a_report_without_matplotlib_says_why(tmp_path: Path, monkeypatch) -> No
 
 
 def test_digits_without_scikit_learn_names_the_extra(monkeypatch) -> None:
-    from lit_mpstable.zoo import DigitsData
+    from lit_mpstable.app.zoo import DigitsData
 
     monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
@@ -352,7 +352,7 @@ def test_digits_without_scikit_learn_names_the_extra(monkeypatch) -> None:
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lit_mpstable.train", *_one_run(args)], cwd=cwd, capture_output=True, text=True,
+        [sys.executable, "-m", "lit_mpstable.app.train", *_one_run(args)], cwd=cwd, capture_output=True, text=True,
         timeout=300
     )
 
@@ -399,7 +399,7 @@ def test_config_mistakes_fail_before_training_with_the_fix(overrides, code, mess
 @pytest.mark.slow
 def test_the_main_job_runs_both_precisions_side_by_side(tmp_path: Path) -> None:
     # `make run`: no overrides at all. The same faulty FP16 run with Lightning's built-in precision and with ours.
-    result = subprocess.run([sys.executable, "-m", "lit_mpstable.train", f"hydra.run.dir={tmp_path}",
+    result = subprocess.run([sys.executable, "-m", "lit_mpstable.app.train", f"hydra.run.dir={tmp_path}",
                              "trainer.enable_progress_bar=false"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

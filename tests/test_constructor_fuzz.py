@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lit_mpstable import StablePrecision
-from lit_mpstable._validate import INT32_MAX
+from lit_mpstable.core.validate import INT32_MAX
 from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
 from lit_mpstable.callbacks._common import MAX_WINDOW
-from lit_mpstable.formats import FormatName
+from lit_mpstable.core.formats import FormatName
 from lit_mpstable.fp8 import FP8Config
-from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
-from lit_mpstable.stepper import PrecisionStepper
+from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.stepper import PrecisionStepper
 
 Oracle = Callable[[Any], bool]
 

@@ -17,9 +17,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class, instantiate
 
 import lit_mpstable.conf
-from lit_mpstable.config import register_configs
-from lit_mpstable.demos import FaultyMLP, WeightedLossMLP
-from lit_mpstable.zoo import MLPClassifier
+from lit_mpstable.app.config import register_configs
+from lit_mpstable.app.demos import FaultyMLP, WeightedLossMLP
+from lit_mpstable.app.zoo import MLPClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = Path(lit_mpstable.conf.__file__).parent
@@ -81,7 +81,7 @@ def test_aggregate_writes_one_row_per_job(tmp_path: Path) -> None:
     text = paths["md"].read_text()
     assert "| 1 | precision=fp16_mixed | ok | 16-mixed |" in text
     assert "Shared overrides: `model=mlp` `trainer.max_steps=4`" in text
-    assert "python -m lit_mpstable.train -m hydra/launcher=joblib precision=fp32,fp16_mixed,bf16_mixed" in text
+    assert "python -m lit_mpstable.app.train -m hydra/launcher=joblib precision=fp32,fp16_mixed,bf16_mixed" in text
     assert paths["loss_curves.png"].stat().st_size > 0 and paths["loss_scale.png"].stat().st_size > 0
 
 
@@ -160,7 +160,7 @@ def test_weighted_loss_mlp_scales_the_loss_and_adams_eps_alike() -> None:
 def test_two_job_multirun_with_the_joblib_launcher_aggregates(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = subprocess.run(
-        [sys.executable, "-m", "lit_mpstable.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+        [sys.executable, "-m", "lit_mpstable.app.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
          "experiment=classic_mlp_fp32,classic_mlp_fp16_dynamic", "trainer.max_steps=2", "trainer.limit_val_batches=0",
          "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", f"hydra.sweep.dir={sweep}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -1,6 +1,6 @@
 """The wheel as a user gets it: built from a copy of the sources, installed into a fresh virtual environment that
 holds only the core dependencies, then run from an empty folder (``lit-mpstable-train``, ``python -m
-lit_mpstable.train``) and composed into another Hydra app through the search-path plugin."""
+lit_mpstable.app.train``) and composed into another Hydra app through the search-path plugin."""
 
 from __future__ import annotations
 
@@ -110,11 +110,11 @@ def test_python_dash_m_composes_outside_a_checkout(venv: Path, empty: Path) -> N
     site = venv.resolve() / "lib"
     assert Path(package).resolve().is_relative_to(site) and Path(plugin).resolve().is_relative_to(site)
     assert matplotlib == "None"  # really a core-only environment
-    result = _run([venv / "bin" / "python", "-m", "lit_mpstable.train", "--cfg", "job", "precision=fp16_mixed",
+    result = _run([venv / "bin" / "python", "-m", "lit_mpstable.app.train", "--cfg", "job", "precision=fp16_mixed",
                    "scaler=adaptive", "plugin.scaler.init_scale=256", "experiment=fault_storm"], cwd=empty)
-    assert "_target_: lit_mpstable.scaling.AdaptiveLossScaler" in result.stdout
+    assert "_target_: lit_mpstable.core.scaling.AdaptiveLossScaler" in result.stdout
     assert "init_scale: 256.0" in result.stdout  # typed: the schema made it a float
-    assert "_target_: lit_mpstable.demos.FaultyMLP" in result.stdout  # an experiment's model, from the package
+    assert "_target_: lit_mpstable.app.demos.FaultyMLP" in result.stdout  # an experiment's model, from the package
 
 
 _APP = '''
@@ -125,7 +125,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 
 import lit_mpstable
-from lit_mpstable.config import register_configs
+from lit_mpstable.app.config import register_configs
 
 register_configs()  # typed lit_mpstable nodes
 

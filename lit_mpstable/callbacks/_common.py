@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
-from lit_mpstable._frontend import StableFrontEnd
-from lit_mpstable._validate import INT32_MAX
+from lit_mpstable.frontends.common import StableFrontEnd
+from lit_mpstable.core.validate import INT32_MAX
 from lit_mpstable.callbacks._view import ForeignPrecision
 
 __all__ = [

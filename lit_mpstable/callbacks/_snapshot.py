@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lit_mpstable.checkpoints import copy_quantized_state
+from lit_mpstable.core.checkpoints import copy_quantized_state
 
 __all__ = ["layout_key", "restore_snapshot", "state_finite", "take_snapshot"]
 

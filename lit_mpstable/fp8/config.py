@@ -10,7 +10,7 @@ from typing import Any, Literal, Union, get_args
 import torch
 from torch import nn
 
-from lit_mpstable._validate import int_arg
+from lit_mpstable.core.validate import int_arg
 
 __all__ = ["FP8Config", "FP8Recipe", "FP8Format", "FP8BackendName", "AmaxComputeAlgo", "ModuleFilter", "fp8_config"]
 

@@ -2,7 +2,7 @@
 
 ``lit_mpstable.StablePrecision`` and ``lit_mpstable.callbacks.*`` are ``lightning.pytorch`` classes, which a
 ``pytorch_lightning.Trainer`` refuses (the two packages are separate class trees). These are the same classes on
-``pytorch_lightning``'s tree: the same adapter (``lit_mpstable._trainer.TrainerPrecision``) over the same precision
+``pytorch_lightning``'s tree: the same adapter (``lit_mpstable.frontends.trainer.TrainerPrecision``) over the same precision
 core, and the same callbacks. Import from here when the project imports ``pytorch_lightning``::
 
     import pytorch_lightning as pl
@@ -17,12 +17,12 @@ from __future__ import annotations
 import pytorch_lightning as pl
 from pytorch_lightning.plugins.precision import Precision
 
-import lit_mpstable.plugin
-from lit_mpstable._trainer import TrainerPrecision
+import lit_mpstable.frontends.plugin
+from lit_mpstable.frontends.trainer import TrainerPrecision
 
 __all__ = ["StablePrecision"]
 
 
 class StablePrecision(TrainerPrecision, Precision):
-    __doc__ = lit_mpstable.plugin.StablePrecision.__doc__
+    __doc__ = lit_mpstable.frontends.plugin.StablePrecision.__doc__
     _pl = pl

@@ -20,7 +20,7 @@ from helpers import TinyMLP, regression_data
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler
+from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler
 
 WORLD_SIZE = 2
 # A collective that one rank never joins (ranks deciding differently) fails after this instead of hanging for 30 min.
@@ -157,7 +157,7 @@ class ShardedFaultModule(RankFaultModule):
             ``None``: FSDP2's default (no mixed precision); or a ``MixedPrecisionPolicy`` for every unit.
         units: the layers sharded as their own units before the root ``model``.
         forward_inf_steps: fc2's output turns inf on ``fault_rank`` at these steps (a module to blame).
-        all_gather_fp8: ``lit_mpstable.fsdp.fp8_all_gather_`` between the FP8 swap and ``fully_shard`` (torchao).
+        all_gather_fp8: ``lit_mpstable.core.fsdp.fp8_all_gather_`` between the FP8 swap and ``fully_shard`` (torchao).
     """
 
     def __init__(self, *, convert_first: bool = False, policy: Any = None,
@@ -177,7 +177,7 @@ class ShardedFaultModule(RankFaultModule):
         if self.convert_first:
             plugin.convert_module(self)
         if self.all_gather_fp8:
-            from lit_mpstable.fsdp import fp8_all_gather_
+            from lit_mpstable.core.fsdp import fp8_all_gather_
 
             self.gathered_fp8 = fp8_all_gather_(self)
         islands = set(plugin.islands.names) if hasattr(plugin, "islands") else set()

@@ -269,7 +269,7 @@ def test_8bit_states_stepped_in_slices_skip_checkpoint_and_resume(tmp_path, mode
     else:
         from bitsandbytes.optim import AdamW8bit
 
-    from lit_mpstable.compact import CompactWeights
+    from lit_mpstable.core.compact import CompactWeights
 
     sliced: list[str] = []
     enter = CompactWeights._enter

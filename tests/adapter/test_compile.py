@@ -28,11 +28,11 @@ from torch.nn import functional as F
 
 import lit_mpstable
 from lit_mpstable import StablePrecision
-from lit_mpstable import policy as policy_module
+from lit_mpstable.core import policy as policy_module
 from lit_mpstable.callbacks import ScaleCheckpoint
 from lit_mpstable.fp8 import FP8Linear
-from lit_mpstable.policy import FAMILIES, Measurement
-from lit_mpstable.stepper import PrecisionStepper
+from lit_mpstable.core.policy import FAMILIES, Measurement
+from lit_mpstable.core.stepper import PrecisionStepper
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ STEPS = 5
 # Compact 16-bit masters ("kahan", "stochastic") and the Fabric front end: tested where this version has them (by
 # file: an editable install of another checkout would import its modules under the same names).
 PACKAGE = Path(lit_mpstable.__file__).parent
-needs_compact = pytest.mark.skipif(not (PACKAGE / "compact.py").exists(),
+needs_compact = pytest.mark.skipif(not (PACKAGE / "core" / "compact.py").exists(),
                                    reason="master_weights='kahan'/'stochastic' not in this version")
 
 
@@ -387,9 +387,9 @@ def test_lightning_op_policy_auto_logs_its_decision_once_on_a_compiled_module(mo
 
 # --------------------------------------------------------------------------------------------------------- Fabric
 def test_fabric_setup_of_a_compiled_model_adds_no_graph_and_matches_eager() -> None:
-    if not (PACKAGE / "fabric.py").exists():
-        pytest.skip("lit_mpstable.fabric not in this version")
-    fabric_module = importlib.import_module("lit_mpstable.fabric")
+    if not (PACKAGE / "frontends" / "fabric.py").exists():
+        pytest.skip("lit_mpstable.frontends.fabric not in this version")
+    fabric_module = importlib.import_module("lit_mpstable.frontends.fabric")
     from lightning.fabric import Fabric
 
     def run(plugin, compiled: bool) -> tuple[int, int, list[float]]:

@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import AMPPreflight, PrecisionFallback, ScaleCheckpoint
-from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler
+from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's CPU/num_workers notices, the callbacks' reports
 
@@ -206,7 +206,7 @@ def _compose(overrides: list[str], *, return_hydra_config: bool = False):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from lit_mpstable.config import register_configs
+    from lit_mpstable.app.config import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -216,7 +216,7 @@ def _compose(overrides: list[str], *, return_hydra_config: bool = False):
 
 
 def test_multi_node_trainer_config_composes() -> None:
-    # What `python -m lit_mpstable.train --cfg job trainer=ddp trainer.num_nodes=2` prints.
+    # What `python -m lit_mpstable.app.train --cfg job trainer=ddp trainer.num_nodes=2` prints.
     cfg = _compose(["trainer=ddp", "trainer.num_nodes=2"])
     assert cfg.trainer.num_nodes == 2 and cfg.trainer.strategy == "ddp"
     assert cfg.trainer._target_ == "lightning.pytorch.Trainer"

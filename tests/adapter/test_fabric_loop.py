@@ -1,4 +1,4 @@
-"""lit_mpstable.fabric.StablePrecision in whole Fabric loops: exact resume through fabric.save/fabric.load, held LR
+"""lit_mpstable.frontends.fabric.StablePrecision in whole Fabric loops: exact resume through fabric.save/fabric.load, held LR
 schedulers, weights loaded after setup, a litgpt-style loop (two optimizers, gradient accumulation) and 2-process
 DDP on gloo with an inf on one rank only."""
 
@@ -18,7 +18,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
 
-from lit_mpstable.fabric import StablePrecision
+from lit_mpstable.frontends.fabric import StablePrecision
 
 INF = float("inf")
 LR, GAMMA = 1e-2, 0.8
@@ -233,9 +233,9 @@ def test_ddp_an_inf_on_one_rank_makes_both_ranks_skip(precision: str, tmp_path: 
 # ------------------------------------------------------------------------------------ the probe
 @pytest.mark.parametrize("recompute", [False, True])
 def test_the_probe_measures_a_fabric_loop_through_its_stepper(recompute: bool) -> None:
-    # lit_mpstable.probe.measure on the Fabric plugin's stepper: FP16 without scaling at a loss weight of 2**-14 flushes
+    # lit_mpstable.core.probe.measure on the Fabric plugin's stepper: FP16 without scaling at a loss weight of 2**-14 flushes
     # part of the gradients; its reading equals a hand count against an FP32 copy, and training is left as it was.
-    from lit_mpstable.probe import forward_state, measure
+    from lit_mpstable.core.probe import forward_state, measure
 
     plugin = StablePrecision("16-mixed", scaler=None)
     fabric = fabric_of(plugin)

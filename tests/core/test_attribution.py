@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from helpers import TinyMLP, inject_overflow, regression_data
-from lit_mpstable.attribution import OverflowTracer, any_nonfinite, nonfinite_grad_params, trace_nonfinite
+from lit_mpstable.core.attribution import OverflowTracer, any_nonfinite, nonfinite_grad_params, trace_nonfinite
 
 
 def _backward(model: nn.Module, scale: float = 1.0) -> None:

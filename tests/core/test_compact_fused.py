@@ -1,4 +1,4 @@
-"""CompactWeights' fused Adam/AdamW step (lit_mpstable.compact_fused) against the generic path through FP32 copies."""
+"""CompactWeights' fused Adam/AdamW step (lit_mpstable.core.compact_fused) against the generic path through FP32 copies."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-import lit_mpstable.compact_fused as fused_module
-from lit_mpstable.compact import CompactWeights
-from lit_mpstable.compact_fused import FusedAdam, _adam_kernel, hash32, noise_bits
+import lit_mpstable.core.compact_fused as fused_module
+from lit_mpstable.core.compact import CompactWeights
+from lit_mpstable.core.compact_fused import FusedAdam, _adam_kernel, hash32, noise_bits
 
 MODES = ["kahan", "stochastic"]
 

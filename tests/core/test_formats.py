@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_mpstable.formats import FORMATS, get_format, overflow_fraction, underflow_fraction
+from lit_mpstable.core.formats import FORMATS, get_format, overflow_fraction, underflow_fraction
 
 # name: (largest normal, smallest normal, smallest subnormal) from the IEEE / OCP FP8 definitions
 EDGES = {

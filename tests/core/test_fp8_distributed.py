@@ -15,7 +15,7 @@ from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
 from lit_mpstable.fp8 import FP8Config
-from lit_mpstable.layout import PrecisionLayout
+from lit_mpstable.core.layout import PrecisionLayout
 
 WORLD_SIZE, STEPS, HISTORY = 2, 3, 4
 FP8_MAX = (448.0, 448.0, 57344.0)  # x, w (E4M3), grad_out (E5M2): OCP FP8 spec, by hand

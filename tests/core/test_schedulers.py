@@ -6,7 +6,7 @@ import pickle
 
 import torch
 
-from lit_mpstable.schedulers import hold_on_skip
+from lit_mpstable.core.schedulers import hold_on_skip
 
 
 def _scheduler():

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from helpers import HostReads, TinyMLP, regression_data
-from lit_mpstable.formats import FORMATS, overflow_fraction, underflow_fraction
-from lit_mpstable.telemetry import DEFAULT_FORMATS, GradStats, GradTelemetry, amax_per_tensor, grad_stats
+from lit_mpstable.core.formats import FORMATS, overflow_fraction, underflow_fraction
+from lit_mpstable.core.telemetry import DEFAULT_FORMATS, GradStats, GradTelemetry, amax_per_tensor, grad_stats
 
 INF, NAN = float("inf"), float("nan")
 
@@ -159,13 +159,13 @@ def test_core_imports_without_lightning_hydra_omegaconf(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     for name in [m for m in sys.modules if m == "lit_mpstable" or m.startswith("lit_mpstable.")]:
         monkeypatch.delitem(sys.modules, name)
-    for name in ("lit_mpstable.scaling", "lit_mpstable.telemetry", "lit_mpstable.attribution"):
+    for name in ("lit_mpstable.core.scaling", "lit_mpstable.core.telemetry", "lit_mpstable.core.attribution"):
         importlib.import_module(name)
 
 
 def test_zero_fraction_counts_exact_zeros_over_all_elements() -> None:
     # What FP16 already flushed shows as exact zeros; underflow_frac only sees the nonzero elements.
-    from lit_mpstable.telemetry import grad_stats
+    from lit_mpstable.core.telemetry import grad_stats
 
     a = torch.nn.Parameter(torch.ones(4))
     a.grad = torch.tensor([0.0, 0.0, 1.0, 2.0**-30])

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from lit_mpstable.fp8 import convert_from_fp8
-from lit_mpstable.stepper import default_dtype
+from lit_mpstable.core.stepper import default_dtype
 
 if TYPE_CHECKING:
-    from lit_mpstable.stepper import PrecisionStepper
+    from lit_mpstable.core.stepper import PrecisionStepper
 
 __all__ = ["LossFn", "METRICS", "forward_state", "measure", "metric_vector", "with_metric_vector"]
 

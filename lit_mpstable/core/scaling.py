@@ -10,9 +10,9 @@ from typing import Any, get_args
 import torch
 from torch.amp.grad_scaler import OptState
 
-from lit_mpstable._validate import bool_arg, choice_arg, int_arg, real_arg
-from lit_mpstable.formats import FormatName, get_format
-from lit_mpstable.telemetry import amax_per_tensor
+from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg, real_arg
+from lit_mpstable.core.formats import FormatName, get_format
+from lit_mpstable.core.telemetry import amax_per_tensor
 
 __all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "StaticLossScaler"]
 

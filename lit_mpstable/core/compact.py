@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.compact_fused import FusedAdam, host_to_device, noise_bits
-from lit_mpstable.memory import plain_tensors
+from lit_mpstable.core.compact_fused import FusedAdam, host_to_device, noise_bits
+from lit_mpstable.core.memory import plain_tensors
 
 __all__ = ["CompactMode", "CompactWeights", "quantized_state_classes", "stochastic_round"]
 
@@ -130,7 +130,7 @@ class CompactWeights:
     """16-bit weights that train like FP32 ones, with 16-bit optimizer state and no FP32 copy between steps.
 
     BF16 keeps 8 significant bits, so an update below half an ulp rounds away and plain 16-bit training stalls. FP32
-    masters (:class:`~lit_mpstable.master.MasterWeights`) fix that for 4 more bytes per parameter (and FP32 state);
+    masters (:class:`~lit_mpstable.core.master.MasterWeights`) fix that for 4 more bytes per parameter (and FP32 state);
     this class for 2 or none:
 
     - ``"kahan"``: a BF16 compensation per weight holds what the weight could not (Zamirai et al. 2020, "Revisiting
@@ -155,7 +155,7 @@ class CompactWeights:
 
     ``fused``: exact ``torch.optim.Adam``/``AdamW`` groups (no ``amsgrad``) on BF16 parameters skip the FP32
     stand-ins: one kernel compiled by ``torch.compile`` per parameter reads each 16-bit tensor once, does the same
-    arithmetic in registers and allocates nothing (:mod:`lit_mpstable.compact_fused`; the same random numbers, results
+    arithmetic in registers and allocates nothing (:mod:`lit_mpstable.core.compact_fused`; the same random numbers, results
     equal to the stand-ins' to FP32 rounding). ``None`` (default): on the CPU, falling back to the stand-ins with a
     warning if compiling fails; ``True``: on any device (inductor's GPU kernels are not measured by this project
     yet), and a failure to compile raises; ``False``: never (no compiler needed). The first fused step of a run
@@ -556,7 +556,7 @@ class CompactWeights:
 
     def _round_(self, dst: torch.Tensor, src: torch.Tensor, piece: _Piece, noise: list[torch.Tensor]) -> None:
         """Stochastic rounding of ``src`` (overwritten) into ``dst``. The random numbers are
-        :func:`~lit_mpstable.compact_fused.noise_bits` of (seed, steps, parameter, element) and shared by the weight
+        :func:`~lit_mpstable.core.compact_fused.noise_bits` of (seed, steps, parameter, element) and shared by the weight
         and its state tensors: each is rounded without bias, for a third of the random numbers; their errors at one
         element are correlated, which changes only second-order terms (the ratio m / sqrt(v) even gains)."""
         if not noise:

@@ -124,15 +124,15 @@ def derive_schema(target: str | type, *, name: str | None = None) -> type:
             continue
         fields.append(_field(param.name, schema_type(hints.get(param.name, Any)), param.default, target))
     schema = dataclasses.make_dataclass(name or f"{attribute}Config", fields)
-    schema.__module__ = __name__  # where ours live: lit_mpstable.config.StablePrecisionConfig (pickle, reprs)
+    schema.__module__ = __name__  # where ours live: lit_mpstable.app.config.StablePrecisionConfig (pickle, reprs)
     schema.__doc__ = f"Schema of ``{target}``, derived from its signature (fields, defaults, types)."
     return schema
 
 
 StablePrecisionConfig = derive_schema("lit_mpstable.StablePrecision")
-DynamicLossScalerConfig = derive_schema("lit_mpstable.scaling.DynamicLossScaler")
-StaticLossScalerConfig = derive_schema("lit_mpstable.scaling.StaticLossScaler")
-AdaptiveLossScalerConfig = derive_schema("lit_mpstable.scaling.AdaptiveLossScaler")
+DynamicLossScalerConfig = derive_schema("lit_mpstable.core.scaling.DynamicLossScaler")
+StaticLossScalerConfig = derive_schema("lit_mpstable.core.scaling.StaticLossScaler")
+AdaptiveLossScalerConfig = derive_schema("lit_mpstable.core.scaling.AdaptiveLossScaler")
 FP8RecipeConfig = derive_schema("lit_mpstable.fp8.FP8Config", name="FP8RecipeConfig")
 OverflowMonitorConfig = derive_schema("lit_mpstable.callbacks.OverflowMonitor")
 PrecisionFallbackConfig = derive_schema("lit_mpstable.callbacks.PrecisionFallback")

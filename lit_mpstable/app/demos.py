@@ -1,5 +1,5 @@
 """Demo models for the experiment configs: a loss-weighted MLP and models with scripted faults (loss spikes,
-overflow storms, silent underflow). Hydra targets such as ``lit_mpstable.demos.FaultyMLP``, importable wherever the
+overflow storms, silent underflow). Hydra targets such as ``lit_mpstable.app.demos.FaultyMLP``, importable wherever the
 package is."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lit_mpstable.fp8.backend import share_hooks
-from lit_mpstable.zoo import GPTLM, DigitsData, MLPClassifier
+from lit_mpstable.app.zoo import GPTLM, DigitsData, MLPClassifier
 
 __all__ = ["FaultyDigitsData", "FaultyGPTLM", "FaultyMLP", "GradientAttenuatedLinear", "WeightedLossMLP"]
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_mpstable.report_probe import write_probe_figure
+from lit_mpstable.app.report_probe import write_probe_figure
 
 __all__ = ["settle_step", "write_comparison_report", "write_report"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
 
-from lit_mpstable._trainer import TrainerPrecision
+from lit_mpstable.frontends.trainer import TrainerPrecision
 
 __all__ = ["StablePrecision"]
 

@@ -1,5 +1,5 @@
 """What every front end of the precision core shares: the constructor, the live state, the actions and the state
-dict, all read from one :class:`~lit_mpstable.stepper.PrecisionStepper` (the one owner of each fact)."""
+dict, all read from one :class:`~lit_mpstable.core.stepper.PrecisionStepper` (the one owner of each fact)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lit_mpstable.fp8 import FP8Config
-from lit_mpstable.fsdp import island_mp_policy as fsdp_island_mp_policy
-from lit_mpstable.fsdp import mp_policy as fsdp_mp_policy
-from lit_mpstable.islands import FP32Islands
-from lit_mpstable.master import MasterWeights
-from lit_mpstable.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
+from lit_mpstable.core.fsdp import island_mp_policy as fsdp_island_mp_policy
+from lit_mpstable.core.fsdp import mp_policy as fsdp_mp_policy
+from lit_mpstable.core.islands import FP32Islands
+from lit_mpstable.core.master import MasterWeights
+from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
 
 __all__ = ["StableFrontEnd"]
 
@@ -187,7 +187,7 @@ class StableFrontEnd:
         """The ``torch.distributed.fsdp.MixedPrecisionPolicy`` for this precision, for every ``fully_shard`` call in
         ``configure_model``: in ``*-true`` modes FP32 sharded parameters (FSDP2's own master weights) computed in
         the 16-bit dtype and reduced in FP32; in ``*-mixed`` modes FP32 parameters under autocast. Setup refuses
-        units sharded otherwise. See :func:`lit_mpstable.fsdp.mp_policy`."""
+        units sharded otherwise. See :func:`lit_mpstable.core.fsdp.mp_policy`."""
         return fsdp_mp_policy(self.precision, master_weights=self.stepper.master_mode is not None)
 
     @property
@@ -238,7 +238,7 @@ class StableFrontEnd:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Resident tensors of the precision itself (compensation buffers) that neither the model nor the optimizers
-        hold; give them to ``lit_mpstable.memory.MemoryProbe.start(..., extra=...)``."""
+        hold; give them to ``lit_mpstable.core.memory.MemoryProbe.start(..., extra=...)``."""
         return self.stepper.state_tensors()
 
     def memory_report(self) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """One compiled pass per parameter for CompactWeights' Adam and AdamW steps, instead of FP32 copies of everything.
 
-The generic path (:class:`~lit_mpstable.compact.CompactWeights` stepping FP32 stand-ins) reads and writes each
+The generic path (:class:`~lit_mpstable.core.compact.CompactWeights` stepping FP32 stand-ins) reads and writes each
 tensor several times and runs the optimizer's own ~10 passes in FP32. Here one kernel, compiled by
 ``torch.compile`` (inductor), reads the 16-bit weight, compensation, gradient and moments once, does torch's Adam
 arithmetic in FP32 (the same operations in the same order), and writes them back: the weight and its compensation
@@ -67,7 +67,7 @@ _BIG = 2.0**103  # beyond it a * _SPLIT would overflow: such values are rounded 
 
 def _round_stochastic_bf16(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """FP32 ``x`` stochastically rounded to BF16 with the 16 random bits ``k`` (an FP32 tensor holding k - 32767):
-    bit for bit ``lit_mpstable.compact._round_stochastic_`` (adding k to the low half of x's bits and truncating),
+    bit for bit ``lit_mpstable.core.compact._round_stochastic_`` (adding k to the low half of x's bits and truncating),
     in float arithmetic a compiled kernel keeps vectorized (its bit casts are not, beside BF16 data), except that a
     tie (one draw in 65536 for each x) rounds to even and that ``|x| >= 2**103`` rounds to nearest.
 
@@ -178,6 +178,6 @@ class FusedAdam:
             warnings.warn(
                 f"lit_mpstable: the first fused Adam step of master_weights='kahan'/'stochastic' took {elapsed:.0f} s:"
                 " inductor compiled its kernel, which it keeps on disk, so later runs load it in seconds"
-                " (lit_mpstable.compact.CompactWeights(fused=False) steps without compiling).",
+                " (lit_mpstable.core.compact.CompactWeights(fused=False) steps without compiling).",
                 stacklevel=4,
             )

@@ -9,7 +9,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from lit_mpstable.formats import FORMATS, get_format
+from lit_mpstable.core.formats import FORMATS, get_format
 
 __all__ = ["DEFAULT_FORMATS", "GradStats", "GradTelemetry", "amax_per_tensor", "grad_stats"]
 
@@ -133,14 +133,14 @@ def grad_stats(
     The gradients are taken as they are (unscaled); ``scale`` is the factor they would be multiplied by before the
     cast, e.g. the current loss scale. An element flushes to zero in a format when ``|g * scale|`` is at most half
     its smallest subnormal, and overflows when ``|g * scale|`` exceeds its largest finite value (the rules of
-    :mod:`lit_mpstable.formats`); the comparison is ``|g| > threshold / scale`` in float32, exact for power-of-two
+    :mod:`lit_mpstable.core.formats`); the comparison is ``|g| > threshold / scale`` in float32, exact for power-of-two
     scales. Fractions count the nonzero elements (inf included, NaN excluded); with none they are 0.
 
     Args:
         params: a module, or ``(name, parameter)`` pairs such as ``module.named_parameters()``. Parameters without a
             gradient are left out.
         scale: a Python float or a device tensor (no host sync either way).
-        formats: format ids from :data:`lit_mpstable.formats.FORMATS`.
+        formats: format ids from :data:`lit_mpstable.core.formats.FORMATS`.
         per_module: also compute the statistics per owning module (grouped by qualified name), at no extra pass.
 
     Raises:

@@ -12,7 +12,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lit_mpstable.report import write_comparison_report
+from lit_mpstable.app.report import write_comparison_report
 
 __all__ = ["ROWS", "compare", "print_comparison"]
 
@@ -31,7 +31,7 @@ ROWS = (
 
 
 def compare(cfg: DictConfig, out_dir: Path, run: Callable[..., dict[str, Any]]) -> dict[str, Any]:
-    """Train the baseline, then ours, each with ``run`` (``lit_mpstable.train.run``); write ``summary.json`` (both
+    """Train the baseline, then ours, each with ``run`` (``lit_mpstable.app.train.run``); write ``summary.json`` (both
     runs) and ``report.md``; return the summary."""
     baseline = run(cfg, out_dir / "builtin", plugin=instantiate(cfg.compare.baseline), config_callbacks=False,
                    label=str(cfg.compare.baseline_label))

@@ -17,10 +17,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from lit_mpstable._frontend import StableFrontEnd
-from lit_mpstable.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
-from lit_mpstable.stepper import tensor_init_context
-from lit_mpstable.strategies import check_strategy, lightning_module, shards_with_fsdp2
+from lit_mpstable.frontends.common import StableFrontEnd
+from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
+from lit_mpstable.core.stepper import tensor_init_context
+from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
 
 __all__ = ["TrainerPrecision"]
 

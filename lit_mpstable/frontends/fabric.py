@@ -13,9 +13,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from lit_mpstable._frontend import StableFrontEnd
-from lit_mpstable._trainer import TrainerPrecision
-from lit_mpstable.stepper import tensor_init_context
+from lit_mpstable.frontends.common import StableFrontEnd
+from lit_mpstable.frontends.trainer import TrainerPrecision
+from lit_mpstable.core.stepper import tensor_init_context
 
 __all__ = ["StablePrecision"]
 

@@ -1,4 +1,4 @@
-"""Hydra entry point: ``python -m lit_mpstable.train [group=option ...]``. Trains, then writes ``summary.json``."""
+"""Hydra entry point: ``python -m lit_mpstable.app.train [group=option ...]``. Trains, then writes ``summary.json``."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lit_mpstable._frontend import StableFrontEnd
+from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.callbacks import PrecisionProbe
 from lit_mpstable.callbacks._common import view_of
 from lit_mpstable.callbacks._view import ForeignPrecision
-from lit_mpstable.config import register_configs
-from lit_mpstable.memory import MemoryProbe, training_memory
-from lit_mpstable.report import write_report
-from lit_mpstable.showcase import compare, print_comparison
+from lit_mpstable.app.config import register_configs
+from lit_mpstable.core.memory import MemoryProbe, training_memory
+from lit_mpstable.app.report import write_report
+from lit_mpstable.app.showcase import compare, print_comparison
 
 __all__ = ["Built", "build", "main", "run"]
 
@@ -284,7 +284,7 @@ def _app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """``lit-mpstable-train`` and ``python -m lit_mpstable.train``: the Hydra app over ``pkg://lit_mpstable.conf``.
+    """``lit-mpstable-train`` and ``python -m lit_mpstable.app.train``: the Hydra app over ``pkg://lit_mpstable.conf``.
 
     ``scaler.<option>=...`` (the group's name used as a key) is refused up front with the path that works; an
     override of ``plugin.scaler.<option>`` that Hydra rejects (the scaler is a name, not a node) gets the same hint.

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_mpstable.attribution import OverflowTracer, nonfinite_grad_params
+from lit_mpstable.core.attribution import OverflowTracer, nonfinite_grad_params
 from lit_mpstable.fp8 import collect_fp8_stats_, fp8_stats
-from lit_mpstable.telemetry import GradTelemetry
+from lit_mpstable.core.telemetry import GradTelemetry
 
 __all__ = ["GradObserver", "shard_view"]
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lit_mpstable.telemetry import amax_per_tensor
+from lit_mpstable.core.telemetry import amax_per_tensor
 
 try:
     from torch.distributed.tensor import DTensor as _DTENSOR

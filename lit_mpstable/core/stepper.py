@@ -21,21 +21,21 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable._validate import bool_arg, choice_arg, int_arg
-from lit_mpstable.attribution import any_nonfinite
+from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg
+from lit_mpstable.core.attribution import any_nonfinite
 from lit_mpstable.fp8 import FP8Config, fp8_config
-from lit_mpstable.islands import FP32Islands
-from lit_mpstable.layout import PrecisionLayout
-from lit_mpstable.compact import CompactWeights
-from lit_mpstable.fsdp import (
+from lit_mpstable.core.islands import FP32Islands
+from lit_mpstable.core.layout import PrecisionLayout
+from lit_mpstable.core.compact import CompactWeights
+from lit_mpstable.core.fsdp import (
     check_fsdp2_setup, check_fsdp_policies, fsdp2_fallback_refusal, fsdp_units, unsharded_message,
 )
-from lit_mpstable.master import MasterWeights
-from lit_mpstable.memory import training_memory
-from lit_mpstable.observer import GradObserver, shard_view
-from lit_mpstable.policy import OpPolicy
-from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
-from lit_mpstable.schedulers import ScheduleHold
+from lit_mpstable.core.master import MasterWeights
+from lit_mpstable.core.memory import training_memory
+from lit_mpstable.core.observer import GradObserver, shard_view
+from lit_mpstable.core.policy import OpPolicy
+from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.schedulers import ScheduleHold
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
 
@@ -249,7 +249,7 @@ class PrecisionStepper:
         FSDP2's FP32 sharded parameters are the master weights, so none are built and no parameter is cast (without
         masters, only before sharding). Called before ``fully_shard`` it swaps the FP8 layers and hooks the islands
         (FSDP2 binds parameters to the layer objects it shards); called after, it changes nothing and checks every
-        unit's ``MixedPrecisionPolicy`` against the precision (:func:`~lit_mpstable.fsdp.check_fsdp_policies`).
+        unit's ``MixedPrecisionPolicy`` against the precision (:func:`~lit_mpstable.core.fsdp.check_fsdp_policies`).
 
         Raises:
             ValueError: FSDP2 with a sharded model whose policies do not match, FP8 layers not swapped before
@@ -584,7 +584,7 @@ class PrecisionStepper:
         return [c for _, _, c in self.compact.named_buffers() if c is not None] if self.compact is not None else []
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of training state by kind (``lit_mpstable.memory.training_memory``): ``weights``, ``masters`` (FP32
+        """Bytes of training state by kind (``lit_mpstable.core.memory.training_memory``): ``weights``, ``masters`` (FP32
         masters), ``gradients``, ``optimizer_state``, ``compensation`` (``"kahan"``), ``total``. Reads no device data.
 
         Raises:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lit_mpstable.fp8 import FP8Config, fp8_backend, select_fp8_modules
-from lit_mpstable.islands import FP32Islands, match_modules
+from lit_mpstable.core.islands import FP32Islands, match_modules
 
 __all__ = ["PrecisionLayout"]
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from lit_mpstable.opcalls import (
+from lit_mpstable.core.opcalls import (
     Measurement,
     OpCall,
     SavedTensors,
@@ -63,7 +63,7 @@ def choose(m: Measurement, margin: float = 0.2, step: StepCost | None = None) ->
 
     The margin is a guess that covers timer noise on a shared CPU (a few percent) and what a per-op measurement
     cannot see: the casts between neighbouring ops. nn.MultiheadAttention measured ~10 % faster in FP32 yet made
-    the demo Transformer's step no faster; SDPA in lit_mpstable.zoo.GPT measures ~40 % faster, and is. Time x memory
+    the demo Transformer's step no faster; SDPA in lit_mpstable.app.zoo.GPT measures ~40 % faster, and is. Time x memory
     is the cost of a step on a machine whose memory bounds the batch: FP32 that is 10 % faster for 5 % more memory
     lowers it; 3 % faster for 5 % more does not.
     """

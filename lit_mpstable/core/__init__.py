@@ -1,0 +1,1 @@
+"""The numerics core: pure PyTorch, no Lightning."""

@@ -1,0 +1,1 @@
+"""The front ends: thin Lightning adapters (Trainer, Fabric) over the numerics core."""
