@@ -14,7 +14,7 @@ from lit_mpstable._validate import bool_arg, choice_arg, int_arg, real_arg
 from lit_mpstable.formats import FormatName, get_format
 from lit_mpstable.telemetry import amax_per_tensor
 
-__all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "StaticLossScaler"]
+__all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "ForeignScaler", "StaticLossScaler"]
 
 # The keys torch.amp.GradScaler.state_dict() writes; a dict with exactly these loads as a legacy checkpoint.
 _GRADSCALER_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
@@ -485,6 +485,87 @@ class StaticLossScaler(DynamicLossScaler):
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._overflow_count is not None
         self._overflow_count += found_inf > 0
+
+
+class ForeignScaler:
+    """A scaler that is not one of ours (a ``torch.amp.GradScaler`` subclass, or any object with GradScaler's
+    methods), seen through the protocol the stepper uses: ``last_step_skipped`` after each ``step``, ``found_inf``,
+    ``forget_``, ``ensure_state_``, ``skip_update_`` and a floored scale.
+
+    Which way the outcome is read is decided once, here: a GradScaler (subclass) keeps each optimizer's inf checks in
+    ``_per_optimizer_states`` until ``update()``, and its own step reads them; anything else is asked whether it
+    called ``optimizer.step()`` (a step post-hook), which is how GradScaler skips an unfused optimizer.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self.inner = scaler
+        self.gradscaler = isinstance(scaler, torch.amp.GradScaler)
+        self.last_step_skipped = False
+
+    def is_enabled(self) -> bool:
+        return bool(self.inner.is_enabled())
+
+    def scale(self, outputs: Any) -> Any:
+        return self.inner.scale(outputs)
+
+    def get_scale(self) -> float:
+        return self.inner.get_scale()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner.unscale_(optimizer)
+
+    def ensure_state_(self, device: torch.device | str) -> None:
+        """Nothing to create: only a scaler that scaled a loss unscales."""
+
+    def _found(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        state = self.inner._per_optimizer_states.get(id(optimizer)) if self.gradscaler else None
+        flags = list(state["found_inf_per_device"].values()) if state else []
+        return sum(flags) if flags else None
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients hold inf/NaN after ``unscale_`` (a host sync)."""
+        found = self._found(optimizer)
+        if found is not None:
+            return bool(found)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        ran: list[bool] = []
+        handle = optimizer.register_step_post_hook(lambda *_: ran.append(True))
+        try:
+            output = self.inner.step(optimizer, *args, **kwargs)
+        finally:
+            handle.remove()
+        found = self._found(optimizer)
+        # A fused optimizer steps whatever the gradients hold and skips inside: its flag says what happened.
+        self.last_step_skipped = bool(found) if found is not None else not ran
+        return output
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        self.inner.update(new_scale)
+        scale = getattr(self.inner, "_scale", None) if self.gradscaler else None
+        if isinstance(scale, torch.Tensor):
+            scale.clamp_(min=_SCALE_FLOOR)  # 1/scale stays finite (GradScaler's own rule would reach 0)
+
+    def skip_update_(self) -> None:
+        """End the iteration without an update (its overflow was the data's): a GradScaler's checks are dropped, its
+        scale and growth tracker untouched; another scaler is updated (it cannot be told otherwise)."""
+        if self.gradscaler:
+            self.inner._per_optimizer_states.clear()
+        else:
+            self.update()
+
+    def forget_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop this iteration's record for ``optimizer`` (a GradScaler's per-optimizer state)."""
+        if self.gradscaler:
+            self.inner._per_optimizer_states.pop(id(optimizer), None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
 
 
 def _world_size(group: Any) -> int:

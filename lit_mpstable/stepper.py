@@ -34,7 +34,7 @@ from lit_mpstable.master import MasterWeights
 from lit_mpstable.memory import training_memory
 from lit_mpstable.observer import GradObserver, shard_view
 from lit_mpstable.policy import OpPolicy
-from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, ForeignScaler, StaticLossScaler
 from lit_mpstable.schedulers import ScheduleHold
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
@@ -110,9 +110,12 @@ class PrecisionStepper:
                 " inf/NaN (that is how it finds a scale that fits); use scaler=None to turn the check off too."
             )
         # Without a scaler, a fixed scale of 1 does GradScaler's fused inf/NaN check and skip: NaN never reaches the
-        # weights in BF16 or FP32 either.
-        self._checker = self.scaler if self.scaler is not None else (
-            StaticLossScaler(self.device, init_scale=1.0) if skip_nonfinite else None)
+        # weights in BF16 or FP32 either. A scaler that is not ours is seen through ForeignScaler, chosen once here.
+        self._checker: DynamicLossScaler | ForeignScaler | None
+        if self.scaler is None:
+            self._checker = StaticLossScaler(self.device, init_scale=1.0) if skip_nonfinite else None
+        else:
+            self._checker = self.scaler if isinstance(self.scaler, DynamicLossScaler) else ForeignScaler(self.scaler)
         self.skip_nonfinite = skip_nonfinite
         self.fp8 = fp8_config(fp8)
         self.op_policy = op_policy
@@ -415,7 +418,7 @@ class PrecisionStepper:
                 master.bind_new_(optimizer)  # added (add_param_group) or unfrozen since setup
             master.copy_grads_to_master_(optimizer)
         if self._checker is not None:
-            if self._checker is not self.scaler:  # the scale-1 check: no loss was scaled to create its state
+            if self.scaler is None:  # the scale-1 check: no loss was scaled to create its state
                 self._checker.ensure_state_(_first_grad_device(optimizer) or self.device)
             self._checker.unscale_(optimizer)
             # An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step
@@ -438,7 +441,7 @@ class PrecisionStepper:
             checker.check_(optimizer)
             if callable(sync := getattr(checker, "sync_found_inf_", None)):
                 sync(optimizer)
-            if checker is self.scaler:
+            if isinstance(self.scaler, DynamicLossScaler):
                 multiplier = self.scaler.get_scale_tensor().reciprocal()
         self._compact_grad[id(optimizer)] = [multiplier, None]
 
@@ -535,7 +538,7 @@ class PrecisionStepper:
         else:
             output = checker.step_with(optimizer, update) if update is not None else checker.step(optimizer, **kwargs)
             checker.update()
-            skipped = bool(getattr(checker, "last_step_skipped", False))
+            skipped = checker.last_step_skipped
         self._unscaled.discard(id(optimizer))
         if master is not None:
             if not skipped:
@@ -563,8 +566,8 @@ class PrecisionStepper:
         optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.master.zero_model_grads_(optimizer)
-        if self._checker is not None and callable(forget := getattr(self._checker, "forget_", None)):
-            forget(optimizer)
+        if self._checker is not None:
+            self._checker.forget_(optimizer)
         self._compact_grad.pop(id(optimizer), None)
         self._unscaled.discard(id(optimizer))
 
