@@ -69,7 +69,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
     ) -> None:
         name = type(self).__name__
         device = resolve_device(name, device)
-        real_arg(name, "init_scale", init_scale, low=0.0, low_open=True, unit="2.**16 is usual")
+        real_arg(name, "init_scale", init_scale, low=_SCALE_FLOOR, unit="the scale stays >= 2**-126, the smallest"
+                 " normal float32, so that 1/scale is finite; 2.**16 is usual")
         real_arg(name, "growth_factor", growth_factor, low=1.0, low_open=True,
                  unit="clean steps grow the scale by it; 2.0 is usual")
         real_arg(name, "backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True, high_open=True,
@@ -99,6 +100,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.min_scale = min_scale
         self.max_scale = max_scale
         self.last_step_skipped = False
+        self.last_data_fault = False
+        """Whether the last iteration was ended by :meth:`skip_update_` (an overflow blamed on the data)."""
         self.step_count = 0
         """Calls of ``update()`` that consumed inf checks, i.e. iterations; a host int, no sync."""
         # Device-side state, created lazily next to the scale (same device), like GradScaler's own.
@@ -290,6 +293,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
+        self.last_data_fault = False
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             super().update(new_scale)
@@ -308,16 +312,30 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._host_found = None
         self._per_optimizer_states.clear()
         self.step_count += 1
-        if self.min_scale is not None and self.last_step_skipped and not self._min_scale_warned:
+        if self.last_step_skipped and not self._min_scale_warned:
             # Host already knows this step overflowed; one extra read on overflow steps only.
             if int(self._min_scale_hits.item()) >= 2:
                 self._min_scale_warned = True
+                where = (f"min_scale={self.min_scale!r}" if self.min_scale is not None and self.min_scale >= _SCALE_FLOOR
+                         else "the lowest scale 2**-126 (below it 1/scale is no longer finite)")
                 warnings.warn(
-                    f"{type(self).__name__}: gradients overflowed again at min_scale={self.min_scale!r}; loss scaling"
-                    " cannot fix this. Look for the module producing inf/NaN or fall back to a wider format.",
+                    f"{type(self).__name__}: gradients overflowed again at {where}; loss scaling cannot fix this. Look"
+                    " for the module producing inf/NaN or fall back to a wider format.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
+
+    def skip_update_(self) -> None:
+        """End this iteration without updating the scale: its overflow came from the data (an inf/NaN batch), which
+        says nothing about the scale. The step stays skipped and counted as an overflow; the scale, the growth and
+        hysteresis trackers are left as they were, as if the batch had never come. No host sync."""
+        if not self._enabled:
+            return
+        self._per_optimizer_states.clear()
+        self._host_overflows += int(bool(self._host_found))
+        self._host_found = None
+        self.step_count += 1
+        self.last_data_fault = True
 
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._hysteresis_tracker is not None and self._overflow_count is not None
@@ -326,8 +344,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self.hysteresis == 1 and host_found is not None:
             # The host already knows (from step()'s sync) whether this iteration overflowed, and so whether the
             # scale can grow now: a clean step costs GradScaler's one fused kernel, nothing more.
-            if host_found and self.min_scale is not None:
-                self._min_scale_hits += scale <= self.min_scale
+            if host_found:
+                self._min_scale_hits += scale <= self.floor
             self._host_overflows += int(host_found)
             # None: the mirror lost track (an update without step()); an overflow puts it back in step (0).
             tracker = 0 if host_found else None if self._host_tracker is None else self._host_tracker + 1
@@ -337,13 +355,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
             torch._amp_update_scale_(
                 scale, growth_tracker, found_inf.float(), self._growth_factor, self._backoff_factor, self._growth_interval
             )
-            if cap is not None or (host_found and self.min_scale is not None):
+            if cap is not None or host_found:
                 self._clamp_(scale, cap)
             return
         found = found_inf > 0
         self._host_tracker = None  # the device decides here; the host mirror no longer knows the tracker
-        if self.min_scale is not None:
-            self._min_scale_hits += found & (scale <= self.min_scale)
+        self._min_scale_hits += found & (scale <= self.floor)
         self._overflow_count += found
         cap = self._growth_cap(scale)
         if self.hysteresis == 1:
@@ -377,8 +394,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
             torch.minimum(scale, cap, out=scale)
         elif cap is not None:
             scale.clamp_(max=cap)
-        if self.min_scale is not None:
-            scale.clamp_(min=self.min_scale)
+        scale.clamp_(min=self.floor)
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale: ``min_scale``, and never below 2**-126 (the smallest normal float32), where 1/scale is
+        still finite (below it the unscaled gradients would be inf, and a scale of 0 writes NaN)."""
+        return max(self.min_scale or 0.0, _SCALE_FLOOR)
 
     # ------------------------------------------------------------------------------------------ reading
     @property
@@ -825,8 +847,7 @@ class AdaptiveLossScaler(DynamicLossScaler):
         # The k-th consecutive overflow backs off by backoff_factor ** 2**(k-1) (streak counts the earlier ones).
         backed_off = scale * self._backoff_factor ** torch.exp2(streak.clamp(max=_MAX_BACKOFF_DOUBLINGS).float())
         adaptive = torch.where(window_amax > 0, target / extra * self.underflow_boost, scale)
-        if self.min_scale is not None:
-            self._min_scale_hits += (found & (scale <= self.min_scale)).long()
+        self._min_scale_hits += (found & (scale <= self.floor)).long()
         last_overflow.copy_(torch.where(found, scale, 0.0))
         torch.where(found, backed_off, adaptive, out=scale)
         scale.clamp_(min=max(self.min_scale or 0.0, _SCALE_FLOOR), max=self.max_scale)

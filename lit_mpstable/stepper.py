@@ -152,7 +152,10 @@ class PrecisionStepper:
         """The latest loss before scaling, detached, on the device (reading it syncs)."""
         self._initial: dict[str, torch.Tensor] = {}  # FP32 weights before the 16-bit cast, for the masters
         self._pending: dict[str, Any] = {}  # state loaded before the model or optimizers arrived
-        self._unscaled: set[int] = set()  # optimizers unscaled (and checked) in this iteration
+        self._unscaled: set[int] = set()  # optimizers unscaled (and checked) in this iteration, not yet stepped
+        self._stepped: set[int] = set()  # optimizers stepped since the last scale update
+        self._data_fault = False  # an overflow of this iteration came with an inf/NaN batch
+        self._applied_by: dict[int, int] = {}  # applied steps per optimizer (by id), for the LR hold
         self._skip_requested = False
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
@@ -219,9 +222,12 @@ class PrecisionStepper:
         """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
         return self.precision in ("16-true", "bf16-true")
 
-    def applied_steps(self) -> int:
-        """Optimizer steps applied (not skipped): what held LR schedulers follow."""
-        return self.step_count - self.skipped_steps
+    def applied_steps(self, optimizer: Optimizer | None = None) -> int:
+        """Optimizer steps applied (not skipped): what held LR schedulers follow; of ``optimizer`` alone if given
+        (counted in this process: a resume restores where each scheduler stands relative to it)."""
+        if optimizer is None:
+            return self.step_count - self.skipped_steps
+        return self._applied_by.get(id(optimizer), 0)
 
     @property
     def loss_scale(self) -> float:
@@ -394,7 +400,16 @@ class PrecisionStepper:
         return _map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call ``backward`` on: multiplied by the loss scale when scaling."""
+        """The loss to call ``backward`` on: multiplied by the loss scale when scaling.
+
+        A new backward also closes what the last one left open: an optimizer unscaled (or clipped) without a step
+        belongs to a dropped batch (``zero_grad()`` without ``step()``), so its unscaled gradients and inf/NaN check
+        are dropped too (GradScaler would refuse the next ``unscale_``; stepping on them would apply gradients
+        ``scale`` times too large, or the old check); a scale update still owed is made now."""
+        for optimizer in [o for o in self.optimizers if id(o) in self._unscaled]:
+            self._drop_stale_(optimizer)
+        if self._stepped:
+            self._update_scale_()
         self.last_loss = loss.detach()
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
@@ -518,9 +533,9 @@ class PrecisionStepper:
         """Whether :meth:`skip_step` was called for the step in progress."""
         return self._skip_requested
 
-    def count_unchecked_step(self) -> None:
+    def count_unchecked_step(self, optimizer: Optimizer | None = None) -> None:
         """Count a step the front end took itself, unchecked (LBFGS evaluates its closure inside ``step``)."""
-        self._record(skipped=False, overflow=False)
+        self._record(skipped=False, overflow=False, optimizer=optimizer)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless its gradients hold inf/NaN (or :meth:`skip_step` was called); then update the
@@ -537,8 +552,12 @@ class PrecisionStepper:
             output, skipped = (update() if update is not None else optimizer.step(**kwargs)), False
         else:
             output = checker.step_with(optimizer, update) if update is not None else checker.step(optimizer, **kwargs)
-            checker.update()
             skipped = checker.last_step_skipped
+            # A batch that itself held inf/NaN (the input check; read on overflowing steps only) says nothing about
+            # the scale: the step is skipped, the scale is not backed off.
+            if skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
+                self._data_fault = True
+            self._stepped.add(id(optimizer))
         self._unscaled.discard(id(optimizer))
         if master is not None:
             if not skipped:
@@ -546,8 +565,37 @@ class PrecisionStepper:
             master.zero_model_grads_(optimizer)
         if skipped:
             self._blame()
-        self._record(skipped=skipped, overflow=skipped)
+        self._record(skipped=skipped, overflow=skipped, optimizer=optimizer)
+        if not self._awaited(optimizer):
+            self._update_scale_()
         return output
+
+    def _awaited(self, done: Optimizer) -> bool:
+        """Whether another optimizer still has to step on this iteration's gradients (one loss, several optimizers):
+        unscaled and not stepped, or holding gradients. The scale changes only after the last one, as GradScaler
+        documents (one ``update()`` per iteration), so every optimizer unscales with the scale its loss was scaled by.
+        Host state only."""
+        for optimizer in self.optimizers:
+            if optimizer is done or id(optimizer) in self._stepped:
+                continue
+            if id(optimizer) in self._unscaled:
+                return True
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if self.master is not None and id(optimizer) in self.master._names_by_optimizer:
+                params += self.master._select(optimizer)[1]
+            if any(p.grad is not None for p in params):
+                return True
+        return False
+
+    def _update_scale_(self) -> None:
+        """The iteration's one scale update, once every optimizer that had gradients stepped (or at the next
+        backward, or a checkpoint, for one that never stepped): skipped without a backoff when the data was at
+        fault."""
+        checker = self._checker
+        if checker is not None and self._stepped:
+            checker.skip_update_() if self._data_fault else checker.update()
+        self._stepped.clear()
+        self._data_fault = False
 
     def _compact_update(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Any:
         assert self.compact is not None
@@ -559,7 +607,19 @@ class PrecisionStepper:
         """End the iteration for ``optimizer`` without stepping (a requested skip): gradients dropped, counted."""
         self._skip_requested = False
         self.drop_grads_(optimizer)
-        self._record(skipped=True, overflow=False)
+        self._record(skipped=True, overflow=False, optimizer=optimizer)
+        if not self._awaited(optimizer):
+            self._update_scale_()
+
+    def _drop_stale_(self, optimizer: Optimizer) -> None:
+        kept = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if kept:
+            note = (f"{type(optimizer).__name__}: a backward began after unscale_()/clipping without a step() (nor"
+                    " zero_grad()): the unscaled gradients of that batch were dropped, since the new scaled ones cannot"
+                    " be added to them. Call step() or zero_grad() before the next backward.")
+            if note not in self.warnings:
+                self.warnings.append(note)
+        self.drop_grads_(optimizer)
 
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
@@ -571,7 +631,7 @@ class PrecisionStepper:
         self._compact_grad.pop(id(optimizer), None)
         self._unscaled.discard(id(optimizer))
 
-    def _record(self, *, skipped: bool, overflow: bool) -> None:
+    def _record(self, *, skipped: bool, overflow: bool, optimizer: Optimizer | None = None) -> None:
         # Every rank, every step (applied or skipped): delayed-scaling FP8 amax histories agreed across ranks (one
         # all-reduce; nothing on one process).
         self.layout.sync_fp8_()
@@ -579,6 +639,8 @@ class PrecisionStepper:
         self.step_count += 1
         self.skipped_steps += int(skipped)
         self.overflow_count += int(overflow)
+        if optimizer is not None and not skipped:
+            self._applied_by[id(optimizer)] = self._applied_by.get(id(optimizer), 0) + 1
         self._input_nonfinite = None
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -657,6 +719,8 @@ class PrecisionStepper:
         ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
         compensation buffers and rounding seed, ``{}`` without).
         """
+        if self._stepped and not self._awaited(None):  # the iteration's scale update is part of the state
+            self._update_scale_()
         return {
             "masters": self.master.state_dict() if self.master is not None else dict(self._pending.get("masters", {})),
             "compact": self.compact.state_dict() if self.compact is not None else dict(self._pending.get("compact", {})),

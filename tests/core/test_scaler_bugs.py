@@ -66,3 +66,114 @@ def test_a_foreign_scaler_reports_its_skipped_steps(make, clip: bool) -> None:
     assert stepper.applied_steps() == 2
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)  # the LR held on both skipped steps
     assert stepper.scaler is scaler  # the user's object is what the run shows
+
+
+# ------------------------------------------------------------------------------------------------ the scale floor
+TINY = torch.finfo(torch.float32).tiny  # 2**-126
+
+
+def _storm(scaler, overflows: int) -> list[float]:
+    scaler.scale(torch.ones(()))
+    scales = []
+    for _ in range(overflows):
+        scaler._per_optimizer_states[0]["found_inf_per_device"] = {"cpu": torch.tensor(1.0)}
+        scaler._note_skip(True) if hasattr(scaler, "_note_skip") else None
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"hysteresis": 2}, {"growth_interval": 5}], ids=["default", "hysteresis",
+                                                                                        "interval"])
+def test_an_overflow_storm_stops_at_the_floor_and_says_so(kwargs: dict) -> None:
+    ref = _storm(torch.amp.GradScaler("cpu", init_scale=2.0**-120), 12)
+    assert ref[-1] < TINY  # GradScaler's own rule leaves the range where 1/scale is finite
+    with pytest.warns(RuntimeWarning, match="2\\*\\*-126"):
+        scales = _storm(DynamicLossScaler("cpu", init_scale=2.0**-120, **kwargs), 24)
+    assert min(scales) == TINY and math.isfinite(1.0 / scales[-1])
+
+
+def test_an_init_scale_below_the_floor_is_refused() -> None:
+    with pytest.raises(ValueError, match="init_scale=1e-39.*2\\*\\*-126"):
+        DynamicLossScaler("cpu", init_scale=1e-39)
+    with pytest.raises(ValueError, match="init_scale"):
+        StaticLossScaler("cpu", init_scale=1e-40)
+    DynamicLossScaler("cpu", init_scale=TINY)  # the floor itself is allowed
+
+
+@pytest.mark.parametrize("precision, make", [
+    ("32-true", lambda: torch.amp.GradScaler("cpu", init_scale=2.0**-120)),  # adopted
+    ("16-true", lambda: "auto"),
+], ids=["adopted-gradscaler", "16-true-default"])
+def test_after_an_overflow_storm_a_clean_step_writes_finite_weights(precision: str, make) -> None:
+    stepper = PrecisionStepper(precision, scaler=make(), master_weights=False)
+    if precision == "16-true":
+        stepper.scaler.load_state_dict({**stepper.scaler.state_dict(), "scale": 2.0**-120})
+    model, _ = _loop(stepper, 14, set(range(12)), scheduler=False)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert stepper.overflow_count == 12
+    assert stepper.loss_scale >= TINY
+    assert stepper.applied_steps() == 2
+
+
+def test_a_nan_batch_skips_its_step_but_does_not_back_off_the_scale() -> None:
+    stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper.setup_module(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper.setup_optimizers(model, [opt])
+    x, y = regression_data(32)
+    scales = []
+    for step in range(4):
+        batch = x.clone()
+        if step == 1:
+            batch[0, 0] = NAN
+        loss = torch.nn.functional.mse_loss(model(stepper.convert_input(batch)), y)
+        stepper.scale_loss(loss).backward()
+        stepper.step(opt)
+        opt.zero_grad()
+        scales.append(stepper.loss_scale)
+    assert stepper.skipped_steps == stepper.overflow_count == 1
+    # Three clean steps grow the scale once (growth_interval=3); the NaN batch neither backs off nor resets the count.
+    assert scales == [2.0**10, 2.0**10, 2.0**10, 2.0**11]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------ one loss, two optimizers
+def _two_optimizers(scaler_or_stepper, steps: int, bad: dict[int, str]):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    opts = [torch.optim.SGD(model.fc1.parameters(), lr=0.05),
+            torch.optim.SGD([*model.fc2.parameters(), *model.fc3.parameters()], lr=0.05)]
+    stepper = scaler_or_stepper if isinstance(scaler_or_stepper, PrecisionStepper) else None
+    if stepper is not None:
+        stepper.setup_module(model)
+        stepper.setup_optimizers(model, opts)
+    x, y = regression_data(32)
+    scales = []
+    for step in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        (stepper.scale_loss(loss) if stepper else scaler_or_stepper.scale(loss)).backward()
+        if step in bad:
+            getattr(model, bad[step]).weight.grad.view(-1)[0] = INF
+        for opt in opts:
+            stepper.step(opt) if stepper else scaler_or_stepper.step(opt)
+        if stepper is None:
+            scaler_or_stepper.update()
+        for opt in opts:
+            opt.zero_grad()
+        scales.append(stepper.loss_scale if stepper else scaler_or_stepper.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+def test_one_loss_two_optimizers_update_the_scale_once_per_iteration_as_gradscaler() -> None:
+    bad = {1: "fc1", 4: "fc3"}  # only the first optimizer overflows, then only the second
+    kwargs = dict(init_scale=2.0**10, growth_interval=2)
+    ref_scales, ref_params = _two_optimizers(torch.amp.GradScaler("cpu", **kwargs), 8, bad)
+    stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", **kwargs))
+    scales, params = _two_optimizers(stepper, 8, bad)
+    assert scales == ref_scales
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert stepper.overflow_count == 2 and stepper.applied_steps() == 14
