@@ -1,0 +1,57 @@
+"""The step path under faults: dropped batches, several optimizers' schedules, NaN that enters after the check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import HostReads, TinyMLP, regression_data
+
+from lit_mpstable.scaling import DynamicLossScaler
+from lit_mpstable.stepper import PrecisionStepper
+
+INF, NAN = float("inf"), float("nan")
+
+
+def _setup(precision: str, **kwargs):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    if kwargs.get("scaler") == "dynamic-cpu":
+        kwargs = {**kwargs, "scaler": DynamicLossScaler("cpu")}
+    stepper = PrecisionStepper(precision, **kwargs)
+    stepper.setup_module(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper.setup_optimizers(model, [opt])
+    return stepper, model, opt
+
+
+def _backward(stepper, model, x, y, bad: float | None = None):
+    with stepper.forward_context():
+        loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x)).float(), y)
+    stepper.scale_loss(loss).backward()
+    if bad is not None:
+        model.fc2.weight.grad.view(-1)[0] = bad
+
+
+CASES = [("32-true", dict(scaler="dynamic-cpu")), ("bf16-true", {}),
+         ("bf16-true", dict(master_weights="kahan")), ("16-mixed", {})]
+
+
+@pytest.mark.parametrize("precision, kwargs", CASES, ids=["scaled", "masters", "kahan", "16-mixed"])
+@pytest.mark.parametrize("how", ["unscale", "clip"])
+@pytest.mark.parametrize("bad", [None, INF], ids=["clean", "inf"])
+def test_a_batch_dropped_after_unscale_leaves_nothing_behind(precision, kwargs, how, bad) -> None:
+    x, y = regression_data(32)
+    # Reference: the same model, one clean step, no dropped batch before it.
+    ref_stepper, ref_model, ref_opt = _setup(precision, **dict(kwargs))
+    _backward(ref_stepper, ref_model, x, y)
+    ref_stepper.step(ref_opt)
+    stepper, model, opt = _setup(precision, **dict(kwargs))
+    _backward(stepper, model, x * 3, y, bad)  # a batch the loop drops after looking at its gradients
+    stepper.unscale_(opt) if how == "unscale" else stepper.clip_grad_norm_(opt, 0.5)
+    opt.zero_grad()
+    _backward(stepper, model, x, y)
+    stepper.step(opt)
+    assert stepper.skipped_steps == 0 and stepper.applied_steps() == 1
+    assert stepper.loss_scale == ref_stepper.loss_scale
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
