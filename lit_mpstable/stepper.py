@@ -227,6 +227,11 @@ class PrecisionStepper:
         (counted in this process: a resume restores where each scheduler stands relative to it)."""
         if optimizer is None:
             return self.step_count - self.skipped_steps
+        for _ in range(3):  # a front end's wrapper (Fabric's, Lightning's) around the optimizer that steps
+            inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+            if not isinstance(inner, Optimizer) or inner is optimizer:
+                break
+            optimizer = inner
         return self._applied_by.get(id(optimizer), 0)
 
     @property

@@ -55,3 +55,48 @@ def test_a_batch_dropped_after_unscale_leaves_nothing_behind(precision, kwargs, 
     assert stepper.loss_scale == ref_stepper.loss_scale
     for a, b in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- the LR hold with several optimizers
+def _gan(stepper: PrecisionStepper, steps: int, bad_d: set[int], *, state=None):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    opt_g = torch.optim.SGD([*model.fc2.parameters(), *model.fc3.parameters()], lr=1.0)
+    opt_d = torch.optim.SGD(model.fc1.parameters(), lr=1.0)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt_g, opt_d)]
+    stepper.setup_module(model)
+    stepper.setup_optimizers(model, [opt_g, opt_d], scheds)
+    if state is not None:
+        stepper.load_state_dict(state)
+    x, y = regression_data(32)
+    for step in range(steps):
+        for opt, bad in ((opt_d, step in bad_d), (opt_g, False)):  # each its own loss, as a GAN
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            stepper.scale_loss(loss).backward()
+            if bad:
+                model.fc1.weight.grad.view(-1)[0] = INF
+            stepper.step(opt)
+            model.zero_grad()
+        for sched in scheds:
+            sched.step()
+    return opt_g, opt_d
+
+
+def test_each_scheduler_is_held_by_its_own_optimizers_outcome() -> None:
+    stepper = PrecisionStepper("32-true")
+    opt_g, opt_d = _gan(stepper, 3, {1})
+    assert stepper.skipped_steps == 1
+    assert opt_g.param_groups[0]["lr"] == 0.5**3  # the generator stepped every time
+    assert opt_d.param_groups[0]["lr"] == 0.5**2  # the discriminator's skipped step held its schedule
+
+
+def test_where_each_scheduler_stands_survives_a_resume() -> None:
+    first = PrecisionStepper("32-true")
+    _gan(first, 2, set())
+    # Resumed in a fresh process (new counters) right after a skipped discriminator step that its scheduler held.
+    state = first.state_dict()
+    resumed = PrecisionStepper("32-true")
+    opt_g, opt_d = _gan(resumed, 2, {0}, state=state)
+    assert opt_g.param_groups[0]["lr"] == 0.5**2 and opt_d.param_groups[0]["lr"] == 0.5
+    with pytest.raises(ValueError, match="schedules|ints >= 0"):
+        PrecisionStepper("32-true").schedules.load_state_dict([-1])
