@@ -215,6 +215,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
         iteration was discarded, so the next one starts fresh."""
         self._per_optimizer_states.pop(id(optimizer), None)
 
+    def fold_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch.Tensor | None:
+        """Add a device flag (inf/NaN found elsewhere: what the step is about to read) into ``optimizer``'s inf check
+        after ``unscale_``/``check_``, so ``step`` skips on it with its one host sync; returns the check as it was
+        (a device tensor; None before ``unscale_``). No host sync."""
+        return _fold_found_inf(self, optimizer, flag) if self._enabled else None
+
     def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: Any = None) -> None:
         """Agree across ranks on whether this step's gradients hold inf/NaN, so every rank skips it or none does.
 
@@ -578,6 +584,10 @@ class ForeignScaler:
         else:
             self.update()
 
+    def fold_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`DynamicLossScaler.fold_found_inf_` for a GradScaler; None (nothing folded) for any other scaler."""
+        return _fold_found_inf(self.inner, optimizer, flag) if self.gradscaler else None
+
     def forget_(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop this iteration's record for ``optimizer`` (a GradScaler's per-optimizer state)."""
         if self.gradscaler:
@@ -588,6 +598,19 @@ class ForeignScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
+
+
+def _fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, flag: torch.Tensor
+                    ) -> torch.Tensor | None:
+    """Add ``flag`` (a 0-dim device bool) into ``optimizer``'s inf check of this iteration, which ``step`` reads in its
+    one host sync; returns the check as it was before (a device tensor), or None when there is none yet."""
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    flags = list(state["found_inf_per_device"].values()) if state else []
+    if not flags:
+        return None
+    before = torch.stack([f.to(flags[0].device) for f in flags]).sum()
+    flags[0].add_(flag.to(device=flags[0].device, dtype=flags[0].dtype))
+    return before
 
 
 def _world_size(group: Any) -> int:
@@ -789,6 +812,10 @@ class AdaptiveLossScaler(DynamicLossScaler):
             if self.underflow_boost > 1.0:
                 self.underflow_boost = 1.0  # the headroom given up was needed after all
                 self.raise_blocked_until = self.step_count + self._growth_interval
+
+    def skip_update_(self) -> None:
+        super().skip_update_()
+        self._step_amax = None  # the data's overflow measured nothing
 
     def note_underflow_(self, underflow_frac: float, *, threshold: float = 0.01) -> bool:
         """Take a measured underflow into account: the fraction of gradient elements, nonzero in FP32, that the run's

@@ -553,14 +553,19 @@ class PrecisionStepper:
             master.absorb_grads_(optimizer)
         checker = self._checker
         update = self._compact_update(optimizer, kwargs) if self.compact is not None else None
+        late = None
         if checker is None:
             output, skipped = (update() if update is not None else optimizer.step(**kwargs)), False
         else:
+            early = self._check_step_inputs_(optimizer) if self.skip_nonfinite else None
             output = checker.step_with(optimizer, update) if update is not None else checker.step(optimizer, **kwargs)
             skipped = checker.last_step_skipped
-            # A batch that itself held inf/NaN (the input check; read on overflowing steps only) says nothing about
-            # the scale: the step is skipped, the scale is not backed off.
-            if skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
+            # Why it skipped, read on skipped steps only: inf/NaN that entered after the gradient check, or a batch
+            # that itself held inf/NaN (the input check). Neither says anything about the scale: no backoff.
+            if skipped and early is not None and not bool(early):
+                late = True
+                self._data_fault = True
+            elif skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
                 self._data_fault = True
             self._stepped.add(id(optimizer))
         self._unscaled.discard(id(optimizer))
@@ -568,12 +573,48 @@ class PrecisionStepper:
             if not skipped:
                 master.refresh_model_(optimizer)
             master.zero_model_grads_(optimizer)
-        if skipped:
+        if late:
+            self._blame_late(optimizer)
+        elif skipped:
             self._blame()
         self._record(skipped=skipped, overflow=skipped, optimizer=optimizer)
         if not self._awaited(optimizer):
             self._update_scale_()
         return output
+
+    def _check_step_inputs_(self, optimizer: Optimizer) -> torch.Tensor | None:
+        """Fold into the step's skip flag whether anything the step reads holds inf/NaN now: the gradients as hooks and
+        clipping left them after the check (a NaN clip norm makes them NaN), the parameters (FP32 masters), the
+        optimizer's state and the loss scale. On the device, no host read: ``step``'s one sync reads the flag.
+        Returns the gradient check as it was before (None where the scaler cannot take a flag)."""
+        fold = getattr(self._checker, "fold_found_inf_", None)
+        if fold is None:
+            return None
+        tensors = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue  # a parameter without a gradient is not stepped
+                tensors += [param.grad, param]
+                tensors += [v for v in optimizer.state.get(param, {}).values()
+                            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
+        scale = getattr(self.scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor):
+            tensors.append(scale.view(1))
+        tensors = [t for t in tensors if not t.is_sparse]
+        if not tensors:
+            return None
+        return fold(optimizer, any_nonfinite([_local_view(t) for t in tensors]))
+
+    def _blame_late(self, optimizer: Optimizer) -> None:
+        # The gradient check found nothing: inf/NaN entered after it, which no precision setting explains. Nothing
+        # is blamed on a module (a fallback would island healthy layers).
+        self.stats.update(blamed_params=[], blamed_modules=[], nonfinite_input=False, nonfinite_after_check=True)
+        note = (f"{type(optimizer).__name__}: a step was skipped for inf/NaN that entered after the gradient check (a"
+                " hook or clipping wrote into the gradients after unscale_, or the optimizer state, the FP32 master"
+                " weights or the loss scale hold inf/NaN); this is not a precision problem and nothing was blamed.")
+        if note not in self.warnings:
+            self.warnings.append(note)
 
     def _awaited(self, done: Optimizer) -> bool:
         """Whether another optimizer still has to step on this iteration's gradients (one loss, several optimizers):
@@ -693,6 +734,7 @@ class PrecisionStepper:
         if module is None:
             return
         nonfinite_input = self._input_nonfinite is not None and bool(self._input_nonfinite)
+        self.stats.pop("nonfinite_after_check", None)
         self.stats.update(self.observer.blame(module, self.named_grads(), nonfinite_input=nonfinite_input))
 
     # --------------------------------------------------------------------------------------------- fallback
@@ -809,6 +851,12 @@ def _compiled(module: nn.Module) -> bool:
         isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
         or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules()
     )
+
+
+def _local_view(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2), any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def _first_grad_device(optimizer: Optimizer) -> torch.device | None:

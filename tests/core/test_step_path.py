@@ -100,3 +100,65 @@ def test_where_each_scheduler_stands_survives_a_resume() -> None:
     assert opt_g.param_groups[0]["lr"] == 0.5**2 and opt_d.param_groups[0]["lr"] == 0.5
     with pytest.raises(ValueError, match="schedules|ints >= 0"):
         PrecisionStepper("32-true").schedules.load_state_dict([-1])
+
+
+# ------------------------------------------------------------------------- NaN that enters after the gradient check
+def _late_nan(stepper, model, opt, where: str) -> None:
+    if where == "grad-after-check":  # a hook (on_before_optimizer_step) writes into a gradient after unscale_
+        stepper.unscale_(opt)
+        next(p for p in opt.param_groups[0]["params"] if p.grad is not None).grad.view(-1)[0] = NAN
+    elif where == "clip-norm-nan":  # clipping whose norm came out NaN multiplies every gradient by NaN
+        stepper.unscale_(opt)
+        for p in opt.param_groups[0]["params"]:
+            p.grad.mul_(NAN)
+    elif where == "optimizer-state":
+        next(iter(opt.state.values()))["exp_avg"].view(-1)[0] = NAN
+    elif where == "masters":
+        stepper.master.masters[0].data.view(-1)[0] = NAN
+
+
+@pytest.mark.parametrize("precision, where", [
+    ("32-true", "grad-after-check"), ("bf16-mixed", "clip-norm-nan"), ("bf16-true", "grad-after-check"),
+    ("bf16-true", "optimizer-state"), ("bf16-true", "masters"), ("16-mixed", "grad-after-check"),
+])
+def test_nan_entering_after_the_check_never_reaches_the_weights_and_blames_no_module(precision, where) -> None:
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper(precision)
+    stepper.setup_module(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    stepper.setup_optimizers(model, [opt])
+    x, y = regression_data(32)
+    for step in range(3):
+        _backward(stepper, model, x, y)
+        if step == 1:
+            scale = stepper.loss_scale
+            before = [p.detach().clone() for p in model.parameters()]
+            _late_nan(stepper, model, opt, where)
+        stepper.step(opt)
+        opt.zero_grad()
+        if step == 1:
+            assert stepper.last_step_skipped
+            for a, b in zip(model.parameters(), before):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)  # nothing was written
+            assert stepper.loss_scale == scale  # not the scale's fault: no backoff
+            assert stepper.stats["blamed_modules"] == [] and stepper.stats["nonfinite_after_check"]
+            assert any("after the gradient check" in w and "not a precision problem" in w for w in stepper.warnings)
+            if where == "masters":  # the corrupt master stays refused; restore it to go on
+                stepper.master.masters[0].data.view(-1)[0] = 0.0
+    if where in ("optimizer-state",):
+        return  # the corrupt state stays; every later step is refused the same way
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("precision, kwargs", [("32-true", {"scaler": "dynamic-cpu"}), ("bf16-true", {}),
+                                               ("bf16-mixed", {}), ("bf16-true", {"master_weights": "kahan"})])
+def test_the_step_input_check_adds_no_host_read(precision, kwargs) -> None:
+    stepper, model, opt = _setup(precision, **kwargs)
+    x, y = regression_data(32)
+    for _ in range(2):
+        _backward(stepper, model, x, y)
+        with HostReads() as reads:
+            stepper.step(opt)
+        opt.zero_grad()
+    assert reads.ops == ["_local_scalar_dense"]  # GradScaler's one skip decision (SGD reads nothing itself)
