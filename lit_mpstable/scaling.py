@@ -35,6 +35,57 @@ def resolve_device(call: str, device: str | None) -> str:
     return choice_arg(call, "device", device, _DEVICE_TYPES)
 
 
+class StateKeyError(KeyError, ValueError):
+    """A loaded state dict's keys differ from the expected ones (a ``KeyError``, and a ``ValueError`` like every other
+    refused loaded value)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _check_loaded(call: str, state: dict[str, Any], *, floor: float) -> None:
+    """Validate a DynamicLossScaler (or plain GradScaler) state dict field by field, as the constructor does.
+
+    Raises:
+        TypeError: a field has the wrong type (``"False"`` is not a bool, ``3.0`` is not an int).
+        ValueError: a field is out of range, or two fields disagree (each message names them).
+    """
+    real_arg(call, "scale", state["scale"], low=floor, unit="the scale must be finite and >= 2**-126 (or min_scale)"
+             " so that 1/scale is finite; the checkpoint is corrupt")
+    real_arg(call, "growth_factor", state["growth_factor"], low=1.0, low_open=True, unit="clean steps grow the scale"
+             " by it")
+    real_arg(call, "backoff_factor", state["backoff_factor"], low=0.0, high=1.0, low_open=True, high_open=True,
+             unit="an overflow shrinks the scale by it")
+    int_arg(call, "growth_interval", state["growth_interval"], low=1)
+    int_arg(call, "_growth_tracker", state["_growth_tracker"], low=0, unit="clean steps since the last growth")
+    if "hysteresis" not in state:
+        return
+    int_arg(call, "hysteresis", state["hysteresis"], low=1)
+    int_arg(call, "_hysteresis_tracker", state["_hysteresis_tracker"], low=0, high=state["hysteresis"],
+            unit="overflows still tolerated, at most hysteresis")
+    real_arg(call, "min_scale", state["min_scale"], low=0.0, low_open=True, none=True)
+    real_arg(call, "max_scale", state["max_scale"], low=0.0, low_open=True, none=True)
+    if state["min_scale"] is not None and state["max_scale"] is not None and state["min_scale"] > state["max_scale"]:
+        raise ValueError(f"{call}(min_scale={state['min_scale']!r}, max_scale={state['max_scale']!r}): min_scale must"
+                         " be <= max_scale; the checkpoint is corrupt.")
+    if state["min_scale"] is not None and state["scale"] < state["min_scale"]:
+        raise ValueError(f"{call}(scale={state['scale']!r}, min_scale={state['min_scale']!r}): the scale must be >="
+                         " min_scale; the checkpoint is corrupt.")
+    for key in ("overflow_count", "min_scale_hits", "step_count"):
+        int_arg(call, key, state[key], low=0, high=None, unit="a counter")
+
+
+def _check_new_scale(call: str, new_scale: Any) -> None:
+    """``update(new_scale=...)``: a finite scale >= 2**-126, as a float or a one-element tensor (read: one sync)."""
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or not new_scale.is_floating_point():
+            raise ValueError(f"{call}(new_scale={new_scale!r}): a one-element floating tensor or a float is needed.")
+        value = float(new_scale.detach().reshape(()).item())
+    else:
+        value = new_scale
+    real_arg(call, "new_scale", value, low=_SCALE_FLOOR, unit="a finite scale >= 2**-126, so that 1/scale is finite")
+
+
 class DynamicLossScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` plus hysteresis, scale bounds, overflow counters and a host-side skip flag.
 
@@ -302,7 +353,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.last_data_fault = False
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
-            super().update(new_scale)
+            _check_new_scale(f"{type(self).__name__}.update", new_scale)
+            super().update(float(new_scale) if not isinstance(new_scale, torch.Tensor) else new_scale)
             self._clamp_(scale, self.max_scale)
             self._host_found = None  # this iteration's outcome is consumed; the device tracker is untouched
             return
@@ -456,23 +508,29 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
+        call = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{call}({state_dict!r}): expected the dict state_dict() returns.")
         if not state_dict:
-            raise RuntimeError(
-                f"{type(self).__name__}.load_state_dict: the state dict is empty; was it saved with scaling disabled?"
-            )
+            raise RuntimeError(f"{call}: the state dict is empty; was it saved with scaling disabled?")
         keys = set(state_dict)
-        self._host_found, self._host_tracker = None, int(state_dict.get("_growth_tracker", 0))
         if keys == _GRADSCALER_KEYS:
             # Written by torch.amp.GradScaler (e.g. Lightning's own "16-mixed"): keep our extra state as constructed.
+            _check_loaded(call, state_dict, floor=self.floor)
+            self._host_found, self._host_tracker = None, state_dict["_growth_tracker"]
             super().load_state_dict(state_dict)
             return
         expected = set(self.state_dict())
         if keys != expected:
             missing, unknown = sorted(expected - keys), sorted(keys - expected)
-            raise KeyError(
-                f"{type(self).__name__}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was it saved"
-                " by a different scaler class or version?"
+            raise StateKeyError(
+                f"{call}: missing keys {missing}, unknown keys {unknown}; was it saved by a different scaler class or"
+                " version?"
             )
+        min_scale = state_dict["min_scale"]
+        _check_loaded(call, state_dict, floor=max(min_scale or 0.0, _SCALE_FLOOR) if isinstance(
+            min_scale, (int, float)) and not isinstance(min_scale, bool) else _SCALE_FLOOR)
+        self._host_found, self._host_tracker = None, state_dict["_growth_tracker"]
         super().load_state_dict(state_dict)
         self.hysteresis = int(state_dict["hysteresis"])
         self.min_scale = state_dict["min_scale"]
@@ -912,15 +970,13 @@ class AdaptiveLossScaler(DynamicLossScaler):
             KeyError: a key is missing or unknown.
             ValueError: ``_amax_history`` does not hold ``amax_history_len`` values.
         """
+        if self._enabled and isinstance(state_dict, dict) and set(state_dict) != _GRADSCALER_KEYS and set(
+                state_dict) == set(self.state_dict()):
+            self._check_adaptive(state_dict)
         super().load_state_dict(state_dict)
         if not self._enabled or set(state_dict) == _GRADSCALER_KEYS:
             return  # a GradScaler checkpoint carries no amax state: keep ours as constructed
         history = [float(v) for v in state_dict["_amax_history"]]
-        if len(history) != int(state_dict["amax_history_len"]):
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict: _amax_history has {len(history)} values but amax_history_len"
-                f" is {state_dict['amax_history_len']!r}; the checkpoint is corrupt."
-            )
         self.target_format = get_format(state_dict["target_format"]).name
         self.headroom = float(state_dict["headroom"])
         self.amax_history_len = len(history)
@@ -931,6 +987,27 @@ class AdaptiveLossScaler(DynamicLossScaler):
         if self._state is not None:
             self._lazy_init_adaptive_state(self._state["_amax_history"].device)
 
+
+    def _check_adaptive(self, state: dict[str, Any]) -> None:
+        call = f"{type(self).__name__}.load_state_dict"
+        choice_arg(call, "target_format", state["target_format"], get_args(FormatName))
+        headroom = real_arg(call, "headroom", state["headroom"], low=1.0)
+        length = int_arg(call, "amax_history_len", state["amax_history_len"], low=1, high=_MAX_AMAX_HISTORY)
+        real_arg(call, "underflow_boost", state["underflow_boost"], low=1.0, high=headroom,
+                 unit="a power of growth_factor in [1, headroom]")
+        bool_arg(call, "overflowed_since_note", state["overflowed_since_note"])
+        int_arg(call, "raise_blocked_until", state["raise_blocked_until"], low=0, high=None)
+        history = state["_amax_history"]
+        if not isinstance(history, (list, tuple)) or len(history) != length:
+            raise ValueError(
+                f"{call}(_amax_history={history!r}): must be a list of amax_history_len={length!r} values; the"
+                " checkpoint is corrupt."
+            )
+        for value in history:
+            real_arg(call, "_amax_history", value, low=0.0, unit="unscaled amaxes, 0 for an empty slot")
+        real_arg(call, "_extra_headroom", state["_extra_headroom"], low=1.0)
+        real_arg(call, "_last_overflow_scale", state["_last_overflow_scale"], low=0.0, unit="0 when none")
+        int_arg(call, "_overflow_streak", state["_overflow_streak"], low=0)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -177,3 +177,69 @@ def test_one_loss_two_optimizers_update_the_scale_once_per_iteration_as_gradscal
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert stepper.overflow_count == 2 and stepper.applied_steps() == 14
+
+
+# ----------------------------------------------------------------------------------------- loaded state is checked
+CORRUPT = [
+    ("scale", NAN), ("scale", INF), ("scale", 0.0), ("scale", -1.0), ("scale", 1e-45), ("growth_factor", 0.0),
+    ("growth_factor", 1.0), ("backoff_factor", 2.0), ("backoff_factor", 0.0), ("growth_interval", 0),
+    ("growth_interval", "2000"), ("_growth_tracker", -1), ("hysteresis", 0), ("_hysteresis_tracker", -1),
+    ("_hysteresis_tracker", 5), ("min_scale", NAN), ("max_scale", -2.0), ("overflow_count", -3),
+    ("min_scale_hits", -1), ("step_count", -1), ("step_count", None), ("scale", "65536"), ("hysteresis", True),
+]
+
+
+@pytest.mark.parametrize("make", [lambda: DynamicLossScaler("cpu", hysteresis=2), lambda: StaticLossScaler("cpu"),
+                                  lambda: AdaptiveLossScaler("cpu")], ids=["dynamic", "static", "adaptive"])
+@pytest.mark.parametrize("key, value", CORRUPT, ids=[f"{k}={v!r}" for k, v in CORRUPT])
+def test_a_corrupt_field_is_refused_by_name_and_changes_nothing(make, key: str, value) -> None:
+    scaler = make()
+    state = scaler.state_dict()
+    before = dict(state)
+    with pytest.raises((ValueError, TypeError), match=key):
+        scaler.load_state_dict({**state, key: value})
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("state", [
+    {"min_scale": 8.0, "max_scale": 4.0}, {"min_scale": 4.0, "scale": 2.0},
+], ids=["min>max", "scale<min"])
+def test_fields_that_disagree_are_refused(state: dict) -> None:
+    scaler = DynamicLossScaler("cpu")
+    with pytest.raises(ValueError, match="min_scale"):
+        scaler.load_state_dict({**scaler.state_dict(), **state})
+
+
+@pytest.mark.parametrize("key, value", [("overflowed_since_note", "False"), ("underflow_boost", 0.5),
+                                        ("_amax_history", [NAN] * 16), ("_amax_history", [1.0]),
+                                        ("_extra_headroom", 0.0), ("_overflow_streak", -1), ("headroom", INF),
+                                        ("target_format", "bf16x"), ("raise_blocked_until", -5),
+                                        ("_last_overflow_scale", NAN)])
+def test_adaptive_fields_are_refused_by_name(key: str, value) -> None:
+    scaler = AdaptiveLossScaler("cpu")
+    with pytest.raises((ValueError, TypeError), match=key):
+        scaler.load_state_dict({**scaler.state_dict(), key: value})
+
+
+def test_missing_and_unknown_keys_are_named_value_errors() -> None:
+    scaler = DynamicLossScaler("cpu")
+    state = scaler.state_dict()
+    with pytest.raises(ValueError, match="missing keys \\['step_count'\\]"):
+        scaler.load_state_dict({k: v for k, v in state.items() if k != "step_count"})
+    with pytest.raises(KeyError, match="unknown keys \\['junk'\\]"):
+        scaler.load_state_dict({**state, "junk": 1})
+    with pytest.raises(TypeError, match="load_state_dict\\(None\\)"):
+        scaler.load_state_dict(None)
+
+
+@pytest.mark.parametrize("new_scale", [NAN, INF, 0.0, -4.0, 1e-45, torch.tensor(NAN), torch.tensor(0.0)],
+                         ids=["nan", "inf", "zero", "negative", "subnormal", "nan-tensor", "zero-tensor"])
+def test_update_new_scale_is_checked(new_scale) -> None:
+    scaler = DynamicLossScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(new_scale=new_scale)
+    assert scaler.get_scale() == 2.0**16
+    scaler.update(new_scale=torch.tensor(8.0))  # a good one still works, tensor or float
+    scaler.update(new_scale=4.0)
+    assert scaler.get_scale() == 4.0
