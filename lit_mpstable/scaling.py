@@ -667,7 +667,8 @@ def _fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimiz
     if not flags:
         return None
     before = torch.stack([f.to(flags[0].device) for f in flags]).sum()
-    flags[0].add_(flag.to(device=flags[0].device, dtype=flags[0].dtype))
+    # A maximum, not a sum: fused optimizers skip only on found_inf == 1 exactly.
+    torch.maximum(flags[0], flag.to(device=flags[0].device, dtype=flags[0].dtype), out=flags[0])
     return before
 
 

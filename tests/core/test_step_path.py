@@ -162,3 +162,25 @@ def test_the_step_input_check_adds_no_host_read(precision, kwargs) -> None:
             stepper.step(opt)
         opt.zero_grad()
     assert reads.ops == ["_local_scalar_dense"]  # GradScaler's one skip decision (SGD reads nothing itself)
+
+
+@pytest.mark.parametrize("where", ["grad-after-check", "gradient-check"])
+def test_a_fused_optimizer_skips_on_the_folded_flag_too(where: str) -> None:
+    # Fused optimizers skip inside their step only when found_inf is exactly 1: the folded flag must stay 0 or 1.
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", init_scale=256.0))
+    stepper.setup_module(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    stepper.setup_optimizers(model, [opt])
+    x, y = regression_data(32)
+    for step in range(3):
+        _backward(stepper, model, x, y, bad=INF if step == 1 and where == "gradient-check" else None)
+        if step == 1 and where == "grad-after-check":
+            stepper.unscale_(opt)
+            model.fc2.weight.grad.view(-1)[0] = NAN
+        stepper.step(opt)
+        opt.zero_grad()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert all(torch.isfinite(v).all() for s in opt.state.values() for v in s.values())
+    assert stepper.skipped_steps == 1
