@@ -390,6 +390,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         self._per_optimizer_states.clear()
+        if self._scale is not None:
+            # A scale that is itself inf/NaN/0 (written into the scaler at run time) is what made the step fail:
+            # start again from init_scale rather than skip every later step.
+            usable = torch.isfinite(self._scale) & (self._scale >= self.floor)
+            self._scale.copy_(torch.where(usable, self._scale, torch.full_like(self._scale, self._init_scale)))
         self._host_overflows += int(bool(self._host_found))
         self._host_found = None
         self.step_count += 1

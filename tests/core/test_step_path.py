@@ -184,3 +184,36 @@ def test_a_fused_optimizer_skips_on_the_folded_flag_too(where: str) -> None:
         assert all(torch.isfinite(p).all() for p in model.parameters())
         assert all(torch.isfinite(v).all() for s in opt.state.values() for v in s.values())
     assert stepper.skipped_steps == 1
+
+
+def test_a_nan_loss_scale_is_skipped_and_repaired_not_kept() -> None:
+    stepper, model, opt = _setup("32-true", scaler="dynamic-cpu")
+    x, y = regression_data(32)
+    for step in range(3):
+        _backward(stepper, model, x, y)
+        if step == 1:
+            before = [p.detach().clone() for p in model.parameters()]
+            stepper.scaler.get_scale_tensor().fill_(NAN)  # the scale itself goes bad after backward
+        stepper.step(opt)
+        opt.zero_grad()
+        if step == 1:
+            assert stepper.last_step_skipped and stepper.stats["nonfinite_after_check"]
+            for a, b in zip(model.parameters(), before):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert stepper.loss_scale == 2.0**16 and stepper.skipped_steps == 1  # back at init_scale; the next step applied
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_backward_after_unscale_without_zero_grad_drops_the_unscaled_batch_and_says_so() -> None:
+    x, y = regression_data(32)
+    ref_stepper, ref_model, ref_opt = _setup("16-mixed")
+    _backward(ref_stepper, ref_model, x, y)
+    ref_stepper.step(ref_opt)
+    stepper, model, opt = _setup("16-mixed")
+    _backward(stepper, model, x * 3, y)
+    stepper.unscale_(opt)  # ... and neither step() nor zero_grad(): unscaled gradients would meet scaled ones
+    _backward(stepper, model, x, y)
+    stepper.step(opt)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert any("without a step()" in w for w in stepper.warnings)
