@@ -156,6 +156,7 @@ class PrecisionStepper:
         self._stepped: set[int] = set()  # optimizers stepped since the last scale update
         self._data_fault = False  # an overflow of this iteration came with an inf/NaN batch
         self._applied_by: dict[int, int] = {}  # applied steps per optimizer (by id), for the LR hold
+        self._stepped_on: dict[int, _GradSet] = {}  # per optimizer: the gradients (and versions) it last stepped on
         self._skip_requested = False
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
@@ -578,6 +579,7 @@ class PrecisionStepper:
         elif skipped:
             self._blame()
         self._record(skipped=skipped, overflow=skipped, optimizer=optimizer)
+        self._note_stepped_on(optimizer)
         if not self._awaited(optimizer):
             self._update_scale_()
         return output
@@ -626,12 +628,21 @@ class PrecisionStepper:
                 continue
             if id(optimizer) in self._unscaled:
                 return True
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            if self.master is not None and id(optimizer) in self.master._names_by_optimizer:
-                params += self.master._select(optimizer)[1]
-            if any(p.grad is not None for p in params):
+            # Gradients it already stepped on (a loop that zeroes before backward) are not this iteration's.
+            if any(g is not None and (g, g._version) not in self._stepped_on.get(id(optimizer), ())
+                   for g in self._grads(optimizer)):
                 return True
         return False
+
+    def _grads(self, optimizer: Optimizer) -> list[torch.Tensor | None]:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.master is not None and id(optimizer) in self.master._names_by_optimizer:
+            params += self.master._select(optimizer)[1]
+        return [p.grad for p in params]
+
+    def _note_stepped_on(self, optimizer: Optimizer) -> None:
+        if len(self.optimizers) > 1:  # only _awaited reads it
+            self._stepped_on[id(optimizer)] = _GradSet(g for g in self._grads(optimizer) if g is not None)
 
     def _update_scale_(self) -> None:
         """The iteration's one scale update, once every optimizer that had gradients stepped (or at the next
@@ -766,7 +777,9 @@ class PrecisionStepper:
         ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
         compensation buffers and rounding seed, ``{}`` without).
         """
-        if self._stepped and not self._awaited(None):  # the iteration's scale update is part of the state
+        if self._stepped:
+            # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
+            # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
             self._update_scale_()
         return {
             "masters": self.master.state_dict() if self.master is not None else dict(self._pending.get("masters", {})),
@@ -851,6 +864,18 @@ def _compiled(module: nn.Module) -> bool:
         isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
         or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules()
     )
+
+
+class _GradSet:
+    """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value)."""
+
+    def __init__(self, grads: Iterable[torch.Tensor]) -> None:
+        self._seen = {id(g): (g, g._version) for g in grads}
+
+    def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
+        grad, version = item
+        seen = self._seen.get(id(grad))
+        return seen is not None and seen[0] is grad and seen[1] == version
 
 
 def _local_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -217,3 +217,27 @@ def test_a_backward_after_unscale_without_zero_grad_drops_the_unscaled_batch_and
     for a, b in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert any("without a step()" in w for w in stepper.warnings)
+
+
+def test_a_checkpoint_holds_the_scale_update_a_gan_loop_still_owes() -> None:
+    # Each loss's backward also fills the other optimizer's gradients (zeroed only before its own backward), so the
+    # update waits for the next backward; a checkpoint taken meanwhile holds it, as GradScaler's would.
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", init_scale=256.0))
+    stepper.setup_module(model)
+    opt_d = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
+    opt_g = torch.optim.SGD([*model.fc2.parameters(), *model.fc3.parameters()], lr=0.1)
+    stepper.setup_optimizers(model, [opt_d, opt_g])
+    x, y = regression_data(32)
+    scales = []
+    for step in range(3):
+        for opt in (opt_d, opt_g):
+            opt.zero_grad()
+            _backward(stepper, model, x, y)
+            if step == 1 and opt is opt_d:
+                model.fc1.weight.grad.view(-1)[0] = INF
+            stepper.step(opt)
+            scales.append(stepper.state_dict()["scaler"]["scale"])
+    assert stepper.overflow_count == 1
+    assert scales == [256.0, 256.0, 128.0, 128.0, 128.0, 128.0]
