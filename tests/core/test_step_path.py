@@ -241,3 +241,46 @@ def test_a_checkpoint_holds_the_scale_update_a_gan_loop_still_owes() -> None:
             scales.append(stepper.state_dict()["scaler"]["scale"])
     assert stepper.overflow_count == 1
     assert scales == [256.0, 256.0, 128.0, 128.0, 128.0, 128.0]
+
+
+@pytest.mark.slow
+def test_a_trainer_gan_holds_only_the_skipped_discriminators_schedule() -> None:
+    from helpers import make_trainer
+    from trainer_pkg import StablePrecision, pl
+
+    class Gan(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.model = TinyMLP()
+            self.x, self.y = regression_data(32)
+
+        def training_step(self, batch, batch_idx):
+            opt_g, opt_d = self.optimizers()
+            for opt, poison in ((opt_d, batch_idx == 1), (opt_g, False)):
+                self.toggle_optimizer(opt)
+                loss = torch.nn.functional.mse_loss(self.model(batch[0]), batch[1])
+                self.manual_backward(loss)
+                if poison:
+                    self.model.fc1.weight.grad.view(-1)[0] = INF
+                opt.step()
+                opt.zero_grad()
+                self.untoggle_optimizer(opt)
+            for sched in self.lr_schedulers():
+                sched.step()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=8)
+
+        def configure_optimizers(self):
+            opt_g = torch.optim.SGD([*self.model.fc2.parameters(), *self.model.fc3.parameters()], lr=1.0)
+            opt_d = torch.optim.SGD(self.model.fc1.parameters(), lr=1.0)
+            scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt_g, opt_d)]
+            return [opt_g, opt_d], scheds
+
+    module = Gan()
+    plugin = StablePrecision("32-true")
+    make_trainer(plugin, max_epochs=1, max_steps=-1).fit(module)
+    opt_g, opt_d = module.optimizers()
+    assert plugin.skipped_steps == 1
+    assert opt_g.param_groups[0]["lr"] == 0.5**4 and opt_d.param_groups[0]["lr"] == 0.5**3
