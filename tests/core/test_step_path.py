@@ -284,3 +284,41 @@ def test_a_trainer_gan_holds_only_the_skipped_discriminators_schedule() -> None:
     opt_g, opt_d = module.optimizers()
     assert plugin.skipped_steps == 1
     assert opt_g.param_groups[0]["lr"] == 0.5**4 and opt_d.param_groups[0]["lr"] == 0.5**3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true"])
+def test_a_fabric_loop_that_drops_a_batch_after_clipping_steps_the_next_one_exactly(precision: str) -> None:
+    import warnings
+
+    from lightning.fabric import Fabric
+
+    from lit_mpstable.fabric import StablePrecision
+
+    def run(drop: bool):
+        plugin = StablePrecision(precision)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        model, opt = fabric.setup(TinyMLP(), torch.optim.SGD(TinyMLP().parameters(), lr=0.1))
+        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+        x, y = regression_data(32)
+        for batch, dropped in (((x * 3, y), True), ((x, y), False)):
+            if dropped and not drop:
+                continue
+            loss = torch.nn.functional.mse_loss(model(batch[0]).float(), batch[1])
+            fabric.backward(loss)
+            fabric.clip_gradients(model, opt, max_norm=0.5)
+            if dropped:  # the loop looked at the clipped gradients and dropped the batch
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+        return plugin, [p.detach().clone() for p in model.parameters()]
+
+    plugin, params = run(drop=True)
+    _, ref = run(drop=False)
+    assert plugin.skipped_steps == 0 and plugin.step_count == 1
+    for a, b in zip(params, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
