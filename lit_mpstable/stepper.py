@@ -603,10 +603,10 @@ class PrecisionStepper:
         scale = getattr(self.scaler, "_scale", None)
         if isinstance(scale, torch.Tensor):
             tensors.append(scale.view(1))
-        tensors = [t for t in tensors if not t.is_sparse]
+        tensors = [_local_view(t) for t in tensors if not t.is_sparse]
         if not tensors:
             return None
-        return fold(optimizer, any_nonfinite([_local_view(t) for t in tensors]))
+        return fold(optimizer, _nonfinite(tensors))
 
     def _blame_late(self, optimizer: Optimizer) -> None:
         # The gradient check found nothing: inf/NaN entered after it, which no precision setting explains. Nothing
@@ -864,6 +864,18 @@ def _compiled(module: nn.Module) -> bool:
         isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
         or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules()
     )
+
+
+def _nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether any of ``tensors`` holds inf/NaN, as a 0-dim device bool: one multi-tensor L1 norm per device (a few
+    kernel launches, not one per tensor), accumulated in FP32 (an FP16 sum would overflow); no host read."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    flags = [~torch.isfinite(torch.stack(torch._foreach_norm(group, 1, dtype=torch.float32))).all()
+             for group in by_device.values()]
+    first = flags[0]
+    return first if len(flags) == 1 else torch.stack([f.to(first.device) for f in flags]).any()
 
 
 class _GradSet:
