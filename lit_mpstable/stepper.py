@@ -13,6 +13,7 @@ One iteration, in this order (a plain loop calls the same methods the Trainer an
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal, get_args
@@ -879,15 +880,16 @@ def _nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _GradSet:
-    """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value)."""
+    """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
+    weakly, so gradients dropped by ``zero_grad()`` are freed."""
 
     def __init__(self, grads: Iterable[torch.Tensor]) -> None:
-        self._seen = {id(g): (g, g._version) for g in grads}
+        self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
 
     def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
         grad, version = item
         seen = self._seen.get(id(grad))
-        return seen is not None and seen[0] is grad and seen[1] == version
+        return seen is not None and seen[0]() is grad and seen[1] == version
 
 
 def _local_view(tensor: torch.Tensor) -> torch.Tensor:

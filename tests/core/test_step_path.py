@@ -322,3 +322,23 @@ def test_a_fabric_loop_that_drops_a_batch_after_clipping_steps_the_next_one_exac
     assert plugin.skipped_steps == 0 and plugin.step_count == 1
     for a, b in zip(params, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_gradients_an_optimizer_stepped_on_are_not_kept_alive() -> None:
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper("32-true")
+    stepper.setup_module(model)
+    opts = [torch.optim.SGD(model.fc1.parameters(), lr=0.1), torch.optim.SGD(model.fc2.parameters(), lr=0.1)]
+    stepper.setup_optimizers(model, opts)
+    x, y = regression_data(32)
+    _backward(stepper, model, x, y)
+    grad = weakref.ref(model.fc1.weight.grad)
+    for opt in opts:
+        stepper.step(opt)
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    assert grad() is None
