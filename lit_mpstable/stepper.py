@@ -605,9 +605,14 @@ class PrecisionStepper:
         if isinstance(scale, torch.Tensor):
             tensors.append(scale.view(1))
         tensors = [_local_view(t) for t in tensors if not t.is_sparse]
-        if not tensors:
-            return None
-        return fold(optimizer, _nonfinite(tensors))
+        flag = _nonfinite(tensors) if tensors else None
+        if _distributed():
+            # Every rank skips together (a hook may write on one rank only): one scalar all-reduce, on the device.
+            device = flag.device if flag is not None else _first_grad_device(optimizer) or torch.device(self.device)
+            agreed = (flag.float() if flag is not None else torch.zeros((), device=device)).reshape(1)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+            flag = agreed[0] > 0
+        return fold(optimizer, flag) if flag is not None else None
 
     def _blame_late(self, optimizer: Optimizer) -> None:
         # The gradient check found nothing: inf/NaN entered after it, which no precision setting explains. Nothing
@@ -865,6 +870,11 @@ def _compiled(module: nn.Module) -> bool:
         isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
         or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules()
     )
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:

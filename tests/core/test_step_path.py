@@ -342,3 +342,47 @@ def test_the_gradients_an_optimizer_stepped_on_are_not_kept_alive() -> None:
     model.zero_grad(set_to_none=True)
     gc.collect()
     assert grad() is None
+
+
+def _late_nan_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from datetime import timedelta
+    from pathlib import Path
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = TinyMLP()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", init_scale=256.0))
+        stepper.setup_module(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        stepper.setup_optimizers(model, [opt])
+        x, y = regression_data(32)
+        skipped = []
+        for step in range(3):
+            stepper.scale_loss(torch.nn.functional.mse_loss(ddp(x[rank::2]), y[rank::2])).backward()
+            stepper.unscale_(opt)
+            if rank == 1 and step == 1:  # a hook on one rank writes NaN after the (agreed) gradient check
+                model.fc2.weight.grad.view(-1)[0] = NAN
+            stepper.step(opt)
+            opt.zero_grad()
+            skipped.append(stepper.last_step_skipped)
+        torch.save({"skipped": skipped, "params": [p.detach().clone() for p in model.parameters()]},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_nan_written_after_the_check_on_one_rank_skips_the_step_on_every_rank(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_late_nan_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert rank0["skipped"] == rank1["skipped"] == [False, True, False]
+    for a, b in zip(rank0["params"], rank1["params"]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
