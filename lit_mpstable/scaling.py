@@ -14,7 +14,7 @@ from lit_mpstable._validate import bool_arg, choice_arg, int_arg, real_arg
 from lit_mpstable.formats import FormatName, get_format
 from lit_mpstable.telemetry import amax_per_tensor
 
-__all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "ForeignScaler", "StaticLossScaler"]
+__all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "ForeignScaler", "StateKeyError", "StaticLossScaler"]
 
 # The keys torch.amp.GradScaler.state_dict() writes; a dict with exactly these loads as a legacy checkpoint.
 _GRADSCALER_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
