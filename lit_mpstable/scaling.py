@@ -383,10 +383,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
                     stacklevel=2,
                 )
 
-    def skip_update_(self) -> None:
-        """End this iteration without updating the scale: its overflow came from the data (an inf/NaN batch), which
-        says nothing about the scale. The step stays skipped and counted as an overflow; the scale, the growth and
-        hysteresis trackers are left as they were, as if the batch had never come. No host sync."""
+    def skip_update_(self, *, overflow: bool = True) -> None:
+        """End this iteration without updating the scale: its overflow came from the data (an inf/NaN batch), or
+        entered after the gradient check, which says nothing about the scale. The step stays skipped (and counted as
+        an overflow if ``overflow``); the scale, the growth and hysteresis trackers are left as they were, as if the
+        batch had never come. No host sync."""
         if not self._enabled:
             return
         self._per_optimizer_states.clear()
@@ -395,7 +396,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             # start again from init_scale rather than skip every later step.
             usable = torch.isfinite(self._scale) & (self._scale >= self.floor)
             self._scale.copy_(torch.where(usable, self._scale, torch.full_like(self._scale, self._init_scale)))
-        self._host_overflows += int(bool(self._host_found))
+        self._host_overflows += int(bool(self._host_found) and overflow)
         self._host_found = None
         self.step_count += 1
         self.last_data_fault = True
@@ -639,7 +640,7 @@ class ForeignScaler:
         if isinstance(scale, torch.Tensor):
             scale.clamp_(min=_SCALE_FLOOR)  # 1/scale stays finite (GradScaler's own rule would reach 0)
 
-    def skip_update_(self) -> None:
+    def skip_update_(self, *, overflow: bool = True) -> None:
         """End the iteration without an update (its overflow was the data's): a GradScaler's checks are dropped, its
         scale and growth tracker untouched; another scaler is updated (it cannot be told otherwise)."""
         if self.gradscaler:
@@ -877,8 +878,8 @@ class AdaptiveLossScaler(DynamicLossScaler):
                 self.underflow_boost = 1.0  # the headroom given up was needed after all
                 self.raise_blocked_until = self.step_count + self._growth_interval
 
-    def skip_update_(self) -> None:
-        super().skip_update_()
+    def skip_update_(self, *, overflow: bool = True) -> None:
+        super().skip_update_(overflow=overflow)
         self._step_amax = None  # the data's overflow measured nothing
 
     def note_underflow_(self, underflow_frac: float, *, threshold: float = 0.01) -> bool:

@@ -155,7 +155,8 @@ class PrecisionStepper:
         self._pending: dict[str, Any] = {}  # state loaded before the model or optimizers arrived
         self._unscaled: set[int] = set()  # optimizers unscaled (and checked) in this iteration, not yet stepped
         self._stepped: set[int] = set()  # optimizers stepped since the last scale update
-        self._data_fault = False  # an overflow of this iteration came with an inf/NaN batch
+        self._data_fault = False  # a skip of this iteration is not the scale's fault (an inf/NaN batch, or a late one)
+        self._overflowed = False  # a skip of this iteration counts as an overflow (not inf/NaN entering late)
         self._applied_by: dict[int, int] = {}  # applied steps per optimizer (by id), for the LR hold
         self._stepped_on: dict[int, _GradSet] = {}  # per optimizer: the gradients (and versions) it last stepped on
         self._skip_requested = False
@@ -569,6 +570,7 @@ class PrecisionStepper:
                 self._data_fault = True
             elif skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
                 self._data_fault = True
+            self._overflowed |= skipped and not late
             self._stepped.add(id(optimizer))
         self._unscaled.discard(id(optimizer))
         if master is not None:
@@ -579,7 +581,8 @@ class PrecisionStepper:
             self._blame_late(optimizer)
         elif skipped:
             self._blame()
-        self._record(skipped=skipped, overflow=skipped, optimizer=optimizer)
+        # inf/NaN that entered late is no overflow (a fallback to a wider precision would not help): skipped only.
+        self._record(skipped=skipped, overflow=skipped and not late, optimizer=optimizer)
         self._note_stepped_on(optimizer)
         if not self._awaited(optimizer):
             self._update_scale_()
@@ -656,9 +659,9 @@ class PrecisionStepper:
         fault."""
         checker = self._checker
         if checker is not None and self._stepped:
-            checker.skip_update_() if self._data_fault else checker.update()
+            checker.skip_update_(overflow=self._overflowed) if self._data_fault else checker.update()
         self._stepped.clear()
-        self._data_fault = False
+        self._data_fault = self._overflowed = False
 
     def _compact_update(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Any:
         assert self.compact is not None

@@ -143,6 +143,10 @@ def test_nan_entering_after_the_check_never_reaches_the_weights_and_blames_no_mo
                 torch.testing.assert_close(a, b, rtol=0, atol=0)  # nothing was written
             assert stepper.loss_scale == scale  # not the scale's fault: no backoff
             assert stepper.stats["blamed_modules"] == [] and stepper.stats["nonfinite_after_check"]
+            # Skipped, but no overflow: nothing a wider precision would fix (PrecisionFallback counts overflows).
+            assert stepper.skipped_steps == 1 and stepper.overflow_count == 0
+            if stepper.scaler is not None:
+                assert stepper.scaler.overflow_count == 0
             assert any("after the gradient check" in w and "not a precision problem" in w for w in stepper.warnings)
             if where == "masters":  # the corrupt master stays refused; restore it to go on
                 stepper.master.masters[0].data.view(-1)[0] = 0.0
