@@ -593,9 +593,8 @@ class PrecisionStepper:
         clipping left them after the check (a NaN clip norm makes them NaN), the parameters (FP32 masters), the
         optimizer's state and the loss scale. On the device, no host read: ``step``'s one sync reads the flag.
         Returns the gradient check as it was before (None where the scaler cannot take a flag)."""
-        fold = getattr(self._checker, "fold_found_inf_", None)
-        if fold is None:
-            return None
+        assert self._checker is not None
+        fold = self._checker.fold_found_inf_  # both checker kinds have it (a duck-typed scaler's folds nothing)
         tensors = []
         for group in optimizer.param_groups:
             for param in group["params"]:
