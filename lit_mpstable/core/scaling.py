@@ -14,7 +14,7 @@ from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg, real_arg
 from lit_mpstable.core.formats import FormatName, get_format
 from lit_mpstable.core.telemetry import amax_per_tensor
 
-__all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "StaticLossScaler"]
+__all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "ForeignScaler", "StateKeyError", "StaticLossScaler"]
 
 # The keys torch.amp.GradScaler.state_dict() writes; a dict with exactly these loads as a legacy checkpoint.
 _GRADSCALER_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
@@ -33,6 +33,57 @@ def resolve_device(call: str, device: str | None) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     return choice_arg(call, "device", device, _DEVICE_TYPES)
+
+
+class StateKeyError(KeyError, ValueError):
+    """A loaded state dict's keys differ from the expected ones (a ``KeyError``, and a ``ValueError`` like every other
+    refused loaded value)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _check_loaded(call: str, state: dict[str, Any], *, floor: float) -> None:
+    """Validate a DynamicLossScaler (or plain GradScaler) state dict field by field, as the constructor does.
+
+    Raises:
+        TypeError: a field has the wrong type (``"False"`` is not a bool, ``3.0`` is not an int).
+        ValueError: a field is out of range, or two fields disagree (each message names them).
+    """
+    real_arg(call, "scale", state["scale"], low=floor, unit="the scale must be finite and >= 2**-126 (or min_scale)"
+             " so that 1/scale is finite; the checkpoint is corrupt")
+    real_arg(call, "growth_factor", state["growth_factor"], low=1.0, low_open=True, unit="clean steps grow the scale"
+             " by it")
+    real_arg(call, "backoff_factor", state["backoff_factor"], low=0.0, high=1.0, low_open=True, high_open=True,
+             unit="an overflow shrinks the scale by it")
+    int_arg(call, "growth_interval", state["growth_interval"], low=1)
+    int_arg(call, "_growth_tracker", state["_growth_tracker"], low=0, unit="clean steps since the last growth")
+    if "hysteresis" not in state:
+        return
+    int_arg(call, "hysteresis", state["hysteresis"], low=1)
+    int_arg(call, "_hysteresis_tracker", state["_hysteresis_tracker"], low=0, high=state["hysteresis"],
+            unit="overflows still tolerated, at most hysteresis")
+    real_arg(call, "min_scale", state["min_scale"], low=0.0, low_open=True, none=True)
+    real_arg(call, "max_scale", state["max_scale"], low=0.0, low_open=True, none=True)
+    if state["min_scale"] is not None and state["max_scale"] is not None and state["min_scale"] > state["max_scale"]:
+        raise ValueError(f"{call}(min_scale={state['min_scale']!r}, max_scale={state['max_scale']!r}): min_scale must"
+                         " be <= max_scale; the checkpoint is corrupt.")
+    if state["min_scale"] is not None and state["scale"] < state["min_scale"]:
+        raise ValueError(f"{call}(scale={state['scale']!r}, min_scale={state['min_scale']!r}): the scale must be >="
+                         " min_scale; the checkpoint is corrupt.")
+    for key in ("overflow_count", "min_scale_hits", "step_count"):
+        int_arg(call, key, state[key], low=0, high=None, unit="a counter")
+
+
+def _check_new_scale(call: str, new_scale: Any) -> None:
+    """``update(new_scale=...)``: a finite scale >= 2**-126, as a float or a one-element tensor (read: one sync)."""
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or not new_scale.is_floating_point():
+            raise ValueError(f"{call}(new_scale={new_scale!r}): a one-element floating tensor or a float is needed.")
+        value = float(new_scale.detach().reshape(()).item())
+    else:
+        value = new_scale
+    real_arg(call, "new_scale", value, low=_SCALE_FLOOR, unit="a finite scale >= 2**-126, so that 1/scale is finite")
 
 
 class DynamicLossScaler(torch.amp.GradScaler):
@@ -69,7 +120,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
     ) -> None:
         name = type(self).__name__
         device = resolve_device(name, device)
-        real_arg(name, "init_scale", init_scale, low=0.0, low_open=True, unit="2.**16 is usual")
+        real_arg(name, "init_scale", init_scale, low=_SCALE_FLOOR, unit="the scale stays >= 2**-126, the smallest"
+                 " normal float32, so that 1/scale is finite; 2.**16 is usual")
         real_arg(name, "growth_factor", growth_factor, low=1.0, low_open=True,
                  unit="clean steps grow the scale by it; 2.0 is usual")
         real_arg(name, "backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True, high_open=True,
@@ -99,6 +151,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.min_scale = min_scale
         self.max_scale = max_scale
         self.last_step_skipped = False
+        self.last_data_fault = False
+        """Whether the last iteration was ended by :meth:`skip_update_` (an overflow blamed on the data)."""
         self.step_count = 0
         """Calls of ``update()`` that consumed inf checks, i.e. iterations; a host int, no sync."""
         # Device-side state, created lazily next to the scale (same device), like GradScaler's own.
@@ -212,6 +266,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
         iteration was discarded, so the next one starts fresh."""
         self._per_optimizer_states.pop(id(optimizer), None)
 
+    def fold_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch.Tensor | None:
+        """Add a device flag (inf/NaN found elsewhere: what the step is about to read) into ``optimizer``'s inf check
+        after ``unscale_``/``check_``, so ``step`` skips on it with its one host sync; returns the check as it was
+        (a device tensor; None before ``unscale_``). No host sync."""
+        return _fold_found_inf(self, optimizer, flag) if self._enabled else None
+
     def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: Any = None) -> None:
         """Agree across ranks on whether this step's gradients hold inf/NaN, so every rank skips it or none does.
 
@@ -290,9 +350,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
+        self.last_data_fault = False
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
-            super().update(new_scale)
+            _check_new_scale(f"{type(self).__name__}.update", new_scale)
+            super().update(float(new_scale) if not isinstance(new_scale, torch.Tensor) else new_scale)
             self._clamp_(scale, self.max_scale)
             self._host_found = None  # this iteration's outcome is consumed; the device tracker is untouched
             return
@@ -308,16 +370,36 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._host_found = None
         self._per_optimizer_states.clear()
         self.step_count += 1
-        if self.min_scale is not None and self.last_step_skipped and not self._min_scale_warned:
+        if self.last_step_skipped and not self._min_scale_warned:
             # Host already knows this step overflowed; one extra read on overflow steps only.
             if int(self._min_scale_hits.item()) >= 2:
                 self._min_scale_warned = True
+                where = (f"min_scale={self.min_scale!r}" if self.min_scale is not None and self.min_scale >= _SCALE_FLOOR
+                         else "the lowest scale 2**-126 (below it 1/scale is no longer finite)")
                 warnings.warn(
-                    f"{type(self).__name__}: gradients overflowed again at min_scale={self.min_scale!r}; loss scaling"
-                    " cannot fix this. Look for the module producing inf/NaN or fall back to a wider format.",
+                    f"{type(self).__name__}: gradients overflowed again at {where}; loss scaling cannot fix this. Look"
+                    " for the module producing inf/NaN or fall back to a wider format.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
+
+    def skip_update_(self, *, overflow: bool = True) -> None:
+        """End this iteration without updating the scale: its overflow came from the data (an inf/NaN batch), or
+        entered after the gradient check, which says nothing about the scale. The step stays skipped (and counted as
+        an overflow if ``overflow``); the scale, the growth and hysteresis trackers are left as they were, as if the
+        batch had never come. No host sync."""
+        if not self._enabled:
+            return
+        self._per_optimizer_states.clear()
+        if self._scale is not None:
+            # A scale that is itself inf/NaN/0 (written into the scaler at run time) is what made the step fail:
+            # start again from init_scale rather than skip every later step.
+            usable = torch.isfinite(self._scale) & (self._scale >= self.floor)
+            self._scale.copy_(torch.where(usable, self._scale, torch.full_like(self._scale, self._init_scale)))
+        self._host_overflows += int(bool(self._host_found) and overflow)
+        self._host_found = None
+        self.step_count += 1
+        self.last_data_fault = True
 
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._hysteresis_tracker is not None and self._overflow_count is not None
@@ -326,8 +408,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self.hysteresis == 1 and host_found is not None:
             # The host already knows (from step()'s sync) whether this iteration overflowed, and so whether the
             # scale can grow now: a clean step costs GradScaler's one fused kernel, nothing more.
-            if host_found and self.min_scale is not None:
-                self._min_scale_hits += scale <= self.min_scale
+            if host_found:
+                self._min_scale_hits += scale <= self.floor
             self._host_overflows += int(host_found)
             # None: the mirror lost track (an update without step()); an overflow puts it back in step (0).
             tracker = 0 if host_found else None if self._host_tracker is None else self._host_tracker + 1
@@ -337,13 +419,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
             torch._amp_update_scale_(
                 scale, growth_tracker, found_inf.float(), self._growth_factor, self._backoff_factor, self._growth_interval
             )
-            if cap is not None or (host_found and self.min_scale is not None):
+            if cap is not None or host_found:
                 self._clamp_(scale, cap)
             return
         found = found_inf > 0
         self._host_tracker = None  # the device decides here; the host mirror no longer knows the tracker
-        if self.min_scale is not None:
-            self._min_scale_hits += found & (scale <= self.min_scale)
+        self._min_scale_hits += found & (scale <= self.floor)
         self._overflow_count += found
         cap = self._growth_cap(scale)
         if self.hysteresis == 1:
@@ -377,8 +458,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
             torch.minimum(scale, cap, out=scale)
         elif cap is not None:
             scale.clamp_(max=cap)
-        if self.min_scale is not None:
-            scale.clamp_(min=self.min_scale)
+        scale.clamp_(min=self.floor)
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale: ``min_scale``, and never below 2**-126 (the smallest normal float32), where 1/scale is
+        still finite (below it the unscaled gradients would be inf, and a scale of 0 writes NaN)."""
+        return max(self.min_scale or 0.0, _SCALE_FLOOR)
 
     # ------------------------------------------------------------------------------------------ reading
     @property
@@ -428,23 +514,29 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
+        call = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{call}({state_dict!r}): expected the dict state_dict() returns.")
         if not state_dict:
-            raise RuntimeError(
-                f"{type(self).__name__}.load_state_dict: the state dict is empty; was it saved with scaling disabled?"
-            )
+            raise RuntimeError(f"{call}: the state dict is empty; was it saved with scaling disabled?")
         keys = set(state_dict)
-        self._host_found, self._host_tracker = None, int(state_dict.get("_growth_tracker", 0))
         if keys == _GRADSCALER_KEYS:
             # Written by torch.amp.GradScaler (e.g. Lightning's own "16-mixed"): keep our extra state as constructed.
+            _check_loaded(call, state_dict, floor=self.floor)
+            self._host_found, self._host_tracker = None, state_dict["_growth_tracker"]
             super().load_state_dict(state_dict)
             return
         expected = set(self.state_dict())
         if keys != expected:
             missing, unknown = sorted(expected - keys), sorted(keys - expected)
-            raise KeyError(
-                f"{type(self).__name__}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was it saved"
-                " by a different scaler class or version?"
+            raise StateKeyError(
+                f"{call}: missing keys {missing}, unknown keys {unknown}; was it saved by a different scaler class or"
+                " version?"
             )
+        min_scale = state_dict["min_scale"]
+        _check_loaded(call, state_dict, floor=max(min_scale or 0.0, _SCALE_FLOOR) if isinstance(
+            min_scale, (int, float)) and not isinstance(min_scale, bool) else _SCALE_FLOOR)
+        self._host_found, self._host_tracker = None, state_dict["_growth_tracker"]
         super().load_state_dict(state_dict)
         self.hysteresis = int(state_dict["hysteresis"])
         self.min_scale = state_dict["min_scale"]
@@ -485,6 +577,105 @@ class StaticLossScaler(DynamicLossScaler):
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._overflow_count is not None
         self._overflow_count += found_inf > 0
+
+
+class ForeignScaler:
+    """A scaler that is not one of ours (a ``torch.amp.GradScaler`` subclass, or any object with GradScaler's
+    methods), seen through the protocol the stepper uses: ``last_step_skipped`` after each ``step``, ``found_inf``,
+    ``forget_``, ``ensure_state_``, ``skip_update_`` and a floored scale.
+
+    Which way the outcome is read is decided once, here: a GradScaler (subclass) keeps each optimizer's inf checks in
+    ``_per_optimizer_states`` until ``update()``, and its own step reads them; anything else is asked whether it
+    called ``optimizer.step()`` (a step post-hook), which is how GradScaler skips an unfused optimizer.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self.inner = scaler
+        self.gradscaler = isinstance(scaler, torch.amp.GradScaler)
+        self.last_step_skipped = False
+
+    def is_enabled(self) -> bool:
+        return bool(self.inner.is_enabled())
+
+    def scale(self, outputs: Any) -> Any:
+        return self.inner.scale(outputs)
+
+    def get_scale(self) -> float:
+        return self.inner.get_scale()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner.unscale_(optimizer)
+
+    def ensure_state_(self, device: torch.device | str) -> None:
+        """Nothing to create: only a scaler that scaled a loss unscales."""
+
+    def _found(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        state = self.inner._per_optimizer_states.get(id(optimizer)) if self.gradscaler else None
+        flags = list(state["found_inf_per_device"].values()) if state else []
+        return sum(flags) if flags else None
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients hold inf/NaN after ``unscale_`` (a host sync)."""
+        found = self._found(optimizer)
+        if found is not None:
+            return bool(found)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        ran: list[bool] = []
+        handle = optimizer.register_step_post_hook(lambda *_: ran.append(True))
+        try:
+            output = self.inner.step(optimizer, *args, **kwargs)
+        finally:
+            handle.remove()
+        found = self._found(optimizer)
+        # A fused optimizer steps whatever the gradients hold and skips inside: its flag says what happened.
+        self.last_step_skipped = bool(found) if found is not None else not ran
+        return output
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        self.inner.update(new_scale)
+        scale = getattr(self.inner, "_scale", None) if self.gradscaler else None
+        if isinstance(scale, torch.Tensor):
+            scale.clamp_(min=_SCALE_FLOOR)  # 1/scale stays finite (GradScaler's own rule would reach 0)
+
+    def skip_update_(self, *, overflow: bool = True) -> None:
+        """End the iteration without an update (its overflow was the data's): a GradScaler's checks are dropped, its
+        scale and growth tracker untouched; another scaler is updated (it cannot be told otherwise)."""
+        if self.gradscaler:
+            self.inner._per_optimizer_states.clear()
+        else:
+            self.update()
+
+    def fold_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`DynamicLossScaler.fold_found_inf_` for a GradScaler; None (nothing folded) for any other scaler."""
+        return _fold_found_inf(self.inner, optimizer, flag) if self.gradscaler else None
+
+    def forget_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop this iteration's record for ``optimizer`` (a GradScaler's per-optimizer state)."""
+        if self.gradscaler:
+            self.inner._per_optimizer_states.pop(id(optimizer), None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
+def _fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, flag: torch.Tensor
+                    ) -> torch.Tensor | None:
+    """Add ``flag`` (a 0-dim device bool) into ``optimizer``'s inf check of this iteration, which ``step`` reads in its
+    one host sync; returns the check as it was before (a device tensor), or None when there is none yet."""
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    flags = list(state["found_inf_per_device"].values()) if state else []
+    if not flags:
+        return None
+    before = torch.stack([f.to(flags[0].device) for f in flags]).sum()
+    # A maximum, not a sum: fused optimizers skip only on found_inf == 1 exactly.
+    torch.maximum(flags[0], flag.to(device=flags[0].device, dtype=flags[0].dtype), out=flags[0])
+    return before
 
 
 def _world_size(group: Any) -> int:
@@ -687,6 +878,10 @@ class AdaptiveLossScaler(DynamicLossScaler):
                 self.underflow_boost = 1.0  # the headroom given up was needed after all
                 self.raise_blocked_until = self.step_count + self._growth_interval
 
+    def skip_update_(self, *, overflow: bool = True) -> None:
+        super().skip_update_(overflow=overflow)
+        self._step_amax = None  # the data's overflow measured nothing
+
     def note_underflow_(self, underflow_frac: float, *, threshold: float = 0.01) -> bool:
         """Take a measured underflow into account: the fraction of gradient elements, nonzero in FP32, that the run's
         precision flushed to zero (``PrecisionProbe`` calls it after each probe with its ``mp/grad_underflow_frac``).
@@ -744,8 +939,7 @@ class AdaptiveLossScaler(DynamicLossScaler):
         # The k-th consecutive overflow backs off by backoff_factor ** 2**(k-1) (streak counts the earlier ones).
         backed_off = scale * self._backoff_factor ** torch.exp2(streak.clamp(max=_MAX_BACKOFF_DOUBLINGS).float())
         adaptive = torch.where(window_amax > 0, target / extra * self.underflow_boost, scale)
-        if self.min_scale is not None:
-            self._min_scale_hits += (found & (scale <= self.min_scale)).long()
+        self._min_scale_hits += (found & (scale <= self.floor)).long()
         last_overflow.copy_(torch.where(found, scale, 0.0))
         torch.where(found, backed_off, adaptive, out=scale)
         scale.clamp_(min=max(self.min_scale or 0.0, _SCALE_FLOOR), max=self.max_scale)
@@ -783,15 +977,13 @@ class AdaptiveLossScaler(DynamicLossScaler):
             KeyError: a key is missing or unknown.
             ValueError: ``_amax_history`` does not hold ``amax_history_len`` values.
         """
+        if self._enabled and isinstance(state_dict, dict) and set(state_dict) != _GRADSCALER_KEYS and set(
+                state_dict) == set(self.state_dict()):
+            self._check_adaptive(state_dict)
         super().load_state_dict(state_dict)
         if not self._enabled or set(state_dict) == _GRADSCALER_KEYS:
             return  # a GradScaler checkpoint carries no amax state: keep ours as constructed
         history = [float(v) for v in state_dict["_amax_history"]]
-        if len(history) != int(state_dict["amax_history_len"]):
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict: _amax_history has {len(history)} values but amax_history_len"
-                f" is {state_dict['amax_history_len']!r}; the checkpoint is corrupt."
-            )
         self.target_format = get_format(state_dict["target_format"]).name
         self.headroom = float(state_dict["headroom"])
         self.amax_history_len = len(history)
@@ -802,6 +994,27 @@ class AdaptiveLossScaler(DynamicLossScaler):
         if self._state is not None:
             self._lazy_init_adaptive_state(self._state["_amax_history"].device)
 
+
+    def _check_adaptive(self, state: dict[str, Any]) -> None:
+        call = f"{type(self).__name__}.load_state_dict"
+        choice_arg(call, "target_format", state["target_format"], get_args(FormatName))
+        headroom = real_arg(call, "headroom", state["headroom"], low=1.0)
+        length = int_arg(call, "amax_history_len", state["amax_history_len"], low=1, high=_MAX_AMAX_HISTORY)
+        real_arg(call, "underflow_boost", state["underflow_boost"], low=1.0, high=headroom,
+                 unit="a power of growth_factor in [1, headroom]")
+        bool_arg(call, "overflowed_since_note", state["overflowed_since_note"])
+        int_arg(call, "raise_blocked_until", state["raise_blocked_until"], low=0, high=None)
+        history = state["_amax_history"]
+        if not isinstance(history, (list, tuple)) or len(history) != length:
+            raise ValueError(
+                f"{call}(_amax_history={history!r}): must be a list of amax_history_len={length!r} values; the"
+                " checkpoint is corrupt."
+            )
+        for value in history:
+            real_arg(call, "_amax_history", value, low=0.0, unit="unscaled amaxes, 0 for an empty slot")
+        real_arg(call, "_extra_headroom", state["_extra_headroom"], low=1.0)
+        real_arg(call, "_last_overflow_scale", state["_last_overflow_scale"], low=0.0, unit="0 when none")
+        int_arg(call, "_overflow_streak", state["_overflow_streak"], low=0)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -43,40 +44,65 @@ def hold_on_skip(scheduler: Any, applied_steps: Callable[[], int]) -> None:
 
 
 class ScheduleHold:
-    """The schedulers one run holds (:func:`hold_on_skip`), and where each stood when it last stepped.
+    """The schedulers one run holds (:func:`hold_on_skip`), each by its own optimizer's applied steps, and how far
+    each is behind them.
 
-    That baseline is training state: a checkpoint taken between a scheduler's steps must bring it back, or the
-    first step after a resume compares against the restored step counters and moves a schedule it should hold.
+    With several optimizers (a GAN's generator and discriminator) a scheduler follows the steps its own optimizer
+    applied: a skipped discriminator step holds the discriminator's schedule even when the generator stepped.
+
+    Where each scheduler stands is training state: a checkpoint taken between a scheduler's steps must bring it
+    back, or the first step after a resume moves a schedule it should hold. It is saved relative to the count (steps
+    applied since the scheduler last stepped), since the per-optimizer counts live in this process only.
+
+    Args:
+        applied_steps: ``applied_steps(optimizer)``: the steps ``optimizer`` applied; ``applied_steps(None)``: all
+            optimizers' (for a scheduler without an ``optimizer`` attribute).
     """
 
-    def __init__(self, applied_steps: Callable[[], int]) -> None:
+    def __init__(self, applied_steps: Callable[[Any], int]) -> None:
         self.applied_steps = applied_steps
         self._held: list[weakref.ref] = []
         self._pending: list[int] | None = None
 
+    def _count(self, scheduler: Any) -> Callable[[], int]:
+        return functools.partial(self.applied_steps, getattr(scheduler, "optimizer", None))
+
     def hold(self, schedulers: list[Any]) -> None:
-        """Hold these schedulers (a new ``fit`` replaces the previous ones); a loaded baseline applies to them."""
+        """Hold these schedulers (a new ``fit`` replaces the previous ones); a loaded position applies to them."""
         for scheduler in schedulers:
-            hold_on_skip(scheduler, self.applied_steps)
+            hold_on_skip(scheduler, self._count(scheduler))
         self._held = [weakref.ref(s) for s in schedulers]
         if self._pending is not None:
             self.load_state_dict(self._pending)
 
-    def state_dict(self) -> list[int]:
-        """The applied-step count at each held scheduler's last step, in the order they were held."""
-        return [int(_progress[s][1]) for ref in self._held if (s := ref()) is not None and s in _progress]
+    def _live(self) -> list[Any]:
+        return [s for ref in self._held if (s := ref()) is not None and s in _progress]
 
-    def load_state_dict(self, baselines: list[int]) -> None:
-        """Restore the baselines (kept until the schedulers are held, if they are not yet); a checkpoint holding
-        another number of schedulers re-bases them all on the current count."""
-        live = [s for ref in self._held if (s := ref()) is not None and s in _progress]
+    def state_dict(self) -> list[int]:
+        """Per held scheduler, in the order they were held: the steps its optimizer applied since it last stepped."""
+        return [int(_progress[s][0]() - _progress[s][1]) for s in self._live()]
+
+    def load_state_dict(self, behind: list[int]) -> None:
+        """Restore where each scheduler stands (kept until the schedulers are held, if they are not yet); a
+        checkpoint holding another number of schedulers puts them all level with their optimizers' counts.
+
+        Raises:
+            ValueError: not a list of ints >= 0.
+        """
+        if not isinstance(behind, (list, tuple)) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in behind):
+            raise ValueError(
+                f"ScheduleHold.load_state_dict({behind!r}): expected a list of ints >= 0 (steps applied since each"
+                " held scheduler last stepped); the checkpoint is corrupt."
+            )
+        live = self._live()
         if not live:
-            self._pending = list(baselines)
+            self._pending = list(behind)
             return
         self._pending = None
-        same = len(baselines) == len(live)
+        same = len(behind) == len(live)
         for i, scheduler in enumerate(live):
-            _progress[scheduler][1] = int(baselines[i]) if same else self.applied_steps()
+            _progress[scheduler][1] = _progress[scheduler][0]() - (int(behind[i]) if same else 0)
 
 
 def _reduce_ex(self: Any, protocol: int) -> Any:

@@ -13,6 +13,7 @@ One iteration, in this order (a plain loop calls the same methods the Trainer an
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal, get_args
@@ -34,7 +35,7 @@ from lit_mpstable.core.master import MasterWeights
 from lit_mpstable.core.memory import training_memory
 from lit_mpstable.core.observer import GradObserver, shard_view
 from lit_mpstable.core.policy import OpPolicy
-from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, ForeignScaler, StaticLossScaler
 from lit_mpstable.core.schedulers import ScheduleHold
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
@@ -110,9 +111,12 @@ class PrecisionStepper:
                 " inf/NaN (that is how it finds a scale that fits); use scaler=None to turn the check off too."
             )
         # Without a scaler, a fixed scale of 1 does GradScaler's fused inf/NaN check and skip: NaN never reaches the
-        # weights in BF16 or FP32 either.
-        self._checker = self.scaler if self.scaler is not None else (
-            StaticLossScaler(self.device, init_scale=1.0) if skip_nonfinite else None)
+        # weights in BF16 or FP32 either. A scaler that is not ours is seen through ForeignScaler, chosen once here.
+        self._checker: DynamicLossScaler | ForeignScaler | None
+        if self.scaler is None:
+            self._checker = StaticLossScaler(self.device, init_scale=1.0) if skip_nonfinite else None
+        else:
+            self._checker = self.scaler if isinstance(self.scaler, DynamicLossScaler) else ForeignScaler(self.scaler)
         self.skip_nonfinite = skip_nonfinite
         self.fp8 = fp8_config(fp8)
         self.op_policy = op_policy
@@ -149,7 +153,12 @@ class PrecisionStepper:
         """The latest loss before scaling, detached, on the device (reading it syncs)."""
         self._initial: dict[str, torch.Tensor] = {}  # FP32 weights before the 16-bit cast, for the masters
         self._pending: dict[str, Any] = {}  # state loaded before the model or optimizers arrived
-        self._unscaled: set[int] = set()  # optimizers unscaled (and checked) in this iteration
+        self._unscaled: set[int] = set()  # optimizers unscaled (and checked) in this iteration, not yet stepped
+        self._stepped: set[int] = set()  # optimizers stepped since the last scale update
+        self._data_fault = False  # a skip of this iteration is not the scale's fault (an inf/NaN batch, or a late one)
+        self._overflowed = False  # a skip of this iteration counts as an overflow (not inf/NaN entering late)
+        self._applied_by: dict[int, int] = {}  # applied steps per optimizer (by id), for the LR hold
+        self._stepped_on: dict[int, _GradSet] = {}  # per optimizer: the gradients (and versions) it last stepped on
         self._skip_requested = False
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
@@ -216,9 +225,17 @@ class PrecisionStepper:
         """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
         return self.precision in ("16-true", "bf16-true")
 
-    def applied_steps(self) -> int:
-        """Optimizer steps applied (not skipped): what held LR schedulers follow."""
-        return self.step_count - self.skipped_steps
+    def applied_steps(self, optimizer: Optimizer | None = None) -> int:
+        """Optimizer steps applied (not skipped): what held LR schedulers follow; of ``optimizer`` alone if given
+        (counted in this process: a resume restores where each scheduler stands relative to it)."""
+        if optimizer is None:
+            return self.step_count - self.skipped_steps
+        for _ in range(3):  # a front end's wrapper (Fabric's, Lightning's) around the optimizer that steps
+            inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+            if not isinstance(inner, Optimizer) or inner is optimizer:
+                break
+            optimizer = inner
+        return self._applied_by.get(id(optimizer), 0)
 
     @property
     def loss_scale(self) -> float:
@@ -391,7 +408,16 @@ class PrecisionStepper:
         return _map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call ``backward`` on: multiplied by the loss scale when scaling."""
+        """The loss to call ``backward`` on: multiplied by the loss scale when scaling.
+
+        A new backward also closes what the last one left open: an optimizer unscaled (or clipped) without a step
+        belongs to a dropped batch (``zero_grad()`` without ``step()``), so its unscaled gradients and inf/NaN check
+        are dropped too (GradScaler would refuse the next ``unscale_``; stepping on them would apply gradients
+        ``scale`` times too large, or the old check); a scale update still owed is made now."""
+        for optimizer in [o for o in self.optimizers if id(o) in self._unscaled]:
+            self._drop_stale_(optimizer)
+        if self._stepped:
+            self._update_scale_()
         self.last_loss = loss.detach()
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
@@ -415,7 +441,7 @@ class PrecisionStepper:
                 master.bind_new_(optimizer)  # added (add_param_group) or unfrozen since setup
             master.copy_grads_to_master_(optimizer)
         if self._checker is not None:
-            if self._checker is not self.scaler:  # the scale-1 check: no loss was scaled to create its state
+            if self.scaler is None:  # the scale-1 check: no loss was scaled to create its state
                 self._checker.ensure_state_(_first_grad_device(optimizer) or self.device)
             self._checker.unscale_(optimizer)
             # An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step
@@ -438,7 +464,7 @@ class PrecisionStepper:
             checker.check_(optimizer)
             if callable(sync := getattr(checker, "sync_found_inf_", None)):
                 sync(optimizer)
-            if checker is self.scaler:
+            if isinstance(self.scaler, DynamicLossScaler):
                 multiplier = self.scaler.get_scale_tensor().reciprocal()
         self._compact_grad[id(optimizer)] = [multiplier, None]
 
@@ -515,9 +541,9 @@ class PrecisionStepper:
         """Whether :meth:`skip_step` was called for the step in progress."""
         return self._skip_requested
 
-    def count_unchecked_step(self) -> None:
+    def count_unchecked_step(self, optimizer: Optimizer | None = None) -> None:
         """Count a step the front end took itself, unchecked (LBFGS evaluates its closure inside ``step``)."""
-        self._record(skipped=False, overflow=False)
+        self._record(skipped=False, overflow=False, optimizer=optimizer)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless its gradients hold inf/NaN (or :meth:`skip_step` was called); then update the
@@ -530,21 +556,111 @@ class PrecisionStepper:
             master.absorb_grads_(optimizer)
         checker = self._checker
         update = self._compact_update(optimizer, kwargs) if self.compact is not None else None
+        late = None
         if checker is None:
             output, skipped = (update() if update is not None else optimizer.step(**kwargs)), False
         else:
+            early = self._check_step_inputs_(optimizer) if self.skip_nonfinite else None
             output = checker.step_with(optimizer, update) if update is not None else checker.step(optimizer, **kwargs)
-            checker.update()
-            skipped = bool(getattr(checker, "last_step_skipped", False))
+            skipped = checker.last_step_skipped
+            # Why it skipped, read on skipped steps only: inf/NaN that entered after the gradient check, or a batch
+            # that itself held inf/NaN (the input check). Neither says anything about the scale: no backoff.
+            if skipped and early is not None and not bool(early):
+                late = True
+                self._data_fault = True
+            elif skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
+                self._data_fault = True
+            self._overflowed |= skipped and not late
+            self._stepped.add(id(optimizer))
         self._unscaled.discard(id(optimizer))
         if master is not None:
             if not skipped:
                 master.refresh_model_(optimizer)
             master.zero_model_grads_(optimizer)
-        if skipped:
+        if late:
+            self._blame_late(optimizer)
+        elif skipped:
             self._blame()
-        self._record(skipped=skipped, overflow=skipped)
+        # inf/NaN that entered late is no overflow (a fallback to a wider precision would not help): skipped only.
+        self._record(skipped=skipped, overflow=skipped and not late, optimizer=optimizer)
+        self._note_stepped_on(optimizer)
+        if not self._awaited(optimizer):
+            self._update_scale_()
         return output
+
+    def _check_step_inputs_(self, optimizer: Optimizer) -> torch.Tensor | None:
+        """Fold into the step's skip flag whether anything the step reads holds inf/NaN now: the gradients as hooks and
+        clipping left them after the check (a NaN clip norm makes them NaN), the parameters (FP32 masters), the
+        optimizer's state and the loss scale. On the device, no host read: ``step``'s one sync reads the flag.
+        Returns the gradient check as it was before (None where the scaler cannot take a flag)."""
+        assert self._checker is not None
+        fold = self._checker.fold_found_inf_  # both checker kinds have it (a duck-typed scaler's folds nothing)
+        tensors = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue  # a parameter without a gradient is not stepped
+                tensors += [param.grad, param]
+                tensors += [v for v in optimizer.state.get(param, {}).values()
+                            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
+        scale = getattr(self.scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor):
+            tensors.append(scale.view(1))
+        tensors = [_local_view(t) for t in tensors if not t.is_sparse]
+        flag = _nonfinite(tensors) if tensors else None
+        if _distributed():
+            # Every rank skips together (a hook may write on one rank only): one scalar all-reduce, on the device.
+            device = flag.device if flag is not None else _first_grad_device(optimizer) or torch.device(self.device)
+            agreed = (flag.float() if flag is not None else torch.zeros((), device=device)).reshape(1)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+            flag = agreed[0] > 0
+        return fold(optimizer, flag) if flag is not None else None
+
+    def _blame_late(self, optimizer: Optimizer) -> None:
+        # The gradient check found nothing: inf/NaN entered after it, which no precision setting explains. Nothing
+        # is blamed on a module (a fallback would island healthy layers).
+        self.stats.update(blamed_params=[], blamed_modules=[], nonfinite_input=False, nonfinite_after_check=True)
+        note = (f"{type(optimizer).__name__}: a step was skipped for inf/NaN that entered after the gradient check (a"
+                " hook or clipping wrote into the gradients after unscale_, or the optimizer state, the FP32 master"
+                " weights or the loss scale hold inf/NaN); this is not a precision problem and nothing was blamed.")
+        if note not in self.warnings:
+            self.warnings.append(note)
+
+    def _awaited(self, done: Optimizer) -> bool:
+        """Whether another optimizer still has to step on this iteration's gradients (one loss, several optimizers):
+        unscaled and not stepped, or holding gradients. The scale changes only after the last one, as GradScaler
+        documents (one ``update()`` per iteration), so every optimizer unscales with the scale its loss was scaled by.
+        Host state only."""
+        for optimizer in self.optimizers:
+            if optimizer is done or id(optimizer) in self._stepped:
+                continue
+            if id(optimizer) in self._unscaled:
+                return True
+            # Gradients it already stepped on (a loop that zeroes before backward) are not this iteration's.
+            if any(g is not None and (g, g._version) not in self._stepped_on.get(id(optimizer), ())
+                   for g in self._grads(optimizer)):
+                return True
+        return False
+
+    def _grads(self, optimizer: Optimizer) -> list[torch.Tensor | None]:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.master is not None and id(optimizer) in self.master._names_by_optimizer:
+            params += self.master._select(optimizer)[1]
+        return [p.grad for p in params]
+
+    def _note_stepped_on(self, optimizer: Optimizer) -> None:
+        if len(self.optimizers) > 1:  # only _awaited reads it
+            self._stepped_on[id(optimizer)] = _GradSet(g for g in self._grads(optimizer) if g is not None)
+
+    def _update_scale_(self) -> None:
+        """The iteration's one scale update, once every optimizer that had gradients stepped (or at the next
+        backward, or a checkpoint, for one that never stepped): skipped without a backoff when the data was at
+        fault."""
+        checker = self._checker
+        if checker is not None and self._stepped:
+            checker.skip_update_(overflow=self._overflowed) if self._data_fault else checker.update()
+        self._stepped.clear()
+        self._data_fault = self._overflowed = False
 
     def _compact_update(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Any:
         assert self.compact is not None
@@ -556,19 +672,31 @@ class PrecisionStepper:
         """End the iteration for ``optimizer`` without stepping (a requested skip): gradients dropped, counted."""
         self._skip_requested = False
         self.drop_grads_(optimizer)
-        self._record(skipped=True, overflow=False)
+        self._record(skipped=True, overflow=False, optimizer=optimizer)
+        if not self._awaited(optimizer):
+            self._update_scale_()
+
+    def _drop_stale_(self, optimizer: Optimizer) -> None:
+        kept = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if kept:
+            note = (f"{type(optimizer).__name__}: a backward began after unscale_()/clipping without a step() (nor"
+                    " zero_grad()): the unscaled gradients of that batch were dropped, since the new scaled ones cannot"
+                    " be added to them. Call step() or zero_grad() before the next backward.")
+            if note not in self.warnings:
+                self.warnings.append(note)
+        self.drop_grads_(optimizer)
 
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
         optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.master.zero_model_grads_(optimizer)
-        if self._checker is not None and callable(forget := getattr(self._checker, "forget_", None)):
-            forget(optimizer)
+        if self._checker is not None:
+            self._checker.forget_(optimizer)
         self._compact_grad.pop(id(optimizer), None)
         self._unscaled.discard(id(optimizer))
 
-    def _record(self, *, skipped: bool, overflow: bool) -> None:
+    def _record(self, *, skipped: bool, overflow: bool, optimizer: Optimizer | None = None) -> None:
         # Every rank, every step (applied or skipped): delayed-scaling FP8 amax histories agreed across ranks (one
         # all-reduce; nothing on one process).
         self.layout.sync_fp8_()
@@ -576,6 +704,8 @@ class PrecisionStepper:
         self.step_count += 1
         self.skipped_steps += int(skipped)
         self.overflow_count += int(overflow)
+        if optimizer is not None and not skipped:
+            self._applied_by[id(optimizer)] = self._applied_by.get(id(optimizer), 0) + 1
         self._input_nonfinite = None
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -623,6 +753,7 @@ class PrecisionStepper:
         if module is None:
             return
         nonfinite_input = self._input_nonfinite is not None and bool(self._input_nonfinite)
+        self.stats.pop("nonfinite_after_check", None)
         self.stats.update(self.observer.blame(module, self.named_grads(), nonfinite_input=nonfinite_input))
 
     # --------------------------------------------------------------------------------------------- fallback
@@ -654,6 +785,10 @@ class PrecisionStepper:
         ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
         compensation buffers and rounding seed, ``{}`` without).
         """
+        if self._stepped:
+            # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
+            # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
+            self._update_scale_()
         return {
             "masters": self.master.state_dict() if self.master is not None else dict(self._pending.get("masters", {})),
             "compact": self.compact.state_dict() if self.compact is not None else dict(self._pending.get("compact", {})),
@@ -737,6 +872,42 @@ def _compiled(module: nn.Module) -> bool:
         isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
         or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules()
     )
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether any of ``tensors`` holds inf/NaN, as a 0-dim device bool: one multi-tensor L1 norm per device (a few
+    kernel launches, not one per tensor), accumulated in FP32 (an FP16 sum would overflow); no host read."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    flags = [~torch.isfinite(torch.stack(torch._foreach_norm(group, 1, dtype=torch.float32))).all()
+             for group in by_device.values()]
+    first = flags[0]
+    return first if len(flags) == 1 else torch.stack([f.to(first.device) for f in flags]).any()
+
+
+class _GradSet:
+    """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
+    weakly, so gradients dropped by ``zero_grad()`` are freed."""
+
+    def __init__(self, grads: Iterable[torch.Tensor]) -> None:
+        self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
+
+    def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
+        grad, version = item
+        seen = self._seen.get(id(grad))
+        return seen is not None and seen[0]() is grad and seen[1] == version
+
+
+def _local_view(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2), any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def _first_grad_device(optimizer: Optimizer) -> torch.device | None:
