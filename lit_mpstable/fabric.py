@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -20,6 +20,20 @@ from lit_mpstable.stepper import tensor_init_context
 __all__ = ["StablePrecision"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class _ClipTargets(list):
+    """The tensors ``fabric.clip_gradients`` clips; a list that can be watched for its release (``weakref``)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _first_grad_device(optimizer: Optimizer) -> torch.device | None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                return param.grad.device
+    return None
 
 
 class StablePrecision(StableFrontEnd, Precision):
@@ -121,13 +135,32 @@ class StablePrecision(StableFrontEnd, Precision):
     def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         self.stepper.scale_loss(tensor).backward(*args, **kwargs)
 
-    # Fabric's clip_gradients calls unscale_gradients, then clips main_params with error_if_nonfinite=True: on an
-    # overflowing step main_params is empty, so nothing raises and the step is skipped.
+    # Fabric's clip_gradients calls unscale_gradients, then clips what main_params returns with torch's
+    # clip_grad_norm_ (error_if_nonfinite=True) or clip_grad_value_.
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         self.stepper.unscale_(self._start(optimizer))
 
-    def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
-        return self.stepper.main_params(self._start(optimizer))
+    def main_params(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        """What ``fabric.clip_gradients`` clips: the parameters the optimizer updates (the FP32 masters with
+        ``master_weights``), their gradients unscaled. On a step that will be skipped (inf/NaN) nothing is clipped:
+        one empty placeholder stands in (torch's ``clip_grad_value_`` refuses an empty list; the norm is 0). With FP32
+        masters the model's 16-bit gradients show the clipped values once Fabric has clipped (when it lets go of the
+        returned list), as after the Trainer's clipping."""
+        optimizer = self._start(optimizer)
+        stepper = self.stepper
+        params = list(stepper.main_params(optimizer))
+        if not params:
+            device = _first_grad_device(optimizer) or torch.device(self.device)
+            placeholder = torch.empty(0, device=device)
+            placeholder.grad = torch.empty(0, device=device)
+            return [placeholder]
+        if stepper.master is None:
+            return params
+        targets = _ClipTargets(params)
+        # Fabric gives no hook after its clip: the masters' clipped gradients are shown on the model when the
+        # returned list is released, i.e. when Fabric's clip_gradients_value/norm returns (CPython frees it then).
+        weakref.finalize(targets, stepper.master.expose_grads_, optimizer)
+        return targets
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if not isinstance(optimizer, Optimizer):
@@ -190,8 +223,10 @@ class StablePrecision(StableFrontEnd, Precision):
             )
         if not self._bound:
             stepper.setup_optimizers(self._module(), [optimizer], list(self._schedulers))
-        elif stepper.master is not None:
-            stepper.master.bind_new_(optimizer)
+        else:
+            stepper.check_eps([optimizer])
+            if stepper.master is not None:
+                stepper.master.bind_new_(optimizer)
         self._bound = (*self._bound, optimizer)
         self._show_notes()
 
