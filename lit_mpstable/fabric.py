@@ -237,6 +237,29 @@ class StablePrecision(StableFrontEnd, Precision):
             return optimizer
         if optimizer not in self._bound:
             self._bind(optimizer)
+        self._check_resume(optimizer)
         self.stepper.follow_model_weights_()
         self._started = (*self._started, optimizer)
         return optimizer
+
+    # What a resume without the plugin's state loses, by master_weights mode.
+    _LOST = {
+        "fp32": "the FP32 master weights restart from the 16-bit weights (the bits below 16-bit resolution they had"
+                " gathered are lost)",
+        "kahan": "the Kahan compensation buffers (the low bits of every weight) restart at 0",
+        "stochastic": "the stochastic-rounding random stream restarts from a new seed",
+    }
+
+    def _check_resume(self, optimizer: Optimizer) -> None:
+        """Warn when ``optimizer`` meets its first step with state (loaded from a checkpoint) while the plugin's own
+        state was never loaded: a resume that left the plugin out of ``fabric.load``, as litgpt's state dict does."""
+        lost = self._LOST.get(self.stepper.master_mode or "")
+        if lost is None or self._state_loaded or not optimizer.state:
+            return
+        self._warn_once(
+            "resume-without-plugin",
+            f"{self!r}: {type(optimizer).__name__} starts with loaded state, but the plugin's own state was not"
+            f" loaded: {lost}, so the run does not resume exactly. Save and load the plugin with the rest:"
+            " fabric.save(path, {..., 'precision': plugin}) and fabric.load(path, {..., 'precision': plugin})"
+            " (litgpt's own state dict leaves it out: add it there).",
+        )

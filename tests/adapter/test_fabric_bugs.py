@@ -154,3 +154,41 @@ def test_the_trainer_refuses_the_same_eps() -> None:
     _dead_relus(module.model)
     with pytest.raises(ValueError, match=r"eps=1e-08.*holds as 0\.0.*6\.1e-05.*eps=1e-4.*master_weights=True"):
         make_trainer(TrainerStablePrecision("16-true", master_weights=False, scaler=None), max_steps=2).fit(module)
+
+
+def _resumable(mode: bool | str, steps: range, *, load: Path | None = None, save: Path | None = None,
+               with_plugin: bool = False) -> dict[str, torch.Tensor]:
+    """AdamW on TinyMLP in bf16-true; the saved state is litgpt's ({"model", "optimizer"}) unless ``with_plugin``."""
+    plugin = StablePrecision("bf16-true", master_weights=mode)
+    fabric = _fabric(plugin)
+    torch.manual_seed(0 if load is None else 123)
+    model = TinyMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fabric.setup(model, opt)
+    plugin.setup_optimizers(opt)
+    state = {"model": model, "optimizer": opt, **({"precision": plugin} if with_plugin else {})}
+    if load is not None:
+        fabric.load(load, state)
+    for step in steps:
+        opt.zero_grad()
+        _backward(fabric, model, step)
+        opt.step()
+    if save is not None:
+        fabric.save(save, state)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [True, "kahan", "stochastic"])
+def test_resuming_without_the_plugins_state_warns_and_with_it_is_exact(mode: bool | str, tmp_path: Path) -> None:
+    # litgpt saves {"model", "optimizer"} only: kahan/stochastic (and FP32 masters) then resumed inexactly, silently.
+    whole = _resumable(mode, range(4))
+    _resumable(mode, range(2), save=tmp_path / "litgpt.pt")
+    with pytest.warns(UserWarning, match=r"plugin's own state was not loaded.*'precision': plugin"):
+        inexact = _resumable(mode, range(2, 4), load=tmp_path / "litgpt.pt")
+    assert not all(torch.equal(inexact[k], v) for k, v in whole.items())  # what the warning says
+    _resumable(mode, range(2), save=tmp_path / "ours.pt", with_plugin=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*plugin's own state")
+        exact = _resumable(mode, range(2, 4), load=tmp_path / "ours.pt", with_plugin=True)
+    assert all(torch.equal(exact[k], v) for k, v in whole.items())
