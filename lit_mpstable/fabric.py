@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -26,6 +27,12 @@ class _ClipTargets(list):
     """The tensors ``fabric.clip_gradients`` clips; a list that can be watched for its release (``weakref``)."""
 
     __slots__ = ("__weakref__",)
+
+
+@torch.no_grad()
+def _write_back_scaled(grads: list[torch.Tensor], copies: list[torch.Tensor], scale: torch.Tensor) -> None:
+    for grad, copy in zip(grads, copies):
+        grad.copy_(copy * scale.to(copy.device))
 
 
 def _first_grad_device(optimizer: Optimizer) -> torch.device | None:
@@ -140,7 +147,7 @@ class StablePrecision(StableFrontEnd, Precision):
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         self.stepper.unscale_(self._start(optimizer))
 
-    def main_params(self, optimizer: Optimizer) -> list[torch.Tensor]:
+    def main_params(self, optimizer: Optimizer) -> list[Any]:
         """What ``fabric.clip_gradients`` clips: the parameters the optimizer updates (the FP32 masters with
         ``master_weights``), their gradients unscaled. On a step that will be skipped (inf/NaN) nothing is clipped:
         one empty placeholder stands in (torch's ``clip_grad_value_`` refuses an empty list; the norm is 0). With FP32
@@ -154,12 +161,27 @@ class StablePrecision(StableFrontEnd, Precision):
             placeholder = torch.empty(0, device=device)
             placeholder.grad = torch.empty(0, device=device)
             return [placeholder]
+        if stepper.compact is not None and self.scaler is not None:
+            return self._unscaled_copies(params)
         if stepper.master is None:
             return params
         targets = _ClipTargets(params)
         # Fabric gives no hook after its clip: the masters' clipped gradients are shown on the model when the
         # returned list is released, i.e. when Fabric's clip_gradients_value/norm returns (CPython frees it then).
         weakref.finalize(targets, stepper.master.expose_grads_, optimizer)
+        return targets
+
+    def _unscaled_copies(self, params: list[torch.Tensor]) -> list[Any]:
+        # Compact weights keep their 16-bit gradients scaled until the step unscales them in FP32 (unscaled in FP16
+        # they would underflow). Fabric clips FP32 unscaled copies of them instead, written back scaled when it lets
+        # go of the list: unclipped values come back exactly (the scale is a power of two), a clipped one is rounded
+        # once, at the scaled magnitude. Costs an FP32 copy of the gradients while Fabric clips.
+        assert self.scaler is not None
+        scale = self.scaler.get_scale_tensor()
+        grads = [p.grad for p in params if p.grad is not None]
+        copies = [g.float() / scale.to(g.device) for g in grads]
+        targets = _ClipTargets(SimpleNamespace(grad=c) for c in copies)
+        weakref.finalize(targets, _write_back_scaled, grads, copies, scale)
         return targets
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -243,7 +265,7 @@ class StablePrecision(StableFrontEnd, Precision):
         return optimizer
 
     # What a resume without the plugin's state loses, by master_weights mode.
-    _LOST = {
+    _LOST: ClassVar[dict[str, str]] = {
         "fp32": "the FP32 master weights restart from the 16-bit weights (the bits below 16-bit resolution they had"
                 " gathered are lost)",
         "kahan": "the Kahan compensation buffers (the low bits of every weight) restart at 0",

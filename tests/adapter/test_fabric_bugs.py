@@ -192,3 +192,45 @@ def test_resuming_without_the_plugins_state_warns_and_with_it_is_exact(mode: boo
         warnings.filterwarnings("error", message=".*plugin's own state")
         exact = _resumable(mode, range(2, 4), load=tmp_path / "ours.pt", with_plugin=True)
     assert all(torch.equal(exact[k], v) for k, v in whole.items())
+
+
+def _compact_run(mode: str, clip: str, *, ours: bool, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """16-true with compact weights and the dynamic scaler: clipped by fabric.clip_gradients (``ours``) or by the
+    stepper's own compact-aware clipping (the Trainer's path: the clip folds into the step's FP32 unscale)."""
+    plugin = StablePrecision("16-true", master_weights=mode, scaler="dynamic")
+    fabric = _fabric(plugin)
+    torch.manual_seed(0)
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = fabric.setup(model, opt)
+    plugin.setup_optimizers(opt)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        _backward(fabric, model, step)
+        if ours:
+            out = fabric.clip_gradients(model, opt, **({"max_norm": 0.05} if clip == "norm" else {"clip_val": 2e-3}))
+        elif clip == "norm":
+            out = plugin.stepper.clip_grad_norm_(opt.optimizer, 0.05)
+        else:
+            out = plugin.stepper.clip_grad_value_(opt.optimizer, 2e-3)
+        if out is not None:
+            norms.append(float(out))
+        opt.step()
+        assert not plugin.last_step_skipped
+    return norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_fabric_clips_compact_weights_true_gradients_not_the_scaled_ones(mode: str, clip: str) -> None:
+    # Compact weights keep FP16 gradients scaled (x65536) until the step: fabric.clip_gradients clipped those,
+    # returning norms 65536x too large and clipping to 1/65536 of the limit.
+    norms, weights = _compact_run(mode, clip, ours=True)
+    ref_norms, ref_weights = _compact_run(mode, clip, ours=False)
+    assert norms == pytest.approx(ref_norms, rel=1e-3)
+    if clip == "norm":
+        assert all(n > 0.05 for n in norms)  # the clip acted
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, atol=2e-3, rtol=0), name
