@@ -50,8 +50,10 @@ class StablePrecision(StableFrontEnd, Precision):
 
     In the loop, ``fabric.backward(loss)`` scales the loss; ``optimizer.step()`` unscales, checks the gradients for
     inf/NaN (agreed across ranks), steps or skips and counts, updates the scale and refreshes the 16-bit weights from
-    the FP32 masters; ``fabric.clip_gradients`` clips the true gradients (the masters'), and on an overflowing step
-    clips nothing and returns a norm of 0 instead of raising (the step is skipped).
+    the FP32 masters; ``fabric.clip_gradients`` (by norm or value) clips the true gradients (the masters', which the
+    model's 16-bit gradients then show; compact weights' unscaled), and on an overflowing step clips nothing and
+    returns a norm of 0 instead of raising (the step is skipped). Fabric refuses a plain ``loss.backward()`` with this
+    plugin, in every mode.
 
     Fabric shows a precision plugin each optimizer only at its step, so two things are the loop's to say:
 
@@ -66,6 +68,9 @@ class StablePrecision(StableFrontEnd, Precision):
         plugin.hold_schedulers(scheduler)
         fabric.load(path, {"model": model, "optimizer": optimizer, "precision": plugin})
 
+      The plugin belongs in the saved state (litgpt's own leaves it out): with any ``master_weights`` an optimizer
+      that resumes with loaded state while the plugin's was not loaded warns that the resume is inexact.
+
     Weights loaded into the model after ``fabric.setup`` (a pretrained checkpoint) are where the masters start. As
     with Fabric's own plugins, outputs come back in the default dtype (FP32); unlike ``MixedPrecision``, ``*-mixed``
     inputs stay FP32 (autocast casts them per op, and FP32 islands see them unrounded). One model per plugin.
@@ -78,7 +83,8 @@ class StablePrecision(StableFrontEnd, Precision):
             ``None`` or a ``torch.amp.GradScaler``-like instance (a plain GradScaler is adopted with its state).
         master_weights: for ``*-true`` modes, ``True``/``"fp32"``: FP32 masters owned by the optimizers (their
             state is FP32 too), the 16-bit weights refreshed after each applied step; ``False``: Fabric's plain
-            ``HalfPrecision``.
+            ``HalfPrecision`` (in ``"16-true"`` a torch optimizer's ``eps`` below 2**-14, AdamW's default 1e-8
+            included, is refused: FP16 state holds it as 0 or subnormal; use ``eps=1e-4``).
         skip_nonfinite: in every mode a step whose gradients hold inf/NaN is skipped and counted, so NaN never
             reaches the weights; ``False`` (no scaler only): Fabric's behaviour.
         fp8: ``None``, ``"delayed"``, ``"current"``, ``"mxfp8"`` or an ``FP8Config``: eligible ``nn.Linear``
