@@ -304,6 +304,7 @@ class PrecisionStepper:
                 scaler.allow_fp16_grads = self.precision == "16-true" and self.master_mode is None
         if self.fsdp2 and self.true_16bit and not self._fsdp_checked:
             raise ValueError(unsharded_message(self.owner, self.precision, module))
+        self.check_eps(optimizers)
         if self.master_mode == "fp32" and not self.fsdp2:  # FSDP2: its FP32 sharded parameters are the masters
             self.master = MasterWeights(module, optimizers, initial=self._initial)
             self._initial = {}
@@ -327,6 +328,32 @@ class PrecisionStepper:
             if "compact" in self._pending:
                 self.compact.load_state_dict(self._pending.pop("compact"))
         self.schedules.hold(list(schedulers))
+
+    def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
+        """Refuse, in ``'16-true'`` without masters (the optimizer state is FP16), an ``eps`` below FP16's smallest
+        normal number: rounded to 0 (Adam's default 1e-8), a parameter whose gradient is 0 (a dead ReLU) gets
+        ``0 / 0 = NaN`` at its first step; subnormal, the steps of parameters whose second moment underflows grow to
+        ``lr * m / eps`` and overflow the next forward. Either way every later step is skipped. Only torch's own
+        optimizers are checked: they compute in the parameters' dtype (torchao's and bitsandbytes' 8-bit ones in
+        FP32)."""
+        if self.precision != "16-true" or self.master_mode is not None:
+            return
+        tiny = torch.finfo(torch.float16).tiny  # 2**-14: below it FP16 rounds to a subnormal or to 0
+        for optimizer in optimizers:
+            if not type(optimizer).__module__.startswith("torch.optim."):
+                continue
+            for index, group in enumerate(optimizer.param_groups):
+                eps = group.get("eps")
+                if isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < tiny:
+                    held = float(torch.tensor(eps, dtype=torch.float16))
+                    raise ValueError(
+                        f"{self.owner}('16-true', master_weights=False): {type(optimizer).__name__} param group"
+                        f" {index} has eps={eps!r}, which FP16 (the dtype of its state) holds as {held!r}: a"
+                        " parameter with a zero gradient gets 0/0 = NaN, or one whose second moment underflows a step"
+                        f" of lr * m / eps, and the run stalls on skipped steps. The smallest normal FP16 eps is"
+                        f" {tiny:.3g} (2**-14; the smallest nonzero is 5.96e-08); use eps=1e-4, or"
+                        " master_weights=True (FP32 masters and FP32 optimizer state keep eps=1e-8)."
+                    )
 
     def adopt_device_(self, module: nn.Module) -> None:
         """Run where ``module`` lives (its first parameter's device): autocast, the FP32 islands and the loss scalers

@@ -55,6 +55,7 @@ class StableFrontEnd:
         self.precision = self.stepper.precision  # Lightning reads the attribute
         self.master_weights = master_weights
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
+        self._state_loaded = False  # load_state_dict was called (a resume that brought the plugin's state)
         self._notes_shown = 0
         self._show_notes()
 
@@ -256,6 +257,7 @@ class StableFrontEnd:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Strict: a missing or unknown key raises ``KeyError`` naming it. A checkpoint of another precision loads
         too (scaler state is used only where both sides scale)."""
+        self._state_loaded = True
         for note in self.stepper.load_state_dict(state_dict):
             rank_zero_info(f"StablePrecision: {note}")
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
 from contextlib import AbstractContextManager
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -22,6 +23,26 @@ __all__ = ["StablePrecision"]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+class _ClipTargets(list):
+    """The tensors ``fabric.clip_gradients`` clips; a list that can be watched for its release (``weakref``)."""
+
+    __slots__ = ("__weakref__",)
+
+
+@torch.no_grad()
+def _write_back_scaled(grads: list[torch.Tensor], copies: list[torch.Tensor], scale: torch.Tensor) -> None:
+    for grad, copy in zip(grads, copies):
+        grad.copy_(copy * scale.to(copy.device))
+
+
+def _first_grad_device(optimizer: Optimizer) -> torch.device | None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                return param.grad.device
+    return None
+
+
 class StablePrecision(StableFrontEnd, Precision):
     """Mixed precision that is stable by default, for Lightning Fabric: ``Fabric(plugins=[StablePrecision(...)])``
     instead of ``precision=``. The arguments, live state (``loss_scale``, ``last_step_skipped``, ``overflow_count``,
@@ -29,8 +50,10 @@ class StablePrecision(StableFrontEnd, Precision):
 
     In the loop, ``fabric.backward(loss)`` scales the loss; ``optimizer.step()`` unscales, checks the gradients for
     inf/NaN (agreed across ranks), steps or skips and counts, updates the scale and refreshes the 16-bit weights from
-    the FP32 masters; ``fabric.clip_gradients`` clips the true gradients (the masters'), and on an overflowing step
-    clips nothing and returns a norm of 0 instead of raising (the step is skipped).
+    the FP32 masters; ``fabric.clip_gradients`` (by norm or value) clips the true gradients (the masters', which the
+    model's 16-bit gradients then show; compact weights' unscaled), and on an overflowing step clips nothing and
+    returns a norm of 0 instead of raising (the step is skipped). Fabric refuses a plain ``loss.backward()`` with this
+    plugin, in every mode.
 
     Fabric shows a precision plugin each optimizer only at its step, so two things are the loop's to say:
 
@@ -45,6 +68,9 @@ class StablePrecision(StableFrontEnd, Precision):
         plugin.hold_schedulers(scheduler)
         fabric.load(path, {"model": model, "optimizer": optimizer, "precision": plugin})
 
+      The plugin belongs in the saved state (litgpt's own leaves it out): with any ``master_weights`` an optimizer
+      that resumes with loaded state while the plugin's was not loaded warns that the resume is inexact.
+
     Weights loaded into the model after ``fabric.setup`` (a pretrained checkpoint) are where the masters start. As
     with Fabric's own plugins, outputs come back in the default dtype (FP32); unlike ``MixedPrecision``, ``*-mixed``
     inputs stay FP32 (autocast casts them per op, and FP32 islands see them unrounded). One model per plugin.
@@ -57,7 +83,8 @@ class StablePrecision(StableFrontEnd, Precision):
             ``None`` or a ``torch.amp.GradScaler``-like instance (a plain GradScaler is adopted with its state).
         master_weights: for ``*-true`` modes, ``True``/``"fp32"``: FP32 masters owned by the optimizers (their
             state is FP32 too), the 16-bit weights refreshed after each applied step; ``False``: Fabric's plain
-            ``HalfPrecision``.
+            ``HalfPrecision`` (in ``"16-true"`` a torch optimizer's ``eps`` below 2**-14, AdamW's default 1e-8
+            included, is refused: FP16 state holds it as 0 or subnormal; use ``eps=1e-4``).
         skip_nonfinite: in every mode a step whose gradients hold inf/NaN is skipped and counted, so NaN never
             reaches the weights; ``False`` (no scaler only): Fabric's behaviour.
         fp8: ``None``, ``"delayed"``, ``"current"``, ``"mxfp8"`` or an ``FP8Config``: eligible ``nn.Linear``
@@ -121,13 +148,47 @@ class StablePrecision(StableFrontEnd, Precision):
     def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         self.stepper.scale_loss(tensor).backward(*args, **kwargs)
 
-    # Fabric's clip_gradients calls unscale_gradients, then clips main_params with error_if_nonfinite=True: on an
-    # overflowing step main_params is empty, so nothing raises and the step is skipped.
+    # Fabric's clip_gradients calls unscale_gradients, then clips what main_params returns with torch's
+    # clip_grad_norm_ (error_if_nonfinite=True) or clip_grad_value_.
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         self.stepper.unscale_(self._start(optimizer))
 
-    def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
-        return self.stepper.main_params(self._start(optimizer))
+    def main_params(self, optimizer: Optimizer) -> list[Any]:
+        """What ``fabric.clip_gradients`` clips: the parameters the optimizer updates (the FP32 masters with
+        ``master_weights``), their gradients unscaled. On a step that will be skipped (inf/NaN) nothing is clipped:
+        one empty placeholder stands in (torch's ``clip_grad_value_`` refuses an empty list; the norm is 0). With FP32
+        masters the model's 16-bit gradients show the clipped values once Fabric has clipped (when it lets go of the
+        returned list), as after the Trainer's clipping."""
+        optimizer = self._start(optimizer)
+        stepper = self.stepper
+        params = list(stepper.main_params(optimizer))
+        if not params:
+            device = _first_grad_device(optimizer) or torch.device(self.device)
+            placeholder = torch.empty(0, device=device)
+            placeholder.grad = torch.empty(0, device=device)
+            return [placeholder]
+        if stepper.compact is not None and self.scaler is not None:
+            return self._unscaled_copies(params)
+        if stepper.master is None:
+            return params
+        targets = _ClipTargets(params)
+        # Fabric gives no hook after its clip: the masters' clipped gradients are shown on the model when the
+        # returned list is released, i.e. when Fabric's clip_gradients_value/norm returns (CPython frees it then).
+        weakref.finalize(targets, stepper.master.expose_grads_, optimizer)
+        return targets
+
+    def _unscaled_copies(self, params: list[torch.Tensor]) -> list[Any]:
+        # Compact weights keep their 16-bit gradients scaled until the step unscales them in FP32 (unscaled in FP16
+        # they would underflow). Fabric clips FP32 unscaled copies of them instead, written back scaled when it lets
+        # go of the list: unclipped values come back exactly (the scale is a power of two), a clipped one is rounded
+        # once, at the scaled magnitude. Costs an FP32 copy of the gradients while Fabric clips.
+        assert self.scaler is not None
+        scale = self.scaler.get_scale_tensor()
+        grads = [p.grad for p in params if p.grad is not None]
+        copies = [g.float() / scale.to(g.device) for g in grads]
+        targets = _ClipTargets(SimpleNamespace(grad=c) for c in copies)
+        weakref.finalize(targets, _write_back_scaled, grads, copies, scale)
+        return targets
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if not isinstance(optimizer, Optimizer):
@@ -190,8 +251,10 @@ class StablePrecision(StableFrontEnd, Precision):
             )
         if not self._bound:
             stepper.setup_optimizers(self._module(), [optimizer], list(self._schedulers))
-        elif stepper.master is not None:
-            stepper.master.bind_new_(optimizer)
+        else:
+            stepper.check_eps([optimizer])
+            if stepper.master is not None:
+                stepper.master.bind_new_(optimizer)
         self._bound = (*self._bound, optimizer)
         self._show_notes()
 
@@ -202,6 +265,29 @@ class StablePrecision(StableFrontEnd, Precision):
             return optimizer
         if optimizer not in self._bound:
             self._bind(optimizer)
+        self._check_resume(optimizer)
         self.stepper.follow_model_weights_()
         self._started = (*self._started, optimizer)
         return optimizer
+
+    # What a resume without the plugin's state loses, by master_weights mode.
+    _LOST: ClassVar[dict[str, str]] = {
+        "fp32": "the FP32 master weights restart from the 16-bit weights (the bits below 16-bit resolution they had"
+                " gathered are lost)",
+        "kahan": "the Kahan compensation buffers (the low bits of every weight) restart at 0",
+        "stochastic": "the stochastic-rounding random stream restarts from a new seed",
+    }
+
+    def _check_resume(self, optimizer: Optimizer) -> None:
+        """Warn when ``optimizer`` meets its first step with state (loaded from a checkpoint) while the plugin's own
+        state was never loaded: a resume that left the plugin out of ``fabric.load``, as litgpt's state dict does."""
+        lost = self._LOST.get(self.stepper.master_mode or "")
+        if lost is None or self._state_loaded or not optimizer.state:
+            return
+        self._warn_once(
+            "resume-without-plugin",
+            f"{self!r}: {type(optimizer).__name__} starts with loaded state, but the plugin's own state was not"
+            f" loaded: {lost}, so the run does not resume exactly. Save and load the plugin with the rest:"
+            " fabric.save(path, {..., 'precision': plugin}) and fabric.load(path, {..., 'precision': plugin})"
+            " (litgpt's own state dict leaves it out: add it there).",
+        )
