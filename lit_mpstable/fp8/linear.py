@@ -10,7 +10,7 @@ from torch import nn
 
 from lit_mpstable.fp8.backend import share_hooks
 from lit_mpstable.fp8.config import FP8Config
-from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
+from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_refusal, scaled_mm_supported
 from lit_mpstable.fp8.quant import (
     MX_BLOCK_SIZE,
     amax_from_history,
@@ -209,21 +209,21 @@ class FP8Linear(nn.Linear):
 def _scaled_mm_decision(emulate: bool | None, device: str) -> bool:
     """Whether FP8 GEMMs on ``device`` go through ``torch._scaled_mm`` (else exact emulation)."""
     if emulate is None:
-        supported = scaled_mm_supported(device)
-        if not supported and device not in _WARNED_EMULATION:
+        refusal = scaled_mm_refusal(device)
+        if refusal is not None and device not in _WARNED_EMULATION:
             _WARNED_EMULATION.add(device)
             warnings.warn(
-                f"FP8Linear: torch._scaled_mm does not run FP8 GEMMs on {device} (CUDA needs compute capability"
-                " >= 8.9), so FP8 is emulated there: FP8 numerics, no speed-up. Set FP8Config(emulate=True) to"
-                " say that is intended. (Warned once per device.)",
+                f"FP8Linear: torch._scaled_mm does not run FP8 GEMMs on {device} ({refusal}), so FP8 is emulated"
+                " there: FP8 numerics, no speed-up. Set FP8Config(emulate=True) to say that is intended. (Warned"
+                " once per device.)",
                 RuntimeWarning,
                 stacklevel=5,
             )
-        return supported
-    if not emulate and not scaled_mm_supported(device):
+        return refusal is None
+    if not emulate and (refusal := scaled_mm_refusal(device)) is not None:
         raise RuntimeError(
-            f"FP8Config(emulate=False): torch._scaled_mm does not run FP8 GEMMs on {device} (CUDA needs compute"
-            " capability >= 8.9); use emulate=None to fall back to emulation."
+            f"FP8Config(emulate=False): torch._scaled_mm does not run FP8 GEMMs on {device} ({refusal}); use"
+            " emulate=None to fall back to emulation."
         )
     return not emulate
 
