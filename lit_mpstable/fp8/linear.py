@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from typing import Any
 
 import torch
@@ -41,7 +42,11 @@ class FP8Linear(nn.Linear):
     GEMMs need Blackwell and a swizzled scale layout.
 
     State (delayed recipe only): non-persistent buffers ``amax_history`` (3, amax_history_len) and ``scale`` (3,),
-    rows in :data:`FP8_TENSORS` order. Non-persistent keeps ``model.state_dict()`` identical with and without FP8,
+    rows in :data:`FP8_TENSORS` order. Activation checkpointing (``torch.utils.checkpoint``, reentrant or not):
+    a forward that runs inside a backward pass is a recompute; it casts with the scales its original forward used
+    and records nothing, so a step records one amax per operand and computes the same FP8 data as without
+    checkpointing. Recomputes take the stored forwards' scales oldest first (as TransformerEngine does), so a layer
+    called from several checkpointed regions in one step must be recomputed in its forward order. Non-persistent keeps ``model.state_dict()`` identical with and without FP8,
     so plain checkpoints load either way; :meth:`fp8_state_dict` / :meth:`load_fp8_state_dict` save and restore
     them (the precision plugin stores them in its own state). Histories are updated only in ``train()`` mode.
 
@@ -68,6 +73,8 @@ class FP8Linear(nn.Linear):
         self.fp8_config = config if config is not None else FP8Config()
         self.collect_stats = False
         self._stats_numel: dict[str, float] = {}  # operands measured since stats were last cleared: their sizes
+        # Delayed recipe: the scales each forward used, oldest first, for an activation-checkpointing recompute.
+        self._forward_scales: deque[tuple[int, torch.Tensor]] = deque()
         buffer_device = self.weight.device
         self.register_buffer("stats_buffer", torch.zeros(3, 3, device=buffer_device), persistent=False)
         if self.fp8_config.recipe == "delayed":
@@ -118,23 +125,60 @@ class FP8Linear(nn.Linear):
     def _dtype(self, role: int) -> torch.dtype:
         return self.fp8_config.grad_dtype if role == _GRAD else self.fp8_config.forward_dtype
 
-    def _cast(self, t: torch.Tensor, role: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-tensor recipes: (FP8 data, inverse scale) of ``t``; records the amax (delayed) and stats."""
+    def _cast(
+        self, t: torch.Tensor, role: int, recompute_scales: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-tensor recipes: (FP8 data, inverse scale) of ``t``; records the amax (delayed) and stats.
+
+        ``recompute_scales``: a checkpointing recompute's stored scales (delayed): used as they are, nothing recorded.
+        """
         config, dtype = self.fp8_config, self._dtype(role)
         amax = t.detach().abs().amax().float()
-        if config.recipe == "delayed":
+        if recompute_scales is not None:
+            scale = recompute_scales[role]
+        elif config.recipe == "delayed":
             scale = self.scale[role].clone()  # from previous steps; the buffer is updated below
         else:
             scale = compute_scale(amax, dtype, margin=config.margin)
         data = quantize(t, scale, dtype)
         if self.collect_stats:
             self._record_stats(role, t, t.float() * scale, data, amax)
-        if config.recipe == "delayed" and self.training:
+        if config.recipe == "delayed" and self.training and recompute_scales is None:
             with torch.no_grad():
                 history = update_amax_history_(self.amax_history[role], amax)
                 amax_next = amax_from_history(history, config.amax_compute_algo)
                 self.scale[role] = compute_scale(amax_next, dtype, margin=config.margin, previous=self.scale[role])
         return data, scale.reciprocal()
+
+    def _begin_forward(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Delayed recipe in training: ``(recompute_scales, entry)``.
+
+        A recompute (a forward inside a backward pass: both kinds of ``torch.utils.checkpoint`` recompute there)
+        gets the oldest stored scales of a forward under the same weights, and ``entry`` None. An original forward
+        stores a copy of the scales it is about to use and gets ``(None, entry)``; its backward drops the entry
+        again (no recompute happened, or one consumed it already).
+        """
+        if self.fp8_config.recipe != "delayed" or not self.training or torch.compiler.is_compiling():
+            return None, None  # compiled: the graph's backward recomputes without calling the module again
+        version = self.weight._version  # an optimizer step between two forwards makes the older entries stale
+        while self._forward_scales and self._forward_scales[0][0] != version:
+            self._forward_scales.popleft()
+        if _inside_backward():
+            if self._forward_scales:
+                return self._forward_scales.popleft()[1], None
+            return self.scale.detach().clone(), None  # no stored forward: keep the state as it is
+        entry = self.scale.detach().clone()
+        self._forward_scales.append((version, entry))
+        return None, entry
+
+    def _end_backward(self, entry: torch.Tensor | None) -> None:
+        """Drop the stored scales of the forward whose backward runs (a recompute may have taken them already)."""
+        if entry is None:
+            return
+        for index, (_, stored) in enumerate(self._forward_scales):
+            if stored is entry:
+                del self._forward_scales[index]
+                return
 
     def _cast_mx(self, t: torch.Tensor, role: int, record: bool = True) -> torch.Tensor:
         """MX recipe: ``t`` quantised in blocks of 32 along its last dim and dequantised to fp32 (emulation)."""
@@ -203,6 +247,15 @@ class FP8Linear(nn.Linear):
             buffer.copy_(value)
 
 
+def _inside_backward() -> bool:
+    # The autograd engine runs a graph task only during backward; a module forward inside one is a recompute
+    # (torch.utils.checkpoint recomputes in the backward, with use_reentrant True or False). A compiled graph
+    # recomputes inside its own backward graph, without calling the module again.
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
 # Run by torch.compile at trace time, in plain Python, and baked into the graph as a constant: the probe behind it
 # runs real FP8 GEMMs (a seeded generator, an equality check) that cannot be traced, and is cached per device.
 @torch.compiler.assume_constant_result
@@ -249,20 +302,26 @@ class _FP8LinearFunction(torch.autograd.Function):
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        # GEMM and bias are summed in fp32 and rounded once to the output dtype, as nn.Linear's fused bias epilogue
+        # does. Rounding the GEMM to 16 bits before the add is a second rounding that inductor elides when it fuses
+        # the add (it keeps the fp32 value), so eager and compiled 16-bit outputs differed by one ulp on a third of
+        # the elements.
+        gemm_dtype = torch.promote_types(out_dtype, torch.float32) if bias is not None else out_dtype
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.has_bias = layer, x.shape, x.dtype, bias is not None
         ctx.mx = layer.fp8_config.recipe == "mxfp8"
         if ctx.mx:
             # MX scales run along the reduction dim, which differs per GEMM: keep the inputs, quantise each time.
-            y = (layer._cast_mx(x2, _X) @ layer._cast_mx(weight, _W).t()).to(out_dtype)
+            y = (layer._cast_mx(x2, _X) @ layer._cast_mx(weight, _W).t()).to(gemm_dtype)
             ctx.save_for_backward(x2, weight)
         else:
             ctx.use_scaled_mm = layer._use_scaled_mm(x.device)
-            x_fp8, x_inv = layer._cast(x2, _X)
-            w_fp8, w_inv = layer._cast(weight, _W)
-            y = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype=out_dtype, use_scaled_mm=ctx.use_scaled_mm)
+            recompute_scales, ctx.forward_scales = layer._begin_forward()
+            x_fp8, x_inv = layer._cast(x2, _X, recompute_scales)
+            w_fp8, w_inv = layer._cast(weight, _W, recompute_scales)
+            y = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype=gemm_dtype, use_scaled_mm=ctx.use_scaled_mm)
             ctx.save_for_backward(x_fp8, w_fp8, x_inv, w_inv)
         if bias is not None:
-            y = y + bias.to(out_dtype)
+            y = (y + bias.to(gemm_dtype)).to(out_dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -277,7 +336,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                 grad_x = layer._cast_mx(g2, _GRAD) @ layer._cast_mx(weight.t(), _W, record=False).t()
                 grad_w = layer._cast_mx(g2.t(), _GRAD, record=False) @ layer._cast_mx(x2.t(), _X, record=False).t()
             else:
-                x_fp8, w_fp8, x_inv, w_inv = ctx.saved_tensors
+                x_fp8, w_fp8, x_inv, w_inv = ctx.saved_tensors  # may recompute a checkpointed region first
+                layer._end_backward(ctx.forward_scales)
                 w_dtype = layer.weight.dtype
                 g_fp8, g_inv = layer._cast(g2, _GRAD)
                 # A per-tensor scale does not depend on the axis: the forward's FP8 data is reused, transposed.

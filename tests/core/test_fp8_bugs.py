@@ -70,3 +70,100 @@ def test_a_refused_probe_is_not_cached_when_our_arguments_were_wrong(monkeypatch
     gemm_module._PROBED.clear()
     outside = gemm_module.scaled_mm_supported("cpu")
     assert inside == outside == _cpu_runs_scaled_mm()
+
+
+# -------------------------------------------------------------- item 7: delayed scaling + checkpointing
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self, checkpointing: str | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.checkpointing = checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.checkpointing is None:
+                x = x + block(x)
+            else:
+                x = x + checkpoint(block, x, use_reentrant=self.checkpointing == "reentrant")
+        return x
+
+
+def _train_delayed(checkpointing: str | None, steps: int = 8) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _Net(checkpointing)
+    config = FP8Config(recipe="delayed", amax_history_len=16, filter=["blocks"], emulate=True)
+    convert_to_fp8(model, config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 16, generator=gen).requires_grad_(checkpointing == "reentrant")
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert all(not m._forward_scales for m in layers.values())  # every stored forward was consumed or dropped
+    return losses, {name: m.fp8_state_dict() for name, m in layers.items()}
+
+
+@pytest.mark.parametrize("checkpointing", ["non_reentrant", "reentrant"])
+def test_checkpoint_recompute_records_no_amax_and_reuses_the_forward_scales(checkpointing: str) -> None:
+    steps = 8
+    plain_losses, plain_state = _train_delayed(None, steps)
+    losses, state = _train_delayed(checkpointing, steps)
+    for name, layer_state in state.items():
+        recorded = (layer_state["amax_history"] != 0).sum(dim=1).tolist()
+        assert recorded == [steps, steps, steps], f"{name}: amaxes recorded per operand"
+        assert torch.equal(layer_state["amax_history"], plain_state[name]["amax_history"]), name
+        assert torch.equal(layer_state["scale"], plain_state[name]["scale"]), name
+    assert losses == plain_losses
+
+
+# ------------------------------------------------------------- item 11: one rounding of GEMM + bias
+def _exact_operands(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Values whose FP8 casts are exact (at most 3 significant bits; the amaxes 3.5 and 7/16 give power-of-two
+    # scales 128 and 1024), so the FP8 GEMM is exact in fp32 and only the bf16 output rounds.
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-7, 8, (32, 32), generator=gen) / 2
+    w = torch.randint(-7, 8, (32, 32), generator=gen) / 16
+    x[0, 0], w[0, 0] = 3.5, 7 / 16
+    bias = torch.randn(32, generator=gen).bfloat16()
+    return x.bfloat16(), w, bias
+
+
+def _layer(emulate: bool | None, w: torch.Tensor, bias: torch.Tensor) -> FP8Linear:
+    layer = FP8Linear(32, 32, config=FP8Config(recipe="current", emulate=emulate))
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(bias.float())
+    return layer
+
+
+@pytest.mark.parametrize("emulate", [True, pytest.param(None, marks=needs_cpu_scaled_mm)])
+def test_bf16_output_rounds_gemm_plus_bias_once(emulate: bool | None) -> None:
+    x, w, bias = _exact_operands()
+    expected = (x.float() @ w.T + bias.float()).bfloat16()  # exact fp32 GEMM, one rounding (as nn.Linear's epilogue)
+    y = _layer(emulate, w, bias)(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, expected), f"{(y != expected).sum().item()} of {y.numel()} outputs rounded twice"
+
+
+@pytest.mark.slow
+def test_compiled_fp8_on_bf16_inputs_equals_eager() -> None:
+    x, w, bias = _exact_operands(1)
+    x = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).bfloat16() / 64  # inexact FP8 casts too
+    layer = _layer(True, w, bias)
+    eager = layer(x)
+    compiled = torch.compile(layer, backend="inductor", fullgraph=True)(x)
+    assert torch.equal(compiled, eager), (compiled.float() - eager.float()).abs().max()
