@@ -167,3 +167,52 @@ def test_compiled_fp8_on_bf16_inputs_equals_eager() -> None:
     eager = layer(x)
     compiled = torch.compile(layer, backend="inductor", fullgraph=True)(x)
     assert torch.equal(compiled, eager), (compiled.float() - eager.float()).abs().max()
+
+
+# ------------------------------------------------------ message: GPT-2's Conv1D projections are not nn.Linear
+class Conv1D(nn.Module):
+    """Stand-in for transformers.pytorch_utils.Conv1D: a linear layer with its weight stored (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+class _GPT2Like(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(64, 32)
+        self.h = nn.ModuleList(
+            nn.ModuleDict({"c_attn": Conv1D(96, 32), "c_proj": Conv1D(32, 32), "c_fc": Conv1D(64, 32)}) for _ in range(2)
+        )
+        self.lm_head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.wte(idx)
+        for block in self.h:
+            h = h + block["c_proj"](block["c_attn"](h)[..., :32])
+        return self.lm_head(h)
+
+
+def test_no_eligible_linear_names_the_linear_like_types_and_a_filter_that_works() -> None:
+    with pytest.raises(ValueError) as raised:
+        PrecisionStepper("bf16-mixed", fp8="delayed", device="cpu").setup_module(_GPT2Like())
+    message = str(raised.value)
+    assert "Conv1D" in message and "h.0.c_attn" in message  # the Linear-like type, and where
+    assert "Embedding" not in message  # a lookup table, not a GEMM
+    assert "filter=['lm_head']" in message
+    stepper = PrecisionStepper("bf16-mixed", fp8=FP8Config(filter=["lm_head"]), device="cpu")
+    model = stepper.setup_module(_GPT2Like())  # the advice works
+    assert isinstance(model.lm_head, FP8Linear)
+
+
+def test_a_filter_naming_only_linear_like_layers_says_they_are_not_nn_linear() -> None:
+    with pytest.raises(ValueError) as raised:
+        convert_to_fp8(_GPT2Like(), FP8Config(filter=["h.*.c_fc"]))
+    message = str(raised.value)
+    assert "Conv1D" in message and "h.0.c_fc" in message and "['lm_head']" in message
