@@ -74,7 +74,7 @@ class FP8Linear(nn.Linear):
         self.collect_stats = False
         self._stats_numel: dict[str, float] = {}  # operands measured since stats were last cleared: their sizes
         # Delayed recipe: the scales each forward used, oldest first, for an activation-checkpointing recompute.
-        self._forward_scales: deque[tuple[int, torch.Tensor]] = deque()
+        self._forward_scales: deque[tuple[int, bool, torch.Tensor]] = deque()
         buffer_device = self.weight.device
         self.register_buffer("stats_buffer", torch.zeros(3, 3, device=buffer_device), persistent=False)
         if self.fp8_config.recipe == "delayed":
@@ -117,7 +117,8 @@ class FP8Linear(nn.Linear):
                 self._stats_numel["grad_out"] = float(x.numel() // self.in_features * self.out_features)
         # Autocast off inside: the casts are ours, and fp32 emulation must not be downcast to 16 bits.
         with torch.autocast(device_type, enabled=False):
-            return _FP8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
+            forward_scales = self._begin_forward(x)  # outside the Function: its forward runs with grad disabled
+            return _FP8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, forward_scales)
 
     def _use_scaled_mm(self, device: torch.device) -> bool:
         return _scaled_mm_decision(self.fp8_config.emulate, str(device))
@@ -150,32 +151,44 @@ class FP8Linear(nn.Linear):
                 self.scale[role] = compute_scale(amax_next, dtype, margin=config.margin, previous=self.scale[role])
         return data, scale.reciprocal()
 
-    def _begin_forward(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _begin_forward(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Delayed recipe in training: ``(recompute_scales, entry)``.
 
         A recompute (a forward inside a backward pass: both kinds of ``torch.utils.checkpoint`` recompute there)
         gets the oldest stored scales of a forward under the same weights, and ``entry`` None. An original forward
-        stores a copy of the scales it is about to use and gets ``(None, entry)``; its backward drops the entry
-        again (no recompute happened, or one consumed it already).
+        that a recompute may follow stores a copy of the scales it is about to use and gets ``(None, entry)``: one
+        that builds a graph (its backward drops the entry again: no recompute happened, or one consumed it), or one
+        under ``no_grad`` (a reentrant checkpoint's first pass; a graph-building forward drops such entries later).
         """
         if self.fp8_config.recipe != "delayed" or not self.training or torch.compiler.is_compiling():
             return None, None  # compiled: the graph's backward recomputes without calling the module again
+        stored = self._forward_scales
         version = self.weight._version  # an optimizer step between two forwards makes the older entries stale
-        while self._forward_scales and self._forward_scales[0][0] != version:
-            self._forward_scales.popleft()
+        while stored and stored[0][0] != version:
+            stored.popleft()
         if _inside_backward():
-            if self._forward_scales:
-                return self._forward_scales.popleft()[1], None
+            if stored:
+                return stored.popleft()[2], None
             return self.scale.detach().clone(), None  # no stored forward: keep the state as it is
+        builds_graph = torch.is_grad_enabled()
+        if builds_graph:
+            if not (x.requires_grad or any(p is not None and p.requires_grad for p in (self.weight, self.bias))):
+                return None, None  # no backward, so no recompute, will follow
+            # No-grad entries left over were never recomputed (a plain no_grad forward in training mode).
+            kept = [e for e in stored if e[1]]
+            stored.clear()
+            stored.extend(kept)
         entry = self.scale.detach().clone()
-        self._forward_scales.append((version, entry))
+        stored.append((version, builds_graph, entry))
+        while len(stored) > _MAX_STORED_FORWARDS:  # forwards never recomputed nor backpropagated: forget the oldest
+            stored.popleft()
         return None, entry
 
     def _end_backward(self, entry: torch.Tensor | None) -> None:
         """Drop the stored scales of the forward whose backward runs (a recompute may have taken them already)."""
         if entry is None:
             return
-        for index, (_, stored) in enumerate(self._forward_scales):
+        for index, (_, _, stored) in enumerate(self._forward_scales):
             if stored is entry:
                 del self._forward_scales[index]
                 return
@@ -247,6 +260,10 @@ class FP8Linear(nn.Linear):
             buffer.copy_(value)
 
 
+_MAX_STORED_FORWARDS = 64
+"""Forwards awaiting their recompute that one delayed FP8Linear remembers (pipelines keep a few microbatches)."""
+
+
 def _inside_backward() -> bool:
     # The autograd engine runs a graph task only during backward; a module forward inside one is a recompute
     # (torch.utils.checkpoint recomputes in the backward, with use_reentrant True or False). A compiled graph
@@ -300,6 +317,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         layer: FP8Linear,
         out_dtype: torch.dtype,
+        forward_scales: tuple[torch.Tensor | None, torch.Tensor | None],
     ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         # GEMM and bias are summed in fp32 and rounded once to the output dtype, as nn.Linear's fused bias epilogue
@@ -315,7 +333,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x2, weight)
         else:
             ctx.use_scaled_mm = layer._use_scaled_mm(x.device)
-            recompute_scales, ctx.forward_scales = layer._begin_forward()
+            recompute_scales, ctx.forward_scales = forward_scales
             x_fp8, x_inv = layer._cast(x2, _X, recompute_scales)
             w_fp8, w_inv = layer._cast(weight, _W, recompute_scales)
             y = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype=gemm_dtype, use_scaled_mm=ctx.use_scaled_mm)
@@ -345,4 +363,4 @@ class _FP8LinearFunction(torch.autograd.Function):
                 grad_x = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, out_dtype=torch.float32, use_scaled_mm=fast)
                 grad_w = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, out_dtype=torch.float32, use_scaled_mm=fast)
             grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(w_dtype), grad_b, None, None
+        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(w_dtype), grad_b, None, None, None

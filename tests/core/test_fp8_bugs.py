@@ -216,3 +216,39 @@ def test_a_filter_naming_only_linear_like_layers_says_they_are_not_nn_linear() -
         convert_to_fp8(_GPT2Like(), FP8Config(filter=["h.*.c_fc"]))
     message = str(raised.value)
     assert "Conv1D" in message and "h.0.c_fc" in message and "['lm_head']" in message
+
+
+def _train_with_a_no_grad_forward(checkpointing: str | None) -> tuple[list[float], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _Net(checkpointing)
+    convert_to_fp8(model, FP8Config(recipe="delayed", amax_history_len=16, filter=["blocks"], emulate=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(3):
+        x = torch.randn(16, 16, generator=gen)
+        if step == 1:
+            with torch.no_grad():
+                model(x)  # training mode: records amaxes and moves the scales, as any training forward
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert all(not m._forward_scales for m in layers)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_no_grad_forward_does_not_hand_its_scales_to_a_later_recompute() -> None:
+    plain_losses, plain_params = _train_with_a_no_grad_forward(None)
+    losses, params = _train_with_a_no_grad_forward("non_reentrant")
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+def test_a_frozen_layer_does_not_pile_up_stored_forwards() -> None:
+    frozen = FP8Linear(16, 16, config=FP8Config(recipe="delayed", emulate=True)).requires_grad_(False)
+    for _ in range(100):
+        frozen(torch.randn(4, 16))
+    assert not frozen._forward_scales
