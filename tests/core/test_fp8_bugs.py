@@ -62,7 +62,7 @@ def test_true_16bit_fp8_still_uses_scaled_mm_after_the_first_forward(
     assert counter.calls == 1  # fc2's forward GEMM
 
 
-def test_a_refused_probe_is_not_cached_when_our_arguments_were_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_probe_answers_alike_inside_a_16bit_forward_under_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
     # Whatever context the first call runs in (a 16-bit default dtype, autocast), the probe builds fp32 operands.
     gemm_module._PROBED.clear()
     with default_dtype(torch.bfloat16), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -252,3 +252,26 @@ def test_a_frozen_layer_does_not_pile_up_stored_forwards() -> None:
     for _ in range(100):
         frozen(torch.randn(4, 16))
     assert not frozen._forward_scales
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_checkpointing_through_the_stepper_records_one_amax_per_step(precision: str) -> None:
+    def run(checkpointing: str | None) -> tuple[list[float], torch.Tensor]:
+        torch.manual_seed(0)
+        fp8 = FP8Config(recipe="delayed", amax_history_len=8, filter=["blocks"], emulate=True)
+        stepper = PrecisionStepper(precision, fp8=fp8, device="cpu")
+        model = stepper.setup_module(_Net(checkpointing))
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x = stepper.convert_input(torch.randn(16, 16, generator=gen))
+            with stepper.forward_context():
+                loss = model(x).float().square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        return losses, model.blocks[1].fc2.amax_history.clone()
+
+    plain_losses, plain_history = run(None)
+    losses, history = run("non_reentrant")
+    assert (history != 0).sum(dim=1).tolist() == [3, 3, 3]
+    assert losses == plain_losses and torch.equal(history, plain_history)
