@@ -49,7 +49,8 @@ def _probe(device: str) -> str | None:
         b = torch.randint(-8, 9, (16, 16), generator=gen).to(device=device, dtype=torch.float32)
         one = torch.ones((), device=device, dtype=torch.float32)
         try:
-            for a_dtype, b_dtype in ((torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)):
+            pairs = ((torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn))
+            for a_dtype, b_dtype in pairs:
                 out = torch._scaled_mm(
                     a.to(a_dtype), b.to(b_dtype).t(), scale_a=one, scale_b=one, out_dtype=torch.float32
                 )

@@ -11,7 +11,7 @@ from torch import nn
 
 from lit_mpstable.fp8.backend import share_hooks
 from lit_mpstable.fp8.config import FP8Config
-from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_refusal, scaled_mm_supported
+from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_refusal
 from lit_mpstable.fp8.quant import (
     MX_BLOCK_SIZE,
     amax_from_history,
@@ -42,13 +42,16 @@ class FP8Linear(nn.Linear):
     GEMMs need Blackwell and a swizzled scale layout.
 
     State (delayed recipe only): non-persistent buffers ``amax_history`` (3, amax_history_len) and ``scale`` (3,),
-    rows in :data:`FP8_TENSORS` order. Activation checkpointing (``torch.utils.checkpoint``, reentrant or not):
-    a forward that runs inside a backward pass is a recompute; it casts with the scales its original forward used
-    and records nothing, so a step records one amax per operand and computes the same FP8 data as without
-    checkpointing. Recomputes take the stored forwards' scales oldest first (as TransformerEngine does), so a layer
-    called from several checkpointed regions in one step must be recomputed in its forward order. Non-persistent keeps ``model.state_dict()`` identical with and without FP8,
+    rows in :data:`FP8_TENSORS` order. Non-persistent keeps ``model.state_dict()`` identical with and without FP8,
     so plain checkpoints load either way; :meth:`fp8_state_dict` / :meth:`load_fp8_state_dict` save and restore
     them (the precision plugin stores them in its own state). Histories are updated only in ``train()`` mode.
+
+    Activation checkpointing (``torch.utils.checkpoint``, reentrant or not): a forward that runs inside a backward
+    pass is a recompute; it casts with the scales its original forward used and records nothing, so a step records
+    one amax per operand and computes the same FP8 data as without checkpointing. Recomputes take the stored
+    forwards' scales oldest first (as TransformerEngine does): exact for a layer called once per checkpointed
+    region and step; a layer shared by several checkpointed regions is recomputed last region first, so its
+    recomputes may swap the scales of its calls.
 
     Telemetry: with ``collect_stats = True`` each call records, per operand, the saturated fraction (finite values
     beyond what rounds to the FP8 max: 464 for E4M3, 61440 for E5M2), the underflow fraction (nonzero values that

@@ -90,7 +90,10 @@ def no_fp8_layers_message(model: nn.Module, config: FP8Config) -> str:
     modules = dict(model.named_modules())
     fp8 = {name for name, m in modules.items() if backend_of(m) is not None}
     candidates = [name for name, m in modules.items() if type(m) is nn.Linear and name not in fp8]
-    head = f"fp8={config.recipe!r}: no nn.Linear layer of {type(model).__name__} is eligible for FP8, so FP8 would do nothing."
+    head = (
+        f"fp8={config.recipe!r}: no nn.Linear layer of {type(model).__name__} is eligible for FP8, so FP8 would do"
+        " nothing."
+    )
     rule = (
         " Only exact nn.Linear layers are converted; the default filter also leaves out the first and the last of"
         " them and those whose in/out features are not multiples of 16."

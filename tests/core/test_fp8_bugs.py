@@ -16,6 +16,7 @@ import lit_mpstable.fp8.linear as linear_module
 from lit_mpstable.fp8 import FP8Config, FP8Linear, convert_to_fp8
 from lit_mpstable.stepper import PrecisionStepper, default_dtype
 
+
 def _cpu_runs_scaled_mm() -> bool:
     a = torch.eye(16).to(torch.float8_e4m3fn)
     one = torch.ones((), dtype=torch.float32)
@@ -187,9 +188,8 @@ class _GPT2Like(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.wte = nn.Embedding(64, 32)
-        self.h = nn.ModuleList(
-            nn.ModuleDict({"c_attn": Conv1D(96, 32), "c_proj": Conv1D(32, 32), "c_fc": Conv1D(64, 32)}) for _ in range(2)
-        )
+        blocks = [{"c_attn": Conv1D(96, 32), "c_proj": Conv1D(32, 32), "c_fc": Conv1D(64, 32)} for _ in range(2)]
+        self.h = nn.ModuleList(nn.ModuleDict(block) for block in blocks)
         self.lm_head = nn.Linear(32, 64, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
