@@ -275,3 +275,33 @@ def test_checkpointing_through_the_stepper_records_one_amax_per_step(precision: 
     losses, history = run("non_reentrant")
     assert (history != 0).sum(dim=1).tolist() == [3, 3, 3]
     assert losses == plain_losses and torch.equal(history, plain_history)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_compiled_delayed_fp8_through_the_stepper_equals_eager(precision: str) -> None:
+    def run(compiled: bool) -> tuple[list[float], torch.Tensor]:
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        fp8 = FP8Config(recipe="delayed", amax_history_len=4, filter=["0"], emulate=True)
+        stepper = PrecisionStepper(precision, fp8=fp8, device="cpu")
+        model = stepper.setup_module(nn.Sequential(nn.Linear(32, 32)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        stepper.setup_optimizers(model, [optimizer])
+        forward = torch.compile(model, backend="inductor") if compiled else model
+        gen, losses = torch.Generator().manual_seed(1), []
+        for _ in range(3):
+            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen)
+            with stepper.forward_context():
+                loss = (forward(stepper.convert_input(x)).float() - y).square().mean()
+            stepper.scale_loss(loss).backward()
+            stepper.step(optimizer)
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, model[0].amax_history.clone()
+
+    eager_losses, eager_history = run(False)
+    losses, history = run(True)
+    torch._dynamo.reset()
+    assert losses == eager_losses
+    assert torch.equal(history, eager_history)
