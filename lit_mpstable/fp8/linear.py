@@ -271,9 +271,12 @@ def _inside_backward() -> bool:
     # The autograd engine runs a graph task only during backward; a module forward inside one is a recompute
     # (torch.utils.checkpoint recomputes in the backward, with use_reentrant True or False). A compiled graph
     # recomputes inside its own backward graph, without calling the module again.
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _GRAPH_TASK_ID is None:
         return False
-    return torch._C._current_graph_task_id() != -1
+    return _GRAPH_TASK_ID() != -1
+
+
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward pass
 
 
 # Run by torch.compile at trace time, in plain Python, and baked into the graph as a constant: the probe behind it
