@@ -165,7 +165,7 @@ class FP8Linear(nn.Linear):
         """
         if self.fp8_config.recipe != "delayed" or not self.training or torch.compiler.is_compiling():
             return None, None  # compiled: the graph's backward recomputes without calling the module again
-        stored = self._forward_scales
+        stored = self.__dict__.setdefault("_forward_scales", deque())  # also for layers pickled before it existed
         version = self.weight._version  # an optimizer step between two forwards makes the older entries stale
         while stored and stored[0][0] != version:
             stored.popleft()
