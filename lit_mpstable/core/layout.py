@@ -9,7 +9,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from lit_mpstable.fp8 import FP8Config, fp8_backend, select_fp8_modules
+from lit_mpstable.fp8 import FP8Config, fp8_backend, no_fp8_layers_message, select_fp8_modules
 from lit_mpstable.core.islands import FP32Islands, match_modules
 
 __all__ = ["PrecisionLayout"]
@@ -106,11 +106,7 @@ class PrecisionLayout:
         if self._user_islands:
             match_modules(module, self._user_islands)
         if self.fp8 is not None and not select_fp8_modules(module, self.fp8):
-            raise ValueError(
-                f"fp8={self.fp8.recipe!r}: no nn.Linear layer of {type(module).__name__} is eligible for FP8 (the"
-                " default filter leaves out the first and last linear layers and those whose in/out features are not"
-                " multiples of 16), so FP8 would do nothing; pass FP8Config(filter=[...]) naming layers, or fp8=None."
-            )
+            raise ValueError(no_fp8_layers_message(module, self.fp8))
 
     # ---------------------------------------------------------------------------------------------- applying
     def attach(self, module: nn.Module, device_type: str) -> None:

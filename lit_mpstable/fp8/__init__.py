@@ -54,6 +54,7 @@ from lit_mpstable.fp8.swap import (
     fp8_state_dict,
     fp8_stats,
     load_fp8_state_dict,
+    no_fp8_layers_message,
     select_fp8_modules,
 )
 from lit_mpstable.fp8.te_backend import TransformerEngineBackend, transformer_engine_recipe
@@ -87,6 +88,7 @@ __all__ = [
     "fp8_stats",
     "load_fp8_state_dict",
     "mx_block_scales",
+    "no_fp8_layers_message",
     "quantize",
     "quantize_mx",
     "scaled_mm_supported",

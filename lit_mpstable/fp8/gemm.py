@@ -2,43 +2,63 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 
-__all__ = ["fp8_mm", "scaled_mm_supported"]
+__all__ = ["fp8_mm", "scaled_mm_refusal", "scaled_mm_supported"]
 
 
 def scaled_mm_supported(device: torch.device | str) -> bool:
     """Whether ``torch._scaled_mm`` computes FP8 GEMMs correctly on ``device`` (probed once per device).
 
     CUDA needs compute capability >= 8.9 (Ada, Hopper and later). Recent CPU builds of torch also implement it;
-    the probe runs a 16x16 product of each operand pairing FP8Linear uses and compares with an fp32 matmul.
+    the probe runs a 16x16 product of each operand pairing FP8Linear uses and compares with an fp32 matmul. It
+    builds its operands with explicit dtypes (fp32 scales) and runs outside autocast, so the context of its first
+    call (a ``*-true`` forward sets a 16-bit default dtype) cannot make it fail.
     """
+    return scaled_mm_refusal(device) is None
+
+
+def scaled_mm_refusal(device: torch.device | str) -> str | None:
+    """Why ``torch._scaled_mm`` does not run FP8 GEMMs on ``device`` (None where it does), for messages."""
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if torch.cuda.get_device_capability(index) < (8, 9):
-            return False
+        capability = torch.cuda.get_device_capability(index)
+        if capability < (8, 9):
+            return f"CUDA device {index} has compute capability {capability}; FP8 GEMMs need >= (8, 9)"
         device = torch.device("cuda", index)
-    return _probe(str(device))
+    key = str(device)
+    if key not in _PROBED:
+        _PROBED[key] = _probe(key)
+    return _PROBED[key]
 
 
-@functools.cache
-def _probe(device: str) -> bool:
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randint(-8, 9, (16, 16), generator=gen).float().to(device)
-    b = torch.randint(-8, 9, (16, 16), generator=gen).float().to(device)
-    one = torch.ones((), device=device)
-    try:
-        for a_dtype, b_dtype in ((torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)):
-            out = torch._scaled_mm(a.to(a_dtype), b.to(b_dtype).t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-            if not torch.equal(out, a @ b.t()):  # small integers: both products are exact
-                return False
-    except Exception:  # noqa: BLE001 - any failure (missing kernel, unsupported dtype or layout) means "not here"
-        return False
-    return True
+_PROBED: dict[str, str | None] = {}
+"""Probe outcomes per device: None (runs) or the refusal. Only outcomes of sound arguments are stored."""
+
+
+def _probe(device: str) -> str | None:
+    device_type = torch.device(device).type
+    # Explicit dtypes everywhere, no autocast, no autograd: the caller may run inside a 16-bit forward, where
+    # ``torch.ones(())`` would give a bf16 scale that _scaled_mm refuses (a refusal of our arguments, not the device).
+    with torch.no_grad(), torch.autocast(device_type, enabled=False):
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randint(-8, 9, (16, 16), generator=gen).to(device=device, dtype=torch.float32)
+        b = torch.randint(-8, 9, (16, 16), generator=gen).to(device=device, dtype=torch.float32)
+        one = torch.ones((), device=device, dtype=torch.float32)
+        try:
+            pairs = ((torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn))
+            for a_dtype, b_dtype in pairs:
+                out = torch._scaled_mm(
+                    a.to(a_dtype), b.to(b_dtype).t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+                )
+                if not torch.equal(out, a @ b.t()):  # small integers: both products are exact
+                    return f"torch._scaled_mm gave a wrong {a_dtype} x {b_dtype} product on {device}"
+        except Exception as error:  # noqa: BLE001 - a missing kernel, unsupported dtype or layout: "not here"
+            return f"torch._scaled_mm refused a 16x16 {a_dtype} x {b_dtype} product on {device}: {error}"
+    return None
 
 
 _SCALED_MM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 from lit_mpstable.fp8.backend import share_hooks
 from lit_mpstable.fp8.config import FP8Config
-from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
+from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_refusal
 from lit_mpstable.fp8.quant import (
     MX_BLOCK_SIZE,
     amax_from_history,
@@ -45,6 +46,13 @@ class FP8Linear(nn.Linear):
     so plain checkpoints load either way; :meth:`fp8_state_dict` / :meth:`load_fp8_state_dict` save and restore
     them (the precision plugin stores them in its own state). Histories are updated only in ``train()`` mode.
 
+    Activation checkpointing (``torch.utils.checkpoint``, reentrant or not): a forward that runs inside a backward
+    pass is a recompute; it casts with the scales its original forward used and records nothing, so a step records
+    one amax per operand and computes the same FP8 data as without checkpointing. Recomputes take the stored
+    forwards' scales oldest first (as TransformerEngine does): exact for a layer called once per checkpointed
+    region and step; a layer shared by several checkpointed regions is recomputed last region first, so its
+    recomputes may swap the scales of its calls.
+
     Telemetry: with ``collect_stats = True`` each call records, per operand, the saturated fraction (finite values
     beyond what rounds to the FP8 max: 464 for E4M3, 61440 for E5M2), the underflow fraction (nonzero values that
     became 0) and the amax, as 0-dim tensors in :attr:`fp8_stats` (no host sync); it costs a few passes per tensor.
@@ -68,6 +76,8 @@ class FP8Linear(nn.Linear):
         self.fp8_config = config if config is not None else FP8Config()
         self.collect_stats = False
         self._stats_numel: dict[str, float] = {}  # operands measured since stats were last cleared: their sizes
+        # Delayed recipe: the scales each forward used, oldest first, for an activation-checkpointing recompute.
+        self._forward_scales: deque[tuple[int, bool, torch.Tensor]] = deque()
         buffer_device = self.weight.device
         self.register_buffer("stats_buffer", torch.zeros(3, 3, device=buffer_device), persistent=False)
         if self.fp8_config.recipe == "delayed":
@@ -110,7 +120,8 @@ class FP8Linear(nn.Linear):
                 self._stats_numel["grad_out"] = float(x.numel() // self.in_features * self.out_features)
         # Autocast off inside: the casts are ours, and fp32 emulation must not be downcast to 16 bits.
         with torch.autocast(device_type, enabled=False):
-            return _FP8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
+            forward_scales = self._begin_forward(x)  # outside the Function: its forward runs with grad disabled
+            return _FP8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, forward_scales)
 
     def _use_scaled_mm(self, device: torch.device) -> bool:
         return _scaled_mm_decision(self.fp8_config.emulate, str(device))
@@ -118,23 +129,72 @@ class FP8Linear(nn.Linear):
     def _dtype(self, role: int) -> torch.dtype:
         return self.fp8_config.grad_dtype if role == _GRAD else self.fp8_config.forward_dtype
 
-    def _cast(self, t: torch.Tensor, role: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-tensor recipes: (FP8 data, inverse scale) of ``t``; records the amax (delayed) and stats."""
+    def _cast(
+        self, t: torch.Tensor, role: int, recompute_scales: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-tensor recipes: (FP8 data, inverse scale) of ``t``; records the amax (delayed) and stats.
+
+        ``recompute_scales``: a checkpointing recompute's stored scales (delayed): used as they are, nothing recorded.
+        """
         config, dtype = self.fp8_config, self._dtype(role)
         amax = t.detach().abs().amax().float()
-        if config.recipe == "delayed":
+        if recompute_scales is not None:
+            scale = recompute_scales[role]
+        elif config.recipe == "delayed":
             scale = self.scale[role].clone()  # from previous steps; the buffer is updated below
         else:
             scale = compute_scale(amax, dtype, margin=config.margin)
         data = quantize(t, scale, dtype)
         if self.collect_stats:
             self._record_stats(role, t, t.float() * scale, data, amax)
-        if config.recipe == "delayed" and self.training:
+        if config.recipe == "delayed" and self.training and recompute_scales is None:
             with torch.no_grad():
                 history = update_amax_history_(self.amax_history[role], amax)
                 amax_next = amax_from_history(history, config.amax_compute_algo)
                 self.scale[role] = compute_scale(amax_next, dtype, margin=config.margin, previous=self.scale[role])
         return data, scale.reciprocal()
+
+    def _begin_forward(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Delayed recipe in training: ``(recompute_scales, entry)``.
+
+        A recompute (a forward inside a backward pass: both kinds of ``torch.utils.checkpoint`` recompute there)
+        gets the oldest stored scales of a forward under the same weights, and ``entry`` None. An original forward
+        that a recompute may follow stores a copy of the scales it is about to use and gets ``(None, entry)``: one
+        that builds a graph (its backward drops the entry again: no recompute happened, or one consumed it), or one
+        under ``no_grad`` (a reentrant checkpoint's first pass; a graph-building forward drops such entries later).
+        """
+        if self.fp8_config.recipe != "delayed" or not self.training or torch.compiler.is_compiling():
+            return None, None  # compiled: the graph's backward recomputes without calling the module again
+        stored = self.__dict__.setdefault("_forward_scales", deque())  # also for layers pickled before it existed
+        version = self.weight._version  # an optimizer step between two forwards makes the older entries stale
+        while stored and stored[0][0] != version:
+            stored.popleft()
+        if _inside_backward():
+            if stored:
+                return stored.popleft()[2], None
+            return self.scale.detach().clone(), None  # no stored forward: keep the state as it is
+        builds_graph = torch.is_grad_enabled()
+        if builds_graph:
+            if not (x.requires_grad or any(p is not None and p.requires_grad for p in (self.weight, self.bias))):
+                return None, None  # no backward, so no recompute, will follow
+            # No-grad entries left over were never recomputed (a plain no_grad forward in training mode).
+            kept = [e for e in stored if e[1]]
+            stored.clear()
+            stored.extend(kept)
+        entry = self.scale.detach().clone()
+        stored.append((version, builds_graph, entry))
+        while len(stored) > _MAX_STORED_FORWARDS:  # forwards never recomputed nor backpropagated: forget the oldest
+            stored.popleft()
+        return None, entry
+
+    def _end_backward(self, entry: torch.Tensor | None) -> None:
+        """Drop the stored scales of the forward whose backward runs (a recompute may have taken them already)."""
+        if entry is None:
+            return
+        for index, (_, _, stored) in enumerate(self._forward_scales):
+            if stored is entry:
+                del self._forward_scales[index]
+                return
 
     def _cast_mx(self, t: torch.Tensor, role: int, record: bool = True) -> torch.Tensor:
         """MX recipe: ``t`` quantised in blocks of 32 along its last dim and dequantised to fp32 (emulation)."""
@@ -203,27 +263,43 @@ class FP8Linear(nn.Linear):
             buffer.copy_(value)
 
 
+_MAX_STORED_FORWARDS = 64
+"""Forwards awaiting their recompute that one delayed FP8Linear remembers (pipelines keep a few microbatches)."""
+
+
+def _inside_backward() -> bool:
+    # The autograd engine runs a graph task only during backward; a module forward inside one is a recompute
+    # (torch.utils.checkpoint recomputes in the backward, with use_reentrant True or False). A compiled graph
+    # recomputes inside its own backward graph, without calling the module again.
+    if torch.compiler.is_compiling() or _GRAPH_TASK_ID is None:
+        return False
+    return _GRAPH_TASK_ID() != -1
+
+
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward pass
+
+
 # Run by torch.compile at trace time, in plain Python, and baked into the graph as a constant: the probe behind it
 # runs real FP8 GEMMs (a seeded generator, an equality check) that cannot be traced, and is cached per device.
 @torch.compiler.assume_constant_result
 def _scaled_mm_decision(emulate: bool | None, device: str) -> bool:
     """Whether FP8 GEMMs on ``device`` go through ``torch._scaled_mm`` (else exact emulation)."""
     if emulate is None:
-        supported = scaled_mm_supported(device)
-        if not supported and device not in _WARNED_EMULATION:
+        refusal = scaled_mm_refusal(device)
+        if refusal is not None and device not in _WARNED_EMULATION:
             _WARNED_EMULATION.add(device)
             warnings.warn(
-                f"FP8Linear: torch._scaled_mm does not run FP8 GEMMs on {device} (CUDA needs compute capability"
-                " >= 8.9), so FP8 is emulated there: FP8 numerics, no speed-up. Set FP8Config(emulate=True) to"
-                " say that is intended. (Warned once per device.)",
+                f"FP8Linear: torch._scaled_mm does not run FP8 GEMMs on {device} ({refusal}), so FP8 is emulated"
+                " there: FP8 numerics, no speed-up. Set FP8Config(emulate=True) to say that is intended. (Warned"
+                " once per device.)",
                 RuntimeWarning,
                 stacklevel=5,
             )
-        return supported
-    if not emulate and not scaled_mm_supported(device):
+        return refusal is None
+    if not emulate and (refusal := scaled_mm_refusal(device)) is not None:
         raise RuntimeError(
-            f"FP8Config(emulate=False): torch._scaled_mm does not run FP8 GEMMs on {device} (CUDA needs compute"
-            " capability >= 8.9); use emulate=None to fall back to emulation."
+            f"FP8Config(emulate=False): torch._scaled_mm does not run FP8 GEMMs on {device} ({refusal}); use"
+            " emulate=None to fall back to emulation."
         )
     return not emulate
 
@@ -247,22 +323,29 @@ class _FP8LinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         layer: FP8Linear,
         out_dtype: torch.dtype,
+        forward_scales: tuple[torch.Tensor | None, torch.Tensor | None],
     ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        # GEMM and bias are summed in fp32 and rounded once to the output dtype, as nn.Linear's fused bias epilogue
+        # does. Rounding the GEMM to 16 bits before the add is a second rounding that inductor elides when it fuses
+        # the add (it keeps the fp32 value), so eager and compiled 16-bit outputs differed by one ulp on a third of
+        # the elements.
+        gemm_dtype = torch.promote_types(out_dtype, torch.float32) if bias is not None else out_dtype
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.has_bias = layer, x.shape, x.dtype, bias is not None
         ctx.mx = layer.fp8_config.recipe == "mxfp8"
         if ctx.mx:
             # MX scales run along the reduction dim, which differs per GEMM: keep the inputs, quantise each time.
-            y = (layer._cast_mx(x2, _X) @ layer._cast_mx(weight, _W).t()).to(out_dtype)
+            y = (layer._cast_mx(x2, _X) @ layer._cast_mx(weight, _W).t()).to(gemm_dtype)
             ctx.save_for_backward(x2, weight)
         else:
             ctx.use_scaled_mm = layer._use_scaled_mm(x.device)
-            x_fp8, x_inv = layer._cast(x2, _X)
-            w_fp8, w_inv = layer._cast(weight, _W)
-            y = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype=out_dtype, use_scaled_mm=ctx.use_scaled_mm)
+            recompute_scales, ctx.forward_scales = forward_scales
+            x_fp8, x_inv = layer._cast(x2, _X, recompute_scales)
+            w_fp8, w_inv = layer._cast(weight, _W, recompute_scales)
+            y = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype=gemm_dtype, use_scaled_mm=ctx.use_scaled_mm)
             ctx.save_for_backward(x_fp8, w_fp8, x_inv, w_inv)
         if bias is not None:
-            y = y + bias.to(out_dtype)
+            y = (y + bias.to(gemm_dtype)).to(out_dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -277,7 +360,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                 grad_x = layer._cast_mx(g2, _GRAD) @ layer._cast_mx(weight.t(), _W, record=False).t()
                 grad_w = layer._cast_mx(g2.t(), _GRAD, record=False) @ layer._cast_mx(x2.t(), _X, record=False).t()
             else:
-                x_fp8, w_fp8, x_inv, w_inv = ctx.saved_tensors
+                x_fp8, w_fp8, x_inv, w_inv = ctx.saved_tensors  # may recompute a checkpointed region first
+                layer._end_backward(ctx.forward_scales)
                 w_dtype = layer.weight.dtype
                 g_fp8, g_inv = layer._cast(g2, _GRAD)
                 # A per-tensor scale does not depend on the axis: the forward's FP8 data is reused, transposed.
@@ -285,4 +369,4 @@ class _FP8LinearFunction(torch.autograd.Function):
                 grad_x = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, out_dtype=torch.float32, use_scaled_mm=fast)
                 grad_w = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, out_dtype=torch.float32, use_scaled_mm=fast)
             grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(w_dtype), grad_b, None, None
+        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(w_dtype), grad_b, None, None, None

@@ -20,6 +20,7 @@ __all__ = [
     "fp8_state_dict",
     "fp8_stats",
     "load_fp8_state_dict",
+    "no_fp8_layers_message",
     "select_fp8_modules",
 ]
 
@@ -75,8 +76,63 @@ def select_fp8_modules(model: nn.Module, config: FP8Config) -> list[str]:
         raise ValueError(
             f"FP8Config(filter={list(rule)!r}): {stale!r} match no nn.Linear layer of {type(model).__name__}; fix or"
             f" drop them (a stale filter quantises other layers than meant). Linear layers: {candidates}"
+            f"{_linear_like_note(model)}"
         )
     return selected
+
+
+def no_fp8_layers_message(model: nn.Module, config: FP8Config) -> str:
+    """Why ``config`` selects no layer of ``model`` (:func:`select_fp8_modules` is empty) and which filter would.
+
+    Names the ``nn.Linear`` layers (the default filter leaves out the first and last) and the Linear-like modules of
+    other types, which FP8 never converts (e.g. transformers' ``Conv1D`` in GPT-2, whose weight is stored (in, out)).
+    """
+    modules = dict(model.named_modules())
+    fp8 = {name for name, m in modules.items() if backend_of(m) is not None}
+    candidates = [name for name, m in modules.items() if type(m) is nn.Linear and name not in fp8]
+    head = (
+        f"fp8={config.recipe!r}: no nn.Linear layer of {type(model).__name__} is eligible for FP8, so FP8 would do"
+        " nothing."
+    )
+    rule = (
+        " Only exact nn.Linear layers are converted; the default filter also leaves out the first and the last of"
+        " them and those whose in/out features are not multiples of 16."
+    )
+    if candidates:
+        shown = candidates if len(candidates) <= 4 else [*candidates[:3], "..."]
+        fix = (
+            f" Pass FP8Config(filter={candidates!r}) (or patterns naming some of them) to run them in FP8, or fp8=None."
+            if len(candidates) <= 4
+            else " Pass FP8Config(filter=[...]) naming some of them (names or fnmatch patterns), or fp8=None."
+        )
+        found = f" nn.Linear layers: {shown}."
+    else:
+        found = " The model has no nn.Linear layer left to convert."
+        fix = " Use fp8=None, or build those layers as nn.Linear."
+    return head + rule + found + _linear_like_note(model) + fix
+
+
+def _linear_like_note(model: nn.Module) -> str:
+    # Modules holding a 2-D weight of their own that are not exact nn.Linear: the GEMM layers a user may expect FP8
+    # to convert (GPT-2's Conv1D, Linear subclasses). Embeddings hold a 2-D table but do no GEMM.
+    found: dict[str, list[str]] = defaultdict(list)
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if (
+            weight is None or weight.dim() != 2 or type(module) is nn.Linear or backend_of(module) is not None
+            or isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+        ):
+            continue
+        found[type(module).__name__].append(name)
+    if not found:
+        return ""
+    listed = "; ".join(
+        f"{kind} ({len(names)}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        for kind, names in found.items()
+    )
+    return (
+        f" Linear-like layers of other types, which FP8 does not convert (only exact nn.Linear is): {listed}."
+    )
 
 
 def _matches(entry: str | type, name: str, module: nn.Module) -> bool:

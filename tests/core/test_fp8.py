@@ -392,7 +392,7 @@ def test_fp8_linear_under_bf16_autocast() -> None:
 def test_auto_mode_warns_once_when_it_has_to_emulate(monkeypatch: pytest.MonkeyPatch) -> None:
     import lit_mpstable.fp8.linear as linear_module
 
-    monkeypatch.setattr(linear_module, "scaled_mm_supported", lambda device: False)
+    monkeypatch.setattr(linear_module, "scaled_mm_refusal", lambda device: "no FP8 kernel here")
     monkeypatch.setattr(linear_module, "_WARNED_EMULATION", set())
     layer = fp8_linear("current", d_in=32, d_out=16)
     with pytest.warns(RuntimeWarning, match="emulated"):
