@@ -263,6 +263,7 @@ def test_call_errors_name_the_problem():
         SpikeGuard(clip_zscore=2.5).clip_threshold()
 
 
+@pytest.mark.slow
 def test_compiles_without_graph_breaks():
     loss, norm = series(60, seed=6)
     loss[50] *= 4
