@@ -69,10 +69,9 @@ class FaultInjector(pl.Callback):
         if module is not None and not isinstance(module, str):
             raise TypeError(f"{call}(module={module!r}): must be a module's qualified name (a str) or None.")
         if ranks is not None:
-            if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+            if not isinstance(ranks, (list, tuple, set, frozenset, range)):
                 raise TypeError(f"{call}(ranks={ranks!r}): must be a collection of global ranks or None.")
-            ranks = tuple(ranks)
-            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in tuple(ranks)):
                 raise ValueError(f"{call}(ranks={ranks!r}): each rank must be an int >= 0.")
         self.schedule: dict[int, str] = dict(schedule)
         self.module = module

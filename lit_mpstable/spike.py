@@ -15,6 +15,11 @@ The stepper calls it at two points of a step::
     threshold = guard.clip_threshold()             # None, or a device tensor: clip to min(max_norm, threshold)
     ...step or skip on (found_inf | spike)...
     guard.commit_(skipped)                         # the step's final 0-dim skip flag: fold only applied steps
+
+Skipping means not calling ``optimizer.step()``: Adam's step counter, its bias correction and its moments then stay
+exactly those of an optimizer that never saw the batch (OLMo-core's first ``SkipStepAdamW`` zeroed the update
+inside ``step`` while the counter advanced, so the bias correction ran ahead). Any optimizer works, because the guard
+only contributes to the skip flag.
 """
 
 from __future__ import annotations
@@ -137,7 +142,8 @@ class SpikeGuard:
                              " pass the reduced (scalar) loss or the total gradient norm.")
         if self.device is None:
             self.bind(value.device)
-        return value.detach().reshape(()).to(self.device, torch.float32, non_blocking=True)
+        # non_blocking only towards an accelerator: a non-blocking copy into host memory may be read before it lands.
+        return value.detach().reshape(()).to(self.device, torch.float32, non_blocking=self.device.type != "cpu")
 
     # ------------------------------------------------------------------------------------------------- step
     def observe_loss_(self, loss: torch.Tensor) -> None:
@@ -321,7 +327,7 @@ class SpikeGuard:
 
 
 def _watch_arg(call: str, watch: Any) -> tuple[str, ...]:
-    if isinstance(watch, str) or not isinstance(watch, Iterable):
+    if not isinstance(watch, (tuple, list, set, frozenset)):
         raise TypeError(f"{call}(watch={watch!r}): must be a tuple of names from {_NAMES!r}, e.g. ('loss',).")
     names = tuple(watch)
     bad = [name for name in names if name not in _NAMES]

@@ -138,7 +138,7 @@ def test_state_dict_round_trips():
         (({3: "bitflip"},), {}, ValueError, "kind 'bitflip' at step 3 is not one of ('transient', 'nan_batch'"),
         (({3: "transient"},), {"module": 3}, TypeError, "module=3"),
         (({3: "transient"},), {"ranks": "0"}, TypeError, "ranks='0'"),
-        (({3: "transient"},), {"ranks": [-1]}, ValueError, "ranks=(-1,)"),
+        (({3: "transient"},), {"ranks": [-1]}, ValueError, "ranks=[-1]"),
     ],
 )
 def test_constructor_validates(args, kwargs, error, words):
