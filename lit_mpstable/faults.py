@@ -80,7 +80,6 @@ class FaultInjector(pl.Callback):
         self._target: nn.Module | None = None
         self._handles: list[Any] = []
         self._wrapped: pl.LightningModule | None = None
-        self._trainer: pl.Trainer | None = None
         self._armed: str | None = None  # the kind armed for the batch in progress
         self._step = -1
         self._transient_done: set[int] = set()
@@ -90,7 +89,6 @@ class FaultInjector(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._handles or self._wrapped is not None:
             return
-        self._trainer = trainer
         kinds = set(self.schedule.values())
         if kinds & {"transient", "fp16_overflow", "grad_spike"}:
             self._target = _find_module(pl_module, self.module)
@@ -120,7 +118,7 @@ class FaultInjector(pl.Callback):
         if self._wrapped is not None:
             self._wrapped.__dict__.pop("training_step", None)
             self._wrapped = None
-        self._armed, self._target, self._trainer = None, None, None
+        self._armed, self._target = None, None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._undo_batch()  # a batch that never reached on_train_batch_end (skipped by a callback)
@@ -163,12 +161,9 @@ class FaultInjector(pl.Callback):
         if (self._step, kind) not in self.injected:
             self.injected.append((self._step, kind))
 
-    def _active(self, module: nn.Module) -> bool:
-        return module.training and torch.is_grad_enabled()  # training forwards only, not validation or probes
-
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         kind = self._armed
-        if kind not in ("transient", "fp16_overflow") or not self._active(module):
+        if kind not in ("transient", "fp16_overflow") or not module.training:  # not a validation forward
             return None
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             raise TypeError(f"FaultInjector(module={self.module!r}): {type(module).__name__} returned"

@@ -47,12 +47,12 @@ def seeded(cls=PoisonModule, **kwargs):
     return cls(**kwargs)
 
 
-def fit(module, precision="32-true", injector=None):
+def fit(module, precision="32-true", injector=None, **trainer_kwargs):
     recorder, watch = Recorder(), Watch()
     callbacks = [c for c in (injector, recorder, watch) if c is not None]
     plugin = StablePrecision(precision)
     with quiet():
-        make_trainer(plugin, callbacks=callbacks).fit(module)
+        make_trainer(plugin, callbacks=callbacks, **trainer_kwargs).fit(module)
     return plugin, recorder, watch
 
 
@@ -95,10 +95,14 @@ def test_loss_spike_multiplies_the_returned_loss():
     assert "training_step" not in module.__dict__  # the wrapper is gone after fit
 
 
-def test_grad_spike_scales_some_coordinates_by_1e3():
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_grad_spike_scales_some_coordinates_by_1e3(accumulate):
+    # With gradient accumulation each micro-batch's contribution is scaled once: the step's gradient is x1e3 on the
+    # chosen coordinates, not x1e6 (as multiplying the accumulated .grad after each backward would give).
     injector = FaultInjector({1: "grad_spike"}, module="model.fc2")
-    _, _, watch = fit(seeded(), injector=injector)
-    _, _, clean = fit(seeded())
+    kwargs = dict(accumulate_grad_batches=accumulate, max_steps=2)
+    _, _, watch = fit(seeded(), injector=injector, **kwargs)
+    _, _, clean = fit(seeded(), **kwargs)
     assert all(torch.equal(watch.grads[0][k], clean.grads[0][k]) for k in clean.grads[0])
     for name, grad in watch.grads[1].items():
         expected = clean.grads[1][name].clone()
