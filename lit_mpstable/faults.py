@@ -120,7 +120,9 @@ class FaultInjector(pl.Callback):
             self._wrapped = None
         self._armed, self._target = None, None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._undo_batch()  # a batch that never reached on_train_batch_end (skipped by a callback)
         step = trainer.global_step
         kind = self.schedule.get(step)

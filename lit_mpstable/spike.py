@@ -122,7 +122,7 @@ class SpikeGuard:
         """Keep the statistics on ``device`` (moving them there if they live elsewhere); returns the guard."""
         device = torch.device(device)
         if self.device != device:
-            move = lambda t: t.to(device)  # noqa: E731
+            move = lambda t: t.to(device)
             self._values = {k: move(v) for k, v in self._values.items()}
             self._counts = {k: move(v) for k, v in self._counts.items()}
             self._zscores = {k: move(v) for k, v in self._zscores.items()}

@@ -88,7 +88,7 @@ def test_fp16_overflow_is_inf_in_fp16_and_exact_in_fp32(precision, skipped):
 def test_loss_spike_multiplies_the_returned_loss():
     module = PoisonModule()
     injector = FaultInjector({2: "loss_spike"})
-    _, recorder, watch = fit(module, injector=injector)
+    _, _, watch = fit(module, injector=injector)
     ratios = [seen / own for seen, own in zip(watch.losses, module.losses)]
     assert ratios[:2] == [1.0, 1.0] and ratios[2] == pytest.approx(1e4, rel=1e-6)
     assert injector.injected == [(2, "loss_spike")]
@@ -109,7 +109,7 @@ def test_grad_spike_scales_some_coordinates_by_1e3(accumulate):
         if name.startswith("model.fc2."):
             expected.view(-1)[::100] *= 1e3
         assert torch.allclose(grad, expected, rtol=1e-6, atol=0), name
-    norm = lambda g: torch.stack([t.norm() for t in g.values()]).norm()  # noqa: E731
+    norm = lambda g: torch.stack([t.norm() for t in g.values()]).norm()
     assert norm(watch.grads[1]) > 10 * norm(clean.grads[1])
     assert injector.injected == [(1, "grad_spike")]
 
