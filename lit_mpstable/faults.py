@@ -1,0 +1,236 @@
+"""FaultInjector: scripted numerical faults at chosen optimizer steps, a Lightning callback for a project's own CI."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, get_args
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+__all__ = ["FaultInjector", "FaultKind"]
+
+FaultKind = Literal["transient", "nan_batch", "fp16_overflow", "loss_spike", "grad_spike"]
+_KINDS: tuple[str, ...] = get_args(FaultKind)
+_FP16_MAX = 65504.0
+LOSS_SPIKE_FACTOR = 1e4
+GRAD_SPIKE_FACTOR = 1e3
+GRAD_SPIKE_STRIDE = 100
+"""``"grad_spike"`` multiplies every 100th gradient coordinate (1%: SPAM's spikes hit a few coordinates hard)."""
+
+
+class FaultInjector(pl.Callback):
+    """Inject one numerical fault at each scheduled optimizer step (``trainer.global_step``), to check in CI that a
+    run survives them (``StablePrecision``, ``SpikeGuard``, ``FaultTriage``).
+
+    Kinds, all keyed by the step so a resumed run sees the same faults:
+
+    - ``"transient"``: one activation element of ``module`` becomes NaN on the step's first forward only; a replay of
+      the step (another forward in the same step) is clean, as after a flipped bit.
+    - ``"nan_batch"``: the first element of the batch's first floating-point tensor is NaN, for every execution of the
+      step (a corrupted record). Written into the batch ``training_step`` receives (after the precision plugin's
+      input conversion) and restored after the batch, so the dataset is left as it was.
+    - ``"fp16_overflow"``: ``module``'s output is multiplied and divided by a power of two that takes its largest
+      value past FP16's range (65504): inf in FP16, the same values bit for bit in FP32 and BF16.
+    - ``"loss_spike"``: the loss ``training_step`` returns is multiplied by 1e4.
+    - ``"grad_spike"``: every 100th coordinate of ``module``'s parameter gradients is multiplied by 1e3 (hooks on the
+      parameters, so each backward's contribution is scaled once, with gradient accumulation too).
+
+    Args:
+        schedule: ``{step: kind}``, steps are ``trainer.global_step`` values (optimizer steps, from 0).
+        module: qualified name (as in ``named_modules()`` of the LightningModule) of the module that
+            ``"transient"``, ``"fp16_overflow"`` and ``"grad_spike"`` act on; default: the first leaf module with
+            parameters.
+        ranks: the global ranks that inject; default: every rank.
+
+    Attributes:
+        injected: ``(step, kind)`` for each fault that took effect, once per step, in order.
+
+    Raises:
+        TypeError, ValueError: a bad schedule, module or ranks (the message names it).
+    """
+
+    def __init__(
+        self, schedule: Mapping[int, FaultKind], *, module: str | None = None, ranks: Iterable[int] | None = None,
+    ) -> None:
+        call = type(self).__name__
+        if not isinstance(schedule, Mapping):
+            raise TypeError(f"{call}(schedule={schedule!r}): must be a dict {{step: kind}}, e.g. {{10: 'nan_batch'}}.")
+        for step, kind in schedule.items():
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise TypeError(f"{call}(schedule={schedule!r}): step {step!r} must be an int (a trainer.global_step).")
+            if step < 0:
+                raise ValueError(f"{call}(schedule={schedule!r}): step {step!r} must be >= 0 (optimizer steps count"
+                                 " from 0).")
+            if kind not in _KINDS:
+                raise ValueError(f"{call}(schedule={schedule!r}): kind {kind!r} at step {step} is not one of"
+                                 f" {_KINDS!r}.")
+        if module is not None and not isinstance(module, str):
+            raise TypeError(f"{call}(module={module!r}): must be a module's qualified name (a str) or None.")
+        if ranks is not None:
+            if not isinstance(ranks, (list, tuple, set, frozenset, range)):
+                raise TypeError(f"{call}(ranks={ranks!r}): must be a collection of global ranks or None.")
+            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in tuple(ranks)):
+                raise ValueError(f"{call}(ranks={ranks!r}): each rank must be an int >= 0.")
+        self.schedule: dict[int, str] = dict(schedule)
+        self.module = module
+        self.ranks = None if ranks is None else frozenset(ranks)
+        self.injected: list[tuple[int, str]] = []
+        self._target: nn.Module | None = None
+        self._handles: list[Any] = []
+        self._wrapped: pl.LightningModule | None = None
+        self._armed: str | None = None  # the kind armed for the batch in progress
+        self._step = -1
+        self._transient_done: set[int] = set()
+        self._restore: list[tuple[torch.Tensor, torch.Tensor]] = []  # (batch tensor, its first element)
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._handles or self._wrapped is not None:
+            return
+        kinds = set(self.schedule.values())
+        if kinds & {"transient", "fp16_overflow", "grad_spike"}:
+            self._target = _find_module(pl_module, self.module)
+            if kinds & {"transient", "fp16_overflow"}:
+                self._handles.append(self._target.register_forward_hook(self._forward_hook))
+            if "grad_spike" in kinds:
+                for param in self._target.parameters():
+                    if param.requires_grad:
+                        self._handles.append(param.register_hook(self._grad_hook))
+        if "loss_spike" in kinds:
+            original = pl_module.training_step
+
+            def training_step(*args: Any, **kwargs: Any) -> Any:
+                return self._spike_loss(original(*args, **kwargs))
+
+            training_step.__wrapped__ = original  # type: ignore[attr-defined]
+            pl_module.training_step = training_step  # an instance attribute, removed at teardown
+            self._wrapped = pl_module
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._undo_batch()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._wrapped is not None:
+            self._wrapped.__dict__.pop("training_step", None)
+            self._wrapped = None
+        self._armed, self._target = None, None
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._undo_batch()  # a batch that never reached on_train_batch_end (skipped by a callback)
+        step = trainer.global_step
+        kind = self.schedule.get(step)
+        if self.ranks is not None and trainer.global_rank not in self.ranks:
+            kind = None
+        if kind == "transient" and step in self._transient_done:
+            kind = None  # the step's first execution has passed (e.g. this is another micro-batch of it)
+        self._armed, self._step = kind, step
+        if kind == "nan_batch":
+            tensor = _first_floating(batch)
+            if tensor is None:
+                raise RuntimeError(f"FaultInjector: the batch of step {step} holds no floating-point tensor to put a"
+                                   " NaN in; schedule another kind for this model.")
+            first = (0,) * tensor.dim()  # indexing, not a flattened copy: any layout is written in place
+            self._restore.append((tensor, tensor[first].clone()))
+            with torch.no_grad():
+                tensor[first] = float("nan")
+            self._record("nan_batch")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._undo_batch()
+        self._armed = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """``injected`` (lists ``[step, kind]``) and ``transient_done`` (steps whose transient fault has fired)."""
+        return {"injected": [[step, kind] for step, kind in self.injected],
+                "transient_done": sorted(self._transient_done)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if set(state_dict) != {"injected", "transient_done"}:
+            raise KeyError(f"FaultInjector.load_state_dict: keys {sorted(state_dict)!r}, expected ['injected',"
+                           " 'transient_done']; was it written by another version of lit_mpstable?")
+        self.injected = [(int(step), str(kind)) for step, kind in state_dict["injected"]]
+        self._transient_done = {int(step) for step in state_dict["transient_done"]}
+
+    # ------------------------------------------------------------------------------------------------ faults
+    def _record(self, kind: str) -> None:
+        if (self._step, kind) not in self.injected:
+            self.injected.append((self._step, kind))
+
+    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
+        kind = self._armed
+        if kind not in ("transient", "fp16_overflow") or not module.training:  # not a validation forward
+            return None
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            raise TypeError(f"FaultInjector(module={self.module!r}): {type(module).__name__} returned"
+                            f" {type(output).__name__}, not a floating-point tensor; choose a module whose output is"
+                            " one (e.g. an nn.Linear).")
+        if kind == "transient":
+            self._armed = None
+            self._transient_done.add(self._step)
+            self._record(kind)
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+            return output
+        self._record(kind)
+        # A power of two: exact in FP32 and BF16 (an exponent shift), past 65504 for the largest value in FP16.
+        # Computed on the device (no host read); in FP16 the factor itself may be inf, which is the point.
+        amax = output.detach().abs().amax().float().clamp(min=2.0**-100)
+        factor = torch.exp2(torch.ceil(torch.log2(2 * _FP16_MAX / amax)))
+        return output * factor / factor
+
+    def _spike_loss(self, output: Any) -> Any:
+        if self._armed != "loss_spike":
+            return output
+        self._record("loss_spike")
+        if isinstance(output, torch.Tensor):
+            return output * LOSS_SPIKE_FACTOR
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+            return {**output, "loss": output["loss"] * LOSS_SPIKE_FACTOR}
+        raise RuntimeError(f"FaultInjector: 'loss_spike' at step {self._step} needs training_step to return the loss"
+                           f" (a tensor or a dict with 'loss'), got {type(output).__name__}.")
+
+    def _grad_hook(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if self._armed != "grad_spike":
+            return None
+        self._record("grad_spike")
+        mask = torch.ones(grad.numel(), dtype=grad.dtype, device=grad.device)
+        mask[::GRAD_SPIKE_STRIDE] = GRAD_SPIKE_FACTOR
+        return grad * mask.view_as(grad)
+
+    def _undo_batch(self) -> None:
+        with torch.no_grad():
+            for tensor, value in self._restore:
+                tensor[(0,) * tensor.dim()] = value
+        self._restore = []
+
+
+def _find_module(pl_module: nn.Module, name: str | None) -> nn.Module:
+    if name is None:
+        for _, module in pl_module.named_modules():
+            if not list(module.children()) and any(True for _ in module.parameters(recurse=False)):
+                return module
+        raise ValueError(f"FaultInjector(module=None): {type(pl_module).__name__} has no leaf module with parameters;"
+                         " name the module to fault with module=...")
+    names = dict(pl_module.named_modules())
+    if name not in names:
+        listed = [n for n in names if n][:8]
+        raise ValueError(f"FaultInjector(module={name!r}): {type(pl_module).__name__} has no such module; some of its"
+                         f" modules: {listed!r}.")
+    return names[name]
+
+
+def _first_floating(data: Any) -> torch.Tensor | None:
+    if isinstance(data, torch.Tensor):
+        return data if data.is_floating_point() and data.numel() else None
+    values = data.values() if isinstance(data, Mapping) else data if isinstance(data, (list, tuple)) else ()
+    for value in values:
+        if (found := _first_floating(value)) is not None:
+            return found
+    return None

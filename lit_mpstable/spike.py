@@ -1,0 +1,356 @@
+"""SpikeGuard: rolling loss and gradient-norm statistics on the device, a spike flag that joins the non-finite flag.
+
+A step whose loss or total (unscaled) gradient norm lies more than ``zscore`` standard deviations above the mean of
+the last ``window`` applied steps is skipped like an overflow (OLMo-core's ``SkipStepAdamW`` rule, 6 sigma over 128
+steps), and optionally the gradient norm is clipped to ``mean + clip_zscore * std`` (ZClip). Everything stays on the
+device: the decision is a 0-dim bool tensor that the stepper ORs into its found-inf flag, so the one host read the
+skip already costs decides both. Skipped steps (spikes and non-finite steps alike) never enter the statistics.
+
+The stepper calls it at two points of a step::
+
+    guard.observe_loss_(loss)                      # with the unscaled loss, before backward (each micro-batch)
+    ...backward, unscale_, non-finite check...
+    norm = torch.nn.utils.get_total_norm(grads)    # the true gradients' total norm, before any clipping
+    spike = guard.decide(norm)                     # 0-dim bool on the device, OR-ed into found_inf
+    threshold = guard.clip_threshold()             # None, or a device tensor: clip to min(max_norm, threshold)
+    ...step or skip on (found_inf | spike)...
+    guard.commit_(skipped)                         # the step's final 0-dim skip flag: fold only applied steps
+
+Skipping means not calling ``optimizer.step()``: Adam's step counter, its bias correction and its moments then stay
+exactly those of an optimizer that never saw the batch (OLMo-core's first ``SkipStepAdamW`` zeroed the update
+inside ``step`` while the counter advanced, so the bias correction ran ahead). Any optimizer works, because the guard
+only contributes to the skip flag.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
+
+import torch
+
+from lit_mpstable._validate import int_arg, real_arg
+
+__all__ = ["SpikeGuard", "Watched"]
+
+Watched = Literal["loss", "grad_norm"]
+
+# A guessed floor: the standard deviation counts as at least 1% of the mean's magnitude, so on a nearly flat series
+# (a plateaued loss, a steady norm) a change of a few percent is not a "6 sigma" spike. ScaleCheckpoint's rollback
+# rule floors at 5%; a skip is cheaper than a rollback, so the guard is allowed to be more sensitive.
+_MIN_REL_STD = 0.01
+_TINY = 1e-12
+_NAMES: tuple[str, ...] = get_args(Watched)
+
+
+class SpikeGuard:
+    """Skip loss and gradient-norm spikes on the device, and optionally clip the norm adaptively (ZClip).
+
+    Keeps the last ``window`` losses and total gradient norms of applied steps in ring buffers (device tensors, with
+    their counts), created on the CPU and moved to the device of the first value it sees (or :meth:`bind`). After
+    ``warmup`` applied values, a step whose watched value lies more than ``zscore`` standard deviations above the
+    rolling mean is flagged. No method reads a tensor's value on the host.
+
+    Args:
+        zscore: how many standard deviations above the rolling mean make a spike (OLMo-core: 6).
+        window: how many applied steps the statistics cover (OLMo-core: 128).
+        warmup: applied values needed before anything is flagged or clipped.
+        watch: which values can flag a spike: ``"loss"``, ``"grad_norm"`` or both. The statistics of both are kept
+            either way (the z-scores are metrics).
+        clip_zscore: clip the gradient norm to ``mean + clip_zscore * std`` of the recent norms (ZClip uses 2.5);
+            ``None``: no adaptive clipping.
+
+    Raises:
+        TypeError, ValueError: an argument has the wrong type or value (the message names it).
+    """
+
+    def __init__(
+        self,
+        zscore: float = 6.0,
+        window: int = 128,
+        warmup: int = 20,
+        watch: Iterable[Watched] = ("loss", "grad_norm"),
+        clip_zscore: float | None = None,
+    ) -> None:
+        call = type(self).__name__
+        self.zscore = real_arg(call, "zscore", zscore, low=0.0, low_open=True,
+                               unit="standard deviations above the rolling mean; 6 is OLMo-core's")
+        self.window = int_arg(call, "window", window, low=2, high=1 << 20,
+                              unit="applied steps in the statistics; a standard deviation needs 2; 128 is usual")
+        self.warmup = int_arg(call, "warmup", warmup, low=2,
+                              unit="applied steps before the guard judges; a standard deviation needs 2")
+        self.watch = _watch_arg(call, watch)
+        self.clip_zscore = real_arg(call, "clip_zscore", clip_zscore, low=0.0, low_open=True, none=True,
+                                    unit="standard deviations for adaptive clipping; ZClip uses 2.5; None turns it off")
+        self.device: torch.device | None = None
+        """Where the statistics live; None until the first value (or :meth:`bind`)."""
+        self._values = {name: torch.zeros(self.window) for name in _NAMES}  # ring buffers, slot = count % window
+        self._counts = {name: torch.zeros((), dtype=torch.int64) for name in _NAMES}  # applied values ever folded
+        self._spikes = torch.zeros((), dtype=torch.int64)
+        self._zscores = {name: torch.full((), math.nan) for name in _NAMES}
+        self._pending = {name: torch.zeros(()) for name in _NAMES}  # this step's loss (summed) and norm
+        self._has = {name: False for name in _NAMES}  # whether this step's value was given (host-side facts)
+        self._decided = False  # whether decide() ran this step (host-side)
+        self._last_spike = torch.zeros((), dtype=torch.bool)
+        self._threshold = torch.full((), math.inf)  # this step's clip threshold, for folding the clipped norm
+
+    # ------------------------------------------------------------------------------------------- live state
+    @property
+    def loss_zscore(self) -> torch.Tensor:
+        """The last judged loss's z-score, a 0-dim float32 device tensor (NaN before two applied losses, or when the
+        step had no loss). Reading its value syncs."""
+        return self._zscores["loss"]
+
+    @property
+    def grad_norm_zscore(self) -> torch.Tensor:
+        """The last judged gradient norm's z-score (as :attr:`loss_zscore`)."""
+        return self._zscores["grad_norm"]
+
+    @property
+    def spikes_skipped(self) -> torch.Tensor:
+        """Steps skipped because this guard flagged them, a 0-dim int64 device tensor. Reading its value syncs."""
+        return self._spikes
+
+    @property
+    def last_spike(self) -> torch.Tensor:
+        """The last :meth:`decide`'s flag, a 0-dim bool device tensor."""
+        return self._last_spike
+
+    # ---------------------------------------------------------------------------------------------- binding
+    def bind(self, device: torch.device | str) -> SpikeGuard:
+        """Keep the statistics on ``device`` (moving them there if they live elsewhere); returns the guard."""
+        device = torch.device(device)
+        if self.device != device:
+            move = lambda t: t.to(device)
+            self._values = {k: move(v) for k, v in self._values.items()}
+            self._counts = {k: move(v) for k, v in self._counts.items()}
+            self._zscores = {k: move(v) for k, v in self._zscores.items()}
+            self._pending = {k: move(v) for k, v in self._pending.items()}
+            self._spikes, self._last_spike, self._threshold = (
+                move(self._spikes), move(self._last_spike), move(self._threshold))
+            self.device = device
+        return self
+
+    def _value(self, value: torch.Tensor, what: str) -> torch.Tensor:
+        """``value`` detached, as a 0-dim float32 tensor on the guard's device (binding it on first use)."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"SpikeGuard.{what}: expected a tensor, got {type(value).__name__} {value!r}; pass the"
+                            " tensor itself (a Python number would need a host read to produce).")
+        if value.numel() != 1:
+            raise ValueError(f"SpikeGuard.{what}: expected one value, got a tensor of shape {tuple(value.shape)};"
+                             " pass the reduced (scalar) loss or the total gradient norm.")
+        if self.device is None:
+            self.bind(value.device)
+        # non_blocking only towards an accelerator: a non-blocking copy into host memory may be read before it lands.
+        return value.detach().reshape(()).to(self.device, torch.float32, non_blocking=self.device.type != "cpu")
+
+    # ------------------------------------------------------------------------------------------------- step
+    def observe_loss_(self, loss: torch.Tensor) -> None:
+        """Record the step's (unscaled) loss; micro-batches of one step add up, as their gradients do."""
+        value = self._value(loss, "observe_loss_(loss)")
+        self._pending["loss"] = self._pending["loss"] + value if self._has["loss"] else value
+        self._has["loss"] = True
+
+    def decide(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """Whether this step is a spike: a 0-dim bool tensor on the device, to OR into the non-finite flag.
+
+        Judges the loss given to :meth:`observe_loss_` and ``grad_norm`` (the total norm of the true, unscaled
+        gradients before any clipping) against the statistics of the applied steps before this one. A non-finite
+        value is not a spike (the non-finite check owns it). Also sets :attr:`loss_zscore`/:attr:`grad_norm_zscore`.
+
+        Raises:
+            ValueError: ``grad_norm`` is None although it is watched or clipped.
+        """
+        if grad_norm is None:
+            if "grad_norm" in self.watch or self.clip_zscore is not None:
+                raise ValueError(
+                    f"SpikeGuard(watch={self.watch!r}, clip_zscore={self.clip_zscore!r}).decide(grad_norm=None): the"
+                    " gradient norm is watched or clipped, so pass the step's total unscaled gradient norm.")
+        else:
+            self._pending["grad_norm"] = self._value(grad_norm, "decide(grad_norm)")
+            self._has["grad_norm"] = True
+        if self.device is None:  # nothing seen yet, nothing to judge
+            return self._last_spike.clone()
+        spike = torch.zeros((), dtype=torch.bool, device=self.device)
+        for name in _NAMES:
+            if not self._has[name]:
+                self._zscores[name].fill_(math.nan)  # not measured this step: no stale value passed off as fresh
+                continue
+            value = self._pending[name]
+            mean, std, count = self._stats(name)
+            z = torch.where(count >= 2, (value - mean) / std, math.nan)
+            self._zscores[name].copy_(z)
+            if name in self.watch:
+                # NaN z (non-finite value) compares False; +inf value gives an inf z, excluded by isfinite.
+                spike = spike | ((count >= self.warmup) & torch.isfinite(value) & (z > self.zscore))
+        if self.clip_zscore is not None:
+            self._threshold.copy_(self._clip_threshold())
+        self._last_spike.copy_(spike)
+        self._decided = True
+        return spike
+
+    def clip_threshold(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The adaptive clip norm ``mean + clip_zscore * std`` of the recent applied norms, as a 0-dim float32
+        device tensor (``inf`` during warmup), or None without ``clip_zscore``. Clip to ``min(max_norm, threshold)``
+        (``torch.nn.utils.clip_grads_with_norm_`` takes it as is); no host read.
+
+        Args:
+            grad_norm: this step's norm, only to bind the guard to its device when nothing was seen yet.
+
+        Raises:
+            RuntimeError: the guard has no device yet and no ``grad_norm`` was given.
+        """
+        if self.clip_zscore is None:
+            return None
+        if self.device is None:
+            if grad_norm is None:
+                raise RuntimeError("SpikeGuard.clip_threshold(): the guard has seen no value yet, so it has no device;"
+                                   " pass grad_norm=... or call bind(device) first.")
+            self.bind(grad_norm.device)
+        return self._clip_threshold()
+
+    def _clip_threshold(self) -> torch.Tensor:
+        assert self.clip_zscore is not None
+        mean, std, count = self._stats("grad_norm")
+        return torch.where(count >= self.warmup, mean + self.clip_zscore * std, math.inf)
+
+    def commit_(self, skipped: torch.Tensor | bool, *, spiked: torch.Tensor | None = None) -> None:
+        """End the step: fold its loss and norm into the statistics unless ``skipped`` (the step's final flag: a
+        spike, a non-finite gradient or any other skip), count a skipped spike, and clear the pending values.
+
+        With ``clip_zscore`` the norm enters the statistics clipped to its threshold (ZClip: an outlier that was
+        clipped does not widen the band for the next one).
+
+        Args:
+            skipped: 0-dim tensor (bool, or the scaler's float found-inf flag) or a Python bool.
+            spiked: the spike flag to count, when it differs from this guard's own :meth:`decide` (e.g. agreed across
+                ranks); default: the last :meth:`decide`'s.
+        """
+        if self.device is None:  # no value was ever given: nothing to fold or count
+            self._clear()
+            return
+        skipped_t = torch.as_tensor(skipped, device=self.device).reshape(()) != 0
+        applied = ~skipped_t
+        for name in _NAMES:
+            if self._has[name]:
+                value = self._pending[name]
+                if name == "grad_norm" and self.clip_zscore is not None:
+                    value = torch.minimum(value, self._threshold)
+                self._fold(name, value, applied)
+        if spiked is not None:
+            self._spikes.add_(((spiked.to(self.device).reshape(()) != 0) & skipped_t).to(torch.int64))
+        elif self._decided:
+            self._spikes.add_((self._last_spike & skipped_t).to(torch.int64))
+        self._clear()
+
+    def forget_(self) -> None:
+        """Drop the step's pending values without folding them (the step will be run again, e.g. replayed)."""
+        self._clear()
+
+    def _clear(self) -> None:
+        self._has = {name: False for name in _NAMES}
+        self._decided = False
+
+    def _fold(self, name: str, value: torch.Tensor, applied: torch.Tensor) -> None:
+        # torch.where on a one-hot slot instead of indexing by a Python int: no host read, no graph break.
+        values, count = self._values[name], self._counts[name]
+        take = applied & torch.isfinite(value)
+        slot = torch.arange(self.window, device=values.device) == count % self.window
+        values.copy_(torch.where(slot & take, value, values))
+        count.add_(take.to(torch.int64))
+
+    def _stats(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mean, floored standard deviation (unbiased) and count of the applied values in the window."""
+        values, count = self._values[name], self._counts[name]
+        valid = torch.arange(self.window, device=values.device) < count
+        n = count.clamp(max=self.window).to(torch.float32)
+        mean = torch.where(valid, values, 0.0).sum() / n.clamp(min=1.0)
+        var = torch.where(valid, (values - mean) ** 2, 0.0).sum() / (n - 1.0).clamp(min=1.0)
+        std = torch.maximum(var.sqrt(), _MIN_REL_STD * mean.abs()).clamp(min=_TINY)
+        return mean, std, count
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The statistics, for an exact resume mid-window; tensors and ints only (``weights_only=True`` loads it).
+
+        Keys: ``window`` (int), ``loss`` and ``grad_norm`` (the ring buffers, float32 of length ``window``),
+        ``loss_count`` and ``grad_norm_count`` (int64 0-dim: applied values folded so far), ``spikes_skipped``.
+        A step's pending values are not saved: checkpoints are written between steps.
+        """
+        state: dict[str, Any] = {"window": self.window}
+        for name in _NAMES:
+            state[name] = self._values[name].detach().clone()
+            state[f"{name}_count"] = self._counts[name].detach().clone()
+        state["spikes_skipped"] = self._spikes.detach().clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (strict), onto the guard's device if it has one.
+
+        Raises:
+            KeyError: keys differ from :meth:`state_dict`'s (each is named).
+            TypeError: a value has the wrong type.
+            ValueError: another ``window``, a buffer of the wrong shape or holding inf/NaN, a negative count.
+        """
+        call = "SpikeGuard.load_state_dict"
+        if not isinstance(state, dict):
+            raise TypeError(f"{call}(state={type(state).__name__}): expected the dict from SpikeGuard.state_dict().")
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            missing, unknown = sorted(expected - set(state)), sorted(set(state) - set(expected))
+            raise KeyError(f"{call}: missing keys {missing}, unknown keys {unknown}; was it saved by another version"
+                           " of lit_mpstable, or is it not a SpikeGuard's state?")
+        if state["window"] != self.window or isinstance(state["window"], bool):
+            raise ValueError(f"{call}: state['window']={state['window']!r} but this guard has window={self.window!r};"
+                             " the ring buffers cannot be resized exactly: build the guard with the saved window.")
+        values, counts = {}, {}
+        for name in _NAMES:
+            buf = state[name]
+            if not isinstance(buf, torch.Tensor) or not buf.is_floating_point():
+                raise TypeError(f"{call}: state[{name!r}] must be a floating-point tensor, got {buf!r}.")
+            if tuple(buf.shape) != (self.window,):
+                raise ValueError(f"{call}: state[{name!r}] has shape {tuple(buf.shape)}, expected ({self.window},)"
+                                 " (one value per step of the window).")
+            if not bool(torch.isfinite(buf).all()):  # a host read, at load time only
+                raise ValueError(f"{call}: state[{name!r}] holds inf/NaN; only finite values of applied steps enter"
+                                 " the statistics, so this state is corrupt.")
+            values[name] = buf.detach().to(torch.float32)
+            counts[name] = _count(call, f"{name}_count", state[f"{name}_count"])
+        spikes = _count(call, "spikes_skipped", state["spikes_skipped"])
+        device = self.device or torch.device("cpu")
+        for name in _NAMES:
+            self._values[name] = values[name].to(device).clone()
+            self._counts[name] = counts[name].to(device)
+        self._spikes = spikes.to(device)
+        self._clear()
+
+
+def _watch_arg(call: str, watch: Any) -> tuple[str, ...]:
+    if not isinstance(watch, (tuple, list, set, frozenset)):
+        raise TypeError(f"{call}(watch={watch!r}): must be a tuple of names from {_NAMES!r}, e.g. ('loss',).")
+    names = tuple(watch)
+    bad = [name for name in names if name not in _NAMES]
+    if bad:
+        raise ValueError(f"{call}(watch={watch!r}): {bad[0]!r} is not one of {_NAMES!r}.")
+    if not names:
+        raise ValueError(f"{call}(watch={watch!r}): must name at least one of {_NAMES!r}; to turn spike skipping"
+                         " off, leave spike_guard=None.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{call}(watch={watch!r}): each name at most once.")
+    return tuple(name for name in _NAMES if name in names)
+
+
+def _count(call: str, key: str, value: Any) -> torch.Tensor:
+    """A saved count as a 0-dim int64 tensor; refused if negative or not an integer."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.dtype == torch.bool:
+            raise TypeError(f"{call}: state[{key!r}]={value!r} must be an integer 0-dim tensor or an int.")
+        tensor = value.detach().reshape(()).to(torch.int64)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        tensor = torch.tensor(value, dtype=torch.int64)
+    else:
+        raise TypeError(f"{call}: state[{key!r}]={value!r} must be an integer 0-dim tensor or an int.")
+    if int(tensor) < 0:
+        raise ValueError(f"{call}: state[{key!r}]={int(tensor)} is negative; a count of applied steps cannot be.")
+    return tensor.clone()

@@ -1,0 +1,156 @@
+"""FaultInjector through a real Trainer on the CPU: each kind has its effect at its step and nowhere else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cb_helpers import PoisonModule, Recorder, quiet
+from helpers import make_trainer, regression_data
+from trainer_pkg import NAME, StablePrecision, pl
+
+from lit_mpstable.faults import FaultInjector
+
+pytestmark = pytest.mark.skipif(NAME != "lightning.pytorch", reason="FaultInjector is a lightning.pytorch callback")
+
+
+class ReplayModule(PoisonModule):
+    """Runs the forward twice per training step (a replay, as triage does) and records whether each was finite."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.finite: list[tuple[bool, bool]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        first, replay = self(x), self(x)
+        self.finite.append((bool(first.isfinite().all()), bool(replay.isfinite().all())))
+        return torch.nn.functional.mse_loss(first.float(), y)
+
+
+class Watch(pl.Callback):
+    """Records what Lightning saw: the loss of each batch and fc2's weight gradient before each optimizer step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].item())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()})
+
+
+def seeded(cls=PoisonModule, **kwargs):
+    """The same initial weights on every call, so a faulted run can be compared with a clean one."""
+    torch.manual_seed(0)
+    return cls(**kwargs)
+
+
+def fit(module, precision="32-true", injector=None, **trainer_kwargs):
+    recorder, watch = Recorder(), Watch()
+    callbacks = [c for c in (injector, recorder, watch) if c is not None]
+    plugin = StablePrecision(precision)
+    with quiet():
+        make_trainer(plugin, callbacks=callbacks, **trainer_kwargs).fit(module)
+    return plugin, recorder, watch
+
+
+def test_nan_batch_skips_that_step_only_and_leaves_the_data():
+    module = PoisonModule()
+    injector = FaultInjector({1: "nan_batch"})
+    plugin, recorder, _ = fit(module, injector=injector)
+    assert recorder.skipped == [False, True, False, False]
+    assert plugin.overflow_count == 1 and injector.injected == [(1, "nan_batch")]
+    assert torch.equal(module.x, regression_data(64)[0])  # the batch was restored after its step
+
+
+def test_transient_fires_on_the_first_execution_only():
+    module = ReplayModule()
+    injector = FaultInjector({2: "transient"})
+    _, recorder, _ = fit(module, injector=injector)
+    assert module.finite == [(True, True), (True, True), (False, True), (True, True)]  # the replay is clean
+    assert recorder.skipped == [False, False, True, False]
+    assert injector.injected == [(2, "transient")]
+    assert not module.model.fc1._forward_hooks  # the default module (the first leaf) is unhooked after fit
+
+
+@pytest.mark.parametrize("precision, skipped", [("32-true", False), ("16-mixed", True)])
+def test_fp16_overflow_is_inf_in_fp16_and_exact_in_fp32(precision, skipped):
+    injector = FaultInjector({1: "fp16_overflow"}, module="model.fc2")
+    _, recorder, _ = fit(seeded(), precision, injector)
+    _, clean, _ = fit(seeded(), precision)
+    assert recorder.skipped == [False, skipped, False, False] and injector.injected == [(1, "fp16_overflow")]
+    if not skipped:  # the same numbers bit for bit: the fault exists only in FP16's range
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(recorder.weights, clean.weights) for k in a)
+
+
+def test_loss_spike_multiplies_the_returned_loss():
+    module = PoisonModule()
+    injector = FaultInjector({2: "loss_spike"})
+    _, _, watch = fit(module, injector=injector)
+    ratios = [seen / own for seen, own in zip(watch.losses, module.losses)]
+    assert ratios[:2] == [1.0, 1.0] and ratios[2] == pytest.approx(1e4, rel=1e-6)
+    assert injector.injected == [(2, "loss_spike")]
+    assert "training_step" not in module.__dict__  # the wrapper is gone after fit
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_grad_spike_scales_some_coordinates_by_1e3(accumulate):
+    # With gradient accumulation each micro-batch's contribution is scaled once: the step's gradient is x1e3 on the
+    # chosen coordinates, not x1e6 (as multiplying the accumulated .grad after each backward would give).
+    injector = FaultInjector({1: "grad_spike"}, module="model.fc2")
+    kwargs = dict(accumulate_grad_batches=accumulate, max_steps=2)
+    _, _, watch = fit(seeded(), injector=injector, **kwargs)
+    _, _, clean = fit(seeded(), **kwargs)
+    assert all(torch.equal(watch.grads[0][k], clean.grads[0][k]) for k in clean.grads[0])
+    for name, grad in watch.grads[1].items():
+        expected = clean.grads[1][name].clone()
+        if name.startswith("model.fc2."):
+            expected.view(-1)[::100] *= 1e3
+        assert torch.allclose(grad, expected, rtol=1e-6, atol=0), name
+    norm = lambda g: torch.stack([t.norm() for t in g.values()]).norm()
+    assert norm(watch.grads[1]) > 10 * norm(clean.grads[1])
+    assert injector.injected == [(1, "grad_spike")]
+
+
+def test_ranks_limit_where_faults_are_injected():
+    injector = FaultInjector({1: "nan_batch"}, ranks=[1])
+    _, recorder, _ = fit(PoisonModule(), injector=injector)
+    assert recorder.skipped == [False] * 4 and injector.injected == []
+
+
+def test_state_dict_round_trips():
+    injector = FaultInjector({0: "transient", 1: "loss_spike"})
+    fit(ReplayModule(), injector=injector)
+    state = injector.state_dict()
+    assert state == {"injected": [[0, "transient"], [1, "loss_spike"]], "transient_done": [0]}
+    other = FaultInjector({0: "transient"})
+    other.load_state_dict(state)
+    assert other.injected == injector.injected and other.state_dict() == state
+    with pytest.raises(KeyError, match="transient_done"):
+        other.load_state_dict({"injected": []})
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, words",
+    [
+        (([1, "nan_batch"],), {}, TypeError, "schedule=[1, 'nan_batch']"),
+        (({-1: "nan_batch"},), {}, ValueError, "step -1 must be >= 0"),
+        (({"3": "nan_batch"},), {}, TypeError, "step '3' must be an int"),
+        (({True: "nan_batch"},), {}, TypeError, "step True must be an int"),
+        (({3: "bitflip"},), {}, ValueError, "kind 'bitflip' at step 3 is not one of ('transient', 'nan_batch'"),
+        (({3: "transient"},), {"module": 3}, TypeError, "module=3"),
+        (({3: "transient"},), {"ranks": "0"}, TypeError, "ranks='0'"),
+        (({3: "transient"},), {"ranks": [-1]}, ValueError, "ranks=[-1]"),
+    ],
+)
+def test_constructor_validates(args, kwargs, error, words):
+    with pytest.raises(error) as info:
+        FaultInjector(*args, **kwargs)
+    assert words in str(info.value) and "FaultInjector(" in str(info.value)
+
+
+def test_unknown_module_is_named_at_setup():
+    with pytest.raises(ValueError, match=r"module='model\.nope'.*no such module.*'model\.fc1'"):
+        fit(PoisonModule(), injector=FaultInjector({1: "transient"}, module="model.nope"))
