@@ -32,7 +32,8 @@ def blockwise_scale(amax: torch.Tensor, *, power_2_scale: bool = True) -> torch.
 
     The division rounds once (TE's ``__fdiv_rn``); a scale past fp32's range becomes fp32's max; with
     ``power_2_scale`` (TE's default for ``Float8BlockScaling``) it is rounded down to a power of two by dropping
-    its mantissa bits, so scaling and unscaling are exact and only the E4M3 cast rounds. A tile with amax 0 gets 1.
+    its mantissa bits, so scaling and unscaling are exact and only the E4M3 cast rounds. A tile with amax 0 gets 1;
+    a non-finite amax gives a meaningless scale (0, inf or NaN), and :func:`blockwise_quantize` marks its tile NaN.
     DeepSeek-V3's ``amax / 448`` decode scale is ``power_2_scale=False`` (TE's ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``).
     """
     amax = amax.float()
@@ -73,4 +74,4 @@ def blockwise_quantize(
 def blockwise_dequantize(q: BlockwiseQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``data * scale_inv`` in fp32, padding dropped, cast to ``dtype``."""
     values = q.data.float() * q.scale_inv
-    return untiled(values, torch.empty(q.shape, device="meta")).to(dtype)
+    return untiled(values, q.shape).to(dtype)

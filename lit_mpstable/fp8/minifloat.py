@@ -64,20 +64,26 @@ def round_to_format(v: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
 
 
 def stochastic_round_to_format(
-    v: torch.Tensor, fmt: ElementFormat, *, generator: torch.Generator | None = None
+    v: torch.Tensor,
+    fmt: ElementFormat,
+    *,
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """``v`` (fp32) rounded to one of its two neighbours in ``fmt``, up with probability equal to its distance
     from the lower one over their gap, so ``E[result] = v`` inside the range; saturating at ``±fmt.max``.
 
-    The uniform draws come from ``generator`` (the default generator when None), one per element, so a seeded
-    generator repeats the result. Values already on the grid are returned unchanged.
+    ``noise`` holds one uniform draw in [0, 1) per element (``v``'s shape); without it they are drawn here from
+    ``generator`` (the default generator when None), so a seeded generator repeats the result. Values already on the
+    grid are returned unchanged.
     """
     magnitude = v.abs().clamp(max=fmt.max)
     quantum = _quantum(magnitude, fmt)
     low = torch.floor(magnitude / quantum) * quantum
-    u = torch.rand(v.shape, generator=generator, dtype=torch.float32, device=v.device)
+    if noise is None:
+        noise = torch.rand(v.shape, generator=generator, dtype=torch.float32, device=v.device)
     # u < p rounds up with probability p exactly (u in [0, 1)); p = 0 on the grid never rounds up.
-    up = u < (magnitude - low) / quantum
+    up = noise < (magnitude - low) / quantum
     rounded = torch.where(up, low + quantum, low).clamp(max=fmt.max)
     return torch.copysign(rounded, v)
 
@@ -97,13 +103,13 @@ def tiled(x: torch.Tensor, rows: int, cols: int, *, pad: bool = False) -> torch.
     return x.reshape(*lead, r // rows, rows, c // cols, cols)
 
 
-def untiled(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`tiled`: back to ``like``'s shape, padding dropped."""
+def untiled(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The inverse of :func:`tiled`: back to the original ``shape``, padding dropped."""
     *lead, r_tiles, rows, c_tiles, cols = t.shape
     full = t.reshape(*lead, r_tiles * rows, c_tiles * cols)
-    if like.dim() == 1:
-        return full[0, : like.shape[-1]]
-    return full[..., : like.shape[-2], : like.shape[-1]]
+    if len(shape) == 1:
+        return full[0, : shape[-1]]
+    return full[..., : shape[-2], : shape[-1]]
 
 
 def tile_amax(t: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,15 @@ from typing import NamedTuple
 
 import torch
 
-from lit_mpstable.fp8.minifloat import E2M1, E4M3, round_to_format, stochastic_round_to_format, tile_amax, tiled
-from lit_mpstable.fp8.minifloat import untiled
+from lit_mpstable.fp8.minifloat import (
+    E2M1,
+    E4M3,
+    round_to_format,
+    stochastic_round_to_format,
+    tile_amax,
+    tiled,
+    untiled,
+)
 
 __all__ = ["NVFP4_BLOCK_SIZE", "NVFP4Quantized", "nvfp4_dequantize", "nvfp4_quantize", "nvfp4_tensor_scale"]
 
@@ -47,12 +54,16 @@ def nvfp4_quantize(
     tensor_scale: torch.Tensor | None = None,
     stochastic: bool = False,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> NVFP4Quantized:
     """NVFP4-quantise ``x`` with two-level scaling, as torchao's ``nvfp4_quantize`` with a per-tensor scale.
 
     Per tile: ``block = (amax_tile / 6) / tensor_scale`` clamped to ``[2**-6, 448]`` and rounded to E4M3; elements
     ``x * ((1 / tensor_scale) / block)`` clamped to ``±6`` and rounded to E2M1, to nearest even or, with
-    ``stochastic``, stochastically from ``generator`` (unbiased; the NVFP4 recipe does this for gradients only).
+    ``stochastic``, stochastically (unbiased; the NVFP4 recipe does this for gradients only) with one uniform draw
+    per element of ``x``, in ``x``'s order: ``noise`` (``x``'s shape, values in [0, 1)) where given, else
+    ``torch.rand(x.shape, generator=generator)``. ``torch.compile`` cannot trace a ``torch.Generator``: under it, draw
+    ``noise`` outside the compiled region, or leave both None for the default generator, which it can.
     ``tile=(1, 16)`` is the activation/gradient layout, ``(16, 16)`` the weight layout (one scale per 16x16 tile, so
     a weight and its transpose quantise alike). 1x16 with round-to-nearest gives torchao's bytes and values.
 
@@ -61,7 +72,7 @@ def nvfp4_quantize(
 
     Raises:
         ValueError: a dim the tile does not divide (cuBLAS and torchao need whole blocks: pad it, or keep the layer
-            in high precision), or a tile other than (1, 16) / (16, 16).
+            in high precision), a tile other than (1, 16) / (16, 16), or ``noise`` not of ``x``'s shape.
     """
     if tile not in ((1, NVFP4_BLOCK_SIZE), (NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)):
         raise ValueError(f"nvfp4_quantize(tile={tile!r}): tile must be (1, 16) for activations and gradients or "
@@ -83,7 +94,12 @@ def nvfp4_quantize(
     encode = (1.0 / tensor_scale) / block_scale.float()
     v = (t * encode).clamp(-E2M1.max, E2M1.max)
     if stochastic:
-        elements = stochastic_round_to_format(v, E2M1, generator=generator)
+        if noise is None:
+            noise = torch.rand(x.shape, generator=generator, device=x.device)
+        elif noise.shape != x.shape:
+            raise ValueError(f"nvfp4_quantize(noise of shape {tuple(noise.shape)}): noise must have x's shape "
+                             f"{tuple(x.shape)}, one uniform draw per element.")
+        elements = stochastic_round_to_format(v, E2M1, noise=tiled(noise, rows, cols))
     else:
         elements = round_to_format(v, E2M1)
     return NVFP4Quantized(elements, block_scale, tensor_scale, x.shape)
@@ -92,4 +108,4 @@ def nvfp4_quantize(
 def nvfp4_dequantize(q: NVFP4Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``elements * (tensor_scale * block_scale)`` in fp32, back in the original shape, cast to ``dtype``."""
     values = q.elements * (q.tensor_scale * q.block_scale.float())
-    return untiled(values, torch.empty(q.shape, device="meta")).to(dtype)
+    return untiled(values, q.shape).to(dtype)

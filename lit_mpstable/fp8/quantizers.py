@@ -6,7 +6,11 @@ from typing import Literal, get_args
 
 import torch
 
-from lit_mpstable.fp8.blockwise import BLOCKWISE_TILE, blockwise_dequantize, blockwise_quantize
+from lit_mpstable.fp8.blockwise import (
+    BLOCKWISE_TILE,
+    blockwise_dequantize,
+    blockwise_quantize,
+)
 from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quant import MX_BLOCK_SIZE, compute_scale, dequantize, quantize
@@ -39,7 +43,8 @@ def fake_quantize(
       E8M0 scale per 32 elements, every role.
     - ``"nvfp4"``: E2M1 elements, an E4M3 scale per 1x16 block (16x16 for weights) and an FP32 tensor scale;
       gradients are rounded stochastically from ``generator`` (the default generator when None; a seeded one
-      repeats the draw), inputs and weights to nearest even. ``generator`` is used nowhere else.
+      repeats the draw), inputs and weights to nearest even. ``generator`` is used nowhere else. Under
+      ``torch.compile`` pass None (it cannot trace a generator), or call ``nvfp4.nvfp4_quantize`` with ``noise``.
 
     The arithmetic is fp32 (a float64 ``x`` is rounded to fp32 first). Non-finite values never come back finite:
     see each format's module for which neighbours turn NaN with them.

@@ -12,9 +12,13 @@ import pytest
 import torch
 
 from lit_mpstable.fp8.blockwise import blockwise_quantize, blockwise_scale
-from lit_mpstable.fp8.hadamard import hadamard_matrix, random_hadamard_transform, random_signs
+from lit_mpstable.fp8.hadamard import (
+    hadamard_matrix,
+    random_hadamard_transform,
+    random_signs,
+)
 from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
-from lit_mpstable.fp8.nvfp4 import nvfp4_quantize
+from lit_mpstable.fp8.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quantizers import fake_quantize
 
 N_TENSORS = 1000  # random tensors per comparison with torchao (issue 27's target)
@@ -189,7 +193,7 @@ def test_mx_equals_torchao_on_1000_random_tensors(element: str, dtype: torch.dty
     x = _random_batch(N_TENSORS, (4, 64), seed=1).to(dtype)
     ref_scale, ref_elements, ref_values = _torchao_to_mx(x, element)
     q = mx_quantize(x, element)
-    per_tensor = lambda a, b: (a.flatten(1) == b.flatten(1)).all(dim=1)  # noqa: E731
+    per_tensor = lambda a, b: (a.flatten(1) == b.flatten(1)).all(dim=1)
     assert int(per_tensor(q.scale_e8m0, ref_scale).sum()) == N_TENSORS
     assert int(per_tensor(q.elements, ref_elements).sum()) == N_TENSORS
     assert int(per_tensor(mx_dequantize(q, dtype), ref_values).sum()) == N_TENSORS
@@ -390,6 +394,32 @@ def test_stochastic_rounding_repeats_by_seed() -> None:
     assert torch.equal(fake_quantize(x, "nvfp4", generator=g), fake_quantize(x, "nvfp4"))
 
 
+def test_stochastic_rounding_noise_drawn_outside_equals_the_generator_path() -> None:
+    # One draw per element in x's order, so noise drawn by the caller (torch.compile cannot trace a generator)
+    # reproduces the seeded path exactly.
+    x = torch.randn(8, 64)
+    noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(1))
+    q = nvfp4_quantize(x, stochastic=True, noise=noise)
+    assert torch.equal(nvfp4_dequantize(q), fake_quantize(x, "nvfp4", role="grad",
+                                                          generator=torch.Generator().manual_seed(1)))
+    ones = nvfp4_dequantize(nvfp4_quantize(x, stochastic=True, noise=torch.full_like(x, 1 - 2**-24)))
+    zeros = nvfp4_dequantize(nvfp4_quantize(x, stochastic=True, noise=torch.zeros_like(x)))
+    assert (zeros.abs() >= ones.abs()).all() and (zeros.abs() > ones.abs()).any()  # u = 0 rounds every value up
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "role"), [("blockwise", "weight"), ("mxfp4", "input"), ("nvfp4", "weight"),
+                                              ("nvfp4", "grad")])
+def test_fake_quantize_compiles_without_graph_breaks_and_matches_eager(recipe: str, role: str) -> None:
+    torch._dynamo.reset()
+    x = _random_batch(8, (16, 128), seed=10)
+    compiled = torch.compile(lambda t: fake_quantize(t, recipe, role=role), fullgraph=True, backend="aot_eager")
+    torch.manual_seed(0)
+    out = compiled(x)
+    torch.manual_seed(0)
+    assert torch.equal(out, fake_quantize(x, recipe, role=role))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Random Hadamard transform
 # ---------------------------------------------------------------------------------------------------------------
@@ -446,6 +476,8 @@ def test_random_hadamard_transform_is_invertible_and_keeps_gemms_over_the_last_d
         (lambda: mx_quantize(torch.randn(4, 64), "fp6_e2m3"), ValueError, ["element='fp6_e2m3'"]),
         (lambda: nvfp4_quantize(torch.randn(32, 32), tile=(8, 8)), ValueError, ["tile=(8, 8)"]),
         (lambda: blockwise_quantize(torch.randn(4, 128), tile=(1, 64)), ValueError, ["tile=(1, 64)"]),
+        (lambda: nvfp4_quantize(torch.randn(4, 64), stochastic=True, noise=torch.rand(64)), ValueError,
+         ["noise of shape (64,)", "(4, 64)"]),
         (lambda: random_hadamard_transform(torch.randn(4, 40), random_signs()), ValueError, ["multiple of 16"]),
         (lambda: random_hadamard_transform(torch.randn(4, 48), torch.ones(12)), ValueError, ["power-of-two"]),
         (lambda: hadamard_matrix(12), ValueError, ["n=12", "power of two"]),
