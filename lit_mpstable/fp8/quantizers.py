@@ -47,7 +47,8 @@ def fake_quantize(
       ``torch.compile`` pass None (it cannot trace a generator), or call ``nvfp4.nvfp4_quantize`` with ``noise``.
 
     The arithmetic is fp32 (a float64 ``x`` is rounded to fp32 first). Non-finite values never come back finite:
-    see each format's module for which neighbours turn NaN with them.
+    see each format's module for which neighbours turn NaN with them. The gradient is straight-through (the
+    identity), as in quantization-aware training.
 
     Raises:
         TypeError: ``x`` is not a floating-point tensor, or ``generator`` is not a ``torch.Generator``.
@@ -67,20 +68,36 @@ def fake_quantize(
     if x.dim() == 0:
         raise ValueError(f"fake_quantize(x of shape {tuple(x.shape)}): x must have at least one dim; block scales "
                          "run along the last one.")
+    if recipe in ("mxfp4", "mxfp8"):
+        _check_divides(x, recipe, role, rows=1, cols=MX_BLOCK_SIZE)
+    if recipe == "nvfp4":
+        _check_divides(x, recipe, role, rows=NVFP4_BLOCK_SIZE if role == "weight" else 1, cols=NVFP4_BLOCK_SIZE)
+    return _StraightThrough.apply(x, recipe, role, generator)
 
+
+class _StraightThrough(torch.autograd.Function):
+    # Rounding has a zero (or, through the FP8 casts, an accidental) derivative; QAT passes the gradient through.
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recipe: str, role: str, generator: torch.Generator | None) -> torch.Tensor:
+        return _fake_quantize(x, recipe, role, generator)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return grad, None, None, None
+
+
+def _fake_quantize(x: torch.Tensor, recipe: str, role: str, generator: torch.Generator | None) -> torch.Tensor:
     if recipe == "current":
         dtype = torch.float8_e5m2 if role == "grad" else torch.float8_e4m3fn
-        scale = compute_scale(x.detach().abs().amax(), dtype)
+        scale = compute_scale(x.abs().amax(), dtype)
         return dequantize(quantize(x, scale, dtype), scale, x.dtype)
     if recipe == "blockwise":
         tile = (BLOCKWISE_TILE, BLOCKWISE_TILE) if role == "weight" else (1, BLOCKWISE_TILE)
         return blockwise_dequantize(blockwise_quantize(x, tile=tile), x.dtype)
     if recipe in ("mxfp4", "mxfp8"):
-        _check_divides(x, recipe, role, rows=1, cols=MX_BLOCK_SIZE)
         element = "fp4_e2m1" if recipe == "mxfp4" else "fp8_e5m2" if role == "grad" else "fp8_e4m3"
         return mx_dequantize(mx_quantize(x, element, block_size=MX_BLOCK_SIZE), x.dtype)
     rows = NVFP4_BLOCK_SIZE if role == "weight" else 1
-    _check_divides(x, recipe, role, rows=rows, cols=NVFP4_BLOCK_SIZE)
     q = nvfp4_quantize(x, tile=(rows, NVFP4_BLOCK_SIZE), stochastic=role == "grad", generator=generator)
     return nvfp4_dequantize(q, x.dtype)
 

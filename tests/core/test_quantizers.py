@@ -353,6 +353,20 @@ def test_fake_quantize_keeps_dtype_and_shape(recipe: str, dtype: torch.dtype) ->
         assert (y.float() - x.float()).norm() <= 0.2 * x.float().norm()
 
 
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "mxfp4", "mxfp8", "nvfp4"])
+def test_fake_quantize_passes_the_gradient_straight_through_and_reads_nothing_on_the_host(recipe: str) -> None:
+    from helpers import HostReads
+
+    x = torch.randn(16, 128, requires_grad=True)
+    for role in ("input", "weight", "grad"):
+        with HostReads() as reads:
+            y = fake_quantize(x, recipe, role=role)
+        assert reads.ops == [], (role, reads.ops)
+        assert torch.equal(y, fake_quantize(x.detach(), recipe, role=role)) or role == "grad"
+        (grad,) = torch.autograd.grad(y, x, torch.arange(x.numel(), dtype=torch.float32).reshape(x.shape))
+        assert torch.equal(grad, torch.arange(x.numel(), dtype=torch.float32).reshape(x.shape))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Stochastic rounding (NVFP4 gradients)
 # ---------------------------------------------------------------------------------------------------------------
