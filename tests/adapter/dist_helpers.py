@@ -303,3 +303,78 @@ def fit_fsdp2(
               None if ckpt_path is None else str(ckpt_path)),
     )
     return read_ranks(out_dir)
+
+
+class PrecisionChanges(pl.Callback):
+    """Calls the plugin's repairs at fixed optimizer steps, on every rank alike (after that step).
+
+    Args:
+        at: ``{step: action}``; an action is ``"global"`` (``fallback(None)``), ``"restore"``
+            (``restore_precision()``), ``"snapshot"`` (keep ``plugin.state_dict()``), ``"rollback"``
+            (``restore_state`` of the snapshot) or a list of module names (a module fallback).
+    """
+
+    def __init__(self, at: Mapping[int, Any]) -> None:
+        self.at = dict(at)
+        self.snapshot: dict[str, Any] | None = None
+        self.events: list[tuple[int, Any]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step - 1  # the optimizer step that just ran
+        action = self.at.get(step)
+        if action is None:
+            return
+        plugin = trainer.precision_plugin
+        if action == "global":
+            plugin.fallback(None, reason="test")
+        elif action == "restore":
+            plugin.restore_precision()
+        elif action == "snapshot":
+            import copy
+
+            self.snapshot = copy.deepcopy(plugin.state_dict())
+        elif action == "rollback":
+            plugin.restore_state(self.snapshot)
+        else:
+            plugin.fallback(list(action), reason="test")
+        self.events.append((step, action))
+
+
+def layout_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """A plain DDP loop on a bf16 ``PrecisionLayout``: a fallback without a way to find the DDP wrapper is refused
+    (nothing changes), with one it rebuilds the reducer; each rank trains on its own half of the data."""
+    from lit_mpstable.layout import PrecisionLayout
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
+                            timeout=TIMEOUT)
+    try:
+        torch.manual_seed(0)
+        model = TinyMLP()
+        layout = PrecisionLayout(torch.bfloat16, cast_parameters=True)
+        layout.attach(model, "cpu")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        x, y = regression_data(32)
+        x, y = x[rank::WORLD_SIZE], y[rank::WORLD_SIZE]
+        result: dict[str, Any] = {}
+        try:
+            layout.fallback(None)
+        except RuntimeError as err:
+            result["refused"] = str(err)
+        result["after_refusal"] = (layout.fp32, {p.dtype for p in model.parameters()})
+        layout.find_ddp = lambda: ddp
+        layout.fallback(["fc2"])
+        for _ in range(2):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(x.to(layout.compute_dtype)).float(), y).backward()
+            optimizer.step()
+        layout.restore()
+        for _ in range(2):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(x.to(layout.compute_dtype)).float(), y).backward()
+            optimizer.step()
+        result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

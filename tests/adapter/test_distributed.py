@@ -226,3 +226,44 @@ def test_submitit_launcher_asks_slurm_for_the_trainers_nodes() -> None:
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
     cfg = _compose(["trainer=ddp", "trainer.num_nodes=2", "hydra/launcher=submitit"], return_hydra_config=True)
     assert cfg.hydra.launcher.nodes == 2
+
+
+# ------------------------------------------------------------------ repairs under DDP keep the replicas equal
+def _assert_replicas_equal(rank0: dict, rank1: dict) -> None:
+    assert rank0["world_size"] == 2
+    assert rank0["PrecisionChanges.events"] == rank1["PrecisionChanges.events"] != []
+    assert _same_params(rank0["params"], rank1["params"]), {
+        k: (rank0["params"][k].float() - rank1["params"][k].float()).abs().max().item() for k in rank0["params"]}
+    assert _same_params(rank0["masters"], rank1["masters"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("master_weights", [True, False, "kahan"])
+@pytest.mark.parametrize("changes", [
+    {1: "global"},  # PrecisionFallback's default: the whole model to FP32
+    {1: ["model.fc2"]},  # a module fallback: an FP32 island
+    {1: ["model.fc2"], 3: "restore"},
+    {1: "global", 3: "restore"},
+    {0: "snapshot", 1: "global", 3: "rollback"},  # a rollback to before the fallback (ScaleCheckpoint's path)
+], ids=["global", "module", "module-restore", "global-restore", "rollback"])
+def test_ddp_true_precision_repairs_keep_replicas_equal(tmp_path: Path, master_weights, changes) -> None:
+    # Each rank trains on its own half of the batch, so only DDP's gradient all-reduce keeps them equal: a repair that
+    # recasts parameters must keep the reducer's hooks firing (or refuse). Rank files hold the final weights.
+    from dist_helpers import PrecisionChanges
+
+    plugin = StablePrecision("bf16-true", master_weights=master_weights)
+    module = RankFaultModule(batch_by_step=True)
+    rank0, rank1 = fit_ddp(module, plugin, [PrecisionChanges(changes)], tmp_path, max_steps=6)
+    _assert_replicas_equal(rank0, rank1)
+
+
+def test_a_recast_under_ddp_rebuilds_the_reducer_or_is_refused(tmp_path: Path) -> None:
+    # A plain PyTorch DDP loop: the layout cannot find the wrapper until told, and then keeps the replicas equal.
+    from dist_helpers import layout_worker
+
+    mp.start_processes(layout_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
+    rank0, rank1 = read_ranks(tmp_path)
+    for rank in (rank0, rank1):
+        assert "no DistributedDataParallel wrapping the model" in rank["refused"]
+        assert rank["after_refusal"] == (False, {torch.bfloat16})  # the refused call changed nothing
+    assert _same_params(rank0["params"], rank1["params"])
