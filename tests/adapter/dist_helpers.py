@@ -207,6 +207,13 @@ def forward_off_on_rank1(module: pl.LightningModule, batch: Any) -> torch.Tensor
     return output + 1.0 if module.global_rank == 1 and torch.is_autocast_enabled("cpu") else output
 
 
+def low_precision_off_on_rank1(module: pl.LightningModule, batch: Any) -> torch.Tensor:
+    """An ``AMPPreflight`` forward whose 16-bit output (autocast or ``*-true``) is off by 1 on rank 1 only."""
+    output = module(batch[0])
+    low = torch.is_autocast_enabled("cpu") or output.dtype != torch.float32
+    return output + 1.0 if module.global_rank == 1 and low else output
+
+
 class RankReport(pl.Callback):
     """Per step: loss scale and skip flag; at the end, weights, plugin state and every callback's decisions, written
     to ``out_dir/rank{global_rank}.pt``. List it last."""

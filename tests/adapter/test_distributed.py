@@ -117,8 +117,24 @@ def test_rollback_on_one_ranks_loss_spike_happens_on_both(tmp_path: Path) -> Non
 
 def test_preflight_disagreement_on_one_rank_falls_back_on_both(tmp_path: Path) -> None:
     preflight = AMPPreflight(forward_fn=forward_off_on_rank1)
-    rank0, rank1 = fit_ddp(RankFaultModule(), StablePrecision("bf16-mixed"), [preflight], tmp_path, max_steps=1)
+    module = RankFaultModule(batch_by_step=True)
+    rank0, rank1 = fit_ddp(module, StablePrecision("bf16-mixed"), [preflight], tmp_path, max_steps=3)
     assert rank0["fallback_active"] and rank1["fallback_active"]
+    assert _same_params(rank0["params"], rank1["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_preflight_fallback_in_true_precision_under_ddp_keeps_replicas_equal(tmp_path: Path, precision: str) -> None:
+    # The global fallback recasts the parameters (the reducer is rebuilt) and this batch, cast already, goes to FP32.
+    from dist_helpers import low_precision_off_on_rank1
+
+    preflight = AMPPreflight(forward_fn=low_precision_off_on_rank1)
+    module = RankFaultModule(batch_by_step=True)
+    rank0, rank1 = fit_ddp(module, StablePrecision(precision), [preflight], tmp_path, max_steps=3)
+    assert rank0["fallback_active"] and rank1["fallback_active"]
+    assert rank0["param_dtypes"] == rank1["param_dtypes"] and set(rank0["param_dtypes"].values()) == {torch.float32}
+    assert _same_params(rank0["params"], rank1["params"]) and _same_params(rank0["masters"], rank1["masters"])
 
 
 # --------------------------------------------------------------------------- Lightning, FSDP2 (ModelParallel)
