@@ -56,6 +56,9 @@ class PrecisionLayout:
         self.fp32_modules: list[str] = []  # modules moved into FP32 islands
         self._fp8_selected: list[str] | None = None  # chosen once per model, then re-applied
         self._fp8_layers: list[str] = []
+        self.after_recast: Callable[[list[tuple[nn.Parameter, torch.Tensor]]], None] | None = None
+        """Called after a re-application that changed parameter dtypes, with ``(parameter, its data before)`` for
+        each: state kept per parameter (compact weights' compensation, optimizer state) follows the recast."""
         self.find_ddp: Callable[[], Any] | None = None
         """Returns the ``DistributedDataParallel`` wrapping :attr:`module` now, or ``None`` (set by a front end that
         knows its strategy): a recast of ``*-true`` parameters rebuilds its reducer."""
@@ -126,6 +129,14 @@ class PrecisionLayout:
         self._apply()
 
     def _apply(self) -> None:
+        assert self.module is not None
+        before = [(param, param.data) for param, dtype in self._planned_dtypes().values() if param.dtype != dtype]
+        self._apply_layout()
+        changed = [(param, data) for param, data in before if param.dtype != data.dtype]
+        if changed and self.after_recast is not None:
+            self.after_recast(changed)
+
+    def _apply_layout(self) -> None:
         assert self.module is not None
         # The islands in force are derived, never edited: the user's specs plus the modules moved by fallbacks.
         self.islands.detach()

@@ -300,6 +300,7 @@ class PrecisionStepper:
                     " a scaler that checks without unscaling (check_()); use scaler='dynamic' or DynamicLossScaler."
                 )
             self.compact = CompactWeights(module, optimizers, self.master_mode, seed=torch.initial_seed() % 2**31)
+            self.layout.after_recast = self.compact.follow_recast_  # a fallback carries the compensation
             if self.precision == "16-true":
                 self.warnings.append(
                     f"{self.owner}('16-true', master_weights={self.master_mode!r}): optimizer state stays FP16, where"

@@ -4,12 +4,13 @@ silently wrong before."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from helpers import make_module, make_trainer
-from trainer_pkg import StablePrecision
+from trainer_pkg import AMPPreflight, StablePrecision, pl
 
-from lit_mpstable.callbacks import AMPPreflight
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -32,3 +33,63 @@ def test_preflight_fallback_in_true_precisions_trains_on(precision: str, master_
     assert plugin.compute_dtype == torch.float32 and plugin.fallback_active
     assert {p.dtype for p in module.parameters()} == {torch.float32}
     assert len(module.losses) == 2 and all(torch.isfinite(torch.tensor(module.losses)))
+
+
+# ------------------------------------------------------------------------- compact weights across a fallback
+class _Repairs(pl.Callback):
+    """Calls ``plugin.fallback``/``restore_precision`` after the given optimizer steps and records, right after
+    each, the compact parameters' FP32 values (``w + compensation``)."""
+
+    def __init__(self, at: dict[int, Any]) -> None:
+        self.at, self.seen = dict(at), []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.precision_plugin.stepper.compact is not None:
+            trainer.precision_plugin.stepper.compact.fused = False  # the FP32 stand-ins: no 20 s compile
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step - 1 not in self.at:
+            return
+        action = self.at[trainer.global_step - 1]
+        plugin = trainer.precision_plugin
+        before = _effective(plugin, pl_module)
+        if action == "restore":
+            plugin.restore_precision()
+        else:
+            plugin.fallback(action, reason="test")
+        self.seen.append((before, _effective(plugin, pl_module)))
+
+
+def _effective(plugin, module) -> dict[str, torch.Tensor]:
+    """Each trainable weight's value as the run holds it: the parameter, plus its Kahan compensation."""
+    values = {name: p.detach().double() for name, p in module.named_parameters()}
+    if plugin.stepper.compact is not None:
+        for name, _, comp in plugin.stepper.compact.named_buffers():
+            if comp is not None and plugin.stepper.compact._params[name].dtype != torch.float32:
+                values[name] = values[name] + comp.double()
+    return values
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+@pytest.mark.parametrize("changes", [{1: None}, {1: ["model.fc2"]}, {1: None, 3: "restore"}],
+                         ids=["global", "module", "global-restore"])
+def test_compact_weights_follow_a_fallback(mode: str, changes: dict) -> None:
+    plugin = StablePrecision("bf16-true", master_weights=mode, device="cpu")
+    repairs = _Repairs(changes)
+    module = make_module(optimizer="adamw", lr=1e-3)
+    make_trainer(plugin, callbacks=[repairs], max_steps=5).fit(module)
+    assert len(module.losses) == 5 and all(torch.isfinite(torch.tensor(module.losses)))
+    for action, (before, after) in zip(changes.values(), repairs.seen):
+        for name in before:
+            if action != "restore":  # into FP32: the value the run held is kept exactly (compensation included)
+                torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+            else:  # back to BF16: kahan's w + compensation holds the FP32 value to ~16 significant bits; stochastic
+                # rounds to the nearest BF16 (half an ulp: up to 2**-8 relative)
+                rtol = 2**-15 if mode == "kahan" else 2**-8
+                torch.testing.assert_close(after[name], before[name], rtol=rtol, atol=0, msg=name)
+    if mode == "kahan" and "restore" not in changes.values():
+        # The optimizer's state follows its parameter into FP32.
+        optimizer = module.trainer.optimizers[0]
+        fp32 = [p for p in module.parameters() if p.dtype == torch.float32]
+        assert fp32 and all(v.dtype == torch.float32 for p in fp32 for k, v in optimizer.state[p].items()
+                            if k != "step")
