@@ -143,7 +143,10 @@ class PrecisionLayout:
         self.islands = FP32Islands([*self._user_islands, *self.fp32_modules])
         dtype = self.compute_dtype
         if self.cast_parameters:
-            _cast_outside(self.module, dtype, match_modules(self.module, self.islands.specs) if self.islands.specs else {})
+            islands = match_modules(self.module, self.islands.specs) if self.islands.specs else {}
+            backend = self.fp8_backend
+            _cast_outside(self.module, dtype, islands, owns_buffers=None if backend is None else
+                          (lambda module: not backend.is_fp8_layer(module)))
         if self.fp8_backend is not None:
             self._apply_fp8()
         # In *-true modes an island's output goes back to the 16-bit dtype the next layer expects.
@@ -280,9 +283,12 @@ class PrecisionLayout:
                 self.fp8_backend.load_state_dict(self.module, self._fp8_layers, state["fp8"])
 
 
-def _cast_outside(root: nn.Module, dtype: torch.dtype, islands: dict[str, nn.Module]) -> None:
+def _cast_outside(root: nn.Module, dtype: torch.dtype, islands: dict[str, nn.Module],
+                  owns_buffers: Callable[[nn.Module], bool] | None = None) -> None:
     """Cast the floating parameters and buffers of ``root`` to ``dtype`` in place, except inside ``islands``: a
-    round trip through 16 bits would round their FP32 values (and overflow FP16 for statistics above 65504)."""
+    round trip through 16 bits would round their FP32 values (and overflow FP16 for statistics above 65504).
+    Buffers of a module for which ``owns_buffers`` is false are left alone: an FP8 layer's amax history and scales
+    are its backend's FP32 state, not the model's (a 16-bit scale is rounded, and ``_scaled_mm`` refuses it)."""
     inside = {id(m) for island in islands.values() for m in island.modules()}
     for module in root.modules():
         if id(module) in inside:
@@ -290,6 +296,8 @@ def _cast_outside(root: nn.Module, dtype: torch.dtype, islands: dict[str, nn.Mod
         for param in module.parameters(recurse=False):
             if param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)  # same Parameter object: optimizers and masters stay bound
+        if owns_buffers is not None and not owns_buffers(module):
+            continue
         for name, buffer in list(module.named_buffers(recurse=False)):
             if buffer.is_floating_point() and buffer.dtype != dtype:
                 setattr(module, name, buffer.to(dtype))

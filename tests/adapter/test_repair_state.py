@@ -55,6 +55,8 @@ class _Repairs(pl.Callback):
         before = _effective(plugin, pl_module)
         if action == "restore":
             plugin.restore_precision()
+        elif action == "rollback":
+            self.rollback()
         else:
             plugin.fallback(action, reason="test")
         self.seen.append((before, _effective(plugin, pl_module)))
@@ -93,3 +95,25 @@ def test_compact_weights_follow_a_fallback(mode: str, changes: dict) -> None:
         fp32 = [p for p in module.parameters() if p.dtype == torch.float32]
         assert fp32 and all(v.dtype == torch.float32 for p in fp32 for k, v in optimizer.state[p].items()
                             if k != "step")
+
+
+# ---------------------------------------------------------------------------------------- FP8 scaling state
+def test_fp8_scaling_state_stays_fp32_through_fallback_restore_and_rollback() -> None:
+    from lit_mpstable.fp8 import FP8Linear
+
+    plugin = StablePrecision("bf16-true", fp8="delayed", device="cpu")
+    states: list[dict] = []
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            if trainer.global_step == 1:
+                states.append(plugin.state_dict())
+
+    repairs = _Repairs({1: ["model.fc1"], 2: "restore", 3: "rollback"})
+    repairs.rollback = lambda: plugin.restore_state(states[0])
+    module = make_module()
+    make_trainer(plugin, callbacks=[Snapshot(), repairs], max_steps=5).fit(module)
+    fc2 = module.model.fc2
+    assert isinstance(fc2, FP8Linear) and len(repairs.seen) == 3
+    assert fc2.amax_history.dtype == fc2.scale.dtype == torch.float32
+    assert fc2.weight.dtype == torch.bfloat16 and bool((fc2.amax_history > 0).any())
