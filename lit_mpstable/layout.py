@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_mpstable.fp8 import FP8Config, fp8_backend, select_fp8_modules
+from lit_mpstable.fp8 import FP8Config, convert_from_fp8, fp8_backend, select_fp8_modules
 from lit_mpstable.islands import FP32Islands, match_modules
 
 __all__ = ["PrecisionLayout", "rebuild_ddp_reducer_"]
+
+_SWAPPED = "_lit_mpstable_fp8_swap"  # set on the FP8 layers a layout swapped in (a user's own are left alone)
 
 
 class PrecisionLayout:
@@ -124,6 +126,11 @@ class PrecisionLayout:
         """Apply the layout to ``module`` (again after a second ``fit``, or after a fallback decision)."""
         if module is not self.module:
             self._fp8_selected = None  # another model: select its layers on first use
+            # FP8 layers an earlier layout (a previous fit's plugin) swapped in are that run's decision, not the
+            # model's: back to nn.Linear, so this layout's filter selects among the user's layers.
+            left = [name for name, layer in module.named_modules() if getattr(layer, _SWAPPED, False)]
+            if left:
+                convert_from_fp8(module, left)
             self.validate(module)
         self.module, self.device_type = module, device_type
         self._apply()
@@ -161,7 +168,10 @@ class PrecisionLayout:
         wanted = [] if off else [name for name in self._fp8_selected if name not in self.fp8_removed]
         active = [name for name in self._fp8_selected if backend.is_fp8_layer(module.get_submodule(name))]
         backend.revert_(module, [name for name in active if name not in wanted])
-        backend.convert_(module, [name for name in wanted if name not in active])
+        converted = [name for name in wanted if name not in active]
+        backend.convert_(module, converted)
+        for name in converted:
+            setattr(module.get_submodule(name), _SWAPPED, True)
         self._fp8_layers = wanted
 
     def fallback(self, modules: Iterable[str] | None = None) -> str:

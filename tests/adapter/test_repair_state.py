@@ -117,3 +117,35 @@ def test_fp8_scaling_state_stays_fp32_through_fallback_restore_and_rollback() ->
     assert isinstance(fc2, FP8Linear) and len(repairs.seen) == 3
     assert fc2.amax_history.dtype == fc2.scale.dtype == torch.float32
     assert fc2.weight.dtype == torch.bfloat16 and bool((fc2.amax_history > 0).any())
+
+
+# --------------------------------------------------------------------------------- state that outlives a fit
+@pytest.mark.parametrize("filter_", [None, ["model.fc2"]])
+def test_a_second_fit_with_a_new_plugin_and_fp8_trains(filter_) -> None:
+    from lit_mpstable.fp8 import FP8Config, FP8Linear
+
+    module = make_module()
+    for _ in range(2):  # the first fit leaves FP8Linear layers in the model: the new plugin selects among them
+        plugin = StablePrecision("bf16-mixed", fp8=FP8Config(recipe="delayed", filter=filter_), device="cpu")
+        make_trainer(plugin, max_steps=2).fit(module)
+        assert plugin.layout.fp8_layers == ["model.fc2"] and isinstance(module.model.fc2, FP8Linear)
+    assert len(module.losses) == 4
+
+
+def test_a_refused_fallback_changes_nothing() -> None:
+    plugin = StablePrecision("bf16-true", device="cpu")
+    module = make_module()
+    errors = []
+
+    class Typo(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            if trainer.global_step == 1:
+                before = plugin.layout.state_dict()
+                with pytest.raises(ValueError, match="typo") as caught:
+                    plugin.fallback(["typo"], reason="test")
+                errors.append(str(caught.value))
+                assert plugin.layout.state_dict() == before and not plugin.fallback_active
+
+    make_trainer(plugin, callbacks=[Typo()], max_steps=2).fit(module)
+    make_trainer(plugin, max_steps=4).fit(module)  # a later fit is not broken by the refused name
+    assert errors and len(module.losses) == 2 + 4 and plugin.layout.fp32_modules == []
