@@ -30,7 +30,7 @@ from lit_mpstable.compact import CompactWeights
 from lit_mpstable.fsdp import (
     check_fsdp2_setup, check_fsdp_policies, fsdp2_fallback_refusal, fsdp_units, unsharded_message,
 )
-from lit_mpstable.master import MasterWeights
+from lit_mpstable.master import MasterWeights, carry_precise_state_
 from lit_mpstable.memory import training_memory
 from lit_mpstable.observer import GradObserver, shard_view
 from lit_mpstable.policy import OpPolicy
@@ -708,16 +708,25 @@ class PrecisionStepper:
             self._pending["layout"] = state["layout"]
         else:
             self.layout.load_state_dict(state["layout"])
-        if state["masters"]:
-            if self.master is not None:
-                self.master.load_state_dict(state["masters"])
-            elif self.master_mode == "fp32":
-                self._pending["masters"] = state["masters"]
-        if state["compact"]:
-            if self.compact is not None:
-                self.compact.load_state_dict(state["compact"])
-            elif self.master_mode in ("kahan", "stochastic"):
-                self._pending["compact"] = state["compact"]
+        masters, compact = state["masters"], state["compact"]
+        if masters and self.master is not None:
+            self.master.load_state_dict(masters)
+        elif masters and self.master_mode == "fp32" and not self.fsdp2:
+            self._pending["masters"] = masters
+        elif compact and self.compact is not None and compact.get("mode") == self.compact.mode:
+            self.compact.load_state_dict(compact)
+        elif compact and self.compact is None and compact.get("mode") == self.master_mode:
+            self._pending["compact"] = compact
+        elif masters or compact.get("compensation"):  # another master mode or precision: carry the FP32 values
+            saved = "FP32 masters" if masters else "Kahan compensation"
+            target = f"{self.precision!r}, master_weights={self.master_mode or False!r}"
+            if self.layout.module is None:
+                warning = f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
+            else:
+                warning = carry_precise_state_(self.layout.module, masters, compact, master=self.master,
+                                               compact_weights=self.compact, saved=saved, target=target)
+            if warning:
+                self.warnings.append(warning)
         self.policy.load_state_dict(state["op_policy"])
         return notes
 

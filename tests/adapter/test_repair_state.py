@@ -4,6 +4,7 @@ silently wrong before."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -149,3 +150,59 @@ def test_a_refused_fallback_changes_nothing() -> None:
     make_trainer(plugin, callbacks=[Typo()], max_steps=2).fit(module)
     make_trainer(plugin, max_steps=4).fit(module)  # a later fit is not broken by the refused name
     assert errors and len(module.losses) == 2 + 4 and plugin.layout.fp32_modules == []
+
+
+# ------------------------------------------------------------------------- resuming in another master mode
+class _AtStart(pl.Callback):
+    """The run's FP32 values right after a resume (before the first step)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        plugin = trainer.precision_plugin
+        self.values = _effective(plugin, pl_module)
+        self.masters = ({name: m.detach().clone() for name, m, _ in plugin.master.named_pairs()}
+                        if plugin.master is not None else {})
+
+
+def _precise(plugin, module) -> dict[str, torch.Tensor]:
+    values = _effective(plugin, module)
+    if plugin.master is not None:
+        values.update({name: master.detach().double() for name, master, _ in plugin.master.named_pairs()})
+    return values
+
+
+@pytest.mark.parametrize("source", ["fp32", "kahan"])
+@pytest.mark.parametrize("target", [("bf16-mixed", True), ("32-true", True), ("bf16-true", True),
+                                    ("bf16-true", "kahan"), ("bf16-true", "stochastic"), ("bf16-true", False)],
+                         ids=lambda t: f"{t[0]}-{t[1]}")
+def test_resume_in_another_master_mode_carries_the_fp32_values(tmp_path, source: str, target: tuple) -> None:
+    precision, master_weights = target
+    if (precision, master_weights) == ("bf16-true", True if source == "fp32" else source):
+        pytest.skip("same mode: resumed exactly elsewhere")
+    plugin = StablePrecision("bf16-true", master_weights=True if source == "fp32" else source, device="cpu")
+    repairs = _Repairs({})  # turns the fused kernel off
+    module = make_module(optimizer="adamw", lr=1e-4)  # updates below half a BF16 ulp: masters != weights
+    trainer = make_trainer(plugin, callbacks=[repairs], max_steps=3)
+    trainer.fit(module)
+    saved = _precise(plugin, module)
+    weights = {name: p.detach().double() for name, p in module.named_parameters()}
+    assert any(not torch.equal(saved[n], weights[n]) for n in saved)  # there is something to carry
+    trainer.save_checkpoint(tmp_path / "ckpt")
+
+    resumed = StablePrecision(precision, master_weights=master_weights, device="cpu")
+    start = _AtStart()
+    fresh = make_module(optimizer="adamw", lr=1e-4)
+    lossy = precision == "bf16-true" and master_weights in ("stochastic", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(resumed, callbacks=[_Repairs({}), start], max_steps=4).fit(fresh, ckpt_path=tmp_path / "ckpt")
+    carried = [str(w.message) for w in caught if "could not all be carried" in str(w.message)]
+    got = start.values if resumed.master is None else {
+        **start.values, **{n: m.double() for n, m in start.masters.items()}}
+    for name in saved:
+        if lossy:  # the nearest 16-bit weight, and a warning saying how much was dropped
+            torch.testing.assert_close(got[name], saved[name], rtol=2**-8, atol=0, msg=name)
+        elif master_weights == "kahan":  # weight + compensation: ~16 significant bits
+            torch.testing.assert_close(got[name], saved[name], rtol=2**-15, atol=0, msg=name)
+        else:  # FP32 weights or masters: exactly
+            assert torch.equal(got[name], saved[name]), name
+    assert bool(carried) == lossy, carried
