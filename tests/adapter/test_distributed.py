@@ -283,3 +283,18 @@ def test_a_recast_under_ddp_rebuilds_the_reducer_or_is_refused(tmp_path: Path) -
         assert "no DistributedDataParallel wrapping the model" in rank["refused"]
         assert rank["after_refusal"] == (False, {torch.bfloat16})  # the refused call changed nothing
     assert _same_params(rank0["params"], rank1["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_precision_fallback_default_under_ddp_keeps_replicas_equal(tmp_path: Path, precision: str) -> None:
+    # PrecisionFallback's default (a global fallback) on rank 1's overflows: the whole model goes to FP32 on both
+    # ranks and the gradient all-reduce goes on (it silently stopped: replicas 0.0197 apart, rc=0).
+    plugin = StablePrecision(precision)
+    fallback = PrecisionFallback(patience=1)
+    module = RankFaultModule(inf_grad_steps={1}, batch_by_step=True)
+    rank0, rank1 = fit_ddp(module, plugin, [fallback], tmp_path, max_steps=5)
+    decisions = rank0["PrecisionFallback.decisions"]
+    assert decisions == rank1["PrecisionFallback.decisions"] and [d["modules"] for d in decisions] == [None]
+    assert set(rank0["param_dtypes"].values()) == {torch.float32} and rank0["skipped"][1] and rank1["skipped"][1]
+    assert _same_params(rank0["params"], rank1["params"]) and _same_params(rank0["masters"], rank1["masters"])
