@@ -178,6 +178,15 @@ class PrecisionLayout:
         """One rung up the ladder, globally (``modules=None``) or for the named modules; returns what was done."""
         if self.module is None:
             raise RuntimeError("fallback(): no model attached yet (call it during fit).")
+        if isinstance(modules, str):
+            raise TypeError(f"fallback(modules={modules!r}): pass a list of qualified module names, e.g."
+                            f" [{modules!r}], or None for the whole model.")
+        if modules is not None:
+            modules = list(modules)
+            try:  # a name that matches no module is refused before anything changes
+                match_modules(self.module, modules)
+            except (ValueError, TypeError) as error:
+                raise type(error)(f"fallback(modules={modules!r}): {error}") from None
         saved = self._fallbacks()
         if modules is None:
             if self.fp8_layers and not self.fp8_off:

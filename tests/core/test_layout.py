@@ -105,3 +105,16 @@ def test_fp8_scaling_state_stays_fp32_through_fallback_restore_and_load(dtype: t
         action()
         check(when)
     assert model[0].weight.dtype == dtype and model[2].weight.dtype == dtype  # parameters are the layout's
+
+
+def test_a_refused_fallback_changes_nothing() -> None:
+    model = _tiny_mlp()
+    layout = PrecisionLayout(torch.bfloat16, cast_parameters=True)
+    layout.attach(model, "cpu")
+    before = layout.state_dict()
+    with pytest.raises(ValueError, match=r"fallback\(modules=\['0', 'typo'\]\).*\['typo'\] match no module"):
+        layout.fallback(["0", "typo"])  # one good name, one typo: neither moves
+    with pytest.raises(TypeError, match=r"a list of qualified module names"):
+        layout.fallback("0")  # a string would be read as the names '0'
+    assert layout.state_dict() == before and layout.islands.names == []
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
