@@ -208,6 +208,16 @@ class MasterWeights:
             torch._foreach_copy_(masters, params)
 
     # --------------------------------------------------------------------------------------------- state
+    @torch.no_grad()
+    def follow_recast_(self, changed: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """After a precision fallback or restore cast parameters in place (``(parameter, its data before)``):
+        each one with a master takes its value again (into FP32: exactly, not the 16-bit rounding it held)."""
+        by_id = {id(param): name for name, param in self._params.items()}
+        for param, _ in changed:
+            name = by_id.get(id(param))
+            if name is not None:
+                param.copy_(self._masters[name])
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``{qualified parameter name: FP32 master}``; tensors only, so ``torch.load(weights_only=True)`` reads it.
 

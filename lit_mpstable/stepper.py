@@ -289,6 +289,7 @@ class PrecisionStepper:
             raise ValueError(unsharded_message(self.owner, self.precision, module))
         if self.master_mode == "fp32" and not self.fsdp2:  # FSDP2: its FP32 sharded parameters are the masters
             self.master = MasterWeights(module, optimizers, initial=self._initial)
+            self.layout.after_recast = self.master.follow_recast_  # a fallback to FP32 computes with the masters
             self._initial = {}
             if "masters" in self._pending:
                 self.master.load_state_dict(self._pending.pop("masters"))

@@ -206,3 +206,21 @@ def test_resume_in_another_master_mode_carries_the_fp32_values(tmp_path, source:
         else:  # FP32 weights or masters: exactly
             assert torch.equal(got[name], saved[name]), name
     assert bool(carried) == lossy, carried
+
+
+def test_a_fallback_to_fp32_computes_with_the_fp32_masters() -> None:
+    # Into FP32 the parameters take the masters' values (they held the 16-bit rounding of them), and back.
+    plugin = StablePrecision("bf16-true", device="cpu")
+    repairs = _Repairs({2: None, 3: ["model.fc2"]})
+    checks = []
+
+    class Check(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            if trainer.global_step - 1 in (2, 3):
+                checks.append(all(torch.equal(p, m.to(p.dtype)) for _, m, p in plugin.master.named_pairs())
+                              and {p.dtype for p in pl_module.parameters()} == {torch.float32})
+
+    module = make_module(optimizer="adamw", lr=1e-4)  # updates below half a BF16 ulp: masters != weights
+    make_trainer(plugin, callbacks=[repairs, Check()], max_steps=5).fit(module)
+    assert checks == [True, True]
+    assert any(not torch.equal(before[n], after[n]) for before, after in repairs.seen[:1] for n in before)
