@@ -102,8 +102,9 @@ def test_fallback_triggered_by_one_ranks_overflows_happens_on_both(tmp_path: Pat
     assert _same_params(rank0["params"], rank1["params"])
 
 
-def test_rollback_on_one_ranks_loss_spike_happens_on_both(tmp_path: Path) -> None:
-    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_rollback_on_one_ranks_loss_spike_happens_on_both(tmp_path: Path, precision: str) -> None:
+    plugin = StablePrecision(precision, scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
     checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3, window=10, on_spike="rollback")
     module = RankFaultModule(loss_factor={5: 1e3})
     rank0, rank1 = fit_ddp(module, plugin, [checkpoint], tmp_path, max_steps=7)
@@ -112,7 +113,7 @@ def test_rollback_on_one_ranks_loss_spike_happens_on_both(tmp_path: Path) -> Non
     assert [(e["step"], e["kind"], e["restored_step"]) for e in events0] == [(5, "loss spike", 4)]
     assert [(e["step"], e["kind"], e["restored_step"]) for e in events1] == [(5, "loss spike", 4)]
     assert rank0["skipped"] == rank1["skipped"] and rank0["skipped"][5]
-    assert _same_params(rank0["params"], rank1["params"])
+    assert _same_params(rank0["params"], rank1["params"]) and _same_params(rank0["masters"], rank1["masters"])
 
 
 def test_preflight_disagreement_on_one_rank_falls_back_on_both(tmp_path: Path) -> None:
