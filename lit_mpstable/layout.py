@@ -338,7 +338,8 @@ def rebuild_ddp_reducer_(ddp: nn.parallel.DistributedDataParallel) -> None:
     names = ddp._build_debug_param_to_name_mapping(parameters)
     ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, ddp.static_graph)
     ddp._has_rebuilt_buckets = False
-    if ddp.static_graph:
+    if ddp.static_graph:  # the new reducer records the graph again in its first iteration (a delayed all-reduce)
+        ddp._static_graph_delay_allreduce_enqueued = False
         ddp.reducer._set_static_graph()
         ddp.logger._set_static_graph()
     for hook, state in ddp._comm_hooks:

@@ -263,13 +263,15 @@ class RankReport(pl.Callback):
 
 
 def fit_ddp(module: pl.LightningModule, plugin: Any, callbacks: list[pl.Callback], out_dir: Path, max_steps: int,
-            **trainer_kwargs: Any) -> list[dict[str, Any]]:
-    """Fit with DDP (``ddp_fork``) on 2 CPU processes (gloo) and return what each rank reported."""
+            ddp_kwargs: Mapping[str, Any] | None = None, **trainer_kwargs: Any) -> list[dict[str, Any]]:
+    """Fit with DDP (``ddp_fork``; ``ddp_kwargs`` go to ``DDPStrategy``) on 2 CPU processes (gloo) and return what
+    each rank reported."""
     from lightning.pytorch.strategies import DDPStrategy
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    strategy = DDPStrategy(**{"start_method": "fork", "timeout": TIMEOUT, **(ddp_kwargs or {})})
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD_SIZE, strategy=DDPStrategy(start_method="fork", timeout=TIMEOUT),
+        accelerator="cpu", devices=WORLD_SIZE, strategy=strategy,
         plugins=[plugin], callbacks=[*callbacks, RankReport(out_dir)], max_steps=max_steps,
         enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
         **trainer_kwargs,
@@ -385,3 +387,11 @@ def layout_worker(rank: int, init_file: str, out_dir: str) -> None:
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    """A Python communication hook (what ``register_comm_hook`` takes): the default mean all-reduce (the rebuilt
+    reducer must take it over; replicas are compared, not the hook's calls)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook as default
+
+    return default(None, bucket)

@@ -299,3 +299,19 @@ def test_precision_fallback_default_under_ddp_keeps_replicas_equal(tmp_path: Pat
     assert decisions == rank1["PrecisionFallback.decisions"] and [d["modules"] for d in decisions] == [None]
     assert set(rank0["param_dtypes"].values()) == {torch.float32} and rank0["skipped"][1] and rank1["skipped"][1]
     assert _same_params(rank0["params"], rank1["params"]) and _same_params(rank0["masters"], rank1["masters"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ddp_kwargs", [
+    dict(find_unused_parameters=True), dict(static_graph=True), dict(start_method="spawn"), "comm_hook",
+], ids=["find_unused", "static_graph", "spawn", "comm_hook"])
+def test_ddp_options_survive_the_reducer_rebuild(tmp_path: Path, ddp_kwargs) -> None:
+    from dist_helpers import PrecisionChanges, allreduce_hook
+
+    if ddp_kwargs == "comm_hook":
+        ddp_kwargs = dict(ddp_comm_hook=allreduce_hook, ddp_comm_state={})
+    plugin = StablePrecision("bf16-true")
+    changes = PrecisionChanges({1: ["model.fc2"], 2: "global", 3: "restore"})
+    rank0, rank1 = fit_ddp(RankFaultModule(batch_by_step=True), plugin, [changes], tmp_path, max_steps=5,
+                           ddp_kwargs=ddp_kwargs)
+    _assert_replicas_equal(rank0, rank1)
