@@ -303,13 +303,13 @@ def test_precision_fallback_default_under_ddp_keeps_replicas_equal(tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ddp_kwargs", [
-    dict(find_unused_parameters=True), dict(static_graph=True), dict(start_method="spawn"), "comm_hook",
+    {"find_unused_parameters": True}, {"static_graph": True}, {"start_method": "spawn"}, "comm_hook",
 ], ids=["find_unused", "static_graph", "spawn", "comm_hook"])
 def test_ddp_options_survive_the_reducer_rebuild(tmp_path: Path, ddp_kwargs) -> None:
     from dist_helpers import PrecisionChanges, allreduce_hook
 
     if ddp_kwargs == "comm_hook":
-        ddp_kwargs = dict(ddp_comm_hook=allreduce_hook, ddp_comm_state={})
+        ddp_kwargs = {"ddp_comm_hook": allreduce_hook, "ddp_comm_state": {}}
     plugin = StablePrecision("bf16-true")
     changes = PrecisionChanges({1: ["model.fc2"], 2: "global", 3: "restore"})
     rank0, rank1 = fit_ddp(RankFaultModule(batch_by_step=True), plugin, [changes], tmp_path, max_steps=5,

@@ -12,7 +12,6 @@ import torch
 from helpers import make_module, make_trainer
 from trainer_pkg import AMPPreflight, StablePrecision, pl
 
-
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
