@@ -56,6 +56,19 @@ def _training_step_loss(module: pl.LightningModule, batch: Any) -> Any:
             module.__dict__.pop(name, None)
 
 
+def _recast_batch_(batch: Any, old: torch.dtype, new: torch.dtype) -> None:
+    """Cast, in place, the ``old``-dtype tensors of a batch Lightning already converted for the training step to the
+    compute dtype a fallback just set (the batch cannot be replaced from a callback hook; a FP32 model would meet
+    16-bit inputs: "mat1 and mat2 must have the same dtype"). They are the converted copies (``.to`` made them), unless
+    the loader already yields tensors of the 16-bit dtype."""
+    def recast(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype == old:
+            tensor.data = tensor.data.to(new)
+        return tensor
+
+    apply_to_collection(batch, torch.Tensor, recast)
+
+
 def _upcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.is_floating_point() else tensor
 
@@ -122,17 +135,20 @@ class AMPPreflight(PluginCallback):
         self._pending = False
         plugin = self._plugin
         assert plugin is not None
+        cast_to = plugin.compute_dtype  # *-true: Lightning cast this batch to it before this hook
         # A global fallback climbs one rung (FP8 -> base precision -> FP32): check again after each, until they agree.
         for _ in range(3):
             if plugin.compute_dtype == torch.float32 or (message := self._check(trainer, pl_module, batch)) is None:
-                return
+                break
             if self.action == "raise":
                 raise RuntimeError(message + ". Use action='fallback' to train in FP32, or fp32_modules=[...].")
             if self.action == "warn" or not plugin.can_fallback:
                 rank_zero_warn(message + ("." if plugin.can_fallback else
                                           "; falling back needs StablePrecision (action='fallback')."))
-                return
+                break
             plugin.fallback(None, reason=message)
+        if getattr(plugin, "true_16bit", False) and plugin.compute_dtype != cast_to:
+            _recast_batch_(batch, cast_to, plugin.compute_dtype)
 
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> str | None:
         """Compare once; the disagreement message, or ``None`` when the outputs agree (on every rank)."""

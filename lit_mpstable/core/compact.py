@@ -255,6 +255,23 @@ class CompactWeights:
             )
         return new
 
+    @torch.no_grad()
+    def follow_recast_(self, changed: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Carry the state of parameters a precision fallback or restore cast in place (``(parameter, its data
+        before)``): into FP32, a Kahan parameter takes its compensation (``w + comp``: the value the run held) and
+        the compensation is zeroed; back into 16 bits, the compensation takes the rounding residual; per-element
+        optimizer state follows the parameter's dtype (Adam's ``lerp_`` refuses mixed dtypes)."""
+        for param, old in changed:
+            name = self._names.get(id(param))
+            comp = self._comp.get(name) if name is not None else None
+            if comp is not None and param.dtype == torch.float32 and old.dtype in _LOW:
+                param.add_(comp.float())
+                comp.zero_()
+            elif comp is not None and param.dtype in _LOW and old.dtype == torch.float32:
+                comp.copy_(old - param.float())
+            for optimizer in self._optimizers:
+                _cast_state_(optimizer, param)
+
     # ------------------------------------------------------------------------------------------ reading
     def named_buffers(self) -> Iterator[tuple[str, nn.Parameter, torch.Tensor | None]]:
         """Yield ``(qualified name, 16-bit parameter, compensation or None)`` for every compact parameter."""
@@ -412,7 +429,8 @@ class CompactWeights:
                 name = self._names.get(id(p))
                 if name is not None and p.dtype not in _LOW:  # cast to FP32 since (a fallback): it holds it all
                     if name in self._comp:
-                        self._comp[name].zero_()
+                        self._comp[name].zero_()  # follow_recast_ moved it into the weight already
+                    _cast_state_(optimizer, p)
                     name = None
                 if name is None:
                     if p.requires_grad and p.dtype in _LOW and id(p) not in self._unnamed:
@@ -640,6 +658,16 @@ class CompactWeights:
         }
         report["total"] = sum(report.values())
         return report
+
+
+def _cast_state_(optimizer: Optimizer, param: torch.Tensor) -> None:
+    """The per-element floating state of ``param`` in ``optimizer`` in the parameter's dtype (after a recast)."""
+    state = optimizer.state.get(param)
+    if state:
+        non_castable = getattr(optimizer, "non_castable_tensor_keys", ())
+        for key, value in state.items():
+            if _per_element(key, value, param, non_castable) and value.dtype != param.dtype:
+                state[key] = value.to(param.dtype)
 
 
 def _per_element(key: Any, value: Any, param: torch.Tensor, non_castable: Any) -> bool:

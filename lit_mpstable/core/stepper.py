@@ -31,7 +31,7 @@ from lit_mpstable.core.compact import CompactWeights
 from lit_mpstable.core.fsdp import (
     check_fsdp2_setup, check_fsdp_policies, fsdp2_fallback_refusal, fsdp_units, unsharded_message,
 )
-from lit_mpstable.core.master import MasterWeights
+from lit_mpstable.core.master import MasterWeights, carry_precise_state_
 from lit_mpstable.core.memory import training_memory
 from lit_mpstable.core.observer import GradObserver, shard_view
 from lit_mpstable.core.policy import OpPolicy
@@ -307,6 +307,7 @@ class PrecisionStepper:
         self.check_eps(optimizers)
         if self.master_mode == "fp32" and not self.fsdp2:  # FSDP2: its FP32 sharded parameters are the masters
             self.master = MasterWeights(module, optimizers, initial=self._initial)
+            self.layout.after_recast = self.master.follow_recast_  # a fallback to FP32 computes with the masters
             self._initial = {}
             if "masters" in self._pending:
                 self.master.load_state_dict(self._pending.pop("masters"))
@@ -318,6 +319,7 @@ class PrecisionStepper:
                     " a scaler that checks without unscaling (check_()); use scaler='dynamic' or DynamicLossScaler."
                 )
             self.compact = CompactWeights(module, optimizers, self.master_mode, seed=torch.initial_seed() % 2**31)
+            self.layout.after_recast = self.compact.follow_recast_  # a fallback carries the compensation
             if self.precision == "16-true":
                 self.warnings.append(
                     f"{self.owner}('16-true', master_weights={self.master_mode!r}): optimizer state stays FP16, where"
@@ -869,16 +871,25 @@ class PrecisionStepper:
             self._pending["layout"] = state["layout"]
         else:
             self.layout.load_state_dict(state["layout"])
-        if state["masters"]:
-            if self.master is not None:
-                self.master.load_state_dict(state["masters"])
-            elif self.master_mode == "fp32":
-                self._pending["masters"] = state["masters"]
-        if state["compact"]:
-            if self.compact is not None:
-                self.compact.load_state_dict(state["compact"])
-            elif self.master_mode in ("kahan", "stochastic"):
-                self._pending["compact"] = state["compact"]
+        masters, compact = state["masters"], state["compact"]
+        if masters and self.master is not None:
+            self.master.load_state_dict(masters)
+        elif masters and self.master_mode == "fp32" and not self.fsdp2:
+            self._pending["masters"] = masters
+        elif compact and self.compact is not None and compact.get("mode") == self.compact.mode:
+            self.compact.load_state_dict(compact)
+        elif compact and self.compact is None and compact.get("mode") == self.master_mode:
+            self._pending["compact"] = compact
+        elif masters or compact.get("compensation"):  # another master mode or precision: carry the FP32 values
+            saved = "FP32 masters" if masters else "Kahan compensation"
+            target = f"{self.precision!r}, master_weights={self.master_mode or False!r}"
+            if self.layout.module is None:
+                warning = f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
+            else:
+                warning = carry_precise_state_(self.layout.module, masters, compact, master=self.master,
+                                               compact_weights=self.compact, saved=saved, target=target)
+            if warning:
+                self.warnings.append(warning)
         self.policy.load_state_dict(state["op_policy"])
         return notes
 

@@ -207,6 +207,13 @@ def forward_off_on_rank1(module: pl.LightningModule, batch: Any) -> torch.Tensor
     return output + 1.0 if module.global_rank == 1 and torch.is_autocast_enabled("cpu") else output
 
 
+def low_precision_off_on_rank1(module: pl.LightningModule, batch: Any) -> torch.Tensor:
+    """An ``AMPPreflight`` forward whose 16-bit output (autocast or ``*-true``) is off by 1 on rank 1 only."""
+    output = module(batch[0])
+    low = torch.is_autocast_enabled("cpu") or output.dtype != torch.float32
+    return output + 1.0 if module.global_rank == 1 and low else output
+
+
 class RankReport(pl.Callback):
     """Per step: loss scale and skip flag; at the end, weights, plugin state and every callback's decisions, written
     to ``out_dir/rank{global_rank}.pt``. List it last."""
@@ -256,13 +263,15 @@ class RankReport(pl.Callback):
 
 
 def fit_ddp(module: pl.LightningModule, plugin: Any, callbacks: list[pl.Callback], out_dir: Path, max_steps: int,
-            **trainer_kwargs: Any) -> list[dict[str, Any]]:
-    """Fit with DDP (``ddp_fork``) on 2 CPU processes (gloo) and return what each rank reported."""
+            ddp_kwargs: Mapping[str, Any] | None = None, **trainer_kwargs: Any) -> list[dict[str, Any]]:
+    """Fit with DDP (``ddp_fork``; ``ddp_kwargs`` go to ``DDPStrategy``) on 2 CPU processes (gloo) and return what
+    each rank reported."""
     from lightning.pytorch.strategies import DDPStrategy
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    strategy = DDPStrategy(**{"start_method": "fork", "timeout": TIMEOUT, **(ddp_kwargs or {})})
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD_SIZE, strategy=DDPStrategy(start_method="fork", timeout=TIMEOUT),
+        accelerator="cpu", devices=WORLD_SIZE, strategy=strategy,
         plugins=[plugin], callbacks=[*callbacks, RankReport(out_dir)], max_steps=max_steps,
         enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
         **trainer_kwargs,
@@ -303,3 +312,86 @@ def fit_fsdp2(
               None if ckpt_path is None else str(ckpt_path)),
     )
     return read_ranks(out_dir)
+
+
+class PrecisionChanges(pl.Callback):
+    """Calls the plugin's repairs at fixed optimizer steps, on every rank alike (after that step).
+
+    Args:
+        at: ``{step: action}``; an action is ``"global"`` (``fallback(None)``), ``"restore"``
+            (``restore_precision()``), ``"snapshot"`` (keep ``plugin.state_dict()``), ``"rollback"``
+            (``restore_state`` of the snapshot) or a list of module names (a module fallback).
+    """
+
+    def __init__(self, at: Mapping[int, Any]) -> None:
+        self.at = dict(at)
+        self.snapshot: dict[str, Any] | None = None
+        self.events: list[tuple[int, Any]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step - 1  # the optimizer step that just ran
+        action = self.at.get(step)
+        if action is None:
+            return
+        plugin = trainer.precision_plugin
+        if action == "global":
+            plugin.fallback(None, reason="test")
+        elif action == "restore":
+            plugin.restore_precision()
+        elif action == "snapshot":
+            import copy
+
+            self.snapshot = copy.deepcopy(plugin.state_dict())
+        elif action == "rollback":
+            plugin.restore_state(self.snapshot)
+        else:
+            plugin.fallback(list(action), reason="test")
+        self.events.append((step, action))
+
+
+def layout_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """A plain DDP loop on a bf16 ``PrecisionLayout``: a fallback without a way to find the DDP wrapper is refused
+    (nothing changes), with one it rebuilds the reducer; each rank trains on its own half of the data."""
+    from lit_mpstable.core.layout import PrecisionLayout
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
+                            timeout=TIMEOUT)
+    try:
+        torch.manual_seed(0)
+        model = TinyMLP()
+        layout = PrecisionLayout(torch.bfloat16, cast_parameters=True)
+        layout.attach(model, "cpu")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        x, y = regression_data(32)
+        x, y = x[rank::WORLD_SIZE], y[rank::WORLD_SIZE]
+        result: dict[str, Any] = {}
+        try:
+            layout.fallback(None)
+        except RuntimeError as err:
+            result["refused"] = str(err)
+        result["after_refusal"] = (layout.fp32, {p.dtype for p in model.parameters()})
+        layout.find_ddp = lambda: ddp
+        layout.fallback(["fc2"])
+        for _ in range(2):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(x.to(layout.compute_dtype)).float(), y).backward()
+            optimizer.step()
+        layout.restore()
+        for _ in range(2):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(x.to(layout.compute_dtype)).float(), y).backward()
+            optimizer.step()
+        result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    """A Python communication hook (what ``register_comm_hook`` takes): the default mean all-reduce (the rebuilt
+    reducer must take it over; replicas are compared, not the hook's calls)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook as default
+
+    return default(None, bucket)

@@ -102,8 +102,9 @@ def test_fallback_triggered_by_one_ranks_overflows_happens_on_both(tmp_path: Pat
     assert _same_params(rank0["params"], rank1["params"])
 
 
-def test_rollback_on_one_ranks_loss_spike_happens_on_both(tmp_path: Path) -> None:
-    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_rollback_on_one_ranks_loss_spike_happens_on_both(tmp_path: Path, precision: str) -> None:
+    plugin = StablePrecision(precision, scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
     checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3, window=10, on_spike="rollback")
     module = RankFaultModule(loss_factor={5: 1e3})
     rank0, rank1 = fit_ddp(module, plugin, [checkpoint], tmp_path, max_steps=7)
@@ -112,13 +113,29 @@ def test_rollback_on_one_ranks_loss_spike_happens_on_both(tmp_path: Path) -> Non
     assert [(e["step"], e["kind"], e["restored_step"]) for e in events0] == [(5, "loss spike", 4)]
     assert [(e["step"], e["kind"], e["restored_step"]) for e in events1] == [(5, "loss spike", 4)]
     assert rank0["skipped"] == rank1["skipped"] and rank0["skipped"][5]
-    assert _same_params(rank0["params"], rank1["params"])
+    assert _same_params(rank0["params"], rank1["params"]) and _same_params(rank0["masters"], rank1["masters"])
 
 
 def test_preflight_disagreement_on_one_rank_falls_back_on_both(tmp_path: Path) -> None:
     preflight = AMPPreflight(forward_fn=forward_off_on_rank1)
-    rank0, rank1 = fit_ddp(RankFaultModule(), StablePrecision("bf16-mixed"), [preflight], tmp_path, max_steps=1)
+    module = RankFaultModule(batch_by_step=True)
+    rank0, rank1 = fit_ddp(module, StablePrecision("bf16-mixed"), [preflight], tmp_path, max_steps=3)
     assert rank0["fallback_active"] and rank1["fallback_active"]
+    assert _same_params(rank0["params"], rank1["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_preflight_fallback_in_true_precision_under_ddp_keeps_replicas_equal(tmp_path: Path, precision: str) -> None:
+    # The global fallback recasts the parameters (the reducer is rebuilt) and this batch, cast already, goes to FP32.
+    from dist_helpers import low_precision_off_on_rank1
+
+    preflight = AMPPreflight(forward_fn=low_precision_off_on_rank1)
+    module = RankFaultModule(batch_by_step=True)
+    rank0, rank1 = fit_ddp(module, StablePrecision(precision), [preflight], tmp_path, max_steps=3)
+    assert rank0["fallback_active"] and rank1["fallback_active"]
+    assert rank0["param_dtypes"] == rank1["param_dtypes"] and set(rank0["param_dtypes"].values()) == {torch.float32}
+    assert _same_params(rank0["params"], rank1["params"]) and _same_params(rank0["masters"], rank1["masters"])
 
 
 # --------------------------------------------------------------------------- Lightning, FSDP2 (ModelParallel)
@@ -226,3 +243,75 @@ def test_submitit_launcher_asks_slurm_for_the_trainers_nodes() -> None:
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
     cfg = _compose(["trainer=ddp", "trainer.num_nodes=2", "hydra/launcher=submitit"], return_hydra_config=True)
     assert cfg.hydra.launcher.nodes == 2
+
+
+# ------------------------------------------------------------------ repairs under DDP keep the replicas equal
+def _assert_replicas_equal(rank0: dict, rank1: dict) -> None:
+    assert rank0["world_size"] == 2
+    assert rank0["PrecisionChanges.events"] == rank1["PrecisionChanges.events"] != []
+    assert _same_params(rank0["params"], rank1["params"]), {
+        k: (rank0["params"][k].float() - rank1["params"][k].float()).abs().max().item() for k in rank0["params"]}
+    assert _same_params(rank0["masters"], rank1["masters"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("master_weights", [True, False, "kahan"])
+@pytest.mark.parametrize("changes", [
+    {1: "global"},  # PrecisionFallback's default: the whole model to FP32
+    {1: ["model.fc2"]},  # a module fallback: an FP32 island
+    {1: ["model.fc2"], 3: "restore"},
+    {1: "global", 3: "restore"},
+    {0: "snapshot", 1: "global", 3: "rollback"},  # a rollback to before the fallback (ScaleCheckpoint's path)
+], ids=["global", "module", "module-restore", "global-restore", "rollback"])
+def test_ddp_true_precision_repairs_keep_replicas_equal(tmp_path: Path, master_weights, changes) -> None:
+    # Each rank trains on its own half of the batch, so only DDP's gradient all-reduce keeps them equal: a repair that
+    # recasts parameters must keep the reducer's hooks firing (or refuse). Rank files hold the final weights.
+    from dist_helpers import PrecisionChanges
+
+    plugin = StablePrecision("bf16-true", master_weights=master_weights)
+    module = RankFaultModule(batch_by_step=True)
+    rank0, rank1 = fit_ddp(module, plugin, [PrecisionChanges(changes)], tmp_path, max_steps=6)
+    _assert_replicas_equal(rank0, rank1)
+
+
+def test_a_recast_under_ddp_rebuilds_the_reducer_or_is_refused(tmp_path: Path) -> None:
+    # A plain PyTorch DDP loop: the layout cannot find the wrapper until told, and then keeps the replicas equal.
+    from dist_helpers import layout_worker
+
+    mp.start_processes(layout_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
+    rank0, rank1 = read_ranks(tmp_path)
+    for rank in (rank0, rank1):
+        assert "no DistributedDataParallel wrapping the model" in rank["refused"]
+        assert rank["after_refusal"] == (False, {torch.bfloat16})  # the refused call changed nothing
+    assert _same_params(rank0["params"], rank1["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_precision_fallback_default_under_ddp_keeps_replicas_equal(tmp_path: Path, precision: str) -> None:
+    # PrecisionFallback's default (a global fallback) on rank 1's overflows: the whole model goes to FP32 on both
+    # ranks and the gradient all-reduce goes on (it silently stopped: replicas 0.0197 apart, rc=0).
+    plugin = StablePrecision(precision)
+    fallback = PrecisionFallback(patience=1)
+    module = RankFaultModule(inf_grad_steps={1}, batch_by_step=True)
+    rank0, rank1 = fit_ddp(module, plugin, [fallback], tmp_path, max_steps=5)
+    decisions = rank0["PrecisionFallback.decisions"]
+    assert decisions == rank1["PrecisionFallback.decisions"] and [d["modules"] for d in decisions] == [None]
+    assert set(rank0["param_dtypes"].values()) == {torch.float32} and rank0["skipped"][1] and rank1["skipped"][1]
+    assert _same_params(rank0["params"], rank1["params"]) and _same_params(rank0["masters"], rank1["masters"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ddp_kwargs", [
+    {"find_unused_parameters": True}, {"static_graph": True}, {"start_method": "spawn"}, "comm_hook",
+], ids=["find_unused", "static_graph", "spawn", "comm_hook"])
+def test_ddp_options_survive_the_reducer_rebuild(tmp_path: Path, ddp_kwargs) -> None:
+    from dist_helpers import PrecisionChanges, allreduce_hook
+
+    if ddp_kwargs == "comm_hook":
+        ddp_kwargs = {"ddp_comm_hook": allreduce_hook, "ddp_comm_state": {}}
+    plugin = StablePrecision("bf16-true")
+    changes = PrecisionChanges({1: ["model.fc2"], 2: "global", 3: "restore"})
+    rank0, rank1 = fit_ddp(RankFaultModule(batch_by_step=True), plugin, [changes], tmp_path, max_steps=5,
+                           ddp_kwargs=ddp_kwargs)
+    _assert_replicas_equal(rank0, rank1)

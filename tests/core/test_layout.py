@@ -79,3 +79,42 @@ def test_forward_context_enters_the_backends_only_while_fp8_layers_run(monkeypat
     with layout.forward_context():
         model(torch.randn(4, 16))  # the stand-in would raise outside TE's autocast: it is gone
     assert len(te.autocast) == 1 and type(model[2]) is nn.Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_scaling_state_stays_fp32_through_fallback_restore_and_load(dtype: torch.dtype) -> None:
+    # *-true: re-applying the layout casts the model's parameters and buffers, but the FP8 layers' amax histories
+    # and scales are the backend's state, FP32 (rounded to 16 bits the scales drift; _scaled_mm refuses them).
+    model = _tiny_mlp()
+    layout = PrecisionLayout(dtype, cast_parameters=True, fp8=FP8Config(recipe="delayed", filter=["2"]))
+    layout.attach(model, "cpu")
+    with torch.no_grad():
+        model[2].amax_history.fill_(1 + 2**-20)  # not a 16-bit value: a round trip would show
+        model[2].scale.fill_(3 + 2**-20)
+    history, scale = model[2].amax_history.clone(), model[2].scale.clone()
+
+    def check(when: str) -> None:
+        if isinstance(model[2], FP8Linear):
+            assert model[2].amax_history.dtype == model[2].scale.dtype == torch.float32, when
+            assert torch.equal(model[2].amax_history, history) and torch.equal(model[2].scale, scale), when
+
+    saved = layout.state_dict()
+    for when, action in (("module fallback", lambda: layout.fallback(["0"])), ("restore", layout.restore),
+                         ("load_state_dict", lambda: layout.load_state_dict(saved)),
+                         ("attach again", lambda: layout.attach(model, "cpu"))):
+        action()
+        check(when)
+    assert model[0].weight.dtype == dtype and model[2].weight.dtype == dtype  # parameters are the layout's
+
+
+def test_a_refused_fallback_changes_nothing() -> None:
+    model = _tiny_mlp()
+    layout = PrecisionLayout(torch.bfloat16, cast_parameters=True)
+    layout.attach(model, "cpu")
+    before = layout.state_dict()
+    with pytest.raises(ValueError, match=r"fallback\(modules=\['0', 'typo'\]\).*\['typo'\] match no module"):
+        layout.fallback(["0", "typo"])  # one good name, one typo: neither moves
+    with pytest.raises(TypeError, match=r"a list of qualified module names"):
+        layout.fallback("0")  # a string would be read as the names '0'
+    assert layout.state_dict() == before and layout.islands.names == []
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
