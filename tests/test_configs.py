@@ -31,7 +31,7 @@ from torch import nn
 
 import lit_mpstable.conf
 from lit_mpstable.app.config import SCHEMAS, derive_schema, register_configs
-from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.loss_scaler import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
 
 CONF = Path(lit_mpstable.conf.__file__).parent
 

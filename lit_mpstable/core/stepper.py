@@ -35,7 +35,7 @@ from lit_mpstable.core.master import MasterWeights
 from lit_mpstable.core.memory import training_memory
 from lit_mpstable.core.observer import GradObserver, shard_view
 from lit_mpstable.core.policy import OpPolicy
-from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, ForeignScaler, StaticLossScaler
+from lit_mpstable.core.loss_scaler import AdaptiveLossScaler, DynamicLossScaler, ForeignScaler, StaticLossScaler
 from lit_mpstable.core.schedulers import ScheduleHold
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]

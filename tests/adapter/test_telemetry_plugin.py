@@ -10,7 +10,7 @@ import torch
 from helpers import make_module, make_trainer
 
 from trainer_pkg import StablePrecision
-from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler
+from lit_mpstable.core.loss_scaler import AdaptiveLossScaler, DynamicLossScaler
 
 
 class _Probe(pl.Callback):
