@@ -1,6 +1,6 @@
 """lit_mpstable: stable mixed-precision training for PyTorch Lightning.
 
-``from lit_mpstable import StablePrecision`` loads Lightning; the numerics core (``lit_mpstable.core.loss_scaler``,
+``from lit_mpstable import StablePrecision`` loads Lightning; the numerics core (``lit_mpstable.core.scalers``,
 ``lit_mpstable.core.formats``, ...) imports torch only, so importing this package itself loads nothing else.
 """
 
