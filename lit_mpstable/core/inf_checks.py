@@ -3,26 +3,30 @@ without unscaling, read, fold in a flag found elsewhere, agree across ranks, for
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 __all__ = ["InfChecks", "fold_found_inf"]
 
+# Seen by a type checker as the GradScaler it is mixed into; at run time a plain mixin (GradScaler follows in the MRO).
+_Base = torch.amp.GradScaler if TYPE_CHECKING else object
 
-class InfChecks:
+
+class InfChecks(_Base):  # type: ignore[valid-type,misc]
     """The inf-check methods of :class:`~lit_mpstable.core.loss_scaler.DynamicLossScaler`, on the state its
     ``torch.amp.GradScaler`` base keeps (``_per_optimizer_states``, the scale); mixed in before GradScaler.
 
     ``step_with`` records the outcome through ``_note_skip`` and ``last_step_skipped``, which the scaler defines.
     """
 
-    _enabled: bool
-    _per_optimizer_states: dict[int, dict[str, Any]]
     last_step_skipped: bool
     checks_without_unscaling = True
     """:meth:`check_` and :meth:`step_with` work here (the ``LossScaler`` protocol's capability flag)."""
+
+    if TYPE_CHECKING:
+        def _note_skip(self, skipped: bool) -> None: ...
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether this iteration's gradients of ``optimizer`` hold inf/NaN (after ``unscale_``). Reads the device

@@ -216,6 +216,7 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
             usable = torch.isfinite(self._scale) & (self._scale >= self.floor)
             self._scale.copy_(torch.where(usable, self._scale, torch.full_like(self._scale, self._init_scale)))
         if self._host_found and overflow:
+            assert self._overflow_count is not None
             self._overflow_count += 1  # step() read the flag, so the device state exists; no host sync
         self._host_found = None
         self.step_count += 1
