@@ -1,6 +1,6 @@
 """lit_mpstable: stable mixed-precision training for PyTorch Lightning.
 
-``from lit_mpstable import StablePrecision`` loads Lightning; the numerics core (``lit_mpstable.core.scaling``,
+``from lit_mpstable import StablePrecision`` loads Lightning; the numerics core (``lit_mpstable.core.scalers``,
 ``lit_mpstable.core.formats``, ...) imports torch only, so importing this package itself loads nothing else.
 """
 
@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "StablePrecision": "lit_mpstable.frontends.plugin",
-    "DynamicLossScaler": "lit_mpstable.core.scaling",
-    "StaticLossScaler": "lit_mpstable.core.scaling",
+    "DynamicLossScaler": "lit_mpstable.core.loss_scaler",
+    "StaticLossScaler": "lit_mpstable.core.loss_scaler",
 }
 
 

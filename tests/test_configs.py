@@ -31,7 +31,8 @@ from torch import nn
 
 import lit_mpstable.conf
 from lit_mpstable.app.config import SCHEMAS, derive_schema, register_configs
-from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
 
 CONF = Path(lit_mpstable.conf.__file__).parent
 

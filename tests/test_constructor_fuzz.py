@@ -19,7 +19,8 @@ from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallb
 from lit_mpstable.callbacks._common import MAX_WINDOW
 from lit_mpstable.core.formats import FormatName
 from lit_mpstable.fp8 import FP8Config
-from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper
 
 Oracle = Callable[[Any], bool]

@@ -110,7 +110,7 @@ def _import_blocked(modules: list[str], blocked: tuple[str, ...]) -> subprocess.
 
 def test_the_core_imports_with_lightning_hydra_and_torchmetrics_blocked() -> None:
     core = [m for m in _graph() if m != "lit_mpstable" and _layer(m) == "core"]
-    assert {"lit_mpstable.core.scaling", "lit_mpstable.core.stepper", "lit_mpstable.fp8.native"} <= set(core)
+    assert {"lit_mpstable.core.loss_scaler", "lit_mpstable.core.scalers", "lit_mpstable.core.stepper", "lit_mpstable.fp8.native"} <= set(core)
     blocked = ("lightning", "pytorch_lightning", "lightning_fabric", "hydra", "omegaconf", "torchmetrics")
     result = _import_blocked(core + ["lit_mpstable"], blocked)
     assert result.returncode == 0, result.stderr

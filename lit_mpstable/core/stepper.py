@@ -35,20 +35,18 @@ from lit_mpstable.core.master import MasterWeights, carry_precise_state_
 from lit_mpstable.core.memory import training_memory
 from lit_mpstable.core.observer import GradObserver, shard_view
 from lit_mpstable.core.policy import OpPolicy
-from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, ForeignScaler, StaticLossScaler
+from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
-ScalerName = Literal["auto", "dynamic", "static", "adaptive"]
 MasterMode = Literal["fp32", "kahan", "stochastic"]
 OpPolicyName = Literal["autocast", "auto"]
 
 _FORMAT_IDS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
-_SCALERS = {"dynamic": DynamicLossScaler, "static": StaticLossScaler, "adaptive": AdaptiveLossScaler}
-_GRADSCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
 # The run's event counters: history, not numeric state (a rollback keeps their live values). The scaler's own
 # counters are the same facts seen from the scaler, kept in step with these.
 _COUNTERS = ("step_count", "overflow_count", "skipped_steps", "last_step_skipped")
@@ -104,19 +102,10 @@ class PrecisionStepper:
         self.master_mode: str | None = ("fp32" if master_weights is True else master_weights or None)
         if not self.true_16bit:
             self.master_mode = None  # the *-mixed modes keep FP32 weights: nothing to master
-        self.scaler = self._build_scaler(scaler)
-        if not skip_nonfinite and self.scaler is not None:
-            raise ValueError(
-                f"{call}({precision!r}, skip_nonfinite=False): a loss scaler always skips a step whose gradients hold"
-                " inf/NaN (that is how it finds a scale that fits); use scaler=None to turn the check off too."
-            )
-        # Without a scaler, a fixed scale of 1 does GradScaler's fused inf/NaN check and skip: NaN never reaches the
-        # weights in BF16 or FP32 either. A scaler that is not ours is seen through ForeignScaler, chosen once here.
-        self._checker: DynamicLossScaler | ForeignScaler | None
-        if self.scaler is None:
-            self._checker = StaticLossScaler(self.device, init_scale=1.0) if skip_nonfinite else None
-        else:
-            self._checker = self.scaler if isinstance(self.scaler, DynamicLossScaler) else ForeignScaler(self.scaler)
+        # The scaler the run scales with, and the LossScaler the step calls (the same object unless foreign).
+        self._checker: LossScaler | None
+        self.scaler, self._checker = build_scaler(call, precision, scaler, self.device, skip_nonfinite=skip_nonfinite,
+                                                  warnings=self.warnings)
         self.skip_nonfinite = skip_nonfinite
         self.fp8 = fp8_config(fp8)
         self.op_policy = op_policy
@@ -162,52 +151,6 @@ class PrecisionStepper:
         self._skip_requested = False
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
-
-    def _build_scaler(self, scaler: Any) -> torch.amp.GradScaler | None:
-        call = self.owner
-        fp16 = self.precision in ("16-mixed", "16-true")
-        if isinstance(scaler, str):
-            choice_arg(call, "scaler", scaler, get_args(ScalerName))
-            if scaler == "auto":
-                return _SCALERS["dynamic"](self.device) if fp16 else None
-            if not fp16:
-                raise ValueError(
-                    f"{call}({self.precision!r}, scaler={scaler!r}): loss scaling is only meaningful for FP16 modes"
-                    " (BF16 and FP32 share FP32's exponent range); use scaler=None."
-                )
-            return _SCALERS[scaler](self.device)
-        if scaler is None:
-            return None
-        missing = [name for name in _GRADSCALER_METHODS if not callable(getattr(scaler, name, None))]
-        if missing:
-            raise ValueError(f"{call}(scaler={scaler!r}): a scaler instance needs GradScaler's methods; missing {missing}.")
-        if self.precision.startswith("bf16") and scaler.is_enabled():
-            # Lightning's MixedPrecision refuses this; it works (every step is scaled, checked, unscaled), but says so.
-            self.warnings.append(
-                f"{call}({self.precision!r}, scaler={type(scaler).__name__}(...)): BF16 shares FP32's exponent range,"
-                " so loss scaling buys nothing but a pass over the gradients; scaler=None keeps the inf/NaN check."
-            )
-        if not scaler.is_enabled():
-            if getattr(scaler, "_device", None) == "cuda" and not torch.cuda.is_available():
-                raise ValueError(
-                    f"{call}(scaler={type(scaler).__name__}('cuda')): torch disabled this GradScaler because CUDA is"
-                    " not available here, so FP16 would train unscaled. Pass scaler='dynamic' or"
-                    " DynamicLossScaler(...) (device=None follows the run), or a scaler built for 'cpu'."
-                )
-            self.warnings.append(
-                f"{call}(scaler={type(scaler).__name__}(enabled=False)): taken as no loss scaling (scaler=None)."
-            )
-            return None
-        if type(scaler) is torch.amp.GradScaler:
-            # Adopted with its settings and state: our subclass also reports skipped steps (LR hold, counters,
-            # attribution), which a plain GradScaler keeps to itself.
-            adopted = DynamicLossScaler(
-                scaler._device, scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(),
-                scaler.get_growth_interval(), max_scale=None,
-            )
-            adopted.load_state_dict(scaler.state_dict())
-            return adopted
-        return scaler
 
     # ------------------------------------------------------------------------------------------- live state
     @property
@@ -312,7 +255,7 @@ class PrecisionStepper:
             if "masters" in self._pending:
                 self.master.load_state_dict(self._pending.pop("masters"))
         elif self.master_mode in ("kahan", "stochastic") and not self.fsdp2:
-            if self._checker is not None and not callable(getattr(self._checker, "check_", None)):
+            if self._checker is not None and not self._checker.checks_without_unscaling:
                 raise ValueError(
                     f"{self.owner}({self.precision!r}, master_weights={self.master_mode!r},"
                     f" scaler={type(self._checker).__name__}(...)): compact weights unscale in FP32 themselves and need"
@@ -364,12 +307,11 @@ class PrecisionStepper:
         device_type = next((p.device.type for p in module.parameters()), self.device)
         if device_type in ("cpu", "cuda"):
             self.device = self.layout.islands.device_type = self.layout.device_type = device_type
-        for scaler in {id(s): s for s in (self.scaler, self._checker) if s is not None}.values():
-            adopt = getattr(scaler, "adopt_device_", None)
-            if callable(adopt) and (previous := adopt(self.device)) is not None and scaler is self.scaler:
-                self.warnings.append(
-                    f"{type(scaler).__name__} built for {previous!r} adopted onto the run's device {self.device!r}."
-                )
+        scaler = self._checker  # a foreign scaler's wrapper adopts nothing; ours is self.scaler itself
+        if scaler is not None and (previous := scaler.adopt_device_(self.device)) is not None and scaler is self.scaler:
+            self.warnings.append(
+                f"{type(scaler).__name__} built for {previous!r} adopted onto the run's device {self.device!r}."
+            )
 
     @torch.no_grad()
     def follow_model_weights_(self) -> list[str]:
@@ -475,8 +417,7 @@ class PrecisionStepper:
             self._checker.unscale_(optimizer)
             # An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step
             # on every rank: one all-reduce of the found-inf flag (and the adaptive amax), on the device.
-            if callable(sync := getattr(self._checker, "sync_found_inf_", None)):
-                sync(optimizer)
+            self._checker.sync_found_inf_(optimizer)
         if master is not None:
             master.expose_grads_(optimizer, copy=self.scaler is not None)
         self._observe()
@@ -491,8 +432,7 @@ class PrecisionStepper:
         if checker is not None:
             checker.ensure_state_(_first_grad_device(optimizer) or self.device)
             checker.check_(optimizer)
-            if callable(sync := getattr(checker, "sync_found_inf_", None)):
-                sync(optimizer)
+            checker.sync_found_inf_(optimizer)
             if isinstance(self.scaler, DynamicLossScaler):
                 multiplier = self.scaler.get_scale_tensor().reciprocal()
         self._compact_grad[id(optimizer)] = [multiplier, None]
@@ -632,8 +572,8 @@ class PrecisionStepper:
                 tensors += [param.grad, param]
                 tensors += [v for v in optimizer.state.get(param, {}).values()
                             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
-        scale = getattr(self.scaler, "_scale", None)
-        if isinstance(scale, torch.Tensor):
+        scale = self._checker.get_scale_tensor() if self.scaler is not None else None
+        if scale is not None:
             tensors.append(scale.view(1))
         tensors = [_local_view(t) for t in tensors if not t.is_sparse]
         flag = _nonfinite(tensors) if tensors else None

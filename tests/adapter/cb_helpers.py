@@ -143,7 +143,7 @@ def quiet():
 def fp32_scaler_plugin(**scaler_kwargs):
     """``StablePrecision("32-true")`` with an explicit DynamicLossScaler: fast; overflows come from injected infs."""
     from trainer_pkg import StablePrecision
-    from lit_mpstable.core.scaling import DynamicLossScaler
+    from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
     return StablePrecision("32-true", scaler=DynamicLossScaler("cpu", **scaler_kwargs))
 

@@ -20,7 +20,8 @@ from helpers import TinyMLP, regression_data
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler
+from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
 WORLD_SIZE = 2
 # A collective that one rank never joins (ranks deciding differently) fails after this instead of hanging for 30 min.

@@ -15,7 +15,7 @@ from helpers import make_trainer
 from trainer_pkg import StablePrecision
 from trainer_pkg import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
 from lit_mpstable.callbacks.amp_preflight import compare_outputs
-from lit_mpstable.core.scaling import DynamicLossScaler
+from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
 FACTORIES = {
     "OverflowMonitor": lambda: OverflowMonitor(window=3, log_every_n_steps=1),

@@ -11,7 +11,7 @@ from helpers import make_trainer
 from trainer_pkg import StablePrecision
 from trainer_pkg import PrecisionFallback
 from lit_mpstable.callbacks.precision_fallback import fallback_reason
-from lit_mpstable.core.scaling import DynamicLossScaler
+from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
 EVERY_STEP = set(range(100))
 

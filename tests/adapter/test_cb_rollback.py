@@ -148,7 +148,7 @@ def test_a_rollback_never_undoes_a_precision_fallback() -> None:
     # The fallback at step 3 changes the precision layout, which triggers a fresh snapshot: the spike at step 5
     # rolls back to step 3, in FP32, not to the BF16 snapshot of step 0.
     from trainer_pkg import PrecisionFallback
-    from lit_mpstable.core.scaling import DynamicLossScaler
+    from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
     plugin = StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu"))
     fallback = PrecisionFallback(patience=2)

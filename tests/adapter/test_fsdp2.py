@@ -24,7 +24,7 @@ from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import PrecisionFallback, ScaleCheckpoint
 from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.core.fsdp import check_fsdp_policies, fp8_all_gather_, island_mp_policy, mp_policy
-from lit_mpstable.core.scaling import DynamicLossScaler
+from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper, tensor_init_context
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's CPU/num_workers notices, FP8 emulation notes

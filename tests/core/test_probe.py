@@ -19,7 +19,7 @@ from helpers import TinyMLP, regression_data
 from lit_mpstable.fp8 import convert_from_fp8
 from lit_mpstable.core.probe import forward_state, measure, metric_vector, with_metric_vector
 from lit_mpstable.app.report_probe import probe_matrix, write_probe_figure
-from lit_mpstable.core.scaling import AdaptiveLossScaler
+from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper
 
 X, Y = regression_data(16)

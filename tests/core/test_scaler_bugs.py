@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import TinyMLP, regression_data
 
-from lit_mpstable.core.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper
 
 INF, NAN = float("inf"), float("nan")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import HostReads, TinyMLP, regression_data
 
-from lit_mpstable.core.scaling import DynamicLossScaler
+from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper
 
 INF, NAN = float("inf"), float("nan")

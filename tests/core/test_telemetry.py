@@ -159,7 +159,7 @@ def test_core_imports_without_lightning_hydra_omegaconf(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     for name in [m for m in sys.modules if m == "lit_mpstable" or m.startswith("lit_mpstable.")]:
         monkeypatch.delitem(sys.modules, name)
-    for name in ("lit_mpstable.core.scaling", "lit_mpstable.core.telemetry", "lit_mpstable.core.attribution"):
+    for name in ("lit_mpstable.core.scalers", "lit_mpstable.core.telemetry", "lit_mpstable.core.attribution"):
         importlib.import_module(name)
 
 

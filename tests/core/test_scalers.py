@@ -1,0 +1,53 @@
+"""The LossScaler protocol: checked once, when the stepper is built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scalers import ForeignScaler, LossScaler, build_scaler
+from lit_mpstable.core.stepper import PrecisionStepper
+
+
+class NoSyncScaler(DynamicLossScaler):
+    """Ours, but with the cross-rank agreement taken away."""
+
+    sync_found_inf_ = None
+
+
+class SubclassedScaler(torch.amp.GradScaler):
+    """A user's GradScaler subclass: nothing overridden."""
+
+
+def test_a_scaler_missing_a_protocol_method_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"missing \['sync_found_inf_'\]"):
+        PrecisionStepper("16-mixed", scaler=NoSyncScaler("cpu"), device="cpu")
+
+
+def test_a_scaler_without_gradscalers_methods_is_refused_naming_them() -> None:
+    class NoUnscale:
+        def __getattr__(self, name: str):
+            if name == "unscale_":
+                raise AttributeError(name)
+            return getattr(torch.amp.GradScaler("cpu"), name)
+
+    with pytest.raises(ValueError, match=r"missing \['unscale_'\]"):
+        PrecisionStepper("16-mixed", scaler=NoUnscale(), device="cpu")
+
+
+def test_a_gradscaler_subclass_passes_the_protocol_check() -> None:
+    user = SubclassedScaler("cpu", init_scale=256.0)
+    warnings: list[str] = []
+    scaler, checker = build_scaler("T", "16-mixed", user, "cpu", skip_nonfinite=True, warnings=warnings)
+    assert scaler is user  # the run scales with the user's own object
+    assert isinstance(checker, ForeignScaler) and checker.inner is user
+    assert isinstance(checker, LossScaler)
+    assert not checker.checks_without_unscaling and warnings == []
+
+
+def test_a_plain_gradscaler_is_adopted_with_its_state() -> None:
+    plain = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+    scaler, checker = build_scaler("T", "16-mixed", plain, "cpu", skip_nonfinite=True, warnings=[])
+    assert type(scaler) is DynamicLossScaler and checker is scaler
+    assert scaler.get_scale() == 512.0 and scaler.get_growth_interval() == 7
