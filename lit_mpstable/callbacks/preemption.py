@@ -1,0 +1,416 @@
+"""PreemptionCheckpoint: on SIGTERM / SIGUSR1 (SLURM, submitit, torchrun elastic) every rank stops at the same step
+boundary, one checkpoint is written atomically, and ``trainer.fit(model, ckpt_path=...)`` continues the run
+bit-identically."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import signal
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import _Stateful
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lit_mpstable.attribution import OverflowTracer
+from lit_mpstable.callbacks._common import check
+
+__all__ = ["PreemptionCheckpoint", "atomic_save"]
+
+_FORBIDDEN = ("SIGKILL", "SIGSTOP")  # cannot be caught
+
+
+def _signal_of(call: str, value: Any) -> signal.Signals:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(f"{call}: each signal must be a name such as 'SIGTERM' or a signal.Signals; got"
+                        f" {type(value).__name__}.")
+    try:
+        sig = signal.Signals[value] if isinstance(value, str) else signal.Signals(value)
+    except (KeyError, ValueError):
+        raise ValueError(f"{call}: {value!r} is not a signal of this platform; use names such as 'SIGTERM',"
+                         " 'SIGUSR1'.") from None
+    check(sig.name not in _FORBIDDEN, call, f"{sig.name} cannot be caught; use 'SIGTERM' or 'SIGUSR1'.")
+    return sig
+
+
+def atomic_save(write: Any, path: str | os.PathLike) -> None:
+    """``write(tmp)`` writes a file; it then replaces ``path`` atomically: a temporary file in the same folder, fsync,
+    ``os.replace``, fsync of the folder. Whatever stops it half-way (an exception, SIGKILL, a power cut) leaves the
+    previous ``path`` as it was; a failed write removes its temporary file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a crash
+    finally:
+        os.close(fd)
+
+
+class PreemptionCheckpoint(pl.Callback):
+    """Turns a preemption signal into one checkpoint at a step boundary from which the run continues exactly.
+
+    The handlers, installed at ``setup`` (and restored at ``teardown``; Python allows it in the main thread only:
+    elsewhere the callback warns and does nothing), only note the signal and then call the handler that was there
+    before (a callable one: ``SIG_DFL`` would end the process at once). Lightning's own SIGTERM handler, which it
+    installs after ``setup``, is replaced for the fit: it runs a collective inside the handler on the signalled rank
+    alone and ends the run through ``SIGTERMException`` (exit status 0, no checkpoint).
+
+    At the end of every batch that stepped the optimizer (after the step, the scale update and every other callback:
+    the callback moves itself to the end of ``trainer.callbacks``) the ranks agree: the signal number is max-reduced,
+    so a signal delivered to one rank stops all of them at the same step. Distributed runs issue that reduction at one
+    boundary and read it at the next (no host sync in the step), so they stop one step after the signal; a single
+    process stops at the first boundary. Then ``{dirpath}/{filename}`` is written through ``trainer.save_checkpoint``
+    into a temporary file in the same folder, fsync-ed and ``os.replace``-d (a signal or kill during writing leaves the
+    previous checkpoint loadable), and the run stops: ``exit=True`` raises ``SystemExit(128 + signum)`` (143 for
+    SIGTERM, 138 for SIGUSR1: the status a requeueing launcher expects), else ``trainer.should_stop`` (which
+    ``min_epochs``/``min_steps`` can overrule).
+
+    The checkpoint holds, beyond Lightning's own content (weights, optimizers, LR schedulers, loops, the plugin's
+    ``state_dict``, every callback's ``state_dict``), per rank: the RNG states (torch, CUDA, numpy, Python), the
+    callbacks' rank-local state (recent losses, blamed modules), the plugin's telemetry and blame (``plugin.stats``)
+    and whether its overflow tracer is armed; and ``ScaleCheckpoint``'s in-memory rollback snapshot.
+    ``trainer.fit(model, ckpt_path=path)`` with the same world size then continues bit-identically.
+
+    Requirements on the training data:
+
+    - A loader with ``state_dict``/``load_state_dict`` (e.g. ``torchdata.stateful_dataloader.StatefulDataLoader``):
+      Lightning stores and restores its position itself. Otherwise the loader must have a length and yield, for a
+      given epoch, the same batches in the same order: ``shuffle=False``, or the ``DistributedSampler`` Lightning
+      injects in distributed runs (seeded, ``set_epoch``), or any sampler whose order follows ``set_epoch``. The
+      resumed run skips the batches the epoch already consumed (they are loaded, not trained on). A
+      ``RandomSampler`` (``shuffle=True`` in one process) draws its order from the global RNG at the start of the
+      epoch, which the resumed run cannot replay: it gets a warning.
+    - Randomness inside the dataset must follow the sample index and epoch, or run in the main process
+      (``num_workers=0``): worker processes are reseeded when the iterator is recreated.
+    - Not exact at a step that also validates: Lightning does not repeat that validation on resume.
+    - Sharded checkpoints (FSDP2/DeepSpeed write folders) are not covered.
+
+    Args:
+        dirpath: folder of the checkpoint; ``None``: ``trainer.default_root_dir``.
+        signals: the signals that preempt, by name (``"SIGTERM"``) or ``signal.Signals``.
+        exit: leave the process with status ``128 + signum`` after the checkpoint; ``False``: stop the fit.
+        filename: the checkpoint's file name inside ``dirpath``.
+
+    Raises:
+        ValueError, TypeError: an argument is not allowed (the message names it).
+    """
+
+    def __init__(self, dirpath: str | os.PathLike | None = None, signals: Iterable[Any] = ("SIGTERM", "SIGUSR1"),
+                 exit: bool = True, *, filename: str = "preemption.ckpt") -> None:
+        name = type(self).__name__
+        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
+            raise TypeError(f"{name}(dirpath={dirpath!r}): must be a folder path (str or os.PathLike) or None.")
+        if isinstance(signals, (str, int)) or not isinstance(signals, Iterable):
+            raise TypeError(f"{name}(signals={signals!r}): must be a sequence of signals, e.g. ('SIGTERM',).")
+        sigs = [_signal_of(f"{name}(signals={signals!r})", s) for s in signals]
+        check(bool(sigs) and len(set(sigs)) == len(sigs), f"{name}(signals={signals!r})",
+              "must name at least one signal, each once.")
+        if not isinstance(exit, bool):
+            raise TypeError(f"{name}(exit={exit!r}): must be True (leave with 128 + signum) or False (stop the fit).")
+        check(isinstance(filename, str) and filename not in ("", ".", "..") and os.sep not in filename,
+              f"{name}(filename={filename!r})", "must be a plain file name (no folder); put the folder in dirpath.")
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.signals, self.exit, self.filename = tuple(sigs), exit, filename
+        self.saved_path: Path | None = None
+        """The checkpoint written by the last preemption, None before."""
+        self.saved_step: int | None = None
+        """Its ``trainer.global_step``."""
+        self._received: int = 0  # signal number noted by the handler, 0: none
+        self._previous: dict[int, Any] = {}  # signum -> handler before ours, restored at teardown
+        self._issued: torch.Tensor | None = None  # the agreement reduction in flight (distributed runs)
+        self._step_before = -1
+        self._to_save: dict[str, Any] = {}  # what state_dict() returns during the preemption save
+        self._loaded: dict[str, Any] | None = None  # read from a checkpoint, applied at train start
+
+    # ----------------------------------------------------------------------------------------------- signals
+    def _handle(self, signum: int, frame: Any) -> None:
+        # Only note it: anything more (I/O, collectives) could run in the middle of a step or a collective.
+        self._received = self._received or signum
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._received, self._issued = 0, None
+        # Last among the callbacks: the step boundary is after every other callback's decisions of that step (a
+        # rollback), and the restore after their on_train_start (ScaleCheckpoint's snapshot).
+        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+        if threading.current_thread() is not threading.main_thread():
+            rank_zero_warn(f"{type(self).__name__}: fit runs outside the main thread, where Python cannot install"
+                           " signal handlers; preemption signals are not handled in this run.")
+            return
+        for sig in self.signals:
+            if sig not in self._previous:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_handlers()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_handlers()  # Lightning skips the teardown hooks when fit ends by an exception (our exit too)
+
+    def _restore_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def _own_handlers(self) -> None:
+        """Put ours back where Lightning's signal connector installed its own over it (after setup)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self._previous:
+            current = signal.getsignal(sig)
+            if current != self._handle and type(current).__module__.startswith(
+                    ("lightning.pytorch.trainer.connectors", "pytorch_lightning.trainer.connectors")):
+                signal.signal(sig, self._handle)  # Lightning's teardown restores what it found: ours
+
+    # -------------------------------------------------------------------------------------------- boundary
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._step_before = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._step_before:
+            return  # accumulating gradients: not a step boundary
+        signum = self._agreed(trainer, pl_module)
+        if not signum:
+            return
+        self._save(trainer, pl_module, signum, batch_idx)
+        name = signal.Signals(signum).name
+        if self.exit:
+            rank_zero_info(f"{type(self).__name__}: {name} at step {trainer.global_step}; checkpoint"
+                           f" {self.saved_path}; exiting with status {128 + signum}.")
+            raise SystemExit(128 + signum)
+        rank_zero_info(f"{type(self).__name__}: {name} at step {trainer.global_step}; checkpoint {self.saved_path};"
+                       " stopping.")
+        trainer.should_stop = True
+
+    def _agreed(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        """The signal every rank acts on (0: none), the same on all ranks."""
+        if trainer.world_size == 1:
+            return self._received
+        # Issued here, read at the next boundary (long computed by then): no host sync inside the step.
+        previous = self._issued
+        flag = torch.tensor(float(self._received), device=pl_module.device)
+        self._issued = trainer.strategy.reduce(flag, reduce_op="max")
+        return int(previous.item()) if previous is not None else 0
+
+    # ----------------------------------------------------------------------------------------------- saving
+    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, signum: int, batch_idx: int) -> None:
+        ranks: list[Any] = [_rank_state(trainer, self)]
+        if trainer.world_size > 1:
+            gathered: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, ranks[0])
+            ranks = gathered
+        self._to_save = {
+            "signal": signum, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+            "batches_in_epoch": batch_idx + 1, "world_size": trainer.world_size, "ranks": ranks,
+            "scale_checkpoint": _snapshots(trainer),
+        }
+        folder = self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir)
+        path = folder / self.filename
+        if trainer.is_global_zero:
+            folder.mkdir(parents=True, exist_ok=True)
+        trainer.strategy.barrier("PreemptionCheckpoint.mkdir")
+        try:
+            if trainer.is_global_zero:
+                # trainer.save_checkpoint is collective and writes on rank zero only (DDP, one device).
+                atomic_save(lambda tmp: trainer.save_checkpoint(tmp), path)
+            else:
+                trainer.save_checkpoint(path.with_name(f".{path.name}.tmp"))
+        finally:
+            self._to_save = {}
+        trainer.strategy.barrier("PreemptionCheckpoint.saved")
+        self.saved_path, self.saved_step = path, trainer.global_step
+        self._received = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Keys, in the checkpoint a preemption writes (empty otherwise): ``signal``, ``global_step``, ``epoch``,
+        ``batches_in_epoch``, ``world_size``, ``ranks`` (per rank: ``rng``, ``callbacks``, ``plugin``) and
+        ``scale_checkpoint`` (ScaleCheckpoint's rollback snapshot)."""
+        return dict(self._to_save)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = dict(state_dict) if state_dict else None
+
+    # ---------------------------------------------------------------------------------------------- resume
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._own_handlers()
+        _warn_random_sampler(trainer)
+        state, self._loaded = self._loaded, None
+        if state is None:
+            return
+        rank = trainer.global_rank
+        if state["world_size"] != trainer.world_size:
+            rank_zero_warn(f"{type(self).__name__}: the checkpoint was written by {state['world_size']} ranks, this"
+                           f" run has {trainer.world_size}; each rank takes rank 0's RNG and rank-local state, so the"
+                           " continuation is not bit-identical.")
+            rank = 0
+        entry = state["ranks"][rank]
+        _restore_callbacks(trainer, self, entry["callbacks"], state["scale_checkpoint"])
+        _restore_plugin(trainer, entry["plugin"])
+        if trainer.current_epoch == state["epoch"]:
+            _skip_consumed_batches(trainer, int(state["batches_in_epoch"]))
+        _set_rng_state(entry["rng"])  # last: skipping batches may draw from the RNG
+
+
+# ---------------------------------------------------------------------------------------------------- RNG
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    keys, pos, has_gauss, gauss = np.random.get_state()[1:]
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "gauss": float(gauss)},
+        "python": [version, list(internal), gauss_next],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    numpy = state["numpy"]
+    np.random.set_state(("MT19937", numpy["keys"].numpy().astype("uint32"), numpy["pos"], numpy["has_gauss"],
+                         numpy["gauss"]))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -------------------------------------------------------------------------------------- rank-local state
+# Pieces of state that the run's decisions read but that their owners' state_dict leaves out or holds for rank 0
+# only. Each belongs in its owner's state_dict; until it is there, the preemption checkpoint carries it.
+def _rank_state(trainer: pl.Trainer, own: pl.Callback) -> dict[str, Any]:
+    callbacks = {}
+    for cb in trainer.callbacks:
+        if cb is not own and (state := cb.state_dict()):
+            callbacks[cb.state_key] = copy.deepcopy(state)
+    plugin = trainer.precision_plugin
+    stepper = getattr(plugin, "stepper", None)
+    plugin_state = {} if stepper is None else {
+        "stats": _plain(stepper.stats),  # blame (blamed_modules, nonfinite_input) and telemetry, rank-local
+        "tracer_armed": stepper.observer.tracer is not None,  # the step after an overflow is traced
+    }
+    return {"rng": _rng_state(), "callbacks": callbacks, "plugin": plugin_state}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with only what ``torch.load(weights_only=True)`` reads: tensors, numbers, strings, lists, dicts."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items() if isinstance(k, str)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return None
+
+
+def _scale_checkpoints(trainer: pl.Trainer) -> list[Any]:
+    from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
+
+    return [cb for cb in trainer.callbacks if isinstance(cb, ScaleCheckpoint)]
+
+
+def _snapshots(trainer: pl.Trainer) -> list[Any]:
+    """ScaleCheckpoint's rollback snapshots (in memory only; the same on every rank), with their layout key."""
+    out = []
+    for cb in _scale_checkpoints(trainer):
+        layout = cb._layout
+        out.append(None if cb._snapshot is None else {
+            "snapshot": cb._snapshot,
+            "layout": None if layout is None else [layout[0], str(layout[1]).removeprefix("torch."), list(layout[2])],
+        })
+    return out
+
+
+def _restore_callbacks(trainer: pl.Trainer, own: pl.Callback, states: Mapping[str, Any], snapshots: list[Any]) -> None:
+    from lit_mpstable.callbacks.amp_preflight import AMPPreflight
+
+    for cb in trainer.callbacks:
+        if cb is not own and cb.state_key in states:
+            cb.load_state_dict(copy.deepcopy(states[cb.state_key]))
+        if isinstance(cb, AMPPreflight) and cb.result:
+            cb._pending = False  # it checked the first batch of the run already; a resume is not a new run
+    for cb, saved in zip(_scale_checkpoints(trainer), snapshots):
+        if saved is not None:  # the snapshot of the run, not the one its on_train_start took of the resume point
+            layout = saved["layout"]
+            cb._snapshot = saved["snapshot"]
+            cb._layout = None if layout is None else (layout[0], getattr(torch, layout[1]), tuple(layout[2]))
+
+
+def _restore_plugin(trainer: pl.Trainer, state: Mapping[str, Any]) -> None:
+    stepper = getattr(trainer.precision_plugin, "stepper", None)
+    if stepper is None or not state:
+        return
+    stepper.stats.clear()
+    stepper.stats.update(copy.deepcopy(state["stats"]))
+    observer, module = stepper.observer, stepper.layout.module
+    if state["tracer_armed"] and observer.tracer is None and module is not None:
+        observer.tracer = OverflowTracer(module).attach()
+
+
+# --------------------------------------------------------------------------------------------------- data
+def _loaders(trainer: pl.Trainer) -> list[Any]:
+    combined = trainer.fit_loop._combined_loader
+    return [] if combined is None else list(combined.flattened)
+
+
+def _warn_random_sampler(trainer: pl.Trainer) -> None:
+    for loader in _loaders(trainer):
+        if isinstance(loader, _Stateful):
+            continue
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, torch.utils.data.RandomSampler):
+            rank_zero_warn(
+                "PreemptionCheckpoint: the train loader shuffles with a RandomSampler, whose order comes from the"
+                " global RNG at the start of each epoch; a run resumed mid-epoch cannot replay it. Use a stateful"
+                " loader (torchdata's StatefulDataLoader) or a sampler that follows set_epoch, e.g."
+                " DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=...)."
+            )
+            return
+
+
+def _skip_consumed_batches(trainer: pl.Trainer, consumed: int) -> None:
+    """Advance the fresh iterator of a loader without state past the batches the epoch already trained on."""
+    loaders = _loaders(trainer)
+    fetcher = trainer.fit_loop._data_fetcher
+    if not loaders or fetcher is None or consumed >= trainer.num_training_batches:
+        return  # the checkpoint ended the epoch: the next one starts afresh
+    if all(isinstance(loader, _Stateful) for loader in loaders):
+        return  # Lightning restored their positions
+    if getattr(fetcher, "batches", None):
+        rank_zero_warn("PreemptionCheckpoint: the train loader has no length (it was prefetched), so the resumed epoch"
+                       " starts from its beginning; make it stateful (state_dict/load_state_dict) to resume exactly.")
+        return
+    for loader in loaders:  # the epoch's order, as Lightning sets it at the epoch's start (not yet, on a resume)
+        _set_sampler_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
+    for _ in range(consumed):
+        next(fetcher.iterator)
