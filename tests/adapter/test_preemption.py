@@ -282,3 +282,209 @@ def test_exit_leaves_with_the_signals_conventional_status(tmp_path) -> None:
     child.join(120)
     assert child.exitcode == 128 + signal.SIGUSR1
     assert torch.load(tmp_path / "preemption.ckpt", weights_only=True)["global_step"] == 3
+
+
+# ------------------------------------------------------------------------------------------- state inventory
+# Every attribute of the objects that make up the run's stability state, and where the preemption checkpoint holds
+# it: ("plugin", key...) in checkpoint["StablePrecision"], ("callback", key) in the callback's own state, ("rank",
+# key...) in PreemptionCheckpoint's per-rank entry, ("preempt", key...) in PreemptionCheckpoint's state; "walk": an
+# object inventoried attribute by attribute itself. Anything else must be in NOT_STATE with the reason. A new
+# attribute that is in neither fails the test: give it a checkpoint entry (its owner's state_dict) or a reason.
+_CONFIG = "constructor argument or derived from one"
+_SETUP = "bound or decided at setup from the model, strategy or trainer (rebuilt by the resumed run's setup)"
+_ITER = "lives within one iteration; reset before the step boundary where the checkpoint is written"
+_MSG = "a message shown once, or its count (no effect on the numerics or decisions)"
+_SEED = "the value a lazily created device tensor starts from; the tensor's value is in the checkpoint"
+COVERED: dict[tuple[str, str], tuple] = {
+    ("StablePrecision", "stepper"): ("walk",),
+    ("PrecisionStepper", "precision"): ("plugin", "precision"),
+    ("PrecisionStepper", "scaler"): ("walk",),
+    ("PrecisionStepper", "policy"): ("walk",),
+    ("PrecisionStepper", "layout"): ("walk",),
+    ("PrecisionStepper", "observer"): ("walk",),
+    ("PrecisionStepper", "master"): ("plugin", "masters"),
+    ("PrecisionStepper", "compact"): ("plugin", "compact"),
+    ("PrecisionStepper", "schedules"): ("plugin", "schedules"),
+    ("PrecisionStepper", "step_count"): ("plugin", "step_count"),
+    ("PrecisionStepper", "overflow_count"): ("plugin", "overflow_count"),
+    ("PrecisionStepper", "skipped_steps"): ("plugin", "skipped_steps"),
+    ("PrecisionStepper", "last_step_skipped"): ("plugin", "last_step_skipped"),
+    ("PrecisionStepper", "stats"): ("rank", "plugin", "stats"),
+    ("DynamicLossScaler", "_scale"): ("plugin", "scaler", "scale"),
+    ("DynamicLossScaler", "_growth_factor"): ("plugin", "scaler", "growth_factor"),
+    ("DynamicLossScaler", "_backoff_factor"): ("plugin", "scaler", "backoff_factor"),
+    ("DynamicLossScaler", "_growth_interval"): ("plugin", "scaler", "growth_interval"),
+    ("DynamicLossScaler", "_growth_tracker"): ("plugin", "scaler", "_growth_tracker"),
+    ("DynamicLossScaler", "hysteresis"): ("plugin", "scaler", "hysteresis"),
+    ("DynamicLossScaler", "_hysteresis_tracker"): ("plugin", "scaler", "_hysteresis_tracker"),
+    ("DynamicLossScaler", "min_scale"): ("plugin", "scaler", "min_scale"),
+    ("DynamicLossScaler", "max_scale"): ("plugin", "scaler", "max_scale"),
+    ("DynamicLossScaler", "step_count"): ("plugin", "scaler", "step_count"),
+    ("DynamicLossScaler", "_overflow_count"): ("plugin", "scaler", "overflow_count"),
+    ("DynamicLossScaler", "_min_scale_hits"): ("plugin", "scaler", "min_scale_hits"),
+    ("DynamicLossScaler", "last_step_skipped"): ("plugin", "last_step_skipped"),
+    ("PrecisionLayout", "islands"): ("walk",),
+    ("PrecisionLayout", "fp32"): ("plugin", "layout", "fp32"),
+    ("PrecisionLayout", "fp8_off"): ("plugin", "layout", "fp8_off"),
+    ("PrecisionLayout", "fp8_removed"): ("plugin", "layout", "fp8_removed"),
+    ("PrecisionLayout", "fp32_modules"): ("plugin", "layout", "fp32_modules"),
+    ("GradObserver", "telemetry"): ("walk",),
+    ("GradObserver", "tracer"): ("rank", "plugin", "tracer_armed"),
+    ("OpPolicy", "choices"): ("plugin", "op_policy"),
+    ("OverflowMonitor", "windowed"): ("callback", "counts"),
+    ("OverflowMonitor", "above"): ("callback", "above"),
+    ("OverflowMonitor", "blamed"): ("callback", "blamed"),
+    ("PrecisionFallback", "grad_error_runs"): ("callback", "grad_error_runs"),
+    ("PrecisionFallback", "last_probe_step"): ("callback", "last_probe_step"),
+    ("PrecisionFallback", "overflow_run"): ("callback", "overflow_run"),
+    ("PrecisionFallback", "nonfinite_run"): ("callback", "nonfinite_run"),
+    ("PrecisionFallback", "recent"): ("callback", "recent"),
+    ("PrecisionFallback", "cooldown_end"): ("callback", "cooldown_end"),
+    ("PrecisionFallback", "decisions"): ("callback", "decisions"),
+    ("PrecisionFallback", "blamed"): ("callback", "blamed"),
+    ("PrecisionFallback", "_nonfinite"): ("callback", "previous_nonfinite"),
+    ("ScaleCheckpoint", "rollbacks"): ("callback", "rollbacks"),
+    ("ScaleCheckpoint", "skips"): ("callback", "skips"),
+    ("ScaleCheckpoint", "events"): ("callback", "events"),
+    ("ScaleCheckpoint", "losses"): ("callback", "losses"),
+    ("ScaleCheckpoint", "_skipped_at"): ("callback", "skipped_at"),
+    ("ScaleCheckpoint", "_snapshot"): ("preempt", "scale_checkpoint", 0, "snapshot"),
+    ("ScaleCheckpoint", "_layout"): ("preempt", "scale_checkpoint", 0, "layout"),
+    ("AMPPreflight", "result"): ("callback", "result"),
+    ("PrecisionProbe", "history"): ("callback", "history"),
+    ("PrecisionProbe", "pending"): ("callback", "pending"),
+}
+_CALLBACK_COMMON = {"_plugin": _SETUP, "_warned_no_plugin": _MSG, "log": _SETUP, "log_dict": _SETUP}
+NOT_STATE: dict[str, dict[str, str]] = {
+    "StablePrecision": {"_args": _CONFIG, "precision": _CONFIG, "master_weights": _CONFIG, "_warned": _MSG,
+                        "_notes_shown": _MSG},
+    "PrecisionStepper": {
+        "owner": _CONFIG, "warnings": _MSG, "device": _SETUP, "master_mode": _CONFIG, "skip_nonfinite": _CONFIG,
+        "fp8": _CONFIG, "op_policy": _CONFIG, "diagnose": _CONFIG, "fsdp2": _SETUP, "_fsdp_checked": _SETUP,
+        "optimizers": "the run's optimizers (their state is Lightning's optimizer_states)", "_initial": _SETUP,
+        "_checker": "the scaler itself (walked as such), or without one a fixed scale-1 check with per-iteration state",
+        "_compact_grad": _ITER, "last_loss": _ITER, "_unscaled": _ITER, "_skip_requested": _ITER,
+        "_input_nonfinite": _ITER, "_pending": "state loaded before the model arrived, consumed at setup",
+        "_layout_seen": "the layout of the last forward, for the compile note only",
+    },
+    "DynamicLossScaler": {
+        "_device": _SETUP, "_enabled": _CONFIG, "_init_scale": _SEED, "_init_growth_tracker": _SEED,
+        "_init_hysteresis_tracker": _SEED, "_init_overflow_count": _SEED, "_init_min_scale_hits": _SEED,
+        "_per_optimizer_states": _ITER, "_host_found": _ITER, "allow_fp16_grads": _SETUP, "_min_scale_warned": _MSG,
+        "_host_overflows": "host mirror of overflow_count since the last load (reset by load_state_dict)",
+        "_host_tracker": "host mirror of _growth_tracker (reset by load_state_dict)",
+    },
+    "PrecisionLayout": {"dtype": _CONFIG, "cast_parameters": _SETUP, "fp8": _CONFIG, "fp8_backend": _CONFIG,
+                        "_user_islands": _CONFIG, "module": _SETUP, "device_type": _SETUP,
+                        "_fp8_selected": "selected from the model at its first attach (FP8 state: layout.fp8)",
+                        "_fp8_layers": "the selection minus fp8_removed (FP8 state: layout.fp8)"},
+    "FP32Islands": {"specs": "the user's islands plus layout.fp32_modules", "device_type": _SETUP,
+                    "output_dtype": _SETUP, "names": "specs resolved on the model", "_modules": "specs resolved",
+                    "_handles": "hooks of the resolved islands"},
+    "GradObserver": {"diagnose": _CONFIG, "_traced": _ITER},
+    "GradTelemetry": {"every_n_steps": _CONFIG, "formats": _CONFIG, "per_module": _CONFIG,
+                      "latest": "the last computation, reported through plugin.stats (in the checkpoint)"},
+    "OpPolicy": {"dtype": _CONFIG, "margin": _CONFIG, "budget_s": _CONFIG, "_measure": _CONFIG, "requested": _CONFIG,
+                 "measurements": "timings behind the choices (the choices are saved; the timings in stats)",
+                 "step_cost": "timing report", "_recording": _ITER},
+    "OverflowMonitor": {**_CALLBACK_COMMON, "window": _CONFIG, "warn_rate": _CONFIG, "log_every_n_steps": _CONFIG,
+                        "latest_measured": "the values last logged (report; measured again at the next due step)",
+                        "_steps": "counter baseline, reset from the plugin's restored counters at train start"},
+    "PrecisionFallback": {**_CALLBACK_COMMON, "patience": _CONFIG, "min_scale": _CONFIG, "mode": _CONFIG,
+                          "cooldown": _CONFIG, "max_overflow_rate": _CONFIG, "nonfinite_loss_patience": _CONFIG,
+                          "window": _CONFIG, "max_grad_error": _CONFIG, "grad_error_patience": _CONFIG,
+                          "_steps": "counter baseline, reset from the plugin's restored counters at train start",
+                          "_warned_fp32": _MSG, "_warned_data": _MSG, "_warned_fp32_modules": _MSG},
+    "ScaleCheckpoint": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "spike_zscore": _CONFIG,
+                        "max_rollbacks": _CONFIG, "min_history": _CONFIG, "on_spike": _CONFIG,
+                        "spike_patience": _CONFIG, "window": _CONFIG, "snapshot_device": _CONFIG, "_pending": _ITER},
+    "AMPPreflight": {**_CALLBACK_COMMON, "atol": _CONFIG, "rtol": _CONFIG, "action": _CONFIG, "forward_fn": _CONFIG,
+                     "_pending": "the check is owed: set at train start, cleared on resume once `result` is loaded"},
+    "PrecisionProbe": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "raise_scale": _CONFIG, "loss_fn": _CONFIG,
+                       "_capture": _ITER, "_inert": _SETUP, "_warned": _MSG},
+}
+
+
+def stability_objects(plugin: StablePrecision, cbs: list[pl.Callback]) -> list[Any]:
+    """The plugin, everything the inventory walks into from it, and the callbacks; each object once."""
+    found, todo = {}, [plugin, *cbs]
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in found:
+            continue
+        found[id(obj)] = obj
+        todo += [getattr(obj, attr) for (cls, attr), where in COVERED.items()
+                 if where == ("walk",) and cls == type(obj).__name__ and hasattr(obj, attr)]
+    return list(found.values())
+
+
+def unexplained(objects: list[Any]) -> list[str]:
+    """``Class.attribute`` of every attribute neither in COVERED nor in NOT_STATE."""
+    return sorted(f"{type(o).__name__}.{attr}" for o in objects for attr in vars(o)
+                  if (type(o).__name__, attr) not in COVERED and attr not in NOT_STATE.get(type(o).__name__, {}))
+
+
+def _at(checkpoint: dict[str, Any], state_key: str, where: tuple) -> Any:
+    root, *path = where
+    node = {"plugin": checkpoint["StablePrecision"], "callback": checkpoint["callbacks"].get(state_key),
+            "preempt": checkpoint["callbacks"]["PreemptionCheckpoint"],
+            "rank": checkpoint["callbacks"]["PreemptionCheckpoint"]["ranks"][0]}[root]
+    for key in path:
+        node = node[key]
+    return node
+
+
+def _plain_value(value: Any) -> Any:
+    """A live value as the checkpoint writes it: 0-dim tensors as numbers, sequences as lists, dtypes by name."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "deque":
+        return [_plain_value(v) for v in value]
+    return value
+
+
+@pytest.fixture(scope="module")
+def preempted_single(tmp_path_factory):
+    """One process, StablePrecision('16-mixed') and every callback, preempted after a skip, a fallback, a rollback."""
+    ckpt_dir = tmp_path_factory.mktemp("inventory")
+    plug, cbs = plugin(), callbacks()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plug], max_steps=16,
+                         callbacks=[*cbs, PreemptionCheckpoint(ckpt_dir, exit=False), SignalAt(11, signal.SIGTERM, 0)],
+                         enable_progress_bar=False, enable_model_summary=False, logger=False,
+                         enable_checkpointing=False)
+    trainer.fit(PreemptModule(**FAULTS, fault_rank=0))
+    return plug, cbs, torch.load(ckpt_dir / "preemption.ckpt", weights_only=True)
+
+
+def test_every_piece_of_stability_state_is_in_the_checkpoint(preempted_single) -> None:
+    plug, cbs, checkpoint = preempted_single
+    assert checkpoint["global_step"] == 12
+    assert plug.skipped_steps >= 3 and cbs[1].decisions and cbs[2].rollbacks == 1  # the state is not trivial
+    objects = stability_objects(plug, cbs)
+    assert {type(o).__name__ for o in objects} == set(NOT_STATE)  # the walk reached every class it classifies
+    assert unexplained(objects) == []
+    checked = 0
+    for obj in objects:
+        name = type(obj).__name__
+        for attr, value in vars(obj).items():
+            where = COVERED.get((name, attr))
+            if where is None or where == ("walk",):
+                continue
+            saved = _at(checkpoint, getattr(obj, "state_key", ""), where)  # raises if the entry is missing
+            live = _plain_value(value)
+            if isinstance(live, (bool, int, float, str, list)) and not isinstance(saved, dict):
+                assert live == saved, f"{name}.{attr}: live {live!r}, checkpoint {saved!r}"
+                checked += 1
+    assert checked >= 30
+
+
+def test_the_inventory_fails_on_a_new_stateful_field(preempted_single) -> None:
+    plug, cbs, _ = preempted_single
+    plug.stepper.rescue_count = 0  # a new piece of state nobody saves
+    cbs[2].cool_off = 3
+    try:
+        assert unexplained(stability_objects(plug, cbs)) == ["PrecisionStepper.rescue_count", "ScaleCheckpoint.cool_off"]
+    finally:
+        del plug.stepper.rescue_count, cbs[2].cool_off
