@@ -268,9 +268,13 @@ class PreemptionCheckpoint(pl.Callback):
         entry = state["ranks"][rank]
         _restore_callbacks(trainer, self, entry["callbacks"], state["scale_checkpoint"])
         _restore_plugin(trainer, entry["plugin"])
-        if trainer.current_epoch == state["epoch"]:
-            _skip_consumed_batches(trainer, int(state["batches_in_epoch"]))
-        _set_rng_state(entry["rng"])  # last: skipping batches may draw from the RNG
+        consumed = int(state["batches_in_epoch"])
+        epoch_done = consumed >= trainer.num_training_batches
+        if trainer.current_epoch == state["epoch"] and not epoch_done:
+            _skip_consumed_batches(trainer, consumed)
+        _set_rng_state(entry["rng"])  # after skipping batches, which may draw from the RNG
+        if epoch_done:
+            _next_epoch_iterator(trainer)
 
 
 # ---------------------------------------------------------------------------------------------------- RNG
@@ -396,6 +400,15 @@ def _warn_random_sampler(trainer: pl.Trainer) -> None:
                 " DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=...)."
             )
             return
+
+
+def _next_epoch_iterator(trainer: pl.Trainer) -> None:
+    """The checkpoint ended an epoch: the uninterrupted run created the next epoch's iterator after it, drawing the
+    iterator's seed from the global RNG (DataLoader does, whatever its workers); the resumed run created one before
+    the RNG was restored. Create it again, now."""
+    loaders, fetcher = _loaders(trainer), trainer.fit_loop._data_fetcher
+    if loaders and fetcher is not None and not any(isinstance(loader, _Stateful) for loader in loaders):
+        iter(fetcher)
 
 
 def _skip_consumed_batches(trainer: pl.Trainer, consumed: int) -> None:
