@@ -86,19 +86,22 @@ class PreemptionCheckpoint(pl.Callback):
     and whether its overflow tracer is armed; and ``ScaleCheckpoint``'s in-memory rollback snapshot.
     ``trainer.fit(model, ckpt_path=path)`` with the same world size then continues bit-identically.
 
-    Requirements on the training data:
+    Requirements on the training data (Lightning 2.6 restores a loader's position only if it is stateful):
 
     - A loader with ``state_dict``/``load_state_dict`` (e.g. ``torchdata.stateful_dataloader.StatefulDataLoader``):
-      Lightning stores and restores its position itself. Otherwise the loader must have a length and yield, for a
-      given epoch, the same batches in the same order: ``shuffle=False``, or the ``DistributedSampler`` Lightning
-      injects in distributed runs (seeded, ``set_epoch``), or any sampler whose order follows ``set_epoch``. The
-      resumed run skips the batches the epoch already consumed (they are loaded, not trained on). A
-      ``RandomSampler`` (``shuffle=True`` in one process) draws its order from the global RNG at the start of the
-      epoch, which the resumed run cannot replay: it gets a warning.
-    - Randomness inside the dataset must follow the sample index and epoch, or run in the main process
-      (``num_workers=0``): worker processes are reseeded when the iterator is recreated.
-    - Not exact at a step that also validates: Lightning does not repeat that validation on resume.
-    - Sharded checkpoints (FSDP2/DeepSpeed write folders) are not covered.
+      Lightning stores and restores its position itself. Any other loader must have a length (a map-style dataset)
+      and an order that is a function of the epoch and the global torch RNG: ``shuffle=False``, ``shuffle=True``
+      (a ``RandomSampler`` drawing from the global RNG, replayed from the RNG saved at the epoch's start), the
+      ``DistributedSampler`` Lightning injects in distributed runs, or any sampler following ``set_epoch``; not a
+      sampler with its own ``torch.Generator``. The resumed run replays the epoch's start and skips the batches
+      it already consumed (they are loaded again, not trained on).
+    - Randomness in the dataset must come from the global RNGs or follow the sample index. With ``num_workers > 0``,
+      random transforms in the workers resume exactly except in the first epoch a process runs (its iterator is
+      created before the epoch's RNG can be recorded, so the workers' seeds differ).
+    - Nothing in ``LightningModule.on_train_epoch_start`` may draw from the global RNG (the epoch's RNG is recorded
+      in the callbacks' hook, which runs before it).
+    - The same world size (else each rank takes rank 0's RNG and rank-local state, with a warning); single-file
+      checkpoints (DDP, one device): sharded strategies (FSDP2, DeepSpeed) write folders, which are not covered.
 
     Args:
         dirpath: folder of the checkpoint; ``None``: ``trainer.default_root_dir``.
@@ -136,6 +139,9 @@ class PreemptionCheckpoint(pl.Callback):
         self._step_before = -1
         self._to_save: dict[str, Any] = {}  # what state_dict() returns during the preemption save
         self._loaded: dict[str, Any] | None = None  # read from a checkpoint, applied at train start
+        # Where the current epoch's loader iterator drew its randomness: the RNG at the epoch's start, the iterator
+        # then (created before the hook: the process's first epoch) and whether it was created after the hook.
+        self._epoch_start: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------------- signals
     def _handle(self, signum: int, frame: Any) -> None:
@@ -184,6 +190,11 @@ class PreemptionCheckpoint(pl.Callback):
                 signal.signal(sig, self._handle)  # Lightning's teardown restores what it found: ours
 
     # -------------------------------------------------------------------------------------------- boundary
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._epoch_start is None or self._epoch_start["epoch"] != trainer.current_epoch:
+            self._epoch_start = {"epoch": trainer.current_epoch, "rng": _rng_state(), "iterator": _iterator(trainer),
+                                 "after": None}
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._step_before = trainer.global_step
 
@@ -216,7 +227,9 @@ class PreemptionCheckpoint(pl.Callback):
 
     # ----------------------------------------------------------------------------------------------- saving
     def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, signum: int, batch_idx: int) -> None:
-        ranks: list[Any] = [_rank_state(trainer, self)]
+        start = self._epoch_start if self._epoch_start is not None and (
+            self._epoch_start["epoch"] == trainer.current_epoch) else None
+        ranks: list[Any] = [{**_rank_state(trainer, self), "epoch_rng": None if start is None else start["rng"]}]
         if trainer.world_size > 1:
             gathered: list[Any] = [None] * trainer.world_size
             torch.distributed.all_gather_object(gathered, ranks[0])
@@ -225,6 +238,8 @@ class PreemptionCheckpoint(pl.Callback):
             "signal": signum, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
             "batches_in_epoch": batch_idx + 1, "world_size": trainer.world_size, "ranks": ranks,
             "scale_checkpoint": _snapshots(trainer),
+            "iterator_after_epoch_start": None if start is None else (
+                start["after"] if start["after"] is not None else _iterator(trainer) is not start["iterator"]),
         }
         folder = self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir)
         path = folder / self.filename
@@ -245,8 +260,9 @@ class PreemptionCheckpoint(pl.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Keys, in the checkpoint a preemption writes (empty otherwise): ``signal``, ``global_step``, ``epoch``,
-        ``batches_in_epoch``, ``world_size``, ``ranks`` (per rank: ``rng``, ``callbacks``, ``plugin``) and
-        ``scale_checkpoint`` (ScaleCheckpoint's rollback snapshot)."""
+        ``batches_in_epoch``, ``world_size``, ``ranks`` (per rank: ``rng``, ``epoch_rng`` (at the epoch's start),
+        ``callbacks``, ``plugin``), ``scale_checkpoint`` (ScaleCheckpoint's rollback snapshot) and
+        ``iterator_after_epoch_start`` (whether the epoch's loader iterator was created after ``epoch_rng``)."""
         return dict(self._to_save)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -255,7 +271,6 @@ class PreemptionCheckpoint(pl.Callback):
     # ---------------------------------------------------------------------------------------------- resume
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._own_handlers()
-        _warn_random_sampler(trainer)
         state, self._loaded = self._loaded, None
         if state is None:
             return
@@ -269,11 +284,18 @@ class PreemptionCheckpoint(pl.Callback):
         _restore_callbacks(trainer, self, entry["callbacks"], state["scale_checkpoint"])
         _restore_plugin(trainer, entry["plugin"])
         consumed = int(state["batches_in_epoch"])
-        epoch_done = consumed >= trainer.num_training_batches
-        if trainer.current_epoch == state["epoch"] and not epoch_done:
-            _skip_consumed_batches(trainer, consumed)
-        _set_rng_state(entry["rng"])  # after skipping batches, which may draw from the RNG
-        if epoch_done:
+        if consumed < trainer.num_training_batches and trainer.current_epoch == state["epoch"]:
+            # Mid-epoch: replay the epoch's start (the iterator's seed draw, a RandomSampler's order) from the RNG it
+            # started from, skip what it consumed, then continue from the RNG of the checkpoint.
+            after = bool(state["iterator_after_epoch_start"])
+            self._epoch_start = {"epoch": trainer.current_epoch, "rng": entry["epoch_rng"], "iterator": None,
+                                 "after": after}
+            _skip_consumed_batches(trainer, consumed, entry["epoch_rng"], recreate=after)
+            _set_rng_state(entry["rng"])
+        else:
+            # The checkpoint ended the epoch: the uninterrupted run created the next epoch's iterator after it.
+            _set_rng_state(entry["rng"])
+            self._epoch_start = {"epoch": trainer.current_epoch, "rng": _rng_state(), "iterator": None, "after": True}
             _next_epoch_iterator(trainer)
 
 
@@ -387,19 +409,10 @@ def _loaders(trainer: pl.Trainer) -> list[Any]:
     return [] if combined is None else list(combined.flattened)
 
 
-def _warn_random_sampler(trainer: pl.Trainer) -> None:
-    for loader in _loaders(trainer):
-        if isinstance(loader, _Stateful):
-            continue
-        sampler = getattr(loader, "sampler", None)
-        if isinstance(sampler, torch.utils.data.RandomSampler):
-            rank_zero_warn(
-                "PreemptionCheckpoint: the train loader shuffles with a RandomSampler, whose order comes from the"
-                " global RNG at the start of each epoch; a run resumed mid-epoch cannot replay it. Use a stateful"
-                " loader (torchdata's StatefulDataLoader) or a sampler that follows set_epoch, e.g."
-                " DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=...)."
-            )
-            return
+def _iterator(trainer: pl.Trainer) -> Any:
+    """The train loader's current iterator object (a new one each time Lightning calls ``iter`` on it)."""
+    combined = trainer.fit_loop._combined_loader
+    return None if combined is None else combined._iterator
 
 
 def _next_epoch_iterator(trainer: pl.Trainer) -> None:
@@ -411,13 +424,14 @@ def _next_epoch_iterator(trainer: pl.Trainer) -> None:
         iter(fetcher)
 
 
-def _skip_consumed_batches(trainer: pl.Trainer, consumed: int) -> None:
-    """Advance the fresh iterator of a loader without state past the batches the epoch already trained on."""
+def _skip_consumed_batches(trainer: pl.Trainer, consumed: int, epoch_rng: Mapping[str, Any] | None,
+                           recreate: bool) -> None:
+    """Replay the start of the epoch of a loader without state and skip the batches it already trained on: from the
+    RNG at the epoch's start, a new iterator where the epoch created one after that point (its seed draw), then
+    ``consumed`` batches (a RandomSampler draws its order at the first)."""
     loaders = _loaders(trainer)
     fetcher = trainer.fit_loop._data_fetcher
-    if not loaders or fetcher is None or consumed >= trainer.num_training_batches:
-        return  # the checkpoint ended the epoch: the next one starts afresh
-    if all(isinstance(loader, _Stateful) for loader in loaders):
+    if not loaders or fetcher is None or all(isinstance(loader, _Stateful) for loader in loaders):
         return  # Lightning restored their positions
     if getattr(fetcher, "batches", None):
         rank_zero_warn("PreemptionCheckpoint: the train loader has no length (it was prefetched), so the resumed epoch"
@@ -425,5 +439,12 @@ def _skip_consumed_batches(trainer: pl.Trainer, consumed: int) -> None:
         return
     for loader in loaders:  # the epoch's order, as Lightning sets it at the epoch's start (not yet, on a resume)
         _set_sampler_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
+    if epoch_rng is not None:
+        _set_rng_state(epoch_rng)
+        if recreate:
+            iter(fetcher)
+    elif any(isinstance(getattr(loader, "sampler", None), torch.utils.data.RandomSampler) for loader in loaders):
+        rank_zero_warn("PreemptionCheckpoint: the checkpoint does not hold the RNG the epoch started from, so the"
+                       " RandomSampler's order of the resumed epoch differs from the interrupted one.")
     for _ in range(consumed):
         next(fetcher.iterator)

@@ -66,6 +66,16 @@ class PreemptModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class ValidatedModule(PreemptModule):
+    """:class:`PreemptModule` with a validation loop (creating its iterator draws from the global RNG)."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.mse_loss(self(batch[0]).float(), batch[1]))
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x[:16], self.y[:16]), batch_size=8)
+
+
 def plugin() -> StablePrecision:
     return StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=3),
                            telemetry_every_n_steps=5)
@@ -115,28 +125,33 @@ class Report(pl.Callback):
 
 
 def run(out_dir: Path, max_steps: int, extra: list[pl.Callback] = (), ckpt_path: Path | None = None,
-        faults: dict[str, Any] = FAULTS) -> list[dict[str, Any]]:
-    """Fit on 2 CPU processes (gloo, forked); each rank's report."""
+        faults: dict[str, Any] = FAULTS, devices: int = WORLD_SIZE, validate_every: int | None = None
+        ) -> list[dict[str, Any]]:
+    """Fit on ``devices`` CPU processes (2: gloo DDP, forked), validating every ``validate_every`` steps; each rank's
+    report."""
     from lightning.pytorch.strategies import DDPStrategy
 
     out_dir.mkdir(parents=True, exist_ok=True)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD_SIZE, strategy=DDPStrategy(start_method="fork", timeout=TIMEOUT),
-        plugins=[plugin()], callbacks=[*callbacks(), *extra, Report(out_dir)], max_steps=max_steps,
+        accelerator="cpu", devices=devices, max_steps=max_steps,
+        strategy=DDPStrategy(start_method="fork", timeout=TIMEOUT) if devices > 1 else "auto",
+        plugins=[plugin()], callbacks=[*callbacks(), *extra, Report(out_dir)], num_sanity_val_steps=0,
+        val_check_interval=validate_every, check_val_every_n_epoch=None if validate_every else 1,
+        limit_val_batches=None if validate_every else 0,
         enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
     )
-    trainer.fit(PreemptModule(**faults), ckpt_path=ckpt_path)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    trainer.fit((ValidatedModule if validate_every else PreemptModule)(**faults), ckpt_path=ckpt_path)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
 def preempted_and_resumed(tmp: Path, max_steps: int, step: int, signum: int, rank: int = 1,
-                          faults: dict[str, Any] = FAULTS) -> tuple[list[dict], list[dict], Path]:
+                          faults: dict[str, Any] = FAULTS, **kwargs: Any) -> tuple[list, list, Path]:
     ckpt_dir = tmp / "ckpt"
     first = run(tmp / "first", max_steps, [PreemptionCheckpoint(ckpt_dir, exit=False), SignalAt(step, signum, rank)],
-                faults=faults)
+                faults=faults, **kwargs)
     path = ckpt_dir / "preemption.ckpt"
     resumed = run(tmp / "resumed", max_steps, [PreemptionCheckpoint(ckpt_dir, exit=False)], ckpt_path=path,
-                  faults=faults)
+                  faults=faults, **kwargs)
     return first, resumed, path
 
 
@@ -211,6 +226,20 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, step, signum) -> Non
     assert full[0]["plugin"]["overflow_count"] == 3
     delta = max_delta(full, first, resumed)
     assert delta == {"loss": 0.0, "weights": 0.0, "steps_compared": 2 * max_steps, "state_equal": True}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("step", "validate_every"), [(4, None), (9, None), (11, 4)])
+def test_one_process_with_a_shuffling_loader_resumes_exactly(tmp_path, step, validate_every) -> None:
+    """shuffle=True without DDP is a RandomSampler: its order is drawn from the global RNG when the epoch's iterator
+    starts. Saved mid-epoch in the process's first epoch (step 4: 8 batches an epoch), in a later one (step 9), and
+    at a step that also validates (12)."""
+    faults = {**FAULTS, "fault_rank": 0}
+    full = run(tmp_path / "full", 14, faults=faults, devices=1, validate_every=validate_every)
+    first, resumed, path = preempted_and_resumed(tmp_path, 14, step, signal.SIGTERM, 0, faults=faults, devices=1,
+                                                 validate_every=validate_every)
+    assert torch.load(path, weights_only=True)["global_step"] == step + 1
+    assert max_delta(full, first, resumed) == {"loss": 0.0, "weights": 0.0, "steps_compared": 14, "state_equal": True}
 
 
 # ------------------------------------------------------------------------------------------- atomic writing
