@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "adapter")]
 
-import torch  # noqa: E402
-import test_preemption as scenario  # noqa: E402
+import test_preemption as scenario
+import torch
 
 CYCLE = 30
 
@@ -85,9 +85,10 @@ def main() -> None:
     stem = "preemption_continuation" + ("" if args.devices == 2 else "_1proc")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     lines = ["# Preemption: resumed vs uninterrupted", "",
-             f"{'2-rank gloo DDP' if args.devices == 2 else 'one process, shuffle=True (RandomSampler)'}, StablePrecision('16-mixed') + every callback, {args.steps} steps; the uninterrupted run"
+             (f"{'2-rank gloo DDP' if args.devices == 2 else 'one process, shuffle=True (RandomSampler)'},"
+             f" StablePrecision('16-mixed') + every callback, {args.steps} steps; the uninterrupted run"
              f" skipped {summary['skipped_steps']} steps ({summary['overflows']} overflows), made"
-             f" {summary['fallback_decisions']} fallback/restore decisions and {summary['rollbacks']} rollbacks.", "",
+             f" {summary['fallback_decisions']} fallback/restore decisions and {summary['rollbacks']} rollbacks."), "",
              "| signal | signal step | rank | saved at | max abs d loss | max abs d weight | states equal |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['signal']} | {r['signal_step']} | {r['rank']} | {r['saved_at_step']} | {r['loss']:g} |"

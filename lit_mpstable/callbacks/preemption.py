@@ -15,8 +15,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.types import _Stateful
 from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_mpstable.attribution import OverflowTracer

@@ -17,7 +17,13 @@ from helpers import TinyMLP, regression_data
 from torch import nn
 
 from lit_mpstable import StablePrecision
-from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
+from lit_mpstable.callbacks import (
+    AMPPreflight,
+    OverflowMonitor,
+    PrecisionFallback,
+    PrecisionProbe,
+    ScaleCheckpoint,
+)
 from lit_mpstable.callbacks.preemption import PreemptionCheckpoint, atomic_save
 from lit_mpstable.scaling import DynamicLossScaler
 
@@ -25,7 +31,7 @@ from lit_mpstable.scaling import DynamicLossScaler
 # make PrecisionFallback go global (decided at global_step 5; cooldown: restored at 9); ScaleCheckpoint snapshots at
 # each layout change and every 4 steps, and rolls back to its snapshot of 9 on the loss spike of step 10; another
 # overflow in step 13 lands in OverflowMonitor's window.
-FAULTS = dict(inf_grad_steps=(3, 4, 13), spike_steps=(10,))
+FAULTS = {"inf_grad_steps": (3, 4, 13), "spike_steps": (10,)}
 
 
 class PreemptModule(pl.LightningModule):
@@ -173,15 +179,15 @@ def max_delta(full: list[dict], first: list[dict], resumed: list[dict]) -> dict[
 
 # ------------------------------------------------------------------------------------------------ arguments
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    (dict(signals=()), ValueError, "at least one signal"),
-    (dict(signals=("SIGTERM", "SIGTERM")), ValueError, "each once"),
-    (dict(signals=("SIGKILL",)), ValueError, "SIGKILL cannot be caught"),
-    (dict(signals=("SIGNOPE",)), ValueError, "'SIGNOPE' is not a signal"),
-    (dict(signals="SIGTERM"), TypeError, "sequence of signals"),
-    (dict(signals=(1.5,)), TypeError, "got float"),
-    (dict(exit="yes"), TypeError, "exit='yes'"),
-    (dict(dirpath=3), TypeError, "dirpath=3"),
-    (dict(filename="a/b.ckpt"), ValueError, "plain file name"),
+    ({"signals": ()}, ValueError, "at least one signal"),
+    ({"signals": ("SIGTERM", "SIGTERM")}, ValueError, "each once"),
+    ({"signals": ("SIGKILL",)}, ValueError, "SIGKILL cannot be caught"),
+    ({"signals": ("SIGNOPE",)}, ValueError, "'SIGNOPE' is not a signal"),
+    ({"signals": "SIGTERM"}, TypeError, "sequence of signals"),
+    ({"signals": (1.5,)}, TypeError, "got float"),
+    ({"exit": "yes"}, TypeError, "exit='yes'"),
+    ({"dirpath": 3}, TypeError, "dirpath=3"),
+    ({"filename": "a/b.ckpt"}, ValueError, "plain file name"),
 ])
 def test_arguments_are_validated(kwargs, error, match) -> None:
     with pytest.raises(error, match=match):
