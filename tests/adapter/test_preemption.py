@@ -131,8 +131,8 @@ class Report(pl.Callback):
 
 
 def run(out_dir: Path, max_steps: int, extra: list[pl.Callback] = (), ckpt_path: Path | None = None,
-        faults: dict[str, Any] = FAULTS, devices: int = WORLD_SIZE, validate_every: int | None = None
-        ) -> list[dict[str, Any]]:
+        faults: dict[str, Any] = FAULTS, devices: int = WORLD_SIZE, validate_every: int | None = None,
+        **trainer_kwargs: Any) -> list[dict[str, Any]]:
     """Fit on ``devices`` CPU processes (2: gloo DDP, forked), validating every ``validate_every`` steps; each rank's
     report."""
     from lightning.pytorch.strategies import DDPStrategy
@@ -145,6 +145,7 @@ def run(out_dir: Path, max_steps: int, extra: list[pl.Callback] = (), ckpt_path:
         val_check_interval=validate_every, check_val_every_n_epoch=None if validate_every else 1,
         limit_val_batches=None if validate_every else 0,
         enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
+        **trainer_kwargs,
     )
     trainer.fit((ValidatedModule if validate_every else PreemptModule)(**faults), ckpt_path=ckpt_path)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(devices)]
@@ -235,15 +236,16 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, step, signum) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("step", "validate_every"), [(4, None), (9, None), (11, 4)])
-def test_one_process_with_a_shuffling_loader_resumes_exactly(tmp_path, step, validate_every) -> None:
+@pytest.mark.parametrize(("step", "kwargs"), [(4, {}), (9, {}), (11, {"validate_every": 4}),
+                                              (5, {"accumulate_grad_batches": 2})])
+def test_one_process_with_a_shuffling_loader_resumes_exactly(tmp_path, step, kwargs) -> None:
     """shuffle=True without DDP is a RandomSampler: its order is drawn from the global RNG when the epoch's iterator
-    starts. Saved mid-epoch in the process's first epoch (step 4: 8 batches an epoch), in a later one (step 9), and
-    at a step that also validates (12)."""
+    starts. Saved mid-epoch in the process's first epoch (step 4: 8 batches an epoch), in a later one (step 9), at a
+    step that also validates (12), and with gradient accumulation (2 batches a step: saved after batch 12)."""
     faults = {**FAULTS, "fault_rank": 0}
-    full = run(tmp_path / "full", 14, faults=faults, devices=1, validate_every=validate_every)
+    full = run(tmp_path / "full", 14, faults=faults, devices=1, **kwargs)
     first, resumed, path = preempted_and_resumed(tmp_path, 14, step, signal.SIGTERM, 0, faults=faults, devices=1,
-                                                 validate_every=validate_every)
+                                                 **kwargs)
     assert torch.load(path, weights_only=True)["global_step"] == step + 1
     assert max_delta(full, first, resumed) == {"loss": 0.0, "weights": 0.0, "steps_compared": 14, "state_equal": True}
 
