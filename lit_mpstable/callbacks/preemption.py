@@ -135,6 +135,7 @@ class PreemptionCheckpoint(pl.Callback):
         """Its ``trainer.global_step``."""
         self._received: int = 0  # signal number noted by the handler, 0: none
         self._previous: dict[int, Any] = {}  # signum -> handler before ours, restored at teardown
+        self._active = False  # between setup and teardown (or an exception)
         self._issued: torch.Tensor | None = None  # the agreement reduction in flight (distributed runs)
         self._step_before = -1
         self._to_save: dict[str, Any] = {}  # what state_dict() returns during the preemption save
@@ -145,16 +146,25 @@ class PreemptionCheckpoint(pl.Callback):
 
     # ----------------------------------------------------------------------------------------------- signals
     def _handle(self, signum: int, frame: Any) -> None:
+        previous = self._previous.get(signum)
+        if not self._active:
+            # Still installed after the fit: when fit ends by an exception, Lightning's teardown runs after ours and
+            # re-installs what it found at its setup (this handler). Hand the signal to the one before us.
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous in (None, signal.SIG_DFL):
+                os.kill(os.getpid(), signum)  # the default action, now that it is installed again
+            return
         # Only note it: anything more (I/O, collectives) could run in the middle of a step or a collective.
         self._received = self._received or signum
-        previous = self._previous.get(signum)
         if callable(previous):
             previous(signum, frame)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._received, self._issued = 0, None
+        self._received, self._issued, self._active = 0, None, True
         # Last among the callbacks: the step boundary is after every other callback's decisions of that step (a
         # rollback), and the restore after their on_train_start (ScaleCheckpoint's snapshot).
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
@@ -163,8 +173,9 @@ class PreemptionCheckpoint(pl.Callback):
                            " signal handlers; preemption signals are not handled in this run.")
             return
         for sig in self.signals:
-            if sig not in self._previous:
-                self._previous[sig] = signal.signal(sig, self._handle)
+            current = signal.signal(sig, self._handle)
+            if current != self._handle:  # a second fit after an exception may find ours installed still
+                self._previous[sig] = current
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_handlers()
@@ -173,11 +184,11 @@ class PreemptionCheckpoint(pl.Callback):
         self._restore_handlers()  # Lightning skips the teardown hooks when fit ends by an exception (our exit too)
 
     def _restore_handlers(self) -> None:
+        self._active = False
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous = {}
 
     def _own_handlers(self) -> None:
         """Put ours back where Lightning's signal connector installed its own over it (after setup)."""

@@ -208,6 +208,12 @@ def test_handlers_chain_to_the_previous_one_and_are_restored() -> None:
         assert signal.getsignal(signal.SIGUSR1) is not cb._handle
         os.kill(os.getpid(), signal.SIGUSR1)
         assert seen == [signal.SIGUSR1] * 2
+        # A fit that ends by an exception: Lightning's teardown re-installs, after ours, the handler it found (ours).
+        cb.setup(trainer, None, "fit")
+        cb.on_exception(trainer, None, RuntimeError())
+        signal.signal(signal.SIGUSR1, cb._handle)
+        os.kill(os.getpid(), signal.SIGUSR1)  # handed on, and the previous handler is back
+        assert seen == [signal.SIGUSR1] * 3 and signal.getsignal(signal.SIGUSR1) is not cb._handle
     finally:
         signal.signal(signal.SIGUSR1, previous)
 
