@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 from lit_mpstable.optim_state import (
-    BLOCK_SIZE, MomentStore, adam_moments, adamw_step_, dequantize_moment, quantize_moment, state_bytes,
+    BLOCK_SIZE,
+    MomentStore,
+    adam_moments,
+    adamw_step_,
+    dequantize_moment,
+    quantize_moment,
+    state_bytes,
 )
 
 SHAPES = [(16, 16), (16,), (3, 100)]  # 300 elements: a partial last block
@@ -36,7 +42,7 @@ def _run(kind: str, grads: list[list[torch.Tensor]], *, params=None, stores=None
 @pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam-L2"])
 def test_fp32_kind_equals_torch_adamw_bit_for_bit(decoupled: bool) -> None:
     grads = _grads(20)
-    hyper = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    hyper = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
     params, _ = _run("fp32", grads, decoupled_weight_decay=decoupled, **hyper)
     ref = [nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i))) for i, s in enumerate(SHAPES)]
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
@@ -65,7 +71,7 @@ def test_bf16_rounding_is_reproducible_and_slice_invariant() -> None:
     x = torch.randn(1000)
     whole = quantize_moment(x, "bf16", seed=1, step=4, key=9)["value"]
     assert torch.equal(whole, quantize_moment(x, "bf16", seed=1, step=4, key=9)["value"])
-    for other in (dict(seed=2, step=4, key=9), dict(seed=1, step=5, key=9), dict(seed=1, step=4, key=10)):
+    for other in ({"seed": 2, "step": 4, "key": 9}, {"seed": 1, "step": 5, "key": 9}, {"seed": 1, "step": 4, "key": 10}):
         assert not torch.equal(whole, quantize_moment(x, "bf16", **other)["value"])
     tail = quantize_moment(x[300:], "bf16", seed=1, step=4, key=9, offset=300)["value"]
     assert torch.equal(whole[300:], tail)
@@ -307,6 +313,6 @@ if __name__ == "__main__":  # the table for the report: python tests/core/test_o
     ref = sum(loss for loss, _ in rows["fp32", None]) / 3
     for (kind, rounding), runs in rows.items():
         mean = sum(loss for loss, _ in runs) / 3
-        print(f"{kind:5s} {str(rounding):10s} val loss {[round(loss, 5) for loss, _ in runs]} mean {mean:.5f}"
+        print(f"{kind:5s} {rounding!s:10s} val loss {[round(loss, 5) for loss, _ in runs]} mean {mean:.5f}"
               f" ({100 * (mean - ref) / ref:+.2f}% vs fp32)  state {runs[0][1]} B"
               f" ({runs[0][1] / rows['fp32', None][0][1]:.3f}x)")
