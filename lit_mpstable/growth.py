@@ -36,8 +36,8 @@ def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Ten
     """``[log2 amax, kurtosis, saturation, underflow]`` of ``x`` as one FP32 device tensor; no host read.
 
     - kurtosis: the fourth standardized moment ``E[(x - mean)**4] / var**2`` of all elements (3 for a Gaussian,
-      up to the element count when one element dominates; 0 for a constant tensor), in FP32 on ``x / amax``, so
-      no power overflows;
+      up to the element count when one element dominates; 0 for a tensor whose standard deviation is below 1e-6
+      of its amax), in FP32 on ``x / amax``, so no power overflows;
     - saturation: the fraction of elements with ``|x| * scale`` above ``fmt``'s largest finite value (inf counts);
     - underflow: the fraction of the nonzero elements that ``* scale`` flushes to zero in ``fmt``.
 
@@ -45,19 +45,23 @@ def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Ten
     """
     info = get_format(fmt)
     x = x.detach().reshape(-1).float()
+    n = max(x.numel(), 1)
     a = x.abs()
     amax = a.amax() if x.numel() else torch.zeros((), device=x.device)
-    # Kurtosis is scale-free: dividing by amax first keeps the squares in range (1e30 squared overflows FP32).
-    unit = x / torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
-    centred = unit - unit.mean()
-    var = centred.square().mean()
-    kurtosis = centred.mul(var.rsqrt()).pow(4).mean()
-    kurtosis = torch.where(var > 0, kurtosis, torch.zeros_like(kurtosis))
+    # Kurtosis is scale-free: x / amax keeps the squares in range (1e30 squared overflows FP32). Few passes over x
+    # (sampling cost): centred = x / amax - mean in one addcmul, the sums as dot products.
+    inv = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax)).reciprocal()
+    centred = torch.addcmul(-(x.sum() / n) * inv, x, inv)
+    square = centred * centred
+    var = square.sum() / n
+    kurtosis = torch.dot(square, square) / n / (var * var)
+    # A spread below 1e-6 of amax is rounding noise (x * (1 / amax) is inexact): the tensor counts as constant.
+    kurtosis = torch.where(var > 1e-12, kurtosis, torch.zeros_like(kurtosis))
     kurtosis = torch.where(torch.isnan(amax), amax, kurtosis)
-    scaled = a * scale
-    saturation = (scaled > info.max).float().mean()
-    nonzero = a > 0
-    underflow = ((scaled <= info.smallest_subnormal / 2) & nonzero).sum() / nonzero.sum().clamp_min(1)
+    # The thresholds are divided by the scale (a 0-dim operation) instead of the activations multiplied by it.
+    saturation = torch.count_nonzero(a > info.max / scale) / n
+    zeros = n - torch.count_nonzero(a)
+    underflow = (torch.count_nonzero(a <= info.smallest_subnormal / 2 / scale) - zeros) / (n - zeros).clamp_min(1)
     return torch.stack([amax.clamp_min(_TINY).log2(), kurtosis, saturation, underflow.float()])
 
 
@@ -85,8 +89,9 @@ class GrowthMonitor:
       range is what overflows E4M3, and the layer whose input runs away is the one to take out of FP8.
     - ``every_n_steps=10``, ``window=8``: the trend is fitted over the last 8 samples (70 steps) and only once
       the window is full: the amax's rise from initialisation decelerates, and a fit over its first samples
-      projected one clean SwiGLU run (of 5) into overflow at step 30. Sampling costs a few passes over each
-      activation on one step in ten.
+      projected one clean SwiGLU run (of 5) into overflow at step 30. A sample costs ~10 passes over each watched
+      activation: measured on the CPU (one thread; 8 linears 256<->1024, batch 64) 1.25 ms against a 13.8 ms
+      step, 0.9% of the run at one step in ten.
     - ``runaway(horizon=200)``: a layer whose fitted ``log2 amax`` trend reaches ``fmt``'s max (after ``scale``)
       within 200 steps. A steady exponential growth is then named about 200 steps before it saturates (less the
       fit's lag behind a growth that starts or accelerates), well over the 50 steps a fallback needs; a clean

@@ -30,8 +30,9 @@ Formats (bytes per element of one moment):
 Rounding (``"bf16"``, ``"fp8"``): ``"stochastic"`` (default) picks one of the value's two stored neighbours, the upper
 one with probability proportional to the distance, measured in the value's own domain (after the inverse power for
 FP8), so the stored moment is unbiased; ``"nearest"`` picks the nearer one. The random bits are a hash of
-``(seed, step, key, element index)``: the same for a parameter stepped whole or in slices, on any device, and nothing
-but ``seed`` and ``key`` (kept in the state dict) is needed to resume bit-exactly.
+``(seed, step, key, element index)``: the same for a parameter stepped whole or in slices, and on any device (integer
+arithmetic; FP8's pow/log2 may still differ by an ulp between devices), and nothing but ``seed`` and ``key`` (kept in
+the state dict) is needed to resume bit-exactly. No function here reads a device tensor on the host.
 
 Non-finite values: BF16 keeps NaN and inf as they are. In FP8 a NaN or inf makes its whole block read back as NaN
 (blocks are independent), so a bad step cannot hide in a rounded code; steps with non-finite gradients are the
@@ -80,6 +81,16 @@ def _ue4m4_table() -> torch.Tensor:
 
 # (value table, log2 of the range T that a block is expanded onto): signed moments use E4M3, non-negative ones E4M4.
 _TABLES = {True: (_e4m3_table(), math.log2(448.0 / 2.0**-6)), False: (_ue4m4_table(), math.log2(0.96875 / 2.0**-15))}
+_YMAX = {signed: float(table[-1]) for signed, (table, _) in _TABLES.items()}  # host floats: reading them is no sync
+_ON_DEVICE: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+
+def _table(signed: bool, device: torch.device) -> torch.Tensor:
+    # One copy per device, made once: a copy per step would queue a host-to-device transfer each time.
+    table = _ON_DEVICE.get((signed, device))
+    if table is None:
+        table = _ON_DEVICE[signed, device] = _TABLES[signed][0].to(device)
+    return table
 
 
 # ------------------------------------------------------------------------------------------------ random bits
@@ -137,9 +148,8 @@ def _expanded_inverse(mag: torch.Tensor, amax: torch.Tensor, k: torch.Tensor, ym
 def _encode_fp8(
     x: torch.Tensor, signed: bool, uniform: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    table, log2_range = _TABLES[signed]
-    table = table.to(x.device)
-    top, ymax = table.numel() - 1, float(table[-1])
+    table, log2_range = _table(signed, x.device), _TABLES[signed][1]
+    top, ymax = table.numel() - 1, _YMAX[signed]
     n = x.numel()
     blocks = -(-n // BLOCK_SIZE)
     padded = torch.zeros(blocks * BLOCK_SIZE, dtype=torch.float32, device=x.device)
@@ -178,9 +188,7 @@ def _encode_fp8(
 
 def _decode_fp8(codes: torch.Tensor, amax: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     signed = codes.dtype == torch.float8_e4m3fn
-    table, _ = _TABLES[signed]
-    table = table.to(codes.device)
-    ymax = float(table[-1])
+    table, ymax = _table(signed, codes.device), _YMAX[signed]
     flat = codes.reshape(-1).view(torch.uint8).long()
     n = flat.numel()
     blocks = amax.numel()

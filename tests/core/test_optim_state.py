@@ -254,6 +254,27 @@ def test_state_bytes() -> None:
             assert m.nbytes == v.nbytes == state_bytes(numel, kind)
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+def test_step_reads_nothing_on_the_host(kind: str) -> None:
+    from helpers import HostReads
+
+    p = torch.randn(300)
+    m, v = adam_moments(kind, p.shape)
+    adamw_step_(p, torch.randn(300), m, v, step=1, lr=1e-2)  # first use: the value tables reach the device
+    with HostReads() as reads:
+        adamw_step_(p, torch.randn(300), m, v, step=2, lr=1e-2)
+        m.state_dict()
+    assert reads.ops == []
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+def test_empty_parameter(kind: str) -> None:
+    m, v = adam_moments(kind, (0, 4))
+    p = torch.zeros(0, 4)
+    adamw_step_(p, torch.zeros(0, 4), m, v, step=1, lr=1.0)
+    assert m.read().numel() == 0 and m.nbytes == state_bytes(0, kind) == 0
+
+
 def test_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match="kind='fp16'"):
         MomentStore("fp16", (4,))  # type: ignore[arg-type]
