@@ -22,14 +22,23 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from lit_mpstable.formats import get_format
-
 __all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
 
 GrowthSource = Literal["input", "output"]
 _SOURCES: tuple[str, ...] = get_args(GrowthSource)
 _FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
 _TINY = 2.0**-126  # amax of an all-zero tensor: log2 stays finite
+# The format ids of lit_mpstable.formats, read from torch.finfo here so this module needs torch alone.
+_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp16": torch.float16,
+           "bf16": torch.bfloat16}
+
+
+def _range(fmt: str, caller: str) -> tuple[float, float]:
+    """(largest finite value, smallest subnormal) of format ``fmt``."""
+    if fmt not in _DTYPES:
+        raise ValueError(f"{caller}(fmt={fmt!r}): unknown format; allowed: {sorted(_DTYPES)}.")
+    info = torch.finfo(_DTYPES[fmt])
+    return float(info.max), float(info.tiny) * float(info.eps)
 
 
 def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -43,7 +52,7 @@ def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Ten
 
     A NaN in ``x`` makes amax and kurtosis NaN.
     """
-    info = get_format(fmt)
+    fmt_max, smallest_subnormal = _range(fmt, "layer_stats")
     x = x.detach().reshape(-1).float()
     n = max(x.numel(), 1)
     a = x.abs()
@@ -59,9 +68,9 @@ def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Ten
     kurtosis = torch.where(var > 1e-12, kurtosis, torch.zeros_like(kurtosis))
     kurtosis = torch.where(torch.isnan(amax), amax, kurtosis)
     # The thresholds are divided by the scale (a 0-dim operation) instead of the activations multiplied by it.
-    saturation = torch.count_nonzero(a > info.max / scale) / n
+    saturation = torch.count_nonzero(a > fmt_max / scale) / n
     zeros = n - torch.count_nonzero(a)
-    underflow = (torch.count_nonzero(a <= info.smallest_subnormal / 2 / scale) - zeros) / (n - zeros).clamp_min(1)
+    underflow = (torch.count_nonzero(a <= smallest_subnormal / 2 / scale) - zeros) / (n - zeros).clamp_min(1)
     return torch.stack([amax.clamp_min(_TINY).log2(), kurtosis, saturation, underflow.float()])
 
 
@@ -120,12 +129,12 @@ class GrowthMonitor:
         if source not in _SOURCES:
             raise ValueError(f"GrowthMonitor(source={source!r}): must be one of {list(_SOURCES)}; 'input' is what an"
                              " FP8 linear quantizes.")
-        info = get_format(fmt)  # raises ValueError naming the format
+        fmt_max, _ = _range(fmt, "GrowthMonitor")
         if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"GrowthMonitor(scale={scale!r}): must be a finite number > 0.")
         self.every_n_steps, self.window = every_n_steps, window
         self.source, self.fmt, self.scale = source, fmt, float(scale)
-        self._log2_max = math.log2(info.max)
+        self._log2_max = math.log2(fmt_max)
         self.steps = 0
         """Optimizer steps counted by :meth:`step`; the forward passes after step n are sampled when n is due."""
         self._history: dict[str, _History] = {}

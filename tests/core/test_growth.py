@@ -99,6 +99,16 @@ def test_state_dict_round_trip() -> None:
         GrowthMonitor().attach(nn.Sequential(nn.Linear(2, 2))).load_state_dict(monitor.state_dict())
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp16", "bf16"])
+def test_format_ranges_match_the_format_table(fmt: str) -> None:
+    from lit_mpstable.formats import FORMATS
+
+    edge = FORMATS[fmt]
+    values = torch.tensor([edge.max, edge.max * 1.01, edge.smallest_subnormal / 2, edge.smallest_subnormal, 1.0])
+    _, _, saturation, underflow = layer_stats(values, fmt).tolist()
+    assert saturation == pytest.approx(1 / 5) and underflow == pytest.approx(1 / 5)
+
+
 def test_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match="every_n_steps=0"):
         GrowthMonitor(every_n_steps=0)
@@ -106,6 +116,8 @@ def test_errors_name_the_argument() -> None:
         GrowthMonitor(source="weight")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"names=\['fc9'\]"):
         GrowthMonitor().attach(TinyMLP(), names=["fc2", "fc9"])
+    with pytest.raises(ValueError, match="fmt='fp4'"):
+        GrowthMonitor(fmt="fp4")
     with pytest.raises(ValueError, match="horizon=0"):
         GrowthMonitor().runaway(horizon=0)
 
