@@ -10,7 +10,7 @@ import torch
 from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
-from lit_mpstable.growth import GrowthMonitor, layer_stats
+from lit_mpstable.core.growth import GrowthMonitor, layer_stats
 
 INF = float("inf")
 
@@ -101,7 +101,7 @@ def test_state_dict_round_trip() -> None:
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp16", "bf16"])
 def test_format_ranges_match_the_format_table(fmt: str) -> None:
-    from lit_mpstable.formats import FORMATS
+    from lit_mpstable.core.formats import FORMATS
 
     edge = FORMATS[fmt]
     values = torch.tensor([edge.max, edge.max * 1.01, edge.smallest_subnormal / 2, edge.smallest_subnormal, 1.0])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lit_mpstable.optim_state import (
+from lit_mpstable.core.optim_state import (
     BLOCK_SIZE,
     MomentStore,
     adam_moments,

@@ -28,7 +28,7 @@ GrowthSource = Literal["input", "output"]
 _SOURCES: tuple[str, ...] = get_args(GrowthSource)
 _FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
 _TINY = 2.0**-126  # amax of an all-zero tensor: log2 stays finite
-# The format ids of lit_mpstable.formats, read from torch.finfo here so this module needs torch alone.
+# The format ids of lit_mpstable.core.formats, read from torch.finfo here so this module needs torch alone.
 _DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp16": torch.float16,
            "bf16": torch.bfloat16}
 
