@@ -36,7 +36,8 @@ class PrecisionProbe(PluginCallback):
     the training.
 
     The recompute calls the LightningModule's ``training_step`` (its ``self.log`` muted, divided by
-    ``accumulate_grad_batches`` as Lightning divides the loss) on deep copies of the module, with the trainer
+    ``accumulate_grad_batches`` as Lightning divides the loss) on deep copies of the module (non-leaf tensor attributes, such as torchmetrics states updated with the loss, copied
+    detached), with the trainer
     attached, the RNG forked and set back to its state at the batch's start (same dropout masks): training, the
     data order and the module itself are untouched. With gradient accumulation or several processes, the run's
     gradient of the last micro-batch is recomputed too (each rank probes its own batch; the metrics are averaged
