@@ -203,9 +203,14 @@ class OpPolicy:
     def load_state_dict(self, state: Mapping[str, str]) -> None:
         """Adopt the saved decisions of the families requested ``"auto"`` (a resumed run keeps its choice without
         measuring again); a family the user forces keeps the forced value. Strict on families and values."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"OpPolicy.load_state_dict(op_policy={state!r}): must be a dict {{family: choice}}.")
         if set(state) != set(FAMILIES):
             raise KeyError(f"OpPolicy.load_state_dict: expected families {list(FAMILIES)}, got {sorted(state)}.")
-        saved = _parse(dict(state), self.dtype)
+        try:
+            saved = _parse(dict(state), self.dtype)
+        except ValueError as error:  # the same rule as the constructor's, named as a load
+            raise ValueError(f"OpPolicy.load_state_dict: the checkpoint's {error}") from None
         for family, request in self.requested.items():
             if request == "auto" and saved[family] != "auto":
                 self.choices[family] = saved[family]

@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable._validate import bool_arg, choice_arg, int_arg
+from lit_mpstable.loaded_state import check_plugin_state
 from lit_mpstable.attribution import any_nonfinite
 from lit_mpstable.fp8 import FP8Config, fp8_config
 from lit_mpstable.islands import FP32Islands
@@ -676,14 +677,11 @@ class PrecisionStepper:
 
         Raises:
             KeyError: keys differ from :meth:`state_dict`'s (each is named).
+            TypeError: ``state`` is not a dict, or a field has the wrong type (``"False"`` for a bool, ``None``).
+            ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
         """
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise KeyError(
-                f"{self.owner}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the checkpoint"
-                " written by another version of lit_mpstable?"
-            )
+        # Every field is checked before anything is loaded: a refused state changes nothing.
+        check_plugin_state(f"{self.owner}.load_state_dict", state, set(self.state_dict()), get_args(PrecisionName))
         notes = []
         scaling = self.scaler is not None and self.scaler.is_enabled()
         if scaling and state["scaler"]:
