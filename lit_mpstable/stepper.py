@@ -96,6 +96,7 @@ class PrecisionStepper:
         bool_arg(call, "diagnose", diagnose)
         int_arg(call, "telemetry_every_n_steps", telemetry_every_n_steps, low=1, none=True,
                 unit="optimizer steps between computations; 50 keeps the cost under 1% of a step")
+        _check_arguments(call, precision, scaler, fp32_modules)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if precision == "auto":
             bf16_ok = self.device == "cpu" or torch.cuda.is_bf16_supported()
@@ -256,6 +257,10 @@ class PrecisionStepper:
             ValueError: FSDP2 with a sharded model whose policies do not match, FP8 layers not swapped before
                 sharding, or ``master_weights="kahan"``/``"stochastic"`` (FSDP2 keeps FP32 shards instead).
         """
+        if self._skip_requested:  # no step is in progress between fits: the request must not eat the next first batch
+            self._skip_requested = False
+            self.warnings.append(f"{self.owner}.skip_step() was called outside a step (between fits): ignored; call"
+                                 " it during a step (before optimizer_step), e.g. from on_before_backward.")
         # ---- FSDP2 (begin)
         sharded = bool(fsdp_units(module))
         self.fsdp2 = fsdp2 or sharded
@@ -280,7 +285,15 @@ class PrecisionStepper:
         return module
 
     def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: list[Any] = ()) -> None:
-        """Bind FP32 masters into ``optimizers`` (``*-true`` modes) and hold ``schedulers`` on skipped steps."""
+        """Bind FP32 masters into ``optimizers`` (``*-true`` modes) and hold ``schedulers`` on skipped steps.
+
+        Raises:
+            RuntimeError: :meth:`setup_module` was not called (the model would train without its precision layout).
+        """
+        if self.layout.module is None:
+            raise RuntimeError(
+                f"{self.owner}.setup_optimizers: call setup_module(module) first; without it the model keeps its"
+                f" FP32 weights and no precision layout ({self.precision!r}, FP32 islands, FP8), and trains in FP32.")
         self.optimizers = list(optimizers)
         self.adopt_device_(module)
         for scaler in (self.scaler, self._checker):  # the scale-1 check of scaler=None unscales FP16 gradients too
@@ -717,6 +730,43 @@ class PrecisionStepper:
                 self._pending["compact"] = state["compact"]
         self.policy.load_state_dict(state["op_policy"])
         return notes
+
+
+def _check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any) -> None:
+    """What the per-argument checks cannot see: containers that are not lists, a class for an instance, and our own
+    scalers where their name would be refused (Hydra's ``scaler=adaptive`` instantiates one: one rule for both)."""
+    if isinstance(fp32_modules, (str, type)):
+        fp32_modules = [fp32_modules]  # one name or one module type
+    elif fp32_modules is None or isinstance(fp32_modules, (bytes, dict)) or not isinstance(fp32_modules, Iterable):
+        raise TypeError(f"{call}(fp32_modules={fp32_modules!r}): must be a list of module names or nn.Module types;"
+                        " () for none.")
+    if any(spec == "" for spec in fp32_modules):
+        raise ValueError(f"{call}(fp32_modules={list(fp32_modules)!r}): '' names the root, the whole model in FP32;"
+                         " use precision='32-true' for that, or name the submodules to keep in FP32.")
+    if isinstance(scaler, type):
+        raise TypeError(f"{call}(scaler={scaler.__name__} (the class)): pass an instance, {scaler.__name__}(), or a"
+                        " name ('dynamic', 'static', 'adaptive').")
+    fp16 = precision in ("16-mixed", "16-true")
+    if isinstance(scaler, DynamicLossScaler) and scaler.is_enabled() and precision != "auto":
+        if not fp16:
+            raise ValueError(
+                f"{call}({precision!r}, scaler={type(scaler).__name__}(...)): loss scaling is only meaningful for FP16"
+                " modes (BF16 and FP32 share FP32's exponent range); use scaler=None.")
+        target = getattr(scaler, "target_format", "fp16")
+        if target in ("bf16", "fp32"):
+            raise ValueError(
+                f"{call}({precision!r}, scaler={type(scaler).__name__}(target_format={target!r})): the scale would be"
+                f" sized for {target.upper()}'s range while this run's gradients are FP16 (max 65504), so every step"
+                " would overflow; use target_format='fp16' (the default).")
+    scale = scaler.get_scale() if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+    if scale is not None and not (_MIN_SCALE <= scale <= _MAX_SCALE):
+        raise ValueError(
+            f"{call}(scaler={type(scaler).__name__}(init_scale={scale!r})): 1/scale must be a finite FP32 number"
+            f" (unscaling multiplies by it): use a scale in [{_MIN_SCALE:.3g}, {_MAX_SCALE:.3g}]; 2.**16 is usual.")
+
+
+_MIN_SCALE = 1.0 / torch.finfo(torch.float32).max
+_MAX_SCALE = float(torch.finfo(torch.float32).max)
 
 
 def _eager() -> AbstractContextManager:

@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lit_mpstable._frontend import StableFrontEnd
+from lit_mpstable._validate import int_arg, real_arg
 from lit_mpstable.callbacks import PrecisionProbe
 from lit_mpstable.callbacks._common import view_of
 from lit_mpstable.callbacks._view import ForeignPrecision
@@ -120,6 +121,23 @@ def _check_names(plugin: Any, model: pl.LightningModule) -> None:
         raise _NoSuchModule(str(error)) from error
 
 
+class _BadSetting(ValueError):
+    """A top-level setting of the config is out of range (named, with what is allowed)."""
+
+
+def _check_run_settings(cfg: DictConfig) -> None:
+    # What the constructors downstream would refuse with a bare traceback (int('abc'), torch's set_num_threads, the
+    # optimizer's "Invalid learning rate" at the first step): named here, before anything is built.
+    try:
+        int_arg("lit_mpstable.train", "seed", cfg.get("seed"), low=0, high=2**32 - 1, unit="the random seed")
+        int_arg("lit_mpstable.train", "threads", cfg.get("threads"), low=1, high=4096, unit="torch CPU threads")
+        lr = (cfg.get("model") or {}).get("lr")
+        if lr is not None:
+            real_arg("lit_mpstable.train", "model.lr", lr, low=0.0, low_open=True, unit="the learning rate, > 0")
+    except (TypeError, ValueError) as error:
+        raise _BadSetting(str(error)) from error
+
+
 @dataclass
 class Built:
     """A run composed from a config: what :func:`build` instantiated, ready for ``trainer.fit(model, datamodule=data)``."""
@@ -139,8 +157,9 @@ def build(
     """Seed, then instantiate data, model (vocabulary from the data), plugin, callbacks and trainer from ``cfg``;
     ``extra_callbacks`` run after the config's own. ``plugin`` replaces ``cfg.plugin`` (another precision plugin, such
     as Lightning's own); ``config_callbacks=False`` leaves ``cfg.callbacks`` out."""
-    torch.set_num_threads(int(cfg.threads))
-    pl.seed_everything(int(cfg.seed), verbose=False)
+    _check_run_settings(cfg)
+    torch.set_num_threads(cfg.threads)
+    pl.seed_everything(cfg.seed, verbose=False)
     data = instantiate(cfg.data)
     extra = {"vocab_size": data.vocab_size, "seq_len": data.seq_len} if hasattr(data, "vocab_size") else {}
     model = instantiate(cfg.model, **extra)
@@ -271,7 +290,7 @@ def _app(cfg: DictConfig) -> None:
             summary = compare(cfg, out_dir, run)
         else:
             summary = run(cfg, out_dir)
-    except (InstantiationException, _NoSuchModule) as error:
+    except (InstantiationException, _NoSuchModule, _BadSetting) as error:
         # A bad value in a config: the constructor's (or the name check's) message names the argument, the value and
         # what is allowed; a traceback would bury it.
         cause = error.__cause__ or error
