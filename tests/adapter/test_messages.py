@@ -50,3 +50,18 @@ def test_a_one_layer_model_is_not_told_fp32_modules_of_the_empty_name() -> None:
         make_trainer(plugin, max_steps=2).fit(OneLayer())
     messages = _warnings(plugin)
     assert messages and all("fp32_modules=['']" not in m for m in messages), messages
+
+
+def test_the_op_policy_log_says_why_the_slower_choice_was_kept() -> None:
+    from lit_mpstable.policy import Measurement, StepCost, choose, describe
+
+    step = StepCost(ms=10.0, peak_bytes=100 * 2**20)
+    memory = Measurement(autocast_ms=3.9, fp32_ms=2.8, autocast_err=1e-3, fp32_err=1e-6, fp32_extra_bytes=40 * 2**20)
+    assert choose(memory, 0.2, step) == "autocast"  # 28 % faster, but 40 % more peak memory for 11 % of the step
+    text = describe("attention", "autocast", memory, 0.2, step)
+    assert text.startswith("attention=autocast (2.8 ms fp32 vs 3.9 ms autocast; kept:")
+    assert "peak memory by 40.0 MiB (40%)" in text
+    noisy = Measurement(autocast_ms=3.0, fp32_ms=2.8, autocast_err=1e-3, fp32_err=1e-6)
+    assert "under the 20% margin" in describe("matmul", "autocast", noisy, 0.2, step)
+    worse = Measurement(autocast_ms=3.9, fp32_ms=2.0, autocast_err=1e-6, fp32_err=1e-3)
+    assert "error" in describe("norm", "autocast", worse, 0.2, step)
