@@ -418,3 +418,30 @@ def test_the_main_job_runs_both_precisions_side_by_side(tmp_path: Path) -> None:
     report = (tmp_path / "report.md").read_text()
     assert "![both runs](comparison.png)" in report and (tmp_path / "comparison.png").stat().st_size > 10_000
     assert (tmp_path / "builtin" / "report.md").exists() and (tmp_path / "stable" / "report.md").exists()
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_the_readme_hydra_recipe_composes_with_or_without_register_configs(registered: bool, tmp_path,
+                                                                            monkeypatch) -> None:
+    # The README's train.yaml, verbatim: it must compose whether or not the app called register_configs() first.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("```yaml\n# configs/train.yaml\n", 1)[1].split("# configs/trainer/", 1)[0]
+    (tmp_path / "train.yaml").write_text(block)
+    register_configs()
+    if not registered:
+        monkeypatch.delitem(ConfigStore.instance().repo, "schema")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["precision=fp16_mixed", "scaler=dynamic",
+                                                      "++plugin.scaler.device=cpu"])
+    plugin = instantiate(cfg.plugin)
+    assert plugin.precision == "16-mixed" and type(plugin.scaler) is DynamicLossScaler
+    assert ("diagnose" in cfg.plugin) == registered  # typed (every field) when the schemas are registered
+
+
+def test_hydra_refuses_a_scaler_on_bf16_as_the_constructor_does() -> None:
+    cfg = _compose(["precision=bf16_mixed", "scaler=adaptive"])
+    with pytest.raises(Exception) as error:
+        instantiate(cfg.plugin)
+    cause = error.value.__cause__ or error.value
+    assert isinstance(cause, ValueError) and "only meaningful for FP16 modes" in str(cause)
