@@ -65,3 +65,14 @@ def test_the_op_policy_log_says_why_the_slower_choice_was_kept() -> None:
     assert "under the 20% margin" in describe("matmul", "autocast", noisy, 0.2, step)
     worse = Measurement(autocast_ms=3.9, fp32_ms=2.0, autocast_err=1e-6, fp32_err=1e-3)
     assert "error" in describe("norm", "autocast", worse, 0.2, step)
+
+
+def test_the_fused_adam_compile_notice_is_said_once_per_cache(tmp_path, monkeypatch) -> None:
+    import lit_mpstable.compact_fused as fused
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert fused._first_to_say("probe_marker") is True  # the sweep's first job
+    assert fused._first_to_say("probe_marker") is False  # every later job or process sharing the cache
+    assert (tmp_path / "probe_marker").exists()
+    source = open(fused.__file__).read()
+    assert "in seconds" not in source and "13-28 s" in source
