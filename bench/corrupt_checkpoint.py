@@ -120,7 +120,8 @@ def _mutations(value: Any) -> list[tuple[str, str, Any]]:
             out += [("nan", INVALID, torch.full_like(value, math.nan)), ("half", VALID, value * 0.5)]
         return out
     if isinstance(value, list):
-        return [("None", INVALID, None), ("'x'", INVALID, "x")] + ([("[-1]", INVALID, [-1] * len(value))] if value else [])
+        out = [("None", INVALID, None), ("'x'", INVALID, "x")]
+        return out + ([("[-1]", INVALID, [-1] * len(value))] if value else [])
     if isinstance(value, dict):
         return [("None", INVALID, None), ("[]", INVALID, [])]
     if value is None:
@@ -187,7 +188,8 @@ def run(verbose: bool) -> dict[str, int]:
                 try:
                     target.load_state_dict(corrupted)
                 except (ValueError, TypeError, KeyError) as error:
-                    outcome = "clear" if (field in str(error) or not path) and "load_state_dict" in str(error) else "raw"
+                    named = (field in str(error) or not path) and "load_state_dict" in str(error)
+                    outcome = "clear" if named else "raw"
                     detail = f"{type(error).__name__}: {str(error)[:150]}"
                 except Exception as error:  # noqa: BLE001 - the campaign counts every failure
                     outcome, detail = "raw", f"{type(error).__name__}: {str(error)[:150]}"

@@ -23,7 +23,8 @@ __all__ = [
 ]
 
 Field = Callable[[str, str, Any], None]
-"""``(call, name, value)``: raises ``TypeError``/``ValueError`` naming ``call(name=value)`` unless ``value`` is valid."""
+"""``(call, name, value)``: raises ``TypeError``/``ValueError`` naming ``call(name=value)`` unless ``value`` is
+valid."""
 
 # 1/scale must stay a finite FP32 number (unscaling multiplies by it).
 _MIN_SCALE = 1.0 / torch.finfo(torch.float32).max

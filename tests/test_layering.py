@@ -19,7 +19,7 @@ import lit_mpstable
 
 ROOT = Path(lit_mpstable.__file__).parent
 LAYERS = {
-    "core": {"_validate", "formats", "scaling", "master", "compact", "compact_fused", "islands", "layout",
+    "core": {"_validate", "loaded_state", "formats", "scaling", "master", "compact", "compact_fused", "islands", "layout",
              "telemetry", "attribution", "observer", "policy", "schedulers", "memory", "stepper", "probe", "fp8",
              "checkpoints", "fsdp", "opcalls"},
     "adapters": {"_frontend", "_trainer", "plugin", "strategies", "fabric", "pytorch_lightning", "callbacks"},
