@@ -52,7 +52,8 @@ class StableFrontEnd:
         listed = isinstance(fp32_modules, Iterable) and not isinstance(fp32_modules, (str, bytes, dict))
         self._args = dict(precision=precision, scaler=scaler, master_weights=master_weights,
                           skip_nonfinite=skip_nonfinite, fp8=fp8,
-                          fp32_modules=list(fp32_modules) if listed else fp32_modules, op_policy=op_policy, device=device, telemetry_every_n_steps=telemetry_every_n_steps, diagnose=diagnose)
+                          fp32_modules=list(fp32_modules) if listed else fp32_modules, op_policy=op_policy,
+                          device=device, telemetry_every_n_steps=telemetry_every_n_steps, diagnose=diagnose)
         self.stepper = PrecisionStepper(**self._args, owner=type(self).__name__)
         self.precision = self.stepper.precision  # Lightning reads the attribute
         self.master_weights = master_weights
