@@ -39,14 +39,7 @@ class TrainerPrecision(StableFrontEnd):
         if warning := check_strategy(self, module, self._pl):
             self._warn_once("strategy", warning)
         self.stepper.setup_module(module, fsdp2=shards_with_fsdp2(module, self._pl))
-        self.stepper.layout.find_ddp = self._ddp_wrapper  # a bound method: the plugin still pickles (ddp_spawn)
         return module
-
-    def _ddp_wrapper(self) -> nn.parallel.DistributedDataParallel | None:
-        """The strategy's DDP wrapper of the model (a ``*-true`` fallback rebuilds its reducer), else ``None``."""
-        trainer = getattr(self.stepper.layout.module, "_trainer", None)
-        wrapper = getattr(getattr(trainer, "strategy", None), "model", None)
-        return wrapper if isinstance(wrapper, nn.parallel.DistributedDataParallel) else None
 
     def convert_input(self, data: Any) -> Any:
         return self.stepper.convert_input(data)

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, ContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lit_mpstable.fp8 import FP8Config, fp8_backend, select_fp8_modules
 from lit_mpstable.islands import FP32Islands, match_modules
 
-__all__ = ["PrecisionLayout", "rebuild_ddp_reducer_"]
+__all__ = ["PrecisionLayout"]
 
 
 class PrecisionLayout:
@@ -56,9 +55,6 @@ class PrecisionLayout:
         self.fp32_modules: list[str] = []  # modules moved into FP32 islands
         self._fp8_selected: list[str] | None = None  # chosen once per model, then re-applied
         self._fp8_layers: list[str] = []
-        self.find_ddp: Callable[[], Any] | None = None
-        """Returns the ``DistributedDataParallel`` wrapping :attr:`module` now, or ``None`` (set by a front end that
-        knows its strategy): a recast of ``*-true`` parameters rebuilds its reducer."""
 
     # ----------------------------------------------------------------------------------------------- reading
     @property
@@ -154,7 +150,6 @@ class PrecisionLayout:
         """One rung up the ladder, globally (``modules=None``) or for the named modules; returns what was done."""
         if self.module is None:
             raise RuntimeError("fallback(): no model attached yet (call it during fit).")
-        saved = self._fallbacks()
         if modules is None:
             if self.fp8_layers and not self.fp8_off:
                 self.fp8_off = True
@@ -171,57 +166,14 @@ class PrecisionLayout:
             parts = [f"{out_of_fp8} left FP8"] if out_of_fp8 else []
             parts += [f"{islands} now run in FP32"] if islands else []
             action = "; ".join(parts) or "nothing new to move"
-        self._apply_or_refuse(saved, f"fallback({modules!r})")
+        self._apply()
         return action
 
     def restore(self) -> None:
         """Undo every fallback: the configured precision, FP8 layers and the user's own islands again."""
-        saved = self._fallbacks()
         self._clear_fallbacks()
         if self.module is not None:
-            self._apply_or_refuse(saved, "restore()")
-
-    # ------------------------------------------------------------------------------------ data parallel
-    def _fallbacks(self) -> tuple:
-        return self.fp32, self.fp8_off, list(self.fp8_removed), list(self.fp32_modules)
-
-    def _set_fallbacks(self, saved: tuple) -> None:
-        self.fp32, self.fp8_off, self.fp8_removed, self.fp32_modules = saved[0], saved[1], list(saved[2]), list(saved[3])
-
-    def _planned_dtypes(self) -> dict[int, tuple[nn.Parameter, torch.dtype]]:
-        """The dtype each floating parameter will have once the fallbacks now set are applied."""
-        islands = match_modules(self.module, [*self._user_islands, *self.fp32_modules])
-        inside = {id(p) for island in islands.values() for p in island.parameters()}
-        plan = {}
-        for param in self.module.parameters():
-            if param.is_floating_point():
-                dtype = torch.float32 if id(param) in inside else self.compute_dtype if self.cast_parameters else param.dtype
-                plan[id(param)] = (param, dtype)
-        return plan
-
-    def _apply_or_refuse(self, saved: tuple, call: str) -> None:
-        """Apply the fallbacks now set; under data parallelism a change of parameter dtypes (``param.data`` cast
-        in place drops the parameter's autograd accumulator, the one DDP's reducer hooks) rebuilds DDP's reducer,
-        or, where no ``DistributedDataParallel`` can be found, is refused with the previous fallbacks kept."""
-        try:
-            recast = any(param.dtype != dtype for param, dtype in self._planned_dtypes().values())
-        except ValueError:
-            self._set_fallbacks(saved)  # a name that matches no module: nothing changes
-            raise
-        ddp = self.find_ddp() if recast and self.find_ddp is not None else None
-        if recast and ddp is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._set_fallbacks(saved)
-            raise RuntimeError(
-                f"PrecisionLayout.{call}: it recasts {self.dtype} parameters in place, and with"
-                f" {dist.get_world_size()} processes no DistributedDataParallel wrapping the model was found to"
-                " re-register them with (a recast parameter gets a new autograd accumulator, so DDP's gradient"
-                " all-reduce would silently stop and the replicas drift apart). Use the Trainer's 'ddp' strategies,"
-                " a '*-mixed' precision (nothing is recast), or rebuild the DDP wrapper after the call yourself"
-                " (lit_mpstable.layout.rebuild_ddp_reducer_)."
-            )
-        self._apply()
-        if ddp is not None:
-            rebuild_ddp_reducer_(ddp)
+            self._apply()
 
     def _clear_fallbacks(self) -> None:
         self.fp32 = self.fp8_off = False
@@ -256,10 +208,11 @@ class PrecisionLayout:
                 f"PrecisionLayout.load_state_dict: missing keys {sorted(expected - set(state))}, unknown keys"
                 f" {sorted(set(state) - expected)}."
             )
-        saved = self._fallbacks()
-        self._set_fallbacks((bool(state["fp32"]), bool(state["fp8_off"]), state["fp8_removed"], state["fp32_modules"]))
+        self._clear_fallbacks()
+        self.fp32, self.fp8_off = bool(state["fp32"]), bool(state["fp8_off"])
+        self.fp8_removed, self.fp32_modules = list(state["fp8_removed"]), list(state["fp32_modules"])
         if self.module is not None:
-            self._apply_or_refuse(saved, "load_state_dict()")
+            self._apply()
             if state["fp8"] and self.fp8_backend is None:
                 raise KeyError(
                     f"PrecisionLayout.load_state_dict: the checkpoint holds FP8 state ({sorted(state['fp8'])[:4]}...)"
@@ -282,27 +235,3 @@ def _cast_outside(root: nn.Module, dtype: torch.dtype, islands: dict[str, nn.Mod
         for name, buffer in list(module.named_buffers(recurse=False)):
             if buffer.is_floating_point() and buffer.dtype != dtype:
                 setattr(module, name, buffer.to(dtype))
-
-
-def rebuild_ddp_reducer_(ddp: nn.parallel.DistributedDataParallel) -> None:
-    """Re-register the parameters of ``ddp``'s module with a new reducer (buckets, autograd hooks), as DDP does when
-    it is unpickled; call it on every rank alike, between iterations, after parameters were cast in place.
-
-    A cast that changes a parameter's dtype (``param.data = param.data.to(dtype)``, ``module.float()``) gives it a
-    new autograd accumulator; DDP's reducer hooks the old one, so without this the gradient all-reduce of those
-    parameters silently stops (or DDP reports them unused). The old reducer's hooks are removed first (on the
-    accumulators that survived), the buffers to broadcast are collected again (a cast buffer is a new tensor) and
-    Python communication hooks registered with ``register_comm_hook`` are registered with the new reducer.
-    No collective runs here (the parameters are equal on every rank already).
-    """
-    ddp._remove_autograd_hooks()
-    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
-    names = ddp._build_debug_param_to_name_mapping(parameters)
-    ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, ddp.static_graph)
-    ddp._has_rebuilt_buckets = False
-    if ddp.static_graph:
-        ddp.reducer._set_static_graph()
-        ddp.logger._set_static_graph()
-    for hook, state in ddp._comm_hooks:
-        dist._register_comm_hook(ddp.reducer, state, hook)
-    ddp._assign_modules_buffers()
