@@ -733,8 +733,8 @@ class PrecisionStepper:
 
 
 def _check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any) -> None:
-    """What the per-argument checks cannot see: containers that are not lists, a class for an instance, and our own
-    scalers where their name would be refused (Hydra's ``scaler=adaptive`` instantiates one: one rule for both)."""
+    """What the per-argument checks cannot see: containers that are not lists, a class for an instance, an adaptive
+    scaler sized for another format than the run's FP16, a scale whose reciprocal is not a finite FP32 number."""
     if isinstance(fp32_modules, (str, type)):
         fp32_modules = [fp32_modules]  # one name or one module type
     elif fp32_modules is None or isinstance(fp32_modules, (bytes, dict)) or not isinstance(fp32_modules, Iterable):
@@ -746,12 +746,7 @@ def _check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any) 
     if isinstance(scaler, type):
         raise TypeError(f"{call}(scaler={scaler.__name__} (the class)): pass an instance, {scaler.__name__}(), or a"
                         " name ('dynamic', 'static', 'adaptive').")
-    fp16 = precision in ("16-mixed", "16-true")
-    if isinstance(scaler, DynamicLossScaler) and scaler.is_enabled() and precision != "auto":
-        if not fp16:
-            raise ValueError(
-                f"{call}({precision!r}, scaler={type(scaler).__name__}(...)): loss scaling is only meaningful for FP16"
-                " modes (BF16 and FP32 share FP32's exponent range); use scaler=None.")
+    if isinstance(scaler, DynamicLossScaler) and scaler.is_enabled() and precision in ("16-mixed", "16-true"):
         target = getattr(scaler, "target_format", "fp16")
         if target in ("bf16", "fp32"):
             raise ValueError(

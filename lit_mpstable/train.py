@@ -30,6 +30,7 @@ from lit_mpstable.config import register_configs
 from lit_mpstable.memory import MemoryProbe, training_memory
 from lit_mpstable.report import write_report
 from lit_mpstable.showcase import compare, print_comparison
+from lit_mpstable.stepper import PrecisionStepper
 
 __all__ = ["Built", "build", "main", "run"]
 
@@ -138,6 +139,20 @@ def _check_run_settings(cfg: DictConfig) -> None:
         raise _BadSetting(str(error)) from error
 
 
+def _check_scaler_choice(node: DictConfig) -> None:
+    # The scaler group chooses a scaler by name (scaler=adaptive), as StablePrecision(scaler="adaptive") does: the same
+    # rule holds (refused outside FP16), which an instance handed to the constructor escapes with a warning.
+    scaler = node.get("scaler")
+    target = scaler.get("_target_") if isinstance(scaler, DictConfig) else None
+    name = {"lit_mpstable.scaling.DynamicLossScaler": "dynamic", "lit_mpstable.scaling.StaticLossScaler": "static",
+            "lit_mpstable.scaling.AdaptiveLossScaler": "adaptive"}.get(str(target))
+    if name is not None:
+        try:  # the constructor's own rule and message, for the name
+            PrecisionStepper(node.get("precision", "bf16-mixed"), scaler=name, device="cpu", owner="StablePrecision")
+        except ValueError as error:
+            raise _BadSetting(f"scaler={name}: {error}") from error
+
+
 @dataclass
 class Built:
     """A run composed from a config: what :func:`build` instantiated, ready for ``trainer.fit(model, datamodule=data)``."""
@@ -164,6 +179,7 @@ def build(
     extra = {"vocab_size": data.vocab_size, "seq_len": data.seq_len} if hasattr(data, "vocab_size") else {}
     model = instantiate(cfg.model, **extra)
     if plugin is None:
+        _check_scaler_choice(cfg.plugin)
         plugin = instantiate(cfg.plugin)
         _check_names(plugin, model)
     nodes = (cfg.get("callbacks") or {}).values() if config_callbacks else ()

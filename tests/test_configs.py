@@ -29,6 +29,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ValidationError
 from torch import nn
 
+from lit_mpstable import StablePrecision
 import lit_mpstable.conf
 from lit_mpstable.config import SCHEMAS, derive_schema, register_configs
 from lit_mpstable.scaling import AdaptiveLossScaler, DynamicLossScaler, StaticLossScaler
@@ -440,8 +441,10 @@ def test_the_readme_hydra_recipe_composes_with_or_without_register_configs(regis
 
 
 def test_hydra_refuses_a_scaler_on_bf16_as_the_constructor_does() -> None:
-    cfg = _compose(["precision=bf16_mixed", "scaler=adaptive"])
-    with pytest.raises(Exception) as error:
-        instantiate(cfg.plugin)
-    cause = error.value.__cause__ or error.value
-    assert isinstance(cause, ValueError) and "only meaningful for FP16 modes" in str(cause)
+    from lit_mpstable.train import build
+
+    with pytest.raises(ValueError, match=r"only meaningful for FP16 modes") as by_name:
+        StablePrecision("bf16-mixed", scaler="adaptive")
+    with pytest.raises(ValueError) as error:
+        build(_compose(["precision=bf16_mixed", "scaler=adaptive"]))
+    assert str(by_name.value) in str(error.value) and str(error.value).startswith("scaler=adaptive")

@@ -46,7 +46,7 @@ def _legitimate(state, path, value) -> bool:
     original = state
     for key in path:
         original = original[key]
-    if isinstance(original, float) and value == 1.5:  # a fine ratio or scale, only wrong for an int field
+    if isinstance(original, (float, torch.Tensor)) and value == 1.5:  # a fine ratio, scale or tensor value
         return True
     return any(str(path[-1]) == field and type(value) is type(ok) and value == ok for field, ok in LEGITIMATE)
 
