@@ -29,6 +29,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ValidationError
 from torch import nn
 
+from lit_mpstable import StablePrecision
 import lit_mpstable.conf
 from lit_mpstable.app.config import SCHEMAS, derive_schema, register_configs
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
@@ -41,14 +42,16 @@ CONF = Path(lit_mpstable.conf.__file__).parent
 def _expected_type(hint: Any) -> Any:
     """What a schema field must be for a constructor hint, spelled out case by case (OmegaConf 2.3 types)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint in (bool, int, float, str):
+    if hint is bool:
+        return Any  # OmegaConf would read 2 or "yes" as True: the constructor checks it
+    if hint in (int, float, str):
         return hint
     if origin is Literal and all(isinstance(a, str) for a in args):
         return str  # no Literal in OmegaConf: the constructor checks the choice
     if origin in (typing.Union, types.UnionType) and type(None) in args:
         rest = [a for a in args if a is not type(None)]
         inner = _expected_type(rest[0]) if len(rest) == 1 else None
-        return None if inner is None else Optional[inner]
+        return None if inner in (None, Any) else Optional[inner]
     return None  # anything else: not checked here (the default must pass, and null where the hint takes None)
 
 
@@ -116,7 +119,7 @@ class _StubConfig:
     patience: int = 10
     nonfinite_loss_patience: Optional[int] = 3
     mode: str = "a"
-    diagnose: bool = False
+    diagnose: Any = False
     device: Optional[str] = None
 
 
@@ -159,7 +162,7 @@ def test_derive_schema_maps_each_kind_of_hint() -> None:
     fields = {f.name: f for f in dataclasses.fields(schema)}
     assert {name: f.type for name, f in fields.items()} == {
         "_target_": str, "count": int, "patience": Optional[int], "mode": str, "maybe_mode": Optional[str],
-        "flag": bool, "names": list[str], "specs": list[Any], "table": Optional[dict[str, float]], "fn": Any,
+        "flag": Any, "names": list[str], "specs": list[Any], "table": Optional[dict[str, float]], "fn": Any,
         "choice": Any, "color": _Color, "rate": float, "required": int,
     }
     assert fields["_target_"].default == f"{__name__}._Hints" and fields["names"].default_factory() == ["a"]
@@ -168,8 +171,8 @@ def test_derive_schema_maps_each_kind_of_hint() -> None:
     node.patience, node.choice, node.table = None, "x", {"a": 1}
     with pytest.raises(ValidationError):
         node.count = 1.5  # int stays int
-    with pytest.raises(ValidationError):
-        node.flag = "maybe"  # bool stays bool
+    node.flag = 2  # a bool is left to the constructor, which refuses 2 by name (OmegaConf would read it as True)
+    assert node.flag == 2
     with pytest.raises(ValidationError):
         node.count = None  # not optional in the constructor, not in the schema
 
@@ -417,3 +420,32 @@ def test_the_main_job_runs_both_precisions_side_by_side(tmp_path: Path) -> None:
     report = (tmp_path / "report.md").read_text()
     assert "![both runs](comparison.png)" in report and (tmp_path / "comparison.png").stat().st_size > 10_000
     assert (tmp_path / "builtin" / "report.md").exists() and (tmp_path / "stable" / "report.md").exists()
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_the_readme_hydra_recipe_composes_with_or_without_register_configs(registered: bool, tmp_path,
+                                                                            monkeypatch) -> None:
+    # The README's train.yaml, verbatim: it must compose whether or not the app called register_configs() first.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("```yaml\n# configs/train.yaml\n", 1)[1].split("# configs/trainer/", 1)[0]
+    (tmp_path / "train.yaml").write_text(block)
+    register_configs()
+    if not registered:
+        monkeypatch.delitem(ConfigStore.instance().repo, "schema")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["precision=fp16_mixed", "scaler=dynamic",
+                                                      "++plugin.scaler.device=cpu"])
+    plugin = instantiate(cfg.plugin)
+    assert plugin.precision == "16-mixed" and type(plugin.scaler) is DynamicLossScaler
+    assert ("diagnose" in cfg.plugin) == registered  # typed (every field) when the schemas are registered
+
+
+def test_hydra_refuses_a_scaler_on_bf16_as_the_constructor_does() -> None:
+    from lit_mpstable.app.train import build
+
+    with pytest.raises(ValueError, match=r"only meaningful for FP16 modes") as by_name:
+        StablePrecision("bf16-mixed", scaler="adaptive")
+    with pytest.raises(ValueError) as error:
+        build(_compose(["precision=bf16_mixed", "scaler=adaptive"]))
+    assert str(by_name.value) in str(error.value) and str(error.value).startswith("scaler=adaptive")

@@ -187,3 +187,104 @@ def test_optional_fp8_backends_refuse_clearly(backend: str) -> None:
             raise
         else:
             raise ValueError(f"{backend}: accepted (installed and able)")
+
+
+# ------------------------------------------------------------------------------------------------ named bad input
+@pytest.mark.parametrize("value", [None, 5, 2.5])
+def test_fp32_modules_that_is_not_a_list_is_refused_by_name(value) -> None:
+    with pytest.raises(TypeError, match=r"fp32_modules=.*must be a list"):
+        StablePrecision("16-mixed", fp32_modules=value)
+
+
+def test_an_empty_module_name_is_refused() -> None:
+    # '' names the root: the whole model in FP32, which is precision='32-true', not an island.
+    with pytest.raises(ValueError, match=r"fp32_modules=\[''\].*the whole model"):
+        StablePrecision("16-mixed", fp32_modules=[""])
+
+
+def test_a_scaler_class_instead_of_an_instance_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"scaler=DynamicLossScaler \(the class\).*DynamicLossScaler\(\)"):
+        StablePrecision("16-mixed", scaler=DynamicLossScaler)
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp32"])
+def test_an_adaptive_scaler_sized_for_another_format_is_refused_on_fp16(target: str) -> None:
+    with pytest.raises(ValueError, match=rf"target_format={target!r}.*'fp16'"):
+        StablePrecision("16-mixed", scaler=AdaptiveLossScaler(target_format=target))
+
+
+def test_a_scaler_chosen_by_name_on_bf16_is_refused_and_an_instance_is_taken_with_a_note() -> None:
+    # By name (here, or Hydra's scaler=adaptive: tests/test_configs.py) refused; an explicit instance is the escape
+    # hatch (a GradScaler for overflow detection in 32-true), accepted with a note.
+    with pytest.raises(ValueError, match=r"only meaningful for FP16 modes.*scaler=None"):
+        StablePrecision("bf16-mixed", scaler="adaptive")
+    plugin = StablePrecision("bf16-mixed", scaler=AdaptiveLossScaler())
+    assert any("buys nothing" in note for note in plugin.stepper.warnings)
+
+
+def test_a_scale_whose_reciprocal_overflows_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"init_scale.*1e-45.*1/scale"):
+        StablePrecision("16-mixed", scaler=DynamicLossScaler(init_scale=1e-45))
+
+
+def test_skip_step_between_fits_does_not_discard_the_next_fits_first_batch() -> None:
+    from helpers import TinyMLP
+
+    stepper = PrecisionStepper("bf16-mixed")
+    stepper.skip_step()  # after a fit, before the next
+    module = TinyMLP()
+    stepper.setup_module(module)
+    assert not stepper.skip_requested
+    assert any("skip_step()" in note and "ignored" in note for note in stepper.warnings)
+
+
+def test_setup_optimizers_without_setup_module_is_refused() -> None:
+    from helpers import TinyMLP
+
+    stepper, module = PrecisionStepper("bf16-true"), TinyMLP()
+    with pytest.raises(RuntimeError, match=r"setup_module\(module\) first"):
+        stepper.setup_optimizers(module, [torch.optim.SGD(module.parameters(), lr=0.1)])
+    assert all(p.dtype == torch.float32 for p in module.parameters())
+
+
+def _hydra(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lit_mpstable.app.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lit_mpstable.conf", version_base="1.3"):
+        return compose(config_name="train", overrides=[*overrides, "experiment=none", "data=digits", "model=mlp"])
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("seed=abc", r"seed='abc'.*an int"),
+    ("threads=0", r"threads=0.*an int in \[1"),
+    ("model.lr=-1", r"model.lr=-1.*> 0"),
+    ("plugin.diagnose=2", r"diagnose=2.*True or False"),
+    ("plugin.fp32_modules=['']", r"fp32_modules=\[''\]"),
+    ("plugin.scaler.init_scale=1e-45", r"init_scale.*1/scale"),
+])
+def test_bad_hydra_overrides_are_named_before_training(override: str, pattern: str) -> None:
+    pytest.importorskip("sklearn")
+    from hydra.errors import InstantiationException
+
+    from lit_mpstable.app.train import build
+
+    extra = ["precision=fp16_mixed", "scaler=dynamic"] if override.startswith("plugin.scaler") else []
+    cfg = _hydra([*extra, override])
+    with pytest.raises((ValueError, TypeError, InstantiationException)) as error:
+        build(cfg)
+    cause = error.value.__cause__ or error.value
+    assert isinstance(cause, (ValueError, TypeError)) and __import__("re").search(pattern, str(cause)), str(cause)
+
+
+@pytest.mark.parametrize("make", [lambda: StablePrecision("16-mixed"), ScaleCheckpoint, OverflowMonitor, PrecisionProbe,
+                                  PrecisionFallback, AMPPreflight], ids=lambda m: getattr(m, "__name__", "plugin"))
+@pytest.mark.parametrize("junk", [None, "abc", 3, {"unknown": 1}])
+def test_load_state_dict_with_junk_is_named(make, junk) -> None:
+    # Field-level corruption is fuzzed in tests/test_loaded_state_fuzz.py, drawing from the saved states' own keys.
+    with pytest.raises((TypeError, KeyError), match=r"load_state_dict"):
+        make().load_state_dict(junk)

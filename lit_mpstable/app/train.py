@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lit_mpstable.frontends.common import StableFrontEnd
+from lit_mpstable.core.validate import int_arg, real_arg
 from lit_mpstable.callbacks import PrecisionProbe
 from lit_mpstable.callbacks._common import view_of
 from lit_mpstable.callbacks._view import ForeignPrecision
@@ -29,6 +30,7 @@ from lit_mpstable.app.config import register_configs
 from lit_mpstable.core.memory import MemoryProbe, training_memory
 from lit_mpstable.app.report import write_report
 from lit_mpstable.app.showcase import compare, print_comparison
+from lit_mpstable.core.stepper import PrecisionStepper
 
 __all__ = ["Built", "build", "main", "run"]
 
@@ -120,6 +122,37 @@ def _check_names(plugin: Any, model: pl.LightningModule) -> None:
         raise _NoSuchModule(str(error)) from error
 
 
+class _BadSetting(ValueError):
+    """A top-level setting of the config is out of range (named, with what is allowed)."""
+
+
+def _check_run_settings(cfg: DictConfig) -> None:
+    # What the constructors downstream would refuse with a bare traceback (int('abc'), torch's set_num_threads, the
+    # optimizer's "Invalid learning rate" at the first step): named here, before anything is built.
+    try:
+        int_arg("lit_mpstable.app.train", "seed", cfg.get("seed"), low=0, high=2**32 - 1, unit="the random seed")
+        int_arg("lit_mpstable.app.train", "threads", cfg.get("threads"), low=1, high=4096, unit="torch CPU threads")
+        lr = (cfg.get("model") or {}).get("lr")
+        if lr is not None:
+            real_arg("lit_mpstable.app.train", "model.lr", lr, low=0.0, low_open=True, unit="the learning rate, > 0")
+    except (TypeError, ValueError) as error:
+        raise _BadSetting(str(error)) from error
+
+
+def _check_scaler_choice(node: DictConfig) -> None:
+    # The scaler group chooses a scaler by name (scaler=adaptive), as StablePrecision(scaler="adaptive") does: the same
+    # rule holds (refused outside FP16), which an instance handed to the constructor escapes with a warning.
+    scaler = node.get("scaler")
+    target = scaler.get("_target_") if isinstance(scaler, DictConfig) else None
+    name = {"lit_mpstable.core.loss_scaler.DynamicLossScaler": "dynamic", "lit_mpstable.core.loss_scaler.StaticLossScaler": "static",
+            "lit_mpstable.core.adaptive_scaler.AdaptiveLossScaler": "adaptive"}.get(str(target))
+    if name is not None:
+        try:  # the constructor's own rule and message, for the name
+            PrecisionStepper(node.get("precision", "bf16-mixed"), scaler=name, device="cpu", owner="StablePrecision")
+        except ValueError as error:
+            raise _BadSetting(f"scaler={name}: {error}") from error
+
+
 @dataclass
 class Built:
     """A run composed from a config: what :func:`build` instantiated, ready for ``trainer.fit(model, datamodule=data)``."""
@@ -139,12 +172,14 @@ def build(
     """Seed, then instantiate data, model (vocabulary from the data), plugin, callbacks and trainer from ``cfg``;
     ``extra_callbacks`` run after the config's own. ``plugin`` replaces ``cfg.plugin`` (another precision plugin, such
     as Lightning's own); ``config_callbacks=False`` leaves ``cfg.callbacks`` out."""
-    torch.set_num_threads(int(cfg.threads))
-    pl.seed_everything(int(cfg.seed), verbose=False)
+    _check_run_settings(cfg)
+    torch.set_num_threads(cfg.threads)
+    pl.seed_everything(cfg.seed, verbose=False)
     data = instantiate(cfg.data)
     extra = {"vocab_size": data.vocab_size, "seq_len": data.seq_len} if hasattr(data, "vocab_size") else {}
     model = instantiate(cfg.model, **extra)
     if plugin is None:
+        _check_scaler_choice(cfg.plugin)
         plugin = instantiate(cfg.plugin)
         _check_names(plugin, model)
     nodes = (cfg.get("callbacks") or {}).values() if config_callbacks else ()
@@ -271,11 +306,11 @@ def _app(cfg: DictConfig) -> None:
             summary = compare(cfg, out_dir, run)
         else:
             summary = run(cfg, out_dir)
-    except (InstantiationException, _NoSuchModule) as error:
+    except (InstantiationException, _NoSuchModule, _BadSetting) as error:
         # A bad value in a config: the constructor's (or the name check's) message names the argument, the value and
         # what is allowed; a traceback would bury it.
         cause = error.__cause__ or error
-        print(f"lit_mpstable.train: invalid configuration: {type(cause).__name__}: {cause}", file=sys.stderr)
+        print(f"lit_mpstable.app.train: invalid configuration: {type(cause).__name__}: {cause}", file=sys.stderr)
         sys.exit(2)
     if cfg.get("compare"):
         print_comparison(summary, out_dir)
@@ -292,14 +327,14 @@ def main() -> None:
     overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
     misplaced = [arg for arg in overrides if _SCALER_KEY.match(arg)]
     if misplaced:
-        print(f"lit_mpstable.train: {misplaced[0]!r}: there is no key 'scaler'; {_SCALER_OPTIONS}", file=sys.stderr)
+        print(f"lit_mpstable.app.train: {misplaced[0]!r}: there is no key 'scaler'; {_SCALER_OPTIONS}", file=sys.stderr)
         sys.exit(2)
     try:
         _app()
     except SystemExit as exit_:
         # Hydra has printed its own message ("Key 'init_scale' is not in struct"); add how to get there.
         if exit_.code == 1 and any(_PLUGIN_SCALER_KEY.match(arg) for arg in overrides):
-            print(f"lit_mpstable.train: {_SCALER_OPTIONS}", file=sys.stderr)
+            print(f"lit_mpstable.app.train: {_SCALER_OPTIONS}", file=sys.stderr)
         raise
 
 

@@ -14,7 +14,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
 from lit_mpstable.frontends.common import StableFrontEnd
-from lit_mpstable.core.validate import INT32_MAX
+from lit_mpstable.core.validate import INT32_MAX, int_arg
+from lit_mpstable.core.loaded_state import (
+    Field, check_fields, check_mapping, count, count_list, finite_list, flag, optional, records, text_list,
+)
 from lit_mpstable.callbacks._view import ForeignPrecision
 
 __all__ = [
@@ -53,13 +56,62 @@ def check(ok: bool, call: str, rule: str) -> None:
         raise ValueError(f"{call}: {rule}")
 
 
-def strict_keys(owner: str, state: Mapping[str, Any], expected: set[str]) -> None:
-    if set(state) != expected:
-        missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise KeyError(
-            f"{owner}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the state written by another"
-            " version of lit_mpstable?"
-        )
+def strict_keys(owner: str, state: Any, expected: set[str]) -> None:
+    """Check a callback's loaded state before anything of it is used: a dict with exactly ``expected``'s keys, and
+    every field as :data:`STATE_FIELDS` says for ``owner`` (the same rules as the constructors: counts are ints >= 0,
+    flags are bools, losses finite). A corrupted checkpoint is refused by name, never loaded silently.
+
+    Raises:
+        TypeError: ``state`` is not a dict, or a field has the wrong type (``"False"``, ``None``, a string count).
+        KeyError: keys differ (each named).
+        ValueError: a field is out of range (a negative counter, a NaN loss).
+    """
+    call = f"{owner}.load_state_dict"
+    check_mapping(call, state, expected)
+    check_fields(call, state, STATE_FIELDS.get(owner, {}))
+
+
+def _step_or_unset(call: str, name: str, value: Any) -> None:
+    int_arg(call, name, value, low=-1, unit="an optimizer step, -1 for none")
+
+
+def _pairs(call: str, name: str, value: Any) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{call}({name}={value!r}): must be a list of [overflows, steps] pairs.")
+    for index, pair in enumerate(value):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise TypeError(f"{call}({name}[{index}]={pair!r}): must be an [overflows, steps] pair.")
+        count_list(call, f"{name}[{index}]", list(pair))
+
+
+def _rows(call: str, name: str, value: Any) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{call}({name}={value!r}): must be a list of [overflows, skipped, steps] rows.")
+    for index, row in enumerate(value):
+        if not isinstance(row, (list, tuple)) or len(row) != 3:
+            raise TypeError(f"{call}({name}[{index}]={row!r}): must be an [overflows, skipped, steps] row.")
+        finite_list(0.0)(call, f"{name}[{index}]", list(row))
+
+
+def _runs(call: str, name: str, value: Any) -> None:
+    check_mapping(call, value, name=name)
+    for key, run in value.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{call}({name}[{key!r}]): keys must be module names.")
+        count(call, f"{name}[{key!r}]", run)
+
+
+STATE_FIELDS: dict[str, dict[str, Field]] = {
+    "ScaleCheckpoint": {"rollbacks": count, "skips": count, "events": records, "losses": finite_list(),
+                        "skipped_at": count_list},
+    "OverflowMonitor": {"counts": _rows, "position": count, "above": flag, "blamed": text_list},
+    "PrecisionProbe": {"history": records, "pending": flag},
+    "PrecisionFallback": {"overflow_run": count, "nonfinite_run": count, "previous_nonfinite": optional(flag),
+                          "recent": _pairs, "cooldown_end": _step_or_unset, "decisions": records,
+                          "blamed": text_list, "grad_error_runs": _runs, "last_probe_step": _step_or_unset},
+    "AMPPreflight": {"result": lambda c, n, v: check_mapping(c, v, name=n)},
+}
+"""Each callback's loaded fields and their checks (one table, so every callback loads by the same rules)."""
 
 
 # ------------------------------------------------------------------------------------------------ across ranks

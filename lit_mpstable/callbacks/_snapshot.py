@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 
 from lit_mpstable.core.checkpoints import copy_quantized_state
 
-__all__ = ["layout_key", "restore_snapshot", "state_finite", "take_snapshot"]
+__all__ = ["layout_key", "nonfinite_entries", "restore_snapshot", "state_finite", "take_snapshot"]
 
 
 def layout_key(plugin: Any) -> tuple:
@@ -43,6 +44,38 @@ def state_finite(module: torch.nn.Module, optimizers: list[Any]) -> bool:
         return True
     device = tensors[0].device
     return bool(torch.stack([t.abs().amax().float().to(device) for t in tensors]).isfinite().all())
+
+
+def nonfinite_entries(snapshot: dict[str, Any], limit: int = 5) -> list[str]:
+    """Where ``snapshot`` holds inf/NaN (weights, FP32 masters, compensation, loss scale, optimizer state), named as
+    in the state dicts; empty when every floating value is finite. One reduction over all tensors (one host sync
+    for a snapshot on the accelerator); the names are only looked up when something is not finite."""
+    named: list[tuple[str, Any]] = []
+    _floating(snapshot["model"], "weights ", named)
+    _floating(snapshot["plugin"], "plugin state ", named)
+    for index, state in enumerate(snapshot["optimizers"]):
+        _floating(state.get("state", {}), f"optimizer {index} state ", named)
+    bad_floats = [path for path, value in named if isinstance(value, float) and not math.isfinite(value)]
+    tensors = [(path, value) for path, value in named if isinstance(value, torch.Tensor)]
+    finite = bool(torch.stack([t.abs().amax().float().cpu() for _, t in tensors]).isfinite().all()) if tensors else True
+    if finite:
+        return bad_floats[:limit]
+    bad = bad_floats + [path for path, t in tensors if not bool(torch.isfinite(t).all())]
+    return bad[:limit]
+
+
+def _floating(obj: Any, path: str, out: list[tuple[str, Any]]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.numel() and type(obj) is torch.Tensor:
+            out.append((path.strip(), obj.detach()))
+    elif isinstance(obj, float) and not isinstance(obj, bool):
+        out.append((path.strip(), obj))
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _floating(value, f"{path}{key}" if path.endswith(" ") else f"{path}[{key!r}]", out)
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            _floating(value, f"{path}[{index}]", out)
 
 
 def take_snapshot(trainer: Any, pl_module: Any, plugin: Any, device: str | None) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from lit_mpstable.callbacks._common import (
     PluginCallback, any_rank, check, is_int, log_measured, strict_keys,
 )
-from lit_mpstable.core.probe import forward_state, measure, metric_vector, with_metric_vector
+from lit_mpstable.core.probe import ProbeCopyError, forward_state, measure, metric_vector, with_metric_vector
 
 __all__ = ["PrecisionProbe"]
 
@@ -36,7 +36,8 @@ class PrecisionProbe(PluginCallback):
     the training.
 
     The recompute calls the LightningModule's ``training_step`` (its ``self.log`` muted, divided by
-    ``accumulate_grad_batches`` as Lightning divides the loss) on deep copies of the module, with the trainer
+    ``accumulate_grad_batches`` as Lightning divides the loss) on deep copies of the module (non-leaf tensor attributes, such as torchmetrics states updated with the loss, copied
+    detached), with the trainer
     attached, the RNG forked and set back to its state at the batch's start (same dropout masks): training, the
     data order and the module itself are untouched. With gradient accumulation or several processes, the run's
     gradient of the last micro-batch is recomputed too (each rank probes its own batch; the metrics are averaged
@@ -117,6 +118,7 @@ class PrecisionProbe(PluginCallback):
             return
         self._capture = None
         step, batch, batch_idx, start = capture
+        failure: Exception | None = None
         recompute = trainer.accumulate_grad_batches > 1 or trainer.world_size > 1
         loss_fn = self.loss_fn or _training_step_loss(trainer, batch_idx)
         try:
@@ -130,8 +132,9 @@ class PrecisionProbe(PluginCallback):
         if failed:
             self._inert = True
             cause = f"{failure!r}" if result is None else "an error on another rank"
-            rank_zero_warn(f"PrecisionProbe stops probing at step {step}: the recompute failed ({cause}); pass"
-                           " loss_fn=(module, batch) -> loss if training_step cannot be replayed on a copy.")
+            advice = ("" if isinstance(failure, ProbeCopyError) else "; pass loss_fn=(module, batch) -> loss if"
+                      " training_step cannot be replayed on a copy")
+            rank_zero_warn(f"PrecisionProbe stops probing at step {step}: the recompute failed ({cause}){advice}.")
             return
         if nonfinite:
             self.pending = True

@@ -14,7 +14,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import MAX_WINDOW, PluginCallback, any_rank, check, is_int, is_number, log_mp, strict_keys
 from lit_mpstable.callbacks._rules import spike_zscore
-from lit_mpstable.callbacks._snapshot import layout_key, restore_snapshot, state_finite, take_snapshot
+from lit_mpstable.callbacks._snapshot import (
+    layout_key, nonfinite_entries, restore_snapshot, state_finite, take_snapshot,
+)
 
 __all__ = ["ScaleCheckpoint", "spike_zscore"]
 
@@ -35,7 +37,10 @@ class ScaleCheckpoint(PluginCallback):
     - Every ``every_n_steps`` optimizer steps, at train start and after a precision fallback, it checks that the
       weights and the optimizer state are finite (one host sync) and snapshots module, optimizers, LR schedulers and
       plugin state, on ``snapshot_device`` ("cpu" by default: never a second copy in accelerator memory; "device"
-      keeps it where the tensors are, faster to restore). Non-finite weights or optimizer state roll back.
+      keeps it where the tensors are, faster to restore). Non-finite weights or optimizer state roll back; a snapshot
+      is itself checked (weights, FP32 masters, loss scale, optimizer state) before it is kept and before a rollback
+      restores it, and a run whose state at train start holds inf/NaN (resumed from a bad checkpoint) raises
+      ``ValueError`` naming the entries.
     - A rollback restores the snapshot exactly; the plugin's event counters stay as they are. Decided alike on every
       rank: any rank's trigger acts on all of them, under the same ``kind``; an event's ``loss`` and ``zscore`` are
       this rank's (each rank sees its own batch).
@@ -46,7 +51,7 @@ class ScaleCheckpoint(PluginCallback):
     recent losses) rides in the callback state. Snapshots stay in memory. One instance per run.
 
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: an argument is out of range; at train start, the state holds inf/NaN.
     """
 
     foreign_note = ("a spiking or non-finite loss rolls back to the last snapshot (the batch's update is undone with"
@@ -156,10 +161,32 @@ class ScaleCheckpoint(PluginCallback):
     def _take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._plugin is not None
         device = "cpu" if self.snapshot_device == "cpu" else None
-        self._snapshot, self._layout = take_snapshot(trainer, pl_module, self._plugin, device), layout_key(self._plugin)
+        snapshot = take_snapshot(trainer, pl_module, self._plugin, device)
+        # A snapshot is only as good as what it copied: a run resumed from NaN weights (or a NaN FP32 master, scale or
+        # optimizer state) must not become the state every rollback returns to.
+        bad = nonfinite_entries(snapshot)
+        (bad_anywhere,) = any_rank(trainer, [bool(bad)], pl_module.device)
+        if not bad_anywhere:
+            self._snapshot, self._layout = snapshot, layout_key(self._plugin)
+            return
+        where = ", ".join(bad) if bad else "on another rank"
+        if self._snapshot is None:
+            raise ValueError(
+                f"ScaleCheckpoint at train start (step {trainer.global_step}): the state to snapshot holds inf/NaN"
+                f" ({where}), so there is no last-known-good state to roll back to. The weights or optimizer state"
+                " were loaded that way (a corrupted checkpoint, or a run saved after it diverged): resume from an"
+                " earlier checkpoint, or start fresh.")
+        self._roll_back(trainer, pl_module, dict(step=trainer.global_step, loss=None, zscore=None,
+                                                 kind=f"non-finite weights, masters or optimizer state ({where})"))
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, event: dict[str, Any]) -> None:
         assert self._plugin is not None and self._snapshot is not None
+        bad = nonfinite_entries(self._snapshot)
+        if bad:  # never restore a bad state (snapshots are checked when taken: this is the last line of defence)
+            raise ValueError(
+                f"ScaleCheckpoint at step {event['step']}: {event['kind']}, and the snapshot of step"
+                f" {self.snapshot_step} to roll back to holds inf/NaN too ({', '.join(bad)}); resume from an earlier"
+                " checkpoint.")
         self._check_budget(event)
         restore_snapshot(trainer, pl_module, self._plugin, self._snapshot)
         self.rollbacks += 1

@@ -17,7 +17,27 @@ try:
 except ImportError:  # a torch build without torch.distributed
     _DTENSOR = ()  # type: ignore[assignment,misc]
 
-__all__ = ["OverflowTracer", "any_nonfinite", "nonfinite_grad_params", "trace_nonfinite"]
+__all__ = ["OverflowTracer", "any_nonfinite", "nonfinite_grad_params", "trace_nonfinite", "overflow_warning"]
+
+
+def overflow_warning(first: str, *, forward: bool, step: int, scale: float) -> str:
+    """What a traced overflow means for the user, and what (if anything) to change.
+
+    ``first``: the module where the tracer first saw inf/NaN (``""``: the model itself); ``forward``: in its output
+    (it produced it from finite inputs: "appeared in"), else in a gradient flowing back through it ("first seen in":
+    a hook or the user's own code may have written it there); ``scale``: the step's loss scale. A backward overflow at
+    a loss scale above 1 is the scale's own doing (the scaler skips the step and backs off; routine while the scale
+    settles from 2**16), so no FP32 island is advised for it.
+    """
+    subject = "the model itself" if first == "" else repr(first)
+    if not forward and scale > 1:
+        return (f"inf/NaN first seen in the backward gradient of {subject} (step {step}) at loss scale {scale:g}: the"
+                " scaled gradients overflowed, which the loss scaler handles (the step is skipped and the scale backs"
+                " off; routine while it settles). Nothing to change unless it persists at a low scale.")
+    verb, where = ("appeared in", "forward output") if forward else ("first seen in", "backward gradient")
+    advice = (f"fp32_modules=[{first!r}] would keep it in FP32" if first else
+              "no FP32 island can isolate a single-module model: use a wider precision ('bf16-mixed', '32-true')")
+    return f"inf/NaN {verb} the {where} of {subject} (step {step}); {advice}."
 
 
 def nonfinite_grad_params(named_params: nn.Module | Iterable[tuple[str, torch.Tensor]]) -> list[str]:

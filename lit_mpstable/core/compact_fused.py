@@ -11,6 +11,7 @@ path draws, and the rounding is its rounding but for ties (:func:`_round_stochas
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -175,9 +176,33 @@ class FusedAdam:
         elapsed = time.perf_counter() - start
         if elapsed > self.SLOW_S and not self._said_slow:
             self._said_slow = True
-            warnings.warn(
-                f"lit_mpstable: the first fused Adam step of master_weights='kahan'/'stochastic' took {elapsed:.0f} s:"
-                " inductor compiled its kernel, which it keeps on disk, so later runs load it in seconds"
-                " (lit_mpstable.core.compact.CompactWeights(fused=False) steps without compiling).",
-                stacklevel=4,
-            )
+            if _first_to_say(_SLOW_MARKER):
+                warnings.warn(
+                    f"lit_mpstable: the first fused Adam step of master_weights='kahan'/'stochastic' took"
+                    f" {elapsed:.0f} s: inductor compiled its kernel and keeps it in its disk cache; each new process"
+                    " still loads it at its first step (13-28 s measured per process on a loaded machine). Said once"
+                    " per cache (a sweep's other jobs stay quiet); lit_mpstable.core.compact.CompactWeights(fused=False)"
+                    " steps without compiling.",
+                    stacklevel=4,
+                )
+
+
+_SLOW_MARKER = "lit_mpstable_fused_adam_said"
+
+
+def _first_to_say(marker: str) -> bool:
+    """Whether this process is the first to give a one-time notice for this inductor cache (every job of a sweep and
+    every rank shares it): only rank 0 of a process group, and only once per cache, marked by a file in it."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        path = os.path.join(cache_dir(), marker)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "x"):  # atomic: of a sweep's concurrent jobs exactly one creates it
+            return True
+    except FileExistsError:
+        return False
+    except (ImportError, OSError):  # no cache to mark: say it (once per process, as before)
+        return True

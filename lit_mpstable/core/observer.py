@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_mpstable.core.attribution import OverflowTracer, nonfinite_grad_params
+from lit_mpstable.core.attribution import OverflowTracer, nonfinite_grad_params, overflow_warning
 from lit_mpstable.fp8 import collect_fp8_stats_, fp8_stats
 from lit_mpstable.core.telemetry import GradTelemetry
 
@@ -67,15 +67,15 @@ class GradObserver:
         warning = None
         self._traced = False
         if self.tracer is not None:
-            first = self.tracer.first_forward or self.tracer.first_backward
+            forward = self.tracer.first_forward is not None  # "" (the model itself) is a name too
+            first = self.tracer.first_forward if forward else self.tracer.first_backward
             if self.tracer.nonfinite_input:
                 updates["nonfinite_input"], updates["blamed_modules"], self._traced = True, [], True
                 warning = f"the input batch held inf/NaN (step {step}); no module is to blame, check the data."
             elif first is not None:
                 updates["blamed_modules"], self._traced = [first], True
-                where = "forward output" if self.tracer.first_forward else "backward gradient"
-                warning = (f"inf/NaN first appeared in the {where} of {first!r} (step {step});"
-                           f" fp32_modules=[{first!r}] would keep it in FP32.")
+                warning = overflow_warning(first, forward=forward, step=step,
+                                           scale=float(scale()))
             if self.diagnose:
                 self.tracer.reset()
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from lit_mpstable.core.opcalls import (
     specs_of,
 )
 
-__all__ = ["FAMILIES", "Measurement", "OpCall", "OpPolicy", "StepCost", "choose", "measure_calls"]
+__all__ = ["FAMILIES", "Measurement", "OpCall", "OpPolicy", "StepCost", "choose", "describe", "measure_calls"]
 
 Family = Literal["matmul", "conv", "attention", "norm", "softmax"]
 
@@ -72,6 +73,30 @@ def choose(m: Measurement, margin: float = 0.2, step: StepCost | None = None) ->
         (step.ms - (m.autocast_ms - m.fp32_ms)) * (step.peak_bytes + m.fp32_extra_bytes) <= step.ms * step.peak_bytes
     )
     return "fp32" if faster and pays and m.fp32_err <= m.autocast_err else "autocast"
+
+
+def describe(family: str, choice: str, m: Measurement, margin: float = 0.2, step: StepCost | None = None) -> str:
+    """``family=choice (timings; why)`` for the log: when the slower of the two was kept, the rule of :func:`choose`
+    that kept it (under the margin, a larger error, or the peak memory FP32 would add for the time it saves)."""
+    text = f"{family}={choice} ({m.fp32_ms:.1f} ms fp32 vs {m.autocast_ms:.1f} ms autocast"
+    if choice == "fp32":
+        return f"{text}; FP32 holds {_mib(m.fp32_extra_bytes)} more)" if m.fp32_extra_bytes > 0 else f"{text})"
+    if m.fp32_ms >= m.autocast_ms:
+        return f"{text})"
+    if not m.fp32_ms < (1.0 - margin) * m.autocast_ms:
+        saved = 1.0 - m.fp32_ms / m.autocast_ms
+        return f"{text}; kept: FP32 is {saved:.0%} faster, under the {margin:.0%} margin for timer noise and casts)"
+    if m.fp32_err > m.autocast_err:
+        return f"{text}; kept: FP32's error {m.fp32_err:.2g} exceeds autocast's {m.autocast_err:.2g})"
+    if step is not None and m.fp32_extra_bytes > 0:
+        share = m.fp32_extra_bytes / step.peak_bytes if step.peak_bytes > 0 else math.inf
+        return (f"{text}; kept: FP32 would raise the step's peak memory by {_mib(m.fp32_extra_bytes)} ({share:.0%})"
+                f" to save {m.autocast_ms - m.fp32_ms:.1f} ms of a {step.ms:.1f} ms step)")
+    return f"{text})"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 @dataclass
@@ -203,9 +228,14 @@ class OpPolicy:
     def load_state_dict(self, state: Mapping[str, str]) -> None:
         """Adopt the saved decisions of the families requested ``"auto"`` (a resumed run keeps its choice without
         measuring again); a family the user forces keeps the forced value. Strict on families and values."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"OpPolicy.load_state_dict(op_policy={state!r}): must be a dict {{family: choice}}.")
         if set(state) != set(FAMILIES):
             raise KeyError(f"OpPolicy.load_state_dict: expected families {list(FAMILIES)}, got {sorted(state)}.")
-        saved = _parse(dict(state), self.dtype)
+        try:
+            saved = _parse(dict(state), self.dtype)
+        except ValueError as error:  # the same rule as the constructor's, named as a load
+            raise ValueError(f"OpPolicy.load_state_dict: the checkpoint's {error}") from None
         for family, request in self.requested.items():
             if request == "auto" and saved[family] != "auto":
                 self.choices[family] = saved[family]

@@ -62,7 +62,8 @@ def measure(
 
     Call it after the backward and the stepper's ``unscale_``, before ``step``: the run's gradients are then the
     true ones (scaled backward, unscaled; the FP32 masters where there are any: :meth:`PrecisionStepper.named_grads`).
-    The FP32 reference runs on a deep copy of ``module``: FP8 layers back to ``nn.Linear``, everything cast to FP32,
+    The FP32 reference runs on a deep copy of ``module`` (tensor attributes that are not graph leaves, such as a
+    metric updated with the loss, copied detached): FP8 layers back to ``nn.Linear``, everything cast to FP32,
     the FP32 masters as weights where they exist (with master_weights="kahan" the 16-bit weights plus their
     compensation; else the weights upcast), floating inputs upcast, autocast off.
     Nothing of the run is touched: not ``.grad``, the optimizer, the module's state (BatchNorm statistics, Python
@@ -148,7 +149,7 @@ def _fp32_grads(
     """FP32 gradients of ``names`` on a copy of ``module``: no FP8, FP32 weights (the masters where they exist, the
     compensated values of ``master_weights='kahan'``)."""
     memo: dict[int, Any] = {}
-    reference = copy.deepcopy(module, memo)
+    reference = _copy(module, memo)
     convert_from_fp8(reference)
     reference.float()
     params = dict(reference.named_parameters())
@@ -176,7 +177,7 @@ def _run_grads(
 ) -> list[torch.Tensor | None]:
     """Gradients of ``names`` in the run's precision on a copy of ``module`` (with its FP8 layers at ``start``'s
     scaling state, or without FP8), scaled backward, unscaled as the step unscales them."""
-    low = copy.deepcopy(module)
+    low = _copy(module, {})
     layout = stepper.layout
     if not keep_fp8:
         convert_from_fp8(low)
@@ -194,6 +195,37 @@ def _run_grads(
     inv_scale = torch.tensor(1.0 / scale, dtype=torch.float32, device=device)
     mastered = {name for name, _, _ in stepper.master.named_pairs()} if stepper.master is not None else set()
     return [_unscaled(g, inv_scale, fp32=name in mastered) for name, g in zip(names, grads)]
+
+
+def _copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A deep copy of ``module`` for a replay. A tensor attribute that is not a graph leaf (a torchmetrics state
+    updated with the attached loss, as the Lightning-Hydra template does) refuses ``copy.deepcopy``; the copy gets it
+    detached and cloned instead, so the replay can update it without reaching the run's metric or graph."""
+    for sub in module.modules():
+        for value in vars(sub).values():
+            _detach_non_leaves(value, memo)
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception as error:  # an attribute deepcopy cannot copy (a lock, a handle): a loss_fn would not help
+        raise ProbeCopyError(
+            f"measure(): {type(module).__name__} cannot be deep-copied for the replay ({error!r}); make the attribute"
+            " copyable (or drop it from the module) to probe this run.") from error
+
+
+class ProbeCopyError(RuntimeError):
+    """The module could not be copied for a replay (no ``loss_fn`` can help)."""
+
+
+def _detach_non_leaves(value: Any, memo: dict[int, Any], depth: int = 0) -> None:
+    if isinstance(value, torch.Tensor):
+        if not value.is_leaf and id(value) not in memo:
+            memo[id(value)] = value.detach().clone()
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for item in value:
+            _detach_non_leaves(item, memo, depth + 1)
+    elif depth < 3 and isinstance(value, dict):
+        for item in value.values():
+            _detach_non_leaves(item, memo, depth + 1)
 
 
 def _unscaled(grad: torch.Tensor | None, inv_scale: torch.Tensor, *, fp32: bool) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg
+from lit_mpstable.core.loaded_state import check_plugin_state
 from lit_mpstable.core.attribution import any_nonfinite
 from lit_mpstable.fp8 import FP8Config, fp8_config
 from lit_mpstable.core.islands import FP32Islands
@@ -94,6 +95,7 @@ class PrecisionStepper:
         bool_arg(call, "diagnose", diagnose)
         int_arg(call, "telemetry_every_n_steps", telemetry_every_n_steps, low=1, none=True,
                 unit="optimizer steps between computations; 50 keeps the cost under 1% of a step")
+        _check_arguments(call, precision, scaler, fp32_modules)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if precision == "auto":
             bf16_ok = self.device == "cpu" or torch.cuda.is_bf16_supported()
@@ -215,6 +217,10 @@ class PrecisionStepper:
             ValueError: FSDP2 with a sharded model whose policies do not match, FP8 layers not swapped before
                 sharding, or ``master_weights="kahan"``/``"stochastic"`` (FSDP2 keeps FP32 shards instead).
         """
+        if self._skip_requested:  # no step is in progress between fits: the request must not eat the next first batch
+            self._skip_requested = False
+            self.warnings.append(f"{self.owner}.skip_step() was called outside a step (between fits): ignored; call"
+                                 " it during a step (before optimizer_step), e.g. from on_before_backward.")
         # ---- FSDP2 (begin)
         sharded = bool(fsdp_units(module))
         self.fsdp2 = fsdp2 or sharded
@@ -239,7 +245,15 @@ class PrecisionStepper:
         return module
 
     def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: list[Any] = ()) -> None:
-        """Bind FP32 masters into ``optimizers`` (``*-true`` modes) and hold ``schedulers`` on skipped steps."""
+        """Bind FP32 masters into ``optimizers`` (``*-true`` modes) and hold ``schedulers`` on skipped steps.
+
+        Raises:
+            RuntimeError: :meth:`setup_module` was not called (the model would train without its precision layout).
+        """
+        if self.layout.module is None:
+            raise RuntimeError(
+                f"{self.owner}.setup_optimizers: call setup_module(module) first; without it the model keeps its"
+                f" FP32 weights and no precision layout ({self.precision!r}, FP32 islands, FP8), and trains in FP32.")
         self.optimizers = list(optimizers)
         self.adopt_device_(module)
         for scaler in (self.scaler, self._checker):  # the scale-1 check of scaler=None unscales FP16 gradients too
@@ -780,14 +794,11 @@ class PrecisionStepper:
 
         Raises:
             KeyError: keys differ from :meth:`state_dict`'s (each is named).
+            TypeError: ``state`` is not a dict, or a field has the wrong type (``"False"`` for a bool, ``None``).
+            ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
         """
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise KeyError(
-                f"{self.owner}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the checkpoint"
-                " written by another version of lit_mpstable?"
-            )
+        # Every field is checked before anything is loaded: a refused state changes nothing.
+        check_plugin_state(f"{self.owner}.load_state_dict", state, set(self.state_dict()), get_args(PrecisionName))
         notes = []
         scaling = self.scaler is not None and self.scaler.is_enabled()
         if scaling and state["scaler"]:
@@ -832,6 +843,38 @@ class PrecisionStepper:
                 self.warnings.append(warning)
         self.policy.load_state_dict(state["op_policy"])
         return notes
+
+
+def _check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any) -> None:
+    """What the per-argument checks cannot see: containers that are not lists, a class for an instance, an adaptive
+    scaler sized for another format than the run's FP16, a scale whose reciprocal is not a finite FP32 number."""
+    if isinstance(fp32_modules, (str, type)):
+        fp32_modules = [fp32_modules]  # one name or one module type
+    elif fp32_modules is None or isinstance(fp32_modules, (bytes, dict)) or not isinstance(fp32_modules, Iterable):
+        raise TypeError(f"{call}(fp32_modules={fp32_modules!r}): must be a list of module names or nn.Module types;"
+                        " () for none.")
+    if any(spec == "" for spec in fp32_modules):
+        raise ValueError(f"{call}(fp32_modules={list(fp32_modules)!r}): '' names the root, the whole model in FP32;"
+                         " use precision='32-true' for that, or name the submodules to keep in FP32.")
+    if isinstance(scaler, type):
+        raise TypeError(f"{call}(scaler={scaler.__name__} (the class)): pass an instance, {scaler.__name__}(), or a"
+                        " name ('dynamic', 'static', 'adaptive').")
+    if isinstance(scaler, DynamicLossScaler) and scaler.is_enabled() and precision in ("16-mixed", "16-true"):
+        target = getattr(scaler, "target_format", "fp16")
+        if target in ("bf16", "fp32"):
+            raise ValueError(
+                f"{call}({precision!r}, scaler={type(scaler).__name__}(target_format={target!r})): the scale would be"
+                f" sized for {target.upper()}'s range while this run's gradients are FP16 (max 65504), so every step"
+                " would overflow; use target_format='fp16' (the default).")
+    scale = scaler.get_scale() if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+    if scale is not None and not (_MIN_SCALE <= scale <= _MAX_SCALE):
+        raise ValueError(
+            f"{call}(scaler={type(scaler).__name__}(init_scale={scale!r})): 1/scale must be a finite FP32 number"
+            f" (unscaling multiplies by it): use a scale in [{_MIN_SCALE:.3g}, {_MAX_SCALE:.3g}]; 2.**16 is usual.")
+
+
+_MIN_SCALE = 1.0 / torch.finfo(torch.float32).max
+_MAX_SCALE = float(torch.finfo(torch.float32).max)
 
 
 def _eager() -> AbstractContextManager:

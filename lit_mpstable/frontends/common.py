@@ -48,8 +48,11 @@ class StableFrontEnd:
         telemetry_every_n_steps: int | None = 50,
         diagnose: bool = False,
     ) -> None:
+        # A list for the repr; anything else (None, 5, one name) goes to the stepper's check as it is.
+        listed = isinstance(fp32_modules, Iterable) and not isinstance(fp32_modules, (str, bytes, dict))
         self._args = dict(precision=precision, scaler=scaler, master_weights=master_weights,
-                          skip_nonfinite=skip_nonfinite, fp8=fp8, fp32_modules=list(fp32_modules), op_policy=op_policy,
+                          skip_nonfinite=skip_nonfinite, fp8=fp8,
+                          fp32_modules=list(fp32_modules) if listed else fp32_modules, op_policy=op_policy,
                           device=device, telemetry_every_n_steps=telemetry_every_n_steps, diagnose=diagnose)
         self.stepper = PrecisionStepper(**self._args, owner=type(self).__name__)
         self.precision = self.stepper.precision  # Lightning reads the attribute
@@ -255,11 +258,13 @@ class StableFrontEnd:
         return self.stepper.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Strict: a missing or unknown key raises ``KeyError`` naming it. A checkpoint of another precision loads
-        too (scaler state is used only where both sides scale)."""
-        self._state_loaded = True
+        """Strict: a missing or unknown key raises ``KeyError`` naming it, a corrupted field (NaN/inf scale, negative
+        counter, ``"False"`` for a bool, NaN masters or compensation, ``None``, junk) ``ValueError``/``TypeError``
+        naming it, before anything is loaded. A checkpoint of another precision loads too (scaler state is used only
+        where both sides scale)."""
         for note in self.stepper.load_state_dict(state_dict):
             rank_zero_info(f"StablePrecision: {note}")
+        self._state_loaded = True
 
     # --------------------------------------------------------------------------------------------- messages
     def _warn_once(self, key: str, message: str) -> None:

@@ -19,6 +19,7 @@ from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
+from lit_mpstable.core.policy import describe
 from lit_mpstable.core.stepper import tensor_init_context
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
 
@@ -76,9 +77,9 @@ class TrainerPrecision(StableFrontEnd):
         with self.stepper.forward_context():
             yield
         if self.stepper.stats.get("op_policy") != choices and not self.policy.is_default:
-            measured = self.policy.measurements
-            parts = [f"{f}={c}" + (f" ({measured[f].fp32_ms:.1f} ms fp32 vs {measured[f].autocast_ms:.1f} ms"
-                                   " autocast)" if f in measured else "") for f, c in self.policy.choices.items()]
+            policy, measured = self.policy, self.policy.measurements
+            parts = [describe(f, c, measured[f], policy.margin, policy.step_cost) if f in measured else f"{f}={c}"
+                     for f, c in policy.choices.items()]
             rank_zero_info(f"StablePrecision op_policy={self.stepper.op_policy!r} on {self.device}: {', '.join(parts)}.")
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]

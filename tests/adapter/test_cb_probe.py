@@ -304,3 +304,46 @@ def test_ddp_each_rank_probes_its_batch_and_the_metrics_are_averaged(tmp_path: P
     assert [d["modules"] for d in decisions[0]] == [["model.fc3"], ["model.fc2"], ["model.fc1"]]
     assert ranks[0]["islands"] == ranks[1]["islands"] == ["model.fc1", "model.fc2", "model.fc3"]
     assert histories[0]["probe"][-1]["rel_error"] < 0.01  # in FP32 rank 1's gradients survive
+
+
+def test_probe_measures_a_module_holding_torchmetrics_updated_with_the_loss() -> None:
+    """The Lightning-Hydra template's module: MeanMetric / Accuracy updated in training_step with the (attached)
+    loss. The metric's state is then a non-leaf tensor, which a deep copy of the module refuses."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class WithMetrics(PoisonModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.train_loss = torchmetrics.MeanMetric()
+            self.train_acc = torchmetrics.Accuracy(task="binary")
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.train_loss(loss)  # not detached, as in the template
+            self.train_acc((self(batch[0])[:, 0] > 0).long(), (batch[1][:, 0] > 0).long())
+            return loss
+
+    module = WithMetrics()
+    probe = PrecisionProbe(every_n_steps=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _fit(StablePrecision("bf16-mixed"), [probe], module, steps=3)
+    assert not [str(w.message) for w in record if "PrecisionProbe" in str(w.message)]
+    assert [r["step"] for r in probe.history] == [0, 1, 2]
+    assert module.train_loss.weight.item() == 3  # one scalar update per step: the replays updated the copies' metrics, not the module's
+
+
+def test_a_module_that_cannot_be_copied_is_named_without_advising_loss_fn() -> None:
+    import threading
+
+    class Locked(PoisonModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lock = threading.Lock()  # deepcopy refuses it; a loss_fn gets a copy too, so it cannot help
+
+    probe = PrecisionProbe(every_n_steps=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        make_trainer(StablePrecision("bf16-mixed"), max_steps=2, callbacks=[probe]).fit(Locked())
+    messages = [str(w.message) for w in record if "PrecisionProbe stops" in str(w.message)]
+    assert len(messages) == 1 and "cannot be deep-copied" in messages[0] and "loss_fn" not in messages[0]

@@ -249,3 +249,29 @@ def test_after_a_rollback_the_plugin_and_its_scaler_count_the_same() -> None:
     assert checkpoint.rollbacks == 1
     assert plugin.overflow_count == plugin.scaler.overflow_count == 2
     assert plugin.step_count == plugin.scaler.step_count + 1  # the spiking step was discarded before the scaler saw it
+
+
+@pytest.mark.parametrize("where", ["weights", "optimizer state"])
+def test_a_run_started_from_non_finite_state_is_refused_naming_it(where: str) -> None:
+    """Resumed from NaN weights (or optimizer state), the first snapshot would be bad: rolling back to it three times
+    and then advising a lower learning rate hides the cause."""
+
+    class Corrupted(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:  # what a checkpoint with NaN weights restores
+            if where == "weights":
+                with torch.no_grad():
+                    pl_module.model.fc2.weight.view(-1)[0] = float("nan")
+            else:
+                opt = trainer.optimizers[0]
+                for p in pl_module.parameters():
+                    opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
+                                    "exp_avg_sq": torch.full_like(p, float("nan"))}
+
+    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3)
+    with quiet(), pytest.raises(ValueError) as error:
+        make_trainer(StablePrecision("bf16-mixed"), max_steps=8,
+                     callbacks=[Corrupted(), checkpoint]).fit(PoisonModule(optimizer="adamw"))
+    message = str(error.value)
+    assert checkpoint.rollbacks == 0 and "learning rate" not in message
+    assert "at train start" in message and "inf/NaN" in message
+    assert ("model.fc2.weight" if where == "weights" else "exp_avg_sq") in message

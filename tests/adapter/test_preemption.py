@@ -25,7 +25,7 @@ from lit_mpstable.callbacks import (
     ScaleCheckpoint,
 )
 from lit_mpstable.callbacks.preemption import PreemptionCheckpoint, atomic_save
-from lit_mpstable.core.scaling import DynamicLossScaler
+from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
 # Faults keyed on the optimizer step (a resumed run meets them at the same steps). Overflows on rank 1 in steps 3 and 4
 # make PrecisionFallback go global (decided at global_step 5; cooldown: restored at 9); ScaleCheckpoint snapshots at
