@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m lit_mpstable.app.train
+	$(PY) -m lit_mpstable.train
 
 test: $(STAMP)
 	$(PY) -m pytest -q

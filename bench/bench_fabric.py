@@ -1,4 +1,4 @@
-"""What lit_mpstable.frontends.fabric.StablePrecision costs in a Fabric loop next to Fabric's own plugin in the same mode.
+"""What lit_mpstable.fabric.StablePrecision costs in a Fabric loop next to Fabric's own plugin in the same mode.
 
     .venv/bin/python bench/bench_fabric.py                   # ~3-4 min on 2 shared cores -> results/fabric/fabric.*
     .venv/bin/python bench/bench_fabric.py --quick           # smoke run, < 30 s -> results/fabric/fabric_quick.*

@@ -56,7 +56,7 @@ def quiet() -> None:
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:
-    """``train.yaml`` with ``overrides``, as ``python -m lit_mpstable.app.train <overrides>`` would compose it."""
+    """``train.yaml`` with ``overrides``, as ``python -m lit_mpstable.train <overrides>`` would compose it."""
     register_configs()
     GlobalHydra.instance().clear()
     chosen = any(str(o).lstrip("+~").startswith("experiment=") for o in overrides)

@@ -1,4 +1,4 @@
-"""One comparison table (Markdown and CSV) and figures from a Hydra multirun sweep of ``lit_mpstable.app.train``.
+"""One comparison table (Markdown and CSV) and figures from a Hydra multirun sweep of ``lit_mpstable.train``.
 
     .venv/bin/python experiments/aggregate.py multirun/<date>/<time>              # writes into the sweep dir
     .venv/bin/python experiments/aggregate.py multirun/<date>/<time> --out DIR
@@ -123,7 +123,7 @@ def _cell(value: Any) -> str:
 
 
 def sweep_command(sweep_dir: Path) -> str | None:
-    """The ``python -m lit_mpstable.app.train -m ...`` command of the sweep, from its ``multirun.yaml``."""
+    """The ``python -m lit_mpstable.train -m ...`` command of the sweep, from its ``multirun.yaml``."""
     path = Path(sweep_dir) / "multirun.yaml"
     if not path.exists():
         return None
@@ -131,7 +131,7 @@ def sweep_command(sweep_dir: Path) -> str | None:
     # hydra.mode is implied by -m; an absolute sweep dir is this machine's own (a relative one is kept).
     hydra = [o for o in overrides.get("hydra", [])
              if not o.startswith("hydra.mode=") and not o.startswith("hydra.sweep.dir=/")]
-    return " ".join(["python -m lit_mpstable.app.train -m", *hydra, *overrides.get("task", [])])
+    return " ".join(["python -m lit_mpstable.train -m", *hydra, *overrides.get("task", [])])
 
 
 def write_comparison(runs: Sequence[dict[str, Any]], out_dir: Path, *, sweep_dir: Path | None = None,

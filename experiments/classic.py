@@ -7,7 +7,7 @@ overflow rate, accuracy/loss gap, loss-scale settling and effective throughput.
     .venv/bin/python experiments/classic.py --rows classic_mlp_fp32,classic_mlp_fp16_dynamic trainer.max_steps=20
 
 Rows are ``experiment/classic_*.yaml`` configs. Quality (losses, accuracy, overflow, loss scale, peak tensor memory)
-comes from one full run per row, launched as one Hydra multirun of ``python -m lit_mpstable.app.train`` (joblib launcher
+comes from one full run per row, launched as one Hydra multirun of ``python -m lit_mpstable.train`` (joblib launcher
 with ``--jobs`` > 1) into ``--sweep-dir``; ``experiments/aggregate.py`` turns it into
 ``experiments/results/classic_sweep/``. Speed comes from separate short runs made alone, round-robin: each round
 runs every row once (round r starts at row r), a run's time is the median of its steps after warm-up, and a row's
@@ -60,7 +60,7 @@ GOAL = 0.005  # the accuracy/loss gap to stay under: 0.5%
 
 
 def sweep(names: list[str], sweep_dir: Path, jobs: int, overrides: list[str]) -> Path:
-    """One Hydra multirun of ``lit_mpstable.app.train`` over ``experiment=<names>``; its output goes to sweep.log."""
+    """One Hydra multirun of ``lit_mpstable.train`` over ``experiment=<names>``; its output goes to sweep.log."""
     launcher = ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}"] if jobs > 1 else []
     command = [sys.executable, "-m", "lit_mpstable.app.train", "-m", "experiment=" + ",".join(names), *launcher,
                f"hydra.sweep.dir={sweep_dir}", *QUIET, *overrides]

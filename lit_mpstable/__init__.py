@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["StablePrecision", "DynamicLossScaler", "StaticLossScaler"]
+__all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "FP8Config", "SpikeGuard", "StablePrecision", "StaticLossScaler"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "StablePrecision": "lit_mpstable.frontends.plugin",
     "DynamicLossScaler": "lit_mpstable.core.loss_scaler",
     "StaticLossScaler": "lit_mpstable.core.loss_scaler",
+    "AdaptiveLossScaler": "lit_mpstable.core.adaptive_scaler",
+    "SpikeGuard": "lit_mpstable.core.spike",
+    "FP8Config": "lit_mpstable.fp8",
 }
 
 

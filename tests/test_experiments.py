@@ -81,7 +81,7 @@ def test_aggregate_writes_one_row_per_job(tmp_path: Path) -> None:
     text = paths["md"].read_text()
     assert "| 1 | precision=fp16_mixed | ok | 16-mixed |" in text
     assert "Shared overrides: `model=mlp` `trainer.max_steps=4`" in text
-    assert "python -m lit_mpstable.app.train -m hydra/launcher=joblib precision=fp32,fp16_mixed,bf16_mixed" in text
+    assert "python -m lit_mpstable.train -m hydra/launcher=joblib precision=fp32,fp16_mixed,bf16_mixed" in text
     assert paths["loss_curves.png"].stat().st_size > 0 and paths["loss_scale.png"].stat().st_size > 0
 
 

@@ -1,10 +1,16 @@
-"""The package's layers: a torch-only core, thin adapters over it, and the app on top; no import cycles.
+"""The package's layers are its folders; each imports only from its own folder or the folders below it.
 
-- core: numerics in pure PyTorch, usable from a plain loop (imports with Lightning, Hydra and torchmetrics blocked);
-- adapters: the Trainer, Fabric and pytorch_lightning front ends and the callbacks (Lightning, never Hydra);
-- app: the Hydra entry point, configs, the report and the demo models.
-A module imports only from its own layer or the ones below, and no two modules import each other, even indirectly
-(imports inside functions and under TYPE_CHECKING count: they are dependencies too).
+- ``core/`` and ``fp8/``: the ground, numerics in pure PyTorch (they import with Lightning, Hydra, OmegaConf,
+  torchmetrics, matplotlib and rich blocked);
+- ``frontends/``: the Trainer and Fabric adapters over core; ``callbacks/`` above them (they read the front end);
+  ``pytorch_lightning/``: the same classes on that package, over both;
+- ``app/``: the Hydra entry point, its schemas, the report and the demo models (``conf/`` holds YAML only);
+- the faces at the top (``lit_mpstable/stepper.py``, ``scaling.py``, ...): public import paths that re-export from
+  the folders; no folder imports a face.
+
+A folder never imports a folder above it, nothing imports another folder's private ``_module``, and no two modules
+import each other, even indirectly (imports inside functions and under TYPE_CHECKING count: they are dependencies
+too). The layers are read from the folders on disk, so a new module needs no entry here.
 """
 
 from __future__ import annotations
@@ -15,25 +21,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import lit_mpstable
 
 ROOT = Path(lit_mpstable.__file__).parent
-LAYERS = {
-    "core": {"core", "fp8"},
-    "adapters": {"frontends", "pytorch_lightning", "callbacks"},
-    "app": {"app", "conf"},
+# Folders, lowest first. core and fp8 are both ground: they share rank 0.
+RANK = {"core": 0, "fp8": 0, "frontends": 1, "callbacks": 2, "pytorch_lightning": 3, "app": 4, "conf": 4}
+FACE = 5  # lit_mpstable/<name>.py: public faces over the folders
+GROUND = ("core", "fp8")
+# Known debts, each to be removed when fixed (the tests below fail on any new one, and on a fixed one still listed).
+KNOWN_FOLDER_CYCLES = {("core", "fp8")}  # fp8.config imports core.validate; core.{stepper,layout,...} import fp8
+KNOWN_PRIVATE_IMPORTS = {
+    "lit_mpstable.app.train -> lit_mpstable.callbacks._common",
+    "lit_mpstable.app.train -> lit_mpstable.callbacks._view",
 }
-RANK = {"core": 0, "adapters": 1, "app": 2}
 
 
-def _layer(module: str) -> str:
-    if module == "lit_mpstable":
-        return "core"  # its __init__ imports nothing eagerly (names load lazily)
-    top = module.split(".")[1]
-    for layer, names in LAYERS.items():
-        if top in names:
-            return layer
-    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS in {__file__}")
+def _folder(module: str) -> str | None:
+    """The folder ``module`` lives in, or None for the package itself and its faces."""
+    parts = module.split(".")
+    if len(parts) > 1 and (ROOT / parts[1]).is_dir():
+        return parts[1]
+    return None
+
+
+def _rank(module: str) -> int:
+    folder = _folder(module)
+    if folder is None:
+        return FACE
+    assert folder in RANK, f"{module}: folder {folder!r} has no rank: add it to RANK in {__file__}"
+    return RANK[folder]
 
 
 def _modules() -> dict[str, Path]:
@@ -60,7 +78,8 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             targets.add(base)
             targets.update(f"{base}.{alias.name}" for alias in node.names)
-    return {t for t in targets if t in known and t != name}
+    # The package itself is no dependency: every lit_mpstable import runs its (lazy, import-free) __init__.
+    return {t for t in targets if t in known and t not in (name, "lit_mpstable")}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -68,14 +87,35 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
 
 
-def test_every_module_has_a_layer_and_imports_only_downwards() -> None:
+def _in(folders: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in _graph() if _folder(m) in folders)
+
+
+def test_every_folder_has_a_rank_and_imports_only_downwards() -> None:
     graph = _graph()
-    assert "lit_mpstable.core.stepper" in graph and "lit_mpstable.pytorch_lightning.callbacks" in graph
-    upward = [
-        f"{a} ({_layer(a)}) imports {b} ({_layer(b)})" for a, deps in graph.items() for b in deps
-        if RANK[_layer(b)] > RANK[_layer(a)]
-    ]
+    assert {"lit_mpstable.core.stepper", "lit_mpstable.fp8.native", "lit_mpstable.frontends.fabric",
+            "lit_mpstable.callbacks.overflow_monitor", "lit_mpstable.app.train", "lit_mpstable.stepper"} <= set(graph)
+    upward = [f"{a} imports {b}" for a, deps in graph.items() for b in deps if _rank(b) > _rank(a)]
     assert not upward, upward
+
+
+def test_no_import_cycles_between_folders() -> None:
+    graph = _graph()
+    edges = {(_folder(a), _folder(b)) for a, deps in graph.items() for b in deps}
+    cycles = {tuple(sorted((x, y))) for x, y in edges if x and y and x != y and (y, x) in edges}
+    assert cycles <= KNOWN_FOLDER_CYCLES, f"new cycles between folders: {sorted(cycles - KNOWN_FOLDER_CYCLES)}"
+    assert cycles >= KNOWN_FOLDER_CYCLES, f"fixed, remove from KNOWN_FOLDER_CYCLES: {KNOWN_FOLDER_CYCLES - cycles}"
+
+
+def test_nothing_imports_another_folders_private_module() -> None:
+    graph = _graph()
+    private = {
+        f"{a} -> {b}" for a, deps in graph.items() for b in deps
+        if b.rpartition(".")[2].startswith("_") and b.rpartition(".")[2] != "__init__"
+        and _folder(b) != _folder(a)
+    }
+    assert private <= KNOWN_PRIVATE_IMPORTS, f"new imports of a private module: {sorted(private - KNOWN_PRIVATE_IMPORTS)}"
+    assert private >= KNOWN_PRIVATE_IMPORTS, f"fixed, remove from KNOWN_PRIVATE_IMPORTS: {KNOWN_PRIVATE_IMPORTS - private}"
 
 
 def test_no_import_cycles() -> None:
@@ -99,25 +139,94 @@ def test_no_import_cycles() -> None:
     assert not cycles, [" -> ".join(c) for c in cycles]
 
 
-def _import_blocked(modules: list[str], blocked: tuple[str, ...]) -> subprocess.CompletedProcess:
-    code = (
-        "import sys\n"
-        f"for name in {blocked!r}:\n    sys.modules[name] = None\n"
-        f"import importlib\nfor m in {modules!r}:\n    importlib.import_module(m)\n"
+def _import_blocked(modules: list[str], blocked: tuple[str, ...], code: str = "") -> subprocess.CompletedProcess:
+    """Import ``modules`` in a fresh interpreter where the ``blocked`` packages look uninstalled.
+
+    One meta-path finder stands in front of the others and finds nothing under a blocked name: ``import`` raises
+    ModuleNotFoundError and ``importlib.util.find_spec`` answers None, as without the package (Lightning probes for
+    omegaconf that way and must see it absent, not fail).
+    """
+    script = (
+        "import importlib, importlib.abc, sys\n"
+        f"BLOCKED = {blocked!r}\n"
+        "class Uninstalled(importlib.abc.MetaPathFinder):\n"
+        "    def __init__(self, finders):\n"
+        "        self.finders = finders\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in BLOCKED:\n"
+        "            return None\n"
+        "        for finder in self.finders:\n"
+        "            spec = finder.find_spec(name, path, target) if hasattr(finder, 'find_spec') else None\n"
+        "            if spec is not None:\n"
+        "                return spec\n"
+        "        return None\n"
+        "    def invalidate_caches(self):\n"
+        "        for finder in self.finders:\n"
+        "            getattr(finder, 'invalidate_caches', lambda: None)()\n"
+        "sys.meta_path[:] = [Uninstalled(list(sys.meta_path))]\n"
+        f"{code}"
+        f"for m in {modules!r}:\n    importlib.import_module(m)\n"
+        "leaked = sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED)\n"
+        "assert not leaked, leaked\n"
     )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
 
 
-def test_the_core_imports_with_lightning_hydra_and_torchmetrics_blocked() -> None:
-    core = [m for m in _graph() if m != "lit_mpstable" and _layer(m) == "core"]
-    assert {"lit_mpstable.core.loss_scaler", "lit_mpstable.core.scalers", "lit_mpstable.core.stepper", "lit_mpstable.fp8.native"} <= set(core)
-    blocked = ("lightning", "pytorch_lightning", "lightning_fabric", "hydra", "omegaconf", "torchmetrics")
-    result = _import_blocked(core + ["lit_mpstable"], blocked)
+def test_core_and_fp8_import_torch_only() -> None:
+    ground = _in(GROUND)
+    assert {"lit_mpstable.core.loss_scaler", "lit_mpstable.core.scalers", "lit_mpstable.core.stepper", "lit_mpstable.fp8.native"} <= set(ground)
+    blocked = ("lightning", "lightning_fabric", "pytorch_lightning", "hydra", "omegaconf", "torchmetrics",
+               "matplotlib", "rich")
+    # Importing the package and core/__init__ runs nothing: no core module is loaded by them.
+    nothing = ("import lit_mpstable, lit_mpstable.core\n"
+               "assert not [m for m in sys.modules if m.startswith('lit_mpstable.core.')], 'core/__init__ imports'\n")
+    result = _import_blocked(["lit_mpstable", *ground], blocked, nothing)
     assert result.returncode == 0, result.stderr
 
 
-def test_the_adapters_import_with_hydra_blocked() -> None:
-    adapters = [m for m in _graph() if m != "lit_mpstable" and _layer(m) == "adapters"]
+def _external(path: Path) -> set[str]:
+    """The top-level names of the packages a source file imports (absolute imports only)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_frontends_and_callbacks_import_with_hydra_blocked() -> None:
+    adapters = _in(("frontends", "callbacks", "pytorch_lightning"))
     assert {"lit_mpstable.frontends.plugin", "lit_mpstable.callbacks.overflow_monitor"} <= set(adapters)
     result = _import_blocked(adapters, ("hydra", "omegaconf"))
     assert result.returncode == 0, result.stderr
+
+
+def test_only_the_app_imports_hydra_matplotlib_and_rich() -> None:
+    # Read from the source: Lightning's torchmetrics imports matplotlib itself when it is installed, so blocking it
+    # at import time would test Lightning, not us.
+    app_only = {"hydra", "omegaconf", "matplotlib", "rich"}
+    modules = _modules()
+    found = [f"{name} imports {sorted(_external(path) & app_only)}" for name, path in modules.items()
+             if _folder(name) not in ("app", None) and _external(path) & app_only]
+    assert not found, found
+
+
+def test_the_faces_reexport_the_folders_objects() -> None:
+    import importlib
+
+    faces = {"stepper": "core.stepper", "scaling": "core.scaling", "fabric": "frontends.fabric",
+             "plugin": "frontends.plugin", "train": "app.train", "config": "app.config"}
+    for face, home in faces.items():
+        module = importlib.import_module(f"lit_mpstable.{face}")
+        source = importlib.import_module(f"lit_mpstable.{home}")
+        assert module.__all__ == source.__all__, face
+        assert all(getattr(module, name) is getattr(source, name) for name in module.__all__), face
+
+
+@pytest.mark.slow
+def test_python_m_lit_mpstable_train_runs_the_app_through_its_face() -> None:
+    result = subprocess.run([sys.executable, "-m", "lit_mpstable.train", "--help"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "scaler: adaptive, default, dynamic, none, static" in result.stdout  # Hydra's help lists our config groups

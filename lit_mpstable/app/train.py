@@ -1,4 +1,4 @@
-"""Hydra entry point: ``python -m lit_mpstable.app.train [group=option ...]``. Trains, then writes ``summary.json``."""
+"""Hydra entry point: ``python -m lit_mpstable.train [group=option ...]``. Trains, then writes ``summary.json``."""
 
 from __future__ import annotations
 
@@ -319,7 +319,7 @@ def _app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """``lit-mpstable-train`` and ``python -m lit_mpstable.app.train``: the Hydra app over ``pkg://lit_mpstable.conf``.
+    """``lit-mpstable-train`` and ``python -m lit_mpstable.train``: the Hydra app over ``pkg://lit_mpstable.conf``.
 
     ``scaler.<option>=...`` (the group's name used as a key) is refused up front with the path that works; an
     override of ``plugin.scaler.<option>`` that Hydra rejects (the scaler is a name, not a node) gets the same hint.

@@ -58,6 +58,6 @@ def check_strategy(plugin: Any, model: nn.Module, pl: ModuleType) -> str | None:
     if unsynced and getattr(strategy, "world_size", 1) > 1:
         return (
             f"{call}: the scaler {type(plugin.scaler).__name__} has no sync_found_inf_(), so an inf/NaN gradient only"
-            " some ranks see makes only those ranks skip the step. Use lit_mpstable.core.loss_scaler.DynamicLossScaler."
+            " some ranks see makes only those ranks skip the step. Use lit_mpstable.scaling.DynamicLossScaler."
         )
     return None

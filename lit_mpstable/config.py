@@ -1,0 +1,37 @@
+"""Public face: re-exports the Hydra schemas and register_configs from lit_mpstable.app.config."""
+
+from __future__ import annotations
+
+from lit_mpstable.app.config import (
+    AMPPreflightConfig,
+    AdaptiveLossScalerConfig,
+    DynamicLossScalerConfig,
+    FP8RecipeConfig,
+    OverflowMonitorConfig,
+    PrecisionFallbackConfig,
+    PrecisionProbeConfig,
+    SCHEMAS,
+    ScaleCheckpointConfig,
+    StablePrecisionConfig,
+    StaticLossScalerConfig,
+    derive_schema,
+    register_configs,
+    schema_type,
+)
+
+__all__ = [
+    "AMPPreflightConfig",
+    "AdaptiveLossScalerConfig",
+    "DynamicLossScalerConfig",
+    "FP8RecipeConfig",
+    "OverflowMonitorConfig",
+    "PrecisionFallbackConfig",
+    "PrecisionProbeConfig",
+    "SCHEMAS",
+    "ScaleCheckpointConfig",
+    "StablePrecisionConfig",
+    "StaticLossScalerConfig",
+    "derive_schema",
+    "register_configs",
+    "schema_type",
+]

@@ -1,0 +1,7 @@
+"""Public face: re-exports PrecisionStepper and its argument types from lit_mpstable.core.stepper."""
+
+from __future__ import annotations
+
+from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
+
+__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
