@@ -60,7 +60,7 @@ def test_forward_overflow_is_traced_to_the_module_that_made_it() -> None:
         make_trainer(plugin, max_steps=2).fit(module)
     assert plugin.overflow_count == 2
     assert plugin.stats["blamed_modules"] == ["model.fc2.1"]
-    assert any("first appeared in the forward output of 'model.fc2.1'" in str(w.message) for w in caught)
+    assert any("inf/NaN appeared in the forward output of 'model.fc2.1'" in str(w.message) for w in caught)
 
 
 def test_adaptive_scaler_settles_in_a_few_steps() -> None:
