@@ -1,0 +1,148 @@
+"""DeepSpeed observed: under ``DeepSpeedStrategy`` (DeepSpeed owns the scaler, the FP32 masters and the step)
+OverflowMonitor logs DeepSpeed's loss scale and every step it skipped, in FP16 and BF16, and ScaleCheckpoint rolls
+back; a ZeRO partitioned optimizer refuses the snapshot with the reason.
+
+These run DeepSpeed's real engine on the CPU (``DS_ACCELERATOR=cpu``, gloo, one process). Two things are lifted
+for that, both outside the numerics: Lightning's DeepSpeedStrategy refuses any accelerator but CUDA at setup
+(``CPUDeepSpeedStrategy`` skips that check only), and DeepSpeed's CPU accelerator declares no FP16 although torch
+computes FP16 on the CPU (the FP16 tests set the flag, so DeepSpeed's own FP16 optimizer and loss scaler run).
+bench/gpu_deepspeed.py runs the same checks on a GPU, unmodified.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from dist_helpers import RankFaultModule
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_mpstable.callbacks import OverflowMonitor, ScaleCheckpoint
+from lit_mpstable.callbacks._deepspeed import DeepSpeedView
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+deepspeed = pytest.importorskip("deepspeed", reason="pip install 'lit_mpstable[deepspeed]'")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
+
+STEPS = 8
+INF_STEPS = {2, 5}
+
+
+class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy without its CUDA-only check (the rest of setup is Lightning's own)."""
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        # Its device check wants indexed (CUDA) devices; a CPU device carries no index.
+        self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
+        super().setup_distributed()
+
+
+class Recorder(pl.Callback):
+    """Per step: what the engine says (skipped, scale) and what the view says; the weights at the end."""
+
+    def __init__(self) -> None:
+        self.engine_skipped: list[bool] = []
+        self.engine_scales: list[float] = []
+        self.view_skipped: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        engine = trainer.strategy.model
+        self.engine_skipped.append(not engine.was_step_applied())
+        self.engine_scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
+        monitor = next(cb for cb in trainer.callbacks if isinstance(cb, OverflowMonitor))
+        self.view_skipped.append(monitor._plugin.last_step_skipped)
+
+
+@pytest.fixture
+def fp16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
+
+
+def _fit(tmp_path: Path, precision: str, callbacks: list[pl.Callback], *, stage: int = 0,
+         module: pl.LightningModule | None = None, steps: int = STEPS) -> tuple[pl.Trainer, Recorder]:
+    recorder = Recorder()
+    strategy = CPUDeepSpeedStrategy(stage=stage, initial_scale_power=8, loss_scale_window=1000, hysteresis=1,
+                                    process_group_backend="gloo")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=steps,
+        callbacks=[*callbacks, recorder], logger=CSVLogger(tmp_path, name="ds"), log_every_n_steps=1,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(module or RankFaultModule(fault_rank=0, batch_by_step=True, inf_grad_steps=INF_STEPS))
+    return trainer, recorder
+
+
+def _logged(trainer: pl.Trainer, name: str) -> dict[int, float]:
+    import csv
+
+    path = Path(trainer.logger.log_dir) / "metrics.csv"
+    with open(path) as f:
+        return {int(row["step"]): float(row[name]) for row in csv.DictReader(f) if row.get(name)}
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_overflow_monitor_logs_deepspeeds_scale_and_every_skipped_step(tmp_path, fp16_on_cpu, precision) -> None:
+    monitor = OverflowMonitor(window=4, log_every_n_steps=1)
+    trainer, recorder = _fit(tmp_path, precision, [monitor])
+    assert isinstance(monitor._plugin, DeepSpeedView)
+    engine = trainer.strategy.model
+    injected = [step in INF_STEPS for step in range(STEPS)]
+    # DeepSpeed itself skipped exactly the injected steps (the independent record: the engine's own flag)...
+    assert recorder.engine_skipped == injected and engine.skipped_steps == len(INF_STEPS)
+    # ...and every one of them reached the log: 100% of the injected skips.
+    assert recorder.view_skipped == injected
+    skipped = _logged(trainer, "mp/skipped_steps")
+    assert [skipped[step] for step in range(STEPS)] == [sum(injected[: step + 1]) for step in range(STEPS)]
+    scales = _logged(trainer, "mp/loss_scale")
+    if precision == "16-mixed":
+        # DeepSpeed's FP16 scaler: 2**8, halved at each overflow (hysteresis=1), as the engine reports it.
+        assert [scales[step] for step in range(STEPS)] == recorder.engine_scales
+        assert recorder.engine_scales == [256.0, 256.0, 128.0, 128.0, 128.0, 64.0, 64.0, 64.0]
+    else:
+        assert set(scales.values()) == {1.0}  # BF16: no scaling, but the inf steps still skipped and logged
+
+
+def test_scale_checkpoint_rolls_back_deepspeeds_masters_and_scaler(tmp_path, fp16_on_cpu) -> None:
+    # A non-finite loss at step 5 rolls back to the snapshot of step 4 (on_spike="rollback").
+    class NaNLoss(RankFaultModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * math.nan if self.global_step == 5 else loss
+
+    checkpoint = ScaleCheckpoint(every_n_steps=4, on_spike="rollback", min_history=2)
+    snapshots: dict[str, Any] = {}
+
+    class Grab(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            if trainer.global_step == 4:
+                opt = trainer.optimizers[0]
+                snapshots["params"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+                snapshots["masters"] = [p.detach().clone() for g in opt.fp32_groups for p in g]
+                snapshots["scale"] = opt.loss_scale
+
+    module = NaNLoss(fault_rank=0, batch_by_step=True, inf_grad_steps={2})
+    trainer, _ = _fit(tmp_path, "16-mixed", [checkpoint, Grab()], module=module, steps=6)
+    assert checkpoint.rollbacks == 1 and checkpoint.events[0]["restored_step"] == 4
+    opt = trainer.optimizers[0]
+    for name, value in snapshots["params"].items():
+        assert torch.equal(module.state_dict()[name], value), name
+    for live, saved in zip([p for g in opt.fp32_groups for p in g], snapshots["masters"]):
+        assert torch.equal(live, saved)
+    assert opt.loss_scale == snapshots["scale"] == 128.0
+
+
+def test_scale_checkpoint_under_zero_refuses_the_snapshot_with_the_reason(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"ZeRO stage 1.*only DeepSpeed's own checkpoints restore.*stage=0"):
+        _fit(tmp_path, "bf16-mixed", [ScaleCheckpoint(every_n_steps=2)], stage=1, steps=2)
