@@ -37,7 +37,7 @@ class DeepSpeedView(ForeignPrecision):
     need StablePrecision (``can_skip`` / ``can_fallback`` False).
     """
 
-    def __init__(self, plugin: Any, trainer: Any) -> None:  # noqa: D107 (no ForeignPrecision step hooks: see above)
+    def __init__(self, plugin: Any, trainer: Any) -> None:  # no ForeignPrecision step hooks: the engine counts
         self.plugin, self._trainer = plugin, trainer
         self.precision = str(getattr(plugin, "precision", "32-true"))
         self.engine = trainer.strategy.model

@@ -12,11 +12,11 @@ import re
 from datetime import timedelta
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import lightning.pytorch as pl
 from dist_helpers import RankFaultModule, ShardedFaultModule, fit_ddp, fit_fsdp2, free_port
 from helpers import TinyMLP, regression_data
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -24,10 +24,10 @@ from torch import nn
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import PrecisionFallback, ScaleCheckpoint
-from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.core.fsdp import check_fsdp_policies, fp8_all_gather_, island_mp_policy, mp_policy
 from lit_mpstable.core.scaling import DynamicLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper, tensor_init_context
+from lit_mpstable.fp8 import FP8Config
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's CPU/num_workers notices, FP8 emulation notes
 

@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from dist_helpers import TIMEOUT, RankFaultModule, RankReport, ShardedFaultModule, fit_ddp, fit_fsdp2, read_ranks
+from dist_helpers import RankFaultModule, RankReport, ShardedFaultModule, fit_ddp, fit_fsdp2, read_ranks
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import OverflowMonitor, ScaleCheckpoint
