@@ -81,6 +81,10 @@ class DeepSpeedView(ForeignPrecision):
                 return float(value)
         return 1.0
 
+    hook_loss_scale = 1.0
+    """The scale of the loss ``on_before_backward`` sees: none, DeepSpeed scales it inside ``engine.backward``
+    (ScaleCheckpoint divides by this, not by :attr:`loss_scale`, or a halved scale would look like a spike)."""
+
     @property
     def skipped_steps(self) -> int:
         return int(getattr(self.engine, "skipped_steps", 0)) - self._start_skipped

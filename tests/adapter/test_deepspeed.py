@@ -146,3 +146,12 @@ def test_scale_checkpoint_rolls_back_deepspeeds_masters_and_scaler(tmp_path, fp1
 def test_scale_checkpoint_under_zero_refuses_the_snapshot_with_the_reason(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"ZeRO stage 1.*only DeepSpeed's own checkpoints restore.*stage=0"):
         _fit(tmp_path, "bf16-mixed", [ScaleCheckpoint(every_n_steps=2)], stage=1, steps=2)
+
+
+def test_scale_checkpoint_sees_no_spike_when_deepspeed_halves_its_scale(tmp_path, fp16_on_cpu) -> None:
+    # DeepSpeed scales inside engine.backward: the loss ScaleCheckpoint reads is unscaled, so a halved scale must
+    # not look like a doubled loss.
+    checkpoint = ScaleCheckpoint(every_n_steps=100, min_history=2)
+    _fit(tmp_path, "16-mixed", [checkpoint], module=RankFaultModule(fault_rank=0, batch_by_step=True,
+                                                                    inf_grad_steps={4}), steps=8)
+    assert checkpoint.events == [] and checkpoint.rollbacks == 0
