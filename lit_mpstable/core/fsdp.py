@@ -86,7 +86,8 @@ def fsdp2_dtype_table(module: nn.Module) -> list[dict[str, Any]]:
     unit's), ``param_dtype`` (the dtype forward and backward compute in: the policy's ``param_dtype``, else the
     parameters' own), ``reduce_dtype`` (the gradient reduce-scatter's: the policy's ``reduce_dtype``, else the compute
     dtype, as FSDP2 does), ``output_dtype`` (the policy's, else None: outputs stay as computed), ``shards`` (the
-    size of the mesh the unit's parameters are spread over: the data-parallel size its gradients are reduced across).
+    size of the mesh the unit's parameters are spread over: the data-parallel size its gradients are reduced across;
+    None for a unit without parameters of its own).
     Empty for a model no ``fully_shard`` reached. Strings, so the rows go into ``plugin.stats`` and reports as they are.
     """
     units = fsdp_units(module)
@@ -95,7 +96,7 @@ def fsdp2_dtype_table(module: nn.Module) -> list[dict[str, Any]]:
 
     # A unit without parameters of its own (a root over sharded blocks) shows its policy's dtypes.
     rows = {unit: {"unit": unit, "params": 0, "param_dtype": name(policy.param_dtype),
-                   "reduce_dtype": name(policy.reduce_dtype or policy.param_dtype), "shards": 1,
+                   "reduce_dtype": name(policy.reduce_dtype or policy.param_dtype), "shards": None,
                    "output_dtype": name(policy.output_dtype)} for unit, policy in units.items()}
     for qualified, param in module.named_parameters():
         unit = _owner(qualified, units)
@@ -106,7 +107,7 @@ def fsdp2_dtype_table(module: nn.Module) -> list[dict[str, Any]]:
         compute = policy.param_dtype or param.dtype
         row["param_dtype"], row["reduce_dtype"] = name(compute), name(policy.reduce_dtype or compute)
         mesh = getattr(param, "device_mesh", None)  # FSDP2's parameters are DTensors on the unit's mesh
-        row["shards"] = max(row["shards"], mesh.size() if mesh is not None else 1)
+        row["shards"] = max(row["shards"] or 1, mesh.size() if mesh is not None else 1)
     return sorted(rows.values(), key=lambda row: (row["unit"].count(".") + bool(row["unit"]), row["unit"]))
 
 
@@ -121,7 +122,7 @@ def reduce_dtype_warning(rows: Iterable[dict[str, Any]]) -> str | None:
         return None
     names = [row["unit"] or "<root>" for row in rows]
     dtypes = sorted({row["reduce_dtype"] for row in rows})
-    ranks = max(row["shards"] for row in rows)
+    ranks = max(row["shards"] or 1 for row in rows)
     return (
         f"FSDP2 units {names[:6]}{'...' if len(names) > 6 else ''} reduce gradients in {'/'.join(dtypes)} across"
         f" {ranks} data-parallel rank(s): every partial sum of the reduce-scatter is rounded to 8 (BF16) or 11 (FP16)"

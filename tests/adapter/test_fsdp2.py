@@ -443,7 +443,7 @@ def test_one_shard_fsdp2_keeps_the_mixed_precision_policy(one_shard) -> None:
     # torchtitan#2886: at one shard the policy must still apply when fully_shard runs: it computes in BF16.
     case = one_shard["sharded"]
     assert case["error"] is None and case["seen"] == {torch.bfloat16}
-    assert {row["shards"] for row in case["table"]} == {1}
+    assert [row["shards"] for row in case["table"]] == [None, 1, 1, 1]  # the root holds no parameter of its own
     assert [(row["unit"], row["param_dtype"], row["reduce_dtype"]) for row in case["table"]] == [
         ("model", "torch.bfloat16", "torch.float32"), ("model.fc1", "torch.bfloat16", "torch.float32"),
         ("model.fc2", "torch.bfloat16", "torch.float32"), ("model.fc3", "torch.bfloat16", "torch.float32")]
@@ -477,3 +477,29 @@ def test_the_dtype_table_of_an_unsharded_model_is_empty() -> None:
     from lit_mpstable.core.fsdp import fsdp2_dtype_table, reduce_dtype_warning
 
     assert fsdp2_dtype_table(TinyMLP()) == [] and reduce_dtype_warning([]) is None
+
+
+class TableReport(pl.Callback):
+    """Each rank's ``fsdp2_dtype_table`` at train start, to ``out_dir/table{rank}.pt``."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lit_mpstable.core.fsdp import fsdp2_dtype_table
+
+        torch.save(fsdp2_dtype_table(pl_module), self.out_dir / f"table{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_the_dtype_table_reads_two_shards_and_an_islands_fp32_compute(tmp_path: Path) -> None:
+    plugin = StablePrecision("bf16-true", fp32_modules=["model.fc2"], device="cpu")
+    fit_fsdp2(_sharded(convert_first=True, policy="plugin"), plugin, tmp_path, 1, [TableReport(tmp_path)])
+    for rank in (0, 1):
+        rows = {row["unit"]: row for row in torch.load(tmp_path / f"table{rank}.pt")}
+        assert [row["shards"] for row in rows.values()] == [None, 2, 2, 2]
+        assert rows["model.fc1"]["param_dtype"] == rows["model.fc3"]["param_dtype"] == "torch.bfloat16"
+        assert (rows["model.fc2"]["param_dtype"], rows["model.fc2"]["output_dtype"]) == ("torch.float32",
+                                                                                         "torch.bfloat16")
+        assert {row["reduce_dtype"] for row in rows.values()} == {"torch.float32"}
+        assert rows["model.fc1"]["params"] == 16 * 32 + 32  # whole-parameter counts, not this rank's shard
