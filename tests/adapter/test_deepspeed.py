@@ -11,9 +11,11 @@ bench/gpu_deepspeed.py runs the same checks on a GPU, unmodified.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,15 +23,16 @@ import pytest
 import torch
 from dist_helpers import RankFaultModule
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lit_mpstable.callbacks import OverflowMonitor, ScaleCheckpoint
 from lit_mpstable.callbacks._deepspeed import DeepSpeedView
+from lit_mpstable.callbacks._view import ForeignPrecision
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-deepspeed = pytest.importorskip("deepspeed", reason="pip install 'lit_mpstable[deepspeed]'")
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
-
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
+pytestmark = pytest.mark.filterwarnings("ignore")
+real_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="pip install 'lit_mpstable[deepspeed]'")
 
 STEPS = 8
 INF_STEPS = {2, 5}
@@ -63,6 +66,79 @@ class Recorder(pl.Callback):
         self.view_skipped.append(monitor._plugin.last_step_skipped)
 
 
+# ------------------------------------------------------------------ the reading, on a stand-in engine (no DeepSpeed)
+class _Scaler:
+    def __init__(self, zero: bool) -> None:
+        self.cur_scale, self.overflow = 256.0, False
+        if not zero:  # FP16_Optimizer keeps it behind a loss_scale property; ZeRO has both (checked in the real runs)
+            self.loss_scale = self.cur_scale
+
+
+class _Engine:
+    """What DeepSpeedEngine exposes: skipped_steps, was_step_applied(), optimizer.loss_scale / cur_scale, the
+    precision flags and the ZeRO stage (names as in deepspeed/runtime/engine.py and fp16/loss_scaler.py)."""
+
+    def __init__(self, *, fp16: bool, stage: int = 0, zero: bool = False) -> None:
+        self.optimizer = _Scaler(zero) if fp16 else SimpleNamespace(overflow=False)
+        self.skipped_steps, self.applied, self.fp16, self.stage = 3, True, fp16, stage
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+    def fp16_enabled(self) -> bool:
+        return self.fp16
+
+    def bfloat16_enabled(self) -> bool:
+        return not self.fp16
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+
+class _StandInStrategy(DeepSpeedStrategy):
+    def __init__(self, engine: _Engine) -> None:  # DeepSpeedStrategy.__init__ needs the package and CUDA
+        self._engine = engine
+
+    @property
+    def model(self) -> _Engine:
+        return self._engine
+
+
+def _view(engine: _Engine, precision: str = "16-mixed") -> DeepSpeedView:
+    trainer = SimpleNamespace(strategy=_StandInStrategy(engine), global_step=10, optimizers=[])
+    view = ForeignPrecision(SimpleNamespace(precision=precision), trainer)
+    assert type(view) is DeepSpeedView  # the foreign-plugin reader hands DeepSpeed runs to the engine reader
+    return view
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_the_view_reads_deepspeeds_scale_and_skips_from_the_engine(zero: bool) -> None:
+    engine = _Engine(fp16=True, zero=zero)
+    view = _view(engine)
+    assert view.dtype == torch.float16 and view.checks_nonfinite and view.loss_scale == 256.0
+    assert view.skipped_steps == 0 and not view.last_step_skipped  # counted from fit start, no step yet
+    engine.skipped_steps, engine.applied, view._trainer.global_step = 4, False, 11
+    engine.optimizer.cur_scale = 128.0
+    if not zero:
+        engine.optimizer.loss_scale = 128.0
+    assert view.skipped_steps == view.overflow_count == 1 and view.last_step_skipped and view.loss_scale == 128.0
+    assert view.step_count == 1 and view.hook_loss_scale == 1.0  # the hook's loss is unscaled under DeepSpeed
+
+
+def test_the_view_of_a_bf16_engine_has_no_scale_but_counts_its_skips() -> None:
+    engine = _Engine(fp16=False)
+    view = _view(engine, "bf16-mixed")
+    engine.skipped_steps = 5
+    assert view.dtype == torch.bfloat16 and view.loss_scale == 1.0 and view.skipped_steps == 2
+
+
+def test_a_zero_partitioned_engine_refuses_a_snapshot() -> None:
+    with pytest.raises(ValueError, match=r"ZeRO stage 2.*stage=0"):
+        _view(_Engine(fp16=True, stage=2)).state_dict()
+    assert _view(_Engine(fp16=True)).state_dict() == {"global_steps": 0}
+
+
+# ------------------------------------------------------------------ DeepSpeed's real engine on the CPU
 @pytest.fixture
 def fp16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from deepspeed.accelerator import get_accelerator
@@ -92,6 +168,8 @@ def _logged(trainer: pl.Trainer, name: str) -> dict[int, float]:
         return {int(row["step"]): float(row[name]) for row in csv.DictReader(f) if row.get(name)}
 
 
+@pytest.mark.slow
+@real_deepspeed
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_overflow_monitor_logs_deepspeeds_scale_and_every_skipped_step(tmp_path, fp16_on_cpu, precision) -> None:
     monitor = OverflowMonitor(window=4, log_every_n_steps=1)
@@ -114,6 +192,8 @@ def test_overflow_monitor_logs_deepspeeds_scale_and_every_skipped_step(tmp_path,
         assert set(scales.values()) == {1.0}  # BF16: no scaling, but the inf steps still skipped and logged
 
 
+@pytest.mark.slow
+@real_deepspeed
 def test_scale_checkpoint_rolls_back_deepspeeds_masters_and_scaler(tmp_path, fp16_on_cpu) -> None:
     # A non-finite loss at step 5 rolls back to the snapshot of step 4 (on_spike="rollback").
     class NaNLoss(RankFaultModule):
@@ -143,11 +223,15 @@ def test_scale_checkpoint_rolls_back_deepspeeds_masters_and_scaler(tmp_path, fp1
     assert opt.loss_scale == snapshots["scale"] == 128.0
 
 
+@pytest.mark.slow
+@real_deepspeed
 def test_scale_checkpoint_under_zero_refuses_the_snapshot_with_the_reason(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"ZeRO stage 1.*only DeepSpeed's own checkpoints restore.*stage=0"):
         _fit(tmp_path, "bf16-mixed", [ScaleCheckpoint(every_n_steps=2)], stage=1, steps=2)
 
 
+@pytest.mark.slow
+@real_deepspeed
 def test_scale_checkpoint_sees_no_spike_when_deepspeed_halves_its_scale(tmp_path, fp16_on_cpu) -> None:
     # DeepSpeed scales inside engine.backward: the loss ScaleCheckpoint reads is unscaled, so a halved scale must
     # not look like a doubled loss.
