@@ -15,6 +15,7 @@ from torchmetrics import Metric
 
 from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.core.validate import INT32_MAX
+from lit_mpstable.callbacks._deepspeed import DeepSpeedView, runs_deepspeed
 from lit_mpstable.callbacks._view import ForeignPrecision
 
 __all__ = [
@@ -129,7 +130,8 @@ def view_of(plugin: Any, trainer: pl.Trainer) -> ForeignPrecision:
     if view is None or view._trainer is not trainer or not view._handles:
         if view is not None:
             view.remove()
-        view = _VIEWS[plugin] = ForeignPrecision(plugin, trainer)
+        reader = DeepSpeedView if runs_deepspeed(trainer) else ForeignPrecision  # DeepSpeed: its engine is read
+        view = _VIEWS[plugin] = reader(plugin, trainer)
     return view
 
 

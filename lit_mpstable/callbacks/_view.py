@@ -32,11 +32,6 @@ class ForeignPrecision:
     can_skip = False
     can_fallback = False
 
-    def __new__(cls, plugin: Any, trainer: Any) -> ForeignPrecision:
-        from lit_mpstable.callbacks._deepspeed import DeepSpeedView, runs_deepspeed  # DeepSpeed owns the scaler
-
-        return super().__new__(DeepSpeedView if cls is ForeignPrecision and runs_deepspeed(trainer) else cls)
-
     def __init__(self, plugin: Any, trainer: Any) -> None:
         self.plugin, self._trainer = plugin, trainer
         self.precision = str(getattr(plugin, "precision", "32-true"))

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lit_mpstable.callbacks import OverflowMonitor, ScaleCheckpoint
 from lit_mpstable.callbacks._deepspeed import DeepSpeedView
-from lit_mpstable.callbacks._view import ForeignPrecision
+from lit_mpstable.callbacks._common import view_of
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -106,7 +106,8 @@ class _StandInStrategy(DeepSpeedStrategy):
 
 def _view(engine: _Engine, precision: str = "16-mixed") -> DeepSpeedView:
     trainer = SimpleNamespace(strategy=_StandInStrategy(engine), global_step=10, optimizers=[])
-    view = ForeignPrecision(SimpleNamespace(precision=precision), trainer)
+    plugin = type("DeepSpeedPrecision", (), {"precision": precision})()  # weak-referenceable, as Lightning's is
+    view = view_of(plugin, trainer)
     assert type(view) is DeepSpeedView  # the foreign-plugin reader hands DeepSpeed runs to the engine reader
     return view
 
