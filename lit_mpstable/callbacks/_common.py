@@ -18,6 +18,7 @@ from lit_mpstable.core.validate import INT32_MAX, int_arg
 from lit_mpstable.core.loaded_state import (
     Field, check_fields, check_mapping, count, count_list, finite_list, flag, optional, records, text_list,
 )
+from lit_mpstable.callbacks._deepspeed import DeepSpeedView, runs_deepspeed
 from lit_mpstable.callbacks._view import ForeignPrecision
 
 __all__ = [
@@ -181,7 +182,8 @@ def view_of(plugin: Any, trainer: pl.Trainer) -> ForeignPrecision:
     if view is None or view._trainer is not trainer or not view._handles:
         if view is not None:
             view.remove()
-        view = _VIEWS[plugin] = ForeignPrecision(plugin, trainer)
+        reader = DeepSpeedView if runs_deepspeed(trainer) else ForeignPrecision  # DeepSpeed: its engine is read
+        view = _VIEWS[plugin] = reader(plugin, trainer)
     return view
 
 

@@ -104,7 +104,8 @@ class ScaleCheckpoint(PluginCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._plugin is None or self._pending is not None:
             return
-        value = loss.detach().float().item() / self._plugin.loss_scale  # the hook sees the scaled loss
+        # The hook sees the loss as the plugin scaled it (DeepSpeed scales inside its own backward: 1.0 there).
+        value = loss.detach().float().item() / getattr(self._plugin, "hook_loss_scale", self._plugin.loss_scale)
         z = spike_zscore(value, self.losses, self.min_history)
         finite = math.isfinite(value)
         # Any rank's trigger acts on every rank, and all of them name the same kind (one all-reduce).

@@ -24,6 +24,7 @@ The strategy's own ``convert_module`` call after ``configure_model`` changes not
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,8 +32,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "check_fsdp2_setup", "check_fsdp_policies", "fp8_all_gather_", "fsdp2_fallback_refusal", "fsdp_units",
-    "island_mp_policy", "mp_policy", "unsharded_message",
+    "check_fsdp2_setup", "check_fsdp_policies", "fp8_all_gather_", "fsdp2_dtype_table", "fsdp2_fallback_refusal",
+    "fsdp_units", "island_mp_policy", "mp_policy", "reduce_dtype_warning", "unsharded_message",
 ]
 
 _DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
@@ -78,6 +79,59 @@ def fsdp_units(module: nn.Module) -> dict[str, Any]:
             if isinstance(unit, FSDPModule)}
 
 
+def fsdp2_dtype_table(module: nn.Module) -> list[dict[str, Any]]:
+    """One row per ``fully_shard`` unit of ``module`` (outermost first): what it computes, reduces and returns in.
+
+    Keys: ``unit`` (qualified name, ``""`` for the root), ``params`` (elements it manages, its own and not a nested
+    unit's), ``param_dtype`` (the dtype forward and backward compute in: the policy's ``param_dtype``, else the
+    parameters' own), ``reduce_dtype`` (the gradient reduce-scatter's: the policy's ``reduce_dtype``, else the compute
+    dtype, as FSDP2 does), ``output_dtype`` (the policy's, else None: outputs stay as computed), ``shards`` (the
+    size of the mesh the unit's parameters are spread over: the data-parallel size its gradients are reduced across;
+    None for a unit without parameters of its own).
+    Empty for a model no ``fully_shard`` reached. Strings, so the rows go into ``plugin.stats`` and reports as they are.
+    """
+    units = fsdp_units(module)
+    def name(dtype: torch.dtype | None) -> str | None:
+        return None if dtype is None else _NAMES.get(dtype, str(dtype))
+
+    # A unit without parameters of its own (a root over sharded blocks) shows its policy's dtypes.
+    rows = {unit: {"unit": unit, "params": 0, "param_dtype": name(policy.param_dtype),
+                   "reduce_dtype": name(policy.reduce_dtype or policy.param_dtype), "shards": None,
+                   "output_dtype": name(policy.output_dtype)} for unit, policy in units.items()}
+    for qualified, param in module.named_parameters():
+        unit = _owner(qualified, units)
+        if unit is None:
+            continue
+        row, policy = rows[unit], units[unit]
+        row["params"] += param.numel()
+        compute = policy.param_dtype or param.dtype
+        row["param_dtype"], row["reduce_dtype"] = name(compute), name(policy.reduce_dtype or compute)
+        mesh = getattr(param, "device_mesh", None)  # FSDP2's parameters are DTensors on the unit's mesh
+        row["shards"] = max(row["shards"] or 1, mesh.size() if mesh is not None else 1)
+    return sorted(rows.values(), key=lambda row: (row["unit"].count(".") + bool(row["unit"]), row["unit"]))
+
+
+_16BIT = ("torch.float16", "torch.bfloat16")
+
+
+def reduce_dtype_warning(rows: Iterable[dict[str, Any]]) -> str | None:
+    """Why reducing gradients in 16 bits is risky, for the units of :func:`fsdp2_dtype_table` that do (None when
+    none does)."""
+    rows = [row for row in rows if row["reduce_dtype"] in _16BIT and row["params"]]
+    if not rows:
+        return None
+    names = [row["unit"] or "<root>" for row in rows]
+    dtypes = sorted({row["reduce_dtype"] for row in rows})
+    ranks = max(row["shards"] or 1 for row in rows)
+    return (
+        f"FSDP2 units {names[:6]}{'...' if len(names) > 6 else ''} reduce gradients in {'/'.join(dtypes)} across"
+        f" {ranks} data-parallel rank(s): every partial sum of the reduce-scatter is rounded to 8 (BF16) or 11 (FP16)"
+        " bits, an error that grows with the data-parallel size. BF16 gradient reduction destabilised a run at 48"
+        " nodes x 8 GPUs (384 data-parallel ranks; pytorch#106395) that FP32 reduction fixed. Pass"
+        " MixedPrecisionPolicy(reduce_dtype=torch.float32) (plugin.mp_policy does)."
+    )
+
+
 def _show(policy: Any) -> str:
     fields = [f"{key}={_NAMES.get(getattr(policy, key), getattr(policy, key))}"
               for key in ("param_dtype", "reduce_dtype", "output_dtype") if getattr(policy, key) is not None]
@@ -99,7 +153,8 @@ def check_fsdp_policies(
     Every trainable parameter must be managed by a unit (else its gradient is never reduced across ranks). A unit
     managing parameters outside the ``islands`` (qualified module names) needs :func:`mp_policy`'s dtypes and
     parameters in the matching dtype (FP32 masters; 16-bit without masters); a unit inside an island needs FP32
-    compute (:func:`island_mp_policy`). ``output_dtype`` and ``cast_forward_inputs`` are the user's choice.
+    compute (:func:`island_mp_policy`). ``output_dtype`` and ``cast_forward_inputs`` are the user's choice. A unit
+    that reduces in 16 bits (accepted without master weights) warns with :func:`reduce_dtype_warning`.
 
     Raises:
         ValueError: a mismatch, naming the module, the policy found and what to pass instead.
@@ -134,6 +189,8 @@ def check_fsdp_policies(
                 f" (plugin.{'island_mp_policy' if island else 'mp_policy'})"
                 + (" as its own unit, before its parent." if island is not None and unit != island else ".")
             )
+    if not unmanaged and (warning := reduce_dtype_warning(fsdp2_dtype_table(module))):
+        warnings.warn(warning, stacklevel=3)  # accepted (no masters to protect), but not where it scales
     if unmanaged:
         raise ValueError(
             f"{call}: parameters {unmanaged[:6]}{'...' if len(unmanaged) > 6 else ''} belong to no fully_shard unit, so"

@@ -7,25 +7,27 @@ The two-process runs fork (~3 s each); every one is marked slow.
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import timedelta
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dist_helpers import RankFaultModule, ShardedFaultModule, fit_ddp, fit_fsdp2
+from dist_helpers import RankFaultModule, ShardedFaultModule, fit_ddp, fit_fsdp2, free_port
 from helpers import TinyMLP, regression_data
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import PrecisionFallback, ScaleCheckpoint
-from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.core.fsdp import check_fsdp_policies, fp8_all_gather_, island_mp_policy, mp_policy
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper, tensor_init_context
+from lit_mpstable.fp8 import FP8Config
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's CPU/num_workers notices, FP8 emulation notes
 
@@ -360,3 +362,144 @@ def test_torchao_fp8_all_gather_runs_under_fsdp2_on_the_cpu(tmp_path: Path) -> N
     assert fsdp[0]["fc2_shard_type"] == "WeightWithDynamicFloat8CastTensor"  # what FSDP2 gathers: FP8-cast shards
     # FP8 weights gathered train like DDP's FP8 layer (measured: 0.0; vs FP32 1.9e-3).
     assert _max_diff(fsdp[0]["params"], ddp[0]["params"]) <= 1e-6
+
+
+# ------------------------------------------------------------- guard rails: the dtype table, 16-bit reduce, one shard
+class OneShardModule(ShardedFaultModule):
+    """:class:`ShardedFaultModule` that records fc2's compute and output dtypes; with ``skip_single=True`` it does
+    what torchtitan did (torchtitan#2886): no ``fully_shard`` at all when the data-parallel mesh has one rank."""
+
+    def __init__(self, *, skip_single: bool = False, **kwargs) -> None:
+        super().__init__(batch_by_step=True, **kwargs)
+        self.skip_single = skip_single
+        self.out_dtypes: set[torch.dtype] = set()
+        self.table: list[dict] = []
+
+    def configure_model(self) -> None:
+        if self.skip_single and self.device_mesh["data_parallel"].size() == 1:
+            self.model.fc2.register_forward_pre_hook(lambda m, args: self.seen_dtypes.add(m.weight.dtype))
+        else:
+            super().configure_model()
+        self.model.fc2.register_forward_hook(lambda m, args, out: self.out_dtypes.add(out.dtype))
+
+    def on_train_start(self) -> None:
+        from lit_mpstable.core.fsdp import fsdp2_dtype_table
+
+        self.table = fsdp2_dtype_table(self)
+
+
+def _one_shard_cases() -> dict[str, tuple[str, dict, dict]]:
+    """name: (precision, plugin kwargs, OneShardModule kwargs)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {
+        "sharded": ("bf16-true", {}, dict(policy="plugin")),
+        "skipped_true": ("bf16-true", {}, dict(policy="plugin", skip_single=True)),
+        "skipped_mixed": ("bf16-mixed", {}, dict(policy="plugin", skip_single=True)),
+        "bf16_reduce": ("bf16-true", dict(master_weights=False), dict(policy=MixedPrecisionPolicy())),
+    }
+
+
+def _one_shard_worker(rank: int, port: int, out_file: str) -> None:
+    import warnings
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+                      NODE_RANK="0")
+    results = {}
+    for name, (precision, plugin_kwargs, module_kwargs) in _one_shard_cases().items():
+        module = OneShardModule(**module_kwargs)
+        if plugin_kwargs.get("master_weights") is False:
+            module = module.to(torch.bfloat16)  # without masters the parameters themselves are BF16
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+            plugins=[StablePrecision(precision, device="cpu", **plugin_kwargs)],
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                trainer.fit(module)
+                error = None
+            except ValueError as err:
+                error = str(err)
+        results[name] = dict(error=error, table=module.table, seen=module.seen_dtypes, out=module.out_dtypes,
+                             warnings=[str(w.message) for w in caught if "pytorch#106395" in str(w.message)])
+    torch.save(results, out_file)
+
+
+@pytest.fixture(scope="module")
+def one_shard(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("one_shard") / "out.pt"
+    mp.start_processes(_one_shard_worker, args=(free_port(), str(out)), nprocs=1, start_method="fork")
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_one_shard_fsdp2_keeps_the_mixed_precision_policy(one_shard) -> None:
+    # torchtitan#2886: at one shard the policy must still apply when fully_shard runs: it computes in BF16.
+    case = one_shard["sharded"]
+    assert case["error"] is None and case["seen"] == {torch.bfloat16}
+    assert [row["shards"] for row in case["table"]] == [None, 1, 1, 1]  # the root holds no parameter of its own
+    assert [(row["unit"], row["param_dtype"], row["reduce_dtype"]) for row in case["table"]] == [
+        ("model", "torch.bfloat16", "torch.float32"), ("model.fc1", "torch.bfloat16", "torch.float32"),
+        ("model.fc2", "torch.bfloat16", "torch.float32"), ("model.fc3", "torch.bfloat16", "torch.float32")]
+    assert case["table"][0]["params"] == 0 and case["table"][2]["params"] == 32 * 32 + 32  # fc2: its own
+    assert case["warnings"] == []
+
+
+@pytest.mark.slow
+def test_one_shard_without_fully_shard_is_refused_in_true_modes_and_autocast_in_mixed(one_shard) -> None:
+    # torchtitan's pattern (no fully_shard when dp_shard == 1) would silently train in FP32: refused at setup...
+    assert one_shard["skipped_true"]["error"] is not None
+    assert re.search(r"no module of OneShardModule was sharded, so it would compute in FP32",
+                     one_shard["skipped_true"]["error"])
+    # ...while in *-mixed autocast does the 16-bit compute, sharded or not: FP32 weights, BF16 outputs.
+    mixed = one_shard["skipped_mixed"]
+    assert mixed["error"] is None and mixed["table"] == []
+    assert mixed["seen"] == {torch.float32} and mixed["out"] == {torch.bfloat16}
+
+
+@pytest.mark.slow
+def test_a_16_bit_reduce_warns_with_the_scale_at_which_it_hurt(one_shard) -> None:
+    case = one_shard["bf16_reduce"]
+    assert case["error"] is None  # accepted: without masters the parameters are BF16 anyway
+    assert {row["reduce_dtype"] for row in case["table"] if row["params"]} == {"torch.bfloat16"}
+    assert len(case["warnings"]) == 1, case["warnings"]
+    assert re.search(r"reduce gradients in torch.bfloat16 across 1 data-parallel rank.*48 nodes x 8 GPUs \(384"
+                     r" data-parallel ranks; pytorch#106395\).*reduce_dtype=torch.float32", case["warnings"][0])
+
+
+def test_the_dtype_table_of_an_unsharded_model_is_empty() -> None:
+    from lit_mpstable.core.fsdp import fsdp2_dtype_table, reduce_dtype_warning
+
+    assert fsdp2_dtype_table(TinyMLP()) == [] and reduce_dtype_warning([]) is None
+
+
+class TableReport(pl.Callback):
+    """Each rank's ``fsdp2_dtype_table`` at train start, to ``out_dir/table{rank}.pt``."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lit_mpstable.core.fsdp import fsdp2_dtype_table
+
+        torch.save(fsdp2_dtype_table(pl_module), self.out_dir / f"table{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_the_dtype_table_reads_two_shards_and_an_islands_fp32_compute(tmp_path: Path) -> None:
+    plugin = StablePrecision("bf16-true", fp32_modules=["model.fc2"], device="cpu")
+    fit_fsdp2(_sharded(convert_first=True, policy="plugin"), plugin, tmp_path, 1, [TableReport(tmp_path)])
+    for rank in (0, 1):
+        rows = {row["unit"]: row for row in torch.load(tmp_path / f"table{rank}.pt")}
+        assert [row["shards"] for row in rows.values()] == [None, 2, 2, 2]
+        assert rows["model.fc1"]["param_dtype"] == rows["model.fc3"]["param_dtype"] == "torch.bfloat16"
+        assert (rows["model.fc2"]["param_dtype"], rows["model.fc2"]["output_dtype"]) == ("torch.float32",
+                                                                                         "torch.bfloat16")
+        assert {row["reduce_dtype"] for row in rows.values()} == {"torch.float32"}
+        assert rows["model.fc1"]["params"] == 16 * 32 + 32  # whole-parameter counts, not this rank's shard
