@@ -27,17 +27,16 @@ from lit_mpstable.core.attribution import any_nonfinite
 from lit_mpstable.fp8 import FP8Config, fp8_config
 from lit_mpstable.core.islands import FP32Islands
 from lit_mpstable.core.layout import PrecisionLayout
-from lit_mpstable.core.compact import CompactWeights
 from lit_mpstable.core.fsdp import (
     check_fsdp2_setup, check_fsdp_policies, fsdp2_fallback_refusal, fsdp_units, unsharded_message,
 )
-from lit_mpstable.core.master import MasterWeights, carry_precise_state_
 from lit_mpstable.core.memory import training_memory
 from lit_mpstable.core.observer import GradObserver, shard_view
 from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
+from lit_mpstable.core.weights import PlainKeeper, WeightKeeper, first_grad_device as _first_grad_device, make_keeper
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
 
@@ -120,13 +119,11 @@ class PrecisionStepper:
         self.diagnose = diagnose
         formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
         self.observer = GradObserver(telemetry_every_n_steps, formats, diagnose=diagnose)
-        self.master: MasterWeights | None = None
+        self.keeper: WeightKeeper = PlainKeeper(call, fp16_state=self.precision == "16-true" and self.master_mode is None)
+        """How the weights are kept through a step (plain, FP32 masters, compact); bound at :meth:`setup_optimizers`."""
         self.fsdp2 = False
         """The model is (or will be) sharded by FSDP2: its FP32 sharded parameters are the masters, nothing is cast."""
         self._fsdp_checked = False  # a sharded model's policies were checked (the strategy's call after fully_shard)
-        self.compact: CompactWeights | None = None
-        """``master_weights="kahan"``/``"stochastic"``: 16-bit weights updated through transient FP32 views."""
-        self._compact_grad: dict[int, list[Any]] = {}  # per optimizer this iteration: [multiplier, clip value]
         self.optimizers: list[Optimizer] = []
         """The optimizers this run steps (given at setup, or met at their first step)."""
         self.schedules = ScheduleHold(self.applied_steps)  # a bound method, not a lambda: spawned ranks unpickle it
@@ -224,7 +221,7 @@ class PrecisionStepper:
             check_fsdp2_setup(self.owner, self.precision, master_mode=self.master_mode, fp8=self.fp8,
                               sharded_before_fp8=sharded and self.fp8 is not None and self.layout.module is not module)
         # ---- FSDP2 (end)
-        elif self.master_mode == "fp32" and self.master is None:
+        elif self.master_mode == "fp32" and self.keeper.mode != "fp32":
             # Masters start from these FP32 values, not from their 16-bit rounding (kept until the optimizers come).
             self._initial = {name: p.detach().clone() for name, p in module.named_parameters()
                              if p.requires_grad and p.dtype == torch.float32}
@@ -248,57 +245,21 @@ class PrecisionStepper:
         if self.fsdp2 and self.true_16bit and not self._fsdp_checked:
             raise ValueError(unsharded_message(self.owner, self.precision, module))
         self.check_eps(optimizers)
-        if self.master_mode == "fp32" and not self.fsdp2:  # FSDP2: its FP32 sharded parameters are the masters
-            self.master = MasterWeights(module, optimizers, initial=self._initial)
-            self.layout.after_recast = self.master.follow_recast_  # a fallback to FP32 computes with the masters
+        if self.master_mode is not None:  # plain needs no binding (a bound plain keeper checks eps as the first)
+            self.keeper = make_keeper(self.master_mode, module, optimizers, owner=self.owner, precision=self.precision,
+                                      dtype=self.dtype, checker=self._checker, fsdp2=self.fsdp2, initial=self._initial,
+                                      warnings=self.warnings)
             self._initial = {}
-            if "masters" in self._pending:
-                self.master.load_state_dict(self._pending.pop("masters"))
-        elif self.master_mode in ("kahan", "stochastic") and not self.fsdp2:
-            if self._checker is not None and not self._checker.checks_without_unscaling:
-                raise ValueError(
-                    f"{self.owner}({self.precision!r}, master_weights={self.master_mode!r},"
-                    f" scaler={type(self._checker).__name__}(...)): compact weights unscale in FP32 themselves and need"
-                    " a scaler that checks without unscaling (check_()); use scaler='dynamic' or DynamicLossScaler."
-                )
-            self.compact = CompactWeights(module, optimizers, self.master_mode, seed=torch.initial_seed() % 2**31)
-            self.layout.after_recast = self.compact.follow_recast_  # a fallback carries the compensation
-            if self.precision == "16-true":
-                self.warnings.append(
-                    f"{self.owner}('16-true', master_weights={self.master_mode!r}): optimizer state stays FP16, where"
-                    " Adam's second moment (about 1e-3 * grad**2) falls into the subnormal range for gradients below"
-                    " ~1e-2 and its rounding distorts the steps; with Adam-family optimizers prefer 'bf16-true' or"
-                    " master_weights=True (SGD-like optimizers are fine)."
-                )
-            if "compact" in self._pending:
-                self.compact.load_state_dict(self._pending.pop("compact"))
+        self.layout.after_recast = self.keeper.follow_recast_  # a fallback carries what the keeper holds
+        key = self.keeper.state_key
+        if key is not None and key in self._pending:
+            self.keeper.load_state_dict(self._pending.pop(key))
         self.schedules.hold(list(schedulers))
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
-        """Refuse, in ``'16-true'`` without masters (the optimizer state is FP16), an ``eps`` below FP16's smallest
-        normal number: rounded to 0 (Adam's default 1e-8), a parameter whose gradient is 0 (a dead ReLU) gets
-        ``0 / 0 = NaN`` at its first step; subnormal, the steps of parameters whose second moment underflows grow to
-        ``lr * m / eps`` and overflow the next forward. Either way every later step is skipped. Only torch's own
-        optimizers are checked: they compute in the parameters' dtype (torchao's and bitsandbytes' 8-bit ones in
-        FP32)."""
-        if self.precision != "16-true" or self.master_mode is not None:
-            return
-        tiny = torch.finfo(torch.float16).tiny  # 2**-14: below it FP16 rounds to a subnormal or to 0
-        for optimizer in optimizers:
-            if not type(optimizer).__module__.startswith("torch.optim."):
-                continue
-            for index, group in enumerate(optimizer.param_groups):
-                eps = group.get("eps")
-                if isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < tiny:
-                    held = float(torch.tensor(eps, dtype=torch.float16))
-                    raise ValueError(
-                        f"{self.owner}('16-true', master_weights=False): {type(optimizer).__name__} param group"
-                        f" {index} has eps={eps!r}, which FP16 (the dtype of its state) holds as {held!r}: a"
-                        " parameter with a zero gradient gets 0/0 = NaN, or one whose second moment underflows a step"
-                        f" of lr * m / eps, and the run stalls on skipped steps. The smallest normal FP16 eps is"
-                        f" {tiny:.3g} (2**-14; the smallest nonzero is 5.96e-08); use eps=1e-4, or"
-                        " master_weights=True (FP32 masters and FP32 optimizer state keep eps=1e-8)."
-                    )
+        """Refuse, in ``'16-true'`` without masters, an ``eps`` FP16 cannot hold (see
+        :func:`~lit_mpstable.core.weights.check_eps`)."""
+        self.keeper.check_eps(optimizers)
 
     def adopt_device_(self, module: nn.Module) -> None:
         """Run where ``module`` lives (its first parameter's device): autocast, the FP32 islands and the loss scalers
@@ -319,16 +280,7 @@ class PrecisionStepper:
         names: weights loaded into the model after the masters were bound (a pretrained checkpoint loaded after
         ``fabric.setup``) would otherwise be overwritten from the stale master by the next applied step. One host
         sync; a front end calls it once per optimizer, before its first step."""
-        if self.master is None:
-            return []
-        pairs = list(self.master.named_pairs())
-        if not pairs:
-            return []
-        stale = torch.stack([(master.to(param.dtype) != param).any() for _, master, param in pairs]).tolist()
-        for (_, master, param), changed in zip(pairs, stale):
-            if changed:
-                master.copy_(param)
-        return [name for (name, _, _), changed in zip(pairs, stale) if changed]
+        return self.keeper.follow_model_weights_()
 
     # -------------------------------------------------------------------------------------- forward, backward
     @contextmanager
@@ -402,47 +354,14 @@ class PrecisionStepper:
         self._unscaled.add(id(optimizer))
         if all(optimizer is not known for known in self.optimizers):
             self.optimizers.append(optimizer)
-        if self.compact is not None:
-            self._check_compact_(optimizer)
-            self._observe()
-            return
-        master = self.master
-        if master is not None:
-            if any(p.requires_grad and p.dtype == self.dtype for g in optimizer.param_groups for p in g["params"]):
-                master.bind_new_(optimizer)  # added (add_param_group) or unfrozen since setup
-            master.copy_grads_to_master_(optimizer)
-        if self._checker is not None:
-            if self.scaler is None:  # the scale-1 check: no loss was scaled to create its state
-                self._checker.ensure_state_(_first_grad_device(optimizer) or self.device)
-            self._checker.unscale_(optimizer)
-            # An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step
-            # on every rank: one all-reduce of the found-inf flag (and the adaptive amax), on the device.
-            self._checker.sync_found_inf_(optimizer)
-        if master is not None:
-            master.expose_grads_(optimizer, copy=self.scaler is not None)
+        self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
         self._observe()
-
-    def _check_compact_(self, optimizer: Optimizer) -> None:
-        # Compact weights keep the gradients as they are (scaled, 16-bit) until the FP32 chunks of the step unscale
-        # them: the check here only looks (check_), and the unscale factor waits in the multiplier.
-        assert self.compact is not None
-        self.compact.bind_new_(optimizer)
-        checker = self._checker
-        multiplier: torch.Tensor | None = None
-        if checker is not None:
-            checker.ensure_state_(_first_grad_device(optimizer) or self.device)
-            checker.check_(optimizer)
-            checker.sync_found_inf_(optimizer)
-            if isinstance(self.scaler, DynamicLossScaler):
-                multiplier = self.scaler.get_scale_tensor().reciprocal()
-        self._compact_grad[id(optimizer)] = [multiplier, None]
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
         """The parameters the optimizer updates (the FP32 masters with ``master_weights``), after :meth:`unscale_`.
         Empty when the gradients hold inf/NaN (the step will be skipped; clipping them would only raise)."""
         self.unscale_(optimizer)
-        if self.master is not None:
-            self.master.absorb_grads_(optimizer)
+        self.keeper.absorb_grads_(optimizer)
         if self._checker is not None and self._checker.found_inf(optimizer):
             return iter(())
         return (p for group in optimizer.param_groups for p in group["params"])
@@ -451,44 +370,13 @@ class PrecisionStepper:
         """Clip ``optimizer``'s true gradients to a total norm (on the masters with ``master_weights``; with compact
         weights the clip factor joins the FP32 unscale of the step: the 16-bit gradients are not rounded twice)."""
         self.unscale_(optimizer)
-        if self.compact is not None:
-            return self._clip_compact_norm_(optimizer, max_norm, norm_type)
-        if self.master is not None:
-            self.master.absorb_grads_(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        if self.master is not None:
-            self.master.expose_grads_(optimizer)  # hooks after this see the clipped values
-        return norm
+        return self.keeper.clip_grad_norm_(optimizer, max_norm, norm_type)
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s true gradients to ``±clip_value`` (on the masters with ``master_weights``; with
         compact weights in the step's FP32 chunks, after unscaling)."""
         self.unscale_(optimizer)
-        if self.compact is not None:
-            pending = self._compact_grad[id(optimizer)]
-            pending[1] = float(clip_value) if pending[1] is None else min(pending[1], float(clip_value))
-            return
-        if self.master is not None:
-            self.master.absorb_grads_(optimizer)
-        torch.nn.utils.clip_grad_value_(
-            [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None], clip_value
-        )
-        if self.master is not None:
-            self.master.expose_grads_(optimizer)
-
-    def _clip_compact_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        pending = self._compact_grad[id(optimizer)]
-        multiplier = pending[0] if pending[0] is not None else torch.ones((), device=grads[0].device if grads else None)
-        if not grads:
-            return torch.zeros(())
-        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-        norm = torch.linalg.vector_norm(norms, norm_type) * multiplier  # of the true (unscaled) gradients, in FP32
-        # clip_grad_norm_'s rule, as a factor for the step's FP32 chunks: no host sync.
-        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        pending[0] = multiplier * coefficient
-        return norm
+        self.keeper.clip_grad_value_(optimizer, clip_value)
 
     def skip_step(self) -> None:
         """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged."""
@@ -520,18 +408,12 @@ class PrecisionStepper:
         if self._skip_requested:
             return self.discard_(optimizer)
         self.unscale_(optimizer)
-        master = self.master
-        if master is not None:
-            master.absorb_grads_(optimizer)
+        self.keeper.absorb_grads_(optimizer)
         checker = self._checker
-        update = self._compact_update(optimizer, kwargs) if self.compact is not None else None
+        early = self._check_step_inputs_(optimizer) if checker is not None and self.skip_nonfinite else None
+        output, skipped = self.keeper.step_(optimizer, checker, **kwargs)
         late = None
-        if checker is None:
-            output, skipped = (update() if update is not None else optimizer.step(**kwargs)), False
-        else:
-            early = self._check_step_inputs_(optimizer) if self.skip_nonfinite else None
-            output = checker.step_with(optimizer, update) if update is not None else checker.step(optimizer, **kwargs)
-            skipped = checker.last_step_skipped
+        if checker is not None:
             # Why it skipped, read on skipped steps only: inf/NaN that entered after the gradient check, or a batch
             # that itself held inf/NaN (the input check). Neither says anything about the scale: no backoff.
             if skipped and early is not None and not bool(early):
@@ -542,10 +424,6 @@ class PrecisionStepper:
             self._overflowed |= skipped and not late
             self._stepped.add(id(optimizer))
         self._unscaled.discard(id(optimizer))
-        if master is not None:
-            if not skipped:
-                master.refresh_model_(optimizer)
-            master.zero_model_grads_(optimizer)
         if late:
             self._blame_late(optimizer)
         elif skipped:
@@ -612,10 +490,7 @@ class PrecisionStepper:
         return False
 
     def _grads(self, optimizer: Optimizer) -> list[torch.Tensor | None]:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self.master is not None and id(optimizer) in self.master._names_by_optimizer:
-            params += self.master._select(optimizer)[1]
-        return [p.grad for p in params]
+        return [p.grad for p in self.keeper.grad_holders(optimizer)]
 
     def _note_stepped_on(self, optimizer: Optimizer) -> None:
         if len(self.optimizers) > 1:  # only _awaited reads it
@@ -630,12 +505,6 @@ class PrecisionStepper:
             checker.skip_update_(overflow=self._overflowed) if self._data_fault else checker.update()
         self._stepped.clear()
         self._data_fault = self._overflowed = False
-
-    def _compact_update(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Any:
-        assert self.compact is not None
-        multiplier, clip = self._compact_grad.pop(id(optimizer), [None, None])
-        compact = self.compact
-        return lambda: compact.step_(optimizer, grad_multiplier=multiplier, clip_value=clip, **kwargs)
 
     def discard_(self, optimizer: Optimizer) -> None:
         """End the iteration for ``optimizer`` without stepping (a requested skip): gradients dropped, counted."""
@@ -658,11 +527,9 @@ class PrecisionStepper:
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
         optimizer.zero_grad(set_to_none=True)
-        if self.master is not None:
-            self.master.zero_model_grads_(optimizer)
+        self.keeper.drop_(optimizer)
         if self._checker is not None:
             self._checker.forget_(optimizer)
-        self._compact_grad.pop(id(optimizer), None)
         self._unscaled.discard(id(optimizer))
 
     def _record(self, *, skipped: bool, overflow: bool, optimizer: Optimizer | None = None) -> None:
@@ -680,7 +547,7 @@ class PrecisionStepper:
     def state_tensors(self) -> list[torch.Tensor]:
         """Resident tensors of the precision itself that neither the model nor the optimizers hold (compensation
         buffers), for memory accounting."""
-        return [c for _, _, c in self.compact.named_buffers() if c is not None] if self.compact is not None else []
+        return self.keeper.state_tensors()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of training state by kind (``lit_mpstable.core.memory.training_memory``): ``weights``, ``masters`` (FP32
@@ -701,8 +568,7 @@ class PrecisionStepper:
         module = self.layout.module
         if module is None:
             return []
-        masters = {name: m for name, m, _ in self.master.named_pairs()} if self.master is not None else {}
-        return [(name, shard_view(masters.get(name, p))) for name, p in module.named_parameters()]
+        return [(name, shard_view(grad)) for name, grad in self.keeper.named_grads(module)]
 
     def _observe(self) -> None:
         module = self.layout.module
@@ -758,9 +624,10 @@ class PrecisionStepper:
             # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
             # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
             self._update_scale_()
+        keeper = self.keeper
         return {
-            "masters": self.master.state_dict() if self.master is not None else dict(self._pending.get("masters", {})),
-            "compact": self.compact.state_dict() if self.compact is not None else dict(self._pending.get("compact", {})),
+            **{key: keeper.state_dict() if keeper.state_key == key else dict(self._pending.get(key, {}))
+               for key in ("masters", "compact")},
             "precision": self.precision,
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "step_count": self.step_count,
@@ -812,13 +679,14 @@ class PrecisionStepper:
         else:
             self.layout.load_state_dict(state["layout"])
         masters, compact = state["masters"], state["compact"]
-        if masters and self.master is not None:
-            self.master.load_state_dict(masters)
+        keeper = self.keeper
+        if masters and keeper.state_key == "masters":
+            keeper.load_state_dict(masters)
         elif masters and self.master_mode == "fp32" and not self.fsdp2:
             self._pending["masters"] = masters
-        elif compact and self.compact is not None and compact.get("mode") == self.compact.mode:
-            self.compact.load_state_dict(compact)
-        elif compact and self.compact is None and compact.get("mode") == self.master_mode:
+        elif compact and keeper.state_key == "compact" and compact.get("mode") == keeper.mode:
+            keeper.load_state_dict(compact)
+        elif compact and keeper.state_key != "compact" and compact.get("mode") == self.master_mode:
             self._pending["compact"] = compact
         elif masters or compact.get("compensation"):  # another master mode or precision: carry the FP32 values
             saved = "FP32 masters" if masters else "Kahan compensation"
@@ -826,8 +694,7 @@ class PrecisionStepper:
             if self.layout.module is None:
                 warning = f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
             else:
-                warning = carry_precise_state_(self.layout.module, masters, compact, master=self.master,
-                                               compact_weights=self.compact, saved=saved, target=target)
+                warning = keeper.carry_(self.layout.module, masters, compact, saved=saved, target=target)
             if warning:
                 self.warnings.append(warning)
         self.policy.load_state_dict(state["op_policy"])
@@ -886,10 +753,6 @@ def _local_view(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (FSDP2), any other tensor as it is."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
-
-
-def _first_grad_device(optimizer: Optimizer) -> torch.device | None:
-    return next((p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
 
 
 def _floating_tensors(data: Any) -> list[torch.Tensor]:
