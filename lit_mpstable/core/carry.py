@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from lit_mpstable.core.master import MasterWeights
 
 __all__ = ["carry_precise_state_"]
 
@@ -17,7 +14,7 @@ __all__ = ["carry_precise_state_"]
 @torch.no_grad()
 def carry_precise_state_(
     module: nn.Module | None, masters: Mapping[str, torch.Tensor], compact: Mapping[str, Any], *,
-    master: MasterWeights | None, compact_weights: Any, saved: str, target: str,
+    master: Any, compact_weights: Any, saved: str, target: str,
 ) -> str | None:
     """Carry what a checkpoint holds beyond its 16-bit weights into a run of another precision or master mode.
 

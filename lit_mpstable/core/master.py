@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.scalers import LossScaler
-from lit_mpstable.core.weights import step_checked, unscale_checked_
+from lit_mpstable.core.keeper_steps import step_checked, unscale_checked_
 
 __all__ = ["MasterKeeper", "MasterWeights", "carry_precise_state_"]
 

@@ -36,7 +36,8 @@ from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
-from lit_mpstable.core.weights import PlainKeeper, WeightKeeper, first_grad_device as _first_grad_device, make_keeper
+from lit_mpstable.core.keeper_steps import first_grad_device as _first_grad_device
+from lit_mpstable.core.weights import PlainKeeper, WeightKeeper, make_keeper
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
 

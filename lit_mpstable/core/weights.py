@@ -9,7 +9,7 @@ rounding). :func:`make_keeper` builds the one a run's ``master_weights`` asks fo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -17,9 +17,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
+from lit_mpstable.core.compact_keeper import CompactKeeper
+from lit_mpstable.core.keeper_steps import step_checked, unscale_checked_
+from lit_mpstable.core.master import MasterKeeper
 from lit_mpstable.core.scalers import LossScaler
 
-__all__ = ["PlainKeeper", "WeightKeeper", "check_eps", "first_grad_device", "make_keeper", "unscale_checked_"]
+__all__ = ["PlainKeeper", "WeightKeeper", "check_eps", "make_keeper"]
 
 
 @runtime_checkable
@@ -148,12 +151,8 @@ def make_keeper(
         ValueError: compact weights with a scaler that cannot check without unscaling.
     """
     if mode == "fp32" and not fsdp2:
-        from lit_mpstable.core.master import MasterKeeper
-
         return MasterKeeper(module, optimizers, dtype=dtype, initial=initial)
     if not fsdp2 and mode in ("kahan", "stochastic"):
-        from lit_mpstable.core.compact_keeper import CompactKeeper
-
         return CompactKeeper(module, optimizers, mode, owner=owner, precision=precision, checker=checker,
                              warnings=warnings if warnings is not None else [])
     return PlainKeeper(owner, fp16_state=precision == "16-true" and mode is None)
@@ -182,31 +181,6 @@ def check_eps(owner: str, optimizers: Iterable[Optimizer]) -> None:
                     f" {tiny:.3g} (2**-14; the smallest nonzero is 5.96e-08); use eps=1e-4, or"
                     " master_weights=True (FP32 masters and FP32 optimizer state keep eps=1e-8)."
                 )
-
-
-def unscale_checked_(optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
-    """Unscale ``optimizer``'s gradients in place and check them for inf/NaN, agreed across ranks (no host sync)."""
-    if checker is None:
-        return
-    if scaler is None:  # the scale-1 check: no loss was scaled to create its state
-        checker.ensure_state_(first_grad_device(optimizer) or device)
-    checker.unscale_(optimizer)
-    # An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step on every
-    # rank: one all-reduce of the found-inf flag (and the adaptive amax), on the device.
-    checker.sync_found_inf_(optimizer)
-
-
-def step_checked(optimizer: Optimizer, checker: LossScaler | None, update: Callable[[], Any] | None,
-                 kwargs: dict[str, Any]) -> tuple[Any, bool]:
-    """Step ``optimizer`` (or run ``update``) unless the checker found inf/NaN; returns the output and the skip."""
-    if checker is None:
-        return (update() if update is not None else optimizer.step(**kwargs)), False
-    output = checker.step_with(optimizer, update) if update is not None else checker.step(optimizer, **kwargs)
-    return output, checker.last_step_skipped
-
-
-def first_grad_device(optimizer: Optimizer) -> torch.device | None:
-    return next((p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
 
 
 def _with_grads(optimizer: Optimizer) -> Iterator[torch.Tensor] | list[torch.Tensor]:
