@@ -13,9 +13,8 @@ One iteration, in this order (a plain loop calls the same methods the Trainer an
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Generator, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, get_args
 
 import torch
@@ -25,7 +24,10 @@ from torch.optim import Optimizer
 from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.attribution import any_nonfinite
 from lit_mpstable.fp8 import FP8Config, fp8_config
+from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
+from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.islands import FP32Islands
+from lit_mpstable.core.iteration import Iteration
 from lit_mpstable.core.layout import PrecisionLayout
 from lit_mpstable.core.fsdp import (
     check_fsdp2_setup, check_fsdp_policies, fsdp2_fallback_refusal, fsdp_units, unsharded_message,
@@ -36,10 +38,14 @@ from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
-from lit_mpstable.core.keeper_steps import first_grad_device as _first_grad_device
+from lit_mpstable.core.step_guard import check_step_inputs_, stale_grads_note
+from lit_mpstable.core.step_report import blame, blame_late, observe
+from lit_mpstable.core.stepper_state import load_scaler_state_, load_weights_state_, weights_state
+from lit_mpstable.core.tensors import default_dtype, floating_tensors, map_tensors, tensor_init_context
 from lit_mpstable.core.weights import PlainKeeper, WeightKeeper, make_keeper
 
-__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
+__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName", "default_dtype",
+           "tensor_init_context"]
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
 MasterMode = Literal["fp32", "kahan", "stochastic"]
@@ -47,10 +53,6 @@ OpPolicyName = Literal["autocast", "auto"]
 
 _FORMAT_IDS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
-# The run's event counters: history, not numeric state (a rollback keeps their live values). The scaler's own
-# counters are the same facts seen from the scaler, kept in step with these.
-_COUNTERS = ("step_count", "overflow_count", "skipped_steps", "last_step_skipped")
-_SCALER_COUNTERS = ("overflow_count", "step_count", "min_scale_hits")
 
 
 class PrecisionStepper:
@@ -128,24 +130,14 @@ class PrecisionStepper:
         self.optimizers: list[Optimizer] = []
         """The optimizers this run steps (given at setup, or met at their first step)."""
         self.schedules = ScheduleHold(self.applied_steps)  # a bound method, not a lambda: spawned ranks unpickle it
-        self.step_count = 0
-        """Optimizer steps taken or skipped (one per optimizer per iteration)."""
-        self.overflow_count = 0
-        """Steps skipped because their gradients held inf/NaN."""
-        self.skipped_steps = 0
-        """Steps not applied: overflows plus steps discarded by :meth:`skip_step`."""
-        self.last_step_skipped = False
+        self.counters = RunCounters()
+        """The run's event counters (the properties below are views of it)."""
         self.stats: dict[str, Any] = {}
         self.last_loss: torch.Tensor | None = None
         """The latest loss before scaling, detached, on the device (reading it syncs)."""
         self._initial: dict[str, torch.Tensor] = {}  # FP32 weights before the 16-bit cast, for the masters
         self._pending: dict[str, Any] = {}  # state loaded before the model or optimizers arrived
-        self._unscaled: set[int] = set()  # optimizers unscaled (and checked) in this iteration, not yet stepped
-        self._stepped: set[int] = set()  # optimizers stepped since the last scale update
-        self._data_fault = False  # a skip of this iteration is not the scale's fault (an inf/NaN batch, or a late one)
-        self._overflowed = False  # a skip of this iteration counts as an overflow (not inf/NaN entering late)
-        self._applied_by: dict[int, int] = {}  # applied steps per optimizer (by id), for the LR hold
-        self._stepped_on: dict[int, _GradSet] = {}  # per optimizer: the gradients (and versions) it last stepped on
+        self.iteration = Iteration()  # what the iteration in progress did (host state)
         self._skip_requested = False
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
@@ -169,14 +161,12 @@ class PrecisionStepper:
     def applied_steps(self, optimizer: Optimizer | None = None) -> int:
         """Optimizer steps applied (not skipped): what held LR schedulers follow; of ``optimizer`` alone if given
         (counted in this process: a resume restores where each scheduler stands relative to it)."""
-        if optimizer is None:
-            return self.step_count - self.skipped_steps
-        for _ in range(3):  # a front end's wrapper (Fabric's, Lightning's) around the optimizer that steps
-            inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-            if not isinstance(inner, Optimizer) or inner is optimizer:
-                break
-            optimizer = inner
-        return self._applied_by.get(id(optimizer), 0)
+        return self.counters.applied(optimizer)
+
+    step_count = RunCounters.view("step_count", "Optimizer steps taken or skipped (one per optimizer per iteration).")
+    overflow_count = RunCounters.view("overflow_count", "Steps skipped because their gradients held inf/NaN.")
+    skipped_steps = RunCounters.view("skipped_steps", "Steps not applied: overflows plus those of :meth:`skip_step`.")
+    last_step_skipped = RunCounters.view("last_step_skipped", "Whether the latest step was skipped.")
 
     @property
     def loss_scale(self) -> float:
@@ -294,7 +284,7 @@ class PrecisionStepper:
         """
         self._note_recompile()
         traced = self.observer.tracer is not None
-        with _eager() if traced else nullcontext(), self.layout.forward_context():
+        with eager() if traced else nullcontext(), self.layout.forward_context():
             if self.compute_dtype == torch.float32:
                 yield
             elif self.true_16bit:
@@ -314,22 +304,19 @@ class PrecisionStepper:
         layout = self.layout
         seen = (layout.fp32, layout.fp8_off, tuple(layout.fp8_removed), tuple(layout.fp32_modules))
         changed, self._layout_seen = self._layout_seen not in (None, seen), seen
-        if changed and layout.module is not None and _compiled(layout.module):
-            note = ("a compiled model recompiles once after each fallback or restore (its graph holds the precision"
-                    f" layout); from then on it runs compiled again (step {self.step_count}).")
-            if not any(w.startswith(note.split(" (step")[0]) for w in self.warnings):
-                self.warnings.append(note)
+        if changed and layout.module is not None and is_compiled(layout.module):
+            recompile_note(self.step_count, self.warnings)
 
     def convert_input(self, data: Any) -> Any:
         """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
         device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
-        tensors = _floating_tensors(data)
+        tensors = floating_tensors(data)
         if tensors:
             flag = any_nonfinite(tensors)
             self._input_nonfinite = flag if self._input_nonfinite is None else self._input_nonfinite | flag
         if not self.true_16bit:
             return data
-        return _map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
+        return map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``backward`` on: multiplied by the loss scale when scaling.
@@ -338,9 +325,11 @@ class PrecisionStepper:
         belongs to a dropped batch (``zero_grad()`` without ``step()``), so its unscaled gradients and inf/NaN check
         are dropped too (GradScaler would refuse the next ``unscale_``; stepping on them would apply gradients
         ``scale`` times too large, or the old check); a scale update still owed is made now."""
-        for optimizer in [o for o in self.optimizers if id(o) in self._unscaled]:
-            self._drop_stale_(optimizer)
-        if self._stepped:
+        for optimizer in [o for o in self.optimizers if id(o) in self.iteration.unscaled]:
+            if (note := stale_grads_note(optimizer)) is not None and note not in self.warnings:
+                self.warnings.append(note)
+            self.drop_grads_(optimizer)
+        if self.iteration.stepped:
             self._update_scale_()
         self.last_loss = loss.detach()
         return self.scaler.scale(loss) if self.scaler is not None else loss
@@ -350,13 +339,13 @@ class PrecisionStepper:
         """Make ``optimizer``'s gradients true values (once per iteration): into the FP32 masters, unscaled there,
         checked for inf/NaN (agreed across ranks), and shown on the model's 16-bit parameters for hooks and a user's
         own clipping. No host sync."""
-        if id(optimizer) in self._unscaled:
+        if id(optimizer) in self.iteration.unscaled:
             return
-        self._unscaled.add(id(optimizer))
+        self.iteration.unscaled.add(id(optimizer))
         if all(optimizer is not known for known in self.optimizers):
             self.optimizers.append(optimizer)
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
-        self._observe()
+        observe(self)
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
         """The parameters the optimizer updates (the FP32 masters with ``master_weights``), after :meth:`unscale_`.
@@ -411,119 +400,42 @@ class PrecisionStepper:
         self.unscale_(optimizer)
         self.keeper.absorb_grads_(optimizer)
         checker = self._checker
-        early = self._check_step_inputs_(optimizer) if checker is not None and self.skip_nonfinite else None
+        early = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device)
+                 if checker is not None and self.skip_nonfinite else None)
         output, skipped = self.keeper.step_(optimizer, checker, **kwargs)
         late = None
+        now = self.iteration
         if checker is not None:
             # Why it skipped, read on skipped steps only: inf/NaN that entered after the gradient check, or a batch
             # that itself held inf/NaN (the input check). Neither says anything about the scale: no backoff.
             if skipped and early is not None and not bool(early):
-                late = True
-                self._data_fault = True
+                late = now.data_fault = True
             elif skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
-                self._data_fault = True
-            self._overflowed |= skipped and not late
-            self._stepped.add(id(optimizer))
-        self._unscaled.discard(id(optimizer))
+                now.data_fault = True
+            now.overflowed |= skipped and not late
+            now.stepped.add(id(optimizer))
+        now.unscaled.discard(id(optimizer))
         if late:
-            self._blame_late(optimizer)
+            blame_late(self, optimizer)
         elif skipped:
-            self._blame()
+            blame(self)
         # inf/NaN that entered late is no overflow (a fallback to a wider precision would not help): skipped only.
         self._record(skipped=skipped, overflow=skipped and not late, optimizer=optimizer)
-        self._note_stepped_on(optimizer)
-        if not self._awaited(optimizer):
+        now.note_stepped_on(self.optimizers, optimizer, self.keeper)
+        if not now.awaited(self.optimizers, optimizer, self.keeper):
             self._update_scale_()
         return output
 
-    def _check_step_inputs_(self, optimizer: Optimizer) -> torch.Tensor | None:
-        """Fold into the step's skip flag whether anything the step reads holds inf/NaN now: the gradients as hooks and
-        clipping left them after the check (a NaN clip norm makes them NaN), the parameters (FP32 masters), the
-        optimizer's state and the loss scale. On the device, no host read: ``step``'s one sync reads the flag.
-        Returns the gradient check as it was before (None where the scaler cannot take a flag)."""
-        assert self._checker is not None
-        fold = self._checker.fold_found_inf_  # both checker kinds have it (a duck-typed scaler's folds nothing)
-        tensors = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue  # a parameter without a gradient is not stepped
-                tensors += [param.grad, param]
-                tensors += [v for v in optimizer.state.get(param, {}).values()
-                            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
-        scale = self._checker.get_scale_tensor() if self.scaler is not None else None
-        if scale is not None:
-            tensors.append(scale.view(1))
-        tensors = [_local_view(t) for t in tensors if not t.is_sparse]
-        flag = _nonfinite(tensors) if tensors else None
-        if _distributed():
-            # Every rank skips together (a hook may write on one rank only): one scalar all-reduce, on the device.
-            device = flag.device if flag is not None else _first_grad_device(optimizer) or torch.device(self.device)
-            agreed = (flag.float() if flag is not None else torch.zeros((), device=device)).reshape(1)
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-            flag = agreed[0] > 0
-        return fold(optimizer, flag) if flag is not None else None
-
-    def _blame_late(self, optimizer: Optimizer) -> None:
-        # The gradient check found nothing: inf/NaN entered after it, which no precision setting explains. Nothing
-        # is blamed on a module (a fallback would island healthy layers).
-        self.stats.update(blamed_params=[], blamed_modules=[], nonfinite_input=False, nonfinite_after_check=True)
-        note = (f"{type(optimizer).__name__}: a step was skipped for inf/NaN that entered after the gradient check (a"
-                " hook or clipping wrote into the gradients after unscale_, or the optimizer state, the FP32 master"
-                " weights or the loss scale hold inf/NaN); this is not a precision problem and nothing was blamed.")
-        if note not in self.warnings:
-            self.warnings.append(note)
-
-    def _awaited(self, done: Optimizer) -> bool:
-        """Whether another optimizer still has to step on this iteration's gradients (one loss, several optimizers):
-        unscaled and not stepped, or holding gradients. The scale changes only after the last one, as GradScaler
-        documents (one ``update()`` per iteration), so every optimizer unscales with the scale its loss was scaled by.
-        Host state only."""
-        for optimizer in self.optimizers:
-            if optimizer is done or id(optimizer) in self._stepped:
-                continue
-            if id(optimizer) in self._unscaled:
-                return True
-            # Gradients it already stepped on (a loop that zeroes before backward) are not this iteration's.
-            if any(g is not None and (g, g._version) not in self._stepped_on.get(id(optimizer), ())
-                   for g in self._grads(optimizer)):
-                return True
-        return False
-
-    def _grads(self, optimizer: Optimizer) -> list[torch.Tensor | None]:
-        return [p.grad for p in self.keeper.grad_holders(optimizer)]
-
-    def _note_stepped_on(self, optimizer: Optimizer) -> None:
-        if len(self.optimizers) > 1:  # only _awaited reads it
-            self._stepped_on[id(optimizer)] = _GradSet(g for g in self._grads(optimizer) if g is not None)
-
     def _update_scale_(self) -> None:
-        """The iteration's one scale update, once every optimizer that had gradients stepped (or at the next
-        backward, or a checkpoint, for one that never stepped): skipped without a backoff when the data was at
-        fault."""
-        checker = self._checker
-        if checker is not None and self._stepped:
-            checker.skip_update_(overflow=self._overflowed) if self._data_fault else checker.update()
-        self._stepped.clear()
-        self._data_fault = self._overflowed = False
+        self.iteration.update_scale_(self._checker)
 
     def discard_(self, optimizer: Optimizer) -> None:
         """End the iteration for ``optimizer`` without stepping (a requested skip): gradients dropped, counted."""
         self._skip_requested = False
         self.drop_grads_(optimizer)
         self._record(skipped=True, overflow=False, optimizer=optimizer)
-        if not self._awaited(optimizer):
+        if not self.iteration.awaited(self.optimizers, optimizer, self.keeper):
             self._update_scale_()
-
-    def _drop_stale_(self, optimizer: Optimizer) -> None:
-        kept = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if kept:
-            note = (f"{type(optimizer).__name__}: a backward began after unscale_()/clipping without a step() (nor"
-                    " zero_grad()): the unscaled gradients of that batch were dropped, since the new scaled ones cannot"
-                    " be added to them. Call step() or zero_grad() before the next backward.")
-            if note not in self.warnings:
-                self.warnings.append(note)
-        self.drop_grads_(optimizer)
 
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
@@ -531,18 +443,13 @@ class PrecisionStepper:
         self.keeper.drop_(optimizer)
         if self._checker is not None:
             self._checker.forget_(optimizer)
-        self._unscaled.discard(id(optimizer))
+        self.iteration.unscaled.discard(id(optimizer))
 
     def _record(self, *, skipped: bool, overflow: bool, optimizer: Optimizer | None = None) -> None:
         # Every rank, every step (applied or skipped): delayed-scaling FP8 amax histories agreed across ranks (one
         # all-reduce; nothing on one process).
         self.layout.sync_fp8_()
-        self.last_step_skipped = skipped
-        self.step_count += 1
-        self.skipped_steps += int(skipped)
-        self.overflow_count += int(overflow)
-        if optimizer is not None and not skipped:
-            self._applied_by[id(optimizer)] = self._applied_by.get(id(optimizer), 0) + 1
+        self.counters.record(skipped=skipped, overflow=overflow, optimizer=optimizer)
         self._input_nonfinite = None
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -570,27 +477,6 @@ class PrecisionStepper:
         if module is None:
             return []
         return [(name, shard_view(grad)) for name, grad in self.keeper.named_grads(module)]
-
-    def _observe(self) -> None:
-        module = self.layout.module
-        if module is None:
-            return
-        scale = self.scaler.get_scale if self.scaler is not None else lambda: 1.0  # called on due steps only
-        fp8 = self.fp8 is not None and bool(self.layout.fp8_layers)
-        updates, warning = self.observer.observe(module, self.named_grads, self.step_count, scale, fp8=fp8)
-        self.stats.update(updates)
-        if warning is not None and warning not in self.warnings:
-            self.warnings.append(warning)
-
-    def _blame(self) -> None:
-        """After an overflow: the data if the batch held inf/NaN, else the parameters with inf/NaN gradients and
-        (traced on the next step) the first module whose inputs were finite and outputs were not."""
-        module = self.layout.module
-        if module is None:
-            return
-        nonfinite_input = self._input_nonfinite is not None and bool(self._input_nonfinite)
-        self.stats.pop("nonfinite_after_check", None)
-        self.stats.update(self.observer.blame(module, self.named_grads(), nonfinite_input=nonfinite_input))
 
     # --------------------------------------------------------------------------------------------- fallback
     def fallback(self, modules: Iterable[str] | None = None) -> str:
@@ -621,20 +507,15 @@ class PrecisionStepper:
         ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
         compensation buffers and rounding seed, ``{}`` without).
         """
-        if self._stepped:
+        if self.iteration.stepped:
             # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
             # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
             self._update_scale_()
-        keeper = self.keeper
         return {
-            **{key: keeper.state_dict() if keeper.state_key == key else dict(self._pending.get(key, {}))
-               for key in ("masters", "compact")},
+            **weights_state(self.keeper, self._pending),
             "precision": self.precision,
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            "step_count": self.step_count,
-            "overflow_count": self.overflow_count,
-            "last_step_skipped": self.last_step_skipped,
-            "skipped_steps": self.skipped_steps,
+            **self.counters.state_dict(),
             "layout": self.layout.state_dict(),
             "op_policy": self.policy.state_dict(),
             "schedules": self.schedules.state_dict(),
@@ -656,139 +537,19 @@ class PrecisionStepper:
                 f"{self.owner}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the checkpoint"
                 " written by another version of lit_mpstable?"
             )
-        notes = []
-        scaling = self.scaler is not None and self.scaler.is_enabled()
-        if scaling and state["scaler"]:
-            scaler_state = dict(state["scaler"])
-            if keep_counters:
-                live = self.scaler.state_dict()
-                scaler_state.update({k: live[k] for k in _SCALER_COUNTERS if k in live and k in scaler_state})
-            self.scaler.load_state_dict(scaler_state)
-        elif scaling or state["scaler"]:
-            # A precision switch on resume (e.g. 16-mixed -> bf16-mixed) is legitimate: say what happens.
-            notes.append(
-                f"checkpoint written with precision={state['precision']!r}"
-                f" {'with' if state['scaler'] else 'without'} loss scaling; this run ({self.precision!r})"
-                f" {'starts a fresh scaler' if scaling else 'does not scale'}."
-            )
+        notes = load_scaler_state_(self.scaler, state, precision=self.precision, keep_counters=keep_counters)
         if not keep_counters:
-            self.step_count, self.overflow_count = int(state["step_count"]), int(state["overflow_count"])
-            self.skipped_steps, self.last_step_skipped = int(state["skipped_steps"]), bool(state["last_step_skipped"])
+            self.counters.load_state_dict(state)
             self.schedules.load_state_dict(list(state["schedules"]))
         if self.layout.module is None:
             self._pending["layout"] = state["layout"]
         else:
             self.layout.load_state_dict(state["layout"])
-        masters, compact = state["masters"], state["compact"]
-        keeper = self.keeper
-        if masters and keeper.state_key == "masters":
-            keeper.load_state_dict(masters)
-        elif masters and self.master_mode == "fp32" and not self.fsdp2:
-            self._pending["masters"] = masters
-        elif compact and keeper.state_key == "compact" and compact.get("mode") == keeper.mode:
-            keeper.load_state_dict(compact)
-        elif compact and keeper.state_key != "compact" and compact.get("mode") == self.master_mode:
-            self._pending["compact"] = compact
-        elif masters or compact.get("compensation"):  # another master mode or precision: carry the FP32 values
-            saved = "FP32 masters" if masters else "Kahan compensation"
-            target = f"{self.precision!r}, master_weights={self.master_mode or False!r}"
-            if self.layout.module is None:
-                warning = f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
-            else:
-                warning = keeper.carry_(self.layout.module, masters, compact, saved=saved, target=target)
-            if warning:
-                self.warnings.append(warning)
+        warning = load_weights_state_(self.keeper, state["masters"], state["compact"], mode=self.master_mode,
+                                      fsdp2=self.fsdp2, pending=self._pending, module=self.layout.module,
+                                      precision=self.precision)
+        if warning:
+            self.warnings.append(warning)
         self.policy.load_state_dict(state["op_policy"])
         return notes
 
-
-def _eager() -> AbstractContextManager:
-    # Inside a region being compiled there is nothing to switch (and set_stance would refuse).
-    return nullcontext() if torch.compiler.is_compiling() else torch.compiler.set_stance("force_eager")
-
-
-def _compiled(module: nn.Module) -> bool:
-    """Whether ``module`` or a submodule runs through ``torch.compile`` (as Lightning unwraps it too: the module keeps
-    a compiled ``forward``), or, for a model compiled from outside (``torch.compile(model)`` in a plain loop, which
-    the model cannot see), whether torch.compile has compiled a graph in this process."""
-    from torch._dynamo.eval_frame import OptimizedModule
-    from torch._dynamo.utils import counters
-
-    return getattr(module, "_compiler_ctx", None) is not None or counters["stats"]["unique_graphs"] > 0 or any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-        or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules()
-    )
-
-
-def _distributed() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Whether any of ``tensors`` holds inf/NaN, as a 0-dim device bool: one multi-tensor L1 norm per device (a few
-    kernel launches, not one per tensor), accumulated in FP32 (an FP16 sum would overflow); no host read."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
-    flags = [~torch.isfinite(torch.stack(torch._foreach_norm(group, 1, dtype=torch.float32))).all()
-             for group in by_device.values()]
-    first = flags[0]
-    return first if len(flags) == 1 else torch.stack([f.to(first.device) for f in flags]).any()
-
-
-class _GradSet:
-    """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
-    weakly, so gradients dropped by ``zero_grad()`` are freed."""
-
-    def __init__(self, grads: Iterable[torch.Tensor]) -> None:
-        self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
-
-    def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
-        grad, version = item
-        seen = self._seen.get(id(grad))
-        return seen is not None and seen[0]() is grad and seen[1] == version
-
-
-def _local_view(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (FSDP2), any other tensor as it is."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
-def _floating_tensors(data: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    _map_tensors(data, lambda t: found.append(t) if t.is_floating_point() and t.numel() else None)
-    return found
-
-
-def _map_tensors(data: Any, fn: Any) -> Any:
-    """``data`` with ``fn`` applied to every tensor; lists, tuples, namedtuples and dicts rebuilt as they were."""
-    if isinstance(data, torch.Tensor):
-        out = fn(data)
-        return data if out is None else out
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_map_tensors(v, fn) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(v, fn) for v in data)
-    if isinstance(data, dict):
-        return type(data)((k, _map_tensors(v, fn)) for k, v in data.items())
-    return data
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
-    """``torch.set_default_dtype(dtype)`` inside the block, the previous default restored after (also on error)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def tensor_init_context(stepper: PrecisionStepper) -> AbstractContextManager:
-    """Where new tensors and modules are made: in the 16-bit dtype for ``*-true`` modes without FP32 masters, else
-    unchanged. With FP32 masters the model is built in FP32: the masters start from exact values (setup casts the
-    model), and under FSDP2 the FP32 parameters are the masters (its policy computes in 16 bits)."""
-    return default_dtype(stepper.dtype) if stepper.true_16bit and stepper.master_mode != "fp32" else nullcontext()

@@ -1,0 +1,64 @@
+"""The stepper's state on resume: the weight keeper's entries (or what waits for it), the scaler's, and the carry-over
+of a checkpoint written with another precision or master mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lit_mpstable.core.counters import RunCounters
+from lit_mpstable.core.scalers import LossScaler
+from lit_mpstable.core.weights import WeightKeeper
+
+__all__ = ["load_scaler_state_", "load_weights_state_", "weights_state"]
+
+_KEYS = ("masters", "compact")
+
+
+def weights_state(keeper: WeightKeeper, pending: dict[str, Any]) -> dict[str, Any]:
+    """``masters`` and ``compact``: the keeper's state under its key, state loaded before it was bound under the other
+    (``{}`` without)."""
+    return {key: keeper.state_dict() if keeper.state_key == key else dict(pending.get(key, {})) for key in _KEYS}
+
+
+def load_scaler_state_(scaler: LossScaler | None, state: dict[str, Any], *, precision: str,
+                       keep_counters: bool) -> list[str]:
+    """Restore the scaler from ``state`` (a stepper state dict); its event counters keep their live values with
+    ``keep_counters``. Returns a note when the checkpoint was written with or without loss scaling unlike this run."""
+    scaling = scaler is not None and scaler.is_enabled()
+    if scaling and state["scaler"]:
+        assert scaler is not None
+        saved = dict(state["scaler"])
+        scaler.load_state_dict(RunCounters.keep_live_(saved, scaler.state_dict()) if keep_counters else saved)
+    elif scaling or state["scaler"]:
+        # A precision switch on resume (e.g. 16-mixed -> bf16-mixed) is legitimate: say what happens.
+        return [
+            f"checkpoint written with precision={state['precision']!r}"
+            f" {'with' if state['scaler'] else 'without'} loss scaling; this run ({precision!r})"
+            f" {'starts a fresh scaler' if scaling else 'does not scale'}."
+        ]
+    return []
+
+
+def load_weights_state_(
+    keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *, mode: str | None, fsdp2: bool,
+    pending: dict[str, Any], module: nn.Module | None, precision: str,
+) -> str | None:
+    """Load the checkpoint's ``masters``/``compact`` into ``keeper`` (same mode), keep them in ``pending`` until it is
+    bound, or carry their FP32 values into this run's weight mode. Returns a warning for the user, if any."""
+    if masters and keeper.state_key == "masters":
+        keeper.load_state_dict(masters)
+    elif masters and mode == "fp32" and not fsdp2:
+        pending["masters"] = masters
+    elif compact and keeper.state_key == "compact" and compact.get("mode") == keeper.mode:
+        keeper.load_state_dict(compact)
+    elif compact and keeper.state_key != "compact" and compact.get("mode") == mode:
+        pending["compact"] = compact
+    elif masters or compact.get("compensation"):  # another master mode or precision: carry the FP32 values
+        saved = "FP32 masters" if masters else "Kahan compensation"
+        target = f"{precision!r}, master_weights={mode or False!r}"
+        if module is None:
+            return f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
+        return keeper.carry_(module, masters, compact, saved=saved, target=target)
+    return None
