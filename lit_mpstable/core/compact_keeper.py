@@ -11,9 +11,9 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.compact import CompactWeights
+from lit_mpstable.core.keeper_steps import first_grad_device, step_checked
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scalers import LossScaler
-from lit_mpstable.core.keeper_steps import first_grad_device, step_checked
 
 __all__ = ["CompactKeeper"]
 
