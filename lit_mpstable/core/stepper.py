@@ -29,20 +29,18 @@ from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.islands import FP32Islands
 from lit_mpstable.core.iteration import Iteration
 from lit_mpstable.core.layout import PrecisionLayout
-from lit_mpstable.core.fsdp import (
-    check_fsdp2_setup, check_fsdp_policies, fsdp2_fallback_refusal, fsdp_units, unsharded_message,
-)
+from lit_mpstable.core.fsdp import fsdp2_fallback_refusal
 from lit_mpstable.core.memory import training_memory
 from lit_mpstable.core.observer import GradObserver, shard_view
 from lit_mpstable.core.policy import OpPolicy
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.step_guard import check_step_inputs_, stale_grads_note
 from lit_mpstable.core.step_report import blame, blame_late, observe
+from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
 from lit_mpstable.core.stepper_state import load_scaler_state_, load_weights_state_, weights_state
 from lit_mpstable.core.tensors import default_dtype, floating_tensors, map_tensors, tensor_init_context
-from lit_mpstable.core.weights import PlainKeeper, WeightKeeper, make_keeper
+from lit_mpstable.core.weights import PlainKeeper, WeightKeeper
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName", "default_dtype",
            "tensor_init_context"]
@@ -203,49 +201,12 @@ class PrecisionStepper:
             ValueError: FSDP2 with a sharded model whose policies do not match, FP8 layers not swapped before
                 sharding, or ``master_weights="kahan"``/``"stochastic"`` (FSDP2 keeps FP32 shards instead).
         """
-        # ---- FSDP2 (begin)
-        sharded = bool(fsdp_units(module))
-        self.fsdp2 = fsdp2 or sharded
-        # Never cast FSDP2's sharded parameters; with masters they stay FP32, for they are the masters.
-        self.layout.cast_parameters = self.true_16bit and not (self.fsdp2 and (sharded or self.master_mode is not None))
-        if self.fsdp2:
-            check_fsdp2_setup(self.owner, self.precision, master_mode=self.master_mode, fp8=self.fp8,
-                              sharded_before_fp8=sharded and self.fp8 is not None and self.layout.module is not module)
-        # ---- FSDP2 (end)
-        elif self.master_mode == "fp32" and self.keeper.mode != "fp32":
-            # Masters start from these FP32 values, not from their 16-bit rounding (kept until the optimizers come).
-            self._initial = {name: p.detach().clone() for name, p in module.named_parameters()
-                             if p.requires_grad and p.dtype == torch.float32}
-        self.layout.attach(module, self.device)
-        if "layout" in self._pending:
-            self.layout.load_state_dict(self._pending.pop("layout"))
-        self.observer.attach(module)
-        if sharded:
-            check_fsdp_policies(module, self.precision, master_weights=self.master_mode is not None,
-                                islands=self.layout.islands.names, owner=self.owner)
-        self._fsdp_checked = sharded
-        return module
+        return setup_module(self, module, fsdp2=fsdp2)
 
     def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: list[Any] = ()) -> None:
-        """Bind FP32 masters into ``optimizers`` (``*-true`` modes) and hold ``schedulers`` on skipped steps."""
-        self.optimizers = list(optimizers)
-        self.adopt_device_(module)
-        for scaler in (self.scaler, self._checker):  # the scale-1 check of scaler=None unscales FP16 gradients too
-            if isinstance(scaler, DynamicLossScaler):
-                scaler.allow_fp16_grads = self.precision == "16-true" and self.master_mode is None
-        if self.fsdp2 and self.true_16bit and not self._fsdp_checked:
-            raise ValueError(unsharded_message(self.owner, self.precision, module))
-        self.check_eps(optimizers)
-        if self.master_mode is not None:  # plain needs no binding (a bound plain keeper checks eps as the first)
-            self.keeper = make_keeper(self.master_mode, module, optimizers, owner=self.owner, precision=self.precision,
-                                      dtype=self.dtype, checker=self._checker, fsdp2=self.fsdp2, initial=self._initial,
-                                      warnings=self.warnings)
-            self._initial = {}
-        self.layout.after_recast = self.keeper.follow_recast_  # a fallback carries what the keeper holds
-        key = self.keeper.state_key
-        if key is not None and key in self._pending:
-            self.keeper.load_state_dict(self._pending.pop(key))
-        self.schedules.hold(list(schedulers))
+        """Bind the weight keeper (FP32 masters, compact weights) to ``module`` and ``optimizers``, and hold
+        ``schedulers`` on skipped steps."""
+        setup_optimizers(self, module, optimizers, list(schedulers))
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
         """Refuse, in ``'16-true'`` without masters, an ``eps`` FP16 cannot hold (see
@@ -256,14 +217,7 @@ class PrecisionStepper:
         """Run where ``module`` lives (its first parameter's device): autocast, the FP32 islands and the loss scalers
         follow it. :meth:`setup_optimizers` calls it; a front end that meets the model before it is moved (Fabric
         converts it first) calls it again before the first forward."""
-        device_type = next((p.device.type for p in module.parameters()), self.device)
-        if device_type in ("cpu", "cuda"):
-            self.device = self.layout.islands.device_type = self.layout.device_type = device_type
-        scaler = self._checker  # a foreign scaler's wrapper adopts nothing; ours is self.scaler itself
-        if scaler is not None and (previous := scaler.adopt_device_(self.device)) is not None and scaler is self.scaler:
-            self.warnings.append(
-                f"{type(scaler).__name__} built for {previous!r} adopted onto the run's device {self.device!r}."
-            )
+        adopt_device(self, module)
 
     @torch.no_grad()
     def follow_model_weights_(self) -> list[str]:
