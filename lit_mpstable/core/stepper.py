@@ -26,19 +26,17 @@ from lit_mpstable.core.attribution import any_nonfinite
 from lit_mpstable.fp8 import FP8Config, fp8_config
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.counters import RunCounters
-from lit_mpstable.core.islands import FP32Islands
 from lit_mpstable.core.iteration import Iteration
 from lit_mpstable.core.layout import PrecisionLayout
-from lit_mpstable.core.fsdp import fsdp2_fallback_refusal
-from lit_mpstable.core.memory import training_memory
-from lit_mpstable.core.observer import GradObserver, shard_view
+from lit_mpstable.core.observer import GradObserver
 from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.step_guard import check_step_inputs_, stale_grads_note
 from lit_mpstable.core.step_report import blame, blame_late, observe
 from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
-from lit_mpstable.core.stepper_state import load_scaler_state_, load_weights_state_, weights_state
+from lit_mpstable.core.stepper_state import StepperState
+from lit_mpstable.core.stepper_status import StepperStatus
 from lit_mpstable.core.tensors import default_dtype, floating_tensors, map_tensors, tensor_init_context
 from lit_mpstable.core.weights import PlainKeeper, WeightKeeper
 
@@ -50,10 +48,9 @@ MasterMode = Literal["fp32", "kahan", "stochastic"]
 OpPolicyName = Literal["autocast", "auto"]
 
 _FORMAT_IDS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
-_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
 
 
-class PrecisionStepper:
+class PrecisionStepper(StepperStatus, StepperState):
     """The precision of one training run and its step protocol: loss scaling, the non-finite check, FP32 master
     weights, clipping on true gradients, skip-and-count, FP32 islands, FP8 layers, the per-op policy, telemetry.
 
@@ -139,53 +136,6 @@ class PrecisionStepper:
         self._skip_requested = False
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
-
-    # ------------------------------------------------------------------------------------------- live state
-    @property
-    def dtype(self) -> torch.dtype:
-        """The 16-bit compute dtype, or ``torch.float32`` for ``"32-true"``."""
-        return _DTYPES.get(self.precision, torch.float32)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype the model computes in now: :attr:`dtype`, or FP32 while a global fallback is active."""
-        return self.layout.compute_dtype
-
-    @property
-    def true_16bit(self) -> bool:
-        """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
-        return self.precision in ("16-true", "bf16-true")
-
-    def applied_steps(self, optimizer: Optimizer | None = None) -> int:
-        """Optimizer steps applied (not skipped): what held LR schedulers follow; of ``optimizer`` alone if given
-        (counted in this process: a resume restores where each scheduler stands relative to it)."""
-        return self.counters.applied(optimizer)
-
-    step_count = RunCounters.view("step_count", "Optimizer steps taken or skipped (one per optimizer per iteration).")
-    overflow_count = RunCounters.view("overflow_count", "Steps skipped because their gradients held inf/NaN.")
-    skipped_steps = RunCounters.view("skipped_steps", "Steps not applied: overflows plus those of :meth:`skip_step`.")
-    last_step_skipped = RunCounters.view("last_step_skipped", "Whether the latest step was skipped.")
-
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1.0 without scaling). Reading it synchronises with the device."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return 1.0
-        return float(self.scaler.get_scale())
-
-    @property
-    def fallback_active(self) -> bool:
-        return self.layout.fallback_active
-
-    @property
-    def islands(self) -> FP32Islands:
-        return self.layout.islands
-
-    @property
-    def can_fallback(self) -> bool:
-        """Whether :meth:`fallback` can widen the precision: always, except where FSDP2 fixed it at ``fully_shard``
-        (each unit's ``param_dtype`` in ``*-true`` modes; FP8 layers, bound to the layer objects it sharded)."""
-        return not (self.fsdp2 and (self.true_16bit or bool(self.layout.fp8_layers)))
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, *, fsdp2: bool = False) -> nn.Module:
@@ -326,22 +276,6 @@ class PrecisionStepper:
         """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged."""
         self._skip_requested = True
 
-    @property
-    def checks_nonfinite(self) -> bool:
-        """Whether a step whose gradients hold inf/NaN is skipped (a scaler, or ``skip_nonfinite``)."""
-        return self._checker is not None
-
-    @property
-    def input_nonfinite(self) -> torch.Tensor | None:
-        """Whether a batch of the step in progress held inf/NaN, as a 0-dim device bool (None: no floating inputs
-        seen). Reading its value syncs."""
-        return self._input_nonfinite
-
-    @property
-    def skip_requested(self) -> bool:
-        """Whether :meth:`skip_step` was called for the step in progress."""
-        return self._skip_requested
-
     def count_unchecked_step(self, optimizer: Optimizer | None = None) -> None:
         """Count a step the front end took itself, unchecked (LBFGS evaluates its closure inside ``step``)."""
         self._record(skipped=False, overflow=False, optimizer=optimizer)
@@ -405,105 +339,3 @@ class PrecisionStepper:
         self.layout.sync_fp8_()
         self.counters.record(skipped=skipped, overflow=overflow, optimizer=optimizer)
         self._input_nonfinite = None
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Resident tensors of the precision itself that neither the model nor the optimizers hold (compensation
-        buffers), for memory accounting."""
-        return self.keeper.state_tensors()
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of training state by kind (``lit_mpstable.core.memory.training_memory``): ``weights``, ``masters`` (FP32
-        masters), ``gradients``, ``optimizer_state``, ``compensation`` (``"kahan"``), ``total``. Reads no device data.
-
-        Raises:
-            RuntimeError: no model or optimizer has been set up yet.
-        """
-        module = self.layout.module
-        if module is None or not self.optimizers:
-            raise RuntimeError(f"{self.owner}.memory_report(): available once training has set up model and optimizers.")
-        return training_memory(module, self.optimizers, extra={"compensation": self.state_tensors()})
-
-    # ----------------------------------------------------------------------------------- telemetry, blame
-    def named_grads(self) -> list[tuple[str, Any]]:
-        """``(name, parameter)`` of the model, the FP32 master standing in where there is one (it holds the true
-        gradient); FSDP2 parameters as this rank's gradient shard."""
-        module = self.layout.module
-        if module is None:
-            return []
-        return [(name, shard_view(grad)) for name, grad in self.keeper.named_grads(module)]
-
-    # --------------------------------------------------------------------------------------------- fallback
-    def fallback(self, modules: Iterable[str] | None = None) -> str:
-        """One rung up the precision ladder, globally or for the named modules; returns what was done.
-
-        Raises:
-            RuntimeError: under FSDP2, a rung it cannot climb (see :attr:`can_fallback`).
-        """
-        if self.fsdp2 and (why := fsdp2_fallback_refusal(modules, true_16bit=self.true_16bit, dtype=self.dtype,
-                                                        fp8_layers=self.layout.fp8_layers)):
-            raise RuntimeError(f"{self.owner}({self.precision!r}).fallback({modules!r}) with FSDP2: {why}.")
-        return self.layout.fallback(modules)
-
-    def restore_precision(self) -> bool:
-        """Undo every fallback; returns whether there was one."""
-        if not self.fallback_active:
-            return False
-        self.layout.restore()
-        return True
-
-    # ------------------------------------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly; tensors and plain Python values (``weights_only=True`` loads it).
-
-        Keys: ``precision``, ``scaler`` (its own state dict, ``{}`` without scaling), ``step_count``,
-        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallbacks, FP8 amax histories),
-        ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
-        ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
-        compensation buffers and rounding seed, ``{}`` without).
-        """
-        if self.iteration.stepped:
-            # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
-            # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
-            self._update_scale_()
-        return {
-            **weights_state(self.keeper, self._pending),
-            "precision": self.precision,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            **self.counters.state_dict(),
-            "layout": self.layout.state_dict(),
-            "op_policy": self.policy.state_dict(),
-            "schedules": self.schedules.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
-        """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
-        run's and the scaler's) keep their live values (a rollback undoes the weights, not the history).
-
-        Returns notes for the front end to show (a precision switch on resume, say).
-
-        Raises:
-            KeyError: keys differ from :meth:`state_dict`'s (each is named).
-        """
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise KeyError(
-                f"{self.owner}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the checkpoint"
-                " written by another version of lit_mpstable?"
-            )
-        notes = load_scaler_state_(self.scaler, state, precision=self.precision, keep_counters=keep_counters)
-        if not keep_counters:
-            self.counters.load_state_dict(state)
-            self.schedules.load_state_dict(list(state["schedules"]))
-        if self.layout.module is None:
-            self._pending["layout"] = state["layout"]
-        else:
-            self.layout.load_state_dict(state["layout"])
-        warning = load_weights_state_(self.keeper, state["masters"], state["compact"], mode=self.master_mode,
-                                      fsdp2=self.fsdp2, pending=self._pending, module=self.layout.module,
-                                      precision=self.precision)
-        if warning:
-            self.warnings.append(warning)
-        self.policy.load_state_dict(state["op_policy"])
-        return notes
-

@@ -11,7 +11,7 @@ from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.weights import WeightKeeper
 
-__all__ = ["load_scaler_state_", "load_weights_state_", "weights_state"]
+__all__ = ["StepperState", "load_scaler_state_", "load_weights_state_", "weights_state"]
 
 _KEYS = ("masters", "compact")
 
@@ -62,3 +62,80 @@ def load_weights_state_(
             return f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
         return keeper.carry_(module, masters, compact, saved=saved, target=target)
     return None
+
+
+class StepperState:
+    """``state_dict``/``load_state_dict`` of a :class:`~lit_mpstable.core.stepper.PrecisionStepper` (a mixin: it reads
+    the stepper's attributes)."""
+
+    owner: str
+    precision: str
+    master_mode: str | None
+    fsdp2: bool
+    scaler: Any
+    keeper: WeightKeeper
+    counters: RunCounters
+    layout: Any
+    policy: Any
+    schedules: Any
+    iteration: Any
+    warnings: list[str]
+    _pending: dict[str, Any]
+
+    def _update_scale_(self) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly; tensors and plain Python values (``weights_only=True`` loads it).
+
+        Keys: ``precision``, ``scaler`` (its own state dict, ``{}`` without scaling), ``step_count``,
+        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallbacks, FP8 amax histories),
+        ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
+        ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
+        compensation buffers and rounding seed, ``{}`` without).
+        """
+        if self.iteration.stepped:
+            # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
+            # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
+            self._update_scale_()
+        return {
+            **weights_state(self.keeper, self._pending),
+            "precision": self.precision,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            **self.counters.state_dict(),
+            "layout": self.layout.state_dict(),
+            "op_policy": self.policy.state_dict(),
+            "schedules": self.schedules.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
+        """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
+        run's and the scaler's) keep their live values (a rollback undoes the weights, not the history).
+
+        Returns notes for the front end to show (a precision switch on resume, say).
+
+        Raises:
+            KeyError: keys differ from :meth:`state_dict`'s (each is named).
+        """
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise KeyError(
+                f"{self.owner}.load_state_dict: missing keys {missing}, unknown keys {unknown}; was the checkpoint"
+                " written by another version of lit_mpstable?"
+            )
+        notes = load_scaler_state_(self.scaler, state, precision=self.precision, keep_counters=keep_counters)
+        if not keep_counters:
+            self.counters.load_state_dict(state)
+            self.schedules.load_state_dict(list(state["schedules"]))
+        if self.layout.module is None:
+            self._pending["layout"] = state["layout"]
+        else:
+            self.layout.load_state_dict(state["layout"])
+        warning = load_weights_state_(self.keeper, state["masters"], state["compact"], mode=self.master_mode,
+                                      fsdp2=self.fsdp2, pending=self._pending, module=self.layout.module,
+                                      precision=self.precision)
+        if warning:
+            self.warnings.append(warning)
+        self.policy.load_state_dict(state["op_policy"])
+        return notes
