@@ -301,9 +301,8 @@ class MasterKeeper:
     """The :class:`~lit_mpstable.core.weights.WeightKeeper` of FP32 masters (``master_weights=True``): the gradients
     go into the masters before anyone reads them, the optimizers step the masters, the 16-bit weights follow.
 
-    Args:
-        dtype: the model's 16-bit dtype (a trainable parameter of it met later gets a master at its first unscale).
-        initial: FP32 values to start the masters from (see :class:`MasterWeights`).
+    ``dtype``: the model's 16-bit dtype (a trainable parameter of it met later gets a master at its first unscale);
+    ``initial``: FP32 values to start the masters from (see :class:`MasterWeights`).
     """
 
     mode: str | None = "fp32"
@@ -355,9 +354,8 @@ class MasterKeeper:
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         self.weights.absorb_grads_(optimizer)
-        torch.nn.utils.clip_grad_value_(
-            [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None], clip_value
-        )
+        torch.nn.utils.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
+                                        clip_value)
         self.weights.expose_grads_(optimizer)
 
     def expose_grads_(self, optimizer: Optimizer) -> None:
