@@ -117,7 +117,8 @@ class PrecisionStepper(StepperStatus, StepperState):
         self.diagnose = diagnose
         formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
         self.observer = GradObserver(telemetry_every_n_steps, formats, diagnose=diagnose)
-        self.keeper: WeightKeeper = PlainKeeper(call, fp16_state=self.precision == "16-true" and self.master_mode is None)
+        fp16_state = self.precision == "16-true" and self.master_mode is None  # the optimizer state is FP16
+        self.keeper: WeightKeeper = PlainKeeper(call, fp16_state=fp16_state)
         """How the weights are kept through a step (plain, FP32 masters, compact); bound at :meth:`setup_optimizers`."""
         self.fsdp2 = False
         """The model is (or will be) sharded by FSDP2: its FP32 sharded parameters are the masters, nothing is cast."""

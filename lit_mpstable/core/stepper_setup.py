@@ -68,7 +68,8 @@ def adopt_device(stepper: Any, module: nn.Module) -> None:
     if device_type in ("cpu", "cuda"):
         stepper.device = stepper.layout.islands.device_type = stepper.layout.device_type = device_type
     scaler = stepper._checker  # a foreign scaler's wrapper adopts nothing; ours is stepper.scaler itself
-    if scaler is not None and (previous := scaler.adopt_device_(stepper.device)) is not None and scaler is stepper.scaler:
+    previous = scaler.adopt_device_(stepper.device) if scaler is not None else None
+    if previous is not None and scaler is stepper.scaler:
         stepper.warnings.append(
             f"{type(scaler).__name__} built for {previous!r} adopted onto the run's device {stepper.device!r}."
         )
