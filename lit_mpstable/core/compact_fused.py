@@ -18,8 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
-__all__ = ["FusedAdam", "hash32", "host_to_device", "noise_bits"]
+from lit_mpstable.core.compact_slices import Piece
+
+__all__ = ["FusedAdam", "FusedSteps", "hash32", "host_to_device", "noise_bits"]
 
 # 0x846CA68B as a signed 32-bit integer: the hash runs on int32 tensors with wrapping arithmetic.
 _M1, _M2 = 0x7FEB352D, 0x846CA68B - 2**32
@@ -68,7 +71,7 @@ _BIG = 2.0**103  # beyond it a * _SPLIT would overflow: such values are rounded 
 
 def _round_stochastic_bf16(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """FP32 ``x`` stochastically rounded to BF16 with the 16 random bits ``k`` (an FP32 tensor holding k - 32767):
-    bit for bit ``lit_mpstable.core.compact._round_stochastic_`` (adding k to the low half of x's bits and truncating),
+    bit for bit ``lit_mpstable.core.compact_rounding.round_stochastic_`` (adding k to the low half of x's bits and truncating),
     in float arithmetic a compiled kernel keeps vectorized (its bit casts are not, beside BF16 data), except that a
     tie (one draw in 65536 for each x) rounds to even and that ``|x| >= 2**103`` rounds to nearest.
 
@@ -185,6 +188,105 @@ class FusedAdam:
                     " steps without compiling.",
                     stacklevel=4,
                 )
+
+
+class FusedSteps:
+    """The fused-kernel part of :class:`~lit_mpstable.core.compact.CompactWeights` (a mixin: it reads the weights'
+    mode, compensation buffers and random keys)."""
+
+    fused: bool | None
+    mode: str
+    _fused: FusedAdam | None
+    _fused_failed: bool
+    _comp: dict[str, torch.Tensor]
+
+    def _key(self, piece: Any) -> int:
+        raise NotImplementedError
+
+    def _step_fused_(
+        self, optimizer: Optimizer, pieces: list[Piece], multiplier: torch.Tensor | float | None, clip: float | None
+    ) -> tuple[list[Piece], bool]:
+        """Step the parameters the fused kernel takes (:meth:`_pieces` leaves them whole: the kernel allocates
+        nothing, so slices would only add calls); returns the other pieces, in order, and whether any was stepped."""
+        rest: list[Piece] = []
+        stepped = False
+        scalars: dict[tuple[int, float, torch.device], torch.Tensor] = {}  # one small tensor per group, usually
+        for i, piece in enumerate(pieces):
+            p = piece.param
+            if not piece.fused:
+                rest.append(piece)
+                continue
+            state = optimizer.state[p]
+            if not state:  # as torch's Adam initializes it, the moments in the parameter's dtype
+                scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                state["step"] = torch.tensor(0.0, dtype=scalar_dtype)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            key = (piece.group, float(state["step"]) + 1, p.device)
+            if key not in scalars:
+                mult = _multiplier_tensor(multiplier, p.device)
+                scalars[key] = FusedAdam.scalars(optimizer.param_groups[piece.group], key[1], mult, clip)
+            self._fused = FusedAdam() if self._fused is None else self._fused
+            comp = self._comp[piece.name].view(-1) if self.mode == "kahan" else None  # type: ignore[index]
+            try:
+                self._fused.step_(
+                    p.detach().view(-1), comp, p.grad.view(-1), state["exp_avg"].view(-1),
+                    state["exp_avg_sq"].view(-1), scalars[key], self._key(piece),
+                )
+            except Exception as error:  # compiling failed (no C++ compiler, an unsupported device...)
+                if self.fused is True:
+                    raise RuntimeError(
+                        f"CompactWeights(fused=True): the fused Adam step of {piece.name!r} failed: {error}"
+                    ) from error
+                self._fused_failed = True
+                warnings.warn(
+                    f"CompactWeights: the fused Adam step did not compile ({type(error).__name__}:"
+                    f" {str(error).strip().splitlines()[0] if str(error).strip() else ''}); stepping"
+                    " through FP32 copies instead (slower). Pass fused=False to skip the attempt.", stacklevel=3,
+                )
+                return rest + pieces[i:], stepped
+            state["step"] += 1
+            p.grad = None
+            stepped = True
+        return rest, stepped
+
+    def _fusable(self, optimizer: Optimizer, piece: Piece) -> bool:
+        p, grad = piece.param, piece.param.grad
+        if (
+            self.fused is False or self._fused_failed or piece.name is None or p.dtype != torch.bfloat16
+            or _has_step_hooks(optimizer)  # they must see the step inside optimizer.step(), on its parameters
+            or (p.device.type != "cpu" and self.fused is not True)
+            or p.numel() == 0 or not FusedAdam.eligible(optimizer, optimizer.param_groups[piece.group], p.device)
+            or not p.is_contiguous() or grad is None or grad.layout != torch.strided or not grad.is_contiguous()
+            or grad.dtype != p.dtype
+        ):
+            return False
+        state = optimizer.state.get(p, {})
+        if not state:
+            return True
+        if set(state) != {"step", "exp_avg", "exp_avg_sq"} or not torch.is_tensor(state["step"]):
+            return False
+        step = state["step"]
+        return step.device.type == "cpu" and step.numel() == 1 and all(
+            type(state[k]) is torch.Tensor and state[k].dtype == p.dtype and state[k].shape == p.shape
+            and state[k].is_contiguous() for k in ("exp_avg", "exp_avg_sq")
+        )
+
+
+def _has_step_hooks(optimizer: Optimizer) -> bool:
+    # The optimizer's own step pre/post hooks and the global ones (torch.optim.optimizer.register_optimizer_step_*).
+    from torch.optim import optimizer as module
+
+    return bool(
+        getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None)
+        or getattr(module, "_global_optimizer_pre_hooks", None) or getattr(module, "_global_optimizer_post_hooks", None)
+    )
+
+
+def _multiplier_tensor(multiplier: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
+    if isinstance(multiplier, torch.Tensor):
+        return multiplier.detach().to(device=device, dtype=torch.float32).reshape(())
+    return host_to_device(torch.tensor(1.0 if multiplier is None else float(multiplier), dtype=torch.float32), device)
 
 
 _SLOW_MARKER = "lit_mpstable_fused_adam_said"

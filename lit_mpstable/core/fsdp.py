@@ -33,7 +33,7 @@ from torch import nn
 
 __all__ = [
     "check_fsdp2_setup", "check_fsdp_policies", "fp8_all_gather_", "fsdp2_dtype_table", "fsdp2_fallback_refusal",
-    "fsdp_units", "island_mp_policy", "mp_policy", "reduce_dtype_warning", "unsharded_message",
+    "fsdp_units", "island_mp_policy", "mp_policy", "reduce_dtype_warning", "setup_fsdp2", "unsharded_message",
 ]
 
 _DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
@@ -317,3 +317,24 @@ def fp8_all_gather_(module: nn.Module) -> list[str]:
         wrapped = WeightWithDynamicFloat8CastTensor(weight.data, layer.linear_mm_config, cast.target_dtype)
         layer.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
     return list(layers)
+
+
+def setup_fsdp2(
+    owner: str, precision: str, module: nn.Module, *, requested: bool, master_mode: str | None, fp8: Any,
+    swapped_elsewhere: bool, true_16bit: bool,
+) -> tuple[bool, bool, bool]:
+    """Whether the run is FSDP2 (``requested``, or ``fully_shard`` already ran on ``module``), whether ``module`` is
+    sharded now, and whether its parameters may be cast to 16 bits; refuses what FSDP2 cannot take
+    (:func:`check_fsdp2_setup`; ``swapped_elsewhere``: the FP8 layers were swapped on another module object).
+
+    Raises:
+        ValueError: see :func:`check_fsdp2_setup`.
+    """
+    sharded = bool(fsdp_units(module))
+    fsdp2 = requested or sharded
+    # Never cast FSDP2's sharded parameters; with masters they stay FP32, for they are the masters.
+    cast = true_16bit and not (fsdp2 and (sharded or master_mode is not None))
+    if fsdp2:
+        check_fsdp2_setup(owner, precision, master_mode=master_mode, fp8=fp8,
+                          sharded_before_fp8=sharded and fp8 is not None and swapped_elsewhere)
+    return fsdp2, sharded, cast

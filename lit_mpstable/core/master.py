@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["MasterWeights", "carry_precise_state_"]
+from lit_mpstable.core.carry import carry_precise_state_
+from lit_mpstable.core.scalers import LossScaler
+from lit_mpstable.core.keeper_steps import step_checked, unscale_checked_
+
+__all__ = ["MasterKeeper", "MasterWeights", "carry_precise_state_"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -293,72 +297,103 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@torch.no_grad()
-def carry_precise_state_(
-    module: nn.Module | None, masters: Mapping[str, torch.Tensor], compact: Mapping[str, Any], *,
-    master: MasterWeights | None, compact_weights: Any, saved: str, target: str,
-) -> str | None:
-    """Carry what a checkpoint holds beyond its 16-bit weights into a run of another precision or master mode.
+class MasterKeeper:
+    """The :class:`~lit_mpstable.core.weights.WeightKeeper` of FP32 masters (``master_weights=True``): the gradients
+    go into the masters before anyone reads them, the optimizers step the masters, the 16-bit weights follow.
 
-    The checkpoint's FP32 values are its FP32 masters (``masters``), or its weights plus their Kahan compensation
-    (``compact``; the weights must be loaded into ``module`` already, as Lightning does before the plugin's state).
-    They go exactly where this run can hold them: into its FP32 masters (``master``), into FP32 weights
-    (``*-mixed``, ``"32-true"``, FP32 islands), or into Kahan weights and their compensation (to about 16
-    significant bits). Where it cannot (stochastic rounding, no masters) the weights keep the checkpoint's 16-bit
-    values and the returned message says how much was dropped. Same-mode state is not handled here.
-
-    Args:
-        saved, target: how the checkpoint's and this run's weights are kept, for the message.
-
-    Returns:
-        A warning for the user when something could not be carried, else ``None``.
-
-    Raises:
-        KeyError: a name of the checkpoint's state is not a parameter of ``module``.
-        ValueError: a tensor's shape differs from its parameter's.
+    ``dtype``: the model's 16-bit dtype (a trainable parameter of it met later gets a master at its first unscale);
+    ``initial``: FP32 values to start the masters from (see :class:`MasterWeights`).
     """
-    params = dict(module.named_parameters()) if module is not None else {}
-    if masters:
-        values = {name: value.float() for name, value in masters.items()}
-    else:
-        comp = compact.get("compensation", {})
-        if not comp:
-            return None  # stochastic rounding keeps nothing beyond the weights
-        unknown = sorted(set(comp) - set(params))
-        if unknown:
-            raise KeyError(f"carry_precise_state_: compensation of {unknown} names no parameter of the model.")
-        values = {name: params[name].detach().float() + value.float() for name, value in comp.items()}
-    unknown = sorted(set(values) - set(params))
-    if unknown:
-        raise KeyError(f"carry_precise_state_: {saved} of {unknown} name no parameter of the model.")
-    for name, value in values.items():
-        if value.shape != params[name].shape:
-            raise ValueError(f"carry_precise_state_: {name!r} has shape {tuple(value.shape)} in the checkpoint,"
-                             f" {tuple(params[name].shape)} in the model.")
-    sharded = [name for name in values if type(params[name].data) is not torch.Tensor]
-    if sharded:
-        return (f"the checkpoint's {saved} were not carried into this run ({target}): {sharded[:4]} are sharded"
-                " (DTensor); resume with the precision and master_weights it was written with.")
-    held = {name for name in values if params[name].dtype == torch.float32}
-    mastered = {name: m for name, m, _ in master.named_pairs()} if master is not None else {}
-    comps = ({name: c for name, _, c in compact_weights.named_buffers() if c is not None}
-             if compact_weights is not None else {})
-    lost = 0.0
-    for name, value in values.items():
-        param = params[name]
-        if name in mastered:
-            mastered[name].copy_(value)
-            param.copy_(value)  # round to nearest, as refresh_model_ does
-        elif name in held:
-            param.copy_(value)
-        elif name in comps:
-            param.copy_(value)
-            comps[name].copy_(value - param.float())
-        else:
-            param.copy_(value)  # nearest: the 16-bit weight closest to the value the run held
-            lost = max(lost, float((value - param.float()).abs().max()) if value.numel() else 0.0)
-    if lost == 0.0:
-        return None
-    return (f"the checkpoint's {saved} could not all be carried into this run ({target}): its 16-bit weights hold"
-            f" them to nearest rounding, up to {lost:.3g} per weight dropped; resume with master_weights=True"
-            " (FP32 masters) or 'kahan', or a '*-mixed' precision, to keep them.")
+
+    mode: str | None = "fp32"
+    state_key: str | None = "masters"
+    defers_unscale = False
+    exposes_grads = True
+
+    def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], *, dtype: torch.dtype,
+                 initial: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.weights = MasterWeights(module, optimizers, initial=initial)
+        self.dtype = dtype
+        self.follow_recast_ = self.weights.follow_recast_  # a fallback to FP32 computes with the masters
+
+    def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
+        pass  # FP32 optimizer state holds any eps
+
+    def adopt_optimizer_(self, optimizer: Optimizer) -> None:
+        self.weights.bind_new_(optimizer)
+
+    @torch.no_grad()
+    def follow_model_weights_(self) -> list[str]:
+        """Restart from its 16-bit weight every master whose rounding that weight no longer is (weights loaded into
+        the model after the masters were bound); returns their names. One host sync."""
+        pairs = list(self.weights.named_pairs())
+        if not pairs:
+            return []
+        stale = torch.stack([(master.to(param.dtype) != param).any() for _, master, param in pairs]).tolist()
+        for (_, master, param), changed in zip(pairs, stale):
+            if changed:
+                master.copy_(param)
+        return [name for (name, _, _), changed in zip(pairs, stale) if changed]
+
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
+        if any(p.requires_grad and p.dtype == self.dtype for g in optimizer.param_groups for p in g["params"]):
+            self.weights.bind_new_(optimizer)  # added (add_param_group) or unfrozen since setup
+        self.weights.copy_grads_to_master_(optimizer)
+        unscale_checked_(optimizer, checker, scaler, device)
+        self.weights.expose_grads_(optimizer, copy=scaler is not None)
+
+    def absorb_grads_(self, optimizer: Optimizer) -> None:
+        self.weights.absorb_grads_(optimizer)
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
+        self.weights.absorb_grads_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        self.weights.expose_grads_(optimizer)  # hooks after this see the clipped values
+        return norm
+
+    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        self.weights.absorb_grads_(optimizer)
+        torch.nn.utils.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
+                                        clip_value)
+        self.weights.expose_grads_(optimizer)
+
+    def expose_grads_(self, optimizer: Optimizer) -> None:
+        self.weights.expose_grads_(optimizer)
+
+    def step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
+        output, skipped = step_checked(optimizer, checker, None, kwargs)
+        if not skipped:
+            self.weights.refresh_model_(optimizer)
+        self.weights.zero_model_grads_(optimizer)
+        return output, skipped
+
+    def drop_(self, optimizer: Optimizer) -> None:
+        self.weights.zero_model_grads_(optimizer)
+
+    def grad_holders(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if id(optimizer) in self.weights._names_by_optimizer:
+            params += self.weights._select(optimizer)[1]
+        return params
+
+    def named_grads(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        masters = self.fp32_weights()
+        return [(name, masters.get(name, p)) for name, p in module.named_parameters()]
+
+    def fp32_weights(self) -> dict[str, torch.Tensor]:
+        return {name: master for name, master, _ in self.weights.named_pairs()}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.weights.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.weights.load_state_dict(state)
+
+    def carry_(self, module: nn.Module, masters: dict[str, Any], compact: dict[str, Any], *, saved: str,
+               target: str) -> str | None:
+        return carry_precise_state_(module, masters, compact, master=self.weights, compact_weights=None, saved=saved,
+                                    target=target)

@@ -154,14 +154,10 @@ def _fp32_grads(
     reference.float()
     params = dict(reference.named_parameters())
     with torch.no_grad():
-        if stepper.master is not None:
-            for name, master, _ in stepper.master.named_pairs():
-                if name in params:
-                    params[name].copy_(master)
-        if stepper.compact is not None:  # master_weights='kahan': a weight is its 16-bit part plus its compensation
-            for name, _, compensation in stepper.compact.named_buffers():
-                if compensation is not None and name in params:
-                    params[name].add_(compensation.float())
+        # The masters, or a Kahan weight's 16-bit part plus its compensation.
+        for name, weight in stepper.keeper.fp32_weights().items():
+            if name in params:
+                params[name].copy_(weight)
     islands = memo.get(id(stepper.islands))  # the copy's FP32 islands: in *-true modes they cast outputs to 16 bits
     if islands is not None:
         islands.output_dtype = None
@@ -193,7 +189,7 @@ def _run_grads(
         scaled = loss * torch.tensor(scale, dtype=torch.float32, device=loss.device)
         grads = torch.autograd.grad(scaled, [params[n] for n in names], allow_unused=True)
     inv_scale = torch.tensor(1.0 / scale, dtype=torch.float32, device=device)
-    mastered = {name for name, _, _ in stepper.master.named_pairs()} if stepper.master is not None else set()
+    mastered = set(stepper.keeper.fp32_weights()) if stepper.keeper.exposes_grads else set()  # gradients into masters
     return [_unscaled(g, inv_scale, fp32=name in mastered) for name, g in zip(names, grads)]
 
 

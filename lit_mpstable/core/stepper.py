@@ -13,9 +13,8 @@ One iteration, in this order (a plain loop calls the same methods the Trainer an
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Generator, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, get_args
 
 import torch
@@ -23,38 +22,36 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg
-from lit_mpstable.core.loaded_state import check_plugin_state
 from lit_mpstable.core.attribution import any_nonfinite
 from lit_mpstable.fp8 import FP8Config, fp8_config
-from lit_mpstable.core.islands import FP32Islands
+from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
+from lit_mpstable.core.counters import RunCounters
+from lit_mpstable.core.iteration import Iteration
 from lit_mpstable.core.layout import PrecisionLayout
-from lit_mpstable.core.compact import CompactWeights
-from lit_mpstable.core.fsdp import (
-    check_fsdp2_setup, check_fsdp_policies, fsdp2_fallback_refusal, fsdp_units, unsharded_message,
-)
-from lit_mpstable.core.master import MasterWeights, carry_precise_state_
-from lit_mpstable.core.memory import training_memory
-from lit_mpstable.core.observer import GradObserver, shard_view
+from lit_mpstable.core.observer import GradObserver
 from lit_mpstable.core.policy import OpPolicy
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
+from lit_mpstable.core.step_guard import check_step_inputs_, stale_grads_note
+from lit_mpstable.core.step_report import blame, blame_late, observe
+from lit_mpstable.core.stepper_args import check_arguments
+from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
+from lit_mpstable.core.stepper_state import StepperState
+from lit_mpstable.core.stepper_status import StepperStatus
+from lit_mpstable.core.tensors import default_dtype, floating_tensors, map_tensors, tensor_init_context
+from lit_mpstable.core.weights import PlainKeeper, WeightKeeper
 
-__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName"]
+__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName", "default_dtype",
+           "tensor_init_context"]
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
 MasterMode = Literal["fp32", "kahan", "stochastic"]
 OpPolicyName = Literal["autocast", "auto"]
 
 _FORMAT_IDS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
-_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
-# The run's event counters: history, not numeric state (a rollback keeps their live values). The scaler's own
-# counters are the same facts seen from the scaler, kept in step with these.
-_COUNTERS = ("step_count", "overflow_count", "skipped_steps", "last_step_skipped")
-_SCALER_COUNTERS = ("overflow_count", "step_count", "min_scale_hits")
 
 
-class PrecisionStepper:
+class PrecisionStepper(StepperStatus, StepperState):
     """The precision of one training run and its step protocol: loss scaling, the non-finite check, FP32 master
     weights, clipping on true gradients, skip-and-count, FP32 islands, FP8 layers, the per-op policy, telemetry.
 
@@ -95,7 +92,7 @@ class PrecisionStepper:
         bool_arg(call, "diagnose", diagnose)
         int_arg(call, "telemetry_every_n_steps", telemetry_every_n_steps, low=1, none=True,
                 unit="optimizer steps between computations; 50 keeps the cost under 1% of a step")
-        _check_arguments(call, precision, scaler, fp32_modules)
+        check_arguments(call, precision, scaler, fp32_modules)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if precision == "auto":
             bf16_ok = self.device == "cpu" or torch.cuda.is_bf16_supported()
@@ -122,86 +119,26 @@ class PrecisionStepper:
         self.diagnose = diagnose
         formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
         self.observer = GradObserver(telemetry_every_n_steps, formats, diagnose=diagnose)
-        self.master: MasterWeights | None = None
+        fp16_state = self.precision == "16-true" and self.master_mode is None  # the optimizer state is FP16
+        self.keeper: WeightKeeper = PlainKeeper(call, fp16_state=fp16_state)
+        """How the weights are kept through a step (plain, FP32 masters, compact); bound at :meth:`setup_optimizers`."""
         self.fsdp2 = False
         """The model is (or will be) sharded by FSDP2: its FP32 sharded parameters are the masters, nothing is cast."""
         self._fsdp_checked = False  # a sharded model's policies were checked (the strategy's call after fully_shard)
-        self.compact: CompactWeights | None = None
-        """``master_weights="kahan"``/``"stochastic"``: 16-bit weights updated through transient FP32 views."""
-        self._compact_grad: dict[int, list[Any]] = {}  # per optimizer this iteration: [multiplier, clip value]
         self.optimizers: list[Optimizer] = []
         """The optimizers this run steps (given at setup, or met at their first step)."""
         self.schedules = ScheduleHold(self.applied_steps)  # a bound method, not a lambda: spawned ranks unpickle it
-        self.step_count = 0
-        """Optimizer steps taken or skipped (one per optimizer per iteration)."""
-        self.overflow_count = 0
-        """Steps skipped because their gradients held inf/NaN."""
-        self.skipped_steps = 0
-        """Steps not applied: overflows plus steps discarded by :meth:`skip_step`."""
-        self.last_step_skipped = False
+        self.counters = RunCounters()
+        """The run's event counters (the properties below are views of it)."""
         self.stats: dict[str, Any] = {}
         self.last_loss: torch.Tensor | None = None
         """The latest loss before scaling, detached, on the device (reading it syncs)."""
         self._initial: dict[str, torch.Tensor] = {}  # FP32 weights before the 16-bit cast, for the masters
         self._pending: dict[str, Any] = {}  # state loaded before the model or optimizers arrived
-        self._unscaled: set[int] = set()  # optimizers unscaled (and checked) in this iteration, not yet stepped
-        self._stepped: set[int] = set()  # optimizers stepped since the last scale update
-        self._data_fault = False  # a skip of this iteration is not the scale's fault (an inf/NaN batch, or a late one)
-        self._overflowed = False  # a skip of this iteration counts as an overflow (not inf/NaN entering late)
-        self._applied_by: dict[int, int] = {}  # applied steps per optimizer (by id), for the LR hold
-        self._stepped_on: dict[int, _GradSet] = {}  # per optimizer: the gradients (and versions) it last stepped on
+        self.iteration = Iteration()  # what the iteration in progress did (host state)
         self._skip_requested = False
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
-
-    # ------------------------------------------------------------------------------------------- live state
-    @property
-    def dtype(self) -> torch.dtype:
-        """The 16-bit compute dtype, or ``torch.float32`` for ``"32-true"``."""
-        return _DTYPES.get(self.precision, torch.float32)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype the model computes in now: :attr:`dtype`, or FP32 while a global fallback is active."""
-        return self.layout.compute_dtype
-
-    @property
-    def true_16bit(self) -> bool:
-        """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
-        return self.precision in ("16-true", "bf16-true")
-
-    def applied_steps(self, optimizer: Optimizer | None = None) -> int:
-        """Optimizer steps applied (not skipped): what held LR schedulers follow; of ``optimizer`` alone if given
-        (counted in this process: a resume restores where each scheduler stands relative to it)."""
-        if optimizer is None:
-            return self.step_count - self.skipped_steps
-        for _ in range(3):  # a front end's wrapper (Fabric's, Lightning's) around the optimizer that steps
-            inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-            if not isinstance(inner, Optimizer) or inner is optimizer:
-                break
-            optimizer = inner
-        return self._applied_by.get(id(optimizer), 0)
-
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1.0 without scaling). Reading it synchronises with the device."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return 1.0
-        return float(self.scaler.get_scale())
-
-    @property
-    def fallback_active(self) -> bool:
-        return self.layout.fallback_active
-
-    @property
-    def islands(self) -> FP32Islands:
-        return self.layout.islands
-
-    @property
-    def can_fallback(self) -> bool:
-        """Whether :meth:`fallback` can widen the precision: always, except where FSDP2 fixed it at ``fully_shard``
-        (each unit's ``param_dtype`` in ``*-true`` modes; FP8 layers, bound to the layer objects it sharded)."""
-        return not (self.fsdp2 and (self.true_16bit or bool(self.layout.fp8_layers)))
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, *, fsdp2: bool = False) -> nn.Module:
@@ -217,115 +154,23 @@ class PrecisionStepper:
             ValueError: FSDP2 with a sharded model whose policies do not match, FP8 layers not swapped before
                 sharding, or ``master_weights="kahan"``/``"stochastic"`` (FSDP2 keeps FP32 shards instead).
         """
-        if self._skip_requested:  # no step is in progress between fits: the request must not eat the next first batch
-            self._skip_requested = False
-            self.warnings.append(f"{self.owner}.skip_step() was called outside a step (between fits): ignored; call"
-                                 " it during a step (before optimizer_step), e.g. from on_before_backward.")
-        # ---- FSDP2 (begin)
-        sharded = bool(fsdp_units(module))
-        self.fsdp2 = fsdp2 or sharded
-        # Never cast FSDP2's sharded parameters; with masters they stay FP32, for they are the masters.
-        self.layout.cast_parameters = self.true_16bit and not (self.fsdp2 and (sharded or self.master_mode is not None))
-        if self.fsdp2:
-            check_fsdp2_setup(self.owner, self.precision, master_mode=self.master_mode, fp8=self.fp8,
-                              sharded_before_fp8=sharded and self.fp8 is not None and self.layout.module is not module)
-        # ---- FSDP2 (end)
-        elif self.master_mode == "fp32" and self.master is None:
-            # Masters start from these FP32 values, not from their 16-bit rounding (kept until the optimizers come).
-            self._initial = {name: p.detach().clone() for name, p in module.named_parameters()
-                             if p.requires_grad and p.dtype == torch.float32}
-        self.layout.attach(module, self.device)
-        if "layout" in self._pending:
-            self.layout.load_state_dict(self._pending.pop("layout"))
-        self.observer.attach(module)
-        if sharded:
-            check_fsdp_policies(module, self.precision, master_weights=self.master_mode is not None,
-                                islands=self.layout.islands.names, owner=self.owner)
-        self._fsdp_checked = sharded
-        return module
+        return setup_module(self, module, fsdp2=fsdp2)
 
     def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: list[Any] = ()) -> None:
-        """Bind FP32 masters into ``optimizers`` (``*-true`` modes) and hold ``schedulers`` on skipped steps.
-
-        Raises:
-            RuntimeError: :meth:`setup_module` was not called (the model would train without its precision layout).
-        """
-        if self.layout.module is None:
-            raise RuntimeError(
-                f"{self.owner}.setup_optimizers: call setup_module(module) first; without it the model keeps its"
-                f" FP32 weights and no precision layout ({self.precision!r}, FP32 islands, FP8), and trains in FP32.")
-        self.optimizers = list(optimizers)
-        self.adopt_device_(module)
-        for scaler in (self.scaler, self._checker):  # the scale-1 check of scaler=None unscales FP16 gradients too
-            if isinstance(scaler, DynamicLossScaler):
-                scaler.allow_fp16_grads = self.precision == "16-true" and self.master_mode is None
-        if self.fsdp2 and self.true_16bit and not self._fsdp_checked:
-            raise ValueError(unsharded_message(self.owner, self.precision, module))
-        self.check_eps(optimizers)
-        if self.master_mode == "fp32" and not self.fsdp2:  # FSDP2: its FP32 sharded parameters are the masters
-            self.master = MasterWeights(module, optimizers, initial=self._initial)
-            self.layout.after_recast = self.master.follow_recast_  # a fallback to FP32 computes with the masters
-            self._initial = {}
-            if "masters" in self._pending:
-                self.master.load_state_dict(self._pending.pop("masters"))
-        elif self.master_mode in ("kahan", "stochastic") and not self.fsdp2:
-            if self._checker is not None and not self._checker.checks_without_unscaling:
-                raise ValueError(
-                    f"{self.owner}({self.precision!r}, master_weights={self.master_mode!r},"
-                    f" scaler={type(self._checker).__name__}(...)): compact weights unscale in FP32 themselves and need"
-                    " a scaler that checks without unscaling (check_()); use scaler='dynamic' or DynamicLossScaler."
-                )
-            self.compact = CompactWeights(module, optimizers, self.master_mode, seed=torch.initial_seed() % 2**31)
-            self.layout.after_recast = self.compact.follow_recast_  # a fallback carries the compensation
-            if self.precision == "16-true":
-                self.warnings.append(
-                    f"{self.owner}('16-true', master_weights={self.master_mode!r}): optimizer state stays FP16, where"
-                    " Adam's second moment (about 1e-3 * grad**2) falls into the subnormal range for gradients below"
-                    " ~1e-2 and its rounding distorts the steps; with Adam-family optimizers prefer 'bf16-true' or"
-                    " master_weights=True (SGD-like optimizers are fine)."
-                )
-            if "compact" in self._pending:
-                self.compact.load_state_dict(self._pending.pop("compact"))
-        self.schedules.hold(list(schedulers))
+        """Bind the weight keeper (FP32 masters, compact weights) to ``module`` and ``optimizers``, and hold
+        ``schedulers`` on skipped steps."""
+        setup_optimizers(self, module, optimizers, list(schedulers))
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
-        """Refuse, in ``'16-true'`` without masters (the optimizer state is FP16), an ``eps`` below FP16's smallest
-        normal number: rounded to 0 (Adam's default 1e-8), a parameter whose gradient is 0 (a dead ReLU) gets
-        ``0 / 0 = NaN`` at its first step; subnormal, the steps of parameters whose second moment underflows grow to
-        ``lr * m / eps`` and overflow the next forward. Either way every later step is skipped. Only torch's own
-        optimizers are checked: they compute in the parameters' dtype (torchao's and bitsandbytes' 8-bit ones in
-        FP32)."""
-        if self.precision != "16-true" or self.master_mode is not None:
-            return
-        tiny = torch.finfo(torch.float16).tiny  # 2**-14: below it FP16 rounds to a subnormal or to 0
-        for optimizer in optimizers:
-            if not type(optimizer).__module__.startswith("torch.optim."):
-                continue
-            for index, group in enumerate(optimizer.param_groups):
-                eps = group.get("eps")
-                if isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < tiny:
-                    held = float(torch.tensor(eps, dtype=torch.float16))
-                    raise ValueError(
-                        f"{self.owner}('16-true', master_weights=False): {type(optimizer).__name__} param group"
-                        f" {index} has eps={eps!r}, which FP16 (the dtype of its state) holds as {held!r}: a"
-                        " parameter with a zero gradient gets 0/0 = NaN, or one whose second moment underflows a step"
-                        f" of lr * m / eps, and the run stalls on skipped steps. The smallest normal FP16 eps is"
-                        f" {tiny:.3g} (2**-14; the smallest nonzero is 5.96e-08); use eps=1e-4, or"
-                        " master_weights=True (FP32 masters and FP32 optimizer state keep eps=1e-8)."
-                    )
+        """Refuse, in ``'16-true'`` without masters, an ``eps`` FP16 cannot hold (see
+        :func:`~lit_mpstable.core.weights.check_eps`)."""
+        self.keeper.check_eps(optimizers)
 
     def adopt_device_(self, module: nn.Module) -> None:
         """Run where ``module`` lives (its first parameter's device): autocast, the FP32 islands and the loss scalers
         follow it. :meth:`setup_optimizers` calls it; a front end that meets the model before it is moved (Fabric
         converts it first) calls it again before the first forward."""
-        device_type = next((p.device.type for p in module.parameters()), self.device)
-        if device_type in ("cpu", "cuda"):
-            self.device = self.layout.islands.device_type = self.layout.device_type = device_type
-        scaler = self._checker  # a foreign scaler's wrapper adopts nothing; ours is self.scaler itself
-        if scaler is not None and (previous := scaler.adopt_device_(self.device)) is not None and scaler is self.scaler:
-            self.warnings.append(
-                f"{type(scaler).__name__} built for {previous!r} adopted onto the run's device {self.device!r}."
-            )
+        adopt_device(self, module)
 
     @torch.no_grad()
     def follow_model_weights_(self) -> list[str]:
@@ -333,16 +178,7 @@ class PrecisionStepper:
         names: weights loaded into the model after the masters were bound (a pretrained checkpoint loaded after
         ``fabric.setup``) would otherwise be overwritten from the stale master by the next applied step. One host
         sync; a front end calls it once per optimizer, before its first step."""
-        if self.master is None:
-            return []
-        pairs = list(self.master.named_pairs())
-        if not pairs:
-            return []
-        stale = torch.stack([(master.to(param.dtype) != param).any() for _, master, param in pairs]).tolist()
-        for (_, master, param), changed in zip(pairs, stale):
-            if changed:
-                master.copy_(param)
-        return [name for (name, _, _), changed in zip(pairs, stale) if changed]
+        return self.keeper.follow_model_weights_()
 
     # -------------------------------------------------------------------------------------- forward, backward
     @contextmanager
@@ -355,7 +191,7 @@ class PrecisionStepper:
         """
         self._note_recompile()
         traced = self.observer.tracer is not None
-        with _eager() if traced else nullcontext(), self.layout.forward_context():
+        with eager() if traced else nullcontext(), self.layout.forward_context():
             if self.compute_dtype == torch.float32:
                 yield
             elif self.true_16bit:
@@ -375,22 +211,19 @@ class PrecisionStepper:
         layout = self.layout
         seen = (layout.fp32, layout.fp8_off, tuple(layout.fp8_removed), tuple(layout.fp32_modules))
         changed, self._layout_seen = self._layout_seen not in (None, seen), seen
-        if changed and layout.module is not None and _compiled(layout.module):
-            note = ("a compiled model recompiles once after each fallback or restore (its graph holds the precision"
-                    f" layout); from then on it runs compiled again (step {self.step_count}).")
-            if not any(w.startswith(note.split(" (step")[0]) for w in self.warnings):
-                self.warnings.append(note)
+        if changed and layout.module is not None and is_compiled(layout.module):
+            recompile_note(self.step_count, self.warnings)
 
     def convert_input(self, data: Any) -> Any:
         """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
         device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
-        tensors = _floating_tensors(data)
+        tensors = floating_tensors(data)
         if tensors:
             flag = any_nonfinite(tensors)
             self._input_nonfinite = flag if self._input_nonfinite is None else self._input_nonfinite | flag
         if not self.true_16bit:
             return data
-        return _map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
+        return map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``backward`` on: multiplied by the loss scale when scaling.
@@ -399,9 +232,11 @@ class PrecisionStepper:
         belongs to a dropped batch (``zero_grad()`` without ``step()``), so its unscaled gradients and inf/NaN check
         are dropped too (GradScaler would refuse the next ``unscale_``; stepping on them would apply gradients
         ``scale`` times too large, or the old check); a scale update still owed is made now."""
-        for optimizer in [o for o in self.optimizers if id(o) in self._unscaled]:
-            self._drop_stale_(optimizer)
-        if self._stepped:
+        for optimizer in [o for o in self.optimizers if id(o) in self.iteration.unscaled]:
+            if (note := stale_grads_note(optimizer)) is not None and note not in self.warnings:
+                self.warnings.append(note)
+            self.drop_grads_(optimizer)
+        if self.iteration.stepped:
             self._update_scale_()
         self.last_loss = loss.detach()
         return self.scaler.scale(loss) if self.scaler is not None else loss
@@ -411,52 +246,19 @@ class PrecisionStepper:
         """Make ``optimizer``'s gradients true values (once per iteration): into the FP32 masters, unscaled there,
         checked for inf/NaN (agreed across ranks), and shown on the model's 16-bit parameters for hooks and a user's
         own clipping. No host sync."""
-        if id(optimizer) in self._unscaled:
+        if id(optimizer) in self.iteration.unscaled:
             return
-        self._unscaled.add(id(optimizer))
+        self.iteration.unscaled.add(id(optimizer))
         if all(optimizer is not known for known in self.optimizers):
             self.optimizers.append(optimizer)
-        if self.compact is not None:
-            self._check_compact_(optimizer)
-            self._observe()
-            return
-        master = self.master
-        if master is not None:
-            if any(p.requires_grad and p.dtype == self.dtype for g in optimizer.param_groups for p in g["params"]):
-                master.bind_new_(optimizer)  # added (add_param_group) or unfrozen since setup
-            master.copy_grads_to_master_(optimizer)
-        if self._checker is not None:
-            if self.scaler is None:  # the scale-1 check: no loss was scaled to create its state
-                self._checker.ensure_state_(_first_grad_device(optimizer) or self.device)
-            self._checker.unscale_(optimizer)
-            # An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step
-            # on every rank: one all-reduce of the found-inf flag (and the adaptive amax), on the device.
-            self._checker.sync_found_inf_(optimizer)
-        if master is not None:
-            master.expose_grads_(optimizer, copy=self.scaler is not None)
-        self._observe()
-
-    def _check_compact_(self, optimizer: Optimizer) -> None:
-        # Compact weights keep the gradients as they are (scaled, 16-bit) until the FP32 chunks of the step unscale
-        # them: the check here only looks (check_), and the unscale factor waits in the multiplier.
-        assert self.compact is not None
-        self.compact.bind_new_(optimizer)
-        checker = self._checker
-        multiplier: torch.Tensor | None = None
-        if checker is not None:
-            checker.ensure_state_(_first_grad_device(optimizer) or self.device)
-            checker.check_(optimizer)
-            checker.sync_found_inf_(optimizer)
-            if isinstance(self.scaler, DynamicLossScaler):
-                multiplier = self.scaler.get_scale_tensor().reciprocal()
-        self._compact_grad[id(optimizer)] = [multiplier, None]
+        self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
+        observe(self)
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
         """The parameters the optimizer updates (the FP32 masters with ``master_weights``), after :meth:`unscale_`.
         Empty when the gradients hold inf/NaN (the step will be skipped; clipping them would only raise)."""
         self.unscale_(optimizer)
-        if self.master is not None:
-            self.master.absorb_grads_(optimizer)
+        self.keeper.absorb_grads_(optimizer)
         if self._checker is not None and self._checker.found_inf(optimizer):
             return iter(())
         return (p for group in optimizer.param_groups for p in group["params"])
@@ -465,64 +267,17 @@ class PrecisionStepper:
         """Clip ``optimizer``'s true gradients to a total norm (on the masters with ``master_weights``; with compact
         weights the clip factor joins the FP32 unscale of the step: the 16-bit gradients are not rounded twice)."""
         self.unscale_(optimizer)
-        if self.compact is not None:
-            return self._clip_compact_norm_(optimizer, max_norm, norm_type)
-        if self.master is not None:
-            self.master.absorb_grads_(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        if self.master is not None:
-            self.master.expose_grads_(optimizer)  # hooks after this see the clipped values
-        return norm
+        return self.keeper.clip_grad_norm_(optimizer, max_norm, norm_type)
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s true gradients to ``±clip_value`` (on the masters with ``master_weights``; with
         compact weights in the step's FP32 chunks, after unscaling)."""
         self.unscale_(optimizer)
-        if self.compact is not None:
-            pending = self._compact_grad[id(optimizer)]
-            pending[1] = float(clip_value) if pending[1] is None else min(pending[1], float(clip_value))
-            return
-        if self.master is not None:
-            self.master.absorb_grads_(optimizer)
-        torch.nn.utils.clip_grad_value_(
-            [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None], clip_value
-        )
-        if self.master is not None:
-            self.master.expose_grads_(optimizer)
-
-    def _clip_compact_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        pending = self._compact_grad[id(optimizer)]
-        multiplier = pending[0] if pending[0] is not None else torch.ones((), device=grads[0].device if grads else None)
-        if not grads:
-            return torch.zeros(())
-        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-        norm = torch.linalg.vector_norm(norms, norm_type) * multiplier  # of the true (unscaled) gradients, in FP32
-        # clip_grad_norm_'s rule, as a factor for the step's FP32 chunks: no host sync.
-        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        pending[0] = multiplier * coefficient
-        return norm
+        self.keeper.clip_grad_value_(optimizer, clip_value)
 
     def skip_step(self) -> None:
         """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged."""
         self._skip_requested = True
-
-    @property
-    def checks_nonfinite(self) -> bool:
-        """Whether a step whose gradients hold inf/NaN is skipped (a scaler, or ``skip_nonfinite``)."""
-        return self._checker is not None
-
-    @property
-    def input_nonfinite(self) -> torch.Tensor | None:
-        """Whether a batch of the step in progress held inf/NaN, as a 0-dim device bool (None: no floating inputs
-        seen). Reading its value syncs."""
-        return self._input_nonfinite
-
-    @property
-    def skip_requested(self) -> bool:
-        """Whether :meth:`skip_step` was called for the step in progress."""
-        return self._skip_requested
 
     def count_unchecked_step(self, optimizer: Optimizer | None = None) -> None:
         """Count a step the front end took itself, unchecked (LBFGS evaluates its closure inside ``step``)."""
@@ -534,440 +289,56 @@ class PrecisionStepper:
         if self._skip_requested:
             return self.discard_(optimizer)
         self.unscale_(optimizer)
-        master = self.master
-        if master is not None:
-            master.absorb_grads_(optimizer)
+        self.keeper.absorb_grads_(optimizer)
         checker = self._checker
-        update = self._compact_update(optimizer, kwargs) if self.compact is not None else None
+        early = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device)
+                 if checker is not None and self.skip_nonfinite else None)
+        output, skipped = self.keeper.step_(optimizer, checker, **kwargs)
         late = None
-        if checker is None:
-            output, skipped = (update() if update is not None else optimizer.step(**kwargs)), False
-        else:
-            early = self._check_step_inputs_(optimizer) if self.skip_nonfinite else None
-            output = checker.step_with(optimizer, update) if update is not None else checker.step(optimizer, **kwargs)
-            skipped = checker.last_step_skipped
+        now = self.iteration
+        if checker is not None:
             # Why it skipped, read on skipped steps only: inf/NaN that entered after the gradient check, or a batch
             # that itself held inf/NaN (the input check). Neither says anything about the scale: no backoff.
             if skipped and early is not None and not bool(early):
-                late = True
-                self._data_fault = True
+                late = now.data_fault = True
             elif skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
-                self._data_fault = True
-            self._overflowed |= skipped and not late
-            self._stepped.add(id(optimizer))
-        self._unscaled.discard(id(optimizer))
-        if master is not None:
-            if not skipped:
-                master.refresh_model_(optimizer)
-            master.zero_model_grads_(optimizer)
+                now.data_fault = True
+            now.overflowed |= skipped and not late
+            now.stepped.add(id(optimizer))
+        now.unscaled.discard(id(optimizer))
         if late:
-            self._blame_late(optimizer)
+            blame_late(self, optimizer)
         elif skipped:
-            self._blame()
+            blame(self)
         # inf/NaN that entered late is no overflow (a fallback to a wider precision would not help): skipped only.
         self._record(skipped=skipped, overflow=skipped and not late, optimizer=optimizer)
-        self._note_stepped_on(optimizer)
-        if not self._awaited(optimizer):
+        now.note_stepped_on(self.optimizers, optimizer, self.keeper)
+        if not now.awaited(self.optimizers, optimizer, self.keeper):
             self._update_scale_()
         return output
 
-    def _check_step_inputs_(self, optimizer: Optimizer) -> torch.Tensor | None:
-        """Fold into the step's skip flag whether anything the step reads holds inf/NaN now: the gradients as hooks and
-        clipping left them after the check (a NaN clip norm makes them NaN), the parameters (FP32 masters), the
-        optimizer's state and the loss scale. On the device, no host read: ``step``'s one sync reads the flag.
-        Returns the gradient check as it was before (None where the scaler cannot take a flag)."""
-        assert self._checker is not None
-        fold = self._checker.fold_found_inf_  # both checker kinds have it (a duck-typed scaler's folds nothing)
-        tensors = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue  # a parameter without a gradient is not stepped
-                tensors += [param.grad, param]
-                tensors += [v for v in optimizer.state.get(param, {}).values()
-                            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
-        scale = self._checker.get_scale_tensor() if self.scaler is not None else None
-        if scale is not None:
-            tensors.append(scale.view(1))
-        tensors = [_local_view(t) for t in tensors if not t.is_sparse]
-        flag = _nonfinite(tensors) if tensors else None
-        if _distributed():
-            # Every rank skips together (a hook may write on one rank only): one scalar all-reduce, on the device.
-            device = flag.device if flag is not None else _first_grad_device(optimizer) or torch.device(self.device)
-            agreed = (flag.float() if flag is not None else torch.zeros((), device=device)).reshape(1)
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-            flag = agreed[0] > 0
-        return fold(optimizer, flag) if flag is not None else None
-
-    def _blame_late(self, optimizer: Optimizer) -> None:
-        # The gradient check found nothing: inf/NaN entered after it, which no precision setting explains. Nothing
-        # is blamed on a module (a fallback would island healthy layers).
-        self.stats.update(blamed_params=[], blamed_modules=[], nonfinite_input=False, nonfinite_after_check=True)
-        note = (f"{type(optimizer).__name__}: a step was skipped for inf/NaN that entered after the gradient check (a"
-                " hook or clipping wrote into the gradients after unscale_, or the optimizer state, the FP32 master"
-                " weights or the loss scale hold inf/NaN); this is not a precision problem and nothing was blamed.")
-        if note not in self.warnings:
-            self.warnings.append(note)
-
-    def _awaited(self, done: Optimizer) -> bool:
-        """Whether another optimizer still has to step on this iteration's gradients (one loss, several optimizers):
-        unscaled and not stepped, or holding gradients. The scale changes only after the last one, as GradScaler
-        documents (one ``update()`` per iteration), so every optimizer unscales with the scale its loss was scaled by.
-        Host state only."""
-        for optimizer in self.optimizers:
-            if optimizer is done or id(optimizer) in self._stepped:
-                continue
-            if id(optimizer) in self._unscaled:
-                return True
-            # Gradients it already stepped on (a loop that zeroes before backward) are not this iteration's.
-            if any(g is not None and (g, g._version) not in self._stepped_on.get(id(optimizer), ())
-                   for g in self._grads(optimizer)):
-                return True
-        return False
-
-    def _grads(self, optimizer: Optimizer) -> list[torch.Tensor | None]:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self.master is not None and id(optimizer) in self.master._names_by_optimizer:
-            params += self.master._select(optimizer)[1]
-        return [p.grad for p in params]
-
-    def _note_stepped_on(self, optimizer: Optimizer) -> None:
-        if len(self.optimizers) > 1:  # only _awaited reads it
-            self._stepped_on[id(optimizer)] = _GradSet(g for g in self._grads(optimizer) if g is not None)
-
     def _update_scale_(self) -> None:
-        """The iteration's one scale update, once every optimizer that had gradients stepped (or at the next
-        backward, or a checkpoint, for one that never stepped): skipped without a backoff when the data was at
-        fault."""
-        checker = self._checker
-        if checker is not None and self._stepped:
-            checker.skip_update_(overflow=self._overflowed) if self._data_fault else checker.update()
-        self._stepped.clear()
-        self._data_fault = self._overflowed = False
-
-    def _compact_update(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Any:
-        assert self.compact is not None
-        multiplier, clip = self._compact_grad.pop(id(optimizer), [None, None])
-        compact = self.compact
-        return lambda: compact.step_(optimizer, grad_multiplier=multiplier, clip_value=clip, **kwargs)
+        self.iteration.update_scale_(self._checker)
 
     def discard_(self, optimizer: Optimizer) -> None:
         """End the iteration for ``optimizer`` without stepping (a requested skip): gradients dropped, counted."""
         self._skip_requested = False
         self.drop_grads_(optimizer)
         self._record(skipped=True, overflow=False, optimizer=optimizer)
-        if not self._awaited(optimizer):
+        if not self.iteration.awaited(self.optimizers, optimizer, self.keeper):
             self._update_scale_()
-
-    def _drop_stale_(self, optimizer: Optimizer) -> None:
-        kept = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if kept:
-            note = (f"{type(optimizer).__name__}: a backward began after unscale_()/clipping without a step() (nor"
-                    " zero_grad()): the unscaled gradients of that batch were dropped, since the new scaled ones cannot"
-                    " be added to them. Call step() or zero_grad() before the next backward.")
-            if note not in self.warnings:
-                self.warnings.append(note)
-        self.drop_grads_(optimizer)
 
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
         optimizer.zero_grad(set_to_none=True)
-        if self.master is not None:
-            self.master.zero_model_grads_(optimizer)
+        self.keeper.drop_(optimizer)
         if self._checker is not None:
             self._checker.forget_(optimizer)
-        self._compact_grad.pop(id(optimizer), None)
-        self._unscaled.discard(id(optimizer))
+        self.iteration.unscaled.discard(id(optimizer))
 
     def _record(self, *, skipped: bool, overflow: bool, optimizer: Optimizer | None = None) -> None:
         # Every rank, every step (applied or skipped): delayed-scaling FP8 amax histories agreed across ranks (one
         # all-reduce; nothing on one process).
         self.layout.sync_fp8_()
-        self.last_step_skipped = skipped
-        self.step_count += 1
-        self.skipped_steps += int(skipped)
-        self.overflow_count += int(overflow)
-        if optimizer is not None and not skipped:
-            self._applied_by[id(optimizer)] = self._applied_by.get(id(optimizer), 0) + 1
+        self.counters.record(skipped=skipped, overflow=overflow, optimizer=optimizer)
         self._input_nonfinite = None
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Resident tensors of the precision itself that neither the model nor the optimizers hold (compensation
-        buffers), for memory accounting."""
-        return [c for _, _, c in self.compact.named_buffers() if c is not None] if self.compact is not None else []
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of training state by kind (``lit_mpstable.core.memory.training_memory``): ``weights``, ``masters`` (FP32
-        masters), ``gradients``, ``optimizer_state``, ``compensation`` (``"kahan"``), ``total``. Reads no device data.
-
-        Raises:
-            RuntimeError: no model or optimizer has been set up yet.
-        """
-        module = self.layout.module
-        if module is None or not self.optimizers:
-            raise RuntimeError(f"{self.owner}.memory_report(): available once training has set up model and optimizers.")
-        return training_memory(module, self.optimizers, extra={"compensation": self.state_tensors()})
-
-    # ----------------------------------------------------------------------------------- telemetry, blame
-    def named_grads(self) -> list[tuple[str, Any]]:
-        """``(name, parameter)`` of the model, the FP32 master standing in where there is one (it holds the true
-        gradient); FSDP2 parameters as this rank's gradient shard."""
-        module = self.layout.module
-        if module is None:
-            return []
-        masters = {name: m for name, m, _ in self.master.named_pairs()} if self.master is not None else {}
-        return [(name, shard_view(masters.get(name, p))) for name, p in module.named_parameters()]
-
-    def _observe(self) -> None:
-        module = self.layout.module
-        if module is None:
-            return
-        scale = self.scaler.get_scale if self.scaler is not None else lambda: 1.0  # called on due steps only
-        fp8 = self.fp8 is not None and bool(self.layout.fp8_layers)
-        updates, warning = self.observer.observe(module, self.named_grads, self.step_count, scale, fp8=fp8)
-        self.stats.update(updates)
-        if warning is not None and warning not in self.warnings:
-            self.warnings.append(warning)
-
-    def _blame(self) -> None:
-        """After an overflow: the data if the batch held inf/NaN, else the parameters with inf/NaN gradients and
-        (traced on the next step) the first module whose inputs were finite and outputs were not."""
-        module = self.layout.module
-        if module is None:
-            return
-        nonfinite_input = self._input_nonfinite is not None and bool(self._input_nonfinite)
-        self.stats.pop("nonfinite_after_check", None)
-        self.stats.update(self.observer.blame(module, self.named_grads(), nonfinite_input=nonfinite_input))
-
-    # --------------------------------------------------------------------------------------------- fallback
-    def fallback(self, modules: Iterable[str] | None = None) -> str:
-        """One rung up the precision ladder, globally or for the named modules; returns what was done.
-
-        Raises:
-            RuntimeError: under FSDP2, a rung it cannot climb (see :attr:`can_fallback`).
-        """
-        if self.fsdp2 and (why := fsdp2_fallback_refusal(modules, true_16bit=self.true_16bit, dtype=self.dtype,
-                                                        fp8_layers=self.layout.fp8_layers)):
-            raise RuntimeError(f"{self.owner}({self.precision!r}).fallback({modules!r}) with FSDP2: {why}.")
-        return self.layout.fallback(modules)
-
-    def restore_precision(self) -> bool:
-        """Undo every fallback; returns whether there was one."""
-        if not self.fallback_active:
-            return False
-        self.layout.restore()
-        return True
-
-    # ------------------------------------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly; tensors and plain Python values (``weights_only=True`` loads it).
-
-        Keys: ``precision``, ``scaler`` (its own state dict, ``{}`` without scaling), ``step_count``,
-        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallbacks, FP8 amax histories),
-        ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
-        ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
-        compensation buffers and rounding seed, ``{}`` without).
-        """
-        if self._stepped:
-            # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
-            # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
-            self._update_scale_()
-        return {
-            "masters": self.master.state_dict() if self.master is not None else dict(self._pending.get("masters", {})),
-            "compact": self.compact.state_dict() if self.compact is not None else dict(self._pending.get("compact", {})),
-            "precision": self.precision,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            "step_count": self.step_count,
-            "overflow_count": self.overflow_count,
-            "last_step_skipped": self.last_step_skipped,
-            "skipped_steps": self.skipped_steps,
-            "layout": self.layout.state_dict(),
-            "op_policy": self.policy.state_dict(),
-            "schedules": self.schedules.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
-        """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
-        run's and the scaler's) keep their live values (a rollback undoes the weights, not the history).
-
-        Returns notes for the front end to show (a precision switch on resume, say).
-
-        Raises:
-            KeyError: keys differ from :meth:`state_dict`'s (each is named).
-            TypeError: ``state`` is not a dict, or a field has the wrong type (``"False"`` for a bool, ``None``).
-            ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
-        """
-        # Every field is checked before anything is loaded: a refused state changes nothing.
-        check_plugin_state(f"{self.owner}.load_state_dict", state, set(self.state_dict()), get_args(PrecisionName))
-        notes = []
-        scaling = self.scaler is not None and self.scaler.is_enabled()
-        if scaling and state["scaler"]:
-            scaler_state = dict(state["scaler"])
-            if keep_counters:
-                live = self.scaler.state_dict()
-                scaler_state.update({k: live[k] for k in _SCALER_COUNTERS if k in live and k in scaler_state})
-            self.scaler.load_state_dict(scaler_state)
-        elif scaling or state["scaler"]:
-            # A precision switch on resume (e.g. 16-mixed -> bf16-mixed) is legitimate: say what happens.
-            notes.append(
-                f"checkpoint written with precision={state['precision']!r}"
-                f" {'with' if state['scaler'] else 'without'} loss scaling; this run ({self.precision!r})"
-                f" {'starts a fresh scaler' if scaling else 'does not scale'}."
-            )
-        if not keep_counters:
-            self.step_count, self.overflow_count = int(state["step_count"]), int(state["overflow_count"])
-            self.skipped_steps, self.last_step_skipped = int(state["skipped_steps"]), bool(state["last_step_skipped"])
-            self.schedules.load_state_dict(list(state["schedules"]))
-        if self.layout.module is None:
-            self._pending["layout"] = state["layout"]
-        else:
-            self.layout.load_state_dict(state["layout"])
-        masters, compact = state["masters"], state["compact"]
-        if masters and self.master is not None:
-            self.master.load_state_dict(masters)
-        elif masters and self.master_mode == "fp32" and not self.fsdp2:
-            self._pending["masters"] = masters
-        elif compact and self.compact is not None and compact.get("mode") == self.compact.mode:
-            self.compact.load_state_dict(compact)
-        elif compact and self.compact is None and compact.get("mode") == self.master_mode:
-            self._pending["compact"] = compact
-        elif masters or compact.get("compensation"):  # another master mode or precision: carry the FP32 values
-            saved = "FP32 masters" if masters else "Kahan compensation"
-            target = f"{self.precision!r}, master_weights={self.master_mode or False!r}"
-            if self.layout.module is None:
-                warning = f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
-            else:
-                warning = carry_precise_state_(self.layout.module, masters, compact, master=self.master,
-                                               compact_weights=self.compact, saved=saved, target=target)
-            if warning:
-                self.warnings.append(warning)
-        self.policy.load_state_dict(state["op_policy"])
-        return notes
-
-
-def _check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any) -> None:
-    """What the per-argument checks cannot see: containers that are not lists, a class for an instance, an adaptive
-    scaler sized for another format than the run's FP16, a scale whose reciprocal is not a finite FP32 number."""
-    if isinstance(fp32_modules, (str, type)):
-        fp32_modules = [fp32_modules]  # one name or one module type
-    elif fp32_modules is None or isinstance(fp32_modules, (bytes, dict)) or not isinstance(fp32_modules, Iterable):
-        raise TypeError(f"{call}(fp32_modules={fp32_modules!r}): must be a list of module names or nn.Module types;"
-                        " () for none.")
-    if any(spec == "" for spec in fp32_modules):
-        raise ValueError(f"{call}(fp32_modules={list(fp32_modules)!r}): '' names the root, the whole model in FP32;"
-                         " use precision='32-true' for that, or name the submodules to keep in FP32.")
-    if isinstance(scaler, type):
-        raise TypeError(f"{call}(scaler={scaler.__name__} (the class)): pass an instance, {scaler.__name__}(), or a"
-                        " name ('dynamic', 'static', 'adaptive').")
-    if isinstance(scaler, DynamicLossScaler) and scaler.is_enabled() and precision in ("16-mixed", "16-true"):
-        target = getattr(scaler, "target_format", "fp16")
-        if target in ("bf16", "fp32"):
-            raise ValueError(
-                f"{call}({precision!r}, scaler={type(scaler).__name__}(target_format={target!r})): the scale would be"
-                f" sized for {target.upper()}'s range while this run's gradients are FP16 (max 65504), so every step"
-                " would overflow; use target_format='fp16' (the default).")
-    scale = scaler.get_scale() if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
-    if scale is not None and not (_MIN_SCALE <= scale <= _MAX_SCALE):
-        raise ValueError(
-            f"{call}(scaler={type(scaler).__name__}(init_scale={scale!r})): 1/scale must be a finite FP32 number"
-            f" (unscaling multiplies by it): use a scale in [{_MIN_SCALE:.3g}, {_MAX_SCALE:.3g}]; 2.**16 is usual.")
-
-
-_MIN_SCALE = 1.0 / torch.finfo(torch.float32).max
-_MAX_SCALE = float(torch.finfo(torch.float32).max)
-
-
-def _eager() -> AbstractContextManager:
-    # Inside a region being compiled there is nothing to switch (and set_stance would refuse).
-    return nullcontext() if torch.compiler.is_compiling() else torch.compiler.set_stance("force_eager")
-
-
-def _compiled(module: nn.Module) -> bool:
-    """Whether ``module`` or a submodule runs through ``torch.compile`` (as Lightning unwraps it too: the module keeps
-    a compiled ``forward``), or, for a model compiled from outside (``torch.compile(model)`` in a plain loop, which
-    the model cannot see), whether torch.compile has compiled a graph in this process."""
-    from torch._dynamo.eval_frame import OptimizedModule
-    from torch._dynamo.utils import counters
-
-    return getattr(module, "_compiler_ctx", None) is not None or counters["stats"]["unique_graphs"] > 0 or any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-        or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules()
-    )
-
-
-def _distributed() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Whether any of ``tensors`` holds inf/NaN, as a 0-dim device bool: one multi-tensor L1 norm per device (a few
-    kernel launches, not one per tensor), accumulated in FP32 (an FP16 sum would overflow); no host read."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
-    flags = [~torch.isfinite(torch.stack(torch._foreach_norm(group, 1, dtype=torch.float32))).all()
-             for group in by_device.values()]
-    first = flags[0]
-    return first if len(flags) == 1 else torch.stack([f.to(first.device) for f in flags]).any()
-
-
-class _GradSet:
-    """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
-    weakly, so gradients dropped by ``zero_grad()`` are freed."""
-
-    def __init__(self, grads: Iterable[torch.Tensor]) -> None:
-        self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
-
-    def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
-        grad, version = item
-        seen = self._seen.get(id(grad))
-        return seen is not None and seen[0]() is grad and seen[1] == version
-
-
-def _local_view(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (FSDP2), any other tensor as it is."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
-def _first_grad_device(optimizer: Optimizer) -> torch.device | None:
-    return next((p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
-
-
-def _floating_tensors(data: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    _map_tensors(data, lambda t: found.append(t) if t.is_floating_point() and t.numel() else None)
-    return found
-
-
-def _map_tensors(data: Any, fn: Any) -> Any:
-    """``data`` with ``fn`` applied to every tensor; lists, tuples, namedtuples and dicts rebuilt as they were."""
-    if isinstance(data, torch.Tensor):
-        out = fn(data)
-        return data if out is None else out
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_map_tensors(v, fn) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(v, fn) for v in data)
-    if isinstance(data, dict):
-        return type(data)((k, _map_tensors(v, fn)) for k, v in data.items())
-    return data
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
-    """``torch.set_default_dtype(dtype)`` inside the block, the previous default restored after (also on error)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def tensor_init_context(stepper: PrecisionStepper) -> AbstractContextManager:
-    """Where new tensors and modules are made: in the 16-bit dtype for ``*-true`` modes without FP32 masters, else
-    unchanged. With FP32 masters the model is built in FP32: the masters start from exact values (setup casts the
-    model), and under FSDP2 the FP32 parameters are the masters (its policy computes in 16 bits)."""
-    return default_dtype(stepper.dtype) if stepper.true_16bit and stepper.master_mode != "fp32" else nullcontext()

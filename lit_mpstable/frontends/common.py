@@ -14,7 +14,7 @@ from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.core.fsdp import island_mp_policy as fsdp_island_mp_policy
 from lit_mpstable.core.fsdp import mp_policy as fsdp_mp_policy
 from lit_mpstable.core.islands import FP32Islands
-from lit_mpstable.core.master import MasterWeights
+from lit_mpstable.core.master import MasterKeeper, MasterWeights
 from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
 
 __all__ = ["StableFrontEnd"]
@@ -108,8 +108,10 @@ class StableFrontEnd:
 
     @property
     def master(self) -> MasterWeights | None:
-        """The FP32 master weights (``*-true`` modes with ``master_weights``), once training has set them up."""
-        return self.stepper.master
+        """The FP32 master weights (``*-true`` modes with ``master_weights``), once training has set them up: a view of
+        the stepper's weight keeper (``stepper.keeper``)."""
+        keeper = self.stepper.keeper
+        return keeper.weights if isinstance(keeper, MasterKeeper) else None
 
     @property
     def last_step_skipped(self) -> bool:

@@ -167,14 +167,15 @@ class StablePrecision(StableFrontEnd, Precision):
             placeholder = torch.empty(0, device=device)
             placeholder.grad = torch.empty(0, device=device)
             return [placeholder]
-        if stepper.compact is not None and self.scaler is not None:
+        keeper = stepper.keeper
+        if keeper.defers_unscale and self.scaler is not None:
             return self._unscaled_copies(params)
-        if stepper.master is None:
+        if not keeper.exposes_grads:
             return params
         targets = _ClipTargets(params)
         # Fabric gives no hook after its clip: the masters' clipped gradients are shown on the model when the
         # returned list is released, i.e. when Fabric's clip_gradients_value/norm returns (CPython frees it then).
-        weakref.finalize(targets, stepper.master.expose_grads_, optimizer)
+        weakref.finalize(targets, keeper.expose_grads_, optimizer)
         return targets
 
     def _unscaled_copies(self, params: list[torch.Tensor]) -> list[Any]:
@@ -253,8 +254,7 @@ class StablePrecision(StableFrontEnd, Precision):
             stepper.setup_optimizers(self._module(), [optimizer], list(self._schedulers))
         else:
             stepper.check_eps([optimizer])
-            if stepper.master is not None:
-                stepper.master.bind_new_(optimizer)
+            stepper.keeper.adopt_optimizer_(optimizer)
         self._bound = (*self._bound, optimizer)
         self._show_notes()
 

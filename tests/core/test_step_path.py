@@ -114,7 +114,7 @@ def _late_nan(stepper, model, opt, where: str) -> None:
     elif where == "optimizer-state":
         next(iter(opt.state.values()))["exp_avg"].view(-1)[0] = NAN
     elif where == "masters":
-        stepper.master.masters[0].data.view(-1)[0] = NAN
+        stepper.keeper.weights.masters[0].data.view(-1)[0] = NAN
 
 
 @pytest.mark.parametrize("precision, where", [
@@ -149,7 +149,7 @@ def test_nan_entering_after_the_check_never_reaches_the_weights_and_blames_no_mo
                 assert stepper.scaler.overflow_count == 0
             assert any("after the gradient check" in w and "not a precision problem" in w for w in stepper.warnings)
             if where == "masters":  # the corrupt master stays refused; restore it to go on
-                stepper.master.masters[0].data.view(-1)[0] = 0.0
+                stepper.keeper.weights.masters[0].data.view(-1)[0] = 0.0
     if where in ("optimizer-state",):
         return  # the corrupt state stays; every later step is refused the same way
     assert all(torch.isfinite(p).all() for p in model.parameters())

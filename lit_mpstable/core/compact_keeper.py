@@ -1,0 +1,128 @@
+"""The ``WeightKeeper`` of compact weights (``master_weights="kahan"``/``"stochastic"``) around CompactWeights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lit_mpstable.core.carry import carry_precise_state_
+from lit_mpstable.core.compact import CompactWeights
+from lit_mpstable.core.keeper_steps import first_grad_device, step_checked
+from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scalers import LossScaler
+
+__all__ = ["CompactKeeper"]
+
+
+class CompactKeeper:
+    """16-bit weights updated through transient FP32 views. The gradients stay as they are (scaled, 16-bit) until the
+    FP32 chunks of the step unscale them: the check at :meth:`unscale_` only looks (``check_``), and the unscale and
+    clip factors wait per optimizer until the step (the 16-bit gradients are not rounded twice).
+
+    Raises:
+        ValueError: the scaler cannot check without unscaling (compact weights unscale in FP32 themselves).
+    """
+
+    state_key: str | None = "compact"
+    defers_unscale = True
+    exposes_grads = False
+
+    def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], mode: str, *, owner: str, precision: str,
+                 checker: LossScaler | None, warnings: list[str]) -> None:
+        if checker is not None and not checker.checks_without_unscaling:
+            raise ValueError(
+                f"{owner}({precision!r}, master_weights={mode!r},"
+                f" scaler={type(checker).__name__}(...)): compact weights unscale in FP32 themselves and need"
+                " a scaler that checks without unscaling (check_()); use scaler='dynamic' or DynamicLossScaler."
+            )
+        self.weights = CompactWeights(module, optimizers, mode, seed=torch.initial_seed() % 2**31)
+        self.mode: str | None = mode
+        self.follow_recast_ = self.weights.follow_recast_  # a fallback carries the compensation
+        self._pending: dict[int, list[Any]] = {}  # per optimizer this iteration: [multiplier, clip value]
+        if precision == "16-true":
+            warnings.append(
+                f"{owner}('16-true', master_weights={mode!r}): optimizer state stays FP16, where"
+                " Adam's second moment (about 1e-3 * grad**2) falls into the subnormal range for gradients below"
+                " ~1e-2 and its rounding distorts the steps; with Adam-family optimizers prefer 'bf16-true' or"
+                " master_weights=True (SGD-like optimizers are fine)."
+            )
+
+    def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
+        pass
+
+    def adopt_optimizer_(self, optimizer: Optimizer) -> None:
+        pass  # bound at its first unscale_ (bind_new_ is cheap and runs every step)
+
+    def follow_model_weights_(self) -> list[str]:
+        return []
+
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
+        self.weights.bind_new_(optimizer)
+        multiplier: torch.Tensor | None = None
+        if checker is not None:
+            checker.ensure_state_(first_grad_device(optimizer) or device)
+            checker.check_(optimizer)
+            checker.sync_found_inf_(optimizer)
+            if isinstance(scaler, DynamicLossScaler):
+                multiplier = scaler.get_scale_tensor().reciprocal()
+        self._pending[id(optimizer)] = [multiplier, None]
+
+    def absorb_grads_(self, optimizer: Optimizer) -> None:
+        pass
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        pending = self._pending[id(optimizer)]
+        multiplier = pending[0] if pending[0] is not None else torch.ones((), device=grads[0].device if grads else None)
+        if not grads:
+            return torch.zeros(())
+        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        norm = torch.linalg.vector_norm(norms, norm_type) * multiplier  # of the true (unscaled) gradients, in FP32
+        # clip_grad_norm_'s rule, as a factor for the step's FP32 chunks: no host sync.
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        pending[0] = multiplier * coefficient
+        return norm
+
+    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        pending = self._pending[id(optimizer)]
+        pending[1] = float(clip_value) if pending[1] is None else min(pending[1], float(clip_value))
+
+    def expose_grads_(self, optimizer: Optimizer) -> None:
+        pass
+
+    def step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
+        multiplier, clip = self._pending.pop(id(optimizer), [None, None])
+        weights = self.weights
+        update = lambda: weights.step_(optimizer, grad_multiplier=multiplier, clip_value=clip, **kwargs)  # noqa: E731
+        return step_checked(optimizer, checker, update, kwargs)
+
+    def drop_(self, optimizer: Optimizer) -> None:
+        self._pending.pop(id(optimizer), None)
+
+    def grad_holders(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def named_grads(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        return list(module.named_parameters())
+
+    def fp32_weights(self) -> dict[str, torch.Tensor]:
+        """A Kahan weight is its 16-bit part plus its compensation; stochastic rounding keeps nothing more."""
+        return {name: p.detach().float() + c.float() for name, p, c in self.weights.named_buffers() if c is not None}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [c for _, _, c in self.weights.named_buffers() if c is not None]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.weights.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.weights.load_state_dict(state)
+
+    def carry_(self, module: nn.Module, masters: dict[str, Any], compact: dict[str, Any], *, saved: str,
+               target: str) -> str | None:
+        return carry_precise_state_(module, masters, compact, master=None, compact_weights=self.weights, saved=saved,
+                                    target=target)

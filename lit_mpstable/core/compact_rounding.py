@@ -1,0 +1,59 @@
+"""Stochastic rounding into BF16/FP16 and the counter-based keys its random numbers are hashed from."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mix", "noise", "round_stochastic_", "stochastic_round"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def stochastic_round(
+    value: torch.Tensor, dtype: torch.dtype, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Round ``value`` to ``dtype`` (BF16 or FP16) up or down at random, so that ``E[round(x)] == x``.
+
+    Each element becomes one of its two ``dtype`` neighbours, the upper one with probability (x - lower) / (upper -
+    lower), resolved to 2**-16 for BF16 and 2**-24 for FP16 (so an update below 2**-16 of a BF16 ulp never counts).
+    Values ``dtype`` holds exactly are kept and inf stays inf; beyond FP16's range the result is nearest rounding's.
+    """
+    if dtype not in _LOW:
+        raise ValueError(f"stochastic_round(dtype={dtype!r}): dtype must be torch.bfloat16 or torch.float16.")
+    src = value.detach().to(torch.float32, copy=True)
+    uniform = torch.rand(src.shape, generator=generator, device=src.device)
+    return round_stochastic_(torch.empty_like(src, dtype=dtype), src, noise(uniform, dtype))
+
+
+def noise(uniform: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # BF16: 16 random bits (the uniform number's top 16 of 24); FP16: the uniform numbers themselves.
+    return uniform.mul_(65536.0).to(torch.int32) if dtype == torch.bfloat16 else uniform
+
+
+def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Write FP32 ``src`` (overwritten), stochastically rounded with :func:`noise` (kept), into 16-bit ``dst``."""
+    noise = noise.view(src.shape)
+    if dst.dtype == torch.bfloat16:
+        # BF16 is FP32's upper half: adding 16 random bits to the lower half carries into the upper one with
+        # probability (lower half) / 2**16, then truncation rounds toward zero. The sign is not in those bits, so the
+        # carry rounds away from zero: up in magnitude, for negative values too (torchao's construction).
+        bits = src.view(torch.int32)
+        bits.add_(noise).bitwise_and_(-65536)
+        return dst.copy_(src)  # exact now
+    # FP16 has its own exponent bits: take the nearest neighbour and the one on the other side of src, and pick the
+    # far one with probability |residual| / spacing (both exact in FP32; an infinite spacing gives probability 0).
+    near = src.to(torch.float16)
+    residual = src.sub_(near)
+    far = torch.nextafter(near, torch.where(residual > 0, torch.inf, -torch.inf).to(torch.float16))
+    spacing = far.float().sub_(near).abs_()
+    return dst.copy_(torch.where(noise < residual.abs_().div_(spacing), far, near))
+
+
+def mix(*values: int) -> int:
+    # splitmix64 over the values, folded to 32 bits: the key hash32 adds the element index to.
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 29
+    return (h ^ (h >> 32)) & 0xFFFFFFFF

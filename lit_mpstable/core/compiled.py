@@ -1,0 +1,38 @@
+"""Whether a model runs through ``torch.compile``, and the eager switch for a forward that traces an overflow."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+
+__all__ = ["eager", "is_compiled", "recompile_note"]
+
+RECOMPILE_NOTE = ("a compiled model recompiles once after each fallback or restore (its graph holds the precision"
+                  " layout); from then on it runs compiled again")
+
+
+def eager() -> AbstractContextManager:
+    """Run eagerly inside the block (a traced forward's hooks would break the graph and recompile it for one step)."""
+    # Inside a region being compiled there is nothing to switch (and set_stance would refuse).
+    return nullcontext() if torch.compiler.is_compiling() else torch.compiler.set_stance("force_eager")
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule runs through ``torch.compile`` (as Lightning unwraps it too: the module keeps
+    a compiled ``forward``), or, for a model compiled from outside (``torch.compile(model)`` in a plain loop, which
+    the model cannot see), whether torch.compile has compiled a graph in this process."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.utils import counters
+
+    return getattr(module, "_compiler_ctx", None) is not None or counters["stats"]["unique_graphs"] > 0 or any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules()
+    )
+
+
+def recompile_note(step: int, warnings: list[str]) -> None:
+    """Note once that a compiled model recompiles after a change of the precision layout (at step ``step``)."""
+    if not any(w.startswith(RECOMPILE_NOTE) for w in warnings):
+        warnings.append(f"{RECOMPILE_NOTE} (step {step}).")

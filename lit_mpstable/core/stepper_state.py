@@ -1,0 +1,141 @@
+"""The stepper's state on resume: the weight keeper's entries (or what waits for it), the scaler's, and the carry-over
+of a checkpoint written with another precision or master mode."""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+from torch import nn
+
+from lit_mpstable.core.counters import RunCounters
+from lit_mpstable.core.loaded_state import check_plugin_state
+from lit_mpstable.core.scalers import LossScaler
+from lit_mpstable.core.weights import WeightKeeper
+
+__all__ = ["StepperState", "load_scaler_state_", "load_weights_state_", "weights_state"]
+
+_KEYS = ("masters", "compact")
+
+
+def weights_state(keeper: WeightKeeper, pending: dict[str, Any]) -> dict[str, Any]:
+    """``masters`` and ``compact``: the keeper's state under its key, state loaded before it was bound under the other
+    (``{}`` without)."""
+    return {key: keeper.state_dict() if keeper.state_key == key else dict(pending.get(key, {})) for key in _KEYS}
+
+
+def load_scaler_state_(scaler: LossScaler | None, state: dict[str, Any], *, precision: str,
+                       keep_counters: bool) -> list[str]:
+    """Restore the scaler from ``state`` (a stepper state dict); its event counters keep their live values with
+    ``keep_counters``. Returns a note when the checkpoint was written with or without loss scaling unlike this run."""
+    scaling = scaler is not None and scaler.is_enabled()
+    if scaling and state["scaler"]:
+        assert scaler is not None
+        saved = dict(state["scaler"])
+        scaler.load_state_dict(RunCounters.keep_live_(saved, scaler.state_dict()) if keep_counters else saved)
+    elif scaling or state["scaler"]:
+        # A precision switch on resume (e.g. 16-mixed -> bf16-mixed) is legitimate: say what happens.
+        return [
+            f"checkpoint written with precision={state['precision']!r}"
+            f" {'with' if state['scaler'] else 'without'} loss scaling; this run ({precision!r})"
+            f" {'starts a fresh scaler' if scaling else 'does not scale'}."
+        ]
+    return []
+
+
+def load_weights_state_(
+    keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *, mode: str | None, fsdp2: bool,
+    pending: dict[str, Any], module: nn.Module | None, precision: str,
+) -> str | None:
+    """Load the checkpoint's ``masters``/``compact`` into ``keeper`` (same mode), keep them in ``pending`` until it is
+    bound, or carry their FP32 values into this run's weight mode. Returns a warning for the user, if any."""
+    if masters and keeper.state_key == "masters":
+        keeper.load_state_dict(masters)
+    elif masters and mode == "fp32" and not fsdp2:
+        pending["masters"] = masters
+    elif compact and keeper.state_key == "compact" and compact.get("mode") == keeper.mode:
+        keeper.load_state_dict(compact)
+    elif compact and keeper.state_key != "compact" and compact.get("mode") == mode:
+        pending["compact"] = compact
+    elif masters or compact.get("compensation"):  # another master mode or precision: carry the FP32 values
+        saved = "FP32 masters" if masters else "Kahan compensation"
+        target = f"{precision!r}, master_weights={mode or False!r}"
+        if module is None:
+            return f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
+        return keeper.carry_(module, masters, compact, saved=saved, target=target)
+    return None
+
+
+class StepperState:
+    """``state_dict``/``load_state_dict`` of a :class:`~lit_mpstable.core.stepper.PrecisionStepper` (a mixin: it reads
+    the stepper's attributes)."""
+
+    owner: str
+    precision: str
+    master_mode: str | None
+    fsdp2: bool
+    scaler: Any
+    keeper: WeightKeeper
+    counters: RunCounters
+    layout: Any
+    policy: Any
+    schedules: Any
+    iteration: Any
+    warnings: list[str]
+    _pending: dict[str, Any]
+
+    def _update_scale_(self) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly; tensors and plain Python values (``weights_only=True`` loads it).
+
+        Keys: ``precision``, ``scaler`` (its own state dict, ``{}`` without scaling), ``step_count``,
+        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallbacks, FP8 amax histories),
+        ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
+        ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
+        compensation buffers and rounding seed, ``{}`` without).
+        """
+        if self.iteration.stepped:
+            # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
+            # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
+            self._update_scale_()
+        return {
+            **weights_state(self.keeper, self._pending),
+            "precision": self.precision,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            **self.counters.state_dict(),
+            "layout": self.layout.state_dict(),
+            "op_policy": self.policy.state_dict(),
+            "schedules": self.schedules.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
+        """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
+        run's and the scaler's) keep their live values (a rollback undoes the weights, not the history).
+
+        Returns notes for the front end to show (a precision switch on resume, say).
+
+        Raises:
+            KeyError: keys differ from :meth:`state_dict`'s (each is named).
+            TypeError: ``state`` is not a dict, or a field has the wrong type (``"False"`` for a bool, ``None``).
+            ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
+        """
+        from lit_mpstable.core.stepper import PrecisionName  # the stepper imports this module
+
+        # Every field is checked before anything is loaded: a refused state changes nothing.
+        check_plugin_state(f"{self.owner}.load_state_dict", state, set(self.state_dict()), get_args(PrecisionName))
+        notes = load_scaler_state_(self.scaler, state, precision=self.precision, keep_counters=keep_counters)
+        if not keep_counters:
+            self.counters.load_state_dict(state)
+            self.schedules.load_state_dict(list(state["schedules"]))
+        if self.layout.module is None:
+            self._pending["layout"] = state["layout"]
+        else:
+            self.layout.load_state_dict(state["layout"])
+        warning = load_weights_state_(self.keeper, state["masters"], state["compact"], mode=self.master_mode,
+                                      fsdp2=self.fsdp2, pending=self._pending, module=self.layout.module,
+                                      precision=self.precision)
+        if warning:
+            self.warnings.append(warning)
+        self.policy.load_state_dict(state["op_policy"])
+        return notes

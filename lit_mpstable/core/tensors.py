@@ -1,0 +1,56 @@
+"""Tensor helpers of the step: nested batches mapped tensor by tensor, the default dtype, where a model is made."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+__all__ = ["default_dtype", "floating_tensors", "local_view", "map_tensors", "tensor_init_context"]
+
+
+def floating_tensors(data: Any) -> list[torch.Tensor]:
+    """The non-empty floating tensors of ``data`` (nested lists, tuples, namedtuples, dicts)."""
+    found: list[torch.Tensor] = []
+    map_tensors(data, lambda t: found.append(t) if t.is_floating_point() and t.numel() else None)
+    return found
+
+
+def map_tensors(data: Any, fn: Any) -> Any:
+    """``data`` with ``fn`` applied to every tensor; lists, tuples, namedtuples and dicts rebuilt as they were."""
+    if isinstance(data, torch.Tensor):
+        out = fn(data)
+        return data if out is None else out
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(map_tensors(v, fn) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(map_tensors(v, fn) for v in data)
+    if isinstance(data, dict):
+        return type(data)((k, map_tensors(v, fn)) for k, v in data.items())
+    return data
+
+
+def local_view(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2), any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    """``torch.set_default_dtype(dtype)`` inside the block, the previous default restored after (also on error)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def tensor_init_context(stepper: Any) -> AbstractContextManager:
+    """Where new tensors and modules are made: in the 16-bit dtype for ``*-true`` modes without FP32 masters, else
+    unchanged. With FP32 masters the model is built in FP32: the masters start from exact values (setup casts the
+    model), and under FSDP2 the FP32 parameters are the masters (its policy computes in 16 bits)."""
+    return default_dtype(stepper.dtype) if stepper.true_16bit and stepper.master_mode != "fp32" else nullcontext()

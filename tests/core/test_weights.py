@@ -1,0 +1,90 @@
+"""The WeightKeeper protocol: each weight mode satisfies it, and the stepper's step path goes through the keeper."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+from helpers import TinyMLP, regression_data
+
+from lit_mpstable.core.compact_keeper import CompactKeeper
+from lit_mpstable.core.master import MasterKeeper
+from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.weights import PlainKeeper, WeightKeeper, make_keeper
+
+MODES = [("bf16-mixed", True, PlainKeeper), ("bf16-true", False, PlainKeeper), ("bf16-true", True, MasterKeeper),
+         ("bf16-true", "kahan", CompactKeeper), ("bf16-true", "stochastic", CompactKeeper)]
+
+
+def _stepper(precision, master_weights):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper(precision, master_weights=master_weights, device="cpu")
+    stepper.setup_module(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper.setup_optimizers(model, [opt])
+    return stepper, model, opt
+
+
+@pytest.mark.parametrize("precision, master_weights, kind", MODES)
+def test_each_weight_mode_is_a_keeper_behind_the_protocol(precision, master_weights, kind):
+    stepper, _, _ = _stepper(precision, master_weights)
+    assert type(stepper.keeper) is kind
+    assert isinstance(stepper.keeper, WeightKeeper)
+
+
+def test_make_keeper_builds_each_mode_and_fsdp2_keeps_plain():
+    model = TinyMLP().bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    common = dict(owner="T", precision="bf16-true", dtype=torch.bfloat16, checker=None)
+    assert isinstance(make_keeper("fp32", model, [opt], **common), MasterKeeper)
+    assert isinstance(make_keeper("fp32", TinyMLP().bfloat16(), [], fsdp2=True, **common), PlainKeeper)
+    assert isinstance(make_keeper(None, model, [opt], **common), PlainKeeper)
+    kahan = make_keeper("kahan", TinyMLP().bfloat16(), [], **common)
+    assert isinstance(kahan, CompactKeeper) and kahan.mode == "kahan"
+    assert not isinstance(object(), WeightKeeper)  # the check can fail
+
+
+class _Recording:
+    """A keeper that records the protocol calls the stepper makes (delegating to a real one)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        value = getattr(self.inner, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return value(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("master_weights", [True, "kahan"])
+def test_the_step_path_asks_the_keeper_for_everything_mode_specific(master_weights):
+    stepper, model, opt = _stepper("bf16-true", master_weights)
+    recording = _Recording(stepper.keeper)
+    stepper.keeper = recording
+    x, y = regression_data()
+    with stepper.forward_context():
+        loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x)).float(), y)
+    stepper.scale_loss(loss).backward()
+    stepper.clip_grad_norm_(opt, 1.0)
+    before = model.fc1.weight.detach().clone()
+    stepper.step(opt)
+    order = ["unscale_", "clip_grad_norm_", "absorb_grads_", "step_"]
+    assert [c for c in recording.calls if c in order] == order
+    assert stepper.step_count == 1 and not stepper.last_step_skipped
+    assert not torch.equal(model.fc1.weight, before)  # the keeper's step moved the 16-bit weights
+
+
+def test_the_step_path_has_no_weight_mode_branch():
+    step_path = ("unscale_", "main_params", "clip_grad_norm_", "clip_grad_value_", "step", "discard_", "drop_grads_",
+                 "_record", "scale_loss", "named_grads", "state_tensors")
+    for name in step_path:
+        source = inspect.getsource(getattr(PrecisionStepper, name))
+        assert not re.search(r"\bmaster\b|\bcompact\b|master_mode", source.split('"""')[-1]), name
