@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.step_guard import check_step_inputs_, stale_grads_note
 from lit_mpstable.core.step_report import blame, blame_late, observe
-from lit_mpstable.core.stepper_args import check_arguments
+from lit_mpstable.core.stepper_args import MasterMode, OpPolicyName, PrecisionName, check_arguments
 from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
 from lit_mpstable.core.stepper_state import StepperState
 from lit_mpstable.core.stepper_status import StepperStatus
@@ -44,9 +44,6 @@ from lit_mpstable.core.weights import PlainKeeper, WeightKeeper
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName", "default_dtype",
            "tensor_init_context"]
 
-PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
-MasterMode = Literal["fp32", "kahan", "stochastic"]
-OpPolicyName = Literal["autocast", "auto"]
 
 _FORMAT_IDS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 

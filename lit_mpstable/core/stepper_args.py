@@ -4,13 +4,17 @@ inside a container (the per-argument checks are in :mod:`lit_mpstable.core.valid
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
-__all__ = ["check_arguments"]
+__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "check_arguments"]
+
+PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
+MasterMode = Literal["fp32", "kahan", "stochastic"]
+OpPolicyName = Literal["autocast", "auto"]
 
 
 def check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.loaded_state import check_plugin_state
+from lit_mpstable.core.stepper_args import PrecisionName
 from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.weights import WeightKeeper
 
@@ -120,8 +121,6 @@ class StepperState:
             TypeError: ``state`` is not a dict, or a field has the wrong type (``"False"`` for a bool, ``None``).
             ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
         """
-        from lit_mpstable.core.stepper import PrecisionName  # the stepper imports this module
-
         # Every field is checked before anything is loaded: a refused state changes nothing.
         check_plugin_state(f"{self.owner}.load_state_dict", state, set(self.state_dict()), get_args(PrecisionName))
         notes = load_scaler_state_(self.scaler, state, precision=self.precision, keep_counters=keep_counters)
