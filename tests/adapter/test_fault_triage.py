@@ -33,16 +33,19 @@ class Forwards(pl.Callback):
         self._handle.remove()
 
 
-class CorruptWeight(pl.Callback):
-    """Writes a NaN into fc1's weight at the start of one step (bad state, as after a bit flip in memory)."""
+class CorruptState(pl.Callback):
+    """Writes a NaN into fc1's weight, or its momentum buffer, at the start of one step (as after a bit flip in
+    memory)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, where: str = "weight") -> None:
+        self.step, self.where = step, where
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
+            weight = pl_module.model.fc1.weight
+            target = weight if self.where == "weight" else trainer.optimizers[0].state[weight]["momentum_buffer"]
             with torch.no_grad():
-                pl_module.model.fc1.weight.view(-1)[3] = float("nan")
+                target.view(-1)[3] = float("nan")
 
 
 def seeded(**kwargs) -> PoisonModule:
@@ -118,10 +121,12 @@ def test_without_a_snapshot_a_persistent_fault_is_data():
     assert triage.events[0]["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:none"]
 
 
-def test_bad_weights_are_state_and_roll_back():
+@pytest.mark.parametrize("where", ["weight", "optimizer"])
+def test_bad_state_is_state_and_rolls_back(where):
+    # A NaN momentum buffer leaves loss and gradients finite: the step is rejected by its late check.
     module, triage = seeded(), FaultTriage()
     checkpoint = ScaleCheckpoint(every_n_steps=1)
-    fit(module, [triage, checkpoint, CorruptWeight(2)])
+    fit(module, [triage, checkpoint, CorruptState(2, where)])
     (event,) = triage.events
     assert (event["step"], event["kind"], event["action"], event["restored_step"]) == (2, "state", "rollback", 2)
     assert event["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:clean"]
@@ -198,3 +203,24 @@ def test_iterable_dataset_cannot_be_replayed():
     triage = FaultTriage()
     fit(StreamModule(), [triage, FaultInjector({1: "nan_batch"})], max_steps=3)
     assert "IterableDataset" in triage.cannot_replay and triage.events == [] and triage.replays_run == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, precision, kinds", [
+    ({2: "transient", 4: "nan_batch"}, "32-true", [(2, "transient"), (4, "data")]),
+    ({1: "fp16_overflow"}, "16-mixed", [(1, "precision")]),
+])
+def test_ddp_fault_on_one_rank_is_decided_alike_on_both(tmp_path, schedule, precision, kinds):
+    from dist_helpers import RankFaultModule, fit_ddp
+
+    triage = FaultTriage()
+    injector = FaultInjector(schedule, module="model.fc2", ranks=[1])
+    with quiet():
+        rank0, rank1 = fit_ddp(RankFaultModule(), StablePrecision(precision), [triage, injector], tmp_path,
+                               max_steps=6)
+    events0, events1 = rank0["FaultTriage.events"], rank1["FaultTriage.events"]
+    assert [(e["step"], e["kind"]) for e in events0] == kinds and events0 == events1
+    if precision == "16-mixed":  # only rank 1 saw fc2 overflow: the agreed name moves fc2 on both
+        assert events0[0]["blamed"] == ["model.fc2"] and rank0["islands"] == rank1["islands"] == ["model.fc2"]
+    assert rank0["skipped"] == rank1["skipped"] and rank0["counters"] == rank1["counters"]
+    assert all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in rank0["params"])
