@@ -232,7 +232,8 @@ class FaultTriage(PluginCallback):
         optimizer.zero_grad(set_to_none=True)
         pl_module.zero_grad(set_to_none=True)
         with trace_nonfinite(pl_module) if trace else nullcontext() as tracer:
-            output = trainer.strategy.training_step(batch, self._batch_idx)
+            # In the precision the replay runs in: a '*-true' batch is 16-bit, and the FP32 replay needs it in FP32.
+            output = trainer.strategy.training_step(self._plugin.convert_input(batch), self._batch_idx)
             loss = output.get("loss") if isinstance(output, dict) else output
             if isinstance(loss, torch.Tensor):
                 self._plugin.replay_backward(loss, pl_module)

@@ -88,9 +88,10 @@ def test_transient_uses_the_replay_and_matches_a_fault_free_run():
         torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
 
 
-def test_precision_fault_falls_back_the_blamed_module():
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])  # '16-true': the FP32 replay casts the FP16 batch
+def test_precision_fault_falls_back_the_blamed_module(precision):
     triage = FaultTriage()
-    plugin = fit(seeded(), [triage, FaultInjector({1: "fp16_overflow"}, module="model.fc2")], "16-mixed",
+    plugin = fit(seeded(), [triage, FaultInjector({1: "fp16_overflow"}, module="model.fc2")], precision,
                  max_steps=3)
     (event,) = triage.events
     assert (event["step"], event["kind"], event["action"]) == (1, "precision", "fallback")
