@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from cb_helpers import PoisonModule, fp32_scaler_plugin, quiet
-from helpers import make_trainer
+from helpers import HostReads, make_trainer
 from trainer_pkg import NAME, ScaleCheckpoint, StablePrecision, pl
 
 from lit_mpstable.callbacks import FaultTriage
@@ -74,6 +74,30 @@ def test_clean_steps_run_no_replay():
     triage, forwards = FaultTriage(), Forwards()
     fit(seeded(), [triage, forwards])
     assert forwards.calls == 4 and triage.replays_run == 0 and triage.events == []
+
+
+def test_clean_steps_add_no_host_read():
+    def reads(callbacks) -> list[str]:
+        with HostReads() as seen:
+            fit(seeded(), callbacks)
+        return seen.ops
+
+    assert reads([FaultTriage()]) == reads([])
+
+
+def test_events_survive_a_checkpoint_resume(tmp_path):
+    triage, path = FaultTriage(), tmp_path / "mid.ckpt"
+    injector = FaultInjector({1: "nan_batch", 5: "transient"})
+    trainer = make_trainer(StablePrecision("32-true"), callbacks=[triage, injector], max_steps=4)
+    with quiet():
+        trainer.fit(seeded())
+    trainer.save_checkpoint(path)
+    resumed = FaultTriage()
+    with quiet():
+        make_trainer(StablePrecision("32-true"), callbacks=[resumed, FaultInjector({1: "nan_batch", 5: "transient"})],
+                     max_steps=6).fit(seeded(), ckpt_path=path)
+    assert [(e["step"], e["kind"]) for e in resumed.events] == [(1, "data"), (5, "transient")]
+    assert resumed.events[0] == triage.events[0] and resumed.replays_run == triage.replays_run + 1
 
 
 def test_transient_uses_the_replay_and_matches_a_fault_free_run():
