@@ -89,8 +89,9 @@ class FaultTriage(PluginCallback):
     ``dataloader_iter`` (it fetches its own batch) or an ``IterableDataset`` (a streaming loader may refill the
     batch's buffers, so the batch replayed need not be the one that failed).
 
-    List it before ``FaultInjector``: the injector undoes its batch faults in its own ``on_train_batch_end``, and
-    Lightning calls callbacks in list order. One instance per run.
+    At setup it moves itself to the front of ``trainer.callbacks``, so it sees each step before the other callbacks
+    react to it (``FaultInjector`` undoes its batch fault at batch end, ``ScaleCheckpoint`` rolls back bad weights).
+    One instance per run.
 
     Args:
         max_replays: rungs of the ladder to try, 1 to 3 (1: as is only; 2: and in FP32; 3: and from the snapshot).
@@ -124,6 +125,13 @@ class FaultTriage(PluginCallback):
         return [event["batch_idx"] for event in self.events if event["kind"] == "data"]
 
     # ------------------------------------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # First in the list (Lightning calls callbacks in list order): the step is triaged as it happened, before
+        # another callback reacts to it (ScaleCheckpoint rolling back bad weights, FaultInjector undoing its fault).
+        if stage == "fit" and trainer.callbacks and trainer.callbacks[0] is not self and self in trainer.callbacks:
+            trainer.callbacks.remove(self)
+            trainer.callbacks.insert(0, self)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._plugin is None:
             return

@@ -127,7 +127,7 @@ def test_nan_batch_is_data_and_the_batch_stays_skipped():
     module, triage = seeded(), FaultTriage()
     start = weights(seeded())
     checkpoint = ScaleCheckpoint(every_n_steps=1)
-    fit(module, [triage, checkpoint, FaultInjector({1: "nan_batch"})], max_steps=2)
+    fit(module, [checkpoint, FaultInjector({1: "nan_batch"}), triage], max_steps=2)  # triage moves itself first
     (event,) = triage.events
     assert (event["step"], event["kind"], event["action"], event["batch_idx"]) == (1, "data", "skip", 1)
     assert event["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:nonfinite"]
@@ -148,10 +148,11 @@ def test_without_a_snapshot_a_persistent_fault_is_data():
 
 @pytest.mark.parametrize("where", ["weight", "optimizer"])
 def test_bad_state_is_state_and_rolls_back(where):
-    # A NaN momentum buffer leaves loss and gradients finite: the step is rejected by its late check.
+    # A NaN momentum buffer leaves loss and gradients finite: the step is rejected by its late check. Listed last,
+    # triage still sees the step before ScaleCheckpoint's own check of the weights would roll it back.
     module, triage = seeded(), FaultTriage()
     checkpoint = ScaleCheckpoint(every_n_steps=1)
-    fit(module, [triage, checkpoint, CorruptState(2, where)])
+    fit(module, [checkpoint, CorruptState(2, where), triage])
     (event,) = triage.events
     assert (event["step"], event["kind"], event["action"], event["restored_step"]) == (2, "state", "rollback", 2)
     assert event["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:clean"]
