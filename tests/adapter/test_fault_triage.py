@@ -250,3 +250,13 @@ def test_ddp_fault_on_one_rank_is_decided_alike_on_both(tmp_path, schedule, prec
         assert events0[0]["blamed"] == ["model.fc2"] and rank0["islands"] == rank1["islands"] == ["model.fc2"]
     assert rank0["skipped"] == rank1["skipped"] and rank0["counters"] == rank1["counters"]
     assert all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in rank0["params"])
+
+
+def test_events_are_logged_as_a_metric():
+    from cb_helpers import ListLogger
+
+    logger, triage = ListLogger(), FaultTriage()
+    with quiet():
+        make_trainer(StablePrecision("32-true"), callbacks=[triage, FaultInjector({2: "nan_batch"})], max_steps=4,
+                     logger=logger, log_every_n_steps=1).fit(seeded())
+    assert logger.values("mp/triage_events") == [0.0, 0.0, 1.0, 1.0]
