@@ -208,6 +208,7 @@ class FaultTriage(PluginCallback):
                     event["restored_step"] = checkpoint.roll_back(trainer, pl_module, kind="fault triage: state")
                 if clean:  # the clean replay's step is applied, in the precision it ran in
                     plugin.optimizer_step(optimizer, pl_module, lambda result=loss: result)
+                    _step_schedules(trainer, pl_module, batch_idx)
                 else:
                     optimizer.zero_grad(set_to_none=True)
                     pl_module.zero_grad(set_to_none=True)
@@ -260,6 +261,15 @@ class FaultTriage(PluginCallback):
         strict_keys(type(self).__name__, state_dict, {"events", "replays_run"})
         self.events = copy.deepcopy(list(state_dict["events"]))
         self.replays_run = int(state_dict["replays_run"])
+
+
+def _step_schedules(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+    """Lightning stepped the per-step LR schedulers before ``on_train_batch_end``, while the step stood skipped (the
+    plugin held them): step them again now that it is applied, as Lightning's rule would have (interval and
+    frequency), or the schedule lags one step behind the weights for the rest of the run."""
+    for config in trainer.lr_scheduler_configs:
+        if config.interval == "step" and not config.reduce_on_plateau and (batch_idx + 1) % config.frequency == 0:
+            pl_module.lr_scheduler_step(config.scheduler, None)
 
 
 def _finite(pl_module: torch.nn.Module, optimizer: Any, loss: torch.Tensor | None) -> bool:

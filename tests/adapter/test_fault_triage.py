@@ -112,6 +112,16 @@ def test_transient_uses_the_replay_and_matches_a_fault_free_run():
         torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
 
 
+def test_transient_keeps_the_lr_schedule_of_a_fault_free_run():
+    clean = seeded(scheduler=True)
+    fit(clean, [], max_steps=6)
+    module = seeded(scheduler=True)
+    fit(module, [FaultTriage(), FaultInjector({1: "transient"})], max_steps=6)
+    assert module.lr_schedulers().get_last_lr() == clean.lr_schedulers().get_last_lr()
+    for name, value in weights(clean).items():
+        torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true"])  # '16-true': the FP32 replay casts the FP16 batch
 def test_precision_fault_falls_back_the_blamed_module(precision):
     triage = FaultTriage()
