@@ -37,11 +37,11 @@ class CorruptState(pl.Callback):
     """Writes a NaN into fc1's weight, or its momentum buffer, at the start of one step (as after a bit flip in
     memory)."""
 
-    def __init__(self, step: int, where: str = "weight") -> None:
-        self.step, self.where = step, where
+    def __init__(self, step: int, where: str = "weight", rank: int | None = None) -> None:
+        self.step, self.where, self.rank = step, where, rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             weight = pl_module.model.fc1.weight
             target = weight if self.where == "weight" else trainer.optimizers[0].state[weight]["momentum_buffer"]
             with torch.no_grad():
@@ -245,14 +245,16 @@ def test_iterable_dataset_cannot_be_replayed():
 @pytest.mark.parametrize("schedule, precision, kinds", [
     ({2: "transient", 4: "nan_batch"}, "32-true", [(2, "transient"), (4, "data")]),
     ({1: "fp16_overflow"}, "16-mixed", [(1, "precision")]),
+    ({}, "32-true", [(3, "state")]),  # a NaN weight on rank 1 at step 3, snapshots every step
 ])
 def test_ddp_fault_on_one_rank_is_decided_alike_on_both(tmp_path, schedule, precision, kinds):
     from dist_helpers import RankFaultModule, fit_ddp
 
     triage = FaultTriage()
-    injector = FaultInjector(schedule, module="model.fc2", ranks=[1])
+    faults = [FaultInjector(schedule, module="model.fc2", ranks=[1])] if schedule else [
+        ScaleCheckpoint(every_n_steps=1), CorruptState(3, rank=1)]
     with quiet():
-        rank0, rank1 = fit_ddp(RankFaultModule(), StablePrecision(precision), [triage, injector], tmp_path,
+        rank0, rank1 = fit_ddp(RankFaultModule(), StablePrecision(precision), [triage, *faults], tmp_path,
                                max_steps=6)
     events0, events1 = rank0["FaultTriage.events"], rank1["FaultTriage.events"]
     assert [(e["step"], e["kind"]) for e in events0] == kinds and events0 == events1
