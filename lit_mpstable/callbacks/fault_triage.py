@@ -67,8 +67,8 @@ class FaultTriage(PluginCallback):
     scaler or a scale already at 1, or inf/NaN entered after the gradient check (``stats["nonfinite_after_check"]``:
     the weights or the optimizer state). A routine FP16 overflow at a scale above 1 is the scaler's business: not
     replayed. The same batch is then replayed with the RNG restored, at most ``max_replays`` times, up the
-    :class:`Replay` ladder: as is, in FP32 (``plugin.full_precision()``), from ScaleCheckpoint's last snapshot (skipped
-    without one). A replay is clean when its loss, its gradients, the weights and the optimizer state are all finite
+    :class:`Replay` ladder: as is, in FP32 (``plugin.full_precision()``; skipped where FSDP2 fixed the precision), from
+    ScaleCheckpoint's last snapshot (skipped without one). A replay is clean when its loss, its gradients, the weights and the optimizer state are all finite
     on every rank. The first clean replay names the kind:
 
     - ``"transient"``: the as-is replay's step is applied through the plugin (clipping, hooks, masters, counters):
@@ -196,6 +196,10 @@ class FaultTriage(PluginCallback):
                     break
                 backup = take_snapshot(trainer, pl_module, plugin, None)
                 checkpoint.restore_snapshot(trainer, pl_module)
+            if replay is Replay.FP32 and not plugin.can_fallback:  # FSDP2 fixed the precision at fully_shard
+                outcomes.append("fp32:unavailable")
+                replay = next_replay(replay, False, self.max_replays)
+                continue
             context = plugin.full_precision() if replay is Replay.FP32 else nullcontext()
             with context:
                 loss, names = self._replay(trainer, pl_module, optimizer, batch, trace=replay is Replay.AS_IS)
