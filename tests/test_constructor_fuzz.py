@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.core.validate import INT32_MAX
-from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
+from lit_mpstable.callbacks import AMPPreflight, FaultTriage, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
 from lit_mpstable.callbacks._common import MAX_WINDOW
 from lit_mpstable.core.formats import FormatName
 from lit_mpstable.fp8 import FP8Config
@@ -144,6 +144,9 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, tuple[Oracle, list[Any]]]]]
         "rtol": (optional(reals(0)), [None, 1e-3]),
         "action": (one_of("fallback", "warn", "raise"), ["warn", "raise"]),
         "forward_fn": (lambda v: v is None or callable(v), [None, lambda module, batch: batch]),
+    }),
+    "FaultTriage": (FaultTriage, {
+        "max_replays": (ints(1, 3), [1, 3]),
     }),
 }
 CASES["StablePrecision"] = (StablePrecision, CASES["PrecisionStepper"][1])  # the same arguments, passed through

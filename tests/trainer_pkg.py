@@ -16,11 +16,13 @@ pl = importlib.import_module(NAME)
 if NAME == "pytorch_lightning":
     from lit_mpstable.pytorch_lightning import StablePrecision
     from lit_mpstable.pytorch_lightning.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
+    from lit_mpstable.pytorch_lightning.callbacks import FaultTriage
 else:
     from lit_mpstable import StablePrecision
     from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
+    from lit_mpstable.callbacks import FaultTriage
 
 HalfPrecision, MixedPrecision = pl.plugins.precision.HalfPrecision, pl.plugins.precision.MixedPrecision
 
-__all__ = ["AMPPreflight", "HalfPrecision", "MixedPrecision", "NAME", "OverflowMonitor", "PrecisionFallback",
+__all__ = ["AMPPreflight", "FaultTriage", "HalfPrecision", "MixedPrecision", "NAME", "OverflowMonitor", "PrecisionFallback",
            "PrecisionProbe", "ScaleCheckpoint", "StablePrecision", "pl"]

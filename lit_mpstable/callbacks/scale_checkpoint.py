@@ -96,6 +96,30 @@ class ScaleCheckpoint(PluginCallback):
         """The global step of the snapshot a rollback would restore."""
         return None if self._snapshot is None else self._snapshot["step"]
 
+    def restore_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        """Load the last snapshot now, uncounted and unrecorded (a trial: ``FaultTriage`` replays a step from it and
+        calls :meth:`roll_back` only if that replay is clean); returns its step.
+
+        Raises:
+            RuntimeError: no snapshot yet (see :attr:`snapshot_step`).
+        """
+        if self._plugin is None or self._snapshot is None:
+            raise RuntimeError("ScaleCheckpoint.restore_snapshot(): no snapshot yet; check snapshot_step first.")
+        restore_snapshot(trainer, pl_module, self._plugin, self._snapshot)
+        return self._snapshot["step"]
+
+    def roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, kind: str) -> int:
+        """Roll back to the last snapshot as a detected fault would (counted, recorded in :attr:`events` under
+        ``kind``, warned, within ``max_rollbacks``); returns the snapshot's step. Call it on every rank alike.
+
+        Raises:
+            RuntimeError: no snapshot yet, or the ``max_rollbacks`` budget is spent.
+        """
+        if self._plugin is None or self._snapshot is None:
+            raise RuntimeError(f"ScaleCheckpoint.roll_back(kind={kind!r}): no snapshot yet; check snapshot_step first.")
+        self._roll_back(trainer, pl_module, dict(step=trainer.global_step, kind=kind, loss=None, zscore=None))
+        return self._snapshot["step"]
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pending = None
         if self._plugin is not None:

@@ -119,6 +119,35 @@ class TrainerPrecision(StableFrontEnd):
         self.stepper.count_unchecked_step()
         return output
 
+    @contextmanager
+    def full_precision(self) -> Generator[None, None, None]:
+        """Inside the block the whole model computes in FP32 (FP8 layers off, no autocast, ``*-true`` parameters
+        widened); after it exactly the fallbacks in force before are back. For replaying a step at full precision
+        (``FaultTriage``): logs nothing and counts nothing, unlike :meth:`fallback`.
+
+        Raises:
+            RuntimeError: under FSDP2 where the precision was fixed at ``fully_shard`` (see :attr:`can_fallback`).
+        """
+        layout = self.stepper.layout
+        saved = layout.state_dict()
+        try:
+            while self.stepper.compute_dtype != torch.float32:
+                self.stepper.fallback(None)  # one rung at a time: FP8 -> base precision -> FP32
+            yield
+        finally:
+            layout.load_state_dict(saved)
+
+    def replay_backward(self, loss: torch.Tensor, module: Any) -> torch.Tensor:
+        """The backward of a replayed step (``FaultTriage``): the loss scaled as :meth:`pre_backward` scales it, and
+        the LightningModule's own ``on_before_backward``, ``backward`` and ``on_after_backward`` (part of the user's
+        step). The callbacks' backward hooks are not called: a replay must not count twice in their statistics.
+        Returns the scaled loss."""
+        module.on_before_backward(loss)
+        scaled = self.stepper.scale_loss(loss)
+        module.backward(scaled)
+        module.on_after_backward()
+        return scaled
+
     # LightningModule.clip_gradients passes the LightningOptimizer wrapper; the step gets the optimizer itself.
     def main_params(self, optimizer: Optimizer) -> Any:
         return self.stepper.main_params(self._unwrap(optimizer))

@@ -14,6 +14,7 @@ from helpers import make_trainer
 
 from trainer_pkg import StablePrecision
 from trainer_pkg import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
+from trainer_pkg import FaultTriage
 from lit_mpstable.callbacks.amp_preflight import compare_outputs
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
@@ -23,6 +24,7 @@ FACTORIES = {
     "ScaleCheckpoint": lambda: ScaleCheckpoint(every_n_steps=2, min_history=2, window=4),
     "AMPPreflight": lambda: AMPPreflight(),
     "PrecisionProbe": lambda: PrecisionProbe(every_n_steps=2),
+    "FaultTriage": lambda: FaultTriage(max_replays=2),
 }
 
 
@@ -78,6 +80,7 @@ BAD_ARGUMENTS = [
     (AMPPreflight, dict(rtol=float("nan")), "rtol"),
     (AMPPreflight, dict(action="ignore"), "action"),
     (AMPPreflight, dict(forward_fn=3), "forward_fn"),
+    (FaultTriage, dict(max_replays=4), "max_replays"),
 ]
 
 

@@ -1,0 +1,307 @@
+"""FaultTriage: a rejected step is replayed (as is, in FP32, from the last snapshot) and classified transient,
+precision, data or state, with the matching action."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from contextlib import nullcontext
+from enum import Enum
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lit_mpstable.callbacks._common import (
+    PluginCallback, StepCounter, agreed_names, any_rank, check, is_int, log_mp, strict_keys,
+)
+from lit_mpstable.callbacks._snapshot import restore_snapshot, take_snapshot
+from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
+from lit_mpstable.core.attribution import trace_nonfinite
+
+__all__ = ["FaultTriage", "Replay", "TriageKind"]
+
+TriageKind = Literal["transient", "precision", "data", "state"]
+
+
+class Replay(Enum):
+    """The replay ladder, climbed one rung per replay until one is clean; :func:`next_replay` is its transition.
+
+    - ``AS_IS``: the same batch, RNG and precision. Clean: the fault came and went (a flipped bit): ``"transient"``.
+    - ``FP32``: the same batch in FP32 (FP8 and autocast off). Clean: low precision made it: ``"precision"``.
+    - ``SNAPSHOT``: the same batch from ScaleCheckpoint's last snapshot. Clean: the weights or the optimizer state
+      had gone bad since: ``"state"``.
+
+    Non-finite on every rung tried: the batch itself is bad, ``"data"``.
+    """
+
+    AS_IS = "transient"
+    FP32 = "precision"
+    SNAPSHOT = "state"
+
+
+_LADDER = (Replay.AS_IS, Replay.FP32, Replay.SNAPSHOT)
+_ACTIONS = {"transient": "use_replay", "precision": "fallback", "data": "skip", "state": "rollback"}
+
+
+def next_replay(done: Replay, clean: bool, max_replays: int) -> Replay | TriageKind:
+    """After replay ``done``: its kind when it was clean, else the next rung (within ``max_replays``), else ``"data"``
+    (the batch stays skipped: of the four actions the one that changes nothing)."""
+    if clean:
+        return done.value  # type: ignore[return-value]
+    position = _LADDER.index(done) + 1
+    return _LADDER[position] if position < max_replays else "data"
+
+
+class FaultTriage(PluginCallback):
+    """Replays a rejected step to tell a passing fault from a deterministic one, and acts on what it finds.
+
+    On every training batch it keeps what a replay needs: a reference to the batch, its index and the torch RNG
+    states (CPU, and CUDA where initialised): host copies of a few KiB, no device copy and no host read. A clean step
+    costs nothing more: its verdict is the plugin's ``last_step_skipped``, read after the sync the skip decision
+    already made.
+
+    A rejected step is triaged when the loss scale does not explain it: its loss was non-finite (the scale only
+    multiplies after the loss), its batch held inf/NaN (``stats["nonfinite_input"]``), its gradients overflowed with no
+    scaler or a scale already at 1, or inf/NaN entered after the gradient check (``stats["nonfinite_after_check"]``:
+    the weights or the optimizer state). A routine FP16 overflow at a scale above 1 is the scaler's business: not
+    replayed. The same batch is then replayed with the RNG restored, at most ``max_replays`` times, up the
+    :class:`Replay` ladder: as is, in FP32 (``plugin.full_precision()``; skipped where FSDP2 fixed the precision), from
+    ScaleCheckpoint's last snapshot (skipped without one). A replay is clean when its loss, its gradients, the weights and the optimizer state are all finite
+    on every rank. The first clean replay names the kind:
+
+    - ``"transient"``: the as-is replay's step is applied through the plugin (clipping, hooks, masters, counters):
+      nothing is skipped;
+    - ``"precision"``: the FP32 replay's step is applied, and the modules where inf/NaN first appeared in the as-is
+      replay fall back (``plugin.fallback``; the whole model one rung if none is named);
+    - ``"state"``: ScaleCheckpoint rolls back (``roll_back``, counted in its budget), and the replay's step from the
+      snapshot is applied;
+    - ``"data"``: no replay was clean (or none was left): the batch stays skipped, its index recorded.
+
+    The plugin counts what happened: the rejected execution as a skipped step, an applied replay as a step of its
+    own. Every event goes into :attr:`events`, a rank-zero message and ``mp/triage_events``, and the checkpoint.
+    Distributed runs decide alike on every rank: the trigger and each replay's verdict are reduced (any rank's
+    non-finite value counts), the blamed names agreed, before anything is done; every rank replays together.
+
+    A run that cannot be replayed says so once and classifies nothing: manual optimization (the step is the user's
+    own code), gradient accumulation (only the last of the step's batches is at hand), a ``training_step`` that takes
+    ``dataloader_iter`` (it fetches its own batch) or an ``IterableDataset`` (a streaming loader may refill the
+    batch's buffers, so the batch replayed need not be the one that failed).
+
+    At setup it moves itself to the front of ``trainer.callbacks``, so it sees each step before the other callbacks
+    react to it (``FaultInjector`` undoes its batch fault at batch end, ``ScaleCheckpoint`` rolls back bad weights).
+    One instance per run.
+
+    Args:
+        max_replays: rungs of the ladder to try, 1 to 3 (1: as is only; 2: and in FP32; 3: and from the snapshot).
+
+    Raises:
+        ValueError: ``max_replays`` is not an int in [1, 3].
+    """
+
+    def __init__(self, max_replays: int = 3) -> None:
+        super().__init__()
+        check(is_int(max_replays, 1, len(_LADDER)), f"{type(self).__name__}(max_replays={max_replays!r})",
+              "must be an int in [1, 3]: replays as is, then in FP32, then from the last snapshot; 3 tries them all.")
+        self.max_replays = max_replays
+        self.events: list[dict[str, Any]] = []
+        """Per triaged step: ``step``, ``kind``, ``action`` (``"use_replay"``, ``"fallback"``, ``"skip"``,
+        ``"rollback"``), ``blamed`` (module names), ``batch_idx``, ``replays`` (``"as_is:nonfinite"``, ...) and, for
+        ``"state"``, ``restored_step``."""
+        self.replays_run = 0
+        """Forward-backward replays run so far (0 while every step is clean)."""
+        self.cannot_replay: str | None = None
+        """Why this run cannot be replayed (said once), or None."""
+        self._steps = StepCounter()
+        self._batch: Any = None
+        self._batch_idx = -1
+        self._step = -1
+        self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+
+    @property
+    def skipped_batches(self) -> list[int]:
+        """Indices of the batches classified ``"data"`` (skipped)."""
+        return [event["batch_idx"] for event in self.events if event["kind"] == "data"]
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # First in the list (Lightning calls callbacks in list order): the step is triaged as it happened, before
+        # another callback reacts to it (ScaleCheckpoint rolling back bad weights, FaultInjector undoing its fault).
+        if stage == "fit" and trainer.callbacks and trainer.callbacks[0] is not self and self in trainer.callbacks:
+            trainer.callbacks.remove(self)
+            trainer.callbacks.insert(0, self)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._plugin is None:
+            return
+        self._steps.reset(self._plugin)
+        reason = _why_not_replayable(trainer, pl_module)
+        if reason is not None and self.cannot_replay is None:
+            rank_zero_warn(f"FaultTriage cannot replay steps in this run: {reason}. Rejected steps stay skipped and"
+                           " nothing is classified.")
+        self.cannot_replay = reason
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._plugin is None or self.cannot_replay is not None:
+            return
+        # References and host copies only (the RNG states are small host tensors): nothing waits for the device.
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self._batch, self._batch_idx, self._rng = batch, batch_idx, (torch.get_rng_state(), cuda)
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        plugin = self._plugin
+        if plugin is None:
+            return
+        steps, overflows, _ = self._steps.delta(plugin)
+        batch, self._batch = self._batch, None
+        triaged = False
+        if steps and plugin.last_step_skipped and batch is not None and self._needs_triage(trainer, pl_module, overflows):
+            self._triage(trainer, pl_module, batch)
+            triaged = True
+        if triaged or (trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0):
+            log_mp(pl_module, {"mp/triage_events": float(len(self.events))})
+
+    # ------------------------------------------------------------------------------------------------ triage
+    def _needs_triage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, overflows: int) -> bool:
+        """Whether the loss scale leaves this rejection unexplained (host reads on rejected steps only)."""
+        plugin = self._plugin
+        loss = plugin.last_loss
+        stats = plugin.stats
+        flags = [
+            loss is not None and not bool(torch.isfinite(loss).all()),
+            bool(overflows and stats.get("nonfinite_input")),
+            bool(overflows and (plugin.scaler is None or plugin.loss_scale <= 1.0)),
+            bool(not overflows and stats.get("nonfinite_after_check")),
+        ]
+        return any(any_rank(trainer, flags, pl_module.device))
+
+    def _triage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        plugin, step, batch_idx = self._plugin, self._step, self._batch_idx
+        optimizer = trainer.optimizers[0]
+        after = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+        checkpoint = next((c for c in trainer.callbacks if isinstance(c, ScaleCheckpoint)), None)
+        outcomes: list[str] = []
+        traced: list[str] = []
+        event: dict[str, Any] = {}
+        replay: Replay | str = Replay.AS_IS
+        while isinstance(replay, Replay):
+            backup = None
+            if replay is Replay.SNAPSHOT:
+                if checkpoint is None or checkpoint.snapshot_step is None:
+                    outcomes.append("snapshot:none")
+                    replay = "data"
+                    break
+                backup = take_snapshot(trainer, pl_module, plugin, None)
+                checkpoint.restore_snapshot(trainer, pl_module)
+            if replay is Replay.FP32 and not plugin.can_fallback:  # FSDP2 fixed the precision at fully_shard
+                outcomes.append("fp32:unavailable")
+                replay = next_replay(replay, False, self.max_replays)
+                continue
+            context = plugin.full_precision() if replay is Replay.FP32 else nullcontext()
+            with context:
+                loss, names = self._replay(trainer, pl_module, optimizer, batch, trace=replay is Replay.AS_IS)
+                clean = not any_rank(trainer, [not _finite(pl_module, optimizer, loss)], pl_module.device)[0]
+                outcomes.append(f"{replay.name.lower()}:{'clean' if clean else 'nonfinite'}")
+                if replay is Replay.AS_IS:
+                    traced = names
+                if clean and replay is Replay.SNAPSHOT:
+                    assert checkpoint is not None
+                    event["restored_step"] = checkpoint.roll_back(trainer, pl_module, kind="fault triage: state")
+                if clean:  # the clean replay's step is applied, in the precision it ran in
+                    plugin.optimizer_step(optimizer, pl_module, lambda result=loss: result)
+                    _step_schedules(trainer, pl_module, batch_idx)
+                else:
+                    optimizer.zero_grad(set_to_none=True)
+                    pl_module.zero_grad(set_to_none=True)
+            if not clean and backup is not None:
+                restore_snapshot(trainer, pl_module, plugin, backup)  # the trial from the snapshot is undone
+            replay = next_replay(replay, clean, self.max_replays)
+        kind: str = replay
+        known = dict(pl_module.named_modules())
+        # Only a fault that reproduces has a place to blame: where inf/NaN first appeared in the as-is replay.
+        blamed = [n for n in agreed_names(trainer, traced if kind == "precision" else []) if n in known and n]
+        if kind == "precision":
+            event["effect"] = plugin.fallback(blamed or None, reason=f"FaultTriage: step {step} was clean only in FP32")
+        torch.set_rng_state(after[0])  # the RNG goes on from where the rejected step left it
+        if after[1] is not None:
+            torch.cuda.set_rng_state_all(after[1])
+        self.events.append(dict(step=step, kind=kind, action=_ACTIONS[kind], blamed=blamed, batch_idx=batch_idx,
+                                replays=outcomes, **event))
+        rank_zero_info(f"FaultTriage at step {step} (batch {batch_idx}): {kind}, {_ACTIONS[kind]}"
+                       f" (replays {', '.join(outcomes)}; blamed {blamed}).")
+
+    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, batch: Any, *,
+                trace: bool) -> tuple[torch.Tensor | None, list[str]]:
+        """One forward and backward of ``batch`` with the RNG of the rejected step; the loss (None if the step returned
+        none) and, with ``trace``, where inf/NaN first appeared (nothing for a non-finite batch: no module made it)."""
+        assert self._rng is not None
+        self.replays_run += 1
+        torch.set_rng_state(self._rng[0])
+        if self._rng[1] is not None:
+            torch.cuda.set_rng_state_all(self._rng[1])
+        optimizer.zero_grad(set_to_none=True)
+        pl_module.zero_grad(set_to_none=True)
+        with trace_nonfinite(pl_module) if trace else nullcontext() as tracer:
+            # In the precision the replay runs in: a '*-true' batch is 16-bit, and the FP32 replay needs it in FP32.
+            output = trainer.strategy.training_step(self._plugin.convert_input(batch), self._batch_idx)
+            loss = output.get("loss") if isinstance(output, dict) else output
+            if isinstance(loss, torch.Tensor):
+                self._plugin.replay_backward(loss, pl_module)
+        names: list[str] = []
+        if tracer is not None and not tracer.nonfinite_input:
+            first = tracer.first_forward or tracer.first_backward
+            names = [first] if first else []
+        return (loss.detach() if isinstance(loss, torch.Tensor) else None), names
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Keys: ``events`` (as :attr:`events`), ``replays_run``."""
+        return {"events": copy.deepcopy(self.events), "replays_run": self.replays_run}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        strict_keys(type(self).__name__, state_dict, {"events", "replays_run"})
+        self.events = copy.deepcopy(list(state_dict["events"]))
+        self.replays_run = int(state_dict["replays_run"])
+
+
+def _step_schedules(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+    """Lightning stepped the per-step LR schedulers before ``on_train_batch_end``, while the step stood skipped (the
+    plugin held them): step them again now that it is applied, as Lightning's rule would have (interval and
+    frequency), or the schedule lags one step behind the weights for the rest of the run."""
+    for config in trainer.lr_scheduler_configs:
+        if config.interval == "step" and not config.reduce_on_plateau and (batch_idx + 1) % config.frequency == 0:
+            pl_module.lr_scheduler_step(config.scheduler, None)
+
+
+def _finite(pl_module: torch.nn.Module, optimizer: Any, loss: torch.Tensor | None) -> bool:
+    """Whether the loss, the gradients, the weights and the optimizer state are all finite: what the step checks
+    before it applies. One host read (events only)."""
+    tensors = [] if loss is None else [loss.float().reshape(-1)]
+    for param in pl_module.parameters():
+        tensors += [param.detach()] + ([param.grad] if param.grad is not None else [])
+    tensors += [v for state in optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() and type(v) is torch.Tensor]
+    tensors = [t for t in tensors if t.numel()]
+    if loss is None or not tensors:
+        return loss is not None
+    device = tensors[0].device
+    return bool(torch.stack([t.detach().abs().amax().float().to(device) for t in tensors]).isfinite().all())
+
+
+def _why_not_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+    if not pl_module.automatic_optimization:
+        return "manual optimization (the step is the LightningModule's own code, which a replay cannot re-enter)"
+    if trainer.accumulate_grad_batches > 1:
+        return (f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}: a step's gradients"
+                " come from several batches and only the last is at hand)")
+    if "dataloader_iter" in inspect.signature(pl_module.training_step).parameters:
+        return "training_step takes dataloader_iter (it fetches its own batch, which cannot be fetched again)"
+    loaders = trainer.train_dataloader
+    loaders = getattr(loaders, "flattened", None) or ([loaders] if loaders is not None else [])
+    if any(isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset) for loader in loaders):
+        return ("the training data is an IterableDataset (a streaming loader may refill the batch's buffers, so the"
+                " batch replayed need not be the one that failed)")
+    return None

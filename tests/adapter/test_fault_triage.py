@@ -1,0 +1,274 @@
+"""FaultTriage through a real Trainer on the CPU: each kind of fault classified and acted on, clean steps untouched."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+from cb_helpers import PoisonModule, fp32_scaler_plugin, quiet
+from helpers import HostReads, make_trainer
+from trainer_pkg import NAME, ScaleCheckpoint, StablePrecision, pl
+
+from lit_mpstable.callbacks import FaultTriage
+from lit_mpstable.faults import FaultInjector
+
+pytestmark = pytest.mark.skipif(NAME != "lightning.pytorch", reason="FaultInjector is a lightning.pytorch callback")
+
+
+class Forwards(pl.Callback):
+    """Counts the model's forward calls in training (one per batch without replays)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._handle = pl_module.model.register_forward_hook(self._count)
+
+    def _count(self, *args) -> None:
+        self.calls += 1
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._handle.remove()
+
+
+class CorruptState(pl.Callback):
+    """Writes a NaN into fc1's weight, or its momentum buffer, at the start of one step (as after a bit flip in
+    memory)."""
+
+    def __init__(self, step: int, where: str = "weight", rank: int | None = None) -> None:
+        self.step, self.where, self.rank = step, where, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            weight = pl_module.model.fc1.weight
+            target = weight if self.where == "weight" else trainer.optimizers[0].state[weight]["momentum_buffer"]
+            with torch.no_grad():
+                target.view(-1)[3] = float("nan")
+
+
+def seeded(**kwargs) -> PoisonModule:
+    torch.manual_seed(0)
+    return PoisonModule(**kwargs)
+
+
+def fit(module, callbacks, precision="32-true", max_steps=4, plugin=None):
+    plugin = plugin or StablePrecision(precision)
+    with quiet():
+        make_trainer(plugin, callbacks=callbacks, max_steps=max_steps).fit(module)
+    return plugin
+
+
+def weights(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("bad", [0, 4, 1.5, True, "3"])
+def test_max_replays_is_validated(bad):
+    with pytest.raises(ValueError, match=r"FaultTriage\(max_replays=.*\): must be an int in \[1, 3\]"):
+        FaultTriage(bad)
+
+
+def test_clean_steps_run_no_replay():
+    triage, forwards = FaultTriage(), Forwards()
+    fit(seeded(), [triage, forwards])
+    assert forwards.calls == 4 and triage.replays_run == 0 and triage.events == []
+
+
+def test_clean_steps_add_no_host_read():
+    def reads(callbacks) -> list[str]:
+        with HostReads() as seen:
+            fit(seeded(), callbacks)
+        return seen.ops
+
+    assert reads([FaultTriage()]) == reads([])
+
+
+def test_events_survive_a_checkpoint_resume(tmp_path):
+    triage, path = FaultTriage(), tmp_path / "mid.ckpt"
+    injector = FaultInjector({1: "nan_batch", 5: "transient"})
+    trainer = make_trainer(StablePrecision("32-true"), callbacks=[triage, injector], max_steps=4)
+    with quiet():
+        trainer.fit(seeded())
+    trainer.save_checkpoint(path)
+    resumed = FaultTriage()
+    with quiet():
+        make_trainer(StablePrecision("32-true"), callbacks=[resumed, FaultInjector({1: "nan_batch", 5: "transient"})],
+                     max_steps=6).fit(seeded(), ckpt_path=path)
+    assert [(e["step"], e["kind"]) for e in resumed.events] == [(1, "data"), (5, "transient")]
+    assert resumed.events[0] == triage.events[0] and resumed.replays_run == triage.replays_run + 1
+
+
+def test_transient_uses_the_replay_and_matches_a_fault_free_run():
+    clean = seeded()
+    fit(clean, [])
+    module, triage, forwards = seeded(), FaultTriage(), Forwards()
+    plugin = fit(module, [triage, FaultInjector({2: "transient"}), forwards])
+    assert [(e["step"], e["kind"], e["action"]) for e in triage.events] == [(2, "transient", "use_replay")]
+    assert triage.events[0]["replays"] == ["as_is:clean"] and forwards.calls == 5  # one replay, on the event only
+    assert plugin.skipped_steps == 1 and plugin.step_count == 5  # the rejected execution, then the replay's step
+    for name, value in weights(clean).items():
+        torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_transient_keeps_the_lr_schedule_of_a_fault_free_run():
+    clean = seeded(scheduler=True)
+    fit(clean, [], max_steps=6)
+    module = seeded(scheduler=True)
+    fit(module, [FaultTriage(), FaultInjector({1: "transient"})], max_steps=6)
+    assert module.lr_schedulers().get_last_lr() == clean.lr_schedulers().get_last_lr()
+    for name, value in weights(clean).items():
+        torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])  # '16-true': the FP32 replay casts the FP16 batch
+def test_precision_fault_falls_back_the_blamed_module(precision):
+    triage = FaultTriage()
+    plugin = fit(seeded(), [triage, FaultInjector({1: "fp16_overflow"}, module="model.fc2")], precision,
+                 max_steps=3)
+    (event,) = triage.events
+    assert (event["step"], event["kind"], event["action"]) == (1, "precision", "fallback")
+    assert event["replays"] == ["as_is:nonfinite", "fp32:clean"] and event["blamed"] == ["model.fc2"]
+    assert "model.fc2" in plugin.islands.names and plugin.compute_dtype == torch.float16  # only fc2 left FP16
+
+
+def test_nan_batch_is_data_and_the_batch_stays_skipped():
+    module, triage = seeded(), FaultTriage()
+    start = weights(seeded())
+    checkpoint = ScaleCheckpoint(every_n_steps=1)
+    fit(module, [checkpoint, FaultInjector({1: "nan_batch"}), triage], max_steps=2)  # triage moves itself first
+    (event,) = triage.events
+    assert (event["step"], event["kind"], event["action"], event["batch_idx"]) == (1, "data", "skip", 1)
+    assert event["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:nonfinite"]
+    assert triage.skipped_batches == [1] and checkpoint.rollbacks == 0
+    # Only step 0 applied: the trial from the snapshot (step 1's weights) was undone.
+    expected = seeded()
+    fit(expected, [], max_steps=1)
+    assert all(torch.equal(weights(module)[k], v) for k, v in weights(expected).items())
+    assert any(not torch.equal(weights(module)[k], v) for k, v in start.items())
+
+
+def test_without_a_snapshot_a_persistent_fault_is_data():
+    triage = FaultTriage()
+    fit(seeded(), [triage, FaultInjector({1: "nan_batch"})], max_steps=2)
+    assert triage.events[0]["kind"] == "data"
+    assert triage.events[0]["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:none"]
+
+
+@pytest.mark.parametrize("where", ["weight", "optimizer"])
+def test_bad_state_is_state_and_rolls_back(where):
+    # A NaN momentum buffer leaves loss and gradients finite: the step is rejected by its late check. Listed last,
+    # triage still sees the step before ScaleCheckpoint's own check of the weights would roll it back.
+    module, triage = seeded(), FaultTriage()
+    checkpoint = ScaleCheckpoint(every_n_steps=1)
+    fit(module, [checkpoint, CorruptState(2, where), triage])
+    (event,) = triage.events
+    assert (event["step"], event["kind"], event["action"], event["restored_step"]) == (2, "state", "rollback", 2)
+    assert event["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:clean"]
+    assert checkpoint.rollbacks == 1
+    assert all(torch.isfinite(v).all() for v in weights(module).values())
+
+
+def test_max_replays_stops_the_ladder():
+    triage = FaultTriage(max_replays=1)
+    fit(seeded(), [triage, FaultInjector({1: "nan_batch"})], max_steps=2)
+    assert triage.events[0]["kind"] == "data" and triage.events[0]["replays"] == ["as_is:nonfinite"]
+
+
+def test_routine_overflow_is_not_replayed():
+    # An inf gradient at a loss scale of 2**16 with a finite loss: the scaler's business.
+    triage = FaultTriage()
+    plugin = fit(seeded(inf_grad_steps=[1]), [triage], max_steps=3, plugin=fp32_scaler_plugin())
+    assert plugin.overflow_count == 1 and triage.events == [] and triage.replays_run == 0
+
+
+def test_state_dict_round_trips():
+    triage = FaultTriage()
+    fit(seeded(), [triage, FaultInjector({1: "nan_batch", 2: "transient"})])
+    assert [e["kind"] for e in triage.events] == ["data", "transient"]
+    buffer = io.BytesIO()
+    torch.save(triage.state_dict(), buffer)
+    buffer.seek(0)
+    restored = FaultTriage()
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert restored.events == triage.events and restored.replays_run == triage.replays_run
+    with pytest.raises(KeyError, match="events"):
+        FaultTriage().load_state_dict({"replays_run": 0})
+
+
+class ManualModule(PoisonModule):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def test_manual_optimization_says_so_once_and_classifies_nothing():
+    triage = FaultTriage()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            plugin = StablePrecision("32-true")
+            make_trainer(plugin, callbacks=[triage, FaultInjector({1: "nan_batch"})], max_steps=3).fit(ManualModule())
+    said = [w for w in caught if "FaultTriage cannot replay" in str(w.message)]
+    assert len(said) == 1 and "manual optimization" in str(said[0].message)
+    assert plugin.skipped_steps >= 1 and triage.events == [] and triage.replays_run == 0
+
+
+def test_iterable_dataset_cannot_be_replayed():
+    class Stream(torch.utils.data.IterableDataset):
+        def __init__(self, x, y) -> None:
+            self.x, self.y = x, y
+
+        def __iter__(self):
+            return iter(zip(self.x, self.y))
+
+    class StreamModule(PoisonModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(Stream(self.x, self.y), batch_size=16)
+
+    triage = FaultTriage()
+    fit(StreamModule(), [triage, FaultInjector({1: "nan_batch"})], max_steps=3)
+    assert "IterableDataset" in triage.cannot_replay and triage.events == [] and triage.replays_run == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, precision, kinds", [
+    ({2: "transient", 4: "nan_batch"}, "32-true", [(2, "transient"), (4, "data")]),
+    ({1: "fp16_overflow"}, "16-mixed", [(1, "precision")]),
+    ({}, "32-true", [(3, "state")]),  # a NaN weight on rank 1 at step 3, snapshots every step
+])
+def test_ddp_fault_on_one_rank_is_decided_alike_on_both(tmp_path, schedule, precision, kinds):
+    from dist_helpers import RankFaultModule, fit_ddp
+
+    triage = FaultTriage()
+    faults = [FaultInjector(schedule, module="model.fc2", ranks=[1])] if schedule else [
+        ScaleCheckpoint(every_n_steps=1), CorruptState(3, rank=1)]
+    with quiet():
+        rank0, rank1 = fit_ddp(RankFaultModule(), StablePrecision(precision), [triage, *faults], tmp_path,
+                               max_steps=6)
+    events0, events1 = rank0["FaultTriage.events"], rank1["FaultTriage.events"]
+    assert [(e["step"], e["kind"]) for e in events0] == kinds and events0 == events1
+    if precision == "16-mixed":  # only rank 1 saw fc2 overflow: the agreed name moves fc2 on both
+        assert events0[0]["blamed"] == ["model.fc2"] and rank0["islands"] == rank1["islands"] == ["model.fc2"]
+    assert rank0["skipped"] == rank1["skipped"] and rank0["counters"] == rank1["counters"]
+    assert all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in rank0["params"])
+
+
+def test_events_are_logged_as_a_metric():
+    from cb_helpers import ListLogger
+
+    logger, triage = ListLogger(), FaultTriage()
+    with quiet():
+        make_trainer(StablePrecision("32-true"), callbacks=[triage, FaultInjector({2: "nan_batch"})], max_steps=4,
+                     logger=logger, log_every_n_steps=1).fit(seeded())
+    assert logger.values("mp/triage_events") == [0.0, 0.0, 1.0, 1.0]
