@@ -60,8 +60,9 @@ class FP8Linear(nn.Linear):
     non-persistent int64 buffer ``sr_counter`` (advanced by each training forward that builds a graph, saved by
     :meth:`fp8_state_dict`), which with the layer's seed (:attr:`sr_seed`, from its qualified name when the module
     swap builds it) keys the stochastic rounding of gradients: a resumed run draws the same noise. The seed also
-    fixes the layer's random Hadamard signs (buffer ``rht_signs``). A checkpointed region's recompute advances the
-    counter again, so under activation checkpointing the noise differs from a run without (still repeatable).
+    fixes the layer's random Hadamard signs (buffer ``rht_signs``). Each call's backward uses the counter of
+    its own forward; an activation-checkpointing recompute advances it again, so the noise differs from a run
+    without checkpointing (still repeatable).
 
     Telemetry: with ``collect_stats = True`` each call records, per operand, the saturated fraction (finite values
     beyond what rounds to the FP8 max: 464 for E4M3, 61440 for E5M2), the underflow fraction (nonzero values that
@@ -144,7 +145,7 @@ class FP8Linear(nn.Linear):
             if recipe == "nvfp4":
                 if self.training and torch.is_grad_enabled():
                     self.sr_counter.add_(1)  # a buffer mutation: torch.compile keeps it in the graph
-                counter = self.sr_counter.clone()
+                counter = counter_snapshot(self.sr_counter)
             with torch.autocast(device_type, enabled=False):
                 return _BlockLinearFunction.apply(x, self.weight, self.bias, self, out_dtype, counter)
         if self.collect_stats:  # sizes here, values in the GEMMs: no Python state changes inside the autograd function
@@ -447,3 +448,20 @@ class _BlockLinearFunction(torch.autograd.Function):
             )  # fmt: skip
             grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
         return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(weight.dtype), grad_b, None, None, None
+
+
+@torch.library.custom_op("lit_mpstable::counter_snapshot", mutates_args=())
+def counter_snapshot(counter: torch.Tensor) -> torch.Tensor:
+    """A copy of the step counter that the forward saves for the backward.
+
+    An opaque op on purpose: with a plain ``clone()``, torch.compile's partitioner (torch 2.13) recomputes the copy
+    in the backward from the buffer, which the forward's ``add_`` has advanced by then, so the compiled backward
+    drew the noise of the next step (caught by ``test_compiles_without_graph_breaks_and_matches_eager``). A custom
+    op is saved, not recomputed.
+    """
+    return counter.clone()
+
+
+@counter_snapshot.register_fake
+def _(counter: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(counter)

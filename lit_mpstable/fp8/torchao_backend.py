@@ -53,13 +53,16 @@ class TorchaoBackend(FP8Backend):
         super().__init__(config)
         if config.recipe in ("mxfp4", "nvfp4"):
             torchao = optional_import("torchao", "torchao")
+            te = ", or backend='transformer_engine' on a Blackwell GPU" if config.recipe == "nvfp4" else ""
             raise ValueError(
                 f"FP8Config(recipe={config.recipe!r}, backend='torchao'): torchao {torchao.__version__} has no"
                 f" {config.recipe} training config (its MX/NVFP4 configs quantise for inference); use"
-                f" backend='native' (exact emulation on any device){', or backend=' + repr('transformer_engine') + ' on a Blackwell GPU' if config.recipe == 'nvfp4' else ''}."
+                f" backend='native' (exact emulation on any device){te}."
             )
         if config.recipe == "blockwise":
             optional_import("torchao", "torchao")
+            if (refusal := hardware_refusal("blockwise", "torchao")) is not None:
+                raise ValueError(refusal)  # first: its module imports Triton, absent where there is no GPU
             try:
                 importlib.import_module(_BLOCKWISE)
             except ImportError as err:
@@ -68,10 +71,10 @@ class TorchaoBackend(FP8Backend):
                     f" training config ({_BLOCKWISE}.Float8BlockwiseLinearConfig); use backend='native' or upgrade"
                     " torchao."
                 ) from err
-            if (refusal := hardware_refusal("blockwise", "torchao")) is not None:
-                raise ValueError(refusal)
         elif config.recipe == "mxfp8":
             optional_import("torchao", "torchao")
+            if (refusal := hardware_refusal("blockwise", "torchao")) is not None:
+                raise ValueError(refusal)  # first: its module imports Triton, absent where there is no GPU
             try:
                 importlib.import_module(_MX_CONFIG)
                 importlib.import_module("torchao.quantization.quantize_.common")
