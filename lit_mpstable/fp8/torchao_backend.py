@@ -73,8 +73,6 @@ class TorchaoBackend(FP8Backend):
                 ) from err
         elif config.recipe == "mxfp8":
             optional_import("torchao", "torchao")
-            if (refusal := hardware_refusal("blockwise", "torchao")) is not None:
-                raise ValueError(refusal)  # first: its module imports Triton, absent where there is no GPU
             try:
                 importlib.import_module(_MX_CONFIG)
                 importlib.import_module("torchao.quantization.quantize_.common")
