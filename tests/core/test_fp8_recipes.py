@@ -249,6 +249,11 @@ def test_budget_last_keeps_the_last_layers_within_the_fraction() -> None:
     probe = FP8Config(recipe="nvfp4", keep_high_precision=HighPrecisionBudget(0.34))
     assert select_fp8_modules(model, probe) == ["0", "1", "2", "3"]  # the probe decides later: all eligible
     assert select_fp8_modules(model, FP8Config(recipe="nvfp4", keep_high_precision=["1", "3"])) == ["0", "2"]
+    # Names to keep apply on top of an explicit filter too; the default "first_last" does not.
+    assert select_fp8_modules(model, FP8Config(filter=["*"], keep_high_precision=["2"])) == ["0", "1", "3"]
+    assert select_fp8_modules(model, FP8Config(filter=["*"])) == ["0", "1", "2", "3"]
+    with pytest.raises(ValueError, match=r"\['9'\] are not among the selected"):
+        keep_high_precision_(model, ["0", "1"], ["9"])
 
 
 def test_choose_high_precision_ranks_by_measured_error_within_budget(monkeypatch) -> None:
