@@ -85,9 +85,10 @@ def run(name: str, config: FP8Config | None, probe: bool, args, train, held_out)
         batch = train[(step * args.batch) % len(train) :][: args.batch]
         if probe and step == probe_step:
             t0 = time.perf_counter()
-            kept = choose_high_precision(model, low, loss_of, batch, budget)
+            kept = choose_high_precision(model, low, loss_of, batch, budget, mode=args.probe_mode)
             probe_seconds = time.perf_counter() - t0
-            errors = layer_gradient_errors(model, low, loss_of, batch)  # for the report (measured again, untimed)
+            # For the report (measured again, untimed).
+            errors = layer_gradient_errors(model, low, loss_of, batch, mode=args.probe_mode)
             low = keep_high_precision_(model, low, kept)
         loss = loss_of(model, batch)
         opt.zero_grad(set_to_none=True)
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--runs", nargs="+", default=None, help="subset of run names (default: all)")
     parser.add_argument("--fraction", type=float, default=0.15)
+    parser.add_argument("--probe-mode", choices=["all", "each"], default="all",
+                        help="choose_high_precision's mode: one pass with every layer low, or one pass per layer")
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         f" (warmup 20, cosine), clip 1.0; base bf16 autocast on CPU, {args.threads} thread(s); torch"
         f" {torch.__version__}. Every low-precision format emulated exactly (native backend: quantise, dequantise,"
         f" fp32 matmul). Budget runs keep at most {args.fraction:.0%} of the linear parameters in BF16 (current"
-        " probe: the share first/last keeps). The probe measures at step"
+        f" probe: the share first/last keeps). The probe (mode {args.probe_mode!r}) measures at step"
         f" {max(1, args.steps // 100)}, on that step's batch. One seed: differences of a few tenths of a percent are"
         " within run-to-run noise."
     )
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     errors = ""
     for r in probed:
         ranked = sorted(r["errors"].items(), key=lambda kv: kv[1], reverse=True)
-        errors += f"\n\n{r['run']}: weight-gradient relative error per layer at the probe step: " + ", ".join(
+        errors += f"\n\n{r['run']}: the probe's per-layer error (mode {args.probe_mode!r}): " + ", ".join(
             f"{n} {e:.3f}" for n, e in ranked)
     (args.out / "table.md").write_text(
         f"# Frontier formats (blockwise FP8, NVFP4) and the high-precision budget, against BF16\n\n{setup}\n\n{text}"
