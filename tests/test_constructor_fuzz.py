@@ -18,12 +18,13 @@ from lit_mpstable.core.validate import INT32_MAX
 from lit_mpstable.callbacks import AMPPreflight, FaultTriage, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
 from lit_mpstable.callbacks._common import MAX_WINDOW
 from lit_mpstable.core.formats import FormatName
-from lit_mpstable.fp8 import FP8Config
+from lit_mpstable.fp8 import FP8Config, HighPrecisionBudget
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper
 
 Oracle = Callable[[Any], bool]
+RECIPES = ("delayed", "current", "mxfp8", "blockwise", "mxfp4", "nvfp4")
 
 
 def ints(lo: int, hi: int) -> Oracle:
@@ -94,19 +95,28 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, tuple[Oracle, list[Any]]]]]
         "telemetry_every_n_steps": (optional(ints(1, INT32_MAX)), [None, 1]),
         "diagnose": (boolean, [True]),
         "scaler": (optional(one_of("auto")), ["auto", None]),  # named scalers need an FP16 precision (bf16 default)
-        "fp8": (lambda v: v is None or one_of("delayed", "current", "mxfp8")(v) or v in ({}, {"margin": 1}),
-                ["current", {"margin": 1}, {"marginn": 1}]),
+        "fp8": (lambda v: v is None or one_of(*RECIPES)(v) or v in ({}, {"margin": 1}),
+                ["current", "nvfp4", {"margin": 1}, {"marginn": 1}]),
         "op_policy": (lambda v: one_of("autocast", "auto")(v) or v in ({}, {"attention": "fp32"}),
                       ["auto", {"attention": "fp32"}, {"attention": "fast"}, {"matmull": "fp32"}]),
     }),
     "FP8Config": (FP8Config, {
-        "recipe": (one_of("delayed", "current", "mxfp8"), ["current", "mxfp8"]),
+        "recipe": (one_of(*RECIPES), ["current", "mxfp8", "blockwise", "mxfp4", "nvfp4"]),
         "format": (one_of("hybrid", "e4m3"), ["e4m3"]),
         "margin": (ints(0, 64), [0, 64]),
         "amax_history_len": (ints(1, 2**16), [1, 2**16]),
         "amax_compute_algo": (one_of("max", "most_recent"), ["most_recent"]),
         "emulate": (optional(boolean), [True, None]),
         "backend": (one_of("native"), ["native"]),  # the optional backends are checked separately below
+        "keep_high_precision": (
+            lambda v: one_of("first_last")(v) or isinstance(v, HighPrecisionBudget)
+            or type(v) in (list, tuple) and all(type(i) is str and i.strip() for i in v),
+            ["first_last", ["fc2"], [], HighPrecisionBudget(0.15, by="last"), "last", [""]],
+        ),
+    }),
+    "HighPrecisionBudget": (HighPrecisionBudget, {
+        "fraction": (reals(0, 1, lo_open=True, hi_open=True), [0.15, 0.5, 1.0, 0]),
+        "by": (one_of("probe", "last"), ["probe", "last", "first"]),
     }),
     "OverflowMonitor": (OverflowMonitor, {
         "window": (ints(1, MAX_WINDOW), [1, MAX_WINDOW]),

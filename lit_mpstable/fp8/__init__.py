@@ -1,4 +1,4 @@
-"""FP8 training core: FP8Config and recipes (delayed, current, mxfp8), FP8Linear, the module swap, and one backend
+"""FP8 training core: FP8Config and recipes (delayed, current, mxfp8; blockwise FP8, MXFP4, NVFP4), FP8Linear, the module swap, and one backend
 seam (:class:`FP8Backend`) behind which the native layers, torchao and TransformerEngine look alike. Torch only;
 the optional packages are imported when a backend that needs them is built.
 
@@ -25,16 +25,33 @@ How our recipes relate to TransformerEngine's (``backend="transformer_engine"`` 
   (``amax / fp8_max`` up to a power of two): nothing saturates, and a block's small values lose up to one binade
   more. TE's default format there is E4M3 for gradients too (ours: E5M2 with ``format="hybrid"``); both quantise
   the row- and column-wise copies from the high-precision tensor; TE's needs a Blackwell GPU.
+- ``"blockwise"`` is TE's ``Float8BlockScaling`` (E4M3, power-of-two scales, 1x128 / 128x128 tiles; Hopper or
+  later), ``"nvfp4"`` TE's ``NVFP4BlockScaling`` (RHT, 2-D weight tiles and stochastic rounding on, as its defaults;
+  Blackwell). TE has no MXFP4 recipe. torchao maps ``"blockwise"`` to its prototype ``Float8BlockwiseLinearConfig``
+  (CUDA, Hopper or later) and MXFP4/NVFP4 to training configs only where its version has them (0.18 has NVFP4 and
+  MX for inference only, MXFP8 for training); what cannot run is refused when the backend is built, naming
+  ``backend="native"``, which emulates every recipe exactly on any device.
 """
 
 from __future__ import annotations
 
 from lit_mpstable.fp8.backend import FP8Backend
 from lit_mpstable.fp8.backends import BACKENDS, backend_of, find_fp8_layers, fp8_autocast_context, fp8_backend
-from lit_mpstable.fp8.config import FP8Config, fp8_config
+from lit_mpstable.fp8.block_gemm import hash_uniform
+from lit_mpstable.fp8.blockwise import blockwise_dequantize, blockwise_quantize
+from lit_mpstable.fp8.budget import (
+    choose_high_precision,
+    keep_high_precision_,
+    last_fraction_layers,
+    layer_gradient_errors,
+)
+from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget, fp8_config
+from lit_mpstable.fp8.hadamard import hadamard_matrix, random_hadamard_transform, random_signs
 from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
 from lit_mpstable.fp8.linear import FP8_TENSORS, FP8Linear
+from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.native import NativeBackend
+from lit_mpstable.fp8.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quant import (
     MX_BLOCK_SIZE,
     amax_from_history,
@@ -47,6 +64,7 @@ from lit_mpstable.fp8.quant import (
     quantize_mx,
     update_amax_history_,
 )
+from lit_mpstable.fp8.quantizers import fake_quantize
 from lit_mpstable.fp8.swap import (
     collect_fp8_stats_,
     convert_from_fp8,
@@ -66,18 +84,23 @@ __all__ = [
     "FP8Config",
     "FP8Linear",
     "FP8_TENSORS",
+    "HighPrecisionBudget",
     "MX_BLOCK_SIZE",
     "NativeBackend",
     "TorchaoBackend",
     "TransformerEngineBackend",
     "amax_from_history",
     "backend_of",
+    "blockwise_dequantize",
+    "blockwise_quantize",
+    "choose_high_precision",
     "collect_fp8_stats_",
     "compute_scale",
     "convert_from_fp8",
     "convert_to_fp8",
     "dequantize",
     "dequantize_mx",
+    "fake_quantize",
     "find_fp8_layers",
     "fp8_autocast_context",
     "fp8_backend",
@@ -86,11 +109,22 @@ __all__ = [
     "fp8_mm",
     "fp8_state_dict",
     "fp8_stats",
+    "hadamard_matrix",
+    "hash_uniform",
+    "keep_high_precision_",
+    "last_fraction_layers",
+    "layer_gradient_errors",
     "load_fp8_state_dict",
     "mx_block_scales",
+    "mx_dequantize",
+    "mx_quantize",
     "no_fp8_layers_message",
+    "nvfp4_dequantize",
+    "nvfp4_quantize",
     "quantize",
     "quantize_mx",
+    "random_hadamard_transform",
+    "random_signs",
     "scaled_mm_supported",
     "select_fp8_modules",
     "transformer_engine_recipe",

@@ -12,13 +12,63 @@ from torch import nn
 
 from lit_mpstable.core.validate import int_arg
 
-__all__ = ["FP8Config", "FP8Recipe", "FP8Format", "FP8BackendName", "AmaxComputeAlgo", "ModuleFilter", "fp8_config"]
+__all__ = [
+    "AmaxComputeAlgo",
+    "BLOCK_RECIPES",
+    "BudgetRule",
+    "FP8BackendName",
+    "FP8Config",
+    "FP8Format",
+    "FP8Recipe",
+    "HighPrecisionBudget",
+    "KeepHighPrecision",
+    "ModuleFilter",
+    "fp8_config",
+]
 
-FP8Recipe = Literal["delayed", "current", "mxfp8"]
+FP8Recipe = Literal["delayed", "current", "mxfp8", "blockwise", "mxfp4", "nvfp4"]
+BLOCK_RECIPES = ("blockwise", "mxfp4", "nvfp4")
+"""The recipes whose scales cover blocks of a tensor and that FP8Linear quantises per GEMM (with ``"mxfp8"``)."""
+BudgetRule = Literal["probe", "last"]
 FP8Format = Literal["hybrid", "e4m3"]
 FP8BackendName = Literal["native", "torchao", "transformer_engine"]
 AmaxComputeAlgo = Literal["max", "most_recent"]
 ModuleFilter = Union[Sequence[Union[str, type]], Callable[[nn.Module, str], bool], None]
+
+
+@dataclass(frozen=True)
+class HighPrecisionBudget:
+    """Keep at most ``fraction`` of the linear parameters in the base precision, chosen ``by`` a rule.
+
+    - ``by="probe"``: early in the run (within the first 2% of steps) each low-precision layer's weight-gradient
+      error against the base precision is measured on a real batch
+      (:func:`lit_mpstable.fp8.choose_high_precision`), and the layers that cost most go back to the base
+      precision, as many as fit in the budget.
+    - ``by="last"``: the fixed rule of NVIDIA's NVFP4 recipe: the last linear layers (in ``named_modules`` order)
+      holding up to ``fraction`` of the linear parameters, decided when the layers are selected.
+
+    Raises:
+        ValueError: ``fraction`` outside (0, 1) or ``by`` unknown.
+        TypeError: ``fraction`` is not a real number.
+    """
+
+    fraction: float = 0.15
+    """Share of all ``nn.Linear`` weight elements that may stay in high precision; the NVFP4 paper keeps ~15%."""
+    by: BudgetRule = "probe"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+            raise TypeError(f"HighPrecisionBudget(fraction={self.fraction!r}): fraction must be a number in (0, 1),"
+                            " e.g. 0.15.")
+        if not 0.0 < float(self.fraction) < 1.0:
+            raise ValueError(f"HighPrecisionBudget(fraction={self.fraction!r}): fraction must lie in (0, 1), the "
+                             "share of linear parameters kept in high precision; 0.15 is the NVFP4 recipe's. To keep "
+                             "none use keep_high_precision=[] ; for all, fp8=None.")
+        if self.by not in get_args(BudgetRule):
+            raise ValueError(f"HighPrecisionBudget(by={self.by!r}): by must be one of {list(get_args(BudgetRule))}.")
+
+
+KeepHighPrecision = Union[Literal["first_last"], Sequence[str], HighPrecisionBudget]
 
 
 @dataclass(frozen=True)
@@ -32,6 +82,18 @@ class FP8Config:
     - ``"current"``: the scale comes from this tensor's own amax (one extra reduction per tensor, no state).
     - ``"mxfp8"`` (OCP Microscaling): one power-of-two (E8M0) scale per 32 consecutive elements along the GEMM
       reduction dimension; ``margin`` and the amax history are not used.
+    - ``"blockwise"`` (DeepSeek-V3, TransformerEngine's ``Float8BlockScaling``): E4M3 everywhere, one power-of-two
+      FP32 scale per 1x128 tile of inputs and gradients (along each GEMM's reduction dim) and per 128x128 block of
+      weights; partial tiles are zero-padded, so any layer shape works.
+    - ``"mxfp4"`` (OCP MX v1.0): E2M1 elements, one E8M0 scale per 32 elements along each GEMM's reduction dim;
+      layers need ``in_features`` and ``out_features`` multiples of 32.
+    - ``"nvfp4"`` (NVIDIA's NVFP4 training recipe): E2M1 elements, one E4M3 scale per 16 elements plus an FP32
+      tensor scale; weights in 16x16 tiles (forward and backward see the same quantized weight); gradients rounded
+      stochastically (noise from a counter-based hash of the layer and its step counter, so a resume repeats it);
+      a 16x16 random Hadamard transform on both inputs of the weight-gradient GEMM. Dims multiples of 16.
+
+    ``format`` and ``margin`` apply to the per-tensor recipes (``format`` also picks mxfp8's gradient dtype); the
+    block recipes fix their own element formats.
 
     Raises:
         ValueError: a field is out of range (the message names the field, the value and what is allowed).
@@ -54,6 +116,10 @@ class FP8Config:
     """``"native"``: this package's FP8Linear; ``"torchao"`` / ``"transformer_engine"``: those libraries' layers."""
     emulate: bool | None = None
     """None = ``torch._scaled_mm`` where it runs on the device, else exact emulation; True/False force one."""
+    keep_high_precision: KeepHighPrecision = "first_last"
+    """Which linear layers stay in the base precision when ``filter`` is None: ``"first_last"`` (the first and
+    the last), a list of qualified names / fnmatch patterns (those, and no others), or a
+    :class:`HighPrecisionBudget`. Explicit names also apply on top of an explicit ``filter``."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -73,6 +139,13 @@ class FP8Config:
         if self.emulate is not None and not isinstance(self.emulate, bool):
             raise TypeError(f"FP8Config(emulate={self.emulate!r}): emulate must be None (auto), True or False.")
         object.__setattr__(self, "filter", _check_filter(self.filter))
+        object.__setattr__(self, "keep_high_precision", _check_keep(self.keep_high_precision))
+        if isinstance(self.keep_high_precision, HighPrecisionBudget) and self.filter is not None:
+            raise ValueError(
+                f"FP8Config(filter={self.filter!r}, keep_high_precision={self.keep_high_precision!r}): a budget chooses"
+                " among all eligible layers, which an explicit filter overrides; use one of the two (filter=None with"
+                " the budget, or a filter with a list of names to keep)."
+            )
         self._check_backend()
 
     def _check_backend(self) -> None:
@@ -86,11 +159,28 @@ class FP8Config:
             raise ValueError(f"{call}, emulate=True): TransformerEngine has no emulation; use backend='native'.")
         if self.backend == "torchao" and self.recipe == "delayed":
             raise ValueError(f"{call}): torchao removed delayed scaling; use recipe='current', or backend='native'.")
+        if self.backend == "transformer_engine" and self.recipe == "mxfp4":
+            raise ValueError(f"{call}): TransformerEngine has no MXFP4 training recipe (its FP4 recipe is"
+                             " NVFP4BlockScaling); use recipe='nvfp4', or backend='native' for MXFP4 emulated exactly.")
+        if self.backend == "torchao" and self.recipe in BLOCK_RECIPES and self.emulate:
+            raise ValueError(f"{call}, emulate=True): torchao runs {self.recipe} only through its GPU kernels; use"
+                             " backend='native', which emulates it exactly on any device.")
         if self.backend == "torchao" and self.recipe == "mxfp8" and self.format == "hybrid":
             raise ValueError(
                 f"{call}, format='hybrid'): torchao's MXFP8 training casts gradients to E4M3 as well;"
                 " set format='e4m3'."
             )
+
+    @property
+    def block_recipe(self) -> bool:
+        """Whether the recipe scales blocks of each GEMM operand (mxfp8, blockwise, mxfp4, nvfp4)."""
+        return self.recipe == "mxfp8" or self.recipe in BLOCK_RECIPES
+
+    @property
+    def block_size(self) -> int:
+        """What a layer's in/out features must be multiples of for this recipe's emulated GEMMs (1: partial blocks are
+        zero-padded, as for mxfp8 and blockwise)."""
+        return {"mxfp4": 32, "nvfp4": 16}.get(self.recipe, 1)
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -129,8 +219,23 @@ def _check_filter(value: ModuleFilter) -> ModuleFilter:
     return tuple(value)
 
 
+def _check_keep(value: Any) -> KeepHighPrecision:
+    allowed = ("keep_high_precision must be 'first_last', a list of layer names or fnmatch patterns, or"
+               " HighPrecisionBudget(fraction=0.15, by='probe' | 'last')")
+    if isinstance(value, HighPrecisionBudget):
+        return value
+    if isinstance(value, str):
+        if value != "first_last":
+            raise ValueError(f"FP8Config(keep_high_precision={value!r}): {allowed}; a single layer name goes in a list.")
+        return value
+    if not isinstance(value, Sequence) or not all(isinstance(item, str) and item.strip() for item in value):
+        raise TypeError(f"FP8Config(keep_high_precision={value!r}): {allowed}.")
+    return tuple(value)
+
+
 def fp8_config(name: str | FP8Config | Mapping[str, Any] | None) -> FP8Config | None:
-    """The preset for a recipe name (``"delayed"``, ``"current"``, ``"mxfp8"``); an FP8Config or None passes through.
+    """The preset for a recipe name (``"delayed"``, ``"current"``, ``"mxfp8"``, ``"blockwise"``, ``"mxfp4"``,
+    ``"nvfp4"``); an FP8Config or None passes through.
 
     ``fp8_config("delayed") == FP8Config(recipe="delayed")``, so ``fp8="delayed"`` in Python or YAML and the
     explicit config build the same object. A mapping (e.g. a Hydra node ``{recipe: delayed, margin: 1}``) gives

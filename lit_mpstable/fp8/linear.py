@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from lit_mpstable.fp8.backend import share_hooks
-from lit_mpstable.fp8.config import FP8Config
+from lit_mpstable.fp8.block_gemm import block_gemm_forward, block_gemms_backward, layer_seed, quantize_weight, rht_signs
+from lit_mpstable.fp8.config import BLOCK_RECIPES, FP8Config
 from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_refusal
 from lit_mpstable.fp8.quant import (
     MX_BLOCK_SIZE,
@@ -53,10 +54,21 @@ class FP8Linear(nn.Linear):
     region and step; a layer shared by several checkpointed regions is recomputed last region first, so its
     recomputes may swap the scales of its calls.
 
+    Block recipes (``"blockwise"``, ``"mxfp4"``, ``"nvfp4"``; see :mod:`lit_mpstable.fp8.block_gemm` for which
+    blocks each GEMM uses) are always emulated exactly: each operand quantised along its GEMM's reduction dim,
+    dequantised, multiplied in fp32. They keep no amax history. ``"nvfp4"`` keeps a step counter, the
+    non-persistent int64 buffer ``sr_counter`` (advanced by each training forward that builds a graph, saved by
+    :meth:`fp8_state_dict`), which with the layer's seed (:attr:`sr_seed`, from its qualified name when the module
+    swap builds it) keys the stochastic rounding of gradients: a resumed run draws the same noise. The seed also
+    fixes the layer's random Hadamard signs (buffer ``rht_signs``). Each call's backward uses the counter of
+    its own forward; an activation-checkpointing recompute advances it again, so the noise differs from a run
+    without checkpointing (still repeatable).
+
     Telemetry: with ``collect_stats = True`` each call records, per operand, the saturated fraction (finite values
     beyond what rounds to the FP8 max: 464 for E4M3, 61440 for E5M2), the underflow fraction (nonzero values that
     became 0) and the amax, as 0-dim tensors in :attr:`fp8_stats` (no host sync); it costs a few passes per tensor.
-    For mxfp8, ``x`` and ``w`` are measured in the forward GEMM and ``grad_out`` in the ``grad_x`` GEMM. The GEMMs
+    For mxfp8, ``x`` and ``w`` are measured in the forward GEMM and ``grad_out`` in the ``grad_x`` GEMM; the block recipes
+    record none (their scales follow each block's amax). The GEMMs
     write them into the non-persistent buffer ``stats_buffer`` (rows in :data:`FP8_TENSORS` order), in place:
     ``torch.compile`` traces that into the graph, where Python state written inside the autograd function would
     break it.
@@ -71,6 +83,7 @@ class FP8Linear(nn.Linear):
         config: FP8Config | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        name: str = "",
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.fp8_config = config if config is not None else FP8Config()
@@ -84,16 +97,28 @@ class FP8Linear(nn.Linear):
             history = torch.zeros(3, self.fp8_config.amax_history_len, device=buffer_device)
             self.register_buffer("amax_history", history, persistent=False)
             self.register_buffer("scale", torch.ones(3, device=buffer_device), persistent=False)
+        if self.fp8_config.recipe == "nvfp4":
+            self.register_buffer("sr_counter", torch.zeros((), dtype=torch.int64, device=buffer_device),
+                                 persistent=False)
+            self.sr_seed = layer_seed(name)
+            self.register_buffer("rht_signs", rht_signs(self.sr_seed, device=buffer_device), persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: FP8Config) -> FP8Linear:
-        """An FP8Linear sharing ``linear``'s parameters (same objects: optimizers keep working) and hooks."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, config=config, device="meta")
+    def from_linear(cls, linear: nn.Linear, config: FP8Config, name: str = "") -> FP8Linear:
+        """An FP8Linear sharing ``linear``'s parameters (same objects: optimizers keep working) and hooks.
+
+        ``name``: the layer's qualified name, which seeds its stochastic rounding (nvfp4).
+        """
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, config=config, device="meta",
+                  name=name)
         new.weight, new.bias = linear.weight, linear.bias
         new.stats_buffer = torch.zeros_like(new.stats_buffer, device=linear.weight.device)
         if new.fp8_config.recipe == "delayed":
             new.amax_history = torch.zeros_like(new.amax_history, device=linear.weight.device)
             new.scale = torch.ones_like(new.scale, device=linear.weight.device)
+        if new.fp8_config.recipe == "nvfp4":
+            new.sr_counter = torch.zeros((), dtype=torch.int64, device=linear.weight.device)
+            new.rht_signs = rht_signs(new.sr_seed, device=linear.weight.device)
         new.train(linear.training)
         share_hooks(linear, new)  # handles registered on the original still remove them
         return new
@@ -114,6 +139,15 @@ class FP8Linear(nn.Linear):
         device_type = x.device.type
         autocast = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+        recipe = self.fp8_config.recipe
+        if recipe in BLOCK_RECIPES:
+            counter = None
+            if recipe == "nvfp4":
+                if self.training and torch.is_grad_enabled():
+                    self.sr_counter.add_(1)  # a buffer mutation: torch.compile keeps it in the graph
+                counter = counter_snapshot(self.sr_counter)
+            with torch.autocast(device_type, enabled=False):
+                return _BlockLinearFunction.apply(x, self.weight, self.bias, self, out_dtype, counter)
         if self.collect_stats:  # sizes here, values in the GEMMs: no Python state changes inside the autograd function
             self._stats_numel = {"x": float(x.numel()), "w": float(self.weight.numel())}
             if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
@@ -235,7 +269,10 @@ class FP8Linear(nn.Linear):
 
     # ------------------------------------------------------------------------------------------------- state
     def fp8_state_dict(self) -> dict[str, torch.Tensor]:
-        """Keys ``amax_history`` and ``scale`` (copies) for the delayed recipe; empty for the stateless ones."""
+        """Keys ``amax_history`` and ``scale`` (copies) for the delayed recipe, ``sr_counter`` for nvfp4; empty for
+        the stateless ones."""
+        if self.fp8_config.recipe == "nvfp4":
+            return {"sr_counter": self.sr_counter.detach().clone()}
         if self.fp8_config.recipe != "delayed":
             return {}
         return {"amax_history": self.amax_history.detach().clone(), "scale": self.scale.detach().clone()}
@@ -370,3 +407,61 @@ class _FP8LinearFunction(torch.autograd.Function):
                 grad_w = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, out_dtype=torch.float32, use_scaled_mm=fast)
             grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
         return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(w_dtype), grad_b, None, None, None
+
+
+class _BlockLinearFunction(torch.autograd.Function):
+    """The block recipes' three GEMMs (:mod:`lit_mpstable.fp8.block_gemm`); saves the inputs and, for 2-D weight
+    blocks, the quantized weight, so the dgrad uses the very weight the forward used."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        layer: FP8Linear,
+        out_dtype: torch.dtype,
+        counter: torch.Tensor | None,
+    ) -> torch.Tensor:
+        recipe = layer.fp8_config.recipe
+        x2 = x.reshape(-1, x.shape[-1])
+        w_q = quantize_weight(recipe, weight)
+        y = block_gemm_forward(recipe, x2, weight, w_q)  # fp32; the bias is added before the one rounding
+        if bias is not None:
+            y = y + bias.float()
+        ctx.layer, ctx.recipe, ctx.x_shape, ctx.x_dtype = layer, recipe, x.shape, x.dtype
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x2, weight, w_q, counter)
+        return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        layer = ctx.layer
+        x2, weight, w_q, counter = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        with torch.autocast(grad_out.device.type, enabled=False):
+            nvfp4 = ctx.recipe == "nvfp4"
+            grad_x, grad_w = block_gemms_backward(
+                ctx.recipe, g2, x2, weight, w_q,
+                seed=layer.sr_seed if nvfp4 else 0, counter=counter if nvfp4 else 0,
+                signs=layer.rht_signs if nvfp4 else None,
+            )  # fmt: skip
+            grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
+        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(weight.dtype), grad_b, None, None, None
+
+
+@torch.library.custom_op("lit_mpstable::counter_snapshot", mutates_args=())
+def counter_snapshot(counter: torch.Tensor) -> torch.Tensor:
+    """A copy of the step counter that the forward saves for the backward.
+
+    An opaque op on purpose: with a plain ``clone()``, torch.compile's partitioner (torch 2.13) recomputes the copy
+    in the backward from the buffer, which the forward's ``add_`` has advanced by then, so the compiled backward
+    drew the noise of the next step (caught by ``test_compiles_without_graph_breaks_and_matches_eager``). A custom
+    op is saved, not recomputed.
+    """
+    return counter.clone()
+
+
+@counter_snapshot.register_fake
+def _(counter: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(counter)

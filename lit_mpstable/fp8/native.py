@@ -32,7 +32,7 @@ class NativeBackend(FP8Backend):
 
     def convert_(self, model: nn.Module, names: list[str]) -> None:
         for name in names:
-            replace_module(model, name, FP8Linear.from_linear(model.get_submodule(name), self.config))
+            replace_module(model, name, FP8Linear.from_linear(model.get_submodule(name), self.config, name))
 
     @classmethod
     def to_linear(cls, layer: nn.Module) -> nn.Linear:

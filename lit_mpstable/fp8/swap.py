@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections import defaultdict
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 from lit_mpstable.fp8.backend import FP8Backend
 from lit_mpstable.fp8.backends import backend_of, find_fp8_layers, fp8_backend
-from lit_mpstable.fp8.config import FP8Config, fp8_config
+from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget, fp8_config
 from lit_mpstable.fp8.linear import FP8_TENSORS
 
 __all__ = [
@@ -40,29 +41,76 @@ def select_fp8_modules(model: nn.Module, config: FP8Config) -> list[str]:
     ``out_proj``) or override it; layers some backend already made FP8 are not candidates again (a caller that
     re-applies a decision keeps the names, as ``PrecisionLayout`` does). The filter:
 
-    - ``None``: every candidate except the first and the last linear layer of the model (embedding-side and
-      output-side layers are the most sensitive; FP8 layers count for "first" and "last") and layers whose
-      ``in_features`` or ``out_features`` is not a multiple of 16 (FP8 GEMM kernels need it).
+    - ``None``: every candidate whose ``in_features`` and ``out_features`` are multiples of 16 (FP8 GEMM kernels
+      need it; 32 for ``"mxfp4"``, whose blocks run along both in turn), except those
+      ``config.keep_high_precision`` keeps in the base precision: ``"first_last"``, the first and the last linear
+      layer of the model (embedding-side and output-side layers are the most sensitive; FP8 layers count for
+      "first" and "last"); a list, the layers it names (or their parents; fnmatch patterns); a
+      :class:`HighPrecisionBudget` with ``by="last"``, the last layers holding up to ``fraction`` of the linear
+      parameters (:func:`~lit_mpstable.fp8.budget.last_fraction_layers`); with ``by="probe"``, none yet: the
+      probe's choice is applied later (:func:`~lit_mpstable.fp8.budget.keep_high_precision_`). With ``"mxfp4"``
+      and ``"nvfp4"`` a layer left out for its dims is named in a warning (it stays in the base precision).
     - a list: a candidate is selected when an entry matches it or one of its parent modules: a string by
-      ``fnmatch`` on the qualified name (``"blocks.*.mlp"``), a type by ``isinstance``. Replaces the default rule.
+      ``fnmatch`` on the qualified name (``"blocks.*.mlp"``), a type by ``isinstance``. Replaces the default rule;
+      a list of names in ``keep_high_precision`` still removes layers.
     - a callable ``(module, fqn) -> bool``, called on each candidate. Replaces the default rule.
 
     Raises:
-        ValueError: a list entry matches no candidate (a stale filter would quantise other layers than meant).
+        ValueError: a list entry (of ``filter`` or ``keep_high_precision``) matches no candidate (a stale filter
+            would quantise other layers than meant), or an explicit filter selects a layer whose dims the
+            ``"mxfp4"`` / ``"nvfp4"`` block does not divide (say which to leave out; ``"blockwise"`` pads any shape).
     """
     modules = dict(model.named_modules())
     fp8 = {name for name, m in modules.items() if backend_of(m) is not None}
     candidates = [name for name, m in modules.items() if type(m) is nn.Linear and name not in fp8]
     linears = [name for name, m in modules.items() if type(m) is nn.Linear or name in fp8]
-    rule = config.filter
+    rule, keep = config.filter, config.keep_high_precision
     if rule is None:
-        edges = {linears[0], linears[-1]} if linears else set()
-        return [
-            name for name in candidates
-            if name not in edges and modules[name].in_features % 16 == 0 and modules[name].out_features % 16 == 0
-        ]  # fmt: skip
+        multiple = max(16, config.block_size)
+        eligible = [name for name in candidates if _divides(modules[name], multiple)]
+        if config.recipe in ("mxfp4", "nvfp4") and (left := [n for n in candidates if n not in eligible]):
+            warnings.warn(
+                f"FP8Config(recipe={config.recipe!r}): {_shapes(modules, left)} have in/out features that are not"
+                f" multiples of {multiple} (the {config.recipe} block), so they stay in the base precision.",
+                RuntimeWarning, stacklevel=2,
+            )  # fmt: skip
+        if keep == "first_last":
+            kept = {linears[0], linears[-1]} if linears else set()
+        elif isinstance(keep, HighPrecisionBudget):
+            from lit_mpstable.fp8.budget import last_fraction_layers
+
+            kept = set(last_fraction_layers(model, eligible, keep.fraction)) if keep.by == "last" else set()
+        else:
+            kept = set(_match_names(model, modules, linears, keep, "keep_high_precision"))
+        return [name for name in eligible if name not in kept]
     if callable(rule):
-        return [name for name in candidates if rule(modules[name], name)]
+        selected = [name for name in candidates if rule(modules[name], name)]
+    else:
+        selected = _match_names(model, modules, candidates, rule, "filter")
+    if isinstance(keep, tuple):
+        kept = set(_match_names(model, modules, linears, keep, "keep_high_precision"))
+        selected = [name for name in selected if name not in kept]
+    if config.recipe in ("mxfp4", "nvfp4") and (bad := [n for n in selected if not _divides(modules[n], config.block_size)]):
+        raise ValueError(
+            f"FP8Config(recipe={config.recipe!r}, filter={rule!r}): the filter selects {_shapes(modules, bad)}, whose"
+            f" in/out features are not multiples of {config.block_size}, the {config.recipe} block (every GEMM reduces"
+            " over one of them); leave them out of the filter (they then stay in the base precision), or use"
+            " recipe='blockwise', which pads partial tiles."
+        )
+    return selected
+
+
+def _divides(module: nn.Module, multiple: int) -> bool:
+    return module.in_features % multiple == 0 and module.out_features % multiple == 0
+
+
+def _shapes(modules: dict[str, nn.Module], names: list[str]) -> str:
+    return ", ".join(f"{name} ({modules[name].in_features} -> {modules[name].out_features})" for name in names)
+
+
+def _match_names(
+    model: nn.Module, modules: dict[str, nn.Module], candidates: list[str], rule: tuple, field: str
+) -> list[str]:
     selected: list[str] = []
     used: set[int] = set()
     for name in candidates:
@@ -74,7 +122,7 @@ def select_fp8_modules(model: nn.Module, config: FP8Config) -> list[str]:
     stale = [entry for index, entry in enumerate(rule) if index not in used]
     if stale:
         raise ValueError(
-            f"FP8Config(filter={list(rule)!r}): {stale!r} match no nn.Linear layer of {type(model).__name__}; fix or"
+            f"FP8Config({field}={list(rule)!r}): {stale!r} match no nn.Linear layer of {type(model).__name__}; fix or"
             f" drop them (a stale filter quantises other layers than meant). Linear layers: {candidates}"
             f"{_linear_like_note(model)}"
         )

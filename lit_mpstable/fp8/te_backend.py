@@ -18,8 +18,21 @@ _EXTRA_STATE = "_extra_state"  # the key torch.nn.Module gives get_extra_state()
 _STATE_KEY = "extra_state"
 
 
+_TE_RECIPES = {
+    "current": ("Float8CurrentScaling", "2.2"),
+    "mxfp8": ("MXFP8BlockScaling", "2.0"),
+    "blockwise": ("Float8BlockScaling", "2.3"),
+    "nvfp4": ("NVFP4BlockScaling", "2.7"),
+}
+_TE_HARDWARE = {"blockwise": ((9, 0), "Hopper"), "nvfp4": ((10, 0), "Blackwell")}
+"""Recipes whose TE kernels need a GPU of at least this compute capability (Float8BlockScaling's GEMMs are Hopper
+ones; NVFP4's need Blackwell's FP4 tensor cores)."""
+
+
 def transformer_engine_recipe(config: FP8Config) -> Any:
-    """TransformerEngine's recipe for ``config``: DelayedScaling, Float8CurrentScaling or MXFP8BlockScaling.
+    """TransformerEngine's recipe for ``config``: DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling,
+    Float8BlockScaling (``"blockwise"``, E4M3) or NVFP4BlockScaling (``"nvfp4"``, TE's defaults: RHT on the wgrad
+    inputs, 16x16 weight tiles, stochastic rounding of gradients, as our emulation does).
 
     Raises:
         ModuleNotFoundError: TransformerEngine is not installed.
@@ -34,13 +47,34 @@ def transformer_engine_recipe(config: FP8Config) -> Any:
             amax_history_len=config.amax_history_len,
             amax_compute_algo=config.amax_compute_algo,
         )
-    name = {"current": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling"}[config.recipe]
+    name, version = _TE_RECIPES[config.recipe]
     if not hasattr(recipe, name):
         raise ValueError(
             f"FP8Config(recipe={config.recipe!r}, backend='transformer_engine'): this TransformerEngine has no"
-            f" recipe.{name} (current scaling needs TE >= 2.2, MXFP8 TE >= 2.0); upgrade it, or use recipe='delayed'."
+            f" recipe.{name} (it needs TE >= {version}); upgrade it, or use backend='native' (exact emulation)."
         )
+    if config.recipe == "nvfp4":
+        return getattr(recipe, name)()  # FP4 elements and E4M3 scales are the recipe itself: no format to pass
+    if config.recipe == "blockwise":
+        return getattr(recipe, name)(fp8_format=recipe.Format.E4M3)  # DeepSeek-V3: E4M3 for gradients too
     return getattr(recipe, name)(fp8_format=fp8_format)
+
+
+def hardware_refusal(recipe: str, library: str) -> str | None:
+    """Why ``library``'s kernels for ``recipe`` cannot run on this machine's current CUDA device (None if they can,
+    or if the recipe needs nothing beyond the library's own checks)."""
+    if recipe not in _TE_HARDWARE:
+        return None
+    needed, arch = _TE_HARDWARE[recipe]
+    if not torch.cuda.is_available():
+        have = "no CUDA device"
+    elif (capability := torch.cuda.get_device_capability()) < needed:
+        have = f"CUDA device {torch.cuda.current_device()} of compute capability {capability}"
+    else:
+        return None
+    return (f"FP8Config(recipe={recipe!r}, backend={library!r}): {library}'s {recipe} kernels need a {arch} GPU"
+            f" (compute capability >= {needed}), and this machine has {have}; use backend='native', which emulates"
+            f" {recipe} exactly on any device (same numerics, no speed-up).")
 
 
 class TransformerEngineBackend(FP8Backend):
@@ -61,7 +95,9 @@ class TransformerEngineBackend(FP8Backend):
 
     Raises:
         ModuleNotFoundError: TransformerEngine is not installed.
-        ValueError: its recipe class for ``config.recipe`` is missing (FP8Config refuses ``emulate=True``).
+        ValueError: its recipe class for ``config.recipe`` is missing, or the recipe's kernels cannot run on this
+            machine (``"blockwise"`` needs Hopper, ``"nvfp4"`` Blackwell); FP8Config refuses ``emulate=True`` and
+            ``"mxfp4"`` (TE has no MXFP4 recipe).
     """
 
     name: ClassVar[str] = "transformer_engine"
@@ -70,6 +106,8 @@ class TransformerEngineBackend(FP8Backend):
         super().__init__(config)
         te = optional_import("transformer_engine.pytorch", "transformer_engine")
         self.recipe = transformer_engine_recipe(config)
+        if (refusal := hardware_refusal(config.recipe, "transformer_engine")) is not None:
+            raise ValueError(refusal)
         if hasattr(te, "autocast"):  # TE 2.x; fp8_autocast is deprecated there (and warns on every call)
             self._autocast, self._recipe_kwarg = te.autocast, "recipe"
         else:

@@ -174,7 +174,7 @@ def test_bad_config_names_the_field_and_value(field: str, value: object) -> None
 
 
 def test_bad_choice_lists_allowed_values_and_unknown_preset_raises() -> None:
-    with pytest.raises(ValueError, match=r"\['delayed', 'current', 'mxfp8'\]"):
+    with pytest.raises(ValueError, match=r"\['delayed', 'current', 'mxfp8', 'blockwise', 'mxfp4', 'nvfp4'\]"):
         FP8Config(recipe="tensorwise")
     with pytest.raises(ValueError, match="fp8_config\\('fast'\\)"):
         fp8_config("fast")
