@@ -89,7 +89,7 @@ class PrecisionStepper(StepperStatus, StepperState):
         bool_arg(call, "diagnose", diagnose)
         int_arg(call, "telemetry_every_n_steps", telemetry_every_n_steps, low=1, none=True,
                 unit="optimizer steps between computations; 50 keeps the cost under 1% of a step")
-        check_arguments(call, precision, scaler, fp32_modules)
+        check_arguments(call, precision, scaler, fp32_modules, fp8)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if precision == "auto":
             bf16_ok = self.device == "cpu" or torch.cuda.is_bf16_supported()
