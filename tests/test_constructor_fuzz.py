@@ -68,7 +68,7 @@ def _values(valid: list[Any]) -> st.SearchStrategy:
 
 SCALER = dict(
     device=(optional(one_of("cpu", "cuda", "xpu", "mps")), ["cpu", None]),
-    init_scale=(reals(0, lo_open=True), [1.0, 2**30, 3]),
+    init_scale=(reals(2.0**-126), [1.0, 2**30, 3]),  # the floor: 1/scale stays a finite FP32 number
     growth_factor=(reals(1, lo_open=True), [1.5, 4]),
     backoff_factor=(reals(0, 1, lo_open=True, hi_open=True), [0.25]),
     growth_interval=(ints(1, INT32_MAX), [1, 7]),
