@@ -15,7 +15,13 @@ pl = importlib.import_module(NAME)
 
 if NAME == "pytorch_lightning":
     from lit_mpstable.pytorch_lightning import StablePrecision
-    from lit_mpstable.pytorch_lightning.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
+    from lit_mpstable.pytorch_lightning.callbacks import (
+        AMPPreflight,
+        OverflowMonitor,
+        PrecisionFallback,
+        PrecisionProbe,
+        ScaleCheckpoint,
+    )
 else:
     from lit_mpstable import StablePrecision
     from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint

@@ -10,4 +10,6 @@ from lit_mpstable.callbacks.precision_probe import PrecisionProbe
 from lit_mpstable.callbacks.preemption import PreemptionCheckpoint
 from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
 
-__all__ = ["AMPPreflight", "OverflowMonitor", "PrecisionFallback", "PrecisionProbe", "PreemptionCheckpoint", "ScaleCheckpoint"]
+__all__ = [
+    "AMPPreflight", "OverflowMonitor", "PrecisionFallback", "PrecisionProbe", "PreemptionCheckpoint", "ScaleCheckpoint",
+]
