@@ -35,8 +35,8 @@ import lightning.pytorch as pl
 import torch
 
 from lit_mpstable import StablePrecision
-from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint
 from lit_mpstable.app.zoo import GPTLM, CharLMData
+from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

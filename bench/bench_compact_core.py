@@ -1,5 +1,5 @@
-"""Compact 16-bit weights (lit_mpstable.core.compact.CompactWeights) in a plain PyTorch loop, against FP32, plain BF16 and
-BF16 + FP32 masters: peak tensor memory of one training step and where it goes, CPU time per step, and the losses
+"""Compact 16-bit weights (lit_mpstable.core.compact.CompactWeights) in a plain PyTorch loop, against FP32, plain BF16
+and BF16 + FP32 masters: peak tensor memory of one training step and where it goes, CPU time per step, and the losses
 after 300 steps on the stall case and on a GPT. Writes results/compact_core/results.{json,md}.
 
     .venv/bin/python bench/bench_compact_core.py                 # everything, ~10 min on 2 shared cores

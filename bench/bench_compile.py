@@ -27,18 +27,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from bench_precision import (  # noqa: E402
-    CONFIGS,
-    SUITES,
-    Config,
-    Suite,
-    _compact,
-    _jsonable,
-    _quiet,
-    register,
-    report,
-    run_benchmark,
-)
+from bench_precision import CONFIGS, SUITES, Config, Suite, _compact, _jsonable, _quiet, register, report, run_benchmark  # noqa: E402
 from lightning.pytorch.utilities.compile import from_compiled  # noqa: E402
 from policy_workloads import SDPAGPTSize, sdpa_gpt_workload  # noqa: E402
 

@@ -28,8 +28,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lit_mpstable import StablePrecision  # noqa: E402
-from lit_mpstable.core.memory import MemoryProbe  # noqa: E402
 from lit_mpstable.app.zoo import GPT  # noqa: E402
+from lit_mpstable.core.memory import MemoryProbe  # noqa: E402
 
 TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                num_sanity_val_steps=0, accelerator="cpu", devices=1)
@@ -180,7 +180,8 @@ def main() -> None:
                   " x L-bf16-true time | loss after the run |", "|---|---|---|---|---|---|---|"]
         for name, row in rows.items():
             iqr = row["time_vs_bf16_true_iqr"]
-            lines.append(f"| {name} | {row['peak_mib']:.1f} | {row['peak_vs_fp32']:.3f} | {row['peak_vs_bf16_true']:.3f} |"
+            lines.append(f"| {name} | {row['peak_mib']:.1f} | {row['peak_vs_fp32']:.3f} |"
+                         f" {row['peak_vs_bf16_true']:.3f} |"
                          f" {row['cpu_ms']:.1f} | {row['time_vs_bf16_true']:.3f} [{iqr[0]:.3f}, {iqr[1]:.3f}] |"
                          f" {row['final_loss']:.4f} |")
         lines.append("")

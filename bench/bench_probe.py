@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 from lit_mpstable import StablePrecision  # noqa: E402
-from lit_mpstable.callbacks import PrecisionProbe  # noqa: E402
 from lit_mpstable.app.zoo import GPTLM, CharLMData  # noqa: E402
+from lit_mpstable.callbacks import PrecisionProbe  # noqa: E402
 
 RESULTS_DIR = ROOT / "bench" / "results" / "probe"
 TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -196,7 +196,8 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     lines = [
         "# PrecisionProbe accuracy: measured underflow against an independent count", "",
         "`experiment=fp16_underflow` (digits MLP, 16-mixed, loss x w, AdamW eps x w),"
-        " `PrecisionProbe(every_n_steps=10)`; on the same steps an independent FP32 recompute (bench/bench_probe.py `IndependentCount`) counts the"
+        " `PrecisionProbe(every_n_steps=10)`; on the same steps an independent FP32 recompute"
+        " (bench/bench_probe.py `IndependentCount`) counts the"
         " gradient elements zero in the FP16 run but nonzero in FP32. `python bench/bench_probe.py --part accuracy"
         + (" --quick" if args.quick else "") + "`.", "",
         "| scaler | loss weight | probes | underflow, probe (mean) | underflow, independent count (mean) |"
@@ -204,7 +205,8 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [f"| {r['scaler']} | 2^{_log2(r['weight'])} | {r['probes']} | {r['probe_mean']:.2%}"
-              f" | {r['count_mean']:.2%} | {r['max_diff_pp']:.3f} | {r['probe_max']:.2%} | {r['val_acc']:.2%} |" for r in rows]
+              f" | {r['count_mean']:.2%} | {r['max_diff_pp']:.3f} | {r['probe_max']:.2%} | {r['val_acc']:.2%} |"
+              for r in rows]
     lines += [
         "", "Reading it: the probe's reading is the count itself (the same elements, by another code path). Without a"
         " loss scale FP16 flushes every gradient at w = 2^-24 and 2^-30 (the runs do not learn). The dynamic scaler"

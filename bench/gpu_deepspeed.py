@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu_deepspeed.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("gpu_deepspeed: no CUDA device here; nothing to measure (tests/adapter/test_deepspeed.py runs on the CPU).")
+        print("gpu_deepspeed: no CUDA device here; nothing to measure"
+              " (tests/adapter/test_deepspeed.py runs on the CPU).")
         return 0
     try:
         import deepspeed

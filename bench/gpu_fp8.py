@@ -93,7 +93,7 @@ def bench_gemm(sizes: list[int], min_seconds: float) -> list[dict]:
         for name, fn in cases.items():
             seconds = cuda_time(fn, warmup=5, min_seconds=min_seconds)
             rows.append({"n": n, "case": name, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12})
-        del a, b, a8, b8
+        a = b = a8 = b8 = None  # free the GPU memory now (the closures above read these names, so no del)
         torch.cuda.empty_cache()
     return rows
 
@@ -184,7 +184,7 @@ def bench_model(runs: list[str], args: argparse.Namespace) -> list[dict]:
         tokens_per_s = batch * context / seconds
         rows.append({"run": run, "swapped": len(swapped), "ms_per_step": seconds * 1e3, "tokens_per_s": tokens_per_s,
                      "loss_after": loss, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})  # fmt: skip
-        del model, opt
+        model = opt = None  # free the GPU memory now (step() reads these names, so no del)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return rows
@@ -274,7 +274,7 @@ def bench_linear(sizes: list[int], runs: list[str], min_seconds: float) -> list[
                 rows.append({"n": n, "run": run, "skipped": f"{type(err).__name__}: {err}"[:300]})
                 continue
             rows.append({"n": n, "run": run, "ms": seconds * 1e3, "tflops": 3 * 2 * n**3 / seconds / 1e12})
-            del model
+            model = None  # free the GPU memory now (step() reads this name, so no del)
         torch.cuda.empty_cache()
     return rows
 

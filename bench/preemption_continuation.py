@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "adapter")]
 
-import test_preemption as scenario
-import torch
+import test_preemption as scenario  # noqa: E402 - found through the sys.path entries above
+import torch  # noqa: E402
 
 CYCLE = 30
 

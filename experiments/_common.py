@@ -31,8 +31,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.app.config import register_configs  # noqa: E402
-from lit_mpstable.core.memory import MemoryProbe  # noqa: E402
 from lit_mpstable.app.train import build  # noqa: E402
+from lit_mpstable.core.memory import MemoryProbe  # noqa: E402
 
 __all__ = [
     "CONF", "QUIET", "RESULTS", "ROOT", "Fit", "Recorder", "command_line", "compose", "environment_line", "fit",
@@ -69,7 +69,8 @@ class Recorder(pl.Callback):
     """Per optimizer step: the trained loss, loss scale, skip flag, whether a precision fallback was active after
     the step (``plugin.fallback_active``), and the step's wall and process CPU time (batch start to batch end:
     validation left out; CPU time leaves out the waits for a core on a shared machine). Per validation: (step,
-    loss, acc). Peak tensor memory of step ``probe_step`` when it is not None (``lit_mpstable.core.memory.MemoryProbe``).
+    loss, acc). Peak tensor memory of step ``probe_step`` when it is not None
+    (``lit_mpstable.core.memory.MemoryProbe``).
     """
 
     def __init__(self, probe_step: int | None = 2) -> None:

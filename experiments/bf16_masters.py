@@ -22,9 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
-    RESULTS, command_line, compose, fit, markdown_table, pyplot, quiet, smooth, tail_mean, write_result,
-)
+from _common import RESULTS, command_line, compose, fit, markdown_table, pyplot, quiet, smooth, tail_mean, write_result  # noqa: E402
 
 _ADAMW8BIT = ("+model.optimizer._target_=torchao.optim.AdamW8bit", "+model.optimizer._partial_=true")
 RUNS: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections import defaultdict
 import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -31,9 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
-    QUIET, RESULTS, ROOT, command_line, compose, fit, markdown_table, pyplot, quiet, write_result,
-)
+from _common import QUIET, RESULTS, ROOT, command_line, compose, fit, markdown_table, pyplot, quiet, write_result  # noqa: E402
 from aggregate import load_runs  # noqa: E402
 from aggregate import main as aggregate_main  # noqa: E402
 

@@ -32,7 +32,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    RESULTS, Fit, command_line, compose, fit, markdown_table, pyplot, quiet, smooth, tail_mean, write_result,
+    RESULTS,
+    Fit,
+    command_line,
+    compose,
+    fit,
+    markdown_table,
+    pyplot,
+    quiet,
+    smooth,
+    tail_mean,
+    write_result,
 )
 
 from lit_mpstable.app.report_probe import write_probe_figure  # noqa: E402
@@ -267,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
         "`experiment=fault_storm_fallback` (+ `PrecisionFallback(cooldown=50)`; the module row adds\n"
         "`callbacks.precision_fallback.mode=module`). Spike: `experiment=fault_spike` (the GPT on stdlib text,\n"
         "bf16-mixed, one training batch's loss x 1e6) and `experiment=fault_spike_rollback` (+ `ScaleCheckpoint()`,\n"
-        "snapshot every 50 steps). Faults are keyed on the optimizer step being taken, so a rollback does not replay them.\n"
+        "snapshot every 50 steps). Faults are keyed on the optimizer step being taken, so a rollback does not replay"
+        " them.\n"
         "300 optimizer steps per run; val = the last validation (20 batches). *steps redone*: steps a rollback\n"
         "undid; *steps under fallback*: steps with `plugin.fallback_active` (the whole model or the blamed module in\n"
         "FP32).\n"

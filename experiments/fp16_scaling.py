@@ -24,9 +24,7 @@ import lightning.pytorch as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
-    RESULTS, command_line, compose, fit, markdown_table, pyplot, quiet, smooth, tail_mean, write_result,
-)
+from _common import RESULTS, command_line, compose, fit, markdown_table, pyplot, quiet, smooth, tail_mean, write_result  # noqa: E402
 
 SCALERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("FP32 (reference)", ("precision=fp32", "scaler=default")),

@@ -227,7 +227,8 @@ def figure(logs: dict[str, dict[str, dict[str, list[float]]]], path: Path) -> No
             steps = range(1, len(log["scale"]) + 1)
             ax.plot(steps, [math.log2(s) for s in log["scale"]], style, label=name, lw=2.5 if style == "-" else 1.5)
         ideal = per_scaler[REFERENCE]["ideal"]
-        ax.plot(range(1, len(ideal) + 1), [math.log2(v) for v in ideal], "k", lw=0.6, alpha=0.5, label="ideal (no headroom)")
+        ax.plot(range(1, len(ideal) + 1), [math.log2(v) for v in ideal], "k", lw=0.6, alpha=0.5,
+                label="ideal (no headroom)")
         ax.set_xscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel("log2(loss scale)")

@@ -134,7 +134,8 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
     """Records every operation that needs a tensor's value on the host: on an accelerator each one waits for the
     device (a host sync). ``.item()``, ``float()``/``int()``/``bool()`` and ``if tensor:`` (all through
     ``_local_scalar_dense`` or ``is_nonzero``), ``torch.equal``, data-dependent shapes (``nonzero``,
-    ``masked_select``, ``unique``, indexing by a boolean mask...) and ``tolist()``/``numpy()`` (not dispatched: patched for the duration).
+    ``masked_select``, ``unique``, indexing by a boolean mask...) and ``tolist()``/``numpy()`` (not dispatched:
+    patched for the duration).
     On a CPU-only run it cannot see a device-to-host copy (``.cpu()`` of a CPU tensor does nothing), so it checks
     what code decides from tensor values, not where tensors live.
 

@@ -3,8 +3,6 @@ the search-path plugin, in any Hydra app), the entry point runs, and config mist
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import dataclasses
 import enum
 import inspect
@@ -14,7 +12,7 @@ import subprocess
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -29,8 +27,8 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ValidationError
 from torch import nn
 
-from lit_mpstable import StablePrecision
 import lit_mpstable.conf
+from lit_mpstable import StablePrecision
 from lit_mpstable.app.config import SCHEMAS, derive_schema, register_configs
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler

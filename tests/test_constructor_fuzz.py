@@ -14,14 +14,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lit_mpstable import StablePrecision
-from lit_mpstable.core.validate import INT32_MAX
-from lit_mpstable.callbacks import AMPPreflight, FaultTriage, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
+from lit_mpstable.callbacks import (
+    AMPPreflight,
+    FaultTriage,
+    OverflowMonitor,
+    PrecisionFallback,
+    PrecisionProbe,
+    ScaleCheckpoint,
+)
 from lit_mpstable.callbacks._common import MAX_WINDOW
-from lit_mpstable.core.formats import FormatName
-from lit_mpstable.fp8 import FP8Config, HighPrecisionBudget
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.formats import FormatName
 from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.validate import INT32_MAX
+from lit_mpstable.fp8 import FP8Config, HighPrecisionBudget
 
 Oracle = Callable[[Any], bool]
 RECIPES = ("delayed", "current", "mxfp8", "blockwise", "mxfp4", "nvfp4")
@@ -56,7 +63,9 @@ def boolean(v: Any) -> bool:
 ANYTHING = st.one_of(
     st.none(), st.booleans(), st.integers(-(10**30), 10**30), st.integers(-3, 70),
     st.floats(allow_nan=True, allow_infinity=True), st.floats(-2.0, 3.0),
-    st.sampled_from(["", "yes", "tpu", "cuda", "cpu", "fp16", "none", 2**31, 2**31 - 1, 2**16 + 1, 2**20 + 1, 0.0, -0.0]),
+    st.sampled_from(
+        ["", "yes", "tpu", "cuda", "cpu", "fp16", "none", 2**31, 2**31 - 1, 2**16 + 1, 2**20 + 1, 0.0, -0.0]
+    ),
     st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
     st.sampled_from([object(), b"x", torch.float16, 1 + 2j]),
 )

@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
+from helpers import TinyMLP
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import TinyMLP
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
 

@@ -15,12 +15,24 @@ pl = importlib.import_module(NAME)
 
 if NAME == "pytorch_lightning":
     from lit_mpstable.pytorch_lightning import StablePrecision
-    from lit_mpstable.pytorch_lightning.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
-    from lit_mpstable.pytorch_lightning.callbacks import FaultTriage
+    from lit_mpstable.pytorch_lightning.callbacks import (
+        AMPPreflight,
+        FaultTriage,
+        OverflowMonitor,
+        PrecisionFallback,
+        PrecisionProbe,
+        ScaleCheckpoint,
+    )
 else:
     from lit_mpstable import StablePrecision
-    from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
-    from lit_mpstable.callbacks import FaultTriage
+    from lit_mpstable.callbacks import (
+        AMPPreflight,
+        FaultTriage,
+        OverflowMonitor,
+        PrecisionFallback,
+        PrecisionProbe,
+        ScaleCheckpoint,
+    )
 
 HalfPrecision, MixedPrecision = pl.plugins.precision.HalfPrecision, pl.plugins.precision.MixedPrecision
 

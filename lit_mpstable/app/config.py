@@ -45,10 +45,10 @@ _MAPPINGS = (dict, collections.abc.Mapping)
 def schema_type(hint: Any) -> Any:
     """The closest type OmegaConf 2.3 can check for a constructor's type hint.
 
-    ``int``, ``float``, ``str`` and enums stay; ``bool`` becomes ``Any`` (OmegaConf would read ``2`` as True); ``X | None`` becomes ``Optional[X]``; a ``Literal`` of strings
-    becomes ``str`` (OmegaConf has no ``Literal``: the constructor checks the choice); sequences become ``list[X]``
-    and string-keyed mappings ``dict[str, X]``; unions of different kinds, classes and callables become ``Any``
-    (the constructor checks them).
+    ``int``, ``float``, ``str`` and enums stay; ``bool`` becomes ``Any`` (OmegaConf would read ``2`` as True); ``X |
+    None`` becomes ``Optional[X]``; a ``Literal`` of strings becomes ``str`` (OmegaConf has no ``Literal``: the
+    constructor checks the choice); sequences become ``list[X]`` and string-keyed mappings ``dict[str, X]``; unions of
+    different kinds, classes and callables become ``Any`` (the constructor checks them).
     """
     if hint is bool:
         # OmegaConf reads 2, "yes" or "maybe" into a bool field as True: left unchecked here, the constructor's own

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_mpstable.fp8.backend import share_hooks
 from lit_mpstable.app.zoo import GPTLM, DigitsData, MLPClassifier
+from lit_mpstable.fp8.backend import share_hooks
 
 __all__ = ["FaultyDigitsData", "FaultyGPTLM", "FaultyMLP", "GradientAttenuatedLinear", "WeightedLossMLP"]
 

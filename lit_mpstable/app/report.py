@@ -178,7 +178,8 @@ def write_comparison_report(summary: dict[str, Any], out_dir: str | Path) -> Pat
         lines += ["", f"## Per layer, what {ours['precision']} cost {ours['label']}'s gradients (PrecisionProbe)", "",
                   "![probe](stable/probe.png)"]
     lines += ["", f"## What {ours['label']} did", ""]
-    lines += [f"- step {e.get('step')}: {e.get('kind')}: {e.get('what')}" for e in ours.get("events") or []] or ["- nothing"]
+    lines += [f"- step {e.get('step')}: {e.get('kind')}: {e.get('what')}"
+              for e in ours.get("events") or []] or ["- nothing"]
     lines += ["", "Each run's own report: [built-in](builtin/report.md), [StablePrecision](stable/report.md).", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))

@@ -21,16 +21,16 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lit_mpstable.frontends.common import StableFrontEnd
-from lit_mpstable.core.validate import int_arg, real_arg
+from lit_mpstable.app.config import register_configs
+from lit_mpstable.app.report import write_report
+from lit_mpstable.app.showcase import compare, print_comparison
 from lit_mpstable.callbacks import PrecisionProbe
 from lit_mpstable.callbacks._common import view_of
 from lit_mpstable.callbacks._view import ForeignPrecision
-from lit_mpstable.app.config import register_configs
 from lit_mpstable.core.memory import MemoryProbe, training_memory
-from lit_mpstable.app.report import write_report
-from lit_mpstable.app.showcase import compare, print_comparison
 from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.validate import int_arg, real_arg
+from lit_mpstable.frontends.common import StableFrontEnd
 
 __all__ = ["Built", "build", "main", "run"]
 
@@ -144,7 +144,8 @@ def _check_scaler_choice(node: DictConfig) -> None:
     # rule holds (refused outside FP16), which an instance handed to the constructor escapes with a warning.
     scaler = node.get("scaler")
     target = scaler.get("_target_") if isinstance(scaler, DictConfig) else None
-    name = {"lit_mpstable.core.loss_scaler.DynamicLossScaler": "dynamic", "lit_mpstable.core.loss_scaler.StaticLossScaler": "static",
+    name = {"lit_mpstable.core.loss_scaler.DynamicLossScaler": "dynamic",
+            "lit_mpstable.core.loss_scaler.StaticLossScaler": "static",
             "lit_mpstable.core.adaptive_scaler.AdaptiveLossScaler": "adaptive"}.get(str(target))
     if name is not None:
         try:  # the constructor's own rule and message, for the name
@@ -155,7 +156,10 @@ def _check_scaler_choice(node: DictConfig) -> None:
 
 @dataclass
 class Built:
-    """A run composed from a config: what :func:`build` instantiated, ready for ``trainer.fit(model, datamodule=data)``."""
+    """A run composed from a config.
+
+    What :func:`build` instantiated, ready for ``trainer.fit(model, datamodule=data)``.
+    """
 
     data: pl.LightningDataModule
     model: pl.LightningModule

@@ -30,7 +30,9 @@ def stdlib_text(modules: tuple[str, ...] = _CORPUS_MODULES) -> str:
 class CharLMData(pl.LightningDataModule):
     """Character-level language modelling on :func:`stdlib_text`: the last ``val_fraction`` is held out."""
 
-    def __init__(self, seq_len: int = 64, batch_size: int = 16, val_fraction: float = 0.1, max_chars: int | None = None):
+    def __init__(
+        self, seq_len: int = 64, batch_size: int = 16, val_fraction: float = 0.1, max_chars: int | None = None
+    ):
         super().__init__()
         text = stdlib_text()[:max_chars]
         self.vocab = sorted(set(text))

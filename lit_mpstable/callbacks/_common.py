@@ -13,17 +13,27 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
-from lit_mpstable.frontends.common import StableFrontEnd
-from lit_mpstable.core.validate import INT32_MAX, int_arg
-from lit_mpstable.core.loaded_state import (
-    Field, check_fields, check_mapping, count, count_list, finite_list, flag, optional, records, text_list,
-)
 from lit_mpstable.callbacks._deepspeed import DeepSpeedView, runs_deepspeed
 from lit_mpstable.callbacks._view import ForeignPrecision
+from lit_mpstable.core.loaded_state import (
+    Field,
+    check_fields,
+    check_mapping,
+    count,
+    count_list,
+    finite_list,
+    flag,
+    optional,
+    records,
+    text_list,
+)
+from lit_mpstable.core.validate import INT32_MAX, int_arg
+from lit_mpstable.frontends.common import StableFrontEnd
 
 __all__ = [
-    "MAX_WINDOW", "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "agreed_names", "any_rank",
-    "check", "is_int", "is_number", "log_measured", "log_mp", "measured_metrics", "plugin_metrics", "strict_keys",
+    "MAX_WINDOW", "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "agreed_names",
+    "any_rank", "check", "is_int", "is_number", "log_measured", "log_mp", "measured_metrics", "plugin_metrics",
+    "strict_keys",
 ]
 
 METRIC_NAMES = (

@@ -11,7 +11,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 __all__ = ["ForeignPrecision"]
 
 _DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16,
-           "bf16-true": torch.bfloat16, "transformer-engine": torch.bfloat16, "transformer-engine-float16": torch.float16}
+           "bf16-true": torch.bfloat16, "transformer-engine": torch.bfloat16,
+           "transformer-engine-float16": torch.float16}
 
 
 class _NoIslands:

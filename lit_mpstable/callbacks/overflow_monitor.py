@@ -8,8 +8,19 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
-    MAX_WINDOW, PluginCallback, StepCounter, WindowedCounts, agreed_names, check, is_int, is_number, log_measured, log_mp,
-    measured_metrics, plugin_metrics, strict_keys,
+    MAX_WINDOW,
+    PluginCallback,
+    StepCounter,
+    WindowedCounts,
+    agreed_names,
+    check,
+    is_int,
+    is_number,
+    log_measured,
+    log_mp,
+    measured_metrics,
+    plugin_metrics,
+    strict_keys,
 )
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
 

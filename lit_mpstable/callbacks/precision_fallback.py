@@ -12,7 +12,15 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
-    MAX_WINDOW, LaggedFlag, PluginCallback, StepCounter, agreed_names, check, is_int, is_number, strict_keys,
+    MAX_WINDOW,
+    LaggedFlag,
+    PluginCallback,
+    StepCounter,
+    agreed_names,
+    check,
+    is_int,
+    is_number,
+    strict_keys,
 )
 from lit_mpstable.callbacks._rules import fallback_reason
 

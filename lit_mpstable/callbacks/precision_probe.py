@@ -11,9 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
-from lit_mpstable.callbacks._common import (
-    PluginCallback, any_rank, check, is_int, log_measured, strict_keys,
-)
+from lit_mpstable.callbacks._common import PluginCallback, any_rank, check, is_int, log_measured, strict_keys
 from lit_mpstable.core.probe import ProbeCopyError, forward_state, measure, metric_vector, with_metric_vector
 
 __all__ = ["PrecisionProbe"]
@@ -36,13 +34,13 @@ class PrecisionProbe(PluginCallback):
     the training.
 
     The recompute calls the LightningModule's ``training_step`` (its ``self.log`` muted, divided by
-    ``accumulate_grad_batches`` as Lightning divides the loss) on deep copies of the module (non-leaf tensor attributes, such as torchmetrics states updated with the loss, copied
-    detached), with the trainer
-    attached, the RNG forked and set back to its state at the batch's start (same dropout masks): training, the
-    data order and the module itself are untouched. With gradient accumulation or several processes, the run's
-    gradient of the last micro-batch is recomputed too (each rank probes its own batch; the metrics are averaged
-    across ranks, so every rank logs and decides the same). Cost per probe: about one FP32 forward and backward
-    (two more with accumulation, DDP or FP8), and a temporary copy of the module.
+    ``accumulate_grad_batches`` as Lightning divides the loss) on deep copies of the module (non-leaf tensor attributes,
+    such as torchmetrics states updated with the loss, copied detached), with the trainer attached, the RNG forked and
+    set back to its state at the batch's start (same dropout masks): training, the data order and the module itself are
+    untouched. With gradient accumulation or several processes, the run's gradient of the last micro-batch is recomputed
+    too (each rank probes its own batch; the metrics are averaged across ranks, so every rank logs and decides the
+    same). Cost per probe: about one FP32 forward and backward (two more with accumulation, DDP or FP8), and a temporary
+    copy of the module.
 
     Args:
         every_n_steps: optimizer steps between probes (0-based steps 0, N-1, 2N-1, ...: Lightning's logging steps

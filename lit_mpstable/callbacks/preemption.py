@@ -19,8 +19,8 @@ from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lit_mpstable.core.attribution import OverflowTracer
 from lit_mpstable.callbacks._common import check
+from lit_mpstable.core.attribution import OverflowTracer
 
 __all__ = ["PreemptionCheckpoint", "atomic_save"]
 

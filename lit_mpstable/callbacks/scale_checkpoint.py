@@ -12,10 +12,23 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit_mpstable.callbacks._common import MAX_WINDOW, PluginCallback, any_rank, check, is_int, is_number, log_mp, strict_keys
+from lit_mpstable.callbacks._common import (
+    MAX_WINDOW,
+    PluginCallback,
+    any_rank,
+    check,
+    is_int,
+    is_number,
+    log_mp,
+    strict_keys,
+)
 from lit_mpstable.callbacks._rules import spike_zscore
 from lit_mpstable.callbacks._snapshot import (
-    layout_key, nonfinite_entries, restore_snapshot, state_finite, take_snapshot,
+    layout_key,
+    nonfinite_entries,
+    restore_snapshot,
+    state_finite,
+    take_snapshot,
 )
 
 __all__ = ["ScaleCheckpoint", "spike_zscore"]
@@ -29,11 +42,12 @@ class ScaleCheckpoint(PluginCallback):
 
     - In ``on_before_backward`` it reads the loss (one host sync per backward). A loss more than ``spike_zscore``
       standard deviations above the last ``window`` finite losses calls ``plugin.skip_step()``: the batch never
-      reaches the weights. A non-finite loss is left to the plugin's own inf/NaN check, which skips the step and
-      counts (and attributes) it as an overflow; it is handled here, as a spike, with ``on_spike="rollback"`` or where
-      nothing checks (a plugin without a scaler and with ``skip_nonfinite=False``, Lightning's ``HalfPrecision``). With ``on_spike="skip"`` (the default) that is all: nothing else is
-      undone, since nothing else went wrong. A rollback follows when spikes persist (``spike_patience`` skipped
-      batches within ``window`` optimizer steps), or on every spike with ``on_spike="rollback"``.
+      reaches the weights. A non-finite loss is left to the plugin's own inf/NaN check, which skips the step and counts
+      (and attributes) it as an overflow; it is handled here, as a spike, with ``on_spike="rollback"`` or where nothing
+      checks (a plugin without a scaler and with ``skip_nonfinite=False``, Lightning's ``HalfPrecision``). With
+      ``on_spike="skip"`` (the default) that is all: nothing else is undone, since nothing else went wrong. A rollback
+      follows when spikes persist (``spike_patience`` skipped batches within ``window`` optimizer steps), or on every
+      spike with ``on_spike="rollback"``.
     - Every ``every_n_steps`` optimizer steps, at train start and after a precision fallback, it checks that the
       weights and the optimizer state are finite (one host sync) and snapshots module, optimizers, LR schedulers and
       plugin state, on ``snapshot_device`` ("cpu" by default: never a second copy in accelerator memory; "device"
@@ -154,7 +168,9 @@ class ScaleCheckpoint(PluginCallback):
         if self._pending is not None:  # backward is over: the weights may change now
             event, self._pending = self._pending, None
             self._on_skip(trainer, pl_module, event)
-        elif step != self.snapshot_step and (step % self.every_n_steps == 0 or layout_key(self._plugin) != self._layout):
+        elif step != self.snapshot_step and (
+            step % self.every_n_steps == 0 or layout_key(self._plugin) != self._layout
+        ):
             if trainer.strategy.reduce_boolean_decision(state_finite(pl_module, trainer.optimizers), all=True):
                 self._take(trainer, pl_module)
             else:

@@ -10,10 +10,13 @@ them. Only known classes are rebuilt (an allow-list, as ``weights_only`` has one
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TraceableWrapperSubclass
 
 __all__ = ["copy_quantized_state", "flatten_optimizer_states_", "unflatten_optimizer_states_"]
 
@@ -31,7 +34,9 @@ def _qualname(cls: type) -> str:
 
 
 def _flatten(value: torch.Tensor) -> dict[str, Any]:
-    names, context = value.__tensor_flatten__()
+    # Only states of the allowed classes come here: wrapper subclasses, which Tensor's stubs do not describe.
+    flat: tuple[Sequence[str], Any] = cast("TraceableWrapperSubclass", value).__tensor_flatten__()
+    names, context = flat  # torchao's contexts are sequences of plain values
     return {
         _MARK: _qualname(type(value)), "inner": {name: getattr(value, name) for name in names},
         "context": list(context), "size": list(value.shape), "stride": list(value.stride()),
@@ -55,12 +60,13 @@ def copy_quantized_state(value: torch.Tensor, device: torch.device | None) -> to
     inner tensors when the device does not change): their inner tensors are copied and the state rebuilt."""
     if _qualname(type(value)) not in _ALLOWED:
         return None
-    names, context = value.__tensor_flatten__()
+    wrapper = cast("TraceableWrapperSubclass", value)  # an allowed class: a wrapper subclass (checked above)
+    names, context = wrapper.__tensor_flatten__()
     inner = {}
     for name in names:
         t = getattr(value, name).detach()
         inner[name] = t.clone() if device is None or t.device == device else t.to(device, copy=True)
-    return type(value).__tensor_unflatten__(inner, context, value.shape, value.stride())
+    return type(wrapper).__tensor_unflatten__(inner, context, value.shape, value.stride())
 
 
 def flatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> int:

@@ -56,7 +56,8 @@ def get_format(name: str | torch.dtype) -> Format:
         for fmt in FORMATS.values():
             if fmt.dtype == name:
                 return fmt
-        raise ValueError(f"get_format({name!r}): no format with that dtype; known: {[f.dtype for f in FORMATS.values()]}")
+        known = [f.dtype for f in FORMATS.values()]
+        raise ValueError(f"get_format({name!r}): no format with that dtype; known: {known}")
     if name not in FORMATS:
         raise ValueError(f"get_format({name!r}): unknown format; allowed: {sorted(FORMATS)}")
     return FORMATS[name]

@@ -75,7 +75,8 @@ def fsdp_units(module: nn.Module) -> dict[str, Any]:
     except ImportError:  # a torch build without torch.distributed
         return {}
     # FSDP2 has no public getter for a unit's policy; its state object (fully_shard.state) keeps the one it was given.
-    return {name: fully_shard.state(unit)._mp_policy for name, unit in module.named_modules()
+    # fully_shard's contract decorator adds .state at run time; its stubs type it as a plain overloaded function.
+    return {name: fully_shard.state(unit)._mp_policy for name, unit in module.named_modules()  # type: ignore[attr-defined]
             if isinstance(unit, FSDPModule)}
 
 
@@ -95,6 +96,7 @@ def fsdp2_dtype_table(module: nn.Module) -> list[dict[str, Any]]:
         return None if dtype is None else _NAMES.get(dtype, str(dtype))
 
     # A unit without parameters of its own (a root over sharded blocks) shows its policy's dtypes.
+    rows: dict[str, dict[str, Any]]
     rows = {unit: {"unit": unit, "params": 0, "param_dtype": name(policy.param_dtype),
                    "reduce_dtype": name(policy.reduce_dtype or policy.param_dtype), "shards": None,
                    "output_dtype": name(policy.output_dtype)} for unit, policy in units.items()}

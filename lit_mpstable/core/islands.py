@@ -70,10 +70,11 @@ class FP32Islands:
 
     The module's ``forward`` is wrapped (an instance attribute over the class's: :func:`island_forward` bound to the
     module), and its inputs cast by a forward pre-hook: autocast is turned off by a ``with`` block inside the call,
-    which ``torch.compile`` traces into the graph like any other code. (Entering autocast in a forward pre-hook and leaving it in a forward hook
-    cannot be traced.) The wrapper is the same function for every module, reading :attr:`device_type` and
-    :attr:`output_dtype` from this object when called: re-attaching (a rollback, a restore) meets a compiled graph's
-    guards, and ``copy.deepcopy`` of the model gives islands on the copy, run by a copy of this object.
+    which ``torch.compile`` traces into the graph like any other code. (Entering autocast in a forward pre-hook and
+    leaving it in a forward hook cannot be traced.) The wrapper is the same function for every module, reading
+    :attr:`device_type` and :attr:`output_dtype` from this object when called: re-attaching (a rollback, a restore)
+    meets a compiled graph's guards, and ``copy.deepcopy`` of the model gives islands on the copy, run by a copy of this
+    object.
 
     ``attach`` may be called again (a second ``fit``): earlier wrappers are removed first.
     """

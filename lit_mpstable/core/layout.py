@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_mpstable.fp8 import FP8Config, convert_from_fp8, fp8_backend, no_fp8_layers_message, select_fp8_modules
 from lit_mpstable.core.islands import FP32Islands, match_modules
+from lit_mpstable.fp8 import FP8Config, convert_from_fp8, fp8_backend, no_fp8_layers_message, select_fp8_modules
 
 __all__ = ["PrecisionLayout", "rebuild_ddp_reducer_"]
 
@@ -44,7 +44,12 @@ class PrecisionLayout:
     """
 
     def __init__(
-        self, dtype: torch.dtype, *, cast_parameters: bool, fp32_modules: Iterable[Any] = (), fp8: FP8Config | None = None
+        self,
+        dtype: torch.dtype,
+        *,
+        cast_parameters: bool,
+        fp32_modules: Iterable[Any] = (),
+        fp8: FP8Config | None = None,
     ) -> None:
         self.dtype, self.cast_parameters, self.fp8 = dtype, cast_parameters, fp8
         self.fp8_backend = fp8_backend(fp8) if fp8 is not None else None
@@ -90,6 +95,7 @@ class PrecisionLayout:
         Cheap (one list check): the plugin enters it around every forward.
         """
         if self._fp8_layers:
+            assert self.fp8_backend is not None  # FP8 layers are only ever converted by a backend
             return self.fp8_backend.forward_context()
         return contextlib.nullcontext()
 
@@ -103,6 +109,7 @@ class PrecisionLayout:
         (its autocast reduces amaxes itself).
         """
         if self._fp8_layers:
+            assert self.fp8_backend is not None and self.module is not None  # FP8 layers live in an attached model
             self.fp8_backend.sync_(self.module, self._fp8_layers, group)
 
     def validate(self, module: nn.Module) -> None:
@@ -158,6 +165,8 @@ class PrecisionLayout:
 
     def _apply_fp8(self) -> None:
         module, backend = self.module, self.fp8_backend
+        # Called only with a model attached and FP8 configured (the backend is built from the config).
+        assert module is not None and backend is not None and self.fp8 is not None
         if self._fp8_selected is None:
             self._fp8_selected = select_fp8_modules(module, self.fp8)
         off = self.fp8_off or self.fp32
@@ -215,16 +224,19 @@ class PrecisionLayout:
         return self.fp32, self.fp8_off, list(self.fp8_removed), list(self.fp32_modules)
 
     def _set_fallbacks(self, saved: tuple) -> None:
-        self.fp32, self.fp8_off, self.fp8_removed, self.fp32_modules = saved[0], saved[1], list(saved[2]), list(saved[3])
+        self.fp32, self.fp8_off = saved[0], saved[1]
+        self.fp8_removed, self.fp32_modules = list(saved[2]), list(saved[3])
 
     def _planned_dtypes(self) -> dict[int, tuple[nn.Parameter, torch.dtype]]:
         """The dtype each floating parameter will have once the fallbacks now set are applied."""
+        assert self.module is not None  # planned only for an attached model
         islands = match_modules(self.module, [*self._user_islands, *self.fp32_modules])
         inside = {id(p) for island in islands.values() for p in island.parameters()}
         plan = {}
         for param in self.module.parameters():
             if param.is_floating_point():
-                dtype = torch.float32 if id(param) in inside else self.compute_dtype if self.cast_parameters else param.dtype
+                kept = self.compute_dtype if self.cast_parameters else param.dtype
+                dtype = torch.float32 if id(param) in inside else kept
                 plan[id(param)] = (param, dtype)
         return plan
 
@@ -262,13 +274,13 @@ class PrecisionLayout:
         backend's scaling state of the active FP8 layers by ``"<layer>.<key>"``: amax histories and scales for the
         native delayed recipe, TransformerEngine's serialised state, nothing for stateless recipes); plain values
         and tensors."""
-        active = self.module is not None and self.fp8_backend is not None
+        module, backend = self.module, self.fp8_backend
         return {
             "fp32": self.fp32,
             "fp8_off": self.fp8_off,
             "fp8_removed": list(self.fp8_removed),
             "fp32_modules": list(self.fp32_modules),
-            "fp8": self.fp8_backend.state_dict(self.module, self._fp8_layers) if active else {},
+            "fp8": backend.state_dict(module, self._fp8_layers) if module is not None and backend is not None else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -295,6 +307,7 @@ class PrecisionLayout:
                     " but this run has fp8=None; resume with the FP8 config it was written with."
                 )
             if state["fp8"]:
+                assert self.fp8_backend is not None  # refused just above
                 self.fp8_backend.load_state_dict(self.module, self._fp8_layers, state["fp8"])
 
 
@@ -337,6 +350,7 @@ def rebuild_ddp_reducer_(ddp: nn.parallel.DistributedDataParallel) -> None:
     if ddp.static_graph:  # the new reducer records the graph again in its first iteration (a delayed all-reduce)
         ddp._static_graph_delay_allreduce_enqueued = False
         ddp.reducer._set_static_graph()
+        assert ddp.logger is not None  # _ddp_init_helper above built it
         ddp.logger._set_static_graph()
     for hook, state in ddp._comm_hooks:
         dist._register_comm_hook(ddp.reducer, state, hook)

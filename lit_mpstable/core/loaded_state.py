@@ -14,15 +14,15 @@ from typing import Any, get_args
 
 import torch
 
-from lit_mpstable.core.validate import bool_arg, int_arg, real_arg
 from lit_mpstable.core.formats import FormatName
+from lit_mpstable.core.validate import bool_arg, int_arg, real_arg
 
 __all__ = [
     "Field", "check_fields", "check_mapping", "check_plugin_state", "count", "count_list", "flag", "finite",
     "finite_list", "finite_tensors", "name_list", "optional", "records", "tensor_tree", "text", "text_list",
 ]
 
-Field = Callable[[str, str, Any], None]
+Field = Callable[[str, str, Any], object]  # a check: raises on a bad value; what it returns is ignored
 """``(call, name, value)``: raises ``TypeError``/``ValueError`` naming ``call(name=value)`` unless ``value`` is
 valid."""
 
@@ -193,9 +193,13 @@ _SCALER: dict[str, Field] = {
     "_last_overflow_scale": finite(0.0),
     "_overflow_streak": count,
 }
+def _fp8_state(call: str, name: str, value: Any) -> None:
+    check_mapping(call, value, name=name)
+    tensor_tree(call, name, value)
+
+
 _LAYOUT: dict[str, Field] = {
-    "fp32": flag, "fp8_off": flag, "fp8_removed": name_list, "fp32_modules": name_list,
-    "fp8": lambda c, n, v: (check_mapping(c, v, name=n), tensor_tree(c, n, v)),
+    "fp32": flag, "fp8_off": flag, "fp8_removed": name_list, "fp32_modules": name_list, "fp8": _fp8_state,
 }
 _COMPACT: dict[str, Field] = {
     "mode": text("kahan", "stochastic"), "seed": lambda c, n, v: int_arg(c, n, v, low=0, high=2**63 - 1),

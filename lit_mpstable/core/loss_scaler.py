@@ -127,7 +127,9 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
         return previous
 
     # ---------------------------------------------------------------------------------------- stepping
-    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any):
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ):
         # The one host sync GradScaler makes per step lives here; record its answer for free.
         found_inf = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
         self._note_skip(bool(found_inf))
@@ -191,6 +193,7 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
         self.step_count += 1
         if self.last_step_skipped and not self._min_scale_warned:
             # Host already knows this step overflowed; one extra read on overflow steps only.
+            assert self._min_scale_hits is not None  # made with the scale, before the first step
             if int(self._min_scale_hits.item()) >= 2:
                 self._min_scale_warned = True
                 where = (f"min_scale={self.min_scale!r}" if self.min_scale is not None and self.min_scale >= SCALE_FLOOR
@@ -234,7 +237,8 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
                 self._overflow_count += 1
             cap = self._growth_cap(scale)
             torch._amp_update_scale_(
-                scale, growth_tracker, found_inf.float(), self._growth_factor, self._backoff_factor, self._growth_interval
+                scale, growth_tracker, found_inf.float(),
+                self._growth_factor, self._backoff_factor, self._growth_interval,
             )
             if cap is not None or host_found:
                 self._clamp_(scale, cap)
@@ -245,7 +249,8 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
         cap = self._growth_cap(scale)
         if self.hysteresis == 1:
             torch._amp_update_scale_(
-                scale, growth_tracker, found_inf.float(), self._growth_factor, self._backoff_factor, self._growth_interval
+                scale, growth_tracker, found_inf.float(),
+                self._growth_factor, self._backoff_factor, self._growth_interval,
             )
             self._clamp_(scale, cap)
             return

@@ -6,7 +6,6 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-
 from typing import Any
 
 import torch
@@ -114,10 +113,12 @@ class MemoryProbe:
         assert self._prof is not None, "MemoryProbe.stop() without start()"
         with quiet_fd2():
             self._prof.__exit__(None, None, None)
-        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        profiler = self._prof.profiler
+        assert profiler is not None and profiler.kineto_results is not None  # both set by __enter__/__exit__ above
+        events = [e for e in profiler.kineto_results.events() if e.name() == "[memory]"]
         running = peak = 0
         for event in sorted(events, key=lambda e: e.start_ns()):
-            running += event.nbytes()
+            running += event.nbytes()  # type: ignore[attr-defined]  # torch's _KinetoEvent stub lacks nbytes()
             peak = max(peak, running)
         self.peak_bytes = self.resident + peak
         self._prof = None

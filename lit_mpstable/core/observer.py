@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lit_mpstable.core.attribution import OverflowTracer, nonfinite_grad_params, overflow_warning
-from lit_mpstable.fp8 import collect_fp8_stats_, fp8_stats
 from lit_mpstable.core.telemetry import GradTelemetry
+from lit_mpstable.fp8 import collect_fp8_stats_, fp8_stats
 
 __all__ = ["GradObserver", "shard_view"]
 
@@ -85,7 +85,9 @@ class GradObserver:
         if telemetry is None:
             return updates, warning
         if telemetry.is_due(step):
-            values = telemetry.maybe_compute(named_grads(), step, scale=scale()).to_floats()
+            stats = telemetry.maybe_compute(named_grads(), step, scale=scale())
+            assert stats is not None  # is_due(step) just held
+            values = stats.to_floats()
             fmt = telemetry.formats[0]
             updates.update(
                 stats_step=step, grad_norm=values["norm"], grad_amax=values["amax"],

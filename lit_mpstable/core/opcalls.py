@@ -160,7 +160,8 @@ class SavedTensors:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        source = self.sources.get(plain_ptr(t))
+        ptr = plain_ptr(t)
+        source = self.sources.get(ptr) if ptr is not None else None
         if source is not None and source.shape == t.shape and source.dtype.itemsize < t.dtype.itemsize:
             self._count(source)
             return source, t.dtype, t.stride()
@@ -207,8 +208,8 @@ def _cast(value: Any, dtype: torch.dtype, sources: dict[int, torch.Tensor] | Non
         if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.dtype == dtype:
             return v
         out = v.to(dtype)
-        upcast = sources is not None and v.dtype.itemsize < dtype.itemsize and not torch.compiler.is_compiling()
-        if upcast and (ptr := plain_ptr(out)) is not None:
+        upcast = v.dtype.itemsize < dtype.itemsize and not torch.compiler.is_compiling()
+        if sources is not None and upcast and (ptr := plain_ptr(out)) is not None:
             sources[ptr] = v  # a fresh copy, in its own storage
         return out
 
@@ -294,7 +295,7 @@ def _measure_one(call: OpCall, device_type: str, dtype: torch.dtype, repeats: in
     return min(seconds[False]), min(seconds[True]), errors[0], errors[1], float(held[True] - held[False])
 
 
-def _fresh(call: OpCall, device_type: str) -> tuple[tuple, dict, set[int]]:
+def _fresh(call: OpCall, device_type: str) -> tuple[tuple, dict, set[int | None]]:
     """New tensors for the call's arguments (one per slot), and the storages of those standing for parameters."""
     generator = torch.Generator(device_type).manual_seed(0)  # the training run's RNG stream stays untouched
     made: dict[int, torch.Tensor] = {}

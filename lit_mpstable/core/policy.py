@@ -297,6 +297,7 @@ class _PolicyMode(TorchFunctionMode):
         return run_in(dtype, _FAMILY_OF[func], self.device_type, func, args, kwargs)
 
     def _recorded(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        assert self.calls is not None  # called only when recording
         for value in leaves((args, kwargs)):
             if isinstance(value, nn.Parameter):
                 self.parameters[plain_ptr(value) or id(value)] = value.numel() * value.element_size()

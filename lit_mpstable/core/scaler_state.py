@@ -9,8 +9,8 @@ import torch
 from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg, real_arg
 
 __all__ = [
-    "GRADSCALER_KEYS", "SCALE_FLOOR", "StateKeyError", "check_init_args", "check_loaded", "check_new_scale", "check_state_keys",
-    "resolve_device",
+    "GRADSCALER_KEYS", "SCALE_FLOOR", "StateKeyError", "check_init_args", "check_loaded", "check_new_scale",
+    "check_state_keys", "resolve_device",
 ]
 
 # The keys torch.amp.GradScaler.state_dict() writes; a dict with exactly these loads as a legacy checkpoint.

@@ -138,7 +138,9 @@ def _build(call: str, precision: str, scaler: Any, device: str, warnings: list[s
                 " not available here, so FP16 would train unscaled. Pass scaler='dynamic' or"
                 " DynamicLossScaler(...) (device=None follows the run), or a scaler built for 'cpu'."
             )
-        warnings.append(f"{call}(scaler={type(scaler).__name__}(enabled=False)): taken as no loss scaling (scaler=None).")
+        warnings.append(
+            f"{call}(scaler={type(scaler).__name__}(enabled=False)): taken as no loss scaling (scaler=None)."
+        )
         return None
     if type(scaler) is torch.amp.GradScaler:
         # Adopted with its settings and state: our subclass also reports skipped steps (LR hold, counters,

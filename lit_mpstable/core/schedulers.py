@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["ScheduleHold", "hold_on_skip"]
 
@@ -111,7 +111,10 @@ def _reduce_ex(self: Any, protocol: int) -> Any:
     return _rebuild, (type(self).__mro__[1], self.__dict__)
 
 
-def _rebuild(cls: type, state: dict[str, Any]) -> Any:
+_T = TypeVar("_T")
+
+
+def _rebuild(cls: type[_T], state: dict[str, Any]) -> _T:
     scheduler = cls.__new__(cls)
     scheduler.__dict__.update(state)
     return scheduler

@@ -122,7 +122,9 @@ class SpikeGuard:
         """Keep the statistics on ``device`` (moving them there if they live elsewhere); returns the guard."""
         device = torch.device(device)
         if self.device != device:
-            move = lambda t: t.to(device)
+            def move(t: torch.Tensor) -> torch.Tensor:
+                return t.to(device)
+
             self._values = {k: move(v) for k, v in self._values.items()}
             self._counts = {k: move(v) for k, v in self._counts.items()}
             self._zscores = {k: move(v) for k, v in self._zscores.items()}
@@ -143,7 +145,9 @@ class SpikeGuard:
         if self.device is None:
             self.bind(value.device)
         # non_blocking only towards an accelerator: a non-blocking copy into host memory may be read before it lands.
-        return value.detach().reshape(()).to(self.device, torch.float32, non_blocking=self.device.type != "cpu")
+        device = self.device
+        assert device is not None  # bind() above set it
+        return value.detach().reshape(()).to(device, torch.float32, non_blocking=device.type != "cpu")
 
     # ------------------------------------------------------------------------------------------------- step
     def observe_loss_(self, loss: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 __all__ = ["INT32_MAX", "bool_arg", "choice_arg", "int_arg", "real_arg"]
 
@@ -31,6 +31,16 @@ def bool_arg(call: str, name: str, value: Any) -> bool:
     return value
 
 
+# Overloads: without ``none=True`` the result is never None, so callers need no narrowing.
+@overload
+def int_arg(
+    call: str, name: str, value: Any, *, low: int | None = ..., high: int | None = ..., none: Literal[False] = ...,
+    unit: str = ...,
+) -> int: ...
+@overload
+def int_arg(
+    call: str, name: str, value: Any, *, low: int | None = ..., high: int | None = ..., none: bool, unit: str = ...,
+) -> int | None: ...
 def int_arg(
     call: str, name: str, value: Any, *, low: int | None = None, high: int | None = INT32_MAX, none: bool = False,
     unit: str = "",
@@ -52,6 +62,16 @@ def int_arg(
     return value
 
 
+@overload
+def real_arg(
+    call: str, name: str, value: Any, *, low: float | None = ..., high: float | None = ...,
+    low_open: bool = ..., high_open: bool = ..., none: Literal[False] = ..., unit: str = ...,
+) -> float: ...
+@overload
+def real_arg(
+    call: str, name: str, value: Any, *, low: float | None = ..., high: float | None = ...,
+    low_open: bool = ..., high_open: bool = ..., none: bool, unit: str = ...,
+) -> float | None: ...
 def real_arg(
     call: str, name: str, value: Any, *, low: float | None = None, high: float | None = None,
     low_open: bool = False, high_open: bool = False, none: bool = False, unit: str = "",
@@ -66,7 +86,9 @@ def real_arg(
         return None
     lo = "(" if low_open or low is None else "["
     hi = ")" if high_open or high is None else "]"
-    where = f"a finite number in {lo}{'-inf' if low is None else f'{low:g}'}, {'inf' if high is None else f'{high:g}'}{hi}"
+    low_text = "-inf" if low is None else f"{low:g}"
+    high_text = "inf" if high is None else f"{high:g}"
+    where = f"a finite number in {lo}{low_text}, {high_text}{hi}"
     hint = f" ({unit})" if unit else ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{_echo(call, name, value)}: must be {where}{' or None' if none else ''}{hint}.")

@@ -6,10 +6,10 @@ import warnings
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 
-from trainer_pkg import pl
 import torch
 from helpers import TinyMLP, regression_data
 from torch import nn
+from trainer_pkg import pl
 
 
 class Amplify(nn.Module):
@@ -143,6 +143,7 @@ def quiet():
 def fp32_scaler_plugin(**scaler_kwargs):
     """``StablePrecision("32-true")`` with an explicit DynamicLossScaler: fast; overflows come from injected infs."""
     from trainer_pkg import StablePrecision
+
     from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
     return StablePrecision("32-true", scaler=DynamicLossScaler("cpu", **scaler_kwargs))

@@ -6,15 +6,21 @@ import csv
 import io
 import warnings
 
-from trainer_pkg import pl
 import pytest
 import torch
 from cb_helpers import ListLogger, PoisonModule, quiet
 from helpers import make_trainer
+from trainer_pkg import (
+    AMPPreflight,
+    FaultTriage,
+    OverflowMonitor,
+    PrecisionFallback,
+    PrecisionProbe,
+    ScaleCheckpoint,
+    StablePrecision,
+    pl,
+)
 
-from trainer_pkg import StablePrecision
-from trainer_pkg import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
-from trainer_pkg import FaultTriage
 from lit_mpstable.callbacks.amp_preflight import compare_outputs
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
@@ -183,7 +189,9 @@ def test_overflow_monitor_logs_telemetry_on_the_step_it_was_measured_and_rollbac
             )
 
     logger = ListLogger()
-    callbacks = [ScaleCheckpoint(every_n_steps=2, min_history=2, on_spike="rollback"), OverflowMonitor(log_every_n_steps=1)]
+    callbacks = [
+        ScaleCheckpoint(every_n_steps=2, min_history=2, on_spike="rollback"), OverflowMonitor(log_every_n_steps=1),
+    ]
     plugin = StablePrecision("bf16-mixed", telemetry_every_n_steps=None)  # only the stats written above
     trainer = make_trainer(plugin, max_steps=4, callbacks=callbacks, log_every_n_steps=1, logger=logger)
     with quiet():

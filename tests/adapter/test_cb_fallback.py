@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from trainer_pkg import pl
 import pytest
 import torch
 from cb_helpers import BlameFirstNonfinite, PoisonModule, Recorder, quiet
 from helpers import make_trainer
+from trainer_pkg import PrecisionFallback, StablePrecision, pl
 
-from trainer_pkg import StablePrecision
-from trainer_pkg import PrecisionFallback
 from lit_mpstable.callbacks.precision_fallback import fallback_reason
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 

@@ -15,10 +15,10 @@ from dist_helpers import RankFaultModule, fit_ddp
 from helpers import make_trainer
 
 from lit_mpstable import StablePrecision
-from lit_mpstable.callbacks import PrecisionFallback, PrecisionProbe
 from lit_mpstable.app.demos import FaultyMLP, GradientAttenuatedLinear
-from lit_mpstable.core.probe import forward_state, measure
+from lit_mpstable.callbacks import PrecisionFallback, PrecisionProbe
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.probe import forward_state, measure
 
 PROBE_METRICS = ("mp/grad_underflow_frac", "mp/grad_rel_error", "mp/grad_cosine")
 
@@ -330,7 +330,8 @@ def test_probe_measures_a_module_holding_torchmetrics_updated_with_the_loss() ->
         _fit(StablePrecision("bf16-mixed"), [probe], module, steps=3)
     assert not [str(w.message) for w in record if "PrecisionProbe" in str(w.message)]
     assert [r["step"] for r in probe.history] == [0, 1, 2]
-    assert module.train_loss.weight.item() == 3  # one scalar update per step: the replays updated the copies' metrics, not the module's
+    # one scalar update per step: the replays updated the copies' metrics, not the module's
+    assert module.train_loss.weight.item() == 3
 
 
 def test_a_module_that_cannot_be_copied_is_named_without_advising_loss_fn() -> None:

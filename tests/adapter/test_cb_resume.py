@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-from trainer_pkg import pl
-
-ModelCheckpoint = pl.callbacks.ModelCheckpoint
 import torch
 from cb_helpers import PoisonModule, quiet
 from helpers import make_trainer
+from trainer_pkg import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint, StablePrecision, pl
 
-from trainer_pkg import StablePrecision
-from trainer_pkg import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
+
+ModelCheckpoint = pl.callbacks.ModelCheckpoint
 
 # One epoch is 8 steps (checkpoints at epoch ends: Lightning replays a cut epoch). Overflows at 1-3 make
 # PrecisionFallback go global at step 4 with a cooldown that ends at step 10, after the checkpoint; the loss spike

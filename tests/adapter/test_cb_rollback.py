@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import copy
 
-from trainer_pkg import pl
 import pytest
 import torch
 from cb_helpers import PoisonModule, Recorder, fp32_scaler_plugin, quiet
 from helpers import make_trainer
+from trainer_pkg import ScaleCheckpoint, StablePrecision, pl
 
-from trainer_pkg import StablePrecision
-from trainer_pkg import ScaleCheckpoint
 from lit_mpstable.callbacks.scale_checkpoint import spike_zscore
 
 
@@ -148,6 +146,7 @@ def test_a_rollback_never_undoes_a_precision_fallback() -> None:
     # The fallback at step 3 changes the precision layout, which triggers a fresh snapshot: the spike at step 5
     # rolls back to step 3, in FP32, not to the BF16 snapshot of step 0.
     from trainer_pkg import PrecisionFallback
+
     from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
     plugin = StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
 
 import pytest
 import torch
@@ -239,7 +238,8 @@ def test_8bit_optimizer_states_skip_checkpoint_and_resume(tmp_path, precision: s
     torch.load(tmp_path / "e1.ckpt", weights_only=True)  # plain tensors and values only
     resumed = Big(inf_grad_steps={5})
     resumed_trainer = fit(resumed, 2, tmp_path / "e1.ckpt")
-    # The injected overflow comes after the resume: its skip left the states alone (the counts include the checkpoint's).
+    # The injected overflow comes after the resume: its skip left the states alone (the counts include the
+    # checkpoint's).
     assert resumed_trainer.precision_plugin.overflow_count == overflows >= 1
     assert trainer.precision_plugin.overflow_count < overflows
     for a, b in zip(resumed.parameters(), full.parameters()):
@@ -261,7 +261,9 @@ class _Widened(PoisonModule):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("library", ["torchao", "bitsandbytes"])
-def test_8bit_states_stepped_in_slices_skip_checkpoint_and_resume(tmp_path, mode: str, library: str, monkeypatch) -> None:
+def test_8bit_states_stepped_in_slices_skip_checkpoint_and_resume(
+    tmp_path, mode: str, library: str, monkeypatch
+) -> None:
     # A 512x256 weight (131072 elements) is stepped in two slices of the quantization blocks at the default CPU
     # budget: the skip, the checkpoint and the resume are as exact as whole-parameter steps.
     if library == "torchao":

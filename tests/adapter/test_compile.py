@@ -28,11 +28,11 @@ from torch.nn import functional as F
 
 import lit_mpstable
 from lit_mpstable import StablePrecision
-from lit_mpstable.core import policy as policy_module
 from lit_mpstable.callbacks import ScaleCheckpoint
-from lit_mpstable.fp8 import FP8Linear
+from lit_mpstable.core import policy as policy_module
 from lit_mpstable.core.policy import FAMILIES, Measurement
 from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.fp8 import FP8Linear
 
 pytestmark = pytest.mark.slow
 

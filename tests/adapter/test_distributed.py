@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from dist_helpers import (
-    RankFaultModule, ShardedFaultModule, fit_ddp, fit_fsdp2, forward_off_on_rank1, read_ranks, scaler_worker,
+    RankFaultModule,
+    ShardedFaultModule,
+    fit_ddp,
+    fit_fsdp2,
+    forward_off_on_rank1,
+    read_ranks,
+    scaler_worker,
 )
 from helpers import TinyMLP, make_module
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy

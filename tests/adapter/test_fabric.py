@@ -1,5 +1,5 @@
-"""lit_mpstable.frontends.fabric.StablePrecision in real Fabric runs on the CPU: parity with Fabric's own plugins, skips,
-clipping, islands, FP8, conversions, refusals and torch.compile."""
+"""lit_mpstable.frontends.fabric.StablePrecision in real Fabric runs on the CPU: parity with Fabric's own plugins,
+skips, clipping, islands, FP8, conversions, refusals and torch.compile."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch import nn
 
-from lit_mpstable.frontends.fabric import StablePrecision
 from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.frontends.fabric import StablePrecision
 
 INF, NAN = float("inf"), float("nan")
 _DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}

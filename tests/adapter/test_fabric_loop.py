@@ -1,6 +1,6 @@
-"""lit_mpstable.frontends.fabric.StablePrecision in whole Fabric loops: exact resume through fabric.save/fabric.load, held LR
-schedulers, weights loaded after setup, a litgpt-style loop (two optimizers, gradient accumulation) and 2-process
-DDP on gloo with an inf on one rank only."""
+"""lit_mpstable.frontends.fabric.StablePrecision in whole Fabric loops: exact resume through fabric.save/fabric.load,
+held LR schedulers, weights loaded after setup, a litgpt-style loop (two optimizers, gradient accumulation) and
+2-process DDP on gloo with an inf on one rank only."""
 
 from __future__ import annotations
 
@@ -233,8 +233,9 @@ def test_ddp_an_inf_on_one_rank_makes_both_ranks_skip(precision: str, tmp_path: 
 # ------------------------------------------------------------------------------------ the probe
 @pytest.mark.parametrize("recompute", [False, True])
 def test_the_probe_measures_a_fabric_loop_through_its_stepper(recompute: bool) -> None:
-    # lit_mpstable.core.probe.measure on the Fabric plugin's stepper: FP16 without scaling at a loss weight of 2**-14 flushes
-    # part of the gradients; its reading equals a hand count against an FP32 copy, and training is left as it was.
+    # lit_mpstable.core.probe.measure on the Fabric plugin's stepper: FP16 without scaling at a loss weight of 2**-14
+    # flushes part of the gradients; its reading equals a hand count against an FP32 copy, and training is left as
+    # it was.
     from lit_mpstable.core.probe import forward_state, measure
 
     plugin = StablePrecision("16-mixed", scaler=None)

@@ -109,7 +109,9 @@ def test_grad_spike_scales_some_coordinates_by_1e3(accumulate):
         if name.startswith("model.fc2."):
             expected.view(-1)[::100] *= 1e3
         assert torch.allclose(grad, expected, rtol=1e-6, atol=0), name
-    norm = lambda g: torch.stack([t.norm() for t in g.values()]).norm()
+    def norm(g):
+        return torch.stack([t.norm() for t in g.values()]).norm()
+
     assert norm(watch.grads[1]) > 10 * norm(clean.grads[1])
     assert injector.injected == [(1, "grad_spike")]
 

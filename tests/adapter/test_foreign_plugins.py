@@ -9,9 +9,7 @@ import pytest
 import torch
 from cb_helpers import ListLogger, PoisonModule, quiet
 from helpers import make_trainer
-from trainer_pkg import HalfPrecision, MixedPrecision
-
-from trainer_pkg import AMPPreflight, OverflowMonitor, ScaleCheckpoint
+from trainer_pkg import AMPPreflight, HalfPrecision, MixedPrecision, OverflowMonitor, ScaleCheckpoint
 
 
 class _CountingScaler(torch.amp.GradScaler):

@@ -21,7 +21,9 @@ TINY = ["trainer.max_steps=2", "trainer.limit_val_batches=0", "trainer.enable_pr
 LAUNCHERS = {
     "joblib": ["hydra.launcher.n_jobs=2"],
     # submitit_local: each job is a subprocess submitit starts and polls, as it would a SLURM job.
-    "submitit_local": ["hydra.launcher.timeout_min=5", "hydra.launcher.cpus_per_task=1", "hydra.launcher.gpus_per_node=0"],
+    "submitit_local": [
+        "hydra.launcher.timeout_min=5", "hydra.launcher.cpus_per_task=1", "hydra.launcher.gpus_per_node=0",
+    ],
 }
 
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import warnings
 
-from trainer_pkg import pl
 import pytest
 import torch
 from helpers import TinyMLP, make_module, make_trainer, regression_data, stall_task
 from torch import nn
-
-from trainer_pkg import StablePrecision
+from trainer_pkg import StablePrecision, pl
 
 
 class _Stall(pl.LightningModule):

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import warnings
 
-from trainer_pkg import pl
 import pytest
 import torch
 from helpers import TinyMLP, make_module, make_trainer, regression_data
 from torch import nn
+from trainer_pkg import StablePrecision, pl
 
-from trainer_pkg import StablePrecision
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
 
@@ -253,7 +252,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path) -> None:
     poison = {1, 5}  # one epoch is 4 steps: checkpoint after a whole epoch (Lightning replays a cut epoch)
 
     def plugin():
-        return StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**8, growth_interval=2, hysteresis=2))
+        scaler = DynamicLossScaler("cpu", init_scale=2.0**8, growth_interval=2, hysteresis=2)
+        return StablePrecision("32-true", scaler=scaler)
 
     full_plugin = plugin()
     torch.manual_seed(0)
@@ -268,7 +268,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path) -> None:
     path = tmp_path / "mid.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=True)  # plain tensors and scalars only
-    assert checkpoint["StablePrecision"]["scaler"]["_hysteresis_tracker"] == first_plugin.scaler.state_dict()["_hysteresis_tracker"]
+    saved = checkpoint["StablePrecision"]["scaler"]["_hysteresis_tracker"]
+    assert saved == first_plugin.scaler.state_dict()["_hysteresis_tracker"]
 
     resumed_plugin = plugin()
     resumed = make_module(scheduler=True, poison_steps=poison)

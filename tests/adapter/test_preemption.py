@@ -17,13 +17,7 @@ from helpers import TinyMLP, regression_data
 from torch import nn
 
 from lit_mpstable import StablePrecision
-from lit_mpstable.callbacks import (
-    AMPPreflight,
-    OverflowMonitor,
-    PrecisionFallback,
-    PrecisionProbe,
-    ScaleCheckpoint,
-)
+from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
 from lit_mpstable.callbacks.preemption import PreemptionCheckpoint, atomic_save
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
@@ -220,7 +214,8 @@ def test_handlers_chain_to_the_previous_one_and_are_restored() -> None:
 
 # --------------------------------------------------------------------------------------------- continuation
 @pytest.mark.slow
-# SIGTERM: saved mid-epoch (4 batches an epoch per rank); SIGUSR1: saved at the end of an epoch, in a fallback's cooldown.
+# SIGTERM: saved mid-epoch (4 batches an epoch per rank); SIGUSR1: saved at the end of an epoch, in a fallback's
+# cooldown.
 @pytest.mark.parametrize(("step", "signum"), [(8, signal.SIGTERM), (6, signal.SIGUSR1)])
 def test_resumed_run_equals_the_uninterrupted_one(tmp_path, step, signum) -> None:
     max_steps = 16
@@ -230,8 +225,8 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, step, signum) -> Non
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["global_step"] == step + 2 == first[0]["step"] == first[1]["step"]
     assert checkpoint["callbacks"]["PreemptionCheckpoint"]["signal"] == signum
-    # The window holds what the test is about: skips, a fallback (SIGUSR1: saved in its cooldown), and a rollback (SIGTERM:
-    # the first after the resume, to a snapshot taken before it, which only the checkpoint holds).
+    # The window holds what the test is about: skips, a fallback (SIGUSR1: saved in its cooldown), and a rollback
+    # (SIGTERM: the first after the resume, to a snapshot taken before it, which only the checkpoint holds).
     decisions = full[0]["callbacks"]["PrecisionFallback{'mode': 'global', 'patience': 2}"]["decisions"]
     assert [(d["step"], d["action"]) for d in decisions] == [(5, "fallback"), (9, "restore")]
     events = full[0]["callbacks"]["ScaleCheckpoint"]["events"]
@@ -533,6 +528,8 @@ def test_the_inventory_fails_on_a_new_stateful_field(preempted_single) -> None:
     plug.stepper.rescue_count = 0  # a new piece of state nobody saves
     cbs[2].cool_off = 3
     try:
-        assert unexplained(stability_objects(plug, cbs)) == ["PrecisionStepper.rescue_count", "ScaleCheckpoint.cool_off"]
+        assert unexplained(stability_objects(plug, cbs)) == [
+            "PrecisionStepper.rescue_count", "ScaleCheckpoint.cool_off",
+        ]
     finally:
         del plug.stepper.rescue_count, cbs[2].cool_off

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import warnings
 
-from trainer_pkg import pl
 import pytest
 import torch
 from helpers import TinyMLP, make_module, make_trainer, regression_data
 from torch import nn
+from trainer_pkg import StablePrecision, pl
 
-from trainer_pkg import StablePrecision
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import warnings
 
-from trainer_pkg import pl
 import pytest
 import torch
 from helpers import make_module, make_trainer
+from trainer_pkg import StablePrecision, pl
 
-from trainer_pkg import StablePrecision
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 

@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (the first Optimizer() imports it, ~1-2 s here: pay it at collection, not in a test)
+from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
-from helpers import HostReads, TinyMLP, regression_data
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 

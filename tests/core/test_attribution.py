@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TinyMLP, inject_overflow, regression_data
 from torch import nn
 
-from helpers import TinyMLP, inject_overflow, regression_data
 from lit_mpstable.core.attribution import OverflowTracer, any_nonfinite, nonfinite_grad_params, trace_nonfinite
 
 

@@ -1,4 +1,5 @@
-"""CompactWeights' fused Adam/AdamW step (lit_mpstable.core.compact_fused) against the generic path through FP32 copies."""
+"""CompactWeights' fused Adam/AdamW step (lit_mpstable.core.compact_fused) against the generic path through FP32
+copies."""
 
 from __future__ import annotations
 
@@ -211,8 +212,9 @@ def test_the_compiled_kernel_computes_what_the_eager_one_does(mode: str) -> None
     n = 10_007
     def tensors():
         w = torch.randn(n, generator=g).bfloat16()
-        return [w, (w.float() * 2.0**-9).bfloat16() if mode == "kahan" else None, torch.randn(n, generator=g).bfloat16(),
-                (torch.randn(n, generator=g) * 0.1).bfloat16(), (torch.rand(n, generator=g) * 0.01).bfloat16()]
+        return [w, (w.float() * 2.0**-9).bfloat16() if mode == "kahan" else None,
+                torch.randn(n, generator=g).bfloat16(), (torch.randn(n, generator=g) * 0.1).bfloat16(),
+                (torch.rand(n, generator=g) * 0.01).bfloat16()]
     eager = tensors()
     g.manual_seed(2)
     compiled = tensors()

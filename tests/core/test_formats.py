@@ -38,8 +38,10 @@ def test_casts_agree_with_the_table(name: str) -> None:
 
 def test_fractions_on_edge_values() -> None:
     fmt = FORMATS["fp16"]
-    t = torch.tensor([fmt.max, fmt.max * 1.01, fmt.smallest_subnormal, fmt.smallest_subnormal / 2, 0.0, 1.0, float("inf")])
-    # finite nonzero: max, max*1.01, sub, sub/2, 1.0 -> 5 ; overflow among finite: max*1.01 -> 1/6 of finite (0.0 counts)
+    sub = fmt.smallest_subnormal
+    t = torch.tensor([fmt.max, fmt.max * 1.01, sub, sub / 2, 0.0, 1.0, float("inf")])
+    # finite nonzero: max, max*1.01, sub, sub/2, 1.0 -> 5 ; overflow among finite: max*1.01 -> 1/6 of finite
+    # (0.0 counts)
     assert overflow_fraction(t, "fp16").item() == pytest.approx(1 / 6)
     # nonzero (inf included): 6; flush: sub/2 -> 1/6
     assert underflow_fraction(t, "fp16").item() == pytest.approx(1 / 6)

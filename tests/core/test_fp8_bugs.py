@@ -13,8 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 import lit_mpstable.fp8.gemm as gemm_module
 import lit_mpstable.fp8.linear as linear_module
-from lit_mpstable.fp8 import FP8Config, FP8Linear, convert_to_fp8
 from lit_mpstable.core.stepper import PrecisionStepper, default_dtype
+from lit_mpstable.fp8 import FP8Config, FP8Linear, convert_to_fp8
 
 
 def _cpu_runs_scaled_mm() -> bool:

@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
-from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.core.layout import PrecisionLayout
+from lit_mpstable.fp8 import FP8Config
 
 WORLD_SIZE, STEPS, HISTORY = 2, 3, 4
 FP8_MAX = (448.0, 448.0, 57344.0)  # x, w (E4M3), grad_out (E5M2): OCP FP8 spec, by hand
@@ -39,7 +39,9 @@ def _train(rank: int, *, sync: bool, ddp: bool) -> dict[str, list]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = regression_data(16, seed=rank)
     x = x * (1 + 3 * rank)
-    out: dict[str, list] = {"scale": [], "history": [], "w_amax": [], "outputs": [], "host_reads": [], "collectives": []}
+    out: dict[str, list] = {
+        "scale": [], "history": [], "w_amax": [], "outputs": [], "host_reads": [], "collectives": [],
+    }
     calls: list[str] = []
     all_reduce = dist.all_reduce
 

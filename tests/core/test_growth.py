@@ -73,7 +73,7 @@ def test_samples_once_per_due_step_in_training_mode_only() -> None:
     model = TinyMLP()
     monitor = GrowthMonitor(every_n_steps=2, window=4, source="output").attach(model, names=["fc2"])
     x, _ = regression_data(8)
-    for step in range(6):
+    for _ in range(6):
         model(x)
         model(x)  # a second micro-batch: not sampled again
         model.eval()
@@ -209,10 +209,10 @@ def test_weight_growth_named_50_steps_before_overflow(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_swiglu_alignment_named_50_steps_before_overflow(seed: int) -> None:
-    """From step 100, row 0 of the SwiGLU's gate and up weights is pulled towards their common direction and grown 1% a step
-    (Smooth-SwiGLU's mechanism: aligned gate and up rows square a channel of the product feeding ``down``). Watching
-    inputs (what FP8 quantizes), the monitor names ``mlp.down`` alone, >= 50 steps before that input exceeds 448
-    (measured leads 124-287 steps); the same run without the pull raises nothing in 500 steps."""
+    """From step 100, row 0 of the SwiGLU's gate and up weights is pulled towards their common direction and grown 1% a
+    step (Smooth-SwiGLU's mechanism: aligned gate and up rows square a channel of the product feeding ``down``).
+    Watching inputs (what FP8 quantizes), the monitor names ``mlp.down`` alone, >= 50 steps before that input exceeds
+    448 (measured leads 124-287 steps); the same run without the pull raises nothing in 500 steps."""
 
     def build() -> tuple[nn.Module, nn.Module]:
         torch.manual_seed(seed)

@@ -7,8 +7,8 @@ import torch
 from fp8_stand_ins import install_transformer_engine
 from torch import nn
 
-from lit_mpstable.fp8 import FP8Config, FP8Linear
 from lit_mpstable.core.layout import PrecisionLayout
+from lit_mpstable.fp8 import FP8Config, FP8Linear
 
 
 def test_islands_keep_their_fp32_values_through_casts_fallbacks_and_restores() -> None:

@@ -71,7 +71,8 @@ def test_bf16_rounding_is_reproducible_and_slice_invariant() -> None:
     x = torch.randn(1000)
     whole = quantize_moment(x, "bf16", seed=1, step=4, key=9)["value"]
     assert torch.equal(whole, quantize_moment(x, "bf16", seed=1, step=4, key=9)["value"])
-    for other in ({"seed": 2, "step": 4, "key": 9}, {"seed": 1, "step": 5, "key": 9}, {"seed": 1, "step": 4, "key": 10}):
+    others = ({"seed": 2, "step": 4, "key": 9}, {"seed": 1, "step": 5, "key": 9}, {"seed": 1, "step": 4, "key": 10})
+    for other in others:
         assert not torch.equal(whole, quantize_moment(x, "bf16", **other)["value"])
     tail = quantize_moment(x[300:], "bf16", seed=1, step=4, key=9, offset=300)["value"]
     assert torch.equal(whole[300:], tail)

@@ -12,15 +12,15 @@ import math
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (the first Optimizer() imports it: pay it at collection, not in a test)
+from helpers import TinyMLP, regression_data
 from torch import nn
 from torch.nn import functional as F
 
-from helpers import TinyMLP, regression_data
-from lit_mpstable.fp8 import convert_from_fp8
-from lit_mpstable.core.probe import forward_state, measure, metric_vector, with_metric_vector
 from lit_mpstable.app.report_probe import probe_matrix, write_probe_figure
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.probe import forward_state, measure, metric_vector, with_metric_vector
 from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.fp8 import convert_from_fp8
 
 X, Y = regression_data(16)
 

@@ -12,11 +12,7 @@ import pytest
 import torch
 
 from lit_mpstable.fp8.blockwise import blockwise_quantize, blockwise_scale
-from lit_mpstable.fp8.hadamard import (
-    hadamard_matrix,
-    random_hadamard_transform,
-    random_signs,
-)
+from lit_mpstable.fp8.hadamard import hadamard_matrix, random_hadamard_transform, random_signs
 from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quantizers import fake_quantize
@@ -193,7 +189,9 @@ def test_mx_equals_torchao_on_1000_random_tensors(element: str, dtype: torch.dty
     x = _random_batch(N_TENSORS, (4, 64), seed=1).to(dtype)
     ref_scale, ref_elements, ref_values = _torchao_to_mx(x, element)
     q = mx_quantize(x, element)
-    per_tensor = lambda a, b: (a.flatten(1) == b.flatten(1)).all(dim=1)
+    def per_tensor(a, b):
+        return (a.flatten(1) == b.flatten(1)).all(dim=1)
+
     assert int(per_tensor(q.scale_e8m0, ref_scale).sum()) == N_TENSORS
     assert int(per_tensor(q.elements, ref_elements).sum()) == N_TENSORS
     assert int(per_tensor(mx_dequantize(q, dtype), ref_values).sum()) == N_TENSORS

@@ -349,9 +349,10 @@ def test_the_gradients_an_optimizer_stepped_on_are_not_kept_alive() -> None:
 
 
 def _late_nan_worker(rank: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
     from datetime import timedelta
     from pathlib import Path
+
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,

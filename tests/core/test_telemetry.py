@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
-from helpers import HostReads, TinyMLP, regression_data
 from lit_mpstable.core.formats import FORMATS, overflow_fraction, underflow_fraction
 from lit_mpstable.core.telemetry import DEFAULT_FORMATS, GradStats, GradTelemetry, amax_per_tensor, grad_stats
 
