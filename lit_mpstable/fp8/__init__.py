@@ -46,8 +46,8 @@ from lit_mpstable.fp8.budget import (
     layer_gradient_errors,
 )
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget, fp8_config
-from lit_mpstable.fp8.hadamard import hadamard_matrix, random_hadamard_transform, random_signs
 from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
+from lit_mpstable.fp8.hadamard import hadamard_matrix, random_hadamard_transform, random_signs
 from lit_mpstable.fp8.linear import FP8_TENSORS, FP8Linear
 from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.native import NativeBackend

@@ -22,6 +22,7 @@ not a multiple (zeros add nothing to the product; padded rows of a Hadamard bloc
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,10 @@ from lit_mpstable.fp8.hadamard import HADAMARD_SIZE, random_hadamard_transform
 from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
 
-__all__ = ["block_gemms_backward", "block_gemm_forward", "hash_uniform", "layer_seed", "quantize_weight", "rht_signs"]
+__all__ = [
+    "BlockLinearFunction", "block_gemms_backward", "block_gemm_forward", "counter_snapshot", "hash_uniform",
+    "layer_seed", "quantize_weight", "rht_signs",
+]
 
 _MASK = 0xFFFFFFFF
 # Stream tags of the two stochastically rounded operands, so their noise never coincides.
@@ -133,3 +137,61 @@ def block_gemms_backward(
         noise = hash_uniform(g_t.shape, seed, counter, WGRAD_STREAM, g2.device)
     grad_w = _rows(recipe, g_t, noise) @ _rows(recipe, x_t).t()
     return grad_x, grad_w
+
+
+class BlockLinearFunction(torch.autograd.Function):
+    """The block recipes' three GEMMs (:mod:`lit_mpstable.fp8.block_gemm`); saves the inputs and, for 2-D weight
+    blocks, the quantized weight, so the dgrad uses the very weight the forward used."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        layer: Any,  # an FP8Linear (its recipe, stochastic-rounding seed and signs)
+        out_dtype: torch.dtype,
+        counter: torch.Tensor | None,
+    ) -> torch.Tensor:
+        recipe = layer.fp8_config.recipe
+        x2 = x.reshape(-1, x.shape[-1])
+        w_q = quantize_weight(recipe, weight)
+        y = block_gemm_forward(recipe, x2, weight, w_q)  # fp32; the bias is added before the one rounding
+        if bias is not None:
+            y = y + bias.float()
+        ctx.layer, ctx.recipe, ctx.x_shape, ctx.x_dtype = layer, recipe, x.shape, x.dtype
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x2, weight, w_q, counter)
+        return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        layer = ctx.layer
+        x2, weight, w_q, counter = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        with torch.autocast(grad_out.device.type, enabled=False):
+            nvfp4 = ctx.recipe == "nvfp4"
+            grad_x, grad_w = block_gemms_backward(
+                ctx.recipe, g2, x2, weight, w_q,
+                seed=layer.sr_seed if nvfp4 else 0, counter=counter if nvfp4 else 0,
+                signs=layer.rht_signs if nvfp4 else None,
+            )  # fmt: skip
+            grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
+        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(weight.dtype), grad_b, None, None, None
+
+
+@torch.library.custom_op("lit_mpstable::counter_snapshot", mutates_args=())
+def counter_snapshot(counter: torch.Tensor) -> torch.Tensor:
+    """A copy of the step counter that the forward saves for the backward.
+
+    An opaque op on purpose: with a plain ``clone()``, torch.compile's partitioner (torch 2.13) recomputes the copy
+    in the backward from the buffer, which the forward's ``add_`` has advanced by then, so the compiled backward
+    drew the noise of the next step (caught by ``test_compiles_without_graph_breaks_and_matches_eager``). A custom
+    op is saved, not recomputed.
+    """
+    return counter.clone()
+
+
+@counter_snapshot.register_fake
+def _(counter: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(counter)

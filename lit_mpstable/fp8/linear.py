@@ -10,14 +10,16 @@ import torch
 from torch import nn
 
 from lit_mpstable.fp8.backend import share_hooks
-from lit_mpstable.fp8.block_gemm import block_gemm_forward, block_gemms_backward, layer_seed, quantize_weight, rht_signs
+from lit_mpstable.fp8.block_gemm import BlockLinearFunction, counter_snapshot, layer_seed, rht_signs
 from lit_mpstable.fp8.config import BLOCK_RECIPES, FP8Config
 from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_refusal
 from lit_mpstable.fp8.quant import (
     MX_BLOCK_SIZE,
     amax_from_history,
+    clip_threshold,
     compute_scale,
     dequantize_mx,
+    inside_backward,
     quantize,
     quantize_mx,
     update_amax_history_,
@@ -147,7 +149,7 @@ class FP8Linear(nn.Linear):
                     self.sr_counter.add_(1)  # a buffer mutation: torch.compile keeps it in the graph
                 counter = counter_snapshot(self.sr_counter)
             with torch.autocast(device_type, enabled=False):
-                return _BlockLinearFunction.apply(x, self.weight, self.bias, self, out_dtype, counter)
+                return BlockLinearFunction.apply(x, self.weight, self.bias, self, out_dtype, counter)
         if self.collect_stats:  # sizes here, values in the GEMMs: no Python state changes inside the autograd function
             self._stats_numel = {"x": float(x.numel()), "w": float(self.weight.numel())}
             if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
@@ -203,7 +205,7 @@ class FP8Linear(nn.Linear):
         version = self.weight._version  # an optimizer step between two forwards makes the older entries stale
         while stored and stored[0][0] != version:
             stored.popleft()
-        if _inside_backward():
+        if inside_backward():
             if stored:
                 return stored.popleft()[2], None
             return self.scale.detach().clone(), None  # no stored forward: keep the state as it is
@@ -246,7 +248,7 @@ class FP8Linear(nn.Linear):
     ) -> None:
         finite = torch.isfinite(scaled)
         nonzero = t != 0
-        saturated = (scaled.abs() > _clip_threshold(data.dtype)) & finite
+        saturated = (scaled.abs() > clip_threshold(data.dtype)) & finite
         underflowed = (data.float() == 0) & nonzero
         self.stats_buffer[role] = torch.stack(
             [saturated.sum() / finite.sum().clamp_min(1), underflowed.sum() / nonzero.sum().clamp_min(1), amax]
@@ -304,18 +306,6 @@ _MAX_STORED_FORWARDS = 64
 """Forwards awaiting their recompute that one delayed FP8Linear remembers (pipelines keep a few microbatches)."""
 
 
-def _inside_backward() -> bool:
-    # The autograd engine runs a graph task only during backward; a module forward inside one is a recompute
-    # (torch.utils.checkpoint recomputes in the backward, with use_reentrant True or False). A compiled graph
-    # recomputes inside its own backward graph, without calling the module again.
-    if torch.compiler.is_compiling() or _GRAPH_TASK_ID is None:
-        return False
-    return _GRAPH_TASK_ID() != -1
-
-
-_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward pass
-
-
 # Run by torch.compile at trace time, in plain Python, and baked into the graph as a constant: the probe behind it
 # runs real FP8 GEMMs (a seeded generator, an equality check) that cannot be traced, and is cached per device.
 @torch.compiler.assume_constant_result
@@ -339,14 +329,6 @@ def _scaled_mm_decision(emulate: bool | None, device: str) -> bool:
             " emulate=None to fall back to emulation."
         )
     return not emulate
-
-
-def _clip_threshold(dtype: torch.dtype) -> float:
-    # Up to half an ulp above the max a value rounds to the max anyway; only what lies beyond is clipped (464 for
-    # E4M3, 61440 for E5M2). Counting from the max itself would flag amax * (448 / amax) = 448.00003 as saturated.
-    info = torch.finfo(dtype)
-    emax = int(info.max).bit_length() - 1
-    return info.max + 2.0**emax * info.eps / 2
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -407,61 +389,3 @@ class _FP8LinearFunction(torch.autograd.Function):
                 grad_w = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, out_dtype=torch.float32, use_scaled_mm=fast)
             grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
         return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(w_dtype), grad_b, None, None, None
-
-
-class _BlockLinearFunction(torch.autograd.Function):
-    """The block recipes' three GEMMs (:mod:`lit_mpstable.fp8.block_gemm`); saves the inputs and, for 2-D weight
-    blocks, the quantized weight, so the dgrad uses the very weight the forward used."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        layer: FP8Linear,
-        out_dtype: torch.dtype,
-        counter: torch.Tensor | None,
-    ) -> torch.Tensor:
-        recipe = layer.fp8_config.recipe
-        x2 = x.reshape(-1, x.shape[-1])
-        w_q = quantize_weight(recipe, weight)
-        y = block_gemm_forward(recipe, x2, weight, w_q)  # fp32; the bias is added before the one rounding
-        if bias is not None:
-            y = y + bias.float()
-        ctx.layer, ctx.recipe, ctx.x_shape, ctx.x_dtype = layer, recipe, x.shape, x.dtype
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x2, weight, w_q, counter)
-        return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):
-        layer = ctx.layer
-        x2, weight, w_q, counter = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        with torch.autocast(grad_out.device.type, enabled=False):
-            nvfp4 = ctx.recipe == "nvfp4"
-            grad_x, grad_w = block_gemms_backward(
-                ctx.recipe, g2, x2, weight, w_q,
-                seed=layer.sr_seed if nvfp4 else 0, counter=counter if nvfp4 else 0,
-                signs=layer.rht_signs if nvfp4 else None,
-            )  # fmt: skip
-            grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(weight.dtype), grad_b, None, None, None
-
-
-@torch.library.custom_op("lit_mpstable::counter_snapshot", mutates_args=())
-def counter_snapshot(counter: torch.Tensor) -> torch.Tensor:
-    """A copy of the step counter that the forward saves for the backward.
-
-    An opaque op on purpose: with a plain ``clone()``, torch.compile's partitioner (torch 2.13) recomputes the copy
-    in the backward from the buffer, which the forward's ``add_`` has advanced by then, so the compiled backward
-    drew the noise of the next step (caught by ``test_compiles_without_graph_breaks_and_matches_eager``). A custom
-    op is saved, not recomputed.
-    """
-    return counter.clone()
-
-
-@counter_snapshot.register_fake
-def _(counter: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(counter)

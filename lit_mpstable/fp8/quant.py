@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 __all__ = [
     "MX_BLOCK_SIZE",
+    "clip_threshold",
+    "inside_backward",
     "amax_from_history",
     "compute_scale",
     "dequantize",
@@ -140,3 +142,23 @@ def dequantize_mx(
     """``data * block_scale`` blockwise along the last dim, in fp32, then cast to ``dtype``."""
     values = _blocks(data, block_size) * block_scale.unsqueeze(-1)
     return values.flatten(-2)[..., : data.shape[-1]].to(dtype)
+
+
+def clip_threshold(dtype: torch.dtype) -> float:
+    # Up to half an ulp above the max a value rounds to the max anyway; only what lies beyond is clipped (464 for
+    # E4M3, 61440 for E5M2). Counting from the max itself would flag amax * (448 / amax) = 448.00003 as saturated.
+    info = torch.finfo(dtype)
+    emax = int(info.max).bit_length() - 1
+    return info.max + 2.0**emax * info.eps / 2
+
+
+def inside_backward() -> bool:
+    # The autograd engine runs a graph task only during backward; a module forward inside one is a recompute
+    # (torch.utils.checkpoint recomputes in the backward, with use_reentrant True or False). A compiled graph
+    # recomputes inside its own backward graph, without calling the module again.
+    if torch.compiler.is_compiling() or _GRAPH_TASK_ID is None:
+        return False
+    return _GRAPH_TASK_ID() != -1
+
+
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward pass

@@ -6,11 +6,7 @@ from typing import Literal, get_args
 
 import torch
 
-from lit_mpstable.fp8.blockwise import (
-    BLOCKWISE_TILE,
-    blockwise_dequantize,
-    blockwise_quantize,
-)
+from lit_mpstable.fp8.blockwise import BLOCKWISE_TILE, blockwise_dequantize, blockwise_quantize
 from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quant import MX_BLOCK_SIZE, compute_scale, dequantize, quantize

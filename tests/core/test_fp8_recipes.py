@@ -13,7 +13,7 @@ from fp8_stand_ins import install_transformer_engine
 from helpers import TinyMLP
 from torch import nn
 
-import lit_mpstable.fp8.linear as linear_module
+import lit_mpstable.fp8.block_gemm as linear_module  # where the block GEMMs look these up
 from lit_mpstable.fp8 import (
     FP8Config,
     FP8Linear,
