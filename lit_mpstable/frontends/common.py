@@ -192,10 +192,11 @@ class StableFrontEnd:
     def fallback(self, modules: Iterable[str] | None = None, *, reason: str) -> str:
         """Climb one rung of the precision ladder: with ``modules=None`` the whole run (FP8 -> base precision ->
         FP32), else the named modules (FP8 layers leave FP8, others become FP32 islands). Loss scaling and master
-        weights keep working. Returns what was done, also logged once on rank zero. Takes effect from the next
+        weights keep working. Returns what was done, also warned once on rank zero (the one log line of a fallback). Takes effect from the next
         forward; :meth:`restore_precision` undoes it."""
         action = self.stepper.fallback(modules)
-        rank_zero_info(f"StablePrecision fallback at step {self.step_count}: {action} ({reason}).")
+        # The one log line of a fallback, whoever decided it (a callback names itself in ``reason``).
+        rank_zero_warn(f"StablePrecision fallback at step {self.step_count}: {action} ({reason}).")
         return action
 
     def restore_precision(self) -> None:

@@ -94,7 +94,7 @@ class _ForgetBlame(pl.Callback):
 def test_module_mode_without_blamed_modules_falls_back_globally_and_says_why() -> None:
     plugin = _bf16_scaled()
     fallback = PrecisionFallback(patience=2, mode="module")
-    expected = r"PrecisionFallback at step 2: the whole model now computes in FP32 .*names no blamed"
+    expected = r"fallback at step 2: the whole model now computes in FP32 \(PrecisionFallback: .*names no blamed"
     with pytest.warns(UserWarning, match=expected):
         make_trainer(plugin, max_steps=3, callbacks=[_ForgetBlame(), fallback]).fit(
             PoisonModule(inf_grad_steps=EVERY_STEP)
