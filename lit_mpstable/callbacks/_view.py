@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lit_mpstable.core.formats import PRECISION_DTYPES
+
 __all__ = ["ForeignPrecision"]
 
-_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16,
-           "bf16-true": torch.bfloat16, "transformer-engine": torch.bfloat16, "transformer-engine-float16": torch.float16}
 
 
 class _NoIslands:
@@ -75,7 +75,7 @@ class ForeignPrecision:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES.get(self.precision, torch.float32)
+        return PRECISION_DTYPES.get(self.precision, torch.float32)
 
     @property
     def compute_dtype(self) -> torch.dtype:
