@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lit_mpstable.frontends.common import Findings
 from lit_mpstable.core.formats import PRECISION_DTYPES
 
 __all__ = ["ForeignPrecision"]
@@ -37,6 +38,7 @@ class ForeignPrecision:
         self.precision = str(getattr(plugin, "precision", "32-true"))
         self.scaler = getattr(plugin, "scaler", None)
         self.stats: dict[str, Any] = {}
+        self.findings = Findings()
         self.islands = _NoIslands()
         self.input_nonfinite = None
         self.fallback_active = False

@@ -58,7 +58,7 @@ class PrecisionFallback(PluginCallback):
     loss on ``nonfinite_loss_patience`` consecutive steps (flags reduced across ranks on the device and read one
     step late, so no step waits for the device); more than ``max_overflow_rate`` of the last ``window`` steps
     overflowing; and, with ``max_grad_error``, a module whose gradient error measured by ``PrecisionProbe``
-    (``plugin.stats["probe"]``: ``||g - g32|| / ||g32||``) exceeds it on ``grad_error_patience`` probes in a row
+    (``plugin.findings.probe``: ``||g - g32|| / ||g32||``) exceeds it on ``grad_error_patience`` probes in a row
     (default: ``patience``) climbs one rung (an FP8 layer leaves FP8, any other module becomes an FP32 island),
     whatever ``mode`` says, since the probe names it. Errors flow backward (a module's gradient carries the errors of
     the modules after it), so of several such modules only the last in registration order (the forward order,
@@ -206,7 +206,7 @@ class PrecisionFallback(PluginCallback):
     def _probed(self, pl_module: pl.LightningModule) -> list[str]:
         """Count a new probe result; the modules over ``max_grad_error`` for ``grad_error_patience`` probes."""
         assert self._plugin is not None
-        probe = self._plugin.stats.get("probe")
+        probe = self._plugin.findings.probe
         if self.max_grad_error is None or not probe or probe.get("step") == self.last_probe_step:
             return []
         self.last_probe_step = int(probe["step"])
@@ -219,7 +219,8 @@ class PrecisionFallback(PluginCallback):
     def _lift(self, trainer: pl.Trainer, names: list[str]) -> None:
         plugin, step = self._plugin, trainer.global_step
         assert plugin is not None
-        errors = {n: plugin.stats["probe"]["modules"][n]["rel_error"] for n in names}
+        assert plugin.findings.probe is not None
+        errors = {n: plugin.findings.probe["modules"][n]["rel_error"] for n in names}
         fp32 = [n for n in names if plugin.compute_dtype == torch.float32 or any(
             n == i or n.startswith(i + ".") for i in plugin.islands.names if i)]
         for name in fp32:

@@ -30,34 +30,13 @@ How our recipes relate to TransformerEngine's (``backend="transformer_engine"`` 
 from __future__ import annotations
 
 from lit_mpstable.fp8.backend import FP8Backend
-from lit_mpstable.fp8.backends import BACKENDS, backend_of, find_fp8_layers, fp8_autocast_context, fp8_backend
+from lit_mpstable.fp8.backends import BACKENDS, fp8_backend
 from lit_mpstable.fp8.config import FP8Config, fp8_config
-from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
-from lit_mpstable.fp8.linear import FP8_TENSORS, FP8Linear
+from lit_mpstable.fp8.linear import FP8Linear
 from lit_mpstable.fp8.native import NativeBackend
-from lit_mpstable.fp8.quant import (
-    MX_BLOCK_SIZE,
-    amax_from_history,
-    compute_scale,
-    dequantize,
-    dequantize_mx,
-    fp8_max,
-    mx_block_scales,
-    quantize,
-    quantize_mx,
-    update_amax_history_,
-)
-from lit_mpstable.fp8.swap import (
-    collect_fp8_stats_,
-    convert_from_fp8,
-    convert_to_fp8,
-    fp8_state_dict,
-    fp8_stats,
-    load_fp8_state_dict,
-    no_fp8_layers_message,
-    select_fp8_modules,
-)
-from lit_mpstable.fp8.te_backend import TransformerEngineBackend, transformer_engine_recipe
+from lit_mpstable.fp8.quantizers import fake_quantize
+from lit_mpstable.fp8.swap import convert_from_fp8, convert_to_fp8, fp8_state_dict, fp8_stats, load_fp8_state_dict
+from lit_mpstable.fp8.te_backend import TransformerEngineBackend
 from lit_mpstable.fp8.torchao_backend import TorchaoBackend
 
 __all__ = [
@@ -65,34 +44,15 @@ __all__ = [
     "FP8Backend",
     "FP8Config",
     "FP8Linear",
-    "FP8_TENSORS",
-    "MX_BLOCK_SIZE",
     "NativeBackend",
     "TorchaoBackend",
     "TransformerEngineBackend",
-    "amax_from_history",
-    "backend_of",
-    "collect_fp8_stats_",
-    "compute_scale",
     "convert_from_fp8",
     "convert_to_fp8",
-    "dequantize",
-    "dequantize_mx",
-    "find_fp8_layers",
-    "fp8_autocast_context",
+    "fake_quantize",
     "fp8_backend",
     "fp8_config",
-    "fp8_max",
-    "fp8_mm",
     "fp8_state_dict",
     "fp8_stats",
     "load_fp8_state_dict",
-    "mx_block_scales",
-    "no_fp8_layers_message",
-    "quantize",
-    "quantize_mx",
-    "scaled_mm_supported",
-    "select_fp8_modules",
-    "transformer_engine_recipe",
-    "update_amax_history_",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,8 +22,18 @@ from lit_mpstable.core.master import MasterKeeper, MasterWeights
 from lit_mpstable.core.policy import describe
 from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
 
-__all__ = ["StableFrontEnd"]
+__all__ = ["Findings", "StableFrontEnd"]
 
+
+
+@dataclass
+class Findings:
+    """What one callback measures and another acts on, kept by the plugin (``plugin.findings``): callbacks read each
+    other's results here, never each other's attributes. One writer per field."""
+
+    probe: dict[str, Any] | None = None
+    """``PrecisionProbe``'s latest result (``step``, ``modules``: per module ``rel_error``, ...), read by
+    ``PrecisionFallback(max_grad_error=...)``; also shown as ``stats["probe"]``."""
 
 
 class _FromStepper:
@@ -78,6 +89,7 @@ class StableFrontEnd:
         self.stepper = PrecisionStepper(**self._args, owner=type(self).__name__)
         self.precision = self.stepper.precision  # Lightning reads the attribute
         self.master_weights = master_weights
+        self.findings = Findings()
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
         self._state_loaded = False  # load_state_dict was called (a resume that brought the plugin's state)
         self._notes_shown = 0

@@ -401,7 +401,9 @@ _CALLBACK_COMMON = {"_plugin": _SETUP, "_warned_no_plugin": _MSG, "log": _SETUP,
 NOT_STATE: dict[str, dict[str, str]] = {
     "StablePrecision": {"_args": _CONFIG, "precision": _CONFIG, "master_weights": _CONFIG, "_warned": _MSG,
                         "_notes_shown": _MSG,
-                        "_state_loaded": "whether this fit loaded the plugin's state (for the resume warning only)"},
+                        "_state_loaded": "whether this fit loaded the plugin's state (for the resume warning only)",
+                        "findings": "the callbacks' latest results, measured anew after a resume (the probe step a"
+                                    " fallback counted is PrecisionFallback's last_probe_step)"},
     "PrecisionStepper": {
         "owner": _CONFIG, "warnings": _MSG, "device": _SETUP, "master_mode": _CONFIG, "skip_nonfinite": _CONFIG,
         "fp8": _CONFIG, "op_policy": _CONFIG, "diagnose": _CONFIG, "fsdp2": _SETUP, "_fsdp_checked": _SETUP,
