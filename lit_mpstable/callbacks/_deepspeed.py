@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lit_mpstable.frontends.common import Findings
+from lit_mpstable.frontends.live_state import Findings
 from lit_mpstable.callbacks._view import ForeignPrecision
 
 __all__ = ["DeepSpeedView", "runs_deepspeed"]

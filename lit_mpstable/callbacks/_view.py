@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lit_mpstable.frontends.common import Findings
+from lit_mpstable.frontends.live_state import Findings
 from lit_mpstable.core.formats import PRECISION_DTYPES
 
 __all__ = ["ForeignPrecision"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,42 +16,13 @@ from torch.optim import Optimizer
 from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.core.fsdp import island_mp_policy as fsdp_island_mp_policy
 from lit_mpstable.core.fsdp import mp_policy as fsdp_mp_policy
-from lit_mpstable.core.islands import FP32Islands
 from lit_mpstable.core.master import MasterKeeper, MasterWeights
 from lit_mpstable.core.policy import describe
+from lit_mpstable.frontends.live_state import Findings, FromStepper
 from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
 
-__all__ = ["Findings", "StableFrontEnd"]
+__all__ = ["StableFrontEnd"]
 
-
-
-@dataclass
-class Findings:
-    """What one callback measures and another acts on, kept by the plugin (``plugin.findings``): callbacks read each
-    other's results here, never each other's attributes. One writer per field."""
-
-    probe: dict[str, Any] | None = None
-    """``PrecisionProbe``'s latest result (``step``, ``modules``: per module ``rel_error``, ...), read by
-    ``PrecisionFallback(max_grad_error=...)``; also shown as ``stats["probe"]``."""
-
-
-class _FromStepper:
-    """A read-only attribute of the front end that reads the stepper's attribute of the same name; its docstring is
-    the stepper's (or the one given)."""
-
-    def __init__(self, doc: str | None = None) -> None:
-        self.__doc__ = doc
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-        if self.__doc__ is None:
-            self.__doc__ = getattr(getattr(PrecisionStepper, name, None), "__doc__", None)
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        return self if obj is None else getattr(obj.stepper, self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        raise AttributeError(f"{type(obj).__name__}.{self.name} is read-only: it is the stepper's live state.")
 
 
 class StableFrontEnd:
@@ -106,33 +76,33 @@ class StableFrontEnd:
     # ------------------------------------------------------------------------------------------- live state
     # Read from the stepper, the one owner of each fact; the docstring is the stepper's. Rarer state is on
     # ``plugin.stepper`` itself (``stepper.keeper``, ``stepper.counters``, ...).
-    scaler = _FromStepper('The loss scaler (None without scaling).')
-    loss_scale = _FromStepper()
-    dtype = _FromStepper()
-    compute_dtype = _FromStepper()
-    true_16bit = _FromStepper()
-    fallback_active = _FromStepper('Whether any part of the run has been moved up the precision ladder by :meth:`fallback`.')
-    islands = _FromStepper('The FP32 islands in force (``islands.names``: qualified module names).')
-    last_step_skipped = _FromStepper()
-    step_count = _FromStepper()
-    overflow_count = _FromStepper()
-    skipped_steps = _FromStepper()
-    stats = _FromStepper(
+    scaler = FromStepper('The loss scaler (None without scaling).')
+    loss_scale = FromStepper()
+    dtype = FromStepper()
+    compute_dtype = FromStepper()
+    true_16bit = FromStepper()
+    fallback_active = FromStepper('Whether any part of the run has been moved up the precision ladder by :meth:`fallback`.')
+    islands = FromStepper('The FP32 islands in force (``islands.names``: qualified module names).')
+    last_step_skipped = FromStepper()
+    step_count = FromStepper()
+    overflow_count = FromStepper()
+    skipped_steps = FromStepper()
+    stats = FromStepper(
         "Latest telemetry: ``grad_norm``, ``grad_amax``, ``grad_underflow_frac``, ``grad_overflow_frac`` (in the compute"
         " format at the current scale: a forecast), ``grad_zero_frac``, ``grad_underflow_per_module``,"
         " ``fp8_saturation_frac``, ``fp8_underflow_frac``, ``stats_step`` (the step they were measured on); after an"
         " overflow ``blamed_params``, ``blamed_modules`` and ``nonfinite_input`` (the batch held inf/NaN); from"
         " ``PrecisionProbe``, ``probe``. Rank-local.")
-    last_loss = _FromStepper('The latest loss before scaling, detached, on the device (reading it syncs).')
-    checks_nonfinite = _FromStepper()
-    input_nonfinite = _FromStepper()
-    layout = _FromStepper()
-    policy = _FromStepper()
-    observer = _FromStepper()
-    fp8 = _FromStepper()
-    diagnose = _FromStepper()
-    device = _FromStepper()
-    can_fallback = _FromStepper()
+    last_loss = FromStepper('The latest loss before scaling, detached, on the device (reading it syncs).')
+    checks_nonfinite = FromStepper()
+    input_nonfinite = FromStepper()
+    layout = FromStepper()
+    policy = FromStepper()
+    observer = FromStepper()
+    fp8 = FromStepper()
+    diagnose = FromStepper()
+    device = FromStepper()
+    can_fallback = FromStepper()
 
     @property
     def master(self) -> MasterWeights | None:
