@@ -23,7 +23,7 @@ FallbackMode = Literal["global", "module"]
 
 
 class FallbackState(enum.Enum):
-    """Where a :class:`PrecisionFallback` stands; :func:`next_state` is the one transition function."""
+    """Where a :class:`PrecisionFallback` stands; :func:`_next_state` is the one transition function."""
 
     NORMAL = "normal"
     """The configured precision, no fallback decided yet. Every trigger is watched; a decision falls back."""
@@ -40,7 +40,7 @@ class FallbackState(enum.Enum):
     """Low precision restored after a cooldown; behaves as :attr:`NORMAL`, with a fallback behind it."""
 
 
-def next_state(action: Literal["fallback", "restore"], *, step: int, cooldown: int | None
+def _next_state(action: Literal["fallback", "restore"], *, step: int, cooldown: int | None
                ) -> tuple[FallbackState, int | None]:
     """The state after ``action`` at ``step``, and the step at which low precision is retried (None: no retry)."""
     if action == "restore":
@@ -269,7 +269,7 @@ class PrecisionFallback(PluginCallback):
         self.decisions.append(dict(step=step, action=action, modules=modules, reason=reason, effect=effect))
         self.overflow_run = self.nonfinite_run = 0  # the next decision needs fresh evidence
         self.recent.clear()
-        self.state, self.retry_step = next_state(action, step=step, cooldown=self.cooldown)  # type: ignore[arg-type]
+        self.state, self.retry_step = _next_state(action, step=step, cooldown=self.cooldown)  # type: ignore[arg-type]
         # Logged by the plugin (plugin.fallback, plugin.restore_precision): one line per decision.
 
     def state_dict(self) -> dict[str, Any]:
