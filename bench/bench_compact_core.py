@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers.stall_task
-from helpers import stall_task  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from lit_mpstable.app.demos import stall_task  # noqa: E402
 
 from lit_mpstable.core.compact import CompactWeights  # noqa: E402
 from lit_mpstable.core.master import MasterWeights  # noqa: E402

@@ -12,7 +12,7 @@ __all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "FP8Config", "SpikeGuard",
 __version__ = "0.1.0"
 
 _LAZY = {
-    "StablePrecision": "lit_mpstable.frontends.plugin",
+    "StablePrecision": "lit_mpstable.frontends.trainer",
     "DynamicLossScaler": "lit_mpstable.core.loss_scaler",
     "StaticLossScaler": "lit_mpstable.core.loss_scaler",
     "AdaptiveLossScaler": "lit_mpstable.core.adaptive_scaler",

@@ -1,7 +1,7 @@
-"""Public face: re-exports the Trainer plugin StablePrecision from lit_mpstable.frontends.plugin."""
+"""Public face: re-exports the Trainer plugin StablePrecision from lit_mpstable.frontends.trainer."""
 
 from __future__ import annotations
 
-from lit_mpstable.frontends.plugin import StablePrecision
+from lit_mpstable.frontends.trainer import StablePrecision
 
 __all__ = ["StablePrecision"]

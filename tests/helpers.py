@@ -7,6 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from lit_mpstable.app.demos import stall_task  # noqa: F401  (the stall case; bench/ uses it too)
+
 
 class TinyMLP(nn.Module):
     """Three linear layers, dimensions multiples of 16 (FP8-eligible in the middle)."""
@@ -28,24 +30,6 @@ def regression_data(n: int = 64, d_in: int = 16, d_out: int = 16, seed: int = 0)
     x = torch.randn(n, d_in, generator=g)
     w = torch.randn(d_in, d_out, generator=g) / d_in**0.5
     return x, x @ w + 0.01 * torch.randn(n, d_out, generator=g)
-
-
-def stall_task(n: int = 64, d: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Linear regression whose full-batch SGD update is exactly ``lr * 2 (W - W*)``, with W in [1, 2).
-
-    The inputs are 16 columns of a 64x64 Sylvester-Hadamard matrix: entries +-1 (exact in every format) and
-    ``x.T @ x / n == I``, so the FP32 loss after k steps is ``(1 - 2 lr)**(2k)`` times the first one. The weights
-    start in [1.25, 1.75] (exact in BF16) and their targets lie within 0.2 of them, so every weight stays in
-    [1, 2), where one BF16 ulp is 2**-7 and one FP16 ulp 2**-10.
-    """
-    g = torch.Generator().manual_seed(seed)
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    x = h[:, 1 : d + 1]
-    w0 = (1.25 + 0.5 * torch.rand(d, d, generator=g)).bfloat16().float()
-    w_star = w0 + 0.4 * (torch.rand(d, d, generator=g) - 0.5)
-    return x, x @ w_star.T, w0
 
 
 def inject_overflow(module: nn.Module, steps: Iterable[int], value: float = float("inf")) -> list[int]:

@@ -201,7 +201,7 @@ def _external(path: Path) -> set[str]:
 
 def test_frontends_and_callbacks_import_with_hydra_blocked() -> None:
     adapters = _in(("frontends", "callbacks", "pytorch_lightning"))
-    assert {"lit_mpstable.frontends.plugin", "lit_mpstable.callbacks.overflow_monitor"} <= set(adapters)
+    assert {"lit_mpstable.frontends.trainer", "lit_mpstable.callbacks.overflow_monitor"} <= set(adapters)
     result = _import_blocked(adapters, ("hydra", "omegaconf"))
     assert result.returncode == 0, result.stderr
 
@@ -219,7 +219,7 @@ def test_only_the_app_imports_hydra_matplotlib_and_rich() -> None:
 def test_the_faces_reexport_the_folders_objects() -> None:
     import importlib
 
-    faces = {"stepper": ["core.stepper"], "fabric": ["frontends.fabric"], "plugin": ["frontends.plugin"],
+    faces = {"stepper": ["core.stepper"], "fabric": ["frontends.fabric"], "plugin": ["frontends.trainer"],
              "train": ["app.train"], "config": ["app.config"],
              "scaling": ["core.loss_scaler", "core.adaptive_scaler", "core.scaler_state", "core.scalers"]}
     for face, homes in faces.items():

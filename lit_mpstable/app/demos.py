@@ -12,7 +12,9 @@ from torch import nn
 from lit_mpstable.app.zoo import GPTLM, DigitsData, MLPClassifier
 from lit_mpstable.fp8.backend import share_hooks
 
-__all__ = ["FaultyDigitsData", "FaultyGPTLM", "FaultyMLP", "GradientAttenuatedLinear", "WeightedLossMLP"]
+__all__ = [
+    "FaultyDigitsData", "FaultyGPTLM", "FaultyMLP", "GradientAttenuatedLinear", "WeightedLossMLP", "stall_task",
+]
 
 
 class WeightedLossMLP(MLPClassifier):
@@ -181,3 +183,21 @@ class FaultyDigitsData(DigitsData):
         generator = torch.Generator().manual_seed(0)
         return torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True,
                                            generator=generator, collate_fn=self._collate)
+
+
+def stall_task(n: int = 64, d: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Linear regression whose full-batch SGD update is exactly ``lr * 2 (W - W*)``, with W in [1, 2).
+
+    The inputs are 16 columns of a 64x64 Sylvester-Hadamard matrix: entries +-1 (exact in every format) and
+    ``x.T @ x / n == I``, so the FP32 loss after k steps is ``(1 - 2 lr)**(2k)`` times the first one. The weights
+    start in [1.25, 1.75] (exact in BF16) and their targets lie within 0.2 of them, so every weight stays in
+    [1, 2), where one BF16 ulp is 2**-7 and one FP16 ulp 2**-10.
+    """
+    g = torch.Generator().manual_seed(seed)
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    x = h[:, 1 : d + 1]
+    w0 = (1.25 + 0.5 * torch.rand(d, d, generator=g)).bfloat16().float()
+    w_star = w0 + 0.4 * (torch.rand(d, d, generator=g) - 0.5)
+    return x, x @ w_star.T, w0

@@ -15,6 +15,7 @@ from torchmetrics import Metric
 
 from lit_mpstable.callbacks._deepspeed import DeepSpeedView, runs_deepspeed
 from lit_mpstable.callbacks._view import ForeignPrecision
+from lit_mpstable.core.formats import FORMAT_IDS
 from lit_mpstable.core.loaded_state import (
     Field,
     check_fields,
@@ -45,7 +46,6 @@ _PROG_BAR = frozenset({"mp/loss_scale", "mp/overflow_rate"})
 # Telemetry logged on the step it was measured. grad_underflow_frac is not among them: the telemetry's is a forecast
 # (FP16 has already flushed what underflowed); PrecisionProbe measures it and logs it itself.
 _STATS = ("grad_norm", "fp8_saturation_frac", "fp8_underflow_frac")
-_FORMAT_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 MAX_WINDOW = 2**20
 """Longest window of steps a callback keeps (a ring buffer on the device: 2**20 steps is already 12 MiB)."""
 
@@ -280,7 +280,7 @@ class WindowedCounts(Metric):
 # ------------------------------------------------------------------------------------------------ logging
 def _scalar(value: Any, dtype: torch.dtype) -> float | torch.Tensor | None:
     if isinstance(value, Mapping):  # per-format statistics: the format the model computes in
-        value = value.get(_FORMAT_IDS.get(dtype, ""))
+        value = value.get(FORMAT_IDS.get(dtype, ""))
     if isinstance(value, torch.Tensor):
         return value.detach().float().reshape(()) if value.numel() == 1 else None
     return float(value) if is_number(value) else None

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lit_mpstable.frontends.live_state import Findings
 from lit_mpstable.callbacks._view import ForeignPrecision
 
 __all__ = ["DeepSpeedView", "runs_deepspeed"]
@@ -45,6 +46,7 @@ class DeepSpeedView(ForeignPrecision):
         # DeepSpeed checks gradients for inf/NaN where its optimizer carries an ``overflow`` flag (FP16 and BF16).
         self.scaler = optimizer if hasattr(optimizer, "overflow") else None
         self.stats: dict[str, Any] = {}
+        self.findings = Findings()
         self.islands = type("NoIslands", (), {"names": []})()
         self.input_nonfinite = None
         self.fallback_active = False

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lit_mpstable.core.formats import PRECISION_DTYPES
+from lit_mpstable.frontends.live_state import Findings
+
 __all__ = ["ForeignPrecision"]
 
-_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16,
-           "bf16-true": torch.bfloat16, "transformer-engine": torch.bfloat16,
-           "transformer-engine-float16": torch.float16}
 
 
 class _NoIslands:
@@ -38,6 +38,7 @@ class ForeignPrecision:
         self.precision = str(getattr(plugin, "precision", "32-true"))
         self.scaler = getattr(plugin, "scaler", None)
         self.stats: dict[str, Any] = {}
+        self.findings = Findings()
         self.islands = _NoIslands()
         self.input_nonfinite = None
         self.fallback_active = False
@@ -76,7 +77,7 @@ class ForeignPrecision:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES.get(self.precision, torch.float32)
+        return PRECISION_DTYPES.get(self.precision, torch.float32)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -14,7 +14,8 @@ from torch import nn
 
 from lit_mpstable.callbacks._common import PluginCallback, check, is_number, strict_keys
 from lit_mpstable.callbacks._rules import compare_outputs, default_forward, first_tensor
-from lit_mpstable.fp8 import convert_from_fp8, find_fp8_layers
+from lit_mpstable.fp8 import convert_from_fp8
+from lit_mpstable.fp8.backends import find_fp8_layers
 
 __all__ = ["AMPPreflight", "compare_outputs", "default_forward"]
 
@@ -123,6 +124,15 @@ class AMPPreflight(PluginCallback):
     @property
     def state_key(self) -> str:
         return type(self).__qualname__ + repr(dict(atol=self.atol, rtol=self.rtol, action=self.action))
+
+    @property
+    def pending(self) -> bool:
+        """Whether the check still waits for the run's first training batch."""
+        return self._pending
+
+    def mark_checked(self) -> None:
+        """Skip the pending check: the run's first batch was checked already (a run resumed after preemption)."""
+        self._pending = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pending = self._plugin is not None and self._plugin.compute_dtype != torch.float32

@@ -4,6 +4,7 @@ whose gradients PrecisionProbe measures too far from FP32 one rung up."""
 from __future__ import annotations
 
 import copy
+import enum
 from collections import deque
 from typing import Any, Literal, get_args
 
@@ -24,9 +25,37 @@ from lit_mpstable.callbacks._common import (
 )
 from lit_mpstable.callbacks._rules import fallback_reason
 
-__all__ = ["PrecisionFallback", "fallback_reason"]
+__all__ = ["FallbackState", "PrecisionFallback", "fallback_reason"]
 
 FallbackMode = Literal["global", "module"]
+
+
+class FallbackState(enum.Enum):
+    """Where a :class:`PrecisionFallback` stands; :func:`_next_state` is the one transition function."""
+
+    NORMAL = "normal"
+    """The configured precision, no fallback decided yet. Every trigger is watched; a decision falls back."""
+
+    FALLEN_BACK = "fallen_back"
+    """Part or all of the run computes at a wider precision for good (no ``cooldown``). Triggers are still watched:
+    each further decision climbs one more rung."""
+
+    COOLING = "cooling"
+    """Fallen back, with low precision to be retried at ``retry_step`` (``cooldown`` steps after the latest
+    fallback). A further decision before then climbs one more rung and restarts the wait."""
+
+    RESTORED = "restored"
+    """Low precision restored after a cooldown; behaves as :attr:`NORMAL`, with a fallback behind it."""
+
+
+def _next_state(action: Literal["fallback", "restore"], *, step: int, cooldown: int | None
+               ) -> tuple[FallbackState, int | None]:
+    """The state after ``action`` at ``step``, and the step at which low precision is retried (None: no retry)."""
+    if action == "restore":
+        return FallbackState.RESTORED, None
+    if cooldown is None:
+        return FallbackState.FALLEN_BACK, None
+    return FallbackState.COOLING, step + cooldown
 
 
 class PrecisionFallback(PluginCallback):
@@ -37,7 +66,7 @@ class PrecisionFallback(PluginCallback):
     loss on ``nonfinite_loss_patience`` consecutive steps (flags reduced across ranks on the device and read one
     step late, so no step waits for the device); more than ``max_overflow_rate`` of the last ``window`` steps
     overflowing; and, with ``max_grad_error``, a module whose gradient error measured by ``PrecisionProbe``
-    (``plugin.stats["probe"]``: ``||g - g32|| / ||g32||``) exceeds it on ``grad_error_patience`` probes in a row
+    (``plugin.findings.probe``: ``||g - g32|| / ||g32||``) exceeds it on ``grad_error_patience`` probes in a row
     (default: ``patience``) climbs one rung (an FP8 layer leaves FP8, any other module becomes an FP32 island),
     whatever ``mode`` says, since the probe names it. Errors flow backward (a module's gradient carries the errors of
     the modules after it), so of several such modules only the last in registration order (the forward order,
@@ -48,7 +77,7 @@ class PrecisionFallback(PluginCallback):
     ``plugin.stats["blamed_modules"]`` (FP8 layers leave FP8, other modules become FP32 islands), and without such
     names, or once they all run in FP32, falls back globally and says why. After ``cooldown`` steps
     ``plugin.restore_precision()`` tries low precision again (undoing every fallback: the plugin has no finer
-    undo). Decisions: warned once on rank zero, kept in :attr:`decisions`, shown in ``mp/fallback_active``.
+    undo). Decisions: logged once on rank zero by the plugin, kept in :attr:`decisions`, shown in ``mp/fallback_active``.
 
     Distributed runs decide alike on every rank: overflow counts and the scale come from the plugin, whose scaler
     all-reduces the found-inf flag before every skip (``sync_found_inf_``), the non-finite-loss flag is reduced, and
@@ -94,8 +123,9 @@ class PrecisionFallback(PluginCallback):
         self.overflow_run = 0
         self.nonfinite_run = 0
         self.recent: deque[tuple[int, int]] = deque(maxlen=window)  # (overflows, steps) per stepping batch
-        self.cooldown_end = -1
-        """Global step at which low precision is retried; -1: none pending."""
+        self.state = FallbackState.NORMAL
+        self.retry_step: int | None = None
+        """Global step at which low precision is retried (:attr:`FallbackState.COOLING` only)."""
         self.decisions: list[dict[str, Any]] = []
         """Per decision: ``step``, ``action`` (``"fallback"``/``"restore"``), ``modules`` (None: global), ``reason``
         and ``effect`` (what the plugin did: a global fallback climbs one rung, FP8 -> base precision -> FP32)."""
@@ -105,6 +135,11 @@ class PrecisionFallback(PluginCallback):
         self._warned_fp32 = False
         self._warned_data = False
         self._warned_fp32_modules: set[str] = set()
+
+    @property
+    def cooldown_end(self) -> int:
+        """:attr:`retry_step` as the checkpoint holds it: -1 when no retry is pending."""
+        return self.retry_step if self.state is FallbackState.COOLING and self.retry_step is not None else -1
 
     @property
     def state_key(self) -> str:
@@ -140,7 +175,7 @@ class PrecisionFallback(PluginCallback):
         step = trainer.global_step
         self._observe(trainer, overflows, steps)
         drifting = self._probed(pl_module)
-        if 0 <= self.cooldown_end <= step:
+        if self.state is FallbackState.COOLING and self.retry_step is not None and self.retry_step <= step:
             plugin.restore_precision()
             self._record(step, "restore", None, f"cooldown of {self.cooldown} steps over", "low precision restored")
         elif (reason := self._reason(overflows)) is not None:
@@ -179,7 +214,7 @@ class PrecisionFallback(PluginCallback):
     def _probed(self, pl_module: pl.LightningModule) -> list[str]:
         """Count a new probe result; the modules over ``max_grad_error`` for ``grad_error_patience`` probes."""
         assert self._plugin is not None
-        probe = self._plugin.stats.get("probe")
+        probe = self._plugin.findings.probe
         if self.max_grad_error is None or not probe or probe.get("step") == self.last_probe_step:
             return []
         self.last_probe_step = int(probe["step"])
@@ -192,7 +227,8 @@ class PrecisionFallback(PluginCallback):
     def _lift(self, trainer: pl.Trainer, names: list[str]) -> None:
         plugin, step = self._plugin, trainer.global_step
         assert plugin is not None
-        errors = {n: plugin.stats["probe"]["modules"][n]["rel_error"] for n in names}
+        assert plugin.findings.probe is not None
+        errors = {n: plugin.findings.probe["modules"][n]["rel_error"] for n in names}
         fp32 = [n for n in names if plugin.compute_dtype == torch.float32 or any(
             n == i or n.startswith(i + ".") for i in plugin.islands.names if i)]
         for name in fp32:
@@ -216,8 +252,6 @@ class PrecisionFallback(PluginCallback):
         for name in names:
             self.grad_error_runs[name] = 0  # the next rung needs fresh evidence
         self._record(step, "fallback", modules, reason, effect)
-        if self.cooldown is not None:
-            self.cooldown_end = step + self.cooldown
 
     def _fall_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reason: str) -> None:
         plugin, step = self._plugin, trainer.global_step
@@ -238,16 +272,13 @@ class PrecisionFallback(PluginCallback):
             reason += f"; {why}, so globally"
         effect = plugin.fallback(modules, reason=f"PrecisionFallback: {reason}")
         self._record(step, "fallback", modules, reason, effect)
-        if self.cooldown is not None:
-            self.cooldown_end = step + self.cooldown
 
     def _record(self, step: int, action: str, modules: list[str] | None, reason: str, effect: str) -> None:
         self.decisions.append(dict(step=step, action=action, modules=modules, reason=reason, effect=effect))
         self.overflow_run = self.nonfinite_run = 0  # the next decision needs fresh evidence
         self.recent.clear()
-        if action == "restore":
-            self.cooldown_end = -1
-        rank_zero_warn(f"PrecisionFallback at step {step}: {effect} ({reason}).")
+        self.state, self.retry_step = _next_state(action, step=step, cooldown=self.cooldown)  # type: ignore[arg-type]
+        # Logged by the plugin (plugin.fallback, plugin.restore_precision): one line per decision.
 
     def state_dict(self) -> dict[str, Any]:
         """Keys: ``overflow_run``, ``nonfinite_run``, ``previous_nonfinite`` (the unread flag of the last step, None
@@ -265,8 +296,13 @@ class PrecisionFallback(PluginCallback):
         self.overflow_run, self.nonfinite_run = int(state_dict["overflow_run"]), int(state_dict["nonfinite_run"])
         self.recent.clear()
         self.recent.extend((int(o), int(s)) for o, s in state_dict["recent"])
-        self.cooldown_end, self.blamed = int(state_dict["cooldown_end"]), list(state_dict["blamed"])
+        self.blamed = list(state_dict["blamed"])
         self.decisions = copy.deepcopy(list(state_dict["decisions"]))
+        # The state is not stored (the format predates it): a pending retry means cooling, else the last decision says.
+        retry, last = int(state_dict["cooldown_end"]), self.decisions[-1].get("action") if self.decisions else None
+        self.state = (FallbackState.COOLING if retry >= 0 else FallbackState.FALLEN_BACK if last == "fallback"
+                      else FallbackState.RESTORED if last == "restore" else FallbackState.NORMAL)
+        self.retry_step = retry if retry >= 0 else None
         self._nonfinite.load(state_dict["previous_nonfinite"])
         self.grad_error_runs = {str(k): int(v) for k, v in state_dict["grad_error_runs"].items()}
         self.last_probe_step = int(state_dict["last_probe_step"])

@@ -142,7 +142,8 @@ class PrecisionProbe(PluginCallback):
         if trainer.world_size > 1:
             values = torch.tensor(metric_vector(result), dtype=torch.float64, device=pl_module.device)
             result = with_metric_vector(result, trainer.strategy.reduce(values, reduce_op="mean").tolist())
-        plugin.stats["probe"] = result
+        plugin.findings.probe = result
+        plugin.stats["probe"] = result  # shown with the telemetry (DESIGN)
         self.history.append(result)
         if self.raise_scale and callable(note := getattr(plugin.scaler, "note_underflow_", None)):
             note(result["underflow_frac"])

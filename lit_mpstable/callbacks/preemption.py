@@ -377,7 +377,10 @@ def _scale_checkpoints(trainer: pl.Trainer) -> list[Any]:
 
 
 def _snapshots(trainer: pl.Trainer) -> list[Any]:
-    """ScaleCheckpoint's rollback snapshots (in memory only; the same on every rank), with their layout key."""
+    """ScaleCheckpoint's rollback snapshots (in memory only; the same on every rank), with their layout key.
+
+    Reads and (in :func:`_restore_callbacks`) writes ScaleCheckpoint's ``_snapshot`` and ``_layout``: it has no public
+    accessor for them yet (to add in scale_checkpoint.py: ``snapshot`` / ``restore_snapshot_state``)."""
     out = []
     for cb in _scale_checkpoints(trainer):
         layout = cb._layout
@@ -395,7 +398,7 @@ def _restore_callbacks(trainer: pl.Trainer, own: pl.Callback, states: Mapping[st
         if cb is not own and cb.state_key in states:
             cb.load_state_dict(copy.deepcopy(states[cb.state_key]))
         if isinstance(cb, AMPPreflight) and cb.result:
-            cb._pending = False  # it checked the first batch of the run already; a resume is not a new run
+            cb.mark_checked()  # it checked the first batch of the run already; a resume is not a new run
     for cb, saved in zip(_scale_checkpoints(trainer), snapshots):
         if saved is not None:  # the snapshot of the run, not the one its on_train_start took of the resume point
             layout = saved["layout"]
@@ -415,6 +418,8 @@ def _restore_plugin(trainer: pl.Trainer, state: Mapping[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- data
+# Lightning's privates, on purpose: the fit loop's loader and fetcher (``_combined_loader``, ``_data_fetcher``) and the
+# CombinedLoader's ``_iterator`` have no public accessor, and the exact data position needs them.
 def _loaders(trainer: pl.Trainer) -> list[Any]:
     combined = trainer.fit_loop._combined_loader
     return [] if combined is None else list(combined.flattened)

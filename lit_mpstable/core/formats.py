@@ -7,9 +7,31 @@ from typing import Literal, get_args
 
 import torch
 
-__all__ = ["FORMATS", "Format", "FormatName", "get_format", "overflow_fraction", "underflow_fraction"]
+__all__ = [
+    "FORMATS", "FORMAT_DTYPES", "FORMAT_IDS", "PRECISION_DTYPES", "PRECISION_FORMATS", "Format", "FormatName",
+    "get_format", "overflow_fraction", "underflow_fraction",
+]
 
 FormatName = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]
+
+FORMAT_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+"""The one table of format ids and their torch dtypes."""
+
+FORMAT_IDS: dict[torch.dtype, str] = {dtype: name for name, dtype in FORMAT_DTYPES.items()}
+"""A torch dtype's format id (``torch.bfloat16`` -> ``"bf16"``)."""
+
+PRECISION_FORMATS: dict[str, str] = {
+    "32-true": "fp32", "16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16",
+    "transformer-engine": "bf16", "transformer-engine-float16": "fp16",
+}
+"""The 16-bit (or FP32) compute format of each of Lightning's precision strings (TransformerEngine's plugin
+included: its base precision)."""
+
+PRECISION_DTYPES: dict[str, torch.dtype] = {name: FORMAT_DTYPES[fmt] for name, fmt in PRECISION_FORMATS.items()}
+"""The compute dtype of each of Lightning's precision strings (``"16-mixed"`` -> ``torch.float16``)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_mpstable.core.islands import FP32Islands, match_modules
-from lit_mpstable.fp8 import FP8Config, convert_from_fp8, fp8_backend, no_fp8_layers_message, select_fp8_modules
+from lit_mpstable.core.validate import check_keys
+from lit_mpstable.fp8 import FP8Config, convert_from_fp8, fp8_backend
+from lit_mpstable.fp8.swap import no_fp8_layers_message, select_fp8_modules
 
 __all__ = ["PrecisionLayout", "rebuild_ddp_reducer_"]
 
@@ -291,12 +293,7 @@ class PrecisionLayout:
         Raises:
             KeyError: the keys differ from :meth:`state_dict`'s, or the FP8 state belongs to other layers.
         """
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            raise KeyError(
-                f"PrecisionLayout.load_state_dict: missing keys {sorted(expected - set(state))}, unknown keys"
-                f" {sorted(set(state) - expected)}."
-            )
+        check_keys("PrecisionLayout.load_state_dict", state, self.state_dict())
         saved = self._fallbacks()
         self._set_fallbacks((bool(state["fp32"]), bool(state["fp8_off"]), state["fp8_removed"], state["fp32_modules"]))
         if self.module is not None:

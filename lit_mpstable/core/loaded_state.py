@@ -15,7 +15,7 @@ from typing import Any, get_args
 import torch
 
 from lit_mpstable.core.formats import FormatName
-from lit_mpstable.core.validate import bool_arg, int_arg, real_arg
+from lit_mpstable.core.validate import bool_arg, check_keys, int_arg, real_arg
 
 __all__ = [
     "Field", "check_fields", "check_mapping", "check_plugin_state", "count", "count_list", "flag", "finite",
@@ -45,10 +45,9 @@ def check_mapping(call: str, value: Any, expected: set[str] | None = None, name:
     """
     if not isinstance(value, Mapping):
         raise TypeError(f"{call}({name}={_short(value)}): must be a dict, as state_dict() returns it.")
-    if expected is not None and set(value) != expected:
-        missing, unknown = sorted(expected - set(value)), sorted(map(str, set(value) - expected))
-        raise KeyError(f"{call}: {name} has missing keys {missing}, unknown keys {unknown}; was the state written by"
-                       " another version of lit_mpstable?")
+    if expected is not None:
+        check_keys(call, value, expected, name=name,
+                   suffix="; was the state written by another version of lit_mpstable?")
     return value
 
 

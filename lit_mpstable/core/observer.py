@@ -11,7 +11,8 @@ from torch import nn
 
 from lit_mpstable.core.attribution import OverflowTracer, nonfinite_grad_params, overflow_warning
 from lit_mpstable.core.telemetry import GradTelemetry
-from lit_mpstable.fp8 import collect_fp8_stats_, fp8_stats
+from lit_mpstable.fp8 import fp8_stats
+from lit_mpstable.fp8.swap import collect_fp8_stats_
 
 __all__ = ["GradObserver", "shard_view"]
 

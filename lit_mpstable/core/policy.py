@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from lit_mpstable.core.formats import FORMAT_DTYPES, FORMAT_IDS
 from lit_mpstable.core.opcalls import (
     Measurement,
     OpCall,
@@ -44,8 +45,6 @@ assert tuple(FAMILIES) == get_args(Family)
 _FAMILY_OF = {func: family for family, funcs in FAMILIES.items() for func in funcs}
 _LOWERED = ("matmul", "conv", "attention")  # autocast runs these in its 16-bit dtype on every device
 _AUTOCAST_FP32 = {"cuda": {"norm", "softmax"}}  # and these in FP32 on CUDA: "auto" has nothing to decide there
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_FORMAT_IDS = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -177,8 +176,8 @@ class OpPolicy:
     def _forced(self) -> dict[str, torch.dtype]:
         # Forcing autocast's own 16-bit dtype on the families it lowers anyway changes nothing: no interception.
         return {
-            family: _DTYPES[choice] for family, choice in self.choices.items()
-            if choice not in ("auto", "autocast") and not (family in _LOWERED and _DTYPES[choice] == self.dtype)
+            family: FORMAT_DTYPES[choice] for family, choice in self.choices.items()
+            if choice not in ("auto", "autocast") and not (family in _LOWERED and FORMAT_DTYPES[choice] == self.dtype)
         }
 
     @contextmanager
@@ -249,13 +248,13 @@ def _parse(spec: Any, dtype: torch.dtype) -> dict[str, str]:
         if spec not in ("autocast", "auto"):
             raise ValueError(
                 f"op_policy={spec!r}: allowed names are 'autocast' (PyTorch's per-op lists) and 'auto' (the faster"
-                f" of FP32 and {_FORMAT_IDS.get(dtype, dtype)} per op family, measured), or a mapping"
+                f" of FP32 and {FORMAT_IDS.get(dtype, dtype)} per op family, measured), or a mapping"
                 f" {{family: dtype}} with families {list(FAMILIES)}."
             )
         return dict.fromkeys(FAMILIES, spec)
     if not isinstance(spec, Mapping):
         raise TypeError(f"op_policy={spec!r}: expected 'autocast', 'auto' or a mapping {{family: dtype}}.")
-    allowed = ["autocast", "auto", "fp32"] + ([_FORMAT_IDS[dtype]] if dtype in (torch.bfloat16, torch.float16) else [])
+    allowed = ["autocast", "auto", "fp32"] + ([FORMAT_IDS[dtype]] if dtype in (torch.bfloat16, torch.float16) else [])
     unknown = sorted(str(k) for k in spec if k not in FAMILIES)
     bad = {k: v for k, v in spec.items() if v not in allowed}
     if unknown or bad:

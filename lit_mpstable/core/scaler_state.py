@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg, real_arg
+from lit_mpstable.core.validate import bool_arg, check_keys, choice_arg, int_arg, real_arg
 
 __all__ = [
     "GRADSCALER_KEYS", "SCALE_FLOOR", "StateKeyError", "check_init_args", "check_loaded", "check_new_scale",
@@ -89,12 +89,8 @@ def check_state_keys(call: str, keys: set[str], expected: set[str]) -> None:
     Raises:
         StateKeyError: a key is missing or unknown (the message lists both).
     """
-    if keys != expected:
-        missing, unknown = sorted(expected - keys), sorted(keys - expected)
-        raise StateKeyError(
-            f"{call}: missing keys {missing}, unknown keys {unknown}; was it saved by a different scaler class or"
-            " version?"
-        )
+    check_keys(call, keys, expected, error=StateKeyError,
+               suffix="; was it saved by a different scaler class or version?")
 
 
 def check_init_args(name: str, init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int,

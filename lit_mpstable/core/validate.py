@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, Literal, overload
 
-__all__ = ["INT32_MAX", "bool_arg", "choice_arg", "int_arg", "real_arg"]
+__all__ = ["INT32_MAX", "bool_arg", "check_keys", "choice_arg", "int_arg", "real_arg"]
 
 INT32_MAX = 2**31 - 1
 
@@ -110,3 +110,23 @@ def choice_arg(call: str, name: str, value: Any, allowed: Iterable[Any]) -> Any:
     if not any(type(value) is type(option) and value == option for option in options):
         raise ValueError(f"{_echo(call, name, value)}: allowed values are {options!r}.")
     return value
+
+
+def check_keys(call: str, keys: Iterable[Any], expected: Iterable[Any], *, suffix: str = ".", name: str = "",
+               error: type[KeyError] = KeyError) -> None:
+    """The one strict-keys check of loaded state: refuse ``keys`` unless they are exactly ``expected``.
+
+    Args:
+        call: what was called, e.g. ``"PrecisionLayout.load_state_dict"``.
+        suffix: the likely cause, e.g. ``"; saved with another FP8 recipe?"`` (the message ends with it).
+        name: the loaded mapping's name, when it is not the whole state (``"state_dict['scaler']"``).
+        error: the ``KeyError`` subclass to raise.
+
+    Raises:
+        KeyError: a key is missing or unknown; the message lists both.
+    """
+    keys, expected = set(keys), set(expected)
+    if keys != expected:
+        missing, unknown = sorted(expected - keys), sorted(map(str, keys - expected))
+        where = f"{name} has " if name else ""
+        raise error(f"{call}: {where}missing keys {missing}, unknown keys {unknown}{suffix}")

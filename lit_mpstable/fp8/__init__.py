@@ -36,46 +36,18 @@ How our recipes relate to TransformerEngine's (``backend="transformer_engine"`` 
 from __future__ import annotations
 
 from lit_mpstable.fp8.backend import FP8Backend
-from lit_mpstable.fp8.backends import BACKENDS, backend_of, find_fp8_layers, fp8_autocast_context, fp8_backend
-from lit_mpstable.fp8.block_gemm import hash_uniform
+from lit_mpstable.fp8.backends import BACKENDS, fp8_backend
 from lit_mpstable.fp8.blockwise import blockwise_dequantize, blockwise_quantize
-from lit_mpstable.fp8.budget import (
-    choose_high_precision,
-    keep_high_precision_,
-    last_fraction_layers,
-    layer_gradient_errors,
-)
+from lit_mpstable.fp8.budget import choose_high_precision, keep_high_precision_, layer_gradient_errors
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget, fp8_config
-from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
 from lit_mpstable.fp8.hadamard import hadamard_matrix, random_hadamard_transform, random_signs
-from lit_mpstable.fp8.linear import FP8_TENSORS, FP8Linear
+from lit_mpstable.fp8.linear import FP8Linear
 from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.native import NativeBackend
 from lit_mpstable.fp8.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-from lit_mpstable.fp8.quant import (
-    MX_BLOCK_SIZE,
-    amax_from_history,
-    compute_scale,
-    dequantize,
-    dequantize_mx,
-    fp8_max,
-    mx_block_scales,
-    quantize,
-    quantize_mx,
-    update_amax_history_,
-)
 from lit_mpstable.fp8.quantizers import fake_quantize
-from lit_mpstable.fp8.swap import (
-    collect_fp8_stats_,
-    convert_from_fp8,
-    convert_to_fp8,
-    fp8_state_dict,
-    fp8_stats,
-    load_fp8_state_dict,
-    no_fp8_layers_message,
-    select_fp8_modules,
-)
-from lit_mpstable.fp8.te_backend import TransformerEngineBackend, transformer_engine_recipe
+from lit_mpstable.fp8.swap import convert_from_fp8, convert_to_fp8, fp8_state_dict, fp8_stats, load_fp8_state_dict
+from lit_mpstable.fp8.te_backend import TransformerEngineBackend
 from lit_mpstable.fp8.torchao_backend import TorchaoBackend
 
 __all__ = [
@@ -83,50 +55,28 @@ __all__ = [
     "FP8Backend",
     "FP8Config",
     "FP8Linear",
-    "FP8_TENSORS",
     "HighPrecisionBudget",
-    "MX_BLOCK_SIZE",
     "NativeBackend",
     "TorchaoBackend",
     "TransformerEngineBackend",
-    "amax_from_history",
-    "backend_of",
     "blockwise_dequantize",
     "blockwise_quantize",
     "choose_high_precision",
-    "collect_fp8_stats_",
-    "compute_scale",
     "convert_from_fp8",
     "convert_to_fp8",
-    "dequantize",
-    "dequantize_mx",
     "fake_quantize",
-    "find_fp8_layers",
-    "fp8_autocast_context",
     "fp8_backend",
     "fp8_config",
-    "fp8_max",
-    "fp8_mm",
     "fp8_state_dict",
     "fp8_stats",
     "hadamard_matrix",
-    "hash_uniform",
     "keep_high_precision_",
-    "last_fraction_layers",
     "layer_gradient_errors",
     "load_fp8_state_dict",
-    "mx_block_scales",
     "mx_dequantize",
     "mx_quantize",
-    "no_fp8_layers_message",
     "nvfp4_dequantize",
     "nvfp4_quantize",
-    "quantize",
-    "quantize_mx",
     "random_hadamard_transform",
     "random_signs",
-    "scaled_mm_supported",
-    "select_fp8_modules",
-    "transformer_engine_recipe",
-    "update_amax_history_",
 ]

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, ContextManager
 import torch
 from torch import nn
 
+from lit_mpstable.core.validate import check_keys
 from lit_mpstable.fp8.config import FP8Config
 
 __all__ = ["FP8Backend", "linear_like", "optional_import", "replace_module", "share_hooks"]
@@ -99,12 +100,9 @@ class FP8Backend:
                 precision before or after the save).
         """
         expected = cls.state_dict(model, names)
-        if set(state) != set(expected):
-            raise KeyError(
-                f"{cls.__name__}.load_state_dict: missing keys {sorted(set(expected) - set(state))}, unknown keys"
-                f" {sorted(set(state) - set(expected))}; was it saved with another FP8 recipe, filter or backend, or"
-                " before/after a fallback moved layers back to base precision?"
-            )
+        check_keys(f"{cls.__name__}.load_state_dict", state, expected,
+                   suffix="; was it saved with another FP8 recipe, filter or backend, or before/after a fallback moved"
+                          " layers back to base precision?")
         for name in names:
             prefix = f"{name}."
             own = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}

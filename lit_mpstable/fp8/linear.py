@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_mpstable.core.validate import check_keys
 from lit_mpstable.fp8.backend import share_hooks
 from lit_mpstable.fp8.block_gemm import BlockLinearFunction, counter_snapshot, layer_seed, rht_signs
 from lit_mpstable.fp8.config import BLOCK_RECIPES, FP8Config
@@ -287,11 +288,7 @@ class FP8Linear(nn.Linear):
             ValueError: a shape differs (saved with another ``amax_history_len``?).
         """
         expected = self.fp8_state_dict()
-        if set(state) != set(expected):
-            raise KeyError(
-                f"FP8Linear.load_fp8_state_dict: missing keys {sorted(set(expected) - set(state))}, unknown keys"
-                f" {sorted(set(state) - set(expected))}; was it saved with another FP8 recipe?"
-            )
+        check_keys("FP8Linear.load_fp8_state_dict", state, expected, suffix="; was it saved with another FP8 recipe?")
         for key, value in state.items():
             buffer = getattr(self, key)
             if tuple(value.shape) != tuple(buffer.shape):

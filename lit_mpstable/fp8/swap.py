@@ -9,6 +9,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from lit_mpstable.core.validate import check_keys
 from lit_mpstable.fp8.backend import FP8Backend
 from lit_mpstable.fp8.backends import backend_of, find_fp8_layers, fp8_backend
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget, fp8_config
@@ -248,12 +249,9 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
         ValueError: a shape differs (another ``amax_history_len``).
     """
     expected = fp8_state_dict(model)
-    if set(state) != set(expected):
-        raise KeyError(
-            f"load_fp8_state_dict: missing keys {sorted(set(expected) - set(state))}, unknown keys"
-            f" {sorted(set(state) - set(expected))}; was it saved with another FP8 recipe or filter, or before/after"
-            " a fallback moved layers back to base precision?"
-        )
+    check_keys("load_fp8_state_dict", state, expected,
+               suffix="; was it saved with another FP8 recipe or filter, or before/after a fallback moved layers back"
+                      " to base precision?")
     for backend, names in _by_backend(find_fp8_layers(model)).items():
         prefixes = tuple(f"{name}." for name in names)
         backend.load_state_dict(model, names, {k: v for k, v in state.items() if k.startswith(prefixes)})

@@ -3,24 +3,26 @@ dict, all read from one :class:`~lit_mpstable.core.stepper.PrecisionStepper` (th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.optim import Optimizer
 
 from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.core.fsdp import island_mp_policy as fsdp_island_mp_policy
 from lit_mpstable.core.fsdp import mp_policy as fsdp_mp_policy
-from lit_mpstable.core.islands import FP32Islands
 from lit_mpstable.core.master import MasterKeeper, MasterWeights
+from lit_mpstable.core.policy import describe
+from lit_mpstable.frontends.live_state import Findings, FromStepper
 from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
 
 __all__ = ["StableFrontEnd"]
 
-_SHOWN = ("precision", "scaler", "master_weights", "skip_nonfinite", "fp8", "fp32_modules", "op_policy", "device",
-          "telemetry_every_n_steps", "diagnose")
 
 
 class StableFrontEnd:
@@ -49,14 +51,15 @@ class StableFrontEnd:
         diagnose: bool = False,
     ) -> None:
         # A list for the repr; anything else (None, 5, one name) goes to the stepper's check as it is.
+        # Every argument goes to the stepper by name: a new one is one line in the signature above.
+        args = {name: value for name, value in locals().items() if name in _ARGS}
         listed = isinstance(fp32_modules, Iterable) and not isinstance(fp32_modules, (str, bytes, dict))
-        self._args = dict(precision=precision, scaler=scaler, master_weights=master_weights,
-                          skip_nonfinite=skip_nonfinite, fp8=fp8,
-                          fp32_modules=list(fp32_modules) if listed else fp32_modules, op_policy=op_policy,
-                          device=device, telemetry_every_n_steps=telemetry_every_n_steps, diagnose=diagnose)
+        args["fp32_modules"] = list(fp32_modules) if listed else fp32_modules
+        self._args = args
         self.stepper = PrecisionStepper(**self._args, owner=type(self).__name__)
         self.precision = self.stepper.precision  # Lightning reads the attribute
         self.master_weights = master_weights
+        self.findings = Findings()
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
         self._state_loaded = False  # load_state_dict was called (a resume that brought the plugin's state)
         self._notes_shown = 0
@@ -65,46 +68,41 @@ class StableFrontEnd:
     def __repr__(self) -> str:
         defaults = StableFrontEnd.__init__.__kwdefaults__ or {}
         shown = [repr(self.stepper.precision)] + [
-            f"{name}={self._args[name]!r}" for name in _SHOWN[1:]
+            f"{name}={self._args[name]!r}" for name in _ARGS[1:]
             if self._args[name] != defaults.get(name) and not (name == "fp32_modules" and not self._args[name])
         ]
         return f"{type(self).__name__}({', '.join(shown)})"
 
     # ------------------------------------------------------------------------------------------- live state
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The loss scaler (None without scaling)."""
-        return self.stepper.scaler
-
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1.0 without scaling). Reading it synchronises with the device."""
-        return self.stepper.loss_scale
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The 16-bit compute dtype, or ``torch.float32`` for ``"32-true"``."""
-        return self.stepper.dtype
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype the model computes in now: :attr:`dtype`, or FP32 while a global fallback is active."""
-        return self.stepper.compute_dtype
-
-    @property
-    def true_16bit(self) -> bool:
-        """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
-        return self.stepper.true_16bit
-
-    @property
-    def fallback_active(self) -> bool:
-        """Whether any part of the run has been moved up the precision ladder by :meth:`fallback`."""
-        return self.stepper.fallback_active
-
-    @property
-    def islands(self) -> FP32Islands:
-        """The FP32 islands in force (``islands.names``: qualified module names)."""
-        return self.stepper.islands
+    # Read from the stepper, the one owner of each fact; the docstring is the stepper's. Rarer state is on
+    # ``plugin.stepper`` itself (``stepper.keeper``, ``stepper.counters``, ...).
+    scaler = FromStepper('The loss scaler (None without scaling).')
+    loss_scale = FromStepper()
+    dtype = FromStepper()
+    compute_dtype = FromStepper()
+    true_16bit = FromStepper()
+    fallback_active = FromStepper('Whether any part of the run has been moved up the precision ladder by :meth:`fallback`.')
+    islands = FromStepper('The FP32 islands in force (``islands.names``: qualified module names).')
+    last_step_skipped = FromStepper()
+    step_count = FromStepper()
+    overflow_count = FromStepper()
+    skipped_steps = FromStepper()
+    stats = FromStepper(
+        "Latest telemetry: ``grad_norm``, ``grad_amax``, ``grad_underflow_frac``, ``grad_overflow_frac`` (in the compute"
+        " format at the current scale: a forecast), ``grad_zero_frac``, ``grad_underflow_per_module``,"
+        " ``fp8_saturation_frac``, ``fp8_underflow_frac``, ``stats_step`` (the step they were measured on); after an"
+        " overflow ``blamed_params``, ``blamed_modules`` and ``nonfinite_input`` (the batch held inf/NaN); from"
+        " ``PrecisionProbe``, ``probe``. Rank-local.")
+    last_loss = FromStepper('The latest loss before scaling, detached, on the device (reading it syncs).')
+    checks_nonfinite = FromStepper()
+    input_nonfinite = FromStepper()
+    layout = FromStepper()
+    policy = FromStepper()
+    observer = FromStepper()
+    fp8 = FromStepper()
+    diagnose = FromStepper()
+    device = FromStepper()
+    can_fallback = FromStepper()
 
     @property
     def master(self) -> MasterWeights | None:
@@ -112,80 +110,6 @@ class StableFrontEnd:
         the stepper's weight keeper (``stepper.keeper``)."""
         keeper = self.stepper.keeper
         return keeper.weights if isinstance(keeper, MasterKeeper) else None
-
-    @property
-    def last_step_skipped(self) -> bool:
-        return self.stepper.last_step_skipped
-
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps taken or skipped."""
-        return self.stepper.step_count
-
-    @property
-    def overflow_count(self) -> int:
-        """Steps skipped because their gradients held inf/NaN."""
-        return self.stepper.overflow_count
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps not applied: overflows plus steps discarded by :meth:`skip_step`."""
-        return self.stepper.skipped_steps
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """Latest telemetry: ``grad_norm``, ``grad_amax``, ``grad_underflow_frac``, ``grad_overflow_frac`` (in the
-        compute format at the current scale: a forecast), ``grad_zero_frac``, ``grad_underflow_per_module``,
-        ``fp8_saturation_frac``, ``fp8_underflow_frac``, ``stats_step`` (the step they were measured on); after an
-        overflow ``blamed_params``, ``blamed_modules`` and ``nonfinite_input`` (the batch held inf/NaN); from
-        ``PrecisionProbe``, ``probe``. Rank-local."""
-        return self.stepper.stats
-
-    @property
-    def last_loss(self) -> torch.Tensor | None:
-        """The latest loss before scaling, detached, on the device (reading it syncs)."""
-        return self.stepper.last_loss
-
-    @property
-    def checks_nonfinite(self) -> bool:
-        """Whether a step whose gradients hold inf/NaN is skipped and counted (a loss scaler, or ``skip_nonfinite``)."""
-        return self.stepper.checks_nonfinite
-
-    @property
-    def input_nonfinite(self) -> torch.Tensor | None:
-        """Whether a batch of the step in progress held inf/NaN: a 0-dim device bool, or None when the batches hold no
-        floating tensors (token ids). Reading its value syncs."""
-        return self.stepper.input_nonfinite
-
-    @property
-    def layout(self) -> Any:
-        return self.stepper.layout
-
-    @property
-    def policy(self) -> Any:
-        return self.stepper.policy
-
-    @property
-    def observer(self) -> Any:
-        return self.stepper.observer
-
-    @property
-    def fp8(self) -> FP8Config | None:
-        return self.stepper.fp8
-
-    @property
-    def diagnose(self) -> bool:
-        return self.stepper.diagnose
-
-    @property
-    def device(self) -> str:
-        return self.stepper.device
-
-    @property
-    def can_fallback(self) -> bool:
-        """Callbacks may widen the precision (:meth:`fallback`): always, except where FSDP2 fixed it at
-        ``fully_shard`` (``*-true`` modes, FP8 layers)."""
-        return self.stepper.can_fallback
 
     # ---- FSDP2 (begin)
     @property
@@ -203,6 +127,40 @@ class StableFrontEnd:
         return fsdp_island_mp_policy(self.precision)
     # ---- FSDP2 (end)
 
+    # ------------------------------------------------------------------------------------------------ hooks
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Autocast and the op policy; the policy's choices are reported once, when they are made."""
+        choices = self.stepper.stats.get("op_policy")
+        with self.stepper.forward_context():
+            yield
+        if self.stepper.stats.get("op_policy") != choices and not self.policy.is_default:
+            policy, measured = self.policy, self.policy.measurements
+            parts = [describe(f, c, measured[f], policy.margin, policy.step_cost) if f in measured else f"{f}={c}"
+                     for f, c in policy.choices.items()]
+            rank_zero_info(f"StablePrecision op_policy={self.stepper.op_policy!r} on {self.device}: {', '.join(parts)}.")
+
+    def _warn_fp16_cpu(self) -> None:
+        """Once the run's device is known: FP16 on the CPU is real but slow, said once."""
+        if self.precision == "16-mixed" and self.device == "cpu":
+            self._warn_once(
+                "fp16-cpu",
+                "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower than"
+                " BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed.",
+            )
+
+    def _check_closure_step(self, optimizer: Optimizer) -> None:
+        """An optimizer step with a closure (LBFGS) re-evaluates the loss inside ``step()``: refused with loss scaling
+        or master weights, else run unchecked (said once). Count it with ``stepper.count_unchecked_step()``."""
+        if self.scaler is not None or self.master is not None:
+            raise ValueError(
+                f"{self!r}: {type(optimizer).__name__}.step(closure) re-evaluates the loss inside step(), which loss"
+                " scaling and master weights cannot follow; use scaler=None with a '*-mixed' or '32-true' precision."
+            )
+        self._warn_once("closure", "StablePrecision: an optimizer step with a closure (LBFGS) re-evaluates the loss"
+                        " inside step(), so its gradients are not checked for inf/NaN (skip_nonfinite does not apply"
+                        " to it).")
+
     # ---------------------------------------------------------------------------------------------- actions
     def skip_step(self) -> None:
         """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged.
@@ -216,10 +174,11 @@ class StableFrontEnd:
     def fallback(self, modules: Iterable[str] | None = None, *, reason: str) -> str:
         """Climb one rung of the precision ladder: with ``modules=None`` the whole run (FP8 -> base precision ->
         FP32), else the named modules (FP8 layers leave FP8, others become FP32 islands). Loss scaling and master
-        weights keep working. Returns what was done, also logged once on rank zero. Takes effect from the next
+        weights keep working. Returns what was done, also warned once on rank zero (the one log line of a fallback). Takes effect from the next
         forward; :meth:`restore_precision` undoes it."""
         action = self.stepper.fallback(modules)
-        rank_zero_info(f"StablePrecision fallback at step {self.step_count}: {action} ({reason}).")
+        # The one log line of a fallback, whoever decided it (a callback names itself in ``reason``).
+        rank_zero_warn(f"StablePrecision fallback at step {self.step_count}: {action} ({reason}).")
         return action
 
     def restore_precision(self) -> None:
@@ -280,3 +239,6 @@ class StableFrontEnd:
         for message in notes[self._notes_shown:]:
             self._warn_once(message.split(" (step")[0], f"StablePrecision: {message}")
         self._notes_shown = len(notes)
+
+
+_ARGS = tuple(inspect.signature(StableFrontEnd.__init__).parameters)[1:]  # the constructor's arguments, in order

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import weakref
 from contextlib import AbstractContextManager
-from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
@@ -15,32 +13,12 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.frontends.common import StableFrontEnd
-from lit_mpstable.frontends.trainer import TrainerPrecision
 from lit_mpstable.core.stepper import tensor_init_context
+from lit_mpstable.frontends.clip_targets import clip_targets
 
 __all__ = ["StablePrecision"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-class _ClipTargets(list):
-    """The tensors ``fabric.clip_gradients`` clips; a list that can be watched for its release (``weakref``)."""
-
-    __slots__ = ("__weakref__",)
-
-
-@torch.no_grad()
-def _write_back_scaled(grads: list[torch.Tensor], copies: list[torch.Tensor], scale: torch.Tensor) -> None:
-    for grad, copy in zip(grads, copies):
-        grad.copy_(copy * scale.to(copy.device))
-
-
-def _first_grad_device(optimizer: Optimizer) -> torch.device | None:
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None:
-                return param.grad.device
-    return None
 
 
 class StablePrecision(StableFrontEnd, Precision):
@@ -129,14 +107,9 @@ class StablePrecision(StableFrontEnd, Precision):
             # Fabric converts the model before moving it: its device is known from the first forward on.
             self._placed = True
             self.stepper.adopt_device_(self.layout.module)
-            if self.precision == "16-mixed" and self.device == "cpu":
-                self._warn_once(
-                    "fp16-cpu",
-                    "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower"
-                    " than BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed.",
-                )
+            self._warn_fp16_cpu()
             self._show_notes()
-        return TrainerPrecision.forward_context(self)  # autocast, the op policy and its one-time report
+        return super().forward_context()  # autocast, the op policy and its one-time report
 
     def convert_output(self, data: Any) -> Any:
         if self.dtype == torch.float32:
@@ -160,36 +133,7 @@ class StablePrecision(StableFrontEnd, Precision):
         masters the model's 16-bit gradients show the clipped values once Fabric has clipped (when it lets go of the
         returned list), as after the Trainer's clipping."""
         optimizer = self._start(optimizer)
-        stepper = self.stepper
-        params = list(stepper.main_params(optimizer))
-        if not params:
-            device = _first_grad_device(optimizer) or torch.device(self.device)
-            placeholder = torch.empty(0, device=device)
-            placeholder.grad = torch.empty(0, device=device)
-            return [placeholder]
-        keeper = stepper.keeper
-        if keeper.defers_unscale and self.scaler is not None:
-            return self._unscaled_copies(params)
-        if not keeper.exposes_grads:
-            return params
-        targets = _ClipTargets(params)
-        # Fabric gives no hook after its clip: the masters' clipped gradients are shown on the model when the
-        # returned list is released, i.e. when Fabric's clip_gradients_value/norm returns (CPython frees it then).
-        weakref.finalize(targets, keeper.expose_grads_, optimizer)
-        return targets
-
-    def _unscaled_copies(self, params: list[torch.Tensor]) -> list[Any]:
-        # Compact weights keep their 16-bit gradients scaled until the step unscales them in FP32 (unscaled in FP16
-        # they would underflow). Fabric clips FP32 unscaled copies of them instead, written back scaled when it lets
-        # go of the list: unclipped values come back exactly (the scale is a power of two), a clipped one is rounded
-        # once, at the scaled magnitude. Costs an FP32 copy of the gradients while Fabric clips.
-        assert self.scaler is not None
-        scale = self.scaler.get_scale_tensor()
-        grads = [p.grad for p in params if p.grad is not None]
-        copies = [g.float() / scale.to(g.device) for g in grads]
-        targets = _ClipTargets(SimpleNamespace(grad=c) for c in copies)
-        weakref.finalize(targets, _write_back_scaled, grads, copies, scale)
-        return targets
+        return clip_targets(self.stepper, optimizer)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if not isinstance(optimizer, Optimizer):
@@ -206,13 +150,7 @@ class StablePrecision(StableFrontEnd, Precision):
         return output
 
     def _closure_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        if self.scaler is not None or self.master is not None:
-            raise ValueError(
-                f"{self!r}: {type(optimizer).__name__}.step(closure) re-evaluates the loss inside the step, which loss"
-                " scaling and master weights cannot follow; use scaler=None with a '*-mixed' or '32-true' precision."
-            )
-        self._warn_once("closure", "StablePrecision: an optimizer step with a closure re-evaluates the loss inside"
-                        " step(), so its gradients are not checked for inf/NaN (skip_nonfinite does not apply to it).")
+        self._check_closure_step(optimizer)
         output = optimizer.step(**kwargs)
         self.stepper.count_unchecked_step()
         return output

@@ -1,4 +1,5 @@
-"""The Trainer adapter: Lightning's precision-plugin hooks mapped onto the PrecisionStepper.
+"""The Trainer adapter: Lightning's precision-plugin hooks mapped onto the PrecisionStepper, and ``StablePrecision``,
+the Trainer's precision plugin.
 
 Written once for both Trainer packages: ``lit_mpstable.StablePrecision`` mixes it into
 ``lightning.pytorch``'s ``Precision``, ``lit_mpstable.pytorch_lightning.StablePrecision`` into
@@ -12,18 +13,19 @@ from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
-from lit_mpstable.core.policy import describe
 from lit_mpstable.core.stepper import tensor_init_context
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
 
-__all__ = ["TrainerPrecision"]
+__all__ = ["StablePrecision"]  # TrainerPrecision: the adapter both Trainer packages mix in (lit_mpstable.pytorch_lightning)
 
 
 class TrainerPrecision(StableFrontEnd):
@@ -62,25 +64,9 @@ class TrainerPrecision(StableFrontEnd):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         module = lightning_module(model, self._pl)
         self.stepper.setup_optimizers(module, optimizers, [config.scheduler for config in lr_schedulers])
-        if self.precision == "16-mixed" and self.device == "cpu":
-            self._warn_once(
-                "fp16-cpu",
-                "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower than"
-                " BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed.",
-            )
+        self._warn_fp16_cpu()
         self._show_notes()
         return model, optimizers, lr_schedulers
-
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        choices = self.stepper.stats.get("op_policy")
-        with self.stepper.forward_context():
-            yield
-        if self.stepper.stats.get("op_policy") != choices and not self.policy.is_default:
-            policy, measured = self.policy, self.policy.measurements
-            parts = [describe(f, c, measured[f], policy.margin, policy.step_cost) if f in measured else f"{f}={c}"
-                     for f, c in policy.choices.items()]
-            rank_zero_info(f"StablePrecision op_policy={self.stepper.op_policy!r} on {self.device}: {', '.join(parts)}.")
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
         return super().pre_backward(self.stepper.scale_loss(tensor), module)  # type: ignore[misc]
@@ -108,13 +94,7 @@ class TrainerPrecision(StableFrontEnd):
         return output
 
     def _lbfgs_step(self, optimizer: Optimizer, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        if self.scaler is not None or self.master is not None:
-            raise ValueError(
-                "StablePrecision: LBFGS re-evaluates the loss inside step(), which loss scaling and master weights"
-                " cannot follow; use scaler=None with a '*-mixed' or '32-true' precision."
-            )
-        self._warn_once("lbfgs", "StablePrecision: LBFGS re-evaluates the loss inside step(), so its gradients are"
-                        " not checked for inf/NaN (skip_nonfinite does not apply to it).")
+        self._check_closure_step(optimizer)
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
         self.stepper.count_unchecked_step()
         return output
@@ -174,3 +154,42 @@ class TrainerPrecision(StableFrontEnd):
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint and self.scaler is not None:
             self.scaler.load_state_dict(checkpoint["MixedPrecision"])
             rank_zero_info("StablePrecision: loss-scaler state taken from a Lightning MixedPrecision checkpoint.")
+
+
+class StablePrecision(TrainerPrecision, Precision):
+    """Mixed precision that is stable by default: loss scaling done right, FP32 masters, FP32 islands, FP8 and live
+    telemetry. ``Trainer(plugins=[StablePrecision(...)])``, instead of ``precision=``.
+
+    Args:
+        precision: Lightning's spelling (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
+            ``"bf16-true"``) or ``"auto"``: BF16 where the device supports it, else FP16.
+        scaler: ``"auto"`` (dynamic for FP16 modes, none otherwise), ``"dynamic"``, ``"static"``, ``"adaptive"``,
+            ``None`` (no scaling) or a ``torch.amp.GradScaler``-like instance (a plain GradScaler is adopted with its
+            state; one built for another device is moved to the run's).
+        master_weights: for ``*-true`` modes, ``True``/``"fp32"``: an FP32 master copy of every trainable parameter,
+            owned by the optimizers (so their state is FP32 too), the 16-bit weights refreshed from it after each
+            applied step; ``False``: Lightning's plain ``*-true`` behaviour. Whatever the choice, hooks and clipping
+            see (and act on) a gradient on every trainable parameter.
+        skip_nonfinite: in every mode, BF16 and FP32 included, a step whose gradients hold inf/NaN is skipped and
+            counted (GradScaler's fused check), so NaN never reaches the weights. ``False`` (no scaler only):
+            Lightning's behaviour.
+        fp8: ``None``, a recipe name (``"delayed"``, ``"current"``, ``"mxfp8"``) or an ``FP8Config``: eligible
+            ``nn.Linear`` layers run their three GEMMs in FP8 on top of the base precision.
+        fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
+        op_policy: ``"autocast"``: PyTorch's per-op lists; ``"auto"``: per op family (matmul, conv, attention,
+            norm, softmax) the faster of FP32 and the 16-bit dtype, recorded in the first training forward and
+            measured on the model's shapes at the start of the second (within the memory a step holds), FP32 only
+            where it is also numerically no worse and lowers the step's time x memory; or a mapping such as
+            ``{"attention": "fp32"}``.
+            ``"*-mixed"`` precisions only; ``fp32_modules`` always win.
+        device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else the CPU (the run's device wins).
+        telemetry_every_n_steps: gradient telemetry into :attr:`stats` on step 0 and every N-th optimizer step
+            (one host sync on those steps only, aligned with Lightning's ``log_every_n_steps``); ``None``: off.
+        diagnose: trace every step for the first module producing inf/NaN (costly); by default only the step
+            after an overflow is traced.
+
+    Raises:
+        ValueError, TypeError: an argument is not one of the allowed values (the message names it).
+    """
+
+    _pl = pl

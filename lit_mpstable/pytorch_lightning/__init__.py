@@ -17,12 +17,12 @@ from __future__ import annotations
 import pytorch_lightning as pl
 from pytorch_lightning.plugins.precision import Precision
 
-import lit_mpstable.frontends.plugin
+import lit_mpstable.frontends.trainer
 from lit_mpstable.frontends.trainer import TrainerPrecision
 
 __all__ = ["StablePrecision"]
 
 
 class StablePrecision(TrainerPrecision, Precision):
-    __doc__ = lit_mpstable.frontends.plugin.StablePrecision.__doc__
+    __doc__ = lit_mpstable.frontends.trainer.StablePrecision.__doc__
     _pl = pl

@@ -8,7 +8,7 @@ from cb_helpers import BlameFirstNonfinite, PoisonModule, Recorder, quiet
 from helpers import make_trainer
 from trainer_pkg import PrecisionFallback, StablePrecision, pl
 
-from lit_mpstable.callbacks.precision_fallback import fallback_reason
+from lit_mpstable.callbacks.precision_fallback import FallbackState, fallback_reason
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
 EVERY_STEP = set(range(100))
@@ -92,7 +92,7 @@ class _ForgetBlame(pl.Callback):
 def test_module_mode_without_blamed_modules_falls_back_globally_and_says_why() -> None:
     plugin = _bf16_scaled()
     fallback = PrecisionFallback(patience=2, mode="module")
-    expected = r"PrecisionFallback at step 2: the whole model now computes in FP32 .*names no blamed"
+    expected = r"fallback at step 2: the whole model now computes in FP32 \(PrecisionFallback: .*names no blamed"
     with pytest.warns(UserWarning, match=expected):
         make_trainer(plugin, max_steps=3, callbacks=[_ForgetBlame(), fallback]).fit(
             PoisonModule(inf_grad_steps=EVERY_STEP)
@@ -135,7 +135,27 @@ def test_cooldown_retries_low_precision_and_falls_back_again() -> None:
     ]
     bf, fp = torch.bfloat16, torch.float32
     assert recorder.dtypes == [bf, fp, fp, fp, bf, bf, fp, fp, fp, bf]
-    assert fallback.cooldown_end == -1
+    assert fallback.cooldown_end == -1 and fallback.state is FallbackState.RESTORED
+
+
+def test_fallback_states_follow_the_decisions_and_reload_from_the_checkpoint_format() -> None:
+    # Hand-written transitions: no cooldown -> fallen back for good; a cooldown -> cooling until step + cooldown.
+    fallback = PrecisionFallback(patience=2, cooldown=3)
+    assert fallback.state is FallbackState.NORMAL and fallback.cooldown_end == -1
+    fallback._record(4, "fallback", None, "test", "the whole model now computes in FP32")
+    assert fallback.state is FallbackState.COOLING and fallback.retry_step == 7 and fallback.cooldown_end == 7
+    saved = fallback.state_dict()
+    assert saved["cooldown_end"] == 7  # the checkpoint format is unchanged: a step, -1 for none
+    fallback._record(7, "restore", None, "cooldown over", "low precision restored")
+    assert fallback.state is FallbackState.RESTORED and fallback.cooldown_end == -1
+    fallback.load_state_dict(saved)
+    assert fallback.state is FallbackState.COOLING and fallback.retry_step == 7
+    permanent = PrecisionFallback(patience=2)
+    permanent._record(4, "fallback", None, "test", "the whole model now computes in FP32")
+    assert permanent.state is FallbackState.FALLEN_BACK and permanent.cooldown_end == -1
+    reloaded = PrecisionFallback(patience=2)
+    reloaded.load_state_dict(permanent.state_dict())
+    assert reloaded.state is FallbackState.FALLEN_BACK
 
 
 def test_global_mode_climbs_the_fp8_ladder_one_rung_at_a_time() -> None:

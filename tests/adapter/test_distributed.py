@@ -207,6 +207,11 @@ def test_strategies_with_their_own_numerics_are_refused_at_setup(strategy_cls, p
 def test_other_combinations_are_accepted(strategy: object, plugin_kwargs: dict) -> None:
     plugin = StablePrecision(device="cpu", **plugin_kwargs)
     module = plugin.convert_module(_attached(strategy))
+    assert plugin.layout.module is module  # converted: the plugin drives this model's precision
+    assert plugin.stepper.fsdp2 == isinstance(strategy, ModelParallelStrategy)
+    fp8_layers = [m for m in module.modules() if "FP8" in type(m).__name__]
+    assert bool(fp8_layers) == ("fp8" in plugin_kwargs)  # the FP8 swap ran exactly where asked
+    assert plugin.islands.names == plugin_kwargs.get("fp32_modules", [])
     if isinstance(strategy, ModelParallelStrategy) and plugin.master_weights:
         # FSDP2 keeps FP32 shards as the masters: nothing cast, no copy of ours will be built.
         assert plugin.stepper.fsdp2 and {p.dtype for p in module.parameters()} == {torch.float32}

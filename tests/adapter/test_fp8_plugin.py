@@ -14,7 +14,8 @@ from torch import nn
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import AMPPreflight
-from lit_mpstable.fp8 import BACKENDS, FP8Config, FP8Linear, backend_of
+from lit_mpstable.fp8 import BACKENDS, FP8Config, FP8Linear
+from lit_mpstable.fp8.backends import backend_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:FP8Linear. torch._scaled_mm", "ignore:.*does not have many workers")
 

@@ -378,7 +378,6 @@ COVERED: dict[tuple[str, str], tuple] = {
     ("PrecisionFallback", "overflow_run"): ("callback", "overflow_run"),
     ("PrecisionFallback", "nonfinite_run"): ("callback", "nonfinite_run"),
     ("PrecisionFallback", "recent"): ("callback", "recent"),
-    ("PrecisionFallback", "cooldown_end"): ("callback", "cooldown_end"),
     ("PrecisionFallback", "decisions"): ("callback", "decisions"),
     ("PrecisionFallback", "blamed"): ("callback", "blamed"),
     ("PrecisionFallback", "_nonfinite"): ("callback", "previous_nonfinite"),
@@ -397,7 +396,9 @@ _CALLBACK_COMMON = {"_plugin": _SETUP, "_warned_no_plugin": _MSG, "log": _SETUP,
 NOT_STATE: dict[str, dict[str, str]] = {
     "StablePrecision": {"_args": _CONFIG, "precision": _CONFIG, "master_weights": _CONFIG, "_warned": _MSG,
                         "_notes_shown": _MSG,
-                        "_state_loaded": "whether this fit loaded the plugin's state (for the resume warning only)"},
+                        "_state_loaded": "whether this fit loaded the plugin's state (for the resume warning only)",
+                        "findings": "the callbacks' latest results, measured anew after a resume (the probe step a"
+                                    " fallback counted is PrecisionFallback's last_probe_step)"},
     "PrecisionStepper": {
         "owner": _CONFIG, "warnings": _MSG, "device": _SETUP, "master_mode": _CONFIG, "skip_nonfinite": _CONFIG,
         "fp8": _CONFIG, "op_policy": _CONFIG, "diagnose": _CONFIG, "fsdp2": _SETUP, "_fsdp_checked": _SETUP,
@@ -436,6 +437,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
                           "cooldown": _CONFIG, "max_overflow_rate": _CONFIG, "nonfinite_loss_patience": _CONFIG,
                           "window": _CONFIG, "max_grad_error": _CONFIG, "grad_error_patience": _CONFIG,
                           "_steps": "counter baseline, reset from the plugin's restored counters at train start",
+                          "state": "derived on load from cooldown_end and the last decision",
+                          "retry_step": "saved as cooldown_end (-1: no retry pending)",
                           "_warned_fp32": _MSG, "_warned_data": _MSG, "_warned_fp32_modules": _MSG},
     "ScaleCheckpoint": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "spike_zscore": _CONFIG,
                         "max_rollbacks": _CONFIG, "min_history": _CONFIG, "on_spike": _CONFIG,

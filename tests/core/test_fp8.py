@@ -32,25 +32,25 @@ from torch import nn
 from lit_mpstable.fp8 import (
     FP8Config,
     FP8Linear,
-    amax_from_history,
-    collect_fp8_stats_,
-    compute_scale,
     convert_from_fp8,
     convert_to_fp8,
-    dequantize,
-    dequantize_mx,
     fp8_config,
-    fp8_mm,
     fp8_state_dict,
     fp8_stats,
     load_fp8_state_dict,
+)
+from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
+from lit_mpstable.fp8.quant import (
+    amax_from_history,
+    compute_scale,
+    dequantize,
+    dequantize_mx,
     mx_block_scales,
     quantize,
     quantize_mx,
-    scaled_mm_supported,
-    select_fp8_modules,
     update_amax_history_,
 )
+from lit_mpstable.fp8.swap import collect_fp8_stats_, select_fp8_modules
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Format facts written out by hand (the OCP FP8 spec), so the tests do not read the code's own constants.

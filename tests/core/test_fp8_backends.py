@@ -34,18 +34,16 @@ from lit_mpstable.fp8 import (
     BACKENDS,
     FP8Config,
     FP8Linear,
-    backend_of,
-    collect_fp8_stats_,
-    compute_scale,
     convert_from_fp8,
     convert_to_fp8,
-    find_fp8_layers,
-    fp8_autocast_context,
     fp8_backend,
     fp8_state_dict,
     fp8_stats,
     load_fp8_state_dict,
 )
+from lit_mpstable.fp8.backends import backend_of, find_fp8_layers, fp8_autocast_context
+from lit_mpstable.fp8.quant import compute_scale
+from lit_mpstable.fp8.swap import collect_fp8_stats_
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U = 2.0**-24  # fp32 unit roundoff

@@ -9,7 +9,7 @@ import pytest
 import torch
 from fp8_stand_ins import install_transformer_engine
 
-from lit_mpstable.fp8 import backend_of
+from lit_mpstable.fp8.backends import backend_of
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_fp8.py"
 

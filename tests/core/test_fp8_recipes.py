@@ -24,16 +24,15 @@ from lit_mpstable.fp8 import (
     fp8_backend,
     fp8_config,
     fp8_state_dict,
-    hash_uniform,
     keep_high_precision_,
-    last_fraction_layers,
     layer_gradient_errors,
     load_fp8_state_dict,
     nvfp4_dequantize,
     nvfp4_quantize,
-    select_fp8_modules,
 )
-from lit_mpstable.fp8.block_gemm import DGRAD_STREAM, WGRAD_STREAM
+from lit_mpstable.fp8.block_gemm import DGRAD_STREAM, WGRAD_STREAM, hash_uniform
+from lit_mpstable.fp8.budget import last_fraction_layers
+from lit_mpstable.fp8.swap import select_fp8_modules
 
 RECIPES = ("blockwise", "mxfp4", "nvfp4")
 TOKENS, D_IN, D_OUT = 32, 32, 32  # mxfp4 blocks run along every GEMM's reduction dim: 32 each

@@ -160,7 +160,10 @@ def test_core_imports_without_lightning_hydra_omegaconf(monkeypatch):
     for name in [m for m in sys.modules if m == "lit_mpstable" or m.startswith("lit_mpstable.")]:
         monkeypatch.delitem(sys.modules, name)
     for name in ("lit_mpstable.core.scalers", "lit_mpstable.core.telemetry", "lit_mpstable.core.attribution"):
-        importlib.import_module(name)
+        module = importlib.import_module(name)
+        assert module.__name__ == name and module.__all__, name  # imported for real, public names and all
+    blocked = ("lightning", "lightning.pytorch", "pytorch_lightning", "hydra", "omegaconf")
+    assert all(sys.modules[name] is None for name in blocked)  # nothing put a real package back
 
 
 def test_zero_fraction_counts_exact_zeros_over_all_elements() -> None:
