@@ -6,7 +6,7 @@ import pytest
 
 from lit_mpstable.fp8 import FP8Config, HighPrecisionBudget
 from lit_mpstable.frontends.fabric import StablePrecision as FabricStablePrecision
-from lit_mpstable.frontends.plugin import StablePrecision
+from lit_mpstable.frontends.trainer import StablePrecision
 
 
 @pytest.mark.parametrize("plugin", [StablePrecision, FabricStablePrecision])

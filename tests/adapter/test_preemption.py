@@ -344,6 +344,11 @@ COVERED: dict[tuple[str, str], tuple] = {
     ("PrecisionStepper", "master"): ("plugin", "masters"),
     ("PrecisionStepper", "compact"): ("plugin", "compact"),
     ("PrecisionStepper", "schedules"): ("plugin", "schedules"),
+    ("PrecisionStepper", "counters"): ("walk",),
+    ("RunCounters", "step_count"): ("plugin", "step_count"),
+    ("RunCounters", "overflow_count"): ("plugin", "overflow_count"),
+    ("RunCounters", "skipped_steps"): ("plugin", "skipped_steps"),
+    ("RunCounters", "last_step_skipped"): ("plugin", "last_step_skipped"),
     ("PrecisionStepper", "step_count"): ("plugin", "step_count"),
     ("PrecisionStepper", "overflow_count"): ("plugin", "overflow_count"),
     ("PrecisionStepper", "skipped_steps"): ("plugin", "skipped_steps"),
@@ -409,7 +414,11 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "_layout_seen": "the layout of the last forward, for the compile note only",
         "_applied_by": "applied steps per optimizer in this process; the schedules' state is saved relative to it",
         "_data_fault": _ITER, "_overflowed": _ITER, "_stepped": _ITER, "_stepped_on": _ITER,
+        "iteration": _ITER,
+        "keeper": "the weight keeper: its state is the plugin's `masters` / `compact` entries (plain here: none)",
     },
+    "RunCounters": {"applied_by": "applied steps per optimizer in this process; the schedules' state is saved"
+                                  " relative to it"},
     "DynamicLossScaler": {
         "_device": _SETUP, "_enabled": _CONFIG, "_init_scale": _SEED, "_init_growth_tracker": _SEED,
         "_init_hysteresis_tracker": _SEED, "_init_overflow_count": _SEED, "_init_min_scale_hits": _SEED,
