@@ -1,1 +1,3 @@
-"""The Hydra configs, shipped as package data: ``pkg://lit_mpstable.conf`` (see ``hydra_plugins/lit_mpstable_searchpath``)."""
+"""The Hydra configs, shipped as package data: ``pkg://lit_mpstable.conf``
+(see ``hydra_plugins/lit_mpstable_searchpath``).
+"""

@@ -203,7 +203,8 @@ def test_hash_noise_is_uniform_and_keyed() -> None:
     assert u.min() >= 0 and u.max() < 1
     assert abs(float(u.mean()) - 0.5) < 3e-3 and abs(float(u.var()) - 1 / 12) < 2e-3
     assert torch.equal(u, hash_uniform((100_000,), 7, 3, 1))
-    for other in (hash_uniform((100_000,), 8, 3, 1), hash_uniform((100_000,), 7, 4, 1), hash_uniform((100_000,), 7, 3, 2)):
+    others = (hash_uniform((100_000,), 8, 3, 1), hash_uniform((100_000,), 7, 4, 1), hash_uniform((100_000,), 7, 3, 2))
+    for other in others:
         assert float((other == u).float().mean()) < 1e-3
     # Stochastic rounding with it is unbiased: |mean error| < 1e-3 relative over 10^5 draws of one value.
     v = torch.full((100_000,), 2.4)
