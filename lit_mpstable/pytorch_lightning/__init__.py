@@ -23,6 +23,8 @@ from lit_mpstable.frontends.trainer import TrainerPrecision
 __all__ = ["StablePrecision"]
 
 
-class StablePrecision(TrainerPrecision, Precision):
+# TrainerPrecision narrows Precision's optimizer_step (see its ignore[override]) and precision (a PrecisionName
+# Literal, not str) on purpose; a subclass of both inherits those two deliberate mismatches.
+class StablePrecision(TrainerPrecision, Precision):  # type: ignore[misc]
     __doc__ = lit_mpstable.frontends.plugin.StablePrecision.__doc__
     _pl = pl
