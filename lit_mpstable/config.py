@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from lit_mpstable.app.config import (
-    AMPPreflightConfig,
+    SCHEMAS,
     AdaptiveLossScalerConfig,
+    AMPPreflightConfig,
     DynamicLossScalerConfig,
     FP8RecipeConfig,
     OverflowMonitorConfig,
     PrecisionFallbackConfig,
     PrecisionProbeConfig,
-    SCHEMAS,
     ScaleCheckpointConfig,
     StablePrecisionConfig,
     StaticLossScalerConfig,

@@ -7,4 +7,11 @@ from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lit_mpstable.core.scaler_state import StateKeyError
 from lit_mpstable.core.scalers import ForeignScaler, LossScaler
 
-__all__ = ["AdaptiveLossScaler", "DynamicLossScaler", "ForeignScaler", "LossScaler", "StateKeyError", "StaticLossScaler"]
+__all__ = [
+    "AdaptiveLossScaler",
+    "DynamicLossScaler",
+    "ForeignScaler",
+    "LossScaler",
+    "StateKeyError",
+    "StaticLossScaler",
+]

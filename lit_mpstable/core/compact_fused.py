@@ -71,7 +71,8 @@ _BIG = 2.0**103  # beyond it a * _SPLIT would overflow: such values are rounded 
 
 def _round_stochastic_bf16(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """FP32 ``x`` stochastically rounded to BF16 with the 16 random bits ``k`` (an FP32 tensor holding k - 32767):
-    bit for bit ``lit_mpstable.core.compact_rounding.round_stochastic_`` (adding k to the low half of x's bits and truncating),
+    bit for bit ``lit_mpstable.core.compact_rounding.round_stochastic_`` (adding k to the low half of x's bits and
+    truncating),
     in float arithmetic a compiled kernel keeps vectorized (its bit casts are not, beside BF16 data), except that a
     tie (one draw in 65536 for each x) rounds to even and that ``|x| >= 2**103`` rounds to nearest.
 
@@ -184,8 +185,8 @@ class FusedAdam:
                     f"lit_mpstable: the first fused Adam step of master_weights='kahan'/'stochastic' took"
                     f" {elapsed:.0f} s: inductor compiled its kernel and keeps it in its disk cache; each new process"
                     " still loads it at its first step (13-28 s measured per process on a loaded machine). Said once"
-                    " per cache (a sweep's other jobs stay quiet); lit_mpstable.core.compact.CompactWeights(fused=False)"
-                    " steps without compiling.",
+                    " per cache (a sweep's other jobs stay quiet);"
+                    " lit_mpstable.core.compact.CompactWeights(fused=False) steps without compiling.",
                     stacklevel=4,
                 )
 
@@ -228,6 +229,7 @@ class FusedSteps:
                 scalars[key] = FusedAdam.scalars(optimizer.param_groups[piece.group], key[1], mult, clip)
             self._fused = FusedAdam() if self._fused is None else self._fused
             comp = self._comp[piece.name].view(-1) if self.mode == "kahan" else None  # type: ignore[index]
+            assert p.grad is not None  # _fusable marks a piece fused only when its gradient is there
             try:
                 self._fused.step_(
                     p.detach().view(-1), comp, p.grad.view(-1), state["exp_avg"].view(-1),

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lit_mpstable.fp8 import convert_from_fp8
 from lit_mpstable.core.stepper import default_dtype
+from lit_mpstable.fp8 import convert_from_fp8
 
 if TYPE_CHECKING:
     from lit_mpstable.core.stepper import PrecisionStepper

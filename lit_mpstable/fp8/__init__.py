@@ -1,6 +1,6 @@
-"""FP8 training core: FP8Config and recipes (delayed, current, mxfp8; blockwise FP8, MXFP4, NVFP4), FP8Linear, the module swap, and one backend
-seam (:class:`FP8Backend`) behind which the native layers, torchao and TransformerEngine look alike. Torch only;
-the optional packages are imported when a backend that needs them is built.
+"""FP8 training core: FP8Config and recipes (delayed, current, mxfp8; blockwise FP8, MXFP4, NVFP4), FP8Linear,
+the module swap, and one backend seam (:class:`FP8Backend`) behind which the native layers, torchao and
+TransformerEngine look alike. Torch only; the optional packages are imported when a backend that needs them is built.
 
 How our recipes relate to TransformerEngine's (``backend="transformer_engine"`` hands them to TE as written):
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import warnings
-from typing import Any, ClassVar, ContextManager
+from typing import Any, ClassVar, ContextManager, cast
 
 import torch
 from torch import nn
@@ -171,8 +171,10 @@ def linear_like(layer: nn.Module) -> nn.Linear:
     """
     bias = getattr(layer, "bias", None)
     bias = bias if isinstance(bias, nn.Parameter) else None
-    linear = nn.Linear(layer.in_features, layer.out_features, bias is not None, device="meta")
-    linear.weight, linear.bias = layer.weight, bias
+    like = cast(nn.Linear, layer)  # duck-typed: TE's and torchao's linears carry the same features and weight
+    linear = nn.Linear(like.in_features, like.out_features, bias is not None, device="meta")
+    linear.weight = like.weight
+    linear.bias = bias  # type: ignore[assignment]  # torch annotates bias as Parameter, yet Linear(bias=False) holds None
     linear.train(layer.training)
     share_hooks(layer, linear)
     return linear

@@ -38,10 +38,10 @@ def fp8_backend(config: FP8Config | str) -> FP8Backend:
         ModuleNotFoundError: the backend's package is not installed (the message has the pip line).
         ValueError: the backend cannot do what ``config`` asks.
     """
-    config = fp8_config(config)
-    if config is None:
+    resolved = fp8_config(config)
+    if resolved is None:
         raise ValueError("fp8_backend(None): no FP8 config, so no backend; pass a recipe name or an FP8Config.")
-    return BACKENDS[config.backend](config)
+    return BACKENDS[resolved.backend](resolved)
 
 
 def backend_of(module: nn.Module) -> type[FP8Backend] | None:

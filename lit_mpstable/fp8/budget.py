@@ -102,7 +102,7 @@ def layer_gradient_errors(
                     p.grad = None
                 _set_rng_state(rng, devices)
                 loss_fn(module, batch).backward()
-                return {name: plain[name].weight.grad.detach().float().clone() for name in layers}
+                return {name: _weight_grad(plain[name]) for name in layers}
 
             base = grads(())
             if mode == "all":
@@ -180,9 +180,18 @@ def _measuring_config(module: nn.Module, layers: Sequence[str], config: FP8Confi
     return dataclasses.replace(config, backend="native", emulate=True, filter=None, keep_high_precision="first_last")
 
 
-def _as_linear(layer: nn.Module) -> nn.Module:
+def _as_linear(layer: nn.Module) -> nn.Linear:
     backend = backend_of(layer)
-    return layer if backend is None else backend.to_linear(layer)
+    if backend is not None:
+        return backend.to_linear(layer)
+    assert isinstance(layer, nn.Linear)  # the listed layers are linear_weight_numel's: nn.Linear or FP8 layers
+    return layer
+
+
+def _weight_grad(layer: nn.Linear) -> torch.Tensor:
+    grad = layer.weight.grad
+    assert grad is not None  # the loss's backward reaches every listed layer's weight
+    return grad.detach().float().clone()
 
 
 def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union, get_args
+from typing import Any, Literal, Union, cast, get_args
 
 import torch
 from torch import nn
@@ -226,7 +226,9 @@ def _check_keep(value: Any) -> KeepHighPrecision:
         return value
     if isinstance(value, str):
         if value != "first_last":
-            raise ValueError(f"FP8Config(keep_high_precision={value!r}): {allowed}; a single layer name goes in a list.")
+            raise ValueError(
+                f"FP8Config(keep_high_precision={value!r}): {allowed}; a single layer name goes in a list."
+            )
         return value
     if not isinstance(value, Sequence) or not all(isinstance(item, str) and item.strip() for item in value):
         raise TypeError(f"FP8Config(keep_high_precision={value!r}): {allowed}.")
@@ -257,4 +259,4 @@ def fp8_config(name: str | FP8Config | Mapping[str, Any] | None) -> FP8Config | 
         raise TypeError(f"fp8_config({name!r}): expected a recipe name, an FP8Config, a mapping of its fields or None.")
     if name not in get_args(FP8Recipe):
         raise ValueError(f"fp8_config({name!r}): unknown FP8 recipe; allowed: {list(get_args(FP8Recipe))} or None.")
-    return FP8Config(recipe=name)
+    return FP8Config(recipe=cast(FP8Recipe, name))  # checked against FP8Recipe's values just above

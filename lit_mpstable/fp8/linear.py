@@ -70,12 +70,20 @@ class FP8Linear(nn.Linear):
     Telemetry: with ``collect_stats = True`` each call records, per operand, the saturated fraction (finite values
     beyond what rounds to the FP8 max: 464 for E4M3, 61440 for E5M2), the underflow fraction (nonzero values that
     became 0) and the amax, as 0-dim tensors in :attr:`fp8_stats` (no host sync); it costs a few passes per tensor.
-    For mxfp8, ``x`` and ``w`` are measured in the forward GEMM and ``grad_out`` in the ``grad_x`` GEMM; the block recipes
-    record none (their scales follow each block's amax). The GEMMs
+    For mxfp8, ``x`` and ``w`` are measured in the forward GEMM and ``grad_out`` in the ``grad_x`` GEMM; the block
+    recipes record none (their scales follow each block's amax). The GEMMs
     write them into the non-persistent buffer ``stats_buffer`` (rows in :data:`FP8_TENSORS` order), in place:
     ``torch.compile`` traces that into the graph, where Python state written inside the autograd function would
     break it.
     """
+
+    # Buffers, registered in __init__ (amax_history and scale for delayed, sr_counter and rht_signs for nvfp4):
+    # declared so that they read as tensors, not as nn.Module.__getattr__'s Tensor | Module.
+    stats_buffer: torch.Tensor
+    amax_history: torch.Tensor
+    scale: torch.Tensor
+    sr_counter: torch.Tensor
+    rht_signs: torch.Tensor
 
     def __init__(
         self,

@@ -32,36 +32,38 @@ class NativeBackend(FP8Backend):
 
     def convert_(self, model: nn.Module, names: list[str]) -> None:
         for name in names:
-            replace_module(model, name, FP8Linear.from_linear(model.get_submodule(name), self.config, name))
+            linear = model.get_submodule(name)
+            assert isinstance(linear, nn.Linear)  # select_fp8_modules picks plain nn.Linear layers only
+            replace_module(model, name, FP8Linear.from_linear(linear, self.config, name))
 
     @classmethod
     def to_linear(cls, layer: nn.Module) -> nn.Linear:
-        return layer.to_linear()
+        return _native(layer).to_linear()
 
     @classmethod
     def layer_state(cls, layer: nn.Module) -> dict[str, torch.Tensor]:
-        return layer.fp8_state_dict()
+        return _native(layer).fp8_state_dict()
 
     @classmethod
     def load_layer_state(cls, layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        layer.load_fp8_state_dict(state)
+        _native(layer).load_fp8_state_dict(state)
 
     @classmethod
     def collect_stats_(cls, model: nn.Module, names: list[str], enabled: bool = True) -> None:
         for name in names:
-            layer = model.get_submodule(name)
+            layer = _native(model.get_submodule(name))
             layer.collect_stats = enabled
             if not enabled:
                 layer.clear_stats()
 
     @classmethod
     def layer_stats(cls, layer: nn.Module) -> dict[str, torch.Tensor | float]:
-        return dict(layer.fp8_stats)
+        return dict(_native(layer).fp8_stats)
 
     def sync_(self, model: nn.Module, names: list[str], group: Any = None) -> None:
         if self.config.recipe != "delayed" or not names or not _several_ranks(group):
             return  # current and mxfp8 keep no state: each rank scales its own tensors
-        layers = [model.get_submodule(name) for name in names]
+        layers = [_native(model.get_submodule(name)) for name in names]
         import torch.distributed as dist
 
         # Histories roll once per cast on every rank, so entry i holds the same step everywhere: an elementwise MAX
@@ -84,3 +86,8 @@ def _several_ranks(group: Any) -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _native(layer: nn.Module) -> FP8Linear:
+    assert isinstance(layer, FP8Linear)  # this backend is only handed its own layers (is_fp8_layer)
+    return layer

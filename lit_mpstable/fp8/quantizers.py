@@ -7,7 +7,7 @@ from typing import Literal, get_args
 import torch
 
 from lit_mpstable.fp8.blockwise import BLOCKWISE_TILE, blockwise_dequantize, blockwise_quantize
-from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
+from lit_mpstable.fp8.mx import MXElement, mx_dequantize, mx_quantize
 from lit_mpstable.fp8.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quant import MX_BLOCK_SIZE, compute_scale, dequantize, quantize
 
@@ -91,7 +91,7 @@ def _fake_quantize(x: torch.Tensor, recipe: str, role: str, generator: torch.Gen
         tile = (BLOCKWISE_TILE, BLOCKWISE_TILE) if role == "weight" else (1, BLOCKWISE_TILE)
         return blockwise_dequantize(blockwise_quantize(x, tile=tile), x.dtype)
     if recipe in ("mxfp4", "mxfp8"):
-        element = "fp4_e2m1" if recipe == "mxfp4" else "fp8_e5m2" if role == "grad" else "fp8_e4m3"
+        element: MXElement = "fp4_e2m1" if recipe == "mxfp4" else "fp8_e5m2" if role == "grad" else "fp8_e4m3"
         return mx_dequantize(mx_quantize(x, element, block_size=MX_BLOCK_SIZE), x.dtype)
     rows = NVFP4_BLOCK_SIZE if role == "weight" else 1
     q = nvfp4_quantize(x, tile=(rows, NVFP4_BLOCK_SIZE), stochastic=role == "grad", generator=generator)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from collections import defaultdict
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -91,7 +93,8 @@ def select_fp8_modules(model: nn.Module, config: FP8Config) -> list[str]:
     if isinstance(keep, tuple):
         kept = set(_match_names(model, modules, linears, keep, "keep_high_precision"))
         selected = [name for name in selected if name not in kept]
-    if config.recipe in ("mxfp4", "nvfp4") and (bad := [n for n in selected if not _divides(modules[n], config.block_size)]):
+    fp4 = config.recipe in ("mxfp4", "nvfp4")
+    if fp4 and (bad := [n for n in selected if not _divides(modules[n], config.block_size)]):
         raise ValueError(
             f"FP8Config(recipe={config.recipe!r}, filter={rule!r}): the filter selects {_shapes(modules, bad)}, whose"
             f" in/out features are not multiples of {config.block_size}, the {config.recipe} block (every GEMM reduces"
@@ -102,6 +105,7 @@ def select_fp8_modules(model: nn.Module, config: FP8Config) -> list[str]:
 
 
 def _divides(module: nn.Module, multiple: int) -> bool:
+    assert isinstance(module, nn.Linear)  # called on the candidates, which are plain nn.Linear
     return module.in_features % multiple == 0 and module.out_features % multiple == 0
 
 
@@ -110,7 +114,7 @@ def _shapes(modules: dict[str, nn.Module], names: list[str]) -> str:
 
 
 def _match_names(
-    model: nn.Module, modules: dict[str, nn.Module], candidates: list[str], rule: tuple, field: str
+    model: nn.Module, modules: dict[str, nn.Module], candidates: list[str], rule: Sequence[str | type], field: str
 ) -> list[str]:
     selected: list[str] = []
     used: set[int] = set()
@@ -195,17 +199,17 @@ def _by_backend(layers: dict[str, type[FP8Backend]]) -> dict[type[FP8Backend], l
     return groups
 
 
-def convert_to_fp8(model: nn.Module, config: FP8Config | str) -> list[str]:
+def convert_to_fp8(model: nn.Module, config: FP8Config | str | None) -> list[str]:
     """Swap the layers :func:`select_fp8_modules` picks for the FP8 layers of ``config.backend``, in place; returns
     their names. They share the original parameters (optimizers built earlier keep working).
 
-    ``config`` may be a recipe name (see :func:`fp8_config`).
+    ``config`` may be a recipe name (see :func:`fp8_config`); None converts nothing.
     """
-    config = fp8_config(config)
-    if config is None:
+    resolved = fp8_config(config)
+    if resolved is None:
         return []
-    backend = fp8_backend(config)
-    names = select_fp8_modules(model, config)
+    backend = fp8_backend(resolved)
+    names = select_fp8_modules(model, resolved)
     backend.convert_(model, names)
     return names
 
@@ -280,13 +284,17 @@ def fp8_stats(model: nn.Module) -> dict[str, dict[str, torch.Tensor | float]]:
         return {}
     if _TOTAL in per_layer:
         raise RuntimeError(f"fp8_stats: a layer is named {_TOTAL!r}, which collides with the totals entry.")
-    totals = {}
+    totals: dict[str, torch.Tensor | float] = {}
     for metric in ("saturation_frac", "underflow_frac"):
-        weighted, count = [], []
+        weighted: list[torch.Tensor] = []
+        count: list[float] = []
         for stats in per_layer.values():
             for tensor in FP8_TENSORS:
                 if f"{tensor}_{metric}" in stats:
-                    weighted.append(stats[f"{tensor}_{metric}"] * stats[f"{tensor}_numel"])
-                    count.append(stats[f"{tensor}_numel"])
+                    # fractions are 0-dim tensors (no host sync), sizes are floats: see FP8Linear.fp8_stats
+                    fraction = cast(torch.Tensor, stats[f"{tensor}_{metric}"])
+                    numel = cast(float, stats[f"{tensor}_numel"])
+                    weighted.append(fraction * numel)
+                    count.append(numel)
         totals[f"fp8_{metric}"] = torch.stack(weighted).sum() / sum(count)
     return {**per_layer, _TOTAL: totals}

@@ -150,9 +150,10 @@ class TransformerEngineBackend(FP8Backend):
 
     @classmethod
     def load_layer_state(cls, layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        value = state[_STATE_KEY]
+        tensor = state[_STATE_KEY]
+        value: torch.Tensor | io.BytesIO = tensor
         if isinstance(layer.get_extra_state(), io.BytesIO):  # hand it back in the form this TE reads
-            value = io.BytesIO(value.numpy().tobytes())
+            value = io.BytesIO(tensor.numpy().tobytes())
         layer.set_extra_state(value)
 
 

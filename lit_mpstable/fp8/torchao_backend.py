@@ -169,7 +169,7 @@ def _mx_wrapped(tensor: Any) -> bool:
     return tensor_module is not None and isinstance(tensor, tensor_module.TrainingWeightWrapperBaseTensor)
 
 
-def _unwrap(tensor: torch.Tensor) -> torch.Tensor:
+def _unwrap(tensor: Any) -> torch.Tensor:  # a torchao tensor subclass (torch.Tensor's stubs lack the protocol)
     (inner,), _ = tensor.__tensor_flatten__()  # the tensor-subclass protocol names its plain tensor
     return getattr(tensor, inner)
 

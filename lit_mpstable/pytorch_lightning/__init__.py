@@ -2,8 +2,8 @@
 
 ``lit_mpstable.StablePrecision`` and ``lit_mpstable.callbacks.*`` are ``lightning.pytorch`` classes, which a
 ``pytorch_lightning.Trainer`` refuses (the two packages are separate class trees). These are the same classes on
-``pytorch_lightning``'s tree: the same adapter (``lit_mpstable.frontends.trainer.TrainerPrecision``) over the same precision
-core, and the same callbacks. Import from here when the project imports ``pytorch_lightning``::
+``pytorch_lightning``'s tree: the same adapter (``lit_mpstable.frontends.trainer.TrainerPrecision``) over the same
+precision core, and the same callbacks. Import from here when the project imports ``pytorch_lightning``::
 
     import pytorch_lightning as pl
     from lit_mpstable.pytorch_lightning import StablePrecision
@@ -23,6 +23,8 @@ from lit_mpstable.frontends.trainer import TrainerPrecision
 __all__ = ["StablePrecision"]
 
 
-class StablePrecision(TrainerPrecision, Precision):
+# TrainerPrecision narrows Precision's optimizer_step (see its ignore[override]) and precision (a PrecisionName
+# Literal, not str) on purpose; a subclass of both inherits those two deliberate mismatches.
+class StablePrecision(TrainerPrecision, Precision):  # type: ignore[misc]
     __doc__ = lit_mpstable.frontends.trainer.StablePrecision.__doc__
     _pl = pl

@@ -39,6 +39,7 @@ from lit_mpstable.fp8 import (
     fp8_stats,
     load_fp8_state_dict,
 )
+from lit_mpstable.fp8.config import FP8Format, FP8Recipe
 from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_supported
 from lit_mpstable.fp8.quant import (
     amax_from_history,
@@ -146,7 +147,7 @@ class Stack(nn.Module):
 
 # ------------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8"])
-def test_preset_factory_builds_the_same_object_as_the_dataclass(recipe: str) -> None:
+def test_preset_factory_builds_the_same_object_as_the_dataclass(recipe: FP8Recipe) -> None:
     assert fp8_config(recipe) == FP8Config(recipe=recipe)
     config = FP8Config(recipe=recipe, margin=1)
     assert fp8_config(config) is config
@@ -170,16 +171,16 @@ def test_preset_factory_builds_the_same_object_as_the_dataclass(recipe: str) -> 
 )
 def test_bad_config_names_the_field_and_value(field: str, value: object) -> None:
     with pytest.raises((ValueError, TypeError), match=rf"{field}={value!r}"):
-        FP8Config(**{field: value})
+        FP8Config(**{field: value})  # type: ignore[arg-type]  # invalid on purpose
 
 
 def test_bad_choice_lists_allowed_values_and_unknown_preset_raises() -> None:
     with pytest.raises(ValueError, match=r"\['delayed', 'current', 'mxfp8', 'blockwise', 'mxfp4', 'nvfp4'\]"):
-        FP8Config(recipe="tensorwise")
+        FP8Config(recipe="tensorwise")  # type: ignore[arg-type]  # invalid on purpose
     with pytest.raises(ValueError, match="fp8_config\\('fast'\\)"):
         fp8_config("fast")
     with pytest.raises(TypeError, match="filter"):
-        FP8Config(filter=[3])
+        FP8Config(filter=[3])  # type: ignore[list-item]  # invalid on purpose
 
 
 @pytest.mark.parametrize(
@@ -240,8 +241,8 @@ def test_compute_scale_from_amax_with_margin_and_fallbacks() -> None:
     for amax in (0.0, float("inf"), float("nan"), 1e-38):  # no usable amax (1e-38: the scale overflows fp32)
         assert compute_scale(torch.tensor(amax), E4M3, previous=torch.tensor(3.0)).item() == 3.0
         assert compute_scale(torch.tensor(amax), E4M3).item() == 1.0
-    amax = torch.tensor(1e-3, dtype=torch.bfloat16)  # computed in fp32: 448 / 1e-3 fits bf16's range but not its eps
-    assert compute_scale(amax, E4M3).dtype == torch.float32
+    bf16_amax = torch.tensor(1e-3, dtype=torch.bfloat16)  # computed in fp32: 448 / 1e-3 fits bf16's range, not its eps
+    assert compute_scale(bf16_amax, E4M3).dtype == torch.float32
 
 
 def test_amax_history_rolls_and_computes() -> None:
@@ -331,7 +332,12 @@ def test_mx_gemm_is_within_the_derived_bound(dtype: torch.dtype) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- FP8Linear
-def fp8_linear(recipe: str, *, d_in: int = 64, d_out: int = 32, **config) -> FP8Linear:
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    assert t.grad is not None, "no gradient reached this tensor"
+    return t.grad
+
+
+def fp8_linear(recipe: FP8Recipe, *, d_in: int = 64, d_out: int = 32, **config) -> FP8Linear:
     layer = FP8Linear(d_in, d_out, config=FP8Config(recipe=recipe, **config))
     with torch.no_grad():
         layer.weight.copy_(never_zero(d_out, d_in, low=-8, high=-1))
@@ -351,7 +357,7 @@ def run_step(layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch
 @pytest.mark.parametrize(
     ("recipe", "fmt"), [("delayed", "hybrid"), ("current", "hybrid"), ("current", "e4m3"), ("mxfp8", "hybrid")]
 )
-def test_fp8_linear_forward_backward_within_bound(recipe: str, fmt: str, emulate: bool | None) -> None:
+def test_fp8_linear_forward_backward_within_bound(recipe: FP8Recipe, fmt: FP8Format, emulate: bool | None) -> None:
     layer = fp8_linear(recipe, format=fmt, emulate=emulate)
     x, grad_out = never_zero(48, 64), never_zero(48, 32, low=-6, high=2)
     run_step(layer, x, grad_out)  # delayed: this step's amaxes set the next step's scales
@@ -361,8 +367,8 @@ def test_fp8_linear_forward_backward_within_bound(recipe: str, fmt: str, emulate
     exact_y = x.double() @ w.T
     assert_within(y - b, exact_y, operand_bound(x, w, E4M3, E4M3, recipe) + 2.0**-22 * (exact_y.abs() + b.abs()))
     exact_grad_w = grad_out.double().T @ x.double()
-    assert_within(layer.weight.grad, exact_grad_w, operand_bound(grad_out.T, x.T, g_dtype, E4M3, recipe))
-    torch.testing.assert_close(layer.bias.grad.double(), grad_out.double().sum(0), rtol=1e-6, atol=1e-5)
+    assert_within(_grad(layer.weight), exact_grad_w, operand_bound(grad_out.T, x.T, g_dtype, E4M3, recipe))
+    torch.testing.assert_close(_grad(layer.bias).double(), grad_out.double().sum(0), rtol=1e-6, atol=1e-5)
 
 
 def test_fp8_linear_input_gradient_within_bound() -> None:
@@ -370,7 +376,7 @@ def test_fp8_linear_input_gradient_within_bound() -> None:
     x, grad_out = never_zero(48, 64).requires_grad_(), never_zero(48, 32)
     (layer(x) * grad_out).sum().backward()
     w = layer.weight.detach()
-    assert_within(x.grad, grad_out.double() @ w.double(), operand_bound(grad_out, w.T, E5M2, E4M3, "current"))
+    assert_within(_grad(x), grad_out.double() @ w.double(), operand_bound(grad_out, w.T, E5M2, E4M3, "current"))
 
 
 def test_fp8_linear_under_bf16_autocast() -> None:
@@ -381,7 +387,7 @@ def test_fp8_linear_under_bf16_autocast() -> None:
         z = layer(y)  # a bf16 input, as from a previous autocast op
     assert y.dtype == z.dtype == torch.bfloat16
     (y.float() * grad_out).sum().backward()
-    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+    assert _grad(x).dtype == torch.float32 and _grad(layer.weight).dtype == torch.float32
     w, b = layer.weight.detach().double(), layer.bias.detach().double()
     exact = x.detach().double() @ w.T
     # bf16 rounds the GEMM output, the bias and their sum: at most 2**-8 relative each
@@ -588,7 +594,7 @@ def test_underflow_fraction_counts_values_flushed_to_zero() -> None:
     x[0, 0] = 448.0  # scale 1: 1e-4 is below half of E4M3's smallest subnormal (2**-10 ~ 9.8e-4)
     x[1, :8] = 1e-2  # representable (subnormal)
     run_step(layer, x, torch.ones(4, 16))
-    assert layer.fp8_stats["x_underflow_frac"].item() == pytest.approx((128 - 1 - 8) / 128)
+    assert float(layer.fp8_stats["x_underflow_frac"]) == pytest.approx((128 - 1 - 8) / 128)
     totals = fp8_stats(nn.Sequential(layer))["total"]
     assert 0 < totals["fp8_underflow_frac"] < 1
 
@@ -596,7 +602,7 @@ def test_underflow_fraction_counts_values_flushed_to_zero() -> None:
 # ------------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
-def test_scaled_mm_path_on_cuda_matches_emulation(recipe: str) -> None:
+def test_scaled_mm_path_on_cuda_matches_emulation(recipe: FP8Recipe) -> None:
     assert scaled_mm_supported("cuda"), "the H100/H200/L4-class GPU should run torch._scaled_mm"
     fast = fp8_linear(recipe, d_in=64, d_out=32, emulate=False).cuda()
     slow = fp8_linear(recipe, d_in=64, d_out=32, emulate=True).cuda()

@@ -42,8 +42,10 @@ from lit_mpstable.fp8 import (
     load_fp8_state_dict,
 )
 from lit_mpstable.fp8.backends import backend_of, find_fp8_layers, fp8_autocast_context
+from lit_mpstable.fp8.config import AmaxComputeAlgo, FP8BackendName, FP8Format, FP8Recipe
 from lit_mpstable.fp8.quant import compute_scale
 from lit_mpstable.fp8.swap import collect_fp8_stats_
+from lit_mpstable.fp8.te_backend import TransformerEngineBackend
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U = 2.0**-24  # fp32 unit roundoff
@@ -55,12 +57,17 @@ def never_zero(*shape: int, low: float = -6.0, high: float = 1.0) -> torch.Tenso
     return (torch.randint(0, 2, shape) * 2 - 1) * magnitude
 
 
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    assert t.grad is not None, "no gradient reached this tensor"
+    return t.grad
+
+
 @pytest.fixture
 def te(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     return install_transformer_engine(monkeypatch)
 
 
-def _config(name: str) -> FP8Config:
+def _config(name: FP8BackendName) -> FP8Config:
     if name == "torchao":
         pytest.importorskip("torchao.float8")
         return FP8Config(recipe="current", backend="torchao", emulate=True)
@@ -69,7 +76,7 @@ def _config(name: str) -> FP8Config:
 
 # ------------------------------------------------------------------------------------------- the seam itself
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_every_backend_swaps_in_and_out_on_the_same_parameters_and_hooks(name: str, monkeypatch) -> None:
+def test_every_backend_swaps_in_and_out_on_the_same_parameters_and_hooks(name: FP8BackendName, monkeypatch) -> None:
     if name == "transformer_engine":
         install_transformer_engine(monkeypatch)
     backend = fp8_backend(_config(name))
@@ -149,6 +156,7 @@ def test_transformer_engine_layer_is_built_like_the_linear(te) -> None:
 def test_transformer_engine_autocast_gets_the_recipe(monkeypatch, config, recipe, kwargs, api, recipe_kwarg) -> None:
     calls = install_transformer_engine(monkeypatch, api=api)  # TE 1.x has fp8_autocast, TE 2.x autocast
     backend = fp8_backend(config)
+    assert isinstance(backend, TransformerEngineBackend)
     for _ in range(2):
         with backend.forward_context():
             pass
@@ -163,7 +171,9 @@ def test_transformer_engine_state_stays_out_of_the_model_state_dict(te) -> None:
     convert_to_fp8(model, FP8Config(backend="transformer_engine"))
     with fp8_autocast_context(FP8Config(backend="transformer_engine")):
         model(torch.randn(8, 16))
-    history = model.fc2.amax_history.clone()
+    history = model.fc2.amax_history
+    assert isinstance(history, torch.Tensor)  # the stand-in TE layer keeps it as a plain attribute
+    history = history.clone()
     saved = fp8_state_dict(model)["fc2.extra_state"]
     assert history.any() and saved.dtype == torch.uint8 and saved.numel() > 0
     weights = model.state_dict()
@@ -193,10 +203,12 @@ def test_missing_recipe_or_emulation_is_refused_at_construction(monkeypatch: pyt
         ("torchao", "mxfp8", "pip install torchao"),
     ],
 )
-def test_missing_backend_names_the_pip_line(monkeypatch: pytest.MonkeyPatch, backend: str, recipe: str, pip) -> None:
+def test_missing_backend_names_the_pip_line(
+    monkeypatch: pytest.MonkeyPatch, backend: FP8BackendName, recipe: FP8Recipe, pip: str
+) -> None:
     for name in (backend, f"{backend}.pytorch", f"{backend}.float8"):
         monkeypatch.setitem(sys.modules, name, None)
-    fmt = "e4m3" if recipe == "mxfp8" else "hybrid"
+    fmt: FP8Format = "e4m3" if recipe == "mxfp8" else "hybrid"
     with pytest.raises(ModuleNotFoundError, match=pip.replace("[", r"\[").replace("]", r"\]")):
         fp8_backend(FP8Config(recipe=recipe, backend=backend, format=fmt))
 
@@ -317,7 +329,10 @@ def test_current_recipe_matches_torchao_within_the_dequantisation_rounding(emula
         xi = x.clone().requires_grad_()
         y = layer(xi)
         y.backward(grad_out)
-        results.append((y.detach().double(), xi.grad.double(), layer.weight.grad.double(), layer.bias.grad.double()))
+        weight, bias = layer.weight, layer.bias
+        assert isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor)  # both layers have a bias
+        grads = [_grad(t).double() for t in (xi, weight, bias)]
+        results.append((y.detach().double(), *grads))
     (y_o, gx_o, gw_o, gb_o), (y_t, gx_t, gw_t, gb_t) = results
     for t, dtype in ((x, E4M3), (linear.weight.detach(), E4M3), (grad_out, E5M2)):
         assert torch.equal(compute_scale(t.abs().max(), dtype), tensor_to_scale(t, dtype))  # same scales, bitwise
@@ -366,7 +381,7 @@ class TEDelayedScaling:
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_delayed_scales_follow_transformer_engines_formulas(algo: str) -> None:
+def test_delayed_scales_follow_transformer_engines_formulas(algo: AmaxComputeAlgo) -> None:
     layer = FP8Linear(32, 16, config=FP8Config(recipe="delayed", amax_history_len=3, margin=1, amax_compute_algo=algo))
     reference = TEDelayedScaling([448.0, 448.0, 57344.0], length=3, margin=1, algo=algo)
     x0, g0 = torch.rand(16, 32), torch.rand(16, 16)

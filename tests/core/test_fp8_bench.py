@@ -17,6 +17,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_fp8.py"
 @pytest.fixture(scope="module")
 def bench():
     spec = importlib.util.spec_from_file_location("gpu_fp8", BENCH)
+    assert spec is not None and spec.loader is not None  # BENCH is a .py file path: a source loader finds it
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -50,7 +51,8 @@ def test_each_backend_is_swapped_in_through_the_seam(bench, run: str, monkeypatc
     names, context = bench.swap(model, run)
     assert names == ["blocks.0.proj", "blocks.0.fc", "blocks.0.out"]  # not the first (qkv) nor the last (head)
     expected = {"delayed": "native", "te:delayed": "transformer_engine", "torchao:current": "torchao"}[run]
-    assert all(backend_of(model.get_submodule(name)).name == expected for name in names)
+    backends = [backend_of(model.get_submodule(name)) for name in names]
+    assert all(backend is not None and backend.name == expected for backend in backends)
     if run == "te:delayed":
         with context():
             model(torch.randint(64, (2, 8)))

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import lit_mpstable.fp8.gemm as gemm_module
 import lit_mpstable.fp8.linear as linear_module
-from lit_mpstable.core.stepper import PrecisionStepper, default_dtype
+from lit_mpstable.core.stepper import PrecisionName, PrecisionStepper, default_dtype
 from lit_mpstable.fp8 import FP8Config, FP8Linear, convert_to_fp8
 
 
@@ -43,7 +43,7 @@ class _CountScaledMM:
 @needs_cpu_scaled_mm
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
 def test_true_16bit_fp8_still_uses_scaled_mm_after_the_first_forward(
-    precision: str, monkeypatch: pytest.MonkeyPatch
+    precision: PrecisionName, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A fresh process: nothing probed, nothing warned.
     gemm_module._PROBED.clear()
@@ -98,7 +98,7 @@ class _Net(nn.Module):
         return x
 
 
-def _train_delayed(checkpointing: str | None, steps: int = 8) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train_delayed(checkpointing: str | None, steps: int = 8) -> tuple[list[float], dict[str, dict[str, torch.Tensor]]]:
     torch.manual_seed(0)
     model = _Net(checkpointing)
     config = FP8Config(recipe="delayed", amax_history_len=16, filter=["blocks"], emulate=True)
@@ -195,6 +195,7 @@ class _GPT2Like(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.wte(idx)
         for block in self.h:
+            assert isinstance(block, nn.ModuleDict)  # built from dicts in __init__
             h = h + block["c_proj"](block["c_attn"](h)[..., :32])
         return self.lm_head(h)
 
@@ -255,7 +256,7 @@ def test_a_frozen_layer_does_not_pile_up_stored_forwards() -> None:
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_checkpointing_through_the_stepper_records_one_amax_per_step(precision: str) -> None:
+def test_checkpointing_through_the_stepper_records_one_amax_per_step(precision: PrecisionName) -> None:
     def run(checkpointing: str | None) -> tuple[list[float], torch.Tensor]:
         torch.manual_seed(0)
         fp8 = FP8Config(recipe="delayed", amax_history_len=8, filter=["blocks"], emulate=True)
@@ -269,7 +270,9 @@ def test_checkpointing_through_the_stepper_records_one_amax_per_step(precision: 
                 loss = model(x).float().square().mean()
             loss.backward()
             losses.append(loss.item())
-        return losses, model.blocks[1].fc2.amax_history.clone()
+        layer = model.get_submodule("blocks.1.fc2")
+        assert isinstance(layer, FP8Linear)  # the delayed recipe swapped it
+        return losses, layer.amax_history.clone()
 
     plain_losses, plain_history = run(None)
     losses, history = run("non_reentrant")
@@ -279,7 +282,7 @@ def test_checkpointing_through_the_stepper_records_one_amax_per_step(precision: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_compiled_delayed_fp8_through_the_stepper_equals_eager(precision: str) -> None:
+def test_compiled_delayed_fp8_through_the_stepper_equals_eager(precision: PrecisionName) -> None:
     def run(compiled: bool) -> tuple[list[float], torch.Tensor]:
         torch.manual_seed(0)
         torch._dynamo.reset()
@@ -298,7 +301,9 @@ def test_compiled_delayed_fp8_through_the_stepper_equals_eager(precision: str) -
             stepper.step(optimizer)
             optimizer.zero_grad()
             losses.append(loss.item())
-        return losses, model[0].amax_history.clone()
+        layer = model.get_submodule("0")
+        assert isinstance(layer, FP8Linear)  # the delayed recipe swapped it
+        return losses, layer.amax_history.clone()
 
     eager_losses, eager_history = run(False)
     losses, history = run(True)

@@ -15,7 +15,7 @@ from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
 from lit_mpstable.core.layout import PrecisionLayout
-from lit_mpstable.fp8 import FP8Config
+from lit_mpstable.fp8 import FP8Config, FP8Linear
 
 WORLD_SIZE, STEPS, HISTORY = 2, 3, 4
 FP8_MAX = (448.0, 448.0, 57344.0)  # x, w (E4M3), grad_out (E5M2): OCP FP8 spec, by hand
@@ -30,9 +30,15 @@ def _train(rank: int, *, sync: bool, ddp: bool) -> dict[str, list]:
         torch.float32, cast_parameters=False, fp8=FP8Config(recipe="delayed", amax_history_len=HISTORY, emulate=True)
     )
     layout.attach(model, "cpu")
+    fc2 = model.fc2
+    assert isinstance(fc2, FP8Linear)  # attach swapped it (the delayed recipe, native backend)
     local: dict[str, list[float]] = {"x": [], "grad_out": []}
-    model.fc2.register_forward_hook(lambda m, args, out: local["x"].append(args[0].abs().max().item()))
-    model.fc2.register_full_backward_hook(lambda m, gin, gout: local["grad_out"].append(gout[0].abs().max().item()))
+
+    def record_grad_out(m: nn.Module, gin: tuple[torch.Tensor, ...], gout: tuple[torch.Tensor, ...]) -> None:
+        local["grad_out"].append(gout[0].abs().max().item())
+
+    fc2.register_forward_hook(lambda m, args, out: local["x"].append(args[0].abs().max().item()))
+    fc2.register_full_backward_hook(record_grad_out)
     # broadcast_buffers=False: DDP's default copies rank 0's buffers (the histories too) into every rank at each
     # forward, which would align the ranks on rank 0's amaxes alone and hide the control.
     net = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if ddp else model
@@ -66,8 +72,8 @@ def _train(rank: int, *, sync: bool, ddp: bool) -> dict[str, list]:
             out["host_reads"].append(reads.ops)
             out["collectives"].append(list(calls))
         out["outputs"].append(prediction.detach().clone())
-        out["scale"].append(model.fc2.scale.clone())
-        out["history"].append(model.fc2.amax_history.clone())
+        out["scale"].append(fc2.scale.clone())
+        out["history"].append(fc2.amax_history.clone())
     return {**out, **local}
 
 
