@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from lit_mpstable.frontends.live_state import Findings
 from lit_mpstable.callbacks._view import ForeignPrecision
+from lit_mpstable.frontends.live_state import Findings
 
 __all__ = ["DeepSpeedView", "runs_deepspeed"]
 

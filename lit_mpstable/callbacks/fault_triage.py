@@ -14,7 +14,14 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
-    PluginCallback, StepCounter, agreed_names, any_rank, check, is_int, log_mp, strict_keys,
+    PluginCallback,
+    StepCounter,
+    agreed_names,
+    any_rank,
+    check,
+    is_int,
+    log_mp,
+    strict_keys,
 )
 from lit_mpstable.callbacks._snapshot import restore_snapshot, take_snapshot
 from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint

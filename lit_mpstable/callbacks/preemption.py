@@ -4,23 +4,29 @@ bit-identically."""
 
 from __future__ import annotations
 
-import copy
 import os
-import random
 import signal
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_mpstable.callbacks._common import check
-from lit_mpstable.core.attribution import OverflowTracer
+from lit_mpstable.callbacks._resume import (
+    next_epoch_iterator,
+    rank_state,
+    restore_callbacks,
+    restore_plugin,
+    rng_state,
+    set_rng_state,
+    skip_consumed_batches,
+    snapshots,
+    train_iterator,
+)
 
 __all__ = ["PreemptionCheckpoint", "atomic_save"]
 
@@ -203,7 +209,8 @@ class PreemptionCheckpoint(pl.Callback):
     # -------------------------------------------------------------------------------------------- boundary
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._epoch_start is None or self._epoch_start["epoch"] != trainer.current_epoch:
-            self._epoch_start = {"epoch": trainer.current_epoch, "rng": _rng_state(), "iterator": _iterator(trainer),
+            self._epoch_start = {"epoch": trainer.current_epoch, "rng": rng_state(),
+                                 "iterator": train_iterator(trainer),
                                  "after": None}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -240,7 +247,7 @@ class PreemptionCheckpoint(pl.Callback):
     def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, signum: int, batch_idx: int) -> None:
         start = self._epoch_start if self._epoch_start is not None and (
             self._epoch_start["epoch"] == trainer.current_epoch) else None
-        ranks: list[Any] = [{**_rank_state(trainer, self), "epoch_rng": None if start is None else start["rng"]}]
+        ranks: list[Any] = [{**rank_state(trainer, self), "epoch_rng": None if start is None else start["rng"]}]
         if trainer.world_size > 1:
             gathered: list[Any] = [None] * trainer.world_size
             torch.distributed.all_gather_object(gathered, ranks[0])
@@ -248,9 +255,9 @@ class PreemptionCheckpoint(pl.Callback):
         self._to_save = {
             "signal": signum, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
             "batches_in_epoch": batch_idx + 1, "world_size": trainer.world_size, "ranks": ranks,
-            "scale_checkpoint": _snapshots(trainer),
+            "scale_checkpoint": snapshots(trainer),
             "iterator_after_epoch_start": None if start is None else (
-                start["after"] if start["after"] is not None else _iterator(trainer) is not start["iterator"]),
+                start["after"] if start["after"] is not None else train_iterator(trainer) is not start["iterator"]),
         }
         folder = self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir)
         path = folder / self.filename
@@ -292,8 +299,8 @@ class PreemptionCheckpoint(pl.Callback):
                            " continuation is not bit-identical.")
             rank = 0
         entry = state["ranks"][rank]
-        _restore_callbacks(trainer, self, entry["callbacks"], state["scale_checkpoint"])
-        _restore_plugin(trainer, entry["plugin"])
+        restore_callbacks(trainer, self, entry["callbacks"], state["scale_checkpoint"])
+        restore_plugin(trainer, entry["plugin"])
         consumed = int(state["batches_in_epoch"])
         if consumed < trainer.num_training_batches and trainer.current_epoch == state["epoch"]:
             # Mid-epoch: replay the epoch's start (the iterator's seed draw, a RandomSampler's order) from the RNG it
@@ -301,166 +308,13 @@ class PreemptionCheckpoint(pl.Callback):
             after = bool(state["iterator_after_epoch_start"])
             self._epoch_start = {"epoch": trainer.current_epoch, "rng": entry["epoch_rng"], "iterator": None,
                                  "after": after}
-            _skip_consumed_batches(trainer, consumed, entry["epoch_rng"], recreate=after)
-            _set_rng_state(entry["rng"])
+            skip_consumed_batches(trainer, consumed, entry["epoch_rng"], recreate=after)
+            set_rng_state(entry["rng"])
         else:
             # The checkpoint ended the epoch: the uninterrupted run created the next epoch's iterator after it.
-            _set_rng_state(entry["rng"])
-            self._epoch_start = {"epoch": trainer.current_epoch, "rng": _rng_state(), "iterator": None, "after": True}
-            _next_epoch_iterator(trainer)
+            set_rng_state(entry["rng"])
+            self._epoch_start = {"epoch": trainer.current_epoch, "rng": rng_state(), "iterator": None, "after": True}
+            next_epoch_iterator(trainer)
 
 
 # ---------------------------------------------------------------------------------------------------- RNG
-def _rng_state() -> dict[str, Any]:
-    import numpy as np
-
-    keys, pos, has_gauss, gauss = np.random.get_state()[1:]
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "gauss": float(gauss)},
-        "python": [version, list(internal), gauss_next],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    numpy = state["numpy"]
-    np.random.set_state(("MT19937", numpy["keys"].numpy().astype("uint32"), numpy["pos"], numpy["has_gauss"],
-                         numpy["gauss"]))
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# -------------------------------------------------------------------------------------- rank-local state
-# Pieces of state that the run's decisions read but that their owners' state_dict leaves out or holds for rank 0
-# only. Each belongs in its owner's state_dict; until it is there, the preemption checkpoint carries it.
-def _rank_state(trainer: pl.Trainer, own: pl.Callback) -> dict[str, Any]:
-    callbacks = {}
-    for cb in trainer.callbacks:
-        if cb is not own and (state := cb.state_dict()):
-            callbacks[cb.state_key] = copy.deepcopy(state)
-    plugin = trainer.precision_plugin
-    stepper = getattr(plugin, "stepper", None)
-    plugin_state = {} if stepper is None else {
-        "stats": _plain(stepper.stats),  # blame (blamed_modules, nonfinite_input) and telemetry, rank-local
-        "tracer_armed": stepper.observer.tracer is not None,  # the step after an overflow is traced
-    }
-    return {"rng": _rng_state(), "callbacks": callbacks, "plugin": plugin_state}
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with only what ``torch.load(weights_only=True)`` reads: tensors, numbers, strings, lists, dicts."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items() if isinstance(k, str)}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return None
-
-
-def _scale_checkpoints(trainer: pl.Trainer) -> list[Any]:
-    from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
-
-    return [cb for cb in trainer.callbacks if isinstance(cb, ScaleCheckpoint)]
-
-
-def _snapshots(trainer: pl.Trainer) -> list[Any]:
-    """ScaleCheckpoint's rollback snapshots (in memory only; the same on every rank), with their layout key.
-
-    Reads and (in :func:`_restore_callbacks`) writes ScaleCheckpoint's ``_snapshot`` and ``_layout``: it has no public
-    accessor for them yet (to add in scale_checkpoint.py: ``snapshot`` / ``restore_snapshot_state``)."""
-    out = []
-    for cb in _scale_checkpoints(trainer):
-        layout = cb._layout
-        out.append(None if cb._snapshot is None else {
-            "snapshot": cb._snapshot,
-            "layout": None if layout is None else [layout[0], str(layout[1]).removeprefix("torch."), list(layout[2])],
-        })
-    return out
-
-
-def _restore_callbacks(trainer: pl.Trainer, own: pl.Callback, states: Mapping[str, Any], snapshots: list[Any]) -> None:
-    from lit_mpstable.callbacks.amp_preflight import AMPPreflight
-
-    for cb in trainer.callbacks:
-        if cb is not own and cb.state_key in states:
-            cb.load_state_dict(copy.deepcopy(states[cb.state_key]))
-        if isinstance(cb, AMPPreflight) and cb.result:
-            cb.mark_checked()  # it checked the first batch of the run already; a resume is not a new run
-    for cb, saved in zip(_scale_checkpoints(trainer), snapshots):
-        if saved is not None:  # the snapshot of the run, not the one its on_train_start took of the resume point
-            layout = saved["layout"]
-            cb._snapshot = saved["snapshot"]
-            cb._layout = None if layout is None else (layout[0], getattr(torch, layout[1]), tuple(layout[2]))
-
-
-def _restore_plugin(trainer: pl.Trainer, state: Mapping[str, Any]) -> None:
-    stepper = getattr(trainer.precision_plugin, "stepper", None)
-    if stepper is None or not state:
-        return
-    stepper.stats.clear()
-    stepper.stats.update(copy.deepcopy(state["stats"]))
-    observer, module = stepper.observer, stepper.layout.module
-    if state["tracer_armed"] and observer.tracer is None and module is not None:
-        observer.tracer = OverflowTracer(module).attach()
-
-
-# --------------------------------------------------------------------------------------------------- data
-# Lightning's privates, on purpose: the fit loop's loader and fetcher (``_combined_loader``, ``_data_fetcher``) and the
-# CombinedLoader's ``_iterator`` have no public accessor, and the exact data position needs them.
-def _loaders(trainer: pl.Trainer) -> list[Any]:
-    combined = trainer.fit_loop._combined_loader
-    return [] if combined is None else list(combined.flattened)
-
-
-def _iterator(trainer: pl.Trainer) -> Any:
-    """The train loader's current iterator object (a new one each time Lightning calls ``iter`` on it)."""
-    combined = trainer.fit_loop._combined_loader
-    return None if combined is None else combined._iterator
-
-
-def _next_epoch_iterator(trainer: pl.Trainer) -> None:
-    """The checkpoint ended an epoch: the uninterrupted run created the next epoch's iterator after it, drawing the
-    iterator's seed from the global RNG (DataLoader does, whatever its workers); the resumed run created one before
-    the RNG was restored. Create it again, now."""
-    loaders, fetcher = _loaders(trainer), trainer.fit_loop._data_fetcher
-    if loaders and fetcher is not None and not any(isinstance(loader, _Stateful) for loader in loaders):
-        iter(fetcher)
-
-
-def _skip_consumed_batches(trainer: pl.Trainer, consumed: int, epoch_rng: Mapping[str, Any] | None,
-                           recreate: bool) -> None:
-    """Replay the start of the epoch of a loader without state and skip the batches it already trained on: from the
-    RNG at the epoch's start, a new iterator where the epoch created one after that point (its seed draw), then
-    ``consumed`` batches (a RandomSampler draws its order at the first)."""
-    loaders = _loaders(trainer)
-    fetcher = trainer.fit_loop._data_fetcher
-    if not loaders or fetcher is None or all(isinstance(loader, _Stateful) for loader in loaders):
-        return  # Lightning restored their positions
-    if getattr(fetcher, "batches", None):
-        rank_zero_warn("PreemptionCheckpoint: the train loader has no length (it was prefetched), so the resumed epoch"
-                       " starts from its beginning; make it stateful (state_dict/load_state_dict) to resume exactly.")
-        return
-    for loader in loaders:  # the epoch's order, as Lightning sets it at the epoch's start (not yet, on a resume)
-        _set_sampler_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
-    if epoch_rng is not None:
-        _set_rng_state(epoch_rng)
-        if recreate:
-            iter(fetcher)
-    elif any(isinstance(getattr(loader, "sampler", None), torch.utils.data.RandomSampler) for loader in loaders):
-        rank_zero_warn("PreemptionCheckpoint: the checkpoint does not hold the RNG the epoch started from, so the"
-                       " RandomSampler's order of the resumed epoch differs from the interrupted one.")
-    for _ in range(consumed):
-        next(fetcher.iterator)
