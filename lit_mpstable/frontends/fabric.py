@@ -95,6 +95,8 @@ class StablePrecision(StableFrontEnd, Precision):
         device: ``"cpu"`` or ``"cuda"``; the model's device wins from the first forward on.
         telemetry_every_n_steps: gradient telemetry into :attr:`stats` every N optimizer steps; ``None``: off.
         diagnose: trace every step for the first module producing inf/NaN (costly).
+        spike_guard: ``None`` or a :class:`~lit_mpstable.SpikeGuard`: a step whose loss or gradient norm spikes is
+            skipped like an overflow (no scale backoff), decided on the device with no extra host read.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).

@@ -41,6 +41,8 @@ class StablePrecision(TrainerPrecision, Precision):
             (one host sync on those steps only, aligned with Lightning's ``log_every_n_steps``); ``None``: off.
         diagnose: trace every step for the first module producing inf/NaN (costly); by default only the step
             after an overflow is traced.
+        spike_guard: ``None`` or a :class:`~lit_mpstable.SpikeGuard`: a step whose loss or gradient norm spikes is
+            skipped like an overflow (no scale backoff), decided on the device with no extra host read.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).
