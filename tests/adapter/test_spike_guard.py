@@ -1,0 +1,162 @@
+"""SpikeGuard wired into the step: a loss spike and a gradient spike are skipped like an overflow (no scale backoff,
+no overflow counted, LR held), on a plain PrecisionStepper loop, the Trainer and Fabric, with no extra host read,
+under torch.compile, on 2 DDP ranks, and resumed exactly mid-window."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import HostReads, TinyMLP, regression_data
+from torch import nn
+
+from lit_mpstable import SpikeGuard
+from lit_mpstable.core.stepper import PrecisionStepper
+
+STEPS, SPIKE_AT = 16, 12
+
+
+def guard() -> SpikeGuard:
+    return SpikeGuard(zscore=6.0, window=16, warmup=5)
+
+
+def spike_(kind: str, loss: torch.Tensor) -> torch.Tensor:
+    return loss * 1e4 if kind == "loss_spike" else loss
+
+
+def grad_spike_(model: nn.Module) -> None:
+    """FaultInjector's gradient spike, by hand: every 100th coordinate of fc1's weight gradient x1000 (scaled or
+    not, the factor is the same)."""
+    model.fc1.weight.grad.view(-1)[::100] *= 1e3
+
+
+class Loop:
+    """A plain PrecisionStepper loop over the regression data (batch 16, cycling), AdamW."""
+
+    def __init__(self, precision="bf16-mixed", spike_guard=None, seed=0, compile=False, **kwargs) -> None:
+        torch.manual_seed(seed)
+        self.model = TinyMLP()
+        self.stepper = PrecisionStepper(precision, device="cpu", spike_guard=spike_guard, **kwargs)
+        self.stepper.setup_module(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=1, gamma=0.9)
+        self.stepper.setup_optimizers(self.model, [self.opt], [self.sched])
+        self.forward = torch.compile(self.model, backend="aot_eager") if compile else self.model
+        self.x, self.y = regression_data(64)
+        self.lrs: list[float] = []
+        self.skipped: list[bool] = []
+
+    def batch(self, i: int):
+        j = (i % 4) * 16
+        return self.x[j:j + 16], self.y[j:j + 16]
+
+    def run_step(self, i: int, kind: str | None = None) -> None:
+        x, y = self.batch(i)
+        with self.stepper.forward_context():
+            loss = nn.functional.mse_loss(self.forward(self.stepper.convert_input(x)).float(), y)
+        if kind == "loss_spike":
+            loss = loss * 1e4
+        self.stepper.scale_loss(loss).backward()
+        if kind == "grad_spike":
+            grad_spike_(self.model)
+        self.stepper.step(self.opt)
+        self.opt.zero_grad()
+        if not self.stepper.last_step_skipped:
+            self.sched.step()
+        self.lrs.append(self.opt.param_groups[0]["lr"])
+        self.skipped.append(self.stepper.last_step_skipped)
+
+    def run(self, faults: dict[int, str] = {}, batches=None) -> Loop:  # noqa: B006
+        for i in batches if batches is not None else range(STEPS):
+            self.run_step(i, faults.get(i))
+        return self
+
+
+@pytest.mark.parametrize("kind", ["loss_spike", "grad_spike"])
+def test_plain_loop_skips_a_spike_like_a_step_never_seen(kind):
+    run = Loop(spike_guard=guard()).run({SPIKE_AT: kind})
+    assert run.skipped == [i == SPIKE_AT for i in range(STEPS)]
+    assert run.stepper.last_step_skipped is False and int(run.stepper.spike_guard.spikes_skipped) == 1
+    assert run.stepper.overflow_count == 0 and run.stepper.skipped_steps == 1
+    assert run.lrs[SPIKE_AT] == run.lrs[SPIKE_AT - 1]  # LR held on the skipped step
+    # The same optimizer that never saw the batch: equal weights, Adam step count and moments (bias correction).
+    ref = Loop().run(batches=[i for i in range(STEPS) if i != SPIKE_AT])
+    for p, q in zip(run.model.parameters(), ref.model.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(run.opt.state[p]["step"], ref.opt.state[q]["step"])
+        assert torch.equal(run.opt.state[p]["exp_avg_sq"], ref.opt.state[q]["exp_avg_sq"])
+    assert float(run.opt.state[next(run.model.parameters())]["step"]) == STEPS - 1
+
+
+def test_spike_does_not_back_off_the_fp16_scale():
+    # A gradient spike: a x1e4 loss would overflow FP16's backward itself (a true overflow, rightly backed off).
+    run = Loop("16-mixed", spike_guard=guard()).run({SPIKE_AT: "grad_spike"})
+    ref = Loop("16-mixed").run(batches=[i for i in range(STEPS) if i != SPIKE_AT])
+    assert run.skipped[SPIKE_AT] and run.stepper.overflow_count == ref.stepper.overflow_count
+    assert run.stepper.loss_scale == ref.stepper.loss_scale
+
+
+def test_clean_run_is_unchanged_by_the_guard():
+    run, ref = Loop(spike_guard=guard()).run(), Loop().run()
+    assert not any(run.skipped)
+    for p, q in zip(run.model.parameters(), ref.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_discarded_batch_never_enters_the_statistics():
+    run = Loop(spike_guard=guard()).run(batches=range(8))
+    before = run.stepper.spike_guard.state_dict()
+    x, y = run.batch(0)
+    with run.stepper.forward_context():
+        loss = nn.functional.mse_loss(run.model(x).float(), y)
+    run.stepper.scale_loss(loss * 1e4).backward()
+    run.stepper.skip_step()
+    run.stepper.step(run.opt)
+    after = run.stepper.spike_guard.state_dict()
+    assert all(torch.equal(before[k], after[k]) if isinstance(before[k], torch.Tensor) else before[k] == after[k]
+               for k in before)
+
+
+@pytest.mark.parametrize("precision, masters", [("bf16-mixed", True), ("16-mixed", True), ("bf16-true", True),
+                                                ("bf16-true", "kahan")])
+def test_no_extra_host_read_on_clean_steps(precision, masters):
+    reads = {}
+    # A first run in the process pays one-time reads (the compact step's compile attempt): not what is compared.
+    Loop(precision, master_weights=masters).run(batches=range(9))
+    for on in (False, True):
+        run = Loop(precision, spike_guard=guard() if on else None, master_weights=masters).run(batches=range(8))
+        with HostReads() as seen:
+            run.run_step(8)
+        assert not run.skipped[-1]
+        reads[on] = seen.ops
+    assert reads[True] == reads[False]
+    assert "_local_scalar_dense" in reads[False]  # the skip decision (and AdamW's own reads of its step counts)
+
+
+def test_constructor_refuses_a_non_guard():
+    with pytest.raises(TypeError, match="spike_guard=6.0"):
+        PrecisionStepper("bf16-mixed", spike_guard=6.0)
+    with pytest.raises(ValueError, match="skip_nonfinite"):
+        PrecisionStepper("bf16-mixed", scaler=None, skip_nonfinite=False, spike_guard=SpikeGuard())
+
+
+def test_state_resumes_mid_window_exactly():
+    run = Loop(spike_guard=guard()).run({SPIKE_AT: "grad_spike"})
+    state = copy.deepcopy(run.stepper.state_dict())
+    assert state["spike_guard"]["grad_norm_count"] == STEPS - 1
+    fresh = Loop(spike_guard=guard())
+    fresh.stepper.load_state_dict(state)
+    assert torch.equal(fresh.stepper.spike_guard.state_dict()["loss"], state["spike_guard"]["loss"])
+    assert int(fresh.stepper.spike_guard.spikes_skipped) == 1
+    assert Loop().stepper.state_dict()["spike_guard"] == {}
+    legacy = {k: v for k, v in Loop().stepper.state_dict().items() if k != "spike_guard"}
+    Loop(spike_guard=guard()).stepper.load_state_dict(legacy)  # a checkpoint from before SpikeGuard
+
+
+@pytest.mark.slow
+def test_compiled_model_decides_as_eager():
+    faults = {10: "loss_spike", 13: "grad_spike"}
+    eager = Loop(spike_guard=guard()).run(faults)
+    compiled = Loop(spike_guard=guard(), compile=True).run(faults)
+    assert compiled.skipped == eager.skipped == [i in faults for i in range(STEPS)]
