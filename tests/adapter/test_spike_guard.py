@@ -162,3 +162,107 @@ def test_compiled_model_decides_as_eager():
     eager = Loop(spike_guard=guard()).run(faults)
     compiled = Loop(spike_guard=guard(), compile=True).run(faults)
     assert compiled.skipped == eager.skipped == [i in faults for i in range(STEPS)]
+
+
+# ------------------------------------------------------------------------------------------------ Trainer
+def _fit(kind_at: dict[int, str], *, max_steps=STEPS, ckpt_path=None, callbacks=(), on=True, **trainer_kwargs):
+    from cb_helpers import PoisonModule, Recorder, quiet
+    from helpers import make_trainer
+    from trainer_pkg import StablePrecision
+
+    from lit_mpstable.faults import FaultInjector
+
+    torch.manual_seed(0)
+    module = PoisonModule(optimizer="adamw", scheduler=True, lr=0.01)
+    plugin = StablePrecision("bf16-mixed", spike_guard=guard() if on else None)
+    recorder = Recorder()
+    injector = FaultInjector(dict(kind_at), module="model.fc1") if kind_at else None
+    cbs = [c for c in (injector, *callbacks, recorder) if c is not None]
+    with quiet():
+        trainer = make_trainer(plugin, callbacks=cbs, max_steps=max_steps, **trainer_kwargs)
+        trainer.fit(module, ckpt_path=ckpt_path)
+    return plugin, recorder, module, trainer
+
+
+@pytest.mark.parametrize("kind", ["loss_spike", "grad_spike"])
+def test_trainer_skips_a_spike(kind):
+    from trainer_pkg import NAME
+
+    if NAME != "lightning.pytorch":
+        pytest.skip("FaultInjector is a lightning.pytorch callback")
+    plugin, recorder, module, _ = _fit({SPIKE_AT: kind})
+    assert recorder.skipped == [i == SPIKE_AT for i in range(STEPS)]
+    assert int(plugin.spike_guard.spikes_skipped) == 1 and plugin.overflow_count == 0
+    assert recorder.lrs[SPIKE_AT] == recorder.lrs[SPIKE_AT - 1]
+    opt = module.trainer.optimizers[0]
+    assert float(opt.state[next(module.parameters())]["step"]) == STEPS - 1
+
+
+def test_overflow_monitor_logs_the_spike_metrics():
+    from cb_helpers import PoisonModule  # noqa: F401  (Lightning imported)
+    from trainer_pkg import NAME, pl
+
+    from lit_mpstable.callbacks import OverflowMonitor
+
+    if NAME != "lightning.pytorch":
+        pytest.skip("FaultInjector is a lightning.pytorch callback")
+
+    class Logged(pl.Callback):
+        def __init__(self):
+            self.metrics = {}
+
+        def on_train_batch_end(self, trainer, *args):
+            self.metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("mp/")})
+
+    logged = Logged()
+    _fit({SPIKE_AT: "loss_spike"}, callbacks=[OverflowMonitor(log_every_n_steps=1), logged], log_every_n_steps=1)
+    assert logged.metrics["mp/spikes_skipped"] == 1.0
+    assert "mp/loss_zscore" in logged.metrics and "mp/grad_norm_zscore" in logged.metrics
+
+
+def test_trainer_resume_mid_window_is_exact(tmp_path):
+    from trainer_pkg import NAME, pl
+
+    if NAME != "lightning.pytorch":
+        pytest.skip("FaultInjector is a lightning.pytorch callback")
+    faults = {6: "grad_spike", SPIKE_AT: "loss_spike"}
+    full, rec_full, module_full, _ = _fit(faults)
+    # Saved at an epoch's end (4 batches an epoch): the resumed loader starts where the full run's next epoch did.
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=8, save_top_k=-1)
+    _fit(faults, max_steps=8, callbacks=[ckpt], enable_checkpointing=True)
+    path = next(tmp_path.glob("*step=8*.ckpt"))
+    resumed, rec, module, _ = _fit(faults, ckpt_path=str(path))
+    assert rec.skipped == rec_full.skipped[8:]
+    a, b = full.spike_guard.state_dict(), resumed.spike_guard.state_dict()
+    assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+    assert int(b["spikes_skipped"]) == 2
+    for p, q in zip(module_full.parameters(), module.parameters()):
+        assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------------------------------ Fabric
+@pytest.mark.parametrize("kind", ["loss_spike", "grad_spike"])
+def test_fabric_skips_a_spike(kind):
+    from lightning.fabric import Fabric
+
+    from lit_mpstable.fabric import StablePrecision
+
+    torch.manual_seed(0)
+    plugin = StablePrecision("bf16-mixed", spike_guard=guard())
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = TinyMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fabric.setup(model, opt)
+    x, y = regression_data(64)
+    skipped = []
+    for i in range(STEPS):
+        j = (i % 4) * 16
+        loss = nn.functional.mse_loss(model(x[j:j + 16]).float(), y[j:j + 16])
+        fabric.backward(spike_(kind, loss) if i == SPIKE_AT else loss)
+        if kind == "grad_spike" and i == SPIKE_AT:
+            grad_spike_(model.module)
+        opt.step()
+        opt.zero_grad()
+        skipped.append(plugin.last_step_skipped)
+    assert skipped == [i == SPIKE_AT for i in range(STEPS)]
+    assert int(plugin.spike_guard.spikes_skipped) == 1 and plugin.overflow_count == 0
