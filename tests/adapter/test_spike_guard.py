@@ -266,3 +266,52 @@ def test_fabric_skips_a_spike(kind):
         skipped.append(plugin.last_step_skipped)
     assert skipped == [i == SPIKE_AT for i in range(STEPS)]
     assert int(plugin.spike_guard.spikes_skipped) == 1 and plugin.overflow_count == 0
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+def _ddp_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """Two gloo ranks, a plain DDP loop through PrecisionStepper; rank 1 alone gets a gradient spike at step 10
+    (after DDP's all-reduce) and a loss spike at step 13 (its own loss only)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = TinyMLP()
+        stepper = PrecisionStepper("bf16-mixed", device="cpu", spike_guard=guard())
+        stepper.setup_module(model)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stepper.setup_optimizers(model, [opt])
+        x, y = regression_data(64)
+        x, y = x[rank::2], y[rank::2]
+        skipped = []
+        for i in range(STEPS):
+            j = (i % 2) * 16
+            with stepper.forward_context():
+                loss = nn.functional.mse_loss(ddp(x[j:j + 16]).float(), y[j:j + 16])
+            if rank == 1 and i == 13:
+                loss = loss * 1e4
+            stepper.scale_loss(loss).backward()
+            if rank == 1 and i == 10:
+                grad_spike_(model)
+            stepper.step(opt)
+            opt.zero_grad()
+            skipped.append(stepper.last_step_skipped)
+        torch.save({"skipped": skipped, "spikes": int(stepper.spike_guard.spikes_skipped),
+                    "weights": {k: v.clone() for k, v in model.state_dict().items()}}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_spike_on_one_rank_is_skipped_on_both(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_ddp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    expected = [i in (10, 13) for i in range(STEPS)]
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == expected
+    assert ranks[0]["spikes"] == ranks[1]["spikes"] == 2
+    for k, v in ranks[0]["weights"].items():
+        assert torch.equal(v, ranks[1]["weights"][k])
