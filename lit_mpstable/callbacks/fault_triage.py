@@ -62,15 +62,15 @@ class FaultTriage(PluginCallback):
     costs nothing more: its verdict is the plugin's ``last_step_skipped``, read after the sync the skip decision
     already made.
 
-    A rejected step is triaged when the loss scale does not explain it, or when the plugin's SpikeGuard rejected it as a
-    spike (a replay then counts as clean only if it is finite and not a spike by the guard's current statistics): its loss was non-finite (the scale only
+    A rejected step is triaged when the loss scale does not explain it: its loss was non-finite (the scale only
     multiplies after the loss), its batch held inf/NaN (``stats["nonfinite_input"]``), its gradients overflowed with no
     scaler or a scale already at 1, or inf/NaN entered after the gradient check (``stats["nonfinite_after_check"]``:
     the weights or the optimizer state). A routine FP16 overflow at a scale above 1 is the scaler's business: not
     replayed. The same batch is then replayed with the RNG restored, at most ``max_replays`` times, up the
     :class:`Replay` ladder: as is, in FP32 (``plugin.full_precision()``; skipped where FSDP2 fixed the precision), from
     ScaleCheckpoint's last snapshot (skipped without one). A replay is clean when its loss, its gradients, the weights and the optimizer state are all finite
-    on every rank. The first clean replay names the kind:
+    on every rank. A step the plugin's SpikeGuard rejected as a spike is triaged too; its replay counts as clean only
+    if it is also not a spike by the guard's current statistics (judged without folding anything into them). The first clean replay names the kind:
 
     - ``"transient"``: the as-is replay's step is applied through the plugin (clipping, hooks, masters, counters):
       nothing is skipped;

@@ -315,3 +315,22 @@ def test_ddp_spike_on_one_rank_is_skipped_on_both(tmp_path):
     assert ranks[0]["spikes"] == ranks[1]["spikes"] == 2
     for k, v in ranks[0]["weights"].items():
         assert torch.equal(v, ranks[1]["weights"][k])
+
+
+def test_clip_zscore_clips_to_the_adaptive_threshold():
+    # Only the loss is watched: a gradient spike is not skipped, it is clipped to mean + 2.5 std of the recent norms.
+    zclip = SpikeGuard(window=16, warmup=5, watch=("loss",), clip_zscore=2.5)
+    run = Loop(spike_guard=zclip).run(batches=range(SPIKE_AT))
+    x, y = run.batch(SPIKE_AT)
+    with run.stepper.forward_context():
+        loss = nn.functional.mse_loss(run.model(x).float(), y)
+    run.stepper.scale_loss(loss).backward()
+    grad_spike_(run.model)
+    run.stepper.unscale_(run.opt)
+    threshold = zclip.clip_threshold()
+    assert torch.isfinite(threshold)
+    norm = run.stepper.clip_grad_norm_(run.opt, 1e9)  # the user's limit is far above: the adaptive one clips
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in run.model.parameters()]))
+    assert norm > threshold and torch.allclose(clipped, threshold, rtol=1e-4)
+    run.stepper.step(run.opt)
+    assert not run.stepper.last_step_skipped
