@@ -334,3 +334,20 @@ def test_clip_zscore_clips_to_the_adaptive_threshold():
     assert norm > threshold and torch.allclose(clipped, threshold, rtol=1e-4)
     run.stepper.step(run.opt)
     assert not run.stepper.last_step_skipped
+
+
+def test_fault_triage_replays_a_spike_and_keeps_it_out():
+    from trainer_pkg import NAME
+
+    from lit_mpstable.callbacks import FaultTriage
+
+    if NAME != "lightning.pytorch":
+        pytest.skip("FaultInjector is a lightning.pytorch callback")
+    triage = FaultTriage()
+    plugin, recorder, module, _ = _fit({SPIKE_AT: "loss_spike"}, callbacks=[triage])
+    assert [e["step"] for e in triage.events] == [SPIKE_AT]
+    # The injected spike comes back in every replay: the batch is judged bad and stays skipped.
+    assert triage.events[0]["kind"] == "data"
+    assert triage.events[0]["replays"][:2] == ["as_is:nonfinite", "fp32:nonfinite"]  # rejected: spikes again
+    assert recorder.skipped[SPIKE_AT] and int(plugin.spike_guard.spikes_skipped) == 1
+    assert float(module.trainer.optimizers[0].state[next(module.parameters())]["step"]) == STEPS - 1
