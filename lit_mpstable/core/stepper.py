@@ -301,6 +301,8 @@ class PrecisionStepper(StepperStatus, StepperState):
 
     def count_unchecked_step(self, optimizer: Optimizer | None = None) -> None:
         """Count a step the front end took itself, unchecked (LBFGS evaluates its closure inside ``step``)."""
+        if self.spike_guard is not None:
+            self.spike_guard.forget_()  # an unchecked step is not judged: its losses must not pile up as pending
         self._record(skipped=False, overflow=False, optimizer=optimizer)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
