@@ -351,3 +351,18 @@ def test_fault_triage_replays_a_spike_and_keeps_it_out():
     assert triage.events[0]["replays"][:2] == ["as_is:nonfinite", "fp32:nonfinite"]  # rejected: spikes again
     assert recorder.skipped[SPIKE_AT] and int(plugin.spike_guard.spikes_skipped) == 1
     assert float(module.trainer.optimizers[0].state[next(module.parameters())]["step"]) == STEPS - 1
+
+
+def test_scale_checkpoint_leaves_detection_to_the_guard():
+    from trainer_pkg import NAME
+
+    from lit_mpstable.callbacks import ScaleCheckpoint
+
+    if NAME != "lightning.pytorch":
+        pytest.skip("FaultInjector is a lightning.pytorch callback")
+    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=2)
+    plugin, recorder, _, _ = _fit({SPIKE_AT: "loss_spike"}, callbacks=[checkpoint])
+    assert checkpoint.losses == type(checkpoint.losses)()  # it read no loss: the guard owns detection
+    assert [(e["step"], e["action"]) for e in checkpoint.events] == [(SPIKE_AT, "skip")]
+    assert "SpikeGuard" in checkpoint.events[0]["kind"] and checkpoint.skips == 1 and checkpoint.rollbacks == 0
+    assert recorder.skipped == [i == SPIKE_AT for i in range(STEPS)] and int(plugin.spike_guard.spikes_skipped) == 1
