@@ -366,3 +366,14 @@ def test_scale_checkpoint_leaves_detection_to_the_guard():
     assert [(e["step"], e["action"]) for e in checkpoint.events] == [(SPIKE_AT, "skip")]
     assert "SpikeGuard" in checkpoint.events[0]["kind"] and checkpoint.skips == 1 and checkpoint.rollbacks == 0
     assert recorder.skipped == [i == SPIKE_AT for i in range(STEPS)] and int(plugin.spike_guard.spikes_skipped) == 1
+
+
+@pytest.mark.parametrize("precision, masters", [("bf16-true", True), ("bf16-true", "kahan"), ("16-mixed", True),
+                                                ("16-true", True)])
+@pytest.mark.parametrize("kind", ["loss_spike", "grad_spike"])
+def test_every_weight_keeper_skips_a_spike(precision, masters, kind):
+    if (kind == "loss_spike" and precision.startswith("16")) or (kind, precision) == ("grad_spike", "16-true"):
+        pytest.skip("x1e4 on the loss (x1e3 on a scaled FP16 gradient) overflows FP16: a true overflow, handled as one")
+    run = Loop(precision, spike_guard=guard(), master_weights=masters).run({SPIKE_AT: kind})
+    assert run.skipped == [i == SPIKE_AT for i in range(STEPS)]
+    assert int(run.stepper.spike_guard.spikes_skipped) == 1 and run.stepper.overflow_count == 0
