@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lit_mpstable import StablePrecision
+from lit_mpstable import SpikeGuard, StablePrecision
 from lit_mpstable.callbacks import (
     AMPPreflight,
     FaultTriage,
@@ -104,6 +104,7 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, tuple[Oracle, list[Any]]]]]
         "telemetry_every_n_steps": (optional(ints(1, INT32_MAX)), [None, 1]),
         "diagnose": (boolean, [True]),
         "scaler": (optional(one_of("auto")), ["auto", None]),  # named scalers need an FP16 precision (bf16 default)
+        "spike_guard": (lambda v: v is None or isinstance(v, SpikeGuard), [None, SpikeGuard()]),
         "fp8": (lambda v: v is None or one_of(*RECIPES)(v) or v in ({}, {"margin": 1}),
                 ["current", "nvfp4", {"margin": 1}, {"marginn": 1}]),
         "op_policy": (lambda v: one_of("autocast", "auto")(v) or v in ({}, {"attention": "fp32"}),
@@ -168,6 +169,12 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, tuple[Oracle, list[Any]]]]]
         "max_replays": (ints(1, 3), [1, 3]),
     }),
 }
+CASES["SpikeGuard"] = (SpikeGuard, {
+    "zscore": (reals(0, lo_open=True), [6.0, 0.5]),
+    "window": (ints(2, 2**20), [2, 128, 2**20]),
+    "warmup": (ints(2, INT32_MAX), [2, 20]),
+    "clip_zscore": (optional(reals(0, lo_open=True)), [None, 2.5]),
+})
 CASES["StablePrecision"] = (StablePrecision, CASES["PrecisionStepper"][1])  # the same arguments, passed through
 PARAMS = [(name, arg) for name, (_, args) in CASES.items() for arg in args]
 

@@ -29,6 +29,7 @@ __all__ = [
     "PrecisionProbeConfig",
     "SCHEMAS",
     "ScaleCheckpointConfig",
+    "SpikeGuardConfig",
     "StablePrecisionConfig",
     "StaticLossScalerConfig",
     "derive_schema",
@@ -143,6 +144,8 @@ PrecisionFallbackConfig = derive_schema("lit_mpstable.callbacks.PrecisionFallbac
 PrecisionProbeConfig = derive_schema("lit_mpstable.callbacks.PrecisionProbe")
 ScaleCheckpointConfig = derive_schema("lit_mpstable.callbacks.ScaleCheckpoint")
 AMPPreflightConfig = derive_schema("lit_mpstable.callbacks.AMPPreflight")
+SpikeGuardConfig = derive_schema("lit_mpstable.SpikeGuard")
+"""``plugin.spike_guard``: ``null`` (the default: off) or ``{_target_: lit_mpstable.SpikeGuard, zscore: 6.0, ...}``."""
 
 SCHEMAS: dict[str, type] = {
     "stable_precision": StablePrecisionConfig,
@@ -155,6 +158,7 @@ SCHEMAS: dict[str, type] = {
     "precision_probe": PrecisionProbeConfig,
     "scale_checkpoint": ScaleCheckpointConfig,
     "amp_preflight": AMPPreflightConfig,
+    "spike_guard": SpikeGuardConfig,
 }
 """ConfigStore names (``schema/<name>``) of the schemas; the YAML options under ``callbacks/`` and ``scaler/`` use
 the same names."""

@@ -40,7 +40,7 @@ __all__ = [
 METRIC_NAMES = (
     "mp/loss_scale", "mp/overflow_rate", "mp/skipped_steps", "mp/grad_norm", "mp/grad_underflow_frac",
     "mp/fallback_active", "mp/rollbacks", "mp/fp8_saturation_frac", "mp/fp8_underflow_frac", "mp/grad_rel_error",
-    "mp/grad_cosine", "mp/triage_events",
+    "mp/grad_cosine", "mp/triage_events", "mp/spikes_skipped", "mp/grad_norm_zscore", "mp/loss_zscore",
 )
 _PROG_BAR = frozenset({"mp/loss_scale", "mp/overflow_rate"})
 # Telemetry logged on the step it was measured. grad_underflow_frac is not among them: the telemetry's is a forecast
@@ -288,13 +288,23 @@ def _scalar(value: Any, dtype: torch.dtype) -> float | torch.Tensor | None:
 
 def plugin_metrics(plugin: Any, *, overflow_rate: float) -> dict[str, Any]:
     """The ``mp/*`` values of the plugin's state after this step: the loss scale (only when scaling; reading it
-    synchronises: call on logging steps), the windowed ``overflow_rate`` given, skipped steps, fallback."""
+    synchronises: call on logging steps), the windowed ``overflow_rate`` given, skipped steps, fallback, and with a
+    SpikeGuard the spikes skipped and the last z-scores (one more read, on the same logging steps)."""
     values: dict[str, Any] = {"mp/loss_scale": plugin.loss_scale} if plugin.scaler is not None else {}
     values.update({
         "mp/overflow_rate": overflow_rate,
         "mp/skipped_steps": float(plugin.skipped_steps),
         "mp/fallback_active": float(plugin.fallback_active),
     })
+    guard = getattr(plugin, "spike_guard", None)
+    if guard is not None:
+        # SpikeGuard's device values in one read (this runs on logging steps only); a z-score not measured on the
+        # last judged step (NaN) is left out rather than logged as a value.
+        spikes, grad_z, loss_z = torch.stack([guard.spikes_skipped.float(), guard.grad_norm_zscore.float(),
+                                              guard.loss_zscore.float()]).tolist()
+        values["mp/spikes_skipped"] = spikes
+        values.update({name: z for name, z in (("mp/grad_norm_zscore", grad_z), ("mp/loss_zscore", loss_z))
+                       if math.isfinite(z)})
     return values
 
 

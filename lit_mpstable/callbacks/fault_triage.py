@@ -76,7 +76,8 @@ class FaultTriage(PluginCallback):
     replayed. The same batch is then replayed with the RNG restored, at most ``max_replays`` times, up the
     :class:`Replay` ladder: as is, in FP32 (``plugin.full_precision()``; skipped where FSDP2 fixed the precision), from
     ScaleCheckpoint's last snapshot (skipped without one). A replay is clean when its loss, its gradients, the weights and the optimizer state are all finite
-    on every rank. The first clean replay names the kind:
+    on every rank. A step the plugin's SpikeGuard rejected as a spike is triaged too; its replay counts as clean only
+    if it is also not a spike by the guard's current statistics (judged without folding anything into them). The first clean replay names the kind:
 
     - ``"transient"``: the as-is replay's step is applied through the plugin (clipping, hooks, masters, counters):
       nothing is skipped;
@@ -173,7 +174,8 @@ class FaultTriage(PluginCallback):
 
     # ------------------------------------------------------------------------------------------------ triage
     def _needs_triage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, overflows: int) -> bool:
-        """Whether the loss scale leaves this rejection unexplained (host reads on rejected steps only)."""
+        """Whether the loss scale leaves this rejection unexplained, or the plugin's SpikeGuard made it (host reads on
+        rejected steps only)."""
         plugin = self._plugin
         loss = plugin.last_loss
         stats = plugin.stats
@@ -182,6 +184,7 @@ class FaultTriage(PluginCallback):
             bool(overflows and stats.get("nonfinite_input")),
             bool(overflows and (plugin.scaler is None or plugin.loss_scale <= 1.0)),
             bool(not overflows and stats.get("nonfinite_after_check")),
+            bool(getattr(plugin, "last_step_spiked", False)),  # the plugin's SpikeGuard rejected it
         ]
         return any(any_rank(trainer, flags, pl_module.device))
 
@@ -210,7 +213,8 @@ class FaultTriage(PluginCallback):
             context = plugin.full_precision() if replay is Replay.FP32 else nullcontext()
             with context:
                 loss, names = self._replay(trainer, pl_module, optimizer, batch, trace=replay is Replay.AS_IS)
-                clean = not any_rank(trainer, [not _finite(pl_module, optimizer, loss)], pl_module.device)[0]
+                bad = not _finite(pl_module, optimizer, loss) or _spikes(plugin, pl_module, loss)
+                clean = not any_rank(trainer, [bad], pl_module.device)[0]
                 outcomes.append(f"{replay.name.lower()}:{'clean' if clean else 'nonfinite'}")
                 if replay is Replay.AS_IS:
                     traced = names
@@ -223,6 +227,8 @@ class FaultTriage(PluginCallback):
                 else:
                     optimizer.zero_grad(set_to_none=True)
                     pl_module.zero_grad(set_to_none=True)
+                    if getattr(plugin, "spike_guard", None) is not None:
+                        plugin.spike_guard.forget_()  # a rejected replay's loss and norm never enter the statistics
             if not clean and backup is not None:
                 restore_snapshot(trainer, pl_module, plugin, backup)  # the trial from the snapshot is undone
             replay = next_replay(replay, clean, self.max_replays)
@@ -281,6 +287,21 @@ def _step_schedules(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_id
     for config in trainer.lr_scheduler_configs:
         if config.interval == "step" and not config.reduce_on_plateau and (batch_idx + 1) % config.frequency == 0:
             pl_module.lr_scheduler_step(config.scheduler, None)
+
+
+def _spikes(plugin: Any, pl_module: torch.nn.Module, loss: torch.Tensor | None) -> bool:
+    """Whether the plugin's SpikeGuard (if any) judges the replay a spike by its current statistics: its loss (given
+    by the replay's backward) and its gradients' norm (unscaled by the loss scale). Nothing is committed: a clean
+    replay's step judges and folds again. One host read (events only)."""
+    guard = getattr(plugin, "spike_guard", None)
+    if guard is None or loss is None:
+        return False
+    grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+    if not grads:
+        return False
+    norms = torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads])
+    norm = torch.linalg.vector_norm(norms, 2) / (plugin.loss_scale if plugin.scaler is not None else 1.0)
+    return bool(guard.decide(norm))
 
 
 def _finite(pl_module: torch.nn.Module, optimizer: Any, loss: torch.Tensor | None) -> bool:

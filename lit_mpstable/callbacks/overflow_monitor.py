@@ -29,7 +29,8 @@ __all__ = ["OverflowMonitor"]
 
 class OverflowMonitor(PluginCallback):
     """Logs ``mp/loss_scale`` (when a scaler runs: also in the progress bar, with the rate), ``mp/overflow_rate``,
-    ``mp/skipped_steps``, ``mp/fallback_active`` and, on the steps the plugin's telemetry measured them,
+    ``mp/skipped_steps``, ``mp/fallback_active``, with a SpikeGuard ``mp/spikes_skipped``, ``mp/grad_norm_zscore``
+    and ``mp/loss_zscore`` (read on logging steps only), and, on the steps the plugin's telemetry measured them,
     ``mp/grad_norm`` and ``mp/fp8_*``, through ``LightningModule.log`` (every logger sees them); warns, naming the
     modules blamed for the last overflow, each time the overflow rate over a full window rises above ``warn_rate``.
     (``mp/rollbacks`` is ScaleCheckpoint's to log, ``mp/grad_underflow_frac`` PrecisionProbe's.)

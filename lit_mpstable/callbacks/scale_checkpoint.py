@@ -61,6 +61,11 @@ class ScaleCheckpoint(PluginCallback):
     - After ``max_rollbacks`` rollbacks the next one raises ``RuntimeError``. Metric: ``mp/rollbacks`` (its one
       writer); skipped batches show in ``mp/skipped_steps``.
 
+    With ``StablePrecision(spike_guard=SpikeGuard(...))`` the plugin owns spike detection (on the device, no host
+    read): this callback reads no loss, and each step the guard skipped counts towards ``spike_patience`` (or rolls
+    back at once with ``on_spike="rollback"``); ``spike_zscore`` and ``min_history`` then go unused. Without a guard
+    it detects loss spikes itself as described above.
+
     Lightning stores ``plugin.state_dict()`` in every full checkpoint; this callback's own state (counts, events, the
     recent losses) rides in the callback state. Snapshots stay in memory. One instance per run.
 
@@ -140,8 +145,8 @@ class ScaleCheckpoint(PluginCallback):
             self._take(trainer, pl_module)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._plugin is None or self._pending is not None:
-            return
+        if self._plugin is None or self._pending is not None or getattr(self._plugin, "spike_guard", None) is not None:
+            return  # with a SpikeGuard the plugin owns spike detection, on the device (no read of the loss here)
         # The hook sees the loss as the plugin scaled it (DeepSpeed scales inside its own backward: 1.0 there).
         value = loss.detach().float().item() / getattr(self._plugin, "hook_loss_scale", self._plugin.loss_scale)
         z = spike_zscore(value, self.losses, self.min_history)
@@ -165,6 +170,10 @@ class ScaleCheckpoint(PluginCallback):
         if self._plugin is None:
             return
         step = trainer.global_step
+        if self._pending is None and getattr(self._plugin, "last_step_spiked", False):
+            # The plugin's SpikeGuard skipped this step: count it towards spike_patience (a rollback when spikes
+            # persist, or at once with on_spike="rollback"), as a spike found here would be.
+            self._pending = dict(step=step - 1, kind="loss or gradient-norm spike (SpikeGuard)", loss=None, zscore=None)
         if self._pending is not None:  # backward is over: the weights may change now
             event, self._pending = self._pending, None
             self._on_skip(trainer, pl_module, event)

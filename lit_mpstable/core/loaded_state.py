@@ -242,4 +242,5 @@ def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tu
         check_fields(call, compact, _COMPACT, prefix="compact")
     check_mapping(call, state["op_policy"], name="op_policy")
     count_list(call, "schedules", state["schedules"])
+    check_mapping(call, state["spike_guard"], name="spike_guard")  # its fields: SpikeGuard.load_state_dict
 

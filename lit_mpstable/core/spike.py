@@ -25,7 +25,8 @@ only contributes to the skip flag.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Literal, get_args
 
 import torch
@@ -331,7 +332,8 @@ class SpikeGuard:
 
 
 def _watch_arg(call: str, watch: Any) -> tuple[str, ...]:
-    if not isinstance(watch, (tuple, list, set, frozenset)):
+    # Any sequence or set of names (a Hydra ListConfig too), never a bare string (its letters are no names).
+    if isinstance(watch, (str, bytes)) or not isinstance(watch, (Sequence, AbstractSet)):
         raise TypeError(f"{call}(watch={watch!r}): must be a tuple of names from {_NAMES!r}, e.g. ('loss',).")
     names = tuple(watch)
     bad = [name for name in names if name not in _NAMES]

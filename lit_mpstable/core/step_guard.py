@@ -14,12 +14,16 @@ from lit_mpstable.core.tensors import local_view
 __all__ = ["check_step_inputs_", "late_nonfinite_note", "stale_grads_note"]
 
 
-def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: bool,
-                       device: str | torch.device) -> torch.Tensor | None:
+def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: bool, device: str | torch.device,
+                       spike: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Fold into the step's skip flag whether anything the step reads holds inf/NaN now: the gradients as hooks and
     clipping left them after the check (a NaN clip norm makes them NaN), the parameters (FP32 masters), the
     optimizer's state and the loss scale (``scaled``: a loss scale exists). On the device, no host read: the step's one
-    sync reads the flag. Returns the gradient check as it was before (None where the scaler cannot take a flag)."""
+    sync reads the flag.
+
+    ``spike`` (a SpikeGuard's 0-dim bool decision) joins the folded flag too, agreed across ranks in the same
+    all-reduce (a spike seen on one rank skips the step on all). Returns the gradient check as it was before (None
+    where the scaler cannot take a flag) and the spike flag as agreed (None without ``spike``)."""
     fold = checker.fold_found_inf_  # both checker kinds have it (a duck-typed scaler's folds nothing)
     tensors = []
     for group in optimizer.param_groups:
@@ -37,12 +41,17 @@ def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: boo
     tensors = [local_view(t) for t in tensors if not t.is_sparse]
     flag = _nonfinite(tensors) if tensors else None
     if _distributed():
-        # Every rank skips together (a hook may write on one rank only): one scalar all-reduce, on the device.
+        # Every rank skips together (a hook may write on one rank only): one all-reduce of the flags, on the device.
         device = flag.device if flag is not None else first_grad_device(optimizer) or torch.device(device)
-        agreed = (flag.float() if flag is not None else torch.zeros((), device=device)).reshape(1)
+        zero = torch.zeros((), device=device)
+        agreed = torch.stack([flag.float() if flag is not None else zero,
+                              spike.to(device).float() if spike is not None else zero])
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
         flag = agreed[0] > 0
-    return fold(optimizer, flag) if flag is not None else None
+        spike = agreed[1] > 0 if spike is not None else None
+    if spike is not None:
+        flag = spike if flag is None else flag | spike.to(flag.device)
+    return (fold(optimizer, flag) if flag is not None else None), spike
 
 
 def late_nonfinite_note(optimizer: Optimizer) -> str:

@@ -13,6 +13,7 @@ One iteration, in this order (a plain loop calls the same methods the Trainer an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, get_args
@@ -33,7 +34,9 @@ from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.step_guard import check_step_inputs_, stale_grads_note
+from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.step_report import blame, blame_late, observe
+from lit_mpstable.core.step_spike import check_spike_guard, observe_loss, true_grad_norm
 from lit_mpstable.core.stepper_args import MasterMode, OpPolicyName, PrecisionName, check_arguments
 from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
 from lit_mpstable.core.stepper_state import StepperState
@@ -75,6 +78,7 @@ class PrecisionStepper(StepperStatus, StepperState):
         device: str | None = None,
         telemetry_every_n_steps: int | None = 50,
         diagnose: bool = False,
+        spike_guard: SpikeGuard | None = None,
         owner: str | None = None,
     ) -> None:
         self.owner = call = owner or type(self).__name__
@@ -103,6 +107,11 @@ class PrecisionStepper(StepperStatus, StepperState):
         self.scaler, self._checker = build_scaler(call, precision, scaler, self.device, skip_nonfinite=skip_nonfinite,
                                                   warnings=self.warnings)
         self.skip_nonfinite = skip_nonfinite
+        self.spike_guard = check_spike_guard(call, spike_guard, self._checker)
+        """Skips loss and gradient-norm spikes through the step's inf/NaN flag (None: off)."""
+        self._spike: dict[int, torch.Tensor] = {}  # per optimizer: the guard's decision of this iteration (device)
+        self.last_step_spiked = False
+        """The last step was skipped as a spike (read on skipped steps only)."""
         self.fp8 = fp8_config(fp8)
         self.op_policy = op_policy
         self.policy = OpPolicy(op_policy, dtype=self.dtype)
@@ -134,6 +143,7 @@ class PrecisionStepper(StepperStatus, StepperState):
         self._pending: dict[str, Any] = {}  # state loaded before the model or optimizers arrived
         self.iteration = Iteration()  # what the iteration in progress did (host state)
         self._skip_requested = False
+        self._zclipped: set[int] = set()  # optimizers clipped (with the adaptive threshold) in this iteration
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
 
@@ -236,6 +246,8 @@ class PrecisionStepper(StepperStatus, StepperState):
         if self.iteration.stepped:
             self._update_scale_()
         self.last_loss = loss.detach()
+        if self.spike_guard is not None:
+            observe_loss(self.spike_guard, loss)
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
     # ------------------------------------------------------------------------------------------------- step
@@ -249,6 +261,11 @@ class PrecisionStepper(StepperStatus, StepperState):
         if all(optimizer is not known for known in self.optimizers):
             self.optimizers.append(optimizer)
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
+        if self.spike_guard is not None:
+            # The true gradients' norm before any clipping (compact weights: times the pending unscale factor).
+            pending = getattr(self.keeper, "_pending", {}).get(id(optimizer))
+            norm = true_grad_norm(optimizer, pending[0] if pending else None)
+            self._spike[id(optimizer)] = self.spike_guard.decide(norm)
         observe(self)
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
@@ -264,6 +281,12 @@ class PrecisionStepper(StepperStatus, StepperState):
         """Clip ``optimizer``'s true gradients to a total norm (on the masters with ``master_weights``; with compact
         weights the clip factor joins the FP32 unscale of the step: the 16-bit gradients are not rounded twice)."""
         self.unscale_(optimizer)
+        threshold = self.spike_guard.clip_threshold() if self.spike_guard is not None else None
+        if threshold is not None and norm_type == 2.0:
+            # ZClip: the adaptive threshold when lower. A tensor limit: clip_grad_norm_ computes max_norm / norm on
+            # the device, so no host read.
+            max_norm = torch.clamp(threshold, max=float(max_norm))  # type: ignore[assignment]
+        self._zclipped.add(id(optimizer))
         return self.keeper.clip_grad_norm_(optimizer, max_norm, norm_type)
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
@@ -278,6 +301,8 @@ class PrecisionStepper(StepperStatus, StepperState):
 
     def count_unchecked_step(self, optimizer: Optimizer | None = None) -> None:
         """Count a step the front end took itself, unchecked (LBFGS evaluates its closure inside ``step``)."""
+        if self.spike_guard is not None:
+            self.spike_guard.forget_()  # an unchecked step is not judged: its losses must not pile up as pending
         self._record(skipped=False, overflow=False, optimizer=optimizer)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
@@ -286,29 +311,42 @@ class PrecisionStepper(StepperStatus, StepperState):
         if self._skip_requested:
             return self.discard_(optimizer)
         self.unscale_(optimizer)
+        guard = self.spike_guard
+        if guard is not None and guard.clip_zscore is not None and id(optimizer) not in self._zclipped:
+            self.clip_grad_norm_(optimizer, math.inf)  # clip_zscore without the user's clip: ZClip alone
+        self._zclipped.discard(id(optimizer))
         self.keeper.absorb_grads_(optimizer)
         checker = self._checker
-        early = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device)
-                 if checker is not None and self.skip_nonfinite else None)
+        spike = self._spike.pop(id(optimizer), None)
+        early, spike = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device,
+                                           spike=spike)
+                        if checker is not None and self.skip_nonfinite else (None, None))
         output, skipped = self.keeper.step_(optimizer, checker, **kwargs)
         late = None
         now = self.iteration
+        self.last_step_spiked = False
         if checker is not None:
-            # Why it skipped, read on skipped steps only: inf/NaN that entered after the gradient check, or a batch
-            # that itself held inf/NaN (the input check). Neither says anything about the scale: no backoff.
-            if skipped and early is not None and not bool(early):
+            # Why it skipped, read on skipped steps only: a spike (SpikeGuard), inf/NaN that entered after the
+            # gradient check, or a batch that itself held inf/NaN (the input check). None says anything about the
+            # scale: no backoff, no overflow counted, nothing blamed.
+            if skipped and spike is not None and (early is None or not bool(early)) and bool(spike):
+                self.last_step_spiked = now.data_fault = True
+            elif skipped and early is not None and not bool(early):
                 late = now.data_fault = True
             elif skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
                 now.data_fault = True
-            now.overflowed |= skipped and not late
+            now.overflowed |= skipped and not late and not self.last_step_spiked
             now.stepped.add(id(optimizer))
         now.unscaled.discard(id(optimizer))
+        if guard is not None:
+            guard.commit_(skipped, spiked=spike)  # folds the loss and norm of applied steps only
         if late:
             blame_late(self, optimizer)
-        elif skipped:
+        elif skipped and not self.last_step_spiked:
             blame(self)
-        # inf/NaN that entered late is no overflow (a fallback to a wider precision would not help): skipped only.
-        self._record(skipped=skipped, overflow=skipped and not late, optimizer=optimizer)
+        # inf/NaN that entered late, or a spike, is no overflow (a wider precision would not help): skipped only.
+        overflow = skipped and not late and not self.last_step_spiked
+        self._record(skipped=skipped, overflow=overflow, optimizer=optimizer)
         now.note_stepped_on(self.optimizers, optimizer, self.keeper)
         if not now.awaited(self.optimizers, optimizer, self.keeper):
             self._update_scale_()
@@ -331,6 +369,10 @@ class PrecisionStepper(StepperStatus, StepperState):
         self.keeper.drop_(optimizer)
         if self._checker is not None:
             self._checker.forget_(optimizer)
+        self._spike.pop(id(optimizer), None)
+        self._zclipped.discard(id(optimizer))
+        if self.spike_guard is not None:
+            self.spike_guard.forget_()  # a dropped batch's loss and norm never enter the statistics
         self.iteration.unscaled.discard(id(optimizer))
 
     def _record(self, *, skipped: bool, overflow: bool, optimizer: Optimizer | None = None) -> None:

@@ -11,6 +11,7 @@ from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.loaded_state import check_plugin_state
 from lit_mpstable.core.stepper_args import PrecisionName
 from lit_mpstable.core.scalers import LossScaler
+from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.weights import WeightKeeper
 
 __all__ = ["StepperState", "load_scaler_state_", "load_weights_state_", "weights_state"]
@@ -82,6 +83,7 @@ class StepperState:
     schedules: Any
     iteration: Any
     warnings: list[str]
+    spike_guard: SpikeGuard | None
     _pending: dict[str, Any]
 
     def _update_scale_(self) -> None:
@@ -94,7 +96,8 @@ class StepperState:
         ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallbacks, FP8 amax histories),
         ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
         ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
-        compensation buffers and rounding seed, ``{}`` without).
+        compensation buffers and rounding seed, ``{}`` without), ``spike_guard`` (the SpikeGuard's statistics,
+        ``{}`` without).
         """
         if self.iteration.stepped:
             # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
@@ -108,6 +111,7 @@ class StepperState:
             "layout": self.layout.state_dict(),
             "op_policy": self.policy.state_dict(),
             "schedules": self.schedules.state_dict(),
+            "spike_guard": self.spike_guard.state_dict() if self.spike_guard is not None else {},
         }
 
     def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
@@ -122,7 +126,14 @@ class StepperState:
             ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
         """
         # Every field is checked before anything is loaded: a refused state changes nothing.
+        if isinstance(state, dict) and "spike_guard" not in state:
+            state = {**state, "spike_guard": {}}  # saved before SpikeGuard existed: no statistics to restore
         check_plugin_state(f"{self.owner}.load_state_dict", state, set(self.state_dict()), get_args(PrecisionName))
+        guard, saved_guard = self.spike_guard, state["spike_guard"]
+        if guard is not None and saved_guard:
+            # Checked on a throwaway guard first (it refuses a bad state whole), so nothing is half loaded.
+            SpikeGuard(guard.zscore, guard.window, guard.warmup, guard.watch, guard.clip_zscore).load_state_dict(
+                dict(saved_guard))
         notes = load_scaler_state_(self.scaler, state, precision=self.precision, keep_counters=keep_counters)
         if not keep_counters:
             self.counters.load_state_dict(state)
@@ -137,4 +148,12 @@ class StepperState:
         if warning:
             self.warnings.append(warning)
         self.policy.load_state_dict(state["op_policy"])
+        if guard is not None and saved_guard:
+            live = guard.spikes_skipped.clone()
+            guard.load_state_dict(dict(saved_guard))
+            if keep_counters:  # a rollback keeps the count of skipped spikes (history), restores the statistics
+                guard.spikes_skipped.copy_(live.to(guard.spikes_skipped.device))
+        elif saved_guard:
+            notes.append(f"{self.owner}.load_state_dict: the checkpoint holds SpikeGuard statistics but this run has"
+                         " no spike_guard; they were not loaded.")
         return notes

@@ -13,13 +13,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.core.fsdp import island_mp_policy as fsdp_island_mp_policy
 from lit_mpstable.core.fsdp import mp_policy as fsdp_mp_policy
 from lit_mpstable.core.master import MasterKeeper, MasterWeights
 from lit_mpstable.core.policy import describe
-from lit_mpstable.frontends.live_state import Findings, FromStepper
+from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
+from lit_mpstable.fp8 import FP8Config
+from lit_mpstable.frontends.live_state import Findings, FromStepper
 
 __all__ = ["StableFrontEnd"]
 
@@ -49,6 +50,7 @@ class StableFrontEnd:
         device: str | None = None,
         telemetry_every_n_steps: int | None = 50,
         diagnose: bool = False,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         # A list for the repr; anything else (None, 5, one name) goes to the stepper's check as it is.
         # Every argument goes to the stepper by name: a new one is one line in the signature above.
@@ -103,6 +105,8 @@ class StableFrontEnd:
     diagnose = FromStepper()
     device = FromStepper()
     can_fallback = FromStepper()
+    spike_guard = FromStepper('The :class:`~lit_mpstable.SpikeGuard` that skips loss and gradient-norm spikes (None: off).')
+    last_step_spiked = FromStepper()
 
     @property
     def master(self) -> MasterWeights | None:

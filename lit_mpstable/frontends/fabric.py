@@ -12,9 +12,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.core.stepper import tensor_init_context
 from lit_mpstable.frontends.clip_targets import clip_targets
+from lit_mpstable.frontends.common import StableFrontEnd
 
 __all__ = ["StablePrecision"]
 
@@ -73,6 +73,8 @@ class StablePrecision(StableFrontEnd, Precision):
         device: ``"cpu"`` or ``"cuda"``; the model's device wins from the first forward on.
         telemetry_every_n_steps: gradient telemetry into :attr:`stats` every N optimizer steps; ``None``: off.
         diagnose: trace every step for the first module producing inf/NaN (costly).
+        spike_guard: ``None`` or a :class:`~lit_mpstable.SpikeGuard`: a step whose loss or gradient norm spikes is
+            skipped like an overflow (no scale backoff), decided on the device with no extra host read.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).

@@ -20,9 +20,9 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
 from lit_mpstable.core.stepper import tensor_init_context
+from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
 
 __all__ = ["StablePrecision"]  # TrainerPrecision: the adapter both Trainer packages mix in (lit_mpstable.pytorch_lightning)
@@ -187,6 +187,8 @@ class StablePrecision(TrainerPrecision, Precision):
             (one host sync on those steps only, aligned with Lightning's ``log_every_n_steps``); ``None``: off.
         diagnose: trace every step for the first module producing inf/NaN (costly); by default only the step
             after an overflow is traced.
+        spike_guard: ``None`` or a :class:`~lit_mpstable.SpikeGuard`: a step whose loss or gradient norm spikes is
+            skipped like an overflow (no scale backoff), decided on the device with no extra host read.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).

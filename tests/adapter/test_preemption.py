@@ -354,6 +354,14 @@ COVERED: dict[tuple[str, str], tuple] = {
     ("PrecisionStepper", "skipped_steps"): ("plugin", "skipped_steps"),
     ("PrecisionStepper", "last_step_skipped"): ("plugin", "last_step_skipped"),
     ("PrecisionStepper", "stats"): ("rank", "plugin", "stats"),
+    ("PrecisionStepper", "spike_guard"): ("plugin", "spike_guard"),  # SpikeGuard.state_dict(), {} without one
+    ("PrecisionStepper", "counters"): ("walk",),
+    ("PrecisionStepper", "iteration"): ("walk",),
+    ("PrecisionStepper", "keeper"): ("plugin", "masters"),  # and "compact": the weight keeper's state_dict
+    ("RunCounters", "step_count"): ("plugin", "step_count"),
+    ("RunCounters", "overflow_count"): ("plugin", "overflow_count"),
+    ("RunCounters", "skipped_steps"): ("plugin", "skipped_steps"),
+    ("RunCounters", "last_step_skipped"): ("plugin", "last_step_skipped"),
     ("DynamicLossScaler", "_scale"): ("plugin", "scaler", "scale"),
     ("DynamicLossScaler", "_growth_factor"): ("plugin", "scaler", "growth_factor"),
     ("DynamicLossScaler", "_backoff_factor"): ("plugin", "scaler", "backoff_factor"),
@@ -414,11 +422,13 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "_layout_seen": "the layout of the last forward, for the compile note only",
         "_applied_by": "applied steps per optimizer in this process; the schedules' state is saved relative to it",
         "_data_fault": _ITER, "_overflowed": _ITER, "_stepped": _ITER, "_stepped_on": _ITER,
-        "iteration": _ITER,
-        "keeper": "the weight keeper: its state is the plugin's `masters` / `compact` entries (plain here: none)",
+        "_spike": _ITER, "_zclipped": _ITER,
+        "last_step_spiked": "why the last step was skipped, read right after it (its count: spike_guard's state)",
     },
     "RunCounters": {"applied_by": "applied steps per optimizer in this process; the schedules' state is saved"
                                   " relative to it"},
+    "Iteration": {"unscaled": _ITER, "stepped": _ITER, "data_fault": _ITER, "overflowed": _ITER,
+                  "stepped_on": _ITER},
     "DynamicLossScaler": {
         "_device": _SETUP, "_enabled": _CONFIG, "_init_scale": _SEED, "_init_growth_tracker": _SEED,
         "_init_hysteresis_tracker": _SEED, "_init_overflow_count": _SEED, "_init_min_scale_hits": _SEED,

@@ -1,0 +1,173 @@
+"""SpikeGuard's targets on the CPU GPT (lit_mpstable.app.zoo.GPT, d_model 128, 2 layers, seq 64, batch 16, on the
+standard-library character corpus), through a plain PrecisionStepper loop in 'bf16-mixed' with AdamW and clipping 1.0:
+
+- caught: 20 injected spikes (10 "loss_spike": loss x 1e4; 10 "grad_spike": every 100th coordinate of one layer's
+  weight gradient x 1e3, as FaultInjector does), spread over the run after the guard's warmup -> how many were skipped;
+- false skips: skipped steps over ``--seeds`` clean runs of ``--steps`` steps each;
+- final val loss of the spiked run with the guard vs the spike-free run without it (and the spiked run without it);
+- step-time overhead: CPU time per step (one thread), guard on vs off, median over alternating rounds.
+
+Writes ``bench/results/spike_guard.json``. A few minutes on 2 CPU cores with the defaults:
+
+    PYTHONPATH=. .venv/bin/python bench/spike_guard.py [--steps 1000 --seeds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lit_mpstable import SpikeGuard
+from lit_mpstable.app.zoo import GPT, CharLMData
+from lit_mpstable.core.stepper import PrecisionStepper
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Run:
+    def __init__(self, data: CharLMData, seed: int, guard: bool, lr: float = 3e-3) -> None:
+        torch.manual_seed(seed)
+        self.model = GPT(data.vocab_size)
+        self.stepper = PrecisionStepper("bf16-mixed", device="cpu", spike_guard=SpikeGuard() if guard else None)
+        self.stepper.setup_module(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.stepper.setup_optimizers(self.model, [self.opt])
+        self.data = data
+        self.gen = torch.Generator().manual_seed(seed)
+        self.skipped: list[int] = []
+
+    def batch(self):
+        idx = torch.randint(len(self.data.train_set), (self.data.batch_size,), generator=self.gen)
+        return self.data.train_set[idx]
+
+    def step(self, i: int, kind: str | None = None) -> None:
+        x, y = self.batch()
+        with self.stepper.forward_context():
+            logits = self.model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if kind == "loss_spike":
+            loss = loss * 1e4
+        self.stepper.scale_loss(loss).backward()
+        if kind == "grad_spike":
+            grad = self.model.blocks[0].fc.weight.grad
+            grad.view(-1)[::100] *= 1e3
+        self.stepper.clip_grad_norm_(self.opt, 1.0)
+        self.stepper.step(self.opt)
+        self.opt.zero_grad(set_to_none=True)
+        if self.stepper.last_step_skipped:
+            self.skipped.append(i)
+
+    @torch.no_grad()
+    def val_loss(self) -> float:
+        total, n = 0.0, 0
+        for j in range(0, min(len(self.data.val_set), 512), 64):
+            x, y = self.data.val_set[j:j + 64]
+            with self.stepper.forward_context():
+                logits = self.model(x)
+            total += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten())) * len(x)
+            n += len(x)
+        return total / n
+
+
+def spike_schedule(steps: int, seed: int) -> dict[int, str]:
+    """20 spike steps after the warmup, at least 10 apart: 10 of each kind, in a shuffled order."""
+    import random
+
+    rng = random.Random(seed)
+    slots = rng.sample(range(60, steps - 10, 10), 20)
+    kinds = ["loss_spike"] * 10 + ["grad_spike"] * 10
+    rng.shuffle(kinds)
+    return {s + rng.randrange(10): k for s, k in zip(sorted(slots), kinds)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--round-steps", type=int, default=10)
+    parser.add_argument("--only-overhead", action="store_true", help="measure the step-time overhead alone")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    data = CharLMData(seq_len=64, batch_size=16)
+    data.setup()
+    out: dict = {"steps": args.steps, "seeds": args.seeds}
+
+    if not args.only_overhead:
+        accuracy(args, data, out)
+    overhead(args, data, out)
+    (ROOT / "bench" / "results").mkdir(exist_ok=True)
+    name = "spike_guard_overhead.json" if args.only_overhead else "spike_guard.json"
+    (ROOT / "bench" / "results" / name).write_text(json.dumps(out, indent=2))
+
+
+def accuracy(args: argparse.Namespace, data: CharLMData, out: dict) -> None:
+    # 1. caught spikes, and the final val loss against the spike-free run
+    faults = spike_schedule(args.steps, 0)
+    spiked = Run(data, 0, guard=True)
+    for i in range(args.steps):
+        spiked.step(i, faults.get(i))
+    caught = {k: sum(1 for s, kind in faults.items() if kind == k and s in spiked.skipped)
+              for k in ("loss_spike", "grad_spike")}
+    false_in_spiked = [s for s in spiked.skipped if s not in faults]
+    clean = Run(data, 0, guard=False)
+    for i in range(args.steps):
+        clean.step(i)
+    unguarded = Run(data, 0, guard=False)
+    for i in range(args.steps):
+        unguarded.step(i, faults.get(i))
+    out["caught"] = {**caught, "total": sum(caught.values()), "of": len(faults),
+                     "false_skips_in_spiked_run": false_in_spiked}
+    out["val_loss"] = {"spike_free": clean.val_loss(), "spiked_guarded": spiked.val_loss(),
+                       "spiked_unguarded": unguarded.val_loss()}
+    out["val_loss"]["guarded_vs_spike_free"] = out["val_loss"]["spiked_guarded"] / out["val_loss"]["spike_free"] - 1
+    print("caught", out["caught"], "\nval", out["val_loss"], flush=True)
+
+    # 2. false skips on clean runs (seed 0's clean guarded run is the spiked run minus faults: run all seeds anew)
+    false = {}
+    for seed in range(args.seeds):
+        run = Run(data, seed, guard=True)
+        for i in range(args.steps):
+            run.step(i)
+        false[seed] = list(run.skipped)
+    total = sum(len(v) for v in false.values())
+    out["false_skips"] = {"per_seed": false, "total": total, "steps": args.seeds * args.steps,
+                          "rate": total / (args.seeds * args.steps)}
+    print("false", out["false_skips"], flush=True)
+
+
+def overhead(args: argparse.Namespace, data: CharLMData, out: dict) -> None:
+
+    # 3. overhead: alternating rounds, CPU time per step (one thread), after a warmup past the guard's own
+    runs = {on: Run(data, 0, guard=on) for on in (False, True)}
+    for run in runs.values():
+        for i in range(40):
+            run.step(i)
+    per_step: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(args.rounds):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):
+            start = time.process_time()
+            for i in range(args.round_steps):
+                runs[on].step(i)
+            per_step[on].append((time.process_time() - start) / args.round_steps)
+    off, on = statistics.median(per_step[False]), statistics.median(per_step[True])
+    out["overhead"] = {"off_ms": off * 1e3, "on_ms": on * 1e3, "ratio": on / off - 1}
+    try:
+        flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        out["cpu"] = [line for line in flags.splitlines() if line.startswith(("Model name", "Flags"))]
+    except OSError:
+        out["cpu"] = []
+    print("overhead", out["overhead"], "\n" + "\n".join(out["cpu"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
