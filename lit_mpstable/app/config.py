@@ -24,9 +24,11 @@ __all__ = [
     "AdaptiveLossScalerConfig",
     "DynamicLossScalerConfig",
     "FP8RecipeConfig",
+    "FaultTriageConfig",
     "OverflowMonitorConfig",
     "PrecisionFallbackConfig",
     "PrecisionProbeConfig",
+    "PreemptionCheckpointConfig",
     "SCHEMAS",
     "ScaleCheckpointConfig",
     "SpikeGuardConfig",
@@ -144,6 +146,8 @@ PrecisionFallbackConfig = derive_schema("lit_mpstable.callbacks.PrecisionFallbac
 PrecisionProbeConfig = derive_schema("lit_mpstable.callbacks.PrecisionProbe")
 ScaleCheckpointConfig = derive_schema("lit_mpstable.callbacks.ScaleCheckpoint")
 AMPPreflightConfig = derive_schema("lit_mpstable.callbacks.AMPPreflight")
+FaultTriageConfig = derive_schema("lit_mpstable.callbacks.FaultTriage")
+PreemptionCheckpointConfig = derive_schema("lit_mpstable.callbacks.PreemptionCheckpoint")
 SpikeGuardConfig = derive_schema("lit_mpstable.SpikeGuard")
 """``plugin.spike_guard``: ``null`` (the default: off) or ``{_target_: lit_mpstable.SpikeGuard, zscore: 6.0, ...}``."""
 
@@ -159,6 +163,8 @@ SCHEMAS: dict[str, type] = {
     "scale_checkpoint": ScaleCheckpointConfig,
     "amp_preflight": AMPPreflightConfig,
     "spike_guard": SpikeGuardConfig,
+    "fault_triage": FaultTriageConfig,
+    "preemption_checkpoint": PreemptionCheckpointConfig,
 }
 """ConfigStore names (``schema/<name>``) of the schemas; the YAML options under ``callbacks/`` and ``scaler/`` use
 the same names."""
