@@ -27,7 +27,6 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from lit_mpstable.app.demos import stall_task  # noqa: E402
-
 from lit_mpstable.core.compact import CompactWeights  # noqa: E402
 from lit_mpstable.core.master import MasterWeights  # noqa: E402
 from lit_mpstable.core.memory import MemoryProbe, quiet_fd2  # noqa: E402

@@ -44,9 +44,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from lit_mpstable.fp8 import FP8Config, FP8Linear, fp8_backend  # noqa: E402
+from lit_mpstable.fp8.config import FP8Recipe  # noqa: E402
 from lit_mpstable.fp8.quant import quantize  # noqa: E402
 from lit_mpstable.fp8.swap import select_fp8_modules  # noqa: E402
-from lit_mpstable.fp8.config import FP8Recipe  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 

@@ -27,11 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "adapter")]
 
+import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from cb_helpers import PoisonModule, fp32_scaler_plugin  # noqa: E402
 from helpers import make_trainer  # noqa: E402
 
-import lightning.pytorch as pl  # noqa: E402
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.callbacks import FaultTriage, ScaleCheckpoint  # noqa: E402
 from lit_mpstable.faults import FaultInjector  # noqa: E402

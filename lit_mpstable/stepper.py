@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from lit_mpstable.core.stepper import (
-    MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName, default_dtype, tensor_init_context,
+    MasterMode,
+    OpPolicyName,
+    PrecisionName,
+    PrecisionStepper,
+    ScalerName,
+    default_dtype,
+    tensor_init_context,
 )
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName", "default_dtype",

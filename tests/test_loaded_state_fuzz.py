@@ -19,7 +19,8 @@ from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallb
 
 # Fields where one of the corruptions below is a legitimate value (no scale bound or a bound of 1.5; no unread flag;
 # -1: not yet).
-LEGITIMATE = [("min_scale", None), ("max_scale", None), ("min_scale", 1.5), ("max_scale", 1.5), ("previous_nonfinite", None), ("cooldown_end", -1),
+LEGITIMATE = [("min_scale", None), ("max_scale", None), ("min_scale", 1.5), ("max_scale", 1.5),
+              ("previous_nonfinite", None), ("cooldown_end", -1),
               ("last_probe_step", -1), ("grad_error_runs", {"a": 1})]  # {"a": 1}: a module name and its run
 INVALID = st.sampled_from([None, "False", "True", "3", math.nan, math.inf, -math.inf, -1, -7, 1.5, "junk", [None],
                            {"a": 1}, object()])

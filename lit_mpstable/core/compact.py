@@ -14,10 +14,20 @@ from torch.optim import Optimizer
 from lit_mpstable.core.compact_fused import FusedAdam, FusedSteps, noise_bits
 from lit_mpstable.core.compact_rounding import mix, round_stochastic_, stochastic_round
 from lit_mpstable.core.compact_slices import (
-    ELEMENTWISE, LOW, Piece, StandIns, block_size, budget, cast_state_, check_keys, grad_bytes, init_blockwise_,
+    ELEMENTWISE,
+    LOW,
+    Piece,
+    StandIns,
+    block_size,
+    budget,
+    cast_state_,
+    check_keys,
+    grad_bytes,
+    init_blockwise_,
     quantized_state_classes,
 )
-from lit_mpstable.core.compact_slices import chunks as split_chunks, memory_report as compact_memory
+from lit_mpstable.core.compact_slices import chunks as split_chunks
+from lit_mpstable.core.compact_slices import memory_report as compact_memory
 from lit_mpstable.core.compact_slices import per_element as is_per_element
 
 _Piece = Piece  # the old private name (tests build pieces by it)

@@ -10,8 +10,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
-from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.keeper_steps import step_checked, unscale_checked_
+from lit_mpstable.core.scalers import LossScaler
 
 __all__ = ["MasterKeeper", "MasterWeights", "carry_precise_state_"]
 

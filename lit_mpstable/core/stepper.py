@@ -14,7 +14,7 @@ One iteration, in this order (a plain loop calls the same methods the Trainer an
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, get_args
 
@@ -22,19 +22,18 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.attribution import any_nonfinite
-from lit_mpstable.fp8 import FP8Config, fp8_config
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.counters import RunCounters
+from lit_mpstable.core.formats import PRECISION_FORMATS
 from lit_mpstable.core.iteration import Iteration
 from lit_mpstable.core.layout import PrecisionLayout
 from lit_mpstable.core.observer import GradObserver
 from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
-from lit_mpstable.core.step_guard import check_step_inputs_, stale_grads_note
 from lit_mpstable.core.spike import SpikeGuard
+from lit_mpstable.core.step_guard import check_step_inputs_, stale_grads_note
 from lit_mpstable.core.step_report import blame, blame_late, observe
 from lit_mpstable.core.step_spike import check_spike_guard, observe_loss, true_grad_norm
 from lit_mpstable.core.stepper_args import MasterMode, OpPolicyName, PrecisionName, check_arguments
@@ -42,13 +41,14 @@ from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_op
 from lit_mpstable.core.stepper_state import StepperState
 from lit_mpstable.core.stepper_status import StepperStatus
 from lit_mpstable.core.tensors import default_dtype, floating_tensors, map_tensors, tensor_init_context
+from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.weights import PlainKeeper, WeightKeeper
+from lit_mpstable.fp8 import FP8Config, fp8_config
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName", "default_dtype",
            "tensor_init_context"]
 
 
-_FORMAT_IDS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 
 
 class PrecisionStepper(StepperStatus, StepperState):
@@ -123,7 +123,7 @@ class PrecisionStepper(StepperStatus, StepperState):
         self.layout = PrecisionLayout(self.dtype, cast_parameters=self.true_16bit, fp32_modules=fp32_modules,
                                       fp8=self.fp8)
         self.diagnose = diagnose
-        formats = [_FORMAT_IDS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
+        formats = [PRECISION_FORMATS.get(self.precision, "fp32")] + (["fp8_e5m2"] if self.fp8 is not None else [])
         self.observer = GradObserver(telemetry_every_n_steps, formats, diagnose=diagnose)
         fp16_state = self.precision == "16-true" and self.master_mode is None  # the optimizer state is FP16
         self.keeper: WeightKeeper = PlainKeeper(call, fp16_state=fp16_state)
@@ -163,7 +163,7 @@ class PrecisionStepper(StepperStatus, StepperState):
         """
         return setup_module(self, module, fsdp2=fsdp2)
 
-    def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: list[Any] = ()) -> None:
+    def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: Sequence[Any] = ()) -> None:
         """Bind the weight keeper (FP32 masters, compact weights) to ``module`` and ``optimizers``, and hold
         ``schedulers`` on skipped steps."""
         setup_optimizers(self, module, optimizers, list(schedulers))
@@ -207,7 +207,8 @@ class PrecisionStepper(StepperStatus, StepperState):
             else:
                 # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
                 # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
-                with torch.autocast(self.device, dtype=self.dtype, cache_enabled=False), self.policy.context(self.device):
+                autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+                with autocast, self.policy.context(self.device):
                     yield
                 if not self.policy.pending and self.stats.get("op_policy") != self.policy.choices:
                     self.stats["op_policy"] = dict(self.policy.choices)  # decided (second forward), forced or resumed

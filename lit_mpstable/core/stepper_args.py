@@ -45,7 +45,7 @@ def check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any, f
             f" (unscaling multiplies by it): use a scale in [{_MIN_SCALE:.3g}, {_MAX_SCALE:.3g}]; 2.**16 is usual.")
 
     budget = getattr(fp8, "keep_high_precision", None)  # an FP8Config (a string names a preset: no budget)
-    if getattr(budget, "by", None) == "probe":
+    if budget is not None and getattr(budget, "by", None) == "probe":
         raise ValueError(
             f"{call}(fp8=FP8Config(keep_high_precision={budget!r})): the probe's choice of layers is not yet made"
             " inside a Trainer or Fabric run, so every layer would stay in the low format; use"

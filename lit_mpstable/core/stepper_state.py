@@ -9,9 +9,9 @@ from torch import nn
 
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.loaded_state import check_plugin_state
-from lit_mpstable.core.stepper_args import PrecisionName
 from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.spike import SpikeGuard
+from lit_mpstable.core.stepper_args import PrecisionName
 from lit_mpstable.core.weights import WeightKeeper
 
 __all__ = ["StepperState", "load_scaler_state_", "load_weights_state_", "weights_state"]
@@ -132,8 +132,8 @@ class StepperState:
         guard, saved_guard = self.spike_guard, state["spike_guard"]
         if guard is not None and saved_guard:
             # Checked on a throwaway guard first (it refuses a bad state whole), so nothing is half loaded.
-            SpikeGuard(guard.zscore, guard.window, guard.warmup, guard.watch, guard.clip_zscore).load_state_dict(
-                dict(saved_guard))
+            SpikeGuard(guard.zscore, guard.window, guard.warmup, guard.watch,  # type: ignore[arg-type]
+                       guard.clip_zscore).load_state_dict(dict(saved_guard))
         notes = load_scaler_state_(self.scaler, state, precision=self.precision, keep_counters=keep_counters)
         if not keep_counters:
             self.counters.load_state_dict(state)

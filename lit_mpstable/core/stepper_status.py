@@ -10,6 +10,7 @@ import torch
 from torch.optim import Optimizer
 
 from lit_mpstable.core.counters import RunCounters
+from lit_mpstable.core.formats import PRECISION_DTYPES
 from lit_mpstable.core.fsdp import fsdp2_fallback_refusal
 from lit_mpstable.core.islands import FP32Islands
 from lit_mpstable.core.memory import training_memory
@@ -17,7 +18,6 @@ from lit_mpstable.core.observer import shard_view
 
 __all__ = ["StepperStatus"]
 
-_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16, "bf16-true": torch.bfloat16}
 
 
 class StepperStatus:
@@ -39,7 +39,7 @@ class StepperStatus:
     @property
     def dtype(self) -> torch.dtype:
         """The 16-bit compute dtype, or ``torch.float32`` for ``"32-true"``."""
-        return _DTYPES.get(self.precision, torch.float32)
+        return PRECISION_DTYPES.get(self.precision, torch.float32)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -104,7 +104,8 @@ class StepperStatus:
         return self.keeper.state_tensors()
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of training state by kind (``lit_mpstable.core.memory.training_memory``): ``weights``, ``masters`` (FP32
+        """Bytes of training state by kind (``lit_mpstable.core.memory.training_memory``): ``weights``, ``masters``
+        (FP32
         masters), ``gradients``, ``optimizer_state``, ``compensation`` (``"kahan"``), ``total``. Reads no device data.
 
         Raises:
@@ -112,7 +113,8 @@ class StepperStatus:
         """
         module = self.layout.module
         if module is None or not self.optimizers:
-            raise RuntimeError(f"{self.owner}.memory_report(): available once training has set up model and optimizers.")
+            raise RuntimeError(
+                f"{self.owner}.memory_report(): available once training has set up model and optimizers.")
         return training_memory(module, self.optimizers, extra={"compensation": self.state_tensors()})
 
     def named_grads(self) -> list[tuple[str, Any]]:

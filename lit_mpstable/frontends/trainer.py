@@ -25,7 +25,8 @@ from lit_mpstable.core.stepper import tensor_init_context
 from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
 
-__all__ = ["StablePrecision"]  # TrainerPrecision: the adapter both Trainer packages mix in (lit_mpstable.pytorch_lightning)
+# TrainerPrecision: the adapter both Trainer packages mix in (lit_mpstable.pytorch_lightning)
+__all__ = ["StablePrecision"]
 
 
 class TrainerPrecision(StableFrontEnd):
