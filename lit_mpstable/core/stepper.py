@@ -28,6 +28,7 @@ from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.iteration import Iteration
 from lit_mpstable.core.layout import PrecisionLayout
+from lit_mpstable.core.moment_keeper import StateKind, check_optimizer_state
 from lit_mpstable.core.observer import GradObserver
 from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
@@ -76,6 +77,7 @@ class PrecisionStepper(StepperStatus, StepperState):
         telemetry_every_n_steps: int | None = 50,
         diagnose: bool = False,
         owner: str | None = None,
+        optimizer_state: StateKind = "fp32",
     ) -> None:
         self.owner = call = owner or type(self).__name__
         self.warnings: list[str] = []
@@ -98,6 +100,7 @@ class PrecisionStepper(StepperStatus, StepperState):
         self.master_mode: str | None = ("fp32" if master_weights is True else master_weights or None)
         if not self.true_16bit:
             self.master_mode = None  # the *-mixed modes keep FP32 weights: nothing to master
+        self.optimizer_state: str = check_optimizer_state(call, optimizer_state, self.precision, self.master_mode)
         # The scaler the run scales with, and the LossScaler the step calls (the same object unless foreign).
         self._checker: LossScaler | None
         self.scaler, self._checker = build_scaler(call, precision, scaler, self.device, skip_nonfinite=skip_nonfinite,

@@ -60,7 +60,7 @@ def setup_optimizers(stepper: Any, module: nn.Module, optimizers: Sequence[Optim
         stepper.keeper = make_keeper(
             stepper.master_mode, module, optimizers, owner=stepper.owner, precision=stepper.precision,
             dtype=stepper.dtype, checker=stepper._checker, fsdp2=stepper.fsdp2, initial=stepper._initial,
-            warnings=stepper.warnings,
+            warnings=stepper.warnings, optimizer_state=stepper.optimizer_state,
         )
         stepper._initial = {}
     stepper.layout.after_recast = stepper.keeper.follow_recast_  # a fallback carries what the keeper holds

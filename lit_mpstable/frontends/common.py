@@ -15,12 +15,13 @@ from lit_mpstable.core.fsdp import island_mp_policy as fsdp_island_mp_policy
 from lit_mpstable.core.fsdp import mp_policy as fsdp_mp_policy
 from lit_mpstable.core.islands import FP32Islands
 from lit_mpstable.core.master import MasterKeeper, MasterWeights
+from lit_mpstable.core.optim_state import StateKind
 from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
 
 __all__ = ["StableFrontEnd"]
 
 _SHOWN = ("precision", "scaler", "master_weights", "skip_nonfinite", "fp8", "fp32_modules", "op_policy", "device",
-          "telemetry_every_n_steps", "diagnose")
+          "telemetry_every_n_steps", "diagnose", "optimizer_state")
 
 
 class StableFrontEnd:
@@ -47,13 +48,15 @@ class StableFrontEnd:
         device: str | None = None,
         telemetry_every_n_steps: int | None = 50,
         diagnose: bool = False,
+        optimizer_state: StateKind = "fp32",
     ) -> None:
         # A list for the repr; anything else (None, 5, one name) goes to the stepper's check as it is.
         listed = isinstance(fp32_modules, Iterable) and not isinstance(fp32_modules, (str, bytes, dict))
         self._args = dict(precision=precision, scaler=scaler, master_weights=master_weights,
                           skip_nonfinite=skip_nonfinite, fp8=fp8,
                           fp32_modules=list(fp32_modules) if listed else fp32_modules, op_policy=op_policy,
-                          device=device, telemetry_every_n_steps=telemetry_every_n_steps, diagnose=diagnose)
+                          device=device, telemetry_every_n_steps=telemetry_every_n_steps, diagnose=diagnose,
+                          optimizer_state=optimizer_state)
         self.stepper = PrecisionStepper(**self._args, owner=type(self).__name__)
         self.precision = self.stepper.precision  # Lightning reads the attribute
         self.master_weights = master_weights

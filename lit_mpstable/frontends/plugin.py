@@ -41,6 +41,10 @@ class StablePrecision(TrainerPrecision, Precision):
             (one host sync on those steps only, aligned with Lightning's ``log_every_n_steps``); ``None``: off.
         diagnose: trace every step for the first module producing inf/NaN (costly); by default only the step
             after an overflow is traced.
+        optimizer_state: where Adam/AdamW moments live with FP32 masters or compact weights: ``"fp32"`` (the
+            optimizer's own state and step), ``"bf16"`` (stochastically rounded) or ``"fp8"`` (per-block scales with
+            dynamic range expansion); see :mod:`lit_mpstable.core.optim_state`. Other optimizers and FSDP2 are
+            refused at setup.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).
