@@ -29,7 +29,7 @@ __all__ = [
 METRIC_NAMES = (
     "mp/loss_scale", "mp/overflow_rate", "mp/skipped_steps", "mp/grad_norm", "mp/grad_underflow_frac",
     "mp/fallback_active", "mp/rollbacks", "mp/fp8_saturation_frac", "mp/fp8_underflow_frac", "mp/grad_rel_error",
-    "mp/grad_cosine", "mp/triage_events",
+    "mp/grad_cosine", "mp/triage_events", "mp/amax_growth", "mp/kurtosis_max",
 )
 _PROG_BAR = frozenset({"mp/loss_scale", "mp/overflow_rate"})
 # Telemetry logged on the step it was measured. grad_underflow_frac is not among them: the telemetry's is a forecast
@@ -285,6 +285,9 @@ def plugin_metrics(plugin: Any, *, overflow_rate: float) -> dict[str, Any]:
         "mp/skipped_steps": float(plugin.skipped_steps),
         "mp/fallback_active": float(plugin.fallback_active),
     })
+    growth = getattr(plugin, "growth_metrics", None)  # activation growth (device tensors), once sampled
+    if growth is not None:
+        values.update(growth())
     return values
 
 

@@ -35,6 +35,9 @@ def setup_module(stepper: Any, module: nn.Module, *, fsdp2: bool) -> nn.Module:
     if "layout" in stepper._pending:
         stepper.layout.load_state_dict(stepper._pending.pop("layout"))
     stepper.observer.attach(module)
+    if stepper.growth is not None:  # after the FP8 swap: the hooks go on the layers that run
+        stepper.growth.detach()
+        stepper.growth.attach(module)
     if sharded:
         check_fsdp_policies(module, stepper.precision, master_weights=stepper.master_mode is not None,
                             islands=stepper.layout.islands.names, owner=stepper.owner)

@@ -21,7 +21,7 @@ from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, P
 __all__ = ["StableFrontEnd"]
 
 _SHOWN = ("precision", "scaler", "master_weights", "skip_nonfinite", "fp8", "fp32_modules", "op_policy", "device",
-          "telemetry_every_n_steps", "diagnose", "optimizer_state")
+          "telemetry_every_n_steps", "diagnose", "optimizer_state", "growth_every_n_steps")
 
 
 class StableFrontEnd:
@@ -49,6 +49,7 @@ class StableFrontEnd:
         telemetry_every_n_steps: int | None = 50,
         diagnose: bool = False,
         optimizer_state: StateKind = "fp32",
+        growth_every_n_steps: int | None = None,
     ) -> None:
         # A list for the repr; anything else (None, 5, one name) goes to the stepper's check as it is.
         listed = isinstance(fp32_modules, Iterable) and not isinstance(fp32_modules, (str, bytes, dict))
@@ -56,13 +57,14 @@ class StableFrontEnd:
                           skip_nonfinite=skip_nonfinite, fp8=fp8,
                           fp32_modules=list(fp32_modules) if listed else fp32_modules, op_policy=op_policy,
                           device=device, telemetry_every_n_steps=telemetry_every_n_steps, diagnose=diagnose,
-                          optimizer_state=optimizer_state)
+                          optimizer_state=optimizer_state, growth_every_n_steps=growth_every_n_steps)
         self.stepper = PrecisionStepper(**self._args, owner=type(self).__name__)
         self.precision = self.stepper.precision  # Lightning reads the attribute
         self.master_weights = master_weights
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
         self._state_loaded = False  # load_state_dict was called (a resume that brought the plugin's state)
         self._notes_shown = 0
+        self._runaway: tuple[int, list[str]] = (-1, [])  # (growth samples when computed, the layers)
         self._show_notes()
 
     def __repr__(self) -> str:
@@ -141,8 +143,28 @@ class StableFrontEnd:
         compute format at the current scale: a forecast), ``grad_zero_frac``, ``grad_underflow_per_module``,
         ``fp8_saturation_frac``, ``fp8_underflow_frac``, ``stats_step`` (the step they were measured on); after an
         overflow ``blamed_params``, ``blamed_modules`` and ``nonfinite_input`` (the batch held inf/NaN); from
-        ``PrecisionProbe``, ``probe``. Rank-local."""
+        ``PrecisionProbe``, ``probe``; with ``growth_every_n_steps``, after :meth:`runaway_layers`, ``growth``
+        (per linear layer: ``amax``, ``kurtosis``, ``saturation``, ``underflow``, ``amax_growth``, ``samples``,
+        ``step``). Rank-local."""
         return self.stepper.stats
+
+    def runaway_layers(self) -> list[str]:
+        """The linear layers whose activations are heading out of FP8's range (the growth monitor's
+        :meth:`~lit_mpstable.core.growth.GrowthMonitor.runaway`: amax trend, kurtosis, saturation), and
+        ``stats["growth"]`` refreshed; ``[]`` without ``growth_every_n_steps``. Computed once per new sample (one
+        host read then; later calls return the same list). Rank-local."""
+        growth = self.stepper.growth
+        if growth is None:
+            return []
+        if self._runaway[0] != growth.samples:
+            self.stepper.stats["growth"] = growth.stats()
+            self._runaway = (growth.samples, growth.runaway())
+        return list(self._runaway[1])
+
+    def growth_metrics(self) -> dict[str, torch.Tensor]:
+        """``mp/amax_growth`` and ``mp/kurtosis_max`` as device tensors (empty before a sample, or without
+        ``growth_every_n_steps``); no host read."""
+        return {} if self.stepper.growth is None else self.stepper.growth.metrics()
 
     @property
     def last_loss(self) -> torch.Tensor | None:
