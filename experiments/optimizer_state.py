@@ -127,7 +127,7 @@ def main() -> None:
                         row["steps"] = steps
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-        results["moments"] = rows
+        results["moments"] = [r for r in results.get("moments", []) if r["model"] not in args.models] + rows
     if "warning" in args.parts:
         rows = [run_warning(seed, True, 400) for seed in range(5)] + [run_warning(seed, False, 400) for seed in range(5)]
         for row in rows:
