@@ -95,6 +95,10 @@ class StablePrecision(StableFrontEnd, Precision):
         device: ``"cpu"`` or ``"cuda"``; the model's device wins from the first forward on.
         telemetry_every_n_steps: gradient telemetry into :attr:`stats` every N optimizer steps; ``None``: off.
         diagnose: trace every step for the first module producing inf/NaN (costly).
+        optimizer_state: ``"fp32"``, ``"bf16"`` or ``"fp8"``: where Adam/AdamW moments live with FP32 masters or
+            compact weights (as the Trainer plugin's).
+        growth_every_n_steps: per-layer activation growth sampled every N optimizer steps (:meth:`runaway_layers`);
+            ``None`` (default): off.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).
