@@ -38,10 +38,11 @@ from lit_mpstable.app.zoo import CharLMData, DigitsData, GPTLM, MLPClassifier  #
 
 
 def _trainer(plugin, steps: int, **kwargs) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1, plugins=[plugin], logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=1.0, val_check_interval=None,
-                      check_val_every_n_epoch=None, **kwargs)
+    options = dict(accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1, plugins=[plugin], logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, limit_val_batches=1.0, val_check_interval=None,
+                   check_val_every_n_epoch=None)
+    return pl.Trainer(**{**options, **kwargs})
 
 
 def run_moments(model: str, master_weights, kind: str, seed: int, steps: int) -> dict:
@@ -107,6 +108,8 @@ def main() -> None:
     parser.add_argument("--gpt-steps", type=int, default=300)
     parser.add_argument("--models", nargs="+", default=["mlp", "gpt"])
     parser.add_argument("--weights", nargs="+", default=["fp32", "kahan"])
+    parser.add_argument("--overhead-rounds", type=int, default=4)
+    parser.add_argument("--overhead-steps", type=int, default=150)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import logging
@@ -133,8 +136,9 @@ def main() -> None:
         for row in rows:
             print(json.dumps(row), flush=True)
         results["warning"] = rows
+        path.write_text(json.dumps(results, indent=1))  # each part kept as soon as it is measured
     if "overhead" in args.parts:
-        results["overhead"] = run_overhead(rounds=4, steps=150)
+        results["overhead"] = run_overhead(rounds=args.overhead_rounds, steps=args.overhead_steps)
         print(json.dumps(results["overhead"]), flush=True)
     path.write_text(json.dumps(results, indent=1))
     (OUT / "results.md").write_text(markdown(results, " ".join(sys.argv[1:])))
