@@ -41,6 +41,7 @@ METRIC_NAMES = (
     "mp/loss_scale", "mp/overflow_rate", "mp/skipped_steps", "mp/grad_norm", "mp/grad_underflow_frac",
     "mp/fallback_active", "mp/rollbacks", "mp/fp8_saturation_frac", "mp/fp8_underflow_frac", "mp/grad_rel_error",
     "mp/grad_cosine", "mp/triage_events", "mp/spikes_skipped", "mp/grad_norm_zscore", "mp/loss_zscore",
+    "mp/amax_growth", "mp/kurtosis_max",
 )
 _PROG_BAR = frozenset({"mp/loss_scale", "mp/overflow_rate"})
 # Telemetry logged on the step it was measured. grad_underflow_frac is not among them: the telemetry's is a forecast
@@ -305,6 +306,9 @@ def plugin_metrics(plugin: Any, *, overflow_rate: float) -> dict[str, Any]:
         values["mp/spikes_skipped"] = spikes
         values.update({name: z for name, z in (("mp/grad_norm_zscore", grad_z), ("mp/loss_zscore", loss_z))
                        if math.isfinite(z)})
+    growth = getattr(plugin, "growth_metrics", None)  # activation growth (device tensors), once sampled
+    if growth is not None:
+        values.update(growth())
     return values
 
 

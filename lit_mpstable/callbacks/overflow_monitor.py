@@ -76,6 +76,8 @@ class OverflowMonitor(PluginCallback):
         self.blamed: list[str] = []
         """Modules blamed for the latest overflow (from ``plugin.stats["blamed_modules"]``)."""
         self._steps = StepCounter()
+        self.growth_warned: set[str] = set()
+        """Layers already named by a growth warning (the plugin's ``runaway_layers()``)."""
 
     @property
     def state_key(self) -> str:
@@ -125,6 +127,29 @@ class OverflowMonitor(PluginCallback):
                 f" overflow skips a step; {self._advice(trainer)}"
             )
         self.above = above
+        self._warn_growth(trainer)
+
+    def _warn_growth(self, trainer: pl.Trainer) -> None:
+        """Warn once per new set of layers the plugin's growth monitor names (``runaway_layers``)."""
+        runaway = getattr(self._plugin, "runaway_layers", None)
+        if runaway is None:
+            return
+        layers = agreed_names(trainer, runaway())  # the same names, and the same warning, on every rank
+        if layers and not set(layers) <= self.growth_warned:
+            self.growth_warned.update(layers)
+            stats = self._plugin.stats.get("growth", {})  # type: ignore[union-attr]
+            shown = ", ".join(f"{n!r} (amax {stats[n]['amax']:.3g}, x{2 ** stats[n]['amax_growth']:.3f}/step,"
+                              f" kurtosis {stats[n]['kurtosis']:.3g})" if n in stats else repr(n) for n in layers)
+            rank_zero_warn(
+                f"OverflowMonitor at step {trainer.global_step}: activations growing towards FP8's range in {shown};"
+                f" an overflow is likely ahead. {self._growth_advice(trainer)}"
+            )
+
+    @staticmethod
+    def _growth_advice(trainer: pl.Trainer) -> str:
+        if any(isinstance(cb, PrecisionFallback) and cb.on_growth for cb in trainer.callbacks):
+            return "PrecisionFallback(on_growth=True) moves these layers out of FP8."
+        return "PrecisionFallback(on_growth=True) would move them out of FP8 before it happens."
 
     @staticmethod
     def _advice(trainer: pl.Trainer) -> str:

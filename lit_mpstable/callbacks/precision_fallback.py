@@ -77,7 +77,10 @@ class PrecisionFallback(PluginCallback):
     ``plugin.stats["blamed_modules"]`` (FP8 layers leave FP8, other modules become FP32 islands), and without such
     names, or once they all run in FP32, falls back globally and says why. After ``cooldown`` steps
     ``plugin.restore_precision()`` tries low precision again (undoing every fallback: the plugin has no finer
-    undo). Decisions: logged once on rank zero by the plugin, kept in :attr:`decisions`, shown in ``mp/fallback_active``.
+    undo). With ``on_growth=True`` the layers the plugin's growth monitor names runaway (``plugin.runaway_layers()``,
+    ``StablePrecision(growth_every_n_steps=...)``: activations heading out of FP8's range) each climb one rung, once,
+    before they overflow (an FP8 layer leaves FP8). Decisions:
+    logged once on rank zero by the plugin, kept in :attr:`decisions`, shown in ``mp/fallback_active``.
 
     Distributed runs decide alike on every rank: overflow counts and the scale come from the plugin, whose scaler
     all-reduces the found-inf flag before every skip (``sync_found_inf_``), the non-finite-loss flag is reduced, and
@@ -92,6 +95,7 @@ class PrecisionFallback(PluginCallback):
         self, patience: int = 10, *, min_scale: float | None = 1.0, mode: FallbackMode = "global",
         cooldown: int | None = None, max_overflow_rate: float | None = 0.2, nonfinite_loss_patience: int | None = 3,
         window: int = 100, max_grad_error: float | None = None, grad_error_patience: int | None = None,
+        on_growth: bool = False,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -111,6 +115,9 @@ class PrecisionFallback(PluginCallback):
               "must be a number > 0 (a relative error: 0.5 flags a module whose gradient is half lost) or None.")
         check(grad_error_patience is None or is_int(grad_error_patience, 1),
               f"{name}(grad_error_patience={grad_error_patience!r})", "must be an int >= 1 (probes) or None.")
+        check(isinstance(on_growth, bool), f"{name}(on_growth={on_growth!r})",
+              "must be True (move layers the plugin's growth monitor names out of FP8) or False.")
+        self.on_growth = on_growth
         self.patience, self.min_scale, self.mode, self.cooldown = patience, min_scale, mode, cooldown
         self.max_overflow_rate, self.nonfinite_loss_patience = max_overflow_rate, nonfinite_loss_patience
         self.window = window
@@ -135,6 +142,7 @@ class PrecisionFallback(PluginCallback):
         self._warned_fp32 = False
         self._warned_data = False
         self._warned_fp32_modules: set[str] = set()
+        self._growth_moved: set[str] = set()  # layers a growth decision moved (each moves once)
 
     @property
     def cooldown_end(self) -> int:
@@ -182,6 +190,26 @@ class PrecisionFallback(PluginCallback):
             self._fall_back(trainer, pl_module, reason)
         elif drifting:
             self._lift(trainer, drifting)
+        elif grown := self._grown(trainer):
+            self._lift_grown(trainer, grown)
+
+    # ------------------------------------------------------------------- decision input: activation growth
+    def _grown(self, trainer: pl.Trainer) -> list[str]:
+        """With ``on_growth``: the layers the plugin's growth monitor names runaway (``runaway_layers()``, agreed
+        across ranks) that no growth decision has moved yet."""
+        runaway = getattr(self._plugin, "runaway_layers", None) if self.on_growth else None
+        if runaway is None:
+            return []
+        return [n for n in agreed_names(trainer, runaway()) if n not in self._growth_moved]
+
+    def _lift_grown(self, trainer: pl.Trainer, names: list[str]) -> None:
+        plugin = self._plugin
+        assert plugin is not None
+        self._growth_moved.update(names)
+        reason = (f"the activations of {names} are growing towards FP8's range (the plugin's growth monitor:"
+                  " amax trend, kurtosis or saturation)")
+        effect = plugin.fallback(list(names), reason=f"PrecisionFallback: {reason}")
+        self._record(trainer.global_step, "fallback", list(names), reason, effect)
 
     def _observe(self, trainer: pl.Trainer, overflows: int, steps: int) -> None:
         assert self._plugin is not None

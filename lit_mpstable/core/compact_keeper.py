@@ -11,8 +11,10 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.compact import CompactWeights
+from lit_mpstable.core.compact_slices import LOW, Piece, transform
 from lit_mpstable.core.keeper_steps import first_grad_device, step_checked
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.moment_keeper import KEY, AdamMoments
 from lit_mpstable.core.scalers import LossScaler
 
 __all__ = ["CompactKeeper"]
@@ -23,6 +25,10 @@ class CompactKeeper:
     FP32 chunks of the step unscale them: the check at :meth:`unscale_` only looks (``check_``), and the unscale and
     clip factors wait per optimizer until the step (the 16-bit gradients are not rounded twice).
 
+    With ``optimizer_state="bf16"``/``"fp8"`` exact Adam/AdamW groups are stepped one whole parameter at a time
+    through :class:`~lit_mpstable.core.moment_keeper.AdamMoments` (FP32 copy of the weight, plus its compensation,
+    stepped and rounded back) instead of the optimizer's step on FP32 stand-ins.
+
     Raises:
         ValueError: the scaler cannot check without unscaling (compact weights unscale in FP32 themselves).
     """
@@ -32,7 +38,7 @@ class CompactKeeper:
     exposes_grads = False
 
     def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], mode: str, *, owner: str, precision: str,
-                 checker: LossScaler | None, warnings: list[str]) -> None:
+                 checker: LossScaler | None, warnings: list[str], optimizer_state: str = "fp32") -> None:
         if checker is not None and not checker.checks_without_unscaling:
             raise ValueError(
                 f"{owner}({precision!r}, master_weights={mode!r},"
@@ -43,6 +49,13 @@ class CompactKeeper:
         self.mode: str | None = mode
         self.follow_recast_ = self.weights.follow_recast_  # a fallback carries the compensation
         self._pending: dict[int, list[Any]] = {}  # per optimizer this iteration: [multiplier, clip value]
+        self.module = module
+        self.moments: AdamMoments | None = None
+        if optimizer_state != "fp32":
+            self.moments = AdamMoments(optimizer_state, seed=self.weights.seed, owner=owner)
+            names = {id(p): name for name, p in module.named_parameters()}
+            for optimizer in optimizers:
+                self.moments.bind_(optimizer, names)
         if precision == "16-true":
             warnings.append(
                 f"{owner}('16-true', master_weights={mode!r}): optimizer state stays FP16, where"
@@ -62,6 +75,8 @@ class CompactKeeper:
 
     def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
         self.weights.bind_new_(optimizer)
+        if self.moments is not None:
+            self.moments.bind_(optimizer, {id(p): name for name, p in self.module.named_parameters()})
         multiplier: torch.Tensor | None = None
         if checker is not None:
             checker.ensure_state_(first_grad_device(optimizer) or device)
@@ -98,7 +113,40 @@ class CompactKeeper:
         multiplier, clip = self._pending.pop(id(optimizer), [None, None])
         weights = self.weights
         update = lambda: weights.step_(optimizer, grad_multiplier=multiplier, clip_value=clip, **kwargs)  # noqa: E731
+        if self.moments is not None:
+            update = lambda: self._moment_step_(optimizer, multiplier, clip, kwargs)  # noqa: E731
         return step_checked(optimizer, checker, update, kwargs)
+
+    @torch.no_grad()
+    def _moment_step_(self, optimizer: Optimizer, multiplier: Any, clip: float | None, kwargs: dict[str, Any]) -> Any:
+        """The step with BF16/FP8 moments: per parameter, its FP32 value (Kahan: plus the compensation) is stepped
+        with the FP32 gradient (unscaled, clipped) and rounded back as :meth:`CompactWeights.step_` rounds."""
+        weights, moments = self.weights, self.moments
+        assert moments is not None
+        weights.steps += 1  # the weights' random keys advance as with the optimizer's step
+
+        def update(p: torch.Tensor, name: str, step_fn: Any) -> None:
+            grad = transform(p.grad.to(torch.float32, copy=True), multiplier, clip)
+            p.grad = None
+            if p.dtype not in LOW:  # an FP32 island, or cast to FP32 by a fallback: stepped in place
+                comp = weights._comp.get(name)
+                if comp is not None:
+                    comp.zero_()  # follow_recast_ moved it into the weight already
+                step_fn(p.data, grad)
+                return
+            value = p.detach().to(torch.float32, copy=True)
+            comp = weights._comp.get(name)
+            if comp is not None:
+                value.add_(comp)
+            step_fn(value, grad)
+            weight = p.detach()
+            if comp is not None:
+                weight.copy_(value)  # round to nearest; the residual is exact in FP32
+                comp.copy_(value.sub_(weight))
+            else:
+                weights._round_(weight, value, Piece(0, p, name, 0, p.numel(), 0), [])
+
+        return moments.step_(optimizer, {id(p): name for name, p in self.module.named_parameters()}, update, **kwargs)
 
     def drop_(self, optimizer: Optimizer) -> None:
         self._pending.pop(id(optimizer), None)
@@ -114,13 +162,29 @@ class CompactKeeper:
         return {name: p.detach().float() + c.float() for name, p, c in self.weights.named_buffers() if c is not None}
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [c for _, _, c in self.weights.named_buffers() if c is not None]
+        comp = [c for _, _, c in self.weights.named_buffers() if c is not None]
+        return comp + (self.moments.tensors() if self.moments is not None else [])
 
     def state_dict(self) -> dict[str, Any]:
-        return self.weights.state_dict()
+        """CompactWeights' state, and with BF16/FP8 moments their state under ``"optimizer_state"``."""
+        state = self.weights.state_dict()
+        if self.moments is not None:
+            state[KEY] = self.moments.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        moments = state.pop(KEY, None)
+        if (moments is None) != (self.moments is None):
+            kind = "fp32" if self.moments is None else self.moments.kind
+            raise ValueError(
+                f"CompactKeeper(optimizer_state={kind!r}).load_state_dict: the checkpoint was saved"
+                f" {'without' if moments is None else 'with'} BF16/FP8 moments; resume with the optimizer_state it"
+                " was saved with."
+            )
         self.weights.load_state_dict(state)
+        if self.moments is not None:
+            self.moments.load_state_dict(moments)
 
     def carry_(self, module: nn.Module, masters: dict[str, Any], compact: dict[str, Any], *, saved: str,
                target: str) -> str | None:

@@ -15,7 +15,7 @@ nothing reads a tensor on the host until :meth:`GrowthMonitor.stats` or :meth:`G
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -113,6 +113,8 @@ class GrowthMonitor:
     Args:
         scale: multiplies the activations before the range checks (the fixed FP8 scale; per layer:
             :meth:`set_scale`, a device tensor for a scale that changes).
+        clock: returns the optimizer steps taken so far; when given, the hooks follow it (no :meth:`step` calls
+            needed: a precision plugin passes its applied-step count, read on the host).
 
     Raises:
         ValueError: an argument is out of range or an unknown choice.
@@ -120,7 +122,7 @@ class GrowthMonitor:
 
     def __init__(
         self, every_n_steps: int = 10, window: int = 8, *, source: GrowthSource = "input", fmt: str = "fp8_e4m3",
-        scale: float = 1.0,
+        scale: float = 1.0, clock: Callable[[], int] | None = None,
     ) -> None:
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("window", window, 3)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -140,6 +142,9 @@ class GrowthMonitor:
         self._history: dict[str, _History] = {}
         self._handles: list[Any] = []
         self._sampled: set[str] = set()
+        self.clock = clock
+        self.samples = 0
+        """Layer samples recorded so far (a reader caches :meth:`runaway` until it changes)."""
 
     # ------------------------------------------------------------------------------------------ hooks
     def attach(self, module: nn.Module, *, names: Iterable[str] | None = None) -> GrowthMonitor:
@@ -187,6 +192,8 @@ class GrowthMonitor:
     def _hook(self, name: str):
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             # A Python check only on the steps between samples: no tensor is touched.
+            if self.clock is not None and (now := self.clock()) != self.steps:
+                self.step(now)
             if not module.training or name in self._sampled or not self.is_due(self.steps):
                 return
             x = inputs[0] if self.source == "input" else output
@@ -208,6 +215,7 @@ class GrowthMonitor:
             history.steps[history.next] = self.steps
         history.next = (history.next + 1) % self.window
         history.slope = self._fit(history)
+        self.samples += 1
 
     def _fit(self, history: _History) -> torch.Tensor:
         # Least squares of log2 amax against the step: slope = sum(w_i y_i) with w_i = (t_i - mean t) / sum (t - mean

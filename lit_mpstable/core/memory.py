@@ -37,7 +37,12 @@ def training_memory(
     """Bytes of training state by kind, each storage counted once (in the first kind it appears in): ``weights`` (the
     model's parameters), ``masters`` (parameters the optimizers hold that are not the model's: FP32 masters),
     ``gradients`` (of both), ``optimizer_state`` (every tensor in the optimizers' ``state``, quantized states by
-    their inner tensors), then each ``extra`` kind (e.g. ``compensation``), and ``total``. Reads no device data."""
+    their inner tensors; also the BF16/FP8 moment stores a weight keeper holds, given among ``extra``), then each
+    ``extra`` kind (e.g. ``compensation``), and ``total``. Reads no device data."""
+    from lit_mpstable.core.moment_keeper import is_moment_tensor  # the moment stores count as optimizer state
+
+    extras = {kind: list(tensors) for kind, tensors in (extra or {}).items()}
+    moments = [t for tensors in extras.values() for t in tensors if is_moment_tensor(t)]
     seen: set[int] = set()
 
     def count(tensors: Iterable[Any]) -> int:
@@ -58,9 +63,10 @@ def training_memory(
         "weights": count(model_params),
         "masters": count(p for p in held if id(p) not in own),
         "gradients": count(p.grad for p in (*model_params, *held) if p.grad is not None),
-        "optimizer_state": count(v for opt in optimizers for state in opt.state.values() for v in state.values()),
+        "optimizer_state": count([*(v for opt in optimizers for state in opt.state.values() for v in state.values()),
+                                  *moments]),
     }
-    for kind, tensors in (extra or {}).items():
+    for kind, tensors in extras.items():
         report[kind] = count(tensors)
     report["total"] = sum(report.values())
     return report

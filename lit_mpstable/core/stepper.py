@@ -26,8 +26,10 @@ from lit_mpstable.core.attribution import any_nonfinite
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_FORMATS
+from lit_mpstable.core.growth import GrowthMonitor
 from lit_mpstable.core.iteration import Iteration
 from lit_mpstable.core.layout import PrecisionLayout
+from lit_mpstable.core.moment_keeper import StateKind, check_optimizer_state
 from lit_mpstable.core.observer import GradObserver
 from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
@@ -80,6 +82,8 @@ class PrecisionStepper(StepperStatus, StepperState):
         diagnose: bool = False,
         spike_guard: SpikeGuard | None = None,
         owner: str | None = None,
+        optimizer_state: StateKind = "fp32",
+        growth_every_n_steps: int | None = None,
     ) -> None:
         self.owner = call = owner or type(self).__name__
         self.warnings: list[str] = []
@@ -102,6 +106,12 @@ class PrecisionStepper(StepperStatus, StepperState):
         self.master_mode: str | None = ("fp32" if master_weights is True else master_weights or None)
         if not self.true_16bit:
             self.master_mode = None  # the *-mixed modes keep FP32 weights: nothing to master
+        self.optimizer_state: str = check_optimizer_state(call, optimizer_state, self.precision, self.master_mode)
+        int_arg(call, "growth_every_n_steps", growth_every_n_steps, low=1, none=True,
+                unit="optimizer steps between activation-growth samples; 10 costs about 1% of a step")
+        self.growth = None if growth_every_n_steps is None else GrowthMonitor(
+            growth_every_n_steps, clock=self.applied_steps)  # a bound method: spawned ranks unpickle it
+        """The per-layer activation growth monitor (early warning of FP8 overflow), attached at setup_module."""
         # The scaler the run scales with, and the LossScaler the step calls (the same object unless foreign).
         self._checker: LossScaler | None
         self.scaler, self._checker = build_scaler(call, precision, scaler, self.device, skip_nonfinite=skip_nonfinite,

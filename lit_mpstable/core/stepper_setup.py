@@ -35,6 +35,9 @@ def setup_module(stepper: Any, module: nn.Module, *, fsdp2: bool) -> nn.Module:
     if "layout" in stepper._pending:
         stepper.layout.load_state_dict(stepper._pending.pop("layout"))
     stepper.observer.attach(module)
+    if stepper.growth is not None:  # after the FP8 swap: the hooks go on the layers that run
+        stepper.growth.detach()
+        stepper.growth.attach(module)
     if sharded:
         check_fsdp_policies(module, stepper.precision, master_weights=stepper.master_mode is not None,
                             islands=stepper.layout.islands.names, owner=stepper.owner)
@@ -60,7 +63,7 @@ def setup_optimizers(stepper: Any, module: nn.Module, optimizers: Sequence[Optim
         stepper.keeper = make_keeper(
             stepper.master_mode, module, optimizers, owner=stepper.owner, precision=stepper.precision,
             dtype=stepper.dtype, checker=stepper._checker, fsdp2=stepper.fsdp2, initial=stepper._initial,
-            warnings=stepper.warnings,
+            warnings=stepper.warnings, optimizer_state=stepper.optimizer_state,
         )
         stepper._initial = {}
     stepper.layout.after_recast = stepper.keeper.follow_recast_  # a fallback carries what the keeper holds

@@ -143,18 +143,28 @@ def make_keeper(
     mode: str | None, module: nn.Module, optimizers: Sequence[Optimizer], *, owner: str, precision: str,
     dtype: torch.dtype, checker: LossScaler | None, fsdp2: bool = False,
     initial: Mapping[str, torch.Tensor] | None = None, warnings: list[str] | None = None,
+    optimizer_state: str = "fp32",
 ) -> WeightKeeper:
     """The keeper of ``master_weights=mode`` bound to ``module`` and ``optimizers`` (``mode=None``: plain). Under FSDP2
-    it is plain whatever the mode: FSDP2's FP32 sharded parameters are the masters.
+    it is plain whatever the mode: FSDP2's FP32 sharded parameters are the masters. ``optimizer_state``: where the
+    masters' or compact weights' Adam/AdamW moments live (``"fp32"``: in the optimizer, as always).
 
     Raises:
-        ValueError: compact weights with a scaler that cannot check without unscaling.
+        ValueError: compact weights with a scaler that cannot check without unscaling; BF16/FP8 moments under FSDP2,
+            or with an optimizer other than torch's Adam/AdamW (or one of their options the moment step lacks).
     """
+    if fsdp2 and optimizer_state != "fp32":
+        raise ValueError(
+            f"{owner}({precision!r}, optimizer_state={optimizer_state!r}): under FSDP2 the optimizer steps DTensor"
+            " shards itself, so its moments stay in the optimizer; use optimizer_state='fp32' with FSDP2 (or an"
+            " 8-bit optimizer such as torchao's AdamW8bit)."
+        )
     if mode == "fp32" and not fsdp2:
-        return MasterKeeper(module, optimizers, dtype=dtype, initial=initial)
+        return MasterKeeper(module, optimizers, dtype=dtype, initial=initial, optimizer_state=optimizer_state,
+                            owner=owner)
     if not fsdp2 and mode in ("kahan", "stochastic"):
         return CompactKeeper(module, optimizers, mode, owner=owner, precision=precision, checker=checker,
-                             warnings=warnings if warnings is not None else [])
+                             warnings=warnings if warnings is not None else [], optimizer_state=optimizer_state)
     return PlainKeeper(owner, fp16_state=precision == "16-true" and mode is None)
 
 

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from lit_mpstable.core.fsdp import island_mp_policy as fsdp_island_mp_policy
 from lit_mpstable.core.fsdp import mp_policy as fsdp_mp_policy
 from lit_mpstable.core.master import MasterKeeper, MasterWeights
+from lit_mpstable.core.optim_state import StateKind
 from lit_mpstable.core.policy import describe
 from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
@@ -51,6 +52,8 @@ class StableFrontEnd:
         telemetry_every_n_steps: int | None = 50,
         diagnose: bool = False,
         spike_guard: SpikeGuard | None = None,
+        optimizer_state: StateKind = "fp32",
+        growth_every_n_steps: int | None = None,
     ) -> None:
         # A list for the repr; anything else (None, 5, one name) goes to the stepper's check as it is.
         # Every argument goes to the stepper by name: a new one is one line in the signature above.
@@ -65,6 +68,7 @@ class StableFrontEnd:
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
         self._state_loaded = False  # load_state_dict was called (a resume that brought the plugin's state)
         self._notes_shown = 0
+        self._runaway: tuple[int, list[str]] = (-1, [])  # (growth samples when computed, the layers)
         self._show_notes()
 
     def __repr__(self) -> str:
@@ -114,6 +118,24 @@ class StableFrontEnd:
         the stepper's weight keeper (``stepper.keeper``)."""
         keeper = self.stepper.keeper
         return keeper.weights if isinstance(keeper, MasterKeeper) else None
+
+    def runaway_layers(self) -> list[str]:
+        """The linear layers whose activations are heading out of FP8's range (the growth monitor's
+        :meth:`~lit_mpstable.core.growth.GrowthMonitor.runaway`: amax trend, kurtosis, saturation), and
+        ``stats["growth"]`` refreshed; ``[]`` without ``growth_every_n_steps``. Computed once per new sample (one
+        host read then; later calls return the same list). Rank-local."""
+        growth = self.stepper.growth
+        if growth is None:
+            return []
+        if self._runaway[0] != growth.samples:
+            self.stepper.stats["growth"] = growth.stats()
+            self._runaway = (growth.samples, growth.runaway())
+        return list(self._runaway[1])
+
+    def growth_metrics(self) -> dict[str, torch.Tensor]:
+        """``mp/amax_growth`` and ``mp/kurtosis_max`` as device tensors (empty before a sample, or without
+        ``growth_every_n_steps``); no host read."""
+        return {} if self.stepper.growth is None else self.stepper.growth.metrics()
 
     # ---- FSDP2 (begin)
     @property

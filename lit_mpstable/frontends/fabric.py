@@ -75,6 +75,10 @@ class StablePrecision(StableFrontEnd, Precision):
         diagnose: trace every step for the first module producing inf/NaN (costly).
         spike_guard: ``None`` or a :class:`~lit_mpstable.SpikeGuard`: a step whose loss or gradient norm spikes is
             skipped like an overflow (no scale backoff), decided on the device with no extra host read.
+        optimizer_state: ``"fp32"``, ``"bf16"`` or ``"fp8"``: where Adam/AdamW moments live with FP32 masters or
+            compact weights (as the Trainer plugin's).
+        growth_every_n_steps: per-layer activation growth sampled every N optimizer steps (:meth:`runaway_layers`);
+            ``None`` (default): off.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).

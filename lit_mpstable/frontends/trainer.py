@@ -190,6 +190,14 @@ class StablePrecision(TrainerPrecision, Precision):
             after an overflow is traced.
         spike_guard: ``None`` or a :class:`~lit_mpstable.SpikeGuard`: a step whose loss or gradient norm spikes is
             skipped like an overflow (no scale backoff), decided on the device with no extra host read.
+        optimizer_state: where Adam/AdamW moments live with FP32 masters or compact weights: ``"fp32"`` (the
+            optimizer's own state and step), ``"bf16"`` (stochastically rounded) or ``"fp8"`` (per-block scales with
+            dynamic range expansion); see :mod:`lit_mpstable.core.optim_state`. Other optimizers and FSDP2 are
+            refused at setup.
+        growth_every_n_steps: sample every linear layer's input statistics (amax trend, kurtosis, FP8 saturation
+            and underflow) every N optimizer steps, an early warning of FP8 overflow (:meth:`runaway_layers`,
+            ``mp/amax_growth``, ``mp/kurtosis_max``, ``stats["growth"]``); 10 costs about 1% of a step; ``None``
+            (default): off.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).

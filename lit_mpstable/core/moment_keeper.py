@@ -1,0 +1,220 @@
+"""Adam/AdamW moments kept by a weight keeper in BF16 or FP8 (``optimizer_state="bf16"``/``"fp8"``).
+
+With FP32 masters or compact weights the keeper steps exact ``torch.optim.Adam``/``AdamW`` groups itself through
+:func:`~lit_mpstable.core.optim_state.adamw_step_`, with two :class:`~lit_mpstable.core.optim_state.MomentStore`
+objects per parameter and a per-parameter step count, instead of ``optimizer.step()``: no ``exp_avg``/``exp_avg_sq``
+stays in ``optimizer.state``. ``group["lr"]`` (and the other hyper-parameters) are read at every step, so LR
+schedulers work; a skipped step (inf/NaN) never reaches the update. ``"fp32"`` never builds this object: the
+optimizer's own step runs, as before.
+"""
+
+from __future__ import annotations
+
+import weakref
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any, get_args
+
+import torch
+from torch.optim import Optimizer
+
+from lit_mpstable.core.optim_state import MomentStore, StateKind, adam_moments
+from lit_mpstable.core.validate import choice_arg
+
+__all__ = ["KEY", "AdamMoments", "StateKind", "check_adam", "check_optimizer_state", "is_moment_tensor"]
+
+
+def check_optimizer_state(owner: str, kind: Any, precision: str, master_mode: str | None) -> str:
+    """``kind`` if it is one of :data:`StateKind` and a weight keeper can hold it: BF16/FP8 moments need FP32 masters
+    or compact weights (a ``*-true`` precision with ``master_weights``).
+
+    Raises:
+        ValueError: an unknown kind, or BF16/FP8 moments where the optimizer steps the model's own parameters.
+    """
+    choice_arg(owner, "optimizer_state", kind, get_args(StateKind))
+    if kind != "fp32" and master_mode is None:
+        raise ValueError(
+            f"{owner}({precision!r}, optimizer_state={kind!r}): BF16/FP8 moments are kept by the FP32 masters or the"
+            " compact weights, which this run has none of (the '*-mixed' and '32-true' precisions, and '*-true'"
+            " with master_weights=False, let the optimizer step the model's parameters with its own FP32 state);"
+            " use a '*-true' precision with master_weights=True/'kahan'/'stochastic', or optimizer_state='fp32'."
+        )
+    return kind
+
+# By id, with a weak reference to tell a reused id apart (a WeakSet compares tensors with ==, elementwise).
+_MOMENT_TENSORS: dict[int, weakref.ref] = {}
+
+
+def is_moment_tensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a stored moment of an :class:`AdamMoments` (memory reports count it as optimizer
+    state, not as compensation)."""
+    ref = _MOMENT_TENSORS.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+KEY = "optimizer_state"
+"""The key of a keeper's state dict under which the moments and step counts are saved."""
+
+_REFUSED_FLAGS = ("amsgrad", "capturable", "differentiable")
+
+
+def check_adam(owner: str, kind: str, optimizer: Optimizer) -> None:
+    """Refuse what :func:`adamw_step_` does not compute exactly as torch: another optimizer class, or a group with
+    ``amsgrad``/``capturable``/``differentiable``, a tensor ``lr`` or tensor betas.
+
+    Raises:
+        ValueError: naming the optimizer and the group.
+    """
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(
+            f"{owner}(optimizer_state={kind!r}): {type(optimizer).__name__} is not torch.optim.Adam or AdamW; BF16/FP8"
+            " moments replace exactly those two optimizers' steps. Use optimizer_state='fp32' with this optimizer"
+            " (or an 8-bit optimizer of its own, e.g. torchao's AdamW8bit)."
+        )
+    for index, group in enumerate(optimizer.param_groups):
+        flags = [flag for flag in _REFUSED_FLAGS if group.get(flag)]
+        if isinstance(group.get("lr"), torch.Tensor):
+            flags.append("tensor lr")
+        if any(isinstance(b, torch.Tensor) for b in group.get("betas", ())):
+            flags.append("tensor betas")
+        if flags:
+            raise ValueError(
+                f"{owner}(optimizer_state={kind!r}): {type(optimizer).__name__} param group {index} uses"
+                f" {', '.join(flags)}, which the BF16/FP8 moment step does not implement; build the optimizer without"
+                " them (float lr, amsgrad=False, capturable=False, differentiable=False), or use"
+                " optimizer_state='fp32'."
+            )
+
+
+class AdamMoments:
+    """The moment stores and step counts of every parameter a keeper steps, by qualified name.
+
+    Args:
+        kind: ``"bf16"`` or ``"fp8"``.
+        seed: the random bits of stochastic rounding (with the step, the parameter's name and the element).
+        owner: the class name error messages use.
+    """
+
+    def __init__(self, kind: str, *, seed: int, owner: str = "PrecisionStepper") -> None:
+        self.kind, self.seed, self.owner = kind, int(seed), owner
+        self.stores: dict[str, tuple[MomentStore, MomentStore]] = {}
+        self.steps: dict[str, int] = {}
+
+    def bind_(self, optimizer: Optimizer, names: dict[int, str]) -> None:
+        """Check ``optimizer`` and give every named parameter of it stores (once); moments the optimizer already holds
+        for it (a checkpoint loaded into the optimizer) move into the stores."""
+        check_adam(self.owner, self.kind, optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                name = names.get(id(p))
+                if name is None:
+                    continue
+                if name not in self.stores:
+                    index = zlib.crc32(name.encode())
+                    self.stores[name] = adam_moments(self.kind, p.shape, p.device, seed=self.seed, index=index)
+                    self.steps[name] = 0
+                state = optimizer.state.pop(p, None)
+                if state and "exp_avg" in state:
+                    m, v = self.stores[name]
+                    step = int(state.get("step", 0))
+                    m.write_(state["exp_avg"].float(), step=max(step, 1))
+                    v.write_(state["exp_avg_sq"].float(), step=max(step, 1))
+                    self.steps[name] = step
+
+    @torch.no_grad()
+    def step_(self, optimizer: Optimizer, names: dict[int, str],
+              update: Callable[[torch.Tensor, str, Callable[[torch.Tensor, torch.Tensor], None]], None] | None = None,
+              **kwargs: Any) -> Any:
+        """One Adam/AdamW step of ``optimizer``'s parameters that have a gradient.
+
+        ``update(param, name, step_fn)``, when given, is how a keeper steps a parameter stored in 16 bits: it calls
+        ``step_fn(fp32_value, fp32_grad)`` and rounds the value back; without it the (FP32) parameter is stepped in
+        place. Afterwards ``optimizer.step()`` runs once with empty groups, so its hooks, and what LR schedulers
+        read of it, still see a step.
+        """
+        closure = kwargs.pop("closure", None)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in optimizer.param_groups:
+            decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+            hyper = dict(lr=float(group["lr"]), betas=tuple(float(b) for b in group["betas"]), eps=group["eps"],
+                         weight_decay=group["weight_decay"], decoupled_weight_decay=decoupled,
+                         maximize=bool(group.get("maximize", False)))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                name = names.get(id(p))
+                if name is None or name not in self.stores:
+                    raise RuntimeError(
+                        f"{self.owner}(optimizer_state={self.kind!r}): a parameter of shape {tuple(p.shape)} of"
+                        f" {type(optimizer).__name__} has no moment store (added after binding without a name in"
+                        " the model?); add parameters to the optimizer before fit."
+                    )
+                self.steps[name] += 1
+                m, v = self.stores[name]
+                step = self.steps[name]
+
+                def step_fn(value: torch.Tensor, grad: torch.Tensor, m: MomentStore = m, v: MomentStore = v,
+                            step: int = step) -> None:
+                    from lit_mpstable.core.optim_state import adamw_step_
+                    adamw_step_(value, grad, m, v, step=step, **hyper)
+
+                if update is not None:
+                    update(p, name, step_fn)
+                else:
+                    step_fn(p.data, p.grad)
+        saved = [group["params"] for group in optimizer.param_groups]
+        try:
+            for group in optimizer.param_groups:
+                group["params"] = []
+            optimizer.step()  # hooks and the schedulers' "optimizer stepped" mark; no parameter, no state
+        finally:
+            for group, params in zip(optimizer.param_groups, saved):
+                group["params"] = params
+        return loss
+
+    # ------------------------------------------------------------------------------------------------ state
+    def nbytes(self) -> int:
+        """Bytes of the stored moments (FP8: codes plus per-block amax and k)."""
+        return sum(m.nbytes + v.nbytes for m, v in self.stores.values())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The stored tensors (for memory accounting; each registered as a moment tensor)."""
+        tensors = [t for pair in self.stores.values() for store in pair for t in store.tensors.values()]
+        for key in [key for key, ref in _MOMENT_TENSORS.items() if ref() is None]:
+            del _MOMENT_TENSORS[key]
+        _MOMENT_TENSORS.update((id(t), weakref.ref(t)) for t in tensors)
+        return tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        """``kind``, ``seed``, ``steps`` (per name) and ``moments`` (per name: the two stores' state dicts); plain
+        values and tensors (shared with the stores: clone them for an in-memory snapshot)."""
+        return {"kind": self.kind, "seed": self.seed, "steps": dict(self.steps),
+                "moments": {name: [m.state_dict(), v.state_dict()] for name, (m, v) in self.stores.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (stores of names not bound yet are built from the saved shapes).
+
+        Raises:
+            ValueError: saved with another ``optimizer_state``.
+        """
+        if state.get("kind") != self.kind:
+            raise ValueError(
+                f"{self.owner}(optimizer_state={self.kind!r}).load_state_dict: the checkpoint's moments are"
+                f" {state.get('kind')!r}; resume with optimizer_state={state.get('kind')!r}."
+            )
+        self.seed = int(state["seed"])
+        for name, (m_state, v_state) in state["moments"].items():
+            if name not in self.stores:
+                device = m_state["tensors"][next(iter(m_state["tensors"]))].device
+                self.stores[name] = adam_moments(self.kind, m_state["shape"], device, seed=self.seed,
+                                                 index=zlib.crc32(name.encode()))
+            m, v = self.stores[name]
+            m.load_state_dict(m_state)
+            v.load_state_dict(v_state)
+            self.steps[name] = int(state["steps"][name])
+
+
+def names_of(pairs: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
+    return {id(t): name for name, t in pairs}
