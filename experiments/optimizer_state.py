@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "adapter")]
 OUT = ROOT / "experiments" / "results" / "optimizer_state"
 
 from lit_mpstable import StablePrecision  # noqa: E402
-from lit_mpstable.app.zoo import CharLMData, DigitsData, GPTLM, MLPClassifier  # noqa: E402
+from lit_mpstable.app.zoo import GPTLM, CharLMData, DigitsData, MLPClassifier  # noqa: E402
 
 
 def _trainer(plugin, steps: int, **kwargs) -> pl.Trainer:
@@ -132,7 +132,8 @@ def main() -> None:
                         print(json.dumps(row), flush=True)
         results["moments"] = [r for r in results.get("moments", []) if r["model"] not in args.models] + rows
     if "warning" in args.parts:
-        rows = [run_warning(seed, True, 400) for seed in range(5)] + [run_warning(seed, False, 400) for seed in range(5)]
+        rows = [run_warning(seed, True, 400) for seed in range(5)]
+        rows += [run_warning(seed, False, 400) for seed in range(5)]
         for row in rows:
             print(json.dumps(row), flush=True)
         results["warning"] = rows
@@ -150,7 +151,8 @@ def markdown(results: dict, argv: str) -> str:
              f" {torch.__version__}).", ""]
     if "moments" in results:
         lines += ["## Moments: validation loss vs FP32 moments, and state memory", "",
-                  "| model | weights | steps | moments | val loss (mean of seeds) | vs fp32 moments (mean of per-seed %) |"
+                  "| model | weights | steps | moments | val loss (mean of seeds) |"
+                  " vs fp32 moments (mean of per-seed %) |"
                   " worst seed | state bytes | vs fp32 moments |", "|---|---|---|---|---|---|---|---|---|"]
         rows = results["moments"]
         keys = sorted({(r["model"], r["weights"]) for r in rows}, key=lambda k: (k[0] != "mlp", k[1]))

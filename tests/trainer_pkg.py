@@ -36,5 +36,5 @@ else:
 
 HalfPrecision, MixedPrecision = pl.plugins.precision.HalfPrecision, pl.plugins.precision.MixedPrecision
 
-__all__ = ["AMPPreflight", "FaultTriage", "HalfPrecision", "MixedPrecision", "NAME", "OverflowMonitor", "PrecisionFallback",
-           "PrecisionProbe", "ScaleCheckpoint", "StablePrecision", "pl"]
+__all__ = ["AMPPreflight", "FaultTriage", "HalfPrecision", "MixedPrecision", "NAME", "OverflowMonitor",
+           "PrecisionFallback", "PrecisionProbe", "ScaleCheckpoint", "StablePrecision", "pl"]

@@ -75,9 +75,11 @@ class FaultTriage(PluginCallback):
     the weights or the optimizer state). A routine FP16 overflow at a scale above 1 is the scaler's business: not
     replayed. The same batch is then replayed with the RNG restored, at most ``max_replays`` times, up the
     :class:`Replay` ladder: as is, in FP32 (``plugin.full_precision()``; skipped where FSDP2 fixed the precision), from
-    ScaleCheckpoint's last snapshot (skipped without one). A replay is clean when its loss, its gradients, the weights and the optimizer state are all finite
+    ScaleCheckpoint's last snapshot (skipped without one). A replay is clean when its loss, its gradients, the weights
+    and the optimizer state are all finite
     on every rank. A step the plugin's SpikeGuard rejected as a spike is triaged too; its replay counts as clean only
-    if it is also not a spike by the guard's current statistics (judged without folding anything into them). The first clean replay names the kind:
+    if it is also not a spike by the guard's current statistics (judged without folding anything into them). The first
+    clean replay names the kind:
 
     - ``"transient"``: the as-is replay's step is applied through the plugin (clipping, hooks, masters, counters):
       nothing is skipped;
@@ -166,7 +168,8 @@ class FaultTriage(PluginCallback):
         steps, overflows, _ = self._steps.delta(plugin)
         batch, self._batch = self._batch, None
         triaged = False
-        if steps and plugin.last_step_skipped and batch is not None and self._needs_triage(trainer, pl_module, overflows):
+        rejected = steps and plugin.last_step_skipped and batch is not None
+        if rejected and self._needs_triage(trainer, pl_module, overflows):
             self._triage(trainer, pl_module, batch)
             triaged = True
         if triaged or (trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0):

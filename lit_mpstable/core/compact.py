@@ -67,7 +67,8 @@ class CompactWeights(FusedSteps, StandIns):
 
     ``fused``: exact ``torch.optim.Adam``/``AdamW`` groups (no ``amsgrad``) on BF16 parameters skip the FP32
     stand-ins: one kernel compiled by ``torch.compile`` per parameter reads each 16-bit tensor once, does the same
-    arithmetic in registers and allocates nothing (:mod:`lit_mpstable.core.compact_fused`; the same random numbers, results
+    arithmetic in registers and allocates nothing (:mod:`lit_mpstable.core.compact_fused`; the same random numbers,
+    results
     equal to the stand-ins' to FP32 rounding). ``None`` (default): on the CPU, falling back to the stand-ins with a
     warning if compiling fails; ``True``: on any device (inductor's GPU kernels are not measured by this project
     yet), and a failure to compile raises; ``False``: never (no compiler needed). The first fused step of a run
@@ -306,7 +307,8 @@ class CompactWeights(FusedSteps, StandIns):
 
     def _round_(self, dst: torch.Tensor, src: torch.Tensor, piece: Piece, noise: list[torch.Tensor]) -> None:
         """Stochastic rounding of ``src`` (overwritten) into ``dst``. The random numbers are
-        :func:`~lit_mpstable.core.compact_fused.noise_bits` of (seed, steps, parameter, element) and shared by the weight
+        :func:`~lit_mpstable.core.compact_fused.noise_bits` of (seed, steps, parameter, element) and shared by the
+        weight
         and its state tensors: each is rounded without bias, for a third of the random numbers; their errors at one
         element are correlated, which changes only second-order terms (the ratio m / sqrt(v) even gains)."""
         if not noise:

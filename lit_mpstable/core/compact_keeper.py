@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
-from lit_mpstable.core.compact import CompactWeights
+from lit_mpstable.core.compact import CompactMode, CompactWeights
 from lit_mpstable.core.compact_slices import LOW, Piece, transform
 from lit_mpstable.core.keeper_steps import first_grad_device, step_checked
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
@@ -45,7 +45,8 @@ class CompactKeeper:
                 f" scaler={type(checker).__name__}(...)): compact weights unscale in FP32 themselves and need"
                 " a scaler that checks without unscaling (check_()); use scaler='dynamic' or DynamicLossScaler."
             )
-        self.weights = CompactWeights(module, optimizers, mode, seed=torch.initial_seed() % 2**31)
+        compact_mode = cast(CompactMode, mode)  # make_keeper passes 'kahan' or 'stochastic' only
+        self.weights = CompactWeights(module, optimizers, compact_mode, seed=torch.initial_seed() % 2**31)
         self.mode: str | None = mode
         self.follow_recast_ = self.weights.follow_recast_  # a fallback carries the compensation
         self._pending: dict[int, list[Any]] = {}  # per optimizer this iteration: [multiplier, clip value]
@@ -126,6 +127,7 @@ class CompactKeeper:
         weights.steps += 1  # the weights' random keys advance as with the optimizer's step
 
         def update(p: torch.Tensor, name: str, step_fn: Any) -> None:
+            assert p.grad is not None  # update() runs on the parameters that have a gradient
             grad = transform(p.grad.to(torch.float32, copy=True), multiplier, clip)
             p.grad = None
             if p.dtype not in LOW:  # an FP32 island, or cast to FP32 by a fallback: stepped in place
@@ -144,7 +146,7 @@ class CompactKeeper:
                 weight.copy_(value)  # round to nearest; the residual is exact in FP32
                 comp.copy_(value.sub_(weight))
             else:
-                weights._round_(weight, value, Piece(0, p, name, 0, p.numel(), 0), [])
+                weights._round_(weight, value, Piece(0, cast(nn.Parameter, p), name, 0, p.numel(), 0), [])
 
         return moments.step_(optimizer, {id(p): name for name, p in self.module.named_parameters()}, update, **kwargs)
 

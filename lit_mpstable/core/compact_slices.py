@@ -14,7 +14,8 @@ from torch.optim import Optimizer
 from lit_mpstable.core.memory import plain_tensors
 
 __all__ = [
-    "BNB_BLOCK", "ELEMENTWISE", "LOW", "MIN_SLICE", "Piece", "StandIns", "absmax", "block_size", "budget", "cast_state_",
+    "BNB_BLOCK", "ELEMENTWISE", "LOW", "MIN_SLICE", "Piece", "StandIns", "absmax", "block_size", "budget",
+    "cast_state_",
     "check_keys", "chunks", "codes", "grad_bytes", "init_blockwise_", "init_bnb_", "memory_report", "nbytes",
     "per_element", "quantized", "quantized_state_classes", "transform",
 ]
@@ -81,12 +82,14 @@ class StandIns:
             if multiplier is None and clip is None:
                 return p, None
             original = p.grad
+            assert original is not None  # pieces are made for parameters with a gradient
             p.grad = transform(original.to(torch.float32, copy=True), multiplier, clip).to(original.dtype)
             return p, original
         value = piece.view(p.detach()).to(torch.float32, copy=True)
         if self.mode == "kahan":
             value.add_(piece.view(self._comp[piece.name]))
         proxy = nn.Parameter(value)
+        assert p.grad is not None
         proxy.grad = transform(piece.view(p.grad).to(torch.float32, copy=True), multiplier, clip)
         # Every slice of a parameter starts from its state before this step, though earlier slices are written back.
         state = self._before.setdefault(id(p), dict(optimizer.state.get(p, {})))
@@ -158,7 +161,8 @@ def budget(chunk_bytes: int | None, device: torch.device, optimizer: Optimizer) 
     every step, slower) and the transient stays small; measured in bench/bench_compact_core.py. The low-bit Adams
     allocate FP32 temporaries about the size of the copies on top, when every gradient is still held (and each
     call costs torchao's ~1 ms, a torch.compile wrapper per parameter): they start at 512 KiB and grow by half the
-    gradient bytes freed (copies and temporaries together take their place), to 4 MiB. On an accelerator, fewer optimizer calls matter more (a guessed default; no GPU
+    gradient bytes freed (copies and temporaries together take their place), to 4 MiB. On an accelerator, fewer
+    optimizer calls matter more (a guessed default; no GPU
     measurement yet)."""
     if chunk_bytes is not None:
         return chunk_bytes, chunk_bytes
@@ -279,8 +283,9 @@ def block_size(optimizer: Optimizer) -> int | None:
         return None
     block = getattr(optimizer, "block_size", None)
     new_buffer = getattr(optimizer, "_new_buffer", None)
-    ok = isinstance(block, int) and not isinstance(block, bool) and block > 0 and callable(new_buffer)
-    return block if ok and MIN_SLICE % block == 0 else None
+    if not isinstance(block, int) or isinstance(block, bool) or block <= 0 or not callable(new_buffer):
+        return None
+    return block if MIN_SLICE % block == 0 else None
 
 
 def init_blockwise_(
@@ -298,8 +303,9 @@ def init_blockwise_(
         # The optimizer's own constructor of zero states, on a stand-in with the parameter's shape and the FP32 dtype
         # the optimizer sees (an expanded scalar: no memory). Unquantized states become 16-bit as usual.
         stand_in = torch.empty((), dtype=torch.float32, device=p.device).expand(p.shape)
-        fresh = {"step": torch.tensor(0.0), "exp_avg": optimizer._new_buffer(stand_in, True),  # type: ignore[operator]
-                 "exp_avg_sq": optimizer._new_buffer(stand_in, False)}  # type: ignore[operator]
+        new_buffer = optimizer._new_buffer  # type: ignore[attr-defined]  # torchao's low-bit Adams (checked above)
+        fresh = {"step": torch.tensor(0.0), "exp_avg": new_buffer(stand_in, True),
+                 "exp_avg_sq": new_buffer(stand_in, False)}
         for key, value in fresh.items():
             state[key] = value if key == "step" or quantized(value, p) else value.to(p.dtype)
         optimizer.state[p] = state

@@ -159,7 +159,7 @@ class MasterWeights:
         """
         masters, params = self._select(optimizer)
         if masters:
-            torch._foreach_copy_(params, masters)
+            torch._foreach_copy_(list[torch.Tensor](params), list[torch.Tensor](masters))
 
     def zero_model_grads_(self, optimizer: Optimizer | None = None) -> None:
         """Drop the 16-bit grads of the parameters that have masters (after copying, to free their memory).
@@ -181,7 +181,7 @@ class MasterWeights:
         masters, params = self._select(optimizer)
         pairs = [(m.grad, p) for m, p in zip(masters, params) if m.grad is not None and p.grad is not None]
         if copy and pairs:
-            torch._foreach_copy_([p.grad for _, p in pairs], [g for g, _ in pairs])
+            torch._foreach_copy_([p.grad for _, p in pairs if p.grad is not None], [g for g, _ in pairs])
         self._grad_versions[id(optimizer)] = [(p.grad, p.grad._version if p.grad is not None else -1) for p in params]
 
     @torch.no_grad()
@@ -210,7 +210,7 @@ class MasterWeights:
         """
         masters, params = self._select(None)
         if masters:
-            torch._foreach_copy_(masters, params)
+            torch._foreach_copy_(list[torch.Tensor](masters), list[torch.Tensor](params))
 
     # --------------------------------------------------------------------------------------------- state
     @torch.no_grad()
@@ -256,7 +256,7 @@ class MasterWeights:
                 )
         masters = list(self._masters.values())
         if masters:
-            torch._foreach_copy_(masters, [state[name] for name in self._masters])
+            torch._foreach_copy_(list[torch.Tensor](masters), [state[name] for name in self._masters])
         self.refresh_model_()
 
     def memory_report(self) -> dict[str, int]:

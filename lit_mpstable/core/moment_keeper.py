@@ -13,7 +13,7 @@ from __future__ import annotations
 import weakref
 import zlib
 from collections.abc import Callable, Iterable
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 import torch
 from torch.optim import Optimizer
@@ -95,7 +95,8 @@ class AdamMoments:
     """
 
     def __init__(self, kind: str, *, seed: int, owner: str = "PrecisionStepper") -> None:
-        self.kind, self.seed, self.owner = kind, int(seed), owner
+        self.kind: StateKind = cast(StateKind, kind)  # checked by the stepper against StateKind's choices
+        self.seed, self.owner = int(seed), owner
         self.stores: dict[str, tuple[MomentStore, MomentStore]] = {}
         self.steps: dict[str, int] = {}
 

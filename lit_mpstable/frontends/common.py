@@ -87,15 +87,16 @@ class StableFrontEnd:
     dtype = FromStepper()
     compute_dtype = FromStepper()
     true_16bit = FromStepper()
-    fallback_active = FromStepper('Whether any part of the run has been moved up the precision ladder by :meth:`fallback`.')
+    fallback_active = FromStepper(
+        'Whether any part of the run has been moved up the precision ladder by :meth:`fallback`.')
     islands = FromStepper('The FP32 islands in force (``islands.names``: qualified module names).')
     last_step_skipped = FromStepper()
     step_count = FromStepper()
     overflow_count = FromStepper()
     skipped_steps = FromStepper()
     stats = FromStepper(
-        "Latest telemetry: ``grad_norm``, ``grad_amax``, ``grad_underflow_frac``, ``grad_overflow_frac`` (in the compute"
-        " format at the current scale: a forecast), ``grad_zero_frac``, ``grad_underflow_per_module``,"
+        "Latest telemetry: ``grad_norm``, ``grad_amax``, ``grad_underflow_frac``, ``grad_overflow_frac`` (in the"
+        " compute format at the current scale: a forecast), ``grad_zero_frac``, ``grad_underflow_per_module``,"
         " ``fp8_saturation_frac``, ``fp8_underflow_frac``, ``stats_step`` (the step they were measured on); after an"
         " overflow ``blamed_params``, ``blamed_modules`` and ``nonfinite_input`` (the batch held inf/NaN); from"
         " ``PrecisionProbe``, ``probe``. Rank-local.")
@@ -109,7 +110,8 @@ class StableFrontEnd:
     diagnose = FromStepper()
     device = FromStepper()
     can_fallback = FromStepper()
-    spike_guard = FromStepper('The :class:`~lit_mpstable.SpikeGuard` that skips loss and gradient-norm spikes (None: off).')
+    spike_guard = FromStepper(
+        'The :class:`~lit_mpstable.SpikeGuard` that skips loss and gradient-norm spikes (None: off).')
     last_step_spiked = FromStepper()
 
     @property
@@ -164,7 +166,8 @@ class StableFrontEnd:
             policy, measured = self.policy, self.policy.measurements
             parts = [describe(f, c, measured[f], policy.margin, policy.step_cost) if f in measured else f"{f}={c}"
                      for f, c in policy.choices.items()]
-            rank_zero_info(f"StablePrecision op_policy={self.stepper.op_policy!r} on {self.device}: {', '.join(parts)}.")
+            choices = ", ".join(parts)
+            rank_zero_info(f"StablePrecision op_policy={self.stepper.op_policy!r} on {self.device}: {choices}.")
 
     def _warn_fp16_cpu(self) -> None:
         """Once the run's device is known: FP16 on the CPU is real but slow, said once."""
@@ -200,7 +203,8 @@ class StableFrontEnd:
     def fallback(self, modules: Iterable[str] | None = None, *, reason: str) -> str:
         """Climb one rung of the precision ladder: with ``modules=None`` the whole run (FP8 -> base precision ->
         FP32), else the named modules (FP8 layers leave FP8, others become FP32 islands). Loss scaling and master
-        weights keep working. Returns what was done, also warned once on rank zero (the one log line of a fallback). Takes effect from the next
+        weights keep working. Returns what was done, also warned once on rank zero (the one log line of a fallback).
+        Takes effect from the next
         forward; :meth:`restore_precision` undoes it."""
         action = self.stepper.fallback(modules)
         # The one log line of a fallback, whoever decided it (a callback names itself in ``reason``).

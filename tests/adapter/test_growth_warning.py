@@ -12,7 +12,6 @@ import pytest
 import torch
 from helpers import make_trainer
 from torch import nn
-
 from trainer_pkg import OverflowMonitor, PrecisionFallback, StablePrecision, pl
 
 GROW_FROM, RATE = 80, 1.12  # from step 80 the two rows grow 12% a step (the product feeding mlp.down ~25%)

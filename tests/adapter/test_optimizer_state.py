@@ -10,7 +10,6 @@ import torch
 from cb_helpers import PoisonModule, quiet
 from helpers import make_module, make_trainer
 from torch import nn
-
 from trainer_pkg import ScaleCheckpoint, StablePrecision, pl
 
 
@@ -188,8 +187,9 @@ def _assert_same(a, b) -> None:
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_fabric_steps_the_masters_with_low_precision_moments(kind: str) -> None:
     # Fabric shares the constructor: the hand-written FP32-master loop (torch AdamW, FP32 moments) is the reference.
-    from lit_mpstable.frontends.fabric import StablePrecision as FabricPrecision
     from test_fabric import hand_master_loop, train
+
+    from lit_mpstable.frontends.fabric import StablePrecision as FabricPrecision
 
     reference = hand_master_loop("bf16-true", 8)
     out = train(FabricPrecision("bf16-true", optimizer_state=kind), steps=8)
