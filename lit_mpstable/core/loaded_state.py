@@ -244,5 +244,8 @@ def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tu
         check_fields(call, compact, _COMPACT, prefix="compact")
     check_mapping(call, state["op_policy"], name="op_policy")
     count_list(call, "schedules", state["schedules"])
-    check_mapping(call, state["spike_guard"], name="spike_guard")  # its fields: SpikeGuard.load_state_dict
+    guard = check_mapping(call, state["spike_guard"], name="spike_guard")  # its values: SpikeGuard.load_state_dict
+    if guard:  # {} without a guard; otherwise SpikeGuard.state_dict's keys, whether or not this run has a guard
+        check_mapping(call, guard, {"window", "loss", "loss_count", "grad_norm", "grad_norm_count", "spikes_skipped"},
+                      name="spike_guard")
 

@@ -273,7 +273,7 @@ class PrecisionStepper(StepperStatus, StepperState):
             self.optimizers.append(optimizer)
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
         if self.spike_guard is not None:
-            # The true gradients' norm before any clipping (compact weights: times the pending unscale factor).
+            # The true gradients' norm before any clipping (times a deferring keeper's pending unscale factor).
             pending = getattr(self.keeper, "_pending", {}).get(id(optimizer))
             norm = true_grad_norm(optimizer, pending[0] if pending else None)
             self._spike[id(optimizer)] = self.spike_guard.decide(norm)

@@ -403,11 +403,14 @@ COVERED: dict[tuple[str, str], tuple] = {
 _CALLBACK_COMMON = {"_plugin": _SETUP, "_warned_no_plugin": _MSG, "log": _SETUP, "log_dict": _SETUP}
 NOT_STATE: dict[str, dict[str, str]] = {
     "StablePrecision": {"_args": _CONFIG, "precision": _CONFIG, "master_weights": _CONFIG, "_warned": _MSG,
+                        "_runaway": "a cache of the growth monitor's last answer (recomputed from its samples)",
                         "_notes_shown": _MSG,
                         "_state_loaded": "whether this fit loaded the plugin's state (for the resume warning only)",
                         "findings": "the callbacks' latest results, measured anew after a resume (the probe step a"
                                     " fallback counted is PrecisionFallback's last_probe_step)"},
     "PrecisionStepper": {
+        "optimizer_state": _CONFIG,
+        "growth": "the growth monitor's samples: not checkpointed yet (a resume restarts its trend fit; written down)",
         "owner": _CONFIG, "warnings": _MSG, "device": _SETUP, "master_mode": _CONFIG, "skip_nonfinite": _CONFIG,
         "fp8": _CONFIG, "op_policy": _CONFIG, "diagnose": _CONFIG, "fsdp2": _SETUP, "_fsdp_checked": _SETUP,
         "optimizers": "the run's optimizers (their state is Lightning's optimizer_states)", "_initial": _SETUP,
@@ -444,10 +447,13 @@ NOT_STATE: dict[str, dict[str, str]] = {
     "OpPolicy": {"dtype": _CONFIG, "margin": _CONFIG, "budget_s": _CONFIG, "_measure": _CONFIG, "requested": _CONFIG,
                  "measurements": "timings behind the choices (the choices are saved; the timings in stats)",
                  "step_cost": "timing report", "_recording": _ITER},
-    "OverflowMonitor": {**_CALLBACK_COMMON, "window": _CONFIG, "warn_rate": _CONFIG, "log_every_n_steps": _CONFIG,
+    "OverflowMonitor": {**_CALLBACK_COMMON, "growth_warned": _MSG, "window": _CONFIG, "warn_rate": _CONFIG,
+                        "log_every_n_steps": _CONFIG,
                         "latest_measured": "the values last logged (report; measured again at the next due step)",
                         "_steps": "counter baseline, reset from the plugin's restored counters at train start"},
-    "PrecisionFallback": {**_CALLBACK_COMMON, "patience": _CONFIG, "min_scale": _CONFIG, "mode": _CONFIG,
+    "PrecisionFallback": {**_CALLBACK_COMMON, "on_growth": _CONFIG,
+                          "_growth_moved": "layers moved for growth; the move itself is the layout's (fp32_modules)",
+                          "patience": _CONFIG, "min_scale": _CONFIG, "mode": _CONFIG,
                           "cooldown": _CONFIG, "max_overflow_rate": _CONFIG, "nonfinite_loss_patience": _CONFIG,
                           "window": _CONFIG, "max_grad_error": _CONFIG, "grad_error_patience": _CONFIG,
                           "_steps": "counter baseline, reset from the plugin's restored counters at train start",
