@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.compact_keeper import CompactKeeper
 from lit_mpstable.core.keeper_steps import step_checked, unscale_checked_
-from lit_mpstable.core.master import MasterKeeper
+from lit_mpstable.core.master_keeper import MasterKeeper
 from lit_mpstable.core.scalers import LossScaler
 
 __all__ = ["PlainKeeper", "WeightKeeper", "check_eps", "make_keeper"]

@@ -15,7 +15,8 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.fsdp import island_mp_policy as fsdp_island_mp_policy
 from lit_mpstable.core.fsdp import mp_policy as fsdp_mp_policy
-from lit_mpstable.core.master import MasterKeeper, MasterWeights
+from lit_mpstable.core.master import MasterWeights
+from lit_mpstable.core.master_keeper import MasterKeeper
 from lit_mpstable.core.optim_state import StateKind
 from lit_mpstable.core.policy import describe
 from lit_mpstable.core.spike import SpikeGuard

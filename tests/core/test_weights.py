@@ -10,7 +10,7 @@ import torch
 from helpers import TinyMLP, regression_data
 
 from lit_mpstable.core.compact_keeper import CompactKeeper
-from lit_mpstable.core.master import MasterKeeper
+from lit_mpstable.core.master_keeper import MasterKeeper
 from lit_mpstable.core.stepper import PrecisionStepper
 from lit_mpstable.core.weights import PlainKeeper, WeightKeeper, make_keeper
 
