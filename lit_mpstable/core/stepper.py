@@ -14,16 +14,13 @@ One iteration, in this order (a plain loop calls the same methods the Trainer an
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, get_args
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.core.attribution import any_nonfinite
-from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_FORMATS
 from lit_mpstable.core.growth import GrowthMonitor
@@ -39,10 +36,11 @@ from lit_mpstable.core.step_guard import check_step_inputs_, stale_grads_note
 from lit_mpstable.core.step_report import blame, blame_late, observe
 from lit_mpstable.core.step_spike import check_spike_guard, observe_loss, true_grad_norm
 from lit_mpstable.core.stepper_args import MasterMode, OpPolicyName, PrecisionName, check_arguments
+from lit_mpstable.core.stepper_forward import StepperForward
 from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
 from lit_mpstable.core.stepper_state import StepperState
 from lit_mpstable.core.stepper_status import StepperStatus
-from lit_mpstable.core.tensors import default_dtype, floating_tensors, map_tensors, tensor_init_context
+from lit_mpstable.core.tensors import default_dtype, tensor_init_context
 from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.weights import PlainKeeper, WeightKeeper
 from lit_mpstable.fp8 import FP8Config, fp8_config
@@ -53,7 +51,7 @@ __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "S
 
 
 
-class PrecisionStepper(StepperStatus, StepperState):
+class PrecisionStepper(StepperForward, StepperStatus, StepperState):
     """The precision of one training run and its step protocol: loss scaling, the non-finite check, FP32 master
     weights, clipping on true gradients, skip-and-count, FP32 islands, FP8 layers, the per-op policy, telemetry.
 
@@ -197,52 +195,7 @@ class PrecisionStepper(StepperStatus, StepperState):
         sync; a front end calls it once per optimizer, before its first step."""
         return self.keeper.follow_model_weights_()
 
-    # -------------------------------------------------------------------------------------- forward, backward
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        """Autocast (``*-mixed``), the 16-bit default dtype (``*-true``), the op policy and FP8's own context.
-
-        With ``torch.compile``: none of this adds a graph break (autocast and the policy's mode are traced into the
-        graph, or guarded on from outside it). The forward that traces an overflow (the step after one, or every step
-        with ``diagnose``) runs eagerly: its hooks would break the graph and recompile it for one step.
-        """
-        self._note_recompile()
-        traced = self.observer.tracer is not None
-        with eager() if traced else nullcontext(), self.layout.forward_context():
-            if self.compute_dtype == torch.float32:
-                yield
-            elif self.true_16bit:
-                with default_dtype(self.dtype):  # tensors created inside forward default to the 16-bit dtype
-                    yield
-            else:
-                # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
-                # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
-                autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
-                with autocast, self.policy.context(self.device):
-                    yield
-                if not self.policy.pending and self.stats.get("op_policy") != self.policy.choices:
-                    self.stats["op_policy"] = dict(self.policy.choices)  # decided (second forward), forced or resumed
-                    self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
-                                                  for f, m in self.policy.measurements.items()}
-
-    def _note_recompile(self) -> None:
-        layout = self.layout
-        seen = (layout.fp32, layout.fp8_off, tuple(layout.fp8_removed), tuple(layout.fp32_modules))
-        changed, self._layout_seen = self._layout_seen not in (None, seen), seen
-        if changed and layout.module is not None and is_compiled(layout.module):
-            recompile_note(self.step_count, self.warnings)
-
-    def convert_input(self, data: Any) -> Any:
-        """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
-        device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
-        tensors = floating_tensors(data)
-        if tensors:
-            flag = any_nonfinite(tensors)
-            self._input_nonfinite = flag if self._input_nonfinite is None else self._input_nonfinite | flag
-        if not self.true_16bit:
-            return data
-        return map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
-
+    # -------------------------------------------------------------------------------------------- backward
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``backward`` on: multiplied by the loss scale when scaling.
 

@@ -1,0 +1,79 @@
+"""The forward half of :class:`~lit_mpstable.core.stepper.PrecisionStepper` (a mixin): the precision context of a
+forward and the batch it sees."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+from lit_mpstable.core.attribution import any_nonfinite
+from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
+from lit_mpstable.core.tensors import default_dtype, floating_tensors, map_tensors
+
+__all__ = ["StepperForward"]
+
+
+class StepperForward:
+    """``forward_context`` and ``convert_input``: they read the stepper's layout, policy, observer and dtypes."""
+
+    layout: Any
+    policy: Any
+    observer: Any
+    stats: dict[str, Any]
+    warnings: list[str]
+    device: str
+    _layout_seen: tuple | None
+    _input_nonfinite: torch.Tensor | None
+    compute_dtype: torch.dtype
+    dtype: torch.dtype
+    true_16bit: bool
+    step_count: int
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Autocast (``*-mixed``), the 16-bit default dtype (``*-true``), the op policy and FP8's own context.
+
+        With ``torch.compile``: none of this adds a graph break (autocast and the policy's mode are traced into the
+        graph, or guarded on from outside it). The forward that traces an overflow (the step after one, or every step
+        with ``diagnose``) runs eagerly: its hooks would break the graph and recompile it for one step.
+        """
+        self._note_recompile()
+        traced = self.observer.tracer is not None
+        with eager() if traced else nullcontext(), self.layout.forward_context():
+            if self.compute_dtype == torch.float32:
+                yield
+            elif self.true_16bit:
+                with default_dtype(self.dtype):  # tensors created inside forward default to the 16-bit dtype
+                    yield
+            else:
+                # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
+                # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
+                autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+                with autocast, self.policy.context(self.device):
+                    yield
+                if not self.policy.pending and self.stats.get("op_policy") != self.policy.choices:
+                    self.stats["op_policy"] = dict(self.policy.choices)  # decided (second forward), forced or resumed
+                    self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
+                                                  for f, m in self.policy.measurements.items()}
+
+    def _note_recompile(self) -> None:
+        layout = self.layout
+        seen = (layout.fp32, layout.fp8_off, tuple(layout.fp8_removed), tuple(layout.fp32_modules))
+        changed, self._layout_seen = self._layout_seen not in (None, seen), seen
+        if changed and layout.module is not None and is_compiled(layout.module):
+            recompile_note(self.step_count, self.warnings)
+
+    def convert_input(self, data: Any) -> Any:
+        """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
+        device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
+        tensors = floating_tensors(data)
+        if tensors:
+            flag = any_nonfinite(tensors)
+            self._input_nonfinite = flag if self._input_nonfinite is None else self._input_nonfinite | flag
+        if not self.true_16bit:
+            return data
+        return map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
+
