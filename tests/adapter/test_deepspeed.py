@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -137,6 +138,19 @@ def test_a_zero_partitioned_engine_refuses_a_snapshot() -> None:
     with pytest.raises(ValueError, match=r"ZeRO stage 2.*stage=0"):
         _view(_Engine(fp16=True, stage=2)).state_dict()
     assert _view(_Engine(fp16=True)).state_dict() == {"global_steps": 0}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _leave_no_process_group() -> Iterator[None]:
+    """DeepSpeed's engine (through Lightning's DDP setup) initializes a process group in this process and sets the
+    rendezvous variables (MASTER_PORT, WORLD_SIZE, ...): the distributed tests after these would inherit both and
+    hang. This module leaves the process as it found it (the group lives through the module: DeepSpeed caches it)."""
+    environ = dict(os.environ)
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 # ------------------------------------------------------------------ DeepSpeed's real engine on the CPU
