@@ -14,7 +14,7 @@ from lit_mpstable.core.compact import CompactMode, CompactWeights
 from lit_mpstable.core.compact_slices import LOW, Piece, transform
 from lit_mpstable.core.keeper_steps import first_grad_device, step_checked
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
-from lit_mpstable.core.moment_keeper import KEY, AdamMoments
+from lit_mpstable.core.moment_keeper import KEY, AdamMoments, split_moments
 from lit_mpstable.core.scalers import LossScaler
 
 __all__ = ["CompactKeeper"]
@@ -175,15 +175,7 @@ class CompactKeeper:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        moments = state.pop(KEY, None)
-        if (moments is None) != (self.moments is None):
-            kind = "fp32" if self.moments is None else self.moments.kind
-            raise ValueError(
-                f"CompactKeeper(optimizer_state={kind!r}).load_state_dict: the checkpoint was saved"
-                f" {'without' if moments is None else 'with'} BF16/FP8 moments; resume with the optimizer_state it"
-                " was saved with."
-            )
+        state, moments = split_moments("CompactKeeper", state, self.moments)
         self.weights.load_state_dict(state)
         if self.moments is not None:
             self.moments.load_state_dict(moments)

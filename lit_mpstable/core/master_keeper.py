@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.keeper_steps import step_checked, unscale_checked_
 from lit_mpstable.core.master import MasterWeights
-from lit_mpstable.core.moment_keeper import KEY, AdamMoments
+from lit_mpstable.core.moment_keeper import KEY, AdamMoments, split_moments
 from lit_mpstable.core.scalers import LossScaler
 
 __all__ = ["MasterKeeper"]
@@ -138,15 +138,7 @@ class MasterKeeper:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        moments = state.pop(KEY, None)
-        if (moments is None) != (self.moments is None):
-            kind = "fp32" if self.moments is None else self.moments.kind
-            raise ValueError(
-                f"MasterKeeper(optimizer_state={kind!r}).load_state_dict: the checkpoint was saved"
-                f" {'without' if moments is None else 'with'} BF16/FP8 moments; resume with the optimizer_state it"
-                " was saved with."
-            )
+        state, moments = split_moments("MasterKeeper", state, self.moments)
         self.weights.load_state_dict(state)
         if self.moments is not None:
             self.moments.load_state_dict(moments)

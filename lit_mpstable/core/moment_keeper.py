@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast, get_args
 
 import torch
@@ -21,7 +21,9 @@ from torch.optim import Optimizer
 from lit_mpstable.core.optim_state import MomentStore, StateKind, adam_moments
 from lit_mpstable.core.validate import choice_arg
 
-__all__ = ["KEY", "AdamMoments", "StateKind", "check_adam", "check_optimizer_state", "is_moment_tensor"]
+__all__ = [
+    "KEY", "AdamMoments", "StateKind", "check_adam", "check_optimizer_state", "is_moment_tensor", "split_moments",
+]
 
 
 def check_optimizer_state(owner: str, kind: Any, precision: str, master_mode: str | None) -> str:
@@ -219,3 +221,18 @@ class AdamMoments:
 
 def names_of(pairs: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
     return {id(t): name for name, t in pairs}
+
+
+def split_moments(owner: str, state: Mapping[str, Any], moments: AdamMoments | None) -> tuple[dict[str, Any], Any]:
+    """A keeper's saved state without its moments, and the moments (None when saved without): refused when the
+    checkpoint and ``moments`` disagree on whether BF16/FP8 moments are kept."""
+    state = dict(state)
+    saved = state.pop(KEY, None)
+    if (saved is None) != (moments is None):
+        kind = "fp32" if moments is None else moments.kind
+        raise ValueError(
+            f"{owner}(optimizer_state={kind!r}).load_state_dict: the checkpoint was saved"
+            f" {'without' if saved is None else 'with'} BF16/FP8 moments; resume with the optimizer_state it"
+            " was saved with."
+        )
+    return state, saved
