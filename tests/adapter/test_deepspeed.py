@@ -32,8 +32,12 @@ from lit_mpstable.callbacks._deepspeed import DeepSpeedView
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore")
+# DeepSpeed's engine leaves process-wide state behind (its communication backend, a process group it caches), and a
+# distributed test that runs later in the same pytest process then hangs; run these on demand, in a process of their
+# own: LIT_MPSTABLE_DEEPSPEED=1 pytest tests/adapter/test_deepspeed.py (the stand-in tests above always run).
 real_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None, reason="pip install 'lit_mpstable[deepspeed]'")
+    importlib.util.find_spec("deepspeed") is None or os.environ.get("LIT_MPSTABLE_DEEPSPEED") != "1",
+    reason="DeepSpeed's real engine: LIT_MPSTABLE_DEEPSPEED=1 and pip install 'lit_mpstable[deepspeed]'")
 
 STEPS = 8
 INF_STEPS = {2, 5}
