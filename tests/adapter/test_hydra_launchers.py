@@ -1,5 +1,5 @@
 """Hydra sweeps and torchrun for real, as the README's "More than one machine" section gives them: a two-job
-multirun of ``python -m lit_mpstable.app.train`` through the joblib launcher and through submitit's local executor
+multirun of ``python -m lit_mpstable.train`` through the joblib launcher and through submitit's local executor
 (SLURM's code path without a cluster), and a 2-process torchrun (DDP, gloo); every job or rank writes its summary.
 The commands are read from the README, shortened to 2 steps. ~30 s each on 2 cores: marked slow."""
 
@@ -45,7 +45,7 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
 def test_the_readmes_multirun_writes_both_summaries(tmp_path: Path, launcher: str) -> None:
     pytest.importorskip({"joblib": "hydra_plugins.hydra_joblib_launcher",
                          "submitit_local": "hydra_plugins.hydra_submitit_launcher"}[launcher])
-    command = readme_command(f"python -m lit_mpstable.app.train -m hydra/launcher={launcher} ")
+    command = readme_command(f"python -m lit_mpstable.train -m hydra/launcher={launcher} ")
     sweep = tmp_path / "sweep"
     result = _run([sys.executable, *command[1:], *LAUNCHERS[launcher], *TINY, f"hydra.sweep.dir={sweep}"])
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
