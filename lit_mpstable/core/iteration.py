@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.weights import WeightKeeper
 
-__all__ = ["Iteration"]
+__all__ = ["GradSet", "Iteration"]
 
 
 class Iteration:
@@ -23,7 +23,8 @@ class Iteration:
         self.stepped: set[int] = set()  # optimizers stepped since the last scale update
         self.data_fault = False  # a skip of this iteration is not the scale's fault (an inf/NaN batch, or a late one)
         self.overflowed = False  # a skip of this iteration counts as an overflow (not inf/NaN entering late)
-        self.stepped_on: dict[int, _GradSet] = {}  # per optimizer: the gradients (and versions) it last stepped on
+        self.stepped_on: dict[int, GradSet] = {}  # per optimizer: the gradients (and versions) it last stepped on
+        self.checked: dict[int, GradSet] = {}  # per optimizer: its gradients (and versions) as the check saw them
 
     def awaited(self, optimizers: Sequence[Optimizer], done: Optimizer, keeper: WeightKeeper) -> bool:
         """Whether another optimizer still has to step on this iteration's gradients (one loss, several optimizers):
@@ -41,9 +42,15 @@ class Iteration:
                 return True
         return False
 
+    def note_checked(self, optimizer: Optimizer) -> None:
+        """``optimizer``'s gradients as the gradient check left them: the step-input check reads again only those
+        written since (by a hook or clipping)."""
+        self.checked[id(optimizer)] = GradSet(p.grad for g in optimizer.param_groups for p in g["params"]
+                                              if p.grad is not None)
+
     def note_stepped_on(self, optimizers: Sequence[Optimizer], optimizer: Optimizer, keeper: WeightKeeper) -> None:
         if len(optimizers) > 1:  # only awaited reads it
-            self.stepped_on[id(optimizer)] = _GradSet(g for g in _grads(keeper, optimizer) if g is not None)
+            self.stepped_on[id(optimizer)] = GradSet(g for g in _grads(keeper, optimizer) if g is not None)
 
     def update_scale_(self, checker: LossScaler | None) -> None:
         """The iteration's one scale update, once every optimizer that had gradients stepped (or at the next
@@ -59,7 +66,7 @@ def _grads(keeper: WeightKeeper, optimizer: Optimizer) -> list[torch.Tensor | No
     return [p.grad for p in keeper.grad_holders(optimizer)]
 
 
-class _GradSet:
+class GradSet:
     """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
     weakly, so gradients dropped by ``zero_grad()`` are freed."""
 

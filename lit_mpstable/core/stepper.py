@@ -32,7 +32,7 @@ from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.spike import SpikeGuard
-from lit_mpstable.core.step_guard import check_step_inputs_, stale_grads_note
+from lit_mpstable.core.step_guard import check_step_inputs_, held_nonfinite, stale_grads_note
 from lit_mpstable.core.step_report import blame, blame_late, observe
 from lit_mpstable.core.step_spike import check_spike_guard, observe_loss, true_grad_norm
 from lit_mpstable.core.stepper_args import MasterMode, OpPolicyName, PrecisionName, check_arguments
@@ -225,6 +225,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         if all(optimizer is not known for known in self.optimizers):
             self.optimizers.append(optimizer)
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
+        self.iteration.note_checked(optimizer)
         if self.spike_guard is not None:
             # The true gradients' norm before any clipping (times a deferring keeper's pending unscale factor).
             pending = getattr(self.keeper, "_pending", {}).get(id(optimizer))
@@ -283,7 +284,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         checker = self._checker
         spike = self._spike.pop(id(optimizer), None)
         early, spike = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device,
-                                           spike=spike)
+                                           spike=spike, share=self.counters.applied_by.get(id(optimizer), 0),
+                                           checked=self.iteration.checked.pop(id(optimizer), None))
                         if checker is not None and self.skip_nonfinite else (None, None))
         output, skipped = self.keeper.step_(optimizer, checker, **kwargs)
         late = None
@@ -291,11 +293,11 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self.last_step_spiked = False
         if checker is not None:
             # Why it skipped, read on skipped steps only: a spike (SpikeGuard), inf/NaN that entered after the
-            # gradient check, or a batch that itself held inf/NaN (the input check). None says anything about the
-            # scale: no backoff, no overflow counted, nothing blamed.
+            # gradient check (or parameters/state holding it), or a batch holding inf/NaN (the input check). None
+            # says anything about the scale: no backoff, no overflow counted, nothing blamed.
             if skipped and spike is not None and (early is None or not bool(early)) and bool(spike):
                 self.last_step_spiked = now.data_fault = True
-            elif skipped and early is not None and not bool(early):
+            elif skipped and early is not None and (not bool(early) or held_nonfinite(optimizer)):
                 late = now.data_fault = True
             elif skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
                 now.data_fault = True

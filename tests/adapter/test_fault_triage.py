@@ -12,6 +12,7 @@ from helpers import HostReads, make_trainer
 from trainer_pkg import NAME, ScaleCheckpoint, StablePrecision, pl
 
 from lit_mpstable.callbacks import FaultTriage
+from lit_mpstable.core.step_guard import STATE_SHARES
 from lit_mpstable.faults import FaultInjector
 
 pytestmark = pytest.mark.skipif(NAME != "lightning.pytorch", reason="FaultInjector is a lightning.pytorch callback")
@@ -156,18 +157,32 @@ def test_without_a_snapshot_a_persistent_fault_is_data():
     assert triage.events[0]["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:none"]
 
 
-@pytest.mark.parametrize("where", ["weight", "optimizer"])
-def test_bad_state_is_state_and_rolls_back(where):
-    # A NaN momentum buffer leaves loss and gradients finite: the step is rejected by its late check. Listed last,
-    # triage still sees the step before ScaleCheckpoint's own check of the weights would roll it back.
+def test_bad_state_is_state_and_rolls_back():
+    # A NaN weight makes the loss non-finite: the step is rejected, and triage finds the snapshot's replay clean.
+    # Listed last, triage still sees the step before ScaleCheckpoint's own check of the weights would roll it back.
     module, triage = seeded(), FaultTriage()
     checkpoint = ScaleCheckpoint(every_n_steps=1)
-    fit(module, [checkpoint, CorruptState(2, where), triage])
+    fit(module, [checkpoint, CorruptState(2, "weight"), triage])
     (event,) = triage.events
     assert (event["step"], event["kind"], event["action"], event["restored_step"]) == (2, "state", "rollback", 2)
     assert event["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:clean"]
     assert checkpoint.rollbacks == 1
     assert all(torch.isfinite(v).all() for v in weights(module).values())
+
+
+def test_a_bad_momentum_buffer_is_found_within_a_round_of_shares_and_rolled_back():
+    # A NaN momentum buffer leaves loss and gradients finite. The step checks the optimizer state in shares (one per
+    # step, STATE_SHARES steps a round): either its share rejects a step (triaged as "state", rolled back), or the
+    # step writes the NaN into the weight first, and ScaleCheckpoint's check of its next snapshot rolls back.
+    module, triage = seeded(), FaultTriage()
+    checkpoint = ScaleCheckpoint(every_n_steps=1)
+    fit(module, [checkpoint, CorruptState(2, "optimizer"), triage], max_steps=3 + STATE_SHARES)
+    assert checkpoint.rollbacks == 1
+    for event in triage.events:
+        assert 2 <= event["step"] <= 2 + STATE_SHARES and (event["kind"], event["action"]) == ("state", "rollback")
+    assert all(torch.isfinite(v).all() for v in weights(module).values())
+    state = [v for s in module.trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v)]
+    assert all(torch.isfinite(v).all() for v in state)
 
 
 def test_max_replays_stops_the_ladder():
