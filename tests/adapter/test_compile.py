@@ -195,12 +195,13 @@ def test_the_count_sees_a_graph_break(baseline: Run) -> None:
 
 
 def test_overflow_attribution_on_a_compiled_model_traces_eagerly_and_adds_no_graph() -> None:
-    # An inf in fc weights' gradients at step 1: skipped, blamed, and the step after traced (eagerly: its hooks would
-    # otherwise break the graph and recompile it) to the module that made it.
+    # A finite weight so large its products overflow (an inf weight would be corrupt state, not precision): inf in
+    # mid's gradients at step 1, skipped, blamed, and the step after traced (eagerly: its hooks would otherwise break
+    # the graph and recompile it) to the module that made it.
     def poison(i: int, stepper: PrecisionStepper) -> None:
         if i == 1:
             with torch.no_grad():
-                stepper.layout.module.mid.weight[0, 0] = float("inf")
+                stepper.layout.module.mid.weight[0, 0] = 3e38
         if i == 3:
             with torch.no_grad():
                 stepper.layout.module.mid.weight[0, 0] = 0.0
