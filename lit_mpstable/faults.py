@@ -33,7 +33,8 @@ class FaultInjector(pl.Callback):
       input conversion) and restored after the batch, so the dataset is left as it was.
     - ``"fp16_overflow"``: ``module``'s output is multiplied and divided by a power of two that takes its largest
       value past FP16's range (65504): inf in FP16, the same values bit for bit in FP32 and BF16.
-    - ``"loss_spike"``: the loss ``training_step`` returns is multiplied by 1e4.
+    - ``"loss_spike"``: the loss ``training_step`` returns is multiplied by ``loss_spike_factor`` (1e4), for every
+      execution of the step (a corrupted batch: a replay spikes again).
     - ``"grad_spike"``: every 100th coordinate of ``module``'s parameter gradients is multiplied by 1e3 (hooks on the
       parameters, so each backward's contribution is scaled once, with gradient accumulation too).
 
@@ -43,6 +44,8 @@ class FaultInjector(pl.Callback):
             ``"transient"``, ``"fp16_overflow"`` and ``"grad_spike"`` act on; default: the first leaf module with
             parameters.
         ranks: the global ranks that inject; default: every rank.
+        loss_spike_factor: what ``"loss_spike"`` multiplies the loss by, > 1 (1e4 by default; in FP16 a factor whose
+            gradients stay under 65504, such as 100, makes a spike rather than an overflow).
 
     Attributes:
         injected: ``(step, kind)`` for each fault that took effect, once per step, in order.
@@ -53,6 +56,7 @@ class FaultInjector(pl.Callback):
 
     def __init__(
         self, schedule: Mapping[int, FaultKind], *, module: str | None = None, ranks: Iterable[int] | None = None,
+        loss_spike_factor: float = LOSS_SPIKE_FACTOR,
     ) -> None:
         call = type(self).__name__
         if not isinstance(schedule, Mapping):
@@ -73,6 +77,12 @@ class FaultInjector(pl.Callback):
                 raise TypeError(f"{call}(ranks={ranks!r}): must be a collection of global ranks or None.")
             if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in tuple(ranks)):
                 raise ValueError(f"{call}(ranks={ranks!r}): each rank must be an int >= 0.")
+        if isinstance(loss_spike_factor, bool) or not isinstance(loss_spike_factor, (int, float)):
+            raise TypeError(f"{call}(loss_spike_factor={loss_spike_factor!r}): must be a number > 1.")
+        if not 1 < loss_spike_factor < float("inf"):
+            raise ValueError(f"{call}(loss_spike_factor={loss_spike_factor!r}): must be a finite number > 1 (what a"
+                             " 'loss_spike' multiplies the loss by; 1e4 by default).")
+        self.loss_spike_factor = float(loss_spike_factor)
         self.schedule: dict[int, str] = dict(schedule)
         self.module = module
         self.ranks = None if ranks is None else frozenset(ranks)
@@ -190,9 +200,9 @@ class FaultInjector(pl.Callback):
             return output
         self._record("loss_spike")
         if isinstance(output, torch.Tensor):
-            return output * LOSS_SPIKE_FACTOR
+            return output * self.loss_spike_factor
         if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-            return {**output, "loss": output["loss"] * LOSS_SPIKE_FACTOR}
+            return {**output, "loss": output["loss"] * self.loss_spike_factor}
         raise RuntimeError(f"FaultInjector: 'loss_spike' at step {self._step} needs training_step to return the loss"
                            f" (a tensor or a dict with 'loss'), got {type(output).__name__}.")
 

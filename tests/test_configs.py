@@ -413,8 +413,16 @@ def test_the_main_job_runs_both_precisions_side_by_side(tmp_path: Path) -> None:
     assert builtin["loss_scale"] < 1e-10 and builtin["skipped_steps"] > 60
     assert ours["skipped_steps"] < 12 and ours["fallbacks"] >= 1
     assert ours["val_acc"] > builtin["val_acc"] + 0.1
+    # The injected loss spike (step 260) is skipped by SpikeGuard and the transient fault (step 320) is replayed and
+    # classified by FaultTriage, in our run only; both runs get the same faults.
+    assert builtin["injected_faults"] == ours["injected_faults"] == [[260, "loss_spike"], [320, "transient"]]
+    assert builtin["spikes_skipped"] is None and builtin["faults_triaged"] is None
+    assert ours["spikes_skipped"] >= 1 and ours["faults_triaged"] >= 2
+    assert any(e["step"] == 320 and e["kind"] == "use_replay" for e in ours["events"])
+    assert any(e["step"] == 260 and "SpikeGuard" in e["what"] for e in ours["events"])
     cells = {cell.strip() for line in result.stdout.splitlines() for cell in re.split("[│┃]", line)}
-    assert {"Lightning built-in", "lit_mpstable", "val accuracy", "skipped steps"} <= cells
+    assert {"Lightning built-in", "lit_mpstable", "val accuracy", "skipped steps", "spikes skipped",
+            "faults triaged"} <= cells
     report = (tmp_path / "report.md").read_text()
     assert "![both runs](comparison.png)" in report and (tmp_path / "comparison.png").stat().st_size > 10_000
     assert (tmp_path / "builtin" / "report.md").exists() and (tmp_path / "stable" / "report.md").exists()

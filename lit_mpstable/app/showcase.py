@@ -22,6 +22,8 @@ ROWS = (
     ("val loss", "val_loss", ".4f"),
     ("val accuracy", "val_acc", ".1%"),
     ("skipped steps", "skipped_steps", "d"),
+    ("spikes skipped", "spikes_skipped", "d"),
+    ("faults triaged", "faults_triaged", "d"),
     ("fallbacks", "fallbacks", "d"),
     ("rollbacks", "rollbacks", "d"),
     ("final loss scale", "loss_scale", ".4g"),
@@ -32,10 +34,16 @@ ROWS = (
 
 def compare(cfg: DictConfig, out_dir: Path, run: Callable[..., dict[str, Any]]) -> dict[str, Any]:
     """Train the baseline, then ours, each with ``run`` (``lit_mpstable.app.train.run``); write ``summary.json`` (both
-    runs) and ``report.md``; return the summary."""
+    runs) and ``report.md``; return the summary. ``cfg.compare.faults`` (optional): a callback both runs get, each its
+    own instance (a ``FaultInjector``: the same faults at the same steps)."""
+    faults = cfg.compare.get("faults")
+
+    def injected() -> list[Any]:
+        return [instantiate(faults)] if faults is not None else []
+
     baseline = run(cfg, out_dir / "builtin", plugin=instantiate(cfg.compare.baseline), config_callbacks=False,
-                   label=str(cfg.compare.baseline_label))
-    ours = run(cfg, out_dir / "stable", label=str(cfg.compare.label))
+                   label=str(cfg.compare.baseline_label), callbacks=injected())
+    ours = run(cfg, out_dir / "stable", label=str(cfg.compare.label), callbacks=injected())
     summary = {"runs": {"builtin": baseline, "stable": ours}, "rows": [list(row) for row in ROWS]}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_comparison_report(summary, out_dir)

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from lit_mpstable.app.config import register_configs
 from lit_mpstable.app.report import write_report
 from lit_mpstable.app.showcase import compare, print_comparison
-from lit_mpstable.callbacks import PrecisionProbe
+from lit_mpstable.callbacks import FaultTriage, PrecisionProbe
 from lit_mpstable.callbacks._common import view_of
 from lit_mpstable.callbacks._view import ForeignPrecision
 from lit_mpstable.core.memory import MemoryProbe, training_memory
@@ -248,6 +248,10 @@ def run(
         "fallbacks": sum(e["kind"] == "fallback" for e in events),
         "op_policy": stats.get("op_policy"),
         "rollbacks": sum(getattr(cb, "rollbacks", 0) for cb in callbacks),
+        # SpikeGuard's skips (None without a guard: the built-in plugin has none) and FaultTriage's classified events.
+        "spikes_skipped": _spikes_skipped(live),
+        "faults_triaged": next((len(cb.events) for cb in callbacks if isinstance(cb, FaultTriage)), None),
+        "injected_faults": [list(f) for cb in callbacks for f in getattr(cb, "injected", [])],
         "grad_underflow_per_layer": stats.get("grad_underflow_per_module", {}),
         "underflow_format": telemetry.formats[0] if telemetry is not None else None,
         "fp8_saturation_frac": stats.get("fp8_saturation_frac"),
@@ -263,6 +267,11 @@ def run(
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_report(summary, out_dir)
     return summary
+
+
+def _spikes_skipped(live: Any) -> int | None:
+    guard = getattr(live, "spike_guard", None)
+    return None if guard is None else int(guard.spikes_skipped)
 
 
 def _print_summary(summary: dict[str, Any], out_dir: Path) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lit_mpstable.core.compiled import eager
 from lit_mpstable.core.telemetry import amax_per_tensor
 
 try:
@@ -17,7 +18,8 @@ try:
 except ImportError:  # a torch build without torch.distributed
     _DTENSOR = ()  # type: ignore[assignment,misc]
 
-__all__ = ["OverflowTracer", "any_nonfinite", "nonfinite_grad_params", "trace_nonfinite", "overflow_warning"]
+__all__ = ["NonfiniteOrigin", "OverflowTracer", "any_nonfinite", "locate_nonfinite", "nonfinite_grad_params",
+           "overflow_warning", "rng_state", "trace_nonfinite"]
 
 
 def overflow_warning(first: str, *, forward: bool, step: int, scale: float) -> str:
@@ -277,3 +279,73 @@ def _flagged(events: list[tuple[str, torch.Tensor]]) -> list[str]:
 def trace_nonfinite(model: nn.Module) -> OverflowTracer:
     """An :class:`OverflowTracer` for ``model``, to use as ``with trace_nonfinite(model) as tracer:``."""
     return OverflowTracer(model)
+
+
+RngState = tuple[torch.Tensor, list[torch.Tensor] | None]
+
+
+class NonfiniteOrigin(NamedTuple):
+    """Where inf/NaN first appeared in a traced forward and backward: ``module`` (``""``: the model itself, or no
+    module for ``where="input"``) and ``where``: ``"forward"`` (its output, from finite inputs), ``"backward"`` (a
+    gradient its backward made) or ``"input"`` (the batch itself held inf/NaN)."""
+
+    module: str
+    where: str
+
+
+def rng_state() -> RngState:
+    """The torch RNG states (CPU, and every CUDA device where CUDA is initialised) as host tensors, for
+    :func:`locate_nonfinite` to replay a step with the same random draws (dropout masks). A few KiB, no host read."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng(state: RngState) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def locate_nonfinite(model: nn.Module, forward: Callable[[], torch.Tensor], *, scale: float = 1.0,
+                     rng: RngState | None = None) -> NonfiniteOrigin | None:
+    """Replay one step's forward and backward with an :class:`OverflowTracer` attached, and name where inf/NaN first
+    appeared; None if the replay stayed finite (the fault came and went).
+
+    Meant for a step already skipped: clean steps pay nothing (no hook), and the skipped one pays one traced forward
+    and backward. The replay runs eagerly (``torch.compile``'d submodules too: their Python forward runs, so the
+    modules inside them are hooked). ``forward`` returns the step's loss (the same batch, in the step's precision
+    context); its backward runs here, times ``scale`` (the loss scale of the step, for an FP16 overflow to recur).
+    ``rng`` (:func:`rng_state` taken before the step) is restored for the replay, so dropout draws the same masks;
+    the RNG goes on afterwards from where it stood before the replay. The replay's gradients are dropped.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``forward`` is not callable, or it returned no tensor.
+        ValueError: ``scale`` is not a finite number > 0.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"locate_nonfinite(model={model!r}): model must be a torch.nn.Module.")
+    if not callable(forward):
+        raise TypeError(f"locate_nonfinite(forward={forward!r}): forward must be a callable returning the loss.")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise ValueError(f"locate_nonfinite(scale={scale!r}): scale must be a finite number > 0 (the step's loss"
+                         " scale; 1.0 without scaling).")
+    after = rng_state()
+    if rng is not None:
+        _set_rng(rng)
+    try:
+        with eager(), trace_nonfinite(model) as tracer:
+            loss = forward()
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"locate_nonfinite(forward={forward!r}): forward returned {type(loss).__name__},"
+                                " not the loss tensor.")
+            (loss * scale if scale != 1 else loss).backward()
+    finally:
+        _set_rng(after)
+        model.zero_grad(set_to_none=True)
+    if tracer.nonfinite_input:
+        return NonfiniteOrigin("", "input")
+    first = tracer.first_forward
+    if first is not None:
+        return NonfiniteOrigin(first, "forward")
+    first = tracer.first_backward
+    return None if first is None else NonfiniteOrigin(first, "backward")

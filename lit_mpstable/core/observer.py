@@ -9,12 +9,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_mpstable.core.attribution import OverflowTracer, nonfinite_grad_params, overflow_warning
+from lit_mpstable.core.attribution import (
+    OverflowTracer,
+    RngState,
+    locate_nonfinite,
+    nonfinite_grad_params,
+    overflow_warning,
+)
 from lit_mpstable.core.telemetry import GradTelemetry
 from lit_mpstable.fp8 import fp8_stats
 from lit_mpstable.fp8.swap import collect_fp8_stats_
 
-__all__ = ["GradObserver", "shard_view"]
+__all__ = ["GradObserver", "shard_view", "trace_skipped_step"]
 
 try:
     from torch.distributed.tensor import DTensor as _DTENSOR
@@ -121,3 +127,53 @@ class GradObserver:
         if self.tracer is None:  # FSDP2's DTensor gradients included: the tracer reads this rank's shard
             self.tracer = OverflowTracer(module).attach()
         return updates
+
+    def replay(self, module: nn.Module, forward: Callable[[], torch.Tensor], step: int, scale: float,
+               rng: RngState | None = None) -> tuple[dict[str, Any], str | None]:
+        """After a skipped step: replay it traced (:func:`~lit_mpstable.core.attribution.locate_nonfinite`) and
+        return ``(stats updates, warning or None)`` naming the module where inf/NaN first appeared. The origin is
+        known, so the next step is not traced (the armed tracer is dropped; with ``diagnose`` it is only reset)."""
+        if self.tracer is not None:  # the replay's events must not count as the next step's
+            self.tracer.detach()
+            if not self.diagnose:
+                self.tracer = None  # with diagnose it is re-attached below, to trace every step
+        try:
+            origin = locate_nonfinite(module, forward, scale=scale, rng=rng)
+        finally:
+            if self.tracer is not None:
+                self.tracer.reset()
+                self.tracer.attach()
+        if origin is None:
+            return {"nan_origin": None}, (f"the skipped step {step} was finite when replayed at loss scale {scale:g}:"
+                                          " the inf/NaN came and went (a transient fault, or an overflow of the"
+                                          " scale since backed off); no module is to blame.")
+        updates: dict[str, Any] = {"nan_origin": origin._asdict()}
+        if origin.where == "input":
+            updates.update(blamed_modules=[], nonfinite_input=True)
+            return updates, f"the input batch held inf/NaN (step {step}); no module is to blame, check the data."
+        updates["blamed_modules"] = [origin.module]
+        return updates, overflow_warning(origin.module, forward=origin.where == "forward", step=step, scale=scale)
+
+
+def trace_skipped_step(stepper: Any, forward: Callable[[], torch.Tensor], *, rng: RngState | None = None) -> str | None:
+    """In a plain loop, after ``stepper.step`` skipped a step (``stepper.last_step_skipped``): replay its forward
+    (``forward`` returns the loss of the same batch, inside ``stepper.forward_context()``; call no ``scale_loss``)
+    and its backward traced, at the step's loss scale, with ``rng`` (:func:`~lit_mpstable.core.attribution.rng_state`
+    taken before the step) restored. Puts the module where inf/NaN first appeared in ``stepper.stats``
+    (``blamed_modules``, and ``nan_origin``: ``{"module", "where"}`` or None when the replay was finite) and its
+    warning in ``stepper.warnings``; returns the module's name (``""``: the model itself), or None (no module: a
+    finite replay, or a non-finite batch). Clean steps cost nothing: only a skipped step is replayed.
+
+    Raises:
+        ValueError: the stepper has no model yet (``setup_module`` not called).
+    """
+    module = stepper.layout.module
+    if module is None:
+        raise ValueError("trace_skipped_step(stepper=...): the stepper has no model; call setup_module first.")
+    step = max(stepper.step_count - 1, 0)  # the skipped step (counted already)
+    updates, warning = stepper.observer.replay(module, forward, step, stepper.loss_scale, rng)
+    stepper.stats.update(updates)
+    if warning is not None and warning not in stepper.warnings:
+        stepper.warnings.append(warning)
+    origin = updates["nan_origin"]
+    return None if origin is None or origin["where"] == "input" else origin["module"]

@@ -95,6 +95,13 @@ def test_loss_spike_multiplies_the_returned_loss():
     assert "training_step" not in module.__dict__  # the wrapper is gone after fit
 
 
+def test_loss_spike_factor_is_what_the_loss_is_multiplied_by():
+    module = PoisonModule()
+    _, _, watch = fit(module, injector=FaultInjector({1: "loss_spike"}, loss_spike_factor=100.0))
+    ratios = [seen / own for seen, own in zip(watch.losses, module.losses)]
+    assert ratios[0] == 1.0 and ratios[1] == pytest.approx(100.0, rel=1e-6)
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_grad_spike_scales_some_coordinates_by_1e3(accumulate):
     # With gradient accumulation each micro-batch's contribution is scaled once: the step's gradient is x1e3 on the
@@ -145,6 +152,9 @@ def test_state_dict_round_trips():
         (({3: "transient"},), {"module": 3}, TypeError, "module=3"),
         (({3: "transient"},), {"ranks": "0"}, TypeError, "ranks='0'"),
         (({3: "transient"},), {"ranks": [-1]}, ValueError, "ranks=[-1]"),
+        (({3: "loss_spike"},), {"loss_spike_factor": 1.0}, ValueError, "loss_spike_factor=1.0"),
+        (({3: "loss_spike"},), {"loss_spike_factor": float("inf")}, ValueError, "loss_spike_factor=inf"),
+        (({3: "loss_spike"},), {"loss_spike_factor": "100"}, TypeError, "loss_spike_factor='100'"),
     ],
 )
 def test_constructor_validates(args, kwargs, error, words):
