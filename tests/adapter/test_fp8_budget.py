@@ -223,3 +223,17 @@ def test_the_plain_stepper_chooses_once_and_refuses_without_a_probe_budget() -> 
     with pytest.raises(RuntimeError, match="no HighPrecisionBudget\\(by='probe'\\)"):
         fixed.choose_high_precision_(loss_fn, (x, y))
     assert fixed.state_dict()["fp8_budget"] == {}
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_choose_the_same_layers_from_their_own_batches(tmp_path) -> None:
+    from dist_helpers import RankFaultModule, fit_ddp
+
+    # Each rank's training_step picks its own rows (batch_by_step), so the two measure different batches.
+    config = FP8Config(recipe="current", keep_high_precision=HighPrecisionBudget(0.4))
+    ranks = fit_ddp(RankFaultModule(batch_by_step=True), StablePrecision("bf16-mixed", fp8=config, device="cpu"), [],
+                    tmp_path, 2)
+    low = ranks[0]["fp8_layers"]
+    assert low == ranks[1]["fp8_layers"] and len(low) == 2  # one of the three moved back, the same on both ranks
+    for key, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][key]), key
