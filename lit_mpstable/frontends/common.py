@@ -100,7 +100,8 @@ class StableFrontEnd:
         " compute format at the current scale: a forecast), ``grad_zero_frac``, ``grad_underflow_per_module``,"
         " ``fp8_saturation_frac``, ``fp8_underflow_frac``, ``stats_step`` (the step they were measured on); after an"
         " overflow ``blamed_params``, ``blamed_modules`` and ``nonfinite_input`` (the batch held inf/NaN); from"
-        " ``PrecisionProbe``, ``probe``. Rank-local.")
+        " ``PrecisionProbe``, ``probe``; from ``HighPrecisionBudget(by='probe')``, ``fp8_high_precision`` (layers kept,"
+        " their share, the measured errors, the step). Rank-local.")
     last_loss = FromStepper('The latest loss before scaling, detached, on the device (reading it syncs).')
     checks_nonfinite = FromStepper()
     input_nonfinite = FromStepper()

@@ -213,7 +213,10 @@ class StablePrecision(TrainerPrecision, Precision):
             counted (GradScaler's fused check), so NaN never reaches the weights. ``False`` (no scaler only):
             Lightning's behaviour.
         fp8: ``None``, a recipe name (``"delayed"``, ``"current"``, ``"mxfp8"``) or an ``FP8Config``: eligible
-            ``nn.Linear`` layers run their three GEMMs in FP8 on top of the base precision.
+            ``nn.Linear`` layers run their three GEMMs in FP8 on top of the base precision. With
+            ``keep_high_precision=HighPrecisionBudget(by="probe")`` the first training batch is measured (two extra
+            passes of ``training_step``, once) and the costliest layers stay in the base precision
+            (:meth:`choose_high_precision_`, :attr:`fp8_high_precision_layers`).
         fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
         op_policy: ``"autocast"``: PyTorch's per-op lists; ``"auto"``: per op family (matmul, conv, attention,
             norm, softmax) the faster of FP32 and the 16-bit dtype, recorded in the first training forward and
