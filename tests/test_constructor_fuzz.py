@@ -121,7 +121,7 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, tuple[Oracle, list[Any]]]]]
         "keep_high_precision": (
             lambda v: one_of("first_last")(v) or isinstance(v, HighPrecisionBudget)
             or type(v) in (list, tuple) and all(type(i) is str and i.strip() for i in v),
-            ["first_last", ["fc2"], [], HighPrecisionBudget(0.15, by="last"), "last", [""]],
+            ["first_last", ["fc2"], [], HighPrecisionBudget(0.15, by="last"), HighPrecisionBudget(0.15), "last", [""]],
         ),
     }),
     "HighPrecisionBudget": (HighPrecisionBudget, {

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lit_mpstable.app.report_formats import format_lines
 from lit_mpstable.app.report_probe import write_probe_figure
 
 __all__ = ["settle_step", "write_comparison_report", "write_report"]
@@ -228,6 +229,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
     if memory := {k: v for k, v in (summary.get("memory_mib") or {}).items() if v}:
         lines += ["", "## Memory at the measured step (MiB)", "", "| kind | MiB |", "| --- | ---: |"]
         lines += [f"| {kind.replace('_', ' ')} | {mib:.2f} |" for kind, mib in memory.items()] + [""]
+    lines += format_lines(summary)
     if no_figures:
         lines += [no_figures, ""]
     for title, name in figures:

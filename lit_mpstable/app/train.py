@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from lit_mpstable.app.config import register_configs
 from lit_mpstable.app.report import write_report
+from lit_mpstable.app.report_formats import layer_formats
 from lit_mpstable.app.showcase import compare, print_comparison
 from lit_mpstable.callbacks import FaultTriage, PrecisionProbe
 from lit_mpstable.callbacks._common import view_of
@@ -256,6 +257,7 @@ def run(
         "underflow_format": telemetry.formats[0] if telemetry is not None else None,
         "fp8_saturation_frac": stats.get("fp8_saturation_frac"),
         "fp8_underflow_frac": stats.get("fp8_underflow_frac"),
+        "layer_formats": layer_formats(live),
         "probe_history": next((cb.history for cb in callbacks if isinstance(cb, PrecisionProbe)), []),
         "events": events,
         "loss_scale_trajectory": recorder.loss_scale,

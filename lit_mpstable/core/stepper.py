@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_FORMATS
+from lit_mpstable.core.fp8_budget import LossFn, ProbeBudget
 from lit_mpstable.core.growth import GrowthMonitor
 from lit_mpstable.core.iteration import Iteration
 from lit_mpstable.core.layout import PrecisionLayout
@@ -95,7 +96,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         bool_arg(call, "diagnose", diagnose)
         int_arg(call, "telemetry_every_n_steps", telemetry_every_n_steps, low=1, none=True,
                 unit="optimizer steps between computations; 50 keeps the cost under 1% of a step")
-        check_arguments(call, precision, scaler, fp32_modules, fp8)
+        check_arguments(call, precision, scaler, fp32_modules)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if precision == "auto":
             bf16_ok = self.device == "cpu" or torch.cuda.is_bf16_supported()
@@ -121,6 +122,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self.last_step_spiked = False
         """The last step was skipped as a spike (read on skipped steps only)."""
         self.fp8 = fp8_config(fp8)
+        self.fp8_budget = ProbeBudget(self.fp8, call)
+        """The probe's choice of high-precision layers (``HighPrecisionBudget(by="probe")``; inert otherwise)."""
         self.op_policy = op_policy
         self.policy = OpPolicy(op_policy, dtype=self.dtype)
         if not self.policy.is_default and self.precision not in ("16-mixed", "bf16-mixed"):
@@ -194,6 +197,19 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         ``fabric.setup``) would otherwise be overwritten from the stale master by the next applied step. One host
         sync; a front end calls it once per optimizer, before its first step."""
         return self.keeper.follow_model_weights_()
+
+    def choose_high_precision_(self, loss_fn: LossFn, batch: Any) -> list[str]:
+        """``FP8Config(keep_high_precision=HighPrecisionBudget(by="probe"))``: measure each FP8 layer's weight-gradient
+        error in the low format on ``batch`` (``loss_fn(module, batch) -> loss``, run in the base precision, two extra
+        forward/backward passes; the mean over data-parallel ranks) and move the costliest back to the base
+        precision within the budget, once; returns them. Call it at the first step, before its forward (the Trainer
+        plugin does). Later calls return the choice; it is saved in :meth:`state_dict` and re-applied on load."""
+        return self.fp8_budget.choose_(self, loss_fn, batch)
+
+    @property
+    def fp8_high_precision_layers(self) -> list[str] | None:
+        """The layers the probe's budget moved back to the base precision (None: not chosen yet, or no such budget)."""
+        return None if self.fp8_budget.layers is None else list(self.fp8_budget.layers)
 
     # -------------------------------------------------------------------------------------------- backward
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

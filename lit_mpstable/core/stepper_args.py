@@ -17,7 +17,7 @@ MasterMode = Literal["fp32", "kahan", "stochastic"]
 OpPolicyName = Literal["autocast", "auto"]
 
 
-def check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any, fp8: Any = None) -> None:
+def check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any) -> None:
     """What the per-argument checks cannot see: containers that are not lists, a class for an instance, an adaptive
     scaler sized for another format than the run's FP16, a scale whose reciprocal is not a finite FP32 number."""
     if isinstance(fp32_modules, (str, type)):
@@ -43,14 +43,6 @@ def check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any, f
         raise ValueError(
             f"{call}(scaler={type(scaler).__name__}(init_scale={scale!r})): 1/scale must be a finite FP32 number"
             f" (unscaling multiplies by it): use a scale in [{_MIN_SCALE:.3g}, {_MAX_SCALE:.3g}]; 2.**16 is usual.")
-
-    budget = getattr(fp8, "keep_high_precision", None)  # an FP8Config (a string names a preset: no budget)
-    if budget is not None and getattr(budget, "by", None) == "probe":
-        raise ValueError(
-            f"{call}(fp8=FP8Config(keep_high_precision={budget!r})): the probe's choice of layers is not yet made"
-            " inside a Trainer or Fabric run, so every layer would stay in the low format; use"
-            f" HighPrecisionBudget(fraction={budget.fraction}, by='last') or 'first_last' here, or, in a plain loop,"
-            " lit_mpstable.fp8.choose_high_precision(...) then keep_high_precision_(...) at an early step.")
 
 
 _MIN_SCALE = 1.0 / torch.finfo(torch.float32).max

@@ -31,7 +31,14 @@ def setup_module(stepper: Any, module: nn.Module, *, fsdp2: bool) -> nn.Module:
         # Masters start from these FP32 values, not from their 16-bit rounding (kept until the optimizers come).
         stepper._initial = {name: p.detach().clone() for name, p in module.named_parameters()
                             if p.requires_grad and p.dtype == torch.float32}
+    if stepper.fsdp2 and stepper.fp8_budget.budget is not None:
+        raise ValueError(
+            f"{stepper.owner}(fp8=FP8Config(keep_high_precision={stepper.fp8_budget.budget!r})) with FSDP2: the probe's"
+            " choice moves layers out of FP8 after the first step, when fully_shard has already bound them; use"
+            f" HighPrecisionBudget(fraction={stepper.fp8_budget.budget.fraction}, by='last') (decided before"
+            " sharding).")
     stepper.layout.attach(module, stepper.device)
+    stepper.fp8_budget.attach_(stepper.layout)  # a probe choice loaded before the model: before the layout's state
     if "layout" in stepper._pending:
         stepper.layout.load_state_dict(stepper._pending.pop("layout"))
     stepper.observer.attach(module)

@@ -84,6 +84,7 @@ class StepperState:
     iteration: Any
     warnings: list[str]
     spike_guard: SpikeGuard | None
+    fp8_budget: Any
     _pending: dict[str, Any]
 
     def _update_scale_(self) -> None:
@@ -97,7 +98,8 @@ class StepperState:
         ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
         ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
         compensation buffers and rounding seed, ``{}`` without), ``spike_guard`` (the SpikeGuard's statistics,
-        ``{}`` without).
+        ``{}`` without), ``fp8_budget`` (the layers ``HighPrecisionBudget(by="probe")`` moved to the base precision,
+        their measured errors and the step: ``{}`` before the choice or without that budget).
         """
         if self.iteration.stepped:
             # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
@@ -112,6 +114,7 @@ class StepperState:
             "op_policy": self.policy.state_dict(),
             "schedules": self.schedules.state_dict(),
             "spike_guard": self.spike_guard.state_dict() if self.spike_guard is not None else {},
+            "fp8_budget": self.fp8_budget.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
@@ -128,7 +131,10 @@ class StepperState:
         # Every field is checked before anything is loaded: a refused state changes nothing.
         if isinstance(state, dict) and "spike_guard" not in state:
             state = {**state, "spike_guard": {}}  # saved before SpikeGuard existed: no statistics to restore
+        if isinstance(state, dict) and "fp8_budget" not in state:
+            state = {**state, "fp8_budget": {}}  # saved before the probe's budget was part of the state
         check_plugin_state(f"{self.owner}.load_state_dict", state, set(self.state_dict()), get_args(PrecisionName))
+        self.fp8_budget.check_state(f"{self.owner}.load_state_dict", state["fp8_budget"], self.layout)
         guard, saved_guard = self.spike_guard, state["spike_guard"]
         if guard is not None and saved_guard:
             # Checked on a throwaway guard first (it refuses a bad state whole), so nothing is half loaded.
@@ -138,6 +144,7 @@ class StepperState:
         if not keep_counters:
             self.counters.load_state_dict(state)
             self.schedules.load_state_dict(list(state["schedules"]))
+        notes += self.fp8_budget.load_state_dict(state["fp8_budget"], self.layout)  # before the layout's FP8 state
         if self.layout.module is None:
             self._pending["layout"] = state["layout"]
         else:

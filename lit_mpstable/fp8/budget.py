@@ -17,6 +17,7 @@ from lit_mpstable.fp8.linear import FP8Linear
 
 __all__ = [
     "choose_high_precision",
+    "fill_budget",
     "keep_high_precision_",
     "last_fraction_layers",
     "layer_gradient_errors",
@@ -146,9 +147,16 @@ def choose_high_precision(
     if budget.by == "last":
         return last_fraction_layers(module, layers, budget.fraction)
     errors = layer_gradient_errors(module, layers, loss_fn, batch, config=config, mode=mode)
+    return fill_budget(module, errors, budget.fraction)
+
+
+def fill_budget(module: nn.Module, errors: dict[str, float], fraction: float) -> list[str]:
+    """The layers of ``errors`` (name -> measured cost, e.g. :func:`layer_gradient_errors`) to keep in the base
+    precision, costliest first, while their weights fit in ``fraction`` of all linear weight elements of ``module``
+    (a layer that would overflow it is skipped for smaller ones). Ties keep ``errors``' order."""
     sizes = linear_weight_numel(module)
     ranked = sorted(errors, key=lambda name: errors[name], reverse=True)
-    return _fill(ranked, sizes, budget.fraction * sum(sizes.values()))
+    return _fill(ranked, sizes, fraction * sum(sizes.values()))
 
 
 def keep_high_precision_(module: nn.Module, selected: Sequence[str], names: Sequence[str]) -> list[str]:

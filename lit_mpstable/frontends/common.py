@@ -100,7 +100,8 @@ class StableFrontEnd:
         " compute format at the current scale: a forecast), ``grad_zero_frac``, ``grad_underflow_per_module``,"
         " ``fp8_saturation_frac``, ``fp8_underflow_frac``, ``stats_step`` (the step they were measured on); after an"
         " overflow ``blamed_params``, ``blamed_modules`` and ``nonfinite_input`` (the batch held inf/NaN); from"
-        " ``PrecisionProbe``, ``probe``. Rank-local.")
+        " ``PrecisionProbe``, ``probe``; from ``HighPrecisionBudget(by='probe')``, ``fp8_high_precision`` (layers kept,"
+        " their share, the measured errors, the step). Rank-local.")
     last_loss = FromStepper('The latest loss before scaling, detached, on the device (reading it syncs).')
     checks_nonfinite = FromStepper()
     input_nonfinite = FromStepper()
@@ -226,6 +227,25 @@ class StableFrontEnd:
                 layer of ``model`` is eligible.
         """
         self.stepper.layout.validate(model)
+
+    def choose_high_precision_(self, loss_fn: Any, batch: Any) -> list[str]:
+        """``FP8Config(keep_high_precision=HighPrecisionBudget(by="probe"))``: measure each FP8 layer's weight-gradient
+        error on ``batch`` and move the costliest back to the base precision within the budget, once (logged, in
+        ``stats["fp8_high_precision"]`` and the state dict). The Trainer plugin calls it at the first training batch
+        with ``training_step``; with Fabric or manual optimization call it yourself at the first step, before its
+        forward: ``plugin.choose_high_precision_(lambda module, batch: loss(module(batch)), batch)`` (the module
+        given, not a wrapper). Returns the layers kept; see ``PrecisionStepper.choose_high_precision_``."""
+        first = self.stepper.fp8_budget.layers is None
+        chosen = self.stepper.choose_high_precision_(loss_fn, batch)
+        if first:
+            recipe = self.stepper.fp8.recipe if self.stepper.fp8 is not None else "low-format"
+            rank_zero_info(f"{type(self).__name__}: {self.stepper.fp8_budget.describe(self.layout.module, recipe)}")
+        return chosen
+
+    @property
+    def fp8_high_precision_layers(self) -> list[str] | None:
+        """The layers ``HighPrecisionBudget(by="probe")`` moved back to the base precision (None until chosen)."""
+        return self.stepper.fp8_high_precision_layers
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """Load numeric state from :meth:`state_dict` (a rollback): scale, masters, layout, FP8 histories; the

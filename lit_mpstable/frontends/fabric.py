@@ -97,6 +97,8 @@ class StablePrecision(StableFrontEnd, Precision):
                 " precision (its islands, masters and FP8 layers). Give each model a Fabric of its own."
             )
         self.stepper.setup_module(module)
+        if self.stepper.fp8_budget.pending:
+            self._warn_once("budget-call", f"{self!r}: {_BUDGET_CALL}")
         return module
 
     def tensor_init_context(self) -> AbstractContextManager:
@@ -149,6 +151,8 @@ class StablePrecision(StableFrontEnd, Precision):
                 " plugin."
             )
         optimizer = self._start(optimizer)
+        if self.stepper.fp8_budget.pending:
+            raise RuntimeError(f"{self!r}: the first optimizer step came without the probe's choice. {_BUDGET_CALL}")
         if isinstance(optimizer, LBFGS) or "closure" in kwargs:
             return self._closure_step(optimizer, **kwargs)
         output = self.stepper.step(optimizer, **kwargs)
@@ -235,3 +239,10 @@ class StablePrecision(StableFrontEnd, Precision):
             " fabric.save(path, {..., 'precision': plugin}) and fabric.load(path, {..., 'precision': plugin})"
             " (litgpt's own state dict leaves it out: add it there).",
         )
+
+
+_BUDGET_CALL = (
+    "FP8Config(keep_high_precision=HighPrecisionBudget(by='probe')) under Fabric: the plugin sees no loss, so call"
+    " plugin.choose_high_precision_(loss_fn, batch) once at the first step, before its forward (loss_fn: (module,"
+    " batch) -> loss on the module given); until then every selected layer runs in the low format, and the first"
+    " optimizer step without it raises.")

@@ -52,7 +52,10 @@ class TrainerPrecision(StableFrontEnd):
         return wrapper if isinstance(wrapper, nn.parallel.DistributedDataParallel) else None
 
     def convert_input(self, data: Any) -> Any:
-        return self.stepper.convert_input(data)
+        data = self.stepper.convert_input(data)
+        if self.stepper.fp8_budget.pending:
+            self._budget_batch = data  # the probe's budget measures the first training batch (before its step)
+        return data
 
     def tensor_init_context(self) -> AbstractContextManager:
         return tensor_init_context(self.stepper)
@@ -65,6 +68,8 @@ class TrainerPrecision(StableFrontEnd):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         module = lightning_module(model, self._pl)
         self.stepper.setup_optimizers(module, optimizers, [config.scheduler for config in lr_schedulers])
+        if self.stepper.fp8_budget.pending and not getattr(module, "automatic_optimization", True):
+            self._warn_once("budget-manual", _BUDGET_MANUAL)
         self._warn_fp16_cpu()
         self._show_notes()
         return model, optimizers, lr_schedulers
@@ -75,6 +80,8 @@ class TrainerPrecision(StableFrontEnd):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: Any, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
+        if self.stepper.fp8_budget.pending:
+            self._choose_budget(lightning_module(model, self._pl))
         if isinstance(optimizer, LBFGS):
             return self._lbfgs_step(optimizer, model, closure, **kwargs)
         closure_result = closure()
@@ -93,6 +100,29 @@ class TrainerPrecision(StableFrontEnd):
         output = stepper.step(optimizer, **kwargs)
         self._show_notes()
         return output
+
+    def _choose_budget(self, module: Any) -> None:
+        """The probe's budget at the first optimizer step, before its (last micro-)batch's forward: the batch
+        ``convert_input`` saw, moved by the strategy, and ``training_step``'s loss on it (``self.log`` muted)."""
+        batch, self._budget_batch = getattr(self, "_budget_batch", None), None
+        if not module.automatic_optimization:
+            raise RuntimeError(_BUDGET_MANUAL)
+        if batch is None:
+            raise RuntimeError(f"{type(self).__name__}: HighPrecisionBudget(by='probe') found no training batch to"
+                               " measure (convert_input was not called); call plugin.choose_high_precision_(loss_fn,"
+                               " batch) in training_step at the first step.")
+        trainer = module.trainer
+        batch = trainer.strategy.batch_to_device(batch)
+
+        def loss_fn(net: Any, data: Any) -> torch.Tensor:
+            net.log = net.log_dict = lambda *args, **kwargs: None  # a measurement is not a step
+            try:
+                output = net.training_step(data, 0)
+            finally:
+                del net.log, net.log_dict
+            return output["loss"] if isinstance(output, dict) else output
+
+        self.choose_high_precision_(loss_fn, batch)
 
     def _lbfgs_step(self, optimizer: Optimizer, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         self._check_closure_step(optimizer)
@@ -157,6 +187,14 @@ class TrainerPrecision(StableFrontEnd):
             rank_zero_info("StablePrecision: loss-scaler state taken from a Lightning MixedPrecision checkpoint.")
 
 
+_BUDGET_MANUAL = (
+    "StablePrecision: FP8Config(keep_high_precision=HighPrecisionBudget(by='probe')) with manual optimization: the"
+    " plugin cannot compute a loss itself (training_step steps the optimizers), so call"
+    " self.trainer.precision_plugin.choose_high_precision_(loss_fn, batch) at the top of the first training_step,"
+    " before the forward (loss_fn: (module, batch) -> loss); until then every selected layer runs in the low format,"
+    " and the first optimizer step without the choice raises.")
+
+
 class StablePrecision(TrainerPrecision, Precision):
     """Mixed precision that is stable by default: loss scaling done right, FP32 masters, FP32 islands, FP8 and live
     telemetry. ``Trainer(plugins=[StablePrecision(...)])``, instead of ``precision=``.
@@ -175,7 +213,10 @@ class StablePrecision(TrainerPrecision, Precision):
             counted (GradScaler's fused check), so NaN never reaches the weights. ``False`` (no scaler only):
             Lightning's behaviour.
         fp8: ``None``, a recipe name (``"delayed"``, ``"current"``, ``"mxfp8"``) or an ``FP8Config``: eligible
-            ``nn.Linear`` layers run their three GEMMs in FP8 on top of the base precision.
+            ``nn.Linear`` layers run their three GEMMs in FP8 on top of the base precision. With
+            ``keep_high_precision=HighPrecisionBudget(by="probe")`` the first training batch is measured (two extra
+            passes of ``training_step``, once) and the costliest layers stay in the base precision
+            (:meth:`choose_high_precision_`, :attr:`fp8_high_precision_layers`).
         fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
         op_policy: ``"autocast"``: PyTorch's per-op lists; ``"auto"``: per op family (matmul, conv, attention,
             norm, softmax) the faster of FP32 and the 16-bit dtype, recorded in the first training forward and

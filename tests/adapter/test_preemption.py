@@ -350,6 +350,7 @@ COVERED: dict[tuple[str, str], tuple] = {
     ("PrecisionStepper", "last_step_skipped"): ("plugin", "last_step_skipped"),
     ("PrecisionStepper", "stats"): ("rank", "plugin", "stats"),
     ("PrecisionStepper", "spike_guard"): ("plugin", "spike_guard"),  # SpikeGuard.state_dict(), {} without one
+    ("PrecisionStepper", "fp8_budget"): ("plugin", "fp8_budget"),  # the probe's choice, {} before it or without
     ("PrecisionStepper", "counters"): ("walk",),
     ("PrecisionStepper", "iteration"): ("walk",),
     ("PrecisionStepper", "keeper"): ("plugin", "masters"),  # and "compact": the weight keeper's state_dict
@@ -405,6 +406,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
     "StablePrecision": {"_args": _CONFIG, "precision": _CONFIG, "master_weights": _CONFIG, "_warned": _MSG,
                         "_runaway": "a cache of the growth monitor's last answer (recomputed from its samples)",
                         "_notes_shown": _MSG,
+                        "_budget_batch": "the first training batch, held until the probe's budget measures it (the"
+                                         " choice itself is in fp8_budget)",
                         "_state_loaded": "whether this fit loaded the plugin's state (for the resume warning only)",
                         "findings": "the callbacks' latest results, measured anew after a resume (the probe step a"
                                     " fallback counted is PrecisionFallback's last_probe_step)"},
