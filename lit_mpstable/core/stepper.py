@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_FORMATS
-from lit_mpstable.core.fp8_budget import LossFn, ProbeBudget
+from lit_mpstable.core.fp8_budget import ProbeBudget
 from lit_mpstable.core.growth import GrowthMonitor
 from lit_mpstable.core.iteration import Iteration
 from lit_mpstable.core.layout import PrecisionLayout
@@ -122,8 +122,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self.last_step_spiked = False
         """The last step was skipped as a spike (read on skipped steps only)."""
         self.fp8 = fp8_config(fp8)
-        self.fp8_budget = ProbeBudget(self.fp8, call)
-        """The probe's choice of high-precision layers (``HighPrecisionBudget(by="probe")``; inert otherwise)."""
+        self.fp8_budget = ProbeBudget(self.fp8, call)  # the probe's high-precision layers (inert without by="probe")
         self.op_policy = op_policy
         self.policy = OpPolicy(op_policy, dtype=self.dtype)
         if not self.policy.is_default and self.precision not in ("16-mixed", "bf16-mixed"):
@@ -180,14 +179,12 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         setup_optimizers(self, module, optimizers, list(schedulers))
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
-        """Refuse, in ``'16-true'`` without masters, an ``eps`` FP16 cannot hold (see
-        :func:`~lit_mpstable.core.weights.check_eps`)."""
+        """In ``'16-true'`` without masters, refuse an ``eps`` FP16 cannot hold (``core.weights.check_eps``)."""
         self.keeper.check_eps(optimizers)
 
     def adopt_device_(self, module: nn.Module) -> None:
-        """Run where ``module`` lives (its first parameter's device): autocast, the FP32 islands and the loss scalers
-        follow it. :meth:`setup_optimizers` calls it; a front end that meets the model before it is moved (Fabric
-        converts it first) calls it again before the first forward."""
+        """Run where ``module``'s first parameter lives (autocast, FP32 islands, loss scalers follow). Called by
+        :meth:`setup_optimizers`, and again before the first forward by a front end that moves the model later."""
         adopt_device(self, module)
 
     @torch.no_grad()
@@ -197,19 +194,6 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         ``fabric.setup``) would otherwise be overwritten from the stale master by the next applied step. One host
         sync; a front end calls it once per optimizer, before its first step."""
         return self.keeper.follow_model_weights_()
-
-    def choose_high_precision_(self, loss_fn: LossFn, batch: Any) -> list[str]:
-        """``FP8Config(keep_high_precision=HighPrecisionBudget(by="probe"))``: measure each FP8 layer's weight-gradient
-        error in the low format on ``batch`` (``loss_fn(module, batch) -> loss``, run in the base precision, two extra
-        forward/backward passes; the mean over data-parallel ranks) and move the costliest back to the base
-        precision within the budget, once; returns them. Call it at the first step, before its forward (the Trainer
-        plugin does). Later calls return the choice; it is saved in :meth:`state_dict` and re-applied on load."""
-        return self.fp8_budget.choose_(self, loss_fn, batch)
-
-    @property
-    def fp8_high_precision_layers(self) -> list[str] | None:
-        """The layers the probe's budget moved back to the base precision (None: not chosen yet, or no such budget)."""
-        return None if self.fp8_budget.layers is None else list(self.fp8_budget.layers)
 
     # -------------------------------------------------------------------------------------------- backward
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_DTYPES
+from lit_mpstable.core.fp8_budget import LossFn, ProbeBudget
 from lit_mpstable.core.fsdp import fsdp2_fallback_refusal
 from lit_mpstable.core.islands import FP32Islands
 from lit_mpstable.core.memory import training_memory
@@ -35,6 +36,7 @@ class StepperStatus:
     _checker: Any
     _input_nonfinite: torch.Tensor | None
     _skip_requested: bool
+    fp8_budget: ProbeBudget
 
     @property
     def dtype(self) -> torch.dtype:
@@ -142,3 +144,16 @@ class StepperStatus:
             return False
         self.layout.restore()
         return True
+
+    def choose_high_precision_(self, loss_fn: LossFn, batch: Any) -> list[str]:
+        """``FP8Config(keep_high_precision=HighPrecisionBudget(by="probe"))``: measure each FP8 layer's weight-gradient
+        error in the low format on ``batch`` (``loss_fn(module, batch) -> loss``, run in the base precision, two extra
+        forward/backward passes; the mean over data-parallel ranks) and move the costliest back to the base
+        precision within the budget, once; returns them. Call it at the first step, before its forward (the Trainer
+        plugin does). Later calls return the choice; it is saved in :meth:`state_dict` and re-applied on load."""
+        return self.fp8_budget.choose_(self, loss_fn, batch)
+
+    @property
+    def fp8_high_precision_layers(self) -> list[str] | None:
+        """The layers the probe's budget moved back to the base precision (None: not chosen yet, or no such budget)."""
+        return None if self.fp8_budget.layers is None else list(self.fp8_budget.layers)
