@@ -7,6 +7,9 @@ standard-library character corpus), through a plain PrecisionStepper loop in 'bf
 - final val loss of the spiked run with the guard vs the spike-free run without it (and the spiked run without it);
 - step-time overhead: CPU time per step (one thread), guard on vs off, median over alternating rounds.
 
+Each skip is listed with its loss and gradient-norm z-scores (which statistic flagged it). ``--norm-floor 0.01``
+reruns the rule before the gradient norm's 50% skip floor (see ``lit_mpstable/core/spike.py``), for comparison.
+
 Writes ``bench/results/spike_guard.json``. A few minutes on 2 CPU cores with the defaults:
 
     PYTHONPATH=. .venv/bin/python bench/spike_guard.py [--steps 1000 --seeds 3]
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 
 from lit_mpstable import SpikeGuard
 from lit_mpstable.app.zoo import GPT, CharLMData
+from lit_mpstable.core import spike
 from lit_mpstable.core.stepper import PrecisionStepper
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +47,7 @@ class Run:
         self.data = data
         self.gen = torch.Generator().manual_seed(seed)
         self.skipped: list[int] = []
+        self.why: list[dict] = []  # per skipped step: its loss and gradient-norm z-scores (read here, bench only)
 
     def batch(self):
         idx = torch.randint(len(self.data.train_set), (self.data.batch_size,), generator=self.gen)
@@ -64,6 +69,10 @@ class Run:
         self.opt.zero_grad(set_to_none=True)
         if self.stepper.last_step_skipped:
             self.skipped.append(i)
+            guard = self.stepper.spike_guard
+            if guard is not None:
+                self.why.append({"step": i, "loss_z": round(float(guard.loss_zscore), 2),
+                                 "grad_norm_z": round(float(guard.grad_norm_zscore), 2)})
 
     @torch.no_grad()
     def val_loss(self) -> float:
@@ -95,7 +104,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--round-steps", type=int, default=10)
     parser.add_argument("--only-overhead", action="store_true", help="measure the step-time overhead alone")
+    parser.add_argument("--norm-floor", type=float, default=None,
+                        help="ablation: the gradient norm's skip floor on std/mean (default: SpikeGuard's own, 0.5;"
+                             " 0.01 is the rule before it); writes spike_guard_floor<value>.json")
     args = parser.parse_args()
+    if args.norm_floor is not None:
+        if not args.norm_floor >= 0:
+            raise ValueError(f"--norm-floor={args.norm_floor!r}: must be a number >= 0 (a fraction of the mean).")
+        spike._SKIP_REL_STD["grad_norm"] = args.norm_floor
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     data = CharLMData(seq_len=64, batch_size=16)
@@ -107,6 +123,9 @@ def main() -> None:
     overhead(args, data, out)
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
     name = "spike_guard_overhead.json" if args.only_overhead else "spike_guard.json"
+    if args.norm_floor is not None:
+        out["norm_floor"] = args.norm_floor
+        name = name.replace(".json", f"_floor{args.norm_floor:g}.json")
     (ROOT / "bench" / "results" / name).write_text(json.dumps(out, indent=2))
 
 
@@ -126,22 +145,24 @@ def accuracy(args: argparse.Namespace, data: CharLMData, out: dict) -> None:
     for i in range(args.steps):
         unguarded.step(i, faults.get(i))
     out["caught"] = {**caught, "total": sum(caught.values()), "of": len(faults),
-                     "false_skips_in_spiked_run": false_in_spiked}
+                     "false_skips_in_spiked_run": false_in_spiked,
+                     "missed": [{"step": s, "kind": k} for s, k in sorted(faults.items()) if s not in spiked.skipped],
+                     "z_scores": spiked.why}
     out["val_loss"] = {"spike_free": clean.val_loss(), "spiked_guarded": spiked.val_loss(),
                        "spiked_unguarded": unguarded.val_loss()}
     out["val_loss"]["guarded_vs_spike_free"] = out["val_loss"]["spiked_guarded"] / out["val_loss"]["spike_free"] - 1
     print("caught", out["caught"], "\nval", out["val_loss"], flush=True)
 
     # 2. false skips on clean runs (seed 0's clean guarded run is the spiked run minus faults: run all seeds anew)
-    false = {}
+    false, why = {}, {}
     for seed in range(args.seeds):
         run = Run(data, seed, guard=True)
         for i in range(args.steps):
             run.step(i)
-        false[seed] = list(run.skipped)
+        false[seed], why[seed] = list(run.skipped), run.why
     total = sum(len(v) for v in false.values())
     out["false_skips"] = {"per_seed": false, "total": total, "steps": args.seeds * args.steps,
-                          "rate": total / (args.seeds * args.steps)}
+                          "rate": total / (args.seeds * args.steps), "z_scores": why}
     print("false", out["false_skips"], flush=True)
 
 

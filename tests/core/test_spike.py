@@ -83,6 +83,41 @@ def test_false_flags_on_clean_runs(seed):
     assert sum(flags) <= 2, [i for i, f in enumerate(flags) if f]  # <= 0.2% of 1000
 
 
+def _quiet_norms(n: int, seed: int) -> torch.Tensor:
+    """A steady gradient norm around 0.6 with a 10% relative spread, like a quiet stretch of the CPU GPT's run."""
+    g = torch.Generator().manual_seed(seed)
+    return 0.6 * torch.exp(0.1 * torch.randn(n, generator=g))
+
+
+@pytest.mark.parametrize("ratio, flagged", [(2.0, False), (3.0, False), (3.8, False), (4.5, True), (10.0, True)])
+def test_gradient_norm_must_be_4x_its_mean_to_be_a_spike(ratio, flagged):
+    # On a quiet window (std ~10% of the mean) a healthy heavy-tailed batch at 2-3x the mean is 10-20 raw sigma
+    # away: the 50% skip floor keeps it (the CPU GPT's clean runs reached 3.0x); a 4.5x norm is still skipped.
+    norms = _quiet_norms(100, seed=0)
+    guard = SpikeGuard(watch=("grad_norm",))
+    run(guard, torch.ones(100), norms)
+    mean = norms[-100:].double().mean().item()
+    guard.observe_loss_(torch.tensor(1.0))
+    flag = guard.decide(torch.tensor(ratio * mean))
+    assert bool(flag) is flagged
+    # The reported z-score is the judged one: (x - mean) / max(std, 0.5 * mean), compared with zscore 6.
+    assert guard.grad_norm_zscore.item() == pytest.approx((ratio - 1.0) / 0.5, rel=1e-3)
+
+
+def test_loss_keeps_the_1_percent_floor_and_zclip_the_raw_std():
+    # The 50% floor is the norm's skip rule only: a loss 30% up on a flat series is still a spike, and the ZClip
+    # threshold still follows the norms' own spread (mean + 2.5 std, std ~10% of the mean: ~1.25x the mean).
+    norms = _quiet_norms(100, seed=1)
+    guard = SpikeGuard(clip_zscore=2.5)
+    run(guard, 2.0 + 0.005 * torch.randn(100, generator=torch.Generator().manual_seed(2)), norms)
+    t = guard.state_dict()["grad_norm"][:100].double()  # as folded: clipped to each step's threshold (ZClip)
+    assert t.std() < 0.15 * t.mean()
+    assert guard.clip_threshold().item() == pytest.approx((t.mean() + 2.5 * t.std()).item(), rel=1e-4)
+    guard.observe_loss_(torch.tensor(2.6))
+    assert bool(guard.decide(norms[-1]))
+    assert guard.grad_norm_zscore.item() < 1.0 < 6.0 < guard.loss_zscore.item()
+
+
 def test_decision_is_a_device_flag_and_warmup_holds():
     guard = SpikeGuard(warmup=5)
     losses = torch.tensor([1.0, 1.1, 0.9, 1.0, 100.0, 1.05, 0.95, 100.0])

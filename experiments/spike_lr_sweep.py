@@ -1,0 +1,281 @@
+"""LR sweep on the CPU GPT: fixed gradient clipping at 1.0 against SpikeGuard (ZClip-style clip and skip).
+
+    .venv/bin/python experiments/spike_lr_sweep.py                       # ~15 min on 1 thread
+    .venv/bin/python experiments/spike_lr_sweep.py --steps 40 --seeds 1  # smoke run
+
+The issue's target (#26): over the GPT's learning rate x{1, 2, 4, 8}, the largest multiplier that does not diverge
+with SpikeGuard is >= 2x fixed clipping's, and SpikeGuard reaches fixed clipping's best validation loss in >= 20%
+fewer steps. Both methods train ``lit_mpstable.app.zoo.GPT`` (d 128, 2 blocks, context 64) on the standard-library
+character corpus (``CharLMData``, batch 16) through a plain :class:`PrecisionStepper` loop with AdamW (betas 0.9,
+0.95, weight decay 0.01), a linear warmup then a cosine decay to 0, from the same initial weights and on the same
+batches per seed:
+
+- ``fixed``: ``clip_grad_norm_(optimizer, 1.0)``, no guard;
+- ``guard``: ``PrecisionStepper(spike_guard=SpikeGuard(clip_zscore=2.5))`` and ``clip_grad_norm_(optimizer,
+  --guard-max-norm)`` (default inf: the adaptive ZClip threshold alone, ``mean + 2.5 std`` of the recent norms,
+  none during the guard's warmup) plus the default spike skip (6 sigma over 128 steps). A skipped step holds the LR.
+
+A run **diverges** when a validation loss is NaN/inf or above the initial (step 0) validation loss, i.e. training
+lost everything it had learnt; it is then stopped. A run that ends above ``1.1 x`` the best final loss of the sweep
+is listed as **degraded**. "Steps to fixed's best": the first evaluation step at which any LR of a method reaches
+the best validation loss fixed clipping reached at any LR (evaluations every ``--eval-every`` steps).
+
+Regime (measured, bf16-mixed, 1 seed): at base 3e-3 nothing diverges up to x32 (0.096) in 200 steps; at base
+1.2e-2 fixed clipping degrades at x4-x8 (val 2.82, 3.02 vs 2.58 at x2) but never diverges, and SpikeGuard behaves
+the same (2.79, 3.07), so the issue's targets are not met on this model: Adam's update size does not follow the
+gradient norm, so clipping (fixed or adaptive) changes little here.
+
+Writes ``experiments/results/spike_lr_sweep/{results.json, table.md, sweep.png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from lit_mpstable import SpikeGuard  # noqa: E402
+from lit_mpstable.app.zoo import GPT, CharLMData  # noqa: E402
+from lit_mpstable.core.stepper import PrecisionStepper  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results" / "spike_lr_sweep"
+METHODS = ("fixed", "guard")
+DEGRADED = 1.1
+
+
+def run(method: str, mult: float, seed: int, args: argparse.Namespace, data: CharLMData) -> dict:
+    """One training run; returns its validation curve, train losses, skipped steps and verdict."""
+    torch.manual_seed(seed)
+    model = GPT(data.vocab_size)
+    guard = SpikeGuard(clip_zscore=2.5) if method == "guard" else None
+    stepper = PrecisionStepper(args.precision, device="cpu", spike_guard=guard)
+    stepper.setup_module(model)
+    lr = args.lr * mult
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    stepper.setup_optimizers(model, [opt])
+    def lr_factor(s: int) -> float:
+        return min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    gen = torch.Generator().manual_seed(seed)
+    max_norm = 1.0 if method == "fixed" else args.guard_max_norm
+
+    def val_loss() -> float:
+        model.eval()
+        total, n = 0.0, 0
+        with torch.no_grad():
+            for j in range(0, min(len(data.val_set), args.val_seqs), 64):
+                x, y = data.val_set[j:j + 64]
+                with stepper.forward_context():
+                    logits = model(x)
+                total += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten())) * len(x)
+                n += len(x)
+        model.train()
+        return total / n
+
+    val = [(0, val_loss())]
+    train, skipped, cpu0 = [], [], time.process_time()
+    diverged_at = None
+    for step in range(1, args.steps + 1):
+        idx = torch.randint(len(data.train_set), (data.batch_size,), generator=gen)
+        x, y = data.train_set[idx]
+        with stepper.forward_context():
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        stepper.scale_loss(loss).backward()
+        stepper.clip_grad_norm_(opt, max_norm)
+        stepper.step(opt)
+        opt.zero_grad(set_to_none=True)
+        if stepper.last_step_skipped:
+            skipped.append(step)
+        else:
+            schedule.step()
+        train.append(float(loss))
+        if step % args.eval_every == 0 or step == args.steps:
+            val.append((step, val_loss()))
+            if not math.isfinite(val[-1][1]) or val[-1][1] > val[0][1]:
+                diverged_at = step
+                break
+    return {"method": method, "mult": mult, "lr": lr, "seed": seed, "val": val, "train": train,
+            "skipped": skipped, "diverged_at": diverged_at, "final_val": val[-1][1],
+            "best_val": min(v for _, v in val if math.isfinite(v)),
+            "cpu_s_per_step": (time.process_time() - cpu0) / max(1, len(train))}
+
+
+def summarise(results: list[dict], args: argparse.Namespace) -> dict:
+    """Per method and seed: the largest stable multiplier, the best val loss and the steps to fixed's best."""
+    out: dict = {"per_seed": {}}
+    for seed in range(args.seeds):
+        rows = [r for r in results if r["seed"] == seed]
+        finals = [r["final_val"] for r in rows if r["diverged_at"] is None]
+        best_final = min(finals) if finals else math.nan
+        for r in rows:
+            r["degraded"] = r["diverged_at"] is None and r["final_val"] > DEGRADED * best_final
+        fixed_best = min(r["best_val"] for r in rows if r["method"] == "fixed")
+        seed_out = {"fixed_best_val": fixed_best}
+        for method in METHODS:
+            mine = [r for r in rows if r["method"] == method]
+            stable = [r["mult"] for r in mine if r["diverged_at"] is None]
+            healthy = [r["mult"] for r in mine if r["diverged_at"] is None and not r["degraded"]]
+            reach = [s for r in mine for s, v in r["val"] if v <= fixed_best]
+            seed_out[method] = {"largest_stable_mult": max(stable, default=None),
+                                "largest_healthy_mult": max(healthy, default=None),
+                                "best_val": min(r["best_val"] for r in mine),
+                                "steps_to_fixed_best": min(reach, default=None)}
+        f, g = seed_out["fixed"], seed_out["guard"]
+        seed_out["stable_ratio"] = (g["largest_stable_mult"] / f["largest_stable_mult"]
+                                    if f["largest_stable_mult"] and g["largest_stable_mult"] else None)
+        seed_out["steps_ratio"] = (g["steps_to_fixed_best"] / f["steps_to_fixed_best"]
+                                   if g["steps_to_fixed_best"] and f["steps_to_fixed_best"] else None)
+        out["per_seed"][seed] = seed_out
+    ratios = [s["stable_ratio"] for s in out["per_seed"].values() if s["stable_ratio"] is not None]
+    steps = [s["steps_ratio"] for s in out["per_seed"].values() if s["steps_ratio"] is not None]
+    out["median_stable_ratio"] = statistics.median(ratios) if ratios else None
+    out["median_steps_ratio"] = statistics.median(steps) if steps else None
+    out["target_stable_met"] = out["median_stable_ratio"] is not None and out["median_stable_ratio"] >= 2.0
+    out["target_steps_met"] = out["median_steps_ratio"] is not None and out["median_steps_ratio"] <= 0.8
+    return out
+
+
+def table(results: list[dict], summary: dict) -> str:
+    lines = ["| seed | LR x | LR | method | final val | best val | diverged at | degraded | skipped steps |"
+             " CPU ms/step |", "| ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for r in sorted(results, key=lambda r: (r["seed"], r["mult"], r["method"])):
+        lines.append(f"| {r['seed']} | {r['mult']:g} | {r['lr']:.3g} | {r['method']} | {r['final_val']:.4f} |"
+                     f" {r['best_val']:.4f} | {r['diverged_at'] if r['diverged_at'] is not None else '-'} |"
+                     f" {'yes' if r['degraded'] else 'no'} | {len(r['skipped'])} | {1e3 * r['cpu_s_per_step']:.1f} |")
+    lines += ["", "| seed | fixed: largest stable (healthy) LR x | guard: largest stable (healthy) LR x | ratio"
+              " (target >= 2) | fixed's best val | steps to it: fixed | guard | ratio (target <= 0.8) |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for seed, s in summary["per_seed"].items():
+        f, g = s["fixed"], s["guard"]
+
+        def fmt(x: object) -> str:
+            return "-" if x is None else f"{x:g}" if isinstance(x, (int, float)) else str(x)
+
+        lines.append(f"| {seed} | {fmt(f['largest_stable_mult'])} ({fmt(f['largest_healthy_mult'])}) |"
+                     f" {fmt(g['largest_stable_mult'])} ({fmt(g['largest_healthy_mult'])}) |"
+                     f" {fmt(s['stable_ratio'])} | {s['fixed_best_val']:.4f} | {fmt(f['steps_to_fixed_best'])} |"
+                     f" {fmt(g['steps_to_fixed_best'])} | {fmt(s['steps_ratio'])} |")
+    met = {key: "met" if summary[key] else "NOT met" for key in ("target_stable_met", "target_steps_met")}
+    lines += ["", f"Median stable-LR ratio {summary['median_stable_ratio']} (target >= 2:"
+              f" {met['target_stable_met']}); median steps ratio {summary['median_steps_ratio']} (target <= 0.8:"
+              f" {met['target_steps_met']})."]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (curves, final) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.get_cmap("viridis")
+    mults = sorted({r["mult"] for r in results})
+    for r in results:
+        if r["seed"] != 0:
+            continue
+        steps, vals = zip(*r["val"])
+        c = colors(mults.index(r["mult"]) / max(1, len(mults) - 1))
+        curves.plot(steps, vals, color=c, ls="-" if r["method"] == "guard" else "--",
+                    label=f"x{r['mult']:g} {r['method']}")
+    curves.set(xlabel="step", ylabel="validation loss", title="validation loss, seed 0 (dashed: fixed clip 1.0)",
+               yscale="log")
+    curves.legend(fontsize=7, ncol=2)
+    for method, marker in zip(METHODS, ("s", "o")):
+        for key, ls in (("final_val", "-"), ("best_val", ":")):
+            ys = [statistics.median(r[key] for r in results if r["method"] == method and r["mult"] == m)
+                  for m in mults]
+            final.plot(mults, ys, marker=marker, ls=ls, label=f"{method}: {key.replace('_val', '')}")
+        for r in results:
+            if r["method"] == method and r["diverged_at"] is not None:
+                final.scatter([r["mult"]], [r["final_val"]], marker="x", color="red", zorder=3)
+    final.set(xlabel=f"LR multiplier (base {args.lr:g})", ylabel=f"val loss (median of {args.seeds} seed(s))",
+              title="final / best val loss vs LR (x: diverged)", xscale="log", yscale="log")
+    final.set_xticks(mults, [f"x{m:g}" for m in mults])
+    final.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lr", type=float, default=1.2e-2,
+                        help="base learning rate (x8: 0.096; x1..x4 of 3e-3 showed nothing on this model)")
+    parser.add_argument("--mults", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--val-seqs", type=int, default=256)
+    parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "32-true"])
+    parser.add_argument("--guard-max-norm", type=float, default=math.inf,
+                        help="fixed ceiling under SpikeGuard's adaptive clip (default inf: ZClip alone)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    for name in ("lr", "guard_max_norm"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)!r}: must be > 0.")
+    for name in ("steps", "warmup", "seeds", "eval_every", "val_seqs", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)!r}: must be an integer >= 1.")
+    if not args.mults or min(args.mults) <= 0:
+        raise ValueError(f"--mults={args.mults!r}: must be one or more multipliers > 0.")
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(args.threads)
+    data = CharLMData(seq_len=64, batch_size=16)
+    data.setup()
+
+    results, start = [], time.perf_counter()
+    for seed in range(args.seeds):
+        for mult in args.mults:
+            for method in METHODS:  # alternated per LR, so machine load falls on both alike
+                r = run(method, mult, seed, args, data)
+                results.append(r)
+                print(f"seed {seed} x{mult:g} {method}: final {r['final_val']:.4f} best {r['best_val']:.4f}"
+                      f" diverged {r['diverged_at']} skipped {len(r['skipped'])}"
+                      f" ({time.perf_counter() - start:.0f} s)", flush=True)
+    summary = summarise(results, args)
+    text = table(results, summary)
+    print(text)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "python experiments/spike_lr_sweep.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    try:
+        cpu = [line for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+               if line.startswith("Model name")]
+    except OSError:
+        cpu = []
+    setup = (f"lit_mpstable.app.zoo.GPT (d 128, 2 blocks, context 64) on CharLMData (batch 16); {args.steps} steps,"
+             f" AdamW base LR {args.lr:g} x {args.mults}, warmup {args.warmup} then cosine to 0; precision"
+             f" {args.precision}; fixed = clip 1.0, guard = SpikeGuard(clip_zscore=2.5) with max_norm"
+             f" {args.guard_max_norm:g}; val on {args.val_seqs} held-out sequences every {args.eval_every} steps;"
+             f" {args.seeds} seed(s); {args.threads} thread(s), torch {torch.__version__}, {' '.join(cpu)}."
+             f" Diverged: a val loss NaN/inf or above the step-0 val loss. Degraded: final val > {DEGRADED} x the"
+             f" best final of the seed's sweep. Total {time.perf_counter() - start:.0f} s.")
+    (args.out / "table.md").write_text(f"# LR sweep: fixed clip 1.0 vs SpikeGuard (clip and skip)\n\n{setup}\n\n"
+                                       f"{text}\n\nReproduce: `{command.strip()}`\n")
+    (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
+                                                                for k, v in vars(args).items()},
+                                                       "summary": summary, "runs": results}, indent=1))
+    plot(results, args, args.out / "sweep.png")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
