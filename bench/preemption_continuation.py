@@ -2,9 +2,10 @@
 SIGTERM and SIGUSR1 at 5 random steps each, delivered to one rank; max |delta| of the per-step losses and the final
 weights (target: 0).
 
-The run is the one of ``tests/adapter/test_preemption.py`` (imported from there), with its faults repeated every
-30 steps so that every window of 30 steps holds overflow skips, a PrecisionFallback fallback and restore, and a
-ScaleCheckpoint rollback. Writes ``bench/results/preemption_continuation.{json,md}``. About 2 min on 2 CPU cores:
+The run is ``lit_mpstable.app.preemption_demo``'s (the one ``tests/adapter/test_preemption.py`` checks), with its
+faults repeated every 30 steps so that every window of 30 steps holds overflow skips, a PrecisionFallback fallback and
+restore, and a ScaleCheckpoint rollback. Writes ``bench/results/preemption_continuation.{json,md}``. About 2 min on
+2 CPU cores:
 
     PYTHONPATH=. .venv/bin/python bench/preemption_continuation.py [--steps 300] [--points 5] [--seed 0] [--devices 2]
 
@@ -18,17 +19,16 @@ import json
 import logging
 import random
 import signal
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "adapter")]
+import torch
 
-import test_preemption as scenario  # noqa: E402 - found through the sys.path entries above
-import torch  # noqa: E402
+from lit_mpstable.app import preemption_demo as scenario
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CYCLE = 30
 

@@ -25,14 +25,15 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "adapter")]
+if str(ROOT / "bench") not in sys.path:
+    sys.path.insert(0, str(ROOT / "bench"))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from cb_helpers import PoisonModule, fp32_scaler_plugin  # noqa: E402
-from helpers import make_trainer  # noqa: E402
+from common import TRAINER_DEFAULTS  # noqa: E402
 
 from lit_mpstable import StablePrecision  # noqa: E402
+from lit_mpstable.app.fault_demos import PoisonModule, fp32_scaler_plugin  # noqa: E402
 from lit_mpstable.callbacks import FaultTriage, ScaleCheckpoint  # noqa: E402
 from lit_mpstable.faults import FaultInjector  # noqa: E402
 
@@ -74,7 +75,7 @@ def run(callbacks: list, *, precision: str = "32-true", steps: int = STEPS, plug
     module = PoisonModule(**module_kwargs)
     forwards = Forwards()
     plugin = plugin or StablePrecision(precision)
-    make_trainer(plugin, callbacks=[*callbacks, forwards], max_steps=steps).fit(module)
+    pl.Trainer(plugins=[plugin], callbacks=[*callbacks, forwards], max_steps=steps, **TRAINER_DEFAULTS).fit(module)
     return module, plugin, forwards
 
 

@@ -8,28 +8,7 @@ import torch
 from torch import nn
 
 from lit_mpstable.app.demos import stall_task  # noqa: F401  (the stall case; bench/ uses it too)
-
-
-class TinyMLP(nn.Module):
-    """Three linear layers, dimensions multiples of 16 (FP8-eligible in the middle)."""
-
-    def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 16) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, hidden)
-        self.act = nn.ReLU()
-        self.fc2 = nn.Linear(hidden, hidden)
-        self.fc3 = nn.Linear(hidden, d_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))
-
-
-def regression_data(n: int = 64, d_in: int = 16, d_out: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic linear-regression task with noise."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d_in, generator=g)
-    w = torch.randn(d_in, d_out, generator=g) / d_in**0.5
-    return x, x @ w + 0.01 * torch.randn(n, d_out, generator=g)
+from lit_mpstable.app.fault_demos import TinyMLP, regression_data  # the model and data the tests train; bench/ too
 
 
 def inject_overflow(module: nn.Module, steps: Iterable[int], value: float = float("inf")) -> list[int]:

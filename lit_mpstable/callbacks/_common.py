@@ -4,7 +4,6 @@ the ``mp/*`` metrics are logged."""
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,8 +12,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
-from lit_mpstable.callbacks._deepspeed import DeepSpeedView, runs_deepspeed
-from lit_mpstable.callbacks._view import ForeignPrecision
+from lit_mpstable.callbacks.views import ForeignPrecision, view_of
 from lit_mpstable.core.formats import FORMAT_IDS
 from lit_mpstable.core.loaded_state import (
     Field,
@@ -183,19 +181,6 @@ class PluginCallback(pl.Callback):
         if isinstance(self._plugin, ForeignPrecision):
             self._plugin.remove()
 
-
-# One view per foreign plugin and fit, shared by every callback (one step hook per optimizer).
-_VIEWS: weakref.WeakKeyDictionary[Any, ForeignPrecision] = weakref.WeakKeyDictionary()
-
-
-def view_of(plugin: Any, trainer: pl.Trainer) -> ForeignPrecision:
-    view = _VIEWS.get(plugin)
-    if view is None or view._trainer is not trainer or not view._handles:
-        if view is not None:
-            view.remove()
-        reader = DeepSpeedView if runs_deepspeed(trainer) else ForeignPrecision  # DeepSpeed: its engine is read
-        view = _VIEWS[plugin] = reader(plugin, trainer)
-    return view
 
 
 class StepCounter:

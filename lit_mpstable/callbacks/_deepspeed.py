@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lit_mpstable.callbacks._view import ForeignPrecision
+from lit_mpstable.callbacks._foreign import ForeignPrecision
 from lit_mpstable.frontends.live_state import Findings
 
 __all__ = ["DeepSpeedView", "runs_deepspeed"]

@@ -1,92 +1,21 @@
-"""Fault injection for the callback tests: poisoned batches, a layer that overflows in FP16, a stand-in attribution."""
+"""Fault injection for the callback tests: the poisoned regression module (on the Trainer package under test; its
+faults live in lit_mpstable.app.fault_demos), a stand-in attribution, recorders."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
+from functools import partial
 
 import torch
-from helpers import TinyMLP, regression_data
-from torch import nn
-from trainer_pkg import pl
+from trainer_pkg import StablePrecision, pl
+
+from lit_mpstable.app import fault_demos
+from lit_mpstable.app.fault_demos import PoisonTask
 
 
-class Amplify(nn.Module):
-    """``x * factor / factor``: the identity in FP32 and BF16, but inf in FP16 for |x| > 65504 / factor."""
-
-    def __init__(self, factor: float = 1e5) -> None:
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor / self.factor
-
-
-class AmplifiedMLP(TinyMLP):
-    """TinyMLP with :class:`Amplify` between fc1 and fc2 (qualified name ``model.amp`` inside :class:`PoisonModule`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.amp = Amplify()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(self.act(self.fc2(self.amp(self.act(self.fc1(x))))))
-
-
-class PoisonModule(pl.LightningModule):
-    """TinyMLP regression with faults keyed on the optimizer step (``trainer.global_step``), so a resumed run poisons
-    the same steps.
-
-    Args:
-        inf_input_steps: the batch's first input value becomes inf.
-        loss_factor: ``{step: factor}``: the loss is multiplied by ``factor``.
-        inf_grad_steps: fc2's weight gradient gets an inf after backward.
-        amplify: use :class:`AmplifiedMLP` (overflows on every FP16 forward).
-    """
-
-    def __init__(
-        self, *, inf_input_steps: Iterable[int] = (), loss_factor: Mapping[int, float] | None = None,
-        inf_grad_steps: Iterable[int] = (), amplify: bool = False, lr: float = 0.05, optimizer: str = "sgd",
-        scheduler: bool = False, n: int = 64, batch_size: int = 16,
-    ) -> None:
-        super().__init__()
-        self.model = AmplifiedMLP() if amplify else TinyMLP()
-        self.inf_input_steps, self.inf_grad_steps = set(inf_input_steps), set(inf_grad_steps)
-        self.loss_factor = dict(loss_factor or {})
-        self.lr, self.optimizer_name, self.use_scheduler, self.batch_size = lr, optimizer, scheduler, batch_size
-        self.x, self.y = regression_data(n)
-        self.losses: list[float] = []  # (unpoisoned) loss of every training step
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        if self.global_step in self.inf_input_steps:
-            x = x.clone()
-            x.view(-1)[0] = float("inf")
-        loss = nn.functional.mse_loss(self(x).float(), y)
-        self.losses.append(loss.item())
-        return loss * self.loss_factor.get(self.global_step, 1.0)
-
-    def on_after_backward(self) -> None:
-        if self.global_step in self.inf_grad_steps:
-            self.model.fc2.weight.grad.view(-1)[0] = float("inf")
-
-    def train_dataloader(self):
-        ds = torch.utils.data.TensorDataset(self.x, self.y)
-        return torch.utils.data.DataLoader(ds, batch_size=self.batch_size, shuffle=False)
-
-    def configure_optimizers(self):
-        if self.optimizer_name == "sgd":
-            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-        else:
-            opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
-        if not self.use_scheduler:
-            return opt
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+class PoisonModule(PoisonTask, pl.LightningModule):
+    """:class:`~lit_mpstable.app.fault_demos.PoisonTask` on the Trainer package under test."""
 
 
 class BlameFirstNonfinite(pl.Callback):
@@ -140,13 +69,8 @@ def quiet():
         yield
 
 
-def fp32_scaler_plugin(**scaler_kwargs):
-    """``StablePrecision("32-true")`` with an explicit DynamicLossScaler: fast; overflows come from injected infs."""
-    from trainer_pkg import StablePrecision
-
-    from lit_mpstable.core.loss_scaler import DynamicLossScaler
-
-    return StablePrecision("32-true", scaler=DynamicLossScaler("cpu", **scaler_kwargs))
+# ``StablePrecision("32-true")`` with an explicit DynamicLossScaler: fast; overflows come from injected infs.
+fp32_scaler_plugin = partial(fault_demos.fp32_scaler_plugin, plugin_class=StablePrecision)
 
 
 class ListLogger:

@@ -27,8 +27,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lit_mpstable.callbacks import OverflowMonitor, ScaleCheckpoint
-from lit_mpstable.callbacks._common import view_of
-from lit_mpstable.callbacks._deepspeed import DeepSpeedView
+from lit_mpstable.callbacks.views import DeepSpeedView, view_of
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore")
