@@ -176,7 +176,12 @@ class FusedAdam:
         Nothing is allocated: every value lives in the kernel's registers."""
         start = time.perf_counter()
         key = host_to_device(torch.tensor(_signed32(offset), dtype=torch.int32), w.device)
-        self._kernel(w, comp, g, m, v, scalars, key)
+        # Under a TorchDispatchMode (a FLOP counter, a tracer, a recorder of host reads) torch.compile skips the frame
+        # and marks the kernel's code skipped for the rest of the process: every later CompactWeights would fall back
+        # to FP32 copies. The eager kernel (what torch.compile runs itself under a mode) leaves the compiler's state
+        # alone and lets the mode see every operation; its words are the compiled ones but for an FP32 ulp now and then.
+        kernel = _adam_kernel if torch._C._len_torch_dispatch_stack() > 0 else self._kernel
+        kernel(w, comp, g, m, v, scalars, key)
         elapsed = time.perf_counter() - start
         if elapsed > self.SLOW_S and not self._said_slow:
             self._said_slow = True

@@ -2,8 +2,9 @@
 OverflowMonitor logs DeepSpeed's loss scale and every step it skipped, in FP16 and BF16, and ScaleCheckpoint rolls
 back; a ZeRO partitioned optimizer refuses the snapshot with the reason.
 
-These run DeepSpeed's real engine on the CPU (``DS_ACCELERATOR=cpu``, gloo, one process). Two things are lifted
-for that, both outside the numerics: Lightning's DeepSpeedStrategy refuses any accelerator but CUDA at setup
+These run DeepSpeed's real engine on the CPU (``DS_ACCELERATOR=cpu``, gloo, one process: each test in a pytest
+process of its own, which it starts). Two things are lifted for that, both outside the numerics: Lightning's
+DeepSpeedStrategy refuses any accelerator but CUDA at setup
 (``CPUDeepSpeedStrategy`` skips that check only), and DeepSpeed's CPU accelerator declares no FP16 although torch
 computes FP16 on the CPU (the FP16 tests set the flag, so DeepSpeed's own FP16 optimizer and loss scaler run).
 bench/gpu_deepspeed.py runs the same checks on a GPU, unmodified.
@@ -14,6 +15,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,11 +36,11 @@ from lit_mpstable.callbacks.views import DeepSpeedView, view_of
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore")
 # DeepSpeed's engine leaves process-wide state behind (its communication backend, a process group it caches), and a
-# distributed test that runs later in the same pytest process then hangs; run these on demand, in a process of their
-# own: LIT_MPSTABLE_DEEPSPEED=1 pytest tests/adapter/test_deepspeed.py (the stand-in tests above always run).
-real_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None or os.environ.get("LIT_MPSTABLE_DEEPSPEED") != "1",
-    reason="DeepSpeed's real engine: LIT_MPSTABLE_DEEPSPEED=1 and pip install 'lit_mpstable[deepspeed]'")
+# distributed test that runs later in the same pytest process then hangs: each real-engine test runs in a pytest
+# process of its own (_in_own_process), where LIT_MPSTABLE_DEEPSPEED=1 says the engine may run.
+real_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                    reason="DeepSpeed's real engine: pip install 'lit_mpstable[deepspeed]'")
+OWN_PROCESS_S = 300  # one real-engine test, imports included (15-35 s measured on a loaded 2-core machine)
 
 STEPS = 8
 INF_STEPS = {2, 5}
@@ -157,8 +161,31 @@ def _leave_no_process_group() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------ DeepSpeed's real engine on the CPU
-@pytest.fixture
-def fp16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def _in_own_process(request: pytest.FixtureRequest) -> bool:
+    """Whether this process runs the engine (LIT_MPSTABLE_DEEPSPEED=1). Otherwise the test runs in a new pytest
+    process (``DS_ACCELERATOR=cpu``) and this one takes its outcome (passed, skipped, or failed with its output): the
+    engine never shares a process with other tests, and this process imports nothing of DeepSpeed."""
+    if os.environ.get("LIT_MPSTABLE_DEEPSPEED") == "1":
+        return True
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:randomly", "-p", "no:cacheprovider",
+               request.node.nodeid]
+    env = {**os.environ, "LIT_MPSTABLE_DEEPSPEED": "1", "DS_ACCELERATOR": "cpu"}
+    try:
+        result = subprocess.run(command, cwd=request.config.rootpath, env=env, capture_output=True, text=True,
+                                timeout=OWN_PROCESS_S)
+    except subprocess.TimeoutExpired as error:
+        partial = error.stdout or ""
+        partial = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+        pytest.fail(f"{request.node.nodeid} ran past {OWN_PROCESS_S} s in its own process (killed):\n{partial[-4000:]}")
+    output = result.stdout[-6000:] + result.stderr[-2000:]
+    if result.returncode == 0 and re.search(r"^1 passed\b", result.stdout, re.MULTILINE):
+        return False
+    if result.returncode == 0 and re.search(r"^1 skipped\b", result.stdout, re.MULTILINE):
+        pytest.skip(f"skipped in its own process: {output[-500:]}")
+    pytest.fail(f"{request.node.nodeid} failed in its own process (exit {result.returncode}):\n{output}")
+
+
+def _fp16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from deepspeed.accelerator import get_accelerator
 
     monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
@@ -189,7 +216,10 @@ def _logged(trainer: pl.Trainer, name: str) -> dict[int, float]:
 @pytest.mark.slow
 @real_deepspeed
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_overflow_monitor_logs_deepspeeds_scale_and_every_skipped_step(tmp_path, fp16_on_cpu, precision) -> None:
+def test_overflow_monitor_logs_deepspeeds_scale_and_every_skipped_step(request, monkeypatch, tmp_path, precision):
+    if not _in_own_process(request):
+        return
+    _fp16_on_cpu(monkeypatch)
     monitor = OverflowMonitor(window=4, log_every_n_steps=1)
     trainer, recorder = _fit(tmp_path, precision, [monitor])
     assert isinstance(monitor._plugin, DeepSpeedView)
@@ -212,7 +242,10 @@ def test_overflow_monitor_logs_deepspeeds_scale_and_every_skipped_step(tmp_path,
 
 @pytest.mark.slow
 @real_deepspeed
-def test_scale_checkpoint_rolls_back_deepspeeds_masters_and_scaler(tmp_path, fp16_on_cpu) -> None:
+def test_scale_checkpoint_rolls_back_deepspeeds_masters_and_scaler(request, monkeypatch, tmp_path) -> None:
+    if not _in_own_process(request):
+        return
+    _fp16_on_cpu(monkeypatch)
     # A non-finite loss at step 5 rolls back to the snapshot of step 4 (on_spike="rollback").
     class NaNLoss(RankFaultModule):
         def training_step(self, batch, batch_idx):
@@ -243,14 +276,19 @@ def test_scale_checkpoint_rolls_back_deepspeeds_masters_and_scaler(tmp_path, fp1
 
 @pytest.mark.slow
 @real_deepspeed
-def test_scale_checkpoint_under_zero_refuses_the_snapshot_with_the_reason(tmp_path) -> None:
+def test_scale_checkpoint_under_zero_refuses_the_snapshot_with_the_reason(request, tmp_path) -> None:
+    if not _in_own_process(request):
+        return
     with pytest.raises(ValueError, match=r"ZeRO stage 1.*only DeepSpeed's own checkpoints restore.*stage=0"):
         _fit(tmp_path, "bf16-mixed", [ScaleCheckpoint(every_n_steps=2)], stage=1, steps=2)
 
 
 @pytest.mark.slow
 @real_deepspeed
-def test_scale_checkpoint_sees_no_spike_when_deepspeed_halves_its_scale(tmp_path, fp16_on_cpu) -> None:
+def test_scale_checkpoint_sees_no_spike_when_deepspeed_halves_its_scale(request, monkeypatch, tmp_path) -> None:
+    if not _in_own_process(request):
+        return
+    _fp16_on_cpu(monkeypatch)
     # DeepSpeed scales inside engine.backward: the loss ScaleCheckpoint reads is unscaled, so a halved scale must
     # not look like a doubled loss.
     checkpoint = ScaleCheckpoint(every_n_steps=100, min_history=2)

@@ -269,48 +269,81 @@ def test_fabric_skips_a_spike(kind):
 
 
 # ------------------------------------------------------------------------------------------------ DDP
-def _ddp_worker(rank: int, init_file: str, out_dir: str) -> None:
-    """Two gloo ranks, a plain DDP loop through PrecisionStepper; rank 1 alone gets a gradient spike at step 10
+# A collective that one rank never joins fails after this instead of waiting 30 minutes; the whole run after DDP_RUN_S.
+DDP_TIMEOUT_S, DDP_RUN_S = 60, 240
+
+
+def _ddp_run(rank: int) -> dict:
+    """A plain DDP loop through PrecisionStepper on one of two ranks; rank 1 alone gets a gradient spike at step 10
     (after DDP's all-reduce) and a loss spike at step 13 (its own loss only)."""
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper("bf16-mixed", device="cpu", spike_guard=guard())
+    stepper.setup_module(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepper.setup_optimizers(model, [opt])
+    x, y = regression_data(64)
+    x, y = x[rank::2], y[rank::2]
+    skipped = []
+    for i in range(STEPS):
+        j = (i % 2) * 16
+        with stepper.forward_context():
+            loss = nn.functional.mse_loss(ddp(x[j:j + 16]).float(), y[j:j + 16])
+        if rank == 1 and i == 13:
+            loss = loss * 1e4
+        stepper.scale_loss(loss).backward()
+        if rank == 1 and i == 10:
+            grad_spike_(model)
+        stepper.step(opt)
+        opt.zero_grad()
+        skipped.append(stepper.last_step_skipped)
+    return {"skipped": skipped, "spikes": int(stepper.spike_guard.spikes_skipped),
+            "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _ddp_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """Two gloo ranks run :func:`_ddp_run`. Its DDP wrapper is gone before the process group is destroyed: a DDP
+    reducer that outlives the group's registration frees the gloo group itself, joining gloo's threads while holding
+    the GIL that one of them needs to free the tensors of its last all-reduce (a hang at a rank's exit, seen in
+    gdb)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)  # as conftest does: a spawned process starts with the machine's default
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=DDP_TIMEOUT_S))
     try:
-        torch.manual_seed(0)
-        model = TinyMLP()
-        stepper = PrecisionStepper("bf16-mixed", device="cpu", spike_guard=guard())
-        stepper.setup_module(model)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        stepper.setup_optimizers(model, [opt])
-        x, y = regression_data(64)
-        x, y = x[rank::2], y[rank::2]
-        skipped = []
-        for i in range(STEPS):
-            j = (i % 2) * 16
-            with stepper.forward_context():
-                loss = nn.functional.mse_loss(ddp(x[j:j + 16]).float(), y[j:j + 16])
-            if rank == 1 and i == 13:
-                loss = loss * 1e4
-            stepper.scale_loss(loss).backward()
-            if rank == 1 and i == 10:
-                grad_spike_(model)
-            stepper.step(opt)
-            opt.zero_grad()
-            skipped.append(stepper.last_step_skipped)
-        torch.save({"skipped": skipped, "spikes": int(stepper.spike_guard.spikes_skipped),
-                    "weights": {k: v.clone() for k, v in model.state_dict().items()}}, f"{out_dir}/rank{rank}.pt")
+        torch.save(_ddp_run(rank), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.skip(reason="hung once in a full-suite run (a rank waiting in a collective) though it passes alone;"
-                         " skipped until that is understood")
-def test_ddp_spike_on_one_rank_is_skipped_on_both(tmp_path):
+def _run_two_ranks(worker, tmp_path) -> None:
+    """``worker(rank, init_file, out_dir)`` on 2 processes, rendezvous through a file of this test's own (no port).
+    Spawned, not forked: this module compiles before (inductor's worker threads), and a fork could copy a lock another
+    thread holds. A rank that has not finished after DDP_RUN_S is killed and the test fails, naming it."""
+    import time
+
     import torch.multiprocessing as mp
 
-    mp.start_processes(_ddp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
+    context = mp.start_processes(worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                                 start_method="spawn", join=False)
+    deadline = time.monotonic() + DDP_RUN_S
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):  # a rank's error is raised here
+        if time.monotonic() >= deadline:
+            alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+            for rank in alive:
+                context.processes[rank].kill()
+                context.processes[rank].join()
+            pytest.fail(f"ranks {alive} still running after {DDP_RUN_S} s (killed): a rank waits in a collective"
+                        " the other never joins, or never started")
+
+
+@pytest.mark.slow
+def test_ddp_spike_on_one_rank_is_skipped_on_both(tmp_path):
+    _run_two_ranks(_ddp_worker, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     expected = [i in (10, 13) for i in range(STEPS)]
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == expected

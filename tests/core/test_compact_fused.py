@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lit_mpstable.core.compact_fused as fused_module
 from lit_mpstable.core.compact import CompactWeights
@@ -144,6 +145,38 @@ def test_a_kernel_that_cannot_compile_falls_back_with_a_warning(monkeypatch) -> 
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     with pytest.raises(RuntimeError, match=r"fused=True.*'scale'.*no C\+\+ compiler"):
         _run("kahan", "adamw", fused=True)
+
+
+class _Ops(TorchDispatchMode):
+    """Records the name of every ATen operation run under it (as a FLOP counter or a host-read recorder would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_under_a_dispatch_mode_leaves_later_fused_steps_alone() -> None:
+    # torch.compile skips a frame entered under a TorchDispatchMode and marks its code skipped for the whole process:
+    # had the step under the mode called the compiled kernel, every later CompactWeights in the process would have
+    # stepped through FP32 copies (other numbers). The kernel runs eagerly there, seen by the mode.
+    before, _, before_cw = _run("kahan", "adamw", fused=None)
+    model, opt, cw = _run("kahan", "adamw", fused=None, steps=1)
+    (model(torch.randn(16, 64).bfloat16()).float().square().mean()).backward()
+    try:
+        with _Ops() as seen:
+            cw.step_(opt)
+        assert not cw._fused_failed and "lerp.Tensor" in seen.ops  # the fused step, eager, under the mode
+        after, _, after_cw = _run("kahan", "adamw", fused=None)
+        assert not before_cw._fused_failed and not after_cw._fused_failed
+        for (n, a), b in zip(after.named_parameters(), before.parameters()):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), n
+    except AssertionError:
+        torch._dynamo.reset()  # the skipped kernel stays with this test, not the ones after it
+        raise
 
 
 def test_a_slow_first_call_is_explained_once(monkeypatch) -> None:
