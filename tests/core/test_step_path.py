@@ -396,7 +396,6 @@ def test_the_gradients_an_optimizer_stepped_on_are_not_kept_alive() -> None:
 
 def _late_nan_worker(rank: int, init_file: str, out_dir: str) -> None:
     from datetime import timedelta
-    from pathlib import Path
 
     import torch.distributed as dist
 
@@ -404,27 +403,33 @@ def _late_nan_worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     try:
-        torch.manual_seed(0)
-        model = TinyMLP()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", init_scale=256.0))
-        stepper.setup_module(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        stepper.setup_optimizers(model, [opt])
-        x, y = regression_data(32)
-        skipped = []
-        for step in range(3):
-            stepper.scale_loss(torch.nn.functional.mse_loss(ddp(x[rank::2]), y[rank::2])).backward()
-            stepper.unscale_(opt)
-            if rank == 1 and step == 1:  # a hook on one rank writes NaN after the (agreed) gradient check
-                model.fc2.weight.grad.view(-1)[0] = NAN
-            stepper.step(opt)
-            opt.zero_grad()
-            skipped.append(stepper.last_step_skipped)
-        torch.save({"skipped": skipped, "params": [p.detach().clone() for p in model.parameters()]},
-                   Path(out_dir) / f"rank{rank}.pt")
+        _late_nan_run(rank, out_dir)  # its DDP wrapper is freed before the group is: gloo's threads then stop cleanly
     finally:
         dist.destroy_process_group()
+
+
+def _late_nan_run(rank: int, out_dir: str) -> None:
+    from pathlib import Path
+
+    torch.manual_seed(0)
+    model = TinyMLP()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", init_scale=256.0))
+    stepper.setup_module(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    stepper.setup_optimizers(model, [opt])
+    x, y = regression_data(32)
+    skipped = []
+    for step in range(3):
+        stepper.scale_loss(torch.nn.functional.mse_loss(ddp(x[rank::2]), y[rank::2])).backward()
+        stepper.unscale_(opt)
+        if rank == 1 and step == 1:  # a hook on one rank writes NaN after the (agreed) gradient check
+            model.fc2.weight.grad.view(-1)[0] = NAN
+        stepper.step(opt)
+        opt.zero_grad()
+        skipped.append(stepper.last_step_skipped)
+    torch.save({"skipped": skipped, "params": [p.detach().clone() for p in model.parameters()]},
+               Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.mark.slow
