@@ -42,8 +42,10 @@ def _stepper(call: str, value: Any) -> PrecisionStepper:
 
 
 def _optimizer(call: str, value: Any, name: str = "optimizer") -> Optimizer:
-    """The torch optimizer behind ``value`` (Fabric's wrapper keeps it as ``.optimizer``)."""
-    inner = value if isinstance(value, Optimizer) else getattr(value, "optimizer", None)
+    """The torch optimizer behind ``value``: Fabric's wrapper (itself an Optimizer subclass) keeps it as
+    ``.optimizer``."""
+    wrapped = getattr(value, "optimizer", None)
+    inner = wrapped if isinstance(wrapped, Optimizer) else value
     if not isinstance(inner, Optimizer):
         raise ValueError(f"{call}({name}={value!r}): must be a torch.optim.Optimizer or Fabric's wrapper of one"
                          " (what fabric.setup returned).")
