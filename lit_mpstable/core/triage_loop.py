@@ -223,7 +223,7 @@ class StepTriage:
                                " first.")
         step, self.steps_run = self.steps_run, self.steps_run + 1
         rng = rng_state()
-        _zero_grads(inner, module)
+        _zero_grads(inner, module, model_too=stepper.master_mode is not None)
         loss = closure()
         if not isinstance(loss, torch.Tensor):
             raise ValueError(f"{call}(closure={closure!r}): returned {type(loss).__name__}, not the loss tensor.")
@@ -262,9 +262,10 @@ class StepTriage:
         self.rollbacks = int(state_dict["rollbacks"])
 
 
-def _zero_grads(optimizer: Optimizer, module: nn.Module) -> None:
+def _zero_grads(optimizer: Optimizer, module: nn.Module, *, model_too: bool = True) -> None:
     optimizer.zero_grad(set_to_none=True)
-    module.zero_grad(set_to_none=True)  # with FP32 masters the model's 16-bit gradients are not the optimizer's
+    if model_too:  # with FP32 masters (or compact weights) the model's 16-bit gradients are not the optimizer's
+        module.zero_grad(set_to_none=True)
 
 
 def _step(stepper: PrecisionStepper, optimizer: Any, inner: Optimizer) -> None:
