@@ -1,4 +1,5 @@
-"""FaultInjector: scripted numerical faults at chosen optimizer steps, a Lightning callback for a project's own CI."""
+"""FaultInjector: scripted numerical faults at chosen optimizer steps, a Lightning callback for a project's own CI;
+and, re-exported from the core, StepTriage and StateSnapshot: fault triage for a plain loop or Fabric."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-__all__ = ["FaultInjector", "FaultKind"]
+from lit_mpstable.core.triage_loop import StateSnapshot, StepTriage
+
+__all__ = ["FaultInjector", "FaultKind", "StateSnapshot", "StepTriage"]
 
 FaultKind = Literal["transient", "nan_batch", "fp16_overflow", "loss_spike", "grad_spike"]
 _KINDS: tuple[str, ...] = get_args(FaultKind)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import copy
 import inspect
-from contextlib import nullcontext
-from enum import Enum
-from typing import Any, Literal
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -26,39 +26,20 @@ from lit_mpstable.callbacks._common import (
 from lit_mpstable.callbacks._snapshot import restore_snapshot, take_snapshot
 from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
 from lit_mpstable.core.attribution import trace_nonfinite
+from lit_mpstable.core.triage import (
+    LADDER,
+    Replay,
+    TriageKind,
+    climb,
+    describe,
+    needs_triage,
+    next_replay,
+    restore_rng,
+    rng_state,
+    triage_event,
+)
 
-__all__ = ["FaultTriage", "Replay", "TriageKind"]
-
-TriageKind = Literal["transient", "precision", "data", "state"]
-
-
-class Replay(Enum):
-    """The replay ladder, climbed one rung per replay until one is clean; :func:`next_replay` is its transition.
-
-    - ``AS_IS``: the same batch, RNG and precision. Clean: the fault came and went (a flipped bit): ``"transient"``.
-    - ``FP32``: the same batch in FP32 (FP8 and autocast off). Clean: low precision made it: ``"precision"``.
-    - ``SNAPSHOT``: the same batch from ScaleCheckpoint's last snapshot. Clean: the weights or the optimizer state
-      had gone bad since: ``"state"``.
-
-    Non-finite on every rung tried: the batch itself is bad, ``"data"``.
-    """
-
-    AS_IS = "transient"
-    FP32 = "precision"
-    SNAPSHOT = "state"
-
-
-_LADDER = (Replay.AS_IS, Replay.FP32, Replay.SNAPSHOT)
-_ACTIONS = {"transient": "use_replay", "precision": "fallback", "data": "skip", "state": "rollback"}
-
-
-def next_replay(done: Replay, clean: bool, max_replays: int) -> Replay | TriageKind:
-    """After replay ``done``: its kind when it was clean, else the next rung (within ``max_replays``), else ``"data"``
-    (the batch stays skipped: of the four actions the one that changes nothing)."""
-    if clean:
-        return done.value  # type: ignore[return-value]
-    position = _LADDER.index(done) + 1
-    return _LADDER[position] if position < max_replays else "data"
+__all__ = ["FaultTriage", "Replay", "TriageKind", "next_replay"]
 
 
 class FaultTriage(PluginCallback):
@@ -112,7 +93,7 @@ class FaultTriage(PluginCallback):
 
     def __init__(self, max_replays: int = 3) -> None:
         super().__init__()
-        check(is_int(max_replays, 1, len(_LADDER)), f"{type(self).__name__}(max_replays={max_replays!r})",
+        check(is_int(max_replays, 1, len(LADDER)), f"{type(self).__name__}(max_replays={max_replays!r})",
               "must be an int in [1, 3]: replays as is, then in FP32, then from the last snapshot; 3 tries them all.")
         self.max_replays = max_replays
         self.events: list[dict[str, Any]] = []
@@ -157,8 +138,7 @@ class FaultTriage(PluginCallback):
         if self._plugin is None or self.cannot_replay is not None:
             return
         # References and host copies only (the RNG states are small host tensors): nothing waits for the device.
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self._batch, self._batch_idx, self._rng = batch, batch_idx, (torch.get_rng_state(), cuda)
+        self._batch, self._batch_idx, self._rng = batch, batch_idx, rng_state()
         self._step = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -179,98 +159,23 @@ class FaultTriage(PluginCallback):
     def _needs_triage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, overflows: int) -> bool:
         """Whether the loss scale leaves this rejection unexplained, or the plugin's SpikeGuard made it (host reads on
         rejected steps only)."""
-        plugin = self._plugin
-        loss = plugin.last_loss
-        stats = plugin.stats
-        flags = [
-            loss is not None and not bool(torch.isfinite(loss).all()),
-            bool(overflows and stats.get("nonfinite_input")),
-            bool(overflows and (plugin.scaler is None or plugin.loss_scale <= 1.0)),
-            bool(not overflows and stats.get("nonfinite_after_check")),
-            bool(getattr(plugin, "last_step_spiked", False)),  # the plugin's SpikeGuard rejected it
-        ]
-        return any(any_rank(trainer, flags, pl_module.device))
+        return any(any_rank(trainer, needs_triage(self._plugin, bool(overflows)), pl_module.device))
 
     def _triage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         plugin, step, batch_idx = self._plugin, self._step, self._batch_idx
-        optimizer = trainer.optimizers[0]
-        after = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
-        checkpoint = next((c for c in trainer.callbacks if isinstance(c, ScaleCheckpoint)), None)
-        outcomes: list[str] = []
-        traced: list[str] = []
-        event: dict[str, Any] = {}
-        replay: Replay | str = Replay.AS_IS
-        while isinstance(replay, Replay):
-            backup = None
-            if replay is Replay.SNAPSHOT:
-                if checkpoint is None or checkpoint.snapshot_step is None:
-                    outcomes.append("snapshot:none")
-                    replay = "data"
-                    break
-                backup = take_snapshot(trainer, pl_module, plugin, None)
-                checkpoint.restore_snapshot(trainer, pl_module)
-            if replay is Replay.FP32 and not plugin.can_fallback:  # FSDP2 fixed the precision at fully_shard
-                outcomes.append("fp32:unavailable")
-                replay = next_replay(replay, False, self.max_replays)
-                continue
-            context = plugin.full_precision() if replay is Replay.FP32 else nullcontext()
-            with context:
-                loss, names = self._replay(trainer, pl_module, optimizer, batch, trace=replay is Replay.AS_IS)
-                bad = not _finite(pl_module, optimizer, loss) or _spikes(plugin, pl_module, loss)
-                clean = not any_rank(trainer, [bad], pl_module.device)[0]
-                outcomes.append(f"{replay.name.lower()}:{'clean' if clean else 'nonfinite'}")
-                if replay is Replay.AS_IS:
-                    traced = names
-                if clean and replay is Replay.SNAPSHOT:
-                    assert checkpoint is not None
-                    event["restored_step"] = checkpoint.roll_back(trainer, pl_module, kind="fault triage: state")
-                if clean:  # the clean replay's step is applied, in the precision it ran in
-                    plugin.optimizer_step(optimizer, pl_module, lambda result=loss: result)
-                    _step_schedules(trainer, pl_module, batch_idx)
-                else:
-                    optimizer.zero_grad(set_to_none=True)
-                    pl_module.zero_grad(set_to_none=True)
-                    if getattr(plugin, "spike_guard", None) is not None:
-                        plugin.spike_guard.forget_()  # a rejected replay's loss and norm never enter the statistics
-            if not clean and backup is not None:
-                restore_snapshot(trainer, pl_module, plugin, backup)  # the trial from the snapshot is undone
-            replay = next_replay(replay, clean, self.max_replays)
-        kind: str = replay
+        assert self._rng is not None
+        after = rng_state()
+        host = _TrainerReplay(self, trainer, pl_module, batch)
+        kind, outcomes, traced, extra = climb(host, self.max_replays)
         known = dict(pl_module.named_modules())
         # Only a fault that reproduces has a place to blame: where inf/NaN first appeared in the as-is replay.
         blamed = [n for n in agreed_names(trainer, traced if kind == "precision" else []) if n in known and n]
         if kind == "precision":
-            event["effect"] = plugin.fallback(blamed or None, reason=f"FaultTriage: step {step} was clean only in FP32")
-        torch.set_rng_state(after[0])  # the RNG goes on from where the rejected step left it
-        if after[1] is not None:
-            torch.cuda.set_rng_state_all(after[1])
-        self.events.append(dict(step=step, kind=kind, action=_ACTIONS[kind], blamed=blamed, batch_idx=batch_idx,
-                                replays=outcomes, **event))
-        rank_zero_info(f"FaultTriage at step {step} (batch {batch_idx}): {kind}, {_ACTIONS[kind]}"
-                       f" (replays {', '.join(outcomes)}; blamed {blamed}).")
-
-    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, batch: Any, *,
-                trace: bool) -> tuple[torch.Tensor | None, list[str]]:
-        """One forward and backward of ``batch`` with the RNG of the rejected step; the loss (None if the step returned
-        none) and, with ``trace``, where inf/NaN first appeared (nothing for a non-finite batch: no module made it)."""
-        assert self._rng is not None
-        self.replays_run += 1
-        torch.set_rng_state(self._rng[0])
-        if self._rng[1] is not None:
-            torch.cuda.set_rng_state_all(self._rng[1])
-        optimizer.zero_grad(set_to_none=True)
-        pl_module.zero_grad(set_to_none=True)
-        with trace_nonfinite(pl_module) if trace else nullcontext() as tracer:
-            # In the precision the replay runs in: a '*-true' batch is 16-bit, and the FP32 replay needs it in FP32.
-            output = trainer.strategy.training_step(self._plugin.convert_input(batch), self._batch_idx)
-            loss = output.get("loss") if isinstance(output, dict) else output
-            if isinstance(loss, torch.Tensor):
-                self._plugin.replay_backward(loss, pl_module)
-        names: list[str] = []
-        if tracer is not None and not tracer.nonfinite_input:
-            first = tracer.first_forward or tracer.first_backward
-            names = [first] if first else []
-        return (loss.detach() if isinstance(loss, torch.Tensor) else None), names
+            extra["effect"] = plugin.fallback(blamed or None, reason=f"FaultTriage: step {step} was clean only in FP32")
+        restore_rng(after)  # the RNG goes on from where the rejected step left it
+        event = triage_event(step, kind, blamed, batch_idx, outcomes, **extra)
+        self.events.append(event)
+        rank_zero_info(describe(event, "FaultTriage"))
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -292,34 +197,69 @@ def _step_schedules(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_id
             pl_module.lr_scheduler_step(config.scheduler, None)
 
 
-def _spikes(plugin: Any, pl_module: torch.nn.Module, loss: torch.Tensor | None) -> bool:
-    """Whether the plugin's SpikeGuard (if any) judges the replay a spike by its current statistics: its loss (given
-    by the replay's backward) and its gradients' norm (unscaled by the loss scale). Nothing is committed: a clean
-    replay's step judges and folds again. One host read (events only)."""
-    guard = getattr(plugin, "spike_guard", None)
-    if guard is None or loss is None:
-        return False
-    grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-    if not grads:
-        return False
-    norms = torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads])
-    norm = torch.linalg.vector_norm(norms, 2) / (plugin.loss_scale if plugin.scaler is not None else 1.0)
-    return bool(guard.decide(norm))
+class _TrainerReplay:
+    """The Trainer's side of a triage (:class:`~lit_mpstable.core.triage.ReplayHost`): replays through
+    ``training_step``, steps through the plugin, snapshots from ScaleCheckpoint."""
 
+    def __init__(self, triage: FaultTriage, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        self.triage, self.trainer, self.module, self.batch = triage, trainer, pl_module, batch
+        self.plugin = triage._plugin
+        self.optimizer = trainer.optimizers[0]
+        self.can_fp32 = bool(self.plugin.can_fallback)  # FSDP2 fixed the precision at fully_shard
+        self.checkpoint = next((c for c in trainer.callbacks if isinstance(c, ScaleCheckpoint)), None)
 
-def _finite(pl_module: torch.nn.Module, optimizer: Any, loss: torch.Tensor | None) -> bool:
-    """Whether the loss, the gradients, the weights and the optimizer state are all finite: what the step checks
-    before it applies. One host read (events only)."""
-    tensors = [] if loss is None else [loss.float().reshape(-1)]
-    for param in pl_module.parameters():
-        tensors += [param.detach()] + ([param.grad] if param.grad is not None else [])
-    tensors += [v for state in optimizer.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() and type(v) is torch.Tensor]
-    tensors = [t for t in tensors if t.numel()]
-    if loss is None or not tensors:
-        return loss is not None
-    device = tensors[0].device
-    return bool(torch.stack([t.detach().abs().amax().float().to(device) for t in tensors]).isfinite().all())
+    def full_precision(self) -> AbstractContextManager:
+        return self.plugin.full_precision()
+
+    def replay(self, *, trace: bool) -> tuple[torch.Tensor | None, list[str]]:
+        """One forward and backward of the batch with the RNG of the rejected step; the loss (None if the step returned
+        none) and, with ``trace``, where inf/NaN first appeared (nothing for a non-finite batch: no module made it)."""
+        triage, pl_module = self.triage, self.module
+        assert triage._rng is not None
+        triage.replays_run += 1
+        restore_rng(triage._rng)
+        self.optimizer.zero_grad(set_to_none=True)
+        pl_module.zero_grad(set_to_none=True)
+        with trace_nonfinite(pl_module) if trace else nullcontext() as tracer:
+            # In the precision the replay runs in: a '*-true' batch is 16-bit, and the FP32 replay needs it in FP32.
+            output = self.trainer.strategy.training_step(self.plugin.convert_input(self.batch), triage._batch_idx)
+            loss = output.get("loss") if isinstance(output, dict) else output
+            if isinstance(loss, torch.Tensor):
+                self.plugin.replay_backward(loss, pl_module)
+        names: list[str] = []
+        if tracer is not None and not tracer.nonfinite_input:
+            first = tracer.first_forward or tracer.first_backward
+            names = [first] if first else []
+        return (loss.detach() if isinstance(loss, torch.Tensor) else None), names
+
+    def apply(self, loss: torch.Tensor | None) -> None:
+        self.plugin.optimizer_step(self.optimizer, self.module, lambda result=loss: result)
+        _step_schedules(self.trainer, self.module, self.triage._batch_idx)
+
+    def discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
+        if getattr(self.plugin, "spike_guard", None) is not None:
+            self.plugin.spike_guard.forget_()  # a rejected replay's loss and norm never enter the statistics
+
+    def has_snapshot(self) -> bool:
+        return self.checkpoint is not None and self.checkpoint.snapshot_step is not None
+
+    def enter_snapshot(self) -> Any:
+        assert self.checkpoint is not None
+        backup = take_snapshot(self.trainer, self.module, self.plugin, None)
+        self.checkpoint.restore_snapshot(self.trainer, self.module)
+        return backup
+
+    def leave_snapshot(self, backup: Any) -> None:
+        restore_snapshot(self.trainer, self.module, self.plugin, backup)
+
+    def roll_back(self) -> int | None:
+        assert self.checkpoint is not None
+        return self.checkpoint.roll_back(self.trainer, self.module, kind="fault triage: state")
+
+    def any_rank(self, flags: Sequence[bool]) -> list[bool]:
+        return any_rank(self.trainer, flags, self.module.device)
 
 
 def _why_not_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:

@@ -22,6 +22,7 @@ from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
 from lit_mpstable.core.stepper import tensor_init_context
+from lit_mpstable.core.triage import full_precision
 from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
 
@@ -139,14 +140,8 @@ class TrainerPrecision(StableFrontEnd):
         Raises:
             RuntimeError: under FSDP2 where the precision was fixed at ``fully_shard`` (see :attr:`can_fallback`).
         """
-        layout = self.stepper.layout
-        saved = layout.state_dict()
-        try:
-            while self.stepper.compute_dtype != torch.float32:
-                self.stepper.fallback(None)  # one rung at a time: FP8 -> base precision -> FP32
+        with full_precision(self.stepper):
             yield
-        finally:
-            layout.load_state_dict(saved)
 
     def replay_backward(self, loss: torch.Tensor, module: Any) -> torch.Tensor:
         """The backward of a replayed step (``FaultTriage``): the loss scaled as :meth:`pre_backward` scales it, and
