@@ -127,8 +127,8 @@ def _unchanged_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     flags = []
     with torch.no_grad():
         for (dev, _), group in groups.items():
-            found = torch.zeros(1, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.ones(1, device=dev))
+            found, one = (torch.full((1,), v, dtype=torch.float32, device=dev) for v in (0.0, 1.0))  # FP32 always
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
             flags.append(found[0] > 0)
     return _any(flags)
 
