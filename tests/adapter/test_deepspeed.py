@@ -40,7 +40,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 # process of its own (_in_own_process), where LIT_MPSTABLE_DEEPSPEED=1 says the engine may run.
 real_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                     reason="DeepSpeed's real engine: pip install 'lit_mpstable[deepspeed]'")
-OWN_PROCESS_S = 300  # one real-engine test, imports included (15-35 s measured on a loaded 2-core machine)
+OWN_PROCESS_S = 600  # every real-engine test in one process, imports included (15-35 s each when loaded)
 
 STEPS = 8
 INF_STEPS = {2, 5}
@@ -161,28 +161,43 @@ def _leave_no_process_group() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------ DeepSpeed's real engine on the CPU
+_OUTCOMES: dict[str, str] = {}  # node id -> "passed" / "skipped" / "failed", from the one child process
+_CHILD_OUTPUT: list[str] = []
+
+
 def _in_own_process(request: pytest.FixtureRequest) -> bool:
-    """Whether this process runs the engine (LIT_MPSTABLE_DEEPSPEED=1). Otherwise the test runs in a new pytest
-    process (``DS_ACCELERATOR=cpu``) and this one takes its outcome (passed, skipped, or failed with its output): the
-    engine never shares a process with other tests, and this process imports nothing of DeepSpeed."""
+    """Whether this process runs the engine (LIT_MPSTABLE_DEEPSPEED=1). Otherwise every real-engine test of this file
+    runs once, together, in one new pytest process (``DS_ACCELERATOR=cpu``; DeepSpeed imported once) and each test
+    here takes its own outcome from it (passed, skipped, or failed with the child's output): the engine never shares a
+    process with other tests, and this process imports nothing of DeepSpeed."""
     if os.environ.get("LIT_MPSTABLE_DEEPSPEED") == "1":
         return True
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:randomly", "-p", "no:cacheprovider",
-               request.node.nodeid]
-    env = {**os.environ, "LIT_MPSTABLE_DEEPSPEED": "1", "DS_ACCELERATOR": "cpu"}
-    try:
-        result = subprocess.run(command, cwd=request.config.rootpath, env=env, capture_output=True, text=True,
-                                timeout=OWN_PROCESS_S)
-    except subprocess.TimeoutExpired as error:
-        partial = error.stdout or ""
-        partial = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
-        pytest.fail(f"{request.node.nodeid} ran past {OWN_PROCESS_S} s in its own process (killed):\n{partial[-4000:]}")
-    output = result.stdout[-6000:] + result.stderr[-2000:]
-    if result.returncode == 0 and re.search(r"^1 passed\b", result.stdout, re.MULTILINE):
+    if not _OUTCOMES:
+        ids = [item.nodeid for item in request.session.items
+               if item.path == request.node.path and "request" in getattr(item, "fixturenames", ())]
+        command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:randomly", "-p", "no:cacheprovider", *ids]
+        env = {**os.environ, "LIT_MPSTABLE_DEEPSPEED": "1", "DS_ACCELERATOR": "cpu"}
+        try:
+            result = subprocess.run(command, cwd=request.config.rootpath, env=env, capture_output=True, text=True,
+                                    timeout=OWN_PROCESS_S)
+            output = result.stdout
+        except subprocess.TimeoutExpired as error:
+            partial = error.stdout or ""
+            output = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+            output += f"\n(the child ran past {OWN_PROCESS_S} s and was killed)"
+        _CHILD_OUTPUT.append(output[-6000:])
+        for line in output.splitlines():  # -rA: "PASSED <node id>", "FAILED <node id> - ..."
+            match = re.match(r"(PASSED|FAILED|ERROR) (\S+)", line)
+            if match:
+                _OUTCOMES[match.group(2)] = match.group(1).lower()
+        for node in ids:
+            _OUTCOMES.setdefault(node, "skipped" if "SKIPPED" in output else "missing")
+    outcome = _OUTCOMES.get(request.node.nodeid, "missing")
+    if outcome == "passed":
         return False
-    if result.returncode == 0 and re.search(r"^1 skipped\b", result.stdout, re.MULTILINE):
-        pytest.skip(f"skipped in its own process: {output[-500:]}")
-    pytest.fail(f"{request.node.nodeid} failed in its own process (exit {result.returncode}):\n{output}")
+    if outcome == "skipped":
+        pytest.skip(f"skipped in the real-engine process: {_CHILD_OUTPUT[0][-500:]}")
+    pytest.fail(f"{request.node.nodeid}: {outcome} in the real-engine process:\n{_CHILD_OUTPUT[0]}")
 
 
 def _fp16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
