@@ -8,6 +8,7 @@ from typing import Any, get_args
 from torch import nn
 
 from lit_mpstable.core.counters import RunCounters
+from lit_mpstable.core.growth import GrowthMonitor
 from lit_mpstable.core.loaded_state import check_plugin_state
 from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.spike import SpikeGuard
@@ -84,6 +85,7 @@ class StepperState:
     iteration: Any
     warnings: list[str]
     spike_guard: SpikeGuard | None
+    growth: GrowthMonitor | None
     _pending: dict[str, Any]
 
     def _update_scale_(self) -> None:
@@ -97,7 +99,8 @@ class StepperState:
         ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
         ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
         compensation buffers and rounding seed, ``{}`` without), ``spike_guard`` (the SpikeGuard's statistics,
-        ``{}`` without).
+        ``{}`` without), ``growth`` (the growth monitor's samples, which its trend fit resumes from, ``{}``
+        without ``growth_every_n_steps``).
         """
         if self.iteration.stepped:
             # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
@@ -112,13 +115,15 @@ class StepperState:
             "op_policy": self.policy.state_dict(),
             "schedules": self.schedules.state_dict(),
             "spike_guard": self.spike_guard.state_dict() if self.spike_guard is not None else {},
+            "growth": self.growth.state_dict() if self.growth is not None else {},
         }
 
     def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
         """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
         run's and the scaler's) keep their live values (a rollback undoes the weights, not the history).
 
-        Returns notes for the front end to show (a precision switch on resume, say).
+        Returns notes for the front end to show (a precision switch on resume, say). The growth monitor's samples
+        are history too: a rollback (``keep_counters``) keeps the live ones.
 
         Raises:
             KeyError: keys differ from :meth:`state_dict`'s (each is named).
@@ -128,7 +133,13 @@ class StepperState:
         # Every field is checked before anything is loaded: a refused state changes nothing.
         if isinstance(state, dict) and "spike_guard" not in state:
             state = {**state, "spike_guard": {}}  # saved before SpikeGuard existed: no statistics to restore
-        check_plugin_state(f"{self.owner}.load_state_dict", state, set(self.state_dict()), get_args(PrecisionName))
+        if isinstance(state, dict) and "growth" not in state:
+            state = {**state, "growth": {}}  # saved before the growth samples were checkpointed: the fit restarts
+        call = f"{self.owner}.load_state_dict"
+        check_plugin_state(call, state, set(self.state_dict()), get_args(PrecisionName))
+        growth, saved_growth = self.growth, state["growth"]
+        if growth is not None and saved_growth:
+            growth.check_state(saved_growth, call=call, name="growth")
         guard, saved_guard = self.spike_guard, state["spike_guard"]
         if guard is not None and saved_guard:
             # Checked on a throwaway guard first (it refuses a bad state whole), so nothing is half loaded.
@@ -156,4 +167,9 @@ class StepperState:
         elif saved_guard:
             notes.append(f"{self.owner}.load_state_dict: the checkpoint holds SpikeGuard statistics but this run has"
                          " no spike_guard; they were not loaded.")
+        if growth is not None and saved_growth and not keep_counters:
+            growth.load_state_dict(dict(saved_growth))
+        elif saved_growth and growth is None:
+            notes.append(f"{call}: the checkpoint holds growth-monitor samples but this run has no"
+                         " growth_every_n_steps; they were not loaded.")
         return notes
