@@ -10,6 +10,8 @@ still time to act: ``OverflowMonitor`` warns naming them, ``PrecisionFallback`` 
 
 All statistics are computed on the device in FP32 inside forward hooks on sampling steps only, and stay there:
 nothing reads a tensor on the host until :meth:`GrowthMonitor.stats` or :meth:`GrowthMonitor.runaway` is called.
+The samples are part of the plugin's checkpoint (:meth:`GrowthMonitor.state_dict`, under ``"growth"``): a resumed
+run continues the trend fit where it stopped.
 """
 
 from __future__ import annotations
