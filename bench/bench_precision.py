@@ -246,6 +246,12 @@ register(
         trainer=lambda: {"plugins": [StablePrecision("bf16-true", master_weights=False)]},
     )
 )
+register(
+    Config(
+        "SP-bf16-true-kahan", "gpt", 'StablePrecision("bf16-true", master_weights="kahan") (compact weights)',
+        trainer=lambda: {"plugins": [StablePrecision("bf16-true", master_weights="kahan")]},
+    )
+)
 
 # The per-op precision policy: the faster of FP32 and BF16 per op family. The demo Transformer's attention is
 # nn.MultiheadAttention (one op for the policy, projections included); zoo.GPT calls SDPA itself.
@@ -295,6 +301,12 @@ for _prefix, _suite in _POLICY_SUITES.items():
                     trainer=lambda: {"plugins": [StablePrecision("bf16-mixed")]}))
     register(Config(f"{_prefix}/SP-bf16-mixed-auto", _suite, 'StablePrecision("bf16-mixed", op_policy="auto")',
                     trainer=lambda: {"plugins": [StablePrecision("bf16-mixed", op_policy="auto")]}))
+# Compact weights (bf16-true, Kahan-compensated) against Lightning's bf16-true on the tiny MLP (per-step overhead).
+register(Config("mlp/L-bf16-true", "policy-mlp", 'Trainer(precision="bf16-true")',
+                trainer=lambda: {"precision": "bf16-true"}))
+register(Config("mlp/SP-bf16-true-kahan", "policy-mlp",
+                'StablePrecision("bf16-true", master_weights="kahan") (compact weights)',
+                trainer=lambda: {"plugins": [StablePrecision("bf16-true", master_weights="kahan")]}))
 
 
 # ---------------------------------------------------------------------------------------------------- running

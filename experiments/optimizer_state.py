@@ -13,7 +13,11 @@ Parts:
   OverflowMonitor's first growth warning over the first non-finite loss, 5 seeds; 5 clean runs for false alarms.
 - ``overhead``: the digits MLP's step time with ``growth_every_n_steps=10`` against without (paired, alternating).
 
-Writes ``experiments/results/optimizer_state/results.md`` (and ``.json``).
+- ``figures``: no runs; the table and the figures again from ``results.json`` (every part writes them too).
+
+Writes ``experiments/results/optimizer_state/results.md`` (and ``.json``), ``frontier.png`` (validation loss against
+optimizer-state memory for the state formats) and ``lead_time.png`` (per seed: the step of the first growth warning
+and of the first non-finite loss).
 """
 
 from __future__ import annotations
@@ -54,13 +58,14 @@ def run_moments(model: str, master_weights, kind: str, seed: int, steps: int) ->
         module = GPTLM(data.vocab_size, total_steps=steps)
     plugin = StablePrecision("bf16-true", master_weights=master_weights, optimizer_state=kind)
     trainer = _trainer(plugin, steps)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     trainer.fit(module, datamodule=data)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     state_bytes = plugin.memory_report()["optimizer_state"]  # before validate() sets the model up again
     val = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
     return {"model": model, "weights": str(master_weights), "kind": kind, "seed": seed, "val_loss": float(val),
-            "state_bytes": state_bytes, "seconds": seconds}
+            "state_bytes": state_bytes, "seconds": seconds,
+            "cpu_seconds": cpu_seconds}
 
 
 def run_warning(seed: int, grow: bool, steps: int) -> dict:
@@ -102,7 +107,8 @@ def run_overhead(rounds: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", nargs="+", default=["moments", "warning", "overhead"])
+    parser.add_argument("--parts", nargs="+", default=["moments", "warning", "overhead"],
+                        choices=["moments", "warning", "overhead", "figures"])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--mlp-steps", type=int, default=300)
     parser.add_argument("--gpt-steps", type=int, default=300)
@@ -110,7 +116,9 @@ def main() -> None:
     parser.add_argument("--weights", nargs="+", default=["fp32", "kahan"])
     parser.add_argument("--overhead-rounds", type=int, default=4)
     parser.add_argument("--overhead-steps", type=int, default=150)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: comparable CPU times)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     import logging
     logging.getLogger("lightning").setLevel(logging.ERROR)
@@ -119,7 +127,7 @@ def main() -> None:
     path = OUT / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     if "moments" in args.parts:
-        rows = []
+        kept, rows = [r for r in results.get("moments", []) if r["model"] not in args.models], []
         for model in args.models:
             steps = args.mlp_steps if model == "mlp" else args.gpt_steps
             for weights in args.weights:
@@ -130,7 +138,8 @@ def main() -> None:
                         row["steps"] = steps
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-        results["moments"] = [r for r in results.get("moments", []) if r["model"] not in args.models] + rows
+                        results["moments"] = kept + rows
+                        path.write_text(json.dumps(results, indent=1))  # each run kept as soon as it is measured
     if "warning" in args.parts:
         rows = [run_warning(seed, True, 400) for seed in range(5)]
         rows += [run_warning(seed, False, 400) for seed in range(5)]
@@ -141,14 +150,101 @@ def main() -> None:
     if "overhead" in args.parts:
         results["overhead"] = run_overhead(rounds=args.overhead_rounds, steps=args.overhead_steps)
         print(json.dumps(results["overhead"]), flush=True)
+    for part in set(args.parts) - {"figures"}:
+        results.setdefault("commands", {})[part] = " ".join(sys.argv[1:])
     path.write_text(json.dumps(results, indent=1))
-    (OUT / "results.md").write_text(markdown(results, " ".join(sys.argv[1:])))
+    (OUT / "results.md").write_text(markdown(results))
+    figures(results, OUT)
 
 
-def markdown(results: dict, argv: str) -> str:
+_LABELS = {"True": "FP32 masters", "kahan": "kahan (compact)"}
+
+
+def figures(results: dict, out: Path) -> None:
+    """``frontier.png`` and ``lead_time.png`` from the measured rows (a part not measured yet: no figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results.get("moments", [])
+    models = [m for m in ("mlp", "gpt") if any(r["model"] == m for r in rows)]
+    if models:
+        fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.0), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            for weights, marker in (("True", "o"), ("kahan", "s")):
+                sub = [r for r in rows if r["model"] == model and r["weights"] == weights]
+                ref = {r["seed"]: r["val_loss"] for r in sub if r["kind"] == "fp32"}
+                fp32_bytes = next((r["state_bytes"] for r in sub if r["kind"] == "fp32"), None)
+                xs, ys, lo, hi, kinds = [], [], [], [], []
+                for kind in ("fp32", "bf16", "fp8"):
+                    gaps = [100 * (r["val_loss"] / ref[r["seed"]] - 1) for r in sub
+                            if r["kind"] == kind and r["seed"] in ref]
+                    if not gaps:
+                        continue
+                    state = next(r["state_bytes"] for r in sub if r["kind"] == kind)
+                    mean = statistics.mean(gaps)
+                    xs.append(state / 2**20)
+                    ys.append(mean)
+                    lo.append(mean - min(gaps))
+                    hi.append(max(gaps) - mean)
+                    kinds.append(f"{kind} ({state / fp32_bytes:.2f}x)" if fp32_bytes else kind)
+                if not xs:
+                    continue
+                steps = sub[0]["steps"]
+                seeds = len({r["seed"] for r in sub})
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker=marker, capsize=3,
+                            label=f"{_LABELS.get(weights, weights)}, {steps} steps, {seeds} seeds")
+                for x, y, kind in zip(xs, ys, kinds):
+                    ax.annotate(kind, (x, y), textcoords="offset points", xytext=(4, 6 if marker == "o" else -12),
+                                fontsize=8, color="tab:blue" if marker == "o" else "tab:orange")
+            for level, style in ((0.3, ":"), (0.5, "--")):
+                ax.axhline(level, color="grey", linestyle=style, linewidth=0.8)
+            ax.axhline(0.0, color="black", linewidth=0.6)
+            ax.set_xlabel("optimizer state (MiB, memory_report)")
+            ax.set_ylabel("val loss vs FP32 moments (%; mean, seed range)")
+            ax.set_title(f"{'digits MLP' if model == 'mlp' else 'CPU GPT'}: moments' format vs memory")
+            ax.legend(fontsize=8, loc="best")
+        fig.text(0.01, 0.01, "targets: bf16 within 0.3% (dotted) at <= 0.5x; fp8 within 0.5% (dashed) at <= 0.3x",
+                 fontsize=8)
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
+        fig.savefig(out / "frontier.png", dpi=110)
+        plt.close(fig)
+    warned = [r for r in results.get("warning", []) if r["grow"]]
+    if warned:
+        clean = [r for r in results["warning"] if not r["grow"]]
+        fig, ax = plt.subplots(figsize=(7.0, 3.2))
+        for i, r in enumerate(warned):
+            if r["warned_at"] is not None:
+                end = r["nonfinite_at"] if r["nonfinite_at"] is not None else r["warned_at"]
+                ax.plot([r["warned_at"], end], [i, i], color="tab:blue", linewidth=6, alpha=0.35)
+                ax.plot(r["warned_at"], i, "o", color="tab:orange", label="first warning" if i == 0 else None)
+            if r["nonfinite_at"] is not None:
+                ax.plot(r["nonfinite_at"], i, "x", color="tab:red", markersize=9,
+                        label="first non-finite loss" if i == 0 else None)
+                if r["lead"] is not None:
+                    ax.annotate(f"lead {r['lead']}", (r["nonfinite_at"], i), textcoords="offset points",
+                                xytext=(8, -3), fontsize=8)
+        ax.axvline(80, color="grey", linestyle=":", linewidth=0.8, label="growth injected (step 80)")
+        ax.set_yticks(range(len(warned)), [f"seed {r['seed']}" for r in warned])
+        ax.set_xlabel("optimizer step")
+        alarms = sum(r["warned_at"] is not None for r in clean)
+        ax.set_title(f"Growth warning lead (FP8, every 10 steps; goal >= 50 steps); clean runs: {alarms}/{len(clean)}"
+                     " false alarms", fontsize=9)
+        ax.set_xlim(0, max(r["nonfinite_at"] or r["warned_at"] or 0 for r in warned) + 60)
+        ax.legend(fontsize=7, loc="center left")
+        fig.tight_layout()
+        fig.savefig(out / "lead_time.png", dpi=110)
+        plt.close(fig)
+
+
+def markdown(results: dict) -> str:
     lines = ["# Optimizer state precision and the growth early warning", "",
-             f"Command: `PYTHONPATH=. .venv/bin/python experiments/optimizer_state.py {argv}` (CPU, torch"
-             f" {torch.__version__}).", ""]
+             f"Commands (CPU, torch {torch.__version__}; `PYTHONPATH=. .venv/bin/python experiments/optimizer_state.py"
+             " ARGS`, one part or model at a time):", ""]
+    lines += [f"- {part}: `{argv}`" for part, argv in sorted(results.get("commands", {}).items())]
+    lines += ["", "Figures: [frontier.png](frontier.png) (validation loss vs optimizer-state memory),"
+              " [lead_time.png](lead_time.png) (the growth warning's lead).", ""]
     if "moments" in results:
         lines += ["## Moments: validation loss vs FP32 moments, and state memory", "",
                   "| model | weights | steps | moments | val loss (mean of seeds) |"
@@ -191,6 +287,7 @@ def markdown(results: dict, argv: str) -> str:
                   f"Median step: off {o['median_step_s']['off'] * 1e3:.2f} ms, every 10"
                   f" {o['median_step_s']['every 10'] * 1e3:.2f} ms; paired ratio (median of"
                   f" {len(o['ratios'])} rounds) {o['paired_ratio_median']:.3f}x.", ""]
+    lines += [f"Note: {note}" for note in results.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 

@@ -265,6 +265,7 @@ class CompactWeights(FusedSteps, StandIns):
         block = block_size(optimizer)
         sliceable = block is not None or type(optimizer) in ELEMENTWISE
         pieces: list[Piece] = []
+        fusable_groups: dict[Any, bool] = {}  # _fusable's per-group answers, for this step
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
                 grad = p.grad
@@ -295,7 +296,7 @@ class CompactWeights(FusedSteps, StandIns):
                 per_element = 4 * (2 + n_states)
                 numel = p.numel()
                 whole = Piece(gi, p, name, 0, numel, numel * per_element)
-                if self._fusable(optimizer, whole):  # one kernel, no FP32 copies: nothing to slice
+                if self._fusable(optimizer, whole, fusable_groups):  # one kernel, no FP32 copies: nothing to slice
                     whole.fused = True
                 elif sliced:
                     whole.per_element = per_element

@@ -257,16 +257,27 @@ class FusedSteps:
             stepped = True
         return rest, stepped
 
-    def _fusable(self, optimizer: Optimizer, piece: Piece) -> bool:
+    def _fusable(self, optimizer: Optimizer, piece: Piece, groups: dict[Any, bool] | None = None) -> bool:
+        """Whether the fused kernel can step ``piece``; ``groups`` caches the per-group answer (the optimizer's hooks,
+        its type and the group's options) over one step's pieces."""
         p, grad = piece.param, piece.param.grad
         if (
-            self.fused is False or self._fused_failed or piece.name is None or p.dtype != torch.bfloat16
-            or _has_step_hooks(optimizer)  # they must see the step inside optimizer.step(), on its parameters
-            or (p.device.type != "cpu" and self.fused is not True)
-            or p.numel() == 0 or not FusedAdam.eligible(optimizer, optimizer.param_groups[piece.group], p.device)
-            or not p.is_contiguous() or grad is None or grad.layout != torch.strided or not grad.is_contiguous()
-            or grad.dtype != p.dtype
+            piece.name is None or p.dtype != torch.bfloat16 or p.numel() == 0 or not p.is_contiguous()
+            or grad is None or grad.layout != torch.strided or not grad.is_contiguous() or grad.dtype != p.dtype
         ):
+            return False
+        where = (piece.group, p.device.type)
+        group_ok = groups.get(where) if groups is not None else None
+        if group_ok is None:
+            group_ok = not (
+                self.fused is False or self._fused_failed
+                or _has_step_hooks(optimizer)  # they must see the step inside optimizer.step(), on its parameters
+                or (p.device.type != "cpu" and self.fused is not True)
+                or not FusedAdam.eligible(optimizer, optimizer.param_groups[piece.group], p.device)
+            )
+            if groups is not None:
+                groups[where] = group_ok
+        if not group_ok:
             return False
         state = optimizer.state.get(p, {})
         if not state:

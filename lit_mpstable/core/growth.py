@@ -10,6 +10,8 @@ still time to act: ``OverflowMonitor`` warns naming them, ``PrecisionFallback`` 
 
 All statistics are computed on the device in FP32 inside forward hooks on sampling steps only, and stay there:
 nothing reads a tensor on the host until :meth:`GrowthMonitor.stats` or :meth:`GrowthMonitor.runaway` is called.
+The samples are part of the plugin's checkpoint (:meth:`GrowthMonitor.state_dict`, under ``"growth"``): a resumed
+run continues the trend fit where it stopped.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from lit_mpstable.core.loaded_state import check_fields, check_mapping, count, count_list, name_list
+from lit_mpstable.core.validate import check_keys, int_arg
+
 __all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
 
 GrowthSource = Literal["input", "output"]
 _SOURCES: tuple[str, ...] = get_args(GrowthSource)
 _FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
 _TINY = 2.0**-126  # amax of an all-zero tensor: log2 stays finite
-# The format ids of lit_mpstable.core.formats, read from torch.finfo here so this module needs torch alone.
+_STATE_KEYS = {"steps", "samples", "sampled", "layers"}
+# The format ids of lit_mpstable.core.formats, their ranges read from torch.finfo here.
 _DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp16": torch.float16,
            "bf16": torch.bfloat16}
 
@@ -145,6 +151,7 @@ class GrowthMonitor:
         self.clock = clock
         self.samples = 0
         """Layer samples recorded so far (a reader caches :meth:`runaway` until it changes)."""
+        self._pending: dict[str, Any] | None = None  # a state loaded before attach, restored by it
 
     # ------------------------------------------------------------------------------------------ hooks
     def attach(self, module: nn.Module, *, names: Iterable[str] | None = None) -> GrowthMonitor:
@@ -164,6 +171,9 @@ class GrowthMonitor:
         for name, layer in linears.items():
             self._history.setdefault(name, _History(scale=self.scale))
             self._handles.append(layer.register_forward_hook(self._hook(name)))
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.load_state_dict(pending)
         return self
 
     def detach(self) -> None:
@@ -208,6 +218,8 @@ class GrowthMonitor:
         history = self._history[name]
         if history.rows is None:
             history.rows = torch.zeros(self.window, len(_FIELDS), device=row.device)
+        elif history.rows.device != row.device:  # loaded from a checkpoint onto another device
+            history.rows = history.rows.to(row.device)
         history.rows[history.next].copy_(row)
         if len(history.steps) < self.window:
             history.steps.append(self.steps)
@@ -289,23 +301,88 @@ class GrowthMonitor:
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """``steps`` and ``layers``: per layer ``rows`` (the ring buffer, or None before a sample), ``steps``,
-        ``next``; plain values and tensors only."""
-        return {"steps": self.steps, "layers": {
-            name: {"rows": h.rows, "steps": list(h.steps), "next": h.next} for name, h in self._history.items()}}
+        """Everything the trend fit resumes from; plain values and tensors only. Keys: ``steps`` (the step count
+        the hooks last saw), ``samples`` (layer samples recorded), ``sampled`` (the layers already sampled at
+        ``steps``: a skipped step repeats the count, and a layer is sampled once per count), ``layers``: per layer
+        ``rows`` (the ring buffer of :func:`layer_stats` rows, ``window`` x 4, or None before a sample), ``steps``
+        (the step of each filled slot) and ``next`` (the slot written next). Before :meth:`attach`, a state loaded
+        and waiting for it."""
+        if self._pending is not None:
+            return self._pending
+        return {"steps": self.steps, "samples": self.samples, "sampled": sorted(self._sampled), "layers": {
+            name: {"rows": None if h.rows is None else h.rows.clone(), "steps": list(h.steps), "next": h.next}
+            for name, h in self._history.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (attach the same layers first).
+    def check_state(self, state: Any, *, call: str = "GrowthMonitor.load_state_dict", name: str = "state_dict",
+                    layers: Iterable[str] | None = None) -> None:
+        """Refuse a :meth:`state_dict` that this monitor (its ``window``, and the attached layers or ``layers``)
+        cannot resume from, naming the field; changes nothing.
 
         Raises:
-            KeyError: the saved layers differ from the attached ones.
+            TypeError: a field has the wrong type (``None`` rows count as "no sample yet").
+            ValueError: a value is out of range or disagrees with another (a slot step after ``steps``, a ring
+                position past the filled slots, a fraction outside [0, 1]).
+            KeyError: keys differ from :meth:`state_dict`'s, or the saved layers from the attached ones.
         """
-        if set(state["layers"]) != set(self._history):
-            raise KeyError(f"GrowthMonitor.load_state_dict: saved layers {sorted(state['layers'])}, attached"
-                           f" {sorted(self._history)}; attach the same model first.")
-        self.steps = int(state["steps"])
+        state = check_mapping(call, state, _STATE_KEYS, name=name)
+        check_fields(call, state, {"steps": count, "samples": count, "sampled": name_list}, prefix=name)
+        saved = check_mapping(call, state["layers"], name=f"{name}['layers']")
+        attached = set(self._history) if layers is None else set(layers)
+        if attached and saved and set(saved) != attached:  # none saved: a monitor that never attached
+            check_keys(call, saved, attached, name=f"{name}['layers']", suffix="; attach the same model first.")
+        stray = sorted(set(state["sampled"]) - set(saved))
+        if stray:
+            raise ValueError(f"{call}({name}['sampled']={stray!r}): not among the saved layers {sorted(saved)}.")
+        filled = 0
+        for layer, entry in saved.items():
+            where = f"{name}['layers'][{layer!r}]"
+            entry = check_mapping(call, entry, {"rows", "steps", "next"}, name=where)
+            count_list(call, f"{where}['steps']", entry["steps"])
+            int_arg(call, f"{where}['next']", entry["next"], low=0, high=self.window - 1)
+            steps, rows = list(entry["steps"]), entry["rows"]
+            if rows is not None:  # first: a state saved with another window fails here, saying so
+                _check_rows(call, f"{where}['rows']", rows, self.window)
+            filled += len(steps)
+            late = [t for t in steps if t > state["steps"]]
+            if len(steps) > self.window or late or (rows is None and steps):
+                rule = (f"at most window={self.window} steps" if len(steps) > self.window else
+                        f"no step after steps={state['steps']}" if late else "no steps without rows (None)")
+                raise ValueError(f"{call}({where}['steps']={steps!r}): must hold {rule}.")
+            if len(steps) < self.window and entry["next"] != len(steps):
+                raise ValueError(f"{call}({where}['next']={entry['next']!r}): the ring is not full yet, so the next"
+                                 f" slot must be the first unfilled one, {len(steps)}.")
+        if state["samples"] < filled:
+            raise ValueError(f"{call}({name}['samples']={state['samples']!r}): fewer than the {filled} filled slots.")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: the trend fit continues where it stopped. Before :meth:`attach` the state
+        waits for it (checked against the layers then). Checked whole first (:meth:`check_state`): a refused state
+        changes nothing."""
+        self.check_state(state)
+        if not self._history:
+            self._pending = {**state, "layers": dict(state["layers"]), "sampled": list(state["sampled"])}
+            return
+        self.steps, self.samples = int(state["steps"]), int(state["samples"])
+        self._sampled = set(state["sampled"])
         for name, saved in state["layers"].items():
             history = self._history[name]
-            history.rows = None if saved["rows"] is None else saved["rows"].clone()
+            history.rows = None if saved["rows"] is None else saved["rows"].detach().float().clone()
             history.steps, history.next = list(saved["steps"]), int(saved["next"])
             history.slope = None if history.rows is None else self._fit(history)
+
+
+def _check_rows(call: str, name: str, rows: Any, window: int) -> None:
+    """A ``window`` x 4 floating tensor of :func:`layer_stats` rows: log2 amax >= -126 and kurtosis >= 0 (either may
+    be NaN or inf: a sample of non-finite activations), the saturation and underflow fractions within [0, 1]."""
+    if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
+        raise TypeError(f"{call}({name}={type(rows).__name__}): must be a floating tensor (or None before a sample).")
+    if tuple(rows.shape) != (window, len(_FIELDS)):
+        raise ValueError(f"{call}({name} of shape {tuple(rows.shape)}): must be ({window}, {len(_FIELDS)}): window x"
+                         f" {list(_FIELDS)}; saved with another window?")
+    r = rows.detach().float()
+    low = torch.tensor([math.log2(_TINY), 0.0, 0.0, 0.0], device=r.device)
+    ok = torch.cat([(r[:, :2] >= low[:2]) | r[:, :2].isnan(), (r[:, 2:] >= 0) & (r[:, 2:] <= 1)], dim=1)
+    if not bool(ok.all()):
+        column = _FIELDS[int((~ok).any(dim=0).float().argmax())]
+        raise ValueError(f"{call}({name}): column {column!r} out of range (log2_amax >= -126, kurtosis >= 0, fractions"
+                         " within [0, 1]); the checkpoint is corrupted.")

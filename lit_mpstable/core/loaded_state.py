@@ -248,4 +248,7 @@ def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tu
     if guard:  # {} without a guard; otherwise SpikeGuard.state_dict's keys, whether or not this run has a guard
         check_mapping(call, guard, {"window", "loss", "loss_count", "grad_norm", "grad_norm_count", "spikes_skipped"},
                       name="spike_guard")
+    growth = check_mapping(call, state["growth"], name="growth")  # its values: GrowthMonitor.check_state
+    if growth:  # {} without a growth monitor; otherwise GrowthMonitor.state_dict's keys, with a monitor or not
+        check_mapping(call, growth, {"steps", "samples", "sampled", "layers"}, name="growth")
 

@@ -8,6 +8,7 @@ from typing import Any, get_args
 from torch import nn
 
 from lit_mpstable.core.counters import RunCounters
+from lit_mpstable.core.growth import GrowthMonitor
 from lit_mpstable.core.loaded_state import check_plugin_state
 from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.spike import SpikeGuard
@@ -85,6 +86,7 @@ class StepperState:
     warnings: list[str]
     spike_guard: SpikeGuard | None
     fp8_budget: Any
+    growth: GrowthMonitor | None
     _pending: dict[str, Any]
 
     def _update_scale_(self) -> None:
@@ -99,7 +101,8 @@ class StepperState:
         ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
         compensation buffers and rounding seed, ``{}`` without), ``spike_guard`` (the SpikeGuard's statistics,
         ``{}`` without), ``fp8_budget`` (the layers ``HighPrecisionBudget(by="probe")`` moved to the base precision,
-        their measured errors and the step: ``{}`` before the choice or without that budget).
+        their measured errors and the step: ``{}`` before the choice or without that budget), ``growth`` (the
+        growth monitor's samples, which its trend fit resumes from, ``{}`` without ``growth_every_n_steps``).
         """
         if self.iteration.stepped:
             # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
@@ -115,13 +118,15 @@ class StepperState:
             "schedules": self.schedules.state_dict(),
             "spike_guard": self.spike_guard.state_dict() if self.spike_guard is not None else {},
             "fp8_budget": self.fp8_budget.state_dict(),
+            "growth": self.growth.state_dict() if self.growth is not None else {},
         }
 
     def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
         """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
         run's and the scaler's) keep their live values (a rollback undoes the weights, not the history).
 
-        Returns notes for the front end to show (a precision switch on resume, say).
+        Returns notes for the front end to show (a precision switch on resume, say). The growth monitor's samples
+        are history too: a rollback (``keep_counters``) keeps the live ones.
 
         Raises:
             KeyError: keys differ from :meth:`state_dict`'s (each is named).
@@ -133,8 +138,14 @@ class StepperState:
             state = {**state, "spike_guard": {}}  # saved before SpikeGuard existed: no statistics to restore
         if isinstance(state, dict) and "fp8_budget" not in state:
             state = {**state, "fp8_budget": {}}  # saved before the probe's budget was part of the state
-        check_plugin_state(f"{self.owner}.load_state_dict", state, set(self.state_dict()), get_args(PrecisionName))
-        self.fp8_budget.check_state(f"{self.owner}.load_state_dict", state["fp8_budget"], self.layout)
+        if isinstance(state, dict) and "growth" not in state:
+            state = {**state, "growth": {}}  # saved before the growth samples were checkpointed: the fit restarts
+        call = f"{self.owner}.load_state_dict"
+        check_plugin_state(call, state, set(self.state_dict()), get_args(PrecisionName))
+        self.fp8_budget.check_state(call, state["fp8_budget"], self.layout)
+        growth, saved_growth = self.growth, state["growth"]
+        if growth is not None and saved_growth:
+            growth.check_state(saved_growth, call=call, name="growth")
         guard, saved_guard = self.spike_guard, state["spike_guard"]
         if guard is not None and saved_guard:
             # Checked on a throwaway guard first (it refuses a bad state whole), so nothing is half loaded.
@@ -163,4 +174,9 @@ class StepperState:
         elif saved_guard:
             notes.append(f"{self.owner}.load_state_dict: the checkpoint holds SpikeGuard statistics but this run has"
                          " no spike_guard; they were not loaded.")
+        if growth is not None and saved_growth and not keep_counters:
+            growth.load_state_dict(dict(saved_growth))
+        elif saved_growth and growth is None:
+            notes.append(f"{call}: the checkpoint holds growth-monitor samples but this run has no"
+                         " growth_every_n_steps; they were not loaded.")
         return notes

@@ -208,6 +208,7 @@ COVERED: dict[tuple[str, str], tuple] = {
     ("PrecisionStepper", "stats"): ("rank", "plugin", "stats"),
     ("PrecisionStepper", "spike_guard"): ("plugin", "spike_guard"),  # SpikeGuard.state_dict(), {} without one
     ("PrecisionStepper", "fp8_budget"): ("plugin", "fp8_budget"),  # the probe's choice, {} before it or without
+    ("PrecisionStepper", "growth"): ("plugin", "growth"),  # GrowthMonitor.state_dict(), {} without one
     ("PrecisionStepper", "counters"): ("walk",),
     ("PrecisionStepper", "iteration"): ("walk",),
     ("PrecisionStepper", "keeper"): ("plugin", "masters"),  # and "compact": the weight keeper's state_dict
@@ -270,7 +271,6 @@ NOT_STATE: dict[str, dict[str, str]] = {
                                     " fallback counted is PrecisionFallback's last_probe_step)"},
     "PrecisionStepper": {
         "optimizer_state": _CONFIG,
-        "growth": "the growth monitor's samples: not checkpointed yet (a resume restarts its trend fit; written down)",
         "owner": _CONFIG, "warnings": _MSG, "device": _SETUP, "master_mode": _CONFIG, "skip_nonfinite": _CONFIG,
         "fp8": _CONFIG, "op_policy": _CONFIG, "diagnose": _CONFIG, "fsdp2": _SETUP, "_fsdp_checked": _SETUP,
         "optimizers": "the run's optimizers (their state is Lightning's optimizer_states)", "_initial": _SETUP,
