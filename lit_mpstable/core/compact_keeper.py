@@ -153,6 +153,11 @@ class CompactKeeper:
     def drop_(self, optimizer: Optimizer) -> None:
         self._pending.pop(id(optimizer), None)
 
+    def grad_multiplier(self, optimizer: Optimizer) -> torch.Tensor | None:
+        """The unscale factor the step still owes the 16-bit gradients (None: nothing pending)."""
+        pending = self._pending.get(id(optimizer))
+        return pending[0] if pending else None
+
     def grad_holders(self, optimizer: Optimizer) -> list[torch.Tensor]:
         return [p for group in optimizer.param_groups for p in group["params"]]
 

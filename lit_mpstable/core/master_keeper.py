@@ -114,6 +114,9 @@ class MasterKeeper:
     def drop_(self, optimizer: Optimizer) -> None:
         self.weights.zero_model_grads_(optimizer)
 
+    def grad_multiplier(self, optimizer: Optimizer) -> torch.Tensor | None:
+        return None  # the masters' gradients are true values after unscale_
+
     def grad_holders(self, optimizer: Optimizer) -> list[torch.Tensor]:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if id(optimizer) in self.weights._names_by_optimizer:

@@ -228,8 +228,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self.iteration.note_checked(optimizer)
         if self.spike_guard is not None:
             # The true gradients' norm before any clipping (times a deferring keeper's pending unscale factor).
-            pending = getattr(self.keeper, "_pending", {}).get(id(optimizer))
-            norm = true_grad_norm(optimizer, pending[0] if pending else None)
+            norm = true_grad_norm(optimizer, self.keeper.grad_multiplier(optimizer))
             self._spike[id(optimizer)] = self.spike_guard.decide(norm)
         observe(self)
 

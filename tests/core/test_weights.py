@@ -87,4 +87,6 @@ def test_the_step_path_has_no_weight_mode_branch():
                  "_record", "scale_loss", "named_grads", "state_tensors")
     for name in step_path:
         source = inspect.getsource(getattr(PrecisionStepper, name))
-        assert not re.search(r"\bmaster\b|\bcompact\b|master_mode", source.split('"""')[-1]), name
+        code = source.split('"""')[-1]
+        assert not re.search(r"\bmaster\b|\bcompact\b|master_mode", code), name
+        assert not re.search(r"\b(getattr|hasattr)\(", code), name  # capabilities are the protocols', not sniffed
