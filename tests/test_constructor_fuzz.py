@@ -28,6 +28,7 @@ from lit_mpstable.core.formats import FormatName
 from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper
 from lit_mpstable.core.validate import INT32_MAX
+from lit_mpstable.faults import StepTriage
 from lit_mpstable.fp8 import FP8Config, HighPrecisionBudget
 
 Oracle = Callable[[Any], bool]
@@ -86,6 +87,16 @@ SCALER = dict(
     max_scale=(optional(reals(0, lo_open=True)), [None, 8.0]),  # below init_scale is accepted, as GradScaler's cap
     enabled=(boolean, [False]),
 )
+class _Restorable:
+    """A snapshot provider for StepTriage: anything with restore()."""
+
+    def restore(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "_Restorable()"
+
+
 CASES: dict[str, tuple[Callable[..., Any], dict[str, tuple[Oracle, list[Any]]]]] = {
     "DynamicLossScaler": (DynamicLossScaler, SCALER),
     "StaticLossScaler": (StaticLossScaler, {k: SCALER[k] for k in ("device", "init_scale", "enabled")}),
@@ -174,6 +185,10 @@ CASES["SpikeGuard"] = (SpikeGuard, {
     "window": (ints(2, 2**20), [2, 128, 2**20]),
     "warmup": (ints(2, INT32_MAX), [2, 20]),
     "clip_zscore": (optional(reals(0, lo_open=True)), [None, 2.5]),
+})
+CASES["StepTriage"] = (lambda **kwargs: StepTriage(PrecisionStepper("32-true"), **kwargs), {
+    "max_replays": (ints(1, 3), [1, 3]),
+    "snapshot": (lambda v: v is None or callable(getattr(v, "restore", None)), [None, _Restorable()]),
 })
 CASES["StablePrecision"] = (StablePrecision, CASES["PrecisionStepper"][1])  # the same arguments, passed through
 PARAMS = [(name, arg) for name, (_, args) in CASES.items() for arg in args]
