@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lit_mpstable import SpikeGuard, StablePrecision
+from lit_mpstable.base.validate import INT32_MAX
 from lit_mpstable.callbacks import (
     AMPPreflight,
     FaultTriage,
@@ -27,7 +28,6 @@ from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.formats import FormatName
 from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper
-from lit_mpstable.core.validate import INT32_MAX
 from lit_mpstable.faults import StepTriage
 from lit_mpstable.fp8 import FP8Config, HighPrecisionBudget
 

@@ -25,11 +25,11 @@ from lit_mpstable.app.config import register_configs
 from lit_mpstable.app.report import write_report
 from lit_mpstable.app.report_formats import layer_formats
 from lit_mpstable.app.showcase import compare, print_comparison
+from lit_mpstable.base.validate import int_arg, real_arg
 from lit_mpstable.callbacks import FaultTriage, PrecisionProbe
 from lit_mpstable.callbacks.views import ForeignPrecision, view_of
 from lit_mpstable.core.memory import MemoryProbe, training_memory
 from lit_mpstable.core.stepper import PrecisionStepper
-from lit_mpstable.core.validate import int_arg, real_arg
 from lit_mpstable.frontends.common import StableFrontEnd
 
 __all__ = ["Built", "build", "main", "run"]

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
+from lit_mpstable.base.validate import INT32_MAX, int_arg
 from lit_mpstable.callbacks.views import ForeignPrecision, view_of
 from lit_mpstable.core.formats import FORMAT_IDS
 from lit_mpstable.core.loaded_state import (
@@ -26,7 +27,6 @@ from lit_mpstable.core.loaded_state import (
     records,
     text_list,
 )
-from lit_mpstable.core.validate import INT32_MAX, int_arg
 from lit_mpstable.frontends.common import StableFrontEnd
 
 __all__ = [

@@ -8,11 +8,11 @@ from typing import Any, get_args
 
 import torch
 
+from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg, real_arg
 from lit_mpstable.core.formats import FormatName, get_format
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaler_state import GRADSCALER_KEYS, SCALE_FLOOR
 from lit_mpstable.core.telemetry import amax_per_tensor
-from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg, real_arg
 
 __all__ = ["AdaptiveLossScaler"]
 

@@ -24,8 +24,8 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from lit_mpstable.base.validate import check_keys, int_arg
 from lit_mpstable.core.loaded_state import check_fields, check_mapping, count, count_list, name_list
-from lit_mpstable.core.validate import check_keys, int_arg
 
 __all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
 

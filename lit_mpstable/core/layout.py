@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_mpstable.base.validate import check_keys
 from lit_mpstable.core.islands import FP32Islands, match_modules
-from lit_mpstable.core.validate import check_keys
 from lit_mpstable.fp8 import FP8Config, convert_from_fp8, fp8_backend
 from lit_mpstable.fp8.swap import no_fp8_layers_message, select_fp8_modules
 

@@ -14,8 +14,8 @@ from typing import Any, get_args
 
 import torch
 
+from lit_mpstable.base.validate import bool_arg, check_keys, int_arg, real_arg
 from lit_mpstable.core.formats import FormatName
-from lit_mpstable.core.validate import bool_arg, check_keys, int_arg, real_arg
 
 __all__ = [
     "Field", "check_fields", "check_mapping", "check_plugin_state", "count", "count_list", "flag", "finite",

@@ -18,8 +18,8 @@ from typing import Any, cast, get_args
 import torch
 from torch.optim import Optimizer
 
+from lit_mpstable.base.validate import choice_arg
 from lit_mpstable.core.optim_state import MomentStore, StateKind, adam_moments
-from lit_mpstable.core.validate import choice_arg
 
 __all__ = [
     "KEY", "AdamMoments", "StateKind", "check_adam", "check_optimizer_state", "is_moment_tensor", "split_moments",

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lit_mpstable.core.validate import bool_arg, check_keys, choice_arg, int_arg, real_arg
+from lit_mpstable.base.validate import bool_arg, check_keys, choice_arg, int_arg, real_arg
 
 __all__ = [
     "GRADSCALER_KEYS", "SCALE_FLOOR", "StateKeyError", "check_init_args", "check_loaded", "check_new_scale",

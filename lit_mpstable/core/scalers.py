@@ -8,11 +8,11 @@ from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 import torch
 
+from lit_mpstable.base.validate import choice_arg
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.inf_checks import fold_found_inf
 from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lit_mpstable.core.scaler_state import SCALE_FLOOR
-from lit_mpstable.core.validate import choice_arg
 
 __all__ = ["ForeignScaler", "LossScaler", "ScalerName", "build_scaler", "check_protocol"]
 

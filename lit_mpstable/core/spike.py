@@ -31,7 +31,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from lit_mpstable.core.validate import int_arg, real_arg
+from lit_mpstable.base.validate import int_arg, real_arg
 
 __all__ = ["SpikeGuard", "Watched"]
 

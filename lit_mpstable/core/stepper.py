@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_FORMATS
 from lit_mpstable.core.fp8_budget import ProbeBudget
@@ -42,7 +43,6 @@ from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_op
 from lit_mpstable.core.stepper_state import StepperState
 from lit_mpstable.core.stepper_status import StepperStatus
 from lit_mpstable.core.tensors import default_dtype, tensor_init_context
-from lit_mpstable.core.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.weights import PlainKeeper, WeightKeeper
 from lit_mpstable.fp8 import FP8Config, fp8_config
 

@@ -1,5 +1,5 @@
 """Argument checks of :class:`~lit_mpstable.core.stepper.PrecisionStepper` that look at several arguments together or
-inside a container (the per-argument checks are in :mod:`lit_mpstable.core.validate`)."""
+inside a container (the per-argument checks are in :mod:`lit_mpstable.base.validate`)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, ContextManager, cast
 import torch
 from torch import nn
 
-from lit_mpstable.core.validate import check_keys
+from lit_mpstable.base.validate import check_keys
 from lit_mpstable.fp8.config import FP8Config
 
 __all__ = ["FP8Backend", "linear_like", "optional_import", "replace_module", "share_hooks"]

@@ -10,7 +10,7 @@ from typing import Any, Literal, Union, cast, get_args
 import torch
 from torch import nn
 
-from lit_mpstable.core.validate import int_arg
+from lit_mpstable.base.validate import int_arg
 
 __all__ = [
     "AmaxComputeAlgo",

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_mpstable.core.validate import check_keys
+from lit_mpstable.base.validate import check_keys
 from lit_mpstable.fp8.backend import share_hooks
 from lit_mpstable.fp8.block_gemm import BlockLinearFunction, counter_snapshot, layer_seed, rht_signs
 from lit_mpstable.fp8.config import BLOCK_RECIPES, FP8Config

@@ -11,7 +11,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from lit_mpstable.core.validate import check_keys
+from lit_mpstable.base.validate import check_keys
 from lit_mpstable.fp8.backend import FP8Backend
 from lit_mpstable.fp8.backends import backend_of, find_fp8_layers, fp8_backend
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget, fp8_config
