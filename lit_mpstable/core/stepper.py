@@ -296,7 +296,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
             # says anything about the scale: no backoff, no overflow counted, nothing blamed.
             if skipped and spike is not None and (early is None or not bool(early)) and bool(spike):
                 self.last_step_spiked = now.data_fault = True
-            elif skipped and early is not None and (not bool(early) or held_nonfinite(optimizer)):
+            elif skipped and ((early is not None and not bool(early)) or held_nonfinite(optimizer)):
                 late = now.data_fault = True
             elif skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
                 now.data_fault = True

@@ -7,7 +7,7 @@ import torch
 from helpers import HostReads, TinyMLP, regression_data
 
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
-from lit_mpstable.core.step_guard import STATE_SHARES, _share, held_tensors
+from lit_mpstable.core.step_guard import STATE_SHARES, held_tensors
 from lit_mpstable.core.stepper import PrecisionStepper
 
 INF, NAN = float("inf"), float("nan")
@@ -193,12 +193,12 @@ def test_the_shares_cover_every_parameter_and_state_tensor_once_per_round() -> N
     opt.step()
     held = held_tensors(opt)
     assert len(held) == 3 * len(list(model.parameters()))
-    shares = [_share(held, i) for i in range(STATE_SHARES)]
+    shares = [held_tensors(opt, i) for i in range(STATE_SHARES)]
     seen = [id(t) for share in shares for t in share]
     assert sorted(seen) == sorted(id(t) for t in held)  # each tensor in exactly one share
     total = sum(t.numel() for t in held)
-    assert max(sum(t.numel() for t in share) for share in shares) <= total / STATE_SHARES + max(
-        t.numel() for t in held)  # about equal shares by size
+    assert max(sum(t.numel() for t in share) for share in shares) <= total / STATE_SHARES + 3 * max(
+        t.numel() for t in held)  # about equal shares by size (a parameter and its state go together)
 
 
 @pytest.mark.parametrize("precision, kwargs", [("32-true", {"scaler": "dynamic-cpu"}), ("bf16-true", {}),
