@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lit_mpstable.core.checkpoints import copy_quantized_state
+from lit_mpstable.core.checkpoints import copy_state
 
 __all__ = ["layout_key", "nonfinite_entries", "restore_snapshot", "state_finite", "take_snapshot"]
 
@@ -17,21 +17,6 @@ __all__ = ["layout_key", "nonfinite_entries", "restore_snapshot", "state_finite"
 def layout_key(plugin: Any) -> tuple:
     """What a precision fallback changes, as far as the plugin's public state shows it."""
     return plugin.fallback_active, plugin.compute_dtype, tuple(plugin.islands.names)
-
-
-def _copy(obj: Any, device: torch.device | None) -> Any:
-    """Nested dicts/lists with every tensor copied (to ``device``, else where it is): state dicts share storage with
-    live tensors, and a snapshot must not follow them (torchao's quantized states included)."""
-    if isinstance(obj, torch.Tensor):
-        quantized = copy_quantized_state(obj, device)
-        if quantized is not None:
-            return quantized
-        return obj.detach().clone() if device is None or obj.device == device else obj.detach().to(device, copy=True)
-    if isinstance(obj, Mapping):
-        return {key: _copy(value, device) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copy(value, device) for value in obj)
-    return copy.copy(obj)
 
 
 def state_finite(module: torch.nn.Module, optimizers: list[Any]) -> bool:
@@ -83,9 +68,9 @@ def take_snapshot(trainer: Any, pl_module: Any, plugin: Any, device: str | None)
     target = torch.device(device) if device is not None else None
     return {
         "step": trainer.global_step,
-        "model": _copy(pl_module.state_dict(), target),
-        "plugin": _copy(plugin.state_dict(), target),  # FP32 masters share storage with the optimizer's parameters
-        "optimizers": [_copy(opt.state_dict(), target) for opt in trainer.optimizers],
+        "model": copy_state(pl_module.state_dict(), target),
+        "plugin": copy_state(plugin.state_dict(), target),  # FP32 masters share storage with the optimizer's parameters
+        "optimizers": [copy_state(opt.state_dict(), target) for opt in trainer.optimizers],
         "schedulers": [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs],
     }
 
@@ -95,10 +80,10 @@ def restore_snapshot(trainer: Any, pl_module: Any, plugin: Any, snapshot: dict[s
 
     The plugin's event counters are history, not numeric state: ``restore_state`` keeps their live values."""
     # The plugin first: it re-applies the snapshot's precision layout (casts, FP8 swaps) the weights belong to.
-    plugin.restore_state(_copy(snapshot["plugin"], None))
+    plugin.restore_state(copy_state(snapshot["plugin"], None))
     pl_module.load_state_dict(snapshot["model"])  # copies into the live parameters, onto their devices
     # optimizer.load_state_dict keeps tensors that already have the right dtype and device: hand it copies.
     for optimizer, state in zip(trainer.optimizers, snapshot["optimizers"]):
-        optimizer.load_state_dict(_copy(state, None))
+        optimizer.load_state_dict(copy_state(state, None))
     for config, state in zip(trainer.lr_scheduler_configs, snapshot["schedulers"]):
         config.scheduler.load_state_dict(copy.deepcopy(state))

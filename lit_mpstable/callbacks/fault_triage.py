@@ -36,6 +36,7 @@ from lit_mpstable.core.triage import (
     next_replay,
     restore_rng,
     rng_state,
+    traced_names,
     triage_event,
 )
 
@@ -226,11 +227,7 @@ class _TrainerReplay:
             loss = output.get("loss") if isinstance(output, dict) else output
             if isinstance(loss, torch.Tensor):
                 self.plugin.replay_backward(loss, pl_module)
-        names: list[str] = []
-        if tracer is not None and not tracer.nonfinite_input:
-            first = tracer.first_forward or tracer.first_backward
-            names = [first] if first else []
-        return (loss.detach() if isinstance(loss, torch.Tensor) else None), names
+        return (loss.detach() if isinstance(loss, torch.Tensor) else None), traced_names(tracer)
 
     def apply(self, loss: torch.Tensor | None) -> None:
         self.plugin.optimizer_step(self.optimizer, self.module, lambda result=loss: result)

@@ -9,8 +9,9 @@ them. Only known classes are rebuilt (an allow-list, as ``weights_only`` has one
 
 from __future__ import annotations
 
+import copy
 import importlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -18,7 +19,7 @@ import torch
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TraceableWrapperSubclass
 
-__all__ = ["copy_quantized_state", "flatten_optimizer_states_", "unflatten_optimizer_states_"]
+__all__ = ["copy_quantized_state", "copy_state", "flatten_optimizer_states_", "unflatten_optimizer_states_"]
 
 _MARK = "lit_mpstable.flat_tensor"
 # Classes whose __tensor_flatten__ / __tensor_unflatten__ round trip is known to rebuild them exactly.
@@ -96,3 +97,18 @@ def unflatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> i
                     state[key] = _rebuild(value)
                     count += 1
     return count
+
+
+def copy_state(obj: Any, device: torch.device | None = None) -> Any:
+    """Nested dicts/lists with every tensor copied (to ``device``, else where it is): state dicts share storage with
+    the live tensors, and a snapshot must not follow them (torchao's quantized states included)."""
+    if isinstance(obj, torch.Tensor):
+        quantized = copy_quantized_state(obj, device)
+        if quantized is not None:
+            return quantized
+        return obj.detach().clone() if device is None or obj.device == device else obj.detach().to(device, copy=True)
+    if isinstance(obj, Mapping):
+        return {key: copy_state(value, device) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copy_state(value, device) for value in obj)
+    return copy.copy(obj)

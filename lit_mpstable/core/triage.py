@@ -15,7 +15,7 @@ from torch import nn
 
 __all__ = ["ACTIONS", "LADDER", "Replay", "ReplayHost", "RngState", "TriageKind", "agreed_names", "any_rank", "climb",
            "full_precision", "needs_triage", "next_replay", "replay_finite", "replay_spikes", "restore_rng",
-           "rng_state", "triage_event"]
+           "rng_state", "traced_names", "triage_event"]
 
 TriageKind = Literal["transient", "precision", "data", "state"]
 
@@ -235,3 +235,12 @@ def climb(host: ReplayHost, max_replays: int) -> tuple[TriageKind, list[str], li
             host.leave_snapshot(backup)  # the trial from the snapshot is undone
         replay = next_replay(replay, clean, max_replays)
     return replay, outcomes, traced, extra
+
+
+def traced_names(tracer: Any) -> list[str]:
+    """The module where a traced replay first met inf/NaN (forward first, then backward), as a list; none when the
+    batch itself held it (no module made it) or nothing was traced."""
+    if tracer is None or tracer.nonfinite_input:
+        return []
+    first = tracer.first_forward or tracer.first_backward
+    return [first] if first else []

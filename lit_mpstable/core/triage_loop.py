@@ -5,7 +5,7 @@ PrecisionStepper`; and StateSnapshot, an in-memory copy of the loop's state for 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -14,7 +14,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.attribution import trace_nonfinite
-from lit_mpstable.core.checkpoints import copy_quantized_state
+from lit_mpstable.core.checkpoints import copy_state
 from lit_mpstable.core.stepper import PrecisionStepper
 from lit_mpstable.core.triage import (
     LADDER,
@@ -26,6 +26,7 @@ from lit_mpstable.core.triage import (
     needs_triage,
     restore_rng,
     rng_state,
+    traced_names,
     triage_event,
 )
 
@@ -50,18 +51,6 @@ def _optimizer(call: str, value: Any, name: str = "optimizer") -> Optimizer:
         raise ValueError(f"{call}({name}={value!r}): must be a torch.optim.Optimizer or Fabric's wrapper of one"
                          " (what fabric.setup returned).")
     return inner
-
-
-def _copy(obj: Any) -> Any:
-    """Nested dicts/lists with every tensor copied: state dicts share storage with the live tensors."""
-    if isinstance(obj, torch.Tensor):
-        quantized = copy_quantized_state(obj, None)
-        return quantized if quantized is not None else obj.detach().clone()
-    if isinstance(obj, Mapping):
-        return {key: _copy(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copy(value) for value in obj)
-    return copy.copy(obj)
 
 
 class StateSnapshot:
@@ -102,9 +91,9 @@ class StateSnapshot:
     def take(self) -> None:
         """Copy the state now (replacing the last copy)."""
         self._state = {
-            "stepper": _copy(self.stepper.state_dict()),
-            "model": _copy(self.model.state_dict()),
-            "optimizers": [_copy(optimizer.state_dict()) for optimizer in self.optimizers],
+            "stepper": copy_state(self.stepper.state_dict()),
+            "model": copy_state(self.model.state_dict()),
+            "optimizers": [copy_state(optimizer.state_dict()) for optimizer in self.optimizers],
             "schedulers": [copy.deepcopy(scheduler.state_dict()) for scheduler in self.schedulers],
         }
         self.step = self.stepper.step_count
@@ -126,10 +115,10 @@ class StateSnapshot:
         if state is None:
             raise RuntimeError("StateSnapshot.restore(): nothing to restore; call take() first (step is None).")
         # The stepper first: it re-applies the precision layout (casts, FP8 swaps) the weights belong to.
-        self.stepper.load_state_dict(_copy(state["stepper"]), keep_counters=True)
+        self.stepper.load_state_dict(copy_state(state["stepper"]), keep_counters=True)
         self.model.load_state_dict(state["model"])
         for optimizer, saved in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(_copy(saved))  # it keeps tensors of the right dtype and device: copies
+            optimizer.load_state_dict(copy_state(saved))  # it keeps tensors of the right dtype and device: copies
         for scheduler, saved in zip(self.schedulers, state["schedulers"]):
             scheduler.load_state_dict(copy.deepcopy(saved))
 
@@ -297,11 +286,7 @@ class _LoopReplay:
         _zero_grads(self.optimizer, self.module)
         with trace_nonfinite(self.module) if trace else nullcontext() as tracer:
             loss = self.closure()
-        names: list[str] = []
-        if tracer is not None and not tracer.nonfinite_input:
-            first = tracer.first_forward or tracer.first_backward
-            names = [first] if first else []
-        return (loss.detach() if isinstance(loss, torch.Tensor) else None), names
+        return (loss.detach() if isinstance(loss, torch.Tensor) else None), traced_names(tracer)
 
     def apply(self, loss: torch.Tensor | None) -> None:
         _step(self.plugin, self.wrapped, self.optimizer)
