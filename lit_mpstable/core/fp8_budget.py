@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_mpstable.core.tensors import default_dtype
-from lit_mpstable.fp8.budget import fill_budget, keep_high_precision_, layer_gradient_errors, linear_weight_numel
+from lit_mpstable.fp8.budget import fill_budget, layer_gradient_errors, linear_weight_numel
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget
 
 __all__ = ["ProbeBudget"]
@@ -94,9 +94,7 @@ class ProbeBudget:
 
     def _apply(self, layout: Any, chosen: list[str]) -> None:
         assert layout.module is not None  # checked by the callers
-        # The layout's selection is the one list of layers FP8 may use; the chosen ones leave it for the run.
-        layout._fp8_selected = keep_high_precision_(layout.module, layout.fp8_selected, chosen)
-        layout.attach(layout.module, layout.device_type)
+        layout.keep_high_precision_(chosen)  # the layout's selection is the one list of layers FP8 may use
         self.layers = list(chosen)
 
     # ----------------------------------------------------------------------------------------------- state

@@ -13,6 +13,7 @@ from torch import nn
 from lit_mpstable.base.validate import check_keys
 from lit_mpstable.core.islands import FP32Islands, match_modules
 from lit_mpstable.fp8 import FP8Config, convert_from_fp8, fp8_backend
+from lit_mpstable.fp8.budget import keep_high_precision_
 from lit_mpstable.fp8.swap import no_fp8_layers_message, select_fp8_modules
 
 __all__ = ["PrecisionLayout", "rebuild_ddp_reducer_"]
@@ -90,6 +91,13 @@ class PrecisionLayout:
     def fp8_selected(self) -> list[str]:
         """Qualified names of the layers the FP8 filter selected for this model (FP8 unless a fallback moved them)."""
         return list(self._fp8_selected or [])
+
+    def keep_high_precision_(self, names: list[str]) -> None:
+        """Take ``names`` out of the FP8 selection for the run (the layers return to the base precision) and
+        re-attach: the probe's high-precision budget, applied once."""
+        assert self.module is not None, "keep_high_precision_ needs the model (setup_module first)"
+        self._fp8_selected = keep_high_precision_(self.module, self.fp8_selected, names)
+        self.attach(self.module, self.device_type)
 
     def forward_context(self) -> ContextManager:
         """The FP8 backend's forward context (TransformerEngine's autocast) while FP8 layers are active, else a no-op.
