@@ -90,14 +90,19 @@ class CompactKeeper:
     def absorb_grads_(self, optimizer: Optimizer) -> None:
         pass
 
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
+    ) -> torch.Tensor:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         pending = self._pending[id(optimizer)]
         multiplier = pending[0] if pending[0] is not None else torch.ones((), device=grads[0].device if grads else None)
         if not grads:
             return torch.zeros(())
-        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-        norm = torch.linalg.vector_norm(norms, norm_type) * multiplier  # of the true (unscaled) gradients, in FP32
+        if total_norm is not None:  # a SpikeGuard's norm of the same gradients, times the same multiplier
+            norm = total_norm
+        else:
+            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+            norm = torch.linalg.vector_norm(norms, norm_type) * multiplier  # of the true (unscaled) gradients, FP32
         # clip_grad_norm_'s rule, as a factor for the step's FP32 chunks: no host sync.
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         pending[0] = multiplier * coefficient

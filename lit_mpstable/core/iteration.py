@@ -73,6 +73,9 @@ class GradSet:
     def __init__(self, grads: Iterable[torch.Tensor]) -> None:
         self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
 
+    def __len__(self) -> int:
+        return len(self._seen)
+
     def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
         grad, version = item
         seen = self._seen.get(id(grad))

@@ -10,7 +10,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.scalers import LossScaler
 
-__all__ = ["first_grad_device", "step_checked", "unscale_checked_"]
+__all__ = ["clip_norm_", "first_grad_device", "step_checked", "unscale_checked_"]
 
 
 def unscale_checked_(optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
@@ -36,3 +36,14 @@ def step_checked(optimizer: Optimizer, checker: LossScaler | None, update: Calla
 
 def first_grad_device(optimizer: Optimizer) -> torch.device | None:
     return next((p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
+
+
+def clip_norm_(
+    params: list[torch.Tensor], max_norm: float, norm_type: float, total_norm: torch.Tensor | None
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` of ``params``' gradients, with their ``total_norm`` when it is known
+    already (a SpikeGuard judged it): then the gradients are read once less."""
+    if total_norm is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    return total_norm

@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
-from lit_mpstable.core.keeper_steps import step_checked, unscale_checked_
+from lit_mpstable.core.keeper_steps import clip_norm_, step_checked, unscale_checked_
 from lit_mpstable.core.master import MasterWeights
 from lit_mpstable.core.moment_keeper import KEY, AdamMoments, split_moments
 from lit_mpstable.core.scalers import LossScaler
@@ -86,10 +86,12 @@ class MasterKeeper:
     def absorb_grads_(self, optimizer: Optimizer) -> None:
         self.weights.absorb_grads_(optimizer)
 
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
+    ) -> torch.Tensor:
         self.weights.absorb_grads_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        norm = clip_norm_(params, max_norm, norm_type, total_norm)
         self.weights.expose_grads_(optimizer)  # hooks after this see the clipped values
         return norm
 

@@ -98,28 +98,31 @@ class SpikeGuard:
                                     unit="standard deviations for adaptive clipping; ZClip uses 2.5; None turns it off")
         self.device: torch.device | None = None
         """Where the statistics live; None until the first value (or :meth:`bind`)."""
-        self._values = {name: torch.zeros(self.window) for name in _NAMES}  # ring buffers, slot = count % window
-        self._counts = {name: torch.zeros((), dtype=torch.int64) for name in _NAMES}  # applied values ever folded
+        # Both watched series side by side (row 0 the loss, row 1 the gradient norm), so that a step's statistics,
+        # judgement and fold are one short run of small kernels for both, not one per series.
+        self._values = torch.zeros(len(_NAMES), self.window)  # ring buffers, slot = count % window
+        self._counts = torch.zeros(len(_NAMES), dtype=torch.int64)  # applied values ever folded, per series
         self._spikes = torch.zeros((), dtype=torch.int64)
-        self._zscores = {name: torch.full((), math.nan) for name in _NAMES}
-        self._pending = {name: torch.zeros(()) for name in _NAMES}  # this step's loss (summed) and norm
-        self._has = {name: False for name in _NAMES}  # whether this step's value was given (host-side facts)
+        self._zscores = torch.full((len(_NAMES),), math.nan)
+        self._pending = torch.zeros(len(_NAMES))  # this step's loss (summed over micro-batches) and norm
+        self._has = [False] * len(_NAMES)  # whether this step's value was given (host-side facts)
         self._decided = False  # whether decide() ran this step (host-side)
         self._last_spike = torch.zeros((), dtype=torch.bool)
-        self._threshold = torch.full((), math.inf)  # this step's clip threshold, for folding the clipped norm
+        self._caps = torch.full((len(_NAMES),), math.inf)  # what a folded value is capped at: the norm's clip threshold
+        self._consts: dict[str, Any] = {}  # per-device constants: slot indices, floors, the watched rows' mask
 
     # ------------------------------------------------------------------------------------------- live state
     @property
     def loss_zscore(self) -> torch.Tensor:
         """The last judged loss's z-score, a 0-dim float32 device tensor (NaN before two applied losses, or when the
         step had no loss). Reading its value syncs."""
-        return self._zscores["loss"]
+        return self._zscores[0]
 
     @property
     def grad_norm_zscore(self) -> torch.Tensor:
         """The last judged gradient norm's z-score (as :attr:`loss_zscore`), against a standard deviation of at least
         half the rolling mean: above ``zscore`` means skipped (see ``_SKIP_REL_STD``)."""
-        return self._zscores["grad_norm"]
+        return self._zscores[1]
 
     @property
     def spikes_skipped(self) -> torch.Tensor:
@@ -136,20 +139,23 @@ class SpikeGuard:
         """Keep the statistics on ``device`` (moving them there if they live elsewhere); returns the guard."""
         device = torch.device(device)
         if self.device != device:
-            def move(t: torch.Tensor) -> torch.Tensor:
-                return t.to(device)
-
-            self._values = {k: move(v) for k, v in self._values.items()}
-            self._counts = {k: move(v) for k, v in self._counts.items()}
-            self._zscores = {k: move(v) for k, v in self._zscores.items()}
-            self._pending = {k: move(v) for k, v in self._pending.items()}
-            self._spikes, self._last_spike, self._threshold = (
-                move(self._spikes), move(self._last_spike), move(self._threshold))
+            self._values, self._counts, self._zscores, self._pending, self._spikes, self._last_spike, self._caps = (
+                t.to(device) for t in (self._values, self._counts, self._zscores, self._pending, self._spikes,
+                                       self._last_spike, self._caps))
+            self._consts = {
+                "slots": torch.arange(self.window, device=device),
+                "skip_floor": torch.tensor([_SKIP_REL_STD[name] for name in _NAMES], device=device),
+                "watched": torch.tensor([name in self.watch for name in _NAMES], device=device),
+                "pending": (self._pending[0], self._pending[1]),  # views, made once
+                "non_blocking": device.type != "cpu",
+                "given": {has: torch.tensor(has, device=device)
+                          for has in ((a, b) for a in (False, True) for b in (False, True))},
+            }
             self.device = device
         return self
 
     def _value(self, value: torch.Tensor, what: str) -> torch.Tensor:
-        """``value`` detached, as a 0-dim float32 tensor on the guard's device (binding it on first use)."""
+        """``value`` detached, as a 0-dim tensor (binding the guard to its device on first use)."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"SpikeGuard.{what}: expected a tensor, got {type(value).__name__} {value!r}; pass the"
                             " tensor itself (a Python number would need a host read to produce).")
@@ -158,17 +164,17 @@ class SpikeGuard:
                              " pass the reduced (scalar) loss or the total gradient norm.")
         if self.device is None:
             self.bind(value.device)
-        # non_blocking only towards an accelerator: a non-blocking copy into host memory may be read before it lands.
-        device = self.device
-        assert device is not None  # bind() above set it
-        return value.detach().reshape(()).to(device, torch.float32, non_blocking=device.type != "cpu")
+        return value.detach().reshape(())
 
     # ------------------------------------------------------------------------------------------------- step
     def observe_loss_(self, loss: torch.Tensor) -> None:
         """Record the step's (unscaled) loss; micro-batches of one step add up, as their gradients do."""
         value = self._value(loss, "observe_loss_(loss)")
-        self._pending["loss"] = self._pending["loss"] + value if self._has["loss"] else value
-        self._has["loss"] = True
+        pending, early = self._consts["pending"][0], self._consts["non_blocking"]
+        # copy_ converts dtype and device; non-blocking only towards an accelerator (host memory might be read before
+        # a non-blocking copy lands).
+        pending.add_(value.to(pending.device, non_blocking=early)) if self._has[0] else pending.copy_(value, early)
+        self._has[0] = True
 
     def decide(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
         """Whether this step is a spike: a 0-dim bool tensor on the device, to OR into the non-finite flag.
@@ -186,25 +192,22 @@ class SpikeGuard:
                     f"SpikeGuard(watch={self.watch!r}, clip_zscore={self.clip_zscore!r}).decide(grad_norm=None): the"
                     " gradient norm is watched or clipped, so pass the step's total unscaled gradient norm.")
         else:
-            self._pending["grad_norm"] = self._value(grad_norm, "decide(grad_norm)")
-            self._has["grad_norm"] = True
+            self._consts["pending"][1].copy_(self._value(grad_norm, "decide(grad_norm)"), self._consts["non_blocking"])
+            self._has[1] = True
         if self.device is None:  # nothing seen yet, nothing to judge
             return self._last_spike.clone()
-        spike = torch.zeros((), dtype=torch.bool, device=self.device)
-        for name in _NAMES:
-            if not self._has[name]:
-                self._zscores[name].fill_(math.nan)  # not measured this step: no stale value passed off as fresh
-                continue
-            value = self._pending[name]
-            mean, std, count = self._stats(name)
-            std = torch.maximum(std, _SKIP_REL_STD[name] * mean.abs())  # the judged z: see _SKIP_REL_STD
-            z = torch.where(count >= 2, (value - mean) / std, math.nan)
-            self._zscores[name].copy_(z)
-            if name in self.watch:
-                # NaN z (non-finite value) compares False; +inf value gives an inf z, excluded by isfinite.
-                spike = spike | ((count >= self.warmup) & torch.isfinite(value) & (z > self.zscore))
+        consts = self._consts
+        value = self._pending
+        mean, std, count = self._stats()
+        judged = torch.maximum(std, consts["skip_floor"] * mean.abs())  # the judged z: see _SKIP_REL_STD
+        given = consts["given"][tuple(self._has)]
+        # A series not measured this step reads NaN: no stale value passed off as fresh.
+        z = torch.where(given & (count >= 2), (value - mean) / judged, math.nan)
+        self._zscores.copy_(z)
+        # NaN z (non-finite value) compares False; +inf value gives an inf z, excluded by isfinite.
+        spike = (consts["watched"] & (count >= self.warmup) & torch.isfinite(value) & (z > self.zscore)).any()
         if self.clip_zscore is not None:
-            self._threshold.copy_(self._clip_threshold())
+            self._caps[1].copy_(self._clip_threshold(mean[1], std[1], count[1]))
         self._last_spike.copy_(spike)
         self._decided = True
         return spike
@@ -227,11 +230,11 @@ class SpikeGuard:
                 raise RuntimeError("SpikeGuard.clip_threshold(): the guard has seen no value yet, so it has no device;"
                                    " pass grad_norm=... or call bind(device) first.")
             self.bind(grad_norm.device)
-        return self._clip_threshold()
+        mean, std, count = self._stats()
+        return self._clip_threshold(mean[1], std[1], count[1])
 
-    def _clip_threshold(self) -> torch.Tensor:
+    def _clip_threshold(self, mean: torch.Tensor, std: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         assert self.clip_zscore is not None
-        mean, std, count = self._stats("grad_norm")
         return torch.where(count >= self.warmup, mean + self.clip_zscore * std, math.inf)
 
     def commit_(self, skipped: torch.Tensor | bool, *, spiked: torch.Tensor | None = None) -> None:
@@ -249,43 +252,49 @@ class SpikeGuard:
         if self.device is None:  # no value was ever given: nothing to fold or count
             self._clear()
             return
-        skipped_t = torch.as_tensor(skipped, device=self.device).reshape(()) != 0
-        applied = ~skipped_t
-        for name in _NAMES:
-            if self._has[name]:
-                value = self._pending[name]
-                if name == "grad_norm" and self.clip_zscore is not None:
-                    value = torch.minimum(value, self._threshold)
-                self._fold(name, value, applied)
-        if spiked is not None:
-            self._spikes.add_(((spiked.to(self.device).reshape(()) != 0) & skipped_t).to(torch.int64))
-        elif self._decided:
-            self._spikes.add_((self._last_spike & skipped_t).to(torch.int64))
+        if isinstance(skipped, bool):  # the stepper's own flag, read on the host already: no tensor work for it
+            if not skipped and any(self._has):
+                self._fold(None)
+            elif skipped:
+                self._count_spike(True, spiked)
+        else:
+            skipped_t = skipped.detach().to(self.device).reshape(()) != 0
+            if any(self._has):
+                self._fold(skipped_t)
+            self._count_spike(skipped_t, spiked)
         self._clear()
+
+    def _fold(self, skipped: torch.Tensor | None) -> None:
+        # ZClip: a clipped norm enters capped at its threshold (the loss's cap is inf).
+        value = torch.minimum(self._pending, self._caps) if self.clip_zscore is not None else self._pending
+        take = self._consts["given"][tuple(self._has)] & torch.isfinite(value)
+        take = take & ~skipped if skipped is not None else take
+        # torch.where on a one-hot slot instead of indexing by a Python int: no host read, no graph break.
+        slot = (self._consts["slots"] == (self._counts % self.window).unsqueeze(1)) & take.unsqueeze(1)
+        self._values.copy_(torch.where(slot, value.unsqueeze(1), self._values))
+        self._counts.add_(take)
+
+    def _count_spike(self, skipped: torch.Tensor | bool, spiked: torch.Tensor | None) -> None:
+        if spiked is not None:
+            self._spikes.add_((spiked.to(self.device).reshape(()) != 0) & skipped)
+        elif self._decided:
+            self._spikes.add_(self._last_spike & skipped)
 
     def forget_(self) -> None:
         """Drop the step's pending values without folding them (the step will be run again, e.g. replayed)."""
         self._clear()
 
     def _clear(self) -> None:
-        self._has = {name: False for name in _NAMES}
+        self._has = [False] * len(_NAMES)
         self._decided = False
 
-    def _fold(self, name: str, value: torch.Tensor, applied: torch.Tensor) -> None:
-        # torch.where on a one-hot slot instead of indexing by a Python int: no host read, no graph break.
-        values, count = self._values[name], self._counts[name]
-        take = applied & torch.isfinite(value)
-        slot = torch.arange(self.window, device=values.device) == count % self.window
-        values.copy_(torch.where(slot & take, value, values))
-        count.add_(take.to(torch.int64))
-
-    def _stats(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mean, floored standard deviation (unbiased) and count of the applied values in the window."""
-        values, count = self._values[name], self._counts[name]
-        valid = torch.arange(self.window, device=values.device) < count
+    def _stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mean, floored standard deviation (unbiased) and count of the applied values in the window, per series."""
+        values, count = self._values, self._counts
+        valid = self._consts["slots"] < count.unsqueeze(1)
         n = count.clamp(max=self.window).to(torch.float32)
-        mean = torch.where(valid, values, 0.0).sum() / n.clamp(min=1.0)
-        var = torch.where(valid, (values - mean) ** 2, 0.0).sum() / (n - 1.0).clamp(min=1.0)
+        mean = torch.where(valid, values, 0.0).sum(1) / n.clamp(min=1.0)
+        var = torch.where(valid, values - mean.unsqueeze(1), 0.0).square().sum(1) / (n - 1.0).clamp(min=1.0)
         std = torch.maximum(var.sqrt(), _MIN_REL_STD * mean.abs()).clamp(min=_TINY)
         return mean, std, count
 
@@ -298,9 +307,9 @@ class SpikeGuard:
         A step's pending values are not saved: checkpoints are written between steps.
         """
         state: dict[str, Any] = {"window": self.window}
-        for name in _NAMES:
-            state[name] = self._values[name].detach().clone()
-            state[f"{name}_count"] = self._counts[name].detach().clone()
+        for row, name in enumerate(_NAMES):
+            state[name] = self._values[row].detach().clone()
+            state[f"{name}_count"] = self._counts[row].detach().clone()
         state["spikes_skipped"] = self._spikes.detach().clone()
         return state
 
@@ -338,9 +347,8 @@ class SpikeGuard:
             counts[name] = _count(call, f"{name}_count", state[f"{name}_count"])
         spikes = _count(call, "spikes_skipped", state["spikes_skipped"])
         device = self.device or torch.device("cpu")
-        for name in _NAMES:
-            self._values[name] = values[name].to(device).clone()
-            self._counts[name] = counts[name].to(device)
+        self._values = torch.stack([values[name] for name in _NAMES]).to(device)
+        self._counts = torch.stack([counts[name] for name in _NAMES]).to(device)
         self._spikes = spikes.to(device)
         self._clear()
 

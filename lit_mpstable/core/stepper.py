@@ -36,7 +36,7 @@ from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.step_guard import check_step_inputs_, held_nonfinite, stale_grads_note
 from lit_mpstable.core.step_report import blame, blame_late, observe
-from lit_mpstable.core.step_spike import check_spike_guard, observe_loss, true_grad_norm
+from lit_mpstable.core.step_spike import check_spike_guard, clip_grad_norm, observe_loss, true_grad_norm
 from lit_mpstable.core.stepper_args import MasterMode, OpPolicyName, PrecisionName, check_arguments
 from lit_mpstable.core.stepper_forward import StepperForward
 from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
@@ -118,7 +118,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self.skip_nonfinite = skip_nonfinite
         self.spike_guard = check_spike_guard(call, spike_guard, self._checker)
         """Skips loss and gradient-norm spikes through the step's inf/NaN flag (None: off)."""
-        self._spike: dict[int, torch.Tensor] = {}  # per optimizer: the guard's decision of this iteration (device)
+        self._spike: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # per optimizer: the guard's decision
+        # and the gradient norm it judged, this iteration (device tensors)
         self.last_step_spiked = False
         """The last step was skipped as a spike (read on skipped steps only)."""
         self.fp8 = fp8_config(fp8)
@@ -229,7 +230,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         if self.spike_guard is not None:
             # The true gradients' norm before any clipping (times a deferring keeper's pending unscale factor).
             norm = true_grad_norm(optimizer, self.keeper.grad_multiplier(optimizer))
-            self._spike[id(optimizer)] = self.spike_guard.decide(norm)
+            self._spike[id(optimizer)] = (self.spike_guard.decide(norm), norm)
         observe(self)
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
@@ -245,13 +246,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         """Clip ``optimizer``'s true gradients to a total norm (on the masters with ``master_weights``; with compact
         weights the clip factor joins the FP32 unscale of the step: the 16-bit gradients are not rounded twice)."""
         self.unscale_(optimizer)
-        threshold = self.spike_guard.clip_threshold() if self.spike_guard is not None else None
-        if threshold is not None and norm_type == 2.0:
-            # ZClip: the adaptive threshold when lower. A tensor limit: clip_grad_norm_ computes max_norm / norm on
-            # the device, so no host read.
-            max_norm = torch.clamp(threshold, max=float(max_norm))  # type: ignore[assignment]
-        self._zclipped.add(id(optimizer))
-        return self.keeper.clip_grad_norm_(optimizer, max_norm, norm_type)
+        return clip_grad_norm(self, optimizer, max_norm, norm_type)
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s true gradients to ``±clip_value`` (on the masters with ``master_weights``; with
@@ -281,7 +276,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self._zclipped.discard(id(optimizer))
         self.keeper.absorb_grads_(optimizer)
         checker = self._checker
-        spike = self._spike.pop(id(optimizer), None)
+        spike = self._spike.pop(id(optimizer), (None, None))[0]
         early, spike = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device,
                                            spike=spike, share=self.counters.applied_by.get(id(optimizer), 0),
                                            checked=self.iteration.checked.pop(id(optimizer), None))

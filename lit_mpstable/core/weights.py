@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.compact_keeper import CompactKeeper
-from lit_mpstable.core.keeper_steps import step_checked, unscale_checked_
+from lit_mpstable.core.keeper_steps import clip_norm_, step_checked, unscale_checked_
 from lit_mpstable.core.master_keeper import MasterKeeper
 from lit_mpstable.core.scalers import LossScaler
 
@@ -46,7 +46,9 @@ class WeightKeeper(Protocol):
     def follow_model_weights_(self) -> list[str]: ...
     def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None: ...
     def absorb_grads_(self, optimizer: Optimizer) -> None: ...
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor: ...
+    def clip_grad_norm_(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None: ...
     def expose_grads_(self, optimizer: Optimizer) -> None: ...
     def step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]: ...
@@ -101,8 +103,10 @@ class PlainKeeper:
     def absorb_grads_(self, optimizer: Optimizer) -> None:
         pass
 
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(_with_grads(optimizer), max_norm, norm_type)
+    def clip_grad_norm_(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return clip_norm_(list(_with_grads(optimizer)), max_norm, norm_type, total_norm)
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         torch.nn.utils.clip_grad_value_(_with_grads(optimizer), clip_value)

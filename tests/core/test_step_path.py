@@ -442,3 +442,92 @@ def test_nan_written_after_the_check_on_one_rank_skips_the_step_on_every_rank(tm
     for a, b in zip(rank0["params"], rank1["params"]):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------- clipping reads the gradients once with a guard
+class _GradReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """The gradient tensors each norm and each inf/NaN-check kernel reads (by storage), per kind."""
+
+    def __init__(self, grads) -> None:
+        super().__init__()
+        self.grads = {g.untyped_storage().data_ptr() for g in grads}
+        self.norm: list[int] = []
+        self.check: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        first = args[0] if args else None
+        tensors = first if isinstance(first, (list, tuple)) else [first]
+        read = [t for t in tensors if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.grads]
+        if name in ("linalg_vector_norm", "_foreach_norm", "norm"):
+            self.norm += [id(t) for t in read]
+        elif name == "_amp_foreach_non_finite_check_and_unscale_":
+            self.check += [id(t) for t in read]
+        return func(*args, **(kwargs or {}))
+
+
+def _guarded(precision: str, **kwargs):
+    from lit_mpstable.core.spike import SpikeGuard
+
+    return _setup(precision, spike_guard=SpikeGuard(warmup=2), **kwargs)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true-masters"])
+def test_clipping_with_a_guard_reuses_its_norm_and_the_check_does_not_read_the_clipped_gradients(precision) -> None:
+    stepper, model, opt = (_guarded("bf16-true", master_weights=True) if precision == "bf16-true-masters"
+                           else _guarded(precision))
+    x, y = regression_data(32)
+    for _ in range(3):
+        _backward(stepper, model, x, y)
+        stepper.unscale_(opt)
+        grads = [p.grad for g in opt.param_groups for p in g["params"]]
+        # The independent expectation: torch's own clip_grad_norm_ (its own norm) on copies of the same gradients.
+        reference = [_with_grad(g.detach().clone()) for g in grads]
+        norm = torch.nn.utils.clip_grad_norm_(reference, 0.1)
+        with _GradReads(grads) as reads:
+            returned = stepper.clip_grad_norm_(opt, 0.1)
+            clipped = [g.detach().clone() for g in grads]
+            stepper.step(opt)
+        opt.zero_grad()
+        assert reads.norm == []  # the guard's norm of the same gradients, not a second read
+        assert reads.check == []  # clipped by a finite limit: the step-input check reads parameters and state only
+        assert not stepper.last_step_skipped
+        assert torch.allclose(returned, norm, rtol=1e-5)
+        for got, want in zip(clipped, reference):
+            assert torch.allclose(got, want.grad, rtol=1e-5, atol=1e-7)
+
+
+def _with_grad(grad: torch.Tensor) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.empty_like(grad))
+    p.grad = grad
+    return p
+
+
+def test_a_gradient_written_after_the_check_gets_a_fresh_norm_and_a_fresh_check() -> None:
+    stepper, model, opt = _guarded("bf16-mixed")
+    x, y = regression_data(32)
+    _backward(stepper, model, x, y)
+    stepper.unscale_(opt)
+    model.fc2.weight.grad.mul_(3.0)  # a hook on_before_optimizer_step scales one gradient
+    grads = [p.grad for g in opt.param_groups for p in g["params"]]
+    want = torch.nn.utils.get_total_norm([g.detach().clone() for g in grads])
+    with _GradReads(grads) as reads:
+        norm = stepper.clip_grad_norm_(opt, 0.1)
+    assert len(reads.norm) == len(grads)  # computed again, over every gradient
+    assert torch.allclose(norm, want, rtol=1e-5)
+
+
+def test_zclip_alone_with_an_infinite_norm_still_rechecks_the_clipped_gradients() -> None:
+    # Finite gradients whose FP32 norm overflows: ZClip alone clips to an infinite limit in its warmup, and inf / inf
+    # is NaN, so the clipped gradients are NaN. The step-input check must read them again and skip the step.
+    from lit_mpstable.core.spike import SpikeGuard
+
+    stepper, model, opt = _setup("32-true", spike_guard=SpikeGuard(clip_zscore=2.5))
+    x, y = regression_data(32)
+    _backward(stepper, model, x, y)
+    for p in model.parameters():
+        p.grad.fill_(1e30)  # finite; their squares are not
+    before = [p.detach().clone() for p in model.parameters()]
+    stepper.step(opt)
+    assert stepper.last_step_skipped
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))

@@ -77,7 +77,9 @@ def test_the_step_path_asks_the_keeper_for_everything_mode_specific(master_weigh
     before = model.fc1.weight.detach().clone()
     stepper.step(opt)
     order = ["unscale_", "clip_grad_norm_", "absorb_grads_", "step_"]
-    assert [c for c in recording.calls if c in order] == order
+    # Gradients written on the model's side reach the keeper before the clip (whose norm may be the guard's, if they
+    # are unchanged) and again before the step.
+    assert [c for c in recording.calls if c in order] == ["unscale_", "absorb_grads_", *order[1:]]
     assert stepper.step_count == 1 and not stepper.last_step_skipped
     assert not torch.equal(model.fc1.weight, before)  # the keeper's step moved the 16-bit weights
 
