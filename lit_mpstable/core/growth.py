@@ -87,7 +87,8 @@ class _History:
     rows: torch.Tensor | None = None
     steps: list[int] = field(default_factory=list)  # the step of each filled slot, slot order
     next: int = 0
-    slope: torch.Tensor | None = None  # least-squares slope of log2 amax per step over the filled slots
+    slope: torch.Tensor | None = None  # least-squares slope of log2 amax per step over the filled slots (None: not
+    # fitted since the last sample; fitted when read, so a sample costs no fit)
     scale: float | torch.Tensor = 1.0
 
 
@@ -226,8 +227,13 @@ class GrowthMonitor:
         else:
             history.steps[history.next] = self.steps
         history.next = (history.next + 1) % self.window
-        history.slope = self._fit(history)
+        history.slope = None
         self.samples += 1
+
+    def _slope(self, history: _History) -> torch.Tensor:
+        if history.slope is None:
+            history.slope = self._fit(history)
+        return history.slope
 
     def _fit(self, history: _History) -> torch.Tensor:
         # Least squares of log2 amax against the step: slope = sum(w_i y_i) with w_i = (t_i - mean t) / sum (t - mean
@@ -253,7 +259,7 @@ class GrowthMonitor:
         sampled = [h for h in self._history.values() if h.rows is not None]
         if not sampled:
             return {}
-        slopes = torch.stack([h.slope for h in sampled])  # type: ignore[misc]
+        slopes = torch.stack([self._slope(h) for h in sampled])
         kurtosis = torch.stack([self._latest(h)[1] for h in sampled])
         return {"mp/amax_growth": slopes.max(), "mp/kurtosis_max": kurtosis.max()}
 
@@ -264,7 +270,7 @@ class GrowthMonitor:
         sampled = {n: h for n, h in self._history.items() if h.rows is not None}
         if not sampled:
             return {}
-        table = torch.stack([torch.cat([self._latest(h), h.slope.reshape(1)]) for h in sampled.values()])  # type: ignore[union-attr]
+        table = torch.stack([torch.cat([self._latest(h), self._slope(h).reshape(1)]) for h in sampled.values()])
         out = {}
         for (name, history), values in zip(sampled.items(), table.tolist()):
             log2_amax, kurtosis, saturation, underflow, slope = values
@@ -368,7 +374,7 @@ class GrowthMonitor:
             history = self._history[name]
             history.rows = None if saved["rows"] is None else saved["rows"].detach().float().clone()
             history.steps, history.next = list(saved["steps"]), int(saved["next"])
-            history.slope = None if history.rows is None else self._fit(history)
+            history.slope = None  # fitted when read
 
 
 def _check_rows(call: str, name: str, rows: Any, window: int) -> None:
