@@ -206,10 +206,11 @@ class FusedAdam:
                 )
 
 
-def keys(offsets: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The random keys ``offsets`` as 0-d int32 tensors on ``device``: one tensor and one transfer for a step's
-    parameters instead of one each."""
-    return host_to_device(torch.tensor([_signed32(o) for o in offsets], dtype=torch.int32), device).unbind()
+def keys(offsets: list[int], device: torch.device) -> list[torch.Tensor]:
+    """The random keys ``offsets`` as 0-d int32 tensors on ``device``, each with its own storage: a key that is a
+    view (an element of one tensor of keys) would make the compiled kernel guard on the number of keys, compiling
+    again for each new count of parameters."""
+    return [host_to_device(torch.tensor(_signed32(o), dtype=torch.int32), device) for o in offsets]
 
 
 class FusedSteps:
@@ -234,8 +235,8 @@ class FusedSteps:
         if not fused:
             return pieces, False
         self._fused = FusedAdam() if self._fused is None else self._fused
-        # Per step, not per parameter: the random keys (one transfer per device), whether a TorchDispatchMode is on,
-        # the kernel's scalars (one small tensor per group and step count, usually one per group).
+        # Per step, not per parameter: whether a TorchDispatchMode is on, the kernel's scalars (one small tensor per
+        # group and step count, usually one per group).
         on_device: dict[torch.device, list[Piece]] = {}
         for piece in fused:
             on_device.setdefault(piece.param.device, []).append(piece)
