@@ -8,12 +8,14 @@ then the median over alternating rounds of the per-round ratio to Lightning's bf
 
     .venv/bin/python bench/bench_memory.py --rounds 9      # ~8 min on 2 shared cores
     .venv/bin/python bench/bench_memory.py --quick         # smoke run
+    .venv/bin/python bench/bench_memory.py --configs SP-kahan,SP-stochastic --kinds mlp --rounds 9 --out /tmp/m
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -130,7 +132,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory"))
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="comma-separated subset of the configs (L-32-true and L-bf16-true are always run)")
+    parser.add_argument("--kinds", default="mlp,gpt", help="comma-separated workloads: mlp, gpt")
     args = parser.parse_args()
+    chosen = [name for name in CONFIGS if name in {"L-32-true", "L-bf16-true", *args.configs.split(",")}]
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        parser.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    kinds = args.kinds.split(",")
+    if not kinds or set(kinds) - {"mlp", "gpt"}:
+        parser.error(f"--kinds={args.kinds!r}: a comma-separated subset of mlp, gpt")
     torch.set_num_threads(1)
     import warnings
 
@@ -140,8 +152,10 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     rounds, steps = (1, 4) if args.quick else (args.rounds, args.steps)
     results: dict[str, Any] = {}
-    for kind in ("mlp", "gpt"):
-        names = list(CONFIGS)
+    load = os.getloadavg()
+    print(f"load average at start: {load}", flush=True)
+    for kind in kinds:
+        names = chosen
         peaks = {name: run(kind, name, 4, memory_step=2).peak for name in names}
         cpu: dict[str, list[float]] = {name: [] for name in names}
         losses: dict[str, float] = {}
@@ -167,7 +181,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "rounds": rounds, "steps": steps, "threads": 1,
-            "command": "bench/bench_memory.py" + (" --quick" if args.quick else "")}
+            "load_average_at_start": load, "command": "bench/bench_memory.py " + " ".join(sys.argv[1:])}
     (out / "memory.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = ["# Memory of the *-true modes (bench/bench_memory.py)", "",
              f"torch {torch.__version__}, 1 thread, {rounds} alternating rounds of {steps} steps; peak tensor memory of"

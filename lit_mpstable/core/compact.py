@@ -286,6 +286,14 @@ class CompactWeights(FusedSteps, StandIns):
                         )
                     pieces.append(Piece(gi, p, None, 0, p.numel(), p.numel() * grad.element_size()))
                     continue
+                numel = p.numel()
+                # Adam's state as the fused kernel takes it (16-bit moments): 16 bytes of FP32 copies per element
+                # should the kernel fail and the step fall back to stand-ins; nothing to cast or count first.
+                whole = Piece(gi, p, name, 0, numel, numel * 16)
+                if self._fusable(optimizer, whole, fusable_groups):
+                    whole.fused = True
+                    pieces.append(whole)
+                    continue
                 state = optimizer.state.get(p, {})
                 sliced = (sliceable and p.is_contiguous() and grad.layout == torch.strided and grad.is_contiguous()
                           and (block is None or init_blockwise_(optimizer, p, state, block, gi, pi)))
@@ -294,9 +302,8 @@ class CompactWeights(FusedSteps, StandIns):
                         state[key] = value.to(p.dtype)
                 n_states = sum(is_per_element(k, v, p, non_castable) for k, v in state.items()) if state else 2
                 per_element = 4 * (2 + n_states)
-                numel = p.numel()
                 whole = Piece(gi, p, name, 0, numel, numel * per_element)
-                if self._fusable(optimizer, whole, fusable_groups):  # one kernel, no FP32 copies: nothing to slice
+                if self._fusable(optimizer, whole, fusable_groups):  # state cast to 16 bits just now (an FP32 load)
                     whole.fused = True
                 elif sliced:
                     whole.per_element = per_element

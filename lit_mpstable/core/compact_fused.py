@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.compact_slices import Piece
 
-__all__ = ["FusedAdam", "FusedSteps", "hash32", "host_to_device", "noise_bits"]
+__all__ = ["FusedAdam", "FusedSteps", "hash32", "host_to_device", "keys", "noise_bits"]
 
 # 0x846CA68B as a signed 32-bit integer: the hash runs on int32 tensors with wrapping arithmetic.
 _M1, _M2 = 0x7FEB352D, 0x846CA68B - 2**32
@@ -174,14 +174,24 @@ class FusedAdam:
         """Step flat tensors in place: ``w`` and ``comp`` (``None`` for ``"stochastic"``), moments ``m`` and ``v``,
         from gradient ``g`` (:meth:`scalars` says the rest); ``offset`` is the random key of the first element.
         Nothing is allocated: every value lives in the kernel's registers."""
-        start = time.perf_counter()
         key = host_to_device(torch.tensor(_signed32(offset), dtype=torch.int32), w.device)
+        self.run_(w, comp, g, m, v, scalars, key, eager=torch._C._len_torch_dispatch_stack() > 0)
+
+    def run_(
+        self, w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+        scalars: torch.Tensor, key: torch.Tensor, *, eager: bool,
+    ) -> None:
+        """:meth:`step_` with the key as a 0-d int32 tensor on ``w``'s device (:func:`keys` makes a step's keys in one
+        transfer). ``eager``: run the kernel uncompiled, as under a TorchDispatchMode (see :meth:`step_`)."""
         # Under a TorchDispatchMode (a FLOP counter, a tracer, a recorder of host reads) torch.compile skips the frame
         # and marks the kernel's code skipped for the rest of the process: every later CompactWeights would fall back
         # to FP32 copies. The eager kernel (what torch.compile runs itself under a mode) leaves the compiler's state
         # alone and lets the mode see every operation; its words are the compiled ones but for an FP32 ulp now and then.
-        kernel = _adam_kernel if torch._C._len_torch_dispatch_stack() > 0 else self._kernel
-        kernel(w, comp, g, m, v, scalars, key)
+        if eager:
+            _adam_kernel(w, comp, g, m, v, scalars, key)
+            return
+        start = time.perf_counter()
+        self._kernel(w, comp, g, m, v, scalars, key)
         elapsed = time.perf_counter() - start
         if elapsed > self.SLOW_S and not self._said_slow:
             self._said_slow = True
@@ -194,6 +204,13 @@ class FusedAdam:
                     " lit_mpstable.core.compact.CompactWeights(fused=False) steps without compiling.",
                     stacklevel=4,
                 )
+
+
+def keys(offsets: list[int], device: torch.device) -> list[torch.Tensor]:
+    """The random keys ``offsets`` as 0-d int32 tensors on ``device``, each with its own storage: a key that is a
+    view (an element of one tensor of keys) would make the compiled kernel guard on the number of keys, compiling
+    again for each new count of parameters."""
+    return [host_to_device(torch.tensor(_signed32(o), dtype=torch.int32), device) for o in offsets]
 
 
 class FusedSteps:
@@ -214,9 +231,22 @@ class FusedSteps:
     ) -> tuple[list[Piece], bool]:
         """Step the parameters the fused kernel takes (:meth:`_pieces` leaves them whole: the kernel allocates
         nothing, so slices would only add calls); returns the other pieces, in order, and whether any was stepped."""
+        fused = [piece for piece in pieces if piece.fused]
+        if not fused:
+            return pieces, False
+        self._fused = FusedAdam() if self._fused is None else self._fused
+        # Per step, not per parameter: whether a TorchDispatchMode is on, the kernel's scalars (one small tensor per
+        # group and step count, usually one per group).
+        on_device: dict[torch.device, list[Piece]] = {}
+        for piece in fused:
+            on_device.setdefault(piece.param.device, []).append(piece)
+        key_of: dict[int, torch.Tensor] = {}
+        for device, group in on_device.items():
+            key_of.update(zip(map(id, group), keys([self._key(piece) for piece in group], device)))
+        eager = torch._C._len_torch_dispatch_stack() > 0
+        scalars: dict[tuple[int, float, torch.device], torch.Tensor] = {}
         rest: list[Piece] = []
-        stepped = False
-        scalars: dict[tuple[int, float, torch.device], torch.Tensor] = {}  # one small tensor per group, usually
+        steps: list[torch.Tensor] = []  # of the stepped parameters: counted up together at the end
         for i, piece in enumerate(pieces):
             p = piece.param
             if not piece.fused:
@@ -228,19 +258,21 @@ class FusedSteps:
                 state["step"] = torch.tensor(0.0, dtype=scalar_dtype)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            key = (piece.group, float(state["step"]) + 1, p.device)
+            step = state["step"]
+            key = (piece.group, step.item() + 1, p.device)
             if key not in scalars:
                 mult = _multiplier_tensor(multiplier, p.device)
                 scalars[key] = FusedAdam.scalars(optimizer.param_groups[piece.group], key[1], mult, clip)
-            self._fused = FusedAdam() if self._fused is None else self._fused
-            comp = self._comp[piece.name].view(-1) if self.mode == "kahan" else None  # type: ignore[index]
-            assert p.grad is not None  # _fusable marks a piece fused only when its gradient is there
+            comp = _flat(self._comp[piece.name]) if self.mode == "kahan" else None  # type: ignore[index]
+            grad = p.grad
+            assert grad is not None  # _fusable marks a piece fused only when its gradient is there
             try:
-                self._fused.step_(
-                    p.detach().view(-1), comp, p.grad.view(-1), state["exp_avg"].view(-1),
-                    state["exp_avg_sq"].view(-1), scalars[key], self._key(piece),
+                self._fused.run_(
+                    _flat(p.detach()), comp, _flat(grad), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
+                    scalars[key], key_of[id(piece)], eager=eager,
                 )
             except Exception as error:  # compiling failed (no C++ compiler, an unsupported device...)
+                _count_(steps)
                 if self.fused is True:
                     raise RuntimeError(
                         f"CompactWeights(fused=True): the fused Adam step of {piece.name!r} failed: {error}"
@@ -251,11 +283,11 @@ class FusedSteps:
                     f" {str(error).strip().splitlines()[0] if str(error).strip() else ''}); stepping"
                     " through FP32 copies instead (slower). Pass fused=False to skip the attempt.", stacklevel=3,
                 )
-                return rest + pieces[i:], stepped
-            state["step"] += 1
+                return rest + pieces[i:], bool(steps)
+            steps.append(step)
             p.grad = None
-            stepped = True
-        return rest, stepped
+        _count_(steps)
+        return rest, True
 
     def _fusable(self, optimizer: Optimizer, piece: Piece, groups: dict[Any, bool] | None = None) -> bool:
         """Whether the fused kernel can step ``piece``; ``groups`` caches the per-group answer (the optimizer's hooks,
@@ -284,10 +316,11 @@ class FusedSteps:
             return True
         if set(state) != {"step", "exp_avg", "exp_avg_sq"} or not torch.is_tensor(state["step"]):
             return False
-        step = state["step"]
-        return step.device.type == "cpu" and step.numel() == 1 and all(
-            type(state[k]) is torch.Tensor and state[k].dtype == p.dtype and state[k].shape == p.shape
-            and state[k].is_contiguous() for k in ("exp_avg", "exp_avg_sq")
+        step, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+        return (
+            step.device.type == "cpu" and step.numel() == 1
+            and type(m) is torch.Tensor and m.dtype == p.dtype and m.shape == p.shape and m.is_contiguous()
+            and type(v) is torch.Tensor and v.dtype == p.dtype and v.shape == p.shape and v.is_contiguous()
         )
 
 
@@ -299,6 +332,17 @@ def _has_step_hooks(optimizer: Optimizer) -> bool:
         getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None)
         or getattr(module, "_global_optimizer_pre_hooks", None) or getattr(module, "_global_optimizer_post_hooks", None)
     )
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    # A contiguous tensor as the 1-d one the kernel takes; a view costs microseconds, so none where it is one already.
+    return t if t.dim() == 1 else t.view(-1)
+
+
+def _count_(steps: list[torch.Tensor]) -> None:
+    # Each stepped parameter's step counter + 1, in one call (they are 0-d CPU tensors, FP32 or FP64).
+    if steps:
+        torch._foreach_add_(steps, 1)
 
 
 def _multiplier_tensor(multiplier: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:

@@ -322,3 +322,60 @@ def test_an_infinite_weight_without_weight_decay_keeps_finite_moments_as_torch_d
         assert (cw._fused is not None) is (fused is None)
     assert all(bool(torch.isfinite(t)) for t in results[None]), results
     assert [float(t) for t in results[None]] == [float(t) for t in results[False]]
+
+
+class _Many(nn.Module):
+    # Parameters of many sizes (vector tails of every length, 2-d and 1-d) for one step with several groups.
+    def __init__(self) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList(nn.Parameter(torch.randn(*shape)) for shape in
+                                   [(3,), (17,), (5, 13), (64,), (16, 16), (1000,), (7, 9)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_parameters_in_mixed_groups_step_as_each_alone(mode: str) -> None:
+    # One step over every fused parameter of several groups (keys, scalars and step counters made per step, not per
+    # parameter) gives, bit for bit, what each parameter stepped alone gives: its own optimizer and CompactWeights,
+    # same name, seed and step count, so the same random keys. Some parameters miss a gradient on some steps (their
+    # own step counts), the learning rate follows a schedule; no graph is compiled after the first step.
+    def build(together: bool):
+        torch.manual_seed(0)
+        model = _Many().bfloat16()
+        ps = list(model.ps)
+        groups = [{"params": ps[:3], "lr": 3e-3, "weight_decay": 0.1}, {"params": ps[3:], "lr": 1e-3}]
+        if together:
+            opts = [torch.optim.AdamW(groups, betas=(0.8, 0.99))]
+        else:
+            opts = [torch.optim.AdamW([{**g, "params": [p]}], betas=(0.8, 0.99)) for g in groups for p in g["params"]]
+        schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in opts]
+        return model, opts, schedules, [CompactWeights(model, [o], mode, seed=5) for o in opts]
+
+    results, graphs = [], []
+    for together in (True, False):
+        model, opts, schedules, cws = build(together)
+        g = torch.Generator().manual_seed(1)
+        for step in range(4):
+            for i, p in enumerate(model.ps):
+                if (i + step) % 3 != 0:  # a different set of parameters has a gradient at each step
+                    p.grad = (torch.randn(p.shape, generator=g) * 1e-2).bfloat16()
+                else:
+                    torch.randn(p.shape, generator=g)
+            for opt, cw, schedule in zip(opts, cws, schedules):
+                if any(p.grad is not None for group in opt.param_groups for p in group["params"]):
+                    cw.step_(opt, grad_multiplier=torch.tensor(0.5))
+                else:
+                    cw.steps += 1  # stepped alone: the together run's step count (the random keys) goes on
+                schedule.step()
+            if together:
+                graphs.append(counters["stats"]["unique_graphs"])
+        assert all(not cw._fused_failed and cw._fused is not None for cw in cws)
+        comps = {n: c for cw in cws for n, c in cw.state_dict()["compensation"].items()}
+        state = {id(p): s for opt in opts for p, s in opt.state.items()}
+        results.append([(p.detach().clone(), comps.get(f"ps.{i}"), state[id(p)]) for i, p in enumerate(model.ps)])
+    assert graphs[1:] == [graphs[0]] * 3, graphs
+    for i, ((w, c, s), (w_ref, c_ref, s_ref)) in enumerate(zip(*results)):
+        assert torch.equal(w.view(torch.int16), w_ref.view(torch.int16)), i
+        assert (c is None) == (mode == "stochastic") and (c is None or torch.equal(c, c_ref)), i
+        assert torch.equal(s["step"], s_ref["step"]) and float(s["step"]) == sum((i + k) % 3 != 0 for k in range(4))
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(s[key].view(torch.int16), s_ref[key].view(torch.int16)), (i, key)
