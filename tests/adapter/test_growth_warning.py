@@ -31,14 +31,14 @@ class SwiGLU(nn.Module):
 class GrowthTask(pl.LightningModule):
     """A pre-norm residual SwiGLU block on a fixed regression (AdamW); ``grow``: the alignment injection."""
 
-    def __init__(self, seed: int, grow: bool) -> None:
+    def __init__(self, seed: int, grow: bool, grow_until: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.inp, self.mlp, self.out = nn.Linear(16, 16), SwiGLU(), nn.Linear(16, 16)
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(256, 16, generator=g)
         self.y = torch.tanh(self.x @ torch.randn(16, 16, generator=g) / 4)
-        self.grow, self.u = grow, torch.zeros(16)
+        self.grow, self.grow_until, self.u = grow, grow_until, torch.zeros(16)
         self.first_nonfinite: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ class GrowthTask(pl.LightningModule):
 
     def on_train_batch_end(self, *args) -> None:
         step = self.trainer.global_step
-        if not self.grow or step < GROW_FROM:
+        if not self.grow or step < GROW_FROM or (self.grow_until is not None and step >= self.grow_until):
             return
         with torch.no_grad():
             gate, up = self.mlp.gate.weight, self.mlp.up.weight
@@ -72,8 +72,9 @@ class GrowthTask(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
-def _run(seed: int, grow: bool, steps: int, fallback: bool = False, recipe: str = "current"):
-    module = GrowthTask(seed, grow)
+def _run(seed: int, grow: bool, steps: int, fallback: bool = False, recipe: str | None = "current",
+         grow_until: int | None = None):
+    module = GrowthTask(seed, grow, grow_until)
     plugin = StablePrecision("bf16-mixed", fp8=recipe, growth_every_n_steps=10)
     monitor = OverflowMonitor(log_every_n_steps=10)
     callbacks = [monitor] + ([PrecisionFallback(on_growth=True, patience=10**6, max_overflow_rate=None,
