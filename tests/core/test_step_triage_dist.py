@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_mpstable.core.spike import SpikeGuard
+from lit_mpstable.core.step_guard import STATE_SHARES, held_tensors
 from lit_mpstable.core.stepper import PrecisionStepper
 from lit_mpstable.core.triage_loop import StateSnapshot, StepTriage
 
-WORLD_SIZE, FAULT_RANK, STEPS = 2, 1, 15
+WORLD_SIZE, FAULT_RANK, STEPS = 2, 1, 23
 # A collective one rank never joins fails after TIMEOUT_S instead of waiting 30 minutes; the whole job after RUN_S.
 TIMEOUT_S, RUN_S = 60, 240
 NAN = float("nan")
@@ -30,12 +31,18 @@ LOSS_SPIKE = 7  # the loss x 1e4 on the step's first execution only (SpikeGuard 
 PRECISION = 9  # fc2's output is inf while autocast is on, on every execution (an overflow of the low precision)
 BAD_WEIGHT = 11  # a NaN written into fc1's weight before the step (a bit flip in memory)
 NAN_BATCH = 13  # the batch holds a NaN
+# From this step on, the first step whose share of the state check (STATE_SHARES) holds a momentum buffer: NaN
+# written into those buffers before it. Loss and gradients stay finite; only rank 1's own state check sees it.
+BAD_MOMENTUM_FROM = 15
+PERSISTENT_SPIKE = 21  # the loss x 1e4 on every execution: a spike on rank 1 only (the guard watches the loss)
 EXPECTED = [
     (TRANSIENT, "transient", "use_replay", ["as_is:clean"]),
     (LOSS_SPIKE, "transient", "use_replay", ["as_is:clean"]),
     (PRECISION, "precision", "fallback", ["as_is:nonfinite", "fp32:clean"]),
     (BAD_WEIGHT, "state", "rollback", ["as_is:nonfinite", "fp32:nonfinite", "snapshot:clean"]),
     (NAN_BATCH, "data", "skip", ["as_is:nonfinite", "fp32:nonfinite", "snapshot:nonfinite"]),
+    (None, "state", "rollback", ["as_is:nonfinite", "fp32:nonfinite", "snapshot:clean"]),  # the bad momentum
+    (PERSISTENT_SPIKE, "data", "skip", ["as_is:nonfinite", "fp32:nonfinite", "snapshot:nonfinite"]),
 ]
 
 
@@ -59,14 +66,16 @@ def _data(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _RankLoop:
     """A plain DDP loop: TinyMLP in bf16-mixed through a PrecisionStepper with SpikeGuard, SGD with momentum, a
-    StateSnapshot after every applied step, StepTriage; each rank trains on its own half of 4 batches (cycled)."""
+    StateSnapshot after every applied step, StepTriage; each rank trains on its own half of 4 batches (cycled). The
+guard watches the loss only: each rank judges its own loss (the gradient norm is the same on every rank after
+DDP's all-reduce), so a spike on rank 1 is a verdict of rank 1 alone until the ranks agree."""
 
     def __init__(self, rank: int) -> None:
         torch.manual_seed(0)
         self.rank = rank
         self.model = _MLP()
         self.stepper = PrecisionStepper("bf16-mixed", device="cpu",
-                                        spike_guard=SpikeGuard(zscore=4.0, window=16, warmup=4))
+                                        spike_guard=SpikeGuard(zscore=4.0, window=16, warmup=4, watch=("loss",)))
         self.stepper.setup_module(self.model)
         self.ddp = nn.parallel.DistributedDataParallel(self.model)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
@@ -76,6 +85,7 @@ class _RankLoop:
         x, y = _data()
         self.x, self.y = x[rank::WORLD_SIZE], y[rank::WORLD_SIZE]
         self.step = self.executions = 0
+        self.bad_momentum_at: int | None = None
         self.model.fc2.register_forward_hook(self._fc2_fault)
 
     def _faulty(self, step: int) -> bool:
@@ -91,11 +101,21 @@ class _RankLoop:
             return output * float("inf")
         return None
 
+    def _corrupt_checked_momentum(self, step: int) -> None:
+        """NaN into the momentum buffers this step's state check reads, if it reads any."""
+        share = self.stepper.applied_steps(self.opt) % STATE_SHARES
+        momenta = {id(state["momentum_buffer"]) for state in self.opt.state.values()}
+        checked = [t for t in held_tensors(self.opt, share, stepped=False) if id(t) in momenta]
+        with torch.no_grad():
+            for buffer in checked:
+                buffer.view(-1)[0] = NAN
+        self.bad_momentum_at = step if checked else None
+
     def closure(self, x: torch.Tensor, y: torch.Tensor):
         def run() -> torch.Tensor:
             with self.stepper.forward_context():
                 loss = F.mse_loss(self.ddp(self.stepper.convert_input(x)).float(), y)
-            if self._faulty(LOSS_SPIKE) and self.executions == 1:
+            if self._faulty(LOSS_SPIKE) and self.executions == 1 or self._faulty(PERSISTENT_SPIKE):
                 loss = loss * 1e4
             self.stepper.scale_loss(loss).backward()
             return loss
@@ -108,6 +128,8 @@ class _RankLoop:
             if self._faulty(BAD_WEIGHT):
                 with torch.no_grad():
                     self.model.fc1.weight.view(-1)[3] = NAN
+            if self.rank == FAULT_RANK and step >= BAD_MOMENTUM_FROM and self.bad_momentum_at is None:
+                self._corrupt_checked_momentum(step)
             rows = slice(8 * (step % 4), 8 * (step % 4 + 1))
             x, y = self.x[rows].clone(), self.y[rows]
             if self._faulty(NAN_BATCH):
@@ -117,7 +139,7 @@ class _RankLoop:
             if not self.stepper.last_step_skipped:
                 self.snapshot.take()
         return {
-            "events": self.triage.events, "skipped": skipped, "replays_run": self.triage.replays_run,
+            "bad_momentum_at": self.bad_momentum_at, "events": self.triage.events, "skipped": skipped, "replays_run": self.triage.replays_run,
             "islands": list(self.stepper.islands.names), "rollbacks": self.triage.rollbacks,
             "counters": (self.stepper.step_count, self.stepper.skipped_steps, self.stepper.applied_steps()),
             "spikes": int(self.stepper.spike_guard.spikes_skipped),
@@ -165,16 +187,19 @@ def _run_two_ranks(tmp_path: Path) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_a_fault_on_one_rank_is_triaged_alike_on_both(tmp_path):
     rank0, rank1 = _run_two_ranks(tmp_path)
+    bad_momentum_at = rank1["bad_momentum_at"]
+    assert bad_momentum_at is not None and BAD_MOMENTUM_FROM <= bad_momentum_at < PERSISTENT_SPIKE
+    expected = [(bad_momentum_at if step is None else step, *rest) for step, *rest in EXPECTED]
     for rank in (rank0, rank1):
-        assert [(e["step"], e["kind"], e["action"], e["replays"]) for e in rank["events"]] == EXPECTED
+        assert [(e["step"], e["kind"], e["action"], e["replays"]) for e in rank["events"]] == expected
     assert rank0["events"] == rank1["events"]  # blamed names and restored steps too
     precision = next(e for e in rank0["events"] if e["kind"] == "precision")
     assert precision["blamed"] == ["fc2"]  # traced on rank 1 only (rank 0's own forward was finite), agreed on both
     assert rank0["islands"] == rank1["islands"] == ["fc2"]
-    # One skip per event; 1 + 1 + 2 + 3 + 3 replays (the last two climb the whole ladder).
-    assert rank0["skipped"] == rank1["skipped"] == [s == NAN_BATCH for s in range(STEPS)]
-    assert rank0["replays_run"] == rank1["replays_run"] == 10 and rank0["rollbacks"] == rank1["rollbacks"] == 1
-    assert rank0["spikes"] == rank1["spikes"] >= 1 and rank0["counters"] == rank1["counters"]
+    # A clean replay's step is applied; a "data" step stays skipped. Replays: 1 + 1 + 2 + 3 + 3 + 3 + 3.
+    assert rank0["skipped"] == rank1["skipped"] == [s in (NAN_BATCH, PERSISTENT_SPIKE) for s in range(STEPS)]
+    assert rank0["replays_run"] == rank1["replays_run"] == 16 and rank0["rollbacks"] == rank1["rollbacks"] == 2
+    assert rank0["spikes"] == rank1["spikes"] == 2 and rank0["counters"] == rank1["counters"]
     for name, value in rank0["weights"].items():
         assert torch.isfinite(value).all(), name
         assert torch.equal(value, rank1["weights"][name]), name
