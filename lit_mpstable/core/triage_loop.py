@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.core.attribution import trace_nonfinite
 from lit_mpstable.core.checkpoints import copy_state
 from lit_mpstable.core.stepper import PrecisionStepper
 from lit_mpstable.core.triage import (
@@ -26,6 +25,7 @@ from lit_mpstable.core.triage import (
     needs_triage,
     restore_rng,
     rng_state,
+    traced,
     traced_names,
     triage_event,
 )
@@ -284,7 +284,7 @@ class _LoopReplay:
         self.triage.replays_run += 1
         restore_rng(self.rng)
         _zero_grads(self.optimizer, self.module)
-        with trace_nonfinite(self.module) if trace else nullcontext() as tracer:
+        with traced(self.module, trace) as tracer:
             loss = self.closure()
         return (loss.detach() if isinstance(loss, torch.Tensor) else None), traced_names(tracer)
 

@@ -139,7 +139,8 @@ DDP's all-reduce), so a spike on rank 1 is a verdict of rank 1 alone until the r
             if not self.stepper.last_step_skipped:
                 self.snapshot.take()
         return {
-            "bad_momentum_at": self.bad_momentum_at, "events": self.triage.events, "skipped": skipped, "replays_run": self.triage.replays_run,
+            "bad_momentum_at": self.bad_momentum_at, "events": self.triage.events, "skipped": skipped,
+            "replays_run": self.triage.replays_run,
             "islands": list(self.stepper.islands.names), "rollbacks": self.triage.rollbacks,
             "counters": (self.stepper.step_count, self.stepper.skipped_steps, self.stepper.applied_steps()),
             "spikes": int(self.stepper.spike_guard.spikes_skipped),
