@@ -304,3 +304,42 @@ def test_events_are_logged_as_a_metric():
         make_trainer(StablePrecision("32-true"), callbacks=[triage, FaultInjector({2: "nan_batch"})], max_steps=4,
                      logger=logger, log_every_n_steps=1).fit(seeded())
     assert logger.values("mp/triage_events") == [0.0, 0.0, 1.0, 1.0]
+
+
+class PlainStep(PoisonModule):
+    """PoisonModule with a training step Dynamo compiles as one graph (PoisonTask's reads the loss to the host and
+    keys on the step: a graph break and a recompilation per step)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.model(x).float(), y)
+
+
+@pytest.mark.slow
+def test_a_compiled_module_is_triaged_as_eagerly_without_recompiling_per_event():
+    # torch.compile(module): each kind classified as the eager module's are (the events of the tests above). The traced
+    # as-is replay runs eagerly (Dynamo cannot trace its hooks); the FP32 replay (autocast off) and the fallback (fc2's
+    # forward wrapped) each compile once, and FaultInjector's hook, which Dynamo specializes on its armed kind, adds
+    # one variant: 3 graphs over the same faulted run without triage (5 graphs), not one or more per event (6 here).
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    schedule = {1: "transient", 3: "nan_batch", 5: "fp16_overflow", 8: "transient", 9: "nan_batch"}
+
+    def run(triage: FaultTriage | None) -> int:
+        torch._dynamo.reset()
+        backend = CompileCounterWithBackend("aot_eager")
+        torch.manual_seed(0)
+        callbacks = [FaultInjector(schedule, module="model.fc2"), ScaleCheckpoint(every_n_steps=1), CorruptState(7)]
+        fit(torch.compile(PlainStep(), backend=backend), [triage] + callbacks if triage else callbacks, "16-mixed",
+            max_steps=10)
+        torch._dynamo.reset()
+        return backend.frame_count
+
+    triage = FaultTriage()
+    graphs, without = run(triage), run(None)
+    assert [(e["step"], e["kind"], e["action"]) for e in triage.events] == [
+        (1, "transient", "use_replay"), (3, "data", "skip"), (5, "precision", "fallback"), (7, "state", "rollback"),
+        (8, "transient", "use_replay"), (9, "data", "skip")]
+    assert triage.events[2]["blamed"] == ["model.fc2"] and triage.events[3]["replays"][-1] == "snapshot:clean"
+    assert graphs - without <= 3, (graphs, without)
