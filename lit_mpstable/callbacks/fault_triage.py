@@ -74,7 +74,8 @@ class FaultTriage(PluginCallback):
     The plugin counts what happened: the rejected execution as a skipped step, an applied replay as a step of its
     own. Every event goes into :attr:`events`, a rank-zero message and ``mp/triage_events``, and the checkpoint.
     Distributed runs decide alike on every rank: the trigger and each replay's verdict are reduced (any rank's
-    non-finite value counts), the blamed names agreed, before anything is done; every rank replays together.
+    non-finite value counts), the blamed names agreed, before anything is done; every rank replays together. A
+    ``torch.compile``'d module runs its as-is replay eagerly (it is traced); the other replays run compiled.
 
     A run that cannot be replayed says so once and classifies nothing: manual optimization (the step is the user's
     own code), gradient accumulation (only the last of the step's batches is at hand), a ``training_step`` that takes

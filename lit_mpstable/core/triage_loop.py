@@ -146,7 +146,9 @@ class StepTriage:
 
     A clean step costs nothing more than the loop's own: one call of the closure, one step, no host read beyond
     the step's skip decision; the RNG states are small host copies. An event costs at most ``max_replays`` more
-    calls of the closure. Distributed runs (the default process group) decide alike on every rank.
+    calls of the closure. Distributed runs (the default process group) decide alike on every rank: the trigger and
+    each replay's verdict are OR-ed over the ranks, the blamed names agreed. A ``torch.compile``'d model runs its
+    as-is replay eagerly (it is traced for where inf/NaN first appeared); the other replays run compiled.
 
     Args:
         stepper: a PrecisionStepper, or a front end exposing it (``lit_mpstable.fabric.StablePrecision``).
