@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,7 +25,6 @@ from lit_mpstable.callbacks._common import (
 )
 from lit_mpstable.callbacks._snapshot import restore_snapshot, take_snapshot
 from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
-from lit_mpstable.core.attribution import trace_nonfinite
 from lit_mpstable.core.triage import (
     LADDER,
     Replay,
@@ -36,6 +35,7 @@ from lit_mpstable.core.triage import (
     next_replay,
     restore_rng,
     rng_state,
+    traced,
     traced_names,
     triage_event,
 )
@@ -74,7 +74,8 @@ class FaultTriage(PluginCallback):
     The plugin counts what happened: the rejected execution as a skipped step, an applied replay as a step of its
     own. Every event goes into :attr:`events`, a rank-zero message and ``mp/triage_events``, and the checkpoint.
     Distributed runs decide alike on every rank: the trigger and each replay's verdict are reduced (any rank's
-    non-finite value counts), the blamed names agreed, before anything is done; every rank replays together.
+    non-finite value counts), the blamed names agreed, before anything is done; every rank replays together. A
+    ``torch.compile``'d module runs its as-is replay eagerly (it is traced); the other replays run compiled.
 
     A run that cannot be replayed says so once and classifies nothing: manual optimization (the step is the user's
     own code), gradient accumulation (only the last of the step's batches is at hand), a ``training_step`` that takes
@@ -221,7 +222,7 @@ class _TrainerReplay:
         restore_rng(triage._rng)
         self.optimizer.zero_grad(set_to_none=True)
         pl_module.zero_grad(set_to_none=True)
-        with trace_nonfinite(pl_module) if trace else nullcontext() as tracer:
+        with traced(pl_module, trace) as tracer:
             # In the precision the replay runs in: a '*-true' batch is 16-bit, and the FP32 replay needs it in FP32.
             output = self.trainer.strategy.training_step(self.plugin.convert_input(self.batch), triage._batch_idx)
             loss = output.get("loss") if isinstance(output, dict) else output

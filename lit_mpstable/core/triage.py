@@ -13,9 +13,12 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from lit_mpstable.core.attribution import OverflowTracer, trace_nonfinite
+from lit_mpstable.core.compiled import eager
+
 __all__ = ["ACTIONS", "LADDER", "Replay", "ReplayHost", "RngState", "TriageKind", "agreed_names", "any_rank", "climb",
            "full_precision", "needs_triage", "next_replay", "replay_finite", "replay_spikes", "restore_rng",
-           "rng_state", "traced_names", "triage_event"]
+           "rng_state", "traced", "traced_names", "triage_event"]
 
 TriageKind = Literal["transient", "precision", "data", "state"]
 
@@ -235,6 +238,19 @@ def climb(host: ReplayHost, max_replays: int) -> tuple[TriageKind, list[str], li
             host.leave_snapshot(backup)  # the trial from the snapshot is undone
         replay = next_replay(replay, clean, max_replays)
     return replay, outcomes, traced, extra
+
+
+@contextmanager
+def traced(module: nn.Module, trace: bool) -> Generator[OverflowTracer | None, None, None]:
+    """The context of a replay's forward and backward: with ``trace``, an :class:`~lit_mpstable.core.attribution.
+    OverflowTracer` on ``module``, run eagerly (``torch.compile``'d code too: Dynamo cannot trace the tracer's hooks,
+    and hooks that came and went would recompile the graph on every event); else nothing (None), compiled as usual.
+    """
+    if not trace:
+        yield None
+        return
+    with eager(), trace_nonfinite(module) as tracer:
+        yield tracer
 
 
 def traced_names(tracer: Any) -> list[str]:

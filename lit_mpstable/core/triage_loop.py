@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.core.attribution import trace_nonfinite
 from lit_mpstable.core.checkpoints import copy_state
 from lit_mpstable.core.stepper import PrecisionStepper
 from lit_mpstable.core.triage import (
@@ -26,6 +25,7 @@ from lit_mpstable.core.triage import (
     needs_triage,
     restore_rng,
     rng_state,
+    traced,
     traced_names,
     triage_event,
 )
@@ -146,7 +146,9 @@ class StepTriage:
 
     A clean step costs nothing more than the loop's own: one call of the closure, one step, no host read beyond
     the step's skip decision; the RNG states are small host copies. An event costs at most ``max_replays`` more
-    calls of the closure. Distributed runs (the default process group) decide alike on every rank.
+    calls of the closure. Distributed runs (the default process group) decide alike on every rank: the trigger and
+    each replay's verdict are OR-ed over the ranks, the blamed names agreed. A ``torch.compile``'d model runs its
+    as-is replay eagerly (it is traced for where inf/NaN first appeared); the other replays run compiled.
 
     Args:
         stepper: a PrecisionStepper, or a front end exposing it (``lit_mpstable.fabric.StablePrecision``).
@@ -284,7 +286,7 @@ class _LoopReplay:
         self.triage.replays_run += 1
         restore_rng(self.rng)
         _zero_grads(self.optimizer, self.module)
-        with trace_nonfinite(self.module) if trace else nullcontext() as tracer:
+        with traced(self.module, trace) as tracer:
             loss = self.closure()
         return (loss.detach() if isinstance(loss, torch.Tensor) else None), traced_names(tracer)
 

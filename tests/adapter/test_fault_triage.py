@@ -260,23 +260,40 @@ def test_iterable_dataset_cannot_be_replayed():
 @pytest.mark.parametrize("schedule, precision, kinds", [
     ({2: "transient", 4: "nan_batch"}, "32-true", [(2, "transient"), (4, "data")]),
     ({1: "fp16_overflow"}, "16-mixed", [(1, "precision")]),
-    ({}, "32-true", [(3, "state")]),  # a NaN weight on rank 1 at step 3, snapshots every step
+    ("weight", "32-true", [(3, "state")]),  # a NaN weight on rank 1 at step 3, snapshots every step
+    # A NaN momentum buffer on rank 1, at the step whose share of the state check holds it (fc1's weight is in share 0:
+    # the step after a round of shares). Loss and gradients stay finite: only rank 1's replays find it, and both
+    # ranks must climb to the snapshot alike.
+    ("optimizer", "32-true", [(STATE_SHARES, "state")]),
+    # A loss spike on rank 1 on every execution (SpikeGuard judges the loss averaged over the ranks): data on both.
+    ({5: "loss_spike"}, "bf16-mixed", [(5, "data")]),
 ])
 def test_ddp_fault_on_one_rank_is_decided_alike_on_both(tmp_path, schedule, precision, kinds):
     from dist_helpers import RankFaultModule, fit_ddp
 
+    from lit_mpstable import SpikeGuard
+
     triage = FaultTriage()
-    faults = [FaultInjector(schedule, module="model.fc2", ranks=[1])] if schedule else [
-        ScaleCheckpoint(every_n_steps=1), CorruptState(3, rank=1)]
+    if isinstance(schedule, dict):
+        faults = [FaultInjector(schedule, module="model.fc2", ranks=[1])]
+    else:
+        faults = [ScaleCheckpoint(every_n_steps=1), CorruptState(kinds[0][0], schedule, rank=1)]
+    spiking = isinstance(schedule, dict) and "loss_spike" in schedule.values()
+    guard = SpikeGuard(zscore=4.0, window=16, warmup=4) if spiking else None
     with quiet():
-        rank0, rank1 = fit_ddp(RankFaultModule(), StablePrecision(precision), [triage, *faults], tmp_path,
-                               max_steps=6)
+        rank0, rank1 = fit_ddp(RankFaultModule(), StablePrecision(precision, spike_guard=guard), [triage, *faults],
+                               tmp_path, max_steps=kinds[-1][0] + 2)
     events0, events1 = rank0["FaultTriage.events"], rank1["FaultTriage.events"]
     assert [(e["step"], e["kind"]) for e in events0] == kinds and events0 == events1
+    if schedule == "optimizer":
+        assert events0[0]["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:clean"]
+    if guard is not None:
+        assert events0[0]["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:none"]
     if precision == "16-mixed":  # only rank 1 saw fc2 overflow: the agreed name moves fc2 on both
         assert events0[0]["blamed"] == ["model.fc2"] and rank0["islands"] == rank1["islands"] == ["model.fc2"]
     assert rank0["skipped"] == rank1["skipped"] and rank0["counters"] == rank1["counters"]
     assert all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in rank0["params"])
+    assert all(torch.isfinite(v).all() for v in rank0["params"].values())
 
 
 def test_events_are_logged_as_a_metric():
@@ -287,3 +304,42 @@ def test_events_are_logged_as_a_metric():
         make_trainer(StablePrecision("32-true"), callbacks=[triage, FaultInjector({2: "nan_batch"})], max_steps=4,
                      logger=logger, log_every_n_steps=1).fit(seeded())
     assert logger.values("mp/triage_events") == [0.0, 0.0, 1.0, 1.0]
+
+
+class PlainStep(PoisonModule):
+    """PoisonModule with a training step Dynamo compiles as one graph (PoisonTask's reads the loss to the host and
+    keys on the step: a graph break and a recompilation per step)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.model(x).float(), y)
+
+
+@pytest.mark.slow
+def test_a_compiled_module_is_triaged_as_eagerly_without_recompiling_per_event():
+    # torch.compile(module): each kind classified as the eager module's are (the events of the tests above). The traced
+    # as-is replay runs eagerly (Dynamo cannot trace its hooks); the FP32 replay (autocast off) and the fallback (fc2's
+    # forward wrapped) each compile once, and FaultInjector's hook, which Dynamo specializes on its armed kind, adds
+    # one variant: 3 graphs over the same faulted run without triage (5 graphs), not one or more per event (6 here).
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    schedule = {1: "transient", 3: "nan_batch", 5: "fp16_overflow", 8: "transient", 9: "nan_batch"}
+
+    def run(triage: FaultTriage | None) -> int:
+        torch._dynamo.reset()
+        backend = CompileCounterWithBackend("aot_eager")
+        torch.manual_seed(0)
+        callbacks = [FaultInjector(schedule, module="model.fc2"), ScaleCheckpoint(every_n_steps=1), CorruptState(7)]
+        fit(torch.compile(PlainStep(), backend=backend), [triage] + callbacks if triage else callbacks, "16-mixed",
+            max_steps=10)
+        torch._dynamo.reset()
+        return backend.frame_count
+
+    triage = FaultTriage()
+    graphs, without = run(triage), run(None)
+    assert [(e["step"], e["kind"], e["action"]) for e in triage.events] == [
+        (1, "transient", "use_replay"), (3, "data", "skip"), (5, "precision", "fallback"), (7, "state", "rollback"),
+        (8, "transient", "use_replay"), (9, "data", "skip")]
+    assert triage.events[2]["blamed"] == ["model.fc2"] and triage.events[3]["replays"][-1] == "snapshot:clean"
+    assert graphs - without <= 3, (graphs, without)

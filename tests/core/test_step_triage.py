@@ -296,3 +296,108 @@ def test_a_stepper_without_a_model_is_refused_at_run():
     triage, opt = StepTriage(PrecisionStepper("32-true", device="cpu")), torch.optim.SGD(TinyMLP().parameters(), 0.1)
     with pytest.raises(RuntimeError, match="the stepper has no model"):
         triage.run(opt, lambda: torch.zeros(()))
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+class PoisonLinear(nn.Linear):
+    """A linear layer whose faults are tensors (filled between calls, so a compiled graph never recompiles for them):
+    its output plus ``poison`` (0, or NaN), times ``overflow`` while it is 16-bit (1, or inf: under autocast only)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__(features, features)
+        self.register_buffer("poison", torch.zeros(()), persistent=False)
+        self.register_buffer("overflow", torch.ones(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x) + self.poison
+        return out * self.overflow if out.dtype != torch.float32 else out  # decided when traced: a graph a precision
+
+
+class PoisonMLP(TinyMLP):
+    """TinyMLP with fc2 a :class:`PoisonLinear`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.fc2 = PoisonLinear(self.fc2.in_features)
+
+
+class CompiledLoop:
+    """A bf16-mixed loop over PoisonMLP, SGD with momentum, SpikeGuard, a snapshot after each applied step; the
+    forward through ``torch.compile`` (aot_eager, every graph counted) or eager. ``faults``: {step: kind}, kinds
+    ``transient`` (NaN on the step's first execution), ``loss_spike`` (x 1e4 on the first execution),
+    ``precision`` (inf in bf16 only), ``state`` (a NaN weight before the step), ``data`` (a NaN batch)."""
+
+    def __init__(self, faults: dict[int, str], *, compiled: bool) -> None:
+        torch.manual_seed(0)
+        self.model = PoisonMLP()
+        self.stepper = PrecisionStepper("bf16-mixed", device="cpu",
+                                        spike_guard=SpikeGuard(zscore=4.0, window=16, warmup=4))
+        self.stepper.setup_module(self.model)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.stepper.setup_optimizers(self.model, [self.opt])
+        self.snapshot = StateSnapshot(self.stepper, self.model, self.opt)
+        self.triage = StepTriage(self.stepper, snapshot=self.snapshot)
+        self.graphs = 0
+        self.forward = torch.compile(self.model, backend=self._counting) if compiled else self.model
+        self.x, self.y = regression_data(64)
+        self.faults = faults
+
+    def _counting(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        self.graphs += 1
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def train(self, steps: range) -> CompiledLoop:
+        for step in steps:
+            kind, executions = self.faults.get(step), [0]
+            x, y = self.x[16 * (step % 4):16 * (step % 4 + 1)].clone(), self.y[16 * (step % 4):16 * (step % 4 + 1)]
+            if kind == "data":
+                x.view(-1)[0] = NAN
+            if kind == "state":
+                with torch.no_grad():
+                    self.model.fc1.weight.view(-1)[3] = NAN
+            self.model.fc2.overflow.fill_(float("inf") if kind == "precision" else 1.0)
+
+            def closure() -> torch.Tensor:
+                first = executions[0] == 0
+                executions[0] += 1
+                self.model.fc2.poison.fill_(NAN if kind == "transient" and first else 0.0)
+                with self.stepper.forward_context():
+                    loss = F.mse_loss(self.forward(self.stepper.convert_input(x)).float(), y)
+                if kind == "loss_spike" and first:
+                    loss = loss * 1e4
+                self.stepper.scale_loss(loss).backward()
+                return loss
+
+            self.triage.run(self.opt, closure)
+            if not self.stepper.last_step_skipped:
+                self.snapshot.take()
+        self.model.fc2.overflow.fill_(1.0)
+        return self
+
+    def events(self) -> list[tuple]:
+        return [(e["step"], e["kind"], e["action"], e["replays"], e["blamed"]) for e in self.triage.events]
+
+
+COMPILED_FAULTS = {2: "transient", 5: "loss_spike", 7: "precision", 9: "state", 11: "data"}
+TRIAGED_AS = {"transient": "transient", "loss_spike": "transient", "precision": "precision", "state": "state",
+              "data": "data"}  # a passing loss spike is transient
+
+
+@pytest.mark.slow
+def test_a_compiled_model_is_triaged_as_eagerly_without_recompiling_per_event():
+    torch._dynamo.reset()  # the graphs other tests compiled from TinyMLP's code do not count here
+    again = {step + 12: kind for step, kind in COMPILED_FAULTS.items() if kind != "precision"}  # fc2 is FP32 now
+    faults = {**COMPILED_FAULTS, **again}
+    eager = CompiledLoop(faults, compiled=False).train(range(24))
+    compiled = CompiledLoop(faults, compiled=True).train(range(12))
+    first_round = compiled.graphs
+    compiled.train(range(12, 24))
+    assert [e[:2] for e in compiled.events()] == [(step, TRIAGED_AS[kind]) for step, kind in sorted(faults.items())]
+    assert compiled.events() == eager.events()
+    assert compiled.events()[2][4] == ["fc2"] and compiled.stepper.islands.names == ["fc2"]
+    # Graphs: the forward and the FP32 replay's, then those after fc2's fallback; the second round of events (each
+    # kind again but precision) compiles nothing new.
+    assert compiled.graphs == first_round <= 6
+    for name, value in eager.model.state_dict().items():  # bf16 products: compiled and eager round apart
+        torch.testing.assert_close(compiled.model.state_dict()[name], value, rtol=1e-2, atol=1e-3)
