@@ -1,10 +1,13 @@
 """SpikeGuard's targets on the CPU GPT (lit_mpstable.app.zoo.GPT, d_model 128, 2 layers, seq 64, batch 16, on the
 standard-library character corpus), through a plain PrecisionStepper loop in 'bf16-mixed' with AdamW and clipping 1.0:
 
-- caught: 20 injected spikes (10 "loss_spike": loss x 1e4; 10 "grad_spike": every 100th coordinate of one layer's
-  weight gradient x 1e3, as FaultInjector does), spread over the run after the guard's warmup -> how many were skipped;
-- false skips: skipped steps over ``--seeds`` clean runs of ``--steps`` steps each;
-- final val loss of the spiked run with the guard vs the spike-free run without it (and the spiked run without it);
+- caught: per seed, 20 injected spikes (10 "loss_spike": loss x 1e4; 10 "grad_spike": every 100th coordinate of one
+  layer's weight gradient x 1e3, as FaultInjector does), spread over the run after the guard's warmup -> how many
+  were skipped;
+- false skips: skipped steps over ``--seeds`` clean runs of ``--steps`` steps each (with the guard);
+- final val loss, per seed and its mean over seeds, of the spiked run with the guard vs the spike-free run without it,
+  vs the spike-free run with it, vs the spike-free run that skips the same steps (what skipping those batches costs
+  by itself), and of the spiked run without it vs the spike-free one;
 - step-time overhead: CPU time per step (one thread), guard on vs off, median over alternating rounds.
 
 Each skip is listed with its loss and gradient-norm z-scores (which statistic flagged it). ``--norm-floor 0.01``
@@ -60,6 +63,8 @@ class Run:
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         if kind == "loss_spike":
             loss = loss * 1e4
+        if kind == "skip":  # a clean batch whose step is skipped: what skipping alone costs
+            self.stepper.skip_step()
         self.stepper.scale_loss(loss).backward()
         if kind == "grad_spike":
             grad = self.model.blocks[0].fc.weight.grad
@@ -130,40 +135,53 @@ def main() -> None:
 
 
 def accuracy(args: argparse.Namespace, data: CharLMData, out: dict) -> None:
-    # 1. caught spikes, and the final val loss against the spike-free run
-    faults = spike_schedule(args.steps, 0)
-    spiked = Run(data, 0, guard=True)
-    for i in range(args.steps):
-        spiked.step(i, faults.get(i))
-    caught = {k: sum(1 for s, kind in faults.items() if kind == k and s in spiked.skipped)
-              for k in ("loss_spike", "grad_spike")}
-    false_in_spiked = [s for s in spiked.skipped if s not in faults]
-    clean = Run(data, 0, guard=False)
-    for i in range(args.steps):
-        clean.step(i)
-    unguarded = Run(data, 0, guard=False)
-    for i in range(args.steps):
-        unguarded.step(i, faults.get(i))
-    out["caught"] = {**caught, "total": sum(caught.values()), "of": len(faults),
-                     "false_skips_in_spiked_run": false_in_spiked,
-                     "missed": [{"step": s, "kind": k} for s, k in sorted(faults.items()) if s not in spiked.skipped],
-                     "z_scores": spiked.why}
-    out["val_loss"] = {"spike_free": clean.val_loss(), "spiked_guarded": spiked.val_loss(),
-                       "spiked_unguarded": unguarded.val_loss()}
-    out["val_loss"]["guarded_vs_spike_free"] = out["val_loss"]["spiked_guarded"] / out["val_loss"]["spike_free"] - 1
-    print("caught", out["caught"], "\nval", out["val_loss"], flush=True)
-
-    # 2. false skips on clean runs (seed 0's clean guarded run is the spiked run minus faults: run all seeds anew)
-    false, why = {}, {}
+    """Per seed, four runs from the same weights on the same batches: spiked with the guard, spiked without, clean
+    without, clean with (the last one counts false skips). 20 spikes per seed."""
+    caught_total = {"loss_spike": 0, "grad_spike": 0}
+    seeds, false, why = {}, {}, {}
     for seed in range(args.seeds):
-        run = Run(data, seed, guard=True)
+        faults = spike_schedule(args.steps, seed)
+        runs = {name: Run(data, seed, guard=name.endswith("guarded") and not name.endswith("unguarded"))
+                for name in ("spiked_guarded", "spiked_unguarded", "spike_free", "spike_free_guarded")}
+        for name, run in runs.items():
+            for i in range(args.steps):
+                run.step(i, faults.get(i) if name.startswith("spiked") else None)
+        spiked = runs["spiked_guarded"]
+        # The spike-free run that skips the very steps the guarded run skipped: the cost of skipping those batches,
+        # apart from any harm the spikes did.
+        runs["spike_free_skipping_same"] = skipping = Run(data, seed, guard=False)
         for i in range(args.steps):
-            run.step(i)
-        false[seed], why[seed] = list(run.skipped), run.why
+            skipping.step(i, "skip" if i in spiked.skipped else None)
+        caught = {k: sum(1 for s, kind in faults.items() if kind == k and s in spiked.skipped)
+                  for k in ("loss_spike", "grad_spike")}
+        for k, v in caught.items():
+            caught_total[k] += v
+        val = {name: run.val_loss() for name, run in runs.items()}
+        seeds[seed] = {
+            "caught": caught, "missed": [{"step": s, "kind": k} for s, k in sorted(faults.items())
+                                         if s not in spiked.skipped],
+            "false_skips_in_spiked_run": [s for s in spiked.skipped if s not in faults], "z_scores": spiked.why,
+            "val_loss": val,
+            "guarded_vs_spike_free": val["spiked_guarded"] / val["spike_free"] - 1,
+            "guarded_vs_spike_free_guarded": val["spiked_guarded"] / val["spike_free_guarded"] - 1,
+            "guarded_vs_spike_free_skipping_same": val["spiked_guarded"] / val["spike_free_skipping_same"] - 1,
+            "skipping_same_vs_spike_free": val["spike_free_skipping_same"] / val["spike_free"] - 1,
+            "unguarded_vs_spike_free": val["spiked_unguarded"] / val["spike_free"] - 1,
+        }
+        false[seed], why[seed] = list(runs["spike_free_guarded"].skipped), runs["spike_free_guarded"].why
+        print("seed", seed, {k: v for k, v in seeds[seed].items() if k != "z_scores"}, flush=True)
+    out["caught"] = {**caught_total, "total": sum(caught_total.values()), "of": 20 * args.seeds}
+    out["per_seed"] = seeds
+    out["val_loss"] = {
+        key: statistics.mean(s[key] for s in seeds.values())
+        for key in ("guarded_vs_spike_free", "guarded_vs_spike_free_guarded", "unguarded_vs_spike_free",
+                    "guarded_vs_spike_free_skipping_same", "skipping_same_vs_spike_free")
+    }
     total = sum(len(v) for v in false.values())
     out["false_skips"] = {"per_seed": false, "total": total, "steps": args.seeds * args.steps,
                           "rate": total / (args.seeds * args.steps), "z_scores": why}
-    print("false", out["false_skips"], flush=True)
+    print("caught", out["caught"], "\nval (mean over seeds)", out["val_loss"], "\nfalse", out["false_skips"]["total"],
+          flush=True)
 
 
 def overhead(args: argparse.Namespace, data: CharLMData, out: dict) -> None:
