@@ -33,15 +33,16 @@ best LR (0.012-0.024): this 2-block GPT does not diverge at any LR a user would 
 
 Result (3 seeds, ``table.md``): the guard diverges exactly where fixed clipping does (x8, every seed, by step 25,
 0 spike skips), so the stable-LR ratio is 1 (target >= 2: NOT met); the guard reaches fixed clipping's best val loss
-in 1 of 3 seeds (225 vs 300 steps), so the median steps ratio is inf (target <= 0.8: NOT met). Skip only, clip only,
-ZClip z 3.0 and the guard on top of clip 1.0 (``--guard-mode``, ``--clip-zscore``, ``--guard-max-norm``) all diverge
-at x8 too, on all 3 seeds, with 0 skips. Why (seed 0, x8, per-step trace): the loss swings between 4 and 8 from step
-3 on, while the guard is still in its 20-step warmup (no judging, no clipping), so the rolling statistics then learn
-the instability: the largest z-scores over steps 21-40 are 4.1 (loss) and 3.8 (norm), under the skip's 6; the ZClip
-threshold (8.8-11.6) is looser than the fixed 1.0 it replaces; and AdamW's update size does not follow the gradient
-norm, so no clipping bounds it.
+in 1 of 3 seeds (225 vs 300 steps), so the median steps ratio is inf (target <= 0.8: NOT met). At x8 with 3 seeds
+(``ablation_x8_*.md``: ``--mults 8`` with ``--guard-mode skip``, ``--guard-mode clip``, ``--clip-zscore 3.0``,
+``--guard-max-norm 1.0``) every guard variant diverges by step 25 with 0 skips; the guard on top of clip 1.0 gives
+the same losses as clip 1.0 alone. Why (seed 0, x8, a one-off per-step trace of loss, norm and z-scores): the loss
+swings between 4 and 8 from step 3 on, while the guard is still in its 20-step warmup (no judging, no clipping), so
+the rolling statistics then learn the instability: the largest z-scores over steps 21-40 are 4.1 (loss) and 3.8
+(norm), under the skip's 6; the ZClip threshold (8.8-11.6) is looser than the fixed 1.0 it replaces; and AdamW's
+update size does not follow the gradient norm, so no clipping bounds it.
 
-Writes ``experiments/results/spike_lr_sweep/{results.json, table.md, sweep.png}``.
+Writes ``experiments/results/spike_lr_sweep/{results.json, table.md, sweep.png}`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -231,6 +232,7 @@ def plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
     final.set(xlabel=f"LR multiplier (base {args.lr:g})", ylabel=f"val loss (median of {args.seeds} seed(s))",
               title="final / best val loss vs LR (x: diverged)", xscale="log", yscale="log")
     final.set_xticks(mults, [f"x{m:g}" for m in mults])
+    final.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # the log axis's own minor labels clash
     final.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
