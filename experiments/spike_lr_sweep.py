@@ -36,7 +36,9 @@ Result (3 seeds, ``table.md``): the guard diverges exactly where fixed clipping 
 in 1 of 3 seeds (225 vs 300 steps), so the median steps ratio is inf (target <= 0.8: NOT met). At x8 with 3 seeds
 (``ablation_x8_*.md``: ``--mults 8`` with ``--guard-mode skip``, ``--guard-mode clip``, ``--clip-zscore 3.0``,
 ``--guard-max-norm 1.0``) every guard variant diverges by step 25 with 0 skips; the guard on top of clip 1.0 gives
-the same losses as clip 1.0 alone. Why (seed 0, x8, a one-off per-step trace of loss, norm and z-scores): the loss
+the same losses as clip 1.0 alone. Post hoc (a one-off probe, not this script's options): the most aggressive
+public settings, ``SpikeGuard(zscore=3, warmup=4, clip_zscore=2.5)``, with max_norm inf or 1.0, still diverge at x8
+by step 25 on all 3 seeds (0-20 skips). Why (seed 0, x8, a one-off per-step trace of loss, norm and z-scores): the loss
 swings between 4 and 8 from step 3 on, while the guard is still in its 20-step warmup (no judging, no clipping), so
 the rolling statistics then learn the instability: the largest z-scores over steps 21-40 are 4.1 (loss) and 3.8
 (norm), under the skip's 6; the ZClip threshold (8.8-11.6) is looser than the fixed 1.0 it replaces; and AdamW's
