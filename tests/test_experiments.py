@@ -3,9 +3,11 @@ a joblib multirun works."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +30,10 @@ CONF = Path(lit_mpstable.conf.__file__).parent
 _spec = importlib.util.spec_from_file_location("aggregate", ROOT / "experiments" / "aggregate.py")
 aggregate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(aggregate)
+
+_spec = importlib.util.spec_from_file_location("spike_lr_sweep", ROOT / "experiments" / "spike_lr_sweep.py")
+spike_lr_sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(spike_lr_sweep)
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -173,3 +179,40 @@ def test_two_job_multirun_with_the_joblib_launcher_aggregates(tmp_path: Path) ->
     assert [(r["label"], r["precision"], r["steps"]) for r in rows] == [
         ("experiment=classic_mlp_fp32", "32-true", "2"), ("experiment=classic_mlp_fp16_dynamic", "16-mixed", "2"),
     ]
+
+
+def _sweep_run(method: str, mult: float, seed: int, val: list[tuple[int, float]], diverged_at: int | None = None,
+               ) -> dict:
+    return {"method": method, "mult": mult, "seed": seed, "val": val, "diverged_at": diverged_at,
+            "final_val": val[-1][1], "best_val": min(v for _, v in val)}
+
+
+def test_spike_lr_sweep_counts_a_guard_that_never_reaches_fixeds_best_as_a_miss() -> None:
+    # seed 0: fixed diverges at x4 and reaches its best (2.0) at step 100; the guard survives x4 and gets there at 50.
+    # seed 1: both stable at x1..x2; fixed's best is 2.0 at step 100 and the guard never goes below 2.1.
+    runs = [_sweep_run("fixed", 1, 0, [(0, 5.0), (50, 2.5), (100, 2.0)]),
+            _sweep_run("fixed", 4, 0, [(0, 5.0), (50, 9.0)], diverged_at=50),
+            _sweep_run("guard", 1, 0, [(0, 5.0), (50, 2.0), (100, 1.9)]),
+            _sweep_run("guard", 4, 0, [(0, 5.0), (50, 2.4), (100, 2.2)]),
+            _sweep_run("fixed", 1, 1, [(0, 5.0), (50, 2.5), (100, 2.0)]),
+            _sweep_run("fixed", 2, 1, [(0, 5.0), (50, 2.6), (100, 2.3)]),
+            _sweep_run("guard", 1, 1, [(0, 5.0), (50, 2.6), (100, 2.1)]),
+            _sweep_run("guard", 2, 1, [(0, 5.0), (50, 2.7), (100, 2.2)])]
+    summary = spike_lr_sweep.summarise(runs, argparse.Namespace(seeds=2))
+    seed0, seed1 = summary["per_seed"][0], summary["per_seed"][1]
+    assert (seed0["fixed"]["largest_stable_mult"], seed0["guard"]["largest_stable_mult"]) == (1, 4)
+    assert (seed0["stable_ratio"], seed0["steps_ratio"]) == (4.0, 0.5)
+    assert (seed1["stable_ratio"], seed1["guard"]["steps_to_fixed_best"]) == (1.0, None)
+    assert seed1["steps_ratio"] == math.inf  # a miss, not a seed left out of the median
+    assert summary["median_steps_ratio"] == math.inf and not summary["target_steps_met"]
+
+
+@pytest.mark.slow
+def test_spike_lr_sweep_smoke_run_writes_its_table_json_and_figure(tmp_path: Path) -> None:
+    spike_lr_sweep.main(["--steps", "4", "--eval-every", "2", "--val-seqs", "32", "--mults", "1", "8",
+                         "--out", str(tmp_path)])
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert sorted((r["mult"], r["method"]) for r in runs) == [(1, "fixed"), (1, "guard"), (8, "fixed"), (8, "guard")]
+    assert all([s for s, _ in r["val"]] == [0, 2, 4] or r["diverged_at"] for r in runs)
+    assert "Median stable-LR ratio" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "sweep.png").stat().st_size > 0
