@@ -12,7 +12,7 @@ Formats (bytes per element of one moment):
 - ``"bf16"`` (2): stochastically rounded (DeepSeek-V3 keeps BF16 moments; rounding to nearest loses the EMA's small
   updates: an update below half a BF16 ulp, 2**-9 of the value, is rounded away every step, and ``1 - beta2`` is
   1e-3). The rounding is unbiased, ``E[round(x)] == x``.
-- ``"fp8"`` (1 + 8/128): 8-bit codes in blocks of :data:`BLOCK_SIZE` consecutive elements of the flattened tensor,
+- ``"fp8"`` (1 + 8/64): 8-bit codes in blocks of :data:`BLOCK_SIZE` consecutive elements of the flattened tensor,
   each block with an FP32 ``amax`` and an FP32 exponent ``k``: COAT's dynamic range expansion (Xi et al., ICLR 2025).
   A block's values span ``[amin, amax]`` (nonzero magnitudes), often a far narrower range than the 8-bit format
   covers, so a plain per-block scale wastes most codes; the magnitude is stored as ``y = ymax * (|x| / amax) ** k``

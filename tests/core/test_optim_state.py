@@ -176,7 +176,7 @@ def test_fp8_non_finite_value_makes_only_its_block_nan() -> None:
 def test_fp8_slices_must_be_block_aligned() -> None:
     store = MomentStore("fp8", (300,))
     store.read(128, 300)
-    with pytest.raises(ValueError, match="blocks of 128"):
+    with pytest.raises(ValueError, match=f"blocks of {BLOCK_SIZE}"):
         store.read(100, 300)
 
 
@@ -248,7 +248,7 @@ def test_load_state_dict_is_strict() -> None:
 def test_state_bytes() -> None:
     n = 16 * 1024
     assert state_bytes(n, "bf16") / state_bytes(n, "fp32") == 0.5
-    assert state_bytes(n, "fp8") / state_bytes(n, "fp32") == pytest.approx(0.265625)
+    assert state_bytes(n, "fp8") / state_bytes(n, "fp32") == pytest.approx((1 + 8 / 64) / 4)  # <= the 0.3x budget
     for kind in ("fp32", "bf16", "fp8"):
         for numel in (1, 300, n):
             m, v = adam_moments(kind, (numel,))
