@@ -285,7 +285,8 @@ def main() -> None:
         results["overhead"] = run_overhead(rounds=args.overhead_rounds, steps=args.overhead_steps)
         print(json.dumps(results["overhead"]), flush=True)
     for part in set(args.parts) - {"figures"}:
-        results.setdefault("commands", {})[part] = " ".join(sys.argv[1:])
+        label = f"{part} ({' '.join(args.models)})" if part == "moments" else part  # one run per model
+        results.setdefault("commands", {})[label] = " ".join(sys.argv[1:])
     path.write_text(json.dumps(results, indent=1))
     for extra in ("rounding", "codec"):  # for the table only; not written into results.json
         if (OUT / f"{extra}.json").exists():
