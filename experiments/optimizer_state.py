@@ -260,12 +260,14 @@ def main() -> None:
     if "rounding" in args.parts:
         rpath = OUT / "rounding.json"
         rounding = json.loads(rpath.read_text()) if rpath.exists() else {"rows": [], "commands": {}}
-        rounding["rows"] = [r for r in rounding["rows"] if r["model"] not in args.models]
+        done = {(r["model"], r["seed"], r["kind"], r["rounding_seed"], r["steps"]) for r in rounding["rows"]}
         for model in args.models:
             steps = args.mlp_steps if model == "mlp" else args.gpt_steps
             for seed in range(args.rounding_data_seeds):
                 for kind in ("bf16", "fp8"):
                     for r in range(1, args.rounding_seeds):
+                        if (model, seed, kind, r, steps) in done:  # kept: a rerun adds seeds, not repeats
+                            continue
                         row = run_moments(model, True, kind, seed, steps, rounding_seed=r)
                         row["steps"] = steps
                         rounding["rows"].append(row)
@@ -400,6 +402,7 @@ def _rounding_table(results: dict) -> list[str]:
              f" (`{'`, `'.join(results['rounding']['commands'].values())}`).", "",
              "| model | seed | moments | val loss, rounding seeds 0, 1, ... | vs fp32 moments (%) | spread |",
              "|---|---|---|---|---|---|"]
+    pooled: dict[tuple[str, str], list[list[float]]] = {}
     for model, seed, kind in sorted({(r["model"], r["seed"], r["kind"]) for r in extra}):
         ref = next((r["val_loss"] for r in main if (r["model"], r["seed"], r["kind"]) == (model, seed, "fp32")), None)
         runs = [r for r in main if (r["model"], r["seed"], r["kind"]) == (model, seed, kind)]
@@ -409,6 +412,16 @@ def _rounding_table(results: dict) -> list[str]:
         gaps = ", ".join(f"{100 * (v / ref - 1):+.2f}" for v in vals) if ref else "-"
         lines.append(f"| {model} | {seed} | {kind} | {', '.join(f'{v:.4f}' for v in vals)} | {gaps} |"
                      f" {100 * (max(vals) - min(vals)) / min(vals):.2f}% |")
+        if ref:
+            pooled.setdefault((model, kind), []).append([100 * (v / ref - 1) for v in vals])
+    for (model, kind), per_seed in sorted(pooled.items()):
+        # Runs of one seed share its FP32 run: the standard error is taken over the seeds' means.
+        means = [statistics.mean(gaps) for gaps in per_seed]
+        sem = statistics.stdev(means) / len(means) ** 0.5 if len(means) > 1 else float("nan")
+        worst = max((g for gaps in per_seed for g in gaps), key=abs)
+        lines.append(f"\n{model} {kind}: {sum(map(len, per_seed))} paired runs ({len(means)} seeds), gap vs FP32"
+                     f" moments {statistics.mean(means):+.2f}% (mean of the seeds' means; standard error over seeds"
+                     f" {sem:.2f}%), worst run {worst:+.2f}%.")
     return lines
 
 
