@@ -8,6 +8,15 @@ Parts:
 - ``moments``: ``StablePrecision("bf16-true", master_weights=True|"kahan", optimizer_state="fp32"|"bf16"|"fp8")`` on
   the digits MLP and the small CPU GPT of ``lit_mpstable.app.zoo`` (AdamW + warmup/cosine), 3 seeds each: final
   validation loss against FP32 moments (same seed), and the optimizer state's bytes from ``memory_report()``.
+- ``codec``: where FP8's error comes from, without the noise of diverging runs: one FP32 AdamW run of the GPT, and
+  beside it, per codec variant, quantized moments fed the same gradients; per step the relative error of the
+  update ``m_hat / (sqrt(v_hat) + eps)`` against FP32 moments, its component along the update (a bias shrinks or
+  grows the step), the error of ``m`` and the mean ``log(v_q / v)`` (underflow or a biased EMA of ``v``).
+  Written to ``codec.json``.
+- ``rounding``: the noise floor of the paired statistic: BF16 and FP8 moments rerun with other random bits for
+  their stochastic rounding (``--rounding-seeds``; same initial weights, same batches), so the spread of one
+  format's own runs shows how far a difference from FP32 moments can come from the bits alone. Written to
+  ``rounding.json`` (apart from ``results.json``, so it can run beside the ``moments`` part).
 - ``warning``: the FP8 growth task of ``tests/adapter/test_growth_warning.py`` (a SwiGLU block whose gate and up rows
   are driven into alignment; ``fp8="current"``, native emulated) with ``growth_every_n_steps=10``: the lead of
   OverflowMonitor's first growth warning over the first non-finite loss, 5 seeds; 5 clean runs for false alarms.
@@ -49,13 +58,17 @@ def _trainer(plugin, steps: int, **kwargs) -> pl.Trainer:
     return pl.Trainer(**{**options, **kwargs})
 
 
-def run_moments(model: str, master_weights, kind: str, seed: int, steps: int) -> dict:
+def run_moments(model: str, master_weights, kind: str, seed: int, steps: int, rounding_seed: int = 0) -> dict:
     pl.seed_everything(seed, verbose=False)
     if model == "mlp":
         data, module = DigitsData(), MLPClassifier(total_steps=steps)
     else:
         data = CharLMData(max_chars=200_000)
         module = GPTLM(data.vocab_size, total_steps=steps)
+    if rounding_seed:
+        # The keepers seed stochastic rounding from torch.initial_seed() at setup; the weights are drawn already and
+        # the batches come from a fixed generator, so only the rounding bits change (neither model has dropout).
+        torch.manual_seed(seed + 7919 * rounding_seed)
     plugin = StablePrecision("bf16-true", master_weights=master_weights, optimizer_state=kind)
     trainer = _trainer(plugin, steps)
     start, cpu = time.perf_counter(), time.process_time()
@@ -64,8 +77,102 @@ def run_moments(model: str, master_weights, kind: str, seed: int, steps: int) ->
     state_bytes = plugin.memory_report()["optimizer_state"]  # before validate() sets the model up again
     val = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
     return {"model": model, "weights": str(master_weights), "kind": kind, "seed": seed, "val_loss": float(val),
-            "state_bytes": state_bytes, "seconds": seconds,
-            "cpu_seconds": cpu_seconds}
+            "state_bytes": state_bytes, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "rounding_seed": rounding_seed}
+
+
+# variant: (first moment, second moment); None keeps that moment in FP32; options: sr (stochastic rounding),
+# block (elements per block), sqrt (store sqrt(v) instead of v).
+CODEC_VARIANTS: dict[str, tuple[dict | None, dict | None]] = {
+    "blocks of 128 (before)": (dict(sr=False, block=128), dict(sr=True, block=128)),
+    "128, exp_avg exact": (None, dict(sr=True, block=128)),
+    "128, exp_avg_sq exact": (dict(sr=False, block=128), None),
+    "128, exp_avg stochastic": (dict(sr=True, block=128), dict(sr=True, block=128)),
+    "128, exp_avg_sq nearest": (dict(sr=False, block=128), dict(sr=False, block=128)),
+    "128, sqrt(exp_avg_sq) stored": (dict(sr=False, block=128), dict(sr=True, block=128, sqrt=True)),
+    "blocks of 64 (now)": (dict(sr=False, block=64), dict(sr=True, block=64)),
+    "blocks of 32": (dict(sr=False, block=32), dict(sr=True, block=32)),
+}
+
+
+def _fp8_round_trip(x: torch.Tensor, signed: bool, sr: bool, key: int, step: int, block: int,
+                    sqrt: bool = False) -> torch.Tensor:
+    import lit_mpstable.core.moment_codec as codec
+
+    saved, codec.BLOCK_SIZE = codec.BLOCK_SIZE, block  # encode/decode read the module's block size
+    try:
+        y = x.sqrt() if sqrt else x
+        uniform = None
+        if sr:
+            n = y.numel()
+            uniform = torch.ones(-(-n // block) * block)
+            uniform[:n] = ((codec.random_words(n, 0, 0, step, key, y.device) >> 8) & 0xFFFFFF).float() * 2.0**-24
+        out = codec.decode_fp8(*codec.encode_fp8(y, signed, uniform))
+    finally:
+        codec.BLOCK_SIZE = saved
+    return out.square() if sqrt else out
+
+
+def run_codec(seed: int, steps: int) -> dict:
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    data = CharLMData(max_chars=200_000)
+    data.setup()
+    module = GPTLM(data.vocab_size, total_steps=steps)
+    config = module.configure_optimizers()
+    opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    params = list(module.parameters())
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    ref = [(torch.zeros(p.numel()), torch.zeros(p.numel())) for p in params]
+    shadow = {n: [(torch.zeros(p.numel()), torch.zeros(p.numel())) for p in params] for n in CODEC_VARIANTS}
+    sums = {n: {"update_err": 0.0, "update_proj": 0.0, "m_err": 0.0, "log_v_ratio": 0.0, "v_zero": 0.0}
+            for n in CODEC_VARIANTS}
+    batches = iter(data.train_dataloader())
+    for step in range(1, steps + 1):
+        x, y = next(batches)
+        logits = module(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        c1, c2 = 1 - b1**step, 1 - b2**step
+        acc = {n: [0.0, 0.0, 0.0, [], 0] for n in CODEC_VARIANTS}
+        u_sq = m_sq = 0.0
+        nonzero = 0
+        for i, p in enumerate(params):
+            g = p.grad.reshape(-1)
+            m, v = ref[i]
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            u = (m / c1) / ((v / c2).sqrt() + eps)
+            u_sq += float(u.square().sum())
+            m_sq += float(m.square().sum())
+            live = v > 0
+            nonzero += int(live.sum())
+            for j, (name, (first, second)) in enumerate(CODEC_VARIANTS.items()):
+                mq, vq = shadow[name][i]
+                mq.lerp_(g, 1 - b1)
+                vq.mul_(b2).addcmul_(g, g, value=1 - b2)
+                key = 1000 * i + 2 * j
+                mq.copy_(m if first is None else _fp8_round_trip(mq, True, key=key, step=step, **first))
+                vq.copy_(v if second is None else _fp8_round_trip(vq, False, key=key + 1, step=step, **second))
+                du = (mq / c1) / ((vq / c2).sqrt() + eps) - u
+                a = acc[name]
+                a[0] += float(du.square().sum())
+                a[1] += float((du * u).sum())
+                a[2] += float((mq - m).square().sum())
+                a[3].append(torch.log(vq[live].clamp_min(1e-45) / v[live]))
+                a[4] += int((vq[live] == 0).sum())
+        for name, a in acc.items():
+            t = sums[name]
+            t["update_err"] += (a[0] / u_sq) ** 0.5 / steps
+            t["update_proj"] += a[1] / u_sq / steps
+            t["m_err"] += (a[2] / m_sq) ** 0.5 / steps
+            t["log_v_ratio"] += float(torch.cat(a[3]).mean()) / steps
+            t["v_zero"] += a[4] / max(nonzero, 1) / steps
+        opt.step()
+        sched.step()
+    return {"seed": seed, "steps": steps, "variants": sums}
 
 
 def run_warning(seed: int, grow: bool, steps: int) -> dict:
@@ -108,12 +215,16 @@ def run_overhead(rounds: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["moments", "warning", "overhead"],
-                        choices=["moments", "warning", "overhead", "figures"])
+                        choices=["moments", "codec", "rounding", "warning", "overhead", "figures"])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--mlp-steps", type=int, default=300)
     parser.add_argument("--gpt-steps", type=int, default=300)
     parser.add_argument("--models", nargs="+", default=["mlp", "gpt"])
     parser.add_argument("--weights", nargs="+", default=["fp32", "kahan"])
+    parser.add_argument("--codec-steps", type=int, default=150, help="codec part: GPT steps")
+    parser.add_argument("--rounding-seeds", type=int, default=3,
+                        help="rounding part: random-bit seeds per run (0 is the moments part's own run)")
+    parser.add_argument("--rounding-data-seeds", type=int, default=1, help="rounding part: seeds 0.. of weights")
     parser.add_argument("--overhead-rounds", type=int, default=4)
     parser.add_argument("--overhead-steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: comparable CPU times)")
@@ -140,6 +251,31 @@ def main() -> None:
                         print(json.dumps(row), flush=True)
                         results["moments"] = kept + rows
                         path.write_text(json.dumps(results, indent=1))  # each run kept as soon as it is measured
+    if "codec" in args.parts:
+        cpath = OUT / "codec.json"
+        rows = [run_codec(seed, args.codec_steps) for seed in range(args.seeds)]
+        cpath.write_text(json.dumps({"command": " ".join(sys.argv[1:]), "rows": rows}, indent=1))
+        print(json.dumps(rows, indent=1), flush=True)
+        return  # the table is written by the other parts (and --parts figures), which read codec.json
+    if "rounding" in args.parts:
+        rpath = OUT / "rounding.json"
+        rounding = json.loads(rpath.read_text()) if rpath.exists() else {"rows": [], "commands": {}}
+        done = {(r["model"], r["seed"], r["kind"], r["rounding_seed"], r["steps"]) for r in rounding["rows"]}
+        for model in args.models:
+            steps = args.mlp_steps if model == "mlp" else args.gpt_steps
+            for seed in range(args.rounding_data_seeds):
+                for kind in ("bf16", "fp8"):
+                    for r in range(1, args.rounding_seeds):
+                        if (model, seed, kind, r, steps) in done:  # kept: a rerun adds seeds, not repeats
+                            continue
+                        row = run_moments(model, True, kind, seed, steps, rounding_seed=r)
+                        row["steps"] = steps
+                        rounding["rows"].append(row)
+                        print(json.dumps(row), flush=True)
+                        rpath.write_text(json.dumps(rounding, indent=1))
+        rounding["commands"][" ".join(args.models)] = " ".join(sys.argv[1:])
+        rpath.write_text(json.dumps(rounding, indent=1))
+        return  # the table is written by the other parts (and --parts figures), which read rounding.json
     if "warning" in args.parts:
         rows = [run_warning(seed, True, 400) for seed in range(5)]
         rows += [run_warning(seed, False, 400) for seed in range(5)]
@@ -151,8 +287,12 @@ def main() -> None:
         results["overhead"] = run_overhead(rounds=args.overhead_rounds, steps=args.overhead_steps)
         print(json.dumps(results["overhead"]), flush=True)
     for part in set(args.parts) - {"figures"}:
-        results.setdefault("commands", {})[part] = " ".join(sys.argv[1:])
+        label = f"{part} ({' '.join(args.models)})" if part == "moments" else part  # one run per model
+        results.setdefault("commands", {})[label] = " ".join(sys.argv[1:])
     path.write_text(json.dumps(results, indent=1))
+    for extra in ("rounding", "codec"):  # for the table only; not written into results.json
+        if (OUT / f"{extra}.json").exists():
+            results[extra] = json.loads((OUT / f"{extra}.json").read_text())
     (OUT / "results.md").write_text(markdown(results))
     figures(results, OUT)
 
@@ -238,6 +378,53 @@ def figures(results: dict, out: Path) -> None:
         plt.close(fig)
 
 
+def _codec_table(codec: dict) -> list[str]:
+    """Where FP8's error comes from: the shadow moments of ``run_codec``, mean over steps and seeds."""
+    rows = codec["rows"]
+    lines = ["", "### Where FP8's error comes from (CPU GPT, quantized moments beside FP32 ones, same gradients)", "",
+             f"`{codec['command']}`: {rows[0]['steps']} steps, seeds {', '.join(str(r['seed']) for r in rows)};"
+             " per step, then the mean over steps and seeds.", "",
+             "| FP8 variant | update error \\|du\\|/\\|u\\| | along the update <du,u>/\\|u\\|^2 |"
+             " exp_avg error | mean log(v_q/v) | v flushed to 0 |", "|---|---|---|---|---|---|"]
+    for name in rows[0]["variants"]:
+        mean = {k: statistics.mean(r["variants"][name][k] for r in rows) for k in rows[0]["variants"][name]}
+        lines.append(f"| {name} | {100 * mean['update_err']:.2f}% | {100 * mean['update_proj']:+.3f}% |"
+                     f" {100 * mean['m_err']:.2f}% | {mean['log_v_ratio']:+.4f} | {mean['v_zero']:.1e} |")
+    return lines
+
+
+def _rounding_table(results: dict) -> list[str]:
+    """The noise floor: one format's runs that differ only in the random bits of stochastic rounding."""
+    extra = results["rounding"]["rows"]
+    main = [r for r in results.get("moments", []) if r["weights"] == "True" and not r.get("rounding_seed", 0)]
+    lines = ["", "### Noise floor: the same run with other random bits for stochastic rounding", "",
+             "Same seed (initial weights), same batches, FP32 masters; only the rounding bits differ"
+             f" (`{'`, `'.join(results['rounding']['commands'].values())}`).", "",
+             "| model | seed | moments | val loss, rounding seeds 0, 1, ... | vs fp32 moments (%) | spread |",
+             "|---|---|---|---|---|---|"]
+    pooled: dict[tuple[str, str], list[list[float]]] = {}
+    for model, seed, kind in sorted({(r["model"], r["seed"], r["kind"]) for r in extra}):
+        ref = next((r["val_loss"] for r in main if (r["model"], r["seed"], r["kind"]) == (model, seed, "fp32")), None)
+        runs = [r for r in main if (r["model"], r["seed"], r["kind"]) == (model, seed, kind)]
+        runs += sorted((r for r in extra if (r["model"], r["seed"], r["kind"]) == (model, seed, kind)),
+                       key=lambda r: r["rounding_seed"])
+        vals = [r["val_loss"] for r in runs]
+        gaps = ", ".join(f"{100 * (v / ref - 1):+.2f}" for v in vals) if ref else "-"
+        lines.append(f"| {model} | {seed} | {kind} | {', '.join(f'{v:.4f}' for v in vals)} | {gaps} |"
+                     f" {100 * (max(vals) - min(vals)) / min(vals):.2f}% |")
+        if ref:
+            pooled.setdefault((model, kind), []).append([100 * (v / ref - 1) for v in vals])
+    for (model, kind), per_seed in sorted(pooled.items()):
+        # Runs of one seed share its FP32 run: the standard error is taken over the seeds' means.
+        means = [statistics.mean(gaps) for gaps in per_seed]
+        sem = statistics.stdev(means) / len(means) ** 0.5 if len(means) > 1 else float("nan")
+        worst = max((g for gaps in per_seed for g in gaps), key=abs)
+        lines.append(f"\n{model} {kind}: {sum(map(len, per_seed))} paired runs ({len(means)} seeds), gap vs FP32"
+                     f" moments {statistics.mean(means):+.2f}% (mean of the seeds' means; standard error over seeds"
+                     f" {sem:.2f}%), worst run {worst:+.2f}%.")
+    return lines
+
+
 def markdown(results: dict) -> str:
     lines = ["# Optimizer state precision and the growth early warning", "",
              f"Commands (CPU, torch {torch.__version__}; `PYTHONPATH=. .venv/bin/python experiments/optimizer_state.py"
@@ -267,6 +454,10 @@ def markdown(results: dict) -> str:
                     f"| {model} | {'FP32 masters' if weights == 'True' else weights} | {rs[0]['steps']} | {kind} |"
                     f" {statistics.mean(r['val_loss'] for r in rs):.4f} | {statistics.mean(deltas):+.2f}% |"
                     f" {worst:+.2f}% | {state:,} | {state / ref_bytes:.3f}x |")
+        if "rounding" in results:
+            lines += _rounding_table(results)
+        if "codec" in results:
+            lines += _codec_table(results["codec"])
         lines += ["", "With compact weights (`kahan`) the `fp32` row is today's compact path, whose optimizer state"
                   " is already kept in 16 bits by CompactWeights (so its ratio column compares against 16-bit"
                   " state).", ""]

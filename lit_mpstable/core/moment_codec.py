@@ -10,9 +10,13 @@ import torch
 
 __all__ = ["BLOCK_SIZE", "decode_fp8", "encode_fp8", "random_words", "to_bf16"]
 
-BLOCK_SIZE = 128
-"""Elements per FP8 block, along the flattened tensor (COAT's group size): 8 bytes of ``amax`` and ``k`` per 128
-codes, 6% over one byte per element. A slice stepped on its own must start on a block boundary."""
+BLOCK_SIZE = 64
+"""Elements per FP8 block, along the flattened tensor: 8 bytes of ``amax`` and ``k`` per 64 codes, 1.125 bytes per
+element (0.281x FP32 for both moments). Half COAT's group of 128: the codes of a block spread over its range
+(``amax / amin``), and a smaller block spans less of it. On the CPU GPT (the same gradients fed to FP32 and FP8
+moments, 150 steps, 2 seeds) the update's relative error per step falls from 4.2% (128) to 3.7% (64); 32 would
+give 3.2% at 1.25 bytes per element, over the 0.3x budget. A slice stepped on its own must start on a block
+boundary."""
 
 _MASK32 = 0xFFFFFFFF
 # Bounds of the expansion exponent: k is inf for a block of equal magnitudes (any k stores them exactly) and tends

@@ -63,7 +63,7 @@ def test_low_precision_moments_train_like_fp32_moments(master_weights, kind: str
 
 
 def test_memory_report_counts_the_moment_stores() -> None:
-    # FP32 moments: 2 x 4 bytes per element (+ a step tensor per parameter); BF16 2 x 2; FP8 2 x (1 + 8/128).
+    # FP32 moments: 2 x 4 bytes per element (+ a step tensor per parameter); BF16 2 x 2; FP8 2 x (1 + 8/64).
     _, fp32 = _fit("fp32", steps=2)
     _, bf16 = _fit("bf16", steps=2)
     _, fp8 = _fit("fp8", steps=2)

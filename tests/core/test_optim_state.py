@@ -176,7 +176,7 @@ def test_fp8_non_finite_value_makes_only_its_block_nan() -> None:
 def test_fp8_slices_must_be_block_aligned() -> None:
     store = MomentStore("fp8", (300,))
     store.read(128, 300)
-    with pytest.raises(ValueError, match="blocks of 128"):
+    with pytest.raises(ValueError, match=f"blocks of {BLOCK_SIZE}"):
         store.read(100, 300)
 
 
@@ -197,6 +197,35 @@ def test_second_moment_ema_stalls_rounded_to_nearest_not_stochastically(kind: st
     nearest, stochastic = ((stores[r].read()[1:] / exact).mean() for r in ("nearest", "stochastic"))
     assert nearest < 0.8, nearest
     assert abs(stochastic - 1) < 0.02, stochastic
+
+
+def _update_error(sigma: float, steps: int = 80, n: int = 2048) -> tuple[float, float]:
+    """Adam's step with FP8 moments against FP32 moments fed the same gradients (lr 1, no decay, so the step is the
+    update): the mean over steps of |du| / |u| and of <du, u> / |u|**2. Gradients: per-element magnitudes
+    log-normal (``sigma``; a block's range grows with it), a slowly drifting mean plus noise, as a layer's."""
+    g = torch.Generator().manual_seed(0)
+    scale, drift = torch.exp(sigma * torch.randn(n, generator=g)), torch.randn(n, generator=g)
+    ref, fp8 = adam_moments("fp32", (n,)), adam_moments("fp8", (n,), seed=3)
+    err = proj = 0.0
+    for t in range(1, steps + 1):
+        drift = 0.98 * drift + 0.2 * torch.randn(n, generator=g)
+        grad = scale * (0.5 * drift + torch.randn(n, generator=g))
+        u, uq = torch.zeros(n), torch.zeros(n)
+        adamw_step_(u, grad, *ref, step=t, lr=1.0, weight_decay=0.0)
+        adamw_step_(uq, grad, *fp8, step=t, lr=1.0, weight_decay=0.0)
+        err += ((uq - u).norm() / u.norm()).item() / steps
+        proj += ((uq - u).dot(u) / u.dot(u)).item() / steps
+    return err, proj
+
+
+@pytest.mark.parametrize(("sigma", "bound"), [(0.5, 0.0365), (1.5, 0.065)])
+def test_fp8_update_error_against_fp32_moments(sigma: float, bound: float) -> None:
+    """The FP8 moments' error where it acts, on the update, against FP32 moments. Measured: 0.034 and 0.061 with
+    blocks of 64; blocks of 128 (COAT's group) give 0.039 and 0.069, above the bounds. No bias along the update:
+    the rounding error is noise, not a shrinking or growing step."""
+    err, proj = _update_error(sigma)
+    assert err < bound, err
+    assert abs(proj) < 0.005, proj
 
 
 # ------------------------------------------------------------------------------------------------ stores
@@ -248,7 +277,7 @@ def test_load_state_dict_is_strict() -> None:
 def test_state_bytes() -> None:
     n = 16 * 1024
     assert state_bytes(n, "bf16") / state_bytes(n, "fp32") == 0.5
-    assert state_bytes(n, "fp8") / state_bytes(n, "fp32") == pytest.approx(0.265625)
+    assert state_bytes(n, "fp8") / state_bytes(n, "fp32") == pytest.approx((1 + 8 / 64) / 4)  # <= the 0.3x budget
     for kind in ("fp32", "bf16", "fp8"):
         for numel in (1, 300, n):
             m, v = adam_moments(kind, (numel,))
