@@ -221,7 +221,17 @@ class MomentStore:
             raise KeyError(f"MomentStore.load_state_dict: tensors {sorted(state['tensors'])!r}, expected"
                            f" {sorted(self.tensors)!r}.")
         for name, dst in self.tensors.items():
-            dst.copy_(state["tensors"][name])
+            saved = state["tensors"][name]
+            if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(dst.shape):
+                shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+                hint = ""
+                if self.kind == "fp8" and name != "codes" and isinstance(saved, torch.Tensor) and saved.numel():
+                    block = -(-self.numel // saved.numel())
+                    hint = (f": saved by a version that kept FP8 moments in blocks of {block} elements; this one"
+                            f" uses {BLOCK_SIZE}, so these moments cannot be read; resume with that version")
+                raise ValueError(f"MomentStore.load_state_dict: tensors[{name!r}] has shape {shape}, this store's"
+                                 f" has {tuple(dst.shape)}{hint}.")
+            dst.copy_(saved)
         self.rounding, self.seed, self.key = state["rounding"], int(state["seed"]), int(state["key"])
 
 

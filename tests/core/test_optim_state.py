@@ -367,3 +367,15 @@ if __name__ == "__main__":  # the table for the report: python tests/core/test_o
         print(f"{kind:5s} {rounding!s:10s} val loss {[round(loss, 5) for loss, _ in runs]} mean {mean:.5f}"
               f" ({100 * (mean - ref) / ref:+.2f}% vs fp32)  state {runs[0][1]} B"
               f" ({runs[0][1] / rows['fp32', None][0][1]:.3f}x)")
+
+
+def test_fp8_moments_saved_in_other_blocks_are_refused_by_name() -> None:
+    from lit_mpstable.core.optim_state import adam_moments
+
+    m, _ = adam_moments("fp8", (1024,))
+    state = m.state_dict()
+    blocks = 1024 // 128  # an earlier layout: 128 elements per block
+    state["tensors"] = {**state["tensors"], "amax": torch.ones(blocks), "k": torch.ones(blocks)}
+    fresh, _ = adam_moments("fp8", (1024,))
+    with pytest.raises(ValueError, match=r"tensors\['amax'\] has shape \(8,\).*blocks of 128 elements.*uses 64"):
+        fresh.load_state_dict(state)
