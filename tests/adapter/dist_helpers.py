@@ -6,6 +6,7 @@ lives here at module level, so spawning works too.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from collections.abc import Iterable, Mapping
@@ -352,42 +353,52 @@ class PrecisionChanges(pl.Callback):
 
 def layout_worker(rank: int, init_file: str, out_dir: str) -> None:
     """A plain DDP loop on a bf16 ``PrecisionLayout``: a fallback without a way to find the DDP wrapper is refused
-    (nothing changes), with one it rebuilds the reducer; each rank trains on its own half of the data."""
-    from lit_mpstable.core.layout import PrecisionLayout
+    (nothing changes), with one it rebuilds the reducer; each rank trains on its own half of the data.
 
+    The wrapper lives in :func:`_layout_run` and is freed (cycles collected) before the process group is destroyed:
+    a reducer that outlives the group's registration frees the gloo group itself, joining gloo's threads while
+    holding the GIL that one of them needs to free its last all-reduce (a hang at the rank's exit, seen in gdb)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
                             timeout=TIMEOUT)
     try:
-        torch.manual_seed(0)
-        model = TinyMLP()
-        layout = PrecisionLayout(torch.bfloat16, cast_parameters=True)
-        layout.attach(model, "cpu")
-        ddp = nn.parallel.DistributedDataParallel(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        x, y = regression_data(32)
-        x, y = x[rank::WORLD_SIZE], y[rank::WORLD_SIZE]
-        result: dict[str, Any] = {}
-        try:
-            layout.fallback(None)
-        except RuntimeError as err:
-            result["refused"] = str(err)
-        result["after_refusal"] = (layout.fp32, {p.dtype for p in model.parameters()})
-        layout.find_ddp = lambda: ddp
-        layout.fallback(["fc2"])
-        for _ in range(2):
-            optimizer.zero_grad()
-            nn.functional.mse_loss(ddp(x.to(layout.compute_dtype)).float(), y).backward()
-            optimizer.step()
-        layout.restore()
-        for _ in range(2):
-            optimizer.zero_grad()
-            nn.functional.mse_loss(ddp(x.to(layout.compute_dtype)).float(), y).backward()
-            optimizer.step()
-        result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        _layout_run(rank, out_dir)
+        gc.collect()  # the layout's hooks and find_ddp keep the wrapper in reference cycles
     finally:
         dist.destroy_process_group()
+
+
+def _layout_run(rank: int, out_dir: str) -> None:
+    from lit_mpstable.core.layout import PrecisionLayout
+
+    torch.manual_seed(0)
+    model = TinyMLP()
+    layout = PrecisionLayout(torch.bfloat16, cast_parameters=True)
+    layout.attach(model, "cpu")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = regression_data(32)
+    x, y = x[rank::WORLD_SIZE], y[rank::WORLD_SIZE]
+    result: dict[str, Any] = {}
+    try:
+        layout.fallback(None)
+    except RuntimeError as err:
+        result["refused"] = str(err)
+    result["after_refusal"] = (layout.fp32, {p.dtype for p in model.parameters()})
+    layout.find_ddp = lambda: ddp
+    layout.fallback(["fc2"])
+    for _ in range(2):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(x.to(layout.compute_dtype)).float(), y).backward()
+        optimizer.step()
+    layout.restore()
+    for _ in range(2):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(x.to(layout.compute_dtype)).float(), y).backward()
+        optimizer.step()
+    result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    layout.find_ddp = None
 
 
 def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
