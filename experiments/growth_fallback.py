@@ -18,12 +18,12 @@ weights without quantization: the module in FP32). Writes ``experiments/results/
 results.md}`` (``results_until<N>.*`` with ``--grow-until N``).
 
 Measured (5 seeds, 320 steps): the task cannot answer the question. Its injected growth never stops, so BF16 loses
-the run too (first non-finite step 276-284 for FP8, 278-297 for BF16); the
-fallback moves ``mlp.down`` alone out of FP8 at the first runaway (step 91-101) in 5/5 seeds, which delays the
-non-finite step in 4 of 5 seeds (by 4-21 steps), but nothing survives. With the growth stopped at step 240 (``--grow-until 240``) every
-run survives, and the end loss is chaotic: the same seed's BF16, FP8 and FP8+fallback runs end 0.02-0.16 apart
-(fallback vs BF16 -55% to +145%), so a 0.5% comparison needs a task whose loss the injection does not scramble, in
-which BF16 survives and FP8 does not (delayed scaling, or a growth that saturates between E4M3's and BF16's range).
+the run too (first non-finite step 276-284 for FP8, 278-297 for BF16); the fallback moves ``mlp.down`` alone out of
+FP8 at the first runaway (step 91-101) in 5/5 seeds, which delays the non-finite step in 4 of 5 seeds (by 4-21
+steps), but nothing survives. With the growth stopped at step 240 (``--grow-until 240``) every run survives, and the
+end loss is chaotic: the same seed's BF16, FP8 and FP8+fallback runs end 0.02-0.16 apart (fallback vs BF16 -55% to
++145%), so a 0.5% comparison needs a task whose loss the injection does not scramble, in which BF16 survives and FP8
+does not (delayed scaling, or a growth that saturates between E4M3's and BF16's range).
 """
 
 from __future__ import annotations
