@@ -142,3 +142,24 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         ):
             self.ops.append(f"{name} by a mask")  # t[mask]: the result's size depends on the values
         return func(*args, **(kwargs or {}))
+
+
+def spawn_ranks(worker, init_file: str, out_dir: str, *, nprocs: int = 2, limit_s: float = 240.0) -> None:
+    """``worker(rank, init_file, out_dir)`` on ``nprocs`` spawned processes (not forked: a fork could copy a lock that
+    another thread holds, e.g. inductor's workers after a compile), rendezvous through ``init_file``. A rank still
+    running after ``limit_s`` is killed and the test fails, naming it; a rank's error is raised."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=(init_file, out_dir), nprocs=nprocs, start_method="spawn", join=False)
+    deadline = time.monotonic() + limit_s
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+            for rank in alive:
+                context.processes[rank].kill()
+                context.processes[rank].join()
+            pytest.fail(f"ranks {alive} still running after {limit_s} s (killed): a rank waits in a collective the"
+                        " other never joins, or never started")

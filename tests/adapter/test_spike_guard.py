@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import HostReads, TinyMLP, regression_data
+from helpers import HostReads, TinyMLP, regression_data, spawn_ranks
 from torch import nn
 
 from lit_mpstable import SpikeGuard
@@ -324,21 +324,7 @@ def _run_two_ranks(worker, tmp_path) -> None:
     """``worker(rank, init_file, out_dir)`` on 2 processes, rendezvous through a file of this test's own (no port).
     Spawned, not forked: this module compiles before (inductor's worker threads), and a fork could copy a lock another
     thread holds. A rank that has not finished after DDP_RUN_S is killed and the test fails, naming it."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2,
-                                 start_method="spawn", join=False)
-    deadline = time.monotonic() + DDP_RUN_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):  # a rank's error is raised here
-        if time.monotonic() >= deadline:
-            alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
-            for rank in alive:
-                context.processes[rank].kill()
-                context.processes[rank].join()
-            pytest.fail(f"ranks {alive} still running after {DDP_RUN_S} s (killed): a rank waits in a collective"
-                        " the other never joins, or never started")
+    spawn_ranks(worker, str(tmp_path / "init"), str(tmp_path), limit_s=DDP_RUN_S)
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ same verdict per replay, the same blamed module, the same action), and the repli
 from __future__ import annotations
 
 import gc
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import spawn_ranks
 from torch import nn
 
 from lit_mpstable.core.spike import SpikeGuard
@@ -168,19 +168,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 def _run_two_ranks(tmp_path: Path) -> list[dict[str, Any]]:
     """:func:`_worker` on 2 spawned processes (a fork could copy a lock held by a thread an earlier test started),
     rendezvous through a file of this test's own; a rank still running after RUN_S is killed and the test fails."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD_SIZE,
-                                 start_method="spawn", join=False)
-    deadline = time.monotonic() + RUN_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):  # a rank's error is raised here
-        if time.monotonic() >= deadline:
-            alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
-            for rank in alive:
-                context.processes[rank].kill()
-                context.processes[rank].join()
-            pytest.fail(f"ranks {alive} still running after {RUN_S} s (killed): a rank waits in a collective the"
-                        " other never joins")
+    spawn_ranks(_worker, str(tmp_path / "init"), str(tmp_path), nprocs=WORLD_SIZE, limit_s=RUN_S)
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
 
 
