@@ -119,15 +119,15 @@ def _floor_code(y: torch.Tensor, signed: bool, table: torch.Tensor) -> torch.Ten
 
 
 def encode_fp8(
-    x: torch.Tensor, signed: bool, uniform: torch.Tensor | None
+    x: torch.Tensor, signed: bool, uniform: torch.Tensor | None, *, block_size: int = BLOCK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     (table, log_table), log2_range = _table(signed, x.device), _TABLES[signed][1]
     top, ymax = table.numel() - 1, _YMAX[signed]
     n = x.numel()
-    blocks = -(-n // BLOCK_SIZE)
-    padded = torch.zeros(blocks * BLOCK_SIZE, dtype=torch.float32, device=x.device)
+    blocks = -(-n // block_size)
+    padded = torch.zeros(blocks * block_size, dtype=torch.float32, device=x.device)
     padded[:n] = x.reshape(-1)
-    rows = padded.view(blocks, BLOCK_SIZE)
+    rows = padded.view(blocks, block_size)
     a = rows.abs()
     finite = torch.isfinite(rows).all(dim=1)
     amax = a.amax(dim=1)
@@ -148,7 +148,7 @@ def encode_fp8(
     if uniform is None:
         up = p > 0.5
     else:
-        up = uniform.view(blocks, BLOCK_SIZE) < p
+        up = uniform.view(blocks, block_size) < p
     codes = (low + up.to(low.dtype)).to(torch.uint8)
     if signed:
         codes = codes | (torch.signbit(rows).to(torch.uint8) << 7)
@@ -159,15 +159,17 @@ def encode_fp8(
     return codes, amax, k
 
 
-def decode_fp8(codes: torch.Tensor, amax: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def decode_fp8(
+    codes: torch.Tensor, amax: torch.Tensor, k: torch.Tensor, *, block_size: int = BLOCK_SIZE
+) -> torch.Tensor:
     signed = codes.dtype == torch.float8_e4m3fn
     _, log_table = _table(signed, codes.device)
     flat = codes.reshape(-1).view(torch.uint8).long()
     n = flat.numel()
     blocks = amax.numel()
-    padded = torch.zeros(blocks * BLOCK_SIZE, dtype=torch.long, device=codes.device)
+    padded = torch.zeros(blocks * block_size, dtype=torch.long, device=codes.device)
     padded[:n] = flat
-    rows = padded.view(blocks, BLOCK_SIZE)
+    rows = padded.view(blocks, block_size)
     log_mag = log_table[rows & 127] if signed else log_table[rows]
     # amax == 0 (a zero block) must read 0, not 0 * inf: ones stand in for it, and the magnitudes are 0 there.
     values = _expanded_inverse(log_mag, torch.where(amax > 0, amax, torch.ones_like(amax)), k)

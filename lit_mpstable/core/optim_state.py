@@ -41,6 +41,7 @@ stepper's to skip before this runs.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
@@ -220,19 +221,25 @@ class MomentStore:
         if set(state["tensors"]) != set(self.tensors):
             raise KeyError(f"MomentStore.load_state_dict: tensors {sorted(state['tensors'])!r}, expected"
                            f" {sorted(self.tensors)!r}.")
-        for name, dst in self.tensors.items():
+        self.rounding, self.seed, self.key = state["rounding"], int(state["seed"]), int(state["key"])
+        block = _saved_block(self, state["tensors"])
+        if block is not None:  # FP8 moments of an earlier block size: read in theirs, stored again in this one
+            saved = state["tensors"]
+            values = decode_fp8(saved["codes"].reshape(-1), saved["amax"].reshape(-1), saved["k"].reshape(-1),
+                                block_size=block)
+            self.write_(values.to(self.tensors["amax"].device), step=0)
+            warnings.warn(f"MomentStore.load_state_dict: FP8 moments saved in blocks of {block} elements were stored"
+                          f" again in this version's blocks of {BLOCK_SIZE} (one more rounding of each value, not an"
+                          " exact resume).", stacklevel=2)
+            return
+        for name, dst in self.tensors.items():  # all checked before any is copied
             saved = state["tensors"][name]
             if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(dst.shape):
                 shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-                hint = ""
-                if self.kind == "fp8" and name != "codes" and isinstance(saved, torch.Tensor) and saved.numel():
-                    block = -(-self.numel // saved.numel())
-                    hint = (f": saved by a version that kept FP8 moments in blocks of {block} elements; this one"
-                            f" uses {BLOCK_SIZE}, so these moments cannot be read; resume with that version")
                 raise ValueError(f"MomentStore.load_state_dict: tensors[{name!r}] has shape {shape}, this store's"
-                                 f" has {tuple(dst.shape)}{hint}.")
-            dst.copy_(saved)
-        self.rounding, self.seed, self.key = state["rounding"], int(state["seed"]), int(state["key"])
+                                 f" has {tuple(dst.shape)}.")
+        for name, dst in self.tensors.items():
+            dst.copy_(state["tensors"][name])
 
 
 def adam_moments(
@@ -327,3 +334,16 @@ def _check_rounding(rounding: Any, caller: str) -> None:
     if rounding not in _ROUNDINGS:
         raise ValueError(f"{caller}(rounding={rounding!r}): rounding must be one of {list(_ROUNDINGS)}; 'stochastic'"
                          " keeps the moments' small EMA updates (unbiased).")
+
+
+def _saved_block(store: MomentStore, saved: dict[str, Any]) -> int | None:
+    """The block size of an FP8 moment saved in blocks other than :data:`BLOCK_SIZE` (codes of the store's shape,
+    ``amax`` and ``k`` of another length: a power of two from 16 to 1024 that gives it), else None."""
+    amax, codes = saved.get("amax"), saved.get("codes")
+    if store.kind != "fp8" or not isinstance(amax, torch.Tensor) or not isinstance(codes, torch.Tensor):
+        return None
+    if amax.numel() == store.tensors["amax"].numel() or codes.numel() != store.numel:
+        return None
+    blocks = [2**e for e in range(4, 11) if -(-store.numel // 2**e) == amax.numel()]
+    k = saved.get("k")
+    return blocks[0] if blocks and isinstance(k, torch.Tensor) and k.numel() == amax.numel() else None
