@@ -113,6 +113,8 @@ def main() -> None:
     for name in ("seeds", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)!r}: must be >= 1.")
+    if args.grow_until is not None and args.grow_until < 0:
+        raise ValueError(f"--grow-until={args.grow_until!r}: must be a step >= 0 (the growth starts at step 80).")
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
