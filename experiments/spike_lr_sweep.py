@@ -60,6 +60,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -241,6 +242,18 @@ def plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
     plt.close(fig)
 
 
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float as the string ``"inf"``, ``"-inf"`` or ``"nan"``: strict JSON (what
+    parsers other than Python's accept) has no Infinity or NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lr", type=float, default=0.048,
@@ -313,9 +326,9 @@ def main(argv: list[str] | None = None) -> None:
              f" {time.perf_counter() - start:.0f} s.")
     (args.out / "table.md").write_text(f"# LR sweep: fixed clip 1.0 vs SpikeGuard (clip and skip)\n\n{setup}\n\n"
                                        f"{text}\n\nReproduce: `{command.strip()}`\n")
-    (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
-                                                                for k, v in vars(args).items()},
-                                                       "summary": summary, "runs": results}, indent=1))
+    (args.out / "results.json").write_text(json.dumps(strict_json({
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "summary": summary, "runs": results}), indent=1, allow_nan=False))
     plot(results, args, args.out / "sweep.png")
     print(f"wrote {args.out}")
 

@@ -211,7 +211,9 @@ def test_spike_lr_sweep_counts_a_guard_that_never_reaches_fixeds_best_as_a_miss(
 def test_spike_lr_sweep_smoke_run_writes_its_table_json_and_figure(tmp_path: Path) -> None:
     spike_lr_sweep.main(["--steps", "4", "--eval-every", "2", "--val-seqs", "32", "--mults", "1", "8",
                          "--out", str(tmp_path)])
-    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    text = (tmp_path / "results.json").read_text()
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"results.json holds {name}: not strict JSON"))
+    runs = json.loads(text)["runs"]
     assert sorted((r["mult"], r["method"]) for r in runs) == [(1, "fixed"), (1, "guard"), (8, "fixed"), (8, "guard")]
     assert all([s for s, _ in r["val"]] == [0, 2, 4] or r["diverged_at"] for r in runs)
     assert "Median stable-LR ratio" in (tmp_path / "table.md").read_text()
