@@ -173,7 +173,10 @@ class SpikeGuard:
         pending, early = self._consts["pending"][0], self._consts["non_blocking"]
         # copy_ converts dtype and device; non-blocking only towards an accelerator (host memory might be read before
         # a non-blocking copy lands).
-        pending.add_(value.to(pending.device, non_blocking=early)) if self._has[0] else pending.copy_(value, early)
+        if self._has[0]:
+            pending.add_(value.to(pending.device, non_blocking=early))
+        else:
+            pending.copy_(value, early)
         self._has[0] = True
 
     def decide(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
