@@ -32,6 +32,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from lit_mpstable.base.validate import int_arg, real_arg
+from lit_mpstable.core.spike_state import saved_statistics
 
 __all__ = ["SpikeGuard", "Watched"]
 
@@ -99,15 +100,20 @@ class SpikeGuard:
         self.device: torch.device | None = None
         """Where the statistics live; None until the first value (or :meth:`bind`)."""
         # Both watched series side by side (row 0 the loss, row 1 the gradient norm), so that a step's statistics,
-        # judgement and fold are one short run of small kernels for both, not one per series.
-        self._values = torch.zeros(len(_NAMES), self.window)  # ring buffers, slot = count % window
+        # judgement and fold are one short run of small kernels for both, not one per series. A slot no applied value
+        # has reached yet holds NaN, so the sums skip it without a mask (state_dict saves it as 0).
+        self._values = torch.full((len(_NAMES), self.window), math.nan)  # ring buffers, slot = count % window
         self._counts = torch.zeros(len(_NAMES), dtype=torch.int64)  # applied values ever folded, per series
         self._spikes = torch.zeros((), dtype=torch.int64)
-        self._zscores = torch.full((len(_NAMES),), math.nan)
-        self._pending = torch.zeros(len(_NAMES))  # this step's loss (summed over micro-batches) and norm
-        self._has = [False] * len(_NAMES)  # whether this step's value was given (host-side facts)
+        # This step's loss (summed over micro-batches) and norm, as given (detached, FP32); None: not given.
+        self._loss: torch.Tensor | None = None
+        self._norm: torch.Tensor | None = None
+        self._pending: torch.Tensor | None = None  # both stacked (NaN where not given), made once per step
         self._decided = False  # whether decide() ran this step (host-side)
         self._last_spike = torch.zeros((), dtype=torch.bool)
+        self._judged: tuple[torch.Tensor, torch.Tensor] | None = None  # the last decide's z-scores and window sizes;
+        # the metrics are made from them when read, not at every step
+        self._threshold: torch.Tensor | None = None  # the clip threshold decide() computed this step
         self._caps = torch.full((len(_NAMES),), math.inf)  # what a folded value is capped at: the norm's clip threshold
         self._consts: dict[str, Any] = {}  # per-device constants: slot indices, floors, the watched rows' mask
 
@@ -116,13 +122,20 @@ class SpikeGuard:
     def loss_zscore(self) -> torch.Tensor:
         """The last judged loss's z-score, a 0-dim float32 device tensor (NaN before two applied losses, or when the
         step had no loss). Reading its value syncs."""
-        return self._zscores[0]
+        return self._zscore(0)
 
     @property
     def grad_norm_zscore(self) -> torch.Tensor:
         """The last judged gradient norm's z-score (as :attr:`loss_zscore`), against a standard deviation of at least
         half the rolling mean: above ``zscore`` means skipped (see ``_SKIP_REL_STD``)."""
-        return self._zscores[1]
+        return self._zscore(1)
+
+    def _zscore(self, row: int) -> torch.Tensor:
+        if self._judged is None:
+            return torch.full((), math.nan, device=self.device)
+        z, n = self._judged
+        # A series not measured this step reads NaN (its placeholder): no stale value passed off as fresh.
+        return torch.where(n[row] >= 2, z[row], math.nan)
 
     @property
     def spikes_skipped(self) -> torch.Tensor:
@@ -139,23 +152,27 @@ class SpikeGuard:
         """Keep the statistics on ``device`` (moving them there if they live elsewhere); returns the guard."""
         device = torch.device(device)
         if self.device != device:
-            self._values, self._counts, self._zscores, self._pending, self._spikes, self._last_spike, self._caps = (
-                t.to(device) for t in (self._values, self._counts, self._zscores, self._pending, self._spikes,
-                                       self._last_spike, self._caps))
+            self._values, self._counts, self._spikes, self._last_spike, self._caps = (
+                t.to(device) for t in (self._values, self._counts, self._spikes, self._last_spike, self._caps))
+            self._judged = None if self._judged is None else (self._judged[0].to(device), self._judged[1].to(device))
+            self._clear()
+            # The skip's floor is never below the statistics' own (see _SKIP_REL_STD), so one maximum judges both.
+            floors = [max(_SKIP_REL_STD[name], _MIN_REL_STD) for name in _NAMES]
+            sizes = torch.arange(self.window + 1, device=device, dtype=torch.float32)
             self._consts = {
                 "slots": torch.arange(self.window, device=device),
-                "skip_floor": torch.tensor([_SKIP_REL_STD[name] for name in _NAMES], device=device),
-                "watched": torch.tensor([name in self.watch for name in _NAMES], device=device),
-                "pending": (self._pending[0], self._pending[1]),  # views, made once
+                "mean_div": sizes.clamp(min=1.0), "var_div": (sizes - 1.0).clamp(min=1.0),  # by values in the window
+                "skip_floor": torch.tensor(floors, device=device),
+                "watched": (None if len(self.watch) == len(_NAMES)
+                            else torch.tensor([name in self.watch for name in _NAMES], device=device)),
+                "missing": torch.full((), math.nan, device=device),  # the placeholder of a value not given
                 "non_blocking": device.type != "cpu",
-                "given": {has: torch.tensor(has, device=device)
-                          for has in ((a, b) for a in (False, True) for b in (False, True))},
             }
             self.device = device
         return self
 
     def _value(self, value: torch.Tensor, what: str) -> torch.Tensor:
-        """``value`` detached, as a 0-dim tensor (binding the guard to its device on first use)."""
+        """``value`` detached, as a 0-dim FP32 tensor on the guard's device (binding it there on first use)."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"SpikeGuard.{what}: expected a tensor, got {type(value).__name__} {value!r}; pass the"
                             " tensor itself (a Python number would need a host read to produce).")
@@ -164,20 +181,19 @@ class SpikeGuard:
                              " pass the reduced (scalar) loss or the total gradient norm.")
         if self.device is None:
             self.bind(value.device)
-        return value.detach().reshape(())
+        if value.requires_grad:
+            value = value.detach()
+        if value.dim():
+            value = value.reshape(())
+        # Non-blocking only towards an accelerator (host memory might be read before a non-blocking copy lands).
+        return value.to(self.device, torch.float32, non_blocking=self._consts["non_blocking"])
 
     # ------------------------------------------------------------------------------------------------- step
     def observe_loss_(self, loss: torch.Tensor) -> None:
         """Record the step's (unscaled) loss; micro-batches of one step add up, as their gradients do."""
         value = self._value(loss, "observe_loss_(loss)")
-        pending, early = self._consts["pending"][0], self._consts["non_blocking"]
-        # copy_ converts dtype and device; non-blocking only towards an accelerator (host memory might be read before
-        # a non-blocking copy lands).
-        if self._has[0]:
-            pending.add_(value.to(pending.device, non_blocking=early))
-        else:
-            pending.copy_(value, early)
-        self._has[0] = True
+        self._loss = value if self._loss is None else self._loss + value
+        self._pending = None
 
     def decide(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
         """Whether this step is a spike: a 0-dim bool tensor on the device, to OR into the non-finite flag.
@@ -195,23 +211,22 @@ class SpikeGuard:
                     f"SpikeGuard(watch={self.watch!r}, clip_zscore={self.clip_zscore!r}).decide(grad_norm=None): the"
                     " gradient norm is watched or clipped, so pass the step's total unscaled gradient norm.")
         else:
-            self._consts["pending"][1].copy_(self._value(grad_norm, "decide(grad_norm)"), self._consts["non_blocking"])
-            self._has[1] = True
+            self._norm, self._pending = self._value(grad_norm, "decide(grad_norm)"), None
         if self.device is None:  # nothing seen yet, nothing to judge
             return self._last_spike.clone()
-        consts = self._consts
-        value = self._pending
-        mean, std, count = self._stats()
-        judged = torch.maximum(std, consts["skip_floor"] * mean.abs())  # the judged z: see _SKIP_REL_STD
-        given = consts["given"][tuple(self._has)]
-        # A series not measured this step reads NaN: no stale value passed off as fresh.
-        z = torch.where(given & (count >= 2), (value - mean) / judged, math.nan)
-        self._zscores.copy_(z)
-        # NaN z (non-finite value) compares False; +inf value gives an inf z, excluded by isfinite.
-        spike = (consts["watched"] & (count >= self.warmup) & torch.isfinite(value) & (z > self.zscore)).any()
-        if self.clip_zscore is not None:
-            self._caps[1].copy_(self._clip_threshold(mean[1], std[1], count[1]))
-        self._last_spike.copy_(spike)
+        value, counts = self._stacked(), self._counts
+        mean, root, scale, n = self._stats()
+        judged = torch.maximum(root, self._consts["skip_floor"] * scale).clamp(min=_TINY)  # see _SKIP_REL_STD
+        z = (value - mean) / judged
+        # NaN z (a value not given, or non-finite) compares False; an inf value (inf z) is excluded by `< inf`.
+        spike = (value < math.inf) & (z > self.zscore) & (counts >= self.warmup)
+        if self._consts["watched"] is not None:
+            spike = spike & self._consts["watched"]
+        spike = spike.any()
+        self._judged = (z, n)  # n is this step's own tensor: the metrics read it later
+        self._threshold = (self._clip_threshold(mean[1], self._std(root, scale)[1], counts[1])
+                           if self.clip_zscore is not None else None)
+        self._last_spike = spike
         self._decided = True
         return spike
 
@@ -228,13 +243,15 @@ class SpikeGuard:
         """
         if self.clip_zscore is None:
             return None
+        if self._threshold is not None:  # decide() made it this step, from the same statistics
+            return self._threshold
         if self.device is None:
             if grad_norm is None:
                 raise RuntimeError("SpikeGuard.clip_threshold(): the guard has seen no value yet, so it has no device;"
                                    " pass grad_norm=... or call bind(device) first.")
             self.bind(grad_norm.device)
-        mean, std, count = self._stats()
-        return self._clip_threshold(mean[1], std[1], count[1])
+        mean, root, scale, _ = self._stats()
+        return self._clip_threshold(mean[1], self._std(root, scale)[1], self._counts[1])
 
     def _clip_threshold(self, mean: torch.Tensor, std: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         assert self.clip_zscore is not None
@@ -255,27 +272,39 @@ class SpikeGuard:
         if self.device is None:  # no value was ever given: nothing to fold or count
             self._clear()
             return
+        given = self._loss is not None or self._norm is not None
         if isinstance(skipped, bool):  # the stepper's own flag, read on the host already: no tensor work for it
-            if not skipped and any(self._has):
+            if not skipped and given:
                 self._fold(None)
             elif skipped:
                 self._count_spike(True, spiked)
         else:
             skipped_t = skipped.detach().to(self.device).reshape(()) != 0
-            if any(self._has):
+            if given:
                 self._fold(skipped_t)
             self._count_spike(skipped_t, spiked)
         self._clear()
 
     def _fold(self, skipped: torch.Tensor | None) -> None:
-        # ZClip: a clipped norm enters capped at its threshold (the loss's cap is inf).
-        value = torch.minimum(self._pending, self._caps) if self.clip_zscore is not None else self._pending
-        take = self._consts["given"][tuple(self._has)] & torch.isfinite(value)
+        value = self._stacked()
+        if self.clip_zscore is not None:  # ZClip: a clipped norm enters capped at its threshold (the loss's cap: inf)
+            if self._threshold is not None:
+                self._caps[1].copy_(self._threshold)
+            value = torch.minimum(value, self._caps)
+        take = value.abs() < math.inf  # a value not given is NaN: never taken
         take = take & ~skipped if skipped is not None else take
         # torch.where on a one-hot slot instead of indexing by a Python int: no host read, no graph break.
         slot = (self._consts["slots"] == (self._counts % self.window).unsqueeze(1)) & take.unsqueeze(1)
-        self._values.copy_(torch.where(slot, value.unsqueeze(1), self._values))
+        torch.where(slot, value.unsqueeze(1), self._values, out=self._values)
         self._counts.add_(take)
+
+    def _stacked(self) -> torch.Tensor:
+        """This step's loss and norm as one (2,) tensor, NaN where not given; made once per step."""
+        if self._pending is None:
+            missing = self._consts["missing"]
+            self._pending = torch.stack([missing if self._loss is None else self._loss,
+                                         missing if self._norm is None else self._norm])
+        return self._pending
 
     def _count_spike(self, skipped: torch.Tensor | bool, spiked: torch.Tensor | None) -> None:
         if spiked is not None:
@@ -288,18 +317,21 @@ class SpikeGuard:
         self._clear()
 
     def _clear(self) -> None:
-        self._has = [False] * len(_NAMES)
+        self._loss = self._norm = self._pending = self._threshold = None
         self._decided = False
 
-    def _stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mean, floored standard deviation (unbiased) and count of the applied values in the window, per series."""
-        values, count = self._values, self._counts
-        valid = self._consts["slots"] < count.unsqueeze(1)
-        n = count.clamp(max=self.window).to(torch.float32)
-        mean = torch.where(valid, values, 0.0).sum(1) / n.clamp(min=1.0)
-        var = torch.where(valid, values - mean.unsqueeze(1), 0.0).square().sum(1) / (n - 1.0).clamp(min=1.0)
-        std = torch.maximum(var.sqrt(), _MIN_REL_STD * mean.abs()).clamp(min=_TINY)
-        return mean, std, count
+    def _stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per series, over the applied values in the window: the mean, the unbiased standard deviation before any
+        floor, the mean's magnitude (the floors' unit) and the number of values (at most ``window``, int64)."""
+        n = self._counts.clamp(max=self.window)
+        mean = self._values.nansum(1) / self._consts["mean_div"][n]  # max(n, 1): an empty window has mean 0
+        var = (self._values - mean.unsqueeze(1)).square().nansum(1) / self._consts["var_div"][n]  # max(n - 1, 1)
+        return mean, var.sqrt(), mean.abs(), n
+
+    @staticmethod
+    def _std(root: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The statistics' standard deviation: floored at 1% of the mean's magnitude (see _MIN_REL_STD)."""
+        return torch.maximum(root, _MIN_REL_STD * scale).clamp(min=_TINY)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -311,7 +343,7 @@ class SpikeGuard:
         """
         state: dict[str, Any] = {"window": self.window}
         for row, name in enumerate(_NAMES):
-            state[name] = self._values[row].detach().clone()
+            state[name] = self._values[row].detach().nan_to_num(0.0)  # a slot not reached yet: 0
             state[f"{name}_count"] = self._counts[row].detach().clone()
         state["spikes_skipped"] = self._spikes.detach().clone()
         return state
@@ -335,23 +367,11 @@ class SpikeGuard:
         if state["window"] != self.window or isinstance(state["window"], bool):
             raise ValueError(f"{call}: state['window']={state['window']!r} but this guard has window={self.window!r};"
                              " the ring buffers cannot be resized exactly: build the guard with the saved window.")
-        values, counts = {}, {}
-        for name in _NAMES:
-            buf = state[name]
-            if not isinstance(buf, torch.Tensor) or not buf.is_floating_point():
-                raise TypeError(f"{call}: state[{name!r}] must be a floating-point tensor, got {buf!r}.")
-            if tuple(buf.shape) != (self.window,):
-                raise ValueError(f"{call}: state[{name!r}] has shape {tuple(buf.shape)}, expected ({self.window},)"
-                                 " (one value per step of the window).")
-            if not bool(torch.isfinite(buf).all()):  # a host read, at load time only
-                raise ValueError(f"{call}: state[{name!r}] holds inf/NaN; only finite values of applied steps enter"
-                                 " the statistics, so this state is corrupt.")
-            values[name] = buf.detach().to(torch.float32)
-            counts[name] = _count(call, f"{name}_count", state[f"{name}_count"])
-        spikes = _count(call, "spikes_skipped", state["spikes_skipped"])
+        values, counts, spikes = saved_statistics(call, state, _NAMES, self.window)
         device = self.device or torch.device("cpu")
-        self._values = torch.stack([values[name] for name in _NAMES]).to(device)
-        self._counts = torch.stack([counts[name] for name in _NAMES]).to(device)
+        self._counts = counts.to(device)
+        reached = torch.arange(self.window, device=device) < self._counts.unsqueeze(1)
+        self._values = torch.where(reached, values.to(device), math.nan)
         self._spikes = spikes.to(device)
         self._clear()
 
@@ -370,18 +390,3 @@ def _watch_arg(call: str, watch: Any) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"{call}(watch={watch!r}): each name at most once.")
     return tuple(name for name in _NAMES if name in names)
-
-
-def _count(call: str, key: str, value: Any) -> torch.Tensor:
-    """A saved count as a 0-dim int64 tensor; refused if negative or not an integer."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_floating_point() or value.dtype == torch.bool:
-            raise TypeError(f"{call}: state[{key!r}]={value!r} must be an integer 0-dim tensor or an int.")
-        tensor = value.detach().reshape(()).to(torch.int64)
-    elif isinstance(value, int) and not isinstance(value, bool):
-        tensor = torch.tensor(value, dtype=torch.int64)
-    else:
-        raise TypeError(f"{call}: state[{key!r}]={value!r} must be an integer 0-dim tensor or an int.")
-    if int(tensor) < 0:
-        raise ValueError(f"{call}: state[{key!r}]={int(tensor)} is negative; a count of applied steps cannot be.")
-    return tensor.clone()
