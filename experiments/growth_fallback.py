@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -40,14 +41,20 @@ from pathlib import Path
 
 import torch
 
+from lit_mpstable import FP8Config
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "adapter")]
 OUT = ROOT / "experiments" / "results" / "growth_fallback"
 
-from test_growth_warning import _run  # noqa: E402
+from test_growth_warning import DEAD_CAP, GROW_FROM, MODES, _run  # noqa: E402
 
 VARIANTS = {"bf16": dict(recipe=None, fallback=False), "fp8": dict(recipe="current", fallback=False),
             "fp8+fallback": dict(recipe="current", fallback=True)}
+# dead_channel only: the same task without the growth. "fp8 clean, down bf16": the fallback's end configuration
+# (mlp.down out of FP8) from the start, the floor of what the fallback can reach.
+CLEAN = {"bf16 clean": dict(recipe=None, fallback=False), "fp8 clean": dict(recipe="current", fallback=False),
+         "fp8 clean, down bf16": dict(recipe="current", fallback=False, fp8_layers=["mlp.gate", "mlp.up"])}
 
 
 @torch.no_grad()
@@ -59,18 +66,39 @@ def final_loss(module, plugin) -> dict[str, float]:
     return {"own": float(own), "fp32": float(fp32)}
 
 
-def run(seed: int, variant: str, steps: int, grow_until: int | None) -> dict:
+def e4m3_flushed(hidden: torch.Tensor) -> float:
+    """The fraction of the nonzero elements of ``mlp.down``'s input (the whole data set as one tensor) that E4M3 with
+    per-tensor current scaling (448 / amax) flushes to zero: what the growth monitor's ``underflow`` would read at
+    the layer's real scale (it reads it at scale 1)."""
+    nonzero = hidden[hidden != 0]
+    q = (nonzero * (448.0 / nonzero.abs().amax())).to(torch.float8_e4m3fn).float()
+    return float((q == 0).float().mean())
+
+
+def run(seed: int, variant: str, args: argparse.Namespace) -> dict:
     start = time.process_time()
-    module, plugin, growth, callbacks = _run(seed, grow=True, steps=steps, grow_until=grow_until, **VARIANTS[variant])
+    spec = {**VARIANTS, **CLEAN}[variant]
+    recipe = spec["recipe"] and args.recipe
+    if "fp8_layers" in spec:
+        recipe = FP8Config(recipe=args.recipe, filter=spec["fp8_layers"])
+    module, plugin, growth, callbacks = _run(seed, grow=variant not in CLEAN, steps=args.steps,
+                                             grow_until=args.grow_until, mode=args.mode, cap=args.cap,
+                                             fallback=spec["fallback"], recipe=recipe)
     fp8 = sorted(n for n, m in module.named_modules() if type(m).__name__ == "FP8Linear")
     moved = ([{"step": d.get("step"), "modules": d["modules"]} for d in callbacks[1].decisions
-              if d["action"] == "fallback"] if VARIANTS[variant]["fallback"] else [])
-    out = {"seed": seed, "variant": variant, "steps": steps, "grow_until": grow_until,
+              if d["action"] == "fallback"] if spec["fallback"] else [])
+    out = {"seed": seed, "variant": variant, "recipe": str(recipe) if isinstance(recipe, FP8Config) else recipe,
+           "mode": args.mode, "steps": args.steps, "grow_until": args.grow_until,
            "first_nonfinite": module.first_nonfinite,
            "first_warning": growth[0][0] if growth else None, "fp8_layers_at_end": fp8, "fallbacks": moved,
            "skipped_steps": int(plugin.skipped_steps) if hasattr(plugin, "skipped_steps") else None,
            "loss": final_loss(module, plugin), "cpu_s": time.process_time() - start}
+    if args.mode == "dead_channel":
+        out |= {"saturated_at": module.saturated_at, "unit_ratio_at_end": module.unit_ratio(),
+                "e4m3_flushed_at_end": e4m3_flushed(module.hidden()),
+                "down_input_at_end": (plugin.runaway_layers(), plugin.stats["growth"].get("mlp.down"))[1]}
     print(json.dumps(out), flush=True)
+    out["train_loss"] = module.losses
     return out
 
 
@@ -103,29 +131,134 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gap(a: float, b: float) -> float:
+    return a / b - 1 if math.isfinite(a) and math.isfinite(b) and b > 0 else math.nan
+
+
+def markdown_dead(rows: list[dict], args: argparse.Namespace) -> str:
+    by = {(r["seed"], r["variant"]): r for r in rows}
+    lines = [f"# The fallback on a dead massive-activation unit (FP8 {args.recipe} scaling, unit 0 grows from step 80"
+             f" to {args.cap:.0e}x the other units, its mlp.down column pinned to zero)", "",
+             f"`{command(args)}` (CPU, one thread). Loss: MSE over the task's data after the last step, in the run's"
+             " own precision (FP32 evaluation in brackets); gaps against the same seed's BF16 run. Clean: the same task"
+             " without the growth (unit 0 dead, not growing): clean FP8 vs clean BF16 is FP8's floor on this task."
+             " bf16 = clean: the BF16 run with the growth ends bit for bit where the clean BF16 run ends. Flushed: the"
+             " fraction of the nonzero elements of mlp.down's input (the data set) that E4M3 at 448 / amax flushes.",
+             "",
+             "| seed | bf16 loss; = clean | growth stops (step) | fp8 loss, gap; mlp.down's input flushed by E4M3 at"
+             " the end (the growth monitor's underflow reading) | fp8+fallback: first warning; moved (step:"
+             " layers); FP8 layers at the end | fp8+fallback loss, gap | clean fp8 gap (floor); clean with mlp.down in"
+             " BF16 | fallback gap - floor; - the mlp.down-in-BF16 floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    stats: dict[str, list[float]] = {k: [] for k in ("fp8", "fallback", "floor", "excess", "floor_down",
+                                                     "excess_down")}
+    only_down = True
+    for seed in sorted({r["seed"] for r in rows}):
+        b, f, fb = by[(seed, "bf16")], by[(seed, "fp8")], by[(seed, "fp8+fallback")]
+        cb, cf, cd = by[(seed, "bf16 clean")], by[(seed, "fp8 clean")], by[(seed, "fp8 clean, down bf16")]
+        g_f, g_fb = gap(f["loss"]["own"], b["loss"]["own"]), gap(fb["loss"]["own"], b["loss"]["own"])
+        floor, floor_down = gap(cf["loss"]["own"], cb["loss"]["own"]), gap(cd["loss"]["own"], cb["loss"]["own"])
+        for key, value in (("fp8", g_f), ("fallback", g_fb), ("floor", floor), ("excess", g_fb - floor),
+                           ("floor_down", floor_down), ("excess_down", g_fb - floor_down)):
+            stats[key].append(value)
+        only_down &= bool(fb["fallbacks"]) and all(m["modules"] == ["mlp.down"] for m in fb["fallbacks"])
+        moved = "; ".join(f"step {m['step']}: {'+'.join(m['modules'])}" for m in fb["fallbacks"]) or "none"
+        under = (f["down_input_at_end"] or {}).get("underflow", math.nan)
+        same = "yes" if b["loss"] == cb["loss"] else "no"
+        lines.append(
+            f"| {seed} | {b['loss']['own']:.5f} ({b['loss']['fp32']:.5f}); {same} | {b['saturated_at']} |"
+            f" {f['loss']['own']:.5f}, {g_f:+.1%}; {f['e4m3_flushed_at_end']:.1%} ({under:.1%}) |"
+            f" {fb['first_warning']}; {moved};"
+            f" {'+'.join(fb['fp8_layers_at_end'])} | {fb['loss']['own']:.5f} ({fb['loss']['fp32']:.5f}), {g_fb:+.2%} |"
+            f" {floor:+.2%}; {floor_down:+.2%} | {g_fb - floor:+.2%}; {g_fb - floor_down:+.2%} |")
+    mean = {k: statistics.mean(v) for k, v in stats.items()}
+    worst = {k: max(v, key=abs) for k, v in stats.items()}
+    within = sum(abs(g) <= 0.005 for g in stats["fallback"])
+    lines += ["", f"Gap vs BF16 (mean; worst): FP8 {mean['fp8']:+.1%}; {worst['fp8']:+.1%}, FP8+fallback"
+              f" {mean['fallback']:+.2%}; {worst['fallback']:+.2%} ({within}/{len(stats['fallback'])} seeds within"
+              f" 0.5%), clean FP8 (floor) {mean['floor']:+.2%}; {worst['floor']:+.2%}, fallback - floor"
+              f" {mean['excess']:+.2%}; {worst['excess']:+.2%}; clean FP8 with mlp.down in BF16 (the fallback's end"
+              f" configuration) {mean['floor_down']:+.2%}; {worst['floor_down']:+.2%}, fallback - that floor"
+              f" {mean['excess_down']:+.2%}; {worst['excess_down']:+.2%}. Only mlp.down left FP8 in every seed:"
+              f" {'yes' if only_down else 'no'}."]
+    return "\n".join(lines) + "\n"
+
+
+def figure(rows: list[dict], args: argparse.Namespace, path: Path, seed: int = 0) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        if r["seed"] != seed or "clean" in r["variant"]:
+            continue
+        losses = torch.tensor(r["train_loss"], dtype=torch.float64)
+        smooth = losses.unfold(0, 10, 1).mean(1)  # 10-step mean
+        ax.plot(range(10, 10 + len(smooth)), smooth.tolist(), label=r["variant"])
+        for m in r["fallbacks"]:
+            ax.axvline(m["step"], color="grey", ls=":", lw=1)
+            ax.annotate(f"{'+'.join(m['modules'])} leaves FP8", (m["step"], ax.get_ylim()[1]), fontsize=8,
+                        va="top", ha="left", rotation=90)
+    ax.axvline(GROW_FROM, color="red", ls="--", lw=1, label=f"growth starts (step {GROW_FROM})")
+    ax.set(yscale="log", xlabel="step", ylabel="train loss (10-step mean)",
+           title=f"Dead massive-activation unit, seed {seed}, FP8 {args.recipe} scaling")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def command(args: argparse.Namespace) -> str:
+    extra = "".join(f" --{k.replace('_', '-')} {v}" for k, v in (("mode", args.mode), ("recipe", args.recipe),
+                                                               ("grow_until", args.grow_until)) if v not in
+                    (None, "align", "current"))
+    cap = f" --cap {args.cap:g}" if args.mode == "dead_channel" and args.cap != DEAD_CAP else ""
+    return f"PYTHONPATH=. .venv/bin/python experiments/growth_fallback.py --seeds {args.seeds} --steps {args.steps}" \
+        + extra + cap
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=320)
     parser.add_argument("--grow-until", type=int, default=None,
                         help="stop the injected growth at this step (default: it never stops, as in the warning part)")
+    parser.add_argument("--mode", choices=MODES, default="align",
+                        help="align: the warning part's task; dead_channel: unit 0 grows, its mlp.down column is zero")
+    parser.add_argument("--cap", type=float, default=DEAD_CAP,
+                        help="dead_channel: unit 0's amax / the other units' where its growth stops")
+    parser.add_argument("--recipe", choices=("current", "delayed"), default="current", help="the FP8 recipe")
     args = parser.parse_args()
     for name in ("seeds", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)!r}: must be >= 1.")
     if args.grow_until is not None and args.grow_until < 0:
         raise ValueError(f"--grow-until={args.grow_until!r}: must be a step >= 0 (the growth starts at step 80).")
+    if not 1 < args.cap < 1e30:
+        raise ValueError(f"--cap={args.cap!r}: must be in (1, 1e30) (an amax ratio BF16 holds).")
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     cpu = [line for line in flags.splitlines() if line.startswith(("Model name", "Flags"))]
-    print("\n".join(cpu), flush=True)
-    rows = [run(seed, variant, args.steps, args.grow_until) for seed in range(args.seeds) for variant in VARIANTS]
+    print("\n".join(cpu), f"load average at start: {os.getloadavg()}", sep="\n", flush=True)
+    variants = list(VARIANTS) + (list(CLEAN) if args.mode == "dead_channel" else [])
+    rows = [run(seed, variant, args) for seed in range(args.seeds) for variant in variants]
     OUT.mkdir(parents=True, exist_ok=True)
-    tag = "" if args.grow_until is None else f"_until{args.grow_until}"
-    (OUT / f"results{tag}.json").write_text(json.dumps({"rows": rows, "cpu": cpu, "args": vars(args)}, indent=2))
-    (OUT / f"results{tag}.md").write_text(markdown(rows, args))
-    print(markdown(rows, args))
+    if args.mode == "align":
+        tag = "" if args.grow_until is None else f"_until{args.grow_until}"
+        table = markdown(rows, args)
+    else:
+        tag = "_dead_channel" + ("" if args.recipe == "current" else f"_{args.recipe}") \
+            + ("" if args.cap == DEAD_CAP else f"_cap{args.cap:g}") \
+            + ("" if args.grow_until is None else f"_until{args.grow_until}")
+        table = markdown_dead(rows, args)
+        figure(rows, args, OUT / f"loss{tag}.png")
+    (OUT / f"results{tag}.json").write_text(json.dumps({"rows": rows, "cpu": cpu, "args": vars(args),
+                                                        "load_at_start": os.getloadavg()}, indent=2))
+    (OUT / f"results{tag}.md").write_text(table)
+    print(table)
 
 
 if __name__ == "__main__":
