@@ -35,6 +35,10 @@ _spec = importlib.util.spec_from_file_location("spike_lr_sweep", ROOT / "experim
 spike_lr_sweep = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(spike_lr_sweep)
 
+_spec = importlib.util.spec_from_file_location("growth_fallback", ROOT / "experiments" / "growth_fallback.py")
+growth_fallback = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(growth_fallback)
+
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
@@ -218,3 +222,15 @@ def test_spike_lr_sweep_smoke_run_writes_its_table_json_and_figure(tmp_path: Pat
     assert all([s for s, _ in r["val"]] == [0, 2, 4] or r["diverged_at"] for r in runs)
     assert "Median stable-LR ratio" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_growth_fallback_dead_channel_smoke_run_writes_its_table_json_and_figure(tmp_path: Path) -> None:
+    growth_fallback.main(["--seeds", "1", "--steps", "6", "--mode", "dead_channel", "--out", str(tmp_path)])
+    text = (tmp_path / "results_dead_channel.json").read_text()
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"results json holds {name}: not strict JSON"))
+    rows = json.loads(text)["rows"]
+    assert sorted(r["variant"] for r in rows) == sorted([*growth_fallback.VARIANTS, *growth_fallback.CLEAN])
+    assert all(len(r["train_loss"]) == 6 and r["saturated_at"] is None for r in rows)  # the growth starts at 80
+    assert "| 0 |" in (tmp_path / "results_dead_channel.md").read_text()
+    assert (tmp_path / "loss_dead_channel.png").stat().st_size > 0

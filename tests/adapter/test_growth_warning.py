@@ -1,7 +1,12 @@
 """StablePrecision(growth_every_n_steps=10) in FP8 through the Trainer: a SwiGLU block whose gate and up rows are driven
 into alignment (Smooth-SwiGLU's mechanism, as in tests/core/test_growth.py, grown faster so the run reaches a real
 non-finite step in a few hundred steps) is named by OverflowMonitor >= 50 steps before its first non-finite loss;
-PrecisionFallback(on_growth=True) moves that layer alone out of FP8; a clean run raises nothing."""
+PrecisionFallback(on_growth=True) moves that layer alone out of FP8; a clean run raises nothing.
+
+``mode="dead_channel"`` (the fallback's end-loss task, ``experiments/growth_fallback.py``): hidden unit 0 grows as in
+the alignment mode into a massive activation (Sun et al. 2024) until it is ``cap`` times every other unit's amax,
+and its column of ``mlp.down`` is pinned to zero (from the start): the output does not depend on unit 0 in exact
+arithmetic or in BF16, while FP8's per-tensor scale of ``mlp.down``'s input (448 / amax) flushes every other unit."""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from torch import nn
 from trainer_pkg import OverflowMonitor, PrecisionFallback, StablePrecision, pl
 
 GROW_FROM, RATE = 80, 1.12  # from step 80 the two rows grow 12% a step (the product feeding mlp.down ~25%)
+MODES = ("align", "dead_channel")
+DEAD_CAP = 1e8  # dead_channel: unit 0's amax / the other units' amax where the growth stops (BF16 stays finite)
 
 
 class SwiGLU(nn.Module):
@@ -29,10 +36,19 @@ class SwiGLU(nn.Module):
 
 
 class GrowthTask(pl.LightningModule):
-    """A pre-norm residual SwiGLU block on a fixed regression (AdamW); ``grow``: the alignment injection."""
+    """A pre-norm residual SwiGLU block on a fixed regression (AdamW); ``grow``: the alignment injection.
 
-    def __init__(self, seed: int, grow: bool, grow_until: int | None = None) -> None:
+    ``mode="dead_channel"``: ``mlp.down``'s column 0 is zero from the start (pinned after every step), and the growth
+    of unit 0 stops once its amax over the data set reaches ``cap`` x the other units' (:attr:`saturated_at`)."""
+
+    def __init__(self, seed: int, grow: bool, grow_until: int | None = None, mode: str = "align",
+                 cap: float = DEAD_CAP) -> None:
         super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"GrowthTask(mode={mode!r}): allowed: {list(MODES)}.")
+        if not (isinstance(cap, (int, float)) and 1 < cap < 1e30):
+            raise ValueError(f"GrowthTask(cap={cap!r}): must be a number in (1, 1e30) (an amax ratio BF16 holds).")
+        self.mode, self.cap, self.saturated_at = mode, float(cap), None
         torch.manual_seed(seed)
         self.inp, self.mlp, self.out = nn.Linear(16, 16), SwiGLU(), nn.Linear(16, 16)
         g = torch.Generator().manual_seed(seed)
@@ -40,6 +56,23 @@ class GrowthTask(pl.LightningModule):
         self.y = torch.tanh(self.x @ torch.randn(16, 16, generator=g) / 4)
         self.grow, self.grow_until, self.u = grow, grow_until, torch.zeros(16)
         self.first_nonfinite: int | None = None
+        self.losses: list[float] = []  # the training loss of every step (read anyway for first_nonfinite)
+        if mode == "dead_channel":
+            with torch.no_grad():
+                self.mlp.down.weight[:, 0] = 0
+
+    @torch.no_grad()
+    def hidden(self) -> torch.Tensor:
+        """``mlp.down``'s input over the whole data set, in FP32. Functional: calling the layers would feed the
+        growth monitor's hooks and the FP8 layers' amax records."""
+        linear = nn.functional.linear
+        h = nn.functional.layer_norm(linear(self.x, self.inp.weight, self.inp.bias), (16,))
+        return nn.functional.silu(linear(h, self.mlp.gate.weight)) * linear(h, self.mlp.up.weight)
+
+    def unit_ratio(self) -> float:
+        """Unit 0's amax over the data set / the largest amax of the other hidden units."""
+        amax = self.hidden().abs().amax(0)
+        return float(amax[0] / amax[1:].amax())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -48,13 +81,20 @@ class GrowthTask(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss = nn.functional.mse_loss(self(batch[0]).float(), batch[1])
-        if self.first_nonfinite is None and not math.isfinite(loss.item()):
+        self.losses.append(loss.item())
+        if self.first_nonfinite is None and not math.isfinite(self.losses[-1]):
             self.first_nonfinite = self.trainer.global_step
         return loss
 
     def on_train_batch_end(self, *args) -> None:
         step = self.trainer.global_step
+        if self.mode == "dead_channel":
+            with torch.no_grad():
+                self.mlp.down.weight[:, 0] = 0  # unit 0 never reaches the output (AdamW moved it)
         if not self.grow or step < GROW_FROM or (self.grow_until is not None and step >= self.grow_until):
+            return
+        if self.mode == "dead_channel" and (self.saturated_at is not None or self.unit_ratio() >= self.cap):
+            self.saturated_at = step if self.saturated_at is None else self.saturated_at
             return
         with torch.no_grad():
             gate, up = self.mlp.gate.weight, self.mlp.up.weight
@@ -73,8 +113,8 @@ class GrowthTask(pl.LightningModule):
 
 
 def _run(seed: int, grow: bool, steps: int, fallback: bool = False, recipe: str | None = "current",
-         grow_until: int | None = None):
-    module = GrowthTask(seed, grow, grow_until)
+         grow_until: int | None = None, mode: str = "align", cap: float = DEAD_CAP):
+    module = GrowthTask(seed, grow, grow_until, mode, cap)
     plugin = StablePrecision("bf16-mixed", fp8=recipe, growth_every_n_steps=10)
     monitor = OverflowMonitor(log_every_n_steps=10)
     callbacks = [monitor] + ([PrecisionFallback(on_growth=True, patience=10**6, max_overflow_rate=None,
@@ -121,3 +161,34 @@ def test_clean_run_raises_no_alarm() -> None:
     module, plugin, growth, _ = _run(0, grow=False, steps=300)
     assert module.first_nonfinite is None and growth == [] and plugin.runaway_layers() == []
     assert set(plugin.stats["growth"]) == {"inp", "mlp.gate", "mlp.up", "mlp.down", "out"}
+
+
+def test_growth_task_rejects_an_unknown_mode_and_a_cap_bf16_cannot_hold() -> None:
+    with pytest.raises(ValueError, match=r"mode='dead'.*allowed"):
+        GrowthTask(0, grow=True, mode="dead")
+    with pytest.raises(ValueError, match=r"cap=1e\+40"):
+        GrowthTask(0, grow=True, mode="dead_channel", cap=1e40)
+
+
+@pytest.mark.slow
+def test_dead_channel_fallback_moves_only_mlp_down_and_ends_near_bf16() -> None:
+    """The dead massive-activation unit: BF16 does not see it (bit for bit the clean run), FP8 loses mlp.down's input
+    to E4M3's flush, and the fallback, moving mlp.down alone out of FP8, ends closer to BF16 than FP8 alone."""
+    steps = 200  # the growth saturates near step 160; FP8 has lost mlp.down's other units from ~step 140
+
+    def end_loss(module: GrowthTask) -> float:
+        with torch.no_grad():
+            return nn.functional.mse_loss(module.float()(module.x), module.y).item()
+
+    bf16, _, _, _ = _run(0, grow=True, steps=steps, recipe=None, mode="dead_channel")
+    clean, _, _, _ = _run(0, grow=False, steps=steps, recipe=None, mode="dead_channel")
+    fp8, _, _, _ = _run(0, grow=True, steps=steps, mode="dead_channel")
+    fallback_run, _, _, callbacks = _run(0, grow=True, steps=steps, fallback=True, mode="dead_channel")
+    assert bf16.saturated_at is not None and bf16.unit_ratio() > 1e7  # the unit did grow
+    assert bf16.losses == clean.losses  # BF16 never sees unit 0
+    moved = [d["modules"] for d in callbacks[1].decisions if d["action"] == "fallback"]
+    assert moved == [["mlp.down"]], callbacks[1].decisions
+    fp8_layers = {n for n, m in fallback_run.named_modules() if type(m).__name__ == "FP8Linear"}
+    assert fp8_layers == {"mlp.gate", "mlp.up"}
+    reference = end_loss(bf16)
+    assert abs(end_loss(fallback_run) / reference - 1) < 0.1 < end_loss(fp8) / reference - 1
