@@ -8,7 +8,10 @@ standard-library character corpus), through a plain PrecisionStepper loop in 'bf
 - final val loss, per seed and its mean over seeds, of the spiked run with the guard vs the spike-free run without it,
   vs the spike-free run with it, vs the spike-free run that skips the same steps (what skipping those batches costs
   by itself), and of the spiked run without it vs the spike-free one;
-- step-time overhead: CPU time per step (one thread), guard on vs off, median over alternating rounds.
+- step-time overhead: CPU time per step (one thread), guard on vs off, the median of the per-round paired ratios over
+  alternating rounds; and, since the whole step's noise on a shared machine is of the order of the target (1%), the
+  guard's own CPU time per step (inside the stepper's observe_loss and the guard's decide, clip_threshold, commit_;
+  the norm it judges is the one clipping computes anyway) as a fraction of the unguarded step.
 
 Each skip is listed with its loss and gradient-norm z-scores (which statistic flagged it). ``--norm-floor 0.01``
 reruns the rule before the gradient norm's 50% skip floor (see ``lit_mpstable/core/spike.py``), for comparison.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 from lit_mpstable import SpikeGuard
 from lit_mpstable.app.zoo import GPT, CharLMData
 from lit_mpstable.core import spike
+from lit_mpstable.core import stepper as stepper_module
 from lit_mpstable.core.stepper import PrecisionStepper
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,15 +196,45 @@ def overhead(args: argparse.Namespace, data: CharLMData, out: dict) -> None:
     for run in runs.values():
         for i in range(40):
             run.step(i)
-    per_step: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(args.rounds):
-        for on in ((False, True) if r % 2 == 0 else (True, False)):
+    inside: list[float] = []  # CPU time spent in the guard's methods, per call
+    # The stepper's observe_loss (the detach, the rank average, the guard's observe_loss_) and the guard's methods.
+    wrapped = {(SpikeGuard, name): getattr(SpikeGuard, name) for name in ("decide", "clip_threshold", "commit_")}
+    wrapped[(stepper_module, "observe_loss")] = stepper_module.observe_loss
+
+    def timed(method):
+        def call(*a, **k):
             start = time.process_time()
-            for i in range(args.round_steps):
-                runs[on].step(i)
-            per_step[on].append((time.process_time() - start) / args.round_steps)
+            try:
+                return method(*a, **k)
+            finally:
+                inside.append(time.process_time() - start)
+        return call
+
+    per_step: dict[bool, list[float]] = {False: [], True: []}
+    guard_ms: list[float] = []
+    for (owner, name), method in wrapped.items():
+        setattr(owner, name, timed(method))
+    try:
+        for r in range(args.rounds):
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
+                inside.clear()
+                start = time.process_time()
+                for i in range(args.round_steps):
+                    runs[on].step(i)
+                per_step[on].append((time.process_time() - start) / args.round_steps)
+                if on:
+                    guard_ms.append(sum(inside) / args.round_steps * 1e3)
+    finally:
+        for (owner, name), method in wrapped.items():
+            setattr(owner, name, method)
     off, on = statistics.median(per_step[False]), statistics.median(per_step[True])
-    out["overhead"] = {"off_ms": off * 1e3, "on_ms": on * 1e3, "ratio": on / off - 1}
+    paired = [b / a for a, b in zip(per_step[False], per_step[True])]
+    out["overhead"] = {"off_ms": off * 1e3, "on_ms": on * 1e3, "ratio": on / off - 1,
+                       "paired_median": statistics.median(paired) - 1,
+                       "paired_quartiles": [q - 1 for q in statistics.quantiles(paired, n=4)],
+                       "guard_ms_per_step": statistics.median(guard_ms),
+                       "guard_fraction_of_off_step": statistics.median(guard_ms) / (off * 1e3),
+                       "load_average": os.getloadavg()[0], "rounds": args.rounds, "round_steps": args.round_steps}
     try:
         flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
         out["cpu"] = [line for line in flags.splitlines() if line.startswith(("Model name", "Flags"))]

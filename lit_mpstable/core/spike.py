@@ -99,16 +99,17 @@ class SpikeGuard:
                                     unit="standard deviations for adaptive clipping; ZClip uses 2.5; None turns it off")
         self.device: torch.device | None = None
         """Where the statistics live; None until the first value (or :meth:`bind`)."""
-        # Both watched series side by side (row 0 the loss, row 1 the gradient norm), so that a step's statistics,
-        # judgement and fold are one short run of small kernels for both, not one per series. A slot no applied value
-        # has reached yet holds NaN, so the sums skip it without a mask (state_dict saves it as 0).
-        self._values = torch.full((len(_NAMES), self.window), math.nan)  # ring buffers, slot = count % window
+        # Both watched series side by side (column 0 the loss, column 1 the gradient norm), so that a step's
+        # statistics, judgement and fold are one short run of small kernels for both, not one per series. A slot no
+        # applied value has reached yet holds NaN, so the sums skip it without a mask (state_dict saves it as 0).
+        self._values = torch.full((self.window, len(_NAMES)), math.nan)  # ring buffers, slot = count % window
         self._counts = torch.zeros(len(_NAMES), dtype=torch.int64)  # applied values ever folded, per series
         self._spikes = torch.zeros((), dtype=torch.int64)
         # This step's loss (summed over micro-batches) and norm, as given (detached, FP32); None: not given.
         self._loss: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self._pending: torch.Tensor | None = None  # both stacked (NaN where not given), made once per step
+        self._finite: torch.Tensor | None = None  # which of them are finite, as decide() found them
         self._decided = False  # whether decide() ran this step (host-side)
         self._last_spike = torch.zeros((), dtype=torch.bool)
         self._judged: tuple[torch.Tensor, torch.Tensor] | None = None  # the last decide's z-scores and window sizes;
@@ -160,7 +161,7 @@ class SpikeGuard:
             floors = [max(_SKIP_REL_STD[name], _MIN_REL_STD) for name in _NAMES]
             sizes = torch.arange(self.window + 1, device=device, dtype=torch.float32)
             self._consts = {
-                "slots": torch.arange(self.window, device=device),
+                "slots": torch.arange(self.window, device=device).unsqueeze(1),  # a column: broadcasts per series
                 "mean_div": sizes.clamp(min=1.0), "var_div": (sizes - 1.0).clamp(min=1.0),  # by values in the window
                 "skip_floor": torch.tensor(floors, device=device),
                 "watched": (None if len(self.watch) == len(_NAMES)
@@ -218,8 +219,9 @@ class SpikeGuard:
         mean, root, scale, n = self._stats()
         judged = torch.maximum(root, self._consts["skip_floor"] * scale).clamp(min=_TINY)  # see _SKIP_REL_STD
         z = (value - mean) / judged
-        # NaN z (a value not given, or non-finite) compares False; an inf value (inf z) is excluded by `< inf`.
-        spike = (value < math.inf) & (z > self.zscore) & (counts >= self.warmup)
+        # NaN z (a value not given, or non-finite) compares False; an inf value (inf z) is excluded as non-finite.
+        self._finite = value.abs() < math.inf  # the fold takes these, unless clipping caps a value first
+        spike = self._finite & (z > self.zscore) & (counts >= self.warmup)
         if self._consts["watched"] is not None:
             spike = spike & self._consts["watched"]
         spike = spike.any()
@@ -286,16 +288,17 @@ class SpikeGuard:
         self._clear()
 
     def _fold(self, skipped: torch.Tensor | None) -> None:
-        value = self._stacked()
+        value, take = self._stacked(), self._finite
         if self.clip_zscore is not None:  # ZClip: a clipped norm enters capped at its threshold (the loss's cap: inf)
             if self._threshold is not None:
                 self._caps[1].copy_(self._threshold)
-            value = torch.minimum(value, self._caps)
-        take = value.abs() < math.inf  # a value not given is NaN: never taken
+            value, take = torch.minimum(value, self._caps), None
+        if take is None:
+            take = value.abs() < math.inf  # a value not given is NaN: never taken
         take = take & ~skipped if skipped is not None else take
         # torch.where on a one-hot slot instead of indexing by a Python int: no host read, no graph break.
-        slot = (self._consts["slots"] == (self._counts % self.window).unsqueeze(1)) & take.unsqueeze(1)
-        torch.where(slot, value.unsqueeze(1), self._values, out=self._values)
+        slot = (self._consts["slots"] == self._counts % self.window) & take
+        torch.where(slot, value, self._values, out=self._values)
         self._counts.add_(take)
 
     def _stacked(self) -> torch.Tensor:
@@ -304,6 +307,7 @@ class SpikeGuard:
             missing = self._consts["missing"]
             self._pending = torch.stack([missing if self._loss is None else self._loss,
                                          missing if self._norm is None else self._norm])
+            self._finite = None
         return self._pending
 
     def _count_spike(self, skipped: torch.Tensor | bool, spiked: torch.Tensor | None) -> None:
@@ -317,15 +321,15 @@ class SpikeGuard:
         self._clear()
 
     def _clear(self) -> None:
-        self._loss = self._norm = self._pending = self._threshold = None
+        self._loss = self._norm = self._pending = self._finite = self._threshold = None
         self._decided = False
 
     def _stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per series, over the applied values in the window: the mean, the unbiased standard deviation before any
         floor, the mean's magnitude (the floors' unit) and the number of values (at most ``window``, int64)."""
         n = self._counts.clamp(max=self.window)
-        mean = self._values.nansum(1) / self._consts["mean_div"][n]  # max(n, 1): an empty window has mean 0
-        var = (self._values - mean.unsqueeze(1)).square().nansum(1) / self._consts["var_div"][n]  # max(n - 1, 1)
+        mean = self._values.nansum(0) / self._consts["mean_div"][n]  # max(n, 1): an empty window has mean 0
+        var = (self._values - mean).square().nansum(0) / self._consts["var_div"][n]  # max(n - 1, 1)
         return mean, var.sqrt(), mean.abs(), n
 
     @staticmethod
@@ -343,7 +347,7 @@ class SpikeGuard:
         """
         state: dict[str, Any] = {"window": self.window}
         for row, name in enumerate(_NAMES):
-            state[name] = self._values[row].detach().nan_to_num(0.0)  # a slot not reached yet: 0
+            state[name] = self._values[:, row].detach().nan_to_num(0.0)  # a slot not reached yet: 0
             state[f"{name}_count"] = self._counts[row].detach().clone()
         state["spikes_skipped"] = self._spikes.detach().clone()
         return state
@@ -370,8 +374,8 @@ class SpikeGuard:
         values, counts, spikes = saved_statistics(call, state, _NAMES, self.window)
         device = self.device or torch.device("cpu")
         self._counts = counts.to(device)
-        reached = torch.arange(self.window, device=device) < self._counts.unsqueeze(1)
-        self._values = torch.where(reached, values.to(device), math.nan)
+        reached = torch.arange(self.window, device=device).unsqueeze(1) < self._counts
+        self._values = torch.where(reached, values.t().to(device), math.nan)
         self._spikes = spikes.to(device)
         self._clear()
 
