@@ -9,9 +9,10 @@ history of its input's (or output's) amax, kurtosis and FP8 saturation/underflow
 still time to act: ``OverflowMonitor`` warns naming them, ``PrecisionFallback`` moves them out of FP8.
 
 All statistics are computed on the device in FP32 on sampling steps only, and stay there: each layer's forward hook
-makes the passes over its activation (:mod:`~lit_mpstable.core.growth_stats`), and the arithmetic that finishes
-the rows runs once for all the layers sampled in a step, with one write into a ring buffer shared by all layers (at
-the next :meth:`GrowthMonitor.step` or read). Nothing reads a tensor on the host until
+makes the passes over its activation (:mod:`~lit_mpstable.core.growth_stats`) and queues the sums (0-dim device
+tensors); the arithmetic that finishes the rows runs for all the queued samples together, with one write into a ring
+buffer shared by all layers, when the samples are read (or saved) or once a layer has ``window`` samples queued.
+Nothing reads a tensor on the host until
 :meth:`GrowthMonitor.stats` or :meth:`GrowthMonitor.runaway` is called.
 The samples are part of the plugin's checkpoint (:meth:`GrowthMonitor.state_dict`, under ``"growth"``): a resumed
 run continues the trend fit where it stopped.
@@ -48,6 +49,7 @@ class _History:
     steps: list[int] = field(default_factory=list)  # the step of each filled slot, slot order
     next: int = 0
     scale: float | torch.Tensor = 1.0
+    queued: int = 0  # samples waiting in the monitor's queue
     limits: tuple[float, float] | None = None  # thresholds(fmt, scale) of a number scale; None: a tensor scale,
     # divided on each sample (it may change in place)
 
@@ -110,7 +112,7 @@ class GrowthMonitor:
         self._rows: torch.Tensor | None = None  # all layers' ring buffers, layers x window x 4 (device)
         self._slopes: torch.Tensor | None = None  # every layer's fitted trend (None: a sample came since the fit)
         self._queue: tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[tuple[int, int]]] = ([], [], [], [])
-        # the sums, counts, element counts and (layer, slot) of this step's samples, finished by _flush
+        # the sums, counts, element counts and (layer, slot) of the samples not finished yet (see _flush)
         self._handles: list[Any] = []
         self._sampled: set[str] = set()
         self.clock = clock
@@ -125,6 +127,7 @@ class GrowthMonitor:
         Raises:
             ValueError: a name in ``names`` is not a linear layer of ``module``.
         """
+        self._flush()  # queued samples (on the device they were taken on) before the layers change
         linears = {name: m for name, m in module.named_modules() if isinstance(m, nn.Linear)}
         if names is not None:
             names = list(names)
@@ -145,6 +148,7 @@ class GrowthMonitor:
 
     def detach(self) -> None:
         """Remove the hooks (the histories stay readable)."""
+        self._flush()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -164,7 +168,6 @@ class GrowthMonitor:
 
     def step(self, steps: int | None = None) -> None:
         """Count one optimizer step (or set the count to ``steps``, e.g. the trainer's global step)."""
-        self._flush()
         self.steps = self.steps + 1 if steps is None else int(steps)
         self._sampled.clear()
 
@@ -193,11 +196,15 @@ class GrowthMonitor:
                 history.steps[history.next] = self.steps
             history.next = (history.next + 1) % self.window
             self.samples += 1
+            history.queued += 1
+            if history.queued == self.window:  # before its ring wraps within the queue
+                self._flush()
 
         return hook
 
     def _flush(self) -> None:
-        """Finish the queued samples' rows (all layers at once) and write them into the ring buffer in one op."""
+        """Finish the queued samples' rows (all at once: ~20 ops for any number, so a sample costs its hook's
+        passes and a share of one flush) and write them into the ring buffer in one op."""
         sums, counts, numels, slots = self._queue
         if not numels:
             return
@@ -207,7 +214,10 @@ class GrowthMonitor:
         buffer.index_put_((layer, slot), rows)
         histories = list(self._history.values())
         for index, _ in slots:
-            histories[index].rows = buffer[index]
+            history = histories[index]
+            history.queued = 0
+            if history.rows is None:  # the others are views of the buffer already (_place)
+                history.rows = buffer[index]
         for queued in self._queue:
             queued.clear()
         self._slopes = None

@@ -88,7 +88,7 @@ def finish_rows(sums: list[torch.Tensor], counts: list[torch.Tensor], numels: li
     # A spread below 1e-6 of amax is rounding noise (x / amax is inexact): the tensor counts as constant.
     kurtosis = torch.where(var > 1e-12 * relative * relative, kurtosis, 0.0)
     kurtosis = torch.where(amax.isnan(), amax, kurtosis)
-    underflow = (low - zeros) / (n - zeros).clamp_min(1)
+    underflow = (low - zeros) / nonzero.clamp_min(1)
     return torch.stack([floor.log2(), kurtosis, above / n, underflow], dim=1)
 
 

@@ -100,16 +100,35 @@ def test_statistics_match_a_float64_reference(scale: float) -> None:
                 layer.to(x.dtype)(x if x.dim() > 1 else x.view(-1, layer.in_features))
 
     fan = Fan()
-    monitor = GrowthMonitor(every_n_steps=2, window=3, scale=scale).attach(fan)
-    for _ in range(3):  # samples at steps 0 and 2: the second lands in the second slot of every layer's ring
+    monitor = GrowthMonitor(every_n_steps=1, window=3, scale=scale).attach(fan)
+    for _ in range(5):  # 5 samples into rings of 3: finished at the third (a full queue) and when read
         fan()
         monitor.step()
     stats = monitor.stats()
     for (name, x), key in zip(cases.items(), fan.layers):
         row = stats[f"layers.{key}"]
         log2_amax = math.log2(row["amax"]) if row["amax"] > 0 else row["amax"]
-        assert row["samples"] == 2 and row["step"] == 2, name
+        assert row["samples"] == 3 and row["step"] == 4, name
         assert _close([log2_amax, row["kurtosis"], row["saturation"], row["underflow"]], _reference(x, scale)), name
+
+
+def test_reading_every_step_or_once_gives_the_same_samples() -> None:
+    """Queued samples are finished when read or when a layer's queue is full: the reading pattern changes nothing."""
+    models, monitors = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(TinyMLP())
+        monitors.append(GrowthMonitor(every_n_steps=2, window=3).attach(models[-1]))
+    x, y = regression_data(16)
+    for step in range(15):
+        for model, monitor in zip(models, monitors):
+            model(x * (1 + step)).square().mean().backward()
+            monitor.step()
+        monitors[0].metrics()  # read (finished) every step; the other is finished by its full queues
+    assert monitors[0].state_dict()["layers"]["fc1"]["steps"] == [12, 14, 10]
+    assert torch.equal(torch.stack([s["rows"] for s in monitors[0].state_dict()["layers"].values()]),
+                       torch.stack([s["rows"] for s in monitors[1].state_dict()["layers"].values()]))
+    assert monitors[0].stats() == monitors[1].stats()
 
 
 def test_an_empty_activation_has_no_underflow() -> None:

@@ -1,0 +1,362 @@
+"""GrowthMonitor (``StablePrecision(growth_every_n_steps=10)``): what one sampled step costs, and where it goes.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_growth.py                        # both parts, digits MLP: ~3 min
+    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --workloads mlp,gpt    # and the CPU GPT
+    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --part profile         # the breakdown only (~20 s)
+    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --quick                # smoke run -> growth_overhead_quick.*
+
+Workloads (through the Trainer, ``StablePrecision("bf16-mixed", fp8="current")``, 1 thread, no validation, no
+logger): ``mlp``: ``zoo.MLPClassifier`` (64-256-256-10, 3 linears) on ``zoo.DigitsData`` (batch 64); ``gpt``:
+``zoo.GPTLM`` (d_model 128, 2 blocks, seq 64, 9 linears) on ``zoo.CharLMData`` (batch 16).
+
+**Profile.** One run with ``growth_every_n_steps=10`` and ``OverflowMonitor``; every method of the monitor is
+wrapped: CPU time (``time.thread_time``, exclusive of nested monitor calls) and the number of torch ops it dispatches
+(a ``TorchDispatchMode``), per sampled step, split into the forward hooks (per layer), ``step``/flush (the
+deferred statistics of all sampled layers), and the reads (``stats``/``runaway``/``metrics``: the plugin and
+``OverflowMonitor`` side, once per new sample).
+
+**Overhead**, two ways in one run, each round a fresh, identically seeded fit of each config, the order alternating
+per round (``off``: no monitor; ``on``: ``growth_every_n_steps=10``):
+
+- (a) the component fraction: in the ``on`` runs, the CPU time inside the monitor (its hooks, ``step``, flush; the
+  reads of (a) are not in this config: no OverflowMonitor) over the run's CPU time, both over the same steps;
+- (b) the whole-step paired ratio: per round, the ``on`` run's mean CPU time per step over the ``off`` run's (means
+  over whole multiples of 10 steps after the warmup, so each holds its share of sampled steps); the median with a
+  distribution-free 95% confidence interval (order statistics of the binomial), and the mean with a t interval.
+
+Writes ``bench/results/growth_overhead.{json,md}`` (``_quick`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lit_mpstable import StablePrecision  # noqa: E402
+from lit_mpstable.app.zoo import GPTLM, CharLMData, DigitsData, MLPClassifier  # noqa: E402
+from lit_mpstable.callbacks import OverflowMonitor  # noqa: E402
+from lit_mpstable.core.growth import GrowthMonitor  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               num_sanity_val_steps=0, accelerator="cpu", devices=1, limit_val_batches=0)
+EVERY = 10
+WARMUP = 10  # steps dropped at the start of each run (one whole sampling period)
+
+
+def workload(name: str) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    if name == "mlp":
+        return MLPClassifier(total_steps=10_000), DigitsData(batch_size=64)
+    if name == "gpt":
+        data = _GPT_DATA.setdefault("data", CharLMData(seq_len=64, batch_size=16, max_chars=400_000))
+        return GPTLM(data.vocab_size, d_model=128, n_layers=2, seq_len=64, total_steps=10_000), data
+    raise ValueError(f"workload(name={name!r}): unknown; allowed: ['mlp', 'gpt'].")
+
+
+_GPT_DATA: dict[str, Any] = {}
+
+
+# ------------------------------------------------------------------------------------------------ instrumentation
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Meter:
+    """CPU time (exclusive of nested monitor calls) and, with ``count_ops``, torch ops, per monitor method."""
+
+    METHODS = ("step", "_flush", "stats", "runaway", "metrics", "state_dict")
+
+    def __init__(self, count_ops: bool = False) -> None:
+        self.count_ops = count_ops
+        self.seconds: dict[str, float] = {}
+        self.ops: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self._stack: list[list[float]] = []  # [start, nested seconds]
+        self._saved: dict[str, Any] = {}
+
+    def reset(self) -> None:
+        self.seconds, self.ops, self.calls = {}, {}, {}
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    def _wrap(self, label: str, fn):
+        meter = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            mode = _Count() if meter.count_ops else None
+            meter._stack.append([time.thread_time(), 0.0])
+            try:
+                if mode is None:
+                    return fn(*args, **kwargs)
+                with mode:
+                    return fn(*args, **kwargs)
+            finally:
+                start, nested = meter._stack.pop()
+                spent = time.thread_time() - start
+                meter.seconds[label] = meter.seconds.get(label, 0.0) + spent - nested
+                meter.calls[label] = meter.calls.get(label, 0) + 1
+                if mode is not None:  # nested calls count their own ops under their own mode only
+                    meter.ops[label] = meter.ops.get(label, 0) + mode.ops
+                if meter._stack:
+                    meter._stack[-1][1] += spent
+
+        return timed
+
+    def install(self) -> None:
+        for method in self.METHODS:
+            if hasattr(GrowthMonitor, method):
+                self._saved[method] = getattr(GrowthMonitor, method)
+                setattr(GrowthMonitor, method, self._wrap(method, self._saved[method]))
+        make_hook = self._saved["_hook"] = GrowthMonitor._hook
+
+        def _hook(monitor: GrowthMonitor, name: str):
+            return self._wrap("hook", make_hook(monitor, name))
+
+        GrowthMonitor._hook = _hook  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        for method, fn in self._saved.items():
+            setattr(GrowthMonitor, method, fn)
+        self._saved = {}
+
+
+class Clock(pl.Callback):
+    """Per-step CPU time (``thread_time``) and the monitor's CPU time up to each step's end."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+        self.step_s: list[float] = []
+        self.monitor_s: list[float] = []
+        self._last: float | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self._last is None:
+            self._last = time.thread_time()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        now = time.thread_time()
+        assert self._last is not None
+        self.step_s.append(now - self._last)
+        self.monitor_s.append(self.meter.total_s)
+        self._last = now
+
+
+def fit(name: str, growth: int | None, steps: int, meter: Meter, *, overflow_monitor: bool = False,
+        probe: Any = None) -> Clock:
+    module, data = workload(name)
+    meter.reset()
+    clock = Clock(meter)
+    callbacks: list[pl.Callback] = [clock] + ([OverflowMonitor()] if overflow_monitor else []) + (
+        [probe] if probe is not None else [])
+    plugin = StablePrecision("bf16-mixed", fp8="current", growth_every_n_steps=growth)
+    trainer = pl.Trainer(plugins=[plugin], max_steps=steps, callbacks=callbacks, **TRAINER)
+    trainer.fit(module, datamodule=data)
+    return clock
+
+
+# ------------------------------------------------------------------------------------------------ profile
+class _SampledStep(pl.Callback):
+    """Resets the meter at the start of sampled step ``at`` and snapshots it at the start of step ``at + 3``: the
+    sampled step's hooks, the flush of its rows (by the first hook of step ``at + 1``), the hooks of two steps
+    between samples, and the reads a logging step makes after a sample (``runaway_layers``, ``growth_metrics``)."""
+
+    def __init__(self, meter: Meter, at: int) -> None:
+        self.meter, self.at = meter, at
+        self.snapshot: dict[str, Any] = {}
+        self.step_s = 0.0
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step  # batch_idx restarts each epoch
+        if step == self.at:
+            self.meter.reset()
+            self._start = time.thread_time()
+        elif step == self.at + 2 + 1:
+            self.snapshot = {"seconds": dict(self.meter.seconds), "ops": dict(self.meter.ops),
+                             "calls": dict(self.meter.calls)}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at + 1:  # counted after the optimizer step
+            self.step_s = time.thread_time() - self._start
+        elif trainer.global_step == self.at + 2:  # the reads OverflowMonitor makes on a logging step after a sample
+            trainer.precision_plugin.runaway_layers()
+            trainer.precision_plugin.growth_metrics()
+
+
+def profile(name: str, repeats: int) -> dict[str, Any]:
+    """Ops and CPU time per monitor method over one sampled step (step 40 of a run: step 40's forward is sampled,
+    its flush runs at step 41's first hook), with the reads OverflowMonitor makes; the median over ``repeats`` runs."""
+    runs = []
+    for count_ops in (True, False):  # ops counted in one run; times taken without the counting mode's cost
+        for _ in range(1 if count_ops else repeats):
+            meter = Meter(count_ops=count_ops)
+            meter.install()
+            try:
+                probe = _SampledStep(meter, at=40)
+                fit(name, EVERY, 44, meter, overflow_monitor=True, probe=probe)
+            finally:
+                meter.uninstall()
+            runs.append((count_ops, probe.snapshot, probe.step_s))
+    ops = runs[0][1]["ops"]
+    timed = [r for r in runs if not r[0]]
+    labels = sorted({label for _, snap, _ in timed for label in snap["seconds"]})
+    return {
+        "ops": ops, "calls": runs[0][1]["calls"],
+        "ms": {lb: statistics.median(snap["seconds"].get(lb, 0.0) for _, snap, _ in timed) * 1e3 for lb in labels},
+        "sampled_step_ms": statistics.median(s for _, _, s in timed) * 1e3,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ overhead
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Distribution-free interval for the median: order statistics k, n-1-k with P(Binomial(n, 1/2) < k) <= 2.5%."""
+    xs, n = sorted(values), len(values)
+    k, tail = 0, 0.0
+    while True:
+        nxt = tail + math.comb(n, k) / 2**n
+        if nxt > (1 - confidence) / 2:
+            break
+        tail, k = nxt, k + 1
+    return xs[max(k - 1, 0)], xs[min(n - k, n - 1)]
+
+
+def t_ci(values: list[float]) -> tuple[float, float]:
+    mean, n = statistics.fmean(values), len(values)
+    half = 1.96 * statistics.stdev(values) / math.sqrt(n) if n > 1 else float("nan")
+    return mean - half, mean + half
+
+
+def overhead(name: str, rounds: int, steps: int) -> dict[str, Any]:
+    meter = Meter()
+    meter.install()
+    per_round: list[dict[str, float]] = []
+    try:
+        for r in range(rounds):
+            order = ("off", "on") if r % 2 == 0 else ("on", "off")
+            result: dict[str, float] = {}
+            for config in order:
+                clock = fit(name, EVERY if config == "on" else None, steps, meter)
+                kept = (len(clock.step_s) - WARMUP) // EVERY * EVERY
+                window = clock.step_s[WARMUP: WARMUP + kept]
+                result[f"{config}_ms"] = statistics.fmean(window) * 1e3
+                if config == "on":
+                    spent = clock.monitor_s[WARMUP + kept - 1] - clock.monitor_s[WARMUP - 1]
+                    result["monitor_ms"] = spent / kept * 1e3
+            result["ratio"] = result["on_ms"] / result["off_ms"]
+            result["fraction"] = result["monitor_ms"] / result["on_ms"]
+            per_round.append(result)
+            print(f"  {name} round {r + 1}/{rounds}: off {result['off_ms']:.3f} ms, on {result['on_ms']:.3f} ms,"
+                  f" ratio {result['ratio']:.4f}, monitor {result['monitor_ms']:.4f} ms/step"
+                  f" ({result['fraction']:.2%})", flush=True)
+    finally:
+        meter.uninstall()
+    ratios = [r["ratio"] for r in per_round]
+    fractions = [r["fraction"] for r in per_round]
+    return {
+        "rounds": per_round, "steps_per_run": steps, "warmup": WARMUP,
+        "ratio_median": statistics.median(ratios), "ratio_median_ci95": median_ci(ratios),
+        "ratio_mean": statistics.fmean(ratios), "ratio_mean_ci95": t_ci(ratios),
+        "fraction_median": statistics.median(fractions), "fraction_median_ci95": median_ci(fractions),
+        "monitor_ms_median": statistics.median(r["monitor_ms"] for r in per_round),
+        "step_ms_off_median": statistics.median(r["off_ms"] for r in per_round),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ report
+def environment() -> dict[str, Any]:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_start": os.getloadavg(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_flags": [f for f in wanted if f in flags.split()], "argv": sys.argv,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    env = results["environment"]
+    lines = ["# GrowthMonitor overhead (`bench/bench_growth.py`)", "",
+             f"torch {env['torch']}, {env['threads']} thread, CPU {env['cpu_capability']} {env['cpu_flags']},"
+             f" load average at start {env['loadavg_start']}, {env['time']}.", ""]
+    for name, part in results.get("profile", {}).items():
+        lines += [f"## Profile, {name}: one sampled step", "",
+                  f"Sampled step (its forward hooks): {part['sampled_step_ms']:.2f} ms CPU.", "",
+                  "| monitor method | calls | torch ops | CPU ms (median of runs) |", "|---|---|---|---|"]
+        for label, ms in sorted(part["ms"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"| `{label}` | {part['calls'].get(label, 0)} | {part['ops'].get(label, 0)} | {ms:.3f} |")
+        lines.append("")
+    for name, part in results.get("overhead", {}).items():
+        lo, hi = part["ratio_median_ci95"]
+        mlo, mhi = part["ratio_mean_ci95"]
+        flo, fhi = part["fraction_median_ci95"]
+        lines += [f"## Overhead, {name}: {len(part['rounds'])} paired rounds of {part['steps_per_run']} steps", "",
+                  "| measure | median [95% CI] |", "|---|---|",
+                  f"| (a) monitor CPU time / step CPU time | {part['fraction_median']:.3%} [{flo:.3%}, {fhi:.3%}] |",
+                  f"| (a) monitor CPU time per step | {part['monitor_ms_median']:.4f} ms"
+                  f" (step without: {part['step_ms_off_median']:.3f} ms) |",
+                  f"| (b) whole step, on / off (paired per round) | {part['ratio_median']:.4f} [{lo:.4f}, {hi:.4f}];"
+                  f" mean {part['ratio_mean']:.4f} [{mlo:.4f}, {mhi:.4f}] |", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("profile", "overhead", "all"), default="all")
+    parser.add_argument("--workloads", default="mlp")
+    parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=110)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="file stem (default bench/results/growth_overhead[_quick])")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.quick:
+        args.rounds, args.steps = 2, 30
+    results: dict[str, Any] = {"environment": environment()}
+    print(json.dumps(results["environment"]), flush=True)
+    for name in args.workloads.split(","):
+        if args.part in ("profile", "all"):
+            results.setdefault("profile", {})[name] = profile(name, repeats=1 if args.quick else 5)
+            print(json.dumps(results["profile"][name]), flush=True)
+        if args.part in ("overhead", "all"):
+            results.setdefault("overhead", {})[name] = overhead(name, args.rounds, args.steps)
+    results["environment"]["loadavg_end"] = os.getloadavg()
+    stem = Path(args.out) if args.out else RESULTS / ("growth_overhead_quick" if args.quick else "growth_overhead")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    stem.with_suffix(".md").write_text(markdown(results) + "\n")
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
