@@ -89,8 +89,8 @@ class Meter:
 
     METHODS = ("step", "_flush", "stats", "runaway", "metrics", "state_dict")
 
-    def __init__(self, count_ops: bool = False) -> None:
-        self.count_ops = count_ops
+    def __init__(self, count_ops: bool = False, cls: type = GrowthMonitor) -> None:
+        self.count_ops, self.cls = count_ops, cls
         self.seconds: dict[str, float] = {}
         self.ops: dict[str, int] = {}
         self.calls: dict[str, int] = {}
@@ -129,19 +129,19 @@ class Meter:
 
     def install(self) -> None:
         for method in self.METHODS:
-            if hasattr(GrowthMonitor, method):
-                self._saved[method] = getattr(GrowthMonitor, method)
-                setattr(GrowthMonitor, method, self._wrap(method, self._saved[method]))
-        make_hook = self._saved["_hook"] = GrowthMonitor._hook
+            if hasattr(self.cls, method):
+                self._saved[method] = getattr(self.cls, method)
+                setattr(self.cls, method, self._wrap(method, self._saved[method]))
+        make_hook = self._saved["_hook"] = self.cls._hook
 
-        def _hook(monitor: GrowthMonitor, name: str):
+        def _hook(monitor: Any, name: str):
             return self._wrap("hook", make_hook(monitor, name))
 
-        GrowthMonitor._hook = _hook  # type: ignore[method-assign]
+        self.cls._hook = _hook
 
     def uninstall(self) -> None:
         for method, fn in self._saved.items():
-            setattr(GrowthMonitor, method, fn)
+            setattr(self.cls, method, fn)
         self._saved = {}
 
 
@@ -251,40 +251,67 @@ def t_ci(values: list[float]) -> tuple[float, float]:
     return mean - half, mean + half
 
 
-def overhead(name: str, rounds: int, steps: int) -> dict[str, Any]:
-    meter = Meter()
-    meter.install()
+def load_baseline(path: str) -> type:
+    """``GrowthMonitor`` from another version of ``growth.py`` (e.g. ``git show main:lit_mpstable/core/growth.py``),
+    run as a third config (``base``) in the same rounds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("growth_baseline", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.GrowthMonitor
+
+
+def overhead(name: str, rounds: int, steps: int, baseline: type | None = None) -> dict[str, Any]:
+    import lit_mpstable.core.stepper as stepper_module
+
+    meters = {"on": Meter()} | ({"base": Meter(cls=baseline)} if baseline is not None else {})
+    for meter in meters.values():
+        meter.install()
+    configs = ["off", *meters]
     per_round: list[dict[str, float]] = []
     try:
         for r in range(rounds):
-            order = ("off", "on") if r % 2 == 0 else ("on", "off")
+            order = configs[r % len(configs):] + configs[: r % len(configs)]  # each config first in turn
             result: dict[str, float] = {}
             for config in order:
-                clock = fit(name, EVERY if config == "on" else None, steps, meter)
+                meter = meters.get(config, meters["on"])
+                stepper_module.GrowthMonitor = meter.cls  # type: ignore[attr-defined]
+                clock = fit(name, None if config == "off" else EVERY, steps, meter)
                 kept = (len(clock.step_s) - WARMUP) // EVERY * EVERY
                 window = clock.step_s[WARMUP: WARMUP + kept]
                 result[f"{config}_ms"] = statistics.fmean(window) * 1e3
-                if config == "on":
+                if config != "off":
                     spent = clock.monitor_s[WARMUP + kept - 1] - clock.monitor_s[WARMUP - 1]
-                    result["monitor_ms"] = spent / kept * 1e3
-            result["ratio"] = result["on_ms"] / result["off_ms"]
-            result["fraction"] = result["monitor_ms"] / result["on_ms"]
+                    result[f"{config}_monitor_ms"] = spent / kept * 1e3
+                    result[f"{config}_fraction"] = result[f"{config}_monitor_ms"] / result[f"{config}_ms"]
+            for config in meters:
+                result[f"{config}_ratio"] = result[f"{config}_ms"] / result["off_ms"]
             per_round.append(result)
-            print(f"  {name} round {r + 1}/{rounds}: off {result['off_ms']:.3f} ms, on {result['on_ms']:.3f} ms,"
-                  f" ratio {result['ratio']:.4f}, monitor {result['monitor_ms']:.4f} ms/step"
-                  f" ({result['fraction']:.2%})", flush=True)
+            print(f"  {name} round {r + 1}/{rounds}: " + ", ".join(
+                f"{k} {v:.4f}" for k, v in result.items()), flush=True)
     finally:
-        meter.uninstall()
-    ratios = [r["ratio"] for r in per_round]
-    fractions = [r["fraction"] for r in per_round]
-    return {
-        "rounds": per_round, "steps_per_run": steps, "warmup": WARMUP,
-        "ratio_median": statistics.median(ratios), "ratio_median_ci95": median_ci(ratios),
-        "ratio_mean": statistics.fmean(ratios), "ratio_mean_ci95": t_ci(ratios),
-        "fraction_median": statistics.median(fractions), "fraction_median_ci95": median_ci(fractions),
-        "monitor_ms_median": statistics.median(r["monitor_ms"] for r in per_round),
-        "step_ms_off_median": statistics.median(r["off_ms"] for r in per_round),
-    }
+        stepper_module.GrowthMonitor = GrowthMonitor  # type: ignore[attr-defined]
+        for meter in meters.values():
+            meter.uninstall()
+    out: dict[str, Any] = {"rounds": per_round, "steps_per_run": steps, "warmup": WARMUP,
+                           "step_ms_off_median": statistics.median(r["off_ms"] for r in per_round)}
+    for config in meters:
+        ratios = [r[f"{config}_ratio"] for r in per_round]
+        fractions = [r[f"{config}_fraction"] for r in per_round]
+        out[config] = {
+            "ratio_median": statistics.median(ratios), "ratio_median_ci95": median_ci(ratios),
+            "ratio_mean": statistics.fmean(ratios), "ratio_mean_ci95": t_ci(ratios),
+            "fraction_median": statistics.median(fractions), "fraction_median_ci95": median_ci(fractions),
+            "monitor_ms_median": statistics.median(r[f"{config}_monitor_ms"] for r in per_round),
+        }
+    if baseline is not None:
+        monitor_ratio = [r["on_monitor_ms"] / r["base_monitor_ms"] for r in per_round]
+        out["monitor_ms_on_over_base_median"] = statistics.median(monitor_ratio)
+        out["monitor_ms_on_over_base_ci95"] = median_ci(monitor_ratio)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -315,16 +342,23 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| `{label}` | {part['calls'].get(label, 0)} | {part['ops'].get(label, 0)} | {ms:.3f} |")
         lines.append("")
     for name, part in results.get("overhead", {}).items():
-        lo, hi = part["ratio_median_ci95"]
-        mlo, mhi = part["ratio_mean_ci95"]
-        flo, fhi = part["fraction_median_ci95"]
-        lines += [f"## Overhead, {name}: {len(part['rounds'])} paired rounds of {part['steps_per_run']} steps", "",
-                  "| measure | median [95% CI] |", "|---|---|",
-                  f"| (a) monitor CPU time / step CPU time | {part['fraction_median']:.3%} [{flo:.3%}, {fhi:.3%}] |",
-                  f"| (a) monitor CPU time per step | {part['monitor_ms_median']:.4f} ms"
-                  f" (step without: {part['step_ms_off_median']:.3f} ms) |",
-                  f"| (b) whole step, on / off (paired per round) | {part['ratio_median']:.4f} [{lo:.4f}, {hi:.4f}];"
-                  f" mean {part['ratio_mean']:.4f} [{mlo:.4f}, {mhi:.4f}] |", ""]
+        lines += [f"## Overhead, {name}: {len(part['rounds'])} paired rounds of {part['steps_per_run']} steps"
+                  f" (step without the monitor: {part['step_ms_off_median']:.3f} ms CPU, median)", "",
+                  "| config | (a) monitor CPU / step CPU | (a) monitor ms per step | (b) whole step / off:"
+                  " median | (b) mean |", "|---|---|---|---|---|"]
+        for config in ("on", "base"):
+            if config not in part:
+                continue
+            c = part[config]
+            (flo, fhi), (lo, hi), (mlo, mhi) = c["fraction_median_ci95"], c["ratio_median_ci95"], c["ratio_mean_ci95"]
+            lines.append(f"| `{config}` | {c['fraction_median']:.3%} [{flo:.3%}, {fhi:.3%}] |"
+                         f" {c['monitor_ms_median']:.4f} | {c['ratio_median']:.4f} [{lo:.4f}, {hi:.4f}] |"
+                         f" {c['ratio_mean']:.4f} [{mlo:.4f}, {mhi:.4f}] |")
+        if "monitor_ms_on_over_base_median" in part:
+            lo, hi = part["monitor_ms_on_over_base_ci95"]
+            lines.append(f"\nMonitor CPU time, `on` / `base`, paired per round: "
+                         f"{part['monitor_ms_on_over_base_median']:.3f} [{lo:.3f}, {hi:.3f}].")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -335,6 +369,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--steps", type=int, default=110)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--baseline", default=None, help="another growth.py, run as config 'base' in the rounds")
     parser.add_argument("--out", default=None, help="file stem (default bench/results/growth_overhead[_quick])")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -349,7 +384,8 @@ def main() -> None:
             results.setdefault("profile", {})[name] = profile(name, repeats=1 if args.quick else 5)
             print(json.dumps(results["profile"][name]), flush=True)
         if args.part in ("overhead", "all"):
-            results.setdefault("overhead", {})[name] = overhead(name, args.rounds, args.steps)
+            baseline = load_baseline(args.baseline) if args.baseline else None
+            results.setdefault("overhead", {})[name] = overhead(name, args.rounds, args.steps, baseline)
     results["environment"]["loadavg_end"] = os.getloadavg()
     stem = Path(args.out) if args.out else RESULTS / ("growth_overhead_quick" if args.quick else "growth_overhead")
     stem.parent.mkdir(parents=True, exist_ok=True)
