@@ -104,10 +104,11 @@ class Meter:
     def total_s(self) -> float:
         return sum(self.seconds.values())
 
-    def _wrap(self, label: str, fn):
+    def _wrap(self, label: str, fn, monitor: Any = None):
         meter = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            samples = monitor.samples if monitor is not None else 0
             mode = _Count() if meter.count_ops else None
             meter._stack.append([time.thread_time(), 0.0])
             try:
@@ -118,10 +119,11 @@ class Meter:
             finally:
                 start, nested = meter._stack.pop()
                 spent = time.thread_time() - start
-                meter.seconds[label] = meter.seconds.get(label, 0.0) + spent - nested
-                meter.calls[label] = meter.calls.get(label, 0) + 1
+                key = label if monitor is None else f"{label} ({'sampling' if monitor.samples != samples else 'idle'})"
+                meter.seconds[key] = meter.seconds.get(key, 0.0) + spent - nested
+                meter.calls[key] = meter.calls.get(key, 0) + 1
                 if mode is not None:  # nested calls count their own ops under their own mode only
-                    meter.ops[label] = meter.ops.get(label, 0) + mode.ops
+                    meter.ops[key] = meter.ops.get(key, 0) + mode.ops
                 if meter._stack:
                     meter._stack[-1][1] += spent
 
@@ -135,7 +137,7 @@ class Meter:
         make_hook = self._saved["_hook"] = self.cls._hook
 
         def _hook(monitor: Any, name: str):
-            return self._wrap("hook", make_hook(monitor, name))
+            return self._wrap("hook", make_hook(monitor, name), monitor)
 
         self.cls._hook = _hook
 
@@ -164,6 +166,15 @@ class Clock(pl.Callback):
         self.step_s.append(now - self._last)
         self.monitor_s.append(self.meter.total_s)
         self._last = now
+
+
+def instrument_cost(repeats: int = 20000) -> float:
+    """Seconds of CPU time one wrapped call adds to the meter's total by itself (the wrapper around a no-op)."""
+    meter = Meter()
+    timed = meter._wrap("noop", lambda: None)
+    for _ in range(repeats):
+        timed()
+    return meter.seconds["noop"] / repeats
 
 
 def fit(name: str, growth: int | None, steps: int, meter: Meter, *, overflow_monitor: bool = False,
@@ -314,6 +325,103 @@ def overhead(name: str, rounds: int, steps: int, baseline: type | None = None) -
     return out
 
 
+class Alternator(pl.Callback):
+    """Within one fit, the monitor's hooks on for one block of ``block`` steps (its first step sampled), off for the
+    next: per block the CPU time of its steps and of the monitor. The hooks are removed and put back between
+    blocks (outside the timed steps) without touching the monitor's state, so nothing is flushed early."""
+
+    def __init__(self, meter: Meter, block: int = EVERY) -> None:
+        self.meter, self.block = meter, block
+        self.blocks: list[dict[str, Any]] = []
+        self._last: float | None = None
+        self._current = {"on": True, "step_s": 0.0, "monitor_s": 0.0}
+        self._removed: list[tuple[Any, str]] | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self._last is None:
+            self._last = time.thread_time()
+            self._monitor0, self._calls0 = self.meter.total_s, sum(self.meter.calls.values())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = time.thread_time()
+        assert self._last is not None
+        self._current["step_s"] += now - self._last
+        if trainer.global_step % self.block == 0:  # a block ends: switch, outside the timed steps
+            self._current["monitor_s"] = self.meter.total_s - self._monitor0
+            self._current["calls"] = sum(self.meter.calls.values()) - self._calls0
+            self.blocks.append(self._current)
+            self._current = {"on": not self._current["on"], "step_s": 0.0, "monitor_s": 0.0}
+            self._toggle(trainer.precision_plugin.stepper.growth, trainer.lightning_module)
+            self._monitor0, self._calls0 = self.meter.total_s, sum(self.meter.calls.values())
+        self._last = time.thread_time()
+
+    def _toggle(self, monitor: Any, module: Any) -> None:
+        if self._removed is None:
+            for handle in monitor._handles:
+                handle.remove()
+            monitor._handles = []
+            self._removed = [(m, n) for n, m in module.named_modules() if n in monitor._history]
+        else:
+            monitor._handles = [m.register_forward_hook(monitor._hook(n)) for m, n in self._removed]
+            self._removed = None
+
+
+def blocks(name: str, runs: int, steps: int, baseline: type | None = None) -> dict[str, Any]:
+    """(b) within each fit: blocks of 10 steps alternately with and without the monitor's hooks; per on-block the
+    ratio of its CPU time to the mean of its two neighbouring off-blocks. Fits alternate between the current
+    monitor (``on``) and ``baseline`` (``base``) when given."""
+    import lit_mpstable.core.stepper as stepper_module
+
+    classes = {"on": GrowthMonitor} | ({"base": baseline} if baseline is not None else {})
+    calibration = instrument_cost()
+    out: dict[str, Any] = {"runs": runs, "steps_per_run": steps, "instrument_us_per_call": calibration * 1e6}
+    per: dict[str, dict[str, list[float]]] = {c: {"ratio": [], "fraction": [], "fraction_raw": [],
+                                                   "monitor_ms": [], "off_ms": []} for c in classes}
+    try:
+        for r in range(runs):
+            config = list(classes)[r % len(classes)]
+            meter = Meter(cls=classes[config])
+            meter.install()
+            stepper_module.GrowthMonitor = meter.cls  # type: ignore[attr-defined]
+            try:
+                module, data = workload(name)
+                alternator = Alternator(meter)
+                plugin = StablePrecision("bf16-mixed", fp8="current", growth_every_n_steps=EVERY)
+                pl.Trainer(plugins=[plugin], max_steps=steps, callbacks=[alternator], **TRAINER).fit(
+                    module, datamodule=data)
+            finally:
+                meter.uninstall()
+            bl = alternator.blocks[2:]  # the first two blocks: warmup
+            for i in range(1, len(bl) - 1):
+                if not bl[i]["on"]:
+                    continue
+                off = (bl[i - 1]["step_s"] + bl[i + 1]["step_s"]) / 2
+                calls = bl[i]["calls"]  # wrapped calls in the block: each adds the wrapper's own cost
+                per[config]["ratio"].append(bl[i]["step_s"] / off)
+                per[config]["fraction_raw"].append(bl[i]["monitor_s"] / bl[i]["step_s"])
+                per[config]["fraction"].append(
+                    max(bl[i]["monitor_s"] - calls * calibration, 0.0) / bl[i]["step_s"])
+                per[config]["monitor_ms"].append(bl[i]["monitor_s"] / EVERY * 1e3)
+                per[config]["off_ms"].append(off / EVERY * 1e3)
+            print(f"  {name} run {r + 1}/{runs} ({config}): ratio median"
+                  f" {statistics.median(per[config]['ratio']):.4f}, fraction"
+                  f" {statistics.median(per[config]['fraction']):.3%}", flush=True)
+    finally:
+        stepper_module.GrowthMonitor = GrowthMonitor  # type: ignore[attr-defined]
+    for config, values in per.items():
+        out[config] = {
+            "pairs": len(values["ratio"]),
+            "ratio_median": statistics.median(values["ratio"]), "ratio_median_ci95": median_ci(values["ratio"]),
+            "ratio_mean": statistics.fmean(values["ratio"]), "ratio_mean_ci95": t_ci(values["ratio"]),
+            "fraction_median": statistics.median(values["fraction"]),
+            "fraction_median_ci95": median_ci(values["fraction"]),
+            "fraction_raw_median": statistics.median(values["fraction_raw"]),
+            "monitor_ms_median": statistics.median(values["monitor_ms"]),
+            "step_ms_off_median": statistics.median(values["off_ms"]),
+        }
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ report
 def environment() -> dict[str, Any]:
     flags = ""
@@ -341,6 +449,23 @@ def markdown(results: dict[str, Any]) -> str:
         for label, ms in sorted(part["ms"].items(), key=lambda kv: -kv[1]):
             lines.append(f"| `{label}` | {part['calls'].get(label, 0)} | {part['ops'].get(label, 0)} | {ms:.3f} |")
         lines.append("")
+    for name, part in results.get("blocks", {}).items():
+        lines += [f"## Overhead, {name}: blocks of {EVERY} steps alternately with and without the monitor, in"
+                  f" {part['runs']} fits of {part['steps_per_run']} steps", "",
+                  f"Instrumentation: {part['instrument_us_per_call']:.2f} us of CPU per wrapped call (measured here,"
+                  " subtracted from the monitor's time in (a)).", "",
+                  "| monitor | pairs | (a) monitor CPU / step CPU (raw) | (a) monitor ms per step | step ms without |"
+                  " (b) on-block / neighbouring off-blocks: median | (b) mean |", "|---|---|---|---|---|---|---|"]
+        for config in ("on", "base"):
+            if config not in part:
+                continue
+            c = part[config]
+            (flo, fhi), (lo, hi), (mlo, mhi) = c["fraction_median_ci95"], c["ratio_median_ci95"], c["ratio_mean_ci95"]
+            lines.append(f"| `{config}` | {c['pairs']} | {c['fraction_median']:.3%} [{flo:.3%}, {fhi:.3%}]"
+                         f" ({c['fraction_raw_median']:.3%}) | {c['monitor_ms_median']:.4f} |"
+                         f" {c['step_ms_off_median']:.3f} | {c['ratio_median']:.4f} [{lo:.4f}, {hi:.4f}] |"
+                         f" {c['ratio_mean']:.4f} [{mlo:.4f}, {mhi:.4f}] |")
+        lines.append("")
     for name, part in results.get("overhead", {}).items():
         lines += [f"## Overhead, {name}: {len(part['rounds'])} paired rounds of {part['steps_per_run']} steps"
                   f" (step without the monitor: {part['step_ms_off_median']:.3f} ms CPU, median)", "",
@@ -364,7 +489,10 @@ def markdown(results: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("profile", "overhead", "all"), default="all")
+    parser.add_argument("--part", choices=("profile", "blocks", "overhead", "all"), default="all",
+                        help="all: profile and blocks (overhead: whole fits per config, noisier)")
+    parser.add_argument("--runs", type=int, default=6, help="fits of --block-steps steps (blocks part)")
+    parser.add_argument("--block-steps", type=int, default=1000)
     parser.add_argument("--workloads", default="mlp")
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--steps", type=int, default=110)
@@ -376,14 +504,17 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     if args.quick:
-        args.rounds, args.steps = 2, 30
+        args.rounds, args.steps, args.runs, args.block_steps = 2, 30, 2, 100
     results: dict[str, Any] = {"environment": environment()}
     print(json.dumps(results["environment"]), flush=True)
     for name in args.workloads.split(","):
         if args.part in ("profile", "all"):
             results.setdefault("profile", {})[name] = profile(name, repeats=1 if args.quick else 5)
             print(json.dumps(results["profile"][name]), flush=True)
-        if args.part in ("overhead", "all"):
+        if args.part in ("blocks", "all"):
+            baseline = load_baseline(args.baseline) if args.baseline else None
+            results.setdefault("blocks", {})[name] = blocks(name, args.runs, args.block_steps, baseline)
+        if args.part == "overhead":
             baseline = load_baseline(args.baseline) if args.baseline else None
             results.setdefault("overhead", {})[name] = overhead(name, args.rounds, args.steps, baseline)
     results["environment"]["loadavg_end"] = os.getloadavg()

@@ -111,8 +111,8 @@ class GrowthMonitor:
         self._history: dict[str, _History] = {}
         self._rows: torch.Tensor | None = None  # all layers' ring buffers, layers x window x 4 (device)
         self._slopes: torch.Tensor | None = None  # every layer's fitted trend (None: a sample came since the fit)
-        self._queue: tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[tuple[int, int]]] = ([], [], [], [])
-        # the sums, counts, element counts and (layer, slot) of the samples not finished yet (see _flush)
+        self._queue: tuple[list[torch.Tensor], list[int], list[tuple[int, int]]] = ([], [], [])
+        # the sums, element counts and (layer, slot) of the samples not finished yet (see _flush)
         self._handles: list[Any] = []
         self._sampled: set[str] = set()
         self.clock = clock
@@ -173,7 +173,7 @@ class GrowthMonitor:
 
     def _hook(self, name: str):
         history = self._history[name]
-        sums, counts, numels, slots = self._queue
+        sums, numels, slots = self._queue
 
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             # A Python check only on the steps between samples: no tensor is touched.
@@ -185,9 +185,8 @@ class GrowthMonitor:
             if not isinstance(x, torch.Tensor):
                 return
             self._sampled.add(name)
-            layer_sums, layer_counts, n = reduce_activation(x, *(history.limits or thresholds(self.fmt, history.scale)))
+            layer_sums, n = reduce_activation(x, *(history.limits or thresholds(self.fmt, history.scale)))
             sums.extend(layer_sums)
-            counts.extend(layer_counts)
             numels.append(n)
             slots.append((history.index, history.next))
             if len(history.steps) < self.window:
@@ -205,10 +204,10 @@ class GrowthMonitor:
     def _flush(self) -> None:
         """Finish the queued samples' rows (all at once: ~20 ops for any number, so a sample costs its hook's
         passes and a share of one flush) and write them into the ring buffer in one op."""
-        sums, counts, numels, slots = self._queue
+        sums, numels, slots = self._queue
         if not numels:
             return
-        rows = finish_rows(sums, counts, numels)
+        rows = finish_rows(sums, numels)
         buffer = self._place(rows.device)
         layer, slot = torch.tensor(slots, device=rows.device).unbind(1)
         buffer.index_put_((layer, slot), rows)

@@ -4,7 +4,7 @@ step cheap.
 A sample is launch-bound on small activations (a 64 x 256 input is a few microseconds of arithmetic per pass, the
 dispatch of each op several), so the work is split by what needs the activation:
 
-- :func:`reduce_activation`, in the layer's forward hook: the passes over the activation, 15 ops (amax, the two
+- :func:`reduce_activation`, in the layer's forward hook: the passes over the activation, 17 ops (amax, the two
   centred power sums, three counts) returning 0-dim device tensors; the activation is not kept (no memory held
   past the hook);
 - :func:`finish_rows`, once for all the layers sampled in a step: the scalar arithmetic that turns those sums into
@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["format_range", "thresholds", "reduce_activation", "finish_rows", "layer_stats"]
+__all__ = ["format_range", "thresholds", "reduce_activation", "finish_rows", "layer_stats", "WIDTH"]
 
 TINY = 2.0**-126  # amax of an all-zero tensor: log2 stays finite
 # The format ids of lit_mpstable.core.formats, their ranges read from torch.finfo here.
 DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp16": torch.float16,
           "bf16": torch.bfloat16}
 
-Sums = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # amax, sum of centred**2, sum of centred**4 (FP32, 0-dim)
-Counts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # above the saturation threshold, nonzero, at or below
-# the flush threshold (int64, 0-dim)
+Sums = tuple[torch.Tensor, ...]  # amax, sum of centred**2, sum of centred**4, and the counts above the saturation
+# threshold, nonzero, at or below the flush threshold (FP32, 0-dim; the counts exact up to 2**24 elements)
+WIDTH = 6  # values per sample in Sums
 
 
 def format_range(fmt: str, caller: str) -> tuple[float, float]:
@@ -46,28 +46,32 @@ def thresholds(fmt: str, scale: float | torch.Tensor, caller: str = "layer_stats
     return fmt_max / scale, smallest_subnormal / 2 / scale  # at or below half the smallest subnormal: flushed
 
 
-def reduce_activation(x: torch.Tensor, saturate_above: Any, flush_at: Any) -> tuple[Sums, Counts, int]:
-    """The passes over one activation: its :data:`Sums`, :data:`Counts` and element count (see :func:`finish_rows`).
+def reduce_activation(x: torch.Tensor, saturate_above: Any, flush_at: Any) -> tuple[Sums, int]:
+    """The passes over one activation: its :data:`Sums` and element count (see :func:`finish_rows`).
 
     The power sums are of ``(x - mean) / amax``: kurtosis is scale-free, and dividing by amax keeps the fourth
-    powers in range (``1e30**4`` overflows FP32); a NaN or inf makes them NaN.
+    powers in range (``1e30**4`` overflows FP32); a NaN or inf makes them NaN. The counts are summed from FP32
+    comparisons written into buffers already made (a bool comparison and ``count_nonzero`` cost twice as much on
+    the CPU): exact up to 2**24 elements, within a few counts of 1e8 beyond.
     """
     x = x.detach().reshape(-1)
     if x.dtype != torch.float32:
         x = x.float()
     n = x.numel()
     if n == 0:
-        zero, none = torch.zeros((), device=x.device), torch.zeros((), dtype=torch.long, device=x.device)
-        return (zero, zero, zero), (none, none, none), 0
+        return (torch.zeros((), device=x.device),) * WIDTH, 0
     a = x.abs()
     amax = a.amax()
     centred = torch.sub(x, x.sum(), alpha=1.0 / n).div_(amax.clamp_min(TINY))
     square = centred.square_()
-    counts = (torch.count_nonzero(a > saturate_above), torch.count_nonzero(a), torch.count_nonzero(a <= flush_at))
-    return (amax, square.sum(), torch.dot(square, square)), counts, n
+    square_sum, fourth_sum = square.sum(), torch.dot(square, square)
+    above = torch.gt(a, saturate_above, out=square).sum()  # square's sums are taken: its memory is free
+    nonzero = torch.ne(a, 0.0, out=square).sum()
+    low = torch.le(a, flush_at, out=a).sum()  # a's last use
+    return (amax, square_sum, fourth_sum, above, nonzero, low), n
 
 
-def finish_rows(sums: list[torch.Tensor], counts: list[torch.Tensor], numels: list[int]) -> torch.Tensor:
+def finish_rows(sums: list[torch.Tensor], numels: list[int]) -> torch.Tensor:
     """``[log2 amax, kurtosis, saturation, underflow]`` (FP32, one row per layer) from the concatenated
     :func:`reduce_activation` results of the layers, in ~20 ops for all of them:
 
@@ -76,11 +80,8 @@ def finish_rows(sums: list[torch.Tensor], counts: list[torch.Tensor], numels: li
     - saturation: the fraction of elements above the saturation threshold (inf counts, NaN does not);
     - underflow: the fraction of the nonzero elements at or below the flush threshold (0 without nonzero ones).
     """
-    amax, square_sum, fourth_sum = torch.stack(sums).view(-1, 3).unbind(1)
-    above, nonzero, low = torch.stack(counts).view(-1, 3).unbind(1)
-    n = torch.tensor(numels, device=amax.device)
-    zeros = n - nonzero  # exact in int64: the fractions are formed from exact counts
-    n = n.clamp_min(1)
+    amax, square_sum, fourth_sum, above, nonzero, low = torch.stack(sums).view(-1, WIDTH).unbind(1)
+    n = torch.tensor(numels, dtype=torch.float32, device=amax.device).clamp_min(1)
     var = square_sum / n
     kurtosis = fourth_sum / n / (var * var)
     floor = amax.clamp_min(TINY)
@@ -88,7 +89,7 @@ def finish_rows(sums: list[torch.Tensor], counts: list[torch.Tensor], numels: li
     # A spread below 1e-6 of amax is rounding noise (x / amax is inexact): the tensor counts as constant.
     kurtosis = torch.where(var > 1e-12 * relative * relative, kurtosis, 0.0)
     kurtosis = torch.where(amax.isnan(), amax, kurtosis)
-    underflow = (low - zeros) / nonzero.clamp_min(1)
+    underflow = ((low + nonzero - n) / nonzero.clamp_min(1)).clamp_min(0.0)  # low counts the zeros too
     return torch.stack([floor.log2(), kurtosis, above / n, underflow], dim=1)
 
 
@@ -103,5 +104,5 @@ def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Ten
 
     A NaN in ``x`` makes amax and kurtosis NaN; an inf makes amax inf and kurtosis 0.
     """
-    sums, counts, n = reduce_activation(x, *thresholds(fmt, scale))
-    return finish_rows(list(sums), list(counts), [n])[0]
+    sums, n = reduce_activation(x, *thresholds(fmt, scale))
+    return finish_rows(list(sums), [n])[0]
