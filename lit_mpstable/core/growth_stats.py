@@ -76,7 +76,7 @@ def finish_rows(sums: list[torch.Tensor], numels: list[int]) -> torch.Tensor:
     :func:`reduce_activation` results of the layers, in ~20 ops for all of them:
 
     - kurtosis: ``E[(x - mean)**4] / var**2`` (3 for a Gaussian; 0 for a tensor whose standard deviation is below
-      1e-6 of its amax, or holding an inf; NaN if it holds a NaN);
+      1e-6 of its amax (of 2**-126 for a smaller amax), or holding an inf; NaN if it holds a NaN);
     - saturation: the fraction of elements above the saturation threshold (inf counts, NaN does not);
     - underflow: the fraction of the nonzero elements at or below the flush threshold (0 without nonzero ones).
     """
@@ -84,13 +84,12 @@ def finish_rows(sums: list[torch.Tensor], numels: list[int]) -> torch.Tensor:
     n = torch.tensor(numels, dtype=torch.float32, device=amax.device).clamp_min(1)
     var = square_sum / n
     kurtosis = fourth_sum / n / (var * var)
-    floor = amax.clamp_min(TINY)
-    relative = amax / floor  # the amax of (x - mean) / floor: 1 unless amax is 0 (or below TINY)
-    # A spread below 1e-6 of amax is rounding noise (x / amax is inexact): the tensor counts as constant.
-    kurtosis = torch.where(var > 1e-12 * relative * relative, kurtosis, 0.0)
+    # A spread below 1e-6 of amax (of TINY for a smaller amax: the sums are of (x - mean) / max(amax, TINY)) is
+    # rounding noise, x / amax being inexact: the tensor counts as constant.
+    kurtosis = torch.where(var > 1e-12, kurtosis, 0.0)
     kurtosis = torch.where(amax.isnan(), amax, kurtosis)
     underflow = ((low + nonzero - n) / nonzero.clamp_min(1)).clamp_min(0.0)  # low counts the zeros too
-    return torch.stack([floor.log2(), kurtosis, above / n, underflow], dim=1)
+    return torch.stack([amax.clamp_min(TINY).log2(), kurtosis, above / n, underflow], dim=1)
 
 
 def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Tensor = 1.0) -> torch.Tensor:
