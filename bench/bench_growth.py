@@ -1,28 +1,33 @@
 """GrowthMonitor (``StablePrecision(growth_every_n_steps=10)``): what one sampled step costs, and where it goes.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_growth.py                        # both parts, digits MLP: ~3 min
-    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --workloads mlp,gpt    # and the CPU GPT
-    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --part profile         # the breakdown only (~20 s)
-    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --quick                # smoke run -> growth_overhead_quick.*
+    git show 6b6083e:lit_mpstable/core/growth.py > /tmp/growth_before.py   # the monitor before this bench, optional
+    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --workloads mlp,gpt --baseline /tmp/growth_before.py  # ~8 min
+    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --part profile       # the breakdown only, digits MLP (~20 s)
+    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --quick              # smoke run -> growth_overhead_quick.*
 
 Workloads (through the Trainer, ``StablePrecision("bf16-mixed", fp8="current")``, 1 thread, no validation, no
 logger): ``mlp``: ``zoo.MLPClassifier`` (64-256-256-10, 3 linears) on ``zoo.DigitsData`` (batch 64); ``gpt``:
 ``zoo.GPTLM`` (d_model 128, 2 blocks, seq 64, 9 linears) on ``zoo.CharLMData`` (batch 16).
 
-**Profile.** One run with ``growth_every_n_steps=10`` and ``OverflowMonitor``; every method of the monitor is
-wrapped: CPU time (``time.thread_time``, exclusive of nested monitor calls) and the number of torch ops it dispatches
-(a ``TorchDispatchMode``), per sampled step, split into the forward hooks (per layer), ``step``/flush (the
-deferred statistics of all sampled layers), and the reads (``stats``/``runaway``/``metrics``: the plugin and
-``OverflowMonitor`` side, once per new sample).
+**Profile.** Runs with ``growth_every_n_steps=10`` and ``OverflowMonitor``; every method of the monitor is wrapped:
+CPU time (``time.thread_time``, exclusive of nested monitor calls) and the number of torch ops it dispatches (a
+``TorchDispatchMode``, in a separate run), from sampled step 40 to step 43, split into the forward hooks that
+sample, the idle hooks (the Python check on steps between samples), the flush (the deferred arithmetic of the
+queued samples) and the reads (``stats``/``runaway``/``metrics``: the plugin and ``OverflowMonitor`` side, once per
+new sample); the median over 5 runs.
 
-**Overhead**, two ways in one run, each round a fresh, identically seeded fit of each config, the order alternating
-per round (``off``: no monitor; ``on``: ``growth_every_n_steps=10``):
+**Overhead** (``blocks``), two ways in each fit: the monitor's hooks are on for one block of 10 steps (its first
+step sampled) and off for the next, alternately, the hooks removed and put back between blocks outside the timed
+steps (the monitor's state untouched: nothing is flushed early). Fits alternate between the current monitor
+(``on``) and ``--baseline`` (``base``). Per on-block:
 
-- (a) the component fraction: in the ``on`` runs, the CPU time inside the monitor (its hooks, ``step``, flush; the
-  reads of (a) are not in this config: no OverflowMonitor) over the run's CPU time, both over the same steps;
-- (b) the whole-step paired ratio: per round, the ``on`` run's mean CPU time per step over the ``off`` run's (means
-  over whole multiples of 10 steps after the warmup, so each holds its share of sampled steps); the median with a
-  distribution-free 95% confidence interval (order statistics of the binomial), and the mean with a t interval.
+- (a) the component fraction: CPU time inside the monitor (hooks, flush; no reads: no OverflowMonitor here) over
+  the block's CPU time, less the wrapper's own cost per call (measured by wrapping a no-op), raw in parentheses;
+- (b) the whole-step paired ratio: the on-block's CPU time over the mean of its two neighbouring off-blocks.
+
+Both as the median with a distribution-free 95% confidence interval (order statistics of the binomial); (b) also as
+the mean with a normal interval. ``--part overhead`` instead times whole fits per config, alternating per round
+(noisier: a fit's CPU time varies by 10-20% on this shared machine).
 
 Writes ``bench/results/growth_overhead.{json,md}`` (``_quick`` with ``--quick``).
 """
@@ -58,6 +63,7 @@ TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=Fal
                num_sanity_val_steps=0, accelerator="cpu", devices=1, limit_val_batches=0)
 EVERY = 10
 WARMUP = 10  # steps dropped at the start of each run (one whole sampling period)
+BLOCK_STEPS = {"mlp": 1000, "gpt": 300}  # per fit of the blocks part: ~7 s and ~40 s on this CPU
 
 
 def workload(name: str) -> tuple[Any, Any]:
@@ -106,6 +112,7 @@ class Meter:
 
     def _wrap(self, label: str, fn, monitor: Any = None):
         meter = self
+        keys = (f"{label} (idle)", f"{label} (sampling)") if monitor is not None else (label, label)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             samples = monitor.samples if monitor is not None else 0
@@ -119,7 +126,7 @@ class Meter:
             finally:
                 start, nested = meter._stack.pop()
                 spent = time.thread_time() - start
-                key = label if monitor is None else f"{label} ({'sampling' if monitor.samples != samples else 'idle'})"
+                key = keys[monitor is not None and monitor.samples != samples]
                 meter.seconds[key] = meter.seconds.get(key, 0.0) + spent - nested
                 meter.calls[key] = meter.calls.get(key, 0) + 1
                 if mode is not None:  # nested calls count their own ops under their own mode only
@@ -171,10 +178,10 @@ class Clock(pl.Callback):
 def instrument_cost(repeats: int = 20000) -> float:
     """Seconds of CPU time one wrapped call adds to the meter's total by itself (the wrapper around a no-op)."""
     meter = Meter()
-    timed = meter._wrap("noop", lambda: None)
+    timed = meter._wrap("noop", lambda: None, monitor=argparse.Namespace(samples=0))  # the hooks' wrapper
     for _ in range(repeats):
         timed()
-    return meter.seconds["noop"] / repeats
+    return meter.seconds["noop (idle)"] / repeats
 
 
 def fit(name: str, growth: int | None, steps: int, meter: Meter, *, overflow_monitor: bool = False,
@@ -492,7 +499,8 @@ def main() -> None:
     parser.add_argument("--part", choices=("profile", "blocks", "overhead", "all"), default="all",
                         help="all: profile and blocks (overhead: whole fits per config, noisier)")
     parser.add_argument("--runs", type=int, default=6, help="fits of --block-steps steps (blocks part)")
-    parser.add_argument("--block-steps", type=int, default=1000)
+    parser.add_argument("--block-steps", type=int, default=None,
+                        help=f"steps per fit in the blocks part (default per workload: {BLOCK_STEPS})")
     parser.add_argument("--workloads", default="mlp")
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--steps", type=int, default=110)
@@ -504,7 +512,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     if args.quick:
-        args.rounds, args.steps, args.runs, args.block_steps = 2, 30, 2, 100
+        args.rounds, args.steps, args.runs, args.block_steps = 2, 30, 2, args.block_steps or 100
     results: dict[str, Any] = {"environment": environment()}
     print(json.dumps(results["environment"]), flush=True)
     for name in args.workloads.split(","):
@@ -513,7 +521,8 @@ def main() -> None:
             print(json.dumps(results["profile"][name]), flush=True)
         if args.part in ("blocks", "all"):
             baseline = load_baseline(args.baseline) if args.baseline else None
-            results.setdefault("blocks", {})[name] = blocks(name, args.runs, args.block_steps, baseline)
+            steps = args.block_steps or BLOCK_STEPS[name]
+            results.setdefault("blocks", {})[name] = blocks(name, args.runs, steps, baseline)
         if args.part == "overhead":
             baseline = load_baseline(args.baseline) if args.baseline else None
             results.setdefault("overhead", {})[name] = overhead(name, args.rounds, args.steps, baseline)

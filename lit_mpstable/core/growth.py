@@ -179,7 +179,7 @@ class GrowthMonitor:
             # A Python check only on the steps between samples: no tensor is touched.
             if self.clock is not None and (now := self.clock()) != self.steps:
                 self.step(now)
-            if not module.training or name in self._sampled or self.steps % self.every_n_steps:
+            if self.steps % self.every_n_steps or name in self._sampled or not module.training:
                 return
             x = inputs[0] if self.source == "input" else output
             if not isinstance(x, torch.Tensor):

@@ -4,7 +4,7 @@ step cheap.
 A sample is launch-bound on small activations (a 64 x 256 input is a few microseconds of arithmetic per pass, the
 dispatch of each op several), so the work is split by what needs the activation:
 
-- :func:`reduce_activation`, in the layer's forward hook: the passes over the activation, 17 ops (amax, the two
+- :func:`reduce_activation`, in the layer's forward hook: the passes over the activation, 15 ops (amax, the two
   centred power sums, three counts) returning 0-dim device tensors; the activation is not kept (no memory held
   past the hook);
 - :func:`finish_rows`, once for all the layers sampled in a step: the scalar arithmetic that turns those sums into
@@ -50,9 +50,9 @@ def reduce_activation(x: torch.Tensor, saturate_above: Any, flush_at: Any) -> tu
     """The passes over one activation: its :data:`Sums` and element count (see :func:`finish_rows`).
 
     The power sums are of ``(x - mean) / amax``: kurtosis is scale-free, and dividing by amax keeps the fourth
-    powers in range (``1e30**4`` overflows FP32); a NaN or inf makes them NaN. The counts are summed from FP32
-    comparisons written into buffers already made (a bool comparison and ``count_nonzero`` cost twice as much on
-    the CPU): exact up to 2**24 elements, within a few counts of 1e8 beyond.
+    powers in range (``1e30**4`` overflows FP32); a NaN or inf, or an amax of 0, makes them NaN. Two counts are
+    summed from FP32 comparisons written into buffers already made (a bool comparison costs twice as much on the
+    CPU): exact up to 2**24 elements, within a few counts of 1e8 beyond.
     """
     x = x.detach().reshape(-1)
     if x.dtype != torch.float32:
@@ -62,11 +62,10 @@ def reduce_activation(x: torch.Tensor, saturate_above: Any, flush_at: Any) -> tu
         return (torch.zeros((), device=x.device),) * WIDTH, 0
     a = x.abs()
     amax = a.amax()
-    centred = torch.sub(x, x.sum(), alpha=1.0 / n).div_(amax.clamp_min(TINY))
-    square = centred.square_()
+    square = torch.sub(x, x.sum(), alpha=1.0 / n).div_(amax).square_()
     square_sum, fourth_sum = square.sum(), torch.dot(square, square)
     above = torch.gt(a, saturate_above, out=square).sum()  # square's sums are taken: its memory is free
-    nonzero = torch.ne(a, 0.0, out=square).sum()
+    nonzero = torch.count_nonzero(a)  # int64: stacked with the others as FP32
     low = torch.le(a, flush_at, out=a).sum()  # a's last use
     return (amax, square_sum, fourth_sum, above, nonzero, low), n
 
@@ -76,7 +75,7 @@ def finish_rows(sums: list[torch.Tensor], numels: list[int]) -> torch.Tensor:
     :func:`reduce_activation` results of the layers, in ~20 ops for all of them:
 
     - kurtosis: ``E[(x - mean)**4] / var**2`` (3 for a Gaussian; 0 for a tensor whose standard deviation is below
-      1e-6 of its amax (of 2**-126 for a smaller amax), or holding an inf; NaN if it holds a NaN);
+      1e-6 of its amax, or holding an inf; NaN if it holds a NaN);
     - saturation: the fraction of elements above the saturation threshold (inf counts, NaN does not);
     - underflow: the fraction of the nonzero elements at or below the flush threshold (0 without nonzero ones).
     """
@@ -84,8 +83,8 @@ def finish_rows(sums: list[torch.Tensor], numels: list[int]) -> torch.Tensor:
     n = torch.tensor(numels, dtype=torch.float32, device=amax.device).clamp_min(1)
     var = square_sum / n
     kurtosis = fourth_sum / n / (var * var)
-    # A spread below 1e-6 of amax (of TINY for a smaller amax: the sums are of (x - mean) / max(amax, TINY)) is
-    # rounding noise, x / amax being inexact: the tensor counts as constant.
+    # A spread below 1e-6 of amax is rounding noise (x / amax is inexact): the tensor counts as constant. So does
+    # an all-zero one (its sums are 0 / 0: NaN, which fails the comparison), and one holding an inf (NaN too).
     kurtosis = torch.where(var > 1e-12, kurtosis, 0.0)
     kurtosis = torch.where(amax.isnan(), amax, kurtosis)
     underflow = ((low + nonzero - n) / nonzero.clamp_min(1)).clamp_min(0.0)  # low counts the zeros too
