@@ -359,13 +359,18 @@ def overhead(name: str, rounds: int, steps: int, baseline: type | None = None) -
     return out
 
 
+def _noop(module: Any, inputs: Any, output: Any) -> None:
+    return None
+
+
 class Alternator(pl.Callback):
     """Within one fit, the monitor's hooks on for one block of ``block`` steps (its first step sampled), off for the
     next: per block the CPU time of its steps and of the monitor. The hooks are removed and put back between
     blocks (outside the timed steps) without touching the monitor's state, so nothing is flushed early."""
 
-    def __init__(self, meter: Meter, block: int = EVERY) -> None:
-        self.meter, self.block = meter, block
+    def __init__(self, meter: Meter, block: int = EVERY, null: bool = False, empty: bool = False) -> None:
+        self.meter, self.block, self.empty = meter, block, empty  # empty: no-op hooks in place of the monitor's
+        self.null = null  # an A/A check: the hooks stay off in every block, the blocks still alternate labels
         self.blocks: list[dict[str, Any]] = []
         self._last: float | None = None
         self._current = {"on": True, "step_s": 0.0, "monitor_s": 0.0}
@@ -395,20 +400,25 @@ class Alternator(pl.Callback):
         self._idle0 = self.meter.idle_calls
 
     def _toggle(self, monitor: Any, module: Any) -> None:
+        if self.null and self._removed is not None:
+            return
         if self._removed is None:
             for handle in monitor._handles:
                 handle.remove()
             monitor._handles = []
             self._removed = [(m, n) for n, m in module.named_modules() if n in monitor._history]
         else:
-            monitor._handles = [m.register_forward_hook(monitor._hook(n)) for m, n in self._removed]
+            monitor._handles = [m.register_forward_hook(_noop if self.empty else monitor._hook(n))
+                                for m, n in self._removed]
             self._removed = None
 
 
-def blocks(name: str, runs: int, steps: int, baseline: type | None = None) -> dict[str, Any]:
+def blocks(name: str, runs: int, steps: int, baseline: type | None = None, every: int = EVERY,
+           null: bool = False, empty: bool = False) -> dict[str, Any]:
     """(b) within each fit: blocks of 10 steps alternately with and without the monitor's hooks; per on-block the
     ratio of its CPU time to the mean of its two neighbouring off-blocks. Fits alternate between the current
-    monitor (``on``) and ``baseline`` (``base``) when given."""
+    monitor (``on``) and ``baseline`` (``base``) when given. ``every`` > 10 (``--idle-only``): the on-blocks hold
+    hooks that never sample: what the hooks cost by being there."""
     import lit_mpstable.core.stepper as stepper_module
 
     classes = {"on": GrowthMonitor} | ({"base": baseline} if baseline is not None else {})
@@ -425,8 +435,8 @@ def blocks(name: str, runs: int, steps: int, baseline: type | None = None) -> di
             stepper_module.GrowthMonitor = meter.cls  # type: ignore[attr-defined]
             try:
                 module, data = workload(name)
-                alternator = Alternator(meter)
-                plugin = StablePrecision("bf16-mixed", fp8="current", growth_every_n_steps=EVERY)
+                alternator = Alternator(meter, null=null, empty=empty)
+                plugin = StablePrecision("bf16-mixed", fp8="current", growth_every_n_steps=every)
                 pl.Trainer(plugins=[plugin], max_steps=steps, callbacks=[alternator], **TRAINER).fit(
                     module, datamodule=data)
             finally:
@@ -533,6 +543,9 @@ def main() -> None:
     parser.add_argument("--part", choices=("profile", "blocks", "overhead", "all"), default="all",
                         help="all: profile and blocks (overhead: whole fits per config, noisier)")
     parser.add_argument("--runs", type=int, default=6, help="fits of --block-steps steps (blocks part)")
+    parser.add_argument("--idle-only", action="store_true", help="blocks part: hooks that never sample")
+    parser.add_argument("--null", action="store_true", help="blocks part: an A/A check, the hooks off in all blocks")
+    parser.add_argument("--empty-hooks", action="store_true", help="blocks part: no-op hooks in the on-blocks")
     parser.add_argument("--block-steps", type=int, default=None,
                         help=f"steps per fit in the blocks part (default per workload: {BLOCK_STEPS})")
     parser.add_argument("--workloads", default="mlp")
@@ -556,15 +569,17 @@ def main() -> None:
         if args.part in ("blocks", "all"):
             baseline = load_baseline(args.baseline) if args.baseline else None
             steps = args.block_steps or BLOCK_STEPS[name]
-            results.setdefault("blocks", {})[name] = blocks(name, args.runs, steps, baseline)
+            results.setdefault("blocks", {})[name] = blocks(name, args.runs, steps, baseline,
+                                                            every=10**9 if args.idle_only else EVERY,
+                                                            null=args.null, empty=args.empty_hooks)
         if args.part == "overhead":
             baseline = load_baseline(args.baseline) if args.baseline else None
             results.setdefault("overhead", {})[name] = overhead(name, args.rounds, args.steps, baseline)
     results["environment"]["loadavg_end"] = os.getloadavg()
     stem = Path(args.out) if args.out else RESULTS / ("growth_overhead_quick" if args.quick else "growth_overhead")
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    stem.with_suffix(".md").write_text(markdown(results) + "\n")
+    Path(f"{stem}.json").write_text(json.dumps(results, indent=1))  # stem may hold dots
+    Path(f"{stem}.md").write_text(markdown(results) + "\n")
     print(markdown(results))
 
 
