@@ -50,8 +50,7 @@ class _History:
     next: int = 0
     scale: float | torch.Tensor = 1.0
     queued: int = 0  # samples waiting in the monitor's queue
-    limits: tuple[float, float] | None = None  # thresholds(fmt, scale) of a number scale; None: a tensor scale,
-    # divided on each sample (it may change in place)
+    limits: tuple[float, float] | None = None  # thresholds(fmt, scale); None: a tensor scale (it may change)
 
 
 class GrowthMonitor:
@@ -67,9 +66,10 @@ class GrowthMonitor:
       range is what overflows E4M3, and the layer whose input runs away is the one to take out of FP8.
     - ``every_n_steps=10``, ``window=8``: the trend is fitted over the last 8 samples (70 steps) and only once
       the window is full: the amax's rise from initialisation decelerates, and a fit over its first samples
-      projected one clean SwiGLU run (of 5) into overflow at step 30. A sample costs ~10 passes over each watched
-      activation: measured on the CPU (one thread; 8 linears 256<->1024, batch 64) 1.25 ms against a 13.8 ms
-      step, 0.9% of the run at one step in ten.
+      projected one clean SwiGLU run (of 5) into overflow at step 30. A sample costs 15 ops on each watched
+      activation in its hook and a share of one ~25-op finish of all queued samples: through the Trainer (one CPU
+      thread, bf16-mixed with FP8; ``bench/bench_growth.py``) the monitor takes ~0.8% of the digits MLP's CPU
+      time and ~0.45% of the GPT's at one step in ten.
     - ``runaway(horizon=200)``: a layer whose fitted ``log2 amax`` trend reaches ``fmt``'s max (after ``scale``)
       within 200 steps. A steady exponential growth is then named about 200 steps before it saturates (less the
       fit's lag behind a growth that starts or accelerates), well over the 50 steps a fallback needs; a clean
