@@ -12,8 +12,7 @@ All statistics are computed on the device in FP32 on sampling steps only, and st
 makes the passes over its activation (:mod:`~lit_mpstable.core.growth_stats`) and queues the sums (0-dim device
 tensors); the arithmetic that finishes the rows runs for all the queued samples together, with one write into a ring
 buffer shared by all layers, when the samples are read (or saved) or once a layer has ``window`` samples queued.
-Nothing reads a tensor on the host until
-:meth:`GrowthMonitor.stats` or :meth:`GrowthMonitor.runaway` is called.
+Nothing reads a tensor on the host until :meth:`GrowthMonitor.stats` or :meth:`GrowthMonitor.runaway` is called.
 The samples are part of the plugin's checkpoint (:meth:`GrowthMonitor.state_dict`, under ``"growth"``): a resumed
 run continues the trend fit where it stopped.
 """
