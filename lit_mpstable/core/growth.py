@@ -8,8 +8,11 @@ history of its input's (or output's) amax, kurtosis and FP8 saturation/underflow
 ``log2 amax``, and names the layers that are heading out of range (:meth:`GrowthMonitor.runaway`) while there is
 still time to act: ``OverflowMonitor`` warns naming them, ``PrecisionFallback`` moves them out of FP8.
 
-All statistics are computed on the device in FP32 inside forward hooks on sampling steps only, and stay there:
-nothing reads a tensor on the host until :meth:`GrowthMonitor.stats` or :meth:`GrowthMonitor.runaway` is called.
+All statistics are computed on the device in FP32 on sampling steps only, and stay there: each layer's forward hook
+makes the passes over its activation (:mod:`~lit_mpstable.core.growth_stats`) and queues the sums (0-dim device
+tensors); the arithmetic that finishes the rows runs for all the queued samples together, with one write into a ring
+buffer shared by all layers, when the samples are read (or saved) or once a layer has ``window`` samples queued.
+Nothing reads a tensor on the host until :meth:`GrowthMonitor.stats` or :meth:`GrowthMonitor.runaway` is called.
 The samples are part of the plugin's checkpoint (:meth:`GrowthMonitor.state_dict`, under ``"growth"``): a resumed
 run continues the trend fit where it stopped.
 """
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from lit_mpstable.base.validate import check_keys, int_arg
+from lit_mpstable.core.growth_stats import TINY, finish_rows, format_range, layer_stats, reduce_activation, thresholds
 from lit_mpstable.core.loaded_state import check_fields, check_mapping, count, count_list, name_list
 
 __all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
@@ -32,64 +36,20 @@ __all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
 GrowthSource = Literal["input", "output"]
 _SOURCES: tuple[str, ...] = get_args(GrowthSource)
 _FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
-_TINY = 2.0**-126  # amax of an all-zero tensor: log2 stays finite
 _STATE_KEYS = {"steps", "samples", "sampled", "layers"}
-# The format ids of lit_mpstable.core.formats, their ranges read from torch.finfo here.
-_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp16": torch.float16,
-           "bf16": torch.bfloat16}
-
-
-def _range(fmt: str, caller: str) -> tuple[float, float]:
-    """(largest finite value, smallest subnormal) of format ``fmt``."""
-    if fmt not in _DTYPES:
-        raise ValueError(f"{caller}(fmt={fmt!r}): unknown format; allowed: {sorted(_DTYPES)}.")
-    info = torch.finfo(_DTYPES[fmt])
-    return float(info.max), float(info.tiny) * float(info.eps)
-
-
-def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """``[log2 amax, kurtosis, saturation, underflow]`` of ``x`` as one FP32 device tensor; no host read.
-
-    - kurtosis: the fourth standardized moment ``E[(x - mean)**4] / var**2`` of all elements (3 for a Gaussian,
-      up to the element count when one element dominates; 0 for a tensor whose standard deviation is below 1e-6
-      of its amax), in FP32 on ``x / amax``, so no power overflows;
-    - saturation: the fraction of elements with ``|x| * scale`` above ``fmt``'s largest finite value (inf counts);
-    - underflow: the fraction of the nonzero elements that ``* scale`` flushes to zero in ``fmt``.
-
-    A NaN in ``x`` makes amax and kurtosis NaN.
-    """
-    fmt_max, smallest_subnormal = _range(fmt, "layer_stats")
-    x = x.detach().reshape(-1).float()
-    n = max(x.numel(), 1)
-    a = x.abs()
-    amax = a.amax() if x.numel() else torch.zeros((), device=x.device)
-    # Kurtosis is scale-free: x / amax keeps the squares in range (1e30 squared overflows FP32). Few passes over x
-    # (sampling cost): centred = x / amax - mean in one addcmul, the sums as dot products.
-    inv = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax)).reciprocal()
-    centred = torch.addcmul(-(x.sum() / n) * inv, x, inv)
-    square = centred * centred
-    var = square.sum() / n
-    kurtosis = torch.dot(square, square) / n / (var * var)
-    # A spread below 1e-6 of amax is rounding noise (x * (1 / amax) is inexact): the tensor counts as constant.
-    kurtosis = torch.where(var > 1e-12, kurtosis, torch.zeros_like(kurtosis))
-    kurtosis = torch.where(torch.isnan(amax), amax, kurtosis)
-    # The thresholds are divided by the scale (a 0-dim operation) instead of the activations multiplied by it.
-    saturation = torch.count_nonzero(a > fmt_max / scale) / n
-    zeros = n - torch.count_nonzero(a)
-    underflow = (torch.count_nonzero(a <= smallest_subnormal / 2 / scale) - zeros) / (n - zeros).clamp_min(1)
-    return torch.stack([amax.clamp_min(_TINY).log2(), kurtosis, saturation, underflow.float()])
 
 
 @dataclass
 class _History:
     """One layer's samples: rows of :func:`layer_stats` in a ring buffer (device), their steps (host)."""
 
-    rows: torch.Tensor | None = None
+    index: int  # its block of the monitor's ring buffer (attach order)
+    rows: torch.Tensor | None = None  # window x 4, a view of the monitor's buffer (None: no sample yet)
     steps: list[int] = field(default_factory=list)  # the step of each filled slot, slot order
     next: int = 0
-    slope: torch.Tensor | None = None  # least-squares slope of log2 amax per step over the filled slots (None: not
-    # fitted since the last sample; fitted when read, so a sample costs no fit)
     scale: float | torch.Tensor = 1.0
+    queued: int = 0  # samples waiting in the monitor's queue
+    limits: tuple[float, float] | None = None  # thresholds(fmt, scale); None: a tensor scale (it may change)
 
 
 class GrowthMonitor:
@@ -105,9 +65,10 @@ class GrowthMonitor:
       range is what overflows E4M3, and the layer whose input runs away is the one to take out of FP8.
     - ``every_n_steps=10``, ``window=8``: the trend is fitted over the last 8 samples (70 steps) and only once
       the window is full: the amax's rise from initialisation decelerates, and a fit over its first samples
-      projected one clean SwiGLU run (of 5) into overflow at step 30. A sample costs ~10 passes over each watched
-      activation: measured on the CPU (one thread; 8 linears 256<->1024, batch 64) 1.25 ms against a 13.8 ms
-      step, 0.9% of the run at one step in ten.
+      projected one clean SwiGLU run (of 5) into overflow at step 30. A sample costs 15 ops on each watched
+      activation in its hook and a share of one ~25-op finish of all queued samples: through the Trainer (one CPU
+      thread, bf16-mixed with FP8; ``bench/bench_growth.py``) the monitor takes ~0.8% of the digits MLP's CPU
+      time and ~0.45% of the GPT's at one step in ten.
     - ``runaway(horizon=200)``: a layer whose fitted ``log2 amax`` trend reaches ``fmt``'s max (after ``scale``)
       within 200 steps. A steady exponential growth is then named about 200 steps before it saturates (less the
       fit's lag behind a growth that starts or accelerates), well over the 50 steps a fallback needs; a clean
@@ -138,7 +99,7 @@ class GrowthMonitor:
         if source not in _SOURCES:
             raise ValueError(f"GrowthMonitor(source={source!r}): must be one of {list(_SOURCES)}; 'input' is what an"
                              " FP8 linear quantizes.")
-        fmt_max, _ = _range(fmt, "GrowthMonitor")
+        fmt_max, _ = format_range(fmt, "GrowthMonitor")
         if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"GrowthMonitor(scale={scale!r}): must be a finite number > 0.")
         self.every_n_steps, self.window = every_n_steps, window
@@ -147,6 +108,10 @@ class GrowthMonitor:
         self.steps = 0
         """Optimizer steps counted by :meth:`step`; the forward passes after step n are sampled when n is due."""
         self._history: dict[str, _History] = {}
+        self._rows: torch.Tensor | None = None  # all layers' ring buffers, layers x window x 4 (device)
+        self._slopes: torch.Tensor | None = None  # every layer's fitted trend (None: a sample came since the fit)
+        self._queue: tuple[list[torch.Tensor], list[int], list[tuple[int, int]]] = ([], [], [])
+        # the sums, element counts and (layer, slot) of the samples not finished yet (see _flush)
         self._handles: list[Any] = []
         self._sampled: set[str] = set()
         self.clock = clock
@@ -161,6 +126,7 @@ class GrowthMonitor:
         Raises:
             ValueError: a name in ``names`` is not a linear layer of ``module``.
         """
+        self._flush()  # queued samples (on the device they were taken on) before the layers change
         linears = {name: m for name, m in module.named_modules() if isinstance(m, nn.Linear)}
         if names is not None:
             names = list(names)
@@ -170,7 +136,9 @@ class GrowthMonitor:
                                  f" linear layers are {sorted(linears)}.")
             linears = {n: linears[n] for n in names}
         for name, layer in linears.items():
-            self._history.setdefault(name, _History(scale=self.scale))
+            if name not in self._history:
+                self._history[name] = _History(len(self._history), scale=self.scale,
+                                               limits=thresholds(self.fmt, self.scale, "GrowthMonitor"))
             self._handles.append(layer.register_forward_hook(self._hook(name)))
         if self._pending is not None:
             pending, self._pending = self._pending, None
@@ -179,6 +147,7 @@ class GrowthMonitor:
 
     def detach(self) -> None:
         """Remove the hooks (the histories stay readable)."""
+        self._flush()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -190,6 +159,7 @@ class GrowthMonitor:
             raise ValueError(f"GrowthMonitor.set_scale(name={name!r}): not an attached layer; attached:"
                              f" {sorted(self._history)}.")
         self._history[name].scale = scale
+        self._history[name].limits = None if isinstance(scale, torch.Tensor) else thresholds(self.fmt, scale)
 
     def is_due(self, step: int) -> bool:
         """Whether the forward passes after ``step`` optimizer steps are sampled (0, n, 2n, ...)."""
@@ -201,78 +171,110 @@ class GrowthMonitor:
         self._sampled.clear()
 
     def _hook(self, name: str):
+        history = self._history[name]
+        sums, numels, slots = self._queue
+
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             # A Python check only on the steps between samples: no tensor is touched.
             if self.clock is not None and (now := self.clock()) != self.steps:
                 self.step(now)
-            if not module.training or name in self._sampled or not self.is_due(self.steps):
+            if self.steps % self.every_n_steps or name in self._sampled or not module.training:
                 return
             x = inputs[0] if self.source == "input" else output
             if not isinstance(x, torch.Tensor):
                 return
             self._sampled.add(name)
-            self._record(name, layer_stats(x, self.fmt, self._history[name].scale))
+            layer_sums, n = reduce_activation(x, *(history.limits or thresholds(self.fmt, history.scale)))
+            sums.extend(layer_sums)
+            numels.append(n)
+            slots.append((history.index, history.next))
+            if len(history.steps) < self.window:
+                history.steps.append(self.steps)
+            else:
+                history.steps[history.next] = self.steps
+            history.next = (history.next + 1) % self.window
+            self.samples += 1
+            history.queued += 1
+            if history.queued == self.window:  # before its ring wraps within the queue
+                self._flush()
 
         return hook
 
-    def _record(self, name: str, row: torch.Tensor) -> None:
-        history = self._history[name]
-        if history.rows is None:
-            history.rows = torch.zeros(self.window, len(_FIELDS), device=row.device)
-        elif history.rows.device != row.device:  # loaded from a checkpoint onto another device
-            history.rows = history.rows.to(row.device)
-        history.rows[history.next].copy_(row)
-        if len(history.steps) < self.window:
-            history.steps.append(self.steps)
-        else:
-            history.steps[history.next] = self.steps
-        history.next = (history.next + 1) % self.window
-        history.slope = None
-        self.samples += 1
+    def _flush(self) -> None:
+        """Finish the queued samples' rows (all at once: ~20 ops for any number, so a sample costs its hook's
+        passes and a share of one flush) and write them into the ring buffer in one op."""
+        sums, numels, slots = self._queue
+        if not numels:
+            return
+        rows = finish_rows(sums, numels)
+        buffer = self._place(rows.device)
+        layer, slot = torch.tensor(slots, device=rows.device).unbind(1)
+        buffer.index_put_((layer, slot), rows)
+        histories = list(self._history.values())
+        for index, _ in slots:
+            history = histories[index]
+            history.queued = 0
+            if history.rows is None:  # the others are views of the buffer already (_place)
+                history.rows = buffer[index]
+        for queued in self._queue:
+            queued.clear()
+        self._slopes = None
 
-    def _slope(self, history: _History) -> torch.Tensor:
-        if history.slope is None:
-            history.slope = self._fit(history)
-        return history.slope
+    def _place(self, device: torch.device) -> torch.Tensor:
+        """The ring buffer (layers x window x 4) on ``device``, holding every layer's samples so far (each sampled
+        layer's ``rows`` a view of it): made on the first sample, and again after a load, a move or an attach."""
+        if self._rows is None or self._rows.device != device or len(self._rows) != len(self._history):
+            buffer = torch.zeros(len(self._history), self.window, len(_FIELDS), device=device)
+            for history in self._history.values():
+                if history.rows is not None:
+                    buffer[history.index].copy_(history.rows)
+                    history.rows = buffer[history.index]
+            self._rows, self._slopes = buffer, None
+        return self._rows
 
-    def _fit(self, history: _History) -> torch.Tensor:
-        # Least squares of log2 amax against the step: slope = sum(w_i y_i) with w_i = (t_i - mean t) / sum (t - mean
-        # t)**2, computed on the host from the known steps, so the device does one small dot product.
-        assert history.rows is not None
-        ts = history.steps
-        filled = history.rows[: len(ts), 0]
-        mean = sum(ts) / len(ts)
-        denominator = sum((t - mean) ** 2 for t in ts)
-        if denominator == 0:
-            return torch.zeros((), device=filled.device)
-        weights = torch.tensor([(t - mean) / denominator for t in ts], device=filled.device)
-        return (weights * filled).sum()
+    def _fit(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Every layer's least-squares slope of log2 amax per step over its filled slots (0 with fewer than two
+        distinct steps): slope = sum(w_i y_i) with w_i = (t_i - mean t) / sum (t - mean t)**2, computed on the host
+        from the known steps, so the device does one masked product for all layers."""
+        if self._slopes is None:
+            weights = [[[0.0] * self.window for _ in self._history] for _ in range(2)]  # weights, mask
+            for history in self._history.values():
+                ts = history.steps
+                mean = sum(ts) / max(len(ts), 1)
+                denominator = sum((t - mean) ** 2 for t in ts)
+                for slot, t in enumerate(ts if denominator else []):
+                    weights[0][history.index][slot], weights[1][history.index][slot] = (t - mean) / denominator, 1.0
+            w, mask = torch.tensor(weights, device=buffer.device).unbind(0)
+            self._slopes = (torch.where(mask > 0, buffer[:, :, 0], 0.0) * w).sum(1)
+        return self._slopes
 
     # ------------------------------------------------------------------------------------------ reading
-    def _latest(self, history: _History) -> torch.Tensor:
-        assert history.rows is not None
-        return history.rows[(history.next - 1) % self.window]
+    def _table(self) -> tuple[list[tuple[str, _History]], torch.Tensor]:
+        """The sampled layers, and their latest rows with the fitted slope appended (layers x 5, device)."""
+        self._flush()
+        sampled = [(name, h) for name, h in self._history.items() if h.rows is not None]
+        if not sampled:
+            return [], torch.empty(0, len(_FIELDS) + 1)
+        buffer = self._place(sampled[0][1].rows.device)  # type: ignore[union-attr]
+        at = torch.tensor([[h.index for _, h in sampled], [(h.next - 1) % self.window for _, h in sampled]],
+                          device=buffer.device)
+        return sampled, torch.cat([buffer[at[0], at[1]], self._fit(buffer)[at[0]].unsqueeze(1)], dim=1)
 
     def metrics(self) -> dict[str, torch.Tensor]:
         """``mp/amax_growth`` (the fastest per-layer trend, log2 amax per step) and ``mp/kurtosis_max`` (the largest
         latest per-layer kurtosis) as 0-dim device tensors; empty before the first sample. No host read."""
-        sampled = [h for h in self._history.values() if h.rows is not None]
+        sampled, table = self._table()
         if not sampled:
             return {}
-        slopes = torch.stack([self._slope(h) for h in sampled])
-        kurtosis = torch.stack([self._latest(h)[1] for h in sampled])
-        return {"mp/amax_growth": slopes.max(), "mp/kurtosis_max": kurtosis.max()}
+        return {"mp/amax_growth": table[:, 4].max(), "mp/kurtosis_max": table[:, 1].max()}
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per sampled layer: ``amax``, ``kurtosis``, ``saturation``, ``underflow`` (the latest sample),
         ``amax_growth`` (log2 amax per step, fitted over the window), ``samples`` and ``step`` (of the latest
         sample). One host read (it syncs with the device)."""
-        sampled = {n: h for n, h in self._history.items() if h.rows is not None}
-        if not sampled:
-            return {}
-        table = torch.stack([torch.cat([self._latest(h), self._slope(h).reshape(1)]) for h in sampled.values()])
+        sampled, table = self._table()
         out = {}
-        for (name, history), values in zip(sampled.items(), table.tolist()):
+        for (name, history), values in zip(sampled, table.tolist()):
             log2_amax, kurtosis, saturation, underflow, slope = values
             out[name] = {
                 "amax": 2.0**log2_amax if math.isfinite(log2_amax) else log2_amax, "kurtosis": kurtosis,
@@ -315,6 +317,7 @@ class GrowthMonitor:
         and waiting for it."""
         if self._pending is not None:
             return self._pending
+        self._flush()
         return {"steps": self.steps, "samples": self.samples, "sampled": sorted(self._sampled), "layers": {
             name: {"rows": None if h.rows is None else h.rows.clone(), "steps": list(h.steps), "next": h.next}
             for name, h in self._history.items()}}
@@ -365,6 +368,7 @@ class GrowthMonitor:
         waits for it (checked against the layers then). Checked whole first (:meth:`check_state`): a refused state
         changes nothing."""
         self.check_state(state)
+        self._flush()  # this step's samples go into the slots the state replaces
         if not self._history:
             self._pending = {**state, "layers": dict(state["layers"]), "sampled": list(state["sampled"])}
             return
@@ -374,7 +378,7 @@ class GrowthMonitor:
             history = self._history[name]
             history.rows = None if saved["rows"] is None else saved["rows"].detach().float().clone()
             history.steps, history.next = list(saved["steps"]), int(saved["next"])
-            history.slope = None  # fitted when read
+        self._rows = self._slopes = None  # placed again, and fitted, when next read or written
 
 
 def _check_rows(call: str, name: str, rows: Any, window: int) -> None:
@@ -386,7 +390,7 @@ def _check_rows(call: str, name: str, rows: Any, window: int) -> None:
         raise ValueError(f"{call}({name} of shape {tuple(rows.shape)}): must be ({window}, {len(_FIELDS)}): window x"
                          f" {list(_FIELDS)}; saved with another window?")
     r = rows.detach().float()
-    low = torch.tensor([math.log2(_TINY), 0.0, 0.0, 0.0], device=r.device)
+    low = torch.tensor([math.log2(TINY), 0.0, 0.0, 0.0], device=r.device)
     ok = torch.cat([(r[:, :2] >= low[:2]) | r[:, :2].isnan(), (r[:, 2:] >= 0) & (r[:, 2:] <= 1)], dim=1)
     if not bool(ok.all()):
         column = _FIELDS[int((~ok).any(dim=0).float().argmax())]

@@ -43,6 +43,98 @@ def test_kurtosis_matches_scipy(case: str) -> None:
     assert got == pytest.approx(expected, rel=1e-3)
 
 
+def _reference(x: torch.Tensor, scale: float, fmt_max: float = 448.0, flush: float = 2.0**-10) -> list[float]:
+    """layer_stats' documented statistics computed plainly in float64 (flush: half E4M3's smallest subnormal)."""
+    v = x.detach().double().reshape(-1)
+    n, a = v.numel(), v.abs()
+    amax = a.max().item() if n else 0.0
+    if math.isnan(amax):
+        kurtosis = math.nan
+    elif math.isinf(amax):
+        kurtosis = 0.0  # documented: an inf makes kurtosis 0 (the run is flagged by its amax)
+    else:
+        c = v - v.mean()
+        var = (c**2).mean().item()
+        kurtosis = (c**4).mean().item() / var**2 if var > 1e-12 * amax**2 else 0.0
+    scaled = a * scale
+    nonzero = int((a != 0).sum())
+    return [math.log2(max(amax, 2.0**-126)) if not math.isnan(amax) else math.nan, kurtosis,
+            int((scaled > fmt_max).sum()) / max(n, 1), int(((scaled <= flush) & (a != 0)).sum()) / max(nonzero, 1)]
+
+
+def _cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(16, 16, generator=g) * 10.0 ** torch.empty(16, 16).uniform_(-12, 3, generator=g)
+    heavy = torch.randn(16, 16, generator=g) / torch.randn(16, 16, generator=g).abs().clamp_min(0.05)
+    with_nan, with_inf, both = torch.randn(16, 16, generator=g), torch.randn(4, 8, generator=g), torch.randn(24)
+    with_nan[3, 4], with_inf[1, 1], both[[2, 5]] = math.nan, math.inf, torch.tensor([-math.inf, math.nan])
+    sparse = torch.randn(16, 16, generator=g) * (torch.rand(16, 16, generator=g) > 0.7)
+    spike = torch.zeros(256)
+    spike[17] = 1e30  # its square overflows FP32
+    return {"gaussian": torch.randn(16, 16, generator=g) + 5.0, "wide": wide, "heavy": heavy, "nan": with_nan,
+            "inf": with_inf, "inf+nan": both, "zeros": torch.zeros(8, 8), "constant": torch.full((7, 9), -3.25),
+            "sparse": sparse, "spike": spike, "bf16": (torch.randn(16, 16, generator=g) * 300).bfloat16(),
+            "one": torch.tensor([2.5]), "empty": torch.empty(0, 16)}
+
+
+def _close(got: list[float], expected: list[float]) -> bool:
+    return all((math.isnan(g) and math.isnan(e)) or g == pytest.approx(e, rel=1e-4, abs=1e-6)
+               for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_statistics_match_a_float64_reference(scale: float) -> None:
+    """Each case alone (layer_stats) and all of them sampled in one step by the monitor (per-layer reductions in the
+    hooks, the rows finished together and written into the shared ring buffer) equal the float64 reference."""
+    cases = _cases()
+    for name, x in cases.items():
+        assert _close(layer_stats(x, scale=scale).tolist(), _reference(x, scale)), name
+
+    class Fan(nn.Module):  # one linear layer per case, each fed its case as input
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({k.replace("+", "_"): nn.Linear(x.shape[-1], 2) for k, x in cases.items()})
+
+        def forward(self) -> None:
+            for layer, x in zip(self.layers.values(), cases.values()):
+                layer.to(x.dtype)(x if x.dim() > 1 else x.view(-1, layer.in_features))
+
+    fan = Fan()
+    monitor = GrowthMonitor(every_n_steps=1, window=3, scale=scale).attach(fan)
+    for _ in range(5):  # 5 samples into rings of 3: finished at the third (a full queue) and when read
+        fan()
+        monitor.step()
+    stats = monitor.stats()
+    for (name, x), key in zip(cases.items(), fan.layers):
+        row = stats[f"layers.{key}"]
+        log2_amax = math.log2(row["amax"]) if row["amax"] > 0 else row["amax"]
+        assert row["samples"] == 3 and row["step"] == 4, name
+        assert _close([log2_amax, row["kurtosis"], row["saturation"], row["underflow"]], _reference(x, scale)), name
+
+
+def test_reading_every_step_or_once_gives_the_same_samples() -> None:
+    """Queued samples are finished when read or when a layer's queue is full: the reading pattern changes nothing."""
+    models, monitors = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(TinyMLP())
+        monitors.append(GrowthMonitor(every_n_steps=2, window=3).attach(models[-1]))
+    x, y = regression_data(16)
+    for step in range(15):
+        for model, monitor in zip(models, monitors):
+            model(x * (1 + step)).square().mean().backward()
+            monitor.step()
+        monitors[0].metrics()  # read (finished) every step; the other is finished by its full queues
+    assert monitors[0].state_dict()["layers"]["fc1"]["steps"] == [12, 14, 10]
+    assert torch.equal(torch.stack([s["rows"] for s in monitors[0].state_dict()["layers"].values()]),
+                       torch.stack([s["rows"] for s in monitors[1].state_dict()["layers"].values()]))
+    assert monitors[0].stats() == monitors[1].stats()
+
+
+def test_an_empty_activation_has_no_underflow() -> None:
+    assert layer_stats(torch.empty(0, 4)).tolist() == [-126.0, 0.0, 0.0, 0.0]  # no elements: nothing flushed
+
+
 def _train(model: nn.Module, monitor: GrowthMonitor, steps: int) -> None:
     x, y = regression_data(32)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
