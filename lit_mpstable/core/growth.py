@@ -27,16 +27,20 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from lit_mpstable.base.validate import check_keys, int_arg
-from lit_mpstable.core.growth_stats import TINY, finish_rows, format_range, layer_stats, reduce_activation, thresholds
-from lit_mpstable.core.loaded_state import check_fields, check_mapping, count, count_list, name_list
+from lit_mpstable.core.growth_stats import (
+    cast_limits,
+    check_saved,
+    finish_rows,
+    format_range,
+    layer_stats,
+    reduce_activation,
+)
 
 __all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
 
 GrowthSource = Literal["input", "output"]
 _SOURCES: tuple[str, ...] = get_args(GrowthSource)
 _FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
-_STATE_KEYS = {"steps", "samples", "sampled", "layers"}
 
 
 @dataclass
@@ -50,6 +54,9 @@ class _History:
     scale: float | torch.Tensor = 1.0
     queued: int = 0  # samples waiting in the monitor's queue
     limits: tuple[float, float] | None = None  # thresholds(fmt, scale); None: a tensor scale (it may change)
+    # An FP8 layer's input is checked at the scale the layer casts it with (its growth_input_scale), not `scale`:
+    cast: Any = None  # at the last sample: None (not FP8: `scale`), "own" (each tensor from its amax), or a tensor
+    captured: torch.Tensor | None = None  # a delayed scale as the forward about to be sampled uses it
 
 
 class GrowthMonitor:
@@ -77,6 +84,10 @@ class GrowthMonitor:
       a few elements dominate the fourth moment: outlier features, the signature that FOG tracks before the amax
       itself moves. Measured in this package's tests: clean layers stay below 15.
     - a layer already saturating, or with a non-finite amax, is always named.
+    - an FP8 layer's input is measured at the scale the layer casts it with (``growth_input_scale``): the amax
+      history's under delayed scaling, the tensor's own amax under current scaling and the block recipes (nothing
+      saturates; underflow counts what a dominant outlier flushes). That scale follows the amax, so such a layer
+      is named on kurtosis or a non-finite value, not on its trend or a transient saturation.
 
     Args:
         scale: multiplies the activations before the range checks (the fixed FP8 scale; per layer:
@@ -138,8 +149,11 @@ class GrowthMonitor:
         for name, layer in linears.items():
             if name not in self._history:
                 self._history[name] = _History(len(self._history), scale=self.scale,
-                                               limits=thresholds(self.fmt, self.scale, "GrowthMonitor"))
+                                               limits=cast_limits(self.fmt, None, self.scale)[:2])
             self._handles.append(layer.register_forward_hook(self._hook(name)))
+            getter = getattr(layer, "growth_input_scale", None)
+            if self.source == "input" and getter is not None and getter() is not None:  # updated in the forward
+                self._handles.append(layer.register_forward_pre_hook(self._capture(name)))
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self.load_state_dict(pending)
@@ -159,7 +173,7 @@ class GrowthMonitor:
             raise ValueError(f"GrowthMonitor.set_scale(name={name!r}): not an attached layer; attached:"
                              f" {sorted(self._history)}.")
         self._history[name].scale = scale
-        self._history[name].limits = None if isinstance(scale, torch.Tensor) else thresholds(self.fmt, scale)
+        self._history[name].limits = None if isinstance(scale, torch.Tensor) else cast_limits(self.fmt, None, scale)[:2]
 
     def is_due(self, step: int) -> bool:
         """Whether the forward passes after ``step`` optimizer steps are sampled (0, n, 2n, ...)."""
@@ -170,21 +184,42 @@ class GrowthMonitor:
         self.steps = self.steps + 1 if steps is None else int(steps)
         self._sampled.clear()
 
+    def _due(self, name: str, module: nn.Module) -> bool:
+        # A Python check only on the steps between samples: no tensor is touched.
+        if self.clock is not None and (now := self.clock()) != self.steps:
+            self.step(now)
+        return not (self.steps % self.every_n_steps or name in self._sampled or not module.training)
+
+    def _capture(self, name: str):
+        history = self._history[name]
+
+        def pre_hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
+            getter = getattr(module, "growth_input_scale", None)  # gone once a fallback swapped the layer
+            if getter is not None and self._due(name, module) and (scale := getter()) is not None:
+                history.captured = scale.detach().clone()
+
+        return pre_hook
+
+    def _limits(self, history: _History, module: nn.Module) -> tuple[Any, Any, bool]:
+        """(saturation, flush) thresholds on ``|x|``, and whether they are fractions of the activation's amax."""
+        getter = getattr(module, "growth_input_scale", None) if self.source == "input" else None
+        captured, history.captured = history.captured, None
+        history.cast = None if getter is None else captured if captured is not None else getter() or "own"
+        return cast_limits(self.fmt, history.cast, history.limits or (history.scale if history.cast is None else 1))
+
     def _hook(self, name: str):
         history = self._history[name]
         sums, numels, slots = self._queue
 
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            # A Python check only on the steps between samples: no tensor is touched.
-            if self.clock is not None and (now := self.clock()) != self.steps:
-                self.step(now)
-            if self.steps % self.every_n_steps or name in self._sampled or not module.training:
+            if not self._due(name, module):
                 return
             x = inputs[0] if self.source == "input" else output
             if not isinstance(x, torch.Tensor):
                 return
             self._sampled.add(name)
-            layer_sums, n = reduce_activation(x, *(history.limits or thresholds(self.fmt, history.scale)))
+            above, flush, relative = self._limits(history, module)
+            layer_sums, n = reduce_activation(x, above, flush, relative=relative)
             sums.extend(layer_sums)
             numels.append(n)
             slots.append((history.index, history.next))
@@ -297,13 +332,19 @@ class GrowthMonitor:
                 raise ValueError(f"GrowthMonitor.runaway({label}={value!r}): must be a number > 0.")
         named = []
         for name, row in self.stats().items():
-            scale = self._history[name].scale
-            scale = float(scale) if not isinstance(scale, torch.Tensor) else float(scale.detach().float().max())
+            history = self._history[name]
             bad = not math.isfinite(row["amax"]) or math.isnan(row["kurtosis"])
-            headroom = self._log2_max - math.log2(scale) - (math.inf if bad else math.log2(row["amax"]))
+            # An FP8 layer's own scale follows its amax (delayed: the history's max, a step behind; current: the
+            # tensor's), so neither a steady trend nor a few elements clipped while the history catches up mean it
+            # leaves range: it is named on kurtosis or a non-finite value. A fixed scale: also on its trend and
+            # any saturation.
+            fixed = history.cast is None and not bad
+            scale = history.scale if fixed else 1.0
+            scale = float(scale) if not isinstance(scale, torch.Tensor) else float(scale.detach().float().max())
+            headroom = self._log2_max - math.log2(scale) - math.log2(row["amax"]) if fixed else math.inf
             slope = row["amax_growth"]
             projected = row["samples"] >= self.window and slope > 0 and headroom < slope * horizon
-            if bad or row["saturation"] > 0 or row["kurtosis"] > kurtosis or projected:
+            if bad or (fixed and row["saturation"] > 0) or row["kurtosis"] > kurtosis or projected:
                 named.append(name)
         return named
 
@@ -333,35 +374,7 @@ class GrowthMonitor:
                 position past the filled slots, a fraction outside [0, 1]).
             KeyError: keys differ from :meth:`state_dict`'s, or the saved layers from the attached ones.
         """
-        state = check_mapping(call, state, _STATE_KEYS, name=name)
-        check_fields(call, state, {"steps": count, "samples": count, "sampled": name_list}, prefix=name)
-        saved = check_mapping(call, state["layers"], name=f"{name}['layers']")
-        attached = set(self._history) if layers is None else set(layers)
-        if attached and saved and set(saved) != attached:  # none saved: a monitor that never attached
-            check_keys(call, saved, attached, name=f"{name}['layers']", suffix="; attach the same model first.")
-        stray = sorted(set(state["sampled"]) - set(saved))
-        if stray:
-            raise ValueError(f"{call}({name}['sampled']={stray!r}): not among the saved layers {sorted(saved)}.")
-        filled = 0
-        for layer, entry in saved.items():
-            where = f"{name}['layers'][{layer!r}]"
-            entry = check_mapping(call, entry, {"rows", "steps", "next"}, name=where)
-            count_list(call, f"{where}['steps']", entry["steps"])
-            int_arg(call, f"{where}['next']", entry["next"], low=0, high=self.window - 1)
-            steps, rows = list(entry["steps"]), entry["rows"]
-            if rows is not None:  # first: a state saved with another window fails here, saying so
-                _check_rows(call, f"{where}['rows']", rows, self.window)
-            filled += len(steps)
-            late = [t for t in steps if t > state["steps"]]
-            if len(steps) > self.window or late or (rows is None and steps):
-                rule = (f"at most window={self.window} steps" if len(steps) > self.window else
-                        f"no step after steps={state['steps']}" if late else "no steps without rows (None)")
-                raise ValueError(f"{call}({where}['steps']={steps!r}): must hold {rule}.")
-            if len(steps) < self.window and entry["next"] != len(steps):
-                raise ValueError(f"{call}({where}['next']={entry['next']!r}): the ring is not full yet, so the next"
-                                 f" slot must be the first unfilled one, {len(steps)}.")
-        if state["samples"] < filled:
-            raise ValueError(f"{call}({name}['samples']={state['samples']!r}): fewer than the {filled} filled slots.")
+        check_saved(call, state, self.window, set(self._history) if layers is None else set(layers), name)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: the trend fit continues where it stopped. Before :meth:`attach` the state
@@ -380,19 +393,3 @@ class GrowthMonitor:
             history.steps, history.next = list(saved["steps"]), int(saved["next"])
         self._rows = self._slopes = None  # placed again, and fitted, when next read or written
 
-
-def _check_rows(call: str, name: str, rows: Any, window: int) -> None:
-    """A ``window`` x 4 floating tensor of :func:`layer_stats` rows: log2 amax >= -126 and kurtosis >= 0 (either may
-    be NaN or inf: a sample of non-finite activations), the saturation and underflow fractions within [0, 1]."""
-    if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
-        raise TypeError(f"{call}({name}={type(rows).__name__}): must be a floating tensor (or None before a sample).")
-    if tuple(rows.shape) != (window, len(_FIELDS)):
-        raise ValueError(f"{call}({name} of shape {tuple(rows.shape)}): must be ({window}, {len(_FIELDS)}): window x"
-                         f" {list(_FIELDS)}; saved with another window?")
-    r = rows.detach().float()
-    low = torch.tensor([math.log2(TINY), 0.0, 0.0, 0.0], device=r.device)
-    ok = torch.cat([(r[:, :2] >= low[:2]) | r[:, :2].isnan(), (r[:, 2:] >= 0) & (r[:, 2:] <= 1)], dim=1)
-    if not bool(ok.all()):
-        column = _FIELDS[int((~ok).any(dim=0).float().argmax())]
-        raise ValueError(f"{call}({name}): column {column!r} out of range (log2_amax >= -126, kurtosis >= 0, fractions"
-                         " within [0, 1]); the checkpoint is corrupted.")

@@ -15,11 +15,19 @@ Nothing is read on the host in either half.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-__all__ = ["format_range", "thresholds", "reduce_activation", "finish_rows", "layer_stats", "WIDTH"]
+from lit_mpstable.base.validate import check_keys, int_arg
+from lit_mpstable.core.loaded_state import check_fields, check_mapping, count, count_list, name_list
+
+__all__ = ["FIELDS", "WIDTH", "cast_limits", "check_rows", "check_saved", "finish_rows", "format_range", "layer_stats",
+           "reduce_activation", "thresholds"]
+
+FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
+_STATE_KEYS = {"steps", "samples", "sampled", "layers"}
 
 TINY = 2.0**-126  # amax of an all-zero tensor: log2 stays finite
 # The format ids of lit_mpstable.core.formats, their ranges read from torch.finfo here.
@@ -46,8 +54,24 @@ def thresholds(fmt: str, scale: float | torch.Tensor, caller: str = "layer_stats
     return fmt_max / scale, smallest_subnormal / 2 / scale  # at or below half the smallest subnormal: flushed
 
 
-def reduce_activation(x: torch.Tensor, saturate_above: Any, flush_at: Any) -> tuple[Sums, int]:
+def cast_limits(fmt: str, cast: Any, fixed: Any) -> tuple[Any, Any, bool]:
+    """``(saturate_above, flush_at, relative)`` for :func:`reduce_activation`: for a layer cast at ``cast`` (a delayed
+    FP8 scale, a tensor), from its own amax (``"own"``: current scaling, the block recipes: nothing saturates, what
+    lies below amax x smallest subnormal / 2 / fmt max flushes), or, ``cast`` None (not FP8), at ``fixed`` (a scale,
+    or thresholds already made for it)."""
+    if isinstance(cast, str):
+        return *thresholds(fmt, format_range(fmt, "GrowthMonitor")[0]), True
+    if cast is None:
+        return *(fixed if isinstance(fixed, tuple) else thresholds(fmt, fixed)), False
+    return *thresholds(fmt, cast), False
+
+
+def reduce_activation(x: torch.Tensor, saturate_above: Any, flush_at: Any, *, relative: bool = False
+                      ) -> tuple[Sums, int]:
     """The passes over one activation: its :data:`Sums` and element count (see :func:`finish_rows`).
+
+    ``relative``: the thresholds are fractions of the activation's own amax (a tensor cast at ``fmt max / amax``,
+    FP8's current scaling: ``thresholds(fmt, fmt max)`` gives them).
 
     The power sums are of ``(x - mean) / amax``: kurtosis is scale-free, and dividing by amax keeps the fourth
     powers in range (``1e30**4`` overflows FP32); a NaN or inf, or an amax of 0, makes them NaN. Two counts are
@@ -62,6 +86,8 @@ def reduce_activation(x: torch.Tensor, saturate_above: Any, flush_at: Any) -> tu
         return (torch.zeros((), device=x.device),) * WIDTH, 0
     a = x.abs()
     amax = a.amax()
+    if relative:
+        saturate_above, flush_at = amax * saturate_above, amax * flush_at
     square = torch.sub(x, x.sum(), alpha=1.0 / n).div_(amax).square_()
     square_sum, fourth_sum = square.sum(), torch.dot(square, square)
     above = torch.gt(a, saturate_above, out=square).sum()  # square's sums are taken: its memory is free
@@ -104,3 +130,53 @@ def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Ten
     """
     sums, n = reduce_activation(x, *thresholds(fmt, scale))
     return finish_rows(list(sums), [n])[0]
+
+
+def check_rows(call: str, name: str, rows: Any, window: int) -> None:
+    """A ``window`` x 4 floating tensor of :func:`layer_stats` rows: log2 amax >= -126 and kurtosis >= 0 (either may
+    be NaN or inf: a sample of non-finite activations), the saturation and underflow fractions within [0, 1]."""
+    if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
+        raise TypeError(f"{call}({name}={type(rows).__name__}): must be a floating tensor (or None before a sample).")
+    if tuple(rows.shape) != (window, len(FIELDS)):
+        raise ValueError(f"{call}({name} of shape {tuple(rows.shape)}): must be ({window}, {len(FIELDS)}): window x"
+                         f" {list(FIELDS)}; saved with another window?")
+    r = rows.detach().float()
+    low = torch.tensor([math.log2(TINY), 0.0, 0.0, 0.0], device=r.device)
+    ok = torch.cat([(r[:, :2] >= low[:2]) | r[:, :2].isnan(), (r[:, 2:] >= 0) & (r[:, 2:] <= 1)], dim=1)
+    if not bool(ok.all()):
+        column = FIELDS[int((~ok).any(dim=0).float().argmax())]
+        raise ValueError(f"{call}({name}): column {column!r} out of range (log2_amax >= -126, kurtosis >= 0, fractions"
+                         " within [0, 1]); the checkpoint is corrupted.")
+
+
+def check_saved(call: str, state: Any, window: int, attached: set[str], name: str) -> None:
+    """:meth:`GrowthMonitor.check_state <lit_mpstable.core.growth.GrowthMonitor.check_state>`'s checks, for a
+    monitor of ``window`` samples attached to the layers ``attached`` (empty: not attached yet)."""
+    state = check_mapping(call, state, _STATE_KEYS, name=name)
+    check_fields(call, state, {"steps": count, "samples": count, "sampled": name_list}, prefix=name)
+    saved = check_mapping(call, state["layers"], name=f"{name}['layers']")
+    if attached and saved and set(saved) != attached:  # none saved: a monitor that never attached
+        check_keys(call, saved, attached, name=f"{name}['layers']", suffix="; attach the same model first.")
+    stray = sorted(set(state["sampled"]) - set(saved))
+    if stray:
+        raise ValueError(f"{call}({name}['sampled']={stray!r}): not among the saved layers {sorted(saved)}.")
+    filled = 0
+    for layer, entry in saved.items():
+        where = f"{name}['layers'][{layer!r}]"
+        entry = check_mapping(call, entry, {"rows", "steps", "next"}, name=where)
+        count_list(call, f"{where}['steps']", entry["steps"])
+        int_arg(call, f"{where}['next']", entry["next"], low=0, high=window - 1)
+        steps, rows = list(entry["steps"]), entry["rows"]
+        if rows is not None:  # first: a state saved with another window fails here, saying so
+            check_rows(call, f"{where}['rows']", rows, window)
+        filled += len(steps)
+        late = [t for t in steps if t > state["steps"]]
+        if len(steps) > window or late or (rows is None and steps):
+            rule = (f"at most window={window} steps" if len(steps) > window else
+                    f"no step after steps={state['steps']}" if late else "no steps without rows (None)")
+            raise ValueError(f"{call}({where}['steps']={steps!r}): must hold {rule}.")
+        if len(steps) < window and entry["next"] != len(steps):
+            raise ValueError(f"{call}({where}['next']={entry['next']!r}): the ring is not full yet, so the next"
+                             f" slot must be the first unfilled one, {len(steps)}.")
+    if state["samples"] < filled:
+        raise ValueError(f"{call}({name}['samples']={state['samples']!r}): fewer than the {filled} filled slots.")

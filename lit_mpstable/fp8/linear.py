@@ -86,15 +86,8 @@ class FP8Linear(nn.Linear):
     rht_signs: torch.Tensor
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        *,
-        config: FP8Config | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        name: str = "",
+        self, in_features: int, out_features: int, bias: bool = True, *, config: FP8Config | None = None,
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None, name: str = "",
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.fp8_config = config if config is not None else FP8Config()
@@ -167,6 +160,11 @@ class FP8Linear(nn.Linear):
         with torch.autocast(device_type, enabled=False):
             forward_scales = self._begin_forward(x)  # outside the Function: its forward runs with grad disabled
             return _FP8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, forward_scales)
+
+    def growth_input_scale(self) -> torch.Tensor | None:
+        """The scale the next forward casts its input at (delayed: a view of the history's), or None where each
+        tensor or block is scaled from its own amax; GrowthMonitor's range checks use it."""
+        return self.scale[_X] if self.fp8_config.recipe == "delayed" else None
 
     def _use_scaled_mm(self, device: torch.device) -> bool:
         return _scaled_mm_decision(self.fp8_config.emulate, str(device))
