@@ -9,6 +9,12 @@ then the median over alternating rounds of the per-round ratio to Lightning's bf
     .venv/bin/python bench/bench_memory.py --rounds 9      # ~8 min on 2 shared cores
     .venv/bin/python bench/bench_memory.py --quick         # smoke run
     .venv/bin/python bench/bench_memory.py --configs SP-kahan,SP-stochastic --kinds mlp --rounds 9 --out /tmp/m
+
+Before and after a change, in one run (``--ab``): each round runs one child process per tree (this one and the given
+one, in alternating order), each child every config once per workload, so every ratio to Lightning's bf16-true is
+paired inside one process and one time window; the ratio of the two trees' ratios is paired by round. CPU time only.
+
+    .venv/bin/python bench/bench_memory.py --ab /path/to/main --configs SP-kahan,SP-stochastic --rounds 6 --steps 10
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The lit_mpstable to measure: this tree's, or the one an --ab run names for its child processes.
+sys.path.insert(0, os.environ.get("BENCH_MEMORY_TREE") or str(Path(__file__).resolve().parent.parent))
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.app.zoo import GPT  # noqa: E402
 from lit_mpstable.core.memory import MemoryProbe  # noqa: E402
@@ -126,17 +134,95 @@ def run(kind: str, name: str, steps: int, memory_step: int | None) -> Meter:
     return meter
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
+def child_round(kinds: list[str], names: list[str], steps: int, offset: int) -> None:
+    """One --ab round in this process: every config once per workload (rotated by ``offset``); prints the CPU
+    seconds per step (median over the steps after two of warm-up) as one JSON line."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in kinds:
+        out[kind] = {}
+        for name in names[offset % len(names):] + names[: offset % len(names)]:
+            out[kind][name] = statistics.median(run(kind, name, steps, memory_step=None).cpu[2:])
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
+    """Before (``--ab`` tree) and after (this tree) in one run; see the module docstring."""
+    trees = {"before": str(Path(args.ab).resolve()), "after": str(Path(__file__).resolve().parent.parent)}
+    load = os.getloadavg()
+    print(f"load average at start: {load}", flush=True)
+    cpu: dict[str, dict[str, dict[str, list[float]]]] = {
+        t: {k: {n: [] for n in names} for k in kinds} for t in trees}
+    for r in range(args.rounds):
+        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+        for tree in order:
+            command = [sys.executable, str(Path(__file__).resolve()), "--child", "--offset", str(r), "--steps",
+                       str(args.steps), "--kinds", ",".join(kinds), "--configs", ",".join(names)]
+            env = {**os.environ, "BENCH_MEMORY_TREE": trees[tree], "PYTHONPATH": trees[tree]}
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+            for kind, row in json.loads(line[len("RESULT "):]).items():
+                for name, value in row.items():
+                    cpu[tree][kind][name].append(value)
+        print(f"  round {r + 1}/{args.rounds} done", flush=True)
+    base = "L-bf16-true"
+    results: dict[str, Any] = {}
+    lines = ["# Compact weights before and after, in one run (bench/bench_memory.py --ab)", "",
+             f"torch {torch.__version__}, 1 thread, {args.rounds} rounds; each round one child process per tree"
+             f" (alternating which goes first), each child every config once per workload ({args.steps} steps, CPU"
+             " time per step: median after 2 steps of warm-up). Ratios to Lightning's bf16-true are paired inside a"
+             " child; after/before is paired by round. Median [IQR].", "",
+             f"load average at start: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; before = {trees['before']}", ""]
+    for kind in kinds:
+        results[kind] = {}
+        lines += [f"## {kind}", "", "| config | before ms/step | after ms/step | before x L-bf16-true |"
+                  " after x L-bf16-true | after / before |", "|---|---|---|---|---|---|"]
+        for name in names:
+            ratio = {t: [a / b for a, b in zip(cpu[t][kind][name], cpu[t][kind][base])] for t in trees}
+            change = [a / b for a, b in zip(cpu["after"][kind][name], cpu["before"][kind][name])]
+            row = {"cpu_ms": {t: 1e3 * statistics.median(cpu[t][kind][name]) for t in trees},
+                   "vs_bf16_true": {t: statistics.median(ratio[t]) for t in trees},
+                   "vs_bf16_true_iqr": {t: _quartiles(ratio[t]) for t in trees},
+                   "after_over_before": statistics.median(change), "after_over_before_iqr": _quartiles(change),
+                   "raw_cpu_s": {t: cpu[t][kind][name] for t in trees}}
+            results[kind][name] = row
+            cell = {t: f"{row['vs_bf16_true'][t]:.3f} [{row['vs_bf16_true_iqr'][t][0]:.3f},"
+                       f" {row['vs_bf16_true_iqr'][t][1]:.3f}]" for t in trees}
+            lines.append(f"| {name} | {row['cpu_ms']['before']:.1f} | {row['cpu_ms']['after']:.1f} |"
+                         f" {cell['before']} | {cell['after']} | {row['after_over_before']:.3f}"
+                         f" [{row['after_over_before_iqr'][0]:.3f}, {row['after_over_before_iqr'][1]:.3f}] |")
+        lines.append("")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "rounds": args.rounds, "steps": args.steps, "threads": 1,
+            "load_average_at_start": load, "trees": trees, "command": "bench/bench_memory.py " + " ".join(sys.argv[1:])}
+    (out / "compact_ab.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    (out / "compact_ab.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ab", metavar="TREE", help="another lit_mpstable checkout to compare with (before)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory"))
     parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help="comma-separated subset of the configs (L-32-true and L-bf16-true are always run)")
+                        help="comma-separated subset of the configs (L-bf16-true is always run; L-32-true too, but"
+                             " with --ab)")
     parser.add_argument("--kinds", default="mlp,gpt", help="comma-separated workloads: mlp, gpt")
     args = parser.parse_args()
-    chosen = [name for name in CONFIGS if name in {"L-32-true", "L-bf16-true", *args.configs.split(",")}]
+    always = {"L-bf16-true"} if args.ab or args.child else {"L-32-true", "L-bf16-true"}  # --ab: time only
+    chosen = [name for name in CONFIGS if name in {*always, *args.configs.split(",")}]
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         parser.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
@@ -150,6 +236,10 @@ def main() -> None:
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.child:
+        return child_round(kinds, chosen, args.steps, args.offset)
+    if args.ab:
+        return ab(args, kinds, chosen)
     rounds, steps = (1, 4) if args.quick else (args.rounds, args.steps)
     results: dict[str, Any] = {}
     load = os.getloadavg()
