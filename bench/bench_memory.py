@@ -141,14 +141,18 @@ def _quartiles(values: list[float]) -> list[float]:
     return [q[0], q[2]]
 
 
-def child_round(kinds: list[str], names: list[str], steps: int, offset: int) -> None:
-    """One --ab round in this process: every config once per workload (rotated by ``offset``); prints the CPU
-    seconds per step (median over the steps after two of warm-up) as one JSON line."""
+def child_round(kinds: list[str], names: list[str], steps: int, offset: int, repeats: int) -> None:
+    """One --ab round in this process: every config ``repeats`` times per workload, in rotated (by ``offset``) then
+    reversed order (ABC CBA: a drift hits all alike); prints each config's CPU seconds per step (median over the
+    steps after two of warm-up in each of its runs) as one JSON line."""
     out: dict[str, dict[str, float]] = {}
+    order = names[offset % len(names):] + names[: offset % len(names)]
     for kind in kinds:
-        out[kind] = {}
-        for name in names[offset % len(names):] + names[: offset % len(names)]:
-            out[kind][name] = statistics.median(run(kind, name, steps, memory_step=None).cpu[2:])
+        per_step: dict[str, list[float]] = {name: [] for name in names}
+        for repeat in range(repeats):
+            for name in order if repeat % 2 == 0 else order[::-1]:
+                per_step[name] += run(kind, name, steps, memory_step=None).cpu[2:]
+        out[kind] = {name: statistics.median(values) for name, values in per_step.items()}
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -163,7 +167,8 @@ def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
         order = list(trees) if r % 2 == 0 else list(trees)[::-1]
         for tree in order:
             command = [sys.executable, str(Path(__file__).resolve()), "--child", "--offset", str(r), "--steps",
-                       str(args.steps), "--kinds", ",".join(kinds), "--configs", ",".join(names)]
+                       str(args.steps), "--kinds", ",".join(kinds), "--configs", ",".join(names), "--repeats",
+                       str(args.repeats)]
             env = {**os.environ, "BENCH_MEMORY_TREE": trees[tree], "PYTHONPATH": trees[tree]}
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
@@ -175,9 +180,10 @@ def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
     results: dict[str, Any] = {}
     lines = ["# Compact weights before and after, in one run (bench/bench_memory.py --ab)", "",
              f"torch {torch.__version__}, 1 thread, {args.rounds} rounds; each round one child process per tree"
-             f" (alternating which goes first), each child every config once per workload ({args.steps} steps, CPU"
-             " time per step: median after 2 steps of warm-up). Ratios to Lightning's bf16-true are paired inside a"
-             " child; after/before is paired by round. Median [IQR].", "",
+             f" (alternating which goes first), each child every config {args.repeats}x per workload (ABC CBA;"
+             f" {args.steps} steps a run, CPU time per step: median of the steps after 2 of warm-up in each run)."
+             " Ratios to Lightning's bf16-true are paired inside a child; after/before is paired by round."
+             " Median [IQR].", "",
              f"load average at start: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; before = {trees['before']}", ""]
     for kind in kinds:
         results[kind] = {}
@@ -200,8 +206,9 @@ def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
         lines.append("")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "rounds": args.rounds, "steps": args.steps, "threads": 1,
-            "load_average_at_start": load, "trees": trees, "command": "bench/bench_memory.py " + " ".join(sys.argv[1:])}
+    meta = {"torch": torch.__version__, "rounds": args.rounds, "steps": args.steps, "repeats": args.repeats,
+            "threads": 1, "load_average_at_start": load, "load_average_at_end": os.getloadavg(), "trees": trees,
+            "command": "bench/bench_memory.py " + " ".join(sys.argv[1:])}
     (out / "compact_ab.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (out / "compact_ab.md").write_text("\n".join(lines))
     print("\n".join(lines))
@@ -212,6 +219,7 @@ def main() -> None:
     parser.add_argument("--ab", metavar="TREE", help="another lit_mpstable checkout to compare with (before)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=2, help="--ab: runs of each config per child (ABC CBA)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
@@ -237,7 +245,7 @@ def main() -> None:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     if args.child:
-        return child_round(kinds, chosen, args.steps, args.offset)
+        return child_round(kinds, chosen, args.steps, args.offset, args.repeats)
     if args.ab:
         return ab(args, kinds, chosen)
     rounds, steps = (1, 4) if args.quick else (args.rounds, args.steps)
