@@ -15,6 +15,10 @@ one, in alternating order), each child every config once per workload, so every 
 paired inside one process and one time window; the ratio of the two trees' ratios is paired by round. CPU time only.
 
     .venv/bin/python bench/bench_memory.py --ab /path/to/main --configs SP-kahan,SP-stochastic --rounds 6 --steps 10
+
+Where a step's CPU time goes, phase by phase (``--phases``; BENCH_MEMORY_TREE=/path/to/other measures another tree):
+
+    .venv/bin/python bench/bench_memory.py --phases --kinds mlp --configs SP-kahan,SP-stochastic --rounds 4 --steps 14
 """
 
 from __future__ import annotations
@@ -134,6 +138,91 @@ def run(kind: str, name: str, steps: int, memory_step: int | None) -> Meter:
     return meter
 
 
+# The phases --phases times (thread CPU time, summed per step; indented ones run inside the one above): where an
+# attribute is missing (another version of the package), the row stays empty.
+PHASES = [
+    ("lightning.pytorch.loops.optimization.automatic", "Closure.closure", "forward + backward (Lightning's closure)"),
+    ("torch.optim.adam", "_single_tensor_adam", "torch's Adam arithmetic (L-bf16-true)"),
+    ("lit_mpstable.core.stepper", "PrecisionStepper.unscale_", "stepper.unscale_"),
+    ("lit_mpstable.core.inf_checks", "InfChecks.check_", "  scaler.check_: the gradients' inf/NaN check"),
+    ("lit_mpstable.core.stepper", "PrecisionStepper.step", "stepper.step"),
+    ("lit_mpstable.core.stepper", "check_step_inputs_", "  step-input check (gradients written since, a share)"),
+    ("lit_mpstable.core.iteration", "Iteration.update_scale_", "  scale update"),
+    ("lit_mpstable.core.compact", "CompactWeights.step_", "  CompactWeights.step_"),
+    ("lit_mpstable.core.compact", "CompactWeights._pieces", "    _pieces: which parameters the kernel takes"),
+    ("lit_mpstable.core.compact_fused", "FusedSteps._step_fused_", "    _step_fused_"),
+    ("lit_mpstable.core.compact_fused", "keys", "      random keys"),
+    ("lit_mpstable.core.compact_fused", "FusedAdam.scalars", "      kernel scalars"),
+    ("lit_mpstable.core.compact_fused", "FusedAdam.run_", "      kernel calls (with torch.compile's wrapper)"),
+    ("torch.optim.adamw", "AdamW.step", "AdamW.step (L: around the closure; SP: empty groups)"),
+]
+
+
+def phases(kinds: list[str], names: list[str], steps: int, rounds: int, out: Path) -> None:
+    """Per-phase CPU time of a step (:data:`PHASES`), each config ``rounds`` times in alternating order; the median
+    over the steps after two of warm-up of every run. The timers add ~2 us per timed call."""
+    import functools
+    import importlib
+
+    spent: dict[str, float] = {}
+
+    def timed(function: Callable[..., Any], label: str) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.thread_time() - start
+        return wrapper
+
+    for module_name, path, label in PHASES:
+        owner: Any = importlib.import_module(module_name)
+        *outer, attr = path.split(".")
+        for name in outer:
+            owner = getattr(owner, name, None)
+        if owner is not None and hasattr(owner, attr):
+            setattr(owner, attr, timed(getattr(owner, attr), label))
+
+    class PhaseMeter(pl.Callback):
+        def __init__(self) -> None:
+            self.rows: list[dict[str, float]] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            spent.clear()
+            self._start = time.thread_time()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.rows.append({**spent, "whole step": time.thread_time() - self._start})
+
+    load = os.getloadavg()
+    lines = ["# Where a step's CPU time goes (bench/bench_memory.py --phases)", "",
+             f"torch {torch.__version__}, 1 thread, {rounds} alternating runs of {steps} steps per config; thread CPU"
+             " time, median over the steps after 2 of warm-up (ms). Load average at start:"
+             f" {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}.", ""]
+    for kind in kinds:
+        rows: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                trainer_kwargs, optimizer = CONFIGS[name]
+                meter = PhaseMeter()
+                trainer = pl.Trainer(max_steps=steps, callbacks=[meter], **TRAINER, **trainer_kwargs())
+                trainer.fit(Workload(kind, optimizer))
+                rows[name] += meter.rows[2:]
+        labels = ["whole step"] + [label for _, _, label in PHASES]
+        lines += [f"## {kind}", "", "| phase | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for label in labels:
+            cells = [f"{1e3 * statistics.median(row.get(label, 0.0) for row in rows[name]):.3f}"
+                     if any(label in row for row in rows[name]) else "" for name in names]
+            if any(cells):
+                lines.append(f"| {label.replace(' ', '&nbsp;', len(label) - len(label.lstrip()))} | "
+                             + " | ".join(cells) + " |")
+        lines.append("")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "phases.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
 def _quartiles(values: list[float]) -> list[float]:
     if len(values) < 2:
         return [values[0], values[0]]
@@ -220,16 +309,17 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=2, help="--ab: runs of each config per child (ABC CBA)")
+    parser.add_argument("--phases", action="store_true", help="per-phase CPU time of a step instead (phases.md)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory"))
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help="comma-separated subset of the configs (L-bf16-true is always run; L-32-true too, but"
-                             " with --ab)")
+                             " with --ab or --phases)")
     parser.add_argument("--kinds", default="mlp,gpt", help="comma-separated workloads: mlp, gpt")
     args = parser.parse_args()
-    always = {"L-bf16-true"} if args.ab or args.child else {"L-32-true", "L-bf16-true"}  # --ab: time only
+    always = {"L-bf16-true"} if args.ab or args.child or args.phases else {"L-32-true", "L-bf16-true"}
     chosen = [name for name in CONFIGS if name in {*always, *args.configs.split(",")}]
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
@@ -248,6 +338,8 @@ def main() -> None:
         return child_round(kinds, chosen, args.steps, args.offset, args.repeats)
     if args.ab:
         return ab(args, kinds, chosen)
+    if args.phases:
+        return phases(kinds, chosen, args.steps, args.rounds, Path(args.out))
     rounds, steps = (1, 4) if args.quick else (args.rounds, args.steps)
     results: dict[str, Any] = {}
     load = os.getloadavg()

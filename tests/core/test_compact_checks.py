@@ -1,5 +1,5 @@
-"""The inf/NaN check of compact weights' step (InfChecks.check_ on the CPU): it reads each gradient once, writes
-none, and a non-finite gradient still skips the step with nothing written."""
+"""The inf/NaN check of compact weights' step (InfChecks.check_ on the CPU): it reads each large gradient once and
+writes none, and a non-finite gradient still skips the step with nothing written."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from helpers import TinyMLP, regression_data
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_mpstable.core.inf_checks import nonfinite_on_cpu
+from lit_mpstable.core import inf_checks
+from lit_mpstable.core.inf_checks import READ_ONLY_MIN, nonfinite_on_cpu
 from lit_mpstable.core.loss_scaler import StaticLossScaler
 from lit_mpstable.core.stepper import PrecisionStepper
 
@@ -29,29 +30,34 @@ class _Calls(TorchDispatchMode):
 
 
 def _grads(dtype: torch.dtype = torch.bfloat16) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+    # Two gradients the read-only reduction takes (READ_ONLY_MIN elements and more), two small ones, an empty one.
     g = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(*shape, generator=g).to(dtype)) for shape in [(16, 16), (16,), (3, 5)]]
-    params.append(torch.nn.Parameter(torch.zeros(0, dtype=dtype)))  # empty: nothing to read
+    shapes = [(READ_ONLY_MIN // 256, 256), (16,), (READ_ONLY_MIN + 3,), (3, 5), (0,)]
+    params = [torch.nn.Parameter(torch.randn(*shape, generator=g).to(dtype)) for shape in shapes]
     params.append(torch.nn.Parameter(torch.zeros(4, dtype=dtype)))  # no gradient
-    for p in params[:4]:
+    for p in params[:5]:
         p.grad = torch.randn(p.shape, generator=g).to(dtype)
-    return torch.optim.AdamW(params), [p.grad for p in params[:4]]
+    return torch.optim.AdamW(params), [p.grad for p in params[:5]]
 
 
-def test_the_check_reads_each_gradient_once_and_writes_none() -> None:
+def test_the_check_reads_each_large_gradient_once_and_writes_none() -> None:
     # GradScaler's check-and-unscale kernel at scale 1 wrote every element back (x * 1) and bumped every gradient's
-    # version; the check now takes each gradient's minimum and maximum in one read.
+    # version; now a large gradient is read once (its minimum and maximum), and only the small ones go through the
+    # kernel, in one call.
     optimizer, grads = _grads()
+    large, small = [grads[0], grads[2]], [grads[1], grads[3]]
     scaler = StaticLossScaler("cpu", init_scale=1.0)
     scaler.ensure_state_("cpu")
-    versions = [g._version for g in grads]
+    versions = [g._version for g in large]
     with _Calls() as seen:
         scaler.check_(optimizer)
     names = [name for name, _ in seen.calls]
-    assert "_amp_foreach_non_finite_check_and_unscale_.default" not in names, names
     reads = [tensors[0] for name, tensors in seen.calls if name.startswith("aminmax")]
-    assert [id(t) for t in reads] == [id(g) for g in grads if g.numel()], names  # each gradient once
-    assert [g._version for g in grads] == versions
+    assert [id(t) for t in reads] == [id(g) for g in large], names  # each once
+    kernel = [tensors for name, tensors in seen.calls if name.startswith("_amp_foreach_non_finite_check_and_unscale_")]
+    assert len(kernel) == 1 and [id(t) for t in kernel[0][: len(small)]] == [id(g) for g in small], names
+    assert all(id(t) not in {id(g) for g in large} for t in kernel[0])
+    assert [g._version for g in large] == versions
     assert not scaler.found_inf(optimizer)
 
 
@@ -59,12 +65,14 @@ def test_the_check_reads_each_gradient_once_and_writes_none() -> None:
 @pytest.mark.parametrize("bad", [NAN, INF, -INF])
 def test_the_check_finds_any_nonfinite_element(dtype: torch.dtype, bad: float) -> None:
     optimizer, grads = _grads(dtype)
-    for index in (0, 7, 15, 16, 17, 255):  # vector lanes and the tail of the reduction
-        g = grads[0].view(-1)
+    # Vector lanes and the tail of the reduction in a large gradient; a small one.
+    for grad, index in [(grads[0], 0), (grads[0], 17), (grads[0], READ_ONLY_MIN - 1), (grads[2], READ_ONLY_MIN + 2),
+                        (grads[1], 5), (grads[3], 14)]:
+        g = grad.view(-1)
         before = g[index].clone()
         g[index] = bad
         found = nonfinite_on_cpu(optimizer)
-        assert found is not None and float(found[torch.device("cpu")]) == 1.0, (index, bad)
+        assert found is not None and float(found[torch.device("cpu")]) == 1.0, (grad.shape, index, bad)
         g[index] = before
     found = nonfinite_on_cpu(optimizer)
     assert found is not None and float(found[torch.device("cpu")]) == 0.0
@@ -84,7 +92,11 @@ def test_sparse_gradients_take_gradscalers_kernel() -> None:
 
 @pytest.mark.parametrize("mode", ["kahan", "stochastic"])
 @pytest.mark.parametrize("bad", [NAN, INF, -INF])
-def test_a_nonfinite_gradient_skips_the_compact_step_and_writes_nothing(mode: str, bad: float) -> None:
+@pytest.mark.parametrize("read_only", [True, False], ids=["read-only", "kernel"])
+def test_a_nonfinite_gradient_skips_the_compact_step_and_writes_nothing(mode: str, bad: float, read_only: bool,
+                                                                        monkeypatch) -> None:
+    # TinyMLP's gradients are small: READ_ONLY_MIN = 1 sends them all through the read-only reduction.
+    monkeypatch.setattr(inf_checks, "READ_ONLY_MIN", 1 if read_only else inf_checks.READ_ONLY_MIN)
     torch.manual_seed(0)
     model = TinyMLP()
     stepper = PrecisionStepper("bf16-true", master_weights=mode)
@@ -115,7 +127,8 @@ def test_a_nonfinite_gradient_skips_the_compact_step_and_writes_nothing(mode: st
         assert bool(torch.isfinite(a).all())
     for a, b in zip([t for s in optimizer.state.values() for t in s.values()], moments):
         assert torch.equal(a, b)
-    assert grad_version == model.fc2.weight.grad._version or model.fc2.weight.grad is None  # the check only read
+    if read_only:
+        assert model.fc2.weight.grad is not None and model.fc2.weight.grad._version == grad_version  # only read
     optimizer.zero_grad()
     backward()
     stepper.step(optimizer)  # and the next clean step applies
