@@ -9,6 +9,16 @@ then the median over alternating rounds of the per-round ratio to Lightning's bf
     .venv/bin/python bench/bench_memory.py --rounds 9      # ~8 min on 2 shared cores
     .venv/bin/python bench/bench_memory.py --quick         # smoke run
     .venv/bin/python bench/bench_memory.py --configs SP-kahan,SP-stochastic --kinds mlp --rounds 9 --out /tmp/m
+
+Before and after a change, in one run (``--ab``): each round runs one child process per tree (this one and the given
+one, in alternating order), each child every config once per workload, so every ratio to Lightning's bf16-true is
+paired inside one process and one time window; the ratio of the two trees' ratios is paired by round. CPU time only.
+
+    .venv/bin/python bench/bench_memory.py --ab /path/to/main --configs SP-kahan,SP-stochastic --rounds 6 --steps 10
+
+Where a step's CPU time goes, phase by phase (``--phases``; BENCH_MEMORY_TREE=/path/to/other measures another tree):
+
+    .venv/bin/python bench/bench_memory.py --phases --kinds mlp --configs SP-kahan,SP-stochastic --rounds 4 --steps 14
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The lit_mpstable to measure: this tree's, or the one an --ab run names for its child processes.
+sys.path.insert(0, os.environ.get("BENCH_MEMORY_TREE") or str(Path(__file__).resolve().parent.parent))
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.app.zoo import GPT  # noqa: E402
 from lit_mpstable.core.memory import MemoryProbe  # noqa: E402
@@ -126,17 +138,189 @@ def run(kind: str, name: str, steps: int, memory_step: int | None) -> Meter:
     return meter
 
 
+# The phases --phases times (thread CPU time, summed per step; indented ones run inside the one above): where an
+# attribute is missing (another version of the package), the row stays empty.
+PHASES = [
+    ("lightning.pytorch.loops.optimization.automatic", "Closure.closure", "forward + backward (Lightning's closure)"),
+    ("torch.optim.adam", "_single_tensor_adam", "torch's Adam arithmetic (L-bf16-true)"),
+    ("lit_mpstable.core.stepper", "PrecisionStepper.unscale_", "stepper.unscale_"),
+    ("lit_mpstable.core.inf_checks", "InfChecks.check_", "  scaler.check_: the gradients' inf/NaN check"),
+    ("lit_mpstable.core.stepper", "PrecisionStepper.step", "stepper.step"),
+    ("lit_mpstable.core.stepper", "check_step_inputs_", "  step-input check (gradients written since, a share)"),
+    ("lit_mpstable.core.iteration", "Iteration.update_scale_", "  scale update"),
+    ("lit_mpstable.core.compact", "CompactWeights.step_", "  CompactWeights.step_"),
+    ("lit_mpstable.core.compact", "CompactWeights._pieces", "    _pieces: which parameters the kernel takes"),
+    ("lit_mpstable.core.compact_fused", "FusedSteps._step_fused_", "    _step_fused_"),
+    ("lit_mpstable.core.compact_fused", "keys", "      random keys"),
+    ("lit_mpstable.core.compact_fused", "FusedAdam.scalars", "      kernel scalars"),
+    ("lit_mpstable.core.compact_fused", "FusedAdam.run_", "      kernel calls (with torch.compile's wrapper)"),
+    ("torch.optim.adamw", "AdamW.step", "AdamW.step (L: around the closure; SP: empty groups)"),
+]
+
+
+def phases(kinds: list[str], names: list[str], steps: int, rounds: int, out: Path) -> None:
+    """Per-phase CPU time of a step (:data:`PHASES`), each config ``rounds`` times in alternating order; the median
+    over the steps after two of warm-up of every run. The timers add ~2 us per timed call."""
+    import functools
+    import importlib
+
+    spent: dict[str, float] = {}
+
+    def timed(function: Callable[..., Any], label: str) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.thread_time() - start
+        return wrapper
+
+    for module_name, path, label in PHASES:
+        owner: Any = importlib.import_module(module_name)
+        *outer, attr = path.split(".")
+        for name in outer:
+            owner = getattr(owner, name, None)
+        if owner is not None and hasattr(owner, attr):
+            setattr(owner, attr, timed(getattr(owner, attr), label))
+
+    class PhaseMeter(pl.Callback):
+        def __init__(self) -> None:
+            self.rows: list[dict[str, float]] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            spent.clear()
+            self._start = time.thread_time()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.rows.append({**spent, "whole step": time.thread_time() - self._start})
+
+    load = os.getloadavg()
+    lines = ["# Where a step's CPU time goes (bench/bench_memory.py --phases)", "",
+             f"torch {torch.__version__}, 1 thread, {rounds} alternating runs of {steps} steps per config; thread CPU"
+             " time, median over the steps after 2 of warm-up (ms). Load average at start:"
+             f" {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}.", ""]
+    for kind in kinds:
+        rows: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                trainer_kwargs, optimizer = CONFIGS[name]
+                meter = PhaseMeter()
+                trainer = pl.Trainer(max_steps=steps, callbacks=[meter], **TRAINER, **trainer_kwargs())
+                trainer.fit(Workload(kind, optimizer))
+                rows[name] += meter.rows[2:]
+        labels = ["whole step"] + [label for _, _, label in PHASES]
+        lines += [f"## {kind}", "", "| phase | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for label in labels:
+            cells = [f"{1e3 * statistics.median(row.get(label, 0.0) for row in rows[name]):.3f}"
+                     if any(label in row for row in rows[name]) else "" for name in names]
+            if any(cells):
+                lines.append(f"| {label.replace(' ', '&nbsp;', len(label) - len(label.lstrip()))} | "
+                             + " | ".join(cells) + " |")
+        lines.append("")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "phases.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
+def child_round(kinds: list[str], names: list[str], steps: int, offset: int, repeats: int) -> None:
+    """One --ab round in this process: every config ``repeats`` times per workload, in rotated (by ``offset``) then
+    reversed order (ABC CBA: a drift hits all alike); prints each config's CPU seconds per step (median over the
+    steps after two of warm-up in each of its runs) as one JSON line."""
+    out: dict[str, dict[str, float]] = {}
+    order = names[offset % len(names):] + names[: offset % len(names)]
+    for kind in kinds:
+        per_step: dict[str, list[float]] = {name: [] for name in names}
+        for repeat in range(repeats):
+            for name in order if repeat % 2 == 0 else order[::-1]:
+                per_step[name] += run(kind, name, steps, memory_step=None).cpu[2:]
+        out[kind] = {name: statistics.median(values) for name, values in per_step.items()}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
+    """Before (``--ab`` tree) and after (this tree) in one run; see the module docstring."""
+    trees = {"before": str(Path(args.ab).resolve()), "after": str(Path(__file__).resolve().parent.parent)}
+    load = os.getloadavg()
+    print(f"load average at start: {load}", flush=True)
+    cpu: dict[str, dict[str, dict[str, list[float]]]] = {
+        t: {k: {n: [] for n in names} for k in kinds} for t in trees}
+    for r in range(args.rounds):
+        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+        for tree in order:
+            command = [sys.executable, str(Path(__file__).resolve()), "--child", "--offset", str(r), "--steps",
+                       str(args.steps), "--kinds", ",".join(kinds), "--configs", ",".join(names), "--repeats",
+                       str(args.repeats)]
+            env = {**os.environ, "BENCH_MEMORY_TREE": trees[tree], "PYTHONPATH": trees[tree]}
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+            for kind, row in json.loads(line[len("RESULT "):]).items():
+                for name, value in row.items():
+                    cpu[tree][kind][name].append(value)
+        print(f"  round {r + 1}/{args.rounds} done", flush=True)
+    base = "L-bf16-true"
+    results: dict[str, Any] = {}
+    lines = ["# Compact weights before and after, in one run (bench/bench_memory.py --ab)", "",
+             f"torch {torch.__version__}, 1 thread, {args.rounds} rounds; each round one child process per tree"
+             f" (alternating which goes first), each child every config {args.repeats}x per workload (ABC CBA;"
+             f" {args.steps} steps a run, CPU time per step: median of the steps after 2 of warm-up in each run)."
+             " Ratios to Lightning's bf16-true are paired inside a child; after/before is paired by round."
+             " Median [IQR].", "",
+             f"load average at start: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; before = {trees['before']}", ""]
+    for kind in kinds:
+        results[kind] = {}
+        lines += [f"## {kind}", "", "| config | before ms/step | after ms/step | before x L-bf16-true |"
+                  " after x L-bf16-true | after / before |", "|---|---|---|---|---|---|"]
+        for name in names:
+            ratio = {t: [a / b for a, b in zip(cpu[t][kind][name], cpu[t][kind][base])] for t in trees}
+            change = [a / b for a, b in zip(cpu["after"][kind][name], cpu["before"][kind][name])]
+            row = {"cpu_ms": {t: 1e3 * statistics.median(cpu[t][kind][name]) for t in trees},
+                   "vs_bf16_true": {t: statistics.median(ratio[t]) for t in trees},
+                   "vs_bf16_true_iqr": {t: _quartiles(ratio[t]) for t in trees},
+                   "after_over_before": statistics.median(change), "after_over_before_iqr": _quartiles(change),
+                   "raw_cpu_s": {t: cpu[t][kind][name] for t in trees}}
+            results[kind][name] = row
+            cell = {t: f"{row['vs_bf16_true'][t]:.3f} [{row['vs_bf16_true_iqr'][t][0]:.3f},"
+                       f" {row['vs_bf16_true_iqr'][t][1]:.3f}]" for t in trees}
+            lines.append(f"| {name} | {row['cpu_ms']['before']:.1f} | {row['cpu_ms']['after']:.1f} |"
+                         f" {cell['before']} | {cell['after']} | {row['after_over_before']:.3f}"
+                         f" [{row['after_over_before_iqr'][0]:.3f}, {row['after_over_before_iqr'][1]:.3f}] |")
+        lines.append("")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "rounds": args.rounds, "steps": args.steps, "repeats": args.repeats,
+            "threads": 1, "load_average_at_start": load, "load_average_at_end": os.getloadavg(), "trees": trees,
+            "command": "bench/bench_memory.py " + " ".join(sys.argv[1:])}
+    (out / "compact_ab.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    (out / "compact_ab.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ab", metavar="TREE", help="another lit_mpstable checkout to compare with (before)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=2, help="--ab: runs of each config per child (ABC CBA)")
+    parser.add_argument("--phases", action="store_true", help="per-phase CPU time of a step instead (phases.md)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory"))
     parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help="comma-separated subset of the configs (L-32-true and L-bf16-true are always run)")
+                        help="comma-separated subset of the configs (L-bf16-true is always run; L-32-true too, but"
+                             " with --ab or --phases)")
     parser.add_argument("--kinds", default="mlp,gpt", help="comma-separated workloads: mlp, gpt")
     args = parser.parse_args()
-    chosen = [name for name in CONFIGS if name in {"L-32-true", "L-bf16-true", *args.configs.split(",")}]
+    always = {"L-bf16-true"} if args.ab or args.child or args.phases else {"L-32-true", "L-bf16-true"}
+    chosen = [name for name in CONFIGS if name in {*always, *args.configs.split(",")}]
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         parser.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
@@ -150,6 +334,12 @@ def main() -> None:
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.child:
+        return child_round(kinds, chosen, args.steps, args.offset, args.repeats)
+    if args.ab:
+        return ab(args, kinds, chosen)
+    if args.phases:
+        return phases(kinds, chosen, args.steps, args.rounds, Path(args.out))
     rounds, steps = (1, 4) if args.quick else (args.rounds, args.steps)
     results: dict[str, Any] = {}
     load = os.getloadavg()

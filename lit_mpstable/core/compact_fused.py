@@ -20,32 +20,10 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from lit_mpstable.core.compact_rounding import _signed32, hash32, noise_bits
 from lit_mpstable.core.compact_slices import Piece
 
 __all__ = ["FusedAdam", "FusedSteps", "hash32", "host_to_device", "keys", "noise_bits"]
-
-# 0x846CA68B as a signed 32-bit integer: the hash runs on int32 tensors with wrapping arithmetic.
-_M1, _M2 = 0x7FEB352D, 0x846CA68B - 2**32
-
-
-def hash32(x: torch.Tensor) -> torch.Tensor:
-    """Chris Wellons' ``lowbias32`` of every element of an int32 tensor (wrapping multiplication; the logical right
-    shifts are arithmetic ones masked): a bijection of 32-bit words whose output bits each flip with probability
-    ~1/2 when one input bit does. Eager and compiled code give the same words."""
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * _M1
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * _M2
-    return x ^ ((x >> 16) & 0xFFFF)
-
-
-def noise_bits(numel: int, offset: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The random numbers of ``numel`` elements whose keys are ``offset, offset + 1, ...`` (mod 2**32): for BF16, 16
-    random bits per element (int32 in [0, 65536)); for FP16, uniform FP32 numbers in [0, 1) with 24 random bits."""
-    words = hash32(torch.arange(numel, dtype=torch.int32, device=device).add_(_signed32(offset)))
-    if dtype == torch.bfloat16:
-        return words.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
-    return words.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(2.0**-24)
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -58,11 +36,6 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     except RuntimeError:  # no pinning on this machine: a plain copy
         pass
     return tensor.to(device, non_blocking=True)
-
-
-def _signed32(value: int) -> int:
-    value &= 0xFFFFFFFF
-    return value - 2**32 if value >= 2**31 else value
 
 
 _SPLIT = float(2**23 + 1)  # Veltkamp's constant that rounds an FP32 number to one significant bit
@@ -93,15 +66,36 @@ def _adam_kernel(
     w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
     scalars: torch.Tensor, key: torch.Tensor,
 ) -> None:
+    _adam(w, comp, g, m, v, scalars, key, plain=False)
+
+
+def _adam_plain_kernel(
+    w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+    scalars: torch.Tensor, key: torch.Tensor,
+) -> None:
+    # A function of its own, not a flag of _adam_kernel: torch.compile keeps at most 8 graphs per function (mode,
+    # one-element and offset variants), and a flag would double them.
+    _adam(w, comp, g, m, v, scalars, key, plain=True)
+
+
+def _adam(
+    w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+    scalars: torch.Tensor, key: torch.Tensor, *, plain: bool,
+) -> None:
     # torch's _single_tensor_adam, operation for operation, on FP32 values of the 16-bit tensors. scalars: gradient
     # multiplier (negative to maximize: the clip is symmetric), clip, 1 - lr * wd (AdamW; else 1), wd (Adam's L2; else
     # 0), 1 - beta1, beta2, 1 - beta2, sqrt(bias correction 2), eps, -lr / bias correction 1. Tensors, not Python
-    # numbers: one graph serves every group and step (multiplying by 1 and adding 0 are exact).
+    # numbers: one graph serves every group and step (multiplying by 1 and adding 0 are exact). ``plain``: no clip
+    # (scalars[1] is inf) and no L2 term (scalars[3] is 0), so the graph leaves both out, bit for bit the same values:
+    # a clamp to +-inf returns its input, NaN included, and the L2 where picks the gradient. The NaN-propagating clamp
+    # alone costs ~8% of the kernel on the CPU.
     value = w.float() + comp.float() if comp is not None else w.float()
-    grad = (g.float() * scalars[0]).clamp(-scalars[1], scalars[1])
+    grad = g.float() * scalars[0]
     value = value * scalars[2]
-    # Adam's L2 term; where there is none it is skipped as torch does (an inf weight times 0 would be NaN).
-    grad = torch.where(scalars[3] != 0, grad + value * scalars[3], grad)
+    if not plain:
+        grad = grad.clamp(-scalars[1], scalars[1])
+        # Adam's L2 term; where there is none it is skipped as torch does (an inf weight times 0 would be NaN).
+        grad = torch.where(scalars[3] != 0, grad + value * scalars[3], grad)
     exp_avg = torch.lerp(m.float(), grad, scalars[4])
     exp_avg_sq = v.float() * scalars[5] + scalars[6] * grad * grad
     denom = exp_avg_sq.sqrt() / scalars[7] + scalars[8]
@@ -125,6 +119,8 @@ class FusedAdam:
     ``fused`` group off the CPU, whose ``step`` torch keeps on the device); :meth:`step_` runs it. The kernel is
     compiled per mode, with dynamic sizes: learning-rate schedules, steps and parameter sizes cause no recompilation
     (one-element parameters and gradients that are views at an offset into a larger buffer get their own variant).
+    Steps without a clip value or Adam's L2 term (AdamW, Adam without weight decay) take a second kernel that leaves
+    both out (:meth:`plain`): the same values; a run that clips by value, or mixes the two, compiles both.
     """
 
     # A call this long compiled (a warm call takes microseconds to milliseconds; the first call of a run traces and
@@ -132,9 +128,11 @@ class FusedAdam:
     SLOW_S = 15.0
 
     def __init__(self) -> None:
-        self._kernel: Callable[..., None] = torch.compile(
-            _adam_kernel, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
-        )
+        options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}
+        self._kernel: Callable[..., None] = torch.compile(_adam_kernel, dynamic=True, fullgraph=True, options=options)
+        self._plain_kernel: Callable[..., None] = torch.compile(
+            _adam_plain_kernel, dynamic=True, fullgraph=True, options=options
+        )  # compiled at its first call, as the other
         self._said_slow = False
 
     @staticmethod
@@ -177,21 +175,28 @@ class FusedAdam:
         key = host_to_device(torch.tensor(_signed32(offset), dtype=torch.int32), w.device)
         self.run_(w, comp, g, m, v, scalars, key, eager=torch._C._len_torch_dispatch_stack() > 0)
 
+    @staticmethod
+    def plain(group: dict[str, Any], clip: float | None) -> bool:
+        """Whether a step of ``group`` with clip value ``clip`` has neither a clip nor Adam's L2 term (AdamW, or Adam
+        without weight decay): the kernel's graph without them (the same values, ~8% faster)."""
+        return clip is None and (bool(group.get("decoupled_weight_decay", False)) or float(group["weight_decay"]) == 0)
+
     def run_(
         self, w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-        scalars: torch.Tensor, key: torch.Tensor, *, eager: bool,
+        scalars: torch.Tensor, key: torch.Tensor, *, eager: bool, plain: bool = False,
     ) -> None:
         """:meth:`step_` with the key as a 0-d int32 tensor on ``w``'s device (:func:`keys` makes a step's keys in one
-        transfer). ``eager``: run the kernel uncompiled, as under a TorchDispatchMode (see :meth:`step_`)."""
+        transfer). ``eager``: run the kernel uncompiled, as under a TorchDispatchMode (see :meth:`step_`); ``plain``:
+        scalars without a clip (inf) or an L2 term (0) (:meth:`plain`), for the graph that leaves them out."""
         # Under a TorchDispatchMode (a FLOP counter, a tracer, a recorder of host reads) torch.compile skips the frame
         # and marks the kernel's code skipped for the rest of the process: every later CompactWeights would fall back
         # to FP32 copies. The eager kernel (what torch.compile runs itself under a mode) leaves the compiler's state
         # alone and lets the mode see every operation; its words are the compiled ones but for an FP32 ulp now and then.
         if eager:
-            _adam_kernel(w, comp, g, m, v, scalars, key)
+            (_adam_plain_kernel if plain else _adam_kernel)(w, comp, g, m, v, scalars, key)
             return
         start = time.perf_counter()
-        self._kernel(w, comp, g, m, v, scalars, key)
+        (self._plain_kernel if plain else self._kernel)(w, comp, g, m, v, scalars, key)
         elapsed = time.perf_counter() - start
         if elapsed > self.SLOW_S and not self._said_slow:
             self._said_slow = True
@@ -244,7 +249,7 @@ class FusedSteps:
         for device, group in on_device.items():
             key_of.update(zip(map(id, group), keys([self._key(piece) for piece in group], device)))
         eager = torch._C._len_torch_dispatch_stack() > 0
-        scalars: dict[tuple[int, float, torch.device], torch.Tensor] = {}
+        scalars: dict[tuple[int, float, torch.device], tuple[torch.Tensor, bool]] = {}
         rest: list[Piece] = []
         steps: list[torch.Tensor] = []  # of the stepped parameters: counted up together at the end
         for i, piece in enumerate(pieces):
@@ -261,15 +266,17 @@ class FusedSteps:
             step = state["step"]
             key = (piece.group, step.item() + 1, p.device)
             if key not in scalars:
+                options = optimizer.param_groups[piece.group]
                 mult = _multiplier_tensor(multiplier, p.device)
-                scalars[key] = FusedAdam.scalars(optimizer.param_groups[piece.group], key[1], mult, clip)
+                scalars[key] = FusedAdam.scalars(options, key[1], mult, clip), FusedAdam.plain(options, clip)
+            values, plain = scalars[key]
             comp = _flat(self._comp[piece.name]) if self.mode == "kahan" else None  # type: ignore[index]
             grad = p.grad
             assert grad is not None  # _fusable marks a piece fused only when its gradient is there
             try:
                 self._fused.run_(
                     _flat(p.detach()), comp, _flat(grad), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
-                    scalars[key], key_of[id(piece)], eager=eager,
+                    values, key_of[id(piece)], eager=eager, plain=plain,
                 )
             except Exception as error:  # compiling failed (no C++ compiler, an unsupported device...)
                 _count_(steps)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mix", "noise", "round_stochastic_", "stochastic_round"]
+__all__ = ["hash32", "mix", "noise", "noise_bits", "round_stochastic_", "stochastic_round"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -57,3 +57,32 @@ def mix(*values: int) -> int:
         h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 29
     return (h ^ (h >> 32)) & 0xFFFFFFFF
+
+
+# 0x846CA68B as a signed 32-bit integer: the hash runs on int32 tensors with wrapping arithmetic.
+_M1, _M2 = 0x7FEB352D, 0x846CA68B - 2**32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' ``lowbias32`` of every element of an int32 tensor (wrapping multiplication; the logical right
+    shifts are arithmetic ones masked): a bijection of 32-bit words whose output bits each flip with probability
+    ~1/2 when one input bit does. Eager and compiled code give the same words."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _M1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _M2
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def noise_bits(numel: int, offset: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The random numbers of ``numel`` elements whose keys are ``offset, offset + 1, ...`` (mod 2**32): for BF16, 16
+    random bits per element (int32 in [0, 65536)); for FP16, uniform FP32 numbers in [0, 1) with 24 random bits."""
+    words = hash32(torch.arange(numel, dtype=torch.int32, device=device).add_(_signed32(offset)))
+    if dtype == torch.bfloat16:
+        return words.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
+    return words.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(2.0**-24)
+
+
+def _signed32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - 2**32 if value >= 2**31 else value

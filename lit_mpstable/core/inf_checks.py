@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-__all__ = ["InfChecks", "fold_found_inf"]
+__all__ = ["READ_ONLY_MIN", "InfChecks", "fold_found_inf", "nonfinite_on_cpu"]
 
 # Seen by a type checker as the GradScaler it is mixed into; at run time a plain mixin (GradScaler follows in the MRO).
 _Base = torch.amp.GradScaler if TYPE_CHECKING else object
@@ -51,9 +51,12 @@ class InfChecks(_Base):  # type: ignore[valid-type,misc]
         if state["stage"] is not OptState.READY:
             raise RuntimeError(f"{type(self).__name__}.check_() after unscale_()/check_() in the same iteration.")
         scale, _ = self._check_scale_growth_tracker("check_")
-        one = torch.ones((), dtype=torch.float32, device=scale.device)
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state["found_inf_per_device"] = super()._unscale_grads_(optimizer, one, found_inf, True)
+        found = nonfinite_on_cpu(optimizer) if scale.device.type == "cpu" else None
+        if found is None:  # GradScaler's multi-tensor kernel at an inverse scale of 1 (it writes x * 1 back)
+            one = torch.ones((), dtype=torch.float32, device=scale.device)
+            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+            found = super()._unscale_grads_(optimizer, one, found_inf, True)
+        state["found_inf_per_device"] = found
         state["stage"] = OptState.UNSCALED
 
     def step_with(self, optimizer: torch.optim.Optimizer, update: Any) -> Any:
@@ -130,6 +133,44 @@ class InfChecks(_Base):  # type: ignore[valid-type,misc]
 
     def _load_synced_values(self, values: torch.Tensor) -> None:
         """Take back the reduced :meth:`_sync_values`."""
+
+
+READ_ONLY_MIN = 2**17
+"""Gradients of at least this many elements are checked by :func:`nonfinite_on_cpu`'s read-only reduction; smaller
+ones together by GradScaler's multi-tensor kernel. A reduction call costs ~4 us more than the kernel's per-tensor
+step and saves ~0.03 ns per element (no write-back): even at ~1.5e5 elements."""
+
+
+def nonfinite_on_cpu(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor] | None:
+    """Whether ``optimizer``'s gradients hold inf/NaN, as ``{cpu: 0-dim FP32 flag}`` (1.0: found). Each gradient of
+    :data:`READ_ONLY_MIN` elements or more is read once and written never: its minimum and maximum
+    (``torch.aminmax``: a NaN makes both NaN, an infinity is one of them), 0.31 instead of 0.39 ms for the bench
+    MLP's gradients; the smaller ones go through GradScaler's check-and-unscale kernel at scale 1 in one call per
+    dtype (it writes each element back unchanged). None where a gradient is not a dense floating-point CPU tensor
+    (sparse, a DTensor shard, on a device): GradScaler's kernel checks them all."""
+    bounds: list[torch.Tensor] = []
+    small: dict[torch.dtype, list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if (type(grad) is not torch.Tensor or grad.layout != torch.strided or grad.device.type != "cpu"
+                    or not grad.is_floating_point()):
+                return None
+            if grad.numel() >= READ_ONLY_MIN:
+                bounds.extend(torch.aminmax(grad))
+            elif grad.numel():
+                small.setdefault(grad.dtype, []).append(grad)
+    found = torch.zeros((), dtype=torch.float32)
+    with torch.no_grad():
+        if small:
+            one = torch.ones((), dtype=torch.float32)
+            for grads in small.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        if bounds:  # stack promotes mixed dtypes
+            found = torch.maximum(found, torch.stack(bounds).isfinite().all().logical_not().float())
+    return {torch.device("cpu"): found}
 
 
 def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, flag: torch.Tensor

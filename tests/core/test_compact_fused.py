@@ -379,3 +379,29 @@ def test_many_parameters_in_mixed_groups_step_as_each_alone(mode: str) -> None:
         assert torch.equal(s["step"], s_ref["step"]) and float(s["step"]) == sum((i + k) % 3 != 0 for k in range(4))
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(s[key].view(torch.int16), s_ref[key].view(torch.int16)), (i, key)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_plain_kernel_is_the_full_one_without_clip_or_l2(mode: str) -> None:
+    # AdamW without a clip value takes the graph that leaves the clamp and the L2 where out: bit for bit the full
+    # graph's words, NaN and infinities included (a clamp to +-inf returns its input, the where picks the gradient).
+    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "decoupled_weight_decay": True}
+    assert FusedAdam.plain(group, None) and not FusedAdam.plain(group, 1.0)
+    assert not FusedAdam.plain({**group, "decoupled_weight_decay": False}, None)
+    assert FusedAdam.plain({**group, "decoupled_weight_decay": False, "weight_decay": 0.0}, None)
+    g = torch.Generator().manual_seed(4)
+    n = 4_099
+    base = [torch.randn(n, generator=g).bfloat16() for _ in range(3)] + [(torch.rand(n, generator=g) * 0.01).bfloat16()]
+    base[0][:3] = torch.tensor([float("inf"), -float("inf"), float("nan")])  # non-finite weights pass through alike
+    base[1][3:6] = torch.tensor([float("inf"), -float("inf"), float("nan")])  # and non-finite gradients
+    fused = FusedAdam()
+    words = []
+    for plain in (True, False):
+        w, g16, m, v = (t.clone() for t in base)
+        comp = (w.float() * 2.0**-9).bfloat16() if mode == "kahan" else None
+        scalars = FusedAdam.scalars(group, 2.0, torch.tensor(0.5), None)
+        fused.run_(w, comp, g16, m, v, scalars, torch.tensor(77, dtype=torch.int32), eager=False, plain=plain)
+        words.append([t.view(torch.int16) for t in (w, m, v, comp) if t is not None])
+    assert not torch.equal(words[0][0], base[0].view(torch.int16))  # it stepped
+    for a, b in zip(*words):
+        assert torch.equal(a, b)
