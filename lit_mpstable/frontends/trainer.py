@@ -76,6 +76,10 @@ class TrainerPrecision(StableFrontEnd):
         return model, optimizers, lr_schedulers
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        if not isinstance(module, self._pl.LightningModule):  # Fabric takes any Precision, this one included
+            raise TypeError(f"{self!r}: this is the Trainer plugin, and this backward came from outside a"
+                            f" {self._pl.__name__}.Trainer (module={type(module).__name__}); under Lightning Fabric"
+                            " use `from lit_mpstable.fabric import StablePrecision`.")
         return super().pre_backward(self.stepper.scale_loss(tensor), module)  # type: ignore[misc]
 
     def optimizer_step(  # type: ignore[override]
