@@ -507,35 +507,37 @@ def markdown(results: dict[str, Any]) -> str:
                   f" {part['idle_us_per_call']:.2f} us each (a hooked Linear(256, 256) against a plain one).", "",
                   "| monitor | pairs | (a) monitor CPU / step CPU (raw) | (a) monitor ms per step | step ms without |"
                   " (b) on-block / neighbouring off-blocks: median | (b) mean |", "|---|---|---|---|---|---|---|"]
-        for config in ("on", "base"):
-            if config not in part:
-                continue
-            c = part[config]
-            (flo, fhi), (lo, hi), (mlo, mhi) = c["fraction_median_ci95"], c["ratio_median_ci95"], c["ratio_mean_ci95"]
-            lines.append(f"| `{config}` | {c['pairs']} | {c['fraction_median']:.3%} [{flo:.3%}, {fhi:.3%}]"
-                         f" ({c['fraction_raw_median']:.3%}) | {c['monitor_ms_median']:.4f} |"
-                         f" {c['step_ms_off_median']:.3f} | {c['ratio_median']:.4f} [{lo:.4f}, {hi:.4f}] |"
-                         f" {c['ratio_mean']:.4f} [{mlo:.4f}, {mhi:.4f}] |")
+        lines += _config_rows(part, lambda config, c, fraction, ratios: (
+            f"| `{config}` | {c['pairs']} | {fraction} ({c['fraction_raw_median']:.3%}) |"
+            f" {c['monitor_ms_median']:.4f} | {c['step_ms_off_median']:.3f} | {ratios}"))
         lines.append("")
     for name, part in results.get("overhead", {}).items():
         lines += [f"## Overhead, {name}: {len(part['rounds'])} paired rounds of {part['steps_per_run']} steps"
                   f" (step without the monitor: {part['step_ms_off_median']:.3f} ms CPU, median)", "",
                   "| config | (a) monitor CPU / step CPU | (a) monitor ms per step | (b) whole step / off:"
                   " median | (b) mean |", "|---|---|---|---|---|"]
-        for config in ("on", "base"):
-            if config not in part:
-                continue
-            c = part[config]
-            (flo, fhi), (lo, hi), (mlo, mhi) = c["fraction_median_ci95"], c["ratio_median_ci95"], c["ratio_mean_ci95"]
-            lines.append(f"| `{config}` | {c['fraction_median']:.3%} [{flo:.3%}, {fhi:.3%}] |"
-                         f" {c['monitor_ms_median']:.4f} | {c['ratio_median']:.4f} [{lo:.4f}, {hi:.4f}] |"
-                         f" {c['ratio_mean']:.4f} [{mlo:.4f}, {mhi:.4f}] |")
+        lines += _config_rows(part, lambda config, c, fraction, ratios: (
+            f"| `{config}` | {fraction} | {c['monitor_ms_median']:.4f} | {ratios}"))
         if "monitor_ms_on_over_base_median" in part:
             lo, hi = part["monitor_ms_on_over_base_ci95"]
             lines.append(f"\nMonitor CPU time, `on` / `base`, paired per round: "
                          f"{part['monitor_ms_on_over_base_median']:.3f} [{lo:.3f}, {hi:.3f}].")
         lines.append("")
     return "\n".join(lines)
+
+
+def _config_rows(part: dict, row) -> list[str]:
+    """A table row per measured config (``on``, then ``base`` if run): ``row(config, results, fraction, ratios)``
+    with the (a) fraction and the (b) ratio cells (median and mean with their 95% intervals) formatted."""
+    lines = []
+    for config in ("on", "base"):
+        if config in part:
+            c = part[config]
+            (flo, fhi), (lo, hi), (mlo, mhi) = c["fraction_median_ci95"], c["ratio_median_ci95"], c["ratio_mean_ci95"]
+            fraction = f"{c['fraction_median']:.3%} [{flo:.3%}, {fhi:.3%}]"
+            ratios = f"{c['ratio_median']:.4f} [{lo:.4f}, {hi:.4f}] | {c['ratio_mean']:.4f} [{mlo:.4f}, {mhi:.4f}] |"
+            lines.append(row(config, c, fraction, ratios))
+    return lines
 
 
 def main() -> None:
