@@ -235,14 +235,3 @@ def test_fabric_clips_compact_weights_true_gradients_not_the_scaled_ones(mode: s
     for name, value in ref_weights.items():
         torch.testing.assert_close(weights[name], value, atol=2e-3, rtol=0), name
 
-
-def test_the_trainer_plugin_in_fabric_says_which_plugin_to_use() -> None:
-    # Fabric accepts any Precision, the Trainer's included (it subclasses Fabric's); its first backward then failed
-    # inside Lightning with "'NoneType' object has no attribute 'trainer'".
-    from lit_mpstable import StablePrecision as TrainerPlugin
-
-    fabric = _fabric(TrainerPlugin("bf16-mixed"))
-    model = fabric.setup(TinyMLP())
-    x, y = regression_data(8)
-    with pytest.raises(TypeError, match=r"Trainer plugin.*from lit_mpstable\.fabric import StablePrecision"):
-        fabric.backward(F.mse_loss(model(x), y))
