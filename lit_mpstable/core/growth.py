@@ -57,6 +57,7 @@ class _History:
     # An FP8 layer's input is checked at the scale the layer casts it with (its growth_input_scale), not `scale`:
     cast: Any = None  # at the last sample: None (not FP8: `scale`), "own" (each tensor from its amax), or a tensor
     captured: torch.Tensor | None = None  # a delayed scale as the forward about to be sampled uses it
+    ceiling: float = 128.0  # log2 of the largest value of the activation's own dtype (FP32/BF16 until sampled)
 
 
 class GrowthMonitor:
@@ -86,8 +87,8 @@ class GrowthMonitor:
     - a layer already saturating, or with a non-finite amax, is always named.
     - an FP8 layer's input is measured at the scale the layer casts it with (``growth_input_scale``): the amax
       history's under delayed scaling, the tensor's own amax under current scaling and the block recipes (nothing
-      saturates; underflow counts what a dominant outlier flushes). That scale follows the amax, so such a layer
-      is named on kurtosis or a non-finite value, not on its trend or a transient saturation.
+      saturates; underflow counts what a dominant outlier flushes). That scale follows the amax, so such a layer's
+      trend is projected to its activation dtype's range (BF16's, FP16's), and a transient clip does not name it.
 
     Args:
         scale: multiplies the activations before the range checks (the fixed FP8 scale; per layer:
@@ -152,8 +153,11 @@ class GrowthMonitor:
                                                limits=cast_limits(self.fmt, None, self.scale)[:2])
             self._handles.append(layer.register_forward_hook(self._hook(name)))
             getter = getattr(layer, "growth_input_scale", None)
-            if self.source == "input" and getter is not None and getter() is not None:  # updated in the forward
-                self._handles.append(layer.register_forward_pre_hook(self._capture(name)))
+            if self.source == "input" and getter is not None:  # an FP8 layer: known before its first sample
+                scale = getter()
+                self._history[name].cast = "own" if scale is None else scale.detach().clone()
+                if scale is not None:  # updated in the forward: read before it
+                    self._handles.append(layer.register_forward_pre_hook(self._capture(name)))
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self.load_state_dict(pending)
@@ -164,7 +168,7 @@ class GrowthMonitor:
         self._flush()
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles.clear()
 
     def set_scale(self, name: str, scale: float | torch.Tensor) -> None:
         """The scale layer ``name``'s activations are multiplied by before the range checks (a device tensor is
@@ -204,7 +208,8 @@ class GrowthMonitor:
         """(saturation, flush) thresholds on ``|x|``, and whether they are fractions of the activation's amax."""
         getter = getattr(module, "growth_input_scale", None) if self.source == "input" else None
         captured, history.captured = history.captured, None
-        history.cast = None if getter is None else captured if captured is not None else getter() or "own"
+        scale = None if getter is None else captured if captured is not None else getter()
+        history.cast = None if getter is None else "own" if scale is None else scale
         return cast_limits(self.fmt, history.cast, history.limits or (history.scale if history.cast is None else 1))
 
     def _hook(self, name: str):
@@ -219,6 +224,7 @@ class GrowthMonitor:
                 return
             self._sampled.add(name)
             above, flush, relative = self._limits(history, module)
+            history.ceiling = math.log2(torch.finfo(x.dtype).max) if x.is_floating_point() else 128.0
             layer_sums, n = reduce_activation(x, above, flush, relative=relative)
             sums.extend(layer_sums)
             numels.append(n)
@@ -335,13 +341,13 @@ class GrowthMonitor:
             history = self._history[name]
             bad = not math.isfinite(row["amax"]) or math.isnan(row["kurtosis"])
             # An FP8 layer's own scale follows its amax (delayed: the history's max, a step behind; current: the
-            # tensor's), so neither a steady trend nor a few elements clipped while the history catches up mean it
-            # leaves range: it is named on kurtosis or a non-finite value. A fixed scale: also on its trend and
-            # any saturation.
-            fixed = history.cast is None and not bad
+            # tensor's): a few elements clipped while the history catches up are no runaway, and its trend heads
+            # for the activation dtype's range, not FP8's. A fixed scale: FP8's range, and any saturation.
+            fixed = history.cast is None
             scale = history.scale if fixed else 1.0
             scale = float(scale) if not isinstance(scale, torch.Tensor) else float(scale.detach().float().max())
-            headroom = self._log2_max - math.log2(scale) - math.log2(row["amax"]) if fixed else math.inf
+            top = self._log2_max - math.log2(scale) if fixed else history.ceiling
+            headroom = math.inf if bad else top - math.log2(row["amax"])
             slope = row["amax_growth"]
             projected = row["samples"] >= self.window and slope > 0 and headroom < slope * horizon
             if bad or (fixed and row["saturation"] > 0) or row["kurtosis"] > kurtosis or projected:
@@ -392,4 +398,3 @@ class GrowthMonitor:
             history.rows = None if saved["rows"] is None else saved["rows"].detach().float().clone()
             history.steps, history.next = list(saved["steps"]), int(saved["next"])
         self._rows = self._slopes = None  # placed again, and fitted, when next read or written
-

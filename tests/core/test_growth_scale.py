@@ -73,3 +73,31 @@ def test_delayed_scaling_saturation_is_read_at_the_history_scale() -> None:
     # The history catches up at this very step (the next scale covers the new amax): a clip while it does is no
     # runaway; only kurtosis or a non-finite value name a layer whose scale follows its amax.
     assert stepper.growth.runaway() == []
+
+
+
+def _growing(rate: float, steps: int = 24):
+    """SGD at a tiny LR on inputs of ~4000 growing ``rate`` a step: the monitor's trend is the inputs'."""
+    stepper, model, opt = _stepper("current")
+    for group in opt.param_groups:
+        group["lr"] = 1e-9
+    g = torch.Generator().manual_seed(0)
+    for i in range(steps):
+        _step(stepper, model, opt, 1000.0 * rate**i * torch.randn(64, 16, generator=g))
+    assert stepper.growth is not None
+    return stepper.growth
+
+
+def test_a_fp8_layer_heading_out_of_its_dtypes_range_is_named_a_slow_one_is_not() -> None:
+    slow, fast = _growing(1.05), _growing(2.0)  # log2 amax +0.07 a step (200 steps: +14); +1 (200 steps: +200)
+    assert slow.stats()["a"]["samples"] >= slow.window and slow.runaway() == []
+    assert "a" in fast.runaway()  # ~2**35 now: BF16's 2**128 within 100 steps
+
+
+def test_a_resumed_monitor_judges_fp8_layers_at_their_own_scale_before_its_next_sample() -> None:
+    monitor = _growing(1.05)
+    fresh, _, _ = _stepper("current")  # setup attached the monitor to the FP8 layers; nothing sampled yet
+    assert fresh.growth is not None
+    fresh.growth.load_state_dict(monitor.state_dict())
+    # The saved rows: an amax of ~10**4, rising slowly. At scale 1 that read as past 448 and heading further.
+    assert fresh.growth.runaway() == monitor.runaway() == []
