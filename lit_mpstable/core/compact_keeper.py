@@ -16,6 +16,7 @@ from lit_mpstable.core.keeper_steps import first_grad_device, step_checked
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.moment_keeper import KEY, AdamMoments, split_moments
 from lit_mpstable.core.scalers import LossScaler
+from lit_mpstable.core.tensors import grad_norms
 
 __all__ = ["CompactKeeper"]
 
@@ -101,12 +102,7 @@ class CompactKeeper:
         if total_norm is not None:  # a SpikeGuard's norm of the same gradients, times the same multiplier
             norm = total_norm
         else:
-            # Per-tensor norms in FP32 (of 16-bit gradients, without FP32 copies of them), in one multi-tensor
-            # kernel where the gradients are plain tensors on one device.
-            if all(type(g) is torch.Tensor for g in grads) and len({g.device for g in grads}) == 1:
-                per_tensor = list(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
-            else:
-                per_tensor = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+            per_tensor = grad_norms(grads, norm_type)
             norm = torch.linalg.vector_norm(torch.stack(per_tensor), norm_type) * multiplier  # true gradients, FP32
         # clip_grad_norm_'s rule, as a factor for the step's FP32 chunks: no host sync.
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.iteration import GradSet
 from lit_mpstable.core.spike import SpikeGuard
+from lit_mpstable.core.tensors import grad_norms
 
 __all__ = ["check_spike_guard", "clip_grad_norm", "known_norm", "observe_loss", "true_grad_norm"]
 
@@ -54,14 +55,8 @@ def true_grad_norm(optimizer: Optimizer, multiplier: torch.Tensor | None = None)
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return None
-    # FP32 per-tensor norms (a scaled FP16 gradient's norm can overflow FP16 itself); plain tensors on one device in
-    # one multi-tensor kernel, sharded (DTensor) ones made full.
-    plain = all(type(g) is torch.Tensor for g in grads) and len({g.device for g in grads}) == 1
-    if plain:
-        norms = list(torch._foreach_norm(grads, 2, dtype=torch.float32))
-    else:
-        norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads]
-        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    # FP32 per-tensor norms (a scaled FP16 gradient's norm can overflow FP16 itself), sharded (DTensor) ones made full.
+    norms = grad_norms(grads, 2, full=True)
     norm = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2)
     return norm * multiplier.to(norm.device) if multiplier is not None else norm
 

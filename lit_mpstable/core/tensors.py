@@ -8,7 +8,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["default_dtype", "floating_tensors", "local_view", "map_tensors", "tensor_init_context"]
+__all__ = ["default_dtype", "floating_tensors", "grad_norms", "local_view", "map_tensors", "tensor_init_context"]
+
+
+def grad_norms(grads: list[torch.Tensor], norm_type: float, *, full: bool = False) -> list[torch.Tensor]:
+    """Each gradient's norm in FP32 (a 16-bit gradient's too, without an FP32 copy of it): one multi-tensor kernel
+    where they are plain tensors on one device, else one call each; ``full``: a sharded (DTensor) norm made whole."""
+    if all(type(g) is torch.Tensor for g in grads) and len({g.device for g in grads}) == 1:
+        return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    return [n.full_tensor() if full and hasattr(n, "full_tensor") else n for n in norms]
 
 
 def floating_tensors(data: Any) -> list[torch.Tensor]:
