@@ -16,13 +16,16 @@ sample, the idle hooks (the Python check on steps between samples), the flush (t
 queued samples) and the reads (``stats``/``runaway``/``metrics``: the plugin and ``OverflowMonitor`` side, once per
 new sample); the median over 5 runs.
 
-**Overhead** (``blocks``), two ways in each fit: the monitor's hooks are on for one block of 10 steps (its first
-step sampled) and off for the next, alternately, the hooks removed and put back between blocks outside the timed
-steps (the monitor's state untouched: nothing is flushed early). Fits alternate between the current monitor
-(``on``) and ``--baseline`` (``base``). Per on-block:
+**Overhead** (``blocks``), two ways in each fit: the monitor is on for one block of 10 steps (its first step
+sampled) and off for the next, alternately, switched between blocks outside the timed steps (off: the stepper runs
+without it, as ``growth_every_n_steps=None``; a ``--baseline`` monitor from before on-demand hooks also has its
+permanent hooks removed; the monitor's state untouched: nothing is flushed early). Fits alternate between the current
+monitor (``on``) and ``--baseline`` (``base``). Per on-block:
 
-- (a) the component fraction: CPU time inside the monitor (hooks, flush; no reads: no OverflowMonitor here) over
-  the block's CPU time, less the wrapper's own cost per call (measured by wrapping a no-op), raw in parentheses;
+- (a) the component fraction: CPU time inside the monitor (hooks, hooking and unhooking the layers, flush; no
+  reads: no OverflowMonitor here) over the block's CPU time, less the wrapper's own cost per call (measured by
+  wrapping a no-op), raw in parentheses. ``due`` (the stepper's Python check, ~0.2 us a call by ``timeit``, below
+  the wrapper's resolution) is not timed: it is in (b) only;
 - (b) the whole-step paired ratio: the on-block's CPU time over the mean of its two neighbouring off-blocks.
 
 Both as the median with a distribution-free 95% confidence interval (order statistics of the binomial); (b) also as
@@ -35,6 +38,7 @@ Writes ``bench/results/growth_overhead.{json,md}`` (``_quick`` with ``--quick``)
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import math
@@ -94,7 +98,7 @@ class _Count(TorchDispatchMode):
 class Meter:
     """CPU time (exclusive of nested monitor calls) and, with ``count_ops``, torch ops, per monitor method."""
 
-    METHODS = ("step", "_flush", "stats", "runaway", "metrics", "state_dict")
+    METHODS = ("step", "_hook_layers", "_unhook", "_flush", "stats", "runaway", "metrics", "state_dict")
 
     def __init__(self, count_ops: bool = False, cls: type = GrowthMonitor, skip_idle: bool = False) -> None:
         self.count_ops, self.cls = count_ops, cls
@@ -306,7 +310,20 @@ def load_baseline(path: str) -> type:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.GrowthMonitor
+    base = module.GrowthMonitor
+    if "hooks" in inspect.signature(base.attach).parameters:
+        return base
+
+    class Permanent(base):  # a monitor from before on-demand hooks: its hooks stay on the layers
+        hooks = "always"
+
+        def attach(self, module: Any, *, names: Any = None, hooks: str = "always") -> Any:
+            return super().attach(module, names=names)
+
+        def due(self) -> bool:  # the stepper asks; this monitor's hooks follow the clock themselves
+            return False
+
+    return Permanent
 
 
 def overhead(name: str, rounds: int, steps: int, baseline: type | None = None) -> dict[str, Any]:
@@ -375,6 +392,8 @@ class Alternator(pl.Callback):
         self._last: float | None = None
         self._current = {"on": True, "step_s": 0.0, "monitor_s": 0.0}
         self._removed: list[tuple[Any, str]] | None = None
+        self._monitor: Any = None
+        self._empty: list[Any] = []
 
     def on_train_batch_start(self, *args: Any) -> None:
         if self._last is None:
@@ -391,7 +410,7 @@ class Alternator(pl.Callback):
             self._current["idle_calls"] = self.meter.idle_calls - self._idle0
             self.blocks.append(self._current)
             self._current = {"on": not self._current["on"], "step_s": 0.0, "monitor_s": 0.0}
-            self._toggle(trainer.precision_plugin.stepper.growth, trainer.lightning_module)
+            self._toggle(trainer.precision_plugin.stepper, trainer.lightning_module)
             self._mark()
         self._last = time.thread_time()
 
@@ -399,18 +418,29 @@ class Alternator(pl.Callback):
         self._monitor0, self._calls0 = self.meter.total_s, sum(self.meter.calls.values())
         self._idle0 = self.meter.idle_calls
 
-    def _toggle(self, monitor: Any, module: Any) -> None:
+    def _toggle(self, stepper: Any, module: Any) -> None:
+        """Off: the stepper runs without its monitor (as ``growth_every_n_steps=None``), and a monitor with
+        permanent hooks (``--baseline`` from before on-demand hooks) has them removed; on: put back."""
         if self.null and self._removed is not None:
             return
         if self._removed is None:
+            monitor, stepper.growth = stepper.growth, None
             for handle in monitor._handles:
                 handle.remove()
             monitor._handles = []
+            self._monitor = monitor
             self._removed = [(m, n) for n, m in module.named_modules() if n in monitor._history]
-        else:
-            monitor._handles = [m.register_forward_hook(_noop if self.empty else monitor._hook(n))
-                                for m, n in self._removed]
+        elif self.empty:  # no-op hooks on the layers, the monitor still off
+            self._empty = [m.register_forward_hook(_noop) for m, _ in self._removed]
             self._removed = None
+        else:
+            stepper.growth = monitor = self._monitor
+            if monitor.hooks == "always":
+                monitor._handles = [m.register_forward_hook(monitor._hook(n)) for m, n in self._removed]
+            self._removed = None
+        if self._removed is not None:
+            while self._empty:
+                self._empty.pop().remove()
 
 
 def blocks(name: str, runs: int, steps: int, baseline: type | None = None, every: int = EVERY,

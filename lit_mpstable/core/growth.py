@@ -20,44 +20,34 @@ run continues the trend fit where it stopped.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
 from lit_mpstable.core.growth_stats import (
+    History,
     cast_limits,
     check_saved,
     finish_rows,
     format_range,
+    is_runaway,
     layer_stats,
+    place_rows,
     reduce_activation,
+    trend_weights,
+    warn_unsampled,
 )
 
 __all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
 
 GrowthSource = Literal["input", "output"]
 _SOURCES: tuple[str, ...] = get_args(GrowthSource)
+GrowthHooks = Literal["always", "on_demand"]
+_HOOKS: tuple[str, ...] = get_args(GrowthHooks)
 _FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
-
-
-@dataclass
-class _History:
-    """One layer's samples: rows of :func:`layer_stats` in a ring buffer (device), their steps (host)."""
-
-    index: int  # its block of the monitor's ring buffer (attach order)
-    rows: torch.Tensor | None = None  # window x 4, a view of the monitor's buffer (None: no sample yet)
-    steps: list[int] = field(default_factory=list)  # the step of each filled slot, slot order
-    next: int = 0
-    scale: float | torch.Tensor = 1.0
-    queued: int = 0  # samples waiting in the monitor's queue
-    limits: tuple[float, float] | None = None  # thresholds(fmt, scale); None: a tensor scale (it may change)
-    # An FP8 layer's input is checked at the scale the layer casts it with (its growth_input_scale), not `scale`:
-    cast: Any = None  # at the last sample: None (not FP8: `scale`), "own" (each tensor from its amax), or a tensor
-    captured: torch.Tensor | None = None  # a delayed scale as the forward about to be sampled uses it
-    ceiling: float = 128.0  # log2 of the largest value of the activation's own dtype (FP32/BF16 until sampled)
 
 
 class GrowthMonitor:
@@ -72,18 +62,15 @@ class GrowthMonitor:
     - ``source="input"``: an FP8 linear quantizes its input and weight (its output is BF16/FP32), so the input's
       range is what overflows E4M3, and the layer whose input runs away is the one to take out of FP8.
     - ``every_n_steps=10``, ``window=8``: the trend is fitted over the last 8 samples (70 steps) and only once
-      the window is full: the amax's rise from initialisation decelerates, and a fit over its first samples
-      projected one clean SwiGLU run (of 5) into overflow at step 30. A sample costs 15 ops on each watched
-      activation in its hook and a share of one ~25-op finish of all queued samples: through the Trainer (one CPU
-      thread, bf16-mixed with FP8; ``bench/bench_growth.py``) the monitor takes ~0.8% of the digits MLP's CPU
-      time and ~0.45% of the GPT's at one step in ten.
+      the window is full (a fit over the first samples of the amax's decelerating rise from initialisation
+      projected one clean SwiGLU run of 5 into overflow at step 30). A sample costs 15 ops per watched activation
+      in its hook and a share of one ~25-op finish of all queued samples (``bench/bench_growth.py``).
     - ``runaway(horizon=200)``: a layer whose fitted ``log2 amax`` trend reaches ``fmt``'s max (after ``scale``)
       within 200 steps. A steady exponential growth is then named about 200 steps before it saturates (less the
       fit's lag behind a growth that starts or accelerates), well over the 50 steps a fallback needs; a clean
       run's amax settles (its slope decays), so its projected crossing recedes beyond any horizon.
-    - ``runaway(kurtosis=100)``: a Gaussian has 3, a Laplace 6, a Student-t with 5 degrees of freedom 9; 100 means
-      a few elements dominate the fourth moment: outlier features, the signature that FOG tracks before the amax
-      itself moves. Measured in this package's tests: clean layers stay below 15.
+    - ``runaway(kurtosis=100)``: a Gaussian has 3, a Laplace 6, a Student-t(5) 9; 100 means a few elements dominate
+      the fourth moment (outlier features, FOG's early signal). Clean layers in this package's tests stay below 15.
     - a layer already saturating, or with a non-finite amax, is always named.
     - an FP8 layer's input is measured at the scale the layer casts it with (``growth_input_scale``): the amax
       history's under delayed scaling, the tensor's own amax under current scaling and the block recipes (nothing
@@ -119,12 +106,16 @@ class GrowthMonitor:
         self._log2_max = math.log2(fmt_max)
         self.steps = 0
         """Optimizer steps counted by :meth:`step`; the forward passes after step n are sampled when n is due."""
-        self._history: dict[str, _History] = {}
+        self._history: dict[str, History] = {}
         self._rows: torch.Tensor | None = None  # all layers' ring buffers, layers x window x 4 (device)
         self._slopes: torch.Tensor | None = None  # every layer's fitted trend (None: a sample came since the fit)
-        self._queue: tuple[list[torch.Tensor], list[int], list[tuple[int, int]]] = ([], [], [])
-        # the sums, element counts and (layer, slot) of the samples not finished yet (see _flush)
+        self._queue: tuple[list[torch.Tensor], list[int], list[tuple[int, int]]] = ([], [], [])  # unfinished
         self._handles: list[Any] = []
+        self._layers: dict[str, nn.Module] = {}  # the attached layers, hooked or not (and in _captures: those whose
+        self._captures: set[str] = set()  # delayed FP8 scale is read before their forward)
+        self.hooks: GrowthHooks = "always"
+        self._warned = False  # a due step passed unsampled (on-demand hooks: the forward ran outside the context)
+        """When the layers carry hooks: ``"always"``, or ``"on_demand"`` (inside :meth:`sampling` on a due step)."""
         self._sampled: set[str] = set()
         self.clock = clock
         self.samples = 0
@@ -132,12 +123,21 @@ class GrowthMonitor:
         self._pending: dict[str, Any] | None = None  # a state loaded before attach, restored by it
 
     # ------------------------------------------------------------------------------------------ hooks
-    def attach(self, module: nn.Module, *, names: Iterable[str] | None = None) -> GrowthMonitor:
-        """Hook every ``nn.Linear`` in ``module`` (or only those named, qualified names); returns self.
+    def attach(self, module: nn.Module, *, names: Iterable[str] | None = None,
+               hooks: GrowthHooks = "always") -> GrowthMonitor:
+        """Watch every ``nn.Linear`` in ``module`` (or only those named, qualified names); returns self.
+
+        ``hooks="always"`` hooks the layers now, for good: nothing else is needed. ``hooks="on_demand"`` (what
+        :class:`~lit_mpstable.core.stepper.PrecisionStepper` uses) hooks them only inside :meth:`sampling` on a
+        step that is due, so the steps between samples run with no hook at all (a hooked module takes
+        ``nn.Module``'s slow call path: ~1% of a small MLP's step at three layers) and a compiled model's graph
+        never holds one.
 
         Raises:
-            ValueError: a name in ``names`` is not a linear layer of ``module``.
+            ValueError: a name in ``names`` is not a linear layer of ``module``, or ``hooks`` is unknown.
         """
+        if hooks not in _HOOKS:
+            raise ValueError(f"GrowthMonitor.attach(hooks={hooks!r}): must be one of {list(_HOOKS)}.")
         self._flush()  # queued samples (on the device they were taken on) before the layers change
         linears = {name: m for name, m in module.named_modules() if isinstance(m, nn.Linear)}
         if names is not None:
@@ -149,26 +149,57 @@ class GrowthMonitor:
             linears = {n: linears[n] for n in names}
         for name, layer in linears.items():
             if name not in self._history:
-                self._history[name] = _History(len(self._history), scale=self.scale,
+                self._history[name] = History(len(self._history), scale=self.scale,
                                                limits=cast_limits(self.fmt, None, self.scale)[:2])
-            self._handles.append(layer.register_forward_hook(self._hook(name)))
+            self._layers[name] = layer
             getter = getattr(layer, "growth_input_scale", None)
             if self.source == "input" and getter is not None:  # an FP8 layer: known before its first sample
                 scale = getter()
                 self._history[name].cast = "own" if scale is None else scale.detach().clone()
                 if scale is not None:  # updated in the forward: read before it
-                    self._handles.append(layer.register_forward_pre_hook(self._capture(name)))
+                    self._captures.add(name)
+        self.hooks = hooks
+        if hooks == "always":
+            self._hook_layers(linears)
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self.load_state_dict(pending)
         return self
 
+    def _hook_layers(self, layers: Mapping[str, nn.Module]) -> None:
+        for name, layer in layers.items():
+            self._handles.append(layer.register_forward_hook(self._hook(name)))
+            if name in self._captures:
+                self._handles.append(layer.register_forward_pre_hook(self._capture(name)))
+
+    def _unhook(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
     def detach(self) -> None:
-        """Remove the hooks (the histories stay readable)."""
+        """Remove the hooks and forget the layers (the histories stay readable)."""
         self._flush()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._unhook()
+        self._layers, self._captures = {}, set()
+
+    def due(self) -> bool:
+        """Whether a forward now would be sampled: the step count is due and a layer in training mode has no
+        sample at it yet (Python only: no tensor is touched)."""
+        return self._tick() and any(
+            layer.training and name not in self._sampled for name, layer in self._layers.items())
+
+    @contextmanager
+    def sampling(self) -> Iterator[bool]:
+        """With ``attach(hooks="on_demand")``: the block's forward is sampled when :meth:`due` (the layers are
+        hooked for the block only); yields whether they are. With ``"always"`` a no-op (yields False)."""
+        if self.hooks != "on_demand" or self._handles or not self.due():
+            yield False
+            return
+        self._hook_layers(self._layers)
+        try:
+            yield True
+        finally:
+            self._unhook()
 
     def set_scale(self, name: str, scale: float | torch.Tensor) -> None:
         """The scale layer ``name``'s activations are multiplied by before the range checks (a device tensor is
@@ -185,14 +216,19 @@ class GrowthMonitor:
 
     def step(self, steps: int | None = None) -> None:
         """Count one optimizer step (or set the count to ``steps``, e.g. the trainer's global step)."""
+        missed = self.hooks == "on_demand" and self._layers and not self._sampled  # followed step by step:
+        if missed and steps in (None, self.steps + 1) and not (self._warned or self.steps % self.every_n_steps):
+            self._warned = warn_unsampled(self.steps)
         self.steps = self.steps + 1 if steps is None else int(steps)
         self._sampled.clear()
 
-    def _due(self, name: str, module: nn.Module) -> bool:
-        # A Python check only on the steps between samples: no tensor is touched.
+    def _due(self, name: str, module: nn.Module) -> bool:  # Python only: no tensor is touched
+        return self._tick() and module.training and name not in self._sampled
+
+    def _tick(self) -> bool:  # follow the clock; whether the step count is due
         if self.clock is not None and (now := self.clock()) != self.steps:
             self.step(now)
-        return not (self.steps % self.every_n_steps or name in self._sampled or not module.training)
+        return self.steps % self.every_n_steps == 0
 
     def _capture(self, name: str):
         history = self._history[name]
@@ -204,7 +240,7 @@ class GrowthMonitor:
 
         return pre_hook
 
-    def _limits(self, history: _History, module: nn.Module) -> tuple[Any, Any, bool]:
+    def _limits(self, history: History, module: nn.Module) -> tuple[Any, Any, bool]:
         """(saturation, flush) thresholds on ``|x|``, and whether they are fractions of the activation's amax."""
         getter = getattr(module, "growth_input_scale", None) if self.source == "input" else None
         captured, history.captured = history.captured, None
@@ -262,35 +298,20 @@ class GrowthMonitor:
         self._slopes = None
 
     def _place(self, device: torch.device) -> torch.Tensor:
-        """The ring buffer (layers x window x 4) on ``device``, holding every layer's samples so far (each sampled
-        layer's ``rows`` a view of it): made on the first sample, and again after a load, a move or an attach."""
+        """The ring buffer on ``device`` (:func:`place_rows`), made again after a load, a move or an attach."""
         if self._rows is None or self._rows.device != device or len(self._rows) != len(self._history):
-            buffer = torch.zeros(len(self._history), self.window, len(_FIELDS), device=device)
-            for history in self._history.values():
-                if history.rows is not None:
-                    buffer[history.index].copy_(history.rows)
-                    history.rows = buffer[history.index]
-            self._rows, self._slopes = buffer, None
+            self._rows, self._slopes = place_rows(self._history.values(), self.window, len(_FIELDS), device), None
         return self._rows
 
     def _fit(self, buffer: torch.Tensor) -> torch.Tensor:
-        """Every layer's least-squares slope of log2 amax per step over its filled slots (0 with fewer than two
-        distinct steps): slope = sum(w_i y_i) with w_i = (t_i - mean t) / sum (t - mean t)**2, computed on the host
-        from the known steps, so the device does one masked product for all layers."""
+        """Every layer's slope of log2 amax per step (:func:`trend_weights`), cached until the next sample."""
         if self._slopes is None:
-            weights = [[[0.0] * self.window for _ in self._history] for _ in range(2)]  # weights, mask
-            for history in self._history.values():
-                ts = history.steps
-                mean = sum(ts) / max(len(ts), 1)
-                denominator = sum((t - mean) ** 2 for t in ts)
-                for slot, t in enumerate(ts if denominator else []):
-                    weights[0][history.index][slot], weights[1][history.index][slot] = (t - mean) / denominator, 1.0
-            w, mask = torch.tensor(weights, device=buffer.device).unbind(0)
+            w, mask = torch.tensor(trend_weights(self._history.values(), self.window), device=buffer.device).unbind(0)
             self._slopes = (torch.where(mask > 0, buffer[:, :, 0], 0.0) * w).sum(1)
         return self._slopes
 
     # ------------------------------------------------------------------------------------------ reading
-    def _table(self) -> tuple[list[tuple[str, _History]], torch.Tensor]:
+    def _table(self) -> tuple[list[tuple[str, History]], torch.Tensor]:
         """The sampled layers, and their latest rows with the fitted slope appended (layers x 5, device)."""
         self._flush()
         sampled = [(name, h) for name, h in self._history.items() if h.rows is not None]
@@ -336,23 +357,8 @@ class GrowthMonitor:
         for label, value in (("horizon", horizon), ("kurtosis", kurtosis)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"GrowthMonitor.runaway({label}={value!r}): must be a number > 0.")
-        named = []
-        for name, row in self.stats().items():
-            history = self._history[name]
-            bad = not math.isfinite(row["amax"]) or math.isnan(row["kurtosis"])
-            # An FP8 layer's own scale follows its amax (delayed: the history's max, a step behind; current: the
-            # tensor's): a few elements clipped while the history catches up are no runaway, and its trend heads
-            # for the activation dtype's range, not FP8's. A fixed scale: FP8's range, and any saturation.
-            fixed = history.cast is None
-            scale = history.scale if fixed else 1.0
-            scale = float(scale) if not isinstance(scale, torch.Tensor) else float(scale.detach().float().max())
-            top = self._log2_max - math.log2(scale) if fixed else history.ceiling
-            headroom = math.inf if bad else top - math.log2(row["amax"])
-            slope = row["amax_growth"]
-            projected = row["samples"] >= self.window and slope > 0 and headroom < slope * horizon
-            if bad or (fixed and row["saturation"] > 0) or row["kurtosis"] > kurtosis or projected:
-                named.append(name)
-        return named
+        return [name for name, row in self.stats().items()
+                if is_runaway(row, self._history[name], self._log2_max, self.window, horizon, kurtosis)]
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -372,14 +378,8 @@ class GrowthMonitor:
     def check_state(self, state: Any, *, call: str = "GrowthMonitor.load_state_dict", name: str = "state_dict",
                     layers: Iterable[str] | None = None) -> None:
         """Refuse a :meth:`state_dict` that this monitor (its ``window``, and the attached layers or ``layers``)
-        cannot resume from, naming the field; changes nothing.
-
-        Raises:
-            TypeError: a field has the wrong type (``None`` rows count as "no sample yet").
-            ValueError: a value is out of range or disagrees with another (a slot step after ``steps``, a ring
-                position past the filled slots, a fraction outside [0, 1]).
-            KeyError: keys differ from :meth:`state_dict`'s, or the saved layers from the attached ones.
-        """
+        cannot resume from, naming the field (TypeError, ValueError or KeyError: :func:`check_saved`); changes
+        nothing."""
         check_saved(call, state, self.window, set(self._history) if layers is None else set(layers), name)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

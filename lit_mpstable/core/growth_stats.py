@@ -16,6 +16,9 @@ Nothing is read on the host in either half.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,8 +26,9 @@ import torch
 from lit_mpstable.base.validate import check_keys, int_arg
 from lit_mpstable.core.loaded_state import check_fields, check_mapping, count, count_list, name_list
 
-__all__ = ["FIELDS", "WIDTH", "cast_limits", "check_rows", "check_saved", "finish_rows", "format_range", "layer_stats",
-           "reduce_activation", "thresholds"]
+__all__ = ["FIELDS", "WIDTH", "History", "cast_limits", "check_rows", "check_saved", "finish_rows", "format_range",
+           "layer_stats", "is_runaway", "place_rows", "reduce_activation", "thresholds", "trend_weights",
+           "warn_unsampled"]
 
 FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
 _STATE_KEYS = {"steps", "samples", "sampled", "layers"}
@@ -151,7 +155,14 @@ def check_rows(call: str, name: str, rows: Any, window: int) -> None:
 
 def check_saved(call: str, state: Any, window: int, attached: set[str], name: str) -> None:
     """:meth:`GrowthMonitor.check_state <lit_mpstable.core.growth.GrowthMonitor.check_state>`'s checks, for a
-    monitor of ``window`` samples attached to the layers ``attached`` (empty: not attached yet)."""
+    monitor of ``window`` samples attached to the layers ``attached`` (empty: not attached yet).
+
+    Raises:
+        TypeError: a field has the wrong type (``None`` rows count as "no sample yet").
+        ValueError: a value is out of range or disagrees with another (a slot step after ``steps``, a ring position
+            past the filled slots, a fraction outside [0, 1]).
+        KeyError: keys differ from ``state_dict``'s, or the saved layers from the attached ones.
+    """
     state = check_mapping(call, state, _STATE_KEYS, name=name)
     check_fields(call, state, {"steps": count, "samples": count, "sampled": name_list}, prefix=name)
     saved = check_mapping(call, state["layers"], name=f"{name}['layers']")
@@ -180,3 +191,72 @@ def check_saved(call: str, state: Any, window: int, attached: set[str], name: st
                              f" slot must be the first unfilled one, {len(steps)}.")
     if state["samples"] < filled:
         raise ValueError(f"{call}({name}['samples']={state['samples']!r}): fewer than the {filled} filled slots.")
+
+
+@dataclass
+class History:
+    """One layer's samples: rows of :func:`layer_stats` in a ring buffer (device), their steps (host)."""
+
+    index: int  # its block of the monitor's ring buffer (attach order)
+    rows: torch.Tensor | None = None  # window x 4, a view of the monitor's buffer (None: no sample yet)
+    steps: list[int] = field(default_factory=list)  # the step of each filled slot, slot order
+    next: int = 0
+    scale: float | torch.Tensor = 1.0
+    queued: int = 0  # samples waiting in the monitor's queue
+    limits: tuple[float, float] | None = None  # thresholds(fmt, scale); None: a tensor scale (it may change)
+    # An FP8 layer's input is checked at the scale the layer casts it with (its growth_input_scale), not `scale`:
+    cast: Any = None  # at the last sample: None (not FP8: `scale`), "own" (each tensor from its amax), or a tensor
+    captured: torch.Tensor | None = None  # a delayed scale as the forward about to be sampled uses it
+    ceiling: float = 128.0  # log2 of the largest value of the activation's own dtype (FP32/BF16 until sampled)
+
+
+def trend_weights(histories: Iterable[History], window: int) -> list[list[list[float]]]:
+    """[weights, mask], each layers x ``window``: the least-squares slope of a layer's samples is
+    ``sum(w_i y_i)`` with ``w_i = (t_i - mean t) / sum (t - mean t)**2`` over its filled slots (all 0 with fewer
+    than two distinct steps), from the steps known on the host."""
+    histories = list(histories)
+    weights = [[[0.0] * window for _ in histories] for _ in range(2)]
+    for history in histories:
+        ts = history.steps
+        mean = sum(ts) / max(len(ts), 1)
+        denominator = sum((t - mean) ** 2 for t in ts)
+        for slot, t in enumerate(ts if denominator else []):
+            weights[0][history.index][slot], weights[1][history.index][slot] = (t - mean) / denominator, 1.0
+    return weights
+
+
+def is_runaway(row: dict[str, float], history: History, log2_max: float, window: int, horizon: float,
+               kurtosis: float) -> bool:
+    """Whether one layer's :meth:`GrowthMonitor.stats` row names it (see :meth:`GrowthMonitor.runaway`)."""
+    bad = not math.isfinite(row["amax"]) or math.isnan(row["kurtosis"])
+    # An FP8 layer's own scale follows its amax (delayed: the history's max, a step behind; current: the tensor's):
+    # a few elements clipped while the history catches up are no runaway, and its trend heads for the activation
+    # dtype's range, not FP8's. A fixed scale: FP8's range, and any saturation.
+    fixed = history.cast is None
+    scale = history.scale if fixed else 1.0
+    scale = float(scale) if not isinstance(scale, torch.Tensor) else float(scale.detach().float().max())
+    top = log2_max - math.log2(scale) if fixed else history.ceiling
+    headroom = math.inf if bad else top - math.log2(row["amax"])
+    slope = row["amax_growth"]
+    projected = row["samples"] >= window and slope > 0 and headroom < slope * horizon
+    return bad or (fixed and row["saturation"] > 0) or row["kurtosis"] > kurtosis or projected
+
+
+def place_rows(histories: Iterable[History], window: int, width: int, device: torch.device) -> torch.Tensor:
+    """A ring buffer (layers x ``window`` x ``width``) on ``device`` holding every layer's samples so far; each
+    sampled layer's ``rows`` becomes a view of it."""
+    histories = list(histories)
+    buffer = torch.zeros(len(histories), window, width, device=device)
+    for history in histories:
+        if history.rows is not None:
+            buffer[history.index].copy_(history.rows)
+            history.rows = buffer[history.index]
+    return buffer
+
+
+def warn_unsampled(step: int) -> bool:
+    """Warn that a due step passed with no sample (on-demand hooks: its forward ran outside the forward context)."""
+    warnings.warn(f"GrowthMonitor: step {step} was due for a growth sample, but no training forward ran inside the"
+                  " precision's forward context (PrecisionStepper.forward_context, or the plugin's), where the layers"
+                  " are hooked: nothing was sampled. Run the forward inside it.", stacklevel=3)
+    return True

@@ -341,3 +341,5 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self.layout.sync_fp8_()
         self.counters.record(skipped=skipped, overflow=overflow, optimizer=optimizer)
         self._input_nonfinite = None
+        if self.growth is not None:
+            self.growth.due()  # follows the step count now: a due step that went unsampled is warned of

@@ -22,6 +22,7 @@ class StepperForward:
     layout: Any
     policy: Any
     observer: Any
+    growth: Any
     stats: dict[str, Any]
     warnings: list[str]
     device: str
@@ -38,11 +39,17 @@ class StepperForward:
 
         With ``torch.compile``: none of this adds a graph break (autocast and the policy's mode are traced into the
         graph, or guarded on from outside it). The forward that traces an overflow (the step after one, or every step
-        with ``diagnose``) runs eagerly: its hooks would break the graph and recompile it for one step.
+        with ``diagnose``) and a growth monitor's sampled forward run eagerly: their hooks would break the graph and
+        recompile it.
         """
         self._note_recompile()
         traced = self.observer.tracer is not None
-        with eager() if traced else nullcontext(), self.layout.forward_context():
+        # A growth sample hooks the layers for this forward only; a compiled model runs it eagerly (its graph
+        # holds no hook, so it neither breaks nor recompiles).
+        sampled = self.growth is not None and self.growth.due()
+        eagerly = traced or (sampled and is_compiled(self.layout.module))
+        with eager() if eagerly else nullcontext(), self.growth.sampling() if sampled else nullcontext(), \
+                self.layout.forward_context():
             if self.compute_dtype == torch.float32:
                 yield
             elif self.true_16bit:

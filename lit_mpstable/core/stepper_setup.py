@@ -44,7 +44,7 @@ def setup_module(stepper: Any, module: nn.Module, *, fsdp2: bool) -> nn.Module:
     stepper.observer.attach(module)
     if stepper.growth is not None:  # after the FP8 swap: the hooks go on the layers that run
         stepper.growth.detach()
-        stepper.growth.attach(module)
+        stepper.growth.attach(module, hooks="on_demand")  # hooked in forward_context on sampling steps only
     if sharded:
         check_fsdp_policies(module, stepper.precision, master_weights=stepper.master_mode is not None,
                             islands=stepper.layout.islands.names, owner=stepper.owner)

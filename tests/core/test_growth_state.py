@@ -152,7 +152,8 @@ def _plugin() -> StablePrecision:
     plugin.stepper.setup_optimizers(module, [torch.optim.SGD(module.parameters(), lr=0.1)])
     x, y = regression_data(16)
     for _ in range(5):
-        loss = nn.functional.mse_loss(module(x).float(), y)
+        with plugin.forward_context():  # where the plugin hooks the layers on sampling steps
+            loss = nn.functional.mse_loss(module(x).float(), y)
         plugin.stepper.scale_loss(loss).backward()
         plugin.stepper.step(plugin.stepper.optimizers[0])
         plugin.stepper.optimizers[0].zero_grad()
