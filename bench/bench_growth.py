@@ -22,10 +22,11 @@ without it, as ``growth_every_n_steps=None``; a ``--baseline`` monitor from befo
 permanent hooks removed; the monitor's state untouched: nothing is flushed early). Fits alternate between the current
 monitor (``on``) and ``--baseline`` (``base``). Per on-block:
 
-- (a) the component fraction: CPU time inside the monitor (hooks, hooking and unhooking the layers, flush; no
-  reads: no OverflowMonitor here) over the block's CPU time, less the wrapper's own cost per call (measured by
-  wrapping a no-op), raw in parentheses. ``due`` (the stepper's Python check, ~0.2 us a call by ``timeit``, below
-  the wrapper's resolution) is not timed: it is in (b) only;
+- (a) the component fraction: CPU time inside the monitor (hooks, hooking and unhooking the layers, flush; the reads
+  only with ``--reads``, which adds OverflowMonitor: it reads ``runaway_layers()`` once per new sample) over the
+  block's CPU time, less the wrapper's own cost per call (measured by wrapping a no-op), raw in parentheses.
+  ``due`` (the stepper's Python check, ~0.2 us a call by ``timeit``, below the wrapper's resolution) is not timed:
+  it is in (b) only;
 - (b) the whole-step paired ratio: the on-block's CPU time over the mean of its two neighbouring off-blocks.
 
 Both as the median with a distribution-free 95% confidence interval (order statistics of the binomial); (b) also as
@@ -323,6 +324,9 @@ def load_baseline(path: str) -> type:
         def due(self) -> bool:  # the stepper asks; this monitor's hooks follow the clock themselves
             return False
 
+        def runaway(self, *, stats: Any = None, **kwargs: Any) -> Any:  # it reads its statistics again
+            return super().runaway(**kwargs)
+
     return Permanent
 
 
@@ -444,7 +448,7 @@ class Alternator(pl.Callback):
 
 
 def blocks(name: str, runs: int, steps: int, baseline: type | None = None, every: int = EVERY,
-           null: bool = False, empty: bool = False) -> dict[str, Any]:
+           null: bool = False, empty: bool = False, reads: bool = False) -> dict[str, Any]:
     """(b) within each fit: blocks of 10 steps alternately with and without the monitor's hooks; per on-block the
     ratio of its CPU time to the mean of its two neighbouring off-blocks. Fits alternate between the current
     monitor (``on``) and ``baseline`` (``base``) when given. ``every`` > 10 (``--idle-only``): the on-blocks hold
@@ -467,7 +471,8 @@ def blocks(name: str, runs: int, steps: int, baseline: type | None = None, every
                 module, data = workload(name)
                 alternator = Alternator(meter, null=null, empty=empty)
                 plugin = StablePrecision("bf16-mixed", fp8="current", growth_every_n_steps=every)
-                pl.Trainer(plugins=[plugin], max_steps=steps, callbacks=[alternator], **TRAINER).fit(
+                readers = [OverflowMonitor()] if reads else []  # the warning's reads, once per new sample
+                pl.Trainer(plugins=[plugin], max_steps=steps, callbacks=[alternator, *readers], **TRAINER).fit(
                     module, datamodule=data)
             finally:
                 meter.uninstall()
@@ -578,6 +583,8 @@ def main() -> None:
     parser.add_argument("--idle-only", action="store_true", help="blocks part: hooks that never sample")
     parser.add_argument("--null", action="store_true", help="blocks part: an A/A check, the hooks off in all blocks")
     parser.add_argument("--empty-hooks", action="store_true", help="blocks part: no-op hooks in the on-blocks")
+    parser.add_argument("--reads", action="store_true",
+                        help="blocks part: with OverflowMonitor, which reads runaway_layers() after each new sample")
     parser.add_argument("--block-steps", type=int, default=None,
                         help=f"steps per fit in the blocks part (default per workload: {BLOCK_STEPS})")
     parser.add_argument("--workloads", default="mlp")
@@ -603,7 +610,8 @@ def main() -> None:
             steps = args.block_steps or BLOCK_STEPS[name]
             results.setdefault("blocks", {})[name] = blocks(name, args.runs, steps, baseline,
                                                             every=10**9 if args.idle_only else EVERY,
-                                                            null=args.null, empty=args.empty_hooks)
+                                                            null=args.null, empty=args.empty_hooks,
+                                                            reads=args.reads)
         if args.part == "overhead":
             baseline = load_baseline(args.baseline) if args.baseline else None
             results.setdefault("overhead", {})[name] = overhead(name, args.rounds, args.steps, baseline)

@@ -144,6 +144,18 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the tensor operations dispatched inside the block, in order (``.names``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def spawn_ranks(worker, init_file: str, out_dir: str, *, nprocs: int = 2, limit_s: float = 240.0) -> None:
     """``worker(rank, init_file, out_dir)`` on ``nprocs`` spawned processes (not forked: a fork could copy a lock that
     another thread holds, e.g. inductor's workers after a compile), rendezvous through ``init_file``. A rank still

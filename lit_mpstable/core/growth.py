@@ -33,6 +33,7 @@ from lit_mpstable.core.growth_stats import (
     check_saved,
     finish_rows,
     format_range,
+    host_rows,
     is_runaway,
     layer_stats,
     place_rows,
@@ -311,32 +312,30 @@ class GrowthMonitor:
         return self._slopes
 
     # ------------------------------------------------------------------------------------------ reading
-    def _table(self) -> tuple[list[tuple[str, History]], torch.Tensor]:
-        """The sampled layers, and their latest rows with the fitted slope appended (layers x 5, device)."""
+    def _read(self) -> tuple[list[tuple[str, History]], torch.Tensor | None]:
+        """The sampled layers, and the ring buffer holding their rows, flushed (None before a sample)."""
         self._flush()
         sampled = [(name, h) for name, h in self._history.items() if h.rows is not None]
-        if not sampled:
-            return [], torch.empty(0, len(_FIELDS) + 1)
-        buffer = self._place(sampled[0][1].rows.device)  # type: ignore[union-attr]
-        at = torch.tensor([[h.index for _, h in sampled], [(h.next - 1) % self.window for _, h in sampled]],
-                          device=buffer.device)
-        return sampled, torch.cat([buffer[at[0], at[1]], self._fit(buffer)[at[0]].unsqueeze(1)], dim=1)
+        return sampled, self._place(sampled[0][1].rows.device) if sampled else None  # type: ignore[union-attr]
 
     def metrics(self) -> dict[str, torch.Tensor]:
         """``mp/amax_growth`` (the fastest per-layer trend, log2 amax per step) and ``mp/kurtosis_max`` (the largest
         latest per-layer kurtosis) as 0-dim device tensors; empty before the first sample. No host read."""
-        sampled, table = self._table()
-        if not sampled:
+        sampled, buffer = self._read()
+        if buffer is None:
             return {}
-        return {"mp/amax_growth": table[:, 4].max(), "mp/kurtosis_max": table[:, 1].max()}
+        at = torch.tensor([[h.index for _, h in sampled], [(h.next - 1) % self.window for _, h in sampled]],
+                          device=buffer.device)
+        return {"mp/amax_growth": self._fit(buffer)[at[0]].max(), "mp/kurtosis_max": buffer[at[0], at[1], 1].max()}
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per sampled layer: ``amax``, ``kurtosis``, ``saturation``, ``underflow`` (the latest sample),
         ``amax_growth`` (log2 amax per step, fitted over the window), ``samples`` and ``step`` (of the latest
-        sample). One host read (it syncs with the device)."""
-        sampled, table = self._table()
+        sample). One host read of the ring buffer (it syncs with the device); the fit runs on the host."""
+        sampled, buffer = self._read()
+        rows = [] if buffer is None else host_rows(buffer, [h for _, h in sampled], self.window)
         out = {}
-        for (name, history), values in zip(sampled, table.tolist()):
+        for (name, history), values in zip(sampled, rows):
             log2_amax, kurtosis, saturation, underflow, slope = values
             out[name] = {
                 "amax": 2.0**log2_amax if math.isfinite(log2_amax) else log2_amax, "kurtosis": kurtosis,
@@ -345,11 +344,12 @@ class GrowthMonitor:
             }
         return out
 
-    def runaway(self, *, horizon: float = 200.0, kurtosis: float = 100.0) -> list[str]:
+    def runaway(self, *, horizon: float = 200.0, kurtosis: float = 100.0,
+                stats: dict[str, dict[str, float]] | None = None) -> list[str]:
         """The layers heading out of range (see the class docstring for the defaults), in attach order: those whose
         fitted ``log2 amax`` trend (over a full window) crosses ``log2(fmt max / scale)`` within
         ``horizon`` steps of the latest sample, whose latest kurtosis exceeds ``kurtosis``, or that already
-        saturate or hold a non-finite value. One host read.
+        saturate or hold a non-finite value. One host read (none given ``stats``, this sample's :meth:`stats`).
 
         Raises:
             ValueError: ``horizon`` or ``kurtosis`` is not a positive number.
@@ -357,7 +357,7 @@ class GrowthMonitor:
         for label, value in (("horizon", horizon), ("kurtosis", kurtosis)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"GrowthMonitor.runaway({label}={value!r}): must be a number > 0.")
-        return [name for name, row in self.stats().items()
+        return [name for name, row in (self.stats() if stats is None else stats).items()
                 if is_runaway(row, self._history[name], self._log2_max, self.window, horizon, kurtosis)]
 
     # ------------------------------------------------------------------------------------------ state

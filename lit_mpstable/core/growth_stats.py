@@ -27,8 +27,8 @@ from lit_mpstable.base.validate import check_keys, int_arg
 from lit_mpstable.core.loaded_state import check_fields, check_mapping, count, count_list, name_list
 
 __all__ = ["FIELDS", "WIDTH", "History", "cast_limits", "check_rows", "check_saved", "finish_rows", "format_range",
-           "layer_stats", "is_runaway", "place_rows", "reduce_activation", "thresholds", "trend_weights",
-           "warn_unsampled"]
+           "host_rows", "is_runaway", "layer_stats", "place_rows", "reduce_activation", "slope_weights", "thresholds",
+           "trend_weights", "warn_unsampled"]
 
 FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
 _STATE_KEYS = {"steps", "samples", "sampled", "layers"}
@@ -210,19 +210,35 @@ class History:
     ceiling: float = 128.0  # log2 of the largest value of the activation's own dtype (FP32/BF16 until sampled)
 
 
+def slope_weights(steps: list[int]) -> list[float]:
+    """The least-squares slope of samples ``y_i`` taken at ``steps`` (slot order) is ``sum(w_i y_i)`` with
+    ``w_i = (t_i - mean t) / sum (t - mean t)**2`` (all 0 with fewer than two distinct steps)."""
+    mean = sum(steps) / max(len(steps), 1)
+    denominator = sum((t - mean) ** 2 for t in steps)
+    return [(t - mean) / denominator if denominator else 0.0 for t in steps]
+
+
 def trend_weights(histories: Iterable[History], window: int) -> list[list[list[float]]]:
-    """[weights, mask], each layers x ``window``: the least-squares slope of a layer's samples is
-    ``sum(w_i y_i)`` with ``w_i = (t_i - mean t) / sum (t - mean t)**2`` over its filled slots (all 0 with fewer
-    than two distinct steps), from the steps known on the host."""
+    """[weights, mask], each layers x ``window`` (:func:`slope_weights` of each layer's filled slots), for the fit
+    of every layer on the device at once."""
     histories = list(histories)
     weights = [[[0.0] * window for _ in histories] for _ in range(2)]
     for history in histories:
-        ts = history.steps
-        mean = sum(ts) / max(len(ts), 1)
-        denominator = sum((t - mean) ** 2 for t in ts)
-        for slot, t in enumerate(ts if denominator else []):
-            weights[0][history.index][slot], weights[1][history.index][slot] = (t - mean) / denominator, 1.0
+        for slot, w in enumerate(slope_weights(history.steps)):
+            weights[0][history.index][slot], weights[1][history.index][slot] = w, 1.0
     return weights
+
+
+def host_rows(buffer: torch.Tensor, histories: list[History], window: int) -> list[list[float]]:
+    """Each of ``histories``' latest row with its fitted slope of log2 amax appended (``[log2 amax, kurtosis,
+    saturation, underflow, slope]``), from one host read of the ring buffer: the fit runs on the host."""
+    values = buffer.tolist()
+    out = []
+    for history in histories:
+        rows = values[history.index]
+        slope = sum(w * row[0] for w, row in zip(slope_weights(history.steps), rows))
+        out.append([*rows[(history.next - 1) % window], slope])
+    return out
 
 
 def is_runaway(row: dict[str, float], history: History, log2_max: float, window: int, horizon: float,

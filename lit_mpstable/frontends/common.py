@@ -132,8 +132,8 @@ class StableFrontEnd:
         if growth is None:
             return []
         if self._runaway[0] != growth.samples:
-            self.stepper.stats["growth"] = growth.stats()
-            self._runaway = (growth.samples, growth.runaway())
+            self.stepper.stats["growth"] = stats = growth.stats()
+            self._runaway = (growth.samples, growth.runaway(stats=stats))
         return list(self._runaway[1])
 
     def growth_metrics(self) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import TinyMLP, regression_data
+from helpers import OpNames, TinyMLP, regression_data
 from torch import nn
 
 from lit_mpstable.core.growth import GrowthMonitor
@@ -96,3 +96,29 @@ def test_a_count_that_jumps_is_no_missed_sample() -> None:
 def test_an_unknown_hooks_choice_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"attach\(hooks='sometimes'\).*'always', 'on_demand'"):
         GrowthMonitor().attach(TinyMLP(), hooks="sometimes")  # type: ignore[arg-type]
+
+
+def test_the_warnings_read_after_a_sample_is_one_read_of_the_ring_buffer() -> None:
+    """``runaway_layers()`` after a new sample: the flush of the queued samples (~25 ops for all layers) and one read;
+    the fit runs on the host. It used to build the latest rows and the fit on the device twice (stats, then runaway
+    read the stats again): 50 ops on this model."""
+    from lit_mpstable import StablePrecision
+
+    plugin = StablePrecision("bf16-mixed", growth_every_n_steps=2)
+    module = plugin.convert_module(TinyMLP())
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    plugin.stepper.setup_optimizers(module, [opt])
+    x, y = regression_data(16)
+    for _ in range(5):
+        with plugin.forward_context():
+            loss = nn.functional.mse_loss(module(x).float(), y)
+        plugin.stepper.scale_loss(loss).backward()
+        plugin.stepper.step(opt)
+        opt.zero_grad()
+    with OpNames() as ops:
+        named = plugin.runaway_layers()
+    assert named == [] and plugin.stepper.stats["growth"]
+    assert len(ops.names) <= 30, (len(ops.names), ops.names)
+    assert ops.names.count("aten.index_put_.default") == 1  # the flush's write; nothing more is built
+    stats = plugin.stepper.stats["growth"]
+    assert plugin.stepper.growth.runaway(stats=stats) == plugin.stepper.growth.runaway()

@@ -7,19 +7,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import OpNames as _Ops
 
 from lit_mpstable.core.spike import SpikeGuard
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _warm(guard: SpikeGuard, steps: int = 40) -> SpikeGuard:
