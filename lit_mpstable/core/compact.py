@@ -113,6 +113,8 @@ class CompactWeights(FusedSteps, StandIns):
         self._comp: dict[str, torch.Tensor] = {}
         self._unnamed: dict[int, torch.Tensor] = {}  # 16-bit but not the model's: stepped as they are
         self._fused: FusedAdam | None = None  # built at the first fused step
+        self._views: dict[int, Any] = {}  # per parameter: the fused kernel's flat views and random key tensor
+        self._crc: dict[str, int] = {}  # per parameter name: its CRC-32, part of every random key
         self._before: dict[int, dict[Any, Any]] = {}  # during step_: each parameter's state before it
         for optimizer in optimizers:
             if all(optimizer is not o for o in self._optimizers):
@@ -325,7 +327,10 @@ class CompactWeights(FusedSteps, StandIns):
 
     def _key(self, piece: Piece) -> int:
         # Hash of (seed, steps, parameter name): the random key of the parameter's element 0 at this step.
-        return mix(self.seed, self.steps, zlib.crc32(piece.name.encode()))  # type: ignore[union-attr]
+        crc = self._crc.get(piece.name)  # type: ignore[arg-type]
+        if crc is None:
+            crc = self._crc[piece.name] = zlib.crc32(piece.name.encode())  # type: ignore[index,union-attr]
+        return mix(self.seed, self.steps, crc)
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -3,6 +3,8 @@ copies."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -405,3 +407,37 @@ def test_the_plain_kernel_is_the_full_one_without_clip_or_l2(mode: str) -> None:
     assert not torch.equal(words[0][0], base[0].view(torch.int16))  # it stepped
     for a, b in zip(*words):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_new_tensors_behind_a_parameter_or_its_moments_are_the_ones_stepped(mode: str) -> None:
+    # The kernel's flat views and key tensors are kept from step to step: a parameter given new data and moments
+    # replaced by a loaded optimizer state must be stepped there, bit for bit as a run that never replaced them,
+    # and the old tensors left alone.
+    def run(replace: bool) -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
+        torch.manual_seed(0)
+        model = _Net().bfloat16()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        cw = CompactWeights(model, [opt], mode, seed=3)
+        g = torch.Generator().manual_seed(1)
+        old: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for step in range(4):
+            if replace and step == 2:  # new data behind each parameter (the moments stay)
+                old += [(p.data, p.data.clone()) for p in model.parameters()]
+                for p in model.parameters():
+                    p.data = p.data.clone()
+            if replace and step == 3:  # new moments (the parameters' data stays)
+                old += [(s[k], s[k].clone()) for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            model(torch.randn(16, 64, generator=g).bfloat16()).float().square().mean().backward()
+            cw.step_(opt, grad_multiplier=torch.tensor(0.5))
+        assert cw._fused is not None
+        return model, opt, old
+
+    model, opt, old = run(replace=True)
+    ref_model, ref_opt, _ = run(replace=False)
+    for (name, p), ref_p in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p.view(torch.int16), ref_p.view(torch.int16)), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key].view(torch.int16), ref_opt.state[ref_p][key].view(torch.int16)), key
+    assert old and all(torch.equal(t, before) for t, before in old)  # what was replaced kept its values
