@@ -142,6 +142,9 @@ def run(kind: str, name: str, steps: int, memory_step: int | None) -> Meter:
 # attribute is missing (another version of the package), the row stays empty.
 PHASES = [
     ("lightning.pytorch.loops.optimization.automatic", "Closure.closure", "forward + backward (Lightning's closure)"),
+    ("torch.optim.optimizer", "Optimizer.zero_grad", "  zero_grad (L: frees the last gradients)"),
+    ("lit_mpstable.frontends.trainer", "StablePrecision.pre_backward", "  pre_backward (SP: scale the loss)"),
+    ("torch.autograd", "backward", "  torch.autograd.backward"),
     ("torch.optim.adam", "_single_tensor_adam", "torch's Adam arithmetic (L-bf16-true)"),
     ("lit_mpstable.core.stepper", "PrecisionStepper.unscale_", "stepper.unscale_"),
     ("lit_mpstable.core.inf_checks", "InfChecks.check_", "  scaler.check_: the gradients' inf/NaN check"),
@@ -245,11 +248,22 @@ def child_round(kinds: list[str], names: list[str], steps: int, offset: int, rep
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def cpu_flags() -> str:
+    """The CPU's vector-unit flags that decide the kernels' speed (inductor's and ATen's), from /proc/cpuinfo."""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    have = set(line.split(":", 1)[1].split())
+    return " ".join(flag for flag in wanted if flag in have) or "none of " + " ".join(wanted)
+
+
 def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
     """Before (``--ab`` tree) and after (this tree) in one run; see the module docstring."""
     trees = {"before": str(Path(args.ab).resolve()), "after": str(Path(__file__).resolve().parent.parent)}
-    load = os.getloadavg()
-    print(f"load average at start: {load}", flush=True)
+    load, flags = os.getloadavg(), cpu_flags()
+    print(f"load average at start: {load}; CPU flags: {flags}", flush=True)
     cpu: dict[str, dict[str, dict[str, list[float]]]] = {
         t: {k: {n: [] for n in names} for k in kinds} for t in trees}
     for r in range(args.rounds):
@@ -273,7 +287,8 @@ def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
              f" {args.steps} steps a run, CPU time per step: median of the steps after 2 of warm-up in each run)."
              " Ratios to Lightning's bf16-true are paired inside a child; after/before is paired by round."
              " Median [IQR].", "",
-             f"load average at start: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; before = {trees['before']}", ""]
+             f"load average at start: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; CPU flags: {flags};"
+             f" before = {trees['before']}", ""]
     for kind in kinds:
         results[kind] = {}
         lines += [f"## {kind}", "", "| config | before ms/step | after ms/step | before x L-bf16-true |"
@@ -297,6 +312,7 @@ def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "rounds": args.rounds, "steps": args.steps, "repeats": args.repeats,
             "threads": 1, "load_average_at_start": load, "load_average_at_end": os.getloadavg(), "trees": trees,
+            "cpu_flags": flags,
             "command": "bench/bench_memory.py " + " ".join(sys.argv[1:])}
     (out / "compact_ab.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (out / "compact_ab.md").write_text("\n".join(lines))
