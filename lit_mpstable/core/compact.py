@@ -22,7 +22,6 @@ from lit_mpstable.core.compact_slices import (
     budget,
     cast_state_,
     check_keys,
-    grad_bytes,
     init_blockwise_,
     quantized_state_classes,
 )
@@ -231,11 +230,13 @@ class CompactWeights(FusedSteps, StandIns):
         self._before = {}
         groups, output = optimizer.param_groups, None
         pieces = self._pieces(optimizer)
-        grads = [(piece.param, grad_bytes(piece.param)) for piece in pieces if piece.fused]
-        pieces, fused = self._step_fused_(optimizer, pieces, grad_multiplier, clip_value)
-        freed = sum(nbytes for p, nbytes in grads if p.grad is None)  # the fused step dropped them
-        base, cap = budget(self.chunk_bytes, pieces[0].param.device, optimizer) if pieces else (0, 0)
-        chunks = list(split_chunks(pieces, base, cap, freed))
+        rest, fused = self._step_fused_(optimizer, pieces, grad_multiplier, clip_value)
+        chunks: list[list[Piece]] = []
+        if rest:  # chunks grow by the gradient bytes the fused step dropped (of the parameter's size and dtype)
+            freed = sum(piece.param.numel() * piece.param.element_size() for piece in pieces
+                        if piece.fused and piece.param.grad is None)
+            base, cap = budget(self.chunk_bytes, rest[0].param.device, optimizer)
+            chunks = list(split_chunks(rest, base, cap, freed))
         for chunk in chunks or ([[]] if fused else []):  # fused alone: one call for the hooks (empty groups)
             saved = [group["params"] for group in groups]
             entered: list[tuple[Piece, torch.Tensor, torch.Tensor | None]] = []

@@ -324,7 +324,7 @@ class FusedSteps:
         state = optimizer.state.get(p, {})
         if not state:
             return True
-        if set(state) != {"step", "exp_avg", "exp_avg_sq"} or not torch.is_tensor(state["step"]):
+        if state.keys() != _ADAM_KEYS or not isinstance(state["step"], torch.Tensor):
             return False
         step, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
         return (
@@ -332,6 +332,9 @@ class FusedSteps:
             and type(m) is torch.Tensor and m.dtype == p.dtype and m.shape == p.shape and m.is_contiguous()
             and type(v) is torch.Tensor and v.dtype == p.dtype and v.shape == p.shape and v.is_contiguous()
         )
+
+
+_ADAM_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq"))  # the state torch's Adam keeps without amsgrad
 
 
 def _has_step_hooks(optimizer: Optimizer) -> bool:
