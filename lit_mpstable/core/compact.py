@@ -176,6 +176,7 @@ class CompactWeights(FusedSteps, StandIns):
         the compensation is zeroed; back into 16 bits, the compensation takes the rounding residual; per-element
         optimizer state follows the parameter's dtype (Adam's ``lerp_`` refuses mixed dtypes)."""
         for param, old in changed:
+            self._views.pop(id(param), None)  # the fused kernel's views of its old tensors
             name = self._names.get(id(param))
             comp = self._comp.get(name) if name is not None else None
             if comp is not None and param.dtype == torch.float32 and old.dtype in LOW:

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.compact_rounding import _signed32, hash32, noise_bits
 from lit_mpstable.core.compact_slices import Piece
+from lit_mpstable.core.compact_views import KernelArgs, fill_key, flat, flat_views
 
 __all__ = ["FusedAdam", "FusedSteps", "hash32", "host_to_device", "keys", "noise_bits"]
 
@@ -227,7 +228,7 @@ class FusedSteps:
     _fused: FusedAdam | None
     _fused_failed: bool
     _comp: dict[str, torch.Tensor]
-    _views: dict[int, _Views]  # per parameter (by id): its kernel arguments of the last fused step
+    _views: dict[int, KernelArgs]  # per parameter (by id): its kernel arguments of the last fused step
 
     def _key(self, piece: Any) -> int:
         raise NotImplementedError
@@ -238,6 +239,10 @@ class FusedSteps:
         """Step the parameters the fused kernel takes (:meth:`_pieces` leaves them whole: the kernel allocates
         nothing, so slices would only add calls); returns the other pieces, in order, and whether any was stepped."""
         fused = [piece for piece in pieces if piece.fused]
+        if self._views and len(fused) < len(pieces):
+            for piece in pieces:
+                if not piece.fused:  # stepped otherwise now (cast to FP32, other state): its old tensors go
+                    self._views.pop(id(piece.param), None)
         if not fused:
             return pieces, False
         self._fused = FusedAdam() if self._fused is None else self._fused
@@ -248,7 +253,7 @@ class FusedSteps:
         key_of: dict[int, torch.Tensor] = {}
         for piece in fused:
             if piece.param.device.type == "cpu":  # each parameter's key tensor of the last step, refilled in place
-                key_of[id(piece)] = _fill_key(views, piece.param, self._key(piece))
+                key_of[id(piece)] = fill_key(views, piece.param, self._key(piece))
             else:
                 on_device.setdefault(piece.param.device, []).append(piece)
         for device, group in on_device.items():
@@ -278,9 +283,9 @@ class FusedSteps:
             comp = self._comp[piece.name] if self.mode == "kahan" else None  # type: ignore[index]
             grad = p.grad
             assert grad is not None  # _fusable marks a piece fused only when its gradient is there
-            w, c, m, v = _flat_views(views, p, comp, state["exp_avg"], state["exp_avg_sq"])
+            w, c, m, v = flat_views(views, p, comp, state["exp_avg"], state["exp_avg_sq"])
             try:
-                self._fused.run_(w, c, _flat(grad), m, v, values, key_of[id(piece)], eager=eager, plain=plain)
+                self._fused.run_(w, c, flat(grad), m, v, values, key_of[id(piece)], eager=eager, plain=plain)
             except Exception as error:  # compiling failed (no C++ compiler, an unsupported device...)
                 _count_(steps)
                 if self.fused is True:
@@ -345,55 +350,6 @@ def _has_step_hooks(optimizer: Optimizer) -> bool:
         getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None)
         or getattr(module, "_global_optimizer_pre_hooks", None) or getattr(module, "_global_optimizer_post_hooks", None)
     )
-
-
-class _Views:
-    """One parameter's kernel arguments that outlive a step: the flat views of the weight, compensation and moments
-    (four views and a detach cost ~7 us per parameter and step in Python) and its random key's 0-d tensor (refilled
-    in place: half the cost of a new one). The views are kept while they are of the same tensors, by identity, start
-    and size: a parameter given new data (``p.data = ...``), moments replaced (a loaded optimizer state) or a
-    compensation replaced get new ones."""
-
-    __slots__ = ("comp", "flat", "key", "m", "param", "v", "where")
-
-    def __init__(self, param: torch.Tensor) -> None:
-        self.param = param
-        self.comp: torch.Tensor | None = None
-        self.m: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.flat: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
-        self.where: tuple[int, int, int, int] = (0, 0, 0, 0)
-        self.key = torch.empty((), dtype=torch.int32)
-
-
-def _entry(views: dict[int, _Views], p: torch.Tensor) -> _Views:
-    entry = views.get(id(p))
-    if entry is None or entry.param is not p:
-        entry = views[id(p)] = _Views(p)
-    return entry
-
-
-def _flat_views(
-    views: dict[int, _Views], p: torch.Tensor, comp: torch.Tensor | None, m: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The flat views of ``p``, its compensation ``comp`` and moments ``m``, ``v`` for the kernel (:class:`_Views`)."""
-    entry = _entry(views, p)
-    where = (p.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel())
-    flat = entry.flat
-    if flat is None or entry.comp is not comp or entry.m is not m or entry.v is not v or entry.where != where:
-        flat = entry.flat = (_flat(p.detach()), _flat(comp) if comp is not None else None, _flat(m), _flat(v))
-        entry.comp, entry.m, entry.v, entry.where = comp, m, v, where
-    return flat
-
-
-def _fill_key(views: dict[int, _Views], p: torch.Tensor, key: int) -> torch.Tensor:
-    """``p``'s random key of this step as a 0-d int32 CPU tensor of its own (see :func:`keys`)."""
-    return _entry(views, p).key.fill_(_signed32(key))
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    # A contiguous tensor as the 1-d one the kernel takes; a view costs microseconds, so none where it is one already.
-    return t if t.dim() == 1 else t.view(-1)
 
 
 def _count_(steps: list[torch.Tensor]) -> None:

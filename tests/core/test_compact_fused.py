@@ -4,6 +4,8 @@ copies."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -441,3 +443,35 @@ def test_new_tensors_behind_a_parameter_or_its_moments_are_the_ones_stepped(mode
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][key].view(torch.int16), ref_opt.state[ref_p][key].view(torch.int16)), key
     assert old and all(torch.equal(t, before) for t, before in old)  # what was replaced kept its values
+
+
+@pytest.mark.parametrize("recast", [True, False])
+def test_a_parameter_that_leaves_the_kernel_lets_go_of_its_old_tensors(recast: bool) -> None:
+    # A precision fallback casts a parameter to FP32 (its BF16 data and moments are replaced): the kernel's kept views
+    # of them must not hold the old tensors alive, whether the cast is announced (follow_recast_) or only seen at the
+    # next step.
+    torch.manual_seed(0)
+    model = _Net().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cw = CompactWeights(model, [opt], "stochastic", seed=3)
+    model(torch.randn(4, 64).bfloat16()).float().sum().backward()
+    cw.step_(opt)
+    p = model.a.weight
+    old_data = weakref.ref(p.data.untyped_storage())
+    old_moment = weakref.ref(opt.state[p]["exp_avg"].untyped_storage())
+    assert old_data() is not None and old_moment() is not None
+    before = p.data
+    p.data = p.data.float()
+    if recast:
+        cw.follow_recast_([(p, before)])
+    del before
+    with torch.no_grad():
+        p.grad = torch.full_like(p, 1e-3)
+        for q in model.parameters():
+            if q is not p:
+                q.grad = torch.full_like(q, 1e-3)
+    cw.step_(opt)
+    gc.collect()
+    assert opt.state[p]["exp_avg"].dtype == torch.float32  # stepped through FP32 copies now
+    data_freed, moment_freed = old_data() is None, old_moment() is None
+    assert data_freed and moment_freed
