@@ -475,3 +475,52 @@ def test_a_parameter_that_leaves_the_kernel_lets_go_of_its_old_tensors(recast: b
     assert opt.state[p]["exp_avg"].dtype == torch.float32  # stepped through FP32 copies now
     data_freed, moment_freed = old_data() is None, old_moment() is None
     assert data_freed and moment_freed
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_in_an_accumulated_gradient_skips_the_fused_step_and_the_next_step_is_as_without_it(mode: str) -> None:
+    # Through the stepper, gradients accumulated over two backwards, a NaN written into the second one's: the step is
+    # skipped (nothing written, the kernel's kept views and random keys untouched), and the next step gives the very
+    # words of a run that never saw that batch (a power-of-two scale backoff changes no unscaled gradient).
+    from helpers import TinyMLP, regression_data
+
+    from lit_mpstable.core.stepper import PrecisionStepper
+
+    def run(bad_batch: bool) -> tuple[nn.Module, torch.optim.Optimizer, list[bool], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = TinyMLP()
+        stepper = PrecisionStepper("bf16-true", master_weights=mode)
+        stepper.setup_module(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stepper.setup_optimizers(model, [opt])
+        x, y = regression_data(32)
+        skipped, held = [], []
+        for step in range(4):
+            if step == 2 and not bad_batch:
+                continue
+            for half in (slice(0, 16), slice(16, 32)):
+                with stepper.forward_context():
+                    loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x[half] * (1 + step))).float(),
+                                                        y[half])
+                stepper.scale_loss(loss).backward()
+            if step == 2:
+                model.fc2.weight.grad.view(-1)[3] = float("nan")
+                held = [t.clone() for t in [*model.parameters(), *(s[k] for s in opt.state.values()
+                                                                    for k in ("exp_avg", "exp_avg_sq"))]]
+            stepper.step(opt)
+            opt.zero_grad()
+            skipped.append(stepper.counters.last_step_skipped)
+            if step == 2:  # nothing was written
+                after = [*model.parameters(), *(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))]
+                assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(after, held))
+        assert stepper.keeper.weights._fused is not None  # the fused kernel stepped
+        return model, opt, skipped, held
+
+    model, opt, skipped, held = run(bad_batch=True)
+    ref_model, ref_opt, ref_skipped, _ = run(bad_batch=False)
+    assert skipped == [False, False, True, False] and ref_skipped == [False, False, False] and held
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for (name, p), ref_p in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p.view(torch.int16), ref_p.view(torch.int16)), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key].view(torch.int16), ref_opt.state[ref_p][key].view(torch.int16)), key
