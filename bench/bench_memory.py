@@ -19,6 +19,12 @@ paired inside one process and one time window; the ratio of the two trees' ratio
 Where a step's CPU time goes, phase by phase (``--phases``; BENCH_MEMORY_TREE=/path/to/other measures another tree):
 
     .venv/bin/python bench/bench_memory.py --phases --kinds mlp --configs SP-kahan,SP-stochastic --rounds 4 --steps 14
+
+The Python of ``CompactWeights.step_`` alone (``--step-python``), and what the gradients' inf/NaN check costs after
+backward vs folded into backward by hooks (``--check-costs``, MLP):
+
+    .venv/bin/python bench/bench_memory.py --step-python --steps 200
+    .venv/bin/python bench/bench_memory.py --check-costs --rounds 60
 """
 
 from __future__ import annotations
@@ -142,6 +148,9 @@ def run(kind: str, name: str, steps: int, memory_step: int | None) -> Meter:
 # attribute is missing (another version of the package), the row stays empty.
 PHASES = [
     ("lightning.pytorch.loops.optimization.automatic", "Closure.closure", "forward + backward (Lightning's closure)"),
+    ("torch.optim.optimizer", "Optimizer.zero_grad", "  zero_grad (L: frees the last gradients)"),
+    ("lit_mpstable.frontends.trainer", "StablePrecision.pre_backward", "  pre_backward (SP: scale the loss)"),
+    ("torch.autograd", "backward", "  torch.autograd.backward"),
     ("torch.optim.adam", "_single_tensor_adam", "torch's Adam arithmetic (L-bf16-true)"),
     ("lit_mpstable.core.stepper", "PrecisionStepper.unscale_", "stepper.unscale_"),
     ("lit_mpstable.core.inf_checks", "InfChecks.check_", "  scaler.check_: the gradients' inf/NaN check"),
@@ -245,11 +254,22 @@ def child_round(kinds: list[str], names: list[str], steps: int, offset: int, rep
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def cpu_flags() -> str:
+    """The CPU's vector-unit flags that decide the kernels' speed (inductor's and ATen's), from /proc/cpuinfo."""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    have = set(line.split(":", 1)[1].split())
+    return " ".join(flag for flag in wanted if flag in have) or "none of " + " ".join(wanted)
+
+
 def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
     """Before (``--ab`` tree) and after (this tree) in one run; see the module docstring."""
     trees = {"before": str(Path(args.ab).resolve()), "after": str(Path(__file__).resolve().parent.parent)}
-    load = os.getloadavg()
-    print(f"load average at start: {load}", flush=True)
+    load, flags = os.getloadavg(), cpu_flags()
+    print(f"load average at start: {load}; CPU flags: {flags}", flush=True)
     cpu: dict[str, dict[str, dict[str, list[float]]]] = {
         t: {k: {n: [] for n in names} for k in kinds} for t in trees}
     for r in range(args.rounds):
@@ -273,7 +293,8 @@ def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
              f" {args.steps} steps a run, CPU time per step: median of the steps after 2 of warm-up in each run)."
              " Ratios to Lightning's bf16-true are paired inside a child; after/before is paired by round."
              " Median [IQR].", "",
-             f"load average at start: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; before = {trees['before']}", ""]
+             f"load average at start: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; CPU flags: {flags};"
+             f" before = {trees['before']}", ""]
     for kind in kinds:
         results[kind] = {}
         lines += [f"## {kind}", "", "| config | before ms/step | after ms/step | before x L-bf16-true |"
@@ -297,10 +318,95 @@ def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "rounds": args.rounds, "steps": args.steps, "repeats": args.repeats,
             "threads": 1, "load_average_at_start": load, "load_average_at_end": os.getloadavg(), "trees": trees,
+            "cpu_flags": flags,
             "command": "bench/bench_memory.py " + " ".join(sys.argv[1:])}
     (out / "compact_ab.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (out / "compact_ab.md").write_text("\n".join(lines))
     print("\n".join(lines))
+
+
+def step_python(kinds: list[str], calls: int) -> None:
+    """``CompactWeights.step_`` alone on each workload's BF16 parameters (AdamW, random gradients, "kahan"), the
+    fused kernel's calls replaced by no-ops after one real step: the Python around them, warm, per call (thread CPU
+    time, median of ``calls`` after 20 of warm-up). BENCH_MEMORY_TREE=/path/to/other measures another tree."""
+    from lit_mpstable.core.compact import CompactWeights
+    from lit_mpstable.core.compact_fused import FusedAdam
+
+    real = FusedAdam.run_
+    for kind in kinds:
+        net = Workload(kind, torch.optim.AdamW).net.bfloat16()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        weights = CompactWeights(net, [opt], "kahan")
+        grads = [torch.randn_like(p) for p in net.parameters()]
+        multiplier, times = torch.tensor(2.0**-16), []
+        for call in range(calls + 21):
+            for p, g in zip(net.parameters(), grads):
+                p.grad = g
+            FusedAdam.run_ = real if call == 0 else (lambda *args, **kwargs: None)  # type: ignore[method-assign]
+            start = time.thread_time()
+            weights.step_(opt, grad_multiplier=multiplier)
+            times.append(time.thread_time() - start)
+        FusedAdam.run_ = real  # type: ignore[method-assign]
+        print(f"{kind}: CompactWeights.step_ without its kernel calls: {1e6 * statistics.median(times[21:]):.1f} us"
+              f" ({len(grads)} parameters; load average {os.getloadavg()[0]:.2f})", flush=True)
+
+
+def check_costs(rounds: int) -> None:
+    """What the gradients' inf/NaN check costs on the MLP (784-1024x3-10, batch 256, BF16), done after backward
+    (``inf_checks.nonfinite_on_cpu``, as the step does) or folded into backward by a post-accumulate-grad hook per
+    parameter (``torch.aminmax`` of each gradient while it is in cache), against no check: forward + backward + check,
+    thread CPU time, the three alternating, median over ``rounds`` of the difference to no check. Then exact and
+    inexact reductions of one 1M-element BF16 tensor (hot)."""
+    from lit_mpstable.core.inf_checks import nonfinite_on_cpu
+
+    net = Workload("mlp", torch.optim.AdamW).net.bfloat16()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x, y = torch.randn(256, 784).bfloat16(), torch.randint(0, 10, (256,))
+    params, bounds, hooked = list(net.parameters()), {}, [False]
+
+    def hook(p: torch.Tensor) -> None:
+        if hooked[0]:
+            bounds[id(p)] = torch.aminmax(p.grad)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+    spent: dict[str, list[float]] = {"none": [], "after backward": [], "hooks": []}
+    for r in range(rounds + 4):
+        for mode in list(spent) if r % 2 else list(spent)[::-1]:
+            hooked[0] = mode == "hooks"
+            for p in params:
+                p.grad = None
+            start = time.thread_time()
+            F.cross_entropy(net(x).float(), y).backward()
+            if mode == "after backward":
+                nonfinite_on_cpu(opt)
+            elif mode == "hooks":
+                torch.stack([b for p in params for b in bounds[id(p)]]).isfinite().all()
+            if r >= 4:
+                spent[mode].append(time.thread_time() - start)
+    for mode in ("after backward", "hooks"):
+        extra = [a - b for a, b in zip(spent[mode], spent["none"])]
+        print(f"check {mode}: +{1e3 * statistics.median(extra):.3f} ms over no check (forward + backward"
+              f" {1e3 * statistics.median(spent['none']):.2f} ms)", flush=True)
+    g = torch.randn(2**20).bfloat16()
+    candidates: dict[str, Callable[[], Any]] = {
+        "aminmax (exact; the check's)": lambda: torch.aminmax(g),
+        "max (NaN and +inf only)": lambda: g.max(),
+        "_foreach_max (NaN and +inf only)": lambda: torch._foreach_max([g]),
+        "GradScaler's check-and-unscale kernel (exact, writes back)":
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_([g], torch.zeros(()), torch.ones(())),
+        "isfinite().all() (exact)": lambda: torch.isfinite(g).all(),
+        "int16 view: aminmax (not exact: -inf/-NaN bits sit mid-range)": lambda: torch.aminmax(g.view(torch.int16)),
+        "int16 view: & 0x7F80, max (exact)": lambda: torch.bitwise_and(g.view(torch.int16), 0x7F80).max(),
+    }
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(20):
+        for name, function in candidates.items():
+            start = time.thread_time()
+            function()
+            times[name].append(time.thread_time() - start)
+    for name, values in times.items():
+        print(f"1M BF16 elements, {name}: {1e6 * statistics.median(values):.0f} us", flush=True)
 
 
 def main() -> None:
@@ -310,6 +416,10 @@ def main() -> None:
     parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=2, help="--ab: runs of each config per child (ABC CBA)")
     parser.add_argument("--phases", action="store_true", help="per-phase CPU time of a step instead (phases.md)")
+    parser.add_argument("--step-python", action="store_true",
+                        help="the Python of CompactWeights.step_ alone (kernel calls as no-ops), --steps calls")
+    parser.add_argument("--check-costs", action="store_true",
+                        help="the gradients' inf/NaN check after backward vs in post-accumulate-grad hooks (MLP)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
@@ -340,6 +450,10 @@ def main() -> None:
         return ab(args, kinds, chosen)
     if args.phases:
         return phases(kinds, chosen, args.steps, args.rounds, Path(args.out))
+    if args.step_python:
+        return step_python(kinds, args.steps)
+    if args.check_costs:
+        return check_costs(args.rounds)
     rounds, steps = (1, 4) if args.quick else (args.rounds, args.steps)
     results: dict[str, Any] = {}
     load = os.getloadavg()

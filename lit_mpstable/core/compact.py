@@ -22,7 +22,6 @@ from lit_mpstable.core.compact_slices import (
     budget,
     cast_state_,
     check_keys,
-    grad_bytes,
     init_blockwise_,
     quantized_state_classes,
 )
@@ -113,6 +112,8 @@ class CompactWeights(FusedSteps, StandIns):
         self._comp: dict[str, torch.Tensor] = {}
         self._unnamed: dict[int, torch.Tensor] = {}  # 16-bit but not the model's: stepped as they are
         self._fused: FusedAdam | None = None  # built at the first fused step
+        self._views: dict[int, Any] = {}  # per parameter: the fused kernel's flat views and random key tensor
+        self._crc: dict[str, int] = {}  # per parameter name: its CRC-32, part of every random key
         self._before: dict[int, dict[Any, Any]] = {}  # during step_: each parameter's state before it
         for optimizer in optimizers:
             if all(optimizer is not o for o in self._optimizers):
@@ -175,6 +176,7 @@ class CompactWeights(FusedSteps, StandIns):
         the compensation is zeroed; back into 16 bits, the compensation takes the rounding residual; per-element
         optimizer state follows the parameter's dtype (Adam's ``lerp_`` refuses mixed dtypes)."""
         for param, old in changed:
+            self._views.pop(id(param), None)  # the fused kernel's views of its old tensors
             name = self._names.get(id(param))
             comp = self._comp.get(name) if name is not None else None
             if comp is not None and param.dtype == torch.float32 and old.dtype in LOW:
@@ -229,11 +231,13 @@ class CompactWeights(FusedSteps, StandIns):
         self._before = {}
         groups, output = optimizer.param_groups, None
         pieces = self._pieces(optimizer)
-        grads = [(piece.param, grad_bytes(piece.param)) for piece in pieces if piece.fused]
-        pieces, fused = self._step_fused_(optimizer, pieces, grad_multiplier, clip_value)
-        freed = sum(nbytes for p, nbytes in grads if p.grad is None)  # the fused step dropped them
-        base, cap = budget(self.chunk_bytes, pieces[0].param.device, optimizer) if pieces else (0, 0)
-        chunks = list(split_chunks(pieces, base, cap, freed))
+        rest, fused = self._step_fused_(optimizer, pieces, grad_multiplier, clip_value)
+        chunks: list[list[Piece]] = []
+        if rest:  # chunks grow by the gradient bytes the fused step dropped (of the parameter's size and dtype)
+            freed = sum(piece.param.numel() * piece.param.element_size() for piece in pieces
+                        if piece.fused and piece.param.grad is None)
+            base, cap = budget(self.chunk_bytes, rest[0].param.device, optimizer)
+            chunks = list(split_chunks(rest, base, cap, freed))
         for chunk in chunks or ([[]] if fused else []):  # fused alone: one call for the hooks (empty groups)
             saved = [group["params"] for group in groups]
             entered: list[tuple[Piece, torch.Tensor, torch.Tensor | None]] = []
@@ -325,7 +329,10 @@ class CompactWeights(FusedSteps, StandIns):
 
     def _key(self, piece: Piece) -> int:
         # Hash of (seed, steps, parameter name): the random key of the parameter's element 0 at this step.
-        return mix(self.seed, self.steps, zlib.crc32(piece.name.encode()))  # type: ignore[union-attr]
+        crc = self._crc.get(piece.name)  # type: ignore[arg-type]
+        if crc is None:
+            crc = self._crc[piece.name] = zlib.crc32(piece.name.encode())  # type: ignore[index,union-attr]
+        return mix(self.seed, self.steps, crc)
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

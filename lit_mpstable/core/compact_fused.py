@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.compact_rounding import _signed32, hash32, noise_bits
 from lit_mpstable.core.compact_slices import Piece
+from lit_mpstable.core.compact_views import KernelArgs, fill_key, flat, flat_views
 
 __all__ = ["FusedAdam", "FusedSteps", "hash32", "host_to_device", "keys", "noise_bits"]
 
@@ -227,6 +228,7 @@ class FusedSteps:
     _fused: FusedAdam | None
     _fused_failed: bool
     _comp: dict[str, torch.Tensor]
+    _views: dict[int, KernelArgs]  # per parameter (by id): its kernel arguments of the last fused step
 
     def _key(self, piece: Any) -> int:
         raise NotImplementedError
@@ -237,15 +239,23 @@ class FusedSteps:
         """Step the parameters the fused kernel takes (:meth:`_pieces` leaves them whole: the kernel allocates
         nothing, so slices would only add calls); returns the other pieces, in order, and whether any was stepped."""
         fused = [piece for piece in pieces if piece.fused]
+        if self._views and len(fused) < len(pieces):
+            for piece in pieces:
+                if not piece.fused:  # stepped otherwise now (cast to FP32, other state): its old tensors go
+                    self._views.pop(id(piece.param), None)
         if not fused:
             return pieces, False
         self._fused = FusedAdam() if self._fused is None else self._fused
         # Per step, not per parameter: whether a TorchDispatchMode is on, the kernel's scalars (one small tensor per
         # group and step count, usually one per group).
+        views = self._views
         on_device: dict[torch.device, list[Piece]] = {}
-        for piece in fused:
-            on_device.setdefault(piece.param.device, []).append(piece)
         key_of: dict[int, torch.Tensor] = {}
+        for piece in fused:
+            if piece.param.device.type == "cpu":  # each parameter's key tensor of the last step, refilled in place
+                key_of[id(piece)] = fill_key(views, piece.param, self._key(piece))
+            else:
+                on_device.setdefault(piece.param.device, []).append(piece)
         for device, group in on_device.items():
             key_of.update(zip(map(id, group), keys([self._key(piece) for piece in group], device)))
         eager = torch._C._len_torch_dispatch_stack() > 0
@@ -270,14 +280,12 @@ class FusedSteps:
                 mult = _multiplier_tensor(multiplier, p.device)
                 scalars[key] = FusedAdam.scalars(options, key[1], mult, clip), FusedAdam.plain(options, clip)
             values, plain = scalars[key]
-            comp = _flat(self._comp[piece.name]) if self.mode == "kahan" else None  # type: ignore[index]
+            comp = self._comp[piece.name] if self.mode == "kahan" else None  # type: ignore[index]
             grad = p.grad
             assert grad is not None  # _fusable marks a piece fused only when its gradient is there
+            w, c, m, v = flat_views(views, p, comp, state["exp_avg"], state["exp_avg_sq"])
             try:
-                self._fused.run_(
-                    _flat(p.detach()), comp, _flat(grad), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
-                    values, key_of[id(piece)], eager=eager, plain=plain,
-                )
+                self._fused.run_(w, c, flat(grad), m, v, values, key_of[id(piece)], eager=eager, plain=plain)
             except Exception as error:  # compiling failed (no C++ compiler, an unsupported device...)
                 _count_(steps)
                 if self.fused is True:
@@ -321,7 +329,7 @@ class FusedSteps:
         state = optimizer.state.get(p, {})
         if not state:
             return True
-        if set(state) != {"step", "exp_avg", "exp_avg_sq"} or not torch.is_tensor(state["step"]):
+        if state.keys() != _ADAM_KEYS or not isinstance(state["step"], torch.Tensor):
             return False
         step, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
         return (
@@ -329,6 +337,9 @@ class FusedSteps:
             and type(m) is torch.Tensor and m.dtype == p.dtype and m.shape == p.shape and m.is_contiguous()
             and type(v) is torch.Tensor and v.dtype == p.dtype and v.shape == p.shape and v.is_contiguous()
         )
+
+
+_ADAM_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq"))  # the state torch's Adam keeps without amsgrad
 
 
 def _has_step_hooks(optimizer: Optimizer) -> bool:
@@ -339,11 +350,6 @@ def _has_step_hooks(optimizer: Optimizer) -> bool:
         getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None)
         or getattr(module, "_global_optimizer_pre_hooks", None) or getattr(module, "_global_optimizer_post_hooks", None)
     )
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    # A contiguous tensor as the 1-d one the kernel takes; a view costs microseconds, so none where it is one already.
-    return t if t.dim() == 1 else t.view(-1)
 
 
 def _count_(steps: list[torch.Tensor]) -> None:

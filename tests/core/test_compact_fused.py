@@ -3,6 +3,10 @@ copies."""
 
 from __future__ import annotations
 
+import copy
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -405,3 +409,118 @@ def test_the_plain_kernel_is_the_full_one_without_clip_or_l2(mode: str) -> None:
     assert not torch.equal(words[0][0], base[0].view(torch.int16))  # it stepped
     for a, b in zip(*words):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_new_tensors_behind_a_parameter_or_its_moments_are_the_ones_stepped(mode: str) -> None:
+    # The kernel's flat views and key tensors are kept from step to step: a parameter given new data and moments
+    # replaced by a loaded optimizer state must be stepped there, bit for bit as a run that never replaced them,
+    # and the old tensors left alone.
+    def run(replace: bool) -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
+        torch.manual_seed(0)
+        model = _Net().bfloat16()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        cw = CompactWeights(model, [opt], mode, seed=3)
+        g = torch.Generator().manual_seed(1)
+        old: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for step in range(4):
+            if replace and step == 2:  # new data behind each parameter (the moments stay)
+                old += [(p.data, p.data.clone()) for p in model.parameters()]
+                for p in model.parameters():
+                    p.data = p.data.clone()
+            if replace and step == 3:  # new moments (the parameters' data stays)
+                old += [(s[k], s[k].clone()) for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            model(torch.randn(16, 64, generator=g).bfloat16()).float().square().mean().backward()
+            cw.step_(opt, grad_multiplier=torch.tensor(0.5))
+        assert cw._fused is not None
+        return model, opt, old
+
+    model, opt, old = run(replace=True)
+    ref_model, ref_opt, _ = run(replace=False)
+    for (name, p), ref_p in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p.view(torch.int16), ref_p.view(torch.int16)), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key].view(torch.int16), ref_opt.state[ref_p][key].view(torch.int16)), key
+    assert old and all(torch.equal(t, before) for t, before in old)  # what was replaced kept its values
+
+
+@pytest.mark.parametrize("recast", [True, False])
+def test_a_parameter_that_leaves_the_kernel_lets_go_of_its_old_tensors(recast: bool) -> None:
+    # A precision fallback casts a parameter to FP32 (its BF16 data and moments are replaced): the kernel's kept views
+    # of them must not hold the old tensors alive, whether the cast is announced (follow_recast_) or only seen at the
+    # next step.
+    torch.manual_seed(0)
+    model = _Net().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cw = CompactWeights(model, [opt], "stochastic", seed=3)
+    model(torch.randn(4, 64).bfloat16()).float().sum().backward()
+    cw.step_(opt)
+    p = model.a.weight
+    old_data = weakref.ref(p.data.untyped_storage())
+    old_moment = weakref.ref(opt.state[p]["exp_avg"].untyped_storage())
+    assert old_data() is not None and old_moment() is not None
+    before = p.data
+    p.data = p.data.float()
+    if recast:
+        cw.follow_recast_([(p, before)])
+    del before
+    with torch.no_grad():
+        p.grad = torch.full_like(p, 1e-3)
+        for q in model.parameters():
+            if q is not p:
+                q.grad = torch.full_like(q, 1e-3)
+    cw.step_(opt)
+    gc.collect()
+    assert opt.state[p]["exp_avg"].dtype == torch.float32  # stepped through FP32 copies now
+    data_freed, moment_freed = old_data() is None, old_moment() is None
+    assert data_freed and moment_freed
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_in_an_accumulated_gradient_skips_the_fused_step_and_the_next_step_is_as_without_it(mode: str) -> None:
+    # Through the stepper, gradients accumulated over two backwards, a NaN written into the second one's: the step is
+    # skipped (nothing written, the kernel's kept views and random keys untouched), and the next step gives the very
+    # words of a run that never saw that batch (a power-of-two scale backoff changes no unscaled gradient).
+    from helpers import TinyMLP, regression_data
+
+    from lit_mpstable.core.stepper import PrecisionStepper
+
+    def run(bad_batch: bool) -> tuple[nn.Module, torch.optim.Optimizer, list[bool], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = TinyMLP()
+        stepper = PrecisionStepper("bf16-true", master_weights=mode)
+        stepper.setup_module(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stepper.setup_optimizers(model, [opt])
+        x, y = regression_data(32)
+        skipped, held = [], []
+        for step in range(4):
+            if step == 2 and not bad_batch:
+                continue
+            for half in (slice(0, 16), slice(16, 32)):
+                with stepper.forward_context():
+                    loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x[half] * (1 + step))).float(),
+                                                        y[half])
+                stepper.scale_loss(loss).backward()
+            if step == 2:
+                model.fc2.weight.grad.view(-1)[3] = float("nan")
+                held = [t.clone() for t in [*model.parameters(), *(s[k] for s in opt.state.values()
+                                                                    for k in ("exp_avg", "exp_avg_sq"))]]
+            stepper.step(opt)
+            opt.zero_grad()
+            skipped.append(stepper.counters.last_step_skipped)
+            if step == 2:  # nothing was written
+                after = [*model.parameters(), *(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))]
+                assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(after, held))
+        assert stepper.keeper.weights._fused is not None  # the fused kernel stepped
+        return model, opt, skipped, held
+
+    model, opt, skipped, held = run(bad_batch=True)
+    ref_model, ref_opt, ref_skipped, _ = run(bad_batch=False)
+    assert skipped == [False, False, True, False] and ref_skipped == [False, False, False] and held
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for (name, p), ref_p in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p.view(torch.int16), ref_p.view(torch.int16)), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key].view(torch.int16), ref_opt.state[ref_p][key].view(torch.int16)), key
