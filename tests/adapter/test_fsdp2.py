@@ -7,6 +7,7 @@ The two-process runs fork (~3 s each); every one is marked slow.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from datetime import timedelta
@@ -503,3 +504,27 @@ def test_the_dtype_table_reads_two_shards_and_an_islands_fp32_compute(tmp_path: 
                                                                                          "torch.bfloat16")
         assert {row["reduce_dtype"] for row in rows.values()} == {"torch.float32"}
         assert rows["model.fc1"]["params"] == 16 * 32 + 32  # whole-parameter counts, not this rank's shard
+
+
+class _GrowthSamples(pl.Callback):
+    """Each rank's growth samples, written where the test reads them (the ranks are other processes)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        growth = trainer.precision_plugin.stepper.growth
+        steps = {name: history.steps for name, history in growth._history.items()}
+        (self.out_dir / f"growth_{trainer.global_rank}.json").write_text(json.dumps([growth.samples, steps]))
+
+
+@pytest.mark.slow
+def test_growth_samples_fsdp2_sharded_layers_on_both_ranks(tmp_path: Path) -> None:
+    # The layers are hooked for the sampled forward only (inside the plugin's forward context): fully_shard's own
+    # hooks and ours on the same modules, added and removed every other step.
+    plugin = StablePrecision("bf16-mixed", growth_every_n_steps=2, device="cpu")
+    fit_fsdp2(_sharded(policy="plugin"), plugin, tmp_path, STEPS, [_GrowthSamples(tmp_path)])
+    expected = {f"model.fc{i}": [0, 2] for i in (1, 2, 3)}
+    for rank in (0, 1):
+        samples, steps = json.loads((tmp_path / f"growth_{rank}.json").read_text())
+        assert steps == expected and samples == 6, (rank, samples, steps)
