@@ -89,9 +89,13 @@ class PlainKeeper:
     def follow_recast_(self, changed: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
         # The optimizer steps the parameters themselves, whatever their dtype, but its per-element state must follow
         # a parameter a fallback or restore recast (``*-true``): Adam's lerp_ refuses a BF16 moment with an FP32 grad.
+        # Its .grad follows too: a forward before the next zero_grad (Lightning's order) would otherwise meet an FP32
+        # parameter with a BF16 gradient, which breaks a compiled graph.
         for param, _ in changed:
             for optimizer in self.optimizers:
                 cast_state_(optimizer, param)
+            if param.grad is not None and param.grad.dtype != param.dtype:
+                param.grad = param.grad.to(param.dtype)
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
         if self.fp16_state:

@@ -419,3 +419,25 @@ def test_fabric_setup_of_a_compiled_model_adds_no_graph_and_matches_eager() -> N
     _, _, eager = run(plugin(), compiled=False)
     assert (ours, our_breaks) == (graphs, breaks) and breaks == 0
     torch.testing.assert_close(losses, eager, rtol=TOL["bf16"], atol=TOL["bf16"])
+
+
+def test_lightning_fallback_of_a_true_mode_without_masters_adds_no_graph_break() -> None:
+    # bf16-true, master_weights=False: the fallback recasts the parameters to FP32 after a step, and Lightning's next
+    # forward runs before its zero_grad; a BF16 .grad left on an FP32 parameter broke the compiled graph there.
+    from helpers import make_module
+
+    class FallBack(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 1:
+                trainer.precision_plugin.fallback(None, reason="test")
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = make_module(optimizer="adamw", lr=1e-2)
+    module.model.compile(backend="eager")
+    plugin = StablePrecision("bf16-true", master_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(plugin, max_steps=3, callbacks=[FallBack()]).fit(module)
+    assert module.model.fc1.weight.dtype == torch.float32
+    assert dict(counters["graph_break"]) == {}
