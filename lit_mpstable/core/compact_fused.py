@@ -22,8 +22,8 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.compact_rounding import _signed32, hash32, noise_bits
 from lit_mpstable.core.compact_slices import Piece
-from lit_mpstable.core.compiled import own_graphs
 from lit_mpstable.core.compact_views import KernelArgs, fill_key, flat, flat_views
+from lit_mpstable.core.compiled import own_graphs
 
 __all__ = ["FusedAdam", "FusedSteps", "hash32", "host_to_device", "keys", "noise_bits"]
 
