@@ -41,6 +41,7 @@ from torch.nn import functional as F
 torch.set_num_threads(1)
 
 STEPS, SAVE_AT, NAN_AT, SPIKE_AT = 16, 10, 4, 6
+SPIKES = range(6, 9)
 STORM = range(4, 8)  # an overflow storm in fc2's gradient: enough consecutive skips for PrecisionFallback(patience=3)
 LR, GAMMA = 1e-2, 0.9
 MAX_GRAPHS = 6
@@ -65,10 +66,13 @@ FACTORS: dict[str, list[Any]] = {
 # cooldown ends after the checkpoint, snapshots, triage).
 EXTENDED: dict[str, list[Any]] = {
     "precision": ["bf16-mixed", "16-mixed", "bf16-true+kahan", "bf16-true+stochastic", "16-true", "bf16-true+False"],
-    "callbacks": ["none", "fallback+monitor", "scale_ckpt", "all"],
+    "callbacks": ["none", "fallback+monitor", "scale_ckpt", "all", "cooldown+snapshots"],
     "accum": [1, 2],
     "clip": [None, 1.0],
-    "event": [*FACTORS["event"], "fallback@6"],  # a global fallback after step 6, active at the checkpoint
+    # a global fallback after step 6, active at the checkpoint; three loss spikes in a row (ScaleCheckpoint rolls back)
+    "event": [*FACTORS["event"], "fallback@6", "spikes@6-8"],
+    "fp8": [None, "current", "delayed"],
+    "optimizer_state": ["fp32", "bf16"],  # BF16 moments need masters or compact weights: refused otherwise
 }
 FALLBACK_AFTER = 6
 
@@ -115,7 +119,7 @@ def plan(front: str, full: bool, extended: bool = False, covers: int = 1) -> lis
 
 
 def label(c: dict[str, Any]) -> str:
-    quiet = {"callbacks": "none", "accum": 1, "clip": None}
+    quiet = {"callbacks": "none", "accum": 1, "clip": None, "optimizer_state": "fp32"}
     return " ".join(f"{k}={v}" for k, v in c.items() if quiet.get(k, "-") != v)
 
 
@@ -136,6 +140,8 @@ def plugin_kwargs(c: dict[str, Any]) -> dict[str, Any]:
         kw["growth_every_n_steps"] = c["growth"]
     if c["fp8"] is not None:
         kw["fp8"] = c["fp8"]
+    if c.get("optimizer_state", "fp32") != "fp32":
+        kw["optimizer_state"] = c["optimizer_state"]
     return kw
 
 
@@ -152,7 +158,8 @@ def micro(c: dict[str, Any]) -> list[slice]:
 
 def loss_of(out: torch.Tensor, y: torch.Tensor, step: int, c: dict[str, Any]) -> torch.Tensor:
     loss = F.mse_loss(out.float(), y)
-    return loss * 1e3 if c["event"] == "spike@6" and step == SPIKE_AT else loss
+    spiked = (c["event"] == "spike@6" and step == SPIKE_AT) or (c["event"] == "spikes@6-8" and step in SPIKES)
+    return loss * 1e3 if spiked else loss
 
 
 def poison_(model: nn.Module, step: int, c: dict[str, Any]) -> None:
@@ -291,11 +298,10 @@ def run_trainer(c: dict[str, Any], load: str | None = None, ckpt_dir: str | None
 
         def training_step(self, batch, batch_idx):
             step = self.trainer.global_step
-            spike = step == SPIKE_AT and step not in self.fired
-            if spike:
-                self.fired.add(step)
+            spike = step not in self.fired  # each step's fault fires once (a skipped batch does not repeat it)
+            self.fired.add(step)
             x, y = batch
-            return loss_of(self(x), y, step if spike or step != SPIKE_AT else -1, c)
+            return loss_of(self(x), y, step if spike else -1, c)
 
         def on_after_backward(self) -> None:
             step = self.trainer.global_step
@@ -338,6 +344,8 @@ def run_trainer(c: dict[str, Any], load: str | None = None, ckpt_dir: str | None
         cbs = [refusal(PrecisionFallback, patience=3, on_growth=True), refusal(OverflowMonitor)]
     elif c["callbacks"] == "scale_ckpt":
         cbs = [refusal(ScaleCheckpoint)]
+    elif c["callbacks"] == "cooldown+snapshots":  # a fallback that ends after the checkpoint; snapshots, rollback
+        cbs = [refusal(PrecisionFallback, patience=3, cooldown=5), refusal(ScaleCheckpoint, every_n_steps=4)]
     elif c["callbacks"] == "all":
         cbs = [refusal(OverflowMonitor), refusal(PrecisionFallback, patience=3, cooldown=4),
                refusal(ScaleCheckpoint, every_n_steps=4), refusal(FaultTriage)]
@@ -359,7 +367,8 @@ def run_trainer(c: dict[str, Any], load: str | None = None, ckpt_dir: str | None
         if trainer.global_step == 0 and not record.skipped:
             raise Refused(f"{type(err).__name__} (at setup): {err}") from err
         raise
-    out = {"skipped": record.skipped, "lrs": record.lrs, "weights": weights(module),
+    rollbacks = sum(getattr(cb, "rollbacks", 0) for cb in cbs if isinstance(cb, ScaleCheckpoint))
+    out = {"skipped": record.skipped, "lrs": record.lrs, "weights": weights(module), "rollbacks": rollbacks,
            "opt": trainer.optimizers[0], "sched": trainer.lr_scheduler_configs[0].scheduler}
     if ckpt_dir is not None:
         found = sorted(Path(ckpt_dir).glob(f"*step={SAVE_AT}*.ckpt"))
@@ -375,6 +384,8 @@ def expected_skips(c: dict[str, Any]) -> tuple[set[int], set[int]]:
         must.add(NAN_AT)
     if c["event"] == "storm@4-7":
         must.update(STORM)
+    if c["event"] == "spikes@6-8":
+        (must if c["guard"] == "on" else may).update(SPIKES)
     if c["event"] == "spike@6":
         # unguarded, the spike may still overflow FP16 (a routine skip) or be skipped by ScaleCheckpoint
         (must if c["guard"] == "on" else may).add(SPIKE_AT)
@@ -415,17 +426,25 @@ def check(front: str, c: dict[str, Any]) -> tuple[str, list[str], list[str]]:
 
     skipped = {i for i, s in enumerate(full["skipped"]) if s}
     must, may = expected_skips(c)
+    if full.get("rollbacks"):
+        # ScaleCheckpoint rolled back to its snapshot: weights, optimizer and schedule went back with it, so the
+        # counters are checked against each other, and the spike that triggered it need not be skipped
+        notes.append(f"rollbacks={full['rollbacks']}")
+        may |= must
+        must = set()
     if not must <= skipped or not skipped <= must | may:
         maybe = f" (+maybe {sorted(may)})" if may else ""
         problems.append(f"skipped steps {sorted(skipped)}, expected {sorted(must)}{maybe}")
     batches = len(full["skipped"])
     applied = batches - len(skipped)
     steps = opt_steps(full["opt"])
+    if full.get("rollbacks"):
+        applied = full["sched"].last_epoch
     if steps and steps != [applied]:
         problems.append(f"Adam state['step'] {steps} != applied steps {applied}")
     if full["sched"].last_epoch != applied:
         problems.append(f"scheduler last_epoch {full['sched'].last_epoch} != applied steps {applied}")
-    for i in sorted(skipped):
+    for i in sorted(skipped) if not full.get("rollbacks") else ():
         if i > 0 and full["lrs"][i] != full["lrs"][i - 1]:
             problems.append(f"LR moved on skipped step {i}")
     bad = [k for k, v in full["weights"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
