@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
 
-__all__ = ["eager", "is_compiled", "recompile_note"]
+__all__ = ["eager", "is_compiled", "own_graphs", "recompile_note"]
 
 RECOMPILE_NOTE = ("a compiled model recompiles once after each fallback or restore (its graph holds the precision"
                   " layout); from then on it runs compiled again")
+
+# Graphs torch.compile built for our own kernels (the fused Kahan Adam step), not for the user's model, and the
+# process-wide count when last read (a drop means someone cleared torch._dynamo's counters: ours went with them).
+_OWN = {"graphs": 0, "seen": 0}
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    total = counters["stats"]["unique_graphs"]
+    if total < _OWN["seen"]:
+        _OWN["graphs"] = 0
+    _OWN["seen"] = total
+    return total
+
+
+@contextmanager
+def own_graphs() -> Iterator[None]:
+    """Count the graphs compiled inside the block as ours, so :func:`is_compiled` does not take them for the model."""
+    before = _unique_graphs()
+    try:
+        yield
+    finally:
+        _OWN["graphs"] += max(0, _unique_graphs() - before)
 
 
 def eager() -> AbstractContextManager:
@@ -24,9 +49,9 @@ def is_compiled(module: nn.Module) -> bool:
     a compiled ``forward``), or, for a model compiled from outside (``torch.compile(model)`` in a plain loop, which
     the model cannot see), whether torch.compile has compiled a graph in this process."""
     from torch._dynamo.eval_frame import OptimizedModule
-    from torch._dynamo.utils import counters
 
-    return getattr(module, "_compiler_ctx", None) is not None or counters["stats"]["unique_graphs"] > 0 or any(
+    outside = _unique_graphs() > _OWN["graphs"]  # graphs beyond our own kernels'
+    return getattr(module, "_compiler_ctx", None) is not None or outside or any(
         isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
         or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules()
     )

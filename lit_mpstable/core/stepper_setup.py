@@ -73,6 +73,8 @@ def setup_optimizers(stepper: Any, module: nn.Module, optimizers: Sequence[Optim
             warnings=stepper.warnings, optimizer_state=stepper.optimizer_state,
         )
         stepper._initial = {}
+    else:
+        stepper.keeper.optimizers = list(optimizers)  # their state follows a fallback's recast of the parameters
     stepper.layout.after_recast = stepper.keeper.follow_recast_  # a fallback carries what the keeper holds
     key = stepper.keeper.state_key
     if key is not None and key in stepper._pending:

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.compact_keeper import CompactKeeper
+from lit_mpstable.core.compact_slices import cast_state_
 from lit_mpstable.core.keeper_steps import clip_norm_, step_checked, unscale_checked_
 from lit_mpstable.core.master_keeper import MasterKeeper
 from lit_mpstable.core.scalers import LossScaler
@@ -83,16 +84,26 @@ class PlainKeeper:
     def __init__(self, owner: str = "PrecisionStepper", *, fp16_state: bool = False) -> None:
         self.owner = owner
         self.fp16_state = fp16_state
+        self.optimizers: list[Optimizer] = []
 
     def follow_recast_(self, changed: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        pass  # the optimizer steps the parameters themselves, whatever their dtype
+        # The optimizer steps the parameters themselves, whatever their dtype, but its per-element state must follow
+        # a parameter a fallback or restore recast (``*-true``): Adam's lerp_ refuses a BF16 moment with an FP32 grad.
+        # Its .grad follows too: a forward before the next zero_grad (Lightning's order) would otherwise meet an FP32
+        # parameter with a BF16 gradient, which breaks a compiled graph.
+        for param, _ in changed:
+            for optimizer in self.optimizers:
+                cast_state_(optimizer, param)
+            if param.grad is not None and param.grad.dtype != param.dtype:
+                param.grad = param.grad.to(param.dtype)
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
         if self.fp16_state:
             check_eps(self.owner, optimizers)
 
     def adopt_optimizer_(self, optimizer: Optimizer) -> None:
-        pass
+        if optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
 
     def follow_model_weights_(self) -> list[str]:
         return []

@@ -181,9 +181,26 @@ class TrainerPrecision(StableFrontEnd):
         # "MixedPrecision": carry it over. (A checkpoint without FP32 masters needs nothing: its weights were loaded
         # into the FP32 model before setup, and the masters start from them.) Runs before the optimizers are restored.
         unflatten_optimizer_states_(checkpoint.get("optimizer_states", []))
+        self._loaded_weights = checkpoint.get("state_dict")
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint and self.scaler is not None:
             self.scaler.load_state_dict(checkpoint["MixedPrecision"])
             rank_zero_info("StablePrecision: loss-scaler state taken from a Lightning MixedPrecision checkpoint.")
+
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning loads the model's weights before this, into parameters of the configured dtype; a fallback this
+        # re-applies recasts some to FP32 from those rounded values. Where the checkpoint holds them in the dtype
+        # they have now (kahan/stochastic weights saved mid-fallback), they are taken again from it, exactly.
+        module, weights = self.stepper.layout.module, getattr(self, "_loaded_weights", None)
+        self._loaded_weights = None
+        before = {name: p.dtype for name, p in module.named_parameters()} if module is not None and weights else {}
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for name, param in module.named_parameters() if before else ():
+                saved = weights.get(name)
+                if (param.dtype != before.get(name) and isinstance(saved, torch.Tensor)
+                        and saved.dtype == param.dtype and saved.shape == param.shape):
+                    param.copy_(saved)
 
 
 _BUDGET_MANUAL = (

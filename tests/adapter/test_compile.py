@@ -419,3 +419,52 @@ def test_fabric_setup_of_a_compiled_model_adds_no_graph_and_matches_eager() -> N
     _, _, eager = run(plugin(), compiled=False)
     assert (ours, our_breaks) == (graphs, breaks) and breaks == 0
     torch.testing.assert_close(losses, eager, rtol=TOL["bf16"], atol=TOL["bf16"])
+
+
+def test_lightning_fallback_of_a_true_mode_without_masters_adds_no_graph_break() -> None:
+    # bf16-true, master_weights=False: the fallback recasts the parameters to FP32 after a step, and Lightning's next
+    # forward runs before its zero_grad; a BF16 .grad left on an FP32 parameter broke the compiled graph there.
+    from helpers import make_module
+
+    class FallBack(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 1:
+                trainer.precision_plugin.fallback(None, reason="test")
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = make_module(optimizer="adamw", lr=1e-2)
+    module.model.compile(backend="eager")
+    plugin = StablePrecision("bf16-true", master_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(plugin, max_steps=3, callbacks=[FallBack()]).fit(module)
+    assert module.model.fc1.weight.dtype == torch.float32
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_kahan_fused_adam_kernel_does_not_make_an_eager_model_look_compiled() -> None:
+    # master_weights="kahan" with AdamW steps through a torch.compile'd kernel of our own: its graphs are not the
+    # user's model, so a fallback of an eager model must not report a recompile.
+    from helpers import TinyMLP, regression_data
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper("bf16-true", master_weights="kahan", device="cpu")
+    stepper.setup_module(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepper.setup_optimizers(model, [opt])
+    x, y = regression_data(16)
+    for i in range(3):
+        with stepper.forward_context():
+            loss = F.mse_loss(model(stepper.convert_input(x)).float(), y)
+        stepper.scale_loss(loss).backward()
+        stepper.step(opt)
+        opt.zero_grad()
+        if i == 1:
+            stepper.fallback()
+    assert counters["stats"]["unique_graphs"] > 0  # the fused kernel compiled (else this test checks nothing)
+    assert model.fc1.weight.dtype == torch.float32
+    assert not any("recompiles" in w for w in stepper.warnings)

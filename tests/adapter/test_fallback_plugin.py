@@ -81,3 +81,44 @@ def test_fallback_survives_resume(tmp_path) -> None:
     make_trainer(resumed, max_steps=-1, max_epochs=2).fit(module, ckpt_path=tmp_path / "fb.ckpt")
     assert resumed.fallback_active and resumed.islands.names == ["model.fc2"]
     assert module.model.fc2.weight.dtype == torch.float32 and module.model.fc3.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("modules", [None, ["model.fc2"]])
+def test_true_mode_fallback_without_masters_keeps_adam_state_in_the_parameters_dtype(modules) -> None:
+    # bf16-true with master_weights=False: the optimizer steps the model's own parameters. A fallback that recasts
+    # them to FP32 must recast AdamW's moments too (its lerp_ refuses a BF16 exp_avg with an FP32 gradient), and a
+    # restore must bring both back to BF16.
+    plugin = StablePrecision("bf16-true", master_weights=False)
+    module = make_module(optimizer="adamw", lr=1e-2)
+    make_trainer(plugin, max_steps=5, callbacks=[_Switch(modules, at=1, back=3)]).fit(module)
+    opt = module.trainer.optimizers[0]
+    for param in module.parameters():
+        assert param.dtype == torch.bfloat16
+        state = opt.state[param]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        assert int(state["step"]) == 5
+        assert torch.isfinite(param).all()
+
+
+@pytest.mark.parametrize("master_weights", [
+    pytest.param("kahan", marks=pytest.mark.slow),  # compiles the fused Kahan Adam kernel on first use (~3 s)
+    "stochastic", True])
+def test_resume_with_a_global_fallback_active_is_exact(master_weights, tmp_path) -> None:
+    # With 16-bit weights (kahan, stochastic), a global fallback holds the model in FP32 and the checkpoint holds
+    # those FP32 weights. Lightning loads them into the resumed model (still BF16) before the plugin's state re-applies
+    # the fallback: the resumed run must still continue from the saved FP32 values, as the uninterrupted run does.
+    def fit(epochs, ckpt=None):
+        torch.manual_seed(0 if ckpt is None else 1)
+        module = make_module(optimizer="adamw", lr=1e-2)
+        plugin = StablePrecision("bf16-true", master_weights=master_weights)
+        trainer = make_trainer(plugin, max_steps=-1, max_epochs=epochs, callbacks=[_Switch(None, at=1)])
+        trainer.fit(module, ckpt_path=ckpt)
+        return trainer, module
+
+    _, whole = fit(2)
+    first, _ = fit(1)
+    first.save_checkpoint(tmp_path / "fb.ckpt")
+    _, resumed = fit(2, ckpt=tmp_path / "fb.ckpt")
+    for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        assert a.dtype == b.dtype == torch.float32
+        assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max().item():.3g}"

@@ -118,3 +118,67 @@ def test_a_refused_fallback_changes_nothing() -> None:
         layout.fallback("0")  # a string would be read as the names '0'
     assert layout.state_dict() == before and layout.islands.names == []
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+
+_LOADED_FIRST_ROUNDS = (
+    "known bug: a model (and optimizer) state loaded before the stepper's lands in the configured BF16 parameters; the "
+    "fallback the stepper then re-applies recasts rounded values (weights and Adam moments). The Trainer resumes "
+    "exactly (its plugin re-takes the weights; Lightning restores optimizers after the plugin), a plain loop or "
+    "Fabric only when the stepper/plugin state is loaded first."
+)
+
+
+@pytest.mark.parametrize("stepper_first", [
+    True, pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=_LOADED_FIRST_ROUNDS))])
+@pytest.mark.parametrize("master_weights", ["kahan", "stochastic", False])
+@pytest.mark.parametrize("modules", [None, ["fc2"]])
+def test_resume_with_a_recasting_fallback_is_exact(master_weights, modules, stepper_first) -> None:
+    # bf16-true: a fallback holds some parameters in FP32 and the checkpoint holds those FP32 values (FP32 masters,
+    # which resume exactly in either order, are left out: they carry the values themselves).
+    import io
+
+    from helpers import TinyMLP, regression_data
+    from torch.nn import functional as F
+
+    from lit_mpstable.core.stepper import PrecisionStepper
+
+    x, y = regression_data(16)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = TinyMLP()
+        stepper = PrecisionStepper("bf16-true", master_weights=master_weights, device="cpu")
+        stepper.setup_module(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stepper.setup_optimizers(model, [opt])
+        return model, stepper, opt
+
+    def run(model, stepper, opt, steps):
+        for i in steps:
+            with stepper.forward_context():
+                loss = F.mse_loss(model(stepper.convert_input(x)).float(), y)
+            stepper.scale_loss(loss).backward()
+            stepper.step(opt)
+            opt.zero_grad()
+            if i == 1:
+                stepper.fallback(modules)
+
+    whole = build(0)
+    run(*whole, range(6))
+    first = build(0)
+    run(*first, range(4))
+    buf = io.BytesIO()
+    torch.save({"model": first[0].state_dict(), "opt": first[2].state_dict(), "stepper": first[1].state_dict()}, buf)
+    state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    model, stepper, opt = build(1)
+    if stepper_first:
+        stepper.load_state_dict(state["stepper"])
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    if not stepper_first:
+        stepper.load_state_dict(state["stepper"])
+    run(model, stepper, opt, range(4, 6))
+    for (name, a), b in zip(whole[0].named_parameters(), model.parameters()):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max():.3g}"
