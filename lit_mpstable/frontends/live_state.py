@@ -3,12 +3,17 @@ record (:class:`Findings`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import nn
+
 from lit_mpstable.core.stepper import PrecisionStepper
 
-__all__ = ["Findings", "FromStepper"]
+__all__ = ["Findings", "FromStepper", "recast_from"]
 
 
 @dataclass
@@ -38,3 +43,22 @@ class FromStepper:
 
     def __set__(self, obj: Any, value: Any) -> None:
         raise AttributeError(f"{type(obj).__name__}.{self.name} is read-only: it is the stepper's live state.")
+
+
+@contextmanager
+def recast_from(module: nn.Module | None, weights: Mapping[str, Any] | None) -> Iterator[None]:
+    """Around a load of the precision state that re-applies a fallback: the parameters it recasts (e.g. BF16 weights
+    to FP32) are copied again from ``weights`` (the checkpoint's model state dict, already loaded into them at the
+    configured dtype, so rounded) where it holds them in their new dtype and shape: kahan/stochastic weights saved
+    mid-fallback resume exactly."""
+    before = {name: p.dtype for name, p in module.named_parameters()} if module is not None and weights else {}
+    yield
+    if not before:
+        return
+    assert module is not None and weights is not None
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            saved = weights.get(name)
+            if (param.dtype != before.get(name) and isinstance(saved, torch.Tensor) and saved.dtype == param.dtype
+                    and saved.shape == param.shape):
+                param.copy_(saved)

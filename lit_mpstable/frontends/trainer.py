@@ -24,6 +24,7 @@ from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_o
 from lit_mpstable.core.stepper import tensor_init_context
 from lit_mpstable.core.triage import full_precision
 from lit_mpstable.frontends.common import StableFrontEnd
+from lit_mpstable.frontends.live_state import recast_from
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
 
 # TrainerPrecision: the adapter both Trainer packages mix in (lit_mpstable.pytorch_lightning)
@@ -186,21 +187,12 @@ class TrainerPrecision(StableFrontEnd):
             self.scaler.load_state_dict(checkpoint["MixedPrecision"])
             rank_zero_info("StablePrecision: loss-scaler state taken from a Lightning MixedPrecision checkpoint.")
 
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Lightning loads the model's weights before this, into parameters of the configured dtype; a fallback this
-        # re-applies recasts some to FP32 from those rounded values. Where the checkpoint holds them in the dtype
-        # they have now (kahan/stochastic weights saved mid-fallback), they are taken again from it, exactly.
-        module, weights = self.stepper.layout.module, getattr(self, "_loaded_weights", None)
-        self._loaded_weights = None
-        before = {name: p.dtype for name, p in module.named_parameters()} if module is not None and weights else {}
-        super().load_state_dict(state_dict)
-        with torch.no_grad():
-            for name, param in module.named_parameters() if before else ():
-                saved = weights.get(name)
-                if (param.dtype != before.get(name) and isinstance(saved, torch.Tensor)
-                        and saved.dtype == param.dtype and saved.shape == param.shape):
-                    param.copy_(saved)
+        # Lightning loaded the model's weights before this, into parameters of the configured dtype: those a fallback
+        # re-applied here recasts are taken again from the checkpoint (recast_from).
+        weights, self._loaded_weights = getattr(self, "_loaded_weights", None), None
+        with recast_from(self.stepper.layout.module, weights):
+            super().load_state_dict(state_dict)
 
 
 _BUDGET_MANUAL = (
