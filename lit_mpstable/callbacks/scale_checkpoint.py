@@ -173,7 +173,7 @@ class ScaleCheckpoint(PluginCallback):
         if self._pending is None and getattr(self._plugin, "last_step_spiked", False):
             # The plugin's SpikeGuard skipped this step: count it towards spike_patience (a rollback when spikes
             # persist, or at once with on_spike="rollback"), as a spike found here would be.
-            self._pending = dict(step=step - 1, kind="loss or gradient-norm spike (SpikeGuard)", loss=None, zscore=None)
+            self._pending = dict(step=step - 1, **_guard_event(self._plugin))
         if self._pending is not None:  # backward is over: the weights may change now
             event, self._pending = self._pending, None
             self._on_skip(trainer, pl_module, event)
@@ -272,6 +272,18 @@ class ScaleCheckpoint(PluginCallback):
         self.losses.clear()
         self.losses.extend(float(v) for v in state_dict["losses"])
         self._skipped_at = deque(int(v) for v in state_dict["skipped_at"])
+
+
+def _guard_event(plugin: Any) -> dict[str, Any]:
+    """The kind, loss and z-score of a step the plugin's SpikeGuard skipped, read now (a rare event: its host reads
+    cost nothing on the steps between): the series with the larger z-score names the kind."""
+    guard, loss = plugin.spike_guard, getattr(plugin, "last_loss", None)
+    zscores = {"loss": float(guard.loss_zscore), "gradient-norm": float(guard.grad_norm_zscore)}
+    judged = {name: z for name, z in zscores.items() if math.isfinite(z)}
+    if not judged:
+        return dict(kind="loss or gradient-norm spike (SpikeGuard)", loss=None, zscore=None)
+    name = max(judged, key=judged.__getitem__)
+    return dict(kind=f"{name} spike (SpikeGuard)", loss=None if loss is None else float(loss), zscore=judged[name])
 
 
 def _fmt(value: float | None, spec: str) -> str:

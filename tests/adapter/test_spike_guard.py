@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import HostReads, TinyMLP, regression_data, spawn_ranks
@@ -382,10 +383,20 @@ def test_scale_checkpoint_leaves_detection_to_the_guard():
     if NAME != "lightning.pytorch":
         pytest.skip("FaultInjector is a lightning.pytorch callback")
     checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=2)
-    plugin, recorder, _, _ = _fit({SPIKE_AT: "loss_spike"}, callbacks=[checkpoint])
+    losses: list[float] = []
+
+    class LossLog(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            losses.append(float(trainer.precision_plugin.last_loss))
+
+    plugin, recorder, _, _ = _fit({SPIKE_AT: "loss_spike"}, callbacks=[checkpoint, LossLog()])
     assert checkpoint.losses == type(checkpoint.losses)()  # it read no loss: the guard owns detection
     assert [(e["step"], e["action"]) for e in checkpoint.events] == [(SPIKE_AT, "skip")]
     assert "SpikeGuard" in checkpoint.events[0]["kind"] and checkpoint.skips == 1 and checkpoint.rollbacks == 0
+    # The event names the spiking series, the step's loss and its z-score (read at the event), not "n/a".
+    event = checkpoint.events[0]
+    assert event["kind"] == "loss spike (SpikeGuard)" and event["zscore"] > plugin.spike_guard.zscore
+    assert event["loss"] == losses[SPIKE_AT] > 100 * max(losses[:SPIKE_AT])
     assert recorder.skipped == [i == SPIKE_AT for i in range(STEPS)] and int(plugin.spike_guard.spikes_skipped) == 1
 
 
