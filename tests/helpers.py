@@ -144,6 +144,27 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def tiny_stepper(precision: str = "bf16-true", *, seed: int = 0, lr: float = 1e-2, **kwargs):
+    """TinyMLP (made after ``torch.manual_seed(seed)``) set up through ``PrecisionStepper(precision, **kwargs)`` with
+    AdamW(lr): ``(model, stepper, optimizer)``."""
+    from lit_mpstable.core.stepper import PrecisionStepper
+
+    torch.manual_seed(seed)
+    model = TinyMLP()
+    stepper = PrecisionStepper(precision, **kwargs)
+    stepper.setup_module(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    stepper.setup_optimizers(model, [optimizer])
+    return model, stepper, optimizer
+
+
+def mse_backward(stepper, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A forward in the stepper's context and the scaled backward of its MSE loss against ``y``."""
+    with stepper.forward_context():
+        loss = nn.functional.mse_loss(model(stepper.convert_input(x)).float(), y)
+    stepper.scale_loss(loss).backward()
+
+
 class OpNames(torch.utils._python_dispatch.TorchDispatchMode):
     """The names of the tensor operations dispatched inside the block, in order (``.names``)."""
 

@@ -446,21 +446,14 @@ def test_lightning_fallback_of_a_true_mode_without_masters_adds_no_graph_break()
 def test_kahan_fused_adam_kernel_does_not_make_an_eager_model_look_compiled() -> None:
     # master_weights="kahan" with AdamW steps through a torch.compile'd kernel of our own: its graphs are not the
     # user's model, so a fallback of an eager model must not report a recompile.
-    from helpers import TinyMLP, regression_data
+    from helpers import mse_backward, regression_data, tiny_stepper
 
     torch._dynamo.reset()
     counters.clear()
-    torch.manual_seed(0)
-    model = TinyMLP()
-    stepper = PrecisionStepper("bf16-true", master_weights="kahan", device="cpu")
-    stepper.setup_module(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stepper.setup_optimizers(model, [opt])
+    model, stepper, opt = tiny_stepper(master_weights="kahan", device="cpu")
     x, y = regression_data(16)
     for i in range(3):
-        with stepper.forward_context():
-            loss = F.mse_loss(model(stepper.convert_input(x)).float(), y)
-        stepper.scale_loss(loss).backward()
+        mse_backward(stepper, model, x, y)
         stepper.step(opt)
         opt.zero_grad()
         if i == 1:

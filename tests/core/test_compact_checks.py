@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TinyMLP, regression_data
+from helpers import mse_backward, regression_data, tiny_stepper
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_mpstable.core import inf_checks
 from lit_mpstable.core.inf_checks import READ_ONLY_MIN, nonfinite_on_cpu
 from lit_mpstable.core.loss_scaler import StaticLossScaler
-from lit_mpstable.core.stepper import PrecisionStepper
 
 INF, NAN = float("inf"), float("nan")
 
@@ -97,18 +96,11 @@ def test_a_nonfinite_gradient_skips_the_compact_step_and_writes_nothing(mode: st
                                                                         monkeypatch) -> None:
     # TinyMLP's gradients are small: READ_ONLY_MIN = 1 sends them all through the read-only reduction.
     monkeypatch.setattr(inf_checks, "READ_ONLY_MIN", 1 if read_only else inf_checks.READ_ONLY_MIN)
-    torch.manual_seed(0)
-    model = TinyMLP()
-    stepper = PrecisionStepper("bf16-true", master_weights=mode)
-    stepper.setup_module(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stepper.setup_optimizers(model, [optimizer])
+    model, stepper, optimizer = tiny_stepper(master_weights=mode)
     x, y = regression_data(16)
 
     def backward(bad: float | None = None) -> None:
-        with stepper.forward_context():
-            loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x)).float(), y)
-        stepper.scale_loss(loss).backward()
+        mse_backward(stepper, model, x, y)
         if bad is not None:
             model.fc2.weight.grad.view(-1)[1] = bad
 

@@ -482,27 +482,17 @@ def test_a_nan_in_an_accumulated_gradient_skips_the_fused_step_and_the_next_step
     # Through the stepper, gradients accumulated over two backwards, a NaN written into the second one's: the step is
     # skipped (nothing written, the kernel's kept views and random keys untouched), and the next step gives the very
     # words of a run that never saw that batch (a power-of-two scale backoff changes no unscaled gradient).
-    from helpers import TinyMLP, regression_data
-
-    from lit_mpstable.core.stepper import PrecisionStepper
+    from helpers import mse_backward, regression_data, tiny_stepper
 
     def run(bad_batch: bool) -> tuple[nn.Module, torch.optim.Optimizer, list[bool], list[torch.Tensor]]:
-        torch.manual_seed(0)
-        model = TinyMLP()
-        stepper = PrecisionStepper("bf16-true", master_weights=mode)
-        stepper.setup_module(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        stepper.setup_optimizers(model, [opt])
+        model, stepper, opt = tiny_stepper(master_weights=mode)
         x, y = regression_data(32)
         skipped, held = [], []
         for step in range(4):
             if step == 2 and not bad_batch:
                 continue
             for half in (slice(0, 16), slice(16, 32)):
-                with stepper.forward_context():
-                    loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x[half] * (1 + step))).float(),
-                                                        y[half])
-                stepper.scale_loss(loss).backward()
+                mse_backward(stepper, model, x[half] * (1 + step), y[half])
             if step == 2:
                 model.fc2.weight.grad.view(-1)[3] = float("nan")
                 held = [t.clone() for t in [*model.parameters(), *(s[k] for s in opt.state.values()

@@ -138,27 +138,16 @@ def test_resume_with_a_recasting_fallback_is_exact(master_weights, modules, step
     # which resume exactly in either order, are left out: they carry the values themselves).
     import io
 
-    from helpers import TinyMLP, regression_data
-    from torch.nn import functional as F
-
-    from lit_mpstable.core.stepper import PrecisionStepper
+    from helpers import mse_backward, regression_data, tiny_stepper
 
     x, y = regression_data(16)
 
     def build(seed):
-        torch.manual_seed(seed)
-        model = TinyMLP()
-        stepper = PrecisionStepper("bf16-true", master_weights=master_weights, device="cpu")
-        stepper.setup_module(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        stepper.setup_optimizers(model, [opt])
-        return model, stepper, opt
+        return tiny_stepper(seed=seed, master_weights=master_weights, device="cpu")
 
     def run(model, stepper, opt, steps):
         for i in steps:
-            with stepper.forward_context():
-                loss = F.mse_loss(model(stepper.convert_input(x)).float(), y)
-            stepper.scale_loss(loss).backward()
+            mse_backward(stepper, model, x, y)
             stepper.step(opt)
             opt.zero_grad()
             if i == 1:
