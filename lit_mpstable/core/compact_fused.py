@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from lit_mpstable.core.compact_rounding import _signed32, hash32, noise_bits
 from lit_mpstable.core.compact_slices import Piece
 from lit_mpstable.core.compact_views import KernelArgs, fill_key, flat, flat_views
-from lit_mpstable.core.compiled import own_graphs
+from lit_mpstable.core.compiled import graph_count, own_graphs_since
 
 __all__ = ["FusedAdam", "FusedSteps", "hash32", "host_to_device", "keys", "noise_bits"]
 
@@ -198,8 +198,11 @@ class FusedAdam:
             (_adam_plain_kernel if plain else _adam_kernel)(w, comp, g, m, v, scalars, key)
             return
         start = time.perf_counter()
-        with own_graphs():  # not the user's model: a fallback of an eager model recompiles nothing
+        before = graph_count()  # graphs compiled by this call are ours, not the user's model's
+        try:
             (self._plain_kernel if plain else self._kernel)(w, comp, g, m, v, scalars, key)
+        finally:
+            own_graphs_since(before)
         elapsed = time.perf_counter() - start
         if elapsed > self.SLOW_S and not self._said_slow:
             self._said_slow = True
