@@ -71,10 +71,13 @@ class PreemptionCheckpoint(pl.Callback):
     """Turns a preemption signal into one checkpoint at a step boundary from which the run continues exactly.
 
     The handlers, installed at ``setup`` (and restored at ``teardown``; Python allows it in the main thread only:
-    elsewhere the callback warns and does nothing), only note the signal and then call the handler that was there
-    before (a callable one: ``SIG_DFL`` would end the process at once). Lightning's own SIGTERM handler, which it
-    installs after ``setup``, is replaced for the fit: it runs a collective inside the handler on the signalled rank
-    alone and ends the run through ``SIGTERMException`` (exit status 0, no checkpoint).
+    elsewhere the callback warns and does nothing), only note the signal. The handler that was there before (a
+    callable one: ``SIG_DFL`` would end the process at once) is handed the signal after the checkpoint is written,
+    at the boundary, or at the end of the fit if it ends first: a launcher's or library's handler that exits at
+    once (Ray's driver installs one that stays after ``ray.shutdown()``) would otherwise end the run before the
+    checkpoint. Lightning's own SIGTERM handler, which it installs after ``setup``, is replaced for the fit: it runs a
+    collective inside the handler on the signalled rank alone and ends the run through ``SIGTERMException`` (exit
+    status 0, no checkpoint).
 
     At the end of every batch that stepped the optimizer (after the step, the scale update and every other callback:
     the callback moves itself to the end of ``trainer.callbacks``) the ranks agree: the signal number is max-reduced,
@@ -140,6 +143,7 @@ class PreemptionCheckpoint(pl.Callback):
         self.saved_step: int | None = None
         """Its ``trainer.global_step``."""
         self._received: int = 0  # signal number noted by the handler, 0: none
+        self._unhanded: list[int] = []  # signals noted but not yet handed to the handler before ours
         self._previous: dict[int, Any] = {}  # signum -> handler before ours, restored at teardown
         self._active = False  # between setup and teardown (or an exception)
         self._issued: torch.Tensor | None = None  # the agreement reduction in flight (distributed runs)
@@ -162,15 +166,24 @@ class PreemptionCheckpoint(pl.Callback):
             elif previous in (None, signal.SIG_DFL):
                 os.kill(os.getpid(), signum)  # the default action, now that it is installed again
             return
-        # Only note it: anything more (I/O, collectives) could run in the middle of a step or a collective.
+        # Only note it: anything more (I/O, collectives, a handler that exits) could run in the middle of a step or a
+        # collective, or end the run before its checkpoint.
         self._received = self._received or signum
-        if callable(previous):
-            previous(signum, frame)
+        if callable(previous) and signum not in self._unhanded:
+            self._unhanded.append(signum)
+
+    def _hand_on(self) -> None:
+        """Call the handlers that were there before ours with the signals noted since (once each, in order)."""
+        while self._unhanded:
+            signum = self._unhanded.pop(0)
+            previous = self._previous.get(signum)
+            if callable(previous):
+                previous(signum, None)  # may exit: the checkpoint, if any, is written
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._received, self._issued, self._active = 0, None, True
+        self._received, self._issued, self._active, self._unhanded = 0, None, True, []
         # Last among the callbacks: the step boundary is after every other callback's decisions of that step (a
         # rollback), and the restore after their on_train_start (ScaleCheckpoint's snapshot).
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
@@ -180,7 +193,15 @@ class PreemptionCheckpoint(pl.Callback):
             return
         for sig in self.signals:
             current = signal.signal(sig, self._handle)
-            if current != self._handle:  # a second fit after an exception may find ours installed still
+            # A fit that ended by an exception may leave a PreemptionCheckpoint's handler installed (Lightning's
+            # teardown re-installs it after ours restored): ours again, or another instance's, inactive now; take
+            # the handler it had replaced.
+            seen: set[int] = set()
+            while (isinstance(owner := getattr(current, "__self__", None), PreemptionCheckpoint)
+                   and owner is not self and not owner._active and id(owner) not in seen):
+                seen.add(id(owner))
+                current = owner._previous.get(sig, signal.SIG_DFL)
+            if current != self._handle:
                 self._previous[sig] = current
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -195,6 +216,7 @@ class PreemptionCheckpoint(pl.Callback):
             return
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._hand_on()  # a signal the fit ended before acting on still reaches the handler before ours
 
     def _own_handlers(self) -> None:
         """Put ours back where Lightning's signal connector installed its own over it (after setup)."""
@@ -224,6 +246,7 @@ class PreemptionCheckpoint(pl.Callback):
         if not signum:
             return
         self._save(trainer, pl_module, signum, batch_idx)
+        self._hand_on()
         name = signal.Signals(signum).name
         if self.exit:
             rank_zero_info(f"{type(self).__name__}: {name} at step {trainer.global_step}; checkpoint"

@@ -54,8 +54,11 @@ def test_handlers_chain_to_the_previous_one_and_are_restored() -> None:
         trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=[cb])
         cb.setup(trainer, None, "fit")
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert cb._received == signal.SIGUSR1 and seen == [signal.SIGUSR1]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        # Noted, and held for the handler before ours until the checkpoint (here: the end of the fit), once.
+        assert cb._received == signal.SIGUSR1 and seen == []
         cb.teardown(trainer, None, "fit")
+        assert seen == [signal.SIGUSR1]
         assert signal.getsignal(signal.SIGUSR1) is not cb._handle
         os.kill(os.getpid(), signal.SIGUSR1)
         assert seen == [signal.SIGUSR1] * 2
@@ -170,6 +173,45 @@ def test_a_failed_write_removes_its_temporary_file(tmp_path) -> None:
     with pytest.raises(OSError, match="disk full"):
         atomic_save(fail, path)
     assert torch.load(path, weights_only=True) == {"v": 1} and sorted(os.listdir(tmp_path)) == ["x.ckpt"]
+
+
+def test_a_handler_left_by_an_earlier_fit_is_not_chained() -> None:
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+        first, second = PreemptionCheckpoint(signals=("SIGUSR1",)), PreemptionCheckpoint(signals=("SIGUSR1",))
+        first.setup(trainer, None, "fit")
+        first.on_exception(trainer, None, RuntimeError())
+        signal.signal(signal.SIGUSR1, first._handle)  # what Lightning's teardown re-installs after an exception
+        second.setup(trainer, None, "fit")
+        assert second._previous[signal.SIGUSR1] is not first._handle  # the handler `first` had replaced instead
+        os.kill(os.getpid(), signal.SIGUSR1)
+        second.teardown(trainer, None, "fit")
+        assert seen == [signal.SIGUSR1] and signal.getsignal(signal.SIGUSR1) is second._previous[signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_previous_handler_that_exits_runs_after_the_checkpoint(tmp_path) -> None:
+    """A launcher's or library's SIGTERM handler that exits at once (Ray's driver installs one that persists after
+    ray.shutdown) is handed the signal only after the checkpoint is written at the next step boundary."""
+    path, seen = tmp_path / "ckpt" / "preemption.ckpt", []
+
+    def exits(signum, frame):
+        seen.append((signum, path.exists()))
+        raise SystemExit(15)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGTERM, exits)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            _single(tmp_path / "ckpt", 8, [SignalAt(3, signal.SIGTERM, rank=0)])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert ended.value.code == 15 and seen == [(signal.SIGTERM, True)]
+    assert torch.load(path, weights_only=True)["global_step"] == 4
 
 
 def test_exit_leaves_with_the_signals_conventional_status(tmp_path) -> None:

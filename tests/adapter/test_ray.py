@@ -8,6 +8,7 @@ issue's 100 steps were run that way once; the test keeps 12).
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -144,10 +145,13 @@ def _with_losses(out_dir: Path) -> list[dict[str, Any]]:
 def local_ray():
     # Workers import the tests' helpers by name: give them this checkout's paths.
     path = os.pathsep.join([str(TESTS.parent), str(TESTS), str(TESTS / "adapter"), os.environ.get("PYTHONPATH", "")])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
+    for sig, handler in handlers.items():  # ray.init's SIGTERM handler (it exits) outlives ray.shutdown()
+        signal.signal(sig, handler)
 
 
 def _max_delta(a: list[float], b: list[float]) -> float:
