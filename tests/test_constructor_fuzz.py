@@ -185,6 +185,7 @@ CASES["SpikeGuard"] = (SpikeGuard, {
     "window": (ints(2, 2**20), [2, 128, 2**20]),
     "warmup": (ints(2, INT32_MAX), [2, 20]),
     "clip_zscore": (optional(reals(0, lo_open=True)), [None, 2.5]),
+    "max_consecutive": (optional(ints(1, INT32_MAX)), [None, 1, 16]),
 })
 CASES["StepTriage"] = (lambda **kwargs: StepTriage(PrecisionStepper("32-true"), **kwargs), {
     "max_replays": (ints(1, 3), [1, 3]),

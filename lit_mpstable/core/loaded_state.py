@@ -16,6 +16,7 @@ import torch
 
 from lit_mpstable.base.validate import bool_arg, check_keys, int_arg, real_arg
 from lit_mpstable.core.formats import FormatName
+from lit_mpstable.core.spike_state import OPTIONAL as GUARD_OPTIONAL
 
 __all__ = [
     "Field", "check_fields", "check_mapping", "check_plugin_state", "count", "count_list", "flag", "finite",
@@ -246,8 +247,8 @@ def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tu
     count_list(call, "schedules", state["schedules"])
     guard = check_mapping(call, state["spike_guard"], name="spike_guard")  # its values: SpikeGuard.load_state_dict
     if guard:  # {} without a guard; otherwise SpikeGuard.state_dict's keys, whether or not this run has a guard
-        check_mapping(call, guard, {"window", "loss", "loss_count", "grad_norm", "grad_norm_count", "spikes_skipped"},
-                      name="spike_guard")
+        check_mapping(call, guard, {"window", "loss", "loss_count", "grad_norm", "grad_norm_count", "spikes_skipped"}
+                      | (GUARD_OPTIONAL & set(guard)), name="spike_guard")
     growth = check_mapping(call, state["growth"], name="growth")  # its values: GrowthMonitor.check_state
     if growth:  # {} without a growth monitor; otherwise GrowthMonitor.state_dict's keys, with a monitor or not
         check_mapping(call, growth, {"steps", "samples", "sampled", "layers"}, name="growth")

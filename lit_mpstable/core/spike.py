@@ -25,14 +25,13 @@ only contributes to the skip flag.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Iterable
 from typing import Any, Literal, get_args
 
 import torch
 
 from lit_mpstable.base.validate import int_arg, real_arg
-from lit_mpstable.core.spike_state import saved_statistics
+from lit_mpstable.core.spike_state import checked_state, watch_arg
 
 __all__ = ["SpikeGuard", "Watched"]
 
@@ -74,6 +73,11 @@ class SpikeGuard:
             either way (the z-scores are metrics).
         clip_zscore: clip the gradient norm to ``mean + clip_zscore * std`` of the recent norms (ZClip uses 2.5);
             ``None``: no adaptive clipping.
+        max_consecutive: after this many steps in a row skipped as spikes, the series is taken to have moved to a
+            new level (new data, a schedule change) rather than to be spiking: the statistics restart (``warmup``
+            steps again) and training goes on (see :meth:`count_run_`). Skipped values never enter the statistics,
+            so without a limit a lasting shift would be skipped for ever and training would stop, silently.
+            ``None``: no limit.
 
     Raises:
         TypeError, ValueError: an argument has the wrong type or value (the message names it).
@@ -86,6 +90,7 @@ class SpikeGuard:
         warmup: int = 20,
         watch: Iterable[Watched] = ("loss", "grad_norm"),
         clip_zscore: float | None = None,
+        max_consecutive: int | None = 16,
     ) -> None:
         call = type(self).__name__
         self.zscore = real_arg(call, "zscore", zscore, low=0.0, low_open=True,
@@ -94,9 +99,15 @@ class SpikeGuard:
                               unit="applied steps in the statistics; a standard deviation needs 2; 128 is usual")
         self.warmup = int_arg(call, "warmup", warmup, low=2,
                               unit="applied steps before the guard judges; a standard deviation needs 2")
-        self.watch = _watch_arg(call, watch)
+        self.watch = watch_arg(call, watch, _NAMES)
         self.clip_zscore = real_arg(call, "clip_zscore", clip_zscore, low=0.0, low_open=True, none=True,
                                     unit="standard deviations for adaptive clipping; ZClip uses 2.5; None turns it off")
+        self.max_consecutive = int_arg(call, "max_consecutive", max_consecutive, low=1, none=True,
+                                       unit="steps skipped as spikes in a row before the statistics restart; None:"
+                                            " no limit")
+        self.level_shifts = 0
+        """How often :attr:`max_consecutive` spikes in a row restarted the statistics (host-side)."""
+        self._run = 0  # steps skipped as spikes since the last applied step (host-side, from the caller's flags)
         self.device: torch.device | None = None
         """Where the statistics live; None until the first value (or :meth:`bind`)."""
         # Both watched series side by side (column 0 the loss, column 1 the gradient norm), so that a step's
@@ -316,6 +327,22 @@ class SpikeGuard:
         elif self._decided:
             self._spikes.add_(self._last_spike & skipped)
 
+    def count_run_(self, skipped_as_spike: bool, applied: bool) -> bool:
+        """After a step, with host flags the caller has read anyway (the stepper: its skip decision, and on skipped
+        steps whether a spike caused it): count the steps skipped as spikes in a row; an applied step ends the run.
+        At :attr:`max_consecutive` the statistics restart (empty window, ``warmup`` again; the skip count stays) and
+        this returns True, so the caller can say so. No device work except at the restart."""
+        if applied:
+            self._run = 0
+        elif skipped_as_spike:
+            self._run += 1
+            if self.max_consecutive is not None and self._run >= self.max_consecutive:
+                self._values.fill_(math.nan)
+                self._counts.zero_()
+                self._run, self.level_shifts = 0, self.level_shifts + 1
+                return True
+        return False
+
     def forget_(self) -> None:
         """Drop the step's pending values without folding them (the step will be run again, e.g. replayed)."""
         self._clear()
@@ -342,55 +369,32 @@ class SpikeGuard:
         """The statistics, for an exact resume mid-window; tensors and ints only (``weights_only=True`` loads it).
 
         Keys: ``window`` (int), ``loss`` and ``grad_norm`` (the ring buffers, float32 of length ``window``),
-        ``loss_count`` and ``grad_norm_count`` (int64 0-dim: applied values folded so far), ``spikes_skipped``.
-        A step's pending values are not saved: checkpoints are written between steps.
+        ``loss_count`` and ``grad_norm_count`` (int64 0-dim: applied values folded so far), ``spikes_skipped``,
+        ``consecutive_spikes`` and ``level_shifts`` (ints; optional when loading: states saved before them load with
+        0). A step's pending values are not saved: checkpoints are written between steps.
         """
         state: dict[str, Any] = {"window": self.window}
         for row, name in enumerate(_NAMES):
             state[name] = self._values[:, row].detach().nan_to_num(0.0)  # a slot not reached yet: 0
             state[f"{name}_count"] = self._counts[row].detach().clone()
         state["spikes_skipped"] = self._spikes.detach().clone()
+        state["consecutive_spikes"], state["level_shifts"] = self._run, self.level_shifts
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (strict), onto the guard's device if it has one.
 
         Raises:
-            KeyError: keys differ from :meth:`state_dict`'s (each is named).
-            TypeError: a value has the wrong type.
-            ValueError: another ``window``, a buffer of the wrong shape or holding inf/NaN, a negative count.
+            KeyError, TypeError, ValueError: other keys, a value of the wrong type or value (see
+                :func:`~lit_mpstable.core.spike_state.checked_state`); nothing is restored then.
         """
-        call = "SpikeGuard.load_state_dict"
-        if not isinstance(state, dict):
-            raise TypeError(f"{call}(state={type(state).__name__}): expected the dict from SpikeGuard.state_dict().")
         expected = set(self.state_dict())
-        if set(state) != expected:
-            missing, unknown = sorted(expected - set(state)), sorted(set(state) - set(expected))
-            raise KeyError(f"{call}: missing keys {missing}, unknown keys {unknown}; was it saved by another version"
-                           " of lit_mpstable, or is it not a SpikeGuard's state?")
-        if state["window"] != self.window or isinstance(state["window"], bool):
-            raise ValueError(f"{call}: state['window']={state['window']!r} but this guard has window={self.window!r};"
-                             " the ring buffers cannot be resized exactly: build the guard with the saved window.")
-        values, counts, spikes = saved_statistics(call, state, _NAMES, self.window)
+        values, counts, spikes, run, shifts = checked_state(state, expected, _NAMES, self.window)
         device = self.device or torch.device("cpu")
         self._counts = counts.to(device)
         reached = torch.arange(self.window, device=device).unsqueeze(1) < self._counts
         self._values = torch.where(reached, values.t().to(device), math.nan)
         self._spikes = spikes.to(device)
+        self._run, self.level_shifts = run, shifts
         self._clear()
 
-
-def _watch_arg(call: str, watch: Any) -> tuple[str, ...]:
-    # Any sequence or set of names (a Hydra ListConfig too), never a bare string (its letters are no names).
-    if isinstance(watch, (str, bytes)) or not isinstance(watch, (Sequence, AbstractSet)):
-        raise TypeError(f"{call}(watch={watch!r}): must be a tuple of names from {_NAMES!r}, e.g. ('loss',).")
-    names = tuple(watch)
-    bad = [name for name in names if name not in _NAMES]
-    if bad:
-        raise ValueError(f"{call}(watch={watch!r}): {bad[0]!r} is not one of {_NAMES!r}.")
-    if not names:
-        raise ValueError(f"{call}(watch={watch!r}): must name at least one of {_NAMES!r}; to turn spike skipping"
-                         " off, leave spike_guard=None.")
-    if len(set(names)) != len(names):
-        raise ValueError(f"{call}(watch={watch!r}): each name at most once.")
-    return tuple(name for name in _NAMES if name in names)

@@ -13,7 +13,7 @@ from lit_mpstable.core.iteration import GradSet
 from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.tensors import grad_norms
 
-__all__ = ["check_spike_guard", "clip_grad_norm", "known_norm", "observe_loss", "true_grad_norm"]
+__all__ = ["check_spike_guard", "clip_grad_norm", "known_norm", "level_shift_note", "observe_loss", "true_grad_norm"]
 
 
 def check_spike_guard(call: str, spike_guard: Any, checker: Any) -> SpikeGuard | None:
@@ -32,6 +32,14 @@ def check_spike_guard(call: str, spike_guard: Any, checker: Any) -> SpikeGuard |
         raise ValueError(f"{call}(spike_guard={spike_guard!r}, skip_nonfinite=False): a spike is skipped through the"
                          " step's inf/NaN check, which skip_nonfinite=False turns off; keep skip_nonfinite=True.")
     return spike_guard
+
+
+def level_shift_note(guard: SpikeGuard, step: int) -> str:
+    """The message for a restart of ``guard``'s statistics after :attr:`SpikeGuard.max_consecutive` spikes in a row."""
+    return (f"SpikeGuard: {guard.max_consecutive} steps in a row were skipped as spikes, up to step {step}; taken as"
+            f" a lasting change of the loss or gradient-norm level (new data, a schedule change), not a spike, the"
+            f" statistics restart ({guard.warmup} steps of warmup) and training goes on. If those batches were bad"
+            " data, the next ones are trained on: raise max_consecutive, or fix the data.")
 
 
 def observe_loss(guard: SpikeGuard, loss: torch.Tensor) -> None:

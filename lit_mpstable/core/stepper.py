@@ -36,7 +36,13 @@ from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.step_guard import check_step_inputs_, held_nonfinite, stale_grads_note
 from lit_mpstable.core.step_report import blame, blame_late, observe
-from lit_mpstable.core.step_spike import check_spike_guard, clip_grad_norm, observe_loss, true_grad_norm
+from lit_mpstable.core.step_spike import (
+    check_spike_guard,
+    clip_grad_norm,
+    level_shift_note,
+    observe_loss,
+    true_grad_norm,
+)
 from lit_mpstable.core.stepper_args import MasterMode, OpPolicyName, PrecisionName, check_arguments
 from lit_mpstable.core.stepper_forward import StepperForward
 from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
@@ -48,8 +54,6 @@ from lit_mpstable.fp8 import FP8Config, fp8_config
 
 __all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName", "default_dtype",
            "tensor_init_context"]
-
-
 
 
 class PrecisionStepper(StepperForward, StepperStatus, StepperState):
@@ -300,6 +304,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         now.unscaled.discard(id(optimizer))
         if guard is not None:
             guard.commit_(skipped, spiked=spike)  # folds the loss and norm of applied steps only
+            if guard.count_run_(self.last_step_spiked, applied=not skipped):
+                self.warnings.append(level_shift_note(guard, self.step_count))
         if late:
             blame_late(self, optimizer)
         elif skipped and not self.last_step_spiked:
