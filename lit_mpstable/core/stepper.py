@@ -290,10 +290,11 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         now = self.iteration
         self.last_step_spiked = False
         if checker is not None:
-            # Why it skipped, read on skipped steps only: a spike (SpikeGuard), inf/NaN that entered after the
-            # gradient check (or parameters/state holding it), or a batch holding inf/NaN (the input check). None
-            # says anything about the scale: no backoff, no overflow counted, nothing blamed.
-            if skipped and spike is not None and (early is None or not bool(early)) and bool(spike):
+            # Why it skipped, read on skipped steps only: a spike (SpikeGuard; a loss spike also explains the overflow
+            # of its scaled gradients), inf/NaN that entered after the gradient check (or parameters/state holding it),
+            # or a batch holding inf/NaN (the input check). None says anything about the scale: no backoff, no
+            # overflow counted, nothing blamed.
+            if skipped and spike is not None and bool(spike):
                 self.last_step_spiked = now.data_fault = True
             elif skipped and ((early is not None and not bool(early)) or held_nonfinite(optimizer)):
                 late = now.data_fault = True

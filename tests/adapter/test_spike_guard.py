@@ -404,8 +404,17 @@ def test_scale_checkpoint_leaves_detection_to_the_guard():
                                                 ("16-true", True)])
 @pytest.mark.parametrize("kind", ["loss_spike", "grad_spike"])
 def test_every_weight_keeper_skips_a_spike(precision, masters, kind):
-    if (kind == "loss_spike" and precision.startswith("16")) or (kind, precision) == ("grad_spike", "16-true"):
-        pytest.skip("x1e4 on the loss (x1e3 on a scaled FP16 gradient) overflows FP16: a true overflow, handled as one")
+    if (kind, precision) == ("grad_spike", "16-true"):
+        pytest.skip("x1e3 on a scaled FP16 gradient overflows FP16 and its norm is inf, which judges nothing: a true"
+                    " overflow, handled as one")
+    # A loss spike in FP16 overflows the scaled gradients too; the spike explains the overflow: no backoff, no count.
     run = Loop(precision, spike_guard=guard(), master_weights=masters).run({SPIKE_AT: kind})
     assert run.skipped == [i == SPIKE_AT for i in range(STEPS)]
     assert int(run.stepper.spike_guard.spikes_skipped) == 1 and run.stepper.overflow_count == 0
+    if precision.startswith("16"):  # the scale never backed off: that of the same run skipping the batch itself
+        same = Loop(precision, spike_guard=guard(), master_weights=masters)
+        for i in range(STEPS):
+            if i == SPIKE_AT:
+                same.stepper.skip_step()
+            same.run_step(i)
+        assert run.stepper.loss_scale == same.stepper.loss_scale
