@@ -346,12 +346,18 @@ def digits_run(kind: str, seed: int, steps: int = 200, rounding: str | None = No
 
 @pytest.mark.slow
 def test_digits_training_with_compact_moments_tracks_fp32() -> None:
+    # A training check, not the 0.3% / 0.5% targets (experiments/optimizer_state.py measures those, longer
+    # and over more seeds): at this length a run's val loss moves by the float rounding of the machine's kernels.
+    # Measured per seed vs FP32 moments: AMD EPYC: means within 0.3% / 0.5%; Intel Xeon (AMX): bf16 +0.28, -0.46,
+    # -0.40%, fp8 -0.87, +0.66, -1.37% (mean -0.57%), and with round-to-nearest moments -0.44% / +0.77%: seed noise
+    # of +-1.4% that 3 seeds cannot resolve to 0.5%. A broken codec does not hide in it (moments decoded x2: NaN).
     results = {kind: [digits_run(kind, seed) for seed in range(3)] for kind in ("fp32", "bf16", "fp8")}
     ref = sum(loss for loss, _ in results["fp32"]) / 3
     ref_bytes = results["fp32"][0][1]
-    for kind, tolerance, memory in (("bf16", 0.003, 0.5), ("fp8", 0.005, 0.3)):
+    for kind, memory in (("bf16", 0.5), ("fp8", 0.3)):
         mean = sum(loss for loss, _ in results[kind]) / 3
-        assert abs(mean - ref) / ref <= tolerance, (kind, mean, ref)
+        assert abs(mean - ref) / ref <= 0.015, (kind, mean, ref)
+        assert all(abs(loss - fp32) / fp32 <= 0.03 for (loss, _), (fp32, _) in zip(results[kind], results["fp32"]))
         assert results[kind][0][1] <= memory * ref_bytes
 
 
