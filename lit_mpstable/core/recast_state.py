@@ -28,6 +28,7 @@ KEY = "recast"
 
 
 def _state_of(param: torch.Tensor, optimizers: Iterable[Optimizer]) -> dict[str, torch.Tensor]:
+    # What torch's Optimizer.load_state_dict would cast to the parameter's dtype: its per-element floating state.
     for optimizer in optimizers:
         state = optimizer.state.get(param)
         if state:
@@ -41,17 +42,16 @@ def recast_state(module: nn.Module, names: Sequence[str], optimizers: Iterable[O
                  pending: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``{"weights": {name: tensor}, "optimizer_state": {name: {key: tensor}}}`` for the recast parameters ``names``
     (``{}`` without any). Like ``nn.Module.state_dict`` the tensors share storage with the live ones (detached, not
-    copied). Optimizer state loaded for an optimizer not met yet (``pending``) stands in for it until then."""
+    copied). A parameter whose optimizer was not met yet keeps the state loaded for it (``pending``)."""
     if not names:
         return {}
     params = dict(module.named_parameters())
     optimizers = list(optimizers)
-    moments = {name: _state_of(params[name], optimizers) for name in names}
-    waiting = dict(pending.get("optimizer_state", {})) if pending else {}
+    waiting = pending.get("optimizer_state", {}) if pending else {}
+    moments = {name: _state_of(params[name], optimizers) or waiting.get(name, {}) for name in names}
     return {
         "weights": {name: params[name].detach() for name in names},
-        "optimizer_state": {name: moments[name] or waiting[name] for name in names if moments[name] or
-                            name in waiting},
+        "optimizer_state": {name: state for name, state in moments.items() if state},
     }
 
 
