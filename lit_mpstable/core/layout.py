@@ -237,15 +237,26 @@ class PrecisionLayout:
         self.fp32, self.fp8_off = saved[0], saved[1]
         self.fp8_removed, self.fp32_modules = list(saved[2]), list(saved[3])
 
-    def _planned_dtypes(self) -> dict[int, tuple[nn.Parameter, torch.dtype]]:
-        """The dtype each floating parameter will have once the fallbacks now set are applied."""
+    def recast_names(self) -> list[str]:
+        """Qualified names of the parameters the fallbacks in force hold in another dtype than the configured layout
+        (``*-true`` parameters recast to FP32 by a global or module fallback); empty without a model or such a
+        fallback."""
+        if self.module is None or not self.cast_parameters or not (self.fp32 or self.fp32_modules):
+            return []
+        now, configured = self._planned_dtypes(), self._planned_dtypes(fallbacks=False)
+        return [name for name, param in self.module.named_parameters()
+                if id(param) in now and now[id(param)][1] != configured[id(param)][1] == self.dtype]
+
+    def _planned_dtypes(self, fallbacks: bool = True) -> dict[int, tuple[nn.Parameter, torch.dtype]]:
+        """The dtype each floating parameter will have once the fallbacks now set (``fallbacks=False``: none) are
+        applied."""
         assert self.module is not None  # planned only for an attached model
-        islands = match_modules(self.module, [*self._user_islands, *self.fp32_modules])
+        islands = match_modules(self.module, [*self._user_islands, *(self.fp32_modules if fallbacks else [])])
         inside = {id(p) for island in islands.values() for p in island.parameters()}
         plan = {}
         for param in self.module.parameters():
             if param.is_floating_point():
-                kept = self.compute_dtype if self.cast_parameters else param.dtype
+                kept = (self.compute_dtype if fallbacks else self.dtype) if self.cast_parameters else param.dtype
                 dtype = torch.float32 if id(param) in inside else kept
                 plan[id(param)] = (param, dtype)
         return plan

@@ -249,6 +249,13 @@ def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tu
     if guard:  # {} without a guard; otherwise SpikeGuard.state_dict's keys, whether or not this run has a guard
         check_mapping(call, guard, {"window", "loss", "loss_count", "grad_norm", "grad_norm_count", "spikes_skipped"}
                       | (GUARD_OPTIONAL & set(guard)), name="spike_guard")
+    recast = check_mapping(call, state.get("recast", {}), name="recast")  # present while a fallback recasts
+    if recast:
+        check_mapping(call, recast, {"weights", "optimizer_state"}, name="recast")
+        finite_tensors(call, "recast['weights']", recast["weights"])
+        moments = check_mapping(call, recast["optimizer_state"], name="recast['optimizer_state']")
+        for name, entry in moments.items():  # {parameter name: {state key: tensor}}
+            finite_tensors(call, f"recast['optimizer_state'][{name!r}]", entry)
     growth = check_mapping(call, state["growth"], name="growth")  # its values: GrowthMonitor.check_state
     if growth:  # {} without a growth monitor; otherwise GrowthMonitor.state_dict's keys, with a monitor or not
         check_mapping(call, growth, {"steps", "samples", "sampled", "layers"}, name="growth")

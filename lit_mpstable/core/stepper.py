@@ -46,7 +46,7 @@ from lit_mpstable.core.step_spike import (
 from lit_mpstable.core.stepper_args import MasterMode, OpPolicyName, PrecisionName, check_arguments
 from lit_mpstable.core.stepper_forward import StepperForward
 from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
-from lit_mpstable.core.stepper_state import StepperState
+from lit_mpstable.core.stepper_state import StepperState, adopt_recast_state_
 from lit_mpstable.core.stepper_status import StepperStatus
 from lit_mpstable.core.tensors import default_dtype, tensor_init_context
 from lit_mpstable.core.weights import PlainKeeper, WeightKeeper
@@ -229,6 +229,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self.iteration.unscaled.add(id(optimizer))
         if all(optimizer is not known for known in self.optimizers):
             self.optimizers.append(optimizer)
+            adopt_recast_state_(self, [optimizer])  # a resumed fallback's FP32 optimizer state waiting for it
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
         self.iteration.note_checked(optimizer)
         if self.spike_guard is not None:

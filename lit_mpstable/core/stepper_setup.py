@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.fsdp import check_fsdp_policies, setup_fsdp2, unsharded_message
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.stepper_state import adopt_recast_state_
 from lit_mpstable.core.weights import make_keeper
 
 __all__ = ["adopt_device", "setup_module", "setup_optimizers"]
@@ -41,6 +42,7 @@ def setup_module(stepper: Any, module: nn.Module, *, fsdp2: bool) -> nn.Module:
     stepper.fp8_budget.attach_(stepper.layout)  # a probe choice loaded before the model: before the layout's state
     if "layout" in stepper._pending:
         stepper.layout.load_state_dict(stepper._pending.pop("layout"))
+    adopt_recast_state_(stepper, stepper.optimizers, weights=True)  # a resumed fallback's FP32 values, loaded before
     stepper.observer.attach(module)
     if stepper.growth is not None:  # after the FP8 swap: the hooks go on the layers that run
         stepper.growth.detach()
@@ -79,6 +81,7 @@ def setup_optimizers(stepper: Any, module: nn.Module, optimizers: Sequence[Optim
     key = stepper.keeper.state_key
     if key is not None and key in stepper._pending:
         stepper.keeper.load_state_dict(stepper._pending.pop(key))
+    adopt_recast_state_(stepper, list(optimizers))  # a resumed fallback's FP32 optimizer state, loaded before
     stepper.schedules.hold(list(schedulers))
 
 

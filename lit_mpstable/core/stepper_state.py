@@ -3,19 +3,23 @@ of a checkpoint written with another precision or master mode."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, get_args
 
 from torch import nn
+from torch.optim import Optimizer
 
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.growth import GrowthMonitor
 from lit_mpstable.core.loaded_state import check_plugin_state
+from lit_mpstable.core.recast_state import KEY as RECAST
+from lit_mpstable.core.recast_state import apply_recast_state_, recast_state
 from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.stepper_args import PrecisionName
 from lit_mpstable.core.weights import WeightKeeper
 
-__all__ = ["StepperState", "load_scaler_state_", "load_weights_state_", "weights_state"]
+__all__ = ["StepperState", "adopt_recast_state_", "load_scaler_state_", "load_weights_state_", "weights_state"]
 
 _KEYS = ("masters", "compact")
 
@@ -68,6 +72,16 @@ def load_weights_state_(
     return None
 
 
+def adopt_recast_state_(stepper: Any, optimizers: Sequence[Optimizer], *, weights: bool = False) -> None:
+    """Hand a recasting fallback's FP32 values loaded before the model or ``optimizers`` arrived to them
+    (:mod:`~lit_mpstable.core.recast_state`); what no optimizer holds yet keeps waiting."""
+    module, waiting = stepper.layout.module, stepper._pending.pop(RECAST, None)
+    if waiting and module is not None:
+        waiting = apply_recast_state_(module, optimizers, waiting, weights=weights)
+    if waiting:
+        stepper._pending[RECAST] = waiting
+
+
 class StepperState:
     """``state_dict``/``load_state_dict`` of a :class:`~lit_mpstable.core.stepper.PrecisionStepper` (a mixin: it reads
     the stepper's attributes)."""
@@ -80,6 +94,7 @@ class StepperState:
     keeper: WeightKeeper
     counters: RunCounters
     layout: Any
+    optimizers: list[Any]
     policy: Any
     schedules: Any
     iteration: Any
@@ -102,7 +117,9 @@ class StepperState:
         compensation buffers and rounding seed, ``{}`` without), ``spike_guard`` (the SpikeGuard's statistics,
         ``{}`` without), ``fp8_budget`` (the layers ``HighPrecisionBudget(by="probe")`` moved to the base precision,
         their measured errors and the step: ``{}`` before the choice or without that budget), ``growth`` (the
-        growth monitor's samples, which its trend fit resumes from, ``{}`` without ``growth_every_n_steps``).
+        growth monitor's samples, which its trend fit resumes from, ``{}`` without ``growth_every_n_steps``), and,
+        only while a fallback holds ``*-true`` parameters in FP32 without FP32 masters, ``recast`` (their FP32 values
+        and optimizer state by parameter name: :mod:`~lit_mpstable.core.recast_state`).
         """
         if self.iteration.stepped:
             # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
@@ -119,7 +136,16 @@ class StepperState:
             "spike_guard": self.spike_guard.state_dict() if self.spike_guard is not None else {},
             "fp8_budget": self.fp8_budget.state_dict(),
             "growth": self.growth.state_dict() if self.growth is not None else {},
+            **self._recast_state(),
         }
+
+    def _recast_state(self) -> dict[str, Any]:
+        module, waiting = self.layout.module, self._pending.get(RECAST)
+        if module is None:
+            return {RECAST: waiting} if waiting else {}
+        names = self.layout.recast_names() if self.master_mode != "fp32" else []  # masters carry their own values
+        state = recast_state(module, names, self.optimizers, waiting)
+        return {RECAST: state} if state else {}
 
     def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
         """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
@@ -140,8 +166,10 @@ class StepperState:
             state = {**state, "fp8_budget": {}}  # saved before the probe's budget was part of the state
         if isinstance(state, dict) and "growth" not in state:
             state = {**state, "growth": {}}  # saved before the growth samples were checkpointed: the fit restarts
+        if isinstance(state, dict) and RECAST not in state:
+            state = {**state, RECAST: {}}  # no recasting fallback at the save (or saved before this key existed)
         call = f"{self.owner}.load_state_dict"
-        check_plugin_state(call, state, set(self.state_dict()), get_args(PrecisionName))
+        check_plugin_state(call, state, set(self.state_dict()) | {RECAST}, get_args(PrecisionName))
         self.fp8_budget.check_state(call, state["fp8_budget"], self.layout)
         growth, saved_growth = self.growth, state["growth"]
         if growth is not None and saved_growth:
@@ -165,6 +193,11 @@ class StepperState:
                                       precision=self.precision)
         if warning:
             self.warnings.append(warning)
+        # After the fallback was re-applied: the recast parameters and their optimizer state take the FP32 values.
+        self._pending.pop(RECAST, None)
+        if state[RECAST]:
+            self._pending[RECAST] = state[RECAST]
+            adopt_recast_state_(self, self.optimizers, weights=True)
         self.policy.load_state_dict(state["op_policy"])
         if guard is not None and saved_guard:
             live = guard.spikes_skipped.clone()

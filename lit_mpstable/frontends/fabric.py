@@ -44,11 +44,11 @@ class StablePrecision(StableFrontEnd, Precision):
         model, optimizer = fabric.setup(model, optimizer)
         plugin.setup_optimizers(optimizer)
         plugin.hold_schedulers(scheduler)
-        fabric.load(path, {"precision": plugin, "model": model, "optimizer": optimizer})
+        fabric.load(path, {"model": model, "optimizer": optimizer, "precision": plugin})
 
-      The plugin belongs in the saved state (litgpt's own leaves it out), first: a fallback active at the save
-      recasts parameters when it loads, then their weights load exactly (after them, they would come back rounded).
-      With any ``master_weights`` an optimizer resumed while the plugin's state was not loaded warns.
+      The plugin belongs in the saved state (litgpt's own leaves it out), in any order: a fallback active at the save
+      is re-applied when it loads, with the FP32 values it held. With any ``master_weights`` an optimizer resumed
+      while the plugin's state was not loaded warns.
 
     Weights loaded into the model after ``fabric.setup`` (a pretrained checkpoint) are where the masters start. As
     with Fabric's own plugins, outputs come back in the default dtype (FP32); unlike ``MixedPrecision``, ``*-mixed``
