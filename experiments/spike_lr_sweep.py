@@ -2,13 +2,15 @@
 
     .venv/bin/python experiments/spike_lr_sweep.py --seeds 3            # ~9 min on 1 thread (loaded machine)
     .venv/bin/python experiments/spike_lr_sweep.py --steps 40 --seeds 1  # smoke run
+    .venv/bin/python experiments/spike_lr_sweep.py --n-layers 4 --warmup 100 --steps 600 --beta2 0.999 --seeds 3
+        --out experiments/results/spike_lr_sweep/deep_beta2_999   # (one command) the deeper regime below, ~37 min
 
 The issue's target (#26): over the GPT's learning rate x{1, 2, 4, 8}, the largest multiplier that does not diverge
 with SpikeGuard is >= 2x fixed clipping's, and SpikeGuard reaches fixed clipping's best validation loss in >= 20%
-fewer steps. Both methods train ``lit_mpstable.app.zoo.GPT`` (d 128, 2 blocks, context 64) on the standard-library
-character corpus (``CharLMData``, batch 16) through a plain :class:`PrecisionStepper` loop with AdamW (betas 0.9,
-0.95, weight decay 0.01), a linear warmup then a cosine decay to 0, from the same initial weights and on the same
-batches per seed:
+fewer steps. Both methods train ``lit_mpstable.app.zoo.GPT`` (d 128, 2 blocks by default: ``--d-model``,
+``--n-layers``; context 64) on the standard-library character corpus (``CharLMData``, batch 16) through a plain
+:class:`PrecisionStepper` loop with AdamW (betas 0.9, 0.95 by default, weight decay 0.01), a linear warmup then a
+cosine decay to 0, from the same initial weights and on the same batches per seed:
 
 - ``fixed``: ``clip_grad_norm_(optimizer, 1.0)``, no guard;
 - ``guard``: ``PrecisionStepper(spike_guard=SpikeGuard(clip_zscore=2.5))`` and ``clip_grad_norm_(optimizer,
@@ -43,6 +45,30 @@ swings between 4 and 8 from step 3 on, while the guard is still in its 20-step w
 the rolling statistics then learn the instability: the largest z-scores over steps 21-40 are 4.1 (loss) and 3.8
 (norm), under the skip's 6; the ZClip threshold (8.8-11.6) is looser than the fixed 1.0 it replaces; and AdamW's
 update size does not follow the gradient norm, so no clipping bounds it.
+
+A deeper regime, after a realistic warmup (``--n-layers 4 --warmup 100 --steps 600 --beta2 0.999``; d 128, 144-168
+CPU ms/step, bf16-mixed), probed like the first with fixed clipping only, seed 0, base 1.2e-2, before any guard run:
+
+- 4 blocks, warmup 100 of 600 steps, beta2 0.95: x4 (0.048) val 2.31, x8 (0.096) 2.62, x16 (0.192) 3.21, x32
+  (0.384) 3.17: none diverges; at x32 the val loss climbs 3.14 -> 3.81 over steps 25-175 and recovers to 3.17 (a
+  stall near the unigram loss, below the step-0 val 5.22, so degraded but not diverged);
+- the same with beta2 0.999: x16 (0.192) does not diverge (3.33), x32 (0.384) diverges at step 125 (val 3.16 at 25,
+  then 3.32, 3.44, 4.27 at step 100, 8.61 at 125), x64 (0.768) at step 75. Hence base 0.048 again: x8 (0.384) is
+  fixed clipping's first divergence, now at the peak of a 100-step warmup (after the guard's own 20-step warmup).
+- not probed: d 192 / 6 blocks (279 CPU ms/step at 40 steps, measured; ~3 min a 600-step run on the loaded
+  machine) and 1000-step runs with warmup 100.
+
+Result, deeper regime (3 seeds, ``results/spike_lr_sweep/deep_beta2_999/table.md``, the command at the top, 37 min
+wall): fixed clipping diverges at x8 on every seed (step 125, 100, 125); the guard diverges at x8 on every seed
+too (step 100, 125, 100; 2, 19, 0 skips), so the stable-LR ratio is 1 on every seed (target >= 2: NOT met). Fixed
+clipping's best val loss is always at x1 (2.50, 2.44, 2.39 at steps 550, 600, 600); the guard never reaches it (its
+x1 ends at 2.56, 2.55, 2.55), so the steps ratio is inf (target <= 0.8: NOT met). At x2 the guard ends lower on
+seeds 1 and 2 (2.62, 2.64 vs 3.04, 2.97) and higher on seed 0 (2.85 vs 2.67); at x4 both stall near 3.2. Why (train
+losses in ``results.json``, x8): the loss drifts up over 20-40 steps while the LR warms towards its peak (means per
+10 steps 2.8-2.9 -> 3.1-3.4 -> 4-5 -> 5-10), not in one batch, so the rolling statistics follow the drift and the
+6-sigma skip fires late or never; on seed 1 it skips every step from 107 to the stop at 125, but no step after 106
+is applied and the val loss is 6.15 at 125 (3.77 at 100): the weights were broken before the first skip. In both
+regimes this GPT's divergence is a gradual LR instability, which neither fixed clipping nor this guard prevented.
 
 Writes ``experiments/results/spike_lr_sweep/{results.json, table.md, sweep.png}`` (or ``--out``).
 """
@@ -86,7 +112,7 @@ def make_guard(args: argparse.Namespace) -> SpikeGuard:
 def run(method: str, mult: float, seed: int, args: argparse.Namespace, data: CharLMData) -> dict:
     """One training run; returns its validation curve, train losses, skipped steps and verdict."""
     torch.manual_seed(seed)
-    model = GPT(data.vocab_size)
+    model = GPT(data.vocab_size, d_model=args.d_model, n_layers=args.n_layers)
     guard = make_guard(args) if method == "guard" else None
     stepper = PrecisionStepper(args.precision, device="cpu", spike_guard=guard)
     stepper.setup_module(model)
@@ -260,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="base learning rate: x8 (0.384) is the first LR at which fixed clipping diverges")
     parser.add_argument("--mults", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--d-model", type=int, default=128, help="the GPT's width (a multiple of 16)")
+    parser.add_argument("--n-layers", type=int, default=2, help="the GPT's number of blocks")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--eval-every", type=int, default=25)
@@ -279,7 +307,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("lr", "guard_max_norm"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)!r}: must be > 0.")
-    for name in ("steps", "warmup", "seeds", "eval_every", "val_seqs", "threads"):
+    if args.d_model < 16 or args.d_model % 16:
+        raise ValueError(f"--d-model={args.d_model!r}: must be a multiple of 16.")
+    for name in ("steps", "n_layers", "warmup", "seeds", "eval_every", "val_seqs", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)!r}: must be an integer >= 1.")
     if not args.mults or min(args.mults) <= 0:
@@ -315,11 +345,11 @@ def main(argv: list[str] | None = None) -> None:
         cpu.append(f"flags {' '.join(sorted(avx))}")
     except OSError:
         cpu = []
-    setup = (f"lit_mpstable.app.zoo.GPT (d 128, 2 blocks, context 64) on CharLMData (batch 16); {args.steps} steps,"
-             f" AdamW base LR {args.lr:g} x {args.mults}, warmup {args.warmup} then cosine to 0; precision"
-             f" {args.precision}; AdamW betas (0.9, {args.beta2:g}); fixed = clip 1.0, guard = SpikeGuard mode"
-             f" {args.guard_mode} (clip_zscore {args.clip_zscore:g}) with max_norm {args.guard_max_norm:g}; val on"
-             f" {args.val_seqs} held-out sequences every {args.eval_every} steps;"
+    setup = (f"lit_mpstable.app.zoo.GPT (d {args.d_model}, {args.n_layers} blocks, context 64) on CharLMData"
+             f" (batch 16); {args.steps} steps, AdamW base LR {args.lr:g} x {args.mults}, warmup {args.warmup} then"
+             f" cosine to 0; precision {args.precision}; AdamW betas (0.9, {args.beta2:g}); fixed = clip 1.0, guard ="
+             f" SpikeGuard mode {args.guard_mode} (clip_zscore {args.clip_zscore:g}) with max_norm"
+             f" {args.guard_max_norm:g}; val on {args.val_seqs} held-out sequences every {args.eval_every} steps;"
              f" {args.seeds} seed(s); {args.threads} thread(s), torch {torch.__version__}, {' '.join(cpu)}."
              f" Diverged: a val loss NaN/inf or above the step-0 val loss. Degraded: final val > {DEGRADED} x the"
              f" best final of the seed's sweep. Load average at start {load[0]:.1f}. Total"
