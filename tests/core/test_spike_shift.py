@@ -83,3 +83,55 @@ def test_a_state_saved_before_the_limit_existed_loads():
 def test_max_consecutive_is_validated(value, error):
     with pytest.raises(error, match=f"max_consecutive={value!r}"):
         SpikeGuard(max_consecutive=value)
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+def _ddp_shift_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """Two gloo ranks, a plain DDP loop; only rank 1's data moves to a new level at step 40, for good."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        guard = SpikeGuard(warmup=5, window=16, max_consecutive=6)
+        stepper = PrecisionStepper("bf16-mixed", device="cpu", spike_guard=guard)
+        stepper.setup_module(model)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stepper.setup_optimizers(model, [opt])
+        gen, w = torch.Generator().manual_seed(10 + rank), torch.randn(8, 1, generator=torch.Generator().manual_seed(2))
+        skipped = []
+        for step in range(80):
+            x = torch.randn(32, 8, generator=gen)
+            y = x @ w + (3.0 if rank == 1 and step >= 40 else 0.0)
+            with stepper.forward_context():
+                loss = ((ddp(x).float() - y) ** 2).mean()
+            stepper.scale_loss(loss).backward()
+            stepper.step(opt)
+            opt.zero_grad()
+            skipped.append(stepper.last_step_skipped)
+        del ddp  # before the group goes (see tests/adapter/test_spike_guard.py's DDP worker)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.save({"skipped": skipped, "shifts": guard.level_shifts, "spikes": int(guard.spikes_skipped),
+                    "warnings": list(stepper.warnings), "weights": weights}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_shift_on_one_rank_restarts_both_at_the_same_step(tmp_path):
+    from helpers import spawn_ranks
+
+    spawn_ranks(_ddp_shift_worker, str(tmp_path / "init"), str(tmp_path), limit_s=240)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    skipped = [i for i, s in enumerate(ranks[0]["skipped"]) if s]
+    assert skipped == list(range(40, 46)) and ranks[0]["skipped"] == ranks[1]["skipped"]
+    assert ranks[0]["shifts"] == ranks[1]["shifts"] == 1 and ranks[0]["spikes"] == ranks[1]["spikes"] == 6
+    assert any("6 steps in a row" in w for w in ranks[0]["warnings"])
+    for k, v in ranks[0]["weights"].items():
+        assert torch.equal(v, ranks[1]["weights"][k]), k
