@@ -107,7 +107,8 @@ class SpikeGuard:
                                             " no limit")
         self.level_shifts = 0
         """How often :attr:`max_consecutive` spikes in a row restarted the statistics (host-side)."""
-        self._run = 0  # steps skipped as spikes since the last applied step (host-side, from the caller's flags)
+        self.consecutive_spikes = 0
+        """Steps skipped as spikes since the last applied step or restart (host-side, from the caller's flags)."""
         self.device: torch.device | None = None
         """Where the statistics live; None until the first value (or :meth:`bind`)."""
         # Both watched series side by side (column 0 the loss, column 1 the gradient norm), so that a step's
@@ -123,8 +124,7 @@ class SpikeGuard:
         self._finite: torch.Tensor | None = None  # which of them are finite, as decide() found them
         self._decided = False  # whether decide() ran this step (host-side)
         self._last_spike = torch.zeros((), dtype=torch.bool)
-        self._judged: tuple[torch.Tensor, torch.Tensor] | None = None  # the last decide's z-scores and window sizes;
-        # the metrics are made from them when read, not at every step
+        self._judged: tuple[torch.Tensor, torch.Tensor] | None = None  # last z-scores, window sizes: metrics, lazily
         self._threshold: torch.Tensor | None = None  # the clip threshold decide() computed this step
         self._caps = torch.full((len(_NAMES),), math.inf)  # what a folded value is capped at: the norm's clip threshold
         self._consts: dict[str, Any] = {}  # per-device constants: slot indices, floors, the watched rows' mask
@@ -333,13 +333,13 @@ class SpikeGuard:
         At :attr:`max_consecutive` the statistics restart (empty window, ``warmup`` again; the skip count stays) and
         this returns True, so the caller can say so. No device work except at the restart."""
         if applied:
-            self._run = 0
+            self.consecutive_spikes = 0
         elif skipped_as_spike:
-            self._run += 1
-            if self.max_consecutive is not None and self._run >= self.max_consecutive:
+            self.consecutive_spikes += 1
+            if self.max_consecutive is not None and self.consecutive_spikes >= self.max_consecutive:
                 self._values.fill_(math.nan)
                 self._counts.zero_()
-                self._run, self.level_shifts = 0, self.level_shifts + 1
+                self.consecutive_spikes, self.level_shifts = 0, self.level_shifts + 1
                 return True
         return False
 
@@ -378,7 +378,7 @@ class SpikeGuard:
             state[name] = self._values[:, row].detach().nan_to_num(0.0)  # a slot not reached yet: 0
             state[f"{name}_count"] = self._counts[row].detach().clone()
         state["spikes_skipped"] = self._spikes.detach().clone()
-        state["consecutive_spikes"], state["level_shifts"] = self._run, self.level_shifts
+        state["consecutive_spikes"], state["level_shifts"] = self.consecutive_spikes, self.level_shifts
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -395,6 +395,6 @@ class SpikeGuard:
         reached = torch.arange(self.window, device=device).unsqueeze(1) < self._counts
         self._values = torch.where(reached, values.t().to(device), math.nan)
         self._spikes = spikes.to(device)
-        self._run, self.level_shifts = run, shifts
+        self.consecutive_spikes, self.level_shifts = run, shifts
         self._clear()
 

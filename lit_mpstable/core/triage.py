@@ -60,15 +60,19 @@ def needs_triage(plugin: Any, overflowed: bool) -> list[bool]:
     ``stats``, ``scaler``, ``loss_scale`` and ``last_step_spiked``; ``overflowed``: the step counted an overflow.
 
     The flags: a non-finite loss (the scale only multiplies after it), a batch holding inf/NaN, an overflow with no
-    scaler or at a scale of 1, inf/NaN that entered after the gradient check (weights, optimizer state), a spike.
-    Host reads on rejected steps only."""
+    scaler or at a scale of 1, inf/NaN that entered after the gradient check (weights, optimizer state), a spike
+    (not the one that completed ``max_consecutive`` in a row: the guard took the level as new and restarted, so no
+    replay is judged against the old statistics). Host reads on rejected steps only."""
     loss, stats = plugin.last_loss, plugin.stats
+    guard = getattr(plugin, "spike_guard", None)
+    level_shift = guard is not None and guard.consecutive_spikes == 0  # after a spike: the run ended in a restart
     return [
         loss is not None and not bool(torch.isfinite(loss).all()),
         bool(overflowed and stats.get("nonfinite_input")),
         bool(overflowed and (plugin.scaler is None or plugin.loss_scale <= 1.0)),
         bool(not overflowed and stats.get("nonfinite_after_check")),
-        bool(getattr(plugin, "last_step_spiked", False)),  # a view without SpikeGuard (a foreign plugin) has none
+        # A view without SpikeGuard (a foreign plugin) has no last_step_spiked.
+        bool(getattr(plugin, "last_step_spiked", False)) and not level_shift,
     ]
 
 
