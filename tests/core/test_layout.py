@@ -126,6 +126,18 @@ def test_a_refused_fallback_changes_nothing() -> None:
 _ORDERS = ["stepper,model,opt", "model,opt,stepper", "opt,stepper,model", "model,stepper,opt"]
 
 
+def _steps_with_a_fallback_at_1(model, stepper, opt, steps, x, y, modules) -> None:
+    """Train ``steps`` on (x, y); after step 1 ``stepper.fallback(modules)``."""
+    from helpers import mse_backward
+
+    for i in steps:
+        mse_backward(stepper, model, x, y)
+        stepper.step(opt)
+        opt.zero_grad()
+        if i == 1:
+            stepper.fallback(modules)
+
+
 @pytest.mark.parametrize("order", _ORDERS)
 @pytest.mark.parametrize("master_weights", ["kahan", "stochastic", False])
 @pytest.mark.parametrize("modules", [None, ["fc2"]])  # global fallback, per-module fallback
@@ -134,7 +146,7 @@ def test_resume_with_a_recasting_fallback_is_exact(master_weights, modules, orde
     # which resume exactly in any order, are left out: they carry the values themselves).
     import io
 
-    from helpers import mse_backward, regression_data, tiny_stepper
+    from helpers import regression_data, tiny_stepper
 
     x, y = regression_data(16)
 
@@ -142,12 +154,7 @@ def test_resume_with_a_recasting_fallback_is_exact(master_weights, modules, orde
         return tiny_stepper(seed=seed, master_weights=master_weights, device="cpu")
 
     def run(model, stepper, opt, steps):
-        for i in steps:
-            mse_backward(stepper, model, x, y)
-            stepper.step(opt)
-            opt.zero_grad()
-            if i == 1:
-                stepper.fallback(modules)
+        _steps_with_a_fallback_at_1(model, stepper, opt, steps, x, y, modules)
 
     whole = build(0)
     run(*whole, range(6))
@@ -198,19 +205,14 @@ def test_a_recasting_fallback_loaded_before_setup_resumes_exactly(modules) -> No
     # state carried them this resumed 9e-4..2e-3 off.
     import io
 
-    from helpers import TinyMLP, mse_backward, regression_data, tiny_stepper
+    from helpers import TinyMLP, regression_data, tiny_stepper
 
     from lit_mpstable.core.stepper import PrecisionStepper
 
     x, y = regression_data(16)
 
     def run(model, stepper, opt, steps):
-        for i in steps:
-            mse_backward(stepper, model, x, y)
-            stepper.step(opt)
-            opt.zero_grad()
-            if i == 1:
-                stepper.fallback(modules)
+        _steps_with_a_fallback_at_1(model, stepper, opt, steps, x, y, modules)
 
     whole = tiny_stepper(master_weights=False, device="cpu")
     run(*whole, range(6))
