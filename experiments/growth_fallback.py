@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="align: the warning part's task; dead_channel: unit 0 grows, its mlp.down column is zero")
     parser.add_argument("--cap", type=float, default=DEAD_CAP,
                         help="dead_channel: unit 0's amax / the other units' where its growth stops")
-    parser.add_argument("--recipe", choices=("current", "delayed", "mxfp8", "blockwise"), default="current",
+    parser.add_argument("--recipe", choices=("current", "delayed", "blockwise"), default="current",
                         help="the FP8 recipe")
     parser.add_argument("--out", default=str(OUT), help="the results folder")
     args = parser.parse_args(argv)
