@@ -39,11 +39,13 @@ def _grads(dtype: torch.dtype = torch.bfloat16) -> tuple[torch.optim.Optimizer, 
     return torch.optim.AdamW(params), [p.grad for p in params[:5]]
 
 
-def test_the_check_reads_each_large_gradient_once_and_writes_none() -> None:
+@pytest.mark.parametrize(("dtype", "reduction"), [(torch.bfloat16, "sum"), (torch.float32, "sum"),
+                                                  (torch.float16, "aminmax")])
+def test_the_check_reads_each_large_gradient_once_and_writes_none(dtype: torch.dtype, reduction: str) -> None:
     # GradScaler's check-and-unscale kernel at scale 1 wrote every element back (x * 1) and bumped every gradient's
-    # version; now a large gradient is read once (its minimum and maximum), and only the small ones go through the
-    # kernel, in one call.
-    optimizer, grads = _grads()
+    # version; now a large gradient is read once (its sum; FP16: its minimum and maximum), and only the small ones go
+    # through the kernel, in one call.
+    optimizer, grads = _grads(dtype)
     large, small = [grads[0], grads[2]], [grads[1], grads[3]]
     scaler = StaticLossScaler("cpu", init_scale=1.0)
     scaler.ensure_state_("cpu")
@@ -51,7 +53,8 @@ def test_the_check_reads_each_large_gradient_once_and_writes_none() -> None:
     with _Calls() as seen:
         scaler.check_(optimizer)
     names = [name for name, _ in seen.calls]
-    reads = [tensors[0] for name, tensors in seen.calls if name.startswith("aminmax")]
+    reads = [tensors[0] for name, tensors in seen.calls if name.split(".")[0] in ("sum", "aminmax")]
+    assert {name.split(".")[0] for name in names} & {"sum", "aminmax"} == {reduction}, names
     assert [id(t) for t in reads] == [id(g) for g in large], names  # each once
     kernel = [tensors for name, tensors in seen.calls if name.startswith("_amp_foreach_non_finite_check_and_unscale_")]
     assert len(kernel) == 1 and [id(t) for t in kernel[0][: len(small)]] == [id(g) for g in small], names
@@ -75,6 +78,27 @@ def test_the_check_finds_any_nonfinite_element(dtype: torch.dtype, bad: float) -
         g[index] = before
     found = nonfinite_on_cpu(optimizer)
     assert found is not None and float(found[torch.device("cpu")]) == 0.0
+
+
+def test_large_fp16_gradients_that_add_up_past_65504_are_finite() -> None:
+    # Scaled FP16 gradients are large by design: their FP16 sum would be inf. They are read by aminmax instead.
+    optimizer, grads = _grads(torch.float16)
+    grads[0].fill_(60000.0)
+    grads[2].fill_(-60000.0)
+    found = nonfinite_on_cpu(optimizer)
+    assert found is not None and float(found[torch.device("cpu")]) == 0.0
+
+
+def test_a_bf16_gradient_whose_sum_leaves_fp32s_range_flags_the_step() -> None:
+    # The documented edge of the sum: finite elements of 1e34 (their square, 1e68, is inf in Adam's second moment)
+    # adding up past 3.4e38; one element that large alone is not flagged.
+    optimizer, grads = _grads(torch.bfloat16)
+    grads[0].view(-1)[0] = 1e34
+    found = nonfinite_on_cpu(optimizer)
+    assert found is not None and float(found[torch.device("cpu")]) == 0.0
+    grads[0].fill_(1e34)
+    found = nonfinite_on_cpu(optimizer)
+    assert found is not None and float(found[torch.device("cpu")]) == 1.0
 
 
 def test_sparse_gradients_take_gradscalers_kernel() -> None:
