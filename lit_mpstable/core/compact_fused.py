@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from lit_mpstable.core import compact_native
 from lit_mpstable.core.compact_rounding import _signed32, hash32, noise_bits
 from lit_mpstable.core.compact_slices import Piece
 from lit_mpstable.core.compact_views import KernelArgs, fill_key, flat, flat_views
@@ -197,6 +198,11 @@ class FusedAdam:
         if eager:
             (_adam_plain_kernel if plain else _adam_kernel)(w, comp, g, m, v, scalars, key)
             return
+        if w.device.type == "cpu":  # the C loop where it builds: the same words, ~2-4x faster than inductor's C++
+            native = compact_native.kernel()
+            if native is not None and compact_native.takes(w, comp, g, m, v, scalars, key):
+                native(w, comp, g, m, v, scalars, key, plain)
+                return
         start = time.perf_counter()
         before = graph_count()  # graphs compiled by this call are ours, not the user's model's
         try:

@@ -14,10 +14,28 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lit_mpstable.core.compact_fused as fused_module
+from lit_mpstable.core import compact_native
 from lit_mpstable.core.compact import CompactWeights
 from lit_mpstable.core.compact_fused import FusedAdam, _adam_kernel, hash32, noise_bits
 
 MODES = ["kahan", "stochastic"]
+
+
+@pytest.fixture(params=["native", "compiled"])
+def path(request, monkeypatch) -> str:
+    """Each test that takes it runs twice: through the C loop (lit_mpstable.core.compact_native, the CPU default
+    where a C compiler builds it) and through inductor's compiled kernel (a CPU without one, and every GPU)."""
+    if request.param == "native":
+        assert compact_native.kernel() is not None  # CI and development machines have a C compiler
+    else:
+        monkeypatch.setattr(compact_native, "kernel", lambda: None)
+    return request.param
+
+
+@pytest.fixture
+def compiled_only(monkeypatch) -> None:
+    # Tests of torch.compile's side (its failures, its first-call time): the C loop stands aside.
+    monkeypatch.setattr(compact_native, "kernel", lambda: None)
 
 
 def _lowbias32(x: int) -> int:
@@ -87,7 +105,7 @@ def _values(model: nn.Module, cw: CompactWeights) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_fused_matches_the_fp32_copies(mode: str, name: str) -> None:
+def test_fused_matches_the_fp32_copies(mode: str, name: str, path: str) -> None:
     model, opt, cw = _run(mode, name, fused=None)
     ref_model, ref_opt, ref_cw = _run(mode, name, fused=False)
     assert cw._fused is not None and ref_cw._fused is None  # each took its own path
@@ -115,7 +133,7 @@ def test_fused_matches_the_fp32_copies(mode: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fused_slices_resume_and_recompile_nothing(mode: str) -> None:
+def test_fused_slices_resume_and_recompile_nothing(mode: str, path: str) -> None:
     # Slicing changes nothing bit for bit (an elementwise kernel; random numbers keyed by element).
     sliced, _, sliced_cw = _run(mode, "adamw", fused=None, chunk_bytes=2**16)
     whole, _, whole_cw = _run(mode, "adamw", fused=None)
@@ -136,7 +154,7 @@ def test_fused_slices_resume_and_recompile_nothing(mode: str) -> None:
     assert compiled[1:] == [compiled[0]] * 4, compiled
 
 
-def test_a_kernel_that_cannot_compile_falls_back_with_a_warning(monkeypatch) -> None:
+def test_a_kernel_that_cannot_compile_falls_back_with_a_warning(monkeypatch, compiled_only) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
@@ -163,7 +181,7 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_step_under_a_dispatch_mode_leaves_later_fused_steps_alone() -> None:
+def test_a_step_under_a_dispatch_mode_leaves_later_fused_steps_alone(path: str) -> None:
     # torch.compile skips a frame entered under a TorchDispatchMode and marks its code skipped for the whole process:
     # had the step under the mode called the compiled kernel, every later CompactWeights in the process would have
     # stepped through FP32 copies (other numbers). The kernel runs eagerly there, seen by the mode.
@@ -183,7 +201,7 @@ def test_a_step_under_a_dispatch_mode_leaves_later_fused_steps_alone() -> None:
         raise
 
 
-def test_a_slow_first_call_is_explained_once(monkeypatch) -> None:
+def test_a_slow_first_call_is_explained_once(monkeypatch, compiled_only) -> None:
     # A call longer than SLOW_S compiled: said once per object, with the way out (a negative limit makes each slow).
     monkeypatch.setattr(FusedAdam, "SLOW_S", -1.0)
     # The notice is also said once per inductor cache (tests/adapter/test_messages.py); here: once per object, as if
@@ -309,7 +327,7 @@ def test_an_optimizer_with_step_hooks_is_stepped_inside_optimizer_step() -> None
         handle.remove()
 
 
-def test_an_infinite_weight_without_weight_decay_keeps_finite_moments_as_torch_does() -> None:
+def test_an_infinite_weight_without_weight_decay_keeps_finite_moments_as_torch_does(path: str) -> None:
     # Adam without weight decay adds no L2 term: an inf weight times a zero decay must not turn the moments NaN.
     results = {}
     for fused in (None, False):
@@ -337,7 +355,7 @@ class _Many(nn.Module):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_many_parameters_in_mixed_groups_step_as_each_alone(mode: str) -> None:
+def test_many_parameters_in_mixed_groups_step_as_each_alone(mode: str, path: str) -> None:
     # One step over every fused parameter of several groups (keys, scalars and step counters made per step, not per
     # parameter) gives, bit for bit, what each parameter stepped alone gives: its own optimizer and CompactWeights,
     # same name, seed and step count, so the same random keys. Some parameters miss a gradient on some steps (their
@@ -386,7 +404,7 @@ def test_many_parameters_in_mixed_groups_step_as_each_alone(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_plain_kernel_is_the_full_one_without_clip_or_l2(mode: str) -> None:
+def test_the_plain_kernel_is_the_full_one_without_clip_or_l2(mode: str, path: str) -> None:
     # AdamW without a clip value takes the graph that leaves the clamp and the L2 where out: bit for bit the full
     # graph's words, NaN and infinities included (a clamp to +-inf returns its input, the where picks the gradient).
     group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "decoupled_weight_decay": True}
@@ -478,7 +496,9 @@ def test_a_parameter_that_leaves_the_kernel_lets_go_of_its_old_tensors(recast: b
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_nan_in_an_accumulated_gradient_skips_the_fused_step_and_the_next_step_is_as_without_it(mode: str) -> None:
+def test_a_nan_in_an_accumulated_gradient_skips_the_fused_step_and_the_next_step_is_as_without_it(
+    mode: str, path: str
+) -> None:
     # Through the stepper, gradients accumulated over two backwards, a NaN written into the second one's: the step is
     # skipped (nothing written, the kernel's kept views and random keys untouched), and the next step gives the very
     # words of a run that never saw that batch (a power-of-two scale backoff changes no unscaled gradient).
