@@ -154,12 +154,13 @@ def takes(
     w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
     scalars: torch.Tensor, key: torch.Tensor,
 ) -> bool:
-    """Whether the C loop can step these tensors: all on the CPU and contiguous, the data BF16, the scalars FP32,
-    the key int32 (what :class:`~lit_mpstable.core.compact_fused.FusedSteps` passes; anything else takes the
-    compiled kernel)."""
+    """Whether the C loop can step these tensors: plain tensors (no subclass such as a DTensor, whose pointer is not
+    its data) on the CPU and contiguous, the data BF16, the scalars FP32, the key int32 (what
+    :class:`~lit_mpstable.core.compact_fused.FusedSteps` passes; anything else takes the compiled kernel)."""
     data = (w, g, m, v) if comp is None else (w, comp, g, m, v)
     return (
-        all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in data)
+        all(type(t) is torch.Tensor for t in (*data, scalars, key))
+        and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in data)
         and all(t.numel() == w.numel() for t in data)
         and scalars.device.type == "cpu" and scalars.dtype == torch.float32 and scalars.is_contiguous()
         and scalars.numel() == 10 and key.device.type == "cpu" and key.dtype == torch.int32 and key.numel() == 1

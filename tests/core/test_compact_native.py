@@ -97,6 +97,11 @@ def test_what_the_c_loop_does_not_take() -> None:
     assert not compact_native.takes(w, comp, g, m, v, scalars.double(), key)
     assert not compact_native.takes(w, comp, g, m, v, scalars, key.long())
 
+    class Wrapped(torch.Tensor):  # a subclass (a DTensor, say): its pointer need not be its data
+        pass
+
+    assert not compact_native.takes(w.as_subclass(Wrapped), comp, g, m, v, scalars, key)
+
 
 def test_without_a_compiler_or_when_turned_off_there_is_no_c_loop(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("LIT_MPSTABLE_NATIVE", "0")
