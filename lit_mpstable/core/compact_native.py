@@ -126,7 +126,9 @@ def _load() -> Kernel | None:
     compiler = _compiler()
     if compiler is None:
         return None
-    for flags in (_FLAGS + ("-fopenmp",), _FLAGS):  # a compiler without OpenMP (Apple's clang): one thread
+    portable = tuple(flag for flag in _FLAGS if flag != "-march=native")
+    # A compiler without OpenMP (Apple's clang): one thread; one that does not know -march=native: the baseline ISA.
+    for flags in (_FLAGS + ("-fopenmp",), _FLAGS, portable):
         path = _build(compiler, flags)
         if path is not None:
             try:

@@ -121,3 +121,30 @@ def test_without_a_compiler_or_when_turned_off_there_is_no_c_loop(monkeypatch, t
         monkeypatch.undo()
         compact_native._load.cache_clear()
     assert compact_native.kernel() is not None
+
+
+def test_a_compiler_without_openmp_or_march_native_still_builds_the_loop(monkeypatch, tmp_path) -> None:
+    # The build tries -fopenmp, then without it (Apple's clang), then without -march=native: a compiler that refuses
+    # both still gives a loop, and its words are the OpenMP build's.
+    real = compact_native._compiler()
+    assert real is not None
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *-fopenmp*|*-march=native*) exit 1;; esac\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    expected = _tensors("stochastic")
+    scalars = FusedAdam.scalars(GROUP, 2.0, torch.tensor(1.0), None)
+    key = torch.tensor(9, dtype=torch.int32)
+    _native()(*expected, scalars, key, True)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    compact_native._load.cache_clear()
+    try:
+        built = compact_native.kernel()
+        assert built is not None
+        assert [p.name.startswith("adam_bf16_") for p in (tmp_path / "cache").rglob("*.so")] == [True]
+        got = _tensors("stochastic")
+        built(*got, scalars, key, True)
+    finally:
+        monkeypatch.undo()
+        compact_native._load.cache_clear()
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, expected) if a is not None)
