@@ -162,7 +162,7 @@ PHASES = [
     ("lit_mpstable.core.compact_fused", "FusedSteps._step_fused_", "    _step_fused_"),
     ("lit_mpstable.core.compact_fused", "keys", "      random keys"),
     ("lit_mpstable.core.compact_fused", "FusedAdam.scalars", "      kernel scalars"),
-    ("lit_mpstable.core.compact_fused", "FusedAdam.run_", "      kernel calls (the C loop on a CPU, else the compiled kernel)"),
+    ("lit_mpstable.core.compact_fused", "FusedAdam.run_", "      kernel calls (the C loop on a CPU, else compiled)"),
     ("torch.optim.adamw", "AdamW.step", "AdamW.step (L: around the closure; SP: empty groups)"),
 ]
 
