@@ -194,6 +194,10 @@ class CompactWeights(FusedSteps, StandIns):
             yield name, p, self._comp.get(name)
 
     # ------------------------------------------------------------------------------------------ stepping
+    # Eager always: a train step compiled whole (forward, backward and optimizer.step in one torch.compile'd function)
+    # breaks its graph here. Traced, the random keys' 64-bit hash became constants inductor could not index with
+    # (an InductorError at the first step), and the step's chunks, hooks and kernel choice are host decisions anyway.
+    @torch.compiler.disable
     @torch.no_grad()
     def step_(
         self, optimizer: Optimizer, *, grad_multiplier: torch.Tensor | float | None = None,

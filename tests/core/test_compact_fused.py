@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -534,3 +535,37 @@ def test_a_nan_in_an_accumulated_gradient_skips_the_fused_step_and_the_next_step
         assert torch.equal(p.view(torch.int16), ref_p.view(torch.int16)), name
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][key].view(torch.int16), ref_opt.state[ref_p][key].view(torch.int16)), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_train_step_compiled_whole_steps_the_compact_weights_eagerly(mode: str) -> None:
+    # torch.compile over forward, backward and the optimizer step in one function: the compact step is not traced
+    # (traced, its random keys' 64-bit hash became constants inductor could not index with: an InductorError at the
+    # first call). The graph breaks there and the step runs as in an eager loop: the same skip decisions and step
+    # counts, the weights within BF16 rounding of the eager run's (inductor's forward and backward may round apart).
+    from helpers import regression_data, tiny_stepper
+
+    def run(compiled: bool) -> tuple[nn.Module, Any]:
+        model, stepper, opt = tiny_stepper(master_weights=mode)
+        x, y = regression_data(32)
+
+        def train_step() -> torch.Tensor:
+            with stepper.forward_context():
+                loss = nn.functional.mse_loss(model(stepper.convert_input(x)).float(), y)
+            stepper.scale_loss(loss).backward()
+            stepper.step(opt)
+            opt.zero_grad()
+            return loss.detach()
+
+        step = torch.compile(train_step) if compiled else train_step
+        losses = [float(step()) for _ in range(4)]
+        assert losses[-1] < losses[0], losses
+        return model, stepper
+
+    (model, stepper), (ref, ref_stepper) = run(True), run(False)
+    assert stepper.keeper.weights._fused is not None  # the fused step ran, under the compiled function
+    assert (stepper.step_count, stepper.skipped_steps) == (ref_stepper.step_count, ref_stepper.skipped_steps) == (4, 0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(p.float(), q.float(), rtol=2**-6, atol=1e-3, msg=name)
