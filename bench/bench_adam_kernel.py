@@ -25,23 +25,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, fmt_iqr, markdown_table, summary  # noqa: E402
+from common import cpu_flags, environment, fmt_iqr, markdown_table, summary  # noqa: E402
 
 from lit_mpstable.core import compact_native  # noqa: E402
 from lit_mpstable.core.compact_fused import FusedAdam  # noqa: E402
 
 SHAPES = [(1024, 784), (1024,), (1024, 1024), (1024,), (1024, 1024), (1024,), (10, 1024), (10,)]
 GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "decoupled_weight_decay": True}
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return "unknown"
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
-    return " ".join(flag for flag in wanted if flag in flags) or "none of " + " ".join(wanted)
 
 
 def _configs() -> dict[str, object]:
@@ -110,7 +100,7 @@ def main() -> None:
         "# Compact weights' optimizer arithmetic alone (bench/bench_adam_kernel.py)",
         "",
         f"torch {env['torch']}, {args.threads} thread(s), {args.rounds} alternating rounds; CPU: {env['cpu']}; flags:"
-        f" {_cpu_flags()}; load average at the end: {env['loadavg']}. One step = AdamW over the memory bench MLP's"
+        f" {cpu_flags()}; load average at the end: {env['loadavg']}. One step = AdamW over the memory bench MLP's"
         f" 8 parameters (2.9M BF16 weights); {'thread CPU time' if args.threads == 1 else 'wall time'}.",
         "",
         markdown_table(["config", "ms per step (median)", "x torch AdamW (paired per round)"], rows),
@@ -121,7 +111,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = "adam_kernel" if args.threads == 1 else f"adam_kernel_{args.threads}threads"
     (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"env": env, "flags": _cpu_flags(), "times": times}, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps({"env": env, "flags": cpu_flags(), "times": times}, indent=1))
 
 
 if __name__ == "__main__":

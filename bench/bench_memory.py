@@ -45,6 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_flags  # noqa: E402
+
 # The lit_mpstable to measure: this tree's, or the one an --ab run names for its child processes.
 sys.path.insert(0, os.environ.get("BENCH_MEMORY_TREE") or str(Path(__file__).resolve().parent.parent))
 from lit_mpstable import StablePrecision  # noqa: E402
@@ -252,17 +255,6 @@ def child_round(kinds: list[str], names: list[str], steps: int, offset: int, rep
                 per_step[name] += run(kind, name, steps, memory_step=None).cpu[2:]
         out[kind] = {name: statistics.median(values) for name, values in per_step.items()}
     print("RESULT " + json.dumps(out), flush=True)
-
-
-def cpu_flags() -> str:
-    """The CPU's vector-unit flags that decide the kernels' speed (inductor's and ATen's), from /proc/cpuinfo."""
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return "unknown"
-    have = set(line.split(":", 1)[1].split())
-    return " ".join(flag for flag in wanted if flag in have) or "none of " + " ".join(wanted)
 
 
 def ab(args: argparse.Namespace, kinds: list[str], names: list[str]) -> None:

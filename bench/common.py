@@ -31,6 +31,7 @@ __all__ = [
     "resident_bytes",
     "summary",
     "environment",
+    "cpu_flags",
     "markdown_table",
     "TRAINER_DEFAULTS",
 ]
@@ -252,6 +253,18 @@ def environment() -> dict[str, Any]:
         "argv": sys.argv,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def cpu_flags() -> str:
+    """The CPU's vector-unit flags that decide the kernels' speed (inductor's and ATen's), from /proc/cpuinfo."""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(x for x in f if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    have = set(line.split(":", 1)[1].split())
+    return " ".join(flag for flag in wanted if flag in have) or "none of " + " ".join(wanted)
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
