@@ -41,6 +41,8 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+_LOOK_UP = object()  # FusedAdam.run_'s default: look the C loop up and check every input
+
 _SPLIT = float(2**23 + 1)  # Veltkamp's constant that rounds an FP32 number to one significant bit
 _BIG = 2.0**103  # beyond it a * _SPLIT would overflow: such values are rounded to nearest
 
@@ -186,11 +188,14 @@ class FusedAdam:
 
     def run_(
         self, w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-        scalars: torch.Tensor, key: torch.Tensor, *, eager: bool, plain: bool = False,
+        scalars: torch.Tensor, key: torch.Tensor, *, eager: bool, plain: bool = False, native: Any = _LOOK_UP,
     ) -> None:
         """:meth:`step_` with the key as a 0-d int32 tensor on ``w``'s device (:func:`keys` makes a step's keys in one
         transfer). ``eager``: run the kernel uncompiled, as under a TorchDispatchMode (see :meth:`step_`); ``plain``:
-        scalars without a clip (inf) or an L2 term (0) (:meth:`plain`), for the graph that leaves them out."""
+        scalars without a clip (inf) or an L2 term (0) (:meth:`plain`), for the graph that leaves them out.
+        ``native``: the C loop (:func:`compact_native.kernel`, None: none) as :class:`FusedSteps` looks it up once a
+        step, for tensors its ``_fusable`` checked (dtypes, shapes, contiguity); by default it is looked up here and
+        every input checked (:func:`compact_native.takes`, ~10 us a call)."""
         # Under a TorchDispatchMode (a FLOP counter, a tracer, a recorder of host reads) torch.compile skips the frame
         # and marks the kernel's code skipped for the rest of the process: every later CompactWeights would fall back
         # to FP32 copies. The eager kernel (what torch.compile runs itself under a mode) leaves the compiler's state
@@ -198,9 +203,15 @@ class FusedAdam:
         if eager:
             (_adam_plain_kernel if plain else _adam_kernel)(w, comp, g, m, v, scalars, key)
             return
-        if w.device.type == "cpu":  # the C loop where it builds: the same words, ~2-4x faster than inductor's C++
-            native = compact_native.kernel()
-            if native is not None and compact_native.takes(w, comp, g, m, v, scalars, key):
+        if w.is_cpu:  # the C loop where it builds: the same words, ~2-4x faster than inductor's C++
+            if native is _LOOK_UP:
+                native = compact_native.kernel()
+                usable = native is not None and compact_native.takes(w, comp, g, m, v, scalars, key)
+            else:  # what _fusable leaves open: a tensor subclass (a DTensor) or state on another device
+                usable = native is not None and type(w) is torch.Tensor and type(g) is torch.Tensor and (
+                    g.is_cpu and m.is_cpu and v.is_cpu and (comp is None or (comp.is_cpu and comp.is_contiguous()))
+                )
+            if usable:
                 native(w, comp, g, m, v, scalars, key, plain)
                 return
         start = time.perf_counter()
@@ -270,6 +281,7 @@ class FusedSteps:
         for device, group in on_device.items():
             key_of.update(zip(map(id, group), keys([self._key(piece) for piece in group], device)))
         eager = torch._C._len_torch_dispatch_stack() > 0
+        native = None if eager else compact_native.kernel()  # once a step, not per parameter
         scalars: dict[tuple[int, float, torch.device], tuple[torch.Tensor, bool]] = {}
         rest: list[Piece] = []
         steps: list[torch.Tensor] = []  # of the stepped parameters: counted up together at the end
@@ -296,7 +308,9 @@ class FusedSteps:
             assert grad is not None  # _fusable marks a piece fused only when its gradient is there
             w, c, m, v = flat_views(views, p, comp, state["exp_avg"], state["exp_avg_sq"])
             try:
-                self._fused.run_(w, c, flat(grad), m, v, values, key_of[id(piece)], eager=eager, plain=plain)
+                self._fused.run_(
+                    w, c, flat(grad), m, v, values, key_of[id(piece)], eager=eager, plain=plain, native=native
+                )
             except Exception as error:  # compiling failed (no C++ compiler, an unsupported device...)
                 _count_(steps)
                 if self.fused is True:

@@ -162,10 +162,10 @@ def takes(
     data = (w, g, m, v) if comp is None else (w, comp, g, m, v)
     return (
         all(type(t) is torch.Tensor for t in (*data, scalars, key))
-        and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in data)
+        and all(t.is_cpu and t.dtype == torch.bfloat16 and t.is_contiguous() for t in data)
         and all(t.numel() == w.numel() for t in data)
-        and scalars.device.type == "cpu" and scalars.dtype == torch.float32 and scalars.is_contiguous()
-        and scalars.numel() == 10 and key.device.type == "cpu" and key.dtype == torch.int32 and key.numel() == 1
+        and scalars.is_cpu and scalars.dtype == torch.float32 and scalars.is_contiguous()
+        and scalars.numel() == 10 and key.is_cpu and key.dtype == torch.int32 and key.numel() == 1
     )
 
 
