@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-__all__ = ["fp8_mm", "scaled_mm_refusal", "scaled_mm_supported"]
+__all__ = ["fp8_mm", "scaled_mm_preferred", "scaled_mm_refusal", "scaled_mm_supported"]
 
 
 def scaled_mm_supported(device: torch.device | str) -> bool:
@@ -18,6 +18,17 @@ def scaled_mm_supported(device: torch.device | str) -> bool:
     call (a ``*-true`` forward sets a 16-bit default dtype) cannot make it fail.
     """
     return scaled_mm_refusal(device) is None
+
+
+def scaled_mm_preferred(device: torch.device | str) -> bool:
+    """Whether ``FP8Config(emulate=None)`` sends FP8 GEMMs on ``device`` to ``torch._scaled_mm``: where it runs, except
+    on a CPU. torch's CPU kernel computes the emulation's product (up to fp32 rounding: it scales after the sum), and
+    in torch 2.13 it is a reference loop for two operands of one format (the forward GEMM,
+    and every GEMM of ``format="e4m3"``): 250-4700x slower than the emulation on 64x64x64 to 1024x256x256
+    (``bench/bench_fp8_cpu_gemm.py``). ``emulate=False`` still forces it. FP8Linear keeps it on a CPU under delayed
+    scaling (``linear._scaled_mm_decision`` says why).
+    """
+    return torch.device(device).type != "cpu" and scaled_mm_supported(device)
 
 
 def scaled_mm_refusal(device: torch.device | str) -> str | None:
@@ -105,4 +116,7 @@ def fp8_mm(
             a.contiguous(), b_t.contiguous().t(), scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=mm_dtype
         )
         return out.to(out_dtype)
-    return ((a.float() * a_inv_scale) @ (b_t.float() * b_inv_scale).t()).to(out_dtype)
+    # Outside autocast, as _scaled_mm is: an fp32 GEMM that an enclosing bf16 autocast (a traced backward's, under
+    # torch.compile) would run in bf16.
+    with torch.autocast(a.device.type, enabled=False):
+        return ((a.float() * a_inv_scale) @ (b_t.float() * b_inv_scale).t()).to(out_dtype)

@@ -41,8 +41,8 @@ class FP8Linear(nn.Linear):
     the GEMM operands are cast. Outputs come in the base precision: the autocast dtype inside ``torch.autocast``,
     else the input's dtype; ``grad_x`` has the input's dtype and ``grad_W`` the weight's.
 
-    Execution: ``torch._scaled_mm`` where :func:`scaled_mm_supported` (and every GEMM dim is a multiple of 16),
-    else exact emulation (saturating cast, dequantise, fp32 matmul). ``"mxfp8"`` is always emulated: hardware MX
+    Execution: ``torch._scaled_mm`` where :func:`scaled_mm_preferred` (a GPU that runs it; every GEMM dim a multiple
+    of 16), else exact emulation (saturating cast, dequantise, fp32 matmul). ``"mxfp8"`` is always emulated: hardware MX
     GEMMs need Blackwell and a swizzled scale layout.
 
     State (delayed recipe only): non-persistent buffers ``amax_history`` (3, amax_history_len) and ``scale`` (3,),
@@ -167,7 +167,7 @@ class FP8Linear(nn.Linear):
         return self.scale[_X] if self.fp8_config.recipe == "delayed" else None
 
     def _use_scaled_mm(self, device: torch.device) -> bool:
-        return _scaled_mm_decision(self.fp8_config.emulate, str(device))
+        return _scaled_mm_decision(self.fp8_config.emulate, str(device), self.fp8_config.recipe == "delayed")
 
     def _dtype(self, role: int) -> torch.dtype:
         return self.fp8_config.grad_dtype if role == _GRAD else self.fp8_config.forward_dtype
@@ -312,8 +312,17 @@ _MAX_STORED_FORWARDS = 64
 # Run by torch.compile at trace time, in plain Python, and baked into the graph as a constant: the probe behind it
 # runs real FP8 GEMMs (a seeded generator, an equality check) that cannot be traced, and is cached per device.
 @torch.compiler.assume_constant_result
-def _scaled_mm_decision(emulate: bool | None, device: str) -> bool:
-    """Whether FP8 GEMMs on ``device`` go through ``torch._scaled_mm`` (else exact emulation)."""
+def _scaled_mm_decision(emulate: bool | None, device: str, delayed: bool = False) -> bool:
+    """Whether FP8 GEMMs on ``device`` go through ``torch._scaled_mm`` (else exact emulation).
+
+    Auto mode on a CPU emulates (:func:`scaled_mm_preferred`: the CPU kernel gives the same product, up to 4700x
+    slower), except under delayed scaling. There the forward updates the ``scale`` buffer after casting with it, and
+    torch 2.13's AOT partitioner may recompute the saved inverse scale in the backward from that buffer, already
+    updated (``tests/core/test_fp8_bugs.py``); the emulated backward then used the next step's scale under
+    ``torch.compile(backend="aot_eager")``. ``_scaled_mm`` reads its saved scales as they are.
+    """
+    if emulate is None and torch.device(device).type == "cpu" and not delayed:
+        return False
     if emulate is None:
         refusal = scaled_mm_refusal(device)
         if refusal is not None and device not in _WARNED_EMULATION:

@@ -398,14 +398,18 @@ def test_fp8_linear_under_bf16_autocast() -> None:
 def test_auto_mode_warns_once_when_it_has_to_emulate(monkeypatch: pytest.MonkeyPatch) -> None:
     import lit_mpstable.fp8.linear as linear_module
 
+    # A GPU without FP8 GEMMs (an A100): auto mode emulates and says so, once per device. A CPU emulates silently
+    # (its _scaled_mm is no faster: bench/bench_fp8_cpu_gemm.py), whatever the probe says.
     monkeypatch.setattr(linear_module, "scaled_mm_refusal", lambda device: "no FP8 kernel here")
     monkeypatch.setattr(linear_module, "_WARNED_EMULATION", set())
-    layer = fp8_linear("current", d_in=32, d_out=16)
-    with pytest.warns(RuntimeWarning, match="emulated"):
-        layer(torch.randn(4, 32))
+    decide = linear_module._scaled_mm_decision
+    with pytest.warns(RuntimeWarning, match="on cuda:0 .no FP8 kernel here., so FP8 is emulated"):
+        assert decide(None, "cuda:0") is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        layer(torch.randn(4, 32))  # once per device
+        assert decide(None, "cuda:0") is False  # once per device
+        assert decide(None, "cpu") is False
+        fp8_linear("current", d_in=32, d_out=16)(torch.randn(4, 32))
     with pytest.raises(RuntimeError, match="emulate=False"):
         fp8_linear("current", emulate=False)(torch.randn(4, 64))
 
