@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 
 import pytest
 import torch
+from cli_batch import run_batch
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
@@ -389,13 +390,26 @@ def test_two_job_multirun_with_the_basic_launcher(tmp_path: Path) -> None:
          ["['model.blocks.*.nope'] match no nn.Linear layer", "model.blocks.0.fc"]),
     ],
 )
-def test_config_mistakes_fail_before_training_with_the_fix(overrides, code, messages, tmp_path: Path) -> None:
-    result = _cli(*overrides, "trainer.max_steps=1", "model.d_model=32", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
-    assert result.returncode != 0 and (code is None or result.returncode == code), result.stderr[-2000:]
+def test_config_mistakes_fail_before_training_with_the_fix(overrides, code, messages, mistakes) -> None:
+    result = mistakes[tuple(overrides)]
+    assert result["code"] != 0 and (code is None or result["code"] == code), result["stderr"][-2000:]
     for message in messages:
-        assert message in result.stderr, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr  # one message, not a wall
-    assert "GPU available" not in result.stdout + result.stderr  # failed before the Trainer was built
+        assert message in result["stderr"], result["stderr"][-2000:]
+    assert "Traceback" not in result["stderr"]  # one message, not a wall
+    assert "GPU available" not in result["stdout"] + result["stderr"]  # failed before the Trainer was built
+
+
+@pytest.fixture(scope="module")
+def mistakes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
+    """Every selected case of the test above, run by the console entry point in one process (tests/cli_batch.py):
+    {overrides: {"code", "stdout", "stderr"}}."""
+    name = test_config_mistakes_fail_before_training_with_the_fix.__name__
+    cases = [tuple(item.callspec.params["overrides"]) for item in request.session.items
+             if item.path == request.node.path and item.originalname == name]
+    cwd = tmp_path_factory.mktemp("mistakes")
+    commands = [_one_run([*case, "trainer.max_steps=1", "model.d_model=32", f"hydra.run.dir={cwd / str(i)}"])
+                for i, case in enumerate(cases)]
+    return dict(zip(cases, run_batch(commands, cwd=cwd)))
 
 
 @pytest.mark.slow
