@@ -200,6 +200,16 @@ def _in_own_process(request: pytest.FixtureRequest) -> bool:
     pytest.fail(f"{request.node.nodeid}: {outcome} in the real-engine process:\n{_CHILD_OUTPUT[0]}")
 
 
+@pytest.fixture(autouse=True)
+def _no_shared_memory_allreduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the real-engine process: DeepSpeed's CPU communication backend JIT-compiles its shared-memory all-reduce
+    kernel (deepspeed_shm_comm) when it starts, 60-75 s on 2 cores with a cold torch_extensions cache, as CI's
+    always is. These engines run one rank, which never all-reduces through it: without it they start in ~1 s."""
+    if os.environ.get("LIT_MPSTABLE_DEEPSPEED") == "1":
+        backend = importlib.import_module("deepspeed.comm.torch")  # not deepspeed.comm.torch: that name is torch
+        monkeypatch.setattr(backend, "build_shm_op", lambda: None)
+
+
 def _fp16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from deepspeed.accelerator import get_accelerator
 
