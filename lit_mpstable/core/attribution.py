@@ -190,7 +190,12 @@ class OverflowTracer:
             self._handles.append(tensor.register_hook(self._grad_hook(edge)))
         return edge
 
+    # Each hook runs outside torch.compile. The step that traces runs eagerly (``compiled.eager``), unless the compiled
+    # region encloses our forward context (``torch.compile`` of Fabric's wrapped module): there a traced hook would
+    # guard on ``id(tensor)`` of each step's tensors and recompile until Dynamo's limit; a disabled one breaks the
+    # graph once.
     def _pre_hook(self, name: str, depth: int):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self._calls += 1
             inputs = _tensors((args, kwargs))
@@ -206,6 +211,7 @@ class OverflowTracer:
         return hook
 
     def _post_hook(self, name: str, depth: int):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             self._calls += 1
             bad_in = self._inputs.pop() if self._inputs else None
@@ -224,12 +230,14 @@ class OverflowTracer:
         return hook
 
     def _grad_hook(self, edge: _Edge):
+        @torch.compiler.disable
         def hook(grad: torch.Tensor) -> None:
             self._backward_events.append((edge.blamed(), any_nonfinite([grad])))
 
         return hook
 
     def _param_hook(self, owner: str):
+        @torch.compiler.disable
         def hook(param: torch.Tensor) -> None:
             if param.grad is not None:
                 self._backward_events.append((owner, any_nonfinite([_dense(param.grad)])))

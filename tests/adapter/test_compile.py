@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -466,3 +467,47 @@ def test_kahan_fused_adam_kernel_does_not_make_an_eager_model_look_compiled(monk
     assert counters["stats"]["unique_graphs"] > 0  # the fused kernel compiled (else this test checks nothing)
     assert model.fc1.weight.dtype == torch.float32
     assert not any("recompiles" in w for w in stepper.warnings)
+
+
+@pytest.mark.parametrize("diagnose", [False, True])
+def test_a_traced_step_inside_a_compiled_fabric_module_names_the_layer_without_recompiling_per_step(
+    diagnose: bool,
+) -> None:
+    # torch.compile of Fabric's wrapped module encloses our forward context, which cannot switch to eager there: the
+    # tracer's hooks (armed by an overflow) ran under Dynamo, which guarded on id() of each step's tensors and
+    # recompiled for each traced step until its limit (8). The hooks now run outside the graph. diagnose=True traces
+    # every step.
+    from lightning.fabric import Fabric
+
+    fabric_module = importlib.import_module("lit_mpstable.frontends.fabric")
+
+    class Poisoned(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.mid, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+            self.register_buffer("factor", torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.mid(torch.relu(self.inp(x))) * self.factor))
+
+    with counting() as backend, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plugin = fabric_module.StablePrecision("bf16-mixed", diagnose=diagnose)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = Poisoned()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapped, optimizer = fabric.setup(model, optimizer)
+        compiled = torch.compile(wrapped, backend=backend)
+        blamed, frames = [], []
+        for step, (x, y) in enumerate(batches(12)):
+            model.factor.fill_(math.nan if step in (3, 4) else 1.0)  # the overflow arms the tracer; 4 is traced
+            fabric.backward(F.mse_loss(compiled(x).float(), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            blamed.append(plugin.stats.get("blamed_modules"))
+            frames.append(backend.frame_count)
+    assert plugin.skipped_steps == 2
+    assert blamed[4] == [""]  # the model's own product (x * NaN) made it: no submodule's output did
+    # No graph compiled for a traced step: before, 3 frames became 5 at step 4 (and 9 in a larger model: the limit),
+    # and with diagnose=True tracing the hooks failed ("_call_min_max_seq requires at least one item").
+    assert frames == [frames[0]] * len(frames), frames
