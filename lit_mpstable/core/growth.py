@@ -167,12 +167,14 @@ class GrowthMonitor:
             self.load_state_dict(pending)
         return self
 
+    @torch.compiler.disable  # hooking runs eagerly even where a compiled region encloses the forward (see _hook)
     def _hook_layers(self, layers: Mapping[str, nn.Module]) -> None:
         for name, layer in layers.items():
             self._handles.append(layer.register_forward_hook(self._hook(name)))
             if name in self._captures:
                 self._handles.append(layer.register_forward_pre_hook(self._capture(name)))
 
+    @torch.compiler.disable
     def _unhook(self) -> None:
         while self._handles:
             self._handles.pop().remove()
@@ -234,6 +236,7 @@ class GrowthMonitor:
     def _capture(self, name: str):
         history = self._history[name]
 
+        @torch.compiler.disable  # as the sampling hook below
         def pre_hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
             getter = getattr(module, "growth_input_scale", None)  # gone once a fallback swapped the layer
             if getter is not None and self._due(name, module) and (scale := getter()) is not None:
@@ -253,6 +256,10 @@ class GrowthMonitor:
         history = self._history[name]
         sums, numels, slots = self._queue
 
+        # Outside torch.compile: a sampled forward runs eagerly (``compiled.eager``), unless the compiled region
+        # encloses the forward context (``torch.compile`` of Fabric's wrapped module), where a traced hook would guard
+        # on the monitor's counters and recompile at each sample, up to Dynamo's limit.
+        @torch.compiler.disable
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not self._due(name, module):
                 return

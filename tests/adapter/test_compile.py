@@ -511,3 +511,37 @@ def test_a_traced_step_inside_a_compiled_fabric_module_names_the_layer_without_r
     # No graph compiled for a traced step: before, 3 frames became 5 at step 4 (and 9 in a larger model: the limit),
     # and with diagnose=True tracing the hooks failed ("_call_min_max_seq requires at least one item").
     assert frames == [frames[0]] * len(frames), frames
+
+
+def test_growth_samples_every_due_step_inside_a_compiled_fabric_module() -> None:
+    # The same enclosing compile and GrowthMonitor's on-demand hooks: hooking ran under Dynamo too, and only 3 of the
+    # 18 samples (6 due steps x 3 layers) reached the monitor, silently. Now every one does, and no due step
+    # compiles a graph of its own.
+    from lightning.fabric import Fabric
+
+    fabric_module = importlib.import_module("lit_mpstable.frontends.fabric")
+
+    class ThreeLinears(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.mid, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.mid(torch.relu(self.inp(x)))))
+
+    with counting() as backend, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plugin = fabric_module.StablePrecision("bf16-mixed", growth_every_n_steps=2)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = ThreeLinears()
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        compiled = torch.compile(model, backend=backend)
+        frames = []
+        for x, y in batches(12):
+            fabric.backward(F.mse_loss(compiled(x).float(), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            frames.append(backend.frame_count)
+    plugin.runaway_layers()  # refreshes stats["growth"]
+    assert plugin.stepper.growth.samples == 6 * 3 and sorted(plugin.stats["growth"]) == ["head", "inp", "mid"]
+    assert frames == [frames[0]] * len(frames), frames
