@@ -28,8 +28,13 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from lit_mpstable.fp8 import convert_to_fp8, fp8_stats  # noqa: E402
-from lit_mpstable.fp8.gemm import scaled_mm_supported  # noqa: E402
+from lit_mpstable.fp8.linear import _scaled_mm_decision  # noqa: E402
 from lit_mpstable.fp8.swap import collect_fp8_stats_  # noqa: E402
+
+
+def _gemm_path(recipe: str) -> str:
+    """How FP8Config(emulate=None) runs this recipe's GEMMs on the CPU (emulated, except delayed scaling)."""
+    return "torch._scaled_mm" if _scaled_mm_decision(None, "cpu", recipe == "delayed") else "emulated"
 
 GOAL = 0.02
 
@@ -191,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         f"GPT d={args.d_model}, {args.layers} layers, {args.heads} heads, context {args.seq_len}, vocab {args.vocab};"
         f" {args.steps} steps of {args.batch} sequences, AdamW lr {args.lr} (warmup 20, cosine), clip 1.0; base"
         f" bf16 autocast on CPU, {args.threads} thread(s); torch {torch.__version__}. FP8 GEMMs of delayed/current:"
-        f" {'torch._scaled_mm' if scaled_mm_supported('cpu') else 'emulated'}; mxfp8: emulated (quantise, dequantise,"
+        f" {_gemm_path('delayed')}/{_gemm_path('current')}; mxfp8: emulated (quantise, dequantise,"
         " fp32 matmul). FP8 saturation/underflow: element-weighted fractions over all FP8 operands on the last"
         " training step. s/step is wall time on a shared machine: FP8 on a CPU is slower than BF16 by design."
     )

@@ -116,7 +116,8 @@ class FP8Config:
     """``"native"``: this package's FP8Linear; ``"torchao"`` / ``"transformer_engine"``: those libraries' layers."""
     emulate: bool | None = None
     """None = ``torch._scaled_mm`` on a GPU that runs it, else exact emulation (on a CPU too, but for the delayed
-    recipe: torch's CPU kernel gives the same product, up to thousands of times slower); True/False force one."""
+    recipe and the torchao backend: torch's CPU kernel gives the same product, up to thousands of times slower);
+    True/False force one."""
     keep_high_precision: KeepHighPrecision = "first_last"
     """Which linear layers stay in the base precision when ``filter`` is None: ``"first_last"`` (the first and
     the last), a list of qualified names / fnmatch patterns (those, and no others), or a

@@ -1,4 +1,4 @@
-"""FP8 matrix products: ``torch._scaled_mm`` where the device runs it, exact emulation elsewhere."""
+"""FP8 matrix products: ``torch._scaled_mm`` or exact emulation (:func:`scaled_mm_preferred` says which by default)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ def scaled_mm_preferred(device: torch.device | str) -> bool:
     is never faster; on an Intel Xeon with AMX, torch 2.13's kernel for two operands of one format (the forward GEMM,
     and every GEMM of ``format="e4m3"``) was 250-4700x slower than the emulation, 64x64x64 to 1024x256x256
     (``bench/bench_fp8_cpu_gemm.py``; an FP8 MLP's step 800 ms instead of 14). ``emulate=False`` still forces it.
-    FP8Linear keeps it on a CPU under delayed scaling (``linear._scaled_mm_decision`` says why).
+    FP8Linear keeps it on a CPU under delayed scaling (``linear._scaled_mm_decision`` says why). The torchao backend
+    decides at conversion, from the parameters' device, before the front ends move the model: it keeps
+    :func:`scaled_mm_supported` (a CPU check that would send a GPU run to emulation).
     """
     return torch.device(device).type != "cpu" and scaled_mm_supported(device)
 

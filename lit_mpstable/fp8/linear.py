@@ -41,9 +41,10 @@ class FP8Linear(nn.Linear):
     the GEMM operands are cast. Outputs come in the base precision: the autocast dtype inside ``torch.autocast``,
     else the input's dtype; ``grad_x`` has the input's dtype and ``grad_W`` the weight's.
 
-    Execution: ``torch._scaled_mm`` where :func:`scaled_mm_preferred` (a GPU that runs it; every GEMM dim a multiple
-    of 16), else exact emulation (saturating cast, dequantise, fp32 matmul). ``"mxfp8"`` is always emulated: hardware MX
-    GEMMs need Blackwell and a swizzled scale layout.
+    Execution (``emulate=None``): ``torch._scaled_mm`` on a GPU that runs it (every GEMM dim a multiple of 16) and,
+    for the delayed recipe, on a CPU that runs it (:func:`_scaled_mm_decision`), else exact emulation (saturating
+    cast, dequantise, fp32 matmul). ``"mxfp8"`` is always emulated: hardware MX GEMMs need Blackwell and a swizzled
+    scale layout.
 
     State (delayed recipe only): non-persistent buffers ``amax_history`` (3, amax_history_len) and ``scale`` (3,),
     rows in :data:`FP8_TENSORS` order. Non-persistent keeps ``model.state_dict()`` identical with and without FP8,

@@ -11,7 +11,7 @@ from torch import nn
 
 from lit_mpstable.fp8.backend import FP8Backend, optional_import, share_hooks
 from lit_mpstable.fp8.config import FP8Config
-from lit_mpstable.fp8.gemm import scaled_mm_preferred
+from lit_mpstable.fp8.gemm import scaled_mm_supported
 from lit_mpstable.fp8.te_backend import hardware_refusal
 
 __all__ = ["TorchaoBackend"]
@@ -116,7 +116,7 @@ class TorchaoBackend(FP8Backend):
                 share_hooks(linear, model.get_submodule(name))
             return
         float8 = optional_import("torchao.float8", "torchao")
-        emulate = self.config.emulate if self.config.emulate is not None else not scaled_mm_preferred(device)
+        emulate = self.config.emulate if self.config.emulate is not None else not scaled_mm_supported(device)
         grad = {}  # torchao's default is hybrid: E5M2 gradients
         if self.config.format == "e4m3":
             grad["cast_config_grad_output"] = float8.CastConfig(target_dtype=torch.float8_e4m3fn)
