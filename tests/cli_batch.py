@@ -3,14 +3,17 @@ imported once (~8 s) instead of once per command.
 
 Each command runs as the console would run it: ``sys.argv`` set, ``main()`` called, the exit code taken from its
 ``SystemExit`` (an uncaught exception prints its traceback and gives 1, as the interpreter does), and file
-descriptors 1 and 2 sent to files, so that everything written (by Python, logging handlers made at import, or C) is
-read back. Hydra's global state is cleared between commands.
+descriptors 1 and 2 sent to files, so that everything the command writes (by Python, logging handlers made at
+import, or C) is read back. The app is imported once, before the first command. Hydra's global state is cleared
+between commands; the rest of the process's state (warning filters and once-only warnings, logging) carries over,
+so a check that a warning is printed belongs in a process of its own.
 
     results = run_batch([[*overrides], ...], cwd=tmp_path)   # [{"code", "stdout", "stderr"}, ...]
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -22,11 +25,12 @@ from pathlib import Path
 
 
 def run_batch(commands: Sequence[Sequence[str]], cwd: Path, timeout: float = 600) -> list[dict]:
-    result = subprocess.run([sys.executable, __file__, json.dumps([list(c) for c in commands])], cwd=cwd,
-                            capture_output=True, text=True, timeout=timeout)
+    results = Path(cwd) / "cli_batch_results.json"
+    result = subprocess.run([sys.executable, __file__, json.dumps([list(c) for c in commands]), str(results)],
+                            cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"the batch itself failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.splitlines()[-1])
+    return json.loads(results.read_text())
 
 
 def _run_one(argv: list[str]) -> dict:
@@ -35,6 +39,7 @@ def _run_one(argv: list[str]) -> dict:
     from lit_mpstable.app import train
 
     GlobalHydra.instance().clear()
+    libc = ctypes.CDLL(None)
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -53,6 +58,7 @@ def _run_one(argv: list[str]) -> dict:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            libc.fflush(None)  # C's stdio buffers too, before the descriptors go back
             for fd, copy in ((1, saved[0]), (2, saved[1])):
                 os.dup2(copy, fd)
                 os.close(copy)
@@ -62,5 +68,6 @@ def _run_one(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    results = [_run_one(argv) for argv in json.loads(sys.argv[1])]
-    print(json.dumps(results))
+    import lit_mpstable.app.train  # noqa: F401 - imported before the first command's output is captured
+
+    Path(sys.argv[2]).write_text(json.dumps([_run_one(argv) for argv in json.loads(sys.argv[1])]))

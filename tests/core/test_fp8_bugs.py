@@ -89,8 +89,9 @@ def test_the_cpu_emulates_by_default_with_the_scaled_mm_product(fmt: str, monkey
         monkeypatch.setattr(torch, "_scaled_mm", counter.real)
         assert counter.calls == (0 if emulate is None else 3)  # forward, grad_x, grad_W
         outputs.append((y.detach(), grad_x))
-    for a, b in zip(outputs[0], outputs[-1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if len(outputs) == 2:  # a torch without the CPU kernel has nothing to compare with
+        for a, b in zip(*outputs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def _delayed_weight_grads(emulate: bool | None) -> list[torch.Tensor]:
@@ -107,7 +108,8 @@ def _delayed_weight_grads(emulate: bool | None) -> list[torch.Tensor]:
     return grads
 
 
-@pytest.mark.xfail(strict=True, reason="torch 2.13's partitioner recomputes the inverse scale from the updated buffer")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="torch 2.13's partitioner recomputes the inverse scale from the updated buffer")
 def test_emulated_delayed_backward_under_aot_eager_reads_the_scale_it_cast_with() -> None:
     # Why auto mode keeps _scaled_mm for the delayed recipe on a CPU. The backward graph recomputes the input's
     # inverse scale as reciprocal(clone(scale[0])) from the buffer the forward has already updated. Strict: a torch
