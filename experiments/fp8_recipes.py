@@ -28,7 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from lit_mpstable.fp8 import convert_to_fp8, fp8_stats  # noqa: E402
-from lit_mpstable.fp8.linear import _scaled_mm_decision  # noqa: E402
+from lit_mpstable.fp8.gemm import _scaled_mm_decision  # noqa: E402
 from lit_mpstable.fp8.swap import collect_fp8_stats_  # noqa: E402
 
 

@@ -26,7 +26,7 @@ def scaled_mm_preferred(device: torch.device | str) -> bool:
     is never faster; on an Intel Xeon with AMX, torch 2.13's kernel for two operands of one format (the forward GEMM,
     and every GEMM of ``format="e4m3"``) was 250-4700x slower than the emulation, 64x64x64 to 1024x256x256
     (``bench/bench_fp8_cpu_gemm.py``; an FP8 MLP's step 800 ms instead of 14). ``emulate=False`` still forces it.
-    FP8Linear keeps it on a CPU under delayed scaling (``linear._scaled_mm_decision`` says why). The torchao backend
+    FP8Linear keeps it on a CPU under delayed scaling (:func:`_scaled_mm_decision` says why). The torchao backend
     decides at conversion, from the parameters' device, before the front ends move the model: it keeps
     :func:`scaled_mm_supported` (a CPU check that would send a GPU run to emulation).
     """
@@ -122,3 +122,40 @@ def fp8_mm(
     # torch.compile) would run in bf16.
     with torch.autocast(a.device.type, enabled=False):
         return ((a.float() * a_inv_scale) @ (b_t.float() * b_inv_scale).t()).to(out_dtype)
+
+
+_WARNED_EMULATION: set[str] = set()  # devices auto mode has said it emulates on
+
+
+# Run by torch.compile at trace time, in plain Python, and baked into the graph as a constant: the probe behind it
+# runs real FP8 GEMMs (a seeded generator, an equality check) that cannot be traced, and is cached per device.
+@torch.compiler.assume_constant_result
+def _scaled_mm_decision(emulate: bool | None, device: str, delayed: bool = False) -> bool:
+    """Whether FP8 GEMMs on ``device`` go through ``torch._scaled_mm`` (else exact emulation).
+
+    Auto mode on a CPU emulates (:func:`scaled_mm_preferred`: the CPU kernel gives the same product, up to 4700x
+    slower), except under delayed scaling. There the forward updates the ``scale`` buffer after casting with it, and
+    torch 2.13's AOT partitioner may recompute the saved inverse scale in the backward from that buffer, already
+    updated (``tests/core/test_fp8_bugs.py``); the emulated backward then used the next step's scale under
+    ``torch.compile(backend="aot_eager")``. ``_scaled_mm`` reads its saved scales as they are.
+    """
+    if emulate is None and torch.device(device).type == "cpu" and not delayed:
+        return False
+    if emulate is None:
+        refusal = scaled_mm_refusal(device)
+        if refusal is not None and device not in _WARNED_EMULATION:
+            _WARNED_EMULATION.add(device)
+            warnings.warn(
+                f"FP8Linear: torch._scaled_mm does not run FP8 GEMMs on {device} ({refusal}), so FP8 is emulated"
+                " there: FP8 numerics, no speed-up. Set FP8Config(emulate=True) to say that is intended. (Warned"
+                " once per device.)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        return refusal is None
+    if not emulate and (refusal := scaled_mm_refusal(device)) is not None:
+        raise RuntimeError(
+            f"FP8Config(emulate=False): torch._scaled_mm does not run FP8 GEMMs on {device} ({refusal}); use"
+            " emulate=None to fall back to emulation."
+        )
+    return not emulate

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from typing import Any
 
@@ -13,7 +12,7 @@ from lit_mpstable.base.validate import check_keys
 from lit_mpstable.fp8.backend import share_hooks
 from lit_mpstable.fp8.block_gemm import BlockLinearFunction, counter_snapshot, layer_seed, rht_signs
 from lit_mpstable.fp8.config import BLOCK_RECIPES, FP8Config
-from lit_mpstable.fp8.gemm import fp8_mm, scaled_mm_refusal
+from lit_mpstable.fp8.gemm import _scaled_mm_decision, fp8_mm
 from lit_mpstable.fp8.quant import (
     MX_BLOCK_SIZE,
     amax_from_history,
@@ -31,7 +30,6 @@ __all__ = ["FP8Linear", "FP8_TENSORS"]
 FP8_TENSORS = ("x", "w", "grad_out")
 """The three FP8 operands of a linear layer, in the row order of ``amax_history`` and ``scale``."""
 _X, _W, _GRAD = range(3)
-_WARNED_EMULATION: set[str] = set()
 
 
 class FP8Linear(nn.Linear):
@@ -308,40 +306,6 @@ class FP8Linear(nn.Linear):
 
 _MAX_STORED_FORWARDS = 64
 """Forwards awaiting their recompute that one delayed FP8Linear remembers (pipelines keep a few microbatches)."""
-
-
-# Run by torch.compile at trace time, in plain Python, and baked into the graph as a constant: the probe behind it
-# runs real FP8 GEMMs (a seeded generator, an equality check) that cannot be traced, and is cached per device.
-@torch.compiler.assume_constant_result
-def _scaled_mm_decision(emulate: bool | None, device: str, delayed: bool = False) -> bool:
-    """Whether FP8 GEMMs on ``device`` go through ``torch._scaled_mm`` (else exact emulation).
-
-    Auto mode on a CPU emulates (:func:`scaled_mm_preferred`: the CPU kernel gives the same product, up to 4700x
-    slower), except under delayed scaling. There the forward updates the ``scale`` buffer after casting with it, and
-    torch 2.13's AOT partitioner may recompute the saved inverse scale in the backward from that buffer, already
-    updated (``tests/core/test_fp8_bugs.py``); the emulated backward then used the next step's scale under
-    ``torch.compile(backend="aot_eager")``. ``_scaled_mm`` reads its saved scales as they are.
-    """
-    if emulate is None and torch.device(device).type == "cpu" and not delayed:
-        return False
-    if emulate is None:
-        refusal = scaled_mm_refusal(device)
-        if refusal is not None and device not in _WARNED_EMULATION:
-            _WARNED_EMULATION.add(device)
-            warnings.warn(
-                f"FP8Linear: torch._scaled_mm does not run FP8 GEMMs on {device} ({refusal}), so FP8 is emulated"
-                " there: FP8 numerics, no speed-up. Set FP8Config(emulate=True) to say that is intended. (Warned"
-                " once per device.)",
-                RuntimeWarning,
-                stacklevel=5,
-            )
-        return refusal is None
-    if not emulate and (refusal := scaled_mm_refusal(device)) is not None:
-        raise RuntimeError(
-            f"FP8Config(emulate=False): torch._scaled_mm does not run FP8 GEMMs on {device} ({refusal}); use"
-            " emulate=None to fall back to emulation."
-        )
-    return not emulate
 
 
 class _FP8LinearFunction(torch.autograd.Function):

@@ -396,13 +396,13 @@ def test_fp8_linear_under_bf16_autocast() -> None:
 
 
 def test_auto_mode_warns_once_when_it_has_to_emulate(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lit_mpstable.fp8.linear as linear_module
+    import lit_mpstable.fp8.gemm as gemm_module
 
     # A GPU without FP8 GEMMs (an A100): auto mode emulates and says so, once per device. A CPU emulates silently
     # (its _scaled_mm is no faster: bench/bench_fp8_cpu_gemm.py), whatever the probe says.
-    monkeypatch.setattr(linear_module, "scaled_mm_refusal", lambda device: "no FP8 kernel here")
-    monkeypatch.setattr(linear_module, "_WARNED_EMULATION", set())
-    decide = linear_module._scaled_mm_decision
+    monkeypatch.setattr(gemm_module, "scaled_mm_refusal", lambda device: "no FP8 kernel here")
+    monkeypatch.setattr(gemm_module, "_WARNED_EMULATION", set())
+    decide = gemm_module._scaled_mm_decision
     with pytest.warns(RuntimeWarning, match="on cuda:0 .no FP8 kernel here., so FP8 is emulated"):
         assert decide(None, "cuda:0") is False
     with warnings.catch_warnings():

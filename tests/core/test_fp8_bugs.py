@@ -12,7 +12,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lit_mpstable.fp8.gemm as gemm_module
-import lit_mpstable.fp8.linear as linear_module
 from lit_mpstable.core.stepper import PrecisionName, PrecisionStepper, default_dtype
 from lit_mpstable.fp8 import FP8Config, FP8Linear, convert_to_fp8
 
@@ -47,7 +46,7 @@ def test_true_16bit_fp8_still_uses_scaled_mm_after_the_first_forward(
 ) -> None:
     # A fresh process: nothing probed, nothing warned.
     gemm_module._PROBED.clear()
-    monkeypatch.setattr(linear_module, "_WARNED_EMULATION", set())
+    monkeypatch.setattr(gemm_module, "_WARNED_EMULATION", set())
     # emulate=False: the CPU's own choice is emulation (below); forcing _scaled_mm makes a spoiled probe raise.
     stepper = PrecisionStepper(precision, fp8=FP8Config(recipe="current", emulate=False), device="cpu")
     model = stepper.setup_module(TinyMLP())
@@ -69,7 +68,7 @@ def test_the_cpu_emulates_by_default_with_the_scaled_mm_product(fmt: str, monkey
     # torch's CPU _scaled_mm is a reference loop for two operands of one format (bench/bench_fp8_cpu_gemm.py): on a
     # CPU, emulate=None emulates, silently, and gets the product emulate=False gets from _scaled_mm (up to fp32
     # rounding: the kernel applies the scales after its sum, the emulation before).
-    monkeypatch.setattr(linear_module, "_WARNED_EMULATION", set())
+    monkeypatch.setattr(gemm_module, "_WARNED_EMULATION", set())
     gemm_module.scaled_mm_supported("cpu")  # probed here, not counted below
     torch.manual_seed(0)
     w, bias, x = torch.randn(32, 32), torch.randn(32), torch.randn(48, 32, requires_grad=True)
