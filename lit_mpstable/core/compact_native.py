@@ -1,6 +1,6 @@
 """The CPU build of the fused Adam step of compact weights: a small C loop, compiled once per machine and loaded.
 
-Inductor's C++ for :func:`~lit_mpstable.core.compact_fused._adam` loads BF16 data in vectors of 32 elements, and in
+Inductor's C++ for :func:`~lit_mpstable.core.compact_adam._adam` loads BF16 data in vectors of 32 elements, and in
 torch 2.13 it converts 32 int32 lanes to FP32 (the random bits of the stochastic rounding) and reinterprets bits one
 element at a time (``VecConvert<float, 2, int32_t, 2>`` has no vector specialization): those conversions took about
 half the kernel's time. Written as a plain C loop, the same arithmetic vectorizes whole (GCC and Clang at ``-O3``),

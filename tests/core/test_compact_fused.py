@@ -14,10 +14,12 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import lit_mpstable.core.compact_adam as adam_module
 import lit_mpstable.core.compact_fused as fused_module
 from lit_mpstable.core import compact_native
 from lit_mpstable.core.compact import CompactWeights
-from lit_mpstable.core.compact_fused import FusedAdam, _adam_kernel, hash32, noise_bits
+from lit_mpstable.core.compact_adam import _adam_kernel
+from lit_mpstable.core.compact_fused import FusedAdam, hash32, noise_bits
 
 MODES = ["kahan", "stochastic"]
 
@@ -252,8 +254,8 @@ def test_the_kernels_rounding_is_the_bit_trick_but_for_ties() -> None:
     expected = _bit_trick(x, k)
     tie = ((x.view(torch.int32) & 0xFFFF) + k) == 0xFFFF  # x + (k - 32767) ulps is halfway: round half to even
     assert 0 < int(tie.sum()) < 20
-    for got in (fused_module._round_stochastic_bf16(x, k.float() - 32767.0),
-                torch.compile(fused_module._round_stochastic_bf16, dynamic=True)(x, k.float() - 32767.0)):
+    for got in (adam_module._round_stochastic_bf16(x, k.float() - 32767.0),
+                torch.compile(adam_module._round_stochastic_bf16, dynamic=True)(x, k.float() - 32767.0)):
         same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
         assert bool(same[~tie].all()), x[~same & ~tie][:5]
         assert bool(((got.float() - expected.float()).abs()[tie] <= expected.float().abs()[tie] * 2.0**-7).all())
