@@ -27,6 +27,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from lit_mpstable.core.growth_state import restore_state, saved_state
 from lit_mpstable.core.growth_stats import (
     History,
     cast_limits,
@@ -375,12 +376,7 @@ class GrowthMonitor:
         ``rows`` (the ring buffer of :func:`layer_stats` rows, ``window`` x 4, or None before a sample), ``steps``
         (the step of each filled slot) and ``next`` (the slot written next). Before :meth:`attach`, a state loaded
         and waiting for it."""
-        if self._pending is not None:
-            return self._pending
-        self._flush()
-        return {"steps": self.steps, "samples": self.samples, "sampled": sorted(self._sampled), "layers": {
-            name: {"rows": None if h.rows is None else h.rows.clone(), "steps": list(h.steps), "next": h.next}
-            for name, h in self._history.items()}}
+        return saved_state(self)
 
     def check_state(self, state: Any, *, call: str = "GrowthMonitor.load_state_dict", name: str = "state_dict",
                     layers: Iterable[str] | None = None) -> None:
@@ -394,14 +390,4 @@ class GrowthMonitor:
         waits for it (checked against the layers then). Checked whole first (:meth:`check_state`): a refused state
         changes nothing."""
         self.check_state(state)
-        self._flush()  # this step's samples go into the slots the state replaces
-        if not self._history:
-            self._pending = {**state, "layers": dict(state["layers"]), "sampled": list(state["sampled"])}
-            return
-        self.steps, self.samples = int(state["steps"]), int(state["samples"])
-        self._sampled = set(state["sampled"])
-        for name, saved in state["layers"].items():
-            history = self._history[name]
-            history.rows = None if saved["rows"] is None else saved["rows"].detach().float().clone()
-            history.steps, history.next = list(saved["steps"]), int(saved["next"])
-        self._rows = self._slopes = None  # placed again, and fitted, when next read or written
+        restore_state(self, state)
