@@ -118,10 +118,7 @@ def fp8_mm(
             a.contiguous(), b_t.contiguous().t(), scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=mm_dtype
         )
         return out.to(out_dtype)
-    # Outside autocast, as _scaled_mm is: an fp32 GEMM that an enclosing bf16 autocast (a traced backward's, under
-    # torch.compile) would run in bf16.
-    with torch.autocast(a.device.type, enabled=False):
-        return ((a.float() * a_inv_scale) @ (b_t.float() * b_inv_scale).t()).to(out_dtype)
+    return ((a.float() * a_inv_scale) @ (b_t.float() * b_inv_scale).t()).to(out_dtype)
 
 
 _WARNED_EMULATION: set[str] = set()  # devices auto mode has said it emulates on
