@@ -245,15 +245,7 @@ def figure(rows: list[dict], args: argparse.Namespace, path: Path, seed: int = 0
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    style = {"bf16": dict(color="black", ls="--", lw=1, zorder=3), "fp8": dict(color="tab:orange"),
-             "fp8+fallback": dict(color="tab:green", lw=2.5)}
-    for r in rows:
-        if r["seed"] != seed or r["variant"] not in style:
-            continue
-        losses = torch.tensor(r["train_loss"], dtype=torch.float64)
-        width = min(10, len(losses))
-        smooth = losses.unfold(0, width, 1).mean(1)  # 10-step mean
-        ax.plot(range(width, width + len(smooth)), smooth.tolist(), label=r["variant"], **style[r["variant"]])
+    for r in loss_curves(ax, rows, seed):
         if r["variant"] == "bf16" and r.get("saturated_at") is not None:
             ax.axvline(r["saturated_at"], color="purple", ls="--", lw=1,
                        label=f"growth stops (unit 0 at {args.cap:.0e}x, step {r['saturated_at']})")
@@ -269,6 +261,19 @@ def figure(rows: list[dict], args: argparse.Namespace, path: Path, seed: int = 0
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def loss_curves(ax, rows: list[dict], seed: int) -> list[dict]:
+    """Plot the 10-step mean training loss of seed ``seed``'s bf16, fp8 and fp8+fallback runs; return those rows."""
+    style = {"bf16": dict(color="black", ls="--", lw=1, zorder=3), "fp8": dict(color="tab:orange"),
+             "fp8+fallback": dict(color="tab:green", lw=2.5)}
+    drawn = [r for r in rows if r["seed"] == seed and r["variant"] in style]
+    for r in drawn:
+        losses = torch.tensor(r["train_loss"], dtype=torch.float64)
+        width = min(10, len(losses))
+        smooth = losses.unfold(0, width, 1).mean(1)
+        ax.plot(range(width, width + len(smooth)), smooth.tolist(), label=r["variant"], **style[r["variant"]])
+    return drawn
 
 
 def command(args: argparse.Namespace) -> str:

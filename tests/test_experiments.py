@@ -39,6 +39,10 @@ _spec = importlib.util.spec_from_file_location("growth_fallback", ROOT / "experi
 growth_fallback = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(growth_fallback)
 
+_spec = importlib.util.spec_from_file_location("growth_fallback_gpt", ROOT / "experiments" / "growth_fallback_gpt.py")
+growth_fallback_gpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(growth_fallback_gpt)
+
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
@@ -234,3 +238,32 @@ def test_growth_fallback_dead_channel_smoke_run_writes_its_table_json_and_figure
     assert all(len(r["train_loss"]) == 6 and r["saturated_at"] is None for r in rows)  # the growth starts at 80
     assert "| 0 |" in (tmp_path / "results_dead_channel.md").read_text()
     assert (tmp_path / "loss_dead_channel.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_growth_fallback_gpt_smoke_run_writes_its_table_json_and_figure(tmp_path: Path) -> None:
+    growth_fallback_gpt.main(["--seeds", "1", "--steps", "4", "--out", str(tmp_path)])
+    text = (tmp_path / "gpt.json").read_text()
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"results json holds {name}: not strict JSON"))
+    rows = json.loads(text)["rows"]
+    assert [r["variant"] for r in rows] == list(growth_fallback_gpt.VARIANTS)
+    assert all(len(r["train_loss"]) == 4 and r["saturated_at"] is None and r["column_0_zero"] for r in rows)
+    assert [len(r["fp8_layers_at_end"]) for r in rows] == [0, 7, 7, 0, 7, 5]
+    assert "| 0 |" in (tmp_path / "gpt.md").read_text()
+    assert (tmp_path / "gpt.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_gpt_dead_channel_is_invisible_to_bf16_and_the_fallback_moves_only_the_two_out_layers() -> None:
+    """The task's two claims, with the growth started at step 2: BF16 trains bit for bit as without the growth (the
+    dead column never reaches the output), and PrecisionFallback(on_growth=True) moves both MLPs' ``out`` layers, and
+    only them, out of FP8."""
+    run = growth_fallback_gpt.run
+    grown, clean = run(0, "bf16", 40, grow_from=2), run(0, "bf16 clean", 40, grow_from=2)
+    assert grown["unit_ratio_at_end"] > 100  # the unit did grow (1.2 ** 38 from ~1)
+    assert grown["train_loss"] == clean["train_loss"] and grown["loss"] == clean["loss"]
+    fallback = run(0, "fp8+fallback", 40, grow_from=2)
+    moved = sorted(name for decision in fallback["fallbacks"] for name in decision["modules"])
+    assert moved == ["model.blocks.0.out", "model.blocks.1.out"], fallback["fallbacks"]
+    assert fallback["fp8_layers_at_end"] == [n for n in growth_fallback_gpt.FP8_LAYERS if not n.endswith(".out")]
+    assert fallback["column_0_zero"]
