@@ -77,12 +77,13 @@ class DeadChannelGPT(GPTLM):
     the growth monitor's hooks and the FP8 layers' amax records)."""
 
     def __init__(self, vocab_size: int, probe: torch.Tensor, *, seed: int, grow: bool, total_steps: int,
-                 cap: float = DEAD_CAP, grow_from: int = GROW_FROM) -> None:
+                 cap: float = DEAD_CAP, grow_from: int = GROW_FROM, weight: bool = False) -> None:
         if not 1 < cap < 1e30:
             raise ValueError(f"DeadChannelGPT(cap={cap!r}): must be in (1, 1e30) (an amax ratio BF16 holds).")
         torch.manual_seed(seed)
         super().__init__(vocab_size, total_steps=total_steps)
         self.probe, self.grow, self.cap, self.grow_from = probe, grow, float(cap), grow_from
+        self.weight = weight  # also grow unit 0's fc weight row: fc's own FP8 weight cast then flushes its rest
         self.saturated_at: int | None = None
         self.losses: list[float] = []
         with torch.no_grad():
@@ -133,6 +134,8 @@ class DeadChannelGPT(GPTLM):
                 if step == self.grow_from:
                     block.fc.bias[0] = block.fc.bias[0].abs() + 1
                 block.fc.bias[0] *= RATE
+                if self.weight:
+                    block.fc.weight[0] *= RATE
 
 
 def _without_column_0(grad: torch.Tensor) -> torch.Tensor:
@@ -156,7 +159,8 @@ def held_out(module: DeadChannelGPT, data: CharLMData, plugin: StablePrecision) 
     return {k: v / count for k, v in totals.items()}
 
 
-def run(seed: int, variant: str, steps: int, cap: float = DEAD_CAP, grow_from: int = GROW_FROM) -> dict:
+def run(seed: int, variant: str, steps: int, cap: float = DEAD_CAP, grow_from: int = GROW_FROM,
+        grow: str = "bias") -> dict:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     start = time.process_time()
@@ -164,7 +168,7 @@ def run(seed: int, variant: str, steps: int, cap: float = DEAD_CAP, grow_from: i
     data = CharLMData()
     data.setup()
     module = DeadChannelGPT(data.vocab_size, data.train_set.tensors[0][:32], seed=seed, grow=spec["grow"],
-                            total_steps=steps, cap=cap, grow_from=grow_from)
+                            total_steps=steps, cap=cap, grow_from=grow_from, weight=grow == "weight")
     fp8 = None if not spec["fp8"] else "current" if spec["fp8"] is True else FP8Config(
         recipe="current", filter=[n for n in FP8_LAYERS if not n.endswith(".out")])
     plugin = StablePrecision("bf16-mixed", fp8=fp8, growth_every_n_steps=10)
@@ -215,8 +219,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         fallback_gaps.append(g_fb), fp8_gaps.append(g_f), floors.append(floor)
         moved = sorted(n for m in fb["fallbacks"] for n in m["modules"])
         decisions = "; ".join(f"{m['step']}: " + "+".join(m["modules"]) for m in fb["fallbacks"]) or "none"
-        only &= moved == ["model.blocks.0.out", "model.blocks.1.out"] and \
-            fb["fp8_layers_at_end"] == [n for n in FP8_LAYERS if not n.endswith(".out")]
+        only &= moved == affected(args.grow) and fb["fp8_layers_at_end"] == [n for n in FP8_LAYERS
+                                                                           if n not in affected(args.grow)]
         flushed = ", ".join(f"{x:.1%}" for x in f["e4m3_flushed_at_end"])
         lines.append(
             f"| {seed} | {b['loss']['own']:.4f} ({b['loss']['fp32']:.4f}); {'yes' if b['loss'] == cb['loss'] else 'no'}"
@@ -230,6 +234,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
               f" (**{within}/{len(fallback_gaps)} seeds within 0.5%**), clean FP8 (floor)"
               f" {statistics.mean(floors):+.2%}; {max(floors, key=abs):+.2%}. Only the two `out` layers left FP8 in"
               f" every seed: {'yes' if only else 'no'}."]
+    if args.grow == "weight":
+        lines[-1] = lines[-1].replace("the two `out` layers", "the affected layers (both `out`, both `fc`)")
     return "\n".join(lines) + "\n"
 
 
@@ -259,6 +265,7 @@ def figure(rows: list[dict], path: Path, seed: int = 0) -> None:
 
 def command(args: argparse.Namespace) -> str:
     cap = "" if args.cap == DEAD_CAP else f" --cap {args.cap:g}"
+    cap += "" if args.grow == "bias" else f" --grow {args.grow}"
     script = "PYTHONPATH=. .venv/bin/python experiments/growth_fallback_gpt.py"
     return f"{script} --seeds {args.seeds} --steps {args.steps}{cap}"
 
@@ -268,14 +275,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--cap", type=float, default=DEAD_CAP, help="unit 0's amax / the others' where it stops")
+    parser.add_argument("--grow", choices=("bias", "weight"), default="bias",
+                        help="what grows unit 0: its fc bias, or its fc bias and weight row (fc's FP8 weight then"
+                             " flushes its other rows too)")
     parser.add_argument("--workers", type=int, default=1, help="runs at once, one process (and thread) each")
     parser.add_argument("--out", default=str(OUT), help="the results folder")
-    parser.add_argument("--replot", action="store_true", help="rewrite the table and figure from gpt.json, no run")
+    parser.add_argument("--replot", action="store_true", help="rewrite table and figure from the saved JSON")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.replot:
-        saved = json.loads((out / "gpt.json").read_text())
-        args = argparse.Namespace(**{**saved["args"], "out": args.out, "replot": True})
+        saved = json.loads((out / f"{tag(args)}.json").read_text())
+        args = argparse.Namespace(**{"grow": "bias", **saved["args"], "out": args.out, "replot": True})
         write(saved["rows"], args, out)
         return
     for name in ("seeds", "steps", "workers"):
@@ -287,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
 
     cpu, load = f"{platform.processor() or platform.machine()}; flags: {cpu_flags()}", os.getloadavg()
     print(cpu, f"load average at start: {load}", sep="\n", flush=True)
-    jobs = [(seed, variant, args.steps, args.cap) for seed in range(args.seeds) for variant in VARIANTS]
+    jobs = [(seed, variant, args.steps, args.cap, GROW_FROM, args.grow) for seed in range(args.seeds)
+            for variant in VARIANTS]
     if args.workers == 1:
         rows = [run(*job) for job in jobs]
     else:
@@ -296,15 +307,25 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     head = json.dumps({"cpu": cpu, "args": vars(args), "load_at_start": load}, indent=2)
     body = ",\n".join(json.dumps(r) for r in rows)
-    (out / "gpt.json").write_text(head[:-2] + ',\n  "rows": [\n' + body + "\n]}\n")
+    (out / f"{tag(args)}.json").write_text(head[:-2] + ',\n  "rows": [\n' + body + "\n]}\n")
     write(rows, args, out)
 
 
+def tag(args: argparse.Namespace) -> str:
+    """The results' file stem: ``gpt``, or ``gpt_weight`` for ``--grow weight``."""
+    return "gpt" if getattr(args, "grow", "bias") == "bias" else "gpt_weight"
+
+
+def affected(grow: str) -> list[str]:
+    """The layers the injection harms in FP8: both ``out`` (their input), and with ``--grow weight`` both ``fc``."""
+    return sorted(n for n in FP8_LAYERS if n.endswith(".out") or (grow == "weight" and n.endswith(".fc")))
+
+
 def write(rows: list[dict], args: argparse.Namespace, out: Path) -> None:
-    """The table (``gpt.md``, also printed) and the figure (``gpt.png``) of ``rows``."""
+    """The table (``<tag>.md``, also printed) and the figure (``<tag>.png``) of ``rows``."""
     table = markdown(rows, args)
-    figure(rows, out / "gpt.png")
-    (out / "gpt.md").write_text(table)
+    figure(rows, out / f"{tag(args)}.png")
+    (out / f"{tag(args)}.md").write_text(table)
     print(table)
 
 

@@ -23,6 +23,7 @@ from lit_mpstable.callbacks._common import (
     strict_keys,
 )
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
+from lit_mpstable.core.growth_stats import WEIGHT_FLUSH_LIMIT
 
 __all__ = ["OverflowMonitor"]
 
@@ -139,7 +140,8 @@ class OverflowMonitor(PluginCallback):
             self.growth_warned.update(layers)
             stats = self._plugin.stats.get("growth", {})  # type: ignore[union-attr]
             shown = ", ".join(f"{n!r} (amax {stats[n]['amax']:.3g}, x{2 ** stats[n]['amax_growth']:.3f}/step,"
-                              f" kurtosis {stats[n]['kurtosis']:.3g})" if n in stats else repr(n) for n in layers)
+                              f" kurtosis {stats[n]['kurtosis']:.3g}{_weight_note(stats[n])})" if n in stats
+                              else repr(n) for n in layers)
             rank_zero_warn(
                 f"OverflowMonitor at step {trainer.global_step}: activations growing towards FP8's range in {shown};"
                 f" an overflow is likely ahead. {self._growth_advice(trainer)}"
@@ -171,3 +173,9 @@ class OverflowMonitor(PluginCallback):
         self.windowed.counts.copy_(counts)
         self.windowed.position = int(state_dict["position"])
         self.above, self.blamed = bool(state_dict["above"]), list(state_dict["blamed"])
+
+
+def _weight_note(row: dict[str, float]) -> str:
+    """A layer named for its weight (an FP8 cast that flushes most of it), said so in the growth warning."""
+    flushed = row.get("weight_underflow", 0.0)
+    return f"; its FP8 weight cast flushes {flushed:.1%} of the weight" if flushed > WEIGHT_FLUSH_LIMIT else ""

@@ -41,6 +41,7 @@ from lit_mpstable.core.growth_stats import (
     reduce_activation,
     trend_weights,
     warn_unsampled,
+    weight_flushes,
 )
 
 __all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
@@ -339,25 +340,28 @@ class GrowthMonitor:
     def stats(self) -> dict[str, dict[str, float]]:
         """Per sampled layer: ``amax``, ``kurtosis``, ``saturation``, ``underflow`` (the latest sample),
         ``amax_growth`` (log2 amax per step, fitted over the window), ``samples`` and ``step`` (of the latest
-        sample). One host read of the ring buffer (it syncs with the device); the fit runs on the host."""
+        sample); an FP8 layer with a per-tensor scale adds ``weight_underflow`` (the fraction of its weight its
+        cast flushes now). One host read (it syncs with the device); the fit runs on the host."""
         sampled, buffer = self._read()
-        rows = [] if buffer is None else host_rows(buffer, [h for _, h in sampled], self.window)
+        weights = None if buffer is None else weight_flushes(self._layers.get(name) for name, _ in sampled)
+        rows = [] if buffer is None else host_rows(buffer, [h for _, h in sampled], self.window, weights)
         out = {}
         for (name, history), values in zip(sampled, rows):
-            log2_amax, kurtosis, saturation, underflow, slope = values
+            log2_amax, kurtosis, saturation, underflow, slope, weight = values
             out[name] = {
                 "amax": 2.0**log2_amax if math.isfinite(log2_amax) else log2_amax, "kurtosis": kurtosis,
                 "saturation": saturation, "underflow": underflow, "amax_growth": slope,
                 "samples": len(history.steps), "step": history.steps[(history.next - 1) % self.window],
-            }
+            } | ({} if math.isnan(weight) else {"weight_underflow": weight})
         return out
 
     def runaway(self, *, horizon: float = 200.0, kurtosis: float = 100.0,
                 stats: dict[str, dict[str, float]] | None = None) -> list[str]:
         """The layers heading out of range (see the class docstring for the defaults), in attach order: those whose
         fitted ``log2 amax`` trend (over a full window) crosses ``log2(fmt max / scale)`` within
-        ``horizon`` steps of the latest sample, whose latest kurtosis exceeds ``kurtosis``, or that already
-        saturate or hold a non-finite value. One host read (none given ``stats``, this sample's :meth:`stats`).
+        ``horizon`` steps of the latest sample, whose latest kurtosis exceeds ``kurtosis``, that already
+        saturate or hold a non-finite value, or whose FP8 weight cast flushes over 5% of the weight. One host
+        read (none given ``stats``, this sample's :meth:`stats`).
 
         Raises:
             ValueError: ``horizon`` or ``kurtosis`` is not a positive number.

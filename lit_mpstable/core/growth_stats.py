@@ -28,10 +28,16 @@ from lit_mpstable.core.loaded_state import check_fields, check_mapping, count, c
 
 __all__ = ["FIELDS", "WIDTH", "History", "cast_limits", "check_rows", "check_saved", "finish_rows", "format_range",
            "host_rows", "is_runaway", "layer_stats", "place_rows", "reduce_activation", "slope_weights", "thresholds",
-           "trend_weights", "warn_unsampled"]
+           "trend_weights", "warn_unsampled", "weight_flushes", "WEIGHT_FLUSH_LIMIT"]
 
 FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
 _STATE_KEYS = {"steps", "samples", "sampled", "layers"}
+
+WEIGHT_FLUSH_LIMIT = 0.05
+"""An FP8 layer whose weight cast flushes more than this fraction of its nonzero elements is named runaway. A clean
+weight under per-tensor scaling flushes only what lies 2**17 below its amax (none in this package's clean runs); a
+row grown 1e4x (the SwiGLU dead-channel task's gate and up at the end) flushes ~2%, with no measurable loss; the
+alignment task's 1e5x rows flush 98% of the matrix."""
 
 TINY = 2.0**-126  # amax of an all-zero tensor: log2 stays finite
 # The format ids of lit_mpstable.core.formats, their ranges read from torch.finfo here.
@@ -229,16 +235,41 @@ def trend_weights(histories: Iterable[History], window: int) -> list[list[list[f
     return weights
 
 
-def host_rows(buffer: torch.Tensor, histories: list[History], window: int) -> list[list[float]]:
-    """Each of ``histories``' latest row with its fitted slope of log2 amax appended (``[log2 amax, kurtosis,
-    saturation, underflow, slope]``), from one host read of the ring buffer: the fit runs on the host."""
-    values = buffer.tolist()
+def host_rows(buffer: torch.Tensor, histories: list[History], window: int,
+              weights: torch.Tensor | None = None) -> list[list[float]]:
+    """Each of ``histories``' latest row with its fitted slope of log2 amax and its weight's FP8 flush fraction
+    appended (``[log2 amax, kurtosis, saturation, underflow, slope, weight flush]``; NaN without ``weights``, one
+    per history: :func:`weight_flushes`), from one host read of the ring buffer (and ``weights`` with it): the fit
+    runs on the host."""
+    if weights is None:
+        values, flushes = buffer.tolist(), [math.nan] * len(histories)
+    else:
+        flat = torch.cat([buffer.flatten(), weights.to(buffer)]).tolist()
+        _, window_, width = buffer.shape
+        values = [[flat[(layer * window_ + slot) * width:(layer * window_ + slot + 1) * width]
+                   for slot in range(window_)] for layer in range(len(buffer))]
+        flushes = flat[buffer.numel():]
     out = []
-    for history in histories:
+    for history, flush in zip(histories, flushes):
         rows = values[history.index]
         slope = sum(w * row[0] for w, row in zip(slope_weights(history.steps), rows))
-        out.append([*rows[(history.next - 1) % window], slope])
+        out.append([*rows[(history.next - 1) % window], slope, flush])
     return out
+
+
+def weight_flushes(layers: Iterable[Any]) -> torch.Tensor | None:
+    """Per layer, the fraction of its weight's nonzero elements that its FP8 cast flushes (an FP8 layer's
+    ``growth_weight_flush()``, on the device), NaN for a layer without one (not FP8, a block recipe, detached);
+    None when no layer has one."""
+    values = []
+    for layer in layers:
+        getter = getattr(layer, "growth_weight_flush", None)
+        values.append(None if getter is None else getter())
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    nan = torch.full((), math.nan, device=known[0].device)
+    return torch.stack([nan if v is None else v.float().to(nan.device) for v in values])
 
 
 def is_runaway(row: dict[str, float], history: History, log2_max: float, window: int, horizon: float,
@@ -255,7 +286,8 @@ def is_runaway(row: dict[str, float], history: History, log2_max: float, window:
     headroom = math.inf if bad else top - math.log2(row["amax"])
     slope = row["amax_growth"]
     projected = row["samples"] >= window and slope > 0 and headroom < slope * horizon
-    return bad or (fixed and row["saturation"] > 0) or row["kurtosis"] > kurtosis or projected
+    flushed = row.get("weight_underflow", 0.0) > WEIGHT_FLUSH_LIMIT  # NaN compares False
+    return bad or (fixed and row["saturation"] > 0) or row["kurtosis"] > kurtosis or projected or flushed
 
 
 def place_rows(histories: Iterable[History], window: int, width: int, device: torch.device) -> torch.Tensor:

@@ -165,6 +165,23 @@ class FP8Linear(nn.Linear):
         tensor or block is scaled from its own amax; GrowthMonitor's range checks use it."""
         return self.scale[_X] if self.fp8_config.recipe == "delayed" else None
 
+    @torch.no_grad()
+    def growth_weight_flush(self) -> torch.Tensor | None:
+        """The fraction of the weight's nonzero elements that its FP8 cast flushes to zero, at the scale the next
+        forward casts it with (a 0-dim FP32 device tensor; no host read), or None for the block recipes, whose
+        per-block scales confine an outlier to its own block. A weight row grown far beyond the others (a massive
+        activation made in the weights) flushes the rest of the matrix, silently; GrowthMonitor names such a layer."""
+        if self.fp8_config.recipe in BLOCK_RECIPES or self.fp8_config.recipe == "mxfp8":
+            return None
+        weight, dtype = _local(self.weight.detach()), self._dtype(_W)  # FSDP2: this rank's shard, its own amax
+        if self.fp8_config.recipe == "delayed":
+            scale = _local(self.scale)[_W]
+        else:
+            scale = compute_scale(weight.abs().amax().float(), dtype, margin=self.fp8_config.margin)
+        nonzero = weight != 0
+        flushed = (quantize(weight, scale, dtype).float() == 0) & nonzero
+        return flushed.sum() / nonzero.sum().clamp_min(1)
+
     def _use_scaled_mm(self, device: torch.device) -> bool:
         return _scaled_mm_decision(self.fp8_config.emulate, str(device), self.fp8_config.recipe == "delayed")
 
@@ -302,6 +319,11 @@ class FP8Linear(nn.Linear):
                     f" {tuple(buffer.shape)}; was it saved with another amax_history_len?"
                 )
             buffer.copy_(value)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 _MAX_STORED_FORWARDS = 64

@@ -146,14 +146,16 @@ def test_growth_warned_50_steps_before_the_first_nonfinite_step(seed: int) -> No
 
 
 @pytest.mark.slow
-def test_fallback_on_growth_moves_only_the_runaway_layer() -> None:
+def test_fallback_on_growth_moves_only_the_runaway_layers() -> None:
     module, plugin, _, callbacks = _run(0, grow=True, steps=200, fallback=True)
     fallback = callbacks[1]
     moved = [d["modules"] for d in fallback.decisions if d["action"] == "fallback"]
-    assert moved and moved[0] == ["mlp.down"], fallback.decisions
-    assert all(m == ["mlp.down"] for m in moved)
+    assert moved and moved[0] == ["mlp.down"], fallback.decisions  # its input's kurtosis, from step 91
+    # Later the gate and up rows, grown 1e5x, make their own FP8 weight casts flush the rest of their weights.
+    assert moved[1:] == [["mlp.gate", "mlp.up"]], fallback.decisions
+    assert plugin.stats["growth"]["mlp.gate"]["weight_underflow"] > 0.9
     fp8 = {n for n, m in module.named_modules() if type(m).__name__ == "FP8Linear"}
-    assert "mlp.down" not in fp8 and {"mlp.gate", "mlp.up"} <= fp8  # the first and last layers never were FP8
+    assert fp8 == set()  # the first and last layers never were FP8
 
 
 @pytest.mark.slow
