@@ -15,7 +15,9 @@ Its column of ``out`` (the MLP's down projection) is zero and receives no gradie
 and in BF16 the network never sees unit 0: the BF16 run with the growth ends bit for bit where the clean BF16 run
 ends (checked per seed). In FP8, ``out``'s per-tensor input scale is 448 / amax: once unit 0 is ~2**17x the rest,
 E4M3 flushes every other unit and both MLPs go silent, with no NaN and no overflow. Only the bias grows, so ``fc``'s
-FP8 weight keeps its range (a growing weight row would flush ``fc``'s other rows too).
+FP8 weight keeps its range. ``--grow weight`` also grows unit 0's ``fc`` weight row: ``fc``'s own per-tensor weight
+cast then flushes its other rows, which the growth monitor names from the FP8 weight (``weight_underflow``), not
+from ``fc``'s input (results ``gpt_weight.*``).
 
 Why a second task beside ``growth_fallback.py --mode dead_channel`` (the 16-wide SwiGLU regression). There, clean FP8
 alone ends +0.34% to +1.05% from BF16, so 0.5% lies inside FP8's own noise and cannot separate the fallback from
@@ -28,7 +30,7 @@ Variants per seed: ``bf16`` (the reference), ``fp8`` (no fallback), ``fp8+fallba
 ``bf16 clean``, ``fp8 clean`` (FP8's floor) and ``fp8 clean, out bf16`` (the fallback's end configuration from the
 start: both ``out`` layers in BF16). "Ends": the mean cross-entropy over ``CharLMData``'s held-out set after the last
 step, in the run's own precision (the plugin's forward context) and, in brackets, in FP32. Writes
-``experiments/results/growth_fallback/gpt.{json,md,png}``.
+``experiments/results/growth_fallback/gpt[_weight].{json,md,png}``.
 """
 
 from __future__ import annotations
