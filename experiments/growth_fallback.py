@@ -22,19 +22,21 @@ weights without quantization: the module in FP32). Writes ``experiments/results/
 .{json,md}`` and ``loss_dead_channel[_delayed].png`` (training loss vs step of the three variants, seed 0).
 
 Why a second task. The alignment task cannot answer the question: its growth never stops, so BF16 loses the run too
-(5 seeds, 320 steps: first non-finite step 276-284 for FP8, 278-297 for BF16; the fallback moves ``mlp.down`` alone
-out of FP8 at step 91-101 in 5/5 seeds and delays the non-finite step in 4 of 5 by 4-21 steps, but nothing
-survives), and stopped at step 240 (``--grow-until 240``) the injection scrambles the loss: the same seed's runs end
-0.02-0.16 apart (fallback vs BF16 -55% to +145%). ``--mode dead_channel`` is the "massive activation" pattern (Sun
-et al. 2024: a few hidden units 1e3-1e4x the rest, which the network compensates), made exact: unit 0 grows as in
-the alignment task until its amax over the data set is ``--cap`` (1e8) x every other unit's (step 156-161, a
-magnitude BF16 holds with 2**100 to spare), and its column of ``mlp.down`` is zero from the start (pinned after
-every optimizer step). In exact arithmetic and in BF16 the output then does not depend on unit 0 (0 x a finite
-value is 0 and adds nothing to the GEMM's sum; no gradient reaches its gate and up rows), so the BF16 run with the
-growth ends bit for bit where the clean BF16 run ends (checked per seed, and by
-``test_dead_channel_fallback_moves_only_mlp_down_and_ends_near_bf16``): BF16 survives unharmed. In FP8 the per-tensor
-scale of ``mlp.down``'s input is 448 / amax, so once unit 0 is ~2**17 x the others, E4M3 flushes them to zero: the
-MLP's output and ``mlp.down``'s weight gradient vanish, silently (no NaN, no overflow). Delayed scaling
+(5 seeds, 320 steps, Intel Xeon: first non-finite step 276-293 for FP8, 283-297 for BF16; the fallback moves
+``mlp.down`` out of FP8 at step 91-101 in 5/5 seeds for its input, then ``mlp.gate`` and ``mlp.up`` at step 161-171
+for their own weights, whose grown rows make the FP8 cast flush over 5% of the rest, and its first non-finite step is
+283-289: nothing survives). Stopped at step 240 (``--grow-until 240``), FP8 ends +113% to +407% from BF16 and the
+fallback +4.7% to +36% (the same moves): the injection scrambles the loss. (Before the growth monitor read FP8
+weights, the fallback moved ``mlp.down`` alone and ended -55% to +145% from BF16, on an AMD EPYC.) ``--mode
+dead_channel`` is the "massive activation" pattern (Sun et al. 2024: a few hidden units 1e3-1e4x the rest, which the
+network compensates), made exact: unit 0 grows as in the alignment task until its amax over the data set is ``--cap``
+(1e8) x every other unit's (step 156-161, a magnitude BF16 holds with 2**100 to spare), and its column of
+``mlp.down`` is zero from the start (pinned after every optimizer step). In exact arithmetic and in BF16 the output
+then does not depend on unit 0 (0 x a finite value is 0 and adds nothing to the GEMM's sum; no gradient reaches its
+gate and up rows), so the BF16 run with the growth ends bit for bit where the clean BF16 run ends (checked per seed,
+and by ``test_dead_channel_fallback_moves_only_mlp_down_and_ends_near_bf16``): BF16 survives unharmed. In FP8 the
+per-tensor scale of ``mlp.down``'s input is 448 / amax, so once unit 0 is ~2**17 x the others, E4M3 flushes them to
+zero: the MLP's output and ``mlp.down``'s weight gradient vanish, silently (no NaN, no overflow). Delayed scaling
 (saturating casts) clips unit 0 while its amax history lags the growth, which would cost nothing here (its column is
 zero), and flushes the rest like current scaling once the history catches up (measured: as harmful as current).
 
