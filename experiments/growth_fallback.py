@@ -78,6 +78,13 @@ Target: "only the affected layer leaves FP8" met (5/5 seeds, every recipe); "wit
 clean-FP8 gap: on this task 0.5% is inside FP8's own noise. ``growth_fallback_gpt.py`` answers the target on the
 CPU GPT, whose clean-FP8 floor is -0.24% to +0.37%: 5/5 seeds within 0.5%.
 
+With the growth monitor's weight rule (an FP8 layer whose own weight cast flushes over 5% of it is named), rerun on
+the Intel Xeon (``results_dead_channel_weight_rule[_delayed].*``; ``--out`` a scratch folder, copied): ``mlp.down``
+still leaves at step 91-101 in 5/5 seeds; near the end, the grown rows of ``mlp.gate`` or ``mlp.up`` flush over 5%
+of their weight and that layer follows (current scaling: 2/5 seeds, steps 291 and 301; delayed: 1/5, step 261).
+End loss vs BF16: current -0.03% to +0.69% (mean +0.31%, 4/5 within 0.5%), delayed +0.17% to +0.51% (mean +0.36%,
+4/5), against clean-FP8 floors of +0.62% and +0.84% mean. The GPT task above answers the target.
+
 The growth monitor's ``underflow`` now reads the flush (99.0-99.7% at the end, against 99.0-99.6% computed here on
 the whole data set): it read 0.0-1.2% when it measured every layer at scale 1 rather than at the scale the FP8 layer
 casts with (448 / amax under current scaling); the fallback triggers on kurtosis here (step 90), before the flush
