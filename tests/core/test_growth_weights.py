@@ -74,3 +74,30 @@ def test_a_plain_linear_layer_reports_no_weight_fraction() -> None:
     monitor = GrowthMonitor(every_n_steps=1, window=3).attach(model)
     model(torch.randn(4, 16))
     assert all("weight_underflow" not in row for row in monitor.stats().values())
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_the_counted_fraction_is_the_fp8_casts_own_count(fmt: str) -> None:
+    # Counted without casting (float arithmetic is several times faster on a CPU): it must agree with the cast on
+    # weights spread over many decades, zeros among them.
+    from lit_mpstable.fp8.quant import compute_scale, quantize
+
+    torch.manual_seed(0)
+    for trial in range(12):
+        layer = FP8Linear(128, 128, config=FP8Config(recipe="current", format=fmt))
+        with torch.no_grad():
+            layer.weight.mul_(torch.exp(torch.randn(128, 128) * 3))
+            layer.weight[0] *= 10.0**trial
+            layer.weight[1, :8] = 0
+        w, dtype = layer.weight.detach().clone(), layer._dtype(1)
+        scale = compute_scale(w.abs().amax().float(), dtype)
+        cast = ((quantize(w, scale, dtype).float() == 0) & (w != 0)).sum() / (w != 0).sum()
+        assert float(layer.growth_weight_flush()) == float(cast), trial
+
+
+def test_nan_and_inf_are_not_flushed_values() -> None:
+    layer = FP8Linear(4, 1, config=FP8Config(recipe="delayed"))  # its scale buffer starts at 1
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[float("nan"), float("inf"), 1e-4, 0.0]]))
+    # 1e-4 flushes (under 2**-10); NaN and inf stay themselves
+    assert float(layer.growth_weight_flush()) == pytest.approx(1 / 3)
