@@ -30,6 +30,7 @@ from torch import nn
 from lit_mpstable.core.growth_state import restore_state, saved_state
 from lit_mpstable.core.growth_stats import (
     History,
+    WeightCheck,
     cast_limits,
     check_saved,
     finish_rows,
@@ -41,7 +42,6 @@ from lit_mpstable.core.growth_stats import (
     reduce_activation,
     trend_weights,
     warn_unsampled,
-    weight_flushes,
 )
 
 __all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
@@ -124,6 +124,7 @@ class GrowthMonitor:
         self.samples = 0
         """Layer samples recorded so far (a reader caches :meth:`runaway` until it changes)."""
         self._pending: dict[str, Any] | None = None  # a state loaded before attach, restored by it
+        self._weight_check = WeightCheck()  # FP8 weights' flush fractions, refreshed every window x n steps
 
     # ------------------------------------------------------------------------------------------ hooks
     def attach(self, module: nn.Module, *, names: Iterable[str] | None = None,
@@ -343,7 +344,8 @@ class GrowthMonitor:
         sample); an FP8 layer with a per-tensor scale adds ``weight_underflow`` (the fraction of its weight its
         cast flushes now). One host read (it syncs with the device); the fit runs on the host."""
         sampled, buffer = self._read()
-        weights = None if buffer is None else weight_flushes(self._layers.get(name) for name, _ in sampled)
+        weights = None if buffer is None else self._weight_check.read(
+            {name: self._layers.get(name) for name, _ in sampled}, self.steps, self.every_n_steps * self.window)
         rows = [] if buffer is None else host_rows(buffer, [h for _, h in sampled], self.window, weights)
         out = {}
         for (name, history), values in zip(sampled, rows):

@@ -58,7 +58,11 @@ def test_the_monitor_names_the_layer_only_once_its_weight_flushes_and_reads_once
     assert growth.runaway(stats=clean) == []
     with torch.no_grad():
         model.b.weight[0] *= 1e6  # b's input is unchanged: only its weight says anything
+    opt.param_groups[0]["lr"] = 0.0  # the grown row stays as it is while the steps pass
     _step(stepper, model, opt, x)
+    assert growth.stats()["b"]["weight_underflow"] == 0.0  # refreshed once per window x n steps (8 here)
+    for _ in range(growth.window * growth.every_n_steps - 1):
+        _step(stepper, model, opt, x)
     with HostReads() as reads:
         stats = growth.stats()
     assert len(reads.ops) == 1  # the ring buffer and the weight fractions in one read
