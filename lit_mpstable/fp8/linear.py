@@ -327,7 +327,8 @@ class FP8Linear(nn.Linear):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a plain tensor as it is)."""
+    """A DTensor's local shard (a plain tensor as it is): ``core.tensors.local_view``, which fp8 cannot import (core
+    imports fp8; the folders stay acyclic, ``tests/test_layering.py``)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
