@@ -76,7 +76,8 @@ def build_scaler(call: str, precision: str, scaler: Any, device: str, *, skip_no
                  ) -> tuple[torch.amp.GradScaler | Any | None, LossScaler | None]:
     """The run's scaler from the ``scaler`` argument, and the :class:`LossScaler` the step calls.
 
-    ``"auto"``/``"dynamic"``/``"static"``/``"adaptive"`` build ours on ``device``; an instance is validated; a plain
+    ``"auto"``/``"dynamic"``/``"static"``/``"adaptive"`` build ours on ``device`` (for ``"16-true"`` from a scale of
+    2**15, whose seed gradient an FP16 loss holds); an instance is validated; a plain
     ``torch.amp.GradScaler`` is adopted into a ``DynamicLossScaler`` with its settings and state (ours also reports
     skipped steps); a disabled one means no scaling. The step calls ours directly and any other scaler through
     :class:`ForeignScaler`; without a scaler, ``skip_nonfinite`` keeps a fixed scale of 1 for the inf/NaN check.
@@ -113,24 +114,20 @@ def _build(call: str, precision: str, scaler: Any, device: str, warnings: list[s
     if isinstance(scaler, str):
         choice_arg(call, "scaler", scaler, get_args(ScalerName))
         if scaler == "auto":
-            return _SCALERS["dynamic"](device) if fp16 else None
-        if not fp16:
-            raise ValueError(
-                f"{call}({precision!r}, scaler={scaler!r}): loss scaling is only meaningful for FP16 modes"
-                " (BF16 and FP32 share FP32's exponent range); use scaler=None."
-            )
-        return _SCALERS[scaler](device)
+            if not fp16:
+                return None
+            scaler = "dynamic"
+        _refuse_outside_fp16(call, precision, repr(scaler))
+        # "16-true" computes the loss in FP16, and backward's seed gradient is the scale itself: 2**16 (GradScaler's
+        # default) is inf there, so step 0 would always overflow. Start at 2**15, the largest power of two FP16
+        # holds; "16-mixed" keeps GradScaler's default (its loss comes out of autocast in FP32).
+        return _SCALERS[scaler](device, init_scale=_FP16_TRUE_INIT_SCALE) if precision == "16-true" \
+            else _SCALERS[scaler](device)
     if scaler is None:
         return None
     missing = [name for name in _GRADSCALER_METHODS if not callable(getattr(scaler, name, None))]
     if missing:
         raise ValueError(f"{call}(scaler={scaler!r}): a scaler instance needs GradScaler's methods; missing {missing}.")
-    if precision.startswith("bf16") and scaler.is_enabled():
-        # Lightning's MixedPrecision refuses this; it works (every step is scaled, checked, unscaled), but says so.
-        warnings.append(
-            f"{call}({precision!r}, scaler={type(scaler).__name__}(...)): BF16 shares FP32's exponent range,"
-            " so loss scaling buys nothing but a pass over the gradients; scaler=None keeps the inf/NaN check."
-        )
     if not scaler.is_enabled():
         if getattr(scaler, "_device", None) == "cuda" and not torch.cuda.is_available():
             raise ValueError(
@@ -142,6 +139,12 @@ def _build(call: str, precision: str, scaler: Any, device: str, warnings: list[s
             f"{call}(scaler={type(scaler).__name__}(enabled=False)): taken as no loss scaling (scaler=None)."
         )
         return None
+    if precision.startswith("bf16"):
+        # Lightning's MixedPrecision refuses this; it works (every step is scaled, checked, unscaled), but says so.
+        warnings.append(
+            f"{call}({precision!r}, scaler={type(scaler).__name__}(...)): BF16 shares FP32's exponent range,"
+            " so loss scaling buys nothing but a pass over the gradients; scaler=None keeps the inf/NaN check."
+        )
     if type(scaler) is torch.amp.GradScaler:
         # Adopted with its settings and state: our subclass also reports skipped steps (LR hold, counters,
         # attribution), which a plain GradScaler keeps to itself.
@@ -152,6 +155,20 @@ def _build(call: str, precision: str, scaler: Any, device: str, warnings: list[s
         adopted.load_state_dict(scaler.state_dict())
         return adopted
     return scaler
+
+
+_FP16_TRUE_INIT_SCALE = 2.0**15
+"""The first scale of a scaler chosen by name for ``"16-true"``: the largest power of two FP16 holds."""
+
+
+def _refuse_outside_fp16(call: str, precision: str, shown: str) -> None:
+    """Refuse loss scaling in a BF16 or FP32 precision, for a name, an instance and a Hydra node alike."""
+    if precision not in ("16-mixed", "16-true"):
+        raise ValueError(
+            f"{call}({precision!r}, scaler={shown}): loss scaling is only for the FP16 precisions '16-mixed' and"
+            " '16-true' (BF16 and FP32 share FP32's exponent range, so a scale buys nothing); use scaler=None (or"
+            " leave the default 'auto'): every step is still checked for inf/NaN and skipped (skip_nonfinite)."
+        )
 
 
 class ForeignScaler:

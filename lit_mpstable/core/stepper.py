@@ -161,6 +161,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self._zclipped: set[int] = set()  # optimizers clipped (with the adaptive threshold) in this iteration
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
+        self._loss_scaled = False  # scale_loss ran in this process (the scaler has a scale to unscale by)
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, *, fsdp2: bool = False) -> nn.Module:
@@ -217,6 +218,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self.last_loss = loss.detach()
         if self.spike_guard is not None:
             observe_loss(self.spike_guard, loss)
+        self._loss_scaled = True
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
     # ------------------------------------------------------------------------------------------------- step
@@ -226,6 +228,12 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         own clipping. No host sync."""
         if id(optimizer) in self.iteration.unscaled:
             return
+        if self.scaler is not None and not self._loss_scaled:
+            raise RuntimeError(
+                f"{self.owner}: the gradients of {type(optimizer).__name__} were unscaled (clip_grad_norm_,"
+                " clip_grad_value_, unscale_ or step) before any loss was scaled: with a loss scaler the order is"
+                " scale_loss(loss).backward() (Fabric: fabric.backward(loss); Trainer: the training step's backward),"
+                " then clipping, then the optimizer step.")
         self.iteration.unscaled.add(id(optimizer))
         if all(optimizer is not known for known in self.optimizers):
             self.optimizers.append(optimizer)

@@ -235,3 +235,11 @@ def test_fabric_clips_compact_weights_true_gradients_not_the_scaled_ones(mode: s
     for name, value in ref_weights.items():
         torch.testing.assert_close(weights[name], value, atol=2e-3, rtol=0), name
 
+
+
+def test_clipping_before_fabric_backward_names_the_call_order() -> None:
+    plugin, fabric, model, opt = _setup("16-mixed")
+    for param in model.parameters():  # gradients from elsewhere: no fabric.backward, no loss was scaled
+        param.grad = torch.ones_like(param)
+    with pytest.raises(RuntimeError, match=r"before any loss was scaled.*fabric\.backward\(loss\)"):
+        fabric.clip_gradients(model, opt, max_norm=1.0)

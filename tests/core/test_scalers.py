@@ -51,3 +51,27 @@ def test_a_plain_gradscaler_is_adopted_with_its_state() -> None:
     scaler, checker = build_scaler("T", "16-mixed", plain, "cpu", skip_nonfinite=True, warnings=[])
     assert type(scaler) is DynamicLossScaler and checker is scaler
     assert scaler.get_scale() == 512.0 and scaler.get_growth_interval() == 7
+
+
+@pytest.mark.parametrize("scaler", ["auto", "dynamic", "adaptive", "static"])
+def test_16_true_starts_at_a_scale_whose_seed_gradient_fp16_holds(scaler: str) -> None:
+    # The loss computed in the model's own FP16 (no .float()): backward's seed gradient is the scale itself, which
+    # must be finite in FP16 (max 65504), or step 0 always overflows and is thrown away.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    stepper = PrecisionStepper("16-true", scaler=scaler, device="cpu")
+    stepper.setup_module(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper.setup_optimizers(model, [optimizer])
+    assert stepper.loss_scale == 2.0**15
+    loss = model(torch.randn(8, 4, dtype=torch.float16)).square().mean()
+    assert loss.dtype == torch.float16
+    stepper.scale_loss(loss).backward()
+    stepper.step(optimizer)
+    assert stepper.skipped_steps == 0
+
+
+def test_16_true_keeps_a_scale_the_user_gave_and_16_mixed_keeps_gradscalers_default() -> None:
+    given = PrecisionStepper("16-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**16), device="cpu")
+    assert given.loss_scale == 2.0**16
+    assert PrecisionStepper("16-mixed", device="cpu").loss_scale == 2.0**16  # GradScaler's default, unchanged

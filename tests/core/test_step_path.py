@@ -531,3 +531,20 @@ def test_zclip_alone_with_an_infinite_norm_still_rechecks_the_clipped_gradients(
     stepper.step(opt)
     assert stepper.last_step_skipped
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("call", ["clip_grad_norm_", "clip_grad_value_", "unscale_"])
+def test_clipping_before_any_loss_was_scaled_names_the_call_order(call: str) -> None:
+    # An optimizer that unscales itself (or a loop that clips first) in 16-mixed: GradScaler's own assertion ("_scale
+    # is None") said nothing of what to do.
+    model = TinyMLP()
+    stepper = PrecisionStepper("16-mixed", device="cpu")
+    stepper.setup_module(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper.setup_optimizers(model, [optimizer])
+    x, y = regression_data(8)
+    torch.nn.functional.mse_loss(model(x).float(), y).backward()  # not through scale_loss
+    args = {"clip_grad_norm_": (1.0,), "clip_grad_value_": (1.0,), "unscale_": ()}[call]
+    with pytest.raises(RuntimeError, match=r"SGD.*before any loss was scaled.*scale_loss\(loss\)\.backward\(\).*then"
+                                           r" clipping, then the optimizer step"):
+        getattr(stepper, call)(optimizer, *args)
