@@ -210,6 +210,13 @@ class AdaptiveLossScaler(DynamicLossScaler):
                 self.underflow_boost = 1.0  # the headroom given up was needed after all
                 self.raise_blocked_until = self.step_count + self._growth_interval
 
+    def _scale_tensors(self) -> list[torch.Tensor]:
+        return super()._scale_tensors() + (list(self._state.values()) if self._state is not None else [])
+
+    def _scale_host_state(self) -> dict[str, Any]:
+        return {"underflow_boost": self.underflow_boost, "overflowed_since_note": self.overflowed_since_note,
+                "raise_blocked_until": self.raise_blocked_until}
+
     def skip_update_(self, *, overflow: bool = True) -> None:
         super().skip_update_(overflow=overflow)
         self._step_amax = None  # the data's overflow measured nothing

@@ -89,6 +89,9 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
         # Whether this iteration overflowed, as step()'s one host sync found it (None: no step read it yet). The
         # counters and the growth tracker live on the device only, read when asked (logging steps).
         self._host_found: bool | None = None
+        # Where the scale stood before the last update that may have backed off (see undo_backoff_); None when the
+        # last update was clean, set by hand, or a skip_update_.
+        self._before_backoff: tuple[list[torch.Tensor], dict[str, Any]] | None = None
 
     # ----------------------------------------------------------------------------------------- lazy state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -173,6 +176,9 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
             return
         self.last_data_fault = False
         scale, growth_tracker = self._check_scale_growth_tracker("update")
+        # An update that may back off keeps where the scale stood (0-dim device copies, no sync; on the host-known
+        # path of GradScaler's rule, overflowing iterations only): undo_backoff_ puts it back.
+        self._before_backoff = self._scale_state() if new_scale is None and self._host_found is not False else None
         if new_scale is not None:
             check_new_scale(f"{type(self).__name__}.update", new_scale)
             super().update(float(new_scale) if not isinstance(new_scale, torch.Tensor) else new_scale)
@@ -213,6 +219,7 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
         if not self._enabled:
             return
         self._per_optimizer_states.clear()
+        self._before_backoff = None  # nothing backed off
         if self._scale is not None:
             # A scale that is itself inf/NaN/0 (written into the scaler at run time) is what made the step fail:
             # start again from init_scale rather than skip every later step.
@@ -224,6 +231,38 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
         self._host_found = None
         self.step_count += 1
         self.last_data_fault = True
+
+    def undo_backoff_(self) -> bool:
+        """Put the scale, and what decides its next moves (the growth and hysteresis trackers), back where they stood
+        before the last ``update()``, when that update consumed an overflow that was not the scale's doing: the
+        rejected execution of a step that ``FaultTriage`` replayed clean (a transient fault) or blamed on its batch.
+        The overflow stays counted (``overflow_count``). No host sync. Every rank of a distributed run calls it
+        alike (triage decides on every rank), so the scales stay equal.
+
+        Returns:
+            Whether there was a backoff to undo: False after a clean update (as the step's host sync found it), an
+            update by hand (``new_scale``), a :meth:`skip_update_`, or a second call.
+        """
+        saved, self._before_backoff = self._before_backoff, None
+        if saved is None:
+            return False
+        tensors, host = saved
+        for tensor, value in zip(self._scale_tensors(), tensors, strict=True):
+            tensor.copy_(value)
+        for name, value in host.items():
+            setattr(self, name, value)
+        return True
+
+    def _scale_tensors(self) -> list[torch.Tensor]:
+        """The device tensors an update moves the scale with (the counters are not among them)."""
+        return [t for t in (self._scale, self._growth_tracker, self._hysteresis_tracker) if t is not None]
+
+    def _scale_host_state(self) -> dict[str, Any]:
+        """Host attributes an update changes with the scale (none here; subclasses add theirs)."""
+        return {}
+
+    def _scale_state(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        return [t.clone() for t in self._scale_tensors()], self._scale_host_state()
 
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._hysteresis_tracker is not None and self._overflow_count is not None
@@ -334,6 +373,7 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
         """
         if not self._enabled:
             return
+        self._before_backoff = None  # a loaded scale has no backoff of this process to undo
         call = f"{type(self).__name__}.load_state_dict"
         if not isinstance(state_dict, dict):
             raise TypeError(f"{call}({state_dict!r}): expected the dict state_dict() returns.")
@@ -377,6 +417,7 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
                 _hysteresis_tracker=None,
                 _overflow_count=None,
                 _min_scale_hits=None,
+                _before_backoff=None,
             )
         return state
 

@@ -271,6 +271,13 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged."""
         self._skip_requested = True
 
+    def undo_backoff_(self) -> bool:
+        """Undo the scale backoff of the last iteration, whose overflow was not the scale's doing (``FaultTriage``
+        calls it before replaying a rejected step: a clean replay runs, and the run goes on, at the scale the rejected
+        execution ran at). The overflow and the skipped step stay counted. No host sync; returns whether a backoff
+        was undone (see :meth:`DynamicLossScaler.undo_backoff_`; a foreign scaler's is not)."""
+        return self._checker.undo_backoff_() if self._checker is not None else False
+
     def count_unchecked_step(self, optimizer: Optimizer | None = None) -> None:
         """Count a step the front end took itself, unchecked (LBFGS evaluates its closure inside ``step``)."""
         if self.spike_guard is not None:

@@ -185,7 +185,7 @@ class ReplayHost(Protocol):
 
     module: nn.Module
     optimizer: Any  # the torch optimizer (its state is checked)
-    plugin: Any  # the stepper, or a front end showing its spike_guard, scaler and loss_scale
+    plugin: Any  # the stepper, or a front end showing its spike_guard, scaler, loss_scale and undo_backoff_
     can_fp32: bool  # False where the precision is fixed (FSDP2): the FP32 rung is skipped
 
     def full_precision(self) -> AbstractContextManager: ...
@@ -212,6 +212,10 @@ def climb(host: ReplayHost, max_replays: int) -> tuple[TriageKind, list[str], li
     outcomes: list[str] = []
     traced: list[str] = []
     extra: dict[str, Any] = {}
+    # What triage explains (a non-finite loss, an overflow at scale 1) was not the loss scale's doing: the backoff the
+    # rejected execution caused is undone, so the replays run, and the run goes on, at the scale it ran at (a "state"
+    # verdict's rollback then brings the snapshot's). Without this every transient fault halves the scale for good.
+    host.plugin.undo_backoff_()
     replay: Replay | TriageKind = Replay.AS_IS
     while isinstance(replay, Replay):
         backup = None

@@ -123,6 +123,11 @@ class StableFrontEnd:
         keeper = self.stepper.keeper
         return keeper.weights if isinstance(keeper, MasterKeeper) else None
 
+    def undo_backoff_(self) -> bool:
+        """The stepper's :meth:`~lit_mpstable.core.stepper.PrecisionStepper.undo_backoff_`: undo the last iteration's
+        scale backoff (``FaultTriage`` calls it for a step whose overflow the scale did not cause)."""
+        return self.stepper.undo_backoff_()
+
     def runaway_layers(self) -> list[str]:
         """The linear layers whose activations are heading out of FP8's range (the growth monitor's
         :meth:`~lit_mpstable.core.growth.GrowthMonitor.runaway`: amax trend, kurtosis, saturation), and

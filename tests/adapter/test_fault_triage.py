@@ -113,6 +113,19 @@ def test_transient_uses_the_replay_and_matches_a_fault_free_run():
         torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
+def test_a_transient_fault_leaves_the_loss_scale_of_a_fault_free_run(precision):
+    # The rejected execution's overflow was the fault's, not the scale's: its backoff is undone (the loss scale once
+    # only fell: every transient fault halved it for good), and the clean replay's step counts towards growth as the
+    # fault-free step did. The overflow and the skip stay counted.
+    clean_plugin = fit(seeded(), [], precision)
+    module, triage = seeded(), FaultTriage()
+    plugin = fit(module, [triage, FaultInjector({1: "transient", 2: "transient"})], precision)
+    assert [e["kind"] for e in triage.events] == ["transient", "transient"]
+    assert plugin.loss_scale == clean_plugin.loss_scale and plugin.overflow_count == 2
+    assert plugin.scaler.state_dict()["_growth_tracker"] == clean_plugin.scaler.state_dict()["_growth_tracker"]
+
+
 def test_transient_keeps_the_lr_schedule_of_a_fault_free_run():
     clean = seeded(scheduler=True)
     fit(clean, [], max_steps=6)

@@ -268,3 +268,14 @@ def test_disabled_is_a_no_op():
 def test_bad_arguments_name_the_argument(kwargs, argument):
     with pytest.raises(ValueError, match=rf"AdaptiveLossScaler\(.*{argument}="):
         AdaptiveLossScaler("cpu", **kwargs)
+
+
+def test_undo_backoff_forgets_the_overflow_it_undoes():
+    # A transient fault's overflow, undone by FaultTriage: the scale comes back and the next clean step is not taken
+    # for an unexplained overflow (no extra headroom), as if the fault had never come. The overflow stays counted.
+    run = OneParam(AdaptiveLossScaler("cpu", max_scale=None))
+    assert run.step(1.0) == 2.0**14
+    assert run.step(INF) == 2.0**13
+    assert run.scaler.undo_backoff_() and run.scaler.get_scale() == 2.0**14
+    assert run.step(1.0) == 2.0**14
+    assert run.scaler.state_dict()["_extra_headroom"] == 1.0 and run.scaler.overflow_count == 1

@@ -271,3 +271,30 @@ def test_cuda_scaler_is_not_silently_disabled_without_cuda() -> None:
     assert scaler.scale(torch.ones(())).item() == 2.0**10
     assert scaler.adopt_device_("cpu") == "cuda" and scaler._device == "cpu"
     assert scaler.adopt_device_("cpu") is None
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_undo_backoff_puts_the_scale_and_trackers_back_and_keeps_the_overflow_counted(hysteresis: int) -> None:
+    # The rejected execution of a step FaultTriage replays clean backed the scale off for nothing: undo puts the scale
+    # and the growth (and hysteresis) trackers back; the overflow stays counted. A clean update has nothing to undo.
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=3, hysteresis=hysteresis)
+    reference = DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=3, hysteresis=hysteresis)
+    _run(scaler, 5, {1: INF, 3: INF})
+    _run(reference, 5, {1: INF, 3: INF})
+    assert scaler.undo_backoff_() is False  # step 4 was clean
+    _run(scaler, 1, {0: NAN})  # a fresh model: only the scaler's state matters here
+    _run(reference, 1, {})
+    assert scaler.overflow_count == 3
+    assert scaler.undo_backoff_() is True and scaler.undo_backoff_() is False
+    assert scaler.get_scale() == reference.get_scale() == 2.0**10 / 2 ** (2 // hysteresis)  # the two real backoffs
+    assert scaler._growth_tracker.item() == reference._growth_tracker.item() - 1  # as before the rejected step
+    assert scaler._get_hysteresis_tracker() == reference._get_hysteresis_tracker()
+    assert scaler.overflow_count == 3 and scaler.step_count == 6
+
+
+def test_undo_backoff_has_nothing_to_undo_after_a_data_skip_or_a_load() -> None:
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**10)
+    _run(scaler, 1, {0: INF})
+    state = scaler.state_dict()
+    scaler.load_state_dict(state)
+    assert scaler.undo_backoff_() is False and scaler.get_scale() == 2.0**9

@@ -157,6 +157,15 @@ def test_transient_uses_the_replay_and_matches_a_fault_free_run():
     assert_same_weights(clean, loop)
 
 
+def test_a_transient_fault_leaves_the_loss_scale_of_a_fault_free_run():
+    # 16-mixed: the rejected execution backed the scale off for a fault the scale did not cause; triage undoes it.
+    plain = Loop("16-mixed", triage=False).train(5)
+    loop = Loop("16-mixed", transient=2).train(5)
+    assert kinds(loop) == [(2, "transient", "use_replay")]
+    assert loop.stepper.loss_scale == plain.stepper.loss_scale == 2.0**16 and loop.stepper.overflow_count == 1
+    assert_same_weights(plain, loop)
+
+
 def test_without_the_rng_restored_the_replay_would_differ():
     # The premise of the test above: the dropout mask of a second forward differs from the first one's.
     torch.manual_seed(0)
