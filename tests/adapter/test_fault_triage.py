@@ -356,3 +356,23 @@ def test_a_compiled_module_is_triaged_as_eagerly_without_recompiling_per_event()
         (8, "transient", "use_replay"), (9, "data", "skip")]
     assert triage.events[2]["blamed"] == ["model.fc2"] and triage.events[3]["replays"][-1] == "snapshot:clean"
     assert graphs - without <= 3, (graphs, without)
+
+
+@pytest.mark.slow
+def test_a_3000_step_faulted_soak_ends_with_a_usable_loss_scale():
+    # Issue 42's soak (16-mixed, every stable callback, 79 faults of every kind, 27 of them transient faults triage
+    # replays clean): the scale once ended at 2**-23 and PrecisionFallback moved the whole model to FP32 at step 985.
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        scale_soak = importlib.import_module("scale_soak")
+    finally:
+        sys.path.remove(bench)
+    result = scale_soak.soak(3000, seed=0)
+    assert result["faults"] == 79 and result["triage"].get("transient", 0) >= 20
+    assert 2.0**8 <= result["final_scale"] <= 2.0**20 and result["min_scale"] >= 2.0**8
+    assert result["flushed_frac"] < 0.05 and result["compute_dtype"] == "torch.float16"  # no whole-model fallback

@@ -178,3 +178,31 @@ def test_zero_fraction_counts_exact_zeros_over_all_elements() -> None:
     assert stats["zero_frac"] == pytest.approx(5 / 8)
     assert stats["modules"]["m"]["zero_frac"] == pytest.approx(2 / 4)
     assert stats["underflow_frac"]["fp16"] == pytest.approx(1 / 3)  # 2**-30 among the 3 nonzero
+
+
+@pytest.mark.parametrize("init_scale, named", [(2.0**-12, True), (2.0**-30, True), (2.0**10, False)])
+def test_a_loss_scale_that_flushes_the_fp16_gradients_is_named_once(init_scale: float, named: bool) -> None:
+    # 16-mixed at a collapsed scale: the gradients flush to zero in the FP16 backward and nothing said so.
+    from helpers import TinyMLP, regression_data
+
+    from lit_mpstable.core.loss_scaler import DynamicLossScaler
+    from lit_mpstable.core.stepper import PrecisionStepper
+
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=init_scale),
+                               telemetry_every_n_steps=1, device="cpu")
+    stepper.setup_module(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    stepper.setup_optimizers(model, [optimizer])
+    x, y = regression_data(16)
+    for _ in range(3):
+        optimizer.zero_grad()
+        with stepper.forward_context():
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        stepper.scale_loss(loss).backward()
+        stepper.step(optimizer)
+    notes = [note for note in stepper.warnings if note.startswith("The loss scale flushes the FP16 gradients")]
+    assert len(notes) == (1 if named else 0)
+    if named:
+        assert f"at loss scale {init_scale:g}" in notes[0] and "scaler='adaptive'" in notes[0]
