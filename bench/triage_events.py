@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from common import TRAINER_DEFAULTS  # noqa: E402
 
 from lit_mpstable import StablePrecision  # noqa: E402
-from lit_mpstable.app.fault_demos import PoisonModule, fp32_scaler_plugin  # noqa: E402
+from lit_mpstable.app.fault_demos import PoisonModule, fp16_scaler_plugin  # noqa: E402
 from lit_mpstable.callbacks import FaultTriage, ScaleCheckpoint  # noqa: E402
 from lit_mpstable.faults import FaultInjector  # noqa: E402
 
@@ -142,7 +142,7 @@ def main() -> None:
     # control: routine overflows are the scaler's
     steps = spread(rng, 10, 1, STEPS)
     triage = FaultTriage()
-    _, plugin, forwards = run([triage], plugin=fp32_scaler_plugin(), inf_grad_steps=steps)
+    _, plugin, forwards = run([triage], plugin=fp16_scaler_plugin(), inf_grad_steps=steps)
     control = dict(overflows=plugin.overflow_count, replayed=triage.replays_run, events=len(triage.events))
     extra_forwards += forwards.calls - forwards.batches - triage.replays_run
 

@@ -196,6 +196,9 @@ def _one_run(overrides: Sequence[str]) -> list[str]:
     return [*overrides] if chosen else [*overrides, "experiment=none"]
 
 
+PRECISIONS = {"bf16_mixed": "bf16-mixed", "bf16_true": "bf16-true", "fp32": "32-true"}
+
+
 def _compose(overrides: list[str]):
     register_configs()
     GlobalHydra.instance().clear()
@@ -461,11 +464,21 @@ def test_the_readme_hydra_recipe_composes_with_or_without_register_configs(regis
     assert ("diagnose" in cfg.plugin) == registered  # typed (every field) when the schemas are registered
 
 
-def test_hydra_refuses_a_scaler_on_bf16_as_the_constructor_does() -> None:
+@pytest.mark.parametrize("precision", ["bf16_mixed", "bf16_true", "fp32"])
+def test_hydra_refuses_a_scaler_outside_fp16_as_the_constructor_does(precision: str) -> None:
     from lit_mpstable.app.train import build
 
-    with pytest.raises(ValueError, match=r"only meaningful for FP16 modes") as by_name:
-        StablePrecision("bf16-mixed", scaler="adaptive")
+    with pytest.raises(ValueError, match=r"only for the FP16 precisions") as by_name:
+        StablePrecision(PRECISIONS[precision], scaler="adaptive")
     with pytest.raises(ValueError) as error:
-        build(_compose(["precision=bf16_mixed", "scaler=adaptive"]))
+        build(_compose([f"precision={precision}", "scaler=adaptive"]))
     assert str(by_name.value) in str(error.value) and str(error.value).startswith("scaler=adaptive")
+    # A Hydra app of one's own instantiates the node itself (no build): the constructor refuses the scaler object
+    # it is handed, with the same rule (this once trained with loss scaling, exit status 0).
+    with pytest.raises(Exception, match=r"scaler=AdaptiveLossScaler\(\.\.\.\)\): loss scaling is only for the"
+                                        r" FP16 precisions"):
+        instantiate(_compose([f"precision={precision}", "scaler=adaptive", "plugin.scaler.device=cpu"]).plugin)
+    # The default scaler node ('auto') and scaler=none compose and build on every precision.
+    for scaler in ("default", "none"):
+        plugin = instantiate(_compose([f"precision={precision}", f"scaler={scaler}"]).plugin)
+        assert plugin.scaler is None

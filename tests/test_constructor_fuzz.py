@@ -5,6 +5,7 @@ supported``, no MemoryError from a huge history, no OverflowError at the first u
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any, get_args
 
@@ -258,13 +259,19 @@ def test_an_adaptive_scaler_sized_for_another_format_is_refused_on_fp16(target: 
         StablePrecision("16-mixed", scaler=AdaptiveLossScaler(target_format=target))
 
 
-def test_a_scaler_chosen_by_name_on_bf16_is_refused_and_an_instance_is_taken_with_a_note() -> None:
-    # By name (here, or Hydra's scaler=adaptive: tests/test_configs.py) refused; an explicit instance is the escape
-    # hatch (a GradScaler for overflow detection in 32-true), accepted with a note.
-    with pytest.raises(ValueError, match=r"only meaningful for FP16 modes.*scaler=None"):
-        StablePrecision("bf16-mixed", scaler="adaptive")
-    plugin = StablePrecision("bf16-mixed", scaler=AdaptiveLossScaler())
-    assert any("buys nothing" in note for note in plugin.stepper.warnings)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "32-true"])
+@pytest.mark.parametrize("scaler", ["adaptive", "dynamic", "static", AdaptiveLossScaler, DynamicLossScaler,
+                                    StaticLossScaler, torch.amp.GradScaler])
+def test_a_scaler_outside_fp16_is_refused_by_name_and_as_an_instance_alike(precision, scaler) -> None:
+    # One rule (here, and Hydra's scaler=adaptive: tests/test_configs.py): an instance was once taken with a note on
+    # BF16 and silently on FP32, where a name was refused.
+    value = scaler if isinstance(scaler, str) else scaler("cpu")
+    shown = repr(value) if isinstance(scaler, str) else f"{scaler.__name__}(...)"
+    with pytest.raises(ValueError, match=rf"StablePrecision\('{precision}', scaler={re.escape(shown)}\): loss"
+                                         r" scaling is only for the FP16 precisions '16-mixed' and '16-true'.*"
+                                         r"use scaler=None"):
+        StablePrecision(precision, scaler=value)
+    assert StablePrecision(precision, scaler=torch.amp.GradScaler("cpu", enabled=False)).scaler is None  # no scaling
 
 
 def test_a_scale_whose_reciprocal_overflows_is_refused() -> None:

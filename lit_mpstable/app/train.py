@@ -141,7 +141,8 @@ def _check_run_settings(cfg: DictConfig) -> None:
 
 def _check_scaler_choice(node: DictConfig) -> None:
     # The scaler group chooses a scaler by name (scaler=adaptive), as StablePrecision(scaler="adaptive") does: the same
-    # rule holds (refused outside FP16), which an instance handed to the constructor escapes with a warning.
+    # rule holds (refused outside FP16; the constructor refuses the node's instance too), said here before anything
+    # is built and under the group's name.
     scaler = node.get("scaler")
     target = scaler.get("_target_") if isinstance(scaler, DictConfig) else None
     name = {"lit_mpstable.core.loss_scaler.DynamicLossScaler": "dynamic",

@@ -78,7 +78,8 @@ def build_scaler(call: str, precision: str, scaler: Any, device: str, *, skip_no
     """The run's scaler from the ``scaler`` argument, and the :class:`LossScaler` the step calls.
 
     ``"auto"``/``"dynamic"``/``"static"``/``"adaptive"`` build ours on ``device`` (for ``"16-true"`` from a scale of
-    2**15, whose seed gradient an FP16 loss holds); an instance is validated; a plain
+    2**15, whose seed gradient an FP16 loss holds); an instance is validated; an enabled scaler, named or
+    an instance, outside the FP16 precisions is refused (``"auto"`` means none there); a plain
     ``torch.amp.GradScaler`` is adopted into a ``DynamicLossScaler`` with its settings and state (ours also reports
     skipped steps); a disabled one means no scaling. The step calls ours directly and any other scaler through
     :class:`ForeignScaler`; without a scaler, ``skip_nonfinite`` keeps a fixed scale of 1 for the inf/NaN check.
@@ -140,12 +141,8 @@ def _build(call: str, precision: str, scaler: Any, device: str, warnings: list[s
             f"{call}(scaler={type(scaler).__name__}(enabled=False)): taken as no loss scaling (scaler=None)."
         )
         return None
-    if precision.startswith("bf16"):
-        # Lightning's MixedPrecision refuses this; it works (every step is scaled, checked, unscaled), but says so.
-        warnings.append(
-            f"{call}({precision!r}, scaler={type(scaler).__name__}(...)): BF16 shares FP32's exponent range,"
-            " so loss scaling buys nothing but a pass over the gradients; scaler=None keeps the inf/NaN check."
-        )
+    # The rule for a name holds for an instance too (a Hydra scaler node arrives as one): no scaling outside FP16.
+    _refuse_outside_fp16(call, precision, f"{type(scaler).__name__}(...)")
     if type(scaler) is torch.amp.GradScaler:
         # Adopted with its settings and state: our subclass also reports skipped steps (LR hold, counters,
         # attribution), which a plain GradScaler keeps to itself.

@@ -69,8 +69,8 @@ def quiet():
         yield
 
 
-# ``StablePrecision("32-true")`` with an explicit DynamicLossScaler: fast; overflows come from injected infs.
-fp32_scaler_plugin = partial(fault_demos.fp32_scaler_plugin, plugin_class=StablePrecision)
+# ``StablePrecision("16-mixed")`` with an explicit CPU DynamicLossScaler: overflows come from injected infs.
+fp16_scaler_plugin = partial(fault_demos.fp16_scaler_plugin, plugin_class=StablePrecision)
 
 
 class ListLogger:

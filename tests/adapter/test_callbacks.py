@@ -36,7 +36,7 @@ FACTORIES = {
 
 def _plugin() -> StablePrecision:
     # BF16 autocast plus a loss scaler, so overflows (injected) exercise every code path quickly on the CPU.
-    return StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+    return StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
 
 
 # ------------------------------------------------------------------------------------------------ conformance
@@ -123,7 +123,7 @@ class _CountingPlugin(StablePrecision):
 @pytest.mark.parametrize("with_fallback", [False, True])
 def test_overflow_monitor_recommends_precision_fallback_only_when_it_is_not_installed(with_fallback: bool) -> None:
     callbacks = [OverflowMonitor(window=4)] + ([PrecisionFallback(mode="module")] if with_fallback else [])
-    trainer = make_trainer(StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**10)),
+    trainer = make_trainer(StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**10)),
                            max_steps=8, log_every_n_steps=2, callbacks=callbacks)
     with pytest.warns(UserWarning, match="OverflowMonitor at step 4") as record:
         trainer.fit(PoisonModule(inf_grad_steps={1, 5}, n=128))
@@ -135,7 +135,7 @@ def test_overflow_monitor_recommends_precision_fallback_only_when_it_is_not_inst
 def test_overflow_monitor_logs_every_metric_to_loggers_and_progress_bar(tmp_path) -> None:
     CSVLogger = pl.loggers.CSVLogger
 
-    plugin = _CountingPlugin("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**10))
+    plugin = _CountingPlugin("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**10))
     _CountingPlugin.reads = 0
     monitor = OverflowMonitor(window=4)
     trainer = make_trainer(
@@ -167,7 +167,7 @@ def test_overflow_monitor_warns_once_per_crossing_naming_blamed_modules() -> Non
     # Overflows at steps 1-2 (the rate over the first full window is 50%), a clean stretch (it falls to 0), then
     # at 8-9 (it rises again).
     module = Blame(inf_grad_steps={1, 2, 8, 9})
-    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu"))
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu"))
     monitor = OverflowMonitor(window=4, warn_rate=0.25, log_every_n_steps=1)
     with pytest.warns(UserWarning) as record:
         make_trainer(plugin, max_steps=10, callbacks=[monitor]).fit(module)

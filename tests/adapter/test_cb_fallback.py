@@ -14,10 +14,10 @@ from lit_mpstable.core.loss_scaler import DynamicLossScaler
 EVERY_STEP = set(range(100))
 
 
-def _bf16_scaled(**kwargs) -> StablePrecision:
-    # BF16 autocast with an explicit scaler: fast on the CPU, overflows come from injected inf gradients, and a
-    # global fallback visibly changes compute_dtype.
-    return StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu", **kwargs))
+def _fp16_scaled(**kwargs) -> StablePrecision:
+    # FP16 autocast with an explicit scaler (a scaler is taken in the FP16 precisions only): overflows come from
+    # injected inf gradients, and a global fallback visibly changes compute_dtype.
+    return StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", **kwargs))
 
 
 def test_fallback_reason_by_hand() -> None:
@@ -90,7 +90,7 @@ class _ForgetBlame(pl.Callback):
 
 
 def test_module_mode_without_blamed_modules_falls_back_globally_and_says_why() -> None:
-    plugin = _bf16_scaled()
+    plugin = _fp16_scaled()
     fallback = PrecisionFallback(patience=2, mode="module")
     expected = r"fallback at step 2: the whole model now computes in FP32 \(PrecisionFallback: .*names no blamed"
     with pytest.warns(UserWarning, match=expected):
@@ -113,7 +113,7 @@ def test_module_mode_without_blamed_modules_falls_back_globally_and_says_why() -
     ],
 )
 def test_global_mode_triggers(trigger: str, kwargs: dict, faults: dict, scaler, step: int, reason: str) -> None:
-    plugin = StablePrecision("bf16-mixed") if scaler is None else _bf16_scaled(**scaler)
+    plugin = StablePrecision("bf16-mixed") if scaler is None else _fp16_scaled(**scaler)
     fallback = PrecisionFallback(**kwargs)
     recorder = Recorder()
     with quiet():
@@ -121,11 +121,12 @@ def test_global_mode_triggers(trigger: str, kwargs: dict, faults: dict, scaler, 
     assert [d["step"] for d in fallback.decisions] == [step] and reason in fallback.decisions[0]["reason"]
     assert plugin.compute_dtype == torch.float32 and plugin.fallback_active
     # It takes effect from the next batch on: the dtype recorded after each batch switches at that step.
-    assert recorder.dtypes == [torch.bfloat16] * (step - 1) + [torch.float32] * (8 - step + 1)
+    low = torch.bfloat16 if scaler is None else torch.float16
+    assert recorder.dtypes == [low] * (step - 1) + [torch.float32] * (8 - step + 1)
 
 
 def test_cooldown_retries_low_precision_and_falls_back_again() -> None:
-    plugin = _bf16_scaled()
+    plugin = _fp16_scaled()
     fallback = PrecisionFallback(patience=2, cooldown=3)
     recorder = Recorder()
     with quiet():
@@ -133,8 +134,8 @@ def test_cooldown_retries_low_precision_and_falls_back_again() -> None:
     assert [(d["step"], d["action"]) for d in fallback.decisions] == [
         (2, "fallback"), (5, "restore"), (7, "fallback"), (10, "restore"),
     ]
-    bf, fp = torch.bfloat16, torch.float32
-    assert recorder.dtypes == [bf, fp, fp, fp, bf, bf, fp, fp, fp, bf]
+    low, fp = torch.float16, torch.float32
+    assert recorder.dtypes == [low, fp, fp, fp, low, low, fp, fp, fp, low]
     assert fallback.cooldown_end == -1 and fallback.state is FallbackState.RESTORED
 
 
@@ -159,7 +160,7 @@ def test_fallback_states_follow_the_decisions_and_reload_from_the_checkpoint_for
 
 
 def test_global_mode_climbs_the_fp8_ladder_one_rung_at_a_time() -> None:
-    plugin = StablePrecision("bf16-mixed", fp8="delayed", scaler=DynamicLossScaler("cpu"))
+    plugin = StablePrecision("16-mixed", fp8="delayed", scaler=DynamicLossScaler("cpu"))
     fallback = PrecisionFallback(patience=2)
     recorder = Recorder()
     with quiet():
@@ -167,4 +168,4 @@ def test_global_mode_climbs_the_fp8_ladder_one_rung_at_a_time() -> None:
     assert [d["step"] for d in fallback.decisions] == [2, 4]
     assert "FP8 layers now compute in the base precision" in fallback.decisions[0]["effect"]
     assert "the whole model now computes in FP32" in fallback.decisions[1]["effect"]
-    assert recorder.dtypes == [torch.bfloat16] * 3 + [torch.float32] * 2
+    assert recorder.dtypes == [torch.float16] * 3 + [torch.float32] * 2

@@ -19,7 +19,7 @@ FAULTS = dict(inf_grad_steps={1, 2, 3, 9}, loss_factor={6: 1e6}, n=128, schedule
 
 
 def _plugin() -> StablePrecision:
-    return StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8, growth_interval=2))
+    return StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8, growth_interval=2))
 
 
 def _callbacks() -> list:

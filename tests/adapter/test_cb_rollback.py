@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from cb_helpers import PoisonModule, Recorder, fp32_scaler_plugin, quiet
+from cb_helpers import PoisonModule, Recorder, fp16_scaler_plugin, quiet
 from helpers import make_trainer
 from trainer_pkg import ScaleCheckpoint, StablePrecision, pl
 
@@ -60,7 +60,7 @@ def test_poisoned_batch_rolls_back_exactly_and_training_recovers(poison: str) ->
         module = PoisonModule(optimizer="adamw", lr=3e-2, scheduler=True, n=128, **faults)
         checkpoint = ScaleCheckpoint(every_n_steps=EVERY, min_history=4, window=16, on_spike="rollback")
         recorder = _FullRecorder()
-        plugin = fp32_scaler_plugin(init_scale=2.0**8, growth_interval=3)
+        plugin = fp16_scaler_plugin(init_scale=2.0**8, growth_interval=3, max_scale=2.0**12)  # FP16 holds the grads
         with quiet():
             make_trainer(plugin, max_steps=STEPS, callbacks=[checkpoint, recorder]).fit(module)
         return module, checkpoint, recorder, plugin
@@ -149,7 +149,7 @@ def test_a_rollback_never_undoes_a_precision_fallback() -> None:
 
     from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
-    plugin = StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu"))
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu"))
     fallback = PrecisionFallback(patience=2)
     checkpoint = ScaleCheckpoint(every_n_steps=100, min_history=2, on_spike="rollback")
     module = PoisonModule(inf_grad_steps={1, 2}, loss_factor={5: 1e6})
@@ -240,7 +240,7 @@ def test_a_cpu_snapshot_adds_no_accelerator_memory() -> None:
 def test_after_a_rollback_the_plugin_and_its_scaler_count_the_same() -> None:
     # One owner per fact: the event counters are history, and a rollback restores neither the plugin's nor the
     # scaler's copy of them.
-    plugin = fp32_scaler_plugin(init_scale=2.0**8)
+    plugin = fp16_scaler_plugin(init_scale=2.0**8)
     checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback")
     with quiet():
         make_trainer(plugin, max_steps=10, callbacks=[checkpoint]).fit(

@@ -75,7 +75,7 @@ def test_sync_found_inf_is_a_no_op_on_one_process_and_unscales_first() -> None:
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_inf_on_one_rank_skips_the_step_on_both(tmp_path: Path, accumulate: int) -> None:
     # With accumulation the first micro-batch runs under DDP's no_sync; the inf lands after the last one's all-reduce.
-    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
     module = RankFaultModule(inf_grad_steps={2})
     rank0, rank1 = fit_ddp(module, plugin, [], tmp_path, max_steps=4, accumulate_grad_batches=accumulate)
     assert rank0["world_size"] == 2
@@ -88,7 +88,7 @@ def test_inf_on_one_rank_skips_the_step_on_both(tmp_path: Path, accumulate: int)
 
 
 def test_adaptive_scales_stay_identical_when_one_rank_sees_larger_gradients(tmp_path: Path) -> None:
-    plugin = StablePrecision("32-true", scaler=AdaptiveLossScaler("cpu", init_scale=2.0**8))
+    plugin = StablePrecision("16-mixed", scaler=AdaptiveLossScaler("cpu", init_scale=2.0**8))
     module = RankFaultModule(inf_grad_steps={1}, big_grad_steps={2})
     rank0, rank1 = fit_ddp(module, plugin, [], tmp_path, max_steps=4)
     assert rank0["skipped"] == rank1["skipped"] == [False, True, False, False]
@@ -98,7 +98,7 @@ def test_adaptive_scales_stay_identical_when_one_rank_sees_larger_gradients(tmp_
 
 
 def test_fallback_triggered_by_one_ranks_overflows_happens_on_both(tmp_path: Path) -> None:
-    plugin = StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
     fallback = PrecisionFallback(patience=2, mode="module", min_scale=None, max_overflow_rate=None)
     rank0, rank1 = fit_ddp(RankFaultModule(inf_grad_steps={1, 2}), plugin, [fallback], tmp_path, max_steps=4)
     decisions0, decisions1 = rank0["PrecisionFallback.decisions"], rank1["PrecisionFallback.decisions"]

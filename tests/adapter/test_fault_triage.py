@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from cb_helpers import PoisonModule, fp32_scaler_plugin, quiet
+from cb_helpers import PoisonModule, fp16_scaler_plugin, quiet
 from helpers import HostReads, make_trainer
 from trainer_pkg import NAME, ScaleCheckpoint, StablePrecision, pl
 
@@ -207,7 +207,7 @@ def test_max_replays_stops_the_ladder():
 def test_routine_overflow_is_not_replayed():
     # An inf gradient at a loss scale of 2**16 with a finite loss: the scaler's business.
     triage = FaultTriage()
-    plugin = fit(seeded(inf_grad_steps=[1]), [triage], max_steps=3, plugin=fp32_scaler_plugin())
+    plugin = fit(seeded(inf_grad_steps=[1]), [triage], max_steps=3, plugin=fp16_scaler_plugin())
     assert plugin.overflow_count == 1 and triage.events == [] and triage.replays_run == 0
 
 

@@ -284,7 +284,7 @@ def test_16_true_fsdp2_resumes_exactly_from_dcp_with_an_overflow_after_resume(tm
 
 @pytest.mark.slow
 def test_module_fallback_under_fsdp2_happens_on_both_ranks(tmp_path: Path) -> None:
-    plugin = StablePrecision("bf16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8), device="cpu")
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8), device="cpu")
     fallback = PrecisionFallback(patience=2, mode="module", min_scale=None, max_overflow_rate=None)
     module = _sharded(policy="plugin", inf_grad_steps={1, 2})
     rank0, rank1 = fit_fsdp2(module, plugin, tmp_path, STEPS, [fallback])

@@ -41,7 +41,7 @@ def test_defaults_per_precision() -> None:
 
 # ------------------------------------------------------------------------------- equivalence with a raw loop
 class _Exact(pl.LightningModule):
-    """TinyMLP in FP32 with an explicit scaler: results must equal a hand-written GradScaler loop bit for bit."""
+    """TinyMLP in 16-mixed with an explicit scaler: results must equal a hand-written AMP loop (autocast+GradScaler)."""
 
     def __init__(self, accumulate: int = 1, poison: set[int] = frozenset()) -> None:
         super().__init__()
@@ -86,7 +86,9 @@ def _raw_loop(steps: int, accumulate: int, poison: set[int], clip: float | None)
     for step in range(steps):
         for _ in range(accumulate):
             bx, by = next(batches)
-            scaler.scale(nn.functional.mse_loss(model(bx), by) / accumulate).backward()
+            with torch.autocast("cpu", dtype=torch.float16):  # "16-mixed" (a loss scaler is for FP16 only)
+                loss = nn.functional.mse_loss(model(bx), by) / accumulate
+            scaler.scale(loss).backward()
         if step in poison:
             model.fc2.weight.grad.view(-1)[0] = float("inf")
         scaler.unscale_(opt)
@@ -107,7 +109,7 @@ def _raw_loop(steps: int, accumulate: int, poison: set[int], clip: float | None)
 def test_matches_hand_written_amp_loop(accumulate: int, clip: float | None) -> None:
     steps, poison = 4, {1}
     module = _Exact(poison=poison)
-    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=3))
     lrs = []
 
     class RecordLR(pl.Callback):
@@ -145,7 +147,7 @@ def test_lr_schedule_held_on_skipped_steps() -> None:
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
 def test_fused_optimizer_skips_are_detected(optimizer: str) -> None:
     module = make_module(optimizer=optimizer, scheduler=True, poison_steps={2}, lr=1e-3)
-    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=256.0))
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=256.0))
     skipped, weights = [], []
 
     class Record(pl.Callback):
@@ -201,7 +203,7 @@ class _TwoOptimizers(pl.LightningModule):
 def test_manual_optimization_with_two_optimizers() -> None:
     module = _TwoOptimizers()
     b_before = module.b.fc1.weight.detach().clone()
-    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=64.0))
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=64.0))
     make_trainer(plugin, max_steps=4).fit(module)  # max_steps counts both optimizers: 2 batches
     assert plugin.step_count == 4
     assert plugin.overflow_count == 1  # b's step in the first batch saw global_step 1
@@ -253,7 +255,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path) -> None:
 
     def plugin():
         scaler = DynamicLossScaler("cpu", init_scale=2.0**8, growth_interval=2, hysteresis=2)
-        return StablePrecision("32-true", scaler=scaler)
+        return StablePrecision("16-mixed", scaler=scaler)
 
     full_plugin = plugin()
     torch.manual_seed(0)
@@ -293,7 +295,7 @@ def test_load_state_dict_is_strict() -> None:
 
 def test_a_plain_gradscaler_instance_is_adopted_with_its_state() -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
-    plugin = StablePrecision("32-true", scaler=scaler)
+    plugin = StablePrecision("16-mixed", scaler=scaler)
     assert isinstance(plugin.scaler, DynamicLossScaler)
     assert plugin.loss_scale == 512.0 and plugin.scaler.get_growth_interval() == 7
     module = make_module(scheduler=True, poison_steps={1})

@@ -89,7 +89,7 @@ def test_resume_exact_when_the_first_step_after_resume_overflows(tmp_path, accum
     poison = {steps_per_epoch}  # the first optimizer step of epoch 2
 
     def fit(module, epochs, ckpt_path=None):
-        plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+        plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
         trainer = make_trainer(plugin, max_steps=-1, max_epochs=epochs, accumulate_grad_batches=accumulate)
         trainer.fit(module, ckpt_path=ckpt_path)
         return trainer, plugin

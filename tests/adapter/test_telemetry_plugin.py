@@ -26,7 +26,7 @@ class _Probe(pl.Callback):
 
 def test_telemetry_every_n_steps_on_unscaled_gradients() -> None:
     probe = _Probe()
-    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**10), telemetry_every_n_steps=3)
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**10), telemetry_every_n_steps=3)
     make_trainer(plugin, max_steps=7, max_epochs=-1, callbacks=[probe]).fit(make_module())
     due = [(step, norm, stats) for step, norm, stats in probe.rows if stats.get("stats_step") == step]
     assert [step for step, _, _ in due] == [0, 2, 5]
@@ -38,7 +38,7 @@ def test_telemetry_every_n_steps_on_unscaled_gradients() -> None:
 
 def test_overflow_in_one_layer_is_attributed_to_it() -> None:
     module = make_module(poison_steps={1})  # an inf in model.fc2.weight's gradient on step 1
-    plugin = StablePrecision("32-true", scaler=DynamicLossScaler("cpu"))
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer(plugin, max_steps=3).fit(module)

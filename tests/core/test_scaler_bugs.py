@@ -60,7 +60,7 @@ def _loop(stepper: PrecisionStepper, steps: int, bad: set[int], *, scheduler: bo
 @pytest.mark.parametrize("clip", [False, True])
 def test_a_foreign_scaler_reports_its_skipped_steps(make, clip: bool) -> None:
     scaler = make()
-    stepper = PrecisionStepper("32-true", scaler=scaler)
+    stepper = PrecisionStepper("16-mixed", scaler=scaler)
     _, opt = _loop(stepper, 4, {1, 2}, clip=clip)
     assert scaler.get_scale() == 64.0  # it did skip twice (256 -> 128 -> 64)
     assert stepper.overflow_count == stepper.skipped_steps == 2
@@ -103,7 +103,7 @@ def test_an_init_scale_below_the_floor_is_refused() -> None:
 
 
 @pytest.mark.parametrize("precision, make", [
-    ("32-true", lambda: torch.amp.GradScaler("cpu", init_scale=2.0**-120)),  # adopted
+    ("16-mixed", lambda: torch.amp.GradScaler("cpu", init_scale=2.0**-120)),  # adopted
     ("16-true", lambda: "auto"),
 ], ids=["adopted-gradscaler", "16-true-default"])
 def test_after_an_overflow_storm_a_clean_step_writes_finite_weights(precision: str, make) -> None:
@@ -118,7 +118,7 @@ def test_after_an_overflow_storm_a_clean_step_writes_finite_weights(precision: s
 
 
 def test_a_nan_batch_skips_its_step_but_does_not_back_off_the_scale() -> None:
-    stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    stepper = PrecisionStepper("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**10, growth_interval=3))
     torch.manual_seed(0)
     model = TinyMLP()
     stepper.setup_module(model)
@@ -172,7 +172,7 @@ def test_one_loss_two_optimizers_update_the_scale_once_per_iteration_as_gradscal
     bad = {1: "fc1", 4: "fc3"}  # only the first optimizer overflows, then only the second
     kwargs = dict(init_scale=2.0**10, growth_interval=2)
     ref_scales, ref_params = _two_optimizers(torch.amp.GradScaler("cpu", **kwargs), 8, bad)
-    stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", **kwargs))
+    stepper = PrecisionStepper("16-mixed", scaler=DynamicLossScaler("cpu", **kwargs))
     scales, params = _two_optimizers(stepper, 8, bad)
     assert scales == ref_scales
     for a, b in zip(params, ref_params):

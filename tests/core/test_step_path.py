@@ -33,7 +33,7 @@ def _backward(stepper, model, x, y, bad: float | None = None):
         model.fc2.weight.grad.view(-1)[0] = bad
 
 
-CASES = [("32-true", dict(scaler="dynamic-cpu")), ("bf16-true", {}),
+CASES = [("16-mixed", dict(scaler="dynamic-cpu")), ("bf16-true", {}),
          ("bf16-true", dict(master_weights="kahan")), ("16-mixed", {})]
 
 
@@ -201,7 +201,7 @@ def test_the_shares_cover_every_parameter_and_state_tensor_once_per_round() -> N
         t.numel() for t in held)  # about equal shares by size (a parameter and its state go together)
 
 
-@pytest.mark.parametrize("precision, kwargs", [("32-true", {"scaler": "dynamic-cpu"}), ("bf16-true", {}),
+@pytest.mark.parametrize("precision, kwargs", [("16-mixed", {"scaler": "dynamic-cpu"}), ("bf16-true", {}),
                                                ("bf16-mixed", {}), ("bf16-true", {"master_weights": "kahan"})])
 def test_the_step_input_check_adds_no_host_read(precision, kwargs) -> None:
     stepper, model, opt = _setup(precision, **kwargs)
@@ -219,7 +219,7 @@ def test_a_fused_optimizer_skips_on_the_folded_flag_too(where: str) -> None:
     # Fused optimizers skip inside their step only when found_inf is exactly 1: the folded flag must stay 0 or 1.
     torch.manual_seed(0)
     model = TinyMLP()
-    stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", init_scale=256.0))
+    stepper = PrecisionStepper("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=256.0))
     stepper.setup_module(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     stepper.setup_optimizers(model, [opt])
@@ -237,7 +237,7 @@ def test_a_fused_optimizer_skips_on_the_folded_flag_too(where: str) -> None:
 
 
 def test_a_nan_loss_scale_is_skipped_and_repaired_not_kept() -> None:
-    stepper, model, opt = _setup("32-true", scaler="dynamic-cpu")
+    stepper, model, opt = _setup("16-mixed", scaler="dynamic-cpu")
     x, y = regression_data(32)
     for step in range(3):
         _backward(stepper, model, x, y)
@@ -274,7 +274,7 @@ def test_a_checkpoint_holds_the_scale_update_a_gan_loop_still_owes() -> None:
     # update waits for the next backward; a checkpoint taken meanwhile holds it, as GradScaler's would.
     torch.manual_seed(0)
     model = TinyMLP()
-    stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", init_scale=256.0))
+    stepper = PrecisionStepper("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=256.0))
     stepper.setup_module(model)
     opt_d = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
     opt_g = torch.optim.SGD([*model.fc2.parameters(), *model.fc3.parameters()], lr=0.1)
@@ -414,7 +414,7 @@ def _late_nan_run(rank: int, out_dir: str) -> None:
     torch.manual_seed(0)
     model = TinyMLP()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    stepper = PrecisionStepper("32-true", scaler=DynamicLossScaler("cpu", init_scale=256.0))
+    stepper = PrecisionStepper("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=256.0))
     stepper.setup_module(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     stepper.setup_optimizers(model, [opt])
