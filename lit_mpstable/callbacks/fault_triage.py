@@ -78,9 +78,11 @@ class FaultTriage(PluginCallback):
     ``torch.compile``'d module runs its as-is replay eagerly (it is traced); the other replays run compiled.
 
     A run that cannot be replayed says so once and classifies nothing: manual optimization (the step is the user's
-    own code), gradient accumulation (only the last of the step's batches is at hand), a ``training_step`` that takes
-    ``dataloader_iter`` (it fetches its own batch) or an ``IterableDataset`` (a streaming loader may refill the
-    batch's buffers, so the batch replayed need not be the one that failed).
+    own code), gradient accumulation (only the last of the step's batches is at hand) or a ``training_step`` that
+    takes ``dataloader_iter`` (it fetches its own batch). Any dataloader is replayed, an ``IterableDataset`` (a
+    stream, nanoGPT's ``get_batch``) as a map-style one: a replay reuses the batch object the step was given and never
+    touches the dataset or the loader (nothing is fetched between the step and its replays, so the replay reads what
+    the step read).
 
     At setup it moves itself to the front of ``trainer.callbacks``, so it sees each step before the other callbacks
     react to it (``FaultInjector`` undoes its batch fault at batch end, ``ScaleCheckpoint`` rolls back bad weights).
@@ -268,9 +270,4 @@ def _why_not_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> s
                 " come from several batches and only the last is at hand)")
     if "dataloader_iter" in inspect.signature(pl_module.training_step).parameters:
         return "training_step takes dataloader_iter (it fetches its own batch, which cannot be fetched again)"
-    loaders = trainer.train_dataloader
-    loaders = getattr(loaders, "flattened", None) or ([loaders] if loaders is not None else [])
-    if any(isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset) for loader in loaders):
-        return ("the training data is an IterableDataset (a streaming loader may refill the batch's buffers, so the"
-                " batch replayed need not be the one that failed)")
     return None

@@ -239,21 +239,38 @@ def test_manual_optimization_says_so_once_and_classifies_nothing():
     assert plugin.skipped_steps >= 1 and triage.events == [] and triage.replays_run == 0
 
 
-def test_iterable_dataset_cannot_be_replayed():
-    class Stream(torch.utils.data.IterableDataset):
-        def __init__(self, x, y) -> None:
-            self.x, self.y = x, y
+class GetBatch(torch.utils.data.IterableDataset):
+    """nanoGPT's ``get_batch`` as a stream: every batch a fresh random draw of rows (from the torch RNG), endless."""
 
-        def __iter__(self):
-            return iter(zip(self.x, self.y))
+    def __init__(self, x, y, batch_size: int = 16) -> None:
+        self.x, self.y, self.batch_size = x, y, batch_size
 
-    class StreamModule(PoisonModule):
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(Stream(self.x, self.y), batch_size=16)
+    def __iter__(self):
+        while True:
+            rows = torch.randint(len(self.x), (self.batch_size,))
+            yield self.x[rows], self.y[rows]
 
-    triage = FaultTriage()
-    fit(StreamModule(), [triage, FaultInjector({1: "nan_batch"})], max_steps=3)
-    assert "IterableDataset" in triage.cannot_replay and triage.events == [] and triage.replays_run == 0
+
+class StreamModule(PoisonModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(GetBatch(self.x, self.y), batch_size=None)
+
+
+def test_iterable_dataset_is_replayed_from_the_batch_in_hand():
+    # The replay uses the batch the step holds (no dataset access): a stream triages as a map-style dataset does.
+    torch.manual_seed(0)
+    clean = StreamModule()
+    fit(clean, [], max_steps=5)
+    torch.manual_seed(0)
+    module, triage = StreamModule(), FaultTriage()
+    fit(module, [triage, FaultInjector({1: "transient", 3: "nan_batch"})], max_steps=5)
+    assert triage.cannot_replay is None
+    assert [(e["step"], e["kind"], e["action"]) for e in triage.events] == [(1, "transient", "use_replay"),
+                                                                          (3, "data", "skip")]
+    # The transient step's replay (the same batch) was applied: up to step 3, skipped in the faulted run, every
+    # finite loss (the replays' included) is the fault-free run's, and the stream went on drawing the same batches.
+    finite = [loss for loss in module.losses if loss == loss]
+    assert module.losses[1] != module.losses[1] and finite[:3] == clean.losses[:3]
 
 
 @pytest.mark.slow
