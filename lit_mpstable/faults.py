@@ -33,7 +33,8 @@ class FaultInjector(pl.Callback):
       the step (another forward in the same step) is clean, as after a flipped bit.
     - ``"nan_batch"``: the first element of the batch's first floating-point tensor is NaN, for every execution of the
       step (a corrupted record). Written into the batch ``training_step`` receives (after the precision plugin's
-      input conversion) and restored after the batch, so the dataset is left as it was.
+      input conversion, which is then shown the batch again: its input check sees the NaN as a data fault, and no
+      layer is blamed) and restored after the batch, so the dataset is left as it was.
     - ``"fp16_overflow"``: ``module``'s output is multiplied and divided by a power of two that takes its largest
       value past FP16's range (65504): inf in FP16, the same values bit for bit in FP32 and BF16.
     - ``"loss_spike"``: the loss ``training_step`` returns is multiplied by ``loss_spike_factor`` (1e4), for every
@@ -153,6 +154,10 @@ class FaultInjector(pl.Callback):
             self._restore.append((tensor, tensor[first].clone()))
             with torch.no_grad():
                 tensor[first] = float("nan")
+            # Lightning converted the batch before this hook: show the precision plugin the record as it would have
+            # come from the data pipeline, so its input check sees a data fault (no layer is blamed for it). On an
+            # already converted batch the conversion changes nothing; its result is not needed.
+            trainer.precision_plugin.convert_input(batch)
             self._record("nan_batch")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -16,9 +16,10 @@ from torch import nn
 from lit_mpstable.core.attribution import OverflowTracer, trace_nonfinite
 from lit_mpstable.core.compiled import eager
 
-__all__ = ["ACTIONS", "LADDER", "Replay", "ReplayHost", "RngState", "TriageKind", "agreed_names", "any_rank", "climb",
-           "full_precision", "needs_triage", "next_replay", "replay_finite", "replay_spikes", "restore_rng",
-           "rng_state", "traced", "traced_names", "triage_event"]
+__all__ = ["ACTIONS", "BUDGET_WINDOW", "LADDER", "REPLAY_BUDGET", "Replay", "ReplayHost", "RngState", "TriageKind",
+           "agreed_names", "any_rank", "budget_note", "check_budget", "climb", "full_precision", "needs_triage",
+           "next_replay", "replay_finite", "replay_spikes", "replays_spent", "restore_rng", "rng_state", "traced",
+           "traced_names", "triage_event"]
 
 TriageKind = Literal["transient", "precision", "data", "state"]
 
@@ -51,6 +52,47 @@ def next_replay(done: Replay, clean: bool, max_replays: int) -> Replay | TriageK
         return done.value
     position = LADDER.index(done) + 1
     return LADDER[position] if position < max_replays else "data"
+
+
+REPLAY_BUDGET = 12
+BUDGET_WINDOW = 100
+"""The default replay budget: at most 12 replays in any 100 consecutive steps (a replay costs about a step's
+forward and backward: at most ~12% more time), room for 4 full climbs of the ladder."""
+
+
+def check_budget(call: str, max_replays: Any, replay_budget: Any, budget_window: Any) -> None:
+    """Validate a triage's ``replay_budget`` (an int >= ``max_replays``: room for one full climb) and
+    ``budget_window`` (an int >= 1, steps).
+
+    Raises:
+        ValueError: naming the argument, its value and what is allowed.
+    """
+    def is_int(value: Any, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value <= 2**31 - 1
+
+    if not is_int(replay_budget, max(max_replays, 1)):
+        raise ValueError(f"{call}(replay_budget={replay_budget!r}): must be an int >= max_replays={max_replays}"
+                         " (replays allowed within budget_window steps, room for at least one full climb of the"
+                         f" ladder); {REPLAY_BUDGET} by default.")
+    if not is_int(budget_window, 1):
+        raise ValueError(f"{call}(budget_window={budget_window!r}): must be an int >= 1 (the consecutive steps"
+                         f" replay_budget counts over); {BUDGET_WINDOW} by default.")
+
+
+def replays_spent(events: Sequence[dict[str, Any]], step: int, window: int) -> int:
+    """Replays run by the events of the steps in ``(step - window, step]``: their rungs, less those that ran nothing
+    (``snapshot:none``, ``fp32:unavailable``). Computed from the events, so a resumed run keeps its budget."""
+    return sum(1 for event in events if step - window < event["step"] <= step
+               for outcome in event["replays"] if outcome.endswith((":clean", ":nonfinite")))
+
+
+def budget_note(who: str, step: int, spent: int, max_replays: int, budget: int, window: int) -> str:
+    """The warning (said once) when a rejected step goes untriaged because the budget has no room for a climb."""
+    return (f"{who} at step {step}: the replay budget is spent ({spent} replays within the last {window} steps;"
+            f" replay_budget={budget}, budget_window={window}, a climb takes up to max_replays={max_replays}):"
+            " rejected steps are skipped without triage (nothing classified or replayed) until the window has room"
+            " again. Faults this frequent are not transient: check the data, the learning rate or the precision"
+            " (PrecisionFallback), or raise replay_budget if replaying them is worth the time.")
 
 
 # ------------------------------------------------------------------------------------------------ checks

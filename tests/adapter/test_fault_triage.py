@@ -71,6 +71,42 @@ def test_max_replays_is_validated(bad):
         FaultTriage(bad)
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(replay_budget=0), "replay_budget=0"), (dict(replay_budget=2), "replay_budget=2"),
+    (dict(replay_budget=1.5), "replay_budget=1.5"), (dict(replay_budget=True), "replay_budget=True"),
+    (dict(max_replays=1, replay_budget=0), "replay_budget=0"), (dict(budget_window=0), "budget_window=0"),
+    (dict(budget_window="100"), "budget_window='100'"),
+])
+def test_replay_budget_is_validated(kwargs, words):
+    with pytest.raises(ValueError, match=r"FaultTriage\(") as info:
+        FaultTriage(**kwargs)
+    assert words in str(info.value)
+
+
+def test_replay_budget_caps_replays_then_warns_once_and_skips():
+    # A fault on every step: without a budget each was replayed up the ladder (2 replays here: no snapshot), 2-3x the
+    # time. A full climb (max_replays=3) is started only while the last budget_window steps leave room for it.
+    triage = FaultTriage(replay_budget=6, budget_window=10)
+    plugin = StablePrecision("32-true")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(plugin, callbacks=[triage, FaultInjector({s: "nan_batch" for s in range(14)})],
+                     max_steps=14).fit(seeded())
+    said = [str(w.message) for w in caught if "replay budget" in str(w.message)]
+    assert len(said) == 1 and "replay_budget=6" in said[0] and "budget_window=10" in said[0], said
+    # Steps 0 and 1 spend 4 replays; 2-9 find no room for 3 more within (step - 10, step]; at step 10 step 0 has left
+    # the window (2 spent), at 11 step 1 too (step 10's 2 spent); 12 and 13 again find 4 spent.
+    assert [e["step"] for e in triage.events] == [0, 1, 10, 11] and triage.replays_run == 8
+    assert triage.over_budget == 10 and plugin.skipped_steps == 14
+
+
+def test_default_budget_bounds_a_fault_on_every_step():
+    triage = FaultTriage()
+    fit(seeded(), [triage, FaultInjector({s: "nan_batch" for s in range(30)})], max_steps=30)
+    # 12 replays per 100 steps by default: 5 events of 2 replays (a 6th would have no room for a full climb of 3).
+    assert triage.replays_run == 10 and [e["step"] for e in triage.events] == [0, 1, 2, 3, 4]
+
+
 def test_clean_steps_run_no_replay():
     triage, forwards = FaultTriage(), Forwards()
     fit(seeded(), [triage, forwards])

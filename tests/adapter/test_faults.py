@@ -166,3 +166,32 @@ def test_constructor_validates(args, kwargs, error, words):
 def test_unknown_module_is_named_at_setup():
     with pytest.raises(ValueError, match=r"module='model\.nope'.*no such module.*'model\.fc1'"):
         fit(PoisonModule(), injector=FaultInjector({1: "transient"}, module="model.nope"))
+
+
+class Blame(pl.Callback):
+    """What the plugin said about each skipped step: its blamed modules and whether the batch held inf/NaN."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[str], bool]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        plugin = trainer.precision_plugin
+        if plugin.last_step_skipped:
+            stats = plugin.stats
+            self.seen.append((trainer.global_step - 1, list(stats["blamed_modules"]), bool(stats["nonfinite_input"])))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_nan_batch_is_a_data_fault_no_layer_is_blamed(precision):
+    # The NaN is a corrupted record: the plugin's input check must see it as it sees one from the data pipeline, so
+    # no layer is blamed and PrecisionFallback counts no overflow (three NaN batches in a row moved the model to FP32).
+    from lit_mpstable.callbacks import FaultTriage, PrecisionFallback
+
+    blame, fallback, triage = Blame(), PrecisionFallback(), FaultTriage()
+    plugin = StablePrecision(precision)
+    with quiet():
+        make_trainer(plugin, callbacks=[triage, FaultInjector({1: "nan_batch", 2: "nan_batch", 3: "nan_batch"}), blame,
+                                        fallback], max_steps=5).fit(seeded())
+    assert blame.seen == [(1, [], True), (2, [], True), (3, [], True)]
+    assert [(e["kind"], e["blamed"]) for e in triage.events] == [("data", [])] * 3
+    assert not plugin.fallback_active and plugin.islands.names == [] and fallback.decisions == []

@@ -250,6 +250,33 @@ def test_max_replays_stops_the_ladder():
     assert loop.triage.events[0]["replays"] == ["as_is:nonfinite"] and loop.triage.replays_run == 1
 
 
+def test_the_replay_budget_caps_replays_then_warns_once_and_skips():
+    # A NaN batch on every step: each was replayed twice (no snapshot), 3x the forwards. With 6 replays per 10 steps and
+    # room for a full climb (3) needed, steps 0 and 1 are triaged, then 10 and 11 as they leave the window.
+    loop = Loop(triage=False)
+    loop.triage = StepTriage(loop.stepper, replay_budget=6, budget_window=10)
+
+    def every_step(loop: Loop, step: int) -> None:
+        loop.nan_batch = step
+
+    with pytest.warns(UserWarning, match=r"StepTriage at step 2: the replay budget is spent.*replay_budget=6") as said:
+        loop.train(14, between=every_step)
+    assert len([w for w in said if "replay budget" in str(w.message)]) == 1
+    assert [e["step"] for e in loop.triage.events] == [0, 1, 10, 11] and loop.triage.replays_run == 8
+    assert loop.triage.over_budget == 10 and loop.stepper.skipped_steps == 14
+
+
+def test_the_default_budget_bounds_a_fault_on_every_step():
+    loop = Loop()
+
+    def every_step(loop: Loop, step: int) -> None:
+        loop.nan_batch = step
+
+    with pytest.warns(UserWarning, match="replay budget"):
+        loop.train(30, between=every_step)
+    assert loop.triage.replays_run == 10 and [e["step"] for e in loop.triage.events] == [0, 1, 2, 3, 4]
+
+
 def test_events_have_the_callbacks_keys_and_round_trip():
     loop = Loop(nan_batch=1, transient=2).train(3)
     assert [set(e) for e in loop.triage.events] == [{"step", "kind", "action", "blamed", "batch_idx", "replays"}] * 2
@@ -290,6 +317,17 @@ def test_bad_arguments_name_themselves():
         StateSnapshot(loop.stepper, loop.model, None)
     with pytest.raises(RuntimeError, match="nothing to restore"):
         StateSnapshot(loop.stepper, loop.model, loop.opt).restore()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(replay_budget=2), "StepTriage(replay_budget=2): must be an int >= max_replays=3"),
+    (dict(replay_budget="12"), "StepTriage(replay_budget='12')"),
+    (dict(budget_window=0), "StepTriage(budget_window=0): must be an int >= 1"),
+])
+def test_the_replay_budget_is_validated(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        StepTriage(Loop(triage=False).stepper, **kwargs)
+    assert words in str(info.value)
 
 
 def test_a_stepper_without_a_model_is_refused_at_run():
