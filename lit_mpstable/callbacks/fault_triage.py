@@ -274,7 +274,11 @@ class _TrainerReplay:
     def enter_snapshot(self) -> Any:
         assert self.checkpoint is not None
         backup = take_snapshot(self.trainer, self.module, self.plugin, None)
-        self.checkpoint.restore_snapshot(self.trainer, self.module)
+        try:
+            self.checkpoint.restore_snapshot(self.trainer, self.module)
+        except BaseException:  # a restore that failed half-way: the current step's state back
+            restore_snapshot(self.trainer, self.module, self.plugin, backup)
+            raise
         return backup
 
     def leave_snapshot(self, backup: Any) -> None:

@@ -250,7 +250,9 @@ class ReplayHost(Protocol):
 def climb(host: ReplayHost, max_replays: int) -> tuple[TriageKind, list[str], list[str], dict[str, Any]]:
     """Replay up the ladder until a replay is clean (on every rank) or the rungs run out; a clean replay's step is
     applied (after a rollback for the snapshot's rung). Returns the kind, the outcome of each rung tried, where
-    inf/NaN first appeared in the as-is replay, and extras for the event (``restored_step``)."""
+    inf/NaN first appeared in the as-is replay, and extras for the event (``restored_step``). An exception in the
+    snapshot's rung (the replay, its check or its step) restores the state it replaced before it propagates: the
+    weights and the optimizer never stay at the snapshot's step while the counters say the current one."""
     outcomes: list[str] = []
     traced: list[str] = []
     extra: dict[str, Any] = {}
@@ -267,19 +269,25 @@ def climb(host: ReplayHost, max_replays: int) -> tuple[TriageKind, list[str], li
             outcomes.append("fp32:unavailable")
             replay = next_replay(replay, False, max_replays)
             continue
-        with host.full_precision() if replay is Replay.FP32 else nullcontext():
-            loss, names = host.replay(trace=replay is Replay.AS_IS)
-            bad = not replay_finite(host.module, host.optimizer, loss) or replay_spikes(host.plugin, host.module, loss)
-            clean = not host.any_rank([bad])[0]
-            outcomes.append(f"{replay.name.lower()}:{'clean' if clean else 'nonfinite'}")
-            if replay is Replay.AS_IS:
-                traced = names
-            if clean and replay is Replay.SNAPSHOT:
-                extra["restored_step"] = host.roll_back()
-            if clean:  # the clean replay's step is applied, in the precision it ran in
-                host.apply(loss)
-            else:
-                host.discard()
+        try:
+            with host.full_precision() if replay is Replay.FP32 else nullcontext():
+                loss, names = host.replay(trace=replay is Replay.AS_IS)
+                bad = not replay_finite(host.module, host.optimizer, loss) or \
+                    replay_spikes(host.plugin, host.module, loss)
+                clean = not host.any_rank([bad])[0]
+                outcomes.append(f"{replay.name.lower()}:{'clean' if clean else 'nonfinite'}")
+                if replay is Replay.AS_IS:
+                    traced = names
+                if clean and replay is Replay.SNAPSHOT:
+                    extra["restored_step"] = host.roll_back()
+                if clean:  # the clean replay's step is applied, in the precision it ran in
+                    host.apply(loss)
+                else:
+                    host.discard()
+        except BaseException:
+            if backup is not None:  # the weights and optimizer go back to the current step, as the counters say
+                host.leave_snapshot(backup)
+            raise
         if not clean and backup is not None:
             host.leave_snapshot(backup)  # the trial from the snapshot is undone
         replay = next_replay(replay, clean, max_replays)

@@ -329,7 +329,11 @@ class _LoopReplay:
         backup = current() if callable(current) else StateSnapshot(self.plugin, self.module, [self.optimizer])
         if backup.step is None:
             backup.take()
-        snapshot.restore()
+        try:
+            snapshot.restore()
+        except BaseException:  # a restore that failed half-way: the current step's state back
+            backup.restore()
+            raise
         return backup
 
     def leave_snapshot(self, backup: Any) -> None:

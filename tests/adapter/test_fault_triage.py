@@ -206,6 +206,41 @@ def test_bad_state_is_state_and_rolls_back():
     assert all(torch.isfinite(v).all() for v in weights(module).values())
 
 
+class RaisesInTheSnapshotReplay(PoisonModule):
+    """Keeps the state at step ``step``'s first execution, and raises in its fourth (the replay from the snapshot,
+    after the as-is and the FP32 replays). Replays run after the step counted, so they are told by the batch."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step, self.calls, self.state = step, 0, None
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch == 0 and batch_idx == self.step:  # 4 batches an epoch: batch 2 is step 2
+            self.calls += 1
+            if self.calls == 1:
+                optimizer = self.trainer.optimizers[0]
+                self.state = (weights(self), {k: v["momentum_buffer"].clone() for k, v in optimizer.state.items()})
+            if self.calls == 4:
+                raise RuntimeError("fails in the snapshot's replay")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_in_the_snapshot_replay_restores_the_state_before_it():
+    torch.manual_seed(0)
+    module, checkpoint = RaisesInTheSnapshotReplay(step=2), ScaleCheckpoint(every_n_steps=1)
+    with quiet(), pytest.raises(RuntimeError, match="fails in the snapshot's replay"):
+        make_trainer(StablePrecision("32-true"), callbacks=[checkpoint, CorruptState(2, "weight"), FaultTriage()],
+                     max_steps=4).fit(module)
+    # The weights and the momentum are those of step 2 as it failed (fc1 holding the NaN), not the snapshot's step 2
+    # ones under counters that say step 3: nothing was rolled back.
+    before, momentum = module.state
+    for name, value in weights(module).items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, equal_nan=True)
+    for param, value in module.trainer.optimizers[0].state.items():
+        assert torch.equal(value["momentum_buffer"], momentum[param])
+    assert checkpoint.rollbacks == 0 and torch.isnan(module.model.fc1.weight).any()
+
+
 def test_a_bad_momentum_buffer_is_found_within_a_round_of_shares_and_rolled_back():
     # A NaN momentum buffer leaves loss and gradients finite. The step checks the optimizer state in shares (one per
     # step, STATE_SHARES steps a round): either its share rejects a step (triaged as "state", rolled back), or the

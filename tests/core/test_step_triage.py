@@ -214,6 +214,35 @@ def test_a_nan_weight_is_state_rolls_back_and_rejoins_the_fault_free_run():
     assert_same_weights(clean, loop)  # the snapshot was taken before the NaN: the run is the fault-free one
 
 
+class FailsInTheSnapshotReplay(Loop):
+    """Keeps the state at step 3's first execution and raises in its fourth (the replay from the snapshot)."""
+
+    def closure(self, x: torch.Tensor, y: torch.Tensor):
+        inner = super().closure(x, y)
+
+        def run() -> torch.Tensor:
+            if self.step == 3:
+                self.calls = getattr(self, "calls", 0) + 1
+                if self.calls == 1:
+                    self.state = (self.weights(), [s["momentum_buffer"].clone() for s in self.opt.state.values()])
+                if self.calls == 4:
+                    raise RuntimeError("fails in the snapshot's replay")
+            return inner()
+        return run
+
+
+def test_an_exception_in_the_snapshot_replay_restores_the_state_before_it():
+    loop = FailsInTheSnapshotReplay(snapshot=True)
+    with pytest.raises(RuntimeError, match="fails in the snapshot's replay"):
+        loop.train(5, between=_corrupt_fc1_at(3))
+    before, momentum = loop.state  # step 3 as it failed (fc1 holding the NaN), not the snapshot's
+    for name, value in loop.weights().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, equal_nan=True)
+    for value, expected in zip([s["momentum_buffer"] for s in loop.opt.state.values()], momentum):
+        assert torch.equal(value, expected)
+    assert loop.triage.rollbacks == 0 and loop.triage.events == []
+
+
 def test_a_nan_weight_without_a_snapshot_is_data():
     loop = Loop().train(4, between=_corrupt_fc1_at(2))
     assert [e["kind"] for e in loop.triage.events] == ["data", "data"]  # the weight stays bad: nothing to restore
