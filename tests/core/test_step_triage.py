@@ -404,7 +404,8 @@ class CompiledLoop:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         self.stepper.setup_optimizers(self.model, [self.opt])
         self.snapshot = StateSnapshot(self.stepper, self.model, self.opt)
-        self.triage = StepTriage(self.stepper, snapshot=self.snapshot)
+        # 10 events in 24 steps: past the default budget (12 replays per 100 steps)
+        self.triage = StepTriage(self.stepper, snapshot=self.snapshot, replay_budget=40)
         self.graphs = 0
         self.forward = torch.compile(self.model, backend=self._counting) if compiled else self.model
         self.x, self.y = regression_data(64)
