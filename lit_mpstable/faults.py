@@ -33,7 +33,8 @@ class FaultInjector(pl.Callback):
       the step (another forward in the same step) is clean, as after a flipped bit.
     - ``"nan_batch"``: the first element of the batch's first floating-point tensor is NaN, for every execution of the
       step (a corrupted record). Written into the batch ``training_step`` receives (after the precision plugin's
-      input conversion) and restored after the batch, so the dataset is left as it was.
+      input conversion, which is then shown the batch again: its input check sees the NaN as a data fault, and no
+      layer is blamed) and restored after the batch, so the dataset is left as it was.
     - ``"fp16_overflow"``: ``module``'s output is multiplied and divided by a power of two that takes its largest
       value past FP16's range (65504): inf in FP16, the same values bit for bit in FP32 and BF16.
     - ``"loss_spike"``: the loss ``training_step`` returns is multiplied by ``loss_spike_factor`` (1e4), for every
@@ -50,11 +51,20 @@ class FaultInjector(pl.Callback):
         loss_spike_factor: what ``"loss_spike"`` multiplies the loss by, > 1 (1e4 by default; in FP16 a factor whose
             gradients stay under 65504, such as 100, makes a spike rather than an overflow).
 
+    At setup a schedule that can never fire is refused (``ValueError`` naming the entry), so a CI test cannot pass
+    vacuously: a step at or past ``max_steps``, a ``module`` that names nothing, ``ranks`` none of which exists,
+    ``"fp16_overflow"`` under a precision without FP16 (it is exact in FP32 and BF16). A fault armed at its step
+    that took no effect by the batch's end (its module never ran a training forward, or has no gradient) raises
+    ``RuntimeError`` naming the entry. The hooks and the wrapped ``training_step`` are removed when the fit ends,
+    by an exception too (``on_exception``), so no later fit is faulted.
+
     Attributes:
         injected: ``(step, kind)`` for each fault that took effect, once per step, in order.
 
     Raises:
-        TypeError, ValueError: a bad schedule, module or ranks (the message names it).
+        TypeError, ValueError: a bad schedule, module or ranks (the message names it); at setup, a schedule entry
+            that can never fire.
+        RuntimeError: a fault armed at its step took no effect.
     """
 
     def __init__(
@@ -100,8 +110,10 @@ class FaultInjector(pl.Callback):
 
     # ------------------------------------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self._handles or self._wrapped is not None:
+        if stage != "fit":
             return
+        self._remove()  # what a fit before may have left
+        self._refuse_unfirable(trainer, pl_module)
         kinds = set(self.schedule.values())
         if kinds & {"transient", "fp16_overflow", "grad_spike"}:
             self._target = _find_module(pl_module, self.module)
@@ -122,8 +134,15 @@ class FaultInjector(pl.Callback):
             self._wrapped = pl_module
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        if stage == "fit":
+            self._remove()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no teardown hook after an exception: without this the hooks, the wrapped training_step and
+        # the armed fault would outlive the fit and fault every later one.
+        self._remove()
+
+    def _remove(self) -> None:
         self._undo_batch()
         for handle in self._handles:
             handle.remove()
@@ -132,6 +151,29 @@ class FaultInjector(pl.Callback):
             self._wrapped.__dict__.pop("training_step", None)
             self._wrapped = None
         self._armed, self._target = None, None
+
+    def _refuse_unfirable(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Refuse, naming the entry, a schedule that can never fire in this fit."""
+        call = f"FaultInjector(schedule={self.schedule!r})"
+        max_steps = trainer.max_steps
+        if max_steps is not None and max_steps >= 0:
+            for step, kind in self.schedule.items():
+                if step >= max_steps:
+                    raise ValueError(f"{call}: schedule entry {step}: {kind!r} can never fire: max_steps={max_steps}"
+                                     f" runs steps 0 to {max_steps - 1}; schedule it below {max_steps}.")
+        precision = getattr(trainer.precision_plugin, "precision", None)
+        if isinstance(precision, str) and not precision.startswith("16"):
+            for step, kind in self.schedule.items():
+                if kind == "fp16_overflow":
+                    raise ValueError(f"{call}: schedule entry {step}: {kind!r} can never fire: the precision is"
+                                     f" {precision!r}, and the fault exists only in FP16's range ('16-mixed',"
+                                     " '16-true'); it is exact in FP32 and BF16. Schedule 'transient' or"
+                                     " 'nan_batch' for a non-finite step in this precision.")
+        if self.module is not None:
+            _find_module(pl_module, self.module)  # a name that matches nothing is refused, whatever the kinds
+        if self.ranks is not None and not any(rank < trainer.world_size for rank in self.ranks):
+            raise ValueError(f"FaultInjector(ranks={sorted(self.ranks)!r}): no such rank in this run (world size"
+                             f" {trainer.world_size}, ranks 0 to {trainer.world_size - 1}): no fault would fire.")
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -153,11 +195,29 @@ class FaultInjector(pl.Callback):
             self._restore.append((tensor, tensor[first].clone()))
             with torch.no_grad():
                 tensor[first] = float("nan")
+            # Lightning converted the batch before this hook: show the precision plugin the record as it would have
+            # come from the data pipeline, so its input check sees a data fault (no layer is blamed for it). On an
+            # already converted batch the conversion changes nothing; its result is not needed.
+            trainer.precision_plugin.convert_input(batch)
             self._record("nan_batch")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._undo_batch()
-        self._armed = None
+        armed, self._armed = self._armed, None
+        if armed is not None and armed != "transient" and (self._step, armed) not in self.injected:
+            raise RuntimeError(self._no_effect(armed))
+        if armed == "transient" and self._step not in self._transient_done:
+            raise RuntimeError(self._no_effect(armed))
+
+    def _no_effect(self, kind: str) -> str:
+        where = {"transient": f"module {self.module or '(the first leaf with parameters)'} ran no training forward",
+                 "fp16_overflow": f"module {self.module or '(the first leaf with parameters)'} ran no training"
+                                  " forward",
+                 "grad_spike": f"module {self.module or '(the first leaf with parameters)'}'s parameters got no"
+                               " gradient",
+                 "loss_spike": "training_step returned no loss"}.get(kind, "")
+        return (f"FaultInjector: schedule entry {self._step}: {kind!r} took no effect in its step ({where}); the"
+                " test would pass without the fault. Choose a module that runs in training_step.")
 
     def state_dict(self) -> dict[str, Any]:
         """``injected`` (lists ``[step, kind]``) and ``transient_done`` (steps whose transient fault has fired)."""

@@ -347,6 +347,50 @@ def test_a_report_without_matplotlib_says_why(tmp_path: Path, monkeypatch) -> No
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_the_report_says_each_decision_once_what_was_done_and_why(tmp_path: Path, monkeypatch) -> None:
+    # make run's events as the callbacks record them: a fallback, a NaN batch, a spike that ScaleCheckpoint skipped
+    # and FaultTriage classified (one event, two records), a transient fault, a rollback FaultTriage asked for.
+    from lit_mpstable.app.report import decision_line, write_comparison_report, write_report
+    from lit_mpstable.app.train import _events
+    from lit_mpstable.callbacks import FaultTriage, PrecisionFallback, ScaleCheckpoint
+    from lit_mpstable.core.triage import triage_event
+
+    fallback, checkpoint, triage = PrecisionFallback(), ScaleCheckpoint(), FaultTriage()
+    fallback.decisions = [dict(step=45, action="fallback", modules=["model.0"], reason="overflow storm in model.0",
+                               effect="model.0 now computes in FP32")]
+    checkpoint.events = [dict(step=260, kind="loss spike (SpikeGuard)", loss=41.5, zscore=57.25, action="skip"),
+                         dict(step=330, kind="fault triage: state", loss=None, zscore=None, action="rollback",
+                              restored_step=300)]
+    spiked = ["as_is:nonfinite", "fp32:nonfinite", "snapshot:none"]
+    triage.events = [triage_event(200, "data", [], 16, spiked), triage_event(260, "data", [], 7, spiked),
+                     triage_event(320, "transient", [], 21, ["as_is:clean"]),
+                     triage_event(330, "state", [], 8, ["as_is:nonfinite", "fp32:nonfinite", "snapshot:clean"],
+                                  restored_step=300)]
+    events = _events([fallback, checkpoint, triage])
+    lines = [decision_line(e) for e in events]
+    assert [e["step"] for e in events] == [45, 200, 260, 320, 330], lines  # one line per decision
+    assert lines[0] == "step 45: model.0 now computes in FP32: PrecisionFallback: overflow storm in model.0"
+    assert lines[2] == ("step 260: skipped the batch: ScaleCheckpoint: loss spike (SpikeGuard), loss 41.5, z-score"
+                        " 57.2; FaultTriage: data, not clean on any replay (replayed as is, in FP32; no snapshot)")
+    assert lines[3] == ("step 320: applied the clean replay: FaultTriage: transient, clean when replayed as is"
+                        " (replayed as is)")
+    assert lines[4].startswith("step 330: rolled back to step 300: FaultTriage: state, clean only from the snapshot")
+    for line in lines:  # the verb said once
+        done = line.split(": ")[1]
+        assert line.count(done) == 1 and "skip: skip" not in line, line
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the text only: no figures
+    summary = {"model": "FaultyMLP", "precision": "16-mixed", "events": events}
+    with pytest.warns(UserWarning, match="matplotlib is not installed"):
+        text = write_report(summary, tmp_path / "one").read_text()
+    assert [f"- {line}" for line in lines] == [row for row in text.splitlines() if row.startswith("- step")]
+    both = {"runs": {"builtin": {**summary, "label": "built-in", "events": []}, "stable": {**summary, "label": "ours"}},
+            "rows": []}
+    (tmp_path / "both").mkdir()
+    assert [f"- {line}" for line in lines] == [
+        row for row in write_comparison_report(both, tmp_path / "both").read_text().splitlines()
+        if row.startswith("- step")]
+
+
 def test_digits_without_scikit_learn_names_the_extra(monkeypatch) -> None:
     from lit_mpstable.app.zoo import DigitsData
 
@@ -436,7 +480,9 @@ def test_the_main_job_runs_both_precisions_side_by_side(tmp_path: Path) -> None:
     assert builtin["spikes_skipped"] is None and builtin["faults_triaged"] is None
     assert ours["spikes_skipped"] >= 1 and ours["faults_triaged"] >= 2
     assert any(e["step"] == 320 and e["kind"] == "use_replay" for e in ours["events"])
-    assert any(e["step"] == 260 and "SpikeGuard" in e["what"] for e in ours["events"])
+    assert any(e["step"] == 260 and "SpikeGuard" in e["why"] for e in ours["events"])
+    # One line per decision: the spike ScaleCheckpoint skipped and FaultTriage classified is one.
+    assert [e["step"] for e in ours["events"]].count(260) == 1
     cells = {cell.strip() for line in result.stdout.splitlines() for cell in re.split("[│┃]", line)}
     assert {"Lightning built-in", "lit_mpstable", "val accuracy", "skipped steps", "spikes skipped",
             "faults triaged"} <= cells

@@ -179,6 +179,8 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, tuple[Oracle, list[Any]]]]]
     }),
     "FaultTriage": (FaultTriage, {
         "max_replays": (ints(1, 3), [1, 3]),
+        "replay_budget": (ints(3, INT32_MAX), [3, 12]),  # >= max_replays (3 by default)
+        "budget_window": (ints(1, INT32_MAX), [1, 100]),
     }),
 }
 CASES["SpikeGuard"] = (SpikeGuard, {
@@ -190,6 +192,8 @@ CASES["SpikeGuard"] = (SpikeGuard, {
 })
 CASES["StepTriage"] = (lambda **kwargs: StepTriage(PrecisionStepper("32-true"), **kwargs), {
     "max_replays": (ints(1, 3), [1, 3]),
+    "replay_budget": (ints(3, INT32_MAX), [3, 12]),
+    "budget_window": (ints(1, INT32_MAX), [1, 100]),
     "snapshot": (lambda v: v is None or callable(getattr(v, "restore", None)), [None, _Restorable()]),
 })
 CASES["StablePrecision"] = (StablePrecision, CASES["PrecisionStepper"][1])  # the same arguments, passed through

@@ -12,7 +12,7 @@ from typing import Any
 from lit_mpstable.app.report_formats import format_lines
 from lit_mpstable.app.report_probe import write_probe_figure
 
-__all__ = ["settle_step", "write_comparison_report", "write_report"]
+__all__ = ["decision_line", "settle_step", "write_comparison_report", "write_report"]
 
 
 def settle_step(scales: Sequence[float], factor: float = 2.0) -> int | None:
@@ -26,6 +26,12 @@ def settle_step(scales: Sequence[float], factor: float = 2.0) -> int | None:
             break
         step = i
     return step
+
+
+def decision_line(event: dict[str, Any]) -> str:
+    """One decision of a run's callbacks, one line: ``step N: what was done: why``."""
+    why = event.get("why")
+    return f"step {event.get('step')}: {event.get('what')}" + (f": {why}" if why else "")
 
 
 def _fmt(value: Any) -> str:
@@ -179,8 +185,7 @@ def write_comparison_report(summary: dict[str, Any], out_dir: str | Path) -> Pat
         lines += ["", f"## Per layer, what {ours['precision']} cost {ours['label']}'s gradients (PrecisionProbe)", "",
                   "![probe](stable/probe.png)"]
     lines += ["", f"## What {ours['label']} did", ""]
-    lines += [f"- step {e.get('step')}: {e.get('kind')}: {e.get('what')}"
-              for e in ours.get("events") or []] or ["- nothing"]
+    lines += [f"- {decision_line(e)}" for e in ours.get("events") or []] or ["- nothing"]
     lines += ["", "Each run's own report: [built-in](builtin/report.md), [StablePrecision](stable/report.md).", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
@@ -225,7 +230,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
     lines += ["| metric | value |", "| --- | ---: |"] + [f"| {k} | {_fmt(v)} |" for k, v in rows] + [""]
     lines += ["## Checks", ""] + [f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in checks] + [""]
     for event in summary.get("events") or []:
-        lines.append(f"- step {event.get('step')}: {event.get('what')}")
+        lines.append(f"- {decision_line(event)}")
     if memory := {k: v for k, v in (summary.get("memory_mib") or {}).items() if v}:
         lines += ["", "## Memory at the measured step (MiB)", "", "| kind | MiB |", "| --- | ---: |"]
         lines += [f"| {kind.replace('_', ' ')} | {mib:.2f} |" for kind, mib in memory.items()] + [""]

@@ -12,7 +12,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lit_mpstable.app.report import write_comparison_report
+from lit_mpstable.app.report import decision_line, write_comparison_report
 
 __all__ = ["ROWS", "compare", "print_comparison"]
 
@@ -71,6 +71,7 @@ def print_comparison(summary: dict[str, Any], out_dir: Path) -> None:
         width = max(len(label) for label, *_ in rows)
         lines = [title, f"  {'':<{width}}  {base['label']:>36}  {ours['label']:>40}"]
         lines += [f"  {label:<{width}}  {a:>36}  {b:>40}" for label, a, b in rows]
+        lines += [f"  {decision_line(event)}" for event in ours.get("events") or []]
         print("\n".join([*lines, paths]))
         print('(a plain table: rich is not installed; pip install "lit_mpstable[report]" for a formatted one)')
         return
@@ -83,5 +84,5 @@ def print_comparison(summary: dict[str, Any], out_dir: Path) -> None:
     console = Console()
     console.print(table)
     for event in ours.get("events") or []:
-        console.print(f"  step {event['step']}: {event['kind']}: {event['what']}", highlight=False)
+        console.print(f"  {decision_line(event)}", highlight=False)
     console.print(paths)

@@ -193,18 +193,59 @@ def build(
     return Built(data, model, plugin, callbacks, trainer)
 
 
+_TRIAGE_WHY = {"transient": "clean when replayed as is", "precision": "clean only in FP32",
+               "state": "clean only from the snapshot", "data": "not clean on any replay"}
+_RUNGS = {"as_is": "as is", "fp32": "in FP32", "snapshot": "from the snapshot"}
+
+
+def _done(action: str, event: dict[str, Any]) -> str:
+    """What an event's action did, as a verb phrase."""
+    if action == "rollback":
+        return f"rolled back to step {event.get('restored_step')}"
+    if action == "fallback":
+        return str(event.get("effect") or f"fell back {event.get('blamed') or 'the whole model'}")
+    return {"skip": "skipped the batch", "use_replay": "applied the clean replay"}.get(action, action)
+
+
+def _why(who: str, event: dict[str, Any]) -> str | None:
+    """Why ``who`` acted: FaultTriage's verdict and the replays it rests on, ScaleCheckpoint's trigger (None for the
+    rollback FaultTriage asked it for: the triage event says why)."""
+    if "replays" in event:  # a FaultTriage event
+        kind, outcomes = event.get("kind"), [str(o).partition(":") for o in event.get("replays", [])]
+        tried = [_RUNGS.get(rung, rung) for rung, _, result in outcomes if result in ("clean", "nonfinite")]
+        missing = [f"no {'snapshot' if rung == 'snapshot' else rung}" for rung, _, result in outcomes
+                   if result not in ("clean", "nonfinite")]
+        basis = f"replayed {', '.join(tried)}" + "".join(f"; {m}" for m in missing) if tried else "; ".join(missing)
+        blamed = f"; blamed {', '.join(event['blamed'])}" if event.get("blamed") else ""
+        return f"{who}: {kind}, {_TRIAGE_WHY.get(str(kind), str(kind))} ({basis}{blamed})"
+    kind = str(event.get("kind"))
+    if kind.startswith("fault triage"):
+        return None
+    loss, zscore = event.get("loss"), event.get("zscore")
+    numbers = ("" if loss is None else f", loss {loss:.4g}") + ("" if zscore is None else f", z-score {zscore:.1f}")
+    return f"{who}: {kind}{numbers}"
+
+
 def _events(callbacks: Sequence[pl.Callback]) -> list[dict[str, Any]]:
-    """What the callbacks decided, as ``{"step", "kind", "what"}`` in step order (kind: fallback, restore, skip,
-    rollback)."""
-    events = [{"step": d.get("step"), "kind": d.get("action"), "what": f"{d.get('effect')} ({d.get('reason')})"}
-              for cb in callbacks for d in getattr(cb, "decisions", [])]
+    """What the callbacks decided, one entry per decision in step order: ``{"step", "kind", "what", "why"}``, kind the
+    action (fallback, restore, skip, rollback, use_replay), what was done and why. One event several callbacks acted
+    on (a spike ScaleCheckpoint skipped and FaultTriage classified; the rollback FaultTriage asked ScaleCheckpoint
+    for) is one entry with each one's reason, FaultTriage's verdict last."""
+    found: list[tuple[int, str, str, str | None, bool]] = []  # step, kind, what, why, is FaultTriage's
     for cb in callbacks:
+        who = type(cb).__name__
+        for d in getattr(cb, "decisions", []):
+            found.append((d.get("step"), d.get("action"), str(d.get("effect")), f"{who}: {d.get('reason')}", False))
         for e in getattr(cb, "events", []):
             action = e.get("action", "rollback")
-            where = f" to step {e.get('restored_step')}" if action == "rollback" else ""
-            loss = e.get("loss")
-            what = f"{action}{where} ({e.get('kind')}{'' if loss is None else f', loss {loss:.4g}'})"
-            events.append({"step": e.get("step"), "kind": action, "what": what})
+            found.append((e.get("step"), action, _done(action, e), _why(who, e), "replays" in e))
+    merged: dict[tuple[Any, str], dict[str, Any]] = {}
+    for step, kind, what, why, _triage in sorted(found, key=lambda f: f[4]):
+        entry = merged.setdefault((step, kind), {"step": step, "kind": kind, "what": [], "why": []})
+        for key, value in (("what", what), ("why", why)):
+            if value is not None and value not in entry[key]:
+                entry[key].append(value)
+    events = [{**e, "what": " and ".join(e["what"]), "why": "; ".join(e["why"])} for e in merged.values()]
     return sorted(events, key=lambda e: e["step"] or 0)
 
 

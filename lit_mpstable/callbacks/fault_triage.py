@@ -26,13 +26,18 @@ from lit_mpstable.callbacks._common import (
 from lit_mpstable.callbacks._snapshot import restore_snapshot, take_snapshot
 from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
 from lit_mpstable.core.triage import (
+    BUDGET_WINDOW,
     LADDER,
+    REPLAY_BUDGET,
     Replay,
     TriageKind,
+    budget_note,
+    check_budget,
     climb,
     describe,
     needs_triage,
     next_replay,
+    replays_spent,
     restore_rng,
     rng_state,
     traced,
@@ -78,26 +83,39 @@ class FaultTriage(PluginCallback):
     ``torch.compile``'d module runs its as-is replay eagerly (it is traced); the other replays run compiled.
 
     A run that cannot be replayed says so once and classifies nothing: manual optimization (the step is the user's
-    own code), gradient accumulation (only the last of the step's batches is at hand), a ``training_step`` that takes
-    ``dataloader_iter`` (it fetches its own batch) or an ``IterableDataset`` (a streaming loader may refill the
-    batch's buffers, so the batch replayed need not be the one that failed).
+    own code), gradient accumulation (only the last of the step's batches is at hand) or a ``training_step`` that
+    takes ``dataloader_iter`` (it fetches its own batch). Any dataloader is replayed, an ``IterableDataset`` (a
+    stream, nanoGPT's ``get_batch``) as a map-style one: a replay reuses the batch object the step was given and never
+    touches the dataset or the loader (nothing is fetched between the step and its replays, so the replay reads what
+    the step read).
 
     At setup it moves itself to the front of ``trainer.callbacks``, so it sees each step before the other callbacks
     react to it (``FaultInjector`` undoes its batch fault at batch end, ``ScaleCheckpoint`` rolls back bad weights).
     One instance per run.
 
+    Replays are budgeted: a rejected step is triaged only while the events of the last ``budget_window`` steps
+    (this one included) ran at most ``replay_budget - max_replays`` replays, leaving room for a full climb. Beyond
+    that it stays skipped untriaged, as without this callback (counted in :attr:`over_budget`), and a warning says so
+    once: faults on most steps are no passing fault, and replaying each would multiply the run's time.
+
     Args:
         max_replays: rungs of the ladder to try, 1 to 3 (1: as is only; 2: and in FP32; 3: and from the snapshot).
+        replay_budget: replays allowed within ``budget_window`` consecutive steps, >= ``max_replays`` (12 by
+            default: at most ~12% more time, four full climbs).
+        budget_window: the steps ``replay_budget`` counts over (100 by default).
 
     Raises:
-        ValueError: ``max_replays`` is not an int in [1, 3].
+        ValueError: ``max_replays`` is not an int in [1, 3]; ``replay_budget`` is not an int >= ``max_replays``;
+            ``budget_window`` is not an int >= 1.
     """
 
-    def __init__(self, max_replays: int = 3) -> None:
+    def __init__(self, max_replays: int = 3, replay_budget: int = REPLAY_BUDGET,
+                 budget_window: int = BUDGET_WINDOW) -> None:
         super().__init__()
         check(is_int(max_replays, 1, len(LADDER)), f"{type(self).__name__}(max_replays={max_replays!r})",
               "must be an int in [1, 3]: replays as is, then in FP32, then from the last snapshot; 3 tries them all.")
-        self.max_replays = max_replays
+        check_budget(type(self).__name__, max_replays, replay_budget, budget_window)
+        self.max_replays, self.replay_budget, self.budget_window = max_replays, replay_budget, budget_window
         self.events: list[dict[str, Any]] = []
         """Per triaged step: ``step``, ``kind``, ``action`` (``"use_replay"``, ``"fallback"``, ``"skip"``,
         ``"rollback"``), ``blamed`` (module names), ``batch_idx``, ``replays`` (``"as_is:nonfinite"``, ...) and, for
@@ -106,6 +124,8 @@ class FaultTriage(PluginCallback):
         """Forward-backward replays run so far (0 while every step is clean)."""
         self.cannot_replay: str | None = None
         """Why this run cannot be replayed (said once), or None."""
+        self.over_budget = 0
+        """Rejected steps left untriaged because the replay budget had no room (this process's runs; not saved)."""
         self._steps = StepCounter()
         self._batch: Any = None
         self._batch_idx = -1
@@ -152,8 +172,16 @@ class FaultTriage(PluginCallback):
         triaged = False
         rejected = steps and plugin.last_step_skipped and batch is not None
         if rejected and self._needs_triage(trainer, pl_module, overflows):
-            self._triage(trainer, pl_module, batch)
-            triaged = True
+            # The events are alike on every rank, so is the budget's verdict.
+            spent = replays_spent(self.events, self._step, self.budget_window)
+            if spent + self.max_replays <= self.replay_budget:
+                self._triage(trainer, pl_module, batch)
+                triaged = True
+            else:
+                self.over_budget += 1
+                if self.over_budget == 1:
+                    rank_zero_warn(budget_note("FaultTriage", self._step, spent, self.max_replays, self.replay_budget,
+                                               self.budget_window))
         if triaged or (trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0):
             log_mp(pl_module, {"mp/triage_events": float(len(self.events))})
 
@@ -246,7 +274,11 @@ class _TrainerReplay:
     def enter_snapshot(self) -> Any:
         assert self.checkpoint is not None
         backup = take_snapshot(self.trainer, self.module, self.plugin, None)
-        self.checkpoint.restore_snapshot(self.trainer, self.module)
+        try:
+            self.checkpoint.restore_snapshot(self.trainer, self.module)
+        except BaseException:  # a restore that failed half-way: the current step's state back
+            restore_snapshot(self.trainer, self.module, self.plugin, backup)
+            raise
         return backup
 
     def leave_snapshot(self, backup: Any) -> None:
@@ -268,9 +300,4 @@ def _why_not_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> s
                 " come from several batches and only the last is at hand)")
     if "dataloader_iter" in inspect.signature(pl_module.training_step).parameters:
         return "training_step takes dataloader_iter (it fetches its own batch, which cannot be fetched again)"
-    loaders = trainer.train_dataloader
-    loaders = getattr(loaders, "flattened", None) or ([loaders] if loaders is not None else [])
-    if any(isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset) for loader in loaders):
-        return ("the training data is an IterableDataset (a streaming loader may refill the batch's buffers, so the"
-                " batch replayed need not be the one that failed)")
     return None

@@ -16,9 +16,10 @@ from torch import nn
 from lit_mpstable.core.attribution import OverflowTracer, trace_nonfinite
 from lit_mpstable.core.compiled import eager
 
-__all__ = ["ACTIONS", "LADDER", "Replay", "ReplayHost", "RngState", "TriageKind", "agreed_names", "any_rank", "climb",
-           "full_precision", "needs_triage", "next_replay", "replay_finite", "replay_spikes", "restore_rng",
-           "rng_state", "traced", "traced_names", "triage_event"]
+__all__ = ["ACTIONS", "BUDGET_WINDOW", "LADDER", "REPLAY_BUDGET", "Replay", "ReplayHost", "RngState", "TriageKind",
+           "agreed_names", "any_rank", "budget_note", "check_budget", "climb", "full_precision", "needs_triage",
+           "next_replay", "replay_finite", "replay_spikes", "replays_spent", "restore_rng", "rng_state", "traced",
+           "traced_names", "triage_event"]
 
 TriageKind = Literal["transient", "precision", "data", "state"]
 
@@ -51,6 +52,47 @@ def next_replay(done: Replay, clean: bool, max_replays: int) -> Replay | TriageK
         return done.value
     position = LADDER.index(done) + 1
     return LADDER[position] if position < max_replays else "data"
+
+
+REPLAY_BUDGET = 12
+BUDGET_WINDOW = 100
+"""The default replay budget: at most 12 replays in any 100 consecutive steps (a replay costs about a step's
+forward and backward: at most ~12% more time), room for 4 full climbs of the ladder."""
+
+
+def check_budget(call: str, max_replays: Any, replay_budget: Any, budget_window: Any) -> None:
+    """Validate a triage's ``replay_budget`` (an int >= ``max_replays``: room for one full climb) and
+    ``budget_window`` (an int >= 1, steps).
+
+    Raises:
+        ValueError: naming the argument, its value and what is allowed.
+    """
+    def is_int(value: Any, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value <= 2**31 - 1
+
+    if not is_int(replay_budget, max(max_replays, 1)):
+        raise ValueError(f"{call}(replay_budget={replay_budget!r}): must be an int >= max_replays={max_replays}"
+                         " (replays allowed within budget_window steps, room for at least one full climb of the"
+                         f" ladder); {REPLAY_BUDGET} by default.")
+    if not is_int(budget_window, 1):
+        raise ValueError(f"{call}(budget_window={budget_window!r}): must be an int >= 1 (the consecutive steps"
+                         f" replay_budget counts over); {BUDGET_WINDOW} by default.")
+
+
+def replays_spent(events: Sequence[dict[str, Any]], step: int, window: int) -> int:
+    """Replays run by the events of the steps in ``(step - window, step]``: their rungs, less those that ran nothing
+    (``snapshot:none``, ``fp32:unavailable``). Computed from the events, so a resumed run keeps its budget."""
+    return sum(1 for event in events if step - window < event["step"] <= step
+               for outcome in event["replays"] if outcome.endswith((":clean", ":nonfinite")))
+
+
+def budget_note(who: str, step: int, spent: int, max_replays: int, budget: int, window: int) -> str:
+    """The warning (said once) when a rejected step goes untriaged because the budget has no room for a climb."""
+    return (f"{who} at step {step}: the replay budget is spent ({spent} replays within the last {window} steps;"
+            f" replay_budget={budget}, budget_window={window}, a climb takes up to max_replays={max_replays}):"
+            " rejected steps are skipped without triage (nothing classified or replayed) until the window has room"
+            " again. Faults this frequent are not transient: check the data, the learning rate or the precision"
+            " (PrecisionFallback), or raise replay_budget if replaying them is worth the time.")
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -208,7 +250,9 @@ class ReplayHost(Protocol):
 def climb(host: ReplayHost, max_replays: int) -> tuple[TriageKind, list[str], list[str], dict[str, Any]]:
     """Replay up the ladder until a replay is clean (on every rank) or the rungs run out; a clean replay's step is
     applied (after a rollback for the snapshot's rung). Returns the kind, the outcome of each rung tried, where
-    inf/NaN first appeared in the as-is replay, and extras for the event (``restored_step``)."""
+    inf/NaN first appeared in the as-is replay, and extras for the event (``restored_step``). An exception in the
+    snapshot's rung (the replay, its check or its step) restores the state it replaced before it propagates: the
+    weights and the optimizer never stay at the snapshot's step while the counters say the current one."""
     outcomes: list[str] = []
     traced: list[str] = []
     extra: dict[str, Any] = {}
@@ -229,19 +273,25 @@ def climb(host: ReplayHost, max_replays: int) -> tuple[TriageKind, list[str], li
             outcomes.append("fp32:unavailable")
             replay = next_replay(replay, False, max_replays)
             continue
-        with host.full_precision() if replay is Replay.FP32 else nullcontext():
-            loss, names = host.replay(trace=replay is Replay.AS_IS)
-            bad = not replay_finite(host.module, host.optimizer, loss) or replay_spikes(host.plugin, host.module, loss)
-            clean = not host.any_rank([bad])[0]
-            outcomes.append(f"{replay.name.lower()}:{'clean' if clean else 'nonfinite'}")
-            if replay is Replay.AS_IS:
-                traced = names
-            if clean and replay is Replay.SNAPSHOT:
-                extra["restored_step"] = host.roll_back()
-            if clean:  # the clean replay's step is applied, in the precision it ran in
-                host.apply(loss)
-            else:
-                host.discard()
+        try:
+            with host.full_precision() if replay is Replay.FP32 else nullcontext():
+                loss, names = host.replay(trace=replay is Replay.AS_IS)
+                bad = not replay_finite(host.module, host.optimizer, loss) or \
+                    replay_spikes(host.plugin, host.module, loss)
+                clean = not host.any_rank([bad])[0]
+                outcomes.append(f"{replay.name.lower()}:{'clean' if clean else 'nonfinite'}")
+                if replay is Replay.AS_IS:
+                    traced = names
+                if clean and replay is Replay.SNAPSHOT:
+                    extra["restored_step"] = host.roll_back()
+                if clean:  # the clean replay's step is applied, in the precision it ran in
+                    host.apply(loss)
+                else:
+                    host.discard()
+        except BaseException:
+            if backup is not None:  # the weights and optimizer go back to the current step, as the counters say
+                host.leave_snapshot(backup)
+            raise
         if not clean and backup is not None:
             host.leave_snapshot(backup)  # the trial from the snapshot is undone
         replay = next_replay(replay, clean, max_replays)

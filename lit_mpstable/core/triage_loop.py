@@ -5,6 +5,7 @@ PrecisionStepper`; and StateSnapshot, an in-memory copy of the loop's state for 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -16,13 +17,19 @@ from torch.optim import Optimizer
 from lit_mpstable.core.checkpoints import copy_state
 from lit_mpstable.core.stepper import PrecisionStepper
 from lit_mpstable.core.triage import (
+    BUDGET_WINDOW,
     LADDER,
+    REPLAY_BUDGET,
     RngState,
+    _distributed,
     agreed_names,
     any_rank,
+    budget_note,
+    check_budget,
     climb,
     full_precision,
     needs_triage,
+    replays_spent,
     restore_rng,
     rng_state,
     traced,
@@ -155,21 +162,26 @@ class StepTriage:
         max_replays: rungs of the ladder to try, 1 to 3 (1: as is only; 2: and in FP32; 3: and from the snapshot).
         snapshot: what the ``"state"`` rung restores: a :class:`StateSnapshot`, or any object with ``restore()``
             (and ``step``: None while there is nothing to restore); None: the rung is skipped.
+        replay_budget, budget_window: as ``FaultTriage``'s: a rejected step is triaged only while the events of the
+            last ``budget_window`` steps ran at most ``replay_budget - max_replays`` replays (12 per 100 by default);
+            beyond that it stays skipped untriaged (:attr:`over_budget`), and a warning says so once.
 
     Raises:
         ValueError: an argument of the wrong kind or out of range (the message names it).
     """
 
-    def __init__(self, stepper: Any, *, max_replays: int = 3, snapshot: Any = None) -> None:
+    def __init__(self, stepper: Any, *, max_replays: int = 3, snapshot: Any = None,
+                 replay_budget: int = REPLAY_BUDGET, budget_window: int = BUDGET_WINDOW) -> None:
         call = type(self).__name__
         self.stepper = _stepper(call, stepper)
         if isinstance(max_replays, bool) or not isinstance(max_replays, int) or not 1 <= max_replays <= len(LADDER):
             raise ValueError(f"{call}(max_replays={max_replays!r}): must be an int in [1, 3]: replays as is, then in"
                              " FP32, then from the snapshot; 3 tries them all.")
+        check_budget(call, max_replays, replay_budget, budget_window)
         if snapshot is not None and not callable(getattr(snapshot, "restore", None)):
             raise ValueError(f"{call}(snapshot={snapshot!r}): must be None, a StateSnapshot or an object with a"
                              " restore() method.")
-        self.max_replays = max_replays
+        self.max_replays, self.replay_budget, self.budget_window = max_replays, replay_budget, budget_window
         self.snapshot = snapshot
         self.events: list[dict[str, Any]] = []
         """Per triaged step, as ``FaultTriage.events``: ``step`` (the :meth:`run` call, from 0), ``kind``,
@@ -180,6 +192,8 @@ class StepTriage:
         """Closure calls made by replays (0 while every step is clean)."""
         self.rollbacks = 0
         """Steps classified ``"state"`` (each restored the snapshot)."""
+        self.over_budget = 0
+        """Rejected steps left untriaged because the replay budget had no room (not saved)."""
 
     @property
     def skipped_batches(self) -> list[int]:
@@ -225,6 +239,13 @@ class StepTriage:
         device = next(module.parameters()).device
         if not any(any_rank(needs_triage(stepper, stepper.overflow_count > overflows), device)):
             return loss  # a routine overflow at a scale above 1: the scaler's business
+        spent = replays_spent(self.events, step, self.budget_window)  # alike on every rank, as the events are
+        if spent + self.max_replays > self.replay_budget:
+            self.over_budget += 1
+            if self.over_budget == 1 and (not _distributed() or torch.distributed.get_rank() == 0):
+                warnings.warn(budget_note(type(self).__name__, step, spent, self.max_replays, self.replay_budget,
+                                          self.budget_window), stacklevel=2)
+            return loss
         after = rng_state()
         host = _LoopReplay(self, optimizer, inner, module, closure, rng, device)
         kind, outcomes, traced, extra = climb(host, self.max_replays)
@@ -308,7 +329,11 @@ class _LoopReplay:
         backup = current() if callable(current) else StateSnapshot(self.plugin, self.module, [self.optimizer])
         if backup.step is None:
             backup.take()
-        snapshot.restore()
+        try:
+            snapshot.restore()
+        except BaseException:  # a restore that failed half-way: the current step's state back
+            backup.restore()
+            raise
         return backup
 
     def leave_snapshot(self, backup: Any) -> None:

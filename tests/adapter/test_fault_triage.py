@@ -71,6 +71,42 @@ def test_max_replays_is_validated(bad):
         FaultTriage(bad)
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(replay_budget=0), "replay_budget=0"), (dict(replay_budget=2), "replay_budget=2"),
+    (dict(replay_budget=1.5), "replay_budget=1.5"), (dict(replay_budget=True), "replay_budget=True"),
+    (dict(max_replays=1, replay_budget=0), "replay_budget=0"), (dict(budget_window=0), "budget_window=0"),
+    (dict(budget_window="100"), "budget_window='100'"),
+])
+def test_replay_budget_is_validated(kwargs, words):
+    with pytest.raises(ValueError, match=r"FaultTriage\(") as info:
+        FaultTriage(**kwargs)
+    assert words in str(info.value)
+
+
+def test_replay_budget_caps_replays_then_warns_once_and_skips():
+    # A fault on every step: without a budget each was replayed up the ladder (2 replays here: no snapshot), 2-3x the
+    # time. A full climb (max_replays=3) is started only while the last budget_window steps leave room for it.
+    triage = FaultTriage(replay_budget=6, budget_window=10)
+    plugin = StablePrecision("32-true")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(plugin, callbacks=[triage, FaultInjector({s: "nan_batch" for s in range(14)})],
+                     max_steps=14).fit(seeded())
+    said = [str(w.message) for w in caught if "replay budget" in str(w.message)]
+    assert len(said) == 1 and "replay_budget=6" in said[0] and "budget_window=10" in said[0], said
+    # Steps 0 and 1 spend 4 replays; 2-9 find no room for 3 more within (step - 10, step]; at step 10 step 0 has left
+    # the window (2 spent), at 11 step 1 too (step 10's 2 spent); 12 and 13 again find 4 spent.
+    assert [e["step"] for e in triage.events] == [0, 1, 10, 11] and triage.replays_run == 8
+    assert triage.over_budget == 10 and plugin.skipped_steps == 14
+
+
+def test_default_budget_bounds_a_fault_on_every_step():
+    triage = FaultTriage()
+    fit(seeded(), [triage, FaultInjector({s: "nan_batch" for s in range(30)})], max_steps=30)
+    # 12 replays per 100 steps by default: 5 events of 2 replays (a 6th would have no room for a full climb of 3).
+    assert triage.replays_run == 10 and [e["step"] for e in triage.events] == [0, 1, 2, 3, 4]
+
+
 def test_clean_steps_run_no_replay():
     triage, forwards = FaultTriage(), Forwards()
     fit(seeded(), [triage, forwards])
@@ -88,7 +124,7 @@ def test_clean_steps_add_no_host_read():
 
 def test_events_survive_a_checkpoint_resume(tmp_path):
     triage, path = FaultTriage(), tmp_path / "mid.ckpt"
-    injector = FaultInjector({1: "nan_batch", 5: "transient"})
+    injector = FaultInjector({1: "nan_batch"})  # the entries its 4 steps reach: one past them would be refused
     trainer = make_trainer(StablePrecision("32-true"), callbacks=[triage, injector], max_steps=4)
     with quiet():
         trainer.fit(seeded())
@@ -183,6 +219,41 @@ def test_bad_state_is_state_and_rolls_back():
     assert all(torch.isfinite(v).all() for v in weights(module).values())
 
 
+class RaisesInTheSnapshotReplay(PoisonModule):
+    """Keeps the state at step ``step``'s first execution, and raises in its fourth (the replay from the snapshot,
+    after the as-is and the FP32 replays). Replays run after the step counted, so they are told by the batch."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step, self.calls, self.state = step, 0, None
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch == 0 and batch_idx == self.step:  # 4 batches an epoch: batch 2 is step 2
+            self.calls += 1
+            if self.calls == 1:
+                optimizer = self.trainer.optimizers[0]
+                self.state = (weights(self), {k: v["momentum_buffer"].clone() for k, v in optimizer.state.items()})
+            if self.calls == 4:
+                raise RuntimeError("fails in the snapshot's replay")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_in_the_snapshot_replay_restores_the_state_before_it():
+    torch.manual_seed(0)
+    module, checkpoint = RaisesInTheSnapshotReplay(step=2), ScaleCheckpoint(every_n_steps=1)
+    with quiet(), pytest.raises(RuntimeError, match="fails in the snapshot's replay"):
+        make_trainer(StablePrecision("32-true"), callbacks=[checkpoint, CorruptState(2, "weight"), FaultTriage()],
+                     max_steps=4).fit(module)
+    # The weights and the momentum are those of step 2 as it failed (fc1 holding the NaN), not the snapshot's step 2
+    # ones under counters that say step 3: nothing was rolled back.
+    before, momentum = module.state
+    for name, value in weights(module).items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, equal_nan=True)
+    for param, value in module.trainer.optimizers[0].state.items():
+        assert torch.equal(value["momentum_buffer"], momentum[param])
+    assert checkpoint.rollbacks == 0 and torch.isnan(module.model.fc1.weight).any()
+
+
 def test_a_bad_momentum_buffer_is_found_within_a_round_of_shares_and_rolled_back():
     # A NaN momentum buffer leaves loss and gradients finite. The step checks the optimizer state in shares (one per
     # step, STATE_SHARES steps a round): either its share rejects a step (triaged as "state", rolled back), or the
@@ -252,21 +323,38 @@ def test_manual_optimization_says_so_once_and_classifies_nothing():
     assert plugin.skipped_steps >= 1 and triage.events == [] and triage.replays_run == 0
 
 
-def test_iterable_dataset_cannot_be_replayed():
-    class Stream(torch.utils.data.IterableDataset):
-        def __init__(self, x, y) -> None:
-            self.x, self.y = x, y
+class GetBatch(torch.utils.data.IterableDataset):
+    """nanoGPT's ``get_batch`` as a stream: every batch a fresh random draw of rows (from the torch RNG), endless."""
 
-        def __iter__(self):
-            return iter(zip(self.x, self.y))
+    def __init__(self, x, y, batch_size: int = 16) -> None:
+        self.x, self.y, self.batch_size = x, y, batch_size
 
-    class StreamModule(PoisonModule):
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(Stream(self.x, self.y), batch_size=16)
+    def __iter__(self):
+        while True:
+            rows = torch.randint(len(self.x), (self.batch_size,))
+            yield self.x[rows], self.y[rows]
 
-    triage = FaultTriage()
-    fit(StreamModule(), [triage, FaultInjector({1: "nan_batch"})], max_steps=3)
-    assert "IterableDataset" in triage.cannot_replay and triage.events == [] and triage.replays_run == 0
+
+class StreamModule(PoisonModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(GetBatch(self.x, self.y), batch_size=None)
+
+
+def test_iterable_dataset_is_replayed_from_the_batch_in_hand():
+    # The replay uses the batch the step holds (no dataset access): a stream triages as a map-style dataset does.
+    torch.manual_seed(0)
+    clean = StreamModule()
+    fit(clean, [], max_steps=5)
+    torch.manual_seed(0)
+    module, triage = StreamModule(), FaultTriage()
+    fit(module, [triage, FaultInjector({1: "transient", 3: "nan_batch"})], max_steps=5)
+    assert triage.cannot_replay is None
+    assert [(e["step"], e["kind"], e["action"]) for e in triage.events] == [(1, "transient", "use_replay"),
+                                                                          (3, "data", "skip")]
+    # The transient step's replay (the same batch) was applied: up to step 3, skipped in the faulted run, every
+    # finite loss (the replays' included) is the fault-free run's, and the stream went on drawing the same batches.
+    finite = [loss for loss in module.losses if loss == loss]
+    assert module.losses[1] != module.losses[1] and finite[:3] == clean.losses[:3]
 
 
 @pytest.mark.slow
@@ -349,7 +437,7 @@ def test_a_compiled_module_is_triaged_as_eagerly_without_recompiling_per_event()
         torch._dynamo.reset()
         return backend.frame_count
 
-    triage = FaultTriage()
+    triage = FaultTriage(replay_budget=20)  # 6 events in 10 steps: past the default budget (12 replays per 100)
     graphs, without = run(triage), run(None)
     assert [(e["step"], e["kind"], e["action"]) for e in triage.events] == [
         (1, "transient", "use_replay"), (3, "data", "skip"), (5, "precision", "fallback"), (7, "state", "rollback"),

@@ -223,6 +223,35 @@ def test_a_nan_weight_is_state_rolls_back_and_rejoins_the_fault_free_run():
     assert_same_weights(clean, loop)  # the snapshot was taken before the NaN: the run is the fault-free one
 
 
+class FailsInTheSnapshotReplay(Loop):
+    """Keeps the state at step 3's first execution and raises in its fourth (the replay from the snapshot)."""
+
+    def closure(self, x: torch.Tensor, y: torch.Tensor):
+        inner = super().closure(x, y)
+
+        def run() -> torch.Tensor:
+            if self.step == 3:
+                self.calls = getattr(self, "calls", 0) + 1
+                if self.calls == 1:
+                    self.state = (self.weights(), [s["momentum_buffer"].clone() for s in self.opt.state.values()])
+                if self.calls == 4:
+                    raise RuntimeError("fails in the snapshot's replay")
+            return inner()
+        return run
+
+
+def test_an_exception_in_the_snapshot_replay_restores_the_state_before_it():
+    loop = FailsInTheSnapshotReplay(snapshot=True)
+    with pytest.raises(RuntimeError, match="fails in the snapshot's replay"):
+        loop.train(5, between=_corrupt_fc1_at(3))
+    before, momentum = loop.state  # step 3 as it failed (fc1 holding the NaN), not the snapshot's
+    for name, value in loop.weights().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, equal_nan=True)
+    for value, expected in zip([s["momentum_buffer"] for s in loop.opt.state.values()], momentum):
+        assert torch.equal(value, expected)
+    assert loop.triage.rollbacks == 0 and loop.triage.events == []
+
+
 def test_a_nan_weight_without_a_snapshot_is_data():
     loop = Loop().train(4, between=_corrupt_fc1_at(2))
     assert [e["kind"] for e in loop.triage.events] == ["data", "data"]  # the weight stays bad: nothing to restore
@@ -257,6 +286,33 @@ def test_max_replays_stops_the_ladder():
     loop.triage = StepTriage(loop.stepper, max_replays=1)
     loop.train(2)
     assert loop.triage.events[0]["replays"] == ["as_is:nonfinite"] and loop.triage.replays_run == 1
+
+
+def test_the_replay_budget_caps_replays_then_warns_once_and_skips():
+    # A NaN batch on every step: each was replayed twice (no snapshot), 3x the forwards. With 6 replays per 10 steps and
+    # room for a full climb (3) needed, steps 0 and 1 are triaged, then 10 and 11 as they leave the window.
+    loop = Loop(triage=False)
+    loop.triage = StepTriage(loop.stepper, replay_budget=6, budget_window=10)
+
+    def every_step(loop: Loop, step: int) -> None:
+        loop.nan_batch = step
+
+    with pytest.warns(UserWarning, match=r"StepTriage at step 2: the replay budget is spent.*replay_budget=6") as said:
+        loop.train(14, between=every_step)
+    assert len([w for w in said if "replay budget" in str(w.message)]) == 1
+    assert [e["step"] for e in loop.triage.events] == [0, 1, 10, 11] and loop.triage.replays_run == 8
+    assert loop.triage.over_budget == 10 and loop.stepper.skipped_steps == 14
+
+
+def test_the_default_budget_bounds_a_fault_on_every_step():
+    loop = Loop()
+
+    def every_step(loop: Loop, step: int) -> None:
+        loop.nan_batch = step
+
+    with pytest.warns(UserWarning, match="replay budget"):
+        loop.train(30, between=every_step)
+    assert loop.triage.replays_run == 10 and [e["step"] for e in loop.triage.events] == [0, 1, 2, 3, 4]
 
 
 def test_events_have_the_callbacks_keys_and_round_trip():
@@ -299,6 +355,17 @@ def test_bad_arguments_name_themselves():
         StateSnapshot(loop.stepper, loop.model, None)
     with pytest.raises(RuntimeError, match="nothing to restore"):
         StateSnapshot(loop.stepper, loop.model, loop.opt).restore()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(replay_budget=2), "StepTriage(replay_budget=2): must be an int >= max_replays=3"),
+    (dict(replay_budget="12"), "StepTriage(replay_budget='12')"),
+    (dict(budget_window=0), "StepTriage(budget_window=0): must be an int >= 1"),
+])
+def test_the_replay_budget_is_validated(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        StepTriage(Loop(triage=False).stepper, **kwargs)
+    assert words in str(info.value)
 
 
 def test_a_stepper_without_a_model_is_refused_at_run():
@@ -346,7 +413,8 @@ class CompiledLoop:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         self.stepper.setup_optimizers(self.model, [self.opt])
         self.snapshot = StateSnapshot(self.stepper, self.model, self.opt)
-        self.triage = StepTriage(self.stepper, snapshot=self.snapshot)
+        # 10 events in 24 steps: past the default budget (12 replays per 100 steps)
+        self.triage = StepTriage(self.stepper, snapshot=self.snapshot, replay_budget=40)
         self.graphs = 0
         self.forward = torch.compile(self.model, backend=self._counting) if compiled else self.model
         self.x, self.y = regression_data(64)

@@ -80,7 +80,8 @@ class _RankLoop:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         self.stepper.setup_optimizers(self.model, [self.opt])
         self.snapshot = StateSnapshot(self.stepper, self.model, self.opt)
-        self.triage = StepTriage(self.stepper, snapshot=self.snapshot)
+        # 7 events in a short run: past the default budget (12 replays per 100 steps)
+        self.triage = StepTriage(self.stepper, snapshot=self.snapshot, replay_budget=40)
         x, y = _data()
         self.x, self.y = x[rank::WORLD_SIZE], y[rank::WORLD_SIZE]
         self.step = self.executions = 0
