@@ -23,7 +23,8 @@ from lit_mpstable.core.loaded_state import moment_state
 from lit_mpstable.core.optim_state import MomentStore, StateKind, adam_moments
 
 __all__ = [
-    "KEY", "AdamMoments", "StateKind", "check_adam", "check_optimizer_state", "is_moment_tensor", "split_moments",
+    "KEY", "SAVED_MARK", "AdamMoments", "StateKind", "check_adam", "check_optimizer_state", "is_moment_tensor",
+    "pop_saved_mark", "split_moments",
 ]
 
 
@@ -56,6 +57,29 @@ def is_moment_tensor(tensor: object) -> bool:
 
 KEY = "optimizer_state"
 """The key of a keeper's state dict under which the moments and step counts are saved."""
+
+SAVED_MARK = "lit_mpstable_moments"
+"""A key that ``optimizer.state_dict()`` adds to each param group of an optimizer whose moments an
+:class:`AdamMoments` keeps (its value: the kind). That optimizer's own state holds no moments, so a resume that loads
+it without the plugin's state (litgpt's layout) would restart them at 0 unnoticed; ``Optimizer.load_state_dict``
+keeps a saved group's keys, so the mark arrives with it and :func:`pop_saved_mark` finds it."""
+
+_MARKED: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # optimizers whose state_dict() adds the mark
+
+
+def _mark_saved_groups(kind: str) -> Callable[[Optimizer, dict[str, Any]], dict[str, Any]]:
+    def hook(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        for group in state_dict["param_groups"]:  # packed copies: the live groups are not changed
+            group[SAVED_MARK] = kind
+        return state_dict
+    return hook
+
+
+def pop_saved_mark(optimizer: Optimizer) -> str | None:
+    """The kind of BF16/FP8 moments that ``optimizer``'s loaded state was saved beside (None: none), removed from its
+    param groups (asked once, at its first step)."""
+    kinds = [group.pop(SAVED_MARK) for group in optimizer.param_groups if SAVED_MARK in group]
+    return kinds[0] if kinds else None
 
 _REFUSED_FLAGS = ("amsgrad", "capturable", "differentiable")
 
@@ -109,6 +133,9 @@ class AdamMoments:
         for it (a checkpoint loaded into the optimizer) move into the stores."""
         check_adam(self.owner, self.kind, optimizer)
         self._names = names
+        if optimizer not in _MARKED:
+            optimizer.register_state_dict_post_hook(_mark_saved_groups(self.kind))
+            _MARKED.add(optimizer)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 name = names.get(id(p))

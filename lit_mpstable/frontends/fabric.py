@@ -12,6 +12,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
+from lit_mpstable.core.moment_keeper import pop_saved_mark
 from lit_mpstable.core.stepper import tensor_init_context
 from lit_mpstable.frontends.clip_targets import clip_targets
 from lit_mpstable.frontends.common import StableFrontEnd
@@ -229,9 +230,17 @@ class StablePrecision(StableFrontEnd, Precision):
 
     def _check_resume(self, optimizer: Optimizer) -> None:
         """Warn when ``optimizer`` meets its first step with state (loaded from a checkpoint) while the plugin's own
-        state was never loaded: a resume that left the plugin out of ``fabric.load``, as litgpt's state dict does."""
-        lost = self._LOST.get(self.stepper.master_mode or "")
-        if lost is None or self._state_loaded or not optimizer.state:
+        state was never loaded: a resume that left the plugin out of ``fabric.load``, as litgpt's state dict does.
+        With BF16/FP8 moments the optimizer's saved state holds none, only their mark in its param groups."""
+        moments = pop_saved_mark(optimizer)
+        if self._state_loaded or not (optimizer.state or moments):
+            return
+        lost = "; ".join(text for text in (
+            self._LOST.get(self.stepper.master_mode or ""),
+            moments and f"the {moments!r} Adam moments (exp_avg, exp_avg_sq), which the plugin's state keeps and the"
+                        " optimizer's does not, restart at 0",
+        ) if text)
+        if not lost:
             return
         self._warn_once(
             "resume-without-plugin",
