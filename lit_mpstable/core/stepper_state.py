@@ -9,6 +9,7 @@ from typing import Any, get_args
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.base.validate import bool_arg
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.growth import GrowthMonitor
 from lit_mpstable.core.loaded_state import check_plugin_state
@@ -210,6 +211,7 @@ class StepperState:
             ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
         """
         # Every field is checked before anything is loaded: a refused state changes nothing.
+        bool_arg(f"{self.owner}.load_state_dict", "keep_counters", keep_counters)
         if isinstance(state, dict) and "spike_guard" not in state:
             state = {**state, "spike_guard": {}}  # saved before SpikeGuard existed: no statistics to restore
         if isinstance(state, dict) and "fp8_budget" not in state:
