@@ -245,7 +245,12 @@ def _refuse_deferred(call: str, checks: _Deferred) -> None:
     """Raise for the first failed check of ``checks``, reading all of them in one transfer."""
     if not checks:
         return
-    failed = torch.stack([bad.detach().cpu() for _, bad, _ in checks])
+    by_device: dict[torch.device, list[int]] = {}
+    for index, (_, bad, _) in enumerate(checks):
+        by_device.setdefault(bad.device, []).append(index)
+    failed = torch.zeros(len(checks), dtype=torch.bool)
+    for indices in by_device.values():  # one transfer per device
+        failed[indices] = torch.stack([checks[index][1].detach() for index in indices]).cpu()
     if bool(failed.any()):
         name, _, rule = checks[int(failed.nonzero()[0])]
         raise ValueError(f"{call}({name}): {rule}; the checkpoint is corrupted (or was saved after the run"
