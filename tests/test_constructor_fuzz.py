@@ -344,3 +344,95 @@ def test_load_state_dict_with_junk_is_named(make, junk) -> None:
     # Field-level corruption is fuzzed in tests/test_loaded_state_fuzz.py, drawing from the saved states' own keys.
     with pytest.raises((TypeError, KeyError), match=r"load_state_dict"):
         make().load_state_dict(junk)
+
+
+def _stepper_and_optimizer():
+    from helpers import TinyMLP
+
+    stepper, module = PrecisionStepper("bf16-true"), TinyMLP()
+    stepper.setup_module(module)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    stepper.setup_optimizers(module, [optimizer])
+    return stepper, optimizer
+
+
+def _fabric_plugin():
+    from helpers import TinyMLP
+
+    from lit_mpstable.frontends.fabric import StablePrecision as FabricPrecision
+
+    plugin = FabricPrecision("bf16-true")
+    plugin.convert_module(TinyMLP())
+    return plugin
+
+
+def _fresh(call):
+    def run():
+        stepper, optimizer = _stepper_and_optimizer()
+        call(stepper, optimizer)
+    return run
+
+
+# Public methods given a bad value: each used to raise a raw AttributeError/KeyError/RuntimeError from inside (or
+# accept it silently); now a TypeError/ValueError naming the call, the argument, the value and what is allowed.
+BAD_CALLS = {
+    "stepper.load_state_dict(keep_counters='x')": (
+        _fresh(lambda s, o: s.load_state_dict(s.state_dict(), keep_counters="x")),
+        TypeError, r"load_state_dict\(keep_counters='x'\): must be True or False"),
+    "stepper.scale_loss('x')": (
+        _fresh(lambda s, o: s.scale_loss("x")), TypeError, r"scale_loss\(loss='x'\): must be a tensor"),
+    "stepper.step('x')": (
+        _fresh(lambda s, o: s.step("x")), TypeError, r"step\(optimizer='x'\): must be a torch.optim.Optimizer"),
+    "stepper.unscale_(None)": (
+        _fresh(lambda s, o: s.unscale_(None)), TypeError, r"unscale_\(optimizer=None\): must be a torch.optim"),
+    "stepper.drop_grads_('x')": (
+        _fresh(lambda s, o: s.drop_grads_("x")), TypeError, r"drop_grads_\(optimizer='x'\): must be a torch.optim"),
+    "stepper.clip_grad_norm_(max_norm='x')": (
+        _fresh(lambda s, o: s.clip_grad_norm_(o, "x")), TypeError, r"clip_grad_norm_\(max_norm='x'\): must be a"),
+    "stepper.clip_grad_norm_(max_norm=-1.0)": (
+        _fresh(lambda s, o: s.clip_grad_norm_(o, -1.0)), ValueError, r"clip_grad_norm_\(max_norm=-1.0\): must be"),
+    "stepper.clip_grad_norm_(norm_type='x')": (
+        _fresh(lambda s, o: s.clip_grad_norm_(o, 1.0, "x")), TypeError, r"clip_grad_norm_\(norm_type='x'\): must"),
+    "stepper.clip_grad_value_(clip_value='x')": (
+        _fresh(lambda s, o: s.clip_grad_value_(o, "x")), TypeError, r"clip_grad_value_\(clip_value='x'\): must"),
+    "stepper.clip_grad_value_(clip_value=-1.0)": (
+        _fresh(lambda s, o: s.clip_grad_value_(o, -1.0)), ValueError, r"clip_grad_value_\(clip_value=-1.0\): must"),
+    "stepper.setup_module('x')": (
+        lambda: PrecisionStepper("bf16-true").setup_module("x"), TypeError,
+        r"setup_module\(module='x'\): must be a torch.nn.Module"),
+    "stepper.setup_module(fsdp2='x')": (
+        lambda: PrecisionStepper("bf16-true").setup_module(torch.nn.Linear(2, 2), fsdp2="x"), TypeError,
+        r"setup_module\(fsdp2='x'\): must be True or False"),
+    "stepper.setup_optimizers(optimizers='x')": (
+        _fresh(lambda s, o: s.setup_optimizers(s.layout.module, "x")), TypeError,
+        r"setup_optimizers\(optimizers='x'\): must be a list of torch.optim.Optimizer"),
+    "stepper.setup_optimizers(optimizers=[1])": (
+        _fresh(lambda s, o: s.setup_optimizers(s.layout.module, [1])), TypeError,
+        r"setup_optimizers\(optimizers\[0\]=1\): must be a torch.optim.Optimizer"),
+    "fabric.setup_optimizers('x')": (
+        lambda: _fabric_plugin().setup_optimizers("x"), TypeError,
+        r"setup_optimizers\(optimizers\[0\]='x'\): must be a torch.optim.Optimizer"),
+    "fabric.hold_schedulers('x')": (
+        lambda: _fabric_plugin().hold_schedulers("x"), TypeError,
+        r"hold_schedulers\(schedulers\[0\]='x'\): must be an LR scheduler"),
+    "fabric.unscale_gradients('x')": (
+        lambda: _fabric_plugin().unscale_gradients("x"), TypeError,
+        r"unscale_gradients\(optimizer='x'\): must be a torch.optim.Optimizer"),
+    "fabric.main_params(None)": (
+        lambda: _fabric_plugin().main_params(None), TypeError,
+        r"main_params\(optimizer=None\): must be a torch.optim.Optimizer"),
+    "fabric.fallback(reason=3)": (
+        lambda: _fabric_plugin().fallback(reason=3), TypeError, r"fallback\(reason=3\): must be a non-empty string"),
+    "trainer.fallback(reason=None)": (
+        lambda: StablePrecision("bf16-true").fallback(reason=None), TypeError,
+        r"fallback\(reason=None\): must be a non-empty string"),
+    "trainer.validate('x')": (
+        lambda: StablePrecision("bf16-true").validate("x"), TypeError, r"validate\(model='x'\): must be a torch.nn"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CALLS))
+def test_public_methods_name_a_bad_argument(name: str) -> None:
+    call, error, pattern = BAD_CALLS[name]
+    with pytest.raises(error, match=pattern):
+        call()

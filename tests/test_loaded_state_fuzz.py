@@ -30,7 +30,14 @@ def _plugin(precision: str, **kwargs) -> StablePrecision:
     torch.manual_seed(0)
     plugin = StablePrecision(precision, **kwargs)
     module = plugin.convert_module(TinyMLP())
-    plugin.stepper.setup_optimizers(module, [torch.optim.SGD(module.parameters(), lr=0.1)])
+    adam = kwargs.get("optimizer_state", "fp32") != "fp32"  # BF16/FP8 moments replace Adam's own
+    params = module.parameters()
+    optimizer = torch.optim.AdamW(params, lr=1e-2) if adam else torch.optim.SGD(params, lr=0.1)
+    plugin.stepper.setup_optimizers(module, [optimizer])
+    if adam:  # one step, so the moments hold values and step counts
+        loss = module(torch.randn(4, 16, dtype=torch.bfloat16)).float().square().mean()
+        plugin.stepper.scale_loss(loss).backward()
+        plugin.stepper.step(optimizer)
     return plugin
 
 
@@ -39,6 +46,8 @@ PLUGINS = {
     "adaptive": lambda: _plugin("16-mixed", scaler="adaptive"),
     "bf16-true": lambda: _plugin("bf16-true"),
     "kahan": lambda: _plugin("bf16-true", master_weights="kahan"),
+    "bf16-moments": lambda: _plugin("bf16-true", optimizer_state="bf16"),
+    "fp8-moments-kahan": lambda: _plugin("bf16-true", master_weights="kahan", optimizer_state="fp8"),
 }
 CALLBACKS = {"ScaleCheckpoint": ScaleCheckpoint, "OverflowMonitor": OverflowMonitor,
              "PrecisionProbe": PrecisionProbe, "PrecisionFallback": PrecisionFallback, "AMPPreflight": AMPPreflight}
@@ -50,6 +59,9 @@ def _legitimate(state, path, value) -> bool:
         original = original[key]
     if isinstance(original, (float, torch.Tensor)) and value == 1.5:  # a fine ratio, scale or tensor value
         return True
+    if isinstance(original, torch.Tensor) and original.dtype == torch.float8_e4m3fn and value in (math.inf, -math.inf):
+        return True  # E4M3 saturates an inf to its largest code: a valid FP8 moment
+
     return any(str(path[-1]) == field and type(value) is type(ok) and value == ok for field, ok in LEGITIMATE)
 
 
@@ -61,6 +73,9 @@ def _paths(state, path=()):
             items = items[:1]
         for key, value in items:
             yield from _paths(value, (*path, key))
+    elif isinstance(state, list) and path[-2:-1] == ("moments",):  # [exp_avg, exp_avg_sq] of one parameter
+        for index, value in enumerate(state):
+            yield from _paths(value, (*path, index))
     elif path:
         yield path
 
@@ -70,8 +85,9 @@ def _corrupt(state, path, value):
     target = state
     for key in path[:-1]:
         target = target[key]
-    if isinstance(target[path[-1]], torch.Tensor) and isinstance(value, float):
-        target[path[-1]] = torch.full_like(target[path[-1]], value)  # a NaN/inf tensor
+    tensor = target[path[-1]]
+    if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and isinstance(value, float):
+        target[path[-1]] = torch.full(tensor.shape, value).to(tensor.dtype)  # a NaN/inf tensor (E4M3: NaN codes)
     else:
         target[path[-1]] = value
     return state
@@ -143,3 +159,84 @@ def test_a_nan_scale_is_refused_and_a_valid_state_round_trips() -> None:
     fresh = PLUGINS["16-mixed"]()
     fresh.load_state_dict(good)
     assert fresh.loss_scale == 1024.0 and fresh.state_dict()["step_count"] == 7
+
+
+def _second_moment(moments: dict, name: str) -> dict:
+    return moments["moments"][name][1]["tensors"]
+
+
+def _negative(moments: dict, name: str) -> str:
+    tensors = _second_moment(moments, name)
+    if "value" in tensors:  # BF16: a negative exp_avg_sq, whose sqrt is NaN
+        tensors["value"] = -tensors["value"].abs() - 1
+        return r"\['value'\]\): .*negative"
+    tensors["k"] = -tensors["k"]  # FP8: the expansion exponent must be > 0
+    return r"\['k'\]\): .*must be finite and > 0"
+
+
+def _nan(moments: dict, name: str) -> str:
+    tensors = _second_moment(moments, name)
+    key = "value" if "value" in tensors else "amax"
+    tensors[key] = torch.full_like(tensors[key], math.nan)
+    return rf"\[{key!r}\]\): .*inf/NaN"
+
+
+def _nan_codes(moments: dict, name: str) -> str:
+    tensors = moments["moments"][name][0]["tensors"]
+    if "codes" not in tensors:  # BF16: an inf first moment
+        tensors["value"] = torch.full_like(tensors["value"], math.inf)
+        return r"\['value'\]\): .*inf/NaN"
+    tensors["codes"] = torch.full_like(tensors["codes"].view(torch.uint8), 0x7F).view(torch.float8_e4m3fn)
+    return r"\['codes'\]\): .*NaN"
+
+
+def _renamed(moments: dict, name: str) -> str:
+    moments["moments"]["renamed.weight"] = moments["moments"].pop(name)
+    moments["steps"]["renamed.weight"] = moments["steps"].pop(name)
+    return r"missing.*'fc1.weight'.*unknown.*'renamed.weight'"
+
+
+def _missing(moments: dict, name: str) -> str:
+    del moments["moments"][name], moments["steps"][name]
+    return r"missing.*'fc1.weight'.*restart at 0"
+
+
+MOMENT_CORRUPTIONS = {
+    "negative exp_avg_sq": _negative,
+    "NaN exp_avg_sq": _nan,
+    "NaN exp_avg codes": _nan_codes,
+    "steps 2.5": lambda m, n: (m["steps"].__setitem__(n, 2.5), r"\['steps'\]\['fc1.weight'\]=2.5\): must be an int")[1],
+    "steps '7'": lambda m, n: (m["steps"].__setitem__(n, "7"), r"\['steps'\]\['fc1.weight'\]='7'\): must be an int")[1],
+    "seed 'x'": lambda m, n: (m.__setitem__("seed", "x"), r"\['seed'\]='x'\): must be an int")[1],
+    "missing parameter": _missing,
+    "renamed parameter": _renamed,
+    "shape of another model": lambda m, n: (m["moments"][n][0].__setitem__("shape", [3, 3]),
+                                            r"\['shape'\]=\[3, 3\]\)")[1],
+}
+
+
+@pytest.mark.parametrize("kind", ["bf16-moments", "fp8-moments-kahan"])
+@pytest.mark.parametrize("corruption", sorted(MOMENT_CORRUPTIONS))
+def test_moments_refuse_each_corruption_by_name_and_change_nothing(kind: str, corruption: str) -> None:
+    # BF16/FP8 Adam moments used to load unvalidated: a NaN or negative second moment made every weight NaN, a
+    # missing or renamed parameter's moments restarted at 0, steps=2.5 or '7' were accepted.
+    make = PLUGINS[kind]
+    state = make().state_dict()
+    key = "masters" if state["masters"] else "compact"
+    match = MOMENT_CORRUPTIONS[corruption](state[key]["optimizer_state"], "fc1.weight")
+    state["step_count"] += 5  # valid: a half load would show it
+    target = make()
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises((TypeError, ValueError, KeyError), match=match) as error:
+        target.load_state_dict(state)
+    assert "load_state_dict" in str(error.value)
+    after = target.state_dict()
+    assert repr(after) == repr(before)  # nothing was half loaded
+
+
+@pytest.mark.parametrize("kind", ["bf16-moments", "fp8-moments-kahan"])
+def test_valid_moments_round_trip(kind: str) -> None:
+    state = PLUGINS[kind]().state_dict()
+    fresh = PLUGINS[kind]()
+    fresh.load_state_dict(copy.deepcopy(state))
+    assert repr(fresh.state_dict()) == repr(state)

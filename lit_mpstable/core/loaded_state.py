@@ -16,11 +16,13 @@ import torch
 
 from lit_mpstable.base.validate import bool_arg, check_keys, int_arg, real_arg
 from lit_mpstable.core.formats import FormatName
+from lit_mpstable.core.moment_codec import BLOCK_SIZE
 from lit_mpstable.core.spike_state import OPTIONAL as GUARD_OPTIONAL
 
 __all__ = [
     "Field", "check_fields", "check_mapping", "check_plugin_state", "count", "count_list", "flag", "finite",
-    "finite_list", "finite_tensors", "name_list", "optional", "records", "tensor_tree", "text", "text_list",
+    "finite_list", "finite_tensors", "moment_state", "moment_store", "name_list", "optional", "records", "tensor_tree",
+    "text", "text_list",
 ]
 
 Field = Callable[[str, str, Any], object]  # a check: raises on a bad value; what it returns is ignored
@@ -168,6 +170,128 @@ def tensor_tree(call: str, name: str, value: Any) -> None:
         raise TypeError(f"{call}({name}=None): must be a value.")
 
 
+# ------------------------------------------------------------------------------------------------ Adam moments
+# What ``MomentStore.state_dict`` and ``AdamMoments.state_dict`` (``optimizer_state="bf16"``/``"fp8"``) save. A bad
+# moment is no smaller a fault than a bad master: a NaN or negative second moment makes every later update NaN.
+_STORE_KEYS = {"kind", "shape", "signed", "rounding", "seed", "key", "tensors"}
+_STORE_TENSORS = {"fp32": {"value"}, "bf16": {"value"}, "fp8": {"codes", "amax", "k"}}
+_VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# FP8 moments of an earlier version were kept in blocks of another power of two (MomentStore re-encodes them).
+_BLOCK_SIZES = (BLOCK_SIZE, *(2**e for e in range(4, 11) if 2**e != BLOCK_SIZE))
+_Deferred = list[tuple[str, torch.Tensor, str]]  # (field, a 0-dim bool tensor that is True when bad, the rule)
+
+
+def _seed(call: str, name: str, value: Any) -> None:
+    int_arg(call, name, value, low=0, high=2**63 - 1)
+
+
+def _tensor(call: str, name: str, value: Any, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+        got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else _short(value)
+        raise TypeError(f"{call}({name}={got}): must be a {dtype} tensor, as MomentStore.state_dict() saves it.")
+    if numel is not None and value.numel() != numel:
+        raise ValueError(f"{call}({name} of {value.numel()} elements): the moment has {numel}.")
+    return value
+
+
+def _store_checks(call: str, name: str, value: Any, kind: str, signed: bool) -> _Deferred:
+    """The checks of one stored moment that need no tensor read, then those that do (returned, to be read at once)."""
+    check_mapping(call, value, _STORE_KEYS, name=name)
+    text(kind)(call, f"{name}['kind']", value["kind"])
+    count_list(call, f"{name}['shape']", value["shape"])
+    flag(call, f"{name}['signed']", value["signed"])
+    if value["signed"] != signed:
+        raise ValueError(f"{call}({name}['signed']={value['signed']!r}): must be {signed}: exp_avg is stored signed,"
+                         " exp_avg_sq (non-negative) unsigned.")
+    text("stochastic", "nearest")(call, f"{name}['rounding']", value["rounding"])
+    _seed(call, f"{name}['seed']", value["seed"])
+    _seed(call, f"{name}['key']", value["key"])
+    tensors = check_mapping(call, value["tensors"], _STORE_TENSORS[kind], name=f"{name}['tensors']")
+    numel = math.prod(value["shape"])
+    where = f"{name}['tensors']"
+    if kind != "fp8":
+        stored = _tensor(call, f"{where}['value']", tensors["value"], _VALUE_DTYPES[kind])
+        if stored.numel() != numel:
+            raise ValueError(f"{call}({name}['shape']={value['shape']!r}): {numel} elements, but tensors['value']"
+                             f" holds {stored.numel()}.")
+        checks = [(f"{where}['value']", ~stored.isfinite().all(), "holds inf/NaN")]
+        if not signed:
+            checks.append((f"{where}['value']", (stored < 0).any(), "holds negative values; exp_avg_sq is a mean of"
+                           " squares (>= 0), and its square root would make every update NaN"))
+        return checks
+    codes = _tensor(call, f"{where}['codes']", tensors["codes"], torch.float8_e4m3fn if signed else torch.uint8)
+    if codes.numel() != numel:
+        raise ValueError(f"{call}({name}['shape']={value['shape']!r}): {numel} elements, but tensors['codes'] holds"
+                         f" {codes.numel()}.")
+    amax = _tensor(call, f"{where}['amax']", tensors["amax"], torch.float32)
+    blocks = -(-numel // BLOCK_SIZE)
+    if amax.dim() != 1 or amax.numel() not in {-(-numel // size) for size in _BLOCK_SIZES}:
+        raise ValueError(f"{call}({name}: tensors['amax'] has shape {tuple(amax.shape)}, this store's has"
+                         f" ({blocks},)): one value per block of {BLOCK_SIZE} elements (or of an earlier version's"
+                         " block size).")
+    _tensor(call, f"{where}['k']", tensors["k"], torch.float32, amax.numel())
+    k = tensors["k"]
+    checks = [(f"{where}['amax']", ~(amax.isfinite() & (amax >= 0)).all(), "holds inf/NaN or negative values; must"
+               " be finite and >= 0 (each block's largest magnitude)"),
+              (f"{where}['k']", ~(k.isfinite() & (k > 0)).all(), "holds inf/NaN or values <= 0; must be finite and > 0"
+               " (each block's range-expansion exponent)")]
+    if signed:  # E4M3's codes 0x7f and 0xff are NaN; E4M4 (uint8) has none
+        checks.append((f"{where}['codes']", ((codes.view(torch.uint8) & 127) == 127).any(), "holds NaN codes"
+                       " (0x7f/0xff)"))
+    return checks
+
+
+def _refuse_deferred(call: str, checks: _Deferred) -> None:
+    """Raise for the first failed check of ``checks``, reading all of them in one transfer."""
+    if not checks:
+        return
+    by_device: dict[torch.device, list[int]] = {}
+    for index, (_, bad, _) in enumerate(checks):
+        by_device.setdefault(bad.device, []).append(index)
+    failed = torch.zeros(len(checks), dtype=torch.bool)
+    for indices in by_device.values():  # one transfer per device
+        failed[indices] = torch.stack([checks[index][1].detach() for index in indices]).cpu()
+    if bool(failed.any()):
+        name, _, rule = checks[int(failed.nonzero()[0])]
+        raise ValueError(f"{call}({name}): {rule}; the checkpoint is corrupted (or was saved after the run"
+                         " diverged): resume from an earlier one.")
+
+
+def moment_store(kind: str, signed: bool) -> Field:
+    """One ``MomentStore.state_dict()`` of an Adam moment kept in ``kind``; ``signed``: ``exp_avg`` (else the
+    non-negative ``exp_avg_sq``)."""
+    def check(call: str, name: str, value: Any) -> None:
+        _refuse_deferred(call, _store_checks(call, name, value, kind, signed))
+    return check
+
+
+def moment_state(call: str, name: str, value: Any) -> None:
+    """``AdamMoments.state_dict()``: ``kind``, ``seed``, ``steps`` and ``moments`` by parameter name (the names are the
+    keeper's to check against its parameters). One host read for all the tensors."""
+    check_mapping(call, value, {"kind", "seed", "steps", "moments"}, name=name)
+    text("bf16", "fp8")(call, f"{name}['kind']", value["kind"])
+    kind = value["kind"]
+    _seed(call, f"{name}['seed']", value["seed"])
+    steps = check_mapping(call, value["steps"], name=f"{name}['steps']")
+    for key, step in steps.items():
+        count(call, f"{name}['steps'][{key!r}]", step)
+    moments = check_mapping(call, value["moments"], name=f"{name}['moments']")
+    check_keys(call, moments, steps, name=f"{name}['moments']", suffix=f" (the parameters of {name}['steps']).")
+    checks: _Deferred = []
+    for key, pair in moments.items():
+        where = f"{name}['moments'][{key!r}]"
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"{call}({where}): must be keyed by a parameter name.")
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise TypeError(f"{call}({where}={_short(pair)}): must be [exp_avg, exp_avg_sq], two stored moments.")
+        checks += _store_checks(call, f"{where}[0]", pair[0], kind, True)
+        checks += _store_checks(call, f"{where}[1]", pair[1], kind, False)
+        if pair[0]["shape"] != pair[1]["shape"]:
+            raise ValueError(f"{call}({where}[1]['shape']={pair[1]['shape']!r}): exp_avg has shape"
+                             f" {pair[0]['shape']!r}; both moments have their parameter's shape.")
+    _refuse_deferred(call, checks)
+
+
 # ------------------------------------------------------------------------------------------------ the plugin
 _SCALER: dict[str, Field] = {
     "scale": finite(_MIN_SCALE, _MAX_SCALE),
@@ -236,13 +360,14 @@ def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tu
                          f" amax_history_len={scaler['amax_history_len']} values.")
     layout = check_mapping(call, state["layout"], name="layout")
     check_fields(call, layout, _LAYOUT, prefix="layout")
-    # "optimizer_state": BF16/FP8 Adam moments a keeper holds (checked when the keeper loads them).
+    # "optimizer_state": BF16/FP8 Adam moments a keeper holds (their names are checked against its parameters).
     masters = check_mapping(call, state["masters"], name="masters")
     finite_tensors(call, "masters", {k: v for k, v in masters.items() if k != "optimizer_state"})
+    check_fields(call, masters, {"optimizer_state": moment_state}, prefix="masters")
     compact = check_mapping(call, state["compact"], name="compact")
     if compact:
         check_mapping(call, compact, set(_COMPACT) | ({"optimizer_state"} & set(compact)), name="compact")
-        check_fields(call, compact, _COMPACT, prefix="compact")
+        check_fields(call, compact, {**_COMPACT, "optimizer_state": moment_state}, prefix="compact")
     check_mapping(call, state["op_policy"], name="op_policy")
     count_list(call, "schedules", state["schedules"])
     guard = check_mapping(call, state["spike_guard"], name="spike_guard")  # its values: SpikeGuard.load_state_dict

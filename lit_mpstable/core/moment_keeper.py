@@ -19,10 +19,12 @@ import torch
 from torch.optim import Optimizer
 
 from lit_mpstable.base.validate import choice_arg
+from lit_mpstable.core.loaded_state import moment_state
 from lit_mpstable.core.optim_state import MomentStore, StateKind, adam_moments
 
 __all__ = [
-    "KEY", "AdamMoments", "StateKind", "check_adam", "check_optimizer_state", "is_moment_tensor", "split_moments",
+    "KEY", "SAVED_MARK", "AdamMoments", "StateKind", "check_adam", "check_optimizer_state", "is_moment_tensor",
+    "pop_saved_mark", "split_moments",
 ]
 
 
@@ -55,6 +57,29 @@ def is_moment_tensor(tensor: object) -> bool:
 
 KEY = "optimizer_state"
 """The key of a keeper's state dict under which the moments and step counts are saved."""
+
+SAVED_MARK = "lit_mpstable_moments"
+"""A key that ``optimizer.state_dict()`` adds to each param group of an optimizer whose moments an
+:class:`AdamMoments` keeps (its value: the kind). That optimizer's own state holds no moments, so a resume that loads
+it without the plugin's state (litgpt's layout) would restart them at 0 unnoticed; ``Optimizer.load_state_dict``
+keeps a saved group's keys, so the mark arrives with it and :func:`pop_saved_mark` finds it."""
+
+_MARKED: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # optimizers whose state_dict() adds the mark
+
+
+def _mark_saved_groups(kind: str) -> Callable[[Optimizer, dict[str, Any]], dict[str, Any]]:
+    def hook(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        for group in state_dict["param_groups"]:  # packed copies: the live groups are not changed
+            group[SAVED_MARK] = kind
+        return state_dict
+    return hook
+
+
+def pop_saved_mark(optimizer: Optimizer) -> str | None:
+    """The kind of BF16/FP8 moments that ``optimizer``'s loaded state was saved beside (None: none), removed from its
+    param groups (asked once, at its first step)."""
+    kinds = [group.pop(SAVED_MARK) for group in optimizer.param_groups if SAVED_MARK in group]
+    return kinds[0] if kinds else None
 
 _REFUSED_FLAGS = ("amsgrad", "capturable", "differentiable")
 
@@ -101,11 +126,16 @@ class AdamMoments:
         self.seed, self.owner = int(seed), owner
         self.stores: dict[str, tuple[MomentStore, MomentStore]] = {}
         self.steps: dict[str, int] = {}
+        self._names: dict[int, str] = {}  # the parameter names of the last binding: what a checkpoint may name
 
     def bind_(self, optimizer: Optimizer, names: dict[int, str]) -> None:
         """Check ``optimizer`` and give every named parameter of it stores (once); moments the optimizer already holds
         for it (a checkpoint loaded into the optimizer) move into the stores."""
         check_adam(self.owner, self.kind, optimizer)
+        self._names = names
+        if optimizer not in _MARKED:
+            optimizer.register_state_dict_post_hook(_mark_saved_groups(self.kind))
+            _MARKED.add(optimizer)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 name = names.get(id(p))
@@ -115,6 +145,12 @@ class AdamMoments:
                     index = zlib.crc32(name.encode())
                     self.stores[name] = adam_moments(self.kind, p.shape, p.device, seed=self.seed, index=index)
                     self.steps[name] = 0
+                elif self.stores[name][0].shape != p.shape:  # loaded before this parameter was bound
+                    raise ValueError(
+                        f"{self.owner}(optimizer_state={self.kind!r}): the loaded moments of {name!r} have shape"
+                        f" {list(self.stores[name][0].shape)}, the parameter {list(p.shape)}; was the checkpoint"
+                        " saved from a different model?"
+                    )
                 state = optimizer.state.pop(p, None)
                 if state and "exp_avg" in state:
                     m, v = self.stores[name]
@@ -196,27 +232,85 @@ class AdamMoments:
         return {"kind": self.kind, "seed": self.seed, "steps": dict(self.steps),
                 "moments": {name: [m.state_dict(), v.state_dict()] for name, (m, v) in self.stores.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (stores of names not bound yet are built from the saved shapes).
+    def check_state(self, state: Any, *, call: str | None = None, name: str = "optimizer_state",
+                    same_kind: bool = True) -> None:
+        """Refuse ``state`` unless :meth:`load_state_dict` (``same_kind``) or :meth:`carry_` can load it whole: every
+        field valid (``loaded_state.moment_state``), saved with this ``kind``, and the moments of exactly the
+        parameters this object holds stores for (a missing one would restart at 0; one of an unknown name, a renamed
+        parameter, would never be read), each of its parameter's shape. Changes nothing.
 
         Raises:
-            ValueError: saved with another ``optimizer_state``.
+            TypeError, ValueError, KeyError: naming ``call``, the field and the rule.
         """
-        if state.get("kind") != self.kind:
+        call = call or f"{self.owner}.load_state_dict"
+        moment_state(call, name, state)
+        if same_kind and state["kind"] != self.kind:
             raise ValueError(
-                f"{self.owner}(optimizer_state={self.kind!r}).load_state_dict: the checkpoint's moments are"
-                f" {state.get('kind')!r}; resume with optimizer_state={state.get('kind')!r}."
+                f"{call}({name}['kind']={state['kind']!r}): this run keeps its moments in {self.kind!r}; resume with"
+                f" optimizer_state={state['kind']!r}."
             )
-        self.seed = int(state["seed"])
+        saved = state["moments"]
+        known = set(self._names.values()) | set(self.stores)
+        missing = sorted(set(self.stores) - set(saved))
+        unknown = sorted(set(saved) - known) if known else []
+        if missing or unknown:
+            raise KeyError(
+                f"{call}: {name}['moments'] has missing parameters {missing} (their moments would restart at 0),"
+                f" unknown parameters {unknown} (renamed?); was it saved from a different model, or with other"
+                " parameters trainable?"
+            )
+        for key, (m_state, _) in saved.items():
+            if key in self.stores and m_state["shape"] != list(self.stores[key][0].shape):
+                raise ValueError(
+                    f"{call}({name}['moments'][{key!r}][0]['shape']={m_state['shape']!r}): the parameter has shape"
+                    f" {list(self.stores[key][0].shape)}; was it saved from a different model?"
+                )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (stores of names not bound yet are built from the saved shapes), after
+        :meth:`check_state`.
+
+        Raises:
+            TypeError, ValueError, KeyError: see :meth:`check_state`; nothing is loaded then.
+        """
+        self.check_state(state)
+        self._load(state, state["kind"])
+
+    def carry_(self, state: dict[str, Any], *, call: str | None = None) -> str | None:
+        """Load the moments of a checkpoint written with another weight mode (FP32 masters, compact weights: the
+        moments are by parameter name in both). Of this ``kind`` they load exactly; of another they are read in
+        theirs and stored again in this one (one more rounding of each value: returned as a note).
+
+        Raises:
+            TypeError, ValueError, KeyError: see :meth:`check_state`; nothing is loaded then.
+        """
+        self.check_state(state, call=call, same_kind=False)
+        if state["kind"] == self.kind:
+            self._load(state, self.kind)
+            return None
+        self._load(state, state["kind"])
+        return (f"the checkpoint's {state['kind']!r} Adam moments were stored again as {self.kind!r} (one more"
+                " rounding of each value, not an exact resume).")
+
+    def _load(self, state: dict[str, Any], kind: str) -> None:
+        self.seed = state["seed"]
         for name, (m_state, v_state) in state["moments"].items():
+            index = zlib.crc32(name.encode())
             if name not in self.stores:
                 device = m_state["tensors"][next(iter(m_state["tensors"]))].device
-                self.stores[name] = adam_moments(self.kind, m_state["shape"], device, seed=self.seed,
-                                                 index=zlib.crc32(name.encode()))
+                self.stores[name] = adam_moments(self.kind, m_state["shape"], device, seed=self.seed, index=index)
             m, v = self.stores[name]
-            m.load_state_dict(m_state)
-            v.load_state_dict(v_state)
-            self.steps[name] = int(state["steps"][name])
+            if kind == self.kind:
+                m.load_state_dict(m_state)
+                v.load_state_dict(v_state)
+            else:  # read in the saved kind, stored again in this one
+                device = m.tensors[next(iter(m.tensors))].device
+                for store, saved in ((m, m_state), (v, v_state)):
+                    source = adam_moments(cast(StateKind, kind), saved["shape"], device, index=index)[
+                        0 if saved["signed"] else 1]
+                    source.load_state_dict(saved)
+                    store.write_(source.read(), step=max(state["steps"][name], 1))
+            self.steps[name] = state["steps"][name]
 
 
 def names_of(pairs: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
@@ -228,6 +322,8 @@ def split_moments(owner: str, state: Mapping[str, Any], moments: AdamMoments | N
     checkpoint and ``moments`` disagree on whether BF16/FP8 moments are kept."""
     state = dict(state)
     saved = state.pop(KEY, None)
+    if saved is not None and moments is not None:
+        moments.check_state(saved, call=f"{owner}.load_state_dict")  # before the keeper loads anything
     if (saved is None) != (moments is None):
         kind = "fp32" if moments is None else moments.kind
         raise ValueError(

@@ -47,6 +47,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from lit_mpstable.core.loaded_state import moment_store
 from lit_mpstable.core.moment_codec import BLOCK_SIZE, decode_fp8, encode_fp8, random_words, to_bf16
 
 __all__ = [
@@ -221,6 +222,8 @@ class MomentStore:
         if set(state["tensors"]) != set(self.tensors):
             raise KeyError(f"MomentStore.load_state_dict: tensors {sorted(state['tensors'])!r}, expected"
                            f" {sorted(self.tensors)!r}.")
+        # Every field, before anything is changed: a NaN, a negative second moment or a NaN code is refused by name.
+        moment_store(self.kind, self.signed)("MomentStore.load_state_dict", "state", state)
         self.rounding, self.seed, self.key = state["rounding"], int(state["seed"]), int(state["key"])
         block = _saved_block(self, state["tensors"])
         if block is not None:  # FP8 moments of an earlier block size: read in theirs, stored again in this one

@@ -43,7 +43,17 @@ from lit_mpstable.core.step_spike import (
     observe_loss,
     true_grad_norm,
 )
-from lit_mpstable.core.stepper_args import MasterMode, OpPolicyName, PrecisionName, check_arguments
+from lit_mpstable.core.stepper_args import (
+    MasterMode,
+    OpPolicyName,
+    PrecisionName,
+    check_arguments,
+    check_clip,
+    check_module,
+    check_norm_type,
+    check_optimizer,
+    check_optimizers,
+)
 from lit_mpstable.core.stepper_forward import StepperForward
 from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
 from lit_mpstable.core.stepper_state import StepperState, adopt_recast_state_
@@ -177,12 +187,15 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
             ValueError: FSDP2 with a sharded model whose policies do not match, FP8 layers not swapped before
                 sharding, or ``master_weights="kahan"``/``"stochastic"`` (FSDP2 keeps FP32 shards instead).
         """
+        check_module(f"{self.owner}.setup_module", module)
+        bool_arg(f"{self.owner}.setup_module", "fsdp2", fsdp2)
         return setup_module(self, module, fsdp2=fsdp2)
 
     def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: Sequence[Any] = ()) -> None:
         """Bind the weight keeper (FP32 masters, compact weights) to ``module`` and ``optimizers``, and hold
         ``schedulers`` on skipped steps."""
-        setup_optimizers(self, module, optimizers, list(schedulers))
+        check_module(f"{self.owner}.setup_optimizers", module)
+        setup_optimizers(self, module, check_optimizers(f"{self.owner}.setup_optimizers", optimizers), list(schedulers))
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
         """In ``'16-true'`` without masters, refuse an ``eps`` FP16 cannot hold (``core.weights.check_eps``)."""
@@ -209,6 +222,9 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         belongs to a dropped batch (``zero_grad()`` without ``step()``), so its unscaled gradients and inf/NaN check
         are dropped too (GradScaler would refuse the next ``unscale_``; stepping on them would apply gradients
         ``scale`` times too large, or the old check); a scale update still owed is made now."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"{self.owner}.scale_loss(loss={loss!r:.80}): must be a tensor (the loss to call backward"
+                            " on).")
         for optimizer in [o for o in self.optimizers if id(o) in self.iteration.unscaled]:
             if (note := stale_grads_note(optimizer)) is not None and note not in self.warnings:
                 self.warnings.append(note)
@@ -226,6 +242,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         """Make ``optimizer``'s gradients true values (once per iteration): into the FP32 masters, unscaled there,
         checked for inf/NaN (agreed across ranks), and shown on the model's 16-bit parameters for hooks and a user's
         own clipping. No host sync."""
+        check_optimizer(f"{self.owner}.unscale_", optimizer)
         if id(optimizer) in self.iteration.unscaled:
             return
         if self.scaler is not None and not self._loss_scaled:
@@ -258,12 +275,15 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip ``optimizer``'s true gradients to a total norm (on the masters with ``master_weights``; with compact
         weights the clip factor joins the FP32 unscale of the step: the 16-bit gradients are not rounded twice)."""
+        check_clip(f"{self.owner}.clip_grad_norm_", "max_norm", max_norm, nan=True)
+        check_norm_type(f"{self.owner}.clip_grad_norm_", norm_type)
         self.unscale_(optimizer)
         return clip_grad_norm(self, optimizer, max_norm, norm_type)
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s true gradients to ``±clip_value`` (on the masters with ``master_weights``; with
         compact weights in the step's FP32 chunks, after unscaling)."""
+        check_clip(f"{self.owner}.clip_grad_value_", "clip_value", clip_value)
         self.unscale_(optimizer)
         self.keeper.clip_grad_value_(optimizer, clip_value)
 
@@ -287,6 +307,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless its gradients hold inf/NaN (or :meth:`skip_step` was called); then update the
         scale, refresh the 16-bit weights from the masters, and count. One host sync: the skip decision."""
+        check_optimizer(f"{self.owner}.step", optimizer)
         if self._skip_requested:
             return self.discard_(optimizer)
         self.unscale_(optimizer)
@@ -348,6 +369,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
 
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
+        check_optimizer(f"{self.owner}.drop_grads_", optimizer)
         optimizer.zero_grad(set_to_none=True)
         self.keeper.drop_(optimizer)
         if self._checker is not None:

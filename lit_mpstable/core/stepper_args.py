@@ -3,14 +3,18 @@ inside a container (the per-argument checks are in :mod:`lit_mpstable.base.valid
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
+from torch import nn
+from torch.optim import Optimizer
 
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
-__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "check_arguments"]
+__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "check_arguments", "check_clip", "check_module",
+           "check_norm_type", "check_optimizer", "check_optimizers"]
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
 MasterMode = Literal["fp32", "kahan", "stochastic"]
@@ -47,3 +51,72 @@ def check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any) -
 
 _MIN_SCALE = 1.0 / torch.finfo(torch.float32).max
 _MAX_SCALE = float(torch.finfo(torch.float32).max)
+
+
+# ------------------------------------------------------------------------------------------------ method arguments
+# Checks of the stepper's per-call arguments: isinstance and float comparisons only (no tensor is read).
+def check_optimizer(call: str, value: Any, name: str = "optimizer") -> Optimizer:
+    """``value`` if it is a torch optimizer (Fabric's wrapper is one).
+
+    Raises:
+        TypeError: anything else (a name, None, a LightningOptimizer's ``.optimizer`` forgotten).
+    """
+    if not isinstance(value, Optimizer):
+        raise TypeError(f"{call}({name}={_short(value)}): must be a torch.optim.Optimizer (the one the model's"
+                        " parameters are stepped by).")
+    return value
+
+
+def check_optimizers(call: str, value: Any) -> list[Optimizer]:
+    """``value`` as a list if it is a list or tuple of torch optimizers.
+
+    Raises:
+        TypeError: not a list or tuple, or an entry is not an optimizer.
+    """
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{call}(optimizers={_short(value)}): must be a list of torch.optim.Optimizer.")
+    return [check_optimizer(call, optimizer, f"optimizers[{index}]") for index, optimizer in enumerate(value)]
+
+
+def check_module(call: str, value: Any, name: str = "module") -> nn.Module:
+    """``value`` if it is an ``nn.Module``.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{call}({name}={_short(value)}): must be a torch.nn.Module (the model).")
+    return value
+
+
+def check_clip(call: str, name: str, value: Any, *, nan: bool = False) -> None:
+    """A clip threshold: a real number >= 0 (inf: no clipping); NaN only where ``nan`` lets it through.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: negative (or NaN).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{call}({name}={_short(value)}): must be a number >= 0 (inf: no clipping).")
+    if value < 0 or (math.isnan(value) and not nan):
+        raise ValueError(f"{call}({name}={value!r}): must be a number >= 0 (inf: no clipping); a negative threshold"
+                         " would flip the gradients' signs.")
+
+
+def check_norm_type(call: str, value: Any) -> None:
+    """A p-norm's order: a number, or ``"inf"`` (what ``torch.nn.utils.clip_grad_norm_`` takes).
+
+    Raises:
+        TypeError: neither (``"x"``, None, a bool).
+    """
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or math.isnan(number):
+        raise TypeError(f"{call}(norm_type={_short(value)}): must be a number (2.0: the Euclidean norm) or 'inf'.")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -9,9 +9,12 @@ from typing import Any, get_args
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.base.validate import bool_arg
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.growth import GrowthMonitor
 from lit_mpstable.core.loaded_state import check_plugin_state
+from lit_mpstable.core.moment_keeper import KEY as MOMENTS
+from lit_mpstable.core.moment_keeper import AdamMoments, split_moments
 from lit_mpstable.core.recast_state import KEY as RECAST
 from lit_mpstable.core.recast_state import apply_recast_state_, recast_state
 from lit_mpstable.core.scalers import LossScaler
@@ -19,7 +22,8 @@ from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.stepper_args import PrecisionName
 from lit_mpstable.core.weights import WeightKeeper
 
-__all__ = ["StepperState", "adopt_recast_state_", "load_scaler_state_", "load_weights_state_", "weights_state"]
+__all__ = ["StepperState", "adopt_recast_state_", "check_weights_state", "load_scaler_state_", "load_weights_state_",
+           "weights_state"]
 
 _KEYS = ("masters", "compact")
 
@@ -49,26 +53,73 @@ def load_scaler_state_(scaler: LossScaler | None, state: dict[str, Any], *, prec
     return []
 
 
+def _route(keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *, mode: str | None,
+           fsdp2: bool) -> str | None:
+    """Where the checkpoint's ``masters``/``compact`` go: ``"load"`` into ``keeper`` (same mode), ``"pending"`` until
+    it is bound, ``"carry"`` their FP32 values (and BF16/FP8 moments) into this run's weight mode, or None."""
+    if masters and keeper.state_key == "masters":
+        return "load"
+    if masters and mode == "fp32" and not fsdp2:
+        return "pending"
+    if compact and keeper.state_key == "compact" and compact.get("mode") == keeper.mode:
+        return "load"
+    if compact and keeper.state_key != "compact" and compact.get("mode") == mode:
+        return "pending"
+    if masters or compact.get("compensation") or compact.get(MOMENTS):
+        return "carry"
+    return None
+
+
+def _moments_of(keeper: WeightKeeper) -> AdamMoments | None:
+    # Only FP32 masters and compact weights keep BF16/FP8 moments (not part of the WeightKeeper protocol).
+    return getattr(keeper, "moments", None)
+
+
+def check_weights_state(call: str, keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *,
+                        mode: str | None, fsdp2: bool, module: nn.Module | None) -> None:
+    """Refuse, before anything is loaded, BF16/FP8 moments that :func:`load_weights_state_` would refuse: of
+    parameters other than this run's (missing, renamed, of another shape), or, into the same weight mode, of another
+    ``optimizer_state``."""
+    route = _route(keeper, masters, compact, mode=mode, fsdp2=fsdp2)
+    key = "masters" if masters else "compact"
+    saved = (masters or compact).get(MOMENTS)
+    moments = _moments_of(keeper)
+    if route == "load" and (saved is None) != (moments is None):  # saved with BF16/FP8 moments, resumed without
+        split_moments(type(keeper).__name__, {MOMENTS: saved} if saved is not None else {}, moments)  # (or the reverse)
+    if saved is not None and moments is not None and route in ("load", "carry") and module is not None:
+        moments.check_state(saved, call=call, name=f"{key}[{MOMENTS!r}]", same_kind=route == "load")
+
+
 def load_weights_state_(
     keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *, mode: str | None, fsdp2: bool,
     pending: dict[str, Any], module: nn.Module | None, precision: str,
 ) -> str | None:
     """Load the checkpoint's ``masters``/``compact`` into ``keeper`` (same mode), keep them in ``pending`` until it is
-    bound, or carry their FP32 values into this run's weight mode. Returns a warning for the user, if any."""
-    if masters and keeper.state_key == "masters":
-        keeper.load_state_dict(masters)
-    elif masters and mode == "fp32" and not fsdp2:
-        pending["masters"] = masters
-    elif compact and keeper.state_key == "compact" and compact.get("mode") == keeper.mode:
-        keeper.load_state_dict(compact)
-    elif compact and keeper.state_key != "compact" and compact.get("mode") == mode:
-        pending["compact"] = compact
-    elif masters or compact.get("compensation"):  # another master mode or precision: carry the FP32 values
-        saved = "FP32 masters" if masters else "Kahan compensation"
+    bound, or carry their FP32 values into this run's weight mode (BF16/FP8 moments into its moments, converted to
+    its ``optimizer_state``). Returns a warning for the user, if any."""
+    route = _route(keeper, masters, compact, mode=mode, fsdp2=fsdp2)
+    if route == "load":
+        keeper.load_state_dict(masters or compact)
+    elif route == "pending":
+        pending["masters" if masters else "compact"] = masters or compact
+    elif route == "carry":  # another master mode or precision: carry the FP32 values
+        masters, compact = dict(masters), dict(compact)
+        saved_moments = masters.pop(MOMENTS, None) or compact.pop(MOMENTS, None)
+        saved = "FP32 masters" if masters else "Kahan compensation" if compact.get("compensation") else "moments"
         target = f"{precision!r}, master_weights={mode or False!r}"
         if module is None:
             return f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
-        return keeper.carry_(module, masters, compact, saved=saved, target=target)
+        notes = [keeper.carry_(module, masters, compact, saved=saved, target=target)]
+        moments = _moments_of(keeper)
+        if saved_moments is not None and moments is not None:
+            notes.append(moments.carry_(saved_moments))
+        elif saved_moments is not None:
+            notes.append(
+                f"the checkpoint's {saved_moments['kind']!r} Adam moments were not carried into this run ({target},"
+                " optimizer_state='fp32'): the optimizer's own moments restart at 0; resume with"
+                f" optimizer_state={saved_moments['kind']!r} and FP32 or compact master weights to keep them."
+            )
+        return "; ".join(note for note in notes if note) or None
     return None
 
 
@@ -160,6 +211,7 @@ class StepperState:
             ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
         """
         # Every field is checked before anything is loaded: a refused state changes nothing.
+        bool_arg(f"{self.owner}.load_state_dict", "keep_counters", keep_counters)
         if isinstance(state, dict) and "spike_guard" not in state:
             state = {**state, "spike_guard": {}}  # saved before SpikeGuard existed: no statistics to restore
         if isinstance(state, dict) and "fp8_budget" not in state:
@@ -171,6 +223,8 @@ class StepperState:
         call = f"{self.owner}.load_state_dict"
         check_plugin_state(call, state, set(self.state_dict()) | {RECAST}, get_args(PrecisionName))
         self.fp8_budget.check_state(call, state["fp8_budget"], self.layout)
+        check_weights_state(call, self.keeper, state["masters"], state["compact"], mode=self.master_mode,
+                            fsdp2=self.fsdp2, module=self.layout.module)
         growth, saved_growth = self.growth, state["growth"]
         if growth is not None and saved_growth:
             growth.check_state(saved_growth, call=call, name="growth")

@@ -21,6 +21,7 @@ from lit_mpstable.core.optim_state import StateKind
 from lit_mpstable.core.policy import describe
 from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
+from lit_mpstable.core.stepper_args import check_module
 from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.frontends.live_state import Findings, FromStepper
 
@@ -213,6 +214,10 @@ class StableFrontEnd:
         weights keep working. Returns what was done, also warned once on rank zero (the one log line of a fallback).
         Takes effect from the next
         forward; :meth:`restore_precision` undoes it."""
+        if not isinstance(reason, str) or not reason:
+            raise (ValueError if isinstance(reason, str) else TypeError)(
+                f"{type(self).__name__}.fallback(reason={reason!r:.80}): must be a non-empty string (why: it ends"
+                " the fallback's log line).")
         action = self.stepper.fallback(modules)
         # The one log line of a fallback, whoever decided it (a callback names itself in ``reason``).
         rank_zero_warn(f"StablePrecision fallback at step {self.step_count}: {action} ({reason}).")
@@ -230,8 +235,9 @@ class StableFrontEnd:
         Raises:
             ValueError: a pattern matches no module (the message lists the model's names), or ``fp8`` is set and no
                 layer of ``model`` is eligible.
+            TypeError: ``model`` is not an ``nn.Module``.
         """
-        self.stepper.layout.validate(model)
+        self.stepper.layout.validate(check_module(f"{type(self).__name__}.validate", model, "model"))
 
     def choose_high_precision_(self, loss_fn: Any, batch: Any) -> list[str]:
         """``FP8Config(keep_high_precision=HighPrecisionBudget(by="probe"))``: measure each FP8 layer's weight-gradient

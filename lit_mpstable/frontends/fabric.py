@@ -12,7 +12,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
+from lit_mpstable.core.moment_keeper import pop_saved_mark
 from lit_mpstable.core.stepper import tensor_init_context
+from lit_mpstable.core.stepper_args import check_optimizer
 from lit_mpstable.frontends.clip_targets import clip_targets
 from lit_mpstable.frontends.common import StableFrontEnd
 
@@ -133,6 +135,7 @@ class StablePrecision(StableFrontEnd, Precision):
     # Fabric's clip_gradients calls unscale_gradients, then clips what main_params returns with torch's
     # clip_grad_norm_ (error_if_nonfinite=True) or clip_grad_value_.
     def unscale_gradients(self, optimizer: Optimizer) -> None:
+        check_optimizer(f"{type(self).__name__}.unscale_gradients", optimizer)
         self.stepper.unscale_(self._start(optimizer))
 
     def main_params(self, optimizer: Optimizer) -> list[Any]:
@@ -141,6 +144,7 @@ class StablePrecision(StableFrontEnd, Precision):
         one empty placeholder stands in (torch's ``clip_grad_value_`` refuses an empty list; the norm is 0). With FP32
         masters the model's 16-bit gradients show the clipped values once Fabric has clipped (when it lets go of the
         returned list), as after the Trainer's clipping."""
+        check_optimizer(f"{type(self).__name__}.main_params", optimizer)
         optimizer = self._start(optimizer)
         return clip_targets(self.stepper, optimizer)
 
@@ -171,8 +175,9 @@ class StablePrecision(StableFrontEnd, Precision):
         """Set up ``optimizers`` now rather than at their first step: FP32 masters bound (``*-true`` modes), so that
         ``fabric.load`` of their state afterwards resumes exactly. Call it after ``fabric.setup``; Fabric's wrapped
         optimizers are accepted, and an optimizer already set up is left as it is."""
-        for optimizer in optimizers:
+        for index, optimizer in enumerate(optimizers):
             optimizer = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
+            check_optimizer(f"{type(self).__name__}.setup_optimizers", optimizer, f"optimizers[{index}]")
             if optimizer not in self._bound:
                 self._bind(optimizer)
 
@@ -180,6 +185,10 @@ class StablePrecision(StableFrontEnd, Precision):
         """Make each ``scheduler.step()`` a no-op unless an optimizer step was applied since it last stepped, so
         skipped steps (inf/NaN gradients) do not move the LR schedule. A call replaces the schedulers held before;
         where each stands is part of :meth:`state_dict`."""
+        for index, scheduler in enumerate(schedulers):
+            if not callable(getattr(scheduler, "step", None)):
+                raise TypeError(f"{type(self).__name__}.hold_schedulers(schedulers[{index}]={scheduler!r:.80}): must be"
+                                " an LR scheduler (with step(), e.g. torch.optim.lr_scheduler.LambdaLR).")
         self._schedulers = schedulers
         if self._bound:  # else the first optimizer's setup holds them, with any positions loaded before it
             self.stepper.schedules.hold(list(schedulers))
@@ -229,9 +238,17 @@ class StablePrecision(StableFrontEnd, Precision):
 
     def _check_resume(self, optimizer: Optimizer) -> None:
         """Warn when ``optimizer`` meets its first step with state (loaded from a checkpoint) while the plugin's own
-        state was never loaded: a resume that left the plugin out of ``fabric.load``, as litgpt's state dict does."""
-        lost = self._LOST.get(self.stepper.master_mode or "")
-        if lost is None or self._state_loaded or not optimizer.state:
+        state was never loaded: a resume that left the plugin out of ``fabric.load``, as litgpt's state dict does.
+        With BF16/FP8 moments the optimizer's saved state holds none, only their mark in its param groups."""
+        moments = pop_saved_mark(optimizer)
+        if self._state_loaded or not (optimizer.state or moments):
+            return
+        lost = "; ".join(text for text in (
+            self._LOST.get(self.stepper.master_mode or ""),
+            moments and f"the {moments!r} Adam moments (exp_avg, exp_avg_sq), which the plugin's state keeps and the"
+                        " optimizer's does not, restart at 0",
+        ) if text)
+        if not lost:
             return
         self._warn_once(
             "resume-without-plugin",

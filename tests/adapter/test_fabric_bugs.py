@@ -157,18 +157,22 @@ def test_the_trainer_refuses_the_same_eps() -> None:
 
 
 def _resumable(mode: bool | str, steps: range, *, load: Path | None = None, save: Path | None = None,
-               with_plugin: bool = False) -> dict[str, torch.Tensor]:
-    """AdamW on TinyMLP in bf16-true; the saved state is litgpt's ({"model", "optimizer"}) unless ``with_plugin``."""
-    plugin = StablePrecision("bf16-true", master_weights=mode)
+               with_plugin: bool = False, optimizer_state: str = "fp32", order: str = "setup, load") -> dict:
+    """AdamW on TinyMLP in bf16-true; the saved state is litgpt's ({"model", "optimizer"}) unless ``with_plugin``;
+    ``order``: plugin.setup_optimizers before fabric.load (the documented order) or after it."""
+    plugin = StablePrecision("bf16-true", master_weights=mode, optimizer_state=optimizer_state)
     fabric = _fabric(plugin)
     torch.manual_seed(0 if load is None else 123)
     model = TinyMLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = fabric.setup(model, opt)
-    plugin.setup_optimizers(opt)
+    if order == "setup, load":
+        plugin.setup_optimizers(opt)
     state = {"model": model, "optimizer": opt, **({"precision": plugin} if with_plugin else {})}
     if load is not None:
         fabric.load(load, state)
+    if order == "load, setup":
+        plugin.setup_optimizers(opt)
     for step in steps:
         opt.zero_grad()
         _backward(fabric, model, step)
@@ -192,6 +196,22 @@ def test_resuming_without_the_plugins_state_warns_and_with_it_is_exact(mode: boo
         warnings.filterwarnings("error", message=".*plugin's own state")
         exact = _resumable(mode, range(2, 4), load=tmp_path / "ours.pt", with_plugin=True)
     assert all(torch.equal(exact[k], v) for k, v in whole.items())
+
+
+@pytest.mark.parametrize("mode, kind, order", [(True, "bf16", "setup, load"), ("kahan", "fp8", "setup, load"),
+                                               (True, "fp8", "load, setup")])
+def test_resuming_moments_without_the_plugins_state_warns(mode: bool | str, kind: str, order: str,
+                                                          tmp_path: Path) -> None:
+    # BF16/FP8 moments live in the plugin's state, not the optimizer's: a litgpt-style resume restarted them at 0
+    # without the warning FP32 masters get (the optimizer comes back with no state to notice).
+    _resumable(mode, range(2), save=tmp_path / "litgpt.pt", optimizer_state=kind)
+    with pytest.warns(UserWarning, match=r"plugin's own state was not loaded.*Adam moments.*restart at 0"):
+        _resumable(mode, range(2, 4), load=tmp_path / "litgpt.pt", optimizer_state=kind, order=order)
+    _resumable(mode, range(2), save=tmp_path / "ours.pt", with_plugin=True, optimizer_state=kind)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*plugin's own state")
+        _resumable(mode, range(2, 4), load=tmp_path / "ours.pt", with_plugin=True, optimizer_state=kind, order=order)
+        _resumable(mode, range(2), optimizer_state=kind)  # a fresh run: nothing was lost
 
 
 def _compact_run(mode: str, clip: str, *, ours: bool, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -197,3 +197,61 @@ def test_fabric_steps_the_masters_with_low_precision_moments(kind: str) -> None:
     for name, value in reference["params"].items():
         torch.testing.assert_close(out["params"][name].float(), value.float(), rtol=0, atol=2e-2)
     assert any(not torch.equal(out["params"][n], v) for n, v in reference["params"].items())  # not FP32 moments
+
+
+def _stepped(master_weights, kind: str, *, seed: int = 0, steps: int = 0):
+    """StablePrecision on TinyMLP driven by hand (bf16-true, AdamW): the plugin, the model and the optimizer."""
+    from helpers import TinyMLP
+
+    torch.manual_seed(seed)
+    plugin = StablePrecision("bf16-true", master_weights=master_weights, optimizer_state=kind)
+    model = plugin.convert_module(TinyMLP())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plugin.stepper.setup_optimizers(model, [optimizer])
+    for _ in range(steps):
+        loss = model(torch.randn(8, 16, dtype=torch.bfloat16)).float().square().mean()
+        plugin.stepper.scale_loss(loss).backward()
+        plugin.stepper.step(optimizer)
+        optimizer.zero_grad()
+    return plugin, model, optimizer
+
+
+@pytest.mark.parametrize("source, target", [
+    ((True, "fp8"), ("kahan", "fp8")), (("kahan", "bf16"), (True, "bf16")),
+    ((True, "fp8"), ("kahan", "bf16")), ((True, "bf16"), ("stochastic", "fp8")),
+])
+def test_moments_carry_into_another_weight_mode(source, target) -> None:
+    # FP8 moments with masters resumed into Kahan + FP8 moments raised AttributeError: 'dict' object has no attribute
+    # 'float' (the moments went through the masters' carry). They are by parameter name in both keepers: carried
+    # exactly into the same kind, stored again (one more rounding, said) into another.
+    plugin, model, _ = _stepped(*source, steps=3)
+    state = copy.deepcopy(plugin.state_dict())
+    saved = state["masters" if source[0] is True else "compact"]["optimizer_state"]
+    resumed, resumed_model, optimizer = _stepped(*target, seed=1)
+    resumed_model.load_state_dict(model.state_dict())  # Lightning loads the model before the plugin's state
+    resumed.load_state_dict(state)
+    moments = resumed.stepper.keeper.moments
+    assert moments.steps == saved["steps"] == dict.fromkeys(saved["steps"], 3)
+    old = type(moments)(source[1], seed=0)
+    old.load_state_dict(saved)
+    for name, (m, v) in moments.stores.items():
+        for store, before in zip((m, v), old.stores[name]):
+            if source[1] == target[1]:
+                assert torch.equal(store.read(), before.read())
+            else:
+                # One rounding into the new kind: < one spacing (BF16 2**-8, E4M3 1/8, stochastically rounded).
+                torch.testing.assert_close(store.read(), before.read(), rtol=0.13, atol=1e-12)
+    converted = [w for w in resumed.stepper.warnings if "stored again as" in w]
+    assert bool(converted) == (source[1] != target[1])
+    loss = resumed_model(torch.randn(8, 16, dtype=torch.bfloat16)).float().square().mean()
+    resumed.stepper.scale_loss(loss).backward()
+    resumed.stepper.step(optimizer)
+    assert all(p.isfinite().all() for p in resumed_model.parameters()) and not resumed.last_step_skipped
+
+
+def test_moments_into_a_run_without_moment_stores_are_said_to_restart() -> None:
+    plugin, model, _ = _stepped(True, "fp8", steps=2)
+    resumed, resumed_model, _ = _stepped("kahan", "fp32", seed=1)
+    resumed_model.load_state_dict(model.state_dict())
+    resumed.load_state_dict(copy.deepcopy(plugin.state_dict()))
+    assert any("'fp8' Adam moments were not carried" in w and "restart at 0" in w for w in resumed.stepper.warnings)
