@@ -111,6 +111,11 @@ class CompactKeeper:
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         pending = self._pending[id(optimizer)]
+        if clip_value != clip_value:  # NaN: torch's clamp makes every gradient NaN, so the step is skipped (the check
+            # of the pending factor sees it), as in the other weight modes
+            device = first_grad_device(optimizer)
+            pending[0] = (pending[0] if pending[0] is not None else torch.ones((), device=device)) * float("nan")
+            return
         pending[1] = float(clip_value) if pending[1] is None else min(pending[1], float(clip_value))
 
     def expose_grads_(self, optimizer: Optimizer) -> None:

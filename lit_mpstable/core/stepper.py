@@ -284,7 +284,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         spike = self._spike.pop(id(optimizer), (None, None))[0]
         early, spike = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device,
                                            spike=spike, share=self.counters.applied_by.get(id(optimizer), 0),
-                                           checked=self.iteration.checked.pop(id(optimizer), None))
+                                           checked=self.iteration.checked.pop(id(optimizer), None),
+                                           factor=self.keeper.grad_multiplier(optimizer))
                         if checker is not None and self.skip_nonfinite else (None, None))
         output, skipped = self.keeper.step_(optimizer, checker, **kwargs)
         late = None
