@@ -15,6 +15,7 @@ from lit_mpstable.core.compact_slices import LOW, Piece, transform
 from lit_mpstable.core.keeper_steps import first_grad_device, step_checked
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.moment_keeper import KEY, AdamMoments, split_moments
+from lit_mpstable.core.replicas import agree_seed, broadcast_
 from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.tensors import grad_norms
 
@@ -72,7 +73,19 @@ class CompactKeeper:
     def adopt_optimizer_(self, optimizer: Optimizer) -> None:
         pass  # bound at its first unscale_ (bind_new_ is cheap and runs every step)
 
-    def follow_model_weights_(self) -> list[str]:
+    @torch.no_grad()
+    def follow_model_weights_(self, replicas: Any = None) -> list[str]:
+        """The weights are the model's own: nothing to follow. ``replicas``: the process group of DDP replicas: the
+        compensation and the seed of stochastic rounding (weights, optimizer state, BF16/FP8 moments) are taken from
+        its first rank, so every replica rounds alike."""
+        if replicas is not None:
+            weights = self.weights
+            broadcast_([comp for _, _, comp in sorted(weights.named_buffers(), key=lambda item: item[0])
+                        if comp is not None], replicas)
+            device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+            weights.seed = agree_seed(weights.seed, replicas, device)
+            if self.moments is not None:
+                self.moments.reseed_(weights.seed)
         return []
 
     def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
@@ -111,6 +124,11 @@ class CompactKeeper:
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         pending = self._pending[id(optimizer)]
+        if clip_value != clip_value:  # NaN: torch's clamp makes every gradient NaN, so the step is skipped (the check
+            # of the pending factor sees it), as in the other weight modes
+            device = first_grad_device(optimizer)
+            pending[0] = (pending[0] if pending[0] is not None else torch.ones((), device=device)) * float("nan")
+            return
         pending[1] = float(clip_value) if pending[1] is None else min(pending[1], float(clip_value))
 
     def expose_grads_(self, optimizer: Optimizer) -> None:

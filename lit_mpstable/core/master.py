@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
+from lit_mpstable.core.replicas import broadcast_
 
 __all__ = ["MasterWeights", "carry_precise_state_"]
 
@@ -208,6 +209,14 @@ class MasterWeights:
         masters, params = self._select(None)
         if masters:
             torch._foreach_copy_(list[torch.Tensor](masters), list[torch.Tensor](params))
+
+    def broadcast_(self, group: Any) -> None:
+        """Take every master from the first rank of the process group ``group``, as ``DistributedDataParallel``
+        takes the 16-bit weights from it (a collective: every rank calls it, after the model was wrapped), and forget
+        the FP32 start values kept for parameters not bound yet (each rank's own initialisation: bound later, they
+        start from their 16-bit weight, the same on every rank)."""
+        broadcast_([self._masters[name] for name in sorted(self._masters)], group)
+        self._initial.clear()
 
     # --------------------------------------------------------------------------------------------- state
     @torch.no_grad()

@@ -14,6 +14,7 @@ from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.keeper_steps import clip_norm_, step_checked, unscale_checked_
 from lit_mpstable.core.master import MasterWeights
 from lit_mpstable.core.moment_keeper import KEY, AdamMoments, split_moments
+from lit_mpstable.core.replicas import agree_seed
 from lit_mpstable.core.scalers import LossScaler
 
 __all__ = ["MasterKeeper"]
@@ -62,9 +63,14 @@ class MasterKeeper:
             self.moments.bind_(optimizer, self._names())
 
     @torch.no_grad()
-    def follow_model_weights_(self) -> list[str]:
+    def follow_model_weights_(self, replicas: Any = None) -> list[str]:
         """Restart from its 16-bit weight every master whose rounding that weight no longer is (weights loaded into
-        the model after the masters were bound); returns their names. One host sync."""
+        the model after the masters were bound); returns their names. One host sync. ``replicas``: the process group
+        of DDP replicas: first the masters (and the moments' seed) are taken from its first rank."""
+        if replicas is not None:
+            self.weights.broadcast_(replicas)
+            if self.moments is not None:
+                self.moments.reseed_(agree_seed(self.moments.seed, replicas, _device(self.module)))
         pairs = list(self.weights.named_pairs())
         if not pairs:
             return []
@@ -152,3 +158,7 @@ class MasterKeeper:
                target: str) -> str | None:
         return carry_precise_state_(module, masters, compact, master=self.weights, compact_weights=None, saved=saved,
                                     target=target)
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))

@@ -159,6 +159,13 @@ class AdamMoments:
                     v.write_(state["exp_avg_sq"].float(), step=max(step, 1))
                     self.steps[name] = step
 
+    def reseed_(self, seed: int) -> None:
+        """Draw the random bits of stochastic rounding from ``seed`` from now on (every store's): the seed the
+        data-parallel replicas agreed on."""
+        self.seed = int(seed)
+        for m, v in self.stores.values():
+            m.seed = v.seed = self.seed
+
     @torch.no_grad()
     def step_(self, optimizer: Optimizer, names: dict[int, str],
               update: Callable[[torch.Tensor, str, Callable[[torch.Tensor, torch.Tensor], None]], None] | None = None,

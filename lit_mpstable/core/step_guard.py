@@ -27,12 +27,15 @@ whole every step (only those written since the gradient check are read again).""
 def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: bool, device: str | torch.device,
                        spike: torch.Tensor | None = None,
                        share: int | None = 0,
-                       checked: GradSet | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                       checked: GradSet | None = None,
+                       factor: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Fold into the step's skip flag whether what the step reads holds inf/NaN now: the gradients as hooks and
     clipping left them after the check (a NaN clip norm makes them NaN; ``checked``: the gradients as the check saw
-    them, by identity and version counter, which need no second read) and the loss scale (``scaled``: a loss scale
-    exists), every step; the parameters (FP32 masters) and the optimizer's state, share ``share`` of
-    :data:`STATE_SHARES` (None: all of them). On the device, no host read: the step's one sync reads the flag.
+    them, by identity and version counter, which need no second read), the loss scale (``scaled``: a loss scale
+    exists) and ``factor``, the multiplier a compact keeper's step still applies to the gradients (its unscale times
+    its clip factor: a NaN ``max_norm`` makes it NaN), every step; the parameters (FP32 masters) and the optimizer's
+    state, share ``share`` of :data:`STATE_SHARES` (None: all of them). On the device, no host read: the step's one
+    sync reads the flag.
 
     ``spike`` (a SpikeGuard's 0-dim bool decision) joins the folded flag too, agreed across ranks in the same
     all-reduce (a spike seen on one rank skips the step on all). Returns the gradient check as it was before (None
@@ -46,6 +49,8 @@ def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: boo
     scale = checker.get_scale_tensor() if scaled else None
     if scale is not None:
         checks.append(~torch.isfinite(scale).all())
+    if factor is not None:
+        checks.append(~torch.isfinite(factor).all())
     held = held_tensors(optimizer, None if share is None else share % STATE_SHARES)
     if held:
         checks.append(_unchanged_nonfinite(held))

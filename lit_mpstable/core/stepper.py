@@ -207,12 +207,19 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         adopt_device(self, module)
 
     @torch.no_grad()
-    def follow_model_weights_(self) -> list[str]:
+    def follow_model_weights_(self, replicas: Any = None) -> list[str]:
         """Restart from its 16-bit weight every FP32 master whose rounding that weight no longer is, and return their
         names: weights loaded into the model after the masters were bound (a pretrained checkpoint loaded after
         ``fabric.setup``) would otherwise be overwritten from the stale master by the next applied step. One host
-        sync; a front end calls it once per optimizer, before its first step."""
-        return self.keeper.follow_model_weights_()
+        sync; a front end calls it once per optimizer, before its first step.
+
+        ``replicas``: under ``DistributedDataParallel``, its process group (``ddp.process_group``). DDP broadcast the
+        16-bit weights of the group's first rank when it wrapped the model, but the keeper's own state was built on
+        each rank: FP32 masters from that rank's own initialisation, the seed of stochastic rounding from its torch
+        seed. They are broadcast from the same first rank first, so the replicas step alike. A collective: every
+        rank calls it, after the model was wrapped, before the first step (a plain loop too: ``ddp =
+        DistributedDataParallel(model)``, then ``stepper.follow_model_weights_(ddp.process_group)``)."""
+        return self.keeper.follow_model_weights_(replicas)
 
     # -------------------------------------------------------------------------------------------- backward
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -320,7 +327,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         spike = self._spike.pop(id(optimizer), (None, None))[0]
         early, spike = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device,
                                            spike=spike, share=self.counters.applied_by.get(id(optimizer), 0),
-                                           checked=self.iteration.checked.pop(id(optimizer), None))
+                                           checked=self.iteration.checked.pop(id(optimizer), None),
+                                           factor=self.keeper.grad_multiplier(optimizer))
                         if checker is not None and self.skip_nonfinite else (None, None))
         output, skipped = self.keeper.step_(optimizer, checker, **kwargs)
         late = None

@@ -44,7 +44,7 @@ class WeightKeeper(Protocol):
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None: ...
     def adopt_optimizer_(self, optimizer: Optimizer) -> None: ...
-    def follow_model_weights_(self) -> list[str]: ...
+    def follow_model_weights_(self, replicas: Any = None) -> list[str]: ...
     def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None: ...
     def absorb_grads_(self, optimizer: Optimizer) -> None: ...
     def clip_grad_norm_(
@@ -105,8 +105,8 @@ class PlainKeeper:
         if optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
 
-    def follow_model_weights_(self) -> list[str]:
-        return []
+    def follow_model_weights_(self, replicas: Any = None) -> list[str]:
+        return []  # the optimizer steps the model's own weights, which DDP broadcast: nothing else to agree on
 
     def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
         unscale_checked_(optimizer, checker, scaler, device)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.core.moment_keeper import pop_saved_mark
+from lit_mpstable.core.replicas import default_replicas
 from lit_mpstable.core.stepper import tensor_init_context
 from lit_mpstable.core.stepper_args import check_optimizer
 from lit_mpstable.frontends.clip_targets import clip_targets
@@ -52,7 +53,8 @@ class StablePrecision(StableFrontEnd, Precision):
       is re-applied when it loads, with the FP32 values it held. With any ``master_weights`` an optimizer resumed
       while the plugin's state was not loaded warns.
 
-    Weights loaded into the model after ``fabric.setup`` (a pretrained checkpoint) are where the masters start. As
+    Weights loaded into the model after ``fabric.setup`` (a pretrained checkpoint) are where the masters start; under
+    DDP the masters, Kahan compensation and rounding seeds are rank 0's, as the weights DDP broadcast are. As
     with Fabric's own plugins, outputs come back in the default dtype (FP32); unlike ``MixedPrecision``, ``*-mixed``
     inputs stay FP32 (autocast casts them per op, and FP32 islands see them unrounded). One model per plugin.
 
@@ -224,7 +226,8 @@ class StablePrecision(StableFrontEnd, Precision):
         if optimizer not in self._bound:
             self._bind(optimizer)
         self._check_resume(optimizer)
-        self.stepper.follow_model_weights_()
+        # After fabric.setup: under DDP the masters, compensation and rounding seeds are rank 0's, as the weights are.
+        self.stepper.follow_model_weights_(default_replicas(self._module().parameters()))
         self._started = (*self._started, optimizer)
         return optimizer
 

@@ -70,6 +70,10 @@ class TrainerPrecision(StableFrontEnd):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         module = lightning_module(model, self._pl)
         self.stepper.setup_optimizers(module, optimizers, [config.scheduler for config in lr_schedulers])
+        # The strategy has wrapped the model (DDP broadcast the first rank's weights): the masters, compensation and
+        # rounding seeds follow them on every rank before the first step.
+        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        self.stepper.follow_model_weights_(ddp.process_group if ddp is not None else None)
         if self.stepper.fp8_budget.pending and not getattr(module, "automatic_optimization", True):
             self._warn_once("budget-manual", _BUDGET_MANUAL)
         self._warn_fp16_cpu()

@@ -40,6 +40,30 @@ def read_ranks(out_dir: Path) -> list[dict[str, Any]]:
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
 
 
+def assert_same_state(a, b, where: str = "") -> None:
+    """``a`` and ``b`` (nested dicts, lists, tensors, numbers) are equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}/{i}")
+    else:
+        assert a == b, (where, a, b)
+
+
+# Every weight mode: (master_weights, optimizer_state, AdamW or SGD with momentum); compact weights with SGD (the
+# fused Adam step would compile in every rank) and BF16/FP8 moments with AdamW (they need it).
+WEIGHT_MODES = [(False, "fp32", False), (True, "fp32", True), (True, "bf16", True), (True, "fp8", True),
+                ("kahan", "fp32", False), ("kahan", "bf16", True), ("stochastic", "fp32", False),
+                ("stochastic", "fp8", True)]
+MODE_IDS = [f"{m}-{s}" for m, s, _ in WEIGHT_MODES]
+
+
 # ------------------------------------------------------------------------------------- plain PyTorch + gloo
 def _loop(
     rank: int, scaler: DynamicLossScaler, *, sync: bool, inf_step: int, big_step: int | None
@@ -86,6 +110,46 @@ def scaler_worker(rank: int, init_file: str, out_dir: str) -> None:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def replicas_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """torch.multiprocessing target: a plain DDP loop on a ``PrecisionStepper`` in every one of :data:`WEIGHT_MODES`,
+    each rank's model built from its own seed; per mode the weights and the keeper's state to ``rank{r}.pt``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
+                            timeout=TIMEOUT)
+    try:
+        results = {mode: _replica_run(rank, *mode) for mode in WEIGHT_MODES}
+        gc.collect()  # the DDP wrappers before the process group (see layout_worker)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _replica_run(rank: int, master_weights: Any, optimizer_state: str, adam: bool) -> dict[str, Any]:
+    from lit_mpstable.core.stepper import PrecisionStepper
+
+    torch.manual_seed(100 + rank)
+    model = TinyMLP()
+    stepper = PrecisionStepper("bf16-true", master_weights=master_weights, optimizer_state=optimizer_state,
+                               device="cpu")
+    stepper.setup_module(model)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if adam
+                 else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    stepper.setup_optimizers(model, [optimizer])
+    ddp = nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's 16-bit weights
+    stepper.follow_model_weights_(ddp.process_group)  # and the keeper's state beside them
+    x, y = regression_data(32)
+    x, y = x[rank::WORLD_SIZE], y[rank::WORLD_SIZE]
+    for step in range(3):
+        rows = slice(4 * step, 4 * step + 4)
+        with stepper.forward_context():
+            loss = nn.functional.mse_loss(ddp(stepper.convert_input(x[rows])).float(), y[rows])
+        stepper.scale_loss(loss).backward()
+        stepper.step(optimizer)
+        optimizer.zero_grad()
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "keeper": stepper.keeper.state_dict(), "steps": stepper.step_count}
 
 
 # ----------------------------------------------------------------------------------------------- Lightning
@@ -147,6 +211,24 @@ class RankFaultModule(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class UnseededModule(RankFaultModule):
+    """:class:`RankFaultModule` initialised and seeded per rank, as ranks launched without ``seed_everything`` (or
+    with per-rank seeds, as nanoGPT seeds) are: ``setup`` seeds torch with ``100 + rank`` and builds the model again.
+    ``adam``: AdamW (BF16/FP8 moments need it), else SGD with momentum. Each rank trains on its own half of the data.
+    """
+
+    def __init__(self, adam: bool) -> None:
+        super().__init__(batch_by_step=True)
+        self.adam = adam
+
+    def setup(self, stage: str) -> None:
+        torch.manual_seed(100 + self.global_rank)
+        self.model = TinyMLP()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2) if self.adam else super().configure_optimizers()
 
 
 class ShardedFaultModule(RankFaultModule):
@@ -245,6 +327,8 @@ class RankReport(pl.Callback):
             # Our FP32 masters where there are (DDP *-true); FSDP2's are the parameters themselves.
             "masters": {name: master.detach().clone() for name, master, _ in plugin.master.named_pairs()}
             if getattr(plugin, "master", None) is not None else {},
+            # What the weight keeper saves: masters, compensation, the rounding seeds, BF16/FP8 moments.
+            "keeper": plugin.stepper.keeper.state_dict() if hasattr(plugin, "stepper") else {},
             "param_dtypes": {name: p.dtype for name, p in pl_module.named_parameters()},
             "seen_dtypes": set(getattr(pl_module, "seen_dtypes", ())),
             "gathered_fp8": list(getattr(pl_module, "gathered_fp8", [])),

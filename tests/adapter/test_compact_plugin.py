@@ -54,6 +54,35 @@ def test_groups_frozen_islands_clipping_and_a_skipped_step(mode: str) -> None:
     assert report["compensation"] == (expected_comp if mode == "kahan" else 0)  # frozen fc1 and the island: none
 
 
+class _NanClip(_Groups):
+    """``self.clip_gradients`` with a NaN ``max_norm`` (or ``clip_value``) at step 1; after each step fc2's weight."""
+
+    def __init__(self, algorithm: str) -> None:
+        super().__init__()
+        self.algorithm = algorithm
+        self.after: list[torch.Tensor] = []
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        limit = float("nan") if self.trainer.global_step == 1 else 1.0
+        self.clip_gradients(optimizer, gradient_clip_val=limit, gradient_clip_algorithm=self.algorithm)
+
+    def on_train_batch_end(self, *args) -> None:
+        self.after.append(self.net.fc2.weight.detach().clone())
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+@pytest.mark.parametrize("mode", [*MODES, True])
+def test_a_nan_clip_in_clip_gradients_skips_the_step_and_keeps_the_weights(mode, algorithm: str) -> None:
+    # The Trainer's path of a NaN clip limit: the step was applied with a NaN clip factor (compact weights) and every
+    # weight became NaN (clip_val=nan by value raised inside the step).
+    module = _NanClip(algorithm)
+    plugin = StablePrecision("bf16-true", master_weights=mode)
+    make_trainer(plugin, max_steps=3).fit(module)
+    assert plugin.skipped_steps == 1 and plugin.step_count == 3
+    assert torch.equal(module.after[0], module.after[1]) and not torch.equal(module.after[1], module.after[2])
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 class _Accumulating(pl.LightningModule):
     """TinyMLP regression, AdamW, unshuffled batches; ``poison``: the batch index whose fc2 gradient gets an inf."""
 

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from dist_helpers import (
+    MODE_IDS,
+    WEIGHT_MODES,
     RankFaultModule,
     ShardedFaultModule,
     fit_ddp,
@@ -284,6 +286,36 @@ def test_ddp_true_precision_repairs_keep_replicas_equal(tmp_path: Path, master_w
     module = RankFaultModule(batch_by_step=True)
     rank0, rank1 = fit_ddp(module, plugin, [PrecisionChanges(changes)], tmp_path, max_steps=6)
     _assert_replicas_equal(rank0, rank1)
+
+
+def test_a_plain_ddp_loop_keeps_unseeded_replicas_equal_in_every_weight_mode(tmp_path: Path) -> None:
+    # The plain PyTorch loop's call: stepper.follow_model_weights_(ddp.process_group) after wrapping. One fork pair
+    # runs every weight mode in turn.
+    from dist_helpers import assert_same_state, replicas_worker
+
+    mp.start_processes(replicas_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
+    rank0, rank1 = read_ranks(tmp_path)
+    for mode in WEIGHT_MODES:
+        assert rank0[mode]["steps"] == rank1[mode]["steps"] == 3, mode
+        assert _same_params(rank0[mode]["params"], rank1[mode]["params"]), mode
+        assert_same_state(rank0[mode]["keeper"], rank1[mode]["keeper"], str(mode))
+
+
+@pytest.mark.parametrize(("master_weights", "optimizer_state", "adam"), WEIGHT_MODES, ids=MODE_IDS)
+def test_ddp_replicas_initialised_and_seeded_apart_train_alike(tmp_path: Path, master_weights, optimizer_state,
+                                                                adam: bool) -> None:
+    # Two ranks, each building its model from its own seed (no seed_everything). DDP broadcast rank 0's 16-bit
+    # weights, but the FP32 masters were built from each rank's own FP32 init and the first step copied them back
+    # over the broadcast (weights 0.48 apart after 8 steps); the rounding seeds came from each rank's torch seed.
+    from dist_helpers import UnseededModule, assert_same_state
+
+    plugin = StablePrecision("bf16-true", master_weights=master_weights, optimizer_state=optimizer_state)
+    rank0, rank1 = fit_ddp(UnseededModule(adam), plugin, [], tmp_path, max_steps=3)
+    assert rank0["world_size"] == 2 and rank0["counters"] == rank1["counters"] == (3, 0, 0)
+    assert _same_params(rank0["params"], rank1["params"]), {
+        k: (rank0["params"][k].float() - rank1["params"][k].float()).abs().max().item() for k in rank0["params"]}
+    assert_same_state(rank0["keeper"], rank1["keeper"], "keeper")
+    assert (rank0["keeper"] != {}) == (master_weights is not False)  # the state compared is there
 
 
 def test_a_recast_under_ddp_rebuilds_the_reducer_or_is_refused(tmp_path: Path) -> None:

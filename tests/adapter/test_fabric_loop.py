@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_helpers import MODE_IDS, WEIGHT_MODES, assert_same_state
 from helpers import HostReads, TinyMLP, regression_data
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
@@ -270,6 +271,46 @@ def test_ddp_an_inf_on_one_rank_makes_both_ranks_skip(precision: str, tmp_path: 
     assert ranks[0]["scale"] == ranks[1]["scale"] == (2.0**15 if precision == "16-mixed" else 1.0)
     for name, value in ranks[0]["params"].items():
         assert torch.equal(ranks[1]["params"][name], value), name
+
+
+def _unseeded_worker(fabric: Fabric, out_dir: str, adam: bool) -> None:
+    # Each rank builds its model from its own seed (no seed_everything) and trains on its own half of the data.
+    torch.set_num_threads(1)
+    torch.manual_seed(100 + fabric.global_rank)
+    model = TinyMLP()
+    opt = (torch.optim.AdamW(model.parameters(), lr=LR) if adam
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    model, opt = fabric.setup(model, opt)
+    x, y = regression_data(32)
+    x, y = x[fabric.global_rank :: fabric.world_size], y[fabric.global_rank :: fabric.world_size]
+    for step in range(3):
+        rows = slice(4 * step, 4 * step + 4)
+        opt.zero_grad()
+        fabric.backward(F.mse_loss(model(x[rows]), y[rows]))
+        opt.step()
+    plugin = fabric.strategy.precision
+    torch.save({"params": snapshot(model), "keeper": plugin.stepper.keeper.state_dict(), "world_size":
+                fabric.world_size, "counters": (plugin.step_count, plugin.skipped_steps)},
+               Path(out_dir) / f"rank{fabric.global_rank}.pt")
+
+
+@pytest.mark.parametrize(("master_weights", "optimizer_state", "adam"), WEIGHT_MODES, ids=MODE_IDS)
+def test_ddp_replicas_initialised_and_seeded_apart_train_alike(tmp_path: Path, master_weights, optimizer_state,
+                                                                adam: bool) -> None:
+    # The Fabric side of test_distributed's test of the same name: the masters, compensation and rounding seeds are
+    # rank 0's, as the weights DDP broadcast at fabric.setup are.
+    plugin = StablePrecision("bf16-true", master_weights=master_weights, optimizer_state=optimizer_state)
+    strategy = DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
+    fabric.launch(_unseeded_worker, str(tmp_path), adam)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert rank0["world_size"] == 2 and rank0["counters"] == rank1["counters"] == (3, 0)
+    for name, value in rank0["params"].items():
+        assert torch.equal(rank1["params"][name], value), name
+    assert_same_state(rank0["keeper"], rank1["keeper"], "keeper")
+    assert (rank0["keeper"] != {}) == (master_weights is not False)
 
 
 # ------------------------------------------------------------------------------------ the probe

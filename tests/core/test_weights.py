@@ -92,3 +92,40 @@ def test_the_step_path_has_no_weight_mode_branch():
         code = source.split('"""')[-1]
         assert not re.search(r"\bmaster\b|\bcompact\b|master_mode", code), name
         assert not re.search(r"\b(getattr|hasattr)\(", code), name  # capabilities are the protocols', not sniffed
+
+
+WEIGHT_MODES = [(False, "fp32"), (True, "fp32"), (True, "bf16"), ("kahan", "fp32"), ("kahan", "bf16"),
+                ("stochastic", "fp32"), ("stochastic", "fp8")]
+
+
+@pytest.mark.parametrize("clip", ["clip_grad_norm_", "clip_grad_value_"])
+@pytest.mark.parametrize("master_weights, optimizer_state", WEIGHT_MODES)
+def test_a_nan_clip_skips_the_step_and_leaves_the_weights_alone(master_weights, optimizer_state, clip):
+    # clip_grad_norm_(max_norm=nan) makes torch's clip factor NaN. The compact keepers fold it into the step's FP32
+    # unscale, where no check saw it: the step was applied and wrote NaN into every weight (clip_grad_value_(nan)
+    # raised inside the step). Every mode skips it now, as the NaN gradients of the other modes are skipped.
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper("bf16-true", master_weights=master_weights, device="cpu",
+                               optimizer_state=optimizer_state)
+    stepper.setup_module(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepper.setup_optimizers(model, [opt])
+    x, y = regression_data(16)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    keeper_before = {name: value.clone() for name, value in stepper.keeper.fp32_weights().items()}
+    for limit in (float("nan"), 1.0):  # the skipped step, then a clean one
+        with stepper.forward_context():
+            loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x)).float(), y)
+        stepper.scale_loss(loss).backward()
+        getattr(stepper, clip)(opt, limit)
+        stepper.step(opt)
+        opt.zero_grad()
+        if limit != limit:
+            assert stepper.last_step_skipped and stepper.skipped_steps == 1
+            assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+            assert all(torch.equal(keeper_before[name], value)
+                       for name, value in stepper.keeper.fp32_weights().items())
+    assert not stepper.last_step_skipped and stepper.step_count == 2  # the next step trains again
+    assert all(torch.isfinite(value).all() for value in model.state_dict().values())
+    assert not torch.equal(before["fc1.weight"], model.fc1.weight)
