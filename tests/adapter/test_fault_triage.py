@@ -397,6 +397,31 @@ def test_ddp_fault_on_one_rank_is_decided_alike_on_both(tmp_path, schedule, prec
     assert all(torch.isfinite(v).all() for v in rank0["params"].values())
 
 
+def test_ddp_transient_faults_on_one_rank_leave_the_loss_scale_of_a_fault_free_run(tmp_path):
+    # Two transient NaNs on rank 1 only, under DDP: both ranks triage them alike (replayed clean), and each rejected
+    # execution's backoff is undone on both, so the scale ends where the fault-free run's does (it once halved twice
+    # although the weights were the fault-free run's).
+    from dist_helpers import RankFaultModule, fit_ddp
+
+    with quiet():
+        clean0, clean1 = fit_ddp(RankFaultModule(), StablePrecision("16-mixed"), [], tmp_path / "clean", max_steps=8)
+        faults = FaultInjector({2: "transient", 5: "transient"}, module="model.fc2", ranks=[1])
+        rank0, rank1 = fit_ddp(RankFaultModule(), StablePrecision("16-mixed"), [FaultTriage(), faults],
+                               tmp_path / "faulted", max_steps=8)
+    events = rank0["FaultTriage.events"]
+    assert [(e["step"], e["kind"], e["action"]) for e in events] == [(2, "transient", "use_replay"),
+                                                                      (5, "transient", "use_replay")]
+    assert rank1["FaultTriage.events"] == events
+    assert rank0["skipped"] == rank1["skipped"] and rank0["counters"] == rank1["counters"]
+    assert rank0["counters"][1:] == (2, 2)  # both overflows counted (and skipped) on both ranks
+    assert rank0["scaler"] == rank1["scaler"] and rank0["scales"] == rank1["scales"]
+    assert rank0["scaler"]["scale"] == clean0["scaler"]["scale"], (rank0["scales"], clean0["scales"])
+    for key in ("_growth_tracker", "_hysteresis_tracker"):  # what decides the scale's next moves, too
+        assert rank0["scaler"][key] == clean0["scaler"][key], key
+    for report in (rank1, clean0, clean1):
+        assert all(torch.equal(rank0["params"][k], report["params"][k]) for k in rank0["params"])
+
+
 def test_events_are_logged_as_a_metric():
     from cb_helpers import ListLogger
 
