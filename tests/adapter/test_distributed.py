@@ -113,7 +113,7 @@ def test_fallback_triggered_by_one_ranks_overflows_happens_on_both(tmp_path: Pat
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
 def test_rollback_on_one_ranks_loss_spike_happens_on_both(tmp_path: Path, precision: str) -> None:
-    plugin = StablePrecision(precision, scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+    plugin = StablePrecision(precision)
     checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3, window=10, on_spike="rollback")
     module = RankFaultModule(loss_factor={5: 1e3})
     rank0, rank1 = fit_ddp(module, plugin, [checkpoint], tmp_path, max_steps=7)
