@@ -34,6 +34,7 @@ from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.spike import SpikeGuard
+from lit_mpstable.core.step_buffers import StepBuffers
 from lit_mpstable.core.step_guard import check_step_inputs_, held_nonfinite, stale_grads_note
 from lit_mpstable.core.step_report import blame, blame_late, observe
 from lit_mpstable.core.step_spike import (
@@ -161,6 +162,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self._zclipped: set[int] = set()  # optimizers clipped (with the adaptive threshold) in this iteration
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
+        self.step_buffers = StepBuffers()
+        """The module's persistent buffers as the step in progress found them: written back when it is skipped."""
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, *, fsdp2: bool = False) -> nn.Module:
@@ -331,6 +334,12 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         if not self.iteration.awaited(self.optimizers, optimizer, self.keeper):
             self._update_scale_()
 
+    def restore_buffers_(self) -> bool:
+        """Write the module's persistent buffers (BatchNorm's statistics) back to what they were before the step in
+        progress began (its first training forward), as a skipped step does; for a replay that is rejected, so the
+        next one starts where the step did. Returns whether there was a copy to write back. No host read."""
+        return self.step_buffers.restore_()
+
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
         optimizer.zero_grad(set_to_none=True)
@@ -348,6 +357,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         # all-reduce; nothing on one process).
         self.layout.sync_fp8_()
         self.counters.record(skipped=skipped, overflow=overflow, optimizer=optimizer)
+        self.step_buffers.end_(skipped=skipped)  # a skipped step's forward leaves no trace in the buffers either
         self._input_nonfinite = None
         if self.growth is not None:
             self.growth.due()  # follows the step count now: a due step that went unsampled is warned of

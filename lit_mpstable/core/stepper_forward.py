@@ -28,6 +28,7 @@ class StepperForward:
     device: str
     _layout_seen: tuple | None
     _input_nonfinite: torch.Tensor | None
+    step_buffers: Any
     compute_dtype: torch.dtype
     dtype: torch.dtype
     true_16bit: bool
@@ -43,6 +44,7 @@ class StepperForward:
         recompile it.
         """
         self._note_recompile()
+        self.step_buffers.begin_(self.layout.module)  # the buffers before the step's first training forward
         traced = self.observer.tracer is not None
         # A growth sample hooks the layers for this forward only; a compiled model runs it eagerly (its graph
         # holds no hook, so it neither breaks nor recompiles).
