@@ -74,8 +74,8 @@ class PreemptionCheckpoint(pl.Callback):
     elsewhere the callback warns and does nothing), only note the signal. The handler that was there before (a
     callable one: ``SIG_DFL`` would end the process at once) is handed the signal after the checkpoint is written,
     at the boundary, or at the end of the fit if it ends first (a signal after the last step boundary, e.g. during
-    the final validation: with ``exit=True`` the process then leaves with ``128 + signum`` at the fit's teardown,
-    rather than going on with the code after ``fit``): a launcher's or library's handler that exits at
+    the final validation: where no handler was there before ours, ``exit=True`` then leaves the process with
+    ``128 + signum`` at the fit's teardown rather than going on with the code after ``fit``): a launcher's or library's handler that exits at
     once (Ray's driver installs one that stays after ``ray.shutdown()``) would otherwise end the run before the
     checkpoint. Lightning's own SIGTERM handler, which it installs after ``setup``, is replaced for the fit: it runs a
     collective inside the handler on the signalled rank alone and ends the run through ``SIGTERMException`` (exit
@@ -209,9 +209,9 @@ class PreemptionCheckpoint(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         signum = self._received if stage == "fit" and self._active else 0  # noted after the last step boundary
         self._received = 0
-        self._restore_handlers()  # a handler before ours is handed the signal here
-        if not signum:
-            return
+        self._restore_handlers()  # a callable handler before ours is handed the signal here, and decides
+        if not signum or self._previous.get(signum) not in (None, signal.SIG_DFL):
+            return  # handed on, or ignored (SIG_IGN) as before us
         name = signal.Signals(signum).name
         if self.exit:
             # No boundary is left to stop at: the fit has ended, and the process leaves as the signal asked, rather
