@@ -348,6 +348,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "_applied_by": "applied steps per optimizer in this process; the schedules' state is saved relative to it",
         "_data_fault": _ITER, "_overflowed": _ITER, "_stepped": _ITER, "_stepped_on": _ITER,
         "_spike": _ITER, "_zclipped": _ITER,
+        "_converted_to": "the dtype the latest batch was converted to, for that batch's forwards only",
         "step_buffers": "copies of the module's buffers from before the step in progress (its own state: _ITER;"
                         " which buffers to copy is learned again from the first step)",
         "last_step_spiked": "why the last step was skipped, read right after it (its count: spike_guard's state)",
