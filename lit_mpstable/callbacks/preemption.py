@@ -75,9 +75,9 @@ class PreemptionCheckpoint(pl.Callback):
     callable one: ``SIG_DFL`` would end the process at once) is handed the signal after the checkpoint is written,
     at the boundary, or at the end of the fit if it ends first (a signal after the last step boundary, e.g. during
     the final validation: where no handler was there before ours, ``exit=True`` then leaves the process with
-    ``128 + signum`` at the fit's teardown rather than going on with the code after ``fit``): a launcher's or library's handler that exits at
-    once (Ray's driver installs one that stays after ``ray.shutdown()``) would otherwise end the run before the
-    checkpoint. Lightning's own SIGTERM handler, which it installs after ``setup``, is replaced for the fit: it runs a
+    ``128 + signum`` at the fit's teardown rather than going on with the code after ``fit``): a launcher's or
+    library's handler that exits at once (Ray's driver installs one that stays after ``ray.shutdown()``) would
+    otherwise end the run before the checkpoint. Lightning's own SIGTERM handler, which it installs after ``setup``, is replaced for the fit: it runs a
     collective inside the handler on the signalled rank alone and ends the run through ``SIGTERMException`` (exit
     status 0, no checkpoint).
 
