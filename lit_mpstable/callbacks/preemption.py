@@ -77,9 +77,9 @@ class PreemptionCheckpoint(pl.Callback):
     the final validation: where no handler was there before ours, ``exit=True`` then leaves the process with
     ``128 + signum`` at the fit's teardown rather than going on with the code after ``fit``): a launcher's or
     library's handler that exits at once (Ray's driver installs one that stays after ``ray.shutdown()``) would
-    otherwise end the run before the checkpoint. Lightning's own SIGTERM handler, which it installs after ``setup``, is replaced for the fit: it runs a
-    collective inside the handler on the signalled rank alone and ends the run through ``SIGTERMException`` (exit
-    status 0, no checkpoint).
+    otherwise end the run before the checkpoint. Lightning's own SIGTERM handler, which it installs after
+    ``setup``, is replaced for the fit: it runs a collective inside the handler on the signalled rank alone and ends
+    the run through ``SIGTERMException`` (exit status 0, no checkpoint).
 
     At the end of every batch that stepped the optimizer (after the step, the scale update and every other callback:
     the callback moves itself to the end of ``trainer.callbacks``) the ranks agree: the signal number is max-reduced,
