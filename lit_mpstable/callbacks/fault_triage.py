@@ -267,6 +267,7 @@ class _TrainerReplay:
         self.module.zero_grad(set_to_none=True)
         if getattr(self.plugin, "spike_guard", None) is not None:
             self.plugin.spike_guard.forget_()  # a rejected replay's loss and norm never enter the statistics
+        self.plugin.stepper.restore_buffers_()  # the next replay starts from the buffers as the step did
 
     def has_snapshot(self) -> bool:
         return self.checkpoint is not None and self.checkpoint.snapshot_step is not None

@@ -73,11 +73,13 @@ class PreemptionCheckpoint(pl.Callback):
     The handlers, installed at ``setup`` (and restored at ``teardown``; Python allows it in the main thread only:
     elsewhere the callback warns and does nothing), only note the signal. The handler that was there before (a
     callable one: ``SIG_DFL`` would end the process at once) is handed the signal after the checkpoint is written,
-    at the boundary, or at the end of the fit if it ends first: a launcher's or library's handler that exits at
-    once (Ray's driver installs one that stays after ``ray.shutdown()``) would otherwise end the run before the
-    checkpoint. Lightning's own SIGTERM handler, which it installs after ``setup``, is replaced for the fit: it runs a
-    collective inside the handler on the signalled rank alone and ends the run through ``SIGTERMException`` (exit
-    status 0, no checkpoint).
+    at the boundary, or at the end of the fit if it ends first (a signal after the last step boundary, e.g. during
+    the final validation: where no handler was there before ours, ``exit=True`` then leaves the process with
+    ``128 + signum`` at the fit's teardown rather than going on with the code after ``fit``): a launcher's or
+    library's handler that exits at once (Ray's driver installs one that stays after ``ray.shutdown()``) would
+    otherwise end the run before the checkpoint. Lightning's own SIGTERM handler, which it installs after
+    ``setup``, is replaced for the fit: it runs a collective inside the handler on the signalled rank alone and ends
+    the run through ``SIGTERMException`` (exit status 0, no checkpoint).
 
     At the end of every batch that stepped the optimizer (after the step, the scale update and every other callback:
     the callback moves itself to the end of ``trainer.callbacks``) the ranks agree: the signal number is max-reduced,
@@ -205,7 +207,22 @@ class PreemptionCheckpoint(pl.Callback):
                 self._previous[sig] = current
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._restore_handlers()
+        signum = self._received if stage == "fit" and self._active else 0  # noted after the last step boundary
+        self._received = 0
+        self._restore_handlers()  # a callable handler before ours is handed the signal here, and decides
+        if not signum or self._previous.get(signum) not in (None, signal.SIG_DFL):
+            return  # handed on, or ignored (SIG_IGN) as before us
+        name = signal.Signals(signum).name
+        if self.exit:
+            # No boundary is left to stop at: the fit has ended, and the process leaves as the signal asked, rather
+            # than going on with the code after fit.
+            rank_zero_info(f"{type(self).__name__}: {name} after the last step boundary (step"
+                           f" {trainer.global_step}): the fit had ended, no checkpoint was needed; exiting with status"
+                           f" {128 + signum}.")
+            raise SystemExit(128 + signum)
+        rank_zero_warn(f"{type(self).__name__}: {name} came after the last step boundary (step"
+                       f" {trainer.global_step}): the fit had ended, so nothing was saved and nothing stopped"
+                       " (exit=False).")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_handlers()  # Lightning skips the teardown hooks when fit ends by an exception (our exit too)

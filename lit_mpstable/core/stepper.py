@@ -34,6 +34,7 @@ from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.spike import SpikeGuard
+from lit_mpstable.core.step_buffers import StepBuffers
 from lit_mpstable.core.step_guard import check_step_inputs_, held_nonfinite, stale_grads_note
 from lit_mpstable.core.step_report import blame, blame_late, observe
 from lit_mpstable.core.step_spike import (
@@ -172,6 +173,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self._input_nonfinite: torch.Tensor | None = None
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
         self._loss_scaled = False  # scale_loss ran in this process (the scaler has a scale to unscale by)
+        self.step_buffers = StepBuffers()
+        """The module's persistent buffers as the step in progress found them: written back when it is skipped."""
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, *, fsdp2: bool = False) -> nn.Module:
@@ -282,7 +285,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip ``optimizer``'s true gradients to a total norm (on the masters with ``master_weights``; with compact
         weights the clip factor joins the FP32 unscale of the step: the 16-bit gradients are not rounded twice)."""
-        check_clip(f"{self.owner}.clip_grad_norm_", "max_norm", max_norm, nan=True)
+        check_clip(f"{self.owner}.clip_grad_norm_", "max_norm", max_norm)
         check_norm_type(f"{self.owner}.clip_grad_norm_", norm_type)
         self.unscale_(optimizer)
         return clip_grad_norm(self, optimizer, max_norm, norm_type)
@@ -375,6 +378,12 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         if not self.iteration.awaited(self.optimizers, optimizer, self.keeper):
             self._update_scale_()
 
+    def restore_buffers_(self) -> bool:
+        """Write the module's persistent buffers (BatchNorm's statistics) back to what they were before the step in
+        progress began (its first training forward), as a skipped step does; for a replay that is rejected, so the
+        next one starts where the step did. Returns whether there was a copy to write back. No host read."""
+        return self.step_buffers.restore_()
+
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
         check_optimizer(f"{self.owner}.drop_grads_", optimizer)
@@ -393,6 +402,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         # all-reduce; nothing on one process).
         self.layout.sync_fp8_()
         self.counters.record(skipped=skipped, overflow=overflow, optimizer=optimizer)
+        self.step_buffers.end_(skipped=skipped)  # a skipped step's forward leaves no trace in the buffers either
         self._input_nonfinite = None
         if self.growth is not None:
             self.growth.due()  # follows the step count now: a due step that went unsampled is warned of

@@ -89,16 +89,17 @@ def check_module(call: str, value: Any, name: str = "module") -> nn.Module:
     return value
 
 
-def check_clip(call: str, name: str, value: Any, *, nan: bool = False) -> None:
-    """A clip threshold: a real number >= 0 (inf: no clipping); NaN only where ``nan`` lets it through.
+def check_clip(call: str, name: str, value: Any) -> None:
+    """A clip threshold: a real number >= 0 (inf: no clipping). NaN passes: as in torch, it makes the gradients NaN,
+    and the step is skipped like any non-finite step (the weights are left alone).
 
     Raises:
         TypeError: not a real number.
-        ValueError: negative (or NaN).
+        ValueError: negative.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{call}({name}={_short(value)}): must be a number >= 0 (inf: no clipping).")
-    if value < 0 or (math.isnan(value) and not nan):
+    if value < 0:
         raise ValueError(f"{call}({name}={value!r}): must be a number >= 0 (inf: no clipping); a negative threshold"
                          " would flip the gradients' signs.")
 

@@ -28,6 +28,8 @@ class StepperForward:
     device: str
     _layout_seen: tuple | None
     _input_nonfinite: torch.Tensor | None
+    step_buffers: Any
+    _converted_to: torch.dtype | None = None  # the dtype convert_input cast the latest batch to (*-true)
     compute_dtype: torch.dtype
     dtype: torch.dtype
     true_16bit: bool
@@ -43,13 +45,14 @@ class StepperForward:
         recompile it.
         """
         self._note_recompile()
+        self.step_buffers.begin_(self.layout.module)  # the buffers before the step's first training forward
         traced = self.observer.tracer is not None
         # A growth sample hooks the layers for this forward only; a compiled model runs it eagerly (its graph
         # holds no hook, so it neither breaks nor recompiles).
         sampled = self.growth is not None and self.growth.due()
         eagerly = traced or (sampled and is_compiled(self.layout.module))
         with eager() if eagerly else nullcontext(), self.growth.sampling() if sampled else nullcontext(), \
-                self.layout.forward_context():
+                self.layout.forward_context(), self._recast_inputs():
             if self.compute_dtype == torch.float32:
                 yield
             elif self.true_16bit:
@@ -65,6 +68,31 @@ class StepperForward:
                     self.stats["op_policy"] = dict(self.policy.choices)  # decided (second forward), forced or resumed
                     self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
                                                   for f, m in self.policy.measurements.items()}
+
+    @contextmanager
+    def _recast_inputs(self) -> Generator[None, None, None]:
+        """``*-true``: a batch converted before a fallback (or a restore) changed the compute dtype, e.g. by
+        ``plugin.fallback(None)`` from ``on_train_batch_start`` (Lightning converts the batch before that hook): its
+        16-bit tensors would meet FP32 weights ("mat1 and mat2 must have the same dtype"). For the forwards of that
+        batch every module of the model casts its floating inputs of the converted dtype to the compute dtype (as
+        AMPPreflight casts the batch it falls back for). Hooks for those forwards only; none otherwise."""
+        stale, now, module = self._converted_to, self.compute_dtype, self.layout.module
+        if not self.true_16bit or stale is None or stale == now or module is None:
+            yield
+            return
+
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(now) if tensor.is_floating_point() and tensor.dtype == stale else tensor
+
+        def hook(_: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
+            return map_tensors(args, cast), map_tensors(kwargs, cast)
+
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in module.modules()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _note_recompile(self) -> None:
         layout = self.layout
@@ -82,5 +110,6 @@ class StepperForward:
             self._input_nonfinite = flag if self._input_nonfinite is None else self._input_nonfinite | flag
         if not self.true_16bit:
             return data
+        self._converted_to = self.compute_dtype
         return map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
 

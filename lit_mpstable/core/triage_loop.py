@@ -317,6 +317,7 @@ class _LoopReplay:
 
     def discard(self) -> None:
         self.plugin.drop_grads_(self.optimizer)  # and a rejected replay's loss and norm leave SpikeGuard's window
+        self.plugin.restore_buffers_()  # the next replay starts from the buffers as the step did
         self.module.zero_grad(set_to_none=True)
 
     def has_snapshot(self) -> bool:

@@ -182,8 +182,9 @@ class StableFrontEnd:
         if self.precision == "16-mixed" and self.device == "cpu":
             self._warn_once(
                 "fp16-cpu",
-                "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there and runs ~100x slower than"
-                " BF16. Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed.",
+                "StablePrecision('16-mixed') on the CPU: FP16 arithmetic is emulated there, several times slower than"
+                " BF16 (measured on a CPU: 12.6x on nanoGPT's shakespeare_char model, 745 ms vs 59 ms a step)."
+                " Running real FP16 autocast with loss scaling, as asked; use 'bf16-mixed' for speed.",
             )
 
     def _check_closure_step(self, optimizer: Optimizer) -> None:

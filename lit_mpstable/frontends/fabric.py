@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from contextlib import AbstractContextManager
+from types import FrameType
 from typing import Any, ClassVar
 
 import torch
@@ -67,7 +69,8 @@ class StablePrecision(StableFrontEnd, Precision):
         master_weights: for ``*-true`` modes, ``True``/``"fp32"``: FP32 masters owned by the optimizers (their
             state is FP32 too), the 16-bit weights refreshed after each applied step; ``False``: Fabric's plain
             ``HalfPrecision`` (in ``"16-true"`` a torch optimizer's ``eps`` below 2**-14, AdamW's default 1e-8
-            included, is refused: FP16 state holds it as 0 or subnormal; use ``eps=1e-4``).
+            included, is refused, at ``fabric.setup(model, optimizer)``: FP16 state holds it as 0 or subnormal; use
+            ``eps=1e-4``).
         skip_nonfinite: in every mode a step whose gradients hold inf/NaN is skipped and counted, so NaN never
             reaches the weights; ``False`` (no scaler only): Fabric's behaviour.
         fp8: ``None``, ``"delayed"``, ``"current"``, ``"mxfp8"`` or an ``FP8Config``: eligible ``nn.Linear``
@@ -102,6 +105,7 @@ class StablePrecision(StableFrontEnd, Precision):
                 " precision (its islands, masters and FP8 layers). Give each model a Fabric of its own."
             )
         self.stepper.setup_module(module)
+        self.stepper.check_eps(_optimizers_given_to_setup(sys._getframe(1)))  # '16-true' without masters
         if self.stepper.fp8_budget.pending:
             self._warn_once("budget-call", f"{self!r}: {_BUDGET_CALL}")
         return module
@@ -260,6 +264,19 @@ class StablePrecision(StableFrontEnd, Precision):
             " fabric.save(path, {..., 'precision': plugin}) and fabric.load(path, {..., 'precision': plugin})"
             " (litgpt's own state dict leaves it out: add it there).",
         )
+
+
+def _optimizers_given_to_setup(frame: FrameType | None) -> list[Optimizer]:
+    """The optimizers ``fabric.setup(model, *optimizers)`` was given, read from its frame (``frame``: the caller of
+    ``convert_module``). Fabric shows a precision plugin no optimizer before its first clip or step; an optimizer the
+    precision refuses (``'16-true'`` without masters: an ``eps`` FP16 cannot hold) is refused at ``fabric.setup``
+    this way, not after the first forward and backward. Empty where the caller is not ``Fabric.setup``
+    (``fabric.setup_module``, then ``fabric.setup_optimizers``: those are checked at ``plugin.setup_optimizers`` or
+    the first clip or step)."""
+    if frame is None or frame.f_code.co_name != "setup" or frame.f_globals.get("__name__") != "lightning.fabric.fabric":
+        return []
+    given = frame.f_locals.get("optimizers", ())
+    return [o.optimizer if isinstance(o, _FabricOptimizer) else o for o in given if isinstance(o, Optimizer)]
 
 
 _BUDGET_CALL = (

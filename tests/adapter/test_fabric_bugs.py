@@ -134,6 +134,19 @@ def test_16_true_without_masters_refuses_an_eps_that_fp16_flushes_to_zero() -> N
         _fabric_16_true(1e-8)
 
 
+def test_16_true_without_masters_refuses_the_eps_at_fabric_setup() -> None:
+    # Fabric shows a precision plugin no optimizer at setup: the refusal came at the first clip or step, after a
+    # forward and backward, from inside Fabric's strategy. It comes from fabric.setup now, with the same message.
+    fabric = _fabric(StablePrecision("16-true", master_weights=False, scaler=None))
+    model = TinyMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    refusal = r"eps=1e-08.*holds as 0\.0.*6\.1e-05.*eps=1e-4.*master_weights=True"
+    with pytest.raises(ValueError, match=refusal) as caught:
+        fabric.setup(model, opt)
+    assert caught.traceback[-1].name == "check_eps" and any(e.name == "setup" for e in caught.traceback)
+    assert not any(e.name in ("optimizer_step", "clip_gradients") for e in caught.traceback)
+
+
 def test_16_true_without_masters_refuses_a_subnormal_eps_and_trains_with_the_one_it_advises() -> None:
     # eps=2**-24 (subnormal in FP16) kept NaN out but the dead ReLUs' neighbours took steps of lr * m / eps that
     # overflowed the next forward: steps 1-3 were skipped.

@@ -376,3 +376,27 @@ def test_a_clean_step_reads_the_device_once_the_skip_decision(precision: str, ma
         reads.append(step_reads.ops)
     assert plugin.stepper.skipped_steps == 1
     assert [reads[step] for step in (1, 2, 3, 4, 7)] == [["_local_scalar_dense"]] * 5, reads
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_a_skipped_step_leaves_batchnorm_as_the_step_before_left_it(precision: str) -> None:
+    fabric = fabric_of(StablePrecision(precision))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 16))
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = regression_data(32)
+    for step in range(3):
+        batch = x[16 * (step % 2):][:16].clone()
+        if step == 1:
+            batch[0, 0] = float("nan")
+        before = snapshot(model)
+        loss = F.mse_loss(model(batch).float(), y[:16])
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            for name, value in snapshot(model).items():
+                assert torch.equal(value, before[name]), name
+    bn = model.module[1]
+    assert int(bn.num_batches_tracked) == 2 and torch.isfinite(bn.running_var).all()

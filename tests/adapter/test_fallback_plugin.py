@@ -55,6 +55,31 @@ def test_global_fallback_and_restore(precision: str) -> None:
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
+class _FallbackAtBatchStart(pl.Callback):
+    """Calls ``plugin.fallback(None)`` (or restore_precision) from on_train_batch_start: after Lightning converted
+    the batch for the precision in force."""
+
+    def __init__(self, at: int, back: int | None = None) -> None:
+        self.at, self.back = at, back
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at:
+            trainer.precision_plugin.fallback(None, reason="test")
+        if trainer.global_step == self.back:
+            trainer.precision_plugin.restore_precision()
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_a_fallback_from_on_train_batch_start_runs_that_batch_in_the_new_precision(precision, master_weights) -> None:
+    plugin = StablePrecision(precision, master_weights=master_weights)
+    module = make_module(optimizer="sgd", lr=1e-2)
+    make_trainer(plugin, callbacks=[_FallbackAtBatchStart(at=1, back=3)], max_steps=5).fit(module)
+    assert plugin.step_count == 5 and plugin.skipped_steps == 0
+    assert module.model.fc1.weight.dtype == plugin.dtype  # restored at step 3
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_module_fallback_moves_only_that_module(precision: str) -> None:
     plugin = StablePrecision(precision)

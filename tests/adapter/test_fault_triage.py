@@ -162,6 +162,30 @@ def test_a_transient_fault_leaves_the_loss_scale_of_a_fault_free_run(precision):
     assert plugin.scaler.state_dict()["_growth_tracker"] == clean_plugin.scaler.state_dict()["_growth_tracker"]
 
 
+def with_batchnorm(module: PoisonModule) -> PoisonModule:
+    """``module`` with a BatchNorm after fc1: running statistics that every training forward changes."""
+    module.model.fc1 = torch.nn.Sequential(module.model.fc1, torch.nn.BatchNorm1d(32))
+    return module
+
+
+def test_a_replayed_or_skipped_step_leaves_batchnorm_as_the_step_before_left_it():
+    clean = with_batchnorm(seeded())
+    fit(clean, [])
+    module = with_batchnorm(seeded())
+    fit(module, [FaultTriage(), FaultInjector({2: "transient"})])
+    bn = module.model.fc1[1]
+    assert int(bn.num_batches_tracked) == 4  # the replayed batch counted once
+    for name, value in weights(clean).items():  # buffers included
+        torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
+    skipped = with_batchnorm(seeded())
+    triage = FaultTriage()
+    plugin = fit(skipped, [triage, FaultInjector({1: "nan_batch"})])
+    assert [e["kind"] for e in triage.events] == ["data"] and plugin.skipped_steps == 1
+    bn = skipped.model.fc1[1]
+    assert int(bn.num_batches_tracked) == 3 and torch.isfinite(bn.running_mean).all()
+    assert torch.isfinite(bn.running_var).all()
+
+
 def test_transient_keeps_the_lr_schedule_of_a_fault_free_run():
     clean = seeded(scheduler=True)
     fit(clean, [], max_steps=6)

@@ -222,6 +222,31 @@ def test_exit_leaves_with_the_signals_conventional_status(tmp_path) -> None:
     assert torch.load(tmp_path / "preemption.ckpt", weights_only=True)["global_step"] == 3
 
 
+class SignalAtTrainEnd(pl.Callback):
+    """Sends ``signum`` to its own process after the last step boundary (as during the final validation)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        os.kill(os.getpid(), self.signum)
+
+
+def _signalled_after_the_last_boundary(ckpt_dir: Path) -> None:
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what a fresh process has (pytest's may differ)
+    _single(ckpt_dir, 3, [SignalAtTrainEnd(signal.SIGTERM)], exit=True)
+    (ckpt_dir / "code_after_fit_ran").write_text("yes")
+
+
+def test_a_signal_after_the_last_boundary_is_handed_on_not_swallowed(tmp_path) -> None:
+    child = multiprocessing.get_context("fork").Process(target=_signalled_after_the_last_boundary, args=(tmp_path,))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 128 + signal.SIGTERM
+    assert not (tmp_path / "code_after_fit_ran").exists()
+
+
 # ------------------------------------------------------------------------------------------- state inventory
 # Every attribute of the objects that make up the run's stability state, and where the preemption checkpoint holds
 # it: ("plugin", key...) in checkpoint["StablePrecision"], ("callback", key) in the callback's own state, ("rank",
@@ -323,6 +348,9 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "_applied_by": "applied steps per optimizer in this process; the schedules' state is saved relative to it",
         "_data_fault": _ITER, "_overflowed": _ITER, "_stepped": _ITER, "_stepped_on": _ITER,
         "_spike": _ITER, "_zclipped": _ITER,
+        "_converted_to": "the dtype the latest batch was converted to, for that batch's forwards only",
+        "step_buffers": "copies of the module's buffers from before the step in progress (its own state: _ITER;"
+                        " which buffers to copy is learned again from the first step)",
         "last_step_spiked": "why the last step was skipped, read right after it (its count: spike_guard's state)",
     },
     "RunCounters": {"applied_by": "applied steps per optimizer in this process; the schedules' state is saved"

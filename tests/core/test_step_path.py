@@ -548,3 +548,71 @@ def test_clipping_before_any_loss_was_scaled_names_the_call_order(call: str) -> 
     with pytest.raises(RuntimeError, match=r"SGD.*before any loss was scaled.*scale_loss\(loss\)\.backward\(\).*then"
                                            r" clipping, then the optimizer step"):
         getattr(stepper, call)(optimizer, *args)
+
+
+# ------------------------------------------------------------------------------------------------ buffers
+class BatchNormMLP(torch.nn.Module):
+    """TinyMLP's shape with a BatchNorm between fc1 and fc2: running statistics change in every training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def _bn_setup(precision: str):
+    torch.manual_seed(0)
+    model = BatchNormMLP()
+    stepper = PrecisionStepper(precision, device="cpu")
+    stepper.setup_module(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper.setup_optimizers(model, [opt])
+    return stepper, model, opt
+
+
+def _buffers(model) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
+@pytest.mark.parametrize("how", ["nan_batch", "skip_step"])
+def test_a_skipped_step_leaves_the_buffers_as_the_step_before_left_them(precision, how) -> None:
+    stepper, model, opt = _bn_setup(precision)
+    x, y = regression_data(32)
+    for step, batch in enumerate((x[:16], x[16:] * 3, x[:16])):
+        before = _buffers(model)
+        bad = step == 1
+        if bad and how == "nan_batch":
+            batch = batch.clone()
+            batch[0, 0] = NAN
+        opt.zero_grad(set_to_none=True)
+        with stepper.forward_context():
+            loss = torch.nn.functional.mse_loss(model(stepper.convert_input(batch)).float(), y[:16])
+        if bad and how == "skip_step":
+            stepper.skip_step()
+        stepper.scale_loss(loss).backward()
+        stepper.step(opt)
+        assert stepper.last_step_skipped == bad
+        after = _buffers(model)
+        for name, value in before.items():
+            changed = not torch.equal(after[name], value)
+            assert changed != bad, (step, name)  # a clean step updates the statistics, a skipped one leaves them
+    assert int(model.bn.num_batches_tracked) == 2 and torch.isfinite(model.bn.running_var).all()
+    model.eval()
+    assert torch.isfinite(model(stepper.convert_input(x))).all()
+
+
+def test_a_model_without_changing_buffers_keeps_no_copy_after_its_first_step() -> None:
+    # A buffer no forward writes (a mask, a cache) is copied on the first step only; a model without buffers never.
+    stepper, model, opt = _setup("32-true")
+    model.register_buffer("mask", torch.ones(16))
+    x, y = regression_data(32)
+    copies = []
+    for _ in range(3):
+        opt.zero_grad()
+        _backward(stepper, model, x, y)
+        copies.append(stepper.step_buffers.copied)
+        stepper.step(opt)
+    assert copies == [1, 0, 0]

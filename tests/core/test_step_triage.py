@@ -29,6 +29,17 @@ class DropoutMLP(TinyMLP):
         return self.fc3(self.act(self.fc2(self.drop(self.act(self.fc1(x))))))
 
 
+class BatchNormMLP(TinyMLP):
+    """TinyMLP with a BatchNorm after fc1: its running statistics and batch count change in every training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.act(self.fc2(self.act(self.bn(self.fc1(x))))))
+
+
 class Loop:
     """A plain loop over 4 batches of 16 (cycled), one SGD optimizer, a PrecisionStepper; faults by step:
 
@@ -164,6 +175,28 @@ def test_a_transient_fault_leaves_the_loss_scale_of_a_fault_free_run():
     assert kinds(loop) == [(2, "transient", "use_replay")]
     assert loop.stepper.loss_scale == plain.stepper.loss_scale == 2.0**16 and loop.stepper.overflow_count == 1
     assert_same_weights(plain, loop)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_a_replayed_step_counts_its_batch_once_in_the_buffers(precision):
+    # The rejected execution's forward updated BatchNorm's statistics: the replay starts from the buffers as the
+    # step before left them, so the run's buffers (num_batches_tracked included) are the fault-free run's.
+    clean = Loop(precision, model=BatchNormMLP).train(5)
+    loop = Loop(precision, model=BatchNormMLP, transient=2).train(5)
+    assert kinds(loop) == [(2, "transient", "use_replay")]
+    assert int(loop.model.bn.num_batches_tracked) == 5
+    assert_same_weights(clean, loop)
+
+
+def test_a_nan_batch_leaves_batchnorm_finite_after_every_replay():
+    loop = Loop(model=BatchNormMLP, snapshot=True, nan_batch=2).train(4)
+    assert [e["kind"] for e in loop.triage.events] == ["data"] and loop.triage.replays_run == 3
+    without = Loop(model=BatchNormMLP, snapshot=True).train(2)  # steps 0 and 1, then step 3's batch
+    x, y = without.batch(3)
+    without.step = 3
+    without.triage.run(without.opt, without.closure(x, y))
+    assert int(loop.model.bn.num_batches_tracked) == 3
+    assert_same_weights(without, loop)
 
 
 def test_without_the_rng_restored_the_replay_would_differ():
