@@ -352,6 +352,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "step_buffers": "copies of the module's buffers from before the step in progress (its own state: _ITER;"
                         " which buffers to copy is learned again from the first step)",
         "last_step_spiked": "why the last step was skipped, read right after it (its count: spike_guard's state)",
+        "_loss_scaled": "whether this process has scaled a loss yet, for the call-order error only",
     },
     "RunCounters": {"applied_by": "applied steps per optimizer in this process; the schedules' state is saved"
                                   " relative to it"},
@@ -362,6 +363,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "_init_hysteresis_tracker": _SEED, "_init_overflow_count": _SEED, "_init_min_scale_hits": _SEED,
         "_per_optimizer_states": _ITER, "_host_found": _ITER, "allow_fp16_grads": _SETUP, "_min_scale_warned": _MSG,
         "last_data_fault": _ITER,
+        "_before_backoff": "the scale before this step's backoff, for triage to undo within the step: " + _ITER,
     },
     "PrecisionLayout": {"dtype": _CONFIG, "cast_parameters": _SETUP, "fp8": _CONFIG, "fp8_backend": _CONFIG,
                         "_user_islands": _CONFIG, "module": _SETUP, "device_type": _SETUP, "after_recast": _SETUP,
