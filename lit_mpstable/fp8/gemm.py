@@ -131,10 +131,10 @@ def _scaled_mm_decision(emulate: bool | None, device: str, delayed: bool = False
     """Whether FP8 GEMMs on ``device`` go through ``torch._scaled_mm`` (else exact emulation).
 
     Auto mode on a CPU emulates (:func:`scaled_mm_preferred`: the CPU kernel gives the same product, up to 4700x
-    slower), except under delayed scaling. There the forward updates the ``scale`` buffer after casting with it, and
-    torch 2.13's AOT partitioner may recompute the saved inverse scale in the backward from that buffer, already
-    updated (``tests/core/test_fp8_bugs.py``); the emulated backward then used the next step's scale under
-    ``torch.compile(backend="aot_eager")``. ``_scaled_mm`` reads its saved scales as they are.
+    slower), except under delayed scaling, which keeps ``_scaled_mm`` from when the emulated backward used the next
+    step's scale under ``torch.compile``: the forward updates the ``scale`` buffer after casting with it, and torch
+    2.13's AOT partitioner recomputed the saved inverse scale in the backward from that buffer, already updated.
+    FP8Linear now copies the scale with an opaque op, which the partitioner saves (``tests/core/test_fp8_bugs.py``).
     """
     if emulate is None and torch.device(device).type == "cpu" and not delayed:
         return False
