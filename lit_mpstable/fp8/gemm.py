@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from lit_mpstable.fp8.quant import to_stored
+
 __all__ = ["fp8_mm", "scaled_mm_preferred", "scaled_mm_refusal", "scaled_mm_supported"]
 
 
@@ -118,7 +120,7 @@ def fp8_mm(
             a.contiguous(), b_t.contiguous().t(), scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=mm_dtype
         )
         return out.to(out_dtype)
-    return ((a.float() * a_inv_scale) @ (b_t.float() * b_inv_scale).t()).to(out_dtype)
+    return to_stored((a.float() * a_inv_scale) @ (b_t.float() * b_inv_scale).t(), out_dtype)
 
 
 _WARNED_EMULATION: set[str] = set()  # devices auto mode has said it emulates on

@@ -365,7 +365,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.mx = layer.fp8_config.recipe == "mxfp8"
         if ctx.mx:
             # MX scales run along the reduction dim, which differs per GEMM: keep the inputs, quantise each time.
-            y = (layer._cast_mx(x_in, _X) @ layer._cast_mx(weight, _W).t()).to(gemm_dtype)
+            y = to_stored(layer._cast_mx(x_in, _X) @ layer._cast_mx(weight, _W).t(), gemm_dtype)
             ctx.save_for_backward(x2, weight)
         else:
             ctx.use_scaled_mm = layer._use_scaled_mm(x.device)

@@ -370,12 +370,12 @@ def test_compiled_delayed_fp8_through_the_stepper_equals_eager(precision: Precis
 
 
 # ------------------------------------ issue 41 item 2: compiled FP8 between 16-bit producers equals eager
-def _gelu_sandwich_run(recipe: str, compiled: bool, emulate: bool | None) -> dict[str, object]:
+def _gelu_sandwich_run(recipe: str, compiled: bool, emulate: bool | None, bias: bool = True) -> dict[str, object]:
     """Linear-GELU-FP8Linear-GELU-Linear under bf16 autocast, AdamW, 3 steps: losses, parameters, FP8 state."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     stepper = PrecisionStepper("bf16-mixed", fp8=FP8Config(recipe=recipe, filter=["2"], emulate=emulate), device="cpu")
-    model = stepper.setup_module(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+    model = stepper.setup_module(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64, bias=bias), nn.GELU(),
                                                nn.Linear(64, 32)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     stepper.setup_optimizers(model, [optimizer])
@@ -399,16 +399,17 @@ def _gelu_sandwich_run(recipe: str, compiled: bool, emulate: bool | None) -> dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("recipe", "emulate"), [
-    ("delayed", None), ("delayed", True), ("current", None), ("mxfp8", None), ("blockwise", None), ("mxfp4", None),
-    ("nvfp4", None),
+@pytest.mark.parametrize(("recipe", "emulate", "bias"), [
+    ("delayed", None, True), ("delayed", True, True), ("current", None, True), ("current", None, False),
+    ("mxfp8", None, True), ("mxfp8", None, False), ("blockwise", None, True), ("mxfp4", None, True),
+    ("nvfp4", None, True),
 ])
-def test_compiled_fp8_between_bf16_producers_equals_eager(recipe: str, emulate: bool | None) -> None:
+def test_compiled_fp8_between_bf16_producers_equals_eager(recipe: str, emulate: bool | None, bias: bool) -> None:
     # Inductor fuses the FP8 cast with the GELU that makes its bf16 input (and the GELU backward that makes its
     # gradient, and the GELU that reads its output), and computes the fused values in fp32 without the rounding to
     # bf16 that eager makes. The delayed recipe's backward also read the scale buffer its forward had updated.
-    eager = _gelu_sandwich_run(recipe, compiled=False, emulate=emulate)
-    compiled = _gelu_sandwich_run(recipe, compiled=True, emulate=emulate)
+    eager = _gelu_sandwich_run(recipe, compiled=False, emulate=emulate, bias=bias)
+    compiled = _gelu_sandwich_run(recipe, compiled=True, emulate=emulate, bias=bias)
     assert compiled["losses"] == eager["losses"]
     assert all(torch.equal(a, b) for a, b in zip(compiled["params"], eager["params"]))  # type: ignore[call-overload]
     for key, value in eager["fp8"].items():  # type: ignore[attr-defined]
