@@ -19,6 +19,7 @@ from lit_mpstable.fp8.quant import (
     as_stored,
     clip_threshold,
     compute_scale,
+    current_scale,
     dequantize_mx,
     inside_backward,
     quantize,
@@ -212,7 +213,7 @@ class FP8Linear(nn.Linear):
             # input made by a GELU: grad_W 210x off at step 0 under inductor).
             scale = counter_snapshot(self.scale[role])
         else:
-            scale = compute_scale(amax, dtype, margin=config.margin)
+            scale = current_scale(amax, dtype, margin=config.margin)
         data = quantize(t, scale, dtype)
         if self.collect_stats:
             self._record_stats(role, t, t.float() * scale, data, amax)

@@ -12,6 +12,7 @@ __all__ = [
     "amax_from_history",
     "as_stored",
     "compute_scale",
+    "current_scale",
     "dequantize",
     "dequantize_mx",
     "fp8_max",
@@ -50,6 +51,14 @@ def compute_scale(
     usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale)
     previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
     return torch.where(usable, scale, previous)
+
+
+def current_scale(amax: torch.Tensor, dtype: torch.dtype, *, margin: int = 0) -> torch.Tensor:
+    """The current recipe's scale: :func:`compute_scale` of this tensor's own ``amax``, but NaN where ``amax`` is
+    inf or NaN, so the whole tensor quantizes to NaN, as torchao's and TransformerEngine's current scaling do (the
+    scale 1.0 kept the finite elements: ``[1e-3, 0.3, 1000, inf]`` gave ``[0.00195, 0.3125, 448, nan]``). An
+    all-zero tensor keeps scale 1."""
+    return torch.where(torch.isfinite(amax), compute_scale(amax, dtype, margin=margin), torch.nan)
 
 
 def amax_from_history(history: torch.Tensor, algo: str = "max") -> torch.Tensor:
