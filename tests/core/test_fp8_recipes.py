@@ -386,8 +386,9 @@ def test_torchao_refuses_what_it_cannot_run_here() -> None:
     for recipe in ("mxfp4", "nvfp4"):
         with pytest.raises(ValueError, match=f"no {recipe} training config.*backend='native'"):
             fp8_backend(FP8Config(recipe=recipe, backend="torchao"))
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="blockwise kernels need a Hopper GPU.*backend='native'"):
-            fp8_backend(FP8Config(recipe="blockwise", backend="torchao"))
+    # Issue 41 item 8: torchao's blockwise kernels scale each tile by exactly 448 / amax, with no option for the
+    # power-of-two scales that "blockwise" means (native, TE): refused on every machine, GPU or not.
+    with pytest.raises(ValueError, match=r"448 / amax.*power-of-two.*backend='native'.*transformer_engine"):
+        fp8_backend(FP8Config(recipe="blockwise", backend="torchao"))
     with pytest.raises(ValueError, match="GPU kernels; use backend='native'"):
         FP8Config(recipe="nvfp4", backend="torchao", emulate=True)
