@@ -145,6 +145,8 @@ class FP8Linear(nn.Linear):
         device_type = x.device.type
         autocast = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+        if x.numel() == 0:  # shapes are host metadata: no sync
+            return self._empty_forward(x, out_dtype)
         recipe = self.fp8_config.recipe
         if recipe in BLOCK_RECIPES:
             counter = None
@@ -162,6 +164,15 @@ class FP8Linear(nn.Linear):
         with torch.autocast(device_type, enabled=False):
             forward_scales = self._begin_forward(x)  # outside the Function: its forward runs with grad disabled
             return _FP8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, forward_scales)
+
+    def _empty_forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """An empty batch (an MoE expert no token was routed to): an empty output, an empty input gradient and zero
+        weight and bias gradients (so data-parallel reducers see every parameter), from a plain linear in
+        ``out_dtype``; nothing is quantised or recorded (amax histories, scales and the SR counter stay as they are:
+        an empty tensor has no amax)."""
+        with torch.autocast(x.device.type, enabled=False):
+            bias = self.bias.to(out_dtype) if self.bias is not None else None
+            return nn.functional.linear(x.to(out_dtype), self.weight.to(out_dtype), bias)
 
     def growth_input_scale(self) -> torch.Tensor | None:
         """The scale the next forward casts its input at (delayed: a view of the history's), or None where each

@@ -51,7 +51,8 @@ def fake_quantize(
 
     Raises:
         TypeError: ``x`` is not a floating-point tensor, or ``generator`` is not a ``torch.Generator``.
-        ValueError: ``recipe`` or ``role`` unknown, or (MX, NVFP4) the block does not divide ``x``'s last dim, or
+        ValueError: ``recipe`` or ``role`` unknown, or (MX, NVFP4) the block does not divide ``x``'s last dim (an
+            empty ``x`` comes back empty, as long as the block divides its dims), or
             for NVFP4 weights its second-to-last: the message says which dim and what to do.
     """
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
@@ -71,6 +72,8 @@ def fake_quantize(
         _check_divides(x, recipe, role, rows=1, cols=MX_BLOCK_SIZE)
     if recipe == "nvfp4":
         _check_divides(x, recipe, role, rows=NVFP4_BLOCK_SIZE if role == "weight" else 1, cols=NVFP4_BLOCK_SIZE)
+    if x.numel() == 0:  # nothing to scale (an empty tensor has no amax): empty out, its gradient straight through
+        return x.clone()
     return _StraightThrough.apply(x, recipe, role, generator)
 
 
