@@ -27,10 +27,11 @@ How our recipes relate to TransformerEngine's (``backend="transformer_engine"`` 
   the row- and column-wise copies from the high-precision tensor; TE's needs a Blackwell GPU.
 - ``"blockwise"`` is TE's ``Float8BlockScaling`` (E4M3, power-of-two scales, 1x128 / 128x128 tiles; Hopper or
   later), ``"nvfp4"`` TE's ``NVFP4BlockScaling`` (RHT, 2-D weight tiles and stochastic rounding on, as its defaults;
-  Blackwell). TE has no MXFP4 recipe. torchao maps ``"blockwise"`` to its prototype ``Float8BlockwiseLinearConfig``
-  (CUDA, Hopper or later) and MXFP4/NVFP4 to training configs only where its version has them (0.18 has NVFP4 and
-  MX for inference only, MXFP8 for training); what cannot run is refused when the backend is built, naming
-  ``backend="native"``, which emulates every recipe exactly on any device.
+  Blackwell). TE has no MXFP4 recipe. torchao refuses ``"blockwise"`` (its prototype ``Float8BlockwiseLinear``
+  scales tiles by exactly ``448 / amax``, with no power-of-two option, so the same name would give other numbers)
+  and maps MXFP4/NVFP4 to training configs only where its version has them (0.18 has NVFP4 and MX for inference
+  only, MXFP8 for training); what cannot run is refused when the backend is built, naming ``backend="native"``,
+  which emulates every recipe exactly on any device.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from lit_mpstable.fp8.blockwise import BLOCKWISE_TILE, blockwise_dequantize, blo
 from lit_mpstable.fp8.hadamard import HADAMARD_SIZE, random_hadamard_transform
 from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
+from lit_mpstable.fp8.quant import as_stored, to_stored
 
 __all__ = [
     "BlockLinearFunction", "block_gemms_backward", "block_gemm_forward", "counter_snapshot", "hash_uniform",
@@ -156,33 +157,35 @@ class BlockLinearFunction(torch.autograd.Function):
         recipe = layer.fp8_config.recipe
         x2 = x.reshape(-1, x.shape[-1])
         w_q = quantize_weight(recipe, weight)
-        y = block_gemm_forward(recipe, x2, weight, w_q)  # fp32; the bias is added before the one rounding
+        y = block_gemm_forward(recipe, as_stored(x2), weight, w_q)  # fp32; bias added before the one rounding
         if bias is not None:
             y = y + bias.float()
         ctx.layer, ctx.recipe, ctx.x_shape, ctx.x_dtype = layer, recipe, x.shape, x.dtype
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x2, weight, w_q, counter)
-        return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return to_stored(y, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         layer = ctx.layer
         x2, weight, w_q, counter = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g2 = as_stored(grad_out.reshape(-1, grad_out.shape[-1]))
         with torch.autocast(grad_out.device.type, enabled=False):
             nvfp4 = ctx.recipe == "nvfp4"
             grad_x, grad_w = block_gemms_backward(
-                ctx.recipe, g2, x2, weight, w_q,
+                ctx.recipe, g2, as_stored(x2), weight, w_q,  # compiled: x2 may be recomputed, fused
                 seed=layer.sr_seed if nvfp4 else 0, counter=counter if nvfp4 else 0,
                 signs=layer.rht_signs if nvfp4 else None,
             )  # fmt: skip
-            grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(weight.dtype), grad_b, None, None, None
+            grad_b = to_stored(g2.float().sum(0), layer.bias.dtype) if ctx.has_bias else None
+        grad_x, grad_w = to_stored(grad_x, ctx.x_dtype), to_stored(grad_w, weight.dtype)
+        return grad_x.reshape(ctx.x_shape), grad_w, grad_b, None, None, None
 
 
 @torch.library.custom_op("lit_mpstable::counter_snapshot", mutates_args=())
 def counter_snapshot(counter: torch.Tensor) -> torch.Tensor:
-    """A copy of the step counter that the forward saves for the backward.
+    """A copy of a buffer that the forward reads before it updates it, for the backward: nvfp4's step counter, the
+    delayed recipe's scales (:class:`~lit_mpstable.fp8.linear.FP8Linear`).
 
     An opaque op on purpose: with a plain ``clone()``, torch.compile's partitioner (torch 2.13) recomputes the copy
     in the backward from the buffer, which the forward's ``add_`` has advanced by then, so the compiled backward

@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from lit_mpstable.fp8.quant import to_stored
+
 __all__ = ["fp8_mm", "scaled_mm_preferred", "scaled_mm_refusal", "scaled_mm_supported"]
 
 
@@ -118,7 +120,7 @@ def fp8_mm(
             a.contiguous(), b_t.contiguous().t(), scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=mm_dtype
         )
         return out.to(out_dtype)
-    return ((a.float() * a_inv_scale) @ (b_t.float() * b_inv_scale).t()).to(out_dtype)
+    return to_stored((a.float() * a_inv_scale) @ (b_t.float() * b_inv_scale).t(), out_dtype)
 
 
 _WARNED_EMULATION: set[str] = set()  # devices auto mode has said it emulates on
@@ -131,10 +133,10 @@ def _scaled_mm_decision(emulate: bool | None, device: str, delayed: bool = False
     """Whether FP8 GEMMs on ``device`` go through ``torch._scaled_mm`` (else exact emulation).
 
     Auto mode on a CPU emulates (:func:`scaled_mm_preferred`: the CPU kernel gives the same product, up to 4700x
-    slower), except under delayed scaling. There the forward updates the ``scale`` buffer after casting with it, and
-    torch 2.13's AOT partitioner may recompute the saved inverse scale in the backward from that buffer, already
-    updated (``tests/core/test_fp8_bugs.py``); the emulated backward then used the next step's scale under
-    ``torch.compile(backend="aot_eager")``. ``_scaled_mm`` reads its saved scales as they are.
+    slower), except under delayed scaling, which keeps ``_scaled_mm`` from when the emulated backward used the next
+    step's scale under ``torch.compile``: the forward updates the ``scale`` buffer after casting with it, and torch
+    2.13's AOT partitioner recomputed the saved inverse scale in the backward from that buffer, already updated.
+    FP8Linear now copies the scale with an opaque op, which the partitioner saves (``tests/core/test_fp8_bugs.py``).
     """
     if emulate is None and torch.device(device).type == "cpu" and not delayed:
         return False

@@ -16,12 +16,15 @@ from lit_mpstable.fp8.gemm import _scaled_mm_decision, fp8_mm
 from lit_mpstable.fp8.quant import (
     MX_BLOCK_SIZE,
     amax_from_history,
+    as_stored,
     clip_threshold,
     compute_scale,
+    current_scale,
     dequantize_mx,
     inside_backward,
     quantize,
     quantize_mx,
+    to_stored,
     update_amax_history_,
 )
 
@@ -142,6 +145,8 @@ class FP8Linear(nn.Linear):
         device_type = x.device.type
         autocast = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+        if x.numel() == 0:  # shapes are host metadata: no sync
+            return self._empty_forward(x, out_dtype)
         recipe = self.fp8_config.recipe
         if recipe in BLOCK_RECIPES:
             counter = None
@@ -159,6 +164,15 @@ class FP8Linear(nn.Linear):
         with torch.autocast(device_type, enabled=False):
             forward_scales = self._begin_forward(x)  # outside the Function: its forward runs with grad disabled
             return _FP8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, forward_scales)
+
+    def _empty_forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """An empty batch (an MoE expert no token was routed to): an empty output, an empty input gradient and zero
+        weight and bias gradients (so data-parallel reducers see every parameter), from a plain linear in
+        ``out_dtype``; nothing is quantised or recorded (amax histories, scales and the SR counter stay as they are:
+        an empty tensor has no amax)."""
+        with torch.autocast(x.device.type, enabled=False):
+            bias = self.bias.to(out_dtype) if self.bias is not None else None
+            return nn.functional.linear(x.to(out_dtype), self.weight.to(out_dtype), bias)
 
     def growth_input_scale(self) -> torch.Tensor | None:
         """The scale the next forward casts its input at (delayed: a view of the history's), or None where each
@@ -205,9 +219,12 @@ class FP8Linear(nn.Linear):
         if recompute_scales is not None:
             scale = recompute_scales[role]
         elif config.recipe == "delayed":
-            scale = self.scale[role].clone()  # from previous steps; the buffer is updated below
+            # From previous steps; the buffer is updated below. An opaque copy: with a plain clone, torch.compile's
+            # partitioner may recompute this cast in the backward from the buffer, updated by then (it did, for an
+            # input made by a GELU: grad_W 210x off at step 0 under inductor).
+            scale = counter_snapshot(self.scale[role])
         else:
-            scale = compute_scale(amax, dtype, margin=config.margin)
+            scale = current_scale(amax, dtype, margin=config.margin)
         data = quantize(t, scale, dtype)
         if self.collect_stats:
             self._record_stats(role, t, t.float() * scale, data, amax)
@@ -350,6 +367,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         forward_scales: tuple[torch.Tensor | None, torch.Tensor | None],
     ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        x_in = as_stored(x2)  # under torch.compile: x rounded as eager stores it, whatever inductor fuses it with
         # GEMM and bias are summed in fp32 and rounded once to the output dtype, as nn.Linear's fused bias epilogue
         # does. Rounding the GEMM to 16 bits before the add is a second rounding that inductor elides when it fuses
         # the add (it keeps the fp32 value), so eager and compiled 16-bit outputs differed by one ulp on a third of
@@ -359,30 +377,31 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.mx = layer.fp8_config.recipe == "mxfp8"
         if ctx.mx:
             # MX scales run along the reduction dim, which differs per GEMM: keep the inputs, quantise each time.
-            y = (layer._cast_mx(x2, _X) @ layer._cast_mx(weight, _W).t()).to(gemm_dtype)
+            y = to_stored(layer._cast_mx(x_in, _X) @ layer._cast_mx(weight, _W).t(), gemm_dtype)
             ctx.save_for_backward(x2, weight)
         else:
             ctx.use_scaled_mm = layer._use_scaled_mm(x.device)
             recompute_scales, ctx.forward_scales = forward_scales
-            x_fp8, x_inv = layer._cast(x2, _X, recompute_scales)
+            x_fp8, x_inv = layer._cast(x_in, _X, recompute_scales)
             w_fp8, w_inv = layer._cast(weight, _W, recompute_scales)
             y = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype=gemm_dtype, use_scaled_mm=ctx.use_scaled_mm)
             ctx.save_for_backward(x_fp8, w_fp8, x_inv, w_inv)
         if bias is not None:
-            y = (y + bias.to(gemm_dtype)).to(out_dtype)
+            y = to_stored(y + bias.to(gemm_dtype), out_dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         layer = ctx.layer
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g2 = as_stored(grad_out.reshape(-1, grad_out.shape[-1]))
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.mx:
                 x2, weight = ctx.saved_tensors
                 w_dtype = weight.dtype
                 # grad_x = dY W: reduce over out_features; grad_W = dY^T x: reduce over the tokens.
                 grad_x = layer._cast_mx(g2, _GRAD) @ layer._cast_mx(weight.t(), _W, record=False).t()
-                grad_w = layer._cast_mx(g2.t(), _GRAD, record=False) @ layer._cast_mx(x2.t(), _X, record=False).t()
+                grad_w = layer._cast_mx(g2.t(), _GRAD, record=False) @ layer._cast_mx(as_stored(x2).t(), _X,
+                                                                                      record=False).t()
             else:
                 x_fp8, w_fp8, x_inv, w_inv = ctx.saved_tensors  # may recompute a checkpointed region first
                 layer._end_backward(ctx.forward_scales)
@@ -392,5 +411,5 @@ class _FP8LinearFunction(torch.autograd.Function):
                 fast = ctx.use_scaled_mm
                 grad_x = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, out_dtype=torch.float32, use_scaled_mm=fast)
                 grad_w = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, out_dtype=torch.float32, use_scaled_mm=fast)
-            grad_b = g2.float().sum(0).to(layer.bias.dtype) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w.to(w_dtype), grad_b, None, None, None
+            grad_b = to_stored(g2.float().sum(0), layer.bias.dtype) if ctx.has_bias else None
+        return to_stored(grad_x, ctx.x_dtype).reshape(ctx.x_shape), to_stored(grad_w, w_dtype), grad_b, None, None, None

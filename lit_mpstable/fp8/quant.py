@@ -10,13 +10,16 @@ __all__ = [
     "clip_threshold",
     "inside_backward",
     "amax_from_history",
+    "as_stored",
     "compute_scale",
+    "current_scale",
     "dequantize",
     "dequantize_mx",
     "fp8_max",
     "mx_block_scales",
     "quantize",
     "quantize_mx",
+    "to_stored",
     "update_amax_history_",
 ]
 
@@ -48,6 +51,14 @@ def compute_scale(
     usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale)
     previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
     return torch.where(usable, scale, previous)
+
+
+def current_scale(amax: torch.Tensor, dtype: torch.dtype, *, margin: int = 0) -> torch.Tensor:
+    """The current recipe's scale: :func:`compute_scale` of this tensor's own ``amax``, but NaN where ``amax`` is
+    inf or NaN, so the whole tensor quantizes to NaN, as torchao's and TransformerEngine's current scaling do (the
+    scale 1.0 kept the finite elements: ``[1e-3, 0.3, 1000, inf]`` gave ``[0.00195, 0.3125, 448, nan]``). An
+    all-zero tensor keeps scale 1."""
+    return torch.where(torch.isfinite(amax), compute_scale(amax, dtype, margin=margin), torch.nan)
 
 
 def amax_from_history(history: torch.Tensor, algo: str = "max") -> torch.Tensor:
@@ -150,6 +161,49 @@ def clip_threshold(dtype: torch.dtype) -> float:
     info = torch.finfo(dtype)
     emax = int(info.max).bit_length() - 1
     return info.max + 2.0**emax * info.eps / 2
+
+
+def as_stored(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the values eager execution stores for it: ``t`` itself, except under ``torch.compile`` for a
+    bf16/fp16 ``t``, which comes back in fp32, explicitly rounded to ``t.dtype``'s grid.
+
+    Inductor computes a fused chain of 16-bit ops in fp32 and elides the downcast-upcast pair between them (unless
+    its global ``emulate_precision_casts`` is set), so an FP8 cast fused with the bf16 op that produced its input
+    (a GELU, a gradient's GELU backward) read the unrounded fp32 values: other amaxes, other FP8 data than eager.
+    Rounding in integer/float arithmetic, which inductor keeps, makes the compiled values eager's (as far as the
+    producer's own fp32 values agree). Readers take ``.float()`` of the result either way.
+    """
+    if t.dtype not in _ROUNDED or not torch.compiler.is_compiling():
+        return t
+    return _round_to(t.float(), t.dtype)
+
+
+def to_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, rounded explicitly under ``torch.compile`` (:func:`as_stored`), so that an op fused with
+    this cast downstream reads the rounded values, as it does in eager."""
+    if dtype in _ROUNDED and t.dtype != dtype and torch.compiler.is_compiling():
+        t = _round_to(t.float(), dtype)
+    return t.to(dtype)
+
+
+_ROUNDED = (torch.bfloat16, torch.float16)
+
+
+def _round_to(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # fp32 ``v`` rounded to nearest even onto bf16's or fp16's grid (overflow to inf), in fp32: ``v.to(dtype).float()``
+    # as arithmetic. bf16 keeps fp32's exponent: drop the low 16 bits of the magnitude, rounding on the bits (NaN is
+    # clamped to inf's bits first, so nothing overflows int32, and put back after). fp16: divide by the quantum at
+    # |v| (a power of two: exact), round half to even, multiply back; past fp16's max is inf, as the cast gives.
+    bits = v.view(torch.int32)
+    if dtype == torch.bfloat16:
+        magnitude = (bits & 0x7FFFFFFF).clamp(max=0x7F800000)
+        rounded = (magnitude + (0x7FFF + ((magnitude >> 16) & 1))) & -0x10000
+        out = (rounded | (bits & -0x80000000)).view(torch.float32)
+        return torch.where(torch.isnan(v), v, out)
+    exponent = (((bits >> 23) & 0xFF) - 127).clamp(min=-14) - 10  # the fp16 quantum's exponent, >= -24: normal
+    quantum = ((exponent + 127) << 23).view(torch.float32)
+    rounded = torch.round(v / quantum) * quantum
+    return torch.where(rounded.abs() > torch.finfo(torch.float16).max, v.sign() * torch.inf, rounded)
 
 
 def inside_backward() -> bool:

@@ -9,7 +9,7 @@ import torch
 from lit_mpstable.fp8.blockwise import BLOCKWISE_TILE, blockwise_dequantize, blockwise_quantize
 from lit_mpstable.fp8.mx import MXElement, mx_dequantize, mx_quantize
 from lit_mpstable.fp8.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
-from lit_mpstable.fp8.quant import MX_BLOCK_SIZE, compute_scale, dequantize, quantize
+from lit_mpstable.fp8.quant import MX_BLOCK_SIZE, current_scale, dequantize, quantize
 
 __all__ = ["QuantRecipe", "QuantRole", "fake_quantize"]
 
@@ -42,13 +42,17 @@ def fake_quantize(
       repeats the draw), inputs and weights to nearest even. ``generator`` is used nowhere else. Under
       ``torch.compile`` pass None (it cannot trace a generator), or call ``nvfp4.nvfp4_quantize`` with ``noise``.
 
-    The arithmetic is fp32 (a float64 ``x`` is rounded to fp32 first). Non-finite values never come back finite:
-    see each format's module for which neighbours turn NaN with them. The gradient is straight-through (the
-    identity), as in quantization-aware training.
+    The arithmetic is fp32 (a float64 ``x`` is rounded to fp32 first). Non-finite values never come back finite,
+    and poison what the reference quantizers poison: ``"current"`` and ``"nvfp4"`` the whole tensor (a NaN or inf
+    amax makes the per-tensor scale non-finite: every element NaN, as torchao and TransformerEngine); ``"blockwise"``
+    the 1x128 tile (128x128 block) holding it (NaN, as TE's reference); MX (torchao's ``to_mx``) a NaN's 32-element
+    block (NaN), while a block whose amax is inf keeps ±inf there and rounds its finite elements to 0, leaving other
+    blocks untouched. The gradient is straight-through (the identity), as in quantization-aware training.
 
     Raises:
         TypeError: ``x`` is not a floating-point tensor, or ``generator`` is not a ``torch.Generator``.
-        ValueError: ``recipe`` or ``role`` unknown, or (MX, NVFP4) the block does not divide ``x``'s last dim, or
+        ValueError: ``recipe`` or ``role`` unknown, or (MX, NVFP4) the block does not divide ``x``'s last dim (an
+            empty ``x`` comes back empty, as long as the block divides its dims), or
             for NVFP4 weights its second-to-last: the message says which dim and what to do.
     """
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
@@ -68,6 +72,8 @@ def fake_quantize(
         _check_divides(x, recipe, role, rows=1, cols=MX_BLOCK_SIZE)
     if recipe == "nvfp4":
         _check_divides(x, recipe, role, rows=NVFP4_BLOCK_SIZE if role == "weight" else 1, cols=NVFP4_BLOCK_SIZE)
+    if x.numel() == 0:  # nothing to scale (an empty tensor has no amax): empty out, its gradient straight through
+        return x.clone()
     return _StraightThrough.apply(x, recipe, role, generator)
 
 
@@ -85,7 +91,7 @@ class _StraightThrough(torch.autograd.Function):
 def _fake_quantize(x: torch.Tensor, recipe: str, role: str, generator: torch.Generator | None) -> torch.Tensor:
     if recipe == "current":
         dtype = torch.float8_e5m2 if role == "grad" else torch.float8_e4m3fn
-        scale = compute_scale(x.abs().amax(), dtype)
+        scale = current_scale(x.abs().amax(), dtype)
         return dequantize(quantize(x, scale, dtype), scale, x.dtype)
     if recipe == "blockwise":
         tile = (BLOCKWISE_TILE, BLOCKWISE_TILE) if role == "weight" else (1, BLOCKWISE_TILE)

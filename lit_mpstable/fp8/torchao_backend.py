@@ -12,13 +12,11 @@ from torch import nn
 from lit_mpstable.fp8.backend import FP8Backend, optional_import, share_hooks
 from lit_mpstable.fp8.config import FP8Config
 from lit_mpstable.fp8.gemm import scaled_mm_supported
-from lit_mpstable.fp8.te_backend import hardware_refusal
 
 __all__ = ["TorchaoBackend"]
 
 _MX_CONFIG = "torchao.prototype.moe_training.config"
 _MX_TENSOR = "torchao.prototype.moe_training.tensor"
-_BLOCKWISE = "torchao.prototype.blockwise_fp8_training.linear"
 
 
 class TorchaoBackend(FP8Backend):
@@ -32,9 +30,10 @@ class TorchaoBackend(FP8Backend):
       are swapped into the original ones (``torch.utils.swap_tensors``), and back on revert, so the objects that
       optimizers hold stay the ones the model computes with.
 
-    - ``recipe="blockwise"``: torchao's prototype ``Float8BlockwiseLinearConfig`` through ``quantize_`` (its
-      ``Float8BlockwiseLinear`` takes the original parameters); Triton kernels, so CUDA with compute capability
-      >= 9.0 only.
+    - ``recipe="blockwise"``: refused. ``"blockwise"`` means power-of-two tile scales (TransformerEngine's
+      ``Float8BlockScaling`` default, the native emulation); torchao 0.18's prototype ``Float8BlockwiseLinear``
+      scales each tile by exactly ``448 / amax`` and its config has no option for powers of two, so the same
+      recipe name would give other numbers.
     - ``recipe="mxfp4"`` / ``"nvfp4"``: torchao (0.18) has MX and NVFP4 tensors for inference and a Triton-only
       functional NVFP4 training prototype, but no training config to convert a model with: refused, naming
       ``backend="native"`` (exact emulation) and TransformerEngine's NVFP4BlockScaling.
@@ -43,8 +42,8 @@ class TorchaoBackend(FP8Backend):
 
     Raises:
         ModuleNotFoundError: torchao is not installed.
-        ValueError: ``recipe="mxfp8"`` with a torchao that has no MXFP8 training config (FP8Config itself refuses
-            ``recipe="delayed"``: torchao removed delayed scaling).
+        ValueError: ``recipe="blockwise"``, ``"mxfp4"`` or ``"nvfp4"``, or ``"mxfp8"`` with a torchao that has no
+            MXFP8 training config (FP8Config itself refuses ``recipe="delayed"``: torchao removed delayed scaling).
     """
 
     name: ClassVar[str] = "torchao"
@@ -60,18 +59,15 @@ class TorchaoBackend(FP8Backend):
                 f" backend='native' (exact emulation on any device){te}."
             )
         if config.recipe == "blockwise":
-            optional_import("torchao", "torchao")
-            if (refusal := hardware_refusal("blockwise", "torchao")) is not None:
-                raise ValueError(refusal)  # first: its module imports Triton, absent where there is no GPU
-            try:
-                importlib.import_module(_BLOCKWISE)
-            except ImportError as err:
-                raise ValueError(
-                    "FP8Config(recipe='blockwise', backend='torchao'): this torchao version has no blockwise FP8"
-                    f" training config ({_BLOCKWISE}.Float8BlockwiseLinearConfig); use backend='native' or upgrade"
-                    " torchao."
-                ) from err
-        elif config.recipe == "mxfp8":
+            torchao = optional_import("torchao", "torchao")
+            raise ValueError(
+                f"FP8Config(recipe='blockwise', backend='torchao'): torchao {torchao.__version__}'s blockwise FP8"
+                " kernels scale each tile by exactly 448 / amax, and its Float8BlockwiseLinearConfig has no option"
+                " for the power-of-two scales that 'blockwise' means (TransformerEngine's Float8BlockScaling"
+                " default; exact scaling and unscaling), so the same recipe would give other numbers; use"
+                " backend='native' (exact emulation on any device) or backend='transformer_engine' on a Hopper GPU."
+            )
+        if config.recipe == "mxfp8":
             optional_import("torchao", "torchao")
             try:
                 importlib.import_module(_MX_CONFIG)
@@ -89,9 +85,6 @@ class TorchaoBackend(FP8Backend):
         linear_module = sys.modules.get("torchao.float8.float8_linear")
         if linear_module is not None and isinstance(module, linear_module.Float8Linear):
             return True
-        blockwise = sys.modules.get(_BLOCKWISE)
-        if blockwise is not None and isinstance(module, blockwise.Float8BlockwiseLinear):
-            return True
         return type(module) is nn.Linear and _mx_wrapped(module.weight)
 
     def convert_(self, model: nn.Module, names: list[str]) -> None:
@@ -106,14 +99,6 @@ class TorchaoBackend(FP8Backend):
         originals = {name: model.get_submodule(name) for name in names}
         if self.config.recipe == "mxfp8":
             self._convert_mx(model, originals, module_filter_fn, device)
-            return
-        if self.config.recipe == "blockwise":
-            from torchao.quantization import quantize_
-
-            config = importlib.import_module(_BLOCKWISE).Float8BlockwiseLinearConfig()
-            quantize_(model, config, filter_fn=module_filter_fn)
-            for name, linear in originals.items():
-                share_hooks(linear, model.get_submodule(name))
             return
         float8 = optional_import("torchao.float8", "torchao")
         emulate = self.config.emulate if self.config.emulate is not None else not scaled_mm_supported(device)

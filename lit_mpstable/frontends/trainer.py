@@ -111,9 +111,23 @@ class TrainerPrecision(StableFrontEnd):
         self._show_notes()
         return output
 
+    @contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        """Every ``training_step`` call (each micro-batch): the probe's budget first, before the first one's forward.
+        With gradient accumulation the first micro-batches run outside ``optimizer_step``: choosing there measured
+        the last micro-batch, after the earlier ones had run the chosen layers in the low format."""
+        module = self.stepper.layout.module
+        if self.stepper.fp8_budget.pending and module is not None:
+            module = lightning_module(module, self._pl)
+            if getattr(module, "automatic_optimization", True):  # manual: the user's call (optimizer_step checks)
+                self._choose_budget(module)
+        with self.forward_context():
+            yield
+
     def _choose_budget(self, module: Any) -> None:
-        """The probe's budget at the first optimizer step, before its (last micro-)batch's forward: the batch
-        ``convert_input`` saw, moved by the strategy, and ``training_step``'s loss on it (``self.log`` muted)."""
+        """The probe's budget at the first training batch, before its forward (:meth:`train_step_context`; else the
+        first optimizer step): the batch ``convert_input`` saw, moved by the strategy, and ``training_step``'s loss
+        on it (``self.log`` muted)."""
         batch, self._budget_batch = getattr(self, "_budget_batch", None), None
         if not module.automatic_optimization:
             raise RuntimeError(_BUDGET_MANUAL)

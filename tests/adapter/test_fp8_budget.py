@@ -120,6 +120,21 @@ def test_the_trainer_chooses_once_at_the_first_batch_within_the_budget(recipe: s
     assert all(name in line for name in kept) and recipe in line
 
 
+def test_with_gradient_accumulation_the_choice_comes_before_the_first_micro_batch() -> None:
+    # Issue 42 item 14: with accumulate_grad_batches=k the plugin measured at the first optimizer step, after k-1
+    # micro-batches had run the chosen layers in the low format, and on the k-th micro-batch.
+    torch.manual_seed(0)
+    module = Stack()
+    plugin = StablePrecision("bf16-mixed", fp8=budget_config("nvfp4"))
+    make_trainer(plugin, max_steps=2, accumulate_grad_batches=2).fit(module)
+    kept = plugin.fp8_high_precision_layers
+    assert kept == expected_choice("nvfp4") and kept  # measured on the first micro-batch, from the initial weights
+    sizes = linear_weight_numel(module)
+    assert len(module.calls) == 2 + 4  # two measurement passes first, then the 2 x 2 micro-batches
+    for call in module.calls[2:]:
+        assert {name for name, fp8 in call.items() if fp8} == set(sizes) - set(kept)
+
+
 def test_resume_reapplies_the_choice_without_measuring_again_and_is_exact(tmp_path) -> None:
     _, full, full_plugin = fit("nvfp4", epochs=2)
     trainer, _, _ = fit("nvfp4", epochs=1)

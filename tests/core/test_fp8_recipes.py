@@ -206,6 +206,41 @@ def test_nvfp4_sr_resumes_from_the_state_dict() -> None:
     assert all(torch.equal(p, q) for p, q in zip(step(resumed), continued))
 
 
+@pytest.mark.parametrize("emulate", [True, None])
+@pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8", "blockwise", "mxfp4", "nvfp4"])
+def test_an_empty_batch_gives_empty_outputs_and_leaves_the_state_alone(recipe: FP8Recipe, emulate: bool | None) -> None:
+    # Issue 42 item 12: an MoE expert no token was routed to. 0 rows in, 0 rows out, zero weight gradients (DDP
+    # still sees every parameter's gradient), and nothing recorded: no amax of an empty tensor, no step of the
+    # stochastic-rounding counter.
+    layer = FP8Linear(32, 64, config=FP8Config(recipe=recipe, emulate=emulate))
+    layer(torch.randn(16, 32)).sum().backward()  # some state first
+    before = {key: value.clone() for key, value in layer.fp8_state_dict().items()}
+    layer.zero_grad()
+    for autocast in (False, True):
+        x = torch.randn(2, 0, 32, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        assert y.shape == (2, 0, 64) and y.dtype == (torch.bfloat16 if autocast else torch.float32)
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        assert layer.weight.grad is not None and not layer.weight.grad.any()
+        assert layer.bias.grad is not None and not layer.bias.grad.any()
+        for key, value in layer.fp8_state_dict().items():
+            assert torch.equal(value, before[key]), key
+    with torch.no_grad():
+        assert layer.eval()(torch.randn(0, 32)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "mxfp8", "mxfp4", "nvfp4"])
+def test_fake_quantize_of_an_empty_tensor_is_empty(recipe: str) -> None:
+    for role in ("input", "weight", "grad"):
+        x = torch.randn(0, 32, requires_grad=True)
+        y = fake_quantize(x, recipe, role=role)  # type: ignore[arg-type]
+        assert y.shape == (0, 32)
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == (0, 32)
+
+
 def test_hash_noise_is_uniform_and_keyed() -> None:
     u = hash_uniform((100_000,), 7, 3, 1)
     assert u.min() >= 0 and u.max() < 1
@@ -386,8 +421,9 @@ def test_torchao_refuses_what_it_cannot_run_here() -> None:
     for recipe in ("mxfp4", "nvfp4"):
         with pytest.raises(ValueError, match=f"no {recipe} training config.*backend='native'"):
             fp8_backend(FP8Config(recipe=recipe, backend="torchao"))
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="blockwise kernels need a Hopper GPU.*backend='native'"):
-            fp8_backend(FP8Config(recipe="blockwise", backend="torchao"))
+    # Issue 41 item 8: torchao's blockwise kernels scale each tile by exactly 448 / amax, with no option for the
+    # power-of-two scales that "blockwise" means (native, TE): refused on every machine, GPU or not.
+    with pytest.raises(ValueError, match=r"448 / amax.*power-of-two.*backend='native'.*transformer_engine"):
+        fp8_backend(FP8Config(recipe="blockwise", backend="torchao"))
     with pytest.raises(ValueError, match="GPU kernels; use backend='native'"):
         FP8Config(recipe="nvfp4", backend="torchao", emulate=True)

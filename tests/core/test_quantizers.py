@@ -341,6 +341,45 @@ def test_current_recipe_is_one_scale_per_tensor() -> None:
     assert _same(fake_quantize(x, "current", role="grad"), torch.from_numpy(expected.astype(np.float32)))
 
 
+@pytest.mark.parametrize("role", ["input", "grad"])
+@pytest.mark.parametrize("bad", [INF, -INF, NAN])
+def test_current_recipe_turns_a_tensor_with_a_non_finite_amax_into_nan_throughout(role: QuantRole, bad: float) -> None:
+    # As torchao and TransformerEngine: the scale 448 / inf (or / NaN) poisons every element, not only the bad one
+    # (it kept the finite ones at scale 1: [1e-3, 0.3, 1000, inf] gave [0.00195, 0.3125, 448, nan]).
+    x = torch.tensor([[1e-3, 0.3, 1000.0, bad]])
+    assert fake_quantize(x, "current", role=role).isnan().all()
+
+
+def test_fp8_linear_current_recipe_poisons_the_whole_product_like_fake_quantize() -> None:
+    from lit_mpstable.fp8 import FP8Config, FP8Linear
+
+    layer = FP8Linear(16, 16, config=FP8Config(recipe="current", emulate=True))
+    x = torch.randn(4, 16)
+    x[1, 2] = INF
+    assert layer(x).isnan().all()  # not only row 1: every element of x went NaN with the tensor's scale
+
+
+def test_block_recipes_poison_the_non_finite_block_only_where_the_reference_does() -> None:
+    # A NaN poisons its block (blockwise: its 1x128 tile; MX: its 32 elements) or, for NVFP4, the tensor (its FP32
+    # tensor scale); an inf poisons its blockwise tile and the NVFP4 tensor, while MX follows torchao: the inf
+    # survives, its block's finite neighbours round to 0, other blocks are untouched.
+    x = torch.linspace(-2, 2, 256).reshape(1, 256)
+    for bad in (NAN, INF):
+        y = x.clone()
+        y[0, 3] = bad
+        blockwise = fake_quantize(y, "blockwise")
+        assert blockwise[:, :128].isnan().all() and not blockwise[:, 128:].isnan().any()
+        assert fake_quantize(y, "nvfp4").isnan().all()
+        for recipe in ("mxfp8", "mxfp4"):
+            mx = fake_quantize(y, recipe)
+            assert not mx[:, 32:].isnan().any()
+            if bad != bad:
+                assert mx[:, :32].isnan().all()
+            else:
+                block = mx[0, :32]
+                assert block[3] == INF and (block != INF).sum() == 31 and (block[block != INF] == 0).all()
+
+
 @pytest.mark.parametrize("recipe", ["current", "blockwise", "mxfp4", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fake_quantize_keeps_dtype_and_shape(recipe: QuantRecipe, dtype: torch.dtype) -> None:
