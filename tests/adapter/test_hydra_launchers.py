@@ -1,7 +1,7 @@
-"""Hydra sweeps and torchrun for real, as the README's "More than one machine" section gives them: a two-job
+"""Hydra sweeps and torchrun for real, as docs/scale-out.md's "More than one machine" section gives them: a two-job
 multirun of ``python -m lit_mpstable.train`` through the joblib launcher and through submitit's local executor
 (SLURM's code path without a cluster), and a 2-process torchrun (DDP, gloo); every job or rank writes its summary.
-The commands are read from the README, shortened to 2 steps. ~30 s each on 2 cores: marked slow."""
+The commands are read from that page, shortened to 2 steps. ~30 s each on 2 cores: marked slow."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ LAUNCHERS = {
 
 
 def readme_command(start: str) -> list[str]:
-    """The README's command line beginning with ``start``, split as a shell would."""
-    section = (ROOT / "README.md").read_text().split("## More than one machine", 1)[1].split("\n## ", 1)[0]
+    """The scale-out page's command line beginning with ``start``, split as a shell would (the README links it)."""
+    section = (ROOT / "docs" / "scale-out.md").read_text().split("## More than one machine", 1)[1].split("\n## ", 1)[0]
     lines = [line for line in section.splitlines() if line.startswith(start)]
     assert len(lines) == 1, (start, lines)
     return shlex.split(lines[0])
