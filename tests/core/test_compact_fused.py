@@ -207,7 +207,7 @@ def test_a_step_under_a_dispatch_mode_leaves_later_fused_steps_alone(path: str) 
 def test_a_slow_first_call_is_explained_once(monkeypatch, compiled_only) -> None:
     # A call longer than SLOW_S compiled: said once per object, with the way out (a negative limit makes each slow).
     monkeypatch.setattr(FusedAdam, "SLOW_S", -1.0)
-    # The notice is also said once per inductor cache (tests/adapter/test_messages.py); here: once per object, as if
+    # The notice is also said once per inductor cache (the test at the end of this file); here: once per object, as if
     # this process were the cache's first.
     import lit_mpstable.core.compact_fused as fused_module
 
