@@ -286,7 +286,7 @@ def perf(workload: Workload, configs: list[Config], repeats: int, steps: int) ->
 
 # ---------------------------------------------------------------------------------------------------- losses
 def stall_losses(steps: int, lr: float, seeds: int) -> dict[str, Any]:
-    """helpers.stall_task with SGD (every update below half a BF16 ulp); the loss of the final weights in FP32."""
+    """demos.stall_task with SGD (every update below half a BF16 ulp); the loss of the final weights in FP32."""
     x, y, w0 = stall_task()
 
     def train(dtype: torch.dtype, mode: str | None, seed: int = 0) -> float:

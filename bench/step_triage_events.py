@@ -23,19 +23,16 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests")]
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from helpers import TinyMLP, regression_data  # noqa: E402
 from torch import nn  # noqa: E402
 
+from lit_mpstable.app.fault_demos import TinyMLP, regression_data  # noqa: E402
 from lit_mpstable.faults import StateSnapshot, StepTriage  # noqa: E402
 from lit_mpstable.stepper import PrecisionStepper  # noqa: E402
 

@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python experiments/growth_fallback.py --mode dead_channel [--recipe delayed]
     PYTHONPATH=. .venv/bin/python experiments/growth_fallback.py [--grow-until 240]   # the alignment task
 
-The tasks are the FP8 growth tasks of ``tests/adapter/test_growth_warning.py`` (a pre-norm residual SwiGLU block on a
+The tasks are the FP8 growth tasks of ``lit_mpstable.app.growth_demo`` (a pre-norm residual SwiGLU block on a
 fixed regression, AdamW; hidden unit 0's gate and up rows driven into alignment from step 80, Smooth-SwiGLU's
 mechanism). Per seed, runs from the same weights on the same batches, each ``StablePrecision("bf16-mixed",
 growth_every_n_steps=10)`` with OverflowMonitor:
@@ -101,7 +101,6 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -111,10 +110,10 @@ import torch
 from lit_mpstable import FP8Config
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "adapter")]
 OUT = ROOT / "experiments" / "results" / "growth_fallback"
 
-from test_growth_warning import DEAD_CAP, GROW_FROM, MODES, _run  # noqa: E402
+from lit_mpstable.app.growth_demo import DEAD_CAP, GROW_FROM, MODES  # noqa: E402
+from lit_mpstable.app.growth_demo import run_growth_task as _run  # noqa: E402
 
 VARIANTS = {"bf16": dict(recipe=None, fallback=False), "fp8": dict(recipe="current", fallback=False),
             "fp8+fallback": dict(recipe="current", fallback=True)}

@@ -17,7 +17,7 @@ Parts:
   their stochastic rounding (``--rounding-seeds``; same initial weights, same batches), so the spread of one
   format's own runs shows how far a difference from FP32 moments can come from the bits alone. Written to
   ``rounding.json`` (apart from ``results.json``, so it can run beside the ``moments`` part).
-- ``warning``: the FP8 growth task of ``tests/adapter/test_growth_warning.py`` (a SwiGLU block whose gate and up rows
+- ``warning``: the FP8 growth task of ``lit_mpstable.app.growth_demo`` (a SwiGLU block whose gate and up rows
   are driven into alignment; ``fp8="current"``, native emulated) with ``growth_every_n_steps=10``: the lead of
   OverflowMonitor's first growth warning over the first non-finite loss, 5 seeds; 5 clean runs for false alarms.
 - ``overhead``: the digits MLP's step time with ``growth_every_n_steps=10`` against without (paired, alternating).
@@ -43,7 +43,6 @@ import lightning.pytorch as pl
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "adapter")]
 OUT = ROOT / "experiments" / "results" / "optimizer_state"
 
 from lit_mpstable import StablePrecision  # noqa: E402
@@ -176,7 +175,7 @@ def run_codec(seed: int, steps: int) -> dict:
 
 
 def run_warning(seed: int, grow: bool, steps: int) -> dict:
-    from test_growth_warning import _run
+    from lit_mpstable.app.growth_demo import run_growth_task as _run
 
     module, plugin, growth, _ = _run(seed, grow=grow, steps=steps)
     first = growth[0][0] if growth else None

@@ -165,6 +165,24 @@ def mse_backward(stepper, model: nn.Module, x: torch.Tensor, y: torch.Tensor) ->
     stepper.scale_loss(loss).backward()
 
 
+def quiet_fabric(plugin):
+    """A one-device CPU Fabric with ``plugin``, its FP16-on-the-CPU warning silenced."""
+    import warnings
+
+    from lightning.fabric import Fabric
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FP16 on the CPU, said once
+        return Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+
+
+def fabric_backward(fabric, model: nn.Module, step: int = 0, scale: float = 1.0) -> None:
+    """``fabric.backward`` of the MSE loss of batch ``step % 4`` (16 rows) of ``regression_data(64)`` x ``scale``."""
+    x, y = regression_data(64)
+    batch = slice(16 * (step % 4), 16 * (step % 4 + 1))
+    fabric.backward(scale * nn.functional.mse_loss(model(x[batch]), y[batch]))
+
+
 class OpNames(torch.utils._python_dispatch.TorchDispatchMode):
     """The names of the tensor operations dispatched inside the block, in order (``.names``)."""
 

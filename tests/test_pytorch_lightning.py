@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SUITES = ["test_plugin.py", "test_silent_failures.py", "test_master_plugin.py", "test_callbacks.py",
+SUITES = ["test_plugin.py", "test_master_plugin.py", "test_callbacks.py",
           "test_cb_rollback.py", "test_foreign_plugins.py", "test_cb_fallback.py", "test_telemetry_plugin.py",
           "test_cb_resume.py"]
 

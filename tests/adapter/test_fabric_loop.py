@@ -1,6 +1,6 @@
-"""lit_mpstable.frontends.fabric.StablePrecision in whole Fabric loops: exact resume through fabric.save/fabric.load,
-held LR schedulers, weights loaded after setup, a litgpt-style loop (two optimizers, gradient accumulation) and
-2-process DDP on gloo with an inf on one rank only."""
+"""lit_mpstable.frontends.fabric.StablePrecision in whole Fabric loops: exact resume through fabric.save/fabric.load
+(a litgpt-style resume without the plugin's state warns), held LR schedulers, weights loaded after setup, a
+litgpt-style loop (two optimizers, gradient accumulation) and 2-process DDP on gloo with an inf on one rank only."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_helpers import MODE_IDS, WEIGHT_MODES, assert_same_state
-from helpers import HostReads, TinyMLP, regression_data
+from helpers import HostReads, TinyMLP, fabric_backward, quiet_fabric, regression_data
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
@@ -400,3 +400,62 @@ def test_a_skipped_step_leaves_batchnorm_as_the_step_before_left_it(precision: s
                 assert torch.equal(value, before[name]), name
     bn = model.module[1]
     assert int(bn.num_batches_tracked) == 2 and torch.isfinite(bn.running_var).all()
+
+
+# --------------------------------------------------------- a litgpt-style resume without the plugin's state warns
+def _resumable(mode: bool | str, steps: range, *, load: Path | None = None, save: Path | None = None,
+               with_plugin: bool = False, optimizer_state: str = "fp32", order: str = "setup, load") -> dict:
+    """AdamW on TinyMLP in bf16-true; the saved state is litgpt's ({"model", "optimizer"}) unless ``with_plugin``;
+    ``order``: plugin.setup_optimizers before fabric.load (the documented order) or after it."""
+    plugin = StablePrecision("bf16-true", master_weights=mode, optimizer_state=optimizer_state)
+    fabric = quiet_fabric(plugin)
+    torch.manual_seed(0 if load is None else 123)
+    model = TinyMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fabric.setup(model, opt)
+    if order == "setup, load":
+        plugin.setup_optimizers(opt)
+    state = {"model": model, "optimizer": opt, **({"precision": plugin} if with_plugin else {})}
+    if load is not None:
+        fabric.load(load, state)
+    if order == "load, setup":
+        plugin.setup_optimizers(opt)
+    for step in steps:
+        opt.zero_grad()
+        fabric_backward(fabric, model, step)
+        opt.step()
+    if save is not None:
+        fabric.save(save, state)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [True, "kahan", "stochastic"])
+def test_resuming_without_the_plugins_state_warns_and_with_it_is_exact(mode: bool | str, tmp_path: Path) -> None:
+    # litgpt saves {"model", "optimizer"} only: kahan/stochastic (and FP32 masters) then resumed inexactly, silently.
+    whole = _resumable(mode, range(4))
+    _resumable(mode, range(2), save=tmp_path / "litgpt.pt")
+    with pytest.warns(UserWarning, match=r"plugin's own state was not loaded.*'precision': plugin"):
+        inexact = _resumable(mode, range(2, 4), load=tmp_path / "litgpt.pt")
+    assert not all(torch.equal(inexact[k], v) for k, v in whole.items())  # what the warning says
+    _resumable(mode, range(2), save=tmp_path / "ours.pt", with_plugin=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*plugin's own state")
+        exact = _resumable(mode, range(2, 4), load=tmp_path / "ours.pt", with_plugin=True)
+    assert all(torch.equal(exact[k], v) for k, v in whole.items())
+
+
+@pytest.mark.parametrize("mode, kind, order", [(True, "bf16", "setup, load"), ("kahan", "fp8", "setup, load"),
+                                               (True, "fp8", "load, setup")])
+def test_resuming_moments_without_the_plugins_state_warns(mode: bool | str, kind: str, order: str,
+                                                          tmp_path: Path) -> None:
+    # BF16/FP8 moments live in the plugin's state, not the optimizer's: a litgpt-style resume restarted them at 0
+    # without the warning FP32 masters get (the optimizer comes back with no state to notice).
+    _resumable(mode, range(2), save=tmp_path / "litgpt.pt", optimizer_state=kind)
+    with pytest.warns(UserWarning, match=r"plugin's own state was not loaded.*Adam moments.*restart at 0"):
+        _resumable(mode, range(2, 4), load=tmp_path / "litgpt.pt", optimizer_state=kind, order=order)
+    _resumable(mode, range(2), save=tmp_path / "ours.pt", with_plugin=True, optimizer_state=kind)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*plugin's own state")
+        _resumable(mode, range(2, 4), load=tmp_path / "ours.pt", with_plugin=True, optimizer_state=kind, order=order)
+        _resumable(mode, range(2), optimizer_state=kind)  # a fresh run: nothing was lost

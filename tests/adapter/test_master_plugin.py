@@ -1,4 +1,5 @@
-"""StablePrecision("bf16-true" | "16-true") with FP32 master weights, in real Lightning runs on the CPU."""
+"""StablePrecision("bf16-true" | "16-true") with FP32 master weights, in real Lightning runs on the CPU: the masters
+start from the FP32 initial weights; hooks and clipping (the user's own, manual) see the gradients."""
 
 from __future__ import annotations
 
@@ -235,3 +236,101 @@ def test_parameters_unfrozen_later_get_masters(precision: str, how: str) -> None
     masters = plugin.state_dict()["masters"]
     assert "net.fc1.weight" in masters and masters["net.fc1.weight"].dtype == torch.float32
     assert not torch.equal(before.to(module.net.fc1.weight.dtype), module.net.fc1.weight)  # it trains after unfreezing
+
+
+# --------------------------------------------------------------- masters start from the FP32 initial weights
+def test_masters_start_from_the_fp32_initial_weights() -> None:
+    module = make_module()
+    initial = {name: p.detach().clone() for name, p in module.named_parameters()}
+    assert any(not torch.equal(p, p.bfloat16().float()) for p in initial.values())  # not representable in BF16
+    plugin = StablePrecision("bf16-true")
+    masters = {}
+
+    class Grab(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            masters.update({name: m.detach().clone() for name, m, _ in plugin.master.named_pairs()})
+
+    make_trainer(plugin, max_steps=1, callbacks=[Grab()]).fit(module)
+    assert set(masters) == set(initial)
+    for name, value in initial.items():
+        assert torch.equal(masters[name], value), name
+
+
+# -------------------------------------------------------------------- hooks and clipping see the gradients
+class _Hooked(pl.LightningModule):
+    """TinyMLP on a fixed batch; records the gradients `on_before_optimizer_step` sees, optionally clips them
+    itself (`user_clip`), or in manual optimization calls `self.clip_gradients` before `opt.step()`."""
+
+    def __init__(self, *, user_clip: float | None = None, manual: str | None = None, clip: float = 0.05) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TinyMLP()
+        self.user_clip, self.manual, self.clip = user_clip, manual, clip
+        self.automatic_optimization = manual is None
+        self.x, self.y = regression_data(32)
+        self.seen: list[dict[str, torch.Tensor | None]] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.mse_loss(self.model(batch[0]).float(), batch[1])
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm=self.manual)
+        opt.step()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.seen.append({n: None if p.grad is None else p.grad.detach().float().clone()
+                          for n, p in self.named_parameters()})
+        if self.user_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.user_clip)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _fit(plugin_or_precision, module, **kwargs):
+    if isinstance(plugin_or_precision, str):
+        trainer = make_trainer(None, precision=plugin_or_precision, **kwargs)
+    else:
+        trainer = make_trainer(plugin_or_precision, **kwargs)
+    trainer.fit(module)
+    return module
+
+
+def test_hooks_see_gradients_with_masters() -> None:
+    ours = _fit(StablePrecision("bf16-true"), _Hooked(), max_steps=2)
+    theirs = _fit("bf16-true", _Hooked(), max_steps=2)
+    assert all(g is not None for g in ours.seen[0].values())
+    # The first step's gradients are the same computation in both (same BF16 weights): equal.
+    for name, grad in theirs.seen[0].items():
+        torch.testing.assert_close(ours.seen[0][name], grad, rtol=0, atol=0)
+
+
+def test_a_users_own_clip_in_the_hook_takes_effect_with_masters() -> None:
+    clipped_by_user = _fit(StablePrecision("bf16-true"), _Hooked(user_clip=0.05), max_steps=3)
+    clipped_by_trainer = _fit(StablePrecision("bf16-true"), _Hooked(), max_steps=3, gradient_clip_val=0.05)
+    unclipped = _fit(StablePrecision("bf16-true"), _Hooked(), max_steps=3)
+    w = lambda m: m.model.fc2.weight.detach().float()  # noqa: E731
+    assert not torch.allclose(w(clipped_by_user), w(unclipped))
+    # The user's clip acts on 16-bit grads, the trainer's on FP32 master grads: the same within BF16 rounding.
+    torch.testing.assert_close(w(clipped_by_user), w(clipped_by_trainer), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+@pytest.mark.parametrize("precision", ["bf16-true", "16-mixed"])
+def test_manual_clip_gradients_before_step_is_applied(precision: str, algorithm: str) -> None:
+    clip = 0.05 if algorithm == "norm" else 0.002
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FP16 on the CPU is emulated: warned
+        manual = _fit(StablePrecision(precision), _Hooked(manual=algorithm, clip=clip), max_steps=2)
+        auto = _fit(StablePrecision(precision), _Hooked(), max_steps=2, gradient_clip_val=clip,
+                    gradient_clip_algorithm=algorithm)
+        unclipped = _fit(StablePrecision(precision), _Hooked(), max_steps=2)
+    w = lambda m: m.model.fc2.weight.detach().float()  # noqa: E731
+    assert not torch.allclose(w(auto), w(unclipped))
+    torch.testing.assert_close(w(manual), w(auto), rtol=0, atol=0)

@@ -1,4 +1,6 @@
-"""plugin.stats: gradient telemetry on unscaled gradients, overflow attribution, and scaler="adaptive"."""
+"""plugin.stats: gradient telemetry on unscaled gradients, overflow attribution (and what its warnings tell the user:
+no FP32-island advice for the overflows the loss scale explains, "first seen in" where the tracer cannot tell who
+wrote the inf, no fp32_modules=[''] for a one-layer model), and scaler="adaptive"."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import warnings
 
 import pytest
 import torch
+from cb_helpers import PoisonModule, quiet
 from helpers import make_module, make_trainer
+from torch import nn
 from trainer_pkg import StablePrecision, pl
 
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
@@ -86,3 +90,45 @@ def test_adaptive_scaler_settles_in_a_few_steps() -> None:
 def test_bad_telemetry_argument() -> None:
     with pytest.raises(ValueError, match="telemetry_every_n_steps=0"):
         StablePrecision(telemetry_every_n_steps=0)
+
+
+# ------------------------------------------- what the plugin tells the user after an overflow (the attribution's words)
+def _warnings(plugin) -> list[str]:
+    return [w for w in plugin.stepper.warnings if "inf/NaN" in w]
+
+
+def test_the_settling_scale_overflows_are_not_blamed_on_a_layer() -> None:
+    # Gradients ~30x larger than usual: at 2**16 (and 2**15) the scaled gradients overflow FP16 in the backward, as
+    # every FP16 run's first steps do while the scale settles.
+    plugin = StablePrecision("16-mixed", diagnose=True)
+    with quiet():
+        make_trainer(plugin, max_steps=4).fit(PoisonModule(loss_factor={0: 3e4, 1: 3e4, 2: 3e4, 3: 3e4}))
+    messages = _warnings(plugin)
+    assert messages and plugin.overflow_count >= 2
+    assert all("fp32_modules" not in m and "first seen in the backward gradient" in m and "loss scale" in m
+               for m in messages), messages
+
+
+class OneLayer(PoisonModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.model.weight.fill_(1e4)  # FP16 forward output overflows (16 * 1e4 * ~1e1 > 65504)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.model(batch[0] * 10).float(), batch[1])
+
+
+def test_a_one_layer_model_is_not_told_fp32_modules_of_the_empty_name() -> None:
+    from lit_mpstable.core.attribution import overflow_warning
+
+    message = overflow_warning("", forward=True, step=3, scale=1.0)
+    assert "fp32_modules=['']" not in message and "the model itself" in message and "'32-true'" in message
+    assert "fp32_modules=['net.0']" in overflow_warning("net.0", forward=True, step=3, scale=65536.0)
+    assert "first seen in" in overflow_warning("net.0", forward=False, step=3, scale=1.0)
+    plugin = StablePrecision("16-mixed", diagnose=True, fp32_modules=())
+    with quiet():
+        make_trainer(plugin, max_steps=2).fit(OneLayer())
+    messages = _warnings(plugin)
+    assert messages and all("fp32_modules=['']" not in m for m in messages), messages

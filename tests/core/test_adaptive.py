@@ -279,3 +279,15 @@ def test_undo_backoff_forgets_the_overflow_it_undoes():
     assert run.scaler.undo_backoff_() and run.scaler.get_scale() == 2.0**14
     assert run.step(1.0) == 2.0**14
     assert run.scaler.state_dict()["_extra_headroom"] == 1.0 and run.scaler.overflow_count == 1
+
+
+# --------------------------------------------------------------------------------- loaded state is checked (adaptive)
+@pytest.mark.parametrize("key, value", [("overflowed_since_note", "False"), ("underflow_boost", 0.5),
+                                        ("_amax_history", [NAN] * 16), ("_amax_history", [1.0]),
+                                        ("_extra_headroom", 0.0), ("_overflow_streak", -1), ("headroom", INF),
+                                        ("target_format", "bf16x"), ("raise_blocked_until", -5),
+                                        ("_last_overflow_scale", NAN)])
+def test_adaptive_fields_are_refused_by_name(key: str, value) -> None:
+    scaler = AdaptiveLossScaler("cpu")
+    with pytest.raises((ValueError, TypeError), match=key):
+        scaler.load_state_dict({**scaler.state_dict(), key: value})

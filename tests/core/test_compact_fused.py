@@ -207,7 +207,7 @@ def test_a_step_under_a_dispatch_mode_leaves_later_fused_steps_alone(path: str) 
 def test_a_slow_first_call_is_explained_once(monkeypatch, compiled_only) -> None:
     # A call longer than SLOW_S compiled: said once per object, with the way out (a negative limit makes each slow).
     monkeypatch.setattr(FusedAdam, "SLOW_S", -1.0)
-    # The notice is also said once per inductor cache (tests/adapter/test_messages.py); here: once per object, as if
+    # The notice is also said once per inductor cache (the test at the end of this file); here: once per object, as if
     # this process were the cache's first.
     import lit_mpstable.core.compact_fused as fused_module
 
@@ -571,3 +571,15 @@ def test_a_train_step_compiled_whole_steps_the_compact_weights_eagerly(mode: str
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.dtype == torch.bfloat16
         torch.testing.assert_close(p.float(), q.float(), rtol=2**-6, atol=1e-3, msg=name)
+
+
+# -------------------------------------------------------------------- the compile notice is said once per cache
+def test_the_fused_adam_compile_notice_is_said_once_per_cache(tmp_path, monkeypatch) -> None:
+    import lit_mpstable.core.compact_fused as fused
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert fused._first_to_say("probe_marker") is True  # the sweep's first job
+    assert fused._first_to_say("probe_marker") is False  # every later job or process sharing the cache
+    assert (tmp_path / "probe_marker").exists()
+    source = open(fused.__file__).read()
+    assert "in seconds" not in source and "13-28 s" in source

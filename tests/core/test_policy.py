@@ -375,3 +375,19 @@ def test_every_rank_adopts_rank_zeros_decision(tmp_path) -> None:
     mp.start_processes(_rank_decides, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
     choices = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     assert choices[0] == choices[1] and choices[0]["attention"] == "fp32"
+
+
+# ------------------------------------------------------------------------- the log says why the slower choice was kept
+def test_the_op_policy_log_says_why_the_slower_choice_was_kept() -> None:
+    from lit_mpstable.core.policy import Measurement, StepCost, choose, describe
+
+    step = StepCost(ms=10.0, peak_bytes=100 * 2**20)
+    memory = Measurement(autocast_ms=3.9, fp32_ms=2.8, autocast_err=1e-3, fp32_err=1e-6, fp32_extra_bytes=40 * 2**20)
+    assert choose(memory, 0.2, step) == "autocast"  # 28 % faster, but 40 % more peak memory for 11 % of the step
+    text = describe("attention", "autocast", memory, 0.2, step)
+    assert text.startswith("attention=autocast (2.8 ms fp32 vs 3.9 ms autocast; kept:")
+    assert "peak memory by 40.0 MiB (40%)" in text
+    noisy = Measurement(autocast_ms=3.0, fp32_ms=2.8, autocast_err=1e-3, fp32_err=1e-6)
+    assert "under the 20% margin" in describe("matmul", "autocast", noisy, 0.2, step)
+    worse = Measurement(autocast_ms=3.9, fp32_ms=2.0, autocast_err=1e-6, fp32_err=1e-3)
+    assert "error" in describe("norm", "autocast", worse, 0.2, step)

@@ -1,9 +1,12 @@
-"""The LossScaler protocol: checked once, when the stepper is built."""
+"""The LossScaler protocol: checked once, when the stepper is built; foreign and adopted scalers count skipped steps."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from helpers import TinyMLP, regression_data
 
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scalers import ForeignScaler, LossScaler, build_scaler
@@ -75,3 +78,72 @@ def test_16_true_keeps_a_scale_the_user_gave_and_16_mixed_keeps_gradscalers_defa
     given = PrecisionStepper("16-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**16), device="cpu")
     assert given.loss_scale == 2.0**16
     assert PrecisionStepper("16-mixed", device="cpu").loss_scale == 2.0**16  # GradScaler's default, unchanged
+
+
+# ---------------------------------------------- foreign and adopted scalers through the stepper: skipped steps counted
+TINY = torch.finfo(torch.float32).tiny  # 2**-126
+INF = float("inf")
+
+
+class DuckScaler:
+    """A scaler that is no GradScaler: GradScaler's methods, delegated to one it owns."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._inner = torch.amp.GradScaler("cpu", **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict", "is_enabled"):
+            return getattr(self._inner, name)
+        raise AttributeError(name)
+
+
+def _loop(stepper: PrecisionStepper, steps: int, bad: set[int], *, scheduler: bool = True, clip: bool = False):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper.setup_module(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
+    stepper.setup_optimizers(model, [opt], [sched] if sched else [])
+    x, y = regression_data(32)
+    for step in range(steps):
+        with stepper.forward_context():
+            loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x)).float(), y)
+        stepper.scale_loss(loss).backward()
+        if step in bad:
+            model.fc2.weight.grad.view(-1)[0] = INF
+        if clip:
+            stepper.clip_grad_norm_(opt, 1.0)
+        stepper.step(opt)
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("make", [lambda: SubclassedScaler("cpu", init_scale=256.0),
+                                  lambda: DuckScaler(init_scale=256.0)], ids=["subclass", "duck"])
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_foreign_scaler_reports_its_skipped_steps(make, clip: bool) -> None:
+    scaler = make()
+    stepper = PrecisionStepper("16-mixed", scaler=scaler)
+    _, opt = _loop(stepper, 4, {1, 2}, clip=clip)
+    assert scaler.get_scale() == 64.0  # it did skip twice (256 -> 128 -> 64)
+    assert stepper.overflow_count == stepper.skipped_steps == 2
+    assert stepper.applied_steps() == 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)  # the LR held on both skipped steps
+    assert stepper.scaler is scaler  # the user's object is what the run shows
+
+
+@pytest.mark.parametrize("precision, make", [
+    ("16-mixed", lambda: torch.amp.GradScaler("cpu", init_scale=2.0**-120)),  # adopted
+    ("16-true", lambda: "auto"),
+], ids=["adopted-gradscaler", "16-true-default"])
+def test_after_an_overflow_storm_a_clean_step_writes_finite_weights(precision: str, make) -> None:
+    stepper = PrecisionStepper(precision, scaler=make(), master_weights=False)
+    if precision == "16-true":
+        stepper.scaler.load_state_dict({**stepper.scaler.state_dict(), "scale": 2.0**-120})
+    model, _ = _loop(stepper, 14, set(range(12)), scheduler=False)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert stepper.overflow_count == 12
+    assert stepper.loss_scale >= TINY
+    assert stepper.applied_steps() == 2
