@@ -136,7 +136,7 @@ def _scaled_mm_decision(emulate: bool | None, device: str, delayed: bool = False
     slower), except under delayed scaling, which keeps ``_scaled_mm`` from when the emulated backward used the next
     step's scale under ``torch.compile``: the forward updates the ``scale`` buffer after casting with it, and torch
     2.13's AOT partitioner recomputed the saved inverse scale in the backward from that buffer, already updated.
-    FP8Linear now copies the scale with an opaque op, which the partitioner saves (``tests/core/test_fp8_bugs.py``).
+    FP8Linear now copies the scale with an opaque op, which the partitioner saves (``tests/core/test_fp8.py``).
     """
     if emulate is None and torch.device(device).type == "cpu" and not delayed:
         return False
