@@ -91,7 +91,7 @@ def _in(folders: tuple[str, ...]) -> list[str]:
 
 def test_every_folder_has_a_rank_and_imports_only_downwards() -> None:
     graph = _graph()
-    assert {"lit_mpstable.core.stepper", "lit_mpstable.fp8.native", "lit_mpstable.frontends.fabric",
+    assert {"lit_mpstable.core.step.stepper", "lit_mpstable.fp8.native", "lit_mpstable.frontends.fabric",
             "lit_mpstable.callbacks.overflow_monitor", "lit_mpstable.app.train", "lit_mpstable.stepper"} <= set(graph)
     upward = [f"{a} imports {b}" for a, deps in graph.items() for b in deps if _rank(b) > _rank(a)]
     assert not upward, upward
@@ -174,7 +174,7 @@ def _import_blocked(modules: list[str], blocked: tuple[str, ...], code: str = ""
 def test_core_and_fp8_import_torch_only() -> None:
     ground = _in(GROUND)
     assert {
-        "lit_mpstable.core.loss_scaler", "lit_mpstable.core.scalers", "lit_mpstable.core.stepper",
+        "lit_mpstable.core.scaling.loss_scaler", "lit_mpstable.core.scaling.scalers", "lit_mpstable.core.step.stepper",
         "lit_mpstable.fp8.native",
     } <= set(ground)
     blocked = ("lightning", "lightning_fabric", "pytorch_lightning", "hydra", "omegaconf", "torchmetrics",
@@ -217,9 +217,10 @@ def test_only_the_app_imports_hydra_matplotlib_and_rich() -> None:
 def test_the_faces_reexport_the_folders_objects() -> None:
     import importlib
 
-    faces = {"stepper": ["core.stepper"], "fabric": ["frontends.fabric"], "plugin": ["frontends.trainer"],
+    faces = {"stepper": ["core.step.stepper"], "fabric": ["frontends.fabric"], "plugin": ["frontends.trainer"],
              "train": ["app.train"], "config": ["app.config"],
-             "scaling": ["core.loss_scaler", "core.adaptive_scaler", "core.scaler_state", "core.scalers"]}
+             "scaling": ["core.scaling.loss_scaler", "core.scaling.adaptive_scaler", "core.scaling.scaler_state",
+                         "core.scaling.scalers"]}
     for face, homes in faces.items():
         module = importlib.import_module(f"lit_mpstable.{face}")
         sources = [importlib.import_module(f"lit_mpstable.{home}") for home in homes]

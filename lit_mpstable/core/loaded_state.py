@@ -16,8 +16,8 @@ import torch
 
 from lit_mpstable.base.validate import bool_arg, check_keys, int_arg, real_arg
 from lit_mpstable.core.formats import FormatName
-from lit_mpstable.core.moment_codec import BLOCK_SIZE
-from lit_mpstable.core.spike_state import OPTIONAL as GUARD_OPTIONAL
+from lit_mpstable.core.guards.spike_state import OPTIONAL as GUARD_OPTIONAL
+from lit_mpstable.core.weights.moment_codec import BLOCK_SIZE
 
 __all__ = [
     "Field", "check_fields", "check_mapping", "check_plugin_state", "count", "count_list", "flag", "finite",

@@ -53,7 +53,7 @@ def test_a_one_layer_model_is_not_told_fp32_modules_of_the_empty_name() -> None:
 
 
 def test_the_op_policy_log_says_why_the_slower_choice_was_kept() -> None:
-    from lit_mpstable.core.policy import Measurement, StepCost, choose, describe
+    from lit_mpstable.core.layout.policy import Measurement, StepCost, choose, describe
 
     step = StepCost(ms=10.0, peak_bytes=100 * 2**20)
     memory = Measurement(autocast_ms=3.9, fp32_ms=2.8, autocast_err=1e-3, fp32_err=1e-6, fp32_extra_bytes=40 * 2**20)
@@ -68,7 +68,7 @@ def test_the_op_policy_log_says_why_the_slower_choice_was_kept() -> None:
 
 
 def test_the_fused_adam_compile_notice_is_said_once_per_cache(tmp_path, monkeypatch) -> None:
-    import lit_mpstable.core.compact_fused as fused
+    import lit_mpstable.core.weights.compact_fused as fused
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert fused._first_to_say("probe_marker") is True  # the sweep's first job

@@ -11,9 +11,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from lit_mpstable.core.islands import FP32Islands
-from lit_mpstable.core.memory import MemoryProbe
-from lit_mpstable.core.policy import FAMILIES, Measurement, OpCall, OpPolicy, StepCost, choose, measure_calls
+from lit_mpstable.core.layout.islands import FP32Islands
+from lit_mpstable.core.layout.policy import FAMILIES, Measurement, OpCall, OpPolicy, StepCost, choose, measure_calls
+from lit_mpstable.core.weights.memory import MemoryProbe
 
 BF16 = torch.bfloat16
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import HostReads, TinyMLP, regression_data
 
-from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler, StaticLossScaler
 
 INF, NAN = float("inf"), float("nan")
 
