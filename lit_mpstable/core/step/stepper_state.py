@@ -6,24 +6,43 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, get_args
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.base.validate import bool_arg
+from lit_mpstable.base.validate import bool_arg, int_arg
 from lit_mpstable.core.counters import RunCounters
+from lit_mpstable.core.formats import FormatName
 from lit_mpstable.core.guards.growth import GrowthMonitor
 from lit_mpstable.core.guards.spike import SpikeGuard
-from lit_mpstable.core.loaded_state import check_plugin_state
+from lit_mpstable.core.guards.spike_state import OPTIONAL as GUARD_OPTIONAL
+from lit_mpstable.core.loaded_state import (
+    Field,
+    check_fields,
+    check_mapping,
+    count,
+    count_list,
+    finite,
+    finite_list,
+    finite_tensors,
+    flag,
+    name_list,
+    optional,
+    short,
+    tensor_tree,
+    text,
+)
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.step.stepper_args import PrecisionName
 from lit_mpstable.core.weights.moment_keeper import KEY as MOMENTS
 from lit_mpstable.core.weights.moment_keeper import AdamMoments, split_moments
+from lit_mpstable.core.weights.optim_state import moment_state
 from lit_mpstable.core.weights.recast_state import KEY as RECAST
 from lit_mpstable.core.weights.recast_state import apply_recast_state_, recast_state
 from lit_mpstable.core.weights.weights import WeightKeeper
 
 __all__ = ["StepperState", "adopt_recast_state_", "check_weights_state", "load_scaler_state_", "load_weights_state_",
-           "weights_state"]
+           "check_plugin_state", "weights_state"]
 
 _KEYS = ("masters", "compact")
 
@@ -131,6 +150,104 @@ def adopt_recast_state_(stepper: Any, optimizers: Sequence[Optimizer], *, weight
         waiting = apply_recast_state_(module, optimizers, waiting, weights=weights)
     if waiting:
         stepper._pending[RECAST] = waiting
+
+
+# ------------------------------------------------------------------------------------------------ the plugin's state
+# 1/scale must stay a finite FP32 number (unscaling multiplies by it).
+_MIN_SCALE = 1.0 / torch.finfo(torch.float32).max
+_MAX_SCALE = float(torch.finfo(torch.float32).max)
+
+_SCALER: dict[str, Field] = {
+    "scale": finite(_MIN_SCALE, _MAX_SCALE),
+    "growth_factor": finite(1.0, low_open=True),
+    "backoff_factor": finite(0.0, 1.0, low_open=True, high_open=True),
+    "growth_interval": lambda c, n, v: int_arg(c, n, v, low=1),
+    "_growth_tracker": count,
+    "hysteresis": lambda c, n, v: int_arg(c, n, v, low=1),
+    "_hysteresis_tracker": count,
+    "min_scale": optional(finite(_MIN_SCALE, _MAX_SCALE)),
+    "max_scale": optional(finite(_MIN_SCALE, _MAX_SCALE)),
+    "overflow_count": count,
+    "min_scale_hits": count,
+    "step_count": count,
+    "target_format": text(*get_args(FormatName)),
+    "headroom": finite(1.0),
+    "amax_history_len": lambda c, n, v: int_arg(c, n, v, low=1),
+    "underflow_boost": finite(0.0, low_open=True),
+    "overflowed_since_note": flag,
+    "raise_blocked_until": count,
+    "_amax_history": finite_list(0.0),
+    "_extra_headroom": finite(0.0, low_open=True),
+    "_last_overflow_scale": finite(0.0),
+    "_overflow_streak": count,
+}
+def _fp8_state(call: str, name: str, value: Any) -> None:
+    check_mapping(call, value, name=name)
+    tensor_tree(call, name, value)
+
+
+_LAYOUT: dict[str, Field] = {
+    "fp32": flag, "fp8_off": flag, "fp8_removed": name_list, "fp32_modules": name_list, "fp8": _fp8_state,
+}
+_COMPACT: dict[str, Field] = {
+    "mode": text("kahan", "stochastic"), "seed": lambda c, n, v: int_arg(c, n, v, low=0, high=2**63 - 1),
+    "steps": lambda c, n, v: int_arg(c, n, v, low=0, high=2**63 - 1), "compensation": finite_tensors,
+}
+
+
+def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tuple[str, ...]) -> None:
+    """Check a plugin state dict (``PrecisionStepper.state_dict``'s keys) before anything of it is loaded.
+
+    Raises:
+        TypeError, ValueError, KeyError: a field is missing, unknown, of the wrong type or out of range (named).
+    """
+    check_mapping(call, state, expected)
+    if not isinstance(state["precision"], str) or state["precision"] not in precisions:
+        raise (ValueError if isinstance(state["precision"], str) else TypeError)(
+            f"{call}(precision={short(state['precision'])}): must be one of {list(precisions)}.")
+    check_fields(call, state, {"step_count": count, "overflow_count": count, "skipped_steps": count,
+                               "last_step_skipped": flag})
+    if state["skipped_steps"] > state["step_count"]:
+        raise ValueError(f"{call}(skipped_steps={state['skipped_steps']}, step_count={state['step_count']}): more"
+                         " steps skipped than taken; the checkpoint is corrupted.")
+    scaler = check_mapping(call, state["scaler"], name="scaler")
+    if scaler and "scale" not in scaler:
+        raise KeyError(f"{call}: scaler state {sorted(map(str, scaler))} has no 'scale'; every loss scaler saves one.")
+    check_fields(call, scaler, _SCALER, prefix="scaler")
+    low, high = scaler.get("min_scale"), scaler.get("max_scale")
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"{call}(scaler['min_scale']={low!r}, scaler['max_scale']={high!r}): min_scale must not"
+                         " exceed max_scale.")
+    if "_amax_history" in scaler and "amax_history_len" in scaler and len(scaler["_amax_history"]) != scaler[
+            "amax_history_len"]:
+        raise ValueError(f"{call}(scaler['_amax_history'] of length {len(scaler['_amax_history'])}): must hold"
+                         f" amax_history_len={scaler['amax_history_len']} values.")
+    layout = check_mapping(call, state["layout"], name="layout")
+    check_fields(call, layout, _LAYOUT, prefix="layout")
+    # "optimizer_state": BF16/FP8 Adam moments a keeper holds (their names are checked against its parameters).
+    masters = check_mapping(call, state["masters"], name="masters")
+    finite_tensors(call, "masters", {k: v for k, v in masters.items() if k != "optimizer_state"})
+    check_fields(call, masters, {"optimizer_state": moment_state}, prefix="masters")
+    compact = check_mapping(call, state["compact"], name="compact")
+    if compact:
+        check_mapping(call, compact, set(_COMPACT) | ({"optimizer_state"} & set(compact)), name="compact")
+        check_fields(call, compact, {**_COMPACT, "optimizer_state": moment_state}, prefix="compact")
+    check_mapping(call, state["op_policy"], name="op_policy")
+    count_list(call, "schedules", state["schedules"])
+    guard = check_mapping(call, state["spike_guard"], name="spike_guard")  # its values: SpikeGuard.load_state_dict
+    if guard:  # {} without a guard; otherwise SpikeGuard.state_dict's keys, whether or not this run has a guard
+        check_mapping(call, guard, {"window", "loss", "loss_count", "grad_norm", "grad_norm_count", "spikes_skipped"}
+                      | (GUARD_OPTIONAL & set(guard)), name="spike_guard")
+    recast = check_mapping(call, state.get("recast", {}), name="recast")  # present while a fallback recasts
+    if recast:
+        check_mapping(call, recast, {"weights", "optimizer_state"}, name="recast")
+        finite_tensors(call, "recast['weights']", recast["weights"])
+        moments = check_mapping(call, recast["optimizer_state"], name="recast['optimizer_state']")
+        for name, entry in moments.items():  # {parameter name: {state key: tensor}}
+            finite_tensors(call, f"recast['optimizer_state'][{name!r}]", entry)
+    growth = check_mapping(call, state["growth"], name="growth")  # its values: GrowthMonitor.check_state
+    if growth:  # {} without a growth monitor; otherwise GrowthMonitor.state_dict's keys, with a monitor or not
+        check_mapping(call, growth, {"steps", "samples", "sampled", "layers"}, name="growth")
 
 
 class StepperState:

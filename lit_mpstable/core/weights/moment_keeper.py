@@ -19,8 +19,7 @@ import torch
 from torch.optim import Optimizer
 
 from lit_mpstable.base.validate import choice_arg
-from lit_mpstable.core.loaded_state import moment_state
-from lit_mpstable.core.weights.optim_state import MomentStore, StateKind, adam_moments
+from lit_mpstable.core.weights.optim_state import MomentStore, StateKind, adam_moments, moment_state
 
 __all__ = [
     "KEY", "SAVED_MARK", "AdamMoments", "StateKind", "check_adam", "check_optimizer_state", "is_moment_tensor",
@@ -242,7 +241,7 @@ class AdamMoments:
     def check_state(self, state: Any, *, call: str | None = None, name: str = "optimizer_state",
                     same_kind: bool = True) -> None:
         """Refuse ``state`` unless :meth:`load_state_dict` (``same_kind``) or :meth:`carry_` can load it whole: every
-        field valid (``loaded_state.moment_state``), saved with this ``kind``, and the moments of exactly the
+        field valid (``optim_state.moment_state``), saved with this ``kind``, and the moments of exactly the
         parameters this object holds stores for (a missing one would restart at 0; one of an unknown name, a renamed
         parameter, would never be read), each of its parameter's shape. Changes nothing.
 

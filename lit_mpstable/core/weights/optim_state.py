@@ -41,18 +41,20 @@ stepper's to skip before this runs.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 import torch
 
-from lit_mpstable.core.loaded_state import moment_store
+from lit_mpstable.base.validate import check_keys, int_arg
+from lit_mpstable.core.loaded_state import Field, check_mapping, count, count_list, flag, short, text
 from lit_mpstable.core.weights.moment_codec import BLOCK_SIZE, decode_fp8, encode_fp8, random_words, to_bf16
 
 __all__ = [
     "BLOCK_SIZE", "MomentStore", "Rounding", "StateKind", "adam_moments", "adamw_step_", "dequantize_moment",
-    "quantize_moment", "state_bytes",
+    "moment_state", "moment_store", "quantize_moment", "state_bytes",
 ]
 
 StateKind = Literal["fp32", "bf16", "fp8"]
@@ -350,3 +352,125 @@ def _saved_block(store: MomentStore, saved: dict[str, Any]) -> int | None:
     blocks = [2**e for e in range(4, 11) if -(-store.numel // 2**e) == amax.numel()]
     k = saved.get("k")
     return blocks[0] if blocks and isinstance(k, torch.Tensor) and k.numel() == amax.numel() else None
+
+
+# ------------------------------------------------------------------------------------------------ Adam moments
+# What ``MomentStore.state_dict`` and ``AdamMoments.state_dict`` (``optimizer_state="bf16"``/``"fp8"``) save. A bad
+# moment is no smaller a fault than a bad master: a NaN or negative second moment makes every later update NaN.
+_STORE_KEYS = {"kind", "shape", "signed", "rounding", "seed", "key", "tensors"}
+_STORE_TENSORS = {"fp32": {"value"}, "bf16": {"value"}, "fp8": {"codes", "amax", "k"}}
+_VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# FP8 moments of an earlier version were kept in blocks of another power of two (MomentStore re-encodes them).
+_BLOCK_SIZES = (BLOCK_SIZE, *(2**e for e in range(4, 11) if 2**e != BLOCK_SIZE))
+_Deferred = list[tuple[str, torch.Tensor, str]]  # (field, a 0-dim bool tensor that is True when bad, the rule)
+
+
+def _seed(call: str, name: str, value: Any) -> None:
+    int_arg(call, name, value, low=0, high=2**63 - 1)
+
+
+def _tensor(call: str, name: str, value: Any, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+        got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else short(value)
+        raise TypeError(f"{call}({name}={got}): must be a {dtype} tensor, as MomentStore.state_dict() saves it.")
+    if numel is not None and value.numel() != numel:
+        raise ValueError(f"{call}({name} of {value.numel()} elements): the moment has {numel}.")
+    return value
+
+
+def _store_checks(call: str, name: str, value: Any, kind: str, signed: bool) -> _Deferred:
+    """The checks of one stored moment that need no tensor read, then those that do (returned, to be read at once)."""
+    check_mapping(call, value, _STORE_KEYS, name=name)
+    text(kind)(call, f"{name}['kind']", value["kind"])
+    count_list(call, f"{name}['shape']", value["shape"])
+    flag(call, f"{name}['signed']", value["signed"])
+    if value["signed"] != signed:
+        raise ValueError(f"{call}({name}['signed']={value['signed']!r}): must be {signed}: exp_avg is stored signed,"
+                         " exp_avg_sq (non-negative) unsigned.")
+    text("stochastic", "nearest")(call, f"{name}['rounding']", value["rounding"])
+    _seed(call, f"{name}['seed']", value["seed"])
+    _seed(call, f"{name}['key']", value["key"])
+    tensors = check_mapping(call, value["tensors"], _STORE_TENSORS[kind], name=f"{name}['tensors']")
+    numel = math.prod(value["shape"])
+    where = f"{name}['tensors']"
+    if kind != "fp8":
+        stored = _tensor(call, f"{where}['value']", tensors["value"], _VALUE_DTYPES[kind])
+        if stored.numel() != numel:
+            raise ValueError(f"{call}({name}['shape']={value['shape']!r}): {numel} elements, but tensors['value']"
+                             f" holds {stored.numel()}.")
+        checks = [(f"{where}['value']", ~stored.isfinite().all(), "holds inf/NaN")]
+        if not signed:
+            checks.append((f"{where}['value']", (stored < 0).any(), "holds negative values; exp_avg_sq is a mean of"
+                           " squares (>= 0), and its square root would make every update NaN"))
+        return checks
+    codes = _tensor(call, f"{where}['codes']", tensors["codes"], torch.float8_e4m3fn if signed else torch.uint8)
+    if codes.numel() != numel:
+        raise ValueError(f"{call}({name}['shape']={value['shape']!r}): {numel} elements, but tensors['codes'] holds"
+                         f" {codes.numel()}.")
+    amax = _tensor(call, f"{where}['amax']", tensors["amax"], torch.float32)
+    blocks = -(-numel // BLOCK_SIZE)
+    if amax.dim() != 1 or amax.numel() not in {-(-numel // size) for size in _BLOCK_SIZES}:
+        raise ValueError(f"{call}({name}: tensors['amax'] has shape {tuple(amax.shape)}, this store's has"
+                         f" ({blocks},)): one value per block of {BLOCK_SIZE} elements (or of an earlier version's"
+                         " block size).")
+    _tensor(call, f"{where}['k']", tensors["k"], torch.float32, amax.numel())
+    k = tensors["k"]
+    checks = [(f"{where}['amax']", ~(amax.isfinite() & (amax >= 0)).all(), "holds inf/NaN or negative values; must"
+               " be finite and >= 0 (each block's largest magnitude)"),
+              (f"{where}['k']", ~(k.isfinite() & (k > 0)).all(), "holds inf/NaN or values <= 0; must be finite and > 0"
+               " (each block's range-expansion exponent)")]
+    if signed:  # E4M3's codes 0x7f and 0xff are NaN; E4M4 (uint8) has none
+        checks.append((f"{where}['codes']", ((codes.view(torch.uint8) & 127) == 127).any(), "holds NaN codes"
+                       " (0x7f/0xff)"))
+    return checks
+
+
+def _refuse_deferred(call: str, checks: _Deferred) -> None:
+    """Raise for the first failed check of ``checks``, reading all of them in one transfer."""
+    if not checks:
+        return
+    by_device: dict[torch.device, list[int]] = {}
+    for index, (_, bad, _) in enumerate(checks):
+        by_device.setdefault(bad.device, []).append(index)
+    failed = torch.zeros(len(checks), dtype=torch.bool)
+    for indices in by_device.values():  # one transfer per device
+        failed[indices] = torch.stack([checks[index][1].detach() for index in indices]).cpu()
+    if bool(failed.any()):
+        name, _, rule = checks[int(failed.nonzero()[0])]
+        raise ValueError(f"{call}({name}): {rule}; the checkpoint is corrupted (or was saved after the run"
+                         " diverged): resume from an earlier one.")
+
+
+def moment_store(kind: str, signed: bool) -> Field:
+    """One ``MomentStore.state_dict()`` of an Adam moment kept in ``kind``; ``signed``: ``exp_avg`` (else the
+    non-negative ``exp_avg_sq``)."""
+    def check(call: str, name: str, value: Any) -> None:
+        _refuse_deferred(call, _store_checks(call, name, value, kind, signed))
+    return check
+
+
+def moment_state(call: str, name: str, value: Any) -> None:
+    """``AdamMoments.state_dict()``: ``kind``, ``seed``, ``steps`` and ``moments`` by parameter name (the names are the
+    keeper's to check against its parameters). One host read for all the tensors."""
+    check_mapping(call, value, {"kind", "seed", "steps", "moments"}, name=name)
+    text("bf16", "fp8")(call, f"{name}['kind']", value["kind"])
+    kind = value["kind"]
+    _seed(call, f"{name}['seed']", value["seed"])
+    steps = check_mapping(call, value["steps"], name=f"{name}['steps']")
+    for key, step in steps.items():
+        count(call, f"{name}['steps'][{key!r}]", step)
+    moments = check_mapping(call, value["moments"], name=f"{name}['moments']")
+    check_keys(call, moments, steps, name=f"{name}['moments']", suffix=f" (the parameters of {name}['steps']).")
+    checks: _Deferred = []
+    for key, pair in moments.items():
+        where = f"{name}['moments'][{key!r}]"
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"{call}({where}): must be keyed by a parameter name.")
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise TypeError(f"{call}({where}={short(pair)}): must be [exp_avg, exp_avg_sq], two stored moments.")
+        checks += _store_checks(call, f"{where}[0]", pair[0], kind, True)
+        checks += _store_checks(call, f"{where}[1]", pair[1], kind, False)
+        if pair[0]["shape"] != pair[1]["shape"]:
+            raise ValueError(f"{call}({where}[1]['shape']={pair[1]['shape']!r}): exp_avg has shape"
+                             f" {pair[0]['shape']!r}; both moments have their parameter's shape.")
+    _refuse_deferred(call, checks)
