@@ -6,7 +6,7 @@ One "step" is AdamW over the parameters of bench_memory.py's MLP (784-1024x3-10,
   runs on a CPU; round-to-nearest moments, no compensation);
 - ``compiled kahan`` / ``compiled stochastic``: ``FusedAdam``'s inductor kernel (BF16 moments stochastically rounded;
   a Kahan compensation, or stochastically rounded weights);
-- ``C kahan`` / ``C stochastic``: the same step through ``lit_mpstable.core.compact_native``.
+- ``C kahan`` / ``C stochastic``: the same step through ``lit_mpstable.core.weights.compact_native``.
 
 Each round runs every config once, in an order that alternates; thread CPU time per step (wall time with
 ``--threads`` above 1); median over rounds and the per-round ratio to torch's AdamW (median [IQR]). Run::
@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_flags, environment, fmt_iqr, markdown_table, summary  # noqa: E402
 
-from lit_mpstable.core import compact_native  # noqa: E402
-from lit_mpstable.core.compact_fused import FusedAdam  # noqa: E402
+from lit_mpstable.core.weights import compact_native  # noqa: E402
+from lit_mpstable.core.weights.compact_fused import FusedAdam  # noqa: E402
 
 SHAPES = [(1024, 784), (1024,), (1024, 1024), (1024,), (1024, 1024), (1024,), (10, 1024), (10,)]
 GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "decoupled_weight_decay": True}
@@ -51,7 +51,7 @@ def _configs() -> dict[str, object]:
     kernel = FusedAdam()
     native = compact_native.kernel()
     if native is None:
-        raise SystemExit("no C compiler here: lit_mpstable.core.compact_native cannot build its loop")
+        raise SystemExit("no C compiler here: lit_mpstable.core.weights.compact_native cannot build its loop")
 
     def compiled(sets: list[list[torch.Tensor | None]]):
         return lambda: [kernel._plain_kernel(*t, scalars, k) for t, k in zip(sets, keys)]

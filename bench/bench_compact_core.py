@@ -1,6 +1,6 @@
-"""Compact 16-bit weights (lit_mpstable.core.compact.CompactWeights) in a plain PyTorch loop, against FP32, plain BF16
-and BF16 + FP32 masters: peak tensor memory of one training step and where it goes, CPU time per step, and the losses
-after 300 steps on the stall case and on a GPT. Writes results/compact_core/results.{json,md}.
+"""Compact 16-bit weights (lit_mpstable.core.weights.compact.CompactWeights) in a plain PyTorch loop, against FP32,
+plain BF16 and BF16 + FP32 masters: peak tensor memory of one training step and where it goes, CPU time per step, and
+the losses after 300 steps on the stall case and on a GPT. Writes results/compact_core/results.{json,md}.
 
     .venv/bin/python bench/bench_compact_core.py                 # everything, ~10 min on 2 shared cores
     .venv/bin/python bench/bench_compact_core.py --skip-loss --repeats 3
@@ -27,9 +27,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from lit_mpstable.app.demos import stall_task  # noqa: E402
-from lit_mpstable.core.compact import CompactWeights  # noqa: E402
-from lit_mpstable.core.master import MasterWeights  # noqa: E402
-from lit_mpstable.core.memory import MemoryProbe, quiet_fd2  # noqa: E402
+from lit_mpstable.core.weights.compact import CompactWeights  # noqa: E402
+from lit_mpstable.core.weights.master import MasterWeights  # noqa: E402
+from lit_mpstable.core.weights.memory import MemoryProbe, quiet_fd2  # noqa: E402
 
 MiB = 2**20
 

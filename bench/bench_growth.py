@@ -1,9 +1,10 @@
 """GrowthMonitor (``StablePrecision(growth_every_n_steps=10)``): what one sampled step costs, and where it goes.
 
-    git show 6b6083e:lit_mpstable/core/growth.py > /tmp/growth_before.py   # the monitor before this bench, optional
-    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --workloads mlp,gpt --baseline /tmp/growth_before.py  # ~8 min
-    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --part profile       # the breakdown only, digits MLP (~20 s)
-    PYTHONPATH=. .venv/bin/python bench/bench_growth.py --quick              # smoke run -> growth_overhead_quick.*
+    git show 6b6083e:lit_mpstable/core/guards/growth.py > /tmp/growth_before.py   # the monitor before this bench,
+    optional PYTHONPATH=. .venv/bin/python bench/bench_growth.py --workloads mlp,gpt --baseline /tmp/growth_before.py  #
+    ~8 min PYTHONPATH=. .venv/bin/python bench/bench_growth.py --part profile       # the breakdown only, digits MLP
+    (~20 s) PYTHONPATH=. .venv/bin/python bench/bench_growth.py --quick              # smoke run ->
+    growth_overhead_quick.*
 
 Workloads (through the Trainer, ``StablePrecision("bf16-mixed", fp8="current")``, 1 thread, no validation, no
 logger): ``mlp``: ``zoo.MLPClassifier`` (64-256-256-10, 3 linears) on ``zoo.DigitsData`` (batch 64); ``gpt``:
@@ -62,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.app.zoo import GPTLM, CharLMData, DigitsData, MLPClassifier  # noqa: E402
 from lit_mpstable.callbacks import OverflowMonitor  # noqa: E402
-from lit_mpstable.core.growth import GrowthMonitor  # noqa: E402
+from lit_mpstable.core.guards.growth import GrowthMonitor  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -302,8 +303,8 @@ def t_ci(values: list[float]) -> tuple[float, float]:
 
 
 def load_baseline(path: str) -> type:
-    """``GrowthMonitor`` from another version of ``growth.py`` (e.g. ``git show main:lit_mpstable/core/growth.py``),
-    run as a third config (``base``) in the same rounds."""
+    """``GrowthMonitor`` from another version of ``growth.py`` (e.g. ``git show
+    main:lit_mpstable/core/guards/growth.py``), run as a third config (``base``) in the same rounds."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("growth_baseline", path)
@@ -331,7 +332,7 @@ def load_baseline(path: str) -> type:
 
 
 def overhead(name: str, rounds: int, steps: int, baseline: type | None = None) -> dict[str, Any]:
-    import lit_mpstable.core.stepper as stepper_module
+    import lit_mpstable.core.step.stepper as stepper_module
 
     meters = {"on": Meter()} | ({"base": Meter(cls=baseline)} if baseline is not None else {})
     for meter in meters.values():
@@ -453,7 +454,7 @@ def blocks(name: str, runs: int, steps: int, baseline: type | None = None, every
     ratio of its CPU time to the mean of its two neighbouring off-blocks. Fits alternate between the current
     monitor (``on``) and ``baseline`` (``base``) when given. ``every`` > 10 (``--idle-only``): the on-blocks hold
     hooks that never sample: what the hooks cost by being there."""
-    import lit_mpstable.core.stepper as stepper_module
+    import lit_mpstable.core.step.stepper as stepper_module
 
     classes = {"on": GrowthMonitor} | ({"base": baseline} if baseline is not None else {})
     calibration, idle = instrument_cost(), idle_cost()

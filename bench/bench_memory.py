@@ -2,8 +2,8 @@
 weights, 8-bit AdamW states (torchao's ``+8bit``, bitsandbytes' ``+bnb8bit``), against Lightning's own 32-true and
 bf16-true, in one run.
 
-Per config: peak tensor memory of one training step (``lit_mpstable.core.memory.MemoryProbe``: resident state plus the
-step's own allocations, profiled) and process CPU time per step (median over the steps of a run after warm-up,
+Per config: peak tensor memory of one training step (``lit_mpstable.core.weights.memory.MemoryProbe``: resident state
+plus the step's own allocations, profiled) and process CPU time per step (median over the steps of a run after warm-up,
 then the median over alternating rounds of the per-round ratio to Lightning's bf16-true).
 
     .venv/bin/python bench/bench_memory.py --rounds 9      # ~8 min on 2 shared cores
@@ -52,7 +52,7 @@ from common import cpu_flags  # noqa: E402
 sys.path.insert(0, os.environ.get("BENCH_MEMORY_TREE") or str(Path(__file__).resolve().parent.parent))
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.app.zoo import GPT  # noqa: E402
-from lit_mpstable.core.memory import MemoryProbe  # noqa: E402
+from lit_mpstable.core.weights.memory import MemoryProbe  # noqa: E402
 
 TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                num_sanity_val_steps=0, accelerator="cpu", devices=1)
@@ -155,17 +155,18 @@ PHASES = [
     ("lit_mpstable.frontends.trainer", "StablePrecision.pre_backward", "  pre_backward (SP: scale the loss)"),
     ("torch.autograd", "backward", "  torch.autograd.backward"),
     ("torch.optim.adam", "_single_tensor_adam", "torch's Adam arithmetic (L-bf16-true)"),
-    ("lit_mpstable.core.stepper", "PrecisionStepper.unscale_", "stepper.unscale_"),
-    ("lit_mpstable.core.inf_checks", "InfChecks.check_", "  scaler.check_: the gradients' inf/NaN check"),
-    ("lit_mpstable.core.stepper", "PrecisionStepper.step", "stepper.step"),
-    ("lit_mpstable.core.stepper", "check_step_inputs_", "  step-input check (gradients written since, a share)"),
-    ("lit_mpstable.core.iteration", "Iteration.update_scale_", "  scale update"),
-    ("lit_mpstable.core.compact", "CompactWeights.step_", "  CompactWeights.step_"),
-    ("lit_mpstable.core.compact", "CompactWeights._pieces", "    _pieces: which parameters the kernel takes"),
-    ("lit_mpstable.core.compact_fused", "FusedSteps._step_fused_", "    _step_fused_"),
-    ("lit_mpstable.core.compact_fused", "keys", "      random keys"),
-    ("lit_mpstable.core.compact_fused", "FusedAdam.scalars", "      kernel scalars"),
-    ("lit_mpstable.core.compact_fused", "FusedAdam.run_", "      kernel calls (the C loop on a CPU, else compiled)"),
+    ("lit_mpstable.core.step.stepper", "PrecisionStepper.unscale_", "stepper.unscale_"),
+    ("lit_mpstable.core.scaling.inf_checks", "InfChecks.check_", "  scaler.check_: the gradients' inf/NaN check"),
+    ("lit_mpstable.core.step.stepper", "PrecisionStepper.step", "stepper.step"),
+    ("lit_mpstable.core.step.stepper", "check_step_inputs_", "  step-input check (gradients written since, a share)"),
+    ("lit_mpstable.core.step.iteration", "Iteration.update_scale_", "  scale update"),
+    ("lit_mpstable.core.weights.compact", "CompactWeights.step_", "  CompactWeights.step_"),
+    ("lit_mpstable.core.weights.compact", "CompactWeights._pieces", "    _pieces: which parameters the kernel takes"),
+    ("lit_mpstable.core.weights.compact_fused", "FusedSteps._step_fused_", "    _step_fused_"),
+    ("lit_mpstable.core.weights.compact_fused", "keys", "      random keys"),
+    ("lit_mpstable.core.weights.compact_fused", "FusedAdam.scalars", "      kernel scalars"),
+    ("lit_mpstable.core.weights.compact_fused", "FusedAdam.run_",
+     "      kernel calls (the C loop on a CPU, else compiled)"),
     ("torch.optim.adamw", "AdamW.step", "AdamW.step (L: around the closure; SP: empty groups)"),
 ]
 
@@ -321,8 +322,8 @@ def step_python(kinds: list[str], calls: int) -> None:
     """``CompactWeights.step_`` alone on each workload's BF16 parameters (AdamW, random gradients, "kahan"), the
     fused kernel's calls replaced by no-ops after one real step: the Python around them, warm, per call (thread CPU
     time, median of ``calls`` after 20 of warm-up). BENCH_MEMORY_TREE=/path/to/other measures another tree."""
-    from lit_mpstable.core.compact import CompactWeights
-    from lit_mpstable.core.compact_fused import FusedAdam
+    from lit_mpstable.core.weights.compact import CompactWeights
+    from lit_mpstable.core.weights.compact_fused import FusedAdam
 
     real = FusedAdam.run_
     for kind in kinds:
@@ -349,7 +350,7 @@ def check_costs(rounds: int) -> None:
     parameter (``torch.aminmax`` of each gradient while it is in cache), against no check: forward + backward + check,
     thread CPU time, the three alternating, median over ``rounds`` of the difference to no check. Then exact and
     inexact reductions of one 1M-element BF16 tensor (hot)."""
-    from lit_mpstable.core.inf_checks import nonfinite_on_cpu
+    from lit_mpstable.core.scaling.inf_checks import nonfinite_on_cpu
 
     net = Workload("mlp", torch.optim.AdamW).net.bfloat16()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)

@@ -53,7 +53,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from policy_workloads import CNNSize, SDPAGPTSize, cnn_workload, sdpa_gpt_workload  # noqa: E402
 
 from lit_mpstable import StablePrecision  # noqa: E402
-from lit_mpstable.core.loss_scaler import DynamicLossScaler  # noqa: E402
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler  # noqa: E402
 
 __all__ = ["Config", "Suite", "CONFIGS", "SUITES", "register", "run_benchmark", "stable_callbacks", "main"]
 

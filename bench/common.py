@@ -199,8 +199,8 @@ class StepTimer(pl.Callback):
 
 
 # --------------------------------------------------------------------------------------------------- memory
-# The probe lives in the package (lit_mpstable.core.memory) so train.py reports the same number.
-from lit_mpstable.core.memory import MemoryProbe, resident_bytes  # noqa: E402
+# The probe lives in the package (lit_mpstable.core.weights.memory) so train.py reports the same number.
+from lit_mpstable.core.weights.memory import MemoryProbe, resident_bytes  # noqa: E402
 
 
 class MemoryCallback(pl.Callback):

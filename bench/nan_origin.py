@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from lit_mpstable.app.zoo import GPT
 from lit_mpstable.core.attribution import rng_state
 from lit_mpstable.core.observer import trace_skipped_step
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, BATCH = 64, 32, 8

@@ -18,8 +18,8 @@ best-per-op ratio ``r = sum t_fp32 / sum min(t_fp32, t_bf16)``; then ``C_fp32 = 
 ``C_best = C_fp32 / r``. ``op_policy="auto"``'s speed-up over FP32 is set against the bound's:
 attainment = (T_fp32 / T_auto) / (T_fp32 / T_bound) = T_bound / T_auto, paired per round.
 
-**Peak memory of the run**: the peak tensor memory (lit_mpstable.core.memory.MemoryProbe) of every step of a short
-run, the largest taken, for ``op_policy="auto"`` against Lightning's bf16-mixed: the measuring happens in the run
+**Peak memory of the run**: the peak tensor memory (lit_mpstable.core.weights.memory.MemoryProbe) of every step of a
+short run, the largest taken, for ``op_policy="auto"`` against Lightning's bf16-mixed: the measuring happens in the run
 (its second step), so a measurement that needed more memory than a training step would show here.
 """
 

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from policy_workloads import SDPAGPTSize, sdpa_gpt_workload  # noqa: E402
 
-from lit_mpstable.core.policy import OpPolicy, _PolicyMode  # noqa: E402
+from lit_mpstable.core.layout.policy import OpPolicy, _PolicyMode  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "op_policy" / "overhead.md"
 

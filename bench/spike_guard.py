@@ -14,7 +14,7 @@ standard-library character corpus), through a plain PrecisionStepper loop in 'bf
   the norm it judges is the one clipping computes anyway) as a fraction of the unguarded step.
 
 Each skip is listed with its loss and gradient-norm z-scores (which statistic flagged it). ``--norm-floor 0.01``
-reruns the rule before the gradient norm's 50% skip floor (see ``lit_mpstable/core/spike.py``), for comparison.
+reruns the rule before the gradient norm's 50% skip floor (see ``lit_mpstable/core/guards/spike.py``), for comparison.
 
 Writes ``bench/results/spike_guard.json``. A few minutes on 2 CPU cores with the defaults:
 
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 from lit_mpstable import SpikeGuard
 from lit_mpstable.app.zoo import GPT, CharLMData
-from lit_mpstable.core import spike
-from lit_mpstable.core import stepper as stepper_module
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.guards import spike
+from lit_mpstable.core.step import stepper as stepper_module
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_mpstable import SpikeGuard
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.faults import GRAD_SPIKE_FACTOR, GRAD_SPIKE_STRIDE, LOSS_SPIKE_FACTOR
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,7 +32,7 @@ from omegaconf import DictConfig  # noqa: E402
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.app.config import register_configs  # noqa: E402
 from lit_mpstable.app.train import build  # noqa: E402
-from lit_mpstable.core.memory import MemoryProbe  # noqa: E402
+from lit_mpstable.core.weights.memory import MemoryProbe  # noqa: E402
 
 __all__ = [
     "CONF", "QUIET", "RESULTS", "ROOT", "Fit", "Recorder", "command_line", "compose", "environment_line", "fit",
@@ -70,7 +70,7 @@ class Recorder(pl.Callback):
     the step (``plugin.fallback_active``), and the step's wall and process CPU time (batch start to batch end:
     validation left out; CPU time leaves out the waits for a core on a shared machine). Per validation: (step,
     loss, acc). Peak tensor memory of step ``probe_step`` when it is not None
-    (``lit_mpstable.core.memory.MemoryProbe``).
+    (``lit_mpstable.core.weights.memory.MemoryProbe``).
     """
 
     def __init__(self, probe_step: int | None = 2) -> None:

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         "*optimizer's weights changed per step*: fraction of the elements the optimizer updates (FP32 masters when\n"
         "kept, else the BF16 weights) that an applied step changed, every 10th step, averaged; *model weights moved\n"
         "from init*: fraction of the model's own weights that differ from their initial value at the end. Peak\n"
-        "tensor memory of one step (`lit_mpstable.core.memory.MemoryProbe`, compensation buffers included). kahan and\n"
+        "tensor memory of one step (`lit_mpstable.core.weights.memory.MemoryProbe`, compensation buffers included)."
+        " kahan and\n"
         "stochastic keep 16-bit weights (and 16-bit optimizer state), updated through FP32 views; AdamW8bit is\n"
         "torchao's, compared with FP32 + AdamW8bit. ms/step is wall time on a shared machine."
     )

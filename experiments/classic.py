@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "  wall-time equivalents are in brackets after ';' and in the JSON.\n"
         "- throughput = tokens (GPT) or samples (MLP) per step / median CPU time per step; effective =\n"
         "  throughput x applied steps / all steps of the full run.\n"
-        "- peak MiB: peak tensor memory of step 2 of the full run (`lit_mpstable.core.memory.MemoryProbe`:\n"
+        "- peak MiB: peak tensor memory of step 2 of the full run (`lit_mpstable.core.weights.memory.MemoryProbe`:\n"
         "  parameters, masters, gradients, optimizer state and the step's activations); memory saved vs FP32.\n"
         "- overflow rate (skipped steps), settle step (`lit_mpstable.app.report.settle_step`: first step from which\n"
         "  the loss scale stays within 2x of its final value), val loss / acc: from the full 300-step run; gaps\n"

@@ -187,7 +187,7 @@ def refusal(fn, *args, **kwargs):
 # --------------------------------------------------------------------------------------------------- front ends
 def run_plain(c: dict[str, Any], load: bytes | None = None) -> dict[str, Any]:
     from lit_mpstable.app.fault_demos import TinyMLP
-    from lit_mpstable.core.stepper import PrecisionStepper
+    from lit_mpstable.core.step.stepper import PrecisionStepper
 
     torch.manual_seed(0 if load is None else 123)
     model = TinyMLP()

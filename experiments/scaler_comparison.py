@@ -31,8 +31,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler  # noqa: E402
-from lit_mpstable.core.loss_scaler import DynamicLossScaler  # noqa: E402
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler  # noqa: E402
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler  # noqa: E402
 from lit_mpstable.core.telemetry import GradTelemetry, grad_stats  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -101,7 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lit_mpstable import SpikeGuard  # noqa: E402
 from lit_mpstable.app.zoo import GPT, CharLMData  # noqa: E402
-from lit_mpstable.core.stepper import PrecisionStepper  # noqa: E402
+from lit_mpstable.core.step.stepper import PrecisionStepper  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "spike_lr_sweep"
 METHODS = ("fixed", "guard")

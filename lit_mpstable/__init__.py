@@ -1,6 +1,6 @@
 """lit_mpstable: stable mixed-precision training for PyTorch Lightning.
 
-``from lit_mpstable import StablePrecision`` loads Lightning; the numerics core (``lit_mpstable.core.scalers``,
+``from lit_mpstable import StablePrecision`` loads Lightning; the numerics core (``lit_mpstable.core.scaling.scalers``,
 ``lit_mpstable.core.formats``, ...) imports torch only, so importing this package itself loads nothing else.
 """
 
@@ -13,10 +13,10 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "StablePrecision": "lit_mpstable.frontends.trainer",
-    "DynamicLossScaler": "lit_mpstable.core.loss_scaler",
-    "StaticLossScaler": "lit_mpstable.core.loss_scaler",
-    "AdaptiveLossScaler": "lit_mpstable.core.adaptive_scaler",
-    "SpikeGuard": "lit_mpstable.core.spike",
+    "DynamicLossScaler": "lit_mpstable.core.scaling.loss_scaler",
+    "StaticLossScaler": "lit_mpstable.core.scaling.loss_scaler",
+    "AdaptiveLossScaler": "lit_mpstable.core.scaling.adaptive_scaler",
+    "SpikeGuard": "lit_mpstable.core.guards.spike",
     "FP8Config": "lit_mpstable.fp8",
 }
 

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lit_mpstable.core.triage_loop import StateSnapshot, StepTriage
+from lit_mpstable.core.step.triage_loop import StateSnapshot, StepTriage
 
 __all__ = ["FaultInjector", "FaultKind", "StateSnapshot", "StepTriage"]
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
-from lit_mpstable.core.scaler_state import StateKeyError
-from lit_mpstable.core.scalers import ForeignScaler, LossScaler
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.scaling.scaler_state import StateKeyError
+from lit_mpstable.core.scaling.scalers import ForeignScaler, LossScaler
 
 __all__ = [
     "AdaptiveLossScaler",

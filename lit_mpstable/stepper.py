@@ -1,8 +1,8 @@
-"""Public face: re-exports PrecisionStepper and its argument types from lit_mpstable.core.stepper."""
+"""Public face: re-exports PrecisionStepper and its argument types from lit_mpstable.core.step.stepper."""
 
 from __future__ import annotations
 
-from lit_mpstable.core.stepper import (
+from lit_mpstable.core.step.stepper import (
     MasterMode,
     OpPolicyName,
     PrecisionName,

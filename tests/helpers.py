@@ -147,7 +147,7 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
 def tiny_stepper(precision: str = "bf16-true", *, seed: int = 0, lr: float = 1e-2, **kwargs):
     """TinyMLP (made after ``torch.manual_seed(seed)``) set up through ``PrecisionStepper(precision, **kwargs)`` with
     AdamW(lr): ``(model, stepper, optimizer)``."""
-    from lit_mpstable.core.stepper import PrecisionStepper
+    from lit_mpstable.core.step.stepper import PrecisionStepper
 
     torch.manual_seed(seed)
     model = TinyMLP()

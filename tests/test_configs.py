@@ -31,8 +31,8 @@ from torch import nn
 import lit_mpstable.conf
 from lit_mpstable import StablePrecision
 from lit_mpstable.app.config import SCHEMAS, derive_schema, register_configs
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler, StaticLossScaler
 
 CONF = Path(lit_mpstable.conf.__file__).parent
 
@@ -353,7 +353,7 @@ def test_the_report_says_each_decision_once_what_was_done_and_why(tmp_path: Path
     from lit_mpstable.app.report import decision_line, write_comparison_report, write_report
     from lit_mpstable.app.train import _events
     from lit_mpstable.callbacks import FaultTriage, PrecisionFallback, ScaleCheckpoint
-    from lit_mpstable.core.triage import triage_event
+    from lit_mpstable.core.guards.triage import triage_event
 
     fallback, checkpoint, triage = PrecisionFallback(), ScaleCheckpoint(), FaultTriage()
     fallback.decisions = [dict(step=45, action="fallback", modules=["model.0"], reason="overflow storm in model.0",

@@ -25,10 +25,10 @@ from lit_mpstable.callbacks import (
     ScaleCheckpoint,
 )
 from lit_mpstable.callbacks._common import MAX_WINDOW
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.formats import FormatName
-from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.faults import StepTriage
 from lit_mpstable.fp8 import FP8Config, HighPrecisionBudget
 

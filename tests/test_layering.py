@@ -9,6 +9,11 @@
 - the faces at the top (``lit_mpstable/stepper.py``, ``scaling.py``, ...): public import paths that re-export from
   the folders; no folder imports a face.
 
+``core/`` is layered the same way inside: its own modules are the shared low-level pieces (tensors, counters, formats,
+telemetry, the checks of loaded state, ...); above them ``layout/``, ``scaling/`` and ``guards/``, then ``weights/``
+(the keepers call the scaler), then ``step/`` (the stepper, over all of them). A folder of core imports only from the
+folders ranked below it, never from one of its own rank or above.
+
 A folder never imports a folder above it, nothing imports another folder's private ``_module``, and no two modules
 import each other, even indirectly (imports inside functions and under TYPE_CHECKING count: they are dependencies
 too). The layers are read from the folders on disk, so a new module needs no entry here.
@@ -31,6 +36,9 @@ ROOT = Path(lit_mpstable.__file__).parent
 RANK = {"base": 0, "core": 0, "fp8": 0, "frontends": 1, "callbacks": 2, "pytorch_lightning": 3, "app": 4, "conf": 4}
 FACE = 5  # lit_mpstable/<name>.py: public faces over the folders
 GROUND = ("base", "core", "fp8")
+# core's concept folders, lowest first; "" is core's own modules. Folders of one rank never import each other.
+CORE_RANK = {"": 0, "layout": 1, "scaling": 1, "guards": 1, "weights": 2, "step": 3}
+CORE_MODULES_MAX = 15  # modules directly in core/ (issue 43): the rest belong to a concept folder
 # Known debts, each to be removed when fixed (the tests below fail on any new one, and on a fixed one still listed).
 KNOWN_FOLDER_CYCLES: set[tuple[str, str]] = set()
 KNOWN_PRIVATE_IMPORTS: set[str] = set()
@@ -42,6 +50,14 @@ def _folder(module: str) -> str | None:
     if len(parts) > 1 and (ROOT / parts[1]).is_dir():
         return parts[1]
     return None
+
+
+def _core_folder(module: str) -> str | None:
+    """The concept folder of core ``module`` lives in ("" for core's own modules), or None outside core."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] != "core":
+        return None
+    return parts[2] if len(parts) > 2 and (ROOT / "core" / parts[2]).is_dir() else ""
 
 
 def _rank(module: str) -> int:
@@ -91,7 +107,7 @@ def _in(folders: tuple[str, ...]) -> list[str]:
 
 def test_every_folder_has_a_rank_and_imports_only_downwards() -> None:
     graph = _graph()
-    assert {"lit_mpstable.core.stepper", "lit_mpstable.fp8.native", "lit_mpstable.frontends.fabric",
+    assert {"lit_mpstable.core.step.stepper", "lit_mpstable.fp8.native", "lit_mpstable.frontends.fabric",
             "lit_mpstable.callbacks.overflow_monitor", "lit_mpstable.app.train", "lit_mpstable.stepper"} <= set(graph)
     upward = [f"{a} imports {b}" for a, deps in graph.items() for b in deps if _rank(b) > _rank(a)]
     assert not upward, upward
@@ -103,6 +119,49 @@ def test_no_import_cycles_between_folders() -> None:
     cycles = {tuple(sorted((x, y))) for x, y in edges if x and y and x != y and (y, x) in edges}
     assert cycles <= KNOWN_FOLDER_CYCLES, f"new cycles between folders: {sorted(cycles - KNOWN_FOLDER_CYCLES)}"
     assert cycles >= KNOWN_FOLDER_CYCLES, f"fixed, remove from KNOWN_FOLDER_CYCLES: {KNOWN_FOLDER_CYCLES - cycles}"
+
+
+def test_core_folders_have_a_rank_and_import_only_downwards() -> None:
+    graph = _graph()
+    on_disk = {path.name for path in (ROOT / "core").iterdir() if (path / "__init__.py").is_file()}
+    assert on_disk | {""} == set(CORE_RANK), f"core's folders {sorted(on_disk)}: give each a rank in CORE_RANK"
+    assert {"lit_mpstable.core.step.stepper", "lit_mpstable.core.scaling.loss_scaler",
+            "lit_mpstable.core.weights.weights", "lit_mpstable.core.guards.spike",
+            "lit_mpstable.core.layout.islands", "lit_mpstable.core.loaded_state"} <= set(graph)
+    wrong = [
+        f"{a} ({_core_folder(a) or 'core'}) imports {b} ({_core_folder(b) or 'core'})"
+        for a, deps in graph.items() if _core_folder(a) is not None
+        for b in deps if _core_folder(b) is not None and _core_folder(b) != _core_folder(a)
+        and CORE_RANK[_core_folder(b)] >= CORE_RANK[_core_folder(a)]
+    ]
+    assert not wrong, wrong
+
+
+def test_no_import_cycles_between_core_folders() -> None:
+    graph = _graph()
+    edges: dict[str, set[str]] = {}
+    for a, deps in graph.items():
+        for b in deps:
+            fa, fb = _core_folder(a), _core_folder(b)
+            if fa is not None and fb is not None and fa != fb:
+                edges.setdefault(fa, set()).add(fb)
+    # A folder that reaches itself through the others is in a cycle.
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    cyclic = sorted(f or "core" for f in edges if f in reach(f))
+    assert not cyclic, f"core's folders in an import cycle: {cyclic}"
+
+
+def test_core_holds_few_modules_directly() -> None:
+    direct = sorted(m for m in _graph() if _core_folder(m) == "" and m != "lit_mpstable.core")
+    assert 0 < len(direct) <= CORE_MODULES_MAX, f"{len(direct)} modules directly in core/: {direct}"
 
 
 def test_nothing_imports_another_folders_private_module() -> None:
@@ -174,7 +233,7 @@ def _import_blocked(modules: list[str], blocked: tuple[str, ...], code: str = ""
 def test_core_and_fp8_import_torch_only() -> None:
     ground = _in(GROUND)
     assert {
-        "lit_mpstable.core.loss_scaler", "lit_mpstable.core.scalers", "lit_mpstable.core.stepper",
+        "lit_mpstable.core.scaling.loss_scaler", "lit_mpstable.core.scaling.scalers", "lit_mpstable.core.step.stepper",
         "lit_mpstable.fp8.native",
     } <= set(ground)
     blocked = ("lightning", "lightning_fabric", "pytorch_lightning", "hydra", "omegaconf", "torchmetrics",
@@ -217,9 +276,10 @@ def test_only_the_app_imports_hydra_matplotlib_and_rich() -> None:
 def test_the_faces_reexport_the_folders_objects() -> None:
     import importlib
 
-    faces = {"stepper": ["core.stepper"], "fabric": ["frontends.fabric"], "plugin": ["frontends.trainer"],
+    faces = {"stepper": ["core.step.stepper"], "fabric": ["frontends.fabric"], "plugin": ["frontends.trainer"],
              "train": ["app.train"], "config": ["app.config"],
-             "scaling": ["core.loss_scaler", "core.adaptive_scaler", "core.scaler_state", "core.scalers"]}
+             "scaling": ["core.scaling.loss_scaler", "core.scaling.adaptive_scaler", "core.scaling.scaler_state",
+                         "core.scaling.scalers"]}
     for face, homes in faces.items():
         module = importlib.import_module(f"lit_mpstable.{face}")
         sources = [importlib.import_module(f"lit_mpstable.{home}") for home in homes]

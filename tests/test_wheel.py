@@ -112,7 +112,7 @@ def test_python_dash_m_composes_outside_a_checkout(venv: Path, empty: Path) -> N
     assert matplotlib == "None"  # really a core-only environment
     result = _run([venv / "bin" / "python", "-m", "lit_mpstable.app.train", "--cfg", "job", "precision=fp16_mixed",
                    "scaler=adaptive", "plugin.scaler.init_scale=256", "experiment=fault_storm"], cwd=empty)
-    assert "_target_: lit_mpstable.core.adaptive_scaler.AdaptiveLossScaler" in result.stdout
+    assert "_target_: lit_mpstable.core.scaling.adaptive_scaler.AdaptiveLossScaler" in result.stdout
     assert "init_scale: 256.0" in result.stdout  # typed: the schema made it a float
     assert "_target_: lit_mpstable.app.demos.FaultyMLP" in result.stdout  # an experiment's model, from the package
 

@@ -137,9 +137,9 @@ def derive_schema(target: str | type, *, name: str | None = None) -> type:
 
 
 StablePrecisionConfig = derive_schema("lit_mpstable.StablePrecision")
-DynamicLossScalerConfig = derive_schema("lit_mpstable.core.loss_scaler.DynamicLossScaler")
-StaticLossScalerConfig = derive_schema("lit_mpstable.core.loss_scaler.StaticLossScaler")
-AdaptiveLossScalerConfig = derive_schema("lit_mpstable.core.adaptive_scaler.AdaptiveLossScaler")
+DynamicLossScalerConfig = derive_schema("lit_mpstable.core.scaling.loss_scaler.DynamicLossScaler")
+StaticLossScalerConfig = derive_schema("lit_mpstable.core.scaling.loss_scaler.StaticLossScaler")
+AdaptiveLossScalerConfig = derive_schema("lit_mpstable.core.scaling.adaptive_scaler.AdaptiveLossScaler")
 FP8RecipeConfig = derive_schema("lit_mpstable.fp8.FP8Config", name="FP8RecipeConfig")
 OverflowMonitorConfig = derive_schema("lit_mpstable.callbacks.OverflowMonitor")
 PrecisionFallbackConfig = derive_schema("lit_mpstable.callbacks.PrecisionFallback")

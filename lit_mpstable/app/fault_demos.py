@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.frontends.trainer import StablePrecision
 
 __all__ = ["AmplifiedMLP", "Amplify", "PoisonModule", "PoisonTask", "TinyMLP", "fp16_scaler_plugin",

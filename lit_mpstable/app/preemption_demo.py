@@ -24,7 +24,7 @@ from torch import nn
 from lit_mpstable.app.fault_demos import TinyMLP, regression_data
 from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
 from lit_mpstable.callbacks.preemption import PreemptionCheckpoint
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.frontends.trainer import StablePrecision
 
 __all__ = ["FAULTS", "PreemptModule", "Report", "SignalAt", "ValidatedModule", "callbacks", "max_delta", "plugin",

@@ -25,7 +25,7 @@ from lit_mpstable.callbacks._common import (
 )
 from lit_mpstable.callbacks._snapshot import restore_snapshot, take_snapshot
 from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
-from lit_mpstable.core.triage import (
+from lit_mpstable.core.guards.triage import (
     BUDGET_WINDOW,
     LADDER,
     REPLAY_BUDGET,
@@ -228,7 +228,7 @@ def _step_schedules(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_id
 
 
 class _TrainerReplay:
-    """The Trainer's side of a triage (:class:`~lit_mpstable.core.triage.ReplayHost`): replays through
+    """The Trainer's side of a triage (:class:`~lit_mpstable.core.guards.triage.ReplayHost`): replays through
     ``training_step``, steps through the plugin, snapshots from ScaleCheckpoint."""
 
     def __init__(self, triage: FaultTriage, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:

@@ -23,7 +23,7 @@ from lit_mpstable.callbacks._common import (
     strict_keys,
 )
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
-from lit_mpstable.core.growth_stats import WEIGHT_FLUSH_LIMIT
+from lit_mpstable.core.guards.growth_stats import WEIGHT_FLUSH_LIMIT
 
 __all__ = ["OverflowMonitor"]
 

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from lit_mpstable.callbacks._common import PluginCallback, any_rank, check, is_int, log_measured, strict_keys
-from lit_mpstable.core.probe import ProbeCopyError, forward_state, measure, metric_vector, with_metric_vector
+from lit_mpstable.core.step.probe import ProbeCopyError, forward_state, measure, metric_vector, with_metric_vector
 
 __all__ = ["PrecisionProbe"]
 
@@ -21,8 +21,8 @@ _LOGGED = {"underflow_frac": "mp/grad_underflow_frac", "rel_error": "mp/grad_rel
 
 class PrecisionProbe(PluginCallback):
     """On step 0 and every ``every_n_steps``-th optimizer step, recomputes the step's gradients in FP32 on the same
-    (last micro-)batch and weights (:func:`lit_mpstable.core.probe.measure`) and measures, overall and per module, the
-    fraction of gradient elements that flushed to zero, the relative error and the cosine to FP32.
+    (last micro-)batch and weights (:func:`lit_mpstable.core.step.probe.measure`) and measures, overall and per module,
+    the fraction of gradient elements that flushed to zero, the relative error and the cosine to FP32.
 
     It runs in ``on_before_optimizer_step``, where the plugin has unscaled the gradients, so it sees the run's real
     precision path (loss scale, FP8, FP32 islands, op policy, masters). The result goes to ``plugin.stats["probe"]``,

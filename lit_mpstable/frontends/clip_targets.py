@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 __all__ = ["clip_targets"]
 

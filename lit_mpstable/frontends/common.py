@@ -1,5 +1,5 @@
 """What every front end of the precision core shares: the constructor, the live state, the actions and the state
-dict, all read from one :class:`~lit_mpstable.core.stepper.PrecisionStepper` (the one owner of each fact)."""
+dict, all read from one :class:`~lit_mpstable.core.step.stepper.PrecisionStepper` (the one owner of each fact)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.core.fsdp import island_mp_policy as fsdp_island_mp_policy
-from lit_mpstable.core.fsdp import mp_policy as fsdp_mp_policy
-from lit_mpstable.core.master import MasterWeights
-from lit_mpstable.core.master_keeper import MasterKeeper
-from lit_mpstable.core.optim_state import StateKind
-from lit_mpstable.core.policy import describe
-from lit_mpstable.core.spike import SpikeGuard
-from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
-from lit_mpstable.core.stepper_args import check_module
+from lit_mpstable.core.guards.spike import SpikeGuard
+from lit_mpstable.core.layout.fsdp import island_mp_policy as fsdp_island_mp_policy
+from lit_mpstable.core.layout.fsdp import mp_policy as fsdp_mp_policy
+from lit_mpstable.core.layout.policy import describe
+from lit_mpstable.core.step.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
+from lit_mpstable.core.step.stepper_args import check_module
+from lit_mpstable.core.weights.master import MasterWeights
+from lit_mpstable.core.weights.master_keeper import MasterKeeper
+from lit_mpstable.core.weights.optim_state import StateKind
 from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.frontends.live_state import Findings, FromStepper
 
@@ -125,13 +125,13 @@ class StableFrontEnd:
         return keeper.weights if isinstance(keeper, MasterKeeper) else None
 
     def undo_backoff_(self) -> bool:
-        """The stepper's :meth:`~lit_mpstable.core.stepper.PrecisionStepper.undo_backoff_`: undo the last iteration's
-        scale backoff (``FaultTriage`` calls it for a step whose overflow the scale did not cause)."""
+        """The stepper's :meth:`~lit_mpstable.core.step.stepper.PrecisionStepper.undo_backoff_`: undo the last
+        iteration's scale backoff (``FaultTriage`` calls it for a step whose overflow the scale did not cause)."""
         return self.stepper.undo_backoff_()
 
     def runaway_layers(self) -> list[str]:
         """The linear layers whose activations are heading out of FP8's range (the growth monitor's
-        :meth:`~lit_mpstable.core.growth.GrowthMonitor.runaway`: amax trend, kurtosis, saturation), and
+        :meth:`~lit_mpstable.core.guards.growth.GrowthMonitor.runaway`: amax trend, kurtosis, saturation), and
         ``stats["growth"]`` refreshed; ``[]`` without ``growth_every_n_steps``. Computed once per new sample (one
         host read then; later calls return the same list). Rank-local."""
         growth = self.stepper.growth
@@ -153,7 +153,7 @@ class StableFrontEnd:
         """The ``torch.distributed.fsdp.MixedPrecisionPolicy`` for this precision, for every ``fully_shard`` call in
         ``configure_model``: in ``*-true`` modes FP32 sharded parameters (FSDP2's own master weights) computed in
         the 16-bit dtype and reduced in FP32; in ``*-mixed`` modes FP32 parameters under autocast. Setup refuses
-        units sharded otherwise. See :func:`lit_mpstable.core.fsdp.mp_policy`."""
+        units sharded otherwise. See :func:`lit_mpstable.core.layout.fsdp.mp_policy`."""
         return fsdp_mp_policy(self.precision, master_weights=self.stepper.master_mode is not None)
 
     @property
@@ -266,7 +266,7 @@ class StableFrontEnd:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Resident tensors of the precision itself (compensation buffers) that neither the model nor the optimizers
-        hold; give them to ``lit_mpstable.core.memory.MemoryProbe.start(..., extra=...)``."""
+        hold; give them to ``lit_mpstable.core.weights.memory.MemoryProbe.start(..., extra=...)``."""
         return self.stepper.state_tensors()
 
     def memory_report(self) -> dict[str, int]:

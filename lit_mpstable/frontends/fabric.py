@@ -14,10 +14,10 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from lit_mpstable.core.moment_keeper import pop_saved_mark
 from lit_mpstable.core.replicas import default_replicas
-from lit_mpstable.core.stepper import tensor_init_context
-from lit_mpstable.core.stepper_args import check_optimizer
+from lit_mpstable.core.step.stepper import tensor_init_context
+from lit_mpstable.core.step.stepper_args import check_optimizer
+from lit_mpstable.core.weights.moment_keeper import pop_saved_mark
 from lit_mpstable.frontends.clip_targets import clip_targets
 from lit_mpstable.frontends.common import StableFrontEnd
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 __all__ = ["Findings", "FromStepper", "recast_from"]
 

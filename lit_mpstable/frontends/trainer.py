@@ -21,8 +21,8 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
-from lit_mpstable.core.stepper import tensor_init_context
-from lit_mpstable.core.triage import full_precision
+from lit_mpstable.core.guards.triage import full_precision
+from lit_mpstable.core.step.stepper import tensor_init_context
 from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.frontends.live_state import recast_from
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
@@ -259,7 +259,7 @@ class StablePrecision(TrainerPrecision, Precision):
             skipped like an overflow (no scale backoff), decided on the device with no extra host read.
         optimizer_state: where Adam/AdamW moments live with FP32 masters or compact weights: ``"fp32"`` (the
             optimizer's own state and step), ``"bf16"`` (stochastically rounded) or ``"fp8"`` (per-block scales with
-            dynamic range expansion); see :mod:`lit_mpstable.core.optim_state`. Other optimizers and FSDP2 are
+            dynamic range expansion); see :mod:`lit_mpstable.core.weights.optim_state`. Other optimizers and FSDP2 are
             refused at setup.
         growth_every_n_steps: sample every linear layer's input statistics (amax trend, kurtosis, FP8 saturation
             and underflow) every N optimizer steps, an early warning of FP8 overflow (:meth:`runaway_layers`,

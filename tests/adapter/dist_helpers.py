@@ -21,8 +21,8 @@ from helpers import TinyMLP, regression_data
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
 WORLD_SIZE = 2
 # A collective that one rank never joins (ranks deciding differently) fails after this instead of hanging for 30 min.
@@ -127,7 +127,7 @@ def replicas_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def _replica_run(rank: int, master_weights: Any, optimizer_state: str, adam: bool) -> dict[str, Any]:
-    from lit_mpstable.core.stepper import PrecisionStepper
+    from lit_mpstable.core.step.stepper import PrecisionStepper
 
     torch.manual_seed(100 + rank)
     model = TinyMLP()
@@ -241,7 +241,8 @@ class ShardedFaultModule(RankFaultModule):
             ``None``: FSDP2's default (no mixed precision); or a ``MixedPrecisionPolicy`` for every unit.
         units: the layers sharded as their own units before the root ``model``.
         forward_inf_steps: fc2's output turns inf on ``fault_rank`` at these steps (a module to blame).
-        all_gather_fp8: ``lit_mpstable.core.fsdp.fp8_all_gather_`` between the FP8 swap and ``fully_shard`` (torchao).
+        all_gather_fp8: ``lit_mpstable.core.layout.fsdp.fp8_all_gather_`` between the FP8 swap and ``fully_shard``
+        (torchao).
     """
 
     def __init__(self, *, convert_first: bool = False, policy: Any = None,
@@ -261,7 +262,7 @@ class ShardedFaultModule(RankFaultModule):
         if self.convert_first:
             plugin.convert_module(self)
         if self.all_gather_fp8:
-            from lit_mpstable.core.fsdp import fp8_all_gather_
+            from lit_mpstable.core.layout.fsdp import fp8_all_gather_
 
             self.gathered_fp8 = fp8_all_gather_(self)
         islands = set(plugin.islands.names) if hasattr(plugin, "islands") else set()
@@ -453,7 +454,7 @@ def layout_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def _layout_run(rank: int, out_dir: str) -> None:
-    from lit_mpstable.core.layout import PrecisionLayout
+    from lit_mpstable.core.layout.layout import PrecisionLayout
 
     torch.manual_seed(0)
     model = TinyMLP()

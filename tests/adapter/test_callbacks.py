@@ -22,7 +22,7 @@ from trainer_pkg import (
 )
 
 from lit_mpstable.callbacks.amp_preflight import compare_outputs
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
 FACTORIES = {
     "OverflowMonitor": lambda: OverflowMonitor(window=3, log_every_n_steps=1),

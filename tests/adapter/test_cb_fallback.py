@@ -9,7 +9,7 @@ from helpers import make_trainer
 from trainer_pkg import PrecisionFallback, StablePrecision, pl
 
 from lit_mpstable.callbacks.precision_fallback import FallbackState, fallback_reason
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
 EVERY_STEP = set(range(100))
 

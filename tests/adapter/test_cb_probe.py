@@ -17,8 +17,8 @@ from helpers import make_trainer
 from lit_mpstable import StablePrecision
 from lit_mpstable.app.demos import FaultyMLP, GradientAttenuatedLinear
 from lit_mpstable.callbacks import PrecisionFallback, PrecisionProbe
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.probe import forward_state, measure
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.step.probe import forward_state, measure
 
 PROBE_METRICS = ("mp/grad_underflow_frac", "mp/grad_rel_error", "mp/grad_cosine")
 

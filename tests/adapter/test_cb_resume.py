@@ -8,7 +8,7 @@ from cb_helpers import PoisonModule, quiet
 from helpers import make_trainer
 from trainer_pkg import AMPPreflight, OverflowMonitor, PrecisionFallback, ScaleCheckpoint, StablePrecision, pl
 
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
 ModelCheckpoint = pl.callbacks.ModelCheckpoint
 

@@ -147,7 +147,7 @@ def test_a_rollback_never_undoes_a_precision_fallback() -> None:
     # rolls back to step 3, in FP32, not to the BF16 snapshot of step 0.
     from trainer_pkg import PrecisionFallback
 
-    from lit_mpstable.core.loss_scaler import DynamicLossScaler
+    from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
     plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu"))
     fallback = PrecisionFallback(patience=2)

@@ -300,7 +300,7 @@ def test_8bit_states_stepped_in_slices_skip_checkpoint_and_resume(
     else:
         from bitsandbytes.optim import AdamW8bit
 
-    from lit_mpstable.core.compact import CompactWeights
+    from lit_mpstable.core.weights.compact import CompactWeights
 
     sliced: list[str] = []
     enter = CompactWeights._enter

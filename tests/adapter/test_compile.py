@@ -30,9 +30,9 @@ from torch.nn import functional as F
 import lit_mpstable
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import ScaleCheckpoint
-from lit_mpstable.core import policy as policy_module
-from lit_mpstable.core.policy import FAMILIES, Measurement
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.layout import policy as policy_module
+from lit_mpstable.core.layout.policy import FAMILIES, Measurement
+from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.fp8 import FP8Linear
 
 pytestmark = pytest.mark.slow
@@ -449,11 +449,11 @@ def test_lightning_fallback_of_a_true_mode_without_masters_adds_no_graph_break()
 
 def test_kahan_fused_adam_kernel_does_not_make_an_eager_model_look_compiled(monkeypatch) -> None:
     # master_weights="kahan" with AdamW steps through a torch.compile'd kernel of our own where the C loop is not
-    # built (lit_mpstable.core.compact_native; stood aside here): its graphs are not the user's model, so a fallback
-    # of an eager model must not report a recompile.
+    # built (lit_mpstable.core.weights.compact_native; stood aside here): its graphs are not the user's model, so a
+    # fallback of an eager model must not report a recompile.
     from helpers import mse_backward, regression_data, tiny_stepper
 
-    from lit_mpstable.core import compact_native
+    from lit_mpstable.core.weights import compact_native
 
     monkeypatch.setattr(compact_native, "kernel", lambda: None)
 

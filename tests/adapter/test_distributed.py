@@ -26,8 +26,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import AMPPreflight, PrecisionFallback, ScaleCheckpoint
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's CPU/num_workers notices, the callbacks' reports
 

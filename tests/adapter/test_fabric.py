@@ -16,7 +16,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch import nn
 
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.frontends.fabric import StablePrecision
 
 INF, NAN = float("inf"), float("nan")

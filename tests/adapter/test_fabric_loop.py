@@ -316,10 +316,10 @@ def test_ddp_replicas_initialised_and_seeded_apart_train_alike(tmp_path: Path, m
 # ------------------------------------------------------------------------------------ the probe
 @pytest.mark.parametrize("recompute", [False, True])
 def test_the_probe_measures_a_fabric_loop_through_its_stepper(recompute: bool) -> None:
-    # lit_mpstable.core.probe.measure on the Fabric plugin's stepper: FP16 without scaling at a loss weight of 2**-14
-    # flushes part of the gradients; its reading equals a hand count against an FP32 copy, and training is left as
-    # it was.
-    from lit_mpstable.core.probe import forward_state, measure
+    # lit_mpstable.core.step.probe.measure on the Fabric plugin's stepper: FP16 without scaling at a loss weight of
+    # 2**-14 flushes part of the gradients; its reading equals a hand count against an FP32 copy, and training is left
+    # as it was.
+    from lit_mpstable.core.step.probe import forward_state, measure
 
     plugin = StablePrecision("16-mixed", scaler=None)
     fabric = fabric_of(plugin)

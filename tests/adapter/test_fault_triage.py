@@ -12,7 +12,7 @@ from helpers import HostReads, make_trainer
 from trainer_pkg import NAME, ScaleCheckpoint, StablePrecision, pl
 
 from lit_mpstable.callbacks import FaultTriage
-from lit_mpstable.core.step_guard import STATE_SHARES
+from lit_mpstable.core.step.step_guard import STATE_SHARES
 from lit_mpstable.faults import FaultInjector
 
 pytestmark = pytest.mark.skipif(NAME != "lightning.pytorch", reason="FaultInjector is a lightning.pytorch callback")

@@ -13,7 +13,7 @@ from lightning.fabric import Fabric
 from torch import nn
 from trainer_pkg import pl
 
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.fp8 import FP8Config, HighPrecisionBudget, choose_high_precision, convert_to_fp8
 from lit_mpstable.fp8.backends import backend_of
 from lit_mpstable.fp8.budget import linear_weight_numel

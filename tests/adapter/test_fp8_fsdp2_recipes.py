@@ -10,7 +10,7 @@ import torch
 from dist_helpers import RankFaultModule, ShardedFaultModule, fit_ddp, fit_fsdp2
 
 from lit_mpstable import StablePrecision
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.fp8 import FP8Config, HighPrecisionBudget
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's CPU/num_workers notices, FP8 emulation notes

@@ -25,9 +25,9 @@ from torch import nn
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import PrecisionFallback, ScaleCheckpoint
-from lit_mpstable.core.fsdp import check_fsdp_policies, fp8_all_gather_, island_mp_policy, mp_policy
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
-from lit_mpstable.core.stepper import PrecisionStepper, tensor_init_context
+from lit_mpstable.core.layout.fsdp import check_fsdp_policies, fp8_all_gather_, island_mp_policy, mp_policy
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.step.stepper import PrecisionStepper, tensor_init_context
 from lit_mpstable.fp8 import FP8Config
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's CPU/num_workers notices, FP8 emulation notes
@@ -384,7 +384,7 @@ class OneShardModule(ShardedFaultModule):
         self.model.fc2.register_forward_hook(lambda m, args, out: self.out_dtypes.add(out.dtype))
 
     def on_train_start(self) -> None:
-        from lit_mpstable.core.fsdp import fsdp2_dtype_table
+        from lit_mpstable.core.layout.fsdp import fsdp2_dtype_table
 
         self.table = fsdp2_dtype_table(self)
 
@@ -475,7 +475,7 @@ def test_a_16_bit_reduce_warns_with_the_scale_at_which_it_hurt(one_shard) -> Non
 
 
 def test_the_dtype_table_of_an_unsharded_model_is_empty() -> None:
-    from lit_mpstable.core.fsdp import fsdp2_dtype_table, reduce_dtype_warning
+    from lit_mpstable.core.layout.fsdp import fsdp2_dtype_table, reduce_dtype_warning
 
     assert fsdp2_dtype_table(TinyMLP()) == [] and reduce_dtype_warning([]) is None
 
@@ -487,7 +487,7 @@ class TableReport(pl.Callback):
         self.out_dir = out_dir
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lit_mpstable.core.fsdp import fsdp2_dtype_table
+        from lit_mpstable.core.layout.fsdp import fsdp2_dtype_table
 
         torch.save(fsdp2_dtype_table(pl_module), self.out_dir / f"table{trainer.global_rank}.pt")
 

@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from lit_mpstable import StablePrecision
-from lit_mpstable.core import policy as policy_module
-from lit_mpstable.core.policy import FAMILIES, Measurement
+from lit_mpstable.core.layout import policy as policy_module
+from lit_mpstable.core.layout.policy import FAMILIES, Measurement
 
 
 class TinyGPT(pl.LightningModule):

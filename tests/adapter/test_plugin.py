@@ -12,7 +12,7 @@ from helpers import TinyMLP, make_module, make_trainer, regression_data
 from torch import nn
 from trainer_pkg import StablePrecision, pl
 
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
 
 # ----------------------------------------------------------------------------------------------- construction

@@ -20,7 +20,7 @@ from dist_helpers import RankFaultModule, RankReport, ShardedFaultModule, fit_dd
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import OverflowMonitor, ScaleCheckpoint
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
 ray = pytest.importorskip("ray", reason="pip install 'lit_mpstable[ray]'")
 ray_lightning = pytest.importorskip("ray.train.lightning")

@@ -13,7 +13,7 @@ from helpers import HostReads, TinyMLP, regression_data, spawn_ranks
 from torch import nn
 
 from lit_mpstable import SpikeGuard
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 STEPS, SPIKE_AT = 16, 12
 

@@ -13,8 +13,8 @@ from helpers import make_module, make_trainer
 from torch import nn
 from trainer_pkg import StablePrecision, pl
 
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
 
 class _Probe(pl.Callback):

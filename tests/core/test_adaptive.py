@@ -12,8 +12,8 @@ import torch._dynamo  # noqa: F401  (the first Optimizer() imports it, ~1-2 s he
 from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
 INF, NAN = float("inf"), float("nan")
 

@@ -10,8 +10,8 @@ import torch
 from helpers import TinyMLP, regression_data, stall_task
 from torch import nn
 
-from lit_mpstable.core.compact import CompactWeights, quantized_state_classes, stochastic_round
-from lit_mpstable.core.master import MasterWeights
+from lit_mpstable.core.weights.compact import CompactWeights, quantized_state_classes, stochastic_round
+from lit_mpstable.core.weights.master import MasterWeights
 
 LOW = [torch.bfloat16, torch.float16]
 MODES = ["kahan", "stochastic"]
@@ -570,7 +570,7 @@ def test_low_bit_adams_step_in_slices_bit_for_bit(mode: str, name: str) -> None:
 def test_chunks_grow_with_the_gradients_freed_and_keep_the_first_calls_transient(cap: int) -> None:
     # torchao's low-bit Adams on the CPU: 512 KiB of FP32 copies per call at first, growing by half the gradient
     # bytes the calls before freed (the optimizer's temporaries match the copies), to 4 MiB.
-    from lit_mpstable.core.compact import _Piece
+    from lit_mpstable.core.weights.compact import _Piece
 
     params = [nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (2**18, 2**18, 2**18, 3000, 2**20 + 4096)]
     for p in params:

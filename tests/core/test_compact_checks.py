@@ -8,9 +8,9 @@ import torch
 from helpers import mse_backward, regression_data, tiny_stepper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_mpstable.core import inf_checks
-from lit_mpstable.core.inf_checks import READ_ONLY_MIN, nonfinite_on_cpu
-from lit_mpstable.core.loss_scaler import StaticLossScaler
+from lit_mpstable.core.scaling import inf_checks
+from lit_mpstable.core.scaling.inf_checks import READ_ONLY_MIN, nonfinite_on_cpu
+from lit_mpstable.core.scaling.loss_scaler import StaticLossScaler
 
 INF, NAN = float("inf"), float("nan")
 

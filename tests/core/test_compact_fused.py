@@ -1,4 +1,4 @@
-"""CompactWeights' fused Adam/AdamW step (lit_mpstable.core.compact_fused) against the generic path through FP32
+"""CompactWeights' fused Adam/AdamW step (lit_mpstable.core.weights.compact_fused) against the generic path through FP32
 copies."""
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import lit_mpstable.core.compact_adam as adam_module
-import lit_mpstable.core.compact_fused as fused_module
-from lit_mpstable.core import compact_native
-from lit_mpstable.core.compact import CompactWeights
-from lit_mpstable.core.compact_adam import _adam_kernel
-from lit_mpstable.core.compact_fused import FusedAdam, hash32, noise_bits
+import lit_mpstable.core.weights.compact_adam as adam_module
+import lit_mpstable.core.weights.compact_fused as fused_module
+from lit_mpstable.core.weights import compact_native
+from lit_mpstable.core.weights.compact import CompactWeights
+from lit_mpstable.core.weights.compact_adam import _adam_kernel
+from lit_mpstable.core.weights.compact_fused import FusedAdam, hash32, noise_bits
 
 MODES = ["kahan", "stochastic"]
 
 
 @pytest.fixture(params=["native", "compiled"])
 def path(request, monkeypatch) -> str:
-    """Each test that takes it runs twice: through the C loop (lit_mpstable.core.compact_native, the CPU default
+    """Each test that takes it runs twice: through the C loop (lit_mpstable.core.weights.compact_native, the CPU default
     where a C compiler builds it) and through inductor's compiled kernel (a CPU without one, and every GPU)."""
     if request.param == "native":
         assert compact_native.kernel() is not None  # CI and development machines have a C compiler
@@ -209,7 +209,7 @@ def test_a_slow_first_call_is_explained_once(monkeypatch, compiled_only) -> None
     monkeypatch.setattr(FusedAdam, "SLOW_S", -1.0)
     # The notice is also said once per inductor cache (the test at the end of this file); here: once per object, as if
     # this process were the cache's first.
-    import lit_mpstable.core.compact_fused as fused_module
+    import lit_mpstable.core.weights.compact_fused as fused_module
 
     monkeypatch.setattr(fused_module, "_first_to_say", lambda marker: True)
     with pytest.warns(UserWarning, match="first fused Adam step.*compiled its kernel.*fused=False") as record:
@@ -575,7 +575,7 @@ def test_a_train_step_compiled_whole_steps_the_compact_weights_eagerly(mode: str
 
 # -------------------------------------------------------------------- the compile notice is said once per cache
 def test_the_fused_adam_compile_notice_is_said_once_per_cache(tmp_path, monkeypatch) -> None:
-    import lit_mpstable.core.compact_fused as fused
+    import lit_mpstable.core.weights.compact_fused as fused
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert fused._first_to_say("probe_marker") is True  # the sweep's first job

@@ -1,14 +1,14 @@
-"""The C loop of compact weights' fused Adam step (lit_mpstable.core.compact_native) against the compiled kernel and
-the eager rounding."""
+"""The C loop of compact weights' fused Adam step (lit_mpstable.core.weights.compact_native) against the compiled kernel
+and the eager rounding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lit_mpstable.core import compact_native
-from lit_mpstable.core.compact_fused import FusedAdam
-from lit_mpstable.core.compact_rounding import noise_bits, round_stochastic_
+from lit_mpstable.core.weights import compact_native
+from lit_mpstable.core.weights.compact_fused import FusedAdam
+from lit_mpstable.core.weights.compact_rounding import noise_bits, round_stochastic_
 
 GROUP = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "decoupled_weight_decay": True}
 N = 3 * 16384 + 37  # several of the loop's chunks, and a tail of no vector width

@@ -6,7 +6,7 @@ import torch
 from helpers import TinyMLP
 
 from lit_mpstable.core.counters import RunCounters
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 
 def test_the_stepper_counts_into_its_run_counters_and_resumes_them():

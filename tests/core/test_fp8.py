@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lit_mpstable.fp8.gemm as gemm_module
-from lit_mpstable.core.stepper import PrecisionName, PrecisionStepper, default_dtype
+from lit_mpstable.core.step.stepper import PrecisionName, PrecisionStepper, default_dtype
 from lit_mpstable.fp8 import (
     FP8Config,
     FP8Linear,

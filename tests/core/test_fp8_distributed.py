@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
-from lit_mpstable.core.layout import PrecisionLayout
+from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.fp8 import FP8Config, FP8Linear
 
 WORLD_SIZE, STEPS, HISTORY = 2, 3, 4

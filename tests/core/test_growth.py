@@ -10,7 +10,7 @@ import torch
 from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
-from lit_mpstable.core.growth import GrowthMonitor, layer_stats
+from lit_mpstable.core.guards.growth import GrowthMonitor, layer_stats
 
 INF = float("inf")
 

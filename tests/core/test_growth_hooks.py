@@ -10,8 +10,8 @@ import torch
 from helpers import OpNames, TinyMLP, regression_data
 from torch import nn
 
-from lit_mpstable.core.growth import GrowthMonitor
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.guards.growth import GrowthMonitor
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 
 def _train(steps: int, *, hooks: str = "on_demand", compile_model: bool = False, inside: bool = True,

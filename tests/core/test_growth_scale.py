@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.fp8 import FP8Config
 
 

@@ -13,8 +13,8 @@ from helpers import TinyMLP, regression_data
 from torch import nn
 
 from lit_mpstable import StablePrecision
-from lit_mpstable.core.growth import GrowthMonitor
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.guards.growth import GrowthMonitor
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 EVERY, GROW_FROM, RATE, STEPS, RESUME_AT = 5, 55, 1.02, 110, 60
 

@@ -10,7 +10,7 @@ import torch
 from helpers import HostReads
 from test_growth_scale import _Net, _step, _stepper
 
-from lit_mpstable.core.growth_stats import WEIGHT_FLUSH_LIMIT
+from lit_mpstable.core.guards.growth_stats import WEIGHT_FLUSH_LIMIT
 from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.fp8.linear import FP8Linear
 
@@ -72,7 +72,7 @@ def test_the_monitor_names_the_layer_only_once_its_weight_flushes_and_reads_once
 
 
 def test_a_plain_linear_layer_reports_no_weight_fraction() -> None:
-    from lit_mpstable.core.growth import GrowthMonitor
+    from lit_mpstable.core.guards.growth import GrowthMonitor
 
     model = _Net()
     monitor = GrowthMonitor(every_n_steps=1, window=3).attach(model)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from lit_mpstable.core.islands import FP32Islands
+from lit_mpstable.core.layout.islands import FP32Islands
 
 Pair = namedtuple("Pair", "a b")
 

@@ -7,7 +7,7 @@ import torch
 from fp8_stand_ins import install_transformer_engine
 from torch import nn
 
-from lit_mpstable.core.layout import PrecisionLayout
+from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.fp8 import FP8Config, FP8Linear
 
 
@@ -207,7 +207,7 @@ def test_a_recasting_fallback_loaded_before_setup_resumes_exactly(modules) -> No
 
     from helpers import TinyMLP, regression_data, tiny_stepper
 
-    from lit_mpstable.core.stepper import PrecisionStepper
+    from lit_mpstable.core.step.stepper import PrecisionStepper
 
     x, y = regression_data(16)
 

@@ -9,7 +9,7 @@ import torch
 from helpers import TinyMLP, regression_data, stall_task
 from torch import nn
 
-from lit_mpstable.core.master import MasterWeights
+from lit_mpstable.core.weights.master import MasterWeights
 
 LOW = [torch.bfloat16, torch.float16]
 

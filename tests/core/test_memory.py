@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lit_mpstable.core.master import MasterWeights
-from lit_mpstable.core.memory import MemoryProbe, resident_bytes
+from lit_mpstable.core.weights.master import MasterWeights
+from lit_mpstable.core.weights.memory import MemoryProbe, resident_bytes
 
 MiB = 2**20
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from lit_mpstable.core.attribution import locate_nonfinite, rng_state
 from lit_mpstable.core.observer import trace_skipped_step
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 
 class _Inject:

@@ -11,9 +11,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from lit_mpstable.core.islands import FP32Islands
-from lit_mpstable.core.memory import MemoryProbe
-from lit_mpstable.core.policy import FAMILIES, Measurement, OpCall, OpPolicy, StepCost, choose, measure_calls
+from lit_mpstable.core.layout.islands import FP32Islands
+from lit_mpstable.core.layout.policy import FAMILIES, Measurement, OpCall, OpPolicy, StepCost, choose, measure_calls
+from lit_mpstable.core.weights.memory import MemoryProbe
 
 BF16 = torch.bfloat16
 
@@ -379,7 +379,7 @@ def test_every_rank_adopts_rank_zeros_decision(tmp_path) -> None:
 
 # ------------------------------------------------------------------------- the log says why the slower choice was kept
 def test_the_op_policy_log_says_why_the_slower_choice_was_kept() -> None:
-    from lit_mpstable.core.policy import Measurement, StepCost, choose, describe
+    from lit_mpstable.core.layout.policy import Measurement, StepCost, choose, describe
 
     step = StepCost(ms=10.0, peak_bytes=100 * 2**20)
     memory = Measurement(autocast_ms=3.9, fp32_ms=2.8, autocast_err=1e-3, fp32_err=1e-6, fp32_extra_bytes=40 * 2**20)

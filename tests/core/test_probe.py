@@ -17,9 +17,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from lit_mpstable.app.report_probe import probe_matrix, write_probe_figure
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.probe import forward_state, measure, metric_vector, with_metric_vector
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.step.probe import forward_state, measure, metric_vector, with_metric_vector
+from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.fp8 import convert_from_fp8
 
 X, Y = regression_data(16)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import TinyMLP, regression_data
 
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
-from lit_mpstable.core.scalers import ForeignScaler, LossScaler, build_scaler
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.scalers import ForeignScaler, LossScaler, build_scaler
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 
 class NoSyncScaler(DynamicLossScaler):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import HostReads, TinyMLP, regression_data
 
-from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 INF, NAN = float("inf"), float("nan")
 

@@ -12,8 +12,8 @@ import torch
 from helpers import HostReads
 from torch import nn
 
-from lit_mpstable.core.spike import SpikeGuard
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.guards.spike import SpikeGuard
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 
 def series(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import math
 import torch
 from helpers import OpNames as _Ops
 
-from lit_mpstable.core.spike import SpikeGuard
+from lit_mpstable.core.guards.spike import SpikeGuard
 
 
 def _warm(guard: SpikeGuard, steps: int = 40) -> SpikeGuard:

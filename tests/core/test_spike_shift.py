@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lit_mpstable.core.spike import SpikeGuard
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.guards.spike import SpikeGuard
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 
 def _shifted_run(guard: SpikeGuard, steps: int = 140, shift_at: int = 60, precision: str = "32-true"):

@@ -6,9 +6,9 @@ import pytest
 import torch
 from helpers import HostReads, TinyMLP, regression_data
 
-from lit_mpstable.core.loss_scaler import DynamicLossScaler
-from lit_mpstable.core.step_guard import STATE_SHARES, held_tensors
-from lit_mpstable.core.stepper import PrecisionStepper
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.step.step_guard import STATE_SHARES, held_tensors
+from lit_mpstable.core.step.stepper import PrecisionStepper
 
 INF, NAN = float("inf"), float("nan")
 
@@ -467,7 +467,7 @@ class _GradReads(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _guarded(precision: str, **kwargs):
-    from lit_mpstable.core.spike import SpikeGuard
+    from lit_mpstable.core.guards.spike import SpikeGuard
 
     return _setup(precision, spike_guard=SpikeGuard(warmup=2), **kwargs)
 
@@ -520,7 +520,7 @@ def test_a_gradient_written_after_the_check_gets_a_fresh_norm_and_a_fresh_check(
 def test_zclip_alone_with_an_infinite_norm_still_rechecks_the_clipped_gradients() -> None:
     # Finite gradients whose FP32 norm overflows: ZClip alone clips to an infinite limit in its warmup, and inf / inf
     # is NaN, so the clipped gradients are NaN. The step-input check must read them again and skip the step.
-    from lit_mpstable.core.spike import SpikeGuard
+    from lit_mpstable.core.guards.spike import SpikeGuard
 
     stepper, model, opt = _setup("32-true", spike_guard=SpikeGuard(clip_zscore=2.5))
     x, y = regression_data(32)

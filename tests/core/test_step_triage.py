@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
-from lit_mpstable.core.spike import SpikeGuard
-from lit_mpstable.core.stepper import PrecisionStepper
-from lit_mpstable.core.triage_loop import StateSnapshot, StepTriage
+from lit_mpstable.core.guards.spike import SpikeGuard
+from lit_mpstable.core.step.stepper import PrecisionStepper
+from lit_mpstable.core.step.triage_loop import StateSnapshot, StepTriage
 from lit_mpstable.faults import StateSnapshot as PublicSnapshot
 from lit_mpstable.faults import StepTriage as PublicTriage
 

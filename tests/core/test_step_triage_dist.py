@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from helpers import spawn_ranks
 from torch import nn
 
-from lit_mpstable.core.spike import SpikeGuard
-from lit_mpstable.core.step_guard import STATE_SHARES, held_tensors
-from lit_mpstable.core.stepper import PrecisionStepper
-from lit_mpstable.core.triage_loop import StateSnapshot, StepTriage
+from lit_mpstable.core.guards.spike import SpikeGuard
+from lit_mpstable.core.step.step_guard import STATE_SHARES, held_tensors
+from lit_mpstable.core.step.stepper import PrecisionStepper
+from lit_mpstable.core.step.triage_loop import StateSnapshot, StepTriage
 
 WORLD_SIZE, FAULT_RANK, STEPS = 2, 1, 23
 # A collective one rank never joins fails after TIMEOUT_S instead of waiting 30 minutes; the whole job after RUN_S.

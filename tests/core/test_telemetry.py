@@ -159,7 +159,7 @@ def test_core_imports_without_lightning_hydra_omegaconf(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     for name in [m for m in sys.modules if m == "lit_mpstable" or m.startswith("lit_mpstable.")]:
         monkeypatch.delitem(sys.modules, name)
-    for name in ("lit_mpstable.core.scalers", "lit_mpstable.core.telemetry", "lit_mpstable.core.attribution"):
+    for name in ("lit_mpstable.core.scaling.scalers", "lit_mpstable.core.telemetry", "lit_mpstable.core.attribution"):
         module = importlib.import_module(name)
         assert module.__name__ == name and module.__all__, name  # imported for real, public names and all
     blocked = ("lightning", "lightning.pytorch", "pytorch_lightning", "hydra", "omegaconf")
@@ -185,8 +185,8 @@ def test_a_loss_scale_that_flushes_the_fp16_gradients_is_named_once(init_scale: 
     # 16-mixed at a collapsed scale: the gradients flush to zero in the FP16 backward and nothing said so.
     from helpers import TinyMLP, regression_data
 
-    from lit_mpstable.core.loss_scaler import DynamicLossScaler
-    from lit_mpstable.core.stepper import PrecisionStepper
+    from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
+    from lit_mpstable.core.step.stepper import PrecisionStepper
 
     torch.manual_seed(0)
     model = TinyMLP()

@@ -9,10 +9,10 @@ import pytest
 import torch
 from helpers import TinyMLP, regression_data
 
-from lit_mpstable.core.compact_keeper import CompactKeeper
-from lit_mpstable.core.master_keeper import MasterKeeper
-from lit_mpstable.core.stepper import PrecisionStepper
-from lit_mpstable.core.weights import PlainKeeper, WeightKeeper, make_keeper
+from lit_mpstable.core.step.stepper import PrecisionStepper
+from lit_mpstable.core.weights.compact_keeper import CompactKeeper
+from lit_mpstable.core.weights.master_keeper import MasterKeeper
+from lit_mpstable.core.weights.weights import PlainKeeper, WeightKeeper, make_keeper
 
 MODES = [("bf16-mixed", True, PlainKeeper), ("bf16-true", False, PlainKeeper), ("bf16-true", True, MasterKeeper),
          ("bf16-true", "kahan", CompactKeeper), ("bf16-true", "stochastic", CompactKeeper)]

@@ -1,0 +1,1 @@
+"""Step monitors and their remedies: the spike guard, weight-growth monitoring, fault triage."""

@@ -1,0 +1,400 @@
+"""SpikeGuard: rolling loss and gradient-norm statistics on the device, a spike flag that joins the non-finite flag.
+
+A step whose loss or total (unscaled) gradient norm lies more than ``zscore`` standard deviations above the mean of
+the last ``window`` applied steps is skipped like an overflow (OLMo-core's ``SkipStepAdamW`` rule, 6 sigma over 128
+steps), and optionally the gradient norm is clipped to ``mean + clip_zscore * std`` (ZClip). Everything stays on the
+device: the decision is a 0-dim bool tensor that the stepper ORs into its found-inf flag, so the one host read the
+skip already costs decides both. Skipped steps (spikes and non-finite steps alike) never enter the statistics.
+
+The stepper calls it at two points of a step::
+
+    guard.observe_loss_(loss)                      # with the unscaled loss, before backward (each micro-batch)
+    ...backward, unscale_, non-finite check...
+    norm = torch.nn.utils.get_total_norm(grads)    # the true gradients' total norm, before any clipping
+    spike = guard.decide(norm)                     # 0-dim bool on the device, OR-ed into found_inf
+    threshold = guard.clip_threshold()             # None, or a device tensor: clip to min(max_norm, threshold)
+    ...step or skip on (found_inf | spike)...
+    guard.commit_(skipped)                         # the step's final 0-dim skip flag: fold only applied steps
+
+Skipping means not calling ``optimizer.step()``: Adam's step counter, its bias correction and its moments then stay
+exactly those of an optimizer that never saw the batch (OLMo-core's first ``SkipStepAdamW`` zeroed the update
+inside ``step`` while the counter advanced, so the bias correction ran ahead). Any optimizer works, because the guard
+only contributes to the skip flag.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
+
+import torch
+
+from lit_mpstable.base.validate import int_arg, real_arg
+from lit_mpstable.core.guards.spike_state import checked_state, watch_arg
+
+__all__ = ["SpikeGuard", "Watched"]
+
+Watched = Literal["loss", "grad_norm"]
+
+# Floors on the standard deviation, relative to the mean's magnitude. The statistics (the clip threshold) use 1%:
+# on a nearly flat series (a plateaued loss, a steady norm) a change of a few percent is then not "6 sigma".
+# ScaleCheckpoint's rollback rule floors at 5%; a skip is cheaper than a rollback, so the guard may be more sensitive.
+_MIN_REL_STD = 0.01
+# The skip decision on the gradient norm floors at 50%, i.e. a norm is a spike only when it is both 6 sigma above the
+# rolling mean and at least 1 + 6 * 0.5 = 4x that mean. Measured on the CPU GPT (bench/spike_guard.py, batch 16 x 64
+# tokens, bf16, AdamW, clip 1.0; 3 seeds x 1000 clean steps): the per-batch norm is heavy-tailed, not Gaussian, so
+# the window's std understates its tail. At the 1% floor the benchmark skipped 7/3000 clean steps (steps 149-834,
+# none in the warmup); replayed on the three seeds' recorded series, every flag was the gradient norm (z 6-15),
+# none the loss: healthy batches at 2.0-3.0x the rolling mean, in a quiet window (relative std 9-23%). The largest
+# clean norm seen was 3.0x its rolling mean; the injected gradient spikes (x1e3 on 1% of one layer's gradient
+# coordinates, as SPAM's) are 7-12x. With this floor: 0/3000 false skips, 20/20 caught (the spiked run still
+# skipped one clean step, a norm just over 4x). A longer warmup or a log scale (log-z 4.6-9.4 on those steps) do
+# not separate the two; the ratio does. Norms between
+# the clean tail and 4x are left to clipping (fixed, or clip_zscore), which bounds their update anyway.
+_SKIP_REL_STD = {"loss": _MIN_REL_STD, "grad_norm": 0.5}
+_TINY = 1e-12
+_NAMES: tuple[str, ...] = get_args(Watched)
+
+
+class SpikeGuard:
+    """Skip loss and gradient-norm spikes on the device, and optionally clip the norm adaptively (ZClip).
+
+    Keeps the last ``window`` losses and total gradient norms of applied steps in ring buffers (device tensors, with
+    their counts), created on the CPU and moved to the device of the first value it sees (or :meth:`bind`). After
+    ``warmup`` applied values, a step whose watched value lies more than ``zscore`` standard deviations above the
+    rolling mean is flagged. No method reads a tensor's value on the host.
+
+    Args:
+        zscore: how many standard deviations above the rolling mean make a spike (OLMo-core: 6).
+        window: how many applied steps the statistics cover (OLMo-core: 128).
+        warmup: applied values needed before anything is flagged or clipped.
+        watch: which values can flag a spike: ``"loss"``, ``"grad_norm"`` or both. The statistics of both are kept
+            either way (the z-scores are metrics).
+        clip_zscore: clip the gradient norm to ``mean + clip_zscore * std`` of the recent norms (ZClip uses 2.5);
+            ``None``: no adaptive clipping.
+        max_consecutive: after this many steps in a row skipped as spikes, the series is taken to have moved to a
+            new level (new data, a schedule change) rather than to be spiking: the statistics restart (``warmup``
+            steps again) and training goes on (see :meth:`count_run_`). Skipped values never enter the statistics,
+            so without a limit a lasting shift would be skipped for ever and training would stop, silently.
+            ``None``: no limit.
+
+    Raises:
+        TypeError, ValueError: an argument has the wrong type or value (the message names it).
+    """
+
+    def __init__(
+        self,
+        zscore: float = 6.0,
+        window: int = 128,
+        warmup: int = 20,
+        watch: Iterable[Watched] = ("loss", "grad_norm"),
+        clip_zscore: float | None = None,
+        max_consecutive: int | None = 16,
+    ) -> None:
+        call = type(self).__name__
+        self.zscore = real_arg(call, "zscore", zscore, low=0.0, low_open=True,
+                               unit="standard deviations above the rolling mean; 6 is OLMo-core's")
+        self.window = int_arg(call, "window", window, low=2, high=1 << 20,
+                              unit="applied steps in the statistics; a standard deviation needs 2; 128 is usual")
+        self.warmup = int_arg(call, "warmup", warmup, low=2,
+                              unit="applied steps before the guard judges; a standard deviation needs 2")
+        self.watch = watch_arg(call, watch, _NAMES)
+        self.clip_zscore = real_arg(call, "clip_zscore", clip_zscore, low=0.0, low_open=True, none=True,
+                                    unit="standard deviations for adaptive clipping; ZClip uses 2.5; None turns it off")
+        self.max_consecutive = int_arg(call, "max_consecutive", max_consecutive, low=1, none=True,
+                                       unit="steps skipped as spikes in a row before the statistics restart; None:"
+                                            " no limit")
+        self.level_shifts = 0
+        """How often :attr:`max_consecutive` spikes in a row restarted the statistics (host-side)."""
+        self.consecutive_spikes = 0
+        """Steps skipped as spikes since the last applied step or restart (host-side, from the caller's flags)."""
+        self.device: torch.device | None = None
+        """Where the statistics live; None until the first value (or :meth:`bind`)."""
+        # Both watched series side by side (column 0 the loss, column 1 the gradient norm), so that a step's
+        # statistics, judgement and fold are one short run of small kernels for both, not one per series. A slot no
+        # applied value has reached yet holds NaN, so the sums skip it without a mask (state_dict saves it as 0).
+        self._values = torch.full((self.window, len(_NAMES)), math.nan)  # ring buffers, slot = count % window
+        self._counts = torch.zeros(len(_NAMES), dtype=torch.int64)  # applied values ever folded, per series
+        self._spikes = torch.zeros((), dtype=torch.int64)
+        # This step's loss (summed over micro-batches) and norm, as given (detached, FP32); None: not given.
+        self._loss: torch.Tensor | None = None
+        self._norm: torch.Tensor | None = None
+        self._pending: torch.Tensor | None = None  # both stacked (NaN where not given), made once per step
+        self._finite: torch.Tensor | None = None  # which of them are finite, as decide() found them
+        self._decided = False  # whether decide() ran this step (host-side)
+        self._last_spike = torch.zeros((), dtype=torch.bool)
+        self._judged: tuple[torch.Tensor, torch.Tensor] | None = None  # last z-scores, window sizes: metrics, lazily
+        self._threshold: torch.Tensor | None = None  # the clip threshold decide() computed this step
+        self._caps = torch.full((len(_NAMES),), math.inf)  # what a folded value is capped at: the norm's clip threshold
+        self._consts: dict[str, Any] = {}  # per-device constants: slot indices, floors, the watched rows' mask
+
+    # ------------------------------------------------------------------------------------------- live state
+    @property
+    def loss_zscore(self) -> torch.Tensor:
+        """The last judged loss's z-score, a 0-dim float32 device tensor (NaN before two applied losses, or when the
+        step had no loss). Reading its value syncs."""
+        return self._zscore(0)
+
+    @property
+    def grad_norm_zscore(self) -> torch.Tensor:
+        """The last judged gradient norm's z-score (as :attr:`loss_zscore`), against a standard deviation of at least
+        half the rolling mean: above ``zscore`` means skipped (see ``_SKIP_REL_STD``)."""
+        return self._zscore(1)
+
+    def _zscore(self, row: int) -> torch.Tensor:
+        if self._judged is None:
+            return torch.full((), math.nan, device=self.device)
+        z, n = self._judged
+        # A series not measured this step reads NaN (its placeholder): no stale value passed off as fresh.
+        return torch.where(n[row] >= 2, z[row], math.nan)
+
+    @property
+    def spikes_skipped(self) -> torch.Tensor:
+        """Steps skipped because this guard flagged them, a 0-dim int64 device tensor. Reading its value syncs."""
+        return self._spikes
+
+    @property
+    def last_spike(self) -> torch.Tensor:
+        """The last :meth:`decide`'s flag, a 0-dim bool device tensor."""
+        return self._last_spike
+
+    # ---------------------------------------------------------------------------------------------- binding
+    def bind(self, device: torch.device | str) -> SpikeGuard:
+        """Keep the statistics on ``device`` (moving them there if they live elsewhere); returns the guard."""
+        device = torch.device(device)
+        if self.device != device:
+            self._values, self._counts, self._spikes, self._last_spike, self._caps = (
+                t.to(device) for t in (self._values, self._counts, self._spikes, self._last_spike, self._caps))
+            self._judged = None if self._judged is None else (self._judged[0].to(device), self._judged[1].to(device))
+            self._clear()
+            # The skip's floor is never below the statistics' own (see _SKIP_REL_STD), so one maximum judges both.
+            floors = [max(_SKIP_REL_STD[name], _MIN_REL_STD) for name in _NAMES]
+            sizes = torch.arange(self.window + 1, device=device, dtype=torch.float32)
+            self._consts = {
+                "slots": torch.arange(self.window, device=device).unsqueeze(1),  # a column: broadcasts per series
+                "mean_div": sizes.clamp(min=1.0), "var_div": (sizes - 1.0).clamp(min=1.0),  # by values in the window
+                "skip_floor": torch.tensor(floors, device=device),
+                "watched": (None if len(self.watch) == len(_NAMES)
+                            else torch.tensor([name in self.watch for name in _NAMES], device=device)),
+                "missing": torch.full((), math.nan, device=device),  # the placeholder of a value not given
+                "non_blocking": device.type != "cpu",
+            }
+            self.device = device
+        return self
+
+    def _value(self, value: torch.Tensor, what: str) -> torch.Tensor:
+        """``value`` detached, as a 0-dim FP32 tensor on the guard's device (binding it there on first use)."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"SpikeGuard.{what}: expected a tensor, got {type(value).__name__} {value!r}; pass the"
+                            " tensor itself (a Python number would need a host read to produce).")
+        if value.numel() != 1:
+            raise ValueError(f"SpikeGuard.{what}: expected one value, got a tensor of shape {tuple(value.shape)};"
+                             " pass the reduced (scalar) loss or the total gradient norm.")
+        if self.device is None:
+            self.bind(value.device)
+        if value.requires_grad:
+            value = value.detach()
+        if value.dim():
+            value = value.reshape(())
+        # Non-blocking only towards an accelerator (host memory might be read before a non-blocking copy lands).
+        return value.to(self.device, torch.float32, non_blocking=self._consts["non_blocking"])
+
+    # ------------------------------------------------------------------------------------------------- step
+    def observe_loss_(self, loss: torch.Tensor) -> None:
+        """Record the step's (unscaled) loss; micro-batches of one step add up, as their gradients do."""
+        value = self._value(loss, "observe_loss_(loss)")
+        self._loss = value if self._loss is None else self._loss + value
+        self._pending = None
+
+    def decide(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """Whether this step is a spike: a 0-dim bool tensor on the device, to OR into the non-finite flag.
+
+        Judges the loss given to :meth:`observe_loss_` and ``grad_norm`` (the total norm of the true, unscaled
+        gradients before any clipping) against the statistics of the applied steps before this one. A non-finite
+        value is not a spike (the non-finite check owns it). Also sets :attr:`loss_zscore`/:attr:`grad_norm_zscore`.
+
+        Raises:
+            ValueError: ``grad_norm`` is None although it is watched or clipped.
+        """
+        if grad_norm is None:
+            if "grad_norm" in self.watch or self.clip_zscore is not None:
+                raise ValueError(
+                    f"SpikeGuard(watch={self.watch!r}, clip_zscore={self.clip_zscore!r}).decide(grad_norm=None): the"
+                    " gradient norm is watched or clipped, so pass the step's total unscaled gradient norm.")
+        else:
+            self._norm, self._pending = self._value(grad_norm, "decide(grad_norm)"), None
+        if self.device is None:  # nothing seen yet, nothing to judge
+            return self._last_spike.clone()
+        value, counts = self._stacked(), self._counts
+        mean, root, scale, n = self._stats()
+        judged = torch.maximum(root, self._consts["skip_floor"] * scale).clamp(min=_TINY)  # see _SKIP_REL_STD
+        z = (value - mean) / judged
+        # NaN z (a value not given, or non-finite) compares False; an inf value (inf z) is excluded as non-finite.
+        self._finite = value.abs() < math.inf  # the fold takes these, unless clipping caps a value first
+        spike = self._finite & (z > self.zscore) & (counts >= self.warmup)
+        if self._consts["watched"] is not None:
+            spike = spike & self._consts["watched"]
+        spike = spike.any()
+        self._judged = (z, n)  # n is this step's own tensor: the metrics read it later
+        self._threshold = (self._clip_threshold(mean[1], self._std(root, scale)[1], counts[1])
+                           if self.clip_zscore is not None else None)
+        self._last_spike = spike
+        self._decided = True
+        return spike
+
+    def clip_threshold(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The adaptive clip norm ``mean + clip_zscore * std`` of the recent applied norms, as a 0-dim float32
+        device tensor (``inf`` during warmup), or None without ``clip_zscore``. Clip to ``min(max_norm, threshold)``
+        (``torch.nn.utils.clip_grads_with_norm_`` takes it as is); no host read.
+
+        Args:
+            grad_norm: this step's norm, only to bind the guard to its device when nothing was seen yet.
+
+        Raises:
+            RuntimeError: the guard has no device yet and no ``grad_norm`` was given.
+        """
+        if self.clip_zscore is None:
+            return None
+        if self._threshold is not None:  # decide() made it this step, from the same statistics
+            return self._threshold
+        if self.device is None:
+            if grad_norm is None:
+                raise RuntimeError("SpikeGuard.clip_threshold(): the guard has seen no value yet, so it has no device;"
+                                   " pass grad_norm=... or call bind(device) first.")
+            self.bind(grad_norm.device)
+        mean, root, scale, _ = self._stats()
+        return self._clip_threshold(mean[1], self._std(root, scale)[1], self._counts[1])
+
+    def _clip_threshold(self, mean: torch.Tensor, std: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        assert self.clip_zscore is not None
+        return torch.where(count >= self.warmup, mean + self.clip_zscore * std, math.inf)
+
+    def commit_(self, skipped: torch.Tensor | bool, *, spiked: torch.Tensor | None = None) -> None:
+        """End the step: fold its loss and norm into the statistics unless ``skipped`` (the step's final flag: a
+        spike, a non-finite gradient or any other skip), count a skipped spike, and clear the pending values.
+
+        With ``clip_zscore`` the norm enters the statistics clipped to its threshold (ZClip: an outlier that was
+        clipped does not widen the band for the next one).
+
+        Args:
+            skipped: 0-dim tensor (bool, or the scaler's float found-inf flag) or a Python bool.
+            spiked: the spike flag to count, when it differs from this guard's own :meth:`decide` (e.g. agreed across
+                ranks); default: the last :meth:`decide`'s.
+        """
+        if self.device is None:  # no value was ever given: nothing to fold or count
+            self._clear()
+            return
+        given = self._loss is not None or self._norm is not None
+        if isinstance(skipped, bool):  # the stepper's own flag, read on the host already: no tensor work for it
+            if not skipped and given:
+                self._fold(None)
+            elif skipped:
+                self._count_spike(True, spiked)
+        else:
+            skipped_t = skipped.detach().to(self.device).reshape(()) != 0
+            if given:
+                self._fold(skipped_t)
+            self._count_spike(skipped_t, spiked)
+        self._clear()
+
+    def _fold(self, skipped: torch.Tensor | None) -> None:
+        value, take = self._stacked(), self._finite
+        if self.clip_zscore is not None:  # ZClip: a clipped norm enters capped at its threshold (the loss's cap: inf)
+            if self._threshold is not None:
+                self._caps[1].copy_(self._threshold)
+            value, take = torch.minimum(value, self._caps), None
+        if take is None:
+            take = value.abs() < math.inf  # a value not given is NaN: never taken
+        take = take & ~skipped if skipped is not None else take
+        # torch.where on a one-hot slot instead of indexing by a Python int: no host read, no graph break.
+        slot = (self._consts["slots"] == self._counts % self.window) & take
+        torch.where(slot, value, self._values, out=self._values)
+        self._counts.add_(take)
+
+    def _stacked(self) -> torch.Tensor:
+        """This step's loss and norm as one (2,) tensor, NaN where not given; made once per step."""
+        if self._pending is None:
+            missing = self._consts["missing"]
+            self._pending = torch.stack([missing if self._loss is None else self._loss,
+                                         missing if self._norm is None else self._norm])
+            self._finite = None
+        return self._pending
+
+    def _count_spike(self, skipped: torch.Tensor | bool, spiked: torch.Tensor | None) -> None:
+        if spiked is not None:
+            self._spikes.add_((spiked.to(self.device).reshape(()) != 0) & skipped)
+        elif self._decided:
+            self._spikes.add_(self._last_spike & skipped)
+
+    def count_run_(self, skipped_as_spike: bool, applied: bool) -> bool:
+        """After a step, with host flags the caller has read anyway (the stepper: its skip decision, and on skipped
+        steps whether a spike caused it): count the steps skipped as spikes in a row; an applied step ends the run.
+        At :attr:`max_consecutive` the statistics restart (empty window, ``warmup`` again; the skip count stays) and
+        this returns True, so the caller can say so. No device work except at the restart."""
+        if applied:
+            self.consecutive_spikes = 0
+        elif skipped_as_spike:
+            self.consecutive_spikes += 1
+            if self.max_consecutive is not None and self.consecutive_spikes >= self.max_consecutive:
+                self._values.fill_(math.nan)
+                self._counts.zero_()
+                self.consecutive_spikes, self.level_shifts = 0, self.level_shifts + 1
+                return True
+        return False
+
+    def forget_(self) -> None:
+        """Drop the step's pending values without folding them (the step will be run again, e.g. replayed)."""
+        self._clear()
+
+    def _clear(self) -> None:
+        self._loss = self._norm = self._pending = self._finite = self._threshold = None
+        self._decided = False
+
+    def _stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per series, over the applied values in the window: the mean, the unbiased standard deviation before any
+        floor, the mean's magnitude (the floors' unit) and the number of values (at most ``window``, int64)."""
+        n = self._counts.clamp(max=self.window)
+        mean = self._values.nansum(0) / self._consts["mean_div"][n]  # max(n, 1): an empty window has mean 0
+        var = (self._values - mean).square().nansum(0) / self._consts["var_div"][n]  # max(n - 1, 1)
+        return mean, var.sqrt(), mean.abs(), n
+
+    @staticmethod
+    def _std(root: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The statistics' standard deviation: floored at 1% of the mean's magnitude (see _MIN_REL_STD)."""
+        return torch.maximum(root, _MIN_REL_STD * scale).clamp(min=_TINY)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The statistics, for an exact resume mid-window; tensors and ints only (``weights_only=True`` loads it).
+
+        Keys: ``window`` (int), ``loss`` and ``grad_norm`` (the ring buffers, float32 of length ``window``),
+        ``loss_count`` and ``grad_norm_count`` (int64 0-dim: applied values folded so far), ``spikes_skipped``,
+        ``consecutive_spikes`` and ``level_shifts`` (ints; optional when loading: states saved before them load with
+        0). A step's pending values are not saved: checkpoints are written between steps.
+        """
+        state: dict[str, Any] = {"window": self.window}
+        for row, name in enumerate(_NAMES):
+            state[name] = self._values[:, row].detach().nan_to_num(0.0)  # a slot not reached yet: 0
+            state[f"{name}_count"] = self._counts[row].detach().clone()
+        state["spikes_skipped"] = self._spikes.detach().clone()
+        state["consecutive_spikes"], state["level_shifts"] = self.consecutive_spikes, self.level_shifts
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (strict), onto the guard's device if it has one.
+
+        Raises:
+            KeyError, TypeError, ValueError: other keys, a value of the wrong type or value (see
+                :func:`~lit_mpstable.core.guards.spike_state.checked_state`); nothing is restored then.
+        """
+        expected = set(self.state_dict())
+        values, counts, spikes, run, shifts = checked_state(state, expected, _NAMES, self.window)
+        device = self.device or torch.device("cpu")
+        self._counts = counts.to(device)
+        reached = torch.arange(self.window, device=device).unsqueeze(1) < self._counts
+        self._values = torch.where(reached, values.t().to(device), math.nan)
+        self._spikes = spikes.to(device)
+        self.consecutive_spikes, self.level_shifts = run, shifts
+        self._clear()
+

@@ -1,0 +1,433 @@
+"""The GradScaler-compatible loss scalers: ``DynamicLossScaler`` (GradScaler plus hysteresis, bounds and counters)
+and ``StaticLossScaler`` (a fixed scale)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from lit_mpstable.core.scaling.inf_checks import InfChecks
+from lit_mpstable.core.scaling.scaler_state import (
+    GRADSCALER_KEYS,
+    SCALE_FLOOR,
+    check_init_args,
+    check_loaded,
+    check_new_scale,
+    check_state_keys,
+    resolve_device,
+)
+
+__all__ = ["DynamicLossScaler", "StaticLossScaler"]
+
+_DEVICE_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflow_count", "_min_scale_hits")
+
+
+class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` plus hysteresis, scale bounds, overflow counters and a host-side skip flag.
+
+    With default arguments it follows GradScaler step for step (same scale trajectory, same skipped steps)
+    until the scale would pass ``max_scale`` (2**24, reached only after 8 growth intervals of clean steps).
+
+    - ``hysteresis=k`` backs off only on the k-th overflowing step since the scale last grew (DeepSpeed and
+      Megatron-LM semantics): every overflow still skips its step and resets the growth tracker, but isolated
+      overflows no longer halve the scale. Once used up, each further overflow backs off until the scale grows.
+    - ``min_scale``/``max_scale`` bound the scale. An overflow while already at ``min_scale`` is counted in
+      ``min_scale_hits`` and warned about from the second such step on: the model overflows even at the
+      smallest allowed scale, which scaling alone cannot fix.
+    - ``last_step_skipped`` is a Python bool set from the one host synchronisation GradScaler's ``step``
+      already makes; ``overflow_count`` stays on the device until read.
+    - Distributed: :meth:`sync_found_inf_` between ``unscale_`` and ``step`` makes every rank skip together.
+
+    Raises:
+        ValueError: an argument is out of range (each message names the argument and the rule).
+    """
+
+    def __init__(
+        self,
+        device: str | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = 2.0**24,
+        enabled: bool = True,
+    ) -> None:
+        name = type(self).__name__
+        device = resolve_device(name, device)
+        check_init_args(name, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+                        max_scale, enabled)
+        # An init_scale above max_scale is accepted, as GradScaler accepts any: the cap applies to growth.
+        # torch disables a "cuda" GradScaler on a machine without CUDA (FP16 would then train unscaled); ours stays
+        # enabled and is adopted onto the run's device by the plugin (adopt_device_), or works on whatever device
+        # the loss lives on in a plain loop: the scale tensor is created next to the first scaled output.
+        super().__init__("cpu" if device == "cuda" and not torch.cuda.is_available() else device, init_scale,
+                         growth_factor, backoff_factor, growth_interval, enabled)
+        self._device = device
+        self.allow_fp16_grads = False
+        """Unscale FP16 gradients in place (GradScaler refuses them: small values flush). Set by the precision
+        core for ``"16-true"`` without master weights, where the gradients themselves are FP16."""
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.last_step_skipped = False
+        self.last_data_fault = False
+        """Whether the last iteration was ended by :meth:`skip_update_` (an overflow blamed on the data)."""
+        self.step_count = 0
+        """Calls of ``update()`` that consumed inf checks, i.e. iterations; a host int, no sync."""
+        # Device-side state, created lazily next to the scale (same device), like GradScaler's own.
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._overflow_count: torch.Tensor | None = None
+        self._min_scale_hits: torch.Tensor | None = None
+        self._init_hysteresis_tracker = hysteresis
+        self._init_overflow_count = 0
+        self._init_min_scale_hits = 0
+        self._min_scale_warned = False
+        # Whether this iteration overflowed, as step()'s one host sync found it (None: no step read it yet). The
+        # counters and the growth tracker live on the device only, read when asked (logging steps).
+        self._host_found: bool | None = None
+        # Where the scale stood before the last update that may have backed off (see undo_backoff_); None when the
+        # last update was clean, set by hand, or a skip_update_.
+        self._before_backoff: tuple[list[torch.Tensor], dict[str, Any]] | None = None
+
+    # ----------------------------------------------------------------------------------------- lazy state
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+        self._overflow_count = torch.full((), self._init_overflow_count, dtype=torch.int64, device=dev)
+        self._min_scale_hits = torch.full((), self._init_min_scale_hits, dtype=torch.int64, device=dev)
+
+    def get_scale_tensor(self) -> torch.Tensor:
+        """The scale as the 0-dim device tensor the scaler updates in place (``get_scale()`` reads it to the host,
+        which syncs; this does not). Valid after the first ``scale()``.
+
+        Raises:
+            RuntimeError: the scaler is disabled, or has no scale yet.
+        """
+        if not self._enabled or self._scale is None:
+            raise RuntimeError(f"{type(self).__name__}.get_scale_tensor(): no scale yet (disabled, or before scale()).")
+        return self._scale
+
+    def ensure_state_(self, device: torch.device | str) -> None:
+        """Create the scale and tracker tensors on ``device`` if ``scale()`` has not yet (a scaler used only to check
+        gradients, at scale 1, never scales a loss)."""
+        if self._enabled and self._scale is None:
+            self._lazy_init_scale_growth_tracker(torch.device(device))
+
+    def adopt_device_(self, device_type: str) -> str | None:
+        """Follow the run's device type (a plugin calls it with its own); returns the type the scaler was built for
+        when that differs (for the caller to say so), else None. State tensors already created move along."""
+        if device_type == self._device:
+            return None
+        previous, self._device = self._device, device_type
+        for attr in _DEVICE_TENSORS:
+            tensor = getattr(self, attr, None)
+            if isinstance(tensor, torch.Tensor):
+                setattr(self, attr, tensor.to(device_type))
+        return previous
+
+    # ---------------------------------------------------------------------------------------- stepping
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ):
+        # The one host sync GradScaler makes per step lives here; record its answer for free.
+        found_inf = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
+        self._note_skip(bool(found_inf))
+        if found_inf:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self.allow_fp16_grads)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (if not done yet), then step unless the gradients hold inf/NaN; see ``GradScaler.step``.
+
+        For optimizers that skip inside their own fused ``step`` (``fused=True``), reading whether the step was
+        skipped costs one host synchronisation, the same one an unfused optimizer pays in GradScaler.
+        """
+        if not self._enabled:
+            self.last_step_skipped = False
+            return optimizer.step(*args, **kwargs)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            result = super().step(optimizer, *args, **kwargs)
+            found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+            self._note_skip(bool(sum(v.item() for v in found)))
+            return result
+        return super().step(optimizer, *args, **kwargs)
+
+    def _note_skip(self, skipped: bool) -> None:
+        # What the step's host sync found, kept for update(): an iteration overflowed if any optimizer's step did.
+        self.last_step_skipped = skipped
+        self._host_found = skipped or bool(self._host_found)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the scale from this iteration's inf checks; all on the device, no host sync.
+
+        The GradScaler rule (backoff on overflow, growth after ``growth_interval`` clean steps) with hysteresis
+        and bounds added. Passing ``new_scale`` sets the scale by hand (clamped to the bounds).
+        """
+        if not self._enabled:
+            return
+        self.last_data_fault = False
+        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        # An update that may back off keeps where the scale stood (0-dim device copies, no sync; on the host-known
+        # path of GradScaler's rule, overflowing iterations only): undo_backoff_ puts it back.
+        self._before_backoff = self._scale_state() if new_scale is None and self._host_found is not False else None
+        if new_scale is not None:
+            check_new_scale(f"{type(self).__name__}.update", new_scale)
+            super().update(float(new_scale) if not isinstance(new_scale, torch.Tensor) else new_scale)
+            self._clamp_(scale, self.max_scale)
+            self._host_found = None  # this iteration's outcome is consumed; the device tracker is untouched
+            return
+        found_infs = [
+            found_inf.to(device=scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if not found_infs:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
+        self._update_scale_(scale, growth_tracker, found_inf)
+        self._host_found = None
+        self._per_optimizer_states.clear()
+        self.step_count += 1
+        if self.last_step_skipped and not self._min_scale_warned:
+            # Host already knows this step overflowed; one extra read on overflow steps only.
+            assert self._min_scale_hits is not None  # made with the scale, before the first step
+            if int(self._min_scale_hits.item()) >= 2:
+                self._min_scale_warned = True
+                where = (f"min_scale={self.min_scale!r}" if self.min_scale is not None and self.min_scale >= SCALE_FLOOR
+                         else "the lowest scale 2**-126 (below it 1/scale is no longer finite)")
+                warnings.warn(
+                    f"{type(self).__name__}: gradients overflowed again at {where}; loss scaling cannot fix this. Look"
+                    " for the module producing inf/NaN or fall back to a wider format.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def skip_update_(self, *, overflow: bool = True) -> None:
+        """End this iteration without updating the scale: its overflow came from the data (an inf/NaN batch), or
+        entered after the gradient check, which says nothing about the scale. The step stays skipped (and counted as
+        an overflow if ``overflow``); the scale, the growth and hysteresis trackers are left as they were, as if the
+        batch had never come. No host sync."""
+        if not self._enabled:
+            return
+        self._per_optimizer_states.clear()
+        self._before_backoff = None  # nothing backed off
+        if self._scale is not None:
+            # A scale that is itself inf/NaN/0 (written into the scaler at run time) is what made the step fail:
+            # start again from init_scale rather than skip every later step.
+            usable = torch.isfinite(self._scale) & (self._scale >= self.floor)
+            self._scale.copy_(torch.where(usable, self._scale, torch.full_like(self._scale, self._init_scale)))
+        if self._host_found and overflow:
+            assert self._overflow_count is not None
+            self._overflow_count += 1  # step() read the flag, so the device state exists; no host sync
+        self._host_found = None
+        self.step_count += 1
+        self.last_data_fault = True
+
+    def undo_backoff_(self) -> bool:
+        """Put the scale, and what decides its next moves (the growth and hysteresis trackers), back where they stood
+        before the last ``update()``, when that update consumed an overflow that was not the scale's doing: the
+        rejected execution of a step that ``FaultTriage`` replayed clean (a transient fault) or blamed on its batch.
+        The overflow stays counted (``overflow_count``). No host sync. Every rank of a distributed run calls it
+        alike (triage decides on every rank), so the scales stay equal.
+
+        Returns:
+            Whether there was a backoff to undo: False after a clean update (as the step's host sync found it), an
+            update by hand (``new_scale``), a :meth:`skip_update_`, or a second call.
+        """
+        saved, self._before_backoff = self._before_backoff, None
+        if saved is None:
+            return False
+        tensors, host = saved
+        for tensor, value in zip(self._scale_tensors(), tensors, strict=True):
+            tensor.copy_(value)
+        for name, value in host.items():
+            setattr(self, name, value)
+        return True
+
+    def _scale_tensors(self) -> list[torch.Tensor]:
+        """The device tensors an update moves the scale with (the counters are not among them)."""
+        return [t for t in (self._scale, self._growth_tracker, self._hysteresis_tracker) if t is not None]
+
+    def _scale_host_state(self) -> dict[str, Any]:
+        """Host attributes an update changes with the scale (none here; subclasses add theirs)."""
+        return {}
+
+    def _scale_state(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        return [t.clone() for t in self._scale_tensors()], self._scale_host_state()
+
+    def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
+        assert self._hysteresis_tracker is not None and self._overflow_count is not None
+        assert self._min_scale_hits is not None
+        host_found = self._host_found
+        if self.hysteresis == 1 and host_found is not None:
+            # The host already knows (from step()'s sync) whether this iteration overflowed: a clean step costs
+            # GradScaler's fused kernel and the growth cap, the counters move only on an overflow.
+            if host_found:
+                self._min_scale_hits += scale <= self.floor
+                self._overflow_count += 1
+            cap = self._growth_cap(scale)
+            torch._amp_update_scale_(
+                scale, growth_tracker, found_inf.float(),
+                self._growth_factor, self._backoff_factor, self._growth_interval,
+            )
+            if cap is not None or host_found:
+                self._clamp_(scale, cap)
+            return
+        found = found_inf > 0
+        self._min_scale_hits += found & (scale <= self.floor)
+        self._overflow_count += found
+        cap = self._growth_cap(scale)
+        if self.hysteresis == 1:
+            torch._amp_update_scale_(
+                scale, growth_tracker, found_inf.float(),
+                self._growth_factor, self._backoff_factor, self._growth_interval,
+            )
+            self._clamp_(scale, cap)
+            return
+        # The same arithmetic as torch._amp_update_scale_ (float32 scale, int32 tracker, growth only to a finite
+        # value), written with tensor ops so hysteresis fits in without a host sync.
+        hysteresis_left = self._hysteresis_tracker - found.int()
+        backoff = found & (hysteresis_left <= 0)
+        tracker = torch.where(found, 0, growth_tracker + 1)
+        grow = tracker >= self._growth_interval
+        grown = scale * self._growth_factor
+        grow = grow & torch.isfinite(grown)
+        new_scale = torch.where(backoff, scale * self._backoff_factor, torch.where(grow, grown, scale))
+        scale.copy_(new_scale)
+        self._clamp_(scale, cap)
+        growth_tracker.copy_(torch.where(tracker >= self._growth_interval, 0, tracker))
+        self._hysteresis_tracker.copy_(torch.where(grow, self.hysteresis, hysteresis_left.clamp_min(0)))
+
+    def _growth_cap(self, scale: torch.Tensor) -> torch.Tensor | None:
+        # Growth may not pass max_scale, but a scale already above it (init_scale > max_scale, as GradScaler
+        # accepts) is not pulled down either: the cap is max(scale before the update, max_scale).
+        return None if self.max_scale is None else scale.clamp(min=self.max_scale)
+
+    def _clamp_(self, scale: torch.Tensor, cap: torch.Tensor | float | None) -> None:
+        """Bound the scale: below by ``min_scale``, above by ``cap`` (a growth cap, or ``max_scale``) if given."""
+        if isinstance(cap, torch.Tensor):
+            torch.minimum(scale, cap, out=scale)
+        elif cap is not None:
+            scale.clamp_(max=cap)
+        scale.clamp_(min=self.floor)
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale: ``min_scale``, and never below 2**-126 (the smallest normal float32), where 1/scale is
+        still finite (below it the unscaled gradients would be inf, and a scale of 0 writes NaN)."""
+        return max(self.min_scale or 0.0, SCALE_FLOOR)
+
+    # ------------------------------------------------------------------------------------------ reading
+    @property
+    def overflow_count(self) -> int:
+        """Iterations whose gradients held inf/NaN. Reading it synchronises with the device."""
+        return self._init_overflow_count if self._overflow_count is None else int(self._overflow_count.item())
+
+    @property
+    def min_scale_hits(self) -> int:
+        """Overflowing iterations that happened while the scale was already at ``min_scale`` (syncs)."""
+        return self._init_min_scale_hits if self._min_scale_hits is None else int(self._min_scale_hits.item())
+
+    def _get_hysteresis_tracker(self) -> int:
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    # --------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """GradScaler's keys plus ``hysteresis``, ``min_scale``, ``max_scale`` and the counters.
+
+        Keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker`` (as
+        GradScaler), ``hysteresis``, ``_hysteresis_tracker``, ``min_scale``, ``max_scale``, ``overflow_count``,
+        ``min_scale_hits``, ``step_count``. Python scalars only (``weights_only=True`` loads it). Empty when disabled.
+        """
+        if not self._enabled:
+            return {}
+        state = super().state_dict()
+        state.update(
+            hysteresis=self.hysteresis,
+            _hysteresis_tracker=self._get_hysteresis_tracker(),
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            overflow_count=self.overflow_count,
+            min_scale_hits=self.min_scale_hits,
+            step_count=self.step_count,
+        )
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`, or from a plain ``torch.amp.GradScaler`` state dict.
+
+        Raises:
+            RuntimeError: the dict is empty (saved with scaling disabled?).
+            KeyError: a key is missing or unknown.
+        """
+        if not self._enabled:
+            return
+        self._before_backoff = None  # a loaded scale has no backoff of this process to undo
+        call = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{call}({state_dict!r}): expected the dict state_dict() returns.")
+        if not state_dict:
+            raise RuntimeError(f"{call}: the state dict is empty; was it saved with scaling disabled?")
+        keys = set(state_dict)
+        if keys == GRADSCALER_KEYS:
+            # Written by torch.amp.GradScaler (e.g. Lightning's own "16-mixed"): keep our extra state as constructed.
+            check_loaded(call, state_dict, floor=self.floor)
+            self._host_found = None
+            super().load_state_dict(state_dict)
+            return
+        check_state_keys(call, keys, set(self.state_dict()))
+        min_scale = state_dict["min_scale"]
+        check_loaded(call, state_dict, floor=max(min_scale or 0.0, SCALE_FLOOR) if isinstance(
+            min_scale, (int, float)) and not isinstance(min_scale, bool) else SCALE_FLOOR)
+        self._host_found = None
+        super().load_state_dict(state_dict)
+        self.hysteresis = int(state_dict["hysteresis"])
+        self.min_scale = state_dict["min_scale"]
+        self.max_scale = state_dict["max_scale"]
+        self.step_count = int(state_dict["step_count"])
+        self._init_hysteresis_tracker = int(state_dict["_hysteresis_tracker"])
+        self._init_overflow_count = int(state_dict["overflow_count"])
+        self._init_min_scale_hits = int(state_dict["min_scale_hits"])
+        for tensor, value in (
+            (self._hysteresis_tracker, self._init_hysteresis_tracker),
+            (self._overflow_count, self._init_overflow_count),
+            (self._min_scale_hits, self._init_min_scale_hits),
+        ):
+            if tensor is not None:
+                tensor.fill_(value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            state.update(
+                _init_hysteresis_tracker=self._get_hysteresis_tracker(),
+                _init_overflow_count=self.overflow_count,
+                _init_min_scale_hits=self.min_scale_hits,
+                _hysteresis_tracker=None,
+                _overflow_count=None,
+                _min_scale_hits=None,
+                _before_backoff=None,
+            )
+        return state
+
+
+class StaticLossScaler(DynamicLossScaler):
+    """A fixed loss scale: overflowing steps are still skipped and counted, but the scale never changes."""
+
+    def __init__(self, device: str | None = None, init_scale: float = 2.0**16, enabled: bool = True) -> None:
+        super().__init__(device, init_scale=init_scale, max_scale=None, enabled=enabled)
+
+    def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
+        assert self._overflow_count is not None
+        self._overflow_count += found_inf > 0

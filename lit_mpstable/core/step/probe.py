@@ -1,0 +1,353 @@
+"""What low precision cost a step's gradients, per module: the run's gradients against an FP32 recompute."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lit_mpstable.core.step.stepper import default_dtype
+from lit_mpstable.fp8 import convert_from_fp8
+
+if TYPE_CHECKING:
+    from lit_mpstable.core.step.stepper import PrecisionStepper
+
+__all__ = ["LossFn", "METRICS", "forward_state", "measure", "metric_vector", "with_metric_vector"]
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+"""``(module, batch) -> loss``: the loss of one (micro-)batch, as the step computed it (before loss scaling)."""
+METRICS = ("underflow_frac", "rel_error", "cosine")
+"""The measures, overall and per module (see :func:`measure`)."""
+_FP8_METRICS = ("fp8_rel_error", "base_rel_error")
+# Columns of a parameter's sums: elements flushed (nonzero in FP32, zero in the run), nonzero in FP32,
+# ||g - g32||^2, ||g32||^2, ||g||^2, <g, g32>, non-finite elements of g, elements.
+_FLUSHED, _NONZERO, _DIFF2, _REF2, _RUN2, _DOT, _BAD, _NUMEL = range(8)
+
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # a torch build without torch.distributed
+    _DTENSOR = ()  # type: ignore[assignment,misc]
+
+
+def forward_state(stepper: PrecisionStepper) -> dict[str, Any]:
+    """What a step's forward starts from, so :func:`measure` can replay it: the RNG states (dropout masks) and the
+    FP8 layers' scaling state (the delayed recipe moves it in every forward). Take it right before the forward of the
+    (last micro-)batch to probe; copies, plain tensors."""
+    layout = stepper.layout
+    rng: dict[str, torch.Tensor] = {"cpu": torch.get_rng_state()}
+    device = next(layout.module.parameters()).device if layout.module is not None else torch.device(stepper.device)
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    layers = layout.fp8_layers
+    fp8 = layout.fp8_backend.state_dict(layout.module, layers) if layers else {}
+    return {"rng": rng, "fp8_layers": layers, "fp8": fp8}
+
+
+def measure(
+    stepper: PrecisionStepper,
+    module: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    *,
+    recompute: bool = False,
+    start: dict[str, Any] | None = None,
+    step: int | None = None,
+) -> dict[str, Any]:
+    """Recompute a step's gradients in FP32 on the same batch and weights and measure what the run's precision cost.
+
+    Call it after the backward and the stepper's ``unscale_``, before ``step``: the run's gradients are then the
+    true ones (scaled backward, unscaled; the FP32 masters where there are any: :meth:`PrecisionStepper.named_grads`).
+    The FP32 reference runs on a deep copy of ``module`` (tensor attributes that are not graph leaves, such as a
+    metric updated with the loss, copied detached): FP8 layers back to ``nn.Linear``, everything cast to FP32,
+    the FP32 masters as weights where they exist (with master_weights="kahan" the 16-bit weights plus their
+    compensation; else the weights upcast), floating inputs upcast, autocast off.
+    Nothing of the run is touched: not ``.grad``, the optimizer, the module's state (BatchNorm statistics, Python
+    attributes a ``loss_fn`` changes: they change on the copy), the FP8 scaling state, nor the RNG stream (forked;
+    each pass starts from ``start``'s RNG state, so dropout draws the step's masks).
+
+    ``recompute=True``: the run's gradient is recomputed too, on a copy in the run's precision (forward context,
+    FP8 layers from ``start``'s scaling state, loss scale, unscaled as the step unscales). Needed when ``.grad``
+    holds more than this batch's gradient: gradient accumulation (pass the last micro-batch) or a data-parallel
+    all-reduce (each rank measures its own batch). With FP8 layers a third pass, the run's precision with FP8 layers
+    back in the base precision, splits each FP8 layer's error into what FP8 and what the base precision cost.
+
+    Args:
+        stepper: the run's precision, set up with ``module``.
+        module: the module whose parameters the stepper trains.
+        loss_fn: ``(module, batch) -> loss``; called on the copies, so it must use the module it is given.
+        batch: the (last micro-)batch of the step, as the step's forward saw it.
+        start: :func:`forward_state` taken before the step's forward; ``None``: the current RNG and FP8 state.
+        step: the optimizer step, recorded in the result.
+
+    Returns:
+        Plain values: ``step``, ``loss_scale``, ``recomputed``, ``finite`` (the run's gradients hold no inf/NaN), and
+        overall and per owning module (``modules``: qualified name -> the same keys plus ``numel``):
+        ``underflow_frac`` (elements nonzero in FP32 that are zero in the run's gradient, over the elements nonzero
+        in FP32), ``rel_error`` (``||g - g32|| / ||g32||``), ``cosine`` (of ``g`` and ``g32``); ``fp8``: per FP8
+        layer, ``fp8_rel_error`` (``||g - g_base|| / ||g32||``) and ``base_rel_error`` (``||g_base - g32|| /
+        ||g32||``), ``g_base`` being its gradient with FP8 off. One host sync (plus the loss scale's).
+
+    Raises:
+        ValueError: ``module`` is not the stepper's.
+        RuntimeError: ``module`` holds sharded (DTensor) parameters, or ``loss_fn`` returned no differentiable loss.
+    """
+    if module is not stepper.layout.module:
+        raise ValueError(
+            f"measure(module={type(module).__name__}): the stepper was set up with another module"
+            f" ({type(stepper.layout.module).__name__}); pass the one given to stepper.setup_module()."
+        )
+    params = dict(module.named_parameters())
+    if any(isinstance(p, _DTENSOR) for p in params.values()):
+        raise RuntimeError("measure(): sharded (DTensor, FSDP2) parameters are not supported: the FP32 recompute needs"
+                           " whole parameters on each rank.")
+    if recompute:
+        names = [name for name, p in params.items() if p.requires_grad]
+        run: list[torch.Tensor | None] = []
+    else:
+        holders = [(name, holder) for name, holder in stepper.named_grads() if holder.grad is not None]
+        names, run = [name for name, _ in holders], [holder.grad for _, holder in holders]
+    scale = stepper.loss_scale
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    start = start if start is not None else forward_state(stepper)
+    fp8_layers = [name for name in stepper.layout.fp8_layers if name in dict(module.named_modules())]
+    with _forked_rng(device):
+        reference = _fp32_grads(stepper, module, loss_fn, batch, names, start, device)
+        if recompute:
+            run = _run_grads(stepper, module, loss_fn, batch, names, start, scale, keep_fp8=True)
+        base = _run_grads(stepper, module, loss_fn, batch, names, start, scale, keep_fp8=False) if fp8_layers else []
+
+    owners = [name.rpartition(".")[0] for name in names]
+    modules = list(dict.fromkeys(owners))
+    rows = [_sums(g, r, like=params[n]) for n, g, r in zip(names, run, reference)]
+    table = torch.stack(rows) if rows else torch.zeros(0, 8, dtype=torch.float64, device=device)
+    index = torch.tensor([modules.index(o) for o in owners], device=table.device, dtype=torch.long)
+    per_module = torch.zeros(len(modules), 8, dtype=torch.float64, device=table.device).index_add_(0, index, table)
+    fp8_rows = [_fp8_sums([i for i, o in enumerate(owners) if o == layer], run, base, reference, params, names)
+                for layer in fp8_layers]
+    values = torch.cat([table.sum(0, keepdim=True), per_module, *fp8_rows]).tolist()  # the one host sync
+
+    total = values[0]
+    result: dict[str, Any] = {"step": step, "loss_scale": scale, "recomputed": recompute, "finite": total[_BAD] == 0}
+    result.update(_metrics(total))
+    result["modules"] = {name: _metrics(row) for name, row in zip(modules, values[1 : 1 + len(modules)])}
+    result["fp8"] = {
+        layer: _fp8_metrics(row) for layer, row in zip(fp8_layers, values[1 + len(modules) :])
+    }
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ the passes
+def _fp32_grads(
+    stepper: PrecisionStepper, module: nn.Module, loss_fn: LossFn, batch: Any, names: Sequence[str],
+    start: dict[str, Any], device: torch.device,
+) -> list[torch.Tensor | None]:
+    """FP32 gradients of ``names`` on a copy of ``module``: no FP8, FP32 weights (the masters where they exist, the
+    compensated values of ``master_weights='kahan'``)."""
+    memo: dict[int, Any] = {}
+    reference = _copy(module, memo)
+    convert_from_fp8(reference)
+    reference.float()
+    params = dict(reference.named_parameters())
+    with torch.no_grad():
+        # The masters, or a Kahan weight's 16-bit part plus its compensation.
+        for name, weight in stepper.keeper.fp32_weights().items():
+            if name in params:
+                params[name].copy_(weight)
+    islands = memo.get(id(stepper.islands))  # the copy's FP32 islands: in *-true modes they cast outputs to 16 bits
+    if islands is not None:
+        islands.output_dtype = None
+    _restore_rng(start["rng"], device)
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False), default_dtype(torch.float32):
+        loss = _checked_loss(loss_fn(reference, _upcast(batch)))
+        return list(torch.autograd.grad(loss.float(), [params[n] for n in names], allow_unused=True))
+
+
+def _run_grads(
+    stepper: PrecisionStepper, module: nn.Module, loss_fn: LossFn, batch: Any, names: Sequence[str],
+    start: dict[str, Any], scale: float, *, keep_fp8: bool,
+) -> list[torch.Tensor | None]:
+    """Gradients of ``names`` in the run's precision on a copy of ``module`` (with its FP8 layers at ``start``'s
+    scaling state, or without FP8), scaled backward, unscaled as the step unscales them."""
+    low = _copy(module, {})
+    layout = stepper.layout
+    if not keep_fp8:
+        convert_from_fp8(low)
+    elif start["fp8"] and start["fp8_layers"] == layout.fp8_layers:
+        layout.fp8_backend.load_state_dict(low, layout.fp8_layers, start["fp8"])
+    params = dict(low.named_parameters())
+    device = next(iter(params.values())).device
+    _restore_rng(start["rng"], device)
+    with torch.enable_grad():
+        with stepper.forward_context():
+            loss = _checked_loss(loss_fn(low, batch))
+        # As GradScaler: the FP32 scale times the loss (fp16 * fp32 promotes), reciprocal in FP64 rounded to FP32.
+        scaled = loss * torch.tensor(scale, dtype=torch.float32, device=loss.device)
+        grads = torch.autograd.grad(scaled, [params[n] for n in names], allow_unused=True)
+    inv_scale = torch.tensor(1.0 / scale, dtype=torch.float32, device=device)
+    mastered = set(stepper.keeper.fp32_weights()) if stepper.keeper.exposes_grads else set()  # gradients into masters
+    return [_unscaled(g, inv_scale, fp32=name in mastered) for name, g in zip(names, grads)]
+
+
+def _copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A deep copy of ``module`` for a replay. A tensor attribute that is not a graph leaf (a torchmetrics state
+    updated with the attached loss, as the Lightning-Hydra template does) refuses ``copy.deepcopy``; the copy gets it
+    detached and cloned instead, so the replay can update it without reaching the run's metric or graph."""
+    for sub in module.modules():
+        for value in vars(sub).values():
+            _detach_non_leaves(value, memo)
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception as error:  # an attribute deepcopy cannot copy (a lock, a handle): a loss_fn would not help
+        raise ProbeCopyError(
+            f"measure(): {type(module).__name__} cannot be deep-copied for the replay ({error!r}); make the attribute"
+            " copyable (or drop it from the module) to probe this run.") from error
+
+
+class ProbeCopyError(RuntimeError):
+    """The module could not be copied for a replay (no ``loss_fn`` can help)."""
+
+
+def _detach_non_leaves(value: Any, memo: dict[int, Any], depth: int = 0) -> None:
+    if isinstance(value, torch.Tensor):
+        if not value.is_leaf and id(value) not in memo:
+            memo[id(value)] = value.detach().clone()
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for item in value:
+            _detach_non_leaves(item, memo, depth + 1)
+    elif depth < 3 and isinstance(value, dict):
+        for item in value.values():
+            _detach_non_leaves(item, memo, depth + 1)
+
+
+def _unscaled(grad: torch.Tensor | None, inv_scale: torch.Tensor, *, fp32: bool) -> torch.Tensor | None:
+    if grad is None:
+        return None
+    if fp32 or grad.dtype == torch.float32:
+        return grad.float() * inv_scale  # into the FP32 master (or an FP32 parameter), unscaled there
+    # 16-bit gradients without a master ("16-true" without masters, kahan, stochastic) are unscaled in place: the
+    # product rounds to their dtype (small values may flush there too).
+    return (grad.float() * inv_scale).to(grad.dtype)
+
+
+def _checked_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise RuntimeError(
+            f"measure(): loss_fn returned {type(loss).__name__}"
+            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; it must return the scalar loss of the"
+            " module it is given, with its graph (not detached)."
+        )
+    return loss.reshape(())
+
+
+# ------------------------------------------------------------------------------------------------ the numbers
+def _sums(run: torch.Tensor | None, reference: torch.Tensor | None, *, like: torch.Tensor) -> torch.Tensor:
+    """The 8 sums of one parameter, in float64: squares of tiny gradients underflow in FP32."""
+    shape_of = reference if reference is not None else run if run is not None else like
+    zeros = torch.zeros(shape_of.shape, dtype=torch.float64, device=like.device)
+    g = run.detach().to(like.device, torch.float64) if run is not None else zeros
+    r = reference.detach().to(like.device, torch.float64) if reference is not None else zeros
+    nonzero = r != 0
+    diff = g - r
+    return torch.stack([
+        (nonzero & (g == 0)).sum().double(), nonzero.sum().double(), (diff * diff).sum(), (r * r).sum(),
+        (g * g).sum(), (g * r).sum(), (~torch.isfinite(g)).sum().double(),
+        torch.tensor(float(g.numel()), dtype=torch.float64, device=g.device),
+    ])
+
+
+def _fp8_sums(
+    rows: list[int], run: list[Any], base: list[Any], reference: list[Any], params: dict[str, torch.Tensor],
+    names: Sequence[str],
+) -> torch.Tensor:
+    """``[||g - g_base||^2, ||g_base - g32||^2, ||g32||^2]`` over one FP8 layer's parameters, as a (1, 3) row."""
+    out = torch.zeros(1, 3, dtype=torch.float64, device=next(iter(params.values())).device)
+    for i in rows:
+        like = params[names[i]]
+        g, b, r = (_dense(t, like) for t in (run[i], base[i], reference[i]))
+        out[0, 0] += ((g - b) ** 2).sum()
+        out[0, 1] += ((b - r) ** 2).sum()
+        out[0, 2] += (r * r).sum()
+    return torch.nn.functional.pad(out, (0, 5))  # as wide as the other rows, for one concatenation
+
+
+def _dense(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if tensor is None:
+        return torch.zeros(like.shape, dtype=torch.float64, device=like.device)
+    return tensor.detach().to(like.device, torch.float64)
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    if denominator > 0:
+        return numerator / denominator
+    return 0.0 if numerator == 0 else math.inf
+
+
+def _metrics(s: Sequence[float]) -> dict[str, Any]:
+    norms = math.sqrt(s[_RUN2]) * math.sqrt(s[_REF2])
+    cosine = s[_DOT] / norms if norms > 0 else (1.0 if s[_RUN2] == s[_REF2] == 0 else 0.0)
+    return {
+        "underflow_frac": s[_FLUSHED] / s[_NONZERO] if s[_NONZERO] else 0.0,
+        "rel_error": math.sqrt(_ratio(s[_DIFF2], s[_REF2])),
+        "cosine": cosine,
+        "numel": int(s[_NUMEL]),
+    }
+
+
+def _fp8_metrics(s: Sequence[float]) -> dict[str, float]:
+    return {"fp8_rel_error": math.sqrt(_ratio(s[0], s[2])), "base_rel_error": math.sqrt(_ratio(s[1], s[2]))}
+
+
+# ------------------------------------------------------------------------------------------------ across ranks
+def metric_vector(result: dict[str, Any]) -> list[float]:
+    """The measured values of a :func:`measure` result as one flat list (overall, per module, per FP8 layer), in
+    an order every rank of the same model agrees on: average it across ranks, then :func:`with_metric_vector`."""
+    values = [float(result[m]) for m in METRICS]
+    for entry in result["modules"].values():
+        values += [float(entry[m]) for m in METRICS]
+    for entry in result["fp8"].values():
+        values += [float(entry[m]) for m in _FP8_METRICS]
+    return values
+
+
+def with_metric_vector(result: dict[str, Any], values: Sequence[float]) -> dict[str, Any]:
+    """A copy of ``result`` with its measured values replaced by ``values`` (in :func:`metric_vector`'s order)."""
+    it = iter(values)
+    out = {**result, **{m: next(it) for m in METRICS}}
+    out["modules"] = {name: {**entry, **{m: next(it) for m in METRICS}} for name, entry in result["modules"].items()}
+    out["fp8"] = {name: {m: next(it) for m in _FP8_METRICS} for name in result["fp8"]}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+@contextmanager
+def _forked_rng(device: torch.device) -> Generator[None, None, None]:
+    """Fork the RNG: training's stream continues as if nothing ran (each pass restores the step's state itself)."""
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def _upcast(data: Any) -> Any:
+    """``data`` with every floating tensor in FP32; lists, tuples, namedtuples and dicts rebuilt as they were."""
+    if isinstance(data, torch.Tensor):
+        return data.float() if data.is_floating_point() else data
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_upcast(v) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_upcast(v) for v in data)
+    if isinstance(data, dict):
+        return type(data)((k, _upcast(v)) for k, v in data.items())
+    return data

@@ -1,0 +1,108 @@
+"""The stepper's side of a :class:`~lit_mpstable.core.guards.spike.SpikeGuard`: the argument check, the loss it observes
+(averaged across ranks), and the true gradients' total norm it judges. Everything stays on the device."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from lit_mpstable.core.guards.spike import SpikeGuard
+from lit_mpstable.core.step.iteration import GradSet
+from lit_mpstable.core.tensors import grad_norms
+
+__all__ = ["check_spike_guard", "clip_grad_norm", "known_norm", "level_shift_note", "observe_loss", "true_grad_norm"]
+
+
+def check_spike_guard(call: str, spike_guard: Any, checker: Any) -> SpikeGuard | None:
+    """``spike_guard`` validated: None or a :class:`SpikeGuard`, with a checker to join its decision.
+
+    Raises:
+        TypeError: not a SpikeGuard.
+        ValueError: nothing checks the step (``skip_nonfinite=False`` without a scaler): a spike could not be skipped.
+    """
+    if spike_guard is None:
+        return None
+    if not isinstance(spike_guard, SpikeGuard):
+        raise TypeError(f"{call}(spike_guard={spike_guard!r}): must be None or a lit_mpstable.SpikeGuard, e.g."
+                        " SpikeGuard(zscore=6.0, window=128).")
+    if checker is None:
+        raise ValueError(f"{call}(spike_guard={spike_guard!r}, skip_nonfinite=False): a spike is skipped through the"
+                         " step's inf/NaN check, which skip_nonfinite=False turns off; keep skip_nonfinite=True.")
+    return spike_guard
+
+
+def level_shift_note(guard: SpikeGuard, step: int) -> str:
+    """The message for a restart of ``guard``'s statistics after :attr:`SpikeGuard.max_consecutive` spikes in a row."""
+    return (f"SpikeGuard: {guard.max_consecutive} steps in a row were skipped as spikes, up to step {step}; taken as"
+            f" a lasting change of the loss or gradient-norm level (new data, a schedule change), not a spike, the"
+            f" statistics restart ({guard.warmup} steps of warmup) and training goes on. If those batches were bad"
+            " data, the next ones are trained on: raise max_consecutive, or fix the data.")
+
+
+def observe_loss(guard: SpikeGuard, loss: torch.Tensor) -> None:
+    """Give ``guard`` the unscaled loss; under ``torch.distributed`` the mean over ranks (one all-reduce on the
+    device, no host read), so every rank judges the same value and decides alike."""
+    value = loss.detach()
+    if value.numel() != 1:
+        return  # not a reduced loss (a custom backward target): the guard judges the gradient norm alone
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.float().reshape(1).clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)  # gloo has no AVG
+        value = value[0] / dist.get_world_size()
+    guard.observe_loss_(value)
+
+
+def true_grad_norm(optimizer: Optimizer, multiplier: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The total L2 norm of ``optimizer``'s gradients after the unscale, times ``multiplier`` (compact weights keep
+    their gradients scaled and unscale by this factor inside the step), in FP32 on the device; None without
+    gradients. A sharded (DTensor) norm is made full, so every rank judges the whole model's norm."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return None
+    # FP32 per-tensor norms (a scaled FP16 gradient's norm can overflow FP16 itself), sharded (DTensor) ones made full.
+    norms = grad_norms(grads, 2, full=True)
+    norm = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2)
+    return norm * multiplier.to(norm.device) if multiplier is not None else norm
+
+
+def known_norm(
+    norm: torch.Tensor | None, checked: GradSet | None, optimizer: Optimizer, norm_type: float
+) -> torch.Tensor | None:
+    """The guard's ``norm`` of ``optimizer``'s gradients, if clipping them to an L2 norm may reuse it: every gradient
+    is still the tensor, at the version, that the gradient check saw (``checked``; a hook that wrote one, or a
+    replaced one, needs a fresh norm), and none is sharded (a DTensor norm is a DTensor). Else None: compute it."""
+    if norm is None or checked is None or norm_type != 2.0:
+        return None
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if len(grads) != len(checked) or not all(type(g) is torch.Tensor and (g, g._version) in checked for g in grads):
+        return None
+    return norm
+
+
+def clip_grad_norm(stepper: Any, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
+    """:meth:`PrecisionStepper.clip_grad_norm_ <lit_mpstable.core.step.stepper.PrecisionStepper.clip_grad_norm_>` after
+    the unscale: clipped to ``min(max_norm, the guard's ZClip threshold)``, with the guard's norm when it still holds
+    (one read of the gradients, not two), and the clipped gradients noted as checked."""
+    now, guard = stepper.iteration, stepper.spike_guard
+    # Finite gradients times a factor max_norm / (norm + 1e-6) <= 1 stay finite when max_norm is a finite number (an
+    # inf norm gives 0; a NaN one means inf/NaN gradients, flagged already): the step-input check need not read them
+    # again. Not with an infinite limit (ZClip alone, in its warmup): inf / inf is NaN.
+    finite_limit = isinstance(max_norm, (int, float)) and math.isfinite(max_norm)
+    stepper.keeper.absorb_grads_(optimizer)  # a hook's write reaches the masters first: the norm below is then fresh
+    threshold = guard.clip_threshold() if guard is not None else None
+    if threshold is not None and norm_type == 2.0:
+        # ZClip: the adaptive threshold when lower. A tensor limit: clip_grad_norm_ computes max_norm / norm on the
+        # device, so no host read.
+        max_norm = torch.clamp(threshold, max=float(max_norm))  # type: ignore[assignment]
+    first = id(optimizer) not in stepper._zclipped  # a second clip sees the first one's result (or factor)
+    norm = stepper._spike.get(id(optimizer), (None, None))[1]
+    known = known_norm(norm, now.checked.get(id(optimizer)), optimizer, norm_type) if first else None
+    stepper._zclipped.add(id(optimizer))
+    result: torch.Tensor = stepper.keeper.clip_grad_norm_(optimizer, max_norm, norm_type, total_norm=known)
+    if finite_limit and id(optimizer) in now.checked:
+        now.note_checked(optimizer)
+    return result

@@ -1,0 +1,386 @@
+"""The stepper's state on resume: the weight keeper's entries (or what waits for it), the scaler's, and the carry-over
+of a checkpoint written with another precision or master mode."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, get_args
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lit_mpstable.base.validate import bool_arg, int_arg
+from lit_mpstable.core.counters import RunCounters
+from lit_mpstable.core.formats import FormatName
+from lit_mpstable.core.guards.growth import GrowthMonitor
+from lit_mpstable.core.guards.spike import SpikeGuard
+from lit_mpstable.core.guards.spike_state import OPTIONAL as GUARD_OPTIONAL
+from lit_mpstable.core.loaded_state import (
+    Field,
+    check_fields,
+    check_mapping,
+    count,
+    count_list,
+    finite,
+    finite_list,
+    finite_tensors,
+    flag,
+    name_list,
+    optional,
+    short,
+    tensor_tree,
+    text,
+)
+from lit_mpstable.core.scaling.scalers import LossScaler
+from lit_mpstable.core.step.stepper_args import PrecisionName
+from lit_mpstable.core.weights.moment_keeper import KEY as MOMENTS
+from lit_mpstable.core.weights.moment_keeper import AdamMoments, split_moments
+from lit_mpstable.core.weights.optim_state import moment_state
+from lit_mpstable.core.weights.recast_state import KEY as RECAST
+from lit_mpstable.core.weights.recast_state import apply_recast_state_, recast_state
+from lit_mpstable.core.weights.weights import WeightKeeper
+
+__all__ = ["StepperState", "adopt_recast_state_", "check_weights_state", "load_scaler_state_", "load_weights_state_",
+           "check_plugin_state", "weights_state"]
+
+_KEYS = ("masters", "compact")
+
+
+def weights_state(keeper: WeightKeeper, pending: dict[str, Any]) -> dict[str, Any]:
+    """``masters`` and ``compact``: the keeper's state under its key, state loaded before it was bound under the other
+    (``{}`` without)."""
+    return {key: keeper.state_dict() if keeper.state_key == key else dict(pending.get(key, {})) for key in _KEYS}
+
+
+def load_scaler_state_(scaler: LossScaler | None, state: dict[str, Any], *, precision: str,
+                       keep_counters: bool) -> list[str]:
+    """Restore the scaler from ``state`` (a stepper state dict); its event counters keep their live values with
+    ``keep_counters``. Returns a note when the checkpoint was written with or without loss scaling unlike this run."""
+    scaling = scaler is not None and scaler.is_enabled()
+    if scaling and state["scaler"]:
+        assert scaler is not None
+        saved = dict(state["scaler"])
+        scaler.load_state_dict(RunCounters.keep_live_(saved, scaler.state_dict()) if keep_counters else saved)
+    elif scaling or state["scaler"]:
+        # A precision switch on resume (e.g. 16-mixed -> bf16-mixed) is legitimate: say what happens.
+        return [
+            f"checkpoint written with precision={state['precision']!r}"
+            f" {'with' if state['scaler'] else 'without'} loss scaling; this run ({precision!r})"
+            f" {'starts a fresh scaler' if scaling else 'does not scale'}."
+        ]
+    return []
+
+
+def _route(keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *, mode: str | None,
+           fsdp2: bool) -> str | None:
+    """Where the checkpoint's ``masters``/``compact`` go: ``"load"`` into ``keeper`` (same mode), ``"pending"`` until
+    it is bound, ``"carry"`` their FP32 values (and BF16/FP8 moments) into this run's weight mode, or None."""
+    if masters and keeper.state_key == "masters":
+        return "load"
+    if masters and mode == "fp32" and not fsdp2:
+        return "pending"
+    if compact and keeper.state_key == "compact" and compact.get("mode") == keeper.mode:
+        return "load"
+    if compact and keeper.state_key != "compact" and compact.get("mode") == mode:
+        return "pending"
+    if masters or compact.get("compensation") or compact.get(MOMENTS):
+        return "carry"
+    return None
+
+
+def _moments_of(keeper: WeightKeeper) -> AdamMoments | None:
+    # Only FP32 masters and compact weights keep BF16/FP8 moments (not part of the WeightKeeper protocol).
+    return getattr(keeper, "moments", None)
+
+
+def check_weights_state(call: str, keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *,
+                        mode: str | None, fsdp2: bool, module: nn.Module | None) -> None:
+    """Refuse, before anything is loaded, BF16/FP8 moments that :func:`load_weights_state_` would refuse: of
+    parameters other than this run's (missing, renamed, of another shape), or, into the same weight mode, of another
+    ``optimizer_state``."""
+    route = _route(keeper, masters, compact, mode=mode, fsdp2=fsdp2)
+    key = "masters" if masters else "compact"
+    saved = (masters or compact).get(MOMENTS)
+    moments = _moments_of(keeper)
+    if route == "load" and (saved is None) != (moments is None):  # saved with BF16/FP8 moments, resumed without
+        split_moments(type(keeper).__name__, {MOMENTS: saved} if saved is not None else {}, moments)  # (or the reverse)
+    if saved is not None and moments is not None and route in ("load", "carry") and module is not None:
+        moments.check_state(saved, call=call, name=f"{key}[{MOMENTS!r}]", same_kind=route == "load")
+
+
+def load_weights_state_(
+    keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *, mode: str | None, fsdp2: bool,
+    pending: dict[str, Any], module: nn.Module | None, precision: str,
+) -> str | None:
+    """Load the checkpoint's ``masters``/``compact`` into ``keeper`` (same mode), keep them in ``pending`` until it is
+    bound, or carry their FP32 values into this run's weight mode (BF16/FP8 moments into its moments, converted to
+    its ``optimizer_state``). Returns a warning for the user, if any."""
+    route = _route(keeper, masters, compact, mode=mode, fsdp2=fsdp2)
+    if route == "load":
+        keeper.load_state_dict(masters or compact)
+    elif route == "pending":
+        pending["masters" if masters else "compact"] = masters or compact
+    elif route == "carry":  # another master mode or precision: carry the FP32 values
+        masters, compact = dict(masters), dict(compact)
+        saved_moments = masters.pop(MOMENTS, None) or compact.pop(MOMENTS, None)
+        saved = "FP32 masters" if masters else "Kahan compensation" if compact.get("compensation") else "moments"
+        target = f"{precision!r}, master_weights={mode or False!r}"
+        if module is None:
+            return f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
+        notes = [keeper.carry_(module, masters, compact, saved=saved, target=target)]
+        moments = _moments_of(keeper)
+        if saved_moments is not None and moments is not None:
+            notes.append(moments.carry_(saved_moments))
+        elif saved_moments is not None:
+            notes.append(
+                f"the checkpoint's {saved_moments['kind']!r} Adam moments were not carried into this run ({target},"
+                " optimizer_state='fp32'): the optimizer's own moments restart at 0; resume with"
+                f" optimizer_state={saved_moments['kind']!r} and FP32 or compact master weights to keep them."
+            )
+        return "; ".join(note for note in notes if note) or None
+    return None
+
+
+def adopt_recast_state_(stepper: Any, optimizers: Sequence[Optimizer], *, weights: bool = False) -> None:
+    """Hand a recasting fallback's FP32 values loaded before the model or ``optimizers`` arrived to them
+    (:mod:`~lit_mpstable.core.weights.recast_state`); what no optimizer holds yet keeps waiting."""
+    module, waiting = stepper.layout.module, stepper._pending.pop(RECAST, None)
+    if waiting and module is not None:
+        waiting = apply_recast_state_(module, optimizers, waiting, weights=weights)
+    if waiting:
+        stepper._pending[RECAST] = waiting
+
+
+# ------------------------------------------------------------------------------------------------ the plugin's state
+# 1/scale must stay a finite FP32 number (unscaling multiplies by it).
+_MIN_SCALE = 1.0 / torch.finfo(torch.float32).max
+_MAX_SCALE = float(torch.finfo(torch.float32).max)
+
+_SCALER: dict[str, Field] = {
+    "scale": finite(_MIN_SCALE, _MAX_SCALE),
+    "growth_factor": finite(1.0, low_open=True),
+    "backoff_factor": finite(0.0, 1.0, low_open=True, high_open=True),
+    "growth_interval": lambda c, n, v: int_arg(c, n, v, low=1),
+    "_growth_tracker": count,
+    "hysteresis": lambda c, n, v: int_arg(c, n, v, low=1),
+    "_hysteresis_tracker": count,
+    "min_scale": optional(finite(_MIN_SCALE, _MAX_SCALE)),
+    "max_scale": optional(finite(_MIN_SCALE, _MAX_SCALE)),
+    "overflow_count": count,
+    "min_scale_hits": count,
+    "step_count": count,
+    "target_format": text(*get_args(FormatName)),
+    "headroom": finite(1.0),
+    "amax_history_len": lambda c, n, v: int_arg(c, n, v, low=1),
+    "underflow_boost": finite(0.0, low_open=True),
+    "overflowed_since_note": flag,
+    "raise_blocked_until": count,
+    "_amax_history": finite_list(0.0),
+    "_extra_headroom": finite(0.0, low_open=True),
+    "_last_overflow_scale": finite(0.0),
+    "_overflow_streak": count,
+}
+def _fp8_state(call: str, name: str, value: Any) -> None:
+    check_mapping(call, value, name=name)
+    tensor_tree(call, name, value)
+
+
+_LAYOUT: dict[str, Field] = {
+    "fp32": flag, "fp8_off": flag, "fp8_removed": name_list, "fp32_modules": name_list, "fp8": _fp8_state,
+}
+_COMPACT: dict[str, Field] = {
+    "mode": text("kahan", "stochastic"), "seed": lambda c, n, v: int_arg(c, n, v, low=0, high=2**63 - 1),
+    "steps": lambda c, n, v: int_arg(c, n, v, low=0, high=2**63 - 1), "compensation": finite_tensors,
+}
+
+
+def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tuple[str, ...]) -> None:
+    """Check a plugin state dict (``PrecisionStepper.state_dict``'s keys) before anything of it is loaded.
+
+    Raises:
+        TypeError, ValueError, KeyError: a field is missing, unknown, of the wrong type or out of range (named).
+    """
+    check_mapping(call, state, expected)
+    if not isinstance(state["precision"], str) or state["precision"] not in precisions:
+        raise (ValueError if isinstance(state["precision"], str) else TypeError)(
+            f"{call}(precision={short(state['precision'])}): must be one of {list(precisions)}.")
+    check_fields(call, state, {"step_count": count, "overflow_count": count, "skipped_steps": count,
+                               "last_step_skipped": flag})
+    if state["skipped_steps"] > state["step_count"]:
+        raise ValueError(f"{call}(skipped_steps={state['skipped_steps']}, step_count={state['step_count']}): more"
+                         " steps skipped than taken; the checkpoint is corrupted.")
+    scaler = check_mapping(call, state["scaler"], name="scaler")
+    if scaler and "scale" not in scaler:
+        raise KeyError(f"{call}: scaler state {sorted(map(str, scaler))} has no 'scale'; every loss scaler saves one.")
+    check_fields(call, scaler, _SCALER, prefix="scaler")
+    low, high = scaler.get("min_scale"), scaler.get("max_scale")
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"{call}(scaler['min_scale']={low!r}, scaler['max_scale']={high!r}): min_scale must not"
+                         " exceed max_scale.")
+    if "_amax_history" in scaler and "amax_history_len" in scaler and len(scaler["_amax_history"]) != scaler[
+            "amax_history_len"]:
+        raise ValueError(f"{call}(scaler['_amax_history'] of length {len(scaler['_amax_history'])}): must hold"
+                         f" amax_history_len={scaler['amax_history_len']} values.")
+    layout = check_mapping(call, state["layout"], name="layout")
+    check_fields(call, layout, _LAYOUT, prefix="layout")
+    # "optimizer_state": BF16/FP8 Adam moments a keeper holds (their names are checked against its parameters).
+    masters = check_mapping(call, state["masters"], name="masters")
+    finite_tensors(call, "masters", {k: v for k, v in masters.items() if k != "optimizer_state"})
+    check_fields(call, masters, {"optimizer_state": moment_state}, prefix="masters")
+    compact = check_mapping(call, state["compact"], name="compact")
+    if compact:
+        check_mapping(call, compact, set(_COMPACT) | ({"optimizer_state"} & set(compact)), name="compact")
+        check_fields(call, compact, {**_COMPACT, "optimizer_state": moment_state}, prefix="compact")
+    check_mapping(call, state["op_policy"], name="op_policy")
+    count_list(call, "schedules", state["schedules"])
+    guard = check_mapping(call, state["spike_guard"], name="spike_guard")  # its values: SpikeGuard.load_state_dict
+    if guard:  # {} without a guard; otherwise SpikeGuard.state_dict's keys, whether or not this run has a guard
+        check_mapping(call, guard, {"window", "loss", "loss_count", "grad_norm", "grad_norm_count", "spikes_skipped"}
+                      | (GUARD_OPTIONAL & set(guard)), name="spike_guard")
+    recast = check_mapping(call, state.get("recast", {}), name="recast")  # present while a fallback recasts
+    if recast:
+        check_mapping(call, recast, {"weights", "optimizer_state"}, name="recast")
+        finite_tensors(call, "recast['weights']", recast["weights"])
+        moments = check_mapping(call, recast["optimizer_state"], name="recast['optimizer_state']")
+        for name, entry in moments.items():  # {parameter name: {state key: tensor}}
+            finite_tensors(call, f"recast['optimizer_state'][{name!r}]", entry)
+    growth = check_mapping(call, state["growth"], name="growth")  # its values: GrowthMonitor.check_state
+    if growth:  # {} without a growth monitor; otherwise GrowthMonitor.state_dict's keys, with a monitor or not
+        check_mapping(call, growth, {"steps", "samples", "sampled", "layers"}, name="growth")
+
+
+class StepperState:
+    """``state_dict``/``load_state_dict`` of a :class:`~lit_mpstable.core.step.stepper.PrecisionStepper` (a mixin: it
+    reads the stepper's attributes)."""
+
+    owner: str
+    precision: str
+    master_mode: str | None
+    fsdp2: bool
+    scaler: Any
+    keeper: WeightKeeper
+    counters: RunCounters
+    layout: Any
+    optimizers: list[Any]
+    policy: Any
+    schedules: Any
+    iteration: Any
+    warnings: list[str]
+    spike_guard: SpikeGuard | None
+    fp8_budget: Any
+    growth: GrowthMonitor | None
+    _pending: dict[str, Any]
+
+    def _update_scale_(self) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly; tensors and plain Python values (``weights_only=True`` loads it).
+
+        Keys: ``precision``, ``scaler`` (its own state dict, ``{}`` without scaling), ``step_count``,
+        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallbacks, FP8 amax histories),
+        ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
+        ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
+        compensation buffers and rounding seed, ``{}`` without), ``spike_guard`` (the SpikeGuard's statistics,
+        ``{}`` without), ``fp8_budget`` (the layers ``HighPrecisionBudget(by="probe")`` moved to the base precision,
+        their measured errors and the step: ``{}`` before the choice or without that budget), ``growth`` (the
+        growth monitor's samples, which its trend fit resumes from, ``{}`` without ``growth_every_n_steps``), and,
+        only while a fallback holds ``*-true`` parameters in FP32 without FP32 masters, ``recast`` (their FP32 values
+        and optimizer state by parameter name: :mod:`~lit_mpstable.core.weights.recast_state`).
+        """
+        if self.iteration.stepped:
+            # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
+            # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
+            self._update_scale_()
+        return {
+            **weights_state(self.keeper, self._pending),
+            "precision": self.precision,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            **self.counters.state_dict(),
+            "layout": self.layout.state_dict(),
+            "op_policy": self.policy.state_dict(),
+            "schedules": self.schedules.state_dict(),
+            "spike_guard": self.spike_guard.state_dict() if self.spike_guard is not None else {},
+            "fp8_budget": self.fp8_budget.state_dict(),
+            "growth": self.growth.state_dict() if self.growth is not None else {},
+            **self._recast_state(),
+        }
+
+    def _recast_state(self) -> dict[str, Any]:
+        module, waiting = self.layout.module, self._pending.get(RECAST)
+        if module is None:
+            return {RECAST: waiting} if waiting else {}
+        names = self.layout.recast_names() if self.master_mode != "fp32" else []  # masters carry their own values
+        state = recast_state(module, names, self.optimizers, waiting)
+        return {RECAST: state} if state else {}
+
+    def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
+        """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
+        run's and the scaler's) keep their live values (a rollback undoes the weights, not the history).
+
+        Returns notes for the front end to show (a precision switch on resume, say). The growth monitor's samples
+        are history too: a rollback (``keep_counters``) keeps the live ones.
+
+        Raises:
+            KeyError: keys differ from :meth:`state_dict`'s (each is named).
+            TypeError: ``state`` is not a dict, or a field has the wrong type (``"False"`` for a bool, ``None``).
+            ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
+        """
+        # Every field is checked before anything is loaded: a refused state changes nothing.
+        bool_arg(f"{self.owner}.load_state_dict", "keep_counters", keep_counters)
+        if isinstance(state, dict) and "spike_guard" not in state:
+            state = {**state, "spike_guard": {}}  # saved before SpikeGuard existed: no statistics to restore
+        if isinstance(state, dict) and "fp8_budget" not in state:
+            state = {**state, "fp8_budget": {}}  # saved before the probe's budget was part of the state
+        if isinstance(state, dict) and "growth" not in state:
+            state = {**state, "growth": {}}  # saved before the growth samples were checkpointed: the fit restarts
+        if isinstance(state, dict) and RECAST not in state:
+            state = {**state, RECAST: {}}  # no recasting fallback at the save (or saved before this key existed)
+        call = f"{self.owner}.load_state_dict"
+        check_plugin_state(call, state, set(self.state_dict()) | {RECAST}, get_args(PrecisionName))
+        self.fp8_budget.check_state(call, state["fp8_budget"], self.layout)
+        check_weights_state(call, self.keeper, state["masters"], state["compact"], mode=self.master_mode,
+                            fsdp2=self.fsdp2, module=self.layout.module)
+        growth, saved_growth = self.growth, state["growth"]
+        if growth is not None and saved_growth:
+            growth.check_state(saved_growth, call=call, name="growth")
+        guard, saved_guard = self.spike_guard, state["spike_guard"]
+        if guard is not None and saved_guard:
+            # Checked on a throwaway guard first (it refuses a bad state whole), so nothing is half loaded.
+            SpikeGuard(guard.zscore, guard.window, guard.warmup, guard.watch,  # type: ignore[arg-type]
+                       guard.clip_zscore).load_state_dict(dict(saved_guard))
+        notes = load_scaler_state_(self.scaler, state, precision=self.precision, keep_counters=keep_counters)
+        if not keep_counters:
+            self.counters.load_state_dict(state)
+            self.schedules.load_state_dict(list(state["schedules"]))
+        notes += self.fp8_budget.load_state_dict(state["fp8_budget"], self.layout)  # before the layout's FP8 state
+        if self.layout.module is None:
+            self._pending["layout"] = state["layout"]
+        else:
+            self.layout.load_state_dict(state["layout"])
+        warning = load_weights_state_(self.keeper, state["masters"], state["compact"], mode=self.master_mode,
+                                      fsdp2=self.fsdp2, pending=self._pending, module=self.layout.module,
+                                      precision=self.precision)
+        if warning:
+            self.warnings.append(warning)
+        # After the fallback was re-applied: the recast parameters and their optimizer state take the FP32 values.
+        self._pending.pop(RECAST, None)
+        if state[RECAST]:
+            self._pending[RECAST] = state[RECAST]
+            adopt_recast_state_(self, self.optimizers, weights=True)
+        self.policy.load_state_dict(state["op_policy"])
+        if guard is not None and saved_guard:
+            live = guard.spikes_skipped.clone()
+            guard.load_state_dict(dict(saved_guard))
+            if keep_counters:  # a rollback keeps the count of skipped spikes (history), restores the statistics
+                guard.spikes_skipped.copy_(live.to(guard.spikes_skipped.device))
+        elif saved_guard:
+            notes.append(f"{self.owner}.load_state_dict: the checkpoint holds SpikeGuard statistics but this run has"
+                         " no spike_guard; they were not loaded.")
+        if growth is not None and saved_growth and not keep_counters:
+            growth.load_state_dict(dict(saved_growth))
+        elif saved_growth and growth is None:
+            notes.append(f"{call}: the checkpoint holds growth-monitor samples but this run has no"
+                         " growth_every_n_steps; they were not loaded.")
+        return notes

@@ -1,0 +1,49 @@
+"""The checked unscale and step every weight keeper shares: the scaler's check around the optimizer's own step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from lit_mpstable.core.scaling.scalers import LossScaler
+
+__all__ = ["clip_norm_", "first_grad_device", "step_checked", "unscale_checked_"]
+
+
+def unscale_checked_(optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
+    """Unscale ``optimizer``'s gradients in place and check them for inf/NaN, agreed across ranks (no host sync)."""
+    if checker is None:
+        return
+    if scaler is None:  # the scale-1 check: no loss was scaled to create its state
+        checker.ensure_state_(first_grad_device(optimizer) or device)
+    checker.unscale_(optimizer)
+    # An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step on every
+    # rank: one all-reduce of the found-inf flag (and the adaptive amax), on the device.
+    checker.sync_found_inf_(optimizer)
+
+
+def step_checked(optimizer: Optimizer, checker: LossScaler | None, update: Callable[[], Any] | None,
+                 kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    """Step ``optimizer`` (or run ``update``) unless the checker found inf/NaN; returns the output and the skip."""
+    if checker is None:
+        return (update() if update is not None else optimizer.step(**kwargs)), False
+    output = checker.step_with(optimizer, update) if update is not None else checker.step(optimizer, **kwargs)
+    return output, checker.last_step_skipped
+
+
+def first_grad_device(optimizer: Optimizer) -> torch.device | None:
+    return next((p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
+
+
+def clip_norm_(
+    params: list[torch.Tensor], max_norm: float, norm_type: float, total_norm: torch.Tensor | None
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` of ``params``' gradients, with their ``total_norm`` when it is known
+    already (a SpikeGuard judged it): then the gradients are read once less."""
+    if total_norm is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    return total_norm
