@@ -19,26 +19,6 @@ from typing import Any, Literal, Optional, Union
 
 from omegaconf import MISSING
 
-__all__ = [
-    "AMPPreflightConfig",
-    "AdaptiveLossScalerConfig",
-    "DynamicLossScalerConfig",
-    "FP8RecipeConfig",
-    "FaultTriageConfig",
-    "OverflowMonitorConfig",
-    "PrecisionFallbackConfig",
-    "PrecisionProbeConfig",
-    "PreemptionCheckpointConfig",
-    "SCHEMAS",
-    "ScaleCheckpointConfig",
-    "SpikeGuardConfig",
-    "StablePrecisionConfig",
-    "StaticLossScalerConfig",
-    "derive_schema",
-    "register_configs",
-    "schema_type",
-]
-
 _PRIMITIVES = (bool, int, float, str)
 _SEQUENCES = (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Iterable,
               collections.abc.Collection)

@@ -18,9 +18,6 @@ from torch import nn
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.frontends.trainer import StablePrecision
 
-__all__ = ["AmplifiedMLP", "Amplify", "PoisonModule", "PoisonTask", "TinyMLP", "fp16_scaler_plugin",
-           "regression_data"]
-
 
 class TinyMLP(nn.Module):
     """Three linear layers, dimensions multiples of 16 (FP8-eligible in the middle)."""

@@ -27,9 +27,6 @@ from lit_mpstable.callbacks.preemption import PreemptionCheckpoint
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.frontends.trainer import StablePrecision
 
-__all__ = ["FAULTS", "PreemptModule", "Report", "SignalAt", "ValidatedModule", "callbacks", "max_delta", "plugin",
-           "preempted_and_resumed", "run"]
-
 WORLD_SIZE = 2  # the default number of processes
 # A collective that one rank never joins (ranks deciding differently) fails after this instead of hanging for 30 min.
 TIMEOUT = timedelta(seconds=60)

@@ -11,8 +11,6 @@ from torch import nn
 
 from lit_mpstable.fp8.backends import backend_of
 
-__all__ = ["format_lines", "layer_formats"]
-
 _BASE = {"bf16-mixed": "bf16 (autocast)", "16-mixed": "fp16 (autocast)", "bf16-true": "bf16", "16-true": "fp16",
          "32-true": "fp32"}
 

@@ -7,8 +7,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["probe_matrix", "write_probe_figure"]
-
 # Relative errors below this are shown as this (BF16 rounding alone costs ~0.4%, FP16's ~0.05%); above 1 the
 # gradient is more error than signal.
 _REL_ERROR_RANGE = (1e-4, 1.0)

@@ -32,8 +32,6 @@ from lit_mpstable.core.memory import MemoryProbe, training_memory
 from lit_mpstable.core.stepper import PrecisionStepper
 from lit_mpstable.frontends.common import StableFrontEnd
 
-__all__ = ["Built", "build", "main", "run"]
-
 
 class _StepRecorder(pl.Callback):
     """Records, per optimizer step, the loss scale and whether the step was skipped; reads the plugin's public state,

@@ -29,12 +29,6 @@ from lit_mpstable.core.loaded_state import (
 )
 from lit_mpstable.frontends.common import StableFrontEnd
 
-__all__ = [
-    "MAX_WINDOW", "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "agreed_names",
-    "any_rank", "check", "is_int", "is_number", "log_measured", "log_mp", "measured_metrics", "plugin_metrics",
-    "strict_keys",
-]
-
 METRIC_NAMES = (
     "mp/loss_scale", "mp/overflow_rate", "mp/skipped_steps", "mp/grad_norm", "mp/grad_underflow_frac",
     "mp/fallback_active", "mp/rollbacks", "mp/fp8_saturation_frac", "mp/fp8_underflow_frac", "mp/grad_rel_error",
@@ -180,7 +174,6 @@ class PluginCallback(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(self._plugin, ForeignPrecision):
             self._plugin.remove()
-
 
 
 class StepCounter:

@@ -16,11 +16,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.core.attribution import OverflowTracer
 
-__all__ = [
-    "next_epoch_iterator", "plain", "rank_state", "restore_callbacks", "restore_plugin", "rng_state",
-    "scale_checkpoints", "set_rng_state", "skip_consumed_batches", "snapshots", "train_iterator", "train_loaders",
-]
-
 
 def rng_state() -> dict[str, Any]:
     import numpy as np

@@ -17,8 +17,6 @@ from lit_mpstable.callbacks._rules import compare_outputs, default_forward, firs
 from lit_mpstable.fp8 import convert_from_fp8
 from lit_mpstable.fp8.backends import find_fp8_layers
 
-__all__ = ["AMPPreflight", "compare_outputs", "default_forward"]
-
 PreflightAction = Literal["fallback", "warn", "raise"]
 # Guessed: unit roundoffs (bf16 2**-9, fp16 2**-12, fp8 e4m3 2**-4) times the few-fold that some layers of rounding
 # add up to, with margin over what healthy models show (bf16 0.3-0.5%, fp16 0.06%, fp8 2.5-4.5% measured on TinyMLP,

@@ -29,14 +29,11 @@ from lit_mpstable.core.triage import (
     BUDGET_WINDOW,
     LADDER,
     REPLAY_BUDGET,
-    Replay,
-    TriageKind,
     budget_note,
     check_budget,
     climb,
     describe,
     needs_triage,
-    next_replay,
     replays_spent,
     restore_rng,
     rng_state,
@@ -44,8 +41,6 @@ from lit_mpstable.core.triage import (
     traced_names,
     triage_event,
 )
-
-__all__ = ["FaultTriage", "Replay", "TriageKind", "next_replay"]
 
 
 class FaultTriage(PluginCallback):

@@ -25,8 +25,6 @@ from lit_mpstable.callbacks._common import (
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
 from lit_mpstable.core.growth_stats import WEIGHT_FLUSH_LIMIT
 
-__all__ = ["OverflowMonitor"]
-
 
 class OverflowMonitor(PluginCallback):
     """Logs ``mp/loss_scale`` (when a scaler runs: also in the progress bar, with the rate), ``mp/overflow_rate``,

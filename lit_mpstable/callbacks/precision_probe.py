@@ -14,8 +14,6 @@ from torch.distributed.tensor import DTensor
 from lit_mpstable.callbacks._common import PluginCallback, any_rank, check, is_int, log_measured, strict_keys
 from lit_mpstable.core.probe import ProbeCopyError, forward_state, measure, metric_vector, with_metric_vector
 
-__all__ = ["PrecisionProbe"]
-
 _LOGGED = {"underflow_frac": "mp/grad_underflow_frac", "rel_error": "mp/grad_rel_error", "cosine": "mp/grad_cosine"}
 
 

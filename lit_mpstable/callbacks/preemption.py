@@ -28,8 +28,6 @@ from lit_mpstable.callbacks._resume import (
     train_iterator,
 )
 
-__all__ = ["PreemptionCheckpoint", "atomic_save"]
-
 _FORBIDDEN = ("SIGKILL", "SIGSTOP")  # cannot be caught
 
 

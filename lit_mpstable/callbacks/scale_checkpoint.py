@@ -31,8 +31,6 @@ from lit_mpstable.callbacks._snapshot import (
     take_snapshot,
 )
 
-__all__ = ["ScaleCheckpoint", "spike_zscore"]
-
 OnSpike = Literal["skip", "rollback"]
 
 

@@ -18,9 +18,6 @@ try:
 except ImportError:  # a torch build without torch.distributed
     _DTENSOR = ()  # type: ignore[assignment,misc]
 
-__all__ = ["NonfiniteOrigin", "OverflowTracer", "any_nonfinite", "locate_nonfinite", "nonfinite_grad_params",
-           "overflow_warning", "rng_state", "trace_nonfinite"]
-
 
 def overflow_warning(first: str, *, forward: bool, step: int, scale: float) -> str:
     """What a traced overflow means for the user, and what (if anything) to change.

@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["carry_precise_state_"]
-
 
 @torch.no_grad()
 def carry_precise_state_(

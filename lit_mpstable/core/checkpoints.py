@@ -19,8 +19,6 @@ import torch
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TraceableWrapperSubclass
 
-__all__ = ["copy_quantized_state", "copy_state", "flatten_optimizer_states_", "unflatten_optimizer_states_"]
-
 _MARK = "lit_mpstable.flat_tensor"
 # Classes whose __tensor_flatten__ / __tensor_unflatten__ round trip is known to rebuild them exactly.
 _ALLOWED = (

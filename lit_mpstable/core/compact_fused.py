@@ -24,12 +24,10 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core import compact_native
 from lit_mpstable.core.compact_adam import _adam_kernel, _adam_plain_kernel
-from lit_mpstable.core.compact_rounding import _signed32, hash32, noise_bits
+from lit_mpstable.core.compact_rounding import _signed32
 from lit_mpstable.core.compact_slices import Piece
 from lit_mpstable.core.compact_views import KernelArgs, fill_key, flat, flat_views
 from lit_mpstable.core.compiled import graph_count, own_graphs_since
-
-__all__ = ["FusedAdam", "FusedSteps", "hash32", "host_to_device", "keys", "noise_bits"]
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

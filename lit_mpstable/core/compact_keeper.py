@@ -19,8 +19,6 @@ from lit_mpstable.core.replicas import agree_seed, broadcast_
 from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.tensors import grad_norms
 
-__all__ = ["CompactKeeper"]
-
 
 class CompactKeeper:
     """16-bit weights updated through transient FP32 views. The gradients stay as they are (scaled, 16-bit) until the

@@ -13,13 +13,6 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.memory import plain_tensors
 
-__all__ = [
-    "BNB_BLOCK", "ELEMENTWISE", "LOW", "MIN_SLICE", "Piece", "StandIns", "absmax", "block_size", "budget",
-    "cast_state_",
-    "check_keys", "chunks", "codes", "grad_bytes", "init_blockwise_", "init_bnb_", "memory_report", "nbytes",
-    "per_element", "quantized", "quantized_state_classes", "transform",
-]
-
 LOW = (torch.float16, torch.bfloat16)
 # Random numbers are a hash of (seed, step, parameter, element index): an element gets the same ones however the step
 # is sliced, on any device, eagerly or in the fused kernel. Slices are at least this many elements.
@@ -58,7 +51,6 @@ class Piece:
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.whole else t.view(-1)[self.start : self.stop]
-
 
 
 class StandIns:

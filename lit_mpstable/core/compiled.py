@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["eager", "graph_count", "is_compiled", "own_graphs_since", "recompile_note"]
-
 RECOMPILE_NOTE = ("a compiled model recompiles once after each fallback or restore (its graph holds the precision"
                   " layout); from then on it runs compiled again")
 

@@ -17,8 +17,6 @@ from lit_mpstable.core.tensors import default_dtype
 from lit_mpstable.fp8.budget import fill_budget, layer_gradient_errors, linear_weight_numel
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget
 
-__all__ = ["ProbeBudget"]
-
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 

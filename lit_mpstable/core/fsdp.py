@@ -31,11 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "check_fsdp2_setup", "check_fsdp_policies", "fp8_all_gather_", "fsdp2_dtype_table", "fsdp2_fallback_refusal",
-    "fsdp_units", "island_mp_policy", "mp_policy", "reduce_dtype_warning", "setup_fsdp2", "unsharded_message",
-]
-
 _DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
            "bf16-mixed": torch.bfloat16}
 _NAMES = {torch.float16: "torch.float16", torch.bfloat16: "torch.bfloat16", torch.float32: "torch.float32"}

@@ -37,14 +37,11 @@ from lit_mpstable.core.growth_stats import (
     format_range,
     host_rows,
     is_runaway,
-    layer_stats,
     place_rows,
     reduce_activation,
     trend_weights,
     warn_unsampled,
 )
-
-__all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
 
 GrowthSource = Literal["input", "output"]
 _SOURCES: tuple[str, ...] = get_args(GrowthSource)

@@ -26,10 +26,6 @@ import torch
 from lit_mpstable.base.validate import check_keys, int_arg
 from lit_mpstable.core.loaded_state import check_fields, check_mapping, count, count_list, name_list
 
-__all__ = ["FIELDS", "WIDTH", "History", "cast_limits", "check_rows", "check_saved", "finish_rows", "format_range",
-           "host_rows", "is_runaway", "layer_stats", "place_rows", "reduce_activation", "slope_weights", "thresholds",
-           "trend_weights", "warn_unsampled", "weight_flushes", "WEIGHT_FLUSH_LIMIT", "WeightCheck"]
-
 FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
 _STATE_KEYS = {"steps", "samples", "sampled", "layers"}
 

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-__all__ = ["READ_ONLY_MIN", "InfChecks", "fold_found_inf", "nonfinite_on_cpu"]
-
 # Seen by a type checker as the GradScaler it is mixed into; at run time a plain mixin (GradScaler follows in the MRO).
 _Base = torch.amp.GradScaler if TYPE_CHECKING else object
 

@@ -10,8 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FP32Islands", "island_forward", "match_modules"]
-
 
 def match_modules(root: nn.Module, specs: Iterable[type[nn.Module] | str]) -> dict[str, nn.Module]:
     """The submodules of ``root`` named by ``specs``: module types, or ``fnmatch`` patterns on qualified names.

@@ -12,8 +12,6 @@ from torch.optim import Optimizer
 from lit_mpstable.core.scalers import LossScaler
 from lit_mpstable.core.weights import WeightKeeper
 
-__all__ = ["GradSet", "Iteration"]
-
 
 class Iteration:
     """What the iteration in progress has done, per optimizer (by id)."""

@@ -16,8 +16,6 @@ from lit_mpstable.fp8 import FP8Config, convert_from_fp8, fp8_backend
 from lit_mpstable.fp8.budget import keep_high_precision_
 from lit_mpstable.fp8.swap import no_fp8_layers_message, select_fp8_modules
 
-__all__ = ["PrecisionLayout", "rebuild_ddp_reducer_"]
-
 _SWAPPED = "_lit_mpstable_fp8_swap"  # set on the FP8 layers a layout swapped in (a user's own are left alone)
 
 

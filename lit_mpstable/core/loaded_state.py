@@ -19,12 +19,6 @@ from lit_mpstable.core.formats import FormatName
 from lit_mpstable.core.moment_codec import BLOCK_SIZE
 from lit_mpstable.core.spike_state import OPTIONAL as GUARD_OPTIONAL
 
-__all__ = [
-    "Field", "check_fields", "check_mapping", "check_plugin_state", "count", "count_list", "flag", "finite",
-    "finite_list", "finite_tensors", "moment_state", "moment_store", "name_list", "optional", "records", "tensor_tree",
-    "text", "text_list",
-]
-
 Field = Callable[[str, str, Any], object]  # a check: raises on a bad value; what it returns is ignored
 """``(call, name, value)``: raises ``TypeError``/``ValueError`` naming ``call(name=value)`` unless ``value`` is
 valid."""

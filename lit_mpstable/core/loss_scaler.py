@@ -19,8 +19,6 @@ from lit_mpstable.core.scaler_state import (
     resolve_device,
 )
 
-__all__ = ["DynamicLossScaler", "StaticLossScaler"]
-
 _DEVICE_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflow_count", "_min_scale_hits")
 
 

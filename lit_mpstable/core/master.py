@@ -9,10 +9,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.replicas import broadcast_
-
-__all__ = ["MasterWeights", "carry_precise_state_"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

@@ -17,8 +17,6 @@ from lit_mpstable.core.moment_keeper import KEY, AdamMoments, split_moments
 from lit_mpstable.core.replicas import agree_seed
 from lit_mpstable.core.scalers import LossScaler
 
-__all__ = ["MasterKeeper"]
-
 
 class MasterKeeper:
     """The :class:`~lit_mpstable.core.weights.WeightKeeper` of FP32 masters (``master_weights=True``): the gradients

@@ -11,8 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MemoryProbe", "plain_tensors", "quiet_fd2", "resident_bytes", "training_memory"]
-
 
 def plain_tensors(value: Any) -> list[torch.Tensor]:
     """The plain tensors holding ``value``'s data: itself, or for a wrapper subclass (torchao's 8-bit and FP8

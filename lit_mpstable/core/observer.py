@@ -20,8 +20,6 @@ from lit_mpstable.core.telemetry import GradTelemetry
 from lit_mpstable.fp8 import fp8_stats
 from lit_mpstable.fp8.swap import collect_fp8_stats_
 
-__all__ = ["GradObserver", "shard_view", "trace_skipped_step"]
-
 try:
     from torch.distributed.tensor import DTensor as _DTENSOR
 except ImportError:  # a torch build without torch.distributed

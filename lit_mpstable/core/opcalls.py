@@ -13,10 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "Measurement", "OpCall", "SavedTensors", "clock", "leaves", "measure_calls", "plain_ptr", "run_in", "specs_of",
-]
-
 
 @dataclass(frozen=True)
 class Measurement:

@@ -50,11 +50,6 @@ import torch
 from lit_mpstable.core.loaded_state import moment_store
 from lit_mpstable.core.moment_codec import BLOCK_SIZE, decode_fp8, encode_fp8, random_words, to_bf16
 
-__all__ = [
-    "BLOCK_SIZE", "MomentStore", "Rounding", "StateKind", "adam_moments", "adamw_step_", "dequantize_moment",
-    "quantize_moment", "state_bytes",
-]
-
 StateKind = Literal["fp32", "bf16", "fp8"]
 Rounding = Literal["stochastic", "nearest"]
 _KINDS: tuple[str, ...] = get_args(StateKind)

@@ -26,8 +26,6 @@ from lit_mpstable.core.opcalls import (
     specs_of,
 )
 
-__all__ = ["FAMILIES", "Measurement", "OpCall", "OpPolicy", "StepCost", "choose", "describe", "measure_calls"]
-
 Family = Literal["matmul", "conv", "attention", "norm", "softmax"]
 
 # The public functions of each family, as a TorchFunctionMode sees them (F.* and Tensor methods). An

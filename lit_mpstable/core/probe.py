@@ -17,8 +17,6 @@ from lit_mpstable.fp8 import convert_from_fp8
 if TYPE_CHECKING:
     from lit_mpstable.core.stepper import PrecisionStepper
 
-__all__ = ["LossFn", "METRICS", "forward_state", "measure", "metric_vector", "with_metric_vector"]
-
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``(module, batch) -> loss``: the loss of one (micro-)batch, as the step computed it (before loss scaling)."""
 METRICS = ("underflow_frac", "rel_error", "cosine")

@@ -14,8 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_seed", "broadcast_", "default_replicas"]
-
 _U64 = 2**64
 
 

@@ -14,8 +14,6 @@ from lit_mpstable.core.inf_checks import fold_found_inf
 from lit_mpstable.core.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lit_mpstable.core.scaler_state import SCALE_FLOOR
 
-__all__ = ["ForeignScaler", "LossScaler", "ScalerName", "build_scaler", "check_protocol"]
-
 ScalerName = Literal["auto", "dynamic", "static", "adaptive"]
 _SCALERS = {"dynamic": DynamicLossScaler, "static": StaticLossScaler, "adaptive": AdaptiveLossScaler}
 # What a scaler instance must have to be seen through ForeignScaler (it forwards these).

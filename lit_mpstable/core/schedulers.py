@@ -7,8 +7,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["ScheduleHold", "hold_on_skip"]
-
 # scheduler -> [applied_steps(), the count when the scheduler last stepped]
 _progress: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 

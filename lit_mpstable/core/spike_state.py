@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIONAL", "checked_state", "watch_arg"]
-
 OPTIONAL = frozenset({"consecutive_spikes", "level_shifts"})
 """Keys a state may lack (saved before they existed): they load as 0."""
 

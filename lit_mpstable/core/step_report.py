@@ -10,8 +10,6 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.step_guard import late_nonfinite_note
 
-__all__ = ["blame", "blame_late", "flush_note", "observe"]
-
 
 def observe(stepper: Any) -> None:
     """Gradient telemetry into ``stepper.stats`` (the observer computes it on due steps only)."""

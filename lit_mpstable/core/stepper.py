@@ -59,12 +59,10 @@ from lit_mpstable.core.stepper_forward import StepperForward
 from lit_mpstable.core.stepper_setup import adopt_device, setup_module, setup_optimizers
 from lit_mpstable.core.stepper_state import StepperState, adopt_recast_state_
 from lit_mpstable.core.stepper_status import StepperStatus
-from lit_mpstable.core.tensors import default_dtype, tensor_init_context
+from lit_mpstable.core.tensors import default_dtype as default_dtype  # re-exported: the stepper's argument helpers
+from lit_mpstable.core.tensors import tensor_init_context as tensor_init_context
 from lit_mpstable.core.weights import PlainKeeper, WeightKeeper
 from lit_mpstable.fp8 import FP8Config, fp8_config
-
-__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName", "default_dtype",
-           "tensor_init_context"]
 
 
 class PrecisionStepper(StepperForward, StepperStatus, StepperState):

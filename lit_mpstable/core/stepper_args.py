@@ -13,9 +13,6 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 
-__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "check_arguments", "check_clip", "check_module",
-           "check_norm_type", "check_optimizer", "check_optimizers"]
-
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
 MasterMode = Literal["fp32", "kahan", "stochastic"]
 OpPolicyName = Literal["autocast", "auto"]

@@ -13,8 +13,6 @@ from lit_mpstable.core.attribution import any_nonfinite
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.tensors import default_dtype, floating_tensors, map_tensors
 
-__all__ = ["StepperForward"]
-
 
 class StepperForward:
     """``forward_context`` and ``convert_input``: they read the stepper's layout, policy, observer and dtypes."""

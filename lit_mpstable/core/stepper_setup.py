@@ -15,8 +15,6 @@ from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.stepper_state import adopt_recast_state_
 from lit_mpstable.core.weights import make_keeper
 
-__all__ = ["adopt_device", "setup_module", "setup_optimizers"]
-
 
 def setup_module(stepper: Any, module: nn.Module, *, fsdp2: bool) -> nn.Module:
     """``PrecisionStepper.setup_module``: see its docstring."""

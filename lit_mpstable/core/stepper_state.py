@@ -22,9 +22,6 @@ from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.stepper_args import PrecisionName
 from lit_mpstable.core.weights import WeightKeeper
 
-__all__ = ["StepperState", "adopt_recast_state_", "check_weights_state", "load_scaler_state_", "load_weights_state_",
-           "weights_state"]
-
 _KEYS = ("masters", "compact")
 
 

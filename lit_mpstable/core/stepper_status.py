@@ -17,9 +17,6 @@ from lit_mpstable.core.islands import FP32Islands
 from lit_mpstable.core.memory import training_memory
 from lit_mpstable.core.observer import shard_view
 
-__all__ = ["StepperStatus"]
-
-
 
 class StepperStatus:
     """Read-only views of a :class:`~lit_mpstable.core.stepper.PrecisionStepper`'s run (the stepper owns the

@@ -11,8 +11,6 @@ from torch import nn
 
 from lit_mpstable.core.formats import FORMATS, get_format
 
-__all__ = ["DEFAULT_FORMATS", "GradStats", "GradTelemetry", "amax_per_tensor", "grad_stats"]
-
 DEFAULT_FORMATS: tuple[str, ...] = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 
 NamedParams = Union[nn.Module, Iterable[tuple[str, torch.Tensor]]]

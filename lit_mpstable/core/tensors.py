@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["default_dtype", "floating_tensors", "grad_norms", "local_view", "map_tensors", "tensor_init_context"]
-
 
 def grad_norms(grads: list[torch.Tensor], norm_type: float, *, full: bool = False) -> list[torch.Tensor]:
     """Each gradient's norm in FP32 (a 16-bit gradient's too, without an FP32 copy of it): one multi-tensor kernel

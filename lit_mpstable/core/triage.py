@@ -16,11 +16,6 @@ from torch import nn
 from lit_mpstable.core.attribution import OverflowTracer, trace_nonfinite
 from lit_mpstable.core.compiled import eager
 
-__all__ = ["ACTIONS", "BUDGET_WINDOW", "LADDER", "REPLAY_BUDGET", "Replay", "ReplayHost", "RngState", "TriageKind",
-           "agreed_names", "any_rank", "budget_note", "check_budget", "climb", "full_precision", "needs_triage",
-           "next_replay", "replay_finite", "replay_spikes", "replays_spent", "restore_rng", "rng_state", "traced",
-           "traced_names", "triage_event"]
-
 TriageKind = Literal["transient", "precision", "data", "state"]
 
 

@@ -37,8 +37,6 @@ from lit_mpstable.core.triage import (
     triage_event,
 )
 
-__all__ = ["StateSnapshot", "StepTriage"]
-
 
 def _stepper(call: str, value: Any) -> PrecisionStepper:
     """``value`` if a PrecisionStepper, else the one a front end exposes (Fabric's ``StablePrecision.stepper``)."""

@@ -23,8 +23,6 @@ from lit_mpstable.core.keeper_steps import clip_norm_, step_checked, unscale_che
 from lit_mpstable.core.master_keeper import MasterKeeper
 from lit_mpstable.core.scalers import LossScaler
 
-__all__ = ["PlainKeeper", "WeightKeeper", "check_eps", "make_keeper"]
-
 
 @runtime_checkable
 class WeightKeeper(Protocol):

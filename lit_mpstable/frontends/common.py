@@ -25,9 +25,6 @@ from lit_mpstable.core.stepper_args import check_module
 from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.frontends.live_state import Findings, FromStepper
 
-__all__ = ["StableFrontEnd"]
-
-
 
 class StableFrontEnd:
     """Mixin of the Trainer and Fabric plugins: ``StablePrecision``'s constructor and everything users and

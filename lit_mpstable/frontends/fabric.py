@@ -21,8 +21,6 @@ from lit_mpstable.core.stepper_args import check_optimizer
 from lit_mpstable.frontends.clip_targets import clip_targets
 from lit_mpstable.frontends.common import StableFrontEnd
 
-__all__ = ["StablePrecision"]
-
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 

@@ -7,8 +7,6 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["check_strategy", "lightning_module", "ray_fsdp2_strategy", "shards_with_fsdp2"]
-
 
 def lightning_module(model: nn.Module, pl: ModuleType) -> nn.Module:
     """The LightningModule of package ``pl`` inside strategy wrappers (DDP's ``module``)."""

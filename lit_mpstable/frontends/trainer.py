@@ -27,9 +27,6 @@ from lit_mpstable.frontends.common import StableFrontEnd
 from lit_mpstable.frontends.live_state import recast_from
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
 
-# TrainerPrecision: the adapter both Trainer packages mix in (lit_mpstable.pytorch_lightning)
-__all__ = ["StablePrecision"]
-
 
 class TrainerPrecision(StableFrontEnd):
     """Hooks of a Trainer precision plugin; the numerics live in ``self.stepper``."""
