@@ -93,7 +93,9 @@ class PrecisionLayout:
     def keep_high_precision_(self, names: list[str]) -> None:
         """Take ``names`` out of the FP8 selection for the run (the layers return to the base precision) and
         re-attach: the probe's high-precision budget, applied once."""
-        assert self.module is not None, "keep_high_precision_ needs the model (setup_module first)"
+        if self.module is None:
+            raise RuntimeError(f"PrecisionLayout.keep_high_precision_({names!r}) before attach(module): the layers are"
+                               " the model's (a stepper attaches it in setup_module).")
         self._fp8_selected = keep_high_precision_(self.module, self.fp8_selected, names)
         self.attach(self.module, self.device_type)
 

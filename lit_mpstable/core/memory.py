@@ -114,7 +114,8 @@ class MemoryProbe:
             self._prof.__enter__()
 
     def stop(self) -> None:
-        assert self._prof is not None, "MemoryProbe.stop() without start()"
+        if self._prof is None:
+            raise RuntimeError("MemoryProbe.stop() before start(module, optimizers): start() begins the profile.")
         with quiet_fd2():
             self._prof.__exit__(None, None, None)
         profiler = self._prof.profiler

@@ -75,3 +75,21 @@ def test_16_true_keeps_a_scale_the_user_gave_and_16_mixed_keeps_gradscalers_defa
     given = PrecisionStepper("16-true", scaler=DynamicLossScaler("cpu", init_scale=2.0**16), device="cpu")
     assert given.loss_scale == 2.0**16
     assert PrecisionStepper("16-mixed", device="cpu").loss_scale == 2.0**16  # GradScaler's default, unchanged
+
+
+@pytest.mark.parametrize("call", ["update", "unscale_", "step"])
+def test_a_call_before_scale_raises_runtime_error_naming_the_order(call: str) -> None:
+    scaler = DynamicLossScaler("cpu")
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    args = {"update": (), "unscale_": (optimizer,), "step": (optimizer,)}[call]
+    with pytest.raises(RuntimeError, match=rf"DynamicLossScaler\.{call}\(\) before scale\(\)"):
+        getattr(scaler, call)(*args)
+
+
+def test_update_without_a_step_raises_runtime_error_naming_the_order() -> None:
+    scaler = DynamicLossScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(RuntimeError, match=r"DynamicLossScaler\.update\(\): no optimizer was stepped or unscaled"):
+        scaler.update()
