@@ -19,6 +19,12 @@ except ImportError:  # a torch build without torch.distributed
     _DTENSOR = ()  # type: ignore[assignment,misc]
 
 
+def overflow_key(first: str, *, forward: bool) -> str:
+    """The cause :func:`overflow_warning` reports, as a note's key: the module and the direction (a front end says it
+    once, whatever the step or the scale)."""
+    return f"overflow:{'forward' if forward else 'backward'}:{first}"
+
+
 def overflow_warning(first: str, *, forward: bool, step: int, scale: float) -> str:
     """What a traced overflow means for the user, and what (if anything) to change.
 

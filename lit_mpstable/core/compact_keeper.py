@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.compact import CompactMode, CompactWeights
 from lit_mpstable.core.compact_slices import LOW, Piece, transform
@@ -38,7 +39,7 @@ class CompactKeeper:
     exposes_grads = False
 
     def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], mode: str, *, owner: str, precision: str,
-                 checker: LossScaler | None, warnings: list[str], optimizer_state: str = "fp32") -> None:
+                 checker: LossScaler | None, warnings: Notes, optimizer_state: str = "fp32") -> None:
         if checker is not None and not checker.checks_without_unscaling:
             raise ValueError(
                 f"{owner}({precision!r}, master_weights={mode!r},"
@@ -58,7 +59,8 @@ class CompactKeeper:
             for optimizer in optimizers:
                 self.moments.bind_(optimizer, names)
         if precision == "16-true":
-            warnings.append(
+            warnings.add(
+                f"compact-16-true:{mode}",
                 f"{owner}('16-true', master_weights={mode!r}): optimizer state stays FP16, where"
                 " Adam's second moment (about 1e-3 * grad**2) falls into the subnormal range for gradients below"
                 " ~1e-2 and its rounding distorts the steps; with Adam-family optimizers prefer 'bf16-true' or"

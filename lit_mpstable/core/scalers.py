@@ -8,6 +8,7 @@ from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 import torch
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import choice_arg
 from lit_mpstable.core.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.inf_checks import fold_found_inf
@@ -71,7 +72,7 @@ def check_protocol(call: str, scaler: Any) -> None:
                          f" missing {missing}. Subclass DynamicLossScaler, or pass a torch.amp.GradScaler.")
 
 
-def build_scaler(call: str, precision: str, scaler: Any, device: str, *, skip_nonfinite: bool, warnings: list[str]
+def build_scaler(call: str, precision: str, scaler: Any, device: str, *, skip_nonfinite: bool, warnings: Notes
                  ) -> tuple[torch.amp.GradScaler | Any | None, LossScaler | None]:
     """The run's scaler from the ``scaler`` argument, and the :class:`LossScaler` the step calls.
 
@@ -109,7 +110,7 @@ def build_scaler(call: str, precision: str, scaler: Any, device: str, *, skip_no
     return built, checker
 
 
-def _build(call: str, precision: str, scaler: Any, device: str, warnings: list[str]) -> Any:
+def _build(call: str, precision: str, scaler: Any, device: str, warnings: Notes) -> Any:
     fp16 = precision in ("16-mixed", "16-true")
     if isinstance(scaler, str):
         choice_arg(call, "scaler", scaler, get_args(ScalerName))
@@ -135,8 +136,9 @@ def _build(call: str, precision: str, scaler: Any, device: str, warnings: list[s
                 " not available here, so FP16 would train unscaled. Pass scaler='dynamic' or"
                 " DynamicLossScaler(...) (device=None follows the run), or a scaler built for 'cpu'."
             )
-        warnings.append(
-            f"{call}(scaler={type(scaler).__name__}(enabled=False)): taken as no loss scaling (scaler=None)."
+        warnings.add(
+            "scaler-disabled", f"{call}(scaler={type(scaler).__name__}(enabled=False)): taken as no loss scaling"
+            " (scaler=None)."
         )
         return None
     # The rule for a name holds for an instance too (a Hydra scaler node arrives as one): no scaling outside FP16.

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_FORMATS
@@ -98,8 +99,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         growth_every_n_steps: int | None = None,
     ) -> None:
         self.owner = call = owner or type(self).__name__
-        self.warnings: list[str] = []
-        """Messages the front end should show once (each is appended once), e.g. a scaler adopted onto the device."""
+        self.warnings = Notes()
+        """Messages the front end shows once per key (the cause's), e.g. a scaler adopted onto the device."""
         choice_arg(call, "precision", precision, get_args(PrecisionName))
         if device is not None:
             choice_arg(call, "device", device, ("cpu", "cuda"))
@@ -234,8 +235,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
             raise TypeError(f"{self.owner}.scale_loss(loss={loss!r:.80}): must be a tensor (the loss to call backward"
                             " on).")
         for optimizer in [o for o in self.optimizers if id(o) in self.iteration.unscaled]:
-            if (note := stale_grads_note(optimizer)) is not None and note not in self.warnings:
-                self.warnings.append(note)
+            if (note := stale_grads_note(optimizer)) is not None:
+                self.warnings.add_once(f"stale-grads:{type(optimizer).__name__}", note)
             self.drop_grads_(optimizer)
         if self.iteration.stepped:
             self._update_scale_()
@@ -352,7 +353,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         if guard is not None:
             guard.commit_(skipped, spiked=spike)  # folds the loss and norm of applied steps only
             if guard.count_run_(self.last_step_spiked, applied=not skipped):
-                self.warnings.append(level_shift_note(guard, self.step_count))
+                self.warnings.add(f"spike-level-shift:{self.step_count}", level_shift_note(guard, self.step_count))
         if late:
             blame_late(self, optimizer)
         elif skipped and not self.last_step_spiked:

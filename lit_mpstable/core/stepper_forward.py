@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.attribution import any_nonfinite
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.tensors import default_dtype, floating_tensors, map_tensors
@@ -22,7 +23,7 @@ class StepperForward:
     observer: Any
     growth: Any
     stats: dict[str, Any]
-    warnings: list[str]
+    warnings: Notes
     device: str
     _layout_seen: tuple | None
     _input_nonfinite: torch.Tensor | None

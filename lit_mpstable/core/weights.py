@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.compact_keeper import CompactKeeper
 from lit_mpstable.core.compact_slices import cast_state_
@@ -159,7 +160,7 @@ class PlainKeeper:
 def make_keeper(
     mode: str | None, module: nn.Module, optimizers: Sequence[Optimizer], *, owner: str, precision: str,
     dtype: torch.dtype, checker: LossScaler | None, fsdp2: bool = False,
-    initial: Mapping[str, torch.Tensor] | None = None, warnings: list[str] | None = None,
+    initial: Mapping[str, torch.Tensor] | None = None, warnings: Notes | None = None,
     optimizer_state: str = "fp32",
 ) -> WeightKeeper:
     """The keeper of ``master_weights=mode`` bound to ``module`` and ``optimizers`` (``mode=None``: plain). Under FSDP2
@@ -181,7 +182,7 @@ def make_keeper(
                             owner=owner)
     if not fsdp2 and mode in ("kahan", "stochastic"):
         return CompactKeeper(module, optimizers, mode, owner=owner, precision=precision, checker=checker,
-                             warnings=warnings if warnings is not None else [], optimizer_state=optimizer_state)
+                             warnings=warnings if warnings is not None else Notes(), optimizer_state=optimizer_state)
     return PlainKeeper(owner, fp16_state=precision == "16-true" and mode is None)
 
 

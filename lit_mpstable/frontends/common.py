@@ -354,10 +354,10 @@ class StableFrontEnd:
             rank_zero_warn(message)
 
     def _show_notes(self) -> None:
-        """The stepper's once-per-cause messages (adopted scalers, blame verdicts), as rank-zero warnings."""
+        """The stepper's notes (adopted scalers, blame verdicts), as rank-zero warnings: the first of each key."""
         notes = self.stepper.warnings
-        for message in notes[self._notes_shown:]:
-            self._warn_once(message.split(" (step")[0], f"StablePrecision: {message}")
+        for key, message in notes.keyed(self._notes_shown):
+            self._warn_once(f"stepper:{key}", f"StablePrecision: {message}")
         self._notes_shown = len(notes)
 
 

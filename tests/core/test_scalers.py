@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scalers import ForeignScaler, LossScaler, build_scaler
 from lit_mpstable.core.stepper import PrecisionStepper
@@ -38,17 +39,17 @@ def test_a_scaler_without_gradscalers_methods_is_refused_naming_them() -> None:
 
 def test_a_gradscaler_subclass_passes_the_protocol_check() -> None:
     user = SubclassedScaler("cpu", init_scale=256.0)
-    warnings: list[str] = []
+    warnings = Notes()
     scaler, checker = build_scaler("T", "16-mixed", user, "cpu", skip_nonfinite=True, warnings=warnings)
     assert scaler is user  # the run scales with the user's own object
     assert isinstance(checker, ForeignScaler) and checker.inner is user
     assert isinstance(checker, LossScaler)
-    assert not checker.checks_without_unscaling and warnings == []
+    assert not checker.checks_without_unscaling and list(warnings) == []
 
 
 def test_a_plain_gradscaler_is_adopted_with_its_state() -> None:
     plain = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
-    scaler, checker = build_scaler("T", "16-mixed", plain, "cpu", skip_nonfinite=True, warnings=[])
+    scaler, checker = build_scaler("T", "16-mixed", plain, "cpu", skip_nonfinite=True, warnings=Notes())
     assert type(scaler) is DynamicLossScaler and checker is scaler
     assert scaler.get_scale() == 512.0 and scaler.get_growth_interval() == 7
 
