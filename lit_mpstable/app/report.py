@@ -108,7 +108,8 @@ def _mark_events(ax: Any, events: Sequence[dict[str, Any]]) -> None:
 
 def _running_median(values: Sequence[float], window: int = 15) -> list[float]:
     """Running median over the last ``window`` finite values: follows the trend, ignores a one-batch spike."""
-    out, recent = [], []
+    out: list[float] = []
+    recent: list[float] = []
     for value in values:
         if math.isfinite(value):
             recent = (recent + [value])[-window:]

@@ -23,7 +23,7 @@ def layer_formats(plugin: Any) -> dict[str, str]:
     or before the model was set up."""
     layout = getattr(plugin, "layout", None)
     module = getattr(layout, "module", None)
-    if not isinstance(module, nn.Module):
+    if layout is None or not isinstance(module, nn.Module):
         return {}
     fp8 = getattr(plugin, "fp8", None)
     recipe = getattr(fp8, "recipe", None)

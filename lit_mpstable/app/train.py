@@ -29,6 +29,7 @@ from lit_mpstable.base.validate import int_arg, real_arg
 from lit_mpstable.callbacks import FaultTriage, PrecisionProbe
 from lit_mpstable.callbacks.views import ForeignPrecision, view_of
 from lit_mpstable.core.memory import MemoryProbe, training_memory
+from lit_mpstable.core.scalers import ScalerName
 from lit_mpstable.core.stepper import PrecisionStepper
 from lit_mpstable.frontends.common import StableFrontEnd
 
@@ -143,9 +144,10 @@ def _check_scaler_choice(node: DictConfig) -> None:
     # is built and under the group's name.
     scaler = node.get("scaler")
     target = scaler.get("_target_") if isinstance(scaler, DictConfig) else None
-    name = {"lit_mpstable.core.loss_scaler.DynamicLossScaler": "dynamic",
-            "lit_mpstable.core.loss_scaler.StaticLossScaler": "static",
-            "lit_mpstable.core.adaptive_scaler.AdaptiveLossScaler": "adaptive"}.get(str(target))
+    names: dict[str, ScalerName] = {"lit_mpstable.core.loss_scaler.DynamicLossScaler": "dynamic",
+                                    "lit_mpstable.core.loss_scaler.StaticLossScaler": "static",
+                                    "lit_mpstable.core.adaptive_scaler.AdaptiveLossScaler": "adaptive"}
+    name = names.get(str(target))
     if name is not None:
         try:  # the constructor's own rule and message, for the name
             PrecisionStepper(node.get("precision", "bf16-mixed"), scaler=name, device="cpu", owner="StablePrecision")

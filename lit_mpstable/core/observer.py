@@ -154,9 +154,9 @@ class GradObserver:
             return updates, ("nonfinite-input",
                              f"the input batch held inf/NaN (step {step}); no module is to blame, check the data.")
         updates["blamed_modules"] = [origin.module]
-        forward = origin.where == "forward"
-        return updates, (overflow_key(origin.module, forward=forward),
-                         overflow_warning(origin.module, forward=forward, step=step, scale=scale))
+        in_forward = origin.where == "forward"
+        return updates, (overflow_key(origin.module, forward=in_forward),
+                         overflow_warning(origin.module, forward=in_forward, step=step, scale=scale))
 
 
 def trace_skipped_step(stepper: Any, forward: Callable[[], torch.Tensor], *, rng: RngState | None = None) -> str | None:

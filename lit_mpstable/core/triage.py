@@ -220,7 +220,8 @@ class ReplayHost(Protocol):
     """What a front end gives :func:`climb`: the model and optimizer the replays run on, the precision object whose
     SpikeGuard judges them, and the actions only it knows how to take."""
 
-    module: nn.Module
+    @property
+    def module(self) -> nn.Module: ...  # read only (a LightningModule is one)
     optimizer: Any  # the torch optimizer (its state is checked)
     plugin: Any  # the stepper, or a front end showing its spike_guard, scaler, loss_scale and undo_backoff_
     can_fp32: bool  # False where the precision is fixed (FSDP2): the FP32 rung is skipped

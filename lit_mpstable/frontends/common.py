@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -24,6 +24,10 @@ from lit_mpstable.core.stepper import MasterMode, OpPolicyName, PrecisionName, P
 from lit_mpstable.core.stepper_args import check_module
 from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.frontends.live_state import Findings, FromStepper
+
+# The type of Lightning's ``Precision.precision`` (both Trainer packages and Fabric): ours is one of its values.
+LightningPrecision = Literal["transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",
+                             "bf16-mixed", "32-true", "64-true"]
 
 ARGS_DOC = """
     Args:
@@ -121,7 +125,8 @@ class StableFrontEnd:
         args["fp32_modules"] = list(fp32_modules) if listed else fp32_modules
         self._args = args
         self.stepper = PrecisionStepper(**self._args, owner=type(self).__name__)
-        self.precision = self.stepper.precision  # Lightning reads the attribute
+        # Lightning reads the attribute; the stepper resolved "auto", so it is one of Lightning's own spellings.
+        self.precision: LightningPrecision = cast(LightningPrecision, self.stepper.precision)
         self.master_weights = master_weights
         self.findings = Findings()
         self._warned: set[str] = set()  # warnings fire once per cause and plugin

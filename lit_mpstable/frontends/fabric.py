@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, _GeneratorContextManager
 from types import FrameType
 from typing import Any, ClassVar
 
@@ -95,7 +95,7 @@ class StablePrecision(StableFrontEnd, Precision):
     def convert_input(self, data: Any) -> Any:
         return self.stepper.convert_input(data)
 
-    def forward_context(self) -> AbstractContextManager:
+    def forward_context(self) -> _GeneratorContextManager[None]:
         if not self._placed and self.layout.module is not None:
             # Fabric converts the model before moving it: its device is known from the first forward on.
             self._placed = True
@@ -120,7 +120,9 @@ class StablePrecision(StableFrontEnd, Precision):
         check_optimizer(f"{type(self).__name__}.unscale_gradients", optimizer)
         self.stepper.unscale_(self._start(optimizer))
 
-    def main_params(self, optimizer: Optimizer) -> list[Any]:
+    # A list where Fabric's signature says Iterator[Parameter]: FP32 masters and placeholders are plain tensors,
+    # and a list can be read more than once.
+    def main_params(self, optimizer: Optimizer) -> list[Any]:  # type: ignore[override]
         """What ``fabric.clip_gradients`` clips: the parameters the optimizer updates (the FP32 masters with
         ``master_weights``), their gradients unscaled. On a step that will be skipped (inf/NaN) nothing is clipped:
         one empty placeholder stands in (torch's ``clip_grad_value_`` refuses an empty list; the norm is 0). With FP32

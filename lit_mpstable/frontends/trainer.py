@@ -77,14 +77,14 @@ class TrainerPrecision(StableFrontEnd):
         self._show_notes()
         return model, optimizers, lr_schedulers
 
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if not isinstance(module, self._pl.LightningModule):  # Fabric takes any Precision, this one included
             raise TypeError(f"{self!r}: this is the Trainer plugin, and this backward came from outside a"
                             f" {self._pl.__name__}.Trainer (module={type(module).__name__}); under Lightning Fabric"
                             " use `from lit_mpstable.fabric import StablePrecision`.")
         return super().pre_backward(self.stepper.scale_loss(tensor), module)  # type: ignore[misc]
 
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(
         self, optimizer: Optimizer, model: Any, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         if self.stepper.fp8_budget.pending:
@@ -218,7 +218,9 @@ _BUDGET_MANUAL = (
     " and the first optimizer step without the choice raises.")
 
 
-class StablePrecision(TrainerPrecision, Precision):
+# TrainerPrecision's optimizer_step takes the optimizer and model Lightning's Precision calls it with, narrower than
+# Precision's signature (Optimizable, a LightningModule): a deliberate mismatch of the two bases.
+class StablePrecision(TrainerPrecision, Precision):  # type: ignore[misc]
     __doc__ = (
         """Mixed precision that is stable by default: loss scaling done right, FP32 masters or compact weights, FP32
     islands, FP8 and FP4 recipes and live telemetry. ``Trainer(plugins=[StablePrecision(...)])``, instead of
