@@ -179,7 +179,7 @@ class FusedSteps:
     _comp: dict[str, torch.Tensor]
     _views: dict[int, KernelArgs]  # per parameter (by id): its kernel arguments of the last fused step
 
-    def _key(self, piece: Any) -> int:
+    def _key(self, piece: Piece) -> int:
         raise NotImplementedError
 
     def _step_fused_(

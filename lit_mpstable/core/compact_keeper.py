@@ -74,7 +74,7 @@ class CompactKeeper:
         pass  # bound at its first unscale_ (bind_new_ is cheap and runs every step)
 
     @torch.no_grad()
-    def follow_model_weights_(self, replicas: Any = None) -> list[str]:
+    def follow_model_weights_(self, replicas: object = None) -> list[str]:
         """The weights are the model's own: nothing to follow. ``replicas``: the process group of DDP replicas: the
         compensation and the seed of stochastic rounding (weights, optimizer state, BF16/FP8 moments) are taken from
         its first rank, so every replica rounds alike."""

@@ -245,18 +245,18 @@ def per_element(key: Any, value: Any, param: torch.Tensor, non_castable: Any) ->
     )
 
 
-def quantized(value: Any, param: torch.Tensor) -> bool:
+def quantized(value: object, param: torch.Tensor) -> bool:
     # A per-element state held by a wrapper subclass (torchao's 8-bit, 4-bit, FP8 states).
     return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and value.shape == param.shape
 
 
-def codes(key: Any, value: Any, param: torch.Tensor) -> bool:
+def codes(key: object, value: object, param: torch.Tensor) -> bool:
     # bitsandbytes' 8-bit codes of a state: per element, not floating.
     return key in ("state1", "state2") and type(value) is torch.Tensor and value.dtype == torch.uint8 and (
         value.shape == param.shape)
 
 
-def absmax(key: Any, value: Any, param: torch.Tensor) -> bool:
+def absmax(key: object, value: object, param: torch.Tensor) -> bool:
     # bitsandbytes' per-block scales of a state.
     return key in ("absmax1", "absmax2") and type(value) is torch.Tensor and value.shape == (
         -(-param.numel() // BNB_BLOCK),)

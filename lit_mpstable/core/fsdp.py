@@ -129,7 +129,7 @@ def reduce_dtype_warning(rows: Iterable[dict[str, Any]]) -> str | None:
     )
 
 
-def _show(policy: Any) -> str:
+def _show(policy: object) -> str:
     fields = [f"{key}={_NAMES.get(getattr(policy, key), getattr(policy, key))}"
               for key in ("param_dtype", "reduce_dtype", "output_dtype") if getattr(policy, key) is not None]
     return f"MixedPrecisionPolicy({', '.join(fields)})"
@@ -317,7 +317,7 @@ def fp8_all_gather_(module: nn.Module) -> list[str]:
 
 
 def setup_fsdp2(
-    owner: str, precision: str, module: nn.Module, *, requested: bool, master_mode: str | None, fp8: Any,
+    owner: str, precision: str, module: nn.Module, *, requested: bool, master_mode: str | None, fp8: object,
     swapped_elsewhere: bool, true_16bit: bool,
 ) -> tuple[bool, bool, bool]:
     """Whether the run is FSDP2 (``requested``, or ``fully_shard`` already ran on ``module``), whether ``module`` is

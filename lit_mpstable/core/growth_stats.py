@@ -138,7 +138,7 @@ def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Ten
     return finish_rows(list(sums), [n])[0]
 
 
-def check_rows(call: str, name: str, rows: Any, window: int) -> None:
+def check_rows(call: str, name: str, rows: object, window: int) -> None:
     """A ``window`` x 4 floating tensor of :func:`layer_stats` rows: log2 amax >= -126 and kurtosis >= 0 (either may
     be NaN or inf: a sample of non-finite activations), the saturation and underflow fractions within [0, 1]."""
     if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
@@ -155,7 +155,7 @@ def check_rows(call: str, name: str, rows: Any, window: int) -> None:
                          " within [0, 1]); the checkpoint is corrupted.")
 
 
-def check_saved(call: str, state: Any, window: int, attached: set[str], name: str) -> None:
+def check_saved(call: str, state: object, window: int, attached: set[str], name: str) -> None:
     """:meth:`GrowthMonitor.check_state <lit_mpstable.core.growth.GrowthMonitor.check_state>`'s checks, for a
     monitor of ``window`` samples attached to the layers ``attached`` (empty: not attached yet).
 

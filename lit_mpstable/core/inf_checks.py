@@ -83,7 +83,7 @@ class InfChecks(_Base):  # type: ignore[valid-type,misc]
         (a device tensor; None before ``unscale_``). No host sync."""
         return fold_found_inf(self, optimizer, flag) if self._enabled else None
 
-    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: Any = None) -> None:
+    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: object = None) -> None:
         """Agree across ranks on whether this step's gradients hold inf/NaN, so every rank skips it or none does.
 
         Unscales first if ``unscale_`` has not run, then makes one all-reduce (MAX) of this optimizer's found-inf

@@ -109,7 +109,7 @@ class PrecisionLayout:
             return self.fp8_backend.forward_context()
         return contextlib.nullcontext()
 
-    def sync_fp8_(self, group: Any = None) -> None:
+    def sync_fp8_(self, group: object = None) -> None:
         """Make the FP8 scaling state agree across the ranks of ``group`` (default: all ranks). Call it once per
         optimizer step, after the step (skipped or not), on every rank.
 

@@ -28,12 +28,12 @@ _MIN_SCALE = 1.0 / torch.finfo(torch.float32).max
 _MAX_SCALE = float(torch.finfo(torch.float32).max)
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def check_mapping(call: str, value: Any, expected: set[str] | None = None, name: str = "state_dict") -> Mapping:
+def check_mapping(call: str, value: object, expected: set[str] | None = None, name: str = "state_dict") -> Mapping:
     """``value`` if it is a mapping (with exactly ``expected``'s keys when given).
 
     Raises:
@@ -56,18 +56,18 @@ def check_fields(call: str, state: Mapping, fields: Mapping[str, Field], prefix:
 
 
 # ------------------------------------------------------------------------------------------------ field checks
-def count(call: str, name: str, value: Any) -> None:
+def count(call: str, name: str, value: object) -> None:
     """An int >= 0 (not a bool, not a string)."""
     int_arg(call, name, value, low=0, unit="a count")
 
 
-def flag(call: str, name: str, value: Any) -> None:
+def flag(call: str, name: str, value: object) -> None:
     """A bool (``"False"`` is a string, and a string is true)."""
     bool_arg(call, name, value)
 
 
 def text(*allowed: str) -> Field:
-    def check(call: str, name: str, value: Any) -> None:
+    def check(call: str, name: str, value: object) -> None:
         if not isinstance(value, str) or (allowed and value not in allowed):
             rule = f"one of {list(allowed)!r}" if allowed else "a string"
             raise (TypeError if not isinstance(value, str) else ValueError)(f"{call}({name}={_short(value)}): must be"
@@ -78,7 +78,7 @@ def text(*allowed: str) -> Field:
 def finite(low: float | None = None, high: float | None = None, *, low_open: bool = False,
            high_open: bool = False) -> Field:
     """A finite real (a 0-dim tensor is read as its value) within the bounds."""
-    def check(call: str, name: str, value: Any) -> None:
+    def check(call: str, name: str, value: object) -> None:
         if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
             value = float(value)
         real_arg(call, name, value, low=low, high=high, low_open=low_open, high_open=high_open)
@@ -86,31 +86,31 @@ def finite(low: float | None = None, high: float | None = None, *, low_open: boo
 
 
 def optional(field: Field) -> Field:
-    def check(call: str, name: str, value: Any) -> None:
+    def check(call: str, name: str, value: object) -> None:
         if value is not None:
             field(call, name, value)
     return check
 
 
-def _sequence(call: str, name: str, value: Any) -> list:
+def _sequence(call: str, name: str, value: object) -> list:
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{call}({name}={_short(value)}): must be a list.")
     return list(value)
 
 
 def finite_list(low: float | None = None) -> Field:
-    def check(call: str, name: str, value: Any) -> None:
+    def check(call: str, name: str, value: object) -> None:
         for index, item in enumerate(_sequence(call, name, value)):
             finite(low)(call, f"{name}[{index}]", item)
     return check
 
 
-def count_list(call: str, name: str, value: Any) -> None:
+def count_list(call: str, name: str, value: object) -> None:
     for index, item in enumerate(_sequence(call, name, value)):
         count(call, f"{name}[{index}]", item)
 
 
-def name_list(call: str, name: str, value: Any) -> None:
+def name_list(call: str, name: str, value: object) -> None:
     """A list of non-empty strings (module names)."""
     for index, item in enumerate(_sequence(call, name, value)):
         if not isinstance(item, str) or not item:
@@ -118,13 +118,13 @@ def name_list(call: str, name: str, value: Any) -> None:
                 f"{call}({name}[{index}]={_short(item)}): must be a non-empty module name.")
 
 
-def text_list(call: str, name: str, value: Any) -> None:
+def text_list(call: str, name: str, value: object) -> None:
     for index, item in enumerate(_sequence(call, name, value)):
         if not isinstance(item, str):
             raise TypeError(f"{call}({name}[{index}]={_short(item)}): must be a string.")
 
 
-def records(call: str, name: str, value: Any) -> None:
+def records(call: str, name: str, value: object) -> None:
     """A list of dicts of plain values (a report: probe history, rollback events)."""
     for index, item in enumerate(_sequence(call, name, value)):
         if not isinstance(item, Mapping):
@@ -147,7 +147,7 @@ def finite_tensors(call: str, name: str, value: Any) -> None:
                          " saved after the run diverged): resume from an earlier one.")
 
 
-def tensor_tree(call: str, name: str, value: Any) -> None:
+def tensor_tree(call: str, name: str, value: object) -> None:
     """Nested dicts/lists of tensors and plain values (FP8 scaling state): floating tensors finite, no None."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() and value.numel() and not bool(value.isfinite().all()):
@@ -175,11 +175,11 @@ _BLOCK_SIZES = (BLOCK_SIZE, *(2**e for e in range(4, 11) if 2**e != BLOCK_SIZE))
 _Deferred = list[tuple[str, torch.Tensor, str]]  # (field, a 0-dim bool tensor that is True when bad, the rule)
 
 
-def _seed(call: str, name: str, value: Any) -> None:
+def _seed(call: str, name: str, value: object) -> None:
     int_arg(call, name, value, low=0, high=2**63 - 1)
 
 
-def _tensor(call: str, name: str, value: Any, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
+def _tensor(call: str, name: str, value: object, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dtype != dtype:
         got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else _short(value)
         raise TypeError(f"{call}({name}={got}): must be a {dtype} tensor, as MomentStore.state_dict() saves it.")
@@ -254,7 +254,7 @@ def _refuse_deferred(call: str, checks: _Deferred) -> None:
 def moment_store(kind: str, signed: bool) -> Field:
     """One ``MomentStore.state_dict()`` of an Adam moment kept in ``kind``; ``signed``: ``exp_avg`` (else the
     non-negative ``exp_avg_sq``)."""
-    def check(call: str, name: str, value: Any) -> None:
+    def check(call: str, name: str, value: object) -> None:
         _refuse_deferred(call, _store_checks(call, name, value, kind, signed))
     return check
 
@@ -311,7 +311,7 @@ _SCALER: dict[str, Field] = {
     "_last_overflow_scale": finite(0.0),
     "_overflow_streak": count,
 }
-def _fp8_state(call: str, name: str, value: Any) -> None:
+def _fp8_state(call: str, name: str, value: object) -> None:
     check_mapping(call, value, name=name)
     tensor_tree(call, name, value)
 

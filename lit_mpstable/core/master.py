@@ -207,7 +207,7 @@ class MasterWeights:
         if masters:
             torch._foreach_copy_(list[torch.Tensor](masters), list[torch.Tensor](params))
 
-    def broadcast_(self, group: Any) -> None:
+    def broadcast_(self, group: object) -> None:
         """Take every master from the first rank of the process group ``group``, as ``DistributedDataParallel``
         takes the 16-bit weights from it (a collective: every rank calls it, after the model was wrapped), and forget
         the FP32 start values kept for parameters not bound yet (each rank's own initialisation: bound later, they
@@ -290,7 +290,7 @@ class MasterWeights:
         return report
 
 
-def _to_fp32(value: Any) -> Any:
+def _to_fp32(value: object) -> Any:
     # Only 16-bit floating state is widened; int step counters and FP32 state stay as they are.
     if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION:
         return value.float()

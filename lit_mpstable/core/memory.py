@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 
-def plain_tensors(value: Any) -> list[torch.Tensor]:
+def plain_tensors(value: object) -> list[torch.Tensor]:
     """The plain tensors holding ``value``'s data: itself, or for a wrapper subclass (torchao's 8-bit and FP8
     optimizer states, DTensor) its inner tensors, recursively; nothing for a non-tensor."""
     if not isinstance(value, torch.Tensor):

@@ -323,12 +323,12 @@ def adamw_step_(
     exp_avg_sq.write_(v, step=step, start=start)
 
 
-def _check_kind(kind: Any, caller: str) -> None:
+def _check_kind(kind: object, caller: str) -> None:
     if kind not in _KINDS:
         raise ValueError(f"{caller}(kind={kind!r}): kind must be one of {list(_KINDS)} (where Adam's moments live).")
 
 
-def _check_rounding(rounding: Any, caller: str) -> None:
+def _check_rounding(rounding: object, caller: str) -> None:
     if rounding not in _ROUNDINGS:
         raise ValueError(f"{caller}(rounding={rounding!r}): rounding must be one of {list(_ROUNDINGS)}; 'stochastic'"
                          " keeps the moments' small EMA updates (unbiased).")

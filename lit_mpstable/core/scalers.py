@@ -59,7 +59,7 @@ _METHODS = tuple(name for name, value in vars(LossScaler).items() if callable(va
 _ATTRIBUTES = tuple(LossScaler.__annotations__)
 
 
-def check_protocol(call: str, scaler: Any) -> None:
+def check_protocol(call: str, scaler: object) -> None:
     """Refuse a scaler that lacks a :class:`LossScaler` method or attribute (once, at construction).
 
     Raises:
@@ -72,7 +72,7 @@ def check_protocol(call: str, scaler: Any) -> None:
                          f" missing {missing}. Subclass DynamicLossScaler, or pass a torch.amp.GradScaler.")
 
 
-def build_scaler(call: str, precision: str, scaler: Any, device: str, *, skip_nonfinite: bool, warnings: Notes
+def build_scaler(call: str, precision: str, scaler: object, device: str, *, skip_nonfinite: bool, warnings: Notes
                  ) -> tuple[torch.amp.GradScaler | Any | None, LossScaler | None]:
     """The run's scaler from the ``scaler`` argument, and the :class:`LossScaler` the step calls.
 
@@ -190,7 +190,7 @@ class ForeignScaler:
     def is_enabled(self) -> bool:
         return bool(self.inner.is_enabled())
 
-    def scale(self, outputs: Any) -> Any:
+    def scale(self, outputs: object) -> Any:
         return self.inner.scale(outputs)
 
     def get_scale(self) -> float:
@@ -220,7 +220,7 @@ class ForeignScaler:
         raise TypeError(f"{type(self.inner).__name__} cannot check gradients without unscaling them (check_()); use"
                         " DynamicLossScaler.")
 
-    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: Any = None) -> None:
+    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: object = None) -> None:
         """Nothing here: the stepper's step-input check (one all-reduce, folded in) makes every rank skip together."""
 
     def _found(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
@@ -236,7 +236,7 @@ class ForeignScaler:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         return bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
-    def step_with(self, optimizer: torch.optim.Optimizer, update: Any) -> Any:
+    def step_with(self, optimizer: torch.optim.Optimizer, update: object) -> Any:
         """Refused, as :meth:`check_`: only a scaler that checks without unscaling steps with the caller's update.
 
         Raises:

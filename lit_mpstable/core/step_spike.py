@@ -14,7 +14,7 @@ from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.tensors import grad_norms
 
 
-def check_spike_guard(call: str, spike_guard: Any, checker: Any) -> SpikeGuard | None:
+def check_spike_guard(call: str, spike_guard: object, checker: object) -> SpikeGuard | None:
     """``spike_guard`` validated: None or a :class:`SpikeGuard`, with a checker to join its decision.
 
     Raises:

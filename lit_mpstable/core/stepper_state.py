@@ -12,13 +12,18 @@ from torch.optim import Optimizer
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg
 from lit_mpstable.core.counters import RunCounters
+from lit_mpstable.core.fp8_budget import ProbeBudget
 from lit_mpstable.core.growth import GrowthMonitor
+from lit_mpstable.core.iteration import Iteration
+from lit_mpstable.core.layout import PrecisionLayout
 from lit_mpstable.core.loaded_state import check_plugin_state
 from lit_mpstable.core.moment_keeper import KEY as MOMENTS
 from lit_mpstable.core.moment_keeper import AdamMoments, split_moments
+from lit_mpstable.core.policy import OpPolicy
 from lit_mpstable.core.recast_state import KEY as RECAST
 from lit_mpstable.core.recast_state import apply_recast_state_, recast_state
 from lit_mpstable.core.scalers import LossScaler
+from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.spike import SpikeGuard
 from lit_mpstable.core.stepper_args import PrecisionName
 from lit_mpstable.core.weights import WeightKeeper
@@ -145,14 +150,14 @@ class StepperState:
     scaler: Any
     keeper: WeightKeeper
     counters: RunCounters
-    layout: Any
+    layout: PrecisionLayout
     optimizers: list[Any]
-    policy: Any
-    schedules: Any
-    iteration: Any
+    policy: OpPolicy
+    schedules: ScheduleHold
+    iteration: Iteration
     warnings: Notes
     spike_guard: SpikeGuard | None
-    fp8_budget: Any
+    fp8_budget: ProbeBudget
     growth: GrowthMonitor | None
     _pending: dict[str, Any]
 

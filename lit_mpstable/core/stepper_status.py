@@ -14,8 +14,11 @@ from lit_mpstable.core.formats import PRECISION_DTYPES
 from lit_mpstable.core.fp8_budget import LossFn, ProbeBudget
 from lit_mpstable.core.fsdp import fsdp2_fallback_refusal
 from lit_mpstable.core.islands import FP32Islands
+from lit_mpstable.core.layout import PrecisionLayout
 from lit_mpstable.core.memory import training_memory
 from lit_mpstable.core.observer import shard_view
+from lit_mpstable.core.scalers import LossScaler
+from lit_mpstable.core.weights import WeightKeeper
 
 
 class StepperStatus:
@@ -23,14 +26,14 @@ class StepperStatus:
     attributes they read: ``precision``, ``layout``, ``scaler``, ``counters``, ``keeper``, ...)."""
 
     precision: str
-    layout: Any
+    layout: PrecisionLayout
     scaler: Any
     counters: RunCounters
-    keeper: Any
+    keeper: WeightKeeper
     fsdp2: bool
     owner: str
     optimizers: list[Optimizer]
-    _checker: Any
+    _checker: LossScaler | None
     _input_nonfinite: torch.Tensor | None
     _skip_requested: bool
     fp8_budget: ProbeBudget
@@ -142,7 +145,7 @@ class StepperStatus:
         self.layout.restore()
         return True
 
-    def choose_high_precision_(self, loss_fn: LossFn, batch: Any) -> list[str]:
+    def choose_high_precision_(self, loss_fn: LossFn, batch: object) -> list[str]:
         """``FP8Config(keep_high_precision=HighPrecisionBudget(by="probe"))``: measure each FP8 layer's weight-gradient
         error in the low format on ``batch`` (``loss_fn(module, batch) -> loss``, run in the base precision, two extra
         forward/backward passes; the mean over data-parallel ranks) and move the costliest back to the base

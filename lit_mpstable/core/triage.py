@@ -62,7 +62,7 @@ def check_budget(call: str, max_replays: Any, replay_budget: Any, budget_window:
     Raises:
         ValueError: naming the argument, its value and what is allowed.
     """
-    def is_int(value: Any, low: int) -> bool:
+    def is_int(value: object, low: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and low <= value <= 2**31 - 1
 
     if not is_int(replay_budget, max(max_replays, 1)):

@@ -104,10 +104,10 @@ class PlainKeeper:
         if optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
 
-    def follow_model_weights_(self, replicas: Any = None) -> list[str]:
+    def follow_model_weights_(self, replicas: object = None) -> list[str]:
         return []  # the optimizer steps the model's own weights, which DDP broadcast: nothing else to agree on
 
-    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: object, device: object) -> None:
         unscale_checked_(optimizer, checker, scaler, device)
 
     def absorb_grads_(self, optimizer: Optimizer) -> None:
