@@ -3,7 +3,7 @@ copies, the optimizer-state layouts that may be sliced, and the helpers that kee
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,7 +236,7 @@ def cast_state_(optimizer: Optimizer, param: torch.Tensor) -> None:
                 state[key] = value.to(param.dtype)
 
 
-def per_element(key: Any, value: Any, param: torch.Tensor, non_castable: Any) -> bool:
+def per_element(key: object, value: object, param: torch.Tensor, non_castable: Container[object]) -> bool:
     # Exactly what torch's Optimizer.load_state_dict casts to the parameter's dtype (floating, not "step"), unless the
     # optimizer opts out (bitsandbytes), and per element: so it is 16-bit between steps and round-trips bit for bit.
     return (
@@ -342,5 +342,5 @@ def grad_bytes(param: torch.Tensor) -> int:
     return 0 if grad is None else grad.numel() * grad.element_size()
 
 
-def nbytes(tensors: Any) -> int:
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -72,7 +72,8 @@ def cast_limits(fmt: str, cast: Any, fixed: Any) -> tuple[Any, Any, bool]:
     return *thresholds(fmt, cast), False
 
 
-def reduce_activation(x: torch.Tensor, saturate_above: Any, flush_at: Any, *, relative: bool = False
+def reduce_activation(x: torch.Tensor, saturate_above: torch.Tensor | float, flush_at: torch.Tensor | float, *,
+                      relative: bool = False
                       ) -> tuple[Sums, int]:
     """The passes over one activation: its :data:`Sums` and element count (see :func:`finish_rows`).
 

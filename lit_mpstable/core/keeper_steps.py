@@ -11,7 +11,8 @@ from torch.optim import Optimizer
 from lit_mpstable.core.scalers import LossScaler
 
 
-def unscale_checked_(optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
+def unscale_checked_(optimizer: Optimizer, checker: LossScaler | None,
+                     scaler: object, device: torch.device | str) -> None:
     """Unscale ``optimizer``'s gradients in place and check them for inf/NaN, agreed across ranks (no host sync)."""
     if checker is None:
         return

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lit_mpstable.core.replicas import broadcast_
@@ -207,7 +208,7 @@ class MasterWeights:
         if masters:
             torch._foreach_copy_(list[torch.Tensor](masters), list[torch.Tensor](params))
 
-    def broadcast_(self, group: object) -> None:
+    def broadcast_(self, group: ProcessGroup | None) -> None:
         """Take every master from the first rank of the process group ``group``, as ``DistributedDataParallel``
         takes the 16-bit weights from it (a collective: every rank calls it, after the model was wrapped), and forget
         the FP32 start values kept for parameters not bound yet (each rank's own initialisation: bound later, they
@@ -297,5 +298,5 @@ def _to_fp32(value: object) -> Any:
     return value
 
 
-def _nbytes(tensors: Any) -> int:
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -144,6 +144,11 @@ def run_in(
         return func(*args, **kwargs)
 
 
+# What SavedTensors keeps for a saved tensor: the tensor, or the 16-bit source it was upcast from (with the dtype
+# and strides to recreate the upcast copy).
+_Packed = torch.Tensor | tuple[torch.Tensor, torch.dtype, tuple[int, ...]]
+
+
 class SavedTensors:
     """``saved_tensors_hooks`` that keep an upcast's 16-bit ``sources`` in its place (by data pointer; recast with
     the same strides when the backward asks) and count the bytes held, per storage."""
@@ -155,7 +160,7 @@ class SavedTensors:
     def hooks(self) -> AbstractContextManager:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor) -> _Packed:
         ptr = plain_ptr(t)
         source = self.sources.get(ptr) if ptr is not None else None
         if source is not None and source.shape == t.shape and source.dtype.itemsize < t.dtype.itemsize:
@@ -165,7 +170,7 @@ class SavedTensors:
         return t
 
     @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
+    def _unpack(packed: _Packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         source, dtype, stride = packed

@@ -19,6 +19,7 @@ from typing import Any, get_args
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lit_mpstable.base.notes import Notes
@@ -209,7 +210,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         adopt_device(self, module)
 
     @torch.no_grad()
-    def follow_model_weights_(self, replicas: object = None) -> list[str]:
+    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]:
         """Restart from its 16-bit weight every FP32 master whose rounding that weight no longer is, and return their
         names: weights loaded into the model after the masters were bound (a pretrained checkpoint loaded after
         ``fabric.setup``) would otherwise be overwritten from the stale master by the next applied step. One host

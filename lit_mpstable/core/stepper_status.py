@@ -27,7 +27,7 @@ class StepperStatus:
 
     precision: str
     layout: PrecisionLayout
-    scaler: Any
+    scaler: Any  # GradScaler-like (ours, or a user's), or None
     counters: RunCounters
     keeper: WeightKeeper
     fsdp2: bool

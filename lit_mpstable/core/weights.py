@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lit_mpstable.base.notes import Notes
@@ -43,8 +44,9 @@ class WeightKeeper(Protocol):
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None: ...
     def adopt_optimizer_(self, optimizer: Optimizer) -> None: ...
-    def follow_model_weights_(self, replicas: Any = None) -> list[str]: ...
-    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None: ...
+    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]: ...
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
+                 scaler: object, device: torch.device | str) -> None: ...
     def absorb_grads_(self, optimizer: Optimizer) -> None: ...
     def clip_grad_norm_(
         self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
@@ -104,10 +106,11 @@ class PlainKeeper:
         if optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
 
-    def follow_model_weights_(self, replicas: object = None) -> list[str]:
+    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]:
         return []  # the optimizer steps the model's own weights, which DDP broadcast: nothing else to agree on
 
-    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: object, device: object) -> None:
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
+                 scaler: object, device: torch.device | str) -> None:
         unscale_checked_(optimizer, checker, scaler, device)
 
     def absorb_grads_(self, optimizer: Optimizer) -> None:
