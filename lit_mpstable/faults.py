@@ -130,7 +130,7 @@ class FaultInjector(pl.Callback):
                 return self._spike_loss(original(*args, **kwargs))
 
             training_step.__wrapped__ = original  # type: ignore[attr-defined]
-            pl_module.training_step = training_step  # an instance attribute, removed at teardown
+            pl_module.training_step = training_step  # type: ignore[method-assign]  # an instance attribute, removed at teardown
             self._wrapped = pl_module
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

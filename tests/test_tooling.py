@@ -1,4 +1,4 @@
-"""The code is lint-clean (ruff: pycodestyle, pyflakes, import order, bugbear) and ``core/`` and ``fp8/`` type-check
+"""The code is lint-clean (ruff: pycodestyle, pyflakes, import order, bugbear) and the whole package type-checks
 (mypy); both read their configuration from pyproject.toml.
 
 Each tool runs as a subprocess of this interpreter (``python -m ruff``, ``python -m mypy``), so the versions are

@@ -19,26 +19,6 @@ from typing import Any, Literal, Optional, Union
 
 from omegaconf import MISSING
 
-__all__ = [
-    "AMPPreflightConfig",
-    "AdaptiveLossScalerConfig",
-    "DynamicLossScalerConfig",
-    "FP8RecipeConfig",
-    "FaultTriageConfig",
-    "OverflowMonitorConfig",
-    "PrecisionFallbackConfig",
-    "PrecisionProbeConfig",
-    "PreemptionCheckpointConfig",
-    "SCHEMAS",
-    "ScaleCheckpointConfig",
-    "SpikeGuardConfig",
-    "StablePrecisionConfig",
-    "StaticLossScalerConfig",
-    "derive_schema",
-    "register_configs",
-    "schema_type",
-]
-
 _PRIMITIVES = (bool, int, float, str)
 _SEQUENCES = (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Iterable,
               collections.abc.Collection)
@@ -73,10 +53,10 @@ def schema_type(hint: Any) -> Any:
         return Optional[inner] if type(None) in args and inner is not Any else inner
     if origin in _SEQUENCES:
         items = [arg for arg in args if arg is not Ellipsis]
-        return list[_item_type(items[0]) if len(set(items)) == 1 else Any]
+        return types.GenericAlias(list, (_item_type(items[0]) if len(set(items)) == 1 else Any,))  # list[item]
     if origin in _MAPPINGS:
         key, value = args or (Any, Any)
-        return dict[str, _item_type(value)] if key is str else Any
+        return types.GenericAlias(dict, (str, _item_type(value))) if key is str else Any  # dict[str, value]
     return Any
 
 
@@ -87,7 +67,8 @@ def _item_type(hint: Any) -> Any:
     return item if base in _PRIMITIVES or (isinstance(base, type) and issubclass(base, enum.Enum)) else Any
 
 
-def _field(name: str, hint: Any, default: Any, owner: str) -> tuple[str, Any, dataclasses.Field]:
+def _field(name: str, hint: Any, default: Any, owner: str) -> tuple[str, Any, Any]:
+    # The third item is a dataclasses.Field (typeshed types field(default=x) as x's type, for dataclass bodies).
     if default is inspect.Parameter.empty:
         return name, hint, dataclasses.field(default=MISSING)
     if isinstance(default, (tuple, list, set, frozenset)):
@@ -125,7 +106,7 @@ def derive_schema(target: str | type, *, name: str | None = None) -> type:
         hints = typing.get_type_hints(annotated)
     except NameError as error:
         raise TypeError(f"derive_schema({target!r}): an annotation does not evaluate ({error}).") from error
-    fields = [("_target_", str, dataclasses.field(default=target))]
+    fields: list[tuple[str, Any, Any]] = [("_target_", str, dataclasses.field(default=target))]
     for param in signature.parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue

@@ -12,10 +12,6 @@ from torch import nn
 from lit_mpstable.app.zoo import GPTLM, DigitsData, MLPClassifier
 from lit_mpstable.fp8.backend import share_hooks
 
-__all__ = [
-    "FaultyDigitsData", "FaultyGPTLM", "FaultyMLP", "GradientAttenuatedLinear", "WeightedLossMLP", "stall_task",
-]
-
 
 class WeightedLossMLP(MLPClassifier):
     """:class:`MLPClassifier` whose training loss is multiplied by ``loss_weight`` (e.g. a mean over a large global

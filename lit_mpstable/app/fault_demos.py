@@ -8,8 +8,8 @@ package's class, ``class PoisonModule(PoisonTask, pytorch_lightning.LightningMod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -17,9 +17,6 @@ from torch import nn
 
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.frontends.trainer import StablePrecision
-
-__all__ = ["AmplifiedMLP", "Amplify", "PoisonModule", "PoisonTask", "TinyMLP", "fp16_scaler_plugin",
-           "regression_data"]
 
 
 class TinyMLP(nn.Module):
@@ -77,6 +74,12 @@ class PoisonTask:
         amplify: use :class:`AmplifiedMLP` (overflows on every FP16 forward).
     """
 
+    if TYPE_CHECKING:  # what the LightningModule it is mixed into provides
+        global_step: int
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+        def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
     def __init__(
         self, *, inf_input_steps: Iterable[int] = (), loss_factor: Mapping[int, float] | None = None,
         inf_grad_steps: Iterable[int] = (), amplify: bool = False, lr: float = 0.05, optimizer: str = "sgd",
@@ -104,13 +107,16 @@ class PoisonTask:
 
     def on_after_backward(self) -> None:
         if self.global_step in self.inf_grad_steps:
-            self.model.fc2.weight.grad.view(-1)[0] = float("inf")
+            grad = self.model.fc2.weight.grad
+            assert grad is not None  # after a backward through fc2
+            grad.view(-1)[0] = float("inf")
 
     def train_dataloader(self):
         ds = torch.utils.data.TensorDataset(self.x, self.y)
         return torch.utils.data.DataLoader(ds, batch_size=self.batch_size, shuffle=False)
 
     def configure_optimizers(self):
+        opt: torch.optim.Optimizer
         if self.optimizer_name == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         else:

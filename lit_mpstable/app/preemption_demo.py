@@ -13,6 +13,7 @@ resumed from PreemptionCheckpoint's checkpoint, and compared with the uninterrup
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,6 @@ from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallb
 from lit_mpstable.callbacks.preemption import PreemptionCheckpoint
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.frontends.trainer import StablePrecision
-
-__all__ = ["FAULTS", "PreemptModule", "Report", "SignalAt", "ValidatedModule", "callbacks", "max_delta", "plugin",
-           "preempted_and_resumed", "run"]
 
 WORLD_SIZE = 2  # the default number of processes
 # A collective that one rank never joins (ranks deciding differently) fails after this instead of hanging for 30 min.
@@ -67,7 +65,9 @@ class PreemptModule(pl.LightningModule):
 
     def on_after_backward(self) -> None:
         if self.global_rank == self.fault_rank and self.global_step in self.inf_grad_steps:
-            self.model.fc2.weight.grad.view(-1)[0] = float("inf")
+            grad = self.model.fc2.weight.grad
+            assert grad is not None  # after a backward through fc2
+            grad.view(-1)[0] = float("inf")
 
     def train_dataloader(self):
         dataset = torch.utils.data.TensorDataset(self.x, self.y)
@@ -116,7 +116,8 @@ class Report(pl.Callback):
     """Per optimizer step its loss; at the end weights, plugin and callback states, to ``out/rank{r}.pt``."""
 
     def __init__(self, out_dir: str | Path) -> None:
-        self.out_dir, self.losses = str(out_dir), {}
+        self.out_dir = str(out_dir)
+        self.losses: dict[int, float] = {}
 
     def setup(self, trainer, pl_module, stage) -> None:
         torch.set_num_threads(1)
@@ -137,7 +138,7 @@ class Report(pl.Callback):
                    Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 
-def run(out_dir: Path, max_steps: int, extra: list[pl.Callback] = (), ckpt_path: Path | None = None,
+def run(out_dir: Path, max_steps: int, extra: Sequence[pl.Callback] = (), ckpt_path: Path | None = None,
         faults: dict[str, Any] = FAULTS, devices: int = WORLD_SIZE, validate_every: int | None = None,
         **trainer_kwargs: Any) -> list[dict[str, Any]]:
     """Fit on ``devices`` CPU processes (2: gloo DDP, forked), validating every ``validate_every`` steps; each rank's

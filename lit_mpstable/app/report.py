@@ -12,8 +12,6 @@ from typing import Any
 from lit_mpstable.app.report_formats import format_lines
 from lit_mpstable.app.report_probe import write_probe_figure
 
-__all__ = ["decision_line", "settle_step", "write_comparison_report", "write_report"]
-
 
 def settle_step(scales: Sequence[float], factor: float = 2.0) -> int | None:
     """The first step from which the loss scale stays within ``factor`` of its final value; ``None`` if empty."""
@@ -110,7 +108,8 @@ def _mark_events(ax: Any, events: Sequence[dict[str, Any]]) -> None:
 
 def _running_median(values: Sequence[float], window: int = 15) -> list[float]:
     """Running median over the last ``window`` finite values: follows the trend, ignores a one-batch spike."""
-    out, recent = [], []
+    out: list[float] = []
+    recent: list[float] = []
     for value in values:
         if math.isfinite(value):
             recent = (recent + [value])[-window:]

@@ -11,8 +11,6 @@ from torch import nn
 
 from lit_mpstable.fp8.backends import backend_of
 
-__all__ = ["format_lines", "layer_formats"]
-
 _BASE = {"bf16-mixed": "bf16 (autocast)", "16-mixed": "fp16 (autocast)", "bf16-true": "bf16", "16-true": "fp16",
          "32-true": "fp32"}
 
@@ -25,7 +23,7 @@ def layer_formats(plugin: Any) -> dict[str, str]:
     or before the model was set up."""
     layout = getattr(plugin, "layout", None)
     module = getattr(layout, "module", None)
-    if not isinstance(module, nn.Module):
+    if layout is None or not isinstance(module, nn.Module):
         return {}
     fp8 = getattr(plugin, "fp8", None)
     recipe = getattr(fp8, "recipe", None)

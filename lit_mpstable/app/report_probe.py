@@ -7,8 +7,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["probe_matrix", "write_probe_figure"]
-
 # Relative errors below this are shown as this (BF16 rounding alone costs ~0.4%, FP16's ~0.05%); above 1 the
 # gradient is more error than signal.
 _REL_ERROR_RANGE = (1e-4, 1.0)
@@ -54,7 +52,7 @@ def write_probe_figure(
     width = min(max(6.0, 2.5 + 0.55 * len(steps)), 14.0)
     panel = max(1.8, 0.8 + 0.3 * len(modules))
     fig, axes = plt.subplots(2, 1, figsize=(width, 2 * panel + 0.9), squeeze=False)
-    panels = (
+    panels: tuple[tuple[Any, Any, dict[str, Any], str, str], ...] = (
         (axes[0][0], underflow, dict(cmap="magma", vmin=0.0, vmax=1.0), "flushed (fraction)", "{:.0%}"),
         (axes[1][0], error, dict(cmap="viridis", norm=LogNorm(vmin=low, vmax=high)), "||g - g32|| / ||g32||",
          "{:.1g}"),

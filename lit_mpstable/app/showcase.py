@@ -14,8 +14,6 @@ from omegaconf import DictConfig
 
 from lit_mpstable.app.report import decision_line, write_comparison_report
 
-__all__ = ["ROWS", "compare", "print_comparison"]
-
 # (label, summary key, format): what the terminal table and the report's table show, in this order.
 ROWS = (
     ("final train loss", "final_train_loss", ".4f"),

@@ -28,11 +28,10 @@ from lit_mpstable.app.showcase import compare, print_comparison
 from lit_mpstable.base.validate import int_arg, real_arg
 from lit_mpstable.callbacks import FaultTriage, PrecisionProbe
 from lit_mpstable.callbacks.views import ForeignPrecision, view_of
+from lit_mpstable.core.scaling.scalers import ScalerName
 from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.core.weights.memory import MemoryProbe, training_memory
 from lit_mpstable.frontends.common import StableFrontEnd
-
-__all__ = ["Built", "build", "main", "run"]
 
 
 class _StepRecorder(pl.Callback):
@@ -145,9 +144,10 @@ def _check_scaler_choice(node: DictConfig) -> None:
     # is built and under the group's name.
     scaler = node.get("scaler")
     target = scaler.get("_target_") if isinstance(scaler, DictConfig) else None
-    name = {"lit_mpstable.core.scaling.loss_scaler.DynamicLossScaler": "dynamic",
-            "lit_mpstable.core.scaling.loss_scaler.StaticLossScaler": "static",
-            "lit_mpstable.core.scaling.adaptive_scaler.AdaptiveLossScaler": "adaptive"}.get(str(target))
+    names: dict[str, ScalerName] = {"lit_mpstable.core.scaling.loss_scaler.DynamicLossScaler": "dynamic",
+                                    "lit_mpstable.core.scaling.loss_scaler.StaticLossScaler": "static",
+                                    "lit_mpstable.core.scaling.adaptive_scaler.AdaptiveLossScaler": "adaptive"}
+    name = names.get(str(target))
     if name is not None:
         try:  # the constructor's own rule and message, for the name
             PrecisionStepper(node.get("precision", "bf16-mixed"), scaler=name, device="cpu", owner="StablePrecision")

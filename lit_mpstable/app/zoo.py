@@ -14,8 +14,6 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["GPT", "GPTLM", "CharLMData", "DigitsData", "MLPClassifier", "stdlib_text"]
-
 # Modules whose source text ships with every CPython: a real, deterministic corpus (~400 kB).
 _CORPUS_MODULES = ("argparse", "textwrap", "string", "shlex", "csv", "difflib", "fractions", "calendar", "tokenize")
 

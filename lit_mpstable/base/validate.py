@@ -11,8 +11,6 @@ import math
 from collections.abc import Iterable
 from typing import Any, Literal, overload
 
-__all__ = ["INT32_MAX", "bool_arg", "check_keys", "choice_arg", "int_arg", "real_arg"]
-
 INT32_MAX = 2**31 - 1
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import lightning.pytorch as pl
 import torch
@@ -28,12 +28,6 @@ from lit_mpstable.core.loaded_state import (
     text_list,
 )
 from lit_mpstable.frontends.common import StableFrontEnd
-
-__all__ = [
-    "MAX_WINDOW", "METRIC_NAMES", "LaggedFlag", "PluginCallback", "StepCounter", "WindowedCounts", "agreed_names",
-    "any_rank", "check", "is_int", "is_number", "log_measured", "log_mp", "measured_metrics", "plugin_metrics",
-    "strict_keys",
-]
 
 METRIC_NAMES = (
     "mp/loss_scale", "mp/overflow_rate", "mp/skipped_steps", "mp/grad_norm", "mp/grad_underflow_frac",
@@ -182,7 +176,6 @@ class PluginCallback(pl.Callback):
             self._plugin.remove()
 
 
-
 class StepCounter:
     """Optimizer steps, overflows and skipped steps the plugin recorded since the last call: host ints, no sync.
 
@@ -241,6 +234,8 @@ class WindowedCounts(Metric):
     ``overflows / steps`` is the rate over all ranks). :meth:`update` writes three scalars in place: no host sync.
     """
 
+    counts: torch.Tensor  # the state add_state registers
+
     full_state_update = False
 
     def __init__(self, window: int) -> None:
@@ -249,7 +244,7 @@ class WindowedCounts(Metric):
         self.position = 0
         self.add_state("counts", default=torch.zeros(window, 3), dist_reduce_fx="sum")
 
-    def update(self, overflows: int, skipped: int, steps: int) -> None:  # type: ignore[override]
+    def update(self, overflows: int, skipped: int, steps: int) -> None:
         row = self.counts[self.position % self.window]
         row[0], row[1], row[2] = overflows, skipped, steps
         self.position += 1
@@ -328,3 +323,15 @@ def log_mp(pl_module: pl.LightningModule, values: Mapping[str, Any], *, prog_bar
     for name, value in values.items():
         assert name in METRIC_NAMES, name
         pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar and name in _PROG_BAR, batch_size=1)
+
+
+class _RunTrainer(Protocol):
+    """What Lightning's connectors set on a Trainer when it is built (outside its class, so mypy does not see them)."""
+
+    callbacks: list[pl.Callback]
+    log_every_n_steps: int
+
+
+def run_trainer(trainer: pl.Trainer) -> _RunTrainer:
+    """``trainer``, typed with the attributes its connectors set (``callbacks``, ``log_every_n_steps``)."""
+    return cast(_RunTrainer, trainer)

@@ -18,8 +18,6 @@ import torch
 from lit_mpstable.callbacks._foreign import ForeignPrecision
 from lit_mpstable.frontends.live_state import Findings
 
-__all__ = ["DeepSpeedView", "runs_deepspeed"]
-
 
 def runs_deepspeed(trainer: Any) -> bool:
     """Whether ``trainer`` runs Lightning's ``DeepSpeedStrategy`` (Ray's subclass included), without importing

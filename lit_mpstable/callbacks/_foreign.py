@@ -11,9 +11,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lit_mpstable.core.formats import PRECISION_DTYPES
 from lit_mpstable.frontends.live_state import Findings
 
-__all__ = ["ForeignPrecision"]
-
-
 
 class _NoIslands:
     names: list[str] = []

@@ -6,26 +6,25 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lit_mpstable.callbacks._common import run_trainer
 from lit_mpstable.core.attribution import OverflowTracer
-
-__all__ = [
-    "next_epoch_iterator", "plain", "rank_state", "restore_callbacks", "restore_plugin", "rng_state",
-    "scale_checkpoints", "set_rng_state", "skip_consumed_batches", "snapshots", "train_iterator", "train_loaders",
-]
 
 
 def rng_state() -> dict[str, Any]:
     import numpy as np
 
-    keys, pos, has_gauss, gauss = np.random.get_state()[1:]
+    legacy = np.random.get_state()  # legacy=True (the default): the tuple form
+    assert isinstance(legacy, tuple)
+    keys, pos, has_gauss, gauss = legacy[1:]
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -56,7 +55,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 # only. Each belongs in its owner's state_dict; until it is there, the preemption checkpoint carries it.
 def rank_state(trainer: pl.Trainer, own: pl.Callback) -> dict[str, Any]:
     callbacks = {}
-    for cb in trainer.callbacks:
+    for cb in run_trainer(trainer).callbacks:
         if cb is not own and (state := cb.state_dict()):
             callbacks[cb.state_key] = copy.deepcopy(state)
     plugin = trainer.precision_plugin
@@ -84,7 +83,7 @@ def plain(value: Any) -> Any:
 def scale_checkpoints(trainer: pl.Trainer) -> list[Any]:
     from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
 
-    return [cb for cb in trainer.callbacks if isinstance(cb, ScaleCheckpoint)]
+    return [cb for cb in run_trainer(trainer).callbacks if isinstance(cb, ScaleCheckpoint)]
 
 
 def snapshots(trainer: pl.Trainer) -> list[Any]:
@@ -105,7 +104,7 @@ def snapshots(trainer: pl.Trainer) -> list[Any]:
 def restore_callbacks(trainer: pl.Trainer, own: pl.Callback, states: Mapping[str, Any], snapshots: list[Any]) -> None:
     from lit_mpstable.callbacks.amp_preflight import AMPPreflight
 
-    for cb in trainer.callbacks:
+    for cb in run_trainer(trainer).callbacks:
         if cb is not own and cb.state_key in states:
             cb.load_state_dict(copy.deepcopy(states[cb.state_key]))
         if isinstance(cb, AMPPreflight) and cb.result:
@@ -165,7 +164,8 @@ def skip_consumed_batches(trainer: pl.Trainer, consumed: int, epoch_rng: Mapping
                        " starts from its beginning; make it stateful (state_dict/load_state_dict) to resume exactly.")
         return
     for loader in loaders:  # the epoch's order, as Lightning sets it at the epoch's start (not yet, on a resume)
-        _set_sampler_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
+        # The epoch's tracker is a _ProcessedTracker (typed as its base); either Trainer package's, so no isinstance.
+        _set_sampler_epoch(loader, cast(_ProcessedTracker, trainer.fit_loop.epoch_progress.current).processed)
     if epoch_rng is not None:
         set_rng_state(epoch_rng)
         if recreate:
@@ -174,4 +174,5 @@ def skip_consumed_batches(trainer: pl.Trainer, consumed: int, epoch_rng: Mapping
         rank_zero_warn("PreemptionCheckpoint: the checkpoint does not hold the RNG the epoch started from, so the"
                        " RandomSampler's order of the resumed epoch differs from the interrupted one.")
     for _ in range(consumed):
+        assert fetcher.iterator is not None  # made by iter(fetcher): the loop's, or the one above
         next(fetcher.iterator)

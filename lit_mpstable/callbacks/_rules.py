@@ -10,8 +10,6 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-__all__ = ["compare_outputs", "default_forward", "fallback_reason", "first_tensor", "spike_zscore"]
-
 # A guessed floor: a spike must exceed the mean by at least z * 5% of it, so a nearly flat loss never rolls back.
 _MIN_REL_STD = 0.05
 

@@ -11,8 +11,6 @@ import torch
 
 from lit_mpstable.core.checkpoints import copy_state
 
-__all__ = ["layout_key", "nonfinite_entries", "restore_snapshot", "state_finite", "take_snapshot"]
-
 
 def layout_key(plugin: Any) -> tuple:
     """What a precision fallback changes, as far as the plugin's public state shows it."""

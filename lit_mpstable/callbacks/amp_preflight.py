@@ -17,8 +17,6 @@ from lit_mpstable.callbacks._rules import compare_outputs, default_forward, firs
 from lit_mpstable.fp8 import convert_from_fp8
 from lit_mpstable.fp8.backends import find_fp8_layers
 
-__all__ = ["AMPPreflight", "compare_outputs", "default_forward"]
-
 PreflightAction = Literal["fallback", "warn", "raise"]
 # Guessed: unit roundoffs (bf16 2**-9, fp16 2**-12, fp8 e4m3 2**-4) times the few-fold that some layers of rounding
 # add up to, with margin over what healthy models show (bf16 0.3-0.5%, fp16 0.06%, fp8 2.5-4.5% measured on TinyMLP,
@@ -49,7 +47,7 @@ def _defines_forward(module: nn.Module) -> bool:
 def _training_step_loss(module: pl.LightningModule, batch: Any) -> Any:
     """The loss ``training_step`` returns on ``batch``, its own ``self.log`` calls muted (a check is not a step)."""
     quiet = {name: getattr(module, name) for name in ("log", "log_dict")}
-    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign, assignment]
     try:
         return module.training_step(batch, 0)
     finally:

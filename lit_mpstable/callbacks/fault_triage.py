@@ -21,6 +21,7 @@ from lit_mpstable.callbacks._common import (
     check,
     is_int,
     log_mp,
+    run_trainer,
     strict_keys,
 )
 from lit_mpstable.callbacks._snapshot import restore_snapshot, take_snapshot
@@ -29,14 +30,11 @@ from lit_mpstable.core.guards.triage import (
     BUDGET_WINDOW,
     LADDER,
     REPLAY_BUDGET,
-    Replay,
-    TriageKind,
     budget_note,
     check_budget,
     climb,
     describe,
     needs_triage,
-    next_replay,
     replays_spent,
     restore_rng,
     rng_state,
@@ -44,8 +42,6 @@ from lit_mpstable.core.guards.triage import (
     traced_names,
     triage_event,
 )
-
-__all__ = ["FaultTriage", "Replay", "TriageKind", "next_replay"]
 
 
 class FaultTriage(PluginCallback):
@@ -141,9 +137,10 @@ class FaultTriage(PluginCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # First in the list (Lightning calls callbacks in list order): the step is triaged as it happened, before
         # another callback reacts to it (ScaleCheckpoint rolling back bad weights, FaultInjector undoing its fault).
-        if stage == "fit" and trainer.callbacks and trainer.callbacks[0] is not self and self in trainer.callbacks:
-            trainer.callbacks.remove(self)
-            trainer.callbacks.insert(0, self)
+        callbacks = run_trainer(trainer).callbacks
+        if stage == "fit" and callbacks and callbacks[0] is not self and self in callbacks:
+            callbacks.remove(self)
+            callbacks.insert(0, self)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._plugin is None:
@@ -182,7 +179,8 @@ class FaultTriage(PluginCallback):
                 if self.over_budget == 1:
                     rank_zero_warn(budget_note("FaultTriage", self._step, spent, self.max_replays, self.replay_budget,
                                                self.budget_window))
-        if triaged or (trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0):
+        every = run_trainer(trainer).log_every_n_steps
+        if triaged or (every and trainer.global_step % every == 0):
             log_mp(pl_module, {"mp/triage_events": float(len(self.events))})
 
     # ------------------------------------------------------------------------------------------------ triage
@@ -236,7 +234,7 @@ class _TrainerReplay:
         self.plugin = triage._plugin
         self.optimizer = trainer.optimizers[0]
         self.can_fp32 = bool(self.plugin.can_fallback)  # FSDP2 fixed the precision at fully_shard
-        self.checkpoint = next((c for c in trainer.callbacks if isinstance(c, ScaleCheckpoint)), None)
+        self.checkpoint = next((c for c in run_trainer(trainer).callbacks if isinstance(c, ScaleCheckpoint)), None)
 
     def full_precision(self) -> AbstractContextManager:
         return self.plugin.full_precision()

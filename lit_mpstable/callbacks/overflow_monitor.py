@@ -20,12 +20,11 @@ from lit_mpstable.callbacks._common import (
     log_mp,
     measured_metrics,
     plugin_metrics,
+    run_trainer,
     strict_keys,
 )
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
 from lit_mpstable.core.guards.growth_stats import WEIGHT_FLUSH_LIMIT
-
-__all__ = ["OverflowMonitor"]
 
 
 class OverflowMonitor(PluginCallback):
@@ -105,7 +104,7 @@ class OverflowMonitor(PluginCallback):
         if measured := measured_metrics(plugin):  # on the step the telemetry measured them, whatever the period
             self.latest_measured = measured
             log_measured(trainer, measured)
-        every = self.log_every_n_steps or trainer.log_every_n_steps
+        every = self.log_every_n_steps or run_trainer(trainer).log_every_n_steps
         if every and trainer.global_step % every == 0:
             self._log(trainer, pl_module)
 
@@ -138,7 +137,7 @@ class OverflowMonitor(PluginCallback):
         layers = agreed_names(trainer, runaway())  # the same names, and the same warning, on every rank
         if layers and not set(layers) <= self.growth_warned:
             self.growth_warned.update(layers)
-            stats = self._plugin.stats.get("growth", {})  # type: ignore[union-attr]
+            stats = self._plugin.stats.get("growth", {})
             shown = ", ".join(f"{n!r} (amax {stats[n]['amax']:.3g}, x{2 ** stats[n]['amax_growth']:.3f}/step,"
                               f" kurtosis {stats[n]['kurtosis']:.3g}{_weight_note(stats[n])})" if n in stats
                               else repr(n) for n in layers)
@@ -149,13 +148,13 @@ class OverflowMonitor(PluginCallback):
 
     @staticmethod
     def _growth_advice(trainer: pl.Trainer) -> str:
-        if any(isinstance(cb, PrecisionFallback) and cb.on_growth for cb in trainer.callbacks):
+        if any(isinstance(cb, PrecisionFallback) and cb.on_growth for cb in run_trainer(trainer).callbacks):
             return "PrecisionFallback(on_growth=True) moves these layers out of FP8."
         return "PrecisionFallback(on_growth=True) would move them out of FP8 before it happens."
 
     @staticmethod
     def _advice(trainer: pl.Trainer) -> str:
-        if any(isinstance(cb, PrecisionFallback) for cb in trainer.callbacks):
+        if any(isinstance(cb, PrecisionFallback) for cb in run_trainer(trainer).callbacks):
             return "PrecisionFallback is installed and decides when to widen the precision."
         return "consider PrecisionFallback(mode='module') or StablePrecision(fp32_modules=...)."
 

@@ -25,8 +25,6 @@ from lit_mpstable.callbacks._common import (
 )
 from lit_mpstable.callbacks._rules import fallback_reason
 
-__all__ = ["FallbackState", "PrecisionFallback", "fallback_reason"]
-
 FallbackMode = Literal["global", "module"]
 
 

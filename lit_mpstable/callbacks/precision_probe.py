@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lit_mpstable.callbacks._common import PluginCallback, any_rank, check, is_int, log_measured, strict_keys
 from lit_mpstable.core.step.probe import ProbeCopyError, forward_state, measure, metric_vector, with_metric_vector
-
-__all__ = ["PrecisionProbe"]
 
 _LOGGED = {"underflow_frac": "mp/grad_underflow_frac", "rel_error": "mp/grad_rel_error", "cosine": "mp/grad_cosine"}
 
@@ -118,7 +117,9 @@ class PrecisionProbe(PluginCallback):
         step, batch, batch_idx, start = capture
         failure: Exception | None = None
         recompute = trainer.accumulate_grad_batches > 1 or trainer.world_size > 1
-        loss_fn = self.loss_fn or _training_step_loss(trainer, batch_idx)
+        # measure() hands the loss function a copy of pl_module: a LightningModule, as the user's loss_fn expects.
+        loss_fn = (_training_step_loss(trainer, batch_idx) if self.loss_fn is None
+                   else cast(Callable[[nn.Module, Any], torch.Tensor], self.loss_fn))
         try:
             result: dict[str, Any] | None = measure(
                 plugin.stepper, pl_module, loss_fn, batch, recompute=recompute, start=start, step=step)
@@ -159,16 +160,17 @@ class PrecisionProbe(PluginCallback):
         self.pending = bool(state_dict["pending"])
 
 
-def _training_step_loss(trainer: pl.Trainer, batch_idx: int) -> Callable[[pl.LightningModule, Any], torch.Tensor]:
+def _training_step_loss(trainer: pl.Trainer, batch_idx: int) -> Callable[[nn.Module, Any], torch.Tensor]:
     """The loss Lightning backpropagates for a batch: ``training_step``'s, divided by ``accumulate_grad_batches``,
     computed on the module given (a copy, with the trainer attached so ``global_step`` and ranks read true) with its
     ``self.log`` calls muted (a replay is not a step)."""
 
-    def loss_fn(module: pl.LightningModule, batch: Any) -> torch.Tensor:
+    def loss_fn(copy: nn.Module, batch: Any) -> torch.Tensor:
+        module = cast(pl.LightningModule, copy)  # measure() hands back the module it was given: a copy of ours
         module.trainer = trainer
-        module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign, assignment]
         output = module.training_step(batch, batch_idx)
-        loss = output["loss"] if isinstance(output, dict) else output
+        loss = cast(torch.Tensor, output["loss"] if isinstance(output, dict) else output)  # else measure() says
         return loss / trainer.accumulate_grad_batches
 
     return loss_fn

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lit_mpstable.callbacks._common import check
+from lit_mpstable.callbacks._common import check, run_trainer
 from lit_mpstable.callbacks._resume import (
     next_epoch_iterator,
     rank_state,
@@ -27,8 +27,6 @@ from lit_mpstable.callbacks._resume import (
     snapshots,
     train_iterator,
 )
-
-__all__ = ["PreemptionCheckpoint", "atomic_save"]
 
 _FORBIDDEN = ("SIGKILL", "SIGSTOP")  # cannot be caught
 
@@ -188,7 +186,7 @@ class PreemptionCheckpoint(pl.Callback):
         self._received, self._issued, self._active, self._unhanded = 0, None, True, []
         # Last among the callbacks: the step boundary is after every other callback's decisions of that step (a
         # rollback), and the restore after their on_train_start (ScaleCheckpoint's snapshot).
-        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+        run_trainer(trainer).callbacks = [cb for cb in run_trainer(trainer).callbacks if cb is not self] + [self]
         if threading.current_thread() is not threading.main_thread():
             rank_zero_warn(f"{type(self).__name__}: fit runs outside the main thread, where Python cannot install"
                            " signal handlers; preemption signals are not handled in this run.")

@@ -20,6 +20,7 @@ from lit_mpstable.callbacks._common import (
     is_int,
     is_number,
     log_mp,
+    run_trainer,
     strict_keys,
 )
 from lit_mpstable.callbacks._rules import spike_zscore
@@ -30,8 +31,6 @@ from lit_mpstable.callbacks._snapshot import (
     state_finite,
     take_snapshot,
 )
-
-__all__ = ["ScaleCheckpoint", "spike_zscore"]
 
 OnSpike = Literal["skip", "rollback"]
 
@@ -185,7 +184,8 @@ class ScaleCheckpoint(PluginCallback):
             else:
                 self._roll_back(trainer, pl_module, dict(step=step, kind="non-finite weights or optimizer state",
                                                          loss=None, zscore=None))
-        if trainer.log_every_n_steps and step % trainer.log_every_n_steps == 0:
+        every = run_trainer(trainer).log_every_n_steps
+        if every and step % every == 0:
             log_mp(pl_module, {"mp/rollbacks": float(self.rollbacks)})
 
     def _on_skip(self, trainer: pl.Trainer, pl_module: pl.LightningModule, event: dict[str, Any]) -> None:

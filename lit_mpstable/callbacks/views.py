@@ -12,8 +12,6 @@ from typing import Any
 from lit_mpstable.callbacks._deepspeed import DeepSpeedView, runs_deepspeed
 from lit_mpstable.callbacks._foreign import ForeignPrecision
 
-__all__ = ["DeepSpeedView", "ForeignPrecision", "view_of"]
-
 # One view per foreign plugin and fit, shared by every callback (one step hook per optimizer).
 _VIEWS: weakref.WeakKeyDictionary[Any, ForeignPrecision] = weakref.WeakKeyDictionary()
 

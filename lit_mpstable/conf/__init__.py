@@ -1,5 +1,3 @@
 """The Hydra configs, shipped as package data: ``pkg://lit_mpstable.conf``
 (see ``hydra_plugins/lit_mpstable_searchpath``).
 """
-
-__all__: list[str] = []  # a folder, not a face: import from its modules

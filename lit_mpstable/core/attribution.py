@@ -18,8 +18,11 @@ try:
 except ImportError:  # a torch build without torch.distributed
     _DTENSOR = ()  # type: ignore[assignment,misc]
 
-__all__ = ["NonfiniteOrigin", "OverflowTracer", "any_nonfinite", "locate_nonfinite", "nonfinite_grad_params",
-           "overflow_warning", "rng_state", "trace_nonfinite"]
+
+def overflow_key(first: str, *, forward: bool) -> str:
+    """The cause :func:`overflow_warning` reports, as a note's key: the module and the direction (a front end says it
+    once, whatever the step or the scale)."""
+    return f"overflow:{'forward' if forward else 'backward'}:{first}"
 
 
 def overflow_warning(first: str, *, forward: bool, step: int, scale: float) -> str:
@@ -66,7 +69,7 @@ def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad._values() if grad.is_sparse else grad
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def _tensors(obj: object) -> list[torch.Tensor]:
     """The floating-point tensors in a (nested) tuple, list or dict, or the tensor itself."""
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.is_floating_point() else []
@@ -212,7 +215,7 @@ class OverflowTracer:
 
     def _post_hook(self, name: str, depth: int):
         @torch.compiler.disable
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
             self._calls += 1
             bad_in = self._inputs.pop() if self._inputs else None
             tensors = _tensors(output)

@@ -8,13 +8,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["carry_precise_state_"]
+from lit_mpstable.core.weights.compact import CompactWeights
+from lit_mpstable.core.weights.master import MasterWeights
 
 
 @torch.no_grad()
 def carry_precise_state_(
     module: nn.Module | None, masters: Mapping[str, torch.Tensor], compact: Mapping[str, Any], *,
-    master: Any, compact_weights: Any, saved: str, target: str,
+    master: MasterWeights | None, compact_weights: CompactWeights | None, saved: str, target: str,
 ) -> str | None:
     """Carry what a checkpoint holds beyond its 16-bit weights into a run of another precision or master mode.
 

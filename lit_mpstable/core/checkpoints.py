@@ -19,8 +19,6 @@ import torch
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TraceableWrapperSubclass
 
-__all__ = ["copy_quantized_state", "copy_state", "flatten_optimizer_states_", "unflatten_optimizer_states_"]
-
 _MARK = "lit_mpstable.flat_tensor"
 # Classes whose __tensor_flatten__ / __tensor_unflatten__ round trip is known to rebuild them exactly.
 _ALLOWED = (
@@ -99,7 +97,7 @@ def unflatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> i
     return count
 
 
-def copy_state(obj: Any, device: torch.device | None = None) -> Any:
+def copy_state(obj: object, device: torch.device | None = None) -> Any:
     """Nested dicts/lists with every tensor copied (to ``device``, else where it is): state dicts share storage with
     the live tensors, and a snapshot must not follow them (torchao's quantized states included)."""
     if isinstance(obj, torch.Tensor):

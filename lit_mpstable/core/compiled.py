@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["eager", "graph_count", "is_compiled", "own_graphs_since", "recompile_note"]
+from lit_mpstable.base.notes import Notes
 
 RECOMPILE_NOTE = ("a compiled model recompiles once after each fallback or restore (its graph holds the precision"
                   " layout); from then on it runs compiled again")
@@ -60,7 +60,6 @@ def is_compiled(module: nn.Module) -> bool:
     )
 
 
-def recompile_note(step: int, warnings: list[str]) -> None:
+def recompile_note(step: int, warnings: Notes) -> None:
     """Note once that a compiled model recompiles after a change of the precision layout (at step ``step``)."""
-    if not any(w.startswith(RECOMPILE_NOTE) for w in warnings):
-        warnings.append(f"{RECOMPILE_NOTE} (step {step}).")
+    warnings.add_once("recompile", f"{RECOMPILE_NOTE} (step {step}).")

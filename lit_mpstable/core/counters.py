@@ -7,8 +7,6 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-__all__ = ["RunCounters", "SCALER_COUNTERS"]
-
 # The scaler's own event counters (what it saw: its steps, overflows, hits of the scale floor). The scaler owns them
 # and counts them itself (it runs without a stepper too); they are history like the run's, so a rollback that restores
 # the scaler's numeric state keeps their live values (see RunCounters.keep_live_).

@@ -7,11 +7,6 @@ from typing import Literal, get_args
 
 import torch
 
-__all__ = [
-    "FORMATS", "FORMAT_DTYPES", "FORMAT_IDS", "PRECISION_DTYPES", "PRECISION_FORMATS", "Format", "FormatName",
-    "get_format", "overflow_fraction", "underflow_fraction",
-]
-
 FormatName = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]
 
 FORMAT_DTYPES: dict[str, torch.dtype] = {

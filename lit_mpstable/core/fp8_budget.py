@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.core.tensors import default_dtype
 from lit_mpstable.fp8.budget import fill_budget, layer_gradient_errors, linear_weight_numel
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget
-
-__all__ = ["ProbeBudget"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -92,7 +91,7 @@ class ProbeBudget:
                 f" the base precision ({info['fraction']:.1%} of the linear weights), the largest {recipe!r}"
                 f" weight-gradient errors measured on the step's batch (relative, highest first: {measured}).")
 
-    def _apply(self, layout: Any, chosen: list[str]) -> None:
+    def _apply(self, layout: PrecisionLayout, chosen: list[str]) -> None:
         assert layout.module is not None  # checked by the callers
         layout.keep_high_precision_(chosen)  # the layout's selection is the one list of layers FP8 may use
         self.layers = list(chosen)
@@ -104,7 +103,7 @@ class ProbeBudget:
             return dict(self._saved)
         return {"layers": list(self.layers), "errors": dict(self.errors), "step": self.step}
 
-    def check_state(self, call: str, state: Any, layout: Any) -> None:
+    def check_state(self, call: str, state: Any, layout: PrecisionLayout) -> None:
         """Refuse a malformed saved choice, or one that names layers this run's model does not run in FP8, before
         anything is loaded."""
         if not isinstance(state, dict):
@@ -133,7 +132,7 @@ class ProbeBudget:
                                  f" of this run's model ({allowed}); resume with the model and FP8 config it was"
                                  " written with.")
 
-    def load_state_dict(self, state: dict[str, Any], layout: Any) -> list[str]:
+    def load_state_dict(self, state: dict[str, Any], layout: PrecisionLayout) -> list[str]:
         """Re-apply a saved choice (checked by :meth:`check_state` first). Returns notes for the user."""
         if not state:
             return []
@@ -149,7 +148,7 @@ class ProbeBudget:
         self.errors, self.step = dict(state["errors"]), int(state["step"])
         return []
 
-    def attach_(self, layout: Any) -> None:
+    def attach_(self, layout: PrecisionLayout) -> None:
         """Apply a choice loaded before the model arrived (``setup_module``, after the layout was attached)."""
         if self._saved and self.budget is not None and self.layers is None:
             saved, self._saved = self._saved, {}
@@ -166,7 +165,7 @@ def _base_precision(stepper: Any) -> Generator[None, None, None]:
     """The base precision alone (autocast or the 16-bit default dtype), without the forward context's bookkeeping
     (op-policy recording, recompile notes): the measurement is not a training forward."""
     if stepper.compute_dtype == torch.float32:
-        context: Any = nullcontext()
+        context: AbstractContextManager[Any] = nullcontext()
     elif stepper.true_16bit:
         context = default_dtype(stepper.dtype)
     else:

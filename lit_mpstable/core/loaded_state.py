@@ -16,22 +16,17 @@ import torch
 
 from lit_mpstable.base.validate import bool_arg, check_keys, int_arg, real_arg
 
-__all__ = [
-    "Field", "check_fields", "check_mapping", "count", "count_list", "flag", "finite", "finite_list", "finite_tensors",
-    "name_list", "optional", "records", "short", "tensor_tree", "text", "text_list",
-]
-
 Field = Callable[[str, str, Any], object]  # a check: raises on a bad value; what it returns is ignored
 """``(call, name, value)``: raises ``TypeError``/``ValueError`` naming ``call(name=value)`` unless ``value`` is
 valid."""
 
 
-def short(value: Any) -> str:
+def short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def check_mapping(call: str, value: Any, expected: set[str] | None = None, name: str = "state_dict") -> Mapping:
+def check_mapping(call: str, value: object, expected: set[str] | None = None, name: str = "state_dict") -> Mapping:
     """``value`` if it is a mapping (with exactly ``expected``'s keys when given).
 
     Raises:
@@ -54,18 +49,18 @@ def check_fields(call: str, state: Mapping, fields: Mapping[str, Field], prefix:
 
 
 # ------------------------------------------------------------------------------------------------ field checks
-def count(call: str, name: str, value: Any) -> None:
+def count(call: str, name: str, value: object) -> None:
     """An int >= 0 (not a bool, not a string)."""
     int_arg(call, name, value, low=0, unit="a count")
 
 
-def flag(call: str, name: str, value: Any) -> None:
+def flag(call: str, name: str, value: object) -> None:
     """A bool (``"False"`` is a string, and a string is true)."""
     bool_arg(call, name, value)
 
 
 def text(*allowed: str) -> Field:
-    def check(call: str, name: str, value: Any) -> None:
+    def check(call: str, name: str, value: object) -> None:
         if not isinstance(value, str) or (allowed and value not in allowed):
             rule = f"one of {list(allowed)!r}" if allowed else "a string"
             raise (TypeError if not isinstance(value, str) else ValueError)(f"{call}({name}={short(value)}): must be"
@@ -76,7 +71,7 @@ def text(*allowed: str) -> Field:
 def finite(low: float | None = None, high: float | None = None, *, low_open: bool = False,
            high_open: bool = False) -> Field:
     """A finite real (a 0-dim tensor is read as its value) within the bounds."""
-    def check(call: str, name: str, value: Any) -> None:
+    def check(call: str, name: str, value: object) -> None:
         if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
             value = float(value)
         real_arg(call, name, value, low=low, high=high, low_open=low_open, high_open=high_open)
@@ -84,31 +79,31 @@ def finite(low: float | None = None, high: float | None = None, *, low_open: boo
 
 
 def optional(field: Field) -> Field:
-    def check(call: str, name: str, value: Any) -> None:
+    def check(call: str, name: str, value: object) -> None:
         if value is not None:
             field(call, name, value)
     return check
 
 
-def _sequence(call: str, name: str, value: Any) -> list:
+def _sequence(call: str, name: str, value: object) -> list:
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{call}({name}={short(value)}): must be a list.")
     return list(value)
 
 
 def finite_list(low: float | None = None) -> Field:
-    def check(call: str, name: str, value: Any) -> None:
+    def check(call: str, name: str, value: object) -> None:
         for index, item in enumerate(_sequence(call, name, value)):
             finite(low)(call, f"{name}[{index}]", item)
     return check
 
 
-def count_list(call: str, name: str, value: Any) -> None:
+def count_list(call: str, name: str, value: object) -> None:
     for index, item in enumerate(_sequence(call, name, value)):
         count(call, f"{name}[{index}]", item)
 
 
-def name_list(call: str, name: str, value: Any) -> None:
+def name_list(call: str, name: str, value: object) -> None:
     """A list of non-empty strings (module names)."""
     for index, item in enumerate(_sequence(call, name, value)):
         if not isinstance(item, str) or not item:
@@ -116,13 +111,13 @@ def name_list(call: str, name: str, value: Any) -> None:
                 f"{call}({name}[{index}]={short(item)}): must be a non-empty module name.")
 
 
-def text_list(call: str, name: str, value: Any) -> None:
+def text_list(call: str, name: str, value: object) -> None:
     for index, item in enumerate(_sequence(call, name, value)):
         if not isinstance(item, str):
             raise TypeError(f"{call}({name}[{index}]={short(item)}): must be a string.")
 
 
-def records(call: str, name: str, value: Any) -> None:
+def records(call: str, name: str, value: object) -> None:
     """A list of dicts of plain values (a report: probe history, rollback events)."""
     for index, item in enumerate(_sequence(call, name, value)):
         if not isinstance(item, Mapping):
@@ -145,7 +140,7 @@ def finite_tensors(call: str, name: str, value: Any) -> None:
                          " saved after the run diverged): resume from an earlier one.")
 
 
-def tensor_tree(call: str, name: str, value: Any) -> None:
+def tensor_tree(call: str, name: str, value: object) -> None:
     """Nested dicts/lists of tensors and plain values (FP8 scaling state): floating tensors finite, no None."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() and value.numel() and not bool(value.isfinite().all()):

@@ -14,13 +14,12 @@ from lit_mpstable.core.attribution import (
     RngState,
     locate_nonfinite,
     nonfinite_grad_params,
+    overflow_key,
     overflow_warning,
 )
 from lit_mpstable.core.telemetry import GradTelemetry
 from lit_mpstable.fp8 import fp8_stats
 from lit_mpstable.fp8.swap import collect_fp8_stats_
-
-__all__ = ["GradObserver", "shard_view", "trace_skipped_step"]
 
 try:
     from torch.distributed.tensor import DTensor as _DTENSOR
@@ -64,25 +63,27 @@ class GradObserver:
     def observe(
         self, module: nn.Module, named_grads: Callable[[], NamedGrads], step: int, scale: Callable[[], float],
         *, fp8: bool = False,
-    ) -> tuple[dict[str, Any], str | None]:
-        """Call on unscaled gradients, before hooks and clipping. Returns ``(stats updates, warning or None)``.
+    ) -> tuple[dict[str, Any], tuple[str, str] | None]:
+        """Call on unscaled gradients, before hooks and clipping. Returns ``(stats updates, warning or None)``, a
+        warning as ``(key, message)``: the key names its cause (the same module and direction: the same key).
 
         ``scale`` is called (and may sync) only on due steps; ``fp8`` adds the FP8 layers' saturation/underflow,
         through the FP8 backend seam (any backend's layers; one that records none says so once).
         """
         updates: dict[str, Any] = {}
-        warning = None
+        warning: tuple[str, str] | None = None
         self._traced = False
         if self.tracer is not None:
             forward = self.tracer.first_forward is not None  # "" (the model itself) is a name too
             first = self.tracer.first_forward if forward else self.tracer.first_backward
             if self.tracer.nonfinite_input:
                 updates["nonfinite_input"], updates["blamed_modules"], self._traced = True, [], True
-                warning = f"the input batch held inf/NaN (step {step}); no module is to blame, check the data."
+                warning = ("nonfinite-input",
+                           f"the input batch held inf/NaN (step {step}); no module is to blame, check the data.")
             elif first is not None:
                 updates["blamed_modules"], self._traced = [first], True
-                warning = overflow_warning(first, forward=forward, step=step,
-                                           scale=float(scale()))
+                warning = (overflow_key(first, forward=forward), overflow_warning(first, forward=forward, step=step,
+                                                                                  scale=float(scale())))
             if self.diagnose:
                 self.tracer.reset()
             else:
@@ -129,9 +130,9 @@ class GradObserver:
         return updates
 
     def replay(self, module: nn.Module, forward: Callable[[], torch.Tensor], step: int, scale: float,
-               rng: RngState | None = None) -> tuple[dict[str, Any], str | None]:
+               rng: RngState | None = None) -> tuple[dict[str, Any], tuple[str, str] | None]:
         """After a skipped step: replay it traced (:func:`~lit_mpstable.core.attribution.locate_nonfinite`) and
-        return ``(stats updates, warning or None)`` naming the module where inf/NaN first appeared. The origin is
+        return ``(stats updates, (key, warning) or None)`` naming the module where inf/NaN first appeared. The origin is
         known, so the next step is not traced (the armed tracer is dropped; with ``diagnose`` it is only reset)."""
         if self.tracer is not None:  # the replay's events must not count as the next step's
             self.tracer.detach()
@@ -144,15 +145,18 @@ class GradObserver:
                 self.tracer.reset()
                 self.tracer.attach()
         if origin is None:
-            return {"nan_origin": None}, (f"the skipped step {step} was finite when replayed at loss scale {scale:g}:"
-                                          " the inf/NaN came and went (a transient fault, or an overflow of the"
-                                          " scale since backed off); no module is to blame.")
+            return {"nan_origin": None}, (f"replay-finite:{step}", f"the skipped step {step} was finite when replayed"
+                                          f" at loss scale {scale:g}: the inf/NaN came and went (a transient fault,"
+                                          " or an overflow of the scale since backed off); no module is to blame.")
         updates: dict[str, Any] = {"nan_origin": origin._asdict()}
         if origin.where == "input":
             updates.update(blamed_modules=[], nonfinite_input=True)
-            return updates, f"the input batch held inf/NaN (step {step}); no module is to blame, check the data."
+            return updates, ("nonfinite-input",
+                             f"the input batch held inf/NaN (step {step}); no module is to blame, check the data.")
         updates["blamed_modules"] = [origin.module]
-        return updates, overflow_warning(origin.module, forward=origin.where == "forward", step=step, scale=scale)
+        in_forward = origin.where == "forward"
+        return updates, (overflow_key(origin.module, forward=in_forward),
+                         overflow_warning(origin.module, forward=in_forward, step=step, scale=scale))
 
 
 def trace_skipped_step(stepper: Any, forward: Callable[[], torch.Tensor], *, rng: RngState | None = None) -> str | None:
@@ -173,7 +177,7 @@ def trace_skipped_step(stepper: Any, forward: Callable[[], torch.Tensor], *, rng
     step = max(stepper.step_count - 1, 0)  # the skipped step (counted already)
     updates, warning = stepper.observer.replay(module, forward, step, stepper.loss_scale, rng)
     stepper.stats.update(updates)
-    if warning is not None and warning not in stepper.warnings:
-        stepper.warnings.append(warning)
+    if warning is not None:
+        stepper.warnings.add_once(*warning, per=step)
     origin = updates["nan_origin"]
     return None if origin is None or origin["where"] == "input" else origin["module"]

@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-__all__ = ["agree_seed", "broadcast_", "default_replicas"]
+from torch.distributed import ProcessGroup
 
 _U64 = 2**64
 
 
-def broadcast_(tensors: Iterable[torch.Tensor], group: Any) -> None:
+def broadcast_(tensors: Iterable[torch.Tensor], group: ProcessGroup | None) -> None:
     """Overwrite each of ``tensors`` (in place, in the same order on every rank) with the first rank of ``group``'s."""
     with torch.no_grad():
         for tensor in tensors:
@@ -29,7 +28,7 @@ def broadcast_(tensors: Iterable[torch.Tensor], group: Any) -> None:
                 tensor.copy_(buffer)
 
 
-def agree_seed(seed: int, group: Any, device: torch.device | str) -> int:
+def agree_seed(seed: int, group: ProcessGroup | None, device: torch.device | str) -> int:
     """The seed of the first rank of ``group`` (an int in ``[0, 2**64)``; ``device``: where the backend
     communicates, e.g. the model's). One host read."""
     value = torch.tensor([seed - _U64 if seed >= 2**63 else seed], dtype=torch.int64, device=device)

@@ -7,8 +7,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["ScheduleHold", "hold_on_skip"]
-
 # scheduler -> [applied_steps(), the count when the scheduler last stepped]
 _progress: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
@@ -25,7 +23,7 @@ def _held_step(self: Any, *args: Any, **kwargs: Any) -> Any:
     return super(type(self), self).step(*args, **kwargs)
 
 
-def hold_on_skip(scheduler: Any, applied_steps: Callable[[], int]) -> None:
+def hold_on_skip(scheduler: object, applied_steps: Callable[[], int]) -> None:
     """Make ``scheduler.step()`` a no-op unless ``applied_steps()`` (optimizer steps actually applied) grew since
     the scheduler last stepped: a per-step schedule holds on a skipped step, a per-epoch one only when the whole
     epoch was skipped.
@@ -64,7 +62,7 @@ class ScheduleHold:
         self._held: list[weakref.ref] = []
         self._pending: list[int] | None = None
 
-    def _count(self, scheduler: Any) -> Callable[[], int]:
+    def _count(self, scheduler: object) -> Callable[[], int]:
         return functools.partial(self.applied_steps, getattr(scheduler, "optimizer", None))
 
     def hold(self, schedulers: list[Any]) -> None:
@@ -105,7 +103,7 @@ class ScheduleHold:
             _progress[scheduler][1] = _progress[scheduler][0]() - (int(behind[i]) if same else 0)
 
 
-def _reduce_ex(self: Any, protocol: int) -> Any:
+def _reduce_ex(self: object, protocol: int) -> Any:
     # Pickle as the original class (the held subclass is made at run time and cannot be imported): a copy is a
     # plain scheduler with the same state.
     return _rebuild, (type(self).__mro__[1], self.__dict__)

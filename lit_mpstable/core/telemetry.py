@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -10,8 +10,6 @@ import torch
 from torch import nn
 
 from lit_mpstable.core.formats import FORMATS, get_format
-
-__all__ = ["DEFAULT_FORMATS", "GradStats", "GradTelemetry", "amax_per_tensor", "grad_stats"]
 
 DEFAULT_FORMATS: tuple[str, ...] = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 
@@ -87,7 +85,7 @@ def _collect(stats: GradStats, out: list[torch.Tensor]) -> None:
         _collect(sub, out)
 
 
-def _rebuild(stats: GradStats, values: Any) -> dict[str, Any]:
+def _rebuild(stats: GradStats, values: Iterator[float]) -> dict[str, Any]:
     result: dict[str, Any] = {"norm": next(values), "amax": next(values)}
     result["underflow_frac"] = {name: next(values) for name in stats.underflow_frac}
     result["overflow_frac"] = {name: next(values) for name in stats.overflow_frac}

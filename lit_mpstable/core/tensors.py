@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["default_dtype", "floating_tensors", "grad_norms", "local_view", "map_tensors", "tensor_init_context"]
-
 
 def grad_norms(grads: list[torch.Tensor], norm_type: float, *, full: bool = False) -> list[torch.Tensor]:
     """Each gradient's norm in FP32 (a 16-bit gradient's too, without an FP32 copy of it): one multi-tensor kernel
@@ -20,7 +18,7 @@ def grad_norms(grads: list[torch.Tensor], norm_type: float, *, full: bool = Fals
     return [n.full_tensor() if full and hasattr(n, "full_tensor") else n for n in norms]
 
 
-def floating_tensors(data: Any) -> list[torch.Tensor]:
+def floating_tensors(data: object) -> list[torch.Tensor]:
     """The non-empty floating tensors of ``data`` (nested lists, tuples, namedtuples, dicts)."""
     found: list[torch.Tensor] = []
     map_tensors(data, lambda t: found.append(t) if t.is_floating_point() and t.numel() else None)

@@ -13,8 +13,6 @@ from torch import nn
 from lit_mpstable.base.validate import check_keys
 from lit_mpstable.fp8.config import FP8Config
 
-__all__ = ["FP8Backend", "linear_like", "optional_import", "replace_module", "share_hooks"]
-
 _PIP = {"transformer_engine": 'pip install "transformer-engine[pytorch]"', "torchao": "pip install torchao"}
 _HOOK_DICTS = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",

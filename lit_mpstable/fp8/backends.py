@@ -10,18 +10,8 @@ from torch import nn
 from lit_mpstable.fp8.backend import FP8Backend
 from lit_mpstable.fp8.config import FP8Config, fp8_config
 from lit_mpstable.fp8.native import NativeBackend
-from lit_mpstable.fp8.te_backend import TransformerEngineBackend, transformer_engine_recipe
+from lit_mpstable.fp8.te_backend import TransformerEngineBackend
 from lit_mpstable.fp8.torchao_backend import TorchaoBackend
-
-__all__ = [
-    "BACKENDS",
-    "backend_of",
-    "convert",
-    "find_fp8_layers",
-    "fp8_autocast_context",
-    "fp8_backend",
-    "transformer_engine_recipe",
-]
 
 BACKENDS: dict[str, type[FP8Backend]] = {
     NativeBackend.name: NativeBackend,

@@ -33,11 +33,6 @@ from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quant import as_stored, to_stored
 
-__all__ = [
-    "BlockLinearFunction", "block_gemms_backward", "block_gemm_forward", "counter_snapshot", "hash_uniform",
-    "layer_seed", "quantize_weight", "rht_signs",
-]
-
 _MASK = 0xFFFFFFFF
 # Stream tags of the two stochastically rounded operands, so their noise never coincides.
 DGRAD_STREAM, WGRAD_STREAM = 1, 2

@@ -9,8 +9,6 @@ import torch
 
 from lit_mpstable.fp8.minifloat import E4M3, tile_amax, tiled, untiled
 
-__all__ = ["BLOCKWISE_TILE", "BlockwiseQuantized", "blockwise_dequantize", "blockwise_quantize", "blockwise_scale"]
-
 BLOCKWISE_TILE = 128
 """Tile edge: 1x128 for inputs and gradients, 128x128 for weights (DeepSeek-V3, section 3.3.2)."""
 

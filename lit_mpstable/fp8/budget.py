@@ -15,15 +15,6 @@ from lit_mpstable.fp8.backends import backend_of, find_fp8_layers
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget
 from lit_mpstable.fp8.linear import FP8Linear
 
-__all__ = [
-    "choose_high_precision",
-    "fill_budget",
-    "keep_high_precision_",
-    "last_fraction_layers",
-    "layer_gradient_errors",
-    "linear_weight_numel",
-]
-
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 

@@ -12,20 +12,6 @@ from torch import nn
 
 from lit_mpstable.base.validate import int_arg
 
-__all__ = [
-    "AmaxComputeAlgo",
-    "BLOCK_RECIPES",
-    "BudgetRule",
-    "FP8BackendName",
-    "FP8Config",
-    "FP8Format",
-    "FP8Recipe",
-    "HighPrecisionBudget",
-    "KeepHighPrecision",
-    "ModuleFilter",
-    "fp8_config",
-]
-
 FP8Recipe = Literal["delayed", "current", "mxfp8", "blockwise", "mxfp4", "nvfp4"]
 BLOCK_RECIPES = ("blockwise", "mxfp4", "nvfp4")
 """The recipes whose scales cover blocks of a tensor and that FP8Linear quantises per GEMM (with ``"mxfp8"``)."""

@@ -8,8 +8,6 @@ import torch
 
 from lit_mpstable.fp8.quant import to_stored
 
-__all__ = ["fp8_mm", "scaled_mm_preferred", "scaled_mm_refusal", "scaled_mm_supported"]
-
 
 def scaled_mm_supported(device: torch.device | str) -> bool:
     """Whether ``torch._scaled_mm`` computes FP8 GEMMs correctly on ``device`` (probed once per device).

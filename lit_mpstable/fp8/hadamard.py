@@ -7,8 +7,6 @@ import math
 
 import torch
 
-__all__ = ["HADAMARD_SIZE", "hadamard_matrix", "random_hadamard_transform", "random_signs"]
-
 HADAMARD_SIZE = 16
 """Block length of the transform (NVIDIA's NVFP4 recipe; TransformerEngine and torchao use 16 as well)."""
 

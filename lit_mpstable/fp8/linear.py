@@ -28,8 +28,6 @@ from lit_mpstable.fp8.quant import (
     update_amax_history_,
 )
 
-__all__ = ["FP8Linear", "FP8_TENSORS"]
-
 FP8_TENSORS = ("x", "w", "grad_out")
 """The three FP8 operands of a linear layer, in the row order of ``amax_history`` and ``scale``."""
 _X, _W, _GRAD = range(3)

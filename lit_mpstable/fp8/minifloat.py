@@ -7,18 +7,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "E2M1",
-    "E4M3",
-    "E5M2",
-    "ElementFormat",
-    "round_to_format",
-    "stochastic_round_to_format",
-    "tile_amax",
-    "tiled",
-    "untiled",
-]
-
 
 @dataclass(frozen=True)
 class ElementFormat:

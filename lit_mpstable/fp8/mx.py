@@ -8,8 +8,6 @@ import torch
 
 from lit_mpstable.fp8.minifloat import E2M1, E4M3, E5M2, ElementFormat, round_to_format
 
-__all__ = ["MX_ELEMENTS", "MXElement", "MXQuantized", "mx_dequantize", "mx_quantize"]
-
 MXElement = Literal["fp4_e2m1", "fp8_e4m3", "fp8_e5m2"]
 MX_ELEMENTS: dict[str, ElementFormat] = {"fp4_e2m1": E2M1, "fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
 

@@ -11,8 +11,6 @@ from lit_mpstable.fp8.backend import FP8Backend, replace_module
 from lit_mpstable.fp8.linear import FP8Linear
 from lit_mpstable.fp8.quant import amax_from_history, compute_scale
 
-__all__ = ["NativeBackend"]
-
 
 class NativeBackend(FP8Backend):
     """:class:`FP8Linear` layers: the same ``Parameter`` objects, FP8 GEMMs through ``torch._scaled_mm`` or exact

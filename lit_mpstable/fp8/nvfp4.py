@@ -16,8 +16,6 @@ from lit_mpstable.fp8.minifloat import (
     untiled,
 )
 
-__all__ = ["NVFP4_BLOCK_SIZE", "NVFP4Quantized", "nvfp4_dequantize", "nvfp4_quantize", "nvfp4_tensor_scale"]
-
 NVFP4_BLOCK_SIZE = 16
 """Elements per E4M3 block scale (NVIDIA's NVFP4; 16x16 tiles for weights in the NVFP4 training recipe)."""
 

@@ -5,24 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "MX_BLOCK_SIZE",
-    "clip_threshold",
-    "inside_backward",
-    "amax_from_history",
-    "as_stored",
-    "compute_scale",
-    "current_scale",
-    "dequantize",
-    "dequantize_mx",
-    "fp8_max",
-    "mx_block_scales",
-    "quantize",
-    "quantize_mx",
-    "to_stored",
-    "update_amax_history_",
-]
-
 MX_BLOCK_SIZE = 32
 """Elements sharing one E8M0 scale (OCP Microscaling Formats spec v1.0, MXFP8)."""
 

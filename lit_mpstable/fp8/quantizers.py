@@ -11,8 +11,6 @@ from lit_mpstable.fp8.mx import MXElement, mx_dequantize, mx_quantize
 from lit_mpstable.fp8.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quant import MX_BLOCK_SIZE, current_scale, dequantize, quantize
 
-__all__ = ["QuantRecipe", "QuantRole", "fake_quantize"]
-
 QuantRecipe = Literal["current", "blockwise", "mxfp4", "mxfp8", "nvfp4"]
 QuantRole = Literal["input", "weight", "grad"]
 

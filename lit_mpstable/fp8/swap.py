@@ -17,17 +17,6 @@ from lit_mpstable.fp8.backends import backend_of, find_fp8_layers, fp8_backend
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget, fp8_config
 from lit_mpstable.fp8.linear import FP8_TENSORS
 
-__all__ = [
-    "collect_fp8_stats_",
-    "convert_from_fp8",
-    "convert_to_fp8",
-    "fp8_state_dict",
-    "fp8_stats",
-    "load_fp8_state_dict",
-    "no_fp8_layers_message",
-    "select_fp8_modules",
-]
-
 _TOTAL = "total"
 
 

@@ -12,8 +12,6 @@ from torch import nn
 from lit_mpstable.fp8.backend import FP8Backend, optional_import, replace_module, share_hooks
 from lit_mpstable.fp8.config import FP8Config
 
-__all__ = ["TransformerEngineBackend", "transformer_engine_recipe"]
-
 _EXTRA_STATE = "_extra_state"  # the key torch.nn.Module gives get_extra_state()'s value in a state dict
 _STATE_KEY = "extra_state"
 

@@ -13,8 +13,6 @@ from lit_mpstable.fp8.backend import FP8Backend, optional_import, share_hooks
 from lit_mpstable.fp8.config import FP8Config
 from lit_mpstable.fp8.gemm import scaled_mm_supported
 
-__all__ = ["TorchaoBackend"]
-
 _MX_CONFIG = "torchao.prototype.moe_training.config"
 _MX_TENSOR = "torchao.prototype.moe_training.tensor"
 

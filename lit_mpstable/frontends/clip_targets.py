@@ -11,8 +11,6 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.step.stepper import PrecisionStepper
 
-__all__ = ["clip_targets"]
-
 
 class _ClipTargets(list):
     """The tensors ``fabric.clip_gradients`` clips; a list that can be watched for its release (``weakref``)."""

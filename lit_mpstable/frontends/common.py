@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -25,13 +25,74 @@ from lit_mpstable.core.weights.optim_state import StateKind
 from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.frontends.live_state import Findings, FromStepper
 
-__all__ = ["StableFrontEnd"]
+# The type of Lightning's ``Precision.precision`` (both Trainer packages and Fabric): ours is one of its values.
+LightningPrecision = Literal["transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",
+                             "bf16-mixed", "32-true", "64-true"]
 
+ARGS_DOC = """
+    Args:
+        precision: Lightning's spelling (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
+            ``"bf16-true"``) or ``"auto"``: BF16 where the device supports it, else FP16.
+        scaler: ``"auto"`` (dynamic for FP16 modes, none otherwise), ``"dynamic"``, ``"static"``, ``"adaptive"``,
+            ``None`` (no scaling) or a ``torch.amp.GradScaler``-like instance (a plain GradScaler is adopted with its
+            state; one built for another device is moved to the run's).
+        master_weights: how ``*-true`` modes keep their 16-bit weights (``*-mixed`` modes keep FP32 weights and
+            ignore it):
+
+            - ``True``/``"fp32"`` (default): an FP32 master copy of every trainable parameter, owned by the
+              optimizers (so their state is FP32 too), the 16-bit weights refreshed from it after each applied step;
+            - ``"kahan"``: compact weights, no FP32 copy between steps: a 16-bit compensation per weight holds what
+              the weight could not, the optimizer's per-element state is kept 16-bit (rounded stochastically);
+            - ``"stochastic"``: compact weights rounded up or down at random, without bias, so small updates survive
+              on average; state as with ``"kahan"``;
+            - ``False``: Lightning's plain ``*-true`` behaviour.
+
+            Whatever the choice, hooks and clipping see (and act on) a gradient on every trainable parameter. Under
+            FSDP2 the FP32 sharded parameters are the masters.
+        skip_nonfinite: in every mode, BF16 and FP32 included, a step whose gradients hold inf/NaN is skipped and
+            counted (GradScaler's fused check), so NaN never reaches the weights. ``False`` (no scaler only):
+            Lightning's behaviour.
+        fp8: ``None``, a recipe name or an ``FP8Config``: eligible ``nn.Linear`` layers run their three GEMMs in a
+            low format on top of the base precision. Recipes: ``"delayed"`` (FP8, per-tensor scales from an amax
+            history), ``"current"`` (FP8, per-tensor scales from each tensor's own amax), ``"mxfp8"`` (FP8 with one
+            power-of-two scale per 32 elements), ``"blockwise"`` (E4M3 with 1x128 blocks for inputs and gradients,
+            128x128 for weights), ``"mxfp4"`` (E2M1 with one power-of-two scale per 32 elements) and ``"nvfp4"``
+            (E2M1 with 16-element blocks, E4M3 block scales and an FP32 tensor scale, stochastically rounded
+            gradients and a random Hadamard transform). With ``keep_high_precision=HighPrecisionBudget(by="probe")``
+            the first training batch is measured once and the costliest layers stay in the base precision
+            (:meth:`choose_high_precision_`, :attr:`fp8_high_precision_layers`).
+        fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
+        op_policy: ``"autocast"``: PyTorch's per-op lists; ``"auto"``: per op family (matmul, conv, attention,
+            norm, softmax) the faster of FP32 and the 16-bit dtype, recorded in the first training forward and
+            measured on the model's shapes at the start of the second (within the memory a step holds), FP32 only
+            where it is also numerically no worse and lowers the step's time x memory; or a mapping such as
+            ``{"attention": "fp32"}``. ``"*-mixed"`` precisions only; ``fp32_modules`` always win.
+        device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else the CPU (the run's device wins).
+        telemetry_every_n_steps: gradient telemetry into :attr:`stats` on step 0 and every N-th optimizer step
+            (one host sync on those steps only, aligned with Lightning's ``log_every_n_steps``); ``None``: off.
+        diagnose: trace every step for the first module producing inf/NaN (costly); by default only the step
+            after an overflow is traced.
+        spike_guard: ``None`` or a :class:`~lit_mpstable.SpikeGuard`: a step whose loss or gradient norm spikes is
+            skipped like an overflow (no scale backoff), decided on the device with no extra host read.
+        optimizer_state: where Adam/AdamW moments live with FP32 masters or compact weights: ``"fp32"`` (the
+            optimizer's own state and step), ``"bf16"`` (stochastically rounded) or ``"fp8"`` (per-block scales with
+            dynamic range expansion); see :mod:`lit_mpstable.core.weights.optim_state`. Other optimizers and FSDP2 are
+            refused at setup.
+        growth_every_n_steps: sample every linear layer's input statistics (amax trend, kurtosis, FP8 saturation
+            and underflow) every N optimizer steps, an early warning of FP8 overflow (:meth:`runaway_layers`,
+            ``mp/amax_growth``, ``mp/kurtosis_max``, ``stats["growth"]``); 10 costs about 1% of a step; ``None``
+            (default): off.
+
+    Raises:
+        ValueError, TypeError: an argument is not one of the allowed values (the message names it).
+    """
+"""``StablePrecision``'s arguments, written once: the Trainer, Fabric and ``pytorch_lightning`` classes append it to
+their docstrings (a front end adds only what its loop does differently)."""
 
 
 class StableFrontEnd:
     """Mixin of the Trainer and Fabric plugins: ``StablePrecision``'s constructor and everything users and
-    callbacks read or call on it. See :class:`lit_mpstable.StablePrecision` for the arguments.
+    callbacks read or call on it. The arguments are documented once, in :data:`ARGS_DOC`.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values.
@@ -64,7 +125,8 @@ class StableFrontEnd:
         args["fp32_modules"] = list(fp32_modules) if listed else fp32_modules
         self._args = args
         self.stepper = PrecisionStepper(**self._args, owner=type(self).__name__)
-        self.precision = self.stepper.precision  # Lightning reads the attribute
+        # Lightning reads the attribute; the stepper resolved "auto", so it is one of Lightning's own spellings.
+        self.precision: LightningPrecision = cast(LightningPrecision, self.stepper.precision)
         self.master_weights = master_weights
         self.findings = Findings()
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
@@ -297,10 +359,10 @@ class StableFrontEnd:
             rank_zero_warn(message)
 
     def _show_notes(self) -> None:
-        """The stepper's once-per-cause messages (adopted scalers, blame verdicts), as rank-zero warnings."""
+        """The stepper's notes (adopted scalers, blame verdicts), as rank-zero warnings: the first of each key."""
         notes = self.stepper.warnings
-        for message in notes[self._notes_shown:]:
-            self._warn_once(message.split(" (step")[0], f"StablePrecision: {message}")
+        for key, message in notes.keyed(self._notes_shown):
+            self._warn_once(f"stepper:{key}", f"StablePrecision: {message}")
         self._notes_shown = len(notes)
 
 

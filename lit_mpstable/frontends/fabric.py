@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, _GeneratorContextManager
 from types import FrameType
 from typing import Any, ClassVar
 
@@ -19,15 +19,14 @@ from lit_mpstable.core.step.stepper import tensor_init_context
 from lit_mpstable.core.step.stepper_args import check_optimizer
 from lit_mpstable.core.weights.moment_keeper import pop_saved_mark
 from lit_mpstable.frontends.clip_targets import clip_targets
-from lit_mpstable.frontends.common import StableFrontEnd
-
-__all__ = ["StablePrecision"]
+from lit_mpstable.frontends.common import ARGS_DOC, StableFrontEnd
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class StablePrecision(StableFrontEnd, Precision):
-    """Mixed precision that is stable by default, for Lightning Fabric: ``Fabric(plugins=[StablePrecision(...)])``
+    __doc__ = (
+        """Mixed precision that is stable by default, for Lightning Fabric: ``Fabric(plugins=[StablePrecision(...)])``
     instead of ``precision=``. The arguments, live state (``loss_scale``, ``last_step_skipped``, ``overflow_count``,
     ``stats``, ...), actions and state dict are those of :class:`lit_mpstable.StablePrecision`, the Trainer plugin.
 
@@ -60,37 +59,14 @@ class StablePrecision(StableFrontEnd, Precision):
     with Fabric's own plugins, outputs come back in the default dtype (FP32); unlike ``MixedPrecision``, ``*-mixed``
     inputs stay FP32 (autocast casts them per op, and FP32 islands see them unrounded). One model per plugin.
 
-    Args:
-        precision: Lightning's spelling (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
-            ``"bf16-true"``) or ``"auto"``: BF16 where the device supports it, else FP16. ``"16-mixed"`` on the
-            CPU is real FP16 (Fabric's own turns it into BF16), said once.
-        scaler: ``"auto"`` (dynamic for FP16 modes, none otherwise), ``"dynamic"``, ``"static"``, ``"adaptive"``,
-            ``None`` or a ``torch.amp.GradScaler``-like instance (a plain GradScaler is adopted with its state).
-        master_weights: for ``*-true`` modes, ``True``/``"fp32"``: FP32 masters owned by the optimizers (their
-            state is FP32 too), the 16-bit weights refreshed after each applied step; ``False``: Fabric's plain
-            ``HalfPrecision`` (in ``"16-true"`` a torch optimizer's ``eps`` below 2**-14, AdamW's default 1e-8
-            included, is refused, at ``fabric.setup(model, optimizer)``: FP16 state holds it as 0 or subnormal; use
-            ``eps=1e-4``).
-        skip_nonfinite: in every mode a step whose gradients hold inf/NaN is skipped and counted, so NaN never
-            reaches the weights; ``False`` (no scaler only): Fabric's behaviour.
-        fp8: ``None``, ``"delayed"``, ``"current"``, ``"mxfp8"`` or an ``FP8Config``: eligible ``nn.Linear``
-            layers run their GEMMs in FP8, swapped when ``fabric.setup`` converts the model.
-        fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
-        op_policy: ``"autocast"``, ``"auto"`` (per op family the faster of FP32 and 16 bits, measured in the first
-            forward) or a mapping such as ``{"attention": "fp32"}``; ``"*-mixed"`` precisions only.
-        device: ``"cpu"`` or ``"cuda"``; the model's device wins from the first forward on.
-        telemetry_every_n_steps: gradient telemetry into :attr:`stats` every N optimizer steps; ``None``: off.
-        diagnose: trace every step for the first module producing inf/NaN (costly).
-        spike_guard: ``None`` or a :class:`~lit_mpstable.SpikeGuard`: a step whose loss or gradient norm spikes is
-            skipped like an overflow (no scale backoff), decided on the device with no extra host read.
-        optimizer_state: ``"fp32"``, ``"bf16"`` or ``"fp8"``: where Adam/AdamW moments live with FP32 masters or
-            compact weights (as the Trainer plugin's).
-        growth_every_n_steps: per-layer activation growth sampled every N optimizer steps (:meth:`runaway_layers`);
-            ``None`` (default): off.
-
-    Raises:
-        ValueError, TypeError: an argument is not one of the allowed values (the message names it).
-    """
+    What differs from the Trainer plugin's arguments: ``"16-mixed"`` on the CPU is real FP16 (Fabric's own turns it
+    into BF16), said once; ``master_weights=False`` is Fabric's plain ``HalfPrecision`` (in ``"16-true"`` a torch
+    optimizer's ``eps`` below 2**-14, AdamW's default 1e-8 included, is refused at ``fabric.setup(model,
+    optimizer)``: FP16 state holds it as 0 or subnormal; use ``eps=1e-4``); ``fp8`` layers are swapped when
+    ``fabric.setup`` converts the model, and with ``HighPrecisionBudget(by="probe")`` the loop calls
+    :meth:`choose_high_precision_` once at the first step, before its forward (the plugin sees no loss); the model's
+    device wins from the first forward on.
+""" + ARGS_DOC)
 
     _placed = False  # the first forward has moved autocast, islands and scalers to the model's device
     _bound: tuple[Optimizer, ...] = ()  # optimizers set up (FP32 masters bound), in the order met
@@ -119,7 +95,7 @@ class StablePrecision(StableFrontEnd, Precision):
     def convert_input(self, data: Any) -> Any:
         return self.stepper.convert_input(data)
 
-    def forward_context(self) -> AbstractContextManager:
+    def forward_context(self) -> _GeneratorContextManager[None]:
         if not self._placed and self.layout.module is not None:
             # Fabric converts the model before moving it: its device is known from the first forward on.
             self._placed = True
@@ -144,7 +120,9 @@ class StablePrecision(StableFrontEnd, Precision):
         check_optimizer(f"{type(self).__name__}.unscale_gradients", optimizer)
         self.stepper.unscale_(self._start(optimizer))
 
-    def main_params(self, optimizer: Optimizer) -> list[Any]:
+    # A list where Fabric's signature says Iterator[Parameter]: FP32 masters and placeholders are plain tensors,
+    # and a list can be read more than once.
+    def main_params(self, optimizer: Optimizer) -> list[Any]:  # type: ignore[override]
         """What ``fabric.clip_gradients`` clips: the parameters the optimizer updates (the FP32 masters with
         ``master_weights``), their gradients unscaled. On a step that will be skipped (inf/NaN) nothing is clipped:
         one empty placeholder stands in (torch's ``clip_grad_value_`` refuses an empty list; the norm is 0). With FP32

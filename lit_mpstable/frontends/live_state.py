@@ -13,8 +13,6 @@ from torch import nn
 
 from lit_mpstable.core.step.stepper import PrecisionStepper
 
-__all__ = ["Findings", "FromStepper", "recast_from"]
-
 
 @dataclass
 class Findings:

@@ -7,13 +7,12 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["check_strategy", "lightning_module", "ray_fsdp2_strategy", "shards_with_fsdp2"]
 
-
-def lightning_module(model: nn.Module, pl: ModuleType) -> nn.Module:
-    """The LightningModule of package ``pl`` inside strategy wrappers (DDP's ``module``)."""
-    while not isinstance(model, pl.LightningModule) and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
+def lightning_module(model: nn.Module, pl: ModuleType) -> Any:
+    """The LightningModule of package ``pl`` inside strategy wrappers (DDP's ``module``); typed ``Any``: ``pl`` is
+    either Trainer package, chosen at run time."""
+    while not isinstance(model, pl.LightningModule) and isinstance(inner := getattr(model, "module", None), nn.Module):
+        model = inner
     return model
 
 

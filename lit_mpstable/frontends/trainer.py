@@ -23,12 +23,9 @@ from torch.optim import LBFGS, Optimizer
 from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
 from lit_mpstable.core.guards.triage import full_precision
 from lit_mpstable.core.step.stepper import tensor_init_context
-from lit_mpstable.frontends.common import StableFrontEnd
+from lit_mpstable.frontends.common import ARGS_DOC, StableFrontEnd
 from lit_mpstable.frontends.live_state import recast_from
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
-
-# TrainerPrecision: the adapter both Trainer packages mix in (lit_mpstable.pytorch_lightning)
-__all__ = ["StablePrecision"]
 
 
 class TrainerPrecision(StableFrontEnd):
@@ -80,14 +77,14 @@ class TrainerPrecision(StableFrontEnd):
         self._show_notes()
         return model, optimizers, lr_schedulers
 
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if not isinstance(module, self._pl.LightningModule):  # Fabric takes any Precision, this one included
             raise TypeError(f"{self!r}: this is the Trainer plugin, and this backward came from outside a"
                             f" {self._pl.__name__}.Trainer (module={type(module).__name__}); under Lightning Fabric"
                             " use `from lit_mpstable.fabric import StablePrecision`.")
         return super().pre_backward(self.stepper.scale_loss(tensor), module)  # type: ignore[misc]
 
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(
         self, optimizer: Optimizer, model: Any, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         if self.stepper.fp8_budget.pending:
@@ -221,53 +218,14 @@ _BUDGET_MANUAL = (
     " and the first optimizer step without the choice raises.")
 
 
-class StablePrecision(TrainerPrecision, Precision):
-    """Mixed precision that is stable by default: loss scaling done right, FP32 masters, FP32 islands, FP8 and live
-    telemetry. ``Trainer(plugins=[StablePrecision(...)])``, instead of ``precision=``.
-
-    Args:
-        precision: Lightning's spelling (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
-            ``"bf16-true"``) or ``"auto"``: BF16 where the device supports it, else FP16.
-        scaler: ``"auto"`` (dynamic for FP16 modes, none otherwise), ``"dynamic"``, ``"static"``, ``"adaptive"``,
-            ``None`` (no scaling) or a ``torch.amp.GradScaler``-like instance (a plain GradScaler is adopted with its
-            state; one built for another device is moved to the run's).
-        master_weights: for ``*-true`` modes, ``True``/``"fp32"``: an FP32 master copy of every trainable parameter,
-            owned by the optimizers (so their state is FP32 too), the 16-bit weights refreshed from it after each
-            applied step; ``False``: Lightning's plain ``*-true`` behaviour. Whatever the choice, hooks and clipping
-            see (and act on) a gradient on every trainable parameter.
-        skip_nonfinite: in every mode, BF16 and FP32 included, a step whose gradients hold inf/NaN is skipped and
-            counted (GradScaler's fused check), so NaN never reaches the weights. ``False`` (no scaler only):
-            Lightning's behaviour.
-        fp8: ``None``, a recipe name (``"delayed"``, ``"current"``, ``"mxfp8"``) or an ``FP8Config``: eligible
-            ``nn.Linear`` layers run their three GEMMs in FP8 on top of the base precision. With
-            ``keep_high_precision=HighPrecisionBudget(by="probe")`` the first training batch is measured (two extra
-            passes of ``training_step``, once) and the costliest layers stay in the base precision
-            (:meth:`choose_high_precision_`, :attr:`fp8_high_precision_layers`).
-        fp32_modules: module types or qualified-name patterns (``fnmatch``) that always run in FP32.
-        op_policy: ``"autocast"``: PyTorch's per-op lists; ``"auto"``: per op family (matmul, conv, attention,
-            norm, softmax) the faster of FP32 and the 16-bit dtype, recorded in the first training forward and
-            measured on the model's shapes at the start of the second (within the memory a step holds), FP32 only
-            where it is also numerically no worse and lowers the step's time x memory; or a mapping such as
-            ``{"attention": "fp32"}``.
-            ``"*-mixed"`` precisions only; ``fp32_modules`` always win.
-        device: ``"cpu"`` or ``"cuda"``; default: CUDA when available, else the CPU (the run's device wins).
-        telemetry_every_n_steps: gradient telemetry into :attr:`stats` on step 0 and every N-th optimizer step
-            (one host sync on those steps only, aligned with Lightning's ``log_every_n_steps``); ``None``: off.
-        diagnose: trace every step for the first module producing inf/NaN (costly); by default only the step
-            after an overflow is traced.
-        spike_guard: ``None`` or a :class:`~lit_mpstable.SpikeGuard`: a step whose loss or gradient norm spikes is
-            skipped like an overflow (no scale backoff), decided on the device with no extra host read.
-        optimizer_state: where Adam/AdamW moments live with FP32 masters or compact weights: ``"fp32"`` (the
-            optimizer's own state and step), ``"bf16"`` (stochastically rounded) or ``"fp8"`` (per-block scales with
-            dynamic range expansion); see :mod:`lit_mpstable.core.weights.optim_state`. Other optimizers and FSDP2 are
-            refused at setup.
-        growth_every_n_steps: sample every linear layer's input statistics (amax trend, kurtosis, FP8 saturation
-            and underflow) every N optimizer steps, an early warning of FP8 overflow (:meth:`runaway_layers`,
-            ``mp/amax_growth``, ``mp/kurtosis_max``, ``stats["growth"]``); 10 costs about 1% of a step; ``None``
-            (default): off.
-
-    Raises:
-        ValueError, TypeError: an argument is not one of the allowed values (the message names it).
-    """
+# TrainerPrecision's optimizer_step takes the optimizer and model Lightning's Precision calls it with, narrower than
+# Precision's signature (Optimizable, a LightningModule): a deliberate mismatch of the two bases.
+class StablePrecision(TrainerPrecision, Precision):  # type: ignore[misc]
+    __doc__ = (
+        """Mixed precision that is stable by default: loss scaling done right, FP32 masters or compact weights, FP32
+    islands, FP8 and FP4 recipes and live telemetry. ``Trainer(plugins=[StablePrecision(...)])``, instead of
+    ``precision=``. With ``HighPrecisionBudget(by="probe")`` the plugin measures the first training batch itself
+    (two extra passes of ``training_step``, once).
+""" + ARGS_DOC)
 
     _pl = pl

@@ -23,8 +23,8 @@ from lit_mpstable.frontends.trainer import TrainerPrecision
 __all__ = ["StablePrecision"]
 
 
-# TrainerPrecision narrows Precision's optimizer_step (see its ignore[override]) and precision (a PrecisionName
-# Literal, not str) on purpose; a subclass of both inherits those two deliberate mismatches.
+# TrainerPrecision's optimizer_step is narrower than Precision's signature on purpose (as in
+# lit_mpstable.frontends.trainer.StablePrecision); a subclass of both inherits that deliberate mismatch.
 class StablePrecision(TrainerPrecision, Precision):  # type: ignore[misc]
     __doc__ = lit_mpstable.frontends.trainer.StablePrecision.__doc__
     _pl = pl

@@ -32,6 +32,26 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs: dict, argument: str
         StablePrecision(**kwargs)
 
 
+def test_the_docstring_is_written_once_and_names_every_argument_and_mode() -> None:
+    import inspect
+    from typing import get_args
+
+    import lit_mpstable.fabric
+    import lit_mpstable.plugin
+    from lit_mpstable.core.step.stepper_args import MasterMode
+    from lit_mpstable.fp8.config import FP8Recipe
+
+    trainer_doc, fabric_doc = lit_mpstable.plugin.StablePrecision.__doc__, lit_mpstable.fabric.StablePrecision.__doc__
+    assert trainer_doc and fabric_doc
+    args = trainer_doc[trainer_doc.index("    Args:"):]
+    assert fabric_doc.endswith(args)  # one Args section, shared; the Fabric class adds only its loop notes before it
+    assert fabric_doc.count("    Args:") == 1
+    for name in inspect.signature(StablePrecision.__init__).parameters:
+        assert name == "self" or f"        {name}: " in args, name
+    for value in (*get_args(MasterMode), *get_args(FP8Recipe)):
+        assert f"``\"{value}\"``" in args, value
+
+
 def test_defaults_per_precision() -> None:
     assert StablePrecision("16-mixed").scaler is not None
     assert StablePrecision("bf16-mixed").scaler is None

@@ -132,3 +132,21 @@ def test_a_one_layer_model_is_not_told_fp32_modules_of_the_empty_name() -> None:
         make_trainer(plugin, max_steps=2).fit(OneLayer())
     messages = _warnings(plugin)
     assert messages and all("fp32_modules=['']" not in m for m in messages), messages
+
+
+def test_the_stepper_notes_are_shown_once_per_key_not_per_text() -> None:
+    # The key is the cause the core names when it adds a note; the message's words and step never decide.
+    plugin = StablePrecision("bf16-mixed", device="cpu")
+    notes = plugin.stepper.warnings
+    notes.add("overflow:forward:net.0", "inf/NaN appeared in net.0 (step 3)")
+    notes.add("overflow:forward:net.0", "inf/NaN appeared in net.0 (step 9), in other words")
+    notes.add("replay-finite:3", "inf/NaN appeared in net.0 (step 3)")
+    assert notes.add_once("flush", "a") and not notes.add_once("flush", "b") and list(notes)[-1] == "a"
+    with pytest.warns(UserWarning) as caught:
+        plugin._show_notes()
+    shown = [str(w.message) for w in caught]
+    assert shown == ["StablePrecision: inf/NaN appeared in net.0 (step 3)"] * 2 + ["StablePrecision: a"], shown
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        notes.add("flush", "c")
+        plugin._show_notes()  # a key already shown stays quiet

@@ -10,7 +10,9 @@ import torch
 from helpers import TinyMLP, regression_data, stall_task
 from torch import nn
 
-from lit_mpstable.core.weights.compact import CompactWeights, quantized_state_classes, stochastic_round
+from lit_mpstable.core.weights.compact import CompactWeights
+from lit_mpstable.core.weights.compact_rounding import stochastic_round
+from lit_mpstable.core.weights.compact_slices import quantized_state_classes
 from lit_mpstable.core.weights.master import MasterWeights
 
 LOW = [torch.bfloat16, torch.float16]

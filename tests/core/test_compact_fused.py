@@ -19,7 +19,8 @@ import lit_mpstable.core.weights.compact_fused as fused_module
 from lit_mpstable.core.weights import compact_native
 from lit_mpstable.core.weights.compact import CompactWeights
 from lit_mpstable.core.weights.compact_adam import _adam_kernel
-from lit_mpstable.core.weights.compact_fused import FusedAdam, hash32, noise_bits
+from lit_mpstable.core.weights.compact_fused import FusedAdam
+from lit_mpstable.core.weights.compact_rounding import hash32, noise_bits
 
 MODES = ["kahan", "stochastic"]
 

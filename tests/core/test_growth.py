@@ -10,7 +10,8 @@ import torch
 from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
-from lit_mpstable.core.guards.growth import GrowthMonitor, layer_stats
+from lit_mpstable.core.guards.growth import GrowthMonitor
+from lit_mpstable.core.guards.growth_stats import layer_stats
 
 INF = float("inf")
 

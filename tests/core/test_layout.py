@@ -233,3 +233,9 @@ def test_a_recasting_fallback_loaded_before_setup_resumes_exactly(modules) -> No
     for (name, a), b in zip(whole[0].named_parameters(), model.parameters()):
         assert a.dtype == b.dtype
         assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max():.3g}"
+
+
+def test_keep_high_precision_before_attach_raises_runtime_error_naming_the_order() -> None:
+    layout = PrecisionLayout(torch.bfloat16, cast_parameters=False, fp8=FP8Config(recipe="delayed"))
+    with pytest.raises(RuntimeError, match=r"keep_high_precision_\(\['0'\]\) before attach\(module\)"):
+        layout.keep_high_precision_(["0"])

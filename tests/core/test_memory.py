@@ -33,3 +33,8 @@ def test_resident_bytes_counts_masters_and_state() -> None:
     n = 64 * 64
     # bf16 weight + bf16 grad, FP32 master; no optimizer state before the first step.
     assert resident_bytes(model, [opt]) == n * 2 + n * 2 + n * 4
+
+
+def test_stop_before_start_raises_runtime_error_naming_the_order() -> None:
+    with pytest.raises(RuntimeError, match=r"MemoryProbe\.stop\(\) before start\(module, optimizers\)"):
+        MemoryProbe().stop()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import TinyMLP, regression_data
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scalers import ForeignScaler, LossScaler, build_scaler
 from lit_mpstable.core.step.stepper import PrecisionStepper
@@ -41,17 +42,17 @@ def test_a_scaler_without_gradscalers_methods_is_refused_naming_them() -> None:
 
 def test_a_gradscaler_subclass_passes_the_protocol_check() -> None:
     user = SubclassedScaler("cpu", init_scale=256.0)
-    warnings: list[str] = []
+    warnings = Notes()
     scaler, checker = build_scaler("T", "16-mixed", user, "cpu", skip_nonfinite=True, warnings=warnings)
     assert scaler is user  # the run scales with the user's own object
     assert isinstance(checker, ForeignScaler) and checker.inner is user
     assert isinstance(checker, LossScaler)
-    assert not checker.checks_without_unscaling and warnings == []
+    assert not checker.checks_without_unscaling and list(warnings) == []
 
 
 def test_a_plain_gradscaler_is_adopted_with_its_state() -> None:
     plain = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
-    scaler, checker = build_scaler("T", "16-mixed", plain, "cpu", skip_nonfinite=True, warnings=[])
+    scaler, checker = build_scaler("T", "16-mixed", plain, "cpu", skip_nonfinite=True, warnings=Notes())
     assert type(scaler) is DynamicLossScaler and checker is scaler
     assert scaler.get_scale() == 512.0 and scaler.get_growth_interval() == 7
 
@@ -147,3 +148,21 @@ def test_after_an_overflow_storm_a_clean_step_writes_finite_weights(precision: s
     assert stepper.overflow_count == 12
     assert stepper.loss_scale >= TINY
     assert stepper.applied_steps() == 2
+
+
+@pytest.mark.parametrize("call", ["update", "unscale_", "step"])
+def test_a_call_before_scale_raises_runtime_error_naming_the_order(call: str) -> None:
+    scaler = DynamicLossScaler("cpu")
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    args = {"update": (), "unscale_": (optimizer,), "step": (optimizer,)}[call]
+    with pytest.raises(RuntimeError, match=rf"DynamicLossScaler\.{call}\(\) before scale\(\)"):
+        getattr(scaler, call)(*args)
+
+
+def test_update_without_a_step_raises_runtime_error_naming_the_order() -> None:
+    scaler = DynamicLossScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(RuntimeError, match=r"DynamicLossScaler\.update\(\): no optimizer was stepped or unscaled"):
+        scaler.update()

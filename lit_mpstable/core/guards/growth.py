@@ -37,14 +37,11 @@ from lit_mpstable.core.guards.growth_stats import (
     format_range,
     host_rows,
     is_runaway,
-    layer_stats,
     place_rows,
     reduce_activation,
     trend_weights,
     warn_unsampled,
 )
-
-__all__ = ["GrowthMonitor", "GrowthSource", "layer_stats"]
 
 GrowthSource = Literal["input", "output"]
 _SOURCES: tuple[str, ...] = get_args(GrowthSource)
@@ -263,7 +260,7 @@ class GrowthMonitor:
         # encloses the forward context (``torch.compile`` of Fabric's wrapped module), where a traced hook would guard
         # on the monitor's counters and recompile at each sample, up to Dynamo's limit.
         @torch.compiler.disable
-        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Module, inputs: tuple[Any, ...], output: object) -> None:
             if not self._due(name, module):
                 return
             x = inputs[0] if self.source == "input" else output
@@ -384,7 +381,7 @@ class GrowthMonitor:
         and waiting for it."""
         return saved_state(self)
 
-    def check_state(self, state: Any, *, call: str = "GrowthMonitor.load_state_dict", name: str = "state_dict",
+    def check_state(self, state: object, *, call: str = "GrowthMonitor.load_state_dict", name: str = "state_dict",
                     layers: Iterable[str] | None = None) -> None:
         """Refuse a :meth:`state_dict` that this monitor (its ``window``, and the attached layers or ``layers``)
         cannot resume from, naming the field (TypeError, ValueError or KeyError: :func:`check_saved`); changes

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["restore_state", "saved_state"]
-
 
 def saved_state(monitor: Any) -> dict[str, Any]:
     """The monitor's state: plain values and tensors (a state loaded before ``attach`` is returned as it waits)."""

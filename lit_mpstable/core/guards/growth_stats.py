@@ -26,10 +26,6 @@ import torch
 from lit_mpstable.base.validate import check_keys, int_arg
 from lit_mpstable.core.loaded_state import check_fields, check_mapping, count, count_list, name_list
 
-__all__ = ["FIELDS", "WIDTH", "History", "cast_limits", "check_rows", "check_saved", "finish_rows", "format_range",
-           "host_rows", "is_runaway", "layer_stats", "place_rows", "reduce_activation", "slope_weights", "thresholds",
-           "trend_weights", "warn_unsampled", "weight_flushes", "WEIGHT_FLUSH_LIMIT", "WeightCheck"]
-
 FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
 _STATE_KEYS = {"steps", "samples", "sampled", "layers"}
 
@@ -76,7 +72,8 @@ def cast_limits(fmt: str, cast: Any, fixed: Any) -> tuple[Any, Any, bool]:
     return *thresholds(fmt, cast), False
 
 
-def reduce_activation(x: torch.Tensor, saturate_above: Any, flush_at: Any, *, relative: bool = False
+def reduce_activation(x: torch.Tensor, saturate_above: torch.Tensor | float, flush_at: torch.Tensor | float, *,
+                      relative: bool = False
                       ) -> tuple[Sums, int]:
     """The passes over one activation: its :data:`Sums` and element count (see :func:`finish_rows`).
 
@@ -142,7 +139,7 @@ def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Ten
     return finish_rows(list(sums), [n])[0]
 
 
-def check_rows(call: str, name: str, rows: Any, window: int) -> None:
+def check_rows(call: str, name: str, rows: object, window: int) -> None:
     """A ``window`` x 4 floating tensor of :func:`layer_stats` rows: log2 amax >= -126 and kurtosis >= 0 (either may
     be NaN or inf: a sample of non-finite activations), the saturation and underflow fractions within [0, 1]."""
     if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
@@ -159,7 +156,7 @@ def check_rows(call: str, name: str, rows: Any, window: int) -> None:
                          " within [0, 1]); the checkpoint is corrupted.")
 
 
-def check_saved(call: str, state: Any, window: int, attached: set[str], name: str) -> None:
+def check_saved(call: str, state: object, window: int, attached: set[str], name: str) -> None:
     """:meth:`GrowthMonitor.check_state <lit_mpstable.core.guards.growth.GrowthMonitor.check_state>`'s checks, for a
     monitor of ``window`` samples attached to the layers ``attached`` (empty: not attached yet).
 

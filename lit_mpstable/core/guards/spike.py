@@ -33,8 +33,6 @@ import torch
 from lit_mpstable.base.validate import int_arg, real_arg
 from lit_mpstable.core.guards.spike_state import checked_state, watch_arg
 
-__all__ = ["SpikeGuard", "Watched"]
-
 Watched = Literal["loss", "grad_norm"]
 
 # Floors on the standard deviation, relative to the mean's magnitude. The statistics (the clip threshold) use 1%:

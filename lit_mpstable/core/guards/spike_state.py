@@ -9,14 +9,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIONAL", "checked_state", "watch_arg"]
-
 OPTIONAL = frozenset({"consecutive_spikes", "level_shifts"})
 """Keys a state may lack (saved before they existed): they load as 0."""
 
 
 def checked_state(
-    state: Any, expected: set[str], names: Sequence[str], window: int
+    state: object, expected: set[str], names: Sequence[str], window: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """A SpikeGuard state checked whole before anything is restored: :func:`saved_statistics` and the run of
     consecutive spikes and the level shifts (0 where a state saved before them lacks them).
@@ -66,7 +64,7 @@ def saved_statistics(
     return torch.stack(values), torch.stack(counts), count_value(call, "spikes_skipped", state["spikes_skipped"])
 
 
-def count_value(call: str, key: str, value: Any) -> torch.Tensor:
+def count_value(call: str, key: str, value: object) -> torch.Tensor:
     """A saved count as a 0-dim int64 tensor; refused if negative or not an integer."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_floating_point() or value.dtype == torch.bool:
@@ -81,7 +79,7 @@ def count_value(call: str, key: str, value: Any) -> torch.Tensor:
     return tensor.clone()
 
 
-def watch_arg(call: str, watch: Any, names: tuple[str, ...]) -> tuple[str, ...]:
+def watch_arg(call: str, watch: object, names: tuple[str, ...]) -> tuple[str, ...]:
     """``watch`` checked: the names it gives from ``names``, in their order."""
     # Any sequence or set of names (a Hydra ListConfig too), never a bare string (its letters are no names).
     if isinstance(watch, (str, bytes)) or not isinstance(watch, (Sequence, AbstractSet)):

@@ -12,14 +12,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from lit_mpstable.core.attribution import OverflowTracer, trace_nonfinite
 from lit_mpstable.core.compiled import eager
-
-__all__ = ["ACTIONS", "BUDGET_WINDOW", "LADDER", "REPLAY_BUDGET", "Replay", "ReplayHost", "RngState", "TriageKind",
-           "agreed_names", "any_rank", "budget_note", "check_budget", "climb", "full_precision", "needs_triage",
-           "next_replay", "replay_finite", "replay_spikes", "replays_spent", "restore_rng", "rng_state", "traced",
-           "traced_names", "triage_event"]
 
 TriageKind = Literal["transient", "precision", "data", "state"]
 
@@ -60,14 +56,14 @@ BUDGET_WINDOW = 100
 forward and backward: at most ~12% more time), room for 4 full climbs of the ladder."""
 
 
-def check_budget(call: str, max_replays: Any, replay_budget: Any, budget_window: Any) -> None:
+def check_budget(call: str, max_replays: int, replay_budget: object, budget_window: object) -> None:
     """Validate a triage's ``replay_budget`` (an int >= ``max_replays``: room for one full climb) and
     ``budget_window`` (an int >= 1, steps).
 
     Raises:
         ValueError: naming the argument, its value and what is allowed.
     """
-    def is_int(value: Any, low: int) -> bool:
+    def is_int(value: object, low: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and low <= value <= 2**31 - 1
 
     if not is_int(replay_budget, max(max_replays, 1)):
@@ -118,7 +114,7 @@ def needs_triage(plugin: Any, overflowed: bool) -> list[bool]:
     ]
 
 
-def replay_finite(module: nn.Module, optimizer: Any, loss: torch.Tensor | None) -> bool:
+def replay_finite(module: nn.Module, optimizer: Optimizer, loss: torch.Tensor | None) -> bool:
     """Whether the loss, the gradients, the weights and the optimizer state are all finite: what the step checks
     before it applies. One host read (events only)."""
     tensors = [] if loss is None else [loss.float().reshape(-1)]
@@ -207,7 +203,7 @@ def agreed_names(names: Sequence[str]) -> list[str]:
 
 
 def triage_event(step: int, kind: str, blamed: list[str], batch_idx: int, replays: list[str],
-                 **extra: Any) -> dict[str, Any]:
+                 **extra: object) -> dict[str, Any]:
     """The record of one triaged step, as every host writes it: ``step``, ``kind``, ``action``, ``blamed``,
     ``batch_idx``, ``replays`` (``"as_is:nonfinite"``, ...) and extras (``restored_step``, ``effect``)."""
     return dict(step=step, kind=kind, action=ACTIONS[kind], blamed=blamed, batch_idx=batch_idx, replays=replays,
@@ -225,7 +221,8 @@ class ReplayHost(Protocol):
     """What a front end gives :func:`climb`: the model and optimizer the replays run on, the precision object whose
     SpikeGuard judges them, and the actions only it knows how to take."""
 
-    module: nn.Module
+    @property
+    def module(self) -> nn.Module: ...  # read only (a LightningModule is one)
     optimizer: Any  # the torch optimizer (its state is checked)
     plugin: Any  # the stepper, or a front end showing its spike_guard, scaler, loss_scale and undo_backoff_
     can_fp32: bool  # False where the precision is fixed (FSDP2): the FP32 rung is skipped
@@ -241,7 +238,7 @@ class ReplayHost(Protocol):
     def has_snapshot(self) -> bool: ...
     def enter_snapshot(self) -> Any:
         """Restore the last snapshot for a trial; returns what :meth:`leave_snapshot` needs to undo it."""
-    def leave_snapshot(self, backup: Any) -> None: ...
+    def leave_snapshot(self, backup: object) -> None: ...
     def roll_back(self) -> int | None:
         """Keep the snapshot restored (a counted rollback); returns the step it was taken at."""
     def any_rank(self, flags: Sequence[bool]) -> list[bool]: ...
@@ -311,7 +308,7 @@ def traced(module: nn.Module, trace: bool) -> Generator[OverflowTracer | None, N
         yield tracer
 
 
-def traced_names(tracer: Any) -> list[str]:
+def traced_names(tracer: OverflowTracer | None) -> list[str]:
     """The module where a traced replay first met inf/NaN (forward first, then backward), as a list; none when the
     batch itself held it (no module made it) or nothing was traced."""
     if tracer is None or tracer.nonfinite_input:

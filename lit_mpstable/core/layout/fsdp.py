@@ -31,10 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "check_fsdp2_setup", "check_fsdp_policies", "fp8_all_gather_", "fsdp2_dtype_table", "fsdp2_fallback_refusal",
-    "fsdp_units", "island_mp_policy", "mp_policy", "reduce_dtype_warning", "setup_fsdp2", "unsharded_message",
-]
+from lit_mpstable.fp8.config import FP8Config
 
 _DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
            "bf16-mixed": torch.bfloat16}
@@ -134,7 +131,7 @@ def reduce_dtype_warning(rows: Iterable[dict[str, Any]]) -> str | None:
     )
 
 
-def _show(policy: Any) -> str:
+def _show(policy: object) -> str:
     fields = [f"{key}={_NAMES.get(getattr(policy, key), getattr(policy, key))}"
               for key in ("param_dtype", "reduce_dtype", "output_dtype") if getattr(policy, key) is not None]
     return f"MixedPrecisionPolicy({', '.join(fields)})"
@@ -234,7 +231,7 @@ def _mismatch(
 
 
 def check_fsdp2_setup(
-    owner: str, precision: str, *, master_mode: str | None, fp8: Any, sharded_before_fp8: bool
+    owner: str, precision: str, *, master_mode: str | None, fp8: FP8Config | None, sharded_before_fp8: bool
 ) -> None:
     """What FSDP2 cannot take, refused when the model is set up (before or after ``fully_shard``).
 
@@ -249,7 +246,7 @@ def check_fsdp2_setup(
             " FP32 and computes in 16 bits (its MixedPrecisionPolicy): FP32-master quality at a fraction of the"
             " memory per rank. Use master_weights=True with fully_shard(..., mp_policy=plugin.mp_policy)."
         )
-    if sharded_before_fp8:
+    if sharded_before_fp8 and fp8 is not None:  # (set only with FP8)
         raise ValueError(
             f"{call}, fp8={fp8.recipe!r}) with FSDP2: the model was sharded before its FP8 layers were swapped in, and"
             " FSDP2 binds parameters to the layer objects it sharded. Call"
@@ -322,7 +319,7 @@ def fp8_all_gather_(module: nn.Module) -> list[str]:
 
 
 def setup_fsdp2(
-    owner: str, precision: str, module: nn.Module, *, requested: bool, master_mode: str | None, fp8: Any,
+    owner: str, precision: str, module: nn.Module, *, requested: bool, master_mode: str | None, fp8: FP8Config | None,
     swapped_elsewhere: bool, true_16bit: bool,
 ) -> tuple[bool, bool, bool]:
     """Whether the run is FSDP2 (``requested``, or ``fully_shard`` already ran on ``module``), whether ``module`` is

@@ -10,8 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FP32Islands", "island_forward", "match_modules"]
-
 
 def match_modules(root: nn.Module, specs: Iterable[type[nn.Module] | str]) -> dict[str, nn.Module]:
     """The submodules of ``root`` named by ``specs``: module types, or ``fnmatch`` patterns on qualified names.
@@ -47,7 +45,7 @@ def _checked(specs: Iterable[Any]) -> list[type[nn.Module] | str]:
     return specs
 
 
-def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
+def _to_dtype(value: object, dtype: torch.dtype) -> Any:
     """``value`` with every floating tensor in it cast to ``dtype``; lists, tuples, namedtuples (PackedSequence)
     and dicts are rebuilt as the same type."""
     if isinstance(value, torch.Tensor):
@@ -61,7 +59,7 @@ def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _to_fp32(value: Any) -> Any:
+def _to_fp32(value: object) -> Any:
     return _to_dtype(value, torch.float32)
 
 

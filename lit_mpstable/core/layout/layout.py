@@ -16,8 +16,6 @@ from lit_mpstable.fp8 import FP8Config, convert_from_fp8, fp8_backend
 from lit_mpstable.fp8.budget import keep_high_precision_
 from lit_mpstable.fp8.swap import no_fp8_layers_message, select_fp8_modules
 
-__all__ = ["PrecisionLayout", "rebuild_ddp_reducer_"]
-
 _SWAPPED = "_lit_mpstable_fp8_swap"  # set on the FP8 layers a layout swapped in (a user's own are left alone)
 
 
@@ -95,7 +93,9 @@ class PrecisionLayout:
     def keep_high_precision_(self, names: list[str]) -> None:
         """Take ``names`` out of the FP8 selection for the run (the layers return to the base precision) and
         re-attach: the probe's high-precision budget, applied once."""
-        assert self.module is not None, "keep_high_precision_ needs the model (setup_module first)"
+        if self.module is None:
+            raise RuntimeError(f"PrecisionLayout.keep_high_precision_({names!r}) before attach(module): the layers are"
+                               " the model's (a stepper attaches it in setup_module).")
         self._fp8_selected = keep_high_precision_(self.module, self.fp8_selected, names)
         self.attach(self.module, self.device_type)
 
@@ -109,7 +109,7 @@ class PrecisionLayout:
             return self.fp8_backend.forward_context()
         return contextlib.nullcontext()
 
-    def sync_fp8_(self, group: Any = None) -> None:
+    def sync_fp8_(self, group: object = None) -> None:
         """Make the FP8 scaling state agree across the ranks of ``group`` (default: all ranks). Call it once per
         optimizer step, after the step (skipped or not), on every rank.
 

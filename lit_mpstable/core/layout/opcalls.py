@@ -13,10 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "Measurement", "OpCall", "SavedTensors", "clock", "leaves", "measure_calls", "plain_ptr", "run_in", "specs_of",
-]
-
 
 @dataclass(frozen=True)
 class Measurement:
@@ -106,7 +102,7 @@ class OpCall:
         if keep >= batch:
             return self
 
-        def cut(v: Any) -> Any:
+        def cut(v: object) -> Any:
             if isinstance(v, _Spec) and _batch_like(v) and v.shape[0] == batch:
                 return replace(v, shape=(keep, *v.shape[1:]))
             return v
@@ -148,6 +144,11 @@ def run_in(
         return func(*args, **kwargs)
 
 
+# What SavedTensors keeps for a saved tensor: the tensor, or the 16-bit source it was upcast from (with the dtype
+# and strides to recreate the upcast copy).
+_Packed = torch.Tensor | tuple[torch.Tensor, torch.dtype, tuple[int, ...]]
+
+
 class SavedTensors:
     """``saved_tensors_hooks`` that keep an upcast's 16-bit ``sources`` in its place (by data pointer; recast with
     the same strides when the backward asks) and count the bytes held, per storage."""
@@ -159,7 +160,7 @@ class SavedTensors:
     def hooks(self) -> AbstractContextManager:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor) -> _Packed:
         ptr = plain_ptr(t)
         source = self.sources.get(ptr) if ptr is not None else None
         if source is not None and source.shape == t.shape and source.dtype.itemsize < t.dtype.itemsize:
@@ -169,7 +170,7 @@ class SavedTensors:
         return t
 
     @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
+    def _unpack(packed: _Packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         source, dtype, stride = packed
@@ -186,7 +187,7 @@ def plain_ptr(t: torch.Tensor) -> int | None:
     return t.untyped_storage().data_ptr() if plain else None
 
 
-def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+def _map(fn: Callable[[Any], Any], value: object) -> Any:
     """``fn`` on every leaf of nested lists, tuples and dicts (an op's arguments); ``torch.Size`` is a leaf."""
     if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
         return type(value)(_map(fn, v) for v in value)
@@ -195,16 +196,16 @@ def _map(fn: Callable[[Any], Any], value: Any) -> Any:
     return fn(value)
 
 
-def leaves(value: Any) -> list[Any]:
+def leaves(value: object) -> list[Any]:
     found: list[Any] = []
     _map(found.append, value)
     return found
 
 
-def _cast(value: Any, dtype: torch.dtype, sources: dict[int, torch.Tensor] | None = None) -> Any:
+def _cast(value: object, dtype: torch.dtype, sources: dict[int, torch.Tensor] | None = None) -> Any:
     """``value`` with its floating tensors in ``dtype``; ``sources`` maps each new upcast copy to what it came from."""
 
-    def cast(v: Any) -> Any:
+    def cast(v: object) -> Any:
         if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.dtype == dtype:
             return v
         out = v.to(dtype)
@@ -219,7 +220,7 @@ def _cast(value: Any, dtype: torch.dtype, sources: dict[int, torch.Tensor] | Non
 def specs_of(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     slots: dict[int, int] = {}
 
-    def spec(v: Any) -> Any:
+    def spec(v: object) -> Any:
         if not isinstance(v, torch.Tensor):
             return v
         return _Spec(tuple(v.shape), v.dtype, v.requires_grad, slots.setdefault(id(v), len(slots)),
@@ -300,7 +301,7 @@ def _fresh(call: OpCall, device_type: str) -> tuple[tuple, dict, set[int | None]
     generator = torch.Generator(device_type).manual_seed(0)  # the training run's RNG stream stays untouched
     made: dict[int, torch.Tensor] = {}
 
-    def fresh(value: Any) -> Any:
+    def fresh(value: object) -> Any:
         if not isinstance(value, _Spec) or value.slot in made:
             return made[value.slot] if isinstance(value, _Spec) else value
         if not value.dtype.is_floating_point:

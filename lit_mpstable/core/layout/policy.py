@@ -26,8 +26,6 @@ from lit_mpstable.core.layout.opcalls import (
     specs_of,
 )
 
-__all__ = ["FAMILIES", "Measurement", "OpCall", "OpPolicy", "StepCost", "choose", "describe", "measure_calls"]
-
 Family = Literal["matmul", "conv", "attention", "norm", "softmax"]
 
 # The public functions of each family, as a TorchFunctionMode sees them (F.* and Tensor methods). An
@@ -242,7 +240,7 @@ class OpPolicy:
             self._recording = None
 
 
-def _parse(spec: Any, dtype: torch.dtype) -> dict[str, str]:
+def _parse(spec: object, dtype: torch.dtype) -> dict[str, str]:
     """``spec`` as a full ``{family: request}`` dict, validated against the autocast ``dtype``."""
     if isinstance(spec, str):
         if spec not in ("autocast", "auto"):
@@ -285,7 +283,7 @@ class _PolicyMode(TorchFunctionMode):
         self.record = {func: family for func, family in _FAMILY_OF.items() if family in record}
         self.parameters: dict[int, int] = {}  # recording: storage -> bytes of every parameter an op was given
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(self, func: Callable, types: object, args: tuple = (), kwargs: dict | None = None) -> Any:
         # Every torch call of the forward passes here (~1 us each, measured): two dict lookups for all but the few.
         kwargs = kwargs or {}
         if self.calls is not None:

@@ -14,8 +14,6 @@ from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scaler_state import GRADSCALER_KEYS, SCALE_FLOOR
 from lit_mpstable.core.telemetry import amax_per_tensor
 
-__all__ = ["AdaptiveLossScaler"]
-
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (FSDP2, tensor parallel); any other tensor as it is."""

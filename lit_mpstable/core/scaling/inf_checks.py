@@ -3,12 +3,12 @@ without unscaling, read, fold in a flag found elsewhere, agree across ranks, for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import OptState
-
-__all__ = ["READ_ONLY_MIN", "InfChecks", "fold_found_inf", "nonfinite_on_cpu"]
+from torch.distributed import ProcessGroup
 
 # Seen by a type checker as the GradScaler it is mixed into; at run time a plain mixin (GradScaler follows in the MRO).
 _Base = torch.amp.GradScaler if TYPE_CHECKING else object
@@ -59,7 +59,7 @@ class InfChecks(_Base):  # type: ignore[valid-type,misc]
         state["found_inf_per_device"] = found
         state["stage"] = OptState.UNSCALED
 
-    def step_with(self, optimizer: torch.optim.Optimizer, update: Any) -> Any:
+    def step_with(self, optimizer: torch.optim.Optimizer, update: Callable[[], Any]) -> Any:
         """``step`` with the caller's own update: ``update()`` runs unless this iteration's gradients of ``optimizer``
         hold inf/NaN (checked by ``unscale_`` or :meth:`check_`; one host sync, as ``step``'s), and its result is
         returned; ``last_step_skipped`` is set either way. Call :meth:`update` after, as after ``step``."""
@@ -85,7 +85,7 @@ class InfChecks(_Base):  # type: ignore[valid-type,misc]
         (a device tensor; None before ``unscale_``). No host sync."""
         return fold_found_inf(self, optimizer, flag) if self._enabled else None
 
-    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: Any = None) -> None:
+    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: ProcessGroup | None = None) -> None:
         """Agree across ranks on whether this step's gradients hold inf/NaN, so every rank skips it or none does.
 
         Unscales first if ``unscale_`` has not run, then makes one all-reduce (MAX) of this optimizer's found-inf
@@ -193,6 +193,6 @@ def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimize
     return before
 
 
-def _world_size(group: Any) -> int:
+def _world_size(group: ProcessGroup | None) -> int:
     dist = torch.distributed
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1

@@ -19,8 +19,6 @@ from lit_mpstable.core.scaling.scaler_state import (
     resolve_device,
 )
 
-__all__ = ["DynamicLossScaler", "StaticLossScaler"]
-
 _DEVICE_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflow_count", "_min_scale_hits")
 
 
@@ -94,6 +92,15 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
         self._before_backoff: tuple[list[torch.Tensor], dict[str, Any]] | None = None
 
     # ----------------------------------------------------------------------------------------- lazy state
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # GradScaler's check, with a RuntimeError naming the call and the order where it raises AssertionError.
+        if self._scale is None or self._growth_tracker is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{funcname}() before scale(): the scale is made by the first scale(loss); each"
+                " iteration calls scale(loss), backward, then unscale_/step(optimizer), then update()."
+            )
+        return self._scale, self._growth_tracker
+
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
@@ -191,7 +198,10 @@ class DynamicLossScaler(InfChecks, torch.amp.GradScaler):
             for found_inf in state["found_inf_per_device"].values()
         ]
         if not found_infs:
-            raise AssertionError("No inf checks were recorded prior to update.")
+            raise RuntimeError(
+                f"{type(self).__name__}.update(): no optimizer was stepped or unscaled in this iteration; call"
+                " step(optimizer) (or unscale_/check_) after scale(loss) and backward, then update()."
+            )
         found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
         self._update_scale_(scale, growth_tracker, found_inf)
         self._host_found = None

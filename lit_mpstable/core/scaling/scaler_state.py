@@ -8,11 +8,6 @@ import torch
 
 from lit_mpstable.base.validate import bool_arg, check_keys, choice_arg, int_arg, real_arg
 
-__all__ = [
-    "GRADSCALER_KEYS", "SCALE_FLOOR", "StateKeyError", "check_init_args", "check_loaded", "check_new_scale",
-    "check_state_keys", "resolve_device",
-]
-
 # The keys torch.amp.GradScaler.state_dict() writes; a dict with exactly these loads as a legacy checkpoint.
 GRADSCALER_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
 # Lowest scale when min_scale is None: the smallest normal float32, so 1/scale stays finite.

@@ -4,17 +4,18 @@ scaler that satisfies it (checked once, here: the step path calls the protocol a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 import torch
+from torch.distributed import ProcessGroup
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import choice_arg
 from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.scaling.inf_checks import fold_found_inf
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lit_mpstable.core.scaling.scaler_state import SCALE_FLOOR
-
-__all__ = ["ForeignScaler", "LossScaler", "ScalerName", "build_scaler", "check_protocol"]
 
 ScalerName = Literal["auto", "dynamic", "static", "adaptive"]
 _SCALERS = {"dynamic": DynamicLossScaler, "static": StaticLossScaler, "adaptive": AdaptiveLossScaler}
@@ -43,12 +44,12 @@ class LossScaler(Protocol):
     def adopt_device_(self, device_type: str) -> str | None: ...
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
     def check_(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: Any = None) -> None: ...
+    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: ProcessGroup | None = None) -> None: ...
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool: ...
     def fold_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch.Tensor | None: ...
     def forget_(self, optimizer: torch.optim.Optimizer) -> None: ...
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any: ...
-    def step_with(self, optimizer: torch.optim.Optimizer, update: Any) -> Any: ...
+    def step_with(self, optimizer: torch.optim.Optimizer, update: Callable[[], Any]) -> Any: ...
     def update(self, new_scale: float | torch.Tensor | None = None) -> None: ...
     def skip_update_(self, *, overflow: bool = True) -> None: ...
     def undo_backoff_(self) -> bool: ...
@@ -60,7 +61,7 @@ _METHODS = tuple(name for name, value in vars(LossScaler).items() if callable(va
 _ATTRIBUTES = tuple(LossScaler.__annotations__)
 
 
-def check_protocol(call: str, scaler: Any) -> None:
+def check_protocol(call: str, scaler: object) -> None:
     """Refuse a scaler that lacks a :class:`LossScaler` method or attribute (once, at construction).
 
     Raises:
@@ -73,7 +74,7 @@ def check_protocol(call: str, scaler: Any) -> None:
                          f" missing {missing}. Subclass DynamicLossScaler, or pass a torch.amp.GradScaler.")
 
 
-def build_scaler(call: str, precision: str, scaler: Any, device: str, *, skip_nonfinite: bool, warnings: list[str]
+def build_scaler(call: str, precision: str, scaler: object, device: str, *, skip_nonfinite: bool, warnings: Notes
                  ) -> tuple[torch.amp.GradScaler | Any | None, LossScaler | None]:
     """The run's scaler from the ``scaler`` argument, and the :class:`LossScaler` the step calls.
 
@@ -101,7 +102,7 @@ def build_scaler(call: str, precision: str, scaler: Any, device: str, *, skip_no
         )
     # Without a scaler, a fixed scale of 1 does GradScaler's fused inf/NaN check and skip: NaN never reaches the
     # weights in BF16 or FP32 either. A scaler that is not ours is seen through ForeignScaler, chosen once here.
-    checker: Any
+    checker: DynamicLossScaler | ForeignScaler | None
     if built is None:
         checker = StaticLossScaler(device, init_scale=1.0) if skip_nonfinite else None
     else:
@@ -111,7 +112,7 @@ def build_scaler(call: str, precision: str, scaler: Any, device: str, *, skip_no
     return built, checker
 
 
-def _build(call: str, precision: str, scaler: Any, device: str, warnings: list[str]) -> Any:
+def _build(call: str, precision: str, scaler: Any, device: str, warnings: Notes) -> Any:
     fp16 = precision in ("16-mixed", "16-true")
     if isinstance(scaler, str):
         choice_arg(call, "scaler", scaler, get_args(ScalerName))
@@ -137,8 +138,9 @@ def _build(call: str, precision: str, scaler: Any, device: str, warnings: list[s
                 " not available here, so FP16 would train unscaled. Pass scaler='dynamic' or"
                 " DynamicLossScaler(...) (device=None follows the run), or a scaler built for 'cpu'."
             )
-        warnings.append(
-            f"{call}(scaler={type(scaler).__name__}(enabled=False)): taken as no loss scaling (scaler=None)."
+        warnings.add(
+            "scaler-disabled", f"{call}(scaler={type(scaler).__name__}(enabled=False)): taken as no loss scaling"
+            " (scaler=None)."
         )
         return None
     # The rule for a name holds for an instance too (a Hydra scaler node arrives as one): no scaling outside FP16.
@@ -190,7 +192,7 @@ class ForeignScaler:
     def is_enabled(self) -> bool:
         return bool(self.inner.is_enabled())
 
-    def scale(self, outputs: Any) -> Any:
+    def scale(self, outputs: object) -> Any:
         return self.inner.scale(outputs)
 
     def get_scale(self) -> float:
@@ -220,7 +222,7 @@ class ForeignScaler:
         raise TypeError(f"{type(self.inner).__name__} cannot check gradients without unscaling them (check_()); use"
                         " DynamicLossScaler.")
 
-    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: Any = None) -> None:
+    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: object = None) -> None:
         """Nothing here: the stepper's step-input check (one all-reduce, folded in) makes every rank skip together."""
 
     def _found(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
@@ -236,7 +238,7 @@ class ForeignScaler:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         return bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
-    def step_with(self, optimizer: torch.optim.Optimizer, update: Any) -> Any:
+    def step_with(self, optimizer: torch.optim.Optimizer, update: Callable[[], Any]) -> Any:
         """Refused, as :meth:`check_`: only a scaler that checks without unscaling steps with the caller's update.
 
         Raises:

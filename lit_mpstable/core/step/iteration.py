@@ -12,8 +12,6 @@ from torch.optim import Optimizer
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.weights.weights import WeightKeeper
 
-__all__ = ["GradSet", "Iteration"]
-
 
 class Iteration:
     """What the iteration in progress has done, per optimizer (by id)."""

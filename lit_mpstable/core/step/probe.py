@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +16,6 @@ from lit_mpstable.fp8 import convert_from_fp8
 
 if TYPE_CHECKING:
     from lit_mpstable.core.step.stepper import PrecisionStepper
-
-__all__ = ["LossFn", "METRICS", "forward_state", "measure", "metric_vector", "with_metric_vector"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``(module, batch) -> loss``: the loss of one (micro-)batch, as the step computed it (before loss scaling)."""
@@ -44,7 +42,8 @@ def forward_state(stepper: PrecisionStepper) -> dict[str, Any]:
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     layers = layout.fp8_layers
-    fp8 = layout.fp8_backend.state_dict(layout.module, layers) if layers else {}
+    backend, module = layout.fp8_backend, layout.module  # FP8 layers: converted by a backend, in an attached model
+    fp8 = backend.state_dict(module, layers) if layers and backend is not None and module is not None else {}
     return {"rng": rng, "fp8_layers": layers, "fp8": fp8}
 
 
@@ -52,7 +51,7 @@ def measure(
     stepper: PrecisionStepper,
     module: nn.Module,
     loss_fn: LossFn,
-    batch: Any,
+    batch: object,
     *,
     recompute: bool = False,
     start: dict[str, Any] | None = None,
@@ -143,7 +142,7 @@ def measure(
 
 # ------------------------------------------------------------------------------------------------ the passes
 def _fp32_grads(
-    stepper: PrecisionStepper, module: nn.Module, loss_fn: LossFn, batch: Any, names: Sequence[str],
+    stepper: PrecisionStepper, module: nn.Module, loss_fn: LossFn, batch: object, names: Sequence[str],
     start: dict[str, Any], device: torch.device,
 ) -> list[torch.Tensor | None]:
     """FP32 gradients of ``names`` on a copy of ``module``: no FP8, FP32 weights (the masters where they exist, the
@@ -168,7 +167,7 @@ def _fp32_grads(
 
 
 def _run_grads(
-    stepper: PrecisionStepper, module: nn.Module, loss_fn: LossFn, batch: Any, names: Sequence[str],
+    stepper: PrecisionStepper, module: nn.Module, loss_fn: LossFn, batch: object, names: Sequence[str],
     start: dict[str, Any], scale: float, *, keep_fp8: bool,
 ) -> list[torch.Tensor | None]:
     """Gradients of ``names`` in the run's precision on a copy of ``module`` (with its FP8 layers at ``start``'s
@@ -178,6 +177,7 @@ def _run_grads(
     if not keep_fp8:
         convert_from_fp8(low)
     elif start["fp8"] and start["fp8_layers"] == layout.fp8_layers:
+        assert layout.fp8_backend is not None  # the start state holds FP8 layers: a backend converted them
         layout.fp8_backend.load_state_dict(low, layout.fp8_layers, start["fp8"])
     params = dict(low.named_parameters())
     device = next(iter(params.values())).device
@@ -212,7 +212,7 @@ class ProbeCopyError(RuntimeError):
     """The module could not be copied for a replay (no ``loss_fn`` can help)."""
 
 
-def _detach_non_leaves(value: Any, memo: dict[int, Any], depth: int = 0) -> None:
+def _detach_non_leaves(value: object, memo: dict[int, Any], depth: int = 0) -> None:
     if isinstance(value, torch.Tensor):
         if not value.is_leaf and id(value) not in memo:
             memo[id(value)] = value.detach().clone()
@@ -234,7 +234,7 @@ def _unscaled(grad: torch.Tensor | None, inv_scale: torch.Tensor, *, fp32: bool)
     return (grad.float() * inv_scale).to(grad.dtype)
 
 
-def _checked_loss(loss: Any) -> torch.Tensor:
+def _checked_loss(loss: object) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise RuntimeError(
             f"measure(): loss_fn returned {type(loss).__name__}"
@@ -261,7 +261,7 @@ def _sums(run: torch.Tensor | None, reference: torch.Tensor | None, *, like: tor
 
 
 def _fp8_sums(
-    rows: list[int], run: list[Any], base: list[Any], reference: list[Any], params: dict[str, torch.Tensor],
+    rows: list[int], run: list[Any], base: list[Any], reference: list[Any], params: Mapping[str, torch.Tensor],
     names: Sequence[str],
 ) -> torch.Tensor:
     """``[||g - g_base||^2, ||g_base - g32||^2, ||g32||^2]`` over one FP8 layer's parameters, as a (1, 3) row."""
@@ -340,7 +340,7 @@ def _restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(rng["cuda"], device)
 
 
-def _upcast(data: Any) -> Any:
+def _upcast(data: object) -> Any:
     """``data`` with every floating tensor in FP32; lists, tuples, namedtuples and dicts rebuilt as they were."""
     if isinstance(data, torch.Tensor):
         return data.float() if data.is_floating_point() else data

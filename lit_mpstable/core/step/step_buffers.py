@@ -8,8 +8,6 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["StepBuffers"]
-
 
 class StepBuffers:
     """Copies of a module's persistent buffers taken before a step's first training forward, written back when the

@@ -12,10 +12,6 @@ from lit_mpstable.core.step.iteration import GradSet
 from lit_mpstable.core.tensors import local_view
 from lit_mpstable.core.weights.keeper_steps import first_grad_device
 
-__all__ = ["STATE_SHARES", "check_step_inputs_", "held_nonfinite", "held_tensors", "late_nonfinite_note",
-           "stale_grads_note"]
-
-
 STATE_SHARES = 16
 """The parameters (or FP32 masters) and optimizer state are checked in this many shares, one per applied step of
 their optimizer: only the step writes them, and reading them all every step (about 3x the model's bytes for Adam)

@@ -10,8 +10,6 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.step.step_guard import late_nonfinite_note
 
-__all__ = ["blame", "blame_late", "flush_note", "observe"]
-
 
 def observe(stepper: Any) -> None:
     """Gradient telemetry into ``stepper.stats`` (the observer computes it on due steps only)."""
@@ -23,11 +21,11 @@ def observe(stepper: Any) -> None:
     fp8 = stepper.fp8 is not None and bool(stepper.layout.fp8_layers)
     updates, warning = stepper.observer.observe(module, stepper.named_grads, stepper.step_count, scale, fp8=fp8)
     stepper.stats.update(updates)
-    if warning is not None and warning not in stepper.warnings:
-        stepper.warnings.append(warning)
+    if warning is not None:
+        stepper.warnings.add_once(*warning, per=stepper.step_count)
     flush = flush_note(stepper, updates)
-    if flush is not None and not any(note.startswith(_FLUSH_PREFIX) for note in stepper.warnings):
-        stepper.warnings.append(flush)
+    if flush is not None:
+        stepper.warnings.add_once("flush", flush)
 
 
 _FLUSH_LIMIT = 0.05
@@ -71,6 +69,4 @@ def blame_late(stepper: Any, optimizer: Optimizer) -> None:
     """The gradient check found nothing: inf/NaN entered after it, which no precision setting explains. Nothing is
     blamed on a module (a fallback would island healthy layers)."""
     stepper.stats.update(blamed_params=[], blamed_modules=[], nonfinite_input=False, nonfinite_after_check=True)
-    note = late_nonfinite_note(optimizer)
-    if note not in stepper.warnings:
-        stepper.warnings.append(note)
+    stepper.warnings.add_once(f"late-nonfinite:{type(optimizer).__name__}", late_nonfinite_note(optimizer))

@@ -13,10 +13,8 @@ from lit_mpstable.core.guards.spike import SpikeGuard
 from lit_mpstable.core.step.iteration import GradSet
 from lit_mpstable.core.tensors import grad_norms
 
-__all__ = ["check_spike_guard", "clip_grad_norm", "known_norm", "level_shift_note", "observe_loss", "true_grad_norm"]
 
-
-def check_spike_guard(call: str, spike_guard: Any, checker: Any) -> SpikeGuard | None:
+def check_spike_guard(call: str, spike_guard: object, checker: object) -> SpikeGuard | None:
     """``spike_guard`` validated: None or a :class:`SpikeGuard`, with a checker to join its decision.
 
     Raises:

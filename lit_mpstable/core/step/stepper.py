@@ -19,8 +19,10 @@ from typing import Any, get_args
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_FORMATS
@@ -58,13 +60,11 @@ from lit_mpstable.core.step.stepper_forward import StepperForward
 from lit_mpstable.core.step.stepper_setup import adopt_device, setup_module, setup_optimizers
 from lit_mpstable.core.step.stepper_state import StepperState, adopt_recast_state_
 from lit_mpstable.core.step.stepper_status import StepperStatus
-from lit_mpstable.core.tensors import default_dtype, tensor_init_context
+from lit_mpstable.core.tensors import default_dtype as default_dtype  # re-exported: the stepper's argument helpers
+from lit_mpstable.core.tensors import tensor_init_context as tensor_init_context
 from lit_mpstable.core.weights.moment_keeper import StateKind, check_optimizer_state
 from lit_mpstable.core.weights.weights import PlainKeeper, WeightKeeper
 from lit_mpstable.fp8 import FP8Config, fp8_config
-
-__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "PrecisionStepper", "ScalerName", "default_dtype",
-           "tensor_init_context"]
 
 
 class PrecisionStepper(StepperForward, StepperStatus, StepperState):
@@ -100,8 +100,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         growth_every_n_steps: int | None = None,
     ) -> None:
         self.owner = call = owner or type(self).__name__
-        self.warnings: list[str] = []
-        """Messages the front end should show once (each is appended once), e.g. a scaler adopted onto the device."""
+        self.warnings = Notes()
+        """Messages the front end shows once per key (the cause's), e.g. a scaler adopted onto the device."""
         choice_arg(call, "precision", precision, get_args(PrecisionName))
         if device is not None:
             choice_arg(call, "device", device, ("cpu", "cuda"))
@@ -211,7 +211,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         adopt_device(self, module)
 
     @torch.no_grad()
-    def follow_model_weights_(self, replicas: Any = None) -> list[str]:
+    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]:
         """Restart from its 16-bit weight every FP32 master whose rounding that weight no longer is, and return their
         names: weights loaded into the model after the masters were bound (a pretrained checkpoint loaded after
         ``fabric.setup``) would otherwise be overwritten from the stale master by the next applied step. One host
@@ -237,8 +237,8 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
             raise TypeError(f"{self.owner}.scale_loss(loss={loss!r:.80}): must be a tensor (the loss to call backward"
                             " on).")
         for optimizer in [o for o in self.optimizers if id(o) in self.iteration.unscaled]:
-            if (note := stale_grads_note(optimizer)) is not None and note not in self.warnings:
-                self.warnings.append(note)
+            if (note := stale_grads_note(optimizer)) is not None:
+                self.warnings.add_once(f"stale-grads:{type(optimizer).__name__}", note)
             self.drop_grads_(optimizer)
         if self.iteration.stepped:
             self._update_scale_()
@@ -355,7 +355,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         if guard is not None:
             guard.commit_(skipped, spiked=spike)  # folds the loss and norm of applied steps only
             if guard.count_run_(self.last_step_spiked, applied=not skipped):
-                self.warnings.append(level_shift_note(guard, self.step_count))
+                self.warnings.add(f"spike-level-shift:{self.step_count}", level_shift_note(guard, self.step_count))
         if late:
             blame_late(self, optimizer)
         elif skipped and not self.last_step_spiked:

@@ -13,15 +13,12 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
-__all__ = ["MasterMode", "OpPolicyName", "PrecisionName", "check_arguments", "check_clip", "check_module",
-           "check_norm_type", "check_optimizer", "check_optimizers"]
-
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
 MasterMode = Literal["fp32", "kahan", "stochastic"]
 OpPolicyName = Literal["autocast", "auto"]
 
 
-def check_arguments(call: str, precision: str, scaler: Any, fp32_modules: Any) -> None:
+def check_arguments(call: str, precision: str, scaler: object, fp32_modules: object) -> None:
     """What the per-argument checks cannot see: containers that are not lists, a class for an instance, an adaptive
     scaler sized for another format than the run's FP16, a scale whose reciprocal is not a finite FP32 number."""
     if isinstance(fp32_modules, (str, type)):
@@ -55,7 +52,7 @@ _MAX_SCALE = float(torch.finfo(torch.float32).max)
 
 # ------------------------------------------------------------------------------------------------ method arguments
 # Checks of the stepper's per-call arguments: isinstance and float comparisons only (no tensor is read).
-def check_optimizer(call: str, value: Any, name: str = "optimizer") -> Optimizer:
+def check_optimizer(call: str, value: object, name: str = "optimizer") -> Optimizer:
     """``value`` if it is a torch optimizer (Fabric's wrapper is one).
 
     Raises:
@@ -67,7 +64,7 @@ def check_optimizer(call: str, value: Any, name: str = "optimizer") -> Optimizer
     return value
 
 
-def check_optimizers(call: str, value: Any) -> list[Optimizer]:
+def check_optimizers(call: str, value: object) -> list[Optimizer]:
     """``value`` as a list if it is a list or tuple of torch optimizers.
 
     Raises:
@@ -78,7 +75,7 @@ def check_optimizers(call: str, value: Any) -> list[Optimizer]:
     return [check_optimizer(call, optimizer, f"optimizers[{index}]") for index, optimizer in enumerate(value)]
 
 
-def check_module(call: str, value: Any, name: str = "module") -> nn.Module:
+def check_module(call: str, value: object, name: str = "module") -> nn.Module:
     """``value`` if it is an ``nn.Module``.
 
     Raises:
@@ -89,7 +86,7 @@ def check_module(call: str, value: Any, name: str = "module") -> nn.Module:
     return value
 
 
-def check_clip(call: str, name: str, value: Any) -> None:
+def check_clip(call: str, name: str, value: object) -> None:
     """A clip threshold: a real number >= 0 (inf: no clipping). NaN passes: as in torch, it makes the gradients NaN,
     and the step is skipped like any non-finite step (the weights are left alone).
 
@@ -118,6 +115,6 @@ def check_norm_type(call: str, value: Any) -> None:
         raise TypeError(f"{call}(norm_type={_short(value)}): must be a number (2.0: the Euclidean norm) or 'inf'.")
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -9,26 +9,30 @@ from typing import Any
 
 import torch
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.attribution import any_nonfinite
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
+from lit_mpstable.core.guards.growth import GrowthMonitor
+from lit_mpstable.core.layout.layout import PrecisionLayout
+from lit_mpstable.core.layout.policy import OpPolicy
+from lit_mpstable.core.observer import GradObserver
+from lit_mpstable.core.step.step_buffers import StepBuffers
 from lit_mpstable.core.tensors import default_dtype, floating_tensors, map_tensors
-
-__all__ = ["StepperForward"]
 
 
 class StepperForward:
     """``forward_context`` and ``convert_input``: they read the stepper's layout, policy, observer and dtypes."""
 
-    layout: Any
-    policy: Any
-    observer: Any
-    growth: Any
+    layout: PrecisionLayout
+    policy: OpPolicy
+    observer: GradObserver
+    growth: GrowthMonitor | None
     stats: dict[str, Any]
-    warnings: list[str]
+    warnings: Notes
     device: str
     _layout_seen: tuple | None
     _input_nonfinite: torch.Tensor | None
-    step_buffers: Any
+    step_buffers: StepBuffers
     _converted_to: torch.dtype | None = None  # the dtype convert_input cast the latest batch to (*-true)
     compute_dtype: torch.dtype
     dtype: torch.dtype
@@ -49,9 +53,10 @@ class StepperForward:
         traced = self.observer.tracer is not None
         # A growth sample hooks the layers for this forward only; a compiled model runs it eagerly (its graph
         # holds no hook, so it neither breaks nor recompiles).
-        sampled = self.growth is not None and self.growth.due()
-        eagerly = traced or (sampled and is_compiled(self.layout.module))
-        with eager() if eagerly else nullcontext(), self.growth.sampling() if sampled else nullcontext(), \
+        growth = self.growth if self.growth is not None and self.growth.due() else None
+        module = self.layout.module
+        eagerly = traced or (growth is not None and module is not None and is_compiled(module))
+        with eager() if eagerly else nullcontext(), growth.sampling() if growth is not None else nullcontext(), \
                 self.layout.forward_context(), self._recast_inputs():
             if self.compute_dtype == torch.float32:
                 yield
@@ -84,7 +89,7 @@ class StepperForward:
         def cast(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to(now) if tensor.is_floating_point() and tensor.dtype == stale else tensor
 
-        def hook(_: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        def hook(_: object, args: object, kwargs: object) -> tuple[Any, Any]:
             return map_tensors(args, cast), map_tensors(kwargs, cast)
 
         handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in module.modules()]
@@ -101,7 +106,7 @@ class StepperForward:
         if changed and layout.module is not None and is_compiled(layout.module):
             recompile_note(self.step_count, self.warnings)
 
-    def convert_input(self, data: Any) -> Any:
+    def convert_input(self, data: object) -> Any:
         """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
         device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
         tensors = floating_tensors(data)

@@ -15,15 +15,14 @@ from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.step.stepper_state import adopt_recast_state_
 from lit_mpstable.core.weights.weights import make_keeper
 
-__all__ = ["adopt_device", "setup_module", "setup_optimizers"]
-
 
 def setup_module(stepper: Any, module: nn.Module, *, fsdp2: bool) -> nn.Module:
     """``PrecisionStepper.setup_module``: see its docstring."""
     if stepper._skip_requested:  # no step is in progress between fits: the request must not eat the next first batch
         stepper._skip_requested = False
-        stepper.warnings.append(f"{stepper.owner}.skip_step() was called outside a step (between fits): ignored; call"
-                                " it during a step (before optimizer_step), e.g. from on_before_backward.")
+        stepper.warnings.add("skip-step-outside", f"{stepper.owner}.skip_step() was called outside a step (between"
+                             " fits): ignored; call it during a step (before optimizer_step), e.g. from"
+                             " on_before_backward.")
     stepper.fsdp2, sharded, stepper.layout.cast_parameters = setup_fsdp2(
         stepper.owner, stepper.precision, module, requested=fsdp2, master_mode=stepper.master_mode, fp8=stepper.fp8,
         swapped_elsewhere=stepper.layout.module is not module, true_16bit=stepper.true_16bit,
@@ -93,6 +92,7 @@ def adopt_device(stepper: Any, module: nn.Module) -> None:
     scaler = stepper._checker  # a foreign scaler's wrapper adopts nothing; ours is stepper.scaler itself
     previous = scaler.adopt_device_(stepper.device) if scaler is not None else None
     if previous is not None and scaler is stepper.scaler:
-        stepper.warnings.append(
+        stepper.warnings.add(
+            f"scaler-adopted:{type(scaler).__name__}:{previous}:{stepper.device}",
             f"{type(scaler).__name__} built for {previous!r} adopted onto the run's device {stepper.device!r}."
         )

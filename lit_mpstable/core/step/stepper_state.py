@@ -10,12 +10,16 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, int_arg
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import FormatName
+from lit_mpstable.core.fp8_budget import ProbeBudget
 from lit_mpstable.core.guards.growth import GrowthMonitor
 from lit_mpstable.core.guards.spike import SpikeGuard
 from lit_mpstable.core.guards.spike_state import OPTIONAL as GUARD_OPTIONAL
+from lit_mpstable.core.layout.layout import PrecisionLayout
+from lit_mpstable.core.layout.policy import OpPolicy
 from lit_mpstable.core.loaded_state import (
     Field,
     check_fields,
@@ -33,6 +37,8 @@ from lit_mpstable.core.loaded_state import (
     text,
 )
 from lit_mpstable.core.scaling.scalers import LossScaler
+from lit_mpstable.core.schedulers import ScheduleHold
+from lit_mpstable.core.step.iteration import Iteration
 from lit_mpstable.core.step.stepper_args import PrecisionName
 from lit_mpstable.core.weights.moment_keeper import KEY as MOMENTS
 from lit_mpstable.core.weights.moment_keeper import AdamMoments, split_moments
@@ -40,9 +46,6 @@ from lit_mpstable.core.weights.optim_state import moment_state
 from lit_mpstable.core.weights.recast_state import KEY as RECAST
 from lit_mpstable.core.weights.recast_state import apply_recast_state_, recast_state
 from lit_mpstable.core.weights.weights import WeightKeeper
-
-__all__ = ["StepperState", "adopt_recast_state_", "check_weights_state", "load_scaler_state_", "load_weights_state_",
-           "check_plugin_state", "weights_state"]
 
 _KEYS = ("masters", "compact")
 
@@ -112,10 +115,11 @@ def check_weights_state(call: str, keeper: WeightKeeper, masters: dict[str, Any]
 def load_weights_state_(
     keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *, mode: str | None, fsdp2: bool,
     pending: dict[str, Any], module: nn.Module | None, precision: str,
-) -> str | None:
+) -> tuple[str, str] | None:
     """Load the checkpoint's ``masters``/``compact`` into ``keeper`` (same mode), keep them in ``pending`` until it is
     bound, or carry their FP32 values into this run's weight mode (BF16/FP8 moments into its moments, converted to
-    its ``optimizer_state``). Returns a warning for the user, if any."""
+    its ``optimizer_state``). Returns a warning for the user, if any, as ``(key, message)``: the key names the
+    saved state and this run's mode."""
     route = _route(keeper, masters, compact, mode=mode, fsdp2=fsdp2)
     if route == "load":
         keeper.load_state_dict(masters or compact)
@@ -127,7 +131,8 @@ def load_weights_state_(
         saved = "FP32 masters" if masters else "Kahan compensation" if compact.get("compensation") else "moments"
         target = f"{precision!r}, master_weights={mode or False!r}"
         if module is None:
-            return f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup."
+            return (f"weights-not-carried:{saved}:{target}",
+                    f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup.")
         notes = [keeper.carry_(module, masters, compact, saved=saved, target=target)]
         moments = _moments_of(keeper)
         if saved_moments is not None and moments is not None:
@@ -138,7 +143,8 @@ def load_weights_state_(
                 " optimizer_state='fp32'): the optimizer's own moments restart at 0; resume with"
                 f" optimizer_state={saved_moments['kind']!r} and FP32 or compact master weights to keep them."
             )
-        return "; ".join(note for note in notes if note) or None
+        message = "; ".join(note for note in notes if note)
+        return (f"weights-carried:{saved}:{target}", message) if message else None
     return None
 
 
@@ -261,14 +267,14 @@ class StepperState:
     scaler: Any
     keeper: WeightKeeper
     counters: RunCounters
-    layout: Any
+    layout: PrecisionLayout
     optimizers: list[Any]
-    policy: Any
-    schedules: Any
-    iteration: Any
-    warnings: list[str]
+    policy: OpPolicy
+    schedules: ScheduleHold
+    iteration: Iteration
+    warnings: Notes
     spike_guard: SpikeGuard | None
-    fp8_budget: Any
+    fp8_budget: ProbeBudget
     growth: GrowthMonitor | None
     _pending: dict[str, Any]
 
@@ -362,8 +368,8 @@ class StepperState:
         warning = load_weights_state_(self.keeper, state["masters"], state["compact"], mode=self.master_mode,
                                       fsdp2=self.fsdp2, pending=self._pending, module=self.layout.module,
                                       precision=self.precision)
-        if warning:
-            self.warnings.append(warning)
+        if warning is not None:
+            self.warnings.add(*warning)
         # After the fallback was re-applied: the recast parameters and their optimizer state take the FP32 values.
         self._pending.pop(RECAST, None)
         if state[RECAST]:

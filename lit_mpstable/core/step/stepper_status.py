@@ -14,11 +14,11 @@ from lit_mpstable.core.formats import PRECISION_DTYPES
 from lit_mpstable.core.fp8_budget import LossFn, ProbeBudget
 from lit_mpstable.core.layout.fsdp import fsdp2_fallback_refusal
 from lit_mpstable.core.layout.islands import FP32Islands
+from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.core.observer import shard_view
+from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.weights.memory import training_memory
-
-__all__ = ["StepperStatus"]
-
+from lit_mpstable.core.weights.weights import WeightKeeper
 
 
 class StepperStatus:
@@ -26,14 +26,14 @@ class StepperStatus:
     attributes they read: ``precision``, ``layout``, ``scaler``, ``counters``, ``keeper``, ...)."""
 
     precision: str
-    layout: Any
-    scaler: Any
+    layout: PrecisionLayout
+    scaler: Any  # GradScaler-like (ours, or a user's), or None
     counters: RunCounters
-    keeper: Any
+    keeper: WeightKeeper
     fsdp2: bool
     owner: str
     optimizers: list[Optimizer]
-    _checker: Any
+    _checker: LossScaler | None
     _input_nonfinite: torch.Tensor | None
     _skip_requested: bool
     fp8_budget: ProbeBudget
@@ -145,7 +145,7 @@ class StepperStatus:
         self.layout.restore()
         return True
 
-    def choose_high_precision_(self, loss_fn: LossFn, batch: Any) -> list[str]:
+    def choose_high_precision_(self, loss_fn: LossFn, batch: object) -> list[str]:
         """``FP8Config(keep_high_precision=HighPrecisionBudget(by="probe"))``: measure each FP8 layer's weight-gradient
         error in the low format on ``batch`` (``loss_fn(module, batch) -> loss``, run in the base precision, two extra
         forward/backward passes; the mean over data-parallel ranks) and move the costliest back to the base

@@ -37,10 +37,8 @@ from lit_mpstable.core.guards.triage import (
 )
 from lit_mpstable.core.step.stepper import PrecisionStepper
 
-__all__ = ["StateSnapshot", "StepTriage"]
 
-
-def _stepper(call: str, value: Any) -> PrecisionStepper:
+def _stepper(call: str, value: object) -> PrecisionStepper:
     """``value`` if a PrecisionStepper, else the one a front end exposes (Fabric's ``StablePrecision.stepper``)."""
     found = value if isinstance(value, PrecisionStepper) else getattr(value, "stepper", None)
     if not isinstance(found, PrecisionStepper):
@@ -49,7 +47,7 @@ def _stepper(call: str, value: Any) -> PrecisionStepper:
     return found
 
 
-def _optimizer(call: str, value: Any, name: str = "optimizer") -> Optimizer:
+def _optimizer(call: str, value: object, name: str = "optimizer") -> Optimizer:
     """The torch optimizer behind ``value``: Fabric's wrapper (itself an Optimizer subclass) keeps it as
     ``.optimizer``."""
     wrapped = getattr(value, "optimizer", None)
@@ -200,7 +198,8 @@ class StepTriage:
         """``batch_idx`` of the steps classified ``"data"`` (skipped)."""
         return [event["batch_idx"] for event in self.events if event["kind"] == "data"]
 
-    def run(self, optimizer: Any, closure: Callable[[], torch.Tensor], *, batch_idx: int | None = None) -> torch.Tensor:
+    def run(self, optimizer: object, closure: Callable[[], torch.Tensor], *,
+            batch_idx: int | None = None) -> torch.Tensor:
         """Zero the gradients, call ``closure`` (forward and backward of one batch; returns the loss), step
         ``optimizer`` through the stepper; triage the step if it was rejected. Returns the loss of the step as it
         was applied (a clean replay's after an event), or the rejected one's.

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.core.weights.compact_fused import FusedAdam, FusedSteps, noise_bits
-from lit_mpstable.core.weights.compact_rounding import mix, round_stochastic_, stochastic_round
+from lit_mpstable.core.weights.compact_fused import FusedAdam, FusedSteps
+from lit_mpstable.core.weights.compact_rounding import mix, noise_bits, round_stochastic_
 from lit_mpstable.core.weights.compact_slices import (
     ELEMENTWISE,
     LOW,
@@ -23,15 +23,12 @@ from lit_mpstable.core.weights.compact_slices import (
     cast_state_,
     check_keys,
     init_blockwise_,
-    quantized_state_classes,
 )
 from lit_mpstable.core.weights.compact_slices import chunks as split_chunks
 from lit_mpstable.core.weights.compact_slices import memory_report as compact_memory
 from lit_mpstable.core.weights.compact_slices import per_element as is_per_element
 
 _Piece = Piece  # the old private name (tests build pieces by it)
-
-__all__ = ["CompactMode", "CompactWeights", "quantized_state_classes", "stochastic_round"]
 
 CompactMode = Literal["kahan", "stochastic"]
 _MODES: tuple[str, ...] = get_args(CompactMode)

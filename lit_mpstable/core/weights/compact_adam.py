@@ -8,9 +8,6 @@ import torch
 
 from lit_mpstable.core.weights.compact_rounding import hash32
 
-__all__: list[str] = []  # private to the fused step: compact_fused and compact_native's tests use these names
-
-
 _SPLIT = float(2**23 + 1)  # Veltkamp's constant that rounds an FP32 number to one significant bit
 _BIG = 2.0**103  # beyond it a * _SPLIT would overflow: such values are rounded to nearest
 

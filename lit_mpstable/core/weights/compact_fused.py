@@ -25,11 +25,9 @@ from torch.optim import Optimizer
 from lit_mpstable.core.compiled import graph_count, own_graphs_since
 from lit_mpstable.core.weights import compact_native
 from lit_mpstable.core.weights.compact_adam import _adam_kernel, _adam_plain_kernel
-from lit_mpstable.core.weights.compact_rounding import _signed32, hash32, noise_bits
+from lit_mpstable.core.weights.compact_rounding import _signed32
 from lit_mpstable.core.weights.compact_slices import Piece
 from lit_mpstable.core.weights.compact_views import KernelArgs, fill_key, flat, flat_views
-
-__all__ = ["FusedAdam", "FusedSteps", "hash32", "host_to_device", "keys", "noise_bits"]
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -181,7 +179,7 @@ class FusedSteps:
     _comp: dict[str, torch.Tensor]
     _views: dict[int, KernelArgs]  # per parameter (by id): its kernel arguments of the last fused step
 
-    def _key(self, piece: Any) -> int:
+    def _key(self, piece: Piece) -> int:
         raise NotImplementedError
 
     def _step_fused_(

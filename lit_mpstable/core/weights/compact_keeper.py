@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.replicas import agree_seed, broadcast_
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
@@ -18,8 +20,6 @@ from lit_mpstable.core.weights.compact import CompactMode, CompactWeights
 from lit_mpstable.core.weights.compact_slices import LOW, Piece, transform
 from lit_mpstable.core.weights.keeper_steps import first_grad_device, step_checked
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
-
-__all__ = ["CompactKeeper"]
 
 
 class CompactKeeper:
@@ -40,7 +40,7 @@ class CompactKeeper:
     exposes_grads = False
 
     def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], mode: str, *, owner: str, precision: str,
-                 checker: LossScaler | None, warnings: list[str], optimizer_state: str = "fp32") -> None:
+                 checker: LossScaler | None, warnings: Notes, optimizer_state: str = "fp32") -> None:
         if checker is not None and not checker.checks_without_unscaling:
             raise ValueError(
                 f"{owner}({precision!r}, master_weights={mode!r},"
@@ -60,7 +60,8 @@ class CompactKeeper:
             for optimizer in optimizers:
                 self.moments.bind_(optimizer, names)
         if precision == "16-true":
-            warnings.append(
+            warnings.add(
+                f"compact-16-true:{mode}",
                 f"{owner}('16-true', master_weights={mode!r}): optimizer state stays FP16, where"
                 " Adam's second moment (about 1e-3 * grad**2) falls into the subnormal range for gradients below"
                 " ~1e-2 and its rounding distorts the steps; with Adam-family optimizers prefer 'bf16-true' or"
@@ -74,7 +75,7 @@ class CompactKeeper:
         pass  # bound at its first unscale_ (bind_new_ is cheap and runs every step)
 
     @torch.no_grad()
-    def follow_model_weights_(self, replicas: Any = None) -> list[str]:
+    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]:
         """The weights are the model's own: nothing to follow. ``replicas``: the process group of DDP replicas: the
         compensation and the seed of stochastic rounding (weights, optimizer state, BF16/FP8 moments) are taken from
         its first rank, so every replica rounds alike."""
@@ -88,7 +89,8 @@ class CompactKeeper:
                 self.moments.reseed_(weights.seed)
         return []
 
-    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
+                 scaler: object, device: torch.device | str) -> None:
         self.weights.bind_new_(optimizer)
         if self.moments is not None:
             self.moments.bind_(optimizer, {id(p): name for name, p in self.module.named_parameters()})
@@ -143,14 +145,15 @@ class CompactKeeper:
         return step_checked(optimizer, checker, update, kwargs)
 
     @torch.no_grad()
-    def _moment_step_(self, optimizer: Optimizer, multiplier: Any, clip: float | None, kwargs: dict[str, Any]) -> Any:
+    def _moment_step_(self, optimizer: Optimizer, multiplier: torch.Tensor | None, clip: float | None,
+                      kwargs: dict[str, Any]) -> Any:
         """The step with BF16/FP8 moments: per parameter, its FP32 value (Kahan: plus the compensation) is stepped
         with the FP32 gradient (unscaled, clipped) and rounded back as :meth:`CompactWeights.step_` rounds."""
         weights, moments = self.weights, self.moments
         assert moments is not None
         weights.steps += 1  # the weights' random keys advance as with the optimizer's step
 
-        def update(p: torch.Tensor, name: str, step_fn: Any) -> None:
+        def update(p: torch.Tensor, name: str, step_fn: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
             assert p.grad is not None  # update() runs on the parameters that have a gradient
             grad = transform(p.grad.to(torch.float32, copy=True), multiplier, clip)
             p.grad = None

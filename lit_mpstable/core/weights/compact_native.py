@@ -34,8 +34,6 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["SOURCE", "kernel"]
-
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["hash32", "mix", "noise", "noise_bits", "round_stochastic_", "stochastic_round"]
-
 _LOW = (torch.float16, torch.bfloat16)
 
 

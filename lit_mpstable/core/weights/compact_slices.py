@@ -3,7 +3,7 @@ copies, the optimizer-state layouts that may be sliced, and the helpers that kee
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,13 +12,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.weights.memory import plain_tensors
-
-__all__ = [
-    "BNB_BLOCK", "ELEMENTWISE", "LOW", "MIN_SLICE", "Piece", "StandIns", "absmax", "block_size", "budget",
-    "cast_state_",
-    "check_keys", "chunks", "codes", "grad_bytes", "init_blockwise_", "init_bnb_", "memory_report", "nbytes",
-    "per_element", "quantized", "quantized_state_classes", "transform",
-]
 
 LOW = (torch.float16, torch.bfloat16)
 # Random numbers are a hash of (seed, step, parameter, element index): an element gets the same ones however the step
@@ -58,7 +51,6 @@ class Piece:
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.whole else t.view(-1)[self.start : self.stop]
-
 
 
 class StandIns:
@@ -244,7 +236,7 @@ def cast_state_(optimizer: Optimizer, param: torch.Tensor) -> None:
                 state[key] = value.to(param.dtype)
 
 
-def per_element(key: Any, value: Any, param: torch.Tensor, non_castable: Any) -> bool:
+def per_element(key: object, value: object, param: torch.Tensor, non_castable: Container[object]) -> bool:
     # Exactly what torch's Optimizer.load_state_dict casts to the parameter's dtype (floating, not "step"), unless the
     # optimizer opts out (bitsandbytes), and per element: so it is 16-bit between steps and round-trips bit for bit.
     return (
@@ -253,18 +245,18 @@ def per_element(key: Any, value: Any, param: torch.Tensor, non_castable: Any) ->
     )
 
 
-def quantized(value: Any, param: torch.Tensor) -> bool:
+def quantized(value: object, param: torch.Tensor) -> bool:
     # A per-element state held by a wrapper subclass (torchao's 8-bit, 4-bit, FP8 states).
     return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and value.shape == param.shape
 
 
-def codes(key: Any, value: Any, param: torch.Tensor) -> bool:
+def codes(key: object, value: object, param: torch.Tensor) -> bool:
     # bitsandbytes' 8-bit codes of a state: per element, not floating.
     return key in ("state1", "state2") and type(value) is torch.Tensor and value.dtype == torch.uint8 and (
         value.shape == param.shape)
 
 
-def absmax(key: Any, value: Any, param: torch.Tensor) -> bool:
+def absmax(key: object, value: object, param: torch.Tensor) -> bool:
     # bitsandbytes' per-block scales of a state.
     return key in ("absmax1", "absmax2") and type(value) is torch.Tensor and value.shape == (
         -(-param.numel() // BNB_BLOCK),)
@@ -350,5 +342,5 @@ def grad_bytes(param: torch.Tensor) -> int:
     return 0 if grad is None else grad.numel() * grad.element_size()
 
 
-def nbytes(tensors: Any) -> int:
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -7,8 +7,6 @@ import torch
 
 from lit_mpstable.core.weights.compact_rounding import _signed32
 
-__all__ = ["KernelArgs", "fill_key", "flat", "flat_views"]
-
 
 class KernelArgs:
     """One parameter's kernel arguments that outlive a step: the flat views of the weight, compensation and moments

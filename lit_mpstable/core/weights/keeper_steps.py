@@ -10,10 +10,9 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.scaling.scalers import LossScaler
 
-__all__ = ["clip_norm_", "first_grad_device", "step_checked", "unscale_checked_"]
 
-
-def unscale_checked_(optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
+def unscale_checked_(optimizer: Optimizer, checker: LossScaler | None,
+                     scaler: object, device: torch.device | str) -> None:
     """Unscale ``optimizer``'s gradients in place and check them for inf/NaN, agreed across ranks (no host sync)."""
     if checker is None:
         return

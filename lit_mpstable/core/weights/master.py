@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.replicas import broadcast_
-
-__all__ = ["MasterWeights", "carry_precise_state_"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -210,7 +208,7 @@ class MasterWeights:
         if masters:
             torch._foreach_copy_(list[torch.Tensor](masters), list[torch.Tensor](params))
 
-    def broadcast_(self, group: Any) -> None:
+    def broadcast_(self, group: ProcessGroup | None) -> None:
         """Take every master from the first rank of the process group ``group``, as ``DistributedDataParallel``
         takes the 16-bit weights from it (a collective: every rank calls it, after the model was wrapped), and forget
         the FP32 start values kept for parameters not bound yet (each rank's own initialisation: bound later, they
@@ -293,12 +291,12 @@ class MasterWeights:
         return report
 
 
-def _to_fp32(value: Any) -> Any:
+def _to_fp32(value: object) -> Any:
     # Only 16-bit floating state is widened; int step counters and FP32 state stay as they are.
     if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION:
         return value.float()
     return value
 
 
-def _nbytes(tensors: Any) -> int:
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lit_mpstable.core.carry import carry_precise_state_
@@ -16,8 +17,6 @@ from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.weights.keeper_steps import clip_norm_, step_checked, unscale_checked_
 from lit_mpstable.core.weights.master import MasterWeights
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
-
-__all__ = ["MasterKeeper"]
 
 
 class MasterKeeper:
@@ -63,7 +62,7 @@ class MasterKeeper:
             self.moments.bind_(optimizer, self._names())
 
     @torch.no_grad()
-    def follow_model_weights_(self, replicas: Any = None) -> list[str]:
+    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]:
         """Restart from its 16-bit weight every master whose rounding that weight no longer is (weights loaded into
         the model after the masters were bound); returns their names. One host sync. ``replicas``: the process group
         of DDP replicas: first the masters (and the moments' seed) are taken from its first rank."""
@@ -80,7 +79,8 @@ class MasterKeeper:
                 master.copy_(param)
         return [name for (name, _, _), changed in zip(pairs, stale) if changed]
 
-    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
+                 scaler: object, device: torch.device | str) -> None:
         if any(p.requires_grad and p.dtype == self.dtype for g in optimizer.param_groups for p in g["params"]):
             self.weights.bind_new_(optimizer)  # added (add_param_group) or unfrozen since setup
             if self.moments is not None:

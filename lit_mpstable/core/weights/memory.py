@@ -11,10 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MemoryProbe", "plain_tensors", "quiet_fd2", "resident_bytes", "training_memory"]
 
-
-def plain_tensors(value: Any) -> list[torch.Tensor]:
+def plain_tensors(value: object) -> list[torch.Tensor]:
     """The plain tensors holding ``value``'s data: itself, or for a wrapper subclass (torchao's 8-bit and FP8
     optimizer states, DTensor) its inner tensors, recursively; nothing for a non-tensor."""
     if not isinstance(value, torch.Tensor):
@@ -116,7 +114,8 @@ class MemoryProbe:
             self._prof.__enter__()
 
     def stop(self) -> None:
-        assert self._prof is not None, "MemoryProbe.stop() without start()"
+        if self._prof is None:
+            raise RuntimeError("MemoryProbe.stop() before start(module, optimizers): start() begins the profile.")
         with quiet_fd2():
             self._prof.__exit__(None, None, None)
         profiler = self._prof.profiler

@@ -8,8 +8,6 @@ import math
 
 import torch
 
-__all__ = ["BLOCK_SIZE", "decode_fp8", "encode_fp8", "random_words", "to_bf16"]
-
 BLOCK_SIZE = 64
 """Elements per FP8 block, along the flattened tensor: 8 bytes of ``amax`` and ``k`` per 64 codes, 1.125 bytes per
 element (0.281x FP32 for both moments). Half COAT's group of 128: the codes of a block spread over its range

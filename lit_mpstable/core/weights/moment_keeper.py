@@ -21,11 +21,6 @@ from torch.optim import Optimizer
 from lit_mpstable.base.validate import choice_arg
 from lit_mpstable.core.weights.optim_state import MomentStore, StateKind, adam_moments, moment_state
 
-__all__ = [
-    "KEY", "SAVED_MARK", "AdamMoments", "StateKind", "check_adam", "check_optimizer_state", "is_moment_tensor",
-    "pop_saved_mark", "split_moments",
-]
-
 
 def check_optimizer_state(owner: str, kind: Any, precision: str, master_mode: str | None) -> str:
     """``kind`` if it is one of :data:`StateKind` and a weight keeper can hold it: BF16/FP8 moments need FP32 masters

@@ -52,11 +52,6 @@ from lit_mpstable.base.validate import check_keys, int_arg
 from lit_mpstable.core.loaded_state import Field, check_mapping, count, count_list, flag, short, text
 from lit_mpstable.core.weights.moment_codec import BLOCK_SIZE, decode_fp8, encode_fp8, random_words, to_bf16
 
-__all__ = [
-    "BLOCK_SIZE", "MomentStore", "Rounding", "StateKind", "adam_moments", "adamw_step_", "dequantize_moment",
-    "moment_state", "moment_store", "quantize_moment", "state_bytes",
-]
-
 StateKind = Literal["fp32", "bf16", "fp8"]
 Rounding = Literal["stochastic", "nearest"]
 _KINDS: tuple[str, ...] = get_args(StateKind)
@@ -330,12 +325,12 @@ def adamw_step_(
     exp_avg_sq.write_(v, step=step, start=start)
 
 
-def _check_kind(kind: Any, caller: str) -> None:
+def _check_kind(kind: object, caller: str) -> None:
     if kind not in _KINDS:
         raise ValueError(f"{caller}(kind={kind!r}): kind must be one of {list(_KINDS)} (where Adam's moments live).")
 
 
-def _check_rounding(rounding: Any, caller: str) -> None:
+def _check_rounding(rounding: object, caller: str) -> None:
     if rounding not in _ROUNDINGS:
         raise ValueError(f"{caller}(rounding={rounding!r}): rounding must be one of {list(_ROUNDINGS)}; 'stochastic'"
                          " keeps the moments' small EMA updates (unbiased).")

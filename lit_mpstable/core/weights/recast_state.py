@@ -21,8 +21,6 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.weights.compact_slices import per_element
 
-__all__ = ["KEY", "apply_recast_state_", "recast_state"]
-
 KEY = "recast"
 """The stepper state's key, present only while a recasting fallback is active."""
 

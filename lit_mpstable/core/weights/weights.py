@@ -14,16 +14,16 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
+from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.weights.compact_keeper import CompactKeeper
 from lit_mpstable.core.weights.compact_slices import cast_state_
 from lit_mpstable.core.weights.keeper_steps import clip_norm_, step_checked, unscale_checked_
 from lit_mpstable.core.weights.master_keeper import MasterKeeper
-
-__all__ = ["PlainKeeper", "WeightKeeper", "check_eps", "make_keeper"]
 
 
 @runtime_checkable
@@ -44,8 +44,9 @@ class WeightKeeper(Protocol):
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None: ...
     def adopt_optimizer_(self, optimizer: Optimizer) -> None: ...
-    def follow_model_weights_(self, replicas: Any = None) -> list[str]: ...
-    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None: ...
+    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]: ...
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
+                 scaler: object, device: torch.device | str) -> None: ...
     def absorb_grads_(self, optimizer: Optimizer) -> None: ...
     def clip_grad_norm_(
         self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
@@ -105,10 +106,11 @@ class PlainKeeper:
         if optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
 
-    def follow_model_weights_(self, replicas: Any = None) -> list[str]:
+    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]:
         return []  # the optimizer steps the model's own weights, which DDP broadcast: nothing else to agree on
 
-    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None, scaler: Any, device: Any) -> None:
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
+                 scaler: object, device: torch.device | str) -> None:
         unscale_checked_(optimizer, checker, scaler, device)
 
     def absorb_grads_(self, optimizer: Optimizer) -> None:
@@ -161,7 +163,7 @@ class PlainKeeper:
 def make_keeper(
     mode: str | None, module: nn.Module, optimizers: Sequence[Optimizer], *, owner: str, precision: str,
     dtype: torch.dtype, checker: LossScaler | None, fsdp2: bool = False,
-    initial: Mapping[str, torch.Tensor] | None = None, warnings: list[str] | None = None,
+    initial: Mapping[str, torch.Tensor] | None = None, warnings: Notes | None = None,
     optimizer_state: str = "fp32",
 ) -> WeightKeeper:
     """The keeper of ``master_weights=mode`` bound to ``module`` and ``optimizers`` (``mode=None``: plain). Under FSDP2
@@ -183,7 +185,7 @@ def make_keeper(
                             owner=owner)
     if not fsdp2 and mode in ("kahan", "stochastic"):
         return CompactKeeper(module, optimizers, mode, owner=owner, precision=precision, checker=checker,
-                             warnings=warnings if warnings is not None else [], optimizer_state=optimizer_state)
+                             warnings=warnings if warnings is not None else Notes(), optimizer_state=optimizer_state)
     return PlainKeeper(owner, fp16_state=precision == "16-true" and mode is None)
 
 
