@@ -22,8 +22,6 @@ from torch import nn
 from lit_mpstable.callbacks import OverflowMonitor, PrecisionFallback
 from lit_mpstable.frontends.trainer import StablePrecision
 
-__all__ = ["DEAD_CAP", "GROW_FROM", "MODES", "GrowthTask", "SwiGLU", "run_growth_task"]
-
 GROW_FROM, RATE = 80, 1.12  # from step 80 the two rows grow 12% a step (the product feeding mlp.down ~25%)
 MODES = ("align", "dead_channel")
 DEAD_CAP = 1e8  # dead_channel: unit 0's amax / the other units' amax where the growth stops (BF16 stays finite)

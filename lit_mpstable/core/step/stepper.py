@@ -26,9 +26,9 @@ from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_FORMATS
-from lit_mpstable.core.fp8_budget import ProbeBudget
 from lit_mpstable.core.guards.growth import GrowthMonitor
 from lit_mpstable.core.guards.spike import SpikeGuard
+from lit_mpstable.core.layout.fp8_budget import ProbeBudget
 from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.core.layout.policy import OpPolicy
 from lit_mpstable.core.observer import GradObserver

@@ -14,10 +14,10 @@ from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, int_arg
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import FormatName
-from lit_mpstable.core.fp8_budget import ProbeBudget
 from lit_mpstable.core.guards.growth import GrowthMonitor
 from lit_mpstable.core.guards.spike import SpikeGuard
 from lit_mpstable.core.guards.spike_state import OPTIONAL as GUARD_OPTIONAL
+from lit_mpstable.core.layout.fp8_budget import ProbeBudget
 from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.core.layout.policy import OpPolicy
 from lit_mpstable.core.loaded_state import (

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_DTYPES
-from lit_mpstable.core.fp8_budget import LossFn, ProbeBudget
+from lit_mpstable.core.layout.fp8_budget import LossFn, ProbeBudget
 from lit_mpstable.core.layout.fsdp import fsdp2_fallback_refusal
 from lit_mpstable.core.layout.islands import FP32Islands
 from lit_mpstable.core.layout.layout import PrecisionLayout

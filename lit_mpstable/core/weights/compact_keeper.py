@@ -11,11 +11,11 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lit_mpstable.base.notes import Notes
-from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.replicas import agree_seed, broadcast_
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.tensors import grad_norms
+from lit_mpstable.core.weights.carry import carry_precise_state_
 from lit_mpstable.core.weights.compact import CompactMode, CompactWeights
 from lit_mpstable.core.weights.compact_slices import LOW, Piece, transform
 from lit_mpstable.core.weights.keeper_steps import first_grad_device, step_checked

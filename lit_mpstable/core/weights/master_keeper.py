@@ -11,9 +11,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.replicas import agree_seed
 from lit_mpstable.core.scaling.scalers import LossScaler
+from lit_mpstable.core.weights.carry import carry_precise_state_
 from lit_mpstable.core.weights.keeper_steps import clip_norm_, step_checked, unscale_checked_
 from lit_mpstable.core.weights.master import MasterWeights
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments

@@ -18,8 +18,8 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lit_mpstable.base.notes import Notes
-from lit_mpstable.core.carry import carry_precise_state_
 from lit_mpstable.core.scaling.scalers import LossScaler
+from lit_mpstable.core.weights.carry import carry_precise_state_
 from lit_mpstable.core.weights.compact_keeper import CompactKeeper
 from lit_mpstable.core.weights.compact_slices import cast_state_
 from lit_mpstable.core.weights.keeper_steps import clip_norm_, step_checked, unscale_checked_
