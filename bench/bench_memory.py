@@ -156,7 +156,8 @@ PHASES = [
     ("torch.autograd", "backward", "  torch.autograd.backward"),
     ("torch.optim.adam", "_single_tensor_adam", "torch's Adam arithmetic (L-bf16-true)"),
     ("lit_mpstable.core.step.stepper", "PrecisionStepper.unscale_", "stepper.unscale_"),
-    ("lit_mpstable.core.scaling.inf_checks", "InfChecks.check_", "  scaler.check_: the gradients' inf/NaN check"),
+    ("lit_mpstable.core.scaling.loss_scaler", "DynamicLossScaler.check_",
+     "  scaler.check_: the gradients' inf/NaN check"),
     ("lit_mpstable.core.step.stepper", "PrecisionStepper.step", "stepper.step"),
     ("lit_mpstable.core.step.stepper", "check_step_inputs_", "  step-input check (gradients written since, a share)"),
     ("lit_mpstable.core.step.iteration", "Iteration.update_scale_", "  scale update"),
@@ -346,11 +347,11 @@ def step_python(kinds: list[str], calls: int) -> None:
 
 def check_costs(rounds: int) -> None:
     """What the gradients' inf/NaN check costs on the MLP (784-1024x3-10, batch 256, BF16), done after backward
-    (``inf_checks.nonfinite_on_cpu``, as the step does) or folded into backward by a post-accumulate-grad hook per
+    (``loss_scaler.nonfinite_on_cpu``, as the step does) or folded into backward by a post-accumulate-grad hook per
     parameter (``torch.aminmax`` of each gradient while it is in cache), against no check: forward + backward + check,
     thread CPU time, the three alternating, median over ``rounds`` of the difference to no check. Then exact and
     inexact reductions of one 1M-element BF16 tensor (hot)."""
-    from lit_mpstable.core.scaling.inf_checks import nonfinite_on_cpu
+    from lit_mpstable.core.scaling.loss_scaler import nonfinite_on_cpu
 
     net = Workload("mlp", torch.optim.AdamW).net.bfloat16()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)

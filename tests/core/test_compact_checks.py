@@ -1,5 +1,5 @@
-"""The inf/NaN check of compact weights' step (InfChecks.check_ on the CPU): it reads each large gradient once and
-writes none, and a non-finite gradient still skips the step with nothing written."""
+"""The inf/NaN check of compact weights' step (DynamicLossScaler.check_ on the CPU): it reads each large gradient once
+and writes none, and a non-finite gradient still skips the step with nothing written."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import torch
 from helpers import mse_backward, regression_data, tiny_stepper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_mpstable.core.scaling import inf_checks
-from lit_mpstable.core.scaling.inf_checks import READ_ONLY_MIN, nonfinite_on_cpu
-from lit_mpstable.core.scaling.loss_scaler import StaticLossScaler
+from lit_mpstable.core.scaling import loss_scaler
+from lit_mpstable.core.scaling.loss_scaler import READ_ONLY_MIN, StaticLossScaler, nonfinite_on_cpu
 
 INF, NAN = float("inf"), float("nan")
 
@@ -119,7 +118,7 @@ def test_sparse_gradients_take_gradscalers_kernel() -> None:
 def test_a_nonfinite_gradient_skips_the_compact_step_and_writes_nothing(mode: str, bad: float, read_only: bool,
                                                                         monkeypatch) -> None:
     # TinyMLP's gradients are small: READ_ONLY_MIN = 1 sends them all through the read-only reduction.
-    monkeypatch.setattr(inf_checks, "READ_ONLY_MIN", 1 if read_only else inf_checks.READ_ONLY_MIN)
+    monkeypatch.setattr(loss_scaler, "READ_ONLY_MIN", 1 if read_only else loss_scaler.READ_ONLY_MIN)
     model, stepper, optimizer = tiny_stepper(master_weights=mode)
     x, y = regression_data(16)
 

@@ -13,8 +13,7 @@ from torch.distributed import ProcessGroup
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import choice_arg
 from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.scaling.inf_checks import fold_found_inf
-from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler, StaticLossScaler
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler, StaticLossScaler, fold_found_inf
 from lit_mpstable.core.scaling.scaler_state import SCALE_FLOOR
 
 ScalerName = Literal["auto", "dynamic", "static", "adaptive"]
