@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 from torch.optim import Optimizer
 
@@ -79,28 +76,3 @@ def known_norm(
     if len(grads) != len(checked) or not all(type(g) is torch.Tensor and (g, g._version) in checked for g in grads):
         return None
     return norm
-
-
-def clip_grad_norm(stepper: Any, optimizer: Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
-    """:meth:`PrecisionStepper.clip_grad_norm_ <lit_mpstable.core.step.stepper.PrecisionStepper.clip_grad_norm_>` after
-    the unscale: clipped to ``min(max_norm, the guard's ZClip threshold)``, with the guard's norm when it still holds
-    (one read of the gradients, not two), and the clipped gradients noted as checked."""
-    now, guard = stepper.iteration, stepper.spike_guard
-    # Finite gradients times a factor max_norm / (norm + 1e-6) <= 1 stay finite when max_norm is a finite number (an
-    # inf norm gives 0; a NaN one means inf/NaN gradients, flagged already): the step-input check need not read them
-    # again. Not with an infinite limit (ZClip alone, in its warmup): inf / inf is NaN.
-    finite_limit = isinstance(max_norm, (int, float)) and math.isfinite(max_norm)
-    stepper.keeper.absorb_grads_(optimizer)  # a hook's write reaches the masters first: the norm below is then fresh
-    threshold = guard.clip_threshold() if guard is not None else None
-    if threshold is not None and norm_type == 2.0:
-        # ZClip: the adaptive threshold when lower. A tensor limit: clip_grad_norm_ computes max_norm / norm on the
-        # device, so no host read.
-        max_norm = torch.clamp(threshold, max=float(max_norm))  # type: ignore[assignment]
-    first = id(optimizer) not in stepper._zclipped  # a second clip sees the first one's result (or factor)
-    norm = stepper._spike.get(id(optimizer), (None, None))[1]
-    known = known_norm(norm, now.checked.get(id(optimizer)), optimizer, norm_type) if first else None
-    stepper._zclipped.add(id(optimizer))
-    result: torch.Tensor = stepper.keeper.clip_grad_norm_(optimizer, max_norm, norm_type, total_norm=known)
-    if finite_limit and id(optimizer) in now.checked:
-        now.note_checked(optimizer)
-    return result

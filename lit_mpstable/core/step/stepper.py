@@ -14,8 +14,9 @@ One iteration, in this order (a plain loop calls the same methods the Trainer an
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, get_args
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, cast, get_args
 
 import torch
 from torch import nn
@@ -24,23 +25,27 @@ from torch.optim import Optimizer
 
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg
+from lit_mpstable.core.attribution import any_nonfinite
+from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.counters import RunCounters
-from lit_mpstable.core.formats import PRECISION_FORMATS
+from lit_mpstable.core.formats import PRECISION_DTYPES, PRECISION_FORMATS
 from lit_mpstable.core.guards.growth import GrowthMonitor
 from lit_mpstable.core.guards.spike import SpikeGuard
-from lit_mpstable.core.layout.fp8_budget import ProbeBudget
+from lit_mpstable.core.layout.fp8_budget import LossFn, ProbeBudget
+from lit_mpstable.core.layout.fsdp import check_fsdp_policies, fsdp2_fallback_refusal, setup_fsdp2, unsharded_message
+from lit_mpstable.core.layout.islands import FP32Islands
 from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.core.layout.policy import OpPolicy
-from lit_mpstable.core.observer import GradObserver
+from lit_mpstable.core.observer import GradObserver, shard_view
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.step.iteration import Iteration
 from lit_mpstable.core.step.step_buffers import StepBuffers
-from lit_mpstable.core.step.step_guard import check_step_inputs_, held_nonfinite, stale_grads_note
-from lit_mpstable.core.step.step_report import blame, blame_late, observe
+from lit_mpstable.core.step.step_guard import check_step_inputs_, held_nonfinite, late_nonfinite_note, stale_grads_note
 from lit_mpstable.core.step.step_spike import (
     check_spike_guard,
-    clip_grad_norm,
+    known_norm,
     level_shift_note,
     observe_loss,
     true_grad_norm,
@@ -56,18 +61,29 @@ from lit_mpstable.core.step.stepper_args import (
     check_optimizer,
     check_optimizers,
 )
-from lit_mpstable.core.step.stepper_forward import StepperForward
-from lit_mpstable.core.step.stepper_setup import adopt_device, setup_module, setup_optimizers
-from lit_mpstable.core.step.stepper_state import StepperState, adopt_recast_state_
-from lit_mpstable.core.step.stepper_status import StepperStatus
+from lit_mpstable.core.step.stepper_state import (
+    check_plugin_state,
+    check_weights_state,
+    load_scaler_state_,
+    load_weights_state_,
+    weights_state,
+)
 from lit_mpstable.core.tensors import default_dtype as default_dtype  # re-exported: the stepper's argument helpers
+from lit_mpstable.core.tensors import floating_tensors, map_tensors
 from lit_mpstable.core.tensors import tensor_init_context as tensor_init_context
+from lit_mpstable.core.weights.memory import training_memory
 from lit_mpstable.core.weights.moment_keeper import StateKind, check_optimizer_state
-from lit_mpstable.core.weights.weights import PlainKeeper, WeightKeeper
+from lit_mpstable.core.weights.recast_state import KEY as RECAST
+from lit_mpstable.core.weights.recast_state import apply_recast_state_, recast_state
+from lit_mpstable.core.weights.weights import PlainKeeper, WeightKeeper, make_keeper
 from lit_mpstable.fp8 import FP8Config, fp8_config
 
+_FLUSH_LIMIT = 0.05
+"""Above this fraction of the nonzero gradient elements flushing to zero in FP16, the loss scale is named (once)."""
+_FLUSH_PREFIX = "The loss scale flushes the FP16 gradients"
 
-class PrecisionStepper(StepperForward, StepperStatus, StepperState):
+
+class PrecisionStepper:
     """The precision of one training run and its step protocol: loss scaling, the non-finite check, FP32 master
     weights, clipping on true gradients, skip-and-count, FP32 islands, FP8 layers, the per-op policy, telemetry.
 
@@ -76,6 +92,10 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
     one GradScaler documents, plus what it leaves to the caller: the gradients are unscaled (and, with masters,
     moved into FP32) before anyone reads or clips them; a step whose gradients hold inf/NaN is skipped in every mode
     (``skip_nonfinite``), its LR schedule held, and counted.
+
+    The class reads top to bottom in the order of a run: setup (model, optimizers, device), the forward, the backward's
+    :meth:`scale_loss`, :meth:`unscale_` and clipping, :meth:`step` or a skip and the scale update; then
+    :meth:`state_dict`/:meth:`load_state_dict`; then what it shows of the run (dtypes, counters, fallbacks, memory).
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (each message names it).
@@ -127,6 +147,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
             growth_every_n_steps, clock=self.applied_steps)  # a bound method: spawned ranks unpickle it
         """The per-layer activation growth monitor (early warning of FP8 overflow), attached at setup_module."""
         # The scaler the run scales with, and the LossScaler the step calls (the same object unless foreign).
+        self.scaler: Any  # GradScaler-like (ours, or a user's), or None
         self._checker: LossScaler | None
         self.scaler, self._checker = build_scaler(call, precision, scaler, self.device, skip_nonfinite=skip_nonfinite,
                                                   warnings=self.warnings)
@@ -175,6 +196,7 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self._loss_scaled = False  # scale_loss ran in this process (the scaler has a scale to unscale by)
         self.step_buffers = StepBuffers()
         """The module's persistent buffers as the step in progress found them: written back when it is skipped."""
+        self._converted_to: torch.dtype | None = None  # the dtype convert_input cast the latest batch to (*-true)
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, *, fsdp2: bool = False) -> nn.Module:
@@ -193,13 +215,73 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         """
         check_module(f"{self.owner}.setup_module", module)
         bool_arg(f"{self.owner}.setup_module", "fsdp2", fsdp2)
-        return setup_module(self, module, fsdp2=fsdp2)
+        if self._skip_requested:  # no step is in progress between fits: the request must not eat the next first batch
+            self._skip_requested = False
+            self.warnings.add("skip-step-outside", f"{self.owner}.skip_step() was called outside a step (between"
+                              " fits): ignored; call it during a step (before optimizer_step), e.g. from"
+                              " on_before_backward.")
+        self.fsdp2, sharded, self.layout.cast_parameters = setup_fsdp2(
+            self.owner, self.precision, module, requested=fsdp2, master_mode=self.master_mode, fp8=self.fp8,
+            swapped_elsewhere=self.layout.module is not module, true_16bit=self.true_16bit,
+        )
+        if not self.fsdp2 and self.master_mode == "fp32" and self.keeper.mode != "fp32":
+            # Masters start from these FP32 values, not from their 16-bit rounding (kept until the optimizers come).
+            self._initial = {name: p.detach().clone() for name, p in module.named_parameters()
+                             if p.requires_grad and p.dtype == torch.float32}
+        if self.fsdp2 and self.fp8_budget.budget is not None:
+            raise ValueError(
+                f"{self.owner}(fp8=FP8Config(keep_high_precision={self.fp8_budget.budget!r})) with FSDP2: the probe's"
+                " choice moves layers out of FP8 after the first step, when fully_shard has already bound them; use"
+                f" HighPrecisionBudget(fraction={self.fp8_budget.budget.fraction}, by='last') (decided before"
+                " sharding).")
+        self.layout.attach(module, self.device)
+        self.fp8_budget.attach_(self.layout)  # a probe choice loaded before the model: before the layout's state
+        if "layout" in self._pending:
+            self.layout.load_state_dict(self._pending.pop("layout"))
+        self._adopt_recast_state_(self.optimizers, weights=True)  # a resumed fallback's FP32 values, loaded before
+        self.observer.attach(module)
+        if self.growth is not None:  # after the FP8 swap: the hooks go on the layers that run
+            self.growth.detach()
+            self.growth.attach(module, hooks="on_demand")  # hooked in forward_context on sampling steps only
+        if sharded:
+            check_fsdp_policies(module, self.precision, master_weights=self.master_mode is not None,
+                                islands=self.layout.islands.names, owner=self.owner)
+        self._fsdp_checked = sharded
+        return module
 
     def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], schedulers: Sequence[Any] = ()) -> None:
         """Bind the weight keeper (FP32 masters, compact weights) to ``module`` and ``optimizers``, and hold
         ``schedulers`` on skipped steps."""
         check_module(f"{self.owner}.setup_optimizers", module)
-        setup_optimizers(self, module, check_optimizers(f"{self.owner}.setup_optimizers", optimizers), list(schedulers))
+        optimizers = check_optimizers(f"{self.owner}.setup_optimizers", optimizers)
+        if self.layout.module is None:
+            raise RuntimeError(
+                f"{self.owner}.setup_optimizers: call setup_module(module) first; without it the model keeps its"
+                f" FP32 weights and no precision layout ({self.precision!r}, FP32 islands, FP8), and trains in FP32.")
+        self.optimizers = list(optimizers)
+        self.adopt_device_(module)
+        for scaler in (self.scaler, self._checker):  # the scale-1 check of scaler=None unscales FP16 gradients too
+            if isinstance(scaler, DynamicLossScaler):
+                scaler.allow_fp16_grads = self.precision == "16-true" and self.master_mode is None
+        if self.fsdp2 and self.true_16bit and not self._fsdp_checked:
+            raise ValueError(unsharded_message(self.owner, self.precision, module))
+        self.check_eps(optimizers)
+        if self.master_mode is not None:  # plain needs no binding (the plain keeper checked eps above)
+            self.keeper = make_keeper(
+                self.master_mode, module, optimizers, owner=self.owner, precision=self.precision,
+                dtype=self.dtype, checker=self._checker, fsdp2=self.fsdp2, initial=self._initial,
+                warnings=self.warnings, optimizer_state=self.optimizer_state,
+            )
+            self._initial = {}
+        else:
+            # The plain keeper of __init__: their state follows a fallback's recast of the parameters.
+            cast(PlainKeeper, self.keeper).optimizers = list(optimizers)
+        self.layout.after_recast = self.keeper.follow_recast_  # a fallback carries what the keeper holds
+        key = self.keeper.state_key
+        if key is not None and key in self._pending:
+            self.keeper.load_state_dict(self._pending.pop(key))
+        self._adopt_recast_state_(list(optimizers))  # a resumed fallback's FP32 optimizer state, loaded before
+        self.schedules.hold(list(schedulers))
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
         """In ``'16-true'`` without masters, refuse an ``eps`` FP16 cannot hold (``core.weights.check_eps``)."""
@@ -208,7 +290,25 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
     def adopt_device_(self, module: nn.Module) -> None:
         """Run where ``module``'s first parameter lives (autocast, FP32 islands, loss scalers follow). Called by
         :meth:`setup_optimizers`, and again before the first forward by a front end that moves the model later."""
-        adopt_device(self, module)
+        device_type = next((p.device.type for p in module.parameters()), self.device)
+        if device_type in ("cpu", "cuda"):
+            self.device = self.layout.islands.device_type = self.layout.device_type = device_type
+        scaler = self._checker  # a foreign scaler's wrapper adopts nothing; ours is self.scaler itself
+        previous = scaler.adopt_device_(self.device) if scaler is not None else None
+        if previous is not None and scaler is self.scaler:
+            self.warnings.add(
+                f"scaler-adopted:{type(scaler).__name__}:{previous}:{self.device}",
+                f"{type(scaler).__name__} built for {previous!r} adopted onto the run's device {self.device!r}."
+            )
+
+    def _adopt_recast_state_(self, optimizers: Sequence[Optimizer], *, weights: bool = False) -> None:
+        """Hand a recasting fallback's FP32 values loaded before the model or ``optimizers`` arrived to them
+        (:mod:`~lit_mpstable.core.weights.recast_state`); what no optimizer holds yet keeps waiting."""
+        module, waiting = self.layout.module, self._pending.pop(RECAST, None)
+        if waiting and module is not None:
+            waiting = apply_recast_state_(module, optimizers, waiting, weights=weights)
+        if waiting:
+            self._pending[RECAST] = waiting
 
     @torch.no_grad()
     def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]:
@@ -224,6 +324,86 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         rank calls it, after the model was wrapped, before the first step (a plain loop too: ``ddp =
         DistributedDataParallel(model)``, then ``stepper.follow_model_weights_(ddp.process_group)``)."""
         return self.keeper.follow_model_weights_(replicas)
+
+    # --------------------------------------------------------------------------------------------- forward
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Autocast (``*-mixed``), the 16-bit default dtype (``*-true``), the op policy and FP8's own context.
+
+        With ``torch.compile``: none of this adds a graph break (autocast and the policy's mode are traced into the
+        graph, or guarded on from outside it). The forward that traces an overflow (the step after one, or every step
+        with ``diagnose``) and a growth monitor's sampled forward run eagerly: their hooks would break the graph and
+        recompile it.
+        """
+        self._note_recompile()
+        self.step_buffers.begin_(self.layout.module)  # the buffers before the step's first training forward
+        traced = self.observer.tracer is not None
+        # A growth sample hooks the layers for this forward only; a compiled model runs it eagerly (its graph
+        # holds no hook, so it neither breaks nor recompiles).
+        growth = self.growth if self.growth is not None and self.growth.due() else None
+        module = self.layout.module
+        eagerly = traced or (growth is not None and module is not None and is_compiled(module))
+        with eager() if eagerly else nullcontext(), growth.sampling() if growth is not None else nullcontext(), \
+                self.layout.forward_context(), self._recast_inputs():
+            if self.compute_dtype == torch.float32:
+                yield
+            elif self.true_16bit:
+                with default_dtype(self.dtype):  # tensors created inside forward default to the 16-bit dtype
+                    yield
+            else:
+                # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
+                # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
+                autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+                with autocast, self.policy.context(self.device):
+                    yield
+                if not self.policy.pending and self.stats.get("op_policy") != self.policy.choices:
+                    self.stats["op_policy"] = dict(self.policy.choices)  # decided (second forward), forced or resumed
+                    self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
+                                                  for f, m in self.policy.measurements.items()}
+
+    @contextmanager
+    def _recast_inputs(self) -> Generator[None, None, None]:
+        """``*-true``: a batch converted before a fallback (or a restore) changed the compute dtype, e.g. by
+        ``plugin.fallback(None)`` from ``on_train_batch_start`` (Lightning converts the batch before that hook): its
+        16-bit tensors would meet FP32 weights ("mat1 and mat2 must have the same dtype"). For the forwards of that
+        batch every module of the model casts its floating inputs of the converted dtype to the compute dtype (as
+        AMPPreflight casts the batch it falls back for). Hooks for those forwards only; none otherwise."""
+        stale, now, module = self._converted_to, self.compute_dtype, self.layout.module
+        if not self.true_16bit or stale is None or stale == now or module is None:
+            yield
+            return
+
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(now) if tensor.is_floating_point() and tensor.dtype == stale else tensor
+
+        def hook(_: object, args: object, kwargs: object) -> tuple[Any, Any]:
+            return map_tensors(args, cast), map_tensors(kwargs, cast)
+
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in module.modules()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _note_recompile(self) -> None:
+        layout = self.layout
+        seen = (layout.fp32, layout.fp8_off, tuple(layout.fp8_removed), tuple(layout.fp32_modules))
+        changed, self._layout_seen = self._layout_seen not in (None, seen), seen
+        if changed and layout.module is not None and is_compiled(layout.module):
+            recompile_note(self.step_count, self.warnings)
+
+    def convert_input(self, data: object) -> Any:
+        """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
+        device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
+        tensors = floating_tensors(data)
+        if tensors:
+            flag = any_nonfinite(tensors)
+            self._input_nonfinite = flag if self._input_nonfinite is None else self._input_nonfinite | flag
+        if not self.true_16bit:
+            return data
+        self._converted_to = self.compute_dtype
+        return map_tensors(data, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
 
     # -------------------------------------------------------------------------------------------- backward
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -265,14 +445,49 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self.iteration.unscaled.add(id(optimizer))
         if all(optimizer is not known for known in self.optimizers):
             self.optimizers.append(optimizer)
-            adopt_recast_state_(self, [optimizer])  # a resumed fallback's FP32 optimizer state waiting for it
+            self._adopt_recast_state_([optimizer])  # a resumed fallback's FP32 optimizer state waiting for it
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
         self.iteration.note_checked(optimizer)
         if self.spike_guard is not None:
             # The true gradients' norm before any clipping (times a deferring keeper's pending unscale factor).
             norm = true_grad_norm(optimizer, self.keeper.grad_multiplier(optimizer))
             self._spike[id(optimizer)] = (self.spike_guard.decide(norm), norm)
-        observe(self)
+        self._observe()
+
+    def _observe(self) -> None:
+        """Gradient telemetry into :attr:`stats` (the observer computes it on due steps only)."""
+        module = self.layout.module
+        if module is None:
+            return
+        scaler = self.scaler
+        scale = scaler.get_scale if scaler is not None else lambda: 1.0  # called on due steps only
+        fp8 = self.fp8 is not None and bool(self.layout.fp8_layers)
+        updates, warning = self.observer.observe(module, self.named_grads, self.step_count, scale, fp8=fp8)
+        self.stats.update(updates)
+        if warning is not None:
+            self.warnings.add_once(*warning, per=self.step_count)
+        flush = self._flush_note(updates)
+        if flush is not None:
+            self.warnings.add_once("flush", flush)
+
+    def _flush_note(self, updates: dict[str, Any]) -> str | None:
+        """On a telemetry step of an FP16 run with a loss scaler: a warning when the scale flushes the gradients, else
+        None. Flushing: more than 5% of the nonzero elements would flush to zero at the scale (the telemetry's
+        forecast), or, at a scale below 1, more than 5% of the elements are zero already (the FP16 backward flushed
+        them; above 1 a zero is as likely the model's own: a dead ReLU, an unused embedding row). Host reads on
+        telemetry steps only (they have synchronised already)."""
+        if self.scaler is None or self.compute_dtype != torch.float16 or "grad_underflow_frac" not in updates:
+            return None
+        scale = self.loss_scale
+        forecast, zero = float(updates["grad_underflow_frac"]), float(updates.get("grad_zero_frac") or 0.0)
+        flushed = max(forecast, zero if scale < 1.0 else 0.0)
+        if flushed <= _FLUSH_LIMIT:
+            return None
+        return (f"{_FLUSH_PREFIX}: at loss scale {scale:g} (step {updates.get('stats_step')}) {flushed:.1%} of the"
+                " gradient elements are zero or flush to zero in FP16. The scale grows back only after growth_interval"
+                " clean steps in a row, so overflows more frequent than that ratchet it down (a FaultTriage verdict"
+                " undoes the backoffs it explains). Use scaler='adaptive' (the scale follows the gradients' amax), a"
+                " DynamicLossScaler with hysteresis or min_scale, or PrecisionFallback.")
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
         """The parameters the optimizer updates (the FP32 masters with ``master_weights``), after :meth:`unscale_`.
@@ -285,11 +500,32 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip ``optimizer``'s true gradients to a total norm (on the masters with ``master_weights``; with compact
-        weights the clip factor joins the FP32 unscale of the step: the 16-bit gradients are not rounded twice)."""
+        weights the clip factor joins the FP32 unscale of the step: the 16-bit gradients are not rounded twice).
+
+        After the unscale: clipped to ``min(max_norm, the guard's ZClip threshold)``, with the guard's norm when it
+        still holds (one read of the gradients, not two), and the clipped gradients noted as checked."""
         check_clip(f"{self.owner}.clip_grad_norm_", "max_norm", max_norm)
         check_norm_type(f"{self.owner}.clip_grad_norm_", norm_type)
         self.unscale_(optimizer)
-        return clip_grad_norm(self, optimizer, max_norm, norm_type)
+        now, guard = self.iteration, self.spike_guard
+        # Finite gradients times a factor max_norm / (norm + 1e-6) <= 1 stay finite when max_norm is a finite number
+        # (an inf norm gives 0; a NaN one means inf/NaN gradients, flagged already): the step-input check need not read
+        # them again. Not with an infinite limit (ZClip alone, in its warmup): inf / inf is NaN.
+        finite_limit = isinstance(max_norm, (int, float)) and math.isfinite(max_norm)
+        self.keeper.absorb_grads_(optimizer)  # a hook's write reaches the masters first: the norm below is then fresh
+        threshold = guard.clip_threshold() if guard is not None else None
+        if threshold is not None and norm_type == 2.0:
+            # ZClip: the adaptive threshold when lower. A tensor limit: clip_grad_norm_ computes max_norm / norm on the
+            # device, so no host read.
+            max_norm = torch.clamp(threshold, max=float(max_norm))  # type: ignore[assignment]
+        first = id(optimizer) not in self._zclipped  # a second clip sees the first one's result (or factor)
+        norm = self._spike.get(id(optimizer), (None, None))[1]
+        known = known_norm(norm, now.checked.get(id(optimizer)), optimizer, norm_type) if first else None
+        self._zclipped.add(id(optimizer))
+        result: torch.Tensor = self.keeper.clip_grad_norm_(optimizer, max_norm, norm_type, total_norm=known)
+        if finite_limit and id(optimizer) in now.checked:
+            now.note_checked(optimizer)
+        return result
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s true gradients to ``±clip_value`` (on the masters with ``master_weights``; with
@@ -357,9 +593,9 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
             if guard.count_run_(self.last_step_spiked, applied=not skipped):
                 self.warnings.add(f"spike-level-shift:{self.step_count}", level_shift_note(guard, self.step_count))
         if late:
-            blame_late(self, optimizer)
+            self._blame_late(optimizer)
         elif skipped and not self.last_step_spiked:
-            blame(self)
+            self._blame()
         # inf/NaN that entered late, or a spike, is no overflow (a wider precision would not help): skipped only.
         overflow = skipped and not late and not self.last_step_spiked
         self._record(skipped=skipped, overflow=overflow, optimizer=optimizer)
@@ -407,3 +643,252 @@ class PrecisionStepper(StepperForward, StepperStatus, StepperState):
         self._input_nonfinite = None
         if self.growth is not None:
             self.growth.due()  # follows the step count now: a due step that went unsampled is warned of
+
+    def _blame(self) -> None:
+        """After an overflow: the data if the batch held inf/NaN, else the parameters with inf/NaN gradients and
+        (traced on the next step) the first module whose inputs were finite and outputs were not."""
+        module = self.layout.module
+        if module is None:
+            return
+        flag = self.input_nonfinite
+        self.stats.pop("nonfinite_after_check", None)
+        self.stats.update(self.observer.blame(module, self.named_grads(),
+                                              nonfinite_input=flag is not None and bool(flag)))
+
+    def _blame_late(self, optimizer: Optimizer) -> None:
+        """The gradient check found nothing: inf/NaN entered after it, which no precision setting explains. Nothing is
+        blamed on a module (a fallback would island healthy layers)."""
+        self.stats.update(blamed_params=[], blamed_modules=[], nonfinite_input=False, nonfinite_after_check=True)
+        self.warnings.add_once(f"late-nonfinite:{type(optimizer).__name__}", late_nonfinite_note(optimizer))
+
+    # ----------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly; tensors and plain Python values (``weights_only=True`` loads it).
+
+        Keys: ``precision``, ``scaler`` (its own state dict, ``{}`` without scaling), ``step_count``,
+        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallbacks, FP8 amax histories),
+        ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
+        ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
+        compensation buffers and rounding seed, ``{}`` without), ``spike_guard`` (the SpikeGuard's statistics,
+        ``{}`` without), ``fp8_budget`` (the layers ``HighPrecisionBudget(by="probe")`` moved to the base precision,
+        their measured errors and the step: ``{}`` before the choice or without that budget), ``growth`` (the
+        growth monitor's samples, which its trend fit resumes from, ``{}`` without ``growth_every_n_steps``), and,
+        only while a fallback holds ``*-true`` parameters in FP32 without FP32 masters, ``recast`` (their FP32 values
+        and optimizer state by parameter name: :mod:`~lit_mpstable.core.weights.recast_state`).
+        """
+        if self.iteration.stepped:
+            # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
+            # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
+            self._update_scale_()
+        return {
+            **weights_state(self.keeper, self._pending),
+            "precision": self.precision,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            **self.counters.state_dict(),
+            "layout": self.layout.state_dict(),
+            "op_policy": self.policy.state_dict(),
+            "schedules": self.schedules.state_dict(),
+            "spike_guard": self.spike_guard.state_dict() if self.spike_guard is not None else {},
+            "fp8_budget": self.fp8_budget.state_dict(),
+            "growth": self.growth.state_dict() if self.growth is not None else {},
+            **self._recast_state(),
+        }
+
+    def _recast_state(self) -> dict[str, Any]:
+        module, waiting = self.layout.module, self._pending.get(RECAST)
+        if module is None:
+            return {RECAST: waiting} if waiting else {}
+        names = self.layout.recast_names() if self.master_mode != "fp32" else []  # masters carry their own values
+        state = recast_state(module, names, self.optimizers, waiting)
+        return {RECAST: state} if state else {}
+
+    def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
+        """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
+        run's and the scaler's) keep their live values (a rollback undoes the weights, not the history).
+
+        Returns notes for the front end to show (a precision switch on resume, say). The growth monitor's samples
+        are history too: a rollback (``keep_counters``) keeps the live ones.
+
+        Raises:
+            KeyError: keys differ from :meth:`state_dict`'s (each is named).
+            TypeError: ``state`` is not a dict, or a field has the wrong type (``"False"`` for a bool, ``None``).
+            ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
+        """
+        # Every field is checked before anything is loaded: a refused state changes nothing.
+        bool_arg(f"{self.owner}.load_state_dict", "keep_counters", keep_counters)
+        if isinstance(state, dict) and "spike_guard" not in state:
+            state = {**state, "spike_guard": {}}  # saved before SpikeGuard existed: no statistics to restore
+        if isinstance(state, dict) and "fp8_budget" not in state:
+            state = {**state, "fp8_budget": {}}  # saved before the probe's budget was part of the state
+        if isinstance(state, dict) and "growth" not in state:
+            state = {**state, "growth": {}}  # saved before the growth samples were checkpointed: the fit restarts
+        if isinstance(state, dict) and RECAST not in state:
+            state = {**state, RECAST: {}}  # no recasting fallback at the save (or saved before this key existed)
+        call = f"{self.owner}.load_state_dict"
+        check_plugin_state(call, state, set(self.state_dict()) | {RECAST}, get_args(PrecisionName))
+        self.fp8_budget.check_state(call, state["fp8_budget"], self.layout)
+        check_weights_state(call, self.keeper, state["masters"], state["compact"], mode=self.master_mode,
+                            fsdp2=self.fsdp2, module=self.layout.module)
+        growth, saved_growth = self.growth, state["growth"]
+        if growth is not None and saved_growth:
+            growth.check_state(saved_growth, call=call, name="growth")
+        guard, saved_guard = self.spike_guard, state["spike_guard"]
+        if guard is not None and saved_guard:
+            # Checked on a throwaway guard first (it refuses a bad state whole), so nothing is half loaded.
+            SpikeGuard(guard.zscore, guard.window, guard.warmup, guard.watch,  # type: ignore[arg-type]
+                       guard.clip_zscore).load_state_dict(dict(saved_guard))
+        notes = load_scaler_state_(self.scaler, state, precision=self.precision, keep_counters=keep_counters)
+        if not keep_counters:
+            self.counters.load_state_dict(state)
+            self.schedules.load_state_dict(list(state["schedules"]))
+        notes += self.fp8_budget.load_state_dict(state["fp8_budget"], self.layout)  # before the layout's FP8 state
+        if self.layout.module is None:
+            self._pending["layout"] = state["layout"]
+        else:
+            self.layout.load_state_dict(state["layout"])
+        warning = load_weights_state_(self.keeper, state["masters"], state["compact"], mode=self.master_mode,
+                                      fsdp2=self.fsdp2, pending=self._pending, module=self.layout.module,
+                                      precision=self.precision)
+        if warning is not None:
+            self.warnings.add(*warning)
+        # After the fallback was re-applied: the recast parameters and their optimizer state take the FP32 values.
+        self._pending.pop(RECAST, None)
+        if state[RECAST]:
+            self._pending[RECAST] = state[RECAST]
+            self._adopt_recast_state_(self.optimizers, weights=True)
+        self.policy.load_state_dict(state["op_policy"])
+        if guard is not None and saved_guard:
+            live = guard.spikes_skipped.clone()
+            guard.load_state_dict(dict(saved_guard))
+            if keep_counters:  # a rollback keeps the count of skipped spikes (history), restores the statistics
+                guard.spikes_skipped.copy_(live.to(guard.spikes_skipped.device))
+        elif saved_guard:
+            notes.append(f"{self.owner}.load_state_dict: the checkpoint holds SpikeGuard statistics but this run has"
+                         " no spike_guard; they were not loaded.")
+        if growth is not None and saved_growth and not keep_counters:
+            growth.load_state_dict(dict(saved_growth))
+        elif saved_growth and growth is None:
+            notes.append(f"{call}: the checkpoint holds growth-monitor samples but this run has no"
+                         " growth_every_n_steps; they were not loaded.")
+        return notes
+
+    # ---------------------------------------------------------------------------------------------- status
+    @property
+    def dtype(self) -> torch.dtype:
+        """The 16-bit compute dtype, or ``torch.float32`` for ``"32-true"``."""
+        return PRECISION_DTYPES.get(self.precision, torch.float32)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in now: :attr:`dtype`, or FP32 while a global fallback is active."""
+        return self.layout.compute_dtype
+
+    @property
+    def true_16bit(self) -> bool:
+        """Whether parameters themselves live in 16 bits (``*-true`` modes)."""
+        return self.precision in ("16-true", "bf16-true")
+
+    def applied_steps(self, optimizer: Optimizer | None = None) -> int:
+        """Optimizer steps applied (not skipped): what held LR schedulers follow; of ``optimizer`` alone if given
+        (counted in this process: a resume restores where each scheduler stands relative to it)."""
+        return self.counters.applied(optimizer)
+
+    step_count = RunCounters.view("step_count", "Optimizer steps taken or skipped (one per optimizer per iteration).")
+    overflow_count = RunCounters.view("overflow_count", "Steps skipped because their gradients held inf/NaN.")
+    skipped_steps = RunCounters.view("skipped_steps", "Steps not applied: overflows plus those of :meth:`skip_step`.")
+    last_step_skipped = RunCounters.view("last_step_skipped", "Whether the latest step was skipped.")
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without scaling). Reading it synchronises with the device."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return 1.0
+        return float(self.scaler.get_scale())
+
+    @property
+    def fallback_active(self) -> bool:
+        return self.layout.fallback_active
+
+    @property
+    def islands(self) -> FP32Islands:
+        return self.layout.islands
+
+    @property
+    def can_fallback(self) -> bool:
+        """Whether :meth:`fallback` can widen the precision: always, except where FSDP2 fixed it at ``fully_shard``
+        (each unit's ``param_dtype`` in ``*-true`` modes; FP8 layers, bound to the layer objects it sharded)."""
+        return not (self.fsdp2 and (self.true_16bit or bool(self.layout.fp8_layers)))
+
+    @property
+    def checks_nonfinite(self) -> bool:
+        """Whether a step whose gradients hold inf/NaN is skipped (a scaler, or ``skip_nonfinite``)."""
+        return self._checker is not None
+
+    @property
+    def input_nonfinite(self) -> torch.Tensor | None:
+        """Whether a batch of the step in progress held inf/NaN, as a 0-dim device bool (None: no floating inputs
+        seen). Reading its value syncs."""
+        return self._input_nonfinite
+
+    @property
+    def skip_requested(self) -> bool:
+        """Whether :meth:`skip_step` was called for the step in progress."""
+        return self._skip_requested
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Resident tensors of the precision itself that neither the model nor the optimizers hold (compensation
+        buffers), for memory accounting."""
+        return self.keeper.state_tensors()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of training state by kind (``lit_mpstable.core.weights.memory.training_memory``): ``weights``,
+        ``masters`` (FP32
+        masters), ``gradients``, ``optimizer_state``, ``compensation`` (``"kahan"``), ``total``. Reads no device data.
+
+        Raises:
+            RuntimeError: no model or optimizer has been set up yet.
+        """
+        module = self.layout.module
+        if module is None or not self.optimizers:
+            raise RuntimeError(
+                f"{self.owner}.memory_report(): available once training has set up model and optimizers.")
+        return training_memory(module, self.optimizers, extra={"compensation": self.state_tensors()})
+
+    def named_grads(self) -> list[tuple[str, Any]]:
+        """``(name, parameter)`` of the model, the FP32 master standing in where there is one (it holds the true
+        gradient); FSDP2 parameters as this rank's gradient shard."""
+        module = self.layout.module
+        if module is None:
+            return []
+        return [(name, shard_view(grad)) for name, grad in self.keeper.named_grads(module)]
+
+    def fallback(self, modules: Iterable[str] | None = None) -> str:
+        """One rung up the precision ladder, globally or for the named modules; returns what was done.
+
+        Raises:
+            RuntimeError: under FSDP2, a rung it cannot climb (see :attr:`can_fallback`).
+        """
+        if self.fsdp2 and (why := fsdp2_fallback_refusal(modules, true_16bit=self.true_16bit, dtype=self.dtype,
+                                                        fp8_layers=self.layout.fp8_layers)):
+            raise RuntimeError(f"{self.owner}({self.precision!r}).fallback({modules!r}) with FSDP2: {why}.")
+        return self.layout.fallback(modules)
+
+    def restore_precision(self) -> bool:
+        """Undo every fallback; returns whether there was one."""
+        if not self.fallback_active:
+            return False
+        self.layout.restore()
+        return True
+
+    def choose_high_precision_(self, loss_fn: LossFn, batch: object) -> list[str]:
+        """``FP8Config(keep_high_precision=HighPrecisionBudget(by="probe"))``: measure each FP8 layer's weight-gradient
+        error in the low format on ``batch`` (``loss_fn(module, batch) -> loss``, run in the base precision, two extra
+        forward/backward passes; the mean over data-parallel ranks) and move the costliest back to the base
+        precision within the budget, once; returns them. Call it at the first step, before its forward (the Trainer
+        plugin does). Later calls return the choice; it is saved in :meth:`state_dict` and re-applied on load."""
+        return self.fp8_budget.choose_(self, loss_fn, batch)
+
+    @property
+    def fp8_high_precision_layers(self) -> list[str] | None:
+        """The layers the probe's budget moved back to the base precision (None: not chosen yet, or no such budget)."""
+        return None if self.fp8_budget.layers is None else list(self.fp8_budget.layers)

@@ -1,25 +1,19 @@
-"""The stepper's state on resume: the weight keeper's entries (or what waits for it), the scaler's, and the carry-over
-of a checkpoint written with another precision or master mode."""
+"""What :meth:`PrecisionStepper.load_state_dict <lit_mpstable.core.step.stepper.PrecisionStepper.load_state_dict>` does
+with a checkpoint's weights and scaler: the weight keeper's entries (or what waits for it), the scaler's, and the
+carry-over of a checkpoint written with another precision or master mode. Helpers on a keeper and a scaler; the
+stepper's own ``state_dict``/``load_state_dict`` are in :mod:`~lit_mpstable.core.step.stepper`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, get_args
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
 
-from lit_mpstable.base.notes import Notes
-from lit_mpstable.base.validate import bool_arg, int_arg
+from lit_mpstable.base.validate import int_arg
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import FormatName
-from lit_mpstable.core.guards.growth import GrowthMonitor
-from lit_mpstable.core.guards.spike import SpikeGuard
 from lit_mpstable.core.guards.spike_state import OPTIONAL as GUARD_OPTIONAL
-from lit_mpstable.core.layout.fp8_budget import ProbeBudget
-from lit_mpstable.core.layout.layout import PrecisionLayout
-from lit_mpstable.core.layout.policy import OpPolicy
 from lit_mpstable.core.loaded_state import (
     Field,
     check_fields,
@@ -36,15 +30,9 @@ from lit_mpstable.core.loaded_state import (
     tensor_tree,
     text,
 )
-from lit_mpstable.core.scaling.scalers import LossScaler
-from lit_mpstable.core.schedulers import ScheduleHold
-from lit_mpstable.core.step.iteration import Iteration
-from lit_mpstable.core.step.stepper_args import PrecisionName
 from lit_mpstable.core.weights.moment_keeper import KEY as MOMENTS
 from lit_mpstable.core.weights.moment_keeper import AdamMoments, split_moments
 from lit_mpstable.core.weights.optim_state import moment_state
-from lit_mpstable.core.weights.recast_state import KEY as RECAST
-from lit_mpstable.core.weights.recast_state import apply_recast_state_, recast_state
 from lit_mpstable.core.weights.weights import WeightKeeper
 
 _KEYS = ("masters", "compact")
@@ -56,7 +44,7 @@ def weights_state(keeper: WeightKeeper, pending: dict[str, Any]) -> dict[str, An
     return {key: keeper.state_dict() if keeper.state_key == key else dict(pending.get(key, {})) for key in _KEYS}
 
 
-def load_scaler_state_(scaler: LossScaler | None, state: dict[str, Any], *, precision: str,
+def load_scaler_state_(scaler: torch.amp.GradScaler | None, state: dict[str, Any], *, precision: str,
                        keep_counters: bool) -> list[str]:
     """Restore the scaler from ``state`` (a stepper state dict); its event counters keep their live values with
     ``keep_counters``. Returns a note when the checkpoint was written with or without loss scaling unlike this run."""
@@ -148,16 +136,6 @@ def load_weights_state_(
     return None
 
 
-def adopt_recast_state_(stepper: Any, optimizers: Sequence[Optimizer], *, weights: bool = False) -> None:
-    """Hand a recasting fallback's FP32 values loaded before the model or ``optimizers`` arrived to them
-    (:mod:`~lit_mpstable.core.weights.recast_state`); what no optimizer holds yet keeps waiting."""
-    module, waiting = stepper.layout.module, stepper._pending.pop(RECAST, None)
-    if waiting and module is not None:
-        waiting = apply_recast_state_(module, optimizers, waiting, weights=weights)
-    if waiting:
-        stepper._pending[RECAST] = waiting
-
-
 # ------------------------------------------------------------------------------------------------ the plugin's state
 # 1/scale must stay a finite FP32 number (unscaling multiplies by it).
 _MIN_SCALE = 1.0 / torch.finfo(torch.float32).max
@@ -187,6 +165,8 @@ _SCALER: dict[str, Field] = {
     "_last_overflow_scale": finite(0.0),
     "_overflow_streak": count,
 }
+
+
 def _fp8_state(call: str, name: str, value: Any) -> None:
     check_mapping(call, value, name=name)
     tensor_tree(call, name, value)
@@ -254,139 +234,3 @@ def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tu
     growth = check_mapping(call, state["growth"], name="growth")  # its values: GrowthMonitor.check_state
     if growth:  # {} without a growth monitor; otherwise GrowthMonitor.state_dict's keys, with a monitor or not
         check_mapping(call, growth, {"steps", "samples", "sampled", "layers"}, name="growth")
-
-
-class StepperState:
-    """``state_dict``/``load_state_dict`` of a :class:`~lit_mpstable.core.step.stepper.PrecisionStepper` (a mixin: it
-    reads the stepper's attributes)."""
-
-    owner: str
-    precision: str
-    master_mode: str | None
-    fsdp2: bool
-    scaler: Any
-    keeper: WeightKeeper
-    counters: RunCounters
-    layout: PrecisionLayout
-    optimizers: list[Any]
-    policy: OpPolicy
-    schedules: ScheduleHold
-    iteration: Iteration
-    warnings: Notes
-    spike_guard: SpikeGuard | None
-    fp8_budget: ProbeBudget
-    growth: GrowthMonitor | None
-    _pending: dict[str, Any]
-
-    def _update_scale_(self) -> None:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly; tensors and plain Python values (``weights_only=True`` loads it).
-
-        Keys: ``precision``, ``scaler`` (its own state dict, ``{}`` without scaling), ``step_count``,
-        ``overflow_count``, ``skipped_steps``, ``last_step_skipped``, ``layout`` (fallbacks, FP8 amax histories),
-        ``masters`` (FP32 masters by parameter name, ``{}`` without), ``op_policy`` (the choice per op family),
-        ``schedules`` (where each held LR scheduler last stepped, in applied steps), ``compact`` (the compact weights'
-        compensation buffers and rounding seed, ``{}`` without), ``spike_guard`` (the SpikeGuard's statistics,
-        ``{}`` without), ``fp8_budget`` (the layers ``HighPrecisionBudget(by="probe")`` moved to the base precision,
-        their measured errors and the step: ``{}`` before the choice or without that budget), ``growth`` (the
-        growth monitor's samples, which its trend fit resumes from, ``{}`` without ``growth_every_n_steps``), and,
-        only while a fallback holds ``*-true`` parameters in FP32 without FP32 masters, ``recast`` (their FP32 values
-        and optimizer state by parameter name: :mod:`~lit_mpstable.core.weights.recast_state`).
-        """
-        if self.iteration.stepped:
-            # A scale update still owed is part of the state (a checkpoint comes after the iteration's steps; with
-            # gradients left for another optimizer that is only zeroed later, the update waits for its backward).
-            self._update_scale_()
-        return {
-            **weights_state(self.keeper, self._pending),
-            "precision": self.precision,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            **self.counters.state_dict(),
-            "layout": self.layout.state_dict(),
-            "op_policy": self.policy.state_dict(),
-            "schedules": self.schedules.state_dict(),
-            "spike_guard": self.spike_guard.state_dict() if self.spike_guard is not None else {},
-            "fp8_budget": self.fp8_budget.state_dict(),
-            "growth": self.growth.state_dict() if self.growth is not None else {},
-            **self._recast_state(),
-        }
-
-    def _recast_state(self) -> dict[str, Any]:
-        module, waiting = self.layout.module, self._pending.get(RECAST)
-        if module is None:
-            return {RECAST: waiting} if waiting else {}
-        names = self.layout.recast_names() if self.master_mode != "fp32" else []  # masters carry their own values
-        state = recast_state(module, names, self.optimizers, waiting)
-        return {RECAST: state} if state else {}
-
-    def load_state_dict(self, state: dict[str, Any], *, keep_counters: bool = False) -> list[str]:
-        """Restore :meth:`state_dict` (strict). ``keep_counters``: numeric state only, the event counters (the
-        run's and the scaler's) keep their live values (a rollback undoes the weights, not the history).
-
-        Returns notes for the front end to show (a precision switch on resume, say). The growth monitor's samples
-        are history too: a rollback (``keep_counters``) keeps the live ones.
-
-        Raises:
-            KeyError: keys differ from :meth:`state_dict`'s (each is named).
-            TypeError: ``state`` is not a dict, or a field has the wrong type (``"False"`` for a bool, ``None``).
-            ValueError: a field is out of range (a NaN/inf scale, a negative counter, NaN masters or compensation).
-        """
-        # Every field is checked before anything is loaded: a refused state changes nothing.
-        bool_arg(f"{self.owner}.load_state_dict", "keep_counters", keep_counters)
-        if isinstance(state, dict) and "spike_guard" not in state:
-            state = {**state, "spike_guard": {}}  # saved before SpikeGuard existed: no statistics to restore
-        if isinstance(state, dict) and "fp8_budget" not in state:
-            state = {**state, "fp8_budget": {}}  # saved before the probe's budget was part of the state
-        if isinstance(state, dict) and "growth" not in state:
-            state = {**state, "growth": {}}  # saved before the growth samples were checkpointed: the fit restarts
-        if isinstance(state, dict) and RECAST not in state:
-            state = {**state, RECAST: {}}  # no recasting fallback at the save (or saved before this key existed)
-        call = f"{self.owner}.load_state_dict"
-        check_plugin_state(call, state, set(self.state_dict()) | {RECAST}, get_args(PrecisionName))
-        self.fp8_budget.check_state(call, state["fp8_budget"], self.layout)
-        check_weights_state(call, self.keeper, state["masters"], state["compact"], mode=self.master_mode,
-                            fsdp2=self.fsdp2, module=self.layout.module)
-        growth, saved_growth = self.growth, state["growth"]
-        if growth is not None and saved_growth:
-            growth.check_state(saved_growth, call=call, name="growth")
-        guard, saved_guard = self.spike_guard, state["spike_guard"]
-        if guard is not None and saved_guard:
-            # Checked on a throwaway guard first (it refuses a bad state whole), so nothing is half loaded.
-            SpikeGuard(guard.zscore, guard.window, guard.warmup, guard.watch,  # type: ignore[arg-type]
-                       guard.clip_zscore).load_state_dict(dict(saved_guard))
-        notes = load_scaler_state_(self.scaler, state, precision=self.precision, keep_counters=keep_counters)
-        if not keep_counters:
-            self.counters.load_state_dict(state)
-            self.schedules.load_state_dict(list(state["schedules"]))
-        notes += self.fp8_budget.load_state_dict(state["fp8_budget"], self.layout)  # before the layout's FP8 state
-        if self.layout.module is None:
-            self._pending["layout"] = state["layout"]
-        else:
-            self.layout.load_state_dict(state["layout"])
-        warning = load_weights_state_(self.keeper, state["masters"], state["compact"], mode=self.master_mode,
-                                      fsdp2=self.fsdp2, pending=self._pending, module=self.layout.module,
-                                      precision=self.precision)
-        if warning is not None:
-            self.warnings.add(*warning)
-        # After the fallback was re-applied: the recast parameters and their optimizer state take the FP32 values.
-        self._pending.pop(RECAST, None)
-        if state[RECAST]:
-            self._pending[RECAST] = state[RECAST]
-            adopt_recast_state_(self, self.optimizers, weights=True)
-        self.policy.load_state_dict(state["op_policy"])
-        if guard is not None and saved_guard:
-            live = guard.spikes_skipped.clone()
-            guard.load_state_dict(dict(saved_guard))
-            if keep_counters:  # a rollback keeps the count of skipped spikes (history), restores the statistics
-                guard.spikes_skipped.copy_(live.to(guard.spikes_skipped.device))
-        elif saved_guard:
-            notes.append(f"{self.owner}.load_state_dict: the checkpoint holds SpikeGuard statistics but this run has"
-                         " no spike_guard; they were not loaded.")
-        if growth is not None and saved_growth and not keep_counters:
-            growth.load_state_dict(dict(saved_growth))
-        elif saved_growth and growth is None:
-            notes.append(f"{call}: the checkpoint holds growth-monitor samples but this run has no"
-                         " growth_every_n_steps; they were not loaded.")
-        return notes
