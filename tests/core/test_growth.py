@@ -10,6 +10,7 @@ import torch
 from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
+from lit_mpstable.app.growth_demo import SwiGLU
 from lit_mpstable.core.guards.growth import GrowthMonitor
 from lit_mpstable.core.guards.growth_stats import layer_stats
 
@@ -216,17 +217,6 @@ def test_errors_name_the_argument() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ early warning
-class SwiGLU(nn.Module):
-    def __init__(self, d: int = 16, hidden: int = 64) -> None:
-        super().__init__()
-        self.gate = nn.Linear(d, hidden, bias=False)
-        self.up = nn.Linear(d, hidden, bias=False)
-        self.down = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
-
-
 class Block(nn.Module):
     """A pre-norm residual block around a SwiGLU MLP, between an input and an output projection."""
 
