@@ -20,7 +20,6 @@ from lit_mpstable.core.layout.policy import describe
 from lit_mpstable.core.step.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
 from lit_mpstable.core.step.stepper_args import check_module
 from lit_mpstable.core.weights.master import MasterWeights
-from lit_mpstable.core.weights.master_keeper import MasterKeeper
 from lit_mpstable.core.weights.optim_state import StateKind
 from lit_mpstable.fp8 import FP8Config
 from lit_mpstable.frontends.live_state import Findings, FromStepper
@@ -184,7 +183,7 @@ class StableFrontEnd:
         """The FP32 master weights (``*-true`` modes with ``master_weights``), once training has set them up: a view of
         the stepper's weight keeper (``stepper.keeper``)."""
         keeper = self.stepper.keeper
-        return keeper.weights if isinstance(keeper, MasterKeeper) else None
+        return keeper if isinstance(keeper, MasterWeights) else None
 
     def undo_backoff_(self) -> bool:
         """The stepper's :meth:`~lit_mpstable.core.step.stepper.PrecisionStepper.undo_backoff_`: undo the last

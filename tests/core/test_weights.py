@@ -11,7 +11,7 @@ from helpers import TinyMLP, regression_data
 
 from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.core.weights.compact_keeper import CompactKeeper
-from lit_mpstable.core.weights.master_keeper import MasterKeeper
+from lit_mpstable.core.weights.master import MasterKeeper
 from lit_mpstable.core.weights.weights import PlainKeeper, WeightKeeper, make_keeper
 
 MODES = [("bf16-mixed", True, PlainKeeper), ("bf16-true", False, PlainKeeper), ("bf16-true", True, MasterKeeper),

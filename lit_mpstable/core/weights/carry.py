@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from lit_mpstable.core.weights.compact import CompactWeights
-from lit_mpstable.core.weights.master import MasterWeights
+
+class _Masters(Protocol):  # MasterWeights (which calls carry_precise_state_ itself)
+    def named_pairs(self) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]: ...
+
+
+class _Compact(Protocol):  # CompactWeights (which calls carry_precise_state_ itself)
+    def named_buffers(self) -> Iterator[tuple[str, nn.Parameter, torch.Tensor | None]]: ...
 
 
 @torch.no_grad()
 def carry_precise_state_(
     module: nn.Module | None, masters: Mapping[str, torch.Tensor], compact: Mapping[str, Any], *,
-    master: MasterWeights | None, compact_weights: CompactWeights | None, saved: str, target: str,
+    master: _Masters | None, compact_weights: _Compact | None, saved: str, target: str,
 ) -> str | None:
     """Carry what a checkpoint holds beyond its 16-bit weights into a run of another precision or master mode.
 

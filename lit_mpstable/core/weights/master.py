@@ -10,7 +10,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lit_mpstable.core.replicas import broadcast_
+from lit_mpstable.core.replicas import agree_seed, broadcast_
+from lit_mpstable.core.scaling.scalers import LossScaler
+from lit_mpstable.core.weights.carry import carry_precise_state_
+from lit_mpstable.core.weights.keeper_steps import clip_norm_, step_checked, unscale_checked_
+from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -38,12 +42,27 @@ class MasterWeights:
         initial: FP32 values to start the masters from, by qualified name (the weights before the model was cast to
             16 bits: starting from the 16-bit rounding would lose what the FP32 initialisation had below it).
             Names missing here start from the 16-bit parameter.
+        dtype: the model's 16-bit dtype, as the weight keeper of a run (``master_weights=True``): a trainable
+            parameter of it met later gets a master at its first :meth:`unscale_`.
+        optimizer_state: ``"bf16"`` or ``"fp8"`` keeps Adam/AdamW moments in
+            :class:`~lit_mpstable.core.weights.moment_keeper.AdamMoments` and steps the masters through them
+            (``"fp32"``: ``optimizer.step()``, as always).
+
+    As the :class:`~lit_mpstable.core.weights.weights.WeightKeeper` of FP32 masters, the gradients go into the masters
+    before anyone reads them, the optimizers step the masters, the 16-bit weights follow.
     """
 
+    mode: str | None = "fp32"
+    state_key: str | None = "masters"
+    defers_unscale = False
+    exposes_grads = True
+
     def __init__(
-        self, model: nn.Module, optimizers: Sequence[Optimizer], *, initial: Mapping[str, torch.Tensor] | None = None
+        self, model: nn.Module, optimizers: Sequence[Optimizer], *, initial: Mapping[str, torch.Tensor] | None = None,
+        dtype: torch.dtype = torch.bfloat16, optimizer_state: str = "fp32", owner: str = "PrecisionStepper",
     ) -> None:
         self._model = model
+        self.dtype = dtype
         self._initial = dict(initial or {})
         self._grad_versions: dict[int, list[tuple[torch.Tensor | None, int]]] = {}
         named = {id(param): name for name, param in model.named_parameters()}
@@ -56,6 +75,11 @@ class MasterWeights:
                 continue
             self._optimizers.append(optimizer)
             self._names_by_optimizer[id(optimizer)] = self._bind(optimizer, named)
+        self.moments: AdamMoments | None = None
+        if optimizer_state != "fp32":
+            self.moments = AdamMoments(optimizer_state, seed=torch.initial_seed() % 2**31, owner=owner)
+            for optimizer in optimizers:
+                self.moments.bind_(optimizer, self._ids_to_names())
 
     def _bind(self, optimizer: Optimizer, named: dict[int, str]) -> list[str]:
         bound: list[str] = []
@@ -227,24 +251,30 @@ class MasterWeights:
             if name is not None:
                 param.copy_(self._masters[name])
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, Any]:
         """``{qualified parameter name: FP32 master}``; tensors only, so ``torch.load(weights_only=True)`` reads it.
+        With BF16/FP8 moments their state is under ``"optimizer_state"``.
 
         Like ``nn.Module.state_dict``, the tensors share storage with the masters (detached, not copied): clone
         them to keep an in-memory snapshot that later steps must not change.
         """
-        return {name: master.detach() for name, master in self._masters.items()}
+        state: dict[str, Any] = {name: master.detach() for name, master in self._masters.items()}
+        if self.moments is not None:
+            state[KEY] = self.moments.state_dict()
+        return state
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the masters from :meth:`state_dict`, then refresh the 16-bit weights from them.
 
         The masters are the more precise copy, so the model follows them and not the other way round.
 
         Raises:
             KeyError: a name is missing or unknown (each one is listed).
-            ValueError: a tensor's shape differs from its master's.
+            ValueError: a tensor's shape differs from its master's, or the checkpoint and this run disagree on
+                BF16/FP8 moments.
         """
+        state, moments = split_moments("MasterKeeper", state, self.moments)
         expected, given = set(self._masters), set(state)
         if expected != given:
             missing, unknown = sorted(expected - given), sorted(given - expected)
@@ -262,6 +292,102 @@ class MasterWeights:
         if masters:
             torch._foreach_copy_(list[torch.Tensor](masters), [state[name] for name in self._masters])
         self.refresh_model_()
+        if self.moments is not None:
+            self.moments.load_state_dict(moments)
+
+    # ----------------------------------------------------------------------------- the weight keeper's step
+    def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
+        pass  # FP32 optimizer state holds any eps
+
+    def _ids_to_names(self) -> dict[int, str]:
+        # Masters by their parameter's name, and the optimizer's FP32 parameters (islands) by their own.
+        names = {id(p): name for name, p in self._model.named_parameters()}
+        names.update((id(master), name) for name, master, _ in self.named_pairs())
+        return names
+
+    def adopt_optimizer_(self, optimizer: Optimizer) -> None:
+        self.bind_new_(optimizer)
+        if self.moments is not None:
+            self.moments.bind_(optimizer, self._ids_to_names())
+
+    @torch.no_grad()
+    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]:
+        """Restart from its 16-bit weight every master whose rounding that weight no longer is (weights loaded into
+        the model after the masters were bound); returns their names. One host sync. ``replicas``: the process group
+        of DDP replicas: first the masters (and the moments' seed) are taken from its first rank."""
+        if replicas is not None:
+            self.broadcast_(replicas)
+            if self.moments is not None:
+                self.moments.reseed_(agree_seed(self.moments.seed, replicas, _device(self._model)))
+        pairs = list(self.named_pairs())
+        if not pairs:
+            return []
+        stale = torch.stack([(master.to(param.dtype) != param).any() for _, master, param in pairs]).tolist()
+        for (_, master, param), changed in zip(pairs, stale):
+            if changed:
+                master.copy_(param)
+        return [name for (name, _, _), changed in zip(pairs, stale) if changed]
+
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
+                 scaler: object, device: torch.device | str) -> None:
+        if any(p.requires_grad and p.dtype == self.dtype for g in optimizer.param_groups for p in g["params"]):
+            self.bind_new_(optimizer)  # added (add_param_group) or unfrozen since setup
+            if self.moments is not None:
+                self.moments.bind_(optimizer, self._ids_to_names())
+        self.copy_grads_to_master_(optimizer)
+        unscale_checked_(optimizer, checker, scaler, device)
+        self.expose_grads_(optimizer, copy=scaler is not None)
+
+    def clip_grad_norm_(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        self.absorb_grads_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = clip_norm_(params, max_norm, norm_type, total_norm)
+        self.expose_grads_(optimizer)  # hooks after this see the clipped values
+        return norm
+
+    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        self.absorb_grads_(optimizer)
+        torch.nn.utils.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
+                                        clip_value)
+        self.expose_grads_(optimizer)
+
+    def step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
+        moments = self.moments
+        update = None if moments is None else (lambda: moments.step_(optimizer, self._ids_to_names(), **kwargs))
+        output, skipped = step_checked(optimizer, checker, update, kwargs)
+        if not skipped:
+            self.refresh_model_(optimizer)
+        self.zero_model_grads_(optimizer)
+        return output, skipped
+
+    def drop_(self, optimizer: Optimizer) -> None:
+        self.zero_model_grads_(optimizer)
+
+    def grad_multiplier(self, optimizer: Optimizer) -> torch.Tensor | None:
+        return None  # the masters' gradients are true values after unscale_
+
+    def grad_holders(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if id(optimizer) in self._names_by_optimizer:
+            params += self._select(optimizer)[1]
+        return params
+
+    def named_grads(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        masters = self.fp32_weights()
+        return [(name, masters.get(name, p)) for name, p in module.named_parameters()]
+
+    def fp32_weights(self) -> dict[str, torch.Tensor]:
+        return {name: master for name, master, _ in self.named_pairs()}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [] if self.moments is None else self.moments.tensors()
+
+    def carry_(self, module: nn.Module, masters: dict[str, Any], compact: dict[str, Any], *, saved: str,
+               target: str) -> str | None:
+        return carry_precise_state_(module, masters, compact, master=self, compact_weights=None, saved=saved,
+                                    target=target)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes held by training state, by kind; counts tensors, not allocator overhead. Reads no device data.
@@ -291,6 +417,10 @@ class MasterWeights:
         return report
 
 
+def _device(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
 def _to_fp32(value: object) -> Any:
     # Only 16-bit floating state is widened; int step counters and FP32 state stay as they are.
     if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION:
@@ -300,3 +430,6 @@ def _to_fp32(value: object) -> Any:
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+MasterKeeper = MasterWeights  # the weight keeper of FP32 masters is the masters themselves

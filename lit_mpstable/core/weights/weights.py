@@ -2,7 +2,7 @@
 
 A weight mode is one object the stepper calls in step order, never an ``if`` on the mode: :class:`PlainKeeper`
 (the model's own parameters, also FSDP2's FP32 shards, which are the masters there),
-:class:`~lit_mpstable.core.weights.master.MasterKeeper` (FP32 masters owned by the optimizers) and
+:class:`~lit_mpstable.core.weights.master.MasterWeights` (FP32 masters owned by the optimizers) and
 :class:`~lit_mpstable.core.weights.compact_keeper.CompactKeeper` (16-bit weights with Kahan compensation or stochastic
 rounding). :func:`make_keeper` builds the one a run's ``master_weights`` asks for.
 """
@@ -23,7 +23,7 @@ from lit_mpstable.core.weights.carry import carry_precise_state_
 from lit_mpstable.core.weights.compact_keeper import CompactKeeper
 from lit_mpstable.core.weights.compact_slices import cast_state_
 from lit_mpstable.core.weights.keeper_steps import clip_norm_, step_checked, unscale_checked_
-from lit_mpstable.core.weights.master_keeper import MasterKeeper
+from lit_mpstable.core.weights.master import MasterKeeper
 
 
 @runtime_checkable
@@ -47,7 +47,7 @@ class WeightKeeper(Protocol):
     def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]: ...
     def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
                  scaler: object, device: torch.device | str) -> None: ...
-    def absorb_grads_(self, optimizer: Optimizer) -> None: ...
+    def absorb_grads_(self, optimizer: Optimizer) -> list[str] | None: ...
     def clip_grad_norm_(
         self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
     ) -> torch.Tensor: ...
