@@ -125,14 +125,14 @@ def test_gradient_accumulation_steps_once_per_window_and_skips_a_poisoned_window
     full_plugin, accumulated_plugin = fit(full, 1), fit(accumulated, 2)
     # Two micro-batches of 16 (their 16-bit gradients summed) against one batch of 32: one update per window, the
     # same random keys (the step count), values apart by the BF16 rounding of the summed gradients.
-    assert full_plugin.stepper.keeper.weights.steps == accumulated_plugin.stepper.keeper.weights.steps == 2
+    assert full_plugin.stepper.keeper.steps == accumulated_plugin.stepper.keeper.steps == 2
     assert torch.equal(accumulated.after[0], accumulated.start["fc2.weight"])  # nothing moves inside a window
     differ: list[torch.Tensor] = []
     for (name, a), b in zip(accumulated.net.named_parameters(), full.net.parameters()):
         got, expected = a.detach().double(), b.detach().double()
         if mode == "kahan":
-            comp = dict((n, c) for n, _, c in accumulated_plugin.stepper.keeper.weights.named_buffers())
-            ref = dict((n, c) for n, _, c in full_plugin.stepper.keeper.weights.named_buffers())
+            comp = dict((n, c) for n, _, c in accumulated_plugin.stepper.keeper.named_buffers())
+            ref = dict((n, c) for n, _, c in full_plugin.stepper.keeper.named_buffers())
             got, expected = got + comp[f"net.{name}"].double(), expected + ref[f"net.{name}"].double()
         moved = expected - accumulated.start[name].double()
         if mode == "kahan":  # the BF16 rounding of a few gradient sums, relative to what training moved (~2^-8.5)
@@ -150,7 +150,7 @@ def test_gradient_accumulation_steps_once_per_window_and_skips_a_poisoned_window
     assert not differ or torch.cat([d.reshape(-1) for d in differ]).mean() < 0.05
     poisoned = _Accumulating(16, poison=1)  # the second micro-batch of the first window
     plugin = fit(poisoned, 2)
-    assert plugin.overflow_count == 1 and plugin.stepper.keeper.weights.steps == 1
+    assert plugin.overflow_count == 1 and plugin.stepper.keeper.steps == 1
     assert torch.equal(poisoned.after[1], poisoned.start["fc2.weight"])  # the whole window skipped
     assert not torch.equal(poisoned.after[3], poisoned.after[1])  # the next window stepped
 

@@ -45,7 +45,7 @@ class _Repairs(pl.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.precision_plugin.stepper.keeper.state_key == "compact":
-            trainer.precision_plugin.stepper.keeper.weights.fused = False  # the FP32 stand-ins: no 20 s compile
+            trainer.precision_plugin.stepper.keeper.fused = False  # the FP32 stand-ins: no 20 s compile
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         if trainer.global_step - 1 not in self.at:
@@ -66,8 +66,8 @@ def _effective(plugin, module) -> dict[str, torch.Tensor]:
     """Each trainable weight's value as the run holds it: the parameter, plus its Kahan compensation."""
     values = {name: p.detach().double() for name, p in module.named_parameters()}
     if plugin.stepper.keeper.state_key == "compact":
-        for name, _, comp in plugin.stepper.keeper.weights.named_buffers():
-            if comp is not None and plugin.stepper.keeper.weights._params[name].dtype != torch.float32:
+        for name, _, comp in plugin.stepper.keeper.named_buffers():
+            if comp is not None and plugin.stepper.keeper._params[name].dtype != torch.float32:
                 values[name] = values[name] + comp.double()
     return values
 

@@ -527,7 +527,7 @@ def test_a_nan_in_an_accumulated_gradient_skips_the_fused_step_and_the_next_step
             if step == 2:  # nothing was written
                 after = [*model.parameters(), *(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))]
                 assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(after, held))
-        assert stepper.keeper.weights._fused is not None  # the fused kernel stepped
+        assert stepper.keeper._fused is not None  # the fused kernel stepped
         return model, opt, skipped, held
 
     model, opt, skipped, held = run(bad_batch=True)
@@ -567,7 +567,7 @@ def test_a_train_step_compiled_whole_steps_the_compact_weights_eagerly(mode: str
         return model, stepper
 
     (model, stepper), (ref, ref_stepper) = run(True), run(False)
-    assert stepper.keeper.weights._fused is not None  # the fused step ran, under the compiled function
+    assert stepper.keeper._fused is not None  # the fused step ran, under the compiled function
     assert (stepper.step_count, stepper.skipped_steps) == (ref_stepper.step_count, ref_stepper.skipped_steps) == (4, 0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.dtype == torch.bfloat16

@@ -109,7 +109,7 @@ def test_the_reference_weights_are_the_fp32_masters() -> None:
     stepper, model = _setup("bf16-true")
     loss_fn = _mse()
     optimizer = _backward(stepper, model, loss_fn)
-    masters = {name: master for name, master, _ in stepper.keeper.weights.named_pairs()}
+    masters = {name: master for name, master, _ in stepper.keeper.named_pairs()}
     with torch.no_grad():
         for master in masters.values():
             master.add_(2.0**-12)  # invisible in BF16 around 0.1-1 (ulp 2**-10 .. 2**-7)
@@ -139,7 +139,7 @@ def test_with_compact_weights_the_reference_weights_are_the_compensated_values(m
         stepper.scale_loss(loss).backward()
         stepper.unscale_(optimizer)
         stepper.step(optimizer)
-    comp = stepper.keeper.weights.state_dict()["compensation"]
+    comp = stepper.keeper.state_dict()["compensation"]
     assert (mode == "kahan") == bool(comp) and all(bool(c.any()) for c in comp.values())
     with stepper.forward_context():
         loss = loss_fn(model, (stepper.convert_input(X), Y))

@@ -115,7 +115,7 @@ def _late_nan(stepper, model, opt, where: str) -> None:
     elif where == "optimizer-state":
         next(iter(opt.state.values()))["exp_avg"].view(-1)[0] = NAN
     elif where == "masters":
-        stepper.keeper.weights.masters[0].data.view(-1)[0] = NAN
+        stepper.keeper.masters[0].data.view(-1)[0] = NAN
 
 
 @pytest.mark.parametrize("precision, where", [

@@ -10,7 +10,7 @@ import torch
 from helpers import TinyMLP, regression_data
 
 from lit_mpstable.core.step.stepper import PrecisionStepper
-from lit_mpstable.core.weights.compact_keeper import CompactKeeper
+from lit_mpstable.core.weights.compact import CompactKeeper
 from lit_mpstable.core.weights.master import MasterKeeper
 from lit_mpstable.core.weights.weights import PlainKeeper, WeightKeeper, make_keeper
 
@@ -76,7 +76,7 @@ def test_the_step_path_asks_the_keeper_for_everything_mode_specific(master_weigh
     stepper.clip_grad_norm_(opt, 1.0)
     before = model.fc1.weight.detach().clone()
     stepper.step(opt)
-    order = ["unscale_", "clip_grad_norm_", "absorb_grads_", "step_"]
+    order = ["unscale_", "clip_grad_norm_", "absorb_grads_", "checked_step_"]
     # Gradients written on the model's side reach the keeper before the clip (whose norm may be the guard's, if they
     # are unchanged) and again before the step.
     assert [c for c in recording.calls if c in order] == ["unscale_", "absorb_grads_", *order[1:]]

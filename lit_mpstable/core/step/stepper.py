@@ -570,7 +570,7 @@ class PrecisionStepper:
                                            checked=self.iteration.checked.pop(id(optimizer), None),
                                            factor=self.keeper.grad_multiplier(optimizer))
                         if checker is not None and self.skip_nonfinite else (None, None))
-        output, skipped = self.keeper.step_(optimizer, checker, **kwargs)
+        output, skipped = self.keeper.checked_step_(optimizer, checker, **kwargs)
         late = None
         now = self.iteration
         self.last_step_spiked = False

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal, get_args
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
+from lit_mpstable.base.notes import Notes
+from lit_mpstable.core.replicas import agree_seed, broadcast_
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
+from lit_mpstable.core.scaling.scalers import LossScaler
+from lit_mpstable.core.tensors import grad_norms
+from lit_mpstable.core.weights.carry import carry_precise_state_
 from lit_mpstable.core.weights.compact_fused import FusedAdam, FusedSteps
 from lit_mpstable.core.weights.compact_rounding import mix, noise_bits, round_stochastic_
 from lit_mpstable.core.weights.compact_slices import (
@@ -23,10 +30,13 @@ from lit_mpstable.core.weights.compact_slices import (
     cast_state_,
     check_keys,
     init_blockwise_,
+    transform,
 )
 from lit_mpstable.core.weights.compact_slices import chunks as split_chunks
 from lit_mpstable.core.weights.compact_slices import memory_report as compact_memory
 from lit_mpstable.core.weights.compact_slices import per_element as is_per_element
+from lit_mpstable.core.weights.keeper_steps import first_grad_device, step_checked
+from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
 
 _Piece = Piece  # the old private name (tests build pieces by it)
 
@@ -71,14 +81,29 @@ class CompactWeights(FusedSteps, StandIns):
     compiles (18-20 s on a 2-core CPU, ~6 s from inductor's disk cache). An optimizer with step hooks (its own or
     global ones) is not fused: its hooks see the step inside ``optimizer.step()``, on the stand-ins.
 
+    As the :class:`~lit_mpstable.core.weights.weights.WeightKeeper` of ``master_weights="kahan"``/``"stochastic"``
+    (:meth:`unscale_` ... :meth:`checked_step_`), the gradients stay as they are (scaled, 16-bit) until the FP32
+    chunks of the step unscale them: the check at :meth:`unscale_` only looks (``check_``), and the unscale and clip
+    factors wait per optimizer until the step (the 16-bit gradients are not rounded twice). With
+    ``optimizer_state="bf16"``/``"fp8"`` exact Adam/AdamW groups are stepped one whole parameter at a time through
+    :class:`~lit_mpstable.core.weights.moment_keeper.AdamMoments` (FP32 copy of the weight, plus its compensation,
+    stepped and rounded back) instead of the optimizer's step on FP32 stand-ins.
+
     Raises:
         ValueError: ``mode``, ``seed``, ``chunk_bytes`` or ``fused`` is invalid, an optimizer is not per-parameter
-            (LBFGS), or it has bitsandbytes per-parameter overrides (see :meth:`bind_new_`).
+            (LBFGS), or it has bitsandbytes per-parameter overrides (see :meth:`bind_new_`); ``checker`` cannot
+            check without unscaling (compact weights unscale in FP32 themselves).
     """
+
+    state_key: str | None = "compact"
+    defers_unscale = True
+    exposes_grads = False
 
     def __init__(
         self, model: nn.Module, optimizers: Sequence[Optimizer], mode: CompactMode, *, seed: int = 0,
-        chunk_bytes: int | None = None, fused: bool | None = None,
+        chunk_bytes: int | None = None, fused: bool | None = None, checker: LossScaler | None = None,
+        optimizer_state: str = "fp32", owner: str = "PrecisionStepper", precision: str | None = None,
+        notes: Notes | None = None,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"CompactWeights(mode={mode!r}): mode must be one of {_MODES}.")
@@ -95,6 +120,12 @@ class CompactWeights(FusedSteps, StandIns):
             raise ValueError(
                 f"CompactWeights(fused={fused!r}): fused must be True (compiled Adam/AdamW steps on any device), False"
                 " (never) or None (on the CPU, when torch.compile works)."
+            )
+        if checker is not None and not checker.checks_without_unscaling:
+            raise ValueError(
+                f"{owner}({precision!r}, master_weights={mode!r},"
+                f" scaler={type(checker).__name__}(...)): compact weights unscale in FP32 themselves and need"
+                " a scaler that checks without unscaling (check_()); use scaler='dynamic' or DynamicLossScaler."
             )
         self.mode: CompactMode = mode
         self.seed = seed
@@ -115,6 +146,21 @@ class CompactWeights(FusedSteps, StandIns):
         for optimizer in optimizers:
             if all(optimizer is not o for o in self._optimizers):
                 self.bind_new_(optimizer)
+        self._pending: dict[int, list[Any]] = {}  # per optimizer this iteration: [multiplier, clip value]
+        self.moments: AdamMoments | None = None
+        if optimizer_state != "fp32":
+            self.moments = AdamMoments(optimizer_state, seed=self.seed, owner=owner)
+            names = {id(p): name for name, p in model.named_parameters()}
+            for optimizer in optimizers:
+                self.moments.bind_(optimizer, names)
+        if precision == "16-true" and notes is not None:
+            notes.add(
+                f"compact-16-true:{mode}",
+                f"{owner}('16-true', master_weights={mode!r}): optimizer state stays FP16, where"
+                " Adam's second moment (about 1e-3 * grad**2) falls into the subnormal range for gradients below"
+                " ~1e-2 and its rounding distorts the steps; with Adam-family optimizers prefer 'bf16-true' or"
+                " master_weights=True (SGD-like optimizers are fine)."
+            )
 
     def bind_new_(self, optimizer: Optimizer) -> list[str]:
         """Bind ``optimizer`` (if new) and the 16-bit trainable parameters it holds that are not bound yet (added with
@@ -344,10 +390,13 @@ class CompactWeights(FusedSteps, StandIns):
         snapshot that later steps must not change. The weights and optimizer state are in the model's and the
         optimizers' own state dicts.
         """
-        return {
+        state: dict[str, Any] = {
             "mode": self.mode, "seed": self.seed, "steps": self.steps,
             "compensation": {name: comp.detach() for name, comp in self._comp.items()},
         }
+        if self.moments is not None:  # BF16/FP8 moments: their state under "optimizer_state"
+            state[KEY] = self.moments.state_dict()
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -355,8 +404,10 @@ class CompactWeights(FusedSteps, StandIns):
 
         Raises:
             KeyError: a key or parameter name is missing or unknown (each one is listed).
-            ValueError: the mode or a tensor's shape differs.
+            ValueError: the mode or a tensor's shape differs, or the checkpoint and this object disagree on BF16/FP8
+                moments.
         """
+        state, moments = split_moments("CompactKeeper", state, self.moments)
         check_keys("", {"mode", "seed", "steps", "compensation"}, set(state), "a different lit_mpstable version?")
         if state["mode"] != self.mode:
             raise ValueError(
@@ -377,6 +428,8 @@ class CompactWeights(FusedSteps, StandIns):
         if self._comp:
             torch._foreach_copy_(list(self._comp.values()), [comp[name] for name in self._comp])
         self.seed, self.steps = int(state["seed"]), int(state["steps"])
+        if self.moments is not None:
+            self.moments.load_state_dict(moments)
 
     @torch.no_grad()
     def zero_compensation_(self) -> None:
@@ -388,3 +441,143 @@ class CompactWeights(FusedSteps, StandIns):
         """Bytes held by training state, by kind (:func:`~lit_mpstable.core.weights.compact_slices.memory_report`):
         ``params_16bit``, ``compensation``, ``grads``, ``optimizer_state``, ``params_fp32_other``, ``total``."""
         return compact_memory(self._model, self._optimizers, list(self._comp.values()))
+
+    # ----------------------------------------------------------------------------- the weight keeper's step
+    def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
+        pass
+
+    def adopt_optimizer_(self, optimizer: Optimizer) -> None:
+        pass  # bound at its first unscale_ (bind_new_ is cheap and runs every step)
+
+    @torch.no_grad()
+    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]:
+        """The weights are the model's own: nothing to follow. ``replicas``: the process group of DDP replicas: the
+        compensation and the seed of stochastic rounding (weights, optimizer state, BF16/FP8 moments) are taken from
+        its first rank, so every replica rounds alike."""
+        if replicas is not None:
+            weights = self
+            broadcast_([comp for _, _, comp in sorted(weights.named_buffers(), key=lambda item: item[0])
+                        if comp is not None], replicas)
+            device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
+            weights.seed = agree_seed(weights.seed, replicas, device)
+            if self.moments is not None:
+                self.moments.reseed_(weights.seed)
+        return []
+
+    def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
+                 scaler: object, device: torch.device | str) -> None:
+        self.bind_new_(optimizer)
+        if self.moments is not None:
+            self.moments.bind_(optimizer, {id(p): name for name, p in self._model.named_parameters()})
+        multiplier: torch.Tensor | None = None
+        if checker is not None:
+            checker.ensure_state_(first_grad_device(optimizer) or device)
+            checker.check_(optimizer)
+            checker.sync_found_inf_(optimizer)
+            if isinstance(scaler, DynamicLossScaler):
+                multiplier = scaler.get_scale_tensor().reciprocal()
+        self._pending[id(optimizer)] = [multiplier, None]
+
+    def absorb_grads_(self, optimizer: Optimizer) -> None:
+        pass
+
+    def clip_grad_norm_(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        pending = self._pending[id(optimizer)]
+        multiplier = pending[0] if pending[0] is not None else torch.ones((), device=grads[0].device if grads else None)
+        if not grads:
+            return torch.zeros(())
+        if total_norm is not None:  # a SpikeGuard's norm of the same gradients, times the same multiplier
+            norm = total_norm
+        else:
+            per_tensor = grad_norms(grads, norm_type)
+            norm = torch.linalg.vector_norm(torch.stack(per_tensor), norm_type) * multiplier  # true gradients, FP32
+        # clip_grad_norm_'s rule, as a factor for the step's FP32 chunks: no host sync.
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        pending[0] = multiplier * coefficient
+        return norm
+
+    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        pending = self._pending[id(optimizer)]
+        if clip_value != clip_value:  # NaN: torch's clamp makes every gradient NaN, so the step is skipped (the check
+            # of the pending factor sees it), as in the other weight modes
+            device = first_grad_device(optimizer)
+            pending[0] = (pending[0] if pending[0] is not None else torch.ones((), device=device)) * float("nan")
+            return
+        pending[1] = float(clip_value) if pending[1] is None else min(pending[1], float(clip_value))
+
+    def expose_grads_(self, optimizer: Optimizer) -> None:
+        pass
+
+    def checked_step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
+        multiplier, clip = self._pending.pop(id(optimizer), [None, None])
+        weights = self
+        update = lambda: weights.step_(optimizer, grad_multiplier=multiplier, clip_value=clip, **kwargs)  # noqa: E731
+        if self.moments is not None:
+            update = lambda: self._moment_step_(optimizer, multiplier, clip, kwargs)  # noqa: E731
+        return step_checked(optimizer, checker, update, kwargs)
+
+    @torch.no_grad()
+    def _moment_step_(self, optimizer: Optimizer, multiplier: torch.Tensor | None, clip: float | None,
+                      kwargs: dict[str, Any]) -> Any:
+        """The step with BF16/FP8 moments: per parameter, its FP32 value (Kahan: plus the compensation) is stepped
+        with the FP32 gradient (unscaled, clipped) and rounded back as :meth:`CompactWeights.step_` rounds."""
+        weights, moments = self, self.moments
+        assert moments is not None
+        weights.steps += 1  # the weights' random keys advance as with the optimizer's step
+
+        def update(p: torch.Tensor, name: str, step_fn: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+            assert p.grad is not None  # update() runs on the parameters that have a gradient
+            grad = transform(p.grad.to(torch.float32, copy=True), multiplier, clip)
+            p.grad = None
+            if p.dtype not in LOW:  # an FP32 island, or cast to FP32 by a fallback: stepped in place
+                comp = weights._comp.get(name)
+                if comp is not None:
+                    comp.zero_()  # follow_recast_ moved it into the weight already
+                step_fn(p.data, grad)
+                return
+            value = p.detach().to(torch.float32, copy=True)
+            comp = weights._comp.get(name)
+            if comp is not None:
+                value.add_(comp)
+            step_fn(value, grad)
+            weight = p.detach()
+            if comp is not None:
+                weight.copy_(value)  # round to nearest; the residual is exact in FP32
+                comp.copy_(value.sub_(weight))
+            else:
+                weights._round_(weight, value, Piece(0, cast(nn.Parameter, p), name, 0, p.numel(), 0), [])
+
+        return moments.step_(optimizer, {id(p): name for name, p in self._model.named_parameters()}, update, **kwargs)
+
+    def drop_(self, optimizer: Optimizer) -> None:
+        self._pending.pop(id(optimizer), None)
+
+    def grad_multiplier(self, optimizer: Optimizer) -> torch.Tensor | None:
+        """The unscale factor the step still owes the 16-bit gradients (None: nothing pending)."""
+        pending = self._pending.get(id(optimizer))
+        return pending[0] if pending else None
+
+    def grad_holders(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def named_grads(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        return list(module.named_parameters())
+
+    def fp32_weights(self) -> dict[str, torch.Tensor]:
+        """A Kahan weight is its 16-bit part plus its compensation; stochastic rounding keeps nothing more."""
+        return {name: p.detach().float() + c.float() for name, p, c in self.named_buffers() if c is not None}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        comp = [c for _, _, c in self.named_buffers() if c is not None]
+        return comp + (self.moments.tensors() if self.moments is not None else [])
+
+    def carry_(self, module: nn.Module, masters: dict[str, Any], compact: dict[str, Any], *, saved: str,
+               target: str) -> str | None:
+        return carry_precise_state_(module, masters, compact, master=None, compact_weights=self, saved=saved,
+                                    target=target)
+
+
+CompactKeeper = CompactWeights  # the weight keeper of compact weights is the compact weights themselves

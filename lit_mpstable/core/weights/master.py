@@ -353,7 +353,7 @@ class MasterWeights:
                                         clip_value)
         self.expose_grads_(optimizer)
 
-    def step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
+    def checked_step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
         moments = self.moments
         update = None if moments is None else (lambda: moments.step_(optimizer, self._ids_to_names(), **kwargs))
         output, skipped = step_checked(optimizer, checker, update, kwargs)

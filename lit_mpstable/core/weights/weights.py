@@ -3,14 +3,14 @@
 A weight mode is one object the stepper calls in step order, never an ``if`` on the mode: :class:`PlainKeeper`
 (the model's own parameters, also FSDP2's FP32 shards, which are the masters there),
 :class:`~lit_mpstable.core.weights.master.MasterWeights` (FP32 masters owned by the optimizers) and
-:class:`~lit_mpstable.core.weights.compact_keeper.CompactKeeper` (16-bit weights with Kahan compensation or stochastic
+:class:`~lit_mpstable.core.weights.compact.CompactWeights` (16-bit weights with Kahan compensation or stochastic
 rounding). :func:`make_keeper` builds the one a run's ``master_weights`` asks for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -20,10 +20,10 @@ from torch.optim import Optimizer
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.weights.carry import carry_precise_state_
-from lit_mpstable.core.weights.compact_keeper import CompactKeeper
+from lit_mpstable.core.weights.compact import CompactMode, CompactWeights
 from lit_mpstable.core.weights.compact_slices import cast_state_
 from lit_mpstable.core.weights.keeper_steps import clip_norm_, step_checked, unscale_checked_
-from lit_mpstable.core.weights.master import MasterKeeper
+from lit_mpstable.core.weights.master import MasterWeights
 
 
 @runtime_checkable
@@ -37,7 +37,8 @@ class WeightKeeper(Protocol):
         exposes_grads: the model's gradients are a copy of the keeper's FP32 ones, shown again after a clip.
     """
 
-    mode: str | None
+    @property
+    def mode(self) -> str | None: ...  # read only: compact weights narrow it to their two modes
     state_key: str | None
     defers_unscale: bool
     exposes_grads: bool
@@ -53,7 +54,7 @@ class WeightKeeper(Protocol):
     ) -> torch.Tensor: ...
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None: ...
     def expose_grads_(self, optimizer: Optimizer) -> None: ...
-    def step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]: ...
+    def checked_step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]: ...
     def drop_(self, optimizer: Optimizer) -> None: ...
     def grad_holders(self, optimizer: Optimizer) -> list[torch.Tensor]: ...
     def grad_multiplier(self, optimizer: Optimizer) -> torch.Tensor | None: ...
@@ -127,7 +128,7 @@ class PlainKeeper:
     def expose_grads_(self, optimizer: Optimizer) -> None:
         pass
 
-    def step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
+    def checked_step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
         return step_checked(optimizer, checker, None, kwargs)
 
     def drop_(self, optimizer: Optimizer) -> None:
@@ -181,11 +182,12 @@ def make_keeper(
             " 8-bit optimizer such as torchao's AdamW8bit)."
         )
     if mode == "fp32" and not fsdp2:
-        return MasterKeeper(module, optimizers, dtype=dtype, initial=initial, optimizer_state=optimizer_state,
-                            owner=owner)
+        return MasterWeights(module, optimizers, dtype=dtype, initial=initial, optimizer_state=optimizer_state,
+                             owner=owner)
     if not fsdp2 and mode in ("kahan", "stochastic"):
-        return CompactKeeper(module, optimizers, mode, owner=owner, precision=precision, checker=checker,
-                             warnings=warnings if warnings is not None else Notes(), optimizer_state=optimizer_state)
+        return CompactWeights(module, optimizers, cast(CompactMode, mode), seed=torch.initial_seed() % 2**31,
+                              owner=owner, precision=precision, checker=checker,
+                              notes=warnings if warnings is not None else Notes(), optimizer_state=optimizer_state)
     return PlainKeeper(owner, fp16_state=precision == "16-true" and mode is None)
 
 
