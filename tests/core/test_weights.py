@@ -10,12 +10,12 @@ import torch
 from helpers import TinyMLP, regression_data
 
 from lit_mpstable.core.step.stepper import PrecisionStepper
-from lit_mpstable.core.weights.compact import CompactKeeper
-from lit_mpstable.core.weights.master import MasterKeeper
+from lit_mpstable.core.weights.compact import CompactWeights
+from lit_mpstable.core.weights.master import MasterWeights
 from lit_mpstable.core.weights.weights import PlainKeeper, WeightKeeper, make_keeper
 
-MODES = [("bf16-mixed", True, PlainKeeper), ("bf16-true", False, PlainKeeper), ("bf16-true", True, MasterKeeper),
-         ("bf16-true", "kahan", CompactKeeper), ("bf16-true", "stochastic", CompactKeeper)]
+MODES = [("bf16-mixed", True, PlainKeeper), ("bf16-true", False, PlainKeeper), ("bf16-true", True, MasterWeights),
+         ("bf16-true", "kahan", CompactWeights), ("bf16-true", "stochastic", CompactWeights)]
 
 
 def _stepper(precision, master_weights):
@@ -39,11 +39,11 @@ def test_make_keeper_builds_each_mode_and_fsdp2_keeps_plain():
     model = TinyMLP().bfloat16()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     common = dict(owner="T", precision="bf16-true", dtype=torch.bfloat16, checker=None)
-    assert isinstance(make_keeper("fp32", model, [opt], **common), MasterKeeper)
+    assert isinstance(make_keeper("fp32", model, [opt], **common), MasterWeights)
     assert isinstance(make_keeper("fp32", TinyMLP().bfloat16(), [], fsdp2=True, **common), PlainKeeper)
     assert isinstance(make_keeper(None, model, [opt], **common), PlainKeeper)
     kahan = make_keeper("kahan", TinyMLP().bfloat16(), [], **common)
-    assert isinstance(kahan, CompactKeeper) and kahan.mode == "kahan"
+    assert isinstance(kahan, CompactWeights) and kahan.mode == "kahan"
     assert not isinstance(object(), WeightKeeper)  # the check can fail
 
 

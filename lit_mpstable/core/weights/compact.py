@@ -579,5 +579,3 @@ class CompactWeights(FusedSteps, StandIns):
         return carry_precise_state_(module, masters, compact, master=None, compact_weights=self, saved=saved,
                                     target=target)
 
-
-CompactKeeper = CompactWeights  # the weight keeper of compact weights is the compact weights themselves

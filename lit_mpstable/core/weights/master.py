@@ -431,5 +431,3 @@ def _to_fp32(value: object) -> Any:
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
-
-MasterKeeper = MasterWeights  # the weight keeper of FP32 masters is the masters themselves
