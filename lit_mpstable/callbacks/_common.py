@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
 from lit_mpstable.base.validate import INT32_MAX, int_arg
-from lit_mpstable.callbacks.views import ForeignPrecision, view_of
+from lit_mpstable.callbacks.views import ForeignPrecision, PrecisionView, view_of
 from lit_mpstable.core.formats import FORMAT_IDS
 from lit_mpstable.core.loaded_state import (
     Field,
@@ -153,7 +153,7 @@ class PluginCallback(pl.Callback):
     """What this callback does differently with Lightning's own precision plugins, or None: nothing without ours."""
 
     def __init__(self) -> None:
-        self._plugin: Any = None
+        self._plugin: PrecisionView | None = None
         self._warned_no_plugin = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -186,13 +186,13 @@ class StepCounter:
         self.seen = (0, 0, 0)
 
     @staticmethod
-    def _now(plugin: Any) -> tuple[int, int, int]:
+    def _now(plugin: PrecisionView) -> tuple[int, int, int]:
         return plugin.step_count, plugin.overflow_count, plugin.skipped_steps
 
-    def reset(self, plugin: Any) -> None:
+    def reset(self, plugin: PrecisionView) -> None:
         self.seen = self._now(plugin)
 
-    def delta(self, plugin: Any) -> tuple[int, int, int]:
+    def delta(self, plugin: PrecisionView) -> tuple[int, int, int]:
         now = self._now(plugin)
         steps, overflows, skipped = (a - b for a, b in zip(now, self.seen))
         self.seen = now
@@ -267,7 +267,7 @@ def _scalar(value: Any, dtype: torch.dtype) -> float | torch.Tensor | None:
     return float(value) if is_number(value) else None
 
 
-def plugin_metrics(plugin: Any, *, overflow_rate: float) -> dict[str, Any]:
+def plugin_metrics(plugin: PrecisionView, *, overflow_rate: float) -> dict[str, Any]:
     """The ``mp/*`` values of the plugin's state after this step: the loss scale (only when scaling; reading it
     synchronises: call on logging steps), the windowed ``overflow_rate`` given, skipped steps, fallback, and with a
     SpikeGuard the spikes skipped and the last z-scores (one more read, on the same logging steps)."""
@@ -292,7 +292,7 @@ def plugin_metrics(plugin: Any, *, overflow_rate: float) -> dict[str, Any]:
     return values
 
 
-def measured_metrics(plugin: Any) -> dict[str, float]:
+def measured_metrics(plugin: PrecisionView) -> dict[str, float]:
     """The telemetry measured on the step just taken, as ``mp/*`` floats; empty on every other step (a value is never
     repeated as if fresh). Reads device values (one sync) only when there is something to read."""
     if plugin.stats.get("stats_step") != plugin.step_count - 1:

@@ -56,10 +56,6 @@ class DeepSpeedView(ForeignPrecision):
         self._handles.clear()
 
     @property
-    def checks_nonfinite(self) -> bool:
-        return self.scaler is not None
-
-    @property
     def dtype(self) -> torch.dtype:
         if self._enabled("fp16_enabled"):
             return torch.float16

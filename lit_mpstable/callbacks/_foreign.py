@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -107,6 +108,35 @@ class ForeignPrecision:
 
     def forward_context(self) -> Any:
         return self.plugin.forward_context()
+
+    # ------------------------------------------------------------------------------------------- refused
+    def _refuse(self, call: str) -> RuntimeError:
+        return RuntimeError(f"{call}() needs StablePrecision; the trainer's precision plugin is"
+                            f" {type(self.plugin).__name__} (can_skip and can_fallback are False here).")
+
+    def skip_step(self) -> None:
+        """Refused: only ``StablePrecision`` discards a step (``can_skip`` is False).
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise self._refuse("skip_step")
+
+    def fallback(self, modules: Iterable[str] | None = None, *, reason: str) -> str:
+        """Refused: only ``StablePrecision`` widens its precision (``can_fallback`` is False).
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise self._refuse("fallback")
+
+    def restore_precision(self) -> None:
+        """Refused, as :meth:`fallback`.
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise self._refuse("restore_precision")
 
     def state_dict(self) -> dict[str, Any]:
         return self.plugin.state_dict()

@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
+from lit_mpstable.callbacks.views import PrecisionView
 from lit_mpstable.core.checkpoints import copy_state
 
 
-def layout_key(plugin: Any) -> tuple:
+def layout_key(plugin: PrecisionView) -> tuple:
     """What a precision fallback changes, as far as the plugin's public state shows it."""
     return plugin.fallback_active, plugin.compute_dtype, tuple(plugin.islands.names)
 
@@ -61,7 +62,7 @@ def _floating(obj: Any, path: str, out: list[tuple[str, Any]]) -> None:
             _floating(value, f"{path}[{index}]", out)
 
 
-def take_snapshot(trainer: Any, pl_module: Any, plugin: Any, device: str | None) -> dict[str, Any]:
+def take_snapshot(trainer: Any, pl_module: Any, plugin: PrecisionView, device: str | None) -> dict[str, Any]:
     """Copies of the module, optimizer, LR scheduler and plugin state dicts, on ``device`` (None: where they are)."""
     target = torch.device(device) if device is not None else None
     return {
@@ -73,7 +74,7 @@ def take_snapshot(trainer: Any, pl_module: Any, plugin: Any, device: str | None)
     }
 
 
-def restore_snapshot(trainer: Any, pl_module: Any, plugin: Any, snapshot: dict[str, Any]) -> None:
+def restore_snapshot(trainer: Any, pl_module: Any, plugin: PrecisionView, snapshot: dict[str, Any]) -> None:
     """Load ``snapshot`` back through public ``load_state_dict`` methods; the snapshot stays intact for reuse.
 
     The plugin's event counters are history, not numeric state: ``restore_state`` keeps their live values."""

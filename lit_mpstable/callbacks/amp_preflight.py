@@ -14,6 +14,7 @@ from torch import nn
 
 from lit_mpstable.callbacks._common import PluginCallback, check, is_number, strict_keys
 from lit_mpstable.callbacks._rules import compare_outputs, default_forward, first_tensor
+from lit_mpstable.callbacks.views import PrecisionView
 from lit_mpstable.fp8 import convert_from_fp8
 from lit_mpstable.fp8.backends import find_fp8_layers
 
@@ -206,7 +207,7 @@ class AMPPreflight(PluginCallback):
         return _training_step_loss, "training_step loss"
 
     def _forwards(
-        self, pl_module: pl.LightningModule, plugin: Any, batch: Any, forward: Callable[[Any, Any], Any]
+        self, pl_module: pl.LightningModule, plugin: PrecisionView, batch: Any, forward: Callable[[Any, Any], Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         modes = {module: module.training for module in pl_module.modules()}
         device = pl_module.device

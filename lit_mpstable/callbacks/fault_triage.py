@@ -7,7 +7,7 @@ import copy
 import inspect
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -42,6 +42,7 @@ from lit_mpstable.core.guards.triage import (
     traced_names,
     triage_event,
 )
+from lit_mpstable.frontends.trainer import TrainerPrecision
 
 
 class FaultTriage(PluginCallback):
@@ -190,7 +191,7 @@ class FaultTriage(PluginCallback):
         return any(any_rank(trainer, needs_triage(self._plugin, bool(overflows)), pl_module.device))
 
     def _triage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        plugin, step, batch_idx = self._plugin, self._step, self._batch_idx
+        plugin, step, batch_idx = cast(TrainerPrecision, self._plugin), self._step, self._batch_idx
         assert self._rng is not None
         after = rng_state()
         host = _TrainerReplay(self, trainer, pl_module, batch)
@@ -231,7 +232,7 @@ class _TrainerReplay:
 
     def __init__(self, triage: FaultTriage, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         self.triage, self.trainer, self.module, self.batch = triage, trainer, pl_module, batch
-        self.plugin = triage._plugin
+        self.plugin = cast(TrainerPrecision, triage._plugin)  # StablePrecision only (FaultTriage has no foreign_note)
         self.optimizer = trainer.optimizers[0]
         self.can_fp32 = bool(self.plugin.can_fallback)  # FSDP2 fixed the precision at fully_shard
         self.checkpoint = next((c for c in run_trainer(trainer).callbacks if isinstance(c, ScaleCheckpoint)), None)
@@ -257,7 +258,7 @@ class _TrainerReplay:
         return (loss.detach() if isinstance(loss, torch.Tensor) else None), traced_names(tracer)
 
     def apply(self, loss: torch.Tensor | None) -> None:
-        self.plugin.optimizer_step(self.optimizer, self.module, lambda result=loss: result)
+        self.plugin.optimizer_step(self.optimizer, self.module, lambda: loss)
         _step_schedules(self.trainer, self.module, self.triage._batch_idx)
 
     def discard(self) -> None:

@@ -137,7 +137,7 @@ class OverflowMonitor(PluginCallback):
         layers = agreed_names(trainer, runaway())  # the same names, and the same warning, on every rank
         if layers and not set(layers) <= self.growth_warned:
             self.growth_warned.update(layers)
-            stats = self._plugin.stats.get("growth", {})
+            stats = self._plugin.stats.get("growth", {}) if self._plugin is not None else {}
             shown = ", ".join(f"{n!r} (amax {stats[n]['amax']:.3g}, x{2 ** stats[n]['amax_growth']:.3f}/step,"
                               f" kurtosis {stats[n]['kurtosis']:.3g}{_weight_note(stats[n])})" if n in stats
                               else repr(n) for n in layers)

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_mpstable.callbacks._common import PluginCallback, any_rank, check, is_int, log_measured, strict_keys
 from lit_mpstable.core.step.probe import ProbeCopyError, forward_state, measure, metric_vector, with_metric_vector
+from lit_mpstable.frontends.trainer import TrainerPrecision
 
 _LOGGED = {"underflow_frac": "mp/grad_underflow_frac", "rel_error": "mp/grad_rel_error", "cosine": "mp/grad_cosine"}
 
@@ -99,7 +100,7 @@ class PrecisionProbe(PluginCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        plugin = self._plugin
+        plugin = cast("TrainerPrecision | None", self._plugin)  # StablePrecision only (no foreign_note)
         if plugin is None or self._inert:
             return
         step = plugin.step_count  # the optimizer step this batch belongs to
@@ -110,7 +111,7 @@ class PrecisionProbe(PluginCallback):
         self._capture = (step, batch, batch_idx, forward_state(plugin.stepper)) if due else None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        plugin, capture = self._plugin, self._capture
+        plugin, capture = cast("TrainerPrecision | None", self._plugin), self._capture
         if plugin is None or capture is None:
             return
         self._capture = None

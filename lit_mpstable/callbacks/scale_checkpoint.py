@@ -190,6 +190,7 @@ class ScaleCheckpoint(PluginCallback):
 
     def _on_skip(self, trainer: pl.Trainer, pl_module: pl.LightningModule, event: dict[str, Any]) -> None:
         step = event["step"]
+        assert self._plugin is not None  # a skip event comes from the plugin
         self._skipped_at.append(step)
         while self._skipped_at and self._skipped_at[0] <= step - self.window:
             self._skipped_at.popleft()

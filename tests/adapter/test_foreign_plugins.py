@@ -74,3 +74,23 @@ def test_preflight_warns_with_lightnings_plugin_and_raises_when_asked() -> None:
     with quiet():
         make_trainer(HalfPrecision("bf16-true"), max_steps=1, callbacks=[preflight]).fit(PoisonModule())
     assert preflight.result["passed"] and preflight.result["precision"] == "bf16-true"
+
+
+def test_stableprecision_and_both_views_satisfy_precision_view_and_the_views_refuse_what_needs_ours() -> None:
+    from types import SimpleNamespace
+
+    from trainer_pkg import StablePrecision
+
+    from lit_mpstable.callbacks.views import DeepSpeedView, ForeignPrecision, PrecisionView
+    from lit_mpstable.fabric import StablePrecision as FabricStablePrecision
+
+    trainer = SimpleNamespace(global_step=0, optimizers=[], strategy=SimpleNamespace(model=SimpleNamespace()))
+    foreign = ForeignPrecision(_mixed(), trainer)
+    deepspeed = DeepSpeedView(MixedPrecision("bf16-mixed", "cpu"), trainer)
+    for plugin in (StablePrecision("bf16-mixed"), FabricStablePrecision("bf16-mixed"), foreign, deepspeed):
+        assert isinstance(plugin, PrecisionView), type(plugin).__name__
+    for view in (foreign, deepspeed):
+        assert not view.can_skip and not view.can_fallback
+        for call in (view.skip_step, view.restore_precision, lambda: view.fallback(None, reason="test")):
+            with pytest.raises(RuntimeError, match=r"needs StablePrecision; the trainer's precision plugin is"):
+                call()

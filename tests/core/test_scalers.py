@@ -15,9 +15,9 @@ from lit_mpstable.core.step.stepper import PrecisionStepper
 
 
 class NoSyncScaler(DynamicLossScaler):
-    """Ours, but with the cross-rank agreement taken away."""
+    """Ours, but with the checked unscale (and its cross-rank agreement) taken away."""
 
-    sync_found_inf_ = None
+    check_grads_ = None
 
 
 class SubclassedScaler(torch.amp.GradScaler):
@@ -25,7 +25,7 @@ class SubclassedScaler(torch.amp.GradScaler):
 
 
 def test_a_scaler_missing_a_protocol_method_is_refused_at_construction() -> None:
-    with pytest.raises(ValueError, match=r"missing \['sync_found_inf_'\]"):
+    with pytest.raises(ValueError, match=r"missing \['check_grads_'\]"):
         PrecisionStepper("16-mixed", scaler=NoSyncScaler("cpu"), device="cpu")
 
 

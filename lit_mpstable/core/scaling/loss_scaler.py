@@ -45,7 +45,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
     """
 
     checks_without_unscaling = True
-    """:meth:`check_` and :meth:`step_with` work here (the ``LossScaler`` protocol's capability flag)."""
+    """:meth:`check_` (``check_grads_(unscale=False)``) and :meth:`step_with` work here (the ``LossScaler``
+    protocol's capability flag)."""
 
     def __init__(
         self,
@@ -167,6 +168,18 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.READY:
             raise RuntimeError(f"{type(self).__name__}.found_inf() needs unscale_() first.")
         return bool(sum(v.item() for v in state["found_inf_per_device"].values()))
+
+    def check_grads_(self, optimizer: torch.optim.Optimizer, device: torch.device | str, *,
+                     unscale: bool = True) -> None:
+        """The step's gradient check of ``optimizer``, agreed across ranks: the scale's state on ``device`` if no loss
+        was scaled (the scale-1 check), ``unscale_`` (or, with ``unscale=False``, :meth:`check_`, which leaves the
+        gradients scaled), then :meth:`sync_found_inf_`. No host sync."""
+        self.ensure_state_(device)
+        if unscale:
+            self.unscale_(optimizer)
+        else:
+            self.check_(optimizer)
+        self.sync_found_inf_(optimizer)
 
     def check_(self, optimizer: torch.optim.Optimizer) -> None:
         """Record whether ``optimizer``'s gradients hold inf/NaN without unscaling them (they stay scaled, in their own

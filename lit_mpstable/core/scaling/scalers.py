@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 import torch
-from torch.distributed import ProcessGroup
 
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import choice_arg
@@ -24,36 +23,34 @@ _GRADSCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "stat
 
 @runtime_checkable
 class LossScaler(Protocol):
-    """Everything the stepper calls on a scaler, in step order. ``DynamicLossScaler`` (and its subclasses) satisfy it
-    themselves; any other scaler is seen through :class:`ForeignScaler`.
+    """What the step calls on a scaler, in step order: GradScaler's ``step`` and ``update``, the scale as a device
+    tensor, and what the step needs beyond them (one checked unscale agreed across ranks, a step with the caller's own
+    update, the folded step-input check, and the three ways an iteration ends without its update).
+    ``DynamicLossScaler`` (and its subclasses) satisfy it themselves; any other scaler is seen through
+    :class:`ForeignScaler`. The rest of GradScaler's methods (``scale``, ``get_scale``, ``state_dict``, ...) are called
+    on the run's scaler itself, not through this protocol.
 
     Attributes:
         last_step_skipped: whether the last ``step``/``step_with`` skipped (set from its one host sync).
-        checks_without_unscaling: whether :meth:`check_` and :meth:`step_with` work (compact weights need them).
+        checks_without_unscaling: whether ``check_grads_(unscale=False)`` and :meth:`step_with` work (compact weights
+            need them).
     """
 
     last_step_skipped: bool
     checks_without_unscaling: bool
 
-    def is_enabled(self) -> bool: ...
-    def scale(self, outputs: Any) -> Any: ...
-    def get_scale(self) -> float: ...
-    def get_scale_tensor(self) -> torch.Tensor | None: ...
-    def ensure_state_(self, device: torch.device | str) -> None: ...
     def adopt_device_(self, device_type: str) -> str | None: ...
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def check_(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: ProcessGroup | None = None) -> None: ...
+    def get_scale_tensor(self) -> torch.Tensor | None: ...
+    def check_grads_(self, optimizer: torch.optim.Optimizer, device: torch.device | str, *,
+                     unscale: bool = True) -> None: ...
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool: ...
     def fold_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch.Tensor | None: ...
-    def forget_(self, optimizer: torch.optim.Optimizer) -> None: ...
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any: ...
     def step_with(self, optimizer: torch.optim.Optimizer, update: Callable[[], Any]) -> Any: ...
     def update(self, new_scale: float | torch.Tensor | None = None) -> None: ...
     def skip_update_(self, *, overflow: bool = True) -> None: ...
     def undo_backoff_(self) -> bool: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def forget_(self, optimizer: torch.optim.Optimizer) -> None: ...
 
 
 _METHODS = tuple(name for name, value in vars(LossScaler).items() if callable(value) and not name.startswith("_"))
@@ -173,8 +170,8 @@ def _refuse_outside_fp16(call: str, precision: str, shown: str) -> None:
 class ForeignScaler:
     """A scaler that is not one of ours (a ``torch.amp.GradScaler`` subclass, or any object with GradScaler's
     methods), seen through :class:`LossScaler`: ``last_step_skipped`` after each ``step``, ``found_inf``, ``forget_``,
-    ``ensure_state_``, ``skip_update_`` and a floored scale. It cannot check without unscaling (``check_``), and it
-    agrees across ranks through the stepper's folded step-input check, not ``sync_found_inf_``.
+    ``skip_update_`` and a floored scale. It cannot check without unscaling (``check_grads_(unscale=False)``), and it
+    agrees across ranks through the stepper's folded step-input check, not in ``check_grads_``.
 
     Which way the outcome is read is decided once, here: a GradScaler (subclass) keeps each optimizer's inf checks in
     ``_per_optimizer_states`` until ``update()``, and its own step reads them; anything else is asked whether it
@@ -205,24 +202,24 @@ class ForeignScaler:
         scale = self.inner._scale if self.gradscaler else None
         return scale if isinstance(scale, torch.Tensor) else None
 
-    def ensure_state_(self, device: torch.device | str) -> None:
-        """Nothing to create: only a scaler that scaled a loss unscales."""
-
     def adopt_device_(self, device_type: str) -> str | None:
         """Nothing to move: a foreign scaler stays where its owner built it."""
         return None
 
-    def check_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refused: a foreign scaler only checks while unscaling (``checks_without_unscaling`` is False).
+    def check_grads_(self, optimizer: torch.optim.Optimizer, device: torch.device | str, *,
+                     unscale: bool = True) -> None:
+        """Unscale ``optimizer``'s gradients (the scaler's own check). Nothing to create on ``device`` (only a scaler
+        that scaled a loss unscales), and no cross-rank agreement here: the stepper's step-input check (one
+        all-reduce, folded in) makes every rank skip together.
 
         Raises:
-            TypeError: always.
+            TypeError: ``unscale=False``: a foreign scaler only checks while unscaling (``checks_without_unscaling``
+                is False).
         """
-        raise TypeError(f"{type(self.inner).__name__} cannot check gradients without unscaling them (check_()); use"
-                        " DynamicLossScaler.")
-
-    def sync_found_inf_(self, optimizer: torch.optim.Optimizer, *, group: object = None) -> None:
-        """Nothing here: the stepper's step-input check (one all-reduce, folded in) makes every rank skip together."""
+        if not unscale:
+            raise TypeError(f"{type(self.inner).__name__} cannot check gradients without unscaling them (check_()); use"
+                            " DynamicLossScaler.")
+        self.inner.unscale_(optimizer)
 
     def _found(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         state = self.inner._per_optimizer_states.get(id(optimizer)) if self.gradscaler else None
@@ -238,7 +235,8 @@ class ForeignScaler:
         return bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
     def step_with(self, optimizer: torch.optim.Optimizer, update: Callable[[], Any]) -> Any:
-        """Refused, as :meth:`check_`: only a scaler that checks without unscaling steps with the caller's update.
+        """Refused, as ``check_grads_(unscale=False)``: only a scaler that checks without unscaling steps with the
+        caller's update.
 
         Raises:
             TypeError: always.

@@ -471,9 +471,7 @@ class CompactWeights(FusedSteps, StandIns):
             self.moments.bind_(optimizer, {id(p): name for name, p in self._model.named_parameters()})
         multiplier: torch.Tensor | None = None
         if checker is not None:
-            checker.ensure_state_(first_grad_device(optimizer) or device)
-            checker.check_(optimizer)
-            checker.sync_found_inf_(optimizer)
+            checker.check_grads_(optimizer, first_grad_device(optimizer) or device, unscale=False)
             if isinstance(scaler, DynamicLossScaler):
                 multiplier = scaler.get_scale_tensor().reciprocal()
         self._pending[id(optimizer)] = [multiplier, None]

@@ -16,12 +16,10 @@ def unscale_checked_(optimizer: Optimizer, checker: LossScaler | None,
     """Unscale ``optimizer``'s gradients in place and check them for inf/NaN, agreed across ranks (no host sync)."""
     if checker is None:
         return
-    if scaler is None:  # the scale-1 check: no loss was scaled to create its state
-        checker.ensure_state_(first_grad_device(optimizer) or device)
-    checker.unscale_(optimizer)
+    # The scale-1 check of scaler=None creates its state where the gradients are (no loss was scaled to create it).
     # An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step on every
-    # rank: one all-reduce of the found-inf flag (and the adaptive amax), on the device.
-    checker.sync_found_inf_(optimizer)
+    # rank: the check ends with one all-reduce of the found-inf flag (and the adaptive amax), on the device.
+    checker.check_grads_(optimizer, first_grad_device(optimizer) or device)
 
 
 def step_checked(optimizer: Optimizer, checker: LossScaler | None, update: Callable[[], Any] | None,
