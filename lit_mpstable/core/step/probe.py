@@ -82,10 +82,9 @@ def measure(
     where = next(iter(params.values())).device if params else torch.device("cpu")
     start = start if start is not None else forward_state(layout, device)
     fp8_layers = [name for name in layout.fp8_layers if name in dict(module.named_modules())]
-    fp32_weights = keeper.fp32_weights()
-    mastered = set(fp32_weights) if keeper.exposes_grads else set()  # the gradients go into the masters
+    mastered = set(keeper.fp32_weights()) if keeper.exposes_grads else set()  # the gradients go into the masters
     with _forked_rng(where):
-        reference = _fp32_grads(module, loss_fn, batch, names, start, where, fp32_weights, layout.islands)
+        reference = _fp32_grads(module, loss_fn, batch, names, start, where, keeper, layout.islands)
         if recompute:
             run = _run_grads(module, loss_fn, batch, names, start, loss_scale, layout=layout,
                              forward_context=forward_context, mastered=mastered, keep_fp8=True)
@@ -116,7 +115,7 @@ def measure(
 # ------------------------------------------------------------------------------------------------ the passes
 def _fp32_grads(
     module: nn.Module, loss_fn: LossFn, batch: object, names: Sequence[str], start: dict[str, Any],
-    device: torch.device, fp32_weights: dict[str, torch.Tensor], islands: object,
+    device: torch.device, keeper: WeightKeeper, islands: object,
 ) -> list[torch.Tensor | None]:
     """FP32 gradients of ``names`` on a copy of ``module``: no FP8, FP32 weights (the masters where they exist, the
     compensated values of ``master_weights='kahan'``)."""
@@ -127,7 +126,7 @@ def _fp32_grads(
     params = dict(reference.named_parameters())
     with torch.no_grad():
         # The masters, or a Kahan weight's 16-bit part plus its compensation.
-        for name, weight in fp32_weights.items():
+        for name, weight in keeper.fp32_weights().items():
             if name in params:
                 params[name].copy_(weight)
     islands = memo.get(id(islands))  # the copy's FP32 islands: in *-true modes they cast outputs to 16 bits
