@@ -36,7 +36,6 @@ import torch.nn.functional as F
 
 from lit_mpstable.app.zoo import GPT
 from lit_mpstable.core.attribution import rng_state
-from lit_mpstable.core.observer import trace_skipped_step
 from lit_mpstable.core.step.stepper import PrecisionStepper
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +170,7 @@ def one_case(run: Run, kind: str, name: str) -> dict[str, Any]:
     rng, x, y = run.step(keep=True)
     skipped = run.stepper.last_step_skipped
     guess = list(run.stepper.stats.get("blamed_modules", []))
-    ours = trace_skipped_step(run.stepper, lambda: run.loss(x, y), rng=rng) if skipped else None
+    ours = run.stepper.trace_skipped_step(lambda: run.loss(x, y), rng=rng) if skipped else None
     origin = run.stepper.stats.get("nan_origin") or {}
     anomaly = anomaly_verdict(run, x, y)
     run.injector.armed = None

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lit_mpstable.callbacks._common import PluginCallback, any_rank, check, is_int, log_measured, strict_keys
-from lit_mpstable.core.step.probe import ProbeCopyError, forward_state, measure, metric_vector, with_metric_vector
+from lit_mpstable.core.step.probe import ProbeCopyError, metric_vector, with_metric_vector
 from lit_mpstable.frontends.trainer import TrainerPrecision
 
 _LOGGED = {"underflow_frac": "mp/grad_underflow_frac", "rel_error": "mp/grad_rel_error", "cosine": "mp/grad_cosine"}
@@ -21,8 +21,9 @@ _LOGGED = {"underflow_frac": "mp/grad_underflow_frac", "rel_error": "mp/grad_rel
 
 class PrecisionProbe(PluginCallback):
     """On step 0 and every ``every_n_steps``-th optimizer step, recomputes the step's gradients in FP32 on the same
-    (last micro-)batch and weights (:func:`lit_mpstable.core.step.probe.measure`) and measures, overall and per module,
-    the fraction of gradient elements that flushed to zero, the relative error and the cosine to FP32.
+    (last micro-)batch and weights (:meth:`~lit_mpstable.core.step.stepper.PrecisionStepper.measure`) and measures,
+    overall and per module, the fraction of gradient elements that flushed to zero, the relative error and the
+    cosine to FP32.
 
     It runs in ``on_before_optimizer_step``, where the plugin has unscaled the gradients, so it sees the run's real
     precision path (loss scale, FP8, FP32 islands, op policy, masters). The result goes to ``plugin.stats["probe"]``,
@@ -108,7 +109,7 @@ class PrecisionProbe(PluginCallback):
             self.pending = True  # captured for an earlier step that never reached the optimizer (discarded)
         # Every micro-batch of a probed step: the last one's stays, with the RNG and FP8 state its forward starts from.
         due = self.pending or self.is_due(step)
-        self._capture = (step, batch, batch_idx, forward_state(plugin.stepper)) if due else None
+        self._capture = (step, batch, batch_idx, plugin.stepper.forward_state()) if due else None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         plugin, capture = cast("TrainerPrecision | None", self._plugin), self._capture
@@ -122,8 +123,8 @@ class PrecisionProbe(PluginCallback):
         loss_fn = (_training_step_loss(trainer, batch_idx) if self.loss_fn is None
                    else cast(Callable[[nn.Module, Any], torch.Tensor], self.loss_fn))
         try:
-            result: dict[str, Any] | None = measure(
-                plugin.stepper, pl_module, loss_fn, batch, recompute=recompute, start=start, step=step)
+            result: dict[str, Any] | None = plugin.stepper.measure(
+                pl_module, loss_fn, batch, recompute=recompute, start=start, step=step)
         except Exception as error:  # a diagnostic must not stop training: say why (once) and stop probing
             result, failure = None, error
         # Every rank agrees: one rank's inf/NaN gradient skips the step everywhere, and the probe waits for the next.

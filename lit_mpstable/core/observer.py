@@ -157,27 +157,3 @@ class GradObserver:
         in_forward = origin.where == "forward"
         return updates, (overflow_key(origin.module, forward=in_forward),
                          overflow_warning(origin.module, forward=in_forward, step=step, scale=scale))
-
-
-def trace_skipped_step(stepper: Any, forward: Callable[[], torch.Tensor], *, rng: RngState | None = None) -> str | None:
-    """In a plain loop, after ``stepper.step`` skipped a step (``stepper.last_step_skipped``): replay its forward
-    (``forward`` returns the loss of the same batch, inside ``stepper.forward_context()``; call no ``scale_loss``)
-    and its backward traced, at the step's loss scale, with ``rng`` (:func:`~lit_mpstable.core.attribution.rng_state`
-    taken before the step) restored. Puts the module where inf/NaN first appeared in ``stepper.stats``
-    (``blamed_modules``, and ``nan_origin``: ``{"module", "where"}`` or None when the replay was finite) and its
-    warning in ``stepper.warnings``; returns the module's name (``""``: the model itself), or None (no module: a
-    finite replay, or a non-finite batch). Clean steps cost nothing: only a skipped step is replayed.
-
-    Raises:
-        ValueError: the stepper has no model yet (``setup_module`` not called).
-    """
-    module = stepper.layout.module
-    if module is None:
-        raise ValueError("trace_skipped_step(stepper=...): the stepper has no model; call setup_module first.")
-    step = max(stepper.step_count - 1, 0)  # the skipped step (counted already)
-    updates, warning = stepper.observer.replay(module, forward, step, stepper.loss_scale, rng)
-    stepper.stats.update(updates)
-    if warning is not None:
-        stepper.warnings.add_once(*warning, per=step)
-    origin = updates["nan_origin"]
-    return None if origin is None or origin["where"] == "input" else origin["module"]

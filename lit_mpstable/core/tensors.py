@@ -1,9 +1,9 @@
-"""Tensor helpers of the step: nested batches mapped tensor by tensor, the default dtype, where a model is made."""
+"""Tensor helpers of the step: nested batches mapped tensor by tensor and the default dtype."""
 
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -54,10 +54,3 @@ def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def tensor_init_context(stepper: Any) -> AbstractContextManager:
-    """Where new tensors and modules are made: in the 16-bit dtype for ``*-true`` modes without FP32 masters, else
-    unchanged. With FP32 masters the model is built in FP32: the masters start from exact values (setup casts the
-    model), and under FSDP2 the FP32 parameters are the masters (its policy computes in 16 bits)."""
-    return default_dtype(stepper.dtype) if stepper.true_16bit and stepper.master_mode != "fp32" else nullcontext()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lit_mpstable.core.step.stepper import PrecisionStepper
+from lit_mpstable.core.weights.weights import WeightKeeper
 
 
 class _ClipTargets(list):
@@ -32,20 +32,20 @@ def _first_grad_device(optimizer: Optimizer) -> torch.device | None:
     return None
 
 
-def clip_targets(stepper: PrecisionStepper, optimizer: Optimizer) -> list[Any]:
-    """The parameters ``optimizer`` updates (the FP32 masters with ``master_weights``), their gradients unscaled, for
+def clip_targets(optimizer: Optimizer, params: list[torch.Tensor], keeper: WeightKeeper, scaler: Any,
+                 device: str) -> list[Any]:
+    """The parameters ``optimizer`` updates (``params``: the stepper's ``main_params``, the FP32 masters with
+    ``master_weights``; ``keeper``, ``scaler`` and ``device``: the stepper's), their gradients unscaled, for
     Fabric to clip. On a step that will be skipped (inf/NaN) one empty placeholder stands in (torch's
     ``clip_grad_value_`` refuses an empty list; the norm is 0). With FP32 masters the model's 16-bit gradients show
     the clipped values once Fabric lets go of the returned list."""
-    params = list(stepper.main_params(optimizer))
     if not params:
-        device = _first_grad_device(optimizer) or torch.device(stepper.device)
-        placeholder = torch.empty(0, device=device)
-        placeholder.grad = torch.empty(0, device=device)
+        where = _first_grad_device(optimizer) or torch.device(device)
+        placeholder = torch.empty(0, device=where)
+        placeholder.grad = torch.empty(0, device=where)
         return [placeholder]
-    keeper = stepper.keeper
-    if keeper.defers_unscale and stepper.scaler is not None:
-        return _unscaled_copies(stepper.scaler.get_scale_tensor(), params)
+    if keeper.defers_unscale and scaler is not None:
+        return _unscaled_copies(scaler.get_scale_tensor(), params)
     if not keeper.exposes_grads:
         return params
     targets = _ClipTargets(params)

@@ -15,7 +15,6 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.core.replicas import default_replicas
-from lit_mpstable.core.step.stepper import tensor_init_context
 from lit_mpstable.core.step.stepper_args import check_optimizer
 from lit_mpstable.core.weights.moment_keeper import pop_saved_mark
 from lit_mpstable.frontends.clip_targets import clip_targets
@@ -87,7 +86,7 @@ class StablePrecision(StableFrontEnd, Precision):
         return module
 
     def tensor_init_context(self) -> AbstractContextManager:
-        return tensor_init_context(self.stepper)
+        return self.stepper.tensor_init_context()
 
     def module_init_context(self) -> AbstractContextManager:
         return self.tensor_init_context()
@@ -130,7 +129,9 @@ class StablePrecision(StableFrontEnd, Precision):
         returned list), as after the Trainer's clipping."""
         check_optimizer(f"{type(self).__name__}.main_params", optimizer)
         optimizer = self._start(optimizer)
-        return clip_targets(self.stepper, optimizer)
+        stepper = self.stepper
+        return clip_targets(optimizer, list(stepper.main_params(optimizer)), stepper.keeper, stepper.scaler,
+                            stepper.device)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if not isinstance(optimizer, Optimizer):

@@ -21,8 +21,6 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
-from lit_mpstable.core.guards.triage import full_precision
-from lit_mpstable.core.step.stepper import tensor_init_context
 from lit_mpstable.frontends.common import ARGS_DOC, StableFrontEnd
 from lit_mpstable.frontends.live_state import recast_from
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
@@ -57,7 +55,7 @@ class TrainerPrecision(StableFrontEnd):
         return data
 
     def tensor_init_context(self) -> AbstractContextManager:
-        return tensor_init_context(self.stepper)
+        return self.stepper.tensor_init_context()
 
     def module_init_context(self) -> AbstractContextManager:
         return self.tensor_init_context()
@@ -160,7 +158,7 @@ class TrainerPrecision(StableFrontEnd):
         Raises:
             RuntimeError: under FSDP2 where the precision was fixed at ``fully_shard`` (see :attr:`can_fallback`).
         """
-        with full_precision(self.stepper):
+        with self.stepper.full_precision():
             yield
 
     def replay_backward(self, loss: torch.Tensor, module: Any) -> torch.Tensor:

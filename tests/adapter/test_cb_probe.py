@@ -18,7 +18,6 @@ from lit_mpstable import StablePrecision
 from lit_mpstable.app.demos import FaultyMLP, GradientAttenuatedLinear
 from lit_mpstable.callbacks import PrecisionFallback, PrecisionProbe
 from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.step.probe import forward_state, measure
 
 PROBE_METRICS = ("mp/grad_underflow_frac", "mp/grad_rel_error", "mp/grad_cosine")
 
@@ -257,7 +256,7 @@ class _LocalProbe(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         stepper = trainer.precision_plugin.stepper
-        self._start = (batch, batch_idx, forward_state(stepper)) if self.probe.is_due(stepper.step_count) else None
+        self._start = (batch, batch_idx, stepper.forward_state()) if self.probe.is_due(stepper.step_count) else None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._start is None:
@@ -269,7 +268,7 @@ class _LocalProbe(pl.Callback):
             return module.training_step(batch, batch_idx)
 
         stepper = trainer.precision_plugin.stepper
-        self.history.append(measure(stepper, pl_module, loss_fn, batch, recompute=True, start=start,
+        self.history.append(stepper.measure(pl_module, loss_fn, batch, recompute=True, start=start,
                                     step=stepper.step_count))
 
 

@@ -319,7 +319,6 @@ def test_the_probe_measures_a_fabric_loop_through_its_stepper(recompute: bool) -
     # lit_mpstable.core.step.probe.measure on the Fabric plugin's stepper: FP16 without scaling at a loss weight of
     # 2**-14 flushes part of the gradients; its reading equals a hand count against an FP32 copy, and training is left
     # as it was.
-    from lit_mpstable.core.step.probe import forward_state, measure
 
     plugin = StablePrecision("16-mixed", scaler=None)
     fabric = fabric_of(plugin)
@@ -331,14 +330,14 @@ def test_the_probe_measures_a_fabric_loop_through_its_stepper(recompute: bool) -
     def loss_fn(module: torch.nn.Module, b) -> torch.Tensor:
         return F.mse_loss(module(b[0]).float(), b[1]) * 2.0**-14
 
-    start = forward_state(plugin.stepper)
+    start = plugin.stepper.forward_state()
     fabric.backward(loss_fn(model, batch))
     run = {n: p.grad.clone() for n, p in raw.named_parameters()}
     reference = TinyMLP()
     reference.load_state_dict(raw.state_dict())
     names, params = zip(*reference.float().named_parameters())
     expected = dict(zip(names, torch.autograd.grad(loss_fn(reference, batch), params)))
-    result = measure(plugin.stepper, raw, loss_fn, batch, start=start, recompute=recompute, step=0)
+    result = plugin.stepper.measure(raw, loss_fn, batch, start=start, recompute=recompute, step=0)
     g = torch.cat([run[n].double().flatten() for n in names])
     r = torch.cat([expected[n].double().flatten() for n in names])
     assert result["underflow_frac"] == pytest.approx(((g == 0) & (r != 0)).sum().item() / (r != 0).sum().item())

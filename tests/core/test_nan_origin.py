@@ -10,7 +10,6 @@ from helpers import TinyMLP, regression_data
 from torch import nn
 
 from lit_mpstable.core.attribution import locate_nonfinite, rng_state
-from lit_mpstable.core.observer import trace_skipped_step
 from lit_mpstable.core.step.stepper import PrecisionStepper
 
 
@@ -74,7 +73,7 @@ def test_a_skipped_step_replayed_names_the_injected_module(kind, layer):
     assert stepper.last_step_skipped
     guess = stepper.stats["blamed_modules"]
     assert guess != [layer]  # the guess from the parameters' gradients alone names a neighbour
-    assert trace_skipped_step(stepper, forward, rng=rng) == layer
+    assert stepper.trace_skipped_step(forward, rng=rng) == layer
     assert stepper.stats["blamed_modules"] == [layer]
     assert stepper.stats["nan_origin"] == {"module": layer, "where": kind}
     assert any(repr(layer) in w for w in stepper.warnings)
@@ -85,7 +84,7 @@ def test_the_next_step_is_not_traced_and_a_finite_replay_blames_nobody():
     model, stepper, forward, step, inject = _loop("forward", "fc2")
     rng = step(True)
     inject.armed = False  # the fault came and went
-    assert trace_skipped_step(stepper, forward, rng=rng) is None
+    assert stepper.trace_skipped_step(forward, rng=rng) is None
     assert stepper.stats["nan_origin"] is None and "came and went" in stepper.warnings[-1]
     assert stepper.observer.tracer is None  # the blame armed it; the replay found the origin, so it is dropped
     step(False)
@@ -142,4 +141,4 @@ def test_bad_arguments_are_named(kwargs, error, name):
 
 def test_trace_skipped_step_needs_a_model():
     with pytest.raises(ValueError, match="setup_module"):
-        trace_skipped_step(PrecisionStepper("32-true", device="cpu"), lambda: torch.zeros(()))
+        PrecisionStepper("32-true", device="cpu").trace_skipped_step(lambda: torch.zeros(()))

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from lit_mpstable.app.report_probe import probe_matrix, write_probe_figure
 from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.step.probe import forward_state, measure, metric_vector, with_metric_vector
+from lit_mpstable.core.step.probe import metric_vector, with_metric_vector
 from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.fp8 import convert_from_fp8
 
@@ -79,7 +79,7 @@ def test_measured_underflow_and_errors_match_an_independent_count(scaler, weight
     _backward(stepper, model, loss_fn)
     run = {n: p.grad for n, p in model.named_parameters()}
     ref = _fp32_grads(model, loss_fn)
-    result = measure(stepper, model, loss_fn, (X, Y), step=0)
+    result = stepper.measure(model, loss_fn, (X, Y), step=0)
     expected = _expected(run, ref)
     for key, value in expected.items():
         assert result[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
@@ -98,7 +98,7 @@ def test_measured_underflow_and_errors_match_an_independent_count(scaler, weight
 def test_an_fp32_run_measures_exactly_no_error() -> None:
     stepper, model = _setup("32-true")
     _backward(stepper, model, _mse())
-    result = measure(stepper, model, _mse(), (X, Y))
+    result = stepper.measure(model, _mse(), (X, Y))
     assert result["underflow_frac"] == 0.0 and result["rel_error"] == 0.0 and result["cosine"] == pytest.approx(1.0)
     assert all(m["rel_error"] == 0.0 for m in result["modules"].values())
 
@@ -118,7 +118,7 @@ def test_the_reference_weights_are_the_fp32_masters() -> None:
     fp32.load_state_dict({n: m.detach() for n, m in masters.items()})
     batch = (stepper.convert_input(X), Y)  # the BF16 batch the step saw; the reference upcasts it
     expected = _expected(run, _fp32_grads(fp32, loss_fn, batch))
-    result = measure(stepper, model, loss_fn, batch)
+    result = stepper.measure(model, loss_fn, batch)
     assert result["rel_error"] == pytest.approx(expected["rel_error"], rel=1e-9)
     upcast = _expected(run, _fp32_grads(model, loss_fn, batch))
     assert abs(upcast["rel_error"] - expected["rel_error"]) > 1e-4  # the test can tell the two apart
@@ -151,7 +151,7 @@ def test_with_compact_weights_the_reference_weights_are_the_compensated_values(m
                           for n, p in model.named_parameters()})
     batch = (stepper.convert_input(X), Y)
     expected = _expected(run, _fp32_grads(fp32, loss_fn, batch))
-    result = measure(stepper, model, loss_fn, batch)
+    result = stepper.measure(model, loss_fn, batch)
     assert result["rel_error"] == pytest.approx(expected["rel_error"], rel=1e-9)
     if mode == "kahan":
         upcast = _expected(run, _fp32_grads(model, loss_fn, batch))
@@ -165,13 +165,13 @@ def test_recompute_runs_the_op_policy_the_step_ran() -> None:
     stepper, model = _setup("bf16-mixed", op_policy={"matmul": "fp32"})
     loss_fn = _mse()
     _backward(stepper, model, loss_fn)
-    own = measure(stepper, model, loss_fn, (X, Y))
-    recomputed = measure(stepper, model, loss_fn, (X, Y), recompute=True)
+    own = stepper.measure(model, loss_fn, (X, Y))
+    recomputed = stepper.measure(model, loss_fn, (X, Y), recompute=True)
     assert recomputed["rel_error"] == pytest.approx(own["rel_error"], rel=1e-6, abs=1e-12)
     plain, plain_model = _setup("bf16-mixed")
     plain_model.load_state_dict(model.state_dict())
     _backward(plain, plain_model, loss_fn)
-    assert measure(plain, plain_model, loss_fn, (X, Y))["rel_error"] > 100 * own["rel_error"]
+    assert plain.measure(plain_model, loss_fn, (X, Y))["rel_error"] > 100 * own["rel_error"]
 
 
 def test_fp32_islands_of_a_true_16bit_run_stay_fp32_in_the_reference() -> None:
@@ -185,7 +185,7 @@ def test_fp32_islands_of_a_true_16bit_run_stay_fp32_in_the_reference() -> None:
     fp32.load_state_dict(weights)
     batch = (stepper.convert_input(X), Y)
     expected = _expected({n: p.grad for n, p in named.items()}, _fp32_grads(fp32, loss_fn, batch))
-    assert measure(stepper, model, loss_fn, batch)["rel_error"] == pytest.approx(expected["rel_error"], rel=1e-9)
+    assert stepper.measure(model, loss_fn, batch)["rel_error"] == pytest.approx(expected["rel_error"], rel=1e-9)
 
 
 # ------------------------------------------------------------------------------------------------ side effects
@@ -211,15 +211,15 @@ def test_probing_leaves_training_bit_identical_and_replays_dropout() -> None:
         stepper.setup_optimizers(model, [optimizer])
         results = []
         for step in range(3):
-            start = forward_state(stepper)
+            start = stepper.forward_state()
             with stepper.forward_context():
                 loss = _mse()(model, (X, Y))
             stepper.scale_loss(loss).backward()
             stepper.unscale_(optimizer)
             if probe:
                 grads = [p.grad.clone() for p in model.parameters()]
-                results.append(measure(stepper, model, _mse(), (X, Y), start=start, step=step))
-                results.append(measure(stepper, model, _mse(), (X, Y), step=step))  # RNG as it is now: other masks
+                results.append(stepper.measure(model, _mse(), (X, Y), start=start, step=step))
+                results.append(stepper.measure(model, _mse(), (X, Y), step=step))  # RNG as it is now: other masks
                 assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
             stepper.step(optimizer)
             optimizer.zero_grad()
@@ -250,11 +250,11 @@ def test_recompute_measures_the_last_micro_batch_alone() -> None:
     stepper.setup_optimizers(model, [optimizer])
     for batch in (first, last):
         if batch is last:
-            start = forward_state(stepper)
+            start = stepper.forward_state()
         with stepper.forward_context():
             stepper.scale_loss(loss_fn(model, batch)).backward()
     stepper.unscale_(optimizer)
-    result = measure(stepper, model, loss_fn, last, recompute=True, start=start)
+    result = stepper.measure(model, loss_fn, last, recompute=True, start=start)
     # By hand: the last micro-batch's FP16 gradient alone, on a fresh copy under FP16 autocast.
     alone = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -266,7 +266,7 @@ def test_recompute_measures_the_last_micro_batch_alone() -> None:
         assert result[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
     assert result["recomputed"] and 0.05 < result["underflow_frac"] < 0.95, result["underflow_frac"]
     # The accumulated .grad against the last micro-batch alone would be another measurement.
-    assert measure(stepper, model, loss_fn, last, start=start)["rel_error"] > result["rel_error"] + 0.1
+    assert stepper.measure(model, loss_fn, last, start=start)["rel_error"] > result["rel_error"] + 0.1
 
 
 def test_fp8_layers_state_untouched_and_error_split() -> None:
@@ -276,14 +276,14 @@ def test_fp8_layers_state_untouched_and_error_split() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     stepper.setup_optimizers(model, [optimizer])
     for step in range(2):  # a second step: the delayed scales have moved, so replaying them matters
-        start = forward_state(stepper)
+        start = stepper.forward_state()
         with stepper.forward_context():
             loss = loss_fn(model, (X, Y))
         stepper.scale_loss(loss).backward()
         stepper.unscale_(optimizer)
         before = stepper.layout.fp8_backend.state_dict(model, ["fc2"])
-        actual = measure(stepper, model, loss_fn, (X, Y), start=start)
-        replayed = measure(stepper, model, loss_fn, (X, Y), recompute=True, start=start)
+        actual = stepper.measure(model, loss_fn, (X, Y), start=start)
+        replayed = stepper.measure(model, loss_fn, (X, Y), recompute=True, start=start)
         after = stepper.layout.fp8_backend.state_dict(model, ["fc2"])
         assert all(torch.equal(before[k], after[k]) for k in before)
         if step == 0:
@@ -313,15 +313,15 @@ def test_measure_refuses_another_module_and_a_detached_loss() -> None:
     stepper, model = _setup("bf16-mixed")
     _backward(stepper, model, _mse())
     with pytest.raises(ValueError, match=r"measure\(module=TinyMLP\): the stepper was set up with another module"):
-        measure(stepper, TinyMLP(), _mse(), (X, Y))
+        stepper.measure(TinyMLP(), _mse(), (X, Y))
     with pytest.raises(RuntimeError, match="loss_fn returned Tensor"):
-        measure(stepper, model, lambda m, b: _mse()(m, b).detach(), (X, Y))
+        stepper.measure(model, lambda m, b: _mse()(m, b).detach(), (X, Y))
 
 
 def test_metric_vector_round_trip_and_averaging() -> None:
     stepper, model = _setup("16-mixed", scaler=None)
     _backward(stepper, model, _mse(2.0**-24))
-    result = measure(stepper, model, _mse(2.0**-24), (X, Y))
+    result = stepper.measure(model, _mse(2.0**-24), (X, Y))
     values = metric_vector(result)
     assert len(values) == 3 * (1 + 3) and with_metric_vector(result, values) == result
     halved = with_metric_vector(result, [v / 2 for v in values])
@@ -413,7 +413,7 @@ def test_on_cuda_the_reading_matches_the_count_and_dropout_is_replayed() -> None
     stepper.setup_module(model)
     batch = (X.cuda(), Y.cuda())
     loss_fn = _mse(2.0**-20)
-    start = forward_state(stepper)
+    start = stepper.forward_state()
     _backward(stepper, model, loss_fn, batch)
     run = {n: p.grad for n, p in model.named_parameters()}
     # The FP32 count by hand, with the step's dropout masks (CUDA RNG state from before the forward).
@@ -423,7 +423,7 @@ def test_on_cuda_the_reading_matches_the_count_and_dropout_is_replayed() -> None
         loss = loss_fn(reference, batch)
         names, params = zip(*reference.named_parameters())
         ref = dict(zip(names, torch.autograd.grad(loss, params)))
-    result = measure(stepper, model, loss_fn, batch, start=start)
+    result = stepper.measure(model, loss_fn, batch, start=start)
     expected = _expected(run, ref)
     assert 0.0 < expected["underflow_frac"] < 1.0
     for key, value in expected.items():
@@ -431,6 +431,6 @@ def test_on_cuda_the_reading_matches_the_count_and_dropout_is_replayed() -> None
     # At loss weight 1 nothing flushes: a small error means the FP16 run and the FP32 replay drew the same masks
     # (on the CPU they do, measured ~1e-3; another mask would read ~0.5).
     model.zero_grad(set_to_none=True)
-    start = forward_state(stepper)
+    start = stepper.forward_state()
     _backward(stepper, model, _mse(), batch)
-    assert measure(stepper, model, _mse(), batch, start=start)["rel_error"] < 0.05
+    assert stepper.measure(model, _mse(), batch, start=start)["rel_error"] < 0.05

@@ -160,24 +160,6 @@ def restore_rng(state: RngState) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
-@contextmanager
-def full_precision(stepper: Any) -> Generator[None, None, None]:
-    """Inside the block the whole model computes in FP32 (FP8 layers off, no autocast, ``*-true`` parameters
-    widened); after it exactly the fallbacks in force before are back. Logs nothing and counts nothing.
-
-    Raises:
-        RuntimeError: under FSDP2 where the precision was fixed at ``fully_shard`` (see ``stepper.can_fallback``).
-    """
-    layout = stepper.layout
-    saved = layout.state_dict()
-    try:
-        while stepper.compute_dtype != torch.float32:
-            stepper.fallback(None)  # one rung at a time: FP8 -> base precision -> FP32
-        yield
-    finally:
-        layout.load_state_dict(saved)
-
-
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized() and \
         torch.distributed.get_world_size() > 1

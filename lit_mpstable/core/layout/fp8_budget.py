@@ -5,8 +5,8 @@ to the base precision within the budget. The choice is part of the stepper's sta
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_mpstable.core.layout.layout import PrecisionLayout
-from lit_mpstable.core.tensors import default_dtype
 from lit_mpstable.fp8.budget import fill_budget, layer_gradient_errors, linear_weight_numel
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget
 
@@ -32,6 +31,7 @@ class ProbeBudget:
     """
 
     def __init__(self, fp8: FP8Config | None, owner: str) -> None:
+        self.fp8 = fp8
         keep = fp8.keep_high_precision if fp8 is not None else None
         self.budget = keep if isinstance(keep, HighPrecisionBudget) and keep.by == "probe" else None
         self.owner = owner
@@ -46,29 +46,31 @@ class ProbeBudget:
         return self.budget is not None and self.layers is None
 
     # -------------------------------------------------------------------------------------------- choosing
-    def choose_(self, stepper: Any, loss_fn: LossFn, batch: Any) -> list[str]:
-        """See :meth:`PrecisionStepper.choose_high_precision_`."""
+    def choose_(self, layout: PrecisionLayout, loss_fn: LossFn, batch: Any, *,
+                base_precision: Callable[[], AbstractContextManager[Any]], step: int,
+                stats: dict[str, Any]) -> list[str]:
+        """See :meth:`PrecisionStepper.choose_high_precision_`: ``base_precision`` is the run's base precision
+        alone (the measurement's context), ``step`` the optimizer step, ``stats`` where the report goes."""
         call = f"{self.owner}.choose_high_precision_"
         if self.budget is None:
-            raise RuntimeError(f"{call}: the run's fp8 ({stepper.fp8!r}) has no HighPrecisionBudget(by='probe');"
+            raise RuntimeError(f"{call}: the run's fp8 ({self.fp8!r}) has no HighPrecisionBudget(by='probe');"
                                " nothing to choose.")
         if not callable(loss_fn):
             raise TypeError(f"{call}(loss_fn={loss_fn!r}): must be a callable (module, batch) -> scalar loss.")
         if self.layers is not None:
             return list(self.layers)  # made once (or loaded): a second call changes nothing
-        layout = stepper.layout
         if layout.module is None:
             raise RuntimeError(f"{call}: call setup_module(module) first; the layers to measure are the model's.")
         low = layout.fp8_layers
         errors: dict[str, float] = {}
         if low:  # a global fallback out of FP8 leaves nothing to measure
-            with _base_precision(stepper):
+            with base_precision():
                 errors = layer_gradient_errors(layout.module, low, loss_fn, batch, config=layout.fp8)
             errors = _agreed(errors)
         chosen = fill_budget(layout.module, errors, self.budget.fraction) if errors else []
         self._apply(layout, chosen)
-        self.errors, self.step = errors, stepper.step_count
-        stepper.stats["fp8_high_precision"] = self.report(layout.module)
+        self.errors, self.step = errors, step
+        stats["fp8_high_precision"] = self.report(layout.module)
         return list(chosen)
 
     def report(self, module: nn.Module | None) -> dict[str, Any]:
@@ -158,20 +160,6 @@ class ProbeBudget:
                                  f" {unknown!r}, which are not FP8 layers of this model ({allowed}).")
             self._apply(layout, list(saved["layers"]))
             self.errors, self.step = dict(saved["errors"]), int(saved["step"])
-
-
-@contextmanager
-def _base_precision(stepper: Any) -> Generator[None, None, None]:
-    """The base precision alone (autocast or the 16-bit default dtype), without the forward context's bookkeeping
-    (op-policy recording, recompile notes): the measurement is not a training forward."""
-    if stepper.compute_dtype == torch.float32:
-        context: AbstractContextManager[Any] = nullcontext()
-    elif stepper.true_16bit:
-        context = default_dtype(stepper.dtype)
-    else:
-        context = torch.autocast(stepper.device, dtype=stepper.dtype, cache_enabled=False)
-    with context:
-        yield
 
 
 def _agreed(errors: dict[str, float]) -> dict[str, float]:

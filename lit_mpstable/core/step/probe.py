@@ -5,17 +5,16 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
-from lit_mpstable.core.step.stepper import default_dtype
+from lit_mpstable.core.layout.layout import PrecisionLayout
+from lit_mpstable.core.tensors import default_dtype
+from lit_mpstable.core.weights.weights import WeightKeeper
 from lit_mpstable.fp8 import convert_from_fp8
-
-if TYPE_CHECKING:
-    from lit_mpstable.core.step.stepper import PrecisionStepper
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``(module, batch) -> loss``: the loss of one (micro-)batch, as the step computed it (before loss scaling)."""
@@ -32,15 +31,13 @@ except ImportError:  # a torch build without torch.distributed
     _DTENSOR = ()  # type: ignore[assignment,misc]
 
 
-def forward_state(stepper: PrecisionStepper) -> dict[str, Any]:
-    """What a step's forward starts from, so :func:`measure` can replay it: the RNG states (dropout masks) and the
-    FP8 layers' scaling state (the delayed recipe moves it in every forward). Take it right before the forward of the
-    (last micro-)batch to probe; copies, plain tensors."""
-    layout = stepper.layout
+def forward_state(layout: PrecisionLayout, device: str) -> dict[str, Any]:
+    """:meth:`PrecisionStepper.forward_state <lit_mpstable.core.step.stepper.PrecisionStepper.forward_state>` of a
+    stepper's ``layout``; ``device``: the stepper's, where the RNG lives while no model is attached."""
     rng: dict[str, torch.Tensor] = {"cpu": torch.get_rng_state()}
-    device = next(layout.module.parameters()).device if layout.module is not None else torch.device(stepper.device)
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
+    device_ = next(layout.module.parameters()).device if layout.module is not None else torch.device(device)
+    if device_.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device_)
     layers = layout.fp8_layers
     backend, module = layout.fp8_backend, layout.module  # FP8 layers: converted by a backend, in an attached model
     fp8 = backend.state_dict(module, layers) if layers and backend is not None and module is not None else {}
@@ -48,57 +45,28 @@ def forward_state(stepper: PrecisionStepper) -> dict[str, Any]:
 
 
 def measure(
-    stepper: PrecisionStepper,
     module: nn.Module,
     loss_fn: LossFn,
     batch: object,
     *,
+    layout: PrecisionLayout,
+    keeper: WeightKeeper,
+    named_grads: Callable[[], list[tuple[str, Any]]],
+    scale: Callable[[], float],
+    forward_context: Callable[[], AbstractContextManager[Any]],
+    device: str,
     recompute: bool = False,
     start: dict[str, Any] | None = None,
     step: int | None = None,
 ) -> dict[str, Any]:
-    """Recompute a step's gradients in FP32 on the same batch and weights and measure what the run's precision cost.
-
-    Call it after the backward and the stepper's ``unscale_``, before ``step``: the run's gradients are then the
-    true ones (scaled backward, unscaled; the FP32 masters where there are any: :meth:`PrecisionStepper.named_grads`).
-    The FP32 reference runs on a deep copy of ``module`` (tensor attributes that are not graph leaves, such as a
-    metric updated with the loss, copied detached): FP8 layers back to ``nn.Linear``, everything cast to FP32,
-    the FP32 masters as weights where they exist (with master_weights="kahan" the 16-bit weights plus their
-    compensation; else the weights upcast), floating inputs upcast, autocast off.
-    Nothing of the run is touched: not ``.grad``, the optimizer, the module's state (BatchNorm statistics, Python
-    attributes a ``loss_fn`` changes: they change on the copy), the FP8 scaling state, nor the RNG stream (forked;
-    each pass starts from ``start``'s RNG state, so dropout draws the step's masks).
-
-    ``recompute=True``: the run's gradient is recomputed too, on a copy in the run's precision (forward context,
-    FP8 layers from ``start``'s scaling state, loss scale, unscaled as the step unscales). Needed when ``.grad``
-    holds more than this batch's gradient: gradient accumulation (pass the last micro-batch) or a data-parallel
-    all-reduce (each rank measures its own batch). With FP8 layers a third pass, the run's precision with FP8 layers
-    back in the base precision, splits each FP8 layer's error into what FP8 and what the base precision cost.
-
-    Args:
-        stepper: the run's precision, set up with ``module``.
-        module: the module whose parameters the stepper trains.
-        loss_fn: ``(module, batch) -> loss``; called on the copies, so it must use the module it is given.
-        batch: the (last micro-)batch of the step, as the step's forward saw it.
-        start: :func:`forward_state` taken before the step's forward; ``None``: the current RNG and FP8 state.
-        step: the optimizer step, recorded in the result.
-
-    Returns:
-        Plain values: ``step``, ``loss_scale``, ``recomputed``, ``finite`` (the run's gradients hold no inf/NaN), and
-        overall and per owning module (``modules``: qualified name -> the same keys plus ``numel``):
-        ``underflow_frac`` (elements nonzero in FP32 that are zero in the run's gradient, over the elements nonzero
-        in FP32), ``rel_error`` (``||g - g32|| / ||g32||``), ``cosine`` (of ``g`` and ``g32``); ``fp8``: per FP8
-        layer, ``fp8_rel_error`` (``||g - g_base|| / ||g32||``) and ``base_rel_error`` (``||g_base - g32|| /
-        ||g32||``), ``g_base`` being its gradient with FP8 off. One host sync (plus the loss scale's).
-
-    Raises:
-        ValueError: ``module`` is not the stepper's.
-        RuntimeError: ``module`` holds sharded (DTensor) parameters, or ``loss_fn`` returned no differentiable loss.
-    """
-    if module is not stepper.layout.module:
+    """:meth:`PrecisionStepper.measure <lit_mpstable.core.step.stepper.PrecisionStepper.measure>` over the
+    stepper's parts: its ``layout`` (the model, FP8 layers, FP32 islands), ``keeper`` (the FP32 weights),
+    ``named_grads`` (the run's gradients, read unless ``recompute``), the loss ``scale``, its ``forward_context``
+    and ``device`` (where the RNG lives without a model)."""
+    if module is not layout.module:
         raise ValueError(
             f"measure(module={type(module).__name__}): the stepper was set up with another module"
-            f" ({type(stepper.layout.module).__name__}); pass the one given to stepper.setup_module()."
+            f" ({type(layout.module).__name__}); pass the one given to stepper.setup_module()."
         )
     params = dict(module.named_parameters())
     if any(isinstance(p, _DTENSOR) for p in params.values()):
@@ -108,22 +76,25 @@ def measure(
         names = [name for name, p in params.items() if p.requires_grad]
         run: list[torch.Tensor | None] = []
     else:
-        holders = [(name, holder) for name, holder in stepper.named_grads() if holder.grad is not None]
+        holders = [(name, holder) for name, holder in named_grads() if holder.grad is not None]
         names, run = [name for name, _ in holders], [holder.grad for _, holder in holders]
-    scale = stepper.loss_scale
-    device = next(iter(params.values())).device if params else torch.device("cpu")
-    start = start if start is not None else forward_state(stepper)
-    fp8_layers = [name for name in stepper.layout.fp8_layers if name in dict(module.named_modules())]
-    with _forked_rng(device):
-        reference = _fp32_grads(stepper, module, loss_fn, batch, names, start, device)
+    loss_scale = scale()
+    where = next(iter(params.values())).device if params else torch.device("cpu")
+    start = start if start is not None else forward_state(layout, device)
+    fp8_layers = [name for name in layout.fp8_layers if name in dict(module.named_modules())]
+    mastered = set(keeper.fp32_weights()) if keeper.exposes_grads else set()  # the gradients go into the masters
+    with _forked_rng(where):
+        reference = _fp32_grads(module, loss_fn, batch, names, start, where, keeper, layout.islands)
         if recompute:
-            run = _run_grads(stepper, module, loss_fn, batch, names, start, scale, keep_fp8=True)
-        base = _run_grads(stepper, module, loss_fn, batch, names, start, scale, keep_fp8=False) if fp8_layers else []
+            run = _run_grads(module, loss_fn, batch, names, start, loss_scale, layout=layout,
+                             forward_context=forward_context, mastered=mastered, keep_fp8=True)
+        base = _run_grads(module, loss_fn, batch, names, start, loss_scale, layout=layout,
+                          forward_context=forward_context, mastered=mastered, keep_fp8=False) if fp8_layers else []
 
     owners = [name.rpartition(".")[0] for name in names]
     modules = list(dict.fromkeys(owners))
     rows = [_sums(g, r, like=params[n]) for n, g, r in zip(names, run, reference)]
-    table = torch.stack(rows) if rows else torch.zeros(0, 8, dtype=torch.float64, device=device)
+    table = torch.stack(rows) if rows else torch.zeros(0, 8, dtype=torch.float64, device=where)
     index = torch.tensor([modules.index(o) for o in owners], device=table.device, dtype=torch.long)
     per_module = torch.zeros(len(modules), 8, dtype=torch.float64, device=table.device).index_add_(0, index, table)
     fp8_rows = [_fp8_sums([i for i, o in enumerate(owners) if o == layer], run, base, reference, params, names)
@@ -131,7 +102,8 @@ def measure(
     values = torch.cat([table.sum(0, keepdim=True), per_module, *fp8_rows]).tolist()  # the one host sync
 
     total = values[0]
-    result: dict[str, Any] = {"step": step, "loss_scale": scale, "recomputed": recompute, "finite": total[_BAD] == 0}
+    result: dict[str, Any] = {"step": step, "loss_scale": loss_scale, "recomputed": recompute,
+                              "finite": total[_BAD] == 0}
     result.update(_metrics(total))
     result["modules"] = {name: _metrics(row) for name, row in zip(modules, values[1 : 1 + len(modules)])}
     result["fp8"] = {
@@ -142,8 +114,8 @@ def measure(
 
 # ------------------------------------------------------------------------------------------------ the passes
 def _fp32_grads(
-    stepper: PrecisionStepper, module: nn.Module, loss_fn: LossFn, batch: object, names: Sequence[str],
-    start: dict[str, Any], device: torch.device,
+    module: nn.Module, loss_fn: LossFn, batch: object, names: Sequence[str], start: dict[str, Any],
+    device: torch.device, keeper: WeightKeeper, islands: object,
 ) -> list[torch.Tensor | None]:
     """FP32 gradients of ``names`` on a copy of ``module``: no FP8, FP32 weights (the masters where they exist, the
     compensated values of ``master_weights='kahan'``)."""
@@ -154,10 +126,10 @@ def _fp32_grads(
     params = dict(reference.named_parameters())
     with torch.no_grad():
         # The masters, or a Kahan weight's 16-bit part plus its compensation.
-        for name, weight in stepper.keeper.fp32_weights().items():
+        for name, weight in keeper.fp32_weights().items():
             if name in params:
                 params[name].copy_(weight)
-    islands = memo.get(id(stepper.islands))  # the copy's FP32 islands: in *-true modes they cast outputs to 16 bits
+    islands = memo.get(id(islands))  # the copy's FP32 islands: in *-true modes they cast outputs to 16 bits
     if islands is not None:
         islands.output_dtype = None
     _restore_rng(start["rng"], device)
@@ -167,13 +139,14 @@ def _fp32_grads(
 
 
 def _run_grads(
-    stepper: PrecisionStepper, module: nn.Module, loss_fn: LossFn, batch: object, names: Sequence[str],
-    start: dict[str, Any], scale: float, *, keep_fp8: bool,
+    module: nn.Module, loss_fn: LossFn, batch: object, names: Sequence[str], start: dict[str, Any], scale: float, *,
+    layout: PrecisionLayout, forward_context: Callable[[], AbstractContextManager[Any]], mastered: set[str],
+    keep_fp8: bool,
 ) -> list[torch.Tensor | None]:
-    """Gradients of ``names`` in the run's precision on a copy of ``module`` (with its FP8 layers at ``start``'s
-    scaling state, or without FP8), scaled backward, unscaled as the step unscales them."""
+    """Gradients of ``names`` in the run's precision (``forward_context``) on a copy of ``module`` (with its FP8
+    layers at ``start``'s scaling state, or without FP8), scaled backward, unscaled as the step unscales them
+    (in FP32 where the gradient goes into a master: ``mastered``)."""
     low = _copy(module, {})
-    layout = stepper.layout
     if not keep_fp8:
         convert_from_fp8(low)
     elif start["fp8"] and start["fp8_layers"] == layout.fp8_layers:
@@ -183,13 +156,12 @@ def _run_grads(
     device = next(iter(params.values())).device
     _restore_rng(start["rng"], device)
     with torch.enable_grad():
-        with stepper.forward_context():
+        with forward_context():
             loss = _checked_loss(loss_fn(low, batch))
         # As GradScaler: the FP32 scale times the loss (fp16 * fp32 promotes), reciprocal in FP64 rounded to FP32.
         scaled = loss * torch.tensor(scale, dtype=torch.float32, device=loss.device)
         grads = torch.autograd.grad(scaled, [params[n] for n in names], allow_unused=True)
     inv_scale = torch.tensor(1.0 / scale, dtype=torch.float32, device=device)
-    mastered = set(stepper.keeper.fp32_weights()) if stepper.keeper.exposes_grads else set()  # gradients into masters
     return [_unscaled(g, inv_scale, fp32=name in mastered) for name, g in zip(names, grads)]
 
 

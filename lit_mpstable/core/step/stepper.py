@@ -14,8 +14,8 @@ One iteration, in this order (a plain loop calls the same methods the Trainer an
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, cast, get_args
 
 import torch
@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg
-from lit_mpstable.core.attribution import any_nonfinite
+from lit_mpstable.core.attribution import RngState, any_nonfinite
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_DTYPES, PRECISION_FORMATS
@@ -40,6 +40,7 @@ from lit_mpstable.core.observer import GradObserver, shard_view
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
+from lit_mpstable.core.step import probe
 from lit_mpstable.core.step.iteration import Iteration
 from lit_mpstable.core.step.step_buffers import StepBuffers
 from lit_mpstable.core.step.step_guard import check_step_inputs_, held_nonfinite, late_nonfinite_note, stale_grads_note
@@ -70,7 +71,6 @@ from lit_mpstable.core.step.stepper_state import (
 )
 from lit_mpstable.core.tensors import default_dtype as default_dtype  # re-exported: the stepper's argument helpers
 from lit_mpstable.core.tensors import floating_tensors, map_tensors
-from lit_mpstable.core.tensors import tensor_init_context as tensor_init_context
 from lit_mpstable.core.weights.memory import training_memory
 from lit_mpstable.core.weights.moment_keeper import StateKind, check_optimizer_state
 from lit_mpstable.core.weights.recast_state import KEY as RECAST
@@ -199,6 +199,12 @@ class PrecisionStepper:
         self._converted_to: torch.dtype | None = None  # the dtype convert_input cast the latest batch to (*-true)
 
     # ------------------------------------------------------------------------------------------------ setup
+    def tensor_init_context(self) -> AbstractContextManager:
+        """Where new tensors and modules are made: in the 16-bit dtype for ``*-true`` modes without FP32 masters, else
+        unchanged. With FP32 masters the model is built in FP32: the masters start from exact values (setup casts the
+        model), and under FSDP2 the FP32 parameters are the masters (its policy computes in 16 bits)."""
+        return default_dtype(self.dtype) if self.true_16bit and self.master_mode != "fp32" else nullcontext()
+
     def setup_module(self, module: nn.Module, *, fsdp2: bool = False) -> nn.Module:
         """Apply the layout (16-bit cast of ``*-true`` modes, FP8 swap, FP32 islands) in place; returns ``module``.
 
@@ -392,6 +398,19 @@ class PrecisionStepper:
         changed, self._layout_seen = self._layout_seen not in (None, seen), seen
         if changed and layout.module is not None and is_compiled(layout.module):
             recompile_note(self.step_count, self.warnings)
+
+    @contextmanager
+    def _base_precision(self) -> Generator[None, None, None]:
+        """The base precision alone (autocast or the 16-bit default dtype), without the forward context's bookkeeping
+        (op-policy recording, recompile notes): for a measurement, not a training forward."""
+        if self.compute_dtype == torch.float32:
+            context: AbstractContextManager[Any] = nullcontext()
+        elif self.true_16bit:
+            context = default_dtype(self.dtype)
+        else:
+            context = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+        with context:
+            yield
 
     def convert_input(self, data: object) -> Any:
         """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
@@ -661,6 +680,30 @@ class PrecisionStepper:
         self.stats.update(blamed_params=[], blamed_modules=[], nonfinite_input=False, nonfinite_after_check=True)
         self.warnings.add_once(f"late-nonfinite:{type(optimizer).__name__}", late_nonfinite_note(optimizer))
 
+    def trace_skipped_step(self, forward: Callable[[], torch.Tensor], *, rng: RngState | None = None) -> str | None:
+        """In a plain loop, after :meth:`step` skipped a step (:attr:`last_step_skipped`): replay its forward
+        (``forward`` returns the loss of the same batch, inside :meth:`forward_context`; call no :meth:`scale_loss`)
+        and its backward traced, at the step's loss scale, with ``rng``
+        (:func:`~lit_mpstable.core.attribution.rng_state` taken before the step) restored. Puts the module where
+        inf/NaN first appeared in ``stats`` (``blamed_modules``, and ``nan_origin``: ``{"module", "where"}`` or None
+        when the replay was finite) and its warning in ``warnings``; returns the module's name (``""``: the model
+        itself), or None (no module: a finite replay, or a non-finite batch). Clean steps cost nothing: only a
+        skipped step is replayed.
+
+        Raises:
+            ValueError: the stepper has no model yet (``setup_module`` not called).
+        """
+        module = self.layout.module
+        if module is None:
+            raise ValueError(f"{self.owner}.trace_skipped_step(): the stepper has no model; call setup_module first.")
+        step = max(self.step_count - 1, 0)  # the skipped step (counted already)
+        updates, warning = self.observer.replay(module, forward, step, self.loss_scale, rng)
+        self.stats.update(updates)
+        if warning is not None:
+            self.warnings.add_once(*warning, per=step)
+        origin = updates["nan_origin"]
+        return None if origin is None or origin["where"] == "input" else origin["module"]
+
     # ----------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly; tensors and plain Python values (``weights_only=True`` loads it).
@@ -880,15 +923,97 @@ class PrecisionStepper:
         self.layout.restore()
         return True
 
+    @contextmanager
+    def full_precision(self) -> Generator[None, None, None]:
+        """Inside the block the whole model computes in FP32 (FP8 layers off, no autocast, ``*-true`` parameters
+        widened); after it exactly the fallbacks in force before are back. Logs nothing and counts nothing.
+
+        Raises:
+            RuntimeError: under FSDP2 where the precision was fixed at ``fully_shard`` (see :attr:`can_fallback`).
+        """
+        layout = self.layout
+        saved = layout.state_dict()
+        try:
+            while self.compute_dtype != torch.float32:
+                self.fallback(None)  # one rung at a time: FP8 -> base precision -> FP32
+            yield
+        finally:
+            layout.load_state_dict(saved)
+
     def choose_high_precision_(self, loss_fn: LossFn, batch: object) -> list[str]:
         """``FP8Config(keep_high_precision=HighPrecisionBudget(by="probe"))``: measure each FP8 layer's weight-gradient
         error in the low format on ``batch`` (``loss_fn(module, batch) -> loss``, run in the base precision, two extra
         forward/backward passes; the mean over data-parallel ranks) and move the costliest back to the base
         precision within the budget, once; returns them. Call it at the first step, before its forward (the Trainer
         plugin does). Later calls return the choice; it is saved in :meth:`state_dict` and re-applied on load."""
-        return self.fp8_budget.choose_(self, loss_fn, batch)
+        return self.fp8_budget.choose_(self.layout, loss_fn, batch, base_precision=self._base_precision,
+                                       step=self.step_count, stats=self.stats)
 
     @property
     def fp8_high_precision_layers(self) -> list[str] | None:
         """The layers the probe's budget moved back to the base precision (None: not chosen yet, or no such budget)."""
         return None if self.fp8_budget.layers is None else list(self.fp8_budget.layers)
+
+    # ----------------------------------------------------------------------------------------------- probe
+    def forward_state(self) -> dict[str, Any]:
+        """What a step's forward starts from, so :meth:`measure` can replay it: the RNG states (dropout masks) and the
+        FP8 layers' scaling state (the delayed recipe moves it in every forward). Take it right before the forward of
+        the (last micro-)batch to probe; copies, plain tensors."""
+        return probe.forward_state(self.layout, self.device)
+
+    def measure(
+        self,
+        module: nn.Module,
+        loss_fn: LossFn,
+        batch: object,
+        *,
+        recompute: bool = False,
+        start: dict[str, Any] | None = None,
+        step: int | None = None,
+    ) -> dict[str, Any]:
+        """Recompute a step's gradients in FP32 on the same batch and weights and measure what the run's precision cost.
+
+        Call it after the backward and the stepper's ``unscale_``, before ``step``: the run's gradients are then the
+        true ones (scaled backward, unscaled; the FP32 masters where there are any: :meth:`named_grads`).
+        The FP32 reference runs on a deep copy of ``module`` (tensor attributes that are not graph leaves, such as a
+        metric updated with the loss, copied detached): FP8 layers back to ``nn.Linear``, everything cast to FP32,
+        the FP32 masters as weights where they exist (with master_weights="kahan" the 16-bit weights plus their
+        compensation; else the weights upcast), floating inputs upcast, autocast off.
+        Nothing of the run is touched: not ``.grad``, the optimizer, the module's state (BatchNorm statistics, Python
+        attributes a ``loss_fn`` changes: they change on the copy), the FP8 scaling state, nor the RNG stream (forked;
+        each pass starts from ``start``'s RNG state, so dropout draws the step's masks).
+
+        ``recompute=True``: the run's gradient is recomputed too, on a copy in the run's precision (forward context,
+        FP8 layers from ``start``'s scaling state, loss scale, unscaled as the step unscales). Needed when ``.grad``
+        holds more than this batch's gradient: gradient accumulation (pass the last micro-batch) or a data-parallel
+        all-reduce (each rank measures its own batch). With FP8 layers a third pass, the run's precision with FP8 layers
+        back in the base precision, splits each FP8 layer's error into what FP8 and what the base precision cost.
+
+        Args:
+            module: the module whose parameters the stepper trains (the one given to :meth:`setup_module`).
+            loss_fn: ``(module, batch) -> loss``; called on the copies, so it must use the module it is given.
+            batch: the (last micro-)batch of the step, as the step's forward saw it.
+            start: the :meth:`forward_state` taken before the step's forward; ``None``: the current RNG and FP8 state.
+            step: the optimizer step, recorded in the result.
+
+        Returns:
+            Plain values: ``step``, ``loss_scale``, ``recomputed``, ``finite`` (the run's gradients hold no inf/NaN),
+            and overall and per owning module (``modules``: qualified name -> the same keys plus ``numel``):
+            ``underflow_frac`` (elements nonzero in FP32 that are zero in the run's gradient, over the elements nonzero
+            in FP32), ``rel_error`` (``||g - g32|| / ||g32||``), ``cosine`` (of ``g`` and ``g32``); ``fp8``: per FP8
+            layer, ``fp8_rel_error`` (``||g - g_base|| / ||g32||``) and ``base_rel_error`` (``||g_base - g32|| /
+            ||g32||``), ``g_base`` being its gradient with FP8 off. One host sync (plus the loss scale's).
+
+        Raises:
+            ValueError: ``module`` is not the stepper's.
+            RuntimeError: ``module`` holds sharded (DTensor) parameters, or ``loss_fn`` returned no differentiable loss.
+        """
+        return probe.measure(module, loss_fn, batch, layout=self.layout, keeper=self.keeper,
+                             named_grads=self.named_grads, scale=lambda: self.loss_scale,
+                             forward_context=self.forward_context, device=self.device, recompute=recompute,
+                             start=start, step=step)
+
+
+def tensor_init_context(stepper: PrecisionStepper) -> AbstractContextManager:
+    """:meth:`PrecisionStepper.tensor_init_context`, under its public name (``lit_mpstable.stepper``)."""
+    return stepper.tensor_init_context()

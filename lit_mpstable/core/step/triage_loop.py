@@ -26,7 +26,6 @@ from lit_mpstable.core.guards.triage import (
     budget_note,
     check_budget,
     climb,
-    full_precision,
     needs_triage,
     replays_spent,
     restore_rng,
@@ -193,6 +192,13 @@ class StepTriage:
         self.over_budget = 0
         """Rejected steps left untriaged because the replay budget had no room (not saved)."""
 
+    def _step(self, optimizer: Any, inner: Optimizer) -> None:
+        """Step through Fabric's wrapper where there is one (its strategy and the plugin), else through the stepper."""
+        if optimizer is inner:
+            self.stepper.step(inner)
+        else:
+            optimizer.step()
+
     @property
     def skipped_batches(self) -> list[int]:
         """``batch_idx`` of the steps classified ``"data"`` (skipped)."""
@@ -232,7 +238,7 @@ class StepTriage:
         if not isinstance(loss, torch.Tensor):
             raise ValueError(f"{call}(closure={closure!r}): returned {type(loss).__name__}, not the loss tensor.")
         overflows = stepper.overflow_count
-        _step(stepper, optimizer, inner)
+        self._step(optimizer, inner)
         if not stepper.last_step_skipped:  # the step's own skip decision: a host bool, no read
             return loss
         device = next(module.parameters()).device
@@ -279,14 +285,6 @@ def _zero_grads(optimizer: Optimizer, module: nn.Module, *, model_too: bool = Tr
         module.zero_grad(set_to_none=True)
 
 
-def _step(stepper: PrecisionStepper, optimizer: Any, inner: Optimizer) -> None:
-    """Step through Fabric's wrapper where there is one (its strategy and the plugin), else through the stepper."""
-    if optimizer is inner:
-        stepper.step(inner)
-    else:
-        optimizer.step()
-
-
 class _LoopReplay:
     """A plain loop's side of a triage (:class:`~lit_mpstable.core.guards.triage.ReplayHost`): replays call the closure,
     steps go through the stepper (or Fabric's optimizer), snapshots come from the triage's ``snapshot``."""
@@ -300,7 +298,7 @@ class _LoopReplay:
         self.applied_loss: torch.Tensor | None = None
 
     def full_precision(self) -> AbstractContextManager:
-        return full_precision(self.plugin)
+        return self.plugin.full_precision()
 
     def replay(self, *, trace: bool) -> tuple[torch.Tensor | None, list[str]]:
         self.triage.replays_run += 1
@@ -311,7 +309,7 @@ class _LoopReplay:
         return (loss.detach() if isinstance(loss, torch.Tensor) else None), traced_names(tracer)
 
     def apply(self, loss: torch.Tensor | None) -> None:
-        _step(self.plugin, self.wrapped, self.optimizer)
+        self.triage._step(self.wrapped, self.optimizer)
         self.applied_loss = loss
 
     def discard(self) -> None:
