@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import weakref
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
 
+from lit_mpstable.core.weights.master import MasterWeights
 from lit_mpstable.core.weights.weights import WeightKeeper
 
 
@@ -51,7 +52,7 @@ def clip_targets(optimizer: Optimizer, params: list[torch.Tensor], keeper: Weigh
     targets = _ClipTargets(params)
     # Fabric gives no hook after its clip: the masters' clipped gradients are shown on the model when the
     # returned list is released, i.e. when Fabric's clip_gradients_value/norm returns (CPython frees it then).
-    weakref.finalize(targets, keeper.expose_grads_, optimizer)
+    weakref.finalize(targets, cast(MasterWeights, keeper).expose_grads_, optimizer)  # the masters' own helper
     return targets
 
 

@@ -59,7 +59,7 @@ class _Recording:
             return value
 
         def call(*args, **kwargs):
-            self.calls.append(name)
+            self.calls.append(f"{name}(absorb)" if kwargs.get("absorb") else name)
             return value(*args, **kwargs)
         return call
 
@@ -76,12 +76,21 @@ def test_the_step_path_asks_the_keeper_for_everything_mode_specific(master_weigh
     stepper.clip_grad_norm_(opt, 1.0)
     before = model.fc1.weight.detach().clone()
     stepper.step(opt)
-    order = ["unscale_", "clip_grad_norm_", "absorb_grads_", "checked_step_"]
-    # Gradients written on the model's side reach the keeper before the clip (whose norm may be the guard's, if they
-    # are unchanged) and again before the step.
-    assert [c for c in recording.calls if c in order] == ["unscale_", "absorb_grads_", *order[1:]]
+    order = ["unscale_", "clip_", "grads(absorb)", "end_step_"]
+    # Gradients written on the model's side reach the keeper (a read that absorbs them) before the clip (whose norm
+    # may be the guard's, if they are unchanged) and again before the step.
+    assert [c for c in recording.calls if c in order] == ["unscale_", "grads(absorb)", *order[1:]]
     assert stepper.step_count == 1 and not stepper.last_step_skipped
     assert not torch.equal(model.fc1.weight, before)  # the keeper's step moved the 16-bit weights
+
+
+def test_the_keeper_protocol_is_narrow():
+    # issue 43: absorb/expose/clip/drop live inside the keepers; the stepper sees one clip, one gradient read and one
+    # end of step.
+    members = {name for name in vars(WeightKeeper) if not name.startswith("_")} - {"state_key", "defers_unscale",
+                                                                                    "exposes_grads"}
+    assert members == {"mode", "adopt_optimizer_", "follow_model_weights_", "unscale_", "clip_", "end_step_", "grads",
+                       "fp32_weights", "state_tensors", "state_dict", "load_state_dict", "carry_", "follow_recast_"}
 
 
 def test_the_step_path_has_no_weight_mode_branch():

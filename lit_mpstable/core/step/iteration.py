@@ -61,7 +61,7 @@ class Iteration:
 
 
 def _grads(keeper: WeightKeeper, optimizer: Optimizer) -> list[torch.Tensor | None]:
-    return [p.grad for p in keeper.grad_holders(optimizer)]
+    return [p.grad for p in keeper.grads(optimizer).holders]
 
 
 class GradSet:

@@ -291,7 +291,8 @@ class PrecisionStepper:
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
         """In ``'16-true'`` without masters, refuse an ``eps`` FP16 cannot hold (``core.weights.check_eps``)."""
-        self.keeper.check_eps(optimizers)
+        if isinstance(self.keeper, PlainKeeper):  # the other keepers' optimizer state is FP32: any eps fits
+            self.keeper.check_eps(optimizers)
 
     def adopt_device_(self, module: nn.Module) -> None:
         """Run where ``module``'s first parameter lives (autocast, FP32 islands, loss scalers follow). Called by
@@ -469,7 +470,7 @@ class PrecisionStepper:
         self.iteration.note_checked(optimizer)
         if self.spike_guard is not None:
             # The true gradients' norm before any clipping (times a deferring keeper's pending unscale factor).
-            norm = true_grad_norm(optimizer, self.keeper.grad_multiplier(optimizer))
+            norm = true_grad_norm(optimizer, self.keeper.grads(optimizer).multiplier)
             self._spike[id(optimizer)] = (self.spike_guard.decide(norm), norm)
         self._observe()
 
@@ -512,7 +513,7 @@ class PrecisionStepper:
         """The parameters the optimizer updates (the FP32 masters with ``master_weights``), after :meth:`unscale_`.
         Empty when the gradients hold inf/NaN (the step will be skipped; clipping them would only raise)."""
         self.unscale_(optimizer)
-        self.keeper.absorb_grads_(optimizer)
+        self.keeper.grads(optimizer, absorb=True)
         if self._checker is not None and self._checker.found_inf(optimizer):
             return iter(())
         return (p for group in optimizer.param_groups for p in group["params"])
@@ -531,7 +532,7 @@ class PrecisionStepper:
         # (an inf norm gives 0; a NaN one means inf/NaN gradients, flagged already): the step-input check need not read
         # them again. Not with an infinite limit (ZClip alone, in its warmup): inf / inf is NaN.
         finite_limit = isinstance(max_norm, (int, float)) and math.isfinite(max_norm)
-        self.keeper.absorb_grads_(optimizer)  # a hook's write reaches the masters first: the norm below is then fresh
+        self.keeper.grads(optimizer, absorb=True)  # a hook's write reaches the keeper first: the norm below is fresh
         threshold = guard.clip_threshold() if guard is not None else None
         if threshold is not None and norm_type == 2.0:
             # ZClip: the adaptive threshold when lower. A tensor limit: clip_grad_norm_ computes max_norm / norm on the
@@ -541,7 +542,8 @@ class PrecisionStepper:
         norm = self._spike.get(id(optimizer), (None, None))[1]
         known = known_norm(norm, now.checked.get(id(optimizer)), optimizer, norm_type) if first else None
         self._zclipped.add(id(optimizer))
-        result: torch.Tensor = self.keeper.clip_grad_norm_(optimizer, max_norm, norm_type, total_norm=known)
+        result = cast(torch.Tensor, self.keeper.clip_(optimizer, max_norm=max_norm, norm_type=norm_type,
+                                                      total_norm=known))
         if finite_limit and id(optimizer) in now.checked:
             now.note_checked(optimizer)
         return result
@@ -551,7 +553,7 @@ class PrecisionStepper:
         compact weights in the step's FP32 chunks, after unscaling)."""
         check_clip(f"{self.owner}.clip_grad_value_", "clip_value", clip_value)
         self.unscale_(optimizer)
-        self.keeper.clip_grad_value_(optimizer, clip_value)
+        self.keeper.clip_(optimizer, clip_value=clip_value)
 
     def skip_step(self) -> None:
         """Discard the gradients of the step in progress: no update, LR schedule held, scale unchanged."""
@@ -581,15 +583,15 @@ class PrecisionStepper:
         if guard is not None and guard.clip_zscore is not None and id(optimizer) not in self._zclipped:
             self.clip_grad_norm_(optimizer, math.inf)  # clip_zscore without the user's clip: ZClip alone
         self._zclipped.discard(id(optimizer))
-        self.keeper.absorb_grads_(optimizer)
+        factor = self.keeper.grads(optimizer, absorb=True).multiplier  # a hook's write reaches the keeper again
         checker = self._checker
         spike = self._spike.pop(id(optimizer), (None, None))[0]
         early, spike = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device,
                                            spike=spike, share=self.counters.applied_by.get(id(optimizer), 0),
                                            checked=self.iteration.checked.pop(id(optimizer), None),
-                                           factor=self.keeper.grad_multiplier(optimizer))
+                                           factor=factor)
                         if checker is not None and self.skip_nonfinite else (None, None))
-        output, skipped = self.keeper.checked_step_(optimizer, checker, **kwargs)
+        output, skipped = self.keeper.end_step_(optimizer, checker, kwargs)
         late = None
         now = self.iteration
         self.last_step_spiked = False
@@ -644,7 +646,7 @@ class PrecisionStepper:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
         check_optimizer(f"{self.owner}.drop_grads_", optimizer)
         optimizer.zero_grad(set_to_none=True)
-        self.keeper.drop_(optimizer)
+        self.keeper.end_step_(optimizer, self._checker, None)
         if self._checker is not None:
             self._checker.forget_(optimizer)
         self._spike.pop(id(optimizer), None)
@@ -903,7 +905,9 @@ class PrecisionStepper:
         module = self.layout.module
         if module is None:
             return []
-        return [(name, shard_view(grad)) for name, grad in self.keeper.named_grads(module)]
+        # The keeper's FP32 weights hold the gradients where the model's show a copy of them (exposes_grads).
+        held = self.keeper.fp32_weights() if self.keeper.exposes_grads else {}
+        return [(name, shard_view(held.get(name, param))) for name, param in module.named_parameters()]
 
     def fallback(self, modules: Iterable[str] | None = None) -> str:
         """One rung up the precision ladder, globally or for the named modules; returns what was done.

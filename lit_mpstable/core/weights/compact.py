@@ -35,7 +35,7 @@ from lit_mpstable.core.weights.compact_slices import (
 from lit_mpstable.core.weights.compact_slices import chunks as split_chunks
 from lit_mpstable.core.weights.compact_slices import memory_report as compact_memory
 from lit_mpstable.core.weights.compact_slices import per_element as is_per_element
-from lit_mpstable.core.weights.keeper_steps import first_grad_device, step_checked
+from lit_mpstable.core.weights.keeper_steps import GradView, clip_either_, first_grad_device, step_checked
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
 
 _Piece = Piece  # the old private name (tests build pieces by it)
@@ -508,6 +508,22 @@ class CompactWeights(FusedSteps, StandIns):
 
     def expose_grads_(self, optimizer: Optimizer) -> None:
         pass
+
+    def clip_(self, optimizer: Optimizer, *, max_norm: float | torch.Tensor | None = None, norm_type: float = 2.0,
+              clip_value: float | None = None, total_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+        return clip_either_(self.clip_grad_norm_, self.clip_grad_value_, optimizer, max_norm, norm_type, clip_value,
+                            total_norm)
+
+    def end_step_(self, optimizer: Optimizer, checker: LossScaler | None,
+                  step_kwargs: dict[str, Any] | None) -> tuple[Any, bool]:
+        """Step (``step_kwargs``: the optimizer's keyword arguments) or, with None, drop this iteration's gradients."""
+        if step_kwargs is None:
+            self.drop_(optimizer)
+            return None, True
+        return self.checked_step_(optimizer, checker, **step_kwargs)
+
+    def grads(self, optimizer: Optimizer, *, absorb: bool = False) -> GradView:
+        return GradView(self.grad_holders(optimizer), self.grad_multiplier(optimizer))
 
     def checked_step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
         multiplier, clip = self._pending.pop(id(optimizer), [None, None])

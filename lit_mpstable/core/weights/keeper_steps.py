@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim import Optimizer
 
 from lit_mpstable.core.scaling.scalers import LossScaler
+
+
+class GradView(NamedTuple):
+    """What the step reads of an optimizer's gradients: the tensors whose ``.grad`` holds them (the model's and the
+    masters') and the unscale factor the step still owes them (None: they are true values)."""
+
+    holders: list[torch.Tensor]
+    multiplier: torch.Tensor | None
+
+
+def clip_either_(norm_: Callable[..., torch.Tensor], value_: Callable[[Optimizer, float], None],
+                 optimizer: Optimizer, max_norm: float | torch.Tensor | None, norm_type: float,
+                 clip_value: float | None, total_norm: torch.Tensor | None) -> torch.Tensor | None:
+    """A keeper's one clip: by value (``clip_value``; returns None) or by total norm (``max_norm``; returns it)."""
+    if (clip_value is None) == (max_norm is None):
+        raise TypeError(f"clip_: give exactly one of max_norm and clip_value, got max_norm={max_norm!r} and"
+                        f" clip_value={clip_value!r}")
+    if clip_value is not None:
+        value_(optimizer, clip_value)
+        return None
+    return norm_(optimizer, max_norm, norm_type, total_norm=total_norm)
 
 
 def unscale_checked_(optimizer: Optimizer, checker: LossScaler | None,

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 from lit_mpstable.core.replicas import agree_seed, broadcast_
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.weights.carry import carry_precise_state_
-from lit_mpstable.core.weights.keeper_steps import clip_norm_, step_checked, unscale_checked_
+from lit_mpstable.core.weights.keeper_steps import GradView, clip_either_, clip_norm_, step_checked, unscale_checked_
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -352,6 +352,24 @@ class MasterWeights:
         torch.nn.utils.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
                                         clip_value)
         self.expose_grads_(optimizer)
+
+    def clip_(self, optimizer: Optimizer, *, max_norm: float | torch.Tensor | None = None, norm_type: float = 2.0,
+              clip_value: float | None = None, total_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+        return clip_either_(self.clip_grad_norm_, self.clip_grad_value_, optimizer, max_norm, norm_type, clip_value,
+                            total_norm)
+
+    def end_step_(self, optimizer: Optimizer, checker: LossScaler | None,
+                  step_kwargs: dict[str, Any] | None) -> tuple[Any, bool]:
+        """Step (``step_kwargs``: the optimizer's keyword arguments) or, with None, drop this iteration's gradients."""
+        if step_kwargs is None:
+            self.drop_(optimizer)
+            return None, True
+        return self.checked_step_(optimizer, checker, **step_kwargs)
+
+    def grads(self, optimizer: Optimizer, *, absorb: bool = False) -> GradView:
+        if absorb:
+            self.absorb_grads_(optimizer)  # gradients written on the model's side since the unscale reach the masters
+        return GradView(self.grad_holders(optimizer), self.grad_multiplier(optimizer))
 
     def checked_step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
         moments = self.moments

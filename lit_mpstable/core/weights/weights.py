@@ -22,13 +22,15 @@ from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.weights.carry import carry_precise_state_
 from lit_mpstable.core.weights.compact import CompactMode, CompactWeights
 from lit_mpstable.core.weights.compact_slices import cast_state_
-from lit_mpstable.core.weights.keeper_steps import clip_norm_, step_checked, unscale_checked_
+from lit_mpstable.core.weights.keeper_steps import GradView, clip_either_, clip_norm_, step_checked, unscale_checked_
 from lit_mpstable.core.weights.master import MasterWeights
 
 
 @runtime_checkable
 class WeightKeeper(Protocol):
-    """Everything the stepper asks of a weight mode, in step order.
+    """Everything the stepper asks of a weight mode, in step order. The keeper owns its gradients' round trip: a read
+    with ``absorb=True`` takes in what was written on the model's side since the unscale, :meth:`clip_` (by norm or by
+    value) shows the clipped values again, and ``end_step_(..., None)`` forgets a dropped step's gradients.
 
     Attributes:
         mode: ``None`` (plain), ``"fp32"``, ``"kahan"`` or ``"stochastic"``.
@@ -43,22 +45,15 @@ class WeightKeeper(Protocol):
     defers_unscale: bool
     exposes_grads: bool
 
-    def check_eps(self, optimizers: Iterable[Optimizer]) -> None: ...
     def adopt_optimizer_(self, optimizer: Optimizer) -> None: ...
     def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]: ...
     def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
                  scaler: object, device: torch.device | str) -> None: ...
-    def absorb_grads_(self, optimizer: Optimizer) -> list[str] | None: ...
-    def clip_grad_norm_(
-        self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
-    ) -> torch.Tensor: ...
-    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None: ...
-    def expose_grads_(self, optimizer: Optimizer) -> None: ...
-    def checked_step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]: ...
-    def drop_(self, optimizer: Optimizer) -> None: ...
-    def grad_holders(self, optimizer: Optimizer) -> list[torch.Tensor]: ...
-    def grad_multiplier(self, optimizer: Optimizer) -> torch.Tensor | None: ...
-    def named_grads(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]: ...
+    def clip_(self, optimizer: Optimizer, *, max_norm: float | torch.Tensor | None = None, norm_type: float = 2.0,
+              clip_value: float | None = None, total_norm: torch.Tensor | None = None) -> torch.Tensor | None: ...
+    def end_step_(self, optimizer: Optimizer, checker: LossScaler | None,
+                  step_kwargs: dict[str, Any] | None) -> tuple[Any, bool]: ...
+    def grads(self, optimizer: Optimizer, *, absorb: bool = False) -> GradView: ...
     def fp32_weights(self) -> dict[str, torch.Tensor]: ...
     def state_tensors(self) -> list[torch.Tensor]: ...
     def state_dict(self) -> dict[str, Any]: ...
@@ -127,6 +122,22 @@ class PlainKeeper:
 
     def expose_grads_(self, optimizer: Optimizer) -> None:
         pass
+
+    def clip_(self, optimizer: Optimizer, *, max_norm: float | torch.Tensor | None = None, norm_type: float = 2.0,
+              clip_value: float | None = None, total_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+        return clip_either_(self.clip_grad_norm_, self.clip_grad_value_, optimizer, max_norm, norm_type, clip_value,
+                            total_norm)
+
+    def end_step_(self, optimizer: Optimizer, checker: LossScaler | None,
+                  step_kwargs: dict[str, Any] | None) -> tuple[Any, bool]:
+        """Step (``step_kwargs``: the optimizer's keyword arguments) or, with None, drop this iteration's gradients."""
+        if step_kwargs is None:
+            self.drop_(optimizer)
+            return None, True
+        return self.checked_step_(optimizer, checker, **step_kwargs)
+
+    def grads(self, optimizer: Optimizer, *, absorb: bool = False) -> GradView:
+        return GradView(self.grad_holders(optimizer), self.grad_multiplier(optimizer))
 
     def checked_step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
         return step_checked(optimizer, checker, None, kwargs)
