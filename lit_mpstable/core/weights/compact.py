@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, cast, get_args
 
 import torch
@@ -443,9 +443,6 @@ class CompactWeights(FusedSteps, StandIns):
         return compact_memory(self._model, self._optimizers, list(self._comp.values()))
 
     # ----------------------------------------------------------------------------- the weight keeper's step
-    def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
-        pass
-
     def adopt_optimizer_(self, optimizer: Optimizer) -> None:
         pass  # bound at its first unscale_ (bind_new_ is cheap and runs every step)
 
@@ -576,9 +573,6 @@ class CompactWeights(FusedSteps, StandIns):
 
     def grad_holders(self, optimizer: Optimizer) -> list[torch.Tensor]:
         return [p for group in optimizer.param_groups for p in group["params"]]
-
-    def named_grads(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        return list(module.named_parameters())
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """A Kahan weight is its 16-bit part plus its compensation; stochastic rounding keeps nothing more."""

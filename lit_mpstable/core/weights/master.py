@@ -296,9 +296,6 @@ class MasterWeights:
             self.moments.load_state_dict(moments)
 
     # ----------------------------------------------------------------------------- the weight keeper's step
-    def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
-        pass  # FP32 optimizer state holds any eps
-
     def _ids_to_names(self) -> dict[int, str]:
         # Masters by their parameter's name, and the optimizer's FP32 parameters (islands) by their own.
         names = {id(p): name for name, p in self._model.named_parameters()}
@@ -391,10 +388,6 @@ class MasterWeights:
         if id(optimizer) in self._names_by_optimizer:
             params += self._select(optimizer)[1]
         return params
-
-    def named_grads(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        masters = self.fp32_weights()
-        return [(name, masters.get(name, p)) for name, p in module.named_parameters()]
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         return {name: master for name, master, _ in self.named_pairs()}

@@ -151,9 +151,6 @@ class PlainKeeper:
     def grad_multiplier(self, optimizer: Optimizer) -> torch.Tensor | None:
         return None  # the gradients are true values after unscale_
 
-    def named_grads(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        return list(module.named_parameters())
-
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         return {}
 
