@@ -301,6 +301,36 @@ def test_nvfp4_weights_use_16x16_tiles_as_the_reference_and_commute_with_transpo
     assert not torch.equal(fake_quantize(w, "nvfp4", role="weight"), fake_quantize(w, "nvfp4", role="input"))
 
 
+def test_nvfp4_four_over_six_scales_a_tile_to_4_where_that_errs_less() -> None:
+    # Tensor amax 1: S_enc = 256 * 6 / 1. Tile 0 holds 1.0 and 0.8: mapped to 6, 0.8 -> 4.8 rounds to 4 (error 0.133);
+    # mapped to 4 (block scale 384 = 1.5 * 256), 0.8 -> 3.2 rounds to 3 (error 0.05): 4 wins. Tile 1 holds 1.0 and
+    # 0.5, exact either way: the tie keeps 6 (block scale 256).
+    x = torch.tensor([[1.0, 0.8] * 8 + [1.0, 0.5] * 8])
+    q = nvfp4_quantize(x, four_over_six=True)
+    assert q.block_scale.float().flatten().tolist() == [384.0, 256.0]
+    assert nvfp4_dequantize(q).tolist() == [[1.0, 0.75] * 8 + [1.0, 0.5] * 8]
+    plain = nvfp4_dequantize(nvfp4_quantize(x))  # map-to-6 only: 0.8 -> 4 / 6
+    assert plain[0, 1].item() == pytest.approx(2 / 3) and plain[0, 17].item() == 0.5
+    # On Gaussian data the chosen tiles lower the total error (arXiv 2512.02010; experiments/four_over_six.py).
+    g = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    err = {k: (nvfp4_dequantize(nvfp4_quantize(g, four_over_six=k)) - g).abs().sum() for k in (False, True)}
+    assert err[True] < err[False]
+
+
+@pytest.mark.parametrize("tile", [(1, 16), (16, 16)])
+def test_nvfp4_and_mx_pad_ragged_shapes_with_zeros_as_the_references(tile: tuple[int, int]) -> None:
+    x = torch.randn(21, 40, generator=torch.Generator().manual_seed(5))
+    padded = torch.nn.functional.pad(x, (0, 24, 0, 11))  # (32, 64): whole 16x16 tiles and 32-blocks
+    q = nvfp4_quantize(x, tile=tile)
+    assert nvfp4_dequantize(q).shape == x.shape
+    assert torch.equal(nvfp4_dequantize(q), nvfp4_dequantize(nvfp4_quantize(padded, tile=tile))[:21, :40])
+    for rule in ("rceil", "floor"):
+        m = mx_quantize(x, "fp8_e4m3", scale_rule=rule)
+        assert m.scale_e8m0.shape == (21, 2)
+        full = mx_quantize(padded, "fp8_e4m3", scale_rule=rule)
+        assert torch.equal(mx_dequantize(m), mx_dequantize(full)[:21, :40])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Blockwise FP8 vs TransformerEngine's formulas
 # ---------------------------------------------------------------------------------------------------------------
@@ -539,6 +569,14 @@ def test_random_hadamard_transform_is_invertible_and_keeps_gemms_over_the_last_d
         (lambda: fake_quantize(torch.randn(4, 64), "nvfp4", role="grad", generator=0), TypeError, ["generator=0"]),  # type: ignore[arg-type]  # invalid on purpose
         (lambda: mx_quantize(torch.randn(4, 64), "fp6_e2m3"), ValueError, ["element='fp6_e2m3'"]),  # type: ignore[arg-type]  # invalid on purpose
         (lambda: nvfp4_quantize(torch.randn(32, 32), tile=(8, 8)), ValueError, ["tile=(8, 8)"]),
+        (lambda: mx_quantize(torch.randn(4, 64), "fp8_e4m3", scale_rule="ceil"), ValueError,  # type: ignore[arg-type]  # invalid on purpose
+         ["scale_rule='ceil'", "rceil", "floor"]),
+        (lambda: nvfp4_quantize(torch.randn(4, 64), block_scale_floor="tiny"), ValueError,  # type: ignore[arg-type]  # invalid on purpose
+         ["block_scale_floor='tiny'", "e4m3_tiny"]),
+        (lambda: nvfp4_quantize(torch.randn(4, 64), block_scale_floor="e4m3_tiny", four_over_six=True), ValueError,
+         ["four_over_six=True", "block_scale_floor=None"]),
+        (lambda: nvfp4_quantize(torch.randn(4, 64), tensor_scale=torch.tensor(1.0)), ValueError,
+         ["tensor_scale", "global_amax"]),
         (lambda: blockwise_quantize(torch.randn(4, 128), tile=(1, 64)), ValueError, ["tile=(1, 64)"]),
         (lambda: nvfp4_quantize(torch.randn(4, 64), stochastic=True, noise=torch.rand(64)), ValueError,
          ["noise of shape (64,)", "(4, 64)"]),
