@@ -81,6 +81,7 @@ def nvfp4_quantize(
     noise: torch.Tensor | None = None,
     block_scale_floor: NVFP4BlockScaleFloor | None = None,
     four_over_six: bool = False,
+    four_over_six_error: Literal["mae", "mse"] = "mae",
 ) -> NVFP4Quantized:
     """NVFP4-quantise ``x`` with two-level scaling.
 
@@ -95,7 +96,8 @@ def nvfp4_quantize(
 
     ``four_over_six`` (TE variant only; TE's ``nvfp4_4over6``, arXiv 2512.02010): ``S_enc`` uses 256 for the E4M3
     max, and each tile chooses between its map-to-6 scale and the map-to-4 one, ``e4m3(fl32(unrounded map-to-6
-    scale * 1.5))``, whichever dequantizes (TE's order) with the smaller sum of absolute errors; a tie keeps 6.
+    scale * 1.5))``, whichever dequantizes (TE's order) with the smaller error, ``four_over_six_error``: the sum of
+    absolute errors (``"mae"``, TE's default) or of squared errors (``"mse"``); a tie keeps 6.
 
     Elements round to nearest even or, with ``stochastic``, stochastically (unbiased; the NVFP4 recipe does this
     for gradients only) with one uniform draw per element of ``x``, in ``x``'s order: ``noise`` (``x``'s shape,
@@ -110,7 +112,8 @@ def nvfp4_quantize(
 
     Raises:
         ValueError: a tile other than (1, 16) / (16, 16), ``noise`` not of ``x``'s shape, an unknown
-            ``block_scale_floor``, ``four_over_six`` with ``"e4m3_tiny"``, or ``tensor_scale`` without it.
+            ``block_scale_floor`` or ``four_over_six_error``, ``four_over_six`` with ``"e4m3_tiny"``, or
+            ``tensor_scale`` without it.
     """
     if tile not in ((1, NVFP4_BLOCK_SIZE), (NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)):
         raise ValueError(f"nvfp4_quantize(tile={tile!r}): tile must be (1, 16) for activations and gradients or "
@@ -119,6 +122,9 @@ def nvfp4_quantize(
         raise ValueError(f"nvfp4_quantize(block_scale_floor={block_scale_floor!r}): block_scale_floor must be None "
                          "(TransformerEngine's arithmetic) or 'e4m3_tiny' (torchao's NVFP4Tensor).")
     te = block_scale_floor is None
+    if four_over_six_error not in ("mae", "mse"):
+        raise ValueError(f"nvfp4_quantize(four_over_six_error={four_over_six_error!r}): must be 'mae' (the sum of "
+                         "absolute errors, TransformerEngine's default) or 'mse' (of squared errors).")
     if four_over_six and not te:
         raise ValueError("nvfp4_quantize(four_over_six=True, block_scale_floor='e4m3_tiny'): Four Over Six is "
                          "defined on TransformerEngine's arithmetic; use block_scale_floor=None.")
@@ -153,8 +159,8 @@ def nvfp4_quantize(
     if four_over_six:
         scale4 = _e4m3(unrounded * 1.5)
         encode4 = _te_encode(scale4, dec_enc)
-        err6 = _block_abs_error(t, encode, block_scale, amax, e4m3_max)
-        err4 = _block_abs_error(t, encode4, scale4, amax, e4m3_max)
+        err6 = _block_error(t, encode, block_scale, amax, e4m3_max, four_over_six_error)
+        err4 = _block_error(t, encode4, scale4, amax, e4m3_max, four_over_six_error)
         use4 = err4 < err6  # a tie keeps 6
         block_scale = torch.where(use4, scale4.float(), block_scale.float()).to(torch.float8_e4m3fn)
         encode = torch.where(use4, encode4, encode)
@@ -196,8 +202,10 @@ def _te_decode(block_scale: torch.Tensor, amax: torch.Tensor, e4m3_max: float) -
     return (block_scale.float() * amax) * inv
 
 
-def _block_abs_error(
-    t: torch.Tensor, encode: torch.Tensor, block_scale: torch.Tensor, amax: torch.Tensor, e4m3_max: float
+def _block_error(
+    t: torch.Tensor, encode: torch.Tensor, block_scale: torch.Tensor, amax: torch.Tensor, e4m3_max: float,
+    metric: str,
 ) -> torch.Tensor:
     codes = round_to_format((t * encode).clamp(-E2M1.max, E2M1.max), E2M1)
-    return (t - codes * _te_decode(block_scale, amax, e4m3_max)).abs().sum(dim=(-3, -1), keepdim=True)
+    diff = (t - codes * _te_decode(block_scale, amax, e4m3_max)).abs()
+    return (diff if metric == "mae" else diff.square()).sum(dim=(-3, -1), keepdim=True)

@@ -315,6 +315,8 @@ def test_nvfp4_four_over_six_scales_a_tile_to_4_where_that_errs_less() -> None:
     g = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
     err = {k: (nvfp4_dequantize(nvfp4_quantize(g, four_over_six=k)) - g).abs().sum() for k in (False, True)}
     assert err[True] < err[False]
+    mse = nvfp4_dequantize(nvfp4_quantize(g, four_over_six=True, four_over_six_error="mse"))
+    assert (mse - g).square().sum() < (nvfp4_dequantize(nvfp4_quantize(g, four_over_six=True)) - g).square().sum()
 
 
 @pytest.mark.parametrize("tile", [(1, 16), (16, 16)])
@@ -575,6 +577,8 @@ def test_random_hadamard_transform_is_invertible_and_keeps_gemms_over_the_last_d
          ["block_scale_floor='tiny'", "e4m3_tiny"]),
         (lambda: nvfp4_quantize(torch.randn(4, 64), block_scale_floor="e4m3_tiny", four_over_six=True), ValueError,
          ["four_over_six=True", "block_scale_floor=None"]),
+        (lambda: nvfp4_quantize(torch.randn(4, 64), four_over_six=True, four_over_six_error="max"), ValueError,  # type: ignore[arg-type]  # invalid on purpose
+         ["four_over_six_error='max'", "mae", "mse"]),
         (lambda: nvfp4_quantize(torch.randn(4, 64), tensor_scale=torch.tensor(1.0)), ValueError,
          ["tensor_scale", "global_amax"]),
         (lambda: blockwise_quantize(torch.randn(4, 128), tile=(1, 64)), ValueError, ["tile=(1, 64)"]),
