@@ -2,8 +2,8 @@
 (``shared/golden/``, its README says how they were made): every case of every file, scales, codes and dequantized
 values bit for bit (the sign of zero counts, NaN where the reference gives NaN).
 
-The vectors live outside the repository (``LIT_MPSTABLE_GOLDEN``, or a ``shared/golden`` next to or above the
-checkout); without them these tests skip."""
+The vectors ship in ``tests/golden/`` (data only, with the README that says how they were made);
+``LIT_MPSTABLE_GOLDEN=<folder>`` checks another set with the same layout instead."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from lit_mpstable.fp8.quantizers import fake_quantize
 def _golden_dir() -> Path | None:
     root = Path(__file__).resolve().parents[2]
     env = os.environ.get("LIT_MPSTABLE_GOLDEN")
-    for d in ([Path(env)] if env else []) + [root / "shared" / "golden", root.parent / "shared" / "golden",
-                                             root.parent.parent / "shared" / "golden"]:
+    for d in ([Path(env)] if env else []) + [root / "tests" / "golden", root.parent / "shared" / "golden"]:
         if (d / "README.md").is_file():
             return d
     return None
