@@ -14,12 +14,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import lit_mpstable.core.weights.compact_adam as adam_module
 import lit_mpstable.core.weights.compact_fused as fused_module
-from lit_mpstable.core.weights import compact_native
 from lit_mpstable.core.weights.compact import CompactWeights
-from lit_mpstable.core.weights.compact_adam import _adam_kernel
-from lit_mpstable.core.weights.compact_fused import FusedAdam
+from lit_mpstable.core.weights.compact_fused import FusedAdam, _adam_kernel
 from lit_mpstable.core.weights.compact_rounding import hash32, noise_bits
 
 MODES = ["kahan", "stochastic"]
@@ -27,19 +24,20 @@ MODES = ["kahan", "stochastic"]
 
 @pytest.fixture(params=["native", "compiled"])
 def path(request, monkeypatch) -> str:
-    """Each test that takes it runs twice: through the C loop (lit_mpstable.core.weights.compact_native, the CPU default
-    where a C compiler builds it) and through inductor's compiled kernel (a CPU without one, and every GPU)."""
+    """Each test that takes it runs twice: through the C loop (lit_mpstable.core.weights.compact_fused.native_kernel,
+    the CPU default where a C compiler builds it) and through inductor's compiled kernel (a CPU without one, and every
+    GPU)."""
     if request.param == "native":
-        assert compact_native.kernel() is not None  # CI and development machines have a C compiler
+        assert fused_module.native_kernel() is not None  # CI and development machines have a C compiler
     else:
-        monkeypatch.setattr(compact_native, "kernel", lambda: None)
+        monkeypatch.setattr(fused_module, "native_kernel", lambda: None)
     return request.param
 
 
 @pytest.fixture
 def compiled_only(monkeypatch) -> None:
     # Tests of torch.compile's side (its failures, its first-call time): the C loop stands aside.
-    monkeypatch.setattr(compact_native, "kernel", lambda: None)
+    monkeypatch.setattr(fused_module, "native_kernel", lambda: None)
 
 
 def _lowbias32(x: int) -> int:
@@ -255,8 +253,8 @@ def test_the_kernels_rounding_is_the_bit_trick_but_for_ties() -> None:
     expected = _bit_trick(x, k)
     tie = ((x.view(torch.int32) & 0xFFFF) + k) == 0xFFFF  # x + (k - 32767) ulps is halfway: round half to even
     assert 0 < int(tie.sum()) < 20
-    for got in (adam_module._round_stochastic_bf16(x, k.float() - 32767.0),
-                torch.compile(adam_module._round_stochastic_bf16, dynamic=True)(x, k.float() - 32767.0)):
+    for got in (fused_module._round_stochastic_bf16(x, k.float() - 32767.0),
+                torch.compile(fused_module._round_stochastic_bf16, dynamic=True)(x, k.float() - 32767.0)):
         same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
         assert bool(same[~tie].all()), x[~same & ~tie][:5]
         assert bool(((got.float() - expected.float()).abs()[tie] <= expected.float().abs()[tie] * 2.0**-7).all())
@@ -470,8 +468,8 @@ def test_new_tensors_behind_a_parameter_or_its_moments_are_the_ones_stepped(mode
 @pytest.mark.parametrize("recast", [True, False])
 def test_a_parameter_that_leaves_the_kernel_lets_go_of_its_old_tensors(recast: bool) -> None:
     # A precision fallback casts a parameter to FP32 (its BF16 data and moments are replaced): the kernel's kept views
-    # of them must not hold the old tensors alive, whether the cast is announced (follow_recast_) or only seen at the
-    # next step.
+    # of them must not hold the old tensors alive, whether the cast is announced (follow_model_weights_ with recast) or
+    # only seen at the next step.
     torch.manual_seed(0)
     model = _Net().bfloat16()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -485,7 +483,7 @@ def test_a_parameter_that_leaves_the_kernel_lets_go_of_its_old_tensors(recast: b
     before = p.data
     p.data = p.data.float()
     if recast:
-        cw.follow_recast_([(p, before)])
+        cw.follow_model_weights_(recast=[(p, before)])
     del before
     with torch.no_grad():
         p.grad = torch.full_like(p, 1e-3)

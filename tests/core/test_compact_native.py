@@ -1,12 +1,12 @@
-"""The C loop of compact weights' fused Adam step (lit_mpstable.core.weights.compact_native) against the compiled kernel
-and the eager rounding."""
+"""The C loop of compact weights' fused Adam step (lit_mpstable.core.weights.compact_fused.native_kernel) against the
+compiled kernel and the eager rounding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lit_mpstable.core.weights import compact_native
+from lit_mpstable.core.weights import compact_fused as fused
 from lit_mpstable.core.weights.compact_fused import FusedAdam
 from lit_mpstable.core.weights.compact_rounding import noise_bits, round_stochastic_
 
@@ -24,8 +24,8 @@ def _tensors(mode: str, n: int = N, seed: int = 0) -> list[torch.Tensor | None]:
             (torch.randn(n, generator=g) * 0.1).bfloat16(), (torch.rand(n, generator=g) * 0.01).bfloat16()]
 
 
-def _native() -> compact_native.Kernel:
-    native = compact_native.kernel()
+def _native() -> fused.NativeKernel:
+    native = fused.native_kernel()
     assert native is not None  # CI and development machines have a C compiler
     return native
 
@@ -43,7 +43,7 @@ def test_the_c_loop_writes_the_compiled_kernels_words_but_for_ties(mode: str, pl
                                 else 0.5)
     key = torch.tensor(-12345, dtype=torch.int32)
     native, compiled = _tensors(mode), _tensors(mode)
-    assert compact_native.takes(*native, scalars, key)  # type: ignore[arg-type]
+    assert fused.native_takes(*native, scalars, key)  # type: ignore[arg-type]
     _native()(*native, scalars, key, plain)
     kernel = FusedAdam()
     (kernel._plain_kernel if plain else kernel._kernel)(*compiled, scalars, key)
@@ -90,43 +90,43 @@ def test_what_the_c_loop_does_not_take() -> None:
     assert w is not None and g is not None and m is not None and v is not None
     scalars = FusedAdam.scalars(GROUP, 1.0, torch.tensor(1.0), None)
     key = torch.tensor(0, dtype=torch.int32)
-    assert compact_native.takes(w, comp, g, m, v, scalars, key)
-    assert not compact_native.takes(w.half(), comp, g, m, v, scalars, key)
-    assert not compact_native.takes(w, comp, g[:32], m, v, scalars, key)
-    assert not compact_native.takes(w, comp, g.view(8, 8).t(), m, v, scalars, key)
-    assert not compact_native.takes(w, comp, g, m, v, scalars.double(), key)
-    assert not compact_native.takes(w, comp, g, m, v, scalars, key.long())
+    assert fused.native_takes(w, comp, g, m, v, scalars, key)
+    assert not fused.native_takes(w.half(), comp, g, m, v, scalars, key)
+    assert not fused.native_takes(w, comp, g[:32], m, v, scalars, key)
+    assert not fused.native_takes(w, comp, g.view(8, 8).t(), m, v, scalars, key)
+    assert not fused.native_takes(w, comp, g, m, v, scalars.double(), key)
+    assert not fused.native_takes(w, comp, g, m, v, scalars, key.long())
 
     class Wrapped(torch.Tensor):  # a subclass (a DTensor, say): its pointer need not be its data
         pass
 
-    assert not compact_native.takes(w.as_subclass(Wrapped), comp, g, m, v, scalars, key)
+    assert not fused.native_takes(w.as_subclass(Wrapped), comp, g, m, v, scalars, key)
 
 
 def test_without_a_compiler_or_when_turned_off_there_is_no_c_loop(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("LIT_MPSTABLE_NATIVE", "0")
-    assert compact_native.kernel() is None
+    assert fused.native_kernel() is None
     monkeypatch.delenv("LIT_MPSTABLE_NATIVE")
-    monkeypatch.setattr(compact_native, "_compiler", lambda: None)
-    compact_native._load.cache_clear()
+    monkeypatch.setattr(fused, "_compiler", lambda: None)
+    fused._load_native.cache_clear()
     try:
-        assert compact_native.kernel() is None
+        assert fused.native_kernel() is None
         monkeypatch.undo()  # a compiler that fails: no library, no exception
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-        monkeypatch.setattr(compact_native, "SOURCE", "this is not C")
-        compact_native._load.cache_clear()
-        assert compact_native.kernel() is None
+        monkeypatch.setattr(fused, "SOURCE", "this is not C")
+        fused._load_native.cache_clear()
+        assert fused.native_kernel() is None
         assert not list(tmp_path.rglob("*.so"))
     finally:
         monkeypatch.undo()
-        compact_native._load.cache_clear()
-    assert compact_native.kernel() is not None
+        fused._load_native.cache_clear()
+    assert fused.native_kernel() is not None
 
 
 def test_a_compiler_without_openmp_or_march_native_still_builds_the_loop(monkeypatch, tmp_path) -> None:
     # The build tries -fopenmp, then without it (Apple's clang), then without -march=native: a compiler that refuses
     # both still gives a loop, and its words are the OpenMP build's.
-    real = compact_native._compiler()
+    real = fused._compiler()
     assert real is not None
     wrapper = tmp_path / "cc"
     wrapper.write_text(f'#!/bin/sh\ncase "$*" in *-fopenmp*|*-march=native*) exit 1;; esac\nexec {real} "$@"\n')
@@ -137,14 +137,14 @@ def test_a_compiler_without_openmp_or_march_native_still_builds_the_loop(monkeyp
     _native()(*expected, scalars, key, True)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    compact_native._load.cache_clear()
+    fused._load_native.cache_clear()
     try:
-        built = compact_native.kernel()
+        built = fused.native_kernel()
         assert built is not None
         assert [p.name.startswith("adam_bf16_") for p in (tmp_path / "cache").rglob("*.so")] == [True]
         got = _tensors("stochastic")
         built(*got, scalars, key, True)
     finally:
         monkeypatch.undo()
-        compact_native._load.cache_clear()
+        fused._load_native.cache_clear()
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, expected) if a is not None)
