@@ -95,10 +95,11 @@ def test_the_keeper_protocol_is_narrow():
                        "fp32_weights", "state_tensors", "state_dict", "load_state_dict"}
     methods = members - {"mode"}
     assert len(methods) <= 10
-    # Each method is written once, in the base every keeper subclasses; the weight modes override private hooks.
+    # The step's methods are written once, in the base every keeper subclasses; the weight modes override private
+    # hooks (and say where their gradients live: grads).
     for kind in (PlainKeeper, MasterWeights, CompactWeights):
         assert issubclass(kind, Keeper)
-        assert {"clip_", "end_step_", "grads", "load_state_dict", "follow_model_weights_"}.isdisjoint(vars(kind))
+        assert {"clip_", "end_step_", "load_state_dict", "follow_model_weights_"}.isdisjoint(vars(kind))
 
 
 def test_the_step_path_has_no_weight_mode_branch():

@@ -1,10 +1,17 @@
-"""16-bit weights that train like FP32 ones: Kahan-compensated or stochastically rounded updates, 16-bit state."""
+"""16-bit weights that train like FP32 ones: Kahan-compensated or stochastically rounded updates, 16-bit state.
+
+One class, :class:`CompactWeights`, read top to bottom: binding, the step (pieces of parameters entered as FP32
+stand-ins and rounded back, or handed whole to the fused Adam kernel of
+:mod:`~lit_mpstable.core.weights.compact_fused`), its state, and its part of the weight keeper's step. After it, the
+pieces' layout rules: which optimizer states may be sliced, how the pieces are grouped into calls of bounded FP32
+copies. The rounding and its random keys are :mod:`~lit_mpstable.core.weights.compact_rounding`'s.
+"""
 
 from __future__ import annotations
 
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
@@ -25,13 +32,13 @@ from lit_mpstable.core.weights.compact_fused import (
     fill_key,
     flat,
     flat_views,
-    host_to_device,
     keys,
+    multiplier_tensor,
 )
-from lit_mpstable.core.weights.compact_rounding import mix, noise_bits, round_stochastic_
-from lit_mpstable.core.weights.keeper import Keeper, cast_state_, first_grad_device
+from lit_mpstable.core.weights.compact_rounding import noise_bits, round_stochastic_, step_keys
+from lit_mpstable.core.weights.keeper import GradView, Keeper, cast_state_, first_grad_device
 from lit_mpstable.core.weights.keeper import per_element as is_per_element
-from lit_mpstable.core.weights.memory import plain_tensors
+from lit_mpstable.core.weights.memory import nbytes, plain_tensors
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
 
 CompactMode = Literal["kahan", "stochastic"]
@@ -415,13 +422,14 @@ class CompactWeights(Keeper):
         views = self._views
         on_device: dict[torch.device, list[Piece]] = {}
         key_of: dict[int, torch.Tensor] = {}
+        on_cpu = [piece for piece in fused if piece.param.device.type == "cpu"]
+        for piece, first in zip(on_cpu, self._keys(on_cpu)):  # each parameter's key tensor of the last step, refilled
+            key_of[id(piece)] = fill_key(views, piece.param, first)
         for piece in fused:
-            if piece.param.device.type == "cpu":  # each parameter's key tensor of the last step, refilled in place
-                key_of[id(piece)] = fill_key(views, piece.param, self._key(piece))
-            else:
+            if piece.param.device.type != "cpu":
                 on_device.setdefault(piece.param.device, []).append(piece)
         for device, group in on_device.items():
-            key_of.update(zip(map(id, group), keys([self._key(piece) for piece in group], device)))
+            key_of.update(zip(map(id, group), keys(self._keys(group), device)))
         eager = torch._C._len_torch_dispatch_stack() > 0
         # Once a step, not per parameter; looked up in its module, where a test stands the C loop aside.
         native = None if eager else compact_fused.native_kernel()
@@ -443,7 +451,7 @@ class CompactWeights(Keeper):
             key = (piece.group, step.item() + 1, p.device)
             if key not in scalars:
                 options = optimizer.param_groups[piece.group]
-                mult = _multiplier_tensor(multiplier, p.device)
+                mult = multiplier_tensor(multiplier, p.device)
                 scalars[key] = FusedAdam.scalars(options, key[1], mult, clip), FusedAdam.plain(options, clip)
             values, plain = scalars[key]
             comp = self._comp[piece.name] if self.mode == "kahan" else None  # type: ignore[index]
@@ -577,15 +585,18 @@ class CompactWeights(Keeper):
         and its state tensors: each is rounded without bias, for a third of the random numbers; their errors at one
         element are correlated, which changes only second-order terms (the ratio m / sqrt(v) even gains)."""
         if not noise:
-            noise.append(noise_bits(src.numel(), self._key(piece) + piece.start, src.device, piece.param.dtype))
+            noise.append(noise_bits(src.numel(), self._keys([piece])[0] + piece.start, src.device, piece.param.dtype))
         round_stochastic_(dst, src, noise[0])
 
-    def _key(self, piece: Piece) -> int:
-        # Hash of (seed, steps, parameter name): the random key of the parameter's element 0 at this step.
-        crc = self._crc.get(piece.name)  # type: ignore[arg-type]
-        if crc is None:
-            crc = self._crc[piece.name] = zlib.crc32(piece.name.encode())  # type: ignore[index,union-attr]
-        return mix(self.seed, self.steps, crc)
+    def _keys(self, pieces: list[Piece]) -> list[int]:
+        # Hash of (seed, steps, parameter name): the random key of each piece's parameter's element 0 at this step.
+        crcs = []
+        for piece in pieces:
+            crc = self._crc.get(piece.name)  # type: ignore[arg-type]
+            if crc is None:
+                crc = self._crc[piece.name] = zlib.crc32(piece.name.encode())  # type: ignore[index,union-attr]
+            crcs.append(crc)
+        return step_keys(self.seed, self.steps, crcs)
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -769,10 +780,12 @@ class CompactWeights(Keeper):
 
         return moments.step_(optimizer, {id(p): name for name, p in self._model.named_parameters()}, update, **kwargs)
 
-    def _multiplier(self, optimizer: Optimizer) -> torch.Tensor | None:
-        """The unscale factor the step still owes the 16-bit gradients (None: nothing pending)."""
+    def grads(self, optimizer: Optimizer, *, absorb: bool = False) -> GradView:
+        """The model's gradients, scaled and 16-bit, with the unscale (and clip) factor the step still owes them;
+        nothing is written elsewhere, so there is nothing to absorb."""
         pending = self._pending.get(id(optimizer))
-        return pending[0] if pending else None
+        return GradView([p for group in optimizer.param_groups for p in group["params"]],
+                        pending[0] if pending else None)
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """A Kahan weight is its 16-bit part plus its compensation; stochastic rounding keeps nothing more."""
@@ -786,6 +799,7 @@ class CompactWeights(Keeper):
         return {}, dict(self._comp)
 
 
+# ------------------------------------------------------------------------------------------------- the pieces' rules
 def quantized_state_classes() -> list[type]:
     """torchao's quantized optimizer-state classes (8-bit, 4-bit, FP8), for ``torch.serialization.safe_globals``.
 
@@ -954,10 +968,6 @@ def grad_bytes(param: torch.Tensor) -> int:
     return 0 if grad is None else grad.numel() * grad.element_size()
 
 
-def nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 _ADAM_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq"))  # the state torch's Adam keeps without amsgrad
 
 
@@ -975,9 +985,3 @@ def _count_(steps: list[torch.Tensor]) -> None:
     # Each stepped parameter's step counter + 1, in one call (they are 0-d CPU tensors, FP32 or FP64).
     if steps:
         torch._foreach_add_(steps, 1)
-
-
-def _multiplier_tensor(multiplier: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
-    if isinstance(multiplier, torch.Tensor):
-        return multiplier.detach().to(device=device, dtype=torch.float32).reshape(())
-    return host_to_device(torch.tensor(1.0 if multiplier is None else float(multiplier), dtype=torch.float32), device)

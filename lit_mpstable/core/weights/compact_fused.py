@@ -165,6 +165,13 @@ class FusedAdam:
                 )
 
 
+def multiplier_tensor(multiplier: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
+    """The gradient multiplier as the 0-d FP32 tensor on ``device`` the kernel's scalars take (no host read)."""
+    if isinstance(multiplier, torch.Tensor):
+        return multiplier.detach().to(device=device, dtype=torch.float32).reshape(())
+    return host_to_device(torch.tensor(1.0 if multiplier is None else float(multiplier), dtype=torch.float32), device)
+
+
 def keys(offsets: list[int], device: torch.device) -> list[torch.Tensor]:
     """The random keys ``offsets`` as 0-d int32 tensors on ``device``, each with its own storage: a key that is a
     view (an element of one tensor of keys) would make the compiled kernel guard on the number of keys, compiling
@@ -235,9 +242,10 @@ def flat_views(
 
 
 def fill_key(views: dict[int, KernelArgs], p: torch.Tensor, key: int) -> torch.Tensor:
-    """``p``'s random key of this step as a 0-d int32 CPU tensor of its own, kept in ``views`` (a key that is a view
-    would make the kernel guard on the number of keys: :func:`~lit_mpstable.core.weights.compact_fused.keys`)."""
-    return _entry(views, p).key.fill_(_signed32(key))
+    """``p``'s random key of this step (a signed 32-bit int, as
+    :func:`~lit_mpstable.core.weights.compact_rounding.step_keys` gives it) as a 0-d int32 CPU tensor of its own, kept
+    in ``views`` (a key that is a view would make the kernel guard on the number of keys: :func:`keys`)."""
+    return _entry(views, p).key.fill_(key)
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:

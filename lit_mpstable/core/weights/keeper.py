@@ -5,7 +5,8 @@ optimizer's own step, the one clip, the gradient read, and carrying a checkpoint
 FP32 masters (:class:`~lit_mpstable.core.weights.master.MasterWeights`) and compact weights
 (:class:`~lit_mpstable.core.weights.compact.CompactWeights`) subclass it and override the private hooks where their
 gradients or step differ (``_absorb_``/``_expose_`` around a clip, ``_clip_norm_``/``_clip_value_``, ``_update``,
-``_done_``, ``_holders``/``_multiplier``, ``_load_``, ``_recast_``, ``_replicate_``, ``_precise``).
+``_done_``, ``_load_``, ``_recast_``, ``_replicate_``, ``_precise``); where their gradients live, :meth:`grads`, is
+each keeper's own.
 """
 
 from __future__ import annotations
@@ -79,10 +80,8 @@ class Keeper:
 
     def grads(self, optimizer: Optimizer, *, absorb: bool = False) -> GradView:
         """The tensors holding ``optimizer``'s gradients and the unscale factor still owed them; ``absorb``: first
-        take in what was written on the model's side since the unscale."""
-        if absorb:
-            self._absorb_(optimizer)
-        return GradView(self._holders(optimizer), self._multiplier(optimizer))
+        take in what was written on the model's side since the unscale (the model's own gradients: nothing)."""
+        return GradView([p for group in optimizer.param_groups for p in group["params"]], None)
 
     def clip_(self, optimizer: Optimizer, *, max_norm: float | torch.Tensor | None = None, norm_type: float = 2.0,
               clip_value: float | None = None, total_norm: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -156,12 +155,6 @@ class Keeper:
 
     def _expose_(self, optimizer: Optimizer) -> None:
         pass
-
-    def _holders(self, optimizer: Optimizer) -> list[torch.Tensor]:
-        return [p for group in optimizer.param_groups for p in group["params"]]
-
-    def _multiplier(self, optimizer: Optimizer) -> torch.Tensor | None:
-        return None  # the gradients are true values after unscale_
 
     def _clip_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float,
                     total_norm: torch.Tensor | None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,8 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.replicas import agree_seed, broadcast_
 from lit_mpstable.core.scaling.scalers import LossScaler
-from lit_mpstable.core.weights.keeper import Keeper
+from lit_mpstable.core.weights.keeper import GradView, Keeper
+from lit_mpstable.core.weights.memory import nbytes
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -336,6 +337,16 @@ class MasterWeights(Keeper):
         super().unscale_(optimizer, checker, scaler, device)
         self.expose_grads_(optimizer, copy=scaler is not None)
 
+    def grads(self, optimizer: Optimizer, *, absorb: bool = False) -> GradView:
+        """The masters' gradients (true values after :meth:`unscale_`) and the model's, whose ``.grad`` shows them;
+        ``absorb``: first copy into the masters what was written on the model's side since."""
+        if absorb:
+            self.absorb_grads_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if id(optimizer) in self._names_by_optimizer:
+            params += self._select(optimizer)[1]
+        return GradView(params, None)
+
     def _absorb_(self, optimizer: Optimizer) -> None:
         self.absorb_grads_(optimizer)  # gradients written on the model's side since the unscale reach the masters
 
@@ -350,12 +361,6 @@ class MasterWeights(Keeper):
         if stepped:
             self.refresh_model_(optimizer)
         self.zero_model_grads_(optimizer)
-
-    def _holders(self, optimizer: Optimizer) -> list[torch.Tensor]:
-        params = super()._holders(optimizer)
-        if id(optimizer) in self._names_by_optimizer:
-            params += self._select(optimizer)[1]
-        return params
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         return {name: master for name, master, _ in self.named_pairs()}
@@ -383,12 +388,12 @@ class MasterWeights(Keeper):
             for param_state in optimizer.state.values():
                 state.update((id(v), v) for v in param_state.values() if isinstance(v, torch.Tensor))
         report = {
-            "params_16bit": _nbytes(low),
-            "grads_16bit": _nbytes(p.grad for p in low if p.grad is not None),
-            "masters": _nbytes(masters),
-            "master_grads": _nbytes(m.grad for m in masters if m.grad is not None),
-            "optimizer_state": _nbytes(state.values()),
-            "params_fp32_other": _nbytes(other),
+            "params_16bit": nbytes(low),
+            "grads_16bit": nbytes(p.grad for p in low if p.grad is not None),
+            "masters": nbytes(masters),
+            "master_grads": nbytes(m.grad for m in masters if m.grad is not None),
+            "optimizer_state": nbytes(state.values()),
+            "params_fp32_other": nbytes(other),
         }
         report["total"] = sum(report.values())
         return report
@@ -403,8 +408,4 @@ def _to_fp32(value: object) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION:
         return value.float()
     return value
-
-
-def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 

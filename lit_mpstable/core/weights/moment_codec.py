@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from lit_mpstable.core.weights.compact_rounding import step_keys, words
+
 BLOCK_SIZE = 64
 """Elements per FP8 block, along the flattened tensor: 8 bytes of ``amax`` and ``k`` per 64 codes, 1.125 bytes per
 element (0.281x FP32 for both moments). Half COAT's group of 128: the codes of a block spread over its range
@@ -16,7 +18,6 @@ moments, 150 steps, 2 seeds) the update's relative error per step falls from 4.2
 give 3.2% at 1.25 bytes per element, over the 0.3x budget. A slice stepped on its own must start on a block
 boundary."""
 
-_MASK32 = 0xFFFFFFFF
 # Bounds of the expansion exponent: k is inf for a block of equal magnitudes (any k stores them exactly) and tends
 # to 0 for a block spanning FP32's whole range; beyond these the FP32 arithmetic gains nothing.
 _K_MIN, _K_MAX = 2.0**-4, 2.0**20
@@ -51,36 +52,10 @@ def _table(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 
 # ------------------------------------------------------------------------------------------------ random bits
-# 0x846CA68B as a signed 32-bit integer: the hash runs on int32 tensors with wrapping multiplication.
-_M1, _M2 = 0x7FEB352D, 0x846CA68B - 2**32
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    # Chris Wellons' lowbias32 on int32 tensors (logical right shifts as arithmetic ones masked): a bijection of
-    # 32-bit words whose output bits each flip with probability ~1/2 when one input bit does.
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * _M1
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * _M2
-    return x ^ ((x >> 16) & 0xFFFF)
-
-
-def _mix(*values: int) -> int:
-    # splitmix64 over the values, folded to 32 bits: one key per (seed, step, moment).
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 29
-    return (h ^ (h >> 32)) & _MASK32
-
-
 def random_words(numel: int, offset: int, seed: int, step: int, key: int, device: torch.device) -> torch.Tensor:
     """32 random bits (int32) for elements ``offset .. offset + numel - 1``: ``hash32(index + key(seed, step, key))``.
     Different keys give shifted copies of one stream, at random 32-bit distances (as CompactWeights' rounding)."""
-    start = (offset + _mix(seed, step, key)) & _MASK32
-    start = start - 2**32 if start >= 2**31 else start
-    return _hash32(torch.arange(numel, dtype=torch.int32, device=device).add_(start))
+    return words(numel, step_keys(seed, step, [key])[0] + offset, device)
 
 
 # ------------------------------------------------------------------------------------------------ BF16
