@@ -712,7 +712,7 @@ class CompactWeights(Keeper):
                 multiplier = scaler.get_scale_tensor().reciprocal()
         self._pending[id(optimizer)] = [multiplier, None]
 
-    def _clip_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float,
+    def _clip_norm_(self, optimizer: Optimizer, max_norm: float | torch.Tensor, norm_type: float,
                     total_norm: torch.Tensor | None) -> torch.Tensor:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         pending = self._pending[id(optimizer)]

@@ -12,7 +12,7 @@ each keeper's own.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -92,10 +92,10 @@ class Keeper:
                             f" clip_value={clip_value!r}")
         self._absorb_(optimizer)
         norm = None
-        if clip_value is not None:
+        if max_norm is not None:
+            norm = self._clip_norm_(optimizer, max_norm, norm_type, total_norm)
+        elif clip_value is not None:
             self._clip_value_(optimizer, clip_value)
-        else:
-            norm = self._clip_norm_(optimizer, max_norm, norm_type, total_norm)  # type: ignore[arg-type]
         self._expose_(optimizer)
         return norm
 
@@ -156,14 +156,15 @@ class Keeper:
     def _expose_(self, optimizer: Optimizer) -> None:
         pass
 
-    def _clip_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float,
+    def _clip_norm_(self, optimizer: Optimizer, max_norm: float | torch.Tensor, norm_type: float,
                     total_norm: torch.Tensor | None) -> torch.Tensor:
         # torch.nn.utils.clip_grad_norm_, with the total_norm when it is known already: the gradients are read once
-        # less.
+        # less. A tensor max_norm (ZClip's adaptive limit) works as well: torch divides it by the norm on the device.
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        limit = cast(float, max_norm)
         if total_norm is None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+            return torch.nn.utils.clip_grad_norm_(params, limit, norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, limit, total_norm)
         return total_norm
 
     def _clip_value_(self, optimizer: Optimizer, clip_value: float) -> None:
@@ -203,6 +204,7 @@ class Keeper:
             KeyError: a name of the checkpoint's state is not a parameter of ``module``.
             ValueError: a tensor's shape differs from its parameter's.
         """
+        call = f"{type(self).__name__}.load_state_dict(carry_into=...)"
         params = dict(module.named_parameters())
         if masters:
             values = {name: value.float() for name, value in masters.items()}
@@ -212,14 +214,14 @@ class Keeper:
                 return None  # stochastic rounding keeps nothing beyond the weights
             unknown = sorted(set(comp) - set(params))
             if unknown:
-                raise KeyError(f"carry_precise_state_: compensation of {unknown} names no parameter of the model.")
+                raise KeyError(f"{call}: compensation of {unknown} names no parameter of the model.")
             values = {name: params[name].detach().float() + value.float() for name, value in comp.items()}
         unknown = sorted(set(values) - set(params))
         if unknown:
-            raise KeyError(f"carry_precise_state_: {saved} of {unknown} name no parameter of the model.")
+            raise KeyError(f"{call}: {saved} of {unknown} name no parameter of the model.")
         for name, value in values.items():
             if value.shape != params[name].shape:
-                raise ValueError(f"carry_precise_state_: {name!r} has shape {tuple(value.shape)} in the checkpoint,"
+                raise ValueError(f"{call}: {name!r} has shape {tuple(value.shape)} in the checkpoint,"
                                  f" {tuple(params[name].shape)} in the model.")
         sharded = [name for name in values if type(params[name].data) is not torch.Tensor]
         if sharded:
