@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
+from lit_mpstable.base.validate import check_keys
 from lit_mpstable.core.replicas import agree_seed, broadcast_
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.weights.keeper import GradView, Keeper
@@ -276,13 +277,8 @@ class MasterWeights(Keeper):
                 BF16/FP8 moments.
         """
         state, moments = split_moments("MasterKeeper", state, self.moments)
-        expected, given = set(self._masters), set(state)
-        if expected != given:
-            missing, unknown = sorted(expected - given), sorted(given - expected)
-            raise KeyError(
-                f"MasterWeights.load_state_dict: missing keys {missing}, unknown keys {unknown}; was it saved from a"
-                " different model, or with other parameters trainable or in FP32?"
-            )
+        check_keys("MasterWeights.load_state_dict", state, self._masters,
+                   suffix="; was it saved from a different model, or with other parameters trainable or in FP32?")
         for name, master in self._masters.items():
             if state[name].shape != master.shape:
                 raise ValueError(
