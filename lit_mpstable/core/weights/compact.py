@@ -705,11 +705,10 @@ class CompactWeights(Keeper):
         self.bind_new_(optimizer)
         if self.moments is not None:
             self.moments.bind_(optimizer, {id(p): name for name, p in self._model.named_parameters()})
+        super().unscale_(optimizer, checker, scaler, device)  # checks only: the gradients stay scaled
         multiplier: torch.Tensor | None = None
-        if checker is not None:
-            checker.check_grads_(optimizer, first_grad_device(optimizer) or device, unscale=False)
-            if isinstance(scaler, DynamicLossScaler):
-                multiplier = scaler.get_scale_tensor().reciprocal()
+        if checker is not None and isinstance(scaler, DynamicLossScaler):
+            multiplier = scaler.get_scale_tensor().reciprocal()
         self._pending[id(optimizer)] = [multiplier, None]
 
     def _clip_norm_(self, optimizer: Optimizer, max_norm: float | torch.Tensor, norm_type: float,

@@ -69,14 +69,15 @@ class Keeper:
     # ------------------------------------------------------------------------------------------ the step
     def unscale_(self, optimizer: Optimizer, checker: LossScaler | None,
                  scaler: object, device: torch.device | str) -> None:
-        """Unscale ``optimizer``'s gradients in place and check them for inf/NaN, agreed across ranks (no host sync)."""
+        """Unscale ``optimizer``'s gradients in place (unless the keeper :attr:`defers_unscale`) and check them for
+        inf/NaN, agreed across ranks (no host sync)."""
         if checker is None:
             return
         # The scale-1 check of scaler=None creates its state where the gradients are (no loss was scaled to create
         # it). An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step
         # on every rank: the check ends with one all-reduce of the found-inf flag (and the adaptive amax), on the
         # device.
-        checker.check_grads_(optimizer, first_grad_device(optimizer) or device)
+        checker.check_grads_(optimizer, first_grad_device(optimizer) or device, unscale=not self.defers_unscale)
 
     def grads(self, optimizer: Optimizer, *, absorb: bool = False) -> GradView:
         """The tensors holding ``optimizer``'s gradients and the unscale factor still owed them; ``absorb``: first
