@@ -124,7 +124,7 @@ class CompactWeights(Keeper):
     global ones) is not fused: its hooks see the step inside ``optimizer.step()``, on the stand-ins.
 
     As the :class:`~lit_mpstable.core.weights.weights.WeightKeeper` of ``master_weights="kahan"``/``"stochastic"``
-    (:meth:`unscale_` ... :meth:`checked_step_`), the gradients stay as they are (scaled, 16-bit) until the FP32
+    (:meth:`unscale_` ... ``end_step_``), the gradients stay as they are (scaled, 16-bit) until the FP32
     chunks of the step unscale them: the check at :meth:`unscale_` only looks (``check_``), and the unscale and clip
     factors wait per optimizer until the step (the 16-bit gradients are not rounded twice). With
     ``optimizer_state="bf16"``/``"fp8"`` exact Adam/AdamW groups are stepped one whole parameter at a time through

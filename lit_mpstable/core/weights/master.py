@@ -55,7 +55,6 @@ class MasterWeights(Keeper):
 
     mode: str | None = "fp32"
     state_key: str | None = "masters"
-    defers_unscale = False
     exposes_grads = True
 
     def __init__(
