@@ -6,7 +6,7 @@ One "step" is AdamW over the parameters of bench_memory.py's MLP (784-1024x3-10,
   runs on a CPU; round-to-nearest moments, no compensation);
 - ``compiled kahan`` / ``compiled stochastic``: ``FusedAdam``'s inductor kernel (BF16 moments stochastically rounded;
   a Kahan compensation, or stochastically rounded weights);
-- ``C kahan`` / ``C stochastic``: the same step through ``lit_mpstable.core.weights.compact_native``.
+- ``C kahan`` / ``C stochastic``: the same step through ``lit_mpstable.core.weights.compact_fused.native_kernel``.
 
 Each round runs every config once, in an order that alternates; thread CPU time per step (wall time with
 ``--threads`` above 1); median over rounds and the per-round ratio to torch's AdamW (median [IQR]). Run::
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_flags, environment, fmt_iqr, markdown_table, summary  # noqa: E402
 
-from lit_mpstable.core.weights import compact_native  # noqa: E402
+from lit_mpstable.core.weights import compact_fused  # noqa: E402
 from lit_mpstable.core.weights.compact_fused import FusedAdam  # noqa: E402
 
 SHAPES = [(1024, 784), (1024,), (1024, 1024), (1024,), (1024, 1024), (1024,), (10, 1024), (10,)]
@@ -49,9 +49,9 @@ def _configs() -> dict[str, object]:
     scalars = FusedAdam.scalars(GROUP, 10.0, torch.tensor(1.0), None)
     keys = [torch.tensor(i * 7919, dtype=torch.int32) for i in range(len(SHAPES))]
     kernel = FusedAdam()
-    native = compact_native.kernel()
+    native = compact_fused.native_kernel()
     if native is None:
-        raise SystemExit("no C compiler here: lit_mpstable.core.weights.compact_native cannot build its loop")
+        raise SystemExit("no C compiler here: lit_mpstable.core.weights.compact_fused cannot build its loop")
 
     def compiled(sets: list[list[torch.Tensor | None]]):
         return lambda: [kernel._plain_kernel(*t, scalars, k) for t, k in zip(sets, keys)]

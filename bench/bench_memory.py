@@ -163,7 +163,7 @@ PHASES = [
     ("lit_mpstable.core.step.iteration", "Iteration.update_scale_", "  scale update"),
     ("lit_mpstable.core.weights.compact", "CompactWeights.step_", "  CompactWeights.step_"),
     ("lit_mpstable.core.weights.compact", "CompactWeights._pieces", "    _pieces: which parameters the kernel takes"),
-    ("lit_mpstable.core.weights.compact_fused", "FusedSteps._step_fused_", "    _step_fused_"),
+    ("lit_mpstable.core.weights.compact", "CompactWeights._step_fused_", "    _step_fused_"),
     ("lit_mpstable.core.weights.compact_fused", "keys", "      random keys"),
     ("lit_mpstable.core.weights.compact_fused", "FusedAdam.scalars", "      kernel scalars"),
     ("lit_mpstable.core.weights.compact_fused", "FusedAdam.run_",

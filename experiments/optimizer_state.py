@@ -96,7 +96,7 @@ CODEC_VARIANTS: dict[str, tuple[dict | None, dict | None]] = {
 
 def _fp8_round_trip(x: torch.Tensor, signed: bool, sr: bool, key: int, step: int, block: int,
                     sqrt: bool = False) -> torch.Tensor:
-    import lit_mpstable.core.weights.moment_codec as codec
+    import lit_mpstable.core.weights.optim_state as codec
 
     saved, codec.BLOCK_SIZE = codec.BLOCK_SIZE, block  # encode/decode read the module's block size
     try:

@@ -449,13 +449,13 @@ def test_lightning_fallback_of_a_true_mode_without_masters_adds_no_graph_break()
 
 def test_kahan_fused_adam_kernel_does_not_make_an_eager_model_look_compiled(monkeypatch) -> None:
     # master_weights="kahan" with AdamW steps through a torch.compile'd kernel of our own where the C loop is not
-    # built (lit_mpstable.core.weights.compact_native; stood aside here): its graphs are not the user's model, so a
-    # fallback of an eager model must not report a recompile.
+    # built (lit_mpstable.core.weights.compact_fused.native_kernel; stood aside here): its graphs are not the user's
+    # model, so a fallback of an eager model must not report a recompile.
     from helpers import mse_backward, regression_data, tiny_stepper
 
-    from lit_mpstable.core.weights import compact_native
+    from lit_mpstable.core.weights import compact_fused
 
-    monkeypatch.setattr(compact_native, "kernel", lambda: None)
+    monkeypatch.setattr(compact_fused, "native_kernel", lambda: None)
 
     torch._dynamo.reset()
     counters.clear()

@@ -10,9 +10,8 @@ import torch
 from helpers import TinyMLP, regression_data, stall_task
 from torch import nn
 
-from lit_mpstable.core.weights.compact import CompactWeights
+from lit_mpstable.core.weights.compact import CompactWeights, quantized_state_classes
 from lit_mpstable.core.weights.compact_rounding import stochastic_round
-from lit_mpstable.core.weights.compact_slices import quantized_state_classes
 from lit_mpstable.core.weights.master import MasterWeights
 
 LOW = [torch.bfloat16, torch.float16]
@@ -572,14 +571,13 @@ def test_low_bit_adams_step_in_slices_bit_for_bit(mode: str, name: str) -> None:
 def test_chunks_grow_with_the_gradients_freed_and_keep_the_first_calls_transient(cap: int) -> None:
     # torchao's low-bit Adams on the CPU: 512 KiB of FP32 copies per call at first, growing by half the gradient
     # bytes the calls before freed (the optimizer's temporaries match the copies), to 4 MiB.
-    from lit_mpstable.core.weights.compact import _Piece
+    from lit_mpstable.core.weights.compact import Piece, split_pieces
 
     params = [nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (2**18, 2**18, 2**18, 3000, 2**20 + 4096)]
     for p in params:
         p.grad = torch.zeros_like(p)
-    cw = CompactWeights(nn.ParameterList(params), [], "stochastic")
-    pieces = [_Piece(0, p, str(i), 0, p.numel(), 8 * p.numel(), per_element=8) for i, p in enumerate(params)]
-    chunks = list(cw._chunks(pieces, 2**19, cap, 0))
+    pieces = [Piece(0, p, str(i), 0, p.numel(), 8 * p.numel(), per_element=8) for i, p in enumerate(params)]
+    chunks = list(split_pieces(pieces, 2**19, cap, 0))
     covered: dict[int, list[tuple[int, int]]] = {}
     for chunk in chunks:
         for piece in chunk:

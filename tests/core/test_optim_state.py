@@ -378,7 +378,7 @@ if __name__ == "__main__":  # the table for the report: python tests/core/test_o
 def test_fp8_moments_saved_in_blocks_of_128_are_read_in_theirs_and_stored_in_this_versions_blocks() -> None:
     # The last version kept FP8 moments in blocks of 128: such a checkpoint resumes with each value rounded once more
     # (said in a warning), not as garbage and not as a shape error.
-    from lit_mpstable.core.weights.moment_codec import BLOCK_SIZE, decode_fp8, encode_fp8
+    from lit_mpstable.core.weights.optim_state import BLOCK_SIZE, decode_fp8, encode_fp8
 
     torch.manual_seed(0)
     values = torch.randn(1000) * torch.logspace(-6, 0, 1000)  # scales that differ within a block

@@ -11,6 +11,7 @@ from helpers import TinyMLP, regression_data
 
 from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.core.weights.compact import CompactWeights
+from lit_mpstable.core.weights.keeper import Keeper
 from lit_mpstable.core.weights.master import MasterWeights
 from lit_mpstable.core.weights.weights import PlainKeeper, WeightKeeper, make_keeper
 
@@ -86,11 +87,19 @@ def test_the_step_path_asks_the_keeper_for_everything_mode_specific(master_weigh
 
 def test_the_keeper_protocol_is_narrow():
     # issue 43: absorb/expose/clip/drop live inside the keepers; the stepper sees one clip, one gradient read and one
-    # end of step.
+    # end of step; a recast is one more thing the model's weights do (follow_model_weights_(recast=...)), carrying a
+    # checkpoint of another mode one more way to load a state (load_state_dict(..., carry_into=module)).
     members = {name for name in vars(WeightKeeper) if not name.startswith("_")} - {"state_key", "defers_unscale",
                                                                                     "exposes_grads"}
     assert members == {"mode", "adopt_optimizer_", "follow_model_weights_", "unscale_", "clip_", "end_step_", "grads",
-                       "fp32_weights", "state_tensors", "state_dict", "load_state_dict", "carry_", "follow_recast_"}
+                       "fp32_weights", "state_tensors", "state_dict", "load_state_dict"}
+    methods = members - {"mode"}
+    assert len(methods) <= 10
+    # The step's methods are written once, in the base every keeper subclasses; the weight modes override private
+    # hooks (and say where their gradients live: grads).
+    for kind in (PlainKeeper, MasterWeights, CompactWeights):
+        assert issubclass(kind, Keeper)
+        assert {"clip_", "end_step_", "load_state_dict", "follow_model_weights_"}.isdisjoint(vars(kind))
 
 
 def test_the_step_path_has_no_weight_mode_branch():

@@ -64,7 +64,7 @@ class PrecisionLayout:
         self.fp32_modules: list[str] = []  # modules moved into FP32 islands
         self._fp8_selected: list[str] | None = None  # chosen once per model, then re-applied
         self._fp8_layers: list[str] = []
-        self.after_recast: Callable[[list[tuple[nn.Parameter, torch.Tensor]]], None] | None = None
+        self.after_recast: Callable[[list[tuple[nn.Parameter, torch.Tensor]]], object] | None = None
         """Called after a re-application that changed parameter dtypes, with ``(parameter, its data before)`` for
         each: state kept per parameter (compact weights' compensation, optimizer state) follows the recast."""
         self.find_ddp: Callable[[], Any] | None = None

@@ -10,7 +10,7 @@ from torch.optim import Optimizer
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.step.iteration import GradSet
 from lit_mpstable.core.tensors import local_view
-from lit_mpstable.core.weights.keeper_steps import first_grad_device
+from lit_mpstable.core.weights.keeper import first_grad_device
 
 STATE_SHARES = 16
 """The parameters (or FP32 masters) and optimizer state are checked in this many shares, one per applied step of

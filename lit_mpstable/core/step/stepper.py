@@ -282,7 +282,8 @@ class PrecisionStepper:
         else:
             # The plain keeper of __init__: their state follows a fallback's recast of the parameters.
             cast(PlainKeeper, self.keeper).optimizers = list(optimizers)
-        self.layout.after_recast = self.keeper.follow_recast_  # a fallback carries what the keeper holds
+        keeper = self.keeper  # a fallback's recast carries what the keeper holds
+        self.layout.after_recast = lambda changed: keeper.follow_model_weights_(recast=changed)
         key = self.keeper.state_key
         if key is not None and key in self._pending:
             self.keeper.load_state_dict(self._pending.pop(key))

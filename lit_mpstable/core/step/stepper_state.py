@@ -121,7 +121,8 @@ def load_weights_state_(
         if module is None:
             return (f"weights-not-carried:{saved}:{target}",
                     f"the checkpoint's {saved} were not carried into this run ({target}): load it after setup.")
-        notes = [keeper.carry_(module, masters, compact, saved=saved, target=target)]
+        notes = [keeper.load_state_dict({"masters": masters, "compact": compact}, carry_into=module, saved=saved,
+                                        target=target)]
         moments = _moments_of(keeper)
         if saved_moments is not None and moments is not None:
             notes.append(moments.carry_(saved_moments))

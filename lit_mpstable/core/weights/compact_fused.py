@@ -6,28 +6,32 @@ each tensor several times and runs the optimizer's own ~10 passes in FP32. Here 
 arithmetic in FP32 (the same operations in the same order), and writes them back: the weight and its compensation
 rounded to nearest (``"kahan"``) or the weight stochastically rounded (``"stochastic"``), the moments stochastically
 rounded. The random bits are :func:`hash32` of the element index and a per-step key, the very numbers the generic
-path draws, and the rounding is its rounding but for ties (``compact_adam._round_stochastic_bf16``). The arithmetic
-lives in :mod:`~lit_mpstable.core.weights.compact_adam`; here: when it runs, on what, and how it is compiled. Nothing is
-allocated.
+path draws, and the rounding is its rounding but for ties (:func:`_round_stochastic_bf16`). Nothing is allocated.
+
+In this file: :class:`FusedAdam` (when the kernel runs and how it is compiled), the arguments it keeps per parameter
+(:class:`KernelArgs`), the arithmetic (:func:`_adam`), and the same arithmetic as a C loop for the CPU
+(:func:`native_kernel`). :class:`~lit_mpstable.core.weights.compact.CompactWeights` decides which parameters take it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import hashlib
 import os
+import platform
+import shutil
+import subprocess
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.optim import Optimizer
 
 from lit_mpstable.core.compiled import graph_count, own_graphs_since
-from lit_mpstable.core.weights import compact_native
-from lit_mpstable.core.weights.compact_adam import _adam_kernel, _adam_plain_kernel
-from lit_mpstable.core.weights.compact_rounding import _signed32
-from lit_mpstable.core.weights.compact_slices import Piece
-from lit_mpstable.core.weights.compact_views import KernelArgs, fill_key, flat, flat_views
+from lit_mpstable.core.weights.compact_rounding import _signed32, hash32
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -120,9 +124,9 @@ class FusedAdam:
         """:meth:`step_` with the key as a 0-d int32 tensor on ``w``'s device (:func:`keys` makes a step's keys in one
         transfer). ``eager``: run the kernel uncompiled, as under a TorchDispatchMode (see :meth:`step_`); ``plain``:
         scalars without a clip (inf) or an L2 term (0) (:meth:`plain`), for the graph that leaves them out.
-        ``native``: the C loop (:func:`compact_native.kernel`, None: none) as :class:`FusedSteps` looks it up once a
+        ``native``: the C loop (:func:`native_kernel`, None: none) as ``CompactWeights._step_fused_`` looks it up once a
         step, for tensors its ``_fusable`` checked (dtypes, shapes, contiguity); by default it is looked up here and
-        every input checked (:func:`compact_native.takes`, ~10 us a call)."""
+        every input checked (:func:`native_takes`, ~10 us a call)."""
         # Under a TorchDispatchMode (a FLOP counter, a tracer, a recorder of host reads) torch.compile skips the frame
         # and marks the kernel's code skipped for the rest of the process: every later CompactWeights would fall back
         # to FP32 copies. The eager kernel (what torch.compile runs itself under a mode) leaves the compiler's state
@@ -132,8 +136,8 @@ class FusedAdam:
             return
         if w.is_cpu:  # the C loop where it builds: the same words, ~2-4x faster than inductor's C++
             if native is _LOOK_UP:
-                native = compact_native.kernel()
-                usable = native is not None and compact_native.takes(w, comp, g, m, v, scalars, key)
+                native = native_kernel()
+                usable = native is not None and native_takes(w, comp, g, m, v, scalars, key)
             else:  # what _fusable leaves open: a tensor subclass (a DTensor) or state on another device
                 usable = native is not None and type(w) is torch.Tensor and type(g) is torch.Tensor and (
                     g.is_cpu and m.is_cpu and v.is_cpu and (comp is None or (comp.is_cpu and comp.is_contiguous()))
@@ -161,159 +165,18 @@ class FusedAdam:
                 )
 
 
+def multiplier_tensor(multiplier: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
+    """The gradient multiplier as the 0-d FP32 tensor on ``device`` the kernel's scalars take (no host read)."""
+    if isinstance(multiplier, torch.Tensor):
+        return multiplier.detach().to(device=device, dtype=torch.float32).reshape(())
+    return host_to_device(torch.tensor(1.0 if multiplier is None else float(multiplier), dtype=torch.float32), device)
+
+
 def keys(offsets: list[int], device: torch.device) -> list[torch.Tensor]:
     """The random keys ``offsets`` as 0-d int32 tensors on ``device``, each with its own storage: a key that is a
     view (an element of one tensor of keys) would make the compiled kernel guard on the number of keys, compiling
     again for each new count of parameters."""
     return [host_to_device(torch.tensor(_signed32(o), dtype=torch.int32), device) for o in offsets]
-
-
-class FusedSteps:
-    """The fused-kernel part of :class:`~lit_mpstable.core.weights.compact.CompactWeights` (a mixin: it reads the
-    weights' mode, compensation buffers and random keys)."""
-
-    fused: bool | None
-    mode: str
-    _fused: FusedAdam | None
-    _fused_failed: bool
-    _comp: dict[str, torch.Tensor]
-    _views: dict[int, KernelArgs]  # per parameter (by id): its kernel arguments of the last fused step
-
-    def _key(self, piece: Piece) -> int:
-        raise NotImplementedError
-
-    def _step_fused_(
-        self, optimizer: Optimizer, pieces: list[Piece], multiplier: torch.Tensor | float | None, clip: float | None
-    ) -> tuple[list[Piece], bool]:
-        """Step the parameters the fused kernel takes (:meth:`_pieces` leaves them whole: the kernel allocates
-        nothing, so slices would only add calls); returns the other pieces, in order, and whether any was stepped."""
-        fused = [piece for piece in pieces if piece.fused]
-        if self._views and len(fused) < len(pieces):
-            for piece in pieces:
-                if not piece.fused:  # stepped otherwise now (cast to FP32, other state): its old tensors go
-                    self._views.pop(id(piece.param), None)
-        if not fused:
-            return pieces, False
-        self._fused = FusedAdam() if self._fused is None else self._fused
-        # Per step, not per parameter: whether a TorchDispatchMode is on, the kernel's scalars (one small tensor per
-        # group and step count, usually one per group).
-        views = self._views
-        on_device: dict[torch.device, list[Piece]] = {}
-        key_of: dict[int, torch.Tensor] = {}
-        for piece in fused:
-            if piece.param.device.type == "cpu":  # each parameter's key tensor of the last step, refilled in place
-                key_of[id(piece)] = fill_key(views, piece.param, self._key(piece))
-            else:
-                on_device.setdefault(piece.param.device, []).append(piece)
-        for device, group in on_device.items():
-            key_of.update(zip(map(id, group), keys([self._key(piece) for piece in group], device)))
-        eager = torch._C._len_torch_dispatch_stack() > 0
-        native = None if eager else compact_native.kernel()  # once a step, not per parameter
-        scalars: dict[tuple[int, float, torch.device], tuple[torch.Tensor, bool]] = {}
-        rest: list[Piece] = []
-        steps: list[torch.Tensor] = []  # of the stepped parameters: counted up together at the end
-        for i, piece in enumerate(pieces):
-            p = piece.param
-            if not piece.fused:
-                rest.append(piece)
-                continue
-            state = optimizer.state[p]
-            if not state:  # as torch's Adam initializes it, the moments in the parameter's dtype
-                scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-                state["step"] = torch.tensor(0.0, dtype=scalar_dtype)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            step = state["step"]
-            key = (piece.group, step.item() + 1, p.device)
-            if key not in scalars:
-                options = optimizer.param_groups[piece.group]
-                mult = _multiplier_tensor(multiplier, p.device)
-                scalars[key] = FusedAdam.scalars(options, key[1], mult, clip), FusedAdam.plain(options, clip)
-            values, plain = scalars[key]
-            comp = self._comp[piece.name] if self.mode == "kahan" else None  # type: ignore[index]
-            grad = p.grad
-            assert grad is not None  # _fusable marks a piece fused only when its gradient is there
-            w, c, m, v = flat_views(views, p, comp, state["exp_avg"], state["exp_avg_sq"])
-            try:
-                self._fused.run_(
-                    w, c, flat(grad), m, v, values, key_of[id(piece)], eager=eager, plain=plain, native=native
-                )
-            except Exception as error:  # compiling failed (no C++ compiler, an unsupported device...)
-                _count_(steps)
-                if self.fused is True:
-                    raise RuntimeError(
-                        f"CompactWeights(fused=True): the fused Adam step of {piece.name!r} failed: {error}"
-                    ) from error
-                self._fused_failed = True
-                warnings.warn(
-                    f"CompactWeights: the fused Adam step did not compile ({type(error).__name__}:"
-                    f" {str(error).strip().splitlines()[0] if str(error).strip() else ''}); stepping"
-                    " through FP32 copies instead (slower). Pass fused=False to skip the attempt.", stacklevel=3,
-                )
-                return rest + pieces[i:], bool(steps)
-            steps.append(step)
-            p.grad = None
-        _count_(steps)
-        return rest, True
-
-    def _fusable(self, optimizer: Optimizer, piece: Piece, groups: dict[Any, bool] | None = None) -> bool:
-        """Whether the fused kernel can step ``piece``; ``groups`` caches the per-group answer (the optimizer's hooks,
-        its type and the group's options) over one step's pieces."""
-        p, grad = piece.param, piece.param.grad
-        if (
-            piece.name is None or p.dtype != torch.bfloat16 or p.numel() == 0 or not p.is_contiguous()
-            or grad is None or grad.layout != torch.strided or not grad.is_contiguous() or grad.dtype != p.dtype
-        ):
-            return False
-        where = (piece.group, p.device.type)
-        group_ok = groups.get(where) if groups is not None else None
-        if group_ok is None:
-            group_ok = not (
-                self.fused is False or self._fused_failed
-                or _has_step_hooks(optimizer)  # they must see the step inside optimizer.step(), on its parameters
-                or (p.device.type != "cpu" and self.fused is not True)
-                or not FusedAdam.eligible(optimizer, optimizer.param_groups[piece.group], p.device)
-            )
-            if groups is not None:
-                groups[where] = group_ok
-        if not group_ok:
-            return False
-        state = optimizer.state.get(p, {})
-        if not state:
-            return True
-        if state.keys() != _ADAM_KEYS or not isinstance(state["step"], torch.Tensor):
-            return False
-        step, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
-        return (
-            step.device.type == "cpu" and step.numel() == 1
-            and type(m) is torch.Tensor and m.dtype == p.dtype and m.shape == p.shape and m.is_contiguous()
-            and type(v) is torch.Tensor and v.dtype == p.dtype and v.shape == p.shape and v.is_contiguous()
-        )
-
-
-_ADAM_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq"))  # the state torch's Adam keeps without amsgrad
-
-
-def _has_step_hooks(optimizer: Optimizer) -> bool:
-    # The optimizer's own step pre/post hooks and the global ones (torch.optim.optimizer.register_optimizer_step_*).
-    from torch.optim import optimizer as module
-
-    return bool(
-        getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None)
-        or getattr(module, "_global_optimizer_pre_hooks", None) or getattr(module, "_global_optimizer_post_hooks", None)
-    )
-
-
-def _count_(steps: list[torch.Tensor]) -> None:
-    # Each stepped parameter's step counter + 1, in one call (they are 0-d CPU tensors, FP32 or FP64).
-    if steps:
-        torch._foreach_add_(steps, 1)
-
-
-def _multiplier_tensor(multiplier: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
-    if isinstance(multiplier, torch.Tensor):
-        return multiplier.detach().to(device=device, dtype=torch.float32).reshape(())
-    return host_to_device(torch.tensor(1.0 if multiplier is None else float(multiplier), dtype=torch.float32), device)
 
 
 _SLOW_MARKER = "lit_mpstable_fused_adam_said"
@@ -335,3 +198,339 @@ def _first_to_say(marker: str) -> bool:
         return False
     except (ImportError, OSError):  # no cache to mark: say it (once per process, as before)
         return True
+
+
+# ----------------------------------------------------------------------------- the kernel's arguments
+class KernelArgs:
+    """One parameter's kernel arguments that outlive a step: the flat views of the weight, compensation and moments
+    (four views and a detach cost ~7 us per parameter and step in Python) and its random key's 0-d tensor (refilled
+    in place: half the cost of a new one). The views are kept while they are of the same tensors, by identity, start
+    and size: a parameter given new data (``p.data = ...``), moments replaced (a loaded optimizer state) or a
+    compensation replaced get new ones."""
+
+    __slots__ = ("comp", "flat", "key", "m", "param", "v", "where")
+
+    def __init__(self, param: torch.Tensor) -> None:
+        self.param = param
+        self.comp: torch.Tensor | None = None
+        self.m: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.flat: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
+        self.where: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self.key = torch.empty((), dtype=torch.int32)
+
+
+def _entry(views: dict[int, KernelArgs], p: torch.Tensor) -> KernelArgs:
+    entry = views.get(id(p))
+    if entry is None or entry.param is not p:
+        entry = views[id(p)] = KernelArgs(p)
+    return entry
+
+
+def flat_views(
+    views: dict[int, KernelArgs], p: torch.Tensor, comp: torch.Tensor | None, m: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The flat views of ``p``, its compensation ``comp`` and moments ``m``, ``v`` for the kernel (kept in
+    ``views``, see :class:`KernelArgs`)."""
+    entry = _entry(views, p)
+    where = (p.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel())
+    kept = entry.flat
+    if kept is None or entry.comp is not comp or entry.m is not m or entry.v is not v or entry.where != where:
+        kept = entry.flat = (flat(p.detach()), flat(comp) if comp is not None else None, flat(m), flat(v))
+        entry.comp, entry.m, entry.v, entry.where = comp, m, v, where
+    return kept
+
+
+def fill_key(views: dict[int, KernelArgs], p: torch.Tensor, key: int) -> torch.Tensor:
+    """``p``'s random key of this step (a signed 32-bit int, as
+    :func:`~lit_mpstable.core.weights.compact_rounding.step_keys` gives it) as a 0-d int32 CPU tensor of its own, kept
+    in ``views`` (a key that is a view would make the kernel guard on the number of keys: :func:`keys`)."""
+    return _entry(views, p).key.fill_(key)
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    # A contiguous tensor as the 1-d one the kernel takes; a view costs microseconds, so none where it is one already.
+    return t if t.dim() == 1 else t.view(-1)
+
+
+# ----------------------------------------------------------------------------- the arithmetic
+_SPLIT = float(2**23 + 1)  # Veltkamp's constant that rounds an FP32 number to one significant bit
+_BIG = 2.0**103  # beyond it a * _SPLIT would overflow: such values are rounded to nearest
+
+
+def _round_stochastic_bf16(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """FP32 ``x`` stochastically rounded to BF16 with the 16 random bits ``k`` (an FP32 tensor holding k - 32767):
+    bit for bit ``lit_mpstable.core.weights.compact_rounding.round_stochastic_`` (adding k to the low half of x's bits
+    and truncating),
+    in float arithmetic a compiled kernel keeps vectorized (its bit casts are not, beside BF16 data), except that a
+    tie (one draw in 65536 for each x) rounds to even and that ``|x| >= 2**103`` rounds to nearest.
+
+    With ``e = 2**floor(log2 |x|)`` and FP32's spacing ``d = e * 2**-23`` there, ``y = |x| + (k - 32767) d`` is exact
+    and sits within half a BF16 spacing (``2**16 d``) of the value the bit trick picks, so rounding y to nearest picks
+    it; ``y >= e`` keeps y out of the finer grid below e; subnormals have d = 2**-149.
+    """
+    a = x.abs()
+    clamped = torch.clamp(a, max=_BIG)
+    t = clamped * _SPLIT
+    p = t - (t - clamped)  # a to one significant bit: e or 2e
+    e = torch.where(p > a, p * 0.5, p)
+    y = torch.maximum(a + k * torch.clamp(e * 2.0**-23, min=2.0**-149), e)
+    return torch.copysign(y, x).to(torch.bfloat16)
+
+
+def _adam_kernel(
+    w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+    scalars: torch.Tensor, key: torch.Tensor,
+) -> None:
+    _adam(w, comp, g, m, v, scalars, key, plain=False)
+
+
+def _adam_plain_kernel(
+    w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+    scalars: torch.Tensor, key: torch.Tensor,
+) -> None:
+    # A function of its own, not a flag of _adam_kernel: torch.compile keeps at most 8 graphs per function (mode,
+    # one-element and offset variants), and a flag would double them.
+    _adam(w, comp, g, m, v, scalars, key, plain=True)
+
+
+def _adam(
+    w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+    scalars: torch.Tensor, key: torch.Tensor, *, plain: bool,
+) -> None:
+    # torch's _single_tensor_adam, operation for operation, on FP32 values of the 16-bit tensors. scalars: gradient
+    # multiplier (negative to maximize: the clip is symmetric), clip, 1 - lr * wd (AdamW; else 1), wd (Adam's L2; else
+    # 0), 1 - beta1, beta2, 1 - beta2, sqrt(bias correction 2), eps, -lr / bias correction 1. Tensors, not Python
+    # numbers: one graph serves every group and step (multiplying by 1 and adding 0 are exact). ``plain``: no clip
+    # (scalars[1] is inf) and no L2 term (scalars[3] is 0), so the graph leaves both out, bit for bit the same values:
+    # a clamp to +-inf returns its input, NaN included, and the L2 where picks the gradient. The NaN-propagating clamp
+    # alone costs ~8% of the kernel on the CPU.
+    value = w.float() + comp.float() if comp is not None else w.float()
+    grad = g.float() * scalars[0]
+    value = value * scalars[2]
+    if not plain:
+        grad = grad.clamp(-scalars[1], scalars[1])
+        # Adam's L2 term; where there is none it is skipped as torch does (an inf weight times 0 would be NaN).
+        grad = torch.where(scalars[3] != 0, grad + value * scalars[3], grad)
+    exp_avg = torch.lerp(m.float(), grad, scalars[4])
+    exp_avg_sq = v.float() * scalars[5] + scalars[6] * grad * grad
+    denom = exp_avg_sq.sqrt() / scalars[7] + scalars[8]
+    value = value + scalars[9] * exp_avg / denom
+    index = torch.arange(w.numel(), device=w.device, dtype=torch.int32)
+    k = ((hash32(index + key) >> 16) & 0xFFFF).float() - 32767.0  # shared by weight and moments, as eagerly
+    if comp is not None:
+        rounded = value.to(w.dtype)
+        w.copy_(rounded)
+        comp.copy_((value - rounded.float()).to(comp.dtype))  # needs emulate_precision_casts: the rounding is real
+    else:
+        w.copy_(_round_stochastic_bf16(value, k))
+    m.copy_(_round_stochastic_bf16(exp_avg, k))
+    v.copy_(_round_stochastic_bf16(exp_avg_sq, k))
+
+
+# ----------------------------------------------------------------------------- the C loop on the CPU
+# The CPU build of the fused Adam step of compact weights: a small C loop, compiled once per machine and loaded.
+#
+# Inductor's C++ for :func:`_adam` loads BF16 data in vectors of 32 elements, and in torch 2.13 it converts 32 int32
+# lanes to FP32 (the random bits of the stochastic rounding) and reinterprets bits one element at a time
+# (``VecConvert<float, 2, int32_t, 2>`` has no vector specialization): those conversions took about half the kernel's
+# time. Written as a plain C loop, the same arithmetic vectorizes whole (GCC and Clang at ``-O3``), and the rounding
+# is the bit trick itself (:func:`~lit_mpstable.core.weights.compact_rounding.round_stochastic_`, ties included).
+# Measured over the memory bench MLP's 2.9M BF16 weights (Intel Xeon, AVX-512, one thread,
+# ``bench/bench_adam_kernel.py``): the compiled kernel at 1.11x / 1.32x torch's own AdamW step (``"kahan"`` /
+# ``"stochastic"``), the C loop at 0.44x / 0.30x.
+#
+# The numbers are the compiled kernel's: torch's Adam arithmetic in FP32, operation for operation, with
+# ``-ffp-contract=off`` (no fused multiply-add the compiled kernel does not make: its lerp rounds twice, as torch's
+# decomposition of ``torch.lerp`` writes it), the same element keys and :func:`hash32`. Where the compiled kernel's
+# float formulation rounds a tie to even (one draw in 65536), this loop adds and truncates as the eager rounding does.
+#
+# It is built with the C compiler inductor would use (``$CC``, else ``cc``/``gcc``/``clang``), ``-O3 -march=native``
+# and OpenMP when the compiler has it, into inductor's cache folder, keyed by the source, the flags and this CPU's
+# feature flags (a cache shared by machines of other kinds builds its own copy). Without a compiler, or when the build
+# fails, :func:`native_kernel` returns ``None`` and the compiled kernel steps as before. ``LIT_MPSTABLE_NATIVE=0``
+# turns it off.
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+/* Round to nearest even, NaN to the quiet NaN: c10::BFloat16's conversion. */
+static inline uint16_t rne(float f) {
+    uint32_t u = f2u(f);
+    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)0x7FC0 : r;
+}
+/* 16 random bits added to the low half, then truncation: round_stochastic_'s bit trick. */
+static inline uint16_t sr(float f, uint32_t k) { return (uint16_t)((f2u(f) + k) >> 16); }
+/* lowbias32, as hash32 */
+static inline uint32_t hash32(uint32_t x) {
+    x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16; return x;
+}
+
+/* _adam above, operation for operation; KAHAN and PLAIN are constants, so each loop is branch-free. */
+#define BODY(KAHAN, PLAIN) \
+    for (uint32_t j = 0; j < len; j++) { \
+        float value = KAHAN ? bf2f(w[j]) + bf2f(comp[j]) : bf2f(w[j]); \
+        float grad = bf2f(g[j]) * s0; \
+        value = value * s2; \
+        if (!PLAIN) { \
+            grad = grad < -s1 ? -s1 : (grad > s1 ? s1 : grad); \
+            grad = s3 != 0.0f ? grad + value * s3 : grad; \
+        } \
+        float mf = bf2f(m[j]); \
+        float exp_avg = coeff * (grad - mf) + (big ? grad : mf); \
+        float exp_avg_sq = bf2f(v[j]) * s5 + s6 * grad * grad; \
+        float denom = sqrtf(exp_avg_sq) / s7 + s8; \
+        value = value + s9 * exp_avg / denom; \
+        uint32_t k = hash32(base + j) >> 16; \
+        if (KAHAN) { uint16_t r = rne(value); w[j] = r; comp[j] = rne(value - bf2f(r)); } \
+        else { w[j] = sr(value, k); } \
+        m[j] = sr(exp_avg, k); \
+        v[j] = sr(exp_avg_sq, k); \
+    }
+
+static void block(uint16_t *restrict w, uint16_t *restrict comp, const uint16_t *restrict g, uint16_t *restrict m,
+                  uint16_t *restrict v, uint32_t len, const float *s, uint32_t base, int plain) {
+    const float s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3], s4 = s[4], s5 = s[5], s6 = s[6], s7 = s[7];
+    const float s8 = s[8], s9 = s[9];
+    const int big = fabsf(s4) >= 0.5f;  /* torch's lerp: weight - 1 and the end as base from 0.5 up */
+    const float coeff = big ? s4 - 1.0f : s4;
+    if (comp) { if (plain) { BODY(1, 1) } else { BODY(1, 0) } }
+    else { if (plain) { BODY(0, 1) } else { BODY(0, 0) } }
+}
+
+#define CHUNK 16384
+void lmp_adam_bf16(uint16_t *w, uint16_t *comp, const uint16_t *g, uint16_t *m, uint16_t *v, int64_t n,
+                   const float *scalars, const int32_t *key, int plain, int threads) {
+    int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    uint32_t first = (uint32_t)*key;
+    (void)threads;
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1 && chunks > 4)
+#endif
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t lo = c * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;
+        block(w + lo, comp ? comp + lo : 0, g + lo, m + lo, v + lo, (uint32_t)(hi - lo), scalars,
+              first + (uint32_t)lo, plain);
+    }
+}
+"""
+
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+_POINTER = ctypes.c_void_p
+
+NativeKernel = Callable[..., None]
+
+
+def native_kernel() -> NativeKernel | None:
+    """The loaded step ``(w, comp, g, m, v, scalars, key, plain)`` over flat contiguous CPU tensors (BF16 but the
+    FP32 scalars and the 0-d int32 key, read in C: no host read in torch's sense), or ``None`` where it cannot be
+    built (then the compiled kernel steps). Built at the first call on a machine (0.2-2.5 s measured), then loaded
+    from the cache."""
+    if os.environ.get("LIT_MPSTABLE_NATIVE", "1") == "0":
+        return None
+    return _load_native()
+
+
+@functools.cache
+def _load_native() -> NativeKernel | None:
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    portable = tuple(flag for flag in _FLAGS if flag != "-march=native")
+    # A compiler without OpenMP (Apple's clang): one thread; one that does not know -march=native: the baseline ISA.
+    for flags in (_FLAGS + ("-fopenmp",), _FLAGS, portable):
+        path = _build(compiler, flags)
+        if path is not None:
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            step = lib.lmp_adam_bf16
+            step.restype = None
+            step.argtypes = [_POINTER] * 5 + [ctypes.c_int64, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int]
+            return functools.partial(_call, step)
+    return None
+
+
+def _call(
+    step: Callable[..., None], w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor,
+    v: torch.Tensor, scalars: torch.Tensor, key: torch.Tensor, plain: bool,
+) -> None:
+    step(
+        w.data_ptr(), None if comp is None else comp.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), w.numel(),
+        scalars.data_ptr(), key.data_ptr(), int(plain), torch.get_num_threads(),
+    )
+
+
+def native_takes(
+    w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+    scalars: torch.Tensor, key: torch.Tensor,
+) -> bool:
+    """Whether the C loop can step these tensors: plain tensors (no subclass such as a DTensor, whose pointer is not
+    its data) on the CPU and contiguous, the data BF16, the scalars FP32, the key int32 (what
+    :class:`~lit_mpstable.core.weights.compact.CompactWeights` passes; anything else takes the compiled kernel)."""
+    data = (w, g, m, v) if comp is None else (w, comp, g, m, v)
+    return (
+        all(type(t) is torch.Tensor for t in (*data, scalars, key))
+        and all(t.is_cpu and t.dtype == torch.bfloat16 and t.is_contiguous() for t in data)
+        and all(t.numel() == w.numel() for t in data)
+        and scalars.is_cpu and scalars.dtype == torch.float32 and scalars.is_contiguous()
+        and scalars.numel() == 10 and key.is_cpu and key.dtype == torch.int32 and key.numel() == 1
+    )
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(compiler: str, flags: tuple[str, ...]) -> str | None:
+    folder = os.path.join(_cache_root(), "lit_mpstable_native")
+    digest = hashlib.sha256("\0".join((SOURCE, compiler, *flags, _cpu_features())).encode()).hexdigest()[:20]
+    path = os.path.join(folder, f"adam_bf16_{digest}.so")
+    if os.path.exists(path):
+        return path
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            source = os.path.join(scratch, "adam_bf16.c")
+            with open(source, "w") as f:
+                f.write(SOURCE)
+            built = os.path.join(scratch, "adam_bf16.so")
+            done = subprocess.run(
+                [compiler, *flags, source, "-o", built], capture_output=True, timeout=120, check=False
+            )
+            if done.returncode != 0:
+                return None
+            os.replace(built, path)  # atomic: concurrent ranks each build, one file stays
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path
+
+
+def _cache_root() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except ImportError:  # pragma: no cover - inductor ships with every torch this package supports
+        return os.path.join(tempfile.gettempdir(), "lit_mpstable")
+
+
+def _cpu_features() -> str:
+    # -march=native builds for this CPU: the key tells machines apart that share a cache folder.
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {torch.backends.cpu.get_cpu_capability()}"

@@ -47,8 +47,15 @@ def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor)
     return dst.copy_(torch.where(noise < residual.abs_().div_(spacing), far, near))
 
 
-def mix(*values: int) -> int:
-    # splitmix64 over the values, folded to 32 bits: the key hash32 adds the element index to.
+def step_keys(seed: int, step: int, streams: list[int]) -> list[int]:
+    """The random key of element 0 of each stream (a parameter's CRC-32) at ``step`` of ``seed``: splitmix64 over
+    the three, folded to 32 bits, as a signed int (the int32 that :func:`hash32` and the kernels add the element
+    index to)."""
+    return [_signed32(_mix(seed, step, stream)) for stream in streams]
+
+
+def _mix(*values: int) -> int:
+    # splitmix64 over the values, folded to 32 bits.
     h = 0x9E3779B97F4A7C15
     for v in values:
         h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
@@ -72,13 +79,18 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
+def words(numel: int, offset: int, device: torch.device) -> torch.Tensor:
+    """32 random bits (int32) for each of ``numel`` elements whose keys are ``offset, offset + 1, ...`` (mod 2**32)."""
+    return hash32(torch.arange(numel, dtype=torch.int32, device=device).add_(_signed32(offset)))
+
+
 def noise_bits(numel: int, offset: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The random numbers of ``numel`` elements whose keys are ``offset, offset + 1, ...`` (mod 2**32): for BF16, 16
     random bits per element (int32 in [0, 65536)); for FP16, uniform FP32 numbers in [0, 1) with 24 random bits."""
-    words = hash32(torch.arange(numel, dtype=torch.int32, device=device).add_(_signed32(offset)))
+    bits = words(numel, offset, device)
     if dtype == torch.bfloat16:
-        return words.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
-    return words.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(2.0**-24)
+        return bits.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
+    return bits.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(2.0**-24)
 
 
 def _signed32(value: int) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -10,16 +10,17 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
+from lit_mpstable.base.validate import check_keys
 from lit_mpstable.core.replicas import agree_seed, broadcast_
 from lit_mpstable.core.scaling.scalers import LossScaler
-from lit_mpstable.core.weights.carry import carry_precise_state_
-from lit_mpstable.core.weights.keeper_steps import GradView, clip_either_, clip_norm_, step_checked, unscale_checked_
+from lit_mpstable.core.weights.keeper import GradView, Keeper
+from lit_mpstable.core.weights.memory import nbytes
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class MasterWeights:
+class MasterWeights(Keeper):
     """FP32 master copies of a 16-bit model's trainable parameters, owned by the optimizers.
 
     BF16 keeps 8 significant bits, so a weight update below half a unit in the last place is rounded away and
@@ -54,7 +55,6 @@ class MasterWeights:
 
     mode: str | None = "fp32"
     state_key: str | None = "masters"
-    defers_unscale = False
     exposes_grads = True
 
     def __init__(
@@ -242,9 +242,9 @@ class MasterWeights:
 
     # --------------------------------------------------------------------------------------------- state
     @torch.no_grad()
-    def follow_recast_(self, changed: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """After a precision fallback or restore cast parameters in place (``(parameter, its data before)``):
-        each one with a master takes its value again (into FP32: exactly, not the 16-bit rounding it held)."""
+    def _recast_(self, changed: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        # After a precision fallback or restore cast parameters in place: each one with a master takes its value
+        # again (into FP32: exactly, not the 16-bit rounding it held).
         by_id = {id(param): name for name, param in self._params.items()}
         for param, _ in changed:
             name = by_id.get(id(param))
@@ -264,8 +264,9 @@ class MasterWeights:
         return state
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the masters from :meth:`state_dict`, then refresh the 16-bit weights from them.
+    def _load_(self, state: dict[str, Any]) -> None:
+        """:meth:`load_state_dict`: restore the masters from :meth:`state_dict`, then refresh the 16-bit weights from
+        them.
 
         The masters are the more precise copy, so the model follows them and not the other way round.
 
@@ -275,13 +276,8 @@ class MasterWeights:
                 BF16/FP8 moments.
         """
         state, moments = split_moments("MasterKeeper", state, self.moments)
-        expected, given = set(self._masters), set(state)
-        if expected != given:
-            missing, unknown = sorted(expected - given), sorted(given - expected)
-            raise KeyError(
-                f"MasterWeights.load_state_dict: missing keys {missing}, unknown keys {unknown}; was it saved from a"
-                " different model, or with other parameters trainable or in FP32?"
-            )
+        check_keys("MasterWeights.load_state_dict", state, self._masters,
+                   suffix="; was it saved from a different model, or with other parameters trainable or in FP32?")
         for name, master in self._masters.items():
             if state[name].shape != master.shape:
                 raise ValueError(
@@ -308,10 +304,11 @@ class MasterWeights:
             self.moments.bind_(optimizer, self._ids_to_names())
 
     @torch.no_grad()
-    def follow_model_weights_(self, replicas: ProcessGroup | None = None) -> list[str]:
-        """Restart from its 16-bit weight every master whose rounding that weight no longer is (weights loaded into
-        the model after the masters were bound); returns their names. One host sync. ``replicas``: the process group
-        of DDP replicas: first the masters (and the moments' seed) are taken from its first rank."""
+    def _replicate_(self, replicas: ProcessGroup | None) -> list[str]:
+        """:meth:`follow_model_weights_`: restart from its 16-bit weight every master whose rounding that weight no
+        longer is (weights loaded into the model after the masters were bound); returns their names. One host sync.
+        ``replicas``: the process group of DDP replicas: first the masters (and the moments' seed) are taken from its
+        first rank."""
         if replicas is not None:
             self.broadcast_(replicas)
             if self.moments is not None:
@@ -332,62 +329,33 @@ class MasterWeights:
             if self.moments is not None:
                 self.moments.bind_(optimizer, self._ids_to_names())
         self.copy_grads_to_master_(optimizer)
-        unscale_checked_(optimizer, checker, scaler, device)
+        super().unscale_(optimizer, checker, scaler, device)
         self.expose_grads_(optimizer, copy=scaler is not None)
 
-    def clip_grad_norm_(
-        self, optimizer: Optimizer, max_norm: float, norm_type: float, total_norm: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        self.absorb_grads_(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = clip_norm_(params, max_norm, norm_type, total_norm)
-        self.expose_grads_(optimizer)  # hooks after this see the clipped values
-        return norm
-
-    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
-        self.absorb_grads_(optimizer)
-        torch.nn.utils.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
-                                        clip_value)
-        self.expose_grads_(optimizer)
-
-    def clip_(self, optimizer: Optimizer, *, max_norm: float | torch.Tensor | None = None, norm_type: float = 2.0,
-              clip_value: float | None = None, total_norm: torch.Tensor | None = None) -> torch.Tensor | None:
-        return clip_either_(self.clip_grad_norm_, self.clip_grad_value_, optimizer, max_norm, norm_type, clip_value,
-                            total_norm)
-
-    def end_step_(self, optimizer: Optimizer, checker: LossScaler | None,
-                  step_kwargs: dict[str, Any] | None) -> tuple[Any, bool]:
-        """Step (``step_kwargs``: the optimizer's keyword arguments) or, with None, drop this iteration's gradients."""
-        if step_kwargs is None:
-            self.drop_(optimizer)
-            return None, True
-        return self.checked_step_(optimizer, checker, **step_kwargs)
-
     def grads(self, optimizer: Optimizer, *, absorb: bool = False) -> GradView:
+        """The masters' gradients (true values after :meth:`unscale_`) and the model's, whose ``.grad`` shows them;
+        ``absorb``: first copy into the masters what was written on the model's side since."""
         if absorb:
-            self.absorb_grads_(optimizer)  # gradients written on the model's side since the unscale reach the masters
-        return GradView(self.grad_holders(optimizer), self.grad_multiplier(optimizer))
-
-    def checked_step_(self, optimizer: Optimizer, checker: LossScaler | None, **kwargs: Any) -> tuple[Any, bool]:
-        moments = self.moments
-        update = None if moments is None else (lambda: moments.step_(optimizer, self._ids_to_names(), **kwargs))
-        output, skipped = step_checked(optimizer, checker, update, kwargs)
-        if not skipped:
-            self.refresh_model_(optimizer)
-        self.zero_model_grads_(optimizer)
-        return output, skipped
-
-    def drop_(self, optimizer: Optimizer) -> None:
-        self.zero_model_grads_(optimizer)
-
-    def grad_multiplier(self, optimizer: Optimizer) -> torch.Tensor | None:
-        return None  # the masters' gradients are true values after unscale_
-
-    def grad_holders(self, optimizer: Optimizer) -> list[torch.Tensor]:
+            self.absorb_grads_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if id(optimizer) in self._names_by_optimizer:
             params += self._select(optimizer)[1]
-        return params
+        return GradView(params, None)
+
+    def _absorb_(self, optimizer: Optimizer) -> None:
+        self.absorb_grads_(optimizer)  # gradients written on the model's side since the unscale reach the masters
+
+    def _expose_(self, optimizer: Optimizer) -> None:
+        self.expose_grads_(optimizer)  # hooks after a clip see the clipped values
+
+    def _update(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+        moments = self.moments
+        return None if moments is None else (lambda: moments.step_(optimizer, self._ids_to_names(), **kwargs))
+
+    def _done_(self, optimizer: Optimizer, *, stepped: bool) -> None:
+        if stepped:
+            self.refresh_model_(optimizer)
+        self.zero_model_grads_(optimizer)
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         return {name: master for name, master, _ in self.named_pairs()}
@@ -395,10 +363,8 @@ class MasterWeights:
     def state_tensors(self) -> list[torch.Tensor]:
         return [] if self.moments is None else self.moments.tensors()
 
-    def carry_(self, module: nn.Module, masters: dict[str, Any], compact: dict[str, Any], *, saved: str,
-               target: str) -> str | None:
-        return carry_precise_state_(module, masters, compact, master=self, compact_weights=None, saved=saved,
-                                    target=target)
+    def _precise(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return dict(self._masters), {}
 
     def memory_report(self) -> dict[str, int]:
         """Bytes held by training state, by kind; counts tensors, not allocator overhead. Reads no device data.
@@ -417,12 +383,12 @@ class MasterWeights:
             for param_state in optimizer.state.values():
                 state.update((id(v), v) for v in param_state.values() if isinstance(v, torch.Tensor))
         report = {
-            "params_16bit": _nbytes(low),
-            "grads_16bit": _nbytes(p.grad for p in low if p.grad is not None),
-            "masters": _nbytes(masters),
-            "master_grads": _nbytes(m.grad for m in masters if m.grad is not None),
-            "optimizer_state": _nbytes(state.values()),
-            "params_fp32_other": _nbytes(other),
+            "params_16bit": nbytes(low),
+            "grads_16bit": nbytes(p.grad for p in low if p.grad is not None),
+            "masters": nbytes(masters),
+            "master_grads": nbytes(m.grad for m in masters if m.grad is not None),
+            "optimizer_state": nbytes(state.values()),
+            "params_fp32_other": nbytes(other),
         }
         report["total"] = sum(report.values())
         return report
@@ -437,8 +403,4 @@ def _to_fp32(value: object) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION:
         return value.float()
     return value
-
-
-def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 

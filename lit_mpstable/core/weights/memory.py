@@ -23,6 +23,11 @@ def plain_tensors(value: object) -> list[torch.Tensor]:
     return [t for name in names for t in plain_tensors(getattr(value, name))]
 
 
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the tensors' elements (not of their storages, nor allocator overhead)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def resident_bytes(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
     """Bytes held between steps: parameters, gradients, the optimizers' own parameters (FP32 masters) and their
     state; each storage counted once."""

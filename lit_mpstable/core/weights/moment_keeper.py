@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast, get_args
 
 import torch
@@ -312,10 +312,6 @@ class AdamMoments:
                     source.load_state_dict(saved)
                     store.write_(source.read(), step=max(state["steps"][name], 1))
             self.steps[name] = state["steps"][name]
-
-
-def names_of(pairs: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
-    return {id(t): name for name, t in pairs}
 
 
 def split_moments(owner: str, state: Mapping[str, Any], moments: AdamMoments | None) -> tuple[dict[str, Any], Any]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.core.weights.compact_slices import per_element
+from lit_mpstable.core.weights.keeper import per_element
 
 KEY = "recast"
 """The stepper state's key, present only while a recasting fallback is active."""
