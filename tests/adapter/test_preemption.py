@@ -377,6 +377,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
     "GradTelemetry": {"every_n_steps": _CONFIG, "formats": _CONFIG, "per_module": _CONFIG,
                       "latest": "the last computation, reported through plugin.stats (in the checkpoint)"},
     "OpPolicy": {"dtype": _CONFIG, "margin": _CONFIG, "budget_s": _CONFIG, "_measure": _CONFIG, "requested": _CONFIG,
+                 "steers": _CONFIG,
                  "measurements": "timings behind the choices (the choices are saved; the timings in stats)",
                  "step_cost": "timing report", "_recording": _ITER},
     "OverflowMonitor": {**_CALLBACK_COMMON, "growth_warned": _MSG, "window": _CONFIG, "warn_rate": _CONFIG,

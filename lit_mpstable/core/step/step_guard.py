@@ -3,12 +3,14 @@ the notes for a skip it explains and for a batch dropped between unscale and ste
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.scaling.scalers import LossScaler
-from lit_mpstable.core.step.iteration import GradSet
 from lit_mpstable.core.tensors import local_view
 from lit_mpstable.core.weights.keeper_steps import first_grad_device
 
@@ -150,3 +152,19 @@ def _share(tensors: list[torch.Tensor], index: int) -> list[torch.Tensor]:
 def _any(flags: list[torch.Tensor]) -> torch.Tensor:
     first = flags[0]
     return first if len(flags) == 1 else torch.stack([f.to(first.device) for f in flags]).any()
+
+
+class GradSet:
+    """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
+    weakly, so gradients dropped by ``zero_grad()`` are freed."""
+
+    def __init__(self, grads: Iterable[torch.Tensor]) -> None:
+        self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
+        grad, version = item
+        seen = self._seen.get(id(grad))
+        return seen is not None and seen[0]() is grad and seen[1] == version
