@@ -362,6 +362,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "_device": _SETUP, "_enabled": _CONFIG, "_init_scale": _SEED, "_init_growth_tracker": _SEED,
         "_init_hysteresis_tracker": _SEED, "_init_overflow_count": _SEED, "_init_min_scale_hits": _SEED,
         "_per_optimizer_states": _ITER, "_host_found": _ITER, "allow_fp16_grads": _SETUP, "_min_scale_warned": _MSG,
+        "checks_only": _CONFIG,
         "last_data_fault": _ITER,
         "_before_backoff": "the scale before this step's backoff, for triage to undo within the step: " + _ITER,
     },

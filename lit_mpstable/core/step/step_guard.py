@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.core.scaling.loss_scaler import one_on
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.tensors import local_view
 from lit_mpstable.core.weights.keeper_steps import first_grad_device
@@ -132,10 +133,11 @@ def _unchanged_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     flags = []
     with torch.no_grad():
         for (dev, _), group in groups.items():
-            found, one = (torch.full((1,), v, dtype=torch.float32, device=dev) for v in (0.0, 1.0))  # FP32 always
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
-            flags.append(found[0] > 0)
+            found = torch.zeros((), dtype=torch.float32, device=dev)  # FP32 always, 0-dim as GradScaler's
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one_on(dev))
+            flags.append(found > 0)
     return _any(flags)
+
 
 
 def _share(tensors: list[torch.Tensor], index: int) -> list[torch.Tensor]:
