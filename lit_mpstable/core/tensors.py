@@ -50,8 +50,21 @@ def amax_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def floating_tensors(data: object) -> list[torch.Tensor]:
     """The non-empty floating tensors of ``data`` (nested lists, tuples, namedtuples, dicts)."""
     found: list[torch.Tensor] = []
-    map_tensors(data, lambda t: found.append(t) if t.is_floating_point() and t.numel() else None)
+    _collect_floating(data, found)
     return found
+
+
+def _collect_floating(data: Any, found: list[torch.Tensor]) -> None:
+    # The containers map_tensors walks, in its order (a namedtuple is a tuple), without rebuilding them.
+    if isinstance(data, torch.Tensor):
+        if data.is_floating_point() and data.numel():
+            found.append(data)
+    elif isinstance(data, (list, tuple)):
+        for item in data:
+            _collect_floating(item, found)
+    elif isinstance(data, dict):
+        for item in data.values():
+            _collect_floating(item, found)
 
 
 def map_tensors(data: Any, fn: Any) -> Any:

@@ -40,8 +40,11 @@ def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: boo
     all-reduce (a spike seen on one rank skips the step on all). Returns the gradient check as it was before (None
     where the scaler cannot take a flag) and the spike flag as agreed (None without ``spike``)."""
     fold = checker.fold_found_inf_  # both checker kinds have it (a duck-typed scaler's folds nothing)
-    grads = [local_view(g) for group in optimizer.param_groups for p in group["params"]
-             if (g := p.grad) is not None and not g.is_sparse and (checked is None or (g, g._version) not in checked)]
+    grads = [g for group in optimizer.param_groups for p in group["params"]
+             if (g := p.grad) is not None and not g.is_sparse]
+    if checked is not None:
+        grads = checked.changed(grads)
+    grads = [g if type(g) is torch.Tensor else local_view(g) for g in grads]
     checks = []
     if grads:
         checks.append(_unchanged_nonfinite(grads))
@@ -170,3 +173,8 @@ class GradSet:
         grad, version = item
         seen = self._seen.get(id(grad))
         return seen is not None and seen[0]() is grad and seen[1] == version
+
+    def changed(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of ``grads`` not in the set as they are now (written since, or new): one call a step."""
+        seen = self._seen
+        return [g for g in grads if (s := seen.get(id(g))) is None or s[0]() is not g or s[1] != g._version]

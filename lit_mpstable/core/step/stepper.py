@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
@@ -359,10 +359,16 @@ class PrecisionStepper:
         eagerly = traced or (growth is not None and module is not None and is_compiled(module))
         layout, policy = self.layout, self.policy
         # The FP8 backend's context only where FP8 is configured (its layers exist only then), the input recast only
-        # in *-true modes: a plain step enters neither.
-        with eager() if eagerly else nullcontext(), growth.sampling() if growth is not None else nullcontext(), \
-                layout.forward_context() if layout.fp8_backend is not None else nullcontext(), \
-                self._recast_inputs() if self.true_16bit else nullcontext():
+        # in *-true modes: a plain step enters none of these.
+        extras = [context for context in (
+            eager() if eagerly else None,
+            growth.sampling() if growth is not None else None,
+            layout.forward_context() if layout.fp8_backend is not None else None,
+            self._recast_inputs() if self.true_16bit else None,
+        ) if context is not None]
+        with ExitStack() as stack:
+            for context in extras:
+                stack.enter_context(context)
             if layout.fp32 or self.dtype == torch.float32:  # "32-true", or a global fallback (the compute dtype)
                 yield
             elif self.true_16bit:
@@ -372,8 +378,12 @@ class PrecisionStepper:
                 # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
                 # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
                 autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
-                with autocast, policy.context(self.device) if policy.steers else nullcontext():
-                    yield
+                if policy.steers:
+                    with autocast, policy.context(self.device):
+                        yield
+                else:
+                    with autocast:
+                        yield
                 # A policy that never steers has nothing pending: its choices (all autocast) are recorded once.
                 if not (policy.steers and policy.pending) and self.stats.get("op_policy") != policy.choices:
                     self.stats["op_policy"] = dict(policy.choices)  # decided (second forward), forced or resumed
