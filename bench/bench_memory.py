@@ -160,7 +160,7 @@ PHASES = [
      "  scaler.check_: the gradients' inf/NaN check"),
     ("lit_mpstable.core.step.stepper", "PrecisionStepper.step", "stepper.step"),
     ("lit_mpstable.core.step.stepper", "check_step_inputs_", "  step-input check (gradients written since, a share)"),
-    ("lit_mpstable.core.step.iteration", "Iteration.update_scale_", "  scale update"),
+    ("lit_mpstable.core.step.stepper", "Iteration.update_scale_", "  scale update"),
     ("lit_mpstable.core.weights.compact", "CompactWeights.step_", "  CompactWeights.step_"),
     ("lit_mpstable.core.weights.compact", "CompactWeights._pieces", "    _pieces: which parameters the kernel takes"),
     ("lit_mpstable.core.weights.compact", "CompactWeights._step_fused_", "    _step_fused_"),

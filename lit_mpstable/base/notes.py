@@ -22,10 +22,13 @@ class Notes(Sequence[str]):
         self._keys: list[str] = []
         self._messages: list[str] = []
         self._once: set[tuple[str, Hashable]] = set()
+        self.added = 0
+        """How many notes were added (a plain attribute: a front end compares it with what it showed, every step)."""
 
     def add(self, key: str, message: str) -> None:
         self._keys.append(key)
         self._messages.append(message)
+        self.added += 1
 
     def add_once(self, key: str, message: str, *, per: Hashable = None) -> bool:
         """Append unless ``(key, per)`` was added once already; returns whether it was appended."""

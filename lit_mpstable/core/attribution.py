@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lit_mpstable.core.compiled import eager
-from lit_mpstable.core.telemetry import amax_per_tensor
+from lit_mpstable.core.tensors import amax_per_tensor
 
 try:
     from torch.distributed.tensor import DTensor as _DTENSOR
@@ -85,14 +85,15 @@ def any_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     host read). One min/max pass per tensor (NaN propagates through both, an inf is the minimum or the maximum): ~10x
     less CPU time than ``isfinite(t).all()`` (617 vs 63 us on a 256x784 FP32 batch), and nothing batch-sized is
     allocated. Empty tensors hold nothing non-finite."""
-    flags = []
-    for t in tensors:
-        if t.numel():
-            low, high = torch.aminmax(t)
-            flags.append(~(torch.isfinite(low) & torch.isfinite(high)))
-    if not flags:
+    ends = [end for t in tensors if t.numel() for end in torch.aminmax(t)]
+    if not ends:
         return torch.zeros((), dtype=torch.bool, device=tensors[0].device if tensors else None)
-    return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()
+    first = ends[0]
+    if all(end.dtype == first.dtype and end.device == first.device for end in ends):
+        # One isfinite over all the minima and maxima (a batch's inputs and targets together): 4 kernels, not 5 each.
+        return torch.stack(ends).isfinite().all().logical_not()
+    flags = [~torch.isfinite(end) for end in ends]
+    return torch.stack([f.to(first.device) for f in flags]).any()
 
 
 class _Edge:

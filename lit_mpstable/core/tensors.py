@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,11 +18,53 @@ def grad_norms(grads: list[torch.Tensor], norm_type: float, *, full: bool = Fals
     return [n.full_tensor() if full and hasattr(n, "full_tensor") else n for n in norms]
 
 
+def amax_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Largest absolute value of each tensor, as one 1-D float32 tensor on their (common) device; no host sync.
+
+    A tensor holding NaN gives NaN and one holding inf gives inf, so the result doubles as an inf/NaN check.
+    Empty tensors give 0.
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    device = tensors[0].device
+    present = [t for t in tensors if t.numel() > 0]
+    if not present:
+        return torch.zeros(len(tensors), dtype=torch.float32, device=device)
+    if device.type == "cpu":
+        # The inf-norm is an unvectorised loop on the CPU (~20x slower than aminmax there, measured); aminmax
+        # propagates NaN, and max(max, -min) is the amax.
+        pairs = [torch.aminmax(t) for t in present]
+        mins = torch.stack([p.min for p in pairs]).float()
+        maxs = torch.stack([p.max for p in pairs]).float()
+        amax = torch.maximum(maxs, mins.neg())
+    else:
+        # One fused multi-tensor kernel on CUDA.
+        amax = torch.stack(torch._foreach_norm(present, ord=float("inf"))).float()
+    if len(present) == len(tensors):
+        return amax
+    out = torch.zeros(len(tensors), dtype=torch.float32, device=device)
+    out[torch.tensor([i for i, t in enumerate(tensors) if t.numel() > 0], device=device)] = amax
+    return out
+
+
 def floating_tensors(data: object) -> list[torch.Tensor]:
     """The non-empty floating tensors of ``data`` (nested lists, tuples, namedtuples, dicts)."""
     found: list[torch.Tensor] = []
-    map_tensors(data, lambda t: found.append(t) if t.is_floating_point() and t.numel() else None)
+    _collect_floating(data, found)
     return found
+
+
+def _collect_floating(data: Any, found: list[torch.Tensor]) -> None:
+    # The containers map_tensors walks, in its order (a namedtuple is a tuple), without rebuilding them.
+    if isinstance(data, torch.Tensor):
+        if data.is_floating_point() and data.numel():
+            found.append(data)
+    elif isinstance(data, (list, tuple)):
+        for item in data:
+            _collect_floating(item, found)
+    elif isinstance(data, dict):
+        for item in data.values():
+            _collect_floating(item, found)
 
 
 def map_tensors(data: Any, fn: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Generator, Iterable
-from contextlib import contextmanager
+from contextlib import _GeneratorContextManager, contextmanager
 from typing import Any, Literal, cast
 
 import torch
@@ -17,8 +17,14 @@ from lit_mpstable.core.guards.spike import SpikeGuard
 from lit_mpstable.core.layout.fsdp import island_mp_policy as fsdp_island_mp_policy
 from lit_mpstable.core.layout.fsdp import mp_policy as fsdp_mp_policy
 from lit_mpstable.core.layout.policy import describe
-from lit_mpstable.core.step.stepper import MasterMode, OpPolicyName, PrecisionName, PrecisionStepper, ScalerName
-from lit_mpstable.core.step.stepper_args import check_module
+from lit_mpstable.core.step.stepper import (
+    MasterMode,
+    OpPolicyName,
+    PrecisionName,
+    PrecisionStepper,
+    ScalerName,
+    check_module,
+)
 from lit_mpstable.core.weights.master import MasterWeights
 from lit_mpstable.core.weights.optim_state import StateKind
 from lit_mpstable.fp8 import FP8Config
@@ -225,9 +231,16 @@ class StableFrontEnd:
     # ---- FSDP2 (end)
 
     # ------------------------------------------------------------------------------------------------ hooks
+    def forward_context(self) -> _GeneratorContextManager[None]:
+        """Autocast and the op policy; the policy's choices are reported once, when they are made. A policy that never
+        steers off autocast has no choice to report: the stepper's context itself, nothing around it."""
+        stepper = self.stepper
+        if not stepper.policy.steers:
+            return stepper.forward_context()
+        return self._reported_forward_context()
+
     @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        """Autocast and the op policy; the policy's choices are reported once, when they are made."""
+    def _reported_forward_context(self) -> Generator[None, None, None]:
         choices = self.stepper.stats.get("op_policy")
         with self.stepper.forward_context():
             yield
@@ -360,9 +373,11 @@ class StableFrontEnd:
     def _show_notes(self) -> None:
         """The stepper's notes (adopted scalers, blame verdicts), as rank-zero warnings: the first of each key."""
         notes = self.stepper.warnings
+        if notes.added == self._notes_shown:  # nothing new: a clean step reads one integer
+            return
         for key, message in notes.keyed(self._notes_shown):
             self._warn_once(f"stepper:{key}", f"StablePrecision: {message}")
-        self._notes_shown = len(notes)
+        self._notes_shown = notes.added
 
 
 _ARGS = tuple(inspect.signature(StableFrontEnd.__init__).parameters)[1:]  # the constructor's arguments, in order

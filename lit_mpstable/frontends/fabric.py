@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.core.replicas import default_replicas
-from lit_mpstable.core.step.stepper_args import check_optimizer
+from lit_mpstable.core.step.stepper import check_optimizer
 from lit_mpstable.core.weights.moment_keeper import pop_saved_mark
 from lit_mpstable.frontends.clip_targets import clip_targets
 from lit_mpstable.frontends.common import ARGS_DOC, StableFrontEnd

@@ -9,7 +9,7 @@ Written once for both Trainer packages: ``lit_mpstable.StablePrecision`` mixes i
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, _GeneratorContextManager, contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -106,18 +106,16 @@ class TrainerPrecision(StableFrontEnd):
         self._show_notes()
         return output
 
-    @contextmanager
-    def train_step_context(self) -> Generator[None, None, None]:
+    def train_step_context(self) -> _GeneratorContextManager[None]:
         """Every ``training_step`` call (each micro-batch): the probe's budget first, before the first one's forward.
         With gradient accumulation the first micro-batches run outside ``optimizer_step``: choosing there measured
-        the last micro-batch, after the earlier ones had run the chosen layers in the low format."""
-        module = self.stepper.layout.module
-        if self.stepper.fp8_budget.pending and module is not None:
+        the last micro-batch, after the earlier ones had run the chosen layers in the low format. Then the forward
+        context itself (Lightning enters what this returns at once)."""
+        if self.stepper.fp8_budget.pending and (module := self.stepper.layout.module) is not None:
             module = lightning_module(module, self._pl)
             if getattr(module, "automatic_optimization", True):  # manual: the user's call (optimizer_step checks)
                 self._choose_budget(module)
-        with self.forward_context():
-            yield
+        return self.forward_context()
 
     def _choose_budget(self, module: Any) -> None:
         """The probe's budget at the first training batch, before its forward (:meth:`train_step_context`; else the

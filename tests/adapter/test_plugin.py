@@ -38,7 +38,7 @@ def test_the_docstring_is_written_once_and_names_every_argument_and_mode() -> No
 
     import lit_mpstable.fabric
     import lit_mpstable.plugin
-    from lit_mpstable.core.step.stepper_args import MasterMode
+    from lit_mpstable.core.step.stepper import MasterMode
     from lit_mpstable.fp8.config import FP8Recipe
 
     trainer_doc, fabric_doc = lit_mpstable.plugin.StablePrecision.__doc__, lit_mpstable.fabric.StablePrecision.__doc__

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from helpers import TinyMLP
 
-from lit_mpstable.core.counters import RunCounters
-from lit_mpstable.core.step.stepper import PrecisionStepper
+from lit_mpstable.core.step.stepper import PrecisionStepper, RunCounters
 
 
 def test_the_stepper_counts_into_its_run_counters_and_resumes_them():

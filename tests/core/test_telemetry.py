@@ -12,7 +12,8 @@ from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
 from lit_mpstable.core.formats import FORMATS, overflow_fraction, underflow_fraction
-from lit_mpstable.core.telemetry import DEFAULT_FORMATS, GradStats, GradTelemetry, amax_per_tensor, grad_stats
+from lit_mpstable.core.telemetry import DEFAULT_FORMATS, GradStats, GradTelemetry, grad_stats
+from lit_mpstable.core.tensors import amax_per_tensor
 
 INF, NAN = float("inf"), float("nan")
 

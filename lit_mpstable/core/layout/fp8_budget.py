@@ -35,15 +35,21 @@ class ProbeBudget:
         keep = fp8.keep_high_precision if fp8 is not None else None
         self.budget = keep if isinstance(keep, HighPrecisionBudget) and keep.by == "probe" else None
         self.owner = owner
-        self.layers: list[str] | None = None
+        self.pending = self.budget is not None
+        """A probe budget whose choice is still to be made (a plain attribute: the front ends read it every step)."""
+        self.layers = None
         self.errors: dict[str, float] = {}
         self.step: int | None = None
         self._saved: dict[str, Any] = {}  # a choice loaded before the model was attached
 
     @property
-    def pending(self) -> bool:
-        """A probe budget whose choice is still to be made."""
-        return self.budget is not None and self.layers is None
+    def layers(self) -> list[str] | None:
+        return self._layers
+
+    @layers.setter
+    def layers(self, value: list[str] | None) -> None:
+        self._layers = value
+        self.pending = self.budget is not None and value is None
 
     # -------------------------------------------------------------------------------------------- choosing
     def choose_(self, layout: PrecisionLayout, loss_fn: LossFn, batch: Any, *,

@@ -142,6 +142,9 @@ class OpPolicy:
         self.dtype, self.margin, self.budget_s = dtype, margin, budget_s
         self._measure = measure or measure_calls
         self.requested = _parse(spec, dtype)
+        self.steers = any(request != "autocast" for request in self.requested.values())
+        """Whether the policy may ever depart from autocast (fixed at construction: a run whose policy is
+        ``"autocast"`` never enters :meth:`context`)."""
         self.choices: dict[str, str] = dict(self.requested)
         """Per family: ``"autocast"``, a format id (``"fp32"``, ``"bf16"``, ``"fp16"``), or ``"auto"`` until decided."""
         self.measurements: dict[str, Measurement] = {}

@@ -12,7 +12,7 @@ from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg, real_arg
 from lit_mpstable.core.formats import FormatName, get_format
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scaler_state import GRADSCALER_KEYS, SCALE_FLOOR
-from lit_mpstable.core.telemetry import amax_per_tensor
+from lit_mpstable.core.tensors import amax_per_tensor
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

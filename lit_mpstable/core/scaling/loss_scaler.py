@@ -74,6 +74,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.allow_fp16_grads = False
         """Unscale FP16 gradients in place (GradScaler refuses them: small values flush). Set by the precision
         core for ``"16-true"`` without master weights, where the gradients themselves are FP16."""
+        self.checks_only = False
+        """Set by the stepper on the scale-1 check it builds without a scaler (``scaler=None``/``"auto"`` outside FP16):
+        no loss is ever scaled by it and a static scale never moves, so :meth:`check_grads_` runs GradScaler's unscale
+        kernel at exactly 1 without computing ``1 / scale`` every step (the same kernel, flags and gradients)."""
         self.hysteresis = hysteresis
         self.min_scale = min_scale
         self.max_scale = max_scale
@@ -175,11 +179,27 @@ class DynamicLossScaler(torch.amp.GradScaler):
         was scaled (the scale-1 check), ``unscale_`` (or, with ``unscale=False``, :meth:`check_`, which leaves the
         gradients scaled), then :meth:`sync_found_inf_`. No host sync."""
         self.ensure_state_(device)
-        if unscale:
-            self.unscale_(optimizer)
-        else:
+        if not unscale:
             self.check_(optimizer)
+        elif self.checks_only:
+            self._unscale_at_one_(optimizer)
+        else:
+            self.unscale_(optimizer)
         self.sync_found_inf_(optimizer)
+
+    def _unscale_at_one_(self, optimizer: torch.optim.Optimizer) -> None:
+        # GradScaler.unscale_ with its inverse scale known to be 1 (checks_only): the same stage rules and kernel.
+        if not self._enabled:
+            return
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, one_on(scale.device), found_inf, False)
+        state["stage"] = OptState.UNSCALED
 
     def check_(self, optimizer: torch.optim.Optimizer) -> None:
         """Record whether ``optimizer``'s gradients hold inf/NaN without unscaling them (they stay scaled, in their own
@@ -198,9 +218,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         scale, _ = self._check_scale_growth_tracker("check_")
         found = nonfinite_on_cpu(optimizer) if scale.device.type == "cpu" else None
         if found is None:  # GradScaler's multi-tensor kernel at an inverse scale of 1 (it writes x * 1 back)
-            one = torch.ones((), dtype=torch.float32, device=scale.device)
             found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-            found = super()._unscale_grads_(optimizer, one, found_inf, True)
+            found = super()._unscale_grads_(optimizer, one_on(scale.device), found_inf, True)
         state["found_inf_per_device"] = found
         state["stage"] = OptState.UNSCALED
 
@@ -320,7 +339,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self._host_found = None  # this iteration's outcome is consumed; the device tracker is untouched
             return
         found_infs = [
-            found_inf.to(device=scale.device, non_blocking=True)
+            found_inf if found_inf.device == scale.device else found_inf.to(device=scale.device, non_blocking=True)
             for state in self._per_optimizer_states.values()
             for found_inf in state["found_inf_per_device"].values()
         ]
@@ -608,12 +627,23 @@ def nonfinite_on_cpu(optimizer: torch.optim.Optimizer) -> dict[torch.device, tor
     found = torch.zeros((), dtype=torch.float32)
     with torch.no_grad():
         if small:
-            one = torch.ones((), dtype=torch.float32)
             for grads in small.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one_on(found.device))
         if bounds:  # stack promotes mixed dtypes
             found = torch.maximum(found, torch.stack(bounds).isfinite().all().logical_not().float())
     return {torch.device("cpu"): found}
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def one_on(device: torch.device) -> torch.Tensor:
+    """A 0-dim FP32 1.0 on ``device``, made once: the inverse scale of an inf/NaN check at scale 1, which GradScaler's
+    unscale kernel only reads (never write into it)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
 
 
 def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, flag: torch.Tensor
@@ -624,7 +654,8 @@ def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimize
     flags = list(state["found_inf_per_device"].values()) if state else []
     if not flags:
         return None
-    before = torch.stack([f.to(flags[0].device) for f in flags]).sum()
+    # A copy (maximum writes flags[0] below); one flag, the usual case, needs no stack.
+    before = flags[0].sum() if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
     # A maximum, not a sum: fused optimizers skip only on found_inf == 1 exactly.
     torch.maximum(flags[0], flag.to(device=flags[0].device, dtype=flags[0].dtype), out=flags[0])
     return before

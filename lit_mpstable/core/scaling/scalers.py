@@ -101,6 +101,8 @@ def build_scaler(call: str, precision: str, scaler: object, device: str, *, skip
     checker: DynamicLossScaler | ForeignScaler | None
     if built is None:
         checker = StaticLossScaler(device, init_scale=1.0) if skip_nonfinite else None
+        if checker is not None:
+            checker.checks_only = True  # it never scales a loss: its scale stays exactly 1
     else:
         checker = built if isinstance(built, DynamicLossScaler) else ForeignScaler(built)
     if checker is not None:

@@ -3,12 +3,15 @@ the notes for a skip it explains and for a batch dropped between unscale and ste
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.core.scaling.loss_scaler import one_on
 from lit_mpstable.core.scaling.scalers import LossScaler
-from lit_mpstable.core.step.iteration import GradSet
 from lit_mpstable.core.tensors import local_view
 from lit_mpstable.core.weights.keeper import first_grad_device
 
@@ -37,8 +40,11 @@ def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: boo
     all-reduce (a spike seen on one rank skips the step on all). Returns the gradient check as it was before (None
     where the scaler cannot take a flag) and the spike flag as agreed (None without ``spike``)."""
     fold = checker.fold_found_inf_  # both checker kinds have it (a duck-typed scaler's folds nothing)
-    grads = [local_view(g) for group in optimizer.param_groups for p in group["params"]
-             if (g := p.grad) is not None and not g.is_sparse and (checked is None or (g, g._version) not in checked)]
+    grads = [g for group in optimizer.param_groups for p in group["params"]
+             if (g := p.grad) is not None and not g.is_sparse]
+    if checked is not None:
+        grads = checked.changed(grads)
+    grads = [g if type(g) is torch.Tensor else local_view(g) for g in grads]
     checks = []
     if grads:
         checks.append(_unchanged_nonfinite(grads))
@@ -130,10 +136,11 @@ def _unchanged_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     flags = []
     with torch.no_grad():
         for (dev, _), group in groups.items():
-            found, one = (torch.full((1,), v, dtype=torch.float32, device=dev) for v in (0.0, 1.0))  # FP32 always
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
-            flags.append(found[0] > 0)
+            found = torch.zeros((), dtype=torch.float32, device=dev)  # FP32 always, 0-dim as GradScaler's
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one_on(dev))
+            flags.append(found > 0)
     return _any(flags)
+
 
 
 def _share(tensors: list[torch.Tensor], index: int) -> list[torch.Tensor]:
@@ -150,3 +157,24 @@ def _share(tensors: list[torch.Tensor], index: int) -> list[torch.Tensor]:
 def _any(flags: list[torch.Tensor]) -> torch.Tensor:
     first = flags[0]
     return first if len(flags) == 1 else torch.stack([f.to(first.device) for f in flags]).any()
+
+
+class GradSet:
+    """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
+    weakly, so gradients dropped by ``zero_grad()`` are freed."""
+
+    def __init__(self, grads: Iterable[torch.Tensor]) -> None:
+        self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
+        grad, version = item
+        seen = self._seen.get(id(grad))
+        return seen is not None and seen[0]() is grad and seen[1] == version
+
+    def changed(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of ``grads`` not in the set as they are now (written since, or new): one call a step."""
+        seen = self._seen
+        return [g for g in grads if (s := seen.get(id(g))) is None or s[0]() is not g or s[1] != g._version]

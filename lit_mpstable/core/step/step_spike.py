@@ -7,7 +7,7 @@ import torch
 from torch.optim import Optimizer
 
 from lit_mpstable.core.guards.spike import SpikeGuard
-from lit_mpstable.core.step.iteration import GradSet
+from lit_mpstable.core.step.step_guard import GradSet
 from lit_mpstable.core.tensors import grad_norms
 
 

@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, cast, get_args
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.nn.modules.batchnorm import _NormBase
 from torch.optim import Optimizer
 
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.attribution import RngState, any_nonfinite
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
-from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import PRECISION_DTYPES, PRECISION_FORMATS
 from lit_mpstable.core.guards.growth import GrowthMonitor
 from lit_mpstable.core.guards.spike import SpikeGuard
@@ -36,14 +37,17 @@ from lit_mpstable.core.layout.fsdp import check_fsdp_policies, fsdp2_fallback_re
 from lit_mpstable.core.layout.islands import FP32Islands
 from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.core.layout.policy import OpPolicy
-from lit_mpstable.core.observer import GradObserver, shard_view
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.step import probe
-from lit_mpstable.core.step.iteration import Iteration
-from lit_mpstable.core.step.step_buffers import StepBuffers
-from lit_mpstable.core.step.step_guard import check_step_inputs_, held_nonfinite, late_nonfinite_note, stale_grads_note
+from lit_mpstable.core.step.step_guard import (
+    GradSet,
+    check_step_inputs_,
+    held_nonfinite,
+    late_nonfinite_note,
+    stale_grads_note,
+)
 from lit_mpstable.core.step.step_spike import (
     check_spike_guard,
     known_norm,
@@ -51,24 +55,15 @@ from lit_mpstable.core.step.step_spike import (
     observe_loss,
     true_grad_norm,
 )
-from lit_mpstable.core.step.stepper_args import (
-    MasterMode,
-    OpPolicyName,
-    PrecisionName,
-    check_arguments,
-    check_clip,
-    check_module,
-    check_norm_type,
-    check_optimizer,
-    check_optimizers,
-)
 from lit_mpstable.core.step.stepper_state import (
     check_plugin_state,
     check_weights_state,
+    keep_live_counters,
     load_scaler_state_,
     load_weights_state_,
     weights_state,
 )
+from lit_mpstable.core.telemetry import GradObserver, shard_view
 from lit_mpstable.core.tensors import default_dtype as default_dtype  # re-exported: the stepper's argument helpers
 from lit_mpstable.core.tensors import floating_tensors, map_tensors
 from lit_mpstable.core.weights.memory import training_memory
@@ -81,6 +76,18 @@ from lit_mpstable.fp8 import FP8Config, fp8_config
 _FLUSH_LIMIT = 0.05
 """Above this fraction of the nonzero gradient elements flushing to zero in FP16, the loss scale is named (once)."""
 _FLUSH_PREFIX = "The loss scale flushes the FP16 gradients"
+
+PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "auto"]
+MasterMode = Literal["fp32", "kahan", "stochastic"]
+OpPolicyName = Literal["autocast", "auto"]
+
+
+
+def _counter(name: str, doc: str) -> property:
+    """A property of the stepper's ``counters.<name>``: the stepper shows the counters, :class:`RunCounters` owns
+    them (written here, in the stepper's file, so reading a counter on the step stays in it)."""
+    return property(lambda stepper: getattr(stepper.counters, name),
+                    lambda stepper, value: setattr(stepper.counters, name, value), doc=doc)
 
 
 class PrecisionStepper:
@@ -351,9 +358,19 @@ class PrecisionStepper:
         growth = self.growth if self.growth is not None and self.growth.due() else None
         module = self.layout.module
         eagerly = traced or (growth is not None and module is not None and is_compiled(module))
-        with eager() if eagerly else nullcontext(), growth.sampling() if growth is not None else nullcontext(), \
-                self.layout.forward_context(), self._recast_inputs():
-            if self.compute_dtype == torch.float32:
+        layout, policy = self.layout, self.policy
+        # The FP8 backend's context only where FP8 is configured (its layers exist only then), the input recast only
+        # in *-true modes: a plain step enters none of these.
+        extras = [context for context in (
+            eager() if eagerly else None,
+            growth.sampling() if growth is not None else None,
+            layout.forward_context() if layout.fp8_backend is not None else None,
+            self._recast_inputs() if self.true_16bit else None,
+        ) if context is not None]
+        with ExitStack() as stack:
+            for context in extras:
+                stack.enter_context(context)
+            if layout.fp32 or self.dtype == torch.float32:  # "32-true", or a global fallback (the compute dtype)
                 yield
             elif self.true_16bit:
                 with default_dtype(self.dtype):  # tensors created inside forward default to the 16-bit dtype
@@ -362,12 +379,17 @@ class PrecisionStepper:
                 # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
                 # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
                 autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
-                with autocast, self.policy.context(self.device):
-                    yield
-                if not self.policy.pending and self.stats.get("op_policy") != self.policy.choices:
-                    self.stats["op_policy"] = dict(self.policy.choices)  # decided (second forward), forced or resumed
+                if policy.steers:
+                    with autocast, policy.context(self.device):
+                        yield
+                else:
+                    with autocast:
+                        yield
+                # A policy that never steers has nothing pending: its choices (all autocast) are recorded once.
+                if not (policy.steers and policy.pending) and self.stats.get("op_policy") != policy.choices:
+                    self.stats["op_policy"] = dict(policy.choices)  # decided (second forward), forced or resumed
                     self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
-                                                  for f, m in self.policy.measurements.items()}
+                                                  for f, m in policy.measurements.items()}
 
     @contextmanager
     def _recast_inputs(self) -> Generator[None, None, None]:
@@ -454,7 +476,8 @@ class PrecisionStepper:
         """Make ``optimizer``'s gradients true values (once per iteration): into the FP32 masters, unscaled there,
         checked for inf/NaN (agreed across ranks), and shown on the model's 16-bit parameters for hooks and a user's
         own clipping. No host sync."""
-        check_optimizer(f"{self.owner}.unscale_", optimizer)
+        if not isinstance(optimizer, Optimizer):
+            check_optimizer(f"{self.owner}.unscale_", optimizer)
         if id(optimizer) in self.iteration.unscaled:
             return
         if self.scaler is not None and not self._loss_scaled:
@@ -487,8 +510,7 @@ class PrecisionStepper:
         self.stats.update(updates)
         if warning is not None:
             self.warnings.add_once(*warning, per=self.step_count)
-        flush = self._flush_note(updates)
-        if flush is not None:
+        if "grad_underflow_frac" in updates and (flush := self._flush_note(updates)) is not None:  # telemetry steps
             self.warnings.add_once("flush", flush)
 
     def _flush_note(self, updates: dict[str, Any]) -> str | None:
@@ -576,7 +598,8 @@ class PrecisionStepper:
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless its gradients hold inf/NaN (or :meth:`skip_step` was called); then update the
         scale, refresh the 16-bit weights from the masters, and count. One host sync: the skip decision."""
-        check_optimizer(f"{self.owner}.step", optimizer)
+        if not isinstance(optimizer, Optimizer):
+            check_optimizer(f"{self.owner}.step", optimizer)
         if self._skip_requested:
             return self.discard_(optimizer)
         self.unscale_(optimizer)
@@ -645,7 +668,8 @@ class PrecisionStepper:
 
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
-        check_optimizer(f"{self.owner}.drop_grads_", optimizer)
+        if not isinstance(optimizer, Optimizer):
+            check_optimizer(f"{self.owner}.drop_grads_", optimizer)
         optimizer.zero_grad(set_to_none=True)
         self.keeper.end_step_(optimizer, self._checker, None)
         if self._checker is not None:
@@ -659,7 +683,8 @@ class PrecisionStepper:
     def _record(self, *, skipped: bool, overflow: bool, optimizer: Optimizer | None = None) -> None:
         # Every rank, every step (applied or skipped): delayed-scaling FP8 amax histories agreed across ranks (one
         # all-reduce; nothing on one process).
-        self.layout.sync_fp8_()
+        if self.layout.fp8_backend is not None:  # only an FP8 run has FP8 layers
+            self.layout.sync_fp8_()
         self.counters.record(skipped=skipped, overflow=overflow, optimizer=optimizer)
         self.step_buffers.end_(skipped=skipped)  # a skipped step's forward leaves no trace in the buffers either
         self._input_nonfinite = None
@@ -839,10 +864,10 @@ class PrecisionStepper:
         (counted in this process: a resume restores where each scheduler stands relative to it)."""
         return self.counters.applied(optimizer)
 
-    step_count = RunCounters.view("step_count", "Optimizer steps taken or skipped (one per optimizer per iteration).")
-    overflow_count = RunCounters.view("overflow_count", "Steps skipped because their gradients held inf/NaN.")
-    skipped_steps = RunCounters.view("skipped_steps", "Steps not applied: overflows plus those of :meth:`skip_step`.")
-    last_step_skipped = RunCounters.view("last_step_skipped", "Whether the latest step was skipped.")
+    step_count = _counter("step_count", "Optimizer steps taken or skipped (one per optimizer per iteration).")
+    overflow_count = _counter("overflow_count", "Steps skipped because their gradients held inf/NaN.")
+    skipped_steps = _counter("skipped_steps", "Steps not applied: overflows plus those of :meth:`skip_step`.")
+    last_step_skipped = _counter("last_step_skipped", "Whether the latest step was skipped.")
 
     @property
     def loss_scale(self) -> float:
@@ -1017,6 +1042,301 @@ class PrecisionStepper:
                              named_grads=self.named_grads, scale=lambda: self.loss_scale,
                              forward_context=self.forward_context, device=self.device, recompute=recompute,
                              start=start, step=step)
+
+
+# ------------------------------------------------------------------------------------ the step's own bookkeeping
+class Iteration:
+    """What the iteration in progress has done, per optimizer (by id)."""
+
+    def __init__(self) -> None:
+        self.unscaled: set[int] = set()  # optimizers unscaled (and checked) in this iteration, not yet stepped
+        self.stepped: set[int] = set()  # optimizers stepped since the last scale update
+        self.data_fault = False  # a skip of this iteration is not the scale's fault (an inf/NaN batch, or a late one)
+        self.overflowed = False  # a skip of this iteration counts as an overflow (not inf/NaN entering late)
+        self.stepped_on: dict[int, GradSet] = {}  # per optimizer: the gradients (and versions) it last stepped on
+        self.checked: dict[int, GradSet] = {}  # per optimizer: its gradients (and versions) as the check saw them
+
+    def awaited(self, optimizers: Sequence[Optimizer], done: Optimizer, keeper: WeightKeeper) -> bool:
+        """Whether another optimizer still has to step on this iteration's gradients (one loss, several optimizers):
+        unscaled and not stepped, or holding gradients. The scale changes only after the last one, as GradScaler
+        documents (one ``update()`` per iteration), so every optimizer unscales with the scale its loss was scaled by.
+        Host state only."""
+        for optimizer in optimizers:
+            if optimizer is done or id(optimizer) in self.stepped:
+                continue
+            if id(optimizer) in self.unscaled:
+                return True
+            # Gradients it already stepped on (a loop that zeroes before backward) are not this iteration's.
+            if any(g is not None and (g, g._version) not in self.stepped_on.get(id(optimizer), ())
+                   for g in _grads(keeper, optimizer)):
+                return True
+        return False
+
+    def note_checked(self, optimizer: Optimizer) -> None:
+        """``optimizer``'s gradients as the gradient check left them: the step-input check reads again only those
+        written since (by a hook or clipping)."""
+        self.checked[id(optimizer)] = GradSet([p.grad for g in optimizer.param_groups for p in g["params"]
+                                               if p.grad is not None])
+
+    def note_stepped_on(self, optimizers: Sequence[Optimizer], optimizer: Optimizer, keeper: WeightKeeper) -> None:
+        if len(optimizers) > 1:  # only awaited reads it
+            self.stepped_on[id(optimizer)] = GradSet(g for g in _grads(keeper, optimizer) if g is not None)
+
+    def update_scale_(self, checker: LossScaler | None) -> None:
+        """The iteration's one scale update, once every optimizer that had gradients stepped (or at the next
+        backward, or a checkpoint, for one that never stepped): skipped without a backoff when the data was at
+        fault."""
+        if checker is not None and self.stepped:
+            checker.skip_update_(overflow=self.overflowed) if self.data_fault else checker.update()
+        self.stepped.clear()
+        self.data_fault = self.overflowed = False
+
+
+def _grads(keeper: WeightKeeper, optimizer: Optimizer) -> list[torch.Tensor | None]:
+    return [p.grad for p in keeper.grads(optimizer).holders]
+
+
+@dataclass
+class RunCounters:
+    """The run's history, owned here and read by everyone else (the stepper's properties are views of it). A rollback
+    keeps it (it undoes the weights, not the history); a resume restores it."""
+
+    step_count: int = 0
+    """Optimizer steps taken or skipped (one per optimizer per iteration)."""
+    overflow_count: int = 0
+    """Steps skipped because their gradients held inf/NaN."""
+    skipped_steps: int = 0
+    """Steps not applied: overflows plus steps discarded by ``skip_step``."""
+    last_step_skipped: bool = False
+    applied_by: dict[int, int] = field(default_factory=dict)
+    """Applied steps per optimizer (by id, in this process), for the LR hold; not part of the state."""
+
+    def record(self, *, skipped: bool, overflow: bool, optimizer: Optimizer | None = None) -> None:
+        """Count one step of ``optimizer`` (None: a step no optimizer is known for)."""
+        self.last_step_skipped = skipped
+        self.step_count += 1
+        self.skipped_steps += int(skipped)
+        self.overflow_count += int(overflow)
+        if optimizer is not None and not skipped:
+            self.applied_by[id(optimizer)] = self.applied_by.get(id(optimizer), 0) + 1
+
+    def applied(self, optimizer: Optimizer | None = None) -> int:
+        """Steps applied (not skipped), of ``optimizer`` alone if given (seen through a front end's wrapper)."""
+        if optimizer is None:
+            return self.step_count - self.skipped_steps
+        for _ in range(3):  # a front end's wrapper (Fabric's, Lightning's) around the optimizer that steps
+            inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+            if not isinstance(inner, Optimizer) or inner is optimizer:
+                break
+            optimizer = inner
+        return self.applied_by.get(id(optimizer), 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``step_count``, ``overflow_count``, ``last_step_skipped``, ``skipped_steps`` (plain Python values)."""
+        return {"step_count": self.step_count, "overflow_count": self.overflow_count,
+                "last_step_skipped": self.last_step_skipped, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count, self.overflow_count = int(state["step_count"]), int(state["overflow_count"])
+        self.skipped_steps, self.last_step_skipped = int(state["skipped_steps"]), bool(state["last_step_skipped"])
+
+    keep_live_ = staticmethod(keep_live_counters)
+    """A scaler's saved state with its event counters at their live values (a rollback keeps history)."""
+
+
+class StepBuffers:
+    """Copies of a module's persistent buffers taken before a step's first training forward, written back when the
+    step is skipped.
+
+    Which buffers: the persistent ones (the module's ``state_dict``: BatchNorm's ``running_mean``, ``running_var``
+    and ``num_batches_tracked``, any running average a model keeps). Non-persistent buffers are caches (masks,
+    rotary tables) or precision state with rules of their own (an FP8 layer's amax history must keep the amax of an
+    overflowing step to back its scale off), and are left alone.
+
+    Which are copied: on the first step all of them; afterwards those of torch's norm layers with running statistics
+    (BatchNorm, SyncBatchNorm, InstanceNorm: their kernel writes the statistics without moving the tensors' version
+    counters) and those a step has been seen to change (their version counter moved between the first forward and
+    the step's end: a host-side integer, no device read). A model whose forward writes no buffer then copies nothing;
+    BatchNorm's statistics cost one small copy a step. A buffer of another module that changes for the first time on
+    a later step is watched from then on (that step's change is not undone if it is skipped).
+
+    The restore is a host-side decision on the path that already knows the step was skipped (the step's one host
+    read), a ``copy_`` on the device: a clean step adds no host read.
+    """
+
+    def __init__(self) -> None:
+        self._module: nn.Module | None = None
+        self._slots: list[tuple[nn.Module, str]] = []  # (owning module, buffer name) of each persistent buffer
+        self._norms: set[int] = set()  # slots of norm layers, whose statistics change without a version bump
+        self._watched: set[int] | None = None  # slots a step was seen to change; None: nothing learned yet (all)
+        self._versions: list[int] = []  # each slot's version counter when the copies were taken
+        self._saved: dict[int, torch.Tensor] | None = None  # the copies of the step in progress; None: none taken
+        self.copied = 0
+        """Buffers copied at the start of the latest step (0 once the model is known to change none)."""
+
+    def begin_(self, module: nn.Module | None) -> None:
+        """Before a forward: copy the buffers if this is the step's first training forward (gradients enabled, not
+        inference mode: validation forwards change no statistics and take no copy). Later forwards of the same step
+        (micro-batches, a replay) keep the first copy."""
+        if self._saved is not None or module is None:
+            return
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return
+        if module is not self._module:
+            self._module, self._watched = module, None
+            self._slots = [(owner, name) for owner in module.modules() for name, buffer in owner._buffers.items()
+                           if buffer is not None and name not in owner._non_persistent_buffers_set]
+            self._norms = {i for i, (owner, _) in enumerate(self._slots) if isinstance(owner, _NormBase)}
+        if not self._slots:
+            return
+        buffers = self._buffers()
+        self._versions = [_version(b) for b in buffers]
+        watched = range(len(buffers)) if self._watched is None else self._watched
+        with torch.no_grad():
+            self._saved = {i: b.detach().clone() for i in watched if (b := buffers[i]) is not None}
+        self.copied = len(self._saved)
+
+    def end_(self, *, skipped: bool) -> None:
+        """At the step's end: learn which buffers it changed and, if it was ``skipped``, write the copies back. The
+        next training forward takes new copies."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        buffers = self._buffers()
+        changed = {i for i, b in enumerate(buffers) if b is not None and _version(b) != self._versions[i]}
+        changed |= self._norms
+        self._watched = changed if self._watched is None else self._watched | changed
+        if skipped:
+            _write_back(buffers, saved)
+
+    def restore_(self) -> bool:
+        """Write the copies back now (a replay of the step was rejected, or the step is dropped), keeping none: the
+        next training forward copies again. Returns whether there were copies."""
+        saved, self._saved = self._saved, None
+        if not saved:
+            return False
+        _write_back(self._buffers(), saved)
+        return True
+
+    def _buffers(self) -> list[torch.Tensor | None]:
+        # By name each time: a cast (a fallback's) replaces the tensor a module holds under it.
+        return [owner._buffers.get(name) for owner, name in self._slots]
+
+
+def _version(tensor: torch.Tensor | None) -> int:
+    # An inference tensor has no version counter (nor can it be written outside inference mode).
+    return -1 if tensor is None or tensor.is_inference() else tensor._version
+
+
+def _write_back(buffers: list[torch.Tensor | None], saved: dict[int, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for i, copy in saved.items():
+            buffer = buffers[i]
+            if buffer is not None:
+                buffer.copy_(copy)
+
+
+# ------------------------------------------------------------------------------------------- argument checks
+def check_arguments(call: str, precision: str, scaler: object, fp32_modules: object) -> None:
+    """What the per-argument checks cannot see: containers that are not lists, a class for an instance, an adaptive
+    scaler sized for another format than the run's FP16, a scale whose reciprocal is not a finite FP32 number."""
+    if isinstance(fp32_modules, (str, type)):
+        fp32_modules = [fp32_modules]  # one name or one module type
+    elif fp32_modules is None or isinstance(fp32_modules, (bytes, dict)) or not isinstance(fp32_modules, Iterable):
+        raise TypeError(f"{call}(fp32_modules={fp32_modules!r}): must be a list of module names or nn.Module types;"
+                        " () for none.")
+    if any(spec == "" for spec in fp32_modules):
+        raise ValueError(f"{call}(fp32_modules={list(fp32_modules)!r}): '' names the root, the whole model in FP32;"
+                         " use precision='32-true' for that, or name the submodules to keep in FP32.")
+    if isinstance(scaler, type):
+        raise TypeError(f"{call}(scaler={scaler.__name__} (the class)): pass an instance, {scaler.__name__}(), or a"
+                        " name ('dynamic', 'static', 'adaptive').")
+    if isinstance(scaler, DynamicLossScaler) and scaler.is_enabled() and precision in ("16-mixed", "16-true"):
+        target = getattr(scaler, "target_format", "fp16")
+        if target in ("bf16", "fp32"):
+            raise ValueError(
+                f"{call}({precision!r}, scaler={type(scaler).__name__}(target_format={target!r})): the scale would be"
+                f" sized for {target.upper()}'s range while this run's gradients are FP16 (max 65504), so every step"
+                " would overflow; use target_format='fp16' (the default).")
+    scale = scaler.get_scale() if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+    if scale is not None and not (_MIN_SCALE <= scale <= _MAX_SCALE):
+        raise ValueError(
+            f"{call}(scaler={type(scaler).__name__}(init_scale={scale!r})): 1/scale must be a finite FP32 number"
+            f" (unscaling multiplies by it): use a scale in [{_MIN_SCALE:.3g}, {_MAX_SCALE:.3g}]; 2.**16 is usual.")
+
+
+_MIN_SCALE = 1.0 / torch.finfo(torch.float32).max
+_MAX_SCALE = float(torch.finfo(torch.float32).max)
+
+
+# ------------------------------------------------------------------------------------------------ method arguments
+# Checks of the stepper's per-call arguments: isinstance and float comparisons only (no tensor is read).
+def check_optimizer(call: str, value: object, name: str = "optimizer") -> Optimizer:
+    """``value`` if it is a torch optimizer (Fabric's wrapper is one).
+
+    Raises:
+        TypeError: anything else (a name, None, a LightningOptimizer's ``.optimizer`` forgotten).
+    """
+    if not isinstance(value, Optimizer):
+        raise TypeError(f"{call}({name}={_short(value)}): must be a torch.optim.Optimizer (the one the model's"
+                        " parameters are stepped by).")
+    return value
+
+
+def check_optimizers(call: str, value: object) -> list[Optimizer]:
+    """``value`` as a list if it is a list or tuple of torch optimizers.
+
+    Raises:
+        TypeError: not a list or tuple, or an entry is not an optimizer.
+    """
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{call}(optimizers={_short(value)}): must be a list of torch.optim.Optimizer.")
+    return [check_optimizer(call, optimizer, f"optimizers[{index}]") for index, optimizer in enumerate(value)]
+
+
+def check_module(call: str, value: object, name: str = "module") -> nn.Module:
+    """``value`` if it is an ``nn.Module``.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{call}({name}={_short(value)}): must be a torch.nn.Module (the model).")
+    return value
+
+
+def check_clip(call: str, name: str, value: object) -> None:
+    """A clip threshold: a real number >= 0 (inf: no clipping). NaN passes: as in torch, it makes the gradients NaN,
+    and the step is skipped like any non-finite step (the weights are left alone).
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: negative.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{call}({name}={_short(value)}): must be a number >= 0 (inf: no clipping).")
+    if value < 0:
+        raise ValueError(f"{call}({name}={value!r}): must be a number >= 0 (inf: no clipping); a negative threshold"
+                         " would flip the gradients' signs.")
+
+
+def check_norm_type(call: str, value: Any) -> None:
+    """A p-norm's order: a number, or ``"inf"`` (what ``torch.nn.utils.clip_grad_norm_`` takes).
+
+    Raises:
+        TypeError: neither (``"x"``, None, a bool).
+    """
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or math.isnan(number):
+        raise TypeError(f"{call}(norm_type={_short(value)}): must be a number (2.0: the Euclidean norm) or 'inf'.")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def tensor_init_context(stepper: PrecisionStepper) -> AbstractContextManager:

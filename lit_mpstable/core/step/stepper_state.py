@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from lit_mpstable.base.validate import int_arg
-from lit_mpstable.core.counters import RunCounters
 from lit_mpstable.core.formats import FormatName
 from lit_mpstable.core.guards.spike_state import OPTIONAL as GUARD_OPTIONAL
 from lit_mpstable.core.loaded_state import (
@@ -52,7 +51,7 @@ def load_scaler_state_(scaler: torch.amp.GradScaler | None, state: dict[str, Any
     if scaling and state["scaler"]:
         assert scaler is not None
         saved = dict(state["scaler"])
-        scaler.load_state_dict(RunCounters.keep_live_(saved, scaler.state_dict()) if keep_counters else saved)
+        scaler.load_state_dict(keep_live_counters(saved, scaler.state_dict()) if keep_counters else saved)
     elif scaling or state["scaler"]:
         # A precision switch on resume (e.g. 16-mixed -> bf16-mixed) is legitimate: say what happens.
         return [
@@ -235,3 +234,14 @@ def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tu
     growth = check_mapping(call, state["growth"], name="growth")  # its values: GrowthMonitor.check_state
     if growth:  # {} without a growth monitor; otherwise GrowthMonitor.state_dict's keys, with a monitor or not
         check_mapping(call, growth, {"steps", "samples", "sampled", "layers"}, name="growth")
+
+
+# The scaler's own event counters (what it saw: its steps, overflows, hits of the scale floor). The scaler owns them
+# and counts them itself (it runs without a stepper too); they are history like the run's, so a rollback that restores
+# the scaler's numeric state keeps their live values (see RunCounters.keep_live_ in the stepper).
+SCALER_COUNTERS = ("overflow_count", "step_count", "min_scale_hits")
+
+
+def keep_live_counters(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """A scaler's saved state with its event counters at their ``live`` values (a rollback keeps history)."""
+    return {**saved, **{k: live[k] for k in SCALER_COUNTERS if k in live and k in saved}}
