@@ -32,7 +32,9 @@ class NativeBackend(FP8Backend):
         for name in names:
             linear = model.get_submodule(name)
             assert isinstance(linear, nn.Linear)  # select_fp8_modules picks plain nn.Linear layers only
-            replace_module(model, name, FP8Linear.from_linear(linear, self.config, name))
+            layer_config = self.config.for_layer(name)  # a per-module map gives each layer its own recipe
+            if layer_config is not None:
+                replace_module(model, name, FP8Linear.from_linear(linear, layer_config, name))
 
     @classmethod
     def to_linear(cls, layer: nn.Module) -> nn.Linear:
@@ -59,7 +61,7 @@ class NativeBackend(FP8Backend):
         return dict(_native(layer).fp8_stats)
 
     def sync_(self, model: nn.Module, names: list[str], group: Any = None) -> None:
-        if self.config.recipe != "delayed" or not names or not _several_ranks(group):
+        if self.config.is_map or not self.config.spec.history or not names or not _several_ranks(group):
             return  # current and mxfp8 keep no state: each rank scales its own tensors
         layers = [_native(model.get_submodule(name)) for name in names]
         import torch.distributed as dist
