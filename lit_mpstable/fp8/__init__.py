@@ -47,17 +47,20 @@ from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.native import NativeBackend
 from lit_mpstable.fp8.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quantizers import fake_quantize
+from lit_mpstable.fp8.recipe import FORMATS, Recipe, recipe, recipe_names, register_recipe
 from lit_mpstable.fp8.swap import convert_from_fp8, convert_to_fp8, fp8_state_dict, fp8_stats, load_fp8_state_dict
 from lit_mpstable.fp8.te_backend import TransformerEngineBackend
 from lit_mpstable.fp8.torchao_backend import TorchaoBackend
 
 __all__ = [
     "BACKENDS",
+    "FORMATS",
     "FP8Backend",
     "FP8Config",
     "FP8Linear",
     "HighPrecisionBudget",
     "NativeBackend",
+    "Recipe",
     "TorchaoBackend",
     "TransformerEngineBackend",
     "blockwise_dequantize",
@@ -80,4 +83,7 @@ __all__ = [
     "nvfp4_quantize",
     "random_hadamard_transform",
     "random_signs",
+    "recipe",
+    "recipe_names",
+    "register_recipe",
 ]

@@ -200,8 +200,8 @@ class _StraightThrough(torch.autograd.Function):
         t = x.float()
         if role == "weight" and t.dim() == 1:
             t = t.unsqueeze(0)
-        values = quantize_operand(spec, gemm, role, t, stochastic=role == "grad" and gemm in spec.stochastic_rounding,
-                                  generator=generator)  # type: ignore[arg-type]
+        stochastic = role == "grad" and gemm in spec.stochastic_rounding
+        values = quantize_operand(spec, gemm, role, t, stochastic=stochastic, generator=generator)  # type: ignore[arg-type]  # role is checked by fake_quantize
         return values.reshape(x.shape).to(x.dtype)
 
     @staticmethod

@@ -155,7 +155,7 @@ class Recipe:
                              f" quantized wgrad operands only, not {bad}.")
         if not isinstance(self.four_over_six, bool):
             raise ValueError(f"{call}: four_over_six={self.four_over_six!r}; must be True or False.")
-        if self.four_over_six and not any(getattr(self, role) == "nvfp4" for role in ROLES):
+        if self.four_over_six and not any(self.info(role).fp4 and not self.info(role).mx for role in ROLES):
             raise ValueError(f"{call}: four_over_six=True; it chooses NVFP4 block scales, and no role is nvfp4"
                              f" ({self.formats}).")
 

@@ -14,6 +14,18 @@ from lit_mpstable.fp8.config import FP8Config
 from lit_mpstable.fp8.gemm import scaled_mm_supported
 
 _MX_CONFIG = "torchao.prototype.moe_training.config"
+_TORCHAO_RECIPES = {"current": "_convert_float8", "mxfp8": "_convert_mx"}
+"""Recipe name -> the method converting layers to torchao's training layers for it (one entry per recipe)."""
+_TORCHAO_REFUSALS = {
+    "mxfp4": " has no mxfp4 training config (its MX/NVFP4 configs quantise for inference)",
+    "nvfp4": " has no nvfp4 training config (its MX/NVFP4 configs quantise for inference)",
+    "blockwise": "'s blockwise FP8 kernels scale each tile by exactly 448 / amax, and its"
+                 " Float8BlockwiseLinearConfig has no option for the power-of-two scales that 'blockwise' means"
+                 " (TransformerEngine's Float8BlockScaling default; exact scaling and unscaling), so the same recipe"
+                 " would give other numbers",
+}
+_TORCHAO_ELSE = {"nvfp4": ", or backend='transformer_engine' on a Blackwell GPU",
+                 "blockwise": " or backend='transformer_engine' on a Hopper GPU"}
 _MX_TENSOR = "torchao.prototype.moe_training.tensor"
 
 
@@ -48,31 +60,23 @@ class TorchaoBackend(FP8Backend):
 
     def __init__(self, config: FP8Config) -> None:
         super().__init__(config)
-        if config.recipe in ("mxfp4", "nvfp4"):
+        name = config.spec.name
+        convert = _TORCHAO_RECIPES.get(name)
+        if convert is None:
             torchao = optional_import("torchao", "torchao")
-            te = ", or backend='transformer_engine' on a Blackwell GPU" if config.recipe == "nvfp4" else ""
-            raise ValueError(
-                f"FP8Config(recipe={config.recipe!r}, backend='torchao'): torchao {torchao.__version__} has no"
-                f" {config.recipe} training config (its MX/NVFP4 configs quantise for inference); use"
-                f" backend='native' (exact emulation on any device){te}."
-            )
-        if config.recipe == "blockwise":
-            torchao = optional_import("torchao", "torchao")
-            raise ValueError(
-                f"FP8Config(recipe='blockwise', backend='torchao'): torchao {torchao.__version__}'s blockwise FP8"
-                " kernels scale each tile by exactly 448 / amax, and its Float8BlockwiseLinearConfig has no option"
-                " for the power-of-two scales that 'blockwise' means (TransformerEngine's Float8BlockScaling"
-                " default; exact scaling and unscaling), so the same recipe would give other numbers; use"
-                " backend='native' (exact emulation on any device) or backend='transformer_engine' on a Hopper GPU."
-            )
-        if config.recipe == "mxfp8":
+            unmapped = f": no mapping of recipe {name!r} to a torchao training config (torchao_backend._TORCHAO_RECIPES)"
+            reason = _TORCHAO_REFUSALS.get(name, unmapped)
+            raise ValueError(f"FP8Config(recipe={name!r}, backend='torchao'): torchao {torchao.__version__}{reason};"
+                             f" use backend='native' (exact emulation on any device){_TORCHAO_ELSE.get(name, '')}.")
+        self._convert = getattr(self, convert)
+        if convert == "_convert_mx":
             optional_import("torchao", "torchao")
             try:
                 importlib.import_module(_MX_CONFIG)
                 importlib.import_module("torchao.quantization.quantize_.common")
             except ImportError as err:
                 raise ValueError(
-                    "FP8Config(recipe='mxfp8', backend='torchao'): this torchao version has no MXFP8 training config"
+                    f"FP8Config(recipe={name!r}, backend='torchao'): this torchao version has no MXFP8 training config"
                     f" ({_MX_CONFIG}.MXFP8TrainingOpConfig); use backend='native' or upgrade torchao."
                 ) from err
         else:
@@ -95,9 +99,10 @@ class TorchaoBackend(FP8Backend):
 
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         originals = {name: model.get_submodule(name) for name in names}
-        if self.config.recipe == "mxfp8":
-            self._convert_mx(model, originals, module_filter_fn, device)
-            return
+        self._convert(model, originals, module_filter_fn, device)
+
+    def _convert_float8(self, model: nn.Module, originals: dict[str, nn.Module], module_filter_fn: Any,
+                        device: torch.device) -> None:
         float8 = optional_import("torchao.float8", "torchao")
         emulate = self.config.emulate if self.config.emulate is not None else not scaled_mm_supported(device)
         grad = {}  # torchao's default is hybrid: E5M2 gradients
