@@ -64,7 +64,7 @@ class TorchaoBackend(FP8Backend):
         convert = _TORCHAO_RECIPES.get(name)
         if convert is None:
             torchao = optional_import("torchao", "torchao")
-            unmapped = f": no mapping of recipe {name!r} to a torchao training config (torchao_backend._TORCHAO_RECIPES)"
+            unmapped = f": no mapping of recipe {name!r} to a torchao training config (see _TORCHAO_RECIPES)"
             reason = _TORCHAO_REFUSALS.get(name, unmapped)
             raise ValueError(f"FP8Config(recipe={name!r}, backend='torchao'): torchao {torchao.__version__}{reason};"
                              f" use backend='native' (exact emulation on any device){_TORCHAO_ELSE.get(name, '')}.")
