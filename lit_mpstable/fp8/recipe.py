@@ -244,7 +244,7 @@ def recipe_names() -> list[str]:
     return list(_REGISTRY)
 
 
-def recipe(name: str | Recipe, **fields: Any) -> Recipe:
+def recipe(name: str | Recipe, /, **fields: Any) -> Recipe:
     """The registered recipe ``name`` (or a Recipe itself) with ``fields`` replaced.
 
     ``recipe("mxfp8", scale_rule="floor")`` is OCP's MXFP8; ``recipe("nvfp4", block_scale_floor="e4m3_tiny")``

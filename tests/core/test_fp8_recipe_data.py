@@ -1,0 +1,161 @@
+"""Recipes as data: ``Recipe``, ``recipe(name, **fields)``, the registry, per-role formats through FP8Linear,
+per-module maps and their export."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from lit_mpstable.fp8 import (
+    FP8Config,
+    FP8Linear,
+    Recipe,
+    convert_to_fp8,
+    fake_quantize,
+    fp8_config,
+    recipe,
+    recipe_names,
+    register_recipe,
+)
+
+_REGISTRY_MODULE = sys.modules["lit_mpstable.fp8.recipe"]  # the attribute of that name is the function
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recipe]:
+    """The registry, restored after the test."""
+    saved = dict(_REGISTRY_MODULE._REGISTRY)
+    yield _REGISTRY_MODULE._REGISTRY
+    _REGISTRY_MODULE._REGISTRY.clear()
+    _REGISTRY_MODULE._REGISTRY.update(saved)
+
+
+def test_registered_recipes_are_frozen_data_with_the_hardware_defaults() -> None:
+    assert recipe_names()[:6] == ["delayed", "current", "mxfp8", "blockwise", "mxfp4", "nvfp4"]
+    mx = recipe("mxfp8")
+    assert mx.scale_rule == "rceil" and mx.formats == {"fprop": "mxfp8", "dgrad": "mxfp8", "wgrad": "mxfp8"}
+    nv = recipe("nvfp4")
+    assert nv.block_scale_floor is None and nv.four_over_six is False  # TE's arithmetic
+    assert nv.fprop_block == (16, 16) and nv.wgrad_block == (1, 16)
+    assert nv.stochastic_rounding == ("dgrad", "wgrad") and nv.hadamard == ("wgrad",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        nv.scale_rule = "floor"  # type: ignore[misc]  # frozen on purpose
+    ocp = recipe("mxfp8", scale_rule="floor")
+    assert ocp.scale_rule == "floor" and recipe("mxfp8").scale_rule == "rceil"  # a copy, the registry untouched
+    assert recipe("nvfp4", block_scale_floor="e4m3_tiny").block_scale_floor == "e4m3_tiny"
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda: recipe("mxfp8", scale_rul="floor"), ["scale_rul", "unknown Recipe field", "scale_rule"]),
+        (lambda: recipe("fp6"), ["recipe('fp6')", "nvfp4", "mxfp8"]),
+        (lambda: recipe("mxfp8", scale_rule="ceil"), ["scale_rule='ceil'", "rceil", "floor"]),
+        (lambda: recipe("mxfp8", dgrad="fp6"), ["dgrad='fp6'", "nvfp4", "bf16"]),
+        (lambda: recipe("mxfp8", stochastic_rounding=("dgrad",)), ["stochastic_rounding", "mxfp8"]),
+        (lambda: recipe("nvfp4", stochastic_rounding=("xgrad",)), ["stochastic_rounding", "xgrad", "fprop"]),
+        (lambda: recipe("nvfp4", hadamard=("fprop",)), ["hadamard", "fprop", "wgrad"]),
+        (lambda: recipe("nvfp4", fprop_block=(8, 8)), ["fprop_block=(8, 8)", "(16, 16)"]),
+        (lambda: recipe("delayed", wgrad="current"), ["delayed", "all three roles"]),
+        (lambda: recipe("mxfp8", four_over_six=True), ["four_over_six", "nvfp4"]),
+        (lambda: FP8Config(recipe="fp6"), ["recipe='fp6'", "nvfp4"]),
+        (lambda: fake_quantize(torch.ones(4, 32), "fp6"), ["fp6", "nvfp4"]),
+        (lambda: FP8Config(recipe={"*.mlp.*": "fp6"}), ["fp6", "nvfp4"]),
+        (lambda: FP8Config(recipe={"*": "nvfp4"}, backend="transformer_engine"), ["map", "native", "export_map"]),
+    ],
+)
+def test_bad_recipe_input_is_a_value_error_naming_it(call, words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        call()
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_a_registered_recipe_works_by_name_everywhere(registry: dict[str, Recipe]) -> None:
+    mixed = register_recipe(recipe("mxfp8", name="mx_fwd_nv_bwd", dgrad="nvfp4", wgrad="bf16"))
+    assert mixed.dgrad_block == (16, 16) and mixed.wgrad_block is None  # the new formats' own defaults
+    with pytest.raises(ValueError, match="taken"):
+        register_recipe(mixed)
+    assert fp8_config("mx_fwd_nv_bwd") == FP8Config(recipe="mx_fwd_nv_bwd")
+    assert FP8Config(recipe="mx_fwd_nv_bwd").spec is mixed
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(fake_quantize(x, "mx_fwd_nv_bwd", role="input"), fake_quantize(x, "mxfp8", role="input"))
+    no_sr = recipe("nvfp4", stochastic_rounding=(), hadamard=())
+    assert torch.equal(fake_quantize(x, "mx_fwd_nv_bwd", role="grad"), fake_quantize(x, no_sr, role="grad"))
+    assert not torch.equal(fake_quantize(x, "mx_fwd_nv_bwd", role="grad"), fake_quantize(x, "mxfp8", role="grad"))
+
+
+def test_per_role_formats_run_in_fp8linear_each_gemm_in_its_own_format() -> None:
+    # MXFP8 forward, NVFP4 input gradient (16x16 weight tiles, round to nearest), BF16 weight gradient.
+    spec = recipe("mxfp8", name="mixed", dgrad="nvfp4", wgrad="bf16")
+    torch.manual_seed(0)
+    layer = FP8Linear.from_linear(nn.Linear(64, 32, bias=False), FP8Config(recipe=spec), "fc")
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(16, 64, generator=gen) * torch.logspace(-2, 1, 64)).requires_grad_(True)
+    dy = torch.randn(16, 32, generator=gen)
+    y = layer(x)
+    y.backward(dy)
+    w = layer.weight.detach()
+    mx, nv = recipe("mxfp8"), recipe("nvfp4", stochastic_rounding=())  # the mixed recipe rounds to nearest
+    assert spec.stochastic_rounding == () and spec.hadamard == ()
+    assert torch.equal(y, fake_quantize(x.detach(), mx) @ fake_quantize(w, mx, role="weight").t())
+    assert torch.equal(x.grad, fake_quantize(dy, nv, role="grad") @ fake_quantize(w, nv, role="weight"))
+    grad_w = dy.bfloat16().float().t() @ x.detach().bfloat16().float()
+    assert torch.equal(layer.weight.grad, grad_w)
+    # Each role really took its own format: the all-MXFP8 layer gives other gradients.
+    plain = FP8Linear.from_linear(nn.Linear(64, 32, bias=False), FP8Config(recipe="mxfp8"), "fc")
+    plain.weight = layer.weight
+    x2 = x.detach().clone().requires_grad_(True)
+    plain.weight.grad = None
+    plain(x2).backward(dy)
+    assert not torch.equal(x2.grad, x.grad) and not torch.equal(plain.weight.grad, grad_w)
+    assert "recipe='mixed'" in repr(layer)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(32, 32)
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.mlp(self.attn(x)))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), _Block(), _Block(), nn.Linear(32, 16))
+
+
+def test_a_module_map_gives_each_layer_the_first_matching_recipe_and_exports() -> None:
+    floor = recipe("mxfp8", name="mxfp8_ocp", scale_rule="floor")
+    config = FP8Config(recipe={"*.mlp.*": "nvfp4", "*.attn": floor, "1.*": "current"})
+    model = _model()
+    names = convert_to_fp8(model, config)
+    assert names == ["1.attn", "1.mlp.0", "1.mlp.2", "1.proj", "2.attn", "2.mlp.0", "2.mlp.2"]
+    assert type(model[2].proj) is nn.Linear  # unmatched, no default: stays in high precision
+    assert model[1].mlp[0].fp8_config.spec.name == "nvfp4" and model[1].attn.fp8_config.spec is floor
+    assert model[1].proj.fp8_config.spec.name == "current"  # "1.*" matches "1.mlp.0" too, but "*.mlp.*" is first
+    model(torch.randn(4, 16)).sum().backward()
+    exported = config.export_map(model)
+    assert list(exported) == names
+    assert exported["1.attn"]["fprop"] == "mxfp8" and exported["1.attn"]["scale_rule"] == "floor"
+    assert exported["2.mlp.0"]["stochastic_rounding"] == ["dgrad", "wgrad"]
+    assert yaml.safe_load(yaml.safe_dump(exported)) == exported  # plain data
+    with_default = FP8Config(recipe={"*.mlp.*": "nvfp4", "default": "mxfp8"})
+    model = _model()
+    convert_to_fp8(model, with_default)
+    assert model[2].proj.fp8_config.spec.name == "mxfp8" and type(model[0]) is nn.Linear  # first/last kept
+
+
+def test_a_map_pattern_that_matches_nothing_is_a_value_error_naming_it() -> None:
+    with pytest.raises(ValueError) as info:
+        convert_to_fp8(_model(), FP8Config(recipe={"*.mlp.*": "nvfp4", "*.ffn.*": "mxfp8"}))
+    assert "'*.ffn.*'" in str(info.value) and "match no nn.Linear" in str(info.value)
+    assert "'*.mlp.*'" not in str(info.value).split("match no")[0]
