@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import warnings
 from typing import Any, ClassVar, ContextManager, cast
@@ -122,6 +123,55 @@ class FP8Backend:
     def layer_stats(cls, layer: nn.Module) -> dict[str, torch.Tensor | float]:
         """The latest statistics of one layer (see ``FP8Linear``); empty when none were recorded."""
         return {}
+
+    # ------------------------------------------------------------------------------------------ conformance
+    def checks_conformance(self) -> bool:
+        """Whether :meth:`conformance_gate_` checks this backend here (the native backend is the reference)."""
+        return False
+
+    def conformance_gate_(self, model: nn.Module, names: list[str]) -> list[str]:
+        """Called by :meth:`convert_` before it converts ``names``: the conformance check
+        (:func:`~lit_mpstable.fp8.backends.check_conformance`, once per config and process) and what
+        ``config.conformance`` says to do on a failure: ``"raise"`` a ValueError with the numbers, ``"native"`` a
+        warning with them and those layers converted by the native backend instead (returns the names left for this
+        backend: none). ``"off"``, or a backend that is not checked here, returns ``names``."""
+        if not names or self.config.conformance == "off" or self.__dict__.get("_probing") or not (
+                self.checks_conformance()):
+            return names
+        from lit_mpstable.fp8.backends import BACKENDS, check_conformance
+
+        report = check_conformance(self)
+        if report.ok:
+            return names
+        if self.config.conformance == "raise":
+            raise ValueError(f"{report.describe()} Refused for the layers {names}; use backend='native' (exact"
+                             " emulation), or FP8Config(conformance='native') to fall back to it automatically.")
+        warnings.warn(f"{report.describe()} The layers {names} run on backend='native' instead"
+                      " (FP8Config(conformance='native')).", RuntimeWarning, stacklevel=3)
+        BACKENDS["native"](dataclasses.replace(self.config, backend="native")).convert_(model, names)
+        return []
+
+    def probe_quantize(self, x: torch.Tensor, operand: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This backend's own quantization of the probe tensor ``x`` as the operand ``operand`` (``"input"``,
+        ``"weight"``, ``"grad"``) of its recipe: ``(dequantized values, decode scales)`` in fp32, laid out as
+        :func:`~lit_mpstable.fp8.quantizers.reference_quantize`'s, or None where it exposes no quantizer here."""
+        return None
+
+    def probe_gradients(self, x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        """The weight gradient of a probe layer (``weight``, no bias) this backend builds, for input ``x`` and
+        output gradient ``grad_out``: one forward and backward in :meth:`forward_context`."""
+        model = nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device))
+        model[0].weight = nn.Parameter(weight.clone())
+        self._probing = True  # the probe layer itself is not gated
+        try:
+            self.convert_(model, ["0"])
+        finally:
+            self._probing = False
+        with self.forward_context():
+            out = model(x)
+        out.backward(grad_out.to(out.dtype))
+        grad = model[0].weight.grad
+        return grad.detach().float() if grad is not None else torch.zeros_like(weight)
 
     # ------------------------------------------------------------------------------------------- per step
     def forward_context(self) -> ContextManager:

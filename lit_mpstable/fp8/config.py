@@ -21,6 +21,7 @@ BudgetRule = Literal["probe", "last"]
 FP8Format = Literal["hybrid", "e4m3"]
 FP8BackendName = Literal["native", "torchao", "transformer_engine"]
 AmaxComputeAlgo = Literal["max", "most_recent"]
+ConformanceAction = Literal["raise", "native", "off"]
 ModuleFilter = Union[Sequence[Union[str, type]], Callable[[nn.Module, str], bool], None]
 
 
@@ -114,6 +115,12 @@ class FP8Config:
     """Which linear layers stay in the base precision when ``filter`` is None: ``"first_last"`` (the first and
     the last), a list of qualified names / fnmatch patterns (those, and no others), or a
     :class:`HighPrecisionBudget`. Explicit names also apply on top of an explicit ``filter``."""
+    conformance: ConformanceAction = "raise"
+    """``backend="torchao"`` / ``"transformer_engine"``: at setup the backend's quantized values and scales on a few
+    probe tensors, and a probe layer's gradients, are checked against our reference for the recipe
+    (:func:`~lit_mpstable.fp8.backends.check_conformance`). On a mismatch, or all-zero or non-finite gradients:
+    ``"raise"`` refuses the backend (a ValueError with the numbers), ``"native"`` warns with them and runs the recipe
+    on ``backend="native"`` (exact emulation), ``"off"`` skips the check."""
 
     def __post_init__(self) -> None:
         self._resolve_recipe()
@@ -121,6 +128,7 @@ class FP8Config:
             ("format", FP8Format),
             ("backend", FP8BackendName),
             ("amax_compute_algo", AmaxComputeAlgo),
+            ("conformance", ConformanceAction),
         ):
             value = getattr(self, name)
             if value not in get_args(allowed):

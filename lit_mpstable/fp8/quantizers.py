@@ -207,3 +207,43 @@ class _StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return grad, None, None, None
+
+
+def reference_quantize(
+    spec: Recipe, operand: QuantRole, x: torch.Tensor, *, grad_dtype: torch.dtype = torch.float8_e5m2
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Our reference for one operand of ``spec`` (``"input"``/``"weight"``: ``fprop``, ``"grad"``: ``dgrad``,
+    rounded to nearest): ``(dequantized values in fp32, decode scales in fp32)`` with the scales per tensor
+    (per-tensor formats: ``1 / scale``), per block (MX: the E8M0 power of two; blockwise: the tile's ``scale_inv``;
+    NVFP4: E4M3 block scale times the tensor scale), what a backend's quantized codes and scales are compared with
+    (:func:`lit_mpstable.fp8.backends.check_conformance`). None where this build's arithmetic cannot honour a field
+    (the MX ``scale_rule`` / NVFP4 ``block_scale_floor`` keywords missing: no reference to compare with)."""
+    role: Role = "dgrad" if operand == "grad" else "fprop"
+    info = spec.info(role)
+    block = spec.block(role)
+    t = x.float()
+    if not info.quantized:
+        return t.to(torch.bfloat16).float(), torch.ones(1)
+    if info.kind == "mx":
+        if not _MX_RULE and spec.scale_rule != "floor":
+            return None
+        assert block is not None
+        element: MXElement = "fp4_e2m1" if info.fp4 else (
+            "fp8_e5m2" if operand == "grad" and grad_dtype == torch.float8_e5m2 else "fp8_e4m3")
+        q = mx_quantize(_pad(t, 1, block[1]), element, block_size=block[1], **mx_kwargs(spec))
+        scales = torch.ldexp(torch.ones_like(q.scale_e8m0, dtype=torch.float32), q.scale_e8m0.long() - 127)
+        return _unpad(mx_dequantize(q), t.shape), scales
+    if info.kind == "nvfp4":
+        if not _NV_FLOOR and spec.block_scale_floor is None:
+            return None
+        assert block is not None
+        rows, cols = block if operand == "weight" else (1, block[1])
+        nq = nvfp4_quantize(_pad(t, rows, cols), tile=(rows, cols), **nvfp4_kwargs(spec))
+        return _unpad(nvfp4_dequantize(nq), t.shape), nq.block_scale.float().flatten() * nq.tensor_scale
+    if info.kind == "blockwise":
+        assert block is not None
+        bq = blockwise_quantize(t, tile=block if operand == "weight" else (1, block[1]))
+        return blockwise_dequantize(bq), bq.scale_inv.flatten()
+    dtype = grad_dtype if operand == "grad" else torch.float8_e4m3fn
+    scale = current_scale(t.abs().amax(), dtype, margin=spec.margin)
+    return dequantize(quantize(t, scale, dtype), scale), scale.reciprocal().reshape(1)

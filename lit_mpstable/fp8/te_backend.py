@@ -122,8 +122,12 @@ class TransformerEngineBackend(FP8Backend):
         te = sys.modules.get("transformer_engine.pytorch")
         return te is not None and isinstance(module, te.Linear)
 
+    def checks_conformance(self) -> bool:
+        return torch.cuda.is_available()  # TE's kernels run on CUDA only: on a CPU there is nothing to check
+
     def convert_(self, model: nn.Module, names: list[str]) -> None:
         te = optional_import("transformer_engine.pytorch", "transformer_engine")
+        names = self.conformance_gate_(model, names)
         for name in names:
             linear = model.get_submodule(name)
             layer = te.Linear(

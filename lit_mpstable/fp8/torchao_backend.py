@@ -82,6 +82,31 @@ class TorchaoBackend(FP8Backend):
         else:
             optional_import("torchao.float8", "torchao")
 
+    def probe_quantize(self, x: torch.Tensor, operand: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """torchao's own casts for the conformance check: tensorwise ``tensor_to_scale`` / ``to_fp8_saturated``
+        (``"current"``), ``to_mx`` with the scale mode of ``MXFP8TrainingOpConfig`` (``"mxfp8"``)."""
+        try:
+            return self._probe_quantize(x, operand == "grad")
+        except (ImportError, AttributeError, TypeError):  # a torchao without these functions: nothing to compare
+            return None
+
+    def _probe_quantize(self, x: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._convert == self._convert_mx:
+            from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+            from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+            mode = getattr(MXFP8TrainingOpConfig(), "scale_calculation_mode", None)
+            kwargs = {"scaling_mode": mode} if mode is not None else {}
+            e8m0, data = to_mx(x.float().contiguous(), torch.float8_e4m3fn, 32, **kwargs)
+            scales = torch.ldexp(torch.ones(e8m0.shape), e8m0.view(torch.uint8).long().cpu() - 127).to(x.device)
+            values = data.float().unflatten(-1, (-1, 32)) * scales.unsqueeze(-1)
+            return values.flatten(-2), scales
+        from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+        dtype = self.config.grad_dtype if grad else torch.float8_e4m3fn
+        scale = tensor_to_scale(x.float(), dtype)
+        return to_fp8_saturated(x.float() * scale, dtype).float() / scale, scale.reciprocal().reshape(1)
+
     @classmethod
     def is_fp8_layer(cls, module: nn.Module) -> bool:
         linear_module = sys.modules.get("torchao.float8.float8_linear")
@@ -89,7 +114,11 @@ class TorchaoBackend(FP8Backend):
             return True
         return type(module) is nn.Linear and _mx_wrapped(module.weight)
 
+    def checks_conformance(self) -> bool:
+        return True
+
     def convert_(self, model: nn.Module, names: list[str]) -> None:
+        names = self.conformance_gate_(model, names)
         if not names:
             return
         selected = set(names)
