@@ -113,13 +113,13 @@ def install_conformance_stand_in(
     monkeypatch: pytest.MonkeyPatch, *, quantize=None, zero_grads: bool = False
 ) -> type:
     """A ``backend="torchao"`` stand-in for the conformance check on a CPU (undone by ``monkeypatch``): it converts
-    layers to native ``FP8Linear`` (after :meth:`~FP8Backend.conformance_gate_`, as the real backends do), exposes
+    layers to native ``FP8Linear`` (after ``conformance_gate``, as the real backends do), exposes
     ``quantize(spec, x, operand)`` as its quantizer (None: none exposed) and, with ``zero_grads``, returns all-zero
     weight gradients (TE's NVFP4 stochastic rounding on some GPUs, TE PR #3281). Returns the class."""
     import dataclasses
 
     from lit_mpstable.fp8 import backends
-    from lit_mpstable.fp8.native import NativeBackend
+    from lit_mpstable.fp8.native import NativeBackend, conformance_gate
 
     class StandIn(NativeBackend):
         name = "torchao"
@@ -129,7 +129,7 @@ def install_conformance_stand_in(
             return True
 
         def convert_(self, model: nn.Module, names: list[str]) -> None:
-            names = self.conformance_gate_(model, names)
+            names = conformance_gate(self, model, names)
             StandIn.converted.append(list(names))
             NativeBackend(dataclasses.replace(self.config, backend="native")).convert_(model, names)
             for name in names:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import warnings
 from typing import Any, ClassVar, ContextManager, cast
@@ -126,30 +125,9 @@ class FP8Backend:
 
     # ------------------------------------------------------------------------------------------ conformance
     def checks_conformance(self) -> bool:
-        """Whether :meth:`conformance_gate_` checks this backend here (the native backend is the reference)."""
+        """Whether :func:`~lit_mpstable.fp8.native.conformance_gate` checks this backend here (the native backend is
+        the reference)."""
         return False
-
-    def conformance_gate_(self, model: nn.Module, names: list[str]) -> list[str]:
-        """Called by :meth:`convert_` before it converts ``names``: the conformance check
-        (:func:`~lit_mpstable.fp8.backends.check_conformance`, once per config and process) and what
-        ``config.conformance`` says to do on a failure: ``"raise"`` a ValueError with the numbers, ``"native"`` a
-        warning with them and those layers converted by the native backend instead (returns the names left for this
-        backend: none). ``"off"``, or a backend that is not checked here, returns ``names``."""
-        if not names or self.config.conformance == "off" or self.__dict__.get("_probing") or not (
-                self.checks_conformance()):
-            return names
-        from lit_mpstable.fp8.backends import BACKENDS, check_conformance
-
-        report = check_conformance(self)
-        if report.ok:
-            return names
-        if self.config.conformance == "raise":
-            raise ValueError(f"{report.describe()} Refused for the layers {names}; use backend='native' (exact"
-                             " emulation), or FP8Config(conformance='native') to fall back to it automatically.")
-        warnings.warn(f"{report.describe()} The layers {names} run on backend='native' instead"
-                      " (FP8Config(conformance='native')).", RuntimeWarning, stacklevel=3)
-        BACKENDS["native"](dataclasses.replace(self.config, backend="native")).convert_(model, names)
-        return []
 
     def probe_quantize(self, x: torch.Tensor, operand: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This backend's own quantization of the probe tensor ``x`` as the operand ``operand`` (``"input"``,

@@ -227,27 +227,12 @@ class FP8Config:
         """A map's patterns, in order (empty for a single recipe)."""
         return [pattern for pattern, _ in self.__dict__.get("_map", ())]
 
-    def export_map(self, model: nn.Module) -> dict[str, dict[str, Any]]:
-        """The chosen per-layer map of ``model`` (converted): ``{qualified name: Recipe fields}`` as plain values
-        (formats per role ``fprop``/``dgrad``/``wgrad``, blocks, scale rule, block scale floor, stochastic rounding,
-        Hadamard, 4-over-6, per-tensor knobs); layers left in the base precision are absent. ``yaml.safe_dump``
-        writes it; it is what to hand to TransformerEngine's ``CustomRecipe`` quantizer factory or Megatron's
-        precision config file (by hand: neither reads ours)."""
-        from lit_mpstable.fp8.backends import find_fp8_layers
-
-        out: dict[str, dict[str, Any]] = {}
-        for name in find_fp8_layers(model):
-            layer_config = getattr(model.get_submodule(name), "fp8_config", None)
-            spec = layer_config.spec if isinstance(layer_config, FP8Config) else self.spec
-            out[name] = spec.as_dict()
-        return out
-
     def _check_backend(self) -> None:
         # What the optional backends cannot express is refused here, not ignored at conversion time.
         call = f"FP8Config(recipe={self.recipe!r}, backend={self.backend!r}"
         if self.backend != "native" and self.is_map:
             raise ValueError(f"{call}): a per-module recipe map runs on backend='native'; the libraries take one recipe"
-                             " per model here (export the map with FP8Config.export_map to configure them by hand).")
+                             " per model here (export the map with export_recipe_map to configure them by hand).")
         if self.backend == "native":
             return
         spec = self.spec

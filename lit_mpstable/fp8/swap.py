@@ -6,7 +6,7 @@ import fnmatch
 import warnings
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -202,6 +202,30 @@ def _by_backend(layers: dict[str, type[FP8Backend]]) -> dict[type[FP8Backend], l
     for name, backend in layers.items():
         groups[backend].append(name)
     return groups
+
+
+def export_recipe_map(model: nn.Module, config: FP8Config | str | None = None) -> dict[str, dict[str, Any]]:
+    """The chosen per-layer recipes of ``model`` (converted): ``{qualified name: Recipe fields}`` as plain values
+    (formats per role ``fprop``/``dgrad``/``wgrad``, blocks, scale rule, block scale floor, stochastic rounding,
+    Hadamard, 4-over-6, per-tensor knobs); layers in the base precision are absent. ``yaml.safe_dump`` writes it; it
+    is what to write by hand into TransformerEngine's ``CustomRecipe`` quantizer factory or Megatron's precision
+    config file (neither reads ours). Native layers carry their own recipe (a per-module map's entry); the layers of
+    another backend take ``config``'s.
+
+    Raises:
+        ValueError: a layer of another backend and no ``config`` (or a map config) to read its recipe from.
+    """
+    resolved = fp8_config(config)
+    out: dict[str, dict[str, Any]] = {}
+    for name in find_fp8_layers(model):
+        layer_config = getattr(model.get_submodule(name), "fp8_config", None)
+        if not isinstance(layer_config, FP8Config):
+            if resolved is None:
+                raise ValueError(f"export_recipe_map(model, config=None): {name!r} is a library FP8 layer, which keeps"
+                                 " no recipe; pass the FP8Config it was converted with.")
+            layer_config = resolved
+        out[name] = layer_config.spec.as_dict()
+    return out
 
 
 def convert_to_fp8(model: nn.Module, config: FP8Config | str | None) -> list[str]:

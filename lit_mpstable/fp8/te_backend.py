@@ -11,6 +11,7 @@ from torch import nn
 
 from lit_mpstable.fp8.backend import FP8Backend, optional_import, replace_module, share_hooks
 from lit_mpstable.fp8.config import FP8Config
+from lit_mpstable.fp8.native import conformance_gate
 
 _EXTRA_STATE = "_extra_state"  # the key torch.nn.Module gives get_extra_state()'s value in a state dict
 _STATE_KEY = "extra_state"
@@ -46,7 +47,7 @@ def transformer_engine_recipe(config: FP8Config) -> Any:
     if spec.name not in _TE_RECIPES:
         raise ValueError(f"FP8Config(recipe={spec.name!r}, backend='transformer_engine'): no mapping of this recipe to"
                          f" a TransformerEngine recipe (te_backend._TE_RECIPES has {list(_TE_RECIPES)}); use"
-                         " backend='native', or export its per-layer map (FP8Config.export_map) for TE's CustomRecipe.")
+                         " backend='native', or export its per-layer map (export_recipe_map) for TE's CustomRecipe.")
     name, version, fmt = _TE_RECIPES[spec.name]
     if not hasattr(recipe, name):
         raise ValueError(
@@ -127,7 +128,7 @@ class TransformerEngineBackend(FP8Backend):
 
     def convert_(self, model: nn.Module, names: list[str]) -> None:
         te = optional_import("transformer_engine.pytorch", "transformer_engine")
-        names = self.conformance_gate_(model, names)
+        names = conformance_gate(self, model, names)
         for name in names:
             linear = model.get_submodule(name)
             layer = te.Linear(

@@ -12,6 +12,7 @@ from torch import nn
 from lit_mpstable.fp8.backend import FP8Backend, optional_import, share_hooks
 from lit_mpstable.fp8.config import FP8Config
 from lit_mpstable.fp8.gemm import scaled_mm_supported
+from lit_mpstable.fp8.native import conformance_gate
 
 _MX_CONFIG = "torchao.prototype.moe_training.config"
 _TORCHAO_RECIPES = {"current": "_convert_float8", "mxfp8": "_convert_mx"}
@@ -118,7 +119,7 @@ class TorchaoBackend(FP8Backend):
         return True
 
     def convert_(self, model: nn.Module, names: list[str]) -> None:
-        names = self.conformance_gate_(model, names)
+        names = conformance_gate(self, model, names)
         if not names:
             return
         selected = set(names)

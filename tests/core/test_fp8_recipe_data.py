@@ -14,11 +14,13 @@ from fp8_stand_ins import install_conformance_stand_in
 from torch import nn
 
 import lit_mpstable.fp8.backends as backends_module
+import lit_mpstable.fp8.native as native_module
 from lit_mpstable.fp8 import (
     FP8Config,
     FP8Linear,
     Recipe,
     convert_to_fp8,
+    export_recipe_map,
     fake_quantize,
     fp8_config,
     recipe,
@@ -71,7 +73,8 @@ def test_registered_recipes_are_frozen_data_with_the_hardware_defaults() -> None
         (lambda: FP8Config(recipe="fp6"), ["recipe='fp6'", "nvfp4"]),
         (lambda: fake_quantize(torch.ones(4, 32), "fp6"), ["fp6", "nvfp4"]),
         (lambda: FP8Config(recipe={"*.mlp.*": "fp6"}), ["fp6", "nvfp4"]),
-        (lambda: FP8Config(recipe={"*": "nvfp4"}, backend="transformer_engine"), ["map", "native", "export_map"]),
+        (lambda: FP8Config(recipe={"*": "nvfp4"}, backend="transformer_engine"),
+         ["map", "native", "export_recipe_map"]),
     ],
 )
 def test_bad_recipe_input_is_a_value_error_naming_it(call, words: list[str]) -> None:
@@ -148,7 +151,7 @@ def test_a_module_map_gives_each_layer_the_first_matching_recipe_and_exports() -
     assert model[1].mlp[0].fp8_config.spec.name == "nvfp4" and model[1].attn.fp8_config.spec is floor
     assert model[1].proj.fp8_config.spec.name == "current"  # "1.*" matches "1.mlp.0" too, but "*.mlp.*" is first
     model(torch.randn(4, 16)).sum().backward()
-    exported = config.export_map(model)
+    exported = export_recipe_map(model)
     assert list(exported) == names
     assert exported["1.attn"]["fprop"] == "mxfp8" and exported["1.attn"]["scale_rule"] == "floor"
     assert exported["2.mlp.0"]["stochastic_rounding"] == ["dgrad", "wgrad"]
@@ -177,9 +180,9 @@ def _floor_scales(spec: Recipe, x: torch.Tensor, operand: str):
 
 @pytest.fixture(autouse=False)
 def fresh_checks() -> None:
-    backends_module._CHECKED.clear()  # each test sees its own stand-in, not a cached verdict
+    native_module._CHECKED.clear()  # each test sees its own stand-in, not a cached verdict
     yield
-    backends_module._CHECKED.clear()
+    native_module._CHECKED.clear()
 
 
 @pytest.mark.skipif(not _MX_RULE_MERGED, reason="needs mx_quantize(scale_rule=...) from the r-arith branch: before "
@@ -200,7 +203,7 @@ def test_conformance_passes_a_backend_equal_to_the_reference(monkeypatch, fresh_
     config = FP8Config(recipe=recipe("mxfp8", scale_rule="floor"), backend="torchao", format="e4m3")
     names = convert_to_fp8(_model(), config)
     assert stand_in.converted[-1] == names  # not refused, nothing fell back
-    report = backends_module.check_conformance(stand_in(config))
+    report = native_module.check_conformance(stand_in(config))
     assert report.ok and report.unprobed == () and set(report.scales_differ) == {"input", "weight", "grad"}
 
 
@@ -224,7 +227,36 @@ def test_conformance_against_the_real_torchao_names_its_rceil_scales(fresh_check
     # a fifth of the scales (issue 45: 21%), which the check names instead of training on other numerics.
     pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     floor = FP8Config(recipe=recipe("mxfp8", scale_rule="floor"), backend="torchao", format="e4m3")
-    report = backends_module.check_conformance(backends_module.BACKENDS["torchao"](floor))
+    report = native_module.check_conformance(backends_module.BACKENDS["torchao"](floor))
     assert not report.ok and 0.1 < report.scales_differ["input"] < 0.3 and 0 < report.values_differ["input"] < 0.02
     current = FP8Config(recipe="current", backend="torchao")
-    assert backends_module.check_conformance(backends_module.BACKENDS["torchao"](current)).ok  # bit for bit
+    assert native_module.check_conformance(backends_module.BACKENDS["torchao"](current)).ok  # bit for bit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [
+    recipe("mxfp8", name="mx_fwd_nv_bwd", dgrad="nvfp4", wgrad="bf16"),
+    recipe("nvfp4", name="nv_bf16_wgrad", wgrad="bf16", stochastic_rounding=("dgrad",), hadamard=()),
+], ids=lambda spec: spec.name)
+def test_a_per_role_recipe_compiles_without_graph_breaks_and_matches_eager(spec: Recipe) -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def layer() -> FP8Linear:
+        torch.manual_seed(0)
+        return FP8Linear.from_linear(nn.Linear(64, 32), FP8Config(recipe=spec), "fc")
+
+    gen = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(16, 64, generator=gen), torch.randn(16, 32, generator=gen)
+    explanation = torch._dynamo.explain(layer())(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    eager, compiled = layer(), layer()
+    fn = torch.compile(compiled, fullgraph=True)
+    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    eager(xe).backward(dy)
+    out = fn(xc)
+    out.backward(dy)
+    torch.testing.assert_close(out, eager(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled.weight.grad, eager.weight.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-4)
