@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lit_mpstable.fp8.blockwise import blockwise_dequantize, blockwise_quantize
 from lit_mpstable.fp8.mx import MXElement, mx_dequantize, mx_quantize
 from lit_mpstable.fp8.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-from lit_mpstable.fp8.quant import current_scale, dequantize, quantize, quantize_mx
+from lit_mpstable.fp8.quant import current_scale, dequantize, quantize, quantize_mx, to_stored
 from lit_mpstable.fp8.recipe import Recipe, Role, resolve
 
 QuantRecipe = Literal["current", "blockwise", "mxfp4", "mxfp8", "nvfp4"]
@@ -68,7 +68,7 @@ def _unpad(values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def _bf16(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, **_: Any) -> torch.Tensor:
-    return t.to(torch.bfloat16).float()
+    return to_stored(t.float(), torch.bfloat16).float()  # rounded under torch.compile too (inductor elides a cast)
 
 
 def _tensor(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, *,
@@ -108,7 +108,7 @@ def _nvfp4(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] |
 
 
 QUANTIZERS: dict[str, Callable[..., torch.Tensor]] = {
-    "tensor": _tensor, "mx": _mx, "blockwise": _blockwise, "nvfp4": _nvfp4, "bf16": _bf16,
+    "tensor": _tensor, "mx": _mx, "tiles": _blockwise, "two_level": _nvfp4, "bf16": _bf16,
 }
 """``FormatInfo.kind`` -> the quantizer (quantise and dequantise to fp32) of one GEMM operand."""
 
@@ -233,14 +233,14 @@ def reference_quantize(
         q = mx_quantize(_pad(t, 1, block[1]), element, block_size=block[1], **mx_kwargs(spec))
         scales = torch.ldexp(torch.ones_like(q.scale_e8m0, dtype=torch.float32), q.scale_e8m0.long() - 127)
         return _unpad(mx_dequantize(q), t.shape), scales
-    if info.kind == "nvfp4":
+    if info.kind == "two_level":
         if not _NV_FLOOR and spec.block_scale_floor is None:
             return None
         assert block is not None
         rows, cols = block if operand == "weight" else (1, block[1])
         nq = nvfp4_quantize(_pad(t, rows, cols), tile=(rows, cols), **nvfp4_kwargs(spec))
         return _unpad(nvfp4_dequantize(nq), t.shape), nq.block_scale.float().flatten() * nq.tensor_scale
-    if info.kind == "blockwise":
+    if info.kind == "tiles":
         assert block is not None
         bq = blockwise_quantize(t, tile=block if operand == "weight" else (1, block[1]))
         return blockwise_dequantize(bq), bq.scale_inv.flatten()

@@ -40,16 +40,16 @@ class FormatInfo(NamedTuple):
     quantized: bool = True
     """False for ``"bf16"``: the operands stay in high precision (rounded to bfloat16)."""
     kind: str = "tensor"
-    """Which quantizer implements it (a key of ``quantizers.QUANTIZERS``)."""
+    """Which quantizer implements it (a key of ``quantizers.QUANTIZERS``: per tensor, MX, 2-D tiles, two-level NVFP4)."""
 
 
 FORMATS: dict[str, FormatInfo] = {
     "delayed": FormatInfo((), 1, history=True),
     "current": FormatInfo((), 1),
     "mxfp8": FormatInfo(((1, 32),), 1, mx=True, kind="mx"),
-    "blockwise": FormatInfo(((128, 128), (1, 128)), 1, kind="blockwise"),
+    "blockwise": FormatInfo(((128, 128), (1, 128)), 1, kind="tiles"),
     "mxfp4": FormatInfo(((1, 32),), 32, mx=True, fp4=True, kind="mx"),
-    "nvfp4": FormatInfo(((16, 16), (1, 16)), 16, stochastic=True, fp4=True, kind="nvfp4"),
+    "nvfp4": FormatInfo(((16, 16), (1, 16)), 16, stochastic=True, fp4=True, kind="two_level"),
     "bf16": FormatInfo((), 1, quantized=False, kind="bf16"),
 }
 """Per-role operand formats: ``"delayed"`` / ``"current"`` (E4M3, E5M2 gradients with ``FP8Config(format="hybrid")``,
