@@ -40,7 +40,7 @@ class FormatInfo(NamedTuple):
     quantized: bool = True
     """False for ``"bf16"``: the operands stay in high precision (rounded to bfloat16)."""
     kind: str = "tensor"
-    """Which quantizer implements it (a key of ``quantizers.QUANTIZERS``: per tensor, MX, 2-D tiles, two-level NVFP4)."""
+    """Which quantizer implements it (a key of ``quantizers.QUANTIZERS``: per tensor, MX, tiles, two-level)."""
 
 
 FORMATS: dict[str, FormatInfo] = {
