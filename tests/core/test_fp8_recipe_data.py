@@ -260,3 +260,14 @@ def test_a_per_role_recipe_compiles_without_graph_breaks_and_matches_eager(spec:
     torch.testing.assert_close(out, eager(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled.weight.grad, eager.weight.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_a_map_comes_through_a_hydra_node() -> None:
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create({"recipe": {"*.mlp.*": "nvfp4", "default": "mxfp8"}, "margin": 0})
+    config = fp8_config(node)
+    assert config is not None and config.is_map and config.map_patterns() == ["*.mlp.*"]
+    assert config.for_layer("1.mlp.0").spec.name == "nvfp4" and config.for_layer("1.attn").spec.name == "mxfp8"
+    assert dataclasses.replace(config, emulate=True).for_layer("1.mlp.0").spec.name == "nvfp4"  # survives replace
+    assert hash(config) == hash(fp8_config(node))
