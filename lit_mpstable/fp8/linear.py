@@ -23,11 +23,10 @@ from lit_mpstable.fp8.quant import (
     dequantize_mx,
     inside_backward,
     quantize,
-    quantize_mx,
     to_stored,
     update_amax_history_,
 )
-from lit_mpstable.fp8.quantizers import mx_kwargs
+from lit_mpstable.fp8.quantizers import quantize_mx_as
 
 FP8_TENSORS = ("x", "w", "grad_out")
 """The three FP8 operands of a linear layer, in the row order of ``amax_history`` and ``scale``."""
@@ -281,7 +280,7 @@ class FP8Linear(nn.Linear):
     def _cast_mx(self, t: torch.Tensor, role: int, record: bool = True) -> torch.Tensor:
         """MX recipe: ``t`` quantised in blocks of 32 along its last dim and dequantised to fp32 (emulation)."""
         dtype = self._dtype(role)
-        data, block_scale = quantize_mx(t, dtype, **mx_kwargs(self.fp8_config.spec, quantize_mx))
+        data, block_scale = quantize_mx_as(self.fp8_config.spec, t, dtype)
         values = dequantize_mx(data, block_scale)
         if record and self.collect_stats:
             per_element = block_scale.repeat_interleave(MX_BLOCK_SIZE, dim=-1)[..., : t.shape[-1]]

@@ -55,6 +55,19 @@ def nvfp4_kwargs(spec: Recipe) -> dict[str, Any]:
     return kwargs
 
 
+def quantize_mx_as(spec: Recipe, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant.quantize_mx(t, dtype)`` with the recipe's ``scale_rule``: ``(FP8 data of t's shape, fp32 block scales)``
+    (FP8Linear's MX path). Where ``quantize_mx`` lacks the rule but ``mx_quantize`` has it, through the latter."""
+    if _QMX_RULE or not _MX_RULE or spec.scale_rule == "floor":
+        return quantize_mx(t, dtype, **mx_kwargs(spec, quantize_mx))
+    element: MXElement = "fp8_e5m2" if dtype == torch.float8_e5m2 else "fp8_e4m3"
+    q = mx_quantize(_pad(t, 1, 32), element, block_size=32, **mx_kwargs(spec))
+    biased = q.scale_e8m0.long()
+    scale = torch.ldexp(torch.ones(biased.shape, device=t.device), biased - 127)
+    scale = torch.where(biased == 255, torch.nan, scale)
+    return q.elements[..., : t.shape[-1]].to(dtype), scale
+
+
 # ----------------------------------------------------------------------------------------------- operands
 def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """``t`` zero-padded so ``cols`` divides its last dim and ``rows`` its second-to-last (zeros raise no amax)."""

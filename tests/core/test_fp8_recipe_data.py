@@ -28,6 +28,7 @@ from lit_mpstable.fp8 import (
     register_recipe,
 )
 from lit_mpstable.fp8.mx import mx_quantize
+from lit_mpstable.fp8.nvfp4 import nvfp4_quantize
 from lit_mpstable.fp8.quantizers import reference_quantize
 
 _REGISTRY_MODULE = sys.modules["lit_mpstable.fp8.recipe"]  # the attribute of that name is the function
@@ -271,3 +272,43 @@ def test_a_map_comes_through_a_hydra_node() -> None:
     assert config.for_layer("1.mlp.0").spec.name == "nvfp4" and config.for_layer("1.attn").spec.name == "mxfp8"
     assert dataclasses.replace(config, emulate=True).for_layer("1.mlp.0").spec.name == "nvfp4"  # survives replace
     assert hash(config) == hash(fp8_config(node))
+
+
+# ------------------------------------------------------------------------------- fields reach the arithmetic
+# The reference arithmetic gains these keywords on the r-arith branch; before the merge the old arithmetic runs
+# (MX FLOOR, NVFP4 block scales clamped at 2**-6). Each test below holds in both states and checks the field's
+# effect once the keyword exists (the lead runs them after merging both branches).
+_NV_FLOOR_MERGED = "block_scale_floor" in inspect.signature(nvfp4_quantize).parameters
+_NV_46_MERGED = "four_over_six" in inspect.signature(nvfp4_quantize).parameters
+
+
+def test_scale_rule_reaches_mx_quantize_and_fp8linear() -> None:
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
+    rceil, floor = fake_quantize(x, "mxfp8"), fake_quantize(x, recipe("mxfp8", scale_rule="floor"))
+    assert torch.equal(floor, fake_quantize(x, "mxfp8")) != _MX_RULE_MERGED  # differ exactly when RCEIL exists
+    torch.manual_seed(0)
+    base = nn.Linear(128, 32, bias=False)
+    specs = ("mxfp8", recipe("mxfp8", scale_rule="floor"))
+    layers = [FP8Linear.from_linear(base, FP8Config(recipe=r), "fc") for r in specs]
+    ys = [layer(x) for layer in layers]
+    assert torch.equal(ys[0], rceil @ fake_quantize(base.weight.detach(), "mxfp8", role="weight").t())
+    assert torch.equal(ys[0], ys[1]) != _MX_RULE_MERGED
+
+
+def test_block_scale_floor_reaches_nvfp4_quantize() -> None:
+    # Rows whose amax is far below the tensor's get subnormal E4M3 block scales in TE's arithmetic (None) and the
+    # 2**-6 clamp in torchao's ("e4m3_tiny").
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(6)) * torch.logspace(-7, 1, 64).unsqueeze(1)
+    te, tao = fake_quantize(x, "nvfp4"), fake_quantize(x, recipe("nvfp4", block_scale_floor="e4m3_tiny"))
+    assert torch.equal(te, tao) != _NV_FLOOR_MERGED
+
+
+def test_four_over_six_is_refused_by_name_until_its_arithmetic_exists_then_lowers_the_error() -> None:
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(7))
+    spec = recipe("nvfp4", four_over_six=True)
+    if not _NV_46_MERGED:
+        with pytest.raises(ValueError, match="four_over_six"):
+            fake_quantize(x, spec)
+        return
+    error = [float((fake_quantize(x, r) - x).norm() / x.norm()) for r in ("nvfp4", spec)]
+    assert error[1] < error[0]  # Four Over Six: 0.0951 -> 0.0870 on Gaussian data (issue 45)
