@@ -158,6 +158,9 @@ class Recipe:
         if self.four_over_six and not any(self.info(role).fp4 and not self.info(role).mx for role in ROLES):
             raise ValueError(f"{call}: four_over_six=True; it chooses NVFP4 block scales, and no role is nvfp4"
                              f" ({self.formats}).")
+        if self.four_over_six and self.block_scale_floor is not None:
+            raise ValueError(f"{call}: four_over_six=True with block_scale_floor={self.block_scale_floor!r}; Four Over"
+                             " Six is TransformerEngine's variant (block_scale_floor=None).")
 
     # ------------------------------------------------------------------------------------------- derived
     @property

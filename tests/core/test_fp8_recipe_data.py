@@ -71,6 +71,7 @@ def test_registered_recipes_are_frozen_data_with_the_hardware_defaults() -> None
         (lambda: recipe("nvfp4", fprop_block=(8, 8)), ["fprop_block=(8, 8)", "(16, 16)"]),
         (lambda: recipe("delayed", wgrad="current"), ["delayed", "all three roles"]),
         (lambda: recipe("mxfp8", four_over_six=True), ["four_over_six", "nvfp4"]),
+        (lambda: recipe("nvfp4", four_over_six=True, block_scale_floor="e4m3_tiny"), ["four_over_six", "e4m3_tiny"]),
         (lambda: FP8Config(recipe="fp6"), ["recipe='fp6'", "nvfp4"]),
         (lambda: fake_quantize(torch.ones(4, 32), "fp6"), ["fp6", "nvfp4"]),
         (lambda: FP8Config(recipe={"*.mlp.*": "fp6"}), ["fp6", "nvfp4"]),
