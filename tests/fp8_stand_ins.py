@@ -107,3 +107,38 @@ def install_transformer_engine(
         monkeypatch.setitem(sys.modules, name, module)
     calls.Linear, calls.recipe = Linear, recipe
     return calls
+
+
+def install_conformance_stand_in(
+    monkeypatch: pytest.MonkeyPatch, *, quantize=None, zero_grads: bool = False
+) -> type:
+    """A ``backend="torchao"`` stand-in for the conformance check on a CPU (undone by ``monkeypatch``): it converts
+    layers to native ``FP8Linear`` (after ``conformance_gate``, as the real backends do), exposes
+    ``quantize(spec, x, operand)`` as its quantizer (None: none exposed) and, with ``zero_grads``, returns all-zero
+    weight gradients (TE's NVFP4 stochastic rounding on some GPUs, TE PR #3281). Returns the class."""
+    import dataclasses
+
+    from lit_mpstable.fp8 import backends
+    from lit_mpstable.fp8.native import NativeBackend, conformance_gate
+
+    class StandIn(NativeBackend):
+        name = "torchao"
+        converted: list[list[str]] = []
+
+        def checks_conformance(self) -> bool:
+            return True
+
+        def convert_(self, model: nn.Module, names: list[str]) -> None:
+            names = conformance_gate(self, model, names)
+            StandIn.converted.append(list(names))
+            NativeBackend(dataclasses.replace(self.config, backend="native")).convert_(model, names)
+            for name in names:
+                if zero_grads:
+                    model.get_submodule(name).weight.register_hook(torch.zeros_like)
+
+        def probe_quantize(self, x: torch.Tensor, operand: str):
+            return quantize(self.config.spec, x, operand) if quantize is not None else None
+
+    StandIn.converted = []
+    monkeypatch.setitem(backends.BACKENDS, "torchao", StandIn)
+    return StandIn

@@ -74,3 +74,16 @@ def test_a_run_of_the_app_puts_the_map_in_its_summary_and_report(tmp_path: Path)
     assert "fp8 current" in formats.values() and any(v.endswith("filter") for v in formats.values())
     report = (tmp_path / "report.md").read_text()
     assert all(f"| {name} | {fmt} |" in report for name, fmt in formats.items())
+
+
+def test_a_layer_of_a_per_role_recipe_is_shown_with_its_role_formats() -> None:
+    from lit_mpstable.app.report_formats import _low_format
+    from lit_mpstable.fp8 import FP8Linear, recipe
+
+    def layer(spec) -> FP8Linear:
+        return FP8Linear.from_linear(nn.Linear(32, 32), FP8Config(recipe=spec), "fc")
+
+    assert _low_format(layer("nvfp4"), None) == "nvfp4"
+    assert _low_format(layer("mxfp8"), None) == "fp8 mxfp8"
+    mixed = recipe("mxfp8", name="mixed", dgrad="nvfp4", wgrad="bf16")
+    assert _low_format(layer(mixed), None) == "mixed (mxfp8/nvfp4/bf16)"  # an FP4 role: no "fp8 " before it

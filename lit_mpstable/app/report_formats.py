@@ -26,7 +26,6 @@ def layer_formats(plugin: Any) -> dict[str, str]:
     if layout is None or not isinstance(module, nn.Module):
         return {}
     fp8 = getattr(plugin, "fp8", None)
-    recipe = getattr(fp8, "recipe", None)
     low = set(layout.fp8_layers)
     selected = set(layout.fp8_selected)
     probed = set(getattr(plugin, "fp8_high_precision_layers", None) or [])
@@ -41,7 +40,7 @@ def layer_formats(plugin: Any) -> dict[str, str]:
         if type(layer) is not nn.Linear and backend_of(layer) is None:
             continue
         if name in low:
-            formats[name] = recipe if recipe in ("nvfp4", "mxfp4") else f"fp8 {recipe}"
+            formats[name] = _low_format(layer, fp8)
         elif fp8 is None:
             formats[name] = base
         elif name in probed:
@@ -51,6 +50,17 @@ def layer_formats(plugin: Any) -> dict[str, str]:
         else:
             formats[name] = f"{base}, filter"
     return formats
+
+
+def _low_format(layer: nn.Module, fp8: Any) -> str:
+    """A low-precision layer's format: the recipe's name (``"fp8 "`` before an FP8 one; FP4 ones as they are) and,
+    where its GEMM roles differ (a per-role recipe), ``fprop/dgrad/wgrad`` formats."""
+    config = getattr(layer, "fp8_config", fp8)  # native layers carry their own (a per-module map's entry)
+    spec = config.spec if hasattr(config, "spec") else None
+    if spec is None:
+        return f"fp8 {getattr(fp8, 'recipe', '?')}"
+    label = spec.name if spec.fp4 else f"fp8 {spec.name}"
+    return label if spec.uniform else f"{label} ({spec.fprop}/{spec.dgrad}/{spec.wgrad})"
 
 
 def format_lines(summary: Mapping[str, Any]) -> list[str]:

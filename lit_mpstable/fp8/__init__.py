@@ -1,4 +1,5 @@
-"""FP8 training core: FP8Config and recipes (delayed, current, mxfp8; blockwise FP8, MXFP4, NVFP4), FP8Linear,
+"""FP8 training core: FP8Config and recipes as data (:class:`Recipe`, :func:`recipe`, :func:`register_recipe`: delayed,
+current, mxfp8; blockwise FP8, MXFP4, NVFP4; per-role and per-module), FP8Linear,
 the module swap, and one backend seam (:class:`FP8Backend`) behind which the native layers, torchao and
 TransformerEngine look alike. Torch only; the optional packages are imported when a backend that needs them is built.
 
@@ -20,11 +21,12 @@ How our recipes relate to TransformerEngine's (``backend="transformer_engine"`` 
   its own amax, no state; ours and torchao's give the same correctly rounded scales and FP8 bytes. TE also
   offers power-of-two scales and an amax epsilon (off by default) and, under sequence parallelism, reduces input
   amaxes over the tensor-parallel group; we reduce nothing (each rank its own amax).
-- ``"mxfp8"`` follows the OCP MX spec: one E8M0 scale per 32 elements along the reduction dim, the floor rule, so a
-  block's largest elements may saturate by up to 2**-3. TE's ``MXFP8BlockScaling`` rounds the block exponent up
-  (``amax / fp8_max`` up to a power of two): nothing saturates, and a block's small values lose up to one binade
-  more. TE's default format there is E4M3 for gradients too (ours: E5M2 with ``format="hybrid"``); both quantise
-  the row- and column-wise copies from the high-precision tensor; TE's needs a Blackwell GPU.
+- ``"mxfp8"``: one E8M0 scale per 32 elements along the reduction dim, with the recipe's ``scale_rule``:
+  ``"rceil"`` (the default, TE's ``MXFP8BlockScaling`` and torchao's training rule: ``amax / fp8_max`` rounded up to a
+  power of two, nothing saturates) or ``"floor"`` (the OCP MX spec: a block's largest elements may saturate by up to
+  2**-3, and its small values keep up to one binade more). TE's default format there is E4M3 for gradients too
+  (ours: E5M2 with ``format="hybrid"``); both quantise the row- and column-wise copies from the high-precision
+  tensor; TE's needs a Blackwell GPU.
 - ``"blockwise"`` is TE's ``Float8BlockScaling`` (E4M3, power-of-two scales, 1x128 / 128x128 tiles; Hopper or
   later), ``"nvfp4"`` TE's ``NVFP4BlockScaling`` (RHT, 2-D weight tiles and stochastic rounding on, as its defaults;
   Blackwell). TE has no MXFP4 recipe. torchao refuses ``"blockwise"`` (its prototype ``Float8BlockwiseLinear``
@@ -47,17 +49,27 @@ from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
 from lit_mpstable.fp8.native import NativeBackend
 from lit_mpstable.fp8.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quantizers import fake_quantize
-from lit_mpstable.fp8.swap import convert_from_fp8, convert_to_fp8, fp8_state_dict, fp8_stats, load_fp8_state_dict
+from lit_mpstable.fp8.recipe import FORMATS, Recipe, recipe, recipe_names, register_recipe
+from lit_mpstable.fp8.swap import (
+    convert_from_fp8,
+    convert_to_fp8,
+    export_recipe_map,
+    fp8_state_dict,
+    fp8_stats,
+    load_fp8_state_dict,
+)
 from lit_mpstable.fp8.te_backend import TransformerEngineBackend
 from lit_mpstable.fp8.torchao_backend import TorchaoBackend
 
 __all__ = [
     "BACKENDS",
+    "FORMATS",
     "FP8Backend",
     "FP8Config",
     "FP8Linear",
     "HighPrecisionBudget",
     "NativeBackend",
+    "Recipe",
     "TorchaoBackend",
     "TransformerEngineBackend",
     "blockwise_dequantize",
@@ -65,6 +77,7 @@ __all__ = [
     "choose_high_precision",
     "convert_from_fp8",
     "convert_to_fp8",
+    "export_recipe_map",
     "fake_quantize",
     "fp8_backend",
     "fp8_config",
@@ -80,4 +93,7 @@ __all__ = [
     "nvfp4_quantize",
     "random_hadamard_transform",
     "random_signs",
+    "recipe",
+    "recipe_names",
+    "register_recipe",
 ]

@@ -123,6 +123,34 @@ class FP8Backend:
         """The latest statistics of one layer (see ``FP8Linear``); empty when none were recorded."""
         return {}
 
+    # ------------------------------------------------------------------------------------------ conformance
+    def checks_conformance(self) -> bool:
+        """Whether :func:`~lit_mpstable.fp8.native.conformance_gate` checks this backend here (the native backend is
+        the reference)."""
+        return False
+
+    def probe_quantize(self, x: torch.Tensor, operand: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This backend's own quantization of the probe tensor ``x`` as the operand ``operand`` (``"input"``,
+        ``"weight"``, ``"grad"``) of its recipe: ``(dequantized values, decode scales)`` in fp32, laid out as
+        :func:`~lit_mpstable.fp8.quantizers.reference_quantize`'s, or None where it exposes no quantizer here."""
+        return None
+
+    def probe_gradients(self, x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        """The weight gradient of a probe layer (``weight``, no bias) this backend builds, for input ``x`` and
+        output gradient ``grad_out``: one forward and backward in :meth:`forward_context`."""
+        model = nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device))
+        model[0].weight = nn.Parameter(weight.clone())
+        self._probing = True  # the probe layer itself is not gated
+        try:
+            self.convert_(model, ["0"])
+        finally:
+            self._probing = False
+        with self.forward_context():
+            out = model(x)
+        out.backward(grad_out.to(out.dtype))
+        grad = model[0].weight.grad
+        return grad.detach().float() if grad is not None else torch.zeros_like(weight)
+
     # ------------------------------------------------------------------------------------------- per step
     def forward_context(self) -> ContextManager:
         return contextlib.nullcontext()

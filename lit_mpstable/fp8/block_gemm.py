@@ -1,7 +1,7 @@
-"""The three GEMMs of a linear layer under the block-scaled recipes (blockwise FP8, MXFP4, NVFP4), emulated exactly:
-each operand quantised along that GEMM's reduction dim, dequantised, multiplied in fp32.
-
-Per recipe and GEMM (``x``: (tokens, in), ``W``: (out, in), ``dY``: (tokens, out)):
+"""The three GEMMs of a linear layer under the block-scaled recipes (blockwise FP8, MXFP4, NVFP4) and any recipe whose
+roles take different formats, emulated exactly: each operand quantised as its GEMM role's format says
+(:func:`~lit_mpstable.fp8.quantizers.quantize_operand`) along that GEMM's reduction dim, dequantised, multiplied in
+fp32. The registered recipes, per GEMM (``x``: (tokens, in), ``W``: (out, in), ``dY``: (tokens, out)):
 
 ============  ==========================  ==========================  =========================================
 recipe        forward ``x W^T``           dgrad ``dY W``              wgrad ``dY^T x``
@@ -27,16 +27,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lit_mpstable.fp8.blockwise import BLOCKWISE_TILE, blockwise_dequantize, blockwise_quantize
 from lit_mpstable.fp8.hadamard import HADAMARD_SIZE, random_hadamard_transform
-from lit_mpstable.fp8.mx import mx_dequantize, mx_quantize
-from lit_mpstable.fp8.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quant import as_stored, to_stored
+from lit_mpstable.fp8.quantizers import quantize_operand
+from lit_mpstable.fp8.recipe import Recipe
 
 _MASK = 0xFFFFFFFF
 # Stream tags of the two stochastically rounded operands, so their noise never coincides.
 DGRAD_STREAM, WGRAD_STREAM = 1, 2
-_TOKEN_BLOCK = {"blockwise": 1, "mxfp4": 32, "nvfp4": NVFP4_BLOCK_SIZE}  # blockwise pads its own tiles
 
 
 def layer_seed(name: str) -> int:
@@ -78,34 +76,27 @@ def rht_signs(seed: int, device: torch.device | str | None = None) -> torch.Tens
     return torch.where(draws < 0.5, -1.0, 1.0)
 
 
-def quantize_weight(recipe: str, weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight as forward and dgrad both see it (fp32), for the 2-D-block recipes; None for mxfp4, whose blocks
-    run along a different dim in each GEMM."""
-    if recipe == "blockwise":
-        return blockwise_dequantize(blockwise_quantize(weight, tile=(BLOCKWISE_TILE, BLOCKWISE_TILE)))
-    if recipe == "nvfp4":
-        return nvfp4_dequantize(nvfp4_quantize(weight, tile=(NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)))
-    return None
+def shares_weight(spec: Recipe) -> bool:
+    """Whether the forward and the dgrad use one quantized weight: the same format and 2-D weight blocks."""
+    block = spec.fprop_block
+    return spec.fprop == spec.dgrad and block == spec.dgrad_block and block is not None and block[0] > 1
 
 
-def _rows(recipe: str, t: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """``t`` (2-D) quantised in 1-row blocks along its last dim and dequantised (fp32); ``noise``: nvfp4 SR."""
-    if recipe == "blockwise":
-        return blockwise_dequantize(blockwise_quantize(t, tile=(1, BLOCKWISE_TILE)))
-    if recipe == "mxfp4":
-        return mx_dequantize(mx_quantize(t, "fp4_e2m1", block_size=32))
-    q = nvfp4_quantize(t, tile=(1, NVFP4_BLOCK_SIZE), stochastic=noise is not None, noise=noise)
-    return nvfp4_dequantize(q)
+def quantize_weight(spec: Recipe, weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight as forward and dgrad both see it (fp32) where they share it (:func:`shares_weight`), else None
+    (its blocks run along a different dim in each GEMM)."""
+    return quantize_operand(spec, "fprop", "weight", weight) if shares_weight(spec) else None
 
 
-def block_gemm_forward(recipe: str, x2: torch.Tensor, weight: torch.Tensor, w_q: torch.Tensor | None) -> torch.Tensor:
-    """``Q(x) @ Q(W)^T`` in fp32; ``w_q`` is :func:`quantize_weight`'s result where the recipe has one."""
-    w = w_q if w_q is not None else _rows(recipe, weight)
-    return _rows(recipe, x2) @ w.t()
+def block_gemm_forward(spec: Recipe, x2: torch.Tensor, weight: torch.Tensor, w_q: torch.Tensor | None,
+                       grad_dtype: torch.dtype = torch.float8_e5m2) -> torch.Tensor:
+    """``Q(x) @ Q(W)^T`` in fp32 with the recipe's ``fprop`` format; ``w_q`` is :func:`quantize_weight`'s result."""
+    w = w_q if w_q is not None else quantize_operand(spec, "fprop", "weight", weight)
+    return quantize_operand(spec, "fprop", "input", x2, grad_dtype=grad_dtype) @ w.t()
 
 
 def block_gemms_backward(
-    recipe: str,
+    spec: Recipe,
     g2: torch.Tensor,
     x2: torch.Tensor,
     weight: torch.Tensor,
@@ -114,30 +105,38 @@ def block_gemms_backward(
     seed: torch.Tensor | int = 0,
     counter: torch.Tensor | int = 0,
     signs: torch.Tensor | None = None,
+    grad_dtype: torch.dtype = torch.float8_e5m2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_x, grad_W)`` in fp32 from the output gradient ``g2`` (tokens, out) and the forward's ``x2``.
+    """``(grad_x, grad_W)`` in fp32 from the output gradient ``g2`` (tokens, out) and the forward's ``x2``, with the
+    recipe's ``dgrad`` and ``wgrad`` formats.
 
-    nvfp4: ``seed``/``counter`` key the stochastic rounding of both gradient operands; ``signs`` is the random
-    Hadamard diagonal (:func:`rht_signs`).
+    ``seed``/``counter`` key the stochastic rounding of the gradient operands of the roles in
+    ``spec.stochastic_rounding``; ``signs`` is the random Hadamard diagonal (:func:`rht_signs`) for ``spec.hadamard``.
     """
-    nvfp4 = recipe == "nvfp4"
-    noise = hash_uniform(g2.shape, seed, counter, DGRAD_STREAM, g2.device) if nvfp4 else None
-    w_cols = w_q if w_q is not None else _rows(recipe, weight.t()).t()  # mxfp4: blocks along out_features
-    grad_x = _rows(recipe, g2, noise) @ w_cols
+    sr_dgrad, sr_wgrad = "dgrad" in spec.stochastic_rounding, "wgrad" in spec.stochastic_rounding
+    noise = hash_uniform(g2.shape, seed, counter, DGRAD_STREAM, g2.device) if sr_dgrad else None
+    w_cols = w_q if w_q is not None and shares_weight(spec) else quantize_operand(
+        spec, "dgrad", "weight", weight.t()).t()  # blocks along out_features (2-D ones: the transposed tiles)
+    g_q = quantize_operand(spec, "dgrad", "grad", g2, grad_dtype=grad_dtype, stochastic=sr_dgrad, noise=noise)
+    grad_x = g_q @ w_cols
     # wgrad reduces over the tokens: both operands transposed, tokens last, padded to whole blocks.
-    pad = -g2.shape[0] % _TOKEN_BLOCK[recipe]
+    hadamard = "wgrad" in spec.hadamard
+    token_block = max(spec.info("wgrad").multiple, HADAMARD_SIZE if hadamard else 1)
+    pad = -g2.shape[0] % token_block
     g_t, x_t = F.pad(g2.float().t(), (0, pad)), F.pad(x2.float().t(), (0, pad))
-    if nvfp4:
-        assert signs is not None
+    if hadamard:
+        assert signs is not None  # FP8Linear registers rht_signs for a recipe with hadamard
         g_t, x_t = random_hadamard_transform(g_t, signs), random_hadamard_transform(x_t, signs)
-        noise = hash_uniform(g_t.shape, seed, counter, WGRAD_STREAM, g2.device)
-    grad_w = _rows(recipe, g_t, noise) @ _rows(recipe, x_t).t()
+    noise = hash_uniform(g_t.shape, seed, counter, WGRAD_STREAM, g2.device) if sr_wgrad else None
+    g_tq = quantize_operand(spec, "wgrad", "grad", g_t, grad_dtype=grad_dtype, stochastic=sr_wgrad, noise=noise)
+    grad_w = g_tq @ quantize_operand(spec, "wgrad", "input", x_t, grad_dtype=grad_dtype).t()
     return grad_x, grad_w
 
 
 class BlockLinearFunction(torch.autograd.Function):
-    """The block recipes' three GEMMs (:mod:`lit_mpstable.fp8.block_gemm`); saves the inputs and, for 2-D weight
-    blocks, the quantized weight, so the dgrad uses the very weight the forward used."""
+    """The block recipes' three GEMMs (:mod:`lit_mpstable.fp8.block_gemm`), and any recipe whose roles differ; saves
+    the inputs and, for a shared 2-D-block weight, the quantized weight, so the dgrad uses the very weight the
+    forward used."""
 
     @staticmethod
     def forward(
@@ -149,28 +148,28 @@ class BlockLinearFunction(torch.autograd.Function):
         out_dtype: torch.dtype,
         counter: torch.Tensor | None,
     ) -> torch.Tensor:
-        recipe = layer.fp8_config.recipe
+        spec, grad_dtype = layer.fp8_config.spec, layer.fp8_config.grad_dtype
         x2 = x.reshape(-1, x.shape[-1])
-        w_q = quantize_weight(recipe, weight)
-        y = block_gemm_forward(recipe, as_stored(x2), weight, w_q)  # fp32; bias added before the one rounding
+        w_q = quantize_weight(spec, weight)
+        y = block_gemm_forward(spec, as_stored(x2), weight, w_q, grad_dtype)  # fp32; bias added before the rounding
         if bias is not None:
             y = y + bias.float()
-        ctx.layer, ctx.recipe, ctx.x_shape, ctx.x_dtype = layer, recipe, x.shape, x.dtype
+        ctx.layer, ctx.spec, ctx.x_shape, ctx.x_dtype = layer, spec, x.shape, x.dtype
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x2, weight, w_q, counter)
         return to_stored(y, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        layer = ctx.layer
+        layer, spec = ctx.layer, ctx.spec
         x2, weight, w_q, counter = ctx.saved_tensors
         g2 = as_stored(grad_out.reshape(-1, grad_out.shape[-1]))
         with torch.autocast(grad_out.device.type, enabled=False):
-            nvfp4 = ctx.recipe == "nvfp4"
+            keyed = spec.needs_counter
             grad_x, grad_w = block_gemms_backward(
-                ctx.recipe, g2, as_stored(x2), weight, w_q,  # compiled: x2 may be recomputed, fused
-                seed=layer.sr_seed if nvfp4 else 0, counter=counter if nvfp4 else 0,
-                signs=layer.rht_signs if nvfp4 else None,
+                spec, g2, as_stored(x2), weight, w_q,  # compiled: x2 may be recomputed, fused
+                seed=layer.sr_seed if keyed else 0, counter=counter if keyed else 0,
+                signs=layer.rht_signs if "wgrad" in spec.hadamard else None, grad_dtype=layer.fp8_config.grad_dtype,
             )  # fmt: skip
             grad_b = to_stored(g2.float().sum(0), layer.bias.dtype) if ctx.has_bias else None
         grad_x, grad_w = to_stored(grad_x, ctx.x_dtype), to_stored(grad_w, weight.dtype)

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union, cast, get_args
+from typing import Any, Literal, Union, get_args
 
 import torch
 from torch import nn
 
 from lit_mpstable.base.validate import int_arg
+from lit_mpstable.fp8.recipe import Recipe, recipe_names, resolve
 
 FP8Recipe = Literal["delayed", "current", "mxfp8", "blockwise", "mxfp4", "nvfp4"]
-BLOCK_RECIPES = ("blockwise", "mxfp4", "nvfp4")
-"""The recipes whose scales cover blocks of a tensor and that FP8Linear quantises per GEMM (with ``"mxfp8"``)."""
+"""The built-in recipe names (the registry, :func:`lit_mpstable.fp8.recipe_names`, may hold more)."""
+RecipeMap = Mapping[str, Union[str, Recipe]]
 BudgetRule = Literal["probe", "last"]
 FP8Format = Literal["hybrid", "e4m3"]
 FP8BackendName = Literal["native", "torchao", "transformer_engine"]
 AmaxComputeAlgo = Literal["max", "most_recent"]
+ConformanceAction = Literal["raise", "native", "off"]
 ModuleFilter = Union[Sequence[Union[str, type]], Callable[[nn.Module, str], bool], None]
 
 
@@ -86,7 +89,11 @@ class FP8Config:
         TypeError: ``filter`` is neither None, a callable, nor a list of names, patterns and module types.
     """
 
-    recipe: FP8Recipe = "delayed"
+    recipe: Union[FP8Recipe, str, Recipe, RecipeMap] = "delayed"
+    """A registered recipe name, a :class:`~lit_mpstable.fp8.Recipe`, or a per-module map ``{"glob.pattern.*": name |
+    Recipe, ..., "default": name | Recipe}``: each eligible layer takes the first pattern (fnmatch on its qualified
+    name) that matches it, else ``"default"``, else stays in the base precision. Kept as given (a map as a tuple of
+    pairs); :attr:`spec` is the resolved Recipe."""
     format: FP8Format = "hybrid"
     """``"hybrid"``: E4M3 for inputs and weights, E5M2 for gradients; ``"e4m3"``: E4M3 for all three."""
     margin: int = 0
@@ -108,13 +115,20 @@ class FP8Config:
     """Which linear layers stay in the base precision when ``filter`` is None: ``"first_last"`` (the first and
     the last), a list of qualified names / fnmatch patterns (those, and no others), or a
     :class:`HighPrecisionBudget`. Explicit names also apply on top of an explicit ``filter``."""
+    conformance: ConformanceAction = "raise"
+    """``backend="torchao"`` / ``"transformer_engine"``: at setup the backend's quantized values and scales on a few
+    probe tensors, and a probe layer's gradients, are checked against our reference for the recipe
+    (:func:`~lit_mpstable.fp8.backends.check_conformance`). On a mismatch, or all-zero or non-finite gradients:
+    ``"raise"`` refuses the backend (a ValueError with the numbers), ``"native"`` warns with them and runs the recipe
+    on ``backend="native"`` (exact emulation), ``"off"`` skips the check."""
 
     def __post_init__(self) -> None:
+        self._resolve_recipe()
         for name, allowed in (
-            ("recipe", FP8Recipe),
             ("format", FP8Format),
             ("backend", FP8BackendName),
             ("amax_compute_algo", AmaxComputeAlgo),
+            ("conformance", ConformanceAction),
         ):
             value = getattr(self, name)
             if value not in get_args(allowed):
@@ -136,24 +150,107 @@ class FP8Config:
             )
         self._check_backend()
 
+    def _resolve_recipe(self) -> None:
+        # A name or a Recipe resolves to one spec; a map to (pattern, spec) pairs and an optional default.
+        value = self.recipe
+        pairs: tuple[tuple[str, Recipe], ...] = ()
+        if isinstance(value, Mapping):
+            if not value:
+                raise ValueError("FP8Config(recipe={}): an empty map selects no layer; use fp8=None to turn FP8 off.")
+            items = [(str(k), resolve(v, f"FP8Config(recipe={{{k!r}: {v!r}}})")) for k, v in value.items()]
+            if bad := [k for k, _ in items if not k.strip()]:
+                raise ValueError(f"FP8Config(recipe={dict(value)!r}): an empty pattern {bad!r}; name layers by fnmatch"
+                                 " patterns of their qualified names, or use 'default'.")
+            default = next((spec for k, spec in items if k == "default"), None)
+            pairs = tuple((k, self._with_scaling(spec)) for k, spec in items if k != "default")
+            spec = self._with_scaling(default) if default is not None else None
+            object.__setattr__(self, "recipe", tuple((k, v) for k, v in value.items()))
+        elif isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value) and value:
+            object.__setattr__(self, "recipe", dict(value))
+            return self._resolve_recipe()
+        else:
+            if not isinstance(value, (str, Recipe)):
+                raise ValueError(f"FP8Config(recipe={value!r}): recipe must be a registered name {recipe_names()}, a"
+                                 " Recipe, or a map {'glob.pattern.*': name | Recipe, 'default': ...}.")
+            if isinstance(value, str) and value not in recipe_names():
+                raise ValueError(f"FP8Config(recipe={value!r}): recipe must be one of {recipe_names()} (or a Recipe,"
+                                 " or a per-module map).")
+            spec = self._with_scaling(resolve(value, f"FP8Config(recipe={value!r})"))
+        object.__setattr__(self, "_spec", spec)
+        object.__setattr__(self, "_map", pairs)
+
+    def _with_scaling(self, spec: Recipe) -> Recipe:
+        # FP8Config's per-tensor knobs, where set, are the recipe's; a Recipe that sets them keeps its own.
+        changes = {}
+        for field in ("margin", "amax_history_len", "amax_compute_algo"):
+            mine, default = getattr(self, field), _DEFAULTS[field]
+            if mine != default and getattr(spec, field) != mine:
+                if getattr(spec, field) != default:
+                    raise ValueError(f"FP8Config({field}={mine!r}, recipe=Recipe({spec.name!r}, {field}="
+                                     f"{getattr(spec, field)!r})): two values for {field}; set it in one place.")
+                changes[field] = mine
+        return dataclasses.replace(spec, **changes) if changes else spec
+
+    @property
+    def spec(self) -> Recipe:
+        """The resolved :class:`~lit_mpstable.fp8.Recipe` (a map's ``"default"``; see :meth:`for_layer`).
+
+        Raises:
+            ValueError: a map without ``"default"``: each layer has its own (:meth:`for_layer`).
+        """
+        spec = self.__dict__.get("_spec")
+        if spec is None:
+            raise ValueError(f"FP8Config(recipe={self.recipe!r}).spec: a per-module map without 'default' has no"
+                             " single recipe; use config.for_layer(name).")
+        return spec
+
+    @property
+    def recipe_name(self) -> str:
+        """The recipe's name, or ``"map"`` for a per-module map."""
+        return "map" if self.is_map else self.spec.name
+
+    @property
+    def is_map(self) -> bool:
+        """Whether ``recipe`` is a per-module map."""
+        return bool(self.__dict__.get("_map"))
+
+    def for_layer(self, name: str) -> FP8Config | None:
+        """The config of the layer ``name``: this one for a single recipe; for a map, this config with the first
+        matching pattern's recipe (else ``"default"``'s), or None (the layer stays in the base precision)."""
+        if not self.is_map:
+            return self
+        spec = next((s for pattern, s in self.__dict__["_map"] if fnmatch.fnmatchcase(name, pattern)),
+                    self.__dict__.get("_spec"))
+        return None if spec is None else dataclasses.replace(self, recipe=spec)
+
+    def map_patterns(self) -> list[str]:
+        """A map's patterns, in order (empty for a single recipe)."""
+        return [pattern for pattern, _ in self.__dict__.get("_map", ())]
+
     def _check_backend(self) -> None:
         # What the optional backends cannot express is refused here, not ignored at conversion time.
         call = f"FP8Config(recipe={self.recipe!r}, backend={self.backend!r}"
-        if self.backend != "native" and self.margin and self.recipe != "delayed":
+        if self.backend != "native" and self.is_map:
+            raise ValueError(f"{call}): a per-module recipe map runs on backend='native'; the libraries take one recipe"
+                             " per model here (export the map with export_recipe_map to configure them by hand).")
+        if self.backend == "native":
+            return
+        spec = self.spec
+        if self.margin and not spec.history:
             raise ValueError(
                 f"{call}, margin={self.margin!r}): {self.backend} applies a margin only to the delayed recipe."
             )
         if self.backend == "transformer_engine" and self.emulate:
             raise ValueError(f"{call}, emulate=True): TransformerEngine has no emulation; use backend='native'.")
-        if self.backend == "torchao" and self.recipe == "delayed":
+        if self.backend == "torchao" and spec.history:
             raise ValueError(f"{call}): torchao removed delayed scaling; use recipe='current', or backend='native'.")
-        if self.backend == "transformer_engine" and self.recipe == "mxfp4":
+        if self.backend == "transformer_engine" and spec.fp4 and spec.info("fprop").mx:
             raise ValueError(f"{call}): TransformerEngine has no MXFP4 training recipe (its FP4 recipe is"
                              " NVFP4BlockScaling); use recipe='nvfp4', or backend='native' for MXFP4 emulated exactly.")
-        if self.backend == "torchao" and self.recipe in BLOCK_RECIPES and self.emulate:
-            raise ValueError(f"{call}, emulate=True): torchao runs {self.recipe} only through its GPU kernels; use"
+        if self.backend == "torchao" and spec.blocked and not spec.mx_uniform and self.emulate:
+            raise ValueError(f"{call}, emulate=True): torchao runs {spec.name} only through its GPU kernels; use"
                              " backend='native', which emulates it exactly on any device.")
-        if self.backend == "torchao" and self.recipe == "mxfp8" and self.format == "hybrid":
+        if self.backend == "torchao" and spec.mx_uniform and self.format == "hybrid":
             raise ValueError(
                 f"{call}, format='hybrid'): torchao's MXFP8 training casts gradients to E4M3 as well;"
                 " set format='e4m3'."
@@ -161,14 +258,17 @@ class FP8Config:
 
     @property
     def block_recipe(self) -> bool:
-        """Whether the recipe scales blocks of each GEMM operand (mxfp8, blockwise, mxfp4, nvfp4)."""
-        return self.recipe == "mxfp8" or self.recipe in BLOCK_RECIPES
+        """Whether the recipe scales blocks of some GEMM operand (mxfp8, blockwise, mxfp4, nvfp4, mixed roles)."""
+        return self.is_map or self.spec.blocked
 
     @property
     def block_size(self) -> int:
         """What a layer's in/out features must be multiples of for this recipe's emulated GEMMs (1: partial blocks are
         zero-padded, as for mxfp8 and blockwise)."""
-        return {"mxfp4": 32, "nvfp4": 16}.get(self.recipe, 1)
+        if self.is_map:
+            specs = [s for _, s in self.__dict__["_map"]] + ([self.spec] if self.__dict__.get("_spec") else [])
+            return max(s.multiple for s in specs)
+        return self.spec.multiple
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -179,6 +279,9 @@ class FP8Config:
     def grad_dtype(self) -> torch.dtype:
         """The FP8 dtype of output gradients."""
         return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(FP8Config)}
 
 
 def _check_filter(value: ModuleFilter) -> ModuleFilter:
@@ -237,6 +340,8 @@ def fp8_config(name: str | FP8Config | Mapping[str, Any] | None) -> FP8Config | 
     """
     if name is None or isinstance(name, FP8Config):
         return name
+    if isinstance(name, Recipe):
+        return FP8Config(recipe=name)
     if isinstance(name, Mapping):
         fields = {str(key): value for key, value in name.items() if key != "_target_"}
         known = [f.name for f in dataclasses.fields(FP8Config)]
@@ -245,6 +350,6 @@ def fp8_config(name: str | FP8Config | Mapping[str, Any] | None) -> FP8Config | 
         return FP8Config(**fields)
     if not isinstance(name, str):
         raise TypeError(f"fp8_config({name!r}): expected a recipe name, an FP8Config, a mapping of its fields or None.")
-    if name not in get_args(FP8Recipe):
-        raise ValueError(f"fp8_config({name!r}): unknown FP8 recipe; allowed: {list(get_args(FP8Recipe))} or None.")
-    return FP8Config(recipe=cast(FP8Recipe, name))  # checked against FP8Recipe's values just above
+    if name not in recipe_names():
+        raise ValueError(f"fp8_config({name!r}): unknown FP8 recipe; allowed: {recipe_names()} or None.")
+    return FP8Config(recipe=name)

@@ -11,7 +11,7 @@ from torch import nn
 from lit_mpstable.base.validate import check_keys
 from lit_mpstable.fp8.backend import share_hooks
 from lit_mpstable.fp8.block_gemm import BlockLinearFunction, counter_snapshot, layer_seed, rht_signs
-from lit_mpstable.fp8.config import BLOCK_RECIPES, FP8Config
+from lit_mpstable.fp8.config import FP8Config
 from lit_mpstable.fp8.gemm import _scaled_mm_decision, fp8_mm
 from lit_mpstable.fp8.quant import (
     MX_BLOCK_SIZE,
@@ -23,10 +23,10 @@ from lit_mpstable.fp8.quant import (
     dequantize_mx,
     inside_backward,
     quantize,
-    quantize_mx,
     to_stored,
     update_amax_history_,
 )
+from lit_mpstable.fp8.quantizers import quantize_mx_as
 
 FP8_TENSORS = ("x", "w", "grad_out")
 """The three FP8 operands of a linear layer, in the row order of ``amax_history`` and ``scale``."""
@@ -97,14 +97,15 @@ class FP8Linear(nn.Linear):
         self._forward_scales: deque[tuple[int, bool, torch.Tensor]] = deque()
         buffer_device = self.weight.device
         self.register_buffer("stats_buffer", torch.zeros(3, 3, device=buffer_device), persistent=False)
-        if self.fp8_config.recipe == "delayed":
+        spec = self.fp8_config.spec
+        self.sr_seed = layer_seed(name)
+        if spec.history:
             history = torch.zeros(3, self.fp8_config.amax_history_len, device=buffer_device)
             self.register_buffer("amax_history", history, persistent=False)
             self.register_buffer("scale", torch.ones(3, device=buffer_device), persistent=False)
-        if self.fp8_config.recipe == "nvfp4":
+        if spec.needs_counter:
             self.register_buffer("sr_counter", torch.zeros((), dtype=torch.int64, device=buffer_device),
                                  persistent=False)
-            self.sr_seed = layer_seed(name)
             self.register_buffer("rht_signs", rht_signs(self.sr_seed, device=buffer_device), persistent=False)
 
     @classmethod
@@ -117,10 +118,10 @@ class FP8Linear(nn.Linear):
                   name=name)
         new.weight, new.bias = linear.weight, linear.bias
         new.stats_buffer = torch.zeros_like(new.stats_buffer, device=linear.weight.device)
-        if new.fp8_config.recipe == "delayed":
+        if new.fp8_config.spec.history:
             new.amax_history = torch.zeros_like(new.amax_history, device=linear.weight.device)
             new.scale = torch.ones_like(new.scale, device=linear.weight.device)
-        if new.fp8_config.recipe == "nvfp4":
+        if new.fp8_config.spec.needs_counter:
             new.sr_counter = torch.zeros((), dtype=torch.int64, device=linear.weight.device)
             new.rht_signs = rht_signs(new.sr_seed, device=linear.weight.device)
         new.train(linear.training)
@@ -136,7 +137,7 @@ class FP8Linear(nn.Linear):
         return linear
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.fp8_config.recipe!r}, format={self.fp8_config.format!r}"
+        return f"{super().extra_repr()}, recipe={self.fp8_config.spec.name!r}, format={self.fp8_config.format!r}"
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,10 +146,10 @@ class FP8Linear(nn.Linear):
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
         if x.numel() == 0:  # shapes are host metadata: no sync
             return self._empty_forward(x, out_dtype)
-        recipe = self.fp8_config.recipe
-        if recipe in BLOCK_RECIPES:
+        spec = self.fp8_config.spec
+        if spec.blocked and not spec.mx_uniform:
             counter = None
-            if recipe == "nvfp4":
+            if spec.needs_counter:
                 if self.training and torch.is_grad_enabled():
                     self.sr_counter.add_(1)  # a buffer mutation: torch.compile keeps it in the graph
                 counter = counter_snapshot(self.sr_counter)
@@ -175,7 +176,7 @@ class FP8Linear(nn.Linear):
     def growth_input_scale(self) -> torch.Tensor | None:
         """The scale the next forward casts its input at (delayed: a view of the history's), or None where each
         tensor or block is scaled from its own amax; GrowthMonitor's range checks use it."""
-        return self.scale[_X] if self.fp8_config.recipe == "delayed" else None
+        return self.scale[_X] if self.fp8_config.spec.history else None
 
     @torch.no_grad()
     def growth_weight_flush(self) -> torch.Tensor | None:
@@ -183,10 +184,11 @@ class FP8Linear(nn.Linear):
         forward casts it with (a 0-dim FP32 device tensor; no host read), or None for the block recipes, whose
         per-block scales confine an outlier to its own block. A weight row grown far beyond the others (a massive
         activation made in the weights) flushes the rest of the matrix, silently; GrowthMonitor names such a layer."""
-        if self.fp8_config.recipe in BLOCK_RECIPES or self.fp8_config.recipe == "mxfp8":
+        spec = self.fp8_config.spec
+        if spec.blocked:
             return None
         weight, dtype = _local(self.weight.detach()), self._dtype(_W)  # FSDP2: this rank's shard, its own amax
-        if self.fp8_config.recipe == "delayed":
+        if spec.history:
             scale = _local(self.scale)[_W]
         else:
             scale = compute_scale(weight.abs().amax().float(), dtype, margin=self.fp8_config.margin)
@@ -200,7 +202,7 @@ class FP8Linear(nn.Linear):
         return (nonzero - above).float() / nonzero.clamp_min(1)
 
     def _use_scaled_mm(self, device: torch.device) -> bool:
-        return _scaled_mm_decision(self.fp8_config.emulate, str(device), self.fp8_config.recipe == "delayed")
+        return _scaled_mm_decision(self.fp8_config.emulate, str(device), self.fp8_config.spec.history)
 
     def _dtype(self, role: int) -> torch.dtype:
         return self.fp8_config.grad_dtype if role == _GRAD else self.fp8_config.forward_dtype
@@ -216,7 +218,7 @@ class FP8Linear(nn.Linear):
         amax = t.detach().abs().amax().float()
         if recompute_scales is not None:
             scale = recompute_scales[role]
-        elif config.recipe == "delayed":
+        elif config.spec.history:
             # From previous steps; the buffer is updated below. An opaque copy: with a plain clone, torch.compile's
             # partitioner may recompute this cast in the backward from the buffer, updated by then (it did, for an
             # input made by a GELU: grad_W 210x off at step 0 under inductor).
@@ -226,7 +228,7 @@ class FP8Linear(nn.Linear):
         data = quantize(t, scale, dtype)
         if self.collect_stats:
             self._record_stats(role, t, t.float() * scale, data, amax)
-        if config.recipe == "delayed" and self.training and recompute_scales is None:
+        if config.spec.history and self.training and recompute_scales is None:
             with torch.no_grad():
                 history = update_amax_history_(self.amax_history[role], amax)
                 amax_next = amax_from_history(history, config.amax_compute_algo)
@@ -242,7 +244,7 @@ class FP8Linear(nn.Linear):
         that builds a graph (its backward drops the entry again: no recompute happened, or one consumed it), or one
         under ``no_grad`` (a reentrant checkpoint's first pass; a graph-building forward drops such entries later).
         """
-        if self.fp8_config.recipe != "delayed" or not self.training or torch.compiler.is_compiling():
+        if not self.fp8_config.spec.history or not self.training or torch.compiler.is_compiling():
             return None, None  # compiled: the graph's backward recomputes without calling the module again
         stored = self.__dict__.setdefault("_forward_scales", deque())  # also for layers pickled before it existed
         version = self.weight._version  # an optimizer step between two forwards makes the older entries stale
@@ -278,7 +280,7 @@ class FP8Linear(nn.Linear):
     def _cast_mx(self, t: torch.Tensor, role: int, record: bool = True) -> torch.Tensor:
         """MX recipe: ``t`` quantised in blocks of 32 along its last dim and dequantised to fp32 (emulation)."""
         dtype = self._dtype(role)
-        data, block_scale = quantize_mx(t, dtype)
+        data, block_scale = quantize_mx_as(self.fp8_config.spec, t, dtype)
         values = dequantize_mx(data, block_scale)
         if record and self.collect_stats:
             per_element = block_scale.repeat_interleave(MX_BLOCK_SIZE, dim=-1)[..., : t.shape[-1]]
@@ -316,9 +318,10 @@ class FP8Linear(nn.Linear):
     def fp8_state_dict(self) -> dict[str, torch.Tensor]:
         """Keys ``amax_history`` and ``scale`` (copies) for the delayed recipe, ``sr_counter`` for nvfp4; empty for
         the stateless ones."""
-        if self.fp8_config.recipe == "nvfp4":
+        spec = self.fp8_config.spec
+        if spec.needs_counter:
             return {"sr_counter": self.sr_counter.detach().clone()}
-        if self.fp8_config.recipe != "delayed":
+        if not spec.history:
             return {}
         return {"amax_history": self.amax_history.detach().clone(), "scale": self.scale.detach().clone()}
 
@@ -372,7 +375,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         # the elements.
         gemm_dtype = torch.promote_types(out_dtype, torch.float32) if bias is not None else out_dtype
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.has_bias = layer, x.shape, x.dtype, bias is not None
-        ctx.mx = layer.fp8_config.recipe == "mxfp8"
+        ctx.mx = layer.fp8_config.spec.mx_uniform
         if ctx.mx:
             # MX scales run along the reduction dim, which differs per GEMM: keep the inputs, quantise each time.
             y = to_stored(layer._cast_mx(x_in, _X) @ layer._cast_mx(weight, _W).t(), gemm_dtype)

@@ -2,62 +2,196 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
 import torch
+import torch.nn.functional as F
 
-from lit_mpstable.fp8.blockwise import BLOCKWISE_TILE, blockwise_dequantize, blockwise_quantize
+from lit_mpstable.fp8.blockwise import blockwise_dequantize, blockwise_quantize
 from lit_mpstable.fp8.mx import MXElement, mx_dequantize, mx_quantize
-from lit_mpstable.fp8.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_dequantize, nvfp4_quantize
-from lit_mpstable.fp8.quant import MX_BLOCK_SIZE, current_scale, dequantize, quantize
+from lit_mpstable.fp8.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+from lit_mpstable.fp8.quant import current_scale, dequantize, quantize, quantize_mx, to_stored
+from lit_mpstable.fp8.recipe import Recipe, Role, resolve
 
 QuantRecipe = Literal["current", "blockwise", "mxfp4", "mxfp8", "nvfp4"]
 QuantRole = Literal["input", "weight", "grad"]
+Operand = Literal["input", "weight", "grad"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_ROLE_OF = {"input": "fprop", "weight": "fprop", "grad": "dgrad"}  # fake_quantize's tensor role -> its GEMM
+
+
+# ------------------------------------------------------------------------------------------------- adapters
+# The reference arithmetic (mx.py, nvfp4.py, quant.py) gains keyword arguments for the recipe fields; until it has
+# them, a field at its old behaviour is simply not passed (the old arithmetic: MX FLOOR scales, NVFP4 block scales
+# clamped at 2**-6), and a field that needs the new arithmetic is refused by name.
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
+_MX_RULE = _accepts(mx_quantize, "scale_rule")
+_QMX_RULE = _accepts(quantize_mx, "scale_rule")
+_NV_FLOOR = _accepts(nvfp4_quantize, "block_scale_floor")
+_NV_46 = _accepts(nvfp4_quantize, "four_over_six")
+
+
+def mx_kwargs(spec: Recipe, fn: Callable[..., Any] = mx_quantize) -> dict[str, Any]:
+    """The recipe's MX keyword arguments that ``fn`` (``mx_quantize`` or ``quantize_mx``) takes."""
+    return {"scale_rule": spec.scale_rule} if (_MX_RULE if fn is mx_quantize else _QMX_RULE) else {}
+
+
+def nvfp4_kwargs(spec: Recipe) -> dict[str, Any]:
+    """The recipe's NVFP4 keyword arguments that ``nvfp4_quantize`` takes (four_over_six refused where it cannot)."""
+    kwargs: dict[str, Any] = {}
+    if _NV_FLOOR:
+        kwargs["block_scale_floor"] = spec.block_scale_floor
+    if spec.four_over_six:
+        if not _NV_46:
+            raise ValueError(f"Recipe({spec.name!r}, four_over_six=True): this build's nvfp4_quantize has no"
+                             " four_over_six arithmetic; use four_over_six=False.")
+        kwargs["four_over_six"] = True
+    return kwargs
+
+
+def quantize_mx_as(spec: Recipe, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant.quantize_mx(t, dtype)`` with the recipe's ``scale_rule``: ``(FP8 data of t's shape, fp32 block scales)``
+    (FP8Linear's MX path). Where ``quantize_mx`` lacks the rule but ``mx_quantize`` has it, through the latter."""
+    if _QMX_RULE or not _MX_RULE or spec.scale_rule == "floor":
+        return quantize_mx(t, dtype, **mx_kwargs(spec, quantize_mx))
+    element: MXElement = "fp8_e5m2" if dtype == torch.float8_e5m2 else "fp8_e4m3"
+    q = mx_quantize(_pad(t, 1, 32), element, block_size=32, **mx_kwargs(spec))
+    biased = q.scale_e8m0.long()
+    scale = torch.ldexp(torch.ones(biased.shape, device=t.device), biased - 127)
+    scale = torch.where(biased == 255, torch.nan, scale)
+    return q.elements[..., : t.shape[-1]].to(dtype), scale
+
+
+# ----------------------------------------------------------------------------------------------- operands
+def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` zero-padded so ``cols`` divides its last dim and ``rows`` its second-to-last (zeros raise no amax)."""
+    pad_cols = -t.shape[-1] % cols
+    pad_rows = -t.shape[-2] % rows if rows > 1 else 0
+    return F.pad(t, (0, pad_cols, 0, pad_rows)) if pad_cols or pad_rows else t
+
+
+def _unpad(values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return values[..., : shape[-2], : shape[-1]] if len(shape) >= 2 else values[..., : shape[-1]]
+
+
+def _bf16(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, **_: Any) -> torch.Tensor:
+    return to_stored(t.float(), torch.bfloat16).float()  # rounded under torch.compile too (inductor elides a cast)
+
+
+def _tensor(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, *,
+            grad_dtype: torch.dtype, **_: Any) -> torch.Tensor:
+    dtype = grad_dtype if operand == "grad" else torch.float8_e4m3fn
+    scale = current_scale(t.detach().abs().amax().float(), dtype, margin=spec.margin)
+    return dequantize(quantize(t, scale, dtype), scale)
+
+
+def _mx(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, *, fp4: bool,
+        grad_dtype: torch.dtype, **_: Any) -> torch.Tensor:
+    assert block is not None  # MX formats always have blocks (FORMATS)
+    element: MXElement = "fp4_e2m1" if fp4 else (
+        "fp8_e5m2" if operand == "grad" and grad_dtype == torch.float8_e5m2 else "fp8_e4m3")
+    padded = _pad(t, 1, block[1])
+    q = mx_quantize(padded, element, block_size=block[1], **mx_kwargs(spec))
+    return _unpad(mx_dequantize(q), t.shape)
+
+
+def _blockwise(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, **_: Any) -> torch.Tensor:
+    assert block is not None
+    tile = block if operand == "weight" else (1, block[1])
+    return blockwise_dequantize(blockwise_quantize(t, tile=tile))  # pads its own tiles
+
+
+def _nvfp4(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, *,
+           noise: torch.Tensor | None = None, generator: torch.Generator | None = None, stochastic: bool = False,
+           **_: Any) -> torch.Tensor:
+    assert block is not None
+    rows, cols = block if operand == "weight" else (1, block[1])
+    padded = _pad(t, rows, cols)
+    if noise is not None and padded.shape != noise.shape:
+        noise = _pad(noise, rows, cols)
+    q = nvfp4_quantize(padded, tile=(rows, cols), stochastic=stochastic, noise=noise, generator=generator,
+                       **nvfp4_kwargs(spec))
+    return _unpad(nvfp4_dequantize(q), t.shape)
+
+
+QUANTIZERS: dict[str, Callable[..., torch.Tensor]] = {
+    "tensor": _tensor, "mx": _mx, "tiles": _blockwise, "two_level": _nvfp4, "bf16": _bf16,
+}
+"""``FormatInfo.kind`` -> the quantizer (quantise and dequantise to fp32) of one GEMM operand."""
+
+
+def quantize_operand(
+    spec: Recipe,
+    role: Role,
+    operand: Operand,
+    t: torch.Tensor,
+    *,
+    grad_dtype: torch.dtype = torch.float8_e5m2,
+    stochastic: bool = False,
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``t``, one operand of the GEMM ``role``, quantised as ``spec`` says along its last dim (a weight in 2-D blocks
+    where the role's block has rows > 1) and dequantised to fp32, ``t``'s shape. Partial blocks are zero-padded.
+
+    ``stochastic`` with ``noise`` (``t``'s shape) or ``generator``: stochastic rounding (formats that have it).
+    """
+    info = spec.info(role)
+    return QUANTIZERS[info.kind](spec, t, operand, spec.block(role), fp4=info.fp4, grad_dtype=grad_dtype,
+                                 stochastic=stochastic, noise=noise, generator=generator)
 
 
 def fake_quantize(
     x: torch.Tensor,
-    recipe: QuantRecipe,
+    recipe: str | Recipe,
     *,
     role: QuantRole = "input",
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """``x`` quantized with ``recipe``'s quantizer for ``role`` and dequantized, in ``x``'s dtype and shape.
 
-    The quantizer alone: no random Hadamard transform (see :mod:`lit_mpstable.fp8.hadamard`), no amax history.
-    Blocks run along the last dim (a GEMM's reduction dim); weights' 2-D blocks over the last two dims.
+    ``recipe``: a registered name (``"current"``, ``"mxfp8"``, ``"nvfp4"``, ...) or a :class:`Recipe`
+    (``recipe("nvfp4", block_scale_floor="e4m3_tiny")``). ``role``: ``"input"`` and ``"weight"`` take the recipe's
+    ``fprop`` format and block (a weight's 2-D blocks over the last two dims where the block has rows > 1),
+    ``"grad"`` its ``dgrad`` format, rounded stochastically where ``"dgrad"`` is in ``stochastic_rounding``.
 
-    - ``"current"``: one scale per tensor, ``448 / amax`` (E4M3) for inputs and weights, ``57344 / amax`` (E5M2)
-      for gradients (the package's ``format="hybrid"``).
+    The quantizer alone: no random Hadamard transform (see :mod:`lit_mpstable.fp8.hadamard`), no amax history
+    (``"delayed"`` scales by this tensor's amax, as ``"current"``). Blocks run along the last dim (a GEMM's
+    reduction dim); a dim the block does not divide is zero-padded, as the references pad, and the padding dropped.
+
+    - per-tensor formats: one scale per tensor, ``448 / amax`` (E4M3) for inputs and weights, ``57344 / amax``
+      (E5M2) for gradients (the package's ``format="hybrid"``).
     - ``"blockwise"``: E4M3 with power-of-two FP32 scales (TransformerEngine's ``Float8BlockScaling`` default), one
-      per 1x128 tile of inputs and gradients and per 128x128 block of weights; partial tiles are zero-padded.
-    - ``"mxfp4"`` / ``"mxfp8"``: OCP MX v1.0, E2M1 / E4M3 elements (E5M2 for gradients with ``"mxfp8"``) with an
-      E8M0 scale per 32 elements, every role.
+      per 1x128 tile of inputs and gradients and per 128x128 block of weights.
+    - MX (``"mxfp4"`` / ``"mxfp8"``): E2M1 / E4M3 elements (E5M2 for gradients with ``"mxfp8"``) with an E8M0 scale
+      per 32 elements, every role; the recipe's ``scale_rule``.
     - ``"nvfp4"``: E2M1 elements, an E4M3 scale per 1x16 block (16x16 for weights) and an FP32 tensor scale;
       gradients are rounded stochastically from ``generator`` (the default generator when None; a seeded one
       repeats the draw), inputs and weights to nearest even. ``generator`` is used nowhere else. Under
       ``torch.compile`` pass None (it cannot trace a generator), or call ``nvfp4.nvfp4_quantize`` with ``noise``.
 
     The arithmetic is fp32 (a float64 ``x`` is rounded to fp32 first). Non-finite values never come back finite,
-    and poison what the reference quantizers poison: ``"current"`` and ``"nvfp4"`` the whole tensor (a NaN or inf
-    amax makes the per-tensor scale non-finite: every element NaN, as torchao and TransformerEngine); ``"blockwise"``
-    the 1x128 tile (128x128 block) holding it (NaN, as TE's reference); MX (torchao's ``to_mx``) a NaN's 32-element
-    block (NaN), while a block whose amax is inf keeps ±inf there and rounds its finite elements to 0, leaving other
-    blocks untouched. The gradient is straight-through (the identity), as in quantization-aware training.
+    and poison what the reference quantizers poison: per-tensor formats and ``"nvfp4"`` the whole tensor (a NaN or
+    inf amax makes the per-tensor scale non-finite: every element NaN, as torchao and TransformerEngine);
+    ``"blockwise"`` the 1x128 tile (128x128 block) holding it (NaN, as TE's reference); MX (torchao's ``to_mx``) a
+    NaN's 32-element block (NaN), while a block whose amax is inf keeps ±inf there and rounds its finite elements to
+    0, leaving other blocks untouched. The gradient is straight-through (the identity), as in quantization-aware
+    training.
 
     Raises:
         TypeError: ``x`` is not a floating-point tensor, or ``generator`` is not a ``torch.Generator``.
-        ValueError: ``recipe`` or ``role`` unknown, or (MX, NVFP4) the block does not divide ``x``'s last dim (an
-            empty ``x`` comes back empty, as long as the block divides its dims), or
-            for NVFP4 weights its second-to-last: the message says which dim and what to do.
+        ValueError: ``recipe`` or ``role`` unknown, or ``x`` is 0-dim.
     """
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"fake_quantize(x of {got}): x must be a float32, bfloat16, float16 or float64 tensor.")
-    if recipe not in get_args(QuantRecipe):
-        raise ValueError(f"fake_quantize(recipe={recipe!r}): recipe must be one of {list(get_args(QuantRecipe))}.")
+    spec = resolve(recipe, f"fake_quantize(recipe={recipe!r})")
     if role not in get_args(QuantRole):
         raise ValueError(f"fake_quantize(role={role!r}): role must be one of {list(get_args(QuantRole))}; blocks and "
                          "rounding differ by role.")
@@ -66,50 +200,63 @@ def fake_quantize(
     if x.dim() == 0:
         raise ValueError(f"fake_quantize(x of shape {tuple(x.shape)}): x must have at least one dim; block scales "
                          "run along the last one.")
-    if recipe in ("mxfp4", "mxfp8"):
-        _check_divides(x, recipe, role, rows=1, cols=MX_BLOCK_SIZE)
-    if recipe == "nvfp4":
-        _check_divides(x, recipe, role, rows=NVFP4_BLOCK_SIZE if role == "weight" else 1, cols=NVFP4_BLOCK_SIZE)
     if x.numel() == 0:  # nothing to scale (an empty tensor has no amax): empty out, its gradient straight through
         return x.clone()
-    return _StraightThrough.apply(x, recipe, role, generator)
+    return _StraightThrough.apply(x, spec, role, generator)
 
 
 class _StraightThrough(torch.autograd.Function):
     # Rounding has a zero (or, through the FP8 casts, an accidental) derivative; QAT passes the gradient through.
     @staticmethod
-    def forward(ctx, x: torch.Tensor, recipe: str, role: str, generator: torch.Generator | None) -> torch.Tensor:
-        return _fake_quantize(x, recipe, role, generator)
+    def forward(ctx, x: torch.Tensor, spec: Recipe, role: str, generator: torch.Generator | None) -> torch.Tensor:
+        gemm: Role = _ROLE_OF[role]  # type: ignore[assignment]  # the three keys map to roles
+        t = x.float()
+        if role == "weight" and t.dim() == 1:
+            t = t.unsqueeze(0)
+        stochastic = role == "grad" and gemm in spec.stochastic_rounding
+        values = quantize_operand(spec, gemm, role, t, stochastic=stochastic, generator=generator)  # type: ignore[arg-type]  # role is checked by fake_quantize
+        return values.reshape(x.shape).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return grad, None, None, None
 
 
-def _fake_quantize(x: torch.Tensor, recipe: str, role: str, generator: torch.Generator | None) -> torch.Tensor:
-    if recipe == "current":
-        dtype = torch.float8_e5m2 if role == "grad" else torch.float8_e4m3fn
-        scale = current_scale(x.abs().amax(), dtype)
-        return dequantize(quantize(x, scale, dtype), scale, x.dtype)
-    if recipe == "blockwise":
-        tile = (BLOCKWISE_TILE, BLOCKWISE_TILE) if role == "weight" else (1, BLOCKWISE_TILE)
-        return blockwise_dequantize(blockwise_quantize(x, tile=tile), x.dtype)
-    if recipe in ("mxfp4", "mxfp8"):
-        element: MXElement = "fp4_e2m1" if recipe == "mxfp4" else "fp8_e5m2" if role == "grad" else "fp8_e4m3"
-        return mx_dequantize(mx_quantize(x, element, block_size=MX_BLOCK_SIZE), x.dtype)
-    rows = NVFP4_BLOCK_SIZE if role == "weight" else 1
-    q = nvfp4_quantize(x, tile=(rows, NVFP4_BLOCK_SIZE), stochastic=role == "grad", generator=generator)
-    return nvfp4_dequantize(q, x.dtype)
-
-
-def _check_divides(x: torch.Tensor, recipe: str, role: str, *, rows: int, cols: int) -> None:
-    call = f"fake_quantize(x of shape {tuple(x.shape)}, recipe={recipe!r}, role={role!r})"
-    fix = (f"pad it with zeros to a multiple of {cols}, or keep this tensor's layer in high precision (the hardware "
-           "kernels of TransformerEngine and torchao refuse partial blocks too).")
-    if x.shape[-1] % cols:
-        raise ValueError(f"{call}: the last dim ({x.shape[-1]}) must be a multiple of {cols}, the {recipe} block "
-                         f"along it; {fix}")
-    if rows > 1 and (x.dim() < 2 or x.shape[-2] % rows):
-        dim = x.shape[-2] if x.dim() >= 2 else None
-        raise ValueError(f"{call}: a weight's second-to-last dim ({dim}) must be a multiple of {rows}, since its "
-                         f"scales cover {rows}x{cols} tiles; {fix}")
+def reference_quantize(
+    spec: Recipe, operand: QuantRole, x: torch.Tensor, *, grad_dtype: torch.dtype = torch.float8_e5m2
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Our reference for one operand of ``spec`` (``"input"``/``"weight"``: ``fprop``, ``"grad"``: ``dgrad``,
+    rounded to nearest): ``(dequantized values in fp32, decode scales in fp32)`` with the scales per tensor
+    (per-tensor formats: ``1 / scale``), per block (MX: the E8M0 power of two; blockwise: the tile's ``scale_inv``;
+    NVFP4: E4M3 block scale times the tensor scale), what a backend's quantized codes and scales are compared with
+    (:func:`lit_mpstable.fp8.backends.check_conformance`). None where this build's arithmetic cannot honour a field
+    (the MX ``scale_rule`` / NVFP4 ``block_scale_floor`` keywords missing: no reference to compare with)."""
+    role: Role = "dgrad" if operand == "grad" else "fprop"
+    info = spec.info(role)
+    block = spec.block(role)
+    t = x.float()
+    if not info.quantized:
+        return t.to(torch.bfloat16).float(), torch.ones(1)
+    if info.kind == "mx":
+        if not _MX_RULE and spec.scale_rule != "floor":
+            return None
+        assert block is not None
+        element: MXElement = "fp4_e2m1" if info.fp4 else (
+            "fp8_e5m2" if operand == "grad" and grad_dtype == torch.float8_e5m2 else "fp8_e4m3")
+        q = mx_quantize(_pad(t, 1, block[1]), element, block_size=block[1], **mx_kwargs(spec))
+        scales = torch.ldexp(torch.ones_like(q.scale_e8m0, dtype=torch.float32), q.scale_e8m0.long() - 127)
+        return _unpad(mx_dequantize(q), t.shape), scales
+    if info.kind == "two_level":
+        if not _NV_FLOOR and spec.block_scale_floor is None:
+            return None
+        assert block is not None
+        rows, cols = block if operand == "weight" else (1, block[1])
+        nq = nvfp4_quantize(_pad(t, rows, cols), tile=(rows, cols), **nvfp4_kwargs(spec))
+        return _unpad(nvfp4_dequantize(nq), t.shape), nq.block_scale.float().flatten() * nq.tensor_scale
+    if info.kind == "tiles":
+        assert block is not None
+        bq = blockwise_quantize(t, tile=block if operand == "weight" else (1, block[1]))
+        return blockwise_dequantize(bq), bq.scale_inv.flatten()
+    dtype = grad_dtype if operand == "grad" else torch.float8_e4m3fn
+    scale = current_scale(t.abs().amax(), dtype, margin=spec.margin)
+    return dequantize(quantize(t, scale, dtype), scale), scale.reciprocal().reshape(1)

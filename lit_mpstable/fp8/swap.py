@@ -6,7 +6,7 @@ import fnmatch
 import warnings
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -60,10 +60,10 @@ def select_fp8_modules(model: nn.Module, config: FP8Config) -> list[str]:
     if rule is None:
         multiple = max(16, config.block_size)
         eligible = [name for name in candidates if _divides(modules[name], multiple)]
-        if config.recipe in ("mxfp4", "nvfp4") and (left := [n for n in candidates if n not in eligible]):
+        if config.block_size > 1 and (left := [n for n in candidates if n not in eligible]):
             warnings.warn(
-                f"FP8Config(recipe={config.recipe!r}): {_shapes(modules, left)} have in/out features that are not"
-                f" multiples of {multiple} (the {config.recipe} block), so they stay in the base precision.",
+                f"FP8Config(recipe={config.recipe_name!r}): {_shapes(modules, left)} have in/out features that are"
+                f" not multiples of {multiple} (the {config.recipe_name} block), so they stay in the base precision.",
                 RuntimeWarning, stacklevel=2,
             )  # fmt: skip
         if keep == "first_last":
@@ -74,7 +74,7 @@ def select_fp8_modules(model: nn.Module, config: FP8Config) -> list[str]:
             kept = set(last_fraction_layers(model, eligible, keep.fraction)) if keep.by == "last" else set()
         else:
             kept = set(_match_names(model, modules, linears, keep, "keep_high_precision"))
-        return [name for name in eligible if name not in kept]
+        return _apply_map(model, config, candidates, [name for name in eligible if name not in kept])
     if callable(rule):
         selected = [name for name in candidates if rule(modules[name], name)]
     else:
@@ -82,15 +82,31 @@ def select_fp8_modules(model: nn.Module, config: FP8Config) -> list[str]:
     if isinstance(keep, tuple):
         kept = set(_match_names(model, modules, linears, keep, "keep_high_precision"))
         selected = [name for name in selected if name not in kept]
-    fp4 = config.recipe in ("mxfp4", "nvfp4")
-    if fp4 and (bad := [n for n in selected if not _divides(modules[n], config.block_size)]):
+    selected = _apply_map(model, config, candidates, selected)
+    multiple_of = {n: layer.block_size for n in selected if (layer := config.for_layer(n)) is not None}
+    if bad := [n for n in selected if not _divides(modules[n], multiple_of[n])]:
         raise ValueError(
-            f"FP8Config(recipe={config.recipe!r}, filter={rule!r}): the filter selects {_shapes(modules, bad)}, whose"
-            f" in/out features are not multiples of {config.block_size}, the {config.recipe} block (every GEMM reduces"
+            f"FP8Config(recipe={config.recipe_name!r}, filter={rule!r}): the filter selects {_shapes(modules, bad)},"
+            f" whose in/out features are not multiples of {max(multiple_of[n] for n in bad)}, the"
+            f" {config.recipe_name} block (every GEMM reduces"
             " over one of them); leave them out of the filter (they then stay in the base precision), or use"
             " recipe='blockwise', which pads partial tiles."
         )
     return selected
+
+
+def _apply_map(model: nn.Module, config: FP8Config, candidates: list[str], names: list[str]) -> list[str]:
+    """A per-module recipe map: ``names`` without the layers it leaves in the base precision (no pattern matches and
+    no ``"default"``); a pattern that matches no linear layer is refused."""
+    if not config.is_map:
+        return names
+    if stale := [p for p in config.map_patterns() if not any(fnmatch.fnmatchcase(n, p) for n in candidates)]:
+        raise ValueError(
+            f"FP8Config(recipe={{{', '.join(f'{p!r}: ...' for p in stale)}}}): the pattern(s) {stale} match no"
+            f" nn.Linear layer of {type(model).__name__} (patterns are fnmatch on qualified names, first match wins);"
+            f" fix or drop them. Linear layers: {candidates}"
+        )
+    return [name for name in names if config.for_layer(name) is not None]
 
 
 def _divides(module: nn.Module, multiple: int) -> bool:
@@ -133,7 +149,7 @@ def no_fp8_layers_message(model: nn.Module, config: FP8Config) -> str:
     fp8 = {name for name, m in modules.items() if backend_of(m) is not None}
     candidates = [name for name, m in modules.items() if type(m) is nn.Linear and name not in fp8]
     head = (
-        f"fp8={config.recipe!r}: no nn.Linear layer of {type(model).__name__} is eligible for FP8, so FP8 would do"
+        f"fp8={config.recipe_name!r}: no nn.Linear layer of {type(model).__name__} is eligible for FP8, so FP8 would do"
         " nothing."
     )
     rule = (
@@ -186,6 +202,30 @@ def _by_backend(layers: dict[str, type[FP8Backend]]) -> dict[type[FP8Backend], l
     for name, backend in layers.items():
         groups[backend].append(name)
     return groups
+
+
+def export_recipe_map(model: nn.Module, config: FP8Config | str | None = None) -> dict[str, dict[str, Any]]:
+    """The chosen per-layer recipes of ``model`` (converted): ``{qualified name: Recipe fields}`` as plain values
+    (formats per role ``fprop``/``dgrad``/``wgrad``, blocks, scale rule, block scale floor, stochastic rounding,
+    Hadamard, 4-over-6, per-tensor knobs); layers in the base precision are absent. ``yaml.safe_dump`` writes it; it
+    is what to write by hand into TransformerEngine's ``CustomRecipe`` quantizer factory or Megatron's precision
+    config file (neither reads ours). Native layers carry their own recipe (a per-module map's entry); the layers of
+    another backend take ``config``'s.
+
+    Raises:
+        ValueError: a layer of another backend and no ``config`` (or a map config) to read its recipe from.
+    """
+    resolved = fp8_config(config)
+    out: dict[str, dict[str, Any]] = {}
+    for name in find_fp8_layers(model):
+        layer_config = getattr(model.get_submodule(name), "fp8_config", None)
+        if not isinstance(layer_config, FP8Config):
+            if resolved is None:
+                raise ValueError(f"export_recipe_map(model, config=None): {name!r} is a library FP8 layer, which keeps"
+                                 " no recipe; pass the FP8Config it was converted with.")
+            layer_config = resolved
+        out[name] = layer_config.spec.as_dict()
+    return out
 
 
 def convert_to_fp8(model: nn.Module, config: FP8Config | str | None) -> list[str]:

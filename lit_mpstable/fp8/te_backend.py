@@ -11,17 +11,22 @@ from torch import nn
 
 from lit_mpstable.fp8.backend import FP8Backend, optional_import, replace_module, share_hooks
 from lit_mpstable.fp8.config import FP8Config
+from lit_mpstable.fp8.native import conformance_gate
 
 _EXTRA_STATE = "_extra_state"  # the key torch.nn.Module gives get_extra_state()'s value in a state dict
 _STATE_KEY = "extra_state"
 
 
 _TE_RECIPES = {
-    "current": ("Float8CurrentScaling", "2.2"),
-    "mxfp8": ("MXFP8BlockScaling", "2.0"),
-    "blockwise": ("Float8BlockScaling", "2.3"),
-    "nvfp4": ("NVFP4BlockScaling", "2.7"),
+    "delayed": ("DelayedScaling", "1.0", "delayed"),
+    "current": ("Float8CurrentScaling", "2.2", "config"),
+    "mxfp8": ("MXFP8BlockScaling", "2.0", "config"),
+    "blockwise": ("Float8BlockScaling", "2.3", "e4m3"),
+    "nvfp4": ("NVFP4BlockScaling", "2.7", "none"),
 }
+"""Recipe name -> (TE recipe class, the TE version that has it, its format argument: ``"config"`` FP8Config.format,
+``"e4m3"`` E4M3 everywhere (DeepSeek-V3), ``"none"`` (the format is the recipe), ``"delayed"`` DelayedScaling's
+knobs). A new recipe that TE runs is one entry here."""
 _TE_HARDWARE = {"blockwise": ((9, 0), "Hopper"), "nvfp4": ((10, 0), "Blackwell")}
 """Recipes whose TE kernels need a GPU of at least this compute capability (Float8BlockScaling's GEMMs are Hopper
 ones; NVFP4's need Blackwell's FP4 tensor cores)."""
@@ -34,45 +39,47 @@ def transformer_engine_recipe(config: FP8Config) -> Any:
 
     Raises:
         ModuleNotFoundError: TransformerEngine is not installed.
-        ValueError: this TransformerEngine version has no class for the recipe.
+        ValueError: this TransformerEngine version has no class for the recipe, or the recipe has no TE mapping.
     """
     recipe = optional_import("transformer_engine.common.recipe", "transformer_engine")
     fp8_format = recipe.Format.HYBRID if config.format == "hybrid" else recipe.Format.E4M3
-    if config.recipe == "delayed":
-        return recipe.DelayedScaling(
-            margin=config.margin,
-            fp8_format=fp8_format,
-            amax_history_len=config.amax_history_len,
-            amax_compute_algo=config.amax_compute_algo,
-        )
-    name, version = _TE_RECIPES[config.recipe]
+    spec = config.spec
+    if spec.name not in _TE_RECIPES:
+        raise ValueError(f"FP8Config(recipe={spec.name!r}, backend='transformer_engine'): no mapping of this recipe to"
+                         f" a TransformerEngine recipe (te_backend._TE_RECIPES has {list(_TE_RECIPES)}); use"
+                         " backend='native', or export its per-layer map (export_recipe_map) for TE's CustomRecipe.")
+    name, version, fmt = _TE_RECIPES[spec.name]
     if not hasattr(recipe, name):
         raise ValueError(
-            f"FP8Config(recipe={config.recipe!r}, backend='transformer_engine'): this TransformerEngine has no"
+            f"FP8Config(recipe={spec.name!r}, backend='transformer_engine'): this TransformerEngine has no"
             f" recipe.{name} (it needs TE >= {version}); upgrade it, or use backend='native' (exact emulation)."
         )
-    if config.recipe == "nvfp4":
-        return getattr(recipe, name)()  # FP4 elements and E4M3 scales are the recipe itself: no format to pass
-    if config.recipe == "blockwise":
-        return getattr(recipe, name)(fp8_format=recipe.Format.E4M3)  # DeepSeek-V3: E4M3 for gradients too
-    return getattr(recipe, name)(fp8_format=fp8_format)
+    kwargs = {
+        "delayed": dict(margin=config.margin, fp8_format=fp8_format, amax_history_len=config.amax_history_len,
+                        amax_compute_algo=config.amax_compute_algo),
+        "config": dict(fp8_format=fp8_format),
+        "e4m3": dict(fp8_format=recipe.Format.E4M3),  # DeepSeek-V3: E4M3 for gradients too
+        "none": {},  # FP4 elements and E4M3 scales are the recipe itself: no format to pass
+    }[fmt]
+    return getattr(recipe, name)(**kwargs)
 
 
-def hardware_refusal(recipe: str, library: str) -> str | None:
-    """Why ``library``'s kernels for ``recipe`` cannot run on this machine's current CUDA device (None if they can,
-    or if the recipe needs nothing beyond the library's own checks)."""
-    if recipe not in _TE_HARDWARE:
+def hardware_refusal(name: str, library: str) -> str | None:
+    """Why ``library``'s kernels for the recipe ``name`` cannot run on this machine's current CUDA device (None if
+    they can, or if the recipe needs nothing beyond the library's own checks)."""
+    needs = _TE_HARDWARE.get(name)
+    if needs is None:
         return None
-    needed, arch = _TE_HARDWARE[recipe]
+    needed, arch = needs
     if not torch.cuda.is_available():
         have = "no CUDA device"
     elif (capability := torch.cuda.get_device_capability()) < needed:
         have = f"CUDA device {torch.cuda.current_device()} of compute capability {capability}"
     else:
         return None
-    return (f"FP8Config(recipe={recipe!r}, backend={library!r}): {library}'s {recipe} kernels need a {arch} GPU"
+    return (f"FP8Config(recipe={name!r}, backend={library!r}): {library}'s {name} kernels need a {arch} GPU"
             f" (compute capability >= {needed}), and this machine has {have}; use backend='native', which emulates"
-            f" {recipe} exactly on any device (same numerics, no speed-up).")
+            f" {name} exactly on any device (same numerics, no speed-up).")
 
 
 class TransformerEngineBackend(FP8Backend):
@@ -104,7 +111,7 @@ class TransformerEngineBackend(FP8Backend):
         super().__init__(config)
         te = optional_import("transformer_engine.pytorch", "transformer_engine")
         self.recipe = transformer_engine_recipe(config)
-        if (refusal := hardware_refusal(config.recipe, "transformer_engine")) is not None:
+        if (refusal := hardware_refusal(config.spec.name, "transformer_engine")) is not None:
             raise ValueError(refusal)
         if hasattr(te, "autocast"):  # TE 2.x; fp8_autocast is deprecated there (and warns on every call)
             self._autocast, self._recipe_kwarg = te.autocast, "recipe"
@@ -116,8 +123,12 @@ class TransformerEngineBackend(FP8Backend):
         te = sys.modules.get("transformer_engine.pytorch")
         return te is not None and isinstance(module, te.Linear)
 
+    def checks_conformance(self) -> bool:
+        return torch.cuda.is_available()  # TE's kernels run on CUDA only: on a CPU there is nothing to check
+
     def convert_(self, model: nn.Module, names: list[str]) -> None:
         te = optional_import("transformer_engine.pytorch", "transformer_engine")
+        names = conformance_gate(self, model, names)
         for name in names:
             linear = model.get_submodule(name)
             layer = te.Linear(

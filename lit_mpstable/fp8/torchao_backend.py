@@ -12,8 +12,21 @@ from torch import nn
 from lit_mpstable.fp8.backend import FP8Backend, optional_import, share_hooks
 from lit_mpstable.fp8.config import FP8Config
 from lit_mpstable.fp8.gemm import scaled_mm_supported
+from lit_mpstable.fp8.native import conformance_gate
 
 _MX_CONFIG = "torchao.prototype.moe_training.config"
+_TORCHAO_RECIPES = {"current": "_convert_float8", "mxfp8": "_convert_mx"}
+"""Recipe name -> the method converting layers to torchao's training layers for it (one entry per recipe)."""
+_TORCHAO_REFUSALS = {
+    "mxfp4": " has no mxfp4 training config (its MX/NVFP4 configs quantise for inference)",
+    "nvfp4": " has no nvfp4 training config (its MX/NVFP4 configs quantise for inference)",
+    "blockwise": "'s blockwise FP8 kernels scale each tile by exactly 448 / amax, and its"
+                 " Float8BlockwiseLinearConfig has no option for the power-of-two scales that 'blockwise' means"
+                 " (TransformerEngine's Float8BlockScaling default; exact scaling and unscaling), so the same recipe"
+                 " would give other numbers",
+}
+_TORCHAO_ELSE = {"nvfp4": ", or backend='transformer_engine' on a Blackwell GPU",
+                 "blockwise": " or backend='transformer_engine' on a Hopper GPU"}
 _MX_TENSOR = "torchao.prototype.moe_training.tensor"
 
 
@@ -48,35 +61,52 @@ class TorchaoBackend(FP8Backend):
 
     def __init__(self, config: FP8Config) -> None:
         super().__init__(config)
-        if config.recipe in ("mxfp4", "nvfp4"):
+        name = config.spec.name
+        convert = _TORCHAO_RECIPES.get(name)
+        if convert is None:
             torchao = optional_import("torchao", "torchao")
-            te = ", or backend='transformer_engine' on a Blackwell GPU" if config.recipe == "nvfp4" else ""
-            raise ValueError(
-                f"FP8Config(recipe={config.recipe!r}, backend='torchao'): torchao {torchao.__version__} has no"
-                f" {config.recipe} training config (its MX/NVFP4 configs quantise for inference); use"
-                f" backend='native' (exact emulation on any device){te}."
-            )
-        if config.recipe == "blockwise":
-            torchao = optional_import("torchao", "torchao")
-            raise ValueError(
-                f"FP8Config(recipe='blockwise', backend='torchao'): torchao {torchao.__version__}'s blockwise FP8"
-                " kernels scale each tile by exactly 448 / amax, and its Float8BlockwiseLinearConfig has no option"
-                " for the power-of-two scales that 'blockwise' means (TransformerEngine's Float8BlockScaling"
-                " default; exact scaling and unscaling), so the same recipe would give other numbers; use"
-                " backend='native' (exact emulation on any device) or backend='transformer_engine' on a Hopper GPU."
-            )
-        if config.recipe == "mxfp8":
+            unmapped = f": no mapping of recipe {name!r} to a torchao training config (see _TORCHAO_RECIPES)"
+            reason = _TORCHAO_REFUSALS.get(name, unmapped)
+            raise ValueError(f"FP8Config(recipe={name!r}, backend='torchao'): torchao {torchao.__version__}{reason};"
+                             f" use backend='native' (exact emulation on any device){_TORCHAO_ELSE.get(name, '')}.")
+        self._convert = getattr(self, convert)
+        if convert == "_convert_mx":
             optional_import("torchao", "torchao")
             try:
                 importlib.import_module(_MX_CONFIG)
                 importlib.import_module("torchao.quantization.quantize_.common")
             except ImportError as err:
                 raise ValueError(
-                    "FP8Config(recipe='mxfp8', backend='torchao'): this torchao version has no MXFP8 training config"
+                    f"FP8Config(recipe={name!r}, backend='torchao'): this torchao version has no MXFP8 training config"
                     f" ({_MX_CONFIG}.MXFP8TrainingOpConfig); use backend='native' or upgrade torchao."
                 ) from err
         else:
             optional_import("torchao.float8", "torchao")
+
+    def probe_quantize(self, x: torch.Tensor, operand: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """torchao's own casts for the conformance check: tensorwise ``tensor_to_scale`` / ``to_fp8_saturated``
+        (``"current"``), ``to_mx`` with the scale mode of ``MXFP8TrainingOpConfig`` (``"mxfp8"``)."""
+        try:
+            return self._probe_quantize(x, operand == "grad")
+        except (ImportError, AttributeError, TypeError):  # a torchao without these functions: nothing to compare
+            return None
+
+    def _probe_quantize(self, x: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._convert == self._convert_mx:
+            from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+            from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+            mode = getattr(MXFP8TrainingOpConfig(), "scale_calculation_mode", None)
+            kwargs = {"scaling_mode": mode} if mode is not None else {}
+            e8m0, data = to_mx(x.float().contiguous(), torch.float8_e4m3fn, 32, **kwargs)
+            scales = torch.ldexp(torch.ones(e8m0.shape), e8m0.view(torch.uint8).long().cpu() - 127).to(x.device)
+            values = data.float().unflatten(-1, (-1, 32)) * scales.unsqueeze(-1)
+            return values.flatten(-2), scales
+        from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+        dtype = self.config.grad_dtype if grad else torch.float8_e4m3fn
+        scale = tensor_to_scale(x.float(), dtype)
+        return to_fp8_saturated(x.float() * scale, dtype).float() / scale, scale.reciprocal().reshape(1)
 
     @classmethod
     def is_fp8_layer(cls, module: nn.Module) -> bool:
@@ -85,7 +115,11 @@ class TorchaoBackend(FP8Backend):
             return True
         return type(module) is nn.Linear and _mx_wrapped(module.weight)
 
+    def checks_conformance(self) -> bool:
+        return True
+
     def convert_(self, model: nn.Module, names: list[str]) -> None:
+        names = conformance_gate(self, model, names)
         if not names:
             return
         selected = set(names)
@@ -95,9 +129,10 @@ class TorchaoBackend(FP8Backend):
 
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         originals = {name: model.get_submodule(name) for name in names}
-        if self.config.recipe == "mxfp8":
-            self._convert_mx(model, originals, module_filter_fn, device)
-            return
+        self._convert(model, originals, module_filter_fn, device)
+
+    def _convert_float8(self, model: nn.Module, originals: dict[str, nn.Module], module_filter_fn: Any,
+                        device: torch.device) -> None:
         float8 = optional_import("torchao.float8", "torchao")
         emulate = self.config.emulate if self.config.emulate is not None else not scaled_mm_supported(device)
         grad = {}  # torchao's default is hybrid: E5M2 gradients

@@ -324,7 +324,7 @@ class StableFrontEnd:
         first = self.stepper.fp8_budget.layers is None
         chosen = self.stepper.choose_high_precision_(loss_fn, batch)
         if first:
-            recipe = self.stepper.fp8.recipe if self.stepper.fp8 is not None else "low-format"
+            recipe = self.stepper.fp8.recipe_name if self.stepper.fp8 is not None else "low-format"
             rank_zero_info(f"{type(self).__name__}: {self.stepper.fp8_budget.describe(self.layout.module, recipe)}")
         return chosen
 

@@ -5,6 +5,7 @@ second fit and checkpoint resume, with the default and an explicit filter."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import AMPPreflight
 from lit_mpstable.fp8 import BACKENDS, FP8Config, FP8Linear
+from lit_mpstable.fp8 import recipe as fp8_recipe
 from lit_mpstable.fp8.backends import backend_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:FP8Linear. torch._scaled_mm", "ignore:.*does not have many workers")
@@ -53,11 +55,15 @@ def test_a_backend_refuses_at_construction(monkeypatch: pytest.MonkeyPatch) -> N
         StablePrecision("bf16-mixed", fp8=FP8Config(recipe="current", backend="transformer_engine"))
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8"])
-def test_middle_layer_runs_in_fp8_and_trains(recipe: str) -> None:
+@pytest.mark.parametrize("recipe", [
+    "delayed", "current", "mxfp8",
+    fp8_recipe("mxfp8", name="mx_fwd_nv_bwd", dgrad="nvfp4", wgrad="bf16"),  # per role
+    {"*.fc2": "nvfp4"},  # per module
+], ids=["delayed", "current", "mxfp8", "per_role", "map"])
+def test_middle_layer_runs_in_fp8_and_trains(recipe: Any) -> None:
     torch.manual_seed(0)
     module = make_module(optimizer="adamw", lr=1e-2)
-    plugin = StablePrecision("bf16-mixed", fp8=recipe)
+    plugin = StablePrecision("bf16-mixed", fp8=FP8Config(recipe=recipe))
     make_trainer(plugin, max_steps=12, max_epochs=-1).fit(module)
     assert isinstance(module.model.fc2, FP8Linear) and type(module.model.fc1) is torch.nn.Linear
     assert plugin.layout.fp8_layers == ["model.fc2"]
