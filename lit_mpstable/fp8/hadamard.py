@@ -40,6 +40,10 @@ def random_hadamard_transform(x: torch.Tensor, signs: torch.Tensor, *, inverse: 
     ``M`` is orthogonal, so ``A @ B.T == transform(A) @ transform(B).T`` for operands whose last dim is the
     reduction dim (the weight gradient's inputs, tokens last), and ``inverse`` undoes the transform.
 
+    The entries of ``M`` are ``±1/4`` for 16 (powers of two), so each product is exact; the 16 are summed in fp32
+    and rounded once to ``x``'s dtype: on a bf16 ``x`` this is TransformerEngine's RHT (``reference_rht`` with
+    IEEE subnormals) bit for bit, as the golden vectors check.
+
     Raises:
         ValueError: ``signs`` is not a vector of power-of-two length, or ``x``'s last dim is not a multiple of
             it (pad that dim with zeros, which the transform keeps zero in sum).

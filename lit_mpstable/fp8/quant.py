@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lit_mpstable.fp8.minifloat import E4M3, E5M2
+from lit_mpstable.fp8.mx import mx_scale_exponent, pow2
+
 MX_BLOCK_SIZE = 32
 """Elements sharing one E8M0 scale (OCP Microscaling Formats spec v1.0, MXFP8)."""
-
-_E8M0_MIN_EXP, _E8M0_MAX_EXP = -127, 127  # E8M0 encodes 2**-127 .. 2**127 (0xFF is NaN)
-
 
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of an FP8 dtype: 448 for E4M3, 57344 for E5M2."""
@@ -91,35 +91,40 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return F.pad(x.float(), (0, pad)).unflatten(-1, (-1, block_size))
 
 
-def mx_block_scales(x: torch.Tensor, dtype: torch.dtype, *, block_size: int = MX_BLOCK_SIZE) -> torch.Tensor:
+def mx_block_scales(
+    x: torch.Tensor, dtype: torch.dtype, *, block_size: int = MX_BLOCK_SIZE, scale_rule: str = "rceil"
+) -> torch.Tensor:
     """Power-of-two (E8M0) scales, one per ``block_size`` consecutive elements of the last dim, in fp32.
 
-    As the OCP MX spec v1.0 (section 6.3): ``X = 2**(floor(log2(amax_block)) - emax)`` with ``emax`` the exponent of
-    the format's largest normal (8 for E4M3, 15 for E5M2), clamped to E8M0's range ``[2**-127, 2**127]``. The
-    elements are ``x / X``; the floor rule lets them reach up to ``2**(emax+1)``, so values above ``fp8_max``
-    (448 for E4M3) saturate, with relative error up to 2**-3 (E4M3 rounding alone errs by at most 2**-4).
-    An all-zero block gets ``2**-127``. Shape: ``(..., ceil(n / block_size))``.
+    ``scale_rule="rceil"`` (the default, TransformerEngine's MXFP8 and torchao's training default): ``amax / max``
+    rounded up to a power of two (``float_to_e8m0(amax * fl32(1 / max))``), so no finite element saturates;
+    ``"floor"``, OCP MX v1.0 section 6.3: ``X = 2**(floor(log2(amax_block)) - emax)`` with ``emax`` the exponent of
+    the format's largest normal (8 for E4M3, 15 for E5M2), which lets values reach up to ``2**(emax+1)``, so values
+    above ``fp8_max`` (448 for E4M3) saturate. Both are clamped to E8M0's range ``[2**-127, 2**127]``
+    (:func:`lit_mpstable.fp8.mx.mx_scale_exponent`). An all-zero block gets ``2**-127``; a block holding inf or
+    NaN gets NaN. A partial last block is scaled by the amax of its elements. Shape: ``(..., ceil(n / block_size))``.
+
+    Raises:
+        ValueError: ``scale_rule`` is not ``"rceil"`` or ``"floor"``.
     """
+    if scale_rule not in ("rceil", "floor"):
+        raise ValueError(f"mx_block_scales(scale_rule={scale_rule!r}): scale_rule must be 'rceil' "
+                         "(TransformerEngine) or 'floor' (OCP MX v1.0).")
     amax = _blocks(x, block_size).abs().amax(dim=-1)
-    # amax = m * 2**e with m in [0.5, 1), so floor(log2(amax)) = e - 1 exactly; log2 would round values just below
-    # a power of two up to it.
-    _, exponent = torch.frexp(amax)
-    emax = int(torch.finfo(dtype).max).bit_length() - 1
-    shared = (exponent - 1 - emax).clamp(_E8M0_MIN_EXP, _E8M0_MAX_EXP)
-    shared = torch.where(amax > 0, shared, _E8M0_MIN_EXP)
-    scale = torch.ldexp(torch.ones_like(amax), shared)
+    fmt = E5M2 if dtype == torch.float8_e5m2 else E4M3
+    scale = pow2(mx_scale_exponent(amax, fmt, scale_rule).clamp(max=254) - 127)
     return torch.where(torch.isfinite(amax), scale, torch.nan)  # E8M0's NaN: the block held inf/NaN
 
 
 def quantize_mx(
-    x: torch.Tensor, dtype: torch.dtype, *, block_size: int = MX_BLOCK_SIZE
+    x: torch.Tensor, dtype: torch.dtype, *, block_size: int = MX_BLOCK_SIZE, scale_rule: str = "rceil"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MX-quantise along the last dim: ``(data, block_scale)`` with ``x ~= data * block_scale`` blockwise.
 
     ``data`` has ``x``'s shape and FP8 ``dtype``; ``block_scale`` is :func:`mx_block_scales` (fp32 powers of two, so
     ``block_scale.to(torch.float8_e8m0fnu)`` is lossless). The division by a power of two is exact.
     """
-    scale = mx_block_scales(x, dtype, block_size=block_size)
+    scale = mx_block_scales(x, dtype, block_size=block_size, scale_rule=scale_rule)
     blocks = _blocks(x, block_size)
     data = _saturating_cast(blocks / scale.unsqueeze(-1), blocks, dtype)
     return data.flatten(-2)[..., : x.shape[-1]], scale

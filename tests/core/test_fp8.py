@@ -26,6 +26,7 @@ import io
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from helpers import TinyMLP
@@ -263,16 +264,23 @@ def test_amax_history_rolls_and_computes() -> None:
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_mx_scales_are_ocp_powers_of_two(dtype: torch.dtype) -> None:
     x = never_zero(4, 70, low=-12, high=4)  # 70: a partial last block
-    scales = mx_block_scales(x, dtype)
-    assert scales.shape == (4, 3)
-    mantissa, _ = torch.frexp(scales)
-    assert (mantissa == 0.5).all()  # powers of two
-    assert torch.equal(scales.to(torch.float8_e8m0fnu).float(), scales)  # E8M0-representable
+    floor = mx_block_scales(x, dtype, scale_rule="floor")
+    rceil = mx_block_scales(x, dtype)  # the default: TransformerEngine's RCEIL
+    for scales in (floor, rceil):
+        assert scales.shape == (4, 3)
+        mantissa, _ = torch.frexp(scales)
+        assert (mantissa == 0.5).all()  # powers of two
+        assert torch.equal(scales.to(torch.float8_e8m0fnu).float(), scales)  # E8M0-representable
+    fmt_max = torch.finfo(dtype).max
     for row in range(4):
         for block in range(3):
             amax = x[row, 32 * block : 32 * (block + 1)].abs().max().item()
             expected = 2.0 ** (math.floor(math.log2(amax)) - EMAX[dtype])  # OCP MX v1.0, section 6.3
-            assert scales[row, block].item() == expected
+            assert floor[row, block].item() == expected
+            # RCEIL: fl32(amax * fl32(1 / max)) rounded up to a power of two (TE's float_to_e8m0)
+            d = float(np.float32(amax) * np.float32(1.0 / fmt_max))
+            m, e = math.frexp(d)
+            assert rceil[row, block].item() == (d if m == 0.5 else 2.0**e)
 
 
 def test_mx_round_trip_and_edge_blocks() -> None:

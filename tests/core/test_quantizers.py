@@ -188,24 +188,26 @@ def _torchao_to_mx(x: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.T
 def test_mx_equals_torchao_on_1000_random_tensors(element: MXElement, dtype: torch.dtype) -> None:
     x = _random_batch(N_TENSORS, (4, 64), seed=1).to(dtype)
     ref_scale, ref_elements, ref_values = _torchao_to_mx(x, element)
-    q = mx_quantize(x, element)
+    q = mx_quantize(x, element, scale_rule="floor")  # torchao's to_mx default, ScaleCalculationMode.FLOOR
     def per_tensor(a, b):
         return (a.flatten(1) == b.flatten(1)).all(dim=1)
 
     assert int(per_tensor(q.scale_e8m0, ref_scale).sum()) == N_TENSORS
     assert int(per_tensor(q.elements, ref_elements).sum()) == N_TENSORS
     assert int(per_tensor(mx_dequantize(q, dtype), ref_values).sum()) == N_TENSORS
+    # The recipes' default is RCEIL (TransformerEngine's rule; the golden vectors check it bit for bit).
+    rceil = mx_dequantize(mx_quantize(x, element), dtype)
     if element == "fp4_e2m1":
-        assert _same(fake_quantize(x, "mxfp4"), ref_values)
+        assert _same(fake_quantize(x, "mxfp4"), rceil)
     if element == "fp8_e4m3":
-        assert _same(fake_quantize(x, "mxfp8", role="weight"), ref_values)
+        assert _same(fake_quantize(x, "mxfp8", role="weight"), rceil)
 
 
 @pytest.mark.parametrize("element", list(_MX_ELEMENTS))
 def test_mx_edge_cases_equal_torchao_and_the_spec(element: MXElement) -> None:
     fmt_max = {"fp4_e2m1": 6.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}[element]
     for name, x in _edge_cases(fmt_max).items():
-        q = mx_quantize(x, element)
+        q = mx_quantize(x, element, scale_rule="floor")
         ours = mx_dequantize(q)
         assert _same(ours, _mx_reference(x, element)), name
         # torchao agrees except on blocks with the smallest scale (see the next test): the subnormal case in FP8.
@@ -221,6 +223,7 @@ def test_mx_edge_cases_equal_torchao_and_the_spec(element: MXElement) -> None:
             assert ours.isfinite().all() and (ours[:, :32] != 0).any() == (element != "fp4_e2m1")
     on_grid = torch.tensor([[0.5, -1.0, 1.5, 6.0] * 8]) * 2.0**-20  # amax at the format's max: exact
     if element == "fp4_e2m1":
+        assert torch.equal(mx_dequantize(mx_quantize(on_grid, element, scale_rule="floor")), on_grid)
         assert torch.equal(mx_dequantize(mx_quantize(on_grid, element)), on_grid)
 
 
@@ -228,7 +231,7 @@ def test_mx_smallest_scale_follows_the_spec_where_torchao_halves_the_block() -> 
     # A block whose scale is E8M0's smallest, 2**-127: the spec divides by 2**-127. torchao divides by 2**-126 (a
     # Triton subnormal workaround) but multiplies back by 2**-127, so its values come back halved.
     x = torch.tensor([[2.0**-125, -2.0**-126, 3 * 2.0**-127, 2.0**-126] * 8])
-    q = mx_quantize(x, "fp4_e2m1")
+    q = mx_quantize(x, "fp4_e2m1", scale_rule="floor")
     assert int(q.scale_e8m0[0, 0]) == 0
     ours = mx_dequantize(q)
     assert _same(ours, _mx_reference(x, "fp4_e2m1"))
@@ -253,25 +256,33 @@ def test_nvfp4_equals_torchao_on_1000_random_tensors(dtype: torch.dtype) -> None
     ref = _torchao_nvfp4(x)
     nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
     ref_scales, _ = nv.nvfp4_quantize(x, 16, nv.per_tensor_amax_to_scale(x.abs().amax(dim=(1, 2), keepdim=True)))
-    agree = sum(_same(fake_quantize(x[i], "nvfp4", role="input"), ref[i]) for i in range(N_TENSORS))
+    agree = sum(_same(_nvfp4_torchao_variant(x[i]), ref[i]) for i in range(N_TENSORS))
     assert agree == N_TENSORS
-    scales = torch.stack([nvfp4_quantize(x[i]).block_scale.float().reshape(4, 4) for i in range(N_TENSORS)])
+    scales = torch.stack([nvfp4_quantize(x[i], block_scale_floor="e4m3_tiny").block_scale.float().reshape(4, 4)
+                          for i in range(N_TENSORS)])
     assert torch.equal(scales, ref_scales.float().reshape(N_TENSORS, 4, 4))
+
+
+def _nvfp4_torchao_variant(x: torch.Tensor, tile: tuple[int, int] = (1, 16)) -> torch.Tensor:
+    return nvfp4_dequantize(nvfp4_quantize(x, tile=tile, block_scale_floor="e4m3_tiny"), x.dtype)
 
 
 def test_nvfp4_edge_cases_equal_torchao_except_the_all_zero_tensor() -> None:
     cases = _edge_cases(2688.0)  # amax = 448 * 6: the largest block scale, exactly
     for name, x in cases.items():
-        ours = fake_quantize(x, "nvfp4")
+        ours = _nvfp4_torchao_variant(x)
         assert _same(ours, _nvfp4_reference(x, (1, 16))), name
         if name != "all_zero":
             assert _same(ours, _torchao_nvfp4(x.unsqueeze(0))[0]), name
         if name in ("nan", "inf", "-inf"):  # the tensor scale is non-finite: nothing comes back finite
             assert not ours.isfinite().any()
+            assert not fake_quantize(x, "nvfp4").isfinite().any()  # TE's arithmetic (the default) too
     zero = torch.zeros(4, 64)
-    assert torch.equal(fake_quantize(zero, "nvfp4"), zero)  # torchao: 0 / 0 tensor scale, NaN everywhere
+    assert torch.equal(_nvfp4_torchao_variant(zero), zero)  # torchao: 0 / 0 tensor scale, NaN everywhere
+    assert torch.equal(fake_quantize(zero, "nvfp4"), zero)
     assert _torchao_nvfp4(zero.unsqueeze(0)).isnan().all()
     on_grid = torch.tensor([[0.5, -1.0, 1.5, 6.0] * 16]) * 448  # tensor amax 2688: scales 1 and 448, exact
+    assert torch.equal(_nvfp4_torchao_variant(on_grid), on_grid)
     assert torch.equal(fake_quantize(on_grid, "nvfp4"), on_grid)
 
 
@@ -279,13 +290,47 @@ def test_nvfp4_weights_use_16x16_tiles_as_the_reference_and_commute_with_transpo
     g = torch.Generator().manual_seed(3)
     for i in range(20):
         w = torch.randn(32, 48, generator=g) * torch.exp2(torch.randn(32, 1, generator=g) * 3)
-        ours = fake_quantize(w, "nvfp4", role="weight")
+        ours = _nvfp4_torchao_variant(w, (16, 16))
         assert _same(ours, _nvfp4_reference(w, (16, 16))), i
-        assert torch.equal(fake_quantize(w.T.contiguous(), "nvfp4", role="weight"), ours.T)
+        assert torch.equal(_nvfp4_torchao_variant(w.T.contiguous(), (16, 16)), ours.T)
+        te = fake_quantize(w, "nvfp4", role="weight")  # TE's arithmetic (the default) commutes as well
+        assert torch.equal(fake_quantize(w.T.contiguous(), "nvfp4", role="weight"), te.T)
     # One scale per 16x16 tile: rows that differ only in magnitude share it (1x16 blocks would not).
     w = torch.ones(16, 16) * torch.linspace(0.1, 6.0, 16).unsqueeze(1)
     assert nvfp4_quantize(w, tile=(16, 16)).block_scale.numel() == 1
     assert not torch.equal(fake_quantize(w, "nvfp4", role="weight"), fake_quantize(w, "nvfp4", role="input"))
+
+
+def test_nvfp4_four_over_six_scales_a_tile_to_4_where_that_errs_less() -> None:
+    # Tensor amax 1: S_enc = 256 * 6 / 1. Tile 0 holds 1.0 and 0.8: mapped to 6, 0.8 -> 4.8 rounds to 4 (error 0.133);
+    # mapped to 4 (block scale 384 = 1.5 * 256), 0.8 -> 3.2 rounds to 3 (error 0.05): 4 wins. Tile 1 holds 1.0 and
+    # 0.5, exact either way: the tie keeps 6 (block scale 256).
+    x = torch.tensor([[1.0, 0.8] * 8 + [1.0, 0.5] * 8])
+    q = nvfp4_quantize(x, four_over_six=True)
+    assert q.block_scale.float().flatten().tolist() == [384.0, 256.0]
+    assert nvfp4_dequantize(q).tolist() == [[1.0, 0.75] * 8 + [1.0, 0.5] * 8]
+    plain = nvfp4_dequantize(nvfp4_quantize(x))  # map-to-6 only: 0.8 -> 4 / 6
+    assert plain[0, 1].item() == pytest.approx(2 / 3) and plain[0, 17].item() == 0.5
+    # On Gaussian data the chosen tiles lower the total error (arXiv 2512.02010; experiments/four_over_six.py).
+    g = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    err = {k: (nvfp4_dequantize(nvfp4_quantize(g, four_over_six=k)) - g).abs().sum() for k in (False, True)}
+    assert err[True] < err[False]
+    mse = nvfp4_dequantize(nvfp4_quantize(g, four_over_six=True, four_over_six_error="mse"))
+    assert (mse - g).square().sum() < (nvfp4_dequantize(nvfp4_quantize(g, four_over_six=True)) - g).square().sum()
+
+
+@pytest.mark.parametrize("tile", [(1, 16), (16, 16)])
+def test_nvfp4_and_mx_pad_ragged_shapes_with_zeros_as_the_references(tile: tuple[int, int]) -> None:
+    x = torch.randn(21, 40, generator=torch.Generator().manual_seed(5))
+    padded = torch.nn.functional.pad(x, (0, 24, 0, 11))  # (32, 64): whole 16x16 tiles and 32-blocks
+    q = nvfp4_quantize(x, tile=tile)
+    assert nvfp4_dequantize(q).shape == x.shape
+    assert torch.equal(nvfp4_dequantize(q), nvfp4_dequantize(nvfp4_quantize(padded, tile=tile))[:21, :40])
+    for rule in ("rceil", "floor"):
+        m = mx_quantize(x, "fp8_e4m3", scale_rule=rule)
+        assert m.scale_e8m0.shape == (21, 2)
+        full = mx_quantize(padded, "fp8_e4m3", scale_rule=rule)
+        assert torch.equal(mx_dequantize(m), mx_dequantize(full)[:21, :40])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -537,6 +582,16 @@ def test_fake_quantize_pads_ragged_inputs_as_the_references(recipe: str, role: s
         (lambda: fake_quantize(torch.randn(4, 64), "nvfp4", role="grad", generator=0), TypeError, ["generator=0"]),  # type: ignore[arg-type]  # invalid on purpose
         (lambda: mx_quantize(torch.randn(4, 64), "fp6_e2m3"), ValueError, ["element='fp6_e2m3'"]),  # type: ignore[arg-type]  # invalid on purpose
         (lambda: nvfp4_quantize(torch.randn(32, 32), tile=(8, 8)), ValueError, ["tile=(8, 8)"]),
+        (lambda: mx_quantize(torch.randn(4, 64), "fp8_e4m3", scale_rule="ceil"), ValueError,  # type: ignore[arg-type]  # invalid on purpose
+         ["scale_rule='ceil'", "rceil", "floor"]),
+        (lambda: nvfp4_quantize(torch.randn(4, 64), block_scale_floor="tiny"), ValueError,  # type: ignore[arg-type]  # invalid on purpose
+         ["block_scale_floor='tiny'", "e4m3_tiny"]),
+        (lambda: nvfp4_quantize(torch.randn(4, 64), block_scale_floor="e4m3_tiny", four_over_six=True), ValueError,
+         ["four_over_six=True", "block_scale_floor=None"]),
+        (lambda: nvfp4_quantize(torch.randn(4, 64), four_over_six=True, four_over_six_error="max"), ValueError,  # type: ignore[arg-type]  # invalid on purpose
+         ["four_over_six_error='max'", "mae", "mse"]),
+        (lambda: nvfp4_quantize(torch.randn(4, 64), tensor_scale=torch.tensor(1.0)), ValueError,
+         ["tensor_scale", "global_amax"]),
         (lambda: blockwise_quantize(torch.randn(4, 128), tile=(1, 64)), ValueError, ["tile=(1, 64)"]),
         (lambda: nvfp4_quantize(torch.randn(4, 64), stochastic=True, noise=torch.rand(64)), ValueError,
          ["noise of shape (64,)", "(4, 64)"]),
