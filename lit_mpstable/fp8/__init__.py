@@ -48,6 +48,7 @@ from lit_mpstable.fp8.native import NativeBackend
 from lit_mpstable.fp8.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quantizers import fake_quantize
 from lit_mpstable.fp8.recipe import FORMATS, Recipe, recipe, recipe_names, register_recipe
+from lit_mpstable.fp8.schedule import PrecisionSchedule, ScheduleRunner
 from lit_mpstable.fp8.swap import convert_from_fp8, convert_to_fp8, fp8_state_dict, fp8_stats, load_fp8_state_dict
 from lit_mpstable.fp8.te_backend import TransformerEngineBackend
 from lit_mpstable.fp8.torchao_backend import TorchaoBackend
@@ -60,7 +61,9 @@ __all__ = [
     "FP8Linear",
     "HighPrecisionBudget",
     "NativeBackend",
+    "PrecisionSchedule",
     "Recipe",
+    "ScheduleRunner",
     "TorchaoBackend",
     "TransformerEngineBackend",
     "blockwise_dequantize",
