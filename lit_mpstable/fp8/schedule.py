@@ -377,13 +377,15 @@ def schedule_runner(schedule: Any, fp8: Any) -> ScheduleRunner:
     return ScheduleRunner(milestones or from_config)
 
 
-def load_schedule_state(runner: ScheduleRunner, state: Mapping[str, Any], model: nn.Module | None) -> dict[str, Any]:
+def load_schedule_state(runner: ScheduleRunner, state: Any, model: nn.Module | None) -> Any:
     """``state`` without its ``precision_schedule`` entry, which is loaded into ``runner`` (and its applied milestones
     switched in ``model`` now, before the layers' own FP8 state is loaded, whose keys follow the recipe).
 
     Raises:
         ValueError: the checkpoint has a schedule and the run none, or the reverse, or another one (both named).
     """
+    if not isinstance(state, Mapping) or not runner and "precision_schedule" not in state:
+        return state  # junk is named by the stepper's own checks
     state = dict(state)
     saved = state.pop("precision_schedule", None)
     if saved is None and runner:

@@ -255,3 +255,56 @@ def test_trainer_switches_at_lr_decay_and_resumes_switched(tmp_path):
     other = StablePrecision("bf16-mixed", fp8=fp8, schedule=PrecisionSchedule(at=6, fprop="bf16"))
     with pytest.raises(ValueError, match="written under the schedule"):
         _fit(other, steps=10, ckpt=str(path))
+    from lit_mpstable.app.report import schedule_timeline, write_report
+
+    timeline = schedule_timeline(plugin)
+    assert timeline == [{"step": 4, "kind": "precision", "what": "switched fprop to bf16 on 2 FP8 layer(s)",
+                         "why": "PrecisionSchedule(at=lr_decay layers=* fprop=bf16)"}]
+    text = write_report({"events": timeline}, tmp_path / "report").read_text()
+    assert "step 4: switched fprop to bf16 on 2 FP8 layer(s): PrecisionSchedule(at=lr_decay" in text
+
+
+def test_fabric_switches_at_a_step():
+    from lightning.fabric import Fabric
+
+    from lit_mpstable.fabric import StablePrecision as FabricPrecision
+
+    plugin = FabricPrecision("bf16-mixed", fp8=FP8Config(recipe="nvfp4", keep_high_precision=[],
+                                                         schedule=PrecisionSchedule(at=2, dgrad="bf16")))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = _plain()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    seen = []
+    for _ in range(4):
+        loss = model(torch.randn(8, 32)).float().pow(2).mean()
+        seen.append(model.module[2].fp8_config.spec.dgrad)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert seen == ["nvfp4", "nvfp4", "bf16", "bf16"]
+    assert plugin.state_dict()["precision_schedule"]["applied"] == [2]
+
+
+def _trigger_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        runner = ScheduleRunner(PrecisionSchedule(at=lambda step, stats: stats["rank"] == 1 and step >= 2,
+                                                  fprop="bf16"))
+        model = _model()
+        runner.bind(model, max_steps=6)
+        for step in range(4):
+            runner.on_step_start(step, {"rank": rank})
+        torch.save({"applied": runner.applied, "fprop": model.mlp.fp8_config.spec.fprop}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_trigger_on_one_rank_switches_every_rank_at_the_same_step(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_trigger_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == {"applied": [2], "fprop": "bf16"}
