@@ -93,7 +93,18 @@ def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
     return figures
 
 
-_EVENT_COLOURS = {"fallback": "darkorange", "restore": "seagreen", "skip": "purple", "rollback": "crimson"}
+_EVENT_COLOURS = {"fallback": "darkorange", "restore": "seagreen", "skip": "purple", "rollback": "crimson",
+                  "precision": "royalblue"}
+
+
+def schedule_timeline(plugin: Any) -> list[dict[str, Any]]:
+    """The precision schedule's switches (``StablePrecision(schedule=...)``) as timeline events: ``{"step", "kind":
+    "precision", "what", "why"}``; empty without a schedule."""
+    runner = getattr(plugin, "precision_schedule", None)
+    return [{"step": e["step"], "kind": "precision",
+             "what": "switched " + ", ".join(f"{role} to {fmt}" for role, fmt in e["formats"].items())
+             + f" on {e['layers']} FP8 layer(s)", "why": f"PrecisionSchedule({e['at']})"}
+            for e in getattr(runner, "events", [])]
 
 
 def _mark_events(ax: Any, events: Sequence[dict[str, Any]]) -> None:

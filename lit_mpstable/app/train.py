@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lit_mpstable.app.config import register_configs
-from lit_mpstable.app.report import write_report
+from lit_mpstable.app.report import schedule_timeline, write_report
 from lit_mpstable.app.report_formats import layer_formats
 from lit_mpstable.app.showcase import compare, print_comparison
 from lit_mpstable.base.validate import int_arg, real_arg
@@ -263,7 +263,7 @@ def run(
     callbacks = [*built.callbacks, *callbacks]
     trainer.fit(model, datamodule=built.data)
     live = recorder.live
-    events = _events(callbacks)
+    events = sorted(_events(callbacks) + schedule_timeline(live), key=lambda e: e["step"] or 0)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     stats = live.stats
     telemetry = getattr(getattr(live, "observer", None), "telemetry", None)

@@ -50,6 +50,7 @@ from lit_mpstable.fp8.native import NativeBackend
 from lit_mpstable.fp8.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from lit_mpstable.fp8.quantizers import fake_quantize
 from lit_mpstable.fp8.recipe import FORMATS, Recipe, recipe, recipe_names, register_recipe
+from lit_mpstable.fp8.schedule import PrecisionSchedule, ScheduleRunner
 from lit_mpstable.fp8.swap import (
     convert_from_fp8,
     convert_to_fp8,
@@ -69,7 +70,9 @@ __all__ = [
     "FP8Linear",
     "HighPrecisionBudget",
     "NativeBackend",
+    "PrecisionSchedule",
     "Recipe",
+    "ScheduleRunner",
     "TorchaoBackend",
     "TransformerEngineBackend",
     "blockwise_dequantize",

@@ -13,6 +13,7 @@ from torch import nn
 
 from lit_mpstable.base.validate import int_arg
 from lit_mpstable.fp8.recipe import Recipe, recipe_names, resolve
+from lit_mpstable.fp8.schedule import ScheduleArg, check_schedule
 
 FP8Recipe = Literal["delayed", "current", "mxfp8", "blockwise", "mxfp4", "nvfp4"]
 """The built-in recipe names (the registry, :func:`lit_mpstable.fp8.recipe_names`, may hold more)."""
@@ -121,8 +122,13 @@ class FP8Config:
     (:func:`~lit_mpstable.fp8.backends.check_conformance`). On a mismatch, or all-zero or non-finite gradients:
     ``"raise"`` refuses the backend (a ValueError with the numbers), ``"native"`` warns with them and runs the recipe
     on ``backend="native"`` (exact emulation), ``"off"`` skips the check."""
+    schedule: ScheduleArg = None
+    """A :class:`~lit_mpstable.fp8.PrecisionSchedule` (or a list of them): formats of chosen layers and roles change
+    in process at a step, at the start of LR decay or on a trigger (the precision plugin applies it; kept as a
+    tuple)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", check_schedule(self.schedule, "FP8Config(schedule") or None)
         self._resolve_recipe()
         for name, allowed in (
             ("format", FP8Format),

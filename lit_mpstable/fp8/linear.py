@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Any
 
@@ -27,6 +28,7 @@ from lit_mpstable.fp8.quant import (
     update_amax_history_,
 )
 from lit_mpstable.fp8.quantizers import quantize_mx_as
+from lit_mpstable.fp8.recipe import Recipe
 
 FP8_TENSORS = ("x", "w", "grad_out")
 """The three FP8 operands of a linear layer, in the row order of ``amax_history`` and ``scale``."""
@@ -342,6 +344,21 @@ class FP8Linear(nn.Linear):
                     f" {tuple(buffer.shape)}; was it saved with another amax_history_len?"
                 )
             buffer.copy_(value)
+
+    def set_recipe_(self, spec: Recipe | FP8Config) -> None:
+        """Switch this layer to another recipe in process (a precision schedule): from the next forward on, its GEMMs
+        take ``spec``'s formats. Buffers the new recipe needs are created (an amax history starts empty, the SR
+        counter at 0, the Hadamard signs from the layer's seed); those it keeps are kept (the SR counter goes on)."""
+        config = spec if isinstance(spec, FP8Config) else dataclasses.replace(self.fp8_config, recipe=spec)
+        device = self.weight.device
+        if config.spec.history and "amax_history" not in self._buffers:
+            self.register_buffer("amax_history", torch.zeros(3, config.amax_history_len, device=device),
+                                 persistent=False)
+            self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
+        if config.spec.needs_counter and "sr_counter" not in self._buffers:
+            self.register_buffer("sr_counter", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+            self.register_buffer("rht_signs", rht_signs(self.sr_seed, device=device), persistent=False)
+        self.fp8_config = config
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

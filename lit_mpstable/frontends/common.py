@@ -4,7 +4,7 @@ dict, all read from one :class:`~lit_mpstable.core.step.stepper.PrecisionStepper
 from __future__ import annotations
 
 import inspect
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from contextlib import _GeneratorContextManager, contextmanager
 from typing import Any, Literal, cast
 
@@ -28,6 +28,7 @@ from lit_mpstable.core.step.stepper import (
 from lit_mpstable.core.weights.master import MasterWeights
 from lit_mpstable.core.weights.optim_state import StateKind
 from lit_mpstable.fp8 import FP8Config
+from lit_mpstable.fp8.schedule import PrecisionSchedule, load_schedule_state, schedule_runner
 from lit_mpstable.frontends.live_state import Findings, FromStepper
 
 # The type of Lightning's ``Precision.precision`` (both Trainer packages and Fabric): ours is one of its values.
@@ -87,6 +88,12 @@ ARGS_DOC = """
             and underflow) every N optimizer steps, an early warning of FP8 overflow (:meth:`runaway_layers`,
             ``mp/amax_growth``, ``mp/kurtosis_max``, ``stats["growth"]``); 10 costs about 1% of a step; ``None``
             (default): off.
+        schedule: ``None``, a :class:`~lit_mpstable.fp8.PrecisionSchedule` or a list of them (or
+            ``FP8Config(schedule=...)``, not both): the formats of chosen FP8 layers and GEMM roles change in process
+            at a step, at the start of the LR decay (``at="lr_decay"``, found from the LR scheduler) or on a
+            trigger, the same step on every rank; e.g. ``PrecisionSchedule(at="lr_decay", fprop="bf16")``. Checked
+            at the first training step (patterns that match no FP8 layer, unreachable milestones: ValueError);
+            the switches are in :attr:`precision_schedule` ``.events`` and the plugin's checkpoint state.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).
@@ -122,6 +129,7 @@ class StableFrontEnd:
         spike_guard: SpikeGuard | None = None,
         optimizer_state: StateKind = "fp32",
         growth_every_n_steps: int | None = None,
+        schedule: PrecisionSchedule | Sequence[PrecisionSchedule] | None = None,
     ) -> None:
         # A list for the repr; anything else (None, 5, one name) goes to the stepper's check as it is.
         # Every argument goes to the stepper by name: a new one is one line in the signature above.
@@ -129,7 +137,8 @@ class StableFrontEnd:
         listed = isinstance(fp32_modules, Iterable) and not isinstance(fp32_modules, (str, bytes, dict))
         args["fp32_modules"] = list(fp32_modules) if listed else fp32_modules
         self._args = args
-        self.stepper = PrecisionStepper(**self._args, owner=type(self).__name__)
+        self.stepper = PrecisionStepper(**{k: v for k, v in args.items() if k != "schedule"}, owner=type(self).__name__)
+        self.precision_schedule = schedule_runner(schedule, self.stepper.fp8)
         # Lightning reads the attribute; the stepper resolved "auto", so it is one of Lightning's own spellings.
         self.precision: LightningPrecision = cast(LightningPrecision, self.stepper.precision)
         self.master_weights = master_weights
@@ -352,17 +361,33 @@ class StableFrontEnd:
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly; see ``PrecisionStepper.state_dict`` for the keys."""
-        return self.stepper.state_dict()
+        """Everything needed to resume exactly; see ``PrecisionStepper.state_dict`` for the keys (and
+        ``precision_schedule`` with a schedule)."""
+        state = self.stepper.state_dict()
+        if self.precision_schedule:
+            state["precision_schedule"] = self.precision_schedule.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Strict: a missing or unknown key raises ``KeyError`` naming it, a corrupted field (NaN/inf scale, negative
         counter, ``"False"`` for a bool, NaN masters or compensation, ``None``, junk) ``ValueError``/``TypeError``
         naming it, before anything is loaded. A checkpoint of another precision loads too (scaler state is used only
-        where both sides scale)."""
+        where both sides scale). A checkpoint written under another precision schedule raises ``ValueError`` naming
+        both; one past a milestone resumes with the switched formats."""
+        state_dict = load_schedule_state(self.precision_schedule, state_dict, self.layout.module)
         for note in self.stepper.load_state_dict(state_dict):
             rank_zero_info(f"StablePrecision: {note}")
         self._state_loaded = True
+
+    def _schedule_step_(self, schedulers: Sequence[Any], max_steps: int | None, steps_per_epoch: int | None) -> None:
+        """At the start of each training step: the precision schedule's switches due now (bound at the first)."""
+        runner, module = self.precision_schedule, self.layout.module
+        if not runner or module is None:
+            return
+        if not runner.bound:
+            runner.bind(module, schedulers, max_steps=max_steps, steps_per_epoch=steps_per_epoch, step=self.step_count)
+        for line in runner.on_step_start(self.step_count, self.stepper.stats):
+            rank_zero_info(f"StablePrecision: {line}")
 
     # --------------------------------------------------------------------------------------------- messages
     def _warn_once(self, key: str, message: str) -> None:

@@ -101,6 +101,8 @@ class StablePrecision(StableFrontEnd, Precision):
             self.stepper.adopt_device_(self.layout.module)
             self._warn_fp16_cpu()
             self._show_notes()
+        if self.precision_schedule and self.layout.module is not None and self.layout.module.training:
+            self._schedule_step_(self._schedulers, None, None)  # Fabric knows no run length: lr_decay simulated
         return super().forward_context()  # autocast, the op policy and its one-time report
 
     def convert_output(self, data: Any) -> Any:

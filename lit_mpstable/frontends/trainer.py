@@ -115,6 +115,12 @@ class TrainerPrecision(StableFrontEnd):
             module = lightning_module(module, self._pl)
             if getattr(module, "automatic_optimization", True):  # manual: the user's call (optimizer_step checks)
                 self._choose_budget(module)
+        if self.precision_schedule and (module := self.stepper.layout.module) is not None:
+            trainer = lightning_module(module, self._pl).trainer
+            batches, total = trainer.num_training_batches, trainer.max_steps
+            total = total if total > 0 else trainer.estimated_stepping_batches
+            per_epoch = max(1, int(batches) // trainer.accumulate_grad_batches) if batches < float("inf") else None
+            self._schedule_step_(trainer.lr_scheduler_configs, int(total) if total < float("inf") else None, per_epoch)
         return self.forward_context()
 
     def _choose_budget(self, module: Any) -> None:

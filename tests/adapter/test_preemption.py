@@ -335,7 +335,10 @@ NOT_STATE: dict[str, dict[str, str]] = {
                                          " choice itself is in fp8_budget)",
                         "_state_loaded": "whether this fit loaded the plugin's state (for the resume warning only)",
                         "findings": "the callbacks' latest results, measured anew after a resume (the probe step a"
-                                    " fallback counted is PrecisionFallback's last_probe_step)"},
+                                    " fallback counted is PrecisionFallback's last_probe_step)",
+                        "precision_schedule": "no schedule in this run (falsy runner, nothing to save); with one its"
+                                              " state is the checkpoint's precision_schedule entry (test_schedule.py"
+                                              " resumes a switched run)"},
     "PrecisionStepper": {
         "optimizer_state": _CONFIG,
         "owner": _CONFIG, "warnings": _MSG, "device": _SETUP, "master_mode": _CONFIG, "skip_nonfinite": _CONFIG,
