@@ -1,0 +1,148 @@
+"""The remedy ladder through a real Trainer: every combination of the five faces (PrecisionFallback, ScaleCheckpoint,
+FaultTriage, AMPPreflight, SpikeGuard) against each fault, exactly one remedy per event, the one the ladder's table
+names (lit_mpstable/core/guards/ladder.py), the weights and optimizer state finite at the end."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+from cb_helpers import PoisonModule, quiet
+from helpers import make_trainer
+from trainer_pkg import NAME, ScaleCheckpoint, StablePrecision, pl
+
+from lit_mpstable import SpikeGuard
+from lit_mpstable.callbacks import AMPPreflight, FaultTriage, PrecisionFallback
+from lit_mpstable.core.guards.ladder import TABLE, Ladder, Rung, next_rung
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
+from lit_mpstable.faults import FaultInjector
+
+pytestmark = pytest.mark.skipif(NAME != "lightning.pytorch", reason="FaultInjector is a lightning.pytorch callback")
+
+FACES = ("PrecisionFallback", "ScaleCheckpoint", "FaultTriage", "AMPPreflight", "SpikeGuard")
+COMBOS = [frozenset(c) for n in range(len(FACES) + 1) for c in itertools.combinations(FACES, n)]
+EVENTS = ("storm", "nan_batch", "loss_spike", "transient", "corrupt_state")
+MAX_STEPS = 8
+
+
+class CorruptMomentum(pl.Callback):
+    """A NaN in fc1's momentum buffer at the start of step ``step`` (a bit flip in the optimizer state in memory)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            state = trainer.optimizers[0].state[pl_module.model.fc1.weight]
+            with torch.no_grad():
+                state["momentum_buffer"].view(-1)[3] = float("nan")
+
+
+def expected(combo: frozenset[str], event: str) -> str:
+    """The remedy the ladder's table names for ``event`` with the faces of ``combo`` switched on."""
+    if event == "storm":
+        # The overflowing layer makes the loss inf: FaultTriage's FP32 replay is clean ("precision") at the first step;
+        # PrecisionFallback falls back after `patience` overflows; one fallback either way, whoever comes first.
+        return "fallback" if combo & {"PrecisionFallback", "FaultTriage"} else "skip"
+    if event == "nan_batch":
+        return "skip"
+    if event == "loss_spike":
+        return "skip" if "SpikeGuard" in combo else "none"  # SpikeGuard is the one spike detector
+    if event == "transient":
+        return "use_replay" if "FaultTriage" in combo else "skip"
+    faces = combo - {"SpikeGuard"}
+    return "rollback" if "ScaleCheckpoint" in combo else "stop" if faces else "skip"
+
+
+def faults(event: str) -> list[pl.Callback]:
+    if event == "storm":
+        return [FaultInjector({s: "fp16_overflow" for s in (2, 3, 4)}, module="model.fc2")]
+    if event == "nan_batch":
+        return [FaultInjector({3: "nan_batch"})]
+    if event == "loss_spike":
+        return [FaultInjector({6: "loss_spike"}, loss_spike_factor=100.0)]
+    if event == "transient":
+        return [FaultInjector({3: "transient"}, module="model.fc2")]
+    return [CorruptMomentum(3)]
+
+
+def run_case(combo: frozenset[str], event: str) -> dict:
+    torch.manual_seed(0)
+    module = PoisonModule(lr=0.01)
+    guard = SpikeGuard(zscore=4.0, window=16, warmup=4, watch=["loss"]) if "SpikeGuard" in combo else None
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8), spike_guard=guard)
+    fallbacks: list = []
+    fall_back = plugin.fallback
+
+    def counted(*args, **kwargs):
+        fallbacks.append(args)
+        return fall_back(*args, **kwargs)
+
+    plugin.fallback = counted  # type: ignore[method-assign]
+    faces: list[pl.Callback] = []
+    if "FaultTriage" in combo:
+        faces.append(FaultTriage())
+    if "PrecisionFallback" in combo:
+        faces.append(PrecisionFallback(patience=2, mode="module"))
+    if "ScaleCheckpoint" in combo:
+        faces.append(ScaleCheckpoint(every_n_steps=2))
+    if "AMPPreflight" in combo:
+        faces.append(AMPPreflight())
+    trainer = make_trainer(plugin, callbacks=[*faces, *faults(event)], max_steps=MAX_STEPS)
+    with quiet():
+        trainer.fit(module)
+    triage = next((f for f in faces if isinstance(f, FaultTriage)), None)
+    checkpoint = next((f for f in faces if isinstance(f, ScaleCheckpoint)), None)
+    remedies = {
+        "use_replay": sum(e["action"] == "use_replay" for e in triage.events) if triage else 0,
+        "fallback": len(fallbacks),
+        "rollback": checkpoint.rollbacks if checkpoint else 0,
+        "stop": int(trainer.global_step < MAX_STEPS),
+    }
+    optimizer = trainer.optimizers[0]
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return dict(remedies=remedies, skipped=plugin.skipped_steps, plugin=plugin,
+                weights_finite=all(bool(torch.isfinite(p).all()) for p in module.parameters()),
+                state_finite=all(bool(torch.isfinite(v).all()) for v in state))
+
+
+def check_case(combo: frozenset[str], event: str) -> None:
+    result = run_case(combo, event)
+    want = expected(combo, event)
+    acted = {k: v for k, v in result["remedies"].items() if v}
+    if want in ("skip", "none"):
+        assert acted == {}, (sorted(combo), event, acted)
+        assert (result["skipped"] > 0) == (want == "skip"), (sorted(combo), event, result["skipped"])
+    else:
+        assert acted == {want: 1}, (sorted(combo), event, acted)
+    if event != "corrupt_state" or want == "rollback":  # without a snapshot nothing can undo the NaN update
+        assert result["weights_finite"] and result["state_finite"], (sorted(combo), event)
+    events = getattr(result["plugin"], "ladder_events", None)
+    if combo - {"SpikeGuard"} and want != "none":  # a face decides, and the ladder lists the decision
+        assert events, (sorted(combo), event)
+        assert sum(e["action"] == want for e in events) == (1 if want != "skip" else sum(
+            e["action"] == "skip" for e in events)), (sorted(combo), event, events)
+        assert all(e["action"] in ("skip", want) for e in events), (sorted(combo), event, events)
+
+
+FAST = [(frozenset(), e) for e in EVENTS] + [(frozenset(FACES), e) for e in EVENTS] + [
+    (frozenset({"PrecisionFallback", "FaultTriage"}), "storm"), (frozenset({"ScaleCheckpoint"}), "corrupt_state"),
+    (frozenset({"FaultTriage"}), "corrupt_state"), (frozenset({"ScaleCheckpoint", "SpikeGuard"}), "loss_spike"),
+    (frozenset({"FaultTriage", "SpikeGuard"}), "loss_spike"), (frozenset({"AMPPreflight"}), "transient"),
+]
+
+
+@pytest.mark.parametrize("combo, event", FAST, ids=[f"{'+'.join(sorted(c)) or 'none'}-{e}" for c, e in FAST])
+def test_one_remedy_per_event(combo, event):
+    check_case(combo, event)
+
+
+FULL = [(c, e) for c in COMBOS for e in EVENTS if (c, e) not in FAST]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("combo, event", FULL, ids=[f"{'+'.join(sorted(c)) or 'none'}-{e}" for c, e in FULL])
+def test_one_remedy_per_event_every_combination(combo, event):
+    check_case(combo, event)
