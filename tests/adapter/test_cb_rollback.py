@@ -159,7 +159,8 @@ def test_too_many_rollbacks_raise_with_where_and_what_to_try() -> None:
     module = PoisonModule()
     checkpoint = ScaleCheckpoint(every_n_steps=2, max_rollbacks=2)
     with quiet(), pytest.raises(RuntimeError) as error:
-        make_trainer(StablePrecision("bf16-mixed"), max_steps=10, callbacks=[_NanWeight(5, 6, 7), checkpoint]).fit(module)
+        callbacks = [_NanWeight(5, 6, 7), checkpoint]
+        make_trainer(StablePrecision("bf16-mixed"), max_steps=10, callbacks=callbacks).fit(module)
     message = str(error.value)
     assert "weights or optimizer state at step 7" in message and "after 2 rollbacks" in message
     assert "learning rate" in message and "max_rollbacks=2" in message

@@ -5,7 +5,6 @@ names (lit_mpstable/core/guards/ladder.py), the weights and optimizer state fini
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from trainer_pkg import NAME, ScaleCheckpoint, StablePrecision, pl
 
 from lit_mpstable import SpikeGuard
 from lit_mpstable.callbacks import AMPPreflight, FaultTriage, PrecisionFallback
-from lit_mpstable.core.guards.ladder import TABLE, Ladder, Rung, next_rung
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.faults import FaultInjector
 
