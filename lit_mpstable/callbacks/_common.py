@@ -15,7 +15,7 @@ from torchmetrics import Metric
 from lit_mpstable.base.validate import INT32_MAX, int_arg
 from lit_mpstable.callbacks.views import ForeignPrecision, PrecisionView, view_of
 from lit_mpstable.core.formats import FORMAT_IDS
-from lit_mpstable.core.guards.ladder import Ladder, Rung, classify, describe, ladder_of
+from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, describe, ladder_of
 from lit_mpstable.core.loaded_state import (
     Field,
     check_fields,
@@ -212,7 +212,7 @@ def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModul
             fault, replayable = classify(nonfinite_input=flags[0], spike=flags[1], nonfinite_loss=flags[2],
                                          late=flags[3], unscaled_overflow=flags[4], state_bad=flags[5],
                                          spiked=flags[6])
-            rung = ladder.decide(step, fault, _FAULT_REASONS[fault], by=face, replayable=replayable,
+            rung = ladder.decide(step, fault, REASONS[fault], by=face, replayable=replayable,
                                  exclude=[Rung.FALLBACK])  # a fallback is its face's own decision (its triggers)
             if rung is Rung.STOP:
                 stop(ladder, trainer, step)
@@ -229,14 +229,6 @@ def stop(ladder: Ladder, trainer: pl.Trainer, step: int) -> None:
                        " to roll back to (add ScaleCheckpoint, or resume from an earlier checkpoint).")
 
 
-_FAULT_REASONS = {
-    "overflow": "inf/NaN gradients at a loss scale above 1: the scale backs off",
-    "overflow_storm": "an overflow the loss scale does not explain (scale 1, or no scaler)",
-    "nonfinite_input": "the batch held inf/NaN",
-    "spike": "SpikeGuard judged the step a spike",
-    "unexplained": "a non-finite loss or late inf/NaN, the weights and optimizer state finite",
-    "nonfinite_state": "inf/NaN in the weights or optimizer state",
-}
 
 
 class StepCounter:

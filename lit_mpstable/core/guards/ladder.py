@@ -122,6 +122,17 @@ ACTION = {Rung.SKIP: "skip", Rung.REPLAY: "use_replay", Rung.FALLBACK: "fallback
 """What each rung does, as the events name it (``FaultTriage``'s actions are these)."""
 
 
+REASONS = {
+    "overflow": "inf/NaN gradients at a loss scale above 1: the scale backs off",
+    "overflow_storm": "an overflow the loss scale does not explain (scale 1, or no scaler)",
+    "nonfinite_input": "the batch held inf/NaN",
+    "spike": "SpikeGuard judged the step a spike",
+    "unexplained": "a non-finite loss or late inf/NaN, the weights and optimizer state finite",
+    "nonfinite_state": "inf/NaN in the weights or optimizer state",
+}
+"""What each fault of a rejected step means, for the decision's log line."""
+
+
 def next_rung(fault: str, enabled: Iterable[Rung], *, verdict: str | None = None, replayable: bool = True) -> Rung:
     """The one transition: the rung that acts on ``fault`` given the rungs switched on (``enabled``), or, after a
     replay, its ``verdict``'s rung. ``"data"`` for a fault in the weights or optimizer state stops the run (the batch is

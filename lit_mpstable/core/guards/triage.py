@@ -129,6 +129,18 @@ def replay_finite(module: nn.Module, optimizer: Optimizer, loss: torch.Tensor | 
     return bool(torch.stack([t.detach().abs().amax().float().to(device) for t in tensors]).isfinite().all())
 
 
+def state_finite(module: nn.Module, optimizers: Sequence[Optimizer]) -> bool:
+    """Whether every parameter and every floating optimizer-state tensor is finite: one reduction per tensor, one host
+    read (rejected steps only: what tells inf/NaN in the state from a passing fault)."""
+    tensors = [p.detach() for p in module.parameters() if p.numel()]
+    tensors += [v for opt in optimizers for state in opt.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() and type(v) is torch.Tensor]
+    if not tensors:
+        return True
+    device = tensors[0].device
+    return bool(torch.stack([t.abs().amax().float().to(device) for t in tensors]).isfinite().all())
+
+
 def replay_spikes(plugin: Any, module: nn.Module, loss: torch.Tensor | None) -> bool:
     """Whether ``plugin``'s SpikeGuard (if any) judges the replay a spike by its current statistics: its loss (given
     by the replay's backward) and its gradients' norm (unscaled by the loss scale). Nothing is committed: a clean
