@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import HostReads, TinyMLP, regression_data, spawn_ranks
