@@ -144,3 +144,34 @@ FULL = [(c, e) for c in COMBOS for e in EVENTS if (c, e) not in FAST]
 @pytest.mark.parametrize("combo, event", FULL, ids=[f"{'+'.join(sorted(c)) or 'none'}-{e}" for c, e in FULL])
 def test_one_remedy_per_event_every_combination(combo, event):
     check_case(combo, event)
+
+
+# ------------------------------------------------------------------------------------------------ 2-process DDP
+DDP_CASES = [(frozenset(FACES), "storm"), (frozenset(FACES), "transient"),
+             (frozenset(FACES) - {"FaultTriage"}, "storm"), (frozenset(FACES) - {"FaultTriage"}, "transient")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("combo, event", DDP_CASES, ids=[f"{'+'.join(sorted(c))}-{e}" for c, e in DDP_CASES])
+def test_ddp_one_remedy_decided_alike_on_both_ranks(tmp_path, combo, event):
+    # The fault on rank 1 only: the ladder's flags are agreed across ranks, so both decide the same rung at the same
+    # step, and the one remedy (a fallback of fc2, or the transient step's clean replay) happens on both.
+    from dist_helpers import RankFaultModule, fit_ddp
+
+    schedule = {s: "fp16_overflow" for s in (2, 3, 4)} if event == "storm" else {3: "transient"}
+    guard = SpikeGuard(zscore=4.0, window=16, warmup=4, watch=["loss"]) if "SpikeGuard" in combo else None
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8), spike_guard=guard)
+    faces: list[pl.Callback] = [FaultTriage()] if "FaultTriage" in combo else []
+    faces += [PrecisionFallback(patience=2, mode="module"), ScaleCheckpoint(every_n_steps=2), AMPPreflight()]
+    with quiet():
+        rank0, rank1 = fit_ddp(RankFaultModule(), plugin, [*faces, FaultInjector(schedule, module="model.fc2",
+                                                                                 ranks=[1])], tmp_path, max_steps=7)
+    want = expected(combo, event)
+    assert rank0["ladder_events"] == rank1["ladder_events"]
+    acted = [(e["step"], e["action"]) for e in rank0["ladder_events"] if e["action"] != "skip"]
+    assert [a for _, a in acted] == ([] if want == "skip" else [want]), rank0["ladder_events"]
+    if want == "fallback":
+        assert rank0["islands"] == rank1["islands"] and len(rank0["islands"]) == 1  # the blamed layer, on both
+    assert rank0["skipped"] == rank1["skipped"] and rank0["counters"] == rank1["counters"]
+    assert all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in rank0["params"])
+    assert all(torch.isfinite(v).all() for v in rank0["params"].values())
