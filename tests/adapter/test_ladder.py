@@ -14,6 +14,7 @@ from trainer_pkg import NAME, ScaleCheckpoint, StablePrecision, pl
 
 from lit_mpstable import SpikeGuard
 from lit_mpstable.callbacks import AMPPreflight, FaultTriage, PrecisionFallback
+from lit_mpstable.core.guards.ladder import TABLE, Ladder, Rung, next_rung
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.faults import FaultInjector
 
@@ -123,6 +124,77 @@ def check_case(combo: frozenset[str], event: str) -> None:
         assert sum(e["action"] == want for e in events) == (1 if want != "skip" else sum(
             e["action"] == "skip" for e in events)), (sorted(combo), event, events)
         assert all(e["action"] in ("skip", want) for e in events), (sorted(combo), event, events)
+
+
+# ------------------------------------------------------------------------------------------------ the machine
+def test_the_transition_follows_the_table():
+    on = {Rung.REPLAY, Rung.FALLBACK, Rung.ROLLBACK}
+    assert next_rung("overflow", on) is Rung.SKIP
+    assert next_rung("nonfinite_state", on) is Rung.REPLAY
+    assert next_rung("nonfinite_state", on, replayable=False) is Rung.ROLLBACK
+    assert next_rung("nonfinite_state", set()) is Rung.STOP  # no snapshot owner: the last resort
+    assert next_rung("spike", set()) is Rung.SKIP
+    assert next_rung("preflight", {Rung.FALLBACK}) is Rung.FALLBACK
+    verdicts = {v: next_rung("unexplained", on, verdict=v) for v in ("transient", "data", "precision", "state")}
+    assert verdicts == {"transient": Rung.REPLAY, "data": Rung.SKIP, "precision": Rung.FALLBACK,
+                        "state": Rung.ROLLBACK}
+    assert next_rung("nonfinite_state", on, verdict="data") is Rung.STOP
+    assert next_rung("restored", on, verdict="restored") is Rung.ROLLBACK  # reserved for the fingerprint issue
+    assert set(TABLE) >= {"overflow", "overflow_storm", "nonfinite_input", "spike", "unexplained", "nonfinite_state"}
+    with pytest.raises(ValueError, match=r"next_rung\(fault='flood'\): allowed: \["):
+        next_rung("flood", on)
+    with pytest.raises(ValueError, match=r"next_rung\(verdict='cosmic'\)"):
+        next_rung("unexplained", on, verdict="cosmic")
+
+
+def test_one_decision_per_step_a_skip_escalates_once():
+    ladder = Ladder()
+    ladder.switch_on(Rung.FALLBACK, "PrecisionFallback")
+    ladder.switch_on(Rung.REPLAY, "FaultTriage")
+    assert ladder.decide(3, "overflow", "scaler", by="A") is Rung.SKIP
+    assert ladder.decide(3, "overflow_storm", "2 overflows", by="PrecisionFallback",
+                         exclude=[Rung.REPLAY]) is Rung.FALLBACK  # the skip escalated
+    assert ladder.decide(3, "overflow_storm", "again", by="PrecisionFallback", exclude=[Rung.REPLAY]) is None
+    assert ladder.decide(4, "unexplained", "NaN loss", by="A") is Rung.REPLAY
+    assert ladder.conclude(4, "transient", replays=["as_is:clean"]) is Rung.REPLAY
+    assert ladder.decide(4, "overflow_storm", "late", by="PrecisionFallback", exclude=[Rung.REPLAY]) is None
+    assert [(e["step"], e["action"]) for e in ladder.events] == [(3, "fallback"), (4, "use_replay")]
+    assert ladder.events[0]["escalated_from"] == "skip" and ladder.events[1]["verdict"] == "transient"
+
+
+def test_a_knob_set_twice_differently_is_refused_naming_both():
+    ladder = Ladder()
+    ladder.claim("snapshot_every", 50, "ScaleCheckpoint(every_n_steps=50)")
+    ladder.claim("snapshot_every", 50, "ScaleCheckpoint(every_n_steps=50)")  # the same value: fine
+    with pytest.raises(ValueError, match=r"every_n_steps=10\) sets the ladder's snapshot_every to 10, but "
+                                         r"ScaleCheckpoint\(every_n_steps=50\) set it to 50"):
+        ladder.claim("snapshot_every", 10, "ScaleCheckpoint(every_n_steps=10)")
+    with pytest.raises(ValueError, match=r"Ladder.claim\(knob='patience'\): allowed: \["):
+        ladder.claim("patience", 3, "X")
+
+
+def test_two_snapshot_intervals_in_one_run_are_refused():
+    class Another(ScaleCheckpoint):  # Lightning refuses two of one class itself (one state_key); a subclass passes it
+        @property
+        def state_key(self) -> str:
+            return "Another"
+
+    trainer = make_trainer(StablePrecision("32-true"), max_steps=1,
+                           callbacks=[ScaleCheckpoint(every_n_steps=50), Another(every_n_steps=10)])
+    with quiet(), pytest.raises(ValueError, match=r"ScaleCheckpoint\(every_n_steps=10\).*every_n_steps=50"):
+        trainer.fit(PoisonModule())
+
+
+def test_every_decision_is_logged_with_rung_reason_and_what_remained(caplog):
+    plugin = StablePrecision("32-true")
+    with caplog.at_level("INFO", logger="lit_mpstable.ladder"), quiet():
+        make_trainer(plugin, callbacks=[FaultTriage(), ScaleCheckpoint(every_n_steps=1),
+                                        FaultInjector({2: "transient"})], max_steps=4).fit(PoisonModule())
+    (event,) = plugin.ladder_events
+    assert (event["step"], event["fault"], event["rung"], event["verdict"]) == (2, "unexplained", "replay", "transient")
+    assert event["remaining"] == [] and event["by"] == "FaultTriage"
+    lines = [r.getMessage() for r in caplog.records if r.name == "lit_mpstable.ladder"]
+    assert lines[-1].startswith("ladder at step 2: unexplained -> replay (use_replay, replay verdict 'transient';")
 
 
 FAST = [(frozenset(), e) for e in EVENTS] + [(frozenset(FACES), e) for e in EVENTS] + [
