@@ -8,39 +8,38 @@ one (one decision per step: a second face asking about the same step is told it 
 
 Each rung has one owner, and a callback is a face that switches its rung on and sets its knobs:
 
-=========== ======================================================== ============================================
-rung        owner (who acts)                                         switched on by
-=========== ======================================================== ============================================
-skip        the step's own check (the scaler, the input check,       always on
-            ``SpikeGuard``): the batch never reaches the weights
-replay      ``FaultTriage`` / ``StepTriage``: replays the step and   ``FaultTriage``, ``StepTriage``
-            classifies it (transient, data, precision, state)
-fallback    the plugin's ``fallback`` (blamed layers, else the        ``PrecisionFallback``; ``AMPPreflight`` at the
-            model one rung up)                                       start of the run; a ``"precision"`` verdict
-rollback    the snapshot owner (``ScaleCheckpoint``; ``StateSnapshot`` ``ScaleCheckpoint``, ``StepTriage(snapshot=)``
-            in a plain loop): restores the last good snapshot
-stop        the ladder: the run stops with the reason named          always on (the last resort)
-=========== ======================================================== ============================================
+    rung       owner (who acts)                                  switched on by
+    ---------  ------------------------------------------------  ---------------------------------------------
+    skip       the step's own check: the scaler, the input        always on
+               check, SpikeGuard (the batch never reaches the
+               weights)
+    replay     FaultTriage / StepTriage: replay the step and      FaultTriage, StepTriage
+               classify it
+    fallback   the plugin's fallback: the blamed layers, else     PrecisionFallback; AMPPreflight at the start
+               the model one rung up                              of the run; a replay's "precision" verdict
+    rollback   the snapshot owner (ScaleCheckpoint; StateSnapshot    ScaleCheckpoint, StepTriage(snapshot=...)
+               in a plain loop) restores the last good snapshot
+    stop       the ladder: the run stops with the reason named    always on (the last resort)
 
-The table (event -> the rung that acts; the rungs that remain if it is switched off):
+OverflowMonitor only observes. The table (event -> the rung that acts; what acts if that rung is switched off):
 
-===================================== =================== ============================== ===========================
-event (who detects it)                fault               acts (first rung switched on)  else
-===================================== =================== ============================== ===========================
-an overflow at a scale > 1 (scaler)   ``"overflow"``      skip (the scale backs off)     -
-an overflow storm in a layer          ``"overflow_storm"``fallback of the blamed layers  skip (each step)
-  (PrecisionFallback's triggers, or                       (or the model)
-  an overflow at scale 1: triage)
-a NaN batch (the input check)         ``"nonfinite_input"``replay -> "data" -> skip      skip
-a loss or gradient spike (SpikeGuard) ``"spike"``         replay -> "data" -> skip       skip (undetected without
-                                                                                         SpikeGuard: the step applies)
-a transient NaN (non-finite loss)     ``"unexplained"``   replay -> "transient": the     skip
-                                                          clean replay is applied
-inf/NaN in weights or optimizer state ``"nonfinite_state"``replay -> "state" -> rollback rollback; stop (no snapshot)
-the first batch disagrees with FP32   ``"preflight"``     fallback (start of the run)    - (warned)
-  (AMPPreflight)
-a checkpoint's fingerprint mismatch   ``"restored"``      rollback (reserved: issue 46)  stop
-===================================== =================== ============================== ===========================
+    event (who detects it)               fault               acts                           else
+    -----------------------------------  ------------------  -----------------------------  ---------------------
+    overflow at a scale > 1 (scaler)     "overflow"          skip (the scale backs off)     -
+    overflow storm in one layer          "overflow" (then    fallback of the blamed layer,  skip (each step)
+      (PrecisionFallback's triggers;      escalated) or       once: PrecisionFallback after
+      a non-finite loss: FaultTriage)     "overflow_storm"    patience, or a "precision"
+                                                              verdict
+    NaN batch (the input check)          "nonfinite_input"   replay -> "data" -> skip       skip
+    loss/gradient spike (SpikeGuard)     "spike"             replay -> "data" -> skip       skip; without
+                                                                                            SpikeGuard undetected
+    transient NaN (non-finite loss)      "unexplained"       replay -> "transient": the     skip
+                                                              clean replay is applied
+    inf/NaN in weights or optimizer      "nonfinite_state"   replay -> "state" -> rollback  rollback; stop (no
+      state                                                                                 snapshot)
+    first batch disagrees with FP32      "preflight"         fallback (start of the run)    - (warned)
+      (AMPPreflight)
+    a checkpoint's fingerprint mismatch  "restored"          rollback (reserved: issue 46)  stop
 
 A replay's verdict names the rung that follows it (:data:`VERDICT_RUNG`): ``"transient"`` applies the clean replay
 (the replay rung is the remedy), ``"data"`` skips, ``"precision"`` falls back the layers where inf/NaN first
