@@ -309,7 +309,7 @@ def test_rollback_under_fsdp2_restores_the_shards_on_both_ranks(tmp_path: Path) 
                lambda m, p, c, n: fit_fsdp2(m, p, tmp_path / n, 7, c))
     ddp = run("ddp", _plain, lambda m, p, c, n: fit_ddp(m, p, c, tmp_path / n, 7))
     for rank in fsdp:
-        assert rank["ScaleCheckpoint.rollbacks"] == 1
+        assert rank["ScaleCheckpoint.rollbacks"] == 1, (rank["ladder_events"], rank["skipped"])
         assert [(e["step"], e["kind"], e["restored_step"]) for e in rank["ScaleCheckpoint.events"]] == \
             [(5, "inf/NaN in the weights or optimizer state", 4)]
         assert rank["skipped"] == ddp[0]["skipped"] and rank["skipped"][5]
