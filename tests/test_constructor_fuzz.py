@@ -163,12 +163,7 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, tuple[Oracle, list[Any]]]]]
     }),
     "ScaleCheckpoint": (ScaleCheckpoint, {
         "every_n_steps": (ints(1, INT32_MAX), [1]),
-        "spike_zscore": (reals(0, lo_open=True), [0.5]),
-        "window": (ints(10, MAX_WINDOW), [10, MAX_WINDOW]),  # at least min_history (10)
         "max_rollbacks": (ints(0, INT32_MAX), [0]),
-        "min_history": (ints(2, 50), [2, 50]),  # at most window (50)
-        "on_spike": (one_of("skip", "rollback"), ["rollback"]),
-        "spike_patience": (ints(1, INT32_MAX), [1]),
         "snapshot_device": (one_of("cpu", "device"), ["device"]),
     }),
     "AMPPreflight": (AMPPreflight, {

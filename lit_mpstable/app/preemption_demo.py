@@ -34,15 +34,15 @@ TIMEOUT = timedelta(seconds=60)
 
 # Faults keyed on the optimizer step (a resumed run meets them at the same steps). Overflows on rank 1 in steps 3 and 4
 # make PrecisionFallback go global (decided at global_step 5; cooldown: restored at 9); ScaleCheckpoint snapshots at
-# each layout change and every 4 steps, and rolls back to its snapshot of 9 on the loss spike of step 10; another
+# each layout change and every 4 steps, and rolls back to its snapshot of 9 on the NaN weight of step 10; another
 # overflow in step 13 lands in OverflowMonitor's window.
 FAULTS = {"inf_grad_steps": (3, 4, 13), "spike_steps": (10,)}
 
 
 class PreemptModule(pl.LightningModule):
     """TinyMLP regression with dropout (the RNG matters), shuffled data (the sampler position matters), AdamW and a
-    step LR schedule; fc2's gradient turns inf on ``fault_rank`` at ``inf_grad_steps``, the loss spikes (x1e6) on
-    rank 0 at ``spike_steps``."""
+    step LR schedule; fc2's gradient turns inf on ``fault_rank`` at ``inf_grad_steps``; fc1's weight gets a NaN (a bit
+    flip: ScaleCheckpoint's rollback) on rank 0 at ``spike_steps``."""
 
     def __init__(self, inf_grad_steps=(), spike_steps=(), fault_rank: int = 1) -> None:
         super().__init__()
@@ -58,10 +58,10 @@ class PreemptModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self(x).float(), y)
         if self.global_rank == 0 and self.global_step in self.spike_steps:
-            loss = loss * 1e6
-        return loss
+            with torch.no_grad():
+                self.model.fc1.weight.view(-1)[0] = float("nan")
+        return nn.functional.mse_loss(self(x).float(), y)
 
     def on_after_backward(self) -> None:
         if self.global_rank == self.fault_rank and self.global_step in self.inf_grad_steps:
@@ -97,7 +97,7 @@ def plugin() -> StablePrecision:
 def callbacks() -> list[pl.Callback]:
     """Every callback of lit_mpstable.callbacks."""
     return [OverflowMonitor(window=5, log_every_n_steps=1), PrecisionFallback(patience=2, cooldown=4),
-            ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback", max_rollbacks=10),
+            ScaleCheckpoint(every_n_steps=4, max_rollbacks=10),
             AMPPreflight(), PrecisionProbe(every_n_steps=6)]
 
 

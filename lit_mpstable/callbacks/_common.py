@@ -15,6 +15,7 @@ from torchmetrics import Metric
 from lit_mpstable.base.validate import INT32_MAX, int_arg
 from lit_mpstable.callbacks.views import ForeignPrecision, PrecisionView, view_of
 from lit_mpstable.core.formats import FORMAT_IDS
+from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, describe, ladder_of
 from lit_mpstable.core.loaded_state import (
     Field,
     check_fields,
@@ -174,6 +175,60 @@ class PluginCallback(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(self._plugin, ForeignPrecision):
             self._plugin.remove()
+
+
+# ------------------------------------------------------------------------------------------------ the ladder
+def run_ladder(trainer: pl.Trainer, plugin: PrecisionView | None, face: str, *rungs: Rung) -> Ladder | None:
+    """At fit start: the run's ladder (kept on the plugin: every face shares it), ``rungs`` switched on by ``face``.
+    None without a plugin of ours."""
+    if plugin is None or isinstance(plugin, ForeignPrecision):
+        return None
+    ladder = ladder_of(plugin)
+    ladder.new_fit(trainer, plugin.overflow_count)
+    for rung in rungs:
+        ladder.switch_on(rung, face)
+    return ladder
+
+
+def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModule, plugin: PrecisionView,
+               face: str) -> dict[str, Any] | None:
+    """The decision for this batch's step (``trainer.global_step - 1``), taken once for all faces by the first that
+    calls at batch end: nothing for an applied step; for a rejected one its fault (:func:`~lit_mpstable.core.guards.
+    ladder.classify`, the flags agreed across ranks: host reads on rejected steps only) and the rung that acts. A
+    ``"stop"`` stops the fit here, with the reason. Every face calls it at the same point on every rank."""
+    from lit_mpstable.callbacks._snapshot import state_finite
+    from lit_mpstable.core.guards.triage import needs_triage
+
+    step = trainer.global_step - 1
+    if step != ladder.watched:  # a batch without an optimizer step (accumulation) shows the step watched before
+        ladder.watched = step
+        overflowed, ladder.overflows = plugin.overflow_count > ladder.overflows, plugin.overflow_count
+        if plugin.last_step_skipped:
+            loss_bad, data, unscaled, late, spike = needs_triage(plugin, overflowed)
+            suspect = loss_bad or late
+            state_bad = suspect and not state_finite(pl_module, trainer.optimizers)
+            flags = any_rank(trainer, [data, spike, loss_bad, late, unscaled, state_bad,
+                                       bool(getattr(plugin, "last_step_spiked", False))], pl_module.device)
+            fault, replayable = classify(nonfinite_input=flags[0], spike=flags[1], nonfinite_loss=flags[2],
+                                         late=flags[3], unscaled_overflow=flags[4], state_bad=flags[5],
+                                         spiked=flags[6])
+            rung = ladder.decide(step, fault, REASONS[fault], by=face, replayable=replayable,
+                                 exclude=[Rung.FALLBACK])  # a fallback is its face's own decision (its triggers)
+            if rung is Rung.STOP:
+                stop(ladder, trainer, step)
+    return ladder.decided(step)
+
+
+def stop(ladder: Ladder, trainer: pl.Trainer, step: int) -> None:
+    """The stop rung: the fit ends after this batch, the reason said once."""
+    event = ladder.decided(step)
+    trainer.should_stop = True
+    if event is not None and not event.get("done"):
+        ladder.done(step)
+        rank_zero_warn(describe(event) + " The run stops: inf/NaN in the weights or optimizer state and no snapshot"
+                       " to roll back to (add ScaleCheckpoint, or resume from an earlier checkpoint).")
+
+
 
 
 class StepCounter:

@@ -87,18 +87,9 @@ def scale_checkpoints(trainer: pl.Trainer) -> list[Any]:
 
 
 def snapshots(trainer: pl.Trainer) -> list[Any]:
-    """ScaleCheckpoint's rollback snapshots (in memory only; the same on every rank), with their layout key.
-
-    Reads and (in :func:`restore_callbacks`) writes ScaleCheckpoint's ``_snapshot`` and ``_layout``: it has no public
-    accessor for them yet (to add in scale_checkpoint.py: ``snapshot`` / ``restore_snapshot_state``)."""
-    out = []
-    for cb in scale_checkpoints(trainer):
-        layout = cb._layout
-        out.append(None if cb._snapshot is None else {
-            "snapshot": cb._snapshot,
-            "layout": None if layout is None else [layout[0], str(layout[1]).removeprefix("torch."), list(layout[2])],
-        })
-    return out
+    """ScaleCheckpoint's rollback snapshots (in memory only; the same on every rank), with their layout key, through
+    the snapshot owner's public API (``snapshot_state``)."""
+    return [cb.snapshot_state() for cb in scale_checkpoints(trainer)]
 
 
 def restore_callbacks(trainer: pl.Trainer, own: pl.Callback, states: Mapping[str, Any], snapshots: list[Any]) -> None:
@@ -111,9 +102,7 @@ def restore_callbacks(trainer: pl.Trainer, own: pl.Callback, states: Mapping[str
             cb.mark_checked()  # it checked the first batch of the run already; a resume is not a new run
     for cb, saved in zip(scale_checkpoints(trainer), snapshots):
         if saved is not None:  # the snapshot of the run, not the one its on_train_start took of the resume point
-            layout = saved["layout"]
-            cb._snapshot = saved["snapshot"]
-            cb._layout = None if layout is None else (layout[0], getattr(torch, layout[1]), tuple(layout[2]))
+            cb.load_snapshot_state(saved)
 
 
 def restore_plugin(trainer: pl.Trainer, state: Mapping[str, Any]) -> None:

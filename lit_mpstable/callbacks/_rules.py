@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
-
-# A guessed floor: a spike must exceed the mean by at least z * 5% of it, so a nearly flat loss never rolls back.
-_MIN_REL_STD = 0.05
-
-
-def spike_zscore(loss: float, history: Sequence[float], min_history: int) -> float | None:
-    """How many standard deviations ``loss`` lies above the mean of ``history``; ``None`` with too little history.
-
-    The deviation is floored at 5% of the mean's magnitude (a guessed constant).
-    """
-    if len(history) < max(min_history, 2):
-        return None
-    # Plain float sums: statistics.pstdev computes exactly with fractions, ~15x slower, on every backward.
-    mean = sum(history) / len(history)
-    std = (sum((x - mean) ** 2 for x in history) / len(history)) ** 0.5
-    return (loss - mean) / max(std, _MIN_REL_STD * abs(mean), 1e-12)
 
 
 def fallback_reason(

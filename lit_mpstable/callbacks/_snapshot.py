@@ -11,6 +11,7 @@ import torch
 
 from lit_mpstable.callbacks.views import PrecisionView
 from lit_mpstable.core.checkpoints import copy_state
+from lit_mpstable.core.guards.triage import state_finite as core_state_finite
 
 
 def layout_key(plugin: PrecisionView) -> tuple:
@@ -20,14 +21,8 @@ def layout_key(plugin: PrecisionView) -> tuple:
 
 def state_finite(module: torch.nn.Module, optimizers: list[Any]) -> bool:
     """Whether every parameter and every floating optimizer-state tensor is finite: one reduction per tensor, one
-    host sync."""
-    tensors = [p.detach() for p in module.parameters() if p.numel()]
-    tensors += [v for opt in optimizers for state in opt.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() and type(v) is torch.Tensor]
-    if not tensors:
-        return True
-    device = tensors[0].device
-    return bool(torch.stack([t.abs().amax().float().to(device) for t in tensors]).isfinite().all())
+    host sync (the core's check, which the ladder's classification of a rejected step uses too)."""
+    return core_state_finite(module, optimizers)
 
 
 def nonfinite_entries(snapshot: dict[str, Any], limit: int = 5) -> list[str]:

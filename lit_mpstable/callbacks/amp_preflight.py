@@ -12,9 +12,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from lit_mpstable.callbacks._common import PluginCallback, check, is_number, strict_keys
+from lit_mpstable.callbacks._common import PluginCallback, check, is_number, run_ladder, strict_keys, watch_step
 from lit_mpstable.callbacks._rules import compare_outputs, default_forward, first_tensor
 from lit_mpstable.callbacks.views import PrecisionView
+from lit_mpstable.core.guards.ladder import Ladder, Rung
 from lit_mpstable.fp8 import convert_from_fp8
 from lit_mpstable.fp8.backends import find_fp8_layers
 
@@ -119,6 +120,7 @@ class AMPPreflight(PluginCallback):
         self.result: dict[str, Any] = {}
         """The last check: ``compare_outputs``' keys plus ``precision``, ``atol``, ``rtol``, ``step``."""
         self._pending = False
+        self._ladder: Ladder | None = None
 
     @property
     def state_key(self) -> str:
@@ -132,6 +134,17 @@ class AMPPreflight(PluginCallback):
     def mark_checked(self) -> None:
         """Skip the pending check: the run's first batch was checked already (a run resumed after preemption)."""
         self._pending = False
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        # The ladder's fallback rung, at the start of the run (with action="fallback"); it watches the steps too, so a
+        # run whose only face this is still logs each bad step's decision.
+        rungs = [Rung.FALLBACK] if self.action == "fallback" else []
+        self._ladder = run_ladder(trainer, self._plugin, "AMPPreflight", *rungs)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._ladder is not None and self._plugin is not None:
+            watch_step(self._ladder, trainer, pl_module, self._plugin, "AMPPreflight")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pending = self._plugin is not None and self._plugin.compute_dtype != torch.float32
@@ -155,6 +168,9 @@ class AMPPreflight(PluginCallback):
                 rank_zero_warn(message + ("." if plugin.can_fallback else
                                           "; falling back needs StablePrecision (action='fallback')."))
                 break
+            if self._ladder is not None:  # a decision before the first step: not keyed by a step
+                self._ladder.decide(trainer.global_step, "preflight", message, by="AMPPreflight", keyed=False,
+                                    done=True)
             plugin.fallback(None, reason=message)
         if getattr(plugin, "true_16bit", False) and plugin.compute_dtype != cast_to:
             _recast_batch_(batch, cast_to, plugin.compute_dtype)

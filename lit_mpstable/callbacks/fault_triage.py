@@ -15,17 +15,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
     PluginCallback,
-    StepCounter,
     agreed_names,
     any_rank,
     check,
     is_int,
     log_mp,
+    run_ladder,
     run_trainer,
+    stop,
     strict_keys,
+    watch_step,
 )
 from lit_mpstable.callbacks._snapshot import restore_snapshot, take_snapshot
 from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
+from lit_mpstable.core.guards.ladder import Ladder, Rung
 from lit_mpstable.core.guards.triage import (
     BUDGET_WINDOW,
     LADDER,
@@ -34,7 +37,6 @@ from lit_mpstable.core.guards.triage import (
     check_budget,
     climb,
     describe,
-    needs_triage,
     replays_spent,
     restore_rng,
     rng_state,
@@ -86,9 +88,11 @@ class FaultTriage(PluginCallback):
     touches the dataset or the loader (nothing is fetched between the step and its replays, so the replay reads what
     the step read).
 
-    At setup it moves itself to the front of ``trainer.callbacks``, so it sees each step before the other callbacks
-    react to it (``FaultInjector`` undoes its batch fault at batch end, ``ScaleCheckpoint`` rolls back bad weights).
-    One instance per run.
+    It is the face of the remedy ladder's replay rung (:mod:`lit_mpstable.core.guards.ladder`): a rejected step is
+    classified once per step, by the first of the ladder's faces to see it, and replayed here only when the ladder
+    hands it to this rung; the verdict is recorded in the step's ladder event (``plugin.ladder_events``) as well as in
+    :attr:`events`. It never reorders ``trainer.callbacks``: list it before a callback that undoes a fault at batch end
+    (``FaultInjector`` restores its batch there; a warning says so at setup). One instance per run.
 
     Replays are budgeted: a rejected step is triaged only while the events of the last ``budget_window`` steps
     (this one included) ran at most ``replay_budget - max_replays`` replays, leaving room for a full climb. Beyond
@@ -123,11 +127,11 @@ class FaultTriage(PluginCallback):
         """Why this run cannot be replayed (said once), or None."""
         self.over_budget = 0
         """Rejected steps left untriaged because the replay budget had no room (this process's runs; not saved)."""
-        self._steps = StepCounter()
         self._batch: Any = None
         self._batch_idx = -1
         self._step = -1
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+        self._ladder: Ladder | None = None
 
     @property
     def skipped_batches(self) -> list[int]:
@@ -136,17 +140,25 @@ class FaultTriage(PluginCallback):
 
     # ------------------------------------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # First in the list (Lightning calls callbacks in list order): the step is triaged as it happened, before
-        # another callback reacts to it (ScaleCheckpoint rolling back bad weights, FaultInjector undoing its fault).
         callbacks = run_trainer(trainer).callbacks
-        if stage == "fit" and callbacks and callbacks[0] is not self and self in callbacks:
-            callbacks.remove(self)
-            callbacks.insert(0, self)
+        before = callbacks[:callbacks.index(self)] if self in callbacks else []
+        undoing = [type(cb).__name__ for cb in before if type(cb).__name__ == "FaultInjector"]
+        if stage == "fit" and undoing:
+            rank_zero_warn(f"FaultTriage is listed after {undoing[0]}, which undoes its fault at batch end, before"
+                           " FaultTriage replays the step: list FaultTriage first (callbacks run in list order; none"
+                           " reorders them).")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._ladder = run_ladder(trainer, self._plugin, "FaultTriage", Rung.REPLAY)
+        if self._ladder is not None:
+            face = f"FaultTriage(replay_budget={self.replay_budget}, budget_window={self.budget_window})"
+            self._ladder.claim("replay_budget", self.replay_budget, face)
+            self._ladder.claim("budget_window", self.budget_window, face)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._plugin is None:
             return
-        self._steps.reset(self._plugin)
         reason = _why_not_replayable(trainer, pl_module)
         if reason is not None and self.cannot_replay is None:
             rank_zero_warn(f"FaultTriage cannot replay steps in this run: {reason}. Rejected steps stay skipped and"
@@ -162,20 +174,23 @@ class FaultTriage(PluginCallback):
         self._step = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        plugin = self._plugin
-        if plugin is None:
+        plugin, ladder = self._plugin, self._ladder
+        if plugin is None or ladder is None:
             return
-        steps, overflows, _ = self._steps.delta(plugin)
         batch, self._batch = self._batch, None
+        watch_step(ladder, trainer, pl_module, plugin, "FaultTriage")
         triaged = False
-        rejected = steps and plugin.last_step_skipped and batch is not None
-        if rejected and self._needs_triage(trainer, pl_module, overflows):
+        step = trainer.global_step - 1
+        if ladder.pending(step, Rung.REPLAY):
             # The events are alike on every rank, so is the budget's verdict.
             spent = replays_spent(self.events, self._step, self.budget_window)
-            if spent + self.max_replays <= self.replay_budget:
+            if batch is None or self.cannot_replay is not None:
+                ladder.forget(step, f"FaultTriage cannot replay it ({self.cannot_replay or 'no batch'})")
+            elif spent + self.max_replays <= self.replay_budget:
                 self._triage(trainer, pl_module, batch)
                 triaged = True
             else:
+                ladder.forget(step, "the replay budget is spent")
                 self.over_budget += 1
                 if self.over_budget == 1:
                     rank_zero_warn(budget_note("FaultTriage", self._step, spent, self.max_replays, self.replay_budget,
@@ -185,11 +200,6 @@ class FaultTriage(PluginCallback):
             log_mp(pl_module, {"mp/triage_events": float(len(self.events))})
 
     # ------------------------------------------------------------------------------------------------ triage
-    def _needs_triage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, overflows: int) -> bool:
-        """Whether the loss scale leaves this rejection unexplained, or the plugin's SpikeGuard made it (host reads on
-        rejected steps only)."""
-        return any(any_rank(trainer, needs_triage(self._plugin, bool(overflows)), pl_module.device))
-
     def _triage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         plugin, step, batch_idx = cast(TrainerPrecision, self._plugin), self._step, self._batch_idx
         assert self._rng is not None
@@ -205,6 +215,9 @@ class FaultTriage(PluginCallback):
         event = triage_event(step, kind, blamed, batch_idx, outcomes, **extra)
         self.events.append(event)
         rank_zero_info(describe(event, "FaultTriage"))
+        assert self._ladder is not None
+        if self._ladder.conclude(step, kind, replays=outcomes, blamed=blamed, **extra) is Rung.STOP:
+            stop(self._ladder, trainer, step)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -21,9 +21,12 @@ from lit_mpstable.callbacks._common import (
     check,
     is_int,
     is_number,
+    run_ladder,
     strict_keys,
+    watch_step,
 )
 from lit_mpstable.callbacks._rules import fallback_reason
+from lit_mpstable.core.guards.ladder import Ladder, Rung
 
 FallbackMode = Literal["global", "module"]
 
@@ -141,6 +144,7 @@ class PrecisionFallback(PluginCallback):
         self._warned_data = False
         self._warned_fp32_modules: set[str] = set()
         self._growth_moved: set[str] = set()  # layers a growth decision moved (each moves once)
+        self._ladder: Ladder | None = None
 
     @property
     def cooldown_end(self) -> int:
@@ -150,6 +154,12 @@ class PrecisionFallback(PluginCallback):
     @property
     def state_key(self) -> str:
         return type(self).__qualname__ + repr(dict(mode=self.mode, patience=self.patience))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._ladder = run_ladder(trainer, self._plugin, "PrecisionFallback", Rung.FALLBACK)
+        if self._ladder is not None:
+            self._ladder.claim("fallback_retry", self.cooldown, f"PrecisionFallback(cooldown={self.cooldown})")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._plugin is not None and not self._plugin.can_fallback:
@@ -175,6 +185,8 @@ class PrecisionFallback(PluginCallback):
         plugin = self._plugin
         if plugin is None:
             return
+        if self._ladder is not None:
+            watch_step(self._ladder, trainer, pl_module, plugin, "PrecisionFallback")
         steps, overflows, _ = self._steps.delta(plugin)
         if steps == 0:
             return
@@ -288,6 +300,13 @@ class PrecisionFallback(PluginCallback):
                 rank_zero_warn(f"PrecisionFallback at step {step}: {reason}, but the model already computes in FP32;"
                                " this is not a precision problem (check the learning rate and the data).")
             return
+        # One remedy per step: a step the ladder gave to another rung (a replay, whose "precision" verdict falls back
+        # itself; a rollback) is not fallen back again; the evidence starts afresh.
+        if self._ladder is not None and self._ladder.decide(step - 1, "overflow_storm", reason, by="PrecisionFallback",
+                                                            exclude=[Rung.REPLAY]) is not Rung.FALLBACK:
+            self.overflow_run = self.nonfinite_run = 0
+            self.recent.clear()
+            return
         known = dict(pl_module.named_modules())
         blamed = [n for n in agreed_names(trainer, self.blamed) if n in known]  # the same names on every rank
         new = [n for n in blamed if n not in plugin.islands.names]
@@ -297,6 +316,8 @@ class PrecisionFallback(PluginCallback):
                    else "plugin.stats names no blamed modules (overflow attribution off?)")
             reason += f"; {why}, so globally"
         effect = plugin.fallback(modules, reason=f"PrecisionFallback: {reason}")
+        if self._ladder is not None:
+            self._ladder.done(step - 1, effect=effect)
         self._record(step, "fallback", modules, reason, effect)
 
     def _record(self, step: int, action: str, modules: list[str] | None, reason: str, effect: str) -> None:

@@ -44,6 +44,21 @@ class BlameFirstNonfinite(pl.Callback):
             trainer.precision_plugin.stats["blamed_modules"] = [self.first]
 
 
+class NanWeight(pl.Callback):
+    """A NaN in the module's first parameter at the start of each of ``steps`` (on ``rank`` only, if given), as after a
+    bit flip in memory: the step's loss is NaN, and the remedy ladder rolls the state back (``ScaleCheckpoint``)."""
+
+    def __init__(self, *steps: int, rank: int | None = None) -> None:
+        self.steps, self.rank = set(steps), rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step in self.steps and self.rank in (None, trainer.global_rank):
+            param = next(pl_module.parameters())
+            local = param.to_local() if hasattr(param, "to_local") else param  # a shard's own values under FSDP2
+            with torch.no_grad():
+                local.view(-1)[0] = float("nan")
+
+
 class Recorder(pl.Callback):
     """Records, after every batch (after the callbacks listed before it), fc2's weight, the lr and the plugin flags."""
 

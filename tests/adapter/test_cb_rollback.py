@@ -1,8 +1,10 @@
-"""ScaleCheckpoint: a poisoned batch is skipped and the last-known-good snapshot restored exactly."""
+"""ScaleCheckpoint: inf/NaN weights or optimizer state roll back to the last-known-good snapshot, restored exactly;
+spikes are SpikeGuard's (the old detector's arguments warn and do nothing)."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from cb_helpers import PoisonModule, Recorder, fp16_scaler_plugin, quiet
 from helpers import make_trainer
 from trainer_pkg import ScaleCheckpoint, StablePrecision, pl
 
-from lit_mpstable.callbacks.scale_checkpoint import spike_zscore
+from lit_mpstable import SpikeGuard
 
 
 class _FullRecorder(Recorder):
@@ -29,6 +31,18 @@ class _FullRecorder(Recorder):
         self.masters.append(copy.deepcopy(trainer.precision_plugin.state_dict()["masters"]))
 
 
+class _NanWeight(pl.Callback):
+    """A NaN in fc1's weight at the start of each of ``steps`` (a bit flip in memory): the step's loss is NaN."""
+
+    def __init__(self, *steps: int) -> None:
+        self.steps = set(steps)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step in self.steps:
+            with torch.no_grad():
+                pl_module.model.fc1.weight.view(-1)[0] = float("nan")
+
+
 def _assert_same(a, b) -> None:
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -44,37 +58,46 @@ def _assert_same(a, b) -> None:
         assert a == b
 
 
-def test_spike_zscore_by_hand() -> None:
-    assert spike_zscore(5.0, [1.0, 2.0, 3.0], min_history=4) is None  # too little history
-    assert spike_zscore(4.0, [1.0, 3.0], min_history=2) == pytest.approx(2.0)  # mean 2, std 1
-    assert spike_zscore(1.1, [1.0] * 5, min_history=2) == pytest.approx(2.0)  # flat: std floored at 5% of the mean
+def test_the_old_spike_arguments_warn_once_naming_spikeguard_and_do_nothing() -> None:
+    # The host-side spike detector is gone (SpikeGuard is the one detector): its arguments warn once and have no
+    # effect. Before, ScaleCheckpoint(spike_patience=2) rolled back after 2 spikes within `window` steps.
+    ScaleCheckpoint._warned_deprecated = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, window=8, spike_patience=2, on_spike="undo")
+        ScaleCheckpoint(spike_zscore=3.0)
+    said = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert len(said) == 1 and "SpikeGuard" in said[0] and "spike_patience=2" in said[0] and "no effect" in said[0]
+    module = PoisonModule(optimizer="adamw", lr=1e-2, loss_factor={5: 1e6, 7: 1e6})
+    with quiet():
+        make_trainer(StablePrecision("32-true"), max_steps=9, callbacks=[checkpoint]).fit(module)
+    assert checkpoint.rollbacks == 0 and checkpoint.events == []
 
 
 STEPS, POISON, EVERY = 48, 10, 4  # snapshot at step 8 (after batch 7); batch 9 grows the scale; batch 10 poisoned
 
 
-@pytest.mark.parametrize("poison", ["inf_input", "loss_1e6"])
-def test_poisoned_batch_rolls_back_exactly_and_training_recovers(poison: str) -> None:
-    def run(faults: dict):
+def test_nan_weights_roll_back_exactly_and_training_recovers() -> None:
+    def run(poison: tuple[int, ...]):
         torch.manual_seed(0)
-        module = PoisonModule(optimizer="adamw", lr=3e-2, scheduler=True, n=128, **faults)
-        checkpoint = ScaleCheckpoint(every_n_steps=EVERY, min_history=4, window=16, on_spike="rollback")
+        module = PoisonModule(optimizer="adamw", lr=3e-2, scheduler=True, n=128)
+        checkpoint = ScaleCheckpoint(every_n_steps=EVERY)
         recorder = _FullRecorder()
         plugin = fp16_scaler_plugin(init_scale=2.0**8, growth_interval=3, max_scale=2.0**12)  # FP16 holds the grads
         with quiet():
-            make_trainer(plugin, max_steps=STEPS, callbacks=[checkpoint, recorder]).fit(module)
+            make_trainer(plugin, max_steps=STEPS, callbacks=[_NanWeight(*poison), checkpoint, recorder]).fit(module)
         return module, checkpoint, recorder, plugin
 
-    clean, clean_checkpoint, _, _ = run({})
-    faults = {"inf_input_steps": {POISON}} if poison == "inf_input" else {"loss_factor": {POISON: 1e6}}
-    module, checkpoint, recorder, plugin = run(faults)
+    clean, clean_checkpoint, _, _ = run(())
+    module, checkpoint, recorder, plugin = run((POISON,))
 
     assert clean_checkpoint.rollbacks == 0 and checkpoint.rollbacks == 1
     event = checkpoint.events[0]
     assert event["step"] == POISON and event["restored_step"] == 8
-    assert event["kind"] == ("non-finite loss" if poison == "inf_input" else "loss spike")
-    if poison == "loss_1e6":
-        assert event["zscore"] > 1e5 and event["loss"] == pytest.approx(1e6 * module.losses[POISON], rel=1e-5)
+    assert event["kind"] == "inf/NaN in the weights or optimizer state"
+    (decided,) = [e for e in plugin.ladder_events if e["action"] != "skip"]
+    assert (decided["step"], decided["fault"], decided["rung"], decided["restored_step"]) == (
+        POISON, "nonfinite_state", "rollback", 8)
     # After batch 10 everything equals the snapshot taken after batch 7: weights, Adam moments, lr, loss scale.
     snap, after = 8 - 1, POISON
     _assert_same(recorder.weights[after], recorder.weights[snap])
@@ -93,11 +116,12 @@ def test_rollbacks_restore_fp32_masters_of_bf16_true_twice() -> None:
     # The masters share storage with the optimizer's parameters, and optimizer.load_state_dict keeps the tensors it
     # is given: a snapshot not cloned on the way in and out would follow the live values, and the second rollback
     # to the same snapshot would restore what the steps in between wrote.
-    module = PoisonModule(optimizer="adamw", lr=1e-2, loss_factor={5: 1e6, 7: 1e6})
+    module = PoisonModule(optimizer="adamw", lr=1e-2)
     recorder = _FullRecorder()
-    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback")
+    checkpoint = ScaleCheckpoint(every_n_steps=4)
     with quiet():
-        make_trainer(StablePrecision("bf16-true"), max_steps=9, callbacks=[checkpoint, recorder]).fit(module)
+        make_trainer(StablePrecision("bf16-true"), max_steps=9,
+                     callbacks=[_NanWeight(5, 7), checkpoint, recorder]).fit(module)
     assert [e["restored_step"] for e in checkpoint.events] == [4, 4]
     assert not torch.equal(recorder.masters[6]["model.fc2.weight"], recorder.masters[3]["model.fc2.weight"])
     for after in (5, 7):
@@ -119,7 +143,7 @@ class _CorruptWeights(pl.Callback):
 
 def test_non_finite_weights_roll_back_before_a_snapshot() -> None:
     module = PoisonModule()
-    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3)
+    checkpoint = ScaleCheckpoint(every_n_steps=2)
     recorder = Recorder()
     with pytest.warns(UserWarning, match="ScaleCheckpoint at step 4: non-finite weights or optimizer state"):
         callbacks = [_CorruptWeights(4), checkpoint, recorder]
@@ -132,18 +156,19 @@ def test_non_finite_weights_roll_back_before_a_snapshot() -> None:
 
 
 def test_too_many_rollbacks_raise_with_where_and_what_to_try() -> None:
-    module = PoisonModule(loss_factor={5: 1e6, 6: 1e6, 7: 1e6})
-    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3, max_rollbacks=2, on_spike="rollback")
+    module = PoisonModule()
+    checkpoint = ScaleCheckpoint(every_n_steps=2, max_rollbacks=2)
     with quiet(), pytest.raises(RuntimeError) as error:
-        make_trainer(StablePrecision("bf16-mixed"), max_steps=10, callbacks=[checkpoint]).fit(module)
+        callbacks = [_NanWeight(5, 6, 7), checkpoint]
+        make_trainer(StablePrecision("bf16-mixed"), max_steps=10, callbacks=callbacks).fit(module)
     message = str(error.value)
-    assert "loss spike at step 7" in message and "after 2 rollbacks" in message and "z-score" in message
+    assert "weights or optimizer state at step 7" in message and "after 2 rollbacks" in message
     assert "learning rate" in message and "max_rollbacks=2" in message
     assert checkpoint.rollbacks == 2
 
 
 def test_a_rollback_never_undoes_a_precision_fallback() -> None:
-    # The fallback at step 3 changes the precision layout, which triggers a fresh snapshot: the spike at step 5
+    # The fallback at step 3 changes the precision layout, which triggers a fresh snapshot: the NaN weight at step 5
     # rolls back to step 3, in FP32, not to the BF16 snapshot of step 0.
     from trainer_pkg import PrecisionFallback
 
@@ -151,45 +176,31 @@ def test_a_rollback_never_undoes_a_precision_fallback() -> None:
 
     plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu"))
     fallback = PrecisionFallback(patience=2)
-    checkpoint = ScaleCheckpoint(every_n_steps=100, min_history=2, on_spike="rollback")
-    module = PoisonModule(inf_grad_steps={1, 2}, loss_factor={5: 1e6})
+    checkpoint = ScaleCheckpoint(every_n_steps=100)
+    module = PoisonModule(inf_grad_steps={1, 2})
     with quiet():
-        make_trainer(plugin, max_steps=7, callbacks=[fallback, checkpoint]).fit(module)
+        make_trainer(plugin, max_steps=7, callbacks=[fallback, checkpoint, _NanWeight(5)]).fit(module)
     assert [d["step"] for d in fallback.decisions] == [3]
     assert [(e["step"], e["restored_step"]) for e in checkpoint.events] == [(5, 3)]
     assert plugin.compute_dtype == torch.float32 and plugin.overflow_count == 2
 
 
-# --------------------------------------------------------------------------------- skip first, roll back later
-def test_a_spike_skips_that_batch_only_by_default() -> None:
-    # The spike never reaches the weights, and nothing older is thrown away: the run after it equals a run that
-    # never saw that batch's update (the snapshot of step 8 is not restored).
-    def run(faults: dict):
-        torch.manual_seed(0)
-        module = PoisonModule(optimizer="adamw", lr=3e-2, n=128, **faults)
-        checkpoint, recorder = ScaleCheckpoint(every_n_steps=EVERY, min_history=4, window=16), _FullRecorder()
-        with quiet():
-            make_trainer(StablePrecision("32-true"), max_steps=14, callbacks=[checkpoint, recorder]).fit(module)
-        return checkpoint, recorder
-
-    checkpoint, recorder = run({"loss_factor": {POISON: 1e6}})
-    assert checkpoint.rollbacks == 0 and checkpoint.skips == 1
-    assert [(e["step"], e["action"], e["kind"]) for e in checkpoint.events] == [(POISON, "skip", "loss spike")]
+# --------------------------------------------------------------------------------- spikes: SpikeGuard's
+def test_a_spike_is_spikeguards_to_skip_and_never_rolls_back() -> None:
+    # The spike never reaches the weights, and nothing older is thrown away: SpikeGuard skips it on the device, the
+    # ladder records one skip, and ScaleCheckpoint neither reads the loss nor restores its snapshot of step 8.
+    torch.manual_seed(0)
+    module = PoisonModule(optimizer="adamw", lr=3e-2, n=128, loss_factor={POISON: 1e6})
+    plugin = StablePrecision("32-true", spike_guard=SpikeGuard(warmup=4, watch=["loss"]))
+    checkpoint, recorder = ScaleCheckpoint(every_n_steps=EVERY), _FullRecorder()
+    with quiet():
+        make_trainer(plugin, max_steps=14, callbacks=[checkpoint, recorder]).fit(module)
+    assert checkpoint.rollbacks == 0 and checkpoint.skips == 0 and checkpoint.events == []
+    assert [(e["step"], e["fault"], e["action"]) for e in plugin.ladder_events] == [(POISON, "spike", "skip")]
     _assert_same(recorder.weights[POISON], recorder.weights[POISON - 1])  # the batch did not move the weights
     _assert_same(recorder.optimizer_states[POISON], recorder.optimizer_states[POISON - 1])
     assert not torch.equal(recorder.weights[POISON - 1]["model.fc2.weight"],
                            recorder.weights[EVERY * 2 - 1]["model.fc2.weight"])  # steps 8..9 kept, not undone
-
-
-def test_persistent_spikes_roll_back() -> None:
-    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, window=8, spike_patience=2)
-    recorder = _FullRecorder()
-    module = PoisonModule(optimizer="adamw", lr=1e-2, loss_factor={5: 1e6, 7: 1e6})
-    with quiet():
-        make_trainer(StablePrecision("32-true"), max_steps=9, callbacks=[checkpoint, recorder]).fit(module)
-    assert [(e["step"], e["action"]) for e in checkpoint.events] == [(5, "skip"), (7, "rollback")]
-    assert checkpoint.events[1]["restored_step"] == 4 and "2 skipped within 8 steps" in checkpoint.events[1]["kind"]
-    _assert_same(recorder.weights[7], recorder.weights[3])
 
 
 class _CorruptOptimizerState(pl.Callback):
@@ -200,7 +211,7 @@ class _CorruptOptimizerState(pl.Callback):
 
 
 def test_non_finite_optimizer_state_rolls_back() -> None:
-    checkpoint, recorder = ScaleCheckpoint(every_n_steps=2, min_history=3), _FullRecorder()
+    checkpoint, recorder = ScaleCheckpoint(every_n_steps=2), _FullRecorder()
     with quiet():
         make_trainer(StablePrecision("bf16-mixed"), max_steps=5,
                      callbacks=[_CorruptOptimizerState(), checkpoint, recorder]).fit(PoisonModule(optimizer="adamw"))
@@ -209,16 +220,16 @@ def test_non_finite_optimizer_state_rolls_back() -> None:
 
 
 def test_snapshots_live_off_the_accelerator_by_default() -> None:
-    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3)
+    checkpoint = ScaleCheckpoint(every_n_steps=2)
     with quiet():
         make_trainer(StablePrecision("bf16-true"), max_steps=3, callbacks=[checkpoint]).fit(PoisonModule())
-    snapshot = checkpoint._snapshot
+    saved = checkpoint.snapshot_state()
+    assert saved is not None
+    snapshot = saved["snapshot"]
     tensors = list(snapshot["model"].values()) + list(snapshot["plugin"]["masters"].values())
     assert tensors and all(t.device.type == "cpu" for t in tensors)
     with pytest.raises(ValueError, match="snapshot_device='gpu'"):
         ScaleCheckpoint(snapshot_device="gpu")
-    with pytest.raises(ValueError, match="on_spike='undo'"):
-        ScaleCheckpoint(on_spike="undo")
 
 
 @pytest.mark.gpu
@@ -226,7 +237,7 @@ def test_a_cpu_snapshot_adds_no_accelerator_memory() -> None:
     sizes = {}
     for device in ("cpu", "device"):
         torch.cuda.empty_cache()
-        checkpoint = ScaleCheckpoint(every_n_steps=1, min_history=3, snapshot_device=device)
+        checkpoint = ScaleCheckpoint(every_n_steps=1, snapshot_device=device)
         module = PoisonModule(optimizer="adamw", n=256)
         trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=3, plugins=[StablePrecision("bf16-mixed")],
                              callbacks=[checkpoint], enable_progress_bar=False, logger=False,
@@ -241,13 +252,13 @@ def test_after_a_rollback_the_plugin_and_its_scaler_count_the_same() -> None:
     # One owner per fact: the event counters are history, and a rollback restores neither the plugin's nor the
     # scaler's copy of them.
     plugin = fp16_scaler_plugin(init_scale=2.0**8)
-    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback")
+    checkpoint = ScaleCheckpoint(every_n_steps=4)
     with quiet():
-        make_trainer(plugin, max_steps=10, callbacks=[checkpoint]).fit(
-            PoisonModule(inf_grad_steps={1, 6}, loss_factor={7: 1e6}))
+        make_trainer(plugin, max_steps=10, callbacks=[checkpoint, _NanWeight(7)]).fit(
+            PoisonModule(inf_grad_steps={1, 6}))
     assert checkpoint.rollbacks == 1
     assert plugin.overflow_count == plugin.scaler.overflow_count == 2
-    assert plugin.step_count == plugin.scaler.step_count + 1  # the spiking step was discarded before the scaler saw it
+    assert plugin.step_count == plugin.scaler.step_count
 
 
 @pytest.mark.parametrize("where", ["weights", "optimizer state"])
@@ -266,7 +277,7 @@ def test_a_run_started_from_non_finite_state_is_refused_naming_it(where: str) ->
                     opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
                                     "exp_avg_sq": torch.full_like(p, float("nan"))}
 
-    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=3)
+    checkpoint = ScaleCheckpoint(every_n_steps=2)
     with quiet(), pytest.raises(ValueError) as error:
         make_trainer(StablePrecision("bf16-mixed"), max_steps=8,
                      callbacks=[Corrupted(), checkpoint]).fit(PoisonModule(optimizer="adamw"))

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from cb_helpers import PoisonModule, quiet
+from cb_helpers import NanWeight, PoisonModule, quiet
 from helpers import TinyMLP, make_trainer, regression_data
 from test_master_plugin import _fit_stall, _Groups, _Stall
 from torch import nn
@@ -209,10 +209,10 @@ def test_a_rollback_restores_compensation_and_rounding_stream(mode: str) -> None
             snapshots.append((copy.deepcopy(trainer.precision_plugin.state_dict()["compact"]),
                               pl_module.model.fc2.weight.detach().clone()))
 
-    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback")
+    checkpoint = ScaleCheckpoint(every_n_steps=4)
     with quiet():
-        make_trainer(StablePrecision("bf16-true", master_weights=mode), max_steps=7, callbacks=[checkpoint, Keep()]
-                     ).fit(PoisonModule(optimizer="adamw", lr=1e-2, loss_factor={6: 1e6}))
+        make_trainer(StablePrecision("bf16-true", master_weights=mode), max_steps=7,
+                     callbacks=[NanWeight(6), checkpoint, Keep()]).fit(PoisonModule(optimizer="adamw", lr=1e-2))
     assert [(e["step"], e["restored_step"]) for e in checkpoint.events] == [(6, 4)]
     restored, at_snapshot = snapshots[6], snapshots[3]
     assert restored[0]["steps"] == at_snapshot[0]["steps"]  # the rounding stream is where it was
@@ -363,10 +363,10 @@ def test_a_rollback_restores_torchao_8bit_states_exactly(precision: str, mode) -
             states.append({k: _state_tensors(v) for k, v in state.items() if k != "step"})
             kinds.update(type(v).__name__ for k, v in state.items() if k != "step")
 
-    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback")
+    checkpoint = ScaleCheckpoint(every_n_steps=4)
     plugin = StablePrecision(precision, **({} if mode is None else {"master_weights": mode}))
     with quiet():
-        make_trainer(plugin, max_steps=7, callbacks=[checkpoint, Keep()]).fit(Wide(loss_factor={6: 1e6}))
+        make_trainer(plugin, max_steps=7, callbacks=[NanWeight(6), checkpoint, Keep()]).fit(Wide())
     assert [(e["step"], e["restored_step"]) for e in checkpoint.events] == [(6, 4)]
     restored, at_snapshot, after = states[6], states[3], states[5]
     assert kinds == {"OptimState8bit"}  # fc2's 4096 elements: quantized

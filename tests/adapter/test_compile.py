@@ -349,12 +349,14 @@ def test_lightning_compiled_module_with_every_forward_feature(compile_children: 
 
 
 def test_lightning_rollback_and_resume_on_a_compiled_module(tmp_path) -> None:
-    # A 1e6x loss at batch 4 rolls back to the snapshot of step 2: no graph more than the clean run compiles.
+    # A NaN weight at batch 4 rolls back to the snapshot of step 2: no graph more than the clean run compiles.
+    from cb_helpers import NanWeight
+
     clean_graphs, _, clean_losses, _ = fit(StablePrecision("bf16-mixed"), steps=6,
-                                           callbacks=[ScaleCheckpoint(every_n_steps=2, min_history=2)])
-    checkpoint = ScaleCheckpoint(every_n_steps=2, min_history=2, on_spike="rollback")
+                                           callbacks=[ScaleCheckpoint(every_n_steps=2)])
+    checkpoint = ScaleCheckpoint(every_n_steps=2)
     plugin = StablePrecision("bf16-mixed")
-    graphs, breaks, losses, _ = fit(plugin, steps=6, callbacks=[checkpoint], spike_step=4)
+    graphs, breaks, losses, _ = fit(plugin, steps=6, callbacks=[NanWeight(4), checkpoint])
     assert checkpoint.rollbacks == 1 and graphs == clean_graphs and breaks == 0
     assert losses[:4] == pytest.approx(clean_losses[:4])
 

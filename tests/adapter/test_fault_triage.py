@@ -211,7 +211,7 @@ def test_nan_batch_is_data_and_the_batch_stays_skipped():
     module, triage = seeded(), FaultTriage()
     start = weights(seeded())
     checkpoint = ScaleCheckpoint(every_n_steps=1)
-    fit(module, [checkpoint, FaultInjector({1: "nan_batch"}), triage], max_steps=2)  # triage moves itself first
+    fit(module, [checkpoint, triage, FaultInjector({1: "nan_batch"})], max_steps=2)  # before the injector's undo
     (event,) = triage.events
     assert (event["step"], event["kind"], event["action"], event["batch_idx"]) == (1, "data", "skip", 1)
     assert event["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:nonfinite"]
@@ -221,6 +221,20 @@ def test_nan_batch_is_data_and_the_batch_stays_skipped():
     fit(expected, [], max_steps=1)
     assert all(torch.equal(weights(module)[k], v) for k, v in weights(expected).items())
     assert any(not torch.equal(weights(module)[k], v) for k, v in start.items())
+
+
+def test_triage_never_reorders_the_callbacks_and_warns_when_listed_after_the_injector():
+    # It once moved itself to the front of trainer.callbacks: no callback reorders them now (the ladder decides each
+    # step once, whichever face sees it first); listed after FaultInjector, which restores its batch at batch end, it
+    # says so.
+    triage, injector = FaultTriage(), FaultInjector({1: "nan_batch"})
+    trainer = make_trainer(StablePrecision("32-true"), callbacks=[injector, triage], max_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(seeded())
+    assert trainer.callbacks.index(injector) < trainer.callbacks.index(triage)
+    said = [str(w.message) for w in caught if "listed after FaultInjector" in str(w.message)]
+    assert len(said) == 1 and "list FaultTriage first" in said[0]
 
 
 def test_without_a_snapshot_a_persistent_fault_is_data():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from cb_helpers import ListLogger, PoisonModule, quiet
 from helpers import make_trainer
-from trainer_pkg import AMPPreflight, HalfPrecision, MixedPrecision, OverflowMonitor, ScaleCheckpoint
+from trainer_pkg import AMPPreflight, HalfPrecision, MixedPrecision, OverflowMonitor, ScaleCheckpoint, pl
 
 
 class _CountingScaler(torch.amp.GradScaler):
@@ -56,13 +56,20 @@ def test_scale_checkpoint_rolls_back_with_lightnings_plugin() -> None:
             super().on_train_batch_end(trainer, pl_module, *args)
             weights.append(pl_module.model.fc2.weight.detach().clone())
 
-    checkpoint, plugin = Record(every_n_steps=2, min_history=3), _mixed()
-    with pytest.warns(UserWarning, match="rolls back to the last snapshot"):
+    class NanWeightAt5(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if trainer.global_step == 5:
+                with torch.no_grad():
+                    pl_module.model.fc2.weight.view(-1)[0] = float("nan")
+
+    checkpoint, plugin = Record(every_n_steps=2), _mixed()
+    with pytest.warns(UserWarning, match="rolls back non-finite weights or optimizer state"):
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*loss spike.*")
-            make_trainer(plugin, max_steps=7, callbacks=[checkpoint]).fit(PoisonModule(loss_factor={5: 1e6}))
-    assert [(e["step"], e["action"], e["restored_step"]) for e in checkpoint.events] == [(5, "rollback", 4)]
-    assert torch.equal(weights[5], weights[3])  # the spiking batch's update was undone with the rollback
+            warnings.filterwarnings("ignore", message="ScaleCheckpoint at step")
+            make_trainer(plugin, max_steps=7, callbacks=[NanWeightAt5(), checkpoint]).fit(PoisonModule())
+    # Found by the snapshot check at step 6 (Lightning's plugin skipped step 5; the NaN stayed in the weights).
+    assert [(e["step"], e["action"], e["restored_step"]) for e in checkpoint.events] == [(6, "rollback", 4)]
+    assert torch.equal(weights[5], weights[3])  # the state after the rollback is the snapshot's
 
 
 def test_preflight_warns_with_lightnings_plugin_and_raises_when_asked() -> None:

@@ -107,12 +107,18 @@ def test_rollback_restores_the_moments() -> None:
         def on_train_batch_end(self, trainer, pl_module, *args) -> None:
             self.states.append(copy.deepcopy(trainer.precision_plugin.state_dict()["masters"]))
 
-    module = PoisonModule(optimizer="adamw", lr=1e-2, loss_factor={5: 1e6})
+    class NanWeightAt5(pl.Callback):  # inf/NaN in the weights: the ladder's rollback
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if trainer.global_step == 5:
+                with torch.no_grad():
+                    pl_module.model.fc1.weight.view(-1)[0] = float("nan")
+
+    module = PoisonModule(optimizer="adamw", lr=1e-2)
     recorder = Recorder()
-    checkpoint = ScaleCheckpoint(every_n_steps=4, min_history=3, on_spike="rollback")
+    checkpoint = ScaleCheckpoint(every_n_steps=4)
     with quiet():
         make_trainer(StablePrecision("bf16-true", optimizer_state="bf16"), max_steps=7,
-                     callbacks=[checkpoint, recorder]).fit(module)
+                     callbacks=[NanWeightAt5(), checkpoint, recorder]).fit(module)
     assert [e["restored_step"] for e in checkpoint.events] == [4]
     moments = [s["optimizer_state"] for s in recorder.states]
     assert moments[4]["steps"]["model.fc2.weight"] == 5

@@ -318,15 +318,14 @@ COVERED: dict[tuple[str, str], tuple] = {
     ("ScaleCheckpoint", "rollbacks"): ("callback", "rollbacks"),
     ("ScaleCheckpoint", "skips"): ("callback", "skips"),
     ("ScaleCheckpoint", "events"): ("callback", "events"),
-    ("ScaleCheckpoint", "losses"): ("callback", "losses"),
-    ("ScaleCheckpoint", "_skipped_at"): ("callback", "skipped_at"),
     ("ScaleCheckpoint", "_snapshot"): ("preempt", "scale_checkpoint", 0, "snapshot"),
     ("ScaleCheckpoint", "_layout"): ("preempt", "scale_checkpoint", 0, "layout"),
     ("AMPPreflight", "result"): ("callback", "result"),
     ("PrecisionProbe", "history"): ("callback", "history"),
     ("PrecisionProbe", "pending"): ("callback", "pending"),
 }
-_CALLBACK_COMMON = {"_plugin": _SETUP, "_warned_no_plugin": _MSG, "log": _SETUP, "log_dict": _SETUP}
+_CALLBACK_COMMON = {"_plugin": _SETUP, "_warned_no_plugin": _MSG, "log": _SETUP, "log_dict": _SETUP,
+                    "_ladder": "the run's remedy ladder, kept on the plugin (StablePrecision.ladder)"}
 NOT_STATE: dict[str, dict[str, str]] = {
     "StablePrecision": {"_args": _CONFIG, "precision": _CONFIG, "master_weights": _CONFIG, "_warned": _MSG,
                         "_runaway": "a cache of the growth monitor's last answer (recomputed from its samples)",
@@ -334,6 +333,9 @@ NOT_STATE: dict[str, dict[str, str]] = {
                         "_budget_batch": "the first training batch, held until the probe's budget measures it (the"
                                          " choice itself is in fp8_budget)",
                         "_state_loaded": "whether this fit loaded the plugin's state (for the resume warning only)",
+                        "ladder": "the remedy ladder: faces and knobs set again by the callbacks at fit start; its"
+                                  " decisions are history (each face's own remedies are in its state)",
+                        "ladder_events": "the ladder's decisions (history, as the ladder)",
                         "findings": "the callbacks' latest results, measured anew after a resume (the probe step a"
                                     " fallback counted is PrecisionFallback's last_probe_step)",
                         "precision_schedule": "no schedule in this run (falsy runner, nothing to save); with one its"
@@ -397,9 +399,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
                           "state": "derived on load from cooldown_end and the last decision",
                           "retry_step": "saved as cooldown_end (-1: no retry pending)",
                           "_warned_fp32": _MSG, "_warned_data": _MSG, "_warned_fp32_modules": _MSG},
-    "ScaleCheckpoint": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "spike_zscore": _CONFIG,
-                        "max_rollbacks": _CONFIG, "min_history": _CONFIG, "on_spike": _CONFIG,
-                        "spike_patience": _CONFIG, "window": _CONFIG, "snapshot_device": _CONFIG, "_pending": _ITER},
+    "ScaleCheckpoint": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "max_rollbacks": _CONFIG,
+                        "snapshot_device": _CONFIG},
     "AMPPreflight": {**_CALLBACK_COMMON, "atol": _CONFIG, "rtol": _CONFIG, "action": _CONFIG, "forward_fn": _CONFIG,
                      "_pending": "the check is owed: set at train start, cleared on resume once `result` is loaded"},
     "PrecisionProbe": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "raise_scale": _CONFIG, "loss_fn": _CONFIG,

@@ -291,6 +291,26 @@ def test_a_nan_weight_without_a_snapshot_is_data():
     assert loop.triage.events[0]["replays"][-1] == "snapshot:none"
 
 
+def test_the_loop_shares_the_ladder_one_decision_per_rejected_step():
+    # The same ladder as the Trainer's faces: each rejected step one event, with the rung that acted and what remained.
+    loop = Loop(snapshot=True, transient=1, nan_batch=2).train(6, between=_corrupt_fc1_at(4))
+    assert [(e["step"], e["fault"], e["rung"], e["action"]) for e in loop.triage.ladder_events] == [
+        (1, "unexplained", "replay", "use_replay"), (2, "nonfinite_input", "skip", "skip"),
+        (4, "nonfinite_state", "rollback", "rollback")]
+    assert loop.triage.ladder_events[2]["verdict"] == "state" and loop.triage.ladder_events[2]["remaining"] == ["stop"]
+    assert loop.stepper.ladder_events is loop.triage.ladder_events  # kept on the stepper, as on the plugin
+
+
+def test_a_nan_weight_without_a_snapshot_stops_with_the_reason():
+    # Nothing can cure inf/NaN in the weights without a snapshot: the ladder's last rung names why (before, every
+    # later step was replayed and skipped as "data", the run going on with a NaN weight).
+    loop = Loop()
+    with pytest.warns(UserWarning, match="nonfinite_state -> stop"):
+        loop.train(3, between=_corrupt_fc1_at(2))
+    assert loop.triage.stop_reason is not None and "inf/NaN in the weights" in loop.triage.stop_reason
+    assert [(e["step"], e["action"]) for e in loop.triage.ladder_events] == [(2, "stop")]
+
+
 def test_a_persistent_loss_spike_is_data_and_a_passing_one_transient():
     guard = dict(spike_guard=SpikeGuard(zscore=4.0, window=16, warmup=4))
     persistent = Loop(loss_spike={6: 99}, **guard).train(8)

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.attribution import OverflowTracer, trace_nonfinite
 from lit_mpstable.core.compiled import eager
+from lit_mpstable.core.tensors import local_view
 
 TriageKind = Literal["transient", "precision", "data", "state"]
 
@@ -127,6 +128,20 @@ def replay_finite(module: nn.Module, optimizer: Optimizer, loss: torch.Tensor | 
         return loss is not None
     device = tensors[0].device
     return bool(torch.stack([t.detach().abs().amax().float().to(device) for t in tensors]).isfinite().all())
+
+
+def state_finite(module: nn.Module, optimizers: Sequence[Optimizer]) -> bool:
+    """Whether every parameter and every floating optimizer-state tensor is finite: one reduction per tensor, one host
+    read (rejected steps only: what tells inf/NaN in the state from a passing fault). This process's shards only
+    (a DTensor's local view): the callers agree the answer across ranks."""
+    tensors = [local_view(p.detach()) for p in module.parameters() if p.numel()]
+    tensors += [local_view(v) for opt in optimizers for state in opt.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()]
+    tensors = [t for t in tensors if t.numel() and type(t) is torch.Tensor]
+    if not tensors:
+        return True
+    device = tensors[0].device
+    return bool(torch.stack([t.abs().amax().float().to(device) for t in tensors]).isfinite().all())
 
 
 def replay_spikes(plugin: Any, module: nn.Module, loss: torch.Tensor | None) -> bool:

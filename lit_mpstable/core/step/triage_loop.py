@@ -15,6 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_mpstable.core.checkpoints import copy_state
+from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, describe, ladder_of
 from lit_mpstable.core.guards.triage import (
     BUDGET_WINDOW,
     LADDER,
@@ -30,6 +31,7 @@ from lit_mpstable.core.guards.triage import (
     replays_spent,
     restore_rng,
     rng_state,
+    state_finite,
     traced,
     traced_names,
     triage_event,
@@ -191,6 +193,24 @@ class StepTriage:
         """Steps classified ``"state"`` (each restored the snapshot)."""
         self.over_budget = 0
         """Rejected steps left untriaged because the replay budget had no room (not saved)."""
+        self.stop_reason: str | None = None
+        """Why the loop should stop (the ladder's stop rung: inf/NaN in the weights or optimizer state and no snapshot
+        to roll back to), or None. A plain loop checks it; nothing else can cure such a run."""
+        self.ladder: Ladder = ladder_of(self.stepper)
+        """The remedy ladder this loop shares with the Trainer's faces (:mod:`lit_mpstable.core.guards.ladder`)."""
+        self.ladder.new_fit(self, self.stepper.overflow_count)
+        self.ladder.switch_on(Rung.REPLAY, call)
+        face = f"{call}(replay_budget={replay_budget}, budget_window={budget_window})"
+        self.ladder.claim("replay_budget", replay_budget, face)
+        self.ladder.claim("budget_window", budget_window, face)
+        if snapshot is not None:
+            self.ladder.switch_on(Rung.ROLLBACK, call)
+
+    @property
+    def ladder_events(self) -> list[dict[str, Any]]:
+        """Every decision of the ladder in this loop: one per rejected step (``step``, ``fault``, ``rung``,
+        ``action``, ``reason``, ``remaining``, ...)."""
+        return self.ladder.events
 
     def _step(self, optimizer: Any, inner: Optimizer) -> None:
         """Step through Fabric's wrapper where there is one (its strategy and the plugin), else through the stepper."""
@@ -242,10 +262,17 @@ class StepTriage:
         if not stepper.last_step_skipped:  # the step's own skip decision: a host bool, no read
             return loss
         device = next(module.parameters()).device
-        if not any(any_rank(needs_triage(stepper, stepper.overflow_count > overflows), device)):
+        flags = needs_triage(stepper, stepper.overflow_count > overflows)
+        state_bad = (flags[0] or flags[3]) and not state_finite(module, [inner])
+        agreed = any_rank([*flags, state_bad, stepper.last_step_spiked], device)
+        fault, replayable = classify(nonfinite_loss=agreed[0], nonfinite_input=agreed[1], unscaled_overflow=agreed[2],
+                                     late=agreed[3], spike=agreed[4], state_bad=agreed[5], spiked=agreed[6])
+        if self.ladder.decide(step, fault, REASONS[fault], by=call,
+                              replayable=replayable) is not Rung.REPLAY:
             return loss  # a routine overflow at a scale above 1: the scaler's business
         spent = replays_spent(self.events, step, self.budget_window)  # alike on every rank, as the events are
         if spent + self.max_replays > self.replay_budget:
+            self.ladder.forget(step, "the replay budget is spent")
             self.over_budget += 1
             if self.over_budget == 1 and (not _distributed() or torch.distributed.get_rank() == 0):
                 warnings.warn(budget_note(type(self).__name__, step, spent, self.max_replays, self.replay_budget,
@@ -262,6 +289,12 @@ class StepTriage:
         restore_rng(after)  # the RNG goes on from where the rejected step left it
         self.events.append(triage_event(step, kind, blamed, step if batch_idx is None else batch_idx, outcomes,
                                         **extra))
+        if self.ladder.conclude(step, kind, replays=outcomes, blamed=blamed, **extra) is Rung.STOP:
+            event = self.ladder.decided(step)
+            assert event is not None
+            self.stop_reason = describe(event)
+            warnings.warn(f"{self.stop_reason} Stop the loop: inf/NaN in the weights or optimizer state and no"
+                          " snapshot to roll back to (StepTriage(snapshot=StateSnapshot(...))).", stacklevel=2)
         return host.applied_loss if host.applied_loss is not None else loss
 
     def state_dict(self) -> dict[str, Any]:
