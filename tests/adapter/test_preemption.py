@@ -334,6 +334,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
                         "_budget_batch": "the first training batch, held until the probe's budget measures it (the"
                                          " choice itself is in fp8_budget)",
                         "_state_loaded": "whether this fit loaded the plugin's state (for the resume warning only)",
+                        "fingerprint": "the numeric fingerprint's keeper: its pinned batch is in the plugin state's"
+                                       " 'fingerprint' entry (on_save_checkpoint), the rest config or load events",
                         "findings": "the callbacks' latest results, measured anew after a resume (the probe step a"
                                     " fallback counted is PrecisionFallback's last_probe_step)"},
     "PrecisionStepper": {
