@@ -114,7 +114,7 @@ def checksums(trees: Mapping[str, object]) -> dict[str, int]:
 
 
 def _kind(path: str) -> str:
-    if path.startswith("state_dict"):
+    if path.startswith("state_dict") or path.startswith("model"):
         return "weight"
     if path.startswith("optimizer_states") or path.startswith("optimizer"):
         return "optimizer state"
@@ -222,7 +222,9 @@ def compare_manifests(saved: Mapping[str, Any], live: Mapping[str, Any]) -> tupl
     for key in ("precision", "master_weights", "optimizer_state"):
         if saved.get(key) != live.get(key):
             notes.append(f"checkpoint written with {key}={saved.get(key)!r}, this run has {live.get(key)!r}")
-    kept_saved, kept_live = set(saved.get("high_precision", [])), set(live.get("high_precision", []))
+    # The probe budget's choice is in the checkpoint and re-applied at load: a run that has not chosen yet takes it.
+    kept_saved = set(saved.get("high_precision", []))
+    kept_live = set(live.get("high_precision", [])) or kept_saved
     saved_layers, live_layers = dict(saved["layers"]), dict(live["layers"])
     for name in sorted(set(saved_layers) | set(live_layers)):
         was = _layer_format(saved_layers.get(name) if name not in kept_saved else None, base_saved)
@@ -268,41 +270,41 @@ def pin_batch(batch: object, rows: int = PIN_ROWS) -> object | None:
     return pinned if has_tensor and size <= PIN_MAX_BYTES else None
 
 
-def to_device(batch: object, device: torch.device) -> object:
+def to_device(batch: object, device: torch.device, dtype: torch.dtype | None = None) -> object:
+    """``batch``'s tensors on ``device``; floating ones cast to ``dtype`` where given."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device)
+        return batch.to(device, dtype=dtype if dtype is not None and batch.is_floating_point() else None)
     if isinstance(batch, Mapping):
-        return {key: to_device(value, device) for key, value in batch.items()}
+        return {key: to_device(value, device, dtype) for key, value in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch) if type(batch) in (list, tuple) else [
-            to_device(v, device) for v in batch]
+        return type(batch)(to_device(v, device, dtype) for v in batch) if type(batch) in (list, tuple) else [
+            to_device(v, device, dtype) for v in batch]
     return batch
 
 
 def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: object, *,
-                forward_context: Callable[[], AbstractContextManager[Any]]) -> torch.Tensor:
+                forward_context: Callable[[], AbstractContextManager[Any]], dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
     """The loss and gradient norm of ``batch``: ``tensor([loss, grad_norm])`` (float64, on the module's device).
+    ``batch`` is as the data loader gave it; ``dtype``: what a ``*-true`` run casts its floating inputs to now.
 
-    One forward and backward in the run's precision (``forward_context``), on a shallow replica of the module (its
-    parameters and buffers shared, its Python attributes copied: a ``loss_fn`` that appends to a list or counts calls
-    changes the replica's) in eval mode, the RNG forked and seeded (:data:`PIN_SEED`); gradients through
-    ``torch.autograd.grad``, so ``.grad`` is untouched; every buffer (BatchNorm statistics, FP8 amax histories and
-    stochastic-rounding counters) is restored afterwards, so the run goes on exactly as without the pass."""
+    One forward and backward in the run's precision (``forward_context``), the module in eval mode, the RNG forked and
+    seeded (:data:`PIN_SEED`); gradients through ``torch.autograd.grad``, so ``.grad`` is untouched. Afterwards every
+    buffer (BatchNorm statistics, FP8 amax histories and stochastic-rounding counters) and every public Python
+    attribute of the modules holding a list, dict, set or number (a ``loss_fn`` that appends to a list or counts
+    calls) is restored in place, so the run goes on exactly as without the pass."""
     params = [p for p in module.parameters() if p.requires_grad]
     device = params[0].device if params else torch.device("cpu")
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    memo: dict[int, Any] = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    try:
-        replica = copy.deepcopy(module, memo)
-    except Exception:  # an attribute deepcopy cannot copy (a lock, a handle): the pass runs on the module  # noqa: BLE001
-        replica = module
+    attributes = [(sub, name, copy.copy(value)) for sub in module.modules() for name, value in vars(sub).items()
+                  if not name.startswith("_") and isinstance(value, (list, dict, set, int, float))]
     training = module.training
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         torch.manual_seed(PIN_SEED)
-        replica.eval()
+        module.eval()
         try:
             with forward_context():
-                loss = loss_fn(replica, to_device(batch, device))
+                loss = loss_fn(module, to_device(batch, device, dtype))
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 raise RuntimeError("the pinned micro-batch's loss is not a differentiable tensor")
             grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -311,9 +313,23 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
             with torch.no_grad():
                 for buffer, saved in buffers:
                     buffer.copy_(saved)
+            for sub, name, value in attributes:
+                _restore(sub, name, value)
     squares = [g.detach().float().pow(2).sum() for g in grads if g is not None]
     norm = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), device=device)
     return torch.stack([loss.detach().double().reshape(()), norm.double()])
+
+
+def _restore(owner: object, name: str, saved: object) -> None:
+    """Put ``saved`` back as ``owner.name``: containers in place (other references see it), numbers by assignment."""
+    live = getattr(owner, name, None)
+    if isinstance(live, list) and isinstance(saved, list):
+        live[:] = saved
+    elif isinstance(live, (dict, set)) and type(live) is type(saved):
+        live.clear()
+        live.update(saved)
+    else:
+        setattr(owner, name, saved)
 
 
 def deterministic(device: torch.device | str) -> bool:
@@ -355,6 +371,37 @@ class Fingerprint:
         ``"warned"``, ``"previous"``)."""
         self.pending: dict[str, Any] | None = None
         """A loaded fingerprint whose pinned pass is still owed (the front end runs it when the model is loaded)."""
+
+    def split(self, state: object, *, call: str) -> tuple[dict[str, Any] | None, Any]:
+        """``(fingerprint, the plugin state without it)`` of a plugin state dict; ``(None, state)`` without one.
+
+        Raises:
+            TypeError, ValueError: the fingerprint is not what :meth:`capture` writes (each part named).
+        """
+        if not isinstance(state, dict) or KEY not in state:
+            return None, state
+        fingerprint = state[KEY]
+        rest = {key: value for key, value in state.items() if key != KEY}
+        if not isinstance(fingerprint, dict) or set(fingerprint) != {"version", "checksums", "manifest", "pinned"}:
+            raise (ValueError if isinstance(fingerprint, dict) else TypeError)(
+                f"{call}(fingerprint={fingerprint!r:.80}): must be the dict a save writes, with keys ['checksums',"
+                " 'manifest', 'pinned', 'version']; the checkpoint is corrupted.")
+        sums, manifest_, pinned = fingerprint["checksums"], fingerprint["manifest"], fingerprint["pinned"]
+        if not isinstance(sums, dict) or not all(isinstance(k, str) and type(v) is int for k, v in sums.items()):
+            raise TypeError(f"{call}(fingerprint['checksums']={sums!r:.80}): must map tensor paths to int checksums.")
+        needed = {"precision", "master_weights", "layers", "fp8", "islands"}
+        if not isinstance(manifest_, dict) or not needed <= set(manifest_) or not isinstance(manifest_["layers"],
+                                                                                              dict):
+            raise (TypeError if not isinstance(manifest_, dict) else ValueError)(
+                f"{call}(fingerprint['manifest']={manifest_!r:.80}): must hold {sorted(needed)}.")
+        if not isinstance(pinned, dict) or (pinned and not (
+                {"batch", "loss", "grad_norm", "deterministic"} <= set(pinned)
+                and all(isinstance(pinned[k], float) for k in ("loss", "grad_norm"))
+                and isinstance(pinned["deterministic"], bool))):
+            raise (TypeError if not isinstance(pinned, dict) else ValueError)(
+                f"{call}(fingerprint['pinned']={pinned!r:.80}): must be {{}} or hold the pinned 'batch', its 'loss'"
+                " and 'grad_norm' (floats) and 'deterministic' (a bool).")
+        return fingerprint, rest
 
     def pin(self, batch: object) -> None:
         """Keep ``batch`` (capped: :func:`pin_batch`) as the pinned micro-batch, unless one is pinned already."""
@@ -471,7 +518,10 @@ class CheckpointCheck:
         self.fingerprint, self.plugin_key, self.stepper, self.reload = fingerprint, plugin_key, stepper, reload
 
     def differences(self, checkpoint: Mapping[str, Any], *, required: bool = True) -> list[str]:
-        saved = dict(checkpoint.get(self.plugin_key) or {}).get(KEY)
+        try:
+            saved, _ = self.fingerprint.split(checkpoint.get(self.plugin_key), call=self.plugin_key)
+        except (TypeError, ValueError) as error:
+            return [str(error)]
         if saved is None:
             return ["it holds no fingerprint"] if required else []
         differences, _ = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key), self.stepper)
@@ -479,7 +529,7 @@ class CheckpointCheck:
 
     def verify_(self, checkpoint: dict[str, Any], path: str | Path | None) -> None:
         """Check ``checkpoint`` (read from ``path``); a checkpoint without a fingerprint passes unchecked."""
-        saved = dict(checkpoint.get(self.plugin_key) or {}).get(KEY)
+        saved, _ = self.fingerprint.split(checkpoint.get(self.plugin_key), call=f"{self.plugin_key}.load_state_dict")
         if saved is None:
             return
         differences, notes = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key),

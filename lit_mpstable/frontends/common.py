@@ -356,8 +356,7 @@ class StableFrontEnd:
         counter, ``"False"`` for a bool, NaN masters or compensation, ``None``, junk) ``ValueError``/``TypeError``
         naming it, before anything is loaded. A checkpoint of another precision loads too (scaler state is used only
         where both sides scale). A checkpoint's numeric fingerprint is checked (``on_fingerprint_mismatch``)."""
-        fingerprint = state_dict.get(FINGERPRINT) if isinstance(state_dict, dict) else None
-        state_dict = {k: v for k, v in state_dict.items() if k != FINGERPRINT} if fingerprint else state_dict
+        fingerprint, state_dict = self.fingerprint.split(state_dict, call=f"{type(self).__name__}.load_state_dict")
         self._check_fingerprint(fingerprint, state_dict, loaded=False)
         for note in self.stepper.load_state_dict(state_dict):
             rank_zero_info(f"StablePrecision: {note}")

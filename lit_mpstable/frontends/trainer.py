@@ -51,10 +51,9 @@ class TrainerPrecision(StableFrontEnd):
         return wrapper if isinstance(wrapper, nn.parallel.DistributedDataParallel) else None
 
     def convert_input(self, data: Any) -> Any:
+        if self.fingerprint.batch is None and getattr(self._trainer(), "training", False):
+            self.fingerprint.pin(data)  # the first training batch, as loaded: the fingerprint's pinned micro-batch
         data = self.stepper.convert_input(data)
-        if self.fingerprint.batch is None and getattr(getattr(self.stepper.layout.module, "_trainer", None),
-                                                      "training", False):
-            self.fingerprint.pin(data)  # the first training batch: the fingerprint's pinned micro-batch
         if self.stepper.fp8_budget.pending:
             self._budget_batch = data  # the probe's budget measures the first training batch (before its step)
         return data
@@ -218,7 +217,9 @@ class TrainerPrecision(StableFrontEnd):
         if module is None:
             raise RuntimeError(f"{self!r}: the pinned micro-batch needs the model; no model was set up.")
         module = lightning_module(module, self._pl)
-        return pinned_pass(module, _training_step_loss, batch, forward_context=self.stepper.forward_context)
+        dtype = self.stepper.compute_dtype if self.stepper.true_16bit else None  # as convert_input casts a batch
+        return pinned_pass(module, _training_step_loss, batch, forward_context=self.stepper.forward_context,
+                           dtype=dtype)
 
     def _trainer(self) -> Any:
         return getattr(self.stepper.layout.module, "_trainer", None)
