@@ -56,8 +56,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=4, help="rows of the pinned micro-batch (PIN_ROWS)")
     parser.add_argument("--batch", type=int, default=64, help="rows of a training batch, for the step's time")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: on this shared 2-core machine, 2 threads make every reduction wait on"
+                             " OpenMP barriers with the cores busy elsewhere, 10-45x slower)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/fingerprint"))
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     width = args.width
     blocks = [nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
@@ -102,9 +106,16 @@ def main(argv: list[str] | None = None) -> None:
         model.zero_grad(set_to_none=True)
         loss_fn(model, pinned).backward()
 
-    results["pinned_pass_s"] = _median(lambda: pinned_pass(model, loss_fn, pinned, forward_context=nullcontext),
-                                       args.repeats)
-    results["pinned_fwd_bwd_s"] = _median(fwd_bwd, args.repeats)
+    passes, plain = [], []  # paired, interleaved
+    pinned_pass(model, loss_fn, pinned, forward_context=nullcontext)
+    for _ in range(3 * args.repeats):
+        start = time.perf_counter()
+        pinned_pass(model, loss_fn, pinned, forward_context=nullcontext)
+        passes.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        fwd_bwd()
+        plain.append(time.perf_counter() - start)
+    results["pinned_pass_s"], results["pinned_fwd_bwd_s"] = statistics.median(passes), statistics.median(plain)
     results["train_step_fwd_bwd_s"] = _median(
         lambda: (model.zero_grad(set_to_none=True), loss_fn(model, (x, y)).backward()), args.repeats)
     report = {
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(json.dumps(report, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cost.json").write_text(json.dumps(report, indent=1))
+    (args.out / f"cost_threads{args.threads}.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
