@@ -144,6 +144,8 @@ def test_a_clean_resume_passes_bitwise_and_stays_exact(written, tmp_path) -> Non
     _corrupt(path, lambda c: c["StablePrecision"].pop(KEY))  # the same checkpoint without its fingerprint
     unchecked, _ = _fit(StablePrecision("bf16-true"), 5, ckpt_path=path)
     assert len(model.losses) == 2 and model.losses == unchecked.losses  # the check changed nothing of the run
+    saved = torch.load(_checkpoints(written[0])[-1], weights_only=True)["StablePrecision"][KEY]["pinned"]["batch"]
+    assert all(torch.equal(a, b) for a, b in zip(plugin.fingerprint.batch, saved))  # carried to the next saves
 
 
 def _scale_row(c: dict[str, Any]) -> None:
@@ -217,6 +219,44 @@ def test_previous_without_a_passing_checkpoint_raises(written, tmp_path) -> None
     _corrupt(path, _scale_row)
     with pytest.raises(FingerprintMismatch, match="found no earlier checkpoint that passes among 0"):
         _fit(StablePrecision("bf16-true", on_fingerprint_mismatch="previous"), 4, ckpt_path=path)
+
+
+class _Stateful(nn.Module):
+    """A forward that changes a buffer (as an FP8 amax history does), a public list and a counter, and draws dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(()))
+        self.calls: list[int] = []
+        self.count = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        self.calls.append(len(self.calls))
+        self.count += 1
+        return nn.functional.dropout(self.fc(x), 0.5, training=True)
+
+
+def test_the_pinned_pass_leaves_the_run_as_it_was() -> None:
+    from contextlib import nullcontext
+
+    from lit_mpstable.core.fingerprint import pinned_pass
+
+    torch.manual_seed(0)
+    module, batch = _Stateful(), torch.randn(3, 4)
+    module.calls.append(7)
+    rng, calls = torch.get_rng_state(), module.calls
+
+    def loss_fn(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return net(x).pow(2).sum()
+
+    first = pinned_pass(module, loss_fn, batch, forward_context=nullcontext)
+    assert int(module.seen) == 0 and module.calls is calls and calls == [7] and module.count == 0
+    assert module.training and module.fc.weight.grad is None and torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(pinned_pass(module, loss_fn, batch, forward_context=nullcontext), first)  # seeded: bitwise
+    grad = torch.autograd.grad(loss_fn(module, batch), list(module.parameters()))  # what the norm is of (own seed)
+    assert first[1] > 0 and len(grad) == 2
 
 
 # -------------------------------------------------------------------------------------- plugin state and recipes
