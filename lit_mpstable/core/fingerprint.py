@@ -183,9 +183,11 @@ def manifest(stepper: Any) -> dict[str, Any]:
     module = layout.module
     layers: dict[str, dict[str, Any]] = {}
     for name in layout.fp8_selected:
-        entry: dict[str, Any] = {"recipe": fields["recipe"] if fields else None,
-                                 "format": fields["format"] if fields else None}
         layer = module.get_submodule(name) if module is not None else None
+        # A layer's own recipe where it has one (a per-layer map, a Recipe object: its name and all its fields).
+        recipe = layer.fp8_config.recipe if isinstance(layer, FP8Linear) else getattr(config, "recipe", None)
+        entry: dict[str, Any] = {"recipe": str(getattr(recipe, "name", recipe)), "recipe_fields": str(recipe),
+                                 "format": fields["format"] if fields else None}
         if isinstance(layer, FP8Linear):
             entry["sr_key"] = getattr(layer, "sr_seed", None)
             signs = getattr(layer, "rht_signs", None)
@@ -236,9 +238,10 @@ def compare_manifests(saved: Mapping[str, Any], live: Mapping[str, Any]) -> tupl
         if was != now and (name in saved_layers or name in live_layers) and not {was, now} <= set(_BASE.values()):
             differences.append(f"checkpoint trained `{name}` in {was}, this run has it in {now}")
         elif name in saved_layers and name in live_layers:
-            for key, what in (("sr_key", "stochastic-rounding key"), ("hadamard", "Hadamard signs")):
+            for key, what in (("recipe_fields", "recipe fields (scale rule, block shapes, rounding)"),
+                              ("sr_key", "stochastic-rounding keys"), ("hadamard", "Hadamard signs")):
                 if saved_layers[name].get(key) != live_layers[name].get(key):
-                    differences.append(f"`{name}`: the checkpoint's {what} differ from this run's"
+                    differences.append(f"`{name}`: the checkpoint was trained with other {what} than this run"
                                        f" ({saved_layers[name].get(key)!r} vs {live_layers[name].get(key)!r})")
     if saved["fp8"] and live["fp8"]:
         for key in sorted(set(saved["fp8"]) - {"recipe"}):

@@ -344,3 +344,19 @@ def test_the_fingerprint_rides_in_the_fabric_save(tmp_path) -> None:
     assert [e["action"] for e in _fabric_run(path, load=True).fingerprint.events] == ["passed", "passed"]
     with pytest.raises(FingerprintMismatch, match=r"optimizer state `optimizer\[0\]\['state'\]\[1\]\['exp_avg'\]`"):
         _fabric_run(path, load=True, change=lambda c: _flip(c["optimizer"]["state"][1]["exp_avg"], 2, 7))
+
+
+def test_nvfp4_manifest_holds_sr_keys_and_hadamard_signs_and_resumes_bitwise(tmp_path) -> None:
+    from trainer_pkg import StablePrecision
+
+    _fit(StablePrecision("bf16-mixed", fp8="nvfp4"), 2, tmp_path)
+    path = _checkpoints(tmp_path)[-1]
+    layers = torch.load(path, weights_only=True)["StablePrecision"][KEY]["manifest"]["layers"]
+    assert list(layers) == ["model.fc2"] and layers["model.fc2"]["recipe"] == "nvfp4"
+    assert isinstance(layers["model.fc2"]["sr_key"], int) and isinstance(layers["model.fc2"]["hadamard"], int)
+    plugin = StablePrecision("bf16-mixed", fp8="nvfp4")
+    _fit(plugin, 3, ckpt_path=path)
+    assert [event["action"] for event in plugin.fingerprint.events] == ["passed", "passed"]  # SR included, bitwise
+    _corrupt(path, lambda c: c["StablePrecision"][KEY]["manifest"]["layers"]["model.fc2"].update(sr_key=1))
+    with pytest.raises(FingerprintMismatch, match="`model.fc2`: the checkpoint was trained with other stochastic-r"):
+        _fit(StablePrecision("bf16-mixed", fp8="nvfp4"), 3, ckpt_path=path)
