@@ -461,6 +461,7 @@ def test_every_piece_of_stability_state_is_in_the_checkpoint(preempted_single) -
     plug, cbs, checkpoint = preempted_single
     assert checkpoint["global_step"] == 12
     assert plug.skipped_steps >= 3 and cbs[1].decisions and cbs[2].rollbacks == 1  # the state is not trivial
+    assert checkpoint["StablePrecision"]["fingerprint"]["checksums"]  # the numeric fingerprint rides along (#46)
     objects = stability_objects(plug, cbs)
     assert {type(o).__name__ for o in objects} == set(NOT_STATE)  # the walk reached every class it classifies
     missing = unexplained(objects)
