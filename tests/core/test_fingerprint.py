@@ -360,3 +360,40 @@ def test_nvfp4_manifest_holds_sr_keys_and_hadamard_signs_and_resumes_bitwise(tmp
     _corrupt(path, lambda c: c["StablePrecision"][KEY]["manifest"]["layers"]["model.fc2"].update(sr_key=1))
     with pytest.raises(FingerprintMismatch, match="`model.fc2`: the checkpoint was trained with other stochastic-r"):
         _fit(StablePrecision("bf16-mixed", fp8="nvfp4"), 3, ckpt_path=path)
+
+
+# --------------------------------------------------------------------------------------------------------- DDP
+@pytest.mark.slow
+def test_ddp_ranks_fall_back_to_the_same_checkpoint(tmp_path) -> None:
+    import json
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+    from trainer_pkg import StablePrecision, pl
+
+    class Events(pl.Callback):
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            events = trainer.precision_plugin.fingerprint.events
+            (tmp_path / f"rank{trainer.global_rank}.json").write_text(json.dumps(events))
+
+    def fit(steps: int, ckpt: Path | None = None) -> None:
+        torch.manual_seed(0)
+        callbacks = [Events()] if ckpt else [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)]
+        trainer = make_trainer(StablePrecision("bf16-true", on_fingerprint_mismatch="previous"), max_steps=steps,
+                               devices=2, strategy=DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)),
+                               callbacks=callbacks, enable_checkpointing=not ckpt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(make_module(optimizer="adamw", lr=1e-2), ckpt_path=ckpt)
+
+    fit(2)
+    paths = _checkpoints(tmp_path)
+    _corrupt(paths[-1], _flip_optimizer_bit)
+    for step, path in enumerate(paths):
+        os.utime(path, ns=(1_000_000_000 * (step + 1),) * 2)
+    fit(3, ckpt=paths[-1])
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1]  # the same checks, differences and fallback on both ranks
+    assert [e["action"] for e in ranks[0]] == ["previous", "passed"]  # the fallback, then its pinned pass
+    assert ranks[0][0]["fallback"].endswith("step=1.ckpt") and "exp_avg_sq" in ranks[0][0]["differences"][0]
