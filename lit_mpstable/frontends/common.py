@@ -13,6 +13,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_mpstable.core.fingerprint import KEY as FINGERPRINT
+from lit_mpstable.core.fingerprint import Fingerprint, OnMismatch
 from lit_mpstable.core.guards.spike import SpikeGuard
 from lit_mpstable.core.layout.fsdp import island_mp_policy as fsdp_island_mp_policy
 from lit_mpstable.core.layout.fsdp import mp_policy as fsdp_mp_policy
@@ -94,6 +96,10 @@ ARGS_DOC = """
             trigger, the same step on every rank; e.g. ``PrecisionSchedule(at="lr_decay", fprop="bf16")``. Checked
             at the first training step (patterns that match no FP8 layer, unreachable milestones: ValueError);
             the switches are in :attr:`precision_schedule` ``.events`` and the plugin's checkpoint state.
+        on_fingerprint_mismatch: what a load does when the checkpoint fails its numeric fingerprint (checksums of
+            the weights, masters and optimizer state, the precision manifest, the pinned micro-batch's loss; see
+            ``docs/fingerprints.md``): ``"raise"`` (default) refuses it naming what differs, ``"warn"`` warns and
+            loads it, ``"previous"`` resumes from the newest earlier checkpoint of its directory that passes.
 
     Raises:
         ValueError, TypeError: an argument is not one of the allowed values (the message names it).
@@ -130,6 +136,7 @@ class StableFrontEnd:
         optimizer_state: StateKind = "fp32",
         growth_every_n_steps: int | None = None,
         schedule: PrecisionSchedule | Sequence[PrecisionSchedule] | None = None,
+        on_fingerprint_mismatch: OnMismatch = "raise",
     ) -> None:
         # A list for the repr; anything else (None, 5, one name) goes to the stepper's check as it is.
         # Every argument goes to the stepper by name: a new one is one line in the signature above.
@@ -137,7 +144,9 @@ class StableFrontEnd:
         listed = isinstance(fp32_modules, Iterable) and not isinstance(fp32_modules, (str, bytes, dict))
         args["fp32_modules"] = list(fp32_modules) if listed else fp32_modules
         self._args = args
-        self.stepper = PrecisionStepper(**{k: v for k, v in args.items() if k != "schedule"}, owner=type(self).__name__)
+        self.fingerprint = Fingerprint(on_fingerprint_mismatch, owner=type(self).__name__)  # core/fingerprint.py
+        own = ("schedule", "on_fingerprint_mismatch")  # the front end's own; the rest is the stepper's
+        self.stepper = PrecisionStepper(**{k: v for k, v in args.items() if k not in own}, owner=type(self).__name__)
         self.precision_schedule = schedule_runner(schedule, self.stepper.fp8)
         # Lightning reads the attribute; the stepper resolved "auto", so it is one of Lightning's own spellings.
         self.precision: LightningPrecision = cast(LightningPrecision, self.stepper.precision)
@@ -345,7 +354,7 @@ class StableFrontEnd:
     def restore_state(self, state: dict[str, Any]) -> None:
         """Load numeric state from :meth:`state_dict` (a rollback): scale, masters, layout, FP8 histories; the
         event counters (steps, overflows, skips; the scaler's too) keep their live values."""
-        self.stepper.load_state_dict(state, keep_counters=True)
+        self.stepper.load_state_dict({k: v for k, v in state.items() if k != FINGERPRINT}, keep_counters=True)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Resident tensors of the precision itself (compensation buffers) that neither the model nor the optimizers
@@ -372,12 +381,20 @@ class StableFrontEnd:
         """Strict: a missing or unknown key raises ``KeyError`` naming it, a corrupted field (NaN/inf scale, negative
         counter, ``"False"`` for a bool, NaN masters or compensation, ``None``, junk) ``ValueError``/``TypeError``
         naming it, before anything is loaded. A checkpoint of another precision loads too (scaler state is used only
-        where both sides scale). A checkpoint written under another precision schedule raises ``ValueError`` naming
-        both; one past a milestone resumes with the switched formats."""
+        where both sides scale). A checkpoint's numeric fingerprint is checked (``on_fingerprint_mismatch``). A
+        checkpoint written under another precision schedule raises ``ValueError`` naming both; one past a milestone
+        resumes with the switched formats."""
+        fingerprint, state_dict = self.fingerprint.split(state_dict, call=f"{type(self).__name__}.load_state_dict")
+        self._check_fingerprint(fingerprint, state_dict, loaded=False)
         state_dict = load_schedule_state(self.precision_schedule, state_dict, self.layout.module)
         for note in self.stepper.load_state_dict(state_dict):
             rank_zero_info(f"StablePrecision: {note}")
         self._state_loaded = True
+        self._check_fingerprint(fingerprint, state_dict, loaded=True)
+
+    def _check_fingerprint(self, fingerprint: dict[str, Any] | None, state: dict[str, Any], *, loaded: bool) -> None:
+        """A front end's check of a loaded fingerprint (:mod:`lit_mpstable.core.fingerprint`), before (``loaded``
+        False) and after the plugin's state is loaded."""
 
     def _schedule_step_(self, schedulers: Sequence[Any], max_steps: int | None, steps_per_epoch: int | None) -> None:
         """At the start of each training step: the precision schedule's switches due now (bound at the first)."""

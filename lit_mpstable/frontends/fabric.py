@@ -14,6 +14,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
+from lit_mpstable.core.fingerprint import KEY as FINGERPRINT
+from lit_mpstable.core.fingerprint import FingerprintMismatch, compare_checksums
 from lit_mpstable.core.replicas import default_replicas
 from lit_mpstable.core.step.stepper import check_optimizer
 from lit_mpstable.core.weights.moment_keeper import pop_saved_mark
@@ -143,6 +145,8 @@ class StablePrecision(StableFrontEnd, Precision):
                 " plugin."
             )
         optimizer = self._start(optimizer)
+        if self.fingerprint.pending is not None:  # after fabric.load: the loaded weights and optimizer state
+            self._check_fingerprint(self.fingerprint.pending, {}, loaded=True)
         if self.stepper.fp8_budget.pending:
             raise RuntimeError(f"{self!r}: the first optimizer step came without the probe's choice. {_BUDGET_CALL}")
         if isinstance(optimizer, LBFGS) or "closure" in kwargs:
@@ -215,6 +219,39 @@ class StablePrecision(StableFrontEnd, Precision):
         self.stepper.follow_model_weights_(default_replicas(self._module().parameters()))
         self._started = (*self._started, optimizer)
         return optimizer
+
+    # ----------------------------------------------------------------------------------- the fingerprint
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`StableFrontEnd.state_dict` and the numeric fingerprint (``docs/fingerprints.md``): checksums of the
+        model's weights, the optimizers' state and the plugin's tensors, and the precision manifest (no pinned
+        micro-batch: Fabric gives the plugin no loss to recompute)."""
+        state = super().state_dict()
+        module = self.layout.module
+        trees = {"model": module.state_dict() if module is not None else {},
+                 "optimizer": [optimizer.state_dict() for optimizer in self._bound], "plugin": dict(state)}
+        return {**state, FINGERPRINT: self.fingerprint.capture(trees, self.stepper, None)}
+
+    def _check_fingerprint(self, fingerprint: dict[str, Any] | None, state: dict[str, Any], *, loaded: bool) -> None:
+        # Before loading: the plugin's own tensors and the manifest. After: the model's and optimizers', at the next
+        # optimizer step (fabric.load restores them in the order of the user's dict), one host read there.
+        if fingerprint is None:
+            return
+        if not loaded:
+            differences, notes = self.fingerprint.check(fingerprint, {"plugin": state}, self.stepper)
+        elif state:  # load_state_dict just finished: the rest waits for the next optimizer step
+            self.fingerprint.pending = fingerprint
+            return
+        else:
+            self.fingerprint.pending = None
+            module = self._module()
+            same = (fingerprint["manifest"]["precision"], fingerprint["manifest"]["master_weights"]) == (
+                self.stepper.precision, self.stepper.master_mode)  # else the weights were carried: not comparable
+            trees = {"model": module.state_dict(), "optimizer": [o.state_dict() for o in self._bound]}
+            differences, notes = compare_checksums(fingerprint["checksums"], trees if same else {}), []
+        if self.fingerprint.react("fabric.load", differences, notes):
+            raise FingerprintMismatch("fabric.load", [*differences, "on_fingerprint_mismatch='previous' needs the"
+                                      " checkpoint's directory, which Fabric does not give the plugin: load an"
+                                      " earlier one (lit_mpstable.core.fingerprint.previous_passing_checkpoint)"])
 
     # What a resume without the plugin's state loses, by master_weights mode.
     _LOST: ClassVar[dict[str, str]] = {

@@ -21,6 +21,8 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
+from lit_mpstable.core.fingerprint import KEY as FINGERPRINT
+from lit_mpstable.core.fingerprint import CheckpointCheck, checkpoint_trees, pinned_pass
 from lit_mpstable.frontends.common import ARGS_DOC, StableFrontEnd
 from lit_mpstable.frontends.live_state import recast_from
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
@@ -49,6 +51,8 @@ class TrainerPrecision(StableFrontEnd):
         return wrapper if isinstance(wrapper, nn.parallel.DistributedDataParallel) else None
 
     def convert_input(self, data: Any) -> Any:
+        if self.fingerprint.batch is None and getattr(self._trainer(), "training", False):
+            self.fingerprint.pin(data)  # the first training batch, as loaded: the fingerprint's pinned micro-batch
         data = self.stepper.convert_input(data)
         if self.stepper.fp8_budget.pending:
             self._budget_batch = data  # the probe's budget measures the first training batch (before its step)
@@ -136,16 +140,7 @@ class TrainerPrecision(StableFrontEnd):
                                " batch) in training_step at the first step.")
         trainer = module.trainer
         batch = trainer.strategy.batch_to_device(batch)
-
-        def loss_fn(net: Any, data: Any) -> torch.Tensor:
-            net.log = net.log_dict = lambda *args, **kwargs: None  # a measurement is not a step
-            try:
-                output = net.training_step(data, 0)
-            finally:
-                del net.log, net.log_dict
-            return output["loss"] if isinstance(output, dict) else output
-
-        self.choose_high_precision_(loss_fn, batch)
+        self.choose_high_precision_(_training_step_loss, batch)
 
     def _lbfgs_step(self, optimizer: Optimizer, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         self._check_closure_step(optimizer)
@@ -193,11 +188,15 @@ class TrainerPrecision(StableFrontEnd):
         # Lightning loads checkpoints with a callable map_location, which torch.load refuses for tensor subclasses:
         # torchao's 8-bit/4-bit/FP8 optimizer states go in flat (plain tensors) and are rebuilt on load.
         flatten_optimizer_states_(checkpoint.get("optimizer_states", []))
+        if type(self).__qualname__ in checkpoint:  # the numeric fingerprint, of the tensors as written
+            checkpoint[type(self).__qualname__][FINGERPRINT] = self.fingerprint.capture(
+                checkpoint_trees(checkpoint, type(self).__qualname__), self.stepper, self._pinned_loss)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before load_state_dict. A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under
         # "MixedPrecision": carry it over. (A checkpoint without FP32 masters needs nothing: its weights were loaded
         # into the FP32 model before setup, and the masters start from them.) Runs before the optimizers are restored.
+        self._checkpoint_check().verify_(checkpoint, getattr(self._trainer(), "ckpt_path", None))  # may swap it
         unflatten_optimizer_states_(checkpoint.get("optimizer_states", []))
         self._loaded_weights = checkpoint.get("state_dict")
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint and self.scaler is not None:
@@ -210,6 +209,44 @@ class TrainerPrecision(StableFrontEnd):
         weights, self._loaded_weights = getattr(self, "_loaded_weights", None), None
         with recast_from(self.stepper.layout.module, weights):
             super().load_state_dict(state_dict)
+
+    # ------------------------------------------------------------------------------------- the fingerprint
+    def _check_fingerprint(self, fingerprint: dict[str, Any] | None, state: dict[str, Any], *, loaded: bool) -> None:
+        # Checksums and manifest were checked in on_load_checkpoint; the pinned pass once the plugin's state is in.
+        if loaded:
+            self._checkpoint_check().verify_pinned_(self._pinned_loss, self.load_state_dict)
+
+    def _pinned_loss(self, batch: Any) -> torch.Tensor:
+        module = self.stepper.layout.module
+        if module is None:
+            raise RuntimeError(f"{self!r}: the pinned micro-batch needs the model; no model was set up.")
+        module = lightning_module(module, self._pl)
+        dtype = self.stepper.compute_dtype if self.stepper.true_16bit else None  # as convert_input casts a batch
+        return pinned_pass(module, _training_step_loss, batch, forward_context=self.stepper.forward_context,
+                           dtype=dtype)
+
+    def _trainer(self) -> Any:
+        return getattr(self.stepper.layout.module, "_trainer", None)
+
+    def _checkpoint_check(self) -> CheckpointCheck:
+        def reload(checkpoint: dict[str, Any]) -> None:  # "previous": what Lightning restored from the failed one
+            trainer = self._trainer()
+            trainer.strategy.load_model_state_dict(checkpoint, strict=trainer.lightning_module.strict_loading)
+            trainer._checkpoint_connector.restore_callbacks()
+            unflatten_optimizer_states_(checkpoint.get("optimizer_states", []))
+            self._loaded_weights = checkpoint.get("state_dict")
+
+        return CheckpointCheck(self.fingerprint, type(self).__qualname__, self.stepper, reload)
+
+
+def _training_step_loss(net: Any, data: Any) -> torch.Tensor:
+    """``training_step``'s loss on ``data`` (``self.log`` muted: a measurement is not a step)."""
+    net.log = net.log_dict = lambda *args, **kwargs: None
+    try:
+        output = net.training_step(data, 0)
+    finally:
+        del net.log, net.log_dict
+    return output["loss"] if isinstance(output, dict) else output
 
 
 _BUDGET_MANUAL = (

@@ -38,11 +38,11 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------ resume, schedulers
 def resumable_run(
     precision: str, steps: range, *, poison: set[int], load: Path | None = None, save: Path | None = None,
-    bind_before_load: bool = True,
+    bind_before_load: bool = True, on_fingerprint_mismatch: str = "raise",
 ) -> dict[str, Any]:
     """AdamW + StepLR (held on skips) + clipping on TinyMLP; fc2's gradient gets an inf on the ``poison`` steps
     (global step numbers). A resumed run starts from other weights: the checkpoint must bring everything back."""
-    plugin = StablePrecision(precision)
+    plugin = StablePrecision(precision, on_fingerprint_mismatch=on_fingerprint_mismatch)  # type: ignore[arg-type]
     fabric = fabric_of(plugin)
     torch.manual_seed(0 if load is None else 123)
     model = TinyMLP()
@@ -101,9 +101,12 @@ def test_save_and_load_resume_bit_exactly_with_an_overflow_after_the_resume(prec
 def test_loading_optimizer_state_before_the_masters_are_bound_warns_and_is_inexact(tmp_path: Path) -> None:
     whole = resumable_run("bf16-true", range(4), poison=set())
     resumable_run("bf16-true", range(2), poison=set(), save=tmp_path / "ckpt.pt")
+    # The checkpoint's numeric fingerprint sees the rounding at the first step and refuses it by default.
+    with pytest.warns(UserWarning, match="setup_optimizers"), pytest.raises(ValueError, match="through BF16"):
+        resumable_run("bf16-true", range(2, 4), poison=set(), load=tmp_path / "ckpt.pt", bind_before_load=False)
     with pytest.warns(UserWarning, match="setup_optimizers"):
         lazy = resumable_run("bf16-true", range(2, 4), poison=set(), load=tmp_path / "ckpt.pt",
-                             bind_before_load=False)
+                             bind_before_load=False, on_fingerprint_mismatch="warn")
     # Adam's second moments were rounded to BF16 on the way in: the masters drift off the uninterrupted run.
     assert not torch.equal(lazy["plugin"]["masters"]["fc1.weight"], whole["plugin"]["masters"]["fc1.weight"])
 

@@ -336,6 +336,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
                         "ladder": "the remedy ladder: faces and knobs set again by the callbacks at fit start; its"
                                   " decisions are history (each face's own remedies are in its state)",
                         "ladder_events": "the ladder's decisions (history, as the ladder)",
+                        "fingerprint": "the numeric fingerprint's keeper: its pinned batch is in the plugin state's"
+                                       " 'fingerprint' entry (on_save_checkpoint), the rest config or load events",
                         "findings": "the callbacks' latest results, measured anew after a resume (the probe step a"
                                     " fallback counted is PrecisionFallback's last_probe_step)",
                         "precision_schedule": "no schedule in this run (falsy runner, nothing to save); with one its"
@@ -465,6 +467,7 @@ def test_every_piece_of_stability_state_is_in_the_checkpoint(preempted_single) -
     plug, cbs, checkpoint = preempted_single
     assert checkpoint["global_step"] == 12
     assert plug.skipped_steps >= 3 and cbs[1].decisions and cbs[2].rollbacks == 1  # the state is not trivial
+    assert checkpoint["StablePrecision"]["fingerprint"]["checksums"]  # the numeric fingerprint rides along (#46)
     objects = stability_objects(plug, cbs)
     assert {type(o).__name__ for o in objects} == set(NOT_STATE)  # the walk reached every class it classifies
     missing = unexplained(objects)

@@ -1,0 +1,603 @@
+"""A checkpoint's numeric fingerprint: what the saved numbers were, so a load can tell that they still are.
+
+A checkpoint written by the plugin carries, in the plugin's state under :data:`KEY`:
+
+- ``checksums``: per tensor of the checkpoint (the model's weights, the optimizers' state, the plugin's own tensors:
+  FP32 masters, Kahan compensation, FP8 scaling state, ...), a wrap-around 64-bit integer sum of the tensor's bytes
+  read as 64-bit words (:func:`checksum`): bitwise, computed on the tensor's device, one host read for all of them;
+- ``manifest``: the precision the run trained in (:func:`manifest`): the base precision and weight mode, the FP8/FP4
+  recipe and its fields, per low-format layer its recipe, stochastic-rounding key and Hadamard signs, the FP32
+  islands, the fallbacks in force and the layers the probe's budget kept in high precision;
+- ``pinned``: a pinned micro-batch (the first training batch the run saw, its first :data:`PIN_ROWS` rows, on the
+  CPU), and its loss and gradient norm at the save (:func:`pinned_pass`), with ``deterministic`` (whether the pass
+  repeats bitwise on that device).
+
+:class:`Fingerprint` captures and checks them; a difference is named (:class:`FingerprintMismatch`): which tensor's
+checksum changed (with a diagnosis where one is cheap: zeroed, FP32 holding only BF16 values), which layer the
+checkpoint trained in another format ("checkpoint trained `blocks.3.mlp` in nvfp4, this run has it in bf16"), how far
+the pinned micro-batch's loss moved. :func:`previous_checkpoints` and :func:`previous_passing_checkpoint` find the
+newest earlier checkpoint that passes (``on_fingerprint_mismatch="previous"``, and the remedy ladder's "restored
+state" rung).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import numpy as np
+import torch
+from torch import nn
+
+KEY = "fingerprint"
+"""Where the fingerprint sits in the plugin's state."""
+VERSION = 1
+PIN_ROWS = 4
+"""Rows of the first training batch kept as the pinned micro-batch (dimension 0 of every tensor in it)."""
+PIN_MAX_BYTES = 1 << 20
+"""A pinned micro-batch larger than this (after the row cap) is not kept: the fingerprint then has no pinned loss."""
+PIN_SEED = 0x5EED
+"""The RNG seed of the pinned pass (dropout, if the module keeps any in eval mode): the same draw at save and load."""
+LOSS_RTOL = 1e-4
+GRAD_NORM_RTOL = 1e-3
+"""Relative tolerances of the pinned loss and gradient norm where the pass is not deterministic (CUDA without
+``torch.use_deterministic_algorithms``); on the CPU, or deterministic CUDA, they are compared bitwise."""
+
+OnMismatch = Literal["raise", "previous", "warn"]
+ON_MISMATCH: tuple[str, ...] = get_args(OnMismatch)
+
+
+class FingerprintMismatch(ValueError):
+    """A checkpoint's numbers are not what its fingerprint says; ``differences`` names each."""
+
+    def __init__(self, source: str, differences: list[str]) -> None:
+        self.source, self.differences = source, list(differences)
+        shown = "; ".join(differences[:8]) + (f"; and {len(differences) - 8} more" if len(differences) > 8 else "")
+        super().__init__(f"{source}: the checkpoint fails its numeric fingerprint: {shown}.")
+
+
+def check_on_mismatch(call: str, value: object) -> OnMismatch:
+    """``on_fingerprint_mismatch``, checked: one of :data:`ON_MISMATCH`."""
+    if not isinstance(value, str) or value not in ON_MISMATCH:
+        raise (ValueError if isinstance(value, str) else TypeError)(
+            f"{call}(on_fingerprint_mismatch={value!r:.80}): must be one of {list(ON_MISMATCH)}.")
+    return value  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------------- checksums
+def checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as 64-bit words, summed with wrap-around (an ``int64`` scalar on its device; bytes beyond
+    the last whole word are added one by one). Any flipped bit, any changed value changes it; a permutation of whole
+    words does not. Integer addition is exact, so it is the same on every device and run. On the CPU the sum is
+    numpy's (one thread, vectorised: torch's threaded reduction waits on its barriers when the cores are busy)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex() or flat.dtype == torch.bool:
+        flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat.to(torch.uint8)
+    raw = flat.contiguous().view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    if raw.device.type == "cpu":
+        data = raw.numpy()
+        total = int(data[:whole].view(np.int64).sum(dtype=np.int64)) + int(data[whole:].sum(dtype=np.int64))
+        return torch.tensor(total, dtype=torch.int64)
+    words = raw[:whole].view(torch.int64).sum() if whole else torch.zeros((), dtype=torch.int64, device=raw.device)
+    return words + raw[whole:].to(torch.int64).sum() if whole < raw.numel() else words
+
+
+def tensor_leaves(tree: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` for every plain tensor in nested dicts, lists and tuples (paths such as
+    ``state_dict['model.0.weight']``, ``optimizer_states[0]['state'][1]['exp_avg']``). Tensor subclasses (DTensor
+    shards, quantized optimizer states) are skipped: their bytes are not one rank's whole value."""
+    if isinstance(tree, torch.Tensor):
+        if type(tree) in (torch.Tensor, nn.Parameter) and tree.device.type != "meta":
+            yield path, tree
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from tensor_leaves(value, f"{path}[{key!r}]")
+    elif isinstance(tree, (list, tuple)):
+        for index, value in enumerate(tree):
+            yield from tensor_leaves(value, f"{path}[{index}]")
+
+
+def checksums(trees: Mapping[str, object]) -> dict[str, int]:
+    """Every tensor's :func:`checksum` in ``trees`` (``{root name: nested state}``), by path; one host read per
+    device."""
+    leaves = [(f"{root}{path}", t) for root, tree in trees.items() for path, t in tensor_leaves(tree)]
+    by_device: dict[torch.device, list[int]] = {}
+    for index, (_, t) in enumerate(leaves):
+        by_device.setdefault(t.device, []).append(index)
+    values: dict[int, int] = {}
+    for indices in by_device.values():
+        sums = torch.stack([checksum(leaves[i][1]) for i in indices]).tolist()  # the one host read of this device
+        values.update(zip(indices, sums))
+    return {leaves[i][0]: values[i] for i in range(len(leaves))}
+
+
+def _kind(path: str) -> str:
+    if path.startswith("state_dict") or path.startswith("model"):
+        return "weight"
+    if path.startswith("optimizer_states") or path.startswith("optimizer"):
+        return "optimizer state"
+    for key, kind in (("['masters']", "FP32 master"), ("['compensation']", "Kahan compensation"),
+                      ("['layout']['fp8']", "FP8 scaling state"), ("['recast']", "recast FP32 state")):
+        if key in path:
+            return kind
+    return "tensor"
+
+
+def _diagnose(path: str, tensor: torch.Tensor) -> str:
+    """A cheap guess at what happened to a tensor whose checksum changed (one host read; only on a mismatch)."""
+    if tensor.numel() and not bool(tensor.detach().reshape(-1).ne(0).any()):
+        return " (now all zeros)"
+    if tensor.dtype == torch.float32 and tensor.numel():
+        low = tensor.detach().reshape(-1).contiguous().view(torch.int32) & 0xFFFF
+        if not bool(low.ne(0).any()):
+            return " (FP32 values that hold only BF16 bits: round-tripped through BF16)"
+    return ""
+
+
+def compare_checksums(saved: Mapping[str, int], trees: Mapping[str, object]) -> list[str]:
+    """The differences between ``saved`` checksums and ``trees``' tensors, named: a changed tensor (and what it
+    looks like), a missing one, an unexpected one. Only paths under the roots of ``trees`` are compared."""
+    live = dict(tensor_leaves_by_path(trees))
+    now = checksums(trees)
+    roots = tuple(trees)
+    differences = []
+    for path, value in saved.items():
+        if not path.startswith(roots):
+            continue
+        if path not in now:
+            differences.append(f"{_kind(path)} `{path}` is missing from the loaded checkpoint")
+        elif now[path] != value:
+            differences.append(f"checksum of {_kind(path)} `{path}` differs (saved {value & (2**64 - 1):#018x},"
+                               f" loaded {now[path] & (2**64 - 1):#018x}){_diagnose(path, live[path])}")
+    differences += [f"{_kind(path)} `{path}` was not in the saved checkpoint" for path in now if path not in saved]
+    return differences
+
+
+def tensor_leaves_by_path(trees: Mapping[str, object]) -> Iterator[tuple[str, torch.Tensor]]:
+    for root, tree in trees.items():
+        for path, t in tensor_leaves(tree):
+            yield f"{root}{path}", t
+
+
+# ---------------------------------------------------------------------------------------------------- manifest
+def manifest(stepper: Any) -> dict[str, Any]:
+    """The precision ``stepper`` (a :class:`~lit_mpstable.core.step.stepper.PrecisionStepper`) trains in: plain values.
+
+    Keys: ``precision``, ``master_weights``, ``optimizer_state``, ``fp8`` (the FP8 config's fields, ``None``
+    without), ``layers`` (per layer the FP8 filter selected: ``recipe``, ``format``, ``sr_key``, ``hadamard``: the
+    stochastic-rounding seed and a checksum of the Hadamard signs where the recipe has them), ``high_precision``
+    (layers the probe's budget kept out), ``islands`` (the user's FP32 modules), ``fallbacks`` (in force)."""
+    from lit_mpstable.fp8.linear import FP8Linear
+
+    layout = stepper.layout
+    config = layout.fp8
+    fields = None if config is None else {
+        name: str(getattr(config, name)) for name in ("recipe", "format", "margin", "amax_history_len",
+                                                     "amax_compute_algo", "backend")}
+    module = layout.module
+    layers: dict[str, dict[str, Any]] = {}
+    for name in layout.fp8_selected:
+        layer = module.get_submodule(name) if module is not None else None
+        # A layer's own recipe where it has one (a per-layer map, a Recipe object: its name and all its fields).
+        recipe = layer.fp8_config.recipe if isinstance(layer, FP8Linear) else getattr(config, "recipe", None)
+        entry: dict[str, Any] = {"recipe": str(getattr(recipe, "name", recipe)), "recipe_fields": str(recipe),
+                                 "format": fields["format"] if fields else None}
+        if isinstance(layer, FP8Linear):
+            entry["sr_key"] = getattr(layer, "sr_seed", None)
+            signs = getattr(layer, "rht_signs", None)
+            entry["hadamard"] = int(checksum(signs)) if isinstance(signs, torch.Tensor) else None
+        layers[name] = entry
+    state = layout.state_dict()
+    return {
+        "version": VERSION,
+        "precision": stepper.precision,
+        "master_weights": stepper.master_mode,
+        "optimizer_state": str(getattr(stepper, "optimizer_state", "fp32")),
+        "fp8": fields,
+        "layers": layers,
+        "high_precision": list(stepper.fp8_high_precision_layers or []),
+        "islands": sorted(str(spec) for spec in getattr(layout, "_user_islands", ())),
+        "fallbacks": {key: state[key] for key in ("fp32", "fp8_off", "fp8_removed", "fp32_modules")},
+    }
+
+
+_BASE = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "16-true": "fp16", "32-true": "fp32"}
+
+
+def _layer_format(entry: Mapping[str, Any] | None, base: str) -> str:
+    if entry is None:
+        return base
+    return str(entry["recipe"]) if entry["recipe"] in ("mxfp4", "nvfp4", "mxfp8", "blockwise") else (
+        f"fp8 {entry['recipe']} ({entry['format']})")
+
+
+def compare_manifests(saved: Mapping[str, Any], live: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """``(differences, notes)`` between a checkpoint's manifest and this run's. Differences (the numbers would not
+    mean the same): a layer in another low format, or in a low format on one side only; another FP8 field, SR key or
+    Hadamard signs; other FP32 islands. Notes (carried on load, as before the fingerprint): another base precision,
+    weight mode or optimizer-state kind. The fallbacks are the checkpoint's (re-applied at load): not compared."""
+    differences, notes = [], []
+    base_saved, base_live = _BASE.get(saved["precision"], saved["precision"]), _BASE.get(live["precision"],
+                                                                                         live["precision"])
+    for key in ("precision", "master_weights", "optimizer_state"):
+        if saved.get(key) != live.get(key):
+            notes.append(f"checkpoint written with {key}={saved.get(key)!r}, this run has {live.get(key)!r}")
+    # The probe budget's choice is in the checkpoint and re-applied at load: a run that has not chosen yet takes it.
+    kept_saved = set(saved.get("high_precision", []))
+    kept_live = set(live.get("high_precision", [])) or kept_saved
+    saved_layers, live_layers = dict(saved["layers"]), dict(live["layers"])
+    for name in sorted(set(saved_layers) | set(live_layers)):
+        was = _layer_format(saved_layers.get(name) if name not in kept_saved else None, base_saved)
+        now = _layer_format(live_layers.get(name) if name not in kept_live else None, base_live)
+        if was != now and (name in saved_layers or name in live_layers) and not {was, now} <= set(_BASE.values()):
+            differences.append(f"checkpoint trained `{name}` in {was}, this run has it in {now}")
+        elif name in saved_layers and name in live_layers:
+            for key, what in (("recipe_fields", "recipe fields (scale rule, block shapes, rounding)"),
+                              ("sr_key", "stochastic-rounding keys"), ("hadamard", "Hadamard signs")):
+                if saved_layers[name].get(key) != live_layers[name].get(key):
+                    differences.append(f"`{name}`: the checkpoint was trained with other {what} than this run"
+                                       f" ({saved_layers[name].get(key)!r} vs {live_layers[name].get(key)!r})")
+    if saved["fp8"] and live["fp8"]:
+        for key in sorted(set(saved["fp8"]) - {"recipe"}):
+            if saved["fp8"][key] != live["fp8"].get(key):
+                differences.append(f"checkpoint trained with fp8 {key}={saved['fp8'][key]}, this run has"
+                                   f" {live['fp8'].get(key)}")
+    if saved["islands"] != live["islands"]:
+        differences.append(f"checkpoint trained with FP32 islands {saved['islands']}, this run has {live['islands']}")
+    return differences, notes
+
+
+# ------------------------------------------------------------------------------------------ the pinned micro-batch
+def pin_batch(batch: object, rows: int = PIN_ROWS) -> object | None:
+    """The first ``rows`` rows (dimension 0) of every tensor in ``batch`` (dicts, lists, tuples), detached CPU copies;
+    other leaves as they are. None when the result would exceed :data:`PIN_MAX_BYTES` or holds no tensor."""
+    size = 0
+
+    def cut(value: object) -> object:
+        nonlocal size
+        if isinstance(value, torch.Tensor):
+            part = value.detach()[:rows] if value.dim() else value.detach()
+            size += part.numel() * part.element_size()
+            return part.to("cpu", copy=True)
+        if isinstance(value, Mapping):
+            return {key: cut(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(cut(item) for item in value) if isinstance(value, list) or type(value) is tuple else [
+                cut(item) for item in value]
+        return value
+
+    pinned = cut(batch)
+    has_tensor = any(True for _ in tensor_leaves(pinned))
+    return pinned if has_tensor and size <= PIN_MAX_BYTES else None
+
+
+def to_device(batch: object, device: torch.device, dtype: torch.dtype | None = None) -> object:
+    """``batch``'s tensors on ``device``; floating ones cast to ``dtype`` where given."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, dtype=dtype if dtype is not None and batch.is_floating_point() else None)
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device, dtype) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device, dtype) for v in batch) if type(batch) in (list, tuple) else [
+            to_device(v, device, dtype) for v in batch]
+    return batch
+
+
+class PinnedPassWrote(RuntimeError):
+    """The pinned pass's loss function wrote to a parameter in place: its loss is not one a resume repeats."""
+
+
+def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: object, *,
+                forward_context: Callable[[], AbstractContextManager[Any]], dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
+    """The loss and gradient norm of ``batch``: ``tensor([loss, grad_norm])`` (float64, on the module's device).
+    ``batch`` is as the data loader gave it; ``dtype``: what a ``*-true`` run casts its floating inputs to now.
+
+    One forward and backward in the run's precision (``forward_context``), the module in eval mode, the RNG forked and
+    seeded (:data:`PIN_SEED`); gradients through ``torch.autograd.grad``, so ``.grad`` is untouched. Afterwards every
+    buffer (BatchNorm statistics, FP8 amax histories and stochastic-rounding counters) and every public Python
+    attribute of the modules holding a list, dict, set or number (a ``loss_fn`` that appends to a list or counts
+    calls) is restored in place, so the run goes on exactly as without the pass."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    versions = [p._version for p in params]  # an in-place write during the pass bumps it
+    device = params[0].device if params else torch.device("cpu")
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    attributes = [(sub, name, copy.copy(value)) for sub in module.modules() for name, value in vars(sub).items()
+                  if not name.startswith("_") and isinstance(value, (list, dict, set, int, float))]
+    training = module.training
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(PIN_SEED)
+        module.eval()
+        try:
+            with forward_context():
+                loss = loss_fn(module, to_device(batch, device, dtype))
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                raise RuntimeError("the pinned micro-batch's loss is not a differentiable tensor")
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        finally:
+            module.train(training)
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            for sub, name, value in attributes:
+                _restore(sub, name, value)
+    written = [n for (n, p), v in zip(named, versions, strict=True) if p._version != v]
+    if written:
+        raise PinnedPassWrote(f"the pinned micro-batch's pass wrote to {written[:5]} in place (the loss function"
+                              " changes weights as a side effect, e.g. a step-keyed write in training_step): a resume"
+                              " would not repeat its loss; move the write to a hook such as on_train_batch_start")
+    present = [g.detach() for g in grads if g is not None]
+    norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(present)])) if present else (
+        torch.zeros((), device=device))
+    return torch.stack([loss.detach().double().reshape(()), norm.double()])
+
+
+def _restore(owner: object, name: str, saved: object) -> None:
+    """Put ``saved`` back as ``owner.name``: containers in place (other references see it), numbers by assignment."""
+    live = getattr(owner, name, None)
+    if isinstance(live, list) and isinstance(saved, list):
+        live[:] = saved
+    elif isinstance(live, (dict, set)) and type(live) is type(saved):
+        live.clear()
+        live.update(saved)
+    else:
+        setattr(owner, name, saved)
+
+
+def deterministic(device: torch.device | str) -> bool:
+    """Whether :func:`pinned_pass` repeats bitwise on ``device``: the CPU, or CUDA with deterministic algorithms."""
+    return torch.device(device).type == "cpu" or torch.are_deterministic_algorithms_enabled()
+
+
+def compare_pinned(saved: Mapping[str, Any], measured: tuple[float, float], *, exact: bool) -> list[str]:
+    """The pinned loss and gradient norm at the load against the save's: bitwise with ``exact``, else within
+    :data:`LOSS_RTOL` / :data:`GRAD_NORM_RTOL`."""
+    differences = []
+    for key, value, rtol in (("loss", measured[0], LOSS_RTOL), ("grad_norm", measured[1], GRAD_NORM_RTOL)):
+        was = float(saved[key])
+        same = (was == value or (math.isnan(was) and math.isnan(value))) if exact else math.isclose(
+            was, value, rel_tol=rtol, abs_tol=1e-12)
+        if not same:
+            how = "bitwise" if exact else f"rtol={rtol:g}"
+            differences.append(f"the pinned micro-batch's {key.replace('_', ' ')} is {value!r} after the load,"
+                               f" {was!r} at the save (compared {how})")
+    return differences
+
+
+# ------------------------------------------------------------------------------------------------ the fingerprint
+class Fingerprint:
+    """The run's side of the fingerprint: the pinned micro-batch, the reaction to a mismatch, what the last load found.
+
+    A front end calls :meth:`pin` with the first training batch, :meth:`capture` when a checkpoint is written,
+    :meth:`check_checksums` / :meth:`check_manifest` / :meth:`check_pinned` when one is read, and :meth:`react` with
+    their differences. ``on_mismatch``: ``"raise"`` (:class:`FingerprintMismatch`), ``"warn"`` (a ``UserWarning``;
+    the load goes on), ``"previous"`` (the front end loads the newest earlier checkpoint that passes; the differences
+    are kept in :attr:`events`)."""
+
+    def __init__(self, on_mismatch: OnMismatch = "raise", *, owner: str = "StablePrecision") -> None:
+        self.on_mismatch = check_on_mismatch(owner, on_mismatch)
+        self.owner = owner
+        self.batch: object | None = None
+        self.events: list[dict[str, Any]] = []
+        """Each load checked: ``source``, ``differences``, ``notes``, ``action`` (``"passed"``, ``"raised"``,
+        ``"warned"``, ``"previous"``)."""
+        self.pending: dict[str, Any] | None = None
+        """A loaded fingerprint whose pinned pass is still owed (the front end runs it when the model is loaded)."""
+
+    def split(self, state: object, *, call: str) -> tuple[dict[str, Any] | None, Any]:
+        """``(fingerprint, the plugin state without it)`` of a plugin state dict; ``(None, state)`` without one.
+
+        Raises:
+            TypeError, ValueError: the fingerprint is not what :meth:`capture` writes (each part named).
+        """
+        if not isinstance(state, dict) or KEY not in state:
+            return None, state
+        fingerprint = state[KEY]
+        rest = {key: value for key, value in state.items() if key != KEY}
+        if not isinstance(fingerprint, dict) or set(fingerprint) != {"version", "checksums", "manifest", "pinned"}:
+            raise (ValueError if isinstance(fingerprint, dict) else TypeError)(
+                f"{call}(fingerprint={fingerprint!r:.80}): must be the dict a save writes, with keys ['checksums',"
+                " 'manifest', 'pinned', 'version']; the checkpoint is corrupted.")
+        sums, manifest_, pinned = fingerprint["checksums"], fingerprint["manifest"], fingerprint["pinned"]
+        if not isinstance(sums, dict) or not all(isinstance(k, str) and type(v) is int for k, v in sums.items()):
+            raise TypeError(f"{call}(fingerprint['checksums']={sums!r:.80}): must map tensor paths to int checksums.")
+        needed = {"precision", "master_weights", "layers", "fp8", "islands"}
+        if not isinstance(manifest_, dict) or not needed <= set(manifest_) or not isinstance(manifest_["layers"],
+                                                                                              dict):
+            raise (TypeError if not isinstance(manifest_, dict) else ValueError)(
+                f"{call}(fingerprint['manifest']={manifest_!r:.80}): must hold {sorted(needed)}.")
+        if not isinstance(pinned, dict) or (pinned and not (
+                {"batch", "loss", "grad_norm", "deterministic"} <= set(pinned)
+                and all(isinstance(pinned[k], float) for k in ("loss", "grad_norm"))
+                and isinstance(pinned["deterministic"], bool))):
+            raise (TypeError if not isinstance(pinned, dict) else ValueError)(
+                f"{call}(fingerprint['pinned']={pinned!r:.80}): must be {{}} or hold the pinned 'batch', its 'loss'"
+                " and 'grad_norm' (floats) and 'deterministic' (a bool).")
+        return fingerprint, rest
+
+    def pin(self, batch: object) -> None:
+        """Keep ``batch`` (capped: :func:`pin_batch`) as the pinned micro-batch, unless one is pinned already."""
+        if self.batch is None:
+            self.batch = pin_batch(batch)
+
+    def capture(self, trees: Mapping[str, object], stepper: Any, loss: Callable[[object], torch.Tensor] | None
+                ) -> dict[str, Any]:
+        """The fingerprint of a checkpoint: ``trees``' checksums, ``stepper``'s manifest and, with a pinned batch and
+        ``loss`` (``batch -> tensor([loss, grad_norm])``, e.g. :func:`pinned_pass`), the pinned entry."""
+        pinned: dict[str, Any] = {}
+        if self.batch is not None and loss is not None:
+            try:
+                values = loss(self.batch).tolist()
+            except PinnedPassWrote as error:  # the pass changed weights: checksums and manifest only
+                warnings.warn(f"{self.owner}: this checkpoint's fingerprint has no pinned loss: {error}.",
+                              UserWarning, stacklevel=2)
+            else:
+                pinned = {"batch": self.batch, "loss": values[0], "grad_norm": values[1],
+                          "deterministic": deterministic(stepper.device)}
+        return {"version": VERSION, "checksums": checksums(trees), "manifest": manifest(stepper), "pinned": pinned}
+
+    def adopt(self, fingerprint: Mapping[str, Any]) -> None:
+        """After a load: the checkpoint's pinned batch becomes the run's (later saves pin the same rows)."""
+        pinned = fingerprint.get("pinned") or {}
+        if pinned.get("batch") is not None:
+            self.batch = pinned["batch"]
+
+    def check(self, fingerprint: Mapping[str, Any], trees: Mapping[str, object], stepper: Any
+              ) -> tuple[list[str], list[str]]:
+        """``(differences, notes)``: ``trees``' checksums against the fingerprint's, its manifest against
+        ``stepper``'s."""
+        differences = compare_checksums(fingerprint["checksums"], trees)
+        more, notes = compare_manifests(fingerprint["manifest"], manifest(stepper))
+        return differences + more, notes
+
+    def check_pinned(self, fingerprint: Mapping[str, Any], loss: Callable[[object], torch.Tensor], stepper: Any
+                     ) -> list[str]:
+        """The pinned micro-batch recomputed (``loss``: as for :meth:`capture`) against the save's; ``[]`` without a
+        pinned entry, or when the checkpoint was written in another precision or weight mode (its loss differs by
+        design; said in the notes of :meth:`check`). One host read."""
+        pinned, saved = fingerprint.get("pinned") or {}, fingerprint["manifest"]
+        if not pinned or (saved["precision"], saved["master_weights"]) != (stepper.precision, stepper.master_mode):
+            return []
+        values = loss(pinned["batch"]).tolist()
+        exact = bool(pinned["deterministic"]) and deterministic(stepper.device)
+        return compare_pinned(pinned, (values[0], values[1]), exact=exact)
+
+    def react(self, source: str, differences: list[str], notes: list[str] = ()) -> bool:  # type: ignore[assignment]
+        """Record the check of ``source``; with differences raise (``"raise"``), warn (``"warn"``) or return True
+        (``"previous"``: the caller falls back). Returns False when the load goes on."""
+        action = "passed" if not differences else {"raise": "raised", "warn": "warned"}.get(self.on_mismatch,
+                                                                                             "previous")
+        self.events.append({"source": source, "differences": list(differences), "notes": list(notes),
+                            "action": action})
+        if not differences:
+            return False
+        if self.on_mismatch == "raise":
+            raise FingerprintMismatch(source, differences)
+        if self.on_mismatch == "warn":
+            warnings.warn(f"{FingerprintMismatch(source, differences)} Loaded anyway"
+                          " (on_fingerprint_mismatch='warn').", UserWarning, stacklevel=3)
+            return False
+        return True
+
+
+# ------------------------------------------------------------------------------------------ earlier checkpoints
+def _step_of(checkpoint: Mapping[str, Any]) -> int:
+    step = checkpoint.get("global_step", -1)
+    return int(step) if isinstance(step, int) else -1
+
+
+def previous_checkpoints(path: str | Path, *, pattern: str = "*.ckpt") -> list[Path]:
+    """The other checkpoints in ``path``'s directory written before it, newest first: files matching ``pattern``
+    whose modification time is earlier than ``path``'s (ties broken by name, descending)."""
+    path = Path(path)
+    own = path.stat().st_mtime_ns if path.exists() else None
+    others = [p for p in path.parent.glob(pattern) if p.resolve() != path.resolve() and p.is_file()]
+    earlier = [p for p in others if own is None or p.stat().st_mtime_ns <= own]
+    return sorted(earlier, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+
+
+def previous_passing_checkpoint(path: str | Path, check: Callable[[dict[str, Any]], list[str]], *,
+                                pattern: str = "*.ckpt") -> tuple[Path, dict[str, Any], dict[str, list[str]]] | None:
+    """The newest checkpoint written before ``path`` (:func:`previous_checkpoints`) for which ``check(checkpoint)``
+    (the loaded dict) finds no difference: ``(its path, the loaded dict, {rejected path: its differences})``, or None
+    when none passes. The entry point of the remedy ladder's "restored state" rung (fall back to the previous good
+    checkpoint); loads with ``torch.load(map_location="cpu", weights_only=True)``, one file at a time."""
+    rejected: dict[str, list[str]] = {}
+    for candidate in previous_checkpoints(path, pattern=pattern):
+        try:
+            loaded = torch.load(candidate, map_location="cpu", weights_only=True)
+        except Exception as error:  # unreadable: not a candidate  # noqa: BLE001
+            rejected[str(candidate)] = [f"unreadable ({type(error).__name__}: {str(error)[:120]})"]
+            continue
+        differences = check(loaded)
+        if not differences:
+            return candidate, loaded, rejected
+        rejected[str(candidate)] = differences
+    return None
+
+
+# ------------------------------------------------------------------------------------- a Lightning checkpoint dict
+def checkpoint_trees(checkpoint: Mapping[str, Any], plugin_key: str) -> dict[str, object]:
+    """What a Trainer checkpoint's checksums cover: the model's ``state_dict``, the ``optimizer_states`` (as written:
+    torchao states flat) and the plugin's state under ``plugin_key`` (without the fingerprint)."""
+    plugin = {key: value for key, value in dict(checkpoint.get(plugin_key) or {}).items() if key != KEY}
+    return {"state_dict": checkpoint.get("state_dict", {}), "optimizer_states": checkpoint.get("optimizer_states", []),
+            "plugin": plugin}
+
+
+class CheckpointCheck:
+    """Checks a Trainer checkpoint dict at load (``on_load_checkpoint``: before anything of it is restored but the
+    model's weights) and, with ``on_mismatch="previous"``, swaps the dict's contents for the newest earlier checkpoint
+    of its directory that passes, reloading what was restored from it already (``reload``)."""
+
+    def __init__(self, fingerprint: Fingerprint, plugin_key: str, stepper: Any,
+                 reload: Callable[[dict[str, Any]], None]) -> None:
+        self.fingerprint, self.plugin_key, self.stepper, self.reload = fingerprint, plugin_key, stepper, reload
+
+    def differences(self, checkpoint: Mapping[str, Any], *, required: bool = True) -> list[str]:
+        try:
+            saved, _ = self.fingerprint.split(checkpoint.get(self.plugin_key), call=self.plugin_key)
+        except (TypeError, ValueError) as error:
+            return [str(error)]
+        if saved is None:
+            return ["it holds no fingerprint"] if required else []
+        differences, _ = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key), self.stepper)
+        return differences
+
+    def verify_(self, checkpoint: dict[str, Any], path: str | Path | None) -> None:
+        """Check ``checkpoint`` (read from ``path``); a checkpoint without a fingerprint passes unchecked."""
+        saved, _ = self.fingerprint.split(checkpoint.get(self.plugin_key), call=f"{self.plugin_key}.load_state_dict")
+        if saved is None:
+            return
+        differences, notes = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key),
+                                                    self.stepper)
+        if self.fingerprint.react(str(path), differences, notes):
+            self.fall_back_(checkpoint, path, differences)
+        self._loaded(checkpoint, path)
+
+    def fall_back_(self, checkpoint: dict[str, Any], path: str | Path | None, why: list[str]) -> None:
+        """Replace ``checkpoint``'s contents by the newest earlier passing checkpoint's and ``reload`` it.
+
+        Raises:
+            FingerprintMismatch: ``path`` is unknown, or no earlier checkpoint passes (each one's reason named).
+        """
+        found = previous_passing_checkpoint(path, self.differences) if path is not None else None
+        if found is None:
+            tried = previous_checkpoints(path) if path is not None else []
+            raise FingerprintMismatch(str(path), [*why, f"on_fingerprint_mismatch='previous' found no earlier"
+                                                         f" checkpoint that passes among {len(tried)} in"
+                                                         f" {Path(path).parent if path else 'an unknown directory'}"])
+        previous, loaded, rejected = found
+        checkpoint.clear()
+        checkpoint.update(loaded)
+        self.reload(checkpoint)
+        skipped = "".join(f"; {p} failed too ({d[0]})" for p, d in rejected.items())
+        warnings.warn(f"{self.fingerprint.owner}: {path} fails its numeric fingerprint ({'; '.join(why[:3])});"
+                      f" resumed from {previous} (global_step={_step_of(loaded)}) instead{skipped}"
+                      " (on_fingerprint_mismatch='previous').", UserWarning, stacklevel=3)
+        self.fingerprint.events[-1]["fallback"] = str(previous)
+        self._loaded(checkpoint, previous)
+
+    def _loaded(self, checkpoint: dict[str, Any], path: str | Path | None) -> None:
+        saved = checkpoint[self.plugin_key][KEY]
+        self.fingerprint.adopt(saved)
+        self.fingerprint.pending = {"fingerprint": saved, "path": path, "checkpoint": checkpoint}
+
+    def verify_pinned_(self, loss: Callable[[object], torch.Tensor], load_plugin: Callable[[dict[str, Any]], None]
+                       ) -> None:
+        """Once the model and the plugin's state are loaded: the pinned micro-batch recomputed; with "previous" a
+        mismatch falls back (and ``load_plugin`` loads the new checkpoint's plugin state, which checks again)."""
+        pending, self.fingerprint.pending = self.fingerprint.pending, None
+        if pending is None:
+            return
+        differences = self.fingerprint.check_pinned(pending["fingerprint"], loss, self.stepper)
+        if self.fingerprint.react(f"{pending['path']} (pinned micro-batch)", differences):
+            self.fall_back_(pending["checkpoint"], pending["path"], differences)
+            load_plugin(pending["checkpoint"][self.plugin_key])

@@ -1,0 +1,420 @@
+"""The numeric fingerprint every checkpoint carries (docs/fingerprints.md): per-tensor checksums, the precision
+manifest, the pinned micro-batch's loss; checked at load, ``on_fingerprint_mismatch`` deciding what a mismatch does."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_module, make_trainer
+from torch import nn
+
+from lit_mpstable.core.fingerprint import (
+    KEY,
+    PIN_ROWS,
+    FingerprintMismatch,
+    checksum,
+    compare_checksums,
+    pin_batch,
+    previous_checkpoints,
+)
+
+
+def _flip(tensor: torch.Tensor, index: int = 0, bit: int = 0) -> None:
+    """Flip one bit of ``tensor``'s ``index``-th 32-bit word, in place."""
+    words = tensor.view(-1).view(torch.int32) if tensor.element_size() == 4 else tensor.view(-1).view(torch.int16)
+    words[index] ^= 1 << bit
+
+
+def test_checksum_is_bitwise_and_exact() -> None:
+    x = torch.randn(7, 5)  # 140 bytes: 17 whole words and a 4-byte tail
+    saved = checksum(x)
+    assert checksum(x.clone()) == saved and checksum(x.t().contiguous().t()) == saved  # the values, not the layout
+    for index, bit in ((0, 0), (34, 0), (12, 30)):  # first word, the tail, a high bit
+        y = x.clone()
+        _flip(y, index, bit)
+        assert checksum(y) != saved, (index, bit)
+    y = x.clone()
+    y[2] *= 2  # a row scaled
+    assert checksum(y) != saved
+    assert checksum(x.bfloat16()) != checksum(x.bfloat16().float())
+    assert checksum(torch.zeros(0)) == 0 and int(checksum(torch.tensor([True, False]))) == 1
+
+
+def test_checksum_comparison_names_the_tensor_and_what_it_looks_like() -> None:
+    masters = {"w": torch.randn(8, 8), "b": torch.randn(8)}
+    saved = {f"plugin['masters'][{k!r}]": int(checksum(v)) for k, v in masters.items()}
+    assert compare_checksums(saved, {"plugin": {"masters": masters}}) == []
+    rounded = {"w": masters["w"].bfloat16().float(), "b": torch.zeros(8)}
+    found = compare_checksums(saved, {"plugin": {"masters": rounded}})
+    assert len(found) == 2
+    assert "FP32 master `plugin['masters']['w']`" in found[0] and "round-tripped through BF16" in found[0]
+    assert "now all zeros" in found[1]
+    assert "missing" in compare_checksums(saved, {"plugin": {"masters": {"w": masters["w"]}}})[0]
+
+
+def test_pinned_batch_is_capped_and_on_the_cpu() -> None:
+    pinned = pin_batch((torch.randn(64, 16), {"y": torch.arange(64)}, "tag"))
+    assert isinstance(pinned, tuple) and pinned[0].shape == (PIN_ROWS, 16) and pinned[1]["y"].tolist() == [0, 1, 2, 3]
+    assert pinned[2] == "tag" and pinned[0].device.type == "cpu"
+    assert pin_batch(torch.randn(4, 1 << 20)) is None  # over the byte cap: no pinned loss rather than a huge one
+    assert pin_batch(["no tensors"]) is None
+
+
+def test_on_fingerprint_mismatch_is_checked() -> None:
+    from trainer_pkg import StablePrecision
+
+    with pytest.raises(ValueError, match=r"on_fingerprint_mismatch='never'\): must be one of \['raise', 'previous', "):
+        StablePrecision(on_fingerprint_mismatch="never")
+    with pytest.raises(TypeError, match="on_fingerprint_mismatch=None"):
+        StablePrecision(on_fingerprint_mismatch=None)  # type: ignore[arg-type]
+    assert "on_fingerprint_mismatch='warn'" in repr(StablePrecision(on_fingerprint_mismatch="warn"))
+
+
+# ------------------------------------------------------------------------------------------------- the Trainer
+def _fit(plugin: Any, steps: int, directory: Path | None = None, ckpt_path: Path | None = None, **module: Any):
+    """A TinyModule fit on the CPU; with ``directory`` a ModelCheckpoint writes every step there."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    model = make_module(optimizer="adamw", lr=1e-2, **module)
+    callbacks = [ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1)] if directory else []
+    trainer = make_trainer(plugin, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(directory))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(resuming from a checkpoint|ckpt_path|dataloader).*")
+        trainer.fit(model, ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def _checkpoints(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.ckpt"), key=lambda p: int(p.stem.rpartition("=")[2]))
+
+
+def _corrupt(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    checkpoint = torch.load(path, weights_only=True)
+    change(checkpoint)
+    torch.save(checkpoint, path)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Three checkpoints (steps 1-3) of a bf16-true run with FP32 masters and AdamW, its losses, and the losses of the
+    same run without checkpoints."""
+    from trainer_pkg import StablePrecision
+
+    directory = tmp_path_factory.mktemp("fingerprint")
+    model, _ = _fit(StablePrecision("bf16-true"), 3, directory)
+    reference, _ = _fit(StablePrecision("bf16-true"), 3)
+    return directory, model.losses, reference.losses
+
+
+def _copy(written, tmp_path: Path) -> list[Path]:
+    paths = []
+    for path in _checkpoints(written[0]):
+        paths.append(tmp_path / path.name)
+        paths[-1].write_bytes(path.read_bytes())
+    return paths
+
+
+def test_every_checkpoint_carries_the_fingerprint_and_saving_changes_nothing(written) -> None:
+    directory, losses, reference = written
+    assert losses == reference  # the pinned pass at each save left the run exactly as without it
+    fingerprint = torch.load(_checkpoints(directory)[-1], weights_only=True)["StablePrecision"][KEY]
+    assert {"checksums", "manifest", "pinned", "version"} <= set(fingerprint)
+    kinds = {path.split("[")[0] for path in fingerprint["checksums"]}
+    assert kinds == {"state_dict", "optimizer_states", "plugin"}
+    assert any("['masters']" in path for path in fingerprint["checksums"])
+    assert fingerprint["manifest"]["precision"] == "bf16-true" and fingerprint["manifest"]["master_weights"] == "fp32"
+    pinned = fingerprint["pinned"]
+    assert pinned["batch"][0].shape[0] == PIN_ROWS and pinned["deterministic"] and pinned["grad_norm"] > 0
+
+
+def test_a_clean_resume_passes_bitwise_and_stays_exact(written, tmp_path) -> None:
+    from trainer_pkg import StablePrecision
+
+    path = _copy(written, tmp_path)[-1]
+    plugin = StablePrecision("bf16-true")
+    model, _ = _fit(plugin, 5, ckpt_path=path)
+    assert [event["action"] for event in plugin.fingerprint.events] == ["passed", "passed"]  # checksums, pinned pass
+    _corrupt(path, lambda c: c["StablePrecision"].pop(KEY))  # the same checkpoint without its fingerprint
+    unchecked, _ = _fit(StablePrecision("bf16-true"), 5, ckpt_path=path)
+    assert len(model.losses) == 2 and model.losses == unchecked.losses  # the check changed nothing of the run
+    saved = torch.load(_checkpoints(written[0])[-1], weights_only=True)["StablePrecision"][KEY]["pinned"]["batch"]
+    assert all(torch.equal(a, b) for a, b in zip(plugin.fingerprint.batch, saved))  # carried to the next saves
+
+
+def _scale_row(c: dict[str, Any]) -> None:
+    c["state_dict"]["model.fc2.weight"][3] *= 2
+
+
+def _masters_through_bf16(c: dict[str, Any]) -> None:
+    masters = c["StablePrecision"]["masters"]
+    name = next(k for k, v in masters.items() if isinstance(v, torch.Tensor) and v.dim() == 2)
+    masters[name] = masters[name].bfloat16().float()
+
+
+def _flip_optimizer_bit(c: dict[str, Any]) -> None:
+    _flip(c["optimizer_states"][0]["state"][0]["exp_avg_sq"], 5, 3)
+
+
+def _pinned_loss_moved(c: dict[str, Any]) -> None:
+    c["StablePrecision"][KEY]["pinned"]["loss"] += 1e-6
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (_scale_row, r"checksum of weight `state_dict\['model.fc2.weight'\]` differs"),
+    (_masters_through_bf16, r"FP32 master `plugin\['masters'\]\[.*round-tripped through BF16"),
+    (_flip_optimizer_bit, r"optimizer state `optimizer_states\[0\]\['state'\]\[0\]\['exp_avg_sq'\]`"),
+    (_pinned_loss_moved, r"pinned micro-batch's loss is .* after the load, .* at the save \(compared bitwise\)"),
+], ids=["weight-row-scaled", "masters-through-bf16", "optimizer-bit-flip", "pinned-loss"])
+def test_a_corrupted_checkpoint_is_refused_naming_the_difference(written, tmp_path, change, named) -> None:
+    from trainer_pkg import StablePrecision
+
+    path = _copy(written, tmp_path)[-1]
+    _corrupt(path, change)
+    with pytest.raises(FingerprintMismatch, match=named):
+        _fit(StablePrecision("bf16-true"), 4, ckpt_path=path)
+
+
+def test_warn_loads_the_checkpoint_and_says_what_differs(written, tmp_path) -> None:
+    from trainer_pkg import StablePrecision
+
+    path = _copy(written, tmp_path)[-1]
+    _corrupt(path, _scale_row)
+    plugin = StablePrecision("bf16-true", on_fingerprint_mismatch="warn")
+    with pytest.warns(UserWarning, match=r"fails its numeric fingerprint: checksum of weight .* Loaded anyway"):
+        _, trainer = _fit(plugin, 4, ckpt_path=path)
+    assert trainer.global_step == 4 and plugin.fingerprint.events[0]["action"] == "warned"
+
+
+@pytest.mark.parametrize("change", [_flip_optimizer_bit, _pinned_loss_moved], ids=["checksum", "pinned-loss"])
+def test_previous_resumes_from_the_newest_earlier_checkpoint_that_passes(written, tmp_path, change) -> None:
+    from trainer_pkg import StablePrecision
+
+    paths = _copy(written, tmp_path)
+    reference, _ = _fit(StablePrecision("bf16-true"), 4, ckpt_path=paths[0])  # resumed from step 1 directly
+    _corrupt(paths[-1], change)
+    _corrupt(paths[-2], _scale_row)  # the one before fails too: the step-1 checkpoint is the newest that passes
+    for step, path in enumerate(paths):  # "earlier" is by modification time: the order they were written in
+        os.utime(path, ns=(1_000_000_000 * (step + 1), 1_000_000_000 * (step + 1)))
+    assert previous_checkpoints(paths[-1]) == [paths[-2], paths[0]]
+    plugin = StablePrecision("bf16-true", on_fingerprint_mismatch="previous")
+    with pytest.warns(UserWarning, match=r"step=3.ckpt fails its numeric fingerprint .* resumed from .*step=1.ckpt"
+                                         r" \(global_step=1\).*step=2.ckpt failed too"):
+        model, trainer = _fit(plugin, 4, ckpt_path=paths[-1])
+    assert trainer.global_step == 4 and model.losses == reference.losses  # steps 2-4 again, exactly
+    assert plugin.fingerprint.events[-1]["action"] == "passed"
+
+
+def test_previous_without_a_passing_checkpoint_raises(written, tmp_path) -> None:
+    from trainer_pkg import StablePrecision
+
+    path = tmp_path / "only.ckpt"  # alone in its directory: nothing earlier
+    path.write_bytes(_checkpoints(written[0])[0].read_bytes())
+    _corrupt(path, _scale_row)
+    with pytest.raises(FingerprintMismatch, match="found no earlier checkpoint that passes among 0"):
+        _fit(StablePrecision("bf16-true", on_fingerprint_mismatch="previous"), 4, ckpt_path=path)
+
+
+class _Stateful(nn.Module):
+    """A forward that changes a buffer (as an FP8 amax history does), a public list and a counter, and draws dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(()))
+        self.calls: list[int] = []
+        self.count = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        self.calls.append(len(self.calls))
+        self.count += 1
+        return nn.functional.dropout(self.fc(x), 0.5, training=True)
+
+
+def test_the_pinned_pass_leaves_the_run_as_it_was() -> None:
+    from contextlib import nullcontext
+
+    from lit_mpstable.core.fingerprint import pinned_pass
+
+    torch.manual_seed(0)
+    module, batch = _Stateful(), torch.randn(3, 4)
+    module.calls.append(7)
+    rng, calls = torch.get_rng_state(), module.calls
+
+    def loss_fn(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return net(x).pow(2).sum()
+
+    first = pinned_pass(module, loss_fn, batch, forward_context=nullcontext)
+    assert int(module.seen) == 0 and module.calls is calls and calls == [7] and module.count == 0
+    assert module.training and module.fc.weight.grad is None and torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(pinned_pass(module, loss_fn, batch, forward_context=nullcontext), first)  # seeded: bitwise
+    grad = torch.autograd.grad(loss_fn(module, batch), list(module.parameters()))  # what the norm is of (own seed)
+    assert first[1] > 0 and len(grad) == 2
+
+
+def test_a_pinned_pass_that_writes_to_a_weight_says_so() -> None:
+    """A training_step with a side effect on the weights (a step-keyed fault, a projection done in place): the pass
+    names the parameter instead of recording a loss that a resume would not repeat (the write itself stays: copying
+    every weight at each save to undo it costs a model's worth of memory)."""
+    from contextlib import nullcontext
+
+    from lit_mpstable.core.fingerprint import pinned_pass
+
+    module, batch = nn.Linear(4, 4), torch.randn(3, 4)
+    before = module.weight.detach().clone()
+
+    def loss_fn(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            net.weight.view(-1)[0] = float("nan")
+        return net(x).pow(2).sum()
+
+    with pytest.raises(RuntimeError, match=r"wrote to \['weight'\] in place"):
+        pinned_pass(module, loss_fn, batch, forward_context=nullcontext)
+    assert module.weight.isnan().sum() == 1 and torch.equal(module.weight.view(-1)[1:], before.view(-1)[1:])
+
+
+# -------------------------------------------------------------------------------------- plugin state and recipes
+def test_kahan_compensation_dropped_is_refused(tmp_path) -> None:
+    from trainer_pkg import StablePrecision
+
+    _fit(StablePrecision("bf16-true", master_weights="kahan"), 2, tmp_path)
+    path = _checkpoints(tmp_path)[-1]
+
+    def drop(c: dict[str, Any]) -> None:
+        for tensor in c["StablePrecision"]["compact"]["compensation"].values():
+            tensor.zero_()
+
+    _corrupt(path, drop)
+    with pytest.raises(FingerprintMismatch, match=r"Kahan compensation `plugin\['compact'\]\['compensation'\].*zeros"):
+        _fit(StablePrecision("bf16-true", master_weights="kahan"), 3, ckpt_path=path)
+
+
+def test_fp8_scale_history_zeroed_is_refused(tmp_path) -> None:
+    from trainer_pkg import StablePrecision
+
+    _fit(StablePrecision("bf16-mixed", fp8="delayed"), 2, tmp_path)
+    path = _checkpoints(tmp_path)[-1]
+    _corrupt(path, lambda c: c["StablePrecision"]["layout"]["fp8"]["model.fc2.amax_history"].zero_())
+    with pytest.raises(FingerprintMismatch, match=r"FP8 scaling state `plugin\['layout'\]\['fp8'\]\['model.fc2.amax"):
+        _fit(StablePrecision("bf16-mixed", fp8="delayed"), 3, ckpt_path=path)
+
+
+@pytest.mark.parametrize(("saved", "resumed", "named"), [
+    ("current", "mxfp8", "checkpoint trained `model.fc2` in fp8 current (hybrid), this run has it in mxfp8"),
+    ("current", None, "checkpoint trained `model.fc2` in fp8 current (hybrid), this run has it in bf16"),
+])
+def test_a_checkpoint_under_another_recipe_is_named(tmp_path, saved, resumed, named) -> None:
+    from trainer_pkg import StablePrecision
+
+    _fit(StablePrecision("bf16-mixed", fp8=saved), 2, tmp_path)
+    with pytest.raises(FingerprintMismatch, match=named.replace("(", r"\(").replace(")", r"\)")):
+        _fit(StablePrecision("bf16-mixed", fp8=resumed), 3, ckpt_path=_checkpoints(tmp_path)[-1])
+
+
+def test_another_base_precision_still_resumes_with_a_note(tmp_path) -> None:
+    from trainer_pkg import StablePrecision
+
+    _fit(StablePrecision("bf16-mixed"), 2, tmp_path)
+    plugin = StablePrecision("32-true")
+    _, trainer = _fit(plugin, 3, ckpt_path=_checkpoints(tmp_path)[-1])
+    assert trainer.global_step == 3
+    assert plugin.fingerprint.events[0]["action"] == "passed"
+    assert "precision='bf16-mixed', this run has '32-true'" in plugin.fingerprint.events[0]["notes"][0]
+
+
+# ---------------------------------------------------------------------------------------------------- Fabric
+def _fabric_run(path: Path, *, load: bool, change: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    from lightning.fabric import Fabric
+
+    from lit_mpstable.fabric import StablePrecision
+
+    torch.manual_seed(0)
+    plugin = StablePrecision("bf16-true")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    plugin.setup_optimizers(optimizer)
+    state = {"model": model, "optimizer": optimizer, "precision": plugin}
+    if load:
+        if change is not None:
+            _corrupt(path, change)
+        fabric.load(path, state)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        fabric.backward(model(x).float().pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    if not load:
+        fabric.save(path, state)
+    return plugin
+
+
+def test_the_fingerprint_rides_in_the_fabric_save(tmp_path) -> None:
+    path = tmp_path / "fabric.ckpt"
+    _fabric_run(path, load=False)
+    fingerprint = torch.load(path, weights_only=True)["precision"][KEY]
+    assert {p.split("[")[0] for p in fingerprint["checksums"]} == {"model", "optimizer", "plugin"}
+    assert fingerprint["pinned"] == {}  # Fabric gives the plugin no loss to pin
+    assert [e["action"] for e in _fabric_run(path, load=True).fingerprint.events] == ["passed", "passed"]
+    with pytest.raises(FingerprintMismatch, match=r"optimizer state `optimizer\[0\]\['state'\]\[1\]\['exp_avg'\]`"):
+        _fabric_run(path, load=True, change=lambda c: _flip(c["optimizer"]["state"][1]["exp_avg"], 2, 7))
+
+
+def test_nvfp4_manifest_holds_sr_keys_and_hadamard_signs_and_resumes_bitwise(tmp_path) -> None:
+    from trainer_pkg import StablePrecision
+
+    _fit(StablePrecision("bf16-mixed", fp8="nvfp4"), 2, tmp_path)
+    path = _checkpoints(tmp_path)[-1]
+    layers = torch.load(path, weights_only=True)["StablePrecision"][KEY]["manifest"]["layers"]
+    assert list(layers) == ["model.fc2"] and layers["model.fc2"]["recipe"] == "nvfp4"
+    assert isinstance(layers["model.fc2"]["sr_key"], int) and isinstance(layers["model.fc2"]["hadamard"], int)
+    plugin = StablePrecision("bf16-mixed", fp8="nvfp4")
+    _fit(plugin, 3, ckpt_path=path)
+    assert [event["action"] for event in plugin.fingerprint.events] == ["passed", "passed"]  # SR included, bitwise
+    _corrupt(path, lambda c: c["StablePrecision"][KEY]["manifest"]["layers"]["model.fc2"].update(sr_key=1))
+    with pytest.raises(FingerprintMismatch, match="`model.fc2`: the checkpoint was trained with other stochastic-r"):
+        _fit(StablePrecision("bf16-mixed", fp8="nvfp4"), 3, ckpt_path=path)
+
+
+# --------------------------------------------------------------------------------------------------------- DDP
+@pytest.mark.slow
+def test_ddp_ranks_fall_back_to_the_same_checkpoint(tmp_path) -> None:
+    import json
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+    from trainer_pkg import StablePrecision, pl
+
+    class Events(pl.Callback):
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            events = trainer.precision_plugin.fingerprint.events
+            (tmp_path / f"rank{trainer.global_rank}.json").write_text(json.dumps(events))
+
+    def fit(steps: int, ckpt: Path | None = None) -> None:
+        torch.manual_seed(0)
+        callbacks = [Events()] if ckpt else [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)]
+        trainer = make_trainer(StablePrecision("bf16-true", on_fingerprint_mismatch="previous"), max_steps=steps,
+                               devices=2, strategy=DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)),
+                               callbacks=callbacks, enable_checkpointing=not ckpt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(make_module(optimizer="adamw", lr=1e-2), ckpt_path=ckpt)
+
+    fit(2)
+    paths = _checkpoints(tmp_path)
+    _corrupt(paths[-1], _flip_optimizer_bit)
+    for step, path in enumerate(paths):
+        os.utime(path, ns=(1_000_000_000 * (step + 1),) * 2)
+    fit(3, ckpt=paths[-1])
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1]  # the same checks, differences and fallback on both ranks
+    assert [e["action"] for e in ranks[0]] == ["previous", "passed"]  # the fallback, then its pinned pass
+    assert ranks[0][0]["fallback"].endswith("step=1.ckpt") and "exp_avg_sq" in ranks[0][0]["differences"][0]
