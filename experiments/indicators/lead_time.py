@@ -10,7 +10,7 @@ gradient clipping), a linear warmup of ``--warmup`` steps then a constant LR. Tw
 are measured exactly as :class:`OverflowMonitor` does (``Indicators.snapshot_`` before the step, ``measure`` after,
 ``judge`` on the read values) and each warning's step is kept.
 
-The **loss spike** is the first step ``s >= 2 * warmup`` whose training loss exceeds ``--spike-factor`` (1.3) times
+The **loss spike** is the first step ``s > 30`` whose training loss exceeds ``--spike-factor`` (1.3) times
 the median loss of the 20 steps before it, or is not finite. The **lead** of a seed is the spike step minus the step
 of the first update-ratio or Adam-lag warning at or before it (none: no lead). The target: lead >= 20 steps in >= 4/5
 spiking seeds, and 0 warnings on the clean seeds (whose loss, by construction, may still be noisy).
@@ -43,7 +43,7 @@ OUT = Path(__file__).resolve().parents[1] / "results" / "indicators"
 
 def loss_spike(losses: list[float], warmup: int, factor: float) -> int | None:
     """The first spike step (1-based), as the module docstring defines it."""
-    for s in range(max(2 * warmup, 21), len(losses) + 1):
+    for s in range(31, len(losses) + 1):
         loss = losses[s - 1]
         if not math.isfinite(loss) or loss > factor * statistics.median(losses[s - 21:s - 1]):
             return s
@@ -93,10 +93,10 @@ def run(lr: float, seed: int, args: argparse.Namespace, data: CharLMData) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--spike-lr", type=float, default=0.05)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--spike-lr", type=float, default=0.4)
     parser.add_argument("--clean-lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--beta2", type=float, default=0.95)
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--ratio-factor", type=float, default=2.0)

@@ -110,12 +110,14 @@ STATE_FIELDS: dict[str, dict[str, Field]] = {
     "ScaleCheckpoint": {"rollbacks": count, "skips": count, "events": records, "losses": finite_list(),
                         "skipped_at": count_list},
     "OverflowMonitor": {"counts": _rows, "position": count, "above": flag, "blamed": text_list,
-                        "indicators": lambda c, n, v: check_mapping(c, v, {"ratios", "above", "spike_score"}, name=n),
+                        "indicators": lambda c, n, v: check_mapping(
+                            c, v, {"ratios", "judged", "above", "spike_score"}, name=n),
                         "attention_warned": text_list},
     "PrecisionProbe": {"history": records, "pending": flag},
     "PrecisionFallback": {"overflow_run": count, "nonfinite_run": count, "previous_nonfinite": optional(flag),
                           "recent": _pairs, "cooldown_end": _step_or_unset, "decisions": records,
                           "blamed": text_list, "grad_error_runs": _runs, "last_probe_step": _step_or_unset},
+    "QKClip": {"heads_clipped": count},
     "AMPPreflight": {"result": lambda c, n, v: check_mapping(c, v, name=n)},
 }
 """Each callback's loaded fields and their checks (one table, so every callback loads by the same rules)."""

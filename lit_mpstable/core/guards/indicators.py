@@ -22,7 +22,8 @@ Four statistics (DESIGN "Fingerprints and leading indicators"):
 
 :class:`Indicators` also holds the warning rule (host side, on the values read at a logging step): it warns when the
 update ratio passes ``ratio_factor`` times the median of its previous ``baseline`` logged values, or when the Adam
-lag fraction passes ``lag_limit``, once per crossing, naming the layer.
+lag fraction passes ``lag_limit`` (after ``baseline`` logging steps: Adam's first steps lag by construction), once per
+crossing, naming the layer.
 """
 
 from __future__ import annotations
@@ -323,6 +324,8 @@ class Indicators:
         self.spike_score = SpikeScore(spike_window, spike_rolling_window, spike_threshold_std)
         self.ratios: list[float] = []
         """The last ``baseline`` logged ``update_ratio_max`` values (the warning's baseline)."""
+        self.judged = 0
+        """Logging steps judged so far (the Adam-lag rule waits for ``baseline`` of them: Adam's first steps lag)."""
         self.above = {"update_ratio": False, "adam_lag": False}
         """Whether each indicator was above its limit at the last logging step (a warning fires on each crossing)."""
         self._before: list[torch.Tensor] | None = None
@@ -376,6 +379,7 @@ class Indicators:
               step: int) -> list[str]:
         """Warnings for one logging step's host values (the same values on every rank give the same warnings)."""
         warnings = []
+        self.judged += 1
         if ratios:
             worst = max(range(len(ratios)), key=lambda i: ratios[i])
             ratio = ratios[worst]
@@ -389,7 +393,7 @@ class Indicators:
             if not above and math.isfinite(ratio):  # a warned-about value does not become the new normal
                 self.ratios = (self.ratios + [ratio])[-self.baseline:]
         if lags:
-            above = lag_total > self.lag_limit
+            above = lag_total > self.lag_limit and self.judged > self.baseline
             if above and not self.above["adam_lag"]:
                 worst = max(range(len(lags)), key=lambda i: lags[i])
                 warnings.append(
@@ -399,10 +403,11 @@ class Indicators:
         return warnings
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ratios": list(self.ratios), "above": dict(self.above), "spike_score": self.spike_score.state_dict()}
+        return {"ratios": list(self.ratios), "judged": self.judged, "above": dict(self.above),
+                "spike_score": self.spike_score.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ratios = [float(r) for r in state["ratios"]]
+        self.ratios, self.judged = [float(r) for r in state["ratios"]], int(state["judged"])
         self.above = {key: bool(state["above"][key]) for key in self.above}
         self.spike_score.load_state_dict(state["spike_score"])
 
