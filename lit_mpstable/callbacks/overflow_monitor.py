@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -122,7 +122,7 @@ class OverflowMonitor(PluginCallback):
             self.indicators.spike_score.to(pl_module.device)
         if self.attention is not False and self.attention_logits is None:
             self.attention_logits = AttentionLogits(
-                pl_module, None if self.attention is True else list(cast(Sequence[str], self.attention)))
+                pl_module, None if self.attention is True else list(self.attention))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_end(trainer, pl_module)

@@ -186,3 +186,16 @@ def test_attention_logits_of_an_sdpa_caller_and_the_function_is_restored():
 def test_attention_logits_rejects_unknown_module_names():
     with pytest.raises(ValueError, match="sdpa_modules"):
         AttentionLogits(nn.Sequential(nn.Linear(2, 2)), sdpa_modules=["blocks.0"])
+
+
+def test_two_recorders_on_one_model_both_record_and_the_function_is_restored():
+    torch.manual_seed(0)
+    model = nn.Sequential(_SdpaAttention())
+    original = F.scaled_dot_product_attention
+    first, second = AttentionLogits(model), AttentionLogits(model)  # OverflowMonitor's and QKClip's
+    first.armed = second.armed = True
+    x = torch.randn(2, 6, 8)
+    for _ in range(2):
+        model(x)
+        assert F.scaled_dot_product_attention is original
+    assert torch.equal(first.take()["0"], second.take()["0"])

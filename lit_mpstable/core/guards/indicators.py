@@ -159,8 +159,6 @@ class AttentionLogits:
                f"{unknown} are not modules of the model (names as model.named_modules() gives them).")
         self.armed = False
         self.maxima: dict[str, torch.Tensor] = {}
-        self._active: list[str] = []
-        self._original: Callable[..., torch.Tensor] | None = None
         self._handles = []
         for name, module in named.items():
             if isinstance(module, nn.MultiheadAttention):
@@ -198,31 +196,53 @@ class AttentionLogits:
     # -- scaled_dot_product_attention callers
     def _enter(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if not self.armed:
-                return
-            self._active.append(name)
-            if self._original is None:
-                self._original = F.scaled_dot_product_attention
-                torch.nn.functional.scaled_dot_product_attention = self._sdpa  # type: ignore[assignment]
+            if self.armed:
+                _SDPA.enter(self, name)
         return hook
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._active:
-            return
-        self._active.pop()
-        if not self._active and self._original is not None:
-            torch.nn.functional.scaled_dot_product_attention = self._original  # type: ignore[assignment]
-            self._original = None
+        _SDPA.leave(self)
 
-    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
-        assert self._original is not None
-        if self._active:
+
+class _SdpaTap:
+    """The one wrapper of ``torch.nn.functional.scaled_dot_product_attention``, installed while any recorder's
+    watched module runs (several recorders, e.g. OverflowMonitor's and QKClip's, share it: each records under its
+    innermost active module), and the real function put back when the last one leaves."""
+
+    def __init__(self) -> None:
+        self.real: Callable[..., Any] | None = None
+        self.active: list[tuple[AttentionLogits, str]] = []
+
+    def enter(self, recorder: AttentionLogits, name: str) -> None:
+        self.active.append((recorder, name))
+        if self.real is None:
+            self.real = F.scaled_dot_product_attention
+            torch.nn.functional.scaled_dot_product_attention = self.sdpa  # type: ignore[assignment]
+
+    def leave(self, recorder: AttentionLogits) -> None:
+        for index in range(len(self.active) - 1, -1, -1):
+            if self.active[index][0] is recorder:
+                del self.active[index]
+                break
+        if not self.active and self.real is not None:
+            torch.nn.functional.scaled_dot_product_attention = self.real
+            self.real = None
+
+    def sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
+        assert self.real is not None
+        innermost = {id(recorder): (recorder, name) for recorder, name in self.active}
+        if innermost:
             with torch.no_grad():
                 factor = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
-                self._record(self._active[-1], _masked_logit_max(query, key, factor, attn_mask, is_causal))
-        return self._original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                              scale=scale, **kwargs)
+                per_head = _masked_logit_max(query, key, factor, attn_mask, is_causal)
+            for recorder, name in innermost.values():
+                recorder._record(name, per_head)
+        return self.real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, **kwargs)
+
+
+_SDPA = _SdpaTap()
 
 
 def _has_qk_projections(module: nn.Module) -> bool:
@@ -333,8 +353,8 @@ class Indicators:
     # -- device side
     def update_spike_score(self, loss: torch.Tensor, optimizer: Optimizers | None) -> None:
         """One step's SpikeScore input: the loss and the total norm of the optimizer's gradients (device)."""
-        grads = [p.grad for p in _params(optimizer)] if optimizer is not None else []
-        grads = [g for g in grads if g is not None]
+        params = _params(optimizer) if optimizer is not None else []
+        grads = [p.grad for p in params if p.grad is not None]
         norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads
                 else torch.zeros((), device=loss.device))
         self.spike_score.update(loss, norm)
@@ -385,7 +405,7 @@ class Indicators:
             ratio = ratios[worst]
             reference = sorted(self.ratios)[len(self.ratios) // 2] if len(self.ratios) >= self.baseline else None
             above = reference is not None and ratio > self.ratio_factor * reference
-            if above and not self.above["update_ratio"]:
+            if above and not self.above["update_ratio"] and reference is not None:
                 warnings.append(
                     f"update ratio of {names[worst]!r} at step {step}: {ratio:.3g} (update RMS / parameter RMS),"
                     f" {ratio / reference:.1f}x the median of the last {self.baseline} logged ({reference:.3g})")
