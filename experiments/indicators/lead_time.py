@@ -85,9 +85,13 @@ def run(lr: float, seed: int, args: argparse.Namespace, data: CharLMData) -> dic
         if not math.isfinite(losses[-1]):
             break
     spike = loss_spike(losses, args.warmup, args.spike_factor)
-    before = [w["step"] for w in warnings if spike is not None and w["step"] <= spike]
+    def lead(kinds: tuple[str, ...]) -> int | None:
+        before = [w["step"] for w in warnings if w["kind"] in kinds and spike is not None and w["step"] <= spike]
+        return spike - before[0] if before and spike is not None else None
+
     return {"lr": lr, "seed": seed, "losses": losses, "warnings": warnings, "logged": logged, "spike": spike,
-            "lead": spike - before[0] if before else None}
+            "lead": lead(("update_ratio", "adam_lag")), "lead_update_ratio": lead(("update_ratio",)),
+            "lead_adam_lag": lead(("adam_lag",))}
 
 
 def main() -> None:
@@ -141,6 +145,8 @@ def summarise(results: list[dict]) -> dict:
     return {"spiking_seeds": len(spiking), "seeds_with_a_spike": sum(r["spike"] is not None for r in spiking),
             "seeds_warned_20_ahead": sum(lead >= 20 for lead in leads), "leads": [r["lead"] for r in spiking],
             "median_lead": statistics.median(leads) if leads else None,
+            "leads_update_ratio": [r["lead_update_ratio"] for r in spiking],
+            "leads_adam_lag": [r["lead_adam_lag"] for r in spiking],
             "clean_seeds": len(clean), "clean_warnings": sum(len(r["warnings"]) for r in clean),
             "clean_spikes": sum(r["spike"] is not None for r in clean)}
 

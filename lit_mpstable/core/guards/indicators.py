@@ -121,8 +121,8 @@ def _masked_logit_max(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask:
     logits = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
     if is_causal:
         length, source = logits.shape[-2:]
-        allowed = torch.ones(length, source, dtype=torch.bool, device=logits.device).tril()
-        logits = logits.masked_fill(~allowed, float("-inf"))
+        future = torch.ones(length, source, dtype=torch.bool, device=logits.device).triu(1)
+        logits = logits.masked_fill(future, float("-inf"))
     if attn_mask is not None:
         logits = (logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else logits + attn_mask.float())
@@ -375,21 +375,28 @@ class Indicators:
             ratios = torch.stack(torch._foreach_norm(diffs)) / torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
         else:
             ratios = torch.zeros(len(params), device=device)
-        lagging, sizes = [], []
+        # g^2 < threshold * v / (1 - beta2^t), as g^2 * (1 - beta2^t) / threshold < v: v is compared, never
+        # multiplied (Adam's second moments are often subnormal, and subnormal products are slow on CPUs).
+        grads, seconds, sizes = [], [], []
         for opt, group, p in entries:
             state = opt.state.get(p, {})
             v, step = state.get("exp_avg_sq"), state.get("step")
             if p.grad is None or v is None or step is None or v.shape != p.shape:
-                lagging.append(torch.zeros((), device=device))
                 sizes.append(0)
                 continue
             beta2 = float(group.get("betas", (0.9, 0.999))[1])
-            v_hat = v.float() / (1 - beta2 ** torch.as_tensor(step, dtype=torch.float32, device=v.device))
-            g2 = p.grad.detach().float().square()
-            lagging.append((g2 < self.lag_threshold * v_hat).sum().float())
+            correction = 1 - beta2 ** torch.as_tensor(step, dtype=torch.float32, device=v.device)
+            g = p.grad.detach().reshape(-1).float()
+            grads.append(g * g * (correction / self.lag_threshold))
+            seconds.append(v.reshape(-1).float())
             sizes.append(p.numel())
-        lag = torch.stack(lagging) if lagging else torch.zeros(0, device=device)
-        counts = torch.tensor(sizes, dtype=torch.float32, device=device)
+        if grads:  # one comparison over all coordinates, then a sum per parameter (views of it)
+            lagging = (torch.cat(grads) < torch.cat(seconds)).float()
+            parts = iter(lagging.split([n for n in sizes if n]))
+            lag = torch.stack([next(parts).sum() if n else lagging.new_zeros(()) for n in sizes])
+        else:
+            lag = torch.zeros(len(sizes), device=device)
+        counts = torch.tensor(sizes, dtype=torch.float32, device=lag.device)
         per_layer = lag / counts.clamp_min(1)
         total = lag.sum() / max(sum(sizes), 1)
         return ratios, per_layer, total
