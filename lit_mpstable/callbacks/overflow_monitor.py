@@ -27,7 +27,7 @@ from lit_mpstable.callbacks._common import (
 )
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
 from lit_mpstable.core.guards.growth_stats import WEIGHT_FLUSH_LIMIT
-from lit_mpstable.core.guards.indicators import LEAD_NOTE, AttentionLogits, Indicators, parameter_names
+from lit_mpstable.core.guards.indicators import AttentionLogits, Indicators, parameter_names
 
 ATTENTION_WARN = 100.0
 """A head whose max attention logit passes it is named in a warning (QKClip's default threshold)."""
@@ -238,8 +238,8 @@ class OverflowMonitor(PluginCallback):
                                     " W_k)")
         log_mp(pl_module, metrics)
         for text in warnings:
-            rank_zero_warn(f"OverflowMonitor at step {trainer.global_step}: {text}; a loss spike may follow"
-                           f" ({LEAD_NOTE}).")
+            rank_zero_warn(f"OverflowMonitor at step {trainer.global_step}, leading indicator: {text}. A loss spike may"
+                           " follow: consider a lower learning rate or QKClip (docs/spikes-and-triage.md).")
 
     def _warn_growth(self, trainer: pl.Trainer) -> None:
         """Warn once per new set of layers the plugin's growth monitor names (``runaway_layers``)."""
