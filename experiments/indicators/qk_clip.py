@@ -4,8 +4,9 @@
     .venv/bin/python experiments/indicators/qk_clip.py --seeds 1 --steps 40   # smoke run
 
 ``make run``'s GPT (``lit_mpstable.app.zoo.GPTLM``: d 128, 2 blocks, 4 heads, no QK norm) on the standard-library
-characters, through the Trainer with ``StablePrecision("bf16-mixed")`` and AdamW, at a high LR (``--lr``, warmup
-``--warmup`` then cosine, as ``GPTLM`` schedules it), with and without ``QKClip(threshold=--threshold)``.
+characters, through the Trainer with ``StablePrecision(--precision)`` (bf16-mixed) and AdamW, at a high LR (``--lr``, warmup
+``--warmup`` then cosine, as ``GPTLM`` schedules it; ``--qkv-lr`` gives the attention's qkv projections their own
+LR, so that only the attention logits are pushed), with and without ``QKClip(threshold=--threshold)``.
 ``OverflowMonitor(attention=True, log_every_n_steps=1)`` reads the per-head max attention logit every step (the
 logits of the step's forward, before QKClip's rescale). A run **diverges** when its training loss is not finite or
 above its first loss (5.3: nothing learnt) for the last 10 steps. Writes ``qk_clip.json``, ``qk_clip.md`` and
@@ -45,14 +46,36 @@ class Trace(pl.Callback):
         self.logits.append(max((max(v) for v in self.monitor.latest_attention.values()), default=float("nan")))
 
 
+class AttentionLR(GPTLM):
+    """GPTLM whose attention input projections (``qkv``) train at ``qkv_lr``, the rest at ``lr``: a run whose only
+    unstable part is the attention logits."""
+
+    def __init__(self, *args, qkv_lr: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.qkv_lr = qkv_lr
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        opt = config["optimizer"]
+        qkv = {id(p) for name, p in self.named_parameters() if ".qkv." in name}
+        group = opt.param_groups[0]
+        params = group["params"]
+        group["params"] = [p for p in params if id(p) not in qkv]
+        opt.add_param_group({"params": [p for p in params if id(p) in qkv], "lr": self.qkv_lr})
+        config["lr_scheduler"]["scheduler"] = type(config["lr_scheduler"]["scheduler"])(
+            opt, config["lr_scheduler"]["scheduler"].lr_lambdas[0])
+        return config
+
+
 def run(clip: bool, seed: int, args: argparse.Namespace) -> dict:
     pl.seed_everything(seed, verbose=False)
     data = CharLMData(seq_len=64, batch_size=16)
-    model = GPTLM(len(stdlib_vocab(data)), lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps)
+    model = AttentionLR(len(stdlib_vocab(data)), lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
+                        qkv_lr=args.qkv_lr if args.qkv_lr is not None else args.lr)
     monitor = OverflowMonitor(log_every_n_steps=1, attention=True)
     trace = Trace(monitor)
     callbacks = [monitor, trace] + ([QKClip(threshold=args.threshold)] if clip else [])
-    trainer = pl.Trainer(accelerator="cpu", max_steps=args.steps, plugins=[StablePrecision("bf16-mixed")],
+    trainer = pl.Trainer(accelerator="cpu", max_steps=args.steps, plugins=[StablePrecision(args.precision)],
                          callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, logger=False,
                          enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0)
     with warnings.catch_warnings():
@@ -77,6 +100,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.4)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--threshold", type=float, default=100.0)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--qkv-lr", type=float, default=None, help="LR of the qkv projections (default: --lr)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     torch.set_num_threads(1)
