@@ -4,7 +4,8 @@
     .venv/bin/python experiments/indicators/overhead.py --rounds 3      # smoke run
 
 ``make run``'s GPT (d 128, 2 blocks, batch 16 x 64 characters, AdamW) in a plain FP32 loop on one thread. Paired
-rounds: each round times ``--log-every`` (10, ``make run``'s logging period) steps without the indicators, then the
+rounds (thread CPU time, which other jobs on a shared machine disturb less than wall time): each round times
+``--log-every`` (10, ``make run``'s logging period) steps without the indicators, then the
 same number with them, as OverflowMonitor runs them: the SpikeScore update every step, and on the round's one logging
 step the parameter snapshot before the step, ``measure`` after it, the attention recorder armed for that forward
 (``--attention``) and one ``tolist`` of everything. The overhead is the median over rounds of (with / without - 1).
@@ -78,10 +79,10 @@ def main() -> None:
     for _ in range(args.rounds):
         times = {}
         for on in (False, True):
-            start = time.perf_counter()
+            start = time.thread_time()
             for i in range(args.log_every):
                 step(on, i == args.log_every - 1)
-            times[on] = (time.perf_counter() - start) / args.log_every
+            times[on] = (time.thread_time() - start) / args.log_every
         rows.append(times)
     ratios = [r[True] / r[False] - 1 for r in rows]
     result = {"median_overhead": statistics.median(ratios), "ratios": ratios,

@@ -132,8 +132,8 @@ def _masked_logit_max(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask:
     if attn_mask is not None:
         logits = (logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else logits + attn_mask.float())
-    heads = logits.shape[-3]
-    return logits.transpose(-3, 0).reshape(heads, -1).amax(dim=1)
+    per_head = logits.amax(dim=(-2, -1))  # (..., H): no copy of the logits
+    return per_head.reshape(-1, per_head.shape[-1]).amax(dim=0)
 
 
 class AttentionLogits:
@@ -397,9 +397,10 @@ class Indicators:
             seconds.append(v.reshape(-1).float())
             sizes.append(p.numel())
         if grads:  # one comparison over all coordinates, then a sum per parameter (views of it)
-            lagging = (torch.cat(grads) < torch.cat(seconds)).float()
+            lagging = torch.cat(grads) < torch.cat(seconds)
             parts = iter(lagging.split([n for n in sizes if n]))
-            lag = torch.stack([next(parts).sum() if n else lagging.new_zeros(()) for n in sizes])
+            zero = torch.zeros((), dtype=torch.long, device=lagging.device)
+            lag = torch.stack([next(parts).sum() if n else zero for n in sizes]).float()
         else:
             lag = torch.zeros(len(sizes), device=device)
         counts = torch.tensor(sizes, dtype=torch.float32, device=lag.device)
