@@ -9,9 +9,11 @@ from lit_mpstable.callbacks.overflow_monitor import OverflowMonitor
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
 from lit_mpstable.callbacks.precision_probe import PrecisionProbe
 from lit_mpstable.callbacks.preemption import PreemptionCheckpoint
+from lit_mpstable.callbacks.qk_clip import QKClip
 from lit_mpstable.callbacks.scale_checkpoint import ScaleCheckpoint
 
 __all__ = [
     "AMPPreflight", "FaultTriage", "OverflowMonitor", "PrecisionFallback", "PrecisionProbe", "PreemptionCheckpoint",
     "ScaleCheckpoint",
+    "QKClip",
 ]

@@ -35,6 +35,7 @@ METRIC_NAMES = (
     "mp/fallback_active", "mp/rollbacks", "mp/fp8_saturation_frac", "mp/fp8_underflow_frac", "mp/grad_rel_error",
     "mp/grad_cosine", "mp/triage_events", "mp/spikes_skipped", "mp/grad_norm_zscore", "mp/loss_zscore",
     "mp/amax_growth", "mp/kurtosis_max",
+    "mp/update_ratio_max", "mp/adam_lag_frac", "mp/attn_logit_max", "mp/spike_score",
 )
 _PROG_BAR = frozenset({"mp/loss_scale", "mp/overflow_rate"})
 # Telemetry logged on the step it was measured. grad_underflow_frac is not among them: the telemetry's is a forecast
@@ -109,11 +110,15 @@ def _runs(call: str, name: str, value: Any) -> None:
 STATE_FIELDS: dict[str, dict[str, Field]] = {
     "ScaleCheckpoint": {"rollbacks": count, "skips": count, "events": records, "losses": finite_list(),
                         "skipped_at": count_list},
-    "OverflowMonitor": {"counts": _rows, "position": count, "above": flag, "blamed": text_list},
+    "OverflowMonitor": {"counts": _rows, "position": count, "above": flag, "blamed": text_list,
+                        "indicators": lambda c, n, v: check_mapping(
+                            c, v, {"ratios", "judged", "above", "spike_score"}, name=n),
+                        "attention_warned": text_list},
     "PrecisionProbe": {"history": records, "pending": flag},
     "PrecisionFallback": {"overflow_run": count, "nonfinite_run": count, "previous_nonfinite": optional(flag),
                           "recent": _pairs, "cooldown_end": _step_or_unset, "decisions": records,
                           "blamed": text_list, "grad_error_runs": _runs, "last_probe_step": _step_or_unset},
+    "QKClip": {"heads_clipped": count},
     "AMPPreflight": {"result": lambda c, n, v: check_mapping(c, v, name=n)},
 }
 """Each callback's loaded fields and their checks (one table, so every callback loads by the same rules)."""

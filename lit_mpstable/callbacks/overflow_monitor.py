@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
@@ -25,6 +27,10 @@ from lit_mpstable.callbacks._common import (
 )
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
 from lit_mpstable.core.guards.growth_stats import WEIGHT_FLUSH_LIMIT
+from lit_mpstable.core.guards.indicators import AttentionLogits, Indicators, parameter_names
+
+ATTENTION_WARN = 100.0
+"""A head whose max attention logit passes it is named in a warning (QKClip's default threshold)."""
 
 
 class OverflowMonitor(PluginCallback):
@@ -34,6 +40,15 @@ class OverflowMonitor(PluginCallback):
     ``mp/grad_norm`` and ``mp/fp8_*``, through ``LightningModule.log`` (every logger sees them); warns, naming the
     modules blamed for the last overflow, each time the overflow rate over a full window rises above ``warn_rate``.
     (``mp/rollbacks`` is ScaleCheckpoint's to log, ``mp/grad_underflow_frac`` PrecisionProbe's.)
+
+    With ``indicators`` it also logs the leading indicators of :mod:`lit_mpstable.core.guards.indicators`:
+    ``mp/update_ratio_max``, ``mp/adam_lag_frac`` and ``mp/spike_score``, plus ``mp/attn_logit_max`` with
+    ``attention`` (the attention modules opt in: ``True`` watches every ``nn.MultiheadAttention`` and every module
+    with ``qkv`` or ``q_proj``/``k_proj`` children that calls ``F.scaled_dot_product_attention``; a list of module
+    names picks the SDPA callers). They are device-side statistics measured on logging steps (the parameters are
+    copied before a logging step's optimizer step for the update ratio; the SpikeScore's windows advance each step
+    without a host read) and read in one host read per logging step, after a MAX all-reduce (the same values, so the
+    same warnings, on every rank). A warning names the layer and the indicator.
 
     The window lives in a torchmetrics ring buffer (:class:`WindowedCounts`: overflows, skipped steps and steps
     per stepping batch, summed across processes); per step the callback only writes three scalars into it. The
@@ -46,6 +61,8 @@ class OverflowMonitor(PluginCallback):
         warn_rate: warn when the windowed rate exceeds it (once per crossing).
         log_every_n_steps: logging period in optimizer steps; ``None``: the trainer's ``log_every_n_steps``
             (loggers write only on the trainer's logging steps, so keep them aligned).
+        indicators: ``True`` (the default thresholds) or an :class:`Indicators` with its own; ``False``: none.
+        attention: also log the per-head max attention logit (``True``, or the names of the SDPA-calling modules).
 
     Raises:
         ValueError: an argument is out of range.
@@ -54,7 +71,8 @@ class OverflowMonitor(PluginCallback):
     foreign_note = ("it logs the GradScaler's scale and skipped steps (counted without a host sync); blamed modules"
                     " and gradient telemetry need StablePrecision.")
 
-    def __init__(self, window: int = 100, warn_rate: float = 0.01, log_every_n_steps: int | None = None) -> None:
+    def __init__(self, window: int = 100, warn_rate: float = 0.01, log_every_n_steps: int | None = None,
+                 indicators: bool | Indicators = False, attention: bool | Sequence[str] = False) -> None:
         super().__init__()
         name = type(self).__name__
         check(is_int(window, 1, MAX_WINDOW), f"{name}(window={window!r})",
@@ -67,7 +85,21 @@ class OverflowMonitor(PluginCallback):
             log_every_n_steps is None or is_int(log_every_n_steps, 1),
             f"{name}(log_every_n_steps={log_every_n_steps!r})", "must be an int >= 1, or None for the trainer's own.",
         )
+        check(isinstance(indicators, (bool, Indicators)), f"{name}(indicators={indicators!r})",
+              "must be True, False or an Indicators(...).")
+        check(isinstance(attention, bool) or (isinstance(attention, (list, tuple))
+                                              and all(isinstance(a, str) for a in attention)),
+              f"{name}(attention={attention!r})", "must be True, False or a list of module names.")
         self.window, self.warn_rate, self.log_every_n_steps = window, warn_rate, log_every_n_steps
+        self.indicators = Indicators() if indicators is True else (indicators or None)
+        """The leading indicators and their warning rule (None: not measured)."""
+        self.attention = attention
+        self.attention_logits: AttentionLogits | None = None
+        """The recorder of the attention modules, built at fit start when ``attention`` asks for it."""
+        self.latest_attention: dict[str, list[float]] = {}
+        """Per watched module, its per-head max logits at the last logging step."""
+        self.attention_warned: set[str] = set()
+        """Modules whose max attention logit passed ``ATTENTION_WARN`` (warned once each)."""
         self.windowed = WindowedCounts(window)
         self.above = False
         """Whether the rate was above ``warn_rate`` at the last logging step (a warning fires on each crossing)."""
@@ -86,6 +118,30 @@ class OverflowMonitor(PluginCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         self.windowed.to(pl_module.device)
+        if self.indicators is not None:
+            self.indicators.spike_score.to(pl_module.device)
+        if self.attention is not False and self.attention_logits is None:
+            self.attention_logits = AttentionLogits(
+                pl_module, None if self.attention is True else list(self.attention))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_end(trainer, pl_module)
+        if self.attention_logits is not None:
+            self.attention_logits.remove()
+            self.attention_logits = None
+
+    def _every(self, trainer: pl.Trainer) -> int:
+        return self.log_every_n_steps or run_trainer(trainer).log_every_n_steps
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """Before a logging step's optimizer step: copy the parameters (update ratio), arm the attention hooks."""
+        every = self._every(trainer)
+        if not every or (trainer.global_step + 1) % every != 0 or self._plugin is None:
+            return
+        if self.indicators is not None and self.indicators._before is None:
+            self.indicators.snapshot_(trainer.optimizers)
+        if self.attention_logits is not None:
+            self.attention_logits.armed = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._plugin is not None:
@@ -98,13 +154,18 @@ class OverflowMonitor(PluginCallback):
         steps, overflows, skipped = self._steps.delta(plugin)
         if steps == 0:
             return
+        if self.indicators is not None:  # the SpikeScore's windows advance on the device, every step
+            outputs = args[0] if args else None
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if isinstance(loss, torch.Tensor):
+                self.indicators.update_spike_score(loss, trainer.optimizers)
         self.windowed.update(overflows, skipped, steps)
         if overflows:
             self.blamed = list(plugin.stats.get("blamed_modules") or self.blamed)
         if measured := measured_metrics(plugin):  # on the step the telemetry measured them, whatever the period
             self.latest_measured = measured
             log_measured(trainer, measured)
-        every = self.log_every_n_steps or run_trainer(trainer).log_every_n_steps
+        every = self._every(trainer)
         if every and trainer.global_step % every == 0:
             self._log(trainer, pl_module)
 
@@ -128,6 +189,57 @@ class OverflowMonitor(PluginCallback):
             )
         self.above = above
         self._warn_growth(trainer)
+        self._log_indicators(trainer, pl_module)
+
+    def _log_indicators(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The leading indicators of this logging step: measured on the device, MAX-reduced across ranks, read once;
+        logged, then judged (a warning names the layer and the indicator)."""
+        if self.indicators is None and self.attention_logits is None:
+            return
+        device = pl_module.device
+        parts, names = [], []
+        if self.indicators is not None:
+            optimizers = trainer.optimizers
+            ratios, lags, lag_total = self.indicators.measure(optimizers)
+            names = parameter_names(pl_module, optimizers)
+            parts += [ratios.float(), lags.float(), lag_total.float().reshape(1),
+                      self.indicators.spike_score.score().float().reshape(1)]
+        heads: list[tuple[str, int]] = []
+        if self.attention_logits is not None:
+            self.attention_logits.armed = False
+            for module, per_head in self.attention_logits.take().items():
+                heads.append((module, per_head.numel()))
+                parts.append(per_head.float().to(device))
+        flat = torch.cat([p.to(device) for p in parts]) if parts else torch.zeros(0, device=device)
+        if trainer.world_size > 1:  # the same values, hence the same warnings, on every rank
+            flat = trainer.strategy.reduce(flat, reduce_op="max")
+        values = flat.tolist()  # the one host read of the indicators
+        metrics: dict[str, float] = {}
+        warnings: list[str] = []
+        if self.indicators is not None:
+            n = len(names)
+            ratio_v, lag_v, lag_total_v, score = values[:n], values[n:2 * n], values[2 * n], values[2 * n + 1]
+            values = values[2 * n + 2:]
+            if n:
+                metrics["mp/update_ratio_max"] = max(ratio_v)
+                metrics["mp/adam_lag_frac"] = lag_total_v
+            metrics["mp/spike_score"] = score
+            warnings += self.indicators.judge(ratio_v, lag_v, lag_total_v, names, trainer.global_step)
+        if heads:
+            metrics["mp/attn_logit_max"] = max(values)
+            for module, size in heads:
+                self.latest_attention[module], values = values[:size], values[size:]
+                top = max(self.latest_attention[module])
+                if top > ATTENTION_WARN and module not in self.attention_warned:
+                    self.attention_warned.add(module)
+                    head = self.latest_attention[module].index(top)
+                    warnings.append(f"attention logit of {module!r} head {head}: max q.k/sqrt(d) {top:.3g} >"
+                                    f" {ATTENTION_WARN:g} (QKClip(threshold={ATTENTION_WARN:g}) would rescale its W_q,"
+                                    " W_k)")
+        log_mp(pl_module, metrics)
+        for text in warnings:
+            rank_zero_warn(f"OverflowMonitor at step {trainer.global_step}, leading indicator: {text}. A loss spike may"
+                           " follow: consider a lower learning rate or QKClip (docs/spikes-and-triage.md).")
 
     def _warn_growth(self, trainer: pl.Trainer) -> None:
         """Warn once per new set of layers the plugin's growth monitor names (``runaway_layers``)."""
@@ -160,9 +272,15 @@ class OverflowMonitor(PluginCallback):
 
     def state_dict(self) -> dict[str, Any]:
         """Keys: ``counts`` (the window: rows of ``[overflows, skipped, steps]``), ``position``, ``above``,
-        ``blamed``."""
-        return {"counts": self.windowed.counts.tolist(), "position": self.windowed.position, "above": self.above,
-                "blamed": list(self.blamed)}
+        ``blamed``; with indicators ``indicators`` (their warning baseline and SpikeScore windows) and
+        ``attention_warned``."""
+        state = {"counts": self.windowed.counts.tolist(), "position": self.windowed.position, "above": self.above,
+                 "blamed": list(self.blamed)}
+        if self.indicators is not None:
+            state["indicators"] = self.indicators.state_dict()
+        if self.attention is not False:
+            state["attention_warned"] = sorted(self.attention_warned)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         strict_keys(type(self).__name__, state_dict, set(self.state_dict()))
@@ -172,6 +290,10 @@ class OverflowMonitor(PluginCallback):
         self.windowed.counts.copy_(counts)
         self.windowed.position = int(state_dict["position"])
         self.above, self.blamed = bool(state_dict["above"]), list(state_dict["blamed"])
+        if self.indicators is not None:
+            self.indicators.load_state_dict(state_dict["indicators"])
+        if self.attention is not False:
+            self.attention_warned = set(state_dict["attention_warned"])
 
 
 def _weight_note(row: dict[str, float]) -> str:

@@ -1,0 +1,455 @@
+"""Leading indicators of a loss spike, measured on the device and read on logging steps only.
+
+Four statistics (DESIGN "Fingerprints and leading indicators"):
+
+- **update ratio** (``mp/update_ratio_max``): per parameter tensor, RMS(p_after - p_before) / RMS(p_before), the
+  largest over the tensors (Marin's precursor: Adam's update norm doubles before the loss spikes). The update is
+  measured, not modelled: the optimizer's parameters are copied before the step of a logging step only
+  (:meth:`Indicators.snapshot_`), so it holds for any optimizer, weight decay and clipping included, and costs one
+  transient copy of the parameters on logging steps and nothing on the others.
+- **Adam lag** (``mp/adam_lag_frac``): the fraction of coordinates whose squared gradient is below ``lag_threshold``
+  times Adam's bias-corrected second moment, g^2 < threshold * v_hat (arXiv 2506.04805: spikes follow a regime where
+  v_hat lags, g^2 << v_hat, so a later rise of g meets a stale, small denominator). Read from the optimizer's
+  ``exp_avg_sq`` and ``step`` after the step; optimizers without them (SGD) are skipped.
+- **attention logit** (``mp/attn_logit_max``): the largest q.k/sqrt(d) per head, for modules that opt in through
+  :class:`AttentionLogits` (``nn.MultiheadAttention`` and callers of ``F.scaled_dot_product_attention``).
+- **SpikeScore** (``mp/spike_score``): OLMo-core's definition. A step is a spike when its loss or its gradient norm
+  exceeds mean + ``threshold_std`` (6) standard deviations (population std, only when std > 1e-10) of the previous
+  ``window_size`` (128) values of the same series, judged only once that window is full; the score is the fraction of
+  spike steps over the last ``rolling_window`` (10000) steps, reported once that window is full (before that, the
+  total: spikes / steps, once ``window_size`` steps were seen). Here the windows are ring buffers on the device and
+  the judgement is tensor arithmetic: no host read per step.
+
+:class:`Indicators` also holds the warning rule (host side, on the values read at a logging step): it warns when the
+update ratio passes ``ratio_factor`` times the median of its previous ``baseline`` logged values, or when the Adam
+lag fraction passes ``lag_limit`` (after ``baseline`` logging steps: Adam's first steps lag by construction), once per
+crossing, naming the layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.optim import Optimizer
+
+MEASURED_LEAD = {
+    "update_ratio": "on the CPU GPT at a spiking LR this warning came 1-11 steps before the loss spike in 4 of 5 seeds"
+                    " (6 steps after it in one); never on 5 seeds at the normal LR",
+    "adam_lag": "on the CPU GPT at a spiking LR this warning came 34-52 steps (median 46) before the loss spike in 5 of"
+                " 5 seeds; never on 5 seeds at the normal LR",
+}
+"""What each warning says about its lead, as measured by experiments/indicators/lead_time.py (GPT d 128, 2 blocks,
+AdamW at LR 0.4 vs 3e-3, logging every 5 steps; experiments/results/indicators/table.md)."""
+
+
+def _check(ok: bool, call: str, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{call}: {rule}")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _count(value: Any, low: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= 2**20
+
+
+# ---------------------------------------------------------------------------------------------------- SpikeScore
+class SpikeScore:
+    """OLMo-core's SpikeScore on device ring buffers (see the module docstring); :meth:`update` once per step."""
+
+    def __init__(self, window_size: int = 128, rolling_window: int = 10000, threshold_std: float = 6.0) -> None:
+        _check(_count(window_size, 2), f"SpikeScore(window_size={window_size!r})", "must be an int in [2, 2**20].")
+        _check(_count(rolling_window), f"SpikeScore(rolling_window={rolling_window!r})",
+               "must be an int in [1, 2**20].")
+        _check(_positive(threshold_std), f"SpikeScore(threshold_std={threshold_std!r})", "must be a number > 0.")
+        self.window_size, self.rolling_window, self.threshold_std = window_size, rolling_window, float(threshold_std)
+        self.history = torch.zeros(2, window_size)
+        """Rows: loss, gradient norm; the last ``window_size`` values of each (a ring)."""
+        self.flags = torch.zeros(rolling_window)
+        """1.0 where a step was a spike, the last ``rolling_window`` steps (a ring)."""
+        self.spikes = torch.zeros(())
+        """Spike steps over the whole run (a device count)."""
+        self.steps = 0
+        """Steps seen (a host int: counted, never read from the device)."""
+
+    def to(self, device: torch.device | str) -> SpikeScore:
+        self.history, self.flags, self.spikes = (t.to(device) for t in (self.history, self.flags, self.spikes))
+        return self
+
+    def update(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Judge one step's loss and gradient norm against the previous window, then add them (no host read)."""
+        values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
+        values = values.to(self.history.device)
+        if self.steps >= self.window_size:  # OLMo judges only with a full window
+            mean = self.history.mean(dim=1)
+            std = self.history.var(dim=1, unbiased=False).sqrt()
+            spike = ((values > mean + self.threshold_std * std) & (std >= 1e-10)).any().float()
+        else:
+            spike = torch.zeros((), device=self.history.device)
+        self.history[:, self.steps % self.window_size] = values
+        self.flags[self.steps % self.rolling_window] = spike
+        self.spikes += spike
+        self.steps += 1
+
+    def score(self) -> torch.Tensor:
+        """The running score over a full rolling window, else the total rate (0 before ``window_size`` steps)."""
+        if self.steps >= self.rolling_window:
+            return self.flags.mean()
+        return self.spikes / self.steps if self.steps >= self.window_size else torch.zeros_like(self.spikes)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history.tolist(), "flags": self.flags.tolist(), "spikes": float(self.spikes),
+                "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        history, flags = torch.tensor(state["history"]), torch.tensor(state["flags"])
+        _check(tuple(history.shape) == tuple(self.history.shape) and tuple(flags.shape) == tuple(self.flags.shape),
+               f"SpikeScore.load_state_dict(history {tuple(history.shape)}, flags {tuple(flags.shape)})",
+               f"this score's windows are {self.window_size} and {self.rolling_window} steps; the checkpoint's differ.")
+        self.history.copy_(history)
+        self.flags.copy_(flags)
+        self.spikes.fill_(float(state["spikes"]))
+        self.steps = int(state["steps"])
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+def _masked_logit_max(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask: torch.Tensor | None,
+                      is_causal: bool) -> torch.Tensor:
+    """Per head, the largest scaled logit q.k * scale over the pairs the mask allows. ``q``: (..., H, L, d), ``k``:
+    (..., H, S, d); returns (H,). A boolean mask allows where True; a float mask is added, as SDPA does."""
+    logits = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if is_causal:
+        length, source = logits.shape[-2:]
+        future = torch.ones(length, source, dtype=torch.bool, device=logits.device).triu(1)
+        logits = logits.masked_fill(future, float("-inf"))
+    if attn_mask is not None:
+        logits = (logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else logits + attn_mask.float())
+    per_head = logits.amax(dim=(-2, -1))  # (..., H): no copy of the logits
+    return per_head.reshape(-1, per_head.shape[-1]).amax(dim=0)
+
+
+class AttentionLogits:
+    """Opt-in recorder of the per-head max attention logit, q.k/sqrt(d), of a model's attention modules.
+
+    What it recognises:
+
+    - every ``nn.MultiheadAttention``: a forward pre-hook recomputes q and k from its input projection
+      (``in_proj_weight``/``in_proj_bias``, or ``q_proj_weight``/``k_proj_weight``), honouring ``attn_mask``,
+      ``is_causal`` and ``key_padding_mask``;
+    - ``F.scaled_dot_product_attention`` called inside the forward of a module in ``sdpa_modules`` (names; default:
+      every module with a ``qkv`` child or ``q_proj`` and ``k_proj`` children, the layouts :class:`QKClip` repairs):
+      while such a module runs on an armed step, ``torch.nn.functional.scaled_dot_product_attention`` is wrapped to
+      record q.k*scale of its q and k (with its ``attn_mask``, ``is_causal`` and ``scale``) before attending. Code that
+      imported the function under another name (``from torch.nn.functional import scaled_dot_product_attention``) is
+      not seen.
+
+    It measures only while :attr:`armed` (a logging step, or every step for QKClip); :meth:`take` returns the maxima
+    since the last take, per module name, as device tensors of shape (heads,), maxed over micro-batches.
+    """
+
+    def __init__(self, model: nn.Module, sdpa_modules: Sequence[str] | None = None) -> None:
+        named = dict(model.named_modules())
+        if sdpa_modules is None:
+            sdpa_modules = [name for name, module in named.items() if _has_qk_projections(module)
+                            and not isinstance(module, nn.MultiheadAttention)]
+        unknown = [name for name in sdpa_modules if name not in named]
+        _check(not unknown, f"AttentionLogits(sdpa_modules={list(sdpa_modules)!r})",
+               f"{unknown} are not modules of the model (names as model.named_modules() gives them).")
+        self.armed = False
+        self.maxima: dict[str, torch.Tensor] = {}
+        self._handles = []
+        for name, module in named.items():
+            if isinstance(module, nn.MultiheadAttention):
+                self._handles.append(module.register_forward_pre_hook(self._mha_hook(name), with_kwargs=True))
+        for name in sdpa_modules:
+            module = named[name]
+            self._handles.append(module.register_forward_pre_hook(self._enter(name)))
+            self._handles.append(module.register_forward_hook(self._leave))
+        self.names = [n for n, m in named.items() if isinstance(m, nn.MultiheadAttention)] + list(sdpa_modules)
+        """The modules watched, MultiheadAttention first."""
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def take(self) -> dict[str, torch.Tensor]:
+        maxima, self.maxima = self.maxima, {}
+        return maxima
+
+    def _record(self, name: str, per_head: torch.Tensor) -> None:
+        per_head = per_head.detach()
+        old = self.maxima.get(name)
+        self.maxima[name] = per_head if old is None else torch.maximum(old, per_head)
+
+    # -- nn.MultiheadAttention
+    def _mha_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not self.armed:
+                return
+            with torch.no_grad():
+                self._record(name, _mha_logit_max(module, args, kwargs))
+        return hook
+
+    # -- scaled_dot_product_attention callers
+    def _enter(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.armed:
+                _SDPA.enter(self, name)
+        return hook
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        _SDPA.leave(self)
+
+
+class _SdpaTap:
+    """The one wrapper of ``torch.nn.functional.scaled_dot_product_attention``, installed while any recorder's
+    watched module runs (several recorders, e.g. OverflowMonitor's and QKClip's, share it: each records under its
+    innermost active module), and the real function put back when the last one leaves."""
+
+    def __init__(self) -> None:
+        self.real: Callable[..., Any] | None = None
+        self.active: list[tuple[AttentionLogits, str]] = []
+
+    def enter(self, recorder: AttentionLogits, name: str) -> None:
+        self.active.append((recorder, name))
+        if self.real is None:
+            self.real = F.scaled_dot_product_attention
+            torch.nn.functional.scaled_dot_product_attention = self.sdpa  # type: ignore[assignment]
+
+    def leave(self, recorder: AttentionLogits) -> None:
+        for index in range(len(self.active) - 1, -1, -1):
+            if self.active[index][0] is recorder:
+                del self.active[index]
+                break
+        if not self.active and self.real is not None:
+            torch.nn.functional.scaled_dot_product_attention = self.real
+            self.real = None
+
+    def sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
+        assert self.real is not None
+        innermost = {id(recorder): (recorder, name) for recorder, name in self.active}
+        if innermost:
+            with torch.no_grad():
+                factor = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+                per_head = _masked_logit_max(query, key, factor, attn_mask, is_causal)
+            for recorder, name in innermost.values():
+                recorder._record(name, per_head)
+        return self.real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, **kwargs)
+
+
+_SDPA = _SdpaTap()
+
+
+def _has_qk_projections(module: nn.Module) -> bool:
+    children = dict(module.named_children())
+    return isinstance(children.get("qkv"), nn.Linear) or (
+        isinstance(children.get("q_proj"), nn.Linear) and isinstance(children.get("k_proj"), nn.Linear))
+
+
+def _mha_logit_max(module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """Per head max logit of a MultiheadAttention call, from its inputs and its input projection."""
+    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+             "is_causal")
+    call = dict(zip(names, args)) | kwargs
+    query, key = call["query"], call["key"]
+    if module.batch_first and query.dim() == 3:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    if query.dim() == 2:  # unbatched (L, E)
+        query, key = query.unsqueeze(1), key.unsqueeze(1)
+    heads, dim = module.num_heads, module.head_dim
+    w_q, w_k = qk_weights(module)
+    b_q = b_k = None
+    if module.in_proj_bias is not None:
+        b_q, b_k = module.in_proj_bias[:module.embed_dim], module.in_proj_bias[module.embed_dim:2 * module.embed_dim]
+    q = F.linear(query, w_q, b_q)  # (L, N, E)
+    k = F.linear(key, w_k, b_k)
+    length, batch, source = q.shape[0], q.shape[1], k.shape[0]
+    q = q.reshape(length, batch, heads, dim).permute(1, 2, 0, 3)  # (N, H, L, d)
+    k = k.reshape(source, batch, heads, dim).permute(1, 2, 0, 3)
+    mask = call.get("attn_mask")
+    allowed: torch.Tensor | None = None
+    if mask is not None:
+        allowed = ~mask if mask.dtype == torch.bool else mask  # MHA's boolean mask marks the pairs NOT allowed
+        if allowed.dim() == 3:  # (N*H, L, S)
+            allowed = allowed.reshape(batch, heads, length, source)
+    padding = call.get("key_padding_mask")
+    if padding is not None:
+        keep = ~padding.bool() if padding.dtype == torch.bool else padding
+        keep = keep.reshape(batch, 1, 1, source)
+        if keep.dtype == torch.bool:
+            allowed = keep if allowed is None else (allowed & keep if allowed.dtype == torch.bool
+                                                    else allowed.masked_fill(~keep, float("-inf")))
+        else:
+            allowed = keep if allowed is None else allowed + keep
+    causal = bool(call.get("is_causal", False)) and mask is None
+    return _masked_logit_max(q, k, 1.0 / math.sqrt(dim), allowed, causal)
+
+
+def qk_weights(module: nn.MultiheadAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_q and W_k of a MultiheadAttention (views: rows of ``in_proj_weight``, or the separate weights)."""
+    if module.in_proj_weight is not None:
+        e = module.embed_dim
+        return module.in_proj_weight[:e], module.in_proj_weight[e:2 * e]
+    assert module.q_proj_weight is not None and module.k_proj_weight is not None
+    return module.q_proj_weight, module.k_proj_weight
+
+
+# ---------------------------------------------------------------------------------------------------- the indicators
+Optimizers = Optimizer | Sequence[Optimizer]
+"""One optimizer or several (a Trainer's list): their parameters, in order, are the indicators' 'layers'."""
+
+
+def _entries(optimizers: Optimizers) -> list[tuple[Optimizer, dict[str, Any], torch.Tensor]]:
+    """(optimizer, param group, parameter) of every parameter the optimizers step, in order."""
+    listed = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+    return [(opt, group, p) for opt in listed for group in opt.param_groups for p in group["params"]]
+
+
+def _params(optimizers: Optimizers) -> list[torch.Tensor]:
+    return [p for _, _, p in _entries(optimizers)]
+
+
+class Indicators:
+    """The update ratio, Adam lag and SpikeScore of one run, and the rule that turns logged values into warnings.
+
+    Per step (no host read): :meth:`update_spike_score`. On logging steps: :meth:`snapshot_` before the optimizer
+    step, :meth:`measure` after it (device tensors, one flat vector: read it once), :meth:`judge` on the host values.
+
+    Args:
+        ratio_factor: warn when the update ratio of a layer passes this many times the median of its ``baseline``
+            previous logged maxima (Marin: the update norm doubled before the loss spiked).
+        baseline: logged values the median is taken over (the rule is quiet until that many were logged).
+        lag_threshold: a coordinate lags when g^2 < lag_threshold * v_hat.
+        lag_limit: warn when the fraction of lagging coordinates passes it.
+        spike_window, spike_rolling_window, spike_threshold_std: SpikeScore's ``window_size``, ``rolling_window``
+            and ``threshold_std`` (OLMo-core's defaults).
+    """
+
+    def __init__(self, ratio_factor: float = 2.0, baseline: int = 8, lag_threshold: float = 0.01,
+                 lag_limit: float = 0.5, spike_window: int = 128, spike_rolling_window: int = 10000,
+                 spike_threshold_std: float = 6.0) -> None:
+        _check(_positive(ratio_factor) and ratio_factor > 1, f"Indicators(ratio_factor={ratio_factor!r})",
+               "must be a number > 1 (2.0: the update ratio doubled).")
+        _check(_count(baseline), f"Indicators(baseline={baseline!r})", "must be an int in [1, 2**20] (logged values).")
+        _check(_positive(lag_threshold), f"Indicators(lag_threshold={lag_threshold!r})", "must be a number > 0.")
+        _check(_positive(lag_limit) and lag_limit <= 1, f"Indicators(lag_limit={lag_limit!r})",
+               "must be a fraction in (0, 1].")
+        self.ratio_factor, self.baseline = float(ratio_factor), baseline
+        self.lag_threshold, self.lag_limit = float(lag_threshold), float(lag_limit)
+        self.spike_score = SpikeScore(spike_window, spike_rolling_window, spike_threshold_std)
+        self.ratios: list[float] = []
+        """The last ``baseline`` logged ``update_ratio_max`` values (the warning's baseline)."""
+        self.judged = 0
+        """Logging steps judged so far (the Adam-lag rule waits for ``baseline`` of them: Adam's first steps lag)."""
+        self.above = {"update_ratio": False, "adam_lag": False}
+        """Whether each indicator was above its limit at the last logging step (a warning fires on each crossing)."""
+        self._before: list[torch.Tensor] | None = None
+
+    # -- device side
+    def update_spike_score(self, loss: torch.Tensor, optimizer: Optimizers | None) -> None:
+        """One step's SpikeScore input: the loss and the total norm of the optimizer's gradients (device)."""
+        params = _params(optimizer) if optimizer is not None else []
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads
+                else torch.zeros((), device=loss.device))
+        self.spike_score.update(loss, norm)
+
+    def snapshot_(self, optimizer: Optimizers) -> None:
+        """Copy the optimizer's parameters before the step of a logging step (the update ratio's 'before')."""
+        self._before = [p.detach().clone() for p in _params(optimizer)]
+
+    def measure(self, optimizer: Optimizers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After the step: per parameter tensor, the update ratio (0 without a snapshot) and the Adam-lag fraction
+        (0 where no Adam state), and the global lag fraction; device tensors, nothing read."""
+        entries = _entries(optimizer)
+        params = [p for _, _, p in entries]
+        device = params[0].device if params else torch.device("cpu")
+        before, self._before = self._before, None
+        if before is not None and len(before) == len(params):
+            diffs = torch._foreach_sub([p.detach() for p in params], before)
+            ratios = torch.stack(torch._foreach_norm(diffs)) / torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
+        else:
+            ratios = torch.zeros(len(params), device=device)
+        # g^2 < threshold * v / (1 - beta2^t), as g^2 * (1 - beta2^t) / threshold < v: v is compared, never
+        # multiplied (Adam's second moments are often subnormal, and subnormal products are slow on CPUs).
+        grads, seconds, sizes = [], [], []
+        for opt, group, p in entries:
+            state = opt.state.get(p, {})
+            v, step = state.get("exp_avg_sq"), state.get("step")
+            if p.grad is None or v is None or step is None or v.shape != p.shape:
+                sizes.append(0)
+                continue
+            beta2 = float(group.get("betas", (0.9, 0.999))[1])
+            correction = 1 - beta2 ** torch.as_tensor(step, dtype=torch.float32, device=v.device)
+            g = p.grad.detach().reshape(-1).float()
+            grads.append(g * g * (correction / self.lag_threshold))
+            seconds.append(v.reshape(-1).float())
+            sizes.append(p.numel())
+        if grads:  # one comparison over all coordinates, then a sum per parameter (views of it)
+            lagging = torch.cat(grads) < torch.cat(seconds)
+            parts = iter(lagging.split([n for n in sizes if n]))
+            zero = torch.zeros((), dtype=torch.long, device=lagging.device)
+            lag = torch.stack([next(parts).sum() if n else zero for n in sizes]).float()
+        else:
+            lag = torch.zeros(len(sizes), device=device)
+        counts = torch.tensor(sizes, dtype=torch.float32, device=lag.device)
+        per_layer = lag / counts.clamp_min(1)
+        total = lag.sum() / max(sum(sizes), 1)
+        return ratios, per_layer, total
+
+    # -- host side
+    def judge(self, ratios: Sequence[float], lags: Sequence[float], lag_total: float, names: Sequence[str],
+              step: int) -> list[str]:
+        """Warnings for one logging step's host values (the same values on every rank give the same warnings)."""
+        warnings = []
+        self.judged += 1
+        if ratios:
+            worst = max(range(len(ratios)), key=lambda i: ratios[i])
+            ratio = ratios[worst]
+            reference = sorted(self.ratios)[len(self.ratios) // 2] if len(self.ratios) >= self.baseline else None
+            above = reference is not None and ratio > self.ratio_factor * reference
+            if above and not self.above["update_ratio"] and reference is not None:
+                warnings.append(
+                    f"update ratio of {names[worst]!r} at step {step}: {ratio:.3g} (update RMS / parameter RMS),"
+                    f" {ratio / reference:.1f}x the median of the last {self.baseline} logged ({reference:.3g});"
+                    f" {MEASURED_LEAD['update_ratio']}")
+            self.above["update_ratio"] = above
+            if not above and math.isfinite(ratio):  # a warned-about value does not become the new normal
+                self.ratios = (self.ratios + [ratio])[-self.baseline:]
+        if lags:
+            above = lag_total > self.lag_limit and self.judged > self.baseline
+            if above and not self.above["adam_lag"]:
+                worst = max(range(len(lags)), key=lambda i: lags[i])
+                warnings.append(
+                    f"Adam lag at step {step}: {lag_total:.1%} of coordinates have g^2 < {self.lag_threshold:g} *"
+                    f" v_hat (lag_limit {self.lag_limit:.0%}); most in {names[worst]!r} ({lags[worst]:.1%});"
+                    f" {MEASURED_LEAD['adam_lag']}")
+            self.above["adam_lag"] = above
+        return warnings
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ratios": list(self.ratios), "judged": self.judged, "above": dict(self.above),
+                "spike_score": self.spike_score.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ratios, self.judged = [float(r) for r in state["ratios"]], int(state["judged"])
+        self.above = {key: bool(state["above"][key]) for key in self.above}
+        self.spike_score.load_state_dict(state["spike_score"])
+
+
+def parameter_names(model: nn.Module, optimizer: Optimizers) -> list[str]:
+    """The model's name of each optimizer parameter (by identity), ``group{g}.{i}`` where the optimizer holds a
+    copy (FP32 masters: ``param{i}``, the i-th parameter the optimizers step): the layer a warning names."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return [by_id.get(id(p), f"param{i}") for i, p in enumerate(_params(optimizer))]

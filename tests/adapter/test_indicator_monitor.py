@@ -1,0 +1,160 @@
+"""OverflowMonitor(indicators=..., attention=...) through the Trainer: the metrics are logged on logging steps, read in
+one host read each, warnings name the layer and the indicator, a resumed run logs what an uninterrupted one does, and
+two DDP ranks take the same decisions."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import HostReads, make_trainer
+from torch import nn
+from torch.nn import functional as F
+from trainer_pkg import StablePrecision, pl
+
+from lit_mpstable.callbacks import OverflowMonitor
+from lit_mpstable.core.guards.indicators import Indicators
+
+INDICATOR_METRICS = ("mp/update_ratio_max", "mp/adam_lag_frac", "mp/spike_score", "mp/attn_logit_max")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.n_heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+
+
+class AttentionTask(pl.LightningModule):
+    """A one-block causal attention regression; ``rank_scale`` multiplies the inputs of DDP rank 1 only."""
+
+    def __init__(self, lr: float = 0.05, rank_scale: float = 1.0, n: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block, self.lr, self.rank_scale = Block(), lr, rank_scale
+        gen = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(n, 6, 8, generator=gen), torch.randn(n, 6, 8, generator=gen)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_rank == 1:
+            x = x * self.rank_scale
+        return F.mse_loss(self.block(x).float(), y)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class Logged(pl.Callback):
+    """The indicator metrics after each batch (list it after the monitor)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items() if k in INDICATOR_METRICS}
+                         | {"step": trainer.global_step})
+
+
+def _fit(monitor: OverflowMonitor, steps: int, task: AttentionTask | None = None, **kwargs):
+    logged = Logged()
+    trainer = make_trainer(StablePrecision("bf16-mixed"), max_steps=steps, callbacks=[monitor, logged], **kwargs)
+    trainer.fit(task or AttentionTask())
+    return trainer, logged.rows
+
+
+def test_indicators_are_logged_on_logging_steps():
+    monitor = OverflowMonitor(log_every_n_steps=2, indicators=True, attention=True)
+    _, rows = _fit(monitor, 4)
+    assert set(rows[1]) == {*INDICATOR_METRICS, "step"} and rows[1]["step"] == 2
+    assert "mp/update_ratio_max" not in rows[0]  # step 1 is not a logging step
+    assert 0 < rows[3]["mp/update_ratio_max"] < 1 and 0 <= rows[3]["mp/adam_lag_frac"] <= 1
+    assert rows[3]["mp/attn_logit_max"] == max(max(v) for v in monitor.latest_attention.values())
+    assert list(monitor.latest_attention) == ["block"] and len(monitor.latest_attention["block"]) == 2
+
+
+def test_one_host_read_per_logging_step_and_none_on_the_others():
+    reads = {}
+    for on in (False, True):
+        monitor = OverflowMonitor(log_every_n_steps=3, indicators=on, attention=on)
+        with HostReads() as seen:
+            _fit(monitor, 6)
+        reads[on] = seen.ops
+    extra = Counter(reads[True]) - Counter(reads[False])
+    assert Counter(reads[False]) - Counter(reads[True]) == Counter()
+    # Ours: one tolist at steps 3 and 6. Lightning's: each value given to LightningModule.log is made a tensor and
+    # read back twice (callback_metrics and the progress bar), 2 reads per metric per logging step, as for every mp/*
+    # metric; the 4 indicator metrics add 2 * 4 * 2.
+    assert extra == Counter({"tolist": 2, "_local_scalar_dense": 16})
+
+
+def test_warnings_name_the_layer_and_the_indicator():
+    task = AttentionTask(lr=0.05)
+    with torch.no_grad():
+        task.block.qkv.weight.mul_(40.0)  # logits far above 100
+    monitor = OverflowMonitor(log_every_n_steps=1, indicators=Indicators(lag_limit=1e-6, baseline=1), attention=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(monitor, 3, task)
+    texts = [str(w.message) for w in caught if "OverflowMonitor" in str(w.message)]
+    assert any("Adam lag" in t and "most in 'block." in t for t in texts), texts
+    assert any("attention logit of 'block' head" in t and "QKClip" in t for t in texts), texts
+
+
+def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path: Path):
+    def monitor():
+        return OverflowMonitor(log_every_n_steps=2, attention=True,
+                               indicators=Indicators(baseline=2, spike_window=2, spike_rolling_window=3))
+
+    # 32 samples, batch 8: 4 steps an epoch; the checkpoint is taken at an epoch's end (Lightning replays a cut one).
+    _, whole = _fit(monitor(), -1, AttentionTask(n=32), max_epochs=2)
+    first, _ = _fit(monitor(), -1, AttentionTask(n=32), max_epochs=1)
+    ckpt = tmp_path / "epoch1.ckpt"
+    first.save_checkpoint(ckpt)
+    assert set(torch.load(ckpt, weights_only=True)["callbacks"][monitor().state_key]) >= {"indicators"}
+    resumed_monitor = monitor()
+    logged = Logged()
+    trainer = make_trainer(StablePrecision("bf16-mixed"), max_steps=-1, max_epochs=2,
+                           callbacks=[resumed_monitor, logged])
+    trainer.fit(AttentionTask(n=32), ckpt_path=ckpt)
+    assert logged.rows[-1]["step"] == 8 and whole[-1]["step"] == 8
+    resumed = {r["step"]: r for r in logged.rows}
+    for step in (6, 8):
+        assert resumed[step] == pytest.approx(whole[step - 1]), step
+    assert whole[5]["mp/spike_score"] == resumed[6]["mp/spike_score"]
+
+
+def _ddp_run(out_dir: Path):
+    import dist_helpers
+
+    class Decisions(pl.Callback):
+        def __init__(self, monitor):
+            self.monitor = monitor
+            self.events: list = []
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            self.events.append((trainer.global_step, sorted(self.monitor.attention_warned),
+                                dict(self.monitor.indicators.above), list(self.monitor.indicators.ratios)))
+
+    monitor = OverflowMonitor(log_every_n_steps=1, indicators=True, attention=True)
+    task = AttentionTask(rank_scale=60.0)  # only rank 1's logits pass 100
+    return dist_helpers.fit_ddp(task, StablePrecision("bf16-mixed"), [monitor, Decisions(monitor)], out_dir, 3)
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_take_the_same_decisions(tmp_path: Path):
+    ranks = _ddp_run(tmp_path)
+    assert ranks[0]["Decisions.events"] == ranks[1]["Decisions.events"]
+    assert ranks[0]["Decisions.events"][-1][1] == ["block"]  # rank 1's large logits warned on both ranks

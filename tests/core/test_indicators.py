@@ -1,0 +1,201 @@
+"""The leading indicators (core/guards/indicators.py): each statistic against a plain re-computation, the warning
+rule, resume, and argument checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lit_mpstable.core.guards.indicators import AttentionLogits, Indicators, SpikeScore, parameter_names
+
+
+def _olmo_spike_score(losses, norms, window=4, rolling=6, threshold=2.0):
+    """OLMo-core's SpikeScore written plainly on the host (the definition, not its code)."""
+    def spike(value, history):
+        if len(history) < window:
+            return False
+        mean = sum(history) / len(history)
+        std = math.sqrt(sum((x - mean) ** 2 for x in history) / len(history))
+        return std >= 1e-10 and value > mean + threshold * std
+
+    hl, hn, flags, scores = [], [], [], []
+    for loss, norm in zip(losses, norms):
+        flags.append(spike(loss, hl[-window:]) or spike(norm, hn[-window:]))
+        hl.append(loss)
+        hn.append(norm)
+        steps = len(flags)
+        scores.append(sum(flags[-rolling:]) / rolling if steps >= rolling else
+                      sum(flags) / steps if steps >= window else 0.0)
+    return scores
+
+
+def test_spike_score_is_olmo_cores_definition():
+    gen = torch.Generator().manual_seed(0)
+    losses = (torch.rand(30, generator=gen) + 2).tolist()
+    norms = (torch.rand(30, generator=gen) + 1).tolist()
+    losses[9], norms[17], losses[25] = 50.0, 40.0, 60.0
+    score = SpikeScore(window_size=4, rolling_window=6, threshold_std=2.0)
+    got = []
+    for loss, norm in zip(losses, norms):
+        score.update(torch.tensor(loss), torch.tensor(norm))
+        got.append(float(score.score()))
+    want = _olmo_spike_score(losses, norms)
+    assert got == pytest.approx(want, abs=1e-6)
+    assert max(want) > 0  # the spikes were seen
+
+
+def _adam_run(steps=3, lr=0.1):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.99))
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return model, opt, x, y
+
+
+def test_update_ratio_and_adam_lag_match_a_plain_computation():
+    model, opt, x, y = _adam_run()
+    ind = Indicators(lag_threshold=0.5)
+    ind.snapshot_(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    ratios, lags, total = ind.measure(opt)
+    want = [((p - b).norm() / b.norm()).item() for p, b in zip(model.parameters(), before)]
+    assert ratios.tolist() == pytest.approx(want, rel=1e-5)
+    lagging, sizes = [], []
+    for p in model.parameters():
+        state = opt.state[p]
+        v_hat = state["exp_avg_sq"] / (1 - 0.99 ** float(state["step"]))
+        lagging.append(float((p.grad.square() < 0.5 * v_hat).sum()))
+        sizes.append(p.numel())
+    assert lags.tolist() == pytest.approx([a / b for a, b in zip(lagging, sizes)])
+    assert float(total) == pytest.approx(sum(lagging) / sum(sizes))
+    assert 0 < float(total) < 1
+    assert parameter_names(model, opt) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_measure_without_snapshot_or_adam_state_gives_zeros():
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ratios, lags, total = Indicators().measure(opt)
+    assert ratios.tolist() == [0.0, 0.0] and lags.tolist() == [0.0, 0.0] and float(total) == 0.0
+
+
+def test_judge_warns_on_a_doubled_update_ratio_once_per_crossing_naming_the_layer():
+    ind = Indicators(ratio_factor=2.0, baseline=3, lag_limit=0.9)
+    names = ["a.weight", "b.weight"]
+    assert ind.judge([0.01, 0.02], [0.1, 0.1], 0.1, names, 1) == []
+    assert ind.judge([0.01, 0.02], [0.1, 0.1], 0.1, names, 2) == []
+    assert ind.judge([0.01, 0.021], [0.1, 0.1], 0.1, names, 3) == []
+    warned = ind.judge([0.01, 0.05], [0.1, 0.1], 0.1, names, 4)
+    assert len(warned) == 1 and "'b.weight'" in warned[0] and "update ratio" in warned[0]
+    assert ind.judge([0.01, 0.06], [0.1, 0.1], 0.1, names, 5) == []  # still above: no repeat
+    assert ind.judge([0.01, 0.02], [0.1, 0.1], 0.1, names, 6) == []
+    lag = ind.judge([0.01, 0.02], [0.2, 0.95], 0.92, names, 7)
+    assert len(lag) == 1 and "Adam lag" in lag[0] and "'b.weight'" in lag[0]
+
+
+def test_indicator_state_round_trips_and_later_judgements_match():
+    a, b = Indicators(baseline=2, spike_window=2, spike_rolling_window=3), None
+    for i in range(5):
+        a.spike_score.update(torch.tensor(1.0 + i % 2), torch.tensor(2.0))
+        a.judge([0.01 * (i + 1)], [0.1], 0.1, ["w"], i)
+    b = Indicators(baseline=2, spike_window=2, spike_rolling_window=3)
+    b.load_state_dict(a.state_dict())
+    for ind in (a, b):
+        ind.spike_score.update(torch.tensor(30.0), torch.tensor(2.0))
+    assert float(a.spike_score.score()) == float(b.spike_score.score()) > 0
+    assert a.judge([1.0], [0.1], 0.1, ["w"], 9) == b.judge([1.0], [0.1], 0.1, ["w"], 9) != []
+
+
+@pytest.mark.parametrize("kwargs", [dict(ratio_factor=1.0), dict(ratio_factor=float("nan")), dict(baseline=0),
+                                    dict(lag_threshold=-1.0), dict(lag_limit=1.5), dict(spike_window=1),
+                                    dict(spike_threshold_std=True)])
+def test_bad_arguments_name_the_argument(kwargs):
+    name = next(iter(kwargs)).replace("spike_", "")
+    with pytest.raises(ValueError, match=name.split("_")[0]):
+        Indicators(**kwargs)
+
+
+def _reference_logits(q, k, mask=None):
+    logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return logits
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_attention_logits_of_multihead_attention(batch_first):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    model = nn.Sequential(mha)
+    rec = AttentionLogits(model)
+    seq = torch.randn(3, 5, 8)  # (N, L, E)
+    x = seq if batch_first else seq.transpose(0, 1)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)  # MHA: True = not allowed
+    mha(x, x, x, attn_mask=causal)
+    assert rec.take() == {}  # not armed: nothing measured
+    rec.armed = True
+    mha(x, x, x, attn_mask=causal)
+    got = rec.take()["0"]
+    w_q, w_k, _ = mha.in_proj_weight.chunk(3)
+    b_q, b_k, _ = mha.in_proj_bias.chunk(3)
+    q = (seq @ w_q.T + b_q).view(3, 5, 2, 4).transpose(1, 2)
+    k = (seq @ w_k.T + b_k).view(3, 5, 2, 4).transpose(1, 2)
+    want = _reference_logits(q, k, ~causal).amax(dim=(0, 2, 3))
+    assert torch.allclose(got, want, atol=1e-5)
+    rec.remove()
+
+
+class _SdpaAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 6, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_logits_of_an_sdpa_caller_and_the_function_is_restored():
+    torch.manual_seed(0)
+    model = nn.Sequential(_SdpaAttention())
+    rec = AttentionLogits(model)
+    assert rec.names == ["0"]
+    x = torch.randn(2, 6, 8)
+    original = F.scaled_dot_product_attention
+    rec.armed = True
+    out = model(x)
+    assert F.scaled_dot_product_attention is original
+    q, k, v = model[0].qkv(x).view(2, 6, 3, 2, 4).permute(2, 0, 3, 1, 4)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    want = _reference_logits(q, k, causal).amax(dim=(0, 2, 3))
+    assert torch.allclose(rec.take()["0"], want, atol=1e-5)
+    assert torch.allclose(out, original(q, k, v, is_causal=True))
+
+
+def test_attention_logits_rejects_unknown_module_names():
+    with pytest.raises(ValueError, match="sdpa_modules"):
+        AttentionLogits(nn.Sequential(nn.Linear(2, 2)), sdpa_modules=["blocks.0"])
+
+
+def test_two_recorders_on_one_model_both_record_and_the_function_is_restored():
+    torch.manual_seed(0)
+    model = nn.Sequential(_SdpaAttention())
+    original = F.scaled_dot_product_attention
+    first, second = AttentionLogits(model), AttentionLogits(model)  # OverflowMonitor's and QKClip's
+    first.armed = second.armed = True
+    x = torch.randn(2, 6, 8)
+    for _ in range(2):
+        model(x)
+        assert F.scaled_dot_product_attention is original
+    assert torch.equal(first.take()["0"], second.take()["0"])
