@@ -4,7 +4,8 @@
     .venv/bin/python experiments/indicators/qk_clip.py --seeds 1 --steps 40   # smoke run
 
 ``make run``'s GPT (``lit_mpstable.app.zoo.GPTLM``: d 128, 2 blocks, 4 heads, no QK norm) on the standard-library
-characters, through the Trainer with ``StablePrecision(--precision)`` (bf16-mixed) and AdamW, at a high LR (``--lr``, warmup
+characters, through the Trainer with ``StablePrecision(--precision)`` (bf16-mixed) and AdamW, at a high LR
+(``--lr``, warmup
 ``--warmup`` then cosine, as ``GPTLM`` schedules it; ``--qkv-lr`` gives the attention's qkv projections their own
 LR, so that only the attention logits are pushed), with and without ``QKClip(threshold=--threshold)``.
 ``OverflowMonitor(attention=True, log_every_n_steps=1)`` reads the per-head max attention logit every step (the

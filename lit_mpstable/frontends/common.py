@@ -154,6 +154,7 @@ class StableFrontEnd:
         self.findings = Findings()
         self._warned: set[str] = set()  # warnings fire once per cause and plugin
         self._state_loaded = False  # load_state_dict was called (a resume that brought the plugin's state)
+        self._schedule_preloaded: Any = None  # the schedule state switched in before the fingerprint's manifest check
         self._notes_shown = 0
         self._runaway: tuple[int, list[str]] = (-1, [])  # (growth samples when computed, the layers)
         self._show_notes()
@@ -385,8 +386,12 @@ class StableFrontEnd:
         checkpoint written under another precision schedule raises ``ValueError`` naming both; one past a milestone
         resumes with the switched formats."""
         fingerprint, state_dict = self.fingerprint.split(state_dict, call=f"{type(self).__name__}.load_state_dict")
+        preloaded, self._schedule_preloaded = self._schedule_preloaded, None
+        if preloaded is not None and isinstance(state_dict, dict) and state_dict.get("precision_schedule") == preloaded:
+            state_dict = {k: v for k, v in state_dict.items() if k != "precision_schedule"}  # loaded already
+        else:  # before the fingerprint's manifest check: the layers in the formats the checkpoint trained in
+            state_dict = load_schedule_state(self.precision_schedule, state_dict, self.layout.module)
         self._check_fingerprint(fingerprint, state_dict, loaded=False)
-        state_dict = load_schedule_state(self.precision_schedule, state_dict, self.layout.module)
         for note in self.stepper.load_state_dict(state_dict):
             rank_zero_info(f"StablePrecision: {note}")
         self._state_loaded = True
@@ -395,6 +400,13 @@ class StableFrontEnd:
     def _check_fingerprint(self, fingerprint: dict[str, Any] | None, state: dict[str, Any], *, loaded: bool) -> None:
         """A front end's check of a loaded fingerprint (:mod:`lit_mpstable.core.fingerprint`), before (``loaded``
         False) and after the plugin's state is loaded."""
+
+    def _preload_schedule_(self, plugin_state: Any) -> None:
+        """A checkpoint's schedule state, loaded before its fingerprint's manifest is compared: a run resumed past a
+        milestone compares its layers in the switched formats the checkpoint trained in."""
+        if self.precision_schedule and isinstance(plugin_state, dict) and "precision_schedule" in plugin_state:
+            load_schedule_state(self.precision_schedule, plugin_state, self.layout.module)
+            self._schedule_preloaded = plugin_state["precision_schedule"]
 
     def _schedule_step_(self, schedulers: Sequence[Any], max_steps: int | None, steps_per_epoch: int | None) -> None:
         """At the start of each training step: the precision schedule's switches due now (bound at the first)."""

@@ -196,6 +196,7 @@ class TrainerPrecision(StableFrontEnd):
         # Runs before load_state_dict. A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under
         # "MixedPrecision": carry it over. (A checkpoint without FP32 masters needs nothing: its weights were loaded
         # into the FP32 model before setup, and the masters start from them.) Runs before the optimizers are restored.
+        self._preload_schedule_(checkpoint.get(type(self).__qualname__))  # layers switched as the checkpoint's were
         self._checkpoint_check().verify_(checkpoint, getattr(self._trainer(), "ckpt_path", None))  # may swap it
         unflatten_optimizer_states_(checkpoint.get("optimizer_states", []))
         self._loaded_weights = checkpoint.get("state_dict")
@@ -222,7 +223,7 @@ class TrainerPrecision(StableFrontEnd):
             raise RuntimeError(f"{self!r}: the pinned micro-batch needs the model; no model was set up.")
         module = lightning_module(module, self._pl)
         dtype = self.stepper.compute_dtype if self.stepper.true_16bit else None  # as convert_input casts a batch
-        return pinned_pass(module, _training_step_loss, batch, forward_context=self.stepper.forward_context,
+        return pinned_pass(module, _training_step_loss, batch, forward_context=self.forward_context,
                            dtype=dtype)
 
     def _trainer(self) -> Any:

@@ -333,6 +333,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
                         "_budget_batch": "the first training batch, held until the probe's budget measures it (the"
                                          " choice itself is in fp8_budget)",
                         "_state_loaded": "whether this fit loaded the plugin's state (for the resume warning only)",
+                        "_schedule_preloaded": "a loading checkpoint's schedule entry, between on_load_checkpoint and"
+                                               " load_state_dict (None otherwise)",
                         "ladder": "the remedy ladder: faces and knobs set again by the callbacks at fit start; its"
                                   " decisions are history (each face's own remedies are in its state)",
                         "ladder_events": "the ladder's decisions (history, as the ladder)",
@@ -388,7 +390,14 @@ NOT_STATE: dict[str, dict[str, str]] = {
                  "steers": _CONFIG,
                  "measurements": "timings behind the choices (the choices are saved; the timings in stats)",
                  "step_cost": "timing report", "_recording": _ITER},
-    "OverflowMonitor": {**_CALLBACK_COMMON, "growth_warned": _MSG, "window": _CONFIG, "warn_rate": _CONFIG,
+    "OverflowMonitor": {**_CALLBACK_COMMON,
+                        "indicators": "off in this run; when on, its state is the callback's 'indicators' entry"
+                                      " (test_indicator_monitor: a resumed run logs what an uninterrupted one does)",
+                        "attention": _CONFIG, "attention_logits": "the attention recorder, built at fit start",
+                        "latest_attention": "the last logging step's per-head readings (measured anew)",
+                        "attention_warned": "warned-once names; with attention on, the callback's 'attention_warned'"
+                                            " entry",
+                        "growth_warned": _MSG, "window": _CONFIG, "warn_rate": _CONFIG,
                         "log_every_n_steps": _CONFIG,
                         "latest_measured": "the values last logged (report; measured again at the next due step)",
                         "_steps": "counter baseline, reset from the plugin's restored counters at train start"},

@@ -308,3 +308,33 @@ def test_a_trigger_on_one_rank_switches_every_rank_at_the_same_step(tmp_path):
     mp.start_processes(_trigger_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt") == {"applied": [2], "fprop": "bf16"}
+
+
+def test_fabric_resumes_past_a_milestone_with_the_fingerprint_checked(tmp_path):
+    """Saved after the switch; a new process loads it: the layers are switched back before the fingerprint's manifest
+    (each layer's recipe) is compared, and the run goes on in the switched format."""
+    from lightning.fabric import Fabric
+
+    from lit_mpstable.fabric import StablePrecision as FabricPrecision
+
+    def run(load: bool) -> tuple[FabricPrecision, nn.Module]:
+        plugin = FabricPrecision("bf16-mixed", fp8=FP8Config(recipe="nvfp4", keep_high_precision=[],
+                                                             schedule=PrecisionSchedule(at=2, dgrad="bf16")))
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        net = _plain()
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        state = {"model": model, "optimizer": optimizer, "precision": plugin}
+        if load:
+            fabric.load(tmp_path / "fabric.ckpt", state)
+        for _ in range(1 if load else 3):
+            fabric.backward(model(torch.randn(8, 32)).float().pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        if not load:
+            fabric.save(tmp_path / "fabric.ckpt", state)
+        return plugin, net
+
+    run(load=False)
+    plugin, net = run(load=True)
+    assert [e["action"] for e in plugin.fingerprint.events] == ["passed", "passed"]
+    assert net[2].fp8_config.spec.dgrad == "bf16" and plugin.state_dict()["precision_schedule"]["applied"] == [2]
