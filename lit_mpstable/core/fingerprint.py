@@ -356,6 +356,17 @@ def deterministic(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" or torch.are_deterministic_algorithms_enabled()
 
 
+def _rank_zero_verdict(differences: list[str]) -> list[str]:
+    """Rank 0's differences on every rank. The file holds the plugin state of rank 0 (DDP's one file, DCP's metadata),
+    so only rank 0 recomputes its own pinned loss: another rank's training_step may pick its rows by rank."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return differences
+    shared = [differences]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
 def compare_pinned(saved: Mapping[str, Any], measured: tuple[float, float], *, exact: bool) -> list[str]:
     """The pinned loss and gradient norm at the load against the save's: bitwise with ``exact``, else within
     :data:`LOSS_RTOL` / :data:`GRAD_NORM_RTOL`."""
@@ -465,9 +476,9 @@ class Fingerprint:
         pinned, saved = fingerprint.get("pinned") or {}, fingerprint["manifest"]
         if not pinned or (saved["precision"], saved["master_weights"]) != (stepper.precision, stepper.master_mode):
             return []
-        values = loss(pinned["batch"]).tolist()
+        values = loss(pinned["batch"]).tolist()  # on every rank: a sharded model's forward is collective
         exact = bool(pinned["deterministic"]) and deterministic(stepper.device)
-        return compare_pinned(pinned, (values[0], values[1]), exact=exact)
+        return _rank_zero_verdict(compare_pinned(pinned, (values[0], values[1]), exact=exact))
 
     def react(self, source: str, differences: list[str], notes: list[str] = ()) -> bool:  # type: ignore[assignment]
         """Record the check of ``source``; with differences raise (``"raise"``), warn (``"warn"``) or return True
