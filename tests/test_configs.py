@@ -480,7 +480,10 @@ def test_the_main_job_runs_both_precisions_side_by_side(tmp_path: Path) -> None:
     assert builtin["spikes_skipped"] is None and builtin["faults_triaged"] is None
     assert ours["spikes_skipped"] >= 1 and ours["faults_triaged"] >= 2
     assert any(e["step"] == 320 and e["kind"] == "use_replay" for e in ours["events"])
-    assert any(e["step"] == 260 and "SpikeGuard" in e["why"] for e in ours["events"])
+    # The spike: SpikeGuard flags it; where its replays are not clean either (here: non-finite, on this machine's
+    # FP16 kernels) the ladder's table goes on to FaultTriage's verdict, data, and the skip is recorded under it.
+    assert any(e["step"] == 260 and e["kind"] == "skip"
+               and ("SpikeGuard" in e["why"] or "FaultTriage: data" in e["why"]) for e in ours["events"])
     # One line per decision: the spike ScaleCheckpoint skipped and FaultTriage classified is one.
     assert [e["step"] for e in ours["events"]].count(260) == 1
     cells = {cell.strip() for line in result.stdout.splitlines() for cell in re.split("[│┃]", line)}
