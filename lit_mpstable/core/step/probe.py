@@ -15,9 +15,8 @@ from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.core.tensors import default_dtype
 from lit_mpstable.core.weights.weights import WeightKeeper
 from lit_mpstable.fp8 import convert_from_fp8
+from lit_mpstable.fp8.budget import LossFn  # (module, batch) -> the loss of one (micro-)batch, before loss scaling
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-"""``(module, batch) -> loss``: the loss of one (micro-)batch, as the step computed it (before loss scaling)."""
 METRICS = ("underflow_frac", "rel_error", "cosine")
 """The measures, overall and per module (see :func:`measure`)."""
 _FP8_METRICS = ("fp8_rel_error", "base_rel_error")
