@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 import torch
 
 if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
     from torch.utils._python_dispatch import TraceableWrapperSubclass
 
 _T = TypeVar("_T")
@@ -72,7 +73,7 @@ def copy_quantized_state(value: torch.Tensor, device: torch.device | None) -> to
     return type(wrapper).__tensor_unflatten__(inner, context, value.shape, value.stride())
 
 
-def flatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> int:
+def flatten_optimizer_states_(optimizer_states: Iterable[StateDict]) -> int:
     """Replace, in these ``optimizer.state_dict()`` results, every allowed tensor-subclass state by its flat form
     (the live optimizer is not touched: the dicts are the state dicts' own); returns how many were replaced."""
     count = 0
@@ -85,7 +86,7 @@ def flatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> int
     return count
 
 
-def unflatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> int:
+def unflatten_optimizer_states_(optimizer_states: Iterable[StateDict]) -> int:
     """Rebuild, in place, every state :func:`flatten_optimizer_states_` stored flat; returns how many.
 
     Raises:

@@ -222,7 +222,7 @@ def agreed_names(names: Sequence[str]) -> list[str]:
 
 
 def triage_event(step: int, kind: str, blamed: list[str], batch_idx: int, replays: list[str],
-                 **extra: object) -> dict[str, Any]:
+                 **extra: object) -> dict[str, object]:
     """The record of one triaged step, as every host writes it: ``step``, ``kind``, ``action``, ``blamed``,
     ``batch_idx``, ``replays`` (``"as_is:nonfinite"``, ...) and extras (``restored_step``, ``effect``)."""
     return dict(step=step, kind=kind, action=ACTIONS[kind], blamed=blamed, batch_idx=batch_idx, replays=replays,
