@@ -39,6 +39,13 @@ from lit_mpstable.core.guards.triage import (
 from lit_mpstable.core.step.stepper import PrecisionStepper
 
 
+class ExposesStepper(Protocol):
+    """A front end that exposes its stepper (Fabric's ``StablePrecision``)."""
+
+    @property
+    def stepper(self) -> PrecisionStepper: ...
+
+
 class Stateful(Protocol):
     """What a snapshot copies and loads back besides the stepper, the model and the optimizers: an LR scheduler."""
 
@@ -100,8 +107,8 @@ class StateSnapshot:
         ValueError: an argument of the wrong kind (the message names it).
     """
 
-    def __init__(self, stepper: object, model: nn.Module, optimizers: object,
-                 schedulers: Iterable[Stateful] = ()) -> None:
+    def __init__(self, stepper: PrecisionStepper | ExposesStepper, model: nn.Module,
+                 optimizers: Optimizer | Sequence[Optimizer], schedulers: Iterable[Stateful] = ()) -> None:
         call = type(self).__name__
         self.stepper = _stepper(call, stepper)
         if not isinstance(model, nn.Module):
@@ -193,7 +200,8 @@ class StepTriage:
         ValueError: an argument of the wrong kind or out of range (the message names it).
     """
 
-    def __init__(self, stepper: object, *, max_replays: int = 3, snapshot: Restorable | None = None,
+    def __init__(self, stepper: PrecisionStepper | ExposesStepper, *, max_replays: int = 3,
+                 snapshot: Restorable | None = None,
                  replay_budget: int = REPLAY_BUDGET, budget_window: int = BUDGET_WINDOW) -> None:
         call = type(self).__name__
         self.stepper = _stepper(call, stepper)
