@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -200,7 +200,7 @@ class OverflowTracer:
     # graph once.
     def _pre_hook(self, name: str, depth: int):
         @torch.compiler.disable
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             self._calls += 1
             inputs = _tensors((args, kwargs))
             bad_in = any_nonfinite(inputs) if inputs else None
@@ -216,7 +216,7 @@ class OverflowTracer:
 
     def _post_hook(self, name: str, depth: int):
         @torch.compiler.disable
-        def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             self._calls += 1
             bad_in = self._inputs.pop() if self._inputs else None
             tensors = _tensors(output)

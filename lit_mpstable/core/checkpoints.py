@@ -12,12 +12,17 @@ from __future__ import annotations
 import copy
 import importlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import torch
 
 if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
     from torch.utils._python_dispatch import TraceableWrapperSubclass
+
+_T = TypeVar("_T")
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 _MARK = "lit_mpstable.flat_tensor"
 # Classes whose __tensor_flatten__ / __tensor_unflatten__ round trip is known to rebuild them exactly.
@@ -32,7 +37,7 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _flatten(value: torch.Tensor) -> dict[str, Any]:
+def _flatten(value: torch.Tensor) -> dict[str, object]:
     # Only states of the allowed classes come here: wrapper subclasses, which Tensor's stubs do not describe.
     flat: tuple[Sequence[str], Any] = cast("TraceableWrapperSubclass", value).__tensor_flatten__()
     names, context = flat  # torchao's contexts are sequences of plain values
@@ -68,7 +73,7 @@ def copy_quantized_state(value: torch.Tensor, device: torch.device | None) -> to
     return type(wrapper).__tensor_unflatten__(inner, context, value.shape, value.stride())
 
 
-def flatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> int:
+def flatten_optimizer_states_(optimizer_states: Iterable[StateDict]) -> int:
     """Replace, in these ``optimizer.state_dict()`` results, every allowed tensor-subclass state by its flat form
     (the live optimizer is not touched: the dicts are the state dicts' own); returns how many were replaced."""
     count = 0
@@ -81,7 +86,7 @@ def flatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> int
     return count
 
 
-def unflatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> int:
+def unflatten_optimizer_states_(optimizer_states: Iterable[StateDict]) -> int:
     """Rebuild, in place, every state :func:`flatten_optimizer_states_` stored flat; returns how many.
 
     Raises:
@@ -97,7 +102,11 @@ def unflatten_optimizer_states_(optimizer_states: Iterable[dict[str, Any]]) -> i
     return count
 
 
-def copy_state(obj: object, device: torch.device | None = None) -> Any:
+@overload
+def copy_state(obj: Mapping[_K, _V], device: torch.device | None = None) -> dict[_K, _V]: ...
+@overload
+def copy_state(obj: _T, device: torch.device | None = None) -> _T: ...
+def copy_state(obj: object, device: torch.device | None = None) -> object:
     """Nested dicts/lists with every tensor copied (to ``device``, else where it is): state dicts share storage with
     the live tensors, and a snapshot must not follow them (torchao's quantized states included)."""
     if isinstance(obj, torch.Tensor):

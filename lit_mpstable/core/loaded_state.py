@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
 from lit_mpstable.base.validate import bool_arg, check_keys, int_arg, real_arg
 
-Field = Callable[[str, str, Any], object]  # a check: raises on a bad value; what it returns is ignored
+Field = Callable[[str, str, object], object]  # a check: raises on a bad value; what it returns is ignored
 """``(call, name, value)``: raises ``TypeError``/``ValueError`` naming ``call(name=value)`` unless ``value`` is
 valid."""
 
@@ -124,9 +123,9 @@ def records(call: str, name: str, value: object) -> None:
             raise TypeError(f"{call}({name}[{index}]={short(item)}): must be a dict (one record).")
 
 
-def finite_tensors(call: str, name: str, value: Any) -> None:
+def finite_tensors(call: str, name: str, value: object) -> None:
     """``{parameter name: floating tensor}`` with every element finite (one host read for all of them)."""
-    check_mapping(call, value, name=name)
+    value = check_mapping(call, value, name=name)
     tensors = []
     for key, tensor in value.items():
         if not isinstance(key, str) or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():

@@ -9,7 +9,6 @@ rank here. Setup only: one collective per tensor and one host read per seed.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,7 @@ def agree_seed(seed: int, group: ProcessGroup | None, device: torch.device | str
     return int(value.item()) % _U64
 
 
-def default_replicas(params: Iterable[torch.Tensor]) -> Any:
+def default_replicas(params: Iterable[torch.Tensor]) -> ProcessGroup | None:
     """The default process group when this process is one of several replicas of a model whose ``params`` are whole
     tensors (not DTensor shards, which differ by rank), else None."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):

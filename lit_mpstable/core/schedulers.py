@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
 
 # scheduler -> [applied_steps(), the count when the scheduler last stepped]
-_progress: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+_progress: weakref.WeakKeyDictionary[object, list[Any]] = weakref.WeakKeyDictionary()
 
 
-def _held_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _held_step(self: Any, *args: object, **kwargs: object) -> object:  # self: of a scheduler class, untyped for super()
     progress = _progress.get(self)
     if progress is not None:
         applied = progress[0]()
@@ -57,15 +60,15 @@ class ScheduleHold:
             optimizers' (for a scheduler without an ``optimizer`` attribute).
     """
 
-    def __init__(self, applied_steps: Callable[[Any], int]) -> None:
+    def __init__(self, applied_steps: Callable[[Optimizer | None], int]) -> None:
         self.applied_steps = applied_steps
-        self._held: list[weakref.ref] = []
+        self._held: list[weakref.ref[object]] = []
         self._pending: list[int] | None = None
 
     def _count(self, scheduler: object) -> Callable[[], int]:
         return functools.partial(self.applied_steps, getattr(scheduler, "optimizer", None))
 
-    def hold(self, schedulers: list[Any]) -> None:
+    def hold(self, schedulers: Sequence[object]) -> None:
         """Hold these schedulers (a new ``fit`` replaces the previous ones); a loaded position applies to them."""
         for scheduler in schedulers:
             hold_on_skip(scheduler, self._count(scheduler))
@@ -73,7 +76,7 @@ class ScheduleHold:
         if self._pending is not None:
             self.load_state_dict(self._pending)
 
-    def _live(self) -> list[Any]:
+    def _live(self) -> list[object]:
         return [s for ref in self._held if (s := ref()) is not None and s in _progress]
 
     def state_dict(self) -> list[int]:
@@ -103,7 +106,7 @@ class ScheduleHold:
             _progress[scheduler][1] = _progress[scheduler][0]() - (int(behind[i]) if same else 0)
 
 
-def _reduce_ex(self: object, protocol: int) -> Any:
+def _reduce_ex(self: object, protocol: int) -> tuple[object, ...]:
     # Pickle as the original class (the held subclass is made at run time and cannot be imported): a copy is a
     # plain scheduler with the same state.
     return _rebuild, (type(self).__mro__[1], self.__dict__)
@@ -112,7 +115,7 @@ def _reduce_ex(self: object, protocol: int) -> Any:
 _T = TypeVar("_T")
 
 
-def _rebuild(cls: type[_T], state: dict[str, Any]) -> _T:
+def _rebuild(cls: type[_T], state: Mapping[str, object]) -> _T:
     scheduler = cls.__new__(cls)
     scheduler.__dict__.update(state)
     return scheduler

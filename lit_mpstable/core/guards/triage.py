@@ -5,10 +5,10 @@ step needs triage and whether a replay is clean, and :func:`climb`, which runs t
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +19,27 @@ from lit_mpstable.core.compiled import eager
 from lit_mpstable.core.tensors import local_view
 
 TriageKind = Literal["transient", "precision", "data", "state"]
+
+
+class TriagePlugin(Protocol):
+    """What triage reads of, and calls on, the precision object whose step was rejected: a
+    :class:`~lit_mpstable.core.step.stepper.PrecisionStepper`, or a front end showing its state. ``spike_guard``
+    and ``last_step_spiked`` are read where present (a foreign plugin has neither)."""
+
+    @property
+    def last_loss(self) -> torch.Tensor | None: ...
+    @property
+    def stats(self) -> Mapping[str, object]: ...
+    @property
+    def scaler(self) -> object: ...  # compared with None only
+    @property
+    def loss_scale(self) -> float: ...
+
+
+class ReplayPlugin(TriagePlugin, Protocol):
+    """What :func:`climb` asks of the precision object besides what :class:`TriagePlugin` reads."""
+
+    def undo_backoff_(self) -> bool: ...
 
 
 class Replay(Enum):
@@ -93,6 +114,7 @@ def budget_note(who: str, step: int, spent: int, max_replays: int, budget: int, 
 
 
 # ------------------------------------------------------------------------------------------------ checks
+# ``plugin`` is a TriagePlugin, not so typed while the callbacks' PrecisionView (what they pass) lacks last_loss.
 def needs_triage(plugin: Any, overflowed: bool) -> list[bool]:
     """Per-process reasons a rejected step needs triage (OR them across ranks with :func:`any_rank`): the loss scale
     does not explain it, or SpikeGuard made it. ``plugin`` is a stepper or a front end showing its ``last_loss``,
@@ -144,7 +166,7 @@ def state_finite(module: nn.Module, optimizers: Sequence[Optimizer]) -> bool:
     return bool(torch.stack([t.abs().amax().float().to(device) for t in tensors]).isfinite().all())
 
 
-def replay_spikes(plugin: Any, module: nn.Module, loss: torch.Tensor | None) -> bool:
+def replay_spikes(plugin: TriagePlugin, module: nn.Module, loss: torch.Tensor | None) -> bool:
     """Whether ``plugin``'s SpikeGuard (if any) judges the replay a spike by its current statistics: its loss (given
     by the replay's backward) and its gradients' norm (unscaled by the loss scale). Nothing is committed: a clean
     replay's step judges and folds again. One host read (events only)."""
@@ -194,13 +216,13 @@ def agreed_names(names: Sequence[str]) -> list[str]:
     """The same names on every rank: rank 0's, or, when it has none, those of the first rank that has any."""
     if not _distributed():
         return list(names)
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    gathered: list[list[str] | None] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, list(names))
     return next((list(g) for g in gathered if g), [])
 
 
 def triage_event(step: int, kind: str, blamed: list[str], batch_idx: int, replays: list[str],
-                 **extra: object) -> dict[str, Any]:
+                 **extra: object) -> dict[str, object]:
     """The record of one triaged step, as every host writes it: ``step``, ``kind``, ``action``, ``blamed``,
     ``batch_idx``, ``replays`` (``"as_is:nonfinite"``, ...) and extras (``restored_step``, ``effect``)."""
     return dict(step=step, kind=kind, action=ACTIONS[kind], blamed=blamed, batch_idx=batch_idx, replays=replays,
@@ -214,14 +236,19 @@ def describe(event: dict[str, Any], who: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the climb
-class ReplayHost(Protocol):
+Backup = TypeVar("Backup")  # what a host's enter_snapshot returns and its leave_snapshot takes back
+
+
+class ReplayHost(Protocol[Backup]):
     """What a front end gives :func:`climb`: the model and optimizer the replays run on, the precision object whose
     SpikeGuard judges them, and the actions only it knows how to take."""
 
     @property
     def module(self) -> nn.Module: ...  # read only (a LightningModule is one)
-    optimizer: Any  # the torch optimizer (its state is checked)
-    plugin: Any  # the stepper, or a front end showing its spike_guard, scaler, loss_scale and undo_backoff_
+    @property
+    def optimizer(self) -> Optimizer: ...  # the torch optimizer (its state is checked)
+    @property
+    def plugin(self) -> ReplayPlugin: ...  # the stepper, or a front end showing its spike_guard, scaler, loss_scale
     can_fp32: bool  # False where the precision is fixed (FSDP2): the FP32 rung is skipped
 
     def full_precision(self) -> AbstractContextManager: ...
@@ -233,15 +260,15 @@ class ReplayHost(Protocol):
     def discard(self) -> None:
         """Drop a non-clean replay's gradients (kept out of SpikeGuard's statistics)."""
     def has_snapshot(self) -> bool: ...
-    def enter_snapshot(self) -> Any:
+    def enter_snapshot(self) -> Backup:
         """Restore the last snapshot for a trial; returns what :meth:`leave_snapshot` needs to undo it."""
-    def leave_snapshot(self, backup: object) -> None: ...
+    def leave_snapshot(self, backup: Backup) -> None: ...
     def roll_back(self) -> int | None:
         """Keep the snapshot restored (a counted rollback); returns the step it was taken at."""
     def any_rank(self, flags: Sequence[bool]) -> list[bool]: ...
 
 
-def climb(host: ReplayHost, max_replays: int) -> tuple[TriageKind, list[str], list[str], dict[str, Any]]:
+def climb(host: ReplayHost[Backup], max_replays: int) -> tuple[TriageKind, list[str], list[str], dict[str, object]]:
     """Replay up the ladder until a replay is clean (on every rank) or the rungs run out; a clean replay's step is
     applied (after a rollback for the snapshot's rung). Returns the kind, the outcome of each rung tried, where
     inf/NaN first appeared in the as-is replay, and extras for the event (``restored_step``). An exception in the
@@ -249,7 +276,7 @@ def climb(host: ReplayHost, max_replays: int) -> tuple[TriageKind, list[str], li
     weights and the optimizer never stay at the snapshot's step while the counters say the current one."""
     outcomes: list[str] = []
     traced: list[str] = []
-    extra: dict[str, Any] = {}
+    extra: dict[str, object] = {}
     # What triage explains (a non-finite loss, an overflow at scale 1) was not the loss scale's doing: the backoff the
     # rejected execution caused is undone, so the replays run, and the run goes on, at the scale it ran at (a "state"
     # verdict's rollback then brings the snapshot's). Without this every transient fault halves the scale for good.

@@ -7,17 +7,25 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lit_mpstable.core.layout.layout import PrecisionLayout
-from lit_mpstable.fp8.budget import fill_budget, layer_gradient_errors, linear_weight_numel
+from lit_mpstable.fp8.budget import LossFn, fill_budget, layer_gradient_errors, linear_weight_numel
 from lit_mpstable.fp8.config import FP8Config, HighPrecisionBudget
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+class BudgetReport(TypedDict):
+    """What :meth:`ProbeBudget.report` returns."""
+
+    layers: list[str]
+    fraction: float
+    budget: float | None
+    step: int | None
+    errors: dict[str, float]
 
 
 class ProbeBudget:
@@ -52,9 +60,9 @@ class ProbeBudget:
         self.pending = self.budget is not None and value is None
 
     # -------------------------------------------------------------------------------------------- choosing
-    def choose_(self, layout: PrecisionLayout, loss_fn: LossFn, batch: Any, *,
-                base_precision: Callable[[], AbstractContextManager[Any]], step: int,
-                stats: dict[str, Any]) -> list[str]:
+    def choose_(self, layout: PrecisionLayout, loss_fn: LossFn, batch: object, *,
+                base_precision: Callable[[], AbstractContextManager[object]], step: int,
+                stats: dict[str, object]) -> list[str]:
         """See :meth:`PrecisionStepper.choose_high_precision_`: ``base_precision`` is the run's base precision
         alone (the measurement's context), ``step`` the optimizer step, ``stats`` where the report goes."""
         call = f"{self.owner}.choose_high_precision_"
@@ -79,7 +87,7 @@ class ProbeBudget:
         stats["fp8_high_precision"] = self.report(layout.module)
         return list(chosen)
 
-    def report(self, module: nn.Module | None) -> dict[str, Any]:
+    def report(self, module: nn.Module | None) -> BudgetReport:
         """``layers`` (kept in the base precision), ``fraction`` (their share of the linear weight elements),
         ``budget``, ``step`` and ``errors`` (per measured layer): plain values, for ``stats`` and the log line."""
         sizes = linear_weight_numel(module) if module is not None else {}
@@ -105,13 +113,13 @@ class ProbeBudget:
         self.layers = list(chosen)
 
     # ----------------------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """``{}`` before the choice (or without a probe budget); else ``layers``, ``errors``, ``step``."""
         if self.layers is None:
             return dict(self._saved)
         return {"layers": list(self.layers), "errors": dict(self.errors), "step": self.step}
 
-    def check_state(self, call: str, state: Any, layout: PrecisionLayout) -> None:
+    def check_state(self, call: str, state: object, layout: PrecisionLayout) -> None:
         """Refuse a malformed saved choice, or one that names layers this run's model does not run in FP8, before
         anything is loaded."""
         if not isinstance(state, dict):

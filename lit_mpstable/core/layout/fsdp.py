@@ -25,26 +25,30 @@ The strategy's own ``convert_module`` call after ``configure_model`` changes not
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
 
 from lit_mpstable.fp8.config import FP8Config
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
 _DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
            "bf16-mixed": torch.bfloat16}
-_NAMES = {torch.float16: "torch.float16", torch.bfloat16: "torch.bfloat16", torch.float32: "torch.float32"}
+_NAMES: dict[torch.dtype | None, str] = {torch.float16: "torch.float16", torch.bfloat16: "torch.bfloat16",
+                                        torch.float32: "torch.float32"}
 
 
-def _policy_class() -> Any:
+def _policy_class() -> type[MixedPrecisionPolicy]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy
 
 
-def mp_policy(precision: str, *, master_weights: bool = True) -> Any:
+def mp_policy(precision: str, *, master_weights: bool = True) -> MixedPrecisionPolicy:
     """The ``MixedPrecisionPolicy`` to pass to every ``fully_shard`` call for ``precision``.
 
     - ``"bf16-true"`` / ``"16-true"`` with master weights: ``param_dtype`` the 16-bit dtype, ``reduce_dtype`` FP32:
@@ -57,14 +61,14 @@ def mp_policy(precision: str, *, master_weights: bool = True) -> Any:
     return _policy_class()(reduce_dtype=torch.float32)
 
 
-def island_mp_policy(precision: str) -> Any:
+def island_mp_policy(precision: str) -> MixedPrecisionPolicy:
     """The policy of an FP32 island's own ``fully_shard`` unit: FP32 compute inside (no ``param_dtype``), FP32
     reduce, and in ``*-true`` modes the output cast back to the 16-bit dtype the next layer computes in."""
     output = _DTYPES[precision] if precision in ("16-true", "bf16-true") else None
     return _policy_class()(reduce_dtype=torch.float32, output_dtype=output)
 
 
-def fsdp_units(module: nn.Module) -> dict[str, Any]:
+def fsdp_units(module: nn.Module) -> dict[str, MixedPrecisionPolicy]:
     """``{qualified name: MixedPrecisionPolicy}`` of the submodules of ``module`` (itself included, as ``""``) that
     ``fully_shard`` has made FSDP2 units; empty for a model that is not sharded."""
     try:
@@ -77,7 +81,18 @@ def fsdp_units(module: nn.Module) -> dict[str, Any]:
             if isinstance(unit, FSDPModule)}
 
 
-def fsdp2_dtype_table(module: nn.Module) -> list[dict[str, Any]]:
+class DtypeRow(TypedDict):
+    """One row of :func:`fsdp2_dtype_table`."""
+
+    unit: str
+    params: int
+    param_dtype: str | None
+    reduce_dtype: str | None
+    shards: int | None
+    output_dtype: str | None
+
+
+def fsdp2_dtype_table(module: nn.Module) -> list[DtypeRow]:
     """One row per ``fully_shard`` unit of ``module`` (outermost first): what it computes, reduces and returns in.
 
     Keys: ``unit`` (qualified name, ``""`` for the root), ``params`` (elements it manages, its own and not a nested
@@ -93,7 +108,7 @@ def fsdp2_dtype_table(module: nn.Module) -> list[dict[str, Any]]:
         return None if dtype is None else _NAMES.get(dtype, str(dtype))
 
     # A unit without parameters of its own (a root over sharded blocks) shows its policy's dtypes.
-    rows: dict[str, dict[str, Any]]
+    rows: dict[str, DtypeRow]
     rows = {unit: {"unit": unit, "params": 0, "param_dtype": name(policy.param_dtype),
                    "reduce_dtype": name(policy.reduce_dtype or policy.param_dtype), "shards": None,
                    "output_dtype": name(policy.output_dtype)} for unit, policy in units.items()}
@@ -113,7 +128,7 @@ def fsdp2_dtype_table(module: nn.Module) -> list[dict[str, Any]]:
 _16BIT = ("torch.float16", "torch.bfloat16")
 
 
-def reduce_dtype_warning(rows: Iterable[dict[str, Any]]) -> str | None:
+def reduce_dtype_warning(rows: Iterable[Mapping[str, Any]]) -> str | None:
     """Why reducing gradients in 16 bits is risky, for the units of :func:`fsdp2_dtype_table` that do (None when
     none does)."""
     rows = [row for row in rows if row["reduce_dtype"] in _16BIT and row["params"]]
@@ -199,7 +214,8 @@ def check_fsdp_policies(
 
 
 def _mismatch(
-    policy: Any, param_dtype: torch.dtype, precision: str, dtype: torch.dtype, *, island: bool, masters: bool
+    policy: MixedPrecisionPolicy, param_dtype: torch.dtype, precision: str, dtype: torch.dtype, *, island: bool,
+    masters: bool,
 ) -> str | None:
     """Why ``policy`` over a parameter of ``param_dtype`` does not give ``precision`` (None when it does)."""
     compute = policy.param_dtype or param_dtype  # FSDP2 computes in param_dtype, else in the parameter's own dtype

@@ -5,10 +5,13 @@ from __future__ import annotations
 import fnmatch
 import types
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 
 def match_modules(root: nn.Module, specs: Iterable[type[nn.Module] | str]) -> dict[str, nn.Module]:
@@ -84,7 +87,7 @@ class FP32Islands:
         self.output_dtype: torch.dtype | None = None
         self.names: list[str] = []
         self._modules: list[nn.Module] = []
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
 
     def attach(self, root: nn.Module, *, device_type: str, output_dtype: torch.dtype | None) -> None:
         """Wrap the matched modules of ``root``; ``output_dtype`` casts their outputs back (``*-true`` modes)."""

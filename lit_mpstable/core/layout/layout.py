@@ -49,7 +49,7 @@ class PrecisionLayout:
         dtype: torch.dtype,
         *,
         cast_parameters: bool,
-        fp32_modules: Iterable[Any] = (),
+        fp32_modules: Iterable[type[nn.Module] | str] = (),
         fp8: FP8Config | None = None,
     ) -> None:
         self.dtype, self.cast_parameters, self.fp8 = dtype, cast_parameters, fp8
@@ -67,7 +67,7 @@ class PrecisionLayout:
         self.after_recast: Callable[[list[tuple[nn.Parameter, torch.Tensor]]], object] | None = None
         """Called after a re-application that changed parameter dtypes, with ``(parameter, its data before)`` for
         each: state kept per parameter (compact weights' compensation, optimizer state) follows the recast."""
-        self.find_ddp: Callable[[], Any] | None = None
+        self.find_ddp: Callable[[], nn.parallel.DistributedDataParallel | None] | None = None
         """Returns the ``DistributedDataParallel`` wrapping :attr:`module` now, or ``None`` (set by a front end that
         knows its strategy): a recast of ``*-true`` parameters rebuilds its reducer."""
 
@@ -290,7 +290,7 @@ class PrecisionLayout:
         self.fp8_removed, self.fp32_modules = [], []
 
     # ------------------------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Keys: ``fp32``, ``fp8_off``, ``fp8_removed``, ``fp32_modules`` (the fallbacks) and ``fp8`` (the FP8
         backend's scaling state of the active FP8 layers by ``"<layer>.<key>"``: amax histories and scales for the
         native delayed recipe, TransformerEngine's serialised state, nothing for stateless recipes); plain values

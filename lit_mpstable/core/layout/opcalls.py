@@ -48,7 +48,7 @@ class OpCall:
     family: str
     func: Callable
     args: tuple
-    kwargs: dict[str, Any]
+    kwargs: dict[str, object]
     count: float = 1
     out_numel: int = 0
 
@@ -102,7 +102,7 @@ class OpCall:
         if keep >= batch:
             return self
 
-        def cut(v: object) -> Any:
+        def cut(v: object) -> object:
             if isinstance(v, _Spec) and _batch_like(v) and v.shape[0] == batch:
                 return replace(v, shape=(keep, *v.shape[1:]))
             return v
@@ -187,7 +187,7 @@ def plain_ptr(t: torch.Tensor) -> int | None:
     return t.untyped_storage().data_ptr() if plain else None
 
 
-def _map(fn: Callable[[Any], Any], value: object) -> Any:
+def _map(fn: Callable[[object], object], value: object) -> Any:
     """``fn`` on every leaf of nested lists, tuples and dicts (an op's arguments); ``torch.Size`` is a leaf."""
     if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
         return type(value)(_map(fn, v) for v in value)
@@ -196,8 +196,8 @@ def _map(fn: Callable[[Any], Any], value: object) -> Any:
     return fn(value)
 
 
-def leaves(value: object) -> list[Any]:
-    found: list[Any] = []
+def leaves(value: object) -> list[object]:
+    found: list[object] = []
     _map(found.append, value)
     return found
 
@@ -205,7 +205,7 @@ def leaves(value: object) -> list[Any]:
 def _cast(value: object, dtype: torch.dtype, sources: dict[int, torch.Tensor] | None = None) -> Any:
     """``value`` with its floating tensors in ``dtype``; ``sources`` maps each new upcast copy to what it came from."""
 
-    def cast(v: object) -> Any:
+    def cast(v: object) -> object:
         if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.dtype == dtype:
             return v
         out = v.to(dtype)
@@ -220,7 +220,7 @@ def _cast(value: object, dtype: torch.dtype, sources: dict[int, torch.Tensor] | 
 def specs_of(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     slots: dict[int, int] = {}
 
-    def spec(v: object) -> Any:
+    def spec(v: object) -> object:
         if not isinstance(v, torch.Tensor):
             return v
         return _Spec(tuple(v.shape), v.dtype, v.requires_grad, slots.setdefault(id(v), len(slots)),
@@ -256,7 +256,8 @@ def measure_calls(calls: list[OpCall], device_type: str, dtype: torch.dtype, bud
 
 
 def _measure_one(call: OpCall, device_type: str, dtype: torch.dtype, repeats: int = 2) -> tuple[float, ...]:
-    def run(fp32: bool, args: tuple, kwargs: dict, *, backward: bool = True, saved: SavedTensors | None = None) -> Any:
+    def run(fp32: bool, args: tuple, kwargs: dict, *, backward: bool = True,
+            saved: SavedTensors | None = None) -> torch.Tensor:
         with torch.autocast(device_type, dtype=dtype, cache_enabled=False):
             if fp32:
                 out = run_in(torch.float32, call.family, device_type, call.func, args, kwargs, saved)
@@ -301,7 +302,7 @@ def _fresh(call: OpCall, device_type: str) -> tuple[tuple, dict, set[int | None]
     generator = torch.Generator(device_type).manual_seed(0)  # the training run's RNG stream stays untouched
     made: dict[int, torch.Tensor] = {}
 
-    def fresh(value: object) -> Any:
+    def fresh(value: object) -> object:
         if not isinstance(value, _Spec) or value.slot in made:
             return made[value.slot] if isinstance(value, _Spec) else value
         if not value.dtype.is_floating_point:

@@ -15,9 +15,8 @@ from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.core.tensors import default_dtype
 from lit_mpstable.core.weights.weights import WeightKeeper
 from lit_mpstable.fp8 import convert_from_fp8
+from lit_mpstable.fp8.budget import LossFn  # (module, batch) -> the loss of one (micro-)batch, before loss scaling
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-"""``(module, batch) -> loss``: the loss of one (micro-)batch, as the step computed it (before loss scaling)."""
 METRICS = ("underflow_frac", "rel_error", "cosine")
 """The measures, overall and per module (see :func:`measure`)."""
 _FP8_METRICS = ("fp8_rel_error", "base_rel_error")
@@ -31,7 +30,7 @@ except ImportError:  # a torch build without torch.distributed
     _DTENSOR = ()  # type: ignore[assignment,misc]
 
 
-def forward_state(layout: PrecisionLayout, device: str) -> dict[str, Any]:
+def forward_state(layout: PrecisionLayout, device: str) -> dict[str, object]:
     """:meth:`PrecisionStepper.forward_state <lit_mpstable.core.step.stepper.PrecisionStepper.forward_state>` of a
     stepper's ``layout``; ``device``: the stepper's, where the RNG lives while no model is attached."""
     rng: dict[str, torch.Tensor] = {"cpu": torch.get_rng_state()}
@@ -51,9 +50,9 @@ def measure(
     *,
     layout: PrecisionLayout,
     keeper: WeightKeeper,
-    named_grads: Callable[[], list[tuple[str, Any]]],
+    named_grads: Callable[[], list[tuple[str, torch.Tensor]]],
     scale: Callable[[], float],
-    forward_context: Callable[[], AbstractContextManager[Any]],
+    forward_context: Callable[[], AbstractContextManager[object]],
     device: str,
     recompute: bool = False,
     start: dict[str, Any] | None = None,
@@ -140,7 +139,7 @@ def _fp32_grads(
 
 def _run_grads(
     module: nn.Module, loss_fn: LossFn, batch: object, names: Sequence[str], start: dict[str, Any], scale: float, *,
-    layout: PrecisionLayout, forward_context: Callable[[], AbstractContextManager[Any]], mastered: set[str],
+    layout: PrecisionLayout, forward_context: Callable[[], AbstractContextManager[object]], mastered: set[str],
     keep_fp8: bool,
 ) -> list[torch.Tensor | None]:
     """Gradients of ``names`` in the run's precision (``forward_context``) on a copy of ``module`` (with its FP8
@@ -233,7 +232,8 @@ def _sums(run: torch.Tensor | None, reference: torch.Tensor | None, *, like: tor
 
 
 def _fp8_sums(
-    rows: list[int], run: list[Any], base: list[Any], reference: list[Any], params: Mapping[str, torch.Tensor],
+    rows: list[int], run: Sequence[torch.Tensor | None], base: Sequence[torch.Tensor | None],
+    reference: Sequence[torch.Tensor | None], params: Mapping[str, torch.Tensor],
     names: Sequence[str],
 ) -> torch.Tensor:
     """``[||g - g_base||^2, ||g_base - g32||^2, ||g32||^2]`` over one FP8 layer's parameters, as a (1, 3) row."""
@@ -259,7 +259,7 @@ def _ratio(numerator: float, denominator: float) -> float:
     return 0.0 if numerator == 0 else math.inf
 
 
-def _metrics(s: Sequence[float]) -> dict[str, Any]:
+def _metrics(s: Sequence[float]) -> dict[str, float]:
     norms = math.sqrt(s[_RUN2]) * math.sqrt(s[_REF2])
     cosine = s[_DOT] / norms if norms > 0 else (1.0 if s[_RUN2] == s[_REF2] == 0 else 0.0)
     return {

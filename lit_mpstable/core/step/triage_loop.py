@@ -8,7 +8,7 @@ import copy
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol, TypedDict
 
 import torch
 from torch import nn
@@ -37,6 +37,36 @@ from lit_mpstable.core.guards.triage import (
     triage_event,
 )
 from lit_mpstable.core.step.stepper import PrecisionStepper
+
+
+class ExposesStepper(Protocol):
+    """A front end that exposes its stepper (Fabric's ``StablePrecision``)."""
+
+    @property
+    def stepper(self) -> PrecisionStepper: ...
+
+
+class Stateful(Protocol):
+    """What a snapshot copies and loads back besides the stepper, the model and the optimizers: an LR scheduler."""
+
+    def state_dict(self) -> dict[str, object]: ...
+    def load_state_dict(self, state_dict: dict[str, object]) -> None: ...
+
+
+class Restorable(Protocol):
+    """What the ``"state"`` rung restores: a :class:`StateSnapshot`, or any object with ``restore()`` (and ``step``,
+    read where present: None while there is nothing to restore)."""
+
+    def restore(self) -> None: ...
+
+
+class _Copy(TypedDict):
+    """What :meth:`StateSnapshot.take` holds: the state dicts, copied."""
+
+    stepper: dict[str, object]
+    model: dict[str, object]
+    optimizers: list[dict[str, object]]
+    schedulers: list[dict[str, object]]
 
 
 def _stepper(call: str, value: object) -> PrecisionStepper:
@@ -77,7 +107,8 @@ class StateSnapshot:
         ValueError: an argument of the wrong kind (the message names it).
     """
 
-    def __init__(self, stepper: Any, model: nn.Module, optimizers: Any, schedulers: Iterable[Any] = ()) -> None:
+    def __init__(self, stepper: PrecisionStepper | ExposesStepper, model: nn.Module,
+                 optimizers: Optimizer | Sequence[Optimizer], schedulers: Iterable[Stateful] = ()) -> None:
         call = type(self).__name__
         self.stepper = _stepper(call, stepper)
         if not isinstance(model, nn.Module):
@@ -92,7 +123,7 @@ class StateSnapshot:
                                  " load_state_dict() (a torch LR scheduler).")
         self.step: int | None = None
         """The stepper's ``step_count`` when :meth:`take` last ran (None: nothing taken yet)."""
-        self._state: dict[str, Any] | None = None
+        self._state: _Copy | None = None
 
     def take(self) -> None:
         """Copy the state now (replacing the last copy)."""
@@ -169,7 +200,8 @@ class StepTriage:
         ValueError: an argument of the wrong kind or out of range (the message names it).
     """
 
-    def __init__(self, stepper: Any, *, max_replays: int = 3, snapshot: Any = None,
+    def __init__(self, stepper: PrecisionStepper | ExposesStepper, *, max_replays: int = 3,
+                 snapshot: Restorable | None = None,
                  replay_budget: int = REPLAY_BUDGET, budget_window: int = BUDGET_WINDOW) -> None:
         call = type(self).__name__
         self.stepper = _stepper(call, stepper)
@@ -212,7 +244,7 @@ class StepTriage:
         ``action``, ``reason``, ``remaining``, ...)."""
         return self.ladder.events
 
-    def _step(self, optimizer: Any, inner: Optimizer) -> None:
+    def _step(self, optimizer: Optimizer, inner: Optimizer) -> None:
         """Step through Fabric's wrapper where there is one (its strategy and the plugin), else through the stepper."""
         if optimizer is inner:
             self.stepper.step(inner)
@@ -224,7 +256,7 @@ class StepTriage:
         """``batch_idx`` of the steps classified ``"data"`` (skipped)."""
         return [event["batch_idx"] for event in self.events if event["kind"] == "data"]
 
-    def run(self, optimizer: object, closure: Callable[[], torch.Tensor], *,
+    def run(self, optimizer: Optimizer, closure: Callable[[], torch.Tensor], *,
             batch_idx: int | None = None) -> torch.Tensor:
         """Zero the gradients, call ``closure`` (forward and backward of one batch; returns the loss), step
         ``optimizer`` through the stepper; triage the step if it was rejected. Returns the loss of the step as it
@@ -297,7 +329,7 @@ class StepTriage:
                           " snapshot to roll back to (StepTriage(snapshot=StateSnapshot(...))).", stacklevel=2)
         return host.applied_loss if host.applied_loss is not None else loss
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Keys: ``events``, ``steps_run``, ``replays_run``, ``rollbacks``."""
         return {"events": copy.deepcopy(self.events), "steps_run": self.steps_run, "replays_run": self.replays_run,
                 "rollbacks": self.rollbacks}
@@ -322,7 +354,7 @@ class _LoopReplay:
     """A plain loop's side of a triage (:class:`~lit_mpstable.core.guards.triage.ReplayHost`): replays call the closure,
     steps go through the stepper (or Fabric's optimizer), snapshots come from the triage's ``snapshot``."""
 
-    def __init__(self, triage: StepTriage, optimizer: Any, inner: Optimizer, module: nn.Module,
+    def __init__(self, triage: StepTriage, optimizer: Optimizer, inner: Optimizer, module: nn.Module,
                  closure: Callable[[], torch.Tensor], rng: RngState, device: torch.device) -> None:
         self.triage, self.wrapped, self.optimizer, self.module = triage, optimizer, inner, module
         self.closure, self.rng, self.device = closure, rng, device
@@ -354,8 +386,9 @@ class _LoopReplay:
         snapshot = self.triage.snapshot
         return snapshot is not None and getattr(snapshot, "step", 0) is not None
 
-    def enter_snapshot(self) -> Any:
+    def enter_snapshot(self) -> StateSnapshot:
         snapshot = self.triage.snapshot
+        assert snapshot is not None  # climb enters one only after has_snapshot()
         current = getattr(snapshot, "current", None)
         backup = current() if callable(current) else StateSnapshot(self.plugin, self.module, [self.optimizer])
         if backup.step is None:
@@ -367,7 +400,7 @@ class _LoopReplay:
             raise
         return backup
 
-    def leave_snapshot(self, backup: Any) -> None:
+    def leave_snapshot(self, backup: StateSnapshot) -> None:
         backup.restore()
 
     def roll_back(self) -> int | None:

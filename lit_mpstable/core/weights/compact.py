@@ -13,7 +13,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from lit_mpstable.core.weights.keeper import GradView, Keeper, cast_state_, firs
 from lit_mpstable.core.weights.keeper import per_element as is_per_element
 from lit_mpstable.core.weights.memory import nbytes, plain_tensors
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import Kwargs, StateDict
 
 CompactMode = Literal["kahan", "stochastic"]
 _MODES: tuple[str, ...] = get_args(CompactMode)
@@ -184,7 +187,7 @@ class CompactWeights(Keeper):
         self._fused: FusedAdam | None = None  # built at the first fused step
         self._views: dict[int, KernelArgs] = {}  # per parameter (by id): its kernel arguments of the last fused step
         self._crc: dict[str, int] = {}  # per parameter name: its CRC-32, part of every random key
-        self._before: dict[int, dict[Any, Any]] = {}  # during step_: each parameter's state before it
+        self._before: dict[int, dict[str, Any]] = {}  # during step_: each parameter's state before it
         for optimizer in optimizers:
             if all(optimizer is not o for o in self._optimizers):
                 self.bind_new_(optimizer)
@@ -288,7 +291,7 @@ class CompactWeights(Keeper):
     def step_(
         self, optimizer: Optimizer, *, grad_multiplier: torch.Tensor | float | None = None,
         clip_value: float | None = None, **step_kwargs: Any,
-    ) -> Any:
+    ) -> object:
         """One ``optimizer.step(**step_kwargs)`` on the current gradients, in FP32; no host sync.
 
         Gradients are cast to FP32, multiplied by ``grad_multiplier`` (fold loss-scale unscaling and clip-by-norm
@@ -359,7 +362,7 @@ class CompactWeights(Keeper):
         block = block_size(optimizer)
         sliceable = block is not None or type(optimizer) in ELEMENTWISE
         pieces: list[Piece] = []
-        fusable_groups: dict[Any, bool] = {}  # _fusable's per-group answers, for this step
+        fusable_groups: dict[tuple[int, str], bool] = {}  # _fusable's per-group answers, for this step
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
                 grad = p.grad
@@ -480,7 +483,7 @@ class CompactWeights(Keeper):
         _count_(steps)
         return rest, True
 
-    def _fusable(self, optimizer: Optimizer, piece: Piece, groups: dict[Any, bool] | None = None) -> bool:
+    def _fusable(self, optimizer: Optimizer, piece: Piece, groups: dict[tuple[int, str], bool] | None = None) -> bool:
         """Whether the fused kernel can step ``piece``; ``groups`` caches the per-group answer (the optimizer's hooks,
         its type and the group's options) over one step's pieces."""
         p, grad = piece.param, piece.param.grad
@@ -599,7 +602,7 @@ class CompactWeights(Keeper):
         return step_keys(self.seed, self.steps, crcs)
 
     # --------------------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """``mode``, ``seed``, ``steps`` (the random keys) and ``compensation`` (``{parameter name: tensor}``, empty
         for ``"stochastic"``); plain values and tensors only, so ``torch.load(weights_only=True)`` reads it.
 
@@ -607,7 +610,7 @@ class CompactWeights(Keeper):
         snapshot that later steps must not change. The weights and optimizer state are in the model's and the
         optimizers' own state dicts.
         """
-        state: dict[str, Any] = {
+        state: dict[str, object] = {
             "mode": self.mode, "seed": self.seed, "steps": self.steps,
             "compensation": {name: comp.detach() for name, comp in self._comp.items()},
         }
@@ -616,7 +619,7 @@ class CompactWeights(Keeper):
         return state
 
     @torch.no_grad()
-    def _load_(self, state: dict[str, Any]) -> None:
+    def _load_(self, state: StateDict) -> None:
         """:meth:`load_state_dict`: restore :meth:`state_dict`'s values (load the model's weights from the same
         checkpoint).
 
@@ -737,7 +740,7 @@ class CompactWeights(Keeper):
             return
         pending[1] = float(clip_value) if pending[1] is None else min(pending[1], float(clip_value))
 
-    def _update(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Callable[[], Any]:
+    def _update(self, optimizer: Optimizer, kwargs: Kwargs) -> Callable[[], object]:
         multiplier, clip = self._pending.pop(id(optimizer), [None, None])
         if self.moments is not None:
             return lambda: self._moment_step_(optimizer, multiplier, clip, kwargs)
@@ -748,7 +751,7 @@ class CompactWeights(Keeper):
 
     @torch.no_grad()
     def _moment_step_(self, optimizer: Optimizer, multiplier: torch.Tensor | None, clip: float | None,
-                      kwargs: dict[str, Any]) -> Any:
+                      kwargs: Kwargs) -> object:
         """The step with BF16/FP8 moments: per parameter, its FP32 value (Kahan: plus the compensation) is stepped
         with the FP32 gradient (unscaled, clipped) and rounded back as :meth:`CompactWeights.step_` rounds."""
         moments = self.moments
@@ -906,7 +909,7 @@ def block_size(optimizer: Optimizer) -> int | None:
 
 
 def init_blockwise_(
-    optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any], block: int, group_index: int, index: int
+    optimizer: Optimizer, p: torch.Tensor, state: dict[str, object], block: int, group_index: int, index: int
 ) -> bool:
     """Whether ``p`` (``optimizer.param_groups[group_index]["params"][index]``) has quantized states that can be
     stepped in slices; on its first step, creates them whole first (as the optimizer's own ``step`` would on the FP32
@@ -930,7 +933,7 @@ def init_blockwise_(
 
 
 def init_bnb_(
-    optimizer: Optimizer, p: torch.Tensor, state: dict[Any, Any], group: dict[str, Any], group_index: int, index: int
+    optimizer: Optimizer, p: torch.Tensor, state: dict[str, object], group: dict[str, Any], group_index: int, index: int
 ) -> bool:
     # 8-bit codes (what bitsandbytes gives a parameter of min_8bit_size or more elements) are sliced; smaller ones
     # keep FP32 states whole. Created whole first, by the optimizer's init_state on a stand-in of p's shape (it reads

@@ -12,7 +12,7 @@ each keeper's own.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -20,6 +20,10 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lit_mpstable.core.scaling.scalers import LossScaler
+
+if TYPE_CHECKING:
+    # torch's names: a state dict as loaded (its values unchecked until a load checks them), optimizer.step's kwargs
+    from torch.optim.optimizer import Kwargs, StateDict
 
 
 class GradView(NamedTuple):
@@ -101,7 +105,7 @@ class Keeper:
         return norm
 
     def end_step_(self, optimizer: Optimizer, checker: LossScaler | None,
-                  step_kwargs: dict[str, Any] | None) -> tuple[Any, bool]:
+                  step_kwargs: Kwargs | None) -> tuple[object, bool]:
         """Step ``optimizer`` (``step_kwargs``: its keyword arguments) unless the checker found inf/NaN, or, with
         None, drop this iteration's gradients; returns the step's output and whether it was skipped."""
         if step_kwargs is None:
@@ -126,10 +130,10 @@ class Keeper:
         """Resident tensors the keeper holds that neither the model nor the optimizers do, for memory accounting."""
         return []
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any], *, carry_into: nn.Module | None = None, saved: str = "",
+    def load_state_dict(self, state: StateDict, *, carry_into: nn.Module | None = None, saved: str = "",
                         target: str = "") -> str | None:
         """Restore :meth:`state_dict`'s values; or, with ``carry_into`` (the model, its weights loaded from the same
         checkpoint), carry a checkpoint of another weight mode (``state``: its ``{"masters": ..., "compact": ...}``)
@@ -173,13 +177,13 @@ class Keeper:
             [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None], clip_value
         )
 
-    def _update(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+    def _update(self, optimizer: Optimizer, kwargs: Kwargs) -> Callable[[], object] | None:
         return None  # optimizer.step(**kwargs)
 
     def _done_(self, optimizer: Optimizer, *, stepped: bool) -> None:
         pass
 
-    def _load_(self, state: dict[str, Any]) -> None:
+    def _load_(self, state: StateDict) -> None:
         pass
 
     def _precise(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -187,7 +191,7 @@ class Keeper:
         return {}, {}
 
     @torch.no_grad()
-    def _carry_(self, module: nn.Module, masters: Mapping[str, torch.Tensor], compact: Mapping[str, Any], *,
+    def _carry_(self, module: nn.Module, masters: Mapping[str, torch.Tensor], compact: StateDict, *,
                 saved: str, target: str) -> str | None:
         """Carry what a checkpoint holds beyond its 16-bit weights into a run of another precision or master mode.
 

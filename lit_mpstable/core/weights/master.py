@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.weights.keeper import GradView, Keeper
 from lit_mpstable.core.weights.memory import nbytes
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import Kwargs, StateDict
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -251,20 +254,20 @@ class MasterWeights(Keeper):
             if name is not None:
                 param.copy_(self._masters[name])
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """``{qualified parameter name: FP32 master}``; tensors only, so ``torch.load(weights_only=True)`` reads it.
         With BF16/FP8 moments their state is under ``"optimizer_state"``.
 
         Like ``nn.Module.state_dict``, the tensors share storage with the masters (detached, not copied): clone
         them to keep an in-memory snapshot that later steps must not change.
         """
-        state: dict[str, Any] = {name: master.detach() for name, master in self._masters.items()}
+        state: dict[str, object] = {name: master.detach() for name, master in self._masters.items()}
         if self.moments is not None:
             state[KEY] = self.moments.state_dict()
         return state
 
     @torch.no_grad()
-    def _load_(self, state: dict[str, Any]) -> None:
+    def _load_(self, state: StateDict) -> None:
         """:meth:`load_state_dict`: restore the masters from :meth:`state_dict`, then refresh the 16-bit weights from
         them.
 
@@ -348,7 +351,7 @@ class MasterWeights(Keeper):
     def _expose_(self, optimizer: Optimizer) -> None:
         self.expose_grads_(optimizer)  # hooks after a clip see the clipped values
 
-    def _update(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+    def _update(self, optimizer: Optimizer, kwargs: Kwargs) -> Callable[[], object] | None:
         moments = self.moments
         return None if moments is None else (lambda: moments.step_(optimizer, self._ids_to_names(), **kwargs))
 
@@ -398,7 +401,7 @@ def _device(module: nn.Module) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
-def _to_fp32(value: object) -> Any:
+def _to_fp32(value: object) -> object:
     # Only 16-bit floating state is widened; int step counters and FP32 state stay as they are.
     if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION:
         return value.float()

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +34,8 @@ def resident_bytes(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer
 
 
 def training_memory(
-    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, extra: dict[str, Iterable[Any]] | None = None,
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
+    extra: Mapping[str, Iterable[torch.Tensor]] | None = None,
 ) -> dict[str, int]:
     """Bytes of training state by kind, each storage counted once (in the first kind it appears in): ``weights`` (the
     model's parameters), ``masters`` (parameters the optimizers hold that are not the model's: FP32 masters),
@@ -48,7 +48,7 @@ def training_memory(
     moments = [t for tensors in extras.values() for t in tensors if is_moment_tensor(t)]
     seen: set[int] = set()
 
-    def count(tensors: Iterable[Any]) -> int:
+    def count(tensors: Iterable[torch.Tensor]) -> int:
         total = 0
         for tensor in tensors:
             for plain in plain_tensors(tensor):

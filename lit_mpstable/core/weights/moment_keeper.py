@@ -13,7 +13,7 @@ from __future__ import annotations
 import weakref
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any, cast, get_args
+from typing import TYPE_CHECKING, Any, cast, get_args
 
 import torch
 from torch.optim import Optimizer
@@ -21,8 +21,11 @@ from torch.optim import Optimizer
 from lit_mpstable.base.validate import choice_arg
 from lit_mpstable.core.weights.optim_state import MomentStore, StateKind, adam_moments, moment_state
 
+if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
 
-def check_optimizer_state(owner: str, kind: Any, precision: str, master_mode: str | None) -> str:
+
+def check_optimizer_state(owner: str, kind: str, precision: str, master_mode: str | None) -> str:
     """``kind`` if it is one of :data:`StateKind` and a weight keeper can hold it: BF16/FP8 moments need FP32 masters
     or compact weights (a ``*-true`` precision with ``master_weights``).
 
@@ -61,8 +64,8 @@ keeps a saved group's keys, so the mark arrives with it and :func:`pop_saved_mar
 _MARKED: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # optimizers whose state_dict() adds the mark
 
 
-def _mark_saved_groups(kind: str) -> Callable[[Optimizer, dict[str, Any]], dict[str, Any]]:
-    def hook(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+def _mark_saved_groups(kind: str) -> Callable[[Optimizer, StateDict], StateDict]:
+    def hook(optimizer: Optimizer, state_dict: StateDict) -> StateDict:
         for group in state_dict["param_groups"]:  # packed copies: the live groups are not changed
             group[SAVED_MARK] = kind
         return state_dict
@@ -163,7 +166,7 @@ class AdamMoments:
     @torch.no_grad()
     def step_(self, optimizer: Optimizer, names: dict[int, str],
               update: Callable[[torch.Tensor, str, Callable[[torch.Tensor, torch.Tensor], None]], None] | None = None,
-              **kwargs: Any) -> Any:
+              **kwargs: Any) -> object:
         """One Adam/AdamW step of ``optimizer``'s parameters that have a gradient.
 
         ``update(param, name, step_fn)``, when given, is how a keeper steps a parameter stored in 16 bits: it calls
@@ -227,13 +230,13 @@ class AdamMoments:
         _MOMENT_TENSORS.update((id(t), weakref.ref(t)) for t in tensors)
         return tensors
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """``kind``, ``seed``, ``steps`` (per name) and ``moments`` (per name: the two stores' state dicts); plain
         values and tensors (shared with the stores: clone them for an in-memory snapshot)."""
         return {"kind": self.kind, "seed": self.seed, "steps": dict(self.steps),
                 "moments": {name: [m.state_dict(), v.state_dict()] for name, (m, v) in self.stores.items()}}
 
-    def check_state(self, state: Any, *, call: str | None = None, name: str = "optimizer_state",
+    def check_state(self, state: StateDict, *, call: str | None = None, name: str = "optimizer_state",
                     same_kind: bool = True) -> None:
         """Refuse ``state`` unless :meth:`load_state_dict` (``same_kind``) or :meth:`carry_` can load it whole: every
         field valid (``optim_state.moment_state``), saved with this ``kind``, and the moments of exactly the
@@ -267,7 +270,7 @@ class AdamMoments:
                     f" {list(self.stores[key][0].shape)}; was it saved from a different model?"
                 )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore :meth:`state_dict` (stores of names not bound yet are built from the saved shapes), after
         :meth:`check_state`.
 
@@ -277,7 +280,7 @@ class AdamMoments:
         self.check_state(state)
         self._load(state, state["kind"])
 
-    def carry_(self, state: dict[str, Any], *, call: str | None = None) -> str | None:
+    def carry_(self, state: StateDict, *, call: str | None = None) -> str | None:
         """Load the moments of a checkpoint written with another weight mode (FP32 masters, compact weights: the
         moments are by parameter name in both). Of this ``kind`` they load exactly; of another they are read in
         theirs and stored again in this one (one more rounding of each value: returned as a note).
@@ -293,7 +296,7 @@ class AdamMoments:
         return (f"the checkpoint's {state['kind']!r} Adam moments were stored again as {self.kind!r} (one more"
                 " rounding of each value, not an exact resume).")
 
-    def _load(self, state: dict[str, Any], kind: str) -> None:
+    def _load(self, state: StateDict, kind: str) -> None:
         self.seed = state["seed"]
         for name, (m_state, v_state) in state["moments"].items():
             index = zlib.crc32(name.encode())
@@ -314,7 +317,7 @@ class AdamMoments:
             self.steps[name] = state["steps"][name]
 
 
-def split_moments(owner: str, state: Mapping[str, Any], moments: AdamMoments | None) -> tuple[dict[str, Any], Any]:
+def split_moments(owner: str, state: Mapping[str, Any], moments: AdamMoments | None) -> tuple[StateDict, Any]:
     """A keeper's saved state without its moments, and the moments (None when saved without): refused when the
     checkpoint and ``moments`` disagree on whether BF16/FP8 moments are kept."""
     state = dict(state)

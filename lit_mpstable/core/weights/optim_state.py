@@ -43,14 +43,17 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
 from lit_mpstable.base.validate import check_keys, int_arg
 from lit_mpstable.core.loaded_state import Field, check_mapping, count, count_list, flag, short, text
 from lit_mpstable.core.weights.compact_rounding import step_keys, words
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
 
 StateKind = Literal["fp32", "bf16", "fp8"]
 Rounding = Literal["stochastic", "nearest"]
@@ -342,14 +345,14 @@ class MomentStore:
         self.tensors["amax"][b0:b1].copy_(new["amax"])
         self.tensors["k"][b0:b1].copy_(new["k"])
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """``kind``, ``shape`` (list), ``signed``, ``rounding``, ``seed``, ``key`` and ``tensors`` (the stored
         tensors, shared with the store, not copied: clone them for an in-memory snapshot); plain values only."""
         return {"kind": self.kind, "shape": list(self.shape), "signed": self.signed, "rounding": self.rounding,
                 "seed": self.seed, "key": self.key, "tensors": dict(self.tensors)}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore :meth:`state_dict` (copied into this store's tensors, on its device).
 
         Raises:
@@ -484,7 +487,7 @@ def _check_rounding(rounding: object, caller: str) -> None:
                          " keeps the moments' small EMA updates (unbiased).")
 
 
-def _saved_block(store: MomentStore, saved: dict[str, Any]) -> int | None:
+def _saved_block(store: MomentStore, saved: Mapping[str, object]) -> int | None:
     """The block size of an FP8 moment saved in blocks other than :data:`BLOCK_SIZE` (codes of the store's shape,
     ``amax`` and ``k`` of another length: a power of two from 16 to 1024 that gives it), else None."""
     amax, codes = saved.get("amax"), saved.get("codes")
@@ -508,11 +511,11 @@ _BLOCK_SIZES = (BLOCK_SIZE, *(2**e for e in range(4, 11) if 2**e != BLOCK_SIZE))
 _Deferred = list[tuple[str, torch.Tensor, str]]  # (field, a 0-dim bool tensor that is True when bad, the rule)
 
 
-def _seed(call: str, name: str, value: Any) -> None:
+def _seed(call: str, name: str, value: object) -> None:
     int_arg(call, name, value, low=0, high=2**63 - 1)
 
 
-def _tensor(call: str, name: str, value: Any, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
+def _tensor(call: str, name: str, value: object, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dtype != dtype:
         got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else short(value)
         raise TypeError(f"{call}({name}={got}): must be a {dtype} tensor, as MomentStore.state_dict() saves it.")
@@ -521,9 +524,9 @@ def _tensor(call: str, name: str, value: Any, dtype: torch.dtype, numel: int | N
     return value
 
 
-def _store_checks(call: str, name: str, value: Any, kind: str, signed: bool) -> _Deferred:
+def _store_checks(call: str, name: str, value: object, kind: str, signed: bool) -> _Deferred:
     """The checks of one stored moment that need no tensor read, then those that do (returned, to be read at once)."""
-    check_mapping(call, value, _STORE_KEYS, name=name)
+    value = check_mapping(call, value, _STORE_KEYS, name=name)
     text(kind)(call, f"{name}['kind']", value["kind"])
     count_list(call, f"{name}['shape']", value["shape"])
     flag(call, f"{name}['signed']", value["signed"])
@@ -587,15 +590,15 @@ def _refuse_deferred(call: str, checks: _Deferred) -> None:
 def moment_store(kind: str, signed: bool) -> Field:
     """One ``MomentStore.state_dict()`` of an Adam moment kept in ``kind``; ``signed``: ``exp_avg`` (else the
     non-negative ``exp_avg_sq``)."""
-    def check(call: str, name: str, value: Any) -> None:
+    def check(call: str, name: str, value: object) -> None:
         _refuse_deferred(call, _store_checks(call, name, value, kind, signed))
     return check
 
 
-def moment_state(call: str, name: str, value: Any) -> None:
+def moment_state(call: str, name: str, value: object) -> None:
     """``AdamMoments.state_dict()``: ``kind``, ``seed``, ``steps`` and ``moments`` by parameter name (the names are the
     keeper's to check against its parameters). One host read for all the tensors."""
-    check_mapping(call, value, {"kind", "seed", "steps", "moments"}, name=name)
+    value = check_mapping(call, value, {"kind", "seed", "steps", "moments"}, name=name)
     text("bf16", "fp8")(call, f"{name}['kind']", value["kind"])
     kind = value["kind"]
     _seed(call, f"{name}['seed']", value["seed"])

@@ -12,8 +12,8 @@ loads that follow land in FP32 parameters exactly. Without such a fallback nothi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -23,6 +23,13 @@ from lit_mpstable.core.weights.keeper import per_element
 
 KEY = "recast"
 """The stepper state's key, present only while a recasting fallback is active."""
+
+
+class RecastState(TypedDict, total=False):
+    """What :func:`recast_state` saves (``{}`` without a recast parameter), by parameter name."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer_state: dict[str, dict[str, torch.Tensor]]  # per parameter: its per-element state, by key
 
 
 def _state_of(param: torch.Tensor, optimizers: Iterable[Optimizer]) -> dict[str, torch.Tensor]:
@@ -37,7 +44,7 @@ def _state_of(param: torch.Tensor, optimizers: Iterable[Optimizer]) -> dict[str,
 
 
 def recast_state(module: nn.Module, names: Sequence[str], optimizers: Iterable[Optimizer],
-                 pending: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 pending: RecastState | None = None) -> RecastState:
     """``{"weights": {name: tensor}, "optimizer_state": {name: {key: tensor}}}`` for the recast parameters ``names``
     (``{}`` without any). Like ``nn.Module.state_dict`` the tensors share storage with the live ones (detached, not
     copied). A parameter whose optimizer was not met yet keeps the state loaded for it (``pending``)."""
@@ -54,8 +61,8 @@ def recast_state(module: nn.Module, names: Sequence[str], optimizers: Iterable[O
 
 
 @torch.no_grad()
-def apply_recast_state_(module: nn.Module, optimizers: Sequence[Optimizer], state: Mapping[str, Any], *,
-                        weights: bool = True) -> dict[str, Any]:
+def apply_recast_state_(module: nn.Module, optimizers: Sequence[Optimizer], state: RecastState, *,
+                        weights: bool = True) -> RecastState:
     """Copy :func:`recast_state`'s values into the parameters (with ``weights``) and into the per-element state the
     ``optimizers`` hold for them, where the parameter has the saved dtype (the fallback was re-applied) and shape.
     Returns what is left for an optimizer not met yet: the state of parameters none of ``optimizers`` holds (a front
@@ -63,12 +70,12 @@ def apply_recast_state_(module: nn.Module, optimizers: Sequence[Optimizer], stat
     dropped (that optimizer's own load, still to come, lands in the recast parameter exactly)."""
     params = dict(module.named_parameters())
     if weights:
-        for name, saved in state.get("weights", {}).items():
+        for name, weight in state.get("weights", {}).items():
             param = params.get(name)
-            if param is not None and param.dtype == saved.dtype and param.shape == saved.shape:
-                param.copy_(saved)
+            if param is not None and param.dtype == weight.dtype and param.shape == weight.shape:
+                param.copy_(weight)
     held = {id(p): optimizer for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
-    left = {}
+    left: dict[str, dict[str, torch.Tensor]] = {}
     for name, saved in state.get("optimizer_state", {}).items():
         param = params.get(name)
         if param is None:

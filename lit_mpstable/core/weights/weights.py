@@ -10,7 +10,7 @@ stochastic rounding). :func:`make_keeper` builds the one a run's ``master_weight
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.weights.compact import CompactMode, CompactWeights
 from lit_mpstable.core.weights.keeper import GradView, PlainKeeper
 from lit_mpstable.core.weights.master import MasterWeights
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import Kwargs, StateDict
 
 
 @runtime_checkable
@@ -53,11 +56,11 @@ class WeightKeeper(Protocol):
     def clip_(self, optimizer: Optimizer, *, max_norm: float | torch.Tensor | None = None, norm_type: float = 2.0,
               clip_value: float | None = None, total_norm: torch.Tensor | None = None) -> torch.Tensor | None: ...
     def end_step_(self, optimizer: Optimizer, checker: LossScaler | None,
-                  step_kwargs: dict[str, Any] | None) -> tuple[Any, bool]: ...
+                  step_kwargs: Kwargs | None) -> tuple[object, bool]: ...
     def fp32_weights(self) -> dict[str, torch.Tensor]: ...
     def state_tensors(self) -> list[torch.Tensor]: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any], *, carry_into: nn.Module | None = None, saved: str = "",
+    def state_dict(self) -> dict[str, object]: ...
+    def load_state_dict(self, state: StateDict, *, carry_into: nn.Module | None = None, saved: str = "",
                         target: str = "") -> str | None: ...
 
 
