@@ -330,7 +330,7 @@ class _Losses(pl.Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def _written_wrong(directory, seed: int, scheduler: bool = False) -> list:
+def _written_wrong(directory, seed: int, scheduler: bool = False, precision: str = "32-true") -> list:
     """Checkpoints of steps 1..LOADED of a seeded AdamW run, the last one with its learning rate written wrong."""
     from helpers import make_module
 
@@ -338,17 +338,18 @@ def _written_wrong(directory, seed: int, scheduler: bool = False) -> list:
     module = make_module(optimizer="adamw", lr=1e-2, scheduler=scheduler)
     saver = pl.callbacks.ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1)
     with quiet():
-        make_trainer(StablePrecision("32-true"), max_steps=LOADED, enable_checkpointing=True,
+        make_trainer(StablePrecision(precision), max_steps=LOADED, enable_checkpointing=True,
                      callbacks=[_WrongLRAtSave(LOADED), saver]).fit(module)
     return sorted(directory.glob("*.ckpt"), key=lambda p: int(p.stem.rpartition("=")[2]))
 
 
-def _resume(path, seed: int, checkpoint, steps: int = LOADED + 6, scheduler: bool = False, warn: bool = False):
+def _resume(path, seed: int, checkpoint, steps: int = LOADED + 6, scheduler: bool = False, warn: bool = False,
+            precision: str = "32-true"):
     from helpers import make_module
 
     torch.manual_seed(seed)
     module = make_module(optimizer="adamw", lr=1e-2, scheduler=scheduler)
-    losses, plugin = _Losses(), StablePrecision("32-true")
+    losses, plugin = _Losses(), StablePrecision(precision)
     saver = pl.callbacks.ModelCheckpoint(dirpath=path.parent, every_n_train_steps=1, save_top_k=-1)
     trainer = make_trainer(plugin, max_steps=steps, enable_checkpointing=True, callbacks=[checkpoint, losses, saver])
     with warnings.catch_warnings():
@@ -431,3 +432,92 @@ def test_the_restored_window_and_lr_factor_are_checked() -> None:
     for bad in (0, 0.0, -0.5, 1.5, float("nan"), "0.5"):
         with pytest.raises(ValueError, match=r"ScaleCheckpoint\(lr_factor=.*\): must be a number in \(0, 1\]"):
             ScaleCheckpoint(lr_factor=bad)
+
+
+def test_after_a_restore_plugin_optimizer_schedule_and_step_agree(tmp_path) -> None:
+    # bf16-true with FP32 masters and a StepLR(gamma=0.5) stepped every optimizer step: after the restore the masters
+    # are the weights, the schedule's step is global_step, and the rate is the schedule's at that step.
+    paths = _written_wrong(tmp_path, 0, scheduler=True, precision="bf16-true")
+    checkpoint = ScaleCheckpoint(every_n_steps=50, restored_window=5)
+    trainer, module, plugin, losses = _resume(paths[-1], 0, checkpoint, scheduler=True, precision="bf16-true")
+    assert [e["action"] for e in checkpoint.events] == ["restore_previous"]
+    after = [loss for step, loss in losses.rows][[step for step, _ in losses.rows].index(LOADED - 1):]
+    assert trainer.global_step == LOADED + 6 and len(after) == 7 and all(math.isfinite(loss) for loss in after)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == trainer.global_step and losses.lrs[-1] == pytest.approx(1e-2 * 0.5**(LOADED + 6))
+    masters = plugin.state_dict()["masters"]
+    for name, param in module.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(masters[name].bfloat16(), param.detach()), name
+
+
+# ------------------------------------------------------------------------------------------ LR reduction on rollback
+def _decay(epoch: int) -> float:
+    return 1.0 / (1.0 + 0.25 * epoch)
+
+
+class _LambdaModule(PoisonModule):
+    """A LambdaLR computed from its base rate each step (lr = base * _decay(step)): a schedule that would undo a
+    reduction of the param groups' rates alone."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _decay)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _Rates(pl.Callback):
+    """``(scheduler step, lr)`` after every batch."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        self.rows.append((scheduler.last_epoch, trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+def test_a_rollback_multiplies_the_lr_by_lr_factor_and_the_schedule_and_a_resume_keep_it(tmp_path) -> None:
+    # Before (no lr_factor): a rollback restored the snapshot's rates exactly, so the run went back into the same
+    # divergence at the same rate (levanter#391).
+    lr = 1e-2
+    checkpoint, rates = ScaleCheckpoint(every_n_steps=2, lr_factor=0.5), _Rates()
+    trainer = make_trainer(StablePrecision("32-true"), max_steps=8, callbacks=[_NanWeight(5), checkpoint, rates])
+    with quiet():
+        trainer.fit(_LambdaModule(optimizer="adamw", lr=lr))
+    assert [(e["step"], e["restored_step"], e["lr_scale"]) for e in checkpoint.events] == [(5, 4, 0.5)]
+    assert checkpoint.lr_scale == 0.5
+    for batch, (epoch, rate) in enumerate(rates.rows):  # the schedule keeps the reduction: 0.5 x from the rollback
+        assert rate == pytest.approx((0.5 if batch >= 5 else 1.0) * lr * _decay(epoch)), (batch, epoch, rate)
+    assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(0.5 * lr)]
+    path = tmp_path / "after.ckpt"
+    trainer.save_checkpoint(path)
+
+    # A resume keeps it (the optimizer's rates, the schedule's base and lr_scale are in the checkpoint), and the next
+    # rollback halves it again, from there.
+    resumed, rates = ScaleCheckpoint(every_n_steps=2, lr_factor=0.5), _Rates()
+    trainer = make_trainer(StablePrecision("32-true"), max_steps=14, callbacks=[_NanWeight(11), resumed, rates])
+    with quiet():
+        trainer.fit(_LambdaModule(optimizer="adamw", lr=lr), ckpt_path=path)
+    assert resumed.events[-1]["lr_scale"] == 0.25 and resumed.lr_scale == 0.25 and resumed.rollbacks == 2
+    for batch, (epoch, rate) in enumerate(rates.rows, start=8):
+        assert rate == pytest.approx((0.25 if batch >= 11 else 0.5) * lr * _decay(epoch)), (batch, epoch, rate)
+    state = ScaleCheckpoint()
+    state.load_state_dict(torch.load(path, weights_only=True)["callbacks"]["ScaleCheckpoint"])
+    assert state.lr_scale == 0.5
+    old = {k: v for k, v in checkpoint.state_dict().items() if k != "lr_scale"}  # written before lr_factor existed
+    state.load_state_dict(old)
+    assert state.lr_scale == 1.0
+
+
+def test_lr_factor_one_changes_nothing() -> None:
+    rates = {}
+    for factor in (None, 1.0):
+        checkpoint = ScaleCheckpoint(every_n_steps=2) if factor is None else ScaleCheckpoint(every_n_steps=2,
+                                                                                             lr_factor=factor)
+        rates[factor] = _Rates()
+        torch.manual_seed(0)
+        with quiet():
+            make_trainer(StablePrecision("32-true"), max_steps=8,
+                         callbacks=[_NanWeight(5), checkpoint, rates[factor]]).fit(_LambdaModule(optimizer="adamw"))
+        assert checkpoint.lr_scale == 1.0 and "lr_scale" not in checkpoint.events[0]
+    assert rates[None].rows == rates[1.0].rows
