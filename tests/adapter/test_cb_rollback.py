@@ -521,3 +521,27 @@ def test_lr_factor_one_changes_nothing() -> None:
                          callbacks=[_NanWeight(5), checkpoint, rates[factor]]).fit(_LambdaModule(optimizer="adamw"))
         assert checkpoint.lr_scale == 1.0 and "lr_scale" not in checkpoint.events[0]
     assert rates[None].rows == rates[1.0].rows
+
+
+def test_a_spike_soon_after_a_load_restores_the_checkpoint_before(tmp_path) -> None:
+    # SpikeGuard's statistics come back with the checkpoint (warm): a loss spike at the second step after the load is
+    # the loaded state's (within restored_window=2): the file of step 7 is restored. The spike is keyed on step 9, so it
+    # comes again after the restore, two steps after that load: outside the window, SpikeGuard's skip.
+    def plugin():
+        return StablePrecision("32-true", spike_guard=SpikeGuard(warmup=4, watch=["loss"]))
+
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    torch.manual_seed(0)
+    with quiet():
+        make_trainer(plugin(), max_steps=8, enable_checkpointing=True, callbacks=[saver]).fit(
+            PoisonModule(optimizer="adamw", lr=1e-2))
+    paths = sorted(tmp_path.glob("*.ckpt"), key=lambda p: int(p.stem.rpartition("=")[2]))
+    checkpoint, resumed = ScaleCheckpoint(every_n_steps=50, restored_window=2), plugin()
+    trainer = make_trainer(resumed, max_steps=12, callbacks=[checkpoint])
+    with quiet():
+        trainer.fit(PoisonModule(optimizer="adamw", lr=1e-2, loss_factor={9: 1e6}), ckpt_path=paths[-1])
+    event, skip = resumed.ladder_events
+    assert (event["step"], event["fault"], event["rung"], event["checkpoint"], event["restored_step"]) == (
+        9, "restored", "restore", str(paths[-2]), 7)
+    assert (skip["step"], skip["fault"], skip["rung"]) == (9, "spike", "skip")
+    assert trainer.global_step == 12 and checkpoint.rollbacks == 1
