@@ -22,6 +22,7 @@ from lit_mpstable.core.loaded_state import (
     check_mapping,
     count,
     count_list,
+    finite,
     finite_list,
     flag,
     optional,
@@ -109,7 +110,7 @@ def _runs(call: str, name: str, value: Any) -> None:
 
 STATE_FIELDS: dict[str, dict[str, Field]] = {
     "ScaleCheckpoint": {"rollbacks": count, "skips": count, "events": records, "losses": finite_list(),
-                        "skipped_at": count_list},
+                        "skipped_at": count_list, "lr_scale": finite(0.0, 1.0, low_open=True)},
     "OverflowMonitor": {"counts": _rows, "position": count, "above": flag, "blamed": text_list,
                         "indicators": lambda c, n, v: check_mapping(
                             c, v, {"ratios", "judged", "above", "spike_score"}, name=n),
@@ -200,7 +201,9 @@ def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModul
     """The decision for this batch's step (``trainer.global_step - 1``), taken once for all faces by the first that
     calls at batch end: nothing for an applied step; for a rejected one its fault (:func:`~lit_mpstable.core.guards.
     ladder.classify`, the flags agreed across ranks: host reads on rejected steps only) and the rung that acts. A
-    ``"stop"`` stops the fit here, with the reason. Every face calls it at the same point on every rank."""
+    ``"stop"`` stops the fit here, with the reason. Within ``restored_window`` steps of a checkpoint load a non-finite
+    step or a spike is ``"restored"`` (:meth:`~lit_mpstable.core.guards.ladder.Ladder.restored`). Every face calls it at
+    the same point on every rank."""
     from lit_mpstable.callbacks._snapshot import state_finite
     from lit_mpstable.core.guards.triage import needs_triage
 
@@ -217,6 +220,8 @@ def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModul
             fault, replayable = classify(nonfinite_input=flags[0], spike=flags[1], nonfinite_loss=flags[2],
                                          late=flags[3], unscaled_overflow=flags[4], state_bad=flags[5],
                                          spiked=flags[6])
+            if ladder.restored(step, fault):  # soon after a checkpoint load: the loaded state is the suspect
+                fault, replayable = "restored", False
             rung = ladder.decide(step, fault, REASONS[fault], by=face, replayable=replayable,
                                  exclude=[Rung.FALLBACK])  # a fallback is its face's own decision (its triggers)
             if rung is Rung.STOP:

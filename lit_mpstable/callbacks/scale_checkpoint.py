@@ -14,12 +14,14 @@ from lit_mpstable.callbacks._common import (
     any_rank,
     check,
     is_int,
+    is_number,
     log_mp,
     run_ladder,
     run_trainer,
     strict_keys,
     watch_step,
 )
+from lit_mpstable.callbacks._restored import earlier_checkpoint, load_in_process
 from lit_mpstable.callbacks._snapshot import (
     layout_key,
     nonfinite_entries,
@@ -50,6 +52,20 @@ class ScaleCheckpoint(PluginCallback):
     - A rollback restores the snapshot exactly; the plugin's event counters stay as they are. Decided alike on every
       rank. After ``max_rollbacks`` rollbacks the next one raises ``RuntimeError``. Metric: ``mp/rollbacks`` (its one
       writer).
+    - The restored-state rung (``restored_window=N``, off by default; Trainer): a non-finite step or a spike within
+      ``N`` optimizer steps of a checkpoint load (``trainer.fit(ckpt_path=...)``) is blamed on the loaded state
+      (fault ``"restored"``): rolling back to the snapshot of that state would loop (Megatron-LM#5281), so the run
+      loads, in process, the newest checkpoint of the loaded one's directory written before it (by modification time
+      and ``global_step``) that holds the training state and passes its numeric fingerprint. Weights, plugin state,
+      optimizers, LR schedulers and ``global_step`` come from that file (the run resumes at its ``global_step`` and
+      trains on to ``max_steps``; the data goes on with the next batch); a new snapshot is taken of it, and the window
+      starts again from it. Each attempt is warned and recorded in :attr:`events` with the file's path (``checkpoint``)
+      and counted against ``max_rollbacks``; when they are spent, or no earlier checkpoint passes, the run stops with
+      the reason named (the ladder's stop rung).
+    - ``lr_factor`` (levanter#391): each rollback (or restore) multiplies every param group's ``lr`` (and
+      ``initial_lr``, ``max_lr``, ``min_lr`` where present) and the LR schedulers' ``base_lrs`` by ``lr_factor``, so a
+      schedule computed from its base keeps the reduction; the reductions accumulate (:attr:`lr_scale`, saved and
+      resumed in this callback's state). 1.0 (the default) changes nothing.
     - Its snapshots have a public API, used by ``FaultTriage``'s snapshot rung and ``PreemptionCheckpoint``:
       :attr:`snapshot_step`, :meth:`restore_snapshot`, :meth:`roll_back`, :meth:`snapshot_state` and
       :meth:`load_snapshot_state`.
@@ -63,8 +79,8 @@ class ScaleCheckpoint(PluginCallback):
     ``every_n_steps`` is refused at fit start).
 
     Raises:
-        ValueError: an argument is out of range; at train start, the state holds inf/NaN; a second instance with
-            another ``every_n_steps``.
+        ValueError: an argument is out of range (``restored_window`` an int >= 0, ``lr_factor`` in (0, 1]); at train
+            start, the state holds inf/NaN; a second instance with another ``every_n_steps``.
     """
 
     foreign_note = ("it snapshots and rolls back non-finite weights or optimizer state; skipping a batch needs"
@@ -74,7 +90,8 @@ class ScaleCheckpoint(PluginCallback):
     def __init__(
         self, every_n_steps: int = 50, *, spike_zscore: float | None = None, window: int | None = None,
         max_rollbacks: int = 3, min_history: int | None = None, on_spike: OnSpike | None = None,
-        spike_patience: int | None = None, snapshot_device: str = "cpu",
+        spike_patience: int | None = None, snapshot_device: str = "cpu", restored_window: int = 0,
+        lr_factor: float = 1.0,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -82,6 +99,11 @@ class ScaleCheckpoint(PluginCallback):
         check(is_int(max_rollbacks, 0), f"{name}(max_rollbacks={max_rollbacks!r})", "must be an int >= 0.")
         check(snapshot_device in ("cpu", "device"), f"{name}(snapshot_device={snapshot_device!r})",
               "allowed: 'cpu' (off the accelerator) or 'device' (where the tensors are).")
+        check(is_int(restored_window, 0), f"{name}(restored_window={restored_window!r})",
+              "must be an int >= 0 (optimizer steps after a checkpoint load in which a non-finite step or a spike"
+              " restores the checkpoint before; 0: off).")
+        check(is_number(lr_factor) and 0 < lr_factor <= 1, f"{name}(lr_factor={lr_factor!r})",
+              "must be a number in (0, 1] (each rollback multiplies the learning rates by it; 1.0: unchanged).")
         given = dict(spike_zscore=spike_zscore, window=window, min_history=min_history, on_spike=on_spike,
                      spike_patience=spike_patience)
         passed = [f"{k}={v!r}" for k, v in given.items() if v is not None]
@@ -92,12 +114,16 @@ class ScaleCheckpoint(PluginCallback):
                            " StablePrecision(spike_guard=SpikeGuard(zscore=6.0, warmup=20)) skips spikes on the device;"
                            " ScaleCheckpoint rolls back inf/NaN weights or optimizer state.", category=FutureWarning)
         self.every_n_steps, self.max_rollbacks, self.snapshot_device = every_n_steps, max_rollbacks, snapshot_device
+        self.restored_window, self.lr_factor = restored_window, float(lr_factor)
+        self.lr_scale = 1.0
+        """The product of the LR reductions applied so far (``lr_factor`` per rollback); saved in the state."""
         self.rollbacks = 0
         self.skips = 0
         """Kept for the checkpoint format: ScaleCheckpoint skips nothing itself now (always 0 in new runs)."""
         self.events: list[dict[str, Any]] = []
-        """One dict per rollback: ``step``, ``kind``, ``action`` (``"rollback"``), ``loss`` and ``zscore`` (None),
-        ``restored_step``."""
+        """One dict per rollback: ``step``, ``kind``, ``action`` (``"rollback"``, or ``"restore_previous"`` with
+        ``checkpoint``, the file restored, or ``"stop"`` with ``reason``), ``loss`` and ``zscore`` (None),
+        ``restored_step``, and with ``lr_factor`` below 1 ``lr_scale``."""
         self._snapshot: dict[str, Any] | None = None
         self._layout: tuple | None = None  # the precision layout at the snapshot
         self._ladder: Ladder | None = None
@@ -149,14 +175,28 @@ class ScaleCheckpoint(PluginCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._ladder = run_ladder(trainer, self._plugin, "ScaleCheckpoint", Rung.ROLLBACK)
+        rungs = (Rung.ROLLBACK, Rung.RESTORE) if self.restored_window else (Rung.ROLLBACK,)
+        self._ladder = run_ladder(trainer, self._plugin, "ScaleCheckpoint", *rungs)
         if self._ladder is not None:
             self._ladder.claim("snapshot_every", self.every_n_steps,
                                f"ScaleCheckpoint(every_n_steps={self.every_n_steps})")
+            if self.restored_window:
+                self._ladder.claim("restored_window", self.restored_window,
+                                   f"ScaleCheckpoint(restored_window={self.restored_window})")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._plugin is not None:
             self._take(trainer, pl_module)
+        if self._ladder is not None and self.restored_window and trainer.ckpt_path is not None:
+            self._ladder.loaded(trainer.global_step, self._loaded_path(str(trainer.ckpt_path)))
+
+    def _loaded_path(self, path: str) -> str:
+        """The file the fit's state came from: ``ckpt_path``, or the earlier one the fingerprint's
+        ``on_fingerprint_mismatch="previous"`` loaded instead (followed along its events)."""
+        for event in getattr(getattr(self._plugin, "fingerprint", None), "events", []):
+            if event.get("fallback") and str(event["source"]).startswith(path):
+                path = str(event["fallback"])
+        return path
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._plugin is None:
@@ -165,7 +205,9 @@ class ScaleCheckpoint(PluginCallback):
         ladder = self._ladder
         if ladder is not None:
             watch_step(ladder, trainer, pl_module, self._plugin, "ScaleCheckpoint")
-        if ladder is not None and ladder.pending(step - 1, Rung.ROLLBACK):  # rejected for inf/NaN in the state
+        if ladder is not None and ladder.pending(step - 1, Rung.RESTORE):  # soon after a load: the file before it
+            self._restore_previous(trainer, pl_module, ladder, step - 1)
+        elif ladder is not None and ladder.pending(step - 1, Rung.ROLLBACK):  # rejected for inf/NaN in the state
             event = ladder.decided(step - 1)
             assert event is not None
             self._roll_back(trainer, pl_module, dict(step=step - 1, kind=event["reason"], loss=None, zscore=None))
@@ -190,6 +232,7 @@ class ScaleCheckpoint(PluginCallback):
         bad = nonfinite_entries(snapshot)
         (bad_anywhere,) = any_rank(trainer, [bool(bad)], pl_module.device)
         if not bad_anywhere:
+            snapshot["lr_scale"] = self.lr_scale  # the LR reductions the snapshot's optimizer state holds
             self._snapshot, self._layout = snapshot, layout_key(self._plugin)
             return
         where = ", ".join(bad) if bad else "on another rank"
@@ -223,11 +266,77 @@ class ScaleCheckpoint(PluginCallback):
         self._check_budget(event)
         restore_snapshot(trainer, pl_module, self._plugin, self._snapshot)
         self.rollbacks += 1
-        self.events.append({**event, "action": "rollback", "restored_step": self.snapshot_step})
+        self._reduce_lr(trainer, float(self._snapshot.get("lr_scale", 1.0)))
+        self.events.append({**event, "action": "rollback", "restored_step": self.snapshot_step,
+                            **({"lr_scale": self.lr_scale} if self.lr_factor != 1.0 else {})})
         rank_zero_warn(
             f"ScaleCheckpoint at step {event['step']}: {event['kind']}; model, optimizer, LR schedule and plugin state"
-            f" restored to step {self.snapshot_step} (rollback {self.rollbacks} of {self.max_rollbacks})."
+            f" restored to step {self.snapshot_step} (rollback {self.rollbacks} of {self.max_rollbacks})"
+            + (f"; learning rates x{self.lr_scale:g} of the schedule's." if self.lr_factor != 1.0 else ".")
         )
+
+    def _reduce_lr(self, trainer: pl.Trainer, restored_scale: float) -> None:
+        """After a rollback: the LR reductions so far times one more ``lr_factor``, applied to state restored with
+        ``restored_scale`` of them (the snapshot's or the file's): every param group's rates and each LR scheduler's
+        ``base_lrs`` (and its last rates) by their ratio. Nothing with ``lr_factor=1``."""
+        if self.lr_factor == 1.0:
+            return
+        self.lr_scale *= self.lr_factor
+        ratio = self.lr_scale / restored_scale
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                for key in ("lr", "initial_lr", "max_lr", "min_lr"):
+                    value = group.get(key)
+                    if isinstance(value, torch.Tensor):
+                        value.mul_(ratio)
+                    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                        group[key] = value * ratio
+        for config in trainer.lr_scheduler_configs:
+            for attribute in ("base_lrs", "_last_lr"):
+                values = getattr(config.scheduler, attribute, None)
+                if isinstance(values, list):
+                    setattr(config.scheduler, attribute, [v * ratio for v in values])
+
+    def _restore_previous(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ladder: Ladder, step: int) -> None:
+        """The restore rung: the checkpoint written before the loaded one that passes, loaded in process; the run stops
+        (reason named) when the attempts are spent or none passes. The same files, checks and decision on every rank."""
+        assert self._plugin is not None and ladder.load is not None
+        path, loaded_step = ladder.load["path"], ladder.load["step"]
+        if self.rollbacks >= self.max_rollbacks:
+            why = (f"{self.rollbacks} rollbacks/restores done (max_rollbacks={self.max_rollbacks}); the last state"
+                   f" loaded, from {path}, went bad again")
+            return self._give_up(trainer, ladder, step, why)
+        previous, checkpoint, rejected = earlier_checkpoint(self._plugin, path, loaded_step)
+        if previous is None or checkpoint is None:
+            return self._give_up(trainer, ladder, step, f"{path} was loaded at step {loaded_step}; {rejected}")
+        restored_scale = float(dict(dict(checkpoint.get("callbacks") or {}).get(self.state_key) or {}).get(
+            "lr_scale", 1.0))
+        resumed = load_in_process(trainer, checkpoint, previous)
+        self.rollbacks += 1
+        self._reduce_lr(trainer, restored_scale)
+        skipped = [f"{p} ({d[0]})" for p, d in rejected.items()] if isinstance(rejected, dict) else []
+        self.events.append(dict(step=step, kind="restored state", action="restore_previous", loss=None, zscore=None,
+                                checkpoint=str(previous), failed=path, restored_step=resumed, lr_scale=self.lr_scale,
+                                skipped=skipped))
+        ladder.done(step, checkpoint=str(previous), failed=path, restored_step=resumed)
+        ladder.rewind(resumed)
+        ladder.loaded(resumed, str(previous))
+        self._take(trainer, pl_module)  # the snapshot a later rollback returns to: the restored file's state
+        rank_zero_warn(
+            f"ScaleCheckpoint at step {step}: a bad step {step - loaded_step + 1} steps after loading {path}: the"
+            f" restored state is suspect; restored {previous} instead (global_step={resumed}; attempt"
+            f" {self.rollbacks} of max_rollbacks={self.max_rollbacks})"
+            + "".join(f"; skipped {s}" for s in skipped)
+            + (f"; learning rates x{self.lr_scale:g} of the schedule's." if self.lr_factor != 1.0 else "."))
+        return None
+
+    def _give_up(self, trainer: pl.Trainer, ladder: Ladder, step: int, why: str) -> None:
+        ladder.give_up(step, why)
+        trainer.should_stop = True
+        self.events.append(dict(step=step, kind="restored state", action="stop", loss=None, zscore=None, reason=why))
+        rank_zero_warn(f"ScaleCheckpoint at step {step}: a non-finite step or a spike soon after a checkpoint load,"
+                       f" and no earlier checkpoint to restore: {why}. The run stops; resume from an earlier"
+                       " checkpoint, or check how the loaded one was written.")
 
     def _check_budget(self, event: dict[str, Any]) -> None:
         if self.rollbacks < self.max_rollbacks:
@@ -240,12 +349,15 @@ class ScaleCheckpoint(PluginCallback):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Keys: ``rollbacks``, ``skips``, ``events``, and ``losses`` and ``skipped_at`` (empty: kept so that older
-        checkpoints load). Snapshots stay in memory only (:meth:`snapshot_state`)."""
+        """Keys: ``rollbacks``, ``skips``, ``events``, ``lr_scale``, and ``losses`` and ``skipped_at`` (empty: kept so
+        that older checkpoints load). Snapshots stay in memory only (:meth:`snapshot_state`)."""
         return {"rollbacks": self.rollbacks, "skips": self.skips, "events": copy.deepcopy(self.events),
-                "losses": [], "skipped_at": []}
+                "losses": [], "skipped_at": [], "lr_scale": self.lr_scale}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if isinstance(state_dict, dict) and "lr_scale" not in state_dict:  # written before lr_factor: no reduction
+            state_dict = {**state_dict, "lr_scale": 1.0}
         strict_keys(type(self).__name__, state_dict, set(self.state_dict()))
         self.rollbacks, self.skips = int(state_dict["rollbacks"]), int(state_dict["skips"])
         self.events = copy.deepcopy(list(state_dict["events"]))
+        self.lr_scale = float(state_dict["lr_scale"])

@@ -103,18 +103,27 @@ def tensor_leaves(tree: object, path: str = "") -> Iterator[tuple[str, torch.Ten
             yield from tensor_leaves(value, f"{path}[{index}]")
 
 
+def _view_key(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's bytes: its storage, offset, shape, strides and dtype (two entries of a state that are
+    one tensor, such as tied embeddings listed under two names, have the same key)."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def checksums(trees: Mapping[str, object]) -> dict[str, int]:
     """Every tensor's :func:`checksum` in ``trees`` (``{root name: nested state}``), by path; one host read per
-    device."""
+    device. A tensor listed under several paths (tied weights: ``torch.save`` writes its storage once too) is read
+    once."""
     leaves = [(f"{root}{path}", t) for root, tree in trees.items() for path, t in tensor_leaves(tree)]
+    first: dict[tuple, int] = {}  # view key -> the index of the leaf that computes it
     by_device: dict[torch.device, list[int]] = {}
     for index, (_, t) in enumerate(leaves):
-        by_device.setdefault(t.device, []).append(index)
+        if first.setdefault(_view_key(t), index) == index:
+            by_device.setdefault(t.device, []).append(index)
     values: dict[int, int] = {}
     for indices in by_device.values():
         sums = torch.stack([checksum(leaves[i][1]) for i in indices]).tolist()  # the one host read of this device
         values.update(zip(indices, sums))
-    return {leaves[i][0]: values[i] for i in range(len(leaves))}
+    return {path: values[first[_view_key(t)]] for path, t in leaves}
 
 
 def _kind(path: str) -> str:

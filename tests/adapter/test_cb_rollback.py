@@ -4,6 +4,8 @@ spikes are SpikeGuard's (the old detector's arguments warn and do nothing)."""
 from __future__ import annotations
 
 import copy
+import math
+import os
 import warnings
 
 import pytest
@@ -285,3 +287,261 @@ def test_a_run_started_from_non_finite_state_is_refused_naming_it(where: str) ->
     assert checkpoint.rollbacks == 0 and "learning rate" not in message
     assert "at train start" in message and "inf/NaN" in message
     assert ("model.fc2.weight" if where == "weights" else "exp_avg_sq") in message
+
+
+# ------------------------------------------------------------------------------------- the restored-state rung
+LOADED = 4  # the checkpoint of step 4 is written wrong; steps 1-3 are good
+
+
+class _WrongLRAtSave(pl.Callback):
+    """At the end of the optimizer steps ``steps``, before ModelCheckpoint writes them, the optimizer's learning rate
+    is written wrong (x1e7; the run itself goes on with the right one): every number of such a checkpoint is finite and
+    its fingerprint matches what was written, yet the third step after loading it has a non-finite loss
+    (Megatron-LM#5281's shape: NaN three steps after a load)."""
+
+    def __init__(self, *steps: int) -> None:
+        self.steps, self.right = set(steps), None
+
+    def on_train_batch_start(self, trainer, pl_module, *args) -> None:
+        if self.right is not None:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = self.right
+            self.right = None
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step in self.steps:
+            self.right = trainer.optimizers[0].param_groups[0]["lr"]
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] *= 1e7
+
+
+class _Losses(pl.Callback):
+    """``(global_step before the step, loss)`` of every training batch, and the lr after it."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, float]] = []
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, *args) -> None:
+        self.rows.append((self._step, float(outputs["loss"])))
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def _written_wrong(directory, seed: int, scheduler: bool = False, precision: str = "32-true") -> list:
+    """Checkpoints of steps 1..LOADED of a seeded AdamW run, the last one with its learning rate written wrong."""
+    from helpers import make_module
+
+    torch.manual_seed(seed)
+    module = make_module(optimizer="adamw", lr=1e-2, scheduler=scheduler)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1)
+    with quiet():
+        make_trainer(StablePrecision(precision), max_steps=LOADED, enable_checkpointing=True,
+                     callbacks=[_WrongLRAtSave(LOADED), saver]).fit(module)
+    return sorted(directory.glob("*.ckpt"), key=lambda p: int(p.stem.rpartition("=")[2]))
+
+
+def _resume(path, seed: int, checkpoint, steps: int = LOADED + 6, scheduler: bool = False, warn: bool = False,
+            precision: str = "32-true"):
+    from helpers import make_module
+
+    torch.manual_seed(seed)
+    module = make_module(optimizer="adamw", lr=1e-2, scheduler=scheduler)
+    losses, plugin = _Losses(), StablePrecision(precision)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=path.parent, every_n_train_steps=1, save_top_k=-1)
+    trainer = make_trainer(plugin, max_steps=steps, enable_checkpointing=True, callbacks=[checkpoint, losses, saver])
+    with warnings.catch_warnings():
+        if warn:
+            warnings.filterwarnings("ignore", message=r"^(?!ScaleCheckpoint)")
+        else:
+            warnings.simplefilter("ignore")
+        trainer.fit(module, ckpt_path=path)
+    return trainer, module, plugin, losses
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_checkpoint_that_goes_nan_three_steps_after_load_restores_the_one_before(seed: int, tmp_path) -> None:
+    # Before: the bad step 6 rolled back to the snapshot of the loaded state (step 4), which went NaN again three steps
+    # later, and again: "RuntimeError: ScaleCheckpoint: inf/NaN in the weights or optimizer state at step 15, after 3
+    # rollbacks to the snapshot of step 4 (max_rollbacks=3)" (Megatron-LM#5281 looped 44 times).
+    paths = _written_wrong(tmp_path, seed)
+    checkpoint = ScaleCheckpoint(every_n_steps=50, restored_window=5)
+    trainer, module, plugin, losses = _resume(paths[-1], seed, checkpoint)
+
+    bad = [step for step, loss in losses.rows if not math.isfinite(loss)]
+    assert bad == [LOADED + 2]  # the third step after the load, and only that one
+    (event,) = [e for e in plugin.ladder_events if e["action"] != "skip"]
+    assert (event["step"], event["fault"], event["rung"], event["action"]) == (
+        LOADED + 2, "restored", "restore", "restore_previous")
+    assert event["checkpoint"] == str(paths[-2]) and event["restored_step"] == LOADED - 1
+    assert [(e["action"], e["checkpoint"], e["restored_step"]) for e in checkpoint.events] == [
+        ("restore_previous", str(paths[-2]), LOADED - 1)]
+    assert checkpoint.rollbacks == 1 and trainer.ckpt_path == str(paths[-2])
+    # It resumed at the earlier checkpoint's step and trained on to max_steps: 7 more steps, all finite.
+    assert [step for step, _ in losses.rows] == [4, 5, 6, 3, 4, 5, 6, 7, 8, 9]
+    assert trainer.global_step == LOADED + 6 and plugin.step_count >= 6
+    assert all(math.isfinite(loss) for _, loss in losses.rows[3:]) and losses.rows[-1][1] < losses.rows[3][1] * 1.5
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert losses.lrs[-1] == 1e-2  # the earlier file's learning rate, not the one written wrong
+    state = trainer.optimizers[0].state[next(iter(trainer.optimizers[0].state))]
+    assert int(state["step"]) == LOADED + 6  # the optimizer's own step count agrees with global_step
+
+
+def test_restore_attempts_are_capped_then_the_run_stops_naming_why(tmp_path) -> None:
+    # Every earlier file is written wrong too (each one's third step after the load is non-finite): one attempt is
+    # allowed (max_rollbacks=1), the second bad step stops the run with the reason, no loop.
+    from helpers import make_module
+
+    torch.manual_seed(0)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    with quiet():
+        make_trainer(StablePrecision("32-true"), max_steps=LOADED, enable_checkpointing=True,
+                     callbacks=[_WrongLRAtSave(1, 2, 3, 4), saver]).fit(make_module(optimizer="adamw", lr=1e-2))
+    paths = sorted(tmp_path.glob("*.ckpt"), key=lambda p: int(p.stem.rpartition("=")[2]))
+    checkpoint = ScaleCheckpoint(every_n_steps=50, restored_window=5, max_rollbacks=1)
+    with pytest.warns(UserWarning, match=r"The run stops") as caught:
+        trainer, module, plugin, losses = _resume(paths[-1], 0, checkpoint, steps=20, warn=True)
+    said = " ".join(str(w.message) for w in caught)
+    assert f"restored {paths[-2]} instead (global_step={LOADED - 1}; attempt 1 of max_rollbacks=1)" in said
+    assert [e["action"] for e in checkpoint.events] == ["restore_previous", "stop"]
+    stop = checkpoint.events[-1]
+    assert "max_rollbacks=1" in stop["reason"] and str(paths[-2]) in stop["reason"]
+    assert [(e["fault"], e["rung"]) for e in plugin.ladder_events if e["action"] != "skip"] == [
+        ("restored", "restore"), ("restored", "stop")]
+    assert trainer.global_step < 20  # stopped, not looping to max_steps
+
+
+def test_with_no_earlier_checkpoint_that_passes_the_run_stops_naming_why(tmp_path) -> None:
+    paths = _written_wrong(tmp_path, 0)
+    for path in paths[:-1]:  # the earlier files are weights-only copies (as old as they were)
+        saved, written = torch.load(path, weights_only=True), path.stat().st_mtime_ns
+        torch.save({"state_dict": saved["state_dict"], "global_step": saved["global_step"]}, path)
+        os.utime(path, ns=(written, written))
+    checkpoint = ScaleCheckpoint(every_n_steps=50, restored_window=5)
+    with pytest.warns(UserWarning, match=r"no earlier checkpoint passes among 3 .*weights-only"):
+        trainer, _, plugin, _ = _resume(paths[-1], 0, checkpoint, warn=True)
+    assert [e["action"] for e in checkpoint.events] == ["stop"] and trainer.global_step == LOADED + 3
+
+
+def test_the_restored_window_and_lr_factor_are_checked() -> None:
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=rf"ScaleCheckpoint\(restored_window={bad!r}\): must be an int >= 0"):
+            ScaleCheckpoint(restored_window=bad)
+    for bad in (0, 0.0, -0.5, 1.5, float("nan"), "0.5"):
+        with pytest.raises(ValueError, match=r"ScaleCheckpoint\(lr_factor=.*\): must be a number in \(0, 1\]"):
+            ScaleCheckpoint(lr_factor=bad)
+
+
+def test_after_a_restore_plugin_optimizer_schedule_and_step_agree(tmp_path) -> None:
+    # bf16-true with FP32 masters and a StepLR(gamma=0.5) stepped every optimizer step: after the restore the masters
+    # are the weights, the schedule's step is global_step, and the rate is the schedule's at that step.
+    paths = _written_wrong(tmp_path, 0, scheduler=True, precision="bf16-true")
+    checkpoint = ScaleCheckpoint(every_n_steps=50, restored_window=5)
+    trainer, module, plugin, losses = _resume(paths[-1], 0, checkpoint, scheduler=True, precision="bf16-true")
+    assert [e["action"] for e in checkpoint.events] == ["restore_previous"]
+    after = [loss for step, loss in losses.rows][[step for step, _ in losses.rows].index(LOADED - 1):]
+    assert trainer.global_step == LOADED + 6 and len(after) == 7 and all(math.isfinite(loss) for loss in after)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == trainer.global_step and losses.lrs[-1] == pytest.approx(1e-2 * 0.5**(LOADED + 6))
+    masters = plugin.state_dict()["masters"]
+    for name, param in module.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(masters[name].bfloat16(), param.detach()), name
+
+
+# ------------------------------------------------------------------------------------------ LR reduction on rollback
+def _decay(epoch: int) -> float:
+    return 1.0 / (1.0 + 0.25 * epoch)
+
+
+class _LambdaModule(PoisonModule):
+    """A LambdaLR computed from its base rate each step (lr = base * _decay(step)): a schedule that would undo a
+    reduction of the param groups' rates alone."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _decay)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _Rates(pl.Callback):
+    """``(scheduler step, lr)`` after every batch."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        self.rows.append((scheduler.last_epoch, trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+def test_a_rollback_multiplies_the_lr_by_lr_factor_and_the_schedule_and_a_resume_keep_it(tmp_path) -> None:
+    # Before (no lr_factor): a rollback restored the snapshot's rates exactly, so the run went back into the same
+    # divergence at the same rate (levanter#391).
+    lr = 1e-2
+    checkpoint, rates = ScaleCheckpoint(every_n_steps=2, lr_factor=0.5), _Rates()
+    trainer = make_trainer(StablePrecision("32-true"), max_steps=8, callbacks=[_NanWeight(5), checkpoint, rates])
+    with quiet():
+        trainer.fit(_LambdaModule(optimizer="adamw", lr=lr))
+    assert [(e["step"], e["restored_step"], e["lr_scale"]) for e in checkpoint.events] == [(5, 4, 0.5)]
+    assert checkpoint.lr_scale == 0.5
+    for batch, (epoch, rate) in enumerate(rates.rows):  # the schedule keeps the reduction: 0.5 x from the rollback
+        assert rate == pytest.approx((0.5 if batch >= 5 else 1.0) * lr * _decay(epoch)), (batch, epoch, rate)
+    assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(0.5 * lr)]
+    path = tmp_path / "after.ckpt"
+    trainer.save_checkpoint(path)
+
+    # A resume keeps it (the optimizer's rates, the schedule's base and lr_scale are in the checkpoint), and the next
+    # rollback halves it again, from there.
+    resumed, rates = ScaleCheckpoint(every_n_steps=2, lr_factor=0.5), _Rates()
+    trainer = make_trainer(StablePrecision("32-true"), max_steps=14, callbacks=[_NanWeight(11), resumed, rates])
+    with quiet():
+        trainer.fit(_LambdaModule(optimizer="adamw", lr=lr), ckpt_path=path)
+    assert resumed.events[-1]["lr_scale"] == 0.25 and resumed.lr_scale == 0.25 and resumed.rollbacks == 2
+    for batch, (epoch, rate) in enumerate(rates.rows, start=8):
+        assert rate == pytest.approx((0.25 if batch >= 11 else 0.5) * lr * _decay(epoch)), (batch, epoch, rate)
+    state = ScaleCheckpoint()
+    state.load_state_dict(torch.load(path, weights_only=True)["callbacks"]["ScaleCheckpoint"])
+    assert state.lr_scale == 0.5
+    old = {k: v for k, v in checkpoint.state_dict().items() if k != "lr_scale"}  # written before lr_factor existed
+    state.load_state_dict(old)
+    assert state.lr_scale == 1.0
+
+
+def test_lr_factor_one_changes_nothing() -> None:
+    rates = {}
+    for factor in (None, 1.0):
+        checkpoint = ScaleCheckpoint(every_n_steps=2) if factor is None else ScaleCheckpoint(every_n_steps=2,
+                                                                                             lr_factor=factor)
+        rates[factor] = _Rates()
+        torch.manual_seed(0)
+        with quiet():
+            make_trainer(StablePrecision("32-true"), max_steps=8,
+                         callbacks=[_NanWeight(5), checkpoint, rates[factor]]).fit(_LambdaModule(optimizer="adamw"))
+        assert checkpoint.lr_scale == 1.0 and "lr_scale" not in checkpoint.events[0]
+    assert rates[None].rows == rates[1.0].rows
+
+
+def test_a_spike_soon_after_a_load_restores_the_checkpoint_before(tmp_path) -> None:
+    # SpikeGuard's statistics come back with the checkpoint (warm): a loss spike at the second step after the load is
+    # the loaded state's (within restored_window=2): the file of step 7 is restored. The spike is keyed on step 9, so it
+    # comes again after the restore, two steps after that load: outside the window, SpikeGuard's skip.
+    def plugin():
+        return StablePrecision("32-true", spike_guard=SpikeGuard(warmup=4, watch=["loss"]))
+
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    torch.manual_seed(0)
+    with quiet():
+        make_trainer(plugin(), max_steps=8, enable_checkpointing=True, callbacks=[saver]).fit(
+            PoisonModule(optimizer="adamw", lr=1e-2))
+    paths = sorted(tmp_path.glob("*.ckpt"), key=lambda p: int(p.stem.rpartition("=")[2]))
+    checkpoint, resumed = ScaleCheckpoint(every_n_steps=50, restored_window=2), plugin()
+    trainer = make_trainer(resumed, max_steps=12, callbacks=[checkpoint])
+    with quiet():
+        trainer.fit(PoisonModule(optimizer="adamw", lr=1e-2, loss_factor={9: 1e6}), ckpt_path=paths[-1])
+    event, skip = resumed.ladder_events
+    assert (event["step"], event["fault"], event["rung"], event["checkpoint"], event["restored_step"]) == (
+        9, "restored", "restore", str(paths[-2]), 7)
+    assert (skip["step"], skip["fault"], skip["rung"]) == (9, "spike", "skip")
+    assert trainer.global_step == 12 and checkpoint.rollbacks == 1

@@ -139,7 +139,7 @@ def test_the_transition_follows_the_table():
     assert verdicts == {"transient": Rung.REPLAY, "data": Rung.SKIP, "precision": Rung.FALLBACK,
                         "state": Rung.ROLLBACK}
     assert next_rung("nonfinite_state", on, verdict="data") is Rung.STOP
-    assert next_rung("restored", on, verdict="restored") is Rung.ROLLBACK  # reserved for the fingerprint issue
+    assert next_rung("restored", on, verdict="restored") is Rung.RESTORE  # the restored-state rung (issue 46)
     assert set(TABLE) >= {"overflow", "overflow_storm", "nonfinite_input", "spike", "unexplained", "nonfinite_state"}
     with pytest.raises(ValueError, match=r"next_rung\(fault='flood'\): allowed: \["):
         next_rung("flood", on)

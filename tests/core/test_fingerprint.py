@@ -418,3 +418,20 @@ def test_ddp_ranks_fall_back_to_the_same_checkpoint(tmp_path) -> None:
     assert ranks[0] == ranks[1]  # the same checks, differences and fallback on both ranks
     assert [e["action"] for e in ranks[0]] == ["previous", "passed"]  # the fallback, then its pinned pass
     assert ranks[0][0]["fallback"].endswith("step=1.ckpt") and "exp_avg_sq" in ranks[0][0]["differences"][0]
+
+
+def test_a_tensor_listed_twice_is_read_once_and_both_names_are_checked(monkeypatch) -> None:
+    import lit_mpstable.core.fingerprint as fp
+
+    shared = torch.randn(8, 4)  # tied weights: one tensor under two names
+    trees = {"state_dict": {"embed.weight": shared, "head.weight": shared, "head.bias": torch.randn(8)}}
+    seen: list[int] = []
+    real = fp.checksum
+    monkeypatch.setattr(fp, "checksum", lambda t: (seen.append(t.numel()), real(t))[1])
+    sums = fp.checksums(trees)
+    assert sorted(seen) == [8, 32]  # the shared tensor once
+    assert sums["state_dict['embed.weight']"] == sums["state_dict['head.weight']"] == int(real(shared))
+    untied = {"state_dict": {**trees["state_dict"], "head.weight": shared.clone()}}
+    _flip(untied["state_dict"]["head.weight"], 3)
+    found = compare_checksums(sums, untied)
+    assert len(found) == 1 and "`state_dict['head.weight']` differs" in found[0]

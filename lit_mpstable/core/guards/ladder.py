@@ -4,7 +4,7 @@ reason and the rungs that remained.
 A bad step climbs the ladder from the bottom; the first rung that is switched on for its fault acts, and only that
 one (one decision per step: a second face asking about the same step is told it is decided):
 
-    skip -> replay and classify -> fall back -> roll back -> stop
+    skip -> replay and classify -> fall back -> roll back -> restore the checkpoint before -> stop
 
 Each rung has one owner, and a callback is a face that switches its rung on and sets its knobs:
 
@@ -17,8 +17,11 @@ Each rung has one owner, and a callback is a face that switches its rung on and 
                classify it
     fallback   the plugin's fallback: the blamed layers, else     PrecisionFallback; AMPPreflight at the start
                the model one rung up                              of the run; a replay's "precision" verdict
-    rollback   the snapshot owner (ScaleCheckpoint; StateSnapshot    ScaleCheckpoint, StepTriage(snapshot=...)
+    rollback   the snapshot owner (ScaleCheckpoint; StateSnapshot ScaleCheckpoint, StepTriage(snapshot=...)
                in a plain loop) restores the last good snapshot
+    restore    ScaleCheckpoint loads, in process, the newest      ScaleCheckpoint(restored_window=N) (Trainer)
+               checkpoint written before the loaded one that
+               passes its fingerprint
     stop       the ladder: the run stops with the reason named    always on (the last resort)
 
 OverflowMonitor only observes. The table (event -> the rung that acts; what acts if that rung is switched off):
@@ -39,16 +42,20 @@ OverflowMonitor only observes. The table (event -> the rung that acts; what acts
       state                                                                                 snapshot)
     first batch disagrees with FP32      "preflight"         fallback (start of the run)    - (warned)
       (AMPPreflight)
-    a checkpoint's fingerprint mismatch  "restored"          rollback (reserved: issue 46)  stop
+    non-finite step or spike within N    "restored"          restore the checkpoint before  stop (attempts spent,
+      steps after a checkpoint load                           the loaded one (each attempt   or none passes); when
+      (restored_window=N; not an input                        logged with its path, counted  off: as the fault it
+      NaN or a routine overflow)                              in max_rollbacks)              was (above)
 
 A replay's verdict names the rung that follows it (:data:`VERDICT_RUNG`): ``"transient"`` applies the clean replay
 (the replay rung is the remedy), ``"data"`` skips, ``"precision"`` falls back the layers where inf/NaN first
-appeared, ``"state"`` rolls back, ``"restored"`` (reserved for the fingerprint issue) rolls back to the checkpoint
-before. ``"data"`` for a fault in the weights or optimizer state (no snapshot to replay from) stops.
+appeared, ``"state"`` rolls back, ``"restored"`` restores the checkpoint before the loaded one. ``"data"`` for a
+fault in the weights or optimizer state (no snapshot to replay from) stops.
 
 Cooldowns live here, in :class:`Cooldowns`: the replay budget (``FaultTriage``), the wait before low precision is
-retried (``PrecisionFallback(cooldown=)``) and the interval of snapshots (``ScaleCheckpoint(every_n_steps=)``). A face
-sets its knob with :meth:`Ladder.claim`; two faces setting one knob to different values is refused, naming both.
+retried (``PrecisionFallback(cooldown=)``), the interval of snapshots (``ScaleCheckpoint(every_n_steps=)``) and the
+steps after a checkpoint load in which a bad step is the restored state's (``ScaleCheckpoint(restored_window=)``). A
+face sets its knob with :meth:`Ladder.claim`; two faces setting one knob to different values is refused, naming both.
 """
 
 from __future__ import annotations
@@ -90,6 +97,16 @@ class Rung(Enum):
     owner (``ScaleCheckpoint``'s :class:`~lit_mpstable.callbacks.scale_checkpoint.Snapshots`; ``StateSnapshot`` in a
     plain loop), counted against its ``max_rollbacks``."""
 
+    RESTORE = "restore"
+    """The restored-state rung: the state loaded from a checkpoint is suspect (a non-finite step or a spike within
+    ``restored_window`` optimizer steps of the load: fault ``"restored"``, Megatron-LM#5281's NaN three steps after a
+    load), so the run falls back, in process, to the newest checkpoint of the loaded one's directory written before it
+    that passes its numeric fingerprint (:func:`~lit_mpstable.core.fingerprint.previous_passing_checkpoint`): weights,
+    plugin state, optimizers, LR schedulers and the loop's ``global_step`` come from that file, and the window starts
+    again from it. Rolling back to the in-memory snapshot instead would restore the same loaded state and loop. Owned
+    by ``ScaleCheckpoint(restored_window=N)`` (Trainer); each attempt is logged with the file's path and counted against
+    ``max_rollbacks``; when none is left, or no earlier checkpoint passes, the run stops with the reason named."""
+
     STOP = "stop"
     """Nothing switched on can cure the fault (inf/NaN in the weights or optimizer state and no snapshot): the run
     stops, the event naming why and what would have helped. Always on: the last resort."""
@@ -105,19 +122,19 @@ TABLE: dict[str, tuple[Rung, ...]] = {
     "unexplained": (Rung.REPLAY, Rung.SKIP),
     "nonfinite_state": (Rung.REPLAY, Rung.ROLLBACK, Rung.STOP),
     "preflight": (Rung.FALLBACK,),
-    "restored": (Rung.ROLLBACK, Rung.STOP),
+    "restored": (Rung.RESTORE, Rung.STOP),
 }
 """Per fault, the rungs that may act on it, in the order they are tried; the first switched on acts. (An overflow
 storm reaches the replay rung only where the scale no longer explains it: scale 1, or no scaler.)"""
 
 VERDICT_RUNG: dict[str, Rung] = {
     "transient": Rung.REPLAY, "data": Rung.SKIP, "precision": Rung.FALLBACK, "state": Rung.ROLLBACK,
-    "restored": Rung.ROLLBACK,
+    "restored": Rung.RESTORE,
 }
 """The rung a replay's verdict hands the step to (``"transient"``: the replay's own step is the remedy)."""
 
 ACTION = {Rung.SKIP: "skip", Rung.REPLAY: "use_replay", Rung.FALLBACK: "fallback", Rung.ROLLBACK: "rollback",
-          Rung.STOP: "stop"}
+          Rung.RESTORE: "restore_previous", Rung.STOP: "stop"}
 """What each rung does, as the events name it (``FaultTriage``'s actions are these)."""
 
 
@@ -128,8 +145,15 @@ REASONS = {
     "spike": "SpikeGuard judged the step a spike",
     "unexplained": "a non-finite loss or late inf/NaN, the weights and optimizer state finite",
     "nonfinite_state": "inf/NaN in the weights or optimizer state",
+    "restored": "a non-finite step or a spike soon after a checkpoint load: the restored state is suspect",
 }
 """What each fault of a rejected step means, for the decision's log line."""
+
+
+RESTORED_FAULTS = frozenset({"spike", "unexplained", "nonfinite_state", "overflow_storm"})
+"""The faults that, within ``restored_window`` steps of a checkpoint load, are the restored state's (``"restored"``):
+a non-finite step or a spike. Not a batch holding inf/NaN (the batch's fault) nor a routine overflow at a scale above
+1 (the scaler's)."""
 
 
 def next_rung(fault: str, enabled: Iterable[Rung], *, verdict: str | None = None, replayable: bool = True) -> Rung:
@@ -195,12 +219,15 @@ class Cooldowns:
         fallback_retry: steps after a fallback before low precision is retried (``PrecisionFallback(cooldown=)``;
             None: never).
         snapshot_every: steps between snapshots (``ScaleCheckpoint(every_n_steps=)``; None: no snapshots).
+        restored_window: optimizer steps after a checkpoint load in which a non-finite step or a spike is the restored
+            state's fault (``ScaleCheckpoint(restored_window=)``; 0: off).
     """
 
     replay_budget: int = 12
     budget_window: int = 100
     fallback_retry: int | None = None
     snapshot_every: int | None = None
+    restored_window: int = 0
 
 
 class Ladder:
@@ -218,6 +245,8 @@ class Ladder:
         self._decided: dict[int, dict[str, Any]] = {}
         self._token: object = None
         self.watched = -1
+        self.load: dict[str, Any] | None = None
+        """The last checkpoint load of this fit: ``step`` (the ``global_step`` it resumed at) and ``path``."""
         """The last step a face watched (each step is watched once, by the first face at its end)."""
         self.overflows = 0
         """The host's ``overflow_count`` when :attr:`watched` was watched."""
@@ -301,6 +330,34 @@ class Ladder:
             self.cooldowns = Cooldowns()
             self._decided.clear()
             self.watched = -1
+            self.load = None
+
+    # ------------------------------------------------------------------------------------------ the restored state
+    def loaded(self, step: int, path: str) -> None:
+        """The run's state was loaded from the checkpoint ``path`` and resumes at optimizer step ``step``: for
+        ``restored_window`` steps from here a non-finite step or a spike is the restored state's fault."""
+        self.load = {"step": int(step), "path": str(path)}
+
+    def restored(self, step: int, fault: str) -> bool:
+        """Whether bad step ``step`` of ``fault`` (one of :data:`RESTORED_FAULTS`) falls within ``restored_window``
+        steps of the last checkpoint load: the fault is then ``"restored"``."""
+        window, load = self.cooldowns.restored_window, self.load
+        return bool(window) and load is not None and fault in RESTORED_FAULTS and 0 <= step - load["step"] < window
+
+    def rewind(self, step: int) -> None:
+        """The loop's ``global_step`` went back to ``step`` (a checkpoint restored in process): decisions of the steps
+        from ``step`` on are history (kept in :attr:`events`), so those steps are decided again when they come."""
+        self._decided = {s: e for s, e in self._decided.items() if s < step}
+        self.watched = step - 1
+
+    def give_up(self, step: int, why: str) -> None:
+        """``step``'s rung could not act (``why``: e.g. no earlier checkpoint passes, the attempts are spent): the last
+        rung, stop, is the decision (the front end stops the run)."""
+        event = self._decided.get(step)
+        if event is not None:
+            event.update(rung=Rung.STOP.value, action=ACTION[Rung.STOP], reason=f"{event['reason']}; {why}",
+                         remaining=[], done=True)
+            log.info(describe(event))
 
     def conclude(self, step: int, verdict: str, **extra: Any) -> Rung:
         """A replay of ``step`` named ``verdict``: the rung it hands the step to, recorded in the step's event (decided
