@@ -20,6 +20,7 @@ from lit_mpstable.core.scaling.scaler_state import (
     check_state_keys,
     resolve_device,
 )
+from lit_mpstable.core.tensors import GradPass, grad_pass
 
 _DEVICE_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflow_count", "_min_scale_hits")
 
@@ -78,6 +79,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Set by the stepper on the scale-1 check it builds without a scaler (``scaler=None``/``"auto"`` outside FP16):
         no loss is ever scaled by it and a static scale never moves, so :meth:`check_grads_` runs GradScaler's unscale
         kernel at exactly 1 without computing ``1 / scale`` every step (the same kernel, flags and gradients)."""
+        self.measures_norm = False
+        """Set by the stepper when the step reads the gradients' L2 norm (a SpikeGuard, a clip by norm): the gradient
+        check then makes the step's one pass over them (:meth:`grad_pass`)."""
         self.hysteresis = hysteresis
         self.min_scale = min_scale
         self.max_scale = max_scale
@@ -179,13 +183,47 @@ class DynamicLossScaler(torch.amp.GradScaler):
         was scaled (the scale-1 check), ``unscale_`` (or, with ``unscale=False``, :meth:`check_`, which leaves the
         gradients scaled), then :meth:`sync_found_inf_`. No host sync."""
         self.ensure_state_(device)
-        if not unscale:
-            self.check_(optimizer)
-        elif self.checks_only:
-            self._unscale_at_one_(optimizer)
-        else:
-            self.unscale_(optimizer)
+        measured = None
+        if self.measures_norm and self._enabled and (self.checks_only or not unscale):
+            measured = self._check_by_pass_(optimizer, unscale=unscale)  # the check is the norm's pass
+        if measured is None:
+            if not unscale:
+                self.check_(optimizer)
+            elif self.checks_only:
+                self._unscale_at_one_(optimizer)
+            else:
+                self.unscale_(optimizer)
+            if self.measures_norm and self._enabled:  # the unscale kernel checked: one pass more, for the norm
+                measured = grad_pass(_grads(optimizer))
+        if measured is not None:
+            self._per_optimizer_states[id(optimizer)]["grad_pass"] = measured
         self.sync_found_inf_(optimizer)
+
+    def grad_pass(self, optimizer: torch.optim.Optimizer) -> GradPass | None:
+        """The pass over ``optimizer``'s gradients that this iteration's :meth:`check_grads_` made (their L2 norm as
+        it left them, and its finite flag), for the step to read instead of reading the gradients again; None where it
+        made none (:attr:`measures_norm` off, sharded gradients)."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        return state.get("grad_pass") if state else None
+
+    def _check_by_pass_(self, optimizer: torch.optim.Optimizer, *, unscale: bool) -> GradPass | None:
+        """The inf/NaN check at scale 1 (``unscale``, the check of a run without a scaler) or without unscaling
+        (:meth:`check_`) read off one :func:`~lit_mpstable.core.tensors.grad_pass`: the gradients are read once, for
+        the check and the norm together, and written never. None (nothing done) where the pass does not apply."""
+        measured = grad_pass(grads := _grads(optimizer))
+        if measured is None:
+            return None
+        state = self._per_optimizer_states[id(optimizer)]
+        call = "unscale_" if unscale else "check_"
+        self._check_scale_growth_tracker(call)
+        if state["stage"] is not OptState.READY:  # the refusals of _unscale_at_one_ and check_, word for word
+            raise RuntimeError(
+                f"{type(self).__name__}.check_() after unscale_()/check_() in the same iteration." if not unscale
+                else "unscale_() has already been called on this optimizer since the last update()."
+                if state["stage"] is OptState.UNSCALED else "unscale_() is being called after step().")
+        state["found_inf_per_device"] = {grads[0].device: measured.finite.logical_not().float()}
+        state["stage"] = OptState.UNSCALED
+        return measured
 
     def _unscale_at_one_(self, optimizer: torch.optim.Optimizer) -> None:
         # GradScaler.unscale_ with its inverse scale known to be 1 (checks_only): the same stage rules and kernel.
@@ -659,6 +697,10 @@ def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimize
     # A maximum, not a sum: fused optimizers skip only on found_inf == 1 exactly.
     torch.maximum(flags[0], flag.to(device=flags[0].device, dtype=flags[0].dtype), out=flags[0])
     return before
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def _world_size(group: ProcessGroup | None) -> int:

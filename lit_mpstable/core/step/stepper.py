@@ -161,6 +161,8 @@ class PrecisionStepper:
         self.skip_nonfinite = skip_nonfinite
         self.spike_guard = check_spike_guard(call, spike_guard, self._checker)
         """Skips loss and gradient-norm spikes through the step's inf/NaN flag (None: off)."""
+        if self.spike_guard is not None and self._checker is not None:
+            self._checker.measures_norm = True  # the guard's norm is read off the gradient check's one pass
         self._spike: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # per optimizer: the guard's decision
         # and the gradient norm it judged, this iteration (device tensors)
         self.last_step_spiked = False
@@ -493,10 +495,19 @@ class PrecisionStepper:
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
         self.iteration.note_checked(optimizer)
         if self.spike_guard is not None:
-            # The true gradients' norm before any clipping (times a deferring keeper's pending unscale factor).
-            norm = true_grad_norm(optimizer, self.keeper.grads(optimizer).multiplier)
+            norm = self._true_norm(optimizer)  # before any clipping
             self._spike[id(optimizer)] = (self.spike_guard.decide(norm), norm)
         self._observe()
+
+    def _true_norm(self, optimizer: Optimizer) -> torch.Tensor | None:
+        """The L2 norm of ``optimizer``'s true gradients as the check left them (times a deferring keeper's pending
+        unscale factor), on the device: read off the gradient check's one pass over them, or, where it made none (a
+        foreign scaler, sharded gradients), one pass of its own."""
+        multiplier = self.keeper.grads(optimizer).multiplier
+        measured = self._checker.grad_pass(optimizer) if self._checker is not None else None
+        if measured is None:
+            return true_grad_norm(optimizer, multiplier)
+        return measured.norm * multiplier.to(measured.norm.device) if multiplier is not None else measured.norm
 
     def _observe(self) -> None:
         """Gradient telemetry into :attr:`stats` (the observer computes it on due steps only)."""
@@ -563,6 +574,17 @@ class PrecisionStepper:
             max_norm = torch.clamp(threshold, max=float(max_norm))  # type: ignore[assignment]
         first = id(optimizer) not in self._zclipped  # a second clip sees the first one's result (or factor)
         norm = self._spike.get(id(optimizer), (None, None))[1]
+        checker = self._checker
+        if norm is None and first and norm_type == 2.0 and checker is not None:
+            # Without a guard, the check's pass gives the norm where it is the number the clip would compute (FP32
+            # gradients: torch's clip_grad_norm_'s; compact weights: their own FP32 norms times the factor). The
+            # first clip by norm computes its own and asks the check for that pass from the next step on.
+            measured = checker.grad_pass(optimizer)
+            if measured is not None and (measured.fp32 or self.keeper.defers_unscale):
+                norm = self._true_norm(optimizer)
+            elif measured is None and not checker.measures_norm:
+                checker.measures_norm = self.keeper.defers_unscale or all(
+                    g.dtype == torch.float32 for g in _grads(self.keeper, optimizer) if g is not None)
         known = known_norm(norm, now.checked.get(id(optimizer)), optimizer, norm_type) if first else None
         self._zclipped.add(id(optimizer))
         result = cast(torch.Tensor, self.keeper.clip_(optimizer, max_norm=max_norm, norm_type=norm_type,
