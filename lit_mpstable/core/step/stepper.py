@@ -567,7 +567,7 @@ class PrecisionStepper:
         checker = self._checker
         if norm is None and first and norm_type == 2.0 and checker is not None:
             # Without a guard, the check's pass gives the norm where it is the number the clip would compute (FP32
-            # gradients: torch's clip_grad_norm_'s; compact weights: their own FP32 norms times the factor). The
+            # gradients: torch's clip_grad_norm_'s; a deferring keeper: its own FP32 norms times the factor). The
             # first clip by norm computes its own and asks the check for that pass from the next step on.
             measured = checker.grad_pass(optimizer)
             if measured is not None and (measured.fp32 or self.keeper.defers_unscale):
