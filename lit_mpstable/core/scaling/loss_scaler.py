@@ -221,6 +221,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 f"{type(self).__name__}.check_() after unscale_()/check_() in the same iteration." if not unscale
                 else "unscale_() has already been called on this optimizer since the last update()."
                 if state["stage"] is OptState.UNSCALED else "unscale_() is being called after step().")
+        if unscale and not self.allow_fp16_grads and any(g.dtype == torch.float16 for g in grads):
+            raise ValueError("Attempting to unscale FP16 gradients.")  # GradScaler's refusal, as the kernel's path
         state["found_inf_per_device"] = {grads[0].device: measured.finite.logical_not().float()}
         state["stage"] = OptState.UNSCALED
         return measured
@@ -236,7 +238,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, one_on(scale.device), found_inf, False)
+        found = _checked_at_one(optimizer, found_inf, allow_fp16=self.allow_fp16_grads)
+        state["found_inf_per_device"] = (found if found is not None
+                                         else self._unscale_grads_(optimizer, one_on(scale.device), found_inf, False))
         state["stage"] = OptState.UNSCALED
 
     def check_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -697,6 +701,36 @@ def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimize
     # A maximum, not a sum: fused optimizers skip only on found_inf == 1 exactly.
     torch.maximum(flags[0], flag.to(device=flags[0].device, dtype=flags[0].dtype), out=flags[0])
     return before
+
+
+def _checked_at_one(optimizer: torch.optim.Optimizer, found: torch.Tensor, *, allow_fp16: bool
+                    ) -> dict[torch.device, torch.Tensor] | None:
+    """GradScaler's ``_unscale_grads_`` at an inverse scale of 1 for plain dense gradients on ``found``'s device: the
+    same kernel, once per dtype, into ``found``, without the per-call copies of the flag and the scale GradScaler's
+    replicas make (a third of a small model's check). None where a gradient is sparse, a subclass (a DTensor shard) or
+    elsewhere: GradScaler's own loop checks them.
+
+    Raises:
+        ValueError: an FP16 gradient without ``allow_fp16`` (GradScaler's refusal, word for word).
+    """
+    device = found.device
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if type(grad) is not torch.Tensor or grad.is_sparse or grad.device != device:
+                return None
+            if grad.dtype == torch.float16 and not allow_fp16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    if not by_dtype:
+        return {}  # as GradScaler: no gradients, no flag
+    with torch.no_grad():
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one_on(device))
+    return {device: found}
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
