@@ -3,6 +3,7 @@ device tensors), and who is to blame after an overflow."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -208,6 +209,10 @@ class GradTelemetry:
         which Lightning's ``log_every_n_steps=N`` logs, so a value is logged on the step it was measured)."""
         return step == 0 or (step + 1) % self.every_n_steps == 0
 
+    def next_due(self, step: int) -> int:
+        """The first step after ``step`` that :meth:`is_due`."""
+        return ((step + 1) // self.every_n_steps + 1) * self.every_n_steps - 1
+
     def maybe_compute(self, params: NamedParams, step: int, *, scale: float | torch.Tensor = 1.0) -> GradStats | None:
         """Compute, store in ``latest`` and return :func:`grad_stats` when ``step`` is due; else return None."""
         if not self.is_due(step):
@@ -249,6 +254,9 @@ class GradObserver:
         self.diagnose = diagnose
         self.tracer: OverflowTracer | None = None
         self._traced = False
+        self.quiet = range(0)
+        """Steps on which :meth:`observe` has nothing to do while no tracer is armed (no telemetry due, no FP8
+        statistics to switch): the stepper skips the call. A range, so asking costs no Python call."""
 
     def attach(self, module: nn.Module) -> None:
         """A new model (each ``fit``): drop the old tracer, and trace from the start with ``diagnose=True``."""
@@ -286,6 +294,10 @@ class GradObserver:
                 self.tracer.detach()
                 self.tracer = None
         telemetry = self.telemetry
+        # Quiet from the next step to the next due one; never after a traced step (the next call clears _traced,
+        # which blame reads) nor with FP8 layers (whose statistics are switched every step).
+        until = sys.maxsize if telemetry is None else telemetry.next_due(step)
+        self.quiet = range(0) if fp8 or self._traced else range(step + 1, until)
         if telemetry is None:
             return updates, warning
         if telemetry.is_due(step):

@@ -1,12 +1,43 @@
-"""Tensor helpers of the step: nested batches mapped tensor by tensor and the default dtype."""
+"""Tensor helpers of the step: the one pass over the gradients, nested batches mapped tensor by tensor and the
+default dtype."""
 
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class GradPass(NamedTuple):
+    """What one pass over a step's gradients found, on the device (0-dim tensors, never read here).
+
+    Attributes:
+        norm: the global L2 norm of the gradients in FP32, as they were read (a deferring keeper's still scaled);
+            inf/NaN when any gradient holds inf/NaN.
+        finite: whether ``norm`` is finite (bool): every gradient is finite, and none is so large (above ~1.8e19,
+            where FP32 squares overflow, as Adam's second moment would) that the norm overflows.
+        fp32: every gradient read is FP32: ``norm`` is the number ``torch.nn.utils.clip_grad_norm_`` computes.
+    """
+
+    norm: torch.Tensor
+    finite: torch.Tensor
+    fp32: bool
+
+
+def grad_pass(grads: Sequence[torch.Tensor]) -> GradPass | None:
+    """One multi-tensor pass over ``grads`` (one ``torch._foreach_norm``): their global L2 norm and its finite flag,
+    what the step's gradient check, a SpikeGuard and a clip by norm all read. No host read. None where the pass does
+    not apply (no gradients; sparse ones, DTensor shards, or several devices): the caller checks them its own way."""
+    if not grads:
+        return None
+    device = grads[0].device
+    if any(type(g) is not torch.Tensor or g.is_sparse or g.device != device for g in grads):
+        return None
+    norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32)  # FP32 norms, a 16-bit gradient's too
+    norm = torch.linalg.vector_norm(torch.stack(norms), 2)
+    return GradPass(norm, torch.isfinite(norm), all(g.dtype == torch.float32 for g in grads))
 
 
 def grad_norms(grads: list[torch.Tensor], norm_type: float, *, full: bool = False) -> list[torch.Tensor]:

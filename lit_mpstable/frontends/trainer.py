@@ -119,7 +119,7 @@ class TrainerPrecision(StableFrontEnd):
             module = lightning_module(module, self._pl)
             if getattr(module, "automatic_optimization", True):  # manual: the user's call (optimizer_step checks)
                 self._choose_budget(module)
-        if self.precision_schedule and (module := self.stepper.layout.module) is not None:
+        if self.precision_schedule.milestones and (module := self.stepper.layout.module) is not None:
             trainer = lightning_module(module, self._pl).trainer
             batches, total = trainer.num_training_batches, trainer.max_steps
             total = total if total > 0 else trainer.estimated_stepping_batches

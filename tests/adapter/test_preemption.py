@@ -373,6 +373,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "_init_hysteresis_tracker": _SEED, "_init_overflow_count": _SEED, "_init_min_scale_hits": _SEED,
         "_per_optimizer_states": _ITER, "_host_found": _ITER, "allow_fp16_grads": _SETUP, "_min_scale_warned": _MSG,
         "checks_only": _CONFIG,
+        "measures_norm": "set by the stepper: for a SpikeGuard at construction, else learned again at the first clip"
+                         " by norm after a resume",
         "last_data_fault": _ITER,
         "_before_backoff": "the scale before this step's backoff, for triage to undo within the step: " + _ITER,
     },
@@ -384,7 +386,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
     "FP32Islands": {"specs": "the user's islands plus layout.fp32_modules", "device_type": _SETUP,
                     "output_dtype": _SETUP, "names": "specs resolved on the model", "_modules": "specs resolved",
                     "_handles": "hooks of the resolved islands"},
-    "GradObserver": {"diagnose": _CONFIG, "_traced": _ITER},
+    "GradObserver": {"diagnose": _CONFIG, "_traced": _ITER,
+                     "quiet": "the steps until the next due one, from the step count; recomputed by the next call"},
     "GradTelemetry": {"every_n_steps": _CONFIG, "formats": _CONFIG, "per_module": _CONFIG,
                       "latest": "the last computation, reported through plugin.stats (in the checkpoint)"},
     "OpPolicy": {"dtype": _CONFIG, "margin": _CONFIG, "budget_s": _CONFIG, "_measure": _CONFIG, "requested": _CONFIG,

@@ -166,3 +166,38 @@ def test_update_without_a_step_raises_runtime_error_naming_the_order() -> None:
     scaler.scale(torch.ones(()))
     with pytest.raises(RuntimeError, match=r"DynamicLossScaler\.update\(\): no optimizer was stepped or unscaled"):
         scaler.update()
+
+
+def _check_at_one(grads: list[torch.Tensor], *, measures_norm: bool = False) -> tuple[float, Any]:
+    """The scale-1 check of a run without a scaler over ``grads`` (one parameter each): (found flag, its grad_pass)."""
+    _, checker = build_scaler("t", "bf16-mixed", "auto", "cpu", skip_nonfinite=True, warnings=Notes())
+    checker.measures_norm = measures_norm
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for param, grad in zip(params, grads):
+        param.grad = grad
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    checker.check_grads_(optimizer, "cpu")
+    found = sum(float(v) for v in checker._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+    return found, checker.grad_pass(optimizer)
+
+
+@pytest.mark.parametrize("measures_norm", [False, True], ids=["kernel", "one-pass"])
+def test_the_scale_1_check_flags_inf_nan_in_any_dtype_and_leaves_the_gradients_bit_identical(measures_norm):
+    """The check of a run without a scaler (GradScaler's kernel once per dtype, or the one pass when the step reads
+    the norm): an inf/NaN in any dtype group flags, a clean set does not, and no gradient changes."""
+    clean = [torch.randn(4, 3), torch.randn(5, dtype=torch.bfloat16), torch.randn(2, 2)]
+    copies = [g.clone() for g in clean]
+    found, measured = _check_at_one(clean, measures_norm=measures_norm)
+    assert found == 0.0 and all(torch.equal(a, b) for a, b in zip(clean, copies))
+    assert (measured is not None) == measures_norm
+    if measured is not None:
+        torch.testing.assert_close(measured.norm, torch.linalg.vector_norm(torch.cat([g.float().flatten()
+                                                                                      for g in clean])))
+    for bad in (float("inf"), float("nan")):
+        grads = [torch.randn(4, 3), torch.tensor([1.0, bad], dtype=torch.bfloat16)]
+        assert _check_at_one(grads, measures_norm=measures_norm)[0] == 1.0
+    # A sparse gradient goes through GradScaler's own loop, an FP16 one is refused as GradScaler refuses it.
+    sparse = torch.tensor([[0.0, float("inf")], [1.0, 0.0]]).to_sparse()
+    assert _check_at_one([torch.randn(3), sparse], measures_norm=measures_norm)[0] == 1.0
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        _check_at_one([torch.randn(3, dtype=torch.float16)], measures_norm=measures_norm)

@@ -207,3 +207,33 @@ def test_a_loss_scale_that_flushes_the_fp16_gradients_is_named_once(init_scale: 
     assert len(notes) == (1 if named else 0)
     if named:
         assert f"at loss scale {init_scale:g}" in notes[0] and "scaler='adaptive'" in notes[0]
+
+
+def test_the_stepper_asks_the_observer_only_on_due_steps_and_after_a_traced_one(monkeypatch):
+    """``GradObserver.quiet``: between due steps (0, then N-1, 2N-1, ...) the stepper does not call ``observe`` at all;
+    the same statistics come out on the due steps, and a step after a traced one (an overflow armed the tracer) is
+    observed again, so a later overflow is blamed by the guess, not by a stale trace."""
+    from helpers import mse_backward, tiny_stepper
+
+    from lit_mpstable.core.telemetry import GradObserver
+
+    telemetry = GradTelemetry(every_n_steps=4)
+    due = [s for s in range(40) if telemetry.is_due(s)]
+    assert [telemetry.next_due(s) for s in due[:-1]] == due[1:]
+    assert all(telemetry.next_due(s) == min(d for d in due if d > s) for s in range(35))
+    calls = []
+    observe = GradObserver.observe
+    monkeypatch.setattr(GradObserver, "observe", lambda self, *a, **k: calls.append(a[2]) or observe(self, *a, **k))
+    model, stepper, optimizer = tiny_stepper("bf16-mixed", telemetry_every_n_steps=4)
+    x, y = regression_data(16)
+    seen = []
+    for step in range(12):
+        mse_backward(stepper, model, x, y)
+        if step == 5:
+            model.fc1.weight.grad[0, 0] = float("inf")  # an overflow in a layer: blamed, the tracer armed
+        stepper.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        seen.append(stepper.stats.get("stats_step"))
+    # Due: 0, 3, 7, 11; step 5 overflowed (blame armed the tracer), so 6 is traced.
+    assert calls == [0, 3, 6, 7, 11]
+    assert seen == [0, 0, 0, 3, 3, 3, 3, 7, 7, 7, 7, 11]

@@ -20,6 +20,7 @@ from lit_mpstable.core.scaling.scaler_state import (
     check_state_keys,
     resolve_device,
 )
+from lit_mpstable.core.tensors import GradPass, grad_pass
 
 _DEVICE_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflow_count", "_min_scale_hits")
 
@@ -78,6 +79,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Set by the stepper on the scale-1 check it builds without a scaler (``scaler=None``/``"auto"`` outside FP16):
         no loss is ever scaled by it and a static scale never moves, so :meth:`check_grads_` runs GradScaler's unscale
         kernel at exactly 1 without computing ``1 / scale`` every step (the same kernel, flags and gradients)."""
+        self.measures_norm = False
+        """Set by the stepper when the step reads the gradients' L2 norm (a SpikeGuard, a clip by norm): the gradient
+        check then makes the step's one pass over them (:meth:`grad_pass`)."""
         self.hysteresis = hysteresis
         self.min_scale = min_scale
         self.max_scale = max_scale
@@ -179,13 +183,49 @@ class DynamicLossScaler(torch.amp.GradScaler):
         was scaled (the scale-1 check), ``unscale_`` (or, with ``unscale=False``, :meth:`check_`, which leaves the
         gradients scaled), then :meth:`sync_found_inf_`. No host sync."""
         self.ensure_state_(device)
-        if not unscale:
-            self.check_(optimizer)
-        elif self.checks_only:
-            self._unscale_at_one_(optimizer)
-        else:
-            self.unscale_(optimizer)
+        measured = None
+        if self.measures_norm and self._enabled and (self.checks_only or not unscale):
+            measured = self._check_by_pass_(optimizer, unscale=unscale)  # the check is the norm's pass
+        if measured is None:
+            if not unscale:
+                self.check_(optimizer)
+            elif self.checks_only:
+                self._unscale_at_one_(optimizer)
+            else:
+                self.unscale_(optimizer)
+            if self.measures_norm and self._enabled:  # the unscale kernel checked: one pass more, for the norm
+                measured = grad_pass(_grads(optimizer))
+        if measured is not None:
+            self._per_optimizer_states[id(optimizer)]["grad_pass"] = measured
         self.sync_found_inf_(optimizer)
+
+    def grad_pass(self, optimizer: torch.optim.Optimizer) -> GradPass | None:
+        """The pass over ``optimizer``'s gradients that this iteration's :meth:`check_grads_` made (their L2 norm as
+        it left them, and its finite flag), for the step to read instead of reading the gradients again; None where it
+        made none (:attr:`measures_norm` off, sharded gradients)."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        return state.get("grad_pass") if state else None
+
+    def _check_by_pass_(self, optimizer: torch.optim.Optimizer, *, unscale: bool) -> GradPass | None:
+        """The inf/NaN check at scale 1 (``unscale``, the check of a run without a scaler) or without unscaling
+        (:meth:`check_`) read off one :func:`~lit_mpstable.core.tensors.grad_pass`: the gradients are read once, for
+        the check and the norm together, and written never. None (nothing done) where the pass does not apply."""
+        measured = grad_pass(grads := _grads(optimizer))
+        if measured is None:
+            return None
+        state = self._per_optimizer_states[id(optimizer)]
+        call = "unscale_" if unscale else "check_"
+        self._check_scale_growth_tracker(call)
+        if state["stage"] is not OptState.READY:  # the refusals of _unscale_at_one_ and check_, word for word
+            raise RuntimeError(
+                f"{type(self).__name__}.check_() after unscale_()/check_() in the same iteration." if not unscale
+                else "unscale_() has already been called on this optimizer since the last update()."
+                if state["stage"] is OptState.UNSCALED else "unscale_() is being called after step().")
+        if unscale and not self.allow_fp16_grads and any(g.dtype == torch.float16 for g in grads):
+            raise ValueError("Attempting to unscale FP16 gradients.")  # GradScaler's refusal, as the kernel's path
+        state["found_inf_per_device"] = {grads[0].device: measured.finite.logical_not().float()}
+        state["stage"] = OptState.UNSCALED
+        return measured
 
     def _unscale_at_one_(self, optimizer: torch.optim.Optimizer) -> None:
         # GradScaler.unscale_ with its inverse scale known to be 1 (checks_only): the same stage rules and kernel.
@@ -198,7 +238,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, one_on(scale.device), found_inf, False)
+        found = _checked_at_one(optimizer, found_inf, allow_fp16=self.allow_fp16_grads)
+        state["found_inf_per_device"] = (found if found is not None
+                                         else self._unscale_grads_(optimizer, one_on(scale.device), found_inf, False))
         state["stage"] = OptState.UNSCALED
 
     def check_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -659,6 +701,40 @@ def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimize
     # A maximum, not a sum: fused optimizers skip only on found_inf == 1 exactly.
     torch.maximum(flags[0], flag.to(device=flags[0].device, dtype=flags[0].dtype), out=flags[0])
     return before
+
+
+def _checked_at_one(optimizer: torch.optim.Optimizer, found: torch.Tensor, *, allow_fp16: bool
+                    ) -> dict[torch.device, torch.Tensor] | None:
+    """GradScaler's ``_unscale_grads_`` at an inverse scale of 1 for plain dense gradients on ``found``'s device: the
+    same kernel, once per dtype, into ``found``, without the per-call copies of the flag and the scale GradScaler's
+    replicas make (a third of a small model's check). None where a gradient is sparse, a subclass (a DTensor shard) or
+    elsewhere: GradScaler's own loop checks them.
+
+    Raises:
+        ValueError: an FP16 gradient without ``allow_fp16`` (GradScaler's refusal, word for word).
+    """
+    device = found.device
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if type(grad) is not torch.Tensor or grad.is_sparse or grad.device != device:
+                return None
+            if grad.dtype == torch.float16 and not allow_fp16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    if not by_dtype:
+        return {}  # as GradScaler: no gradients, no flag
+    with torch.no_grad():
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one_on(device))
+    return {device: found}
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def _world_size(group: ProcessGroup | None) -> int:

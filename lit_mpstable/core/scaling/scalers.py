@@ -14,6 +14,7 @@ from lit_mpstable.base.validate import choice_arg
 from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler, StaticLossScaler, fold_found_inf
 from lit_mpstable.core.scaling.scaler_state import SCALE_FLOOR
+from lit_mpstable.core.tensors import GradPass
 
 ScalerName = Literal["auto", "dynamic", "static", "adaptive"]
 _SCALERS = {"dynamic": DynamicLossScaler, "static": StaticLossScaler, "adaptive": AdaptiveLossScaler}
@@ -34,15 +35,19 @@ class LossScaler(Protocol):
         last_step_skipped: whether the last ``step``/``step_with`` skipped (set from its one host sync).
         checks_without_unscaling: whether ``check_grads_(unscale=False)`` and :meth:`step_with` work (compact weights
             need them).
+        measures_norm: set by the stepper when the step reads the gradients' norm: ``check_grads_`` then makes the
+            one pass over them that :meth:`grad_pass` returns (a scaler may ignore it and return None).
     """
 
     last_step_skipped: bool
     checks_without_unscaling: bool
+    measures_norm: bool
 
     def adopt_device_(self, device_type: str) -> str | None: ...
     def get_scale_tensor(self) -> torch.Tensor | None: ...
     def check_grads_(self, optimizer: torch.optim.Optimizer, device: torch.device | str, *,
                      unscale: bool = True) -> None: ...
+    def grad_pass(self, optimizer: torch.optim.Optimizer) -> GradPass | None: ...
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool: ...
     def fold_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch.Tensor | None: ...
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any: ...
@@ -186,6 +191,7 @@ class ForeignScaler:
         self.last_step_skipped = False
 
     checks_without_unscaling = False
+    measures_norm = False  # set by the stepper, unused: the unscale is the foreign scaler's own
 
     def is_enabled(self) -> bool:
         return bool(self.inner.is_enabled())
@@ -222,6 +228,10 @@ class ForeignScaler:
             raise TypeError(f"{type(self.inner).__name__} cannot check gradients without unscaling them (check_()); use"
                             " DynamicLossScaler.")
         self.inner.unscale_(optimizer)
+
+    def grad_pass(self, optimizer: torch.optim.Optimizer) -> GradPass | None:
+        """None: a foreign scaler's check makes no pass the step could read (the stepper reads the gradients)."""
+        return None
 
     def _found(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         state = self.inner._per_optimizer_states.get(id(optimizer)) if self.gradscaler else None

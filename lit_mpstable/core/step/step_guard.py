@@ -3,9 +3,6 @@ the notes for a skip it explains and for a batch dropped between unscale and ste
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 from torch.optim import Optimizer
@@ -26,25 +23,23 @@ whole every step (only those written since the gradient check are read again).""
 def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: bool, device: str | torch.device,
                        spike: torch.Tensor | None = None,
                        share: int | None = 0,
-                       checked: GradSet | None = None,
+                       grads: list[torch.Tensor] | None = None,
                        factor: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Fold into the step's skip flag whether what the step reads holds inf/NaN now: the gradients as hooks and
-    clipping left them after the check (a NaN clip norm makes them NaN; ``checked``: the gradients as the check saw
-    them, by identity and version counter, which need no second read), the loss scale (``scaled``: a loss scale
-    exists) and ``factor``, the multiplier a compact keeper's step still applies to the gradients (its unscale times
-    its clip factor: a NaN ``max_norm`` makes it NaN), every step; the parameters (FP32 masters) and the optimizer's
-    state, share ``share`` of :data:`STATE_SHARES` (None: all of them). On the device, no host read: the step's one
-    sync reads the flag.
+    clipping left them after the check (a NaN clip norm makes them NaN; ``grads``: those written since the check,
+    the others need no second read; None: all of ``optimizer``'s), the loss scale (``scaled``: a loss scale exists)
+    and ``factor``, the multiplier a compact keeper's step still applies to the gradients (its unscale times its clip
+    factor: a NaN ``max_norm`` makes it NaN), every step; the parameters (FP32 masters) and the optimizer's state,
+    share ``share`` of :data:`STATE_SHARES` (None: all of them). On the device, no host read: the step's one sync
+    reads the flag.
 
     ``spike`` (a SpikeGuard's 0-dim bool decision) joins the folded flag too, agreed across ranks in the same
     all-reduce (a spike seen on one rank skips the step on all). Returns the gradient check as it was before (None
     where the scaler cannot take a flag) and the spike flag as agreed (None without ``spike``)."""
     fold = checker.fold_found_inf_  # both checker kinds have it (a duck-typed scaler's folds nothing)
-    grads = [g for group in optimizer.param_groups for p in group["params"]
-             if (g := p.grad) is not None and not g.is_sparse]
-    if checked is not None:
-        grads = checked.changed(grads)
-    grads = [g if type(g) is torch.Tensor else local_view(g) for g in grads]
+    if grads is None:
+        grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+    grads = [g if type(g) is torch.Tensor else local_view(g) for g in grads if not g.is_sparse]
     checks = []
     if grads:
         checks.append(_unchanged_nonfinite(grads))
@@ -157,24 +152,3 @@ def _share(tensors: list[torch.Tensor], index: int) -> list[torch.Tensor]:
 def _any(flags: list[torch.Tensor]) -> torch.Tensor:
     first = flags[0]
     return first if len(flags) == 1 else torch.stack([f.to(first.device) for f in flags]).any()
-
-
-class GradSet:
-    """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
-    weakly, so gradients dropped by ``zero_grad()`` are freed."""
-
-    def __init__(self, grads: Iterable[torch.Tensor]) -> None:
-        self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-    def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
-        grad, version = item
-        seen = self._seen.get(id(grad))
-        return seen is not None and seen[0]() is grad and seen[1] == version
-
-    def changed(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradients of ``grads`` not in the set as they are now (written since, or new): one call a step."""
-        seen = self._seen
-        return [g for g in grads if (s := seen.get(id(g))) is None or s[0]() is not g or s[1] != g._version]

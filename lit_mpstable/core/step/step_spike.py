@@ -7,7 +7,6 @@ import torch
 from torch.optim import Optimizer
 
 from lit_mpstable.core.guards.spike import SpikeGuard
-from lit_mpstable.core.step.step_guard import GradSet
 from lit_mpstable.core.tensors import grad_norms
 
 
@@ -62,17 +61,3 @@ def true_grad_norm(optimizer: Optimizer, multiplier: torch.Tensor | None = None)
     norms = grad_norms(grads, 2, full=True)
     norm = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2)
     return norm * multiplier.to(norm.device) if multiplier is not None else norm
-
-
-def known_norm(
-    norm: torch.Tensor | None, checked: GradSet | None, optimizer: Optimizer, norm_type: float
-) -> torch.Tensor | None:
-    """The guard's ``norm`` of ``optimizer``'s gradients, if clipping them to an L2 norm may reuse it: every gradient
-    is still the tensor, at the version, that the gradient check saw (``checked``; a hook that wrote one, or a
-    replaced one, needs a fresh norm), and none is sharded (a DTensor norm is a DTensor). Else None: compute it."""
-    if norm is None or checked is None or norm_type != 2.0:
-        return None
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if len(grads) != len(checked) or not all(type(g) is torch.Tensor and (g, g._version) in checked for g in grads):
-        return None
-    return norm

@@ -14,6 +14,7 @@ One iteration, in this order (a plain loop calls the same methods the Trainer an
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -41,20 +42,8 @@ from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.step import probe
-from lit_mpstable.core.step.step_guard import (
-    GradSet,
-    check_step_inputs_,
-    held_nonfinite,
-    late_nonfinite_note,
-    stale_grads_note,
-)
-from lit_mpstable.core.step.step_spike import (
-    check_spike_guard,
-    known_norm,
-    level_shift_note,
-    observe_loss,
-    true_grad_norm,
-)
+from lit_mpstable.core.step.step_guard import check_step_inputs_, held_nonfinite, late_nonfinite_note, stale_grads_note
+from lit_mpstable.core.step.step_spike import check_spike_guard, level_shift_note, observe_loss, true_grad_norm
 from lit_mpstable.core.step.stepper_state import (
     check_plugin_state,
     check_weights_state,
@@ -161,6 +150,8 @@ class PrecisionStepper:
         self.skip_nonfinite = skip_nonfinite
         self.spike_guard = check_spike_guard(call, spike_guard, self._checker)
         """Skips loss and gradient-norm spikes through the step's inf/NaN flag (None: off)."""
+        if self.spike_guard is not None and self._checker is not None:
+            self._checker.measures_norm = True  # the guard's norm is read off the gradient check's one pass
         self._spike: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # per optimizer: the guard's decision
         # and the gradient norm it judged, this iteration (device tensors)
         self.last_step_spiked = False
@@ -493,20 +484,30 @@ class PrecisionStepper:
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
         self.iteration.note_checked(optimizer)
         if self.spike_guard is not None:
-            # The true gradients' norm before any clipping (times a deferring keeper's pending unscale factor).
-            norm = true_grad_norm(optimizer, self.keeper.grads(optimizer).multiplier)
+            norm = self._true_norm(optimizer)  # before any clipping
             self._spike[id(optimizer)] = (self.spike_guard.decide(norm), norm)
         self._observe()
 
+    def _true_norm(self, optimizer: Optimizer) -> torch.Tensor | None:
+        """The L2 norm of ``optimizer``'s true gradients as the check left them (times a deferring keeper's pending
+        unscale factor), on the device: read off the gradient check's one pass over them, or, where it made none (a
+        foreign scaler, sharded gradients), one pass of its own."""
+        multiplier = self.keeper.grads(optimizer).multiplier
+        measured = self._checker.grad_pass(optimizer) if self._checker is not None else None
+        if measured is None:
+            return true_grad_norm(optimizer, multiplier)
+        return measured.norm * multiplier.to(measured.norm.device) if multiplier is not None else measured.norm
+
     def _observe(self) -> None:
-        """Gradient telemetry into :attr:`stats` (the observer computes it on due steps only)."""
-        module = self.layout.module
-        if module is None:
+        """Gradient telemetry into :attr:`stats` (the observer computes it on due steps only; it is not even asked on
+        the steps it said are quiet)."""
+        module, observer = self.layout.module, self.observer
+        if module is None or (observer.tracer is None and self.step_count in observer.quiet):
             return
         scaler = self.scaler
         scale = scaler.get_scale if scaler is not None else lambda: 1.0  # called on due steps only
         fp8 = self.fp8 is not None and bool(self.layout.fp8_layers)
-        updates, warning = self.observer.observe(module, self.named_grads, self.step_count, scale, fp8=fp8)
+        updates, warning = observer.observe(module, self.named_grads, self.step_count, scale, fp8=fp8)
         self.stats.update(updates)
         if warning is not None:
             self.warnings.add_once(*warning, per=self.step_count)
@@ -563,7 +564,20 @@ class PrecisionStepper:
             max_norm = torch.clamp(threshold, max=float(max_norm))  # type: ignore[assignment]
         first = id(optimizer) not in self._zclipped  # a second clip sees the first one's result (or factor)
         norm = self._spike.get(id(optimizer), (None, None))[1]
-        known = known_norm(norm, now.checked.get(id(optimizer)), optimizer, norm_type) if first else None
+        checker = self._checker
+        if norm is None and first and norm_type == 2.0 and checker is not None:
+            # Without a guard, the check's pass gives the norm where it is the number the clip would compute (FP32
+            # gradients: torch's clip_grad_norm_'s; a deferring keeper: its own FP32 norms times the factor). The
+            # first clip by norm computes its own and asks the check for that pass from the next step on.
+            measured = checker.grad_pass(optimizer)
+            if measured is not None and (measured.fp32 or self.keeper.defers_unscale):
+                norm = self._true_norm(optimizer)
+            elif measured is None and not checker.measures_norm:
+                checker.measures_norm = self.keeper.defers_unscale or all(
+                    g.dtype == torch.float32 for g in _grads(self.keeper, optimizer) if g is not None)
+        # The norm holds if every gradient is still the tensor, at the version, that the check saw (a hook that wrote
+        # one, or replaced one, needs a fresh norm), none sharded (a DTensor norm is a DTensor), and the norm is L2.
+        known = norm if first and norm_type == 2.0 and now.unchanged_since_check(optimizer) else None
         self._zclipped.add(id(optimizer))
         result = cast(torch.Tensor, self.keeper.clip_(optimizer, max_norm=max_norm, norm_type=norm_type,
                                                       total_norm=known))
@@ -612,8 +626,7 @@ class PrecisionStepper:
         spike = self._spike.pop(id(optimizer), (None, None))[0]
         early, spike = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device,
                                            spike=spike, share=self.counters.applied_by.get(id(optimizer), 0),
-                                           checked=self.iteration.checked.pop(id(optimizer), None),
-                                           factor=factor)
+                                           grads=self.iteration.changed_since_check(optimizer), factor=factor)
                         if checker is not None and self.skip_nonfinite else (None, None))
         output, skipped = self.keeper.end_step_(optimizer, checker, kwargs)
         late = None
@@ -1078,6 +1091,21 @@ class Iteration:
         self.checked[id(optimizer)] = GradSet([p.grad for g in optimizer.param_groups for p in g["params"]
                                                if p.grad is not None])
 
+    def changed_since_check(self, optimizer: Optimizer) -> list[torch.Tensor] | None:
+        """``optimizer``'s gradients written since the check noted them (by a hook or clipping), which the step-input
+        check reads again; None: no check was noted (read them all). Ends the record: one call a step."""
+        checked = self.checked.pop(id(optimizer), None)
+        if checked is None:
+            return None
+        return checked.changed([p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None])
+
+    def unchanged_since_check(self, optimizer: Optimizer) -> bool:
+        """Whether every gradient of ``optimizer`` is still the plain tensor, at the version, that the check saw."""
+        checked = self.checked.get(id(optimizer))
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return checked is not None and len(grads) == len(checked) and all(
+            type(g) is torch.Tensor and (g, g._version) in checked for g in grads)
+
     def note_stepped_on(self, optimizers: Sequence[Optimizer], optimizer: Optimizer, keeper: WeightKeeper) -> None:
         if len(optimizers) > 1:  # only awaited reads it
             self.stepped_on[id(optimizer)] = GradSet(g for g in _grads(keeper, optimizer) if g is not None)
@@ -1094,6 +1122,27 @@ class Iteration:
 
 def _grads(keeper: WeightKeeper, optimizer: Optimizer) -> list[torch.Tensor | None]:
     return [p.grad for p in keeper.grads(optimizer).holders]
+
+
+class GradSet:
+    """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
+    weakly, so gradients dropped by ``zero_grad()`` are freed."""
+
+    def __init__(self, grads: Iterable[torch.Tensor]) -> None:
+        self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
+        grad, version = item
+        seen = self._seen.get(id(grad))
+        return seen is not None and seen[0]() is grad and seen[1] == version
+
+    def changed(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of ``grads`` not in the set as they are now (written since, or new): one call a step."""
+        seen = self._seen
+        return [g for g in grads if (s := seen.get(id(g))) is None or s[0]() is not g or s[1] != g._version]
 
 
 @dataclass

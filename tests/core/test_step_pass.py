@@ -1,0 +1,133 @@
+"""The step's one pass over the gradients (lit_mpstable/core/tensors.py's grad_pass): the gradient check, SpikeGuard's
+norm and a clip by norm all read it; a clean step makes one host read in all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import HostReads, TinyMLP, mse_backward, regression_data, tiny_stepper
+
+from lit_mpstable.core.guards.spike import SpikeGuard
+from lit_mpstable.core.step.stepper import PrecisionStepper
+from lit_mpstable.core.tensors import grad_pass
+
+
+class GradReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """The multi-tensor kernels run inside the block, with the tensors they read (by identity): ``_foreach_norm`` and
+    GradScaler's check-and-unscale. :meth:`over` names those that read any of the given gradients."""
+
+    _KERNELS = ("_foreach_norm", "_amp_foreach_non_finite_check_and_unscale_")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, set[int]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self._KERNELS:
+            self.calls.append((name, {id(t) for t in args[0]}))
+        return func(*args, **(kwargs or {}))
+
+    def over(self, grads: list[torch.Tensor | None]) -> list[str]:
+        ids = {id(g) for g in grads if g is not None}
+        return [name for name, read in self.calls if read & ids]
+
+
+def test_one_pass_gives_the_norm_and_the_finite_flag_without_a_host_read():
+    grads = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2, dtype=torch.bfloat16)]
+    with HostReads() as seen:
+        measured = grad_pass(grads)
+    assert seen.ops == [] and measured is not None
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    torch.testing.assert_close(measured.norm, expected)
+    assert bool(measured.finite) and not measured.fp32  # one BF16 gradient: not torch's clip norm
+    assert grad_pass(grads[:2]).fp32
+    assert not bool(grad_pass([torch.ones(3), torch.tensor([1.0, float("nan")])]).finite)
+    assert not bool(grad_pass([torch.tensor([float("-inf")])]).finite)
+    # No gradients, or sparse ones: no pass (the caller checks them its own way).
+    assert grad_pass([]) is None and grad_pass([torch.ones(3).to_sparse()]) is None
+
+
+def _whole_stack(precision: str, **kwargs):
+    """TinyMLP through a stepper with SpikeGuard and growth sampling, SGD with momentum (AdamW reads its step count on
+    the host on the CPU, one read per parameter: its own, not the step's)."""
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper(precision, spike_guard=SpikeGuard(warmup=2), growth_every_n_steps=2,
+                               telemetry_every_n_steps=None, **kwargs)
+    stepper.setup_module(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    stepper.setup_optimizers(model, [optimizer])
+    return model, stepper, optimizer
+
+
+@pytest.mark.parametrize("precision, kwargs", [("bf16-mixed", {}), ("16-mixed", {}), ("bf16-true", {}),
+                                               ("bf16-true", {"master_weights": "kahan"})],
+                         ids=["bf16-mixed", "16-mixed-scaler", "bf16-true-masters", "bf16-true-kahan"])
+def test_a_clean_step_with_the_whole_stack_reads_the_gradients_once_and_the_host_once(precision, kwargs):
+    """SpikeGuard, growth sampling (a sampled step), the loss scaler's (or the scale-1) check, the step-input check and
+    a clip by norm: one _foreach_norm over the gradients (the check's own pass where it only checks; after GradScaler's
+    unscale kernel, which must write them, where a loss scale is undone) and one host read, the skip decision."""
+    model, stepper, optimizer = _whole_stack(precision, **kwargs)
+    x, y = regression_data(16)
+    for _ in range(4):  # past the guard's warmup and the growth monitor's first (lazy) sample
+        mse_backward(stepper, model, x, y)
+        stepper.clip_grad_norm_(optimizer, 1.0)
+        stepper.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    assert stepper.growth.due()  # the step below samples the activations
+    with HostReads() as reads, GradReads() as kernels:
+        mse_backward(stepper, model, x, y)
+        grads = [p.grad for p in model.parameters()]  # held: compact weights drop them in their step
+        stepper.unscale_(optimizer)
+        grads += [p.grad for group in optimizer.param_groups for p in group["params"]]  # the FP32 masters' ones
+        stepper.clip_grad_norm_(optimizer, 1.0)
+        stepper.step(optimizer)
+    names = kernels.over(grads)
+    optimizer.zero_grad(set_to_none=True)
+    assert not stepper.last_step_skipped and stepper.step_count == 5
+    assert len(reads.ops) == 1, reads.ops
+    assert names.count("_foreach_norm") == 1, names
+    unscaled = precision == "16-mixed"  # a real scale is undone by GradScaler's kernel (it writes the gradients)
+    assert names.count("_amp_foreach_non_finite_check_and_unscale_") == int(unscaled), names
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_the_shared_pass_leaves_the_run_bit_identical(precision):
+    """The norm SpikeGuard judges and the clip uses, read off the check's pass, is the number each computed alone:
+    the same weights after steps with a clip, a guard, and a NaN step skipped."""
+    runs = []
+    for reuse in (True, False):
+        torch.manual_seed(0)
+        model = TinyMLP()
+        _, stepper, optimizer = tiny_stepper(precision, spike_guard=SpikeGuard(warmup=2))
+        model = stepper.layout.module
+        if not reuse:
+            stepper._checker.measures_norm = False  # the check makes no pass: the guard and the clip read alone
+            stepper._checker.__dict__["grad_pass"] = lambda optimizer: None
+        x, y = regression_data(16)
+        for step in range(6):
+            mse_backward(stepper, model, x * (float("nan") if step == 3 else 1.0), y)
+            stepper.clip_grad_norm_(optimizer, 0.5)
+            stepper.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        runs.append([p.detach().clone() for p in model.parameters()])
+        assert stepper.skipped_steps == 1
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_a_clip_by_norm_alone_reuses_the_checks_pass_from_its_second_step():
+    """Without a guard the first clip computes its norm and asks the check for the pass; later clips read it (FP32
+    gradients: torch's number), so the step reads the gradients once."""
+    model, stepper, optimizer = tiny_stepper("bf16-mixed", telemetry_every_n_steps=None)
+    x, y = regression_data(16)
+    counts = []
+    for _ in range(3):
+        mse_backward(stepper, model, x, y)
+        with GradReads() as kernels:
+            stepper.clip_grad_norm_(optimizer, 1.0)
+            stepper.step(optimizer)
+        counts.append(len(kernels.over([p.grad for p in model.parameters()])))
+        optimizer.zero_grad(set_to_none=True)
+    assert counts == [2, 1, 1]  # check kernel + the clip's norm, then the one pass
