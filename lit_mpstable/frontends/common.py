@@ -354,8 +354,10 @@ class StableFrontEnd:
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """Load numeric state from :meth:`state_dict` (a rollback): scale, masters, layout, FP8 histories; the
-        event counters (steps, overflows, skips; the scaler's too) keep their live values."""
-        self.stepper.load_state_dict({k: v for k, v in state.items() if k != FINGERPRINT}, keep_counters=True)
+        event counters (steps, overflows, skips; the scaler's too) keep their live values, and so does the precision
+        schedule (its milestones follow the step count, which a rollback keeps)."""
+        own = (FINGERPRINT, "precision_schedule")
+        self.stepper.load_state_dict({k: v for k, v in state.items() if k not in own}, keep_counters=True)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Resident tensors of the precision itself (compensation buffers) that neither the model nor the optimizers

@@ -338,3 +338,29 @@ def test_fabric_resumes_past_a_milestone_with_the_fingerprint_checked(tmp_path):
     plugin, net = run(load=True)
     assert [e["action"] for e in plugin.fingerprint.events] == ["passed", "passed"]
     assert net[2].fp8_config.spec.dgrad == "bf16" and plugin.state_dict()["precision_schedule"]["applied"] == [2]
+
+
+class _FlipAt(pl.Callback):
+    """A NaN written into a weight at the start of optimizer step ``step`` (a bit flip)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.net[0].weight.view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize("flip_at", [3, 6])  # before the switch at 4, and after it (the snapshot of 4 predates it)
+def test_a_rollback_under_a_schedule_keeps_the_switched_formats(flip_at):
+    from lit_mpstable.callbacks import ScaleCheckpoint
+
+    fp8 = FP8Config(recipe="nvfp4", keep_high_precision=[])
+    plugin = StablePrecision("bf16-mixed", fp8=fp8, schedule=PrecisionSchedule(at=4, fprop="bf16"))
+    checkpoint, formats = ScaleCheckpoint(every_n_steps=2), _Formats()
+    trainer = _fit(plugin, callbacks=[checkpoint, _FlipAt(flip_at), formats])
+    assert checkpoint.rollbacks == 1 and trainer.global_step == 8
+    assert all(p.isfinite().all() for p in trainer.lightning_module.parameters())
+    assert formats.fprop[4:] == ["bf16"] * (len(formats.fprop) - 4) and formats.fprop[:4] == ["nvfp4"] * 4
+    assert plugin.precision_schedule.applied == [4]
