@@ -263,6 +263,23 @@ def test_an_unarmed_recorder_leaves_no_hook_on_the_model():
     assert hooks() == 0 and not rec.armed
 
 
+@pytest.mark.parametrize("module", ["mha", "sdpa"])
+def test_attention_logits_are_measured_in_fp32_under_fp16_autocast(module):
+    """A logit of ~1e5 under FP16 autocast is recorded as ~1e5, not as the inf an FP16 product gives."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True) if module == "mha" else _SdpaAttention())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(250.0)
+    rec = AttentionLogits(model)
+    rec.armed = True
+    x = torch.randn(2, 6, 8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        model[0](x, x, x) if module == "mha" else model(x)
+    got = rec.take()["0"]
+    assert torch.isfinite(got).all() and got.max() > 65504, got
+
+
 def test_attention_logits_rejects_unknown_module_names():
     with pytest.raises(ValueError, match="sdpa_modules"):
         AttentionLogits(nn.Sequential(nn.Linear(2, 2)), sdpa_modules=["blocks.0"])

@@ -117,7 +117,7 @@ class SpikeScore:
         # the last `size` values oldest first, then the queued ones: window i (the `size` values before queued step
         # i) is seq[:, i:i + size]
         seq = torch.cat([self.history.roll(-(first % size), dims=1), values], dim=1)
-        windows = seq.unfold(1, size, 1)[:, :cap]  # (2, cap, size)
+        windows = seq.unfold(1, size, 1)[:, :cap].contiguous()  # (2, cap, size); a strided var is slow
         mean = windows.mean(dim=-1)
         std = windows.var(dim=-1, unbiased=False).sqrt()
         index = torch.arange(cap, device=device)
@@ -160,9 +160,10 @@ def _masked_logit_max(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask:
 
     One product q.k^T, edited in place: the causal mask is added as a cached 0/-inf bias, and a positive scale is
     applied to the maxima (rounding is monotone, so max(x) * s == max(x * s)) rather than to every logit."""
-    # contiguous q and k: a batched product of strided views (q, k sliced from one qkv projection) is several times
-    # slower on CPUs than the copies
-    logits = torch.matmul(q.float().contiguous(), k.float().contiguous().transpose(-2, -1))
+    # In FP32 whatever autocast is on (an FP16 product would make a logit above 65504 inf); contiguous q and k: a
+    # batched product of strided views (q, k sliced from one qkv projection) is several times slower on CPUs.
+    with torch.autocast(q.device.type, enabled=False):
+        logits = torch.matmul(q.float().contiguous(), k.float().contiguous().transpose(-2, -1))
     late = (attn_mask is not None and attn_mask.dtype != torch.bool) or scale <= 0
     if late:  # a float mask is added to scaled logits
         logits.mul_(scale)
