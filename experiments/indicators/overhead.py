@@ -8,7 +8,10 @@ rounds (thread CPU time, which other jobs on a shared machine disturb less than 
 ``--log-every`` (10, ``make run``'s logging period) steps without the indicators, then the
 same number with them, as OverflowMonitor runs them: the SpikeScore update every step, and on the round's one logging
 step the parameter snapshot before the step, ``measure`` after it, the attention recorder armed for that forward
-(``--attention``) and one ``tolist`` of everything. The overhead is the median over rounds of (with / without - 1).
+(``--attention``) and one ``tolist`` of everything. The overhead is the median over rounds of (with / without - 1);
+on a shared machine its rounds spread by several %, so the time inside the indicators' own calls (and inside the
+recorder's q.k products, which run in the forward) is also accumulated and given as a fraction of the step without
+them: it misses any indirect cost (caches), and is far less noisy.
 ``--before FILE`` times a second implementation of the indicators module (e.g. ``git show
 REV:lit_mpstable/core/guards/indicators.py > /tmp/before.py``) in the same rounds, on the same model, the arms in
 a rotating order, so before and after are paired. Its recorder is built before and removed after its own arm (an
@@ -64,47 +67,70 @@ def main() -> None:
         arms["before"] = before
     state = {name: module.Indicators() for name, module in arms.items() if module is not None}
 
+    inside = {name: 0.0 for name in arms}
+    """Thread CPU seconds spent inside the indicators' own calls (and the recorder's logit products), per arm."""
+
+    def counted(arm: str, fn, *a):
+        start = time.thread_time()
+        out = fn(*a)
+        inside[arm] += time.thread_time() - start
+        return out
+
+    for name, module in arms.items():  # the recorder's q.k products, timed where they run (inside the forward)
+        if module is not None:
+            real = module._masked_logit_max
+            module._masked_logit_max = lambda *a, _real=real, _name=name: counted(_name, _real, *a)
+
     def step(arm: str, recorder, logging: bool) -> None:
         idx = torch.randint(len(data.train_set), (data.batch_size,), generator=gen)
         x, y = data.train_set[idx]
         indicators = state.get(arm)
         if indicators is not None and logging:
-            indicators.snapshot_(opt)
+            counted(arm, indicators.snapshot_, opt)
             if recorder is not None:
-                recorder.armed = True
+                counted(arm, setattr, recorder, "armed", True)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if indicators is not None:
-            indicators.update_spike_score(loss, opt)
+            counted(arm, indicators.update_spike_score, loss, opt)
             if logging:
-                parts = [*indicators.measure(opt), indicators.spike_score.score()]
-                if recorder is not None:
-                    recorder.armed = False
-                    parts += list(recorder.take().values())
-                torch.cat([p.float().reshape(-1) for p in parts]).tolist()
+                counted(arm, read, indicators, recorder)
 
-    def timed(arm: str) -> float:
+    def read(indicators, recorder) -> None:
+        parts = [*indicators.measure(opt), indicators.spike_score.score()]
+        if recorder is not None:
+            recorder.armed = False
+            parts += list(recorder.take().values())
+        torch.cat([p.float().reshape(-1) for p in parts]).tolist()
+
+    def timed(arm: str) -> tuple[float, float]:
         module = arms[arm]
         recorder = module.AttentionLogits(model) if module is not None and args.attention else None
+        inside[arm] = 0.0
         start = time.thread_time()
         for i in range(args.log_every):
             step(arm, recorder, i == args.log_every - 1)
         elapsed = (time.thread_time() - start) / args.log_every
         if recorder is not None:
             recorder.remove()
-        return elapsed
+        return elapsed, inside[arm] / args.log_every
 
     names = list(arms)
     for name in names:  # warm-up
         timed(name)
-    rows = []
+    rows, own = [], []
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
-        rows.append({name: timed(name) for name in order})
+        times = {name: timed(name) for name in order}
+        rows.append({name: t for name, (t, _) in times.items()})
+        own.append({name: i / times["without"][0] for name, (_, i) in times.items() if name != "without"})
     ratios = [r["with"] / r["without"] - 1 for r in rows]
     result = {"median_overhead": statistics.median(ratios), "ratios": ratios,
+              "mean_overhead": statistics.fmean(ratios),
+              "stderr_overhead": statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None,
+              "median_own_time": statistics.median(o["with"] for o in own),
               "median_step_ms_without": statistics.median(r["without"] for r in rows) * 1e3,
               "median_step_ms_with": statistics.median(r["with"] for r in rows) * 1e3,
               "log_every": args.log_every, "attention": args.attention, "rounds": args.rounds,
@@ -113,19 +139,24 @@ def main() -> None:
     if "before" in arms:
         before_ratios = [r["before"] / r["without"] - 1 for r in rows]
         result |= {"median_overhead_before": statistics.median(before_ratios), "ratios_before": before_ratios,
+                   "mean_overhead_before": statistics.fmean(before_ratios),
+                   "median_own_time_before": statistics.median(o["before"] for o in own),
                    "median_step_ms_before": statistics.median(r["before"] for r in rows) * 1e3,
                    "median_paired_after_vs_before": statistics.median(r["with"] / r["before"] - 1 for r in rows)}
         before_text = (f" The earlier implementation ({args.before.name}) in the same rounds:"
                        f" {result['median_step_ms_before']:.1f} ms, median paired overhead"
-                       f" {result['median_overhead_before']:+.2%}; after / before, paired:"
+                       f" {result['median_overhead_before']:+.2%} (mean {result['mean_overhead_before']:+.2%}); its own"
+                       f" calls {result['median_own_time_before']:.2%} of a step; after / before, paired:"
                        f" {result['median_paired_after_vs_before']:+.2%}.")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps(result, indent=1, default=str))
     text = (f"GPT step (mean over {args.log_every} steps, one of them a logging step), median of {args.rounds} paired"
             f" rounds: {result['median_step_ms_without']:.1f} ms without, {result['median_step_ms_with']:.1f} ms with"
             f" the indicators{' and the attention recorder' if args.attention else ''}; median paired overhead"
-            f" {result['median_overhead']:+.2%} (rounds: {min(ratios):+.2%} .. {max(ratios):+.2%})."
-            f"{before_text}\n\nCPU flags:"
+            f" {result['median_overhead']:+.2%} (mean {result['mean_overhead']:+.2%}"
+            f" +- {result['stderr_overhead'] or 0:.2%} s.e.; rounds: {min(ratios):+.2%} .. {max(ratios):+.2%}); the"
+            f" indicators' own calls (thread CPU time inside them and inside the recorder's q.k products):"
+            f" {result['median_own_time']:.2%} of a step.{before_text}\n\nCPU flags:"
             f" {cpu_flags()}; torch {torch.__version__}; 1 thread; 2-core machine shared with other jobs.\n\nCommand: `"
             + " ".join(["python", *sys.argv]) + "`\n")
     (args.out / "overhead.md").write_text(text)
