@@ -70,10 +70,16 @@ def main() -> None:
     inside = {name: 0.0 for name in arms}
     """Thread CPU seconds spent inside the indicators' own calls (and the recorder's logit products), per arm."""
 
+    per_call: dict[str, dict[str, float]] = {name: {} for name in arms}
+    """The same, per call (summed over the run)."""
+
     def counted(arm: str, fn, *a):
         start = time.thread_time()
         out = fn(*a)
-        inside[arm] += time.thread_time() - start
+        spent = time.thread_time() - start
+        inside[arm] += spent
+        label = getattr(fn, "__name__", "call")
+        per_call[arm][label] = per_call[arm].get(label, 0.0) + spent
         return out
 
     for name, module in arms.items():  # the recorder's q.k products, timed where they run (inside the forward)
@@ -120,6 +126,8 @@ def main() -> None:
     names = list(arms)
     for name in names:  # warm-up
         timed(name)
+    for name in names:
+        per_call[name].clear()
     rows, own = [], []
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -133,6 +141,8 @@ def main() -> None:
               "median_own_time": statistics.median(o["with"] for o in own),
               "median_step_ms_without": statistics.median(r["without"] for r in rows) * 1e3,
               "median_step_ms_with": statistics.median(r["with"] for r in rows) * 1e3,
+              "own_ms_per_step": {arm: {label: spent / (args.rounds * args.log_every) * 1e3
+                                        for label, spent in calls.items()} for arm, calls in per_call.items() if calls},
               "log_every": args.log_every, "attention": args.attention, "rounds": args.rounds,
               "flags": cpu_flags(), "env": environment()}
     before_text = ""
@@ -156,7 +166,11 @@ def main() -> None:
             f" {result['median_overhead']:+.2%} (mean {result['mean_overhead']:+.2%}"
             f" +- {result['stderr_overhead'] or 0:.2%} s.e.; rounds: {min(ratios):+.2%} .. {max(ratios):+.2%}); the"
             f" indicators' own calls (thread CPU time inside them and inside the recorder's q.k products):"
-            f" {result['median_own_time']:.2%} of a step.{before_text}\n\nCPU flags:"
+            f" {result['median_own_time']:.2%} of a step.{before_text}\n\nTheir own time, ms per step (averaged over"
+            f" every step of the run; read = measure + score + the one tolist, on logging steps):\n\n"
+            + "\n".join(f"- {arm}: " + ", ".join(f"{label} {ms:.3f}" for label, ms in calls.items())
+                        for arm, calls in result["own_ms_per_step"].items())
+            + "\n\nCPU flags:"
             f" {cpu_flags()}; torch {torch.__version__}; 1 thread; 2-core machine shared with other jobs.\n\nCommand: `"
             + " ".join(["python", *sys.argv]) + "`\n")
     (args.out / "overhead.md").write_text(text)

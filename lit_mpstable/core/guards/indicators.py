@@ -17,8 +17,9 @@ Four statistics (DESIGN "Fingerprints and leading indicators"):
   exceeds mean + ``threshold_std`` (6) standard deviations (population std, only when std > 1e-10) of the previous
   ``window_size`` (128) values of the same series, judged only once that window is full; the score is the fraction of
   spike steps over the last ``rolling_window`` (10000) steps, reported once that window is full (before that, the
-  total: spikes / steps, once ``window_size`` steps were seen). Here the windows are ring buffers on the device and
-  the judgement is tensor arithmetic: no host read per step.
+  total: spikes / steps, once ``window_size`` steps were seen). Here the windows are ring buffers on the device; a
+  step only queues its loss and gradient norm, judged with the others in one batch of tensor ops when the score is
+  read: no host read, and no judging, per step.
 
 :class:`Indicators` also holds the warning rule (host side, on the values read at a logging step): it warns when the
 update ratio passes ``ratio_factor`` times the median of its previous ``baseline`` logged values, or when the Adam
