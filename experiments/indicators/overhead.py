@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--attention", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--spike-score", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-spike-score: Indicators(spike_score=False), nothing between logging steps")
     parser.add_argument("--before", type=Path, default=None, help="an earlier indicators.py, timed as a third arm")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -66,6 +68,8 @@ def main() -> None:
         spec.loader.exec_module(before)
         arms["before"] = before
     state = {name: module.Indicators() for name, module in arms.items() if module is not None}
+    if not args.spike_score:
+        state["with"] = arms["with"].Indicators(spike_score=False)
 
     inside = {name: 0.0 for name in arms}
     """Thread CPU seconds spent inside the indicators' own calls (and the recorder's logit products), per arm."""
@@ -105,7 +109,9 @@ def main() -> None:
                 counted(arm, read, indicators, recorder)
 
     def read(indicators, recorder) -> None:
-        parts = [*indicators.measure(opt), indicators.spike_score.score()]
+        parts = [*indicators.measure(opt)]
+        if indicators.spike_score is not None:
+            parts.append(indicators.spike_score.score())
         if recorder is not None:
             recorder.armed = False
             parts += list(recorder.take().values())
@@ -143,7 +149,8 @@ def main() -> None:
               "median_step_ms_with": statistics.median(r["with"] for r in rows) * 1e3,
               "own_ms_per_step": {arm: {label: spent / (args.rounds * args.log_every) * 1e3
                                         for label, spent in calls.items()} for arm, calls in per_call.items() if calls},
-              "log_every": args.log_every, "attention": args.attention, "rounds": args.rounds,
+              "log_every": args.log_every, "attention": args.attention, "spike_score": args.spike_score,
+              "rounds": args.rounds,
               "flags": cpu_flags(), "env": environment()}
     before_text = ""
     if "before" in arms:
@@ -162,7 +169,8 @@ def main() -> None:
     (args.out / "overhead.json").write_text(json.dumps(result, indent=1, default=str))
     text = (f"GPT step (mean over {args.log_every} steps, one of them a logging step), median of {args.rounds} paired"
             f" rounds: {result['median_step_ms_without']:.1f} ms without, {result['median_step_ms_with']:.1f} ms with"
-            f" the indicators{' and the attention recorder' if args.attention else ''}; median paired overhead"
+            f" the indicators{'' if args.spike_score else ' (no SpikeScore)'}"
+            f"{' and the attention recorder' if args.attention else ''}; median paired overhead"
             f" {result['median_overhead']:+.2%} (mean {result['mean_overhead']:+.2%}"
             f" +- {result['stderr_overhead'] or 0:.2%} s.e.; rounds: {min(ratios):+.2%} .. {max(ratios):+.2%}); the"
             f" indicators' own calls (thread CPU time inside them and inside the recorder's q.k products):"

@@ -89,6 +89,21 @@ def test_spike_score_update_only_queues_and_judges_the_same_whenever_read():
     assert torch.equal(every.history, sparse.history) and torch.equal(every.flags, sparse.flags)
 
 
+def test_without_a_spike_score_a_step_does_nothing_and_the_state_says_so():
+    opt = _layered_adam(2)
+    ind = Indicators(spike_score=False)
+    with _Ops() as seen:
+        ind.update_spike_score(torch.tensor(1.0), opt)
+    assert ind.spike_score is None and seen.ops == []
+    state = ind.state_dict()
+    assert state["spike_score"] is None
+    Indicators(spike_score=False).load_state_dict(state)
+    with pytest.raises(ValueError, match="spike_score"):
+        Indicators().load_state_dict(state)
+    with pytest.raises(ValueError, match="spike_score"):
+        Indicators(spike_score=1)  # type: ignore[arg-type]
+
+
 def _layered_adam(layers: int):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])

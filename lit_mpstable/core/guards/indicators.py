@@ -415,11 +415,14 @@ class Indicators:
         lag_limit: warn when the fraction of lagging coordinates passes it.
         spike_window, spike_rolling_window, spike_threshold_std: SpikeScore's ``window_size``, ``rolling_window``
             and ``threshold_std`` (OLMo-core's defaults).
+        spike_score: ``False``: no SpikeScore (:attr:`spike_score` is None). It is the only statistic that needs
+            every step (the loss and the norm of all gradients, a memory-bound pass: ~0.85% of the CPU GPT's step in
+            experiments/indicators/overhead.py); without it the steps between logging steps do nothing.
     """
 
     def __init__(self, ratio_factor: float = 2.0, baseline: int = 8, lag_threshold: float = 0.01,
                  lag_limit: float = 0.5, spike_window: int = 128, spike_rolling_window: int = 10000,
-                 spike_threshold_std: float = 6.0) -> None:
+                 spike_threshold_std: float = 6.0, spike_score: bool = True) -> None:
         _check(_positive(ratio_factor) and ratio_factor > 1, f"Indicators(ratio_factor={ratio_factor!r})",
                "must be a number > 1 (2.0: the update ratio doubled).")
         _check(_count(baseline), f"Indicators(baseline={baseline!r})", "must be an int in [1, 2**20] (logged values).")
@@ -428,7 +431,8 @@ class Indicators:
                "must be a fraction in (0, 1].")
         self.ratio_factor, self.baseline = float(ratio_factor), baseline
         self.lag_threshold, self.lag_limit = float(lag_threshold), float(lag_limit)
-        self.spike_score = SpikeScore(spike_window, spike_rolling_window, spike_threshold_std)
+        _check(isinstance(spike_score, bool), f"Indicators(spike_score={spike_score!r})", "must be True or False.")
+        self.spike_score = SpikeScore(spike_window, spike_rolling_window, spike_threshold_std) if spike_score else None
         self.ratios: list[float] = []
         """The last ``baseline`` logged ``update_ratio_max`` values (the warning's baseline)."""
         self.judged = 0
@@ -439,7 +443,10 @@ class Indicators:
 
     # -- device side
     def update_spike_score(self, loss: torch.Tensor, optimizer: Optimizers | None) -> None:
-        """One step's SpikeScore input: the loss and the total norm of the optimizer's gradients (device)."""
+        """One step's SpikeScore input: the loss and the total norm of the optimizer's gradients (device); nothing
+        without a SpikeScore."""
+        if self.spike_score is None:
+            return
         params = _params(optimizer) if optimizer is not None else []
         grads = [p.grad for p in params if p.grad is not None]
         norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads
@@ -534,12 +541,15 @@ class Indicators:
 
     def state_dict(self) -> dict[str, Any]:
         return {"ratios": list(self.ratios), "judged": self.judged, "above": dict(self.above),
-                "spike_score": self.spike_score.state_dict()}
+                "spike_score": self.spike_score.state_dict() if self.spike_score is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ratios, self.judged = [float(r) for r in state["ratios"]], int(state["judged"])
         self.above = {key: bool(state["above"][key]) for key in self.above}
-        self.spike_score.load_state_dict(state["spike_score"])
+        if self.spike_score is not None:
+            _check(isinstance(state["spike_score"], dict), "Indicators.load_state_dict(spike_score=None)",
+                   "the checkpoint has no SpikeScore (saved with spike_score=False); this run measures one.")
+            self.spike_score.load_state_dict(state["spike_score"])
 
 
 def parameter_names(model: nn.Module, optimizer: Optimizers) -> list[str]:
