@@ -118,7 +118,7 @@ class OverflowMonitor(PluginCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         self.windowed.to(pl_module.device)
-        if self.indicators is not None:
+        if self.indicators is not None and self.indicators.spike_score is not None:
             self.indicators.spike_score.to(pl_module.device)
         if self.attention is not False and self.attention_logits is None:
             self.attention_logits = AttentionLogits(
@@ -202,8 +202,9 @@ class OverflowMonitor(PluginCallback):
             optimizers = trainer.optimizers
             ratios, lags, lag_total = self.indicators.measure(optimizers)
             names = parameter_names(pl_module, optimizers)
-            parts += [ratios.float(), lags.float(), lag_total.float().reshape(1),
-                      self.indicators.spike_score.score().float().reshape(1)]
+            parts += [ratios.float(), lags.float(), lag_total.float().reshape(1)]
+            if self.indicators.spike_score is not None:
+                parts.append(self.indicators.spike_score.score().float().reshape(1))
         heads: list[tuple[str, int]] = []
         if self.attention_logits is not None:
             self.attention_logits.armed = False
@@ -218,12 +219,13 @@ class OverflowMonitor(PluginCallback):
         warnings: list[str] = []
         if self.indicators is not None:
             n = len(names)
-            ratio_v, lag_v, lag_total_v, score = values[:n], values[n:2 * n], values[2 * n], values[2 * n + 1]
-            values = values[2 * n + 2:]
+            ratio_v, lag_v, lag_total_v = values[:n], values[n:2 * n], values[2 * n]
+            values = values[2 * n + 1:]
             if n:
                 metrics["mp/update_ratio_max"] = max(ratio_v)
                 metrics["mp/adam_lag_frac"] = lag_total_v
-            metrics["mp/spike_score"] = score
+            if self.indicators.spike_score is not None:
+                metrics["mp/spike_score"], values = values[0], values[1:]
             warnings += self.indicators.judge(ratio_v, lag_v, lag_total_v, names, trainer.global_step)
         if heads:
             metrics["mp/attn_logit_max"] = max(values)

@@ -100,6 +100,18 @@ def test_one_host_read_per_logging_step_and_none_on_the_others():
     assert extra == Counter({"tolist": 2, "_local_scalar_dense": 16})
 
 
+def test_without_a_spike_score_the_rest_is_logged_in_the_same_one_read():
+    with HostReads() as plain:
+        _fit(OverflowMonitor(log_every_n_steps=2), 4)
+    monitor = OverflowMonitor(log_every_n_steps=2, indicators=Indicators(spike_score=False), attention=True)
+    with HostReads() as seen:
+        _, rows = _fit(monitor, 4)
+    assert set(rows[3]) == {*INDICATOR_METRICS, "step"} - {"mp/spike_score"}
+    assert rows[3]["mp/attn_logit_max"] == max(max(v) for v in monitor.latest_attention.values())
+    assert 0 < rows[3]["mp/update_ratio_max"] < 1
+    assert seen.ops.count("tolist") - plain.ops.count("tolist") == 2  # one a logging step
+
+
 def test_warnings_name_the_layer_and_the_indicator():
     task = AttentionTask(lr=0.05)
     with torch.no_grad():

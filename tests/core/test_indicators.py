@@ -48,6 +48,86 @@ def test_spike_score_is_olmo_cores_definition():
     assert max(want) > 0  # the spikes were seen
 
 
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The arithmetic (not view or copy) operations run inside it, by name."""
+
+    _VIEWS = {"detach", "view", "alias", "_reshape_alias", "unsqueeze", "select", "unbind", "as_strided", "t",
+              "reshape", "_to_copy", "lift_fresh", "clone"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self._VIEWS:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_spike_score_update_only_queues_and_judges_the_same_whenever_read():
+    gen = torch.Generator().manual_seed(1)
+    losses, norms = (torch.rand(40, generator=gen) + 2).tolist(), (torch.rand(40, generator=gen) + 1).tolist()
+    losses[12], norms[23], losses[31] = 50.0, 40.0, 60.0
+    every, sparse = SpikeScore(4, 6, 2.0), SpikeScore(4, 6, 2.0)
+    busy = 0
+    for i, (loss, norm) in enumerate(zip(losses, norms)):
+        every.update(torch.tensor(loss), torch.tensor(norm))
+        every.score()
+        with _Ops() as seen:
+            sparse.update(torch.tensor(loss), torch.tensor(norm))
+        busy += bool(seen.ops)
+        if i == 17:  # a resume mid-way, with steps still queued
+            resumed = SpikeScore(4, 6, 2.0)
+            resumed.load_state_dict(sparse.state_dict())
+            sparse = resumed
+        if i % 7 == 6:
+            assert torch.equal(every.score(), sparse.score())
+    assert busy <= len(losses) // 4  # a step is queued, judged with others when 4 (the window) are queued
+    want = _olmo_spike_score(losses, norms)[-1]
+    assert torch.equal(every.score(), sparse.score()) and float(sparse.score()) == pytest.approx(want) and want > 0
+    assert torch.equal(every.history, sparse.history) and torch.equal(every.flags, sparse.flags)
+
+
+def test_without_a_spike_score_a_step_does_nothing_and_the_state_says_so():
+    opt = _layered_adam(2)
+    ind = Indicators(spike_score=False)
+    with _Ops() as seen:
+        ind.update_spike_score(torch.tensor(1.0), opt)
+    assert ind.spike_score is None and seen.ops == []
+    state = ind.state_dict()
+    assert state["spike_score"] is None
+    Indicators(spike_score=False).load_state_dict(state)
+    with pytest.raises(ValueError, match="spike_score"):
+        Indicators().load_state_dict(state)
+    with pytest.raises(ValueError, match="spike_score"):
+        Indicators(spike_score=1)  # type: ignore[arg-type]
+
+
+def _layered_adam(layers: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+    return opt
+
+
+def test_measure_runs_as_many_operations_for_many_parameters_as_for_few():
+    ops = []
+    for layers in (2, 6):
+        opt = _layered_adam(layers)
+        ind = Indicators()
+        ind.snapshot_(opt)
+        opt.step()
+        with _Ops() as seen:
+            ind.measure(opt)
+        ops.append(seen.ops)
+    assert ops[0] == ops[1], ops  # multi-tensor ops, not one set of ops a parameter
+
+
 def _adam_run(steps=3, lr=0.1):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -181,6 +261,38 @@ def test_attention_logits_of_an_sdpa_caller_and_the_function_is_restored():
     want = _reference_logits(q, k, causal).amax(dim=(0, 2, 3))
     assert torch.allclose(rec.take()["0"], want, atol=1e-5)
     assert torch.allclose(out, original(q, k, v, is_causal=True))
+
+
+def test_an_unarmed_recorder_leaves_no_hook_on_the_model():
+    model = nn.Sequential(_SdpaAttention(), nn.MultiheadAttention(8, 2))
+    hooks = lambda: sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())  # noqa: E731
+    rec = AttentionLogits(model)
+    assert rec.names == ["1", "0"] and hooks() == 0
+    rec.armed = True
+    assert hooks() == 3
+    model[0](torch.randn(2, 6, 8))
+    rec.armed = False
+    assert hooks() == 0 and list(rec.take()) == ["0"]
+    rec.armed = True
+    rec.remove()
+    assert hooks() == 0 and not rec.armed
+
+
+@pytest.mark.parametrize("module", ["mha", "sdpa"])
+def test_attention_logits_are_measured_in_fp32_under_fp16_autocast(module):
+    """A logit of ~1e5 under FP16 autocast is recorded as ~1e5, not as the inf an FP16 product gives."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True) if module == "mha" else _SdpaAttention())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(250.0)
+    rec = AttentionLogits(model)
+    rec.armed = True
+    x = torch.randn(2, 6, 8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        model[0](x, x, x) if module == "mha" else model(x)
+    got = rec.take()["0"]
+    assert torch.isfinite(got).all() and got.max() > 65504, got
 
 
 def test_attention_logits_rejects_unknown_module_names():

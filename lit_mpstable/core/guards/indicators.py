@@ -17,8 +17,9 @@ Four statistics (DESIGN "Fingerprints and leading indicators"):
   exceeds mean + ``threshold_std`` (6) standard deviations (population std, only when std > 1e-10) of the previous
   ``window_size`` (128) values of the same series, judged only once that window is full; the score is the fraction of
   spike steps over the last ``rolling_window`` (10000) steps, reported once that window is full (before that, the
-  total: spikes / steps, once ``window_size`` steps were seen). Here the windows are ring buffers on the device and
-  the judgement is tensor arithmetic: no host read per step.
+  total: spikes / steps, once ``window_size`` steps were seen). Here the windows are ring buffers on the device; a
+  step only queues its loss and gradient norm, judged with the others in one batch of tensor ops when the score is
+  read: no host read, and no judging, per step.
 
 :class:`Indicators` also holds the warning rule (host side, on the values read at a logging step): it warns when the
 update ratio passes ``ratio_factor`` times the median of its previous ``baseline`` logged values, or when the Adam
@@ -62,7 +63,16 @@ def _count(value: Any, low: int = 1) -> bool:
 
 # ---------------------------------------------------------------------------------------------------- SpikeScore
 class SpikeScore:
-    """OLMo-core's SpikeScore on device ring buffers (see the module docstring); :meth:`update` once per step."""
+    """OLMo-core's SpikeScore on device ring buffers (see the module docstring); :meth:`update` once per step.
+
+    A step's loss and gradient norm are queued (:meth:`update` does no device arithmetic beyond what the caller
+    computed) and judged in one batch of tensor ops when the score or the state is asked for, or when
+    ``PENDING`` steps are queued. Each queued step is judged against exactly the window of ``window_size`` values
+    before it, in a batch of fixed shape, so the flags do not depend on when the batch ran (a resumed run judges as an
+    uninterrupted one)."""
+
+    PENDING = 64
+    """Steps queued at most before they are judged (fewer when a window is shorter)."""
 
     def __init__(self, window_size: int = 128, rolling_window: int = 10000, threshold_std: float = 6.0) -> None:
         _check(_count(window_size, 2), f"SpikeScore(window_size={window_size!r})", "must be an int in [2, 2**20].")
@@ -71,40 +81,63 @@ class SpikeScore:
         _check(_positive(threshold_std), f"SpikeScore(threshold_std={threshold_std!r})", "must be a number > 0.")
         self.window_size, self.rolling_window, self.threshold_std = window_size, rolling_window, float(threshold_std)
         self.history = torch.zeros(2, window_size)
-        """Rows: loss, gradient norm; the last ``window_size`` values of each (a ring)."""
+        """Rows: loss, gradient norm; the last ``window_size`` judged values of each (a ring: step s at s % size)."""
         self.flags = torch.zeros(rolling_window)
-        """1.0 where a step was a spike, the last ``rolling_window`` steps (a ring)."""
+        """1.0 where a step was a spike, the last ``rolling_window`` judged steps (a ring)."""
         self.spikes = torch.zeros(())
         """Spike steps over the whole run (a device count)."""
         self.steps = 0
-        """Steps seen (a host int: counted, never read from the device)."""
+        """Steps seen, queued ones included (a host int: counted, never read from the device)."""
+        self.capacity = min(self.PENDING, window_size, rolling_window)
+        self._pending: list[torch.Tensor] = []
+        """The queued steps' loss and gradient norm, in order (0-d tensors, two a step)."""
 
     def to(self, device: torch.device | str) -> SpikeScore:
+        self.flush()
         self.history, self.flags, self.spikes = (t.to(device) for t in (self.history, self.flags, self.spikes))
         return self
 
     def update(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Judge one step's loss and gradient norm against the previous window, then add them (no host read)."""
-        values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
-        values = values.to(self.history.device)
-        if self.steps >= self.window_size:  # OLMo judges only with a full window
-            mean = self.history.mean(dim=1)
-            std = self.history.var(dim=1, unbiased=False).sqrt()
-            spike = ((values > mean + self.threshold_std * std) & (std >= 1e-10)).any().float()
-        else:
-            spike = torch.zeros((), device=self.history.device)
-        self.history[:, self.steps % self.window_size] = values
-        self.flags[self.steps % self.rolling_window] = spike
-        self.spikes += spike
+        """Queue one step's loss and gradient norm (no host read, no device op)."""
+        self._pending += (loss.detach(), grad_norm.detach())
         self.steps += 1
+        if len(self._pending) >= 2 * self.capacity:
+            self.flush()
+
+    def flush(self) -> None:
+        """Judge the queued steps, each against the ``window_size`` values before it, and add them to the windows."""
+        if not self._pending:
+            return
+        device, size, cap = self.history.device, self.window_size, self.capacity
+        k, first = len(self._pending) // 2, self.steps - len(self._pending) // 2
+        queued = torch.stack([t.to(device=device, dtype=torch.float32).reshape(()) for t in self._pending])
+        self._pending = []
+        values = queued.view(k, 2).t()  # (2, k)
+        if k < cap:
+            values = torch.cat([values, values.new_zeros(2, cap - k)], dim=1)
+        # the last `size` values oldest first, then the queued ones: window i (the `size` values before queued step
+        # i) is seq[:, i:i + size]
+        seq = torch.cat([self.history.roll(-(first % size), dims=1), values], dim=1)
+        windows = seq.unfold(1, size, 1)[:, :cap].contiguous()  # (2, cap, size); a strided var is slow
+        mean = windows.mean(dim=-1)
+        std = windows.var(dim=-1, unbiased=False).sqrt()
+        index = torch.arange(cap, device=device)
+        judged = (index < k) & (index + first >= size)  # OLMo judges only with a full window
+        spike = (((values > mean + self.threshold_std * std) & (std >= 1e-10)).any(dim=0) & judged).float()
+        steps = index[:k] + first
+        self.history.index_copy_(1, steps % size, values[:, :k])
+        self.flags.index_copy_(0, steps % self.rolling_window, spike[:k])
+        self.spikes += spike.sum()
 
     def score(self) -> torch.Tensor:
         """The running score over a full rolling window, else the total rate (0 before ``window_size`` steps)."""
+        self.flush()
         if self.steps >= self.rolling_window:
             return self.flags.mean()
         return self.spikes / self.steps if self.steps >= self.window_size else torch.zeros_like(self.spikes)
 
     def state_dict(self) -> dict[str, Any]:
+        self.flush()
         return {"history": self.history.tolist(), "flags": self.flags.tolist(), "spikes": float(self.spikes),
                 "steps": self.steps}
 
@@ -113,6 +146,7 @@ class SpikeScore:
         _check(tuple(history.shape) == tuple(self.history.shape) and tuple(flags.shape) == tuple(self.flags.shape),
                f"SpikeScore.load_state_dict(history {tuple(history.shape)}, flags {tuple(flags.shape)})",
                f"this score's windows are {self.window_size} and {self.rolling_window} steps; the checkpoint's differ.")
+        self._pending = []
         self.history.copy_(history)
         self.flags.copy_(flags)
         self.spikes.fill_(float(state["spikes"]))
@@ -123,17 +157,43 @@ class SpikeScore:
 def _masked_logit_max(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask: torch.Tensor | None,
                       is_causal: bool) -> torch.Tensor:
     """Per head, the largest scaled logit q.k * scale over the pairs the mask allows. ``q``: (..., H, L, d), ``k``:
-    (..., H, S, d); returns (H,). A boolean mask allows where True; a float mask is added, as SDPA does."""
-    logits = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    (..., H, S, d); returns (H,). A boolean mask allows where True; a float mask is added, as SDPA does.
+
+    One product q.k^T, edited in place: the causal mask is added as a cached 0/-inf bias, and a positive scale is
+    applied to the maxima (rounding is monotone, so max(x) * s == max(x * s)) rather than to every logit."""
+    # In FP32 whatever autocast is on (an FP16 product would make a logit above 65504 inf); contiguous q and k: a
+    # batched product of strided views (q, k sliced from one qkv projection) is several times slower on CPUs.
+    with torch.autocast(q.device.type, enabled=False):
+        logits = torch.matmul(q.float().contiguous(), k.float().contiguous().transpose(-2, -1))
+    late = (attn_mask is not None and attn_mask.dtype != torch.bool) or scale <= 0
+    if late:  # a float mask is added to scaled logits
+        logits.mul_(scale)
     if is_causal:
-        length, source = logits.shape[-2:]
-        future = torch.ones(length, source, dtype=torch.bool, device=logits.device).triu(1)
-        logits = logits.masked_fill(future, float("-inf"))
+        logits.add_(_causal_bias(logits.shape[-2], logits.shape[-1], logits.device))
     if attn_mask is not None:
-        logits = (logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
-                  else logits + attn_mask.float())
-    per_head = logits.amax(dim=(-2, -1))  # (..., H): no copy of the logits
-    return per_head.reshape(-1, per_head.shape[-1]).amax(dim=0)
+        inplace = torch.broadcast_shapes(logits.shape, attn_mask.shape) == logits.shape
+        if attn_mask.dtype == torch.bool:
+            logits = (logits.masked_fill_ if inplace else logits.masked_fill)(~attn_mask, float("-inf"))
+        else:
+            logits = logits.add_(attn_mask.float()) if inplace else logits + attn_mask.float()
+    per_head = logits.amax(dim=(-2, -1))  # (..., H)
+    per_head = per_head.reshape(-1, per_head.shape[-1]).amax(dim=0)
+    return per_head if late else per_head.mul_(scale)
+
+
+_CAUSAL: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _causal_bias(length: int, source: int, device: torch.device) -> torch.Tensor:
+    """0 where query i may see key j (j <= i, SDPA's top-left causal alignment), -inf above; cached per shape."""
+    key = (length, source, device)
+    bias = _CAUSAL.get(key)
+    if bias is None:
+        future = torch.ones(length, source, dtype=torch.bool, device=device).triu(1)
+        bias = _CAUSAL[key] = torch.zeros(length, source, device=device).masked_fill_(future, float("-inf"))
+        if len(_CAUSAL) > 64:  # a few shapes in a run; never an unbounded cache
+            del _CAUSAL[next(iter(_CAUSAL))]
+    return bias
 
 
 class AttentionLogits:
@@ -163,23 +223,40 @@ class AttentionLogits:
         unknown = [name for name in sdpa_modules if name not in named]
         _check(not unknown, f"AttentionLogits(sdpa_modules={list(sdpa_modules)!r})",
                f"{unknown} are not modules of the model (names as model.named_modules() gives them).")
-        self.armed = False
         self.maxima: dict[str, torch.Tensor] = {}
-        self._handles = []
-        for name, module in named.items():
-            if isinstance(module, nn.MultiheadAttention):
-                self._handles.append(module.register_forward_pre_hook(self._mha_hook(name), with_kwargs=True))
-        for name in sdpa_modules:
-            module = named[name]
-            self._handles.append(module.register_forward_pre_hook(self._enter(name)))
-            self._handles.append(module.register_forward_hook(self._leave))
+        self._mha = [(name, module) for name, module in named.items() if isinstance(module, nn.MultiheadAttention)]
+        self._sdpa = [(name, named[name]) for name in sdpa_modules]
+        self._armed = False
+        self._handles: list[Any] = []
         self.names = [n for n, m in named.items() if isinstance(m, nn.MultiheadAttention)] + list(sdpa_modules)
         """The modules watched, MultiheadAttention first."""
 
+    @property
+    def armed(self) -> bool:
+        """Whether the next forwards are measured. Arming installs the hooks and disarming removes them, so an unarmed
+        model runs with no hook of ours (the steps between logging steps pay nothing)."""
+        return self._armed
+
+    @armed.setter
+    def armed(self, value: bool) -> None:
+        value = bool(value)
+        if value == self._armed:
+            return
+        self._armed = value
+        if not value:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            return
+        for name, module in self._mha:
+            self._handles.append(module.register_forward_pre_hook(self._mha_hook(name), with_kwargs=True))
+        for name, module in self._sdpa:
+            self._handles.append(module.register_forward_pre_hook(self._enter(name)))
+            self._handles.append(module.register_forward_hook(self._leave))
+
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Disarm (remove the hooks); the recorder can be armed again."""
+        self.armed = False
 
     def take(self) -> dict[str, torch.Tensor]:
         maxima, self.maxima = self.maxima, {}
@@ -316,6 +393,10 @@ def _entries(optimizers: Optimizers) -> list[tuple[Optimizer, dict[str, Any], to
     return [(opt, group, p) for opt in listed for group in opt.param_groups for p in group["params"]]
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and type(t) is torch.Tensor else t.float()
+
+
 def _params(optimizers: Optimizers) -> list[torch.Tensor]:
     return [p for _, _, p in _entries(optimizers)]
 
@@ -334,11 +415,14 @@ class Indicators:
         lag_limit: warn when the fraction of lagging coordinates passes it.
         spike_window, spike_rolling_window, spike_threshold_std: SpikeScore's ``window_size``, ``rolling_window``
             and ``threshold_std`` (OLMo-core's defaults).
+        spike_score: ``False``: no SpikeScore (:attr:`spike_score` is None). It is the only statistic that needs
+            every step (the loss and the norm of all gradients, a memory-bound pass: ~0.85% of the CPU GPT's step in
+            experiments/indicators/overhead.py); without it the steps between logging steps do nothing.
     """
 
     def __init__(self, ratio_factor: float = 2.0, baseline: int = 8, lag_threshold: float = 0.01,
                  lag_limit: float = 0.5, spike_window: int = 128, spike_rolling_window: int = 10000,
-                 spike_threshold_std: float = 6.0) -> None:
+                 spike_threshold_std: float = 6.0, spike_score: bool = True) -> None:
         _check(_positive(ratio_factor) and ratio_factor > 1, f"Indicators(ratio_factor={ratio_factor!r})",
                "must be a number > 1 (2.0: the update ratio doubled).")
         _check(_count(baseline), f"Indicators(baseline={baseline!r})", "must be an int in [1, 2**20] (logged values).")
@@ -347,7 +431,8 @@ class Indicators:
                "must be a fraction in (0, 1].")
         self.ratio_factor, self.baseline = float(ratio_factor), baseline
         self.lag_threshold, self.lag_limit = float(lag_threshold), float(lag_limit)
-        self.spike_score = SpikeScore(spike_window, spike_rolling_window, spike_threshold_std)
+        _check(isinstance(spike_score, bool), f"Indicators(spike_score={spike_score!r})", "must be True or False.")
+        self.spike_score = SpikeScore(spike_window, spike_rolling_window, spike_threshold_std) if spike_score else None
         self.ratios: list[float] = []
         """The last ``baseline`` logged ``update_ratio_max`` values (the warning's baseline)."""
         self.judged = 0
@@ -358,7 +443,10 @@ class Indicators:
 
     # -- device side
     def update_spike_score(self, loss: torch.Tensor, optimizer: Optimizers | None) -> None:
-        """One step's SpikeScore input: the loss and the total norm of the optimizer's gradients (device)."""
+        """One step's SpikeScore input: the loss and the total norm of the optimizer's gradients (device); nothing
+        without a SpikeScore."""
+        if self.spike_score is None:
+            return
         params = _params(optimizer) if optimizer is not None else []
         grads = [p.grad for p in params if p.grad is not None]
         norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads
@@ -371,41 +459,54 @@ class Indicators:
 
     def measure(self, optimizer: Optimizers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After the step: per parameter tensor, the update ratio (0 without a snapshot) and the Adam-lag fraction
-        (0 where no Adam state), and the global lag fraction; device tensors, nothing read."""
+        (0 where no Adam state), and the global lag fraction; device tensors, nothing read.
+
+        A handful of multi-tensor (``torch._foreach_*``) ops over all parameters, no per-parameter arithmetic: the
+        update is p_before - p_after, computed in the snapshot's own memory."""
         entries = _entries(optimizer)
-        params = [p for _, _, p in entries]
+        params = [p.detach() for _, _, p in entries]
         device = params[0].device if params else torch.device("cpu")
         before, self._before = self._before, None
         if before is not None and len(before) == len(params):
-            diffs = torch._foreach_sub([p.detach() for p in params], before)
-            ratios = torch.stack(torch._foreach_norm(diffs)) / torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
+            scale = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
+            torch._foreach_sub_(before, params)  # the update (negated), in place
+            ratios = torch.stack(torch._foreach_norm(before)) / scale
         else:
             ratios = torch.zeros(len(params), device=device)
-        # g^2 < threshold * v / (1 - beta2^t), as g^2 * (1 - beta2^t) / threshold < v: v is compared, never
-        # multiplied (Adam's second moments are often subnormal, and subnormal products are slow on CPUs).
-        grads, seconds, sizes = [], [], []
-        for opt, group, p in entries:
+        del before
+        # A coordinate lags when g^2 < threshold * v / (1 - beta2^t), i.e. g^2 * (1 - beta2^t) / threshold - v < 0:
+        # v is subtracted, never multiplied (Adam's second moments are often subnormal, and subnormal products are
+        # slow on CPUs). The negative differences are made -1 (clamp, sign: NaN gives 0, not lagging, as a comparison
+        # would) and counted as a squared norm (exact below 2**22 coordinates a tensor).
+        used, grads, seconds, steps, betas = [], [], [], [], []
+        for i, (opt, group, p) in enumerate(entries):
             state = opt.state.get(p, {})
             v, step = state.get("exp_avg_sq"), state.get("step")
             if p.grad is None or v is None or step is None or v.shape != p.shape:
-                sizes.append(0)
                 continue
-            beta2 = float(group.get("betas", (0.9, 0.999))[1])
-            correction = 1 - beta2 ** torch.as_tensor(step, dtype=torch.float32, device=v.device)
-            g = p.grad.detach().reshape(-1).float()
-            grads.append(g * g * (correction / self.lag_threshold))
-            seconds.append(v.reshape(-1).float())
-            sizes.append(p.numel())
-        if grads:  # one comparison over all coordinates, then a sum per parameter (views of it)
-            lagging = torch.cat(grads) < torch.cat(seconds)
-            parts = iter(lagging.split([n for n in sizes if n]))
-            zero = torch.zeros((), dtype=torch.long, device=lagging.device)
-            lag = torch.stack([next(parts).sum() if n else zero for n in sizes]).float()
-        else:
-            lag = torch.zeros(len(sizes), device=device)
-        counts = torch.tensor(sizes, dtype=torch.float32, device=lag.device)
-        per_layer = lag / counts.clamp_min(1)
-        total = lag.sum() / max(sum(sizes), 1)
+            used.append(i)
+            grads.append(_fp32(p.grad.detach()))
+            seconds.append(_fp32(v))
+            steps.append(step)
+            betas.append(float(group.get("betas", (0.9, 0.999))[1]))
+        lag = torch.zeros(len(params), device=device)
+        if grads:
+            where = steps[0].device if isinstance(steps[0], torch.Tensor) else torch.device("cpu")
+            t = torch.stack([torch.as_tensor(s, dtype=torch.float32, device=where).reshape(()) for s in steps])
+            factors = (1 - torch.tensor(betas, device=where) ** t) / self.lag_threshold
+            diffs = torch._foreach_mul(grads, grads)
+            torch._foreach_mul_(diffs, list(factors.unbind()))
+            torch._foreach_sub_(diffs, seconds)
+            torch._foreach_clamp_max_(diffs, 0.0)
+            torch._foreach_sign_(diffs)
+            counts = torch.stack(torch._foreach_norm(diffs)).square_().round_().to(device)
+            lag = counts if len(used) == len(params) else lag.index_copy_(
+                0, torch.tensor(used, device=device), counts)
+        measured = [0] * len(params)
+        for i in used:
+            measured[i] = params[i].numel()
+        per_layer = lag / torch.tensor(measured, dtype=torch.float32, device=device).clamp_min(1)
+        total = lag.sum() / max(sum(measured), 1)
         return ratios, per_layer, total
 
     # -- host side
@@ -440,12 +541,15 @@ class Indicators:
 
     def state_dict(self) -> dict[str, Any]:
         return {"ratios": list(self.ratios), "judged": self.judged, "above": dict(self.above),
-                "spike_score": self.spike_score.state_dict()}
+                "spike_score": self.spike_score.state_dict() if self.spike_score is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ratios, self.judged = [float(r) for r in state["ratios"]], int(state["judged"])
         self.above = {key: bool(state["above"][key]) for key in self.above}
-        self.spike_score.load_state_dict(state["spike_score"])
+        if self.spike_score is not None:
+            _check(isinstance(state["spike_score"], dict), "Indicators.load_state_dict(spike_score=None)",
+                   "the checkpoint has no SpikeScore (saved with spike_score=False); this run measures one.")
+            self.spike_score.load_state_dict(state["spike_score"])
 
 
 def parameter_names(model: nn.Module, optimizer: Optimizers) -> list[str]:
