@@ -120,6 +120,9 @@ class OverflowMonitor(PluginCallback):
         self.windowed.to(pl_module.device)
         if self.indicators is not None and self.indicators.spike_score is not None:
             self.indicators.spike_score.to(pl_module.device)
+            want = getattr(self._plugin, "want_grad_norm_", None)  # ours: the step's one pass measures the norm
+            if callable(want):
+                want()
         if self.attention is not False and self.attention_logits is None:
             self.attention_logits = AttentionLogits(
                 pl_module, None if self.attention is True else list(self.attention))
@@ -158,7 +161,9 @@ class OverflowMonitor(PluginCallback):
             outputs = args[0] if args else None
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if isinstance(loss, torch.Tensor):
-                self.indicators.update_spike_score(loss, trainer.optimizers)
+                take = getattr(plugin, "take_grad_norm", None)
+                norms = [take(opt) for opt in trainer.optimizers] if callable(take) else None
+                self.indicators.update_spike_score(loss, trainer.optimizers, norms)
         self.windowed.update(overflows, skipped, steps)
         if overflows:
             self.blamed = list(plugin.stats.get("blamed_modules") or self.blamed)

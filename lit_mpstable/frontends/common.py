@@ -359,6 +359,15 @@ class StableFrontEnd:
         own = (FINGERPRINT, "precision_schedule")
         self.stepper.load_state_dict({k: v for k, v in state.items() if k not in own}, keep_counters=True)
 
+    def want_grad_norm_(self) -> None:
+        """Keep each step's gradient norm, measured by the gradient check's one pass, for :meth:`take_grad_norm` (the
+        indicators' SpikeScore asks at fit start instead of reading the gradients again)."""
+        self.stepper.want_grad_norm_()
+
+    def take_grad_norm(self, optimizer: Optimizer) -> torch.Tensor | None:
+        """This step's L2 norm of ``optimizer``'s true gradients, before clipping (device tensor), once; else None."""
+        return self.stepper.take_grad_norm(optimizer)
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Resident tensors of the precision itself (compensation buffers) that neither the model nor the optimizers
         hold; give them to ``lit_mpstable.core.weights.memory.MemoryProbe.start(..., extra=...)``."""

@@ -170,3 +170,48 @@ def test_two_ddp_ranks_take_the_same_decisions(tmp_path: Path):
     ranks = _ddp_run(tmp_path)
     assert ranks[0]["Decisions.events"] == ranks[1]["Decisions.events"]
     assert ranks[0]["Decisions.events"][-1][1] == ["block"]  # rank 1's large logits warned on both ranks
+
+
+class _GradKernels(torch.utils._python_dispatch.TorchDispatchMode):
+    """Names of the multi-tensor kernels that read the model's gradients inside the block (by identity)."""
+
+    _KERNELS = ("_foreach_norm", "_amp_foreach_non_finite_check_and_unscale_")
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module, self.calls = module, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self._KERNELS:
+            grads = {id(p.grad) for p in self.module.parameters() if p.grad is not None}
+            if grads & {id(t) for t in args[0]}:
+                self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class _CountStep(pl.Callback):
+    """The gradient kernels of step ``step`` (a step that does not log), from its batch start to its batch end."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.mode, self.calls = step, None, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            self.mode = _GradKernels(pl_module)
+            self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if self.mode is not None and self.calls is None:
+            self.mode.__exit__(None, None, None)
+            self.calls = self.mode.calls
+
+
+def test_spike_score_reads_the_steps_one_pass_over_the_gradients():
+    """The SpikeScore needs the step's gradient norm: it takes the one the step's gradient check computes (that check
+    becomes one _foreach_norm pass) instead of reading every gradient again at the batch's end."""
+    counter = _CountStep(3)
+    monitor = OverflowMonitor(log_every_n_steps=5, indicators=True)
+    trainer = make_trainer(StablePrecision("bf16-mixed"), max_steps=5, callbacks=[monitor, counter])
+    trainer.fit(AttentionTask())
+    assert counter.calls == ["_foreach_norm"]

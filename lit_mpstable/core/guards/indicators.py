@@ -442,15 +442,21 @@ class Indicators:
         self._before: list[torch.Tensor] | None = None
 
     # -- device side
-    def update_spike_score(self, loss: torch.Tensor, optimizer: Optimizers | None) -> None:
+    def update_spike_score(self, loss: torch.Tensor, optimizer: Optimizers | None,
+                           norms: Sequence[torch.Tensor | None] | None = None) -> None:
         """One step's SpikeScore input: the loss and the total norm of the optimizer's gradients (device); nothing
-        without a SpikeScore."""
+        without a SpikeScore. ``norms``: each optimizer's gradient norm as the step measured it (the precision
+        plugin's one pass); where one is missing the gradients are read here."""
         if self.spike_score is None:
             return
-        params = _params(optimizer) if optimizer is not None else []
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads
-                else torch.zeros((), device=loss.device))
+        if norms and all(n is not None for n in norms):
+            known = [n.float() for n in norms if n is not None]
+            norm = known[0] if len(known) == 1 else torch.linalg.vector_norm(torch.stack(known))
+        else:
+            params = _params(optimizer) if optimizer is not None else []
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads
+                    else torch.zeros((), device=loss.device))
         self.spike_score.update(loss, norm)
 
     def snapshot_(self, optimizer: Optimizers) -> None:

@@ -154,6 +154,8 @@ class PrecisionStepper:
             self._checker.measures_norm = True  # the guard's norm is read off the gradient check's one pass
         self._spike: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # per optimizer: the guard's decision
         # and the gradient norm it judged, this iteration (device tensors)
+        self._norms: dict[int, torch.Tensor | None] | None = None  # per optimizer: this iteration's true gradient norm,
+        # kept for a monitor once one asks (want_grad_norm_)
         self.last_step_spiked = False
         """The last step was skipped as a spike (read on skipped steps only)."""
         self.fp8 = fp8_config(fp8)
@@ -483,10 +485,26 @@ class PrecisionStepper:
             self._adopt_recast_state_([optimizer])  # a resumed fallback's FP32 optimizer state waiting for it
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
         self.iteration.note_checked(optimizer)
-        if self.spike_guard is not None:
+        if self.spike_guard is not None or self._norms is not None:
             norm = self._true_norm(optimizer)  # before any clipping
-            self._spike[id(optimizer)] = (self.spike_guard.decide(norm), norm)
+            if self.spike_guard is not None:
+                self._spike[id(optimizer)] = (self.spike_guard.decide(norm), norm)
+            if self._norms is not None:
+                self._norms[id(optimizer)] = norm
         self._observe()
+
+    def want_grad_norm_(self) -> None:
+        """A monitor (the indicators' SpikeScore) needs each step's gradient norm: from now on the gradient check is
+        the one pass that measures it (:meth:`take_grad_norm`), instead of the monitor reading the gradients again."""
+        if self._norms is None:
+            self._norms = {}
+        if self._checker is not None:
+            self._checker.measures_norm = True
+
+    def take_grad_norm(self, optimizer: Optimizer) -> torch.Tensor | None:
+        """The L2 norm of ``optimizer``'s true gradients this iteration, before any clipping (a device tensor; inf/NaN
+        on a non-finite step), once: None before :meth:`want_grad_norm_`, or where the iteration unscaled none."""
+        return self._norms.pop(id(optimizer), None) if self._norms is not None else None
 
     def _true_norm(self, optimizer: Optimizer) -> torch.Tensor | None:
         """The L2 norm of ``optimizer``'s true gradients as the check left them (times a deferring keeper's pending
