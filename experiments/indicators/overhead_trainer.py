@@ -25,9 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import cpu_flags, environment  # noqa: E402
-
 import lightning.pytorch as pl  # noqa: E402
+from common import cpu_flags, environment  # noqa: E402
 
 from lit_mpstable import StablePrecision  # noqa: E402
 from lit_mpstable.app.zoo import GPTLM, CharLMData  # noqa: E402
@@ -86,12 +85,12 @@ def main() -> None:
         print(f"rep {rep}: without {times[False] * 1e3:.2f} ms, with {times[True] * 1e3:.2f} ms,"
               f" {100 * rows[-1]['overhead']:+.2f}%", flush=True)
     median = statistics.median(r["overhead"] for r in rows)
-    summary = {"environment": environment(), "cpu_flags": cpu_flags(), "args": {k: str(v) for k, v in vars(args).items()},
-               "rows": rows, "median_overhead": median}
+    summary = {"environment": environment(), "cpu_flags": cpu_flags(),
+               "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "median_overhead": median}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps(summary, indent=1))
-    lines = [f"OverflowMonitor(indicators=True) through the Trainer with StablePrecision('bf16-mixed') on make run's GPT,"
-             f" logging every {args.log_every} steps: median overhead {100 * median:+.2f}% of a step over"
+    lines = [f"OverflowMonitor(indicators=True) through the Trainer with StablePrecision('bf16-mixed') on make run's"
+             f" GPT, logging every {args.log_every} steps: median overhead {100 * median:+.2f}% of a step over"
              f" {args.reps} paired repetitions of {args.steps}-step fits (thread CPU time, mean step each,"
              f" the first 5 dropped).", "", "| rep | without (ms) | with (ms) | overhead |", "|---|---|---|---|"]
     lines += [f"| {i} | {r['without_ms']:.2f} | {r['with_ms']:.2f} | {100 * r['overhead']:+.2f}% |"
