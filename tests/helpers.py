@@ -93,6 +93,27 @@ def make_trainer(plugin=None, **kwargs):
     return pl.Trainer(plugins=[plugin] if plugin is not None else None, **defaults)
 
 
+class GradReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """The multi-tensor kernels run inside the block, with the tensors they read (by identity): ``_foreach_norm`` and
+    GradScaler's check-and-unscale. :meth:`over` names those that read any of the given gradients."""
+
+    _KERNELS = ("_foreach_norm", "_amp_foreach_non_finite_check_and_unscale_")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, set[int]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self._KERNELS:
+            self.calls.append((name, {id(t) for t in args[0]}))
+        return func(*args, **(kwargs or {}))
+
+    def over(self, grads: list[torch.Tensor | None]) -> list[str]:
+        ids = {id(g) for g in grads if g is not None}
+        return [name for name, read in self.calls if read & ids]
+
+
 class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
     """Records every operation that needs a tensor's value on the host: on an accelerator each one waits for the
     device (a host sync). ``.item()``, ``float()``/``int()``/``bool()`` and ``if tensor:`` (all through

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HostReads, make_trainer
+from helpers import GradReads, HostReads, make_trainer
 from torch import nn
 from torch.nn import functional as F
 from trainer_pkg import StablePrecision, pl
@@ -172,24 +172,6 @@ def test_two_ddp_ranks_take_the_same_decisions(tmp_path: Path):
     assert ranks[0]["Decisions.events"][-1][1] == ["block"]  # rank 1's large logits warned on both ranks
 
 
-class _GradKernels(torch.utils._python_dispatch.TorchDispatchMode):
-    """Names of the multi-tensor kernels that read the model's gradients inside the block (by identity)."""
-
-    _KERNELS = ("_foreach_norm", "_amp_foreach_non_finite_check_and_unscale_")
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module, self.calls = module, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in self._KERNELS:
-            grads = {id(p.grad) for p in self.module.parameters() if p.grad is not None}
-            if grads & {id(t) for t in args[0]}:
-                self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 class _CountStep(pl.Callback):
     """The gradient kernels of step ``step`` (a step that does not log), from its batch start to its batch end."""
 
@@ -198,13 +180,13 @@ class _CountStep(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
-            self.mode = _GradKernels(pl_module)
+            self.mode = GradReads()
             self.mode.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         if self.mode is not None and self.calls is None:
             self.mode.__exit__(None, None, None)
-            self.calls = self.mode.calls
+            self.calls = self.mode.over([p.grad for p in pl_module.parameters()])
 
 
 def test_spike_score_reads_the_steps_one_pass_over_the_gradients():

@@ -5,32 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HostReads, TinyMLP, mse_backward, regression_data, tiny_stepper
+from helpers import GradReads, HostReads, TinyMLP, mse_backward, regression_data, tiny_stepper
 
 from lit_mpstable.core.guards.spike import SpikeGuard
 from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.core.tensors import grad_pass
-
-
-class GradReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """The multi-tensor kernels run inside the block, with the tensors they read (by identity): ``_foreach_norm`` and
-    GradScaler's check-and-unscale. :meth:`over` names those that read any of the given gradients."""
-
-    _KERNELS = ("_foreach_norm", "_amp_foreach_non_finite_check_and_unscale_")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, set[int]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in self._KERNELS:
-            self.calls.append((name, {id(t) for t in args[0]}))
-        return func(*args, **(kwargs or {}))
-
-    def over(self, grads: list[torch.Tensor | None]) -> list[str]:
-        ids = {id(g) for g in grads if g is not None}
-        return [name for name, read in self.calls if read & ids]
 
 
 def test_one_pass_gives_the_norm_and_the_finite_flag_without_a_host_read():
