@@ -52,7 +52,7 @@ from common import (  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from policy_workloads import CNNSize, SDPAGPTSize, cnn_workload, sdpa_gpt_workload  # noqa: E402
 
-from lit_mpstable import StablePrecision  # noqa: E402
+from lit_mpstable import SpikeGuard, StablePrecision  # noqa: E402
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler  # noqa: E402
 
 __all__ = ["Config", "Suite", "CONFIGS", "SUITES", "register", "run_benchmark", "stable_callbacks", "main"]
@@ -197,8 +197,9 @@ register(
 )
 register(
     Config(
-        "SP-bf16-mixed+cb", "gpt", "StablePrecision(\"bf16-mixed\") + stable_callbacks()",
-        trainer=lambda: {"plugins": [StablePrecision("bf16-mixed")], "callbacks": stable_callbacks()},
+        "SP-bf16-mixed+cb", "gpt", "StablePrecision(\"bf16-mixed\", spike_guard=SpikeGuard()) + stable_callbacks()",
+        trainer=lambda: {"plugins": [StablePrecision("bf16-mixed", spike_guard=SpikeGuard())],
+                         "callbacks": stable_callbacks()},
     )
 )
 register(Config("raw-mlp-none", "scaler-raw", "no scaler", step=_raw()))
