@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -91,6 +91,28 @@ def make_trainer(plugin=None, **kwargs):
     )
     defaults.update(kwargs)
     return pl.Trainer(plugins=[plugin] if plugin is not None else None, **defaults)
+
+
+def compiles_like_eager(make: Callable[[], nn.Module], x: torch.Tensor, dy: torch.Tensor, *,
+                        input_grad: bool = True) -> nn.Module:
+    """``make()`` compiled (fullgraph) has no graph break and matches a fresh eager ``make()``: output, weight gradient
+    and (``input_grad``) input gradient. Returns the compiled layer, after its one forward and backward."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(make())(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    eager, compiled = make(), make()
+    fn = torch.compile(compiled, fullgraph=True)
+    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    eager(xe).backward(dy)
+    out = fn(xc)
+    out.backward(dy)
+    torch.testing.assert_close(out, eager(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled.weight.grad, eager.weight.grad, rtol=1e-4, atol=1e-4)
+    if input_grad:
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-4)
+    return compiled
 
 
 class GradReads(torch.utils._python_dispatch.TorchDispatchMode):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from fp8_stand_ins import install_conformance_stand_in
+from helpers import compiles_like_eager
 from torch import nn
 
 import lit_mpstable.fp8.backends as backends_module
@@ -241,27 +242,12 @@ def test_conformance_against_the_real_torchao_names_its_rceil_scales(fresh_check
     recipe("nvfp4", name="nv_bf16_wgrad", wgrad="bf16", stochastic_rounding=("dgrad",), hadamard=()),
 ], ids=lambda spec: spec.name)
 def test_a_per_role_recipe_compiles_without_graph_breaks_and_matches_eager(spec: Recipe) -> None:
-    import torch._dynamo
-
-    torch._dynamo.reset()
-
     def layer() -> FP8Linear:
         torch.manual_seed(0)
         return FP8Linear.from_linear(nn.Linear(64, 32), FP8Config(recipe=spec), "fc")
 
     gen = torch.Generator().manual_seed(1)
-    x, dy = torch.randn(16, 64, generator=gen), torch.randn(16, 32, generator=gen)
-    explanation = torch._dynamo.explain(layer())(x)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    eager, compiled = layer(), layer()
-    fn = torch.compile(compiled, fullgraph=True)
-    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    eager(xe).backward(dy)
-    out = fn(xc)
-    out.backward(dy)
-    torch.testing.assert_close(out, eager(x), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(compiled.weight.grad, eager.weight.grad, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-4)
+    compiles_like_eager(layer, torch.randn(16, 64, generator=gen), torch.randn(16, 32, generator=gen))
 
 
 def test_a_map_comes_through_a_hydra_node() -> None:
