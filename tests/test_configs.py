@@ -391,6 +391,25 @@ def test_the_report_says_each_decision_once_what_was_done_and_why(tmp_path: Path
         if row.startswith("- step")]
 
 
+def test_a_spike_the_ladder_handed_to_triage_names_its_detector_and_the_verdict() -> None:
+    # The ladder's event for a spike SpikeGuard flagged, whose replays were not clean either (the triage's verdict,
+    # data, took the step): one line with both reasons, the detector's first.
+    from lit_mpstable.app.report import decision_line
+    from lit_mpstable.app.train import _events
+    from lit_mpstable.callbacks import FaultTriage
+    from lit_mpstable.core.guards.triage import triage_event
+
+    triage = FaultTriage()
+    triage.events = [triage_event(260, "data", [], 7, ["as_is:nonfinite", "fp32:nonfinite", "snapshot:nonfinite"])]
+    ladder = [dict(step=260, fault="spike", rung="skip", action="skip", reason="SpikeGuard judged the step a spike",
+                   remaining=[], by="PrecisionFallback", verdict="data", done=True),
+              dict(step=40, fault="overflow", rung="fallback", action="fallback", reason="overflow storm",
+                   remaining=[], by="PrecisionFallback", done=True)]
+    lines = [decision_line(e) for e in _events([triage], ladder=ladder)]
+    assert lines == ["step 260: skipped the batch: SpikeGuard judged the step a spike; FaultTriage: data, not clean on"
+                     " any replay (replayed as is, in FP32, from the snapshot)"]
+
+
 def test_digits_without_scikit_learn_names_the_extra(monkeypatch) -> None:
     from lit_mpstable.app.zoo import DigitsData
 
@@ -480,10 +499,9 @@ def test_the_main_job_runs_both_precisions_side_by_side(tmp_path: Path) -> None:
     assert builtin["spikes_skipped"] is None and builtin["faults_triaged"] is None
     assert ours["spikes_skipped"] >= 1 and ours["faults_triaged"] >= 2
     assert any(e["step"] == 320 and e["kind"] == "use_replay" for e in ours["events"])
-    # The spike: SpikeGuard flags it; where its replays are not clean either (here: non-finite, on this machine's
-    # FP16 kernels) the ladder's table goes on to FaultTriage's verdict, data, and the skip is recorded under it.
-    assert any(e["step"] == 260 and e["kind"] == "skip"
-               and ("SpikeGuard" in e["why"] or "FaultTriage: data" in e["why"]) for e in ours["events"])
+    # The spike: SpikeGuard flags it; where its replays are not clean either (here: non-finite) the ladder's table
+    # goes on to FaultTriage's verdict, data: one skip whose reason names both.
+    assert any(e["step"] == 260 and e["kind"] == "skip" and "SpikeGuard" in e["why"] for e in ours["events"])
     # One line per decision: the spike ScaleCheckpoint skipped and FaultTriage classified is one.
     assert [e["step"] for e in ours["events"]].count(260) == 1
     cells = {cell.strip() for line in result.stdout.splitlines() for cell in re.split("[│┃]", line)}

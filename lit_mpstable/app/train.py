@@ -226,12 +226,17 @@ def _why(who: str, event: dict[str, Any]) -> str | None:
     return f"{who}: {kind}{numbers}"
 
 
-def _events(callbacks: Sequence[pl.Callback]) -> list[dict[str, Any]]:
+def _events(callbacks: Sequence[pl.Callback], ladder: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """What the callbacks decided, one entry per decision in step order: ``{"step", "kind", "what", "why"}``, kind the
     action (fallback, restore, skip, rollback, use_replay), what was done and why. One event several callbacks acted
-    on (a spike ScaleCheckpoint skipped and FaultTriage classified; the rollback FaultTriage asked ScaleCheckpoint
-    for) is one entry with each one's reason, FaultTriage's verdict last."""
-    found: list[tuple[int, str, str, str | None, bool]] = []  # step, kind, what, why, is FaultTriage's
+    on (a spike SpikeGuard flagged and FaultTriage classified; the rollback FaultTriage asked ScaleCheckpoint for) is
+    one entry with each one's reason, FaultTriage's verdict last. ``ladder``: the plugin's ``ladder_events``, for the
+    spikes SpikeGuard flagged (no callback records the detector's reason)."""
+    found: list[tuple[int, str, str | None, str | None, bool]] = []  # step, kind, what, why, is FaultTriage's
+    for e in ladder:
+        if e.get("fault") == "spike":
+            action = str(e.get("action"))
+            found.append((int(e["step"]), action, _done(action, e), str(e.get("reason")), False))
     for cb in callbacks:
         who = type(cb).__name__
         for d in getattr(cb, "decisions", []):
@@ -263,7 +268,8 @@ def run(
     callbacks = [*built.callbacks, *callbacks]
     trainer.fit(model, datamodule=built.data)
     live = recorder.live
-    events = sorted(_events(callbacks) + schedule_timeline(live), key=lambda e: e["step"] or 0)
+    events = sorted(_events(callbacks, getattr(live, "ladder_events", ())) + schedule_timeline(live),
+                    key=lambda e: e["step"] or 0)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     stats = live.stats
     telemetry = getattr(getattr(live, "observer", None), "telemetry", None)
