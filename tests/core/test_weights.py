@@ -147,3 +147,22 @@ def test_a_nan_clip_skips_the_step_and_leaves_the_weights_alone(master_weights, 
     assert not stepper.last_step_skipped and stepper.step_count == 2  # the next step trains again
     assert all(torch.isfinite(value).all() for value in model.state_dict().values())
     assert not torch.equal(before["fc1.weight"], model.fc1.weight)
+
+
+@pytest.mark.parametrize("master_weights, optimizer_state", WEIGHT_MODES)
+def test_an_unknown_step_keyword_is_refused_in_every_optimizer_state(master_weights, optimizer_state):
+    # torch's AdamW.step takes a closure only: with FP32 moments an unknown keyword reached it and raised; the BF16 and
+    # FP8 moments stepped the parameters themselves and dropped it without a word.
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper("bf16-true", master_weights=master_weights, device="cpu",
+                               optimizer_state=optimizer_state)
+    stepper.setup_module(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepper.setup_optimizers(model, [opt])
+    x, y = regression_data(16)
+    with stepper.forward_context():
+        loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x)).float(), y)
+    stepper.scale_loss(loss).backward()
+    with pytest.raises(TypeError, match="grad_scale_hint"):
+        stepper.step(opt, grad_scale_hint=2.0)

@@ -175,6 +175,9 @@ class AdamMoments:
         read of it, still see a step.
         """
         closure = kwargs.pop("closure", None)
+        if kwargs:  # torch's Adam/AdamW take a closure only; with FP32 moments they refuse the rest themselves
+            raise TypeError(f"{type(optimizer).__name__}.step() got unexpected keyword argument(s) {sorted(kwargs)}"
+                            " (with BF16/FP8 moments the step takes closure= only, as torch's Adam and AdamW).")
         loss = None
         if closure is not None:
             with torch.enable_grad():
