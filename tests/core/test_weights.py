@@ -116,12 +116,8 @@ WEIGHT_MODES = [(False, "fp32"), (True, "fp32"), (True, "bf16"), ("kahan", "fp32
                 ("stochastic", "fp32"), ("stochastic", "fp8")]
 
 
-@pytest.mark.parametrize("clip", ["clip_grad_norm_", "clip_grad_value_"])
-@pytest.mark.parametrize("master_weights, optimizer_state", WEIGHT_MODES)
-def test_a_nan_clip_skips_the_step_and_leaves_the_weights_alone(master_weights, optimizer_state, clip):
-    # clip_grad_norm_(max_norm=nan) makes torch's clip factor NaN. The compact keepers fold it into the step's FP32
-    # unscale, where no check saw it: the step was applied and wrote NaN into every weight (clip_grad_value_(nan)
-    # raised inside the step). Every mode skips it now, as the NaN gradients of the other modes are skipped.
+def _adamw_stepper(master_weights, optimizer_state):
+    """TinyMLP in bf16-true through a stepper with the given weight and moment modes, and its AdamW."""
     torch.manual_seed(0)
     model = TinyMLP()
     stepper = PrecisionStepper("bf16-true", master_weights=master_weights, device="cpu",
@@ -129,6 +125,16 @@ def test_a_nan_clip_skips_the_step_and_leaves_the_weights_alone(master_weights, 
     stepper.setup_module(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     stepper.setup_optimizers(model, [opt])
+    return model, stepper, opt
+
+
+@pytest.mark.parametrize("clip", ["clip_grad_norm_", "clip_grad_value_"])
+@pytest.mark.parametrize("master_weights, optimizer_state", WEIGHT_MODES)
+def test_a_nan_clip_skips_the_step_and_leaves_the_weights_alone(master_weights, optimizer_state, clip):
+    # clip_grad_norm_(max_norm=nan) makes torch's clip factor NaN. The compact keepers fold it into the step's FP32
+    # unscale, where no check saw it: the step was applied and wrote NaN into every weight (clip_grad_value_(nan)
+    # raised inside the step). Every mode skips it now, as the NaN gradients of the other modes are skipped.
+    model, stepper, opt = _adamw_stepper(master_weights, optimizer_state)
     x, y = regression_data(16)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     keeper_before = {name: value.clone() for name, value in stepper.keeper.fp32_weights().items()}
@@ -153,13 +159,7 @@ def test_a_nan_clip_skips_the_step_and_leaves_the_weights_alone(master_weights, 
 def test_an_unknown_step_keyword_is_refused_in_every_optimizer_state(master_weights, optimizer_state):
     # torch's AdamW.step takes a closure only: with FP32 moments an unknown keyword reached it and raised; the BF16 and
     # FP8 moments stepped the parameters themselves and dropped it without a word.
-    torch.manual_seed(0)
-    model = TinyMLP()
-    stepper = PrecisionStepper("bf16-true", master_weights=master_weights, device="cpu",
-                               optimizer_state=optimizer_state)
-    stepper.setup_module(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stepper.setup_optimizers(model, [opt])
+    model, stepper, opt = _adamw_stepper(master_weights, optimizer_state)
     x, y = regression_data(16)
     with stepper.forward_context():
         loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x)).float(), y)
