@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -122,7 +123,7 @@ class AMPPreflight(PluginCallback):
         self._pending = False
         self._ladder: Ladder | None = None
 
-    @property
+    @cached_property  # the constructor's arguments: Lightning reads the key at every hook of every step
     def state_key(self) -> str:
         return type(self).__qualname__ + repr(dict(atol=self.atol, rtol=self.rtol, action=self.action))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 import lightning.pytorch as pl
@@ -111,7 +112,7 @@ class OverflowMonitor(PluginCallback):
         self.growth_warned: set[str] = set()
         """Layers already named by a growth warning (the plugin's ``runaway_layers()``)."""
 
-    @property
+    @cached_property  # the constructor's arguments: Lightning reads the key at every hook of every step
     def state_key(self) -> str:
         return type(self).__qualname__ + repr(dict(window=self.window, warn_rate=self.warn_rate))
 

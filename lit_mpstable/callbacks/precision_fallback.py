@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import enum
 from collections import deque
+from functools import cached_property
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -151,7 +152,7 @@ class PrecisionFallback(PluginCallback):
         """:attr:`retry_step` as the checkpoint holds it: -1 when no retry is pending."""
         return self.retry_step if self.state is FallbackState.COOLING and self.retry_step is not None else -1
 
-    @property
+    @cached_property  # the constructor's arguments: Lightning reads the key at every hook of every step
     def state_key(self) -> str:
         return type(self).__qualname__ + repr(dict(mode=self.mode, patience=self.patience))
 

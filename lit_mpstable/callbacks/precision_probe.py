@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -76,7 +77,7 @@ class PrecisionProbe(PluginCallback):
         self._inert = False
         self._warned = False
 
-    @property
+    @cached_property  # the constructor's arguments: Lightning reads the key at every hook of every step
     def state_key(self) -> str:
         return type(self).__qualname__ + repr(dict(every_n_steps=self.every_n_steps))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 import lightning.pytorch as pl
@@ -65,7 +66,7 @@ class QKClip(pl.Callback):
         self._inactive = False
         self._step = -1
 
-    @property
+    @cached_property  # the constructor's arguments: Lightning reads the key at every hook of every step
     def state_key(self) -> str:
         return type(self).__qualname__ + repr(dict(threshold=self.threshold, alpha=self.alpha))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import io
+import os
+import sys
 import warnings
 
 import pytest
@@ -21,6 +23,7 @@ from trainer_pkg import (
     pl,
 )
 
+import lit_mpstable
 from lit_mpstable.callbacks.amp_preflight import compare_outputs
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 
@@ -60,6 +63,25 @@ def test_conformance_two_fits_and_state_round_trip(name: str) -> None:
     with pytest.raises(KeyError, match="missing keys"):
         fresh.load_state_dict({})
 
+
+
+@pytest.mark.parametrize("name", ["OverflowMonitor", "PrecisionFallback", "AMPPreflight", "PrecisionProbe"])
+def test_a_callbacks_checkpoint_key_is_formed_once_though_lightning_reads_it_at_every_hook(name) -> None:
+    callback = FACTORIES[name]()
+    formed = []  # calls into the package's code that forms the key (it names the constructor's arguments)
+    package = os.path.dirname(lit_mpstable.__file__)
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_name == "state_key" and frame.f_code.co_filename.startswith(package):
+            formed.append(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        with quiet():
+            make_trainer(_plugin(), max_steps=4, callbacks=[callback]).fit(PoisonModule())
+    finally:
+        sys.setprofile(None)
+    assert len(formed) == 1 and callback.state_key.startswith(name + "{")
 
 BAD_ARGUMENTS = [
     (OverflowMonitor, dict(window=0), "window"),

@@ -326,7 +326,8 @@ COVERED: dict[tuple[str, str], tuple] = {
     ("PrecisionProbe", "pending"): ("callback", "pending"),
 }
 _CALLBACK_COMMON = {"_plugin": _SETUP, "_warned_no_plugin": _MSG, "log": _SETUP, "log_dict": _SETUP,
-                    "_ladder": "the run's remedy ladder, kept on the plugin (StablePrecision.ladder)"}
+                    "_ladder": "the run's remedy ladder, kept on the plugin (StablePrecision.ladder)",
+                    "state_key": "the checkpoint key, from the constructor's arguments (cached on first read)"}
 NOT_STATE: dict[str, dict[str, str]] = {
     "StablePrecision": {"_args": _CONFIG, "precision": _CONFIG, "master_weights": _CONFIG, "_warned": _MSG,
                         "_runaway": "a cache of the growth monitor's last answer (recomputed from its samples)",
