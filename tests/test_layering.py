@@ -294,6 +294,21 @@ def test_the_faces_reexport_the_folders_objects() -> None:
         assert defined == set(module.__all__), face
 
 
+
+def test_the_free_tensor_init_context_of_earlier_releases_warns_and_is_the_method() -> None:
+    import torch
+
+    import lit_mpstable.stepper as face
+
+    stepper = face.PrecisionStepper("bf16-true", master_weights=False, device="cpu")
+    with pytest.warns(DeprecationWarning, match=r"stepper\.tensor_init_context\(\)"):
+        alias = face.tensor_init_context
+    with alias(stepper):
+        assert torch.empty(1).dtype == torch.bfloat16
+    assert torch.empty(1).dtype == torch.float32
+    with pytest.raises(AttributeError, match="no_such_name"):
+        face.no_such_name  # noqa: B018
+
 def test_only_the_faces_list_public_names() -> None:
     # __all__ where users import from, nowhere else; and a surface users can hold (120 names at most, in all).
     faces = {"lit_mpstable", "lit_mpstable.callbacks", "lit_mpstable.fp8", "lit_mpstable.faults",

@@ -27,7 +27,7 @@ from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import PrecisionFallback, ScaleCheckpoint
 from lit_mpstable.core.layout.fsdp import check_fsdp_policies, fp8_all_gather_, island_mp_policy, mp_policy
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
-from lit_mpstable.core.step.stepper import PrecisionStepper, tensor_init_context
+from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.fp8 import FP8Config
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's CPU/num_workers notices, FP8 emulation notes
@@ -85,11 +85,11 @@ def test_mp_policy_gives_fsdp2_the_masters_in_true_modes_and_autocast_the_rest(p
 
 
 def test_modules_are_built_in_fp32_when_fp32_masters_will_hold_them() -> None:
-    with tensor_init_context(PrecisionStepper("bf16-true", device="cpu")):
+    with PrecisionStepper("bf16-true", device="cpu").tensor_init_context():
         assert nn.Linear(2, 2).weight.dtype == torch.float32  # FSDP2 shards FP32 masters; DDP casts at setup
-    with tensor_init_context(PrecisionStepper("bf16-true", master_weights=False, device="cpu")):
+    with PrecisionStepper("bf16-true", master_weights=False, device="cpu").tensor_init_context():
         assert nn.Linear(2, 2).weight.dtype == torch.bfloat16  # Lightning's plain bf16-true
-    with tensor_init_context(PrecisionStepper("bf16-true", master_weights="kahan", device="cpu")):
+    with PrecisionStepper("bf16-true", master_weights="kahan", device="cpu").tensor_init_context():
         assert nn.Linear(2, 2).weight.dtype == torch.bfloat16
 
 

@@ -1404,8 +1404,3 @@ def check_norm_type(call: str, value: Any) -> None:
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def tensor_init_context(stepper: PrecisionStepper) -> AbstractContextManager:
-    """:meth:`PrecisionStepper.tensor_init_context`, under its public name (``lit_mpstable.stepper``)."""
-    return stepper.tensor_init_context()
