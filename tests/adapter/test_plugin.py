@@ -471,3 +471,21 @@ def test_the_plugin_reads_like_its_call() -> None:
         "StablePrecision('16-mixed', scaler='adaptive', fp32_modules=['head'])")
     with pytest.raises(Exception, match=r"StablePrecision\('bf16-mixed'\)"):  # Lightning's own refusal shows it
         pl.Trainer(precision="16-mixed", plugins=[StablePrecision()])
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_clipping_with_a_fused_optimizer_steps_like_the_unfused_one(precision: str) -> None:
+    # Lightning's MixedPrecision refuses to clip when a GradScaler meets a fused optimizer (it unscales inside its
+    # step); ours unscales before the clip, so the fused step sees unscaled gradients and clips like the unfused one.
+    weights = {}
+    for name, clip in (("adamw", 0.05), ("adamw_fused", 0.05), ("adamw", None)):
+        torch.manual_seed(0)
+        module = make_module(optimizer=name, lr=0.05)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_trainer(StablePrecision(precision), max_steps=5, gradient_clip_val=clip).fit(module)
+        weights[name, clip] = [p.detach().clone() for p in module.parameters()]
+    fused, plain, unclipped = weights["adamw_fused", 0.05], weights["adamw", 0.05], weights["adamw", None]
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(plain, unclipped))  # the clip acted
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
