@@ -50,7 +50,7 @@ class StablePrecision(StableFrontEnd, Precision):
     returns a norm of 0 instead of raising (the step is skipped). Fabric refuses a plain ``loss.backward()`` with this
     plugin, in every mode.
 
-    Fabric shows a precision plugin each optimizer only at its step, so two things are the loop's to say:
+    Fabric shows a precision plugin each optimizer only at its step, so some things are the loop's to say:
 
     - LR schedulers: :meth:`hold_schedulers` makes ``scheduler.step()`` a no-op after a skipped step (or call it
       only ``if not plugin.last_step_skipped``).
@@ -66,6 +66,26 @@ class StablePrecision(StableFrontEnd, Precision):
       The plugin belongs in the saved state (litgpt's own leaves it out), in any order: a fallback active at the save
       is re-applied when it loads, with the FP32 values it held. With any ``master_weights`` an optimizer resumed
       while the plugin's state was not loaded warns.
+    - The numeric fingerprint (``docs/fingerprints.md``) every ``fabric.save`` of the plugin carries: checksums and
+      the precision manifest always; the pinned micro-batch's loss once the loop gives it a loss function,
+      :meth:`pin`, before the first forward. A ``fabric.load`` checks the plugin's part as it loads and the model's
+      (and the pinned loss) at the first forward after it, before that forward runs.
+    - A checkpoint that passes its fingerprint but goes bad (a NaN three steps after the load, Megatron-LM#5281): load
+      it with :meth:`load` instead of ``fabric.load``, and the remedy ladder's restored-state rung loads the one
+      before it, in process, inside the ``optimizer.step()`` of the bad step, into the same ``state``. Keep the
+      loop's position in ``state`` (it comes back with the file) and count it before the step, as litgpt counts
+      ``iter_num``::
+
+        state = {"model": model, "optimizer": optimizer, "precision": plugin, "step": 0}
+        plugin.pin(loss_fn, first_batch)  # loss_fn(module, batch) -> loss
+        plugin.load(fabric, "ckpt/step=400.pt", state, restored_window=10, max_restores=3)
+        while state["step"] < total_steps:
+            state["step"] += 1
+            fabric.backward(loss_fn(model, next(batches)))
+            optimizer.step()  # a bad step soon after the load: state is the earlier file's when it returns
+            optimizer.zero_grad()
+            if state["step"] % 100 == 0:
+                fabric.save(f"ckpt/step={state['step']}.pt", state)
 
     Weights loaded into the model after ``fabric.setup`` (a pretrained checkpoint) are where the masters start; under
     DDP the masters, Kahan compensation and rounding seeds are rank 0's, as the weights DDP broadcast are. As
