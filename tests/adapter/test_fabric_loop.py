@@ -606,3 +606,46 @@ def test_fabric_load_refuses_bad_arguments_naming_them(tmp_path: Path) -> None:
         given = {"fabric": fabric, "path": path, "state": state, **kwargs}
         with pytest.raises(ValueError, match=match):
             plugin.load(given.pop("fabric"), given.pop("path"), given.pop("state"), **given)
+
+
+def _restore_worker(fabric: Fabric, path: str, out_dir: str) -> None:
+    # Each rank trains on its half of the batch; the state written wrong makes both ranks' third step non-finite.
+    torch.set_num_threads(1)
+    plugin = fabric.strategy.precision
+    torch.manual_seed(100)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plugin.setup_optimizers(opt)
+    state = {"model": model, "optimizer": opt, "precision": plugin, "step": 0}
+    plugin.load(fabric, path, state, restored_window=5)
+    x, y = regression_data(64)
+    rows = []
+    while state["step"] < LOADED + 6:
+        batch = slice(16 * (state["step"] % 4) + fabric.global_rank, 16 * (state["step"] % 4 + 1), 2)
+        rows.append(state["step"])
+        state["step"] += 1
+        fabric.backward(F.mse_loss(model(x[batch]).float(), y[batch]))
+        opt.step()
+        opt.zero_grad()
+    torch.save({"rows": rows, "events": [dict(e) for e in plugin.ladder_events], "params": snapshot(model.module),
+                "counters": (plugin.step_count, plugin.skipped_steps)}, Path(out_dir) / f"rank{fabric.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_ddp_both_ranks_restore_the_same_earlier_fabric_checkpoint(tmp_path: Path) -> None:
+    paths = _wrong_lr_run(tmp_path / "ckpt", 0)
+    strategy = DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[StablePrecision("32-true")])
+        fabric.launch(_restore_worker, str(paths[-1]), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank in ranks:
+        restores = [e for e in rank["events"] if e["action"] == "restore_previous"]
+        assert [(e["step"], e["checkpoint"], e["restored_step"]) for e in restores] == [
+            (LOADED + 2, str(paths[-2]), LOADED - 1)]
+        assert rank["rows"] == [4, 5, 6, 3, 4, 5, 6, 7, 8, 9]
+        assert all(torch.isfinite(v).all() for v in rank["params"].values())
+    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["counters"] == ranks[1]["counters"]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(ranks[1]["params"][name], value), name
