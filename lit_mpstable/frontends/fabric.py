@@ -25,6 +25,8 @@ from lit_mpstable.core.fingerprint import (
     earlier_checkpoint,
     pin_batch,
     pinned_pass,
+    previous_checkpoints,
+    previous_passing_checkpoint,
 )
 from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, ladder_of
 from lit_mpstable.core.guards.triage import any_rank, needs_triage, state_finite
@@ -337,8 +339,8 @@ class StablePrecision(StableFrontEnd, Precision):
                 return  # the optimizers' part, and the record, at the next optimizer step
         if self.fingerprint.react("fabric.load", differences, notes):
             raise FingerprintMismatch("fabric.load", [*differences, "on_fingerprint_mismatch='previous' needs the"
-                                      " checkpoint's directory, which Fabric does not give the plugin: load an"
-                                      " earlier one (lit_mpstable.core.fingerprint.previous_passing_checkpoint)"])
+                                      " checkpoint's directory, which fabric.load does not give the plugin: load with"
+                                      " plugin.load(fabric, path, state), which falls back to the earlier one"])
 
     # ------------------------------------------------------------------------------- the restored-state rung
     def load(self, fabric: Any, path: str | Path, state: dict[str, Any], *, restored_window: int = 10,
@@ -382,13 +384,43 @@ class StablePrecision(StableFrontEnd, Precision):
                                  + (" (optimizer steps after the load in which a non-finite step or a spike loads"
                                     " the checkpoint before; 0: off)." if name == "restored_window" else
                                     " (checkpoints tried before the run stops)."))
-        remainder = fabric.load(path, state, strict=strict, weights_only=weights_only)
-        self._loaded = _Loaded(fabric, state, key, strict, weights_only, restored_window, max_restores) if (
-            restored_window) else None
-        if self._loaded is not None:
-            self._loaded.load = {"step": self.stepper.step_count, "path": str(path)}
+        loaded = _Loaded(fabric, state, key, strict, weights_only, restored_window, max_restores)
+        self._loaded, current = None, Path(path)  # the rung of an earlier load is off while this one loads
+        while True:
+            try:
+                remainder = fabric.load(current, state, strict=strict, weights_only=weights_only)
+                if self.fingerprint.pending is not None:  # all of it is loaded: the rest of the fingerprint now
+                    self._check_fingerprint(self.fingerprint.pending, {}, loaded=True, step=False)
+                break
+            except FingerprintMismatch as error:
+                if self.fingerprint.on_mismatch != "previous":
+                    raise
+                current = self._previous(loaded, current, error)
+        if restored_window:
+            self._loaded, loaded.load = loaded, {"step": self.stepper.step_count, "path": str(current)}
             self._arm()
         return remainder
+
+    def _previous(self, loaded: _Loaded, failed: Path, error: FingerprintMismatch) -> Path:
+        """``on_fingerprint_mismatch="previous"`` in :meth:`load`: the newest file of ``failed``'s directory written
+        before it (the same suffix) that holds every key of the state and passes its checksums and manifest (its
+        pinned loss is checked once it is loaded). Raises ``FingerprintMismatch`` when none passes."""
+        why = list(self.fingerprint.events[-1]["differences"]) if self.fingerprint.events else list(error.differences)
+        pattern = f"*{failed.suffix}"
+        found = previous_passing_checkpoint(failed, lambda c: self._earlier_differences(loaded, c, required=True),
+                                            pattern=pattern)
+        if found is None:
+            tried = previous_checkpoints(failed, pattern=pattern)
+            raise FingerprintMismatch(str(failed), [*why, f"on_fingerprint_mismatch='previous' found no earlier"
+                                                          f" checkpoint that passes among {len(tried)} in"
+                                                          f" {failed.parent}"]) from error
+        previous, _, rejected = found
+        if self.fingerprint.events:
+            self.fingerprint.events[-1]["fallback"] = str(previous)
+        rank_zero_warn(f"{type(self).__name__}: {failed} fails its numeric fingerprint ({'; '.join(why[:3])}); loaded"
+                       f" {previous} instead" + "".join(f"; {p} failed too ({d[0]})" for p, d in rejected.items())
+                       + " (on_fingerprint_mismatch='previous').")
+        return previous
 
     @property
     def ladder_events(self) -> list[dict[str, Any]]:
@@ -441,9 +473,10 @@ class StablePrecision(StableFrontEnd, Precision):
             why = (f"{loaded.restores} restores done (max_restores={loaded.max_restores}); the last state loaded,"
                    f" from {path}, went bad again")
         else:
-            previous, _, rejected = earlier_checkpoint(path, loaded_step, self._earlier_differences,
-                                                       step_of=self._step_of, required=list(loaded.state),
-                                                       pattern=f"*{Path(path).suffix}")
+            previous, _, rejected = earlier_checkpoint(path, loaded_step,
+                                                       lambda c: self._earlier_differences(loaded, c),
+                                                       step_of=lambda c: _step_of(loaded, c),
+                                                       required=list(loaded.state), pattern=f"*{Path(path).suffix}")
             if previous is not None:
                 loaded.fabric.load(previous, loaded.state, strict=loaded.strict, weights_only=loaded.weights_only)
                 loaded.restores += 1
@@ -462,22 +495,19 @@ class StablePrecision(StableFrontEnd, Precision):
         raise RuntimeError(f"{where}, and no earlier checkpoint to load: {why}. The run stops; resume from an"
                            " earlier checkpoint, or check how the loaded one was written.")
 
-    def _step_of(self, checkpoint: Mapping[str, Any]) -> int:
-        """The optimizer steps a checkpoint of :meth:`load`'s kind holds: its plugin state's ``step_count``."""
-        assert self._loaded is not None  # callers check
-        step = dict(checkpoint.get(self._loaded.key) or {}).get("step_count")
-        return step if isinstance(step, int) and not isinstance(step, bool) else -1
-
-    def _earlier_differences(self, checkpoint: dict[str, Any]) -> list[str]:
-        """A candidate checkpoint's numbers against its fingerprint (checksums, manifest); none: it passes."""
-        assert self._loaded is not None  # callers check
+    def _earlier_differences(self, loaded: _Loaded, checkpoint: dict[str, Any], *, required: bool = False
+                             ) -> list[str]:
+        """A candidate checkpoint's numbers against its fingerprint (checksums, manifest); none: it passes. With
+        ``required`` it must hold every key of the state and a fingerprint."""
+        if required and (missing := [key for key in loaded.state if key not in checkpoint]):
+            return [f"holds no {', '.join(missing)} (a weights-only checkpoint)"]
         try:
-            saved, plugin = self.fingerprint.split(checkpoint.get(self._loaded.key), call=self._loaded.key)
+            saved, plugin = self.fingerprint.split(checkpoint.get(loaded.key), call=loaded.key)
         except (TypeError, ValueError) as error:
             return [str(error)]
         if saved is None:
-            return []
-        state, module = self._loaded.state, self.layout.module
+            return ["it holds no fingerprint"] if required else []
+        state, module = loaded.state, self.layout.module
         keys = {id(_unwrapped(value)): key for key, value in state.items()}
         model = keys.get(id(module))
         trees = {"model": checkpoint.get(model, {}) if model is not None else {},
@@ -531,6 +561,13 @@ class _Loaded:
     max_restores: int
     restores: int = 0
     load: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _step_of(loaded: _Loaded, checkpoint: Mapping[str, Any]) -> int:
+    """The optimizer steps a checkpoint of :meth:`StablePrecision.load`'s kind holds: its plugin state's
+    ``step_count``."""
+    step = dict(checkpoint.get(loaded.key) or {}).get("step_count")
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
 
 
 def _unwrapped(value: Any) -> Any:

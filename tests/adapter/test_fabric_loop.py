@@ -22,6 +22,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
 
+from lit_mpstable.core.fingerprint import FingerprintMismatch
 from lit_mpstable.frontends.fabric import StablePrecision
 
 INF = float("inf")
@@ -649,3 +650,52 @@ def test_ddp_both_ranks_restore_the_same_earlier_fabric_checkpoint(tmp_path: Pat
     assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["counters"] == ranks[1]["counters"]
     for name, value in ranks[0]["params"].items():
         assert torch.equal(ranks[1]["params"][name], value), name
+
+
+def _loaded_state(**plugin: Any) -> tuple[StablePrecision, Fabric, dict[str, Any]]:
+    stable = StablePrecision("32-true", **plugin)
+    fabric = quiet_fabric(stable)
+    torch.manual_seed(100)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    stable.setup_optimizers(opt)
+    return stable, fabric, {"model": model, "optimizer": opt, "precision": stable, "step": 0}
+
+
+def _rewrite(path: Path, change: Any) -> None:
+    written, saved = path.stat().st_mtime_ns, torch.load(path, weights_only=True)
+    change(saved)
+    torch.save(saved, path)
+    os.utime(path, ns=(written, written))  # as old as it was
+
+
+def test_previous_through_plugin_load_resumes_from_the_newest_earlier_file_that_passes(tmp_path: Path) -> None:
+    # Before: with Fabric "previous" raised as "raise" did (the plugin did not know the file's directory).
+    paths = _wrong_lr_run(tmp_path, 0, wrong=())
+    _rewrite(paths[-1], lambda c: c["optimizer"]["state"][0]["exp_avg_sq"].view(-1)[5].mul_(1.5))
+    _rewrite(paths[-2], lambda c: c["model"]["fc1.weight"][3].mul_(2))
+    plugin, fabric, state = _loaded_state(on_fingerprint_mismatch="previous")
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(paths[-1]))} fails its numeric fingerprint \(checksum of"
+                                         rf" optimizer state .*exp_avg_sq.*\); loaded {re.escape(str(paths[-3]))}"
+                                         rf" instead; {re.escape(str(paths[-2]))} failed too \(checksum of weight"):
+        plugin.load(fabric, paths[-1], state, restored_window=0)
+    assert state["step"] == 2 and plugin.step_count == 2  # the third file's
+    assert [e["action"] for e in plugin.fingerprint.events] == ["passed", "previous", "passed", "passed"]
+    assert plugin.fingerprint.events[1]["fallback"] == str(paths[-3])
+    expected = torch.load(paths[-3], weights_only=True)["model"]
+    assert all(torch.equal(state["model"].module.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_plugin_load_checks_the_whole_fingerprint_before_it_returns(tmp_path: Path) -> None:
+    # With plugin.load the model's and optimizers' numbers are compared as it returns (fabric.load: at the first
+    # forward); "raise" refuses there, and "previous" without a passing earlier file says how many were tried.
+    paths = _wrong_lr_run(tmp_path, 0, wrong=())
+    for path in paths:
+        _rewrite(path, lambda c: c["model"]["fc1.weight"][3].mul_(2))
+    plugin, fabric, state = _loaded_state()
+    with pytest.raises(FingerprintMismatch, match=r"checksum of weight `model\[.fc1.weight.\]` differs"):
+        plugin.load(fabric, paths[-1], state)
+    plugin, fabric, state = _loaded_state(on_fingerprint_mismatch="previous")
+    with pytest.raises(FingerprintMismatch, match=r"fc1.weight.*; on_fingerprint_mismatch='previous' found no earlier"
+                                                  r" checkpoint that passes among 3 in"):
+        plugin.load(fabric, paths[-1], state)
