@@ -71,7 +71,8 @@ class StablePrecision(StableFrontEnd, Precision):
     - The numeric fingerprint (``docs/fingerprints.md``) every ``fabric.save`` of the plugin carries: checksums and
       the precision manifest always; the pinned micro-batch's loss once the loop gives it a loss function,
       :meth:`pin`, before the first forward. A ``fabric.load`` checks the plugin's part as it loads and the model's
-      (and the pinned loss) at the first forward after it, before that forward runs.
+      (and the pinned loss) at the first forward after it, before that forward runs; :meth:`load` checks it all
+      before it returns, and there ``on_fingerprint_mismatch="previous"`` falls back to an earlier file.
     - A checkpoint that passes its fingerprint but goes bad (a NaN three steps after the load, Megatron-LM#5281): load
       it with :meth:`load` instead of ``fabric.load``, and the remedy ladder's restored-state rung loads the one
       before it, in process, inside the ``optimizer.step()`` of the bad step, into the same ``state``. Keep the
@@ -345,8 +346,10 @@ class StablePrecision(StableFrontEnd, Precision):
     # ------------------------------------------------------------------------------- the restored-state rung
     def load(self, fabric: Any, path: str | Path, state: dict[str, Any], *, restored_window: int = 10,
              max_restores: int = 3, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
-        """``fabric.load(path, state, strict=strict, weights_only=weights_only)``, with the remedy ladder's
-        restored-state rung (:attr:`~lit_mpstable.core.guards.ladder.Rung.RESTORE`) watching the steps after it.
+        """``fabric.load(path, state, strict=strict, weights_only=weights_only)``, the whole numeric fingerprint
+        compared before it returns (with ``on_fingerprint_mismatch="previous"`` a file that fails is replaced by the
+        newest earlier one of its directory that passes), and the remedy ladder's restored-state rung
+        (:attr:`~lit_mpstable.core.guards.ladder.Rung.RESTORE`) watching the steps after it.
 
         A non-finite step or a spike within ``restored_window`` optimizer steps of the load (the ladder's
         ``"restored"`` fault: not a batch holding inf/NaN, nor a routine overflow at a loss scale above 1) blames the
@@ -360,6 +363,8 @@ class StablePrecision(StableFrontEnd, Precision):
         every rank. Returns what ``fabric.load`` returns.
 
         Raises:
+            FingerprintMismatch: the file fails its fingerprint (``"raise"``), or no earlier one passes
+                (``"previous"``).
             ValueError: ``fabric`` is not the Fabric this plugin is the precision of, ``state`` does not hold this
                 plugin, ``path`` is a directory (a sharded checkpoint), or a knob is out of range.
         """
