@@ -368,7 +368,7 @@ def test_the_fingerprint_rides_in_the_fabric_save(tmp_path) -> None:
     _fabric_run(path, load=False)
     fingerprint = torch.load(path, weights_only=True)["precision"][KEY]
     assert {p.split("[")[0] for p in fingerprint["checksums"]} == {"model", "optimizer", "plugin"}
-    assert fingerprint["pinned"] == {}  # Fabric gives the plugin no loss to pin
+    assert fingerprint["pinned"] == {}  # without plugin.pin Fabric gives the plugin no loss to pin
     assert [e["action"] for e in _fabric_run(path, load=True).fingerprint.events] == ["passed", "passed"]
     with pytest.raises(FingerprintMismatch, match=r"optimizer state `optimizer\[0\]\['state'\]\[1\]\['exp_avg'\]`"):
         _fabric_run(path, load=True, change=lambda c: _flip(c["optimizer"]["state"][1]["exp_avg"], 2, 7))
@@ -395,6 +395,34 @@ def test_a_fabric_pinned_loss_rides_in_the_save_and_a_load_recomputes_it(tmp_pat
     plugin = _fabric_run(path, load=True, pin=True, precision=precision)
     assert [e["action"] for e in plugin.fingerprint.events] == ["passed", "passed"]  # bitwise, on the CPU
     assert torch.equal(plugin.fingerprint.batch, pinned["batch"])  # the checkpoint's rows, carried on
+
+
+def test_a_fabric_save_with_a_pinned_loss_leaves_the_run_as_it_was(tmp_path) -> None:
+    # The pinned pass at each save (BatchNorm in the model: its statistics are put back) changes nothing of the run.
+    from lightning.fabric import Fabric
+
+    from lit_mpstable.fabric import StablePrecision
+
+    def run(save: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        plugin = StablePrecision("bf16-true")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        module = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+        x = torch.randn(16, 8)
+        plugin.pin(_square_loss, x)
+        for step in range(4):
+            fabric.backward(model(x[4 * step:4 * step + 4]).float().pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            if save:
+                fabric.save(tmp_path / f"step={step}.ckpt", {"model": model, "optimizer": optimizer,
+                                                              "precision": plugin})
+        return {**module.state_dict(), **{f"master.{k}": v for k, v in plugin.state_dict()["masters"].items()}}
+
+    saved, plain = run(True), run(False)
+    assert torch.load(tmp_path / "step=3.ckpt", weights_only=True)["precision"][KEY]["pinned"]["loss"] > 0
+    assert saved.keys() == plain.keys() and all(torch.equal(saved[k], plain[k]) for k in saved)
 
 
 def test_a_weight_row_scaled_in_a_fabric_checkpoint_is_refused_naming_the_pinned_loss(tmp_path) -> None:
