@@ -3,12 +3,14 @@ written before the loaded one that passes its fingerprint, and load it into the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
-from lit_mpstable.core.fingerprint import CheckpointCheck, previous_checkpoints, previous_passing_checkpoint
+from lit_mpstable.core.fingerprint import CheckpointCheck
+from lit_mpstable.core.fingerprint import earlier_checkpoint as earlier_passing
 
 TRAINING_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops")
 """What a checkpoint needs to resume training from it (a ``save_weights_only`` file lacks the last three)."""
@@ -18,7 +20,7 @@ PROGRESS = ("epoch_loop.automatic_optimization.optim_progress", "epoch_loop.manu
 """The fit loop's step counters a fallback takes from the file (``global_step`` is the optimizer steps completed)."""
 
 
-def _global_step(checkpoint: dict[str, Any]) -> int:
+def _global_step(checkpoint: Mapping[str, Any]) -> int:
     step = checkpoint.get("global_step")
     return step if isinstance(step, int) and not isinstance(step, bool) else -1
 
@@ -28,30 +30,14 @@ def earlier_checkpoint(plugin: Any, path: str | Path, loaded_step: int
     """The newest checkpoint of ``path``'s directory written before it (its modification time, and a ``global_step``
     below ``loaded_step``, the step ``path`` resumed at: a file the run wrote after the load is not earlier) that
     holds the training state and passes its numeric fingerprint (checksums and manifest; a file without one passes
-    unchecked): ``(its path, the loaded dict, {rejected path: its differences})``, else ``(None, None, why)``."""
+    unchecked): ``(its path, the loaded dict, {rejected path: its differences})``, else ``(None, None, why)``
+    (:func:`~lit_mpstable.core.fingerprint.earlier_checkpoint`)."""
     fingerprint = getattr(plugin, "fingerprint", None)
     check = None if fingerprint is None else CheckpointCheck(fingerprint, type(plugin).__qualname__,
                                                              plugin.stepper, lambda checkpoint: None)
-
-    reasons: list[str] = []
-
-    def differences(checkpoint: dict[str, Any]) -> list[str]:
-        step = _global_step(checkpoint)
-        if step < 0 or step >= loaded_step:
-            found = [f"written at global_step={step}, not before the loaded checkpoint's {loaded_step}"]
-        elif missing := [key for key in TRAINING_KEYS if key not in checkpoint]:
-            found = [f"holds no {', '.join(missing)} (a weights-only checkpoint)"]
-        else:
-            found = [] if check is None else check.differences(checkpoint, required=False)
-        reasons.extend(found[:1])
-        return found
-
-    found = previous_passing_checkpoint(path, differences)
-    if found is not None:
-        return found
-    tried = previous_checkpoints(path)
-    return None, None, (f"no earlier checkpoint passes among {len(tried)} in {Path(path).parent}"
-                        + (f" ({'; '.join(reasons[:3])})" if reasons else ""))
+    return earlier_passing(path, loaded_step,
+                           (lambda c: []) if check is None else (lambda c: check.differences(c, required=False)),
+                           step_of=_global_step, required=TRAINING_KEYS)
 
 
 def load_in_process(trainer: pl.Trainer, checkpoint: dict[str, Any], path: str | Path) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -541,6 +541,37 @@ def previous_passing_checkpoint(path: str | Path, check: Callable[[dict[str, Any
             return candidate, loaded, rejected
         rejected[str(candidate)] = differences
     return None
+
+
+def earlier_checkpoint(path: str | Path, loaded_step: int, check: Callable[[dict[str, Any]], list[str]], *,
+                       step_of: Callable[[Mapping[str, Any]], int], required: Sequence[str] = (),
+                       pattern: str = "*.ckpt") -> tuple[Path, dict[str, Any], dict[str, list[str]]] | tuple[
+                           None, None, str]:
+    """The restored-state rung's search (the Trainer's ``ScaleCheckpoint(restored_window=N)``, Fabric's
+    ``StablePrecision.load(..., restored_window=N)``): the newest checkpoint of ``path``'s directory written before it
+    (:func:`previous_checkpoints`; and ``step_of(checkpoint)``, the step it holds, below ``loaded_step``, the step
+    ``path`` resumed at: a file the run wrote after the load is not earlier) that holds every key of ``required``
+    (the training state, not a weights-only file) and for which ``check(checkpoint)`` finds no difference (its
+    fingerprint): ``(its path, the loaded dict, {rejected path: its differences})``, else ``(None, None, why)``."""
+    reasons: list[str] = []
+
+    def differences(checkpoint: dict[str, Any]) -> list[str]:
+        step = step_of(checkpoint)
+        if missing := [key for key in required if key not in checkpoint]:
+            found = [f"holds no {', '.join(missing)} (a weights-only checkpoint)"]
+        elif step < 0 or step >= loaded_step:
+            found = [f"written at step {step}, not before the loaded checkpoint's {loaded_step}"]
+        else:
+            found = check(checkpoint)
+        reasons.extend(found[:1])
+        return found
+
+    found = previous_passing_checkpoint(path, differences, pattern=pattern)
+    if found is not None:
+        return found
+    tried = previous_checkpoints(path, pattern=pattern)
+    return None, None, (f"no earlier checkpoint passes among {len(tried)} in {Path(path).parent}"
+                        + (f" ({'; '.join(reasons[:3])})" if reasons else ""))
 
 
 # ------------------------------------------------------------------------------------- a Lightning checkpoint dict

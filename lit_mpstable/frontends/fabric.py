@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, _GeneratorContextManager
+from pathlib import Path
 from types import FrameType
 from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.wrappers import _FabricOptimizer
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from lit_mpstable.core.fingerprint import KEY as FINGERPRINT
-from lit_mpstable.core.fingerprint import FingerprintMismatch, compare_checksums
+from lit_mpstable.core.fingerprint import (
+    FingerprintMismatch,
+    compare_checksums,
+    earlier_checkpoint,
+    pin_batch,
+    pinned_pass,
+    previous_checkpoints,
+    previous_passing_checkpoint,
+)
+from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, ladder_of
+from lit_mpstable.core.guards.triage import any_rank, needs_triage, state_finite
 from lit_mpstable.core.replicas import default_replicas
 from lit_mpstable.core.step.stepper import check_optimizer
 from lit_mpstable.core.weights.moment_keeper import pop_saved_mark
@@ -38,7 +52,7 @@ class StablePrecision(StableFrontEnd, Precision):
     returns a norm of 0 instead of raising (the step is skipped). Fabric refuses a plain ``loss.backward()`` with this
     plugin, in every mode.
 
-    Fabric shows a precision plugin each optimizer only at its step, so two things are the loop's to say:
+    Fabric shows a precision plugin each optimizer only at its step, so some things are the loop's to say:
 
     - LR schedulers: :meth:`hold_schedulers` makes ``scheduler.step()`` a no-op after a skipped step (or call it
       only ``if not plugin.last_step_skipped``).
@@ -54,6 +68,27 @@ class StablePrecision(StableFrontEnd, Precision):
       The plugin belongs in the saved state (litgpt's own leaves it out), in any order: a fallback active at the save
       is re-applied when it loads, with the FP32 values it held. With any ``master_weights`` an optimizer resumed
       while the plugin's state was not loaded warns.
+    - The numeric fingerprint (``docs/fingerprints.md``) every ``fabric.save`` of the plugin carries: checksums and
+      the precision manifest always; the pinned micro-batch's loss once the loop gives it a loss function,
+      :meth:`pin`, before the first forward. A ``fabric.load`` checks the plugin's part as it loads and the model's
+      (and the pinned loss) at the first forward after it, before that forward runs; :meth:`load` checks it all
+      before it returns, and there ``on_fingerprint_mismatch="previous"`` falls back to an earlier file.
+    - A checkpoint that passes its fingerprint but goes bad (a NaN three steps after the load, Megatron-LM#5281): load
+      it with :meth:`load` instead of ``fabric.load``, and the remedy ladder's restored-state rung loads the one
+      before it, in process, inside the ``optimizer.step()`` of the bad step, into the same ``state``. Keep the
+      loop's position in ``state`` (it comes back with the file) and count it before the step, as litgpt counts
+      ``iter_num``::
+
+        state = {"model": model, "optimizer": optimizer, "precision": plugin, "step": 0}
+        plugin.pin(loss_fn, first_batch)  # loss_fn(module, batch) -> loss
+        plugin.load(fabric, "ckpt/step=400.pt", state, restored_window=10, max_restores=3)
+        while state["step"] < total_steps:
+            state["step"] += 1
+            fabric.backward(loss_fn(model, next(batches)))
+            optimizer.step()  # a bad step soon after the load: state is the earlier file's when it returns
+            optimizer.zero_grad()
+            if state["step"] % 100 == 0:
+                fabric.save(f"ckpt/step={state['step']}.pt", state)
 
     Weights loaded into the model after ``fabric.setup`` (a pretrained checkpoint) are where the masters start; under
     DDP the masters, Kahan compensation and rounding seeds are rank 0's, as the weights DDP broadcast are. As
@@ -73,6 +108,9 @@ class StablePrecision(StableFrontEnd, Precision):
     _bound: tuple[Optimizer, ...] = ()  # optimizers set up (FP32 masters bound), in the order met
     _started: tuple[Optimizer, ...] = ()  # optimizers that reached their first step
     _schedulers: tuple[Any, ...] = ()
+    _pin_loss: Callable[[nn.Module, Any], torch.Tensor] | None = None  # pin(): the pinned micro-batch's loss
+    _loaded: _Loaded | None = None  # load(): the file, the state it went into, the restored-state rung's knobs
+    _model_checked = False  # after fabric.load: the model's part of the fingerprint checked (at the first forward)
 
     # ----------------------------------------------------------------------------------------------- model
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -97,6 +135,10 @@ class StablePrecision(StableFrontEnd, Precision):
         return self.stepper.convert_input(data)
 
     def forward_context(self) -> _GeneratorContextManager[None]:
+        if self.fingerprint.pending is not None and not torch.is_inference_mode_enabled():
+            # The first forward after fabric.load, before it runs (it would move BatchNorm statistics and FP8
+            # histories): the loaded model's and optimizers' checksums, and the pinned micro-batch recomputed.
+            self._check_fingerprint(self.fingerprint.pending, {}, loaded=True, step=False)
         if not self._placed and self.layout.module is not None:
             # Fabric converts the model before moving it: its device is known from the first forward on.
             self._placed = True
@@ -151,8 +193,11 @@ class StablePrecision(StableFrontEnd, Precision):
             raise RuntimeError(f"{self!r}: the first optimizer step came without the probe's choice. {_BUDGET_CALL}")
         if isinstance(optimizer, LBFGS) or "closure" in kwargs:
             return self._closure_step(optimizer, **kwargs)
+        overflows = self.stepper.overflow_count
         output = self.stepper.step(optimizer, **kwargs)
         self._show_notes()
+        if self._loaded is not None and self.stepper.last_step_skipped:  # the step's own skip decision: no read
+            self._watch_restored(self.stepper.overflow_count > overflows)
         return output
 
     def _closure_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
@@ -223,35 +268,257 @@ class StablePrecision(StableFrontEnd, Precision):
     # ----------------------------------------------------------------------------------- the fingerprint
     def state_dict(self) -> dict[str, Any]:
         """:meth:`StableFrontEnd.state_dict` and the numeric fingerprint (``docs/fingerprints.md``): checksums of the
-        model's weights, the optimizers' state and the plugin's tensors, and the precision manifest (no pinned
-        micro-batch: Fabric gives the plugin no loss to recompute)."""
+        model's weights, the optimizers' state and the plugin's tensors, the precision manifest and, after
+        :meth:`pin`, the pinned micro-batch's loss and gradient norm (one forward and backward of it)."""
         state = super().state_dict()
         module = self.layout.module
         trees = {"model": module.state_dict() if module is not None else {},
                  "optimizer": [optimizer.state_dict() for optimizer in self._bound], "plugin": dict(state)}
-        return {**state, FINGERPRINT: self.fingerprint.capture(trees, self.stepper, None)}
+        loss = self._pinned_loss if self._pin_loss is not None and module is not None else None
+        return {**state, FINGERPRINT: self.fingerprint.capture(trees, self.stepper, loss)}
 
-    def _check_fingerprint(self, fingerprint: dict[str, Any] | None, state: dict[str, Any], *, loaded: bool) -> None:
-        # Before loading: the plugin's own tensors and the manifest. After: the model's and optimizers', at the next
-        # optimizer step (fabric.load restores them in the order of the user's dict), one host read there.
+    def pin(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> None:
+        """Give the fingerprint its pinned micro-batch: ``batch`` (its first rows, a CPU copy:
+        :func:`~lit_mpstable.core.fingerprint.pin_batch`) and ``loss_fn(module, batch) -> loss`` (the module given,
+        not Fabric's wrapper; the batch on the module's device). Every ``fabric.save`` of the plugin then carries the
+        loss and gradient norm of that batch, and a load recomputes them at the first forward after it (or the next
+        ``optimizer.step()``) and compares them, bitwise on the CPU, as the Trainer's ``training_step`` pass.
+
+        Call it after ``fabric.setup``, before the first forward, e.g. with the first batch. The first batch pinned
+        stays (a later call changes only ``loss_fn``); after a load the checkpoint's batch is the one pinned.
+
+        Raises:
+            ValueError: ``loss_fn`` is not callable, or ``batch`` holds no tensor or more than 1 MiB in its first rows.
+        """
+        call = f"{type(self).__name__}.pin"
+        if not callable(loss_fn):
+            raise ValueError(f"{call}(loss_fn={loss_fn!r:.80}): must be a callable (module, batch) -> loss tensor.")
+        if self.fingerprint.batch is None and pin_batch(batch) is None:
+            raise ValueError(f"{call}(batch={batch!r:.80}): must hold a tensor (in a tuple, list or dict), and its"
+                             " first rows at most 1 MiB (lit_mpstable.core.fingerprint.PIN_MAX_BYTES).")
+        self._pin_loss = loss_fn
+        self.fingerprint.pin(batch)
+
+    def _pinned_loss(self, batch: Any) -> torch.Tensor:
+        assert self._pin_loss is not None  # callers check
+        dtype = self.stepper.compute_dtype if self.stepper.true_16bit else None  # as convert_input casts a batch
+        with torch.enable_grad():
+            return pinned_pass(self._module(), self._pin_loss, batch, forward_context=super().forward_context,
+                               dtype=dtype)
+
+    def _check_fingerprint(self, fingerprint: dict[str, Any] | None, state: dict[str, Any], *, loaded: bool,
+                           step: bool = True) -> None:
+        # Before loading: the plugin's own tensors and the manifest. After (fabric.load restores the rest in the order
+        # of the user's dict): at the first forward, before it moves BatchNorm statistics or FP8 histories, the model's
+        # checksums and the pinned micro-batch, and the optimizers' checksums where they are set up already; else
+        # those at the next optimizer step (``step``), once it has set them up. One host read each.
         if fingerprint is None:
             return
         if not loaded:
             differences, notes = self.fingerprint.check(fingerprint, {"plugin": state}, self.stepper)
-        elif state:  # load_state_dict just finished: the rest waits for the next optimizer step
-            self.fingerprint.pending = fingerprint
+        elif state:  # load_state_dict just finished: the rest waits for the first forward or optimizer step
+            self.fingerprint.pending, self._model_checked = fingerprint, False
+            self.fingerprint.adopt(fingerprint)  # later saves pin the checkpoint's micro-batch
             return
         else:
-            self.fingerprint.pending = None
-            module = self._module()
+            module, model = self._module(), not self._model_checked
+            optimizers = step or bool(self._bound)
+            self._model_checked = not optimizers
+            if optimizers:
+                self.fingerprint.pending = None
             same = (fingerprint["manifest"]["precision"], fingerprint["manifest"]["master_weights"]) == (
                 self.stepper.precision, self.stepper.master_mode)  # else the weights were carried: not comparable
-            trees = {"model": module.state_dict(), "optimizer": [o.state_dict() for o in self._bound]}
+            trees = {**({"model": module.state_dict()} if model else {}),
+                     **({"optimizer": [o.state_dict() for o in self._bound]} if optimizers else {})}
             differences, notes = compare_checksums(fingerprint["checksums"], trees if same else {}), []
+            if model and self._pin_loss is not None:
+                differences += self.fingerprint.check_pinned(fingerprint, self._pinned_loss, self.stepper)
+            elif model and fingerprint["pinned"]:
+                notes.append("the pinned micro-batch's loss was not recomputed: no loss function was given"
+                             " (plugin.pin(loss_fn, batch) before the first forward)")
+            if not optimizers and not differences:
+                return  # the optimizers' part, and the record, at the next optimizer step
         if self.fingerprint.react("fabric.load", differences, notes):
             raise FingerprintMismatch("fabric.load", [*differences, "on_fingerprint_mismatch='previous' needs the"
-                                      " checkpoint's directory, which Fabric does not give the plugin: load an"
-                                      " earlier one (lit_mpstable.core.fingerprint.previous_passing_checkpoint)"])
+                                      " checkpoint's directory, which fabric.load does not give the plugin: load with"
+                                      " plugin.load(fabric, path, state), which falls back to the earlier one"])
+
+    # ------------------------------------------------------------------------------- the restored-state rung
+    def load(self, fabric: Any, path: str | Path, state: dict[str, Any], *, restored_window: int = 10,
+             max_restores: int = 3, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
+        """``fabric.load(path, state, strict=strict, weights_only=weights_only)``, the whole numeric fingerprint
+        compared before it returns (with ``on_fingerprint_mismatch="previous"`` a file that fails is replaced by the
+        newest earlier one of its directory that passes), and the remedy ladder's restored-state rung
+        (:attr:`~lit_mpstable.core.guards.ladder.Rung.RESTORE`) watching the steps after it.
+
+        A non-finite step or a spike within ``restored_window`` optimizer steps of the load (the ladder's
+        ``"restored"`` fault: not a batch holding inf/NaN, nor a routine overflow at a loss scale above 1) blames the
+        loaded state, so inside that ``optimizer.step()`` the newest checkpoint of ``path``'s directory written before
+        it (modification time, a smaller step count, the same suffix), holding every key of ``state`` and passing its
+        numeric fingerprint (checksums and manifest), is loaded into ``state`` with ``fabric.load``, in process. Every
+        object of ``state`` comes from that file, and so do the loop's own entries (``state["step"]`` is the file's
+        again); the window starts again from it. Each attempt is warned and recorded in :attr:`ladder_events`
+        (``checkpoint``, ``failed``, ``restored_step``); after ``max_restores`` attempts, or when no earlier file
+        passes, that ``optimizer.step()`` raises ``RuntimeError`` naming why (the ladder's stop rung). Decided alike on
+        every rank. Returns what ``fabric.load`` returns.
+
+        Raises:
+            FingerprintMismatch: the file fails its fingerprint (``"raise"``), or no earlier one passes
+                (``"previous"``).
+            ValueError: ``fabric`` is not the Fabric this plugin is the precision of, ``state`` does not hold this
+                plugin, ``path`` is a directory (a sharded checkpoint), or a knob is out of range.
+        """
+        from lightning.fabric import Fabric
+
+        call = f"{type(self).__name__}.load"
+        if not isinstance(fabric, Fabric) or fabric.strategy.precision is not self:
+            raise ValueError(f"{call}(fabric={fabric!r:.80}): must be the lightning.fabric.Fabric whose precision"
+                             " plugin this is (Fabric(plugins=[plugin])).")
+        if not isinstance(path, (str, Path)) or Path(path).is_dir():
+            raise ValueError(f"{call}(path={path!r:.80}): must be the path of a checkpoint file fabric.save wrote (a"
+                             " sharded checkpoint's directory is not supported).")
+        key = next((k for k, v in state.items() if v is self), None) if isinstance(state, dict) else None
+        if key is None:
+            given = f"a dict with keys {list(state)}" if isinstance(state, dict) else f"{state!r:.80}"
+            raise ValueError(f"{call}(state={given}): must be a dict holding this plugin (e.g."
+                             " state['precision'] = plugin), as fabric.save saved it: its fingerprint picks the"
+                             " earlier checkpoint.")
+        for name, value in (("restored_window", restored_window), ("max_restores", max_restores)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{call}({name}={value!r:.80}): must be an int >= 0"
+                                 + (" (optimizer steps after the load in which a non-finite step or a spike loads"
+                                    " the checkpoint before; 0: off)." if name == "restored_window" else
+                                    " (checkpoints tried before the run stops)."))
+        loaded = _Loaded(fabric, state, key, strict, weights_only, restored_window, max_restores)
+        self._loaded, current = None, Path(path)  # the rung of an earlier load is off while this one loads
+        while True:
+            try:
+                remainder = fabric.load(current, state, strict=strict, weights_only=weights_only)
+                if self.fingerprint.pending is not None:  # all of it is loaded: the rest of the fingerprint now
+                    self._check_fingerprint(self.fingerprint.pending, {}, loaded=True, step=False)
+                break
+            except FingerprintMismatch as error:
+                if self.fingerprint.on_mismatch != "previous":
+                    raise
+                current = self._previous(loaded, current, error)
+        if restored_window:
+            self._loaded, loaded.load = loaded, {"step": self.stepper.step_count, "path": str(current)}
+            self._arm()
+        return remainder
+
+    def _previous(self, loaded: _Loaded, failed: Path, error: FingerprintMismatch) -> Path:
+        """``on_fingerprint_mismatch="previous"`` in :meth:`load`: the newest file of ``failed``'s directory written
+        before it (the same suffix) that holds every key of the state and passes its checksums and manifest (its
+        pinned loss is checked once it is loaded). Raises ``FingerprintMismatch`` when none passes."""
+        why = list(self.fingerprint.events[-1]["differences"]) if self.fingerprint.events else list(error.differences)
+        pattern = f"*{failed.suffix}"
+        found = previous_passing_checkpoint(failed, lambda c: self._earlier_differences(loaded, c, required=True),
+                                            pattern=pattern)
+        if found is None:
+            tried = previous_checkpoints(failed, pattern=pattern)
+            raise FingerprintMismatch(str(failed), [*why, f"on_fingerprint_mismatch='previous' found no earlier"
+                                                          f" checkpoint that passes among {len(tried)} in"
+                                                          f" {failed.parent}"]) from error
+        previous, _, rejected = found
+        if self.fingerprint.events:
+            self.fingerprint.events[-1]["fallback"] = str(previous)
+        rank_zero_warn(f"{type(self).__name__}: {failed} fails its numeric fingerprint ({'; '.join(why[:3])}); loaded"
+                       f" {previous} instead" + "".join(f"; {p} failed too ({d[0]})" for p, d in rejected.items())
+                       + " (on_fingerprint_mismatch='previous').")
+        return previous
+
+    @property
+    def ladder_events(self) -> list[dict[str, Any]]:
+        """The remedy ladder's decisions in this loop (shared with ``StepTriage``): one per bad step it decided
+        (``step``, ``fault``, ``rung``, ``action``, ``reason``, ``remaining``; a restore adds ``checkpoint``,
+        ``failed``, ``restored_step``)."""
+        return ladder_of(self.stepper).events
+
+    def _arm(self) -> Ladder:
+        """The ladder (the stepper's, which ``StepTriage`` shares) with the restore rung on and the last load known;
+        again after a face that started the ladder anew (``StepTriage``'s construction)."""
+        loaded, ladder = self._loaded, ladder_of(self.stepper)
+        assert loaded is not None  # callers check
+        face = f"{type(self).__name__}.load(restored_window={loaded.window})"
+        ladder.switch_on(Rung.RESTORE, face)
+        ladder.claim("restored_window", loaded.window, face)
+        if ladder.load != loaded.load:
+            ladder.loaded(**loaded.load)
+        return ladder
+
+    def _watch_restored(self, overflowed: bool) -> None:
+        """A rejected step after :meth:`load`: within the window, classified as the Trainer's faces classify (flags
+        agreed across ranks: host reads on rejected steps only); a ``"restored"`` fault goes to the restore rung."""
+        ladder, step = self._arm(), self.stepper.step_count - 1
+        window, load = ladder.cooldowns.restored_window, ladder.load
+        if load is None or not 0 <= step - load["step"] < window:
+            return
+        module, stepper = self._module(), self.stepper
+        flags = needs_triage(stepper, overflowed)
+        state_bad = (flags[0] or flags[3]) and not state_finite(module, list(self._bound))
+        device = next(module.parameters()).device
+        agreed = any_rank([*flags, state_bad, stepper.last_step_spiked], device)
+        fault, _ = classify(nonfinite_loss=agreed[0], nonfinite_input=agreed[1], unscaled_overflow=agreed[2],
+                            late=agreed[3], spike=agreed[4], state_bad=agreed[5], spiked=agreed[6])
+        if not ladder.restored(step, fault):
+            return  # the batch's fault, or the scaler's: the rungs below act as without a load
+        face = f"{type(self).__name__}.load"
+        if ladder.decide(step, "restored", REASONS["restored"], by=face, replayable=False) is Rung.RESTORE:
+            self._restore_previous(ladder, step)
+
+    def _restore_previous(self, ladder: Ladder, step: int) -> None:
+        """The restore rung: the earlier passing checkpoint loaded into the state of :meth:`load`; the stop rung
+        (``RuntimeError``) when the attempts are spent or none passes."""
+        loaded = self._loaded
+        assert loaded is not None and ladder.load is not None  # _watch_restored checks
+        path, loaded_step = ladder.load["path"], ladder.load["step"]
+        where = (f"{type(self).__name__} at step {step}: a non-finite step or a spike {step - loaded_step + 1} steps"
+                 f" after loading {path}")
+        if loaded.restores >= loaded.max_restores:
+            why = (f"{loaded.restores} restores done (max_restores={loaded.max_restores}); the last state loaded,"
+                   f" from {path}, went bad again")
+        else:
+            previous, _, rejected = earlier_checkpoint(path, loaded_step,
+                                                       lambda c: self._earlier_differences(loaded, c),
+                                                       step_of=lambda c: _step_of(loaded, c),
+                                                       required=list(loaded.state), pattern=f"*{Path(path).suffix}")
+            if previous is not None:
+                loaded.fabric.load(previous, loaded.state, strict=loaded.strict, weights_only=loaded.weights_only)
+                loaded.restores += 1
+                resumed = self.stepper.step_count
+                skipped = [f"{p} ({d[0]})" for p, d in rejected.items()] if isinstance(rejected, dict) else []
+                ladder.done(step, checkpoint=str(previous), failed=path, restored_step=resumed, skipped=skipped)
+                ladder.rewind(resumed)
+                loaded.load = {"step": resumed, "path": str(previous)}
+                ladder.loaded(**loaded.load)
+                rank_zero_warn(f"{where}: the restored state is suspect; loaded {previous} instead (step {resumed};"
+                               f" attempt {loaded.restores} of max_restores={loaded.max_restores})"
+                               + "".join(f"; skipped {s}" for s in skipped) + ".")
+                return
+            why = f"{path} was loaded at step {loaded_step}; {rejected}"
+        ladder.give_up(step, why)
+        raise RuntimeError(f"{where}, and no earlier checkpoint to load: {why}. The run stops; resume from an"
+                           " earlier checkpoint, or check how the loaded one was written.")
+
+    def _earlier_differences(self, loaded: _Loaded, checkpoint: dict[str, Any], *, required: bool = False
+                             ) -> list[str]:
+        """A candidate checkpoint's numbers against its fingerprint (checksums, manifest); none: it passes. With
+        ``required`` it must hold every key of the state and a fingerprint."""
+        if required and (missing := [key for key in loaded.state if key not in checkpoint]):
+            return [f"holds no {', '.join(missing)} (a weights-only checkpoint)"]
+        try:
+            saved, plugin = self.fingerprint.split(checkpoint.get(loaded.key), call=loaded.key)
+        except (TypeError, ValueError) as error:
+            return [str(error)]
+        if saved is None:
+            return ["it holds no fingerprint"] if required else []
+        state, module = loaded.state, self.layout.module
+        keys = {id(_unwrapped(value)): key for key, value in state.items()}
+        model = keys.get(id(module))
+        trees = {"model": checkpoint.get(model, {}) if model is not None else {},
+                 "optimizer": [checkpoint.get(keys.get(id(o), ""), {}) for o in self._bound], "plugin": plugin}
+        differences, _ = self.fingerprint.check(saved, trees, self.stepper)
+        return differences
 
     # What a resume without the plugin's state loses, by master_weights mode.
     _LOST: ClassVar[dict[str, str]] = {
@@ -282,6 +549,37 @@ class StablePrecision(StableFrontEnd, Precision):
             " fabric.save(path, {..., 'precision': plugin}) and fabric.load(path, {..., 'precision': plugin})"
             " (litgpt's own state dict leaves it out: add it there).",
         )
+
+
+@dataclasses.dataclass
+class _Loaded:
+    """What :meth:`StablePrecision.load` loaded and how its restored-state rung is set: the Fabric and the user's
+    ``state`` dict (the objects a restore loads into, the plugin under ``key``), ``fabric.load``'s arguments, the
+    window and the cap, the attempts made, and the last load (``step``, ``path``)."""
+
+    fabric: Any
+    state: dict[str, Any]
+    key: str
+    strict: bool
+    weights_only: bool | None
+    window: int
+    max_restores: int
+    restores: int = 0
+    load: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _step_of(loaded: _Loaded, checkpoint: Mapping[str, Any]) -> int:
+    """The optimizer steps a checkpoint of :meth:`StablePrecision.load`'s kind holds: its plugin state's
+    ``step_count``."""
+    step = dict(checkpoint.get(loaded.key) or {}).get("step_count")
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
+
+
+def _unwrapped(value: Any) -> Any:
+    """The module or optimizer behind Fabric's wrapper (what the plugin set up)."""
+    if isinstance(value, _FabricModule):
+        return value.module
+    return value.optimizer if isinstance(value, _FabricOptimizer) else value
 
 
 def _optimizers_given_to_setup(frame: FrameType | None) -> list[Optimizer]:

@@ -351,9 +351,10 @@ class RankReport(pl.Callback):
 
 
 def fit_ddp(module: pl.LightningModule, plugin: Any, callbacks: list[pl.Callback], out_dir: Path, max_steps: int,
-            ddp_kwargs: Mapping[str, Any] | None = None, **trainer_kwargs: Any) -> list[dict[str, Any]]:
-    """Fit with DDP (``ddp_fork``; ``ddp_kwargs`` go to ``DDPStrategy``) on 2 CPU processes (gloo) and return what
-    each rank reported."""
+            ddp_kwargs: Mapping[str, Any] | None = None, ckpt_path: str | Path | None = None,
+            **trainer_kwargs: Any) -> list[dict[str, Any]]:
+    """Fit with DDP (``ddp_fork``; ``ddp_kwargs`` go to ``DDPStrategy``) on 2 CPU processes (gloo), resumed from
+    ``ckpt_path`` where given, and return what each rank reported."""
     from lightning.pytorch.strategies import DDPStrategy
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -364,7 +365,7 @@ def fit_ddp(module: pl.LightningModule, plugin: Any, callbacks: list[pl.Callback
         enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
         **trainer_kwargs,
     )
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
     return read_ranks(out_dir)
 
 

@@ -425,6 +425,48 @@ def test_with_no_earlier_checkpoint_that_passes_the_run_stops_naming_why(tmp_pat
     assert [e["action"] for e in checkpoint.events] == ["stop"] and trainer.global_step == LOADED + 3
 
 
+class _StepLosses(pl.Callback):
+    """Per rank, ``(global_step before the step, loss)`` of every batch, as ``events`` (what ``RankReport`` saves)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, *args) -> None:
+        self.events.append((self._step, float(outputs["loss"])))
+
+
+@pytest.mark.slow
+def test_under_ddp_both_ranks_restore_the_same_checkpoint_and_finish_finite(tmp_path) -> None:
+    # 2 processes (gloo, ddp_fork), each training on its half of the data from the checkpoint written wrong: the bad
+    # step is classified alike (its flags agreed across ranks), both ranks restore the same earlier file, once, and
+    # train on to max_steps with finite, equal weights.
+    from dist_helpers import fit_ddp
+    from helpers import make_module
+
+    paths = _written_wrong(tmp_path / "ckpt", 0)
+    torch.manual_seed(0)
+    checkpoint = ScaleCheckpoint(every_n_steps=50, restored_window=5)
+    rank0, rank1 = fit_ddp(make_module(optimizer="adamw", lr=1e-2), StablePrecision("32-true"),
+                           [checkpoint, _StepLosses()], tmp_path / "out", max_steps=LOADED + 6, ckpt_path=paths[-1])
+    for rank in (rank0, rank1):
+        assert [(e["action"], e["checkpoint"], e["failed"], e["restored_step"])
+                for e in rank["ScaleCheckpoint.events"]] == [("restore_previous", str(paths[-2]), str(paths[-1]),
+                                                              LOADED - 1)]
+        assert rank["ScaleCheckpoint.rollbacks"] == 1
+        assert [(e["step"], e["fault"], e["rung"]) for e in rank["ladder_events"] if e["action"] != "skip"] == [
+            (LOADED + 2, "restored", "restore")]
+        rows = rank["_StepLosses.events"]
+        assert [step for step, _ in rows] == [4, 5, 6, 3, 4, 5, 6, 7, 8, 9]  # resumed at step 3, on to max_steps
+        assert all(math.isfinite(loss) for _, loss in rows[3:]) and not math.isfinite(rows[2][1])
+        assert all(bool(torch.isfinite(p).all()) for p in rank["params"].values())
+    assert rank0["ScaleCheckpoint.events"] == rank1["ScaleCheckpoint.events"]
+    assert rank0["ladder_events"] == rank1["ladder_events"] and rank0["counters"] == rank1["counters"]
+    assert all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in rank0["params"])
+
+
 def test_the_restored_window_and_lr_factor_are_checked() -> None:
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(ValueError, match=rf"ScaleCheckpoint\(restored_window={bad!r}\): must be an int >= 0"):

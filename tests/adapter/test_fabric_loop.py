@@ -4,6 +4,9 @@ litgpt-style loop (two optimizers, gradient accumulation) and 2-process DDP on g
 
 from __future__ import annotations
 
+import math
+import os
+import re
 import warnings
 from collections.abc import Iterable
 from datetime import timedelta
@@ -19,6 +22,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
 
+from lit_mpstable.core.fingerprint import FingerprintMismatch
 from lit_mpstable.frontends.fabric import StablePrecision
 
 INF = float("inf")
@@ -461,3 +465,237 @@ def test_resuming_moments_without_the_plugins_state_warns(mode: bool | str, kind
         warnings.filterwarnings("error", message=".*plugin's own state")
         _resumable(mode, range(2, 4), load=tmp_path / "ours.pt", with_plugin=True, optimizer_state=kind, order=order)
         _resumable(mode, range(2), optimizer_state=kind)  # a fresh run: nothing was lost
+
+
+# ------------------------------------------------------------------------------- the restored-state rung
+LOADED = 4  # the checkpoint of step 4 is written wrong; steps 1-3 are good
+
+
+def _wrong_lr_run(directory: Path, seed: int, *, wrong: Iterable[int] = (LOADED,), precision: str = "32-true",
+                  ) -> list[Path]:
+    """Checkpoints of steps 1..LOADED of a seeded Fabric loop (AdamW on TinyMLP), each saved with ``fabric.save``;
+    those of the ``wrong`` steps with the learning rate written x1e7 (the run goes on with the right one): every number
+    of such a file is finite and its fingerprint matches what was written, yet the third step after loading it is
+    non-finite (Megatron-LM#5281's shape, built as tests/adapter/test_cb_rollback.py builds it for the Trainer)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    plugin = StablePrecision(precision)
+    fabric = quiet_fabric(plugin)
+    torch.manual_seed(seed)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plugin.setup_optimizers(opt)
+    state = {"model": model, "optimizer": opt, "precision": plugin, "step": 0}
+    x, y = regression_data(64)
+    paths = []
+    while state["step"] < LOADED:
+        batch = slice(16 * (state["step"] % 4), 16 * (state["step"] % 4 + 1))
+        state["step"] += 1  # counted before the step, as litgpt counts iter_num
+        fabric.backward(F.mse_loss(model(x[batch]).float(), y[batch]))
+        opt.step()
+        opt.zero_grad()
+        right = opt.param_groups[0]["lr"]
+        opt.param_groups[0]["lr"] = right * (1e7 if state["step"] in set(wrong) else 1.0)
+        paths.append(directory / f"step={state['step']}.pt")
+        fabric.save(paths[-1], state)
+        opt.param_groups[0]["lr"] = right
+        os.utime(paths[-1], ns=(10**9 * state["step"],) * 2)  # written in order, seconds apart
+    return paths
+
+
+def _resume_with_rung(path: Path, seed: int, *, steps: int = LOADED + 6, precision: str = "32-true",
+                      **load: Any) -> tuple[StablePrecision, dict[str, Any], list[tuple[int, float]]]:
+    """A fresh loop resumed from ``path`` by ``plugin.load(fabric, path, state, restored_window=5)``, trained to
+    ``steps`` with its position in ``state["step"]``; the rows are ``(step before the step, loss)``."""
+    plugin = StablePrecision(precision)
+    fabric = quiet_fabric(plugin)
+    torch.manual_seed(seed + 100)  # other weights: the checkpoint must bring everything back
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plugin.setup_optimizers(opt)
+    state = {"model": model, "optimizer": opt, "precision": plugin, "step": 0}
+    plugin.load(fabric, path, state, **{"restored_window": 5, **load})
+    x, y = regression_data(64)
+    rows = []
+    while state["step"] < steps:
+        batch = slice(16 * (state["step"] % 4), 16 * (state["step"] % 4 + 1))
+        rows.append((state["step"], 0.0))
+        state["step"] += 1
+        loss = F.mse_loss(model(x[batch]).float(), y[batch])
+        fabric.backward(loss)
+        opt.step()  # a bad step soon after the load loads the checkpoint before into `state`, in process
+        opt.zero_grad()
+        rows[-1] = (rows[-1][0], loss.item())
+    return plugin, state, rows
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_checkpoint_that_goes_nan_three_steps_after_fabric_load_restores_the_one_before(seed: int,
+                                                                                          tmp_path: Path) -> None:
+    # Before: Fabric had no restored-state rung (the plugin never saw the path): the run skipped the NaN step and
+    # trained on from the state written wrong.
+    paths = _wrong_lr_run(tmp_path, seed)
+    with pytest.warns(UserWarning, match=rf"loaded {re.escape(str(paths[-2]))} instead \(step 3; attempt 1 of"
+                                         r" max_restores=3\)"):
+        plugin, state, rows = _resume_with_rung(paths[-1], seed)
+    assert [step for step, loss in rows if not math.isfinite(loss)] == [LOADED + 2]  # the third step after the load
+    (event,) = [e for e in plugin.ladder_events if e["action"] != "skip"]
+    assert (event["step"], event["fault"], event["rung"], event["action"]) == (
+        LOADED + 2, "restored", "restore", "restore_previous")
+    assert (event["checkpoint"], event["failed"], event["restored_step"]) == (str(paths[-2]), str(paths[-1]),
+                                                                              LOADED - 1)
+    # It went on from the earlier file's step (its `state["step"]` loaded with it) to the end, every loss finite.
+    assert [step for step, _ in rows] == [4, 5, 6, 3, 4, 5, 6, 7, 8, 9] and state["step"] == LOADED + 6
+    assert all(math.isfinite(loss) for _, loss in rows[3:]) and rows[-1][1] < rows[3][1] * 1.5
+    optimizer = state["optimizer"]
+    assert optimizer.param_groups[0]["lr"] == 1e-2  # the earlier file's learning rate, not the one written wrong
+    assert int(optimizer.state[next(iter(optimizer.state))]["step"]) == LOADED + 6 == plugin.step_count
+    assert all(torch.isfinite(p).all() for p in state["model"].parameters())
+    assert [e["action"] for e in plugin.fingerprint.events] == ["passed"] * 4  # each file's plugin state and numbers
+
+
+def test_a_fabric_restore_keeps_the_masters_equal_to_the_weights(tmp_path: Path) -> None:
+    paths = _wrong_lr_run(tmp_path, 0, precision="bf16-true")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*the restored state is suspect")
+        plugin, state, rows = _resume_with_rung(paths[-1], 0, precision="bf16-true")
+    assert [e["checkpoint"] for e in plugin.ladder_events if e["action"] == "restore_previous"] == [str(paths[-2])]
+    assert state["step"] == LOADED + 6 and all(math.isfinite(loss) for _, loss in rows[3:])
+    masters = plugin.state_dict()["masters"]
+    for name, param in state["model"].module.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(masters[name].bfloat16(), param.detach()), name
+
+
+def test_fabric_restores_are_capped_then_the_step_raises_naming_why(tmp_path: Path) -> None:
+    # Every earlier file is written wrong too: one attempt is allowed, the second bad step raises, no loop.
+    paths = _wrong_lr_run(tmp_path, 0, wrong=range(1, LOADED + 1))
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match=r"1 restores done \(max_restores=1\); the"
+                                                  rf" last state loaded, from {re.escape(str(paths[-2]))}, went bad"):
+        warnings.filterwarnings("ignore", message=r".*the restored state is suspect")
+        _resume_with_rung(paths[-1], 0, steps=20, max_restores=1)
+
+
+def test_with_no_earlier_fabric_checkpoint_that_passes_the_step_raises_naming_why(tmp_path: Path) -> None:
+    paths = _wrong_lr_run(tmp_path, 0)
+    for index, path in enumerate(paths[:-1]):  # the earlier files hold the weights only (as old as they were)
+        saved = torch.load(path, weights_only=True)
+        torch.save({"model": saved["model"]}, path)
+        os.utime(path, ns=(10**9 * (index + 1),) * 2)
+    paths[1].write_bytes(paths[0].read_bytes()[:100])  # and one is cut short
+    os.utime(paths[1], ns=(2 * 10**9,) * 2)
+    with pytest.raises(RuntimeError, match=r"no earlier checkpoint passes among 3 in .*holds no optimizer, precision,"
+                                           r" step \(a weights-only checkpoint\)"):
+        _resume_with_rung(paths[-1], 0)
+
+
+def test_fabric_load_refuses_bad_arguments_naming_them(tmp_path: Path) -> None:
+    path = _wrong_lr_run(tmp_path, 0)[0]
+    plugin = StablePrecision("32-true")
+    fabric = quiet_fabric(plugin)
+    model, opt = fabric.setup(TinyMLP(), torch.optim.AdamW(TinyMLP().parameters()))
+    state = {"model": model, "optimizer": opt, "precision": plugin, "step": 0}
+    other = quiet_fabric(StablePrecision("32-true"))
+    for kwargs, match in [
+        (dict(fabric=object()), r"load\(fabric=<object.*\): must be the lightning.fabric.Fabric whose precision"),
+        (dict(fabric=other), r"load\(fabric=.*must be the lightning.fabric.Fabric whose precision plugin this is"),
+        (dict(state={"model": model, "optimizer": opt}),
+         r"load\(state=a dict with keys \['model', 'optimizer'\]\): must be a dict holding this plugin"),
+        (dict(path=tmp_path), r"load\(path=.*\): must be the path of a checkpoint file"),
+        (dict(restored_window=-1), r"load\(restored_window=-1\): must be an int >= 0 \(optimizer steps after"),
+        (dict(restored_window=True), r"load\(restored_window=True\): must be an int >= 0"),
+        (dict(max_restores="3"), r"load\(max_restores='3'\): must be an int >= 0 \(checkpoints tried"),
+    ]:
+        given = {"fabric": fabric, "path": path, "state": state, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            plugin.load(given.pop("fabric"), given.pop("path"), given.pop("state"), **given)
+
+
+def _restore_worker(fabric: Fabric, path: str, out_dir: str) -> None:
+    # Each rank trains on its half of the batch; the state written wrong makes both ranks' third step non-finite.
+    torch.set_num_threads(1)
+    plugin = fabric.strategy.precision
+    torch.manual_seed(100)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plugin.setup_optimizers(opt)
+    state = {"model": model, "optimizer": opt, "precision": plugin, "step": 0}
+    plugin.load(fabric, path, state, restored_window=5)
+    x, y = regression_data(64)
+    rows = []
+    while state["step"] < LOADED + 6:
+        batch = slice(16 * (state["step"] % 4) + fabric.global_rank, 16 * (state["step"] % 4 + 1), 2)
+        rows.append(state["step"])
+        state["step"] += 1
+        fabric.backward(F.mse_loss(model(x[batch]).float(), y[batch]))
+        opt.step()
+        opt.zero_grad()
+    torch.save({"rows": rows, "events": [dict(e) for e in plugin.ladder_events], "params": snapshot(model.module),
+                "counters": (plugin.step_count, plugin.skipped_steps)}, Path(out_dir) / f"rank{fabric.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_ddp_both_ranks_restore_the_same_earlier_fabric_checkpoint(tmp_path: Path) -> None:
+    paths = _wrong_lr_run(tmp_path / "ckpt", 0)
+    strategy = DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[StablePrecision("32-true")])
+        fabric.launch(_restore_worker, str(paths[-1]), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank in ranks:
+        restores = [e for e in rank["events"] if e["action"] == "restore_previous"]
+        assert [(e["step"], e["checkpoint"], e["restored_step"]) for e in restores] == [
+            (LOADED + 2, str(paths[-2]), LOADED - 1)]
+        assert rank["rows"] == [4, 5, 6, 3, 4, 5, 6, 7, 8, 9]
+        assert all(torch.isfinite(v).all() for v in rank["params"].values())
+    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["counters"] == ranks[1]["counters"]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(ranks[1]["params"][name], value), name
+
+
+def _loaded_state(**plugin: Any) -> tuple[StablePrecision, Fabric, dict[str, Any]]:
+    stable = StablePrecision("32-true", **plugin)
+    fabric = quiet_fabric(stable)
+    torch.manual_seed(100)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    stable.setup_optimizers(opt)
+    return stable, fabric, {"model": model, "optimizer": opt, "precision": stable, "step": 0}
+
+
+def _rewrite(path: Path, change: Any) -> None:
+    written, saved = path.stat().st_mtime_ns, torch.load(path, weights_only=True)
+    change(saved)
+    torch.save(saved, path)
+    os.utime(path, ns=(written, written))  # as old as it was
+
+
+def test_previous_through_plugin_load_resumes_from_the_newest_earlier_file_that_passes(tmp_path: Path) -> None:
+    # Before: with Fabric "previous" raised as "raise" did (the plugin did not know the file's directory).
+    paths = _wrong_lr_run(tmp_path, 0, wrong=())
+    _rewrite(paths[-1], lambda c: c["optimizer"]["state"][0]["exp_avg_sq"].view(-1)[5].mul_(1.5))
+    _rewrite(paths[-2], lambda c: c["model"]["fc1.weight"][3].mul_(2))
+    plugin, fabric, state = _loaded_state(on_fingerprint_mismatch="previous")
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(paths[-1]))} fails its numeric fingerprint \(checksum of"
+                                         rf" optimizer state .*exp_avg_sq.*\); loaded {re.escape(str(paths[-3]))}"
+                                         rf" instead; {re.escape(str(paths[-2]))} failed too \(checksum of weight"):
+        plugin.load(fabric, paths[-1], state, restored_window=0)
+    assert state["step"] == 2 and plugin.step_count == 2  # the third file's
+    assert [e["action"] for e in plugin.fingerprint.events] == ["passed", "previous", "passed", "passed"]
+    assert plugin.fingerprint.events[1]["fallback"] == str(paths[-3])
+    expected = torch.load(paths[-3], weights_only=True)["model"]
+    assert all(torch.equal(state["model"].module.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_plugin_load_checks_the_whole_fingerprint_before_it_returns(tmp_path: Path) -> None:
+    # With plugin.load the model's and optimizers' numbers are compared as it returns (fabric.load: at the first
+    # forward); "raise" refuses there, and "previous" without a passing earlier file says how many were tried.
+    paths = _wrong_lr_run(tmp_path, 0, wrong=())
+    for path in paths:
+        _rewrite(path, lambda c: c["model"]["fc1.weight"][3].mul_(2))
+    plugin, fabric, state = _loaded_state()
+    with pytest.raises(FingerprintMismatch, match=r"checksum of weight `model\[.fc1.weight.\]` differs"):
+        plugin.load(fabric, paths[-1], state)
+    plugin, fabric, state = _loaded_state(on_fingerprint_mismatch="previous")
+    with pytest.raises(FingerprintMismatch, match=r"fc1.weight.*; on_fingerprint_mismatch='previous' found no earlier"
+                                                  r" checkpoint that passes among 3 in"):
+        plugin.load(fabric, paths[-1], state)

@@ -330,23 +330,30 @@ def test_another_base_precision_still_resumes_with_a_note(tmp_path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- Fabric
-def _fabric_run(path: Path, *, load: bool, change: Callable[[dict[str, Any]], None] | None = None) -> Any:
+def _square_loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x).float().pow(2).mean()
+
+
+def _fabric_run(path: Path, *, load: bool, change: Callable[[dict[str, Any]], None] | None = None,
+                pin: bool = False, norm: bool = False, precision: str = "bf16-true") -> Any:
     from lightning.fabric import Fabric
 
     from lit_mpstable.fabric import StablePrecision
 
     torch.manual_seed(0)
-    plugin = StablePrecision("bf16-true")
+    plugin = StablePrecision(precision)  # type: ignore[arg-type]
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    module = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    module = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8) if norm else nn.ReLU(), nn.Linear(8, 2))
     model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
     plugin.setup_optimizers(optimizer)
     state = {"model": model, "optimizer": optimizer, "precision": plugin}
+    x = torch.randn(4, 8)
+    if pin:
+        plugin.pin(_square_loss, x)  # the pinned micro-batch and its loss function, before the first forward
     if load:
         if change is not None:
             _corrupt(path, change)
         fabric.load(path, state)
-    x = torch.randn(4, 8)
     for _ in range(2):
         fabric.backward(model(x).float().pow(2).mean())
         optimizer.step()
@@ -361,10 +368,103 @@ def test_the_fingerprint_rides_in_the_fabric_save(tmp_path) -> None:
     _fabric_run(path, load=False)
     fingerprint = torch.load(path, weights_only=True)["precision"][KEY]
     assert {p.split("[")[0] for p in fingerprint["checksums"]} == {"model", "optimizer", "plugin"}
-    assert fingerprint["pinned"] == {}  # Fabric gives the plugin no loss to pin
+    assert fingerprint["pinned"] == {}  # without plugin.pin Fabric gives the plugin no loss to pin
     assert [e["action"] for e in _fabric_run(path, load=True).fingerprint.events] == ["passed", "passed"]
     with pytest.raises(FingerprintMismatch, match=r"optimizer state `optimizer\[0\]\['state'\]\[1\]\['exp_avg'\]`"):
         _fabric_run(path, load=True, change=lambda c: _flip(c["optimizer"]["state"][1]["exp_avg"], 2, 7))
+
+
+def _fabric_row_scaled(c: dict[str, Any]) -> None:
+    c["model"]["0.weight"][3] *= 2
+
+
+def _fabric_row_scaled_checksum_rewritten(c: dict[str, Any]) -> None:
+    _fabric_row_scaled(c)  # and the checksum written for the new numbers: only the pinned loss can tell
+    c["precision"][KEY]["checksums"]["model['0.weight']"] = int(checksum(c["model"]["0.weight"]))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_a_fabric_pinned_loss_rides_in_the_save_and_a_load_recomputes_it(tmp_path, precision: str) -> None:
+    # Before: Fabric's fingerprint had no pinned loss (`pinned == {}`, the plugin had no loss function) and the
+    # plugin no `pin`: "AttributeError: 'StablePrecision' object has no attribute 'pin'".
+    path = tmp_path / "fabric.ckpt"
+    _fabric_run(path, load=False, pin=True, precision=precision)
+    pinned = torch.load(path, weights_only=True)["precision"][KEY]["pinned"]
+    assert set(pinned) == {"batch", "loss", "grad_norm", "deterministic"} and pinned["deterministic"]
+    assert pinned["batch"].shape == (4, 8) and pinned["loss"] > 0 and pinned["grad_norm"] > 0
+    plugin = _fabric_run(path, load=True, pin=True, precision=precision)
+    assert [e["action"] for e in plugin.fingerprint.events] == ["passed", "passed"]  # bitwise, on the CPU
+    assert torch.equal(plugin.fingerprint.batch, pinned["batch"])  # the checkpoint's rows, carried on
+
+
+def test_a_fabric_save_with_a_pinned_loss_leaves_the_run_as_it_was(tmp_path) -> None:
+    # The pinned pass at each save (BatchNorm in the model: its statistics are put back) changes nothing of the run.
+    from lightning.fabric import Fabric
+
+    from lit_mpstable.fabric import StablePrecision
+
+    def run(save: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        plugin = StablePrecision("bf16-true")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        module = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+        x = torch.randn(16, 8)
+        plugin.pin(_square_loss, x)
+        for step in range(4):
+            fabric.backward(model(x[4 * step:4 * step + 4]).float().pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            if save:
+                fabric.save(tmp_path / f"step={step}.ckpt", {"model": model, "optimizer": optimizer,
+                                                              "precision": plugin})
+        return {**module.state_dict(), **{f"master.{k}": v for k, v in plugin.state_dict()["masters"].items()}}
+
+    saved, plain = run(True), run(False)
+    assert torch.load(tmp_path / "step=3.ckpt", weights_only=True)["precision"][KEY]["pinned"]["loss"] > 0
+    assert saved.keys() == plain.keys() and all(torch.equal(saved[k], plain[k]) for k in saved)
+
+
+def test_a_weight_row_scaled_in_a_fabric_checkpoint_is_refused_naming_the_pinned_loss(tmp_path) -> None:
+    # 32-true: the model's weights are the run's (with FP32 masters the plugin's masters are, and a load writes them
+    # into the model: a row scaled in the model's part of the file is overwritten, the masters' checksums cover them).
+    path = tmp_path / "fabric.ckpt"
+    _fabric_run(path, load=False, pin=True, precision="32-true")
+    with pytest.raises(FingerprintMismatch, match=r"checksum of weight `model\['0.weight'\]` differs .*; the pinned"
+                                                  r" micro-batch's loss is .* after the load, .* at the save"):
+        _fabric_run(path, load=True, pin=True, precision="32-true", change=_fabric_row_scaled)
+    with pytest.raises(FingerprintMismatch, match=r"fabric.load: the checkpoint fails its numeric fingerprint: the"
+                                                  r" pinned micro-batch's loss is .*; the pinned micro-batch's"
+                                                  r" grad norm is"):
+        _fabric_run(path, load=True, pin=True, precision="32-true", change=_fabric_row_scaled_checksum_rewritten)
+    # Without a loss function the load checks the rest and says the pinned loss went unchecked.
+    plugin = _fabric_run(path, load=True, precision="32-true", change=_fabric_row_scaled_checksum_rewritten)
+    assert plugin.fingerprint.events[-1]["action"] == "passed"
+    assert "no loss function was given (plugin.pin" in plugin.fingerprint.events[-1]["notes"][0]
+
+
+def test_a_fabric_pin_is_checked() -> None:
+    from lightning.fabric import Fabric
+
+    from lit_mpstable.fabric import StablePrecision
+
+    plugin = StablePrecision("32-true")
+    Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    with pytest.raises(ValueError, match=r"pin\(loss_fn=3\): must be a callable \(module, batch\) -> loss"):
+        plugin.pin(3, torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"pin\(batch=\['no tensor'\]\): must hold a tensor"):
+        plugin.pin(_square_loss, ["no tensor"])
+    with pytest.raises(ValueError, match=r"and its first rows at most 1 MiB"):
+        plugin.pin(_square_loss, torch.zeros(4, 1 << 17))
+
+
+def test_a_fabric_load_checks_batchnorm_before_the_first_forward_moves_its_statistics(tmp_path) -> None:
+    # The loaded model's checksums are compared before the first forward after fabric.load: a training forward moves
+    # BatchNorm's running statistics (and FP8 histories), which the checksums cover.
+    path = tmp_path / "fabric.ckpt"
+    _fabric_run(path, load=False, pin=True, norm=True)
+    plugin = _fabric_run(path, load=True, pin=True, norm=True)
+    assert [e["action"] for e in plugin.fingerprint.events] == ["passed", "passed"]
 
 
 def test_nvfp4_manifest_holds_sr_keys_and_hadamard_signs_and_resumes_bitwise(tmp_path) -> None:

@@ -19,9 +19,9 @@ Each rung has one owner, and a callback is a face that switches its rung on and 
                the model one rung up                              of the run; a replay's "precision" verdict
     rollback   the snapshot owner (ScaleCheckpoint; StateSnapshot ScaleCheckpoint, StepTriage(snapshot=...)
                in a plain loop) restores the last good snapshot
-    restore    ScaleCheckpoint loads, in process, the newest      ScaleCheckpoint(restored_window=N) (Trainer)
-               checkpoint written before the loaded one that
-               passes its fingerprint
+    restore    ScaleCheckpoint loads, in process, the newest      ScaleCheckpoint(restored_window=N) (Trainer);
+               checkpoint written before the loaded one that      Fabric's StablePrecision.load(...,
+               passes its fingerprint (Fabric: the plugin)        restored_window=N)
     stop       the ladder: the run stops with the reason named    always on (the last resort)
 
 OverflowMonitor only observes. The table (event -> the rung that acts; what acts if that rung is switched off):
@@ -105,7 +105,9 @@ class Rung(Enum):
     plugin state, optimizers, LR schedulers and the loop's ``global_step`` come from that file, and the window starts
     again from it. Rolling back to the in-memory snapshot instead would restore the same loaded state and loop. Owned
     by ``ScaleCheckpoint(restored_window=N)`` (Trainer); each attempt is logged with the file's path and counted against
-    ``max_rollbacks``; when none is left, or no earlier checkpoint passes, the run stops with the reason named."""
+    ``max_rollbacks``; when none is left, or no earlier checkpoint passes, the run stops with the reason named. With
+    Fabric, by the plugin's ``load(fabric, path, state, restored_window=N, max_restores=...)``, inside the bad step's
+    ``optimizer.step()`` (the stop rung: a ``RuntimeError`` naming why)."""
 
     STOP = "stop"
     """Nothing switched on can cure the fault (inf/NaN in the weights or optimizer state and no snapshot): the run
