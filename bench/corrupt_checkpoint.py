@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lit_mpstable import StablePrecision
 from lit_mpstable.callbacks import AMPPreflight, OverflowMonitor, PrecisionFallback, PrecisionProbe, ScaleCheckpoint
+from lit_mpstable.core.fingerprint import checkpoint_trees, checksums
 
 INVALID = "invalid"
 VALID = "valid"
@@ -280,6 +281,15 @@ def _bit_flipped(c: dict[str, Any]) -> None:
     c["optimizer_states"][0]["state"][0]["exp_avg_sq"].view(-1).view(torch.int32)[5] ^= 1 << 3
 
 
+@_numeric("two sign bits flipped in the optimizer state", {"precision": "bf16-true"}, None,
+          "optimizer state `optimizer_states[0]['state'][0]['exp_avg']`")
+def _sign_pair_flipped(c: dict[str, Any]) -> None:
+    # The sign bits of two 64-bit words' upper FP32 halves: 2**63 + 2**63 wraps to 0 in one sum of all words.
+    words = c["optimizer_states"][0]["state"][0]["exp_avg"].view(-1).view(torch.int32)
+    words[1] ^= -(1 << 31)
+    words[3] ^= -(1 << 31)
+
+
 class _Tiny(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -350,12 +360,15 @@ def run_numbers(verbose: bool) -> list[dict[str, str]]:
             written = sorted(directory.glob("*.ckpt"), key=lambda p: int(p.stem.rpartition("=")[2]))
             clean = written[-1].read_bytes()
             row = {"kind": kind}
-            for column, strip, on_mismatch in (("before", True, "raise"), ("after", False, "raise"),
-                                               ("previous", False, "previous")):
+            for column, strip, on_mismatch in (("before", "all", "raise"), ("version 1", "v1", "raise"),
+                                               ("after", "", "raise"), ("previous", "", "previous")):
                 written[-1].write_bytes(clean)
                 checkpoint = torch.load(written[-1], weights_only=True)
+                if strip == "v1":  # the fingerprint as the first release wrote it: one sum of all words a tensor
+                    checkpoint["StablePrecision"]["fingerprint"].update(
+                        version=1, checksums=checksums(checkpoint_trees(checkpoint, "StablePrecision"), version=1))
                 change(checkpoint)
-                if strip:
+                if strip == "all":
                     checkpoint["StablePrecision"].pop("fingerprint")
                 torch.save(checkpoint, written[-1])
                 for step, path in enumerate(written):  # "earlier" is by modification time
@@ -364,17 +377,19 @@ def run_numbers(verbose: bool) -> list[dict[str, str]]:
                                                                        on_mismatch)
             rows.append(row)
             if verbose:
-                print(f"{kind}: before {row['before']}, after {row['after']}, previous {row['previous']}\n"
+                print(f"{kind}: before {row['before']}, version 1 {row['version 1']}, after {row['after']},"
+                      f" previous {row['previous']}\n"
                       f"    {row['after_detail'][:240]}")
     return rows
 
 
 def numbers_table(rows: list[dict[str, str]]) -> str:
-    lines = ["| corruption | before (no fingerprint) | after (`\"raise\"`) | `\"previous\"` | what the refusal names |",
-             "|---|---|---|---|---|"]
+    lines = ["| corruption | before (no fingerprint) | fingerprint version 1 | after (`\"raise\"`) | `\"previous\"` |"
+             " what the refusal names |", "|---|---|---|---|---|---|"]
     for row in rows:
         detail = row["after_detail"].split("fingerprint: ", 1)[-1].replace("|", "\\|")[:160]
-        lines.append(f"| {row['kind']} | {row['before']} | {row['after']} | {row['previous']} | {detail} |")
+        lines.append(f"| {row['kind']} | {row['before']} | {row['version 1']} | {row['after']} | {row['previous']} |"
+                     f" {detail} |")
     return "\n".join(lines)
 
 

@@ -3,8 +3,9 @@
 A checkpoint written by the plugin carries, in the plugin's state under :data:`KEY`:
 
 - ``checksums``: per tensor of the checkpoint (the model's weights, the optimizers' state, the plugin's own tensors:
-  FP32 masters, Kahan compensation, FP8 scaling state, ...), a wrap-around 64-bit integer sum of the tensor's bytes
-  read as 64-bit words (:func:`checksum`): bitwise, computed on the tensor's device, one host read for all of them;
+  FP32 masters, Kahan compensation, FP8 scaling state, ...), a 64-bit digest of the tensor's bytes (:func:`checksum`):
+  the bytes read as 64-bit words, summed with wrap-around into 509 lanes by position, the lanes hashed; bitwise,
+  summed on the tensor's device, one host read for all of them;
 - ``manifest``: the precision the run trained in (:func:`manifest`): the base precision and weight mode, the FP8/FP4
   recipe and its fields, per low-format layer its recipe, stochastic-rounding key and Hadamard signs, the FP32
   islands, the fallbacks in force and the layers the probe's budget kept in high precision;
@@ -23,6 +24,7 @@ state" rung).
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,7 +38,11 @@ from torch import nn
 
 KEY = "fingerprint"
 """Where the fingerprint sits in the plugin's state."""
-VERSION = 1
+VERSION = 2
+"""2: checksums in lanes (:func:`checksum`); 1 (this round's first release): one wrap-around sum a tensor (read)."""
+LANES = 509
+"""Lanes of a checksum: word i is summed into lane i mod 509 (a prime, so no power-of-two row width folds a column
+into one lane)."""
 PIN_ROWS = 4
 """Rows of the first training batch kept as the pinned micro-batch (dimension 0 of every tensor in it)."""
 PIN_MAX_BYTES = 1 << 20
@@ -70,15 +76,45 @@ def check_on_mismatch(call: str, value: object) -> OnMismatch:
 
 
 # --------------------------------------------------------------------------------------------------- checksums
-def checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as 64-bit words, summed with wrap-around (an ``int64`` scalar on its device; bytes beyond
-    the last whole word are added one by one). Any flipped bit, any changed value changes it; a permutation of whole
-    words does not. Integer addition is exact, so it is the same on every device and run. On the CPU the sum is
-    numpy's (one thread, vectorised: torch's threaded reduction waits on its barriers when the cores are busy)."""
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach().reshape(-1)
     if flat.is_complex() or flat.dtype == torch.bool:
         flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat.to(torch.uint8)
-    raw = flat.contiguous().view(torch.uint8)
+    return flat.contiguous().view(torch.uint8)
+
+
+def _lanes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as 64-bit words (the last one zero-padded), word i added into lane i mod :data:`LANES` with
+    wrap-around: ``LANES`` int64 sums on the tensor's device (on the CPU numpy's sum: one thread, vectorised; torch's
+    threaded reduction waits on its barriers when the cores are busy)."""
+    raw = _bytes(tensor)
+    whole = raw.numel() // 8
+    full = whole // LANES * LANES  # words in whole rows of lanes; the rest (< LANES words and the tail) padded
+    if raw.device.type == "cpu":
+        data = raw.numpy()
+        sums = (data[:full * 8].view(np.int64).reshape(-1, LANES).sum(axis=0, dtype=np.int64) if full
+                else np.zeros(LANES, dtype=np.int64))
+        padded = np.zeros(LANES * 8, dtype=np.uint8)
+        padded[:raw.numel() - full * 8] = data[full * 8:]
+        return torch.from_numpy(sums + padded.view(np.int64))
+    lanes = (raw[:full * 8].view(torch.int64).view(-1, LANES).sum(0) if full
+             else torch.zeros(LANES, dtype=torch.int64, device=raw.device))
+    rest = torch.zeros(LANES * 8, dtype=torch.uint8, device=raw.device)
+    rest[:raw.numel() - full * 8] = raw[full * 8:]
+    return lanes + rest.view(torch.int64)
+
+
+def _digest(lanes: np.ndarray, nbytes: int) -> int:
+    """The 64-bit digest of a tensor's lane sums and byte count (a hash: no two changes cancel in it)."""
+    return int.from_bytes(hashlib.blake2b(lanes.astype("<i8").tobytes() + nbytes.to_bytes(8, "little"),
+                                          digest_size=8).digest(), "little")
+
+
+def _word_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Version 1's checksum: one wrap-around sum of the words (plus the tail's bytes), kept to check its
+    checkpoints. Balanced changes cancel in it (a tensor negated whose signs were half and half; two flips of a
+    word's top bit); :func:`checksum`'s lanes and hash do not let them."""
+    raw = _bytes(tensor)
     whole = raw.numel() // 8 * 8
     if raw.device.type == "cpu":
         data = raw.numpy()
@@ -86,6 +122,15 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
         return torch.tensor(total, dtype=torch.int64)
     words = raw[:whole].view(torch.int64).sum() if whole else torch.zeros((), dtype=torch.int64, device=raw.device)
     return words + raw[whole:].to(torch.int64).sum() if whole < raw.numel() else words
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """The tensor's 64-bit checksum (one host read): its bytes as 64-bit words summed with wrap-around into
+    :data:`LANES` lanes by position (integer addition is exact: the same on every device and run), the lanes and the
+    byte count hashed (BLAKE2b). Any flipped bit, any changed value changes it, and, unlike one sum of all words, no
+    balanced set of changes cancels out (a tensor negated, two flipped sign bits), unless every lane's changes
+    cancel on their own. The layout does not matter, only the values in order."""
+    return _digest(_lanes(tensor).cpu().numpy(), _bytes(tensor).numel())
 
 
 def tensor_leaves(tree: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -109,10 +154,10 @@ def _view_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def checksums(trees: Mapping[str, object]) -> dict[str, int]:
+def checksums(trees: Mapping[str, object], version: int = VERSION) -> dict[str, int]:
     """Every tensor's :func:`checksum` in ``trees`` (``{root name: nested state}``), by path; one host read per
     device. A tensor listed under several paths (tied weights: ``torch.save`` writes its storage once too) is read
-    once."""
+    once. ``version=1``: the first release's checksum (:func:`_word_sum`), to check its checkpoints."""
     leaves = [(f"{root}{path}", t) for root, tree in trees.items() for path, t in tensor_leaves(tree)]
     first: dict[tuple, int] = {}  # view key -> the index of the leaf that computes it
     by_device: dict[torch.device, list[int]] = {}
@@ -121,8 +166,13 @@ def checksums(trees: Mapping[str, object]) -> dict[str, int]:
             by_device.setdefault(t.device, []).append(index)
     values: dict[int, int] = {}
     for indices in by_device.values():
-        sums = torch.stack([checksum(leaves[i][1]) for i in indices]).tolist()  # the one host read of this device
-        values.update(zip(indices, sums))
+        tensors = [leaves[i][1] for i in indices]
+        if version == 1:
+            values.update(zip(indices, torch.stack([_word_sum(t) for t in tensors]).tolist()))  # one host read
+            continue
+        lanes = [_lanes(t) for t in tensors]
+        host = torch.stack(lanes).cpu().numpy()  # the one host read of this device
+        values.update((i, _digest(row, _bytes(t).numel())) for i, row, t in zip(indices, host, tensors, strict=True))
     return {path: values[first[_view_key(t)]] for path, t in leaves}
 
 
@@ -149,11 +199,12 @@ def _diagnose(path: str, tensor: torch.Tensor) -> str:
     return ""
 
 
-def compare_checksums(saved: Mapping[str, int], trees: Mapping[str, object]) -> list[str]:
-    """The differences between ``saved`` checksums and ``trees``' tensors, named: a changed tensor (and what it
-    looks like), a missing one, an unexpected one. Only paths under the roots of ``trees`` are compared."""
+def compare_checksums(saved: Mapping[str, int], trees: Mapping[str, object], version: int = VERSION) -> list[str]:
+    """The differences between ``saved`` checksums (of fingerprint ``version``) and ``trees``' tensors, named: a
+    changed tensor (and what it looks like), a missing one, an unexpected one. Only paths under the roots of
+    ``trees`` are compared."""
     live = dict(tensor_leaves_by_path(trees))
-    now = checksums(trees)
+    now = checksums(trees, version)
     roots = tuple(trees)
     differences = []
     for path, value in saved.items():
@@ -200,7 +251,7 @@ def manifest(stepper: Any) -> dict[str, Any]:
         if isinstance(layer, FP8Linear):
             entry["sr_key"] = getattr(layer, "sr_seed", None)
             signs = getattr(layer, "rht_signs", None)
-            entry["hadamard"] = int(checksum(signs)) if isinstance(signs, torch.Tensor) else None
+            entry["hadamard"] = checksum(signs) if isinstance(signs, torch.Tensor) else None
         layers[name] = entry
     state = layout.state_dict()
     return {
@@ -425,6 +476,9 @@ class Fingerprint:
             raise (ValueError if isinstance(fingerprint, dict) else TypeError)(
                 f"{call}(fingerprint={fingerprint!r:.80}): must be the dict a save writes, with keys ['checksums',"
                 " 'manifest', 'pinned', 'version']; the checkpoint is corrupted.")
+        if fingerprint["version"] not in (1, VERSION):
+            raise ValueError(f"{call}(fingerprint['version']={fingerprint['version']!r}): this release reads"
+                             f" versions 1 and {VERSION}; the checkpoint is corrupted or from a newer release.")
         sums, manifest_, pinned = fingerprint["checksums"], fingerprint["manifest"], fingerprint["pinned"]
         if not isinstance(sums, dict) or not all(isinstance(k, str) and type(v) is int for k, v in sums.items()):
             raise TypeError(f"{call}(fingerprint['checksums']={sums!r:.80}): must map tensor paths to int checksums.")
@@ -473,7 +527,7 @@ class Fingerprint:
               ) -> tuple[list[str], list[str]]:
         """``(differences, notes)``: ``trees``' checksums against the fingerprint's, its manifest against
         ``stepper``'s."""
-        differences = compare_checksums(fingerprint["checksums"], trees)
+        differences = compare_checksums(fingerprint["checksums"], trees, fingerprint["version"])
         more, notes = compare_manifests(fingerprint["manifest"], manifest(stepper))
         return differences + more, notes
 

@@ -18,6 +18,7 @@ from lit_mpstable.core.fingerprint import (
     KEY,
     PIN_ROWS,
     FingerprintMismatch,
+    _word_sum,
     checksum,
     compare_checksums,
     pin_batch,
@@ -43,12 +44,36 @@ def test_checksum_is_bitwise_and_exact() -> None:
     y[2] *= 2  # a row scaled
     assert checksum(y) != saved
     assert checksum(x.bfloat16()) != checksum(x.bfloat16().float())
-    assert checksum(torch.zeros(0)) == 0 and int(checksum(torch.tensor([True, False]))) == 1
+    assert checksum(torch.zeros(0)) != checksum(torch.zeros(2))  # the byte count is in it: zeros appended differ
+    assert checksum(torch.tensor([True, False])) != checksum(torch.tensor([False, True]))  # the order of values too
+
+
+@pytest.mark.parametrize("size", [32, 1000, 509 * 8 * 3 + 4])
+def test_balanced_changes_do_not_cancel_in_the_checksum(size: int) -> None:
+    # One wrap-around sum of all words (version 1) misses a tensor negated whose signs were half and half, and two
+    # flips of a word's top bit; the lanes and their hash do not.
+    x = torch.tensor([1.0, 1.0, -1.0, -1.0]).repeat(size // 4) * torch.rand(size).add(0.5)  # signs in pairs
+    negated = -x
+    pair = x.clone()
+    _flip(pair, 1, 31)
+    _flip(pair, 3, 31)  # the sign bits of two words' upper halves: 2**63 + 2**63 wraps to 0
+    for changed in (negated, pair):
+        assert int(_word_sum(changed)) == int(_word_sum(x))  # what version 1 could not see
+        assert checksum(changed) != checksum(x)
+
+
+def test_a_version_1_fingerprint_is_checked_with_its_own_checksum() -> None:
+    masters = {"w": torch.randn(8, 8)}
+    saved_v1 = {"plugin['masters']['w']": int(_word_sum(masters["w"]))}
+    assert compare_checksums(saved_v1, {"plugin": {"masters": masters}}, version=1) == []
+    assert compare_checksums(saved_v1, {"plugin": {"masters": masters}}) != []  # not the current checksum
+    masters["w"][0, 0] += 1
+    assert compare_checksums(saved_v1, {"plugin": {"masters": masters}}, version=1) != []
 
 
 def test_checksum_comparison_names_the_tensor_and_what_it_looks_like() -> None:
     masters = {"w": torch.randn(8, 8), "b": torch.randn(8)}
-    saved = {f"plugin['masters'][{k!r}]": int(checksum(v)) for k, v in masters.items()}
+    saved = {f"plugin['masters'][{k!r}]": checksum(v) for k, v in masters.items()}
     assert compare_checksums(saved, {"plugin": {"masters": masters}}) == []
     rounded = {"w": masters["w"].bfloat16().float(), "b": torch.zeros(8)}
     found = compare_checksums(saved, {"plugin": {"masters": rounded}})
@@ -380,7 +405,7 @@ def _fabric_row_scaled(c: dict[str, Any]) -> None:
 
 def _fabric_row_scaled_checksum_rewritten(c: dict[str, Any]) -> None:
     _fabric_row_scaled(c)  # and the checksum written for the new numbers: only the pinned loss can tell
-    c["precision"][KEY]["checksums"]["model['0.weight']"] = int(checksum(c["model"]["0.weight"]))
+    c["precision"][KEY]["checksums"]["model['0.weight']"] = checksum(c["model"]["0.weight"])
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
@@ -526,11 +551,11 @@ def test_a_tensor_listed_twice_is_read_once_and_both_names_are_checked(monkeypat
     shared = torch.randn(8, 4)  # tied weights: one tensor under two names
     trees = {"state_dict": {"embed.weight": shared, "head.weight": shared, "head.bias": torch.randn(8)}}
     seen: list[int] = []
-    real = fp.checksum
-    monkeypatch.setattr(fp, "checksum", lambda t: (seen.append(t.numel()), real(t))[1])
+    real = fp._lanes
+    monkeypatch.setattr(fp, "_lanes", lambda t: (seen.append(t.numel()), real(t))[1])
     sums = fp.checksums(trees)
     assert sorted(seen) == [8, 32]  # the shared tensor once
-    assert sums["state_dict['embed.weight']"] == sums["state_dict['head.weight']"] == int(real(shared))
+    assert sums["state_dict['embed.weight']"] == sums["state_dict['head.weight']"] == fp.checksum(shared)
     untied = {"state_dict": {**trees["state_dict"], "head.weight": shared.clone()}}
     _flip(untied["state_dict"]["head.weight"], 3)
     found = compare_checksums(sums, untied)
