@@ -88,20 +88,25 @@ def _lanes(tensor: torch.Tensor) -> torch.Tensor:
     wrap-around: ``LANES`` int64 sums on the tensor's device (on the CPU numpy's sum: one thread, vectorised; torch's
     threaded reduction waits on its barriers when the cores are busy)."""
     raw = _bytes(tensor)
-    whole = raw.numel() // 8
-    full = whole // LANES * LANES  # words in whole rows of lanes; the rest (< LANES words and the tail) padded
-    if raw.device.type == "cpu":
-        data = raw.numpy()
-        sums = (data[:full * 8].view(np.int64).reshape(-1, LANES).sum(axis=0, dtype=np.int64) if full
-                else np.zeros(LANES, dtype=np.int64))
-        padded = np.zeros(LANES * 8, dtype=np.uint8)
-        padded[:raw.numel() - full * 8] = data[full * 8:]
-        return torch.from_numpy(sums + padded.view(np.int64))
-    lanes = (raw[:full * 8].view(torch.int64).view(-1, LANES).sum(0) if full
-             else torch.zeros(LANES, dtype=torch.int64, device=raw.device))
-    rest = torch.zeros(LANES * 8, dtype=torch.uint8, device=raw.device)
-    rest[:raw.numel() - full * 8] = raw[full * 8:]
-    return lanes + rest.view(torch.int64)
+    return _numpy_lanes(raw) if raw.device.type == "cpu" else _torch_lanes(raw)
+
+
+def _numpy_lanes(raw: torch.Tensor) -> torch.Tensor:
+    data, full = raw.numpy(), raw.numel() // 8 // LANES * LANES  # words in whole rows of lanes; the rest padded
+    sums = (data[:full * 8].view(np.int64).reshape(-1, LANES).sum(axis=0, dtype=np.int64) if full
+            else np.zeros(LANES, dtype=np.int64))
+    padded = np.zeros(LANES * 8, dtype=np.uint8)
+    padded[:raw.numel() - full * 8] = data[full * 8:]
+    return torch.from_numpy(sums + padded.view(np.int64))
+
+
+def _torch_lanes(raw: torch.Tensor) -> torch.Tensor:
+    full = raw.numel() // 8 // LANES * LANES
+    sums = (raw[:full * 8].view(torch.int64).view(-1, LANES).sum(0) if full
+            else torch.zeros(LANES, dtype=torch.int64, device=raw.device))
+    padded = torch.zeros(LANES * 8, dtype=torch.uint8, device=raw.device)
+    padded[:raw.numel() - full * 8] = raw[full * 8:]
+    return sums + padded.view(torch.int64)
 
 
 def _digest(lanes: np.ndarray, nbytes: int) -> int:

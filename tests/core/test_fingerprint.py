@@ -62,6 +62,16 @@ def test_balanced_changes_do_not_cancel_in_the_checksum(size: int) -> None:
         assert checksum(changed) != checksum(x)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
+@pytest.mark.parametrize("numel", [0, 3, 509 * 2, 509 * 8 + 7, 5000])
+def test_the_device_lanes_equal_the_cpu_lanes(dtype: torch.dtype, numel: int) -> None:
+    import lit_mpstable.core.fingerprint as fp
+
+    x = (torch.randn(numel) * 100).to(dtype)
+    raw = fp._bytes(x)
+    assert torch.equal(fp._torch_lanes(raw), fp._numpy_lanes(raw))  # the path a GPU tensor takes, on the CPU
+
 def test_a_version_1_fingerprint_is_checked_with_its_own_checksum() -> None:
     masters = {"w": torch.randn(8, 8)}
     saved_v1 = {"plugin['masters']['w']": int(_word_sum(masters["w"]))}
