@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lit_mpstable.core.weights.compact_fused as fused_module
 from lit_mpstable.core.weights.compact import CompactWeights
 from lit_mpstable.core.weights.compact_fused import FusedAdam, _adam_kernel
-from lit_mpstable.core.weights.compact_rounding import hash32, noise_bits, round_stochastic_
+from lit_mpstable.core.weights.compact_rounding import hash32, noise_bits, round_stochastic_, step_keys
 
 MODES = ["kahan", "stochastic"]
 
@@ -66,6 +66,23 @@ def test_the_hash_is_lowbias32_eagerly_and_compiled() -> None:
     bits = noise_bits(2**16, 99, torch.device("cpu"), torch.bfloat16)
     ones = torch.stack([(bits >> b) & 1 for b in range(16)]).sum(1).double() / 2**16
     assert bool(((ones - 0.5).abs() < 0.01).all()), ones
+
+
+def test_the_random_keys_are_splitmix64_of_seed_step_and_stream() -> None:
+    # The reference on Python integers: splitmix64's mixing of seed, step and stream (a parameter's CRC-32) in turn,
+    # folded to 32 bits, as a signed int32. Computed once a step for what the streams share, the same numbers.
+    def reference(*values: int) -> int:
+        h, mask = 0x9E3779B97F4A7C15, 2**64 - 1
+        for v in values:
+            h = ((h ^ (v & mask)) * 0xBF58476D1CE4E5B9) & mask
+            h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) & mask
+            h ^= h >> 29
+        k = (h ^ (h >> 32)) & 0xFFFFFFFF
+        return k - 2**32 if k >= 2**31 else k
+
+    for seed, step in [(0, 0), (3, 1), (2**64 - 1, 12345), (2**31, 2**40 + 7)]:
+        streams = [0, 1, 0xDEADBEEF, 2**32 - 1]
+        assert step_keys(seed, step, streams) == [reference(seed, step, s) for s in streams]
 
 
 class _Net(nn.Module):

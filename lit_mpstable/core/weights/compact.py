@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
+from torch.optim import optimizer as _optimizer_module  # its global step hooks
 
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.replicas import agree_seed, broadcast_
@@ -1036,8 +1037,7 @@ _ADAM_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq"))  # the state torch's A
 
 def _has_step_hooks(optimizer: Optimizer) -> bool:
     # The optimizer's own step pre/post hooks and the global ones (torch.optim.optimizer.register_optimizer_step_*).
-    from torch.optim import optimizer as module
-
+    module = _optimizer_module
     return bool(
         getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None)
         or getattr(module, "_global_optimizer_pre_hooks", None) or getattr(module, "_global_optimizer_post_hooks", None)

@@ -350,8 +350,8 @@ class ManyArgs:
         counts = []
         for _, p, _, _, state, m, v, step, (ptr, m_ptr, v_ptr, step_ptr) in self.entries:
             g = p.grad
-            if (g is None or type(g) is not torch.Tensor or g.dtype != _BF16 or not g.is_cpu or g.layout != _STRIDED
-                    or not g.is_contiguous() or p.dtype != _BF16 or p.data_ptr() != ptr
+            if (g is None or type(g) is not torch.Tensor or g.dtype is not _BF16 or not g.is_cpu
+                    or g.layout is not _STRIDED or not g.is_contiguous() or p.dtype is not _BF16 or p.data_ptr() != ptr
                     or state_of.get(p) is not state or len(state) != 3 or state.get("exp_avg") is not m
                     or state.get("exp_avg_sq") is not v or state.get("step") is not step or m.data_ptr() != m_ptr
                     or v.data_ptr() != v_ptr or step.data_ptr() != step_ptr):
