@@ -158,8 +158,9 @@ def micro_markdown(result: dict[str, Any]) -> str:
         top = ", ".join(f"{k[6:]} {v:g}" for k, v in list(ops.items())[:6])
         rows.append([name, fmt_iqr(entry["us"], 1), fmt_iqr(entry["x_adamw"]), fmt_iqr(entry["minus_adamw_us"], 1),
                      f"{sum(ops.values()):g}", f"{entry['python_calls']:g}", top])
-    return markdown_table(["config", "us per step", "x torch AdamW", "- torch AdamW (us)", "torch ops", "Python calls",
-                           "most frequent ops"], rows)
+    header = ["config", "us per step", "time x torch AdamW", "- torch AdamW (us)", "torch ops", "Python calls",
+              "most frequent ops"]
+    return markdown_table(header, rows)
 
 
 # ------------------------------------------------------------------------------------------------------- pair

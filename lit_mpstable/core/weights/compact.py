@@ -309,9 +309,8 @@ class CompactWeights(Keeper):
         fused kernel stepped are out of its groups, and with them alone it is called once with empty groups (what
         counts its steps, an LR scheduler, still sees one; when the C loop steps them all in one call, only where
         something would see it: a wrapper of ``optimizer.step`` or step keywords). If it raises, the chunks before
-        stay stepped, and the
-        failing chunk's parameters, gradients and per-element state are unchanged. Skipping a step (inf/NaN) is
-        the caller's decision: then do not call this.
+        stay stepped, and the failing chunk's parameters, gradients and per-element state are unchanged. Skipping a
+        step (inf/NaN) is the caller's decision: then do not call this.
 
         Raises:
             ValueError: the optimizer is not bound, a closure is given (it would run once per chunk), or
