@@ -274,6 +274,7 @@ class _Entry(NamedTuple):
     v: torch.Tensor
     step: torch.Tensor
     pointers: tuple[int, int, int, int]  # of data, m, v, step
+    numel: int
 
 
 class ManyArgs:
@@ -299,14 +300,14 @@ class ManyArgs:
             state = optimizer.state[p]
             m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
             pointers = (p.data_ptr(), m.data_ptr(), v.data_ptr(), step.data_ptr())
-            self.entries.append(_Entry(group, p, p.detach(), comp, state, m, v, step, pointers))
+            self.entries.append(_Entry(group, p, p.detach(), comp, state, m, v, step, pointers, p.numel()))
         self.crcs = [crc for _, _, _, crc in stepped]
         array = ctypes.c_void_p * count
         self.w, self.m, self.v, self.step = (array(*(e.pointers[i] for e in self.entries)) for i in range(4))
         self.comp = array(*(None if e.comp is None else e.comp.data_ptr() for e in self.entries))
         self.g = array()  # this step's gradients
         self.step64 = (ctypes.c_int32 * count)(*(e.step.dtype == torch.float64 for e in self.entries))
-        self.n = (ctypes.c_int64 * count)(*(e.param.numel() for e in self.entries))
+        self.n = (ctypes.c_int64 * count)(*(e.numel for e in self.entries))
         self.scalars = (ctypes.c_float * (10 * count))()  # a set per group and step count, usually one
         self.which = (ctypes.c_int32 * count)()  # each parameter's set
         self.plain = (ctypes.c_int32 * count)()
@@ -348,10 +349,11 @@ class ManyArgs:
         state_of = optimizer.state
         grads = []
         counts = []
-        for _, p, _, _, state, m, v, step, (ptr, m_ptr, v_ptr, step_ptr) in self.entries:
+        for _, p, _, _, state, m, v, step, (ptr, m_ptr, v_ptr, step_ptr), numel in self.entries:
             g = p.grad
             if (g is None or type(g) is not torch.Tensor or g.dtype is not _BF16 or not g.is_cpu
                     or g.layout is not _STRIDED or not g.is_contiguous() or p.dtype is not _BF16 or p.data_ptr() != ptr
+                    or p.numel() != numel
                     or state_of.get(p) is not state or len(state) != 3 or state.get("exp_avg") is not m
                     or state.get("exp_avg_sq") is not v or state.get("step") is not step or m.data_ptr() != m_ptr
                     or v.data_ptr() != v_ptr or step.data_ptr() != step_ptr):
