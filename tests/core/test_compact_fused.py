@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lit_mpstable.core.weights.compact_fused as fused_module
 from lit_mpstable.core.weights.compact import CompactWeights
 from lit_mpstable.core.weights.compact_fused import FusedAdam, _adam_kernel
-from lit_mpstable.core.weights.compact_rounding import hash32, noise_bits, round_stochastic_
+from lit_mpstable.core.weights.compact_rounding import hash32, noise_bits, round_stochastic_, step_keys
 
 MODES = ["kahan", "stochastic"]
 
@@ -66,6 +66,23 @@ def test_the_hash_is_lowbias32_eagerly_and_compiled() -> None:
     bits = noise_bits(2**16, 99, torch.device("cpu"), torch.bfloat16)
     ones = torch.stack([(bits >> b) & 1 for b in range(16)]).sum(1).double() / 2**16
     assert bool(((ones - 0.5).abs() < 0.01).all()), ones
+
+
+def test_the_random_keys_are_splitmix64_of_seed_step_and_stream() -> None:
+    # The reference on Python integers: splitmix64's mixing of seed, step and stream (a parameter's CRC-32) in turn,
+    # folded to 32 bits, as a signed int32. Computed once a step for what the streams share, the same numbers.
+    def reference(*values: int) -> int:
+        h, mask = 0x9E3779B97F4A7C15, 2**64 - 1
+        for v in values:
+            h = ((h ^ (v & mask)) * 0xBF58476D1CE4E5B9) & mask
+            h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) & mask
+            h ^= h >> 29
+        k = (h ^ (h >> 32)) & 0xFFFFFFFF
+        return k - 2**32 if k >= 2**31 else k
+
+    for seed, step in [(0, 0), (3, 1), (2**64 - 1, 12345), (2**31, 2**40 + 7)]:
+        streams = [0, 1, 0xDEADBEEF, 2**32 - 1]
+        assert step_keys(seed, step, streams) == [reference(seed, step, s) for s in streams]
 
 
 class _Net(nn.Module):
@@ -724,3 +741,87 @@ def test_a_compiler_without_openmp_or_march_native_still_builds_the_loop(monkeyp
         monkeypatch.undo()
         fused_module._load_native.cache_clear()
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, expected) if a is not None)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_call_for_all_parameters_writes_the_words_of_one_call_each(mode: str, monkeypatch) -> None:
+    # From the second step on, an optimizer whose parameters the C loop all took is stepped in one call of it
+    # (ManyArgs, kept from step to step): bit for bit what one call per parameter writes (the baseline path, kept
+    # here by never making the one call's arguments). Two groups (Adam's L2 with maximize, AdamW), a frozen
+    # parameter, a learning-rate schedule, multipliers of every kind, a clip value, a step where a parameter has no
+    # gradient (one by one again), new data behind a parameter and a loaded optimizer state (new arguments).
+    def run(many: bool) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        model = _Many().bfloat16()
+        ps = list(model.ps)
+        ps[6].requires_grad_(False)
+        opt = torch.optim.Adam([{"params": ps[:3], "weight_decay": 0.1, "maximize": True},
+                                {"params": ps[3:], "lr": 2e-3}], lr=3e-3, betas=(0.8, 0.99))
+        opt.param_groups[1]["decoupled_weight_decay"] = True
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        cw = CompactWeights(model, [opt], mode, seed=5)
+        calls = 0
+        if many:
+            run_ = fused_module.ManyArgs.run_
+
+            def counted(self, *args):
+                nonlocal calls
+                done = run_(self, *args)
+                calls += done
+                return done
+
+            monkeypatch.setattr(fused_module.ManyArgs, "run_", counted)
+        else:
+            monkeypatch.setattr(CompactWeights, "_keep_many_", lambda self, optimizer, pieces: None)
+        g = torch.Generator().manual_seed(1)
+        multipliers = [None, torch.tensor(0.5), 0.25, torch.tensor(0.125, dtype=torch.float64), torch.tensor([2.0]),
+                       None, torch.tensor(0.5), None, None, torch.tensor(1.0)]
+        for step, multiplier in enumerate(multipliers):
+            if step == 6:
+                ps[0].data = ps[0].data.clone()
+            if step == 8:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            for i, p in enumerate(ps[:6]):
+                grad = (torch.randn(p.shape, generator=g) * 1e-2).bfloat16()
+                p.grad = None if (step == 4 and i == 2) else grad
+            cw.step_(opt, grad_multiplier=multiplier, clip_value=5e-3 if step == 3 else None)
+            schedule.step()
+        comp = cw.state_dict()["compensation"]
+        out = [t.view(torch.int16) if t.dtype == torch.bfloat16 else t for i, p in enumerate(ps)
+               for t in (p.detach(), comp.get(f"ps.{i}"), *opt.state.get(p, {}).values()) if t is not None]
+        monkeypatch.undo()
+        return out, calls
+
+    (many, calls), (each, none) = run(True), run(False)
+    # In one call: steps 1-3 (made after step 0), 7 and 9; one by one: 0, 4 (a gradient missing), 5 (it is back),
+    # 6 (new data) and 8 (a loaded state), each making the arguments of the next.
+    assert calls == 5 and none == 0
+    assert len(many) == len(each) and all(torch.equal(a, b) for a, b in zip(many, each))
+
+
+def test_one_call_still_shows_the_optimizer_its_step_keywords_and_its_wrappers() -> None:
+    # The one call for all parameters skips the optimizer's step with empty groups only where nothing would see it:
+    # an LR scheduler's wrapper of step still counts it (no "lr_scheduler.step() before optimizer.step()" warning),
+    # and an unknown keyword still reaches torch's AdamW.step, which refuses it.
+    import warnings
+
+    torch.manual_seed(0)
+    model = _Many().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s)
+    cw = CompactWeights(model, [opt], "kahan", seed=1)
+    assert "step" in vars(opt)  # the scheduler's wrapper
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 1e-3)
+            opt._opt_called = False  # type: ignore[attr-defined]
+            cw.step_(opt)
+            assert opt._opt_called  # type: ignore[attr-defined]
+            schedule.step()
+    assert id(opt) in cw._many  # the last steps took the one call
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    with pytest.raises(TypeError, match="grad_scale_hint"):
+        cw.step_(opt, grad_scale_hint=2.0)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
+from torch.optim import optimizer as _optimizer_module  # its global step hooks
 
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.core.replicas import agree_seed, broadcast_
@@ -29,6 +30,7 @@ from lit_mpstable.core.weights import compact_fused
 from lit_mpstable.core.weights.compact_fused import (
     FusedAdam,
     KernelArgs,
+    ManyArgs,
     fill_key,
     flat,
     flat_views,
@@ -124,7 +126,11 @@ class CompactWeights(Keeper):
     warning if compiling fails; ``True``: on any device (inductor's GPU kernels are not measured by this project
     yet), and a failure to compile raises; ``False``: never (no compiler needed). The first fused step of a run
     compiles (18-20 s on a 2-core CPU, ~6 s from inductor's disk cache). An optimizer with step hooks (its own or
-    global ones) is not fused: its hooks see the step inside ``optimizer.step()``, on the stand-ins.
+    global ones) is not fused: its hooks see the step inside ``optimizer.step()``, on the stand-ins. On the CPU the C
+    loop of :func:`~lit_mpstable.core.weights.compact_fused.native_kernel` steps in the compiled kernel's place, and
+    from an optimizer's second step on, where it took every parameter, all of them in one call
+    (:class:`~lit_mpstable.core.weights.compact_fused.ManyArgs`: the same words, no torch op but a read of each step
+    counter, its arguments kept from step to step while the tensors stay the same).
 
     As the :class:`~lit_mpstable.core.weights.weights.WeightKeeper` of ``master_weights="kahan"``/``"stochastic"``
     (:meth:`unscale_` ... ``end_step_``), the gradients stay as they are (scaled, 16-bit) until the FP32
@@ -186,6 +192,7 @@ class CompactWeights(Keeper):
         self._unnamed: dict[int, torch.Tensor] = {}  # 16-bit but not the model's: stepped as they are
         self._fused: FusedAdam | None = None  # built at the first fused step
         self._views: dict[int, KernelArgs] = {}  # per parameter (by id): its kernel arguments of the last fused step
+        self._many: dict[int, ManyArgs] = {}  # per optimizer (by id): its whole step as one call of the C loop
         self._crc: dict[str, int] = {}  # per parameter name: its CRC-32, part of every random key
         self._before: dict[int, dict[str, Any]] = {}  # during step_: each parameter's state before it
         for optimizer in optimizers:
@@ -264,6 +271,7 @@ class CompactWeights(Keeper):
         (``w + comp``: the value the run held) and the compensation is zeroed; back into 16 bits, the compensation
         takes the rounding residual; per-element optimizer state follows the parameter's dtype (Adam's ``lerp_``
         refuses mixed dtypes)."""
+        self._many.clear()  # the C loop's arguments of the old tensors
         for param, old in changed:
             self._views.pop(id(param), None)  # the fused kernel's views of its old tensors
             name = self._names.get(id(param))
@@ -299,9 +307,10 @@ class CompactWeights(Keeper):
         optimizer would (none with one: the optimizer is not called). Afterwards every stepped parameter's gradient
         is None (freed chunk by chunk). The optimizer is called once per chunk (its step hooks too); parameters the
         fused kernel stepped are out of its groups, and with them alone it is called once with empty groups (what
-        counts its steps, an LR scheduler, still sees one). If it raises, the chunks before stay stepped, and the
-        failing chunk's parameters, gradients and per-element state are unchanged. Skipping a step (inf/NaN) is
-        the caller's decision: then do not call this.
+        counts its steps, an LR scheduler, still sees one; when the C loop steps them all in one call, only where
+        something would see it: a wrapper of ``optimizer.step`` or step keywords). If it raises, the chunks before
+        stay stepped, and the failing chunk's parameters, gradients and per-element state are unchanged. Skipping a
+        step (inf/NaN) is the caller's decision: then do not call this.
 
         Raises:
             ValueError: the optimizer is not bound, a closure is given (it would run once per chunk), or
@@ -322,9 +331,16 @@ class CompactWeights(Keeper):
             raise ValueError(f"CompactWeights.step_(clip_value={clip_value!r}): must be positive, or None.")
         self.steps += 1
         self._before = {}
+        many = self._many.get(id(optimizer))
+        if many is not None:
+            done, output = self._step_many_(optimizer, many, grad_multiplier, clip_value, step_kwargs)
+            if done:
+                return output
         groups, output = optimizer.param_groups, None
         pieces = self._pieces(optimizer)
         rest, fused = self._step_fused_(optimizer, pieces, grad_multiplier, clip_value)
+        if fused and not rest:  # every parameter fused: next time, if the C loop took them, all in one call
+            self._keep_many_(optimizer, pieces)
         chunks: list[list[Piece]] = []
         if rest:  # chunks grow by the gradient bytes the fused step dropped (of the parameter's size and dtype)
             freed = sum(piece.param.numel() * piece.param.element_size() for piece in pieces
@@ -356,6 +372,50 @@ class CompactWeights(Keeper):
                 self._leave(optimizer, piece, proxy)
         self._before = {}
         return output
+
+    def _step_many_(
+        self, optimizer: Optimizer, many: ManyArgs, multiplier: torch.Tensor | float | None, clip: float | None,
+        step_kwargs: dict[str, Any],
+    ) -> tuple[bool, object]:
+        """Step every parameter of ``optimizer`` in one call of the C loop, as the last step did them one by one
+        (:class:`~lit_mpstable.core.weights.compact_fused.ManyArgs`: the same words); ``(False, None)`` and nothing
+        done where anything changed since (then the parameters are stepped one by one again)."""
+        native = compact_fused.native_kernel()
+        if (native is None or self.fused is False or self._fused_failed or torch._C._len_torch_dispatch_stack() > 0
+                or _has_step_hooks(optimizer) or not many.run_(optimizer, native, self.seed, self.steps, multiplier,
+                                                               clip)):
+            del self._many[id(optimizer)]
+            return False, None
+        if not step_kwargs and "step" not in vars(optimizer):
+            return True, None  # the call with empty groups below would do nothing
+        # Keywords for the optimizer to check, or a wrapper of its step (an LR scheduler's counter) that must see it:
+        # one call with empty groups, as when the fused kernel stepped every parameter one by one.
+        groups = optimizer.param_groups
+        saved = [group["params"] for group in groups]
+        try:
+            for group in groups:
+                group["params"] = []
+            return True, optimizer.step(**step_kwargs)
+        finally:
+            for group, params in zip(groups, saved):
+                group["params"] = params
+
+    def _keep_many_(self, optimizer: Optimizer, pieces: list[Piece]) -> None:
+        # After a step whose parameters were all fused: the C loop's arguments for all of them at once, where it
+        # stepped them (on the CPU, outside a TorchDispatchMode, the kernel not failed).
+        if (self._fused_failed or torch._C._len_torch_dispatch_stack() > 0
+                or compact_fused.native_kernel() is None):
+            return
+        stepped = []
+        for piece in pieces:
+            name = cast(str, piece.name)
+            crc = self._crc.get(name)
+            if crc is None:
+                crc = self._crc[name] = zlib.crc32(name.encode())
+            stepped.append((piece.group, piece.param, self._comp.get(name) if self.mode == "kahan" else None, crc))
+        many = ManyArgs.make(optimizer, stepped)
+        if many is not None:
+            self._many[id(optimizer)] = many
 
     def _pieces(self, optimizer: Optimizer) -> list[Piece]:
         non_castable = getattr(optimizer, "non_castable_tensor_keys", ())
@@ -629,6 +689,7 @@ class CompactWeights(Keeper):
                 moments.
         """
         state, moments = split_moments("CompactKeeper", state, self.moments)
+        self._many.clear()
         check_keys("", {"mode", "seed", "steps", "compensation"}, set(state), "a different lit_mpstable version?")
         if state["mode"] != self.mode:
             raise ValueError(
@@ -975,8 +1036,7 @@ _ADAM_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq"))  # the state torch's A
 
 def _has_step_hooks(optimizer: Optimizer) -> bool:
     # The optimizer's own step pre/post hooks and the global ones (torch.optim.optimizer.register_optimizer_step_*).
-    from torch.optim import optimizer as module
-
+    module = _optimizer_module
     return bool(
         getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None)
         or getattr(module, "_global_optimizer_pre_hooks", None) or getattr(module, "_global_optimizer_post_hooks", None)

@@ -25,13 +25,13 @@ import subprocess
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 
 from lit_mpstable.core.compiled import graph_count, own_graphs_since
-from lit_mpstable.core.weights.compact_rounding import _signed32, hash32
+from lit_mpstable.core.weights.compact_rounding import _signed32, hash32, step_keys
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -86,20 +86,26 @@ class FusedAdam:
     ) -> torch.Tensor:
         """The kernel's scalars for one parameter at optimizer step ``step`` (already incremented), computed in
         Python floats as torch's single-tensor Adam does; ``multiplier`` is a 0-d FP32 tensor (no host read)."""
+        values = host_to_device(torch.tensor(FusedAdam.values(group, step, clip), dtype=torch.float32),
+                                multiplier.device)
+        values[0] *= multiplier
+        return values
+
+    @staticmethod
+    def values(group: dict[str, Any], step: float, clip: float | None) -> list[float]:
+        """:meth:`scalars` as Python floats (to be rounded to FP32), the first the gradient's sign alone (the
+        multiplier not yet applied)."""
         lr = float(group["lr"])
         beta1, beta2 = (float(b) for b in group["betas"])
         weight_decay, eps = float(group["weight_decay"]), float(group["eps"])
         decoupled = bool(group.get("decoupled_weight_decay", False))
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
-        values = torch.tensor([
+        return [
             -1.0 if group.get("maximize", False) else 1.0, float("inf") if clip is None else float(clip),
             (1 - lr * weight_decay) if decoupled else 1.0, 0.0 if decoupled else weight_decay,
             1 - beta1, beta2, 1 - beta2, bias_correction2**0.5, eps, -(lr / bias_correction1),
-        ], dtype=torch.float32)
-        values = host_to_device(values, multiplier.device)
-        values[0] *= multiplier
-        return values
+        ]
 
     def step_(
         self, w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -251,6 +257,136 @@ def fill_key(views: dict[int, KernelArgs], p: torch.Tensor, key: int) -> torch.T
 def flat(t: torch.Tensor) -> torch.Tensor:
     # A contiguous tensor as the 1-d one the kernel takes; a view costs microseconds, so none where it is one already.
     return t if t.dim() == 1 else t.view(-1)
+
+
+_BF16, _FP32, _STRIDED = torch.bfloat16, torch.float32, torch.strided
+Stepped = tuple[int, torch.Tensor, torch.Tensor | None, int]  # group index, parameter, compensation, random stream
+
+
+class _Entry(NamedTuple):
+    # One parameter of ManyArgs: its tensors are held (no other tensor can take their addresses while kept).
+    group: int
+    param: torch.Tensor
+    data: torch.Tensor  # the parameter's data when kept
+    comp: torch.Tensor | None
+    state: dict[str, Any]
+    m: torch.Tensor
+    v: torch.Tensor
+    step: torch.Tensor
+    pointers: tuple[int, int, int, int]  # of data, m, v, step
+    numel: int
+
+
+class ManyArgs:
+    """One optimizer's fused step as one call of the C loop (:attr:`NativeKernel.many`), kept from step to step: per
+    parameter with a gradient (in the groups' order) its tensors, pointers, size, random stream and step counter,
+    and the arrays the call reads. :meth:`run_` checks at every step, in Python and without reading a tensor, that
+    they are the same (the groups' parameters, the parameters with a gradient, their data, state and moments; every
+    gradient a contiguous BF16 CPU tensor), about a microsecond a parameter, and steps them with the words a call per
+    parameter writes; or it does nothing and returns False (then step them one by one and :meth:`make` a new one)."""
+
+    __slots__ = ("comp", "crcs", "entries", "g", "idle", "keys", "m", "mult", "n", "params", "plain", "scalars",
+                 "sizes", "step", "step64", "v", "w", "which")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, stepped: Sequence[Stepped]) -> None:
+        count = len(stepped)
+        groups = optimizer.param_groups
+        self.params = [p for group in groups for p in group["params"]]
+        self.sizes = [len(group["params"]) for group in groups]
+        ids = {id(p) for _, p, _, _ in stepped}
+        self.idle = [p for p in self.params if id(p) not in ids]  # without a gradient when kept: none now either
+        self.entries: list[_Entry] = []
+        for group, p, comp, _ in stepped:
+            state = optimizer.state[p]
+            m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+            pointers = (p.data_ptr(), m.data_ptr(), v.data_ptr(), step.data_ptr())
+            self.entries.append(_Entry(group, p, p.detach(), comp, state, m, v, step, pointers, p.numel()))
+        self.crcs = [crc for _, _, _, crc in stepped]
+        array = ctypes.c_void_p * count
+        self.w, self.m, self.v, self.step = (array(*(e.pointers[i] for e in self.entries)) for i in range(4))
+        self.comp = array(*(None if e.comp is None else e.comp.data_ptr() for e in self.entries))
+        self.g = array()  # this step's gradients
+        self.step64 = (ctypes.c_int32 * count)(*(e.step.dtype == torch.float64 for e in self.entries))
+        self.n = (ctypes.c_int64 * count)(*(e.numel for e in self.entries))
+        self.scalars = (ctypes.c_float * (10 * count))()  # a set per group and step count, usually one
+        self.which = (ctypes.c_int32 * count)()  # each parameter's set
+        self.plain = (ctypes.c_int32 * count)()
+        self.keys = (ctypes.c_int32 * count)()
+        self.mult = (ctypes.c_float * 1)()  # the multiplier when it is no tensor
+
+    @staticmethod
+    def make(optimizer: torch.optim.Optimizer, stepped: Sequence[Stepped]) -> ManyArgs | None:
+        """``stepped``: (group index, parameter, compensation or None, its random stream) of every parameter the C
+        loop just stepped one by one; None where one of them, or a group, is not what the C loop takes."""
+        cpu = torch.device("cpu")
+        if not stepped or not all(FusedAdam.eligible(optimizer, group, cpu) for group in optimizer.param_groups):
+            return None
+        for _, p, comp, _ in stepped:
+            state = optimizer.state.get(p, {})
+            if state.keys() != {"step", "exp_avg", "exp_avg_sq"}:
+                return None
+            step = state["step"]
+            data = [p.detach(), state["exp_avg"], state["exp_avg_sq"]] + ([comp] if comp is not None else [])
+            if not (p.numel() > 0 and all(type(t) is torch.Tensor and t.is_cpu and t.dtype == _BF16
+                                          and t.is_contiguous() and t.numel() == p.numel() for t in data)
+                    and type(step) is torch.Tensor and step.is_cpu and step.numel() == 1
+                    and step.dtype in (torch.float32, torch.float64)):
+                return None
+        return ManyArgs(optimizer, stepped)
+
+    def run_(self, optimizer: torch.optim.Optimizer, native: NativeKernel, seed: int, steps: int,
+             multiplier: torch.Tensor | float | None, clip: float | None) -> bool:
+        """Step every parameter (random keys of ``seed`` at ``steps``; gradients times ``multiplier``, clamped to
+        ``clip``), count their steps and drop their gradients; False (nothing done) where anything changed."""
+        groups = optimizer.param_groups
+        cpu = torch.device("cpu")
+        flat = [p for group in groups for p in group["params"]]
+        if (len(flat) != len(self.params) or any(a is not b for a, b in zip(flat, self.params))
+                or [len(group["params"]) for group in groups] != self.sizes
+                or any(p.grad is not None for p in self.idle)
+                or not all(FusedAdam.eligible(optimizer, group, cpu) for group in groups)):
+            return False
+        state_of = optimizer.state
+        grads = []
+        counts = []
+        for _, p, _, _, state, m, v, step, (ptr, m_ptr, v_ptr, step_ptr), numel in self.entries:
+            g = p.grad
+            if (g is None or type(g) is not torch.Tensor or g.dtype is not _BF16 or not g.is_cpu
+                    or g.layout is not _STRIDED or not g.is_contiguous() or p.dtype is not _BF16 or p.data_ptr() != ptr
+                    or p.numel() != numel
+                    or state_of.get(p) is not state or len(state) != 3 or state.get("exp_avg") is not m
+                    or state.get("exp_avg_sq") is not v or state.get("step") is not step or m.data_ptr() != m_ptr
+                    or v.data_ptr() != v_ptr or step.data_ptr() != step_ptr):
+                return False
+            grads.append(g)
+            counts.append(step.item() + 1)  # a CPU tensor, as torch's Adam reads it
+        # The kernel's scalars, per group and step count; the multiplier is applied in C.
+        sets: dict[tuple[int, float], int] = {}
+        scalars, which, plain = self.scalars, self.which, self.plain
+        for k, (entry, count) in enumerate(zip(self.entries, counts)):
+            group = groups[entry.group]
+            index = sets.get((entry.group, count))
+            if index is None:
+                index = sets[entry.group, count] = len(sets)
+                scalars[10 * index : 10 * index + 10] = cast(Any, FusedAdam.values(group, count, clip))
+            which[k] = index
+            plain[k] = FusedAdam.plain(group, clip)
+        self.keys[:] = cast(Any, step_keys(seed, steps, self.crcs))
+        self.g[:] = cast(Any, [g.data_ptr() for g in grads])
+        held = None  # the FP32 multiplier tensor the C loop reads, kept alive through the call
+        if isinstance(multiplier, torch.Tensor):
+            held = multiplier if (type(multiplier) is torch.Tensor and multiplier.dtype == _FP32 and multiplier.is_cpu
+                                  and multiplier.numel() == 1) else multiplier_tensor(multiplier, cpu)
+            mult: Any = held.data_ptr()
+        else:
+            self.mult[0] = 1.0 if multiplier is None else float(multiplier)
+            mult = self.mult
+        native.many(len(self.entries), self.w, self.comp, self.g, self.m, self.v, self.n, scalars, which, plain,
+                    self.keys, mult, self.step, self.step64, torch.get_num_threads())
+        del held
+        for entry in self.entries:
+            entry.param.grad = None
+        return True
 
 
 # ----------------------------------------------------------------------------- the arithmetic
@@ -418,19 +554,59 @@ void lmp_adam_bf16(uint16_t *w, uint16_t *comp, const uint16_t *g, uint16_t *m, 
               first + (uint32_t)lo, plain);
     }
 }
+
+/* Many parameters in one call (a whole optimizer's step): parameter i has n[i] elements at w[i], comp[i] (NULL:
+   stochastic), g[i], m[i], v[i], its key at key[i] and its scalars at scalars + 10 * which[i], whose first (the sign)
+   is multiplied by *mult, the FP32 gradient multiplier (as values[0] *= multiplier); plain[i] picks the loop. Then its
+   step counter, FP32 at step[i] (FP64 where step64[i]), is counted up by one, as torch's Adam does. */
+void lmp_adam_bf16_many(int64_t count, uint16_t **w, uint16_t **comp, uint16_t **g, uint16_t **m, uint16_t **v,
+                        const int64_t *n, const float *scalars, const int32_t *which, const int32_t *plain,
+                        const int32_t *key, const float *mult, void **step, const int32_t *step64, int threads) {
+    for (int64_t i = 0; i < count; i++) {
+        float s[10];
+        memcpy(s, scalars + 10 * (int64_t)which[i], sizeof s);
+        s[0] = s[0] * *mult;
+        lmp_adam_bf16(w[i], comp[i], g[i], m[i], v[i], n[i], s, key + i, plain[i], threads);
+        if (step64[i]) *(double *)step[i] += 1.0; else *(float *)step[i] += 1.0f;
+    }
+}
 """
 
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 _POINTER = ctypes.c_void_p
 
-NativeKernel = Callable[..., None]
+
+
+class NativeKernel:
+    """The loaded C loop. Called, one parameter's step ``(w, comp, g, m, v, scalars, key, plain)`` over flat
+    contiguous CPU tensors (BF16 but the FP32 scalars and the 0-d int32 key, read in C: no host read in torch's
+    sense); :attr:`many`, ``lmp_adam_bf16_many`` of the source: several parameters in one call, their arguments as
+    arrays of pointers and numbers (:class:`~lit_mpstable.core.weights.compact.CompactWeights` keeps them from step to
+    step), each parameter's words those of a call of its own."""
+
+    __slots__ = ("many", "one")
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.one = lib.lmp_adam_bf16
+        self.one.restype = None
+        self.one.argtypes = [_POINTER] * 5 + [ctypes.c_int64, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int]
+        self.many = lib.lmp_adam_bf16_many
+        self.many.restype = None
+        self.many.argtypes = [ctypes.c_int64] + [_POINTER] * 13 + [ctypes.c_int]
+
+    def __call__(
+        self, w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+        scalars: torch.Tensor, key: torch.Tensor, plain: bool,
+    ) -> None:
+        self.one(
+            w.data_ptr(), None if comp is None else comp.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
+            w.numel(), scalars.data_ptr(), key.data_ptr(), int(plain), torch.get_num_threads(),
+        )
 
 
 def native_kernel() -> NativeKernel | None:
-    """The loaded step ``(w, comp, g, m, v, scalars, key, plain)`` over flat contiguous CPU tensors (BF16 but the
-    FP32 scalars and the 0-d int32 key, read in C: no host read in torch's sense), or ``None`` where it cannot be
-    built (then the compiled kernel steps). Built at the first call on a machine (0.2-2.5 s measured), then loaded
-    from the cache."""
+    """The loaded C loop (:class:`NativeKernel`), or ``None`` where it cannot be built (then the compiled kernel
+    steps). Built at the first call on a machine (0.2-2.5 s measured), then loaded from the cache."""
     if os.environ.get("LIT_MPSTABLE_NATIVE", "1") == "0":
         return None
     return _load_native()
@@ -450,21 +626,8 @@ def _load_native() -> NativeKernel | None:
                 lib = ctypes.CDLL(path)
             except OSError:
                 continue
-            step = lib.lmp_adam_bf16
-            step.restype = None
-            step.argtypes = [_POINTER] * 5 + [ctypes.c_int64, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int]
-            return functools.partial(_call, step)
+            return NativeKernel(lib)
     return None
-
-
-def _call(
-    step: Callable[..., None], w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor,
-    v: torch.Tensor, scalars: torch.Tensor, key: torch.Tensor, plain: bool,
-) -> None:
-    step(
-        w.data_ptr(), None if comp is None else comp.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), w.numel(),
-        scalars.data_ptr(), key.data_ptr(), int(plain), torch.get_num_threads(),
-    )
 
 
 def native_takes(

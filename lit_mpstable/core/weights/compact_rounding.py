@@ -51,17 +51,31 @@ def step_keys(seed: int, step: int, streams: list[int]) -> list[int]:
     """The random key of element 0 of each stream (a parameter's CRC-32) at ``step`` of ``seed``: splitmix64 over
     the three, folded to 32 bits, as a signed int (the int32 that :func:`hash32` and the kernels add the element
     index to)."""
-    return [_signed32(_mix(seed, step, stream)) for stream in streams]
+    h = _round(_round(_H0, seed), step)  # what the streams share: once a step, not once a stream
+    keys = []
+    for stream in streams:
+        k = _round(h, stream)
+        k = (k ^ (k >> 32)) & 0xFFFFFFFF
+        keys.append(k - 2**32 if k >= 2**31 else k)  # _signed32
+    return keys
+
+
+_H0 = 0x9E3779B97F4A7C15
 
 
 def _mix(*values: int) -> int:
     # splitmix64 over the values, folded to 32 bits.
-    h = 0x9E3779B97F4A7C15
+    h = _H0
     for v in values:
-        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 29
+        h = _round(h, v)
     return (h ^ (h >> 32)) & 0xFFFFFFFF
+
+
+def _round(h: int, v: int) -> int:
+    # One value into splitmix64's state.
+    h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return h ^ (h >> 29)
 
 
 # 0x846CA68B as a signed 32-bit integer: the hash runs on int32 tensors with wrapping arithmetic.
