@@ -380,10 +380,9 @@ class CompactWeights(Keeper):
         """Step every parameter of ``optimizer`` in one call of the C loop, as the last step did them one by one
         (:class:`~lit_mpstable.core.weights.compact_fused.ManyArgs`: the same words); ``(False, None)`` and nothing
         done where anything changed since (then the parameters are stepped one by one again)."""
-        native = compact_fused.native_kernel()
-        if (native is None or self.fused is False or self._fused_failed or torch._C._len_torch_dispatch_stack() > 0
-                or _has_step_hooks(optimizer) or not many.run_(optimizer, native, self.seed, self.steps, multiplier,
-                                                               clip)):
+        native = (None if self.fused is False or self._fused_failed or torch._C._len_torch_dispatch_stack() > 0
+                  or _has_step_hooks(optimizer) else compact_fused.native_kernel())
+        if native is None or not many.run_(optimizer, native, self.seed, self.steps, multiplier, clip):
             del self._many[id(optimizer)]
             return False, None
         if not step_kwargs and "step" not in vars(optimizer):
