@@ -628,7 +628,10 @@ class StaticLossScaler(DynamicLossScaler):
 
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._overflow_count is not None
-        self._overflow_count += found_inf > 0
+        if self._host_found is None:  # no step read the flag (an iteration checked but not stepped): on the device
+            self._overflow_count += found_inf > 0
+        elif self._host_found:  # step()'s host sync saw the overflow: a clean step moves nothing
+            self._overflow_count += 1
 
 
 # ---------------------------------------------------------------------------------------- inf-check helpers

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg
-from lit_mpstable.core.attribution import RngState, any_nonfinite
+from lit_mpstable.core.attribution import RngState
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.formats import PRECISION_DTYPES, PRECISION_FORMATS
 from lit_mpstable.core.guards.growth import GrowthMonitor
@@ -42,7 +42,13 @@ from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.step import probe
-from lit_mpstable.core.step.step_guard import check_step_inputs_, held_nonfinite, late_nonfinite_note, stale_grads_note
+from lit_mpstable.core.step.step_guard import (
+    check_step_inputs_,
+    held_nonfinite,
+    late_nonfinite_note,
+    note_nonfinite_,
+    stale_grads_note,
+)
 from lit_mpstable.core.step.step_spike import check_spike_guard, level_shift_note, observe_loss, true_grad_norm
 from lit_mpstable.core.step.stepper_state import (
     check_plugin_state,
@@ -433,9 +439,8 @@ class PrecisionStepper:
         """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
         device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
         tensors = floating_tensors(data)
-        if tensors:
-            flag = any_nonfinite(tensors)
-            self._input_nonfinite = flag if self._input_nonfinite is None else self._input_nonfinite | flag
+        if tensors:  # one FP32 flag per step, micro-batches folded in (note_nonfinite_)
+            self._input_nonfinite = note_nonfinite_(tensors, self._input_nonfinite)
         if not self.true_16bit:
             return data
         self._converted_to = self.compute_dtype
@@ -639,7 +644,10 @@ class PrecisionStepper:
         if guard is not None and guard.clip_zscore is not None and id(optimizer) not in self._zclipped:
             self.clip_grad_norm_(optimizer, math.inf)  # clip_zscore without the user's clip: ZClip alone
         self._zclipped.discard(id(optimizer))
-        factor = self.keeper.grads(optimizer, absorb=True).multiplier  # a hook's write reaches the keeper again
+        # A hook's write reaches the keeper again; the plain keeper (mode None) holds the model's own gradients, with
+        # nothing to absorb and no factor owed: its view is not built.
+        keeper = self.keeper
+        factor = keeper.grads(optimizer, absorb=True).multiplier if keeper.mode is not None else None
         checker = self._checker
         spike = self._spike.pop(id(optimizer), (None, None))[0]
         early, spike = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device,
@@ -930,7 +938,8 @@ class PrecisionStepper:
     def input_nonfinite(self) -> torch.Tensor | None:
         """Whether a batch of the step in progress held inf/NaN, as a 0-dim device bool (None: no floating inputs
         seen). Reading its value syncs."""
-        return self._input_nonfinite
+        flag = self._input_nonfinite  # kept as an FP32 flag (1.0: found), which the step's own reads take as it is
+        return None if flag is None else flag > 0
 
     @property
     def skip_requested(self) -> bool:
