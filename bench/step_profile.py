@@ -14,8 +14,8 @@ machine's load; times from a profiled run are inflated and only rank the functio
 from __future__ import annotations
 
 import argparse
-import cProfile
 import collections
+import cProfile
 import io
 import pstats
 import sys
