@@ -717,22 +717,21 @@ def _checked_at_one(optimizer: torch.optim.Optimizer, found: torch.Tensor, *, al
         ValueError: an FP16 gradient without ``allow_fp16`` (GradScaler's refusal, word for word).
     """
     device = found.device
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if type(grad) is not torch.Tensor or grad.is_sparse or grad.device != device:
-                return None
-            if grad.dtype == torch.float16 and not allow_fp16:
-                raise ValueError("Attempting to unscale FP16 gradients.")
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    if not by_dtype:
+    grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+    if not grads:
         return {}  # as GradScaler: no gradients, no flag
-    with torch.no_grad():
-        for grads in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one_on(device))
+    if not all(type(g) is torch.Tensor and not g.is_sparse and g.device == device for g in grads):
+        return None
+    dtypes = {g.dtype for g in grads}
+    if torch.float16 in dtypes and not allow_fp16:
+        raise ValueError("Attempting to unscale FP16 gradients.")
+    one = one_on(device)
+    with _NO_GRAD:
+        if len(dtypes) == 1:  # one call for all (the usual case), else one per dtype as GradScaler groups them
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        else:
+            for dtype in dtypes:
+                torch._amp_foreach_non_finite_check_and_unscale_([g for g in grads if g.dtype == dtype], found, one)
     return {device: found}
 
 
@@ -740,6 +739,27 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
+class _GradOff:
+    """``torch.no_grad()`` for the check kernels on the step path, as one reusable object: entering it costs two C
+    calls instead of torch's Python ``set_grad_enabled`` objects (not reentrant: nothing inside enters it again)."""
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.prev)
+
+
+_NO_GRAD = _GradOff()
+
+_DIST = torch.distributed.is_available()  # a property of the build: asked once
+
+
+def distributed_ready() -> bool:
+    """``torch.distributed.is_available() and torch.distributed.is_initialized()``, the build's half asked once."""
+    return _DIST and torch.distributed.is_initialized()
+
+
 def _world_size(group: ProcessGroup | None) -> int:
-    dist = torch.distributed
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    return torch.distributed.get_world_size(group) if distributed_ready() else 1

@@ -18,6 +18,8 @@ import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, is_, is_not
 from typing import Any, Literal, cast, get_args
 
 import torch
@@ -366,29 +368,37 @@ class PrecisionStepper:
             layout.forward_context() if layout.fp8_backend is not None else None,
             self._recast_inputs() if self.true_16bit else None,
         ) if context is not None]
+        if not extras:  # the plain step: the precision's own context, no ExitStack around it
+            yield from self._compute_context(layout, policy)
+            return
         with ExitStack() as stack:
             for context in extras:
                 stack.enter_context(context)
-            if layout.fp32 or self.dtype == torch.float32:  # "32-true", or a global fallback (the compute dtype)
+            yield from self._compute_context(layout, policy)
+
+    def _compute_context(self, layout: PrecisionLayout, policy: OpPolicy) -> Generator[None, None, None]:
+        """The body of :meth:`forward_context` inside its extra contexts: the compute dtype's own context."""
+        dtype = self.dtype
+        if layout.fp32 or dtype == torch.float32:  # "32-true", or a global fallback (the compute dtype)
+            yield
+        elif self.true_16bit:
+            with default_dtype(dtype):  # tensors created inside forward default to the 16-bit dtype
                 yield
-            elif self.true_16bit:
-                with default_dtype(self.dtype):  # tensors created inside forward default to the 16-bit dtype
+        else:
+            # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
+            # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
+            autocast = torch.autocast(self.device, dtype=dtype, cache_enabled=False)
+            if policy.steers:
+                with autocast, policy.context(self.device):
                     yield
             else:
-                # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
-                # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
-                autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
-                if policy.steers:
-                    with autocast, policy.context(self.device):
-                        yield
-                else:
-                    with autocast:
-                        yield
-                # A policy that never steers has nothing pending: its choices (all autocast) are recorded once.
-                if not (policy.steers and policy.pending) and self.stats.get("op_policy") != policy.choices:
-                    self.stats["op_policy"] = dict(policy.choices)  # decided (second forward), forced or resumed
-                    self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
-                                                  for f, m in policy.measurements.items()}
+                with autocast:
+                    yield
+            # A policy that never steers has nothing pending: its choices (all autocast) are recorded once.
+            if not (policy.steers and policy.pending) and self.stats.get("op_policy") != policy.choices:
+                self.stats["op_policy"] = dict(policy.choices)  # decided (second forward), forced or resumed
+                self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
+                                              for f, m in policy.measurements.items()}
 
     @contextmanager
     def _recast_inputs(self) -> Generator[None, None, None]:
@@ -457,11 +467,12 @@ class PrecisionStepper:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"{self.owner}.scale_loss(loss={loss!r:.80}): must be a tensor (the loss to call backward"
                             " on).")
-        for optimizer in [o for o in self.optimizers if id(o) in self.iteration.unscaled]:
+        now = self.iteration
+        for optimizer in [o for o in self.optimizers if id(o) in now.unscaled] if now.unscaled else ():
             if (note := stale_grads_note(optimizer)) is not None:
                 self.warnings.add_once(f"stale-grads:{type(optimizer).__name__}", note)
             self.drop_grads_(optimizer)
-        if self.iteration.stepped:
+        if now.stepped:
             self._update_scale_()
         self.last_loss = loss.detach()
         if self.spike_guard is not None:
@@ -485,7 +496,7 @@ class PrecisionStepper:
                 " scale_loss(loss).backward() (Fabric: fabric.backward(loss); Trainer: the training step's backward),"
                 " then clipping, then the optimizer step.")
         self.iteration.unscaled.add(id(optimizer))
-        if all(optimizer is not known for known in self.optimizers):
+        if all(map(is_not, self.optimizers, repeat(optimizer))):  # by identity, as `optimizer is not known` each
             self.optimizers.append(optimizer)
             self._adopt_recast_state_([optimizer])  # a resumed fallback's FP32 optimizer state waiting for it
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
@@ -1151,24 +1162,46 @@ def _grads(keeper: WeightKeeper, optimizer: Optimizer) -> list[torch.Tensor | No
     return [p.grad for p in keeper.grads(optimizer).holders]
 
 
+_VERSION = attrgetter("_version")
+_DEREF = weakref.ref.__call__
+
+
 class GradSet:
     """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
-    weakly, so gradients dropped by ``zero_grad()`` are freed."""
+    weakly, so gradients dropped by ``zero_grad()`` are freed. Kept in order: the step asks about the same gradients in
+    the same order, which one pass of C-level maps answers (no Python call per gradient); the index by identity is
+    built only when asked otherwise."""
 
     def __init__(self, grads: Iterable[torch.Tensor]) -> None:
-        self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
+        grads = list(grads)
+        self._refs = list(map(weakref.ref, grads))
+        self._versions = list(map(_VERSION, grads))
+        self._by_id: dict[int, tuple[weakref.ref, int]] | None = None
 
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self._refs)
+
+    def _seen(self) -> dict[int, tuple[weakref.ref, int]]:
+        if self._by_id is None:
+            self._by_id = {id(g): (ref, version) for ref, version in zip(self._refs, self._versions)
+                           if (g := ref()) is not None}
+        return self._by_id
 
     def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
         grad, version = item
-        seen = self._seen.get(id(grad))
+        seen = self._seen().get(id(grad))
         return seen is not None and seen[0]() is grad and seen[1] == version
+
+    def same(self, grads: list[torch.Tensor]) -> bool:
+        """Whether ``grads`` are the set's gradients, in its order, each at its version (nothing written since)."""
+        return (len(grads) == len(self._refs) and all(map(is_, map(_DEREF, self._refs), grads))
+                and list(map(_VERSION, grads)) == self._versions)
 
     def changed(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients of ``grads`` not in the set as they are now (written since, or new): one call a step."""
-        seen = self._seen
+        if self.same(grads):
+            return []
+        seen = self._seen()
         return [g for g in grads if (s := seen.get(id(g))) is None or s[0]() is not g or s[1] != g._version]
 
 
