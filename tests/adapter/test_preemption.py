@@ -353,7 +353,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "optimizers": "the run's optimizers (their state is Lightning's optimizer_states)", "_initial": _SETUP,
         "_checker": "the scaler itself (walked as such), or without one a fixed scale-1 check with per-iteration state",
         "_compact_grad": _ITER, "_norms": _ITER, "last_loss": _ITER, "_unscaled": _ITER, "_skip_requested": _ITER,
-        "_input_nonfinite": _ITER, "_pending": "state loaded before the model arrived, consumed at setup",
+        "_input_ends": _ITER, "_pending": "state loaded before the model arrived, consumed at setup",
         "_layout_seen": "the layout of the last forward, for the compile note only",
         "_applied_by": "applied steps per optimizer in this process; the schedules' state is saved relative to it",
         "_data_fault": _ITER, "_overflowed": _ITER, "_stepped": _ITER, "_stepped_on": _ITER,

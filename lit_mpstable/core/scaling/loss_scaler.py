@@ -626,6 +626,20 @@ class StaticLossScaler(DynamicLossScaler):
     def __init__(self, device: str | None = None, init_scale: float = 2.0**16, enabled: bool = True) -> None:
         super().__init__(device, init_scale=init_scale, max_scale=None, enabled=enabled)
 
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """:meth:`DynamicLossScaler.update`; an iteration whose steps the host saw clean moves nothing on the device
+        (the scale is fixed, the overflow counter unchanged), so it only ends the iteration, without a kernel."""
+        states = self._per_optimizer_states
+        if (new_scale is None and self._host_found is False and self._enabled and self._scale is not None
+                and any(state["found_inf_per_device"] for state in states.values())):
+            self.last_data_fault = False
+            self._before_backoff = None
+            self._host_found = None
+            states.clear()
+            self.step_count += 1
+            return
+        super().update(new_scale)
+
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._overflow_count is not None
         if self._host_found is None:  # no step read the flag (an iteration checked but not stepped): on the device

@@ -65,24 +65,23 @@ def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: boo
     return (fold(optimizer, flag) if flag is not None else None), spike
 
 
-def note_nonfinite_(tensors: list[torch.Tensor], found: torch.Tensor | None) -> torch.Tensor:
-    """Fold into ``found`` whether any of ``tensors`` (a batch's non-empty floating tensors) holds inf/NaN, and return
-    it: a 0-dim FP32 flag (1.0: found), made on the first tensor's device when ``found`` is None (the step's first
-    batch); later micro-batches of the step add into it. No host read. Each tensor's minimum and maximum
-    (``torch.aminmax``: a NaN makes both NaN, an infinity is one of them; nothing batch-sized is allocated), then
-    GradScaler's check kernel over those ends at an inverse scale of 1 (it writes the fresh ends back unchanged): one
-    kernel per tensor plus one, where ``isfinite`` over the stacked ends took seven more (a third of the time on the
-    bench MLP's batch). A flag made under inference mode (a validation batch) is copied before a training batch
-    writes into it."""
-    if found is None:
-        found = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
-    elif found.is_inference() and not torch.is_inference_mode_enabled():
-        found = found.clone()
-    device = found.device
-    ends = [end if end.device == device else end.to(device)
-            for t in tensors for end in torch.aminmax(t.detach() if t.requires_grad else t)]
+def batch_ends(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each of ``tensors``' (a batch's non-empty floating tensors) minimum and maximum, 0-dim on its device, taken now
+    (a later in-place write into the batch does not change them): a NaN makes both NaN, an infinity is one of them,
+    and nothing batch-sized is allocated. One ``torch.aminmax`` per tensor and nothing else: whether they hold inf/NaN
+    (:func:`ends_nonfinite`) is asked only when the answer is needed, after an overflow."""
+    return [end for t in tensors for end in torch.aminmax(t.detach() if t.requires_grad else t)]
+
+
+def ends_nonfinite(ends: list[torch.Tensor]) -> torch.Tensor:
+    """Whether any of :func:`batch_ends`' ``ends`` is inf/NaN, as a 0-dim bool on the first one's device, without a
+    host read: GradScaler's check kernel over them at an inverse scale of 1 (it writes each back unchanged; copies of
+    ends taken under inference mode, a validation batch's, which only inference mode may write)."""
+    device = ends[0].device
+    ends = [end.clone() if end.is_inference() else end if end.device == device else end.to(device) for end in ends]
+    found = torch.zeros((), dtype=torch.float32, device=device)
     torch._amp_foreach_non_finite_check_and_unscale_(ends, found, one_on(device))
-    return found
+    return found > 0
 
 
 def held_nonfinite(optimizer: Optimizer) -> bool:
@@ -108,6 +107,8 @@ def held_tensors(optimizer: Optimizer, share: int | None = None, *, stepped: boo
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None or not stepped]
     else:
         params = [p for p in _shares(optimizer)[share] if p.grad is not None or not stepped]
+        if not params:  # most of a small model's shares (a share holds whole parameters)
+            return []
     held = []
     for param in params:
         held.append(param)
@@ -118,8 +119,9 @@ def held_tensors(optimizer: Optimizer, share: int | None = None, *, stepped: boo
     return [local_view(t) for t in held if not t.is_sparse]
 
 
-_SHARES: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], list[list[torch.Tensor]]]] = (
-    weakref.WeakKeyDictionary())
+_SHARES: dict[int, tuple[weakref.ref, tuple[int, ...], list[list[torch.Tensor]]]] = {}
+"""Per optimizer (by id, its weak reference telling a new optimizer at a reused address apart): the parameter ids the
+shares were made from, and the shares."""
 
 
 def _shares(optimizer: Optimizer) -> list[list[torch.Tensor]]:
@@ -128,10 +130,13 @@ def _shares(optimizer: Optimizer) -> list[list[torch.Tensor]]:
     parameters without summing every parameter's size again."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     key = tuple(map(id, params))
-    cached = _SHARES.get(optimizer)
-    if cached is None or cached[0] != key:
-        cached = _SHARES[optimizer] = (key, [_share(params, i) for i in range(STATE_SHARES)])
-    return cached[1]
+    cached = _SHARES.get(id(optimizer))
+    if cached is None or cached[0]() is not optimizer or cached[1] != key:
+        if cached is None or cached[0]() is not optimizer:  # the entry goes with the optimizer (it holds parameters)
+            weakref.finalize(optimizer, _SHARES.pop, id(optimizer), None)
+        shares = [_share(params, i) for i in range(STATE_SHARES)]
+        cached = _SHARES[id(optimizer)] = (weakref.ref(optimizer), key, shares)
+    return cached[2]
 
 
 def late_nonfinite_note(optimizer: Optimizer) -> str:

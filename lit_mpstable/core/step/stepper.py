@@ -45,10 +45,11 @@ from lit_mpstable.core.scaling.scalers import LossScaler, ScalerName, build_scal
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.step import probe
 from lit_mpstable.core.step.step_guard import (
+    batch_ends,
     check_step_inputs_,
+    ends_nonfinite,
     held_nonfinite,
     late_nonfinite_note,
-    note_nonfinite_,
     stale_grads_note,
 )
 from lit_mpstable.core.step.step_spike import check_spike_guard, level_shift_note, observe_loss, true_grad_norm
@@ -199,7 +200,7 @@ class PrecisionStepper:
         self.iteration = Iteration()  # what the iteration in progress did (host state)
         self._skip_requested = False
         self._zclipped: set[int] = set()  # optimizers clipped (with the adaptive threshold) in this iteration
-        self._input_nonfinite: torch.Tensor | None = None
+        self._input_ends: list[torch.Tensor] = []  # the step's batches' minima and maxima (batch_ends), on the device
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
         self._loss_scaled = False  # scale_loss ran in this process (the scaler has a scale to unscale by)
         self.step_buffers = StepBuffers()
@@ -447,10 +448,11 @@ class PrecisionStepper:
 
     def convert_input(self, data: object) -> Any:
         """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
-        device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
+        device, each floating tensor's minimum and maximum, whether the batch held inf/NaN being read off them only
+        after an overflow (to blame the data and not a layer) or when :attr:`input_nonfinite` is asked."""
         tensors = floating_tensors(data)
-        if tensors:  # one FP32 flag per step, micro-batches folded in (note_nonfinite_)
-            self._input_nonfinite = note_nonfinite_(tensors, self._input_nonfinite)
+        if tensors:  # their minima and maxima, checked only when asked (input_nonfinite): one kernel per tensor
+            self._input_ends += batch_ends(tensors)
         if not self.true_16bit:
             return data
         self._converted_to = self.compute_dtype
@@ -678,7 +680,7 @@ class PrecisionStepper:
                 self.last_step_spiked = now.data_fault = True
             elif skipped and ((early is not None and not bool(early)) or held_nonfinite(optimizer)):
                 late = now.data_fault = True
-            elif skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
+            elif skipped and self._input_ends and bool(ends_nonfinite(self._input_ends)):
                 now.data_fault = True
             now.overflowed |= skipped and not late and not self.last_step_spiked
             now.stepped.add(id(optimizer))
@@ -737,7 +739,7 @@ class PrecisionStepper:
             self.layout.sync_fp8_()
         self.counters.record(skipped=skipped, overflow=overflow, optimizer=optimizer)
         self.step_buffers.end_(skipped=skipped)  # a skipped step's forward leaves no trace in the buffers either
-        self._input_nonfinite = None
+        self._input_ends = []
         if self.growth is not None:
             self.growth.due()  # follows the step count now: a due step that went unsampled is warned of
 
@@ -949,8 +951,7 @@ class PrecisionStepper:
     def input_nonfinite(self) -> torch.Tensor | None:
         """Whether a batch of the step in progress held inf/NaN, as a 0-dim device bool (None: no floating inputs
         seen). Reading its value syncs."""
-        flag = self._input_nonfinite  # kept as an FP32 flag (1.0: found), which the step's own reads take as it is
-        return None if flag is None else flag > 0
+        return ends_nonfinite(self._input_ends) if self._input_ends else None  # computed when asked
 
     @property
     def skip_requested(self) -> bool:
