@@ -376,6 +376,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "measures_norm": "set by the stepper: for a SpikeGuard at construction, else learned again at the first clip"
                          " by norm after a resume",
         "last_data_fault": _ITER,
+        "_spare_flag": "the scale-1 check's flag its last step read as 0.0, reused as the next check's zero: " + _ITER,
         "_before_backoff": "the scale before this step's backoff, for triage to undo within the step: " + _ITER,
     },
     "PrecisionLayout": {"dtype": _CONFIG, "cast_parameters": _SETUP, "fp8": _CONFIG, "fp8_backend": _CONFIG,

@@ -104,6 +104,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         # Where the scale stood before the last update that may have backed off (see undo_backoff_); None when the
         # last update was clean, set by hand, or a skip_update_.
         self._before_backoff: tuple[list[torch.Tensor], dict[str, Any]] | None = None
+        # The scale-1 check's found-inf flag of the last iteration, which its step read as 0.0 and nothing wrote since
+        # (StaticLossScaler.update keeps it): the next check starts from it instead of allocating a zero.
+        self._spare_flag: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------------------- lazy state
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +240,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        found_inf, self._spare_flag = self._spare_flag, None  # 0.0 as the last step read it: no zero to allocate
+        if found_inf is None or found_inf.device != scale.device:
+            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         found = _checked_at_one(optimizer, found_inf, allow_fp16=self.allow_fp16_grads)
         state["found_inf_per_device"] = (found if found is not None
                                          else self._unscale_grads_(optimizer, one_on(scale.device), found_inf, False))
@@ -616,6 +621,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 _overflow_count=None,
                 _min_scale_hits=None,
                 _before_backoff=None,
+                _spare_flag=None,
             )
         return state
 
@@ -632,6 +638,13 @@ class StaticLossScaler(DynamicLossScaler):
         states = self._per_optimizer_states
         if (new_scale is None and self._host_found is False and self._enabled and self._scale is not None
                 and any(state["found_inf_per_device"] for state in states.values())):
+            if self.checks_only and len(states) == 1:
+                # One optimizer, stepped, its flag read 0.0 by that step's host sync and written by nothing since:
+                # the next scale-1 check takes it as its zero.
+                (state,) = states.values()
+                flags = state["found_inf_per_device"]
+                if state["stage"] is OptState.STEPPED and len(flags) == 1:
+                    (self._spare_flag,) = flags.values()
             self.last_data_fault = False
             self._before_backoff = None
             self._host_found = None
