@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -158,7 +159,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
     ):
         # The one host sync GradScaler makes per step lives here; record its answer for free.
-        found_inf = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
+        flags = optimizer_state["found_inf_per_device"]
+        found_inf = (next(iter(flags.values())).item() if len(flags) == 1  # one device: the usual case
+                     else sum(v.item() for v in flags.values()))
         self._note_skip(bool(found_inf))
         if found_inf:
             return None
@@ -733,6 +736,10 @@ def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimize
     return before
 
 
+_PLAIN = {torch.Tensor}
+_IS_SPARSE, _DEVICE, _DTYPE = attrgetter("is_sparse"), attrgetter("device"), attrgetter("dtype")
+
+
 def _checked_at_one(optimizer: torch.optim.Optimizer, found: torch.Tensor, *, allow_fp16: bool
                     ) -> dict[torch.device, torch.Tensor] | None:
     """GradScaler's ``_unscale_grads_`` at an inverse scale of 1 for plain dense gradients on ``found``'s device: the
@@ -747,9 +754,10 @@ def _checked_at_one(optimizer: torch.optim.Optimizer, found: torch.Tensor, *, al
     grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
     if not grads:
         return {}  # as GradScaler: no gradients, no flag
-    if not all(type(g) is torch.Tensor and not g.is_sparse and g.device == device for g in grads):
+    # Plain dense tensors on the flag's device (C-level maps: no Python call per gradient).
+    if set(map(type, grads)) != _PLAIN or any(map(_IS_SPARSE, grads)) or set(map(_DEVICE, grads)) != {device}:
         return None
-    dtypes = {g.dtype for g in grads}
+    dtypes = set(map(_DTYPE, grads))
     if torch.float16 in dtypes and not allow_fp16:
         raise ValueError("Attempting to unscale FP16 gradients.")
     one = one_on(device)

@@ -538,7 +538,7 @@ class PrecisionStepper:
         """Gradient telemetry into :attr:`stats` (the observer computes it on due steps only; it is not even asked on
         the steps it said are quiet)."""
         module, observer = self.layout.module, self.observer
-        if module is None or (observer.tracer is None and self.step_count in observer.quiet):
+        if module is None or (observer.tracer is None and self.counters.step_count in observer.quiet):
             return
         scaler = self.scaler
         scale = scaler.get_scale if scaler is not None else lambda: 1.0  # called on due steps only
