@@ -201,6 +201,7 @@ class PrecisionStepper:
         self._skip_requested = False
         self._zclipped: set[int] = set()  # optimizers clipped (with the adaptive threshold) in this iteration
         self._input_ends: list[torch.Tensor] = []  # the step's batches' minima and maxima (batch_ends), on the device
+        self._input_flag: tuple[int, torch.Tensor] | None = None  # input_nonfinite as computed, over that many ends
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
         self._loss_scaled = False  # scale_loss ran in this process (the scaler has a scale to unscale by)
         self.step_buffers = StepBuffers()
@@ -680,7 +681,7 @@ class PrecisionStepper:
                 self.last_step_spiked = now.data_fault = True
             elif skipped and ((early is not None and not bool(early)) or held_nonfinite(optimizer)):
                 late = now.data_fault = True
-            elif skipped and self._input_ends and bool(ends_nonfinite(self._input_ends)):
+            elif skipped and (flag := self.input_nonfinite) is not None and bool(flag):
                 now.data_fault = True
             now.overflowed |= skipped and not late and not self.last_step_spiked
             now.stepped.add(id(optimizer))
@@ -739,7 +740,7 @@ class PrecisionStepper:
             self.layout.sync_fp8_()
         self.counters.record(skipped=skipped, overflow=overflow, optimizer=optimizer)
         self.step_buffers.end_(skipped=skipped)  # a skipped step's forward leaves no trace in the buffers either
-        self._input_ends = []
+        self._input_ends, self._input_flag = [], None
         if self.growth is not None:
             self.growth.due()  # follows the step count now: a due step that went unsampled is warned of
 
@@ -951,7 +952,12 @@ class PrecisionStepper:
     def input_nonfinite(self) -> torch.Tensor | None:
         """Whether a batch of the step in progress held inf/NaN, as a 0-dim device bool (None: no floating inputs
         seen). Reading its value syncs."""
-        return ends_nonfinite(self._input_ends) if self._input_ends else None  # computed when asked
+        ends, known = self._input_ends, self._input_flag
+        if not ends:
+            return None
+        if known is None or known[0] != len(ends):  # computed when first asked, again once another batch came
+            known = self._input_flag = (len(ends), ends_nonfinite(ends))
+        return known[1]
 
     @property
     def skip_requested(self) -> bool:
