@@ -307,6 +307,11 @@ register(Config("mlp/SP-bf16-mixed+cb", "policy-mlp",
                 "StablePrecision(\"bf16-mixed\", spike_guard=SpikeGuard()) + stable_callbacks()",
                 trainer=lambda: {"plugins": [StablePrecision("bf16-mixed", spike_guard=SpikeGuard())],
                                  "callbacks": stable_callbacks()}))
+# Lightning's own cost of four callbacks that do nothing (every hook of every callback is dispatched, profiled, each
+# step): the floor under the whole stack's four callbacks.
+register(Config("mlp/L-bf16-mixed+4empty", "policy-mlp", 'Trainer(precision="bf16-mixed") + 4 empty Callbacks',
+                trainer=lambda: {"precision": "bf16-mixed",
+                                 "callbacks": [type(f"Empty{i}", (pl.Callback,), {})() for i in range(4)]}))
 # Compact weights (bf16-true, Kahan-compensated) against Lightning's bf16-true on the tiny MLP (per-step overhead).
 register(Config("mlp/L-bf16-true", "policy-mlp", 'Trainer(precision="bf16-true")',
                 trainer=lambda: {"precision": "bf16-true"}))
