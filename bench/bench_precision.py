@@ -302,6 +302,16 @@ for _prefix, _suite in _POLICY_SUITES.items():
                     trainer=lambda: {"plugins": [StablePrecision("bf16-mixed")]}))
     register(Config(f"{_prefix}/SP-bf16-mixed-auto", _suite, 'StablePrecision("bf16-mixed", op_policy="auto")',
                     trainer=lambda: {"plugins": [StablePrecision("bf16-mixed", op_policy="auto")]}))
+# The whole stack on the tiny MLP, where the per-step fixed cost of every monitor shows (issue #44: >= 0.90x).
+register(Config("mlp/SP-bf16-mixed+cb", "policy-mlp",
+                "StablePrecision(\"bf16-mixed\", spike_guard=SpikeGuard()) + stable_callbacks()",
+                trainer=lambda: {"plugins": [StablePrecision("bf16-mixed", spike_guard=SpikeGuard())],
+                                 "callbacks": stable_callbacks()}))
+# Lightning's own cost of four callbacks that do nothing (every hook of every callback is dispatched, profiled, each
+# step): the floor under the whole stack's four callbacks.
+register(Config("mlp/L-bf16-mixed+4empty", "policy-mlp", 'Trainer(precision="bf16-mixed") + 4 empty Callbacks',
+                trainer=lambda: {"precision": "bf16-mixed",
+                                 "callbacks": [type(f"Empty{i}", (pl.Callback,), {})() for i in range(4)]}))
 # Compact weights (bf16-true, Kahan-compensated) against Lightning's bf16-true on the tiny MLP (per-step overhead).
 register(Config("mlp/L-bf16-true", "policy-mlp", 'Trainer(precision="bf16-true")',
                 trainer=lambda: {"precision": "bf16-true"}))

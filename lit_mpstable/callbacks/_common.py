@@ -296,10 +296,12 @@ class WindowedCounts(Metric):
     """Overflows, skipped steps and optimizer steps of the last ``window`` stepping batches, as a ring buffer.
 
     One ``(window, 3)`` state, summed across processes when :meth:`compute` synchronises (so the rate
-    ``overflows / steps`` is the rate over all ranks). :meth:`update` writes three scalars in place: no host sync.
+    ``overflows / steps`` is the rate over all ranks). :meth:`update` keeps its three host ints on the host: the rows
+    reach the device state in one copy when it is read (:attr:`counts`, :meth:`compute`, a cross-process sync: the
+    logging steps and checkpoints), not as three scalar writes every step. No host sync.
     """
 
-    counts: torch.Tensor  # the state add_state registers
+    _counts: torch.Tensor  # the state add_state registers
 
     full_state_update = False
 
@@ -307,12 +309,30 @@ class WindowedCounts(Metric):
         super().__init__()
         self.window = window
         self.position = 0
-        self.add_state("counts", default=torch.zeros(window, 3), dist_reduce_fx="sum")
+        self._rows: dict[int, tuple[int, int, int]] = {}  # slot -> row, updated since the state was last written
+        self.add_state("_counts", default=torch.zeros(window, 3), dist_reduce_fx="sum")
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """The window, ``(window, 3)`` rows of ``[overflows, skipped, steps]``, with every update in it."""
+        self.flush_()
+        return self._counts
 
     def update(self, overflows: int, skipped: int, steps: int) -> None:
-        row = self.counts[self.position % self.window]
-        row[0], row[1], row[2] = overflows, skipped, steps
+        self._rows[self.position % self.window] = (overflows, skipped, steps)
         self.position += 1
+
+    def flush_(self) -> None:
+        """Write the rows updated since the last write into the device state: one copy."""
+        if self._rows:
+            state = self._counts
+            slots = torch.tensor(list(self._rows), device=state.device)
+            state[slots] = torch.tensor(list(self._rows.values()), dtype=state.dtype, device=state.device)
+            self._rows.clear()
+
+    def sync(self, *args: Any, **kwargs: Any) -> None:
+        self.flush_()  # before the state is reduced across processes
+        super().sync(*args, **kwargs)
 
     def compute(self) -> torch.Tensor:
         """``[overflows, skipped, steps]`` summed over the window (and over processes)."""
@@ -320,6 +340,7 @@ class WindowedCounts(Metric):
 
     def reset(self) -> None:
         super().reset()
+        self._rows.clear()
         self.position = 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from collections import deque
 from functools import cached_property
 from typing import Any, Literal, get_args
@@ -177,9 +178,10 @@ class PrecisionFallback(PluginCallback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._plugin is not None and self.nonfinite_loss_patience is not None:
-            flag = ~torch.isfinite(loss.detach()).all()
+            finite = (loss.detach().abs() < math.inf).all()  # NaN compares False: 3 kernels, isfinite's chain 5
             if (data := self._plugin.input_nonfinite) is not None:
-                flag = flag & ~data  # a poisoned batch is a data problem, not a precision one
+                finite = finite | data  # a poisoned batch is a data problem, not a precision one
+            flag = ~finite
             self._nonfinite.mark(flag)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

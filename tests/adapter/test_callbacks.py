@@ -344,3 +344,23 @@ def test_preflight_climbs_out_of_fp8_and_stops_where_outputs_agree() -> None:
     assert preflight.result["passed"] and preflight.result["max_rel_error"] < 0.02
     assert plugin.compute_dtype == torch.bfloat16 and plugin.fallback_active
     assert not any(isinstance(m, FP8Linear) for m in module.modules())
+
+
+def test_the_overflow_window_updates_on_the_host_and_shows_every_update_when_read():
+    """WindowedCounts.update (every step) launches no tensor op; counts, compute and a load see every update."""
+    from helpers import OpNames
+
+    from lit_mpstable.callbacks._common import WindowedCounts
+
+    window = WindowedCounts(3)
+    with OpNames() as ops:
+        for step in range(5):  # wraps around: slots 0 and 1 written twice
+            window.update(int(step == 3), int(step == 3), 1)
+    assert ops.names == []
+    assert window.counts.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]
+    assert window.compute().tolist() == [1.0, 1.0, 3.0] and window.position == 5
+    window.update(0, 0, 1)  # slot 2, pending: a load overwrites it
+    window.counts.copy_(torch.full((3, 3), 2.0))
+    assert window.compute().tolist() == [6.0, 6.0, 6.0]
+    window.reset()
+    assert window.counts.sum().item() == 0 and window.position == 0

@@ -354,7 +354,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "optimizers": "the run's optimizers (their state is Lightning's optimizer_states)", "_initial": _SETUP,
         "_checker": "the scaler itself (walked as such), or without one a fixed scale-1 check with per-iteration state",
         "_compact_grad": _ITER, "_norms": _ITER, "last_loss": _ITER, "_unscaled": _ITER, "_skip_requested": _ITER,
-        "_input_nonfinite": _ITER, "_pending": "state loaded before the model arrived, consumed at setup",
+        "_input_ends": _ITER, "_input_flag": _ITER,
+        "_pending": "state loaded before the model arrived, consumed at setup",
         "_layout_seen": "the layout of the last forward, for the compile note only",
         "_applied_by": "applied steps per optimizer in this process; the schedules' state is saved relative to it",
         "_data_fault": _ITER, "_overflowed": _ITER, "_stepped": _ITER, "_stepped_on": _ITER,
@@ -377,6 +378,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "measures_norm": "set by the stepper: for a SpikeGuard at construction, else learned again at the first clip"
                          " by norm after a resume",
         "last_data_fault": _ITER,
+        "_spare_flag": "the scale-1 check's flag its last step read as 0.0, reused as the next check's zero: " + _ITER,
         "_before_backoff": "the scale before this step's backoff, for triage to undo within the step: " + _ITER,
     },
     "PrecisionLayout": {"dtype": _CONFIG, "cast_parameters": _SETUP, "fp8": _CONFIG, "fp8_backend": _CONFIG,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GradReads, HostReads, TinyMLP, mse_backward, regression_data, tiny_stepper
+from helpers import GradReads, HostReads, OpNames, TinyMLP, mse_backward, regression_data, tiny_stepper
 
 from lit_mpstable.core.guards.spike import SpikeGuard
 from lit_mpstable.core.step.stepper import PrecisionStepper
@@ -110,3 +110,47 @@ def test_a_clip_by_norm_alone_reuses_the_checks_pass_from_its_second_step():
         counts.append(len(kernels.over([p.grad for p in model.parameters()])))
         optimizer.zero_grad(set_to_none=True)
     assert counts == [2, 1, 1]  # check kernel + the clip's norm, then the one pass
+
+
+def test_a_clean_step_allocates_no_flag_and_the_reused_flag_still_skips_the_next_nan():
+    """The scale-1 check (scaler=None) starts each clean iteration from the flag the last step read as 0.0 instead of
+    allocating a zero, and the batch's inf/NaN is noted as its minima and maxima only (aminmax, no flag): a clean
+    step makes no zeros/stack/isfinite. A NaN gradient after clean steps is still found (skipped, counted), and the
+    clean step after it (a fresh flag) is applied."""
+    model, stepper, optimizer = tiny_stepper("bf16-mixed", telemetry_every_n_steps=None)
+    x, y = regression_data(16)
+    skipped, made = [], []
+    for step in range(6):
+        with OpNames() as ops:
+            mse_backward(stepper, model, x, y)
+            if step == 3:
+                model.fc1.weight.grad[0, 0] = float("nan")
+            stepper.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        skipped.append(stepper.last_step_skipped)
+        made.append([name for name in ops.names if name.split(".")[1] in ("zeros", "stack", "isfinite", "abs")])
+    assert skipped == [False, False, False, True, False, False]
+    assert stepper.overflow_count == 1 and stepper.skipped_steps == 1
+    # Clean steps after a clean one (steps 1 and 2 check no share of the state): no flag made, no isfinite chain.
+    assert made[1] == [] and made[2] == [], made
+    assert stepper._checker._spare_flag is not None  # step 5 was clean: its flag (0.0) waits for the next check
+
+
+def test_the_batch_note_is_read_only_when_asked_and_sees_the_batch_as_it_came():
+    """input_nonfinite comes from the minima and maxima convert_input took: a NaN batch reads True even if the batch is
+    cleaned in place afterwards, a clean one False; None before any floating input; reset by the step."""
+    model, stepper, optimizer = tiny_stepper("bf16-mixed", telemetry_every_n_steps=None)
+    assert stepper.input_nonfinite is None
+    x, y = regression_data(16)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    stepper.convert_input((bad, y))
+    bad.nan_to_num_(0.0)  # cleaned in place after the note: the note keeps what came
+    assert bool(stepper.input_nonfinite)
+    stepper.convert_input((x, y))
+    assert bool(stepper.input_nonfinite)  # the same step's batches fold together until it ends
+    mse_backward(stepper, model, x, y)
+    stepper.step(optimizer)
+    assert stepper.input_nonfinite is None
+    stepper.convert_input((x, y))
+    assert not bool(stepper.input_nonfinite)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -104,6 +105,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         # Where the scale stood before the last update that may have backed off (see undo_backoff_); None when the
         # last update was clean, set by hand, or a skip_update_.
         self._before_backoff: tuple[list[torch.Tensor], dict[str, Any]] | None = None
+        # The scale-1 check's found-inf flag of the last iteration, which its step read as 0.0 and nothing wrote since
+        # (StaticLossScaler.update keeps it): the next check starts from it instead of allocating a zero.
+        self._spare_flag: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------------------- lazy state
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +159,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
     ):
         # The one host sync GradScaler makes per step lives here; record its answer for free.
-        found_inf = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
+        flags = optimizer_state["found_inf_per_device"]
+        found_inf = (next(iter(flags.values())).item() if len(flags) == 1  # one device: the usual case
+                     else sum(v.item() for v in flags.values()))
         self._note_skip(bool(found_inf))
         if found_inf:
             return None
@@ -237,7 +243,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        found_inf, self._spare_flag = self._spare_flag, None  # 0.0 as the last step read it: no zero to allocate
+        if found_inf is None or found_inf.device != scale.device:
+            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         found = _checked_at_one(optimizer, found_inf, allow_fp16=self.allow_fp16_grads)
         state["found_inf_per_device"] = (found if found is not None
                                          else self._unscale_grads_(optimizer, one_on(scale.device), found_inf, False))
@@ -616,6 +624,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 _overflow_count=None,
                 _min_scale_hits=None,
                 _before_backoff=None,
+                _spare_flag=None,
             )
         return state
 
@@ -626,9 +635,33 @@ class StaticLossScaler(DynamicLossScaler):
     def __init__(self, device: str | None = None, init_scale: float = 2.0**16, enabled: bool = True) -> None:
         super().__init__(device, init_scale=init_scale, max_scale=None, enabled=enabled)
 
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """:meth:`DynamicLossScaler.update`; an iteration whose steps the host saw clean moves nothing on the device
+        (the scale is fixed, the overflow counter unchanged), so it only ends the iteration, without a kernel."""
+        states = self._per_optimizer_states
+        if (new_scale is None and self._host_found is False and self._enabled and self._scale is not None
+                and any(state["found_inf_per_device"] for state in states.values())):
+            if self.checks_only and len(states) == 1:
+                # One optimizer, stepped, its flag read 0.0 by that step's host sync and written by nothing since:
+                # the next scale-1 check takes it as its zero.
+                (state,) = states.values()
+                flags = state["found_inf_per_device"]
+                if state["stage"] is OptState.STEPPED and len(flags) == 1:
+                    (self._spare_flag,) = flags.values()
+            self.last_data_fault = False
+            self._before_backoff = None
+            self._host_found = None
+            states.clear()
+            self.step_count += 1
+            return
+        super().update(new_scale)
+
     def _update_scale_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         assert self._overflow_count is not None
-        self._overflow_count += found_inf > 0
+        if self._host_found is None:  # no step read the flag (an iteration checked but not stepped): on the device
+            self._overflow_count += found_inf > 0
+        elif self._host_found:  # step()'s host sync saw the overflow: a clean step moves nothing
+            self._overflow_count += 1
 
 
 # ---------------------------------------------------------------------------------------- inf-check helpers
@@ -703,6 +736,10 @@ def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimize
     return before
 
 
+_PLAIN = {torch.Tensor}
+_IS_SPARSE, _DEVICE, _DTYPE = attrgetter("is_sparse"), attrgetter("device"), attrgetter("dtype")
+
+
 def _checked_at_one(optimizer: torch.optim.Optimizer, found: torch.Tensor, *, allow_fp16: bool
                     ) -> dict[torch.device, torch.Tensor] | None:
     """GradScaler's ``_unscale_grads_`` at an inverse scale of 1 for plain dense gradients on ``found``'s device: the
@@ -714,22 +751,22 @@ def _checked_at_one(optimizer: torch.optim.Optimizer, found: torch.Tensor, *, al
         ValueError: an FP16 gradient without ``allow_fp16`` (GradScaler's refusal, word for word).
     """
     device = found.device
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if type(grad) is not torch.Tensor or grad.is_sparse or grad.device != device:
-                return None
-            if grad.dtype == torch.float16 and not allow_fp16:
-                raise ValueError("Attempting to unscale FP16 gradients.")
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    if not by_dtype:
+    grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+    if not grads:
         return {}  # as GradScaler: no gradients, no flag
-    with torch.no_grad():
-        for grads in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one_on(device))
+    # Plain dense tensors on the flag's device (C-level maps: no Python call per gradient).
+    if set(map(type, grads)) != _PLAIN or any(map(_IS_SPARSE, grads)) or set(map(_DEVICE, grads)) != {device}:
+        return None
+    dtypes = set(map(_DTYPE, grads))
+    if torch.float16 in dtypes and not allow_fp16:
+        raise ValueError("Attempting to unscale FP16 gradients.")
+    one = one_on(device)
+    with _NO_GRAD:
+        if len(dtypes) == 1:  # one call for all (the usual case), else one per dtype as GradScaler groups them
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        else:
+            for dtype in dtypes:
+                torch._amp_foreach_non_finite_check_and_unscale_([g for g in grads if g.dtype == dtype], found, one)
     return {device: found}
 
 
@@ -737,6 +774,27 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
+class _GradOff:
+    """``torch.no_grad()`` for the check kernels on the step path, as one reusable object: entering it costs two C
+    calls instead of torch's Python ``set_grad_enabled`` objects (not reentrant: nothing inside enters it again)."""
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.prev)
+
+
+_NO_GRAD = _GradOff()
+
+_DIST = torch.distributed.is_available()  # a property of the build: asked once
+
+
+def distributed_ready() -> bool:
+    """``torch.distributed.is_available() and torch.distributed.is_initialized()``, the build's half asked once."""
+    return _DIST and torch.distributed.is_initialized()
+
+
 def _world_size(group: ProcessGroup | None) -> int:
-    dist = torch.distributed
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    return torch.distributed.get_world_size(group) if distributed_ready() else 1

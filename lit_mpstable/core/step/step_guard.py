@@ -3,11 +3,13 @@ the notes for a skip it explains and for a batch dropped between unscale and ste
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.core.scaling.loss_scaler import one_on
+from lit_mpstable.core.scaling.loss_scaler import distributed_ready, one_on
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.tensors import local_view
 from lit_mpstable.core.weights.keeper import first_grad_device
@@ -39,19 +41,16 @@ def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: boo
     fold = checker.fold_found_inf_  # both checker kinds have it (a duck-typed scaler's folds nothing)
     if grads is None:
         grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
-    grads = [g if type(g) is torch.Tensor else local_view(g) for g in grads if not g.is_sparse]
-    checks = []
-    if grads:
-        checks.append(_unchanged_nonfinite(grads))
+    # The gradients written since the check and this step's share of the held state: one check kernel (per device
+    # and dtype) into one FP32 flag, which folds into the step's flag as it is (no bool, no stack).
+    tensors = [g if type(g) is torch.Tensor else local_view(g) for g in grads if not g.is_sparse]
+    tensors += held_tensors(optimizer, None if share is None else share % STATE_SHARES)
+    flag = _found_nonfinite(tensors) if tensors else None
     scale = checker.get_scale_tensor() if scaled else None
-    if scale is not None:
-        checks.append(~torch.isfinite(scale).all())
-    if factor is not None:
-        checks.append(~torch.isfinite(factor).all())
-    held = held_tensors(optimizer, None if share is None else share % STATE_SHARES)
-    if held:
-        checks.append(_unchanged_nonfinite(held))
-    flag = _any(checks) if checks else None
+    if scale is not None or factor is not None:
+        checks = [] if flag is None else [flag > 0]
+        checks += [~torch.isfinite(t).all() for t in (scale, factor) if t is not None]
+        flag = _any(checks)
     if _distributed():
         # Every rank skips together (a hook may write on one rank only): one all-reduce of the flags, on the device.
         device = flag.device if flag is not None else first_grad_device(optimizer) or torch.device(device)
@@ -62,8 +61,27 @@ def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: boo
         flag = agreed[0] > 0
         spike = agreed[1] > 0 if spike is not None else None
     if spike is not None:
-        flag = spike if flag is None else flag | spike.to(flag.device)
+        flag = spike if flag is None else (flag > 0) | spike.to(flag.device)
     return (fold(optimizer, flag) if flag is not None else None), spike
+
+
+def batch_ends(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each of ``tensors``' (a batch's non-empty floating tensors) minimum and maximum, 0-dim on its device, taken now
+    (a later in-place write into the batch does not change them): a NaN makes both NaN, an infinity is one of them,
+    and nothing batch-sized is allocated. One ``torch.aminmax`` per tensor and nothing else: whether they hold inf/NaN
+    (:func:`ends_nonfinite`) is asked only when the answer is needed, after an overflow."""
+    return [end for t in tensors for end in torch.aminmax(t.detach() if t.requires_grad else t)]
+
+
+def ends_nonfinite(ends: list[torch.Tensor]) -> torch.Tensor:
+    """Whether any of :func:`batch_ends`' ``ends`` is inf/NaN, as a 0-dim bool on the first one's device, without a
+    host read: GradScaler's check kernel over them at an inverse scale of 1 (it writes each back unchanged; copies of
+    ends taken under inference mode, a validation batch's, which only inference mode may write)."""
+    device = ends[0].device
+    ends = [end.clone() if end.is_inference() else end if end.device == device else end.to(device) for end in ends]
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(ends, found, one_on(device))
+    return found > 0
 
 
 def held_nonfinite(optimizer: Optimizer) -> bool:
@@ -85,9 +103,12 @@ def held_tensors(optimizer: Optimizer, share: int | None = None, *, stepped: boo
     """The tensors a step reads besides the gradients: each parameter (``stepped``: with a gradient, the ones the
     step updates) and its plain floating-point state; of share ``share`` of :data:`STATE_SHARES` only (consecutive
     parameters of about equal size in all), or all."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None or not stepped]
-    if share is not None:
-        params = _share(params, share)
+    if share is None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None or not stepped]
+    else:
+        params = [p for p in _shares(optimizer)[share] if p.grad is not None or not stepped]
+        if not params:  # most of a small model's shares (a share holds whole parameters)
+            return []
     held = []
     for param in params:
         held.append(param)
@@ -96,6 +117,26 @@ def held_tensors(optimizer: Optimizer, share: int | None = None, *, stepped: boo
         held += [v for v in optimizer.state.get(param, {}).values()
                  if type(v) in (torch.Tensor, nn.Parameter) and v.is_floating_point() and v.dim() > 0]
     return [local_view(t) for t in held if not t.is_sparse]
+
+
+_SHARES: dict[int, tuple[weakref.ref, tuple[int, ...], list[list[torch.Tensor]]]] = {}
+"""Per optimizer (by id, its weak reference telling a new optimizer at a reused address apart): the parameter ids the
+shares were made from, and the shares."""
+
+
+def _shares(optimizer: Optimizer) -> list[list[torch.Tensor]]:
+    """``optimizer``'s parameters in :data:`STATE_SHARES` shares (:func:`_share`), computed once per set of parameters
+    (by identity: a parameter added, or replaced in its group, makes them anew); a step then reads its share's
+    parameters without summing every parameter's size again."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    key = tuple(map(id, params))
+    cached = _SHARES.get(id(optimizer))
+    if cached is None or cached[0]() is not optimizer or cached[1] != key:
+        if cached is None or cached[0]() is not optimizer:  # the entry goes with the optimizer (it holds parameters)
+            weakref.finalize(optimizer, _SHARES.pop, id(optimizer), None)
+        shares = [_share(params, i) for i in range(STATE_SHARES)]
+        cached = _SHARES[id(optimizer)] = (weakref.ref(optimizer), key, shares)
+    return cached[2]
 
 
 def late_nonfinite_note(optimizer: Optimizer) -> str:
@@ -116,8 +157,7 @@ def stale_grads_note(optimizer: Optimizer) -> str | None:
 
 
 def _distributed() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return distributed_ready() and torch.distributed.get_world_size() > 1
 
 
 def _unchanged_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -136,6 +176,24 @@ def _unchanged_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
             flags.append(found > 0)
     return _any(flags)
 
+
+
+def _found_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`_unchanged_nonfinite` as the kernel leaves it: a 0-dim FP32 flag (1.0: found) on the first tensor's
+    device, one check kernel per device and dtype into it (another device's flag is added on that device)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    found = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    with torch.no_grad():
+        for (dev, _), group in groups.items():
+            if dev == found.device:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, one_on(dev))
+            else:
+                other = torch.zeros((), dtype=torch.float32, device=dev)
+                torch._amp_foreach_non_finite_check_and_unscale_(group, other, one_on(dev))
+                torch.maximum(found, other.to(found.device), out=found)
+    return found
 
 
 def _share(tensors: list[torch.Tensor], index: int) -> list[torch.Tensor]:

@@ -18,6 +18,8 @@ import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, is_, is_not
 from typing import Any, Literal, cast, get_args
 
 import torch
@@ -28,7 +30,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg
-from lit_mpstable.core.attribution import RngState, any_nonfinite
+from lit_mpstable.core.attribution import RngState
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
 from lit_mpstable.core.formats import PRECISION_DTYPES, PRECISION_FORMATS
 from lit_mpstable.core.guards.growth import GrowthMonitor
@@ -42,7 +44,14 @@ from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scalers import LossScaler, ScalerName, build_scaler
 from lit_mpstable.core.schedulers import ScheduleHold
 from lit_mpstable.core.step import probe
-from lit_mpstable.core.step.step_guard import check_step_inputs_, held_nonfinite, late_nonfinite_note, stale_grads_note
+from lit_mpstable.core.step.step_guard import (
+    batch_ends,
+    check_step_inputs_,
+    ends_nonfinite,
+    held_nonfinite,
+    late_nonfinite_note,
+    stale_grads_note,
+)
 from lit_mpstable.core.step.step_spike import check_spike_guard, level_shift_note, observe_loss, true_grad_norm
 from lit_mpstable.core.step.stepper_state import (
     check_plugin_state,
@@ -191,7 +200,8 @@ class PrecisionStepper:
         self.iteration = Iteration()  # what the iteration in progress did (host state)
         self._skip_requested = False
         self._zclipped: set[int] = set()  # optimizers clipped (with the adaptive threshold) in this iteration
-        self._input_nonfinite: torch.Tensor | None = None
+        self._input_ends: list[torch.Tensor] = []  # the step's batches' minima and maxima (batch_ends), on the device
+        self._input_flag: tuple[int, torch.Tensor] | None = None  # input_nonfinite as computed, over that many ends
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
         self._loss_scaled = False  # scale_loss ran in this process (the scaler has a scale to unscale by)
         self.step_buffers = StepBuffers()
@@ -360,29 +370,37 @@ class PrecisionStepper:
             layout.forward_context() if layout.fp8_backend is not None else None,
             self._recast_inputs() if self.true_16bit else None,
         ) if context is not None]
+        if not extras:  # the plain step: the precision's own context, no ExitStack around it
+            yield from self._compute_context(layout, policy)
+            return
         with ExitStack() as stack:
             for context in extras:
                 stack.enter_context(context)
-            if layout.fp32 or self.dtype == torch.float32:  # "32-true", or a global fallback (the compute dtype)
+            yield from self._compute_context(layout, policy)
+
+    def _compute_context(self, layout: PrecisionLayout, policy: OpPolicy) -> Generator[None, None, None]:
+        """The body of :meth:`forward_context` inside its extra contexts: the compute dtype's own context."""
+        dtype = self.dtype
+        if layout.fp32 or dtype == torch.float32:  # "32-true", or a global fallback (the compute dtype)
+            yield
+        elif self.true_16bit:
+            with default_dtype(dtype):  # tensors created inside forward default to the 16-bit dtype
                 yield
-            elif self.true_16bit:
-                with default_dtype(self.dtype):  # tensors created inside forward default to the 16-bit dtype
+        else:
+            # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
+            # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
+            autocast = torch.autocast(self.device, dtype=dtype, cache_enabled=False)
+            if policy.steers:
+                with autocast, policy.context(self.device):
                     yield
             else:
-                # cache_enabled=False as Lightning's MixedPrecision: the weight-cast cache leaks across no_grad
-                # regions. The op policy runs inside autocast: it overrides it for whole families, never in islands.
-                autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
-                if policy.steers:
-                    with autocast, policy.context(self.device):
-                        yield
-                else:
-                    with autocast:
-                        yield
-                # A policy that never steers has nothing pending: its choices (all autocast) are recorded once.
-                if not (policy.steers and policy.pending) and self.stats.get("op_policy") != policy.choices:
-                    self.stats["op_policy"] = dict(policy.choices)  # decided (second forward), forced or resumed
-                    self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
-                                                  for f, m in policy.measurements.items()}
+                with autocast:
+                    yield
+            # A policy that never steers has nothing pending: its choices (all autocast) are recorded once.
+            if not (policy.steers and policy.pending) and self.stats.get("op_policy") != policy.choices:
+                self.stats["op_policy"] = dict(policy.choices)  # decided (second forward), forced or resumed
+                self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
+                                              for f, m in policy.measurements.items()}
 
     @contextmanager
     def _recast_inputs(self) -> Generator[None, None, None]:
@@ -431,11 +449,11 @@ class PrecisionStepper:
 
     def convert_input(self, data: object) -> Any:
         """``*-true`` modes: floating tensors of ``data`` cast to the compute dtype. In every mode it notes, on the
-        device, whether the batch holds inf/NaN (read only after an overflow, to blame the data and not a layer)."""
+        device, each floating tensor's minimum and maximum, whether the batch held inf/NaN being read off them only
+        after an overflow (to blame the data and not a layer) or when :attr:`input_nonfinite` is asked."""
         tensors = floating_tensors(data)
-        if tensors:
-            flag = any_nonfinite(tensors)
-            self._input_nonfinite = flag if self._input_nonfinite is None else self._input_nonfinite | flag
+        if tensors:  # their minima and maxima, checked only when asked (input_nonfinite): one kernel per tensor
+            self._input_ends += batch_ends(tensors)
         if not self.true_16bit:
             return data
         self._converted_to = self.compute_dtype
@@ -452,11 +470,12 @@ class PrecisionStepper:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"{self.owner}.scale_loss(loss={loss!r:.80}): must be a tensor (the loss to call backward"
                             " on).")
-        for optimizer in [o for o in self.optimizers if id(o) in self.iteration.unscaled]:
+        now = self.iteration
+        for optimizer in [o for o in self.optimizers if id(o) in now.unscaled] if now.unscaled else ():
             if (note := stale_grads_note(optimizer)) is not None:
                 self.warnings.add_once(f"stale-grads:{type(optimizer).__name__}", note)
             self.drop_grads_(optimizer)
-        if self.iteration.stepped:
+        if now.stepped:
             self._update_scale_()
         self.last_loss = loss.detach()
         if self.spike_guard is not None:
@@ -480,7 +499,7 @@ class PrecisionStepper:
                 " scale_loss(loss).backward() (Fabric: fabric.backward(loss); Trainer: the training step's backward),"
                 " then clipping, then the optimizer step.")
         self.iteration.unscaled.add(id(optimizer))
-        if all(optimizer is not known for known in self.optimizers):
+        if all(map(is_not, self.optimizers, repeat(optimizer))):  # by identity, as `optimizer is not known` each
             self.optimizers.append(optimizer)
             self._adopt_recast_state_([optimizer])  # a resumed fallback's FP32 optimizer state waiting for it
         self.keeper.unscale_(optimizer, self._checker, self.scaler, self.device)
@@ -520,7 +539,7 @@ class PrecisionStepper:
         """Gradient telemetry into :attr:`stats` (the observer computes it on due steps only; it is not even asked on
         the steps it said are quiet)."""
         module, observer = self.layout.module, self.observer
-        if module is None or (observer.tracer is None and self.step_count in observer.quiet):
+        if module is None or (observer.tracer is None and self.counters.step_count in observer.quiet):
             return
         scaler = self.scaler
         scale = scaler.get_scale if scaler is not None else lambda: 1.0  # called on due steps only
@@ -639,7 +658,10 @@ class PrecisionStepper:
         if guard is not None and guard.clip_zscore is not None and id(optimizer) not in self._zclipped:
             self.clip_grad_norm_(optimizer, math.inf)  # clip_zscore without the user's clip: ZClip alone
         self._zclipped.discard(id(optimizer))
-        factor = self.keeper.grads(optimizer, absorb=True).multiplier  # a hook's write reaches the keeper again
+        # A hook's write reaches the keeper again; the plain keeper (mode None) holds the model's own gradients, with
+        # nothing to absorb and no factor owed: its view is not built.
+        keeper = self.keeper
+        factor = keeper.grads(optimizer, absorb=True).multiplier if keeper.mode is not None else None
         checker = self._checker
         spike = self._spike.pop(id(optimizer), (None, None))[0]
         early, spike = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device,
@@ -659,7 +681,7 @@ class PrecisionStepper:
                 self.last_step_spiked = now.data_fault = True
             elif skipped and ((early is not None and not bool(early)) or held_nonfinite(optimizer)):
                 late = now.data_fault = True
-            elif skipped and self._input_nonfinite is not None and bool(self._input_nonfinite):
+            elif skipped and (flag := self.input_nonfinite) is not None and bool(flag):
                 now.data_fault = True
             now.overflowed |= skipped and not late and not self.last_step_spiked
             now.stepped.add(id(optimizer))
@@ -718,7 +740,7 @@ class PrecisionStepper:
             self.layout.sync_fp8_()
         self.counters.record(skipped=skipped, overflow=overflow, optimizer=optimizer)
         self.step_buffers.end_(skipped=skipped)  # a skipped step's forward leaves no trace in the buffers either
-        self._input_nonfinite = None
+        self._input_ends, self._input_flag = [], None
         if self.growth is not None:
             self.growth.due()  # follows the step count now: a due step that went unsampled is warned of
 
@@ -930,7 +952,12 @@ class PrecisionStepper:
     def input_nonfinite(self) -> torch.Tensor | None:
         """Whether a batch of the step in progress held inf/NaN, as a 0-dim device bool (None: no floating inputs
         seen). Reading its value syncs."""
-        return self._input_nonfinite
+        ends, known = self._input_ends, self._input_flag
+        if not ends:
+            return None
+        if known is None or known[0] != len(ends):  # computed when first asked, again once another batch came
+            known = self._input_flag = (len(ends), ends_nonfinite(ends))
+        return known[1]
 
     @property
     def skip_requested(self) -> bool:
@@ -1142,24 +1169,46 @@ def _grads(keeper: WeightKeeper, optimizer: Optimizer) -> list[torch.Tensor | No
     return [p.grad for p in keeper.grads(optimizer).holders]
 
 
+_VERSION = attrgetter("_version")
+_DEREF = weakref.ref.__call__
+
+
 class GradSet:
     """Gradient tensors with their version counters at one moment, by identity (tensors do not hash by value); held
-    weakly, so gradients dropped by ``zero_grad()`` are freed."""
+    weakly, so gradients dropped by ``zero_grad()`` are freed. Kept in order: the step asks about the same gradients in
+    the same order, which one pass of C-level maps answers (no Python call per gradient); the index by identity is
+    built only when asked otherwise."""
 
     def __init__(self, grads: Iterable[torch.Tensor]) -> None:
-        self._seen = {id(g): (weakref.ref(g), g._version) for g in grads}
+        grads = list(grads)
+        self._refs = list(map(weakref.ref, grads))
+        self._versions = list(map(_VERSION, grads))
+        self._by_id: dict[int, tuple[weakref.ref, int]] | None = None
 
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self._refs)
+
+    def _seen(self) -> dict[int, tuple[weakref.ref, int]]:
+        if self._by_id is None:
+            self._by_id = {id(g): (ref, version) for ref, version in zip(self._refs, self._versions)
+                           if (g := ref()) is not None}
+        return self._by_id
 
     def __contains__(self, item: tuple[torch.Tensor, int]) -> bool:
         grad, version = item
-        seen = self._seen.get(id(grad))
+        seen = self._seen().get(id(grad))
         return seen is not None and seen[0]() is grad and seen[1] == version
+
+    def same(self, grads: list[torch.Tensor]) -> bool:
+        """Whether ``grads`` are the set's gradients, in its order, each at its version (nothing written since)."""
+        return (len(grads) == len(self._refs) and all(map(is_, map(_DEREF, self._refs), grads))
+                and list(map(_VERSION, grads)) == self._versions)
 
     def changed(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients of ``grads`` not in the set as they are now (written since, or new): one call a step."""
-        seen = self._seen
+        if self.same(grads):
+            return []
+        seen = self._seen()
         return [g for g in grads if (s := seen.get(id(g))) is None or s[0]() is not g or s[1] != g._version]
 
 
