@@ -154,3 +154,34 @@ def test_the_batch_note_is_read_only_when_asked_and_sees_the_batch_as_it_came():
     assert stepper.input_nonfinite is None
     stepper.convert_input((x, y))
     assert not bool(stepper.input_nonfinite)
+
+
+def test_the_check_by_the_pass_and_the_spike_fold_are_few_kernels_on_a_clean_step():
+    """The gradient check read off the pass is _foreach_norm, stack, the norm and GradScaler's check kernel on the norm
+    (its float flag as the step's found-inf flag; the last step's 0.0 flag reused, no zero made): no isfinite chain
+    (abs/ne/eq/mul), no logical_not, no copy to float. SpikeGuard's flag folds into the step's flag in one kernel, and
+    the check's own flag (what the step returns as the check before the fold) keeps its value."""
+    model, stepper, optimizer = _whole_stack("bf16-mixed")
+    stepper.growth_every_n_steps = None
+    x, y = regression_data(16)
+    for _ in range(4):
+        mse_backward(stepper, model, x, y)
+        stepper.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    checker = stepper._checker
+    mse_backward(stepper, model, x, y)
+    with OpNames() as ops:
+        checker.check_grads_(optimizer, stepper.device)
+    assert [name.split(".")[1] for name in ops.names] == [
+        "_foreach_norm", "stack", "linalg_vector_norm", "_amp_foreach_non_finite_check_and_unscale_"], ops.names
+    check = checker._per_optimizer_states[id(optimizer)]["found_inf_per_device"][torch.device("cpu")]
+    spike = torch.tensor(True)
+    with OpNames() as ops:
+        before = checker.fold_found_inf_(optimizer, spike)
+    assert len(ops.names) == 1, ops.names
+    assert before is check and float(before) == 0.0  # the check as it was: not written by the fold
+    (folded,) = checker._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+    assert float(folded) == 1.0 and folded.dtype == torch.float32
+    assert float(checker.fold_found_inf_(optimizer, torch.tensor(0.0))) == 1.0  # a float flag folds too
+    (kept,) = checker._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+    assert float(kept) == 1.0
