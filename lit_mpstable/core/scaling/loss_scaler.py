@@ -187,8 +187,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
                      unscale: bool = True) -> None:
         """The step's gradient check of ``optimizer``, agreed across ranks: the scale's state on ``device`` if no loss
         was scaled (the scale-1 check), ``unscale_`` (or, with ``unscale=False``, :meth:`check_`, which leaves the
-        gradients scaled), then :meth:`sync_found_inf_`. No host sync."""
-        self.ensure_state_(device)
+        gradients scaled), then :meth:`sync_found_inf_` (in a multi-process run). No host sync."""
+        if self._scale is None:
+            self.ensure_state_(device)
         measured = None
         if self.measures_norm and self._enabled and (self.checks_only or not unscale):
             measured = self._check_by_pass_(optimizer, unscale=unscale)  # the check is the norm's pass
@@ -203,7 +204,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 measured = grad_pass(_grads(optimizer))
         if measured is not None:
             self._per_optimizer_states[id(optimizer)]["grad_pass"] = measured
-        self.sync_found_inf_(optimizer)
+        if _DIST and torch.distributed.is_initialized():  # one process: nothing to agree (sync_found_inf_'s no-op)
+            self.sync_found_inf_(optimizer)
 
     def grad_pass(self, optimizer: torch.optim.Optimizer) -> GradPass | None:
         """The pass over ``optimizer``'s gradients that this iteration's :meth:`check_grads_` made (their L2 norm as
