@@ -19,18 +19,19 @@ class GradPass(NamedTuple):
             inf/NaN when any gradient holds inf/NaN.
         found: 1.0 where ``norm`` is not finite, else 0.0 (FP32, GradScaler's found-inf flag, which the gradient check
             takes as its own): some gradient holds inf/NaN, or one is so large (above ~1.8e19, where FP32 squares
-            overflow, as Adam's second moment would) that the norm overflows.
+            overflow, as Adam's second moment would) that the norm overflows. None from a pass asked for no flag
+            (``check=False``: GradScaler's unscale kernel checked the gradients already).
         fp32: every gradient read is FP32: ``norm`` is the number ``torch.nn.utils.clip_grad_norm_`` computes.
     """
 
     norm: torch.Tensor
-    found: torch.Tensor
+    found: torch.Tensor | None
     fp32: bool
 
     @property
     def finite(self) -> torch.Tensor:
         """Whether ``norm`` is finite (a 0-dim bool, one kernel when asked; the step itself reads :attr:`found`)."""
-        return self.found == 0
+        return self.found == 0 if self.found is not None else self.norm.isfinite()
 
 
 _PLAIN = {torch.Tensor}
@@ -38,13 +39,15 @@ _FP32 = {torch.float32}
 _IS_SPARSE, _DEVICE, _DTYPE = attrgetter("is_sparse"), attrgetter("device"), attrgetter("dtype")
 
 
-def grad_pass(grads: Sequence[torch.Tensor], found: torch.Tensor | None = None) -> GradPass | None:
+def grad_pass(grads: Sequence[torch.Tensor], found: torch.Tensor | None = None, *, check: bool = True
+              ) -> GradPass | None:
     """One multi-tensor pass over ``grads`` (one ``torch._foreach_norm``): their global L2 norm and its inf/NaN flag,
     what the step's gradient check, a SpikeGuard and a clip by norm all read. Four kernels: the per-tensor norms, their
     stack, its norm (torch's ``clip_grad_norm_`` reduction, bit for bit) and GradScaler's check kernel on that norm
     (at an inverse scale of 1: it writes the norm back unchanged) into ``found``, a 0-dim FP32 zero on their device
-    (a flag nothing holds any more; None: one is made, a kernel more). No host read. None where the pass does not
-    apply (no gradients; sparse ones, DTensor shards, or several devices): the caller checks them its own way."""
+    (a flag nothing holds any more; None: one is made, a kernel more); ``check=False``: no flag (three kernels), for
+    gradients GradScaler's unscale kernel checked already. No host read. None where the pass does not apply (no
+    gradients; sparse ones, DTensor shards, or several devices): the caller checks them its own way."""
     if not grads:
         return None
     # C-level maps, no Python call per gradient: plain dense tensors on one device.
@@ -53,6 +56,8 @@ def grad_pass(grads: Sequence[torch.Tensor], found: torch.Tensor | None = None) 
     (device,) = devices
     norms = torch._foreach_norm(grads if isinstance(grads, list) else list(grads), 2, dtype=torch.float32)
     norm = torch.linalg.vector_norm(torch.stack(norms), 2)  # FP32 norms, a 16-bit gradient's too
+    if not check:
+        return GradPass(norm, None, set(map(_DTYPE, grads)) == _FP32)
     if norm.requires_grad:  # a create_graph backward's gradients: the pass reads their values only
         norm = norm.detach()
     if found is None or found.device != device:

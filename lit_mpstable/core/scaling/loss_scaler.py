@@ -201,7 +201,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             else:
                 self.unscale_(optimizer)
             if self.measures_norm and self._enabled:  # the unscale kernel checked: one pass more, for the norm
-                measured = grad_pass(_grads(optimizer))
+                measured = grad_pass(_grads(optimizer), check=False)  # the kernel's flag is the check
         if measured is not None:
             self._per_optimizer_states[id(optimizer)]["grad_pass"] = measured
         if _DIST and torch.distributed.is_initialized():  # one process: nothing to agree (sync_found_inf_'s no-op)
@@ -220,7 +220,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         the check and the norm together, and written never. None (nothing done) where the pass does not apply."""
         spare = self._spare_flag  # 0.0 as the last step read it: the pass's flag starts from it, no zero to allocate
         measured = grad_pass(grads := _grads(optimizer), spare)
-        if measured is None:
+        if measured is None or measured.found is None:
             return None
         if measured.found is spare:
             self._spare_flag = None
