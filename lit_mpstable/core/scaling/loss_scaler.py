@@ -719,14 +719,15 @@ def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimize
     """Add ``flag`` (a 0-dim device bool) into ``optimizer``'s inf check of this iteration, which ``step`` reads in its
     one host sync; returns the check as it was before (a device tensor), or None when there is none yet."""
     state = scaler._per_optimizer_states.get(id(optimizer))
-    found = state["found_inf_per_device"] if state else {}
+    found = state["found_inf_per_device"] if state else None
     if not found:
         return None
-    (device, first), more = next(iter(found.items())), len(found) > 1
+    (device, first), *more = found.items()
     # The check as it was: its own flag, which the fold below does not write (it puts a new tensor in its place; the
     # check's flag may be the pass's, which the step reads as the check); several flags (devices) summed.
     before = first if not more else torch.stack([f.to(first.device) for f in found.values()]).sum()
-    flag = flag.to(first.device) if flag.device != first.device else flag
+    if flag.device != first.device:
+        flag = flag.to(first.device)
     # A maximum, not a sum: fused optimizers skip only on found_inf == 1 exactly. One kernel either way: a bool flag
     # selects 1.0, a float one (0.0/1.0, as the flag's dtype) is maxed in.
     found[device] = (torch.where(flag, one_on(first.device), first) if flag.dtype == torch.bool
