@@ -716,8 +716,9 @@ def nonfinite_on_cpu(optimizer: torch.optim.Optimizer) -> dict[torch.device, tor
 
 def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, flag: torch.Tensor
                     ) -> torch.Tensor | None:
-    """Add ``flag`` (a 0-dim device bool) into ``optimizer``'s inf check of this iteration, which ``step`` reads in its
-    one host sync; returns the check as it was before (a device tensor), or None when there is none yet."""
+    """Add ``flag`` (a 0-dim device bool, or an FP32 0.0/1.0 flag) into ``optimizer``'s inf check of this iteration,
+    which ``step`` reads in its one host sync: one kernel, its result put in the check's place (the check's own flag
+    is not written); returns the check as it was before (a device tensor), or None when there is none yet."""
     state = scaler._per_optimizer_states.get(id(optimizer))
     found = state["found_inf_per_device"] if state else None
     if not found:
