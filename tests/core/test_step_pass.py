@@ -23,6 +23,8 @@ def test_one_pass_gives_the_norm_and_the_finite_flag_without_a_host_read():
     assert grad_pass(grads[:2]).fp32
     assert not bool(grad_pass([torch.ones(3), torch.tensor([1.0, float("nan")])]).finite)
     assert not bool(grad_pass([torch.tensor([float("-inf")])]).finite)
+    overflowing = grad_pass([torch.full((4,), 3e19), torch.ones(2)])  # finite elements, squares past FP32's range
+    assert float(overflowing.found) == 1.0 and not bool(overflowing.finite)
     unflagged = grad_pass([torch.ones(3), torch.tensor([1.0, float("nan")])], check=False)  # no flag kernel
     assert unflagged.found is None and not bool(unflagged.finite) and bool(grad_pass(grads, check=False).finite)
     flag = torch.zeros(())
