@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -16,28 +17,65 @@ class GradPass(NamedTuple):
     Attributes:
         norm: the global L2 norm of the gradients in FP32, as they were read (a deferring keeper's still scaled);
             inf/NaN when any gradient holds inf/NaN.
-        finite: whether ``norm`` is finite (bool): every gradient is finite, and none is so large (above ~1.8e19,
-            where FP32 squares overflow, as Adam's second moment would) that the norm overflows.
+        found: 1.0 where ``norm`` is not finite, else 0.0 (FP32, GradScaler's found-inf flag, which the gradient check
+            takes as its own): some gradient holds inf/NaN, or one is so large (above ~1.8e19, where FP32 squares
+            overflow, as Adam's second moment would) that the norm overflows. None from a pass asked for no flag
+            (``check=False``: GradScaler's unscale kernel checked the gradients already).
         fp32: every gradient read is FP32: ``norm`` is the number ``torch.nn.utils.clip_grad_norm_`` computes.
     """
 
     norm: torch.Tensor
-    finite: torch.Tensor
+    found: torch.Tensor | None
     fp32: bool
 
+    @property
+    def finite(self) -> torch.Tensor:
+        """Whether ``norm`` is finite (a 0-dim bool, one kernel when asked; the step itself reads :attr:`found`)."""
+        return self.found == 0 if self.found is not None else self.norm.isfinite()
 
-def grad_pass(grads: Sequence[torch.Tensor]) -> GradPass | None:
-    """One multi-tensor pass over ``grads`` (one ``torch._foreach_norm``): their global L2 norm and its finite flag,
-    what the step's gradient check, a SpikeGuard and a clip by norm all read. No host read. None where the pass does
-    not apply (no gradients; sparse ones, DTensor shards, or several devices): the caller checks them its own way."""
+
+_PLAIN = {torch.Tensor}
+_FP32 = {torch.float32}
+_IS_SPARSE, _DEVICE, _DTYPE = attrgetter("is_sparse"), attrgetter("device"), attrgetter("dtype")
+
+
+def grad_pass(grads: Sequence[torch.Tensor], found: torch.Tensor | None = None, *, check: bool = True
+              ) -> GradPass | None:
+    """One multi-tensor pass over ``grads`` (one ``torch._foreach_norm``): their global L2 norm and its inf/NaN flag,
+    what the step's gradient check, a SpikeGuard and a clip by norm all read. Four kernels: the per-tensor norms, their
+    stack, its norm (torch's ``clip_grad_norm_`` reduction, bit for bit) and GradScaler's check kernel on that norm
+    (at an inverse scale of 1: it writes the norm back unchanged) into ``found``, a 0-dim FP32 zero on their device
+    (a flag nothing holds any more; None: one is made, a kernel more); ``check=False``: no flag (three kernels), for
+    gradients GradScaler's unscale kernel checked already. No host read. None where the pass does not apply (no
+    gradients; sparse ones, DTensor shards, or several devices): the caller checks them its own way."""
     if not grads:
         return None
-    device = grads[0].device
-    if any(type(g) is not torch.Tensor or g.is_sparse or g.device != device for g in grads):
+    # C-level maps, no Python call per gradient: plain dense tensors on one device.
+    if set(map(type, grads)) != _PLAIN or any(map(_IS_SPARSE, grads)) or len(devices := set(map(_DEVICE, grads))) > 1:
         return None
-    norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32)  # FP32 norms, a 16-bit gradient's too
-    norm = torch.linalg.vector_norm(torch.stack(norms), 2)
-    return GradPass(norm, torch.isfinite(norm), all(g.dtype == torch.float32 for g in grads))
+    (device,) = devices
+    norms = torch._foreach_norm(grads if isinstance(grads, list) else list(grads), 2, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(torch.stack(norms), 2)  # FP32 norms, a 16-bit gradient's too
+    if not check:
+        return GradPass(norm, None, set(map(_DTYPE, grads)) == _FP32)
+    if norm.requires_grad:  # a create_graph backward's gradients: the pass reads their values only
+        norm = norm.detach()
+    if found is None or found.device != device:
+        found = torch.zeros((), dtype=torch.float32, device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_([norm], found, one_on(device))
+    return GradPass(norm, found, set(map(_DTYPE, grads)) == _FP32)
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def one_on(device: torch.device) -> torch.Tensor:
+    """A 0-dim FP32 1.0 on ``device``, made once: the inverse scale of an inf/NaN check at scale 1, which GradScaler's
+    unscale kernel only reads (never write into it)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
 
 
 def grad_norms(grads: list[torch.Tensor], norm_type: float, *, full: bool = False) -> list[torch.Tensor]:

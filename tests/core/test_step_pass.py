@@ -23,6 +23,12 @@ def test_one_pass_gives_the_norm_and_the_finite_flag_without_a_host_read():
     assert grad_pass(grads[:2]).fp32
     assert not bool(grad_pass([torch.ones(3), torch.tensor([1.0, float("nan")])]).finite)
     assert not bool(grad_pass([torch.tensor([float("-inf")])]).finite)
+    overflowing = grad_pass([torch.full((4,), 3e19), torch.ones(2)])  # finite elements, squares past FP32's range
+    assert float(overflowing.found) == 1.0 and not bool(overflowing.finite)
+    unflagged = grad_pass([torch.ones(3), torch.tensor([1.0, float("nan")])], check=False)  # no flag kernel
+    assert unflagged.found is None and not bool(unflagged.finite) and bool(grad_pass(grads, check=False).finite)
+    flag = torch.zeros(())
+    assert grad_pass([torch.tensor([float("inf")])], flag).found is flag and float(flag) == 1.0  # into the given zero
     # No gradients, or sparse ones: no pass (the caller checks them its own way).
     assert grad_pass([]) is None and grad_pass([torch.ones(3).to_sparse()]) is None
 
@@ -154,3 +160,54 @@ def test_the_batch_note_is_read_only_when_asked_and_sees_the_batch_as_it_came():
     assert stepper.input_nonfinite is None
     stepper.convert_input((x, y))
     assert not bool(stepper.input_nonfinite)
+
+
+def test_the_check_by_the_pass_and_the_spike_fold_are_few_kernels_on_a_clean_step():
+    """The gradient check read off the pass is _foreach_norm, stack, the norm and GradScaler's check kernel on the norm
+    (its float flag as the step's found-inf flag; the last step's 0.0 flag reused, no zero made): no isfinite chain
+    (abs/ne/eq/mul), no logical_not, no copy to float. SpikeGuard's flag folds into the step's flag in one kernel, and
+    the check's own flag (what the step returns as the check before the fold) keeps its value."""
+    model, stepper, optimizer = _whole_stack("bf16-mixed")
+    stepper.growth_every_n_steps = None
+    x, y = regression_data(16)
+    for _ in range(4):
+        mse_backward(stepper, model, x, y)
+        stepper.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    checker = stepper._checker
+    mse_backward(stepper, model, x, y)
+    with OpNames() as ops:
+        checker.check_grads_(optimizer, stepper.device)
+    assert [name.split(".")[1] for name in ops.names] == [
+        "_foreach_norm", "stack", "linalg_vector_norm", "_amp_foreach_non_finite_check_and_unscale_"], ops.names
+    check = checker._per_optimizer_states[id(optimizer)]["found_inf_per_device"][torch.device("cpu")]
+    spike = torch.tensor(True)
+    with OpNames() as ops:
+        before = checker.fold_found_inf_(optimizer, spike)
+    assert len(ops.names) == 1, ops.names
+    assert before is check and float(before) == 0.0  # the check as it was: not written by the fold
+    (folded,) = checker._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+    assert float(folded) == 1.0 and folded.dtype == torch.float32
+    assert float(checker.fold_found_inf_(optimizer, torch.tensor(0.0))) == 1.0  # a float flag folds too
+    (kept,) = checker._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+    assert float(kept) == 1.0
+
+
+def test_after_the_unscale_kernel_the_pass_makes_no_flag_of_its_own():
+    """A real loss scale is undone by GradScaler's kernel, which checks the gradients as it writes them: the pass after
+    it (SpikeGuard's norm) is the norm's three kernels, no zero and no check of the norm."""
+    model, stepper, optimizer = _whole_stack("16-mixed")
+    stepper.growth_every_n_steps = None
+    x, y = regression_data(16)
+    for _ in range(3):
+        mse_backward(stepper, model, x, y)
+        stepper.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    mse_backward(stepper, model, x, y)
+    with OpNames() as ops:
+        stepper._checker.check_grads_(optimizer, stepper.device)
+    names = [name.split(".")[1] for name in ops.names]
+    assert names[-3:] == ["_foreach_norm", "stack", "linalg_vector_norm"], names
+    assert names.count("_amp_foreach_non_finite_check_and_unscale_") == 1 and "zeros" not in names[-4:], names
+    assert stepper._checker.grad_pass(optimizer).found is None
+    assert not stepper._checker.found_inf(optimizer)  # the kernel's flag: clean

@@ -21,7 +21,7 @@ from lit_mpstable.core.scaling.scaler_state import (
     check_state_keys,
     resolve_device,
 )
-from lit_mpstable.core.tensors import GradPass, grad_pass
+from lit_mpstable.core.tensors import GradPass, grad_pass, one_on
 
 _DEVICE_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflow_count", "_min_scale_hits")
 
@@ -187,8 +187,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
                      unscale: bool = True) -> None:
         """The step's gradient check of ``optimizer``, agreed across ranks: the scale's state on ``device`` if no loss
         was scaled (the scale-1 check), ``unscale_`` (or, with ``unscale=False``, :meth:`check_`, which leaves the
-        gradients scaled), then :meth:`sync_found_inf_`. No host sync."""
-        self.ensure_state_(device)
+        gradients scaled), then :meth:`sync_found_inf_` (in a multi-process run). No host sync."""
+        if self._scale is None:
+            self.ensure_state_(device)
         measured = None
         if self.measures_norm and self._enabled and (self.checks_only or not unscale):
             measured = self._check_by_pass_(optimizer, unscale=unscale)  # the check is the norm's pass
@@ -200,10 +201,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
             else:
                 self.unscale_(optimizer)
             if self.measures_norm and self._enabled:  # the unscale kernel checked: one pass more, for the norm
-                measured = grad_pass(_grads(optimizer))
+                measured = grad_pass(_grads(optimizer), check=False)  # the kernel's flag is the check
         if measured is not None:
             self._per_optimizer_states[id(optimizer)]["grad_pass"] = measured
-        self.sync_found_inf_(optimizer)
+        if _DIST and torch.distributed.is_initialized():  # one process: nothing to agree (sync_found_inf_'s no-op)
+            self.sync_found_inf_(optimizer)
 
     def grad_pass(self, optimizer: torch.optim.Optimizer) -> GradPass | None:
         """The pass over ``optimizer``'s gradients that this iteration's :meth:`check_grads_` made (their L2 norm as
@@ -216,9 +218,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """The inf/NaN check at scale 1 (``unscale``, the check of a run without a scaler) or without unscaling
         (:meth:`check_`) read off one :func:`~lit_mpstable.core.tensors.grad_pass`: the gradients are read once, for
         the check and the norm together, and written never. None (nothing done) where the pass does not apply."""
-        measured = grad_pass(grads := _grads(optimizer))
-        if measured is None:
+        spare = self._spare_flag  # 0.0 as the last step read it: the pass's flag starts from it, no zero to allocate
+        measured = grad_pass(grads := _grads(optimizer), spare)
+        if measured is None or measured.found is None:
             return None
+        if measured.found is spare:
+            self._spare_flag = None
         state = self._per_optimizer_states[id(optimizer)]
         call = "unscale_" if unscale else "check_"
         self._check_scale_growth_tracker(call)
@@ -227,9 +232,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 f"{type(self).__name__}.check_() after unscale_()/check_() in the same iteration." if not unscale
                 else "unscale_() has already been called on this optimizer since the last update()."
                 if state["stage"] is OptState.UNSCALED else "unscale_() is being called after step().")
-        if unscale and not self.allow_fp16_grads and any(g.dtype == torch.float16 for g in grads):
+        if unscale and not self.allow_fp16_grads and not measured.fp32 and torch.float16 in set(map(_DTYPE, grads)):
             raise ValueError("Attempting to unscale FP16 gradients.")  # GradScaler's refusal, as the kernel's path
-        state["found_inf_per_device"] = {grads[0].device: measured.finite.logical_not().float()}
+        state["found_inf_per_device"] = {measured.found.device: measured.found}  # the pass's flag is the check's
         state["stage"] = OptState.UNSCALED
         return measured
 
@@ -709,30 +714,25 @@ def nonfinite_on_cpu(optimizer: torch.optim.Optimizer) -> dict[torch.device, tor
     return {torch.device("cpu"): found}
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def one_on(device: torch.device) -> torch.Tensor:
-    """A 0-dim FP32 1.0 on ``device``, made once: the inverse scale of an inf/NaN check at scale 1, which GradScaler's
-    unscale kernel only reads (never write into it)."""
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
-
-
 def fold_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, flag: torch.Tensor
                     ) -> torch.Tensor | None:
-    """Add ``flag`` (a 0-dim device bool) into ``optimizer``'s inf check of this iteration, which ``step`` reads in its
-    one host sync; returns the check as it was before (a device tensor), or None when there is none yet."""
+    """Add ``flag`` (a 0-dim device bool, or an FP32 0.0/1.0 flag) into ``optimizer``'s inf check of this iteration,
+    which ``step`` reads in its one host sync: one kernel, its result put in the check's place (the check's own flag
+    is not written); returns the check as it was before (a device tensor), or None when there is none yet."""
     state = scaler._per_optimizer_states.get(id(optimizer))
-    flags = list(state["found_inf_per_device"].values()) if state else []
-    if not flags:
+    found = state["found_inf_per_device"] if state else None
+    if not found:
         return None
-    # A copy (maximum writes flags[0] below); one flag, the usual case, needs no stack.
-    before = flags[0].sum() if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
-    # A maximum, not a sum: fused optimizers skip only on found_inf == 1 exactly.
-    torch.maximum(flags[0], flag.to(device=flags[0].device, dtype=flags[0].dtype), out=flags[0])
+    (device, first), *more = found.items()
+    # The check as it was: its own flag, which the fold below does not write (it puts a new tensor in its place; the
+    # check's flag may be the pass's, which the step reads as the check); several flags (devices) summed.
+    before = first if not more else torch.stack([f.to(first.device) for f in found.values()]).sum()
+    if flag.device != first.device:
+        flag = flag.to(first.device)
+    # A maximum, not a sum: fused optimizers skip only on found_inf == 1 exactly. One kernel either way: a bool flag
+    # selects 1.0, a float one (0.0/1.0, as the flag's dtype) is maxed in.
+    found[device] = (torch.where(flag, one_on(first.device), first) if flag.dtype == torch.bool
+                     else torch.maximum(first, flag if flag.dtype == first.dtype else flag.to(first.dtype)))
     return before
 
 
