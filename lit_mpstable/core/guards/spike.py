@@ -180,11 +180,12 @@ class SpikeGuard:
             if self.clip_zscore is not None:
                 floors.append([_MIN_REL_STD] * len(_NAMES))
             sizes = torch.arange(self.window + 1, device=device, dtype=torch.float32)
-            f32 = {"device": device, "dtype": torch.float32}
+            f32: dict[str, Any] = {"device": device, "dtype": torch.float32}
             self._consts = {
                 "slots": torch.arange(self.window, device=device).unsqueeze(1),  # a column: broadcasts per series
                 "window": torch.tensor(self.window, device=device),
-                "mean_div": sizes.clamp(min=1.0), "var_div": (sizes - 1.0).clamp(min=1.0),  # by values in the window
+                # By how many values in the window: the mean's divisor max(n, 1), the variance's max(n - 1, 1).
+                "divisors": torch.stack([sizes.clamp(min=1.0), (sizes - 1.0).clamp(min=1.0)], 1),
                 "floors": torch.tensor(floors if len(floors) > 1 else floors[0], **f32),
                 "tiny": torch.tensor(_TINY, **f32),
                 "inf": torch.tensor(math.inf, **f32),
@@ -367,8 +368,9 @@ class SpikeGuard:
         kept until the next: a step's decide() and clip_threshold() read the same tensors."""
         consts, values, counts = self._consts, self._values, self._counts
         n = torch.minimum(counts, consts["window"])
-        mean = values.nansum(0) / consts["mean_div"][n]  # max(n, 1): an empty window has mean 0
-        var = (values - mean).square().nansum(0) / consts["var_div"][n]  # max(n - 1, 1)
+        mean_div, var_div = consts["divisors"][n].unbind(1)  # one look-up for both
+        mean = values.nansum(0) / mean_div  # max(n, 1): an empty window has mean 0
+        var = (values - mean).square().nansum(0) / var_div  # max(n - 1, 1)
         # Both floors (the skip's, with ZClip the statistics' 1% too) in one maximum, then at least _TINY.
         judged = torch.maximum(var.sqrt(), consts["floors"] * mean.abs()).clamp_(min=consts["tiny"])
         ready = counts >= consts["warmup"]
