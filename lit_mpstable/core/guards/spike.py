@@ -179,25 +179,36 @@ class SpikeGuard:
             floors = [[max(_SKIP_REL_STD[name], _MIN_REL_STD) for name in _NAMES]]
             if self.clip_zscore is not None:
                 floors.append([_MIN_REL_STD] * len(_NAMES))
-            sizes = torch.arange(self.window + 1, device=device, dtype=torch.float32)
             f32: dict[str, Any] = {"device": device, "dtype": torch.float32}
+            # The z-score a watched series must exceed once warm (inf for a series not watched: never exceeded), and
+            # the clip's z-score (inf for the loss: its cap is inf; mean + inf * std is inf).
+            gate = torch.tensor([self.zscore if name in self.watch else math.inf for name in _NAMES], **f32)
+            clip_zscore = torch.tensor([math.inf if name == "loss" else self.clip_zscore or 0.0 for name in _NAMES],
+                                       **f32)
             self._consts = {
                 "slots": torch.arange(self.window, device=device).unsqueeze(1),  # a column: broadcasts per series
                 "window": torch.tensor(self.window, device=device),
-                # By how many values in the window: the mean's divisor max(n, 1), the variance's max(n - 1, 1).
-                "divisors": torch.stack([sizes.clamp(min=1.0), (sizes - 1.0).clamp(min=1.0)], 1),
+                "table": self._table(gate, clip_zscore), "rows": torch.arange(len(_NAMES), device=device),
                 "floors": torch.tensor(floors if len(floors) > 1 else floors[0], **f32),
                 "tiny": torch.tensor(_TINY, **f32),
                 "inf": torch.tensor(math.inf, **f32),
-                "warmup": torch.tensor(self.warmup, device=device),
-                # The z-score a watched series must exceed once warm; inf for a series not watched (never exceeded).
-                "gate": torch.tensor([self.zscore if name in self.watch else math.inf for name in _NAMES], **f32),
-                "clip_zscore": torch.tensor([math.inf, self.clip_zscore or 0.0], **f32),
+                "warmup": torch.tensor(self.warmup, device=device), "gate": gate, "clip_zscore": clip_zscore,
                 "missing": torch.full((), math.nan, device=device),  # the placeholder of a value not given
                 "non_blocking": device.type != "cpu",
             }
             self.device = device
         return self
+
+    def _table(self, gate: torch.Tensor, clip_zscore: torch.Tensor) -> torch.Tensor:
+        """What the statistics need from the number n of values in the window (0..window), per series, looked up once
+        per fold: the mean's divisor max(n, 1), the variance's max(n - 1, 1), and, when the warmup fits in the
+        window (n >= warmup is then the warmup's test), the spike's z-score gate and the clip's z-score: inf before
+        warmup. Shape (window + 1, series, 4)."""
+        sizes = torch.arange(self.window + 1, device=gate.device, dtype=torch.float32).unsqueeze(1)
+        warm = sizes >= self.warmup if self.warmup <= self.window else torch.ones_like(sizes, dtype=torch.bool)
+        columns = [sizes.clamp(min=1.0), (sizes - 1.0).clamp(min=1.0),
+                   torch.where(warm, gate, math.inf), torch.where(warm, clip_zscore, math.inf)]
+        return torch.stack([c.expand(-1, len(_NAMES)) for c in columns], 2)
 
     def _value(self, value: torch.Tensor, what: str) -> torch.Tensor:
         """``value`` detached, as a 0-dim FP32 tensor on the guard's device (binding it there on first use)."""
@@ -368,18 +379,20 @@ class SpikeGuard:
         kept until the next: a step's decide() and clip_threshold() read the same tensors."""
         consts, values, counts = self._consts, self._values, self._counts
         n = torch.minimum(counts, consts["window"])
-        mean_div, var_div = consts["divisors"][n].unbind(1)  # one look-up for both
+        mean_div, var_div, gate, clip_zscore = consts["table"][n, consts["rows"]].unbind(1)  # one look-up: _table
+        if self.warmup > self.window:  # the warmup is not a test on n: on the counts themselves
+            ready = counts >= consts["warmup"]
+            gate = torch.where(ready, consts["gate"], consts["inf"])
+            clip_zscore = torch.where(ready, consts["clip_zscore"], consts["inf"])
         mean = values.nansum(0) / mean_div  # max(n, 1): an empty window has mean 0
         var = (values - mean).square().nansum(0) / var_div  # max(n - 1, 1)
         # Both floors (the skip's, with ZClip the statistics' 1% too) in one maximum, then at least _TINY.
         judged = torch.maximum(var.sqrt(), consts["floors"] * mean.abs()).clamp_(min=consts["tiny"])
-        ready = counts >= consts["warmup"]
-        gate = torch.where(ready, consts["gate"], consts["inf"])
         caps = threshold = None
         if self.clip_zscore is not None:
             judged, std = judged.unbind(0)
-            # The loss's clip_zscore is inf: its cap is inf (the norm's row is mean + clip_zscore * std, as ZClip).
-            caps = torch.where(ready, mean + consts["clip_zscore"] * std, consts["inf"])
+            # In warmup, and always for the loss, clip_zscore is inf: the cap is inf (std is positive).
+            caps = mean + clip_zscore * std
             threshold = caps[1]
         self._prepared = (mean, judged, n, gate, caps, threshold)
         return self._prepared
