@@ -167,6 +167,95 @@ def test_statistics_are_those_of_the_applied_steps_only():
     assert guard.loss_zscore.item() == pytest.approx(expected.item(), rel=1e-4)
 
 
+class _Rule:
+    """The guard's rule written out plainly, in float64 on the host: the last ``window`` applied (finite, unskipped)
+    values per series, mean and unbiased std over them, floored (skip: 1% of |mean| for the loss, 50% for the norm;
+    ZClip: 1%), warmup on the applied count, ZClip's cap on the folded norm, a restart after ``max_consecutive``."""
+
+    def __init__(self, zscore=6.0, window=128, warmup=20, clip_zscore=None, max_consecutive=16):
+        self.zscore, self.window, self.warmup, self.clip = zscore, window, warmup, clip_zscore
+        self.max_consecutive, self.run = max_consecutive, 0
+        self.values: list[list[float]] = [[], []]
+        self.counts = [0, 0]
+
+    def _stats(self, row, floor):
+        last = self.values[row][-self.window:]
+        mean = math.fsum(last) / len(last) if last else 0.0
+        std = math.sqrt(math.fsum((v - mean) ** 2 for v in last) / (len(last) - 1)) if len(last) >= 2 else 0.0
+        return mean, max(std, floor * abs(mean), 1e-12)
+
+    def judge(self, x):
+        """x: (loss, norm) as Python floats (NaN: not given) -> the flag, and how close the closest call was."""
+        flag, margin = False, math.inf
+        for row, floor in enumerate((0.01, 0.5)):
+            mean, judged = self._stats(row, floor)
+            if math.isfinite(x[row]) and self.counts[row] >= self.warmup:
+                z = (x[row] - mean) / judged
+                flag |= z > self.zscore
+                margin = min(margin, abs(z - self.zscore) / self.zscore)
+        self.cap = math.inf
+        if self.clip is not None and self.counts[1] >= self.warmup:
+            mean, std = self._stats(1, 0.01)
+            self.cap = mean + self.clip * std
+            if math.isfinite(x[1]):
+                margin = min(margin, abs(x[1] - self.cap) / abs(self.cap))
+        return flag, margin
+
+    def fold(self, x, flag, skipped_extra):
+        if not (flag or skipped_extra):
+            for row, value in enumerate((x[0], min(x[1], self.cap))):
+                if math.isfinite(value):
+                    self.values[row].append(value)
+                    self.counts[row] += 1
+            self.run = 0
+        elif flag:
+            self.run += 1
+            if self.max_consecutive is not None and self.run >= self.max_consecutive:
+                self.values, self.counts, self.run = [[], []], [0, 0], 0
+
+
+def _spiky(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``series`` with loss and norm spikes of every size, runs of spikes, inf/NaN values and missing losses (NaN)."""
+    loss, norm = series(n, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    for i in torch.randint(25, n, (n // 25,), generator=g).tolist():
+        (loss if i % 2 else norm)[i:i + 1 + i % 4] *= 1.05 + 50.0 * torch.rand((), generator=g).item() ** 3
+    for i in torch.randint(0, n, (n // 100,), generator=g).tolist():
+        (loss if i % 3 else norm)[i] = (math.inf, math.nan, -math.inf)[i % 3]
+    return loss, norm
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"window": 32, "warmup": 40, "zscore": 3.0, "max_consecutive": 3},
+                                    {"window": 48, "warmup": 10, "clip_zscore": 2.5}])
+def test_long_run_decides_as_the_rule_recomputed_from_scratch(kwargs):
+    # The guard keeps its window's statistics from one fold to the next (made once per fold, reused by every decide
+    # and clip_threshold until the next): over 3000 steps with spikes, skipped steps, restarts, inf/NaN and missing
+    # values, its every decision is the rule's, recomputed from the applied values each step (a stale statistic, a
+    # fold missed or doubled, would show here).
+    loss, norm = _spiky(3000, seed=len(kwargs))
+    guard, rule = SpikeGuard(**kwargs), _Rule(**kwargs)
+    g = torch.Generator().manual_seed(5)
+    flags, expected, close = [], [], 0
+    for i in range(3000):
+        if i % 7:
+            guard.observe_loss_(loss[i])
+        flag = guard.decide(norm[i])
+        guard.clip_threshold()
+        extra = bool(torch.rand((), generator=g) < 0.03)  # skipped for another reason (an overflow)
+        guard.commit_(flag | extra)
+        guard.count_run_(bool(flag), applied=not (bool(flag) or extra))
+        x = (loss[i].item() if i % 7 else math.nan, norm[i].item())
+        want, margin = rule.judge(x)
+        if margin > 1e-4:  # float32 against float64: only a call this close may differ
+            flags.append(bool(flag))
+            expected.append(want)
+        else:
+            close += 1
+        rule.fold(x, bool(flag), extra)  # the guard's own call, so that a close one cannot send the two apart
+    assert flags == expected, [i for i, (a, b) in enumerate(zip(flags, expected)) if a != b][:10]
+    assert 50 < sum(expected) and close < 30  # it judged many spikes, and compared almost every step
+
+
 def test_micro_batch_losses_add_up():
     guard = SpikeGuard(warmup=2)
     for v in (1.0, 2.0, 3.0):
@@ -228,6 +317,19 @@ def test_state_dict_round_trip_mid_window_is_exact():
     assert int(resumed.spikes_skipped) == 2
     # A fresh guard (never resumed) sees other z-scores, so the round trip carried real information.
     assert trace(SpikeGuard(window=128, clip_zscore=3.0), loss[150:], norm[150:]) != a
+
+
+def test_loading_into_a_guard_that_judged_replaces_its_statistics():
+    # A guard keeps its window's statistics between folds: loading another state must not leave the old ones in use.
+    loss, norm = series(200, seed=8)
+    source, target = SpikeGuard(window=32, clip_zscore=2.5), SpikeGuard(window=32, clip_zscore=2.5)
+    run(source, loss[:100], norm[:100])
+    run(target, loss[:100] * 3, norm[:100] * 5)
+    target.observe_loss_(loss[100])
+    target.decide(norm[100])  # statistics made for its own window
+    target.forget_()
+    target.load_state_dict(source.state_dict())
+    assert trace(target, loss[100:], norm[100:]) == trace(source, loss[100:], norm[100:])
 
 
 def _bad_state(**changes):

@@ -53,6 +53,8 @@ _MIN_REL_STD = 0.01
 _SKIP_REL_STD = {"loss": _MIN_REL_STD, "grad_norm": 0.5}
 _TINY = 1e-12
 _NAMES: tuple[str, ...] = get_args(Watched)
+# The window's statistics as decide() needs them: mean, judged std, count, spike gate, clip caps, clip threshold.
+_Prepared = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 class SpikeGuard:
@@ -124,8 +126,13 @@ class SpikeGuard:
         self._last_spike = torch.zeros((), dtype=torch.bool)
         self._judged: tuple[torch.Tensor, torch.Tensor] | None = None  # last z-scores, window sizes: metrics, lazily
         self._threshold: torch.Tensor | None = None  # the clip threshold decide() computed this step
-        self._caps = torch.full((len(_NAMES),), math.inf)  # what a folded value is capped at: the norm's clip threshold
-        self._consts: dict[str, Any] = {}  # per-device constants: slot indices, floors, the watched rows' mask
+        self._caps: torch.Tensor | None = None  # and the caps of this step's fold (inf for the loss)
+        # The statistics of the window as it stands, made once after each fold (the window changes only there) and
+        # used by every decide() and clip_threshold() until the next: (mean, judged std, number of values, the
+        # z-score above which each series is a spike (inf: in warmup or not watched), the clip caps and threshold or
+        # None): see _prepare().
+        self._prepared: _Prepared | None = None
+        self._consts: dict[str, Any] = {}  # per-device constants (as tensors: an op on a Python number costs more)
 
     # ------------------------------------------------------------------------------------------- live state
     @property
@@ -162,24 +169,46 @@ class SpikeGuard:
         """Keep the statistics on ``device`` (moving them there if they live elsewhere); returns the guard."""
         device = torch.device(device)
         if self.device != device:
-            self._values, self._counts, self._spikes, self._last_spike, self._caps = (
-                t.to(device) for t in (self._values, self._counts, self._spikes, self._last_spike, self._caps))
+            self._values, self._counts, self._spikes, self._last_spike = (
+                t.to(device) for t in (self._values, self._counts, self._spikes, self._last_spike))
             self._judged = None if self._judged is None else (self._judged[0].to(device), self._judged[1].to(device))
             self._clear()
-            # The skip's floor is never below the statistics' own (see _SKIP_REL_STD), so one maximum judges both.
-            floors = [max(_SKIP_REL_STD[name], _MIN_REL_STD) for name in _NAMES]
-            sizes = torch.arange(self.window + 1, device=device, dtype=torch.float32)
+            self._prepared = None
+            # The skip's floor is never below the statistics' own (see _SKIP_REL_STD), so one maximum judges both;
+            # with ZClip a second row holds the clip's floors, so that one maximum makes both standard deviations.
+            floors = [[max(_SKIP_REL_STD[name], _MIN_REL_STD) for name in _NAMES]]
+            if self.clip_zscore is not None:
+                floors.append([_MIN_REL_STD] * len(_NAMES))
+            f32: dict[str, Any] = {"device": device, "dtype": torch.float32}
+            # The z-score a watched series must exceed once warm (inf for a series not watched: never exceeded), and
+            # the clip's z-score (inf for the loss: its cap is inf; mean + inf * std is inf).
+            gate = torch.tensor([self.zscore if name in self.watch else math.inf for name in _NAMES], **f32)
+            clip_zscore = torch.tensor([math.inf if name == "loss" else self.clip_zscore or 0.0 for name in _NAMES],
+                                       **f32)
             self._consts = {
                 "slots": torch.arange(self.window, device=device).unsqueeze(1),  # a column: broadcasts per series
-                "mean_div": sizes.clamp(min=1.0), "var_div": (sizes - 1.0).clamp(min=1.0),  # by values in the window
-                "skip_floor": torch.tensor(floors, device=device),
-                "watched": (None if len(self.watch) == len(_NAMES)
-                            else torch.tensor([name in self.watch for name in _NAMES], device=device)),
+                "window": torch.tensor(self.window, device=device),
+                "table": self._table(gate, clip_zscore), "rows": torch.arange(len(_NAMES), device=device),
+                "floors": torch.tensor(floors if len(floors) > 1 else floors[0], **f32),
+                "tiny": torch.tensor(_TINY, **f32),
+                "inf": torch.tensor(math.inf, **f32),
+                "warmup": torch.tensor(self.warmup, device=device), "gate": gate, "clip_zscore": clip_zscore,
                 "missing": torch.full((), math.nan, device=device),  # the placeholder of a value not given
                 "non_blocking": device.type != "cpu",
             }
             self.device = device
         return self
+
+    def _table(self, gate: torch.Tensor, clip_zscore: torch.Tensor) -> torch.Tensor:
+        """What the statistics need from the number n of values in the window (0..window), per series, looked up once
+        per fold: the mean's divisor max(n, 1), the variance's max(n - 1, 1), and, when the warmup fits in the
+        window (n >= warmup is then the warmup's test), the spike's z-score gate and the clip's z-score: inf before
+        warmup. Shape (window + 1, series, 4)."""
+        sizes = torch.arange(self.window + 1, device=gate.device, dtype=torch.float32).unsqueeze(1)
+        warm = sizes >= self.warmup if self.warmup <= self.window else torch.ones_like(sizes, dtype=torch.bool)
+        columns = [sizes.clamp(min=1.0), (sizes - 1.0).clamp(min=1.0),
+                   torch.where(warm, gate, math.inf), torch.where(warm, clip_zscore, math.inf)]
+        return torch.stack([c.expand(-1, len(_NAMES)) for c in columns], 2)
 
     def _value(self, value: torch.Tensor, what: str) -> torch.Tensor:
         """``value`` detached, as a 0-dim FP32 tensor on the guard's device (binding it there on first use)."""
@@ -224,19 +253,14 @@ class SpikeGuard:
             self._norm, self._pending = self._value(grad_norm, "decide(grad_norm)"), None
         if self.device is None:  # nothing seen yet, nothing to judge
             return self._last_spike.clone()
-        value, counts = self._stacked(), self._counts
-        mean, root, scale, n = self._stats()
-        judged = torch.maximum(root, self._consts["skip_floor"] * scale).clamp(min=_TINY)  # see _SKIP_REL_STD
+        value = self._stacked()
+        mean, judged, n, gate, caps, threshold = self._prepared or self._prepare()
         z = (value - mean) / judged
         # NaN z (a value not given, or non-finite) compares False; an inf value (inf z) is excluded as non-finite.
-        self._finite = value.abs() < math.inf  # the fold takes these, unless clipping caps a value first
-        spike = self._finite & (z > self.zscore) & (counts >= self.warmup)
-        if self._consts["watched"] is not None:
-            spike = spike & self._consts["watched"]
-        spike = spike.any()
+        self._finite = finite = torch.lt(value.abs(), self._consts["inf"])  # the fold takes these, unless capped
+        spike = (finite & (z > gate)).any()  # gate: inf in warmup and for a series not watched
         self._judged = (z, n)  # n is this step's own tensor: the metrics read it later
-        self._threshold = (self._clip_threshold(mean[1], self._std(root, scale)[1], counts[1])
-                           if self.clip_zscore is not None else None)
+        self._threshold, self._caps = threshold, caps
         self._last_spike = spike
         self._decided = True
         return spike
@@ -261,12 +285,7 @@ class SpikeGuard:
                 raise RuntimeError("SpikeGuard.clip_threshold(): the guard has seen no value yet, so it has no device;"
                                    " pass grad_norm=... or call bind(device) first.")
             self.bind(grad_norm.device)
-        mean, root, scale, _ = self._stats()
-        return self._clip_threshold(mean[1], self._std(root, scale)[1], self._counts[1])
-
-    def _clip_threshold(self, mean: torch.Tensor, std: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        assert self.clip_zscore is not None
-        return torch.where(count >= self.warmup, mean + self.clip_zscore * std, math.inf)
+        return (self._prepared or self._prepare())[5]
 
     def commit_(self, skipped: torch.Tensor | bool, *, spiked: torch.Tensor | None = None) -> None:
         """End the step: fold its loss and norm into the statistics unless ``skipped`` (the step's final flag: a
@@ -297,18 +316,20 @@ class SpikeGuard:
         self._clear()
 
     def _fold(self, skipped: torch.Tensor | None) -> None:
-        value, take = self._stacked(), self._finite
+        value, take, consts = self._stacked(), self._finite, self._consts
         if self.clip_zscore is not None:  # ZClip: a clipped norm enters capped at its threshold (the loss's cap: inf)
-            if self._threshold is not None:
-                self._caps[1].copy_(self._threshold)
-            value, take = torch.minimum(value, self._caps), None
+            if self._threshold is not None and self._caps is not None:  # decided this step (else the norm is NaN)
+                value = torch.minimum(value, self._caps)
+            take = None
         if take is None:
-            take = value.abs() < math.inf  # a value not given is NaN: never taken
+            take = torch.lt(value.abs(), consts["inf"])  # a value not given is NaN: never taken
         take = take & ~skipped if skipped is not None else take
         # torch.where on a one-hot slot instead of indexing by a Python int: no host read, no graph break.
-        slot = (self._consts["slots"] == self._counts % self.window) & take
+        slot = consts["slots"] == torch.remainder(self._counts, consts["window"])
+        slot &= take
         torch.where(slot, value, self._values, out=self._values)
         self._counts.add_(take)
+        self._prepared = None  # the window changed
 
     def _stacked(self) -> torch.Tensor:
         """This step's loss and norm as one (2,) tensor, NaN where not given; made once per step."""
@@ -337,6 +358,7 @@ class SpikeGuard:
             if self.max_consecutive is not None and self.consecutive_spikes >= self.max_consecutive:
                 self._values.fill_(math.nan)
                 self._counts.zero_()
+                self._prepared = None
                 self.consecutive_spikes, self.level_shifts = 0, self.level_shifts + 1
                 return True
         return False
@@ -346,21 +368,34 @@ class SpikeGuard:
         self._clear()
 
     def _clear(self) -> None:
-        self._loss = self._norm = self._pending = self._finite = self._threshold = None
+        self._loss = self._norm = self._pending = self._finite = self._threshold = self._caps = None
         self._decided = False
 
-    def _stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per series, over the applied values in the window: the mean, the unbiased standard deviation before any
-        floor, the mean's magnitude (the floors' unit) and the number of values (at most ``window``, int64)."""
-        n = self._counts.clamp(max=self.window)
-        mean = self._values.nansum(0) / self._consts["mean_div"][n]  # max(n, 1): an empty window has mean 0
-        var = (self._values - mean).square().nansum(0) / self._consts["var_div"][n]  # max(n - 1, 1)
-        return mean, var.sqrt(), mean.abs(), n
-
-    @staticmethod
-    def _std(root: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """The statistics' standard deviation: floored at 1% of the mean's magnitude (see _MIN_REL_STD)."""
-        return torch.maximum(root, _MIN_REL_STD * scale).clamp(min=_TINY)
+    def _prepare(self) -> _Prepared:
+        """The window's statistics, per series, over its applied values: the mean, the judged standard deviation
+        (floored, see ``_SKIP_REL_STD``), the number of values (at most ``window``, int64), the z-score a value must
+        exceed to be a spike (inf in warmup or when not watched), and with ``clip_zscore`` the caps a folded value
+        takes (inf for the loss, the clip threshold for the norm) and the clip threshold alone. Made after a fold,
+        kept until the next: a step's decide() and clip_threshold() read the same tensors."""
+        consts, values, counts = self._consts, self._values, self._counts
+        n = torch.minimum(counts, consts["window"])
+        mean_div, var_div, gate, clip_zscore = consts["table"][n, consts["rows"]].unbind(1)  # one look-up: _table
+        if self.warmup > self.window:  # the warmup is not a test on n: on the counts themselves
+            ready = counts >= consts["warmup"]
+            gate = torch.where(ready, consts["gate"], consts["inf"])
+            clip_zscore = torch.where(ready, consts["clip_zscore"], consts["inf"])
+        mean = values.nansum(0) / mean_div  # max(n, 1): an empty window has mean 0
+        var = (values - mean).square().nansum(0) / var_div  # max(n - 1, 1)
+        # Both floors (the skip's, with ZClip the statistics' 1% too) in one maximum, then at least _TINY.
+        judged = torch.maximum(var.sqrt(), consts["floors"] * mean.abs()).clamp_(min=consts["tiny"])
+        caps = threshold = None
+        if self.clip_zscore is not None:
+            judged, std = judged.unbind(0)
+            # In warmup, and always for the loss, clip_zscore is inf: the cap is inf (std is positive).
+            caps = mean + clip_zscore * std
+            threshold = caps[1]
+        self._prepared = (mean, judged, n, gate, caps, threshold)
+        return self._prepared
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -392,6 +427,7 @@ class SpikeGuard:
         self._counts = counts.to(device)
         reached = torch.arange(self.window, device=device).unsqueeze(1) < self._counts
         self._values = torch.where(reached, values.t().to(device), math.nan)
+        self._prepared = None
         self._spikes = spikes.to(device)
         self.consecutive_spikes, self.level_shifts = run, shifts
         self._clear()
