@@ -13,9 +13,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
 from lit_mpstable.base.validate import INT32_MAX, int_arg
+from lit_mpstable.callbacks._snapshot import state_finite
 from lit_mpstable.callbacks.views import ForeignPrecision, PrecisionView, view_of
 from lit_mpstable.core.formats import FORMAT_IDS
 from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, describe, ladder_of
+from lit_mpstable.core.guards.triage import needs_triage
 from lit_mpstable.core.loaded_state import (
     Field,
     check_fields,
@@ -29,6 +31,7 @@ from lit_mpstable.core.loaded_state import (
     records,
     text_list,
 )
+from lit_mpstable.core.step.step_guard import ends_nonfinite
 from lit_mpstable.frontends.common import StableFrontEnd
 
 METRIC_NAMES = (
@@ -204,9 +207,6 @@ def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModul
     ``"stop"`` stops the fit here, with the reason. Within ``restored_window`` steps of a checkpoint load a non-finite
     step or a spike is ``"restored"`` (:meth:`~lit_mpstable.core.guards.ladder.Ladder.restored`). Every face calls it at
     the same point on every rank."""
-    from lit_mpstable.callbacks._snapshot import state_finite
-    from lit_mpstable.core.guards.triage import needs_triage
-
     step = trainer.global_step - 1
     if step != ladder.watched:  # a batch without an optimizer step (accumulation) shows the step watched before
         ladder.watched = step
@@ -258,38 +258,82 @@ class StepCounter:
         self.seen = self._now(plugin)
 
     def delta(self, plugin: PrecisionView) -> tuple[int, int, int]:
-        now = self._now(plugin)
-        steps, overflows, skipped = (a - b for a, b in zip(now, self.seen))
+        now, seen = self._now(plugin), self.seen
         self.seen = now
-        return steps, overflows, skipped
+        return now[0] - seen[0], now[1] - seen[1], now[2] - seen[2]
 
 
 class LaggedFlag:
-    """Whether something happened in a step, kept on the device, summed across ranks, and read one step later,
-    when the device has long computed it: a per-step check without a per-step host sync."""
+    """Whether a step had a non-finite loss that its batch does not explain (a batch holding inf/NaN is a data
+    problem, not a precision one), kept on the device and read one step later, when the device has long computed it:
+    a per-step check without a per-step host sync.
+
+    Per backward only the loss is checked on the device (:meth:`mark`: two kernels); the batch's minima and maxima
+    (the plugin's ``input_ends``) are kept by reference with their count, and asked whether they hold inf/NaN
+    (``ends_nonfinite``) only where the answer matters: on one process after a non-finite loss was read (host reads
+    on that bad step only); across processes at the step's end, where each rank's verdict is summed over the ranks, so
+    every rank reads the same value."""
 
     def __init__(self) -> None:
         self.current: torch.Tensor | None = None
-        self.previous: torch.Tensor | None = None
+        """Whether any loss of the step in progress was non-finite (0-dim bool on the device)."""
+        self._parts: list[tuple[torch.Tensor, list[torch.Tensor] | None, int]] = []
+        # per backward: (its loss non-finite and not excused yet, the batch ends then, their count)
+        self.previous: tuple[torch.Tensor, list[tuple[torch.Tensor, list[torch.Tensor] | None, int]]] | None = None
+        # the last closed step: its flag (final when its parts are empty, else the loss flag alone) and its parts
 
-    def mark(self, flag: torch.Tensor) -> None:
-        """OR a 0-dim bool tensor into the step in progress."""
+    @staticmethod
+    def loss_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+        """Whether ``loss`` holds inf/NaN, as a 0-dim (one-element) bool on its device: ``x * 0`` is 0 for every
+        finite ``x`` and NaN otherwise (two kernels; ``isfinite`` takes five)."""
+        flag = loss.detach().mul(0).ne(0)
+        return flag if flag.numel() == 1 else flag.any()
+
+    def mark(self, loss: torch.Tensor, plugin: Any) -> None:
+        """Note one backward's ``loss``; a batch of the step so far that held inf/NaN excuses it (asked later)."""
+        flag = self.loss_nonfinite(loss)
+        ends = getattr(plugin, "input_ends", None)
+        if ends is None and (data := plugin.input_nonfinite) is not None:  # a plugin that keeps no ends: ask now
+            flag = flag > data  # non-finite, and not a poisoned batch
+        self._parts.append((flag, ends, 0 if ends is None else len(ends)))
         self.current = flag if self.current is None else self.current | flag
 
-    def end_step(self, strategy: Any) -> bool | None:
+    def clear(self) -> None:
+        """Forget the step in progress (a new fit); the previous step's flag stays (it may come from a checkpoint)."""
+        self.current, self._parts = None, []
+
+    @staticmethod
+    def _excused(ends: list[torch.Tensor] | None, count: int) -> torch.Tensor | None:
+        return ends_nonfinite(ends[:count]) if ends is not None and count else None
+
+    def end_step(self, trainer: pl.Trainer) -> bool | None:
         """Close the step; return the previous step's flag (on any rank), ``None`` if there was none."""
-        flag, self.current = self.current, None
-        if flag is not None:
-            flag = strategy.reduce(flag.float(), reduce_op="sum")
-        previous, self.previous = self.previous, flag
-        return None if previous is None else bool(previous.item() > 0)
+        flag, parts, self.current, self._parts = self.current, self._parts, None, []
+        if flag is not None and trainer.world_size > 1:  # each rank's verdict now, summed: the same on every rank
+            verdicts = [bad if (data := self._excused(ends, n)) is None else bad > data for bad, ends, n in parts]
+            verdict = verdicts[0]
+            for other in verdicts[1:]:
+                verdict = verdict | other
+            flag, parts = trainer.strategy.reduce(verdict.float(), reduce_op="sum"), []
+        previous, self.previous = self.previous, None if flag is None else (flag, parts)
+        return None if previous is None else self._read(previous)
+
+    def _read(self, previous: tuple[torch.Tensor, list[tuple[torch.Tensor, list[torch.Tensor] | None, int]]]
+              ) -> bool:
+        flag, parts = previous
+        if not bool(flag.item() > 0):  # the one read of a clean step
+            return False
+        # A non-finite loss on this process: excused only where its batch held inf/NaN (host reads, bad steps only).
+        return any(bool(bad) and not ((data := self._excused(ends, n)) is not None and bool(data))
+                   for bad, ends, n in parts) if parts else True
 
     def unread(self) -> bool | None:
         """The flag :meth:`end_step` will return next (synchronises), for checkpoints."""
-        return None if self.previous is None else bool(self.previous.item() > 0)
+        return None if self.previous is None else self._read(self.previous)
 
     def load(self, value: bool | None) -> None:
-        self.current, self.previous = None, None if value is None else torch.tensor(float(value))
+        self.current, self._parts = None, []
+        self.previous = None if value is None else (torch.tensor(float(value)), [])
 
 
 class WindowedCounts(Metric):
@@ -308,9 +352,20 @@ class WindowedCounts(Metric):
     def __init__(self, window: int) -> None:
         super().__init__()
         self.window = window
-        self.position = 0
-        self._rows: dict[int, tuple[int, int, int]] = {}  # slot -> row, updated since the state was last written
+        # slot -> row, updated since the state was last written; [position]: a plain list, so the per-step update
+        # writes no attribute of the module (nn.Module and Metric.__setattr__ are ~2 us a write)
+        self._rows: dict[int, tuple[int, int, int]] = {}
+        self._position = [0]
         self.add_state("_counts", default=torch.zeros(window, 3), dist_reduce_fx="sum")
+
+    @property
+    def position(self) -> int:
+        """Stepping batches recorded since the start (or :meth:`reset`); the next row goes to ``position % window``."""
+        return self._position[0]
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._position[0] = value
 
     @property
     def counts(self) -> torch.Tensor:
@@ -319,8 +374,9 @@ class WindowedCounts(Metric):
         return self._counts
 
     def update(self, overflows: int, skipped: int, steps: int) -> None:
-        self._rows[self.position % self.window] = (overflows, skipped, steps)
-        self.position += 1
+        position = self._position
+        self._rows[position[0] % self.window] = (overflows, skipped, steps)
+        position[0] += 1
 
     def flush_(self) -> None:
         """Write the rows updated since the last write into the device state: one copy."""
