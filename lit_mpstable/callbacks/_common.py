@@ -210,7 +210,8 @@ def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModul
     step = trainer.global_step - 1
     if step != ladder.watched:  # a batch without an optimizer step (accumulation) shows the step watched before
         ladder.watched = step
-        overflowed, ladder.overflows = plugin.overflow_count > ladder.overflows, plugin.overflow_count
+        count = plugin.overflow_count
+        overflowed, ladder.overflows = count > ladder.overflows, count
         if plugin.last_step_skipped:
             loss_bad, data, unscaled, late, spike = needs_triage(plugin, overflowed)
             suspect = loss_bad or late
@@ -374,9 +375,18 @@ class WindowedCounts(Metric):
         return self._counts
 
     def update(self, overflows: int, skipped: int, steps: int) -> None:
+        self.record(overflows, skipped, steps)
+
+    def record(self, overflows: int, skipped: int, steps: int) -> None:
+        """:meth:`update` without torchmetrics' wrapper around it (a grad-mode switch and two module attribute
+        writes a call): the per-step path. Its bookkeeping is kept where it matters: a cached :meth:`compute`
+        result is dropped, and the metric counts as updated."""
         position = self._position
         self._rows[position[0] % self.window] = (overflows, skipped, steps)
         position[0] += 1
+        if self._computed is not None or not self._update_count:
+            self._computed = None
+            self._update_count += 1
 
     def flush_(self) -> None:
         """Write the rows updated since the last write into the device state: one copy."""

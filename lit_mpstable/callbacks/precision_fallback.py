@@ -269,8 +269,10 @@ class PrecisionFallback(PluginCallback):
     def _probed(self, pl_module: pl.LightningModule) -> list[str]:
         """Count a new probe result; the modules over ``max_grad_error`` for ``grad_error_patience`` probes."""
         assert self._plugin is not None
+        if self.max_grad_error is None:
+            return []
         probe = self._plugin.findings.probe
-        if self.max_grad_error is None or not probe or probe.get("step") == self.last_probe_step:
+        if not probe or probe.get("step") == self.last_probe_step:
             return []
         self.last_probe_step = int(probe["step"])
         for name, measured in probe["modules"].items():

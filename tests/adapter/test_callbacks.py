@@ -364,3 +364,23 @@ def test_the_overflow_window_updates_on_the_host_and_shows_every_update_when_rea
     assert window.compute().tolist() == [6.0, 6.0, 6.0]
     window.reset()
     assert window.counts.sum().item() == 0 and window.position == 0
+
+
+def test_the_overflow_windows_per_step_record_writes_no_module_attribute_and_is_seen_by_compute():
+    """WindowedCounts.record (OverflowMonitor's per-step call) skips torchmetrics' update wrapper and nn.Module's
+    __setattr__ (~2 us a write), yet a compute cached before it is not returned after it."""
+    from lit_mpstable.callbacks._common import WindowedCounts
+
+    window = WindowedCounts(3)
+    window.record(1, 1, 1)
+    assert window.compute().tolist() == [1.0, 1.0, 1.0]  # cached by torchmetrics
+    writes = []
+    original = type(window).__setattr__
+    type(window).__setattr__ = lambda self, name, value: (writes.append(name), original(self, name, value))[1]
+    try:
+        for _ in range(4):
+            window.record(0, 0, 1)
+    finally:
+        del type(window).__setattr__  # Metric's again
+    assert writes == ["_computed", "_update_count"]  # once, after the cached compute; no per-step position write
+    assert window.compute().tolist() == [0.0, 0.0, 3.0] and window.position == 5
