@@ -264,77 +264,93 @@ class StepCounter:
         return now[0] - seen[0], now[1] - seen[1], now[2] - seen[2]
 
 
+_Part = tuple[torch.Tensor, list[torch.Tensor] | None, int]
+"""One backward's entry in :class:`LaggedFlag`: its loss (detached; or, where the plugin keeps no batch ends, the
+verdict already formed on the device: a bool), the step's batch ends then, and their count."""
+
+
 class LaggedFlag:
     """Whether a step had a non-finite loss that its batch does not explain (a batch holding inf/NaN is a data
-    problem, not a precision one), kept on the device and read one step later, when the device has long computed it:
-    a per-step check without a per-step host sync.
+    problem, not a precision one), read one step later, when the device has long computed it: a per-step check
+    without a per-step host sync.
 
-    Per backward only the loss is checked on the device (:meth:`mark`: two kernels); the batch's minima and maxima
-    (the plugin's ``input_ends``) are kept by reference with their count, and asked whether they hold inf/NaN
-    (``ends_nonfinite``) only where the answer matters: on one process after a non-finite loss was read (host reads
-    on that bad step only); across processes at the step's end, where each rank's verdict is summed over the ranks, so
-    every rank reads the same value."""
+    :meth:`mark` keeps each backward's loss and the plugin's batch ends (``input_ends``, the step's minima and maxima,
+    by reference with their count) and launches nothing. On one process the next step reads the loss itself (the one
+    read; several backwards in a step are checked on the device first and their flag is read), and the batch is asked
+    whether it held inf/NaN (``ends_nonfinite``, host reads) only after a non-finite loss. Across processes each
+    rank's verdict is formed on the device at the step's end and summed over the ranks, so every rank reads the same
+    value."""
 
     def __init__(self) -> None:
-        self.current: torch.Tensor | None = None
-        """Whether any loss of the step in progress was non-finite (0-dim bool on the device)."""
-        self._parts: list[tuple[torch.Tensor, list[torch.Tensor] | None, int]] = []
-        # per backward: (its loss non-finite and not excused yet, the batch ends then, their count)
-        self.previous: tuple[torch.Tensor, list[tuple[torch.Tensor, list[torch.Tensor] | None, int]]] | None = None
-        # the last closed step: its flag (final when its parts are empty, else the loss flag alone) and its parts
+        self._parts: list[_Part] = []  # the step in progress, per backward
+        self.previous: tuple[str, torch.Tensor, list[_Part]] | None = None
+        """The last closed step: ``("loss", its loss, parts)`` (finite or not), ``("flag", its flag, parts)``
+        (non-zero: a non-finite loss, judged against the batch here when parts are given), or None."""
 
     @staticmethod
     def loss_nonfinite(loss: torch.Tensor) -> torch.Tensor:
         """Whether ``loss`` holds inf/NaN, as a 0-dim (one-element) bool on its device: ``x * 0`` is 0 for every
         finite ``x`` and NaN otherwise (two kernels; ``isfinite`` takes five)."""
-        flag = loss.detach().mul(0).ne(0)
+        flag = loss.mul(0).ne(0)
         return flag if flag.numel() == 1 else flag.any()
 
     def mark(self, loss: torch.Tensor, plugin: Any) -> None:
         """Note one backward's ``loss``; a batch of the step so far that held inf/NaN excuses it (asked later)."""
-        flag = self.loss_nonfinite(loss)
-        ends = getattr(plugin, "input_ends", None)
+        value, ends = loss.detach(), getattr(plugin, "input_ends", None)
         if ends is None and (data := plugin.input_nonfinite) is not None:  # a plugin that keeps no ends: ask now
-            flag = flag > data  # non-finite, and not a poisoned batch
-        self._parts.append((flag, ends, 0 if ends is None else len(ends)))
-        self.current = flag if self.current is None else self.current | flag
+            value = self.loss_nonfinite(value) > data  # non-finite, and not a poisoned batch
+        self._parts.append((value, ends, 0 if ends is None else len(ends)))
 
     def clear(self) -> None:
         """Forget the step in progress (a new fit); the previous step's flag stays (it may come from a checkpoint)."""
-        self.current, self._parts = None, []
+        self._parts = []
 
     @staticmethod
     def _excused(ends: list[torch.Tensor] | None, count: int) -> torch.Tensor | None:
         return ends_nonfinite(ends[:count]) if ends is not None and count else None
 
+    def _flag(self, value: torch.Tensor) -> torch.Tensor:
+        return value if value.dtype == torch.bool else self.loss_nonfinite(value)
+
     def end_step(self, trainer: pl.Trainer) -> bool | None:
         """Close the step; return the previous step's flag (on any rank), ``None`` if there was none."""
-        flag, parts, self.current, self._parts = self.current, self._parts, None, []
-        if flag is not None and trainer.world_size > 1:  # each rank's verdict now, summed: the same on every rank
-            verdicts = [bad if (data := self._excused(ends, n)) is None else bad > data for bad, ends, n in parts]
-            verdict = verdicts[0]
-            for other in verdicts[1:]:
-                verdict = verdict | other
-            flag, parts = trainer.strategy.reduce(verdict.float(), reduce_op="sum"), []
-        previous, self.previous = self.previous, None if flag is None else (flag, parts)
+        parts, self._parts = self._parts, []
+        closed: tuple[str, torch.Tensor, list[_Part]] | None = None
+        if parts and trainer.world_size > 1:  # each rank's verdict now, summed: the same on every rank
+            verdict = None
+            for value, ends, n in parts:
+                flag = self._flag(value)
+                flag = flag if (data := self._excused(ends, n)) is None else flag > data
+                verdict = flag if verdict is None else verdict | flag
+            assert verdict is not None
+            closed = ("flag", trainer.strategy.reduce(verdict.float(), reduce_op="sum"), [])
+        elif len(parts) == 1 and parts[0][0].dtype != torch.bool and parts[0][0].numel() == 1:
+            closed = ("loss", parts[0][0], parts)  # read as it is: no kernel on a clean step
+        elif parts:
+            flags = [self._flag(value) for value, _, _ in parts]
+            verdict = flags[0]
+            for flag in flags[1:]:
+                verdict = verdict | flag
+            closed = ("flag", verdict, parts)
+        previous, self.previous = self.previous, closed
         return None if previous is None else self._read(previous)
 
-    def _read(self, previous: tuple[torch.Tensor, list[tuple[torch.Tensor, list[torch.Tensor] | None, int]]]
-              ) -> bool:
-        flag, parts = previous
-        if not bool(flag.item() > 0):  # the one read of a clean step
+    def _read(self, previous: tuple[str, torch.Tensor, list[_Part]]) -> bool:
+        kind, value, parts = previous
+        read = value.item()  # the one read of a clean step
+        if (math.isfinite(read) if kind == "loss" else not read > 0):
             return False
         # A non-finite loss on this process: excused only where its batch held inf/NaN (host reads, bad steps only).
-        return any(bool(bad) and not ((data := self._excused(ends, n)) is not None and bool(data))
-                   for bad, ends, n in parts) if parts else True
+        return any(bool(self._flag(value)) and not ((data := self._excused(ends, n)) is not None and bool(data))
+                   for value, ends, n in parts) if parts else True
 
     def unread(self) -> bool | None:
         """The flag :meth:`end_step` will return next (synchronises), for checkpoints."""
         return None if self.previous is None else self._read(self.previous)
 
     def load(self, value: bool | None) -> None:
-        self.current, self._parts = None, []
-        self.previous = None if value is None else (torch.tensor(float(value)), [])
+        self._parts = []
+        self.previous = None if value is None else ("flag", torch.tensor(float(value)), [])
 
 
 class WindowedCounts(Metric):
