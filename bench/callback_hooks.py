@@ -4,6 +4,7 @@ step of every hook a lit_mpstable callback overrides, each measured inside a rea
 
     PYTHONPATH=. .venv/bin/python bench/callback_hooks.py                       # the whole stack, 3 fits
     PYTHONPATH=. .venv/bin/python bench/callback_hooks.py --configs mlp/SP-bf16-mixed+cb --steps 300
+    PYTHONPATH=. .venv/bin/python bench/callback_hooks.py --triage           # + FaultTriage, as make run has it
 
 Run it from a tree with that tree's package on ``PYTHONPATH`` (a baseline copy too: the script only wraps hooks).
 Three fits per config: one timed (hooks wrapped in a thread-time timer), one counting aten ops (a
@@ -103,11 +104,15 @@ class _Counter(pl.Callback):
         self.recorder.step += 1
 
 
-def measure(name: str, mode: str, steps: int, first: int) -> Recorder:
+def measure(name: str, mode: str, steps: int, first: int, triage: bool = False) -> Recorder:
     config, suite = CONFIGS[name], SUITES[CONFIGS[name].suite]
     work = suite.workload(steps)
     kwargs = config.trainer()  # type: ignore[misc]
     callbacks = list(kwargs.pop("callbacks", []))
+    if triage:
+        from lit_mpstable.callbacks import FaultTriage
+
+        callbacks.insert(0, FaultTriage())  # first, as its docs ask
     recorder = Recorder(mode, first)
     for callback in callbacks:
         if type(callback).__module__.startswith("lit_mpstable"):
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", default="mlp/SP-bf16-mixed+cb")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--first", type=int, default=20, help="first counted step (default 20)")
+    parser.add_argument("--triage", action="store_true", help="also FaultTriage (make run's stack), listed first")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     _quiet()
@@ -129,9 +135,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"lit_mpstable from {Path(lit_mpstable.__file__).parent}; torch {torch.__version__}")
     for name in args.configs.split(","):
-        timed = measure(name, "time", args.steps, args.first)
-        ops = measure(name, "ops", args.steps, args.first)
-        calls = measure(name, "calls", args.steps, args.first)
+        timed, ops, calls = (measure(name, mode, args.steps, args.first, args.triage)
+                             for mode in ("time", "ops", "calls"))
         counted = range(args.first, args.steps)
         print(f"\n{name}: per step ({len(counted)} steps from step {args.first}; median [mean] over them)")
         print("| hook | CPU us | torch ops | Python calls |\n| --- | --- | --- | --- |")

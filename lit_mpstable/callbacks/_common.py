@@ -200,14 +200,15 @@ def run_ladder(trainer: pl.Trainer, plugin: PrecisionView | None, face: str, *ru
 
 
 def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModule, plugin: PrecisionView,
-               face: str) -> dict[str, Any] | None:
+               face: str, global_step: int | None = None) -> dict[str, Any] | None:
     """The decision for this batch's step (``trainer.global_step - 1``), taken once for all faces by the first that
     calls at batch end: nothing for an applied step; for a rejected one its fault (:func:`~lit_mpstable.core.guards.
     ladder.classify`, the flags agreed across ranks: host reads on rejected steps only) and the rung that acts. A
     ``"stop"`` stops the fit here, with the reason. Within ``restored_window`` steps of a checkpoint load a non-finite
     step or a spike is ``"restored"`` (:meth:`~lit_mpstable.core.guards.ladder.Ladder.restored`). Every face calls it at
-    the same point on every rank."""
-    step = trainer.global_step - 1
+    the same point on every rank. ``global_step``: ``trainer.global_step``, where the caller has read it already
+    (Lightning's property is a chain of six calls)."""
+    step = (trainer.global_step if global_step is None else global_step) - 1
     if step != ladder.watched:  # a batch without an optimizer step (accumulation) shows the step watched before
         ladder.watched = step
         count = plugin.overflow_count

@@ -186,12 +186,12 @@ class PrecisionFallback(PluginCallback):
         plugin = self._plugin
         if plugin is None:
             return
+        step = trainer.global_step
         if self._ladder is not None:
-            watch_step(self._ladder, trainer, pl_module, plugin, "PrecisionFallback")
+            watch_step(self._ladder, trainer, pl_module, plugin, "PrecisionFallback", step)
         steps, overflows, _ = self._steps.delta(plugin)
         if steps == 0:
             return
-        step = trainer.global_step
         self._observe(trainer, overflows, steps)
         drifting = self._probed(pl_module)
         if self.state is FallbackState.COOLING and self.retry_step is not None and self.retry_step <= step:
