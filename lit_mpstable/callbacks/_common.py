@@ -152,12 +152,20 @@ def agreed_names(trainer: pl.Trainer, names: Sequence[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ plugin access
+STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+              "on_before_zero_grad", "on_train_batch_end")
+"""The hooks Lightning calls on every callback at every training step, each in its profiler's context (~12 Python
+calls a callback and hook, whether the callback implements it or not): a :class:`PluginCallback` sets those it leaves
+to ``pl.Callback`` to None on the instance, which Lightning's dispatch (``if callable(fn)``) skips."""
+
+
 class PluginCallback(pl.Callback):
     """Base of the callbacks: finds the precision plugin at fit start. ``StablePrecision`` is used as it is; with
     Lightning's own plugins (``MixedPrecision``, ``HalfPrecision``, ``FSDPPrecision``, ...) a callback whose
     ``foreign_note`` is set works from a :class:`ForeignPrecision` view of it (its GradScaler's scale and skipped
     steps) and says once what it cannot do there; one whose ``foreign_note`` is None says once that it needs
-    StablePrecision and leaves every hook inert."""
+    StablePrecision and leaves every hook inert. Of the per-step hooks (:data:`STEP_HOOKS`) Lightning calls only
+    those the callback implements."""
 
     foreign_note: str | None = None
     """What this callback does differently with Lightning's own precision plugins, or None: nothing without ours."""
@@ -165,6 +173,9 @@ class PluginCallback(pl.Callback):
     def __init__(self) -> None:
         self._plugin: PrecisionView | None = None
         self._warned_no_plugin = False
+        for hook in STEP_HOOKS:  # Lightning skips a hook that is not callable: only the implemented ones are called
+            if getattr(type(self), hook) is getattr(pl.Callback, hook):
+                setattr(self, hook, None)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plugin = trainer.precision_plugin

@@ -384,3 +384,44 @@ def test_the_overflow_windows_per_step_record_writes_no_module_attribute_and_is_
         del type(window).__setattr__  # Metric's again
     assert writes == ["_computed", "_update_count"]  # once, after the cached compute; no per-step position write
     assert window.compute().tolist() == [0.0, 0.0, 3.0] and window.position == 5
+
+
+def test_lightning_dispatches_only_the_per_step_hooks_a_callback_implements():
+    """Lightning dispatches every hook of every callback each step (~12 Python calls each, in its profiler's
+    context) but skips one that is not callable: the per-step hooks a callback leaves to pl.Callback are None on
+    the instance, so only those it implements run. A subclass's own hook still runs."""
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    class Actions(PassThroughProfiler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def start(self, action_name: str) -> None:
+            self.names.add(action_name)
+
+    class Watching(OverflowMonitor):
+        backwards = 0
+
+        def on_after_backward(self, trainer, pl_module) -> None:
+            Watching.backwards += 1
+
+    profiler = Actions()
+    callbacks = [AMPPreflight(), OverflowMonitor(), PrecisionFallback(), ScaleCheckpoint(), Watching(window=7)]
+    with quiet():
+        make_trainer(StablePrecision("bf16-mixed"), max_steps=3, callbacks=callbacks, profiler=profiler).fit(
+            PoisonModule())
+    per_step = {"on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+                "on_before_zero_grad", "on_train_batch_end"}
+    seen = {(cb.state_key, hook) for cb in callbacks for hook in per_step
+            if f"[Callback]{cb.state_key}.{hook}" in profiler.names}
+    assert seen == {
+        (callbacks[0].state_key, "on_train_batch_start"), (callbacks[0].state_key, "on_train_batch_end"),
+        (callbacks[1].state_key, "on_train_batch_start"), (callbacks[1].state_key, "on_train_batch_end"),
+        (callbacks[2].state_key, "on_before_backward"), (callbacks[2].state_key, "on_train_batch_end"),
+        (callbacks[3].state_key, "on_train_batch_end"),
+        (callbacks[4].state_key, "on_train_batch_start"), (callbacks[4].state_key, "on_train_batch_end"),
+        (callbacks[4].state_key, "on_after_backward"),
+    }
+    assert Watching.backwards == 3
+    assert f"[Callback]{callbacks[0].state_key}.on_train_epoch_start" in profiler.names  # not per step: as always

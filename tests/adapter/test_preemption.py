@@ -24,6 +24,7 @@ from lit_mpstable.app.preemption_demo import (
     preempted_and_resumed,
     run,
 )
+from lit_mpstable.callbacks._common import STEP_HOOKS
 from lit_mpstable.callbacks.preemption import PreemptionCheckpoint, atomic_save
 
 # The scenario (a 16-mixed run with every callback and scripted faults, preempted and resumed) lives in
@@ -327,7 +328,9 @@ COVERED: dict[tuple[str, str], tuple] = {
 }
 _CALLBACK_COMMON = {"_plugin": _SETUP, "_warned_no_plugin": _MSG, "log": _SETUP, "log_dict": _SETUP,
                     "_ladder": "the run's remedy ladder, kept on the plugin (StablePrecision.ladder)",
-                    "state_key": "the checkpoint key, from the constructor's arguments (cached on first read)"}
+                    "state_key": "the checkpoint key, from the constructor's arguments (cached on first read)",
+                    **dict.fromkeys(STEP_HOOKS, "None: a per-step hook the callback leaves to pl.Callback (Lightning"
+                                                " skips it)")}
 NOT_STATE: dict[str, dict[str, str]] = {
     "StablePrecision": {"_args": _CONFIG, "precision": _CONFIG, "master_weights": _CONFIG, "_warned": _MSG,
                         "_runaway": "a cache of the growth monitor's last answer (recomputed from its samples)",
