@@ -210,6 +210,14 @@ def run_ladder(trainer: pl.Trainer, plugin: PrecisionView | None, face: str, *ru
     return ladder
 
 
+def run_counters(plugin: PrecisionView) -> Any:
+    """Where ``plugin``'s run counters (``step_count``, ``overflow_count``, ``skipped_steps``, ``last_step_skipped``)
+    are plain attributes: our stepper's ``counters`` (the front end's and the stepper's properties are views of them,
+    two calls a read), or the view itself (Lightning's plugins)."""
+    stepper = getattr(plugin, "stepper", None)
+    return plugin if stepper is None else stepper.counters
+
+
 def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModule, plugin: PrecisionView,
                face: str, global_step: int | None = None) -> dict[str, Any] | None:
     """The decision for this batch's step (``trainer.global_step - 1``), taken once for all faces by the first that
@@ -222,9 +230,10 @@ def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModul
     step = (trainer.global_step if global_step is None else global_step) - 1
     if step != ladder.watched:  # a batch without an optimizer step (accumulation) shows the step watched before
         ladder.watched = step
-        count = plugin.overflow_count
+        counters = run_counters(plugin)
+        count = counters.overflow_count
         overflowed, ladder.overflows = count > ladder.overflows, count
-        if plugin.last_step_skipped:
+        if counters.last_step_skipped:
             loss_bad, data, unscaled, late, spike = needs_triage(plugin, overflowed)
             suspect = loss_bad or late
             state_bad = suspect and not state_finite(pl_module, trainer.optimizers)
@@ -265,7 +274,8 @@ class StepCounter:
 
     @staticmethod
     def _now(plugin: PrecisionView) -> tuple[int, int, int]:
-        return plugin.step_count, plugin.overflow_count, plugin.skipped_steps
+        counters = run_counters(plugin)
+        return counters.step_count, counters.overflow_count, counters.skipped_steps
 
     def reset(self, plugin: PrecisionView) -> None:
         self.seen = self._now(plugin)
