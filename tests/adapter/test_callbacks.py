@@ -425,3 +425,27 @@ def test_lightning_dispatches_only_the_per_step_hooks_a_callback_implements():
     }
     assert Watching.backwards == 3
     assert f"[Callback]{callbacks[0].state_key}.on_train_epoch_start" in profiler.names  # not per step: as always
+
+
+def test_amp_preflight_leaves_the_per_step_dispatch_once_its_check_is_done():
+    """AMPPreflight's batch-start hook only runs the check owed at the run's first batch: Lightning dispatches it
+    (~12 Python calls a step) until then, and again at the next fit's first batch, not at every step."""
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    class Count(PassThroughProfiler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.starts: list[str] = []
+
+        def start(self, action_name: str) -> None:
+            self.starts.append(action_name)
+
+    preflight = AMPPreflight()
+    action = f"[Callback]{preflight.state_key}.on_train_batch_start"
+    for steps in (3, 5):  # a second fit checks its first batch again
+        profiler = Count()
+        with quiet():
+            make_trainer(StablePrecision("bf16-mixed"), max_steps=steps, callbacks=[preflight],
+                         profiler=profiler).fit(PoisonModule())
+        assert profiler.starts.count(action) == 1 and not preflight.pending
+        assert preflight.result["step"] == 0 and preflight.result["passed"]
