@@ -64,7 +64,8 @@ class _Timer(pl.Callback):
         self._in_step, self._last = 0.0, None
         for callback in callbacks:
             for hook in _HOOKS:
-                setattr(callback, hook, self._timed(getattr(callback, hook), callback, hook))
+                if callable(fn := getattr(callback, hook)):  # a per-step hook a callback leaves to pl.Callback is None
+                    setattr(callback, hook, self._timed(fn, callback, hook))
 
     def _timed(self, fn, callback, hook):
         def timed(*args: Any, **kwargs: Any) -> Any:

@@ -13,9 +13,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
 from lit_mpstable.base.validate import INT32_MAX, int_arg
+from lit_mpstable.callbacks._snapshot import state_finite
 from lit_mpstable.callbacks.views import ForeignPrecision, PrecisionView, view_of
 from lit_mpstable.core.formats import FORMAT_IDS
 from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, describe, ladder_of
+from lit_mpstable.core.guards.triage import needs_triage
 from lit_mpstable.core.loaded_state import (
     Field,
     check_fields,
@@ -29,6 +31,7 @@ from lit_mpstable.core.loaded_state import (
     records,
     text_list,
 )
+from lit_mpstable.core.step.step_guard import ends_nonfinite
 from lit_mpstable.frontends.common import StableFrontEnd
 
 METRIC_NAMES = (
@@ -149,12 +152,20 @@ def agreed_names(trainer: pl.Trainer, names: Sequence[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ plugin access
+STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+              "on_before_zero_grad", "on_train_batch_end")
+"""The hooks Lightning calls on every callback at every training step, each in its profiler's context (~12 Python
+calls a callback and hook, whether the callback implements it or not): a :class:`PluginCallback` sets those it leaves
+to ``pl.Callback`` to None on the instance, which Lightning's dispatch (``if callable(fn)``) skips."""
+
+
 class PluginCallback(pl.Callback):
     """Base of the callbacks: finds the precision plugin at fit start. ``StablePrecision`` is used as it is; with
     Lightning's own plugins (``MixedPrecision``, ``HalfPrecision``, ``FSDPPrecision``, ...) a callback whose
     ``foreign_note`` is set works from a :class:`ForeignPrecision` view of it (its GradScaler's scale and skipped
     steps) and says once what it cannot do there; one whose ``foreign_note`` is None says once that it needs
-    StablePrecision and leaves every hook inert."""
+    StablePrecision and leaves every hook inert. Of the per-step hooks (:data:`STEP_HOOKS`) Lightning calls only
+    those the callback implements."""
 
     foreign_note: str | None = None
     """What this callback does differently with Lightning's own precision plugins, or None: nothing without ours."""
@@ -162,6 +173,9 @@ class PluginCallback(pl.Callback):
     def __init__(self) -> None:
         self._plugin: PrecisionView | None = None
         self._warned_no_plugin = False
+        for hook in STEP_HOOKS:  # Lightning skips a hook that is not callable: only the implemented ones are called
+            if getattr(type(self), hook) is getattr(pl.Callback, hook):
+                setattr(self, hook, None)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plugin = trainer.precision_plugin
@@ -196,22 +210,30 @@ def run_ladder(trainer: pl.Trainer, plugin: PrecisionView | None, face: str, *ru
     return ladder
 
 
+def run_counters(plugin: PrecisionView) -> Any:
+    """Where ``plugin``'s run counters (``step_count``, ``overflow_count``, ``skipped_steps``, ``last_step_skipped``)
+    are plain attributes: our stepper's ``counters`` (the front end's and the stepper's properties are views of them,
+    two calls a read), or the view itself (Lightning's plugins)."""
+    stepper = getattr(plugin, "stepper", None)
+    return plugin if stepper is None else stepper.counters
+
+
 def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModule, plugin: PrecisionView,
-               face: str) -> dict[str, Any] | None:
+               face: str, global_step: int | None = None) -> dict[str, Any] | None:
     """The decision for this batch's step (``trainer.global_step - 1``), taken once for all faces by the first that
     calls at batch end: nothing for an applied step; for a rejected one its fault (:func:`~lit_mpstable.core.guards.
     ladder.classify`, the flags agreed across ranks: host reads on rejected steps only) and the rung that acts. A
     ``"stop"`` stops the fit here, with the reason. Within ``restored_window`` steps of a checkpoint load a non-finite
     step or a spike is ``"restored"`` (:meth:`~lit_mpstable.core.guards.ladder.Ladder.restored`). Every face calls it at
-    the same point on every rank."""
-    from lit_mpstable.callbacks._snapshot import state_finite
-    from lit_mpstable.core.guards.triage import needs_triage
-
-    step = trainer.global_step - 1
+    the same point on every rank. ``global_step``: ``trainer.global_step``, where the caller has read it already
+    (Lightning's property is a chain of six calls)."""
+    step = (trainer.global_step if global_step is None else global_step) - 1
     if step != ladder.watched:  # a batch without an optimizer step (accumulation) shows the step watched before
         ladder.watched = step
-        overflowed, ladder.overflows = plugin.overflow_count > ladder.overflows, plugin.overflow_count
-        if plugin.last_step_skipped:
+        counters = run_counters(plugin)
+        count = counters.overflow_count
+        overflowed, ladder.overflows = count > ladder.overflows, count
+        if counters.last_step_skipped:
             loss_bad, data, unscaled, late, spike = needs_triage(plugin, overflowed)
             suspect = loss_bad or late
             state_bad = suspect and not state_finite(pl_module, trainer.optimizers)
@@ -252,44 +274,105 @@ class StepCounter:
 
     @staticmethod
     def _now(plugin: PrecisionView) -> tuple[int, int, int]:
-        return plugin.step_count, plugin.overflow_count, plugin.skipped_steps
+        counters = run_counters(plugin)
+        return counters.step_count, counters.overflow_count, counters.skipped_steps
 
     def reset(self, plugin: PrecisionView) -> None:
         self.seen = self._now(plugin)
 
     def delta(self, plugin: PrecisionView) -> tuple[int, int, int]:
-        now = self._now(plugin)
-        steps, overflows, skipped = (a - b for a, b in zip(now, self.seen))
+        now, seen = self._now(plugin), self.seen
         self.seen = now
-        return steps, overflows, skipped
+        return now[0] - seen[0], now[1] - seen[1], now[2] - seen[2]
+
+
+_Part = tuple[torch.Tensor, list[torch.Tensor] | None, int]
+"""One backward's entry in :class:`LaggedFlag`: its loss (detached; or, where the plugin keeps no batch ends, the
+verdict already formed on the device: a bool), the step's batch ends then, and their count."""
 
 
 class LaggedFlag:
-    """Whether something happened in a step, kept on the device, summed across ranks, and read one step later,
-    when the device has long computed it: a per-step check without a per-step host sync."""
+    """Whether a step had a non-finite loss that its batch does not explain (a batch holding inf/NaN is a data
+    problem, not a precision one), read one step later, when the device has long computed it: a per-step check
+    without a per-step host sync.
+
+    :meth:`mark` keeps each backward's loss and the plugin's batch ends (``input_ends``, the step's minima and maxima,
+    by reference with their count) and launches nothing. On one process the next step reads the loss itself (the one
+    read; several backwards in a step are checked on the device first and their flag is read), and the batch is asked
+    whether it held inf/NaN (``ends_nonfinite``, host reads) only after a non-finite loss. Across processes each
+    rank's verdict is formed on the device at the step's end and summed over the ranks, so every rank reads the same
+    value."""
 
     def __init__(self) -> None:
-        self.current: torch.Tensor | None = None
-        self.previous: torch.Tensor | None = None
+        self._parts: list[_Part] = []  # the step in progress, per backward
+        self.previous: tuple[str, torch.Tensor, list[_Part]] | None = None
+        """The last closed step: ``("loss", its loss, parts)`` (finite or not), ``("flag", its flag, parts)``
+        (non-zero: a non-finite loss, judged against the batch here when parts are given), or None."""
 
-    def mark(self, flag: torch.Tensor) -> None:
-        """OR a 0-dim bool tensor into the step in progress."""
-        self.current = flag if self.current is None else self.current | flag
+    @staticmethod
+    def loss_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+        """Whether ``loss`` holds inf/NaN, as a 0-dim (one-element) bool on its device: ``x * 0`` is 0 for every
+        finite ``x`` and NaN otherwise (two kernels; ``isfinite`` takes five)."""
+        flag = loss.mul(0).ne(0)
+        return flag if flag.numel() == 1 else flag.any()
 
-    def end_step(self, strategy: Any) -> bool | None:
+    def mark(self, loss: torch.Tensor, plugin: Any) -> None:
+        """Note one backward's ``loss``; a batch of the step so far that held inf/NaN excuses it (asked later)."""
+        value, ends = loss.detach(), getattr(plugin, "input_ends", None)
+        if ends is None and (data := plugin.input_nonfinite) is not None:  # a plugin that keeps no ends: ask now
+            value = self.loss_nonfinite(value) > data  # non-finite, and not a poisoned batch
+        self._parts.append((value, ends, 0 if ends is None else len(ends)))
+
+    def clear(self) -> None:
+        """Forget the step in progress (a new fit); the previous step's flag stays (it may come from a checkpoint)."""
+        self._parts = []
+
+    @staticmethod
+    def _excused(ends: list[torch.Tensor] | None, count: int) -> torch.Tensor | None:
+        return ends_nonfinite(ends[:count]) if ends is not None and count else None
+
+    def _flag(self, value: torch.Tensor) -> torch.Tensor:
+        return value if value.dtype == torch.bool else self.loss_nonfinite(value)
+
+    def end_step(self, trainer: pl.Trainer) -> bool | None:
         """Close the step; return the previous step's flag (on any rank), ``None`` if there was none."""
-        flag, self.current = self.current, None
-        if flag is not None:
-            flag = strategy.reduce(flag.float(), reduce_op="sum")
-        previous, self.previous = self.previous, flag
-        return None if previous is None else bool(previous.item() > 0)
+        parts, self._parts = self._parts, []
+        closed: tuple[str, torch.Tensor, list[_Part]] | None = None
+        if parts and trainer.world_size > 1:  # each rank's verdict now, summed: the same on every rank
+            verdict = None
+            for value, ends, n in parts:
+                flag = self._flag(value)
+                flag = flag if (data := self._excused(ends, n)) is None else flag > data
+                verdict = flag if verdict is None else verdict | flag
+            assert verdict is not None
+            closed = ("flag", trainer.strategy.reduce(verdict.float(), reduce_op="sum"), [])
+        elif len(parts) == 1 and parts[0][0].dtype != torch.bool and parts[0][0].numel() == 1:
+            closed = ("loss", parts[0][0], parts)  # read as it is: no kernel on a clean step
+        elif parts:
+            flags = [self._flag(value) for value, _, _ in parts]
+            verdict = flags[0]
+            for flag in flags[1:]:
+                verdict = verdict | flag
+            closed = ("flag", verdict, parts)
+        previous, self.previous = self.previous, closed
+        return None if previous is None else self._read(previous)
+
+    def _read(self, previous: tuple[str, torch.Tensor, list[_Part]]) -> bool:
+        kind, value, parts = previous
+        read = value.item()  # the one read of a clean step
+        if (math.isfinite(read) if kind == "loss" else not read > 0):
+            return False
+        # A non-finite loss on this process: excused only where its batch held inf/NaN (host reads, bad steps only).
+        return any(bool(self._flag(value)) and not ((data := self._excused(ends, n)) is not None and bool(data))
+                   for value, ends, n in parts) if parts else True
 
     def unread(self) -> bool | None:
         """The flag :meth:`end_step` will return next (synchronises), for checkpoints."""
-        return None if self.previous is None else bool(self.previous.item() > 0)
+        return None if self.previous is None else self._read(self.previous)
 
     def load(self, value: bool | None) -> None:
-        self.current, self.previous = None, None if value is None else torch.tensor(float(value))
+        self._parts = []
+        self.previous = None if value is None else ("flag", torch.tensor(float(value)), [])
 
 
 class WindowedCounts(Metric):
@@ -308,9 +391,20 @@ class WindowedCounts(Metric):
     def __init__(self, window: int) -> None:
         super().__init__()
         self.window = window
-        self.position = 0
-        self._rows: dict[int, tuple[int, int, int]] = {}  # slot -> row, updated since the state was last written
+        # slot -> row, updated since the state was last written; [position]: a plain list, so the per-step update
+        # writes no attribute of the module (nn.Module and Metric.__setattr__ are ~2 us a write)
+        self._rows: dict[int, tuple[int, int, int]] = {}
+        self._position = [0]
         self.add_state("_counts", default=torch.zeros(window, 3), dist_reduce_fx="sum")
+
+    @property
+    def position(self) -> int:
+        """Stepping batches recorded since the start (or :meth:`reset`); the next row goes to ``position % window``."""
+        return self._position[0]
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._position[0] = value
 
     @property
     def counts(self) -> torch.Tensor:
@@ -319,8 +413,18 @@ class WindowedCounts(Metric):
         return self._counts
 
     def update(self, overflows: int, skipped: int, steps: int) -> None:
-        self._rows[self.position % self.window] = (overflows, skipped, steps)
-        self.position += 1
+        self.record(overflows, skipped, steps)
+
+    def record(self, overflows: int, skipped: int, steps: int) -> None:
+        """:meth:`update` without torchmetrics' wrapper around it (a grad-mode switch and two module attribute
+        writes a call): the per-step path. Its bookkeeping is kept where it matters: a cached :meth:`compute`
+        result is dropped, and the metric counts as updated."""
+        position = self._position
+        self._rows[position[0] % self.window] = (overflows, skipped, steps)
+        position[0] += 1
+        if self._computed is not None or not self._update_count:
+            self._computed = None
+            self._update_count += 1
 
     def flush_(self) -> None:
         """Write the rows updated since the last write into the device state: one copy."""

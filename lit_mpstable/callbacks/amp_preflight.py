@@ -134,7 +134,20 @@ class AMPPreflight(PluginCallback):
 
     def mark_checked(self) -> None:
         """Skip the pending check: the run's first batch was checked already (a run resumed after preemption)."""
-        self._pending = False
+        self._owe(False)
+
+    def _owe(self, pending: bool) -> None:
+        """Whether the check is owed. Lightning dispatches the batch-start hook, which only runs it, while it is (None
+        on the instance: Lightning skips it, ~12 Python calls a step). A subclass's own hook, or a wrapper set on the
+        instance, is left as it is."""
+        self._pending = pending
+        if type(self).on_train_batch_start is not AMPPreflight.on_train_batch_start:
+            return
+        hook = self.__dict__.get("on_train_batch_start", AMPPreflight.on_train_batch_start)
+        if pending and hook is None:
+            del self.__dict__["on_train_batch_start"]
+        elif not pending and hook is AMPPreflight.on_train_batch_start:  # the class's own: not wrapped
+            self.__dict__["on_train_batch_start"] = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -148,14 +161,14 @@ class AMPPreflight(PluginCallback):
             watch_step(self._ladder, trainer, pl_module, self._plugin, "AMPPreflight")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._pending = self._plugin is not None and self._plugin.compute_dtype != torch.float32
+        self._owe(self._plugin is not None and self._plugin.compute_dtype != torch.float32)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if not self._pending:
             return
-        self._pending = False
+        self._owe(False)
         plugin = self._plugin
         assert plugin is not None
         cast_to = plugin.compute_dtype  # *-true: Lightning cast this batch to it before this hook

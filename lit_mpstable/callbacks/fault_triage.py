@@ -178,9 +178,10 @@ class FaultTriage(PluginCallback):
         if plugin is None or ladder is None:
             return
         batch, self._batch = self._batch, None
-        watch_step(ladder, trainer, pl_module, plugin, "FaultTriage")
+        global_step = trainer.global_step
+        watch_step(ladder, trainer, pl_module, plugin, "FaultTriage", global_step)
         triaged = False
-        step = trainer.global_step - 1
+        step = global_step - 1
         if ladder.pending(step, Rung.REPLAY):
             # The events are alike on every rank, so is the budget's verdict.
             spent = replays_spent(self.events, self._step, self.budget_window)

@@ -139,6 +139,8 @@ class OverflowMonitor(PluginCallback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Before a logging step's optimizer step: copy the parameters (update ratio), arm the attention hooks."""
+        if self.indicators is None and self.attention_logits is None:  # nothing to prepare: no per-step work
+            return
         every = self._every(trainer)
         if not every or (trainer.global_step + 1) % every != 0 or self._plugin is None:
             return
@@ -165,7 +167,7 @@ class OverflowMonitor(PluginCallback):
                 take = getattr(plugin, "take_grad_norm", None)
                 norms = [take(opt) for opt in trainer.optimizers] if callable(take) else None
                 self.indicators.update_spike_score(loss, trainer.optimizers, norms)
-        self.windowed.update(overflows, skipped, steps)
+        self.windowed.record(overflows, skipped, steps)
         if overflows:
             self.blamed = list(plugin.stats.get("blamed_modules") or self.blamed)
         if measured := measured_metrics(plugin):  # on the step the telemetry measured them, whatever the period

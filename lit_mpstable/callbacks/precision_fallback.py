@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import math
 from collections import deque
 from functools import cached_property
 from typing import Any, Literal, get_args
@@ -133,6 +132,7 @@ class PrecisionFallback(PluginCallback):
         self.overflow_run = 0
         self.nonfinite_run = 0
         self.recent: deque[tuple[int, int]] = deque(maxlen=window)  # (overflows, steps) per stepping batch
+        self._recent_sums = [0, 0]  # recent's overflows and steps, kept as it changes (not summed every step)
         self.state = FallbackState.NORMAL
         self.retry_step: int | None = None
         """Global step at which low precision is retried (:attr:`FallbackState.COOLING` only)."""
@@ -174,26 +174,24 @@ class PrecisionFallback(PluginCallback):
             return
         if self._plugin is not None:
             self._steps.reset(self._plugin)
-        self._nonfinite.current = None  # the previous step's flag stays: it may come from a checkpoint
+        self._nonfinite.clear()  # the previous step's flag stays: it may come from a checkpoint
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._plugin is not None and self.nonfinite_loss_patience is not None:
-            finite = (loss.detach().abs() < math.inf).all()  # NaN compares False: 3 kernels, isfinite's chain 5
-            if (data := self._plugin.input_nonfinite) is not None:
-                finite = finite | data  # a poisoned batch is a data problem, not a precision one
-            flag = ~finite
-            self._nonfinite.mark(flag)
+            # The loss on the device; the batch (a poisoned batch is a data problem, not a precision one) is asked
+            # only after a non-finite loss was read.
+            self._nonfinite.mark(loss, self._plugin)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         plugin = self._plugin
         if plugin is None:
             return
+        step = trainer.global_step
         if self._ladder is not None:
-            watch_step(self._ladder, trainer, pl_module, plugin, "PrecisionFallback")
+            watch_step(self._ladder, trainer, pl_module, plugin, "PrecisionFallback", step)
         steps, overflows, _ = self._steps.delta(plugin)
         if steps == 0:
             return
-        step = trainer.global_step
         self._observe(trainer, overflows, steps)
         drifting = self._probed(pl_module)
         if self.state is FallbackState.COOLING and self.retry_step is not None and self.retry_step <= step:
@@ -234,29 +232,47 @@ class PrecisionFallback(PluginCallback):
                 rank_zero_warn(f"PrecisionFallback at step {trainer.global_step}: the batch held inf/NaN, so the"
                                " skipped step is not counted towards a precision fallback; check the data.")
         self.overflow_run = self.overflow_run + overflows if overflows else 0
-        self.recent.append((overflows, steps))
+        self._remember(overflows, steps)
         self.blamed = list(self._plugin.stats.get("blamed_modules") or self.blamed)
-        seen = self._nonfinite.end_step(trainer.strategy)  # the previous step's: no stall
+        seen = self._nonfinite.end_step(trainer)  # the previous step's: no stall
         if seen is not None:
             self.nonfinite_run = self.nonfinite_run + 1 if seen else 0
+
+    def _remember(self, overflows: int, steps: int) -> None:
+        """Append a stepping batch to :attr:`recent` (the oldest leaves a full window), its sums kept along."""
+        sums = self._recent_sums
+        if len(self.recent) == self.window:
+            old_overflows, old_steps = self.recent[0]
+            sums[0] -= old_overflows
+            sums[1] -= old_steps
+        self.recent.append((overflows, steps))
+        sums[0] += overflows
+        sums[1] += steps
+
+    def _forget_recent(self) -> None:
+        self.recent.clear()
+        self._recent_sums = [0, 0]
 
     def _reason(self, overflows: int) -> str | None:
         assert self._plugin is not None
         scaled = overflows and self.min_scale is not None and self._plugin.scaler is not None
-        full = sum(s for _, s in self.recent) >= self.window
+        recent_overflows, recent_steps = self._recent_sums
+        full = recent_steps >= self.window
         return fallback_reason(
             overflow_run=self.overflow_run, patience=self.patience, min_scale=self.min_scale,
             loss_scale=self._plugin.loss_scale if scaled else None, nonfinite_run=self.nonfinite_run,
             nonfinite_patience=self.nonfinite_loss_patience, max_overflow_rate=self.max_overflow_rate,
-            overflow_rate=sum(o for o, _ in self.recent) / sum(s for _, s in self.recent) if full else None,
+            overflow_rate=recent_overflows / recent_steps if full else None,
             window=self.window,
         )
 
     def _probed(self, pl_module: pl.LightningModule) -> list[str]:
         """Count a new probe result; the modules over ``max_grad_error`` for ``grad_error_patience`` probes."""
         assert self._plugin is not None
+        if self.max_grad_error is None:
+            return []
         probe = self._plugin.findings.probe
-        if self.max_grad_error is None or not probe or probe.get("step") == self.last_probe_step:
+        if not probe or probe.get("step") == self.last_probe_step:
             return []
         self.last_probe_step = int(probe["step"])
         for name, measured in probe["modules"].items():
@@ -308,7 +324,7 @@ class PrecisionFallback(PluginCallback):
         if self._ladder is not None and self._ladder.decide(step - 1, "overflow_storm", reason, by="PrecisionFallback",
                                                             exclude=[Rung.REPLAY]) is not Rung.FALLBACK:
             self.overflow_run = self.nonfinite_run = 0
-            self.recent.clear()
+            self._forget_recent()
             return
         known = dict(pl_module.named_modules())
         blamed = [n for n in agreed_names(trainer, self.blamed) if n in known]  # the same names on every rank
@@ -326,7 +342,7 @@ class PrecisionFallback(PluginCallback):
     def _record(self, step: int, action: str, modules: list[str] | None, reason: str, effect: str) -> None:
         self.decisions.append(dict(step=step, action=action, modules=modules, reason=reason, effect=effect))
         self.overflow_run = self.nonfinite_run = 0  # the next decision needs fresh evidence
-        self.recent.clear()
+        self._forget_recent()
         self.state, self.retry_step = _next_state(action, step=step, cooldown=self.cooldown)  # type: ignore[arg-type]
         # Logged by the plugin (plugin.fallback, plugin.restore_precision): one line per decision.
 
@@ -344,8 +360,9 @@ class PrecisionFallback(PluginCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         strict_keys(type(self).__name__, state_dict, set(self.state_dict()))
         self.overflow_run, self.nonfinite_run = int(state_dict["overflow_run"]), int(state_dict["nonfinite_run"])
-        self.recent.clear()
-        self.recent.extend((int(o), int(s)) for o, s in state_dict["recent"])
+        self._forget_recent()
+        for overflows, steps in state_dict["recent"]:
+            self._remember(int(overflows), int(steps))
         self.blamed = list(state_dict["blamed"])
         self.decisions = copy.deepcopy(list(state_dict["decisions"]))
         # The state is not stored (the format predates it): a pending retry means cooling, else the last decision says.

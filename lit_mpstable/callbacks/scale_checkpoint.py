@@ -204,7 +204,7 @@ class ScaleCheckpoint(PluginCallback):
         step = trainer.global_step
         ladder = self._ladder
         if ladder is not None:
-            watch_step(ladder, trainer, pl_module, self._plugin, "ScaleCheckpoint")
+            watch_step(ladder, trainer, pl_module, self._plugin, "ScaleCheckpoint", step)
         if ladder is not None and ladder.pending(step - 1, Rung.RESTORE):  # soon after a load: the file before it
             self._restore_previous(trainer, pl_module, ladder, step - 1)
         elif ladder is not None and ladder.pending(step - 1, Rung.ROLLBACK):  # rejected for inf/NaN in the state

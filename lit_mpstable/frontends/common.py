@@ -192,6 +192,7 @@ class StableFrontEnd:
     last_loss = FromStepper('The latest loss before scaling, detached, on the device (reading it syncs).')
     checks_nonfinite = FromStepper()
     input_nonfinite = FromStepper()
+    input_ends = FromStepper()
     layout = FromStepper()
     policy = FromStepper()
     observer = FromStepper()

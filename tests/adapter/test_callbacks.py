@@ -364,3 +364,88 @@ def test_the_overflow_window_updates_on_the_host_and_shows_every_update_when_rea
     assert window.compute().tolist() == [6.0, 6.0, 6.0]
     window.reset()
     assert window.counts.sum().item() == 0 and window.position == 0
+
+
+def test_the_overflow_windows_per_step_record_writes_no_module_attribute_and_is_seen_by_compute():
+    """WindowedCounts.record (OverflowMonitor's per-step call) skips torchmetrics' update wrapper and nn.Module's
+    __setattr__ (~2 us a write), yet a compute cached before it is not returned after it."""
+    from lit_mpstable.callbacks._common import WindowedCounts
+
+    window = WindowedCounts(3)
+    window.record(1, 1, 1)
+    assert window.compute().tolist() == [1.0, 1.0, 1.0]  # cached by torchmetrics
+    writes = []
+    original = type(window).__setattr__
+    type(window).__setattr__ = lambda self, name, value: (writes.append(name), original(self, name, value))[1]
+    try:
+        for _ in range(4):
+            window.record(0, 0, 1)
+    finally:
+        del type(window).__setattr__  # Metric's again
+    assert writes == ["_computed", "_update_count"]  # once, after the cached compute; no per-step position write
+    assert window.compute().tolist() == [0.0, 0.0, 3.0] and window.position == 5
+
+
+def test_lightning_dispatches_only_the_per_step_hooks_a_callback_implements():
+    """Lightning dispatches every hook of every callback each step (~12 Python calls each, in its profiler's
+    context) but skips one that is not callable: the per-step hooks a callback leaves to pl.Callback are None on
+    the instance, so only those it implements run. A subclass's own hook still runs."""
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    class Actions(PassThroughProfiler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def start(self, action_name: str) -> None:
+            self.names.add(action_name)
+
+    class Watching(OverflowMonitor):
+        backwards = 0
+
+        def on_after_backward(self, trainer, pl_module) -> None:
+            Watching.backwards += 1
+
+    profiler = Actions()
+    callbacks = [AMPPreflight(), OverflowMonitor(), PrecisionFallback(), ScaleCheckpoint(), Watching(window=7)]
+    with quiet():
+        make_trainer(StablePrecision("bf16-mixed"), max_steps=3, callbacks=callbacks, profiler=profiler).fit(
+            PoisonModule())
+    per_step = {"on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+                "on_before_zero_grad", "on_train_batch_end"}
+    seen = {(cb.state_key, hook) for cb in callbacks for hook in per_step
+            if f"[Callback]{cb.state_key}.{hook}" in profiler.names}
+    assert seen == {
+        (callbacks[0].state_key, "on_train_batch_start"), (callbacks[0].state_key, "on_train_batch_end"),
+        (callbacks[1].state_key, "on_train_batch_start"), (callbacks[1].state_key, "on_train_batch_end"),
+        (callbacks[2].state_key, "on_before_backward"), (callbacks[2].state_key, "on_train_batch_end"),
+        (callbacks[3].state_key, "on_train_batch_end"),
+        (callbacks[4].state_key, "on_train_batch_start"), (callbacks[4].state_key, "on_train_batch_end"),
+        (callbacks[4].state_key, "on_after_backward"),
+    }
+    assert Watching.backwards == 3
+    assert f"[Callback]{callbacks[0].state_key}.on_train_epoch_start" in profiler.names  # not per step: as always
+
+
+def test_amp_preflight_leaves_the_per_step_dispatch_once_its_check_is_done():
+    """AMPPreflight's batch-start hook only runs the check owed at the run's first batch: Lightning dispatches it
+    (~12 Python calls a step) until then, and again at the next fit's first batch, not at every step."""
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    class Count(PassThroughProfiler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.starts: list[str] = []
+
+        def start(self, action_name: str) -> None:
+            self.starts.append(action_name)
+
+    preflight = AMPPreflight()
+    action = f"[Callback]{preflight.state_key}.on_train_batch_start"
+    for steps in (3, 5):  # a second fit checks its first batch again
+        profiler = Count()
+        with quiet():
+            make_trainer(StablePrecision("bf16-mixed"), max_steps=steps, callbacks=[preflight],
+                         profiler=profiler).fit(PoisonModule())
+        assert profiler.starts.count(action) == 1 and not preflight.pending
+        assert preflight.result["step"] == 0 and preflight.result["passed"]

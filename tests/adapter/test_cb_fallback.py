@@ -169,3 +169,80 @@ def test_global_mode_climbs_the_fp8_ladder_one_rung_at_a_time() -> None:
     assert "FP8 layers now compute in the base precision" in fallback.decisions[0]["effect"]
     assert "the whole model now computes in FP32" in fallback.decisions[1]["effect"]
     assert recorder.dtypes == [torch.float16] * 3 + [torch.float32] * 2
+
+
+class _LossOnlyPlugin:
+    """The plugin as PrecisionFallback's loss check sees it: the step's batch ends, and ``input_nonfinite`` (counted:
+    asking it costs kernels on every step)."""
+
+    def __init__(self) -> None:
+        self.input_ends: list[torch.Tensor] = []
+        self.asked = 0
+
+    @property
+    def input_nonfinite(self) -> torch.Tensor | None:
+        from lit_mpstable.core.step.step_guard import ends_nonfinite
+
+        self.asked += 1
+        return ends_nonfinite(self.input_ends) if self.input_ends else None
+
+    def new_step(self, *batches: torch.Tensor) -> None:
+        self.input_ends = []  # the stepper replaces the list at a step's end
+        self.add_batch(*batches)
+
+    def add_batch(self, *batches: torch.Tensor) -> None:
+        self.input_ends += [end for b in batches for end in torch.aminmax(b)]
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_nonfinite_loss_check_reads_the_loss_late_and_asks_the_batch_only_after_a_nonfinite_loss(
+        world_size: int) -> None:
+    # A backward launches no kernel (the loss is kept, detached: one op, was 9 with the check and the batch's check
+    # folded in); on one process the next step reads the loss itself (the one read, which the flag's was) and asks
+    # the batch (a poisoned one excuses the loss) on the bad step only; on several each rank's verdict is formed at
+    # the step's end and summed. The verdicts are those of the check before it: one step late, per backward with the
+    # batches so far.
+    from types import SimpleNamespace
+
+    fallback, plugin = PrecisionFallback(nonfinite_loss_patience=2), _LossOnlyPlugin()
+    fallback._plugin = plugin  # type: ignore[assignment]
+    strategy = SimpleNamespace(reduce=lambda t, reduce_op: t)
+    trainer = SimpleNamespace(world_size=world_size, strategy=strategy, reduce=strategy.reduce)
+    clean, poisoned, nan = torch.ones(4), torch.tensor([1.0, float("inf")]), torch.tensor(float("nan"))
+
+    def step(*losses_and_batches) -> tuple[bool | None, int]:
+        plugin.new_step()
+        for loss, batch in losses_and_batches:
+            plugin.add_batch(batch)
+            with _Ops() as backward:
+                fallback.on_before_backward(trainer, None, loss)
+            assert backward.n <= 1
+        with _Ops() as end:
+            read = fallback._nonfinite.end_step(trainer)
+        return read, end.n
+
+    reads = [step((torch.tensor(0.5, requires_grad=True), clean)) for _ in range(3)]
+    assert [read for read, _ in reads] == [None, False, False] and plugin.asked == 0
+    if world_size == 1:
+        assert [ops for _, ops in reads] == [0, 1, 1]  # a clean step: the read of the last step's loss, nothing else
+    assert step((nan, poisoned))[0] is False  # reads the last clean step
+    assert step((nan, clean))[0] is False  # the poisoned batch excused the NaN loss
+    assert plugin.asked == 0
+    # Two backwards in one step: the first's NaN loss came before the poisoned batch, so nothing excuses it.
+    assert step((nan, clean), (torch.tensor(0.5), poisoned))[0] is True  # the NaN loss of a clean batch, read late
+    assert fallback.state_dict()["previous_nonfinite"] is True  # the unread flag, exact, for checkpoints
+    assert step((torch.tensor([1.0, float("inf")]), clean))[0] is True
+    assert fallback.state_dict()["previous_nonfinite"] is True  # a loss of two elements, one of them inf
+    assert step((torch.tensor(float("-inf")), clean))[0] is True
+    assert step((torch.tensor(1.0), clean))[0] is True
+    assert fallback.state_dict()["previous_nonfinite"] is False

@@ -24,6 +24,7 @@ from lit_mpstable.app.preemption_demo import (
     preempted_and_resumed,
     run,
 )
+from lit_mpstable.callbacks._common import STEP_HOOKS
 from lit_mpstable.callbacks.preemption import PreemptionCheckpoint, atomic_save
 
 # The scenario (a 16-mixed run with every callback and scripted faults, preempted and resumed) lives in
@@ -327,7 +328,9 @@ COVERED: dict[tuple[str, str], tuple] = {
 }
 _CALLBACK_COMMON = {"_plugin": _SETUP, "_warned_no_plugin": _MSG, "log": _SETUP, "log_dict": _SETUP,
                     "_ladder": "the run's remedy ladder, kept on the plugin (StablePrecision.ladder)",
-                    "state_key": "the checkpoint key, from the constructor's arguments (cached on first read)"}
+                    "state_key": "the checkpoint key, from the constructor's arguments (cached on first read)",
+                    **dict.fromkeys(STEP_HOOKS, "None: a per-step hook the callback leaves to pl.Callback (Lightning"
+                                                " skips it)")}
 NOT_STATE: dict[str, dict[str, str]] = {
     "StablePrecision": {"_args": _CONFIG, "precision": _CONFIG, "master_weights": _CONFIG, "_warned": _MSG,
                         "_runaway": "a cache of the growth monitor's last answer (recomputed from its samples)",
@@ -416,7 +419,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
                           "_steps": "counter baseline, reset from the plugin's restored counters at train start",
                           "state": "derived on load from cooldown_end and the last decision",
                           "retry_step": "saved as cooldown_end (-1: no retry pending)",
-                          "_warned_fp32": _MSG, "_warned_data": _MSG, "_warned_fp32_modules": _MSG},
+                          "_warned_fp32": _MSG, "_warned_data": _MSG, "_warned_fp32_modules": _MSG,
+                          "_recent_sums": "the sums of recent (saved), rebuilt from it on load"},
     "ScaleCheckpoint": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "max_rollbacks": _CONFIG,
                         "snapshot_device": _CONFIG, "restored_window": _CONFIG, "lr_factor": _CONFIG},
     "AMPPreflight": {**_CALLBACK_COMMON, "atol": _CONFIG, "rtol": _CONFIG, "action": _CONFIG, "forward_fn": _CONFIG,

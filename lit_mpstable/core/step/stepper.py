@@ -960,6 +960,13 @@ class PrecisionStepper:
         return known[1]
 
     @property
+    def input_ends(self) -> list[torch.Tensor]:
+        """The minima and maxima (``batch_ends``) of the floating inputs of the step in progress, on the device: the
+        list each batch extends and the step's end replaces, so a caller that keeps it with its length can ask
+        ``ends_nonfinite`` about those batches later, only when the answer is needed. Reads nothing."""
+        return self._input_ends
+
+    @property
     def skip_requested(self) -> bool:
         """Whether :meth:`skip_step` was called for the step in progress."""
         return self._skip_requested
