@@ -439,6 +439,8 @@ class _StepLosses(pl.Callback):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(pl.__name__ != "lightning.pytorch", reason="the DDP fit helper (dist_helpers.fit_ddp) builds"
+                    " lightning.pytorch Trainers; the pytorch_lightning tree runs this file without it")
 def test_under_ddp_both_ranks_restore_the_same_checkpoint_and_finish_finite(tmp_path) -> None:
     # 2 processes (gloo, ddp_fork), each training on its half of the data from the checkpoint written wrong: the bad
     # step is classified alike (its flags agreed across ranks), both ranks restore the same earlier file, once, and
