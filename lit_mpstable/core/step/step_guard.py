@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lit_mpstable.core.scaling.loss_scaler import distributed_ready, one_on
+from lit_mpstable.core.scaling.loss_scaler import one_on
 from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.tensors import local_view
 from lit_mpstable.core.weights.keeper import first_grad_device
@@ -156,8 +156,11 @@ def stale_grads_note(optimizer: Optimizer) -> str | None:
             " be added to them. Call step() or zero_grad() before the next backward.")
 
 
+_DIST = torch.distributed.is_available()  # the build's half, asked once
+
+
 def _distributed() -> bool:
-    return distributed_ready() and torch.distributed.get_world_size() > 1
+    return _DIST and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def _unchanged_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
