@@ -129,6 +129,8 @@ def _shares(optimizer: Optimizer) -> list[list[torch.Tensor]]:
     (by identity: a parameter added, or replaced in its group, makes them anew); a step then reads its share's
     parameters without summing every parameter's size again."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if torch.compiler.is_compiling():  # traced once per graph: no cache (its finalizer would fail dynamo's guards)
+        return [_share(params, i) for i in range(STATE_SHARES)]
     key = tuple(map(id, params))
     cached = _SHARES.get(id(optimizer))
     if cached is None or cached[0]() is not optimizer or cached[1] != key:

@@ -1212,8 +1212,10 @@ class GradSet:
                 and list(map(_VERSION, grads)) == self._versions)
 
     def changed(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradients of ``grads`` not in the set as they are now (written since, or new): one call a step."""
-        if self.same(grads):
+        """The gradients of ``grads`` not in the set as they are now (written since, or new): one call a step. The
+        quick test (:meth:`same`, C-level maps) is left to eager runs: dynamo cannot trace ``weakref.ref.__call__``
+        through ``map`` (a step compiled whole)."""
+        if not torch.compiler.is_compiling() and self.same(grads):
             return []
         seen = self._seen()
         return [g for g in grads if (s := seen.get(id(g))) is None or s[0]() is not g or s[1] != g._version]
