@@ -162,20 +162,26 @@ def test_the_batch_note_is_read_only_when_asked_and_sees_the_batch_as_it_came():
     assert not bool(stepper.input_nonfinite)
 
 
+def _stack_after_steps(precision: str, steps: int):
+    """The whole stack (growth sampling off) after ``steps`` clean steps, with the next step's gradients made."""
+    model, stepper, optimizer = _whole_stack(precision)
+    stepper.growth_every_n_steps = None
+    x, y = regression_data(16)
+    for _ in range(steps):
+        mse_backward(stepper, model, x, y)
+        stepper.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    mse_backward(stepper, model, x, y)
+    return stepper, optimizer
+
+
 def test_the_check_by_the_pass_and_the_spike_fold_are_few_kernels_on_a_clean_step():
     """The gradient check read off the pass is _foreach_norm, stack, the norm and GradScaler's check kernel on the norm
     (its float flag as the step's found-inf flag; the last step's 0.0 flag reused, no zero made): no isfinite chain
     (abs/ne/eq/mul), no logical_not, no copy to float. SpikeGuard's flag folds into the step's flag in one kernel, and
     the check's own flag (what the step returns as the check before the fold) keeps its value."""
-    model, stepper, optimizer = _whole_stack("bf16-mixed")
-    stepper.growth_every_n_steps = None
-    x, y = regression_data(16)
-    for _ in range(4):
-        mse_backward(stepper, model, x, y)
-        stepper.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+    stepper, optimizer = _stack_after_steps("bf16-mixed", 4)
     checker = stepper._checker
-    mse_backward(stepper, model, x, y)
     with OpNames() as ops:
         checker.check_grads_(optimizer, stepper.device)
     assert [name.split(".")[1] for name in ops.names] == [
@@ -196,14 +202,7 @@ def test_the_check_by_the_pass_and_the_spike_fold_are_few_kernels_on_a_clean_ste
 def test_after_the_unscale_kernel_the_pass_makes_no_flag_of_its_own():
     """A real loss scale is undone by GradScaler's kernel, which checks the gradients as it writes them: the pass after
     it (SpikeGuard's norm) is the norm's three kernels, no zero and no check of the norm."""
-    model, stepper, optimizer = _whole_stack("16-mixed")
-    stepper.growth_every_n_steps = None
-    x, y = regression_data(16)
-    for _ in range(3):
-        mse_backward(stepper, model, x, y)
-        stepper.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-    mse_backward(stepper, model, x, y)
+    stepper, optimizer = _stack_after_steps("16-mixed", 3)
     with OpNames() as ops:
         stepper._checker.check_grads_(optimizer, stepper.device)
     names = [name.split(".")[1] for name in ops.names]
