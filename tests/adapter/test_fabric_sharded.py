@@ -95,16 +95,17 @@ def _run(out_dir: Path, job: Callable[..., dict[str, Any]], **kwargs: Any) -> li
 
 def _save_job(fabric: Any, plugin: StablePrecision, state: dict[str, Any], directory: str) -> dict[str, Any]:
     """Steps 1..SAVED, a sharded checkpoint after each in ``good/step=k``, the same in ``wrong/step=k`` but that of
-    step SAVED with the learning rate written x1e7 (every number finite, its fingerprint what was written)."""
+    step SAVED with the learning rate written x1e7 (every number finite, its fingerprint what was written); then two
+    more steps unsaved (what a resume must reach)."""
     model, optimizer = state["model"], state["optimizer"]
     shards = {}
-    while state["step"] < SAVED:
+    while state["step"] < SAVED + 2:
         state["step"] += 1
         fabric.backward(_loss(model, _batch(state["step"], fabric.global_rank)))
         optimizer.step()
         optimizer.zero_grad()
         shards[state["step"]] = _local(model)
-        for kind in ("good", "wrong"):
+        for kind in ("good", "wrong") if state["step"] <= SAVED else ():
             scale = 1e7 if kind == "wrong" and state["step"] == SAVED else 1.0
             optimizer.param_groups[0]["lr"] = LR * scale
             fabric.save(Path(directory) / kind / f"step={state['step']}", state)
@@ -183,14 +184,17 @@ def test_each_rank_checksums_its_shards_at_the_save(saved) -> None:
 def test_a_sharded_checkpoint_loads_the_plugins_state_and_passes_on_both_ranks(saved, tmp_path: Path) -> None:
     # Before: plugin.load refused a directory, and a plain fabric.load assigned the plugin's saved dict to
     # state["precision"] without loading it (the counters and scaler of a fresh run).
+    # Two steps on, both ranks' shards are the uninterrupted run's, bit for bit (AdamW's state came back too).
     paths = _copy(saved, "good", tmp_path)
-    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100)
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100, steps=SAVED + 2)
     for rank, report in enumerate(ranks):
         assert "error" not in report, report["error"]
         assert report["plugin_is_plugin"] and report["loaded_step"] == SAVED and report["step_count"] == SAVED
         assert [e["action"] for e in report["events"]] == ["passed", "passed"]  # the plugin's state; the rest
         for name, value in saved[1][rank]["shards"][SAVED].items():
             assert torch.equal(report["shards"][name], value), (rank, name)
+        for name, value in saved[1][rank]["shards"][SAVED + 2].items():
+            assert torch.equal(report["final"][name], value), (rank, name)
 
 
 def test_a_bit_flipped_in_one_ranks_shard_is_refused_on_both_ranks(saved, tmp_path: Path) -> None:
