@@ -757,12 +757,12 @@ def _has_shards(trees: Mapping[str, object]) -> bool:
     return any(walk(tree) for tree in trees.values())
 
 
-def _all_ranks(value: object) -> list[object]:
+def _all_ranks(value: dict[str, int] | list[str]) -> list[Any]:
     """``value`` of every rank, in rank order (one ``all_gather_object``; just ``[value]`` in one process)."""
     _, world = _rank_and_world()
     if world < 2:
         return [value]
-    gathered: list[object] = [None] * world
+    gathered: list[Any] = [None] * world
     torch.distributed.all_gather_object(gathered, value)
     return gathered
 
@@ -779,7 +779,7 @@ def shard_checksums(trees: Mapping[str, object]) -> dict[str, int]:
     rank, world = _rank_and_world()
     root = _shard_root(rank, world)
     own = checksums({f"{root}{name}": _local_shards(tree) for name, tree in trees.items()})
-    return {path: value for part in _all_ranks(own) for path, value in dict(part).items()}  # type: ignore[call-overload]
+    return {path: value for part in _all_ranks(own) for path, value in part.items()}
 
 
 def compare_shard_checksums(saved: Mapping[str, int], trees: Mapping[str, object]) -> tuple[list[str], list[str]]:
@@ -802,4 +802,4 @@ def compare_shard_checksums(saved: Mapping[str, int], trees: Mapping[str, object
     mine = {path: value for path, value in entries.items() if path.startswith(root)}
     live = {f"{root}{name}": _local_shards(tree) for name, tree in trees.items()}
     differences = compare_checksums(mine, live)
-    return [line for part in _all_ranks(differences) for line in part], []  # type: ignore[attr-defined]
+    return [line for part in _all_ranks(differences) for line in part], []
