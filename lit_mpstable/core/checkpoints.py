@@ -1,10 +1,17 @@
-"""Optimizer states that a checkpoint cannot hold as they are: tensor subclasses (torchao's 8-bit, 4-bit and FP8
-states) are stored flat, as their plain inner tensors, and rebuilt on load.
+"""Checkpoints on disk as the package reads them: optimizer states that a checkpoint cannot hold as they are, and
+sharded checkpoints' directories.
+
+Tensor subclasses (torchao's 8-bit, 4-bit and FP8 optimizer states) are stored flat, as their plain inner tensors,
+and rebuilt on load.
 
 Lightning loads checkpoints with a callable ``map_location``, which ``torch.load`` refuses for wrapper subclasses
 ("Callable map_location not supported with _rebuild_wrapper_subclass"), so a run with ``torchao.optim.AdamW8bit``
 could save but never resume. Flat, the states are plain tensors and values: ``torch.load(weights_only=True)`` reads
 them. Only known classes are rebuilt (an allow-list, as ``weights_only`` has one).
+
+A sharded checkpoint (``fabric.save`` under FSDP2's ``ModelParallelStrategy`` or ``FSDPStrategy``:
+torch.distributed.checkpoint) is a directory: the shards, DCP's index (:data:`SHARD_INDEX`) and the rest of the state
+rank 0 wrote (:data:`SHARDED_META`); :func:`earlier_sharded_checkpoints` lists those written before one.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import copy
 import importlib
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import torch
@@ -119,3 +127,42 @@ def copy_state(obj: object, device: torch.device | None = None) -> object:
     if isinstance(obj, (list, tuple)):
         return type(obj)(copy_state(value, device) for value in obj)
     return copy.copy(obj)
+
+
+# ------------------------------------------------------------------------------------- sharded checkpoints
+SHARDED_META = "meta.pt"
+"""What a sharded checkpoint's directory holds beside the shards: everything of the saved state that is not a model
+or an optimizer (the precision plugin's state, the loop's entries), written by rank 0 with ``torch.save`` (Lightning's
+``_METADATA_FILENAME``; the core does not import Lightning)."""
+SHARD_INDEX = ".metadata"
+"""torch.distributed.checkpoint's index of the shards (the model's and optimizers' tensors)."""
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint's directory: one holding :data:`SHARDED_META` (Lightning's test)."""
+    path = Path(path)
+    return path.is_dir() and (path / SHARDED_META).is_file()
+
+
+def read_sharded_meta(path: str | Path) -> dict[str, Any]:
+    """A sharded checkpoint's :data:`SHARDED_META` (``torch.load(map_location="cpu", weights_only=True)``).
+
+    Raises:
+        ValueError: it holds no dict.
+    """
+    meta = torch.load(Path(path) / SHARDED_META, map_location="cpu", weights_only=True)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{Path(path) / SHARDED_META} holds a {type(meta).__name__}, not the dict fabric.save writes.")
+    return meta
+
+
+def earlier_sharded_checkpoints(path: str | Path) -> list[Path]:
+    """The other sharded checkpoints (:func:`is_sharded_checkpoint`) of ``path``'s parent directory written before it,
+    newest first: those whose directory's modification time (set when its last file, :data:`SHARDED_META`, was
+    created) is not later than ``path``'s, ties broken by name, descending; as
+    :func:`lit_mpstable.core.fingerprint.previous_checkpoints` orders files."""
+    path = Path(path)
+    own = path.stat().st_mtime_ns if path.exists() else None
+    others = [p for p in path.parent.iterdir() if p.resolve() != path.resolve() and is_sharded_checkpoint(p)]
+    earlier = [p for p in others if own is None or p.stat().st_mtime_ns <= own]
+    return sorted(earlier, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)

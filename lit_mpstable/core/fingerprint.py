@@ -711,3 +711,95 @@ class CheckpointCheck:
         if self.fingerprint.react(f"{pending['path']} (pinned micro-batch)", differences):
             self.fall_back_(pending["checkpoint"], pending["path"], differences)
             load_plugin(pending["checkpoint"][self.plugin_key])
+
+
+# ---------------------------------------------------------------------------------------- sharded (DTensor) state
+SHARDS = "shards"
+"""The root of the checksums of sharded tensors' local shards: ``shards[rank 1 of 2]model['fc1.weight']`` is rank 1's
+shard of the model's ``fc1.weight``. :func:`compare_checksums` compares the roots it is given, so these entries are
+only ever compared by :func:`compare_shard_checksums`."""
+
+
+def _rank_and_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _shard_root(rank: int, world: int) -> str:
+    return f"{SHARDS}[rank {rank} of {world}]"
+
+
+def _local_shards(tree: object) -> object:
+    """``tree`` with every DTensor replaced by its local shard (a plain tensor) and every other tensor dropped."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, Mapping):
+        return {key: _local_shards(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_local_shards(value) for value in tree]
+    return None
+
+
+def _has_shards(trees: Mapping[str, object]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    def walk(tree: object) -> bool:
+        if isinstance(tree, Mapping):
+            return any(walk(value) for value in tree.values())
+        if isinstance(tree, (list, tuple)):
+            return any(walk(value) for value in tree)
+        return isinstance(tree, DTensor)
+
+    return any(walk(tree) for tree in trees.values())
+
+
+def _all_ranks(value: dict[str, int] | list[str]) -> list[Any]:
+    """``value`` of every rank, in rank order (one ``all_gather_object``; just ``[value]`` in one process)."""
+    _, world = _rank_and_world()
+    if world < 2:
+        return [value]
+    gathered: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def shard_checksums(trees: Mapping[str, object]) -> dict[str, int]:
+    """The :func:`checksum` of every DTensor's local shard in ``trees`` (FSDP2 / ``ModelParallelStrategy`` weights and
+    optimizer states, which :func:`tensor_leaves` skips), of every rank, keyed by rank and path
+    (``shards[rank 1 of 2]model['fc1.weight']``). A sharded checkpoint's plugin state is rank 0's (DCP's metadata), so
+    each rank's checksums are gathered into every rank's dict: collective (one ``all_gather_object``) where the trees
+    hold DTensors and several processes run, so every rank calls it (as ``fabric.save`` calls ``state_dict``); ``{}``
+    where they hold none."""
+    if not _has_shards(trees):
+        return {}
+    rank, world = _rank_and_world()
+    root = _shard_root(rank, world)
+    own = checksums({f"{root}{name}": _local_shards(tree) for name, tree in trees.items()})
+    return {path: value for part in _all_ranks(own) for path, value in part.items()}
+
+
+def compare_shard_checksums(saved: Mapping[str, int], trees: Mapping[str, object]) -> tuple[list[str], list[str]]:
+    """``(differences, notes)``: each rank's local shards of ``trees``' DTensors against the checksums this rank had at
+    the save (:func:`shard_checksums`), the differences of every rank named and gathered, so every rank decides
+    alike (collective where ``saved`` holds shard checksums under ``trees``' roots and several processes run: every
+    rank calls it). A checkpoint saved on another number of ranks is resharded as it loads (DCP): its local shards are
+    other slices, not compared (a note says so); one without shard checksums passes."""
+    roots = tuple(trees)
+    entries = {path: value for path, value in saved.items()
+               if path.startswith(f"{SHARDS}[") and path.partition("]")[2].startswith(roots)}
+    if not entries:
+        return [], []
+    rank, world = _rank_and_world()
+    saved_worlds = sorted({path.partition(" of ")[2].partition("]")[0] for path in entries})
+    if saved_worlds != [str(world)]:
+        return [], [f"the checkpoint's shards were checksummed on {' or '.join(saved_worlds)} ranks, this run has"
+                    f" {world}: resharded as they load, their local shards were not compared"]
+    root = _shard_root(rank, world)
+    mine = {path: value for path, value in entries.items() if path.startswith(root)}
+    live = {f"{root}{name}": _local_shards(tree) for name, tree in trees.items()}
+    differences = compare_checksums(mine, live)
+    return [line for part in _all_ranks(differences) for line in part], []

@@ -18,15 +18,24 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
+from lit_mpstable.core.checkpoints import (
+    SHARD_INDEX,
+    SHARDED_META,
+    earlier_sharded_checkpoints,
+    is_sharded_checkpoint,
+    read_sharded_meta,
+)
 from lit_mpstable.core.fingerprint import KEY as FINGERPRINT
 from lit_mpstable.core.fingerprint import (
     FingerprintMismatch,
     compare_checksums,
+    compare_shard_checksums,
     earlier_checkpoint,
     pin_batch,
     pinned_pass,
     previous_checkpoints,
     previous_passing_checkpoint,
+    shard_checksums,
 )
 from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, ladder_of
 from lit_mpstable.core.guards.triage import any_rank, needs_triage, state_finite
@@ -72,7 +81,10 @@ class StablePrecision(StableFrontEnd, Precision):
       the precision manifest always; the pinned micro-batch's loss once the loop gives it a loss function,
       :meth:`pin`, before the first forward. A ``fabric.load`` checks the plugin's part as it loads and the model's
       (and the pinned loss) at the first forward after it, before that forward runs; :meth:`load` checks it all
-      before it returns, and there ``on_fingerprint_mismatch="previous"`` falls back to an earlier file.
+      before it returns, and there ``on_fingerprint_mismatch="previous"`` falls back to an earlier file. A sharded
+      checkpoint's directory (FSDP2 under ``ModelParallelStrategy``) needs :meth:`load`: Lightning's sharded load
+      puts the plugin's saved dict in ``state`` instead of loading it; :meth:`load` loads it and checks each rank's
+      shards against the checksums that rank took at the save.
     - A checkpoint that passes its fingerprint but goes bad (a NaN three steps after the load, Megatron-LM#5281): load
       it with :meth:`load` instead of ``fabric.load``, and the remedy ladder's restored-state rung loads the one
       before it, in process, inside the ``optimizer.step()`` of the bad step, into the same ``state``. Keep the
@@ -269,13 +281,17 @@ class StablePrecision(StableFrontEnd, Precision):
     def state_dict(self) -> dict[str, Any]:
         """:meth:`StableFrontEnd.state_dict` and the numeric fingerprint (``docs/fingerprints.md``): checksums of the
         model's weights, the optimizers' state and the plugin's tensors, the precision manifest and, after
-        :meth:`pin`, the pinned micro-batch's loss and gradient norm (one forward and backward of it)."""
+        :meth:`pin`, the pinned micro-batch's loss and gradient norm (one forward and backward of it). With a sharded
+        model (FSDP2: DTensor weights and optimizer states) each rank's local shards are checksummed and gathered, so
+        every rank calls it, as ``fabric.save`` does."""
         state = super().state_dict()
         module = self.layout.module
         trees = {"model": module.state_dict() if module is not None else {},
                  "optimizer": [optimizer.state_dict() for optimizer in self._bound], "plugin": dict(state)}
         loss = self._pinned_loss if self._pin_loss is not None and module is not None else None
-        return {**state, FINGERPRINT: self.fingerprint.capture(trees, self.stepper, loss)}
+        fingerprint = self.fingerprint.capture(trees, self.stepper, loss)
+        fingerprint["checksums"].update(shard_checksums(trees))  # FSDP2's DTensor shards: every rank's (collective)
+        return {**state, FINGERPRINT: fingerprint}
 
     def pin(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> None:
         """Give the fingerprint its pinned micro-batch: ``batch`` (its first rows, a CPU copy:
@@ -331,6 +347,8 @@ class StablePrecision(StableFrontEnd, Precision):
             trees = {**({"model": module.state_dict()} if model else {}),
                      **({"optimizer": [o.state_dict() for o in self._bound]} if optimizers else {})}
             differences, notes = compare_checksums(fingerprint["checksums"], trees if same else {}), []
+            sharded = compare_shard_checksums(fingerprint["checksums"], trees if same else {})  # every rank's shards
+            differences, notes = differences + sharded[0], notes + sharded[1]
             if model and self._pin_loss is not None:
                 differences += self.fingerprint.check_pinned(fingerprint, self._pinned_loss, self.stepper)
             elif model and fingerprint["pinned"]:
@@ -347,26 +365,37 @@ class StablePrecision(StableFrontEnd, Precision):
     def load(self, fabric: Any, path: str | Path, state: dict[str, Any], *, restored_window: int = 10,
              max_restores: int = 3, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
         """``fabric.load(path, state, strict=strict, weights_only=weights_only)``, the whole numeric fingerprint
-        compared before it returns (with ``on_fingerprint_mismatch="previous"`` a file that fails is replaced by the
-        newest earlier one of its directory that passes), and the remedy ladder's restored-state rung
+        compared before it returns (with ``on_fingerprint_mismatch="previous"`` a checkpoint that fails is replaced by
+        the newest earlier one of its directory that passes), and the remedy ladder's restored-state rung
         (:attr:`~lit_mpstable.core.guards.ladder.Rung.RESTORE`) watching the steps after it.
+
+        ``path`` is a checkpoint file or a sharded checkpoint's directory (``fabric.save`` under FSDP2's
+        ``ModelParallelStrategy``: the shards and ``meta.pt``). Lightning's sharded load hands ``state`` the plugin's
+        saved dict in place of loading it; here the plugin loads it. Each rank compares its own shards of the model's
+        weights and the optimizers' state with the checksums it took at the save (every rank's are in rank 0's
+        fingerprint), the plain tensors, the manifest and the pinned micro-batch (judged on rank 0) as for a file; the
+        differences of all ranks are gathered, so every rank decides alike. A checkpoint loaded on another number of
+        ranks than it was saved on is resharded: its shards are not compared (a note in the fingerprint's events).
 
         A non-finite step or a spike within ``restored_window`` optimizer steps of the load (the ladder's
         ``"restored"`` fault: not a batch holding inf/NaN, nor a routine overflow at a loss scale above 1) blames the
         loaded state, so inside that ``optimizer.step()`` the newest checkpoint of ``path``'s directory written before
-        it (modification time, a smaller step count, the same suffix), holding every key of ``state`` and passing its
-        numeric fingerprint (checksums and manifest), is loaded into ``state`` with ``fabric.load``, in process. Every
-        object of ``state`` comes from that file, and so do the loop's own entries (``state["step"]`` is the file's
-        again); the window starts again from it. Each attempt is warned and recorded in :attr:`ladder_events`
-        (``checkpoint``, ``failed``, ``restored_step``); after ``max_restores`` attempts, or when no earlier file
-        passes, that ``optimizer.step()`` raises ``RuntimeError`` naming why (the ladder's stop rung). Decided alike on
-        every rank. Returns what ``fabric.load`` returns.
+        it (modification time, a smaller step count; a file with the same suffix, or a sharded checkpoint's
+        directory), holding every key of ``state`` and passing its numeric fingerprint (checksums and manifest; a
+        directory's shards are compared once loaded, and one that fails gives way to the next), is loaded into
+        ``state`` with ``fabric.load``, in process. Every object of ``state`` comes from that checkpoint, and so do the
+        loop's own entries (``state["step"]`` is its again); the window starts again from it. Each attempt is warned
+        and recorded in :attr:`ladder_events` (``checkpoint``, ``failed``, ``restored_step``); after ``max_restores``
+        attempts, or when no earlier checkpoint passes, that ``optimizer.step()`` raises ``RuntimeError`` naming why
+        (the ladder's stop rung). Decided alike on every rank. Returns what ``fabric.load`` returns (without the
+        plugin's state).
 
         Raises:
-            FingerprintMismatch: the file fails its fingerprint (``"raise"``), or no earlier one passes
+            FingerprintMismatch: the checkpoint fails its fingerprint (``"raise"``), or no earlier one passes
                 (``"previous"``).
+            KeyError: a sharded checkpoint holds no state of this plugin (``strict``).
             ValueError: ``fabric`` is not the Fabric this plugin is the precision of, ``state`` does not hold this
-                plugin, ``path`` is a directory (a sharded checkpoint), or a knob is out of range.
+                plugin, ``path`` is a directory that is not a sharded checkpoint, or a knob is out of range.
         """
         from lightning.fabric import Fabric
 
@@ -374,9 +403,12 @@ class StablePrecision(StableFrontEnd, Precision):
         if not isinstance(fabric, Fabric) or fabric.strategy.precision is not self:
             raise ValueError(f"{call}(fabric={fabric!r:.80}): must be the lightning.fabric.Fabric whose precision"
                              " plugin this is (Fabric(plugins=[plugin])).")
-        if not isinstance(path, (str, Path)) or Path(path).is_dir():
-            raise ValueError(f"{call}(path={path!r:.80}): must be the path of a checkpoint file fabric.save wrote (a"
-                             " sharded checkpoint's directory is not supported).")
+        if not isinstance(path, (str, Path)) or (Path(path).is_dir() and not is_sharded_checkpoint(path)):
+            shown = repr(path) if isinstance(path, (str, Path)) else f"{path!r:.80}"  # a path in full
+            raise ValueError(f"{call}(path={shown}): must be the path of a checkpoint file fabric.save wrote, or of a"
+                             f" sharded checkpoint's directory (the shards and {SHARDED_META}, as fabric.save writes"
+                             " under ModelParallelStrategy)"
+                             + (f"; this directory holds no {SHARDED_META}." if isinstance(path, (str, Path)) else "."))
         key = next((k for k, v in state.items() if v is self), None) if isinstance(state, dict) else None
         if key is None:
             given = f"a dict with keys {list(state)}" if isinstance(state, dict) else f"{state!r:.80}"
@@ -391,41 +423,97 @@ class StablePrecision(StableFrontEnd, Precision):
                                     " (checkpoints tried before the run stops)."))
         loaded = _Loaded(fabric, state, key, strict, weights_only, restored_window, max_restores)
         self._loaded, current = None, Path(path)  # the rung of an earlier load is off while this one loads
+        tried = {current}
         while True:
             try:
-                remainder = fabric.load(current, state, strict=strict, weights_only=weights_only)
+                remainder = self._fabric_load(loaded, current)
                 if self.fingerprint.pending is not None:  # all of it is loaded: the rest of the fingerprint now
                     self._check_fingerprint(self.fingerprint.pending, {}, loaded=True, step=False)
                 break
             except FingerprintMismatch as error:
                 if self.fingerprint.on_mismatch != "previous":
                     raise
-                current = self._previous(loaded, current, error)
+                current = self._previous(loaded, current, error, tried)
+                tried.add(current)
         if restored_window:
             self._loaded, loaded.load = loaded, {"step": self.stepper.step_count, "path": str(current)}
             self._arm()
         return remainder
 
-    def _previous(self, loaded: _Loaded, failed: Path, error: FingerprintMismatch) -> Path:
-        """``on_fingerprint_mismatch="previous"`` in :meth:`load`: the newest file of ``failed``'s directory written
-        before it (the same suffix) that holds every key of the state and passes its checksums and manifest (its
-        pinned loss is checked once it is loaded). Raises ``FingerprintMismatch`` when none passes."""
+    def _fabric_load(self, loaded: _Loaded, path: Path) -> dict[str, Any]:
+        """``fabric.load(path, state)`` for :meth:`load`. A sharded checkpoint's directory: Lightning loads the model
+        and optimizers from the shards and assigns the rest of ``meta.pt`` to ``state``'s keys, the plugin's dict in
+        place of the plugin, unloaded; so the plugin is left out of what Fabric loads and loads its dict itself."""
+        fabric, state, key = loaded.fabric, loaded.state, loaded.key
+        if not path.is_dir():
+            return fabric.load(path, state, strict=loaded.strict, weights_only=loaded.weights_only)
+        rest = {k: v for k, v in state.items() if k != key}
+        remainder = fabric.load(path, rest, strict=loaded.strict, weights_only=loaded.weights_only)
+        state.update(rest)  # the loop's own entries, as fabric.load sets them in the dict it is given
+        if key in remainder:
+            self.load_state_dict(remainder.pop(key))
+        elif loaded.strict:
+            raise KeyError(f"{type(self).__name__}.load(path={str(path)!r}): the sharded checkpoint holds no {key!r}"
+                           f" (its {SHARDED_META} has {sorted(remainder)}): saved without the plugin? Pass"
+                           " strict=False to load it without the plugin's state.")
+        return remainder
+
+    def _previous(self, loaded: _Loaded, failed: Path, error: FingerprintMismatch, tried: set[Path]) -> Path:
+        """``on_fingerprint_mismatch="previous"`` in :meth:`load`: the newest checkpoint of ``failed``'s directory
+        written before it, not ``tried`` yet, that holds every key of the state and passes what can be checked before
+        it loads: a file with the same suffix, its checksums and manifest (its pinned loss is checked once it is
+        loaded); a sharded checkpoint's directory, its plugin state's checksums and the manifest (its shards and
+        pinned loss once it is loaded: one that fails there is the next ``failed``). Raises ``FingerprintMismatch``
+        when none passes."""
         why = list(self.fingerprint.events[-1]["differences"]) if self.fingerprint.events else list(error.differences)
         pattern = f"*{failed.suffix}"
-        found = previous_passing_checkpoint(failed, lambda c: self._earlier_differences(loaded, c, required=True),
-                                            pattern=pattern)
-        if found is None:
-            tried = previous_checkpoints(failed, pattern=pattern)
+        if failed.is_dir():
+            tried_here = [c for c in earlier_sharded_checkpoints(failed) if c not in tried]
+            rejected: dict[str, list[str]] = {}
+            previous = None
+            for candidate in tried_here:
+                _, differences = self._directory_differences(loaded, candidate)
+                if not differences:
+                    previous = candidate
+                    break
+                rejected[str(candidate)] = differences
+        else:
+            found = previous_passing_checkpoint(failed, lambda c: self._earlier_differences(loaded, c, required=True),
+                                                pattern=pattern)
+            tried_here = previous_checkpoints(failed, pattern=pattern)
+            previous, rejected = (None, {}) if found is None else (found[0], found[2])
+        if previous is None:
             raise FingerprintMismatch(str(failed), [*why, f"on_fingerprint_mismatch='previous' found no earlier"
-                                                          f" checkpoint that passes among {len(tried)} in"
+                                                          f" checkpoint that passes among {len(tried_here)} in"
                                                           f" {failed.parent}"]) from error
-        previous, _, rejected = found
         if self.fingerprint.events:
             self.fingerprint.events[-1]["fallback"] = str(previous)
         rank_zero_warn(f"{type(self).__name__}: {failed} fails its numeric fingerprint ({'; '.join(why[:3])}); loaded"
                        f" {previous} instead" + "".join(f"; {p} failed too ({d[0]})" for p, d in rejected.items())
                        + " (on_fingerprint_mismatch='previous').")
         return previous
+
+    def _directory_differences(self, loaded: _Loaded, directory: Path) -> tuple[dict[str, Any], list[str]]:
+        """A sharded checkpoint's ``meta.pt`` and what it shows before its shards are loaded: every entry of the state
+        that is not a model or an optimizer present, DCP's index of the shards present, a fingerprint whose plugin
+        checksums and manifest pass; ``({}, [why])`` when it cannot be read."""
+        try:
+            meta = read_sharded_meta(directory)
+        except Exception as error:  # unreadable: not a candidate  # noqa: BLE001
+            return {}, [f"unreadable ({type(error).__name__}: {str(error)[:120]})"]
+        entries = [k for k, v in loaded.state.items() if not isinstance(_unwrapped(v), (nn.Module, Optimizer))]
+        if missing := [k for k in entries if k not in meta]:
+            return meta, [f"holds no {', '.join(missing)} (saved without them)"]
+        if not (directory / SHARD_INDEX).is_file():
+            return meta, [f"holds no {SHARD_INDEX} (torch.distributed.checkpoint's index of the shards)"]
+        try:
+            saved, plugin = self.fingerprint.split(meta.get(loaded.key), call=loaded.key)
+        except (TypeError, ValueError) as error:
+            return meta, [str(error)]
+        if saved is None:
+            return meta, ["it holds no fingerprint"]
+        differences, _ = self.fingerprint.check(saved, {"plugin": plugin}, self.stepper)
+        return meta, differences
 
     @property
     def ladder_events(self) -> list[dict[str, Any]]:
@@ -478,12 +566,17 @@ class StablePrecision(StableFrontEnd, Precision):
             why = (f"{loaded.restores} restores done (max_restores={loaded.max_restores}); the last state loaded,"
                    f" from {path}, went bad again")
         else:
-            previous, _, rejected = earlier_checkpoint(path, loaded_step,
-                                                       lambda c: self._earlier_differences(loaded, c),
-                                                       step_of=lambda c: _step_of(loaded, c),
-                                                       required=list(loaded.state), pattern=f"*{Path(path).suffix}")
+            if Path(path).is_dir():
+                previous, rejected = self._restore_directory(loaded, Path(path), loaded_step)
+            else:
+                previous, _, rejected = earlier_checkpoint(path, loaded_step,
+                                                           lambda c: self._earlier_differences(loaded, c),
+                                                           step_of=lambda c: _step_of(loaded, c),
+                                                           required=list(loaded.state),
+                                                           pattern=f"*{Path(path).suffix}")
+                if previous is not None:
+                    self._fabric_load(loaded, previous)
             if previous is not None:
-                loaded.fabric.load(previous, loaded.state, strict=loaded.strict, weights_only=loaded.weights_only)
                 loaded.restores += 1
                 resumed = self.stepper.step_count
                 skipped = [f"{p} ({d[0]})" for p, d in rejected.items()] if isinstance(rejected, dict) else []
@@ -499,6 +592,48 @@ class StablePrecision(StableFrontEnd, Precision):
         ladder.give_up(step, why)
         raise RuntimeError(f"{where}, and no earlier checkpoint to load: {why}. The run stops; resume from an"
                            " earlier checkpoint, or check how the loaded one was written.")
+
+    def _restore_directory(self, loaded: _Loaded, failed: Path, loaded_step: int
+                           ) -> tuple[Path, dict[str, list[str]]] | tuple[None, str]:
+        """The restore rung's search among sharded checkpoints: the newest directory of ``failed``'s parent written
+        before it (:func:`~lit_mpstable.core.checkpoints.earlier_sharded_checkpoints`) whose ``meta.pt`` holds a step
+        count below ``loaded_step`` and passes :meth:`_directory_differences`, loaded into the state; then its shards
+        and plain tensors are compared with its checksums (every rank's differences gathered), and one that fails
+        gives way to the next (the state is the next one's). ``(its path, {rejected: differences})``, else
+        ``(None, why)``. The pinned loss is checked at the next forward, as after a file."""
+        tried = earlier_sharded_checkpoints(failed)
+        rejected: dict[str, list[str]] = {}
+        for candidate in tried:
+            meta, differences = self._directory_differences(loaded, candidate)
+            step = _step_of(loaded, meta)
+            if not differences and not 0 <= step < loaded_step:
+                differences = [f"written at step {step}, not before the loaded checkpoint's {loaded_step}"]
+            if not differences:
+                try:
+                    self._fabric_load(loaded, candidate)
+                except FingerprintMismatch as error:  # its plugin state as it loads ("raise"/"previous")
+                    differences = list(error.differences)
+                else:
+                    differences = self._loaded_differences()
+            if not differences:
+                return candidate, rejected
+            rejected[str(candidate)] = differences
+        reasons = "; ".join(d[0] for d in rejected.values())
+        return None, (f"no earlier checkpoint passes among {len(tried)} in {failed.parent}"
+                      + (f" ({reasons})" if reasons else ""))
+
+    def _loaded_differences(self) -> list[str]:
+        """The loaded model's and set-up optimizers' checksums (plain tensors and this rank's shards) against the
+        fingerprint the plugin's state was loaded with; every rank's differences, no reaction."""
+        fingerprint = self.fingerprint.pending
+        if fingerprint is None:
+            return []
+        saved = fingerprint["manifest"]
+        if (saved["precision"], saved["master_weights"]) != (self.stepper.precision, self.stepper.master_mode):
+            return []  # the weights were carried across precisions: not comparable
+        trees = {"model": self._module().state_dict(), "optimizer": [o.state_dict() for o in self._bound]}
+        return compare_checksums(fingerprint["checksums"], trees) + compare_shard_checksums(
+            fingerprint["checksums"], trees)[0]
 
     def _earlier_differences(self, loaded: _Loaded, checkpoint: dict[str, Any], *, required: bool = False
                              ) -> list[str]:

@@ -1,0 +1,302 @@
+"""plugin.load with sharded checkpoints (Fabric, FSDP2 through ModelParallelStrategy, 2 CPU processes on gloo): the
+plugin's state loaded (Lightning's sharded load assigns its dict instead), each rank's shards checked against the
+checksums it took at the save, a bit flipped in one rank's shard refused on both ranks or replaced by the newest
+earlier directory that passes ("previous"), and the restored-state rung loading the directory before one that goes
+NaN after the load.
+
+The runs fork (the children inherit the imports) and write each rank's results to a file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_helpers import WORLD_SIZE, free_port, read_ranks
+from helpers import TinyMLP, quiet_fabric, regression_data
+
+from lit_mpstable.core.checkpoints import SHARDED_META, earlier_sharded_checkpoints
+from lit_mpstable.core.fingerprint import KEY, FingerprintMismatch, compare_shard_checksums
+from lit_mpstable.frontends.fabric import StablePrecision
+
+SAVED = 4  # checkpoints of steps 1..4; in the "wrong" set the one of step 4 holds a learning rate x1e7
+LR = 1e-2
+
+
+def _loss(module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(module(batch[0]).float(), batch[1])
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s half of the batch of ``step`` (samples rank, rank + 2, ... of a 16-sample slice)."""
+    x, y = regression_data(64)
+    rows = slice(16 * (step % 4) + rank, 16 * (step % 4 + 1), 2)
+    return x[rows], y[rows]
+
+
+def _local(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's shards of the model's weights (copies)."""
+    return {name: p.detach().to_local().clone() for name, p in model.module.named_parameters()}
+
+
+def _worker(rank: int, port: int, job: Callable[..., dict[str, Any]], out_dir: str, kwargs: dict[str, Any]) -> None:
+    # Processes "launched externally" (as torchrun would): Fabric's launcher would re-run pytest once per rank.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    plugin = StablePrecision("32-true", on_fingerprint_mismatch=kwargs.pop("on_mismatch", "raise"))
+
+    def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        for layer in (model.fc1, model.fc2, model.fc3):
+            fully_shard(layer, mesh=mesh["data_parallel"], mp_policy=plugin.mp_policy)
+        fully_shard(model, mesh=mesh["data_parallel"], mp_policy=plugin.mp_policy)
+        return model
+
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=WORLD_SIZE, tensor_parallel_size=1,
+                                     timeout=timedelta(seconds=60))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's notices
+        fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, plugins=[plugin])
+        fabric.launch()
+        torch.manual_seed(kwargs.pop("seed", 0))
+        model = fabric.setup_module(TinyMLP())
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+        plugin.setup_optimizers(optimizer)
+        plugin.pin(_loss, _batch(0, 0))
+        state = {"model": model, "optimizer": optimizer, "precision": plugin, "step": 0}
+        try:
+            report = job(fabric, plugin, state, **kwargs)
+        except Exception as error:  # noqa: BLE001  (the test reads it)
+            report = {"error": (type(error).__name__, str(error))}
+        report["events"] = [dict(e) for e in plugin.fingerprint.events]
+        report["ladder"] = [dict(e) for e in plugin.ladder_events]
+    torch.save(report, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _run(out_dir: Path, job: Callable[..., dict[str, Any]], **kwargs: Any) -> list[dict[str, Any]]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.multiprocessing.start_processes(_worker, nprocs=WORLD_SIZE, start_method="fork",
+                                          args=(free_port(), job, str(out_dir), kwargs))
+    return read_ranks(out_dir)
+
+
+def _save_job(fabric: Any, plugin: StablePrecision, state: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Steps 1..SAVED, a sharded checkpoint after each in ``good/step=k``, the same in ``wrong/step=k`` but that of
+    step SAVED with the learning rate written x1e7 (every number finite, its fingerprint what was written); then two
+    more steps unsaved (what a resume must reach)."""
+    model, optimizer = state["model"], state["optimizer"]
+    shards = {}
+    while state["step"] < SAVED + 2:
+        state["step"] += 1
+        fabric.backward(_loss(model, _batch(state["step"], fabric.global_rank)))
+        optimizer.step()
+        optimizer.zero_grad()
+        shards[state["step"]] = _local(model)
+        for kind in ("good", "wrong") if state["step"] <= SAVED else ():
+            scale = 1e7 if kind == "wrong" and state["step"] == SAVED else 1.0
+            optimizer.param_groups[0]["lr"] = LR * scale
+            fabric.save(Path(directory) / kind / f"step={state['step']}", state)
+            optimizer.param_groups[0]["lr"] = LR
+            if fabric.global_rank == 0:
+                path = Path(directory) / kind / f"step={state['step']}"
+                os.utime(path, ns=(10**9 * state["step"],) * 2)  # written in order, seconds apart
+            fabric.barrier()
+    return {"shards": shards}
+
+
+def _load_job(fabric: Any, plugin: StablePrecision, state: dict[str, Any], path: str, steps: int = 0,
+              **load: Any) -> dict[str, Any]:
+    """``plugin.load(fabric, path, state, **load)`` into a fresh run (other weights), then train to ``steps``."""
+    plugin.load(fabric, path, state, **load)
+    report: dict[str, Any] = {"loaded_step": state["step"], "step_count": plugin.step_count, "shards": _local(
+        state["model"]), "plugin_is_plugin": state["precision"] is plugin}
+    model, optimizer = state["model"], state["optimizer"]
+    rows = []
+    while state["step"] < steps:
+        rows.append(state["step"])
+        state["step"] += 1
+        loss = _loss(model, _batch(state["step"], fabric.global_rank))
+        fabric.backward(loss)
+        optimizer.step()  # a bad step soon after the load loads the directory before into `state`
+        optimizer.zero_grad()
+        rows[-1] = (rows[-1], loss.item())
+    report.update(rows=rows, step=state["step"], lr=optimizer.param_groups[0]["lr"], final=_local(model),
+                  finite=all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters()))
+    return report
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    directory = tmp_path_factory.mktemp("sharded")
+    return directory, _run(directory / "save", _save_job, directory=str(directory))
+
+
+def _copy(saved: tuple[Path, list[dict[str, Any]]], kind: str, tmp_path: Path) -> list[Path]:
+    """The ``kind`` checkpoints copied for one test (modification times kept), oldest first."""
+    target = tmp_path / kind
+    shutil.copytree(saved[0] / kind, target)
+    paths = [target / f"step={step}" for step in range(1, SAVED + 1)]
+    for step, path in enumerate(paths, 1):
+        os.utime(path, ns=(10**9 * step,) * 2)
+    return paths
+
+
+def _flip_bit(path: Path, shard: torch.Tensor) -> str:
+    """Flip one bit in the middle of ``shard``'s bytes where they are stored in ``path``'s shard files (as a disk or
+    a copy would); the directory's modification time is kept. Returns the file changed."""
+    data = shard.contiguous().view(-1).numpy().tobytes()
+    for file in sorted(path.glob("*.distcp")):
+        raw = bytearray(file.read_bytes())
+        at = raw.find(data)
+        if at >= 0:
+            raw[at + len(data) // 2] ^= 0x10
+            written = path.stat().st_mtime_ns
+            file.write_bytes(bytes(raw))
+            os.utime(path, ns=(written, written))
+            return file.name
+    raise AssertionError(f"no shard file of {path} holds the shard's bytes")
+
+
+def test_each_rank_checksums_its_shards_at_the_save(saved) -> None:
+    # Before: tensor_leaves skipped DTensors, so a sharded checkpoint's fingerprint held only AdamW's step counts.
+    meta = torch.load(saved[0] / "good" / f"step={SAVED}" / SHARDED_META, weights_only=True)
+    sums = meta["precision"][KEY]["checksums"]
+    for rank in range(WORLD_SIZE):
+        for name in ("fc1.weight", "fc3.bias"):
+            assert f"shards[rank {rank} of 2]model[{name!r}]" in sums
+        assert f"shards[rank {rank} of 2]optimizer[0]['state'][0]['exp_avg_sq']" in sums
+    assert sums["shards[rank 0 of 2]model['fc1.weight']"] != sums["shards[rank 1 of 2]model['fc1.weight']"]
+
+
+def test_a_sharded_checkpoint_loads_the_plugins_state_and_passes_on_both_ranks(saved, tmp_path: Path) -> None:
+    # Before: plugin.load refused a directory, and a plain fabric.load assigned the plugin's saved dict to
+    # state["precision"] without loading it (the counters and scaler of a fresh run).
+    # Two steps on, both ranks' shards are the uninterrupted run's, bit for bit (AdamW's state came back too).
+    paths = _copy(saved, "good", tmp_path)
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100, steps=SAVED + 2)
+    for rank, report in enumerate(ranks):
+        assert "error" not in report, report["error"]
+        assert report["plugin_is_plugin"] and report["loaded_step"] == SAVED and report["step_count"] == SAVED
+        assert [e["action"] for e in report["events"]] == ["passed", "passed"]  # the plugin's state; the rest
+        for name, value in saved[1][rank]["shards"][SAVED].items():
+            assert torch.equal(report["shards"][name], value), (rank, name)
+        for name, value in saved[1][rank]["shards"][SAVED + 2].items():
+            assert torch.equal(report["final"][name], value), (rank, name)
+
+
+def test_a_bit_flipped_in_one_ranks_shard_is_refused_on_both_ranks(saved, tmp_path: Path) -> None:
+    paths = _copy(saved, "good", tmp_path)
+    _flip_bit(paths[-1], saved[1][1]["shards"][SAVED]["fc2.weight"])
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100)
+    for report in ranks:
+        kind, message = report["error"]
+        assert kind == FingerprintMismatch.__name__
+        assert "checksum of tensor `shards[rank 1 of 2]model['fc2.weight']` differs" in message
+        assert "rank 0 of 2" not in message  # rank 0's shards are intact; rank 1's finding reached it
+    assert ranks[0]["events"] == ranks[1]["events"]
+
+
+def test_previous_loads_the_newest_earlier_sharded_checkpoint_that_passes(saved, tmp_path: Path) -> None:
+    # The newest has a bit flipped in rank 1's fc2 shard, the one before in rank 0's fc1 shard: both ranks load the
+    # third newest, after checking each one whole.
+    paths = _copy(saved, "good", tmp_path)
+    _flip_bit(paths[-1], saved[1][1]["shards"][SAVED]["fc2.weight"])
+    _flip_bit(paths[-2], saved[1][0]["shards"][SAVED - 1]["fc1.weight"])
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100, on_mismatch="previous",
+                 restored_window=0)
+    for rank, report in enumerate(ranks):
+        assert "error" not in report, report["error"]
+        assert report["loaded_step"] == SAVED - 2 == report["step_count"]
+        assert [e.get("fallback") for e in report["events"] if e["action"] == "previous"] == [
+            str(paths[-2]), str(paths[-3])]
+        for name, value in saved[1][rank]["shards"][SAVED - 2].items():
+            assert torch.equal(report["shards"][name], value), (rank, name)
+    assert ranks[0]["events"] == ranks[1]["events"]
+    assert "shards[rank 0 of 2]model['fc1.weight']" in str(ranks[0]["events"][3]["differences"])
+
+
+def test_a_sharded_checkpoint_that_goes_nan_after_the_load_restores_the_one_before(saved, tmp_path: Path) -> None:
+    # The learning rate written x1e7 (every number finite, the fingerprint matching): the third step after the load
+    # is non-finite on both ranks; the rung loads step=3's directory in that step and the run finishes.
+    paths = _copy(saved, "wrong", tmp_path)
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100, steps=SAVED + 6, restored_window=5)
+    for report in ranks:
+        assert "error" not in report, report["error"]
+        assert [step for step, loss in report["rows"] if not math.isfinite(loss)] == [SAVED + 2]
+        assert [step for step, _ in report["rows"]] == [4, 5, 6, 3, 4, 5, 6, 7, 8, 9] and report["step"] == SAVED + 6
+        (event,) = [e for e in report["ladder"] if e["action"] != "skip"]
+        assert (event["fault"], event["rung"], event["action"]) == ("restored", "restore", "restore_previous")
+        assert (event["checkpoint"], event["failed"], event["restored_step"]) == (str(paths[-2]), str(paths[-1]),
+                                                                                  SAVED - 1)
+        assert report["lr"] == LR and report["finite"]
+    assert ranks[0]["ladder"] == ranks[1]["ladder"]
+
+
+def test_the_rung_passes_over_an_earlier_directory_whose_shards_fail_once_loaded(saved, tmp_path: Path) -> None:
+    # step=3's meta.pt passes (its plugin state and manifest), but a bit is flipped in rank 0's fc3 shard: loaded,
+    # compared and given up on both ranks; step=2 is loaded instead, and the run finishes.
+    paths = _copy(saved, "wrong", tmp_path)
+    _flip_bit(paths[-2], saved[1][0]["shards"][SAVED - 1]["fc3.weight"])
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100, steps=SAVED + 6, restored_window=5)
+    for report in ranks:
+        assert "error" not in report, report["error"]
+        (event,) = [e for e in report["ladder"] if e["action"] != "skip"]
+        assert (event["checkpoint"], event["restored_step"]) == (str(paths[-3]), SAVED - 2)
+        assert len(event["skipped"]) == 1 and event["skipped"][0].startswith(
+            f"{paths[-2]} (checksum of tensor `shards[rank 0 of 2]model['fc3.weight']` differs")
+        assert [step for step, _ in report["rows"]][3:] == [2, 3, 4, 5, 6, 7, 8, 9] and report["finite"]
+    assert ranks[0]["ladder"] == ranks[1]["ladder"]
+
+
+def test_a_sharded_checkpoint_without_the_plugins_state_is_refused_naming_it(saved, tmp_path: Path) -> None:
+    paths = _copy(saved, "good", tmp_path)
+    meta = torch.load(paths[-1] / SHARDED_META, weights_only=True)
+    torch.save({"step": meta["step"]}, paths[-1] / SHARDED_META)  # saved without the plugin
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100)
+    for report in ranks:
+        kind, message = report["error"]
+        assert kind == "KeyError" and "the sharded checkpoint holds no 'precision' (its meta.pt has [])" in message
+
+
+def test_shards_saved_on_another_number_of_ranks_are_noted_not_compared() -> None:
+    saved = {"shards[rank 0 of 4]model['fc1.weight']": 1, "shards[rank 3 of 4]model['fc1.weight']": 2}
+    assert compare_shard_checksums(saved, {"model": {}}) == ([], [
+        "the checkpoint's shards were checksummed on 4 ranks, this run has 1: resharded as they load, their local"
+        " shards were not compared"])
+    assert compare_shard_checksums(saved, {"optimizer": []}) == ([], [])  # none under this root
+    assert compare_shard_checksums({"model['fc1.weight']": 3}, {"model": {}}) == ([], [])
+
+
+def test_earlier_sharded_checkpoints_are_the_directories_written_before(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        (tmp_path / f"step={step}").mkdir()
+        (tmp_path / f"step={step}" / SHARDED_META).write_bytes(b"")
+        os.utime(tmp_path / f"step={step}", ns=(10**9 * step,) * 2)
+    (tmp_path / "step=0").mkdir()  # no meta.pt: not a sharded checkpoint
+    (tmp_path / "step=9.pt").write_bytes(b"")  # a file
+    assert earlier_sharded_checkpoints(tmp_path / "step=3") == [tmp_path / "step=2", tmp_path / "step=1"]
+    assert earlier_sharded_checkpoints(tmp_path / "step=1") == []
+
+
+def test_plugin_load_refuses_a_directory_that_is_not_a_sharded_checkpoint(tmp_path: Path) -> None:
+    plugin = StablePrecision("32-true")
+    fabric = quiet_fabric(plugin)
+    model, optimizer = fabric.setup(TinyMLP(), torch.optim.AdamW(TinyMLP().parameters()))
+    state = {"model": model, "optimizer": optimizer, "precision": plugin}
+    with pytest.raises(ValueError, match=r"load\(path=PosixPath\('.*'\)\): must be the path of a checkpoint file"
+                                         r" fabric.save wrote, or of a sharded checkpoint's directory .*; this"
+                                         r" directory holds no meta.pt"):
+        plugin.load(fabric, tmp_path, state)
