@@ -38,8 +38,11 @@ from torch import nn
 
 KEY = "fingerprint"
 """Where the fingerprint sits in the plugin's state."""
-VERSION = 2
-"""2: checksums in lanes (:func:`checksum`); 1 (this round's first release): one wrap-around sum a tensor (read)."""
+VERSION = 3
+"""3: checksums in lanes (:func:`checksum`), a tensor's own lanes hashed; 2: the same lanes zero-padded to
+:data:`LANES` before the hash (read); 1 (this round's first release): one wrap-around sum a tensor (read)."""
+READS = (1, 2, VERSION)
+"""The fingerprint versions a load checks, each with its own checksum."""
 LANES = 509
 """Lanes of a checksum: word i is summed into lane i mod 509 (a prime, so no power-of-two row width folds a column
 into one lane)."""
@@ -76,43 +79,72 @@ def check_on_mismatch(call: str, value: object) -> OnMismatch:
 
 
 # --------------------------------------------------------------------------------------------------- checksums
+# numpy reads these dtypes' bytes in place (bool as its 0/1 bytes); bfloat16 and the FP8 types go through a torch view.
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool})
+
+
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1)
+    """The tensor's bytes in order (uint8, on its device): a view where it is contiguous."""
+    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)  # the values, not a lazy conjugate or negation
     if flat.is_complex() or flat.dtype == torch.bool:
         flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat.to(torch.uint8)
     return flat.contiguous().view(torch.uint8)
 
 
-def _lanes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as 64-bit words (the last one zero-padded), word i added into lane i mod :data:`LANES` with
-    wrap-around: ``LANES`` int64 sums on the tensor's device (on the CPU numpy's sum: one thread, vectorised; torch's
-    threaded reduction waits on its barriers when the cores are busy)."""
-    raw = _bytes(tensor)
-    return _numpy_lanes(raw) if raw.device.type == "cpu" else _torch_lanes(raw)
+def _host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes in order, as numpy uint8: a view where the tensor is contiguous (no copy, few calls)."""
+    if tensor.dtype in _NUMPY_DTYPES and tensor.is_contiguous() and not tensor.is_neg():
+        return (tensor.detach() if tensor.requires_grad else tensor).numpy().reshape(-1).view(np.uint8)
+    return _bytes(tensor).numpy()
 
 
-def _numpy_lanes(raw: torch.Tensor) -> torch.Tensor:
-    data, full = raw.numpy(), raw.numel() // 8 // LANES * LANES  # words in whole rows of lanes; the rest padded
-    sums = (data[:full * 8].view(np.int64).reshape(-1, LANES).sum(axis=0, dtype=np.int64) if full
-            else np.zeros(LANES, dtype=np.int64))
-    padded = np.zeros(LANES * 8, dtype=np.uint8)
-    padded[:raw.numel() - full * 8] = data[full * 8:]
-    return torch.from_numpy(sums + padded.view(np.int64))
+def _numpy_lanes(data: np.ndarray) -> np.ndarray:
+    """The lanes of ``data`` (bytes, numpy uint8): its 64-bit words (the last one zero-padded), word i added into lane
+    i mod :data:`LANES` with wrap-around; ``min(words, LANES)`` int64 lanes. numpy's sum: one thread, vectorised, in
+    place over a ``(rows, LANES)`` view (torch's threaded reduction waits on its barriers when the cores are busy)."""
+    nbytes = data.size
+    full = nbytes // (8 * LANES) * LANES  # words in whole rows of lanes
+    if not full:  # no two words share a lane: the lanes are the words
+        return data.view(np.int64) if nbytes % 8 == 0 else _padded(data).view(np.int64)
+    lanes = data[:full * 8].view(np.int64).reshape(-1, LANES).sum(axis=0, dtype=np.int64)
+    if nbytes > full * 8:
+        tail = _padded(data[full * 8:]).view(np.int64)
+        lanes[:tail.size] += tail
+    return lanes
+
+
+def _padded(data: np.ndarray) -> np.ndarray:
+    padded = np.zeros(-(-data.size // 8) * 8, dtype=np.uint8)
+    padded[:data.size] = data
+    return padded
 
 
 def _torch_lanes(raw: torch.Tensor) -> torch.Tensor:
-    full = raw.numel() // 8 // LANES * LANES
-    sums = (raw[:full * 8].view(torch.int64).view(-1, LANES).sum(0) if full
-            else torch.zeros(LANES, dtype=torch.int64, device=raw.device))
-    padded = torch.zeros(LANES * 8, dtype=torch.uint8, device=raw.device)
-    padded[:raw.numel() - full * 8] = raw[full * 8:]
-    return sums + padded.view(torch.int64)
+    """:func:`_numpy_lanes` in torch, on ``raw``'s device (``raw``: a tensor's bytes, :func:`_bytes`)."""
+    if raw.storage_offset() % 8:  # a word view needs 8-byte alignment
+        raw = raw.clone()
+    nbytes = raw.numel()
+    full = nbytes // (8 * LANES) * LANES
+    tail = raw[full * 8:]
+    tail = tail if tail.numel() % 8 == 0 else torch.nn.functional.pad(tail, (0, -tail.numel() % 8))
+    if not full:
+        return tail.view(torch.int64)
+    lanes = raw[:full * 8].view(torch.int64).view(-1, LANES).sum(0)
+    if tail.numel():
+        lanes[:tail.numel() // 8] += tail.view(torch.int64)
+    return lanes
 
 
-def _digest(lanes: np.ndarray, nbytes: int) -> int:
-    """The 64-bit digest of a tensor's lane sums and byte count (a hash: no two changes cancel in it)."""
-    return int.from_bytes(hashlib.blake2b(lanes.astype("<i8").tobytes() + nbytes.to_bytes(8, "little"),
-                                          digest_size=8).digest(), "little")
+def _digest(lanes: np.ndarray, nbytes: int, version: int = VERSION) -> int:
+    """The 64-bit digest of a tensor's lane sums and byte count (BLAKE2b: no two changes cancel in it). Version 3
+    hashes the lanes a tensor has (one per word, at most :data:`LANES`: a step counter hashes 16 bytes, not 4 KiB);
+    version 2 hashed all :data:`LANES`, zero-padded. The byte count fixes the number of lanes: neither loses a bit."""
+    if version == 2 and lanes.size < LANES:
+        lanes = np.concatenate([lanes, np.zeros(LANES - lanes.size, dtype=np.int64)])
+    hasher = hashlib.blake2b(lanes.astype("<i8", copy=False).data, digest_size=8)
+    hasher.update(nbytes.to_bytes(8, "little"))
+    return int.from_bytes(hasher.digest(), "little")
 
 
 def _word_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,13 +161,34 @@ def _word_sum(tensor: torch.Tensor) -> torch.Tensor:
     return words + raw[whole:].to(torch.int64).sum() if whole < raw.numel() else words
 
 
+def _checksums_on(tensors: Sequence[torch.Tensor], version: int = VERSION) -> list[int]:
+    """The checksums of ``tensors``, all on one device: on the CPU in numpy, in place; elsewhere the lanes summed on
+    the device and brought over in one host read (one concatenation: a small tensor's lanes are its own bytes)."""
+    if version == 1:
+        return torch.stack([_word_sum(t) for t in tensors]).tolist()  # one host read
+    if tensors[0].device.type != "cpu":
+        return _device_checksums(tensors, version)
+    data = [_host_bytes(t) for t in tensors]
+    return [_digest(_numpy_lanes(d), d.size, version) for d in data]
+
+
+def _device_checksums(tensors: Sequence[torch.Tensor], version: int) -> list[int]:
+    """:func:`_checksums_on` off the CPU (and on it, where a test asks): torch on the device, one host read."""
+    raw = [_bytes(t) for t in tensors]
+    lanes = [_torch_lanes(r) for r in raw]
+    host = torch.cat(lanes).cpu().numpy()  # the one host read of this device
+    ends = np.cumsum([lane.numel() for lane in lanes]).tolist()
+    return [_digest(host[end - lane.numel():end], r.numel(), version) for lane, r, end in zip(lanes, raw, ends,
+                                                                                             strict=True)]
+
+
 def checksum(tensor: torch.Tensor) -> int:
     """The tensor's 64-bit checksum (one host read): its bytes as 64-bit words summed with wrap-around into
     :data:`LANES` lanes by position (integer addition is exact: the same on every device and run), the lanes and the
     byte count hashed (BLAKE2b). Any flipped bit, any changed value changes it, and, unlike one sum of all words, no
     balanced set of changes cancels out (a tensor negated, two flipped sign bits), unless every lane's changes
     cancel on their own. The layout does not matter, only the values in order."""
-    return _digest(_lanes(tensor).cpu().numpy(), _bytes(tensor).numel())
+    return _checksums_on([tensor])[0]
 
 
 def tensor_leaves(tree: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -162,23 +215,19 @@ def _view_key(t: torch.Tensor) -> tuple:
 def checksums(trees: Mapping[str, object], version: int = VERSION) -> dict[str, int]:
     """Every tensor's :func:`checksum` in ``trees`` (``{root name: nested state}``), by path; one host read per
     device. A tensor listed under several paths (tied weights: ``torch.save`` writes its storage once too) is read
-    once. ``version=1``: the first release's checksum (:func:`_word_sum`), to check its checkpoints."""
+    once. ``version``: the checksum of that fingerprint version, to check its checkpoints (1: :func:`_word_sum`; 2:
+    the lanes zero-padded to :data:`LANES` before the hash)."""
     leaves = [(f"{root}{path}", t) for root, tree in trees.items() for path, t in tensor_leaves(tree)]
+    keys = [_view_key(t) for _, t in leaves]
     first: dict[tuple, int] = {}  # view key -> the index of the leaf that computes it
     by_device: dict[torch.device, list[int]] = {}
-    for index, (_, t) in enumerate(leaves):
-        if first.setdefault(_view_key(t), index) == index:
+    for index, ((_, t), key) in enumerate(zip(leaves, keys, strict=True)):
+        if first.setdefault(key, index) == index:
             by_device.setdefault(t.device, []).append(index)
     values: dict[int, int] = {}
     for indices in by_device.values():
-        tensors = [leaves[i][1] for i in indices]
-        if version == 1:
-            values.update(zip(indices, torch.stack([_word_sum(t) for t in tensors]).tolist()))  # one host read
-            continue
-        lanes = [_lanes(t) for t in tensors]
-        host = torch.stack(lanes).cpu().numpy()  # the one host read of this device
-        values.update((i, _digest(row, _bytes(t).numel())) for i, row, t in zip(indices, host, tensors, strict=True))
-    return {path: values[first[_view_key(t)]] for path, t in leaves}
+        values.update(zip(indices, _checksums_on([leaves[i][1] for i in indices], version), strict=True))
+    return {path: values[first[key]] for (path, _), key in zip(leaves, keys, strict=True)}
 
 
 def _kind(path: str) -> str:
@@ -231,8 +280,12 @@ def tensor_leaves_by_path(trees: Mapping[str, object]) -> Iterator[tuple[str, to
 
 
 # ---------------------------------------------------------------------------------------------------- manifest
-def manifest(stepper: Any) -> dict[str, Any]:
-    """The precision ``stepper`` (a :class:`~lit_mpstable.core.step.stepper.PrecisionStepper`) trains in: plain values.
+def manifest(layout: Any, *, precision: str, master_weights: str | None, optimizer_state: str = "fp32",
+             high_precision: Sequence[str] = ()) -> dict[str, Any]:
+    """The precision a run trains in, as plain values: ``layout`` (a
+    :class:`~lit_mpstable.core.layout.layout.PrecisionLayout`: the FP8 config, the layers it selected, the FP32 islands,
+    the fallbacks in force) and the step's settings (``master_weights``: the weight mode, None without masters;
+    ``high_precision``: the layers the probe's budget kept out). ``PrecisionStepper.manifest()`` passes its own.
 
     Keys: ``precision``, ``master_weights``, ``optimizer_state``, ``fp8`` (the FP8 config's fields, ``None``
     without), ``layers`` (per layer the FP8 filter selected: ``recipe``, ``format``, ``sr_key``, ``hadamard``: the
@@ -240,7 +293,6 @@ def manifest(stepper: Any) -> dict[str, Any]:
     (layers the probe's budget kept out), ``islands`` (the user's FP32 modules), ``fallbacks`` (in force)."""
     from lit_mpstable.fp8.linear import FP8Linear
 
-    layout = stepper.layout
     config = layout.fp8
     fields = None if config is None else {
         name: str(getattr(config, name)) for name in ("recipe", "format", "margin", "amax_history_len",
@@ -261,12 +313,12 @@ def manifest(stepper: Any) -> dict[str, Any]:
     state = layout.state_dict()
     return {
         "version": VERSION,
-        "precision": stepper.precision,
-        "master_weights": stepper.master_mode,
-        "optimizer_state": str(getattr(stepper, "optimizer_state", "fp32")),
+        "precision": precision,
+        "master_weights": master_weights,
+        "optimizer_state": str(optimizer_state),
         "fp8": fields,
         "layers": layers,
-        "high_precision": list(stepper.fp8_high_precision_layers or []),
+        "high_precision": list(high_precision),
         "islands": sorted(str(spec) for spec in getattr(layout, "_user_islands", ())),
         "fallbacks": {key: state[key] for key in ("fp32", "fp8_off", "fp8_removed", "fp32_modules")},
     }
@@ -481,9 +533,9 @@ class Fingerprint:
             raise (ValueError if isinstance(fingerprint, dict) else TypeError)(
                 f"{call}(fingerprint={fingerprint!r:.80}): must be the dict a save writes, with keys ['checksums',"
                 " 'manifest', 'pinned', 'version']; the checkpoint is corrupted.")
-        if fingerprint["version"] not in (1, VERSION):
+        if fingerprint["version"] not in READS:
             raise ValueError(f"{call}(fingerprint['version']={fingerprint['version']!r}): this release reads"
-                             f" versions 1 and {VERSION}; the checkpoint is corrupted or from a newer release.")
+                             f" versions {list(READS)}; the checkpoint is corrupted or from a newer release.")
         sums, manifest_, pinned = fingerprint["checksums"], fingerprint["manifest"], fingerprint["pinned"]
         if not isinstance(sums, dict) or not all(isinstance(k, str) and type(v) is int for k, v in sums.items()):
             raise TypeError(f"{call}(fingerprint['checksums']={sums!r:.80}): must map tensor paths to int checksums.")
@@ -506,21 +558,23 @@ class Fingerprint:
         if self.batch is None:
             self.batch = pin_batch(batch)
 
-    def capture(self, trees: Mapping[str, object], stepper: Any, loss: Callable[[object], torch.Tensor] | None
-                ) -> dict[str, Any]:
-        """The fingerprint of a checkpoint: ``trees``' checksums, ``stepper``'s manifest and, with a pinned batch and
-        ``loss`` (``batch -> tensor([loss, grad_norm])``, e.g. :func:`pinned_pass`), the pinned entry."""
+    def capture(self, trees: Mapping[str, object], live: Mapping[str, Any],
+                loss: Callable[[object], torch.Tensor] | None) -> dict[str, Any]:
+        """The fingerprint of a checkpoint: ``trees``' checksums, ``live`` (this run's :func:`manifest`) and, with a
+        pinned batch and ``loss`` (``batch -> tensor([loss, grad_norm])`` on the model's device, e.g.
+        :func:`pinned_pass`), the pinned entry."""
         pinned: dict[str, Any] = {}
         if self.batch is not None and loss is not None:
             try:
-                values = loss(self.batch).tolist()
+                measured = loss(self.batch)
             except PinnedPassWrote as error:  # the pass changed weights: checksums and manifest only
                 warnings.warn(f"{self.owner}: this checkpoint's fingerprint has no pinned loss: {error}.",
                               UserWarning, stacklevel=2)
             else:
+                values = measured.tolist()
                 pinned = {"batch": self.batch, "loss": values[0], "grad_norm": values[1],
-                          "deterministic": deterministic(stepper.device)}
-        return {"version": VERSION, "checksums": checksums(trees), "manifest": manifest(stepper), "pinned": pinned}
+                          "deterministic": deterministic(measured.device)}
+        return {"version": VERSION, "checksums": checksums(trees), "manifest": dict(live), "pinned": pinned}
 
     def adopt(self, fingerprint: Mapping[str, Any]) -> None:
         """After a load: the checkpoint's pinned batch becomes the run's (later saves pin the same rows)."""
@@ -528,24 +582,25 @@ class Fingerprint:
         if pinned.get("batch") is not None:
             self.batch = pinned["batch"]
 
-    def check(self, fingerprint: Mapping[str, Any], trees: Mapping[str, object], stepper: Any
+    def check(self, fingerprint: Mapping[str, Any], trees: Mapping[str, object], live: Mapping[str, Any]
               ) -> tuple[list[str], list[str]]:
-        """``(differences, notes)``: ``trees``' checksums against the fingerprint's, its manifest against
-        ``stepper``'s."""
+        """``(differences, notes)``: ``trees``' checksums against the fingerprint's, its manifest against ``live``
+        (this run's :func:`manifest`)."""
         differences = compare_checksums(fingerprint["checksums"], trees, fingerprint["version"])
-        more, notes = compare_manifests(fingerprint["manifest"], manifest(stepper))
+        more, notes = compare_manifests(fingerprint["manifest"], live)
         return differences + more, notes
 
-    def check_pinned(self, fingerprint: Mapping[str, Any], loss: Callable[[object], torch.Tensor], stepper: Any
-                     ) -> list[str]:
+    def check_pinned(self, fingerprint: Mapping[str, Any], loss: Callable[[object], torch.Tensor],
+                     live: Mapping[str, Any]) -> list[str]:
         """The pinned micro-batch recomputed (``loss``: as for :meth:`capture`) against the save's; ``[]`` without a
         pinned entry, or when the checkpoint was written in another precision or weight mode (its loss differs by
         design; said in the notes of :meth:`check`). One host read."""
         pinned, saved = fingerprint.get("pinned") or {}, fingerprint["manifest"]
-        if not pinned or (saved["precision"], saved["master_weights"]) != (stepper.precision, stepper.master_mode):
+        if not pinned or (saved["precision"], saved["master_weights"]) != (live["precision"], live["master_weights"]):
             return []
-        values = loss(pinned["batch"]).tolist()  # on every rank: a sharded model's forward is collective
-        exact = bool(pinned["deterministic"]) and deterministic(stepper.device)
+        measured = loss(pinned["batch"])  # on every rank: a sharded model's forward is collective
+        values = measured.tolist()
+        exact = bool(pinned["deterministic"]) and deterministic(measured.device)
         return _rank_zero_verdict(compare_pinned(pinned, (values[0], values[1]), exact=exact))
 
     def react(self, source: str, differences: list[str], notes: list[str] = ()) -> bool:  # type: ignore[assignment]
@@ -647,9 +702,10 @@ class CheckpointCheck:
     model's weights) and, with ``on_mismatch="previous"``, swaps the dict's contents for the newest earlier checkpoint
     of its directory that passes, reloading what was restored from it already (``reload``)."""
 
-    def __init__(self, fingerprint: Fingerprint, plugin_key: str, stepper: Any,
+    def __init__(self, fingerprint: Fingerprint, plugin_key: str, live: Callable[[], Mapping[str, Any]],
                  reload: Callable[[dict[str, Any]], None]) -> None:
-        self.fingerprint, self.plugin_key, self.stepper, self.reload = fingerprint, plugin_key, stepper, reload
+        """``live``: this run's :func:`manifest` when called (``PrecisionStepper.manifest``)."""
+        self.fingerprint, self.plugin_key, self.live, self.reload = fingerprint, plugin_key, live, reload
 
     def differences(self, checkpoint: Mapping[str, Any], *, required: bool = True) -> list[str]:
         try:
@@ -658,7 +714,7 @@ class CheckpointCheck:
             return [str(error)]
         if saved is None:
             return ["it holds no fingerprint"] if required else []
-        differences, _ = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key), self.stepper)
+        differences, _ = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key), self.live())
         return differences
 
     def verify_(self, checkpoint: dict[str, Any], path: str | Path | None) -> None:
@@ -667,7 +723,7 @@ class CheckpointCheck:
         if saved is None:
             return
         differences, notes = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key),
-                                                    self.stepper)
+                                                    self.live())
         if self.fingerprint.react(str(path), differences, notes):
             self.fall_back_(checkpoint, path, differences)
         self._loaded(checkpoint, path)
@@ -707,7 +763,7 @@ class CheckpointCheck:
         pending, self.fingerprint.pending = self.fingerprint.pending, None
         if pending is None:
             return
-        differences = self.fingerprint.check_pinned(pending["fingerprint"], loss, self.stepper)
+        differences = self.fingerprint.check_pinned(pending["fingerprint"], loss, self.live())
         if self.fingerprint.react(f"{pending['path']} (pinned micro-batch)", differences):
             self.fall_back_(pending["checkpoint"], pending["path"], differences)
             load_plugin(pending["checkpoint"][self.plugin_key])

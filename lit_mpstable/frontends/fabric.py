@@ -275,7 +275,7 @@ class StablePrecision(StableFrontEnd, Precision):
         trees = {"model": module.state_dict() if module is not None else {},
                  "optimizer": [optimizer.state_dict() for optimizer in self._bound], "plugin": dict(state)}
         loss = self._pinned_loss if self._pin_loss is not None and module is not None else None
-        return {**state, FINGERPRINT: self.fingerprint.capture(trees, self.stepper, loss)}
+        return {**state, FINGERPRINT: self.fingerprint.capture(trees, self.stepper.manifest(), loss)}
 
     def pin(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> None:
         """Give the fingerprint its pinned micro-batch: ``batch`` (its first rows, a CPU copy:
@@ -315,7 +315,7 @@ class StablePrecision(StableFrontEnd, Precision):
         if fingerprint is None:
             return
         if not loaded:
-            differences, notes = self.fingerprint.check(fingerprint, {"plugin": state}, self.stepper)
+            differences, notes = self.fingerprint.check(fingerprint, {"plugin": state}, self.stepper.manifest())
         elif state:  # load_state_dict just finished: the rest waits for the first forward or optimizer step
             self.fingerprint.pending, self._model_checked = fingerprint, False
             self.fingerprint.adopt(fingerprint)  # later saves pin the checkpoint's micro-batch
@@ -332,7 +332,7 @@ class StablePrecision(StableFrontEnd, Precision):
                      **({"optimizer": [o.state_dict() for o in self._bound]} if optimizers else {})}
             differences, notes = compare_checksums(fingerprint["checksums"], trees if same else {}), []
             if model and self._pin_loss is not None:
-                differences += self.fingerprint.check_pinned(fingerprint, self._pinned_loss, self.stepper)
+                differences += self.fingerprint.check_pinned(fingerprint, self._pinned_loss, self.stepper.manifest())
             elif model and fingerprint["pinned"]:
                 notes.append("the pinned micro-batch's loss was not recomputed: no loss function was given"
                              " (plugin.pin(loss_fn, batch) before the first forward)")
@@ -517,7 +517,7 @@ class StablePrecision(StableFrontEnd, Precision):
         model = keys.get(id(module))
         trees = {"model": checkpoint.get(model, {}) if model is not None else {},
                  "optimizer": [checkpoint.get(keys.get(id(o), ""), {}) for o in self._bound], "plugin": plugin}
-        differences, _ = self.fingerprint.check(saved, trees, self.stepper)
+        differences, _ = self.fingerprint.check(saved, trees, self.stepper.manifest())
         return differences
 
     # What a resume without the plugin's state loses, by master_weights mode.
