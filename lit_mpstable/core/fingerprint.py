@@ -80,6 +80,7 @@ def check_on_mismatch(call: str, value: object) -> OnMismatch:
 
 # --------------------------------------------------------------------------------------------------- checksums
 # numpy reads these dtypes' bytes in place (bool as its 0/1 bytes); bfloat16 and the FP8 types go through a torch view.
+_PLAIN = (torch.Tensor, nn.Parameter)  # checksummed; a subclass (DTensor, a quantized state) is not one whole value
 _NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                            torch.int8, torch.uint8, torch.bool})
 
@@ -195,15 +196,22 @@ def tensor_leaves(tree: object, path: str = "") -> Iterator[tuple[str, torch.Ten
     """``(path, tensor)`` for every plain tensor in nested dicts, lists and tuples (paths such as
     ``state_dict['model.0.weight']``, ``optimizer_states[0]['state'][1]['exp_avg']``). Tensor subclasses (DTensor
     shards, quantized optimizer states) are skipped: their bytes are not one rank's whole value."""
+    found: list[tuple[str, torch.Tensor]] = []
+    _collect(tree, path, found)
+    return iter(found)
+
+
+def _collect(tree: object, path: str, found: list[tuple[str, torch.Tensor]]) -> None:
+    # Appends to one list (not nested generators: a leaf four levels down would pass through four of them).
     if isinstance(tree, torch.Tensor):
-        if type(tree) in (torch.Tensor, nn.Parameter) and tree.device.type != "meta":
-            yield path, tree
+        if type(tree) in _PLAIN and not tree.is_meta:
+            found.append((path, tree))
     elif isinstance(tree, Mapping):
         for key, value in tree.items():
-            yield from tensor_leaves(value, f"{path}[{key!r}]")
+            _collect(value, f"{path}[{key!r}]", found)
     elif isinstance(tree, (list, tuple)):
         for index, value in enumerate(tree):
-            yield from tensor_leaves(value, f"{path}[{index}]")
+            _collect(value, f"{path}[{index}]", found)
 
 
 def _view_key(t: torch.Tensor) -> tuple:
@@ -217,7 +225,9 @@ def checksums(trees: Mapping[str, object], version: int = VERSION) -> dict[str, 
     device. A tensor listed under several paths (tied weights: ``torch.save`` writes its storage once too) is read
     once. ``version``: the checksum of that fingerprint version, to check its checkpoints (1: :func:`_word_sum`; 2:
     the lanes zero-padded to :data:`LANES` before the hash)."""
-    leaves = [(f"{root}{path}", t) for root, tree in trees.items() for path, t in tensor_leaves(tree)]
+    leaves: list[tuple[str, torch.Tensor]] = []
+    for root, tree in trees.items():
+        _collect(tree, root, leaves)
     keys = [_view_key(t) for _, t in leaves]
     first: dict[tuple, int] = {}  # view key -> the index of the leaf that computes it
     by_device: dict[torch.device, list[int]] = {}
@@ -257,16 +267,17 @@ def compare_checksums(saved: Mapping[str, int], trees: Mapping[str, object], ver
     """The differences between ``saved`` checksums (of fingerprint ``version``) and ``trees``' tensors, named: a
     changed tensor (and what it looks like), a missing one, an unexpected one. Only paths under the roots of
     ``trees`` are compared."""
-    live = dict(tensor_leaves_by_path(trees))
     now = checksums(trees, version)
     roots = tuple(trees)
     differences = []
+    live: dict[str, torch.Tensor] = {}  # for the diagnosis, walked only where a checksum differs
     for path, value in saved.items():
         if not path.startswith(roots):
             continue
         if path not in now:
             differences.append(f"{_kind(path)} `{path}` is missing from the loaded checkpoint")
         elif now[path] != value:
+            live = live or dict(tensor_leaves_by_path(trees))
             differences.append(f"checksum of {_kind(path)} `{path}` differs (saved {value & (2**64 - 1):#018x},"
                                f" loaded {now[path] & (2**64 - 1):#018x}){_diagnose(path, live[path])}")
     differences += [f"{_kind(path)} `{path}` was not in the saved checkpoint" for path in now if path not in saved]
