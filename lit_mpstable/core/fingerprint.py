@@ -100,41 +100,32 @@ def _host_bytes(tensor: torch.Tensor) -> np.ndarray:
     return _bytes(tensor).numpy()
 
 
+def _row_bytes(nbytes: int) -> int:
+    """The bytes of a tensor's whole rows of :data:`LANES` words (the rest: fewer than ``LANES`` words)."""
+    return nbytes // (8 * LANES) * (8 * LANES)
+
+
 def _numpy_lanes(data: np.ndarray) -> np.ndarray:
     """The lanes of ``data`` (bytes, numpy uint8): its 64-bit words (the last one zero-padded), word i added into lane
     i mod :data:`LANES` with wrap-around; ``min(words, LANES)`` int64 lanes. numpy's sum: one thread, vectorised, in
     place over a ``(rows, LANES)`` view (torch's threaded reduction waits on its barriers when the cores are busy)."""
-    nbytes = data.size
-    full = nbytes // (8 * LANES) * LANES  # words in whole rows of lanes
-    if not full:  # no two words share a lane: the lanes are the words
-        return data.view(np.int64) if nbytes % 8 == 0 else _padded(data).view(np.int64)
-    lanes = data[:full * 8].view(np.int64).reshape(-1, LANES).sum(axis=0, dtype=np.int64)
-    if nbytes > full * 8:
-        tail = _padded(data[full * 8:]).view(np.int64)
-        lanes[:tail.size] += tail
-    return lanes
+    full = _row_bytes(data.size)
+    rows = data[:full].view(np.int64).reshape(-1, LANES).sum(axis=0, dtype=np.int64) if full else None
+    return _plus_rest(rows, data[full:])
 
 
-def _padded(data: np.ndarray) -> np.ndarray:
-    padded = np.zeros(-(-data.size // 8) * 8, dtype=np.uint8)
-    padded[:data.size] = data
-    return padded
-
-
-def _torch_lanes(raw: torch.Tensor) -> torch.Tensor:
-    """:func:`_numpy_lanes` in torch, on ``raw``'s device (``raw``: a tensor's bytes, :func:`_bytes`)."""
-    if raw.storage_offset() % 8:  # a word view needs 8-byte alignment
-        raw = raw.clone()
-    nbytes = raw.numel()
-    full = nbytes // (8 * LANES) * LANES
-    tail = raw[full * 8:]
-    tail = tail if tail.numel() % 8 == 0 else torch.nn.functional.pad(tail, (0, -tail.numel() % 8))
-    if not full:
-        return tail.view(torch.int64)
-    lanes = raw[:full * 8].view(torch.int64).view(-1, LANES).sum(0)
-    if tail.numel():
-        lanes[:tail.numel() // 8] += tail.view(torch.int64)
-    return lanes
+def _plus_rest(rows: np.ndarray | None, rest: np.ndarray) -> np.ndarray:
+    """The lanes: the sums of a tensor's whole rows (``rows``, int64, updated in place; None where it has none) plus
+    the ``rest`` of its bytes (uint8) as words, the last one zero-padded. With no whole row the lanes are the words."""
+    if rest.size % 8:
+        padded = np.zeros(rest.size + (-rest.size % 8), dtype=np.uint8)
+        padded[:rest.size] = rest
+        rest = padded
+    words = rest.view(np.int64)
+    if rows is None:
+        return words
+    rows[:words.size] += words
+    return rows
 
 
 def _digest(lanes: np.ndarray, nbytes: int, version: int = VERSION) -> int:
@@ -174,13 +165,25 @@ def _checksums_on(tensors: Sequence[torch.Tensor], version: int = VERSION) -> li
 
 
 def _device_checksums(tensors: Sequence[torch.Tensor], version: int) -> list[int]:
-    """:func:`_checksums_on` off the CPU (and on it, where a test asks): torch on the device, one host read."""
+    """:func:`_checksums_on` off the CPU (and on it, where a test asks): on the device, one kernel a tensor with whole
+    rows of lanes (their sum); those sums and every tensor's other bytes (a small tensor's all, a large one's partial
+    row) go to the host in one concatenation, one read; the partial rows are added there."""
     raw = [_bytes(t) for t in tensors]
-    lanes = [_torch_lanes(r) for r in raw]
-    host = torch.cat(lanes).cpu().numpy()  # the one host read of this device
-    ends = np.cumsum([lane.numel() for lane in lanes]).tolist()
-    return [_digest(host[end - lane.numel():end], r.numel(), version) for lane, r, end in zip(lanes, raw, ends,
-                                                                                             strict=True)]
+    rows = []
+    for r in raw:
+        if full := _row_bytes(r.numel()):
+            whole = r[:full] if r.storage_offset() % 8 == 0 else r[:full].clone()  # a word view needs 8-byte alignment
+            rows.append(whole.view(torch.int64).view(-1, LANES).sum(0).view(torch.uint8))
+    host = torch.cat([*rows, *(r[_row_bytes(r.numel()):] for r in raw)]).cpu().numpy()  # the one host read
+    sums = host[:len(rows) * 8 * LANES].view(np.int64).reshape(-1, LANES)
+    digests, at, row = [], sums.nbytes, 0
+    for r in raw:
+        nbytes = r.numel()
+        rest = nbytes - _row_bytes(nbytes)
+        lanes = _plus_rest(sums[row] if rest < nbytes else None, host[at:at + rest])
+        row, at = row + (rest < nbytes), at + rest
+        digests.append(_digest(lanes, nbytes, version))
+    return digests
 
 
 def checksum(tensor: torch.Tensor) -> int:
