@@ -7,7 +7,8 @@ States: ``mlp`` (the 64-256-256-10 MLP of ``model=mlp``), ``gpt`` (the ``make ru
 stdlib characters) and ``large`` (the same GPT at d_model 768, a ~170 MB checkpoint), each fitted one step with
 ``StablePrecision("bf16-mixed")`` and AdamW, so the checkpoint holds weights, AdamW state (step counters included) and
 the plugin's state. Paired rounds, the four measurements in a rotating order within each round; per-round ratios, their
-medians and quartiles; the CPU model, its flags, the thread count and the load average printed and saved.
+medians and quartiles (and the checksums alone, now against before, in 5x as many paired rounds); the CPU model, its
+flags, the thread count and the load average printed and saved.
 Run: ``python experiments/fingerprint/cost.py [--states mlp gpt large] [--threads 1] [--rounds 15] [--out DIR]``.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import platform
 import statistics
@@ -148,10 +150,19 @@ def measure(state: str, rounds: int, before: types.ModuleType, tmp: Path) -> dic
         "checksums_over_before": [c / b for c, b in zip(times["checksums"], times["checksums_before"], strict=True)],
     }
     assert now.checksums(trees, version=2) == before.checksums(trees)  # version 2 checkpoints still check
+    alone: dict[str, list[float]] = {"now": [], "before": []}  # the checksums alone, paired: many cheap rounds
+    for index in range(5 * rounds):
+        for name in ("now", "before") if index % 2 == 0 else ("before", "now"):
+            start = time.perf_counter()
+            (now if name == "now" else before).checksums(trees)
+            alone[name].append(time.perf_counter() - start)
+    ratios["alone_checksums_over_before"] = [n / b for n, b in zip(alone["now"], alone["before"], strict=True)]
     return {
         "tensors": len(leaves), "checkpoint_bytes": sum(t.numel() * t.element_size() for t in leaves),
         "small_tensors": sum(t.numel() * t.element_size() < 8 * now.LANES for t in leaves),
         **{f"{name}_s": round(statistics.median(values), 6) for name, values in times.items()},
+        "alone_checksums_s": round(statistics.median(alone["now"]), 6),
+        "alone_checksums_before_s": round(statistics.median(alone["before"]), 6),
         **{f"median_{name}": round(statistics.median(values), 4) for name, values in ratios.items()},
         **{f"quartiles_{name}": quartiles(values) for name, values in ratios.items()},
         "stages": {k: round(v, 6) for k, v in stages(trees, max(rounds, 5)).items()},
@@ -166,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--before", default="c7c5186", help="the git commit whose fingerprint.py is 'before'")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/fingerprint"))
     args = parser.parse_args(argv)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     before = previous_release(args.before)
