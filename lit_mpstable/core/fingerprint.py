@@ -79,8 +79,8 @@ def check_on_mismatch(call: str, value: object) -> OnMismatch:
 
 
 # --------------------------------------------------------------------------------------------------- checksums
-# numpy reads these dtypes' bytes in place (bool as its 0/1 bytes); bfloat16 and the FP8 types go through a torch view.
 _PLAIN = (torch.Tensor, nn.Parameter)  # checksummed; a subclass (DTensor, a quantized state) is not one whole value
+# numpy reads these dtypes' bytes in place (bool as its 0/1 bytes); bfloat16 and the FP8 types go through a torch view.
 _NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                            torch.int8, torch.uint8, torch.bool})
 
