@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -83,6 +84,7 @@ _PLAIN = (torch.Tensor, nn.Parameter)  # checksummed; a subclass (DTensor, a qua
 # numpy reads these dtypes' bytes in place (bool as its 0/1 bytes); bfloat16 and the FP8 types go through a torch view.
 _NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                            torch.int8, torch.uint8, torch.bool})
+_LITTLE = sys.byteorder == "little"  # a tensor's bytes are then its words as the digest hashes them ("<i8")
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -134,7 +136,13 @@ def _digest(lanes: np.ndarray, nbytes: int, version: int = VERSION) -> int:
     version 2 hashed all :data:`LANES`, zero-padded. The byte count fixes the number of lanes: neither loses a bit."""
     if version == 2 and lanes.size < LANES:
         lanes = np.concatenate([lanes, np.zeros(LANES - lanes.size, dtype=np.int64)])
-    hasher = hashlib.blake2b(lanes.astype("<i8", copy=False).data, digest_size=8)
+    return _hash(lanes.astype("<i8", copy=False).view(np.uint8), nbytes)
+
+
+def _hash(data: np.ndarray, nbytes: int) -> int:
+    """BLAKE2b-64 of ``data`` (uint8, zero-padded to whole words) and then the byte count ``nbytes``."""
+    hasher = hashlib.blake2b(data.data, digest_size=8)
+    hasher.update(bytes(-data.size % 8))
     hasher.update(nbytes.to_bytes(8, "little"))
     return int.from_bytes(hasher.digest(), "little")
 
@@ -160,8 +168,14 @@ def _checksums_on(tensors: Sequence[torch.Tensor], version: int = VERSION) -> li
         return torch.stack([_word_sum(t) for t in tensors]).tolist()  # one host read
     if tensors[0].device.type != "cpu":
         return _device_checksums(tensors, version)
-    data = [_host_bytes(t) for t in tensors]
-    return [_digest(_numpy_lanes(d), d.size, version) for d in data]
+    digests = []
+    for tensor in tensors:
+        data = _host_bytes(tensor)
+        if data.size < 8 * LANES and version == VERSION and _LITTLE:  # no whole row (a step counter, a bias): its
+            digests.append(_hash(data, data.size))  # lanes are its words, hashed as they lie in memory
+        else:
+            digests.append(_digest(_numpy_lanes(data), data.size, version))
+    return digests
 
 
 def _device_checksums(tensors: Sequence[torch.Tensor], version: int) -> list[int]:
