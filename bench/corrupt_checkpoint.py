@@ -361,12 +361,14 @@ def run_numbers(verbose: bool) -> list[dict[str, str]]:
             clean = written[-1].read_bytes()
             row = {"kind": kind}
             for column, strip, on_mismatch in (("before", "all", "raise"), ("version 1", "v1", "raise"),
-                                               ("after", "", "raise"), ("previous", "", "previous")):
+                                               ("version 2", "v2", "raise"), ("after", "", "raise"),
+                                               ("previous", "", "previous")):
                 written[-1].write_bytes(clean)
                 checkpoint = torch.load(written[-1], weights_only=True)
-                if strip == "v1":  # the fingerprint as the first release wrote it: one sum of all words a tensor
-                    checkpoint["StablePrecision"]["fingerprint"].update(
-                        version=1, checksums=checksums(checkpoint_trees(checkpoint, "StablePrecision"), version=1))
+                if strip in ("v1", "v2"):  # as earlier releases wrote it: 1, one sum of all words a tensor; 2, the
+                    version = int(strip[1])  # lanes zero-padded to 509 before the hash
+                    checkpoint["StablePrecision"]["fingerprint"].update(version=version, checksums=checksums(
+                        checkpoint_trees(checkpoint, "StablePrecision"), version=version))
                 change(checkpoint)
                 if strip == "all":
                     checkpoint["StablePrecision"].pop("fingerprint")
@@ -377,19 +379,20 @@ def run_numbers(verbose: bool) -> list[dict[str, str]]:
                                                                        on_mismatch)
             rows.append(row)
             if verbose:
-                print(f"{kind}: before {row['before']}, version 1 {row['version 1']}, after {row['after']},"
+                print(f"{kind}: before {row['before']}, version 1 {row['version 1']}, version 2 {row['version 2']},"
+                      f" after {row['after']},"
                       f" previous {row['previous']}\n"
                       f"    {row['after_detail'][:240]}")
     return rows
 
 
 def numbers_table(rows: list[dict[str, str]]) -> str:
-    lines = ["| corruption | before (no fingerprint) | fingerprint version 1 | after (`\"raise\"`) | `\"previous\"` |"
-             " what the refusal names |", "|---|---|---|---|---|---|"]
+    lines = ["| corruption | before (no fingerprint) | fingerprint version 1 | version 2 | after (`\"raise\"`) |"
+             " `\"previous\"` | what the refusal names |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         detail = row["after_detail"].split("fingerprint: ", 1)[-1].replace("|", "\\|")[:160]
-        lines.append(f"| {row['kind']} | {row['before']} | {row['version 1']} | {row['after']} | {row['previous']} |"
-                     f" {detail} |")
+        lines.append(f"| {row['kind']} | {row['before']} | {row['version 1']} | {row['version 2']} | {row['after']} |"
+                     f" {row['previous']} | {detail} |")
     return "\n".join(lines)
 
 
@@ -403,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_numbers(args.list)
     print(numbers_table(rows))
     # "previous" repairs where an earlier checkpoint passes; under another recipe none does (they share it): refused.
-    bad = sum(row["after"] != "refused (named)" or row["previous"] not in ("repaired", "refused (named)")
-              for row in rows)
+    bad = sum(row["after"] != "refused (named)" or row["version 2"] != "refused (named)"
+              or row["previous"] not in ("repaired", "refused (named)") for row in rows)
     print(f"{len(rows)} numeric corruptions: refused and named {sum(r['after'] == 'refused (named)' for r in rows)},"
           f" repaired by 'previous' {sum(r['previous'] == 'repaired' for r in rows)}, silent before the fingerprint"
           f" {sum(r['before'] == 'silent' for r in rows)}, silent after {sum(r['after'] == 'silent' for r in rows)}")

@@ -325,6 +325,17 @@ def test_only_the_faces_list_public_names() -> None:
     assert names <= 120, names
 
 
+def test_no_free_function_takes_the_stepper_first() -> None:
+    # STYLE.md: no free functions whose first parameter is another module's object. The stepper's readers take what
+    # they read (core.fingerprint.manifest: the layout and plain values) or are its methods.
+    found = [f"{name}.{node.name}({node.args.args[0].arg})" for name, path in _modules().items()
+             for node in ast.parse(path.read_text()).body
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.args.args
+             and ("stepper" in node.args.args[0].arg
+                  or "PrecisionStepper" in ast.unparse(node.args.args[0].annotation or ast.Constant(None)))]
+    assert found == [], found
+
+
 @pytest.mark.slow
 def test_python_m_lit_mpstable_train_runs_the_app_through_its_face() -> None:
     result = subprocess.run([sys.executable, "-m", "lit_mpstable.train", "--help"], capture_output=True, text=True,

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                    "over_int64_sum": round(statistics.median(
                        t / s for t, s in zip(ts, times["int64 sum (numpy; the fingerprint's)"])), 3)}
             for name, ts in times.items()}
-    report = {"cpu": _cost._cpu(), "bytes": nbytes, "rounds": args.rounds,
+    report = {"cpu": _cost.cpu_report(), "bytes": nbytes, "rounds": args.rounds,
               "load_average": [round(v, 2) for v in os.getloadavg()], "variants": rows}
     print(json.dumps(report, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,179 +1,202 @@
-"""What the numeric fingerprint costs a save and a load (issue #46): checksums against ``torch.save`` of the same
-checkpoint, the pinned pass against one forward/backward of the pinned micro-batch, and the check at load.
+"""What the numeric fingerprint's checksums cost a save (issue #46; target: at most 2% of the save): the checksums of
+a Trainer checkpoint against ``torch.save`` of the same checkpoint to a file and against Lightning's own
+``trainer.save_checkpoint`` (which computes them, with the pinned pass, inside), now and as the previous release
+computed them (its ``core/fingerprint.py``, read from git: ``--before``), and where the time of the checksums goes.
 
-A GPT-shaped MLP stack (``--width``, ``--layers``; ``--vocab N``: and an N-row embedding tied to the output head, as
-GPTs tie them, listed under both names in the state dict) with AdamW state, FP32; the checkpoint dict is what a Trainer
-writes (weights, optimizer state, the plugin's state). A save is timed two ways: ``torch.save`` to a file, and
-Lightning's own ``_atomic_save`` (what ``TorchCheckpointIO`` does: ``torch.save`` into memory, then one write). The
-checksums are timed as they are now and as version 1 computed them (one wrap-around sum a tensor). Paired, interleaved
-repeats; per-repeat ratios and their medians; the CPU model, its flags and the thread count are printed and saved.
-Run: ``python experiments/fingerprint/cost.py [--vocab 16384] [--out DIR]``.
+States: ``mlp`` (the 64-256-256-10 MLP of ``model=mlp``), ``gpt`` (the ``make run`` GPT: d_model 128, 2 layers, on the
+stdlib characters) and ``large`` (the same GPT at d_model 768, a ~170 MB checkpoint), each fitted one step with
+``StablePrecision("bf16-mixed")`` and AdamW, so the checkpoint holds weights, AdamW state (step counters included) and
+the plugin's state. Paired rounds, the four measurements in a rotating order within each round; per-round ratios, their
+medians and quartiles (and the checksums alone, now against before, in 5x as many paired rounds); the CPU model, its
+flags, the thread count and the load average printed and saved.
+Run: ``python experiments/fingerprint/cost.py [--states mlp gpt large] [--threads 1] [--rounds 15] [--out DIR]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import logging
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import types
+import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.cloud_io import _atomic_save
-from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lit_mpstable.core.fingerprint import checksums, compare_checksums, pinned_pass
+from lit_mpstable import StablePrecision
+from lit_mpstable.app.zoo import GPTLM, CharLMData, MLPClassifier
+from lit_mpstable.core import fingerprint as now
+
+KEY = "StablePrecision"
 
 
-def _cpu() -> dict[str, object]:
-    info = {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+def cpu_report() -> dict[str, object]:
+    info: dict[str, object] = {"machine": platform.machine(), "threads": torch.get_num_threads(),
+                               "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                               "load_average": [round(v, 2) for v in os.getloadavg()]}
     try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = text.splitlines()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
         info["model"] = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
         flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
-        info["flags"] = sorted(f for f in flags if f.startswith(("avx", "sse4", "fma", "amx")))
+        info["flags"] = sorted(f for f in flags if f.startswith(("avx", "sse4", "fma", "amx", "sha")))
+        info["cores"] = os.cpu_count()
     except (OSError, StopIteration):
         pass
     return info
 
 
-def _median(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def previous_release(commit: str) -> types.ModuleType:
+    """``lit_mpstable/core/fingerprint.py`` as it was at ``commit``, imported as its own module."""
+    source = subprocess.run(["git", "show", f"{commit}:lit_mpstable/core/fingerprint.py"], check=True,
+                            capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "fingerprint_before.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("fingerprint_before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fitted(state: str) -> pl.Trainer:
+    """A Trainer fitted one step on ``state``'s model and data (see the module docstring)."""
+    torch.manual_seed(0)
+    if state == "mlp":
+        model: pl.LightningModule = MLPClassifier(hidden=256)
+        data = DataLoader(TensorDataset(torch.rand(64, 64), torch.randint(0, 10, (64,))), batch_size=64)
+    else:
+        chars = CharLMData(seq_len=64, batch_size=16 if state == "gpt" else 2, max_chars=200_000)
+        chars.setup()
+        width = 128 if state == "gpt" else 768
+        model = GPTLM(chars.vocab_size, d_model=width, n_layers=2, n_heads=4 if state == "gpt" else 12, seq_len=64)
+        data = chars.train_dataloader()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, plugins=[StablePrecision("bf16-mixed")],
+                         enable_progress_bar=False, enable_model_summary=False, logger=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, data)
+    return trainer
+
+
+def stages(trees: dict[str, object], repeats: int) -> dict[str, float]:
+    """Median seconds of each stage of ``checksums(trees)`` on the CPU, run alone: the walk (paths and view keys),
+    the tensors' byte views, the lanes of the tensors with a whole row of them, the hashes (a smaller tensor's bytes as
+    they lie, a larger one's lanes)."""
+    def timed(fn: Callable[[], object]) -> float:
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    leaves = [t for _, tree in trees.items() for _, t in now.tensor_leaves(tree)]
+    data = [now._host_bytes(t) for t in leaves]
+    small = [d for d in data if d.size < 8 * now.LANES]
+    large = [d for d in data if d.size >= 8 * now.LANES]
+    lanes = [now._numpy_lanes(d) for d in large]
+    return {
+        "walk_s": timed(lambda: [(f"{r}{p}", now._view_key(t)) for r, tr in trees.items()
+                                 for p, t in now.tensor_leaves(tr)]),
+        "byte_views_s": timed(lambda: [now._host_bytes(t) for t in leaves]),
+        "lanes_s": timed(lambda: [now._numpy_lanes(d) for d in large]),
+        "hashes_s": timed(lambda: ([now._hash(d, d.size) for d in small],
+                                   [now._digest(lane, d.size) for lane, d in zip(lanes, large, strict=True)])),
+    }
 
 
-class _Net(nn.Module):
-    """The MLP stack; with ``vocab``, a GPT-style embedding tied to an output head (one tensor, two names)."""
-
-    def __init__(self, body: nn.Module, vocab: int, width: int) -> None:
-        super().__init__()
-        self.body = body
-        if vocab:
-            self.embed = nn.Embedding(vocab, width)
-            self.head = nn.Linear(width, vocab, bias=False)
-            self.head.weight = self.embed.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
+def quartiles(values: list[float]) -> list[float]:
+    return [round(q, 4) for q in statistics.quantiles(values, n=4)] if len(values) > 1 else values
 
 
-def checksums_before(trees: dict[str, object]) -> dict[str, int]:
-    """The checksums of fingerprint version 1 (one wrap-around sum a tensor, ``checksums(version=1)``), to compare
-    the cost of today's lanes and hash with."""
-    return checksums(trees, version=1)
+def measure(state: str, rounds: int, before: types.ModuleType, tmp: Path) -> dict[str, object]:
+    trainer = fitted(state)
+    path = tmp / f"{state}.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)  # what the save wrote, as a dict: torch.save writes it again
+    trees = now.checkpoint_trees(checkpoint, KEY)
+    leaves = [t for _, tree in trees.items() for _, t in now.tensor_leaves(tree)]
+    runs: dict[str, Callable[[], object]] = {
+        "torch_save": lambda: torch.save(checkpoint, tmp / "plain.pt"),
+        "trainer_save": lambda: trainer.save_checkpoint(path),
+        "checksums": lambda: now.checksums(trees),
+        "checksums_before": lambda: before.checksums(trees),
+    }
+    for fn in runs.values():  # warm
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:  # the order rotates round by round
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    ratios = {
+        "checksums_over_torch_save": [c / s for c, s in zip(times["checksums"], times["torch_save"], strict=True)],
+        "checksums_over_trainer_save": [c / s for c, s in zip(times["checksums"], times["trainer_save"],
+                                                              strict=True)],
+        "before_over_torch_save": [c / s for c, s in zip(times["checksums_before"], times["torch_save"], strict=True)],
+        "before_over_trainer_save": [c / s for c, s in zip(times["checksums_before"], times["trainer_save"],
+                                                           strict=True)],
+        "checksums_over_before": [c / b for c, b in zip(times["checksums"], times["checksums_before"], strict=True)],
+    }
+    assert now.checksums(trees, version=2) == before.checksums(trees)  # version 2 checkpoints still check
+    alone: dict[str, list[float]] = {"now": [], "before": []}  # the checksums alone, paired: many cheap rounds
+    for index in range(5 * rounds):
+        for name in ("now", "before") if index % 2 == 0 else ("before", "now"):
+            start = time.perf_counter()
+            (now if name == "now" else before).checksums(trees)
+            alone[name].append(time.perf_counter() - start)
+    ratios["alone_checksums_over_before"] = [n / b for n, b in zip(alone["now"], alone["before"], strict=True)]
+    return {
+        "tensors": len(leaves), "checkpoint_bytes": sum(t.numel() * t.element_size() for t in leaves),
+        "small_tensors": sum(t.numel() * t.element_size() < 8 * now.LANES for t in leaves),
+        **{f"{name}_s": round(statistics.median(values), 6) for name, values in times.items()},
+        "alone_checksums_s": round(statistics.median(alone["now"]), 6),
+        "alone_checksums_before_s": round(statistics.median(alone["before"]), 6),
+        **{f"median_{name}": round(statistics.median(values), 4) for name, values in ratios.items()},
+        **{f"quartiles_{name}": quartiles(values) for name, values in ratios.items()},
+        "stages": {k: round(v, 6) for k, v in stages(trees, max(rounds, 5)).items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=0, help="rows of a tied embedding/output head (0: none)")
-    parser.add_argument("--rows", type=int, default=4, help="rows of the pinned micro-batch (PIN_ROWS)")
-    parser.add_argument("--batch", type=int, default=64, help="rows of a training batch, for the step's time")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: on this shared 2-core machine, 2 threads make every reduction wait on"
-                             " OpenMP barriers with the cores busy elsewhere, 10-45x slower)")
+    parser.add_argument("--states", nargs="+", default=["mlp", "gpt", "large"], choices=["mlp", "gpt", "large"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own default)")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--before", default="c7c5186", help="the git commit whose fingerprint.py is 'before'")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/fingerprint"))
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    width = args.width
-    blocks = [nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-              for _ in range(args.layers)]
-    model = _Net(nn.Sequential(*blocks, nn.Linear(width, width)), args.vocab, width)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = torch.randn(args.batch, width), torch.randn(args.batch, width)
-    nn.functional.mse_loss(model(x), y).backward()
-    if args.vocab:
-        model.head(model.embed(torch.arange(8))).square().mean().backward()
-    optimizer.step()
-    plugin = {"masters": {}, "layout": {"fp8": {}}, "scaler": {}, "compact": {}}
-    checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "plugin": plugin}
-    params = sum(p.numel() for p in model.parameters())
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights, exp_avg, exp_avg_sq
-    loss_fn = lambda net, batch: nn.functional.mse_loss(net(batch[0]), batch[1])  # noqa: E731
-
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    before = previous_release(args.before)
+    report: dict[str, object] = {"cpu": cpu_report(), "rounds": args.rounds, "before": args.before,
+                                 "command": " ".join(["python", *sys.argv])}
     with tempfile.TemporaryDirectory(dir=os.environ.get("FINGERPRINT_TMP")) as tmp:
-        path = Path(tmp) / "ckpt.pt"
-        results: dict[str, float] = {}
-        # Paired, interleaved: each repeat times both saves, the checksums now and before, and the check at load.
-        saves, io_saves, sums, before, checks = [], [], [], [], []
-        saved = checksums(checkpoint)
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            torch.save(checkpoint, path)
-            saves.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            checksums(checkpoint)
-            sums.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            _atomic_save(checkpoint, path)
-            io_saves.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            checksums_before(checkpoint)
-            before.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            assert compare_checksums(saved, checkpoint) == []
-            checks.append(time.perf_counter() - start)
-        results["save_s"] = statistics.median(saves)
-        results["lightning_save_s"] = statistics.median(io_saves)
-        results["checksums_s"] = statistics.median(sums)
-        results["checksums_before_s"] = statistics.median(before)
-        results["load_check_s"] = statistics.median(checks)
-        paired = {
-            "checksums_over_save": statistics.median(c / s for c, s in zip(sums, saves)),
-            "checksums_over_lightning_save": statistics.median(c / s for c, s in zip(sums, io_saves)),
-            "checksums_before_over_save": statistics.median(c / s for c, s in zip(before, saves)),
-            "checksums_over_before": statistics.median(c / b for c, b in zip(sums, before)),
-        }
-        start = time.perf_counter()
-        torch.load(path, weights_only=True)
-        results["load_s"] = time.perf_counter() - start
-
-    pinned = (x[: args.rows], y[: args.rows])
-
-    def fwd_bwd() -> None:
-        model.zero_grad(set_to_none=True)
-        loss_fn(model, pinned).backward()
-
-    passes, plain = [], []  # paired, interleaved
-    pinned_pass(model, loss_fn, pinned, forward_context=nullcontext)
-    for _ in range(3 * args.repeats):
-        start = time.perf_counter()
-        pinned_pass(model, loss_fn, pinned, forward_context=nullcontext)
-        passes.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        fwd_bwd()
-        plain.append(time.perf_counter() - start)
-    results["pinned_pass_s"], results["pinned_fwd_bwd_s"] = statistics.median(passes), statistics.median(plain)
-    results["train_step_fwd_bwd_s"] = _median(
-        lambda: (model.zero_grad(set_to_none=True), loss_fn(model, (x, y)).backward()), args.repeats)
-    report = {
-        "cpu": _cpu(), "params": params, "checkpoint_bytes": nbytes, "repeats": args.repeats, "vocab": args.vocab,
-        "load_average": [round(v, 2) for v in os.getloadavg()],
-        **{k: round(v, 6) for k, v in results.items()},
-        **{f"paired_median_{k}": round(v, 4) for k, v in paired.items()},
-        "checksums_over_save": round(results["checksums_s"] / results["save_s"], 4),
-        "load_check_over_save": round(results["load_check_s"] / results["save_s"], 4),
-        "pinned_pass_over_fwd_bwd": round(results["pinned_pass_s"] / results["pinned_fwd_bwd_s"], 3),
-    }
-    print(json.dumps(report, indent=1))
+        for state in args.states:
+            report[state] = measure(state, args.rounds, before, Path(tmp))
+            print(state, json.dumps(report[state]), flush=True)
+    report["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"cost_threads{args.threads}" + (f"_vocab{args.vocab}" if args.vocab else "")
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    name = f"cost_threads{'default' if args.threads is None else args.threads}.json"
+    (args.out / name).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out / name}")
 
 
 if __name__ == "__main__":

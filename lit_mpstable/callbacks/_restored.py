@@ -34,7 +34,7 @@ def earlier_checkpoint(plugin: Any, path: str | Path, loaded_step: int
     (:func:`~lit_mpstable.core.fingerprint.earlier_checkpoint`)."""
     fingerprint = getattr(plugin, "fingerprint", None)
     check = None if fingerprint is None else CheckpointCheck(fingerprint, type(plugin).__qualname__,
-                                                             plugin.stepper, lambda checkpoint: None)
+                                                             plugin.stepper.manifest, lambda checkpoint: None)
     return earlier_passing(path, loaded_step,
                            (lambda c: []) if check is None else (lambda c: check.differences(c, required=False)),
                            step_of=_global_step, required=TRAINING_KEYS)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -38,8 +39,11 @@ from torch import nn
 
 KEY = "fingerprint"
 """Where the fingerprint sits in the plugin's state."""
-VERSION = 2
-"""2: checksums in lanes (:func:`checksum`); 1 (this round's first release): one wrap-around sum a tensor (read)."""
+VERSION = 3
+"""3: checksums in lanes (:func:`checksum`), a tensor's own lanes hashed; 2: the same lanes zero-padded to
+:data:`LANES` before the hash (read); 1 (this round's first release): one wrap-around sum a tensor (read)."""
+READS = (1, 2, VERSION)
+"""The fingerprint versions a load checks, each with its own checksum."""
 LANES = 509
 """Lanes of a checksum: word i is summed into lane i mod 509 (a prime, so no power-of-two row width folds a column
 into one lane)."""
@@ -76,43 +80,71 @@ def check_on_mismatch(call: str, value: object) -> OnMismatch:
 
 
 # --------------------------------------------------------------------------------------------------- checksums
+_PLAIN = (torch.Tensor, nn.Parameter)  # checksummed; a subclass (DTensor, a quantized state) is not one whole value
+# numpy reads these dtypes' bytes in place (bool as its 0/1 bytes); bfloat16 and the FP8 types go through a torch view.
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool})
+_LITTLE = sys.byteorder == "little"  # a tensor's bytes are then its words as the digest hashes them ("<i8")
+
+
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1)
+    """The tensor's bytes in order (uint8, on its device): a view where it is contiguous."""
+    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)  # the values, not a lazy conjugate or negation
     if flat.is_complex() or flat.dtype == torch.bool:
         flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat.to(torch.uint8)
     return flat.contiguous().view(torch.uint8)
 
 
-def _lanes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as 64-bit words (the last one zero-padded), word i added into lane i mod :data:`LANES` with
-    wrap-around: ``LANES`` int64 sums on the tensor's device (on the CPU numpy's sum: one thread, vectorised; torch's
-    threaded reduction waits on its barriers when the cores are busy)."""
-    raw = _bytes(tensor)
-    return _numpy_lanes(raw) if raw.device.type == "cpu" else _torch_lanes(raw)
+def _host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes in order, as numpy uint8: a view where the tensor is contiguous (no copy, few calls)."""
+    if tensor.dtype in _NUMPY_DTYPES and tensor.is_contiguous() and not tensor.is_neg():
+        return (tensor.detach() if tensor.requires_grad else tensor).numpy().reshape(-1).view(np.uint8)
+    return _bytes(tensor).numpy()
 
 
-def _numpy_lanes(raw: torch.Tensor) -> torch.Tensor:
-    data, full = raw.numpy(), raw.numel() // 8 // LANES * LANES  # words in whole rows of lanes; the rest padded
-    sums = (data[:full * 8].view(np.int64).reshape(-1, LANES).sum(axis=0, dtype=np.int64) if full
-            else np.zeros(LANES, dtype=np.int64))
-    padded = np.zeros(LANES * 8, dtype=np.uint8)
-    padded[:raw.numel() - full * 8] = data[full * 8:]
-    return torch.from_numpy(sums + padded.view(np.int64))
+def _row_bytes(nbytes: int) -> int:
+    """The bytes of a tensor's whole rows of :data:`LANES` words (the rest: fewer than ``LANES`` words)."""
+    return nbytes // (8 * LANES) * (8 * LANES)
 
 
-def _torch_lanes(raw: torch.Tensor) -> torch.Tensor:
-    full = raw.numel() // 8 // LANES * LANES
-    sums = (raw[:full * 8].view(torch.int64).view(-1, LANES).sum(0) if full
-            else torch.zeros(LANES, dtype=torch.int64, device=raw.device))
-    padded = torch.zeros(LANES * 8, dtype=torch.uint8, device=raw.device)
-    padded[:raw.numel() - full * 8] = raw[full * 8:]
-    return sums + padded.view(torch.int64)
+def _numpy_lanes(data: np.ndarray) -> np.ndarray:
+    """The lanes of ``data`` (bytes, numpy uint8): its 64-bit words (the last one zero-padded), word i added into lane
+    i mod :data:`LANES` with wrap-around; ``min(words, LANES)`` int64 lanes. numpy's sum: one thread, vectorised, in
+    place over a ``(rows, LANES)`` view (torch's threaded reduction waits on its barriers when the cores are busy)."""
+    full = _row_bytes(data.size)
+    rows = data[:full].view(np.int64).reshape(-1, LANES).sum(axis=0, dtype=np.int64) if full else None
+    return _plus_rest(rows, data[full:])
 
 
-def _digest(lanes: np.ndarray, nbytes: int) -> int:
-    """The 64-bit digest of a tensor's lane sums and byte count (a hash: no two changes cancel in it)."""
-    return int.from_bytes(hashlib.blake2b(lanes.astype("<i8").tobytes() + nbytes.to_bytes(8, "little"),
-                                          digest_size=8).digest(), "little")
+def _plus_rest(rows: np.ndarray | None, rest: np.ndarray) -> np.ndarray:
+    """The lanes: the sums of a tensor's whole rows (``rows``, int64, updated in place; None where it has none) plus
+    the ``rest`` of its bytes (uint8) as words, the last one zero-padded. With no whole row the lanes are the words."""
+    if rest.size % 8:
+        padded = np.zeros(rest.size + (-rest.size % 8), dtype=np.uint8)
+        padded[:rest.size] = rest
+        rest = padded
+    words = rest.view(np.int64)
+    if rows is None:
+        return words
+    rows[:words.size] += words
+    return rows
+
+
+def _digest(lanes: np.ndarray, nbytes: int, version: int = VERSION) -> int:
+    """The 64-bit digest of a tensor's lane sums and byte count (BLAKE2b: no two changes cancel in it). Version 3
+    hashes the lanes a tensor has (one per word, at most :data:`LANES`: a step counter hashes 16 bytes, not 4 KiB);
+    version 2 hashed all :data:`LANES`, zero-padded. The byte count fixes the number of lanes: neither loses a bit."""
+    if version == 2 and lanes.size < LANES:
+        lanes = np.concatenate([lanes, np.zeros(LANES - lanes.size, dtype=np.int64)])
+    return _hash(lanes.astype("<i8", copy=False).view(np.uint8), nbytes)
+
+
+def _hash(data: np.ndarray, nbytes: int) -> int:
+    """BLAKE2b-64 of ``data`` (uint8, zero-padded to whole words) and then the byte count ``nbytes``."""
+    hasher = hashlib.blake2b(data.data, digest_size=8)
+    hasher.update(bytes(-data.size % 8))
+    hasher.update(nbytes.to_bytes(8, "little"))
+    return int.from_bytes(hasher.digest(), "little")
 
 
 def _word_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,28 +161,74 @@ def _word_sum(tensor: torch.Tensor) -> torch.Tensor:
     return words + raw[whole:].to(torch.int64).sum() if whole < raw.numel() else words
 
 
+def _checksums_on(tensors: Sequence[torch.Tensor], version: int = VERSION) -> list[int]:
+    """The checksums of ``tensors``, all on one device: on the CPU in numpy, in place; elsewhere the lanes summed on
+    the device and brought over in one host read (one concatenation: a small tensor's lanes are its own bytes)."""
+    if version == 1:
+        return torch.stack([_word_sum(t) for t in tensors]).tolist()  # one host read
+    if tensors[0].device.type != "cpu":
+        return _device_checksums(tensors, version)
+    digests = []
+    for tensor in tensors:
+        data = _host_bytes(tensor)
+        if data.size < 8 * LANES and version == VERSION and _LITTLE:  # no whole row (a step counter, a bias): its
+            digests.append(_hash(data, data.size))  # lanes are its words, hashed as they lie in memory
+        else:
+            digests.append(_digest(_numpy_lanes(data), data.size, version))
+    return digests
+
+
+def _device_checksums(tensors: Sequence[torch.Tensor], version: int) -> list[int]:
+    """:func:`_checksums_on` off the CPU (and on it, where a test asks): on the device, one kernel a tensor with whole
+    rows of lanes (their sum); those sums and every tensor's other bytes (a small tensor's all, a large one's partial
+    row) go to the host in one concatenation, one read; the partial rows are added there."""
+    raw = [_bytes(t) for t in tensors]
+    rows = []
+    for r in raw:
+        if full := _row_bytes(r.numel()):
+            whole = r[:full] if r.storage_offset() % 8 == 0 else r[:full].clone()  # a word view needs 8-byte alignment
+            rows.append(whole.view(torch.int64).view(-1, LANES).sum(0).view(torch.uint8))
+    host = torch.cat([*rows, *(r[_row_bytes(r.numel()):] for r in raw)]).cpu().numpy()  # the one host read
+    sums = host[:len(rows) * 8 * LANES].view(np.int64).reshape(-1, LANES)
+    digests, at, row = [], sums.nbytes, 0
+    for r in raw:
+        nbytes = r.numel()
+        rest = nbytes - _row_bytes(nbytes)
+        lanes = _plus_rest(sums[row] if rest < nbytes else None, host[at:at + rest])
+        row, at = row + (rest < nbytes), at + rest
+        digests.append(_digest(lanes, nbytes, version))
+    return digests
+
+
 def checksum(tensor: torch.Tensor) -> int:
     """The tensor's 64-bit checksum (one host read): its bytes as 64-bit words summed with wrap-around into
     :data:`LANES` lanes by position (integer addition is exact: the same on every device and run), the lanes and the
     byte count hashed (BLAKE2b). Any flipped bit, any changed value changes it, and, unlike one sum of all words, no
     balanced set of changes cancels out (a tensor negated, two flipped sign bits), unless every lane's changes
     cancel on their own. The layout does not matter, only the values in order."""
-    return _digest(_lanes(tensor).cpu().numpy(), _bytes(tensor).numel())
+    return _checksums_on([tensor])[0]
 
 
 def tensor_leaves(tree: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """``(path, tensor)`` for every plain tensor in nested dicts, lists and tuples (paths such as
     ``state_dict['model.0.weight']``, ``optimizer_states[0]['state'][1]['exp_avg']``). Tensor subclasses (DTensor
     shards, quantized optimizer states) are skipped: their bytes are not one rank's whole value."""
+    found: list[tuple[str, torch.Tensor]] = []
+    _collect(tree, path, found)
+    return iter(found)
+
+
+def _collect(tree: object, path: str, found: list[tuple[str, torch.Tensor]]) -> None:
+    # Appends to one list (not nested generators: a leaf four levels down would pass through four of them).
     if isinstance(tree, torch.Tensor):
-        if type(tree) in (torch.Tensor, nn.Parameter) and tree.device.type != "meta":
-            yield path, tree
+        if type(tree) in _PLAIN and not tree.is_meta:
+            found.append((path, tree))
     elif isinstance(tree, Mapping):
         for key, value in tree.items():
-            yield from tensor_leaves(value, f"{path}[{key!r}]")
+            _collect(value, f"{path}[{key!r}]", found)
     elif isinstance(tree, (list, tuple)):
         for index, value in enumerate(tree):
-            yield from tensor_leaves(value, f"{path}[{index}]")
+            _collect(value, f"{path}[{index}]", found)
 
 
 def _view_key(t: torch.Tensor) -> tuple:
@@ -162,23 +240,21 @@ def _view_key(t: torch.Tensor) -> tuple:
 def checksums(trees: Mapping[str, object], version: int = VERSION) -> dict[str, int]:
     """Every tensor's :func:`checksum` in ``trees`` (``{root name: nested state}``), by path; one host read per
     device. A tensor listed under several paths (tied weights: ``torch.save`` writes its storage once too) is read
-    once. ``version=1``: the first release's checksum (:func:`_word_sum`), to check its checkpoints."""
-    leaves = [(f"{root}{path}", t) for root, tree in trees.items() for path, t in tensor_leaves(tree)]
+    once. ``version``: the checksum of that fingerprint version, to check its checkpoints (1: :func:`_word_sum`; 2:
+    the lanes zero-padded to :data:`LANES` before the hash)."""
+    leaves: list[tuple[str, torch.Tensor]] = []
+    for root, tree in trees.items():
+        _collect(tree, root, leaves)
+    keys = [_view_key(t) for _, t in leaves]
     first: dict[tuple, int] = {}  # view key -> the index of the leaf that computes it
     by_device: dict[torch.device, list[int]] = {}
-    for index, (_, t) in enumerate(leaves):
-        if first.setdefault(_view_key(t), index) == index:
+    for index, ((_, t), key) in enumerate(zip(leaves, keys, strict=True)):
+        if first.setdefault(key, index) == index:
             by_device.setdefault(t.device, []).append(index)
     values: dict[int, int] = {}
     for indices in by_device.values():
-        tensors = [leaves[i][1] for i in indices]
-        if version == 1:
-            values.update(zip(indices, torch.stack([_word_sum(t) for t in tensors]).tolist()))  # one host read
-            continue
-        lanes = [_lanes(t) for t in tensors]
-        host = torch.stack(lanes).cpu().numpy()  # the one host read of this device
-        values.update((i, _digest(row, _bytes(t).numel())) for i, row, t in zip(indices, host, tensors, strict=True))
-    return {path: values[first[_view_key(t)]] for path, t in leaves}
+        values.update(zip(indices, _checksums_on([leaves[i][1] for i in indices], version), strict=True))
+    return {path: values[first[key]] for (path, _), key in zip(leaves, keys, strict=True)}
 
 
 def _kind(path: str) -> str:
@@ -208,16 +284,17 @@ def compare_checksums(saved: Mapping[str, int], trees: Mapping[str, object], ver
     """The differences between ``saved`` checksums (of fingerprint ``version``) and ``trees``' tensors, named: a
     changed tensor (and what it looks like), a missing one, an unexpected one. Only paths under the roots of
     ``trees`` are compared."""
-    live = dict(tensor_leaves_by_path(trees))
     now = checksums(trees, version)
     roots = tuple(trees)
     differences = []
+    live: dict[str, torch.Tensor] = {}  # for the diagnosis, walked only where a checksum differs
     for path, value in saved.items():
         if not path.startswith(roots):
             continue
         if path not in now:
             differences.append(f"{_kind(path)} `{path}` is missing from the loaded checkpoint")
         elif now[path] != value:
+            live = live or dict(tensor_leaves_by_path(trees))
             differences.append(f"checksum of {_kind(path)} `{path}` differs (saved {value & (2**64 - 1):#018x},"
                                f" loaded {now[path] & (2**64 - 1):#018x}){_diagnose(path, live[path])}")
     differences += [f"{_kind(path)} `{path}` was not in the saved checkpoint" for path in now if path not in saved]
@@ -231,8 +308,12 @@ def tensor_leaves_by_path(trees: Mapping[str, object]) -> Iterator[tuple[str, to
 
 
 # ---------------------------------------------------------------------------------------------------- manifest
-def manifest(stepper: Any) -> dict[str, Any]:
-    """The precision ``stepper`` (a :class:`~lit_mpstable.core.step.stepper.PrecisionStepper`) trains in: plain values.
+def manifest(layout: Any, *, precision: str, master_weights: str | None, optimizer_state: str = "fp32",
+             high_precision: Sequence[str] = ()) -> dict[str, Any]:
+    """The precision a run trains in, as plain values: ``layout`` (a
+    :class:`~lit_mpstable.core.layout.layout.PrecisionLayout`: the FP8 config, the layers it selected, the FP32 islands,
+    the fallbacks in force) and the step's settings (``master_weights``: the weight mode, None without masters;
+    ``high_precision``: the layers the probe's budget kept out). ``PrecisionStepper.manifest()`` passes its own.
 
     Keys: ``precision``, ``master_weights``, ``optimizer_state``, ``fp8`` (the FP8 config's fields, ``None``
     without), ``layers`` (per layer the FP8 filter selected: ``recipe``, ``format``, ``sr_key``, ``hadamard``: the
@@ -240,7 +321,6 @@ def manifest(stepper: Any) -> dict[str, Any]:
     (layers the probe's budget kept out), ``islands`` (the user's FP32 modules), ``fallbacks`` (in force)."""
     from lit_mpstable.fp8.linear import FP8Linear
 
-    layout = stepper.layout
     config = layout.fp8
     fields = None if config is None else {
         name: str(getattr(config, name)) for name in ("recipe", "format", "margin", "amax_history_len",
@@ -261,12 +341,12 @@ def manifest(stepper: Any) -> dict[str, Any]:
     state = layout.state_dict()
     return {
         "version": VERSION,
-        "precision": stepper.precision,
-        "master_weights": stepper.master_mode,
-        "optimizer_state": str(getattr(stepper, "optimizer_state", "fp32")),
+        "precision": precision,
+        "master_weights": master_weights,
+        "optimizer_state": str(optimizer_state),
         "fp8": fields,
         "layers": layers,
-        "high_precision": list(stepper.fp8_high_precision_layers or []),
+        "high_precision": list(high_precision),
         "islands": sorted(str(spec) for spec in getattr(layout, "_user_islands", ())),
         "fallbacks": {key: state[key] for key in ("fp32", "fp8_off", "fp8_removed", "fp32_modules")},
     }
@@ -481,9 +561,9 @@ class Fingerprint:
             raise (ValueError if isinstance(fingerprint, dict) else TypeError)(
                 f"{call}(fingerprint={fingerprint!r:.80}): must be the dict a save writes, with keys ['checksums',"
                 " 'manifest', 'pinned', 'version']; the checkpoint is corrupted.")
-        if fingerprint["version"] not in (1, VERSION):
+        if fingerprint["version"] not in READS:
             raise ValueError(f"{call}(fingerprint['version']={fingerprint['version']!r}): this release reads"
-                             f" versions 1 and {VERSION}; the checkpoint is corrupted or from a newer release.")
+                             f" versions {list(READS)}; the checkpoint is corrupted or from a newer release.")
         sums, manifest_, pinned = fingerprint["checksums"], fingerprint["manifest"], fingerprint["pinned"]
         if not isinstance(sums, dict) or not all(isinstance(k, str) and type(v) is int for k, v in sums.items()):
             raise TypeError(f"{call}(fingerprint['checksums']={sums!r:.80}): must map tensor paths to int checksums.")
@@ -506,21 +586,23 @@ class Fingerprint:
         if self.batch is None:
             self.batch = pin_batch(batch)
 
-    def capture(self, trees: Mapping[str, object], stepper: Any, loss: Callable[[object], torch.Tensor] | None
-                ) -> dict[str, Any]:
-        """The fingerprint of a checkpoint: ``trees``' checksums, ``stepper``'s manifest and, with a pinned batch and
-        ``loss`` (``batch -> tensor([loss, grad_norm])``, e.g. :func:`pinned_pass`), the pinned entry."""
+    def capture(self, trees: Mapping[str, object], live: Mapping[str, Any],
+                loss: Callable[[object], torch.Tensor] | None) -> dict[str, Any]:
+        """The fingerprint of a checkpoint: ``trees``' checksums, ``live`` (this run's :func:`manifest`) and, with a
+        pinned batch and ``loss`` (``batch -> tensor([loss, grad_norm])`` on the model's device, e.g.
+        :func:`pinned_pass`), the pinned entry."""
         pinned: dict[str, Any] = {}
         if self.batch is not None and loss is not None:
             try:
-                values = loss(self.batch).tolist()
+                measured = loss(self.batch)
             except PinnedPassWrote as error:  # the pass changed weights: checksums and manifest only
                 warnings.warn(f"{self.owner}: this checkpoint's fingerprint has no pinned loss: {error}.",
                               UserWarning, stacklevel=2)
             else:
+                values = measured.tolist()
                 pinned = {"batch": self.batch, "loss": values[0], "grad_norm": values[1],
-                          "deterministic": deterministic(stepper.device)}
-        return {"version": VERSION, "checksums": checksums(trees), "manifest": manifest(stepper), "pinned": pinned}
+                          "deterministic": deterministic(measured.device)}
+        return {"version": VERSION, "checksums": checksums(trees), "manifest": dict(live), "pinned": pinned}
 
     def adopt(self, fingerprint: Mapping[str, Any]) -> None:
         """After a load: the checkpoint's pinned batch becomes the run's (later saves pin the same rows)."""
@@ -528,24 +610,25 @@ class Fingerprint:
         if pinned.get("batch") is not None:
             self.batch = pinned["batch"]
 
-    def check(self, fingerprint: Mapping[str, Any], trees: Mapping[str, object], stepper: Any
+    def check(self, fingerprint: Mapping[str, Any], trees: Mapping[str, object], live: Mapping[str, Any]
               ) -> tuple[list[str], list[str]]:
-        """``(differences, notes)``: ``trees``' checksums against the fingerprint's, its manifest against
-        ``stepper``'s."""
+        """``(differences, notes)``: ``trees``' checksums against the fingerprint's, its manifest against ``live``
+        (this run's :func:`manifest`)."""
         differences = compare_checksums(fingerprint["checksums"], trees, fingerprint["version"])
-        more, notes = compare_manifests(fingerprint["manifest"], manifest(stepper))
+        more, notes = compare_manifests(fingerprint["manifest"], live)
         return differences + more, notes
 
-    def check_pinned(self, fingerprint: Mapping[str, Any], loss: Callable[[object], torch.Tensor], stepper: Any
-                     ) -> list[str]:
+    def check_pinned(self, fingerprint: Mapping[str, Any], loss: Callable[[object], torch.Tensor],
+                     live: Mapping[str, Any]) -> list[str]:
         """The pinned micro-batch recomputed (``loss``: as for :meth:`capture`) against the save's; ``[]`` without a
         pinned entry, or when the checkpoint was written in another precision or weight mode (its loss differs by
         design; said in the notes of :meth:`check`). One host read."""
         pinned, saved = fingerprint.get("pinned") or {}, fingerprint["manifest"]
-        if not pinned or (saved["precision"], saved["master_weights"]) != (stepper.precision, stepper.master_mode):
+        if not pinned or (saved["precision"], saved["master_weights"]) != (live["precision"], live["master_weights"]):
             return []
-        values = loss(pinned["batch"]).tolist()  # on every rank: a sharded model's forward is collective
-        exact = bool(pinned["deterministic"]) and deterministic(stepper.device)
+        measured = loss(pinned["batch"])  # on every rank: a sharded model's forward is collective
+        values = measured.tolist()
+        exact = bool(pinned["deterministic"]) and deterministic(measured.device)
         return _rank_zero_verdict(compare_pinned(pinned, (values[0], values[1]), exact=exact))
 
     def react(self, source: str, differences: list[str], notes: list[str] = ()) -> bool:  # type: ignore[assignment]
@@ -647,9 +730,10 @@ class CheckpointCheck:
     model's weights) and, with ``on_mismatch="previous"``, swaps the dict's contents for the newest earlier checkpoint
     of its directory that passes, reloading what was restored from it already (``reload``)."""
 
-    def __init__(self, fingerprint: Fingerprint, plugin_key: str, stepper: Any,
+    def __init__(self, fingerprint: Fingerprint, plugin_key: str, live: Callable[[], Mapping[str, Any]],
                  reload: Callable[[dict[str, Any]], None]) -> None:
-        self.fingerprint, self.plugin_key, self.stepper, self.reload = fingerprint, plugin_key, stepper, reload
+        """``live``: this run's :func:`manifest` when called (``PrecisionStepper.manifest``)."""
+        self.fingerprint, self.plugin_key, self.live, self.reload = fingerprint, plugin_key, live, reload
 
     def differences(self, checkpoint: Mapping[str, Any], *, required: bool = True) -> list[str]:
         try:
@@ -658,7 +742,7 @@ class CheckpointCheck:
             return [str(error)]
         if saved is None:
             return ["it holds no fingerprint"] if required else []
-        differences, _ = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key), self.stepper)
+        differences, _ = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key), self.live())
         return differences
 
     def verify_(self, checkpoint: dict[str, Any], path: str | Path | None) -> None:
@@ -667,7 +751,7 @@ class CheckpointCheck:
         if saved is None:
             return
         differences, notes = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key),
-                                                    self.stepper)
+                                                    self.live())
         if self.fingerprint.react(str(path), differences, notes):
             self.fall_back_(checkpoint, path, differences)
         self._loaded(checkpoint, path)
@@ -707,7 +791,7 @@ class CheckpointCheck:
         pending, self.fingerprint.pending = self.fingerprint.pending, None
         if pending is None:
             return
-        differences = self.fingerprint.check_pinned(pending["fingerprint"], loss, self.stepper)
+        differences = self.fingerprint.check_pinned(pending["fingerprint"], loss, self.live())
         if self.fingerprint.react(f"{pending['path']} (pinned micro-batch)", differences):
             self.fall_back_(pending["checkpoint"], pending["path"], differences)
             load_plugin(pending["checkpoint"][self.plugin_key])

@@ -289,7 +289,7 @@ class StablePrecision(StableFrontEnd, Precision):
         trees = {"model": module.state_dict() if module is not None else {},
                  "optimizer": [optimizer.state_dict() for optimizer in self._bound], "plugin": dict(state)}
         loss = self._pinned_loss if self._pin_loss is not None and module is not None else None
-        fingerprint = self.fingerprint.capture(trees, self.stepper, loss)
+        fingerprint = self.fingerprint.capture(trees, self.stepper.manifest(), loss)
         fingerprint["checksums"].update(shard_checksums(trees))  # FSDP2's DTensor shards: every rank's (collective)
         return {**state, FINGERPRINT: fingerprint}
 
@@ -331,7 +331,7 @@ class StablePrecision(StableFrontEnd, Precision):
         if fingerprint is None:
             return
         if not loaded:
-            differences, notes = self.fingerprint.check(fingerprint, {"plugin": state}, self.stepper)
+            differences, notes = self.fingerprint.check(fingerprint, {"plugin": state}, self.stepper.manifest())
         elif state:  # load_state_dict just finished: the rest waits for the first forward or optimizer step
             self.fingerprint.pending, self._model_checked = fingerprint, False
             self.fingerprint.adopt(fingerprint)  # later saves pin the checkpoint's micro-batch
@@ -350,7 +350,7 @@ class StablePrecision(StableFrontEnd, Precision):
             sharded = compare_shard_checksums(fingerprint["checksums"], trees if same else {})  # every rank's shards
             differences, notes = differences + sharded[0], notes + sharded[1]
             if model and self._pin_loss is not None:
-                differences += self.fingerprint.check_pinned(fingerprint, self._pinned_loss, self.stepper)
+                differences += self.fingerprint.check_pinned(fingerprint, self._pinned_loss, self.stepper.manifest())
             elif model and fingerprint["pinned"]:
                 notes.append("the pinned micro-batch's loss was not recomputed: no loss function was given"
                              " (plugin.pin(loss_fn, batch) before the first forward)")
@@ -512,7 +512,7 @@ class StablePrecision(StableFrontEnd, Precision):
             return meta, [str(error)]
         if saved is None:
             return meta, ["it holds no fingerprint"]
-        differences, _ = self.fingerprint.check(saved, {"plugin": plugin}, self.stepper)
+        differences, _ = self.fingerprint.check(saved, {"plugin": plugin}, self.stepper.manifest())
         return meta, differences
 
     @property
@@ -652,7 +652,7 @@ class StablePrecision(StableFrontEnd, Precision):
         model = keys.get(id(module))
         trees = {"model": checkpoint.get(model, {}) if model is not None else {},
                  "optimizer": [checkpoint.get(keys.get(id(o), ""), {}) for o in self._bound], "plugin": plugin}
-        differences, _ = self.fingerprint.check(saved, trees, self.stepper)
+        differences, _ = self.fingerprint.check(saved, trees, self.stepper.manifest())
         return differences
 
     # What a resume without the plugin's state loses, by master_weights mode.

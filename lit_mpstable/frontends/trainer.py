@@ -190,7 +190,7 @@ class TrainerPrecision(StableFrontEnd):
         flatten_optimizer_states_(checkpoint.get("optimizer_states", []))
         if type(self).__qualname__ in checkpoint:  # the numeric fingerprint, of the tensors as written
             checkpoint[type(self).__qualname__][FINGERPRINT] = self.fingerprint.capture(
-                checkpoint_trees(checkpoint, type(self).__qualname__), self.stepper, self._pinned_loss)
+                checkpoint_trees(checkpoint, type(self).__qualname__), self.stepper.manifest(), self._pinned_loss)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before load_state_dict. A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under
@@ -237,7 +237,7 @@ class TrainerPrecision(StableFrontEnd):
             unflatten_optimizer_states_(checkpoint.get("optimizer_states", []))
             self._loaded_weights = checkpoint.get("state_dict")
 
-        return CheckpointCheck(self.fingerprint, type(self).__qualname__, self.stepper, reload)
+        return CheckpointCheck(self.fingerprint, type(self).__qualname__, self.stepper.manifest, reload)
 
 
 def _training_step_loss(net: Any, data: Any) -> torch.Tensor:

@@ -63,14 +63,51 @@ def test_balanced_changes_do_not_cancel_in_the_checksum(size: int) -> None:
 
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
-@pytest.mark.parametrize("numel", [0, 3, 509 * 2, 509 * 8 + 7, 5000])
-def test_the_device_lanes_equal_the_cpu_lanes(dtype: torch.dtype, numel: int) -> None:
+def _reference_checksum(tensor: torch.Tensor, version: int) -> int:
+    """The checksum as docs/fingerprints.md defines it, in plain Python: the bytes as little-endian 64-bit words (the
+    last zero-padded), word i added into lane i mod 509 modulo 2**64; BLAKE2b-64 of the lanes (version 3: one lane a
+    word, at most 509; version 2: always 509) as little-endian words, then the byte count."""
+    import hashlib
+    import struct
+
+    flat = tensor.detach().reshape(-1).contiguous()
+    data = bytes(flat.view(torch.uint8).numpy()) if flat.dtype != torch.bool else bytes(flat.numpy())
+    data += bytes(-len(data) % 8)
+    words = struct.unpack(f"<{len(data) // 8}Q", data)
+    lanes = [0] * (min(len(words), 509) if version == 3 else 509)
+    for index, word in enumerate(words):
+        lanes[index % 509] = (lanes[index % 509] + word) % 2**64
+    body = struct.pack(f"<{len(lanes)}Q", *lanes) + (tensor.numel() * tensor.element_size()).to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(body, digest_size=8).digest(), "little")
+
+
+_SIZES = [0, 1, 3, 8, 509 * 2, 509 * 2 + 1, 509 * 8 + 7, 5000]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.bool])
+@pytest.mark.parametrize("numel", _SIZES)
+def test_the_checksum_is_the_documented_one_on_both_paths(dtype: torch.dtype, numel: int) -> None:
     import lit_mpstable.core.fingerprint as fp
 
     x = (torch.randn(numel) * 100).to(dtype)
-    raw = fp._bytes(x)
-    assert torch.equal(fp._torch_lanes(raw), fp._numpy_lanes(raw))  # the path a GPU tensor takes, on the CPU
+    expected = _reference_checksum(x, 3)
+    assert checksum(x) == expected
+    assert fp._device_checksums([x, x[1:]], 3) == [expected, _reference_checksum(x[1:], 3)]  # a GPU's path, here
+    assert fp.checksums({"t": x}, version=2)["t"] == _reference_checksum(x, 2)  # version 2 checkpoints still check
+    assert fp._device_checksums([x], 2) == [_reference_checksum(x, 2)]
+
+
+def test_checksums_of_views_and_many_small_tensors_are_their_values_in_order() -> None:
+    import lit_mpstable.core.fingerprint as fp
+
+    base = torch.randn(64, 33)
+    views = [base[1:, 1:], base.t(), base[:, 5], base[3, 7:], torch.tensor(7), torch.tensor([True, False, True]),
+             torch.randn(3, requires_grad=True), (torch.randn(2, 2) * 1j).conj()]  # offsets, strides, a conj bit
+    for t in views:
+        assert checksum(t) == checksum(t.detach().resolve_conj().clone()) == _reference_checksum(t.resolve_conj(), 3)
+    sums = fp.checksums({"s": {str(i): t for i, t in enumerate(views)}})
+    assert list(sums.values()) == fp._device_checksums(views, 3) == [checksum(t) for t in views]
+
 
 def test_a_version_1_fingerprint_is_checked_with_its_own_checksum() -> None:
     masters = {"w": torch.randn(8, 8)}
@@ -561,8 +598,8 @@ def test_a_tensor_listed_twice_is_read_once_and_both_names_are_checked(monkeypat
     shared = torch.randn(8, 4)  # tied weights: one tensor under two names
     trees = {"state_dict": {"embed.weight": shared, "head.weight": shared, "head.bias": torch.randn(8)}}
     seen: list[int] = []
-    real = fp._lanes
-    monkeypatch.setattr(fp, "_lanes", lambda t: (seen.append(t.numel()), real(t))[1])
+    real = fp._host_bytes
+    monkeypatch.setattr(fp, "_host_bytes", lambda t: (seen.append(t.numel()), real(t))[1])
     sums = fp.checksums(trees)
     assert sorted(seen) == [8, 32]  # the shared tensor once
     assert sums["state_dict['embed.weight']"] == sums["state_dict['head.weight']"] == fp.checksum(shared)

@@ -32,6 +32,7 @@ from lit_mpstable.base.notes import Notes
 from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg
 from lit_mpstable.core.attribution import RngState
 from lit_mpstable.core.compiled import eager, is_compiled, recompile_note
+from lit_mpstable.core.fingerprint import manifest
 from lit_mpstable.core.formats import PRECISION_DTYPES, PRECISION_FORMATS
 from lit_mpstable.core.guards.growth import GrowthMonitor
 from lit_mpstable.core.guards.spike import SpikeGuard
@@ -1048,6 +1049,12 @@ class PrecisionStepper:
     def fp8_high_precision_layers(self) -> list[str] | None:
         """The layers the probe's budget moved back to the base precision (None: not chosen yet, or no such budget)."""
         return None if self.fp8_budget.layers is None else list(self.fp8_budget.layers)
+
+    def manifest(self) -> dict[str, Any]:
+        """The precision this run trains in, as plain values (what a checkpoint's fingerprint records and a load
+        compares): :func:`~lit_mpstable.core.fingerprint.manifest` of the layout and this stepper's settings."""
+        return manifest(self.layout, precision=self.precision, master_weights=self.master_mode,
+                        optimizer_state=self.optimizer_state, high_precision=self.fp8_high_precision_layers or ())
 
     # ----------------------------------------------------------------------------------------------- probe
     def forward_state(self) -> dict[str, Any]:
