@@ -251,6 +251,8 @@ class SpikeGuard:
             value = value.detach()
         if value.dim():
             value = value.reshape(())
+        if value.dtype is torch.float32 and value.device == self.device:
+            return value  # what to() would return, without its dispatch
         # Non-blocking only towards an accelerator (host memory might be read before a non-blocking copy lands).
         return value.to(self.device, torch.float32, non_blocking=self._consts["non_blocking"])
 
@@ -370,11 +372,10 @@ class SpikeGuard:
         False (nothing done) otherwise."""
         if spiked is None:
             spiked = self._last_spike if self._decided else None
-        if not (_plain(self._loss) and _plain(self._norm) and _flag(spiked)
-                and (isinstance(skipped, bool) or _flag(skipped))):
-            return False
+        # The caps of this step's decide(), its own buffer or the torch path's (2,) CPU FP32 statistics.
         caps = self._caps if self.clip_zscore is not None and self._threshold is not None else None
-        if caps is not None and not _plain(caps):  # the torch path's caps where it decided: a (2,) CPU FP32 tensor
+        if not (_plain(self._loss) and _plain(self._norm) and _plain(caps) and _flag(spiked)
+                and (isinstance(skipped, bool) or _flag(skipped))):
             return False
         host = isinstance(skipped, bool)
         found.kernel.commit(
@@ -648,10 +649,9 @@ class _Native(NamedTuple):
 
 
 def _plain(value: torch.Tensor | None) -> bool:
-    """Whether the C loops may read ``value`` (None: not given) as FP32 memory: a plain CPU tensor (no subclass, whose
-    pointer need not be its data) of FP32, contiguous."""
-    return value is None or (type(value) is torch.Tensor and value.dtype is torch.float32 and value.is_cpu
-                             and value.is_contiguous())
+    """Whether the C loops may read ``value`` (None: not given), a 0-dim FP32 tensor on the guard's device (the CPU:
+    see ``SpikeGuard._value``), as FP32 memory: a plain tensor (no subclass, whose pointer need not be its data)."""
+    return value is None or type(value) is torch.Tensor
 
 
 def _flag(value: torch.Tensor | None) -> bool:
