@@ -16,6 +16,11 @@ The stepper calls it at two points of a step::
     ...step or skip on (found_inf | spike)...
     guard.commit_(skipped)                         # the step's final 0-dim skip flag: fold only applied steps
 
+On the CPU the same arithmetic runs as two C calls over the guard's tensors (``decide`` and ``commit_``: a few
+microseconds instead of ~25 small ops), where a C compiler builds them (:mod:`lit_mpstable.core.native`;
+``LIT_MPSTABLE_NATIVE=0`` turns them off); the torch ops stay for every other device, for a step that dynamo traces
+(``torch.compile``) and under a ``TorchDispatchMode``. Reading CPU memory in C waits for nothing: no host sync.
+
 Skipping means not calling ``optimizer.step()``: Adam's step counter, its bias correction and its moments then stay
 exactly those of an optimizer that never saw the batch (OLMo-core's first ``SkipStepAdamW`` zeroed the update
 inside ``step`` while the counter advanced, so the bias correction ran ahead). Any optimizer works, because the guard
@@ -66,7 +71,8 @@ class SpikeGuard:
     Keeps the last ``window`` losses and total gradient norms of applied steps in ring buffers (device tensors, with
     their counts), created on the CPU and moved to the device of the first value it sees (or :meth:`bind`). After
     ``warmup`` applied values, a step whose watched value lies more than ``zscore`` standard deviations above the
-    rolling mean is flagged. No method reads a tensor's value on the host.
+    rolling mean is flagged. No method reads a tensor's value on the host (a CPU guard's C loops read its memory,
+    which waits for no device). Whether a CPU guard uses its C loops is settled when it binds to the CPU.
 
     Args:
         zscore: how many standard deviations above the rolling mean make a spike (OLMo-core: 6).
@@ -505,16 +511,18 @@ class SpikeGuard:
         self._clear()
 
 
-
 # ------------------------------------------------------------------------------------------------ the C loops
 # On the CPU a step's ~25 small torch ops cost ~150-210 us after a backward (each op ~5-10 us of dispatch, not of
 # arithmetic: the window is 2 x 128 floats). The same statistics, judgement and fold as two C functions over the
 # tensors' memory, called through ctypes, cost a few microseconds. Their arithmetic is the torch path's, operation for
-# operation in FP32 (-ffp-contract=off: no fused multiply-add), and the window's sums are torch's own CPU summation
+# operation in FP32 (-ffp-contract=off: no fused multiply-add), and the window's sums follow torch's own CPU summation
 # order (``cascade_sum`` in ATen's SumKernel.cpp, as it runs for a reduction over the window of a (window, 2) FP32
 # tensor: four interleaved partial sums over rows of four, each a cascade of chunks of 16 or more values, NaN loaded
-# as 0), so the two paths agree bit for bit. Built by :mod:`lit_mpstable.core.native`; without a compiler the guard
-# keeps its torch path.
+# as 0), so the sums, means and variances are torch's bit for bit. The square root is IEEE's (correctly rounded);
+# torch's vectorized CPU one (measured with torch 2.13 on AVX-512) is an ulp off for ~15% of inputs, so a standard
+# deviation, and the z-scores and clip threshold made from it, can differ from the torch path's by an ulp, and a
+# decision only for a value within that of the gate (tests/core/test_spike_native.py compares the two). Built by
+# :mod:`lit_mpstable.core.native`; without a compiler the guard keeps its torch ops.
 
 SOURCE = r"""
 #include <stdint.h>
