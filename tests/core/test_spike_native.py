@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from helpers import OpNames
+from helpers import OpNames, regression_data, tiny_stepper
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -192,3 +192,34 @@ def test_without_a_compiler_or_when_turned_off_the_torch_ops_run(monkeypatch, tm
 def test_a_guard_on_another_device_never_binds_the_c_loops() -> None:
     guard = SpikeGuard().bind("meta")  # any device but the CPU: the torch ops, which queue on it
     assert guard._native() is None and guard._consts["native"] is None
+
+
+@pytest.mark.parametrize("precision, kwargs", [("bf16-mixed", {}), ("16-mixed", {"clip_zscore": 2.5}),
+                                               ("bf16-true", {"watch": ("grad_norm",), "max_consecutive": 2})])
+def test_a_stepper_trains_alike_on_both_paths(monkeypatch, precision, kwargs) -> None:
+    # The whole step (loss across micro-batches, the norm from the gradient check, ZClip's threshold into the clip,
+    # the stepper's host flags into commit_ and count_run_): the same steps skipped, and the same weights (within an
+    # ulp of ZClip's threshold) and statistics, with loss spikes, gradient spikes and a run of them.
+    def train(native: bool) -> tuple[list[bool], list[torch.Tensor], SpikeGuard]:
+        guard = _guard(monkeypatch, native, window=16, warmup=5, **kwargs)
+        model, stepper, optimizer = tiny_stepper(precision, device="cpu", spike_guard=guard)
+        x, y = regression_data(64)
+        skipped = []
+        for i in range(40):
+            for half in (0, 8):  # two micro-batches
+                j = (i % 4) * 16 + half
+                with stepper.forward_context():
+                    loss = torch.nn.functional.mse_loss(model(stepper.convert_input(x[j:j + 8])).float(), y[j:j + 8])
+                stepper.scale_loss(loss * (1e4 if i in (12, 30) else 1.0) / 2).backward()
+            if i in (20, 31, 32, 33):
+                model.fc1.weight.grad.view(-1)[::100] *= 1e3
+            stepper.clip_grad_norm_(optimizer, 1.0)
+            stepper.step(optimizer)
+            optimizer.zero_grad()
+            skipped.append(stepper.last_step_skipped)
+        return skipped, [p.detach().clone() for p in model.parameters()], guard
+
+    (skip_c, weights_c, guard_c), (skip_t, weights_t, guard_t) = train(True), train(False)
+    assert skip_c == skip_t and sum(skip_c) >= 3
+    assert all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6) for a, b in zip(weights_c, weights_t))
+    _same_state(guard_c, guard_t)
