@@ -150,6 +150,12 @@ def test_copies_and_pickles_work_on_their_own_buffers(monkeypatch) -> None:
         twin.commit_(twin.decide(torch.tensor(3.0)))
         assert twin.state_dict()["loss"].tolist() == [1.0, 2.0, 3.0, 0.0]
     assert guard.state_dict()["loss"].tolist() == [1.0, 2.0, 0.0, 0.0]  # the original untouched
+    monkeypatch.setenv("LIT_MPSTABLE_NATIVE", "0")  # unpickled where there are no C loops: the torch ops
+    twin = pickle.loads(pickle.dumps(guard))
+    assert twin._native() is None
+    twin.observe_loss_(torch.tensor(3.0))
+    twin.commit_(twin.decide(torch.tensor(3.0)))
+    assert twin.state_dict()["loss"].tolist() == [1.0, 2.0, 3.0, 0.0]
 
 
 def test_inputs_of_other_dtypes_and_layouts_still_take_the_c_loops(monkeypatch) -> None:

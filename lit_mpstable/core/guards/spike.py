@@ -617,7 +617,7 @@ void lmp_spike_commit(float *values, int64_t *counts, int64_t window, int64_t *s
 
 
 class _SpikeKernel:
-    """The loaded C loops of :data:`SOURCE`. A copy or a pickle of a guard gets this process's (or None)."""
+    """The loaded C loops of :data:`SOURCE`."""
 
     __slots__ = ("commit", "decide")
 
@@ -629,9 +629,6 @@ class _SpikeKernel:
         self.commit = lib.lmp_spike_commit
         self.commit.restype = None
         self.commit.argtypes = [p, p, i64, p, p, p, p, i32, p, i32, p]
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (spike_kernel, ())
 
 
 def spike_kernel() -> _SpikeKernel | None:
@@ -654,6 +651,16 @@ class _Native(NamedTuple):
     z: torch.Tensor
     n: torch.Tensor
     caps: torch.Tensor
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy or a pickle of a guard (a ctypes function is neither) takes the C loops of the process it lands in,
+        # or its torch ops where there are none (LIT_MPSTABLE_NATIVE=0, no compiler).
+        return (_native_again, (self.config, self.z, self.n, self.caps))
+
+
+def _native_again(config: torch.Tensor, z: torch.Tensor, n: torch.Tensor, caps: torch.Tensor) -> _Native | None:
+    kernel = spike_kernel()
+    return None if kernel is None else _Native(kernel, config, z, n, caps)
 
 
 def _plain(value: torch.Tensor | None) -> bool:
