@@ -20,8 +20,6 @@ import tempfile
 
 import torch
 
-__all__ = ["FLAGS", "build", "cache_root", "compiler", "cpu_features", "enabled", "load"]
-
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 """The build's flags; :func:`load` drops ``-march=native`` for a compiler that refuses it."""
 
