@@ -6,10 +6,19 @@ callback of ``stable_callbacks()``, or ``--zclip``: ``SpikeGuard(clip_zscore=2.5
 numbers are the guard's share of the step as the step's cold caches make it, not a tight loop's).
 
     PYTHONPATH=. .venv/bin/python bench/spike_step_cost.py [--steps 300 --zclip --out FILE.json]
+    LIT_MPSTABLE_NATIVE=0 PYTHONPATH=. .venv/bin/python bench/spike_step_cost.py   # the guard's torch ops on the CPU
+    PYTHONPATH=. .venv/bin/python bench/spike_step_cost.py --precision [--repeats 8 --out-dir DIR]
 
 Per step: the median over steps (after ``--skip`` steps) of the summed CPU time (``time.process_time_ns``) of each
 method's calls; ops (a ``TorchDispatchMode`` counter inside the methods, views included) and Python calls
-(``sys.setprofile`` events inside the methods, builtins included) from two more, counting fits (exact).
+(``sys.setprofile`` events inside the methods, builtins included) from two more, counting fits (exact). ``path`` says
+which path the guard's steps took: ``"native"`` (its C loops, the CPU default where a C compiler builds them) or
+``"torch"``. A dispatch mode makes the guard take its torch ops (so a mode sees every operation): the op counts are
+always the torch path's, and the C loops' steps run one op (the new spike flag's ``empty``) outside any mode.
+
+``--precision``: ``bench_precision.py``'s whole-step throughput instead, paired in one run (configs alternated round
+by round): ``mlp/L-bf16-mixed``, ``mlp/SP-bf16-mixed``, ``mlp/SP-bf16-mixed+cb`` (the guard's C loops) and
+``mlp/SP-bf16-mixed+cb-torch`` (the same stack, its guard bound with ``LIT_MPSTABLE_NATIVE=0``: the torch ops).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,9 +36,10 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_precision  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from bench_precision import SUITES, _quiet, stable_callbacks  # noqa: E402
+from bench_precision import SUITES, Config, _quiet, register, stable_callbacks  # noqa: E402
 from common import TRAINER_DEFAULTS  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -59,7 +70,7 @@ class _Steps(pl.Callback):
         self.tally.clear()
 
 
-def _fit(steps: int, zclip: bool, wrap: Any) -> list[dict[str, float]]:
+def _fit(steps: int, zclip: bool, wrap: Any) -> tuple[list[dict[str, float]], str]:
     tally: dict[str, float] = collections.defaultdict(float)
     rows: list[dict[str, float]] = []
     originals = {name: getattr(SpikeGuard, name) for name in METHODS}
@@ -75,7 +86,30 @@ def _fit(steps: int, zclip: bool, wrap: Any) -> list[dict[str, float]]:
     finally:
         for name, method in originals.items():
             setattr(SpikeGuard, name, method)
-    return rows
+    native = getattr(guard, "_native", None)  # a tree before the C loops has none
+    return rows, "native" if native is not None and native() is not None else "torch"
+
+
+def _torch_guard() -> SpikeGuard:
+    """A SpikeGuard bound to the CPU with its C loops off (``LIT_MPSTABLE_NATIVE=0`` while it binds): its torch ops."""
+    saved = os.environ.get("LIT_MPSTABLE_NATIVE")
+    os.environ["LIT_MPSTABLE_NATIVE"] = "0"
+    try:
+        return SpikeGuard().bind("cpu")
+    finally:
+        if saved is None:
+            del os.environ["LIT_MPSTABLE_NATIVE"]
+        else:
+            os.environ["LIT_MPSTABLE_NATIVE"] = saved
+
+
+def _precision(repeats: int, out: Path) -> None:
+    register(Config("mlp/SP-bf16-mixed+cb-torch", "policy-mlp",
+                    "mlp/SP-bf16-mixed+cb with the guard's torch ops (LIT_MPSTABLE_NATIVE=0 when it binds)",
+                    trainer=lambda: {"plugins": [StablePrecision("bf16-mixed", spike_guard=_torch_guard())],
+                                     "callbacks": stable_callbacks()}))
+    configs = "mlp/L-bf16-mixed,mlp/SP-bf16-mixed,mlp/SP-bf16-mixed+cb,mlp/SP-bf16-mixed+cb-torch"
+    bench_precision.main(["--no-memory", "--repeats", str(repeats), "--configs", configs, "--out", str(out)])
 
 
 def _timed(name: str, method: Any, tally: dict[str, float]) -> Any:
@@ -121,15 +155,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip", type=int, default=40, help="steps dropped at the start (warmup, first kernels)")
     parser.add_argument("--zclip", action="store_true", help="SpikeGuard(clip_zscore=2.5) instead of SpikeGuard()")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
+    parser.add_argument("--precision", action="store_true", help="bench_precision.py's paired whole-step run instead")
+    parser.add_argument("--repeats", type=int, default=8, help="--precision: rounds over the configs")
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/spike_fused"),
+                        help="--precision: where bench_precision writes precision.{json,md}")
     args = parser.parse_args(argv)
+    if args.precision:
+        _precision(args.repeats, args.out_dir)
+        return {}
     torch.set_num_threads(1)
     _quiet()
-    timed = _fit(args.steps, args.zclip, _timed)[args.skip:]
+    timed, path = _fit(args.steps, args.zclip, _timed)
+    timed = timed[args.skip:]
     short = min(args.steps, args.skip + 20)
-    counted = [{**a, **b} for a, b in zip(_fit(short, args.zclip, _counted_ops)[args.skip:],
-                                          _fit(short, args.zclip, _counted_calls)[args.skip:])]
+    counted = [{**a, **b} for a, b in zip(_fit(short, args.zclip, _counted_ops)[0][args.skip:],
+                                          _fit(short, args.zclip, _counted_calls)[0][args.skip:])]
     result: dict[str, Any] = {"package": str(Path(lit_mpstable.__file__).parent), "zclip": args.zclip,
-                              "steps": len(timed), "us": {}, "ops": {}, "calls": {}}
+                              "path": path, "steps": len(timed), "us": {}, "ops": {}, "calls": {}}
     for name in METHODS + ("total",):
         per_step = [sum(row.get(m, 0.0) for m in METHODS) if name == "total" else row.get(name, 0.0) for row in timed]
         result["us"][name] = statistics.median(per_step)

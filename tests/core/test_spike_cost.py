@@ -1,15 +1,23 @@
-"""SpikeGuard's per-step cost, counted in tensor operations (what a step pays on the CPU is ~10 us per small op, and a
-launch each on a GPU), and the edge cases its compact statistics must keep: a warmup longer than the window, unreached
-slots saved as zeros, the caller's loss tensor left untouched."""
+"""SpikeGuard's per-step cost on its torch path, counted in tensor operations (what a step pays on the CPU is ~10 us
+per small op, and a launch each on a GPU), and the edge cases its compact statistics must keep: a warmup longer than
+the window, unreached slots saved as zeros, the caller's loss tensor left untouched."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from helpers import OpNames as _Ops
 
 from lit_mpstable.core.guards.spike import SpikeGuard
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch) -> None:
+    # The counts are those of the torch path (a GPU's, a compiled step's): the guards here keep it from the start, as
+    # an op counter (a TorchDispatchMode) would make them take it anyway. The C loops: tests/core/test_spike_native.py.
+    monkeypatch.setenv("LIT_MPSTABLE_NATIVE", "0")
 
 
 def _warm(guard: SpikeGuard, steps: int = 40) -> SpikeGuard:

@@ -16,6 +16,11 @@ The stepper calls it at two points of a step::
     ...step or skip on (found_inf | spike)...
     guard.commit_(skipped)                         # the step's final 0-dim skip flag: fold only applied steps
 
+On the CPU the same arithmetic runs as two C calls over the guard's tensors (``decide`` and ``commit_``: a few
+microseconds instead of ~25 small ops), where a C compiler builds them (:mod:`lit_mpstable.core.native`;
+``LIT_MPSTABLE_NATIVE=0`` turns them off); the torch ops stay for every other device, for a step that dynamo traces
+(``torch.compile``) and under a ``TorchDispatchMode``. Reading CPU memory in C waits for nothing: no host sync.
+
 Skipping means not calling ``optimizer.step()``: Adam's step counter, its bias correction and its moments then stay
 exactly those of an optimizer that never saw the batch (OLMo-core's first ``SkipStepAdamW`` zeroed the update
 inside ``step`` while the counter advanced, so the bias correction ran ahead). Any optimizer works, because the guard
@@ -24,13 +29,16 @@ only contributes to the skip flag.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 from collections.abc import Iterable
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
 from lit_mpstable.base.validate import int_arg, real_arg
+from lit_mpstable.core import native
 from lit_mpstable.core.guards.spike_state import checked_state, watch_arg
 
 Watched = Literal["loss", "grad_norm"]
@@ -63,7 +71,8 @@ class SpikeGuard:
     Keeps the last ``window`` losses and total gradient norms of applied steps in ring buffers (device tensors, with
     their counts), created on the CPU and moved to the device of the first value it sees (or :meth:`bind`). After
     ``warmup`` applied values, a step whose watched value lies more than ``zscore`` standard deviations above the
-    rolling mean is flagged. No method reads a tensor's value on the host.
+    rolling mean is flagged. No method reads a tensor's value on the host (a CPU guard's C loops read its memory,
+    which waits for no device). Whether a CPU guard uses its C loops is settled when it binds to the CPU.
 
     Args:
         zscore: how many standard deviations above the rolling mean make a spike (OLMo-core: 6).
@@ -195,9 +204,33 @@ class SpikeGuard:
                 "warmup": torch.tensor(self.warmup, device=device), "gate": gate, "clip_zscore": clip_zscore,
                 "missing": torch.full((), math.nan, device=device),  # the placeholder of a value not given
                 "non_blocking": device.type != "cpu",
+                "native": self._native_buffers(gate, clip_zscore, floors) if device.type == "cpu" else None,
             }
             self.device = device
         return self
+
+    @staticmethod
+    def _native_buffers(gate: torch.Tensor, clip_zscore: torch.Tensor, floors: list[list[float]]) -> _Native | None:
+        """On the CPU: the C loops (None where they cannot be built or are turned off), their constants (as the
+        torch path's, in FP32: the gates, the clip's z-scores, the skip's floors, the statistics' floor, the smallest
+        std) and the buffers decide() writes and keeps: the z-scores and window sizes (read by the metrics) and the
+        caps of the step's fold."""
+        kernel = spike_kernel()
+        if kernel is None:
+            return None
+        config = torch.cat([gate, clip_zscore, torch.tensor([*floors[0], _MIN_REL_STD, _TINY])]).float()
+        return _Native(kernel, config, torch.full((2,), math.nan), torch.zeros(2, dtype=torch.int64),
+                       torch.full((2,), math.inf))
+
+    def _native(self) -> _Native | None:
+        """The C loops, when they may run now: bound to the CPU, not while dynamo traces (it cannot trace a ctypes
+        call: the torch ops compile), not under a TorchDispatchMode (a tracer or a counter sees every operation)."""
+        if torch.compiler.is_compiling():
+            return None
+        found: _Native | None = self._consts.get("native")
+        if found is None or torch._C._len_torch_dispatch_stack() or not self._values.is_contiguous():
+            return None
+        return found
 
     def _table(self, gate: torch.Tensor, clip_zscore: torch.Tensor) -> torch.Tensor:
         """What the statistics need from the number n of values in the window (0..window), per series, looked up once
@@ -224,6 +257,8 @@ class SpikeGuard:
             value = value.detach()
         if value.dim():
             value = value.reshape(())
+        if value.dtype is torch.float32 and value.device == self.device:
+            return value  # what to() would return, without its dispatch
         # Non-blocking only towards an accelerator (host memory might be read before a non-blocking copy lands).
         return value.to(self.device, torch.float32, non_blocking=self._consts["non_blocking"])
 
@@ -253,6 +288,9 @@ class SpikeGuard:
             self._norm, self._pending = self._value(grad_norm, "decide(grad_norm)"), None
         if self.device is None:  # nothing seen yet, nothing to judge
             return self._last_spike.clone()
+        found = self._native()
+        if found is not None and _plain(self._loss) and _plain(self._norm):
+            return self._decide_native(found)
         value = self._stacked()
         mean, judged, n, gate, caps, threshold = self._prepared or self._prepare()
         z = (value - mean) / judged
@@ -261,6 +299,21 @@ class SpikeGuard:
         spike = (finite & (z > gate)).any()  # gate: inf in warmup and for a series not watched
         self._judged = (z, n)  # n is this step's own tensor: the metrics read it later
         self._threshold, self._caps = threshold, caps
+        self._last_spike = spike
+        self._decided = True
+        return spike
+
+    def _decide_native(self, found: _Native) -> torch.Tensor:
+        """:meth:`decide`'s statistics and judgement in one C call (the same numbers, see ``SOURCE``)."""
+        spike = torch.empty((), dtype=torch.bool)  # new each step, as the torch path's: a caller may keep it
+        threshold = None if self.clip_zscore is None else torch.empty((), dtype=torch.float32)
+        caps = None if threshold is None else found.caps
+        found.kernel.decide(
+            self._values.data_ptr(), self._counts.data_ptr(), self.window, self.warmup, found.config.data_ptr(),
+            _pointer(self._loss), _pointer(self._norm), spike.data_ptr(), found.z.data_ptr(), found.n.data_ptr(),
+            None if caps is None else caps.data_ptr(), None if threshold is None else threshold.data_ptr())
+        self._judged = (found.z, found.n)  # read by the metrics until the next decide() writes them
+        self._threshold, self._caps, self._finite = threshold, caps, None
         self._last_spike = spike
         self._decided = True
         return spike
@@ -303,6 +356,10 @@ class SpikeGuard:
             self._clear()
             return
         given = self._loss is not None or self._norm is not None
+        found = self._native()
+        if found is not None and self._commit_native(found, skipped, spiked, given):
+            self._clear()
+            return
         if isinstance(skipped, bool):  # the stepper's own flag, read on the host already: no tensor work for it
             if not skipped and given:
                 self._fold(None)
@@ -314,6 +371,27 @@ class SpikeGuard:
                 self._fold(skipped_t)
             self._count_spike(skipped_t, spiked)
         self._clear()
+
+    def _commit_native(self, found: _Native, skipped: torch.Tensor | bool, spiked: torch.Tensor | None,
+                       given: bool) -> bool:
+        """:meth:`commit_` in one C call where every tensor is a plain CPU one of the dtype it reads (flags: bool);
+        False (nothing done) otherwise."""
+        if spiked is None:
+            spiked = self._last_spike if self._decided else None
+        # The caps of this step's decide(), its own buffer or the torch path's (2,) CPU FP32 statistics.
+        caps = self._caps if self.clip_zscore is not None and self._threshold is not None else None
+        if not (_plain(self._loss) and _plain(self._norm) and _plain(caps) and _flag(spiked)
+                and (isinstance(skipped, bool) or _flag(skipped))):
+            return False
+        host = isinstance(skipped, bool)
+        found.kernel.commit(
+            self._values.data_ptr(), self._counts.data_ptr(), self.window, self._spikes.data_ptr(),
+            _pointer(self._loss), _pointer(self._norm), None if caps is None else caps.data_ptr(), int(given),
+            None if host else skipped.data_ptr(), int(skipped) if host else 0,  # type: ignore[union-attr]
+            None if spiked is None else spiked.data_ptr())
+        if given:
+            self._prepared = None  # the window may have changed
+        return True
 
     def _fold(self, skipped: torch.Tensor | None) -> None:
         value, take, consts = self._stacked(), self._finite, self._consts
@@ -426,9 +504,176 @@ class SpikeGuard:
         device = self.device or torch.device("cpu")
         self._counts = counts.to(device)
         reached = torch.arange(self.window, device=device).unsqueeze(1) < self._counts
-        self._values = torch.where(reached, values.t().to(device), math.nan)
+        self._values = torch.where(reached, values.t().to(device), math.nan).contiguous()
         self._prepared = None
         self._spikes = spikes.to(device)
         self.consecutive_spikes, self.level_shifts = run, shifts
         self._clear()
 
+
+# ------------------------------------------------------------------------------------------------ the C loops
+# On the CPU a step's ~25 small torch ops cost ~150-210 us after a backward (each op ~5-10 us of dispatch, not of
+# arithmetic: the window is 2 x 128 floats). The same statistics, judgement and fold as two C functions over the
+# tensors' memory, called through ctypes, cost a few microseconds. Their arithmetic is the torch path's, operation for
+# operation in FP32 (-ffp-contract=off: no fused multiply-add), and the window's sums follow torch's own CPU summation
+# order (``cascade_sum`` in ATen's SumKernel.cpp, as it runs for a reduction over the window of a (window, 2) FP32
+# tensor: four interleaved partial sums over rows of four, each a cascade of chunks of 16 or more values, NaN loaded
+# as 0), so the sums, means and variances are torch's bit for bit. The square root is IEEE's (correctly rounded);
+# torch's vectorized CPU one (measured with torch 2.13 on AVX-512) is an ulp off for ~15% of inputs, so a standard
+# deviation, and the z-scores and clip threshold made from it, can differ from the torch path's by an ulp, and a
+# decision only for a value within that of the gate (tests/core/test_spike_native.py compares the two). Built by
+# :mod:`lit_mpstable.core.native`; without a compiler the guard keeps its torch ops.
+
+SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+
+static int64_t ceil_log2(int64_t x) {  /* c10's CeilLog2 */
+    if (x <= 2) return 1;
+    return (int64_t)(63 - __builtin_clzll((uint64_t)x - 1)) + 1;
+}
+
+/* One element of the column: the value or, centred, its squared distance from the mean; NaN (a slot no applied value
+   has reached) loads as 0, as torch's nansum loads it. */
+static inline float load(const float *x, int64_t i, float mean, int centred) {
+    float v = x[2 * i];
+    if (centred) { float d = v - mean; v = d * d; }
+    return v != v ? 0.0f : v;
+}
+
+/* torch's nansum over `size` rows of one column (stride 2): row_sum over multi_row_sum<float, 4> of SumKernel.cpp. */
+static float nansum(const float *x, int64_t size, float mean, int centred) {
+    const int64_t rows = size / 4;
+    const int64_t power = ceil_log2(rows) / 4 > 4 ? ceil_log2(rows) / 4 : 4;
+    const int64_t step = (int64_t)1 << power, mask = step - 1;
+    float acc[4][4] = {{0.0f}};
+    int64_t i = 0;
+    while (i + step <= rows) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int k = 0; k < 4; k++) acc[0][k] += load(x, 4 * i + k, mean, centred);
+        for (int j = 1; j < 4; j++) {
+            for (int k = 0; k < 4; k++) { acc[j][k] += acc[j - 1][k]; acc[j - 1][k] = 0.0f; }
+            if ((i & (mask << (j * power))) != 0) break;
+        }
+    }
+    for (; i < rows; i++)
+        for (int k = 0; k < 4; k++) acc[0][k] += load(x, 4 * i + k, mean, centred);
+    for (int j = 1; j < 4; j++)
+        for (int k = 0; k < 4; k++) acc[0][k] += acc[j][k];
+    for (int64_t e = rows * 4; e < size; e++) acc[0][0] += load(x, e, mean, centred);
+    return ((acc[0][0] + acc[0][1]) + acc[0][2]) + acc[0][3];
+}
+
+static inline float maximum(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
+static inline float minimum(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
+
+/* SpikeGuard._prepare and decide for both series (row 0 the loss, 1 the norm). values: the (window, 2) ring buffers;
+   counts: applied values per series; config: the spike's z-score gates (2), the clip's z-scores (2), the skip's
+   floors (2), the statistics' floor, the smallest std; loss, norm: NULL where not given. Writes the spike flag, the
+   z-scores, the window sizes and, with caps (ZClip), the caps a folded value takes and the clip threshold. */
+void lmp_spike_decide(const float *values, const int64_t *counts, int64_t window, int64_t warmup, const float *config,
+                      const float *loss, const float *norm, uint8_t *spike, float *z, int64_t *n, float *caps,
+                      float *threshold) {
+    const float x[2] = {loss ? *loss : NAN, norm ? *norm : NAN};
+    int flagged = 0;
+    for (int r = 0; r < 2; r++) {
+        const int64_t size = counts[r] < window ? counts[r] : window;
+        const int warm = counts[r] >= warmup;
+        const float mean = nansum(values + r, window, 0.0f, 0) / (float)(size > 1 ? size : 1);
+        const float var = nansum(values + r, window, mean, 1) / (float)(size - 1 > 1 ? size - 1 : 1);
+        const float sd = sqrtf(var);
+        const float judged = maximum(maximum(sd, config[4 + r] * fabsf(mean)), config[7]);
+        n[r] = size;
+        z[r] = (x[r] - mean) / judged;
+        flagged |= fabsf(x[r]) < INFINITY && z[r] > (warm ? config[r] : INFINITY);
+        if (caps) {
+            const float std = maximum(maximum(sd, config[6] * fabsf(mean)), config[7]);
+            caps[r] = mean + (warm ? config[2 + r] : INFINITY) * std;
+        }
+    }
+    *spike = (uint8_t)flagged;
+    if (threshold) *threshold = caps[1];
+}
+
+/* SpikeGuard.commit_: unless the step was skipped (*skipped where given, else skipped_host), fold its finite values
+   (capped by caps where given) into the ring buffers; count a skipped spike (*spiked where given). */
+void lmp_spike_commit(float *values, int64_t *counts, int64_t window, int64_t *spikes, const float *loss,
+                      const float *norm, const float *caps, int fold, const uint8_t *skipped, int skipped_host,
+                      const uint8_t *spiked) {
+    const int skip = skipped ? *skipped != 0 : skipped_host;
+    if (fold && !skip) {
+        const float x[2] = {loss ? *loss : NAN, norm ? *norm : NAN};
+        for (int r = 0; r < 2; r++) {
+            const float v = caps ? minimum(x[r], caps[r]) : x[r];
+            if (fabsf(v) < INFINITY) {
+                values[(counts[r] % window) * 2 + r] = v;
+                counts[r] += 1;
+            }
+        }
+    }
+    if (spiked && skip && *spiked) *spikes += 1;
+}
+"""
+
+
+class _SpikeKernel:
+    """The loaded C loops of :data:`SOURCE`."""
+
+    __slots__ = ("commit", "decide")
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.decide = lib.lmp_spike_decide
+        self.decide.restype = None
+        self.decide.argtypes = [p, p, i64, i64, p, p, p, p, p, p, p, p]
+        self.commit = lib.lmp_spike_commit
+        self.commit.restype = None
+        self.commit.argtypes = [p, p, i64, p, p, p, p, i32, p, i32, p]
+
+
+def spike_kernel() -> _SpikeKernel | None:
+    """The C loops, or None where they cannot be built or ``LIT_MPSTABLE_NATIVE=0`` (the guard then runs its torch
+    ops). Built at the first call on a machine, then loaded from the cache."""
+    return _load_kernel() if native.enabled() else None
+
+
+@functools.cache
+def _load_kernel() -> _SpikeKernel | None:
+    lib = native.load("spike_guard", SOURCE, native.compiler())
+    return None if lib is None else _SpikeKernel(lib)
+
+
+class _Native(NamedTuple):
+    """What a CPU guard's C calls take besides its state (see :meth:`SpikeGuard._native_buffers`)."""
+
+    kernel: _SpikeKernel
+    config: torch.Tensor
+    z: torch.Tensor
+    n: torch.Tensor
+    caps: torch.Tensor
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy or a pickle of a guard (a ctypes function is neither) takes the C loops of the process it lands in,
+        # or its torch ops where there are none (LIT_MPSTABLE_NATIVE=0, no compiler).
+        return (_native_again, (self.config, self.z, self.n, self.caps))
+
+
+def _native_again(config: torch.Tensor, z: torch.Tensor, n: torch.Tensor, caps: torch.Tensor) -> _Native | None:
+    kernel = spike_kernel()
+    return None if kernel is None else _Native(kernel, config, z, n, caps)
+
+
+def _plain(value: torch.Tensor | None) -> bool:
+    """Whether the C loops may read ``value`` (None: not given), a 0-dim FP32 tensor on the guard's device (the CPU:
+    see ``SpikeGuard._value``), as FP32 memory: a plain tensor (no subclass, whose pointer need not be its data)."""
+    return value is None or type(value) is torch.Tensor
+
+
+def _flag(value: torch.Tensor | None) -> bool:
+    """Whether the C loops may read the flag ``value`` (None: none): a plain one-element bool CPU tensor."""
+    return value is None or (type(value) is torch.Tensor and value.dtype is torch.bool and value.is_cpu
+                             and value.numel() == 1)
+
+
+def _pointer(value: torch.Tensor | None) -> int | None:
+    return None if value is None else value.data_ptr()

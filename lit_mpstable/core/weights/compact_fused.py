@@ -17,12 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,7 +25,9 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
+from lit_mpstable.core import native
 from lit_mpstable.core.compiled import graph_count, own_graphs_since
+from lit_mpstable.core.native import compiler as _compiler
 from lit_mpstable.core.weights.compact_rounding import _signed32, hash32, step_keys
 
 
@@ -481,11 +478,10 @@ def _adam(
 # decomposition of ``torch.lerp`` writes it), the same element keys and :func:`hash32`. Where the compiled kernel's
 # float formulation rounds a tie to even (one draw in 65536), this loop adds and truncates as the eager rounding does.
 #
-# It is built with the C compiler inductor would use (``$CC``, else ``cc``/``gcc``/``clang``), ``-O3 -march=native``
-# and OpenMP when the compiler has it, into inductor's cache folder, keyed by the source, the flags and this CPU's
-# feature flags (a cache shared by machines of other kinds builds its own copy). Without a compiler, or when the build
-# fails, :func:`native_kernel` returns ``None`` and the compiled kernel steps as before. ``LIT_MPSTABLE_NATIVE=0``
-# turns it off.
+# It is built by :mod:`lit_mpstable.core.native` (the C compiler inductor would use, ``-O3 -march=native``, OpenMP when
+# the compiler has it, cached in inductor's folder by digest). Without a compiler, or when the build fails,
+# :func:`native_kernel` returns ``None`` and the compiled kernel steps as before. ``LIT_MPSTABLE_NATIVE=0`` turns it
+# off.
 
 SOURCE = r"""
 #include <stdint.h>
@@ -572,7 +568,6 @@ void lmp_adam_bf16_many(int64_t count, uint16_t **w, uint16_t **comp, uint16_t *
 }
 """
 
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 _POINTER = ctypes.c_void_p
 
 
@@ -607,27 +602,16 @@ class NativeKernel:
 def native_kernel() -> NativeKernel | None:
     """The loaded C loop (:class:`NativeKernel`), or ``None`` where it cannot be built (then the compiled kernel
     steps). Built at the first call on a machine (0.2-2.5 s measured), then loaded from the cache."""
-    if os.environ.get("LIT_MPSTABLE_NATIVE", "1") == "0":
+    if not native.enabled():
         return None
     return _load_native()
 
 
 @functools.cache
 def _load_native() -> NativeKernel | None:
-    compiler = _compiler()
-    if compiler is None:
-        return None
-    portable = tuple(flag for flag in _FLAGS if flag != "-march=native")
     # A compiler without OpenMP (Apple's clang): one thread; one that does not know -march=native: the baseline ISA.
-    for flags in (_FLAGS + ("-fopenmp",), _FLAGS, portable):
-        path = _build(compiler, flags)
-        if path is not None:
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
-            return NativeKernel(lib)
-    return None
+    lib = native.load("adam_bf16", SOURCE, _compiler(), openmp=True)
+    return None if lib is None else NativeKernel(lib)
 
 
 def native_takes(
@@ -645,55 +629,3 @@ def native_takes(
         and scalars.is_cpu and scalars.dtype == torch.float32 and scalars.is_contiguous()
         and scalars.numel() == 10 and key.is_cpu and key.dtype == torch.int32 and key.numel() == 1
     )
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _build(compiler: str, flags: tuple[str, ...]) -> str | None:
-    folder = os.path.join(_cache_root(), "lit_mpstable_native")
-    digest = hashlib.sha256("\0".join((SOURCE, compiler, *flags, _cpu_features())).encode()).hexdigest()[:20]
-    path = os.path.join(folder, f"adam_bf16_{digest}.so")
-    if os.path.exists(path):
-        return path
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as scratch:
-            source = os.path.join(scratch, "adam_bf16.c")
-            with open(source, "w") as f:
-                f.write(SOURCE)
-            built = os.path.join(scratch, "adam_bf16.so")
-            done = subprocess.run(
-                [compiler, *flags, source, "-o", built], capture_output=True, timeout=120, check=False
-            )
-            if done.returncode != 0:
-                return None
-            os.replace(built, path)  # atomic: concurrent ranks each build, one file stays
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return path
-
-
-def _cache_root() -> str:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        return cache_dir()
-    except ImportError:  # pragma: no cover - inductor ships with every torch this package supports
-        return os.path.join(tempfile.gettempdir(), "lit_mpstable")
-
-
-def _cpu_features() -> str:
-    # -march=native builds for this CPU: the key tells machines apart that share a cache folder.
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()} {torch.backends.cpu.get_cpu_capability()}"
