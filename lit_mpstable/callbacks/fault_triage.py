@@ -15,11 +15,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
     PluginCallback,
+    StepMetrics,
     agreed_names,
     any_rank,
     check,
     is_int,
-    log_mp,
     run_ladder,
     run_trainer,
     stop,
@@ -132,6 +132,7 @@ class FaultTriage(PluginCallback):
         self._step = -1
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self._ladder: Ladder | None = None
+        self._logged = StepMetrics()  # mp/* values of the last logging step (retired at the next batch end)
 
     @property
     def skipped_batches(self) -> list[int]:
@@ -174,6 +175,8 @@ class FaultTriage(PluginCallback):
         self._step = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._logged.names:  # the batch after a logging step
+            self._logged.retire(trainer)
         plugin, ladder = self._plugin, self._ladder
         if plugin is None or ladder is None:
             return
@@ -198,7 +201,7 @@ class FaultTriage(PluginCallback):
                                                self.budget_window))
         every = run_trainer(trainer).log_every_n_steps
         if triaged or (every and trainer.global_step % every == 0):
-            log_mp(pl_module, {"mp/triage_events": float(len(self.events))})
+            self._logged.log(pl_module, {"mp/triage_events": float(len(self.events))})
 
     # ------------------------------------------------------------------------------------------------ triage
     def _triage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:

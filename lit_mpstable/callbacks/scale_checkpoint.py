@@ -11,11 +11,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
     PluginCallback,
+    StepMetrics,
     any_rank,
     check,
     is_int,
     is_number,
-    log_mp,
     run_ladder,
     run_trainer,
     strict_keys,
@@ -127,6 +127,7 @@ class ScaleCheckpoint(PluginCallback):
         self._snapshot: dict[str, Any] | None = None
         self._layout: tuple | None = None  # the precision layout at the snapshot
         self._ladder: Ladder | None = None
+        self._logged = StepMetrics()  # mp/* values of the last logging step (retired at the next batch end)
 
     @property
     def snapshot_step(self) -> int | None:
@@ -199,6 +200,8 @@ class ScaleCheckpoint(PluginCallback):
         return path
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._logged.names:  # the batch after a logging step
+            self._logged.retire(trainer)
         if self._plugin is None:
             return
         step = trainer.global_step
@@ -221,7 +224,7 @@ class ScaleCheckpoint(PluginCallback):
                 self._roll_back_found(trainer, pl_module, "non-finite weights or optimizer state")
         every = run_trainer(trainer).log_every_n_steps
         if every and step % every == 0:
-            log_mp(pl_module, {"mp/rollbacks": float(self.rollbacks)})
+            self._logged.log(pl_module, {"mp/rollbacks": float(self.rollbacks)})
 
     def _take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._plugin is not None
