@@ -173,6 +173,8 @@ class PluginCallback(pl.Callback):
     def __init__(self) -> None:
         self._plugin: PrecisionView | None = None
         self._warned_no_plugin = False
+        self._global_step: Any = None  # optimizer_steps(trainer), from fit start: .completed is trainer.global_step
+        self._log_every = 0  # the trainer's log_every_n_steps, from fit start
         for hook in STEP_HOOKS:  # Lightning skips a hook that is not callable: only the implemented ones are called
             if getattr(type(self), hook) is getattr(pl.Callback, hook):
                 setattr(self, hook, None)
@@ -190,6 +192,8 @@ class PluginCallback(pl.Callback):
             self.__dict__[hook] = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._global_step = optimizer_steps(trainer)
+        self._log_every = run_trainer(trainer).log_every_n_steps
         plugin = trainer.precision_plugin
         if isinstance(plugin, StableFrontEnd):
             self._plugin = plugin
@@ -263,6 +267,34 @@ def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModul
     return ladder.decided(step)
 
 
+class _PropertyStep:
+    """``trainer.global_step`` through Lightning's property, where :func:`optimizer_steps` does not find its counter."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self._trainer = trainer
+
+    @property
+    def completed(self) -> int:
+        return self._trainer.global_step
+
+
+def optimizer_steps(trainer: pl.Trainer) -> Any:
+    """The counter ``trainer.global_step`` reads, as an object whose ``completed`` is its value: the fit loop's
+    optimizer-step progress, which Lightning updates in place (a step, a reset, a checkpoint load). Read as an attribute
+    where the property is a chain of six calls (loop, module, optimization mode, progress: ~1 us, and every face reads
+    it every step). Where the counter is not found, or does not hold ``global_step`` now, Lightning's property."""
+    module = trainer.lightning_module
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        automatic = module is None or module.automatic_optimization
+        counter = (loop.automatic_optimization.optim_progress.optimizer.step.total if automatic
+                   else loop.manual_optimization.optim_step_progress.total)
+        found = counter.completed == trainer.global_step
+    except AttributeError:
+        found = False
+    return counter if found else _PropertyStep(trainer)
+
+
 def stop(ladder: Ladder, trainer: pl.Trainer, step: int) -> None:
     """The stop rung: the fit ends after this batch, the reason said once."""
     event = ladder.decided(step)
@@ -283,10 +315,13 @@ class StepCounter:
 
     def __init__(self) -> None:
         self.seen = (0, 0, 0)
+        self._plugin: PrecisionView | None = None
+        self._counters: Any = None  # run_counters(_plugin)
 
-    @staticmethod
-    def _now(plugin: PrecisionView) -> tuple[int, int, int]:
-        counters = run_counters(plugin)
+    def _now(self, plugin: PrecisionView) -> tuple[int, int, int]:
+        if plugin is not self._plugin:
+            self._plugin, self._counters = plugin, run_counters(plugin)
+        counters = self._counters
         return counters.step_count, counters.overflow_count, counters.skipped_steps
 
     def reset(self, plugin: PrecisionView) -> None:

@@ -150,7 +150,7 @@ class AMPPreflight(PluginCallback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._ladder is not None and self._plugin is not None:
-            watch_step(self._ladder, trainer, pl_module, self._plugin, "AMPPreflight")
+            watch_step(self._ladder, trainer, pl_module, self._plugin, "AMPPreflight", self._global_step.completed)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._owe(self._plugin is not None and self._plugin.compute_dtype != torch.float32)

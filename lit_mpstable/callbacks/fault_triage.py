@@ -172,7 +172,7 @@ class FaultTriage(PluginCallback):
             return
         # References and host copies only (the RNG states are small host tensors): nothing waits for the device.
         self._batch, self._batch_idx, self._rng = batch, batch_idx, rng_state()
-        self._step = trainer.global_step
+        self._step = self._global_step.completed
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._logged.names:  # the batch after a logging step
@@ -181,7 +181,7 @@ class FaultTriage(PluginCallback):
         if plugin is None or ladder is None:
             return
         batch, self._batch = self._batch, None
-        global_step = trainer.global_step
+        global_step = self._global_step.completed
         watch_step(ladder, trainer, pl_module, plugin, "FaultTriage", global_step)
         triaged = False
         step = global_step - 1
@@ -199,8 +199,8 @@ class FaultTriage(PluginCallback):
                 if self.over_budget == 1:
                     rank_zero_warn(budget_note("FaultTriage", self._step, spent, self.max_replays, self.replay_budget,
                                                self.budget_window))
-        every = run_trainer(trainer).log_every_n_steps
-        if triaged or (every and trainer.global_step % every == 0):
+        every = self._log_every
+        if triaged or (every and self._global_step.completed % every == 0):
             self._logged.log(pl_module, {"mp/triage_events": float(len(self.events))})
 
     # ------------------------------------------------------------------------------------------------ triage

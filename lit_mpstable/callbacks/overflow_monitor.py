@@ -139,15 +139,12 @@ class OverflowMonitor(PluginCallback):
             self.attention_logits.remove()
             self.attention_logits = None
 
-    def _every(self, trainer: pl.Trainer) -> int:
-        return self.log_every_n_steps or run_trainer(trainer).log_every_n_steps
-
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Before a logging step's optimizer step: copy the parameters (update ratio), arm the attention hooks."""
         if self.indicators is None and self.attention_logits is None:  # nothing to prepare: no per-step work
             return
-        every = self._every(trainer)
-        if not every or (trainer.global_step + 1) % every != 0 or self._plugin is None:
+        every = self.log_every_n_steps or self._log_every
+        if not every or (self._global_step.completed + 1) % every != 0 or self._plugin is None:
             return
         if self.indicators is not None and self.indicators._before is None:
             self.indicators.snapshot_(trainer.optimizers)
@@ -183,8 +180,8 @@ class OverflowMonitor(PluginCallback):
             if measured := measured_metrics(plugin):
                 self.latest_measured = measured
                 log_measured(trainer, measured)
-        every = self._every(trainer)
-        if every and trainer.global_step % every == 0:
+        every = self.log_every_n_steps or self._log_every
+        if every and self._global_step.completed % every == 0:
             self._log(trainer, pl_module)
 
     def overflow_rate(self) -> tuple[float, bool]:

@@ -494,3 +494,50 @@ def test_a_monitor_with_its_own_period_is_not_logged_again_as_if_fresh() -> None
         make_trainer(_plugin(), max_steps=12, log_every_n_steps=3, logger=logger,
                      callbacks=[OverflowMonitor(window=4, log_every_n_steps=4)]).fit(PoisonModule(n=16 * 12))
     assert logger.steps_with("mp/overflow_rate") == [11]  # Lightning's 0-based step of global step 12
+
+
+@pytest.mark.parametrize("automatic", [True, False])
+def test_the_faces_read_the_global_step_off_lightnings_own_counter(tmp_path, automatic: bool) -> None:
+    """``optimizer_steps(trainer).completed`` is ``trainer.global_step`` at every batch end (the faces read it there
+    instead of the property's six calls), in automatic and manual optimization, and after a checkpoint load; where the
+    loop holds no such counter, the property itself."""
+    from types import SimpleNamespace
+
+    from lit_mpstable.callbacks._common import optimizer_steps
+
+    class Manual(PoisonModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(self(batch[0]).float(), batch[1])
+            self.manual_backward(loss)
+            optimizer.step()
+            return loss
+
+    class Compare(pl.Callback):
+        def __init__(self) -> None:
+            self.pairs: list[tuple[int, int]] = []
+
+        def on_fit_start(self, trainer, pl_module) -> None:
+            self.counter = optimizer_steps(trainer)
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            self.pairs.append((self.counter.completed, trainer.global_step))
+
+    path = str(tmp_path / "mid.ckpt")
+    # (A checkpoint of a manual-optimization run fails in the plugin's fingerprint capture: resumed automatic only.)
+    for ckpt_path, steps in ((None, 3), (path, 6))[:2 if automatic else 1]:
+        compare = Compare()
+        with quiet():
+            plugin = _plugin() if automatic else StablePrecision("bf16-mixed")
+            trainer = make_trainer(plugin, max_steps=steps, callbacks=[OverflowMonitor(), compare])
+            trainer.fit(PoisonModule() if automatic else Manual(), ckpt_path=ckpt_path)
+        if ckpt_path is None and automatic:
+            trainer.save_checkpoint(path)
+        assert [a for a, _ in compare.pairs] == [b for _, b in compare.pairs] == [steps - 2, steps - 1, steps]
+    stub = SimpleNamespace(lightning_module=None, fit_loop=SimpleNamespace(), global_step=7)
+    assert optimizer_steps(stub).completed == 7  # type: ignore[arg-type]
