@@ -6,6 +6,9 @@ the built-in per round. The outcome of each run (validation accuracy, skipped st
 variants meet the same faults, not the same remedies.
 
 Run: ``python experiments/make_run_cost.py [--rounds 3] [--out experiments/results/make_run_cost]``.
+``--trees before=/path/to/tree,after=.`` pairs versions: each round runs every variant once per tree, each tree's round
+in a process of its own with that tree's package first on ``sys.path`` (the order of the trees alternating), and
+the ratios are to the built-in of the same round and process.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -69,40 +73,75 @@ def _run(variant: str, out: Path) -> dict[str, Any]:
             "skipped": skipped}
 
 
+def _round(round_: int, scratch: Path) -> dict[str, dict[str, Any]]:
+    """One run of every variant, in an order rotated by ``round_``."""
+    order = VARIANTS[round_ % len(VARIANTS):] + VARIANTS[:round_ % len(VARIANTS)]
+    return {variant: _run(variant, scratch) for variant in order}
+
+
+def _child_round(tree: str, round_: int, scratch: Path) -> dict[str, dict[str, Any]]:
+    """:func:`_round` in a new process that imports ``tree``'s package (this script and ``_common`` from here:
+    ``_common`` puts its own tree first unless it is on ``sys.path`` already, so it goes last)."""
+    code = ("import runpy, sys; sys.path[:0] = [sys.argv[1]]; sys.path.append(sys.argv[2]); sys.argv = sys.argv[3:];"
+            " runpy.run_path(sys.argv[0], run_name='__main__')")
+    root = str(Path(__file__).resolve().parents[1])
+    child = subprocess.run([sys.executable, "-c", code, str(Path(tree).resolve()), root, __file__, "--child-round",
+                            str(round_), "--out", str(scratch)], capture_output=True, text=True, check=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("experiments/results/make_run_cost"))
+    parser.add_argument("--trees", default="", help="NAME=PATH,...: package trees paired round by round")
+    parser.add_argument("--child-round", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quiet()
     torch.set_num_threads(1)
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    if args.child_round is not None:
+        import lit_mpstable
+
+        print(json.dumps({"package": str(Path(lit_mpstable.__file__).parent),
+                          "runs": _round(args.child_round, args.out)}))
+        return
+    trees = dict(item.split("=", 1) for item in args.trees.split(",")) if args.trees else {"": ""}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {t: {v: [] for v in VARIANTS} for t in trees}
+    packages: dict[str, str] = {}
     scratch = args.out / "runs"
+    names = list(trees)
     for round_ in range(args.rounds):
-        order = VARIANTS[round_ % len(VARIANTS):] + VARIANTS[:round_ % len(VARIANTS)]
-        for variant in order:
-            runs[variant].append(_run(variant, scratch))
-            r = runs[variant][-1]
-            print(f"round {round_}: {variant}: wall {r['wall_s']:.2f} s, cpu {r['cpu_s']:.2f} s, val acc"
-                  f" {r['val_acc']:.3f}", flush=True)
+        for tree in names[round_ % len(names):] + names[:round_ % len(names)]:
+            if trees[tree]:
+                result = _child_round(trees[tree], round_, scratch)
+                packages[tree], done = result["package"], result["runs"]
+            else:
+                done = _round(round_, scratch)
+            for variant, r in done.items():
+                runs[tree][variant].append(r)
+                print(f"round {round_}: {tree + ': ' if tree else ''}{variant}: wall {r['wall_s']:.2f} s, cpu"
+                      f" {r['cpu_s']:.2f} s, val acc {r['val_acc']:.3f}", flush=True)
     rows = []
-    for variant in VARIANTS:
-        own = runs[variant]
-        base = runs["built-in"]
-        wall = [o["wall_s"] / b["wall_s"] for o, b in zip(own, base, strict=True)]
-        cpu = [o["cpu_s"] / b["cpu_s"] for o, b in zip(own, base, strict=True)]
-        rows.append([variant, f"{statistics.median(o['wall_s'] for o in own):.2f}",
-                     f"{statistics.median(o['cpu_s'] for o in own):.2f}", f"{statistics.median(wall):.3f}",
-                     f"{statistics.median(cpu):.3f}", f"{own[-1]['val_acc']:.1%}",
-                     "-" if own[-1]["skipped"] is None else str(own[-1]["skipped"])])
-    table = markdown_table(["variant", "wall (s)", "CPU (s)", "wall / built-in", "CPU / built-in", "val acc",
-                            "skipped (ours)"], rows)
+    for tree in names:
+        base = runs[tree]["built-in"]
+        for variant in VARIANTS:
+            own = runs[tree][variant]
+            wall = [o["wall_s"] / b["wall_s"] for o, b in zip(own, base, strict=True)]
+            cpu = [o["cpu_s"] / b["cpu_s"] for o, b in zip(own, base, strict=True)]
+            rows.append(([tree] if tree else []) + [
+                variant, f"{statistics.median(o['wall_s'] for o in own):.2f}",
+                f"{statistics.median(o['cpu_s'] for o in own):.2f}", f"{statistics.median(wall):.3f}",
+                f"{statistics.median(cpu):.3f}", f"{own[-1]['val_acc']:.1%}",
+                "-" if own[-1]["skipped"] is None else str(own[-1]["skipped"])])
+    table = markdown_table((["tree"] if args.trees else []) + [
+        "variant", "wall (s)", "CPU (s)", "wall / built-in", "CPU / built-in", "val acc", "skipped (ours)"], rows)
     args.out.mkdir(parents=True, exist_ok=True)
+    trees_line = "".join(f"\n\n{tree}: `{packages.get(tree, path)}`" for tree, path in trees.items() if path)
     text = (f"# Where make run's time goes\n\n{__doc__.split(chr(10) + chr(10))[0]}\n\n{table}\n\nMedians over"
-            f" {args.rounds} paired rounds; ratios are per round, then the median.\n\nReproduce:"
+            f" {args.rounds} paired rounds; ratios are per round, then the median.{trees_line}\n\nReproduce:"
             f" `{command_line('make_run_cost.py', argv)}`\n\nMachine: {environment_line()}.\n")
     (args.out / "make_run_cost.md").write_text(text)
-    (args.out / "make_run_cost.json").write_text(json.dumps(runs, indent=1))
+    (args.out / "make_run_cost.json").write_text(json.dumps(runs if args.trees else runs[""], indent=1))
     print(table)
 
 
