@@ -50,7 +50,49 @@ class _Clock(pl.Callback):
 VARIANTS = ["built-in", "ours: plugin alone", "ours: + SpikeGuard", "ours: + callbacks (make run)"]
 
 
-def _run(variant: str, out: Path) -> dict[str, Any]:
+class _HookTimes:
+    """Thread CPU time and calls of every hook of the lit_mpstable callbacks, over a fit (``--hooks``): each hook that
+    Lightning dispatches at train start, wrapped on the instance (set up by the last callback, after the others chose
+    what they dispatch)."""
+
+    HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+             "on_before_zero_grad", "on_train_batch_end", "on_validation_start", "on_validation_end",
+             "on_train_epoch_start", "on_train_epoch_end")
+
+    def __init__(self) -> None:
+        self.us: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, callbacks: list[pl.Callback]) -> None:
+        for callback in callbacks:
+            if not type(callback).__module__.startswith("lit_mpstable"):
+                continue
+            for hook in self.HOOKS:
+                fn = getattr(callback, hook)
+                if callable(fn) and getattr(type(callback), hook) is not getattr(pl.Callback, hook):
+                    setattr(callback, hook, self._timed(f"{type(callback).__name__}.{hook}", fn))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.us[name] = self.us.get(name, 0.0) + (time.thread_time_ns() - start) / 1e3
+                self.calls[name] = self.calls.get(name, 0) + 1
+
+        return timed
+
+
+class _WrapAtTrainStart(pl.Callback):
+    def __init__(self, times: _HookTimes) -> None:
+        self.times = times
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.times.wrap(list(trainer.callbacks))
+
+
+def _run(variant: str, out: Path, hooks: _HookTimes | None = None) -> dict[str, Any]:
     cfg = compose(["experiment=showcase", "trainer.enable_progress_bar=false"])
     faults = [instantiate(cfg.compare.faults)]
     clock = _Clock()
@@ -61,7 +103,8 @@ def _run(variant: str, out: Path) -> dict[str, Any]:
         with open_dict(cfg):
             if variant == "ours: plugin alone":
                 cfg.plugin.spike_guard = None
-    built = build(cfg, plugin=plugin, config_callbacks=variant == VARIANTS[-1], extra_callbacks=[*faults, clock],
+    extra = [*faults, clock] + ([_WrapAtTrainStart(hooks)] if hooks is not None else [])
+    built = build(cfg, plugin=plugin, config_callbacks=variant == VARIANTS[-1], extra_callbacks=extra,
                   default_root_dir=str(out))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -96,9 +139,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("experiments/results/make_run_cost"))
     parser.add_argument("--trees", default="", help="NAME=PATH,...: package trees paired round by round")
     parser.add_argument("--child-round", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--hooks", action="store_true", help="instead: the callbacks' time per hook in make run's fit")
     args = parser.parse_args(argv)
     quiet()
     torch.set_num_threads(1)
+    if args.hooks:
+        _run(VARIANTS[-1], args.out / "runs")  # warm-up
+        times = _HookTimes()
+        run = _run(VARIANTS[-1], args.out / "runs", times)
+        total = sum(times.us.values())
+        rows = [[name, times.calls[name], f"{us / 1e3:.1f}", f"{us / times.calls[name]:.1f}"]
+                for name, us in sorted(times.us.items(), key=lambda kv: -kv[1])]
+        rows.append(["**all**", sum(times.calls.values()), f"{total / 1e3:.1f}", ""])
+        table = markdown_table(["hook", "calls", "ms in the fit", "us a call"], rows)
+        text = (f"# make run: the callbacks' time per hook\n\nThe main job's fit (`{VARIANTS[-1]}`), every hook of"
+                f" the lit_mpstable callbacks timed (thread CPU time, the timer's wrapper included); the fit took"
+                f" {run['cpu_s']:.2f} s of process CPU time.\n\n{table}\n\nReproduce:"
+                f" `{command_line('make_run_cost.py', argv)}`\n\nMachine: {environment_line()}.\n")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "make_run_hooks.md").write_text(text)
+        (args.out / "make_run_hooks.json").write_text(json.dumps({"us": times.us, "calls": times.calls, "run": run}))
+        print(table)
+        return
     if args.child_round is not None:
         import lit_mpstable
 
