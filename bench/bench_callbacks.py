@@ -18,6 +18,18 @@ run a freshly seeded fit of ``steps`` steps; the first ``warmup`` steps are drop
 
 AMPPreflight's one-off check at the first batch (two forwards) is reported on its own, outside the per-step
 numbers. Callbacks are default-constructed; the trainer's ``log_every_n_steps`` (50) sets the logging steps.
+
+``--workload mlp``: the whole stack on ``bench_precision.py``'s tiny MLP, where the callbacks' fixed cost shows
+(``mlp/SP-bf16-mixed+cb``: StablePrecision("bf16-mixed", spike_guard=SpikeGuard()) and the four callbacks). Three
+configs alternate in each round: Lightning's ``bf16-mixed``, the plugin with SpikeGuard and no callback, and the
+whole stack; per run (``--steps``, first ``--warmup`` dropped) the thread CPU time of each step, from one batch end
+to the next (no hook is wrapped), its 10th percentile (a fast step: the least disturbed by other processes on a
+shared machine), its median (a clean step) and its mean (logging steps and snapshots included).
+Per round: the callbacks' cost (stack minus no-callback, us a step) and the stack's throughput ratio to Lightning.
+``--trees before=/path,after=.`` runs each round once per tree, each in a process of its own with that tree's package
+on ``PYTHONPATH`` (the order alternating), so two versions are paired round by round:
+
+    .venv/bin/python bench/bench_callbacks.py --workload mlp --trees before=/tmp/cb_before,after=. --rounds 8
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 import warnings
@@ -103,15 +116,155 @@ def run_once(name: str, data: CharLMData, steps: int) -> _Timer:
     return timer
 
 
+# ------------------------------------------------------------------------------------------------ the MLP stack
+MLP_CONFIGS = ("mlp/L-bf16-mixed", "stack without callbacks", "mlp/SP-bf16-mixed+cb")
+
+
+class _StepClock(pl.Callback):
+    """Thread CPU time per step, from one batch end to the next (listed last: every other hook falls inside)."""
+
+    def __init__(self) -> None:
+        self.us: list[float] = []
+        self._last: int | None = None
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        now = time.thread_time_ns()
+        if self._last is not None:
+            self.us.append((now - self._last) / 1e3)
+        self._last = now
+
+
+def _mlp_run(name: str, steps: int) -> list[float]:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_precision import CONFIGS, SUITES
+    from common import TRAINER_DEFAULTS
+
+    from lit_mpstable import SpikeGuard
+
+    work = SUITES["policy-mlp"].workload(steps)
+    if name == "stack without callbacks":
+        kwargs: dict[str, Any] = {"plugins": [StablePrecision("bf16-mixed", spike_guard=SpikeGuard())]}
+    else:
+        kwargs = CONFIGS[name].trainer()  # type: ignore[misc]
+    clock = _StepClock()
+    trainer = pl.Trainer(**TRAINER_DEFAULTS, max_steps=steps, **{**kwargs, "callbacks": [
+        *kwargs.get("callbacks", []), clock]})
+    trainer.fit(work.module, train_dataloaders=work.loader)
+    return clock.us
+
+
+def _mlp_round(steps: int, warmup: int, repeats: int) -> dict[str, Any]:
+    """``repeats`` runs of each MLP config, alternating; per config the runs' medians and means (us a step)."""
+    import lit_mpstable
+
+    out: dict[str, Any] = {"package": str(Path(lit_mpstable.__file__).parent), "q10_us": {}, "median_us": {},
+                           "mean_us": {}}
+    for name in MLP_CONFIGS:
+        out["q10_us"][name], out["median_us"][name], out["mean_us"][name] = [], [], []
+    for r in range(repeats):
+        for name in MLP_CONFIGS[r % 3:] + MLP_CONFIGS[:r % 3]:
+            kept = _mlp_run(name, steps)[warmup:]
+            out["q10_us"][name].append(statistics.quantiles(kept, n=10)[0])
+            out["median_us"][name].append(statistics.median(kept))
+            out["mean_us"][name].append(statistics.fmean(kept))
+    return out
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return [q[0], statistics.median(values), q[2]]
+
+
+def _mlp_main(args: argparse.Namespace) -> dict[str, Any]:
+    import subprocess
+    import sys
+
+    trees = dict(item.split("=", 1) for item in args.trees.split(",")) if args.trees else {"this": ""}
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    names = list(trees)
+    for r in range(args.rounds):
+        for tree in names[r % len(names):] + names[:r % len(names)]:
+            if trees[tree]:
+                env = {**os.environ, "PYTHONPATH": str(Path(trees[tree]).resolve())}
+                child = subprocess.run([sys.executable, __file__, "--workload", "mlp", "--child", "--steps",
+                                        str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)],
+                                       env=env, capture_output=True, text=True, check=True)
+                rounds[tree].append(json.loads(child.stdout.strip().splitlines()[-1]))
+            else:
+                rounds[tree].append(_mlp_round(args.steps, args.warmup, args.repeats))
+            print(f"round {r + 1}/{args.rounds}: {tree} done", flush=True)
+    stack, bare, lightning = MLP_CONFIGS[2], MLP_CONFIGS[1], MLP_CONFIGS[0]
+    rows = []
+    for tree, results in rounds.items():
+        cost_q10, cost_median, cost_mean, ratio, ratio_bare = [], [], [], [], []
+        for res in results:
+            q10, med, mean = res["q10_us"], res["median_us"], res["mean_us"]
+            for i in range(len(med[stack])):  # paired within a round: the runs alternate
+                cost_q10.append(q10[stack][i] - q10[bare][i])
+                cost_median.append(med[stack][i] - med[bare][i])
+                cost_mean.append(mean[stack][i] - mean[bare][i])
+                ratio.append(med[lightning][i] / med[stack][i])
+                ratio_bare.append(med[lightning][i] / med[bare][i])
+        rows.append({"tree": tree, "package": results[0]["package"], "runs": len(cost_median),
+                     "callbacks_us_q10_step": _quartiles(cost_q10), "callbacks_us_median_step": _quartiles(cost_median),
+                     "callbacks_us_mean_step": _quartiles(cost_mean),
+                     "stack_x_lightning": _quartiles(ratio), "no_callbacks_x_lightning": _quartiles(ratio_bare),
+                     "lightning_us": statistics.median(x for res in results for x in res["median_us"][lightning])})
+    lines = [
+        "# The callbacks' per-step cost on the tiny MLP stack", "",
+        "`mlp/SP-bf16-mixed+cb` (StablePrecision(\"bf16-mixed\", spike_guard=SpikeGuard()) + the four callbacks)"
+        f" against the same plugin without callbacks and Lightning's bf16-mixed; {args.rounds} rounds x"
+        f" {args.repeats} runs of {args.steps} steps ({args.warmup} dropped), thread CPU time, 1 thread. Quartiles"
+        " over the paired runs [Q1, median, Q3].", "",
+        "| tree | callbacks, us a fast step (stack - no callbacks, step 10th percentiles) | callbacks, us a clean"
+        " step (step medians) | callbacks, us a step (means: logging steps and snapshots included) | stack x"
+        " Lightning bf16-mixed | no callbacks x Lightning | Lightning us/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda q, spec: "[" + ", ".join(format(v, spec) for v in q) + "]"  # noqa: E731
+    lines += [f"| {r['tree']} | {fmt(r['callbacks_us_q10_step'], '.1f')} | {fmt(r['callbacks_us_median_step'], '.1f')}"
+              f" | {fmt(r['callbacks_us_mean_step'], '.1f')}"
+              f" | {fmt(r['stack_x_lightning'], '.3f')} | {fmt(r['no_callbacks_x_lightning'], '.3f')} |"
+              f" {r['lightning_us']:.0f} |" for r in rows]
+    print("\n".join(lines))
+    result = {"rows": rows, "rounds": rounds, "args": {k: str(v) for k, v in vars(args).items()},
+              "torch": torch.__version__}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "mlp_stack.json").write_text(json.dumps(result, indent=1))
+    (args.out / "mlp_stack.md").write_text("\n".join(lines) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--workload", choices=("gpt", "mlp"), default="gpt")
+    parser.add_argument("--trees", default="", help="mlp: NAME=PATH,... package trees paired round by round")
+    parser.add_argument("--rounds", type=int, default=6, help="mlp: rounds (a process per tree each)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=None, help="rounds (mlp: runs per config a round); 6 (mlp 2)")
+    parser.add_argument("--steps", type=int, default=None, help="steps a run; 60 (mlp 300)")
+    parser.add_argument("--warmup", type=int, default=None, help="first steps dropped; 5 (mlp 20)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 12 steps")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset; 'none' is always run")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
+    mlp = args.workload == "mlp"
+    for name, gpt, for_mlp in (("repeats", 6, 2), ("steps", 60, 300), ("warmup", 5, 20)):
+        if getattr(args, name) is None:
+            setattr(args, name, for_mlp if mlp else gpt)
+    if mlp:
+        if args.out == RESULTS_DIR:
+            args.out = RESULTS_DIR / "cb_cost"
+        torch.set_num_threads(1)
+        logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if args.child:
+                print(json.dumps(_mlp_round(args.steps, args.warmup, args.repeats)))
+                return {}
+            return _mlp_main(args)
     unknown = [name for name in args.configs.split(",") if name not in CONFIGS]
     if unknown:
         parser.error(f"--configs: unknown {unknown}; registered: {list(CONFIGS)}")

@@ -11,6 +11,9 @@ Three fits per config: one timed (hooks wrapped in a thread-time timer), one cou
 ``TorchDispatchMode`` on inside the hooks only), one counting Python calls (``sys.setprofile``, calls and C calls).
 Op and call counts are exact; the times include the timer's wrapper (~1 us) and vary with the machine's load. Steps
 are counted from ``--first`` on; logging steps (every 50) are included, so a median is a clean non-logging step.
+Only the hooks Lightning dispatches at train start are wrapped (a callback sets a per-step hook it has nothing for to
+None: Lightning skips it); AMPPreflight's batch start, owed at train start, stays wrapped (1 call a step) although
+Lightning stops dispatching it after the first batch's check.
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ class Recorder:
         self.values: dict[str, dict[int, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
 
     def wrap(self, callback: pl.Callback) -> None:
+        """At train start, the hooks Lightning dispatches then (a callback sets those it has nothing for to None)."""
         for hook in HOOKS:
-            if getattr(type(callback), hook) is getattr(pl.Callback, hook):
+            if not callable(getattr(callback, hook)) or getattr(type(callback), hook) is getattr(pl.Callback, hook):
                 continue
             name = f"{type(callback).__name__}.{hook}"
             original = getattr(callback, hook)
@@ -97,8 +101,12 @@ class Recorder:
 
 
 class _Counter(pl.Callback):
-    def __init__(self, recorder: Recorder) -> None:
-        self.recorder = recorder
+    def __init__(self, recorder: Recorder, callbacks: list[pl.Callback]) -> None:
+        self.recorder, self.callbacks = recorder, callbacks
+
+    def on_train_start(self, *args: Any) -> None:  # listed last: after every callback decided what it dispatches
+        for callback in self.callbacks:
+            self.recorder.wrap(callback)
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.recorder.step += 1
@@ -114,10 +122,9 @@ def measure(name: str, mode: str, steps: int, first: int, triage: bool = False) 
 
         callbacks.insert(0, FaultTriage())  # first, as its docs ask
     recorder = Recorder(mode, first)
-    for callback in callbacks:
-        if type(callback).__module__.startswith("lit_mpstable"):
-            recorder.wrap(callback)
-    trainer = pl.Trainer(**TRAINER_DEFAULTS, max_steps=steps, callbacks=callbacks + [_Counter(recorder)], **kwargs)
+    ours = [callback for callback in callbacks if type(callback).__module__.startswith("lit_mpstable")]
+    trainer = pl.Trainer(**TRAINER_DEFAULTS, max_steps=steps, callbacks=callbacks + [_Counter(recorder, ours)],
+                         **kwargs)
     trainer.fit(work.module, train_dataloaders=work.loader)
     return recorder
 

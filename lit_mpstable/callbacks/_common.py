@@ -173,11 +173,27 @@ class PluginCallback(pl.Callback):
     def __init__(self) -> None:
         self._plugin: PrecisionView | None = None
         self._warned_no_plugin = False
+        self._global_step: Any = None  # optimizer_steps(trainer), from fit start: .completed is trainer.global_step
+        self._log_every = 0  # the trainer's log_every_n_steps, from fit start
         for hook in STEP_HOOKS:  # Lightning skips a hook that is not callable: only the implemented ones are called
             if getattr(type(self), hook) is getattr(pl.Callback, hook):
                 setattr(self, hook, None)
 
+    def _dispatch(self, hook: str, on: bool, owner: type) -> None:
+        """Whether Lightning calls ``owner``'s per-step ``hook`` (one of :data:`STEP_HOOKS`), for a hook that has
+        nothing to do for a while (None on the instance: Lightning skips it, ~12 Python calls a step saved). A
+        subclass's own hook, or a wrapper set on the instance (a profiler's), is left as it is."""
+        if getattr(type(self), hook) is not getattr(owner, hook):
+            return
+        current = self.__dict__.get(hook, getattr(owner, hook))
+        if on and current is None:
+            del self.__dict__[hook]
+        elif not on and current is getattr(owner, hook):  # the class's own: not wrapped
+            self.__dict__[hook] = None
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._global_step = optimizer_steps(trainer)
+        self._log_every = run_trainer(trainer).log_every_n_steps
         plugin = trainer.precision_plugin
         if isinstance(plugin, StableFrontEnd):
             self._plugin = plugin
@@ -251,6 +267,34 @@ def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModul
     return ladder.decided(step)
 
 
+class _PropertyStep:
+    """``trainer.global_step`` through Lightning's property, where :func:`optimizer_steps` does not find its counter."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self._trainer = trainer
+
+    @property
+    def completed(self) -> int:
+        return self._trainer.global_step
+
+
+def optimizer_steps(trainer: pl.Trainer) -> Any:
+    """The counter ``trainer.global_step`` reads, as an object whose ``completed`` is its value: the fit loop's
+    optimizer-step progress, which Lightning updates in place (a step, a reset, a checkpoint load). Read as an attribute
+    where the property is a chain of six calls (loop, module, optimization mode, progress: ~1 us, and every face reads
+    it every step). Where the counter is not found, or does not hold ``global_step`` now, Lightning's property."""
+    module = trainer.lightning_module
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        automatic = module is None or module.automatic_optimization
+        counter = (loop.automatic_optimization.optim_progress.optimizer.step.total if automatic
+                   else loop.manual_optimization.optim_step_progress.total)
+        found = counter.completed == trainer.global_step
+    except AttributeError:
+        found = False
+    return counter if found else _PropertyStep(trainer)
+
+
 def stop(ladder: Ladder, trainer: pl.Trainer, step: int) -> None:
     """The stop rung: the fit ends after this batch, the reason said once."""
     event = ladder.decided(step)
@@ -271,10 +315,13 @@ class StepCounter:
 
     def __init__(self) -> None:
         self.seen = (0, 0, 0)
+        self._plugin: PrecisionView | None = None
+        self._counters: Any = None  # run_counters(_plugin)
 
-    @staticmethod
-    def _now(plugin: PrecisionView) -> tuple[int, int, int]:
-        counters = run_counters(plugin)
+    def _now(self, plugin: PrecisionView) -> tuple[int, int, int]:
+        if plugin is not self._plugin:
+            self._plugin, self._counters = plugin, run_counters(plugin)
+        counters = self._counters
         return counters.step_count, counters.overflow_count, counters.skipped_steps
 
     def reset(self, plugin: PrecisionView) -> None:
@@ -513,6 +560,39 @@ def log_mp(pl_module: pl.LightningModule, values: Mapping[str, Any], *, prog_bar
     for name, value in values.items():
         assert name in METRIC_NAMES, name
         pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar and name in _PROG_BAR, batch_size=1)
+
+
+class StepMetrics:
+    """The ``mp/*`` metrics one callback logged (:func:`log_mp`) on its last logging step, until :meth:`retire` takes
+    them out of Lightning's step results at a later batch end.
+
+    Lightning keeps a value logged on one step among its step results and, at every later batch end of the epoch,
+    reads it again into ``callback_metrics`` and the progress bar (a detach a metric; for a progress-bar metric an
+    ``.item()``, a host sync) until it is logged again: ~1 us a metric a step, and with a loss scaler two host reads a
+    step for ``mp/loss_scale`` and ``mp/overflow_rate``. Retired, a value stays where it was shown
+    (``callback_metrics``, ``progress_bar_metrics``, the loggers); Lightning only stops re-reading it, and no longer
+    sends it to the loggers again as if fresh at a logging step of its own (a monitor with its own
+    ``log_every_n_steps``)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        """Names logged since the last :meth:`retire` (empty on most steps: the check a step costs)."""
+
+    def log(self, pl_module: pl.LightningModule, values: Mapping[str, Any], *, prog_bar: bool = False) -> None:
+        """:func:`log_mp`, the names noted for :meth:`retire`."""
+        log_mp(pl_module, values, prog_bar=prog_bar)
+        self.names.update(values)
+
+    def retire(self, trainer: pl.Trainer) -> None:
+        """At a batch end after the logging step (a callback's hook runs before Lightning reads its step results):
+        the logged values leave Lightning's step results, as its own reset leaves them (``has_reset``) until logged
+        again."""
+        names, self.names = self.names, set()
+        results = getattr(trainer, "_results", None)  # Lightning's step results: no public handle
+        for item in results.values() if results is not None else ():
+            meta = getattr(item, "meta", None)
+            if meta is not None and meta.name in names and meta.on_step and not meta.on_epoch:
+                item.has_reset = True
 
 
 class _RunTrainer(Protocol):

@@ -137,17 +137,9 @@ class AMPPreflight(PluginCallback):
         self._owe(False)
 
     def _owe(self, pending: bool) -> None:
-        """Whether the check is owed. Lightning dispatches the batch-start hook, which only runs it, while it is (None
-        on the instance: Lightning skips it, ~12 Python calls a step). A subclass's own hook, or a wrapper set on the
-        instance, is left as it is."""
+        """Whether the check is owed. Lightning dispatches the batch-start hook, which only runs it, while it is."""
         self._pending = pending
-        if type(self).on_train_batch_start is not AMPPreflight.on_train_batch_start:
-            return
-        hook = self.__dict__.get("on_train_batch_start", AMPPreflight.on_train_batch_start)
-        if pending and hook is None:
-            del self.__dict__["on_train_batch_start"]
-        elif not pending and hook is AMPPreflight.on_train_batch_start:  # the class's own: not wrapped
-            self.__dict__["on_train_batch_start"] = None
+        self._dispatch("on_train_batch_start", pending, AMPPreflight)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -158,7 +150,7 @@ class AMPPreflight(PluginCallback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._ladder is not None and self._plugin is not None:
-            watch_step(self._ladder, trainer, pl_module, self._plugin, "AMPPreflight")
+            watch_step(self._ladder, trainer, pl_module, self._plugin, "AMPPreflight", self._global_step.completed)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._owe(self._plugin is not None and self._plugin.compute_dtype != torch.float32)

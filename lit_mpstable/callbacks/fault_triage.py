@@ -15,11 +15,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
     PluginCallback,
+    StepMetrics,
     agreed_names,
     any_rank,
     check,
     is_int,
-    log_mp,
     run_ladder,
     run_trainer,
     stop,
@@ -132,6 +132,7 @@ class FaultTriage(PluginCallback):
         self._step = -1
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self._ladder: Ladder | None = None
+        self._logged = StepMetrics()  # mp/* values of the last logging step (retired at the next batch end)
 
     @property
     def skipped_batches(self) -> list[int]:
@@ -171,14 +172,16 @@ class FaultTriage(PluginCallback):
             return
         # References and host copies only (the RNG states are small host tensors): nothing waits for the device.
         self._batch, self._batch_idx, self._rng = batch, batch_idx, rng_state()
-        self._step = trainer.global_step
+        self._step = self._global_step.completed
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._logged.names:  # the batch after a logging step
+            self._logged.retire(trainer)
         plugin, ladder = self._plugin, self._ladder
         if plugin is None or ladder is None:
             return
         batch, self._batch = self._batch, None
-        global_step = trainer.global_step
+        global_step = self._global_step.completed
         watch_step(ladder, trainer, pl_module, plugin, "FaultTriage", global_step)
         triaged = False
         step = global_step - 1
@@ -196,9 +199,9 @@ class FaultTriage(PluginCallback):
                 if self.over_budget == 1:
                     rank_zero_warn(budget_note("FaultTriage", self._step, spent, self.max_replays, self.replay_budget,
                                                self.budget_window))
-        every = run_trainer(trainer).log_every_n_steps
-        if triaged or (every and trainer.global_step % every == 0):
-            log_mp(pl_module, {"mp/triage_events": float(len(self.events))})
+        every = self._log_every
+        if triaged or (every and self._global_step.completed % every == 0):
+            self._logged.log(pl_module, {"mp/triage_events": float(len(self.events))})
 
     # ------------------------------------------------------------------------------------------------ triage
     def _triage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:

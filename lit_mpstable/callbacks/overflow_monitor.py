@@ -14,13 +14,13 @@ from lit_mpstable.callbacks._common import (
     MAX_WINDOW,
     PluginCallback,
     StepCounter,
+    StepMetrics,
     WindowedCounts,
     agreed_names,
     check,
     is_int,
     is_number,
     log_measured,
-    log_mp,
     measured_metrics,
     plugin_metrics,
     run_trainer,
@@ -109,6 +109,8 @@ class OverflowMonitor(PluginCallback):
         self.blamed: list[str] = []
         """Modules blamed for the latest overflow (from ``plugin.stats["blamed_modules"]``)."""
         self._steps = StepCounter()
+        self._logged = StepMetrics()
+        self._stats_step: Any = None  # the plugin's stats_step at the last batch end: telemetry is looked at once
         self.growth_warned: set[str] = set()
         """Layers already named by a growth warning (the plugin's ``runaway_layers()``)."""
 
@@ -127,6 +129,9 @@ class OverflowMonitor(PluginCallback):
         if self.attention is not False and self.attention_logits is None:
             self.attention_logits = AttentionLogits(
                 pl_module, None if self.attention is True else list(self.attention))
+        # The batch-start hook only prepares the indicators' and the attention's logging steps.
+        self._dispatch("on_train_batch_start", self._plugin is not None and (
+            self.indicators is not None or self.attention_logits is not None), OverflowMonitor)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_end(trainer, pl_module)
@@ -134,15 +139,12 @@ class OverflowMonitor(PluginCallback):
             self.attention_logits.remove()
             self.attention_logits = None
 
-    def _every(self, trainer: pl.Trainer) -> int:
-        return self.log_every_n_steps or run_trainer(trainer).log_every_n_steps
-
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Before a logging step's optimizer step: copy the parameters (update ratio), arm the attention hooks."""
         if self.indicators is None and self.attention_logits is None:  # nothing to prepare: no per-step work
             return
-        every = self._every(trainer)
-        if not every or (trainer.global_step + 1) % every != 0 or self._plugin is None:
+        every = self.log_every_n_steps or self._log_every
+        if not every or (self._global_step.completed + 1) % every != 0 or self._plugin is None:
             return
         if self.indicators is not None and self.indicators._before is None:
             self.indicators.snapshot_(trainer.optimizers)
@@ -154,6 +156,8 @@ class OverflowMonitor(PluginCallback):
             self._steps.reset(self._plugin)  # after a checkpoint restored the plugin's counters
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._logged.names:  # the batch after a logging step
+            self._logged.retire(trainer)
         plugin = self._plugin
         if plugin is None:
             return
@@ -170,11 +174,14 @@ class OverflowMonitor(PluginCallback):
         self.windowed.record(overflows, skipped, steps)
         if overflows:
             self.blamed = list(plugin.stats.get("blamed_modules") or self.blamed)
-        if measured := measured_metrics(plugin):  # on the step the telemetry measured them, whatever the period
-            self.latest_measured = measured
-            log_measured(trainer, measured)
-        every = self._every(trainer)
-        if every and trainer.global_step % every == 0:
+        stats_step = plugin.stats.get("stats_step")
+        if stats_step != self._stats_step:  # measured since the last batch end: logged on its step, whatever the period
+            self._stats_step = stats_step
+            if measured := measured_metrics(plugin):
+                self.latest_measured = measured
+                log_measured(trainer, measured)
+        every = self.log_every_n_steps or self._log_every
+        if every and self._global_step.completed % every == 0:
             self._log(trainer, pl_module)
 
     def overflow_rate(self) -> tuple[float, bool]:
@@ -186,7 +193,8 @@ class OverflowMonitor(PluginCallback):
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._plugin is not None
         rate, full = self.overflow_rate()
-        log_mp(pl_module, plugin_metrics(self._plugin, overflow_rate=rate), prog_bar=self._plugin.scaler is not None)
+        self._logged.log(pl_module, plugin_metrics(self._plugin, overflow_rate=rate),
+                         prog_bar=self._plugin.scaler is not None)
         above = full and rate > self.warn_rate  # a partial window would make the first overflow look like 50%
         if above and not self.above:  # the rate is summed over ranks: every rank gets here together
             blamed = agreed_names(trainer, self.blamed) or "unknown (plugin.stats holds no 'blamed_modules')"
@@ -246,7 +254,7 @@ class OverflowMonitor(PluginCallback):
                     warnings.append(f"attention logit of {module!r} head {head}: max q.k/sqrt(d) {top:.3g} >"
                                     f" {ATTENTION_WARN:g} (QKClip(threshold={ATTENTION_WARN:g}) would rescale its W_q,"
                                     " W_k)")
-        log_mp(pl_module, metrics)
+        self._logged.log(pl_module, metrics)
         for text in warnings:
             rank_zero_warn(f"OverflowMonitor at step {trainer.global_step}, leading indicator: {text}. A loss spike may"
                            " follow: consider a lower learning rate or QKClip (docs/spikes-and-triage.md).")

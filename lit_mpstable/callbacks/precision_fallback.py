@@ -186,22 +186,24 @@ class PrecisionFallback(PluginCallback):
         plugin = self._plugin
         if plugin is None:
             return
-        step = trainer.global_step
+        step = self._global_step.completed
         if self._ladder is not None:
             watch_step(self._ladder, trainer, pl_module, plugin, "PrecisionFallback", step)
         steps, overflows, _ = self._steps.delta(plugin)
         if steps == 0:
             return
         self._observe(trainer, overflows, steps)
-        drifting = self._probed(pl_module)
+        drifting = self._probed(pl_module) if self.max_grad_error is not None else []
+        # A trigger needs an overflow now or in the window, or a non-finite loss (a clean step stops a run of them).
+        suspect = overflows or self.nonfinite_run or self._recent_sums[0]
         if self.state is FallbackState.COOLING and self.retry_step is not None and self.retry_step <= step:
             plugin.restore_precision()
             self._record(step, "restore", None, f"cooldown of {self.cooldown} steps over", "low precision restored")
-        elif (reason := self._reason(overflows)) is not None:
+        elif suspect and (reason := self._reason(overflows)) is not None:
             self._fall_back(trainer, pl_module, reason)
         elif drifting:
             self._lift(trainer, drifting)
-        elif grown := self._grown(trainer):
+        elif self.on_growth and (grown := self._grown(trainer)):
             self._lift_grown(trainer, grown)
 
     # ------------------------------------------------------------------- decision input: activation growth

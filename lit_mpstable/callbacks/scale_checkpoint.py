@@ -11,13 +11,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mpstable.callbacks._common import (
     PluginCallback,
+    StepMetrics,
     any_rank,
     check,
     is_int,
     is_number,
-    log_mp,
     run_ladder,
-    run_trainer,
     strict_keys,
     watch_step,
 )
@@ -127,6 +126,7 @@ class ScaleCheckpoint(PluginCallback):
         self._snapshot: dict[str, Any] | None = None
         self._layout: tuple | None = None  # the precision layout at the snapshot
         self._ladder: Ladder | None = None
+        self._logged = StepMetrics()  # mp/* values of the last logging step (retired at the next batch end)
 
     @property
     def snapshot_step(self) -> int | None:
@@ -199,12 +199,15 @@ class ScaleCheckpoint(PluginCallback):
         return path
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._logged.names:  # the batch after a logging step
+            self._logged.retire(trainer)
         if self._plugin is None:
             return
-        step = trainer.global_step
+        step = self._global_step.completed
         ladder = self._ladder
-        if ladder is not None:
-            watch_step(ladder, trainer, pl_module, self._plugin, "ScaleCheckpoint", step)
+        # The ladder where this batch's step was decided (rejected); None for an applied step: nothing is pending.
+        if ladder is not None and watch_step(ladder, trainer, pl_module, self._plugin, "ScaleCheckpoint", step) is None:
+            ladder = None
         if ladder is not None and ladder.pending(step - 1, Rung.RESTORE):  # soon after a load: the file before it
             self._restore_previous(trainer, pl_module, ladder, step - 1)
         elif ladder is not None and ladder.pending(step - 1, Rung.ROLLBACK):  # rejected for inf/NaN in the state
@@ -219,9 +222,8 @@ class ScaleCheckpoint(PluginCallback):
                 self._take(trainer, pl_module)
             else:
                 self._roll_back_found(trainer, pl_module, "non-finite weights or optimizer state")
-        every = run_trainer(trainer).log_every_n_steps
-        if every and step % every == 0:
-            log_mp(pl_module, {"mp/rollbacks": float(self.rollbacks)})
+        if self._log_every and step % self._log_every == 0:
+            self._logged.log(pl_module, {"mp/rollbacks": float(self.rollbacks)})
 
     def _take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._plugin is not None

@@ -389,7 +389,8 @@ def test_the_overflow_windows_per_step_record_writes_no_module_attribute_and_is_
 def test_lightning_dispatches_only_the_per_step_hooks_a_callback_implements():
     """Lightning dispatches every hook of every callback each step (~12 Python calls each, in its profiler's
     context) but skips one that is not callable: the per-step hooks a callback leaves to pl.Callback are None on
-    the instance, so only those it implements run. A subclass's own hook still runs."""
+    the instance, so only those it implements run. A subclass's own hook still runs. OverflowMonitor's batch start
+    (it prepares the indicators' logging steps) is dispatched only with indicators or attention."""
     from lightning.pytorch.profilers import PassThroughProfiler
 
     class Actions(PassThroughProfiler):
@@ -407,7 +408,8 @@ def test_lightning_dispatches_only_the_per_step_hooks_a_callback_implements():
             Watching.backwards += 1
 
     profiler = Actions()
-    callbacks = [AMPPreflight(), OverflowMonitor(), PrecisionFallback(), ScaleCheckpoint(), Watching(window=7)]
+    callbacks = [AMPPreflight(), OverflowMonitor(), PrecisionFallback(), ScaleCheckpoint(), Watching(window=7),
+                 OverflowMonitor(window=9, indicators=True)]
     with quiet():
         make_trainer(StablePrecision("bf16-mixed"), max_steps=3, callbacks=callbacks, profiler=profiler).fit(
             PoisonModule())
@@ -417,11 +419,11 @@ def test_lightning_dispatches_only_the_per_step_hooks_a_callback_implements():
             if f"[Callback]{cb.state_key}.{hook}" in profiler.names}
     assert seen == {
         (callbacks[0].state_key, "on_train_batch_start"), (callbacks[0].state_key, "on_train_batch_end"),
-        (callbacks[1].state_key, "on_train_batch_start"), (callbacks[1].state_key, "on_train_batch_end"),
+        (callbacks[1].state_key, "on_train_batch_end"),
         (callbacks[2].state_key, "on_before_backward"), (callbacks[2].state_key, "on_train_batch_end"),
         (callbacks[3].state_key, "on_train_batch_end"),
-        (callbacks[4].state_key, "on_train_batch_start"), (callbacks[4].state_key, "on_train_batch_end"),
-        (callbacks[4].state_key, "on_after_backward"),
+        (callbacks[4].state_key, "on_train_batch_end"), (callbacks[4].state_key, "on_after_backward"),
+        (callbacks[5].state_key, "on_train_batch_start"), (callbacks[5].state_key, "on_train_batch_end"),
     }
     assert Watching.backwards == 3
     assert f"[Callback]{callbacks[0].state_key}.on_train_epoch_start" in profiler.names  # not per step: as always
@@ -449,3 +451,93 @@ def test_amp_preflight_leaves_the_per_step_dispatch_once_its_check_is_done():
                          profiler=profiler).fit(PoisonModule())
         assert profiler.starts.count(action) == 1 and not preflight.pending
         assert preflight.result["step"] == 0 and preflight.result["passed"]
+
+
+class _ReadsPerBatch(pl.Callback):
+    """The host reads (``HostReads``) from one batch end to the next, Lightning's own work between them included."""
+
+    def __init__(self, reads) -> None:
+        self.reads, self.seen, self.per_batch = reads, 0, []
+
+    def on_train_batch_end(self, *args) -> None:
+        self.per_batch.append(len(self.reads.ops) - self.seen)
+        self.seen = len(self.reads.ops)
+
+
+def test_logged_metrics_are_not_read_again_on_the_batches_after_their_logging_step() -> None:
+    """Lightning keeps a value logged on one step and reads it again at every later batch end of the epoch (an
+    ``.item()`` a progress-bar metric): with a loss scaler, two host reads a step for mp/loss_scale and
+    mp/overflow_rate. The callbacks take their values out of Lightning's step results at the batch after their logging
+    step; what was shown stays."""
+    from helpers import HostReads
+
+    callbacks = [OverflowMonitor(window=4), ScaleCheckpoint(every_n_steps=100), FaultTriage()]
+    with HostReads() as reads, quiet():
+        counter = _ReadsPerBatch(reads)
+        trainer = make_trainer(_plugin(), max_steps=12, log_every_n_steps=5, callbacks=[*callbacks, counter])
+        trainer.fit(PoisonModule(n=16 * 12))
+    # [i]: reads up to batch i's end since the end before it; Lightning reads what a logging step logged after
+    # that step's callbacks (steps 5 and 10: indices 4 and 9), so in the next entry (5, 10)
+    per_batch = counter.per_batch
+    clean = per_batch[1]
+    assert per_batch[6:9] == [clean] * 3 and per_batch[11] == clean, per_batch
+    assert set(trainer.progress_bar_metrics) == {"mp/loss_scale", "mp/overflow_rate"}
+    assert trainer.callback_metrics["mp/loss_scale"] == 2.0**8
+    assert {"mp/rollbacks", "mp/triage_events", "mp/skipped_steps"} <= set(trainer.callback_metrics)
+
+
+def test_a_monitor_with_its_own_period_is_not_logged_again_as_if_fresh() -> None:
+    """OverflowMonitor(log_every_n_steps=4) under a trainer logging every 3 steps: its values reach the loggers on its
+    own logging steps that are the trainer's too (12), never again at the trainer's later ones (6, 9) as if fresh."""
+    logger = ListLogger()
+    with quiet():
+        make_trainer(_plugin(), max_steps=12, log_every_n_steps=3, logger=logger,
+                     callbacks=[OverflowMonitor(window=4, log_every_n_steps=4)]).fit(PoisonModule(n=16 * 12))
+    assert logger.steps_with("mp/overflow_rate") == [11]  # Lightning's 0-based step of global step 12
+
+
+@pytest.mark.parametrize("automatic", [True, False])
+def test_the_faces_read_the_global_step_off_lightnings_own_counter(tmp_path, automatic: bool) -> None:
+    """``optimizer_steps(trainer).completed`` is ``trainer.global_step`` at every batch end (the faces read it there
+    instead of the property's six calls), in automatic and manual optimization, and after a checkpoint load; where the
+    loop holds no such counter, the property itself."""
+    from types import SimpleNamespace
+
+    from lit_mpstable.callbacks._common import optimizer_steps
+
+    class Manual(PoisonModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(self(batch[0]).float(), batch[1])
+            self.manual_backward(loss)
+            optimizer.step()
+            return loss
+
+    class Compare(pl.Callback):
+        def __init__(self) -> None:
+            self.pairs: list[tuple[int, int]] = []
+
+        def on_fit_start(self, trainer, pl_module) -> None:
+            self.counter = optimizer_steps(trainer)
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            self.pairs.append((self.counter.completed, trainer.global_step))
+
+    path = str(tmp_path / "mid.ckpt")
+    # (A checkpoint of a manual-optimization run fails in the plugin's fingerprint capture: resumed automatic only.)
+    for ckpt_path, steps in ((None, 3), (path, 6))[:2 if automatic else 1]:
+        compare = Compare()
+        with quiet():
+            plugin = _plugin() if automatic else StablePrecision("bf16-mixed")
+            trainer = make_trainer(plugin, max_steps=steps, callbacks=[OverflowMonitor(), compare])
+            trainer.fit(PoisonModule() if automatic else Manual(), ckpt_path=ckpt_path)
+        if ckpt_path is None and automatic:
+            trainer.save_checkpoint(path)
+        assert [a for a, _ in compare.pairs] == [b for _, b in compare.pairs] == [steps - 2, steps - 1, steps]
+    stub = SimpleNamespace(lightning_module=None, fit_loop=SimpleNamespace(), global_step=7)
+    assert optimizer_steps(stub).completed == 7  # type: ignore[arg-type]

@@ -258,6 +258,7 @@ _CONFIG = "constructor argument or derived from one"
 _SETUP = "bound or decided at setup from the model, strategy or trainer (rebuilt by the resumed run's setup)"
 _ITER = "lives within one iteration; reset before the step boundary where the checkpoint is written"
 _MSG = "a message shown once, or its count (no effect on the numerics or decisions)"
+_LOGGED = "the names its last logging step logged, until Lightning's step results drop them (the next batch)"
 _SEED = "the value a lazily created device tensor starts from; the tensor's value is in the checkpoint"
 COVERED: dict[tuple[str, str], tuple] = {
     ("StablePrecision", "stepper"): ("walk",),
@@ -327,6 +328,7 @@ COVERED: dict[tuple[str, str], tuple] = {
     ("PrecisionProbe", "pending"): ("callback", "pending"),
 }
 _CALLBACK_COMMON = {"_plugin": _SETUP, "_warned_no_plugin": _MSG, "log": _SETUP, "log_dict": _SETUP,
+                    "_global_step": _SETUP, "_log_every": _SETUP,
                     "_ladder": "the run's remedy ladder, kept on the plugin (StablePrecision.ladder)",
                     "state_key": "the checkpoint key, from the constructor's arguments (cached on first read)",
                     **dict.fromkeys(STEP_HOOKS, "None: a per-step hook the callback leaves to pl.Callback (Lightning"
@@ -410,7 +412,9 @@ NOT_STATE: dict[str, dict[str, str]] = {
                         "growth_warned": _MSG, "window": _CONFIG, "warn_rate": _CONFIG,
                         "log_every_n_steps": _CONFIG,
                         "latest_measured": "the values last logged (report; measured again at the next due step)",
-                        "_steps": "counter baseline, reset from the plugin's restored counters at train start"},
+                        "_steps": "counter baseline, reset from the plugin's restored counters at train start",
+                        "_logged": _LOGGED,
+                        "_stats_step": "the telemetry step last looked at (a resumed run looks at its next one)"},
     "PrecisionFallback": {**_CALLBACK_COMMON, "on_growth": _CONFIG,
                           "_growth_moved": "layers moved for growth; the move itself is the layout's (fp32_modules)",
                           "patience": _CONFIG, "min_scale": _CONFIG, "mode": _CONFIG,
@@ -422,7 +426,8 @@ NOT_STATE: dict[str, dict[str, str]] = {
                           "_warned_fp32": _MSG, "_warned_data": _MSG, "_warned_fp32_modules": _MSG,
                           "_recent_sums": "the sums of recent (saved), rebuilt from it on load"},
     "ScaleCheckpoint": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "max_rollbacks": _CONFIG,
-                        "snapshot_device": _CONFIG, "restored_window": _CONFIG, "lr_factor": _CONFIG},
+                        "snapshot_device": _CONFIG, "restored_window": _CONFIG, "lr_factor": _CONFIG,
+                        "_logged": _LOGGED},
     "AMPPreflight": {**_CALLBACK_COMMON, "atol": _CONFIG, "rtol": _CONFIG, "action": _CONFIG, "forward_fn": _CONFIG,
                      "_pending": "the check is owed: set at train start, cleared on resume once `result` is loaded"},
     "PrecisionProbe": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "raise_scale": _CONFIG, "loss_fn": _CONFIG,
