@@ -190,7 +190,7 @@ class TrainerPrecision(StableFrontEnd):
         flatten_optimizer_states_(checkpoint.get("optimizer_states", []))
         if type(self).__qualname__ in checkpoint:  # the numeric fingerprint, of the tensors as written
             checkpoint[type(self).__qualname__][FINGERPRINT] = self.fingerprint.capture(
-                checkpoint_trees(checkpoint, type(self).__qualname__), self.stepper.manifest(), self._pinned_loss)
+                checkpoint_trees(checkpoint, type(self).__qualname__), self.stepper.manifest(), self._pinned_pass())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before load_state_dict. A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under
@@ -214,8 +214,19 @@ class TrainerPrecision(StableFrontEnd):
     # ------------------------------------------------------------------------------------- the fingerprint
     def _check_fingerprint(self, fingerprint: dict[str, Any] | None, state: dict[str, Any], *, loaded: bool) -> None:
         # Checksums and manifest were checked in on_load_checkpoint; the pinned pass once the plugin's state is in.
-        if loaded:
-            self._checkpoint_check().verify_pinned_(self._pinned_loss, self.load_state_dict)
+        if loaded and (loss := self._pinned_pass()) is not None:
+            self._checkpoint_check().verify_pinned_(loss, self.load_state_dict)
+        elif loaded:
+            self.fingerprint.pending = None  # no pass to recompute (manual optimization): checksums and manifest only
+
+    def _pinned_pass(self) -> Callable[[Any], torch.Tensor] | None:
+        """The pinned micro-batch's measurement: ``training_step``'s loss, or ``None`` under manual optimization,
+        whose ``training_step`` runs its own backward and optimizer steps (not a measurement the plugin may repeat):
+        its checkpoints carry checksums and the manifest only."""
+        module = self.stepper.layout.module
+        if module is not None and not getattr(lightning_module(module, self._pl), "automatic_optimization", True):
+            return None
+        return self._pinned_loss
 
     def _pinned_loss(self, batch: Any) -> torch.Tensor:
         module = self.stepper.layout.module

@@ -607,3 +607,42 @@ def test_a_tensor_listed_twice_is_read_once_and_both_names_are_checked(monkeypat
     _flip(untied["state_dict"]["head.weight"], 3)
     found = compare_checksums(sums, untied)
     assert len(found) == 1 and "`state_dict['head.weight']` differs" in found[0]
+
+
+def test_a_manual_optimization_fit_saves_and_resumes_with_checksums_and_no_pinned_pass(tmp_path) -> None:
+    # Its training_step steps the optimizers itself: the plugin cannot replay it as a measurement (it would backward
+    # twice and step), so the fingerprint holds the checksums and the manifest, and says why it holds no pinned loss.
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from trainer_pkg import StablePrecision
+
+    def fit(plugin: Any, steps: int, ckpt_path: Path | None = None) -> Any:
+        torch.manual_seed(0)
+        model = make_module(optimizer="adamw", lr=1e-2)
+        model.automatic_optimization = False
+
+        def training_step(batch: Any, batch_idx: int) -> torch.Tensor:
+            optimizer = model.optimizers()
+            loss = nn.functional.mse_loss(model(batch[0]).float(), batch[1])
+            optimizer.zero_grad()
+            model.manual_backward(loss)
+            optimizer.step()
+            return loss
+
+        model.training_step = training_step
+        trainer = make_trainer(plugin, max_steps=steps, enable_checkpointing=True,
+                               callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(resuming from a checkpoint|ckpt_path|dataloader).*")
+            trainer.fit(model, ckpt_path=ckpt_path)
+        return model
+
+    fit(StablePrecision("bf16-mixed"), 3)
+    path = _checkpoints(tmp_path)[-1]
+    fingerprint = torch.load(path, weights_only=True)["StablePrecision"][KEY]
+    assert not fingerprint["pinned"] and fingerprint["checksums"]
+    plugin = StablePrecision("bf16-mixed")
+    fit(plugin, 4, ckpt_path=path)
+    assert [event["action"] for event in plugin.fingerprint.events] == ["passed"]
+    _corrupt(path, lambda c: c["state_dict"]["model.fc1.weight"].mul_(2))
+    with pytest.raises(FingerprintMismatch, match=r"state_dict\['model.fc1.weight'\]"):
+        fit(StablePrecision("bf16-mixed"), 4, ckpt_path=path)
