@@ -215,8 +215,8 @@ def test_after_the_unscale_kernel_the_pass_makes_no_flag_of_its_own():
 def test_a_share_step_checks_the_held_state_in_the_gradient_checks_own_kernel():
     """A step whose share of the held state (parameters, optimizer state) is not empty checks that share with the
     gradient check's kernel into the check's own flag (one process): no zero made for it, no fold, the kernel twice
-    (the gradients', the share's) and nothing else. An inf in the share is still caught: the step skipped, counted as no overflow (inf/NaN the gradient
-    check did not put there: nothing blamed on a module), and the next steps applied."""
+    (the gradients', the share's) and nothing else. An inf in the share is still caught: the step skipped, counted as
+    no overflow (inf/NaN the gradient check did not put there: nothing blamed on a module)."""
     from lit_mpstable.core.step.step_guard import STATE_SHARES, _shares
 
     model, stepper, optimizer = tiny_stepper("bf16-mixed", telemetry_every_n_steps=None)
@@ -224,7 +224,7 @@ def test_a_share_step_checks_the_held_state_in_the_gradient_checks_own_kernel():
     x, y = regression_data(16)
     target = next(index for index in busy if index > 1)  # after two clean steps: the check reuses its flag
     kernels = []
-    for step in range(target + 1):
+    for _ in range(target + 1):
         with OpNames() as ops:
             mse_backward(stepper, model, x, y)
             stepper.step(optimizer)

@@ -687,15 +687,14 @@ class StaticLossScaler(DynamicLossScaler):
         """:meth:`DynamicLossScaler.update`; an iteration whose steps the host saw clean moves nothing on the device
         (the scale is fixed, the overflow counter unchanged), so it only ends the iteration, without a kernel."""
         states = self._per_optimizer_states
-        state = next(iter(states.values())) if len(states) == 1 else None  # one optimizer: the usual case
-        checked = (bool(state["found_inf_per_device"]) if state is not None
-                   else any(entry["found_inf_per_device"] for entry in states.values()))
-        if new_scale is None and self._host_found is False and self._enabled and self._scale is not None and checked:
-            if self.checks_only and state is not None and state["stage"] is OptState.STEPPED:
+        if (new_scale is None and self._host_found is False and self._enabled and self._scale is not None
+                and any(state["found_inf_per_device"] for state in states.values())):
+            if self.checks_only and len(states) == 1:
                 # One optimizer, stepped, its flag read 0.0 by that step's host sync and written by nothing since:
                 # the next scale-1 check takes it as its zero.
+                (state,) = states.values()
                 flags = state["found_inf_per_device"]
-                if len(flags) == 1:
+                if state["stage"] is OptState.STEPPED and len(flags) == 1:
                     (self._spare_flag,) = flags.values()
             self.last_data_fault = False
             self._before_backoff = None
