@@ -245,18 +245,18 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return
         scale = self._scale
         if scale is None or self._growth_tracker is None:
-            self._check_scale_growth_tracker("unscale_")  # raises, naming the call
+            scale, _ = self._check_scale_growth_tracker("unscale_")  # raises, naming the call
         state = self._per_optimizer_states[id(optimizer)]
         stage = state["stage"]
         if stage is not OptState.READY:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update()."
                                if stage is OptState.UNSCALED else "unscale_() is being called after step().")
         found_inf, self._spare_flag = self._spare_flag, None  # 0.0 as the last step read it: no zero to allocate
-        if found_inf is None or found_inf.device != scale.device:  # type: ignore[union-attr]
-            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)  # type: ignore[union-attr]
+        if found_inf is None or found_inf.device != scale.device:
+            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         found = _checked_at_one(optimizer, found_inf, allow_fp16=self.allow_fp16_grads)
-        state["found_inf_per_device"] = (found if found is not None else self._unscale_grads_(
-            optimizer, one_on(scale.device), found_inf, False))  # type: ignore[union-attr]
+        state["found_inf_per_device"] = (found if found is not None
+                                         else self._unscale_grads_(optimizer, one_on(scale.device), found_inf, False))
         state["stage"] = OptState.UNSCALED
 
     def check_(self, optimizer: torch.optim.Optimizer) -> None:

@@ -190,7 +190,6 @@ def _unchanged_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     return _any(flags)
 
 
-
 _NO_GRAD = GradOff()  # _found_nonfinite's torch.no_grad(), entered on the steps that check a share
 
 
