@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
+from itertools import repeat
 from operator import attrgetter
 from typing import Any, NamedTuple
 
@@ -66,6 +67,27 @@ def grad_pass(grads: Sequence[torch.Tensor], found: torch.Tensor | None = None, 
     return GradPass(norm, found, set(map(_DTYPE, grads)) == _FP32)
 
 
+_PLAIN_TYPES = {torch.Tensor, torch.nn.Parameter}
+
+
+class GradOff:
+    """``torch.no_grad()`` for the check kernels on the step path, as one reusable object: entering it costs two C
+    calls instead of torch's Python ``set_grad_enabled`` objects (not reentrant: keep one per use, and enter nothing
+    that enters the same one inside)."""
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.prev)
+
+
+def first_grad_device(optimizer: torch.optim.Optimizer) -> torch.device | None:
+    """Where ``optimizer``'s first gradient lives (None: it has none)."""
+    return next((p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
+
+
 _ONES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -118,9 +140,15 @@ def amax_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def floating_tensors(data: object) -> list[torch.Tensor]:
     """The non-empty floating tensors of ``data`` (nested lists, tuples, namedtuples, dicts)."""
+    if type(data) in _FLAT and all(map(isinstance, data, repeat(torch.Tensor))):  # type: ignore[call-overload]
+        # The usual batch, (inputs, targets): no recursion.
+        return [t for t in data if t.is_floating_point() and t.numel()]  # type: ignore[attr-defined]
     found: list[torch.Tensor] = []
     _collect_floating(data, found)
     return found
+
+
+_FLAT = {tuple, list}
 
 
 def _collect_floating(data: Any, found: list[torch.Tensor]) -> None:
@@ -152,6 +180,8 @@ def map_tensors(data: Any, fn: Any) -> Any:
 
 def local_view(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (FSDP2), any other tensor as it is."""
+    if type(tensor) in _PLAIN_TYPES:  # no attribute to look for (a failed getattr costs a raised AttributeError)
+        return tensor
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
 

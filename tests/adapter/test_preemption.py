@@ -362,6 +362,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
         "_input_ends": _ITER, "_input_flag": _ITER,
         "_pending": "state loaded before the model arrived, consumed at setup",
         "_layout_seen": "the layout of the last forward, for the compile note only",
+        "_autocast": "the plain forward's autocast object, reused (built again from the device and dtype)",
         "_applied_by": "applied steps per optimizer in this process; the schedules' state is saved relative to it",
         "_data_fault": _ITER, "_overflowed": _ITER, "_stepped": _ITER, "_stepped_on": _ITER,
         "_spike": _ITER, "_zclipped": _ITER,

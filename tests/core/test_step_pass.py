@@ -210,3 +210,40 @@ def test_after_the_unscale_kernel_the_pass_makes_no_flag_of_its_own():
     assert names.count("_amp_foreach_non_finite_check_and_unscale_") == 1 and "zeros" not in names[-4:], names
     assert stepper._checker.grad_pass(optimizer).found is None
     assert not stepper._checker.found_inf(optimizer)  # the kernel's flag: clean
+
+
+def test_a_share_step_checks_the_held_state_in_the_gradient_checks_own_kernel():
+    """A step whose share of the held state (parameters, optimizer state) is not empty checks that share with the
+    gradient check's kernel into the check's own flag (one process): no zero made for it, no fold, the kernel twice
+    (the gradients', the share's) and nothing else. An inf in the share is still caught: the step skipped, counted as
+    no overflow (inf/NaN the gradient check did not put there: nothing blamed on a module)."""
+    from lit_mpstable.core.step.step_guard import STATE_SHARES, _shares
+
+    model, stepper, optimizer = tiny_stepper("bf16-mixed", telemetry_every_n_steps=None)
+    busy = [index for index, share in enumerate(_shares(optimizer)) if share]
+    x, y = regression_data(16)
+    target = next(index for index in busy if index > 1)  # after two clean steps: the check reuses its flag
+    kernels = []
+    for _ in range(target + 1):
+        with OpNames() as ops:
+            mse_backward(stepper, model, x, y)
+            stepper.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        kernels.append([name.split(".")[1] for name in ops.names
+                        if name.split(".")[1] in ("zeros", "maximum", "_amp_foreach_non_finite_check_and_unscale_")])
+    assert stepper.step_count == target + 1 and stepper.skipped_steps == 0
+    assert kernels[target] == ["_amp_foreach_non_finite_check_and_unscale_"] * 2, kernels[target]
+    # Corrupt state in the share of the next busy step: caught there, as no overflow.
+    step = stepper.counters.applied_by[id(optimizer)]
+    following = next(index for index in busy + [b + STATE_SHARES for b in busy] if index >= step % STATE_SHARES)
+    for _ in range(following - step % STATE_SHARES):
+        mse_backward(stepper, model, x, y)
+        stepper.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    param = _shares(optimizer)[following % STATE_SHARES][0]
+    optimizer.state[param]["exp_avg"].view(-1)[0] = float("inf")
+    mse_backward(stepper, model, x, y)
+    stepper.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    assert stepper.last_step_skipped and stepper.overflow_count == 0 and stepper.skipped_steps == 1
+    assert stepper.stats["nonfinite_after_check"] is True and stepper.stats["blamed_modules"] == []

@@ -21,7 +21,7 @@ from lit_mpstable.core.scaling.scaler_state import (
     check_state_keys,
     resolve_device,
 )
-from lit_mpstable.core.tensors import GradPass, grad_pass, one_on
+from lit_mpstable.core.tensors import GradOff, GradPass, first_grad_device, grad_pass, one_on
 
 _DEVICE_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflow_count", "_min_scale_hits")
 
@@ -185,11 +185,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def check_grads_(self, optimizer: torch.optim.Optimizer, device: torch.device | str, *,
                      unscale: bool = True) -> None:
-        """The step's gradient check of ``optimizer``, agreed across ranks: the scale's state on ``device`` if no loss
-        was scaled (the scale-1 check), ``unscale_`` (or, with ``unscale=False``, :meth:`check_`, which leaves the
-        gradients scaled), then :meth:`sync_found_inf_` (in a multi-process run). No host sync."""
+        """The step's gradient check of ``optimizer``, agreed across ranks: the scale's state where the gradients are
+        (else on ``device``) if no loss was scaled (the scale-1 check), ``unscale_`` (or, with ``unscale=False``,
+        :meth:`check_`, which leaves the gradients scaled), then :meth:`sync_found_inf_` (in a multi-process run). No
+        host sync."""
         if self._scale is None:
-            self.ensure_state_(device)
+            self.ensure_state_(first_grad_device(optimizer) or device)
         measured = None
         if self.measures_norm and self._enabled and (self.checks_only or not unscale):
             measured = self._check_by_pass_(optimizer, unscale=unscale)  # the check is the norm's pass
@@ -242,12 +243,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         # GradScaler.unscale_ with its inverse scale known to be 1 (checks_only): the same stage rules and kernel.
         if not self._enabled:
             return
-        scale, _ = self._check_scale_growth_tracker("unscale_")
+        scale = self._scale
+        if scale is None or self._growth_tracker is None:
+            scale, _ = self._check_scale_growth_tracker("unscale_")  # raises, naming the call
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+        stage = state["stage"]
+        if stage is not OptState.READY:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()."
+                               if stage is OptState.UNSCALED else "unscale_() is being called after step().")
         found_inf, self._spare_flag = self._spare_flag, None  # 0.0 as the last step read it: no zero to allocate
         if found_inf is None or found_inf.device != scale.device:
             found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
@@ -297,6 +300,32 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Drop this iteration's record for ``optimizer`` (unscaled, inf checks) without touching the scale: the
         iteration was discarded, so the next one starts fresh."""
         self._per_optimizer_states.pop(id(optimizer), None)
+
+    def check_also_(self, optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> bool:
+        """Check ``tensors`` (what the step reads besides the gradients: parameters, optimizer state) for inf/NaN into
+        this iteration's gradient check of ``optimizer``: GradScaler's kernel at an inverse scale of 1 (it writes each
+        tensor back unchanged, exactly) into the check's own flag, which the step then reads, so no flag of their own
+        is made and folded (two kernels fewer). Returns whether it did; False, nothing done, where the check is not one
+        flag on their device (several devices, a gradient pass's flag, no check yet, a tensor elsewhere or sparse):
+        the caller checks them apart. No host sync. One process only: the check's flag was agreed across ranks before
+        this adds to it."""
+        state = self._per_optimizer_states.get(id(optimizer)) if self._enabled else None
+        flags = state["found_inf_per_device"] if state else None
+        if not flags or len(flags) != 1:
+            return False
+        ((device, flag),) = flags.items()
+        measured = state.get("grad_pass")  # type: ignore[union-attr]
+        if (measured is not None and measured.found is flag) or set(map(_DEVICE, tensors)) != {device} or any(
+                map(_IS_SPARSE, tensors)):
+            return False
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            groups.setdefault(tensor.dtype, []).append(tensor)
+        one = one_on(device)
+        with _NO_GRAD:
+            for group in groups.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
+        return True
 
     def fold_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch.Tensor | None:
         """Add a device flag (inf/NaN found elsewhere: what the step is about to read) into ``optimizer``'s inf check
@@ -367,7 +396,21 @@ class DynamicLossScaler(torch.amp.GradScaler):
             found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
             self._note_skip(bool(sum(v.item() for v in found)))
             return result
-        return super().step(optimizer, *args, **kwargs)
+        # GradScaler.step's unfused path, its checks and refusals word for word, in one frame (every step runs it).
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        if self._scale is None or self._growth_tracker is None:
+            self._check_scale_growth_tracker("step")  # raises, naming the call
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if not state["found_inf_per_device"]:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        result = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return result
 
     def _note_skip(self, skipped: bool) -> None:
         # What the step's host sync found, kept for update(): an iteration overflowed if any optimizer's step did.
@@ -774,19 +817,7 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-class _GradOff:
-    """``torch.no_grad()`` for the check kernels on the step path, as one reusable object: entering it costs two C
-    calls instead of torch's Python ``set_grad_enabled`` objects (not reentrant: nothing inside enters it again)."""
-
-    def __enter__(self) -> None:
-        self.prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        torch._C._set_grad_enabled(self.prev)
-
-
-_NO_GRAD = _GradOff()
+_NO_GRAD = GradOff()  # the check kernels' torch.no_grad() (the step path runs them every step)
 
 _DIST = torch.distributed.is_available()  # a property of the build: asked once
 

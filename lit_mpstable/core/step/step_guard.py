@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from lit_mpstable.core.scaling.loss_scaler import one_on
 from lit_mpstable.core.scaling.scalers import LossScaler
-from lit_mpstable.core.tensors import local_view
+from lit_mpstable.core.tensors import GradOff, local_view
 from lit_mpstable.core.weights.keeper import first_grad_device
 
 STATE_SHARES = 16
@@ -32,26 +32,32 @@ def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: boo
     the others need no second read; None: all of ``optimizer``'s), the loss scale (``scaled``: a loss scale exists)
     and ``factor``, the multiplier a compact keeper's step still applies to the gradients (its unscale times its clip
     factor: a NaN ``max_norm`` makes it NaN), every step; the parameters (FP32 masters) and the optimizer's state,
-    share ``share`` of :data:`STATE_SHARES` (None: all of them). On the device, no host read: the step's one sync
-    reads the flag.
+    share ``share`` of :data:`STATE_SHARES` (None: all of them), checked into the gradient check's own flag where the
+    checker can (``check_also_``: one process). On the device, no host read: the step's one sync reads the flag.
 
     ``spike`` (a SpikeGuard's 0-dim bool decision) joins the folded flag too, agreed across ranks in the same
     all-reduce (a spike seen on one rank skips the step on all). Returns the gradient check as it was before (None
     where the scaler cannot take a flag) and the spike flag as agreed (None without ``spike``)."""
-    fold = checker.fold_found_inf_  # both checker kinds have it (a duck-typed scaler's folds nothing)
     if grads is None:
         grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
     # The gradients written since the check and this step's share of the held state: one check kernel (per device
     # and dtype) into one FP32 flag, which folds into the step's flag as it is (no bool, no stack).
-    tensors = [g if type(g) is torch.Tensor else local_view(g) for g in grads if not g.is_sparse]
-    tensors += held_tensors(optimizer, None if share is None else share % STATE_SHARES)
+    tensors = [g if type(g) is torch.Tensor else local_view(g) for g in grads if not g.is_sparse] if grads else []
+    held = held_tensors(optimizer, None if share is None else share % STATE_SHARES)
+    distributed = _distributed()
+    # The held share goes into the gradient check's own flag where it can (one kernel, nothing to fold); a
+    # multi-process run checks it apart, in the flag its all-reduce agrees on.
+    if held and (distributed or not checker.check_also_(optimizer, held)):
+        tensors += held
+    if not tensors and not scaled and factor is None and spike is None and not distributed:
+        return None, None  # a clean step: nothing was written since the check, nothing else to read apart
     flag = _found_nonfinite(tensors) if tensors else None
     scale = checker.get_scale_tensor() if scaled else None
     if scale is not None or factor is not None:
         checks = [] if flag is None else [flag > 0]
         checks += [~torch.isfinite(t).all() for t in (scale, factor) if t is not None]
         flag = _any(checks)
-    if _distributed():
+    if distributed:
         # Every rank skips together (a hook may write on one rank only): one all-reduce of the flags, on the device.
         device = flag.device if flag is not None else first_grad_device(optimizer) or torch.device(device)
         zero = torch.zeros((), device=device)
@@ -62,7 +68,8 @@ def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: boo
         spike = agreed[1] > 0 if spike is not None else None
     if spike is not None:
         flag = spike if flag is None else (flag > 0) | spike.to(flag.device)
-    return (fold(optimizer, flag) if flag is not None else None), spike
+    # Both checker kinds fold (a duck-typed scaler's folds nothing).
+    return (checker.fold_found_inf_(optimizer, flag) if flag is not None else None), spike
 
 
 def batch_ends(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -128,7 +135,8 @@ def _shares(optimizer: Optimizer) -> list[list[torch.Tensor]]:
     """``optimizer``'s parameters in :data:`STATE_SHARES` shares (:func:`_share`), computed once per set of parameters
     (by identity: a parameter added, or replaced in its group, makes them anew); a step then reads its share's
     parameters without summing every parameter's size again."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = optimizer.param_groups
+    params = groups[0]["params"] if len(groups) == 1 else [p for group in groups for p in group["params"]]
     if torch.compiler.is_compiling():  # traced once per graph: no cache (its finalizer would fail dynamo's guards)
         return [_share(params, i) for i in range(STATE_SHARES)]
     key = tuple(map(id, params))
@@ -182,6 +190,8 @@ def _unchanged_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     return _any(flags)
 
 
+_NO_GRAD = GradOff()  # _found_nonfinite's torch.no_grad(), entered on the steps that check a share
+
 
 def _found_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """:func:`_unchanged_nonfinite` as the kernel leaves it: a 0-dim FP32 flag (1.0: found) on the first tensor's
@@ -190,7 +200,7 @@ def _found_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     found = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
-    with torch.no_grad():
+    with _NO_GRAD:
         for (dev, _), group in groups.items():
             if dev == found.device:
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found, one_on(dev))

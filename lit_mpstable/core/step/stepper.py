@@ -204,6 +204,7 @@ class PrecisionStepper:
         self._input_ends: list[torch.Tensor] = []  # the step's batches' minima and maxima (batch_ends), on the device
         self._input_flag: tuple[int, torch.Tensor] | None = None  # input_nonfinite as computed, over that many ends
         self._layout_seen: tuple | None = None  # the fallbacks in force at the last forward
+        self._autocast: torch.autocast | None = None  # the plain forward's autocast, entered again each forward
         self._loss_scaled = False  # scale_loss ran in this process (the scaler has a scale to unscale by)
         self.step_buffers = StepBuffers()
         """The module's persistent buffers as the step in progress found them: written back when it is skipped."""
@@ -355,29 +356,51 @@ class PrecisionStepper:
         recompile it.
         """
         self._note_recompile()
-        self.step_buffers.begin_(self.layout.module)  # the buffers before the step's first training forward
+        layout, policy = self.layout, self.policy
+        self.step_buffers.begin_(layout.module)  # the buffers before the step's first training forward
+        extras = self._forward_extras(layout)
+        if extras:
+            with ExitStack() as stack:
+                for context in extras:
+                    stack.enter_context(context)
+                yield from self._compute_context(layout, policy)
+            return
+        dtype = self.dtype
+        if policy.steers or layout.fp32 or dtype == torch.float32 or self.true_16bit:
+            yield from self._compute_context(layout, policy)
+            return
+        # The plain *-mixed step, entered every step: autocast alone, as _compute_context enters it, without a
+        # generator delegated to, and one autocast object entered again forward after forward (building one costs
+        # half as much as entering it). Taken while in use: a forward inside this one builds its own. Under dynamo
+        # each traced forward builds its own (the construction is what it traces).
+        autocast = self._autocast if not torch.compiler.is_compiling() else None
+        self._autocast = None
+        if autocast is None or autocast.device != self.device or autocast.fast_dtype != dtype:
+            autocast = torch.autocast(self.device, dtype=dtype, cache_enabled=False)
+        with autocast:
+            yield
+        if not torch.compiler.is_compiling():
+            self._autocast = autocast
+        self._record_policy(policy)
+
+    def _forward_extras(self, layout: PrecisionLayout) -> list[AbstractContextManager[Any]]:
+        """The contexts a forward enters around the compute dtype's own; none on a plain step. The FP8 backend's only
+        where FP8 is configured (its layers exist only then), the input recast only in ``*-true`` modes."""
+        growth = self.growth
         traced = self.observer.tracer is not None
+        if growth is None and not traced and layout.fp8_backend is None and not self.true_16bit:
+            return []
         # A growth sample hooks the layers for this forward only; a compiled model runs it eagerly (its graph
         # holds no hook, so it neither breaks nor recompiles).
-        growth = self.growth if self.growth is not None and self.growth.due() else None
-        module = self.layout.module
+        growth = growth if growth is not None and growth.due() else None
+        module = layout.module
         eagerly = traced or (growth is not None and module is not None and is_compiled(module))
-        layout, policy = self.layout, self.policy
-        # The FP8 backend's context only where FP8 is configured (its layers exist only then), the input recast only
-        # in *-true modes: a plain step enters none of these.
-        extras = [context for context in (
+        return [context for context in (
             eager() if eagerly else None,
             growth.sampling() if growth is not None else None,
             layout.forward_context() if layout.fp8_backend is not None else None,
             self._recast_inputs() if self.true_16bit else None,
         ) if context is not None]
-        if not extras:  # the plain step: the precision's own context, no ExitStack around it
-            yield from self._compute_context(layout, policy)
-            return
-        with ExitStack() as stack:
-            for context in extras:
-                stack.enter_context(context)
-            yield from self._compute_context(layout, policy)
 
     def _compute_context(self, layout: PrecisionLayout, policy: OpPolicy) -> Generator[None, None, None]:
         """The body of :meth:`forward_context` inside its extra contexts: the compute dtype's own context."""
@@ -397,11 +420,15 @@ class PrecisionStepper:
             else:
                 with autocast:
                     yield
-            # A policy that never steers has nothing pending: its choices (all autocast) are recorded once.
-            if not (policy.steers and policy.pending) and self.stats.get("op_policy") != policy.choices:
-                self.stats["op_policy"] = dict(policy.choices)  # decided (second forward), forced or resumed
-                self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
-                                              for f, m in policy.measurements.items()}
+            self._record_policy(policy)
+
+    def _record_policy(self, policy: OpPolicy) -> None:
+        """After an autocast forward: the policy's choices into :attr:`stats` once made (a policy that never steers has
+        nothing pending: its choices, all autocast, are recorded once)."""
+        if not (policy.steers and policy.pending) and self.stats.get("op_policy") != policy.choices:
+            self.stats["op_policy"] = dict(policy.choices)  # decided (second forward), forced or resumed
+            self.stats["op_policy_ms"] = {f: {"autocast": m.autocast_ms, "fp32": m.fp32_ms}
+                                          for f, m in policy.measurements.items()}
 
     @contextmanager
     def _recast_inputs(self) -> Generator[None, None, None]:
@@ -511,7 +538,9 @@ class PrecisionStepper:
                 self._spike[id(optimizer)] = (self.spike_guard.decide(norm), norm)
             if self._norms is not None:
                 self._norms[id(optimizer)] = norm
-        self._observe()
+        observer = self.observer
+        if observer.tracer is not None or self.counters.step_count not in observer.quiet:  # else nothing is due
+            self._observe()
 
     def want_grad_norm_(self) -> None:
         """A monitor (the indicators' SpikeScore) needs each step's gradient norm: from now on the gradient check is
@@ -537,10 +566,10 @@ class PrecisionStepper:
         return measured.norm * multiplier.to(measured.norm.device) if multiplier is not None else measured.norm
 
     def _observe(self) -> None:
-        """Gradient telemetry into :attr:`stats` (the observer computes it on due steps only; it is not even asked on
-        the steps it said are quiet)."""
+        """Gradient telemetry into :attr:`stats` (the observer computes it on due steps only; :meth:`unscale_` does not
+        even ask it on the steps it said are quiet)."""
         module, observer = self.layout.module, self.observer
-        if module is None or (observer.tracer is None and self.counters.step_count in observer.quiet):
+        if module is None:
             return
         scaler = self.scaler
         scale = scaler.get_scale if scaler is not None else lambda: 1.0  # called on due steps only
@@ -655,52 +684,50 @@ class PrecisionStepper:
         if self._skip_requested:
             return self.discard_(optimizer)
         self.unscale_(optimizer)
-        guard = self.spike_guard
-        if guard is not None and guard.clip_zscore is not None and id(optimizer) not in self._zclipped:
+        key, guard = id(optimizer), self.spike_guard
+        if guard is not None and guard.clip_zscore is not None and key not in self._zclipped:
             self.clip_grad_norm_(optimizer, math.inf)  # clip_zscore without the user's clip: ZClip alone
-        self._zclipped.discard(id(optimizer))
+        self._zclipped.discard(key)
         # A hook's write reaches the keeper again; the plain keeper (mode None) holds the model's own gradients, with
         # nothing to absorb and no factor owed: its view is not built.
-        keeper = self.keeper
+        keeper, checker, now = self.keeper, self._checker, self.iteration
         factor = keeper.grads(optimizer, absorb=True).multiplier if keeper.mode is not None else None
-        checker = self._checker
-        spike = self._spike.pop(id(optimizer), (None, None))[0]
+        spike = self._spike.pop(key)[0] if key in self._spike else None
         early, spike = (check_step_inputs_(checker, optimizer, scaled=self.scaler is not None, device=self.device,
-                                           spike=spike, share=self.counters.applied_by.get(id(optimizer), 0),
-                                           grads=self.iteration.changed_since_check(optimizer), factor=factor)
+                                           spike=spike, share=self.counters.applied_by.get(key, 0),
+                                           grads=now.changed_since_check(optimizer), factor=factor)
                         if checker is not None and self.skip_nonfinite else (None, None))
-        output, skipped = self.keeper.end_step_(optimizer, checker, kwargs)
-        late = None
-        now = self.iteration
-        self.last_step_spiked = False
+        output, skipped = keeper.end_step_(optimizer, checker, kwargs)
+        late = spiked = False
         if checker is not None:
-            # Why it skipped, read on skipped steps only: a spike (SpikeGuard; a loss spike also explains the overflow
-            # of its scaled gradients), inf/NaN that entered after the gradient check (or parameters/state holding it),
-            # or a batch holding inf/NaN (the input check). None says anything about the scale: no backoff, no
-            # overflow counted, nothing blamed.
-            if skipped and spike is not None and bool(spike):
-                self.last_step_spiked = now.data_fault = True
-            elif skipped and ((early is not None and not bool(early)) or held_nonfinite(optimizer)):
-                late = now.data_fault = True
-            elif skipped and (flag := self.input_nonfinite) is not None and bool(flag):
-                now.data_fault = True
-            now.overflowed |= skipped and not late and not self.last_step_spiked
-            now.stepped.add(id(optimizer))
-        now.unscaled.discard(id(optimizer))
+            if skipped:
+                # Why it skipped, read on skipped steps only: a spike (SpikeGuard; a loss spike also explains the
+                # overflow of its scaled gradients), inf/NaN that entered after the gradient check (or parameters/state
+                # holding it), or a batch holding inf/NaN (the input check). None says anything about the scale: no
+                # backoff, no overflow counted, nothing blamed.
+                if spike is not None and bool(spike):
+                    spiked = now.data_fault = True
+                elif (early is not None and not bool(early)) or held_nonfinite(optimizer):
+                    late = now.data_fault = True
+                elif (flag := self.input_nonfinite) is not None and bool(flag):
+                    now.data_fault = True
+                now.overflowed |= not late and not spiked
+            now.stepped.add(key)
+        self.last_step_spiked = spiked
+        now.unscaled.discard(key)
         if guard is not None:
             guard.commit_(skipped, spiked=spike)  # folds the loss and norm of applied steps only
-            if guard.count_run_(self.last_step_spiked, applied=not skipped):
+            if guard.count_run_(spiked, applied=not skipped):
                 self.warnings.add(f"spike-level-shift:{self.step_count}", level_shift_note(guard, self.step_count))
         if late:
             self._blame_late(optimizer)
-        elif skipped and not self.last_step_spiked:
+        elif skipped and not spiked:
             self._blame()
         # inf/NaN that entered late, or a spike, is no overflow (a wider precision would not help): skipped only.
-        overflow = skipped and not late and not self.last_step_spiked
-        self._record(skipped=skipped, overflow=overflow, optimizer=optimizer)
-        now.note_stepped_on(self.optimizers, optimizer, self.keeper)
-        if not now.awaited(self.optimizers, optimizer, self.keeper):
-            self._update_scale_()
+        self._record(skipped=skipped, overflow=skipped and not late and not spiked, optimizer=optimizer)
+        now.note_stepped_on(self.optimizers, optimizer, keeper)
+        if not now.awaited(self.optimizers, optimizer, keeper):
+            now.update_scale_(checker)
         return output
 
     def _update_scale_(self) -> None:
@@ -1147,8 +1174,8 @@ class Iteration:
     def note_checked(self, optimizer: Optimizer) -> None:
         """``optimizer``'s gradients as the gradient check left them: the step-input check reads again only those
         written since (by a hook or clipping)."""
-        self.checked[id(optimizer)] = GradSet([p.grad for g in optimizer.param_groups for p in g["params"]
-                                               if p.grad is not None])
+        self.checked[id(optimizer)] = GradSet([grad for g in optimizer.param_groups for p in g["params"]
+                                               if (grad := p.grad) is not None])
 
     def changed_since_check(self, optimizer: Optimizer) -> list[torch.Tensor] | None:
         """``optimizer``'s gradients written since the check noted them (by a hook or clipping), which the step-input
@@ -1247,10 +1274,13 @@ class RunCounters:
         """Count one step of ``optimizer`` (None: a step no optimizer is known for)."""
         self.last_step_skipped = skipped
         self.step_count += 1
-        self.skipped_steps += int(skipped)
-        self.overflow_count += int(overflow)
-        if optimizer is not None and not skipped:
-            self.applied_by[id(optimizer)] = self.applied_by.get(id(optimizer), 0) + 1
+        if skipped:
+            self.skipped_steps += 1
+        elif optimizer is not None:
+            applied = self.applied_by
+            applied[id(optimizer)] = applied.get(id(optimizer), 0) + 1
+        if overflow:
+            self.overflow_count += 1
 
     def applied(self, optimizer: Optimizer | None = None) -> int:
         """Steps applied (not skipped), of ``optimizer`` alone if given (seen through a front end's wrapper)."""

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lit_mpstable.core.scaling.scalers import LossScaler
+from lit_mpstable.core.tensors import first_grad_device as first_grad_device  # re-exported: the keepers' helper
 
 if TYPE_CHECKING:
     # torch's names: a state dict as loaded (its values unchecked until a load checks them), optimizer.step's kwargs
@@ -78,10 +79,10 @@ class Keeper:
         if checker is None:
             return
         # The scale-1 check of scaler=None creates its state where the gradients are (no loss was scaled to create
-        # it). An inf only some ranks see (written after DDP's all-reduce, or in a gradient shard) must skip the step
-        # on every rank: the check ends with one all-reduce of the found-inf flag (and the adaptive amax), on the
-        # device.
-        checker.check_grads_(optimizer, first_grad_device(optimizer) or device, unscale=not self.defers_unscale)
+        # it; ``device`` where there are none). An inf only some ranks see (written after DDP's all-reduce, or in a
+        # gradient shard) must skip the step on every rank: the check ends with one all-reduce of the found-inf flag
+        # (and the adaptive amax), on the device.
+        checker.check_grads_(optimizer, device, unscale=not self.defers_unscale)
 
     def grads(self, optimizer: Optimizer, *, absorb: bool = False) -> GradView:
         """The tensors holding ``optimizer``'s gradients and the unscale factor still owed them; ``absorb``: first
@@ -313,10 +314,6 @@ def check_eps(owner: str, optimizers: Iterable[Optimizer]) -> None:
                     f" {tiny:.3g} (2**-14; the smallest nonzero is 5.96e-08); use eps=1e-4, or"
                     " master_weights=True (FP32 masters and FP32 optimizer state keep eps=1e-8)."
                 )
-
-
-def first_grad_device(optimizer: Optimizer) -> torch.device | None:
-    return next((p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
 
 
 def cast_state_(optimizer: Optimizer, param: torch.Tensor) -> None:
