@@ -24,9 +24,13 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-share
 """The build's flags; :func:`load` drops ``-march=native`` for a compiler that refuses it."""
 
 
+SWITCH = "LIT_MPSTABLE_NATIVE"
+"""The environment variable that turns every C loop off when ``0`` (read at each use: a test may set it late)."""
+
+
 def enabled() -> bool:
     """Whether C loops may be used: not with ``LIT_MPSTABLE_NATIVE=0``."""
-    return os.environ.get("LIT_MPSTABLE_NATIVE", "1") != "0"
+    return os.environ.get(SWITCH, "1") != "0"
 
 
 def compiler() -> str | None:
