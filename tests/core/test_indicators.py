@@ -52,7 +52,7 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
     """The arithmetic (not view or copy) operations run inside it, by name."""
 
     _VIEWS = {"detach", "view", "alias", "_reshape_alias", "unsqueeze", "select", "unbind", "as_strided", "t",
-              "reshape", "_to_copy", "lift_fresh", "clone"}
+              "reshape", "_to_copy", "lift_fresh", "clone", "slice", "unfold", "expand"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,6 +104,20 @@ def test_without_a_spike_score_a_step_does_nothing_and_the_state_says_so():
         Indicators(spike_score=1)  # type: ignore[arg-type]
 
 
+def test_spike_score_judges_a_batch_in_a_few_operations_whatever_its_size():
+    """A batch of queued steps is judged in one short, fixed list of tensor operations: no padding, no re-ordering of
+    the window, no per-step index arithmetic (each is a kernel launch on a GPU, a few microseconds on a CPU)."""
+    lists = []
+    for queued in (1, 5):
+        score = SpikeScore(8, 20, 2.0)
+        for i in range(30 + queued):
+            score.update(torch.tensor(1.0 + i % 3), torch.tensor(2.0))
+        with _Ops() as seen:
+            score.flush()
+        lists.append(seen.ops)
+    assert lists[0] == lists[1] and len(lists[0]) <= 16, lists
+
+
 def _layered_adam(layers: int):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
@@ -126,6 +140,19 @@ def test_measure_runs_as_many_operations_for_many_parameters_as_for_few():
             ind.measure(opt)
         ops.append(seen.ops)
     assert ops[0] == ops[1], ops  # multi-tensor ops, not one set of ops a parameter
+
+
+def test_measure_makes_few_passes_over_the_parameters():
+    """The update ratio reads the parameters in three multi-tensor passes (norm, difference, norm), the Adam lag in
+    five (two to form g^2 * (1 - beta2^t) / threshold - v, then clamp, sign, norm)."""
+    opt = _layered_adam(3)
+    ind = Indicators()
+    ind.snapshot_(opt)
+    opt.step()
+    with _Ops() as seen:
+        ind.measure(opt)
+    passes = [op for op in seen.ops if op.startswith("_foreach")]
+    assert len(passes) <= 8 and len(seen.ops) <= 22, seen.ops
 
 
 def _adam_run(steps=3, lr=0.1):
