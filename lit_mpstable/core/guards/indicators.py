@@ -90,7 +90,7 @@ class SpikeScore:
         self.steps = 0
         """Steps seen, queued ones included (a host int: counted, never read from the device)."""
         self._pending: list[torch.Tensor] = []
-        """The queued steps' loss and gradient norm, in order (0-d tensors on the buffers' device, two a step)."""
+        """The queued steps' loss and gradient norm, in order (0-d tensors, two a step)."""
         self._values = torch.zeros(2, window_size + self.capacity)
         """Rows: loss, gradient norm; the last ``window_size`` judged values oldest first, then a batch's room."""
         self._spare = torch.zeros_like(self._values)
@@ -109,12 +109,8 @@ class SpikeScore:
         return self
 
     def update(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Queue one step's loss and gradient norm (no host read; no device op where they are 0-d tensors on the
-        buffers' device, as a loss and a norm are)."""
-        for value in (loss.detach(), grad_norm.detach()):
-            if value.dim() or value.device != self._values.device:
-                value = value.reshape(()).to(self._values.device)
-            self._pending.append(value)
+        """Queue one step's loss and gradient norm (no host read, no device op)."""
+        self._pending += (loss.detach().reshape(()), grad_norm.detach().reshape(()))
         self.steps += 1
         if len(self._pending) >= 2 * self.capacity:
             self.flush()
@@ -126,7 +122,10 @@ class SpikeScore:
         size, values = self.window_size, self._values
         k = len(self._pending) // 2
         first = self.steps - k  # the first queued step
-        values[:, size:size + k].copy_(torch.stack(self._pending).view(k, 2).t())  # to FP32 on the way in
+        pending = self._pending
+        if any(t.device != pending[0].device for t in pending):  # a loss and a norm from different devices
+            pending = [t.to(values.device) for t in pending]
+        values[:, size:size + k].copy_(torch.stack(pending).view(k, 2).t())  # to FP32, on this device, on the way in
         self._pending = []
         # window i, the `size` values before queued step i, is values[:, i:i + size]; a batch has a fixed shape (the
         # entries past the k queued ones are stale and their verdicts dropped)
