@@ -41,12 +41,14 @@ from torch.optim import Optimizer
 
 MEASURED_LEAD = {
     "update_ratio": "on the CPU GPT at a spiking LR this warning came 1-11 steps before the loss spike in 4 of 5 seeds"
-                    " (6 steps after it in one); never on 5 seeds at the normal LR",
-    "adam_lag": "on the CPU GPT at a spiking LR this warning came 34-52 steps (median 46) before the loss spike in 5 of"
-                " 5 seeds; never on 5 seeds at the normal LR",
+                    " on one machine, in 1 of 5 on another (after it, or never, in the rest); never on 5 seeds at the"
+                    " normal LR",
+    "adam_lag": "on the CPU GPT at a spiking LR this warning came 33-55 steps (median 46) before the loss spike in 5 of"
+                " 5 seeds on each of two machines; never on 5 seeds at the normal LR",
 }
 """What each warning says about its lead, as measured by experiments/indicators/lead_time.py (GPT d 128, 2 blocks,
-AdamW at LR 0.4 vs 3e-3, logging every 5 steps; experiments/results/indicators/table.md)."""
+AdamW at LR 0.4 vs 3e-3, logging every 5 steps; experiments/results/indicators/table.md, and lead_time_rerun/ on a
+second machine, where the training runs, hence the spikes, differ)."""
 
 
 def _check(ok: bool, call: str, rule: str) -> None:
