@@ -48,6 +48,18 @@ def test_spike_score_is_olmo_cores_definition():
     assert max(want) > 0  # the spikes were seen
 
 
+def test_spike_score_takes_a_one_element_loss_and_a_half_precision_norm():
+    gen = torch.Generator().manual_seed(2)
+    losses, norms = (torch.rand(20, generator=gen) + 2).tolist(), (torch.rand(20, generator=gen) + 1).tolist()
+    losses[14] = 50.0
+    score = SpikeScore(window_size=4, rolling_window=6, threshold_std=2.0)
+    for loss, norm in zip(losses, norms):
+        score.update(torch.tensor([loss]), torch.tensor(norm, dtype=torch.bfloat16))
+    rounded = [float(torch.tensor(n, dtype=torch.bfloat16)) for n in norms]
+    want = _olmo_spike_score(losses, rounded)[-1]
+    assert want > 0 and float(score.score()) == pytest.approx(want)
+
+
 class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
     """The arithmetic (not view or copy) operations run inside it, by name."""
 

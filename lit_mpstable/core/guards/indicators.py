@@ -112,7 +112,8 @@ class SpikeScore:
 
     def update(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Queue one step's loss and gradient norm (no host read, no device op)."""
-        self._pending += (loss.detach().reshape(()), grad_norm.detach().reshape(()))
+        self._pending += (loss.detach() if loss.requires_grad else loss,
+                          grad_norm.detach() if grad_norm.requires_grad else grad_norm)
         self.steps += 1
         if len(self._pending) >= 2 * self.capacity:
             self.flush()
@@ -124,9 +125,9 @@ class SpikeScore:
         size, values = self.window_size, self._values
         k = len(self._pending) // 2
         first = self.steps - k  # the first queued step
-        pending = self._pending
-        if any(t.device != pending[0].device for t in pending):  # a loss and a norm from different devices
-            pending = [t.to(values.device) for t in pending]
+        pending, like = self._pending, self._pending[0]
+        if any(t.device != like.device or t.shape != like.shape for t in pending):  # mixed devices, or a (1,)-shaped
+            pending = [t.reshape(()).to(values.device) for t in pending]  # loss with a 0-d norm: one stack after all
         values[:, size:size + k].copy_(torch.stack(pending).view(k, 2).t())  # to FP32, on this device, on the way in
         self._pending = []
         # window i, the `size` values before queued step i, is values[:, i:i + size]; a batch has a fixed shape (the
@@ -482,8 +483,8 @@ class Indicators:
         if self.spike_score is None:
             return
         if norms and all(n is not None for n in norms):
-            known = [n.float() for n in norms if n is not None]
-            norm = known[0] if len(known) == 1 else torch.linalg.vector_norm(torch.stack(known))
+            known = [n for n in norms if n is not None]  # one: queued as it is (made FP32 when judged)
+            norm = known[0] if len(known) == 1 else torch.linalg.vector_norm(torch.stack([n.float() for n in known]))
         else:
             params = _params(optimizer) if optimizer is not None else []
             grads = [p.grad for p in params if p.grad is not None]
