@@ -86,7 +86,7 @@ class SpikeScore:
         self.window_size, self.rolling_window, self.threshold_std = window_size, rolling_window, float(threshold_std)
         self.capacity = min(self.PENDING, window_size, rolling_window)
         self.flags = torch.zeros(rolling_window)
-        """1.0 where a step was a spike, the last ``rolling_window`` judged steps (a ring: step s at s % size)."""
+        """1.0 for a spike, else 0.0: the last ``rolling_window`` judged steps (a ring: step s at s % that)."""
         self.spikes = torch.zeros(())
         """Spike steps over the whole run (a device count)."""
         self.steps = 0
