@@ -156,7 +156,7 @@ def test_measure_runs_as_many_operations_for_many_parameters_as_for_few():
 
 def test_measure_makes_few_passes_over_the_parameters():
     """The update ratio reads the parameters in three multi-tensor passes (norm, difference, norm), the Adam lag in
-    five (two to form g^2 * (1 - beta2^t) / threshold - v, then clamp, sign, norm)."""
+    five (two to form v - g * (g * (1 - beta2^t) / threshold), then clamp, sign, norm)."""
     opt = _layered_adam(3)
     ind = Indicators()
     ind.snapshot_(opt)
