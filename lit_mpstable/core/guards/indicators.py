@@ -500,8 +500,9 @@ class Indicators:
         """After the step: per parameter tensor, the update ratio (0 without a snapshot) and the Adam-lag fraction
         (0 where no Adam state), and the global lag fraction; device tensors, nothing read.
 
-        Eight multi-tensor (``torch._foreach_*``) passes over all parameters, no per-parameter arithmetic: three for
-        the update ratio (the update is p_before - p_after, computed in the snapshot's own memory), five for the lag."""
+        Seven multi-tensor (``torch._foreach_*``) passes over all parameters, no per-parameter arithmetic: three for
+        the update ratio (the update is p_before - p_after, computed in the snapshot's own memory), four for the lag
+        (five where the optimizer keeps its step counts on the accelerator)."""
         entries = _entries(optimizer)
         params = [p.detach() for _, _, p in entries]
         device = params[0].device if params else torch.device("cpu")
@@ -514,7 +515,7 @@ class Indicators:
         else:
             ratios = torch.zeros(len(params), device=device)
         del before
-        # A coordinate lags when g^2 < threshold * v / (1 - beta2^t), i.e. v - g * (g * (1 - beta2^t) / threshold) > 0:
+        # A coordinate lags when g^2 < threshold * v / (1 - beta2^t), i.e. v - g * g * (1 - beta2^t) / threshold > 0:
         # v is subtracted, never multiplied (Adam's second moments are often subnormal, and subnormal products are
         # slow on CPUs). The non-positive differences are made 0 and the positive 1 (clamp, sign: NaN gives 0, not
         # lagging, as a comparison would) and counted as a squared norm (exact below 2**22 coordinates a tensor).
@@ -533,11 +534,13 @@ class Indicators:
         if grads:
             where = steps[0].device if isinstance(steps[0], torch.Tensor) else torch.device("cpu")
             decayed = torch.tensor(betas, device=where) ** _step_counts(steps, where)  # beta2^t
-            inverse = 1 / self.lag_threshold
-            factors = torch.rsub(decayed, inverse, alpha=inverse)  # (1 - beta2^t) / threshold in one op
-            scaled = torch._foreach_mul(grads, list(factors.unbind()))
-            lagging = torch._foreach_addcmul(seconds, grads, scaled, value=-1)
-            del scaled
+            factors = decayed.sub_(1).mul_(1 / self.lag_threshold)  # -(1 - beta2^t) / threshold
+            # v + g * g * factor in one pass where the factors are in host memory (read as scalars: no device sync);
+            # where the optimizer keeps its step counts on the accelerator (a capturable Adam) they scale g first
+            if factors.device.type == "cpu":
+                lagging = torch._foreach_addcmul(seconds, grads, grads, factors)
+            else:
+                lagging = torch._foreach_addcmul(seconds, grads, torch._foreach_mul(grads, list(factors.unbind())))
             torch._foreach_clamp_min_(lagging, 0.0)
             torch._foreach_sign_(lagging)
             counts = torch.stack(torch._foreach_norm(lagging)).square_().round_().to(device)
