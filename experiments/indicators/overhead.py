@@ -6,7 +6,9 @@
 ``make run``'s GPT (d 128, 2 blocks, batch 16 x 64 characters, AdamW) in a plain FP32 loop on one thread. Paired
 rounds (thread CPU time, which other jobs on a shared machine disturb less than wall time): each round times
 ``--log-every`` (10, ``make run``'s logging period) steps without the indicators, then the
-same number with them, as OverflowMonitor runs them: the SpikeScore update every step, and on the round's one logging
+same number with them, as OverflowMonitor runs them: the SpikeScore update every step (with the gradient norm the step
+measured, as StablePrecision's gradient check does for OverflowMonitor; ``--grad-norm read``: the indicators read the
+gradients themselves, as a plain loop that measures no norm makes them), and on the round's one logging
 step the parameter snapshot before the step, ``measure`` after it, the attention recorder armed for that forward
 (``--attention``) and one ``tolist`` of everything. The overhead is the median over rounds of (with / without - 1);
 on a shared machine its rounds spread by several %, so the time inside the indicators' own calls (and inside the
@@ -41,6 +43,8 @@ from common import cpu_flags, environment  # noqa: E402
 from lit_mpstable.app.zoo import GPT, CharLMData  # noqa: E402
 
 OUT = ROOT / "experiments" / "results" / "indicators"
+GRAD_NORM = {"step": "measured by the step in every arm and passed in, as OverflowMonitor takes StablePrecision's",
+             "read": "read off the gradients by the indicators, every step"}
 
 
 def main() -> None:
@@ -52,6 +56,10 @@ def main() -> None:
     parser.add_argument("--spike-score", action=argparse.BooleanOptionalAction, default=True,
                         help="--no-spike-score: Indicators(spike_score=False), nothing between logging steps")
     parser.add_argument("--before", type=Path, default=None, help="an earlier indicators.py, timed as a third arm")
+    parser.add_argument("--grad-norm", choices=("step", "read"), default="step",
+                        help="step: every arm's step measures the gradient norm (StablePrecision's gradient check, or"
+                             " clip_grad_norm_) and the SpikeScore takes it, as in OverflowMonitor; read: the"
+                             " SpikeScore reads the gradients itself (a plain loop that measures no norm)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = CharLMData(seq_len=64, batch_size=16)
@@ -102,9 +110,13 @@ def main() -> None:
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        norms = None
+        if args.grad_norm == "step":  # part of the step in every arm, as the gradient check is
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))]
         opt.step()
         if indicators is not None:
-            counted(arm, indicators.update_spike_score, loss, opt)
+            counted(arm, indicators.update_spike_score, loss, opt, norms)
             if logging:
                 counted(arm, read, indicators, recorder)
 
@@ -150,6 +162,7 @@ def main() -> None:
               "own_ms_per_step": {arm: {label: spent / (args.rounds * args.log_every) * 1e3
                                         for label, spent in calls.items()} for arm, calls in per_call.items() if calls},
               "log_every": args.log_every, "attention": args.attention, "spike_score": args.spike_score,
+              "grad_norm": args.grad_norm,
               "rounds": args.rounds,
               "flags": cpu_flags(), "env": environment()}
     before_text = ""
@@ -170,7 +183,8 @@ def main() -> None:
     text = (f"GPT step (mean over {args.log_every} steps, one of them a logging step), median of {args.rounds} paired"
             f" rounds: {result['median_step_ms_without']:.1f} ms without, {result['median_step_ms_with']:.1f} ms with"
             f" the indicators{'' if args.spike_score else ' (no SpikeScore)'}"
-            f"{' and the attention recorder' if args.attention else ''}; median paired overhead"
+            f"{' and the attention recorder' if args.attention else ''}"
+            f" (SpikeScore's gradient norm: {GRAD_NORM[args.grad_norm]}); median paired overhead"
             f" {result['median_overhead']:+.2%} (mean {result['mean_overhead']:+.2%}"
             f" +- {result['stderr_overhead'] or 0:.2%} s.e.; rounds: {min(ratios):+.2%} .. {max(ratios):+.2%}); the"
             f" indicators' own calls (thread CPU time inside them and inside the recorder's q.k products):"

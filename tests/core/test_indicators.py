@@ -48,11 +48,23 @@ def test_spike_score_is_olmo_cores_definition():
     assert max(want) > 0  # the spikes were seen
 
 
+def test_spike_score_takes_a_one_element_loss_and_a_half_precision_norm():
+    gen = torch.Generator().manual_seed(2)
+    losses, norms = (torch.rand(20, generator=gen) + 2).tolist(), (torch.rand(20, generator=gen) + 1).tolist()
+    losses[14] = 50.0
+    score = SpikeScore(window_size=4, rolling_window=6, threshold_std=2.0)
+    for loss, norm in zip(losses, norms):
+        score.update(torch.tensor([loss]), torch.tensor(norm, dtype=torch.bfloat16))
+    rounded = [float(torch.tensor(n, dtype=torch.bfloat16)) for n in norms]
+    want = _olmo_spike_score(losses, rounded)[-1]
+    assert want > 0 and float(score.score()) == pytest.approx(want)
+
+
 class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
     """The arithmetic (not view or copy) operations run inside it, by name."""
 
     _VIEWS = {"detach", "view", "alias", "_reshape_alias", "unsqueeze", "select", "unbind", "as_strided", "t",
-              "reshape", "_to_copy", "lift_fresh", "clone"}
+              "reshape", "_to_copy", "lift_fresh", "clone", "slice", "unfold", "expand"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,6 +116,20 @@ def test_without_a_spike_score_a_step_does_nothing_and_the_state_says_so():
         Indicators(spike_score=1)  # type: ignore[arg-type]
 
 
+def test_spike_score_judges_a_batch_in_a_few_operations_whatever_its_size():
+    """A batch of queued steps is judged in one short, fixed list of tensor operations: no padding, no re-ordering of
+    the window, no per-step index arithmetic (each is a kernel launch on a GPU, a few microseconds on a CPU)."""
+    lists = []
+    for queued in (1, 5):
+        score = SpikeScore(8, 20, 2.0)
+        for i in range(30 + queued):
+            score.update(torch.tensor(1.0 + i % 3), torch.tensor(2.0))
+        with _Ops() as seen:
+            score.flush()
+        lists.append(seen.ops)
+    assert lists[0] == lists[1] and len(lists[0]) <= 16, lists
+
+
 def _layered_adam(layers: int):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
@@ -126,6 +152,19 @@ def test_measure_runs_as_many_operations_for_many_parameters_as_for_few():
             ind.measure(opt)
         ops.append(seen.ops)
     assert ops[0] == ops[1], ops  # multi-tensor ops, not one set of ops a parameter
+
+
+def test_measure_makes_few_passes_over_the_parameters():
+    """The update ratio reads the parameters in three multi-tensor passes (norm, difference, norm), the Adam lag in
+    four (v - g * g * (1 - beta2^t) / threshold in one, the factors on the CPU, then clamp, sign, norm)."""
+    opt = _layered_adam(3)
+    ind = Indicators()
+    ind.snapshot_(opt)
+    opt.step()
+    with _Ops() as seen:
+        ind.measure(opt)
+    passes = [op for op in seen.ops if op.startswith("_foreach")]
+    assert len(passes) <= 7 and len(seen.ops) <= 22, seen.ops
 
 
 def _adam_run(steps=3, lr=0.1):
@@ -161,6 +200,24 @@ def test_update_ratio_and_adam_lag_match_a_plain_computation():
     assert float(total) == pytest.approx(sum(lagging) / sum(sizes))
     assert 0 < float(total) < 1
     assert parameter_names(model, opt) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+@pytest.mark.gpu
+def test_adam_lag_with_the_step_counts_on_the_gpu_matches_a_plain_computation():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, betas=(0.9, 0.99), capturable=True)
+    x = torch.randn(16, 8, device="cuda")
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    _, lags, _ = Indicators(lag_threshold=0.5).measure(opt)
+    want = []
+    for p in model.parameters():
+        v_hat = opt.state[p]["exp_avg_sq"] / (1 - 0.99 ** float(opt.state[p]["step"]))
+        want.append(float((p.grad.square() < 0.5 * v_hat).float().mean()))
+    assert opt.state[model.weight]["step"].is_cuda and lags.tolist() == pytest.approx(want)
 
 
 def test_measure_without_snapshot_or_adam_state_gives_zeros():

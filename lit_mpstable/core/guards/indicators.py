@@ -17,9 +17,10 @@ Four statistics (DESIGN "Fingerprints and leading indicators"):
   exceeds mean + ``threshold_std`` (6) standard deviations (population std, only when std > 1e-10) of the previous
   ``window_size`` (128) values of the same series, judged only once that window is full; the score is the fraction of
   spike steps over the last ``rolling_window`` (10000) steps, reported once that window is full (before that, the
-  total: spikes / steps, once ``window_size`` steps were seen). Here the windows are ring buffers on the device; a
-  step only queues its loss and gradient norm, judged with the others in one batch of tensor ops when the score is
-  read: no host read, and no judging, per step.
+  total: spikes / steps, once ``window_size`` steps were seen). Like OLMo-core's (which judges every step's recorded
+  loss and total gradient norm, the norm its gradient clipping measured), it must see every step. Here the windows
+  live on the device; a step only queues its loss and gradient norm, judged with the others in one batch of tensor ops
+  when the score is read: no host read, and no judging, per step.
 
 :class:`Indicators` also holds the warning rule (host side, on the values read at a logging step): it warns when the
 update ratio passes ``ratio_factor`` times the median of its previous ``baseline`` logged values, or when the Adam
@@ -40,12 +41,14 @@ from torch.optim import Optimizer
 
 MEASURED_LEAD = {
     "update_ratio": "on the CPU GPT at a spiking LR this warning came 1-11 steps before the loss spike in 4 of 5 seeds"
-                    " (6 steps after it in one); never on 5 seeds at the normal LR",
-    "adam_lag": "on the CPU GPT at a spiking LR this warning came 34-52 steps (median 46) before the loss spike in 5 of"
-                " 5 seeds; never on 5 seeds at the normal LR",
+                    " on one machine, in 1 of 5 on another (after it, or never, in the rest); never on 5 seeds at the"
+                    " normal LR",
+    "adam_lag": "on the CPU GPT at a spiking LR this warning came 33-55 steps (median 46) before the loss spike in 5 of"
+                " 5 seeds on each of two machines; never on 5 seeds at the normal LR",
 }
 """What each warning says about its lead, as measured by experiments/indicators/lead_time.py (GPT d 128, 2 blocks,
-AdamW at LR 0.4 vs 3e-3, logging every 5 steps; experiments/results/indicators/table.md)."""
+AdamW at LR 0.4 vs 3e-3, logging every 5 steps; experiments/results/indicators/table.md, and lead_time_rerun/ on a
+second machine, where the training runs, hence the spikes, differ)."""
 
 
 def _check(ok: bool, call: str, rule: str) -> None:
@@ -63,13 +66,14 @@ def _count(value: Any, low: int = 1) -> bool:
 
 # ---------------------------------------------------------------------------------------------------- SpikeScore
 class SpikeScore:
-    """OLMo-core's SpikeScore on device ring buffers (see the module docstring); :meth:`update` once per step.
+    """OLMo-core's SpikeScore on device buffers (see the module docstring); :meth:`update` once per step.
 
     A step's loss and gradient norm are queued (:meth:`update` does no device arithmetic beyond what the caller
     computed) and judged in one batch of tensor ops when the score or the state is asked for, or when
     ``PENDING`` steps are queued. Each queued step is judged against exactly the window of ``window_size`` values
     before it, in a batch of fixed shape, so the flags do not depend on when the batch ran (a resumed run judges as an
-    uninterrupted one)."""
+    uninterrupted one). The windows are kept oldest first, with room for a batch after them: the ``window_size``
+    values before queued step i are one slice of that buffer, so a batch is judged in about 15 tensor ops."""
 
     PENDING = 64
     """Steps queued at most before they are judged (fewer when a window is shorter)."""
@@ -80,26 +84,36 @@ class SpikeScore:
                "must be an int in [1, 2**20].")
         _check(_positive(threshold_std), f"SpikeScore(threshold_std={threshold_std!r})", "must be a number > 0.")
         self.window_size, self.rolling_window, self.threshold_std = window_size, rolling_window, float(threshold_std)
-        self.history = torch.zeros(2, window_size)
-        """Rows: loss, gradient norm; the last ``window_size`` judged values of each (a ring: step s at s % size)."""
+        self.capacity = min(self.PENDING, window_size, rolling_window)
         self.flags = torch.zeros(rolling_window)
-        """1.0 where a step was a spike, the last ``rolling_window`` judged steps (a ring)."""
+        """1.0 for a spike, else 0.0: the last ``rolling_window`` judged steps (a ring: step s at s % that)."""
         self.spikes = torch.zeros(())
         """Spike steps over the whole run (a device count)."""
         self.steps = 0
         """Steps seen, queued ones included (a host int: counted, never read from the device)."""
-        self.capacity = min(self.PENDING, window_size, rolling_window)
         self._pending: list[torch.Tensor] = []
         """The queued steps' loss and gradient norm, in order (0-d tensors, two a step)."""
+        self._values = torch.zeros(2, window_size + self.capacity)
+        """Rows: loss, gradient norm; the last ``window_size`` judged values oldest first, then a batch's room."""
+        self._spare = torch.zeros_like(self._values)
+        """The next batch's buffer: the kept values are copied into it (a shift in place would overlap itself)."""
+
+    @property
+    def history(self) -> torch.Tensor:
+        """Rows: loss, gradient norm; the last ``window_size`` judged values as a ring (step s at s % window_size)."""
+        judged = self.steps - len(self._pending) // 2
+        return self._values[:, :self.window_size].roll(judged % self.window_size, dims=1)
 
     def to(self, device: torch.device | str) -> SpikeScore:
         self.flush()
-        self.history, self.flags, self.spikes = (t.to(device) for t in (self.history, self.flags, self.spikes))
+        self._values, self._spare, self.flags, self.spikes = (
+            t.to(device) for t in (self._values, self._spare, self.flags, self.spikes))
         return self
 
     def update(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Queue one step's loss and gradient norm (no host read, no device op)."""
-        self._pending += (loss.detach(), grad_norm.detach())
+        self._pending += (loss.detach() if loss.requires_grad else loss,
+                          grad_norm.detach() if grad_norm.requires_grad else grad_norm)
         self.steps += 1
         if len(self._pending) >= 2 * self.capacity:
             self.flush()
@@ -108,26 +122,32 @@ class SpikeScore:
         """Judge the queued steps, each against the ``window_size`` values before it, and add them to the windows."""
         if not self._pending:
             return
-        device, size, cap = self.history.device, self.window_size, self.capacity
-        k, first = len(self._pending) // 2, self.steps - len(self._pending) // 2
-        queued = torch.stack([t.to(device=device, dtype=torch.float32).reshape(()) for t in self._pending])
+        size, values = self.window_size, self._values
+        k = len(self._pending) // 2
+        first = self.steps - k  # the first queued step
+        pending, like = self._pending, self._pending[0]
+        if any(t.device != like.device or t.shape != like.shape for t in pending):  # mixed devices, or a (1,)-shaped
+            pending = [t.reshape(()).to(values.device) for t in pending]  # loss with a 0-d norm: one stack after all
+        values[:, size:size + k].copy_(torch.stack(pending).view(k, 2).t())  # to FP32, on this device, on the way in
         self._pending = []
-        values = queued.view(k, 2).t()  # (2, k)
-        if k < cap:
-            values = torch.cat([values, values.new_zeros(2, cap - k)], dim=1)
-        # the last `size` values oldest first, then the queued ones: window i (the `size` values before queued step
-        # i) is seq[:, i:i + size]
-        seq = torch.cat([self.history.roll(-(first % size), dims=1), values], dim=1)
-        windows = seq.unfold(1, size, 1)[:, :cap].contiguous()  # (2, cap, size); a strided var is slow
+        # window i, the `size` values before queued step i, is values[:, i:i + size]; a batch has a fixed shape (the
+        # entries past the k queued ones are stale and their verdicts dropped)
+        windows = values.unfold(1, size, 1)[:, :self.capacity].contiguous()  # (2, capacity, size)
+        # the population std in two passes, as OLMo writes it (torch.var's one-pass Welford kernel is ~20x slower on
+        # CPUs at this shape)
         mean = windows.mean(dim=-1)
-        std = windows.var(dim=-1, unbiased=False).sqrt()
-        index = torch.arange(cap, device=device)
-        judged = (index < k) & (index + first >= size)  # OLMo judges only with a full window
-        spike = (((values > mean + self.threshold_std * std) & (std >= 1e-10)).any(dim=0) & judged).float()
-        steps = index[:k] + first
-        self.history.index_copy_(1, steps % size, values[:, :k])
-        self.flags.index_copy_(0, steps % self.rolling_window, spike[:k])
+        std = torch.linalg.vector_norm(windows.sub_(mean.unsqueeze(-1)), dim=-1).div_(math.sqrt(size))
+        spike = ((values[:, size:] > mean.add(std, alpha=self.threshold_std)) & (std >= 1e-10)).any(dim=0)[:k]
+        if first < size:  # OLMo judges only with a full window
+            spike[:size - first] = False
+        start = first % self.rolling_window  # the flags ring: one slice, two where it wraps (k <= rolling_window)
+        head = min(k, self.rolling_window - start)
+        self.flags[start:start + head].copy_(spike[:head])
+        if head < k:
+            self.flags[:k - head].copy_(spike[head:])
         self.spikes += spike.sum()
+        self._spare[:, :size].copy_(values[:, k:k + size])
+        self._values, self._spare = self._spare, values
 
     def score(self) -> torch.Tensor:
         """The running score over a full rolling window, else the total rate (0 before ``window_size`` steps)."""
@@ -137,20 +157,22 @@ class SpikeScore:
         return self.spikes / self.steps if self.steps >= self.window_size else torch.zeros_like(self.spikes)
 
     def state_dict(self) -> dict[str, Any]:
+        """Keys: ``history`` (as :attr:`history`), ``flags``, ``spikes``, ``steps``."""
         self.flush()
         return {"history": self.history.tolist(), "flags": self.flags.tolist(), "spikes": float(self.spikes),
                 "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         history, flags = torch.tensor(state["history"]), torch.tensor(state["flags"])
-        _check(tuple(history.shape) == tuple(self.history.shape) and tuple(flags.shape) == tuple(self.flags.shape),
+        size = self.window_size
+        _check(tuple(history.shape) == (2, size) and tuple(flags.shape) == tuple(self.flags.shape),
                f"SpikeScore.load_state_dict(history {tuple(history.shape)}, flags {tuple(flags.shape)})",
-               f"this score's windows are {self.window_size} and {self.rolling_window} steps; the checkpoint's differ.")
+               f"this score's windows are {size} and {self.rolling_window} steps; the checkpoint's differ.")
         self._pending = []
-        self.history.copy_(history)
+        self.steps = int(state["steps"])
+        self._values[:, :size].copy_(history.roll(-(self.steps % size), dims=1))  # the ring, oldest first
         self.flags.copy_(flags)
         self.spikes.fill_(float(state["spikes"]))
-        self.steps = int(state["steps"])
 
 
 # ---------------------------------------------------------------------------------------------------- attention
@@ -397,6 +419,14 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and type(t) is torch.Tensor else t.float()
 
 
+def _step_counts(steps: list[Any], device: torch.device) -> torch.Tensor:
+    """The optimizers' step count of each parameter as one FP32 vector on ``device``: one stack where they are 0-d
+    tensors there (torch.optim's Adam family keeps them so), else one conversion each."""
+    if all(isinstance(s, torch.Tensor) and s.dim() == 0 and s.device == device for s in steps):
+        return torch.stack(steps).float()
+    return torch.stack([torch.as_tensor(s, dtype=torch.float32, device=device).reshape(()) for s in steps])
+
+
 def _params(optimizers: Optimizers) -> list[torch.Tensor]:
     return [p for _, _, p in _entries(optimizers)]
 
@@ -416,8 +446,10 @@ class Indicators:
         spike_window, spike_rolling_window, spike_threshold_std: SpikeScore's ``window_size``, ``rolling_window``
             and ``threshold_std`` (OLMo-core's defaults).
         spike_score: ``False``: no SpikeScore (:attr:`spike_score` is None). It is the only statistic that needs
-            every step (the loss and the norm of all gradients, a memory-bound pass: ~0.85% of the CPU GPT's step in
-            experiments/indicators/overhead.py); without it the steps between logging steps do nothing.
+            every step: the loss and the norm of all gradients, free where the step measured that norm (pass it to
+            :meth:`update_spike_score`: OverflowMonitor takes StablePrecision's), else one memory-bound pass over
+            the gradients (~0.5% of the CPU GPT's step in experiments/indicators/overhead.py --grad-norm read);
+            without it the steps between logging steps do nothing.
     """
 
     def __init__(self, ratio_factor: float = 2.0, baseline: int = 8, lag_threshold: float = 0.01,
@@ -446,12 +478,13 @@ class Indicators:
                            norms: Sequence[torch.Tensor | None] | None = None) -> None:
         """One step's SpikeScore input: the loss and the total norm of the optimizer's gradients (device); nothing
         without a SpikeScore. ``norms``: each optimizer's gradient norm as the step measured it (the precision
-        plugin's one pass); where one is missing the gradients are read here."""
+        plugin's one pass, or what ``clip_grad_norm_`` returned); where one is missing the gradients are read here, one
+        pass over them every step."""
         if self.spike_score is None:
             return
         if norms and all(n is not None for n in norms):
-            known = [n.float() for n in norms if n is not None]
-            norm = known[0] if len(known) == 1 else torch.linalg.vector_norm(torch.stack(known))
+            known = [n for n in norms if n is not None]  # one: queued as it is (made FP32 when judged)
+            norm = known[0] if len(known) == 1 else torch.linalg.vector_norm(torch.stack([n.float() for n in known]))
         else:
             params = _params(optimizer) if optimizer is not None else []
             grads = [p.grad for p in params if p.grad is not None]
@@ -467,23 +500,25 @@ class Indicators:
         """After the step: per parameter tensor, the update ratio (0 without a snapshot) and the Adam-lag fraction
         (0 where no Adam state), and the global lag fraction; device tensors, nothing read.
 
-        A handful of multi-tensor (``torch._foreach_*``) ops over all parameters, no per-parameter arithmetic: the
-        update is p_before - p_after, computed in the snapshot's own memory."""
+        Seven multi-tensor (``torch._foreach_*``) passes over all parameters, no per-parameter arithmetic: three for
+        the update ratio (the update is p_before - p_after, computed in the snapshot's own memory), four for the lag
+        (five where the optimizer keeps its step counts on the accelerator)."""
         entries = _entries(optimizer)
         params = [p.detach() for _, _, p in entries]
         device = params[0].device if params else torch.device("cpu")
         before, self._before = self._before, None
         if before is not None and len(before) == len(params):
-            scale = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
+            scale = torch._foreach_norm(before)
             torch._foreach_sub_(before, params)  # the update (negated), in place
-            ratios = torch.stack(torch._foreach_norm(before)) / scale
+            norms = torch.stack(torch._foreach_norm(before) + scale).view(2, len(params))
+            ratios = norms[0] / norms[1].clamp_min(1e-30)
         else:
             ratios = torch.zeros(len(params), device=device)
         del before
-        # A coordinate lags when g^2 < threshold * v / (1 - beta2^t), i.e. g^2 * (1 - beta2^t) / threshold - v < 0:
+        # A coordinate lags when g^2 < threshold * v / (1 - beta2^t), i.e. v - g * g * (1 - beta2^t) / threshold > 0:
         # v is subtracted, never multiplied (Adam's second moments are often subnormal, and subnormal products are
-        # slow on CPUs). The negative differences are made -1 (clamp, sign: NaN gives 0, not lagging, as a comparison
-        # would) and counted as a squared norm (exact below 2**22 coordinates a tensor).
+        # slow on CPUs). The non-positive differences are made 0 and the positive 1 (clamp, sign: NaN gives 0, not
+        # lagging, as a comparison would) and counted as a squared norm (exact below 2**22 coordinates a tensor).
         used, grads, seconds, steps, betas = [], [], [], [], []
         for i, (opt, group, p) in enumerate(entries):
             state = opt.state.get(p, {})
@@ -498,21 +533,23 @@ class Indicators:
         lag = torch.zeros(len(params), device=device)
         if grads:
             where = steps[0].device if isinstance(steps[0], torch.Tensor) else torch.device("cpu")
-            t = torch.stack([torch.as_tensor(s, dtype=torch.float32, device=where).reshape(()) for s in steps])
-            factors = (1 - torch.tensor(betas, device=where) ** t) / self.lag_threshold
-            diffs = torch._foreach_mul(grads, grads)
-            torch._foreach_mul_(diffs, list(factors.unbind()))
-            torch._foreach_sub_(diffs, seconds)
-            torch._foreach_clamp_max_(diffs, 0.0)
-            torch._foreach_sign_(diffs)
-            counts = torch.stack(torch._foreach_norm(diffs)).square_().round_().to(device)
-            lag = counts if len(used) == len(params) else lag.index_copy_(
-                0, torch.tensor(used, device=device), counts)
-        measured = [0] * len(params)
+            decayed = torch.tensor(betas, device=where) ** _step_counts(steps, where)  # beta2^t
+            factors = decayed.sub_(1).mul_(1 / self.lag_threshold)  # -(1 - beta2^t) / threshold
+            # v + g * g * factor in one pass where the factors are in host memory (read as scalars: no device sync);
+            # where the optimizer keeps its step counts on the accelerator (a capturable Adam) they scale g first
+            if factors.device.type == "cpu":
+                lagging = torch._foreach_addcmul(seconds, grads, grads, factors)
+            else:
+                lagging = torch._foreach_addcmul(seconds, grads, torch._foreach_mul(grads, list(factors.unbind())))
+            torch._foreach_clamp_min_(lagging, 0.0)
+            torch._foreach_sign_(lagging)
+            counts = torch.stack(torch._foreach_norm(lagging)).square_().round_().to(device)
+            lag = counts if len(used) == len(params) else lag.index_copy_(0, torch.tensor(used, device=device), counts)
+        sizes = [0] * len(params)
         for i in used:
-            measured[i] = params[i].numel()
-        per_layer = lag / torch.tensor(measured, dtype=torch.float32, device=device).clamp_min(1)
-        total = lag.sum() / max(sum(measured), 1)
+            sizes[i] = params[i].numel()
+        per_layer = lag / torch.tensor([max(n, 1) for n in sizes], dtype=torch.float32, device=device)
+        total = lag.sum() / max(sum(sizes), 1)
         return ratios, per_layer, total
 
     # -- host side
