@@ -10,19 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from lit_mpstable.core.guards.spike import SpikeGuard, spike_kernel
+from lit_mpstable.core.guards.spike import SpikeGuard
 from lit_mpstable.core.step.stepper import PrecisionStepper
 
-
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def path(request, monkeypatch) -> str:
-    """Each test runs twice: through the guard's C loops (lit_mpstable.core.guards.spike.spike_kernel, the CPU
-    default where a C compiler builds them) and through its torch ops (every other device, a traced or compiled step,
-    and a CPU without a compiler). The choice is made when a guard binds to the CPU."""
-    monkeypatch.setenv("LIT_MPSTABLE_NATIVE", "1" if request.param == "native" else "0")
-    if request.param == "native":
-        assert spike_kernel() is not None  # CI and development machines have a C compiler
-    return request.param
+pytestmark = pytest.mark.usefixtures("spike_guard_path")  # each test on the C loops and on the torch ops (conftest)
 
 
 def _shifted_run(guard: SpikeGuard, steps: int = 140, shift_at: int = 60, precision: str = "32-true"):
