@@ -445,7 +445,11 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
     ``batch`` is as the data loader gave it; ``dtype``: what a ``*-true`` run casts its floating inputs to now.
 
     One forward and backward in the run's precision (``forward_context``), the module in eval mode, the RNG forked and
-    seeded (:data:`PIN_SEED`); gradients through ``torch.autograd.grad``, so ``.grad`` is untouched. Afterwards every
+    seeded (:data:`PIN_SEED`); gradients through ``torch.autograd.grad``, so ``.grad`` is untouched. Sharded (DTensor:
+    FSDP2) parameters are not in the graph (FSDP2 all-gathers them into unsharded tensors and reduce-scatters into
+    ``.grad`` from its backward hooks): there ``.grad`` is set aside, a real backward fills it with the reduced
+    shards, their norm is taken over every rank (collective: every rank runs the pass) and each ``.grad`` is put
+    back, the same tensor. Afterwards every
     buffer (BatchNorm statistics, FP8 amax histories and stochastic-rounding counters) and every public Python
     attribute of the modules holding a list, dict, set or number (a ``loss_fn`` that appends to a list or counts
     calls) is restored in place, so the run goes on exactly as without the pass."""
@@ -465,7 +469,8 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
                 loss = loss_fn(module, to_device(batch, device, dtype))
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 raise RuntimeError("the pinned micro-batch's loss is not a differentiable tensor")
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            grads = _sharded_grads(loss, params) if _is_sharded(params) else torch.autograd.grad(
+                loss, params, allow_unused=True)
         finally:
             module.train(training)
             with torch.no_grad():
@@ -479,9 +484,50 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
                               " changes weights as a side effect, e.g. a step-keyed write in training_step): a resume"
                               " would not repeat its loss; move the write to a hook such as on_train_batch_start")
     present = [g.detach() for g in grads if g is not None]
-    norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(present)])) if present else (
-        torch.zeros((), device=device))
+    if _is_sharded(present):
+        norm = _sharded_norm(present)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(present)])) if (
+            present) else torch.zeros((), device=device)
     return torch.stack([loss.detach().double().reshape(()), norm.double()])
+
+
+def _is_sharded(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``tensors`` is a DTensor (FSDP2 / ``ModelParallelStrategy`` parameters or their gradients)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def _sharded_grads(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradients of ``loss`` as FSDP2 leaves them in ``.grad`` (reduce-scattered shards) after a real backward;
+    every ``.grad`` is set aside before and put back after (the same tensor), so accumulated ones are untouched."""
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        loss.backward()
+        return [p.grad for p in params]
+    finally:
+        for p, grad in zip(params, held, strict=True):
+            p.grad = grad
+
+
+def _sharded_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` over every rank: DTensor gradients' through ``get_total_norm`` (a partial norm,
+    all-reduced), any plain tensor's (a parameter FSDP2 does not manage) as this rank holds it."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    total = torch.nn.utils.get_total_norm(sharded)
+    norm = (total.full_tensor() if isinstance(total, DTensor) else total).float()
+    if plain:
+        norm = torch.linalg.vector_norm(torch.stack([norm, *(n.float().to(norm.device)
+                                                             for n in torch._foreach_norm(plain))]))
+    return norm
 
 
 def _restore(owner: object, name: str, saved: object) -> None:

@@ -14,6 +14,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from dist_helpers import WORLD_SIZE, free_port, read_ranks
 from helpers import TinyMLP, quiet_fabric, regression_data
 
 from lit_mpstable.core.checkpoints import SHARDED_META, earlier_sharded_checkpoints
-from lit_mpstable.core.fingerprint import KEY, FingerprintMismatch, compare_shard_checksums
+from lit_mpstable.core.fingerprint import KEY, FingerprintMismatch, checksums, compare_shard_checksums, pinned_pass
 from lit_mpstable.frontends.fabric import StablePrecision
 
 SAVED = 4  # checkpoints of steps 1..4; in the "wrong" set the one of step 4 holds a learning rate x1e7
@@ -114,7 +115,19 @@ def _save_job(fabric: Any, plugin: StablePrecision, state: dict[str, Any], direc
                 path = Path(directory) / kind / f"step={state['step']}"
                 os.utime(path, ns=(10**9 * state["step"],) * 2)  # written in order, seconds apart
             fabric.barrier()
-    return {"shards": shards}
+    # The pinned pass with gradients held (as between a backward and the step): every rank runs it (state_dict is
+    # collective), and it leaves each `.grad` the same tensor with the same values.
+    fabric.backward(_loss(model, _batch(0, fabric.global_rank)))
+    held = [(p.grad, p.grad.to_local().clone()) for p in model.parameters()]
+    pinned = plugin.state_dict()[KEY]["pinned"]
+    kept = all(p.grad is grad and torch.equal(p.grad.to_local(), value)
+               for p, (grad, value) in zip(model.parameters(), held, strict=True))
+    optimizer.zero_grad()
+    whole = TinyMLP()  # the same weights unsharded, in one process: the pinned pass's reference
+    whole.load_state_dict({name: p.full_tensor() for name, p in model.module.named_parameters()})
+    reference = pinned_pass(whole, _loss, plugin.fingerprint.batch, forward_context=nullcontext).tolist()
+    return {"shards": shards, "pinned": {k: pinned[k] for k in ("loss", "grad_norm")}, "grads_kept": kept,
+            "reference": reference}
 
 
 def _load_job(fabric: Any, plugin: StablePrecision, state: dict[str, Any], path: str, steps: int = 0,
@@ -152,6 +165,19 @@ def _copy(saved: tuple[Path, list[dict[str, Any]]], kind: str, tmp_path: Path) -
     for step, path in enumerate(paths, 1):
         os.utime(path, ns=(10**9 * step,) * 2)
     return paths
+
+
+def _replace(path: Path, shard: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``value`` over ``shard``'s bytes in ``path``'s shard files; the directory's modification time is kept."""
+    data, new = (t.contiguous().view(-1).numpy().tobytes() for t in (shard, value))
+    for file in sorted(path.glob("*.distcp")):
+        raw = file.read_bytes()
+        if data in raw:
+            written = path.stat().st_mtime_ns
+            file.write_bytes(raw.replace(data, new, 1))
+            os.utime(path, ns=(written, written))
+            return
+    raise AssertionError(f"no shard file of {path} holds the shard's bytes")
 
 
 def _flip_bit(path: Path, shard: torch.Tensor) -> str:
@@ -195,6 +221,36 @@ def test_a_sharded_checkpoint_loads_the_plugins_state_and_passes_on_both_ranks(s
             assert torch.equal(report["shards"][name], value), (rank, name)
         for name, value in saved[1][rank]["shards"][SAVED + 2].items():
             assert torch.equal(report["final"][name], value), (rank, name)
+
+
+def test_the_pinned_gradient_norm_is_the_sharded_models_on_every_rank(saved) -> None:
+    # Before: torch.autograd.grad with respect to the sharded parameters, which FSDP2's all-gathered ones are not
+    # connected to: every gradient None, the norm 0 at the save and the load.
+    meta = torch.load(saved[0] / "good" / f"step={SAVED}" / SHARDED_META, weights_only=False)
+    assert meta["precision"][KEY]["pinned"]["grad_norm"] > 0
+    assert saved[1][0]["pinned"] == saved[1][1]["pinned"] and saved[1][0]["pinned"]["grad_norm"] > 0
+    assert saved[1][0]["grads_kept"] and saved[1][1]["grads_kept"]
+    # Both ranks pinned the same rows, so FSDP2's averaged gradient is that of the unsharded model on them.
+    loss, grad_norm = saved[1][0]["reference"]
+    assert saved[1][0]["pinned"]["loss"] == loss
+    assert math.isclose(saved[1][0]["pinned"]["grad_norm"], grad_norm, rel_tol=1e-5)
+
+
+def test_a_weight_changed_with_its_checksum_rewritten_is_refused_by_the_pinned_pass(saved, tmp_path: Path) -> None:
+    # Rank 1's shard of fc2.weight scaled x1.5 in its shard file, its checksum in meta.pt rewritten to match: only the
+    # pinned pass can tell, and its loss and gradient norm both moved.
+    paths = _copy(saved, "good", tmp_path)
+    shard = saved[1][1]["shards"][SAVED]["fc2.weight"]
+    _replace(paths[-1], shard, shard * 1.5)
+    meta = torch.load(paths[-1] / SHARDED_META, weights_only=False)
+    meta["precision"][KEY]["checksums"].update(checksums({"shards[rank 1 of 2]model": {"fc2.weight": shard * 1.5}}))
+    torch.save(meta, paths[-1] / SHARDED_META)
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100)
+    for report in ranks:
+        kind, message = report["error"]
+        assert kind == FingerprintMismatch.__name__ and "checksum" not in message
+        assert "the pinned micro-batch's loss is" in message and "the pinned micro-batch's grad norm is" in message
+    assert ranks[0]["events"] == ranks[1]["events"]
 
 
 def test_a_bit_flipped_in_one_ranks_shard_is_refused_on_both_ranks(saved, tmp_path: Path) -> None:
