@@ -127,7 +127,8 @@ class FaultInjector(pl.Callback):
         if "loss_spike" in kinds:
             original = pl_module.training_step
             # Bound to the module, so a deep copy of it (PrecisionProbe's replay) calls the copy's training_step.
-            step_fn = original.__func__ if getattr(original, "__self__", None) is pl_module else None
+            step_fn = (original.__func__ if isinstance(original, types.MethodType) and original.__self__ is pl_module
+                       else None)
 
             def training_step(module: pl.LightningModule, *args: Any, **kwargs: Any) -> Any:
                 output = original(*args, **kwargs) if step_fn is None else step_fn(module, *args, **kwargs)
