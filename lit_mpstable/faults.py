@@ -3,6 +3,7 @@ and, re-exported from the core, StepTriage and StateSnapshot: fault triage for a
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, get_args
 
@@ -125,12 +126,17 @@ class FaultInjector(pl.Callback):
                         self._handles.append(param.register_hook(self._grad_hook))
         if "loss_spike" in kinds:
             original = pl_module.training_step
+            # Bound to the module, so a deep copy of it (PrecisionProbe's replay) calls the copy's training_step.
+            step_fn = (original.__func__ if isinstance(original, types.MethodType) and original.__self__ is pl_module
+                       else None)
 
-            def training_step(*args: Any, **kwargs: Any) -> Any:
-                return self._spike_loss(original(*args, **kwargs))
+            def training_step(module: pl.LightningModule, *args: Any, **kwargs: Any) -> Any:
+                output = original(*args, **kwargs) if step_fn is None else step_fn(module, *args, **kwargs)
+                return self._spike_loss(output)
 
             training_step.__wrapped__ = original  # type: ignore[attr-defined]
-            pl_module.training_step = training_step  # type: ignore[method-assign]  # an instance attribute, removed at teardown
+            # An instance attribute, removed at teardown.
+            pl_module.training_step = types.MethodType(training_step, pl_module)  # type: ignore[method-assign]
             self._wrapped = pl_module
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

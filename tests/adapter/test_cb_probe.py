@@ -18,6 +18,7 @@ from lit_mpstable import StablePrecision
 from lit_mpstable.app.demos import FaultyMLP, GradientAttenuatedLinear
 from lit_mpstable.callbacks import PrecisionFallback, PrecisionProbe
 from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
+from lit_mpstable.faults import FaultInjector
 
 PROBE_METRICS = ("mp/grad_underflow_frac", "mp/grad_rel_error", "mp/grad_cosine")
 
@@ -111,6 +112,17 @@ def test_probe_leaves_the_run_identical() -> None:
     assert all(torch.equal(a, b) for a, b in zip(params, probed_params))
     assert losses == probed_losses  # training_step replays ran on copies: no extra entries either
     assert torch.equal(rng, probed_rng)
+
+
+def test_probe_replays_the_copy_when_a_fault_injector_wraps_training_step() -> None:
+    # FaultInjector's 'loss_spike' wraps training_step as an instance attribute: the copy's must call the copy (its
+    # gradients are the reference), not the original module (whose log would run and whose losses would grow).
+    probe = PrecisionProbe(every_n_steps=1)
+    module = _fit(StablePrecision("bf16-mixed"), [FaultInjector({5: "loss_spike"}), probe], steps=6)
+    assert [r["step"] for r in probe.history] == [0, 1, 2, 3, 4, 5]
+    # BF16 rounding (a replay of the original module would give no reference gradients: rel_error inf, cosine 0).
+    assert all(0 < r["rel_error"] < 0.5 and r["cosine"] > 0.95 for r in probe.history)
+    assert len(module.losses) == 6  # the replays did not run on the original module
 
 
 def test_probe_is_inert_under_manual_optimization() -> None:
