@@ -18,6 +18,22 @@ class PoisonModule(PoisonTask, pl.LightningModule):
     """:class:`~lit_mpstable.app.fault_demos.PoisonTask` on the Trainer package under test."""
 
 
+class ManualPoisonModule(PoisonModule):
+    """:class:`PoisonModule` under manual optimization: ``training_step`` runs its own backward and optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(self(batch[0]).float(), batch[1])
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
 class BlameFirstNonfinite(pl.Callback):
     """A stand-in for overflow attribution: names the first module whose forward output held inf/NaN in
     ``plugin.stats["blamed_modules"]`` at the end of the batch. List it before ``PrecisionFallback``."""

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from cb_helpers import ListLogger, PoisonModule, quiet
+from cb_helpers import ListLogger, ManualPoisonModule, PoisonModule, quiet
 from helpers import make_trainer
 from trainer_pkg import (
     AMPPreflight,
@@ -505,19 +505,6 @@ def test_the_faces_read_the_global_step_off_lightnings_own_counter(tmp_path, aut
 
     from lit_mpstable.callbacks._common import optimizer_steps
 
-    class Manual(PoisonModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = False
-
-        def training_step(self, batch, batch_idx):
-            optimizer = self.optimizers()
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(self(batch[0]).float(), batch[1])
-            self.manual_backward(loss)
-            optimizer.step()
-            return loss
-
     class Compare(pl.Callback):
         def __init__(self) -> None:
             self.pairs: list[tuple[int, int]] = []
@@ -535,7 +522,7 @@ def test_the_faces_read_the_global_step_off_lightnings_own_counter(tmp_path, aut
         with quiet():
             plugin = _plugin() if automatic else StablePrecision("bf16-mixed")
             trainer = make_trainer(plugin, max_steps=steps, callbacks=[OverflowMonitor(), compare])
-            trainer.fit(PoisonModule() if automatic else Manual(), ckpt_path=ckpt_path)
+            trainer.fit(PoisonModule() if automatic else ManualPoisonModule(), ckpt_path=ckpt_path)
         if ckpt_path is None and automatic:
             trainer.save_checkpoint(path)
         assert [a for a, _ in compare.pairs] == [b for _, b in compare.pairs] == [steps - 2, steps - 1, steps]

@@ -10,7 +10,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from cb_helpers import ListLogger, PoisonModule, quiet
+from cb_helpers import ListLogger, ManualPoisonModule, PoisonModule, quiet
 from dist_helpers import RankFaultModule, fit_ddp
 from helpers import make_trainer
 
@@ -126,22 +126,10 @@ def test_probe_replays_the_copy_when_a_fault_injector_wraps_training_step() -> N
 
 
 def test_probe_is_inert_under_manual_optimization() -> None:
-    class Manual(PoisonModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = False
-
-        def training_step(self, batch, batch_idx):
-            optimizer = self.optimizers()
-            loss = torch.nn.functional.mse_loss(self(batch[0]).float(), batch[1])
-            optimizer.zero_grad()
-            self.manual_backward(loss)
-            optimizer.step()
-
     probe = PrecisionProbe(every_n_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        make_trainer(StablePrecision("bf16-mixed"), max_steps=2, callbacks=[probe]).fit(Manual())
+        make_trainer(StablePrecision("bf16-mixed"), max_steps=2, callbacks=[probe]).fit(ManualPoisonModule())
     assert any("PrecisionProbe does nothing in this run: manual optimization" in str(w.message) for w in record)
     assert probe.history == []
 
