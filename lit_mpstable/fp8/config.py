@@ -263,11 +263,6 @@ class FP8Config:
             )
 
     @property
-    def block_recipe(self) -> bool:
-        """Whether the recipe scales blocks of some GEMM operand (mxfp8, blockwise, mxfp4, nvfp4, mixed roles)."""
-        return self.is_map or self.spec.blocked
-
-    @property
     def block_size(self) -> int:
         """What a layer's in/out features must be multiples of for this recipe's emulated GEMMs (1: partial blocks are
         zero-padded, as for mxfp8 and blockwise)."""
