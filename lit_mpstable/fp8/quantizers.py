@@ -74,7 +74,7 @@ def _tensor(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] 
 
 def _mx(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, *, fp4: bool,
         grad_dtype: torch.dtype, **_: Any) -> torch.Tensor:
-    _, cols = _tile(operand, block)
+    cols = _tile(operand, block)[1]
     q = mx_quantize(_pad(t, 1, cols), _mx_element(operand, fp4, grad_dtype), block_size=cols,
                     scale_rule=spec.scale_rule)
     return _unpad(mx_dequantize(q), t.shape)
