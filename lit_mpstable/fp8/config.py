@@ -104,7 +104,7 @@ class FP8Config:
     conformance: ConformanceAction = "raise"
     """``backend="torchao"`` / ``"transformer_engine"``: at setup the backend's quantized values and scales on a few
     probe tensors, and a probe layer's gradients, are checked against our reference for the recipe
-    (:func:`~lit_mpstable.fp8.backends.check_conformance`). On a mismatch, or all-zero or non-finite gradients:
+    (:func:`~lit_mpstable.fp8.native.check_conformance`). On a mismatch, or all-zero or non-finite gradients:
     ``"raise"`` refuses the backend (a ValueError with the numbers), ``"native"`` warns with them and runs the recipe
     on ``backend="native"`` (exact emulation), ``"off"`` skips the check."""
     schedule: ScheduleArg = None

@@ -163,15 +163,10 @@ def _probes(device: torch.device) -> list[torch.Tensor]:
 
 def check_conformance(backend: FP8Backend) -> Conformance:
     """Compare ``backend`` with our reference for its config's recipe, once per (backend class, config) and process:
-
-    - quantizers: for each operand (``"input"``, ``"weight"``, ``"grad"``) and three probe tensors (64x128: Gaussian,
-      uneven columns, rows spanning 1e-7 to 10), the backend's :meth:`~FP8Backend.probe_quantize` against
-      :func:`~lit_mpstable.fp8.quantizers.reference_quantize`: the fraction of decode scales and of values that
-      differ (bitwise; NaN equals NaN);
-    - gradients: a 128 -> 64 probe layer built by the backend, one forward and backward
-      (:meth:`~FP8Backend.probe_gradients`): an all-zero weight gradient (where the reference's is not) or a
-      non-finite one fails (TE's NVFP4 stochastic rounding returned all-zero gradients on some GPUs, TE PR #3281).
-    """
+    per operand, the fraction of decode scales and of values of :meth:`~FP8Backend.probe_quantize` that differ from
+    :func:`~lit_mpstable.fp8.quantizers.reference_quantize`'s on three probe tensors (bitwise; NaN equals NaN), and
+    a probe layer's weight gradient (:meth:`~FP8Backend.probe_gradients`), which fails all zero (where the
+    reference's is not) or non-finite. The probes and why: docs/fp8-recipes.md, "Backend conformance check"."""
     config = backend.config
     key = (type(backend), config)
     if key in _CHECKED:

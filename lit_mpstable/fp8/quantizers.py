@@ -141,16 +141,11 @@ def fake_quantize(
     (``"delayed"`` scales by this tensor's amax, as ``"current"``). Blocks run along the last dim (a GEMM's
     reduction dim); a dim the block does not divide is zero-padded, as the references pad, and the padding dropped.
 
-    - per-tensor formats: one scale per tensor, ``448 / amax`` (E4M3) for inputs and weights, ``57344 / amax``
-      (E5M2) for gradients (the package's ``format="hybrid"``).
-    - ``"blockwise"``: E4M3 with power-of-two FP32 scales (TransformerEngine's ``Float8BlockScaling`` default), one
-      per 1x128 tile of inputs and gradients and per 128x128 block of weights.
-    - MX (``"mxfp4"`` / ``"mxfp8"``): E2M1 / E4M3 elements (E5M2 for gradients with ``"mxfp8"``) with an E8M0 scale
-      per 32 elements, every role; the recipe's ``scale_rule``.
-    - ``"nvfp4"``: E2M1 elements, an E4M3 scale per 1x16 block (16x16 for weights) and an FP32 tensor scale;
-      gradients are rounded stochastically from ``generator`` (the default generator when None; a seeded one
-      repeats the draw), inputs and weights to nearest even. ``generator`` is used nowhere else. Under
-      ``torch.compile`` pass None (it cannot trace a generator), or call ``nvfp4.nvfp4_quantize`` with ``noise``.
+    Formats, blocks and scales per recipe: docs/fp8-recipes.md; gradients take E5M2 under the per-tensor formats
+    and ``"mxfp8"`` (the package's ``format="hybrid"``). ``generator`` draws the stochastic rounding of
+    ``"nvfp4"`` gradients (the default generator when None; a seeded one repeats the draw; inputs and weights round
+    to nearest even) and is used nowhere else. Under ``torch.compile`` pass None (it cannot trace a generator), or
+    call ``nvfp4.nvfp4_quantize`` with ``noise``.
 
     The arithmetic is fp32 (a float64 ``x`` is rounded to fp32 first). Non-finite values never come back finite,
     and poison what the reference quantizers poison: per-tensor formats and ``"nvfp4"`` the whole tensor (a NaN or
