@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lit_mpstable.app.zoo import GPTLM, DigitsData, MLPClassifier
-from lit_mpstable.fp8.backend import share_hooks
+from lit_mpstable.fp8.backend import linear_like
 
 
 class WeightedLossMLP(MLPClassifier):
@@ -64,10 +64,7 @@ class GradientAttenuatedLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, factor: float) -> GradientAttenuatedLinear:
         """The same layer (its ``Parameter`` objects, mode and hooks), attenuated by ``factor``."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
-        new.weight, new.bias = linear.weight, linear.bias
-        new.train(linear.training)
-        share_hooks(linear, new)
+        new = linear_like(linear, cls)
         new.factor = float(factor)
         return new
 

@@ -116,14 +116,6 @@ class GrowthTask(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
-
-def _quiet_trainer(plugin: Any, steps: int, callbacks: list[Any]) -> pl.Trainer:
-    """A quiet CPU Trainer: no progress bar, summary, logger or checkpointing."""
-    return pl.Trainer(plugins=[plugin], accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1,
-                      enable_progress_bar=False, enable_model_summary=False, logger=False,
-                      enable_checkpointing=False, num_sanity_val_steps=0, callbacks=callbacks)
-
-
 def run_growth_task(seed: int, grow: bool, steps: int, fallback: bool = False, recipe: Any = "current",
                     grow_until: int | None = None, mode: str = "align", cap: float = DEAD_CAP,
                     ) -> tuple[GrowthTask, StablePrecision, list[tuple[int, str]], list[pl.Callback]]:
@@ -146,6 +138,9 @@ def run_growth_task(seed: int, grow: bool, steps: int, fallback: bool = False, r
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _quiet_trainer(plugin, steps, [*callbacks, Seen()]).fit(module)
+        trainer = pl.Trainer(plugins=[plugin], accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1,
+                             enable_progress_bar=False, enable_model_summary=False, logger=False,
+                             enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[*callbacks, Seen()])
+        trainer.fit(module)
     growth = [(s, m) for s, m in warned if "activations growing" in m]
     return module, plugin, growth, callbacks

@@ -32,19 +32,46 @@ def decision_line(event: dict[str, Any]) -> str:
     return f"step {event.get('step')}: {event.get('what')}" + (f": {why}" if why else "")
 
 
+def cell(value: Any, spec: str) -> str:
+    """A table cell: ``value`` formatted with ``spec`` (``"d"``: as an int), ``"-"`` for None."""
+    if value is None:
+        return "-"
+    return str(int(value)) if spec == "d" else format(value, spec)
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return "nan" if math.isnan(value) else f"{value:.4g}"
     return "-" if value is None else str(value)
 
 
-def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
-    """Draws the figures; raises ModuleNotFoundError without matplotlib (the ``report`` extra)."""
+_NO_FIGURES = 'Figures not drawn: matplotlib is not installed (pip install "lit_mpstable[report]").'
+
+
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend; ModuleNotFoundError without matplotlib (the ``report``
+    extra)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _matplotlib_missing(error: ModuleNotFoundError) -> bool:
+    return error.name is not None and error.name.partition(".")[0] == "matplotlib"
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+
+
+def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
+    """Draws the figures; raises ModuleNotFoundError without matplotlib (the ``report`` extra)."""
+    plt = _pyplot()
     figures = []
     scales, skipped = summary.get("loss_scale_trajectory") or [], summary.get("skipped_trajectory") or []
     # Without a scaler (BF16, FP32) the scale is a flat line at 1: drawn only if steps were skipped or decided.
@@ -58,9 +85,7 @@ def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
         ax.set_yscale("log", base=2)
         ax.set(xlabel="optimizer step", ylabel="loss scale", title="Loss scale (skipped steps and decisions marked)")
         ax.legend(loc="best")
-        fig.tight_layout()
-        fig.savefig(out_dir / "loss_scale.png", dpi=110)
-        plt.close(fig)
+        _save(fig, out_dir / "loss_scale.png")
         figures.append(("Loss scale over steps", "loss_scale.png"))
     losses = summary.get("train_loss_curve") or []
     if losses:
@@ -71,9 +96,7 @@ def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
             ax.plot([p[0] for p in val], [p[1] for p in val], "o-", color="darkorange", label="val loss")
         ax.set(xlabel="optimizer step", ylabel="loss", title="Loss curves")
         ax.legend(loc="best")
-        fig.tight_layout()
-        fig.savefig(out_dir / "loss.png", dpi=110)
-        plt.close(fig)
+        _save(fig, out_dir / "loss.png")
         figures.append(("Loss curves", "loss.png"))
     if (drawn := write_probe_figure(summary.get("probe_history") or [], out_dir)) is not None:
         figures.append(drawn)
@@ -86,9 +109,7 @@ def _figures(summary: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
         ax.invert_yaxis()
         ax.set(xlabel="fraction of nonzero gradient elements that flush to zero",
                title=f"Gradient underflow per layer ({summary.get('underflow_format', 'fp16')}, at the run's scale)")
-        fig.tight_layout()
-        fig.savefig(out_dir / "underflow.png", dpi=110)
-        plt.close(fig)
+        _save(fig, out_dir / "underflow.png")
         figures.append(("Gradient underflow per layer", "underflow.png"))
     return figures
 
@@ -130,11 +151,7 @@ def _running_median(values: Sequence[float], window: int = 15) -> list[float]:
 
 def _comparison_figure(runs: dict[str, dict[str, Any]], out_dir: Path) -> str:
     """Loss, validation accuracy and loss scale of both runs on the same axes; returns the file name."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     styles = {"builtin": dict(color="tab:gray", ls="-"), "stable": dict(color="tab:blue", ls="-")}
     fig, (loss_ax, acc_ax, scale_ax) = plt.subplots(3, 1, figsize=(8, 8.2), sharex=True,
                                                     gridspec_kw=dict(height_ratios=[1.2, 1, 1]))
@@ -165,11 +182,8 @@ def _comparison_figure(runs: dict[str, dict[str, Any]], out_dir: Path) -> str:
     scale_ax.legend(handles, labels, loc="center right", fontsize=7)
     fig.text(0.01, 0.005, "dots: validation loss; thin: running median of the training loss; triangles: skipped steps;"
              " dashed: lit_mpstable's callbacks deciding", fontsize=7, color="dimgray")
-    fig.tight_layout()
-    name = "comparison.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    _save(fig, out_dir / "comparison.png")
+    return "comparison.png"
 
 
 def write_comparison_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
@@ -183,14 +197,12 @@ def write_comparison_report(summary: dict[str, Any], out_dir: str | Path) -> Pat
     try:
         lines += [f"![both runs]({_comparison_figure(runs, out_dir)})", ""]
     except ModuleNotFoundError as error:
-        if error.name is None or error.name.partition(".")[0] != "matplotlib":
+        if not _matplotlib_missing(error):
             raise
-        lines += ['Figures not drawn: matplotlib is not installed (pip install "lit_mpstable[report]").', ""]
+        lines += [_NO_FIGURES, ""]
     lines += [f"| | {base['label']} | {ours['label']} |", "| --- | ---: | ---: |"]
     for label, key, spec in rows:
-        cells = [("-" if r.get(key) is None else (str(int(r[key])) if spec == "d" else format(r[key], spec)))
-                 for r in (base, ours)]
-        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {label} | {cell(base.get(key), spec)} | {cell(ours.get(key), spec)} |")
     if (out_dir / "stable" / "probe.png").exists():
         lines += ["", f"## Per layer, what {ours['precision']} cost {ours['label']}'s gradients (PrecisionProbe)", "",
                   "![probe](stable/probe.png)"]
@@ -209,9 +221,9 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
     try:
         figures, no_figures = _figures(summary, out_dir), None
     except ModuleNotFoundError as error:
-        if error.name is None or error.name.partition(".")[0] != "matplotlib":
+        if not _matplotlib_missing(error):
             raise
-        figures, no_figures = [], 'Figures not drawn: matplotlib is not installed (pip install "lit_mpstable[report]").'
+        figures, no_figures = [], _NO_FIGURES
         warnings.warn(f"write_report: {no_figures}", stacklevel=2)
     scales = summary.get("loss_scale_trajectory") or []
     overflow_rate = summary.get("overflow_rate") or 0.0

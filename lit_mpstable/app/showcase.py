@@ -12,7 +12,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lit_mpstable.app.report import decision_line, write_comparison_report
+from lit_mpstable.app.report import cell, decision_line, write_comparison_report
 
 # (label, summary key, format): what the terminal table and the report's table show, in this order.
 ROWS = (
@@ -48,19 +48,11 @@ def compare(cfg: DictConfig, out_dir: Path, run: Callable[..., dict[str, Any]]) 
     return summary
 
 
-def _cell(value: Any, spec: str) -> str:
-    if value is None:
-        return "-"
-    if spec == "d":
-        return str(int(value))
-    return format(value, spec)
-
-
 def print_comparison(summary: dict[str, Any], out_dir: Path) -> None:
     """The two-column table in the terminal (rich when installed), then where the files are."""
     base, ours = summary["runs"]["builtin"], summary["runs"]["stable"]
     title = f"{ours['model']} in {ours['precision']}: the same faults, the same seed and data"
-    rows = [(label, _cell(base.get(key), spec), _cell(ours.get(key), spec)) for label, key, spec in ROWS]
+    rows = [(label, cell(base.get(key), spec), cell(ours.get(key), spec)) for label, key, spec in ROWS]
     paths = f"summary: {out_dir / 'summary.json'}\nstability report: {out_dir / 'report.md'}"
     try:
         from rich.console import Console

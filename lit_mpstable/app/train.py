@@ -107,8 +107,9 @@ class _StepRecorder(pl.Callback):
         self.stopped = time.perf_counter()
 
 
-class _NoSuchModule(ValueError):
-    """A module name or pattern in the config (``plugin.fp32_modules``, an FP8 filter) matches nothing in the model."""
+class _BadConfig(ValueError):
+    """A value of the config that the run refuses before training (a setting out of range, a module name or pattern
+    that matches nothing in the model): named, with what is allowed."""
 
 
 def _check_names(plugin: Any, model: pl.LightningModule) -> None:
@@ -118,11 +119,7 @@ def _check_names(plugin: Any, model: pl.LightningModule) -> None:
     try:
         plugin.validate(model)
     except ValueError as error:
-        raise _NoSuchModule(str(error)) from error
-
-
-class _BadSetting(ValueError):
-    """A top-level setting of the config is out of range (named, with what is allowed)."""
+        raise _BadConfig(str(error)) from error
 
 
 def _check_run_settings(cfg: DictConfig) -> None:
@@ -135,7 +132,7 @@ def _check_run_settings(cfg: DictConfig) -> None:
         if lr is not None:
             real_arg("lit_mpstable.app.train", "model.lr", lr, low=0.0, low_open=True, unit="the learning rate, > 0")
     except (TypeError, ValueError) as error:
-        raise _BadSetting(str(error)) from error
+        raise _BadConfig(str(error)) from error
 
 
 def _check_scaler_choice(node: DictConfig) -> None:
@@ -152,7 +149,7 @@ def _check_scaler_choice(node: DictConfig) -> None:
         try:  # the constructor's own rule and message, for the name
             PrecisionStepper(node.get("precision", "bf16-mixed"), scaler=name, device="cpu", owner="StablePrecision")
         except ValueError as error:
-            raise _BadSetting(f"scaler={name}: {error}") from error
+            raise _BadConfig(f"scaler={name}: {error}") from error
 
 
 @dataclass
@@ -368,7 +365,7 @@ def _app(cfg: DictConfig) -> None:
             summary = compare(cfg, out_dir, run)
         else:
             summary = run(cfg, out_dir)
-    except (InstantiationException, _NoSuchModule, _BadSetting) as error:
+    except (InstantiationException, _BadConfig) as error:
         # A bad value in a config: the constructor's (or the name check's) message names the argument, the value and
         # what is allowed; a traceback would bury it.
         cause = error.__cause__ or error

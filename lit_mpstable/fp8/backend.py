@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import warnings
-from typing import Any, ClassVar, ContextManager, cast
+from typing import Any, ClassVar, ContextManager, TypeVar, cast
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ _HOOK_DICTS = (
     "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
 )  # fmt: skip
 _WARNED: set[str] = set()
+_Linear = TypeVar("_Linear", bound=nn.Linear)
 
 
 class FP8Backend:
@@ -190,15 +191,17 @@ def share_hooks(source: nn.Module, target: nn.Module) -> None:
         setattr(target, name, getattr(source, name))
 
 
-def linear_like(layer: nn.Module) -> nn.Linear:
-    """An ``nn.Linear`` with ``layer``'s ``weight`` and ``bias`` (the same ``Parameter`` objects), mode and hooks.
+def linear_like(layer: nn.Module, cls: type[_Linear] = nn.Linear, **kwargs: Any) -> _Linear:  # type: ignore[assignment]
+    """A ``cls`` (an ``nn.Linear`` subclass, built with ``kwargs``) with ``layer``'s ``weight`` and ``bias`` (the same
+    ``Parameter`` objects), mode and hooks. Built on the meta device: buffers of its own stay there. (The ignore:
+    mypy refuses a TypeVar parameter's default of its bound.)
 
     A ``bias`` that is not a Parameter (TransformerEngine keeps an empty tensor when there is none) means no bias.
     """
     bias = getattr(layer, "bias", None)
     bias = bias if isinstance(bias, nn.Parameter) else None
     like = cast(nn.Linear, layer)  # duck-typed: TE's and torchao's linears carry the same features and weight
-    linear = nn.Linear(like.in_features, like.out_features, bias is not None, device="meta")
+    linear = cls(like.in_features, like.out_features, bias is not None, device="meta", **kwargs)
     linear.weight = like.weight
     linear.bias = bias  # type: ignore[assignment]  # torch annotates bias as Parameter, yet Linear(bias=False) holds None
     linear.train(layer.training)

@@ -44,11 +44,6 @@ def find_fp8_layers(model: nn.Module) -> dict[str, type[FP8Backend]]:
     return {name: backend for name, module in model.named_modules() if (backend := backend_of(module)) is not None}
 
 
-def convert(model: nn.Module, config: FP8Config, names: list[str]) -> None:
-    """Swap the linear layers ``names`` of ``model`` for the FP8 layers of ``config.backend``, in place."""
-    fp8_backend(config).convert_(model, names)
-
-
 def fp8_autocast_context(config: FP8Config | str | None) -> ContextManager:
     """The context a forward with FP8 layers of ``config.backend`` runs in: TransformerEngine's autocast, else a
     no-op. Builds the backend on each call; ``PrecisionLayout.forward_context`` keeps one."""

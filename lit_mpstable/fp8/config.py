@@ -65,25 +65,10 @@ KeepHighPrecision = Union[Literal["first_last"], Sequence[str], HighPrecisionBud
 class FP8Config:
     """Which ``nn.Linear`` layers run their three GEMMs in FP8, and how their scales are chosen.
 
-    Recipes:
-
-    - ``"delayed"`` (TransformerEngine's ``DelayedScaling``): each tensor's scale comes from the amax history of
-      the *previous* steps, ``scale = fp8_max / amax / 2**margin``; the current amax is appended after use.
-    - ``"current"``: the scale comes from this tensor's own amax (one extra reduction per tensor, no state).
-    - ``"mxfp8"`` (OCP Microscaling): one power-of-two (E8M0) scale per 32 consecutive elements along the GEMM
-      reduction dimension; ``margin`` and the amax history are not used.
-    - ``"blockwise"`` (DeepSeek-V3, TransformerEngine's ``Float8BlockScaling``): E4M3 everywhere, one power-of-two
-      FP32 scale per 1x128 tile of inputs and gradients (along each GEMM's reduction dim) and per 128x128 block of
-      weights; partial tiles are zero-padded, so any layer shape works.
-    - ``"mxfp4"`` (OCP MX v1.0): E2M1 elements, one E8M0 scale per 32 elements along each GEMM's reduction dim;
-      layers need ``in_features`` and ``out_features`` multiples of 32.
-    - ``"nvfp4"`` (NVIDIA's NVFP4 training recipe): E2M1 elements, one E4M3 scale per 16 elements plus an FP32
-      tensor scale; weights in 16x16 tiles (forward and backward see the same quantized weight); gradients rounded
-      stochastically (noise from a counter-based hash of the layer and its step counter, so a resume repeats it);
-      a 16x16 random Hadamard transform on both inputs of the weight-gradient GEMM. Dims multiples of 16.
-
-    ``format`` and ``margin`` apply to the per-tensor recipes (``format`` also picks mxfp8's gradient dtype); the
-    block recipes fix their own element formats.
+    The recipes (``"delayed"``, ``"current"``, ``"mxfp8"``, ``"blockwise"``, ``"mxfp4"``, ``"nvfp4"`` and any
+    registered one) are data: :class:`~lit_mpstable.fp8.Recipe`; docs/fp8-recipes.md tabulates their formats, blocks
+    and scales. ``format`` and ``margin`` apply to the per-tensor recipes (``format`` also picks mxfp8's gradient
+    dtype); the block recipes fix their own element formats.
 
     Raises:
         ValueError: a field is out of range (the message names the field, the value and what is allowed).
@@ -119,7 +104,7 @@ class FP8Config:
     conformance: ConformanceAction = "raise"
     """``backend="torchao"`` / ``"transformer_engine"``: at setup the backend's quantized values and scales on a few
     probe tensors, and a probe layer's gradients, are checked against our reference for the recipe
-    (:func:`~lit_mpstable.fp8.backends.check_conformance`). On a mismatch, or all-zero or non-finite gradients:
+    (:func:`~lit_mpstable.fp8.native.check_conformance`). On a mismatch, or all-zero or non-finite gradients:
     ``"raise"`` refuses the backend (a ValueError with the numbers), ``"native"`` warns with them and runs the recipe
     on ``backend="native"`` (exact emulation), ``"off"`` skips the check."""
     schedule: ScheduleArg = None
@@ -261,11 +246,6 @@ class FP8Config:
                 f"{call}, format='hybrid'): torchao's MXFP8 training casts gradients to E4M3 as well;"
                 " set format='e4m3'."
             )
-
-    @property
-    def block_recipe(self) -> bool:
-        """Whether the recipe scales blocks of some GEMM operand (mxfp8, blockwise, mxfp4, nvfp4, mixed roles)."""
-        return self.is_map or self.spec.blocked
 
     @property
     def block_size(self) -> int:

@@ -26,9 +26,7 @@ def scaled_mm_preferred(device: torch.device | str) -> bool:
     is never faster; on an Intel Xeon with AMX, torch 2.13's kernel for two operands of one format (the forward GEMM,
     and every GEMM of ``format="e4m3"``) was 250-4700x slower than the emulation, 64x64x64 to 1024x256x256
     (``bench/bench_fp8_cpu_gemm.py``; an FP8 MLP's step 800 ms instead of 14). ``emulate=False`` still forces it.
-    FP8Linear keeps it on a CPU under delayed scaling (:func:`_scaled_mm_decision` says why). The torchao backend
-    decides at conversion, from the parameters' device, before the front ends move the model: it keeps
-    :func:`scaled_mm_supported` (a CPU check that would send a GPU run to emulation).
+    The exceptions, delayed scaling and the torchao backend: docs/fp8-recipes.md, "On the CPU".
     """
     return torch.device(device).type != "cpu" and scaled_mm_supported(device)
 
@@ -130,11 +128,10 @@ _WARNED_EMULATION: set[str] = set()  # devices auto mode has said it emulates on
 def _scaled_mm_decision(emulate: bool | None, device: str, delayed: bool = False) -> bool:
     """Whether FP8 GEMMs on ``device`` go through ``torch._scaled_mm`` (else exact emulation).
 
-    Auto mode on a CPU emulates (:func:`scaled_mm_preferred`: the CPU kernel gives the same product, up to 4700x
-    slower), except under delayed scaling, which keeps ``_scaled_mm`` from when the emulated backward used the next
-    step's scale under ``torch.compile``: the forward updates the ``scale`` buffer after casting with it, and torch
-    2.13's AOT partitioner recomputed the saved inverse scale in the backward from that buffer, already updated.
-    FP8Linear now copies the scale with an opaque op, which the partitioner saves (``tests/core/test_fp8.py``).
+    Auto mode on a CPU emulates (:func:`scaled_mm_preferred`), except under delayed scaling, which keeps
+    ``_scaled_mm`` from when the emulated backward used the next step's scale under ``torch.compile`` (torch 2.13's
+    partitioner recomputed the saved inverse scale from the updated buffer; FP8Linear now copies it with an opaque op,
+    :func:`~lit_mpstable.fp8.block_gemm.counter_snapshot`, which the partitioner saves).
     """
     if emulate is None and torch.device(device).type == "cpu" and not delayed:
         return False

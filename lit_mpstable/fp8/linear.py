@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lit_mpstable.base.validate import check_keys
-from lit_mpstable.fp8.backend import share_hooks
+from lit_mpstable.fp8.backend import linear_like
 from lit_mpstable.fp8.block_gemm import BlockLinearFunction, counter_snapshot, layer_seed, rht_signs
 from lit_mpstable.fp8.config import FP8Config
 from lit_mpstable.fp8.gemm import _scaled_mm_decision, fp8_mm
@@ -97,18 +97,25 @@ class FP8Linear(nn.Linear):
         self._stats_numel: dict[str, float] = {}  # operands measured since stats were last cleared: their sizes
         # Delayed recipe: the scales each forward used, oldest first, for an activation-checkpointing recompute.
         self._forward_scales: deque[tuple[int, bool, torch.Tensor]] = deque()
-        buffer_device = self.weight.device
-        self.register_buffer("stats_buffer", torch.zeros(3, 3, device=buffer_device), persistent=False)
-        spec = self.fp8_config.spec
         self.sr_seed = layer_seed(name)
-        if spec.history:
-            history = torch.zeros(3, self.fp8_config.amax_history_len, device=buffer_device)
+        self._register_buffers(self.fp8_config, self.weight.device)
+
+    def _register_buffers(self, config: FP8Config, device: torch.device, *, keep: bool = False) -> None:
+        """Register on ``device`` the non-persistent buffers ``config``'s recipe uses (see the class docstring), fresh;
+        ``keep``: leave those this layer has (their state goes on)."""
+
+        def fresh(name: str) -> bool:
+            return not (keep and name in self._buffers)
+
+        if fresh("stats_buffer"):
+            self.register_buffer("stats_buffer", torch.zeros(3, 3, device=device), persistent=False)
+        if config.spec.history and fresh("amax_history"):
+            history = torch.zeros(3, config.amax_history_len, device=device)
             self.register_buffer("amax_history", history, persistent=False)
-            self.register_buffer("scale", torch.ones(3, device=buffer_device), persistent=False)
-        if spec.needs_counter:
-            self.register_buffer("sr_counter", torch.zeros((), dtype=torch.int64, device=buffer_device),
-                                 persistent=False)
-            self.register_buffer("rht_signs", rht_signs(self.sr_seed, device=buffer_device), persistent=False)
+            self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
+        if config.spec.needs_counter and fresh("sr_counter"):
+            self.register_buffer("sr_counter", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+            self.register_buffer("rht_signs", rht_signs(self.sr_seed, device=device), persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: FP8Config, name: str = "") -> FP8Linear:
@@ -116,27 +123,13 @@ class FP8Linear(nn.Linear):
 
         ``name``: the layer's qualified name, which seeds its stochastic rounding (nvfp4).
         """
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, config=config, device="meta",
-                  name=name)
-        new.weight, new.bias = linear.weight, linear.bias
-        new.stats_buffer = torch.zeros_like(new.stats_buffer, device=linear.weight.device)
-        if new.fp8_config.spec.history:
-            new.amax_history = torch.zeros_like(new.amax_history, device=linear.weight.device)
-            new.scale = torch.ones_like(new.scale, device=linear.weight.device)
-        if new.fp8_config.spec.needs_counter:
-            new.sr_counter = torch.zeros((), dtype=torch.int64, device=linear.weight.device)
-            new.rht_signs = rht_signs(new.sr_seed, device=linear.weight.device)
-        new.train(linear.training)
-        share_hooks(linear, new)  # handles registered on the original still remove them
+        new = linear_like(linear, cls, config=config, name=name)
+        new._register_buffers(new.fp8_config, linear.weight.device)  # built on the meta device
         return new
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` sharing this layer's parameters and hooks (FP8 state is dropped)."""
-        linear = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
-        linear.weight, linear.bias = self.weight, self.bias
-        linear.train(self.training)
-        share_hooks(self, linear)
-        return linear
+        return linear_like(self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.fp8_config.spec.name!r}, format={self.fp8_config.format!r}"
@@ -350,14 +343,7 @@ class FP8Linear(nn.Linear):
         take ``spec``'s formats. Buffers the new recipe needs are created (an amax history starts empty, the SR
         counter at 0, the Hadamard signs from the layer's seed); those it keeps are kept (the SR counter goes on)."""
         config = spec if isinstance(spec, FP8Config) else dataclasses.replace(self.fp8_config, recipe=spec)
-        device = self.weight.device
-        if config.spec.history and "amax_history" not in self._buffers:
-            self.register_buffer("amax_history", torch.zeros(3, config.amax_history_len, device=device),
-                                 persistent=False)
-            self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
-        if config.spec.needs_counter and "sr_counter" not in self._buffers:
-            self.register_buffer("sr_counter", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
-            self.register_buffer("rht_signs", rht_signs(self.sr_seed, device=device), persistent=False)
+        self._register_buffers(config, self.weight.device, keep=True)
         self.fp8_config = config
 
 

@@ -71,9 +71,8 @@ def mx_quantize(
 
     ``"rceil"`` (the default; TransformerEngine's MXFP8 and torchao's training default) never saturates a finite
     block; ``"floor"`` (OCP's rule, torchao's ``ScaleCalculationMode.FLOOR``) lets a block's largest values exceed
-    the max by up to one binade. Both equal the golden vectors of TE's and OCP's arithmetic bit for bit; torchao's
-    eager RCEIL takes ``ceil(log2(amax / max))`` in fp32 (a hair above a power of two it misses the round-up) and
-    multiplies by 1 at ``e = 0``, and its FLOOR divides by ``2**-126`` at ``e = 0``: we follow TE and the spec.
+    the max by up to one binade. Both equal the golden vectors of TE's and OCP's arithmetic bit for bit (where
+    torchao's eager casts differ: docs/fp8-recipes.md).
 
     A last dim that ``block_size`` does not divide is quantized with its partial last block scaled by the amax of
     the elements present (TE's MXFP8 reference; the same as zero-padding). An all-zero block gets ``e = 0`` and
@@ -97,7 +96,7 @@ def mx_quantize(
                          "scales run along the last one.")
     fmt = MX_ELEMENTS[element]
     n = x.shape[-1]
-    blocks = _blocks(x, block_size)
+    blocks = mx_blocks(x, block_size)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     biased = mx_scale_exponent(amax, fmt, scale_rule)
     factor = pow2(_E8M0_BIAS - biased.clamp(max=0xFE))  # 2**(127 - e): exact, 2**127 at e = 0
@@ -113,12 +112,13 @@ def mx_dequantize(q: MXQuantized, dtype: torch.dtype = torch.float32) -> torch.T
     biased = q.scale_e8m0.to(torch.int32)
     scale = torch.where(biased == _E8M0_NAN, torch.nan, pow2(biased - _E8M0_BIAS)).unsqueeze(-1)
     n = q.elements.shape[-1]
-    values = _blocks(q.elements, q.block_size) * scale
+    values = mx_blocks(q.elements, q.block_size) * scale
     return values.flatten(-2)[..., :n].to(dtype)
 
 
-def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    # (..., n) -> (..., ceil(n / block_size), block_size) in fp32, zero-padded: zeros never raise a block's amax.
+def mx_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``(..., n)`` viewed as ``(..., ceil(n / block_size), block_size)`` in fp32, zero-padded (zeros never raise a
+    block's amax)."""
     return F.pad(x.float(), (0, -x.shape[-1] % block_size)).unflatten(-1, (-1, block_size))
 
 

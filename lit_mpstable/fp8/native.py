@@ -41,10 +41,6 @@ class NativeBackend(FP8Backend):
                 replace_module(model, name, FP8Linear.from_linear(linear, layer_config, name))
 
     @classmethod
-    def to_linear(cls, layer: nn.Module) -> nn.Linear:
-        return _native(layer).to_linear()
-
-    @classmethod
     def layer_state(cls, layer: nn.Module) -> dict[str, torch.Tensor]:
         return _native(layer).fp8_state_dict()
 
@@ -130,7 +126,7 @@ class Conformance:
     values_differ: dict[str, float] = field(default_factory=dict)
     """The same for the dequantized values (codes times scales; not for stochastically rounded gradients)."""
     unprobed: tuple[str, ...] = ()
-    """Operands not compared: the backend exposes no quantizer here, or this build has no reference for a field."""
+    """Operands not compared: the backend exposes no quantizer here."""
     grad_zero: bool = False
     """The probe layer's weight gradient came back all zero (while the reference's is not)."""
     grad_nonfinite: bool = False
@@ -167,15 +163,10 @@ def _probes(device: torch.device) -> list[torch.Tensor]:
 
 def check_conformance(backend: FP8Backend) -> Conformance:
     """Compare ``backend`` with our reference for its config's recipe, once per (backend class, config) and process:
-
-    - quantizers: for each operand (``"input"``, ``"weight"``, ``"grad"``) and three probe tensors (64x128: Gaussian,
-      uneven columns, rows spanning 1e-7 to 10), the backend's :meth:`~FP8Backend.probe_quantize` against
-      :func:`~lit_mpstable.fp8.quantizers.reference_quantize`: the fraction of decode scales and of values that
-      differ (bitwise; NaN equals NaN);
-    - gradients: a 128 -> 64 probe layer built by the backend, one forward and backward
-      (:meth:`~FP8Backend.probe_gradients`): an all-zero weight gradient (where the reference's is not) or a
-      non-finite one fails (TE's NVFP4 stochastic rounding returned all-zero gradients on some GPUs, TE PR #3281).
-    """
+    per operand, the fraction of decode scales and of values of :meth:`~FP8Backend.probe_quantize` that differ from
+    :func:`~lit_mpstable.fp8.quantizers.reference_quantize`'s on three probe tensors (bitwise; NaN equals NaN), and
+    a probe layer's weight gradient (:meth:`~FP8Backend.probe_gradients`), which fails all zero (where the
+    reference's is not) or non-finite. The probes and why: docs/fp8-recipes.md, "Backend conformance check"."""
     config = backend.config
     key = (type(backend), config)
     if key in _CHECKED:
@@ -190,13 +181,13 @@ def check_conformance(backend: FP8Backend) -> Conformance:
     unprobed: list[str] = []
     for operand in ("input", "weight", "grad"):
         for x in probes:
-            ours = reference_quantize(spec, operand, x, grad_dtype=config.grad_dtype)
             theirs = backend.probe_quantize(x, operand)
-            if ours is None or theirs is None:
+            if theirs is None:
                 unprobed.append(operand)
                 scales.pop(operand, None)
                 values.pop(operand, None)
                 break
+            ours = reference_quantize(spec, operand, x, grad_dtype=config.grad_dtype)
             scales[operand] = max(scales.get(operand, 0.0), _differ(theirs[1], ours[1]))
             if not (operand == "grad" and "dgrad" in spec.stochastic_rounding):
                 values[operand] = max(values.get(operand, 0.0), _differ(theirs[0], ours[0]))

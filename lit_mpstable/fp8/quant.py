@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lit_mpstable.fp8.minifloat import E4M3, E5M2
-from lit_mpstable.fp8.mx import mx_scale_exponent, pow2
+from lit_mpstable.fp8.mx import mx_blocks, mx_scale_exponent, pow2
 
 MX_BLOCK_SIZE = 32
 """Elements sharing one E8M0 scale (OCP Microscaling Formats spec v1.0, MXFP8)."""
@@ -85,12 +84,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype 
     return (q.float() / scale).to(dtype)
 
 
-def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    # (..., n) -> (..., ceil(n / block_size), block_size), zero-padded: zeros never raise a block's amax.
-    pad = -x.shape[-1] % block_size
-    return F.pad(x.float(), (0, pad)).unflatten(-1, (-1, block_size))
-
-
 def mx_block_scales(
     x: torch.Tensor, dtype: torch.dtype, *, block_size: int = MX_BLOCK_SIZE, scale_rule: str = "rceil"
 ) -> torch.Tensor:
@@ -110,7 +103,7 @@ def mx_block_scales(
     if scale_rule not in ("rceil", "floor"):
         raise ValueError(f"mx_block_scales(scale_rule={scale_rule!r}): scale_rule must be 'rceil' "
                          "(TransformerEngine) or 'floor' (OCP MX v1.0).")
-    amax = _blocks(x, block_size).abs().amax(dim=-1)
+    amax = mx_blocks(x, block_size).abs().amax(dim=-1)
     fmt = E5M2 if dtype == torch.float8_e5m2 else E4M3
     scale = pow2(mx_scale_exponent(amax, fmt, scale_rule).clamp(max=254) - 127)
     return torch.where(torch.isfinite(amax), scale, torch.nan)  # E8M0's NaN: the block held inf/NaN
@@ -125,7 +118,7 @@ def quantize_mx(
     ``block_scale.to(torch.float8_e8m0fnu)`` is lossless). The division by a power of two is exact.
     """
     scale = mx_block_scales(x, dtype, block_size=block_size, scale_rule=scale_rule)
-    blocks = _blocks(x, block_size)
+    blocks = mx_blocks(x, block_size)
     data = _saturating_cast(blocks / scale.unsqueeze(-1), blocks, dtype)
     return data.flatten(-2)[..., : x.shape[-1]], scale
 
@@ -138,7 +131,7 @@ def dequantize_mx(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``data * block_scale`` blockwise along the last dim, in fp32, then cast to ``dtype``."""
-    values = _blocks(data, block_size) * block_scale.unsqueeze(-1)
+    values = mx_blocks(data, block_size) * block_scale.unsqueeze(-1)
     return values.flatten(-2)[..., : data.shape[-1]].to(dtype)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
@@ -23,49 +22,15 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _ROLE_OF = {"input": "fprop", "weight": "fprop", "grad": "dgrad"}  # fake_quantize's tensor role -> its GEMM
 
 
-# ------------------------------------------------------------------------------------------------- adapters
-# The reference arithmetic (mx.py, nvfp4.py, quant.py) gains keyword arguments for the recipe fields; until it has
-# them, a field at its old behaviour is simply not passed (the old arithmetic: MX FLOOR scales, NVFP4 block scales
-# clamped at 2**-6), and a field that needs the new arithmetic is refused by name.
-def _accepts(fn: Callable[..., Any], name: str) -> bool:
-    return name in inspect.signature(fn).parameters
-
-
-_MX_RULE = _accepts(mx_quantize, "scale_rule")
-_QMX_RULE = _accepts(quantize_mx, "scale_rule")
-_NV_FLOOR = _accepts(nvfp4_quantize, "block_scale_floor")
-_NV_46 = _accepts(nvfp4_quantize, "four_over_six")
-
-
-def mx_kwargs(spec: Recipe, fn: Callable[..., Any] = mx_quantize) -> dict[str, Any]:
-    """The recipe's MX keyword arguments that ``fn`` (``mx_quantize`` or ``quantize_mx``) takes."""
-    return {"scale_rule": spec.scale_rule} if (_MX_RULE if fn is mx_quantize else _QMX_RULE) else {}
-
-
 def nvfp4_kwargs(spec: Recipe) -> dict[str, Any]:
-    """The recipe's NVFP4 keyword arguments that ``nvfp4_quantize`` takes (four_over_six refused where it cannot)."""
-    kwargs: dict[str, Any] = {}
-    if _NV_FLOOR:
-        kwargs["block_scale_floor"] = spec.block_scale_floor
-    if spec.four_over_six:
-        if not _NV_46:
-            raise ValueError(f"Recipe({spec.name!r}, four_over_six=True): this build's nvfp4_quantize has no"
-                             " four_over_six arithmetic; use four_over_six=False.")
-        kwargs["four_over_six"] = True
-    return kwargs
+    """The recipe's keyword arguments of ``nvfp4_quantize``."""
+    return {"block_scale_floor": spec.block_scale_floor, "four_over_six": spec.four_over_six}
 
 
 def quantize_mx_as(spec: Recipe, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``quant.quantize_mx(t, dtype)`` with the recipe's ``scale_rule``: ``(FP8 data of t's shape, fp32 block scales)``
-    (FP8Linear's MX path). Where ``quantize_mx`` lacks the rule but ``mx_quantize`` has it, through the latter."""
-    if _QMX_RULE or not _MX_RULE or spec.scale_rule == "floor":
-        return quantize_mx(t, dtype, **mx_kwargs(spec, quantize_mx))
-    element: MXElement = "fp8_e5m2" if dtype == torch.float8_e5m2 else "fp8_e4m3"
-    q = mx_quantize(_pad(t, 1, 32), element, block_size=32, **mx_kwargs(spec))
-    biased = q.scale_e8m0.long()
-    scale = torch.ldexp(torch.ones(biased.shape, device=t.device), biased - 127)
-    scale = torch.where(biased == 255, torch.nan, scale)
-    return q.elements[..., : t.shape[-1]].to(dtype), scale
+    (FP8Linear's MX path)."""
+    return quantize_mx(t, dtype, scale_rule=spec.scale_rule)
 
 
 # ----------------------------------------------------------------------------------------------- operands
@@ -80,38 +45,49 @@ def _unpad(values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return values[..., : shape[-2], : shape[-1]] if len(shape) >= 2 else values[..., : shape[-1]]
 
 
+def _tile(operand: str, block: tuple[int, int] | None) -> tuple[int, int]:
+    """``operand``'s block: a weight takes the role's (2-D where it has rows > 1), inputs and gradients its row."""
+    assert block is not None  # the block formats always have blocks (FORMATS)
+    return block if operand == "weight" else (1, block[1])
+
+
+def _fp8_dtype(operand: str, grad_dtype: torch.dtype) -> torch.dtype:
+    return grad_dtype if operand == "grad" else torch.float8_e4m3fn
+
+
+def _mx_element(operand: str, fp4: bool, grad_dtype: torch.dtype) -> MXElement:
+    if fp4:
+        return "fp4_e2m1"
+    return "fp8_e5m2" if _fp8_dtype(operand, grad_dtype) == torch.float8_e5m2 else "fp8_e4m3"
+
+
 def _bf16(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, **_: Any) -> torch.Tensor:
     return to_stored(t.float(), torch.bfloat16).float()  # rounded under torch.compile too (inductor elides a cast)
 
 
 def _tensor(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, *,
             grad_dtype: torch.dtype, **_: Any) -> torch.Tensor:
-    dtype = grad_dtype if operand == "grad" else torch.float8_e4m3fn
+    dtype = _fp8_dtype(operand, grad_dtype)
     scale = current_scale(t.detach().abs().amax().float(), dtype, margin=spec.margin)
     return dequantize(quantize(t, scale, dtype), scale)
 
 
 def _mx(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, *, fp4: bool,
         grad_dtype: torch.dtype, **_: Any) -> torch.Tensor:
-    assert block is not None  # MX formats always have blocks (FORMATS)
-    element: MXElement = "fp4_e2m1" if fp4 else (
-        "fp8_e5m2" if operand == "grad" and grad_dtype == torch.float8_e5m2 else "fp8_e4m3")
-    padded = _pad(t, 1, block[1])
-    q = mx_quantize(padded, element, block_size=block[1], **mx_kwargs(spec))
+    cols = _tile(operand, block)[1]
+    q = mx_quantize(_pad(t, 1, cols), _mx_element(operand, fp4, grad_dtype), block_size=cols,
+                    scale_rule=spec.scale_rule)
     return _unpad(mx_dequantize(q), t.shape)
 
 
 def _blockwise(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, **_: Any) -> torch.Tensor:
-    assert block is not None
-    tile = block if operand == "weight" else (1, block[1])
-    return blockwise_dequantize(blockwise_quantize(t, tile=tile))  # pads its own tiles
+    return blockwise_dequantize(blockwise_quantize(t, tile=_tile(operand, block)))  # pads its own tiles
 
 
 def _nvfp4(spec: Recipe, t: torch.Tensor, operand: str, block: tuple[int, int] | None, *,
            noise: torch.Tensor | None = None, generator: torch.Generator | None = None, stochastic: bool = False,
            **_: Any) -> torch.Tensor:
-    assert block is not None
-    rows, cols = block if operand == "weight" else (1, block[1])
+    rows, cols = _tile(operand, block)
     padded = _pad(t, rows, cols)
     if noise is not None and padded.shape != noise.shape:
         noise = _pad(noise, rows, cols)
@@ -165,16 +141,11 @@ def fake_quantize(
     (``"delayed"`` scales by this tensor's amax, as ``"current"``). Blocks run along the last dim (a GEMM's
     reduction dim); a dim the block does not divide is zero-padded, as the references pad, and the padding dropped.
 
-    - per-tensor formats: one scale per tensor, ``448 / amax`` (E4M3) for inputs and weights, ``57344 / amax``
-      (E5M2) for gradients (the package's ``format="hybrid"``).
-    - ``"blockwise"``: E4M3 with power-of-two FP32 scales (TransformerEngine's ``Float8BlockScaling`` default), one
-      per 1x128 tile of inputs and gradients and per 128x128 block of weights.
-    - MX (``"mxfp4"`` / ``"mxfp8"``): E2M1 / E4M3 elements (E5M2 for gradients with ``"mxfp8"``) with an E8M0 scale
-      per 32 elements, every role; the recipe's ``scale_rule``.
-    - ``"nvfp4"``: E2M1 elements, an E4M3 scale per 1x16 block (16x16 for weights) and an FP32 tensor scale;
-      gradients are rounded stochastically from ``generator`` (the default generator when None; a seeded one
-      repeats the draw), inputs and weights to nearest even. ``generator`` is used nowhere else. Under
-      ``torch.compile`` pass None (it cannot trace a generator), or call ``nvfp4.nvfp4_quantize`` with ``noise``.
+    Formats, blocks and scales per recipe: docs/fp8-recipes.md; gradients take E5M2 under the per-tensor formats
+    and ``"mxfp8"`` (the package's ``format="hybrid"``). ``generator`` draws the stochastic rounding of
+    ``"nvfp4"`` gradients (the default generator when None; a seeded one repeats the draw; inputs and weights round
+    to nearest even) and is used nowhere else. Under ``torch.compile`` pass None (it cannot trace a generator), or
+    call ``nvfp4.nvfp4_quantize`` with ``noise``.
 
     The arithmetic is fp32 (a float64 ``x`` is rounded to fp32 first). Non-finite values never come back finite,
     and poison what the reference quantizers poison: per-tensor formats and ``"nvfp4"`` the whole tensor (a NaN or
@@ -224,13 +195,12 @@ class _StraightThrough(torch.autograd.Function):
 
 def reference_quantize(
     spec: Recipe, operand: QuantRole, x: torch.Tensor, *, grad_dtype: torch.dtype = torch.float8_e5m2
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Our reference for one operand of ``spec`` (``"input"``/``"weight"``: ``fprop``, ``"grad"``: ``dgrad``,
     rounded to nearest): ``(dequantized values in fp32, decode scales in fp32)`` with the scales per tensor
     (per-tensor formats: ``1 / scale``), per block (MX: the E8M0 power of two; blockwise: the tile's ``scale_inv``;
     NVFP4: E4M3 block scale times the tensor scale), what a backend's quantized codes and scales are compared with
-    (:func:`lit_mpstable.fp8.backends.check_conformance`). None where this build's arithmetic cannot honour a field
-    (the MX ``scale_rule`` / NVFP4 ``block_scale_floor`` keywords missing: no reference to compare with)."""
+    (:func:`lit_mpstable.fp8.native.check_conformance`)."""
     role: Role = "dgrad" if operand == "grad" else "fprop"
     info = spec.info(role)
     block = spec.block(role)
@@ -238,25 +208,18 @@ def reference_quantize(
     if not info.quantized:
         return t.to(torch.bfloat16).float(), torch.ones(1)
     if info.kind == "mx":
-        if not _MX_RULE and spec.scale_rule != "floor":
-            return None
-        assert block is not None
-        element: MXElement = "fp4_e2m1" if info.fp4 else (
-            "fp8_e5m2" if operand == "grad" and grad_dtype == torch.float8_e5m2 else "fp8_e4m3")
-        q = mx_quantize(_pad(t, 1, block[1]), element, block_size=block[1], **mx_kwargs(spec))
+        cols = _tile(operand, block)[1]
+        q = mx_quantize(_pad(t, 1, cols), _mx_element(operand, info.fp4, grad_dtype), block_size=cols,
+                        scale_rule=spec.scale_rule)
         scales = torch.ldexp(torch.ones_like(q.scale_e8m0, dtype=torch.float32), q.scale_e8m0.long() - 127)
         return _unpad(mx_dequantize(q), t.shape), scales
     if info.kind == "two_level":
-        if not _NV_FLOOR and spec.block_scale_floor is None:
-            return None
-        assert block is not None
-        rows, cols = block if operand == "weight" else (1, block[1])
+        rows, cols = _tile(operand, block)
         nq = nvfp4_quantize(_pad(t, rows, cols), tile=(rows, cols), **nvfp4_kwargs(spec))
         return _unpad(nvfp4_dequantize(nq), t.shape), nq.block_scale.float().flatten() * nq.tensor_scale
     if info.kind == "tiles":
-        assert block is not None
-        bq = blockwise_quantize(t, tile=block if operand == "weight" else (1, block[1]))
+        bq = blockwise_quantize(t, tile=_tile(operand, block))
         return blockwise_dequantize(bq), bq.scale_inv.flatten()
-    dtype = grad_dtype if operand == "grad" else torch.float8_e4m3fn
+    dtype = _fp8_dtype(operand, grad_dtype)
     scale = current_scale(t.abs().amax(), dtype, margin=spec.margin)
     return dequantize(quantize(t, scale, dtype), scale), scale.reciprocal().reshape(1)

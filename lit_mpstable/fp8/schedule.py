@@ -258,6 +258,10 @@ class ScheduleRunner:
             self._resolve_targets(model)
             self._live.clear()
         self.model = model
+        self._reapply()
+
+    def _reapply(self) -> None:
+        """Switch the layers to the milestones applied already (a checkpoint's)."""
         for index, applied in enumerate(self.applied):
             if applied is not None:
                 self._apply(index, applied, record=False)
@@ -306,8 +310,7 @@ class ScheduleRunner:
         return done
 
     def _apply(self, index: int, step: int, record: bool = True) -> str:
-        if self.model is None:
-            raise RuntimeError("ScheduleRunner: bind(model, schedulers) first.")
+        assert self.model is not None  # every caller has a model
         milestone = self.milestones[index]
         if index not in self._live:
             for name in self.targets[index]:
@@ -353,9 +356,7 @@ class ScheduleRunner:
         self.steps = [s if s is not None else self.steps[i] for i, s in enumerate(state["steps"])]
         self.applied = list(state["applied"])
         if self.model is not None:
-            for index, step in enumerate(self.applied):
-                if step is not None:
-                    self._apply(index, step, record=False)
+            self._reapply()
 
 
 def schedule_runner(schedule: Any, fp8: Any) -> ScheduleRunner:
@@ -412,8 +413,3 @@ def _agree(fired: bool) -> bool:
     flag = torch.tensor([1 if fired else 0], dtype=torch.int32, device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item())
-
-
-def schedule_events(runner: ScheduleRunner | None) -> list[dict[str, Any]]:
-    """The switches made so far (a copy), for reports."""
-    return [dict(e) for e in runner.events] if runner is not None else []

@@ -40,14 +40,8 @@ class TorchaoBackend(FP8Backend):
       whose parameters hold an ``MXFP8TrainingWeightWrapperTensor``. torchao makes new Parameters; their contents
       are swapped into the original ones (``torch.utils.swap_tensors``), and back on revert, so the objects that
       optimizers hold stay the ones the model computes with.
-
-    - ``recipe="blockwise"``: refused. ``"blockwise"`` means power-of-two tile scales (TransformerEngine's
-      ``Float8BlockScaling`` default, the native emulation); torchao 0.18's prototype ``Float8BlockwiseLinear``
-      scales each tile by exactly ``448 / amax`` and its config has no option for powers of two, so the same
-      recipe name would give other numbers.
-    - ``recipe="mxfp4"`` / ``"nvfp4"``: torchao (0.18) has MX and NVFP4 tensors for inference and a Triton-only
-      functional NVFP4 training prototype, but no training config to convert a model with: refused, naming
-      ``backend="native"`` (exact emulation) and TransformerEngine's NVFP4BlockScaling.
+    - ``"blockwise"``, ``"mxfp4"``, ``"nvfp4"``: refused, with the reason (:data:`_TORCHAO_REFUSALS`), naming
+      ``backend="native"`` (exact emulation).
 
     Stateless (nothing to checkpoint, nothing to synchronise across ranks) and without telemetry.
 
