@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 
 from lit_mpstable.base.validate import check_keys, int_arg
-from lit_mpstable.core.loaded_state import Field, check_mapping, count, count_list, flag, short, text
+from lit_mpstable.core.loaded_state import check_mapping, count, count_list, flag, short, text
 from lit_mpstable.core.weights.compact_rounding import step_keys, words
 
 if TYPE_CHECKING:
@@ -350,9 +350,8 @@ class MomentStore:
             KeyError: a key is missing or unknown.
             ValueError: the kind, shape or sign differs from this store's.
         """
-        expected = {"kind", "shape", "signed", "rounding", "seed", "key", "tensors"}
-        if set(state) != expected:
-            raise KeyError(f"MomentStore.load_state_dict: keys {sorted(state)!r}, expected {sorted(expected)!r};"
+        if set(state) != _STORE_KEYS:
+            raise KeyError(f"MomentStore.load_state_dict: keys {sorted(state)!r}, expected {sorted(_STORE_KEYS)!r};"
                            " was it saved by MomentStore.state_dict?")
         for name, mine in (("kind", self.kind), ("shape", list(self.shape)), ("signed", self.signed)):
             if state[name] != mine:
@@ -362,7 +361,8 @@ class MomentStore:
             raise KeyError(f"MomentStore.load_state_dict: tensors {sorted(state['tensors'])!r}, expected"
                            f" {sorted(self.tensors)!r}.")
         # Every field, before anything is changed: a NaN, a negative second moment or a NaN code is refused by name.
-        moment_store(self.kind, self.signed)("MomentStore.load_state_dict", "state", state)
+        _refuse_deferred("MomentStore.load_state_dict",
+                         _store_checks("MomentStore.load_state_dict", "state", state, self.kind, self.signed))
         self.rounding, self.seed, self.key = state["rounding"], int(state["seed"]), int(state["key"])
         block = _saved_block(self, state["tensors"])
         if block is not None:  # FP8 moments of an earlier block size: read in theirs, stored again in this one
@@ -568,14 +568,6 @@ def _refuse_deferred(call: str, checks: _Deferred) -> None:
         name, _, rule = checks[int(failed.nonzero()[0])]
         raise ValueError(f"{call}({name}): {rule}; the checkpoint is corrupted (or was saved after the run"
                          " diverged): resume from an earlier one.")
-
-
-def moment_store(kind: str, signed: bool) -> Field:
-    """One ``MomentStore.state_dict()`` of an Adam moment kept in ``kind``; ``signed``: ``exp_avg`` (else the
-    non-negative ``exp_avg_sq``)."""
-    def check(call: str, name: str, value: object) -> None:
-        _refuse_deferred(call, _store_checks(call, name, value, kind, signed))
-    return check
 
 
 def moment_state(call: str, name: str, value: object) -> None:
