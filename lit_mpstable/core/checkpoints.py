@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import importlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
@@ -84,14 +84,8 @@ def copy_quantized_state(value: torch.Tensor, device: torch.device | None) -> to
 def flatten_optimizer_states_(optimizer_states: Iterable[StateDict]) -> int:
     """Replace, in these ``optimizer.state_dict()`` results, every allowed tensor-subclass state by its flat form
     (the live optimizer is not touched: the dicts are the state dicts' own); returns how many were replaced."""
-    count = 0
-    for optimizer_state in optimizer_states:
-        for state in optimizer_state.get("state", {}).values():
-            for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor) and _qualname(type(value)) in _ALLOWED:
-                    state[key] = _flatten(value)
-                    count += 1
-    return count
+    return _replace_states_(optimizer_states, lambda v: isinstance(v, torch.Tensor) and _qualname(type(v)) in _ALLOWED,
+                            _flatten)
 
 
 def unflatten_optimizer_states_(optimizer_states: Iterable[StateDict]) -> int:
@@ -100,12 +94,17 @@ def unflatten_optimizer_states_(optimizer_states: Iterable[StateDict]) -> int:
     Raises:
         ValueError: a flat state names a class outside the allow-list.
     """
+    return _replace_states_(optimizer_states, lambda v: isinstance(v, dict) and _MARK in v, _rebuild)
+
+
+def _replace_states_(optimizer_states: Iterable[StateDict], pick: Callable[[object], bool],
+                     convert: Callable[[Any], object]) -> int:
     count = 0
     for optimizer_state in optimizer_states:
         for state in optimizer_state.get("state", {}).values():
             for key, value in list(state.items()):
-                if isinstance(value, dict) and _MARK in value:
-                    state[key] = _rebuild(value)
+                if pick(value):
+                    state[key] = convert(value)
                     count += 1
     return count
 
@@ -157,12 +156,17 @@ def read_sharded_meta(path: str | Path) -> dict[str, Any]:
 
 
 def earlier_sharded_checkpoints(path: str | Path) -> list[Path]:
-    """The other sharded checkpoints (:func:`is_sharded_checkpoint`) of ``path``'s parent directory written before it,
-    newest first: those whose directory's modification time (set when its last file, :data:`SHARDED_META`, was
-    created) is not later than ``path``'s, ties broken by name, descending; as
-    :func:`lit_mpstable.core.fingerprint.previous_checkpoints` orders files."""
+    """The other sharded checkpoints (:func:`is_sharded_checkpoint`) of ``path``'s parent directory written before it
+    (:func:`written_before`; a directory's modification time is set when its last file, :data:`SHARDED_META`, was
+    created)."""
     path = Path(path)
+    return written_before(path, [p for p in path.parent.iterdir() if is_sharded_checkpoint(p)])
+
+
+def written_before(path: Path, candidates: Iterable[Path]) -> list[Path]:
+    """``candidates`` other than ``path`` whose modification time is not later than ``path``'s (all of them where
+    ``path`` does not exist), newest first, ties broken by name, descending."""
     own = path.stat().st_mtime_ns if path.exists() else None
-    others = [p for p in path.parent.iterdir() if p.resolve() != path.resolve() and is_sharded_checkpoint(p)]
+    others = [p for p in candidates if p.resolve() != path.resolve()]
     earlier = [p for p in others if own is None or p.stat().st_mtime_ns <= own]
     return sorted(earlier, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)

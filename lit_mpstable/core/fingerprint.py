@@ -1,24 +1,11 @@
 """A checkpoint's numeric fingerprint: what the saved numbers were, so a load can tell that they still are.
 
-A checkpoint written by the plugin carries, in the plugin's state under :data:`KEY`:
-
-- ``checksums``: per tensor of the checkpoint (the model's weights, the optimizers' state, the plugin's own tensors:
-  FP32 masters, Kahan compensation, FP8 scaling state, ...), a 64-bit digest of the tensor's bytes (:func:`checksum`):
-  the bytes read as 64-bit words, summed with wrap-around into 509 lanes by position, the lanes hashed; bitwise,
-  summed on the tensor's device, one host read for all of them;
-- ``manifest``: the precision the run trained in (:func:`manifest`): the base precision and weight mode, the FP8/FP4
-  recipe and its fields, per low-format layer its recipe, stochastic-rounding key and Hadamard signs, the FP32
-  islands, the fallbacks in force and the layers the probe's budget kept in high precision;
-- ``pinned``: a pinned micro-batch (the first training batch the run saw, its first :data:`PIN_ROWS` rows, on the
-  CPU), and its loss and gradient norm at the save (:func:`pinned_pass`), with ``deterministic`` (whether the pass
-  repeats bitwise on that device).
-
-:class:`Fingerprint` captures and checks them; a difference is named (:class:`FingerprintMismatch`): which tensor's
-checksum changed (with a diagnosis where one is cheap: zeroed, FP32 holding only BF16 values), which layer the
-checkpoint trained in another format ("checkpoint trained `blocks.3.mlp` in nvfp4, this run has it in bf16"), how far
-the pinned micro-batch's loss moved. :func:`previous_checkpoints` and :func:`previous_passing_checkpoint` find the
-newest earlier checkpoint that passes (``on_fingerprint_mismatch="previous"``, and the remedy ladder's "restored
-state" rung).
+Under :data:`KEY` in the plugin's state: ``checksums`` (a 64-bit digest of every tensor's bytes, :func:`checksum`),
+``manifest`` (the precision the run trained in, :func:`manifest`) and ``pinned`` (a pinned micro-batch and its loss
+and gradient norm at the save, :func:`pinned_pass`). :class:`Fingerprint` captures and checks them and names each
+difference (:class:`FingerprintMismatch`); :func:`previous_passing_checkpoint` finds the newest earlier checkpoint that
+passes (``on_fingerprint_mismatch="previous"``, the remedy ladder's "restored state" rung). The format and what each
+check catches: ``docs/fingerprints.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +23,8 @@ from typing import Any, Literal, get_args
 import numpy as np
 import torch
 from torch import nn
+
+from lit_mpstable.core.checkpoints import written_before
 
 KEY = "fingerprint"
 """Where the fingerprint sits in the plugin's state."""
@@ -231,6 +220,14 @@ def _collect(tree: object, path: str, found: list[tuple[str, torch.Tensor]]) -> 
             _collect(value, f"{path}[{index}]", found)
 
 
+def _leaves(trees: Mapping[str, object]) -> list[tuple[str, torch.Tensor]]:
+    # tensor_leaves of each tree, its paths under the tree's root name.
+    found: list[tuple[str, torch.Tensor]] = []
+    for root, tree in trees.items():
+        _collect(tree, root, found)
+    return found
+
+
 def _view_key(t: torch.Tensor) -> tuple:
     """What identifies a tensor's bytes: its storage, offset, shape, strides and dtype (two entries of a state that are
     one tensor, such as tied embeddings listed under two names, have the same key)."""
@@ -242,9 +239,7 @@ def checksums(trees: Mapping[str, object], version: int = VERSION) -> dict[str, 
     device. A tensor listed under several paths (tied weights: ``torch.save`` writes its storage once too) is read
     once. ``version``: the checksum of that fingerprint version, to check its checkpoints (1: :func:`_word_sum`; 2:
     the lanes zero-padded to :data:`LANES` before the hash)."""
-    leaves: list[tuple[str, torch.Tensor]] = []
-    for root, tree in trees.items():
-        _collect(tree, root, leaves)
+    leaves = _leaves(trees)
     keys = [_view_key(t) for _, t in leaves]
     first: dict[tuple, int] = {}  # view key -> the index of the leaf that computes it
     by_device: dict[torch.device, list[int]] = {}
@@ -294,17 +289,11 @@ def compare_checksums(saved: Mapping[str, int], trees: Mapping[str, object], ver
         if path not in now:
             differences.append(f"{_kind(path)} `{path}` is missing from the loaded checkpoint")
         elif now[path] != value:
-            live = live or dict(tensor_leaves_by_path(trees))
+            live = live or dict(_leaves(trees))
             differences.append(f"checksum of {_kind(path)} `{path}` differs (saved {value & (2**64 - 1):#018x},"
                                f" loaded {now[path] & (2**64 - 1):#018x}){_diagnose(path, live[path])}")
     differences += [f"{_kind(path)} `{path}` was not in the saved checkpoint" for path in now if path not in saved]
     return differences
-
-
-def tensor_leaves_by_path(trees: Mapping[str, object]) -> Iterator[tuple[str, torch.Tensor]]:
-    for root, tree in trees.items():
-        for path, t in tensor_leaves(tree):
-            yield f"{root}{path}", t
 
 
 # ---------------------------------------------------------------------------------------------------- manifest
@@ -445,14 +434,10 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
     ``batch`` is as the data loader gave it; ``dtype``: what a ``*-true`` run casts its floating inputs to now.
 
     One forward and backward in the run's precision (``forward_context``), the module in eval mode, the RNG forked and
-    seeded (:data:`PIN_SEED`); gradients through ``torch.autograd.grad``, so ``.grad`` is untouched. Sharded (DTensor:
-    FSDP2) parameters are not in the graph (FSDP2 all-gathers them into unsharded tensors and reduce-scatters into
-    ``.grad`` from its backward hooks): there ``.grad`` is set aside, a real backward fills it with the reduced
-    shards, their norm is taken over every rank (collective: every rank runs the pass) and each ``.grad`` is put
-    back, the same tensor. Afterwards every
-    buffer (BatchNorm statistics, FP8 amax histories and stochastic-rounding counters) and every public Python
-    attribute of the modules holding a list, dict, set or number (a ``loss_fn`` that appends to a list or counts
-    calls) is restored in place, so the run goes on exactly as without the pass."""
+    seeded (:data:`PIN_SEED`); gradients through ``torch.autograd.grad``, so ``.grad`` is untouched (FSDP2's sharded
+    parameters: :func:`_sharded_grads`, and the norm over every rank: collective). Afterwards every buffer (BatchNorm
+    statistics, FP8 amax histories, stochastic-rounding counters) and every public Python attribute of the modules
+    holding a list, dict, set or number is restored in place, so the run goes on exactly as without the pass."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     versions = [p._version for p in params]  # an in-place write during the pass bumps it
@@ -664,6 +649,20 @@ class Fingerprint:
         more, notes = compare_manifests(fingerprint["manifest"], live)
         return differences + more, notes
 
+    def candidate_differences(self, plugin_state: object, trees: Callable[[dict[str, Any]], Mapping[str, object]],
+                              live: Callable[[], Mapping[str, Any]], *, call: str, required: bool = True) -> list[str]:
+        """A candidate checkpoint's differences (:meth:`check`): its plugin state's fingerprint against
+        ``trees(the plugin state without it)`` and ``live()``; an unreadable fingerprint, or none where one is
+        ``required``, is the difference."""
+        try:
+            saved, plugin = self.split(plugin_state, call=call)
+        except (TypeError, ValueError) as error:
+            return [str(error)]
+        if saved is None:
+            return ["it holds no fingerprint"] if required else []
+        differences, _ = self.check(saved, trees(plugin), live())
+        return differences
+
     def check_pinned(self, fingerprint: Mapping[str, Any], loss: Callable[[object], torch.Tensor],
                      live: Mapping[str, Any]) -> list[str]:
         """The pinned micro-batch recomputed (``loss``: as for :meth:`capture`) against the save's; ``[]`` without a
@@ -705,10 +704,7 @@ def previous_checkpoints(path: str | Path, *, pattern: str = "*.ckpt") -> list[P
     """The other checkpoints in ``path``'s directory written before it, newest first: files matching ``pattern``
     whose modification time is earlier than ``path``'s (ties broken by name, descending)."""
     path = Path(path)
-    own = path.stat().st_mtime_ns if path.exists() else None
-    others = [p for p in path.parent.glob(pattern) if p.resolve() != path.resolve() and p.is_file()]
-    earlier = [p for p in others if own is None or p.stat().st_mtime_ns <= own]
-    return sorted(earlier, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+    return written_before(path, [p for p in path.parent.glob(pattern) if p.is_file()])
 
 
 def previous_passing_checkpoint(path: str | Path, check: Callable[[dict[str, Any]], list[str]], *,
@@ -782,14 +778,9 @@ class CheckpointCheck:
         self.fingerprint, self.plugin_key, self.live, self.reload = fingerprint, plugin_key, live, reload
 
     def differences(self, checkpoint: Mapping[str, Any], *, required: bool = True) -> list[str]:
-        try:
-            saved, _ = self.fingerprint.split(checkpoint.get(self.plugin_key), call=self.plugin_key)
-        except (TypeError, ValueError) as error:
-            return [str(error)]
-        if saved is None:
-            return ["it holds no fingerprint"] if required else []
-        differences, _ = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key), self.live())
-        return differences
+        return self.fingerprint.candidate_differences(
+            checkpoint.get(self.plugin_key), lambda _: checkpoint_trees(checkpoint, self.plugin_key), self.live,
+            call=self.plugin_key, required=required)
 
     def verify_(self, checkpoint: dict[str, Any], path: str | Path | None) -> None:
         """Check ``checkpoint`` (read from ``path``); a checkpoint without a fingerprint passes unchecked."""

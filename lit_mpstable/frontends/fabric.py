@@ -56,51 +56,27 @@ class StablePrecision(StableFrontEnd, Precision):
 
     In the loop, ``fabric.backward(loss)`` scales the loss; ``optimizer.step()`` unscales, checks the gradients for
     inf/NaN (agreed across ranks), steps or skips and counts, updates the scale and refreshes the 16-bit weights from
-    the FP32 masters; ``fabric.clip_gradients`` (by norm or value) clips the true gradients (the masters', which the
-    model's 16-bit gradients then show; compact weights' unscaled), and on an overflowing step clips nothing and
-    returns a norm of 0 instead of raising (the step is skipped). Fabric refuses a plain ``loss.backward()`` with this
-    plugin, in every mode.
+    the FP32 masters; ``fabric.clip_gradients`` (by norm or value) clips the true gradients, and on an overflowing step
+    clips nothing and returns a norm of 0 instead of raising (the step is skipped). Fabric refuses a plain
+    ``loss.backward()`` with this plugin, in every mode.
 
-    Fabric shows a precision plugin each optimizer only at its step, so some things are the loop's to say:
+    Fabric shows a precision plugin each optimizer only at its step, so some things are the loop's to say
+    (``docs/plugin.md``, "Lightning Fabric"):
 
-    - LR schedulers: :meth:`hold_schedulers` makes ``scheduler.step()`` a no-op after a skipped step (or call it
-      only ``if not plugin.last_step_skipped``).
-    - Exact resume with FP32 master weights (``*-true`` modes): :meth:`setup_optimizers` after ``fabric.setup`` and
-      before ``fabric.load``, so the checkpoint's FP32 optimizer state loads into the masters (torch would round it
-      to the 16-bit parameters otherwise; a warning says so)::
+    - LR schedulers: :meth:`hold_schedulers` makes ``scheduler.step()`` a no-op after a skipped step.
+    - Exact resume: :meth:`setup_optimizers` after ``fabric.setup`` and before ``fabric.load``, so the checkpoint's
+      FP32 optimizer state loads into the masters, and the plugin in the saved state (litgpt's own leaves it out; an
+      optimizer resumed without it warns)::
 
         model, optimizer = fabric.setup(model, optimizer)
         plugin.setup_optimizers(optimizer)
         plugin.hold_schedulers(scheduler)
         fabric.load(path, {"model": model, "optimizer": optimizer, "precision": plugin})
 
-      The plugin belongs in the saved state (litgpt's own leaves it out), in any order: a fallback active at the save
-      is re-applied when it loads, with the FP32 values it held. With any ``master_weights`` an optimizer resumed
-      while the plugin's state was not loaded warns.
-    - The numeric fingerprint (``docs/fingerprints.md``) every ``fabric.save`` of the plugin carries: checksums and
-      the precision manifest always; the pinned micro-batch's loss once the loop gives it a loss function,
-      :meth:`pin`, before the first forward. A ``fabric.load`` checks the plugin's part as it loads and the model's
-      (and the pinned loss) at the first forward after it, before that forward runs; :meth:`load` checks it all
-      before it returns, and there ``on_fingerprint_mismatch="previous"`` falls back to an earlier file. A sharded
-      checkpoint's directory (FSDP2 under ``ModelParallelStrategy``) needs :meth:`load`: Lightning's sharded load
-      puts the plugin's saved dict in ``state`` instead of loading it; :meth:`load` loads it and checks each rank's
-      shards against the checksums that rank took at the save.
-    - A checkpoint that passes its fingerprint but goes bad (a NaN three steps after the load, Megatron-LM#5281): load
-      it with :meth:`load` instead of ``fabric.load``, and the remedy ladder's restored-state rung loads the one
-      before it, in process, inside the ``optimizer.step()`` of the bad step, into the same ``state``. Keep the
-      loop's position in ``state`` (it comes back with the file) and count it before the step, as litgpt counts
-      ``iter_num``::
-
-        state = {"model": model, "optimizer": optimizer, "precision": plugin, "step": 0}
-        plugin.pin(loss_fn, first_batch)  # loss_fn(module, batch) -> loss
-        plugin.load(fabric, "ckpt/step=400.pt", state, restored_window=10, max_restores=3)
-        while state["step"] < total_steps:
-            state["step"] += 1
-            fabric.backward(loss_fn(model, next(batches)))
-            optimizer.step()  # a bad step soon after the load: state is the earlier file's when it returns
-            optimizer.zero_grad()
-            if state["step"] % 100 == 0:
-                fabric.save(f"ckpt/step={state['step']}.pt", state)
+    - The numeric fingerprint every ``fabric.save`` of the plugin carries (``docs/fingerprints.md``): :meth:`pin`
+      adds the pinned micro-batch's loss; ``fabric.load`` checks the plugin's part as it loads and the rest at the
+      first forward after it. :meth:`load` checks it all before it returns, falls back to an earlier file, loads
+      sharded (FSDP2) checkpoints and arms the remedy ladder's restored-state rung.
 
     Weights loaded into the model after ``fabric.setup`` (a pretrained checkpoint) are where the masters start; under
     DDP the masters, Kahan compensation and rounding seeds are rank 0's, as the weights DDP broadcast are. As
@@ -342,13 +318,9 @@ class StablePrecision(StableFrontEnd, Precision):
             self._model_checked = not optimizers
             if optimizers:
                 self.fingerprint.pending = None
-            same = (fingerprint["manifest"]["precision"], fingerprint["manifest"]["master_weights"]) == (
-                self.stepper.precision, self.stepper.master_mode)  # else the weights were carried: not comparable
             trees = {**({"model": module.state_dict()} if model else {}),
                      **({"optimizer": [o.state_dict() for o in self._bound]} if optimizers else {})}
-            differences, notes = compare_checksums(fingerprint["checksums"], trees if same else {}), []
-            sharded = compare_shard_checksums(fingerprint["checksums"], trees if same else {})  # every rank's shards
-            differences, notes = differences + sharded[0], notes + sharded[1]
+            differences, notes = self._checksum_differences(fingerprint, trees)
             if model and self._pin_loss is not None:
                 differences += self.fingerprint.check_pinned(fingerprint, self._pinned_loss, self.stepper.manifest())
             elif model and fingerprint["pinned"]:
@@ -367,28 +339,19 @@ class StablePrecision(StableFrontEnd, Precision):
         """``fabric.load(path, state, strict=strict, weights_only=weights_only)``, the whole numeric fingerprint
         compared before it returns (with ``on_fingerprint_mismatch="previous"`` a checkpoint that fails is replaced by
         the newest earlier one of its directory that passes), and the remedy ladder's restored-state rung
-        (:attr:`~lit_mpstable.core.guards.ladder.Rung.RESTORE`) watching the steps after it.
+        (:attr:`~lit_mpstable.core.guards.ladder.Rung.RESTORE`) watching the steps after it
+        (``docs/fingerprints.md``, "With Fabric").
 
         ``path`` is a checkpoint file or a sharded checkpoint's directory (``fabric.save`` under FSDP2's
-        ``ModelParallelStrategy``: the shards and ``meta.pt``). Lightning's sharded load hands ``state`` the plugin's
-        saved dict in place of loading it; here the plugin loads it. Each rank compares its own shards of the model's
-        weights and the optimizers' state with the checksums it took at the save (every rank's are in rank 0's
-        fingerprint), the plain tensors, the manifest and the pinned micro-batch (judged on rank 0) as for a file; the
-        differences of all ranks are gathered, so every rank decides alike. A checkpoint loaded on another number of
-        ranks than it was saved on is resharded: its shards are not compared (a note in the fingerprint's events).
+        ``ModelParallelStrategy``); the plugin loads its own saved dict from one, which Lightning's sharded load does
+        not, and each rank compares its own shards with the checksums it took at the save.
 
         A non-finite step or a spike within ``restored_window`` optimizer steps of the load (the ladder's
-        ``"restored"`` fault: not a batch holding inf/NaN, nor a routine overflow at a loss scale above 1) blames the
-        loaded state, so inside that ``optimizer.step()`` the newest checkpoint of ``path``'s directory written before
-        it (modification time, a smaller step count; a file with the same suffix, or a sharded checkpoint's
-        directory), holding every key of ``state`` and passing its numeric fingerprint (checksums and manifest; a
-        directory's shards are compared once loaded, and one that fails gives way to the next), is loaded into
-        ``state`` with ``fabric.load``, in process. Every object of ``state`` comes from that checkpoint, and so do the
-        loop's own entries (``state["step"]`` is its again); the window starts again from it. Each attempt is warned
-        and recorded in :attr:`ladder_events` (``checkpoint``, ``failed``, ``restored_step``); after ``max_restores``
-        attempts, or when no earlier checkpoint passes, that ``optimizer.step()`` raises ``RuntimeError`` naming why
-        (the ladder's stop rung). Decided alike on every rank. Returns what ``fabric.load`` returns (without the
-        plugin's state).
+        ``"restored"`` fault) loads, inside that ``optimizer.step()``, the newest earlier checkpoint of ``path``'s
+        directory that holds every key of ``state`` and passes its fingerprint, into ``state`` (the loop's own
+        entries too); each attempt is warned and recorded in :attr:`ladder_events`. After ``max_restores`` attempts,
+        or when none passes, that ``optimizer.step()`` raises ``RuntimeError`` naming why. Decided alike on every
+        rank. Returns what ``fabric.load`` returns (without the plugin's state).
 
         Raises:
             FingerprintMismatch: the checkpoint fails its fingerprint (``"raise"``), or no earlier one passes
@@ -461,10 +424,8 @@ class StablePrecision(StableFrontEnd, Precision):
     def _previous(self, loaded: _Loaded, failed: Path, error: FingerprintMismatch, tried: set[Path]) -> Path:
         """``on_fingerprint_mismatch="previous"`` in :meth:`load`: the newest checkpoint of ``failed``'s directory
         written before it, not ``tried`` yet, that holds every key of the state and passes what can be checked before
-        it loads: a file with the same suffix, its checksums and manifest (its pinned loss is checked once it is
-        loaded); a sharded checkpoint's directory, its plugin state's checksums and the manifest (its shards and
-        pinned loss once it is loaded: one that fails there is the next ``failed``). Raises ``FingerprintMismatch``
-        when none passes."""
+        it loads (its pinned loss, and a directory's shards, once it is loaded: one that fails there is the next
+        ``failed``). Raises ``FingerprintMismatch`` when none passes."""
         why = list(self.fingerprint.events[-1]["differences"]) if self.fingerprint.events else list(error.differences)
         pattern = f"*{failed.suffix}"
         if failed.is_dir():
@@ -506,14 +467,8 @@ class StablePrecision(StableFrontEnd, Precision):
             return meta, [f"holds no {', '.join(missing)} (saved without them)"]
         if not (directory / SHARD_INDEX).is_file():
             return meta, [f"holds no {SHARD_INDEX} (torch.distributed.checkpoint's index of the shards)"]
-        try:
-            saved, plugin = self.fingerprint.split(meta.get(loaded.key), call=loaded.key)
-        except (TypeError, ValueError) as error:
-            return meta, [str(error)]
-        if saved is None:
-            return meta, ["it holds no fingerprint"]
-        differences, _ = self.fingerprint.check(saved, {"plugin": plugin}, self.stepper.manifest())
-        return meta, differences
+        return meta, self.fingerprint.candidate_differences(meta.get(loaded.key), lambda plugin: {"plugin": plugin},
+                                                            self.stepper.manifest, call=loaded.key)
 
     @property
     def ladder_events(self) -> list[dict[str, Any]]:
@@ -596,11 +551,9 @@ class StablePrecision(StableFrontEnd, Precision):
     def _restore_directory(self, loaded: _Loaded, failed: Path, loaded_step: int
                            ) -> tuple[Path, dict[str, list[str]]] | tuple[None, str]:
         """The restore rung's search among sharded checkpoints: the newest directory of ``failed``'s parent written
-        before it (:func:`~lit_mpstable.core.checkpoints.earlier_sharded_checkpoints`) whose ``meta.pt`` holds a step
-        count below ``loaded_step`` and passes :meth:`_directory_differences`, loaded into the state; then its shards
-        and plain tensors are compared with its checksums (every rank's differences gathered), and one that fails
-        gives way to the next (the state is the next one's). ``(its path, {rejected: differences})``, else
-        ``(None, why)``. The pinned loss is checked at the next forward, as after a file."""
+        before it whose ``meta.pt`` holds a step count below ``loaded_step`` and passes
+        :meth:`_directory_differences`, loaded into the state, then its checksums compared; one that fails gives way
+        to the next. ``(its path, {rejected: differences})``, else ``(None, why)``."""
         tried = earlier_sharded_checkpoints(failed)
         rejected: dict[str, list[str]] = {}
         for candidate in tried:
@@ -623,17 +576,25 @@ class StablePrecision(StableFrontEnd, Precision):
                       + (f" ({reasons})" if reasons else ""))
 
     def _loaded_differences(self) -> list[str]:
-        """The loaded model's and set-up optimizers' checksums (plain tensors and this rank's shards) against the
-        fingerprint the plugin's state was loaded with; every rank's differences, no reaction."""
+        """The loaded model's and set-up optimizers' checksums against the fingerprint the plugin's state was loaded
+        with; no reaction."""
         fingerprint = self.fingerprint.pending
         if fingerprint is None:
             return []
+        trees = {"model": self._module().state_dict(), "optimizer": [o.state_dict() for o in self._bound]}
+        return self._checksum_differences(fingerprint, trees)[0]
+
+    def _checksum_differences(self, fingerprint: dict[str, Any], trees: Mapping[str, object]
+                              ) -> tuple[list[str], list[str]]:
+        """``(differences, notes)``: ``trees``' plain tensors and this rank's shards (every rank's differences
+        gathered) against the fingerprint's checksums; none where the checkpoint was written in another precision or
+        weight mode (the weights were carried across: not comparable)."""
         saved = fingerprint["manifest"]
         if (saved["precision"], saved["master_weights"]) != (self.stepper.precision, self.stepper.master_mode):
-            return []  # the weights were carried across precisions: not comparable
-        trees = {"model": self._module().state_dict(), "optimizer": [o.state_dict() for o in self._bound]}
-        return compare_checksums(fingerprint["checksums"], trees) + compare_shard_checksums(
-            fingerprint["checksums"], trees)[0]
+            trees = {}
+        differences = compare_checksums(fingerprint["checksums"], trees)
+        sharded, notes = compare_shard_checksums(fingerprint["checksums"], trees)
+        return differences + sharded, notes
 
     def _earlier_differences(self, loaded: _Loaded, checkpoint: dict[str, Any], *, required: bool = False
                              ) -> list[str]:
@@ -641,19 +602,13 @@ class StablePrecision(StableFrontEnd, Precision):
         ``required`` it must hold every key of the state and a fingerprint."""
         if required and (missing := [key for key in loaded.state if key not in checkpoint]):
             return [f"holds no {', '.join(missing)} (a weights-only checkpoint)"]
-        try:
-            saved, plugin = self.fingerprint.split(checkpoint.get(loaded.key), call=loaded.key)
-        except (TypeError, ValueError) as error:
-            return [str(error)]
-        if saved is None:
-            return ["it holds no fingerprint"] if required else []
-        state, module = loaded.state, self.layout.module
-        keys = {id(_unwrapped(value)): key for key, value in state.items()}
-        model = keys.get(id(module))
-        trees = {"model": checkpoint.get(model, {}) if model is not None else {},
-                 "optimizer": [checkpoint.get(keys.get(id(o), ""), {}) for o in self._bound], "plugin": plugin}
-        differences, _ = self.fingerprint.check(saved, trees, self.stepper.manifest())
-        return differences
+        keys = {id(_unwrapped(value)): key for key, value in loaded.state.items()}
+        model = keys.get(id(self.layout.module))
+        return self.fingerprint.candidate_differences(
+            checkpoint.get(loaded.key), lambda plugin: {
+                "model": checkpoint.get(model, {}) if model is not None else {},
+                "optimizer": [checkpoint.get(keys.get(id(o), ""), {}) for o in self._bound], "plugin": plugin},
+            self.stepper.manifest, call=loaded.key, required=required)
 
     # What a resume without the plugin's state loses, by master_weights mode.
     _LOST: ClassVar[dict[str, str]] = {
@@ -719,11 +674,9 @@ def _unwrapped(value: Any) -> Any:
 
 def _optimizers_given_to_setup(frame: FrameType | None) -> list[Optimizer]:
     """The optimizers ``fabric.setup(model, *optimizers)`` was given, read from its frame (``frame``: the caller of
-    ``convert_module``). Fabric shows a precision plugin no optimizer before its first clip or step; an optimizer the
-    precision refuses (``'16-true'`` without masters: an ``eps`` FP16 cannot hold) is refused at ``fabric.setup``
-    this way, not after the first forward and backward. Empty where the caller is not ``Fabric.setup``
-    (``fabric.setup_module``, then ``fabric.setup_optimizers``: those are checked at ``plugin.setup_optimizers`` or
-    the first clip or step)."""
+    ``convert_module``; empty where that is not ``Fabric.setup``). Fabric shows a precision plugin no optimizer before
+    its first clip or step: this way an optimizer the precision refuses (``'16-true'`` without masters: an ``eps``
+    FP16 cannot hold) is refused at ``fabric.setup``, not after the first forward and backward."""
     if frame is None or frame.f_code.co_name != "setup" or frame.f_globals.get("__name__") != "lightning.fabric.fabric":
         return []
     given = frame.f_locals.get("optimizers", ())

@@ -29,6 +29,7 @@ from torch import nn
 
 from lit_mpstable.core.guards.growth_state import restore_state, saved_state
 from lit_mpstable.core.guards.growth_stats import (
+    FIELDS,
     History,
     WeightCheck,
     cast_limits,
@@ -47,7 +48,6 @@ GrowthSource = Literal["input", "output"]
 _SOURCES: tuple[str, ...] = get_args(GrowthSource)
 GrowthHooks = Literal["always", "on_demand"]
 _HOOKS: tuple[str, ...] = get_args(GrowthHooks)
-_FIELDS = ("log2_amax", "kurtosis", "saturation", "underflow")
 
 
 class GrowthMonitor:
@@ -57,29 +57,14 @@ class GrowthMonitor:
     count is a multiple of ``every_n_steps`` are sampled, once per layer, in training mode only); on logging steps
     :meth:`stats` / :meth:`runaway` (one host read each) or :meth:`metrics` (device tensors, no read).
 
-    Defaults, and why:
-
-    - ``source="input"``: an FP8 linear quantizes its input and weight (its output is BF16/FP32), so the input's
-      range is what overflows E4M3, and the layer whose input runs away is the one to take out of FP8.
-    - ``every_n_steps=10``, ``window=8``: the trend is fitted over the last 8 samples (70 steps) and only once
-      the window is full (a fit over the first samples of the amax's decelerating rise from initialisation
-      projected one clean SwiGLU run of 5 into overflow at step 30). A sample costs 15 ops per watched activation
-      in its hook and a share of one ~25-op finish of all queued samples (``bench/bench_growth.py``).
-    - ``runaway(horizon=200)``: a layer whose fitted ``log2 amax`` trend reaches ``fmt``'s max (after ``scale``)
-      within 200 steps. A steady exponential growth is then named about 200 steps before it saturates (less the
-      fit's lag behind a growth that starts or accelerates), well over the 50 steps a fallback needs; a clean
-      run's amax settles (its slope decays), so its projected crossing recedes beyond any horizon.
-    - ``runaway(kurtosis=100)``: a Gaussian has 3, a Laplace 6, a Student-t(5) 9; 100 means a few elements dominate
-      the fourth moment (outlier features, FOG's early signal). Clean layers in this package's tests stay below 15.
-    - a layer already saturating, or with a non-finite amax, is always named.
-    - an FP8 layer's input is measured at the scale the layer casts it with (``growth_input_scale``): the amax
-      history's under delayed scaling, the tensor's own amax under current scaling and the block recipes (nothing
-      saturates; underflow counts what a dominant outlier flushes). That scale follows the amax, so such a layer's
-      trend is projected to its activation dtype's range (BF16's, FP16's), and a transient clip does not name it.
+    Defaults (their reasons: ``docs/spikes-and-triage.md``, "Slow growth"): ``source="input"`` (what an FP8 linear
+    quantizes), a trend fitted over ``window=8`` samples taken ``every_n_steps=10`` apart and only once the window is
+    full, ``runaway(horizon=200)`` steps ahead and ``runaway(kurtosis=100)``; a layer already saturating, or with a
+    non-finite amax, is always named. An FP8 layer's input is measured at the scale the layer casts it with
+    (``growth_input_scale``); that scale follows the amax, so its trend is projected to its activation dtype's range.
 
     Args:
-        scale: multiplies the activations before the range checks (the fixed FP8 scale; per layer:
-            :meth:`set_scale`, a device tensor for a scale that changes).
+        scale: multiplies the activations before the range checks (the fixed FP8 scale).
         clock: returns the optimizer steps taken so far; when given, the hooks follow it (no :meth:`step` calls
             needed: a precision plugin passes its applied-step count, read on the host).
 
@@ -204,15 +189,6 @@ class GrowthMonitor:
         finally:
             self._unhook()
 
-    def set_scale(self, name: str, scale: float | torch.Tensor) -> None:
-        """The scale layer ``name``'s activations are multiplied by before the range checks (a device tensor is
-        read on the device, so a delayed-scaling amax history can be passed as it changes)."""
-        if name not in self._history:
-            raise ValueError(f"GrowthMonitor.set_scale(name={name!r}): not an attached layer; attached:"
-                             f" {sorted(self._history)}.")
-        self._history[name].scale = scale
-        self._history[name].limits = None if isinstance(scale, torch.Tensor) else cast_limits(self.fmt, None, scale)[:2]
-
     def is_due(self, step: int) -> bool:
         """Whether the forward passes after ``step`` optimizer steps are sampled (0, n, 2n, ...)."""
         return step % self.every_n_steps == 0
@@ -250,7 +226,7 @@ class GrowthMonitor:
         captured, history.captured = history.captured, None
         scale = None if getter is None else captured if captured is not None else getter()
         history.cast = None if getter is None else "own" if scale is None else scale
-        return cast_limits(self.fmt, history.cast, history.limits or (history.scale if history.cast is None else 1))
+        return cast_limits(self.fmt, history.cast, history.limits)
 
     def _hook(self, name: str):
         history = self._history[name]
@@ -308,7 +284,7 @@ class GrowthMonitor:
     def _place(self, device: torch.device) -> torch.Tensor:
         """The ring buffer on ``device`` (:func:`place_rows`), made again after a load, a move or an attach."""
         if self._rows is None or self._rows.device != device or len(self._rows) != len(self._history):
-            self._rows, self._slopes = place_rows(self._history.values(), self.window, len(_FIELDS), device), None
+            self._rows, self._slopes = place_rows(self._history.values(), self.window, len(FIELDS), device), None
         return self._rows
 
     def _fit(self, buffer: torch.Tensor) -> torch.Tensor:

@@ -107,8 +107,9 @@ def finish_rows(sums: list[torch.Tensor], numels: list[int]) -> torch.Tensor:
     """``[log2 amax, kurtosis, saturation, underflow]`` (FP32, one row per layer) from the concatenated
     :func:`reduce_activation` results of the layers, in ~20 ops for all of them:
 
-    - kurtosis: ``E[(x - mean)**4] / var**2`` (3 for a Gaussian; 0 for a tensor whose standard deviation is below
-      1e-6 of its amax, or holding an inf; NaN if it holds a NaN);
+    - kurtosis: ``E[(x - mean)**4] / var**2`` (3 for a Gaussian, up to the element count when one element
+      dominates; 0 for a tensor whose standard deviation is below 1e-6 of its amax, or holding an inf; NaN, as
+      amax, if it holds a NaN);
     - saturation: the fraction of elements above the saturation threshold (inf counts, NaN does not);
     - underflow: the fraction of the nonzero elements at or below the flush threshold (0 without nonzero ones).
     """
@@ -125,16 +126,8 @@ def finish_rows(sums: list[torch.Tensor], numels: list[int]) -> torch.Tensor:
 
 
 def layer_stats(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """``[log2 amax, kurtosis, saturation, underflow]`` of ``x`` as one FP32 device tensor; no host read.
-
-    - kurtosis: the fourth standardized moment ``E[(x - mean)**4] / var**2`` of all elements (3 for a Gaussian,
-      up to the element count when one element dominates; 0 for a tensor whose standard deviation is below 1e-6
-      of its amax), in FP32 on ``x / amax``, so no power overflows;
-    - saturation: the fraction of elements with ``|x| * scale`` above ``fmt``'s largest finite value (inf counts);
-    - underflow: the fraction of the nonzero elements that ``* scale`` flushes to zero in ``fmt``.
-
-    A NaN in ``x`` makes amax and kurtosis NaN; an inf makes amax inf and kurtosis 0.
-    """
+    """``[log2 amax, kurtosis, saturation, underflow]`` of ``x`` (:func:`finish_rows`'s row, saturation and
+    underflow those of ``x * scale`` cast to ``fmt``) as one FP32 device tensor; no host read."""
     sums, n = reduce_activation(x, *thresholds(fmt, scale))
     return finish_rows(list(sums), [n])[0]
 
@@ -204,9 +197,9 @@ class History:
     rows: torch.Tensor | None = None  # window x 4, a view of the monitor's buffer (None: no sample yet)
     steps: list[int] = field(default_factory=list)  # the step of each filled slot, slot order
     next: int = 0
-    scale: float | torch.Tensor = 1.0
+    scale: float = 1.0
     queued: int = 0  # samples waiting in the monitor's queue
-    limits: tuple[float, float] | None = None  # thresholds(fmt, scale); None: a tensor scale (it may change)
+    limits: tuple[float, float] = (math.inf, 0.0)  # thresholds(fmt, scale)
     # An FP8 layer's input is checked at the scale the layer casts it with (its growth_input_scale), not `scale`:
     cast: Any = None  # at the last sample: None (not FP8: `scale`), "own" (each tensor from its amax), or a tensor
     captured: torch.Tensor | None = None  # a delayed scale as the forward about to be sampled uses it
@@ -293,9 +286,7 @@ def is_runaway(row: dict[str, float], history: History, log2_max: float, window:
     # a few elements clipped while the history catches up are no runaway, and its trend heads for the activation
     # dtype's range, not FP8's. A fixed scale: FP8's range, and any saturation.
     fixed = history.cast is None
-    scale = history.scale if fixed else 1.0
-    scale = float(scale) if not isinstance(scale, torch.Tensor) else float(scale.detach().float().max())
-    top = log2_max - math.log2(scale) if fixed else history.ceiling
+    top = log2_max - math.log2(history.scale) if fixed else history.ceiling
     headroom = math.inf if bad else top - math.log2(row["amax"])
     slope = row["amax_growth"]
     projected = row["samples"] >= window and slope > 0 and headroom < slope * horizon

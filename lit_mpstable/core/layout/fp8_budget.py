@@ -82,8 +82,7 @@ class ProbeBudget:
                 errors = layer_gradient_errors(layout.module, low, loss_fn, batch, config=layout.fp8)
             errors = _agreed(errors)
         chosen = fill_budget(layout.module, errors, self.budget.fraction) if errors else []
-        self._apply(layout, chosen)
-        self.errors, self.step = errors, step
+        self._apply(layout, chosen, errors, step)
         stats["fp8_high_precision"] = self.report(layout.module)
         return list(chosen)
 
@@ -107,10 +106,10 @@ class ProbeBudget:
                 f" the base precision ({info['fraction']:.1%} of the linear weights), the largest {recipe!r}"
                 f" weight-gradient errors measured on the step's batch (relative, highest first: {measured}).")
 
-    def _apply(self, layout: PrecisionLayout, chosen: list[str]) -> None:
+    def _apply(self, layout: PrecisionLayout, chosen: list[str], errors: dict[str, float], step: int) -> None:
         assert layout.module is not None  # checked by the callers
         layout.keep_high_precision_(chosen)  # the layout's selection is the one list of layers FP8 may use
-        self.layers = list(chosen)
+        self.layers, self.errors, self.step = list(chosen), dict(errors), step
 
     # ----------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, object]:
@@ -160,8 +159,7 @@ class ProbeBudget:
         if layout.module is None:
             self._saved = dict(state)  # applied when the model is attached
             return []
-        self._apply(layout, list(state["layers"]))
-        self.errors, self.step = dict(state["errors"]), int(state["step"])
+        self._apply(layout, list(state["layers"]), state["errors"], int(state["step"]))
         return []
 
     def attach_(self, layout: PrecisionLayout) -> None:
@@ -172,8 +170,7 @@ class ProbeBudget:
             if unknown := [name for name in saved["layers"] if name not in allowed]:
                 raise ValueError(f"{self.owner}.setup_module: the loaded probe choice {saved['layers']!r} names"
                                  f" {unknown!r}, which are not FP8 layers of this model ({allowed}).")
-            self._apply(layout, list(saved["layers"]))
-            self.errors, self.step = dict(saved["errors"]), int(saved["step"])
+            self._apply(layout, list(saved["layers"]), saved["errors"], int(saved["step"]))
 
 
 def _agreed(errors: dict[str, float]) -> dict[str, float]:

@@ -2,24 +2,13 @@
 that a sharded model was given it.
 
 Under FSDP2 the FP32 master weights are FSDP2's own: every rank keeps its shard of the parameters in FP32 and the
-optimizer updates those; ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` makes
-the all-gathered copies, hence forward and backward, 16-bit, and reduces the gradients in FP32. No second copy.
-The policy is fixed per ``fully_shard`` unit when it is applied, so the precision layout of a sharded model (its
-16-bit dtype, FP32 islands, FP8 layers) is decided before sharding and checked after. With Lightning's
-``ModelParallelStrategy``::
-
-    def configure_model(self):
-        plugin = self.trainer.precision_plugin
-        plugin.convert_module(self)  # FP8 swap and FP32 islands first: FSDP2 binds parameters to these layers
-        mesh = self.device_mesh["data_parallel"]
-        for i, block in enumerate(self.model.blocks):  # an FP32 island gets its own unit, computing in FP32
-            island = f"model.blocks.{i}" in plugin.islands.names
-            fully_shard(block, mesh=mesh, mp_policy=plugin.island_mp_policy if island else plugin.mp_policy)
-        fully_shard(self.model, mesh=mesh, mp_policy=plugin.mp_policy)
-
-The strategy's own ``convert_module`` call after ``configure_model`` changes nothing then and checks every unit
-(:func:`check_fsdp_policies`). Under FSDP2 a fallback can widen ``*-mixed`` runs only (autocast decides there;
-``plugin.can_fallback`` says so): a unit's compute dtype and its FP8 layers are fixed once sharded.
+optimizer updates those; ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` makes the
+all-gathered copies, hence forward and backward, 16-bit, and reduces the gradients in FP32. No second copy. The policy
+is fixed per ``fully_shard`` unit when it is applied, so the precision layout of a sharded model (its 16-bit dtype,
+FP32 islands: units of their own with :func:`island_mp_policy`, FP8 layers) is decided before sharding
+(``plugin.convert_module(self)`` at the top of ``configure_model``, ``docs/scale-out.md``) and checked after
+(:func:`check_fsdp_policies`). A fallback can widen ``*-mixed`` runs only: a unit's compute dtype and its FP8 layers
+are fixed once sharded.
 """
 
 from __future__ import annotations

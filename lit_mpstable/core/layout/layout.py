@@ -225,7 +225,7 @@ class PrecisionLayout:
     def restore(self) -> None:
         """Undo every fallback: the configured precision, FP8 layers and the user's own islands again."""
         saved = self._fallbacks()
-        self._clear_fallbacks()
+        self._set_fallbacks((False, False, [], []))
         if self.module is not None:
             self._apply_or_refuse(saved, "restore()")
 
@@ -284,10 +284,6 @@ class PrecisionLayout:
         self._apply()
         if ddp is not None:
             rebuild_ddp_reducer_(ddp)
-
-    def _clear_fallbacks(self) -> None:
-        self.fp32 = self.fp8_off = False
-        self.fp8_removed, self.fp32_modules = [], []
 
     # ------------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, object]:

@@ -41,7 +41,7 @@ from lit_mpstable.core.weights.compact_rounding import noise_bits, round_stochas
 from lit_mpstable.core.weights.keeper import GradView, Keeper, cast_state_, first_grad_device
 from lit_mpstable.core.weights.keeper import per_element as is_per_element
 from lit_mpstable.core.weights.memory import nbytes, plain_tensors
-from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
+from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments, step_without_params
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import Kwargs, StateDict
@@ -110,35 +110,25 @@ class CompactWeights(Keeper):
     nearest rounding Adam's ``exp_avg_sq``, which moves by 0.1% of itself per step (below half a BF16 ulp), could
     never decrease, and steps would shrink once gradients do. Other state (``step``, torchao's quantized subclasses,
     bitsandbytes' codes and absmax) stays as the optimizer keeps it. Elementwise ``torch.optim`` optimizers and the
-    low-bit Adams (torchao's ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8`` and their Adam forms; bitsandbytes'
-    ``AdamW8bit`` and ``Adam8bit``: slices on their quantization blocks, whose states they update in place) step large
-    parameters in slices, others whole parameters. FP32 parameters (FP32 islands), frozen and unnamed ones are
-    stepped as they are.
+    low-bit Adams (torchao's and bitsandbytes', sliced on their quantization blocks) step large parameters in slices,
+    others whole parameters. FP32 parameters (FP32 islands), frozen and unnamed ones are stepped as they are.
 
     Random numbers are a function of ``(seed, steps, parameter name, element)``: independent of the chunking and the
     device, and repeated exactly by a resumed or rolled-back run.
 
     ``fused``: exact ``torch.optim.Adam``/``AdamW`` groups (no ``amsgrad``) on BF16 parameters skip the FP32
-    stand-ins: one kernel compiled by ``torch.compile`` per parameter reads each 16-bit tensor once, does the same
-    arithmetic in registers and allocates nothing (:mod:`lit_mpstable.core.weights.compact_fused`; the same random
-    numbers, results
-    equal to the stand-ins' to FP32 rounding). ``None`` (default): on the CPU, falling back to the stand-ins with a
-    warning if compiling fails; ``True``: on any device (inductor's GPU kernels are not measured by this project
-    yet), and a failure to compile raises; ``False``: never (no compiler needed). The first fused step of a run
-    compiles (18-20 s on a 2-core CPU, ~6 s from inductor's disk cache). An optimizer with step hooks (its own or
-    global ones) is not fused: its hooks see the step inside ``optimizer.step()``, on the stand-ins. On the CPU the C
-    loop of :func:`~lit_mpstable.core.weights.compact_fused.native_kernel` steps in the compiled kernel's place, and
-    from an optimizer's second step on, where it took every parameter, all of them in one call
-    (:class:`~lit_mpstable.core.weights.compact_fused.ManyArgs`: the same words, no torch op but a read of each step
-    counter, its arguments kept from step to step while the tensors stay the same).
+    stand-ins for one pass per parameter that allocates nothing (:mod:`~lit_mpstable.core.weights.compact_fused`,
+    ``docs/memory.md``: the same random numbers, results equal to the stand-ins' to FP32 rounding). ``None``
+    (default): on the CPU, falling back to the stand-ins with a warning if compiling fails; ``True``: on any device
+    (GPU kernels are not measured by this project yet), and a failure to compile raises; ``False``: never. An
+    optimizer with step hooks (its own or global ones) is not fused: its hooks see the step inside
+    ``optimizer.step()``, on the stand-ins.
 
-    As the :class:`~lit_mpstable.core.weights.weights.WeightKeeper` of ``master_weights="kahan"``/``"stochastic"``
-    (:meth:`unscale_` ... ``end_step_``), the gradients stay as they are (scaled, 16-bit) until the FP32
-    chunks of the step unscale them: the check at :meth:`unscale_` only looks (``check_``), and the unscale and clip
-    factors wait per optimizer until the step (the 16-bit gradients are not rounded twice). With
+    As the :class:`~lit_mpstable.core.weights.weights.WeightKeeper` of ``master_weights="kahan"``/``"stochastic"``,
+    the gradients stay scaled and 16-bit until the step's FP32 chunks unscale them: :meth:`unscale_` only checks
+    (``check_``), and the unscale and clip factors wait per optimizer until the step. With
     ``optimizer_state="bf16"``/``"fp8"`` exact Adam/AdamW groups are stepped one whole parameter at a time through
-    :class:`~lit_mpstable.core.weights.moment_keeper.AdamMoments` (FP32 copy of the weight, plus its compensation,
-    stepped and rounded back) instead of the optimizer's step on FP32 stand-ins.
+    :class:`~lit_mpstable.core.weights.moment_keeper.AdamMoments` instead of the optimizer's step on stand-ins.
 
     Raises:
         ValueError: ``mode``, ``seed``, ``chunk_bytes`` or ``fused`` is invalid, an optimizer is not per-parameter
@@ -347,7 +337,9 @@ class CompactWeights(Keeper):
                         if piece.fused and piece.param.grad is None)
             base, cap = budget(self.chunk_bytes, rest[0].param.device, optimizer)
             chunks = list(split_pieces(rest, base, cap, freed))
-        for chunk in chunks or ([[]] if fused else []):  # fused alone: one call for the hooks (empty groups)
+        if fused and not chunks:
+            output = step_without_params(optimizer, **step_kwargs)
+        for chunk in chunks:
             saved = [group["params"] for group in groups]
             entered: list[tuple[Piece, torch.Tensor, torch.Tensor | None]] = []
             try:
@@ -387,17 +379,7 @@ class CompactWeights(Keeper):
             return False, None
         if not step_kwargs and "step" not in vars(optimizer):
             return True, None  # the call with empty groups below would do nothing
-        # Keywords for the optimizer to check, or a wrapper of its step (an LR scheduler's counter) that must see it:
-        # one call with empty groups, as when the fused kernel stepped every parameter one by one.
-        groups = optimizer.param_groups
-        saved = [group["params"] for group in groups]
-        try:
-            for group in groups:
-                group["params"] = []
-            return True, optimizer.step(**step_kwargs)
-        finally:
-            for group, params in zip(groups, saved):
-                group["params"] = params
+        return True, step_without_params(optimizer, **step_kwargs)  # as when the fused kernel stepped them one by one
 
     def _keep_many_(self, optimizer: Optimizer, pieces: list[Piece]) -> None:
         # After a step whose parameters were all fused: the C loop's arguments for all of them at once, where it
@@ -405,13 +387,8 @@ class CompactWeights(Keeper):
         if (self._fused_failed or torch._C._len_torch_dispatch_stack() > 0
                 or compact_fused.native_kernel() is None):
             return
-        stepped = []
-        for piece in pieces:
-            name = cast(str, piece.name)
-            crc = self._crc.get(name)
-            if crc is None:
-                crc = self._crc[name] = zlib.crc32(name.encode())
-            stepped.append((piece.group, piece.param, self._comp.get(name) if self.mode == "kahan" else None, crc))
+        stepped = [(piece.group, piece.param, self._comp.get(cast(str, piece.name)) if self.mode == "kahan" else None,
+                    self._crc_of(cast(str, piece.name))) for piece in pieces]
         many = ManyArgs.make(optimizer, stepped)
         if many is not None:
             self._many[id(optimizer)] = many
@@ -652,13 +629,13 @@ class CompactWeights(Keeper):
 
     def _keys(self, pieces: list[Piece]) -> list[int]:
         # Hash of (seed, steps, parameter name): the random key of each piece's parameter's element 0 at this step.
-        crcs = []
-        for piece in pieces:
-            crc = self._crc.get(piece.name)  # type: ignore[arg-type]
-            if crc is None:
-                crc = self._crc[piece.name] = zlib.crc32(piece.name.encode())  # type: ignore[index,union-attr]
-            crcs.append(crc)
-        return step_keys(self.seed, self.steps, crcs)
+        return step_keys(self.seed, self.steps, [self._crc_of(cast(str, piece.name)) for piece in pieces])
+
+    def _crc_of(self, name: str) -> int:
+        crc = self._crc.get(name)
+        if crc is None:
+            crc = self._crc[name] = zlib.crc32(name.encode())
+        return crc
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, object]:

@@ -49,7 +49,7 @@ class FusedAdam:
     """The compiled step of one BF16 parameter for exact ``torch.optim.Adam``/``AdamW`` groups.
 
     :meth:`eligible` says whether a group can take it (no ``amsgrad``, ``capturable``, ``differentiable``; no
-    ``fused`` group off the CPU, whose ``step`` torch keeps on the device); :meth:`step_` runs it. The kernel is
+    ``fused`` group off the CPU, whose ``step`` torch keeps on the device); :meth:`run_` runs it. The kernel is
     compiled per mode, with dynamic sizes: learning-rate schedules, steps and parameter sizes cause no recompilation
     (one-element parameters and gradients that are views at an offset into a larger buffer get their own variant).
     Steps without a clip value or Adam's L2 term (AdamW, Adam without weight decay) take a second kernel that leaves
@@ -104,16 +104,6 @@ class FusedAdam:
             1 - beta1, beta2, 1 - beta2, bias_correction2**0.5, eps, -(lr / bias_correction1),
         ]
 
-    def step_(
-        self, w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-        scalars: torch.Tensor, offset: int,
-    ) -> None:
-        """Step flat tensors in place: ``w`` and ``comp`` (``None`` for ``"stochastic"``), moments ``m`` and ``v``,
-        from gradient ``g`` (:meth:`scalars` says the rest); ``offset`` is the random key of the first element.
-        Nothing is allocated: every value lives in the kernel's registers."""
-        key = host_to_device(torch.tensor(_signed32(offset), dtype=torch.int32), w.device)
-        self.run_(w, comp, g, m, v, scalars, key, eager=torch._C._len_torch_dispatch_stack() > 0)
-
     @staticmethod
     def plain(group: dict[str, Any], clip: float | None) -> bool:
         """Whether a step of ``group`` with clip value ``clip`` has neither a clip nor Adam's L2 term (AdamW, or Adam
@@ -124,9 +114,11 @@ class FusedAdam:
         self, w: torch.Tensor, comp: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
         scalars: torch.Tensor, key: torch.Tensor, *, eager: bool, plain: bool = False, native: Any = _LOOK_UP,
     ) -> None:
-        """:meth:`step_` with the key as a 0-d int32 tensor on ``w``'s device (:func:`keys` makes a step's keys in one
-        transfer). ``eager``: run the kernel uncompiled, as under a TorchDispatchMode (see :meth:`step_`); ``plain``:
-        scalars without a clip (inf) or an L2 term (0) (:meth:`plain`), for the graph that leaves them out.
+        """Step flat tensors in place: ``w`` and ``comp`` (``None`` for ``"stochastic"``), moments ``m`` and ``v``,
+        from gradient ``g`` (:meth:`scalars` says the rest); ``key``: the random key of the first element, a 0-d int32
+        tensor on ``w``'s device (:func:`keys`). Nothing is allocated: every value lives in the kernel's registers.
+        ``eager``: run the kernel uncompiled, as under a TorchDispatchMode; ``plain``: scalars without a clip (inf) or
+        an L2 term (0) (:meth:`plain`), for the graph that leaves them out.
         ``native``: the C loop (:func:`native_kernel`, None: none) as ``CompactWeights._step_fused_`` looks it up once a
         step, for tensors its ``_fusable`` checked (dtypes, shapes, contiguity); by default it is looked up here and
         every input checked (:func:`native_takes`, ~10 us a call)."""
@@ -462,26 +454,18 @@ def _adam(
 
 
 # ----------------------------------------------------------------------------- the C loop on the CPU
-# The CPU build of the fused Adam step of compact weights: a small C loop, compiled once per machine and loaded.
-#
-# Inductor's C++ for :func:`_adam` loads BF16 data in vectors of 32 elements, and in torch 2.13 it converts 32 int32
-# lanes to FP32 (the random bits of the stochastic rounding) and reinterprets bits one element at a time
-# (``VecConvert<float, 2, int32_t, 2>`` has no vector specialization): those conversions took about half the kernel's
-# time. Written as a plain C loop, the same arithmetic vectorizes whole (GCC and Clang at ``-O3``), and the rounding
-# is the bit trick itself (:func:`~lit_mpstable.core.weights.compact_rounding.round_stochastic_`, ties included).
-# Measured over the memory bench MLP's 2.9M BF16 weights (Intel Xeon, AVX-512, one thread,
-# ``bench/bench_adam_kernel.py``): the compiled kernel at 1.11x / 1.32x torch's own AdamW step (``"kahan"`` /
-# ``"stochastic"``), the C loop at 0.44x / 0.30x.
+# Inductor's C++ for :func:`_adam` converts the random bits' int32 lanes to FP32 and reinterprets bits one element at
+# a time (torch 2.13: ``VecConvert<float, 2, int32_t, 2>`` has no vector specialization), about half the kernel's time.
+# As a plain C loop the same arithmetic vectorizes whole: 0.44x / 0.30x torch's own AdamW step, against the compiled
+# kernel's 1.11x / 1.32x (kahan / stochastic; ``bench/bench_adam_kernel.py``, docs/memory.md).
 #
 # The numbers are the compiled kernel's: torch's Adam arithmetic in FP32, operation for operation, with
 # ``-ffp-contract=off`` (no fused multiply-add the compiled kernel does not make: its lerp rounds twice, as torch's
 # decomposition of ``torch.lerp`` writes it), the same element keys and :func:`hash32`. Where the compiled kernel's
 # float formulation rounds a tie to even (one draw in 65536), this loop adds and truncates as the eager rounding does.
 #
-# It is built by :mod:`lit_mpstable.core.native` (the C compiler inductor would use, ``-O3 -march=native``, OpenMP when
-# the compiler has it, cached in inductor's folder by digest). Without a compiler, or when the build fails,
-# :func:`native_kernel` returns ``None`` and the compiled kernel steps as before. ``LIT_MPSTABLE_NATIVE=0`` turns it
-# off.
+# Built by :mod:`lit_mpstable.core.native` (cached in inductor's folder by digest); where it cannot be,
+# :func:`native_kernel` returns ``None`` and the compiled kernel steps. ``LIT_MPSTABLE_NATIVE=0`` turns it off.
 
 SOURCE = r"""
 #include <stdint.h>

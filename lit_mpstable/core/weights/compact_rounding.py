@@ -55,20 +55,11 @@ def step_keys(seed: int, step: int, streams: list[int]) -> list[int]:
     keys = []
     for stream in streams:
         k = _round(h, stream)
-        k = (k ^ (k >> 32)) & 0xFFFFFFFF
-        keys.append(k - 2**32 if k >= 2**31 else k)  # _signed32
+        keys.append(_signed32(k ^ (k >> 32)))
     return keys
 
 
 _H0 = 0x9E3779B97F4A7C15
-
-
-def _mix(*values: int) -> int:
-    # splitmix64 over the values, folded to 32 bits.
-    h = _H0
-    for v in values:
-        h = _round(h, v)
-    return (h ^ (h >> 32)) & 0xFFFFFFFF
 
 
 def _round(h: int, v: int) -> int:

@@ -68,16 +68,12 @@ class MasterWeights(Keeper):
         self.dtype = dtype
         self._initial = dict(initial or {})
         self._grad_versions: dict[int, list[tuple[torch.Tensor | None, int]]] = {}
-        named = {id(param): name for name, param in model.named_parameters()}
         self._optimizers: list[Optimizer] = []
         self._masters: dict[str, nn.Parameter] = {}
         self._params: dict[str, nn.Parameter] = {}
         self._names_by_optimizer: dict[int, list[str]] = {}
         for optimizer in optimizers:
-            if id(optimizer) in self._names_by_optimizer:
-                continue
-            self._optimizers.append(optimizer)
-            self._names_by_optimizer[id(optimizer)] = self._bind(optimizer, named)
+            self.bind_new_(optimizer)
         self.moments: AdamMoments | None = None
         if optimizer_state != "fp32":
             self.moments = AdamMoments(optimizer_state, seed=torch.initial_seed() % 2**31, owner=owner)

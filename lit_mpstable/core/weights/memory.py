@@ -78,7 +78,6 @@ def training_memory(
 @contextmanager
 def quiet_fd2() -> Iterator[None]:
     """Silence file descriptor 2 inside the block (Kineto prints its profiler start/stop lines there)."""
-    # Kineto prints "profiler_start/stop" lines straight to file descriptor 2; silence just those calls.
     sys.stderr.flush()
     saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)

@@ -210,14 +210,7 @@ class AdamMoments:
                     update(p, name, step_fn)
                 else:
                     step_fn(p.data, p.grad)
-        saved = [group["params"] for group in optimizer.param_groups]
-        try:
-            for group in optimizer.param_groups:
-                group["params"] = []
-            optimizer.step()  # hooks and the schedulers' "optimizer stepped" mark; no parameter, no state
-        finally:
-            for group, params in zip(optimizer.param_groups, saved):
-                group["params"] = params
+        step_without_params(optimizer)
         return loss
 
     # ------------------------------------------------------------------------------------------------ state
@@ -318,6 +311,19 @@ class AdamMoments:
                     source.load_state_dict(saved)
                     store.write_(source.read(), step=max(state["steps"][name], 1))
             self.steps[name] = state["steps"][name]
+
+
+def step_without_params(optimizer: Optimizer, **kwargs: Any) -> object:
+    """``optimizer.step(**kwargs)`` with empty param groups, for what sees a step beside the parameters: its hooks, a
+    wrapper of its ``step`` (an LR scheduler's "optimizer stepped" mark), its check of the keywords."""
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = []
+        return optimizer.step(**kwargs)
+    finally:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
 
 
 def split_moments(owner: str, state: Mapping[str, Any], moments: AdamMoments | None) -> tuple[StateDict, Any]:

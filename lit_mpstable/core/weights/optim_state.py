@@ -9,23 +9,17 @@ AdamW arithmetic runs on them, and they are written back rounded.
 Formats (bytes per element of one moment):
 
 - ``"fp32"`` (4): the moment itself; the step is ``torch.optim.AdamW``'s, bit for bit (same operations, same order).
-- ``"bf16"`` (2): stochastically rounded (DeepSeek-V3 keeps BF16 moments; rounding to nearest loses the EMA's small
-  updates: an update below half a BF16 ulp, 2**-9 of the value, is rounded away every step, and ``1 - beta2`` is
-  1e-3). The rounding is unbiased, ``E[round(x)] == x``.
+- ``"bf16"`` (2): stochastically rounded (rounding to nearest loses the EMA's small updates). The rounding is
+  unbiased, ``E[round(x)] == x``.
 - ``"fp8"`` (1 + 8/64): 8-bit codes in blocks of :data:`BLOCK_SIZE` consecutive elements of the flattened tensor,
-  each block with an FP32 ``amax`` and an FP32 exponent ``k``: COAT's dynamic range expansion (Xi et al., ICLR 2025).
-  A block's values span ``[amin, amax]`` (nonzero magnitudes), often a far narrower range than the 8-bit format
-  covers, so a plain per-block scale wastes most codes; the magnitude is stored as ``y = ymax * (|x| / amax) ** k``
-  with ``k = log(T) / log(amax / amin)``, which maps the block's range exactly onto the format's range ``T``, and
-  read back with the inverse power. An 8-bit float has a relative spacing of ``2**-m`` (m mantissa bits) at every
-  magnitude, and the power divides relative errors by ``k``: a block of narrow range (``k > 1``) is stored more
-  precisely than with a scale alone, and a block wider than the format (``k < 1``) loses precision instead of
-  flushing its small values to zero (a zero second moment beside a nonzero first one makes the update ``m / eps``).
-  The first moment uses E4M3 codes (``torch.float8_e4m3fn``; ``T = 448 / 2**-6``, its normal range). The second is
-  non-negative, so its sign bit becomes a fourth mantissa bit: an unsigned E4M4 (``uint8``; code 0 is zero, code
-  ``c >= 1`` is ``2**((c >> 4) - 16) * (1 + (c & 15) / 16)``, ``T = 0.96875 / 2**-15``), half E4M3's rounding error.
-  COAT centres the block on ``sqrt(amin * amax)`` and keeps a scale as well; both cancel out of the value, so two
-  FP32 numbers per block suffice. Exact zeros stay zero and do not count in ``amin``.
+  each block with an FP32 ``amax`` and an FP32 exponent ``k``: COAT's dynamic range expansion (Xi et al., ICLR 2025;
+  why: ``docs/memory.md``). A block's nonzero magnitudes span ``[amin, amax]``; the magnitude is stored as
+  ``y = ymax * (|x| / amax) ** k`` with ``k = log(T) / log(amax / amin)``, which maps the block's range exactly onto
+  the format's range ``T``, and read back with the inverse power. The first moment uses E4M3 codes
+  (``torch.float8_e4m3fn``; ``T = 448 / 2**-6``, its normal range). The second is non-negative, so its sign bit
+  becomes a fourth mantissa bit: an unsigned E4M4 (``uint8``; code 0 is zero, code ``c >= 1`` is
+  ``2**((c >> 4) - 16) * (1 + (c & 15) / 16)``, ``T = 0.96875 / 2**-15``), half E4M3's rounding error. Exact zeros
+  stay zero and do not count in ``amin``.
 
 Rounding (``"bf16"``, ``"fp8"``): ``"stochastic"`` (default) picks one of the value's two stored neighbours, the upper
 one with probability proportional to the distance, measured in the value's own domain (after the inverse power for
@@ -49,7 +43,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 
 from lit_mpstable.base.validate import check_keys, int_arg
-from lit_mpstable.core.loaded_state import Field, check_mapping, count, count_list, flag, short, text
+from lit_mpstable.core.loaded_state import check_mapping, count, count_list, flag, short, text
 from lit_mpstable.core.weights.compact_rounding import step_keys, words
 
 if TYPE_CHECKING:
@@ -66,11 +60,8 @@ _ROUNDINGS: tuple[str, ...] = get_args(Rounding)
 # for the second moment) with per-block scales and COAT's dynamic range expansion.
 BLOCK_SIZE = 64
 """Elements per FP8 block, along the flattened tensor: 8 bytes of ``amax`` and ``k`` per 64 codes, 1.125 bytes per
-element (0.281x FP32 for both moments). Half COAT's group of 128: the codes of a block spread over its range
-(``amax / amin``), and a smaller block spans less of it. On the CPU GPT (the same gradients fed to FP32 and FP8
-moments, 150 steps, 2 seeds) the update's relative error per step falls from 4.2% (128) to 3.7% (64); 32 would
-give 3.2% at 1.25 bytes per element, over the 0.3x budget. A slice stepped on its own must start on a block
-boundary."""
+element (0.281x FP32 for both moments; half COAT's 128, measured in ``docs/memory.md``). A slice stepped on its own
+must start on a block boundary."""
 
 # Bounds of the expansion exponent: k is inf for a block of equal magnitudes (any k stores them exactly) and tends
 # to 0 for a block spanning FP32's whole range; beyond these the FP32 arithmetic gains nothing.
@@ -359,9 +350,8 @@ class MomentStore:
             KeyError: a key is missing or unknown.
             ValueError: the kind, shape or sign differs from this store's.
         """
-        expected = {"kind", "shape", "signed", "rounding", "seed", "key", "tensors"}
-        if set(state) != expected:
-            raise KeyError(f"MomentStore.load_state_dict: keys {sorted(state)!r}, expected {sorted(expected)!r};"
+        if set(state) != _STORE_KEYS:
+            raise KeyError(f"MomentStore.load_state_dict: keys {sorted(state)!r}, expected {sorted(_STORE_KEYS)!r};"
                            " was it saved by MomentStore.state_dict?")
         for name, mine in (("kind", self.kind), ("shape", list(self.shape)), ("signed", self.signed)):
             if state[name] != mine:
@@ -371,7 +361,8 @@ class MomentStore:
             raise KeyError(f"MomentStore.load_state_dict: tensors {sorted(state['tensors'])!r}, expected"
                            f" {sorted(self.tensors)!r}.")
         # Every field, before anything is changed: a NaN, a negative second moment or a NaN code is refused by name.
-        moment_store(self.kind, self.signed)("MomentStore.load_state_dict", "state", state)
+        _refuse_deferred("MomentStore.load_state_dict",
+                         _store_checks("MomentStore.load_state_dict", "state", state, self.kind, self.signed))
         self.rounding, self.seed, self.key = state["rounding"], int(state["seed"]), int(state["key"])
         block = _saved_block(self, state["tensors"])
         if block is not None:  # FP8 moments of an earlier block size: read in theirs, stored again in this one
@@ -401,17 +392,9 @@ def adam_moments(
     so no two moments share random bits); ``exp_avg_sq`` is unsigned.
 
     ``rounding=None`` chooses per moment: stochastic for both in BF16; in FP8 nearest for ``exp_avg`` and
-    stochastic for ``exp_avg_sq``. Why: an EMA whose per-step weight ``1 - beta`` is below the format's relative
-    spacing stalls under rounding to nearest. ``1 - beta2 = 1e-3`` is below both formats' (BF16 2**-8, FP8 about
-    1/8 divided by the block's ``k``), so ``exp_avg_sq`` needs stochastic rounding; ``1 - beta1 = 0.1`` is not, and
-    in FP8 stochastic rounding's extra noise on ``exp_avg`` (up to a whole spacing, ~6%, fresh every step) reaches
-    the update directly. On the digits MLP (200 steps, mean of 3 seeds, blocks of 128) the choices differ by less
-    than the noise of the random bits themselves: FP8 nearest/stochastic -0.06% from FP32's validation loss,
-    stochastic/stochastic -0.28% (+0.79% with other random bits), nearest/nearest -0.50% (its stalled
-    ``exp_avg_sq`` lets the step size grow: a risk for long runs, not a gain). On the CPU GPT, with the same
-    gradients fed to FP32 and FP8 moments, stochastic ``exp_avg`` raises the update's error per step from 4.2% to
-    5.6%, and nearest ``exp_avg_sq`` biases its EMA (mean log(v_q / v) +0.019; the step 0.35% shorter)
-    (``experiments/optimizer_state.py --parts codec``).
+    stochastic for ``exp_avg_sq``. An EMA whose per-step weight ``1 - beta`` is below the format's relative spacing
+    stalls under rounding to nearest: ``1 - beta2 = 1e-3`` is below both formats', ``1 - beta1 = 0.1`` is not, and
+    stochastic rounding's noise on FP8's ``exp_avg`` reaches the update directly (measured: ``docs/memory.md``).
     """
     if rounding is None:
         first_rounding: Rounding = "nearest" if kind == "fp8" else "stochastic"
@@ -585,14 +568,6 @@ def _refuse_deferred(call: str, checks: _Deferred) -> None:
         name, _, rule = checks[int(failed.nonzero()[0])]
         raise ValueError(f"{call}({name}): {rule}; the checkpoint is corrupted (or was saved after the run"
                          " diverged): resume from an earlier one.")
-
-
-def moment_store(kind: str, signed: bool) -> Field:
-    """One ``MomentStore.state_dict()`` of an Adam moment kept in ``kind``; ``signed``: ``exp_avg`` (else the
-    non-negative ``exp_avg_sq``)."""
-    def check(call: str, name: str, value: object) -> None:
-        _refuse_deferred(call, _store_checks(call, name, value, kind, signed))
-    return check
 
 
 def moment_state(call: str, name: str, value: object) -> None:
