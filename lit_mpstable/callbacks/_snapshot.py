@@ -11,6 +11,7 @@ import torch
 
 from lit_mpstable.callbacks.views import PrecisionView
 from lit_mpstable.core.checkpoints import copy_state
+from lit_mpstable.core.guards.triage import all_finite
 from lit_mpstable.core.guards.triage import state_finite as core_state_finite
 
 
@@ -36,7 +37,7 @@ def nonfinite_entries(snapshot: dict[str, Any], limit: int = 5) -> list[str]:
         _floating(state.get("state", {}), f"optimizer {index} state ", named)
     bad_floats = [path for path, value in named if isinstance(value, float) and not math.isfinite(value)]
     tensors = [(path, value) for path, value in named if isinstance(value, torch.Tensor)]
-    finite = bool(torch.stack([t.abs().amax().float().cpu() for _, t in tensors]).isfinite().all()) if tensors else True
+    finite = bool(all_finite([t for _, t in tensors], torch.device("cpu"))) if tensors else True
     if finite:
         return bad_floats[:limit]
     bad = bad_floats + [path for path, t in tensors if not bool(torch.isfinite(t).all())]

@@ -496,6 +496,45 @@ def test_a_monitor_with_its_own_period_is_not_logged_again_as_if_fresh() -> None
     assert logger.steps_with("mp/overflow_rate") == [11]  # Lightning's 0-based step of global step 12
 
 
+def test_a_metric_logged_again_skips_lightnings_log_and_ends_where_log_puts_it(monkeypatch) -> None:
+    """After a name's first log from a hook, the callbacks put its value into Lightning's stored result themselves
+    (``log``'s checks and device walk cost ~250 us a name): loggers, ``callback_metrics``, the progress bar and
+    ``logged_metrics`` end exactly as through ``LightningModule.log``, over epochs (each epoch's first batch goes
+    through ``log``, which resets the hook's results), with the module's own metrics beside ours."""
+    import lit_mpstable.callbacks._common as common
+
+    class Logs(PoisonModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train/loss", loss.detach(), prog_bar=True)
+            return loss
+
+    def fit(fast: bool) -> tuple[pl.Trainer, list, int]:
+        calls = []
+        if not fast:
+            monkeypatch.setattr(common, "_relogged", lambda *args, **kwargs: False)
+        monkeypatch.setattr(pl.LightningModule, "log", lambda self, name, *a, _log=pl.LightningModule.log, **k: (
+            calls.append(name), _log(self, name, *a, **k))[1])
+        logger = ListLogger()
+        callbacks = [OverflowMonitor(window=4, log_every_n_steps=1), ScaleCheckpoint(every_n_steps=3), FaultTriage()]
+        trainer = make_trainer(_plugin(), max_steps=12, log_every_n_steps=2, logger=logger, callbacks=callbacks)
+        torch.manual_seed(0)  # the same model and data in both fits
+        with quiet():  # 4 batches an epoch: 3 epochs; overflows move the scale, a triage logs off a logging step
+            trainer.fit(Logs(inf_grad_steps={1, 2, 6}, loss_factor={9: float("inf")}, n=64))
+        monkeypatch.undo()
+        return trainer, logger.rows, sum(name.startswith("mp/") for name in calls)
+
+    fast, fast_rows, fast_calls = fit(True)
+    slow, slow_rows, slow_calls = fit(False)
+    assert fast_rows == slow_rows and any("mp/rollbacks" in row for _, row in fast_rows)
+    for view in ("callback_metrics", "progress_bar_metrics", "logged_metrics"):
+        assert {k: float(v) for k, v in getattr(fast, view).items()} == {
+            k: float(v) for k, v in getattr(slow, view).items()}, view
+    assert set(fast.progress_bar_metrics) == {"train/loss", "mp/loss_scale", "mp/overflow_rate"}
+    # Through log: each name's first log, and every name on each epoch's first batch; the other logs skip it.
+    assert slow_calls > 3 * fast_calls > 0
+
+
 @pytest.mark.parametrize("automatic", [True, False])
 def test_the_faces_read_the_global_step_off_lightnings_own_counter(tmp_path, automatic: bool) -> None:
     """``optimizer_steps(trainer).completed`` is ``trainer.global_step`` at every batch end (the faces read it there

@@ -531,3 +531,30 @@ def test_a_compiled_model_is_triaged_as_eagerly_without_recompiling_per_event():
     assert compiled.graphs == first_round <= 6
     for name, value in eager.model.state_dict().items():  # bf16 products: compiled and eager round apart
         torch.testing.assert_close(compiled.model.state_dict()[name], value, rtol=1e-2, atol=1e-3)
+
+
+# The finiteness check of the weights and optimizer state (state_finite, replay_finite, the snapshots'): per tensor,
+# with the expected verdict written out (FP32's range decides: a float64 beyond it counts as inf, as it always did).
+_FINITE_CASES = {
+    "finite fp32": (torch.tensor([1.0, -2.0, 3e38]), True),
+    "nan": (torch.tensor([1.0, NAN, -3.0]), False),
+    "+inf": (torch.tensor([1.0, float("inf")]), False),
+    "-inf only": (torch.tensor([1.0, float("-inf"), 2.0]), False),
+    "fp16 max": (torch.tensor([FP16_MAX, -FP16_MAX], dtype=torch.float16), True),
+    "bf16 -inf": (torch.tensor([0.5, float("-inf")], dtype=torch.bfloat16), False),
+    "float64 beyond fp32": (torch.tensor([-1e39], dtype=torch.float64), False),
+    "one element": (torch.tensor([NAN]), False),
+    "complex inf": (torch.tensor([1 + 1j, complex(float("inf"), 0.0)]), False),
+    "complex finite": (torch.tensor([1 + 1j, -2j]), True),
+}
+
+
+@pytest.mark.parametrize("case", list(_FINITE_CASES))
+def test_all_finite_reads_each_tensor_as_fp32(case: str) -> None:
+    from lit_mpstable.core.guards.triage import all_finite
+
+    tensor, expected = _FINITE_CASES[case]
+    clean = torch.ones(3)
+    for tensors in ([tensor], [clean, tensor], [tensor, clean]):
+        assert bool(all_finite(tensors, torch.device("cpu"))) is expected
+    assert bool(all_finite([clean, clean.double()], torch.device("cpu")))
