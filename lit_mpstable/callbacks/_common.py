@@ -583,9 +583,13 @@ def _relogged(pl_module: pl.LightningModule, name: str, value: Any, *, prog_bar:
         return False
     item = results.get(f"{fx}.{name}")
     meta = getattr(item, "meta", None)
-    if (meta is None or not getattr(item, "is_tensor", False) or meta.prog_bar is not prog_bar or not meta.logger
-            or not meta.on_step or meta.on_epoch or meta.enable_graph or not meta.is_mean_reduction
-            or meta.metric_attribute is not None or meta.sync.should or connector.should_reset_tensors(fx)):
+    try:  # another Lightning release may name these otherwise: then ``log``, before anything is written
+        if (meta is None or not getattr(item, "is_tensor", False) or meta.prog_bar is not prog_bar or not meta.logger
+                or not meta.on_step or meta.on_epoch or meta.enable_graph or not meta.is_mean_reduction
+                or meta.metric_attribute is not None or meta.sync.should or connector.should_reset_tensors(fx)
+                or not callable(results.update_metrics)):
+            return False
+    except AttributeError:
         return False
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:

@@ -535,6 +535,36 @@ def test_a_metric_logged_again_skips_lightnings_log_and_ends_where_log_puts_it(m
     assert slow_calls > 3 * fast_calls > 0
 
 
+def test_a_lightning_without_the_stored_results_internals_logs_through_log() -> None:
+    """Where Lightning's stored results lack what the shortcut reads (another release), the shortcut declines (the
+    metric goes through ``LightningModule.log``) before it writes anything."""
+    from types import SimpleNamespace
+
+    from lit_mpstable.callbacks._common import _relogged
+
+    written: list[str] = []
+
+    def module(meta: object, connector: object) -> pl.LightningModule:
+        item = SimpleNamespace(meta=meta, is_tensor=True, value=torch.zeros(()))
+        results = SimpleNamespace(dataloader_idx=None, get=lambda key: item,
+                                  update_metrics=lambda key, value, size: written.append(key))
+        trainer = SimpleNamespace(_results=results, _logger_connector=connector)
+        return SimpleNamespace(_trainer=trainer, _current_fx_name="on_train_batch_end",  # type: ignore[return-value]
+                               device=torch.device("cpu"))
+
+    full = dict(prog_bar=False, logger=True, on_step=True, on_epoch=False, enable_graph=False,
+                is_mean_reduction=True, metric_attribute=None, sync=SimpleNamespace(should=False))
+    connector = SimpleNamespace(should_reset_tensors=lambda fx: False, _current_fx=None)
+    assert _relogged(module(SimpleNamespace(**full), connector), "mp/loss_scale", 2.0, prog_bar=False)
+    assert written == ["on_train_batch_end.mp/loss_scale"] and connector._current_fx == "on_train_batch_end"
+    written.clear()
+    for missing in full:  # a field renamed in the metadata
+        meta = SimpleNamespace(**{k: v for k, v in full.items() if k != missing})
+        assert not _relogged(module(meta, connector), "mp/loss_scale", 2.0, prog_bar=False), missing
+    assert not _relogged(module(SimpleNamespace(**full), SimpleNamespace()), "mp/loss_scale", 2.0, prog_bar=False)
+    assert written == []
+
+
 @pytest.mark.parametrize("automatic", [True, False])
 def test_the_faces_read_the_global_step_off_lightnings_own_counter(tmp_path, automatic: bool) -> None:
     """``optimizer_steps(trainer).completed`` is ``trainer.global_step`` at every batch end (the faces read it there
