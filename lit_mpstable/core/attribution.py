@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -141,12 +142,16 @@ class OverflowTracer:
             raise TypeError(f"OverflowTracer(model={model!r}): model must be a torch.nn.Module.")
         self.model = model
         self._handles: list[RemovableHandle] = []
-        self._forward_events: list[tuple[str, torch.Tensor]] = []
-        self._backward_events: list[tuple[str, torch.Tensor]] = []
+        # Events keep the minimum and maximum of each tensor they saw (device tensors, no host read); whether they held
+        # inf/NaN is read off all of them at once, by the first reading (one kernel and one host read for the step).
+        self._forward_events: list[tuple[str, list[torch.Tensor], list[torch.Tensor] | None]] = []
+        self._backward_events: list[tuple[str, list[torch.Tensor]]] = []
         self._edges: dict[int, _Edge] = {}
         self._calls = 0
-        self._inputs: list[torch.Tensor | None] = []  # per module call in progress: its inputs held inf/NaN
-        self._root_inputs: list[torch.Tensor] = []
+        self._inputs: list[list[torch.Tensor] | None] = []  # per module call in progress: its inputs' ends
+        self._root_inputs: list[list[torch.Tensor]] = []
+        self._hooks: dict[tuple[str, str], Callable[..., None]] = {}  # built once, registered at each attach
+        self._verdicts: tuple[tuple[int, int, int], tuple[list[bool], list[bool], bool]] | None = None
 
     # ------------------------------------------------------------------------------------------- hooks
     def attach(self) -> OverflowTracer:
@@ -154,15 +159,21 @@ class OverflowTracer:
         if self._handles:
             return self
         owners: dict[nn.Parameter, str] = {}
+        hooks = self._hooks
         for name, module in self.model.named_modules():
-            depth = name.count(".") + 1 if name else 0
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name, depth), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_hook(name, depth)))
+            if (pre := hooks.get(("pre", name))) is None:  # a tracer attached again (each overflow) reuses its hooks
+                depth = name.count(".") + 1 if name else 0
+                pre = hooks["pre", name] = self._pre_hook(name, depth)
+                hooks["post", name] = self._post_hook(name, depth)
+            self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(hooks["post", name]))
             for param in module.parameters(recurse=False):
                 owners.setdefault(param, name)
         for param, owner in owners.items():
             if param.requires_grad:
-                self._handles.append(param.register_post_accumulate_grad_hook(self._param_hook(owner)))
+                if (hook := hooks.get(("param", owner))) is None:
+                    hook = hooks["param", owner] = self._param_hook(owner)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
         return self
 
     def detach(self) -> None:
@@ -180,6 +191,7 @@ class OverflowTracer:
         self._inputs.clear()
         self._root_inputs.clear()
         self._calls = 0
+        self._verdicts = None
 
     def __enter__(self) -> OverflowTracer:
         return self.attach()
@@ -191,7 +203,9 @@ class OverflowTracer:
         edge = self._edges.get(id(tensor))
         if edge is None or edge.ref() is not tensor:  # ids are reused once a tensor is freed
             edge = self._edges[id(tensor)] = _Edge(tensor)
-            self._handles.append(tensor.register_hook(self._grad_hook(edge)))
+            if (hook := self._hooks.get(("grad", ""))) is None:
+                hook = self._hooks["grad", ""] = self._grad_hook()
+            self._handles.append(tensor.register_hook(partial(hook, edge)))
         return edge
 
     # Each hook runs outside torch.compile. The step that traces runs eagerly (``compiled.eager``), unless the compiled
@@ -203,10 +217,10 @@ class OverflowTracer:
         def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             self._calls += 1
             inputs = _tensors((args, kwargs))
-            bad_in = any_nonfinite(inputs) if inputs else None
-            self._inputs.append(bad_in)
-            if depth == 0 and bad_in is not None:
-                self._root_inputs.append(bad_in)
+            ends_in = _ends(inputs) if inputs else None
+            self._inputs.append(ends_in)
+            if depth == 0 and ends_in is not None:
+                self._root_inputs.append(ends_in)
             if torch.is_grad_enabled():
                 for tensor in inputs:
                     if tensor.requires_grad:
@@ -218,14 +232,13 @@ class OverflowTracer:
         @torch.compiler.disable
         def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             self._calls += 1
-            bad_in = self._inputs.pop() if self._inputs else None
+            ends_in = self._inputs.pop() if self._inputs else None
             tensors = _tensors(output)
             if not tensors:
                 return
             # Blame a module only for inf/NaN it made: finite inputs, non-finite output. A poisoned batch passes
             # through every layer, and no layer is to blame for it (see nonfinite_input).
-            bad_out = any_nonfinite(tensors)
-            self._forward_events.append((name, bad_out if bad_in is None else bad_out & ~bad_in))
+            self._forward_events.append((name, _ends(tensors), ends_in))
             if torch.is_grad_enabled():
                 for tensor in tensors:
                     if tensor.requires_grad:
@@ -233,10 +246,10 @@ class OverflowTracer:
 
         return hook
 
-    def _grad_hook(self, edge: _Edge):
+    def _grad_hook(self):
         @torch.compiler.disable
-        def hook(grad: torch.Tensor) -> None:
-            self._backward_events.append((edge.blamed(), any_nonfinite([grad])))
+        def hook(edge: _Edge, grad: torch.Tensor) -> None:  # one function, bound to each edge with partial
+            self._backward_events.append((edge.blamed(), _ends([grad])))
 
         return hook
 
@@ -244,48 +257,90 @@ class OverflowTracer:
         @torch.compiler.disable
         def hook(param: torch.Tensor) -> None:
             if param.grad is not None:
-                self._backward_events.append((owner, any_nonfinite([_dense(param.grad)])))
+                self._backward_events.append((owner, _ends([_dense(param.grad)])))
 
         return hook
+
+    def _verdict(self) -> tuple[list[bool], list[bool], bool]:
+        """Per forward event, whether its module made inf/NaN (a non-finite output from finite inputs); per backward
+        event, whether its gradient held inf/NaN; and whether the root's inputs did. One kernel over every end
+        recorded and one host read, kept until more events come (or :meth:`reset`)."""
+        forward, backward, root = self._forward_events, self._backward_events, self._root_inputs
+        key = (len(forward), len(backward), len(root))
+        if self._verdicts is not None and self._verdicts[0] == key:
+            return self._verdicts[1]
+        groups = [ends for _, out, ends_in in forward for ends in (out, ends_in or [])]
+        groups += [ends for _, ends in backward] + root
+        finite = _finite([end for ends in groups for end in ends])
+        bad, at = [], 0
+        for ends in groups:
+            bad.append(not all(finite[at:at + len(ends)]))
+            at += len(ends)
+        n = 2 * len(forward)
+        made = [bad[i] and not (forward[i // 2][2] is not None and bad[i + 1]) for i in range(0, n, 2)]
+        verdict = made, bad[n:n + len(backward)], any(bad[n + len(backward):])
+        self._verdicts = key, verdict
+        return verdict
 
     # ------------------------------------------------------------------------------------------ reading
     @property
     def nonfinite_input(self) -> bool:
         """Whether an input of the root module (the batch) held inf/NaN (syncs)."""
-        return bool(torch.stack([f.to(self._root_inputs[0].device) for f in self._root_inputs]).any()) \
-            if self._root_inputs else False
+        return self._verdict()[2] if self._root_inputs else False
 
     @property
     def first_forward(self) -> str | None:
         """Qualified name of the first module (``""`` is the root) whose inputs were finite and whose output held
         inf/NaN, or None (syncs)."""
-        names = _flagged(self._forward_events)
+        names = self.forward_modules
         return names[0] if names else None
 
     @property
     def first_backward(self) -> str | None:
         """Qualified name of the first module blamed for an inf/NaN gradient in backward, or None (syncs)."""
-        names = _flagged(self._backward_events)
+        names = self.backward_modules
         return names[0] if names else None
 
     @property
     def forward_modules(self) -> list[str]:
         """Every module whose inputs were finite and whose output held inf/NaN, each once, in execution order: the
         module that made it first, then the containers around it (syncs)."""
-        return list(dict.fromkeys(_flagged(self._forward_events)))
+        if not self._forward_events:
+            return []
+        made = self._verdict()[0]
+        return list(dict.fromkeys(name for (name, _, _), bad in zip(self._forward_events, made) if bad))
 
     @property
     def backward_modules(self) -> list[str]:
         """Every module blamed for an inf/NaN gradient, each once, in backward execution order (syncs)."""
-        return list(dict.fromkeys(_flagged(self._backward_events)))
+        if not self._backward_events:
+            return []
+        bad = self._verdict()[1]
+        return list(dict.fromkeys(name for (name, _), flag in zip(self._backward_events, bad) if flag))
 
 
-def _flagged(events: list[tuple[str, torch.Tensor]]) -> list[str]:
-    if not events:
+def _ends(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The minimum and maximum of each non-empty tensor (0-d device tensors, no host read): a tensor holds inf/NaN if
+    and only if one of its two ends is not finite (NaN propagates through both, an inf is the minimum or the maximum).
+    One kernel per tensor; the finiteness of all of them is read later, together (:func:`_finite`)."""
+    return [end for t in tensors if t.numel() for end in torch.aminmax(t)]
+
+
+def _finite(ends: list[torch.Tensor]) -> list[bool]:
+    """Whether each of ``ends`` is finite: per dtype and device one stack and one ``isfinite`` (stacking mixed dtypes
+    promotes them, at ~6x the cost), the flags gathered on the first end's device, and one host read for all."""
+    if not ends:
         return []
-    device = events[0][1].device
-    flags = torch.stack([flag.to(device) for _, flag in events]).tolist()
-    return [name for (name, _), bad in zip(events, flags) if bad]
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, end in enumerate(ends):
+        groups.setdefault((end.dtype, end.device), []).append(i)
+    device = ends[0].device
+    flags = [torch.stack([ends[i] for i in indices]).isfinite().to(device) for indices in groups.values()]
+    finite = [False] * len(ends)
+    order = (i for indices in groups.values() for i in indices)
+    for i, value in zip(order, (flags[0] if len(flags) == 1 else torch.cat(flags)).tolist(), strict=True):
+        finite[i] = value
+    return finite
 
 
 def trace_nonfinite(model: nn.Module) -> OverflowTracer:

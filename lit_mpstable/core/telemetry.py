@@ -253,6 +253,7 @@ class GradObserver:
         self.telemetry = GradTelemetry(every_n_steps, formats=formats, per_module=True) if every_n_steps else None
         self.diagnose = diagnose
         self.tracer: OverflowTracer | None = None
+        self._idle: OverflowTracer | None = None  # the last tracer, detached: armed again at the next overflow
         self._traced = False
         self.quiet = range(0)
         """Steps on which :meth:`observe` has nothing to do while no tracer is armed (no telemetry due, no FP8
@@ -263,6 +264,7 @@ class GradObserver:
         if self.tracer is not None:
             self.tracer.detach()
         self.tracer = OverflowTracer(module).attach() if self.diagnose else None
+        self._idle = None
 
     def observe(
         self, module: nn.Module, named_grads: Callable[[], NamedGrads], step: int, scale: Callable[[], float],
@@ -292,7 +294,8 @@ class GradObserver:
                 self.tracer.reset()
             else:
                 self.tracer.detach()
-                self.tracer = None
+                self.tracer.reset()
+                self._idle, self.tracer = self.tracer, None
         telemetry = self.telemetry
         # Quiet from the next step to the next due one; never after a traced step (the next call clears _traced,
         # which blame reads) nor with FP8 layers (whose statistics are switched every step).
@@ -334,7 +337,9 @@ class GradObserver:
         if not self._traced:
             updates["blamed_modules"] = [params[-1].rpartition(".")[0]] if params else []
         if self.tracer is None:  # FSDP2's DTensor gradients included: the tracer reads this rank's shard
-            self.tracer = OverflowTracer(module).attach()
+            # An overflow storm arms the tracer step after step: the same one, its hooks built once.
+            idle, self._idle = self._idle, None
+            self.tracer = (idle if idle is not None and idle.model is module else OverflowTracer(module)).attach()
         return updates
 
     def replay(self, module: nn.Module, forward: Callable[[], torch.Tensor], step: int, scale: float,

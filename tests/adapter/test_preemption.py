@@ -396,6 +396,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
                     "output_dtype": _SETUP, "names": "specs resolved on the model", "_modules": "specs resolved",
                     "_handles": "hooks of the resolved islands"},
     "GradObserver": {"diagnose": _CONFIG, "_traced": _ITER,
+                     "_idle": "the last tracer, detached and reset: armed again at the next overflow (its hooks)",
                      "quiet": "the steps until the next due one, from the step count; recomputed by the next call"},
     "GradTelemetry": {"every_n_steps": _CONFIG, "formats": _CONFIG, "per_module": _CONFIG,
                       "latest": "the last computation, reported through plugin.stats (in the checkpoint)"},

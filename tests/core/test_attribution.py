@@ -135,3 +135,53 @@ def test_any_nonfinite_finds_one_bad_element_anywhere_as_isfinite_does(dtype):
                 assert got.shape == () and got.dtype == torch.bool
                 assert bool(got) == bool((~torch.isfinite(t)).any()), (shape, bad, index)
     assert not bool(any_nonfinite([])) and not bool(any_nonfinite([torch.empty(0, 3, dtype=dtype)]))
+
+
+def test_a_traced_step_reads_the_host_once_however_often_and_whatever_dtypes_it_saw():
+    # The hooks keep each tensor's ends on the device; the first reading decides every event at once (FP32, BF16 and
+    # FP16 ends side by side), and the readings after it reuse that answer.
+    from helpers import HostReads
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 4).to(torch.float16))
+    with torch.no_grad():
+        model[1].bias[2] = float("inf")
+    tracer = OverflowTracer(model).attach()
+    with HostReads() as traced:
+        out = model[2](model[1](model[0](torch.randn(3, 6)).bfloat16()).half())  # the three layers, and not the root
+        out.float().sum().backward()
+    with HostReads() as reads:
+        verdict = (tracer.first_forward, tracer.forward_modules, tracer.first_backward, tracer.backward_modules,
+                   tracer.nonfinite_input)
+    tracer.detach()
+    assert traced.ops == [] and reads.ops == ["tolist"]
+    # Layer 1 made the inf; in backward only layer 2's weight gradient (its input held the inf) is not finite.
+    assert verdict == ("1", ["1"], "2", ["2"], False)
+
+
+def test_a_tracer_attached_again_reports_each_step_as_a_fresh_tracer_does():
+    # An overflow storm arms the same tracer step after step (GradObserver): after reset, nothing of the last step
+    # shows, whichever layer overflows now, in the forward, the backward or the batch.
+    model, x = TinyMLP(), regression_data(8)[0]
+    now = {"fault": ""}
+    column = torch.tensor([0])
+    model.fc2.register_forward_hook(
+        lambda m, a, out: out.index_fill(1, column, float("nan")) if now["fault"] == "forward" else None)
+    model.fc1.weight.register_hook(
+        lambda g: g.index_fill(1, column, float("inf")) if now["fault"] == "backward" else None)
+
+    def step(tracer: OverflowTracer) -> tuple[object, ...]:
+        batch = x.index_fill(1, column, float("inf")) if now["fault"] == "input" else x
+        with tracer:
+            model(batch).sum().backward()
+        model.zero_grad(set_to_none=True)
+        return (tracer.nonfinite_input, tracer.first_forward, tracer.forward_modules, tracer.first_backward,
+                tracer.backward_modules)
+
+    reused, seen = OverflowTracer(model), []
+    for fault in ["backward", "", "forward", "input", "", "backward", "forward"]:
+        now["fault"] = fault
+        fresh = step(OverflowTracer(model))
+        reused.reset()
+        assert step(reused) == fresh, fault
+        seen.append(fresh)
+    assert seen[0][3] == "fc1" and seen[2][1] == "fc2" and seen[3][0] and seen[1] == (False, None, [], None, [])

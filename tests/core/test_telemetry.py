@@ -237,3 +237,31 @@ def test_the_stepper_asks_the_observer_only_on_due_steps_and_after_a_traced_one(
     # Due: 0, 3, 7, 11; step 5 overflowed (blame armed the tracer), so 6 is traced.
     assert calls == [0, 3, 6, 7, 11]
     assert seen == [0, 0, 0, 3, 3, 3, 3, 7, 7, 7, 7, 11]
+
+
+def test_an_overflow_storm_arms_one_tracer_and_blames_each_step_by_it():
+    """Step after step of overflow (a storm in one layer): each blame arms the tracer the last traced step put down,
+    whose hooks exist already; it names the layer on every traced step and has no hooks left once a clean step ends
+    the storm. A new model (a new fit) gets a tracer of its own."""
+    from lit_mpstable.core.telemetry import GradObserver
+
+    model, x = TinyMLP(), regression_data(8)[0]
+    storm = {"on": True}
+    model.fc2.register_forward_hook(lambda m, a, out: out * float("inf") if storm["on"] else None)
+    observer = GradObserver(None, DEFAULT_FORMATS)
+    tracers, blamed = [], []
+    for step in range(5):
+        storm["on"] = step < 4
+        model(x).sum().backward()
+        updates, warning = observer.observe(model, lambda: list(model.named_parameters()), step, lambda: 1.0)
+        blamed.append((updates.get("blamed_modules"), warning is not None))
+        if storm["on"]:
+            observer.blame(model, list(model.named_parameters()))
+            tracers.append(observer.tracer)
+        model.zero_grad(set_to_none=True)
+    assert blamed == [(None, False), (["fc2"], True), (["fc2"], True), (["fc2"], True), (None, False)]
+    assert observer.tracer is None and all(t is tracers[0] for t in tracers)
+    assert not any(m._forward_pre_hooks for m in model.modules()) and len(model.fc2._forward_hooks) == 1
+    other = TinyMLP()
+    observer.blame(other, list(other.named_parameters()))
+    assert observer.tracer is not tracers[0] and observer.tracer.model is other

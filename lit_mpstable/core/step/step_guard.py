@@ -51,8 +51,11 @@ def check_step_inputs_(checker: LossScaler, optimizer: Optimizer, *, scaled: boo
         tensors += held
     if not tensors and not scaled and factor is None and spike is None and not distributed:
         return None, None  # a clean step: nothing was written since the check, nothing else to read apart
-    flag = _found_nonfinite(tensors) if tensors else None
     scale = checker.get_scale_tensor() if scaled else None
+    if scale is not None and scale.is_floating_point() and not scale.is_inference():
+        # The scale joins the check kernel (it writes the scale back times 1, exactly): one kernel, not six ops.
+        tensors, scale = [*tensors, scale], None
+    flag = _found_nonfinite(tensors) if tensors else None
     if scale is not None or factor is not None:
         checks = [] if flag is None else [flag > 0]
         checks += [~torch.isfinite(t).all() for t in (scale, factor) if t is not None]
