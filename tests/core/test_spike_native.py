@@ -29,7 +29,11 @@ def _guard(monkeypatch: pytest.MonkeyPatch, native: bool, **kwargs) -> SpikeGuar
 
 
 def _close(a: float, b: float) -> bool:
-    return (math.isnan(a) and math.isnan(b)) or a == b or math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+    # A z-score divides by the window's standard deviation, which the two paths sum in another order: in a short
+    # window of near-equal values (window=2, two norms 1% apart) the variance is a small difference of FP32 sums, and
+    # an ulp of those sums moves the z-score by ~1e-5 relative (seen: 0.2484321 vs 0.2484346). 1e-4 keeps every
+    # planted bug (they move the statistics by percents) and that rounding apart.
+    return (math.isnan(a) and math.isnan(b)) or a == b or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
 
 
 def _same_state(a: SpikeGuard, b: SpikeGuard) -> None:
