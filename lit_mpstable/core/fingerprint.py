@@ -932,6 +932,12 @@ def _all_ranks(value: dict[str, int] | list[str]) -> list[Any]:
     return gathered
 
 
+def every_rank(lines: list[str]) -> list[str]:
+    """Every rank's ``lines``, in rank order, each once: collective (one ``all_gather_object``) where several processes
+    run, so every rank calls it and decides alike on what one rank found."""
+    return list(dict.fromkeys(line for part in _all_ranks(lines) for line in part))
+
+
 def shard_checksums(trees: Mapping[str, object]) -> dict[str, int]:
     """The :func:`checksum` of every DTensor's local shard in ``trees`` (FSDP2 / ``ModelParallelStrategy`` weights and
     optimizer states, which :func:`tensor_leaves` skips), of every rank, keyed by rank and path

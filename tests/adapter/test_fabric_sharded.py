@@ -2,7 +2,8 @@
 plugin's state loaded (Lightning's sharded load assigns its dict instead), each rank's shards checked against the
 checksums it took at the save, a bit flipped in one rank's shard refused on both ranks or replaced by the newest
 earlier directory that passes ("previous"), and the restored-state rung loading the directory before one that goes
-NaN after the load; and a save inside a no-sync accumulation window leaving the accumulating gradients as they were.
+NaN after the load; a save inside a no-sync accumulation window leaving the accumulating gradients as they were, and
+an earlier directory whose shards cannot be read passed over on both ranks.
 
 The runs fork (the children inherit the imports) and write each rank's results to a file.
 """
@@ -436,3 +437,44 @@ def test_a_save_inside_a_no_sync_window_leaves_the_accumulating_gradients(plugin
         assert pinned[0]["grad_norm"] > 0 and (pinned[0]["loss"], pinned[0]["grad_norm"]) == (
             pinned[1]["loss"], pinned[1]["grad_norm"])
 
+
+def _truncate(path: Path) -> str:
+    """Cut ``path``'s first shard file to half its length (a copy or a write cut short); the directory's modification
+    time is kept. Returns the file's name."""
+    file = sorted(path.glob("*.distcp"))[0]
+    written = path.stat().st_mtime_ns
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    os.utime(path, ns=(written, written))
+    return file.name
+
+
+def test_previous_passes_over_an_earlier_directory_whose_shards_cannot_be_read(saved, tmp_path: Path) -> None:
+    # Before: the truncated shard file's read error surfaced as the load's own error. Now the directory counts as
+    # failing on both ranks (only one of them reads the cut file), named with why, and the third newest loads.
+    paths = _copy(saved, "good", tmp_path)
+    _flip_bit(paths[-1], saved[1][1]["shards"][SAVED]["fc2.weight"])
+    _truncate(paths[-2])
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100, on_mismatch="previous",
+                 restored_window=0)
+    for rank, report in enumerate(ranks):
+        assert "error" not in report, report["error"]
+        assert report["loaded_step"] == SAVED - 2 == report["step_count"]
+        fallbacks = [e for e in report["events"] if e["action"] == "previous"]
+        assert [e.get("fallback") for e in fallbacks] == [str(paths[-2]), str(paths[-3])]
+        assert fallbacks[1]["source"] == str(paths[-2]) and fallbacks[1]["differences"][0].startswith("unreadable (")
+        for name, value in saved[1][rank]["shards"][SAVED - 2].items():
+            assert torch.equal(report["shards"][name], value), (rank, name)
+    assert ranks[0]["events"] == ranks[1]["events"]
+
+
+def test_the_rung_passes_over_an_earlier_directory_whose_shards_cannot_be_read(saved, tmp_path: Path) -> None:
+    paths = _copy(saved, "wrong", tmp_path)
+    _truncate(paths[-2])
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100, steps=SAVED + 6, restored_window=5)
+    for report in ranks:
+        assert "error" not in report, report["error"]
+        (event,) = [e for e in report["ladder"] if e["action"] != "skip"]
+        assert (event["checkpoint"], event["restored_step"]) == (str(paths[-3]), SAVED - 2)
+        assert len(event["skipped"]) == 1 and event["skipped"][0].startswith(f"{paths[-2]} (unreadable (")
+        assert report["finite"]
+    assert ranks[0]["ladder"] == ranks[1]["ladder"]
