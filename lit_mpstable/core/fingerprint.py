@@ -454,7 +454,7 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
                 loss = loss_fn(module, to_device(batch, device, dtype))
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 raise RuntimeError("the pinned micro-batch's loss is not a differentiable tensor")
-            grads = _sharded_grads(loss, params) if _is_sharded(params) else torch.autograd.grad(
+            grads = _sharded_grads(loss, params, module) if _is_sharded(params) else torch.autograd.grad(
                 loss, params, allow_unused=True)
         finally:
             module.train(training)
@@ -486,18 +486,62 @@ def _is_sharded(tensors: Sequence[torch.Tensor]) -> bool:
     return any(isinstance(t, DTensor) for t in tensors)
 
 
-def _sharded_grads(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+def _sharded_grads(loss: torch.Tensor, params: Sequence[torch.Tensor], module: nn.Module
+                   ) -> list[torch.Tensor | None]:
     """The gradients of ``loss`` as FSDP2 leaves them in ``.grad`` (reduce-scattered shards) after a real backward;
-    every ``.grad`` is set aside before and put back after (the same tensor), so accumulated ones are untouched."""
+    every ``.grad`` is set aside before and put back after (the same tensor), so accumulated ones are untouched.
+
+    Inside a no-sync accumulation window (``set_requires_gradient_sync(False)``, Fabric's ``no_backward_sync``) FSDP2
+    accumulates the micro-batches' gradients unsharded, outside ``.grad``: those are set aside and put back too, and
+    the sync is on for this one backward (its gradients reduce-scattered as at a synced step), then set as it was."""
     held = [p.grad for p in params]
+    groups = _fsdp_param_groups(module)
+    flags = [(group.reduce_grads, group.all_reduce_grads) for group in groups]
+    unsharded = [(fsdp_param, fsdp_param.unsharded_accumulated_grad, _unsharded_grad(fsdp_param))
+                 for group in groups for fsdp_param in group.fsdp_params]
     for p in params:
         p.grad = None
+    for group in groups:
+        group.reduce_grads = group.all_reduce_grads = True
+    for fsdp_param, _, grad in unsharded:
+        fsdp_param.unsharded_accumulated_grad = None
+        if grad is not None:
+            fsdp_param._unsharded_param.grad = None
     try:
         loss.backward()
         return [p.grad for p in params]
     finally:
         for p, grad in zip(params, held, strict=True):
             p.grad = grad
+        for group, (reduce, all_reduce) in zip(groups, flags, strict=True):
+            group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
+        for fsdp_param, accumulated, grad in unsharded:
+            fsdp_param.unsharded_accumulated_grad = accumulated
+            if grad is not None:
+                fsdp_param._unsharded_param.grad = grad
+
+
+def _fsdp_param_groups(module: nn.Module) -> list[Any]:
+    """FSDP2's parameter groups of ``module``'s ``fully_shard`` units (private state: FSDP2 has no public handle on the
+    gradients it accumulates while the sync is off)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups: list[Any] = []
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            state = unit._get_fsdp_state()
+            own = getattr(state, "_fsdp_param_groups", None)
+            if own is None:  # a torch before grouped fully_shard: one group at most
+                own = [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+            groups += own
+    return groups
+
+
+def _unsharded_grad(fsdp_param: Any) -> torch.Tensor | None:
+    """The gradient an FSDP2 parameter accumulates unsharded while the sync is off, in its compute dtype (its
+    ``unsharded_accumulated_grad`` holds it instead where the reduce dtype differs)."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)  # none before the first all-gather
+    return None if unsharded is None else unsharded.grad
 
 
 def _sharded_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -886,6 +930,12 @@ def _all_ranks(value: dict[str, int] | list[str]) -> list[Any]:
     gathered: list[Any] = [None] * world
     torch.distributed.all_gather_object(gathered, value)
     return gathered
+
+
+def every_rank(lines: list[str]) -> list[str]:
+    """Every rank's ``lines``, in rank order, each once: collective (one ``all_gather_object``) where several processes
+    run, so every rank calls it and decides alike on what one rank found."""
+    return list(dict.fromkeys(line for part in _all_ranks(lines) for line in part))
 
 
 def shard_checksums(trees: Mapping[str, object]) -> dict[str, int]:

@@ -31,6 +31,7 @@ from lit_mpstable.core.fingerprint import (
     compare_checksums,
     compare_shard_checksums,
     earlier_checkpoint,
+    every_rank,
     pin_batch,
     pinned_pass,
     previous_checkpoints,
@@ -389,13 +390,15 @@ class StablePrecision(StableFrontEnd, Precision):
         tried = {current}
         while True:
             try:
-                remainder = self._fabric_load(loaded, current)
+                remainder = self._fabric_load(loaded, current, earlier=current != Path(path))
                 if self.fingerprint.pending is not None:  # all of it is loaded: the rest of the fingerprint now
                     self._check_fingerprint(self.fingerprint.pending, {}, loaded=True, step=False)
                 break
             except FingerprintMismatch as error:
                 if self.fingerprint.on_mismatch != "previous":
                     raise
+                if isinstance(error, _Unreadable):  # recorded as a check that failed
+                    self.fingerprint.react(error.source, error.differences)
                 current = self._previous(loaded, current, error, tried)
                 tried.add(current)
         if restored_window:
@@ -403,15 +406,27 @@ class StablePrecision(StableFrontEnd, Precision):
             self._arm()
         return remainder
 
-    def _fabric_load(self, loaded: _Loaded, path: Path) -> dict[str, Any]:
+    def _fabric_load(self, loaded: _Loaded, path: Path, *, earlier: bool = False) -> dict[str, Any]:
         """``fabric.load(path, state)`` for :meth:`load`. A sharded checkpoint's directory: Lightning loads the model
         and optimizers from the shards and assigns the rest of ``meta.pt`` to ``state``'s keys, the plugin's dict in
-        place of the plugin, unloaded; so the plugin is left out of what Fabric loads and loads its dict itself."""
+        place of the plugin, unloaded; so the plugin is left out of what Fabric loads and loads its dict itself.
+
+        ``earlier``: a directory a fallback picked. Its read errors (DCP's on every rank, another one on its rank) are
+        gathered from every rank before anyone goes on, so all ranks agree, and raised as ``_Unreadable``: it fails
+        as a mismatch does, and the fallback goes on to the next."""
         fabric, state, key = loaded.fabric, loaded.state, loaded.key
         if not path.is_dir():
             return fabric.load(path, state, strict=loaded.strict, weights_only=loaded.weights_only)
         rest = {k: v for k, v in state.items() if k != key}
-        remainder = fabric.load(path, rest, strict=loaded.strict, weights_only=loaded.weights_only)
+        failed: list[str] = []
+        try:
+            remainder = fabric.load(path, rest, strict=loaded.strict, weights_only=loaded.weights_only)
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
+            if not earlier or isinstance(error, (KeyboardInterrupt, SystemExit)):
+                raise
+            failed = _read_errors(error, fabric.global_rank)
+        if earlier and (failed := every_rank(failed)):
+            raise _Unreadable(str(path), [f"unreadable ({'; '.join(failed)})"])
         state.update(rest)  # the loop's own entries, as fabric.load sets them in the dict it is given
         if key in remainder:
             self.load_state_dict(remainder.pop(key))
@@ -449,7 +464,8 @@ class StablePrecision(StableFrontEnd, Precision):
                                                           f" {failed.parent}"]) from error
         if self.fingerprint.events:
             self.fingerprint.events[-1]["fallback"] = str(previous)
-        rank_zero_warn(f"{type(self).__name__}: {failed} fails its numeric fingerprint ({'; '.join(why[:3])}); loaded"
+        fails = "cannot be read" if isinstance(error, _Unreadable) else "fails its numeric fingerprint"
+        rank_zero_warn(f"{type(self).__name__}: {failed} {fails} ({'; '.join(why[:3])}); loaded"
                        f" {previous} instead" + "".join(f"; {p} failed too ({d[0]})" for p, d in rejected.items())
                        + " (on_fingerprint_mismatch='previous').")
         return previous
@@ -563,8 +579,8 @@ class StablePrecision(StableFrontEnd, Precision):
                 differences = [f"written at step {step}, not before the loaded checkpoint's {loaded_step}"]
             if not differences:
                 try:
-                    self._fabric_load(loaded, candidate)
-                except FingerprintMismatch as error:  # its plugin state as it loads ("raise"/"previous")
+                    self._fabric_load(loaded, candidate, earlier=True)
+                except FingerprintMismatch as error:  # its plugin state as it loads ("raise"/"previous"), or unreadable
                     differences = list(error.differences)
                 else:
                     differences = self._loaded_differences()
@@ -639,6 +655,26 @@ class StablePrecision(StableFrontEnd, Precision):
             " fabric.save(path, {..., 'precision': plugin}) and fabric.load(path, {..., 'precision': plugin})"
             " (litgpt's own state dict leaves it out: add it there).",
         )
+
+
+class _Unreadable(FingerprintMismatch):
+    """An earlier sharded checkpoint whose shards could not be read (on some rank): a fallback passes over it as over
+    one that fails its fingerprint."""
+
+
+def _read_errors(error: BaseException, rank: int) -> list[str]:
+    """What a failed load says, by rank: DCP's ``CheckpointException`` holds each failing rank's error; any other is
+    this rank's."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException) and error.failures:
+        return [f"rank {r}: {_error_line(e[0])}" for r, e in sorted(error.failures.items())]
+    return [f"rank {rank}: {_error_line(error)}"]
+
+
+def _error_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return type(error).__name__ + (f": {text[0][:120]}" if text else "")
 
 
 @dataclasses.dataclass

@@ -2,7 +2,8 @@
 plugin's state loaded (Lightning's sharded load assigns its dict instead), each rank's shards checked against the
 checksums it took at the save, a bit flipped in one rank's shard refused on both ranks or replaced by the newest
 earlier directory that passes ("previous"), and the restored-state rung loading the directory before one that goes
-NaN after the load.
+NaN after the load; a save inside a no-sync accumulation window leaving the accumulating gradients as they were, and
+an earlier directory whose shards cannot be read passed over on both ranks.
 
 The runs fork (the children inherit the imports) and write each rank's results to a file.
 """
@@ -58,7 +59,8 @@ def _worker(rank: int, port: int, job: Callable[..., dict[str, Any]], out_dir: s
     from lightning.fabric.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
 
-    plugin = StablePrecision("32-true", on_fingerprint_mismatch=kwargs.pop("on_mismatch", "raise"))
+    plugin = StablePrecision(kwargs.pop("precision", "32-true"), **kwargs.pop("plugin", {}),
+                             on_fingerprint_mismatch=kwargs.pop("on_mismatch", "raise"))
 
     def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
         for layer in (model.fc1, model.fc2, model.fc3):
@@ -356,3 +358,123 @@ def test_plugin_load_refuses_a_directory_that_is_not_a_sharded_checkpoint(tmp_pa
                                          r" fabric.save wrote, or of a sharded checkpoint's directory .*; this"
                                          r" directory holds no meta.pt"):
         plugin.load(fabric, tmp_path, state)
+
+
+def _unsharded_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients FSDP2 accumulates outside ``.grad`` while gradient sync is off (copies): the unsharded
+    parameters' ``.grad``, or, where they are reduced in another dtype, ``unsharded_accumulated_grad``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = {}
+    for name, module in model.module.named_modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for index, param in enumerate(group.fsdp_params):
+                    grad = param.unsharded_accumulated_grad
+                    if grad is None and hasattr(param, "_unsharded_param"):
+                        grad = param._unsharded_param.grad
+                    if grad is not None:
+                        found[f"{name}[{index}]"] = grad.detach().clone()
+    return found
+
+
+def _window_job(fabric: Any, plugin: StablePrecision, state: dict[str, Any], directory: str, save: bool
+                ) -> dict[str, Any]:
+    """A step, then two accumulation windows of two micro-batches, the gradient sync off for the first micro-batch:
+    through ``fabric.no_backward_sync`` in the first window, ``set_requires_gradient_sync(False)`` in the second. With
+    ``save``, a checkpoint before each window and one between its micro-batches."""
+    model, optimizer, rank = state["model"], state["optimizer"], fabric.global_rank
+    report: dict[str, Any] = {"accumulated": [], "grads": [], "shards": []}
+    fabric.backward(_loss(model, _batch(1, rank)))
+    optimizer.step()
+    optimizer.zero_grad()
+    for window in (1, 2):
+        if save:
+            fabric.save(Path(directory) / f"before={window}", state)
+        first = _loss(model, _batch(2 * window, rank))
+        if window == 1:
+            with fabric.no_backward_sync(model):
+                fabric.backward(first)
+                if save:
+                    fabric.save(Path(directory) / f"inside={window}", state)
+        else:
+            model.module.set_requires_gradient_sync(False)
+            fabric.backward(first)
+            if save:
+                fabric.save(Path(directory) / f"inside={window}", state)
+            model.module.set_requires_gradient_sync(True)
+        report["accumulated"].append(_unsharded_grads(model))
+        fabric.backward(_loss(model, _batch(2 * window + 1, rank)))
+        report["grads"].append({name: p.grad.to_local().clone() for name, p in model.module.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+        report["shards"].append(_local(model))
+    return report
+
+
+@pytest.mark.parametrize("plugin", [{"precision": "32-true"}, {"precision": "bf16-true", "plugin": {
+    "master_weights": False}}], ids=["32-true", "bf16-true"])
+def test_a_save_inside_a_no_sync_window_leaves_the_accumulating_gradients(plugin: dict[str, Any], tmp_path: Path
+                                                                          ) -> None:
+    # Before: the pinned pass's backward ran with the sync off, so FSDP2 added its gradients to the unsharded ones
+    # it accumulates (outside `.grad`), and its gradient norm was 0 (nothing reduce-scattered into `.grad`). Now the
+    # accumulating gradients (the unsharded parameters' `.grad` in 32-true, FSDP2's FP32 `unsharded_accumulated_grad`
+    # in bf16-true without masters) are set aside and the sync is on for that one backward.
+    plain = _run(tmp_path / "plain", _window_job, directory=str(tmp_path / "plain"), save=False, **plugin)
+    saved = _run(tmp_path / "saved", _window_job, directory=str(tmp_path / "saved"), save=True, **plugin)
+    for rank, (without, with_saves) in enumerate(zip(plain, saved, strict=True)):
+        assert "error" not in with_saves, with_saves["error"]
+        for window in range(2):
+            accumulated = without["accumulated"][window]
+            assert accumulated and accumulated.keys() == with_saves["accumulated"][window].keys(), (rank, window)
+            assert {value.dtype for value in accumulated.values()} == {torch.float32}  # bf16: FSDP2's FP32 buffer
+            for part in ("accumulated", "grads", "shards"):
+                for name, value in without[part][window].items():
+                    assert torch.equal(with_saves[part][window][name], value), (rank, window, part, name)
+    for window in (1, 2):  # the weights do not move inside a window: the same pinned loss and gradient norm
+        pinned = [torch.load(tmp_path / "saved" / f"{when}={window}" / SHARDED_META, weights_only=False)[
+            "precision"][KEY]["pinned"] for when in ("before", "inside")]
+        assert pinned[0]["grad_norm"] > 0 and (pinned[0]["loss"], pinned[0]["grad_norm"]) == (
+            pinned[1]["loss"], pinned[1]["grad_norm"])
+
+
+def _truncate(path: Path) -> str:
+    """Cut ``path``'s first shard file to half its length (a copy or a write cut short); the directory's modification
+    time is kept. Returns the file's name."""
+    file = sorted(path.glob("*.distcp"))[0]
+    written = path.stat().st_mtime_ns
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    os.utime(path, ns=(written, written))
+    return file.name
+
+
+def test_previous_passes_over_an_earlier_directory_whose_shards_cannot_be_read(saved, tmp_path: Path) -> None:
+    # Before: the truncated shard file's read error surfaced as the load's own error. Now the directory counts as
+    # failing on both ranks (only one of them reads the cut file), named with why, and the third newest loads.
+    paths = _copy(saved, "good", tmp_path)
+    _flip_bit(paths[-1], saved[1][1]["shards"][SAVED]["fc2.weight"])
+    _truncate(paths[-2])
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100, on_mismatch="previous",
+                 restored_window=0)
+    for rank, report in enumerate(ranks):
+        assert "error" not in report, report["error"]
+        assert report["loaded_step"] == SAVED - 2 == report["step_count"]
+        fallbacks = [e for e in report["events"] if e["action"] == "previous"]
+        assert [e.get("fallback") for e in fallbacks] == [str(paths[-2]), str(paths[-3])]
+        assert fallbacks[1]["source"] == str(paths[-2]) and fallbacks[1]["differences"][0].startswith("unreadable (")
+        for name, value in saved[1][rank]["shards"][SAVED - 2].items():
+            assert torch.equal(report["shards"][name], value), (rank, name)
+    assert ranks[0]["events"] == ranks[1]["events"]
+
+
+def test_the_rung_passes_over_an_earlier_directory_whose_shards_cannot_be_read(saved, tmp_path: Path) -> None:
+    paths = _copy(saved, "wrong", tmp_path)
+    _truncate(paths[-2])
+    ranks = _run(tmp_path / "out", _load_job, path=str(paths[-1]), seed=100, steps=SAVED + 6, restored_window=5)
+    for report in ranks:
+        assert "error" not in report, report["error"]
+        (event,) = [e for e in report["ladder"] if e["action"] != "skip"]
+        assert (event["checkpoint"], event["restored_step"]) == (str(paths[-3]), SAVED - 2)
+        assert len(event["skipped"]) == 1 and event["skipped"][0].startswith(f"{paths[-2]} (unreadable (")
+        assert report["finite"]
+    assert ranks[0]["ladder"] == ranks[1]["ladder"]
