@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 import torch
@@ -576,13 +576,16 @@ def deterministic(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" or torch.are_deterministic_algorithms_enabled()
 
 
-def _rank_zero_verdict(differences: list[str]) -> list[str]:
-    """Rank 0's differences on every rank. The file holds the plugin state of rank 0 (DDP's one file, DCP's metadata),
-    so only rank 0 recomputes its own pinned loss: another rank's training_step may pick its rows by rank."""
+_T = TypeVar("_T")
+
+
+def from_rank_zero(value: _T) -> _T:
+    """Rank 0's ``value`` on every rank (pickled: CPU tensors come back on the CPU): collective (one
+    ``broadcast_object_list``) where several processes run, so every rank calls it; ``value`` itself in one process."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return differences
-    shared = [differences]
+        return value
+    shared = [value]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
 
@@ -656,10 +659,14 @@ class Fingerprint:
                 " and 'grad_norm' (floats) and 'deterministic' (a bool).")
         return fingerprint, rest
 
-    def pin(self, batch: object) -> None:
-        """Keep ``batch`` (capped: :func:`pin_batch`) as the pinned micro-batch, unless one is pinned already."""
+    def pin(self, batch: object, *, rank_zero: bool = False) -> None:
+        """Keep ``batch`` (capped: :func:`pin_batch`) as the pinned micro-batch, unless one is pinned already. With
+        ``rank_zero``, rank 0's cut rows on every rank (:func:`from_rank_zero`: collective where several processes run
+        and none is pinned yet), so a pass whose gradient norm spans the ranks (FSDP2) runs on the rows the checkpoint
+        keeps."""
         if self.batch is None:
-            self.batch = pin_batch(batch)
+            pinned = pin_batch(batch)
+            self.batch = from_rank_zero(pinned) if rank_zero else pinned
 
     def capture(self, trees: Mapping[str, object], live: Mapping[str, Any],
                 loss: Callable[[object], torch.Tensor] | None) -> dict[str, Any]:
@@ -718,7 +725,9 @@ class Fingerprint:
         measured = loss(pinned["batch"])  # on every rank: a sharded model's forward is collective
         values = measured.tolist()
         exact = bool(pinned["deterministic"]) and deterministic(measured.device)
-        return _rank_zero_verdict(compare_pinned(pinned, (values[0], values[1]), exact=exact))
+        # The file holds the plugin state of rank 0 (DDP's one file, DCP's metadata), so rank 0's verdict counts: under
+        # the Trainer another rank's training_step may pick its rows by rank.
+        return from_rank_zero(compare_pinned(pinned, (values[0], values[1]), exact=exact))
 
     def react(self, source: str, differences: list[str], notes: list[str] = ()) -> bool:  # type: ignore[assignment]
         """Record the check of ``source``; with differences raise (``"raise"``), warn (``"warn"``) or return True

@@ -32,7 +32,6 @@ from lit_mpstable.core.fingerprint import (
     compare_shard_checksums,
     earlier_checkpoint,
     every_rank,
-    pin_batch,
     pinned_pass,
     previous_checkpoints,
     previous_passing_checkpoint,
@@ -278,19 +277,26 @@ class StablePrecision(StableFrontEnd, Precision):
         ``optimizer.step()``) and compares them, bitwise on the CPU, as the Trainer's ``training_step`` pass.
 
         Call it after ``fabric.setup``, before the first forward, e.g. with the first batch. The first batch pinned
-        stays (a later call changes only ``loss_fn``); after a load the checkpoint's batch is the one pinned.
+        stays (a later call changes only ``loss_fn``); after a load the checkpoint's batch is the one pinned. Where
+        several processes run (DDP, FSDP2), every rank pins rank 0's rows, whatever batch each rank passes: the first
+        call is collective (one ``broadcast_object_list`` of the cut rows), so every rank makes it. The checkpoint
+        keeps rank 0's rows, and under FSDP2 the pinned gradient norm spans the ranks: the save and the load then run
+        the same pass on every rank.
 
         Raises:
-            ValueError: ``loss_fn`` is not callable, or ``batch`` holds no tensor or more than 1 MiB in its first rows.
+            ValueError: ``loss_fn`` is not callable, or ``batch`` (rank 0's) holds no tensor or more than 1 MiB in its
+                first rows.
         """
         call = f"{type(self).__name__}.pin"
         if not callable(loss_fn):
             raise ValueError(f"{call}(loss_fn={loss_fn!r:.80}): must be a callable (module, batch) -> loss tensor.")
-        if self.fingerprint.batch is None and pin_batch(batch) is None:
-            raise ValueError(f"{call}(batch={batch!r:.80}): must hold a tensor (in a tuple, list or dict), and its"
-                             " first rows at most 1 MiB (lit_mpstable.core.fingerprint.PIN_MAX_BYTES).")
+        if self.fingerprint.batch is None:
+            self.fingerprint.pin(batch, rank_zero=True)  # every rank decides on rank 0's rows alike
+            if self.fingerprint.batch is None:
+                raise ValueError(f"{call}(batch={batch!r:.80}): must hold a tensor (in a tuple, list or dict), and"
+                                 " its first rows at most 1 MiB (lit_mpstable.core.fingerprint.PIN_MAX_BYTES); on"
+                                 " several ranks, rank 0's.")
         self._pin_loss = loss_fn
-        self.fingerprint.pin(batch)
 
     def _pinned_loss(self, batch: Any) -> torch.Tensor:
         assert self._pin_loss is not None  # callers check

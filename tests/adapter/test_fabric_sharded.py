@@ -2,8 +2,9 @@
 plugin's state loaded (Lightning's sharded load assigns its dict instead), each rank's shards checked against the
 checksums it took at the save, a bit flipped in one rank's shard refused on both ranks or replaced by the newest
 earlier directory that passes ("previous"), and the restored-state rung loading the directory before one that goes
-NaN after the load; a save inside a no-sync accumulation window leaving the accumulating gradients as they were, and
-an earlier directory whose shards cannot be read passed over on both ranks.
+NaN after the load; a save inside a no-sync accumulation window leaving the accumulating gradients as they were, an
+earlier directory whose shards cannot be read passed over on both ranks, and ranks that pinned different rows saving
+and loading the pinned pass on rank 0's.
 
 The runs fork (the children inherit the imports) and write each rank's results to a file.
 """
@@ -27,7 +28,14 @@ from dist_helpers import WORLD_SIZE, free_port, read_ranks
 from helpers import TinyMLP, quiet_fabric, regression_data
 
 from lit_mpstable.core.checkpoints import SHARDED_META, earlier_sharded_checkpoints
-from lit_mpstable.core.fingerprint import KEY, FingerprintMismatch, checksums, compare_shard_checksums, pinned_pass
+from lit_mpstable.core.fingerprint import (
+    KEY,
+    FingerprintMismatch,
+    checksums,
+    compare_shard_checksums,
+    pin_batch,
+    pinned_pass,
+)
 from lit_mpstable.frontends.fabric import StablePrecision
 
 SAVED = 4  # checkpoints of steps 1..4; in the "wrong" set the one of step 4 holds a learning rate x1e7
@@ -78,7 +86,7 @@ def _worker(rank: int, port: int, job: Callable[..., dict[str, Any]], out_dir: s
         model = fabric.setup_module(TinyMLP())
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
         plugin.setup_optimizers(optimizer)
-        plugin.pin(_loss, _batch(0, 0))
+        plugin.pin(_loss, _batch(0, fabric.global_rank if kwargs.pop("own_rows", False) else 0))
         state = {"model": model, "optimizer": optimizer, "precision": plugin, "step": 0}
         try:
             report = job(fabric, plugin, state, **kwargs)
@@ -478,3 +486,54 @@ def test_the_rung_passes_over_an_earlier_directory_whose_shards_cannot_be_read(s
         assert len(event["skipped"]) == 1 and event["skipped"][0].startswith(f"{paths[-2]} (unreadable (")
         assert report["finite"]
     assert ranks[0]["ladder"] == ranks[1]["ladder"]
+
+
+def _own_rows_save_job(fabric: Any, plugin: StablePrecision, state: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Two steps, then a sharded checkpoint in ``directory``; what each rank pinned and its shards at the save."""
+    model, optimizer = state["model"], state["optimizer"]
+    while state["step"] < 2:
+        state["step"] += 1
+        fabric.backward(_loss(model, _batch(state["step"], fabric.global_rank)))
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(directory, state)
+    return {"batch": plugin.fingerprint.batch, "shards": _local(model)}
+
+
+def _own_rows_load_job(fabric: Any, plugin: StablePrecision, state: dict[str, Any], path: str) -> dict[str, Any]:
+    """:func:`_load_job`, then the pinned pass recomputed by the plugin as a save computes it (every rank)."""
+    report = _load_job(fabric, plugin, state, path)
+    pinned = plugin.state_dict()[KEY]["pinned"]
+    return {**report, "pinned": (pinned["loss"], pinned["grad_norm"]), "batch": pinned["batch"]}
+
+
+def test_ranks_that_pinned_different_rows_save_and_load_the_pinned_pass_on_rank_zeros(tmp_path: Path) -> None:
+    # Each rank pins its own first batch, as a data-parallel loop would. Before: the save's gradient norm covered
+    # every rank's rows (each rank's backward on its own, the DTensor gradients' norm all-reduced) and the load
+    # recomputed it with rank 0's rows on every rank (the checkpoint's batch): a good checkpoint refused. Now pin
+    # takes rank 0's rows on every rank, so the save and the load run the same pass.
+    path = tmp_path / "step=2"
+    saved = _run(tmp_path / "save", _own_rows_save_job, directory=str(path), own_rows=True)
+    assert "error" not in saved[0] and "error" not in saved[1], (saved[0].get("error"), saved[1].get("error"))
+    pinned = torch.load(path / SHARDED_META, weights_only=False)["precision"][KEY]["pinned"]
+    assert pinned["deterministic"] and pinned["grad_norm"] > 0
+    ranks = _run(tmp_path / "load", _own_rows_load_job, path=str(path), seed=100, own_rows=True)
+    for report in ranks:
+        assert "error" not in report, report["error"]
+        assert [e["action"] for e in report["events"]] == ["passed", "passed"]
+        assert report["pinned"] == (pinned["loss"], pinned["grad_norm"])  # bitwise, as the load compares on the CPU
+    rows = pin_batch(_batch(0, 0))  # rank 0's first rows, pinned on both ranks at the save and after the load
+    for report in (*saved, *ranks):
+        assert all(torch.equal(a, b) for a, b in zip(report["batch"], rows, strict=True))
+    # The pinned check still bites: rank 1's fc2.weight shard scaled x1.5, its checksum rewritten to match.
+    shard = saved[1]["shards"]["fc2.weight"]
+    _replace(path, shard, shard * 1.5)
+    meta = torch.load(path / SHARDED_META, weights_only=False)
+    meta["precision"][KEY]["checksums"].update(checksums({"shards[rank 1 of 2]model": {"fc2.weight": shard * 1.5}}))
+    torch.save(meta, path / SHARDED_META)
+    ranks = _run(tmp_path / "tampered", _own_rows_load_job, path=str(path), seed=100, own_rows=True)
+    for report in ranks:
+        kind, message = report["error"]
+        assert kind == FingerprintMismatch.__name__ and "checksum" not in message
+        assert "the pinned micro-batch's loss is" in message and "the pinned micro-batch's grad norm is" in message
+    assert ranks[0]["events"] == ranks[1]["events"]
