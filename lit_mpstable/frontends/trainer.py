@@ -50,9 +50,18 @@ class TrainerPrecision(StableFrontEnd):
         wrapper = getattr(getattr(trainer, "strategy", None), "model", None)
         return wrapper if isinstance(wrapper, nn.parallel.DistributedDataParallel) else None
 
+    _pinned_across_ranks = False  # several processes: the one collective pin was made
+
     def convert_input(self, data: Any) -> Any:
-        if self.fingerprint.batch is None and getattr(self._trainer(), "training", False):
-            self.fingerprint.pin(data)  # the first training batch, as loaded: the fingerprint's pinned micro-batch
+        if self.fingerprint.batch is None and getattr(trainer := self._trainer(), "training", False):
+            # The first training batch, as loaded: the fingerprint's pinned micro-batch. On several ranks rank 0's
+            # rows on every rank, one broadcast at the first training batch (each rank's own rows would make an FSDP2
+            # save's gradient norm span other rows than the load recomputes); in one process until a batch pins.
+            if getattr(trainer, "world_size", 1) < 2:
+                self.fingerprint.pin(data)
+            elif not self._pinned_across_ranks:
+                self._pinned_across_ranks = True
+                self.fingerprint.pin(data, rank_zero=True)
         data = self.stepper.convert_input(data)
         if self.stepper.fp8_budget.pending:
             self._budget_batch = data  # the probe's budget measures the first training batch (before its step)

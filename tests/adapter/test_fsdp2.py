@@ -283,6 +283,24 @@ def test_16_true_fsdp2_resumes_exactly_from_dcp_with_an_overflow_after_resume(tm
 
 
 @pytest.mark.slow
+def test_ranks_pinning_their_own_first_batches_resume_from_their_sharded_checkpoint(tmp_path: Path) -> None:
+    # Each rank's first batch is its own (the distributed sampler's half): the pinned pass's gradient norm spans the
+    # ranks, so save and load must run it on the same rows: every rank pins rank 0's. A good checkpoint then loads.
+    def run(name: str, callbacks=(), **kwargs) -> list[dict]:
+        module = _sharded(policy="plugin")
+        module.batch_by_step = False  # train on what the loader hands each rank
+        return fit_fsdp2(module, StablePrecision("bf16-mixed", device="cpu"), tmp_path / name, STEPS + 2,
+                         list(callbacks), **kwargs)
+
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=STEPS, save_top_k=-1)
+    whole = run("whole", [every], enable_checkpointing=True)
+    resumed = run("resumed", ckpt_path=tmp_path / "ckpt" / f"epoch=0-step={STEPS}.ckpt")
+    for rank in (0, 1):
+        assert resumed[rank]["counters"][0] == whole[rank]["counters"][0] == STEPS + 2
+        assert _max_diff(resumed[rank]["params"], whole[rank]["params"]) == 0.0
+
+
+@pytest.mark.slow
 def test_module_fallback_under_fsdp2_happens_on_both_ranks(tmp_path: Path) -> None:
     plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8), device="cpu")
     fallback = PrecisionFallback(patience=2, mode="module", min_scale=None, max_overflow_rate=None)
