@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dist_helpers import WORLD_SIZE, free_port, read_ranks
 from helpers import TinyMLP, quiet_fabric, regression_data
-from test_fabric_sharded import _batch, _loss
 
 from lit_mpstable.frontends.fabric import StablePrecision
 
@@ -33,6 +33,21 @@ LR = 0.05
 ATOL = 1e-4
 CLIP = 0.05  # below every step's gradient norm
 NAMES = {f"fc{i}.{kind}" for i in (1, 2, 3) for kind in ("weight", "bias")}
+
+
+def _loss(module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(module(batch[0]).float(), batch[1])
+
+
+def _rows(step: int) -> slice:
+    """The 16 samples of ``step`` in ``regression_data(64)``."""
+    return slice(16 * (step % 4), 16 * (step % 4 + 1))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s half of the samples of ``step`` (rows rank, rank + 2, ...)."""
+    x, y = regression_data(64)
+    return x[_rows(step)][rank::WORLD_SIZE], y[_rows(step)][rank::WORLD_SIZE]
 
 
 def _optimizer(params: Any) -> torch.optim.Optimizer:
@@ -112,8 +127,7 @@ def _unsharded(clip: float | None) -> tuple[list[dict[str, torch.Tensor]], list[
     x, y = regression_data(64)
     masters, norms = [], []
     for step in range(1, STEPS + 1):
-        rows = slice(16 * (step % 4), 16 * (step % 4 + 1))
-        fabric.backward(_loss(model, (x[rows], y[rows])))
+        fabric.backward(_loss(model, (x[_rows(step)], y[_rows(step)])))
         if clip is not None:
             norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=clip)))
         optimizer.step()
