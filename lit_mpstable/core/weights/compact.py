@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim import optimizer as _optimizer_module  # its global step hooks
 
@@ -728,10 +729,11 @@ class CompactWeights(Keeper):
     def _replicate_(self, replicas: ProcessGroup | None) -> list[str]:
         """:meth:`follow_model_weights_`: the weights are the model's own: nothing to follow. ``replicas``: the
         process group of DDP replicas: the compensation and the seed of stochastic rounding (weights, optimizer state,
-        BF16/FP8 moments) are taken from its first rank, so every replica rounds alike."""
+        BF16/FP8 moments) are taken from its first rank, so every replica rounds alike. The compensation of a DTensor
+        parameter (FSDP2) is each rank's own shard, no replica, and stays."""
         if replicas is not None:
             broadcast_([comp for _, _, comp in sorted(self.named_buffers(), key=lambda item: item[0])
-                        if comp is not None], replicas)
+                        if comp is not None and not isinstance(comp, DTensor)], replicas)
             device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
             self.seed = agree_seed(self.seed, replicas, device)
             if self.moments is not None:

@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lit_mpstable.base.validate import check_keys
 from lit_mpstable.core.replicas import agree_seed, broadcast_
 from lit_mpstable.core.scaling.scalers import LossScaler
+from lit_mpstable.core.tensors import local_view
 from lit_mpstable.core.weights.keeper import GradView, Keeper
 from lit_mpstable.core.weights.memory import nbytes
 from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
@@ -72,6 +74,7 @@ class MasterWeights(Keeper):
         self._masters: dict[str, nn.Parameter] = {}
         self._params: dict[str, nn.Parameter] = {}
         self._names_by_optimizer: dict[int, list[str]] = {}
+        self._sharded = False  # some master is a DTensor (its parameter's layout)
         for optimizer in optimizers:
             self.bind_new_(optimizer)
         self.moments: AdamMoments | None = None
@@ -90,10 +93,7 @@ class MasterWeights(Keeper):
                     continue
                 master = self._masters.get(name)
                 if master is None:
-                    start = self._initial.pop(name, None)
-                    if start is None or start.shape != param.shape:
-                        start = param.detach().float()  # .float() copies: the master never aliases the 16-bit weight
-                    master = nn.Parameter(start.detach().to(param.device, torch.float32), requires_grad=True)
+                    master = nn.Parameter(self._start(name, param), requires_grad=True)
                     self._masters[name], self._params[name] = master, param
                 # In place: some optimizers (LBFGS) keep a reference to the group's list itself.
                 params[i] = master
@@ -103,6 +103,21 @@ class MasterWeights(Keeper):
                 if name not in bound:
                     bound.append(name)
         return bound
+
+    def _start(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """A master's first value: the FP32 weight of ``initial``, else the 16-bit weight widened (``.float()``
+        copies: the master never aliases it). A DTensor parameter (FSDP2 sharded the 16-bit model: Fabric shards after
+        converting) gets a DTensor master laid out as it is, so the optimizer steps shards, clipping reads global
+        norms and every rank keeps only its own shard: its part of its own FP32 initialisation (FSDP2 shards each
+        rank's own weights alike, without communicating)."""
+        start = self._initial.pop(name, None)
+        self._sharded |= isinstance(param, DTensor)
+        if start is None or start.shape != param.shape:
+            return param.detach().float()  # a DTensor's too: the same mesh and placements
+        start = start.detach().to(param.device, torch.float32)
+        if isinstance(param, DTensor):
+            return distribute_tensor(start, param.device_mesh, param.placements, src_data_rank=None)
+        return start
 
     def bind_new_(self, optimizer: Optimizer) -> list[str]:
         """Give masters to 16-bit parameters added to ``optimizer`` since construction (``add_param_group``, as
@@ -114,6 +129,13 @@ class MasterWeights(Keeper):
         new = [name for name in self._bind(optimizer, named) if name not in self._names_by_optimizer[id(optimizer)]]
         self._names_by_optimizer[id(optimizer)].extend(new)
         return new
+
+    def _copy_(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        # One grouped copy; DTensors have no sharded _foreach_copy_, and a master shares its parameter's layout, so
+        # their local shards are copied instead.
+        if self._sharded:
+            dst, src = [local_view(t) for t in dst], [local_view(t) for t in src]
+        torch._foreach_copy_(dst, src)
 
     # ------------------------------------------------------------------------------------------ reading
     @property
@@ -165,7 +187,7 @@ class MasterWeights(Keeper):
                 dst.append(master.grad)
                 src.append(grad)
         if dst:
-            torch._foreach_copy_(dst, src)
+            self._copy_(dst, src)
 
     @torch.no_grad()
     def refresh_model_(self, optimizer: Optimizer | None = None) -> None:
@@ -178,7 +200,7 @@ class MasterWeights(Keeper):
         """
         masters, params = self._select(optimizer)
         if masters:
-            torch._foreach_copy_(list[torch.Tensor](params), list[torch.Tensor](masters))
+            self._copy_(list[torch.Tensor](params), list[torch.Tensor](masters))
 
     def zero_model_grads_(self, optimizer: Optimizer | None = None) -> None:
         """Drop the 16-bit grads of the parameters that have masters (after copying, to free their memory).
@@ -200,7 +222,7 @@ class MasterWeights(Keeper):
         masters, params = self._select(optimizer)
         pairs = [(m.grad, p) for m, p in zip(masters, params) if m.grad is not None and p.grad is not None]
         if copy and pairs:
-            torch._foreach_copy_([p.grad for _, p in pairs if p.grad is not None], [g for g, _ in pairs])
+            self._copy_([p.grad for _, p in pairs if p.grad is not None], [g for g, _ in pairs])
         self._grad_versions[id(optimizer)] = [(p.grad, p.grad._version if p.grad is not None else -1) for p in params]
 
     @torch.no_grad()
@@ -229,14 +251,15 @@ class MasterWeights(Keeper):
         """
         masters, params = self._select(None)
         if masters:
-            torch._foreach_copy_(list[torch.Tensor](masters), list[torch.Tensor](params))
+            self._copy_(list[torch.Tensor](masters), list[torch.Tensor](params))
 
     def broadcast_(self, group: ProcessGroup | None) -> None:
         """Take every master from the first rank of the process group ``group``, as ``DistributedDataParallel``
         takes the 16-bit weights from it (a collective: every rank calls it, after the model was wrapped), and forget
         the FP32 start values kept for parameters not bound yet (each rank's own initialisation: bound later, they
         start from their 16-bit weight, the same on every rank)."""
-        broadcast_([self._masters[name] for name in sorted(self._masters)], group)
+        broadcast_([self._masters[name] for name in sorted(self._masters)
+                    if not isinstance(self._masters[name], DTensor)], group)  # shards differ by rank: not replicas
         self._initial.clear()
 
     # --------------------------------------------------------------------------------------------- state
@@ -285,7 +308,7 @@ class MasterWeights(Keeper):
                 )
         masters = list(self._masters.values())
         if masters:
-            torch._foreach_copy_(list[torch.Tensor](masters), [state[name] for name in self._masters])
+            self._copy_(list[torch.Tensor](masters), [state[name] for name in self._masters])
         self.refresh_model_()
         if self.moments is not None:
             self.moments.load_state_dict(moments)
@@ -315,8 +338,10 @@ class MasterWeights(Keeper):
         pairs = list(self.named_pairs())
         if not pairs:
             return []
-        stale = torch.stack([(master.to(param.dtype) != param).any() for _, master, param in pairs]).tolist()
-        for (_, master, param), changed in zip(pairs, stale):
+        # A DTensor master and its parameter share their layout: each rank compares and restarts its own shards.
+        local = [(local_view(master), local_view(param)) for _, master, param in pairs]
+        stale = torch.stack([(master.to(param.dtype) != param).any() for master, param in local]).tolist()
+        for (master, param), changed in zip(local, stale):
             if changed:
                 master.copy_(param)
         return [name for (name, _, _), changed in zip(pairs, stale) if changed]
