@@ -184,7 +184,19 @@ def _follow_job(fabric: Any, plugin: StablePrecision, model: Any, optimizer: Any
     return report
 
 
-@pytest.mark.parametrize("master_weights", [True, "kahan"])
+@pytest.mark.parametrize("master_weights", ["kahan", "stochastic"])
+def test_compact_weights_over_fsdp2_shards_are_refused_at_setup(master_weights: str, tmp_path: Path) -> None:
+    # Fabric shards after converting, so FSDP2 is seen when the optimizers are set up: refused there with the
+    # Trainer's words (before: stochastic rounding failed in its first step, "aten.add_ got mixed torch.Tensor and
+    # DTensor", Kahan with AdamW in Adam's lerp_).
+    ranks = _run(tmp_path, _follow_job, master_weights=master_weights)
+    for report in ranks:
+        kind, message = report["error"]
+        assert kind == "ValueError" and f"master_weights={master_weights!r}) with FSDP2" in message, message
+        assert "master_weights=True" in message, message
+
+
+@pytest.mark.parametrize("master_weights", [True])
 def test_fsdp2_shards_are_no_replicas_and_a_loaded_shard_is_followed(master_weights: Any, tmp_path: Path) -> None:
     # A broadcast from the first rank (DDP's replicas) would give rank 1 rank 0's shards: FSDP2's shards differ by rank
     # and are left out of it. A weight written into one rank's shard after setup restarts that rank's master shard.

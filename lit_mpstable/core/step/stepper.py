@@ -37,7 +37,14 @@ from lit_mpstable.core.formats import PRECISION_DTYPES, PRECISION_FORMATS
 from lit_mpstable.core.guards.growth import GrowthMonitor
 from lit_mpstable.core.guards.spike import SpikeGuard
 from lit_mpstable.core.layout.fp8_budget import LossFn, ProbeBudget
-from lit_mpstable.core.layout.fsdp import check_fsdp_policies, fsdp2_fallback_refusal, setup_fsdp2, unsharded_message
+from lit_mpstable.core.layout.fsdp import (
+    check_fsdp2_setup,
+    check_fsdp_policies,
+    fsdp2_fallback_refusal,
+    fsdp_units,
+    setup_fsdp2,
+    unsharded_message,
+)
 from lit_mpstable.core.layout.islands import FP32Islands
 from lit_mpstable.core.layout.layout import PrecisionLayout
 from lit_mpstable.core.layout.policy import OpPolicy
@@ -284,6 +291,11 @@ class PrecisionStepper:
         if self.fsdp2 and self.true_16bit and not self._fsdp_checked:
             raise ValueError(unsharded_message(self.owner, self.precision, module))
         self.check_eps(optimizers)
+        if self.master_mode in ("kahan", "stochastic") and not self.fsdp2 and fsdp_units(module):
+            # Sharded after its setup (Fabric converts the model before its strategy shards it): refused as the
+            # Trainer's FSDP2 refuses it at setup (compact weights step whole tensors, not DTensor shards).
+            check_fsdp2_setup(self.owner, self.precision, master_mode=self.master_mode, fp8=None,
+                              sharded_before_fp8=False)
         if self.master_mode is not None:  # plain needs no binding (the plain keeper checked eps above)
             self.keeper = make_keeper(
                 self.master_mode, module, optimizers, owner=self.owner, precision=self.precision,
