@@ -296,6 +296,13 @@ class PrecisionStepper:
             # Trainer's FSDP2 refuses it at setup (compact weights step whole tensors, not DTensor shards).
             check_fsdp2_setup(self.owner, self.precision, master_mode=self.master_mode, fp8=None,
                               sharded_before_fp8=False)
+        if self.master_mode == "fp32" and not self.fsdp2 and fsdp_units(module):
+            self.warnings.add_once("fsdp2-masters-save", (
+                f"{self.owner}({self.precision!r}) keeps FP32 masters beside FSDP2's 16-bit shards (the model was"
+                " sharded after its conversion): it trains, but a sharded save of this optimizer fails (torch's sharded"
+                " optimizer state dict knows only the model's parameters). To checkpoint, train in"
+                f" {self.precision.replace('-true', '-mixed')!r} with fully_shard(..., mp_policy=plugin.mp_policy):"
+                " FSDP2 then keeps FP32 shards and computes in 16 bits."))
         if self.master_mode is not None:  # plain needs no binding (the plain keeper checked eps above)
             self.keeper = make_keeper(
                 self.master_mode, module, optimizers, owner=self.owner, precision=self.precision,
