@@ -388,6 +388,43 @@ def _external_worker(
     trainer.fit(module, ckpt_path=ckpt_path)
 
 
+def spawn_ranks(worker: Any, out_dir: Path, *args: Any) -> list[dict[str, Any]]:
+    """``worker(rank, port, *args)`` on each of the ranks (forked: the children inherit the imports), then what each
+    wrote under ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.multiprocessing.start_processes(worker, nprocs=WORLD_SIZE, start_method="fork", args=(free_port(), *args))
+    return read_ranks(out_dir)
+
+
+def sharded_fabric(rank: int, port: int, plugin: Any) -> Any:
+    """A launched 2-rank Fabric with ``plugin`` and ``ModelParallelStrategy`` (FSDP2) sharding a :class:`TinyMLP`'s
+    fc1-fc3 and the whole with ``plugin.mp_policy``; processes "launched externally" (as torchrun would: Fabric's
+    launcher would re-run pytest once per rank). Lightning's notices silenced."""
+    import warnings
+
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+
+    def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+        for layer in (model.fc1, model.fc2, model.fc3):
+            fully_shard(layer, mesh=mesh["data_parallel"], mp_policy=plugin.mp_policy)
+        fully_shard(model, mesh=mesh["data_parallel"], mp_policy=plugin.mp_policy)
+        return model
+
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=WORLD_SIZE, tensor_parallel_size=1,
+                                     timeout=timedelta(seconds=60))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, plugins=[plugin])
+        fabric.launch()
+    return fabric
+
+
 def fit_fsdp2(
     module: pl.LightningModule, plugin: Any, out_dir: Path, max_steps: int, callbacks: list[pl.Callback] = (), *,
     ckpt_path: str | Path | None = None, **trainer_kwargs: Any,

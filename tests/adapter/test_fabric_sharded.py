@@ -17,14 +17,13 @@ import shutil
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_helpers import WORLD_SIZE, free_port, read_ranks
+from dist_helpers import WORLD_SIZE, sharded_fabric, spawn_ranks
 from helpers import TinyMLP, quiet_fabric, regression_data
 
 from lit_mpstable.core.checkpoints import SHARDED_META, earlier_sharded_checkpoints
@@ -59,29 +58,11 @@ def _local(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, job: Callable[..., dict[str, Any]], out_dir: str, kwargs: dict[str, Any]) -> None:
-    # Processes "launched externally" (as torchrun would): Fabric's launcher would re-run pytest once per rank.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
-    torch.set_num_threads(1)
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import ModelParallelStrategy
-    from torch.distributed.fsdp import fully_shard
-
     plugin = StablePrecision(kwargs.pop("precision", "32-true"), **kwargs.pop("plugin", {}),
                              on_fingerprint_mismatch=kwargs.pop("on_mismatch", "raise"))
-
-    def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-        for layer in (model.fc1, model.fc2, model.fc3):
-            fully_shard(layer, mesh=mesh["data_parallel"], mp_policy=plugin.mp_policy)
-        fully_shard(model, mesh=mesh["data_parallel"], mp_policy=plugin.mp_policy)
-        return model
-
-    strategy = ModelParallelStrategy(parallelize, data_parallel_size=WORLD_SIZE, tensor_parallel_size=1,
-                                     timeout=timedelta(seconds=60))
+    fabric = sharded_fabric(rank, port, plugin)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's notices
-        fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, plugins=[plugin])
-        fabric.launch()
         torch.manual_seed(kwargs.pop("seed", 0))
         model = fabric.setup_module(TinyMLP())
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
@@ -98,10 +79,7 @@ def _worker(rank: int, port: int, job: Callable[..., dict[str, Any]], out_dir: s
 
 
 def _run(out_dir: Path, job: Callable[..., dict[str, Any]], **kwargs: Any) -> list[dict[str, Any]]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.multiprocessing.start_processes(_worker, nprocs=WORLD_SIZE, start_method="fork",
-                                          args=(free_port(), job, str(out_dir), kwargs))
-    return read_ranks(out_dir)
+    return spawn_ranks(_worker, out_dir, job, str(out_dir), kwargs)
 
 
 def _save_job(fabric: Any, plugin: StablePrecision, state: dict[str, Any], directory: str) -> dict[str, Any]:
