@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from lit_mpstable.app.report_probe import probe_matrix, write_probe_figure
 from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.step.probe import _CHUNK, _metrics, _module_sums, metric_vector, with_metric_vector
+from lit_mpstable.core.step.probe import _BLOCK, _CHUNK, _metrics, _module_sums, metric_vector, with_metric_vector
 from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.fp8 import convert_from_fp8
 
@@ -337,13 +337,13 @@ def _mixed_gradients() -> tuple[list, list, list, list[int]]:
     return run, reference, params, owners
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64, _CHUNK])
-def test_module_sums_are_the_per_parameter_sums_added(chunk: int) -> None:
-    # However the gradients are cut into chunks (a parameter and a module split between them at 1, 7 and 64
-    # elements), each module's sums are its parameters' sums: the same float64 terms, added in another order.
+@pytest.mark.parametrize(("chunk", "block"), [(1, 1), (7, 1), (12, 4), (64, 16), (_CHUNK, _BLOCK)])
+def test_module_sums_are_the_per_parameter_sums_added(chunk: int, block: int) -> None:
+    # However the gradients are cut into chunks and blocks (a parameter and a module split between chunks, blocks
+    # padded), each module's sums are its parameters' sums: the same float64 terms, added in another order.
     run, reference, params, owners = _mixed_gradients()
     numels = [(r if r is not None else g if g is not None else p).numel() for g, r, p in zip(run, reference, params)]
-    sums = _module_sums(run, reference, numels, owners, 4, device=torch.device("cpu"), chunk=chunk)
+    sums = _module_sums(run, reference, numels, owners, 4, device=torch.device("cpu"), chunk=chunk, block=block)
     expected = torch.zeros(4, 7, dtype=torch.float64)
     for g, r, p, m in zip(run, reference, params, owners):
         expected[m] += torch.tensor(_per_parameter_sums(g, r, p), dtype=torch.float64)
@@ -357,9 +357,13 @@ def test_module_sums_are_the_per_parameter_sums_added(chunk: int) -> None:
         assert _metrics([*row, 1.0]) == pytest.approx(_metrics([*want, 1.0]), rel=1e-12, nan_ok=True)
 
 
-def test_module_sums_of_no_parameters_are_an_empty_table() -> None:
-    sums = _module_sums([], [], [], [], 0, device=torch.device("cpu"))
+def test_module_sums_of_no_parameters_or_empty_ones_are_zeros() -> None:
+    cpu = torch.device("cpu")
+    sums = _module_sums([], [], [], [], 0, device=cpu)
     assert sums.shape == (0, 7) and sums.dtype == torch.float64
+    empty = torch.zeros(0)
+    assert torch.equal(_module_sums([empty, None], [empty, empty], [0, 0], [0, 1], 2, device=cpu),
+                       torch.zeros(2, 7, dtype=torch.float64))
 
 
 def test_a_parameter_without_gradients_reads_as_no_error_and_counts_its_elements() -> None:

@@ -28,7 +28,9 @@ _FP8_METRICS = ("fp8_rel_error", "base_rel_error")
 _FLUSHED, _NONZERO, _DIFF2, _REF2, _RUN2, _DOT, _BAD, _NUMEL = range(8)
 _CHUNK = 1 << 22
 """Gradient elements :func:`_module_sums` takes in one pass: its float64 buffers (9 x 8 bytes an element, 300 MB at
-most) stay this size whatever the model's; one pass is ~15 kernels, however many parameters it holds."""
+most) stay this size whatever the model's; one pass is ~20 kernels, however many parameters it holds."""
+_BLOCK = 128
+"""Elements :func:`_module_sums` adds in one vectorized sum; a parameter starts a block (zeros pad the one before)."""
 
 try:
     from torch.distributed.tensor import DTensor as _DTENSOR
@@ -231,32 +233,38 @@ def _checked_loss(loss: object) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ the numbers
 def _module_sums(
     run: Sequence[torch.Tensor | None], reference: Sequence[torch.Tensor | None], numels: Sequence[int],
-    owners: Sequence[int], modules: int, *, device: torch.device, chunk: int = _CHUNK,
+    owners: Sequence[int], modules: int, *, device: torch.device, chunk: int = _CHUNK, block: int = _BLOCK,
 ) -> torch.Tensor:
     """The sums ``_FLUSHED`` .. ``_BAD`` of each module's gradients as a (``modules``, 7) float64 tensor: parameter
     ``i`` (``numels[i]`` elements, of module ``owners[i]``) has the run's gradient ``run[i]`` and the FP32 one
     ``reference[i]``, zeros where either is ``None``. In float64 (squares of tiny gradients underflow in FP32), and
-    many parameters a kernel: the gradients, a module's side by side, go through ``chunk`` elements at a time; the
-    per-element terms are those of a parameter alone, only the order of their additions differs."""
+    many parameters a kernel: the gradients, a module's side by side, go through ``chunk`` elements at a time, each
+    parameter padded with zeros (which add nothing to any sum) to whole ``block``s. The per-element terms are those of
+    a parameter alone; only the order of their additions differs: by block, then the blocks of a module in order."""
     order = sorted(range(len(owners)), key=owners.__getitem__)  # stable: a module's parameters in their order
     flat = [(owners[i], _flat(run[i], numels[i], device), _flat(reference[i], numels[i], device)) for i in order]
-    parts, segments = [], []
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    parts: list[torch.Tensor] = []
+    segments: list[int] = []  # the module of each column of parts
     with torch.no_grad():
-        for pieces in _chunks(flat, chunk):
-            lengths = [(m, sum(g.numel() for _, g, _ in group)) for m, group in groupby(pieces, key=itemgetter(0))]
-            n = sum(length for _, length in lengths)
-            g = torch.cat([g for _, g, _ in pieces], out=torch.empty(n, dtype=torch.float64, device=device))
-            r = torch.cat([r for _, _, r in pieces], out=torch.empty(n, dtype=torch.float64, device=device))
-            terms = torch.empty(_NUMEL, n, dtype=torch.float64, device=device)
+        for pieces in _chunks(flat, chunk, block):
+            g = _joined([(g, pad) for _, g, _, pad in pieces], zero)
+            r = _joined([(r, pad) for _, _, r, pad in pieces], zero)
+            terms = torch.empty(_NUMEL, g.numel(), dtype=torch.float64, device=device)
+            # Each term written as float64 in place (boolean temporaries cost more than the float64 passes here).
             torch.ne(r, 0, out=terms[_NONZERO])
-            torch.mul(terms[_NONZERO], g == 0, out=terms[_FLUSHED])
+            torch.eq(g, 0, out=terms[_FLUSHED]).mul_(terms[_NONZERO])
             diff = torch.sub(g, r, out=terms[_DIFF2])
             diff.mul_(diff)
             torch.mul(r, r, out=terms[_REF2])
             torch.mul(g, g, out=terms[_RUN2])
             torch.mul(g, r, out=terms[_DOT])
-            torch.logical_not(torch.isfinite(g), out=terms[_BAD])
-            parts.append(_segment_sums(terms, [length for _, length in lengths]))
+            bad = torch.sub(g, g, out=terms[_BAD])  # 0 where g is finite, NaN where it is not (inf - inf, NaN)
+            bad.ne_(bad)
+            blocks = terms.view(_NUMEL, g.numel() // block, block).sum(2)
+            lengths = [(m, sum((p.numel() + pad) // block for _, p, _, pad in group))
+                       for m, group in groupby(pieces, key=itemgetter(0))]
+            parts.append(_segment_sums(blocks, [length for _, length in lengths]))
             segments += [m for m, _ in lengths]
         if not parts:
             return torch.zeros(modules, _NUMEL, dtype=torch.float64, device=device)
@@ -273,18 +281,21 @@ def _flat(grad: torch.Tensor | None, numel: int, device: torch.device) -> torch.
 
 
 def _chunks(
-    flat: list[tuple[int, torch.Tensor, torch.Tensor]], size: int,
-) -> Generator[list[tuple[int, torch.Tensor, torch.Tensor]], None, None]:
-    """``flat``'s (module, run, reference) in lists of at most ``size`` elements, a parameter split where one ends."""
-    pieces: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    flat: list[tuple[int, torch.Tensor, torch.Tensor]], size: int, block: int,
+) -> Generator[list[tuple[int, torch.Tensor, torch.Tensor, int]], None, None]:
+    """``flat``'s (module, run, reference) in lists of at most ``size`` elements (a multiple of ``block``), a
+    parameter split where a list ends; each piece with the zeros that pad it to whole blocks: (..., padding)."""
+    pieces: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []
     room = size
     for m, g, r in flat:
         start, numel = 0, g.numel()
         while True:
             take = min(room, numel - start)
+            padded = -(-take // block) * block  # <= room: room stays a multiple of block
             whole = take == numel
-            pieces.append((m, g if whole else g[start:start + take], r if whole else r[start:start + take]))
-            start, room = start + take, room - take
+            pieces.append((m, g if whole else g[start:start + take], r if whole else r[start:start + take],
+                           padded - take))
+            start, room = start + take, room - padded
             if start == numel:
                 break
             yield pieces
@@ -293,10 +304,17 @@ def _chunks(
         yield pieces
 
 
+def _joined(pieces: list[tuple[torch.Tensor, int]], zero: torch.Tensor) -> torch.Tensor:
+    """The tensors end to end in float64 (``zero``'s dtype and device), each followed by its padding of zeros."""
+    parts: list[torch.Tensor] = [t for piece, pad in pieces for t in ((piece, zero.expand(pad)) if pad else (piece,))]
+    out = torch.empty(sum(t.numel() for t in parts), dtype=zero.dtype, device=zero.device)
+    return torch.cat(parts, out=out)
+
+
 def _segment_sums(terms: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Sums of ``terms``' rows over consecutive segments of ``lengths`` columns: a (rows, segments) tensor."""
-    index = torch.tensor(lengths, device=terms.device).expand(terms.shape[0], -1)
-    return torch.segment_reduce(terms, "sum", lengths=index, axis=1)
+    per_row = torch.tensor([lengths] * terms.shape[0], device=terms.device)  # segment_reduce: one row a row
+    return torch.segment_reduce(terms, "sum", lengths=per_row, axis=1)
 
 
 def _fp8_sums(
