@@ -18,7 +18,15 @@ from torch.nn import functional as F
 
 from lit_mpstable.app.report_probe import probe_matrix, write_probe_figure
 from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.step.probe import _BLOCK, _CHUNK, _metrics, _module_sums, metric_vector, with_metric_vector
+from lit_mpstable.core.step.probe import (
+    _BLOCK,
+    _CHUNK,
+    _chunks,
+    _metrics,
+    _module_sums,
+    metric_vector,
+    with_metric_vector,
+)
 from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.fp8 import convert_from_fp8
 
@@ -355,6 +363,23 @@ def test_module_sums_are_the_per_parameter_sums_added(chunk: int, block: int) ->
     assert torch.isnan(sums[0, 2]) and torch.isfinite(sums[[1, 2, 3]]).all()
     for row, want in zip(sums.tolist(), expected.tolist()):
         assert _metrics([*row, 1.0]) == pytest.approx(_metrics([*want, 1.0]), rel=1e-12, nan_ok=True)
+
+
+@pytest.mark.parametrize(("size", "block"), [(4, 4), (12, 4), (64, 16), (4096, 128)])
+def test_chunks_hold_at_most_their_size_in_whole_blocks_and_cover_every_parameter(size: int, block: int) -> None:
+    sizes = [30, 1, 0, 100, 5, 64, 3]
+    flat = [(i % 3, torch.randn(n), torch.randn(n)) for i, n in enumerate(sizes)]
+    chunks = list(_chunks(flat, size, block))
+    for pieces in chunks:  # the bound on a pass's buffers: padding included
+        held = [g.numel() + pad for _, g, _, pad in pieces]
+        assert sum(held) <= size and all(h % block == 0 and h - block < g.numel() for h, (_, g, _, _) in
+                                         zip(held, pieces))
+    pieces = [piece for chunk in chunks for piece in chunk]
+    for k in (1, 2):  # the parameters' gradients in order, end to end, each element once, with its module
+        assert torch.equal(torch.cat([p[k] for p in pieces]), torch.cat([f[k] for f in flat]))
+    labels = [m for m, g, _, _ in pieces for _ in range(g.numel())]
+    assert labels == [m for m, g, _ in flat for _ in range(g.numel())]
+    assert len(chunks) == -(-sum(-(-n // block) * block for n in sizes) // size)  # full but the last
 
 
 def test_module_sums_of_no_parameters_or_empty_ones_are_zeros() -> None:
