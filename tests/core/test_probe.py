@@ -18,7 +18,15 @@ from torch.nn import functional as F
 
 from lit_mpstable.app.report_probe import probe_matrix, write_probe_figure
 from lit_mpstable.core.scaling.adaptive_scaler import AdaptiveLossScaler
-from lit_mpstable.core.step.probe import metric_vector, with_metric_vector
+from lit_mpstable.core.step.probe import (
+    _BLOCK,
+    _CHUNK,
+    _chunks,
+    _metrics,
+    _module_sums,
+    metric_vector,
+    with_metric_vector,
+)
 from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.fp8 import convert_from_fp8
 
@@ -306,6 +314,102 @@ def test_fp8_layers_state_untouched_and_error_split() -> None:
     assert actual["fp8"]["fc2"]["base_rel_error"] == pytest.approx(base_part / ref_norm, rel=1e-9)
     assert actual["fp8"]["fc2"]["fp8_rel_error"] > actual["fp8"]["fc2"]["base_rel_error"]  # E4M3 costs more than BF16
     assert set(actual["fp8"]) == {"fc2"}
+
+
+# ------------------------------------------------------------------------------------------------ the sums
+def _per_parameter_sums(run: torch.Tensor | None, ref: torch.Tensor | None, like: torch.Tensor) -> list[float]:
+    """One parameter's sums as the probe first computed them, a parameter at a time (float64, zeros for None)."""
+    shape = (ref if ref is not None else run if run is not None else like).shape
+    g = run.double() if run is not None else torch.zeros(shape, dtype=torch.float64)
+    r = ref.double() if ref is not None else torch.zeros(shape, dtype=torch.float64)
+    nonzero, diff = r != 0, g - r
+    return [float(((g == 0) & nonzero).sum()), float(nonzero.sum()), float((diff * diff).sum()),
+            float((r * r).sum()), float((g * g).sum()), float((g * r).sum()), float((~torch.isfinite(g)).sum())]
+
+
+def _mixed_gradients() -> tuple[list, list, list, list[int]]:
+    """(run, reference, parameters, module of each): FP16/BF16/FP32 run gradients against FP32 ones, some flushed,
+    some None, one non-finite, a non-contiguous one, an empty parameter; a module's parameters not side by side."""
+    gen = torch.Generator().manual_seed(0)
+
+    def ref(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * torch.logspace(-9, 0, shape[-1])  # FP16 flushes the smallest
+
+    r0, r1, r2, r3, r4, r6 = ref(30), ref(5, 4).t(), ref(3, 7), ref(11), ref(6), ref(100)
+    g2 = r2.clone()
+    g2[0, 1], g2[2, 3] = math.inf, math.nan
+    run = [r0.half(), r1.bfloat16(), g2, None, r4.half() * 2, None, r6.half(), torch.zeros(0, dtype=torch.half)]
+    reference = [r0, r1, r2, r3, None, None, r6, torch.zeros(0)]
+    params = [torch.zeros(t.shape) for t in (r0, r1, r2, r3, r4)] + [torch.zeros(3), torch.zeros(100), torch.zeros(0)]
+    owners = [0, 1, 0, 2, 1, 2, 3, 3]
+    return run, reference, params, owners
+
+
+@pytest.mark.parametrize(("chunk", "block"), [(1, 1), (7, 1), (12, 4), (64, 16), (_CHUNK, _BLOCK)])
+def test_module_sums_are_the_per_parameter_sums_added(chunk: int, block: int) -> None:
+    # However the gradients are cut into chunks and blocks (a parameter and a module split between chunks, blocks
+    # padded), each module's sums are its parameters' sums: the same float64 terms, added in another order.
+    run, reference, params, owners = _mixed_gradients()
+    numels = [(r if r is not None else g if g is not None else p).numel() for g, r, p in zip(run, reference, params)]
+    sums = _module_sums(run, reference, numels, owners, 4, device=torch.device("cpu"), chunk=chunk, block=block)
+    expected = torch.zeros(4, 7, dtype=torch.float64)
+    for g, r, p, m in zip(run, reference, params, owners):
+        expected[m] += torch.tensor(_per_parameter_sums(g, r, p), dtype=torch.float64)
+    assert sums.dtype == torch.float64 and sums.shape == (4, 7)
+    counts = [0, 1, 6]  # flushed, nonzero, non-finite: exact
+    assert torch.equal(sums[:, counts], expected[:, counts])
+    torch.testing.assert_close(sums, expected, rtol=1e-12, atol=0, equal_nan=True)
+    assert expected[0, 0] > 0 and expected[0, 6] == 2 and expected[2, 1] == 11  # flushed, non-finite, None run
+    assert torch.isnan(sums[0, 2]) and torch.isfinite(sums[[1, 2, 3]]).all()
+    for row, want in zip(sums.tolist(), expected.tolist()):
+        assert _metrics([*row, 1.0]) == pytest.approx(_metrics([*want, 1.0]), rel=1e-12, nan_ok=True)
+
+
+@pytest.mark.parametrize(("size", "block"), [(4, 4), (12, 4), (64, 16), (4096, 128)])
+def test_chunks_hold_at_most_their_size_in_whole_blocks_and_cover_every_parameter(size: int, block: int) -> None:
+    sizes = [30, 1, 0, 100, 5, 64, 3]
+    flat = [(i % 3, torch.randn(n), torch.randn(n)) for i, n in enumerate(sizes)]
+    chunks = list(_chunks(flat, size, block))
+    for pieces in chunks:  # the bound on a pass's buffers: padding included
+        held = [g.numel() + pad for _, g, _, pad in pieces]
+        assert sum(held) <= size and all(h % block == 0 and h - block < g.numel() for h, (_, g, _, _) in
+                                         zip(held, pieces))
+    pieces = [piece for chunk in chunks for piece in chunk]
+    for k in (1, 2):  # the parameters' gradients in order, end to end, each element once, with its module
+        assert torch.equal(torch.cat([p[k] for p in pieces]), torch.cat([f[k] for f in flat]))
+    labels = [m for m, g, _, _ in pieces for _ in range(g.numel())]
+    assert labels == [m for m, g, _ in flat for _ in range(g.numel())]
+    assert len(chunks) == -(-sum(-(-n // block) * block for n in sizes) // size)  # full but the last
+
+
+def test_module_sums_of_no_parameters_or_empty_ones_are_zeros() -> None:
+    cpu = torch.device("cpu")
+    sums = _module_sums([], [], [], [], 0, device=cpu)
+    assert sums.shape == (0, 7) and sums.dtype == torch.float64
+    empty = torch.zeros(0)
+    assert torch.equal(_module_sums([empty, None], [empty, empty], [0, 0], [0, 1], 2, device=cpu),
+                       torch.zeros(2, 7, dtype=torch.float64))
+
+
+def test_a_parameter_without_gradients_reads_as_no_error_and_counts_its_elements() -> None:
+    # recompute=True measures every trainable parameter: one the loss never reaches has no gradient in either pass.
+    model = nn.Sequential()
+    model.add_module("net", TinyMLP())
+    model.add_module("unused", nn.Linear(3, 2))
+    stepper, model = _setup("16-mixed", model=model, scaler=None)
+    loss_fn = _mse(2.0**-18)
+
+    def through_net(module: nn.Module, batch) -> torch.Tensor:
+        return loss_fn(module.net, batch)
+
+    _backward(stepper, model, through_net)
+    result = stepper.measure(model, through_net, (X, Y), recompute=True)
+    assert result["modules"]["unused"] == {"underflow_frac": 0.0, "rel_error": 0.0, "cosine": 1.0, "numel": 8}
+    run = {n: p.grad for n, p in model.net.named_parameters()}
+    expected = _expected(run, _fp32_grads(model.net, loss_fn))
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    assert result["numel"] == sum(p.numel() for p in model.parameters()) and 0 < result["underflow_frac"] < 1
 
 
 # ------------------------------------------------------------------------------------------------ errors, ranks

@@ -6,6 +6,8 @@ import copy
 import math
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -20,9 +22,15 @@ from lit_mpstable.fp8.budget import LossFn  # (module, batch) -> the loss of one
 METRICS = ("underflow_frac", "rel_error", "cosine")
 """The measures, overall and per module (see :func:`measure`)."""
 _FP8_METRICS = ("fp8_rel_error", "base_rel_error")
-# Columns of a parameter's sums: elements flushed (nonzero in FP32, zero in the run), nonzero in FP32,
-# ||g - g32||^2, ||g32||^2, ||g||^2, <g, g32>, non-finite elements of g, elements.
+# Columns of a module's sums: elements flushed (nonzero in FP32, zero in the run), nonzero in FP32,
+# ||g - g32||^2, ||g32||^2, ||g||^2, <g, g32>, non-finite elements of g (float64, on the device), elements (counted
+# on the host, appended to the rows read back).
 _FLUSHED, _NONZERO, _DIFF2, _REF2, _RUN2, _DOT, _BAD, _NUMEL = range(8)
+_CHUNK = 1 << 22
+"""Gradient elements :func:`_module_sums` takes in one pass: its float64 buffers (9 x 8 bytes an element, 300 MB at
+most) stay this size whatever the model's; one pass is ~20 kernels, however many parameters it holds."""
+_BLOCK = 128
+"""Elements :func:`_module_sums` adds in one vectorized sum; a parameter starts a block (zeros pad the one before)."""
 
 try:
     from torch.distributed.tensor import DTensor as _DTENSOR
@@ -80,7 +88,8 @@ def measure(
     loss_scale = scale()
     where = next(iter(params.values())).device if params else torch.device("cpu")
     start = start if start is not None else forward_state(layout, device)
-    fp8_layers = [name for name in layout.fp8_layers if name in dict(module.named_modules())]
+    present = dict(module.named_modules()) if layout.fp8_layers else {}
+    fp8_layers = [name for name in layout.fp8_layers if name in present]
     mastered = set(keeper.fp32_weights()) if keeper.exposes_grads else set()  # the gradients go into the masters
     with _forked_rng(where):
         reference = _fp32_grads(module, loss_fn, batch, names, start, where, keeper, layout.islands)
@@ -91,14 +100,20 @@ def measure(
                           forward_context=forward_context, mastered=mastered, keep_fp8=False) if fp8_layers else []
 
     owners = [name.rpartition(".")[0] for name in names]
-    modules = list(dict.fromkeys(owners))
-    rows = [_sums(g, r, like=params[n]) for n, g, r in zip(names, run, reference)]
-    table = torch.stack(rows) if rows else torch.zeros(0, 8, dtype=torch.float64, device=where)
-    index = torch.tensor([modules.index(o) for o in owners], device=table.device, dtype=torch.long)
-    per_module = torch.zeros(len(modules), 8, dtype=torch.float64, device=table.device).index_add_(0, index, table)
+    modules = {owner: i for i, owner in enumerate(dict.fromkeys(owners))}  # in order of their first parameter
+    owner_ids = [modules[o] for o in owners]
+    # A parameter's elements: its FP32 gradient's, else its run gradient's, else its own (no gradient either way).
+    numels = [(r if r is not None else g if g is not None else params[n]).numel()
+              for n, g, r in zip(names, run, reference)]
+    per_module = _module_sums(run, reference, numels, owner_ids, len(modules), device=where)
     fp8_rows = [_fp8_sums([i for i, o in enumerate(owners) if o == layer], run, base, reference, params, names)
                 for layer in fp8_layers]
-    values = torch.cat([table.sum(0, keepdim=True), per_module, *fp8_rows]).tolist()  # the one host sync
+    values = torch.cat([per_module.sum(0, keepdim=True), per_module, *fp8_rows]).tolist()  # the one host sync
+    module_numels = [0] * len(modules)
+    for i, n in zip(owner_ids, numels):
+        module_numels[i] += n
+    for row, n in zip(values, [sum(numels), *module_numels]):
+        row.append(float(n))
 
     total = values[0]
     result: dict[str, Any] = {"step": step, "loss_scale": loss_scale, "recomputed": recompute,
@@ -216,19 +231,90 @@ def _checked_loss(loss: object) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ the numbers
-def _sums(run: torch.Tensor | None, reference: torch.Tensor | None, *, like: torch.Tensor) -> torch.Tensor:
-    """The 8 sums of one parameter, in float64: squares of tiny gradients underflow in FP32."""
-    shape_of = reference if reference is not None else run if run is not None else like
-    zeros = torch.zeros(shape_of.shape, dtype=torch.float64, device=like.device)
-    g = run.detach().to(like.device, torch.float64) if run is not None else zeros
-    r = reference.detach().to(like.device, torch.float64) if reference is not None else zeros
-    nonzero = r != 0
-    diff = g - r
-    return torch.stack([
-        (nonzero & (g == 0)).sum().double(), nonzero.sum().double(), (diff * diff).sum(), (r * r).sum(),
-        (g * g).sum(), (g * r).sum(), (~torch.isfinite(g)).sum().double(),
-        torch.tensor(float(g.numel()), dtype=torch.float64, device=g.device),
-    ])
+def _module_sums(
+    run: Sequence[torch.Tensor | None], reference: Sequence[torch.Tensor | None], numels: Sequence[int],
+    owners: Sequence[int], modules: int, *, device: torch.device, chunk: int = _CHUNK, block: int = _BLOCK,
+) -> torch.Tensor:
+    """The sums ``_FLUSHED`` .. ``_BAD`` of each module's gradients as a (``modules``, 7) float64 tensor: parameter
+    ``i`` (``numels[i]`` elements, of module ``owners[i]``) has the run's gradient ``run[i]`` and the FP32 one
+    ``reference[i]``, zeros where either is ``None``. In float64 (squares of tiny gradients underflow in FP32), and
+    many parameters a kernel: the gradients, a module's side by side, go through ``chunk`` elements at a time, each
+    parameter padded with zeros (which add nothing to any sum) to whole ``block``s. The per-element terms are those of
+    a parameter alone; only the order of their additions differs: by block, then the blocks of a module in order."""
+    order = sorted(range(len(owners)), key=owners.__getitem__)  # stable: a module's parameters in their order
+    flat = [(owners[i], _flat(run[i], numels[i], device), _flat(reference[i], numels[i], device)) for i in order]
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    parts: list[torch.Tensor] = []
+    segments: list[int] = []  # the module of each column of parts
+    with torch.no_grad():
+        for pieces in _chunks(flat, chunk, block):
+            g = _joined([(g, pad) for _, g, _, pad in pieces], zero)
+            r = _joined([(r, pad) for _, _, r, pad in pieces], zero)
+            terms = torch.empty(_NUMEL, g.numel(), dtype=torch.float64, device=device)
+            # Each term written as float64 in place (boolean temporaries cost more than the float64 passes here).
+            torch.ne(r, 0, out=terms[_NONZERO])
+            torch.eq(g, 0, out=terms[_FLUSHED]).mul_(terms[_NONZERO])
+            diff = torch.sub(g, r, out=terms[_DIFF2])
+            diff.mul_(diff)
+            torch.mul(r, r, out=terms[_REF2])
+            torch.mul(g, g, out=terms[_RUN2])
+            torch.mul(g, r, out=terms[_DOT])
+            bad = torch.sub(g, g, out=terms[_BAD])  # 0 where g is finite, NaN where it is not (inf - inf, NaN)
+            bad.ne_(bad)
+            blocks = terms.view(_NUMEL, g.numel() // block, block).sum(2)
+            lengths = [(m, sum((p.numel() + pad) // block for _, p, _, pad in group))
+                       for m, group in groupby(pieces, key=itemgetter(0))]
+            parts.append(_segment_sums(blocks, [length for _, length in lengths]))
+            segments += [m for m, _ in lengths]
+        if not parts:
+            return torch.zeros(modules, _NUMEL, dtype=torch.float64, device=device)
+        sums = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+        if len(segments) > modules:  # a module split between chunks: add its parts
+            sums = _segment_sums(sums, [len(list(group)) for _, group in groupby(segments)])
+    return sums.T
+
+
+def _flat(grad: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
+    if grad is None:
+        return torch.zeros((), dtype=torch.float64, device=device).expand(numel)
+    return grad.reshape(-1).to(device)
+
+
+def _chunks(
+    flat: list[tuple[int, torch.Tensor, torch.Tensor]], size: int, block: int,
+) -> Generator[list[tuple[int, torch.Tensor, torch.Tensor, int]], None, None]:
+    """``flat``'s (module, run, reference) in lists of at most ``size`` elements (a multiple of ``block``), a
+    parameter split where a list ends; each piece with the zeros that pad it to whole blocks: (..., padding)."""
+    pieces: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []
+    room = size
+    for m, g, r in flat:
+        start, numel = 0, g.numel()
+        while True:
+            take = min(room, numel - start)
+            padded = -(-take // block) * block  # <= room: room stays a multiple of block
+            whole = take == numel
+            pieces.append((m, g if whole else g[start:start + take], r if whole else r[start:start + take],
+                           padded - take))
+            start, room = start + take, room - padded
+            if start == numel:
+                break
+            yield pieces
+            pieces, room = [], size
+    if pieces:
+        yield pieces
+
+
+def _joined(pieces: list[tuple[torch.Tensor, int]], zero: torch.Tensor) -> torch.Tensor:
+    """The tensors end to end in float64 (``zero``'s dtype and device), each followed by its padding of zeros."""
+    parts: list[torch.Tensor] = [t for piece, pad in pieces for t in ((piece, zero.expand(pad)) if pad else (piece,))]
+    out = torch.empty(sum(t.numel() for t in parts), dtype=zero.dtype, device=zero.device)
+    return torch.cat(parts, out=out)
+
+
+def _segment_sums(terms: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Sums of ``terms``' rows over consecutive segments of ``lengths`` columns: a (rows, segments) tensor."""
+    per_row = torch.tensor([lengths] * terms.shape[0], device=terms.device)  # segment_reduce: one row a row
+    return torch.segment_reduce(terms, "sum", lengths=per_row, axis=1)
 
 
 def _fp8_sums(
@@ -244,7 +330,7 @@ def _fp8_sums(
         out[0, 0] += ((g - b) ** 2).sum()
         out[0, 1] += ((b - r) ** 2).sum()
         out[0, 2] += (r * r).sum()
-    return torch.nn.functional.pad(out, (0, 5))  # as wide as the other rows, for one concatenation
+    return torch.nn.functional.pad(out, (0, 4))  # as wide as the other rows, for one concatenation
 
 
 def _dense(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
