@@ -312,9 +312,12 @@ def _joined(pieces: list[tuple[torch.Tensor, int]], zero: torch.Tensor) -> torch
 
 
 def _segment_sums(terms: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Sums of ``terms``' rows over consecutive segments of ``lengths`` columns: a (rows, segments) tensor."""
-    per_row = torch.tensor([lengths] * terms.shape[0], device=terms.device)  # segment_reduce: one row a row
-    return torch.segment_reduce(terms, "sum", lengths=per_row, axis=1)
+    """Sums of ``terms``' rows over consecutive segments of ``lengths`` columns: a (rows, segments) tensor (one
+    ``index_add_``, which every device runs in float64)."""
+    index = torch.repeat_interleave(torch.arange(len(lengths), device=terms.device),
+                                    torch.tensor(lengths, device=terms.device))
+    out = torch.zeros(terms.shape[0], len(lengths), dtype=terms.dtype, device=terms.device)
+    return out.index_add_(1, index, terms)
 
 
 def _fp8_sums(
