@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -104,16 +105,16 @@ def stages(trees: dict[str, object], repeats: int) -> dict[str, float]:
         return statistics.median(times)
 
     leaves = [t for _, tree in trees.items() for _, t in now.tensor_leaves(tree)]
-    data = [now._host_bytes(t) for t in leaves]
-    small = [d for d in data if d.size < 8 * now.LANES]
-    large = [d for d in data if d.size >= 8 * now.LANES]
+    data = [now._host_array(t) for t in leaves]
+    small = [d for d in data if d.nbytes < 8 * now.LANES]
+    large = [d.reshape(-1).view(np.uint8) for d in data if d.nbytes >= 8 * now.LANES]
     lanes = [now._numpy_lanes(d) for d in large]
     return {
         "walk_s": timed(lambda: [(f"{r}{p}", now._view_key(t)) for r, tr in trees.items()
                                  for p, t in now.tensor_leaves(tr)]),
-        "byte_views_s": timed(lambda: [now._host_bytes(t) for t in leaves]),
+        "byte_views_s": timed(lambda: [now._host_array(t) for t in leaves]),
         "lanes_s": timed(lambda: [now._numpy_lanes(d) for d in large]),
-        "hashes_s": timed(lambda: ([now._hash(d, d.size) for d in small],
+        "hashes_s": timed(lambda: ([now._hash(d, d.nbytes) for d in small],
                                    [now._digest(lane, d.size) for lane, d in zip(lanes, large, strict=True)])),
     }
 

@@ -15,7 +15,7 @@ import hashlib
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
@@ -73,6 +73,10 @@ _PLAIN = (torch.Tensor, nn.Parameter)  # checksummed; a subclass (DTensor, a qua
 # numpy reads these dtypes' bytes in place (bool as its 0/1 bytes); bfloat16 and the FP8 types go through a torch view.
 _NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                            torch.int8, torch.uint8, torch.bool})
+_SAME_WIDTH = {torch.bfloat16: torch.int16, **{dtype: torch.uint8 for dtype in (
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu)}}
+"""Dtypes numpy lacks, read as the integers of their width (the same bytes)."""
+_BLAKE = hashlib.blake2b(digest_size=8)  # copied for each digest (a copy costs a tenth of a construction)
 _LITTLE = sys.byteorder == "little"  # a tensor's bytes are then its words as the digest hashes them ("<i8")
 
 
@@ -84,10 +88,15 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.contiguous().view(torch.uint8)
 
 
-def _host_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's bytes in order, as numpy uint8: a view where the tensor is contiguous (no copy, few calls)."""
-    if tensor.dtype in _NUMPY_DTYPES and tensor.is_contiguous() and not tensor.is_neg():
-        return (tensor.detach() if tensor.requires_grad else tensor).numpy().reshape(-1).view(np.uint8)
+def _host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a C-contiguous numpy array whose buffer is the tensor's bytes in order: the tensor's
+    own memory where it is contiguous (bfloat16 and the FP8 types read as integers of their width), else a copy."""
+    t = tensor.detach() if tensor.requires_grad else tensor
+    as_int = _SAME_WIDTH.get(t.dtype)
+    if as_int is not None:
+        t = t.view(as_int)
+    if t.dtype in _NUMPY_DTYPES and t.is_contiguous() and not t.is_neg():
+        return t.numpy()
     return _bytes(tensor).numpy()
 
 
@@ -129,9 +138,12 @@ def _digest(lanes: np.ndarray, nbytes: int, version: int = VERSION) -> int:
 
 
 def _hash(data: np.ndarray, nbytes: int) -> int:
-    """BLAKE2b-64 of ``data`` (uint8, zero-padded to whole words) and then the byte count ``nbytes``."""
-    hasher = hashlib.blake2b(data.data, digest_size=8)
-    hasher.update(bytes(-data.size % 8))
+    """BLAKE2b-64 of ``data``'s bytes (any C-contiguous array), zero-padded to whole words, and then the byte count
+    ``nbytes``."""
+    hasher = _BLAKE.copy()
+    hasher.update(data.data)
+    if data.nbytes % 8:
+        hasher.update(bytes(-data.nbytes % 8))
     hasher.update(nbytes.to_bytes(8, "little"))
     return int.from_bytes(hasher.digest(), "little")
 
@@ -158,12 +170,13 @@ def _checksums_on(tensors: Sequence[torch.Tensor], version: int = VERSION) -> li
     if tensors[0].device.type != "cpu":
         return _device_checksums(tensors, version)
     digests = []
+    rowless = version == VERSION and _LITTLE
     for tensor in tensors:
-        data = _host_bytes(tensor)
-        if data.size < 8 * LANES and version == VERSION and _LITTLE:  # no whole row (a step counter, a bias): its
-            digests.append(_hash(data, data.size))  # lanes are its words, hashed as they lie in memory
+        data = _host_array(tensor)
+        if data.nbytes < 8 * LANES and rowless:  # no whole row (a step counter, a bias): its lanes are its words,
+            digests.append(_hash(data, data.nbytes))  # hashed as they lie in memory
         else:
-            digests.append(_digest(_numpy_lanes(data), data.size, version))
+            digests.append(_digest(_numpy_lanes(data.reshape(-1).view(np.uint8)), data.nbytes, version))
     return digests
 
 
@@ -208,16 +221,26 @@ def tensor_leaves(tree: object, path: str = "") -> Iterator[tuple[str, torch.Ten
 
 
 def _collect(tree: object, path: str, found: list[tuple[str, torch.Tensor]]) -> None:
-    # Appends to one list (not nested generators: a leaf four levels down would pass through four of them).
+    # Appends to one list (not nested generators: a leaf four levels down would pass through four of them). A child's
+    # path is written only for a tensor or a container: an optimizer's param_groups hold many plain numbers.
     if isinstance(tree, torch.Tensor):
         if type(tree) in _PLAIN and not tree.is_meta:
             found.append((path, tree))
-    elif isinstance(tree, Mapping):
-        for key, value in tree.items():
-            _collect(value, f"{path}[{key!r}]", found)
+        return
+    items: Iterable[tuple[object, object]]
+    if type(tree) is dict or isinstance(tree, Mapping):
+        items = tree.items()
     elif isinstance(tree, (list, tuple)):
-        for index, value in enumerate(tree):
-            _collect(value, f"{path}[{index}]", found)
+        items = enumerate(tree)
+    else:
+        return
+    for key, value in items:
+        kind = type(value)
+        if kind in _PLAIN:
+            if not value.is_meta:  # type: ignore[union-attr]
+                found.append((f"{path}[{key!r}]", value))  # type: ignore[arg-type]
+        elif kind is dict or kind is list or isinstance(value, (Mapping, list, tuple, torch.Tensor)):
+            _collect(value, f"{path}[{key!r}]", found)
 
 
 def _leaves(trees: Mapping[str, object]) -> list[tuple[str, torch.Tensor]]:
@@ -229,9 +252,9 @@ def _leaves(trees: Mapping[str, object]) -> list[tuple[str, torch.Tensor]]:
 
 
 def _view_key(t: torch.Tensor) -> tuple:
-    """What identifies a tensor's bytes: its storage, offset, shape, strides and dtype (two entries of a state that are
-    one tensor, such as tied embeddings listed under two names, have the same key)."""
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    """What identifies a tensor's bytes: its device, address (storage and offset), shape, strides and dtype (two entries
+    of a state that are one tensor, such as tied embeddings listed under two names, have the same key)."""
+    return t.device, t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
 def checksums(trees: Mapping[str, object], version: int = VERSION) -> dict[str, int]:

@@ -598,8 +598,8 @@ def test_a_tensor_listed_twice_is_read_once_and_both_names_are_checked(monkeypat
     shared = torch.randn(8, 4)  # tied weights: one tensor under two names
     trees = {"state_dict": {"embed.weight": shared, "head.weight": shared, "head.bias": torch.randn(8)}}
     seen: list[int] = []
-    real = fp._host_bytes
-    monkeypatch.setattr(fp, "_host_bytes", lambda t: (seen.append(t.numel()), real(t))[1])
+    real = fp._host_array
+    monkeypatch.setattr(fp, "_host_array", lambda t: (seen.append(t.numel()), real(t))[1])
     sums = fp.checksums(trees)
     assert sorted(seen) == [8, 32]  # the shared tensor once
     assert sums["state_dict['embed.weight']"] == sums["state_dict['head.weight']"] == fp.checksum(shared)
