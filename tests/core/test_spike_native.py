@@ -233,3 +233,37 @@ def test_a_stepper_trains_alike_on_both_paths(monkeypatch, precision, kwargs) ->
     assert skip_c == skip_t and sum(skip_c) >= 3
     assert all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6) for a, b in zip(weights_c, weights_t))
     _same_state(guard_c, guard_t)
+
+
+class _Opaque(torch.Tensor):
+    """A tensor subclass whose memory the C loops must not read (as a DTensor's or a fake tensor's pointer)."""
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        raise AssertionError("the C loops read a tensor subclass")
+
+
+@pytest.mark.parametrize("clip_zscore", [None, 2.5])
+def test_a_step_given_a_tensor_subclass_takes_the_torch_ops_and_the_next_plain_one_the_c_loops(
+        monkeypatch, clip_zscore) -> None:
+    # Whether a step's values are plain is noted where they are given (a loss of each micro-batch, the norm): a
+    # subclass anywhere in the step sends its decide() and commit_() to the torch ops; the step after starts afresh.
+    native = _guard(monkeypatch, True, window=6, warmup=2, clip_zscore=clip_zscore)
+    reference = _guard(monkeypatch, False, window=6, warmup=2, clip_zscore=clip_zscore)
+    calls = []
+    kernel = native._consts["native"].kernel
+    spy = type("Spy", (), {"decide": lambda self, *a: calls.append("decide") or kernel.decide(*a),
+                           "commit": lambda self, *a: calls.append("commit") or kernel.commit(*a)})()
+    native._consts["native"] = native._consts["native"]._replace(kernel=spy)
+    for i in range(8):
+        opaque = i % 3  # 0: plain; 1: the second micro-batch's loss a subclass; 2: the norm a subclass
+        for guard in (native, reference):
+            for micro in range(2):
+                loss = torch.tensor(2.0 + 0.1 * (i % 4) + micro)
+                guard.observe_loss_(loss.as_subclass(_Opaque) if opaque == 1 and micro == 1 else loss)
+            norm = torch.tensor(1.0 + 0.2 * (i % 5))
+            flag = guard.decide(norm.as_subclass(_Opaque) if opaque == 2 else norm)
+            guard.clip_threshold()
+            guard.commit_(bool(flag), spiked=flag)
+        assert calls == (["decide", "commit"] if opaque == 0 else []), (i, calls)
+        calls.clear()
+        _same_state(native, reference)
