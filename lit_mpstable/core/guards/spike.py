@@ -639,7 +639,7 @@ class _SpikeKernel:
 
     __slots__ = ("commit", "decide")
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.PyDLL) -> None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.decide = lib.lmp_spike_decide
         self.decide.restype = None
@@ -658,7 +658,9 @@ def spike_kernel() -> _SpikeKernel | None:
 @functools.cache
 def _load_kernel() -> _SpikeKernel | None:
     lib = native.load("spike_guard", SOURCE, native.compiler())
-    return None if lib is None else _SpikeKernel(lib)
+    # Called through PyDLL, which keeps the GIL: the loops take ~0.1 us and call no Python, and a CDLL call releases
+    # and takes back the GIL around them (another Python thread, a logger's, may then run first).
+    return None if lib is None else _SpikeKernel(ctypes.PyDLL(lib._name, handle=lib._handle))
 
 
 class _Native(NamedTuple):
