@@ -309,22 +309,15 @@ class SpikeGuard:
     def _decide_native(self, found: _Native) -> torch.Tensor:
         """:meth:`decide`'s statistics and judgement in one C call (the same numbers, see ``SOURCE``)."""
         spike = torch.empty((), dtype=torch.bool)  # new each step, as the torch path's: a caller may keep it
+        threshold = None if self.clip_zscore is None else torch.empty((), dtype=torch.float32)
         loss, norm = self._loss, self._norm
         config, z, n, caps = found.pointers
-        if self.clip_zscore is None:
-            threshold = None
-            found.kernel.decide(self._values.data_ptr(), self._counts.data_ptr(), self.window, self.warmup, config,
-                                None if loss is None else loss.data_ptr(), None if norm is None else norm.data_ptr(),
-                                spike.data_ptr(), z, n, None, None)
-            self._caps = None
-        else:
-            threshold = torch.empty((), dtype=torch.float32)
-            found.kernel.decide(self._values.data_ptr(), self._counts.data_ptr(), self.window, self.warmup, config,
-                                None if loss is None else loss.data_ptr(), None if norm is None else norm.data_ptr(),
-                                spike.data_ptr(), z, n, caps, threshold.data_ptr())
-            self._caps = found.caps
+        found.kernel.decide(
+            self._values.data_ptr(), self._counts.data_ptr(), self.window, self.warmup, config,
+            None if loss is None else loss.data_ptr(), None if norm is None else norm.data_ptr(), spike.data_ptr(),
+            z, n, None if threshold is None else caps, None if threshold is None else threshold.data_ptr())
         self._judged = (found.z, found.n)  # read by the metrics until the next decide() writes them
-        self._threshold, self._finite = threshold, None
+        self._threshold, self._caps, self._finite = threshold, None if threshold is None else found.caps, None
         self._last_spike = spike
         self._decided = self._native_spike = True
         return spike
