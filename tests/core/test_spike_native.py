@@ -267,3 +267,24 @@ def test_a_step_given_a_tensor_subclass_takes_the_torch_ops_and_the_next_plain_o
         assert calls == (["decide", "commit"] if opaque == 0 else []), (i, calls)
         calls.clear()
         _same_state(native, reference)
+
+
+@pytest.mark.parametrize("clip_zscore", [None, 2.5])
+def test_every_decision_is_a_tensor_of_its_own_that_a_caller_may_keep(monkeypatch, clip_zscore) -> None:
+    # The C loops write each step's flag (and ZClip's threshold) into a tensor never handed out before: flags and
+    # thresholds kept over many steps (past a batch of new tensors) still read their own step's values.
+    native = _guard(monkeypatch, True, window=8, warmup=3, clip_zscore=clip_zscore)
+    reference = _guard(monkeypatch, False, window=8, warmup=3, clip_zscore=clip_zscore)
+    kept: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[], []]
+    for i in range(150):
+        norm = torch.tensor(50.0 if i % 7 == 6 else 1.0 + 0.01 * (i % 5))  # a spike every 7th step, once warm
+        for guard, store in zip((native, reference), kept):
+            guard.observe_loss_(torch.tensor(2.0))
+            flag = guard.decide(norm)
+            store.append((flag, guard.clip_threshold()))
+            guard.commit_(bool(flag), spiked=flag)
+    flags = [[bool(f) for f, _ in store] for store in kept]
+    assert flags[0] == flags[1] and sum(flags[0]) > 10
+    assert len({id(f) for f, _ in kept[0]}) == len({f.data_ptr() for f, _ in kept[0]}) == 150
+    if clip_zscore is not None:
+        assert all(_close(float(a), float(b)) for (_, a), (_, b) in zip(*kept))

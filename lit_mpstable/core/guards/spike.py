@@ -60,6 +60,7 @@ _MIN_REL_STD = 0.01
 # the clean tail and 4x are left to clipping (fixed, or clip_zscore), which bounds their update anyway.
 _SKIP_REL_STD = {"loss": _MIN_REL_STD, "grad_norm": 0.5}
 _TINY = 1e-12
+_FRESH = 64  # the C loops' new flags (and ZClip thresholds) made at a time: see SpikeGuard._take_fresh
 _NAMES: tuple[str, ...] = get_args(Watched)
 # The window's statistics as decide() needs them: mean, judged std, count, spike gate, clip caps, clip threshold.
 _Prepared = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -134,6 +135,7 @@ class SpikeGuard:
         self._decided = False  # whether decide() ran this step (host-side)
         self._opaque = False  # whether a value of this step is a tensor subclass (the C loops read plain ones only)
         self._native_spike = False  # whether _last_spike is this step's flag made by the C loops (plain, bool, CPU)
+        self._fresh: dict[torch.dtype, list[torch.Tensor]] = {}  # 0-dim CPU tensors the C loops write: _take_fresh
         self._last_spike = torch.zeros((), dtype=torch.bool)
         self._judged: tuple[torch.Tensor, torch.Tensor] | None = None  # last z-scores, window sizes: metrics, lazily
         self._threshold: torch.Tensor | None = None  # the clip threshold decide() computed this step
@@ -308,8 +310,8 @@ class SpikeGuard:
 
     def _decide_native(self, found: _Native) -> torch.Tensor:
         """:meth:`decide`'s statistics and judgement in one C call (the same numbers, see ``SOURCE``)."""
-        spike = torch.empty((), dtype=torch.bool)  # new each step, as the torch path's: a caller may keep it
-        threshold = None if self.clip_zscore is None else torch.empty((), dtype=torch.float32)
+        spike = self._take_fresh(torch.bool)  # new each step, as the torch path's: a caller may keep it
+        threshold = None if self.clip_zscore is None else self._take_fresh(torch.float32)
         loss, norm = self._loss, self._norm
         config, z, n, caps = found.pointers
         found.kernel.decide(
@@ -321,6 +323,15 @@ class SpikeGuard:
         self._last_spike = spike
         self._decided = self._native_spike = True
         return spike
+
+    def _take_fresh(self, dtype: torch.dtype) -> torch.Tensor:
+        """A 0-dim CPU tensor of ``dtype`` for the C loops to write, never handed out before (a caller may keep it).
+        Made _FRESH at a time, as the views of one tensor (one op): a ``torch.empty`` each step costs ~6 us after a
+        backward on the CPU (its dispatch, not the allocation), the pool's pop ~0.1 us and one op every _FRESH steps."""
+        pool = self._fresh.get(dtype)
+        if not pool:
+            pool = self._fresh[dtype] = list(torch.empty(_FRESH, dtype=dtype).unbind())
+        return pool.pop()
 
     def clip_threshold(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor | None:
         """The adaptive clip norm ``mean + clip_zscore * std`` of the recent applied norms, as a 0-dim float32
