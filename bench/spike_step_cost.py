@@ -14,7 +14,7 @@ method's calls; ops (a ``TorchDispatchMode`` counter inside the methods, views i
 (``sys.setprofile`` events inside the methods, builtins included) from two more, counting fits (exact). ``path`` says
 which path the guard's steps took: ``"native"`` (its C loops, the CPU default where a C compiler builds them) or
 ``"torch"``. A dispatch mode makes the guard take its torch ops (so a mode sees every operation): the op counts are
-always the torch path's, and the C loops' steps run one op (the new spike flag's ``empty``) outside any mode.
+always the torch path's; the C loops' steps run no op outside a mode, but one every 64 steps (new flags' ``empty``).
 
 ``--precision``: ``bench_precision.py``'s whole-step throughput instead, paired in one run (configs alternated round
 by round): ``mlp/L-bf16-mixed``, ``mlp/SP-bf16-mixed``, ``mlp/SP-bf16-mixed+cb`` (the guard's C loops) and

@@ -214,15 +214,18 @@ class PluginCallback(pl.Callback):
 
 
 # ------------------------------------------------------------------------------------------------ the ladder
-def run_ladder(trainer: pl.Trainer, plugin: PrecisionView | None, face: str, *rungs: Rung) -> Ladder | None:
-    """At fit start: the run's ladder (kept on the plugin: every face shares it), ``rungs`` switched on by ``face``.
-    None without a plugin of ours."""
+def run_ladder(trainer: pl.Trainer, plugin: PrecisionView | None, face: str, *rungs: Rung,
+               watching: bool = True) -> Ladder | None:
+    """At fit start: the run's ladder (kept on the plugin: every face shares it), ``rungs`` switched on by ``face``,
+    which watches the ends of the steps (:func:`watch_step`; ``watching=False``: it may still stand aside before the
+    train start, see :meth:`~lit_mpstable.core.guards.ladder.Ladder.watch`). None without a plugin of ours."""
     if plugin is None or isinstance(plugin, ForeignPrecision):
         return None
     ladder = ladder_of(plugin)
     ladder.new_fit(trainer, plugin.overflow_count)
     for rung in rungs:
         ladder.switch_on(rung, face)
+    ladder.watch(face, watching)
     return ladder
 
 
@@ -260,7 +263,8 @@ def watch_step(ladder: Ladder, trainer: pl.Trainer, pl_module: pl.LightningModul
                                          spiked=flags[6])
             if ladder.restored(step, fault):  # soon after a checkpoint load: the loaded state is the suspect
                 fault, replayable = "restored", False
-            rung = ladder.decide(step, fault, REASONS[fault], by=face, replayable=replayable,
+            # Named after the first face that watches (a face after it may watch for it, see Ladder.watcher).
+            rung = ladder.decide(step, fault, REASONS[fault], by=ladder.watcher or face, replayable=replayable,
                                  exclude=[Rung.FALLBACK])  # a fallback is its face's own decision (its triggers)
             if rung is Rung.STOP:
                 stop(ladder, trainer, step)

@@ -154,6 +154,14 @@ class AMPPreflight(PluginCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._owe(self._plugin is not None and self._plugin.compute_dtype != torch.float32)
+        # The batch-end hook only watches the steps for the ladder: Lightning calls it only when no other face surely
+        # watches them (ScaleCheckpoint, PrecisionFallback, FaultTriage: each step's decision is the same whoever asks
+        # first, and is named after the first face that watches, this one included).
+        ladder = self._ladder
+        others = ladder is not None and any(watching for face, watching in ladder.watchers.items()
+                                            if face != "AMPPreflight")
+        self._dispatch("on_train_batch_end", ladder is not None and self._plugin is not None and not others,
+                       AMPPreflight)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -159,7 +159,8 @@ class PrecisionFallback(PluginCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._ladder = run_ladder(trainer, self._plugin, "PrecisionFallback", Rung.FALLBACK)
+        # Whether it watches the steps' ends is settled at the train start (it may stand aside there).
+        self._ladder = run_ladder(trainer, self._plugin, "PrecisionFallback", Rung.FALLBACK, watching=False)
         if self._ladder is not None:
             self._ladder.claim("fallback_retry", self.cooldown, f"PrecisionFallback(cooldown={self.cooldown})")
 
@@ -171,9 +172,13 @@ class PrecisionFallback(PluginCallback):
                            " after fully_shard (FSDP2 with a '*-true' precision or FP8 layers); use a '*-mixed'"
                            " precision for fallbacks under FSDP2.")
             self._plugin = None
+            if self._ladder is not None:
+                self._ladder.watch("PrecisionFallback", None)
             return
         if self._plugin is not None:
             self._steps.reset(self._plugin)
+            if self._ladder is not None:
+                self._ladder.watch("PrecisionFallback")
         self._nonfinite.clear()  # the previous step's flag stays: it may come from a checkpoint
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:

@@ -162,6 +162,24 @@ def test_one_decision_per_step_a_skip_escalates_once():
     assert ladder.events[0]["escalated_from"] == "skip" and ladder.events[1]["verdict"] == "transient"
 
 
+def test_the_watcher_is_the_first_face_watching_in_order_and_a_new_fit_starts_the_list_again():
+    ladder = Ladder()
+    assert ladder.watcher is None
+    ladder.new_fit("fit 1", 0)
+    ladder.watch("PrecisionFallback", False)  # may stand aside at the train start: in its place meanwhile
+    ladder.watch("AMPPreflight")
+    ladder.watch("ScaleCheckpoint")
+    assert ladder.watcher == "PrecisionFallback"
+    ladder.watch("PrecisionFallback", None)  # stood aside: the next face decides
+    assert ladder.watcher == "AMPPreflight"
+    ladder.new_fit("fit 1", 0)  # the same fit's token (a second face's call): nothing restarts
+    ladder.watch("PrecisionFallback")  # back, in its own place
+    assert list(ladder.watchers) == ["PrecisionFallback", "AMPPreflight", "ScaleCheckpoint"]
+    assert ladder.watcher == "PrecisionFallback"
+    ladder.new_fit("fit 2", 0)
+    assert ladder.watchers == {} and ladder.watcher is None
+
+
 def test_a_knob_set_twice_differently_is_refused_naming_both():
     ladder = Ladder()
     ladder.claim("snapshot_every", 50, "ScaleCheckpoint(every_n_steps=50)")

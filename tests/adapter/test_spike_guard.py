@@ -394,6 +394,48 @@ def test_scale_checkpoint_leaves_detection_to_the_guard():
     assert recorder.skipped == [i == SPIKE_AT for i in range(STEPS)] and int(plugin.spike_guard.spikes_skipped) == 1
 
 
+@pytest.mark.parametrize("faces, aside, watches", [
+    (["AMPPreflight"], False, True),
+    (["AMPPreflight", "ScaleCheckpoint"], False, False),  # ScaleCheckpoint watches every step's end: it asks for both
+    (["AMPPreflight", "PrecisionFallback", "ScaleCheckpoint"], False, False),
+    # PrecisionFallback may stand aside at its train start, after AMPPreflight's: AMPPreflight keeps watching.
+    (["AMPPreflight", "PrecisionFallback"], False, True),
+    (["AMPPreflight", "PrecisionFallback"], True, True),
+    (["PrecisionFallback", "AMPPreflight"], True, True),  # stood aside (FSDP2 '*-true'): the next face decides
+    (["PrecisionFallback", "AMPPreflight", "ScaleCheckpoint"], True, False),
+])
+def test_the_first_face_that_watches_names_the_decision_whoever_asks_first(monkeypatch, faces, aside, watches):
+    # Each bad step is decided once, by the first face at the step's end; AMPPreflight's batch-end hook does nothing
+    # else, so Lightning calls it only where no face after it surely watches, and the decision keeps its name.
+    from lightning.pytorch.profilers import PassThroughProfiler
+    from trainer_pkg import NAME, StablePrecision
+
+    from lit_mpstable import callbacks as cbs
+
+    if NAME != "lightning.pytorch":
+        pytest.skip("FaultInjector is a lightning.pytorch callback")
+    if aside:  # as FSDP2 with a '*-true' precision: PrecisionFallback stands aside at the train start
+        monkeypatch.setattr(StablePrecision, "can_fallback", property(lambda self: False))
+
+    class Actions(PassThroughProfiler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def start(self, action_name: str) -> None:
+            self.names.append(action_name)
+
+    callbacks = [getattr(cbs, face)() for face in faces]
+    profiler = Actions()
+    plugin, recorder, _, _ = _fit({SPIKE_AT: "loss_spike"}, callbacks=callbacks, profiler=profiler)
+    first = next(face for face in faces if not (aside and face == "PrecisionFallback"))
+    assert [(e["step"], e["fault"], e["action"], e["by"]) for e in plugin.ladder_events] == [
+        (SPIKE_AT, "spike", "skip", first)]
+    assert recorder.skipped == [i == SPIKE_AT for i in range(STEPS)]
+    preflight = callbacks[faces.index("AMPPreflight")]
+    assert profiler.names.count(f"[Callback]{preflight.state_key}.on_train_batch_end") == (STEPS if watches else 0)
+
+
 @pytest.mark.parametrize("precision, masters", [("bf16-true", True), ("bf16-true", "kahan"), ("16-mixed", True),
                                                 ("16-true", True)])
 @pytest.mark.parametrize("kind", ["loss_spike", "grad_spike"])

@@ -233,3 +233,58 @@ def test_a_stepper_trains_alike_on_both_paths(monkeypatch, precision, kwargs) ->
     assert skip_c == skip_t and sum(skip_c) >= 3
     assert all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6) for a, b in zip(weights_c, weights_t))
     _same_state(guard_c, guard_t)
+
+
+class _Opaque(torch.Tensor):
+    """A tensor subclass whose memory the C loops must not read (as a DTensor's or a fake tensor's pointer)."""
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        raise AssertionError("the C loops read a tensor subclass")
+
+
+@pytest.mark.parametrize("clip_zscore", [None, 2.5])
+def test_a_step_given_a_tensor_subclass_takes_the_torch_ops_and_the_next_plain_one_the_c_loops(
+        monkeypatch, clip_zscore) -> None:
+    # Whether a step's values are plain is noted where they are given (a loss of each micro-batch, the norm): a
+    # subclass anywhere in the step sends its decide() and commit_() to the torch ops; the step after starts afresh.
+    native = _guard(monkeypatch, True, window=6, warmup=2, clip_zscore=clip_zscore)
+    reference = _guard(monkeypatch, False, window=6, warmup=2, clip_zscore=clip_zscore)
+    calls = []
+    kernel = native._consts["native"].kernel
+    spy = type("Spy", (), {"decide": lambda self, *a: calls.append("decide") or kernel.decide(*a),
+                           "commit": lambda self, *a: calls.append("commit") or kernel.commit(*a)})()
+    native._consts["native"] = native._consts["native"]._replace(kernel=spy)
+    for i in range(8):
+        opaque = i % 3  # 0: plain; 1: the second micro-batch's loss a subclass; 2: the norm a subclass
+        for guard in (native, reference):
+            for micro in range(2):
+                loss = torch.tensor(2.0 + 0.1 * (i % 4) + micro)
+                guard.observe_loss_(loss.as_subclass(_Opaque) if opaque == 1 and micro == 1 else loss)
+            norm = torch.tensor(1.0 + 0.2 * (i % 5))
+            flag = guard.decide(norm.as_subclass(_Opaque) if opaque == 2 else norm)
+            guard.clip_threshold()
+            guard.commit_(bool(flag), spiked=flag)
+        assert calls == (["decide", "commit"] if opaque == 0 else []), (i, calls)
+        calls.clear()
+        _same_state(native, reference)
+
+
+@pytest.mark.parametrize("clip_zscore", [None, 2.5])
+def test_every_decision_is_a_tensor_of_its_own_that_a_caller_may_keep(monkeypatch, clip_zscore) -> None:
+    # The C loops write each step's flag (and ZClip's threshold) into a tensor never handed out before: flags and
+    # thresholds kept over many steps (past a batch of new tensors) still read their own step's values.
+    native = _guard(monkeypatch, True, window=8, warmup=3, clip_zscore=clip_zscore)
+    reference = _guard(monkeypatch, False, window=8, warmup=3, clip_zscore=clip_zscore)
+    kept: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[], []]
+    for i in range(150):
+        norm = torch.tensor(50.0 if i % 7 == 6 else 1.0 + 0.01 * (i % 5))  # a spike every 7th step, once warm
+        for guard, store in zip((native, reference), kept):
+            guard.observe_loss_(torch.tensor(2.0))
+            flag = guard.decide(norm)
+            store.append((flag, guard.clip_threshold()))
+            guard.commit_(bool(flag), spiked=flag)
+    flags = [[bool(f) for f, _ in store] for store in kept]
+    assert flags[0] == flags[1] and sum(flags[0]) > 10
+    assert len({id(f) for f, _ in kept[0]}) == len({f.data_ptr() for f, _ in kept[0]}) == 150
+    if clip_zscore is not None:
+        assert all(_close(float(a), float(b)) for (_, a), (_, b) in zip(*kept))

@@ -252,6 +252,10 @@ class Ladder:
         """The last step a face watched (each step is watched once, by the first face at its end)."""
         self.overflows = 0
         """The host's ``overflow_count`` when :attr:`watched` was watched."""
+        self.watchers: dict[str, bool | None] = {}
+        """The faces that watch the ends of the steps, in the order they are called there (the order they switched
+        their rungs on): True once sure to watch every step of this fit, False while a face may still stand aside
+        (before the train start), None when it stood aside. The first that watches decides (:attr:`watcher`)."""
 
     # ------------------------------------------------------------------------------------------------ faces
     def switch_on(self, rung: Rung, face: str) -> None:
@@ -259,6 +263,17 @@ class Ladder:
         faces = self.faces.setdefault(rung, [])
         if face not in faces:
             faces.append(face)
+
+    def watch(self, face: str, watching: bool | None = True) -> None:
+        """``face`` watches the ends of the steps (True), may stand aside before the train start (False), or stood
+        aside (None); a face keeps its place in :attr:`watchers`."""
+        self.watchers[face] = watching
+
+    @property
+    def watcher(self) -> str | None:
+        """The face that decides each bad step: the first one watching (the first called at a step's end). A face
+        called later finds the step decided; one that knows this may stop watching, and the events keep this name."""
+        return next((face for face, watching in self.watchers.items() if watching is not None), None)
 
     @property
     def enabled(self) -> frozenset[Rung]:
@@ -333,6 +348,7 @@ class Ladder:
             self._decided.clear()
             self.watched = -1
             self.load = None
+            self.watchers.clear()
 
     # ------------------------------------------------------------------------------------------ the restored state
     def loaded(self, step: int, path: str) -> None:

@@ -60,6 +60,7 @@ _MIN_REL_STD = 0.01
 # the clean tail and 4x are left to clipping (fixed, or clip_zscore), which bounds their update anyway.
 _SKIP_REL_STD = {"loss": _MIN_REL_STD, "grad_norm": 0.5}
 _TINY = 1e-12
+_FRESH = 64  # the C loops' new flags (and ZClip thresholds) made at a time: see SpikeGuard._take_fresh
 _NAMES: tuple[str, ...] = get_args(Watched)
 # The window's statistics as decide() needs them: mean, judged std, count, spike gate, clip caps, clip threshold.
 _Prepared = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -132,6 +133,9 @@ class SpikeGuard:
         self._pending: torch.Tensor | None = None  # both stacked (NaN where not given), made once per step
         self._finite: torch.Tensor | None = None  # which of them are finite, as decide() found them
         self._decided = False  # whether decide() ran this step (host-side)
+        self._opaque = False  # whether a value of this step is a tensor subclass (the C loops read plain ones only)
+        self._native_spike = False  # whether _last_spike is this step's flag made by the C loops (plain, bool, CPU)
+        self._fresh: dict[torch.dtype, list[torch.Tensor]] = {}  # 0-dim CPU tensors the C loops write: _take_fresh
         self._last_spike = torch.zeros((), dtype=torch.bool)
         self._judged: tuple[torch.Tensor, torch.Tensor] | None = None  # last z-scores, window sizes: metrics, lazily
         self._threshold: torch.Tensor | None = None  # the clip threshold decide() computed this step
@@ -219,18 +223,16 @@ class SpikeGuard:
         if kernel is None:
             return None
         config = torch.cat([gate, clip_zscore, torch.tensor([*floors[0], _MIN_REL_STD, _TINY])]).float()
-        return _Native(kernel, config, torch.full((2,), math.nan), torch.zeros(2, dtype=torch.int64),
-                       torch.full((2,), math.inf))
+        return _Native.of(kernel, config, torch.full((2,), math.nan), torch.zeros(2, dtype=torch.int64),
+                          torch.full((2,), math.inf))
 
     def _native(self) -> _Native | None:
         """The C loops, when they may run now: bound to the CPU, not while dynamo traces (it cannot trace a ctypes
         call: the torch ops compile), not under a TorchDispatchMode (a tracer or a counter sees every operation)."""
-        if torch.compiler.is_compiling():
-            return None
         found: _Native | None = self._consts.get("native")
-        if found is None or torch._C._len_torch_dispatch_stack() or not self._values.is_contiguous():
+        if found is None or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
             return None
-        return found
+        return found if self._values.is_contiguous() else None
 
     def _table(self, gate: torch.Tensor, clip_zscore: torch.Tensor) -> torch.Tensor:
         """What the statistics need from the number n of values in the window (0..window), per series, looked up once
@@ -268,6 +270,7 @@ class SpikeGuard:
         value = self._value(loss, "observe_loss_(loss)")
         self._loss = value if self._loss is None else self._loss + value
         self._pending = None
+        self._opaque = self._opaque or type(value) is not torch.Tensor
 
     def decide(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
         """Whether this step is a spike: a 0-dim bool tensor on the device, to OR into the non-finite flag.
@@ -286,11 +289,13 @@ class SpikeGuard:
                     " gradient norm is watched or clipped, so pass the step's total unscaled gradient norm.")
         else:
             self._norm, self._pending = self._value(grad_norm, "decide(grad_norm)"), None
+            self._opaque = self._opaque or type(self._norm) is not torch.Tensor
         if self.device is None:  # nothing seen yet, nothing to judge
             return self._last_spike.clone()
         found = self._native()
-        if found is not None and _plain(self._loss) and _plain(self._norm):
+        if found is not None and not self._opaque:
             return self._decide_native(found)
+        self._native_spike = False
         value = self._stacked()
         mean, judged, n, gate, caps, threshold = self._prepared or self._prepare()
         z = (value - mean) / judged
@@ -305,18 +310,28 @@ class SpikeGuard:
 
     def _decide_native(self, found: _Native) -> torch.Tensor:
         """:meth:`decide`'s statistics and judgement in one C call (the same numbers, see ``SOURCE``)."""
-        spike = torch.empty((), dtype=torch.bool)  # new each step, as the torch path's: a caller may keep it
-        threshold = None if self.clip_zscore is None else torch.empty((), dtype=torch.float32)
-        caps = None if threshold is None else found.caps
+        spike = self._take_fresh(torch.bool)  # new each step, as the torch path's: a caller may keep it
+        threshold = None if self.clip_zscore is None else self._take_fresh(torch.float32)
+        loss, norm = self._loss, self._norm
+        config, z, n, caps = found.pointers
         found.kernel.decide(
-            self._values.data_ptr(), self._counts.data_ptr(), self.window, self.warmup, found.config.data_ptr(),
-            _pointer(self._loss), _pointer(self._norm), spike.data_ptr(), found.z.data_ptr(), found.n.data_ptr(),
-            None if caps is None else caps.data_ptr(), None if threshold is None else threshold.data_ptr())
+            self._values.data_ptr(), self._counts.data_ptr(), self.window, self.warmup, config,
+            None if loss is None else loss.data_ptr(), None if norm is None else norm.data_ptr(), spike.data_ptr(),
+            z, n, None if threshold is None else caps, None if threshold is None else threshold.data_ptr())
         self._judged = (found.z, found.n)  # read by the metrics until the next decide() writes them
-        self._threshold, self._caps, self._finite = threshold, caps, None
+        self._threshold, self._caps, self._finite = threshold, None if threshold is None else found.caps, None
         self._last_spike = spike
-        self._decided = True
+        self._decided = self._native_spike = True
         return spike
+
+    def _take_fresh(self, dtype: torch.dtype) -> torch.Tensor:
+        """A 0-dim CPU tensor of ``dtype`` for the C loops to write, never handed out before (a caller may keep it).
+        Made _FRESH at a time, as the views of one tensor (one op): a ``torch.empty`` each step costs ~6 us after a
+        backward on the CPU (its dispatch, not the allocation), the pool's pop ~0.1 us and one op every _FRESH steps."""
+        pool = self._fresh.get(dtype)
+        if not pool:
+            pool = self._fresh[dtype] = list(torch.empty(_FRESH, dtype=dtype).unbind())
+        return pool.pop()
 
     def clip_threshold(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor | None:
         """The adaptive clip norm ``mean + clip_zscore * std`` of the recent applied norms, as a 0-dim float32
@@ -376,18 +391,25 @@ class SpikeGuard:
                        given: bool) -> bool:
         """:meth:`commit_` in one C call where every tensor is a plain CPU one of the dtype it reads (flags: bool);
         False (nothing done) otherwise."""
-        if spiked is None:
-            spiked = self._last_spike if self._decided else None
+        if spiked is None and self._decided:
+            spiked = self._last_spike
         # The caps of this step's decide(), its own buffer or the torch path's (2,) CPU FP32 statistics.
         caps = self._caps if self.clip_zscore is not None and self._threshold is not None else None
-        if not (_plain(self._loss) and _plain(self._norm) and _plain(caps) and _flag(spiked)
-                and (isinstance(skipped, bool) or _flag(skipped))):
+        # The flag this guard's C loops made this step is known to be a plain CPU bool: not checked again.
+        own = spiked is self._last_spike and self._native_spike
+        if self._opaque or not (_plain(caps) and (own or _flag(spiked))):
             return False
-        host = isinstance(skipped, bool)
+        if isinstance(skipped, bool):
+            flag, host = None, int(skipped)
+        elif _flag(skipped):
+            flag, host = skipped.data_ptr(), 0
+        else:
+            return False
+        loss, norm = self._loss, self._norm
         found.kernel.commit(
             self._values.data_ptr(), self._counts.data_ptr(), self.window, self._spikes.data_ptr(),
-            _pointer(self._loss), _pointer(self._norm), None if caps is None else caps.data_ptr(), int(given),
-            None if host else skipped.data_ptr(), int(skipped) if host else 0,  # type: ignore[union-attr]
+            None if loss is None else loss.data_ptr(), None if norm is None else norm.data_ptr(),
+            None if caps is None else caps.data_ptr(), int(given), flag, host,
             None if spiked is None else spiked.data_ptr())
         if given:
             self._prepared = None  # the window may have changed
@@ -447,7 +469,7 @@ class SpikeGuard:
 
     def _clear(self) -> None:
         self._loss = self._norm = self._pending = self._finite = self._threshold = self._caps = None
-        self._decided = False
+        self._decided = self._opaque = self._native_spike = False
 
     def _prepare(self) -> _Prepared:
         """The window's statistics, per series, over its applied values: the mean, the judged standard deviation
@@ -621,7 +643,7 @@ class _SpikeKernel:
 
     __slots__ = ("commit", "decide")
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.PyDLL) -> None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.decide = lib.lmp_spike_decide
         self.decide.restype = None
@@ -640,7 +662,9 @@ def spike_kernel() -> _SpikeKernel | None:
 @functools.cache
 def _load_kernel() -> _SpikeKernel | None:
     lib = native.load("spike_guard", SOURCE, native.compiler())
-    return None if lib is None else _SpikeKernel(lib)
+    # Called through PyDLL, which keeps the GIL: the loops take ~0.1 us and call no Python, and a CDLL call releases
+    # and takes back the GIL around them (another Python thread, a logger's, may then run first).
+    return None if lib is None else _SpikeKernel(ctypes.PyDLL(lib._name, handle=lib._handle))
 
 
 class _Native(NamedTuple):
@@ -651,6 +675,13 @@ class _Native(NamedTuple):
     z: torch.Tensor
     n: torch.Tensor
     caps: torch.Tensor
+    pointers: tuple[int, int, int, int]
+    """The data pointers of config, z, n and caps (buffers of their own, never replaced), read once."""
+
+    @classmethod
+    def of(cls, kernel: _SpikeKernel, config: torch.Tensor, z: torch.Tensor, n: torch.Tensor,
+           caps: torch.Tensor) -> _Native:
+        return cls(kernel, config, z, n, caps, (config.data_ptr(), z.data_ptr(), n.data_ptr(), caps.data_ptr()))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A copy or a pickle of a guard (a ctypes function is neither) takes the C loops of the process it lands in,
@@ -660,7 +691,7 @@ class _Native(NamedTuple):
 
 def _native_again(config: torch.Tensor, z: torch.Tensor, n: torch.Tensor, caps: torch.Tensor) -> _Native | None:
     kernel = spike_kernel()
-    return None if kernel is None else _Native(kernel, config, z, n, caps)
+    return None if kernel is None else _Native.of(kernel, config, z, n, caps)
 
 
 def _plain(value: torch.Tensor | None) -> bool:
@@ -674,6 +705,3 @@ def _flag(value: torch.Tensor | None) -> bool:
     return value is None or (type(value) is torch.Tensor and value.dtype is torch.bool and value.is_cpu
                              and value.numel() == 1)
 
-
-def _pointer(value: torch.Tensor | None) -> int | None:
-    return None if value is None else value.data_ptr()
