@@ -136,3 +136,15 @@ class ListLogger:
                 return [metrics[name] for _, metrics in self.rows if name in metrics]
 
         return _ListLogger()
+
+
+class ActionNames(pl.profilers.PassThroughProfiler):
+    """A profiler that lists the actions Lightning starts, in order (a callback hook's dispatch is
+    ``[Callback]<state key>.<hook>``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def start(self, action_name: str) -> None:
+        self.names.append(action_name)

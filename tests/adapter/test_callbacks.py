@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from cb_helpers import ListLogger, ManualPoisonModule, PoisonModule, quiet
+from cb_helpers import ActionNames, ListLogger, ManualPoisonModule, PoisonModule, quiet
 from helpers import make_trainer
 from trainer_pkg import (
     AMPPreflight,
@@ -393,23 +393,13 @@ def test_lightning_dispatches_only_the_per_step_hooks_a_callback_implements():
     (it prepares the indicators' logging steps) is dispatched only with indicators or attention; AMPPreflight's batch
     end (it only watches the steps for the ladder) only where no other face surely watches them (here
     ScaleCheckpoint does: tests/adapter/test_spike_guard.py)."""
-    from lightning.pytorch.profilers import PassThroughProfiler
-
-    class Actions(PassThroughProfiler):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: set[str] = set()
-
-        def start(self, action_name: str) -> None:
-            self.names.add(action_name)
-
     class Watching(OverflowMonitor):
         backwards = 0
 
         def on_after_backward(self, trainer, pl_module) -> None:
             Watching.backwards += 1
 
-    profiler = Actions()
+    profiler = ActionNames()
     callbacks = [AMPPreflight(), OverflowMonitor(), PrecisionFallback(), ScaleCheckpoint(), Watching(window=7),
                  OverflowMonitor(window=9, indicators=True)]
     with quiet():
@@ -434,24 +424,14 @@ def test_lightning_dispatches_only_the_per_step_hooks_a_callback_implements():
 def test_amp_preflight_leaves_the_per_step_dispatch_once_its_check_is_done():
     """AMPPreflight's batch-start hook only runs the check owed at the run's first batch: Lightning dispatches it
     (~12 Python calls a step) until then, and again at the next fit's first batch, not at every step."""
-    from lightning.pytorch.profilers import PassThroughProfiler
-
-    class Count(PassThroughProfiler):
-        def __init__(self) -> None:
-            super().__init__()
-            self.starts: list[str] = []
-
-        def start(self, action_name: str) -> None:
-            self.starts.append(action_name)
-
     preflight = AMPPreflight()
     action = f"[Callback]{preflight.state_key}.on_train_batch_start"
     for steps in (3, 5):  # a second fit checks its first batch again
-        profiler = Count()
+        profiler = ActionNames()
         with quiet():
             make_trainer(StablePrecision("bf16-mixed"), max_steps=steps, callbacks=[preflight],
                          profiler=profiler).fit(PoisonModule())
-        assert profiler.starts.count(action) == 1 and not preflight.pending
+        assert profiler.names.count(action) == 1 and not preflight.pending
         assert preflight.result["step"] == 0 and preflight.result["passed"]
 
 

@@ -407,7 +407,7 @@ def test_scale_checkpoint_leaves_detection_to_the_guard():
 def test_the_first_face_that_watches_names_the_decision_whoever_asks_first(monkeypatch, faces, aside, watches):
     # Each bad step is decided once, by the first face at the step's end; AMPPreflight's batch-end hook does nothing
     # else, so Lightning calls it only where no face after it surely watches, and the decision keeps its name.
-    from lightning.pytorch.profilers import PassThroughProfiler
+    from cb_helpers import ActionNames
     from trainer_pkg import NAME, StablePrecision
 
     from lit_mpstable import callbacks as cbs
@@ -417,16 +417,8 @@ def test_the_first_face_that_watches_names_the_decision_whoever_asks_first(monke
     if aside:  # as FSDP2 with a '*-true' precision: PrecisionFallback stands aside at the train start
         monkeypatch.setattr(StablePrecision, "can_fallback", property(lambda self: False))
 
-    class Actions(PassThroughProfiler):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def start(self, action_name: str) -> None:
-            self.names.append(action_name)
-
     callbacks = [getattr(cbs, face)() for face in faces]
-    profiler = Actions()
+    profiler = ActionNames()
     plugin, recorder, _, _ = _fit({SPIKE_AT: "loss_spike"}, callbacks=callbacks, profiler=profiler)
     first = next(face for face in faces if not (aside and face == "PrecisionFallback"))
     assert [(e["step"], e["fault"], e["action"], e["by"]) for e in plugin.ladder_events] == [
