@@ -538,3 +538,27 @@ def test_on_cuda_the_reading_matches_the_count_and_dropout_is_replayed() -> None
     start = stepper.forward_state()
     _backward(stepper, model, _mse(), batch)
     assert stepper.measure(model, _mse(), batch, start=start)["rel_error"] < 0.05
+
+
+def test_a_sparse_embedding_gradient_is_measured_as_its_dense_values() -> None:
+    # nn.Embedding(sparse=True) gives sparse COO gradients, in the run and in the FP32 recompute: the probe measures
+    # their dense values (it raised "reshape is not implemented for sparse tensors", and "aten::ne.Scalar" before).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 8, sparse=True), nn.Flatten(), nn.Linear(32, 4))
+    tokens, targets = torch.randint(0, 50, (6, 4)), torch.randn(6, 4)
+
+    def loss_fn(module: nn.Module, batch) -> torch.Tensor:
+        return F.mse_loss(module(batch[0]).float(), batch[1])
+
+    stepper, model = _setup("bf16-mixed", model)
+    _backward(stepper, model, loss_fn, (tokens, targets))
+    assert model[0].weight.grad.is_sparse
+    run = {n: p.grad.to_dense() for n, p in model.named_parameters()}
+    reference = copy.deepcopy(model).float()  # the integer tokens stay integers
+    names, params = zip(*reference.named_parameters())
+    grads = torch.autograd.grad(loss_fn(reference, (tokens, targets)), params)
+    ref = {n: g.to_dense() for n, g in zip(names, grads)}
+    result = stepper.measure(model, loss_fn, (tokens, targets))
+    for key, value in _expected(run, ref).items():
+        assert result[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    assert result["modules"]["0"]["numel"] == 50 * 8 and 0 < result["modules"]["0"]["rel_error"] < 0.05

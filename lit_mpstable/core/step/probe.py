@@ -277,6 +277,8 @@ def _module_sums(
 def _flat(grad: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
     if grad is None:
         return torch.zeros((), dtype=torch.float64, device=device).expand(numel)
+    if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): its values in place, dense
+        grad = grad.to_dense()
     return grad.reshape(-1).to(device)
 
 
