@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lit_mpstable.core.checkpoints import written_before
+from lit_mpstable.core.tensors import dense_values
 
 KEY = "fingerprint"
 """Where the fingerprint sits in the plugin's state."""
@@ -491,7 +492,7 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
         raise PinnedPassWrote(f"the pinned micro-batch's pass wrote to {written[:5]} in place (the loss function"
                               " changes weights as a side effect, e.g. a step-keyed write in training_step): a resume"
                               " would not repeat its loss; move the write to a hook such as on_train_batch_start")
-    present = [g.detach() for g in grads if g is not None]
+    present = dense_values([g.detach() for g in grads if g is not None])  # a sparse embedding's: its values
     if _is_sharded(present):
         norm = _sharded_norm(present)
     else:

@@ -100,9 +100,20 @@ def one_on(device: torch.device) -> torch.Tensor:
     return one
 
 
+def dense_values(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with each sparse one (COO: the gradient of ``nn.Embedding(sparse=True)``) replaced by its coalesced
+    values: the same norms, extremes and inf/NaN, in a plain tensor the multi-tensor ops take. ``tensors`` itself
+    where none is sparse."""
+    if not any(map(_IS_SPARSE, tensors)):
+        return tensors
+    return [t.coalesce().values() if t.is_sparse else t for t in tensors]
+
+
 def grad_norms(grads: list[torch.Tensor], norm_type: float, *, full: bool = False) -> list[torch.Tensor]:
     """Each gradient's norm in FP32 (a 16-bit gradient's too, without an FP32 copy of it): one multi-tensor kernel
-    where they are plain tensors on one device, else one call each; ``full``: a sharded (DTensor) norm made whole."""
+    where they are plain tensors on one device, else one call each; ``full``: a sharded (DTensor) norm made whole.
+    A sparse gradient's norm is its coalesced values' (:func:`dense_values`)."""
+    grads = dense_values(grads)
     if all(type(g) is torch.Tensor for g in grads) and len({g.device for g in grads}) == 1:
         return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]

@@ -5,10 +5,11 @@ under torch.compile, on 2 DDP ranks, and resumed exactly mid-window."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
-from helpers import HostReads, TinyMLP, regression_data, spawn_ranks
+from helpers import HostReads, TinyMLP, make_trainer, regression_data, spawn_ranks
 from torch import nn
 
 from lit_mpstable import SpikeGuard
@@ -446,3 +447,48 @@ def test_every_weight_keeper_skips_a_spike(precision, masters, kind):
                 same.stepper.skip_step()
             same.run_step(i)
         assert run.stepper.loss_scale == same.stepper.loss_scale
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_sparse_embedding_trains_under_the_guard_the_indicators_and_checkpoints(tmp_path, precision) -> None:
+    # nn.Embedding(sparse=True) gives sparse COO gradients. The guard's gradient norm, SpikeScore's norm and the
+    # checkpoint's pinned pass each took torch._foreach_norm over them, which has no sparse kernel: the fit crashed at
+    # its first step. Their norms are now their coalesced values'.
+    from torch.nn import functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+    from trainer_pkg import OverflowMonitor, StablePrecision, pl
+
+    class Recommender(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(200, 8, sparse=True)
+            self.head = nn.Linear(32, 1)
+
+        def training_step(self, batch, batch_idx):
+            tokens, target = batch
+            return F.mse_loss(self.head(self.embedding(tokens).flatten(1)).squeeze(-1).float(), target)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def fit(steps: int, ckpt_path=None) -> tuple:
+        torch.manual_seed(0)
+        data = DataLoader(TensorDataset(torch.randint(0, 200, (96, 4)), torch.randn(96)), batch_size=16)
+        plugin = StablePrecision(precision, spike_guard=SpikeGuard(warmup=2))
+        model = Recommender()
+        trainer = make_trainer(plugin, max_steps=steps, default_root_dir=tmp_path, log_every_n_steps=2,
+                               callbacks=[OverflowMonitor(indicators=True)], limit_val_batches=0)
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+        return trainer, plugin, model
+
+    trainer, plugin, model = fit(6)
+    assert model.embedding.weight.grad is None or model.embedding.weight.grad.is_sparse
+    assert plugin.step_count == 6 and plugin.skipped_steps <= 1  # FP16's first scale may overflow once
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert "mp/spike_score" in trainer.callback_metrics
+    trainer.save_checkpoint(tmp_path / "six.ckpt")  # the pinned pass's gradient norm, over a sparse gradient
+    checkpoint = torch.load(tmp_path / "six.ckpt", weights_only=False)
+    pinned = checkpoint["StablePrecision"]["fingerprint"]["pinned"]
+    assert pinned and math.isfinite(pinned["grad_norm"]) and pinned["grad_norm"] > 0
+    resumed, plugin, _ = fit(8, ckpt_path=tmp_path / "six.ckpt")
+    assert resumed.global_step == 8 and [e["action"] for e in plugin.fingerprint.events] == ["passed", "passed"]

@@ -39,6 +39,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.optim import Optimizer
 
+from lit_mpstable.core.tensors import dense_values
+
 MEASURED_LEAD = {
     "update_ratio": "on the CPU GPT at a spiking LR this warning came 1-11 steps before the loss spike in 4 of 5 seeds"
                     " on one machine, in 1 of 5 on another (after it, or never, in the rest); never on 5 seeds at the"
@@ -487,7 +489,7 @@ class Indicators:
             norm = known[0] if len(known) == 1 else torch.linalg.vector_norm(torch.stack([n.float() for n in known]))
         else:
             params = _params(optimizer) if optimizer is not None else []
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = dense_values([p.grad for p in params if p.grad is not None])
             norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads
                     else torch.zeros((), device=loss.device))
         self.spike_score.update(loss, norm)
