@@ -79,6 +79,15 @@ class ScheduleHold:
     def _live(self) -> list[object]:
         return [s for ref in self._held if (s := ref()) is not None and s in _progress]
 
+    def release_(self, optimizer: Optimizer) -> None:
+        """Let ``optimizer``'s schedulers (and those without an optimizer) take their next step although no step was
+        applied: the user skipped the batch (``training_step`` returned None), and Lightning's schedule moves on such
+        a batch; the hold is for the steps the plugin skips."""
+        for scheduler in self._live():
+            if getattr(scheduler, "optimizer", None) in (optimizer, None):
+                progress = _progress[scheduler]
+                progress[1] = min(progress[1], progress[0]() - 1)
+
     def state_dict(self) -> list[int]:
         """Per held scheduler, in the order they were held: the steps its optimizer applied since it last stepped."""
         return [int(_progress[s][0]() - _progress[s][1]) for s in self._live()]

@@ -105,7 +105,7 @@ class TrainerPrecision(StableFrontEnd):
         closure_result = closure()
         stepper = self.stepper
         if closure_result is None and model.automatic_optimization:
-            stepper.drop_grads_(optimizer)  # training_step returned None: no backward ran, nothing to step
+            stepper.drop_batch_(optimizer)  # training_step returned None: no backward ran, nothing to step
             return closure_result
         if stepper.skip_requested:  # a callback discarded this batch before backward
             return stepper.discard_(optimizer)

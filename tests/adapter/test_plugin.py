@@ -166,6 +166,38 @@ def test_lr_schedule_held_on_skipped_steps() -> None:
     assert plugin.loss_scale == 2.0**14
 
 
+class _SkipsBatches(_Exact):
+    """``training_step`` returns None on every fourth batch (Lightning's way to skip a batch)."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 4 == 1 else super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        pass  # Lightning calls it after a skipped batch too, with no gradients
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_a_batch_the_user_skips_moves_the_lr_schedule_as_lightning_does(precision: str) -> None:
+    """The schedule holds on the steps the plugin skips (inf/NaN, spikes), not on those the user skips: a None from
+    ``training_step`` steps the scheduler in Lightning's own run, so it does here (32-true: the same weights too)."""
+
+    def fit(plugin=None, **kwargs):
+        module = _SkipsBatches()
+        trainer = make_trainer(plugin, max_steps=8, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module)
+        return module, trainer.lr_scheduler_configs[0].scheduler
+
+    builtin, builtin_schedule = fit(precision="32-true")
+    ours, schedule = fit(StablePrecision(precision))
+    assert schedule.last_epoch == builtin_schedule.last_epoch == 8
+    assert ours.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.9**8)
+    if precision == "32-true":
+        for mine, theirs in zip(ours.parameters(), builtin.parameters()):
+            assert torch.equal(mine, theirs)
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
 def test_fused_optimizer_skips_are_detected(optimizer: str) -> None:
     module = make_module(optimizer=optimizer, scheduler=True, poison_steps={2}, lr=1e-3)

@@ -766,6 +766,12 @@ class PrecisionStepper:
         next one starts where the step did. Returns whether there was a copy to write back. No host read."""
         return self.step_buffers.restore_()
 
+    def drop_batch_(self, optimizer: Optimizer) -> None:
+        """The user skipped the batch (``training_step`` returned None): its gradients forgotten, nothing counted, and
+        ``optimizer``'s LR schedule moves on as in Lightning's own run (it holds on the steps this plugin skips)."""
+        self.drop_grads_(optimizer)
+        self.schedules.release_(optimizer)
+
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
         if not isinstance(optimizer, Optimizer):
