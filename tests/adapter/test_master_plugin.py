@@ -167,6 +167,43 @@ def test_resume_is_bit_exact_and_checkpoint_holds_fp32_masters(tmp_path) -> None
         assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize("weights", [dict(), dict(optimizer_state="bf16"), dict(master_weights="kahan"),
+                                     dict(master_weights="kahan", optimizer_state="bf16")])
+def test_validate_test_and_predict_load_a_checkpoint_written_with_master_weights(tmp_path, weights: dict) -> None:
+    """Lightning restores the plugin's state for every stage, not only ``fit``: outside fit no optimizer is bound, and
+    the masters (or compensation) wait for one instead of being refused as another model's. The evaluation runs on the
+    checkpoint's 16-bit weights, as Lightning's own bf16-true does."""
+
+    class Evaluated(type(make_module())):  # type: ignore[misc]
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x).float(), y)
+            self.log("val_loss", loss)
+            return loss
+
+        def test_step(self, batch, batch_idx):
+            return self.validation_step(batch, batch_idx)
+
+        def predict_step(self, batch, batch_idx):
+            return self(batch[0])
+
+    torch.manual_seed(0)
+    module = Evaluated(optimizer="adamw", lr=1e-2)
+    loader = module.train_dataloader()
+    trainer = make_trainer(StablePrecision("bf16-true", **weights), max_steps=4)
+    trainer.fit(module)
+    trainer.save_checkpoint(tmp_path / "fit.ckpt")
+    (expected,) = trainer.validate(module, loader, verbose=False)
+    (same_trainer,) = trainer.test(module, loader, ckpt_path=tmp_path / "fit.ckpt", verbose=False)
+    assert same_trainer["val_loss"] == expected["val_loss"]
+    fresh = make_trainer(StablePrecision("bf16-true", **weights))
+    (validated,) = fresh.validate(Evaluated(), loader, ckpt_path=tmp_path / "fit.ckpt", verbose=False)
+    assert validated["val_loss"] == expected["val_loss"]
+    predicted = make_trainer(StablePrecision("bf16-true", **weights)).predict(
+        Evaluated(), loader, ckpt_path=tmp_path / "fit.ckpt")
+    assert torch.equal(torch.cat(predicted), torch.cat(trainer.predict(module, loader)))
+
 def test_loading_a_plain_fp32_checkpoint_keeps_its_fp32_values(tmp_path) -> None:
     torch.manual_seed(0)
     source = make_module(optimizer="adamw", lr=1e-2)

@@ -283,6 +283,10 @@ class PrecisionStepper:
             raise RuntimeError(
                 f"{self.owner}.setup_optimizers: call setup_module(module) first; without it the model keeps its"
                 f" FP32 weights and no precision layout ({self.precision!r}, FP32 islands, FP8), and trains in FP32.")
+        # Lightning connects the plugin again for validate/test/predict after fit, with the fit's optimizers, whose
+        # groups hold the keeper's FP32 weights by then: that keeper stays (a new one would find no model parameter).
+        bound = (self.master_mode is not None and bool(optimizers) and self.keeper.mode == self.master_mode
+                 and list(map(id, optimizers)) == list(map(id, self.optimizers)))
         self.optimizers = list(optimizers)
         self.adopt_device_(module)
         for scaler in (self.scaler, self._checker):  # the scale-1 check of scaler=None unscales FP16 gradients too
@@ -303,16 +307,16 @@ class PrecisionStepper:
                 " optimizer state dict knows only the model's parameters). To checkpoint, train in"
                 f" {self.precision.replace('-true', '-mixed')!r} with fully_shard(..., mp_policy=plugin.mp_policy):"
                 " FSDP2 then keeps FP32 shards and computes in 16 bits."))
-        if self.master_mode is not None:  # plain needs no binding (the plain keeper checked eps above)
+        if self.master_mode is None:
+            # The plain keeper of __init__: their state follows a fallback's recast of the parameters.
+            cast(PlainKeeper, self.keeper).optimizers = list(optimizers)
+        elif not bound:
             self.keeper = make_keeper(
                 self.master_mode, module, optimizers, owner=self.owner, precision=self.precision,
                 dtype=self.dtype, checker=self._checker, fsdp2=self.fsdp2, initial=self._initial,
                 warnings=self.warnings, optimizer_state=self.optimizer_state,
             )
             self._initial = {}
-        else:
-            # The plain keeper of __init__: their state follows a fallback's recast of the parameters.
-            cast(PlainKeeper, self.keeper).optimizers = list(optimizers)
         keeper = self.keeper  # a fallback's recast carries what the keeper holds
         self.layout.after_recast = lambda changed: keeper.follow_model_weights_(recast=changed)
         key = self.keeper.state_key
@@ -905,7 +909,7 @@ class PrecisionStepper:
         check_plugin_state(call, state, set(self.state_dict()) | {RECAST}, get_args(PrecisionName))
         self.fp8_budget.check_state(call, state["fp8_budget"], self.layout)
         check_weights_state(call, self.keeper, state["masters"], state["compact"], mode=self.master_mode,
-                            fsdp2=self.fsdp2, module=self.layout.module)
+                            fsdp2=self.fsdp2, module=self.layout.module, bound=bool(self.optimizers))
         growth, saved_growth = self.growth, state["growth"]
         if growth is not None and saved_growth:
             growth.check_state(saved_growth, call=call, name="growth")
@@ -925,7 +929,7 @@ class PrecisionStepper:
             self.layout.load_state_dict(state["layout"])
         warning = load_weights_state_(self.keeper, state["masters"], state["compact"], mode=self.master_mode,
                                       fsdp2=self.fsdp2, pending=self._pending, module=self.layout.module,
-                                      precision=self.precision)
+                                      precision=self.precision, bound=bool(self.optimizers))
         if warning is not None:
             self.warnings.add(*warning)
         # After the fallback was re-applied: the recast parameters and their optimizer state take the FP32 values.

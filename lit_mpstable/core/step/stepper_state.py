@@ -63,15 +63,17 @@ def load_scaler_state_(scaler: torch.amp.GradScaler | None, state: dict[str, Any
 
 
 def _route(keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *, mode: str | None,
-           fsdp2: bool) -> str | None:
-    """Where the checkpoint's ``masters``/``compact`` go: ``"load"`` into ``keeper`` (same mode), ``"pending"`` until
-    it is bound, ``"carry"`` their FP32 values (and BF16/FP8 moments) into this run's weight mode, or None."""
+           fsdp2: bool, bound: bool) -> str | None:
+    """Where the checkpoint's ``masters``/``compact`` go: ``"load"`` into ``keeper`` (same mode, ``bound`` to the
+    run's optimizers), ``"pending"`` until it is bound (``validate``/``test``/``predict``, which Lightning restores the
+    plugin for too, bind none: they run on the checkpoint's 16-bit weights), ``"carry"`` their FP32 values (and BF16/FP8
+    moments) into this run's weight mode, or None."""
     if masters and keeper.state_key == "masters":
-        return "load"
+        return "load" if bound else "pending"
     if masters and mode == "fp32" and not fsdp2:
         return "pending"
     if compact and keeper.state_key == "compact" and compact.get("mode") == keeper.mode:
-        return "load"
+        return "load" if bound else "pending"
     if compact and keeper.state_key != "compact" and compact.get("mode") == mode:
         return "pending"
     if masters or compact.get("compensation") or compact.get(MOMENTS):
@@ -85,11 +87,11 @@ def _moments_of(keeper: WeightKeeper) -> AdamMoments | None:
 
 
 def check_weights_state(call: str, keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *,
-                        mode: str | None, fsdp2: bool, module: nn.Module | None) -> None:
+                        mode: str | None, fsdp2: bool, module: nn.Module | None, bound: bool) -> None:
     """Refuse, before anything is loaded, BF16/FP8 moments that :func:`load_weights_state_` would refuse: of
     parameters other than this run's (missing, renamed, of another shape), or, into the same weight mode, of another
     ``optimizer_state``."""
-    route = _route(keeper, masters, compact, mode=mode, fsdp2=fsdp2)
+    route = _route(keeper, masters, compact, mode=mode, fsdp2=fsdp2, bound=bound)
     key = "masters" if masters else "compact"
     saved = (masters or compact).get(MOMENTS)
     moments = _moments_of(keeper)
@@ -101,13 +103,13 @@ def check_weights_state(call: str, keeper: WeightKeeper, masters: dict[str, Any]
 
 def load_weights_state_(
     keeper: WeightKeeper, masters: dict[str, Any], compact: dict[str, Any], *, mode: str | None, fsdp2: bool,
-    pending: dict[str, Any], module: nn.Module | None, precision: str,
+    pending: dict[str, Any], module: nn.Module | None, precision: str, bound: bool,
 ) -> tuple[str, str] | None:
     """Load the checkpoint's ``masters``/``compact`` into ``keeper`` (same mode), keep them in ``pending`` until it is
     bound, or carry their FP32 values into this run's weight mode (BF16/FP8 moments into its moments, converted to
     its ``optimizer_state``). Returns a warning for the user, if any, as ``(key, message)``: the key names the
     saved state and this run's mode."""
-    route = _route(keeper, masters, compact, mode=mode, fsdp2=fsdp2)
+    route = _route(keeper, masters, compact, mode=mode, fsdp2=fsdp2, bound=bound)
     if route == "load":
         keeper.load_state_dict(masters or compact)
     elif route == "pending":
