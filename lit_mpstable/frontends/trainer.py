@@ -23,6 +23,7 @@ from torch.optim import LBFGS, Optimizer
 from lit_mpstable.core.checkpoints import flatten_optimizer_states_, unflatten_optimizer_states_
 from lit_mpstable.core.fingerprint import KEY as FINGERPRINT
 from lit_mpstable.core.fingerprint import CheckpointCheck, checkpoint_trees, pinned_pass
+from lit_mpstable.core.guards.ladder import ladder_of
 from lit_mpstable.frontends.common import ARGS_DOC, StableFrontEnd
 from lit_mpstable.frontends.live_state import recast_from
 from lit_mpstable.frontends.strategies import check_strategy, lightning_module, shards_with_fsdp2
@@ -245,6 +246,13 @@ class TrainerPrecision(StableFrontEnd):
         dtype = self.stepper.compute_dtype if self.stepper.true_16bit else None  # as convert_input casts a batch
         return pinned_pass(module, _training_step_loss, batch, forward_context=self.forward_context,
                            dtype=dtype)
+
+    @property
+    def ladder_events(self) -> list[dict[str, Any]]:
+        """The remedy ladder's decisions in this run, one per bad step a face decided (``step``, ``fault``, ``rung``,
+        ``action``, ``reason``, ``remaining``, ``by``; after a replay ``verdict``, ``replays``): the events of the
+        ladder the faces share, kept on this plugin; empty with no face."""
+        return ladder_of(self).events
 
     def _trainer(self) -> Any:
         return getattr(self.stepper.layout.module, "_trainer", None)

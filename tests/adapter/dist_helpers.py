@@ -341,7 +341,7 @@ class RankReport(pl.Callback):
             "islands": list(plugin.islands.names),
             "fallback_active": plugin.fallback_active,
             "scaler": plugin.scaler.state_dict() if plugin.scaler is not None else {},
-            "ladder_events": [dict(e) for e in getattr(plugin, "ladder_events", [])],  # the remedy ladder's decisions
+            "ladder_events": [dict(e) for e in plugin.ladder_events],  # the remedy ladder's decisions
         }
         for callback in trainer.callbacks:
             for name in ("decisions", "events", "rollbacks"):

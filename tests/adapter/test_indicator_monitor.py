@@ -197,3 +197,50 @@ def test_spike_score_reads_the_steps_one_pass_over_the_gradients():
     trainer = make_trainer(StablePrecision("bf16-mixed"), max_steps=5, callbacks=[monitor, counter])
     trainer.fit(AttentionTask())
     assert counter.calls == ["_foreach_norm"]
+
+
+def test_a_tensor_zero_before_the_step_has_no_update_ratio():
+    """A zero-initialised tensor (a bias, LoRA's B, a zero-init output layer) has RMS 0 before its first step: its
+    update has no ratio to it, so it stays out of the logged maximum and of the warning's baseline (it once made the
+    first logged value ~1e28 and put that into the baseline)."""
+    task = AttentionTask()
+    with torch.no_grad():
+        task.block.out.bias.zero_()
+    before = {name: p.detach().clone() for name, p in task.named_parameters()}
+    monitor = OverflowMonitor(log_every_n_steps=1, indicators=True)
+    _, rows = _fit(monitor, 1, task)
+    moved = {name: float((p.detach() - before[name]).norm() / before[name].norm())
+             for name, p in task.named_parameters() if name != "block.out.bias"}
+    assert float((task.block.out.bias.detach() - before["block.out.bias"]).norm()) > 0  # it moved, from 0
+    assert rows[0]["mp/update_ratio_max"] == pytest.approx(max(moved.values()), rel=1e-4)
+    assert monitor.indicators is not None and monitor.indicators.ratios == [rows[0]["mp/update_ratio_max"]]
+
+
+def test_a_step_with_no_update_ratio_does_not_join_the_baseline():
+    """A logging step whose largest ratio is 0 (every tensor zero before it, or a skipped step: nothing moved) says
+    nothing about the update's normal size; a median of 0 would make any later update infinitely many times it."""
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.zero_()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    indicators = Indicators(baseline=2, spike_score=False)
+    names = ["weight", "bias"]
+    logged = []
+    for step in range(2):
+        indicators.snapshot_(optimizer)
+        model(torch.ones(4, 3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ratios, lags, lag_total = indicators.measure(optimizer)
+        logged.append(ratios.tolist())
+        assert indicators.judge(logged[-1], lags.tolist(), float(lag_total), names, step) == []
+    assert logged[0] == [0.0, 0.0]  # every tensor was 0 before step 0
+    assert logged[1] == pytest.approx([1.0, 1.0])  # step 1 has step 0's gradient: its update equals the tensor
+    assert indicators.ratios == [max(logged[1])]  # step 0's 0 is left out
+
+    quiet = Indicators(baseline=2, spike_score=False)
+    for step in range(2):
+        assert quiet.judge([0.0, 0.0], [0.0, 0.0], 0.0, names, step) == []
+    assert quiet.judge([0.5, 0.0], [0.0, 0.0], 0.0, names, 2) == []  # no baseline yet: 0.5 is its first value
+    assert quiet.ratios == [0.5] and quiet.judged == 3

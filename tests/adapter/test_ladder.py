@@ -14,7 +14,7 @@ from trainer_pkg import NAME, ScaleCheckpoint, StablePrecision, pl
 
 from lit_mpstable import SpikeGuard
 from lit_mpstable.callbacks import AMPPreflight, FaultTriage, PrecisionFallback
-from lit_mpstable.core.guards.ladder import TABLE, Ladder, Rung, next_rung
+from lit_mpstable.core.guards.ladder import TABLE, Ladder, Rung, ladder_of, next_rung
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.faults import FaultInjector
 
@@ -118,7 +118,7 @@ def check_case(combo: frozenset[str], event: str) -> None:
         assert acted == {want: 1}, (sorted(combo), event, acted)
     if event != "corrupt_state" or want == "rollback":  # without a snapshot nothing can undo the NaN update
         assert result["weights_finite"] and result["state_finite"], (sorted(combo), event)
-    events = getattr(result["plugin"], "ladder_events", None)
+    events = result["plugin"].ladder_events
     if combo - {"SpikeGuard"} and want != "none":  # a face decides, and the ladder lists the decision
         assert events, (sorted(combo), event)
         assert sum(e["action"] == want for e in events) == (1 if want != "skip" else sum(
@@ -213,6 +213,21 @@ def test_every_decision_is_logged_with_rung_reason_and_what_remained(caplog):
     assert event["remaining"] == [] and event["by"] == "FaultTriage"
     lines = [r.getMessage() for r in caplog.records if r.name == "lit_mpstable.ladder"]
     assert lines[-1].startswith("ladder at step 2: unexplained -> replay (use_replay, replay verdict 'transient';")
+
+
+def test_the_plugin_lists_the_ladder_events_with_no_face():
+    """``plugin.ladder_events`` is the plugin's on both Trainer packages' classes, not something the first face to
+    decide a step adds: a run with no face lists none. Its skipped step is counted (``skipped_steps``), not listed: the
+    list holds the faces' decisions (docs/spikes-and-triage.md)."""
+    from lit_mpstable.pytorch_lightning import StablePrecision as StandaloneStablePrecision
+
+    torch.manual_seed(0)
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+    with quiet():
+        make_trainer(plugin, callbacks=faults("nan_batch"), max_steps=4).fit(PoisonModule(lr=0.01))
+    assert plugin.skipped_steps == 1 and plugin.ladder_events == []
+    assert plugin.ladder_events is ladder_of(plugin).events  # one list: the ladder the faces share
+    assert StandaloneStablePrecision("bf16-mixed").ladder_events == []
 
 
 FAST = [(frozenset(), e) for e in EVENTS] + [(frozenset(FACES), e) for e in EVENTS] + [

@@ -6,7 +6,12 @@ Four statistics (DESIGN "Fingerprints and leading indicators"):
   largest over the tensors (Marin's precursor: Adam's update norm doubles before the loss spikes). The update is
   measured, not modelled: the optimizer's parameters are copied before the step of a logging step only
   (:meth:`Indicators.snapshot_`), so it holds for any optimizer, weight decay and clipping included, and costs one
-  transient copy of the parameters on logging steps and nothing on the others.
+  transient copy of the parameters on logging steps and nothing on the others. A tensor that was all zeros before the
+  step (a zero-initialised bias, LoRA's B, a zero-init output layer, on its first step) has no ratio: it counts as 0,
+  below any measured ratio, so it never sets the maximum (over tensors, or over ranks in the monitor's MAX
+  all-reduce). When no tensor has one the logged maximum is 0, as without a snapshot, rather than nothing: the metric
+  keeps one value per logging step, the same on every rank, decided on the device before the one read, and a real
+  ratio is 0 only where nothing moved.
 - **Adam lag** (``mp/adam_lag_frac``): the fraction of coordinates whose squared gradient is below ``lag_threshold``
   times Adam's bias-corrected second moment, g^2 < threshold * v_hat (arXiv 2506.04805: spikes follow a regime where
   v_hat lags, g^2 << v_hat, so a later rise of g meets a stale, small denominator). Read from the optimizer's
@@ -25,7 +30,9 @@ Four statistics (DESIGN "Fingerprints and leading indicators"):
 :class:`Indicators` also holds the warning rule (host side, on the values read at a logging step): it warns when the
 update ratio passes ``ratio_factor`` times the median of its previous ``baseline`` logged values, or when the Adam
 lag fraction passes ``lag_limit`` (after ``baseline`` logging steps: Adam's first steps lag by construction), once per
-crossing, naming the layer.
+crossing, naming the layer. A logged maximum of 0 (no tensor had a ratio, or nothing moved: a skipped step) does not
+join the baseline: it says nothing about the update's normal size, and a median of 0 would make any later update
+infinitely many times it.
 """
 
 from __future__ import annotations
@@ -499,8 +506,9 @@ class Indicators:
         self._before = [p.detach().clone() for p in _params(optimizer)]
 
     def measure(self, optimizer: Optimizers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """After the step: per parameter tensor, the update ratio (0 without a snapshot) and the Adam-lag fraction
-        (0 where no Adam state), and the global lag fraction; device tensors, nothing read.
+        """After the step: per parameter tensor, the update ratio (0 without a snapshot, or where the tensor was all
+        zeros before the step: it has none) and the Adam-lag fraction (0 where no Adam state), and the global lag
+        fraction; device tensors, nothing read.
 
         Seven multi-tensor (``torch._foreach_*``) passes over all parameters, no per-parameter arithmetic: three for
         the update ratio (the update is p_before - p_after, computed in the snapshot's own memory), four for the lag
@@ -513,7 +521,7 @@ class Indicators:
             scale = torch._foreach_norm(before)
             torch._foreach_sub_(before, params)  # the update (negated), in place
             norms = torch.stack(torch._foreach_norm(before) + scale).view(2, len(params))
-            ratios = norms[0] / norms[1].clamp_min(1e-30)
+            ratios = norms[0].div(norms[1]).masked_fill_(norms[1] == 0, 0.0)  # all zeros before: no ratio
         else:
             ratios = torch.zeros(len(params), device=device)
         del before
@@ -571,7 +579,8 @@ class Indicators:
                     f" {ratio / reference:.1f}x the median of the last {self.baseline} logged ({reference:.3g});"
                     f" {MEASURED_LEAD['update_ratio']}")
             self.above["update_ratio"] = above
-            if not above and math.isfinite(ratio):  # a warned-about value does not become the new normal
+            # a warned-about value does not become the new normal; a step with no ratio (0) is no normal at all
+            if not above and math.isfinite(ratio) and ratio > 0:
                 self.ratios = (self.ratios + [ratio])[-self.baseline:]
         if lags:
             above = lag_total > self.lag_limit and self.judged > self.baseline

@@ -417,14 +417,16 @@ def describe(event: dict[str, Any]) -> str:
 
 
 def ladder_of(host: Any) -> Ladder:
-    """The run's ladder, kept on ``host`` (the precision plugin, or a stepper) as ``host.ladder``; its events are also
-    ``host.ladder_events``. Made on first use."""
+    """The run's ladder, kept on ``host`` (the precision plugin, or a stepper) as ``host.ladder``. Made on first use.
+    Its events are ``host.ladder_events``: a front end's property, which reads them here, or else (a stepper in a
+    loop) an attribute set now."""
     ladder = host.__dict__.get("ladder") if hasattr(host, "__dict__") else None
     if not isinstance(ladder, Ladder):
         ladder = Ladder()
         try:
             host.ladder = ladder
-            host.ladder_events = ladder.events
+            if not hasattr(type(host), "ladder_events"):
+                host.ladder_events = ladder.events
         except AttributeError:  # a host that takes no attributes (a view): the ladder lives with the caller
             pass
     return ladder
