@@ -46,7 +46,8 @@ class Replay(Enum):
     """The replay ladder, climbed one rung per replay until one is clean; :func:`next_replay` is its transition.
 
     - ``AS_IS``: the same batch, RNG and precision. Clean: the fault came and went (a flipped bit): ``"transient"``.
-    - ``FP32``: the same batch in FP32 (FP8 and autocast off). Clean: low precision made it: ``"precision"``.
+    - ``FP32``: the same batch in FP32 (FP8 and autocast off). Clean, and the weights and optimizer state it started
+      from finite: low precision made it: ``"precision"``.
     - ``SNAPSHOT``: the same batch from the last snapshot. Clean: the weights or the optimizer state had gone bad
       since: ``"state"``.
 
@@ -277,7 +278,9 @@ class ReplayHost(Protocol[Backup]):
 
 def climb(host: ReplayHost[Backup], max_replays: int) -> tuple[TriageKind, list[str], list[str], dict[str, object]]:
     """Replay up the ladder until a replay is clean (on every rank) or the rungs run out; a clean replay's step is
-    applied (after a rollback for the snapshot's rung). Returns the kind, the outcome of each rung tried, where
+    applied (after a rollback for the snapshot's rung). The FP32 rung is clean only if the state it started from was
+    finite too: inf/NaN in the weights or optimizer state is no precision's doing, so a fault there goes on to the
+    snapshot's rung (``"state"``) in every weight mode. Returns the kind, the outcome of each rung tried, where
     inf/NaN first appeared in the as-is replay, and extras for the event (``restored_step``). An exception in the
     snapshot's rung (the replay, its check or its step) restores the state it replaced before it propagates: the
     weights and the optimizer never stay at the snapshot's step while the counters say the current one."""
@@ -301,10 +304,15 @@ def climb(host: ReplayHost[Backup], max_replays: int) -> tuple[TriageKind, list[
             outcomes.append("fp32:unavailable")
             replay = next_replay(replay, False, max_replays)
             continue
+        # Read before the widening: with FP32 masters full_precision() widens the parameters from the masters, so a
+        # 16-bit working copy holding inf/NaN (a flipped bit) is out of the FP32 replay's sight, which would come out
+        # clean and move the layer to FP32 for good. The replay still runs on every rank (its backward all-reduces
+        # under DDP); this rank's state joins its verdict in the one reduction.
+        state_bad = replay is Replay.FP32 and not state_finite(host.module, [host.optimizer])
         try:
             with host.full_precision() if replay is Replay.FP32 else nullcontext():
                 loss, names = host.replay(trace=replay is Replay.AS_IS)
-                bad = not replay_finite(host.module, host.optimizer, loss) or \
+                bad = state_bad or not replay_finite(host.module, host.optimizer, loss) or \
                     replay_spikes(host.plugin, host.module, loss)
                 clean = not host.any_rank([bad])[0]
                 outcomes.append(f"{replay.name.lower()}:{'clean' if clean else 'nonfinite'}")
