@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, cast
 
@@ -44,16 +44,16 @@ from lit_mpstable.core.guards.triage import (
     traced_names,
     triage_event,
 )
-from lit_mpstable.frontends.trainer import TrainerPrecision
+from lit_mpstable.frontends.trainer import TrainerPrecision, held_logs
 
 
 class FaultTriage(PluginCallback):
     """Replays a rejected step to tell a passing fault from a deterministic one, and acts on what it finds.
 
-    On every training batch it keeps what a replay needs: a reference to the batch, its index and the torch RNG
-    states (CPU, and CUDA where initialised): host copies of a few KiB, no device copy and no host read. A clean step
-    costs nothing more: its verdict is the plugin's ``last_step_skipped``, read after the sync the skip decision
-    already made.
+    On every training batch it keeps what a replay needs: a reference to the batch, its index, the torch RNG states
+    (CPU, and CUDA where initialised) and references to what ``training_step`` had logged: host copies of a few KiB,
+    no device copy and no host read. A clean step costs nothing more: its verdict is the plugin's
+    ``last_step_skipped``, read after the sync the skip decision already made.
 
     A rejected step is triaged when the loss scale does not explain it: its loss was non-finite (the scale only
     multiplies after the loss), its batch held inf/NaN (``stats["nonfinite_input"]``), its gradients overflowed with no
@@ -76,9 +76,12 @@ class FaultTriage(PluginCallback):
     - ``"data"``: no replay was clean (or none was left): the batch stays skipped, its index recorded.
 
     The plugin counts what happened: the rejected execution as a skipped step, an applied replay as a step of its
-    own. Every event goes into :attr:`events`, a rank-zero message and ``mp/triage_events``, and the checkpoint.
-    Distributed runs decide alike on every rank: the trigger and each replay's verdict are reduced (any rank's
-    non-finite value counts), the blamed names agreed, before anything is done; every rank replays together. A
+    own. What ``training_step`` logs (``self.log``) is what the executions that count logged: a rejected replay logs
+    nothing; an applied replay's values replace the rejected execution's, in the step's value and in the epoch
+    aggregates, as if the step had run once (a ``torchmetrics.Metric`` the module updates and logs is its own: it
+    keeps both updates). Every event goes into :attr:`events`, a rank-zero message and ``mp/triage_events``, and the
+    checkpoint. Distributed runs decide alike on every rank: the trigger and each replay's verdict are reduced (any
+    rank's non-finite value counts), the blamed names agreed, before anything is done; every rank replays together. A
     ``torch.compile``'d module runs its as-is replay eagerly (it is traced); the other replays run compiled.
 
     A run that cannot be replayed says so once and classifies nothing: manual optimization (the step is the user's
@@ -131,6 +134,7 @@ class FaultTriage(PluginCallback):
         self._batch_idx = -1
         self._step = -1
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+        self._step_logs: _StepLogs | None = None
         self._ladder: Ladder | None = None
         self._logged = StepMetrics()  # mp/* values of the last logging step (retired at the next batch end)
 
@@ -172,6 +176,7 @@ class FaultTriage(PluginCallback):
             return
         # References and host copies only (the RNG states are small host tensors): nothing waits for the device.
         self._batch, self._batch_idx, self._rng = batch, batch_idx, rng_state()
+        self._step_logs = _StepLogs(trainer)
         self._step = self._global_step.completed
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -243,6 +248,48 @@ def _step_schedules(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_id
             pl_module.lr_scheduler_step(config.scheduler, None)
 
 
+_STEP_HOOK = "training_step"
+
+
+class _StepLogs:
+    """What the ``self.log`` calls of ``training_step`` had accumulated in Lightning's results before a step, so that
+    a replay applied in the step's place logs for it as if the step had run once: the rejected execution's values
+    leave the step's value and the epoch aggregates (its NaN in no epoch mean), the replay's take their place. Taken
+    at every batch start as references, not copies: Lightning rebinds a result's tensors at each update, never writes
+    them in place, so nothing is copied and nothing waits for the device."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.before = {key: (result.value, getattr(result, "cumulated_batch_size", None), result._forward_cache,
+                             result.has_reset) for key, result in self._step_results()}
+
+    def _step_results(self) -> list[tuple[str, Any]]:
+        """``training_step``'s tensor results (a logged ``torchmetrics.Metric`` is the module's own state)."""
+        results = getattr(self.trainer, "_results", None)  # Lightning's step results: no public handle
+        return [(key, result) for key, result in (results or {}).items()
+                if result.is_tensor and result.meta.fx == _STEP_HOOK]
+
+    def relog(self, pl_module: pl.LightningModule, held: Sequence[Callable[[], None]]) -> None:
+        """The step's results back to before the step, then ``held`` (the applied replay's ``self.log`` calls) made as
+        ``training_step``'s. The hook names are put back after, so the hooks that log after this one see what they
+        would have seen (Lightning resets a hook's results in an epoch's first batch when another hook logged last)."""
+        for key, result in self._step_results():
+            if key in self.before:
+                result.value, cumulated, result._forward_cache, result.has_reset = self.before[key]
+                if cumulated is not None:
+                    result.cumulated_batch_size = cumulated
+            else:  # first logged by the rejected execution
+                result.reset()
+        connector = self.trainer._logger_connector
+        hooks = pl_module._current_fx_name, connector._current_fx
+        pl_module._current_fx_name = _STEP_HOOK
+        try:
+            for log in held:
+                log()
+        finally:
+            pl_module._current_fx_name, connector._current_fx = hooks
+
+
 class _TrainerReplay:
     """The Trainer's side of a triage (:class:`~lit_mpstable.core.guards.triage.ReplayHost`): replays through
     ``training_step``, steps through the plugin, snapshots from ScaleCheckpoint."""
@@ -253,6 +300,7 @@ class _TrainerReplay:
         self.optimizer = trainer.optimizers[0]
         self.can_fp32 = bool(self.plugin.can_fallback)  # FSDP2 fixed the precision at fully_shard
         self.checkpoint = next((c for c in run_trainer(trainer).callbacks if isinstance(c, ScaleCheckpoint)), None)
+        self.held_logs: list[Callable[[], None]] = []  # the last replay's self.log calls: made if its step is applied
 
     def full_precision(self) -> AbstractContextManager:
         return self.plugin.full_precision()
@@ -266,7 +314,7 @@ class _TrainerReplay:
         restore_rng(triage._rng)
         self.optimizer.zero_grad(set_to_none=True)
         pl_module.zero_grad(set_to_none=True)
-        with traced(pl_module, trace) as tracer:
+        with traced(pl_module, trace) as tracer, held_logs(pl_module) as self.held_logs:
             # In the precision the replay runs in: a '*-true' batch is 16-bit, and the FP32 replay needs it in FP32.
             output = self.trainer.strategy.training_step(self.plugin.convert_input(self.batch), triage._batch_idx)
             loss = output.get("loss") if isinstance(output, dict) else output
@@ -275,6 +323,8 @@ class _TrainerReplay:
         return (loss.detach() if isinstance(loss, torch.Tensor) else None), traced_names(tracer)
 
     def apply(self, loss: torch.Tensor | None) -> None:
+        assert self.triage._step_logs is not None
+        self.triage._step_logs.relog(self.module, self.held_logs)
         self.plugin.optimizer_step(self.optimizer, self.module, lambda: loss)
         _step_schedules(self.trainer, self.module, self.triage._batch_idx)
 

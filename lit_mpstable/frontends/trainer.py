@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, _GeneratorContextManager, contextmanager
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -269,13 +270,27 @@ class TrainerPrecision(StableFrontEnd):
 
 
 def _training_step_loss(net: Any, data: Any) -> torch.Tensor:
-    """``training_step``'s loss on ``data`` (``self.log`` muted: a measurement is not a step)."""
-    net.log = net.log_dict = lambda *args, **kwargs: None
-    try:
+    """``training_step``'s loss on ``data`` (its ``self.log`` calls held and dropped: a measurement is not a step)."""
+    with held_logs(net):
         output = net.training_step(data, 0)
-    finally:
-        del net.log, net.log_dict
     return output["loss"] if isinstance(output, dict) else output
+
+
+@contextmanager
+def held_logs(module: Any) -> Generator[list[Callable[[], None]], None, None]:
+    """A LightningModule's ``log`` and ``log_dict`` held within the block: each call is kept, as a callable that makes
+    it, instead of logged. A pass that is no step of the run (the pinned micro-batch's measurement, a FaultTriage
+    replay) must not log: Lightning would file its values under the hook it runs in, as a second result of the same
+    name beside the step's, and count them in the epoch aggregates. A replay applied in its step's place makes the
+    calls it held."""
+    held: list[Callable[[], None]] = []
+    log, log_dict = module.log, module.log_dict
+    module.log = lambda *args, **kwargs: held.append(partial(log, *args, **kwargs))
+    module.log_dict = lambda *args, **kwargs: held.append(partial(log_dict, *args, **kwargs))
+    try:
+        yield held
+    finally:
+        del module.log, module.log_dict
 
 
 _BUDGET_MANUAL = (

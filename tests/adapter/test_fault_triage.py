@@ -470,6 +470,66 @@ def test_events_are_logged_as_a_metric():
     assert logger.values("mp/triage_events") == [0.0, 0.0, 1.0, 1.0]
 
 
+class LogsItsLoss(PoisonModule):
+    """PoisonModule whose ``training_step`` logs its loss per step, its epoch mean, and a count of its executions."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        self.log("mean_loss", loss, on_step=False, on_epoch=True)
+        self.log("executions", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+        return loss
+
+
+def logged_run(callbacks):
+    """A seeded :class:`LogsItsLoss` fitted for one epoch (4 batches), every step logged: the module, the trainer, what
+    reached the logger."""
+    from cb_helpers import ListLogger
+
+    torch.manual_seed(0)
+    module, logger = LogsItsLoss(), ListLogger()
+    trainer = make_trainer(StablePrecision("32-true"), callbacks=callbacks, max_steps=4, logger=logger,
+                           log_every_n_steps=1)
+    with quiet():
+        trainer.fit(module)
+    return module, trainer, logger
+
+
+def user_results_of(trainer, hook: str) -> list[str]:
+    """The results the module's own ``self.log`` left under ``hook`` (training_step's are 'training_step.<name>')."""
+    results = trainer.fit_loop.epoch_loop._results  # trainer._results, once the fit is over
+    return [key for key in results if key.startswith(f"{hook}.") and not key.startswith(f"{hook}.mp/")]
+
+
+@pytest.mark.parametrize("step", [0, 2])  # 0: the results are first made by the rejected execution
+def test_an_applied_replay_logs_for_its_step_as_if_the_step_had_run_once(step):
+    # The replay ran training_step inside on_train_batch_end: its self.log made a second result,
+    # 'on_train_batch_end.train_loss', that nothing updated again and that shadowed the live one in every logger and
+    # in callback_metrics (ModelCheckpoint, EarlyStopping) for the rest of the run; the epoch aggregates counted it.
+    clean, _, clean_logger = logged_run([])
+    triage = FaultTriage()
+    _, trainer, logger = logged_run([triage, FaultInjector({step: "transient"})])
+    assert [e["kind"] for e in triage.events] == ["transient"]
+    assert not user_results_of(trainer, "on_train_batch_end")
+    # What the fault-free run logged: each step's own loss (the faulted step's the replay's, not the NaN), its mean.
+    torch.testing.assert_close(logger.values("train_loss"), clean.losses, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(logger.values("train_loss"), clean_logger.values("train_loss"), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(float(trainer.callback_metrics["mean_loss"]), sum(clean.losses) / 4, rtol=1e-6,
+                               atol=1e-7)
+    assert float(trainer.callback_metrics["executions"]) == 4.0
+
+
+def test_a_rejected_replay_logs_nothing():
+    # A "data" step: both replays were rejected, so the rejected execution, the step Lightning ran, is what counts.
+    triage = FaultTriage()
+    module, trainer, logger = logged_run([triage, FaultInjector({1: "nan_batch"})])
+    assert [(e["kind"], e["replays"][:2]) for e in triage.events] == [("data", ["as_is:nonfinite", "fp32:nonfinite"])]
+    assert not user_results_of(trainer, "on_train_batch_end")
+    executed = [module.losses[i] for i in (0, 1, 4, 5)]  # 2 and 3: the replays of step 1
+    torch.testing.assert_close(logger.values("train_loss"), executed, rtol=0, atol=0, equal_nan=True)
+    assert float(trainer.callback_metrics["executions"]) == 4.0
+
+
 class PlainStep(PoisonModule):
     """PoisonModule with a training step Dynamo compiles as one graph (PoisonTask's reads the loss to the host and
     keys on the step: a graph break and a recompilation per step)."""
