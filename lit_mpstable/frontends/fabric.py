@@ -41,6 +41,7 @@ from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, lad
 from lit_mpstable.core.guards.triage import any_rank, needs_triage, state_finite
 from lit_mpstable.core.replicas import default_replicas
 from lit_mpstable.core.step.stepper import check_optimizer
+from lit_mpstable.core.weights.master import zero_grad_reaches_model
 from lit_mpstable.core.weights.moment_keeper import pop_saved_mark
 from lit_mpstable.frontends.clip_targets import clip_targets
 from lit_mpstable.frontends.common import ARGS_DOC, StableFrontEnd
@@ -199,11 +200,14 @@ class StablePrecision(StableFrontEnd, Precision):
         """Set up ``optimizers`` now rather than at their first step: FP32 masters bound (``*-true`` modes), so that
         ``fabric.load`` of their state afterwards resumes exactly. Call it after ``fabric.setup``; Fabric's wrapped
         optimizers are accepted, and an optimizer already set up is left as it is."""
-        for index, optimizer in enumerate(optimizers):
-            optimizer = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
+        for index, given in enumerate(optimizers):
+            optimizer = given.optimizer if isinstance(given, _FabricOptimizer) else given
             check_optimizer(f"{type(self).__name__}.setup_optimizers", optimizer, f"optimizers[{index}]")
             if optimizer not in self._bound:
                 self._bind(optimizer)
+            if given is not optimizer and self.stepper.master_mode == "fp32":
+                # Fabric's wrapper was made before the masters were bound: its zero_grad must reach the model too.
+                zero_grad_reaches_model(given)
 
     def hold_schedulers(self, *schedulers: Any) -> None:
         """Make each ``scheduler.step()`` a no-op unless an optimizer step was applied since it last stepped, so

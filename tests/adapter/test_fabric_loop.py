@@ -699,3 +699,27 @@ def test_plugin_load_checks_the_whole_fingerprint_before_it_returns(tmp_path: Pa
     with pytest.raises(FingerprintMismatch, match=r"fc1.weight.*; on_fingerprint_mismatch='previous' found no earlier"
                                                   r" checkpoint that passes among 3 in"):
         plugin.load(fabric, paths[-1], state)
+
+
+@pytest.mark.parametrize("weights", [dict(), dict(optimizer_state="bf16"), dict(master_weights="kahan")])
+def test_optimizer_zero_grad_drops_the_model_gradients_a_discarded_backward_left(weights: dict) -> None:
+    """With FP32 masters the optimizer steps the masters, yet Fabric's ``optimizer.zero_grad()`` (its optimizer set up
+    with ``plugin.setup_optimizers``) clears the model's 16-bit gradients too: 'backward, zero_grad, backward, step'
+    equals 'backward, step', as with Lightning's own bf16-true."""
+    results = []
+    for discard in (False, True):
+        torch.manual_seed(0)
+        plugin = StablePrecision("bf16-true", **weights)
+        fabric = fabric_of(plugin)
+        net = TinyMLP()
+        model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=LR))
+        plugin.setup_optimizers(optimizer)
+        for step in range(3):
+            if discard and step:
+                fabric_backward(fabric, model, step, scale=3.0)
+                optimizer.zero_grad()
+            fabric_backward(fabric, model, step)
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(torch.cat([p.detach().float().flatten() for p in model.parameters()]))
+    assert torch.equal(results[0], results[1])

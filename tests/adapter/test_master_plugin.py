@@ -371,3 +371,44 @@ def test_manual_clip_gradients_before_step_is_applied(precision: str, algorithm:
     w = lambda m: m.model.fc2.weight.detach().float()  # noqa: E731
     assert not torch.allclose(w(auto), w(unclipped))
     torch.testing.assert_close(w(manual), w(auto), rtol=0, atol=0)
+
+
+class _Discards(pl.LightningModule):
+    """Manual optimization that runs a backward it then discards with ``opt.zero_grad()`` (a GAN's generator loss
+    reaching the discriminator, a batch judged bad after its backward) before the backward it steps on."""
+
+    def __init__(self, discard: bool, set_to_none: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TinyMLP()
+        self.discard, self.set_to_none = discard, set_to_none
+        self.automatic_optimization = False
+        self.x, self.y = regression_data(48)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        if self.discard:
+            self.manual_backward(nn.functional.mse_loss(self.model(x).float() * 3, y))
+            opt.zero_grad(set_to_none=self.set_to_none)
+        self.manual_backward(nn.functional.mse_loss(self.model(x).float(), y))
+        opt.step()
+        opt.zero_grad(set_to_none=self.set_to_none)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=16)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_optimizer_zero_grad_drops_the_model_gradients_a_discarded_backward_left(set_to_none: bool) -> None:
+    """The optimizer steps the FP32 masters, yet ``optimizer.zero_grad()`` clears the model's 16-bit gradients too, as
+    with Lightning's own bf16-true: a backward discarded by it does not leak into the next step."""
+    weights = []
+    for discard in (False, True):
+        module = _Discards(discard, set_to_none)
+        make_trainer(StablePrecision("bf16-true"), max_steps=3).fit(module)
+        weights.append(torch.cat([p.detach().float().flatten() for p in module.parameters()]))
+    assert torch.equal(weights[0], weights[1])

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from lit_mpstable.core.scaling.scalers import LossScaler
 from lit_mpstable.core.tensors import local_view
 from lit_mpstable.core.weights.keeper import GradView, Keeper
 from lit_mpstable.core.weights.memory import nbytes
-from lit_mpstable.core.weights.moment_keeper import KEY, AdamMoments, split_moments
+from lit_mpstable.core.weights.moment_keeper import KEY, ZERO_GRAD_SWAP, AdamMoments, split_moments
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import Kwargs, StateDict
@@ -38,8 +39,9 @@ class MasterWeights(Keeper):
       already kept for the old parameter moves to the master, cast to FP32.
     - Each step: backward (16-bit grads), :meth:`copy_grads_to_master_`, :meth:`zero_model_grads_`, unscale and
       clip on the optimizer as usual, ``optimizer.step()``, :meth:`refresh_model_`.
-    - ``optimizer.zero_grad()`` now reaches the masters only: call :meth:`zero_model_grads_` after copying, or
-      the 16-bit grads keep accumulating across steps.
+    - ``optimizer.zero_grad()`` clears the masters' gradients and the model's 16-bit ones (the optimizer's class is
+      swapped for a subclass whose ``zero_grad`` does both, see :func:`zero_grad_reaches_model`): a backward discarded
+      with it (a GAN's generator loss reaching the discriminator) does not leak into the next step.
 
     FP32 parameters (FP32 islands), frozen parameters and parameters that are not the model's stay in the
     optimizers as they are and get no master. A parameter held by two optimizers gets one master, held by both.
@@ -125,6 +127,7 @@ class MasterWeights(Keeper):
         if id(optimizer) not in self._names_by_optimizer:
             self._optimizers.append(optimizer)
             self._names_by_optimizer[id(optimizer)] = []
+            zero_grad_reaches_model(optimizer, self)
         named = {id(param): name for name, param in self._model.named_parameters()}
         new = [name for name in self._bind(optimizer, named) if name not in self._names_by_optimizer[id(optimizer)]]
         self._names_by_optimizer[id(optimizer)].extend(new)
@@ -202,13 +205,14 @@ class MasterWeights(Keeper):
         if masters:
             self._copy_(list[torch.Tensor](params), list[torch.Tensor](masters))
 
-    def zero_model_grads_(self, optimizer: Optimizer | None = None) -> None:
-        """Drop the 16-bit grads of the parameters that have masters (after copying, to free their memory).
-
-        Needed every step: ``optimizer.zero_grad()`` no longer reaches these grads.
-        """
+    def zero_model_grads_(self, optimizer: Optimizer | None = None, *, set_to_none: bool = True) -> None:
+        """Drop (or, without ``set_to_none``, zero) the 16-bit grads of the parameters that have masters: after
+        copying, to free their memory, and in ``optimizer.zero_grad()``."""
         for param in self._select(optimizer)[1]:
-            param.grad = None
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.detach_().zero_()
 
     @torch.no_grad()
     def expose_grads_(self, optimizer: Optimizer | None = None, *, copy: bool = True) -> None:
@@ -420,6 +424,45 @@ class MasterWeights(Keeper):
 
 def _device(module: nn.Module) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+_KEEPERS: weakref.WeakKeyDictionary[Optimizer, weakref.ref[MasterWeights]] = weakref.WeakKeyDictionary()
+"""The keeper that holds each optimizer's masters, for its ``zero_grad``."""
+
+
+def zero_grad_reaches_model(optimizer: Any, keeper: MasterWeights | None = None) -> None:
+    """Make ``optimizer.zero_grad()`` clear the 16-bit model gradients of the parameters whose masters it holds, as
+    well as the masters' own: its class is swapped for a one-method subclass (pickled as the original, so a copy is a
+    plain optimizer). ``keeper``: the one holding the masters (given for the optimizer itself; a Lightning or Fabric
+    wrapper of it, whose class was made from the optimizer's before the swap, is swapped alike and finds the keeper
+    through the optimizer it wraps). The wrappers Lightning makes after the plugin's setup take the swapped class."""
+    if keeper is not None:
+        _KEEPERS[optimizer] = weakref.ref(keeper)
+    cls = type(optimizer)
+    if cls.__dict__.get(ZERO_GRAD_SWAP, False):
+        return
+
+    def zero_grad(self: Any, set_to_none: bool = True) -> None:
+        cls.zero_grad(self, set_to_none=set_to_none)
+        real = self.__dict__.get("_optimizer", self)  # a wrapper's optimizer
+        ref = _KEEPERS.get(real)
+        master_keeper = ref() if ref is not None else None
+        if master_keeper is not None and id(real) in master_keeper._names_by_optimizer:
+            master_keeper.zero_model_grads_(real, set_to_none=set_to_none)
+
+    optimizer.__class__ = type(cls.__name__, (cls,), {"zero_grad": zero_grad, ZERO_GRAD_SWAP: True,
+                                                      "__module__": cls.__module__, "__reduce_ex__": _reduce_ex})
+
+
+def _reduce_ex(self: Any, protocol: int) -> tuple[object, ...]:
+    # Pickle as the original class (the swapped one is made at run time and cannot be imported).
+    return _rebuild, (type(self).__mro__[1], self.__getstate__())
+
+
+def _rebuild(cls: type[Optimizer], state: dict[str, Any]) -> Optimizer:
+    optimizer = cls.__new__(cls)
+    optimizer.__setstate__(state)
+    return optimizer
 
 
 def _to_fp32(value: object) -> object:

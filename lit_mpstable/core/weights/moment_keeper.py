@@ -81,6 +81,17 @@ def pop_saved_mark(optimizer: Optimizer) -> str | None:
 _REFUSED_FLAGS = ("amsgrad", "capturable", "differentiable")
 
 
+
+ZERO_GRAD_SWAP = "_lit_mpstable_zero_grad"
+"""The mark of the one-method subclass FP32 masters swap an optimizer's class for (its ``zero_grad`` also clears the
+model's 16-bit gradients: ``core.weights.master.zero_grad_reaches_model``); it steps exactly as its base."""
+
+
+def optimizer_class(optimizer: object) -> type:
+    """``optimizer``'s own class, under the subclass of :data:`ZERO_GRAD_SWAP`."""
+    cls = type(optimizer)
+    return cls.__mro__[1] if cls.__dict__.get(ZERO_GRAD_SWAP, False) else cls
+
 def check_adam(owner: str, kind: str, optimizer: Optimizer) -> None:
     """Refuse what :func:`adamw_step_` does not compute exactly as torch: another optimizer class, or a group with
     ``amsgrad``/``capturable``/``differentiable``, a tensor ``lr`` or tensor betas.
@@ -88,7 +99,7 @@ def check_adam(owner: str, kind: str, optimizer: Optimizer) -> None:
     Raises:
         ValueError: naming the optimizer and the group.
     """
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+    if optimizer_class(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         raise ValueError(
             f"{owner}(optimizer_state={kind!r}): {type(optimizer).__name__} is not torch.optim.Adam or AdamW; BF16/FP8"
             " moments replace exactly those two optimizers' steps. Use optimizer_state='fp32' with this optimizer"
