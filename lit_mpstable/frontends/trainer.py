@@ -79,6 +79,7 @@ class TrainerPrecision(StableFrontEnd):
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         module = lightning_module(model, self._pl)
+        self._check_finetuning(module)
         self.stepper.setup_optimizers(module, optimizers, [config.scheduler for config in lr_schedulers])
         # The strategy has wrapped the model (DDP broadcast the first rank's weights): the masters, compensation and
         # rounding seeds follow them on every rank before the first step.
@@ -89,6 +90,19 @@ class TrainerPrecision(StableFrontEnd):
         self._warn_fp16_cpu()
         self._show_notes()
         return model, optimizers, lr_schedulers
+
+    def _check_finetuning(self, module: Any) -> None:
+        """Refuse Lightning's ``BaseFinetuning`` callbacks (``BackboneFinetuning``) with FP32 masters: they map the
+        optimizer's parameters to the model's by identity (at every epoch start, and on resume they put the model's
+        parameters back into the optimizer), and the masters stand in the optimizer for the model's parameters."""
+        callbacks = getattr(getattr(module, "_trainer", None), "callbacks", None) or []
+        finetuning = [c for c in callbacks if isinstance(c, self._pl.callbacks.BaseFinetuning)]
+        if finetuning and self.stepper.master_mode == "fp32":
+            raise ValueError(
+                f"StablePrecision({self.precision!r}, master_weights=True) with {type(finetuning[0]).__name__} (a"
+                " BaseFinetuning): it looks the optimizer's parameters up among the model's, and FP32 masters replace"
+                " them in the optimizer. Use master_weights='kahan' or 'stochastic' (the optimizer keeps the model's"
+                f" parameters), or {self.precision.replace('-true', '-mixed')!r} (FP32 weights).")
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if not isinstance(module, self._pl.LightningModule):  # Fabric takes any Precision, this one included

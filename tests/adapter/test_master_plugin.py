@@ -412,3 +412,50 @@ def test_optimizer_zero_grad_drops_the_model_gradients_a_discarded_backward_left
         make_trainer(StablePrecision("bf16-true"), max_steps=3).fit(module)
         weights.append(torch.cat([p.detach().float().flatten() for p in module.parameters()]))
     assert torch.equal(weights[0], weights[1])
+
+
+class _Backbone(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+        self.head = nn.Linear(16, 16)
+        self.x, self.y = regression_data(32)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.backbone(x)).float(), y)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=16)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _unfreezing():
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class Unfreeze(BaseFinetuning):
+        def freeze_before_training(self, pl_module) -> None:
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module, current_epoch, optimizer) -> None:
+            if current_epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=1e-2)
+
+    return Unfreeze()
+
+
+def test_lightnings_finetuning_callbacks_are_refused_with_fp32_masters_and_train_with_kahan_weights() -> None:
+    """BaseFinetuning (BackboneFinetuning) maps the optimizer's parameters to the model's by identity, and FP32 masters
+    stand in the optimizer for the model's parameters: refused at setup, naming the modes that work, rather than a
+    KeyError from inside Lightning at the first epoch. With Kahan weights the optimizer holds the model's parameters."""
+    with pytest.raises(ValueError, match="BaseFinetuning.*master_weights='kahan'"):
+        make_trainer(StablePrecision("bf16-true"), max_epochs=3, max_steps=-1, callbacks=[_unfreezing()]).fit(
+            _Backbone())
+    module = _Backbone()
+    before = module.backbone[0].weight.detach().float().clone()
+    make_trainer(StablePrecision("bf16-true", master_weights="kahan"), max_epochs=3, max_steps=-1,
+                 callbacks=[_unfreezing()]).fit(module)
+    assert not torch.equal(module.backbone[0].weight.float(), before)  # unfrozen at epoch 1, then trained
