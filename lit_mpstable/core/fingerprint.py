@@ -867,8 +867,9 @@ class CheckpointCheck:
         differences, notes = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key),
                                                     self.live())
         if self.fingerprint.react(str(path), differences, notes):
-            self.fall_back_(checkpoint, path, differences)
-        self._loaded(checkpoint, path)
+            self.fall_back_(checkpoint, path, differences)  # it owes the fallback's pinned pass, under its own path
+        else:
+            self._loaded(checkpoint, path)
 
     def fall_back_(self, checkpoint: dict[str, Any], path: str | Path | None, why: list[str]) -> None:
         """Replace ``checkpoint``'s contents by the newest earlier passing checkpoint's and ``reload`` it.

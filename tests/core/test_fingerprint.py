@@ -283,6 +283,31 @@ def test_previous_resumes_from_the_newest_earlier_checkpoint_that_passes(written
     assert plugin.fingerprint.events[-1]["action"] == "passed"
 
 
+def test_previous_names_the_fallback_that_fails_its_pinned_pass(written, tmp_path) -> None:
+    # Step 3 fails its checksums, step 2 (the fallback) its pinned pass: that failure is step 2's, said once, and the
+    # run goes on from step 1, loaded once.
+    from trainer_pkg import StablePrecision
+
+    paths = _copy(written, tmp_path)
+    _corrupt(paths[-1], _flip_optimizer_bit)
+    _corrupt(paths[-2], _pinned_loss_moved)
+    for step, path in enumerate(paths):
+        os.utime(path, ns=(1_000_000_000 * (step + 1), 1_000_000_000 * (step + 1)))
+    plugin = StablePrecision("bf16-true", on_fingerprint_mismatch="previous")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, trainer = _fit(plugin, 4, ckpt_path=paths[-1])
+    said = [str(w.message) for w in caught if "fails its numeric fingerprint" in str(w.message)]
+    assert len(said) == 2 and "step=3.ckpt fails" in said[0] and "resumed from" in said[0]
+    assert "step=2.ckpt fails" in said[1] and "pinned micro-batch" in said[1] and "step=1.ckpt" in said[1]
+    events = [(Path(e["source"].split(" (")[0]).name, e["action"], Path(e.get("fallback", "")).name)
+              for e in plugin.fingerprint.events]
+    assert events == [("epoch=0-step=3.ckpt", "previous", "epoch=0-step=2.ckpt"),
+                      ("epoch=0-step=2.ckpt", "previous", "epoch=0-step=1.ckpt"),
+                      ("epoch=0-step=1.ckpt", "passed", "")]
+    assert trainer.global_step == 4
+
+
 def test_previous_without_a_passing_checkpoint_raises(written, tmp_path) -> None:
     from trainer_pkg import StablePrecision
 
