@@ -308,13 +308,44 @@ def test_previous_names_the_fallback_that_fails_its_pinned_pass(written, tmp_pat
     assert trainer.global_step == 4
 
 
+@pytest.mark.parametrize(("failing", "removed", "outcome"), [
+    ("b-step=1.ckpt", None, "among 3 .*written at step 3, not before the loaded checkpoint's 1"),
+    ("b-step=2.ckpt", "b-step=1.ckpt", "among 3 .*step 2, not before .*; it pinned another micro-batch than the"
+                                       " failed file"),
+    ("b-step=2.ckpt", None, "b-step=1.ckpt"),
+], ids=["later-step", "other-run", "same-run"])
+def test_previous_keeps_to_earlier_steps_of_the_same_run(written, tmp_path, failing, removed, outcome) -> None:
+    # Run B (other data: another pinned micro-batch) writes into run A's directory after it: A's files are earlier
+    # by modification time, but A's steps 2-3 are later than B's and A's step 1 is another run's.
+    from trainer_pkg import StablePrecision
+
+    paths = _copy(written, tmp_path)
+    _fit(StablePrecision("bf16-true"), 2, tmp_path / "b", n=32)
+    for step in (1, 2):
+        paths.append(tmp_path / f"b-step={step}.ckpt")
+        (tmp_path / "b" / f"epoch=0-step={step}.ckpt").rename(paths[-1])
+    _corrupt(tmp_path / failing, _scale_row)
+    for order, path in enumerate(paths):
+        os.utime(path, ns=(1_000_000_000 * (order + 1),) * 2)
+    if removed:
+        (tmp_path / removed).unlink()
+    plugin = StablePrecision("bf16-true", on_fingerprint_mismatch="previous")
+    if outcome.endswith(".ckpt"):
+        with pytest.warns(UserWarning, match=rf"{failing} fails .* resumed from .*{outcome} \(global_step=1\)"):
+            _, trainer = _fit(plugin, 3, ckpt_path=tmp_path / failing, n=32)
+        assert trainer.global_step == 3
+        return
+    with pytest.raises(FingerprintMismatch, match=rf"'previous': no earlier checkpoint passes {outcome}"):
+        _fit(plugin, 3, ckpt_path=tmp_path / failing, n=32)
+
+
 def test_previous_without_a_passing_checkpoint_raises(written, tmp_path) -> None:
     from trainer_pkg import StablePrecision
 
     path = tmp_path / "only.ckpt"  # alone in its directory: nothing earlier
     path.write_bytes(_checkpoints(written[0])[0].read_bytes())
     _corrupt(path, _scale_row)
-    with pytest.raises(FingerprintMismatch, match="found no earlier checkpoint that passes among 0"):
+    with pytest.raises(FingerprintMismatch, match="'previous': no earlier checkpoint passes among 0"):
         _fit(StablePrecision("bf16-true", on_fingerprint_mismatch="previous"), 4, ckpt_path=path)
 
 
