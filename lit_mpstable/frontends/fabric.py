@@ -33,8 +33,6 @@ from lit_mpstable.core.fingerprint import (
     earlier_checkpoint,
     every_rank,
     pinned_pass,
-    previous_checkpoints,
-    previous_passing_checkpoint,
     shard_checksums,
 )
 from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, ladder_of
@@ -101,6 +99,7 @@ class StablePrecision(StableFrontEnd, Precision):
     _pin_loss: Callable[[nn.Module, Any], torch.Tensor] | None = None  # pin(): the pinned micro-batch's loss
     _loaded: _Loaded | None = None  # load(): the file, the state it went into, the restored-state rung's knobs
     _model_checked = False  # after fabric.load: the model's part of the fingerprint checked (at the first forward)
+    _checked: tuple[dict[str, Any] | None, int] = (None, -1)  # the plugin state loaded last: fingerprint, step_count
 
     # ----------------------------------------------------------------------------------------------- model
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -335,6 +334,9 @@ class StablePrecision(StableFrontEnd, Precision):
         # of the user's dict): at the first forward, before it moves BatchNorm statistics or FP8 histories, the model's
         # checksums and the pinned micro-batch, and the optimizers' checksums where they are set up already; else
         # those at the next optimizer step (``step``), once it has set them up. One host read each.
+        if not loaded:  # what a "previous" fallback from this file compares its candidates with
+            count = state.get("step_count") if isinstance(state, dict) else None
+            self._checked = fingerprint, count if isinstance(count, int) and not isinstance(count, bool) else -1
         if fingerprint is None:
             return
         if not loaded:
@@ -489,15 +491,18 @@ class StablePrecision(StableFrontEnd, Precision):
                     previous = candidate
                     break
                 rejected[str(candidate)] = differences
-        else:
-            found = previous_passing_checkpoint(failed, lambda c: self._earlier_differences(loaded, c, required=True),
-                                                pattern=pattern)
-            tried_here = previous_checkpoints(failed, pattern=pattern)
-            previous, rejected = (None, {}) if found is None else (found[0], found[2])
+            none_passes = f" found no earlier checkpoint that passes among {len(tried_here)} in {failed.parent}"
+        else:  # earlier as the restored-state rung's: a lower step_count, and the same run's (pinned micro-batch)
+            saved, step = self._checked
+            found = earlier_checkpoint(failed, step, lambda c: self._earlier_differences(loaded, c, required=True,
+                                                                                         run_of=saved),
+                                       step_of=lambda c: _step_of(loaded, c), required=list(loaded.state),
+                                       pattern=pattern)
+            previous, rejected, none_passes = (None, {}, f": {found[2]}") if found[0] is None else (
+                found[0], found[2], "")
         if previous is None:
-            raise FingerprintMismatch(str(failed), [*why, f"on_fingerprint_mismatch='previous' found no earlier"
-                                                          f" checkpoint that passes among {len(tried_here)} in"
-                                                          f" {failed.parent}"]) from error
+            raise FingerprintMismatch(str(failed), [*why, f"on_fingerprint_mismatch='previous'{none_passes}"]
+                                      ) from error
         if self.fingerprint.events:
             self.fingerprint.events[-1]["fallback"] = str(previous)
         fails = "cannot be read" if isinstance(error, _Unreadable) else "fails its numeric fingerprint"
@@ -649,10 +654,11 @@ class StablePrecision(StableFrontEnd, Precision):
         sharded, notes = compare_shard_checksums(fingerprint["checksums"], trees)
         return differences + sharded, notes
 
-    def _earlier_differences(self, loaded: _Loaded, checkpoint: dict[str, Any], *, required: bool = False
-                             ) -> list[str]:
+    def _earlier_differences(self, loaded: _Loaded, checkpoint: dict[str, Any], *, required: bool = False,
+                             run_of: dict[str, Any] | None = None) -> list[str]:
         """A candidate checkpoint's numbers against its fingerprint (checksums, manifest); none: it passes. With
-        ``required`` it must hold every key of the state and a fingerprint."""
+        ``required`` it must hold every key of the state and a fingerprint; ``run_of``: the failed file's fingerprint,
+        whose pinned micro-batch a candidate of the same run has too."""
         if required and (missing := [key for key in loaded.state if key not in checkpoint]):
             return [f"holds no {', '.join(missing)} (a weights-only checkpoint)"]
         keys = {id(_unwrapped(value)): key for key, value in loaded.state.items()}
@@ -664,7 +670,7 @@ class StablePrecision(StableFrontEnd, Precision):
             plugin_state, lambda plugin: {
                 "model": checkpoint.get(model, {}) if model is not None else {},
                 **self._optimizer_trees(saved if isinstance(saved, dict) else None, optimizers), "plugin": plugin},
-            self.stepper.manifest, call=loaded.key, required=required)
+            self.stepper.manifest, call=loaded.key, required=required, run_of=run_of)
 
     # What a resume without the plugin's state loses, by master_weights mode.
     _LOST: ClassVar[dict[str, str]] = {

@@ -4,6 +4,7 @@ in 16-true without masters) and torch.compile."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -689,3 +690,56 @@ def test_state_loaded_before_the_masters_are_bound_is_named_as_the_likely_cause(
             FingerprintMismatch, match=r"fingerprint: the optimizer state was loaded before its FP32 master weights"
                                        r" were bound.*plugin\.setup_optimizers.*round-tripped through BF16"):
         state["optimizer"].step()
+
+
+def _saved_run(directory: Any, prefix: str, steps: int, rows: slice) -> list[Any]:
+    """``prefix-step=N.pt`` for N in 1..steps: a 32-true AdamW loop on TinyMLP that pins the batch ``rows`` (which
+    rows a run pins is what tells runs apart)."""
+    plugin = StablePrecision("32-true")
+    fabric = fabric_of(plugin)
+    torch.manual_seed(0)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plugin.setup_optimizers(opt)
+    x, y = regression_data(64)
+    plugin.pin(lambda module, batch: F.mse_loss(module(batch[0]), batch[1]), (x[rows], y[rows]))
+    paths = []
+    for step in range(1, steps + 1):
+        fabric_backward(fabric, model, step)
+        opt.step()
+        opt.zero_grad()
+        paths.append(directory / f"{prefix}-step={step}.pt")
+        fabric.save(paths[-1], {"model": model, "optimizer": opt, "precision": plugin})
+    return paths
+
+
+@pytest.mark.parametrize(("failing", "removed", "outcome"), [
+    ("b-step=1.pt", None, r"among 3 .*written at step 3, not before the loaded checkpoint's 1"),
+    ("b-step=2.pt", "b-step=1.pt", r"among 3 .*step 2, not before .*; it pinned another micro-batch than the failed"),
+    ("b-step=2.pt", None, "b-step=1.pt"),
+], ids=["later-step", "other-run", "same-run"])
+def test_plugin_load_previous_keeps_to_earlier_steps_of_the_same_run(tmp_path, failing, removed, outcome) -> None:
+    # Run B (another pinned micro-batch) saves into run A's directory after it: A's files are earlier by modification
+    # time, but A's steps 2-3 are later than B's and A's step 1 is another run's.
+    paths = _saved_run(tmp_path, "a", 3, slice(0, 4)) + _saved_run(tmp_path, "b", 2, slice(4, 8))
+    for order, path in enumerate(paths):
+        os.utime(path, ns=(1_000_000_000 * (order + 1),) * 2)
+    checkpoint = torch.load(tmp_path / failing, weights_only=True)
+    checkpoint["model"]["fc1.weight"][3].mul_(2)
+    torch.save(checkpoint, tmp_path / failing)
+    os.utime(tmp_path / failing, ns=(paths.index(tmp_path / failing) * 1_000_000_000 + 1_000_000_000,) * 2)
+    if removed:
+        (tmp_path / removed).unlink()
+    plugin = StablePrecision("32-true", on_fingerprint_mismatch="previous")
+    fabric = fabric_of(plugin)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plugin.setup_optimizers(opt)
+    state = {"model": model, "optimizer": opt, "precision": plugin}
+    if outcome.endswith(".pt"):
+        with pytest.warns(UserWarning, match=rf"{failing} fails its numeric fingerprint .* loaded .*{outcome} instead"):
+            plugin.load(fabric, tmp_path / failing, state, restored_window=0)
+        assert plugin.step_count == 1
+        return
+    with pytest.raises(FingerprintMismatch, match=rf"'previous': no earlier checkpoint passes {outcome}"):
+        plugin.load(fabric, tmp_path / failing, state, restored_window=0)
