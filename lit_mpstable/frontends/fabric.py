@@ -337,6 +337,7 @@ class StablePrecision(StableFrontEnd, Precision):
         if not loaded:  # what a "previous" fallback from this file compares its candidates with
             count = state.get("step_count") if isinstance(state, dict) else None
             self._checked = fingerprint, count if isinstance(count, int) and not isinstance(count, bool) else -1
+            self._rounded = False  # an optimizer bound before this load holds FP32 state: only a later bind rounds
         if fingerprint is None:
             return
         if not loaded:
