@@ -614,6 +614,19 @@ def from_rank_zero(value: _T) -> _T:
     return shared[0]
 
 
+def same_pinned_batch(fingerprint: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    """Whether two fingerprints pinned the same micro-batch (equal tensors at equal paths), which tells one run's
+    checkpoints from another's cheaply: a run pins its first batch and a resume carries it to every later save. True
+    where either pinned none (nothing to tell by)."""
+    batches = [(f.get("pinned") or {}).get("batch") for f in (fingerprint, other)]
+    if batches[0] is None or batches[1] is None:
+        return True
+    leaves = [list(tensor_leaves(batch)) for batch in batches]
+    return len(leaves[0]) == len(leaves[1]) and all(
+        path == other_path and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        for (path, a), (other_path, b) in zip(*leaves, strict=True))
+
+
 def compare_pinned(saved: Mapping[str, Any], measured: tuple[float, float], *, exact: bool) -> list[str]:
     """The pinned loss and gradient norm at the load against the save's: bitwise with ``exact``, else within
     :data:`LOSS_RTOL` / :data:`GRAD_NORM_RTOL`."""
@@ -725,16 +738,21 @@ class Fingerprint:
         return differences + more, notes
 
     def candidate_differences(self, plugin_state: object, trees: Callable[[dict[str, Any]], Mapping[str, object]],
-                              live: Callable[[], Mapping[str, Any]], *, call: str, required: bool = True) -> list[str]:
+                              live: Callable[[], Mapping[str, Any]], *, call: str, required: bool = True,
+                              run_of: Mapping[str, Any] | None = None) -> list[str]:
         """A candidate checkpoint's differences (:meth:`check`): its plugin state's fingerprint against
         ``trees(the plugin state without it)`` and ``live()``; an unreadable fingerprint, or none where one is
-        ``required``, is the difference."""
+        ``required``, is the difference. ``run_of``: the fingerprint of the file the candidate would replace; a
+        candidate that pinned another micro-batch is another run's (:func:`same_pinned_batch`)."""
         try:
             saved, plugin = self.split(plugin_state, call=call)
         except (TypeError, ValueError) as error:
             return [str(error)]
         if saved is None:
             return ["it holds no fingerprint"] if required else []
+        if run_of is not None and not same_pinned_batch(saved, run_of):
+            return ["it pinned another micro-batch than the failed file: another run's checkpoint (two runs writing"
+                    " to one directory?)"]
         differences, _ = self.check(saved, trees(plugin), live())
         return differences
 
@@ -854,10 +872,11 @@ class CheckpointCheck:
         """``live``: this run's :func:`manifest` when called (``PrecisionStepper.manifest``)."""
         self.fingerprint, self.plugin_key, self.live, self.reload = fingerprint, plugin_key, live, reload
 
-    def differences(self, checkpoint: Mapping[str, Any], *, required: bool = True) -> list[str]:
+    def differences(self, checkpoint: Mapping[str, Any], *, required: bool = True,
+                    run_of: Mapping[str, Any] | None = None) -> list[str]:
         return self.fingerprint.candidate_differences(
             checkpoint.get(self.plugin_key), lambda _: checkpoint_trees(checkpoint, self.plugin_key), self.live,
-            call=self.plugin_key, required=required)
+            call=self.plugin_key, required=required, run_of=run_of)
 
     def verify_(self, checkpoint: dict[str, Any], path: str | Path | None) -> None:
         """Check ``checkpoint`` (read from ``path``); a checkpoint without a fingerprint passes unchecked."""
@@ -867,21 +886,27 @@ class CheckpointCheck:
         differences, notes = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key),
                                                     self.live())
         if self.fingerprint.react(str(path), differences, notes):
-            self.fall_back_(checkpoint, path, differences)
-        self._loaded(checkpoint, path)
+            self.fall_back_(checkpoint, path, differences)  # it owes the fallback's pinned pass, under its own path
+        else:
+            self._loaded(checkpoint, path)
 
     def fall_back_(self, checkpoint: dict[str, Any], path: str | Path | None, why: list[str]) -> None:
-        """Replace ``checkpoint``'s contents by the newest earlier passing checkpoint's and ``reload`` it.
+        """Replace ``checkpoint``'s contents by the newest earlier passing checkpoint's and ``reload`` it. Earlier is
+        the restored-state rung's (:func:`earlier_checkpoint`): written before it, at a ``global_step`` below its
+        own; and of the same run: the same pinned micro-batch (a directory two runs wrote to holds the other run's
+        files, later steps among them).
 
         Raises:
             FingerprintMismatch: ``path`` is unknown, or no earlier checkpoint passes (each one's reason named).
         """
-        found = previous_passing_checkpoint(path, self.differences) if path is not None else None
-        if found is None:
-            tried = previous_checkpoints(path) if path is not None else []
-            raise FingerprintMismatch(str(path), [*why, f"on_fingerprint_mismatch='previous' found no earlier"
-                                                         f" checkpoint that passes among {len(tried)} in"
-                                                         f" {Path(path).parent if path else 'an unknown directory'}"])
+        if path is None:
+            raise FingerprintMismatch("None", [*why, "on_fingerprint_mismatch='previous' found no earlier checkpoint:"
+                                                     " the loaded one's directory is unknown"])
+        failed = checkpoint[self.plugin_key][KEY]
+        found = earlier_checkpoint(path, _step_of(checkpoint), lambda c: self.differences(c, run_of=failed),
+                                   step_of=_step_of)
+        if found[0] is None:
+            raise FingerprintMismatch(str(path), [*why, f"on_fingerprint_mismatch='previous': {found[2]}"])
         previous, loaded, rejected = found
         checkpoint.clear()
         checkpoint.update(loaded)

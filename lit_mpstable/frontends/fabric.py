@@ -33,8 +33,6 @@ from lit_mpstable.core.fingerprint import (
     earlier_checkpoint,
     every_rank,
     pinned_pass,
-    previous_checkpoints,
-    previous_passing_checkpoint,
     shard_checksums,
 )
 from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, ladder_of
@@ -95,11 +93,14 @@ class StablePrecision(StableFrontEnd, Precision):
 
     _placed = False  # the first forward has moved autocast, islands and scalers to the model's device
     _bound: tuple[Optimizer, ...] = ()  # optimizers set up (FP32 masters bound), in the order met
+    _bound_names: tuple[str, ...] = ()  # each one's name in the fingerprint (_optimizer_name), in the same order
+    _rounded = False  # an optimizer's state was loaded before its FP32 masters were bound: rounded to 16 bits
     _started: tuple[Optimizer, ...] = ()  # optimizers that reached their first step
     _schedulers: tuple[Any, ...] = ()
     _pin_loss: Callable[[nn.Module, Any], torch.Tensor] | None = None  # pin(): the pinned micro-batch's loss
     _loaded: _Loaded | None = None  # load(): the file, the state it went into, the restored-state rung's knobs
     _model_checked = False  # after fabric.load: the model's part of the fingerprint checked (at the first forward)
+    _checked: tuple[dict[str, Any] | None, int] = (None, -1)  # the plugin state loaded last: fingerprint, step_count
 
     # ----------------------------------------------------------------------------------------------- model
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -228,8 +229,10 @@ class StablePrecision(StableFrontEnd, Precision):
 
     def _bind(self, optimizer: Optimizer) -> None:
         stepper = self.stepper
+        name = self._optimizer_name(optimizer)  # before the masters take the model's parameters' place in it
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         if stepper.master_mode == "fp32" and any(v.dtype in _LOW_PRECISION for v in state):
+            self._rounded = True
             self._warn_once(
                 "rounded-state",
                 f"{self!r}: {type(optimizer).__name__} held 16-bit state before its FP32 master weights were bound"
@@ -241,8 +244,27 @@ class StablePrecision(StableFrontEnd, Precision):
         else:
             stepper.check_eps([optimizer])
             stepper.keeper.adopt_optimizer_(optimizer)
-        self._bound = (*self._bound, optimizer)
+        self._bound, self._bound_names = (*self._bound, optimizer), (*self._bound_names, name)
         self._show_notes()
+
+    def _optimizer_name(self, optimizer: Optimizer) -> str:
+        """What names ``optimizer`` in the fingerprint: the model's name of the first parameter it updates (a GAN's
+        ``G.0.weight`` and ``D.0.weight``), the same whatever order the loop binds its optimizers in (at
+        :meth:`setup_optimizers` or at their first step); ``#i`` (binding position) for one whose parameters the model
+        does not name, or that begins at a parameter another bound optimizer begins at."""
+        names = {id(p): n for n, p in self._module().named_parameters()}
+        first = next((names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names), None)
+        return first if first is not None and first not in self._bound_names else f"#{len(self._bound)}"
+
+    def _optimizer_trees(self, fingerprint: Mapping[str, Any] | None, states: list[Any]) -> dict[str, Any]:
+        """The bound optimizers' ``states`` (in binding order) as the fingerprint's trees: each a root of its own,
+        ``optimizer['G.0.weight']`` (:meth:`_optimizer_name`), so the order they were bound in does not matter and
+        one not bound yet is not compared (:func:`compare_checksums` compares the roots given). A ``fingerprint``
+        written before the names (``optimizer[0]``, ...) is compared by binding order, as it was written."""
+        sums = fingerprint.get("checksums") if fingerprint is not None else None
+        if isinstance(sums, Mapping) and any(p.startswith("optimizer[") and p[10:11].isdigit() for p in sums):
+            return {"optimizer": states}
+        return {f"optimizer[{name!r}]": state for name, state in zip(self._bound_names, states, strict=True)}
 
     def _start(self, optimizer: Optimizer) -> Optimizer:
         """``optimizer``, set up if Fabric hands it over for the first time, its masters following any weights loaded
@@ -267,7 +289,8 @@ class StablePrecision(StableFrontEnd, Precision):
         state = super().state_dict()
         module = self.layout.module
         trees = {"model": module.state_dict() if module is not None else {},
-                 "optimizer": [optimizer.state_dict() for optimizer in self._bound], "plugin": dict(state)}
+                 **self._optimizer_trees(None, [optimizer.state_dict() for optimizer in self._bound]),
+                 "plugin": dict(state)}
         loss = self._pinned_loss if self._pin_loss is not None and module is not None else None
         fingerprint = self.fingerprint.capture(trees, self.stepper.manifest(), loss)
         fingerprint["checksums"].update(shard_checksums(trees))  # FSDP2's DTensor shards: every rank's (collective)
@@ -315,6 +338,10 @@ class StablePrecision(StableFrontEnd, Precision):
         # of the user's dict): at the first forward, before it moves BatchNorm statistics or FP8 histories, the model's
         # checksums and the pinned micro-batch, and the optimizers' checksums where they are set up already; else
         # those at the next optimizer step (``step``), once it has set them up. One host read each.
+        if not loaded:  # what a "previous" fallback from this file compares its candidates with
+            count = state.get("step_count") if isinstance(state, dict) else None
+            self._checked = fingerprint, count if isinstance(count, int) and not isinstance(count, bool) else -1
+            self._rounded = False  # an optimizer bound before this load holds FP32 state: only a later bind rounds
         if fingerprint is None:
             return
         if not loaded:
@@ -330,8 +357,14 @@ class StablePrecision(StableFrontEnd, Precision):
             if optimizers:
                 self.fingerprint.pending = None
             trees = {**({"model": module.state_dict()} if model else {}),
-                     **({"optimizer": [o.state_dict() for o in self._bound]} if optimizers else {})}
+                     **(self._optimizer_trees(fingerprint, [o.state_dict() for o in self._bound]) if optimizers
+                        else {})}
             differences, notes = self._checksum_differences(fingerprint, trees)
+            if differences and self._rounded:  # the likely cause first: FingerprintMismatch shows eight lines
+                differences.insert(0, "the optimizer state was loaded before its FP32 master weights were bound,"
+                                      " which rounds it to 16 bits, so what follows may be the load order's, not the"
+                                      " file's: call plugin.setup_optimizers(*optimizers) after fabric.setup, before"
+                                      " fabric.load")
             if model and self._pin_loss is not None:
                 differences += self.fingerprint.check_pinned(fingerprint, self._pinned_loss, self.stepper.manifest())
             elif model and fingerprint["pinned"]:
@@ -463,15 +496,18 @@ class StablePrecision(StableFrontEnd, Precision):
                     previous = candidate
                     break
                 rejected[str(candidate)] = differences
-        else:
-            found = previous_passing_checkpoint(failed, lambda c: self._earlier_differences(loaded, c, required=True),
-                                                pattern=pattern)
-            tried_here = previous_checkpoints(failed, pattern=pattern)
-            previous, rejected = (None, {}) if found is None else (found[0], found[2])
+            none_passes = f" found no earlier checkpoint that passes among {len(tried_here)} in {failed.parent}"
+        else:  # earlier as the restored-state rung's: a lower step_count, and the same run's (pinned micro-batch)
+            saved, step = self._checked
+            found = earlier_checkpoint(failed, step, lambda c: self._earlier_differences(loaded, c, required=True,
+                                                                                         run_of=saved),
+                                       step_of=lambda c: _step_of(loaded, c), required=list(loaded.state),
+                                       pattern=pattern)
+            previous, rejected, none_passes = (None, {}, f": {found[2]}") if found[0] is None else (
+                found[0], found[2], "")
         if previous is None:
-            raise FingerprintMismatch(str(failed), [*why, f"on_fingerprint_mismatch='previous' found no earlier"
-                                                          f" checkpoint that passes among {len(tried_here)} in"
-                                                          f" {failed.parent}"]) from error
+            raise FingerprintMismatch(str(failed), [*why, f"on_fingerprint_mismatch='previous'{none_passes}"]
+                                      ) from error
         if self.fingerprint.events:
             self.fingerprint.events[-1]["fallback"] = str(previous)
         fails = "cannot be read" if isinstance(error, _Unreadable) else "fails its numeric fingerprint"
@@ -607,7 +643,8 @@ class StablePrecision(StableFrontEnd, Precision):
         fingerprint = self.fingerprint.pending
         if fingerprint is None:
             return []
-        trees = {"model": self._module().state_dict(), "optimizer": [o.state_dict() for o in self._bound]}
+        trees = {"model": self._module().state_dict(),
+                 **self._optimizer_trees(fingerprint, [o.state_dict() for o in self._bound])}
         return self._checksum_differences(fingerprint, trees)[0]
 
     def _checksum_differences(self, fingerprint: dict[str, Any], trees: Mapping[str, object]
@@ -622,19 +659,23 @@ class StablePrecision(StableFrontEnd, Precision):
         sharded, notes = compare_shard_checksums(fingerprint["checksums"], trees)
         return differences + sharded, notes
 
-    def _earlier_differences(self, loaded: _Loaded, checkpoint: dict[str, Any], *, required: bool = False
-                             ) -> list[str]:
+    def _earlier_differences(self, loaded: _Loaded, checkpoint: dict[str, Any], *, required: bool = False,
+                             run_of: dict[str, Any] | None = None) -> list[str]:
         """A candidate checkpoint's numbers against its fingerprint (checksums, manifest); none: it passes. With
-        ``required`` it must hold every key of the state and a fingerprint."""
+        ``required`` it must hold every key of the state and a fingerprint; ``run_of``: the failed file's fingerprint,
+        whose pinned micro-batch a candidate of the same run has too."""
         if required and (missing := [key for key in loaded.state if key not in checkpoint]):
             return [f"holds no {', '.join(missing)} (a weights-only checkpoint)"]
         keys = {id(_unwrapped(value)): key for key, value in loaded.state.items()}
         model = keys.get(id(self.layout.module))
+        plugin_state = checkpoint.get(loaded.key)
+        saved = plugin_state.get(FINGERPRINT) if isinstance(plugin_state, dict) else None
+        optimizers = [checkpoint.get(keys.get(id(o), ""), {}) for o in self._bound]
         return self.fingerprint.candidate_differences(
-            checkpoint.get(loaded.key), lambda plugin: {
+            plugin_state, lambda plugin: {
                 "model": checkpoint.get(model, {}) if model is not None else {},
-                "optimizer": [checkpoint.get(keys.get(id(o), ""), {}) for o in self._bound], "plugin": plugin},
-            self.stepper.manifest, call=loaded.key, required=required)
+                **self._optimizer_trees(saved if isinstance(saved, dict) else None, optimizers), "plugin": plugin},
+            self.stepper.manifest, call=loaded.key, required=required, run_of=run_of)
 
     # What a resume without the plugin's state loses, by master_weights mode.
     _LOST: ClassVar[dict[str, str]] = {

@@ -4,6 +4,7 @@ in 16-true without masters) and torch.compile."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -16,6 +17,8 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch import nn
 
+from lit_mpstable.core.fingerprint import KEY as FINGERPRINT
+from lit_mpstable.core.fingerprint import FingerprintMismatch
 from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.frontends.fabric import StablePrecision
 
@@ -578,3 +581,165 @@ def test_clipping_before_fabric_backward_names_the_call_order() -> None:
         param.grad = torch.ones_like(param)
     with pytest.raises(RuntimeError, match=r"before any loss was scaled.*fabric\.backward\(loss\)"):
         fabric.clip_gradients(model, opt, max_norm=1.0)
+
+
+# ---------------------------------------------------------------------- the fingerprint of several optimizers
+class _GAN(nn.Module):
+    """A generator and a discriminator in one module, each with its own optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.D = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor, part: str) -> torch.Tensor:
+        return self.D(self.G(x)) if part == "GD" else getattr(self, part)(x)
+
+
+def _gan(precision: str, bind: str, **kwargs: Any) -> tuple[StablePrecision, Fabric, dict[str, Any]]:
+    """The GAN set up with Adam for each half; ``bind``: the optimizers given to ``setup_optimizers``, in that order
+    ("" leaves the plugin to bind them at their first step: D's first). Returns the state ``fabric.save`` takes."""
+    plugin = StablePrecision(precision, **kwargs)
+    fabric = fabric_of(plugin)
+    torch.manual_seed(0)
+    gan = _GAN()
+    model, opt_g, opt_d = fabric.setup(gan, torch.optim.Adam(gan.G.parameters(), lr=1e-3),
+                                       torch.optim.Adam(gan.D.parameters(), lr=1e-3))
+    state = {"model": model, "opt_g": opt_g, "opt_d": opt_d, "precision": plugin}
+    if bind:
+        plugin.setup_optimizers(*(state[f"opt_{half}"] for half in bind.split(",")))
+    return plugin, fabric, state
+
+
+def _gan_steps(fabric: Fabric, state: dict[str, Any], steps: int) -> None:
+    model, opt_g, opt_d = state["model"], state["opt_g"], state["opt_d"]
+    g = torch.Generator().manual_seed(len(state["opt_d"].state))
+    for _ in range(steps):
+        real, z = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        fake = model(z, "G").detach()
+        fabric.backward(F.softplus(-model(real, "D")).mean() + F.softplus(model(fake, "D")).mean())
+        opt_d.step()
+        opt_d.zero_grad()
+        fabric.backward(F.softplus(-model(z, "GD")).mean())
+        opt_g.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+
+
+@pytest.mark.parametrize(("precision", "saved", "loaded"), [
+    ("32-true", "", "g,d"), ("32-true", "g,d", "d,g"), ("32-true", "", ""), ("bf16-true", "g,d", "d,g")])
+def test_two_optimizers_resume_whatever_order_they_are_bound_in(tmp_path, precision, saved, loaded) -> None:
+    # The fingerprint names each optimizer by its first parameter, not by the order the plugin bound them in; one not
+    # bound yet when the check runs (at D's first step, without setup_optimizers) is not called missing.
+    plugin, fabric, state = _gan(precision, saved)
+    _gan_steps(fabric, state, 2)
+    fabric.save(tmp_path / "gan.pt", state)
+    plugin, fabric, state = _gan(precision, loaded)
+    fabric.load(tmp_path / "gan.pt", state)
+    _gan_steps(fabric, state, 1)
+    assert [event["action"] for event in plugin.fingerprint.events] == ["passed", "passed"]
+    assert {path.split("]")[0] for path in plugin.state_dict()[FINGERPRINT]["checksums"]
+            if path.startswith("optimizer")} == {"optimizer['G.0.weight'", "optimizer['D.0.weight'"}
+
+
+def test_a_checkpoint_that_names_optimizers_by_binding_order_is_still_checked(tmp_path) -> None:
+    # The previous release's fingerprint wrote optimizer[0], optimizer[1] (binding order): compared as written.
+    plugin, fabric, state = _gan("32-true", "g,d")
+    _gan_steps(fabric, state, 2)
+    fabric.save(tmp_path / "gan.pt", state)
+    checkpoint = torch.load(tmp_path / "gan.pt", weights_only=True)
+    sums = checkpoint["precision"][FINGERPRINT]["checksums"]
+    for index, name in enumerate(("optimizer['G.0.weight']", "optimizer['D.0.weight']")):
+        for path in [p for p in sums if p.startswith(name)]:
+            sums[f"optimizer[{index}]{path.removeprefix(name)}"] = sums.pop(path)
+    torch.save(checkpoint, tmp_path / "gan.pt")
+    plugin, fabric, state = _gan("32-true", "g,d")
+    fabric.load(tmp_path / "gan.pt", state)
+    _gan_steps(fabric, state, 1)
+    assert [event["action"] for event in plugin.fingerprint.events] == ["passed", "passed"]
+    checkpoint["opt_d"]["state"][0]["exp_avg"].view(-1)[0] += 1.0
+    torch.save(checkpoint, tmp_path / "gan.pt")
+    plugin, fabric, state = _gan("32-true", "g,d")
+    fabric.load(tmp_path / "gan.pt", state)
+    with pytest.raises(FingerprintMismatch, match=r"optimizer state `optimizer\[1\]\['state'\]\[0\]\['exp_avg'\]`"):
+        _gan_steps(fabric, state, 1)
+
+
+def test_state_loaded_before_the_masters_are_bound_is_named_as_the_likely_cause(tmp_path) -> None:
+    # fabric.load before setup_optimizers rounds Adam's state to BF16 (the model's dtype): the file is intact, and the
+    # mismatch says what to change first, not only what the numbers look like.
+    def setup(bind: bool) -> tuple[Fabric, dict[str, Any]]:
+        plugin = StablePrecision("bf16-true")
+        fabric = fabric_of(plugin)
+        torch.manual_seed(0)
+        model = TinyMLP()
+        model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        if bind:
+            plugin.setup_optimizers(opt)
+        return fabric, {"model": model, "optimizer": opt, "precision": plugin}
+
+    fabric, state = setup(bind=True)
+    for step in range(2):
+        fabric_backward(fabric, state["model"], step)
+        state["optimizer"].step()
+    fabric.save(tmp_path / "ckpt.pt", state)
+    fabric, state = setup(bind=False)
+    fabric.load(tmp_path / "ckpt.pt", state)
+    fabric_backward(fabric, state["model"], 2)
+    with pytest.warns(UserWarning, match="before its FP32 master weights were bound"), pytest.raises(
+            FingerprintMismatch, match=r"fingerprint: the optimizer state was loaded before its FP32 master weights"
+                                       r" were bound.*plugin\.setup_optimizers.*round-tripped through BF16"):
+        state["optimizer"].step()
+
+
+def _saved_run(directory: Any, prefix: str, steps: int, rows: slice) -> list[Any]:
+    """``prefix-step=N.pt`` for N in 1..steps: a 32-true AdamW loop on TinyMLP that pins the batch ``rows`` (which
+    rows a run pins is what tells runs apart)."""
+    plugin = StablePrecision("32-true")
+    fabric = fabric_of(plugin)
+    torch.manual_seed(0)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plugin.setup_optimizers(opt)
+    x, y = regression_data(64)
+    plugin.pin(lambda module, batch: F.mse_loss(module(batch[0]), batch[1]), (x[rows], y[rows]))
+    paths = []
+    for step in range(1, steps + 1):
+        fabric_backward(fabric, model, step)
+        opt.step()
+        opt.zero_grad()
+        paths.append(directory / f"{prefix}-step={step}.pt")
+        fabric.save(paths[-1], {"model": model, "optimizer": opt, "precision": plugin})
+    return paths
+
+
+@pytest.mark.parametrize(("failing", "removed", "outcome"), [
+    ("b-step=1.pt", None, r"among 3 .*written at step 3, not before the loaded checkpoint's 1"),
+    ("b-step=2.pt", "b-step=1.pt", r"among 3 .*step 2, not before .*; it pinned another micro-batch than the failed"),
+    ("b-step=2.pt", None, "b-step=1.pt"),
+], ids=["later-step", "other-run", "same-run"])
+def test_plugin_load_previous_keeps_to_earlier_steps_of_the_same_run(tmp_path, failing, removed, outcome) -> None:
+    # Run B (another pinned micro-batch) saves into run A's directory after it: A's files are earlier by modification
+    # time, but A's steps 2-3 are later than B's and A's step 1 is another run's.
+    paths = _saved_run(tmp_path, "a", 3, slice(0, 4)) + _saved_run(tmp_path, "b", 2, slice(4, 8))
+    for order, path in enumerate(paths):
+        os.utime(path, ns=(1_000_000_000 * (order + 1),) * 2)
+    checkpoint = torch.load(tmp_path / failing, weights_only=True)
+    checkpoint["model"]["fc1.weight"][3].mul_(2)
+    torch.save(checkpoint, tmp_path / failing)
+    os.utime(tmp_path / failing, ns=(paths.index(tmp_path / failing) * 1_000_000_000 + 1_000_000_000,) * 2)
+    if removed:
+        (tmp_path / removed).unlink()
+    plugin = StablePrecision("32-true", on_fingerprint_mismatch="previous")
+    fabric = fabric_of(plugin)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plugin.setup_optimizers(opt)
+    state = {"model": model, "optimizer": opt, "precision": plugin}
+    if outcome.endswith(".pt"):
+        with pytest.warns(UserWarning, match=rf"{failing} fails its numeric fingerprint .* loaded .*{outcome} instead"):
+            plugin.load(fabric, tmp_path / failing, state, restored_window=0)
+        assert plugin.step_count == 1
+        return
+    with pytest.raises(FingerprintMismatch, match=rf"'previous': no earlier checkpoint passes {outcome}"):
+        plugin.load(fabric, tmp_path / failing, state, restored_window=0)

@@ -191,7 +191,7 @@ def test_each_rank_checksums_its_shards_at_the_save(saved) -> None:
     for rank in range(WORLD_SIZE):
         for name in ("fc1.weight", "fc3.bias"):
             assert f"shards[rank {rank} of 2]model[{name!r}]" in sums
-        assert f"shards[rank {rank} of 2]optimizer[0]['state'][0]['exp_avg_sq']" in sums
+        assert f"shards[rank {rank} of 2]optimizer['fc1.weight']['state'][0]['exp_avg_sq']" in sums
     assert sums["shards[rank 0 of 2]model['fc1.weight']"] != sums["shards[rank 1 of 2]model['fc1.weight']"]
 
 

@@ -283,13 +283,69 @@ def test_previous_resumes_from_the_newest_earlier_checkpoint_that_passes(written
     assert plugin.fingerprint.events[-1]["action"] == "passed"
 
 
+def test_previous_names_the_fallback_that_fails_its_pinned_pass(written, tmp_path) -> None:
+    # Step 3 fails its checksums, step 2 (the fallback) its pinned pass: that failure is step 2's, said once, and the
+    # run goes on from step 1, loaded once.
+    from trainer_pkg import StablePrecision
+
+    paths = _copy(written, tmp_path)
+    _corrupt(paths[-1], _flip_optimizer_bit)
+    _corrupt(paths[-2], _pinned_loss_moved)
+    for step, path in enumerate(paths):
+        os.utime(path, ns=(1_000_000_000 * (step + 1), 1_000_000_000 * (step + 1)))
+    plugin = StablePrecision("bf16-true", on_fingerprint_mismatch="previous")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, trainer = _fit(plugin, 4, ckpt_path=paths[-1])
+    said = [str(w.message) for w in caught if "fails its numeric fingerprint" in str(w.message)]
+    assert len(said) == 2 and "step=3.ckpt fails" in said[0] and "resumed from" in said[0]
+    assert "step=2.ckpt fails" in said[1] and "pinned micro-batch" in said[1] and "step=1.ckpt" in said[1]
+    events = [(Path(e["source"].split(" (")[0]).name, e["action"], Path(e.get("fallback", "")).name)
+              for e in plugin.fingerprint.events]
+    assert events == [("epoch=0-step=3.ckpt", "previous", "epoch=0-step=2.ckpt"),
+                      ("epoch=0-step=2.ckpt", "previous", "epoch=0-step=1.ckpt"),
+                      ("epoch=0-step=1.ckpt", "passed", "")]
+    assert trainer.global_step == 4
+
+
+@pytest.mark.parametrize(("failing", "removed", "outcome"), [
+    ("b-step=1.ckpt", None, "among 3 .*written at step 3, not before the loaded checkpoint's 1"),
+    ("b-step=2.ckpt", "b-step=1.ckpt", "among 3 .*step 2, not before .*; it pinned another micro-batch than the"
+                                       " failed file"),
+    ("b-step=2.ckpt", None, "b-step=1.ckpt"),
+], ids=["later-step", "other-run", "same-run"])
+def test_previous_keeps_to_earlier_steps_of_the_same_run(written, tmp_path, failing, removed, outcome) -> None:
+    # Run B (other data: another pinned micro-batch) writes into run A's directory after it: A's files are earlier
+    # by modification time, but A's steps 2-3 are later than B's and A's step 1 is another run's.
+    from trainer_pkg import StablePrecision
+
+    paths = _copy(written, tmp_path)
+    _fit(StablePrecision("bf16-true"), 2, tmp_path / "b", n=32)
+    for step in (1, 2):
+        paths.append(tmp_path / f"b-step={step}.ckpt")
+        (tmp_path / "b" / f"epoch=0-step={step}.ckpt").rename(paths[-1])
+    _corrupt(tmp_path / failing, _scale_row)
+    for order, path in enumerate(paths):
+        os.utime(path, ns=(1_000_000_000 * (order + 1),) * 2)
+    if removed:
+        (tmp_path / removed).unlink()
+    plugin = StablePrecision("bf16-true", on_fingerprint_mismatch="previous")
+    if outcome.endswith(".ckpt"):
+        with pytest.warns(UserWarning, match=rf"{failing} fails .* resumed from .*{outcome} \(global_step=1\)"):
+            _, trainer = _fit(plugin, 3, ckpt_path=tmp_path / failing, n=32)
+        assert trainer.global_step == 3
+        return
+    with pytest.raises(FingerprintMismatch, match=rf"'previous': no earlier checkpoint passes {outcome}"):
+        _fit(plugin, 3, ckpt_path=tmp_path / failing, n=32)
+
+
 def test_previous_without_a_passing_checkpoint_raises(written, tmp_path) -> None:
     from trainer_pkg import StablePrecision
 
     path = tmp_path / "only.ckpt"  # alone in its directory: nothing earlier
     path.write_bytes(_checkpoints(written[0])[0].read_bytes())
     _corrupt(path, _scale_row)
-    with pytest.raises(FingerprintMismatch, match="found no earlier checkpoint that passes among 0"):
+    with pytest.raises(FingerprintMismatch, match="'previous': no earlier checkpoint passes among 0"):
         _fit(StablePrecision("bf16-true", on_fingerprint_mismatch="previous"), 4, ckpt_path=path)
 
 
@@ -442,7 +498,8 @@ def test_the_fingerprint_rides_in_the_fabric_save(tmp_path) -> None:
     assert {p.split("[")[0] for p in fingerprint["checksums"]} == {"model", "optimizer", "plugin"}
     assert fingerprint["pinned"] == {}  # without plugin.pin Fabric gives the plugin no loss to pin
     assert [e["action"] for e in _fabric_run(path, load=True).fingerprint.events] == ["passed", "passed"]
-    with pytest.raises(FingerprintMismatch, match=r"optimizer state `optimizer\[0\]\['state'\]\[1\]\['exp_avg'\]`"):
+    named = r"optimizer state `optimizer\['0.weight'\]\['state'\]\[1\]\['exp_avg'\]`"  # by its first parameter
+    with pytest.raises(FingerprintMismatch, match=named):
         _fabric_run(path, load=True, change=lambda c: _flip(c["optimizer"]["state"][1]["exp_avg"], 2, 7))
 
 
