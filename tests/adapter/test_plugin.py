@@ -306,6 +306,31 @@ def test_fp32_islands_stale_pattern_is_an_error() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ resume
+@pytest.mark.parametrize("saved, resumed", [("dynamic", "adaptive"), ("adaptive", "dynamic"), ("adaptive", "static")])
+def test_a_resume_with_another_kind_of_loss_scaler_carries_the_scale(tmp_path, saved: str, resumed: str) -> None:
+    """A run that keeps overflowing is resumed with ``scaler="adaptive"`` (or back): the scale and the counters carry
+    over, the new scaler's own settings and state start fresh, and it is said (a StateKeyError naming private keys
+    before)."""
+    first = make_trainer(StablePrecision("16-mixed", scaler=saved), max_steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first.fit(make_module(optimizer="adamw"))
+    first.save_checkpoint(tmp_path / "saved.ckpt")
+    seen = []
+
+    class Scale(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            seen.append(trainer.precision_plugin.loss_scale)
+
+    plugin = StablePrecision("16-mixed", scaler=resumed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(plugin, max_steps=6, callbacks=[Scale()]).fit(make_module(optimizer="adamw"),
+                                                                   ckpt_path=tmp_path / "saved.ckpt")
+    assert seen == [first.precision_plugin.loss_scale]
+    assert plugin.step_count == 6 and plugin.scaler.state_dict()["step_count"] == 6
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path) -> None:
     poison = {1, 5}  # one epoch is 4 steps: checkpoint after a whole epoch (Lightning replays a cut epoch)
 

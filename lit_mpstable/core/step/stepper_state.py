@@ -50,8 +50,17 @@ def load_scaler_state_(scaler: torch.amp.GradScaler | None, state: dict[str, Any
     scaling = scaler is not None and scaler.is_enabled()
     if scaling and state["scaler"]:
         assert scaler is not None
-        saved = dict(state["scaler"])
-        scaler.load_state_dict(keep_live_counters(saved, scaler.state_dict()) if keep_counters else saved)
+        saved, live = dict(state["scaler"]), scaler.state_dict()
+        notes = []
+        if set(saved) != set(live):
+            # Another kind of scaler (scaler="adaptive" on resume after "dynamic", or back): where the scale stood,
+            # its growth count and its counters carry; this run's scaler keeps its own settings and the rest.
+            saved = {**live, **{key: saved[key] for key in _CARRIED if key in saved and key in live}}
+            notes.append(f"checkpoint written with another loss scaler than this run's {type(scaler).__name__}: its"
+                         f" scale ({float(saved['scale']):.6g}) and counters carried, the scaler's own state starts"
+                         " fresh.")
+        scaler.load_state_dict(keep_live_counters(saved, live) if keep_counters else saved)
+        return notes
     elif scaling or state["scaler"]:
         # A precision switch on resume (e.g. 16-mixed -> bf16-mixed) is legitimate: say what happens.
         return [
@@ -242,6 +251,10 @@ def check_plugin_state(call: str, state: Any, expected: set[str], precisions: tu
 # and counts them itself (it runs without a stepper too); they are history like the run's, so a rollback that restores
 # the scaler's numeric state keeps their live values (see RunCounters.keep_live_ in the stepper).
 SCALER_COUNTERS = ("overflow_count", "step_count", "min_scale_hits")
+
+
+_CARRIED = ("scale", "_growth_tracker", *SCALER_COUNTERS)
+"""What a scaler's state carries into a scaler of another kind."""
 
 
 def keep_live_counters(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
