@@ -135,6 +135,8 @@ class FaultTriage(PluginCallback):
         self._step = -1
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self._step_logs: _StepLogs | None = None
+        self._schedules: list[int | None] = []  # each LR scheduler's last_epoch at the batch start
+        self._lrs: list[Any] = []  # the optimizer's learning rates at the batch start, by group
         self._ladder: Ladder | None = None
         self._logged = StepMetrics()  # mp/* values of the last logging step (retired at the next batch end)
 
@@ -177,6 +179,8 @@ class FaultTriage(PluginCallback):
         # References and host copies only (the RNG states are small host tensors): nothing waits for the device.
         self._batch, self._batch_idx, self._rng = batch, batch_idx, rng_state()
         self._step_logs = _StepLogs(trainer)
+        self._schedules = [getattr(config.scheduler, "last_epoch", None) for config in trainer.lr_scheduler_configs]
+        self._lrs = [group["lr"] for group in trainer.optimizers[0].param_groups] if trainer.optimizers else []
         self._step = self._global_step.completed
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -239,12 +243,16 @@ class FaultTriage(PluginCallback):
         self.replays_run = int(state_dict["replays_run"])
 
 
-def _step_schedules(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-    """Lightning stepped the per-step LR schedulers before ``on_train_batch_end``, while the step stood skipped (the
-    plugin held them): step them again now that it is applied, as Lightning's rule would have (interval and
-    frequency), or the schedule lags one step behind the weights for the rest of the run."""
-    for config in trainer.lr_scheduler_configs:
-        if config.interval == "step" and not config.reduce_on_plateau and (batch_idx + 1) % config.frequency == 0:
+def _step_schedules(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int,
+                    before: Sequence[int | None]) -> None:
+    """Lightning stepped the per-step LR schedulers due at this batch (interval and frequency) before
+    ``on_train_batch_end``, while the step stood skipped: step again, now that it is applied, those the plugin held
+    (their ``last_epoch`` is still what it was at the batch start, ``before``), or the schedule lags one step behind
+    the weights for the rest of the run. Not the others: a scheduler of ``frequency`` > 1 had an applied step since
+    it last stepped, so it was not held."""
+    for config, start in zip(trainer.lr_scheduler_configs, before):
+        due = config.interval == "step" and not config.reduce_on_plateau and (batch_idx + 1) % config.frequency == 0
+        if due and (start is None or getattr(config.scheduler, "last_epoch", None) == start):
             pl_module.lr_scheduler_step(config.scheduler, None)
 
 
@@ -323,10 +331,24 @@ class _TrainerReplay:
         return (loss.detach() if isinstance(loss, torch.Tensor) else None), traced_names(tracer)
 
     def apply(self, loss: torch.Tensor | None) -> None:
-        assert self.triage._step_logs is not None
-        self.triage._step_logs.relog(self.module, self.held_logs)
-        self.plugin.optimizer_step(self.optimizer, self.module, lambda: loss)
-        _step_schedules(self.trainer, self.module, self.triage._batch_idx)
+        triage = self.triage
+        assert triage._step_logs is not None
+        triage._step_logs.relog(self.module, self.held_logs)
+        # A scheduler the plugin did not hold (frequency > 1: a step was applied since it last stepped) moved the LR
+        # after the rejected execution: the replay steps at the LR the step began with, as the step would have.
+        groups, configs = self.optimizer.param_groups, self.trainer.lr_scheduler_configs
+        moved = any(start is not None and getattr(config.scheduler, "last_epoch", None) != start
+                    for config, start in zip(configs, triage._schedules))
+        now = [group["lr"] for group in groups]
+        if moved and len(triage._lrs) == len(groups):
+            for group, lr in zip(groups, triage._lrs):
+                group["lr"] = lr
+        try:
+            self.plugin.optimizer_step(self.optimizer, self.module, lambda: loss)
+        finally:
+            for group, lr in zip(groups, now):
+                group["lr"] = lr
+        _step_schedules(self.trainer, self.module, triage._batch_idx, triage._schedules)
 
     def discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

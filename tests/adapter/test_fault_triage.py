@@ -196,6 +196,30 @@ def test_transient_keeps_the_lr_schedule_of_a_fault_free_run():
         torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
 
 
+class _EveryOther(PoisonModule):
+    """Its per-step scheduler steps every other batch (``frequency=2``), every step a decay."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2}}
+
+
+@pytest.mark.parametrize("fault_step", [0, 1, 2])
+def test_transient_keeps_a_schedule_of_frequency_2_as_a_fault_free_run(fault_step):
+    """An applied replay steps the schedulers the rejected step held, and only those: with ``frequency=2`` the step
+    after an applied one is not held (the scheduler stepped once already), and stepping it again halved the LR twice."""
+    torch.manual_seed(0)
+    clean = _EveryOther()
+    fit(clean, [], max_steps=6)
+    torch.manual_seed(0)
+    module = _EveryOther()
+    fit(module, [FaultTriage(), FaultInjector({fault_step: "transient"})], max_steps=6)
+    assert module.lr_schedulers().get_last_lr() == clean.lr_schedulers().get_last_lr()
+    for name, value in weights(clean).items():
+        torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true"])  # '16-true': the FP32 replay casts the FP16 batch
 def test_precision_fault_falls_back_the_blamed_module(precision):
     triage = FaultTriage()
