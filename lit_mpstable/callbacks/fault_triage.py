@@ -223,7 +223,8 @@ class FaultTriage(PluginCallback):
         # Only a fault that reproduces has a place to blame: where inf/NaN first appeared in the as-is replay.
         blamed = [n for n in agreed_names(trainer, traced if kind == "precision" else []) if n in known and n]
         if kind == "precision":
-            extra["effect"] = plugin.fallback(blamed or None, reason=f"FaultTriage: step {step} was clean only in FP32")
+            extra["effect"] = plugin.fallback(blamed or None, reason=f"FaultTriage: step {step} was clean only in FP32",
+                                              step=step)
         restore_rng(after)  # the RNG goes on from where the rejected step left it
         event = triage_event(step, kind, blamed, batch_idx, outcomes, **extra)
         self.events.append(event)

@@ -303,19 +303,20 @@ class StableFrontEnd:
         """
         self.stepper.skip_step()
 
-    def fallback(self, modules: Iterable[str] | None = None, *, reason: str) -> str:
+    def fallback(self, modules: Iterable[str] | None = None, *, reason: str, step: int | None = None) -> str:
         """Climb one rung of the precision ladder: with ``modules=None`` the whole run (FP8 -> base precision ->
         FP32), else the named modules (FP8 layers leave FP8, others become FP32 islands). Loss scaling and master
-        weights keep working. Returns what was done, also warned once on rank zero (the one log line of a fallback).
-        Takes effect from the next
-        forward; :meth:`restore_precision` undoes it."""
+        weights keep working. Returns what was done, also warned once on rank zero (the one log line of a fallback),
+        at ``step`` (the loop's step it answers; default: :attr:`step_count`, which counts a triage's replays too).
+        Takes effect from the next forward; :meth:`restore_precision` undoes it."""
         if not isinstance(reason, str) or not reason:
             raise (ValueError if isinstance(reason, str) else TypeError)(
                 f"{type(self).__name__}.fallback(reason={reason!r:.80}): must be a non-empty string (why: it ends"
                 " the fallback's log line).")
         action = self.stepper.fallback(modules)
         # The one log line of a fallback, whoever decided it (a callback names itself in ``reason``).
-        rank_zero_warn(f"StablePrecision fallback at step {self.step_count}: {action} ({reason}).")
+        at = self.step_count if step is None else step
+        rank_zero_warn(f"StablePrecision fallback at step {at}: {action} ({reason}).")
         return action
 
     def restore_precision(self) -> None:

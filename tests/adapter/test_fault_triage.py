@@ -223,8 +223,13 @@ def test_transient_keeps_a_schedule_of_frequency_2_as_a_fault_free_run(fault_ste
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true"])  # '16-true': the FP32 replay casts the FP16 batch
 def test_precision_fault_falls_back_the_blamed_module(precision):
     triage = FaultTriage()
-    plugin = fit(seeded(), [triage, FaultInjector({1: "fp16_overflow"}, module="model.fc2")], precision,
-                 max_steps=3)
+    plugin = StablePrecision(precision)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(plugin, callbacks=[triage, FaultInjector({1: "fp16_overflow"}, module="model.fc2")],
+                     max_steps=3).fit(seeded())
+    # The step the fallback answers, not the plugin's count of executions (the rejected one and the replays).
+    assert any("fallback at step 1: ['model.fc2']" in str(w.message) for w in caught)
     (event,) = triage.events
     assert (event["step"], event["kind"], event["action"]) == (1, "precision", "fallback")
     assert event["replays"] == ["as_is:nonfinite", "fp32:clean"] and event["blamed"] == ["model.fc2"]
