@@ -303,7 +303,9 @@ class MasterWeights(Keeper):
         """
         state, moments = split_moments("MasterKeeper", state, self.moments)
         check_keys("MasterWeights.load_state_dict", state, self._masters,
-                   suffix="; was it saved from a different model, or with other parameters trainable or in FP32?")
+                   suffix="; was it saved from a different model, or with other parameters trainable or in FP32, or"
+                          " loaded before every optimizer was set up (Fabric: plugin.setup_optimizers(*optimizers)"
+                          " after fabric.setup, before fabric.load)?")
         for name, master in self._masters.items():
             if state[name].shape != master.shape:
                 raise ValueError(
