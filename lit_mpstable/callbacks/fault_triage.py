@@ -376,7 +376,7 @@ class _TrainerReplay:
 
     def roll_back(self) -> int | None:
         assert self.checkpoint is not None
-        return self.checkpoint.roll_back(self.trainer, self.module, kind="fault triage: state")
+        return self.checkpoint.roll_back(self.trainer, self.module, kind="fault triage: state", step=self.triage._step)
 
     def any_rank(self, flags: Sequence[bool]) -> list[bool]:
         return any_rank(self.trainer, flags, self.module.device)

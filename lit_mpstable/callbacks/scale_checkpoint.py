@@ -161,16 +161,19 @@ class ScaleCheckpoint(PluginCallback):
         restore_snapshot(trainer, pl_module, self._plugin, self._snapshot)
         return self._snapshot["step"]
 
-    def roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, kind: str) -> int:
+    def roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, kind: str,
+                  step: int | None = None) -> int:
         """Roll back to the last snapshot as a detected fault would (counted, recorded in :attr:`events` under
-        ``kind``, warned, within ``max_rollbacks``); returns the snapshot's step. Call it on every rank alike.
+        ``kind`` at ``step``, the step it answers: default ``trainer.global_step``, one past a step that has ended),
+        warned, within ``max_rollbacks``; returns the snapshot's step. Call it on every rank alike.
 
         Raises:
             RuntimeError: no snapshot yet, or the ``max_rollbacks`` budget is spent.
         """
         if self._plugin is None or self._snapshot is None:
             raise RuntimeError(f"ScaleCheckpoint.roll_back(kind={kind!r}): no snapshot yet; check snapshot_step first.")
-        self._roll_back(trainer, pl_module, dict(step=trainer.global_step, kind=kind, loss=None, zscore=None))
+        at = trainer.global_step if step is None else step
+        self._roll_back(trainer, pl_module, dict(step=at, kind=kind, loss=None, zscore=None))
         return self._snapshot["step"]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

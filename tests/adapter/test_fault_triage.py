@@ -283,6 +283,7 @@ def test_bad_state_is_state_and_rolls_back():
     assert (event["step"], event["kind"], event["action"], event["restored_step"]) == (2, "state", "rollback", 2)
     assert event["replays"] == ["as_is:nonfinite", "fp32:nonfinite", "snapshot:clean"]
     assert checkpoint.rollbacks == 1
+    assert checkpoint.events[-1]["step"] == 2  # the step it answers (trainer.global_step is past it by then)
     assert all(torch.isfinite(v).all() for v in weights(module).values())
 
 
