@@ -459,3 +459,56 @@ def test_lightnings_finetuning_callbacks_are_refused_with_fp32_masters_and_train
     make_trainer(StablePrecision("bf16-true", master_weights="kahan"), max_epochs=3, max_steps=-1,
                  callbacks=[_unfreezing()]).fit(module)
     assert not torch.equal(module.backbone[0].weight.float(), before)  # unfrozen at epoch 1, then trained
+
+
+class _ToggledGAN(pl.LightningModule):
+    """Lightning's GAN loop (manual optimization, ``toggle_optimizer``): the generator's loss runs through the
+    discriminator, whose parameters the toggle freezes. ``clear``: the discriminator's gradients cleared by hand before
+    its backward as well (the reference: nothing may be left there)."""
+
+    def __init__(self, clear: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.G = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.D = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.clear, self.automatic_optimization = clear, False
+        self.real = torch.randn(12, 8)
+
+    def training_step(self, batch, batch_idx):
+        (real,) = batch
+        real = real.to(self.G[0].weight.dtype)
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(real.shape[0], 4, dtype=real.dtype, generator=torch.Generator().manual_seed(batch_idx))
+        self.toggle_optimizer(opt_d)
+        if self.clear:
+            self.D.zero_grad()
+        loss_d = (nn.functional.softplus(-self.D(real)).mean()
+                  + nn.functional.softplus(self.D(self.G(z).detach())).mean())
+        self.manual_backward(loss_d.float())
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.toggle_optimizer(opt_g)
+        self.manual_backward(nn.functional.softplus(-self.D(self.G(z))).mean().float())
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.real), batch_size=3)
+
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.G.parameters(), lr=1e-3), torch.optim.Adam(self.D.parameters(), lr=1e-3)]
+
+
+def test_toggle_optimizer_keeps_the_generators_loss_out_of_the_discriminators_step() -> None:
+    """``toggle_optimizer`` freezes what the other optimizers hold, the masters here: the generator's backward still
+    writes the discriminator's 16-bit gradients, which must not reach its next step."""
+    weights = []
+    for clear in (False, True):
+        module = _ToggledGAN(clear)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_trainer(StablePrecision("bf16-true"), max_steps=4).fit(module)
+        weights.append(torch.cat([p.detach().float().flatten() for p in module.D.parameters()]))
+    assert torch.equal(weights[0], weights[1])

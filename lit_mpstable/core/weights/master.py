@@ -386,6 +386,13 @@ class MasterWeights(Keeper):
         if stepped:
             self.refresh_model_(optimizer)
         self.zero_model_grads_(optimizer)
+        # Lightning's toggle_optimizer (a GAN's loop) freezes the other optimizers' parameters, which are masters
+        # here: the model's parameters they stand for kept requires_grad and took gradients from this optimizer's
+        # loss (the discriminator's, from the generator's), which Lightning's own bf16-true never computes. Dropped,
+        # they do not add into the other optimizer's next step.
+        for name, master in self._masters.items():
+            if not master.requires_grad:
+                self._params[name].grad = None
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         return {name: master for name, master, _ in self.named_pairs()}
