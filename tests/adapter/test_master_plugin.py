@@ -512,3 +512,25 @@ def test_toggle_optimizer_keeps_the_generators_loss_out_of_the_discriminators_st
             make_trainer(StablePrecision("bf16-true"), max_steps=4).fit(module)
         weights.append(torch.cat([p.detach().float().flatten() for p in module.D.parameters()]))
     assert torch.equal(weights[0], weights[1])
+
+
+def test_masters_start_from_the_fp32_weights_after_a_validate_before_the_fit() -> None:
+    """``trainer.validate(model)`` (or ``lr_find``) before ``fit`` sets the model up in 16 bits first and binds no
+    optimizer: the fit's masters still start from the FP32 initialisation, so the fit equals one without it."""
+
+    class Validated(type(make_module())):  # type: ignore[misc]
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self(x).float(), y)
+
+    results = []
+    for validate_first in (False, True):
+        torch.manual_seed(0)
+        module = Validated(optimizer="adamw", lr=1e-2)
+        trainer = make_trainer(StablePrecision("bf16-true"), max_steps=3)
+        if validate_first:
+            trainer.validate(module, module.train_dataloader(), verbose=False)
+        trainer.fit(module)
+        results.append({k: v.clone() for k, v in trainer.precision_plugin.state_dict()["masters"].items()})
+    for name, master in results[0].items():
+        assert torch.equal(master, results[1][name]), name

@@ -250,9 +250,12 @@ class PrecisionStepper:
             swapped_elsewhere=self.layout.module is not module, true_16bit=self.true_16bit,
         )
         if not self.fsdp2 and self.master_mode == "fp32" and self.keeper.mode != "fp32":
-            # Masters start from these FP32 values, not from their 16-bit rounding (kept until the optimizers come).
-            self._initial = {name: p.detach().clone() for name, p in module.named_parameters()
-                             if p.requires_grad and p.dtype == torch.float32}
+            # Masters start from these FP32 values, not from their 16-bit rounding (kept until the optimizers come:
+            # a validate or lr_find before the fit sets the same module up, cast already, and binds none).
+            initial = {name: p.detach().clone() for name, p in module.named_parameters()
+                       if p.requires_grad and p.dtype == torch.float32}
+            if initial or module is not self.layout.module:
+                self._initial = initial
         if self.fsdp2 and self.fp8_budget.budget is not None:
             raise ValueError(
                 f"{self.owner}(fp8=FP8Config(keep_high_precision={self.fp8_budget.budget!r})) with FSDP2: the probe's"
@@ -316,7 +319,8 @@ class PrecisionStepper:
                 dtype=self.dtype, checker=self._checker, fsdp2=self.fsdp2, initial=self._initial,
                 warnings=self.warnings, optimizer_state=self.optimizer_state,
             )
-            self._initial = {}
+            if optimizers:  # the masters took their start values
+                self._initial = {}
         keeper = self.keeper  # a fallback's recast carries what the keeper holds
         self.layout.after_recast = lambda changed: keeper.follow_model_weights_(recast=changed)
         key = self.keeper.state_key
