@@ -878,13 +878,15 @@ class CheckpointCheck:
             checkpoint.get(self.plugin_key), lambda _: checkpoint_trees(checkpoint, self.plugin_key), self.live,
             call=self.plugin_key, required=required, run_of=run_of)
 
-    def verify_(self, checkpoint: dict[str, Any], path: str | Path | None) -> None:
-        """Check ``checkpoint`` (read from ``path``); a checkpoint without a fingerprint passes unchecked."""
+    def verify_(self, checkpoint: dict[str, Any], path: str | Path | None,
+                loaded: Mapping[str, object] | None = None) -> None:
+        """Check ``checkpoint`` (read from ``path``); a checkpoint without a fingerprint passes unchecked. ``loaded``:
+        the trees a strategy loaded in place instead of returning them in ``checkpoint`` (a sharded directory)."""
         saved, _ = self.fingerprint.split(checkpoint.get(self.plugin_key), call=f"{self.plugin_key}.load_state_dict")
         if saved is None:
             return
-        differences, notes = self.fingerprint.check(saved, checkpoint_trees(checkpoint, self.plugin_key),
-                                                    self.live())
+        trees = {**checkpoint_trees(checkpoint, self.plugin_key), **(loaded or {})}
+        differences, notes = self.fingerprint.check(saved, trees, self.live())
         if self.fingerprint.react(str(path), differences, notes):
             self.fall_back_(checkpoint, path, differences)  # it owes the fallback's pinned pass, under its own path
         else:

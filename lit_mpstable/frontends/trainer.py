@@ -222,12 +222,24 @@ class TrainerPrecision(StableFrontEnd):
         # "MixedPrecision": carry it over. (A checkpoint without FP32 masters needs nothing: its weights were loaded
         # into the FP32 model before setup, and the masters start from them.) Runs before the optimizers are restored.
         self._preload_schedule_(checkpoint.get(type(self).__qualname__))  # layers switched as the checkpoint's were
-        self._checkpoint_check().verify_(checkpoint, getattr(self._trainer(), "ckpt_path", None))  # may swap it
+        trainer = self._trainer()
+        self._checkpoint_check().verify_(checkpoint, getattr(trainer, "ckpt_path", None),  # may swap it
+                                         self._loaded_in_place(trainer, checkpoint))
         unflatten_optimizer_states_(checkpoint.get("optimizer_states", []))
         self._loaded_weights = checkpoint.get("state_dict")
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint and self.scaler is not None:
             self.scaler.load_state_dict(checkpoint["MixedPrecision"])
             rank_zero_info("StablePrecision: loss-scaler state taken from a Lightning MixedPrecision checkpoint.")
+
+    def _loaded_in_place(self, trainer: Any, checkpoint: dict[str, Any]) -> dict[str, object] | None:
+        """What FSDP2's sharded load (ModelParallelStrategy) wrote into the model and the optimizers in place, as the
+        save's trees: the checkpoint dict it returns holds neither (collective: every rank checks)."""
+        module = self.stepper.layout.module
+        if trainer is None or module is None or "state_dict" in checkpoint or not shards_with_fsdp2(module, self._pl):
+            return None
+        strategy = trainer.strategy
+        return {"state_dict": strategy.lightning_module_state_dict(),
+                "optimizer_states": [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning loaded the model's weights before this, into parameters of the configured dtype: those a fallback
