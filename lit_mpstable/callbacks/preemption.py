@@ -5,6 +5,7 @@ bit-identically."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Iterable
@@ -45,22 +46,55 @@ def _signal_of(call: str, value: Any) -> signal.Signals:
 
 
 def atomic_save(write: Any, path: str | os.PathLike) -> None:
-    """``write(tmp)`` writes a file; it then replaces ``path`` atomically: a temporary file in the same folder, fsync,
-    ``os.replace``, fsync of the folder. Whatever stops it half-way (an exception, SIGKILL, a power cut) leaves the
-    previous ``path`` as it was; a failed write removes its temporary file."""
+    """``write(tmp)`` writes a file, or a directory (a sharded checkpoint: FSDP2's); it then replaces ``path``: a
+    temporary one in the same folder, fsync of what it holds, ``os.replace``, fsync of the folder. Whatever stops it
+    half-way (an exception, SIGKILL, a power cut) leaves the previous ``path`` as it was; a failed write removes its
+    temporary one. A directory cannot replace another in one rename: the previous one moves aside first (a crash
+    between the two renames leaves it as ``.<name>.old``) and is removed after."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _fsync_tree(tmp)
+        if tmp.is_dir() or path.is_dir():
+            old = path.with_name(f".{path.name}.old")
+            remove_path(old)
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            remove_path(old)
+        else:
+            os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        remove_path(tmp)
         raise
-    fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)  # the rename itself survives a crash
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file or a directory tree, if there is one."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_tree(path: Path) -> None:
+    if not path.is_dir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        return
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(fd)  # the rename itself survives a crash
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -301,6 +335,7 @@ class PreemptionCheckpoint(pl.Callback):
         path = folder / self.filename
         if trainer.is_global_zero:
             folder.mkdir(parents=True, exist_ok=True)
+            remove_path(path.with_name(f".{path.name}.tmp"))  # a crash's leftover: a sharded save adds to a directory
         trainer.strategy.barrier("PreemptionCheckpoint.mkdir")
         try:
             if trainer.is_global_zero:

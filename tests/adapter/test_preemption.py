@@ -176,6 +176,31 @@ def test_a_failed_write_removes_its_temporary_file(tmp_path) -> None:
     assert torch.load(path, weights_only=True) == {"v": 1} and sorted(os.listdir(tmp_path)) == ["x.ckpt"]
 
 
+def test_a_sharded_checkpoint_directory_replaces_the_previous_one(tmp_path) -> None:
+    """FSDP2 writes a directory: it replaces the previous checkpoint (a directory, or a file) whole, nothing left beside
+    it; a failed write leaves the previous one and removes its own (an IsADirectoryError and no checkpoint before)."""
+    path = tmp_path / "preempted.ckpt"
+
+    def shards(value: int, fail: bool = False):
+        def write(tmp: Path) -> None:
+            tmp.mkdir()
+            for rank in (0, 1):
+                torch.save({"v": value, "rank": rank}, tmp / f"__{rank}_0.distcp")
+            if fail:
+                raise OSError("disk full")
+        return write
+
+    atomic_save(lambda tmp: torch.save({"v": 0}, tmp), path)  # a file first
+    atomic_save(shards(1), path)
+    assert sorted(os.listdir(path)) == ["__0_0.distcp", "__1_0.distcp"]
+    atomic_save(shards(2), path)
+    assert torch.load(path / "__1_0.distcp", weights_only=True) == {"v": 2, "rank": 1}
+    with pytest.raises(OSError, match="disk full"):
+        atomic_save(shards(3, fail=True), path)
+    assert torch.load(path / "__0_0.distcp", weights_only=True)["v"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["preempted.ckpt"]
+
+
 def test_a_handler_left_by_an_earlier_fit_is_not_chained() -> None:
     seen = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
