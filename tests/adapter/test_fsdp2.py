@@ -313,8 +313,9 @@ def test_a_sharded_checkpoint_with_adam_state_and_buffers_passes_its_fingerprint
     # state: the plain tensors the save checksummed (Adam's step counters; a BatchNorm's statistics alike) are compared
     # with the live ones the load wrote (they were reported missing from the file, and the resume refused).
     def run(name: str, callbacks=(), **kwargs) -> list[dict]:
-        return fit_fsdp2(_ShardedAdam(policy="plugin", batch_by_step=True), StablePrecision("bf16-mixed", device="cpu"), tmp_path / name,
-                         STEPS + 2, list(callbacks), **kwargs)
+        module = _ShardedAdam(policy="plugin", batch_by_step=True)
+        return fit_fsdp2(module, StablePrecision("bf16-mixed", device="cpu"), tmp_path / name, STEPS + 2,
+                         list(callbacks), **kwargs)
 
     every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=STEPS, save_top_k=-1)
     whole = run("whole", [every], enable_checkpointing=True)
