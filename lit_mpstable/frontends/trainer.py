@@ -247,6 +247,11 @@ class TrainerPrecision(StableFrontEnd):
         weights, self._loaded_weights = getattr(self, "_loaded_weights", None), None
         with recast_from(self.stepper.layout.module, weights):
             super().load_state_dict(state_dict)
+        state = getattr(self._trainer(), "state", None)
+        if getattr(getattr(state, "fn", None), "value", "fit") != "fit":
+            # validate/test/predict run on the checkpoint's 16-bit weights: its masters (or compensation), waiting for
+            # optimizers no evaluation binds, must not reach a later fit of another model on this Trainer.
+            self.stepper.forget_pending_weights_()
 
     # ------------------------------------------------------------------------------------- the fingerprint
     def _check_fingerprint(self, fingerprint: dict[str, Any] | None, state: dict[str, Any], *, loaded: bool) -> None:

@@ -534,3 +534,30 @@ def test_masters_start_from_the_fp32_weights_after_a_validate_before_the_fit() -
         results.append({k: v.clone() for k, v in trainer.precision_plugin.state_dict()["masters"].items()})
     for name, master in results[0].items():
         assert torch.equal(master, results[1][name]), name
+
+
+@pytest.mark.parametrize("weights", [dict(), dict(master_weights="kahan")])
+def test_a_fit_after_a_validate_of_a_checkpoint_starts_from_its_own_model(tmp_path, weights: dict) -> None:
+    """``trainer.validate(ckpt_path=X)`` and then ``trainer.fit(new_model)`` on the same Trainer: the checkpoint's
+    masters (or compensation), which the validate did not need, do not reach the new model's fit."""
+
+    class Validated(type(make_module())):  # type: ignore[misc]
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self(x).float(), y)
+
+    torch.manual_seed(1)
+    first = Validated(optimizer="adamw", lr=1e-2)
+    trainer = make_trainer(StablePrecision("bf16-true", **weights), max_steps=3)
+    trainer.fit(first)
+    trainer.save_checkpoint(tmp_path / "x.ckpt")
+    results = []
+    for validate_first in (False, True):
+        torch.manual_seed(0)
+        module = Validated(optimizer="adamw", lr=1e-2)
+        trainer = make_trainer(StablePrecision("bf16-true", **weights), max_steps=3)
+        if validate_first:
+            trainer.validate(Validated(), module.train_dataloader(), ckpt_path=tmp_path / "x.ckpt", verbose=False)
+        trainer.fit(module)
+        results.append(torch.cat([p.detach().float().flatten() for p in module.parameters()]))
+    assert torch.equal(results[0], results[1])

@@ -249,7 +249,8 @@ class PrecisionStepper:
             self.owner, self.precision, module, requested=fsdp2, master_mode=self.master_mode, fp8=self.fp8,
             swapped_elsewhere=self.layout.module is not module, true_16bit=self.true_16bit,
         )
-        if not self.fsdp2 and self.master_mode == "fp32" and self.keeper.mode != "fp32":
+        if not self.fsdp2 and self.master_mode == "fp32" and (self.keeper.mode != "fp32"
+                                                              or module is not self.layout.module):
             # Masters start from these FP32 values, not from their 16-bit rounding (kept until the optimizers come:
             # a validate or lr_find before the fit sets the same module up, cast already, and binds none).
             initial = {name: p.detach().clone() for name, p in module.named_parameters()
@@ -328,6 +329,12 @@ class PrecisionStepper:
             self.keeper.load_state_dict(self._pending.pop(key))
         self._adopt_recast_state_(list(optimizers))  # a resumed fallback's FP32 optimizer state, loaded before
         self.schedules.hold(list(schedulers))
+
+    def forget_pending_weights_(self) -> None:
+        """Drop the FP32 masters or compensation a load keeps until optimizers are bound (an evaluation's load: no
+        optimizer comes, and a later fit must start from its own model)."""
+        for key in ("masters", "compact"):
+            self._pending.pop(key, None)
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
         """In ``'16-true'`` without masters, refuse an ``eps`` FP16 cannot hold (``core.weights.check_eps``)."""
