@@ -532,6 +532,28 @@ def test_the_trainer_refuses_the_same_eps() -> None:
         make_trainer(TrainerStablePrecision("16-true", master_weights=False, scaler=None), max_steps=2).fit(module)
 
 
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_compact_weights_in_16_true_refuse_the_same_eps_and_train_with_the_one_advised(mode: str) -> None:
+    # Their Adam state is FP16 too: with eps=1e-8 (0 in FP16) the loss went 0.7 -> 188 at step 2 and 6 of 8 steps were
+    # skipped, where master_weights=False was refused; refused alike now.
+    from helpers import make_module, make_trainer
+
+    from lit_mpstable import StablePrecision as TrainerStablePrecision
+
+    with pytest.raises(ValueError, match=rf"master_weights='{mode}'.*eps=1e-08.*holds as 0\.0.*eps=1e-4"):
+        make_trainer(TrainerStablePrecision("16-true", master_weights=mode), max_steps=2).fit(
+            make_module(optimizer="adamw", lr=1e-3))
+    plugin = StablePrecision("16-true", master_weights=mode)
+    fabric = quiet_fabric(plugin)
+    model = TinyMLP()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4))
+    for step in range(4):
+        fabric_backward(fabric, model, step)
+        opt.step()
+        opt.zero_grad()
+    assert plugin.skipped_steps == 0 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
 # ----------------------------------------------------------- clipping compact weights; clipping before fabric.backward
 def _compact_run(mode: str, clip: str, *, ours: bool, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
     """16-true with compact weights and the dynamic scaler: clipped by fabric.clip_gradients (``ours``) or by the

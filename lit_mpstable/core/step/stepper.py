@@ -72,6 +72,7 @@ from lit_mpstable.core.step.stepper_state import (
 from lit_mpstable.core.telemetry import GradObserver, shard_view
 from lit_mpstable.core.tensors import default_dtype as default_dtype  # re-exported: the stepper's argument helpers
 from lit_mpstable.core.tensors import floating_tensors, map_tensors
+from lit_mpstable.core.weights.keeper import check_eps
 from lit_mpstable.core.weights.memory import training_memory
 from lit_mpstable.core.weights.moment_keeper import StateKind, check_optimizer_state
 from lit_mpstable.core.weights.recast_state import KEY as RECAST
@@ -337,8 +338,11 @@ class PrecisionStepper:
             self._pending.pop(key, None)
 
     def check_eps(self, optimizers: Iterable[Optimizer]) -> None:
-        """In ``'16-true'`` without masters, refuse an ``eps`` FP16 cannot hold (``core.weights.check_eps``)."""
-        if isinstance(self.keeper, PlainKeeper):  # the other keepers' optimizer state is FP32: any eps fits
+        """In ``'16-true'`` without FP32 masters, refuse an ``eps`` FP16 cannot hold (``core.weights.check_eps``):
+        the plain keeper's optimizer state is FP16, and so is compact weights' (Kahan, stochastic)."""
+        if self.precision == "16-true" and self.master_mode in ("kahan", "stochastic"):
+            check_eps(self.owner, optimizers, self.master_mode)
+        elif isinstance(self.keeper, PlainKeeper):  # FP32 masters keep FP32 optimizer state: any eps fits
             self.keeper.check_eps(optimizers)
 
     def adopt_device_(self, module: nn.Module) -> None:

@@ -291,8 +291,9 @@ class PlainKeeper(Keeper):
                 param.grad = param.grad.to(param.dtype)
 
 
-def check_eps(owner: str, optimizers: Iterable[Optimizer]) -> None:
-    """Refuse, in ``'16-true'`` without masters (the optimizer state is FP16), an ``eps`` below FP16's smallest
+def check_eps(owner: str, optimizers: Iterable[Optimizer], master_weights: str | bool = False) -> None:
+    """Refuse, in ``'16-true'`` without FP32 masters (the optimizer state is FP16: ``master_weights`` False, "kahan" or
+    "stochastic", named in the message), an ``eps`` below FP16's smallest
     normal number: rounded to 0 (Adam's default 1e-8), a parameter whose gradient is 0 (a dead ReLU) gets
     ``0 / 0 = NaN`` at its first step; subnormal, the steps of parameters whose second moment underflows grow to
     ``lr * m / eps`` and overflow the next forward. Either way every later step is skipped. Only torch's own
@@ -307,7 +308,7 @@ def check_eps(owner: str, optimizers: Iterable[Optimizer]) -> None:
             if isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < tiny:
                 held = float(torch.tensor(eps, dtype=torch.float16))
                 raise ValueError(
-                    f"{owner}('16-true', master_weights=False): {type(optimizer).__name__} param group"
+                    f"{owner}('16-true', master_weights={master_weights!r}): {type(optimizer).__name__} param group"
                     f" {index} has eps={eps!r}, which FP16 (the dtype of its state) holds as {held!r}: a"
                     " parameter with a zero gradient gets 0/0 = NaN, or one whose second moment underflows a step"
                     f" of lr * m / eps, and the run stalls on skipped steps. The smallest normal FP16 eps is"
