@@ -299,11 +299,12 @@ def optimizer_steps(trainer: pl.Trainer) -> Any:
     return counter if found else _PropertyStep(trainer)
 
 
-def stop(ladder: Ladder, trainer: pl.Trainer, step: int) -> None:
-    """The stop rung: the fit ends after this batch, the reason said once."""
+def stop(ladder: Ladder, trainer: pl.Trainer, step: int, *, concluded: bool = False) -> None:
+    """The stop rung: the fit ends after this batch, the reason said once (``concluded``: by the face whose replay
+    concluded the step, which the ladder marked done already)."""
     event = ladder.decided(step)
     trainer.should_stop = True
-    if event is not None and not event.get("done"):
+    if event is not None and (concluded or not event.get("done")):
         ladder.done(step)
         rank_zero_warn(describe(event) + " The run stops: inf/NaN in the weights or optimizer state and no snapshot"
                        " to roll back to (add ScaleCheckpoint, or resume from an earlier checkpoint).")

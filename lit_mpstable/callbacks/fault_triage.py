@@ -228,10 +228,13 @@ class FaultTriage(PluginCallback):
         restore_rng(after)  # the RNG goes on from where the rejected step left it
         event = triage_event(step, kind, blamed, batch_idx, outcomes, **extra)
         self.events.append(event)
-        rank_zero_info(describe(event, "FaultTriage"))
         assert self._ladder is not None
-        if self._ladder.conclude(step, kind, replays=outcomes, blamed=blamed, **extra) is Rung.STOP:
-            stop(self._ladder, trainer, step)
+        stops = self._ladder.conclude(step, kind, replays=outcomes, blamed=blamed, **extra) is Rung.STOP
+        if stops:  # no snapshot to roll back to: the ladder's last rung, said as such (not "skip")
+            event["action"] = "stop"
+        rank_zero_info(describe(event, "FaultTriage"))
+        if stops:
+            stop(self._ladder, trainer, step, concluded=True)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -287,6 +287,19 @@ def test_bad_state_is_state_and_rolls_back():
     assert all(torch.isfinite(v).all() for v in weights(module).values())
 
 
+def test_bad_state_without_a_snapshot_stops_the_fit_and_says_so():
+    # The ladder's last rung: nothing to roll back to. The fit stopped silently, its one line saying "data, skip".
+    module, triage = seeded(), FaultTriage()
+    trainer = make_trainer(StablePrecision("32-true"), callbacks=[CorruptState(2, "weight"), triage], max_steps=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    assert trainer.global_step == 3  # stopped after the faulty step
+    (event,) = triage.events
+    assert (event["step"], event["action"]) == (2, "stop")
+    assert any("The run stops" in str(w.message) for w in caught)
+
+
 class RaisesInTheSnapshotReplay(PoisonModule):
     """Keeps the state at step ``step``'s first execution, and raises in its fourth (the replay from the snapshot,
     after the as-is and the FP32 replays). Replays run after the step counted, so they are told by the batch."""
