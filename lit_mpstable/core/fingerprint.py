@@ -375,6 +375,14 @@ def _layer_format(entry: Mapping[str, Any] | None, base: str) -> str:
         f"fp8 {entry['recipe']} ({entry['format']})")
 
 
+def _fallen(manifest: Mapping[str, Any], name: str) -> bool:
+    """Whether layer ``name`` had left its low format by a fallback in force (its SR key and signs went with it)."""
+    fallbacks = manifest.get("fallbacks") or {}
+    modules = [*fallbacks.get("fp8_removed", []), *fallbacks.get("fp32_modules", [])]
+    return bool(fallbacks.get("fp32") or fallbacks.get("fp8_off")) or any(
+        name == str(m) or name.startswith(f"{m}.") for m in modules)
+
+
 def compare_manifests(saved: Mapping[str, Any], live: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """``(differences, notes)`` between a checkpoint's manifest and this run's. Differences (the numbers would not
     mean the same): a layer in another low format, or in a low format on one side only; another FP8 field, SR key or
@@ -395,7 +403,7 @@ def compare_manifests(saved: Mapping[str, Any], live: Mapping[str, Any]) -> tupl
         now = _layer_format(live_layers.get(name) if name not in kept_live else None, base_live)
         if was != now and (name in saved_layers or name in live_layers) and not {was, now} <= set(_BASE.values()):
             differences.append(f"checkpoint trained `{name}` in {was}, this run has it in {now}")
-        elif name in saved_layers and name in live_layers:
+        elif name in saved_layers and name in live_layers and not (_fallen(saved, name) or _fallen(live, name)):
             for key, what in (("recipe_fields", "recipe fields (scale rule, block shapes, rounding)"),
                               ("sr_key", "stochastic-rounding keys"), ("hadamard", "Hadamard signs")):
                 if saved_layers[name].get(key) != live_layers[name].get(key):
