@@ -38,8 +38,9 @@ DGRAD_STREAM, WGRAD_STREAM = 1, 2
 
 
 def layer_seed(name: str) -> int:
-    """A layer's 31-bit seed from its qualified name (CRC-32): the same on every rank and after a resume."""
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+    """A layer's 31-bit seed from its qualified name (CRC-32): the same on every rank and after a resume, and whether
+    a parent was ``torch.compile``d or not (the compiled wrapper's ``_orig_mod.`` is not part of the name)."""
+    return zlib.crc32(name.replace("_orig_mod.", "").encode()) & 0x7FFFFFFF
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
