@@ -283,7 +283,9 @@ class ScaleCheckpoint(PluginCallback):
     def _reduce_lr(self, trainer: pl.Trainer, restored_scale: float) -> None:
         """After a rollback: the LR reductions so far times one more ``lr_factor``, applied to state restored with
         ``restored_scale`` of them (the snapshot's or the file's): every param group's rates and each LR scheduler's
-        ``base_lrs`` (and its last rates) by their ratio. Nothing with ``lr_factor=1``."""
+        ``base_lrs`` (and its last rates; ``CyclicLR``'s ``max_lrs``; the schedulers ``SequentialLR`` and
+        ``ChainedScheduler`` hand over to, else the next one puts the full rate back) by their ratio. Nothing with
+        ``lr_factor=1``."""
         if self.lr_factor == 1.0:
             return
         self.lr_scale *= self.lr_factor
@@ -297,10 +299,7 @@ class ScaleCheckpoint(PluginCallback):
                     elif isinstance(value, (int, float)) and not isinstance(value, bool):
                         group[key] = value * ratio
         for config in trainer.lr_scheduler_configs:
-            for attribute in ("base_lrs", "_last_lr"):
-                values = getattr(config.scheduler, attribute, None)
-                if isinstance(values, list):
-                    setattr(config.scheduler, attribute, [v * ratio for v in values])
+            _scale_schedule(config.scheduler, ratio)
 
     def _restore_previous(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ladder: Ladder, step: int) -> None:
         """The restore rung: the checkpoint written before the loaded one that passes, loaded in process; the run stops
@@ -366,3 +365,13 @@ class ScaleCheckpoint(PluginCallback):
         self.rollbacks, self.skips = int(state_dict["rollbacks"]), int(state_dict["skips"])
         self.events = copy.deepcopy(list(state_dict["events"]))
         self.lr_scale = float(state_dict["lr_scale"])
+
+
+def _scale_schedule(scheduler: object, ratio: float) -> None:
+    """An LR scheduler's rates, and those of the schedulers it holds, times ``ratio``."""
+    for attribute in ("base_lrs", "_last_lr", "max_lrs"):
+        values = getattr(scheduler, attribute, None)
+        if isinstance(values, list):
+            setattr(scheduler, attribute, [v * ratio for v in values])
+    for child in getattr(scheduler, "_schedulers", None) or []:
+        _scale_schedule(child, ratio)

@@ -553,6 +553,41 @@ def test_a_rollback_multiplies_the_lr_by_lr_factor_and_the_schedule_and_a_resume
     assert state.lr_scale == 1.0
 
 
+class _Composed(PoisonModule):
+    """A warmup handed over to a cosine (``SequentialLR``), or a ``CyclicLR``: schedules that put the full rate back
+    from their children's or their own ``max_lrs``."""
+
+    def __init__(self, kind: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.kind = kind
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if self.kind == "sequential":
+            warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+            cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+            sched = torch.optim.lr_scheduler.SequentialLR(opt, [warmup, cosine], milestones=[6])
+        else:
+            sched = torch.optim.lr_scheduler.CyclicLR(opt, base_lr=self.lr / 10, max_lr=self.lr, step_size_up=4)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.parametrize("kind", ["sequential", "cyclic"])
+def test_lr_factor_holds_through_composed_and_cyclic_schedules(kind: str) -> None:
+    # The rollback halved the group's rate and the outer scheduler's base_lrs, and the next step (CyclicLR's
+    # max_lrs) or the milestone (SequentialLR's children) put the full rate back while the warning said x0.5.
+    runs = {}
+    for factor in (1.0, 0.5):
+        checkpoint, rates = ScaleCheckpoint(every_n_steps=2, lr_factor=factor), _Rates()
+        torch.manual_seed(0)
+        with quiet():
+            make_trainer(StablePrecision("32-true"), max_steps=10,
+                         callbacks=[_NanWeight(3), checkpoint, rates]).fit(_Composed(kind, lr=1e-2))
+        runs[factor] = [rate for _, rate in rates.rows]
+    for batch in range(4, 10):  # after the rollback at step 3, every rate halved, past the milestone too
+        assert runs[0.5][batch] == pytest.approx(0.5 * runs[1.0][batch]), (batch, runs)
+
+
 def test_lr_factor_one_changes_nothing() -> None:
     rates = {}
     for factor in (None, 1.0):
