@@ -138,6 +138,32 @@ def test_pinned_batch_is_capped_and_on_the_cpu() -> None:
     assert pin_batch(["no tensors"]) is None
 
 
+def test_a_namedtuple_batch_keeps_its_type_in_the_pass_and_is_written_as_a_tuple(tmp_path) -> None:
+    import collections
+    from contextlib import nullcontext
+
+    from lit_mpstable.core.fingerprint import Fingerprint, pinned_pass, to_device
+
+    Batch = collections.namedtuple("Batch", "x y")
+    batch = Batch(torch.randn(8, 4), torch.randn(8, 4))
+    pinned = pin_batch(batch)
+    assert type(pinned) is Batch and pinned.x.shape == (PIN_ROWS, 4)  # before: a list, whose .x the step cannot read
+    assert type(to_device(pinned, torch.device("cpu"))) is Batch
+    module = nn.Linear(4, 4)
+    fingerprint = Fingerprint()
+    fingerprint.pin(batch)
+    saved = fingerprint.capture({}, {}, lambda rows: pinned_pass(module, lambda net, b: (net(b.x) - b.y).pow(2).sum(),
+                                                                 rows, forward_context=nullcontext))
+    torch.save(saved, tmp_path / "f.pt")
+    loaded = torch.load(tmp_path / "f.pt", weights_only=True)  # a checkpoint holds plain containers
+    assert type(loaded["pinned"]["batch"]) is tuple and loaded["pinned"]["grad_norm"] > 0
+    resumed = Fingerprint()
+    resumed.adopt(loaded)
+    assert resumed.pinning  # the next training batch retypes the checkpoint's rows
+    resumed.pin(Batch(torch.zeros(8, 4), torch.zeros(8, 4)))
+    assert type(resumed.batch) is Batch and torch.equal(resumed.batch.x, pinned.x) and not resumed.pinning
+
+
 def test_on_fingerprint_mismatch_is_checked() -> None:
     from trainer_pkg import StablePrecision
 
