@@ -100,6 +100,7 @@ class StablePrecision(StableFrontEnd, Precision):
     _pin_loss: Callable[[nn.Module, Any], torch.Tensor] | None = None  # pin(): the pinned micro-batch's loss
     _loaded: _Loaded | None = None  # load(): the file, the state it went into, the restored-state rung's knobs
     _model_checked = False  # after fabric.load: the model's part of the fingerprint checked (at the first forward)
+    _model_notes: tuple[str, ...] = ()  # what that part noted (a pinned loss not compared): recorded with the rest
     _checked: tuple[dict[str, Any] | None, int] = (None, -1)  # the plugin state loaded last: fingerprint, step_count
 
     # ----------------------------------------------------------------------------------------------- model
@@ -372,7 +373,9 @@ class StablePrecision(StableFrontEnd, Precision):
             elif model and fingerprint["pinned"]:
                 notes.append("the pinned micro-batch's loss was not recomputed: no loss function was given"
                              " (plugin.pin(loss_fn, batch) before the first forward)")
+            notes, self._model_notes = [*self._model_notes, *notes], ()
             if not optimizers and not differences:
+                self._model_notes = tuple(notes)
                 return  # the optimizers' part, and the record, at the next optimizer step
         if self.fingerprint.react("fabric.load", differences, notes):
             raise FingerprintMismatch("fabric.load", [*differences, "on_fingerprint_mismatch='previous' needs the"
