@@ -44,7 +44,7 @@ from lit_mpstable.core.guards.triage import (
     traced_names,
     triage_event,
 )
-from lit_mpstable.frontends.trainer import TrainerPrecision, held_logs
+from lit_mpstable.frontends.trainer import TrainerPrecision, held_logs, training_step_args
 
 
 class FaultTriage(PluginCallback):
@@ -328,7 +328,8 @@ class _TrainerReplay:
         pl_module.zero_grad(set_to_none=True)
         with traced(pl_module, trace) as tracer, held_logs(pl_module) as self.held_logs:
             # In the precision the replay runs in: a '*-true' batch is 16-bit, and the FP32 replay needs it in FP32.
-            output = self.trainer.strategy.training_step(self.plugin.convert_input(self.batch), triage._batch_idx)
+            output = self.trainer.strategy.training_step(
+                *training_step_args(pl_module, self.plugin.convert_input(self.batch), triage._batch_idx))
             loss = output.get("loss") if isinstance(output, dict) else output
             if isinstance(loss, torch.Tensor):
                 self.plugin.replay_backward(loss, pl_module)

@@ -434,8 +434,7 @@ def pin_batch(batch: object, rows: int = PIN_ROWS) -> object | None:
         if isinstance(value, Mapping):
             return {key: cut(item) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
-            return type(value)(cut(item) for item in value) if isinstance(value, list) or type(value) is tuple else [
-                cut(item) for item in value]
+            return _rebuilt(value, [cut(item) for item in value])
         return value
 
     pinned = cut(batch)
@@ -450,8 +449,33 @@ def to_device(batch: object, device: torch.device, dtype: torch.dtype | None = N
     if isinstance(batch, Mapping):
         return {key: to_device(value, device, dtype) for key, value in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device, dtype) for v in batch) if type(batch) in (list, tuple) else [
-            to_device(v, device, dtype) for v in batch]
+        return _rebuilt(batch, [to_device(v, device, dtype) for v in batch])
+    return batch
+
+
+def _rebuilt(value: list | tuple, items: list[Any]) -> object:
+    """``items`` in ``value``'s type, as Lightning moves a batch (``apply_to_collection``): a namedtuple from its
+    fields (``training_step`` reads ``batch.x``), any other list or tuple from the sequence."""
+    return type(value)(*items) if isinstance(value, tuple) and hasattr(value, "_fields") else type(value)(items)
+
+
+def _typed_like(pinned: object, batch: object) -> object:
+    """``pinned`` (plain containers, as a checkpoint holds them: :func:`_plain`) in the container types of ``batch``
+    where the two have the same structure; its tensors as they are."""
+    if isinstance(pinned, Mapping) and isinstance(batch, Mapping):
+        return {key: _typed_like(value, batch[key]) if key in batch else value for key, value in pinned.items()}
+    if isinstance(pinned, (list, tuple)) and isinstance(batch, (list, tuple)) and len(pinned) == len(batch):
+        return _rebuilt(batch, [_typed_like(value, like) for value, like in zip(pinned, batch, strict=True)])
+    return pinned
+
+
+def _plain(batch: object) -> object:
+    """``batch`` with every tuple subclass (a namedtuple) a tuple and every list subclass a list: what a checkpoint
+    loaded with ``weights_only=True`` can hold."""
+    if isinstance(batch, Mapping):
+        return {key: _plain(value) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return (tuple if isinstance(batch, tuple) else list)(_plain(value) for value in batch)
     return batch
 
 
@@ -635,6 +659,11 @@ def same_pinned_batch(fingerprint: Mapping[str, Any], other: Mapping[str, Any]) 
         for (path, a), (other_path, b) in zip(*leaves, strict=True))
 
 
+def _reason(error: Exception) -> str:
+    """Why a pinned pass did not run, in one line: the exception's type and the start of its message."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}".rstrip(": ")
+
+
 def compare_pinned(saved: Mapping[str, Any], measured: tuple[float, float], *, exact: bool) -> list[str]:
     """The pinned loss and gradient norm at the load against the save's: bitwise with ``exact``, else within
     :data:`LOSS_RTOL` / :data:`GRAD_NORM_RTOL`."""
@@ -669,6 +698,14 @@ class Fingerprint:
         ``"warned"``, ``"previous"``)."""
         self.pending: dict[str, Any] | None = None
         """A loaded fingerprint whose pinned pass is still owed (the front end runs it when the model is loaded)."""
+        self._unpinned: set[str] = set()  # why saves of this run hold no pinned loss, by exception type: warned once
+        self._typed = True  # the pinned batch's containers are the loader's (a checkpoint's are plain: adopt)
+
+    @property
+    def pinning(self) -> bool:
+        """Whether :meth:`pin` wants the next training batch: none is pinned, or the one a checkpoint gave
+        (:meth:`adopt`) holds plain tuples where the loader's batch has namedtuples, which that batch retypes."""
+        return self.batch is None or not self._typed
 
     def split(self, state: object, *, call: str) -> tuple[dict[str, Any] | None, Any]:
         """``(fingerprint, the plugin state without it)`` of a plugin state dict; ``(None, state)`` without one.
@@ -708,10 +745,14 @@ class Fingerprint:
         """Keep ``batch`` (capped: :func:`pin_batch`) as the pinned micro-batch, unless one is pinned already. With
         ``rank_zero``, rank 0's cut rows on every rank (:func:`from_rank_zero`: collective where several processes run
         and none is pinned yet), so a pass whose gradient norm spans the ranks (FSDP2) runs on the rows the checkpoint
-        keeps."""
+        keeps. A batch adopted from a checkpoint stays, its containers retyped as ``batch``'s (local: the rows are
+        every rank's already)."""
         if self.batch is None:
             pinned = pin_batch(batch)
             self.batch = from_rank_zero(pinned) if rank_zero else pinned
+        elif not self._typed:
+            self.batch = _typed_like(self.batch, batch)
+        self._typed = True
 
     def capture(self, trees: Mapping[str, object], live: Mapping[str, Any],
                 loss: Callable[[object], torch.Tensor] | None) -> dict[str, Any]:
@@ -722,12 +763,18 @@ class Fingerprint:
         if self.batch is not None and loss is not None:
             try:
                 measured = loss(self.batch)
-            except PinnedPassWrote as error:  # the pass changed weights: checksums and manifest only
-                warnings.warn(f"{self.owner}: this checkpoint's fingerprint has no pinned loss: {error}.",
-                              UserWarning, stacklevel=2)
+            except Exception as error:  # noqa: BLE001  the user's step or autograd: a save must not kill the run
+                # The pass changed weights (PinnedPassWrote), or cannot run the rows: a step that returns None for
+                # them, losses only in train mode, reentrant activation checkpointing (no torch.autograd.grad).
+                # Checksums and manifest only, and a load of this checkpoint compares no pinned loss.
+                if type(error).__name__ not in self._unpinned:
+                    self._unpinned.add(type(error).__name__)
+                    warnings.warn(f"{self.owner}: this checkpoint's fingerprint has no pinned loss (checksums and"
+                                  f" manifest only; said once a run): the pinned pass raised {_reason(error)}.",
+                                  UserWarning, stacklevel=2)
             else:
                 values = measured.tolist()
-                pinned = {"batch": self.batch, "loss": values[0], "grad_norm": values[1],
+                pinned = {"batch": _plain(self.batch), "loss": values[0], "grad_norm": values[1],
                           "deterministic": deterministic(measured.device)}
         return {"version": VERSION, "checksums": checksums(trees), "manifest": dict(live), "pinned": pinned}
 
@@ -735,7 +782,7 @@ class Fingerprint:
         """After a load: the checkpoint's pinned batch becomes the run's (later saves pin the same rows)."""
         pinned = fingerprint.get("pinned") or {}
         if pinned.get("batch") is not None:
-            self.batch = pinned["batch"]
+            self.batch, self._typed = pinned["batch"], False
 
     def check(self, fingerprint: Mapping[str, Any], trees: Mapping[str, object], live: Mapping[str, Any]
               ) -> tuple[list[str], list[str]]:
@@ -765,19 +812,27 @@ class Fingerprint:
         return differences
 
     def check_pinned(self, fingerprint: Mapping[str, Any], loss: Callable[[object], torch.Tensor],
-                     live: Mapping[str, Any]) -> list[str]:
-        """The pinned micro-batch recomputed (``loss``: as for :meth:`capture`) against the save's; ``[]`` without a
-        pinned entry, or when the checkpoint was written in another precision or weight mode (its loss differs by
-        design; said in the notes of :meth:`check`). One host read."""
+                     live: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        """``(differences, notes)``: the pinned micro-batch recomputed (``loss``: as for :meth:`capture`) against the
+        save's; none without a pinned entry, or when the checkpoint was written in another precision or weight mode
+        (its loss differs by design; said in the notes of :meth:`check`). A pass that raises (the user's step, which
+        may have changed since the save, or autograd) is no mismatch: a note says it was not compared and why. One
+        host read."""
         pinned, saved = fingerprint.get("pinned") or {}, fingerprint["manifest"]
         if not pinned or (saved["precision"], saved["master_weights"]) != (live["precision"], live["master_weights"]):
-            return []
-        measured = loss(pinned["batch"])  # on every rank: a sharded model's forward is collective
-        values = measured.tolist()
-        exact = bool(pinned["deterministic"]) and deterministic(measured.device)
+            return [], []
+        try:
+            measured = loss(pinned["batch"])  # on every rank: a sharded model's forward is collective
+        except Exception as error:  # noqa: BLE001  a check that cannot run must not stop the resume
+            found: tuple[list[str], list[str]] = [], [
+                f"the pinned micro-batch's loss was not compared ({_reason(error)})"]
+        else:
+            values = measured.tolist()
+            exact = bool(pinned["deterministic"]) and deterministic(measured.device)
+            found = compare_pinned(pinned, (values[0], values[1]), exact=exact), []
         # The file holds the plugin state of rank 0 (DDP's one file, DCP's metadata), so rank 0's verdict counts: under
         # the Trainer another rank's training_step may pick its rows by rank.
-        return from_rank_zero(compare_pinned(pinned, (values[0], values[1]), exact=exact))
+        return from_rank_zero(found)
 
     def react(self, source: str, differences: list[str], notes: list[str] = ()) -> bool:  # type: ignore[assignment]
         """Record the check of ``source``; with differences raise (``"raise"``), warn (``"warn"``) or return True
@@ -940,8 +995,8 @@ class CheckpointCheck:
         pending, self.fingerprint.pending = self.fingerprint.pending, None
         if pending is None:
             return
-        differences = self.fingerprint.check_pinned(pending["fingerprint"], loss, self.live())
-        if self.fingerprint.react(f"{pending['path']} (pinned micro-batch)", differences):
+        differences, notes = self.fingerprint.check_pinned(pending["fingerprint"], loss, self.live())
+        if self.fingerprint.react(f"{pending['path']} (pinned micro-batch)", differences, notes):
             self.fall_back_(pending["checkpoint"], pending["path"], differences)
             load_plugin(pending["checkpoint"][self.plugin_key])
 

@@ -100,6 +100,7 @@ class StablePrecision(StableFrontEnd, Precision):
     _pin_loss: Callable[[nn.Module, Any], torch.Tensor] | None = None  # pin(): the pinned micro-batch's loss
     _loaded: _Loaded | None = None  # load(): the file, the state it went into, the restored-state rung's knobs
     _model_checked = False  # after fabric.load: the model's part of the fingerprint checked (at the first forward)
+    _model_notes: tuple[str, ...] = ()  # what that part noted (a pinned loss not compared): recorded with the rest
     _checked: tuple[dict[str, Any] | None, int] = (None, -1)  # the plugin state loaded last: fingerprint, step_count
 
     # ----------------------------------------------------------------------------------------------- model
@@ -317,7 +318,7 @@ class StablePrecision(StableFrontEnd, Precision):
         call = f"{type(self).__name__}.pin"
         if not callable(loss_fn):
             raise ValueError(f"{call}(loss_fn={loss_fn!r:.80}): must be a callable (module, batch) -> loss tensor.")
-        if self.fingerprint.batch is None:
+        if self.fingerprint.pinning:  # none yet, or a loaded one to retype as this batch (its namedtuples)
             self.fingerprint.pin(batch, rank_zero=True)  # every rank decides on rank 0's rows alike
             if self.fingerprint.batch is None:
                 raise ValueError(f"{call}(batch={batch!r:.80}): must hold a tensor (in a tuple, list or dict), and"
@@ -366,11 +367,15 @@ class StablePrecision(StableFrontEnd, Precision):
                                       " file's: call plugin.setup_optimizers(*optimizers) after fabric.setup, before"
                                       " fabric.load")
             if model and self._pin_loss is not None:
-                differences += self.fingerprint.check_pinned(fingerprint, self._pinned_loss, self.stepper.manifest())
+                pinned, unchecked = self.fingerprint.check_pinned(fingerprint, self._pinned_loss,
+                                                                  self.stepper.manifest())
+                differences, notes = differences + pinned, notes + unchecked
             elif model and fingerprint["pinned"]:
                 notes.append("the pinned micro-batch's loss was not recomputed: no loss function was given"
                              " (plugin.pin(loss_fn, batch) before the first forward)")
+            notes, self._model_notes = [*self._model_notes, *notes], ()
             if not optimizers and not differences:
+                self._model_notes = tuple(notes)
                 return  # the optimizers' part, and the record, at the next optimizer step
         if self.fingerprint.react("fabric.load", differences, notes):
             raise FingerprintMismatch("fabric.load", [*differences, "on_fingerprint_mismatch='previous' needs the"

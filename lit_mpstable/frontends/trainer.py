@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
@@ -55,11 +56,12 @@ class TrainerPrecision(StableFrontEnd):
     _pinned_across_ranks = False  # several processes: the one collective pin was made
 
     def convert_input(self, data: Any) -> Any:
-        if self.fingerprint.batch is None and getattr(trainer := self._trainer(), "training", False):
+        if self.fingerprint.pinning and getattr(trainer := self._trainer(), "training", False):
             # The first training batch, as loaded: the fingerprint's pinned micro-batch. On several ranks rank 0's
             # rows on every rank, one broadcast at the first training batch (each rank's own rows would make an FSDP2
             # save's gradient norm span other rows than the load recomputes); in one process until a batch pins.
-            if getattr(trainer, "world_size", 1) < 2:
+            # After a load the checkpoint's rows stay, retyped as this batch (its namedtuples): no broadcast.
+            if getattr(trainer, "world_size", 1) < 2 or self.fingerprint.batch is not None:
                 self.fingerprint.pin(data)
             elif not self._pinned_across_ranks:
                 self._pinned_across_ranks = True
@@ -303,8 +305,15 @@ class TrainerPrecision(StableFrontEnd):
 def _training_step_loss(net: Any, data: Any) -> torch.Tensor:
     """``training_step``'s loss on ``data`` (its ``self.log`` calls held and dropped: a measurement is not a step)."""
     with held_logs(net):
-        output = net.training_step(data, 0)
+        output = net.training_step(*training_step_args(net, data, 0))
     return output["loss"] if isinstance(output, dict) else output
+
+
+def training_step_args(module: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:
+    """The arguments Lightning's training loop gives ``module.training_step``: ``(batch, batch_idx)``, or ``(batch,)``
+    where its signature has no second parameter (``def training_step(self, batch)``, which Lightning accepts)."""
+    with_idx = is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2)
+    return (batch, batch_idx) if with_idx else (batch,)
 
 
 @contextmanager
