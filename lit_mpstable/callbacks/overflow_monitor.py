@@ -170,7 +170,10 @@ class OverflowMonitor(PluginCallback):
             if isinstance(loss, torch.Tensor):
                 take = getattr(plugin, "take_grad_norm", None)
                 norms = [take(opt) for opt in trainer.optimizers] if callable(take) else None
-                self.indicators.update_spike_score(loss, trainer.optimizers, norms)
+                # A step skipped for inf/NaN is no spike (the overflow rate counts it), and its inf norm would leave
+                # the windows' mean inf, blind to real spikes for window_size steps; a spike SpikeGuard skipped is one.
+                if not skipped or getattr(plugin, "last_step_spiked", False):
+                    self.indicators.update_spike_score(loss, trainer.optimizers, norms)
         self.windowed.record(overflows, skipped, steps)
         if overflows:
             self.blamed = list(plugin.stats.get("blamed_modules") or self.blamed)

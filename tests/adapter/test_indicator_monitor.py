@@ -244,3 +244,26 @@ def test_a_step_with_no_update_ratio_does_not_join_the_baseline():
         assert quiet.judge([0.0, 0.0], [0.0, 0.0], 0.0, names, step) == []
     assert quiet.judge([0.5, 0.0], [0.0, 0.0], 0.0, names, 2) == []  # no baseline yet: 0.5 is its first value
     assert quiet.ratios == [0.5] and quiet.judged == 3
+
+
+def test_a_step_skipped_for_inf_nan_is_no_spike_and_leaves_the_windows_seeing():
+    # Its inf gradient norm was queued: counted as a spike, then the windows' mean was inf and a real spike after it
+    # went unseen for spike_window steps.
+    from lit_mpstable.faults import FaultInjector
+
+    def run(schedule: dict) -> OverflowMonitor:
+        monitor = OverflowMonitor(indicators=Indicators(spike_window=8), log_every_n_steps=5)
+        from lit_mpstable.scaling import DynamicLossScaler
+
+        plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+        trainer = make_trainer(plugin, max_steps=40, log_every_n_steps=5,
+                               callbacks=[monitor, FaultInjector(schedule, module="block.out")])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(AttentionTask())
+        return monitor
+
+    clean, overflowed = run({}), run({30: "fp16_overflow"})
+    for monitor in (clean, overflowed):
+        state = monitor.state_dict()["indicators"]["spike_score"]
+        assert state["spikes"] == 0.0 and all(torch.isfinite(torch.tensor(state["history"])).flatten())
