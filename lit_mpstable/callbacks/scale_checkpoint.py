@@ -125,6 +125,7 @@ class ScaleCheckpoint(PluginCallback):
         ``restored_step``, and with ``lr_factor`` below 1 ``lr_scale``."""
         self._snapshot: dict[str, Any] | None = None
         self._layout: tuple | None = None  # the precision layout at the snapshot
+        self._groups: tuple[int, ...] | None = None  # the optimizers' param groups (sizes) at the snapshot
         self._ladder: Ladder | None = None
         self._logged = StepMetrics()  # mp/* values of the last logging step (retired at the next batch end)
 
@@ -219,7 +220,7 @@ class ScaleCheckpoint(PluginCallback):
             self._roll_back(trainer, pl_module, dict(step=step - 1, kind=event["reason"], loss=None, zscore=None))
             ladder.done(step - 1, restored_step=self.snapshot_step)
         elif step != self.snapshot_step and (
-            step % self.every_n_steps == 0 or layout_key(self._plugin) != self._layout
+            step % self.every_n_steps == 0 or layout_key(self._plugin) != self._layout or self._regrouped(trainer)
         ):
             if trainer.strategy.reduce_boolean_decision(state_finite(pl_module, trainer.optimizers), all=True):
                 self._take(trainer, pl_module)
@@ -227,6 +228,15 @@ class ScaleCheckpoint(PluginCallback):
                 self._roll_back_found(trainer, pl_module, "non-finite weights or optimizer state")
         if self._log_every and step % self._log_every == 0:
             self._logged.log(pl_module, {"mp/rollbacks": float(self.rollbacks)})
+
+    def _regrouped(self, trainer: pl.Trainer) -> bool:
+        """Whether the optimizers' param groups changed since the snapshot (``add_param_group``, as BaseFinetuning's
+        unfreezing does): an optimizer cannot load the snapshot's state any more, so a new one is taken now. A
+        snapshot loaded with a checkpoint holds the groups the run has when it first asks."""
+        groups = _groups_key(trainer)
+        if self._groups is None:
+            self._groups = groups
+        return groups != self._groups
 
     def _take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._plugin is not None
@@ -239,6 +249,7 @@ class ScaleCheckpoint(PluginCallback):
         if not bad_anywhere:
             snapshot["lr_scale"] = self.lr_scale  # the LR reductions the snapshot's optimizer state holds
             self._snapshot, self._layout = snapshot, layout_key(self._plugin)
+            self._groups = _groups_key(trainer)
             return
         where = ", ".join(bad) if bad else "on another rank"
         if self._snapshot is None:
@@ -375,3 +386,8 @@ def _scale_schedule(scheduler: object, ratio: float) -> None:
             setattr(scheduler, attribute, [v * ratio for v in values])
     for child in getattr(scheduler, "_schedulers", None) or []:
         _scale_schedule(child, ratio)
+
+
+def _groups_key(trainer: pl.Trainer) -> tuple[int, ...]:
+    """The size of each param group of each optimizer: what an optimizer's ``load_state_dict`` needs to match."""
+    return tuple(len(group["params"]) for optimizer in trainer.optimizers for group in optimizer.param_groups)

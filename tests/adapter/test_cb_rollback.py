@@ -588,6 +588,46 @@ def test_lr_factor_holds_through_composed_and_cyclic_schedules(kind: str) -> Non
         assert runs[0.5][batch] == pytest.approx(0.5 * runs[1.0][batch]), (batch, runs)
 
 
+class _GrowsAGroup(pl.Callback):
+    """Adds the model's frozen last layer to the optimizer at step ``at`` (as BaseFinetuning's unfreezing does), and
+    writes a NaN into Adam's state one step later."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        optimizer = trainer.optimizers[0]
+        if trainer.global_step == self.at:
+            for p in pl_module.model.fc3.parameters():
+                p.requires_grad_(True)
+            optimizer.add_param_group({"params": list(pl_module.model.fc3.parameters())})
+        elif trainer.global_step == self.at + 1:
+            optimizer.state[next(iter(optimizer.state))]["exp_avg_sq"].view(-1)[0] = float("nan")
+
+
+class _FrozenHead(PoisonModule):
+    def configure_optimizers(self):
+        for p in self.model.fc3.parameters():
+            p.requires_grad_(False)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+@pytest.mark.parametrize("weights", [dict(), dict(master_weights="kahan")])
+def test_a_rollback_after_the_optimizer_gained_a_param_group_restores_a_snapshot_it_can_load(weights: dict) -> None:
+    # The snapshot (step 5) was taken before add_param_group (step 8): the rollback the NaN at step 9 asked for
+    # crashed the fit ("loaded state dict has a different number of parameter groups"; Kahan: missing compensation
+    # keys). A change of the groups takes a new snapshot.
+    precision = "bf16-true" if weights else "32-true"
+    checkpoint = ScaleCheckpoint(every_n_steps=5)
+    torch.manual_seed(0)
+    module = _FrozenHead(optimizer="adamw", lr=1e-2)
+    with quiet():
+        make_trainer(StablePrecision(precision, **weights), max_steps=12,
+                     callbacks=[_GrowsAGroup(8), checkpoint]).fit(module)
+    assert [(e["action"], e["restored_step"]) for e in checkpoint.events] == [("rollback", 9)]
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 def test_lr_factor_one_changes_nothing() -> None:
     rates = {}
     for factor in (None, 1.0):
