@@ -454,7 +454,9 @@ NOT_STATE: dict[str, dict[str, str]] = {
                           "_recent_sums": "the sums of recent (saved), rebuilt from it on load"},
     "ScaleCheckpoint": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "max_rollbacks": _CONFIG,
                         "snapshot_device": _CONFIG, "restored_window": _CONFIG, "lr_factor": _CONFIG,
-                        "_logged": _LOGGED},
+                        "_logged": _LOGGED,
+                        "_groups": "the optimizers' param groups at the snapshot: a resume's run has the groups the"
+                                   " restored snapshot was loaded into, and notes them at its first batch end"},
     "AMPPreflight": {**_CALLBACK_COMMON, "atol": _CONFIG, "rtol": _CONFIG, "action": _CONFIG, "forward_fn": _CONFIG,
                      "_pending": "the check is owed: set at train start, cleared on resume once `result` is loaded"},
     "PrecisionProbe": {**_CALLBACK_COMMON, "every_n_steps": _CONFIG, "raise_scale": _CONFIG, "loss_fn": _CONFIG,
