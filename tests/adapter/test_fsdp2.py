@@ -282,24 +282,6 @@ def test_16_true_fsdp2_resumes_exactly_from_dcp_with_an_overflow_after_resume(tm
         assert _max_diff(resumed[rank]["params"], whole[rank]["params"]) == 0.0  # FP32 shards and momentum, exactly
 
 
-@pytest.mark.slow
-def test_ranks_pinning_their_own_first_batches_resume_from_their_sharded_checkpoint(tmp_path: Path) -> None:
-    # Each rank's first batch is its own (the distributed sampler's half): the pinned pass's gradient norm spans the
-    # ranks, so save and load must run it on the same rows: every rank pins rank 0's. A good checkpoint then loads.
-    def run(name: str, callbacks=(), **kwargs) -> list[dict]:
-        module = _sharded(policy="plugin")
-        module.batch_by_step = False  # train on what the loader hands each rank
-        return fit_fsdp2(module, StablePrecision("bf16-mixed", device="cpu"), tmp_path / name, STEPS + 2,
-                         list(callbacks), **kwargs)
-
-    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=STEPS, save_top_k=-1)
-    whole = run("whole", [every], enable_checkpointing=True)
-    resumed = run("resumed", ckpt_path=tmp_path / "ckpt" / f"epoch=0-step={STEPS}.ckpt")
-    for rank in (0, 1):
-        assert resumed[rank]["counters"][0] == whole[rank]["counters"][0] == STEPS + 2
-        assert _max_diff(resumed[rank]["params"], whole[rank]["params"]) == 0.0
-
-
 class _ShardedAdam(ShardedFaultModule):
     """The sharded model with AdamW, whose step counters are plain tensors (checksummed at the save)."""
 
@@ -308,12 +290,17 @@ class _ShardedAdam(ShardedFaultModule):
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_with_adam_state_and_buffers_passes_its_fingerprint(tmp_path: Path) -> None:
-    # Lightning loads a sharded checkpoint in place and hands the plugin a dict without the model's or the optimizers'
-    # state: the plain tensors the save checksummed (Adam's step counters; a BatchNorm's statistics alike) are compared
-    # with the live ones the load wrote (they were reported missing from the file, and the resume refused).
+@pytest.mark.parametrize("case", ["own first batches", "adam"])
+def test_a_sharded_checkpoint_resumes_past_its_fingerprint(tmp_path: Path, case: str) -> None:
+    # "own first batches": each rank's first batch is its own (the distributed sampler's half): the pinned pass's
+    # gradient norm spans the ranks, so save and load must run it on the same rows: every rank pins rank 0's.
+    # "adam": Lightning loads a sharded checkpoint in place and hands the plugin a dict without the model's or the
+    # optimizers' state: the plain tensors the save checksummed (Adam's step counters; a BatchNorm's statistics
+    # alike) are compared with the live ones the load wrote (they were reported missing, and the resume refused).
     def run(name: str, callbacks=(), **kwargs) -> list[dict]:
-        module = _ShardedAdam(policy="plugin", batch_by_step=True)
+        module = (_sharded(policy="plugin") if case == "own first batches"
+                  else _ShardedAdam(policy="plugin", batch_by_step=True))
+        module.batch_by_step = case == "adam"  # else train on what the loader hands each rank
         return fit_fsdp2(module, StablePrecision("bf16-mixed", device="cpu"), tmp_path / name, STEPS + 2,
                          list(callbacks), **kwargs)
 
