@@ -434,9 +434,7 @@ class _Backbone(pl.LightningModule):
 
 
 def _unfreezing():
-    from lightning.pytorch.callbacks import BaseFinetuning
-
-    class Unfreeze(BaseFinetuning):
+    class Unfreeze(pl.callbacks.BaseFinetuning):
         def freeze_before_training(self, pl_module) -> None:
             self.freeze(pl_module.backbone)
 
