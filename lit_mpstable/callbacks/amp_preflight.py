@@ -19,6 +19,7 @@ from lit_mpstable.callbacks.views import PrecisionView
 from lit_mpstable.core.guards.ladder import Ladder, Rung
 from lit_mpstable.fp8 import convert_from_fp8
 from lit_mpstable.fp8.backends import find_fp8_layers
+from lit_mpstable.frontends.trainer import held_logs, training_step_args
 
 PreflightAction = Literal["fallback", "warn", "raise"]
 # Guessed: unit roundoffs (bf16 2**-9, fp16 2**-12, fp8 e4m3 2**-4) times the few-fold that some layers of rounding
@@ -49,13 +50,8 @@ def _defines_forward(module: nn.Module) -> bool:
 
 def _training_step_loss(module: pl.LightningModule, batch: Any) -> Any:
     """The loss ``training_step`` returns on ``batch``, its own ``self.log`` calls muted (a check is not a step)."""
-    quiet = {name: getattr(module, name) for name in ("log", "log_dict")}
-    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign, assignment]
-    try:
-        return module.training_step(batch, 0)
-    finally:
-        for name in quiet:
-            module.__dict__.pop(name, None)
+    with held_logs(module):  # the held calls are dropped
+        return module.training_step(*training_step_args(module, batch, 0))
 
 
 def _recast_batch_(batch: Any, old: torch.dtype, new: torch.dtype) -> None:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_mpstable.callbacks._common import PluginCallback, any_rank, check, is_int, log_measured, strict_keys
 from lit_mpstable.core.step.probe import ProbeCopyError, metric_vector, with_metric_vector
-from lit_mpstable.frontends.trainer import TrainerPrecision
+from lit_mpstable.frontends.trainer import TrainerPrecision, training_step_args
 
 _LOGGED = {"underflow_frac": "mp/grad_underflow_frac", "rel_error": "mp/grad_rel_error", "cosine": "mp/grad_cosine"}
 
@@ -172,7 +172,7 @@ def _training_step_loss(trainer: pl.Trainer, batch_idx: int) -> Callable[[nn.Mod
         module = cast(pl.LightningModule, copy)  # measure() hands back the module it was given: a copy of ours
         module.trainer = trainer
         module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign, assignment]
-        output = module.training_step(batch, batch_idx)
+        output = module.training_step(*training_step_args(module, batch, batch_idx))
         loss = cast(torch.Tensor, output["loss"] if isinstance(output, dict) else output)  # else measure() says
         return loss / trainer.accumulate_grad_batches
 

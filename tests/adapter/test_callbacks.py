@@ -300,6 +300,30 @@ def test_preflight_runs_through_training_step_without_forward() -> None:
     assert not amplified.result["passed"] and plugin.compute_dtype == torch.float32  # FP16 overflow caught
 
 
+class _NoBatchIdx(_NoForward):
+    """``def training_step(self, batch)``: no ``batch_idx``, which Lightning accepts."""
+
+    def training_step(self, batch):  # type: ignore[override]
+        return super().training_step(batch, 0)
+
+
+def test_preflight_and_probe_run_a_training_step_without_batch_idx() -> None:
+    # Both replay training_step; with the two-argument call of Lightning's own loop they had failed with a TypeError
+    # and warned that they skip (the preflight) or stop probing (the probe).
+    preflight = AMPPreflight()
+    _fit_with(preflight, "bf16-mixed", _NoBatchIdx(), steps=1)
+    assert preflight.result["passed"] and 0 < preflight.result["max_rel_error"] < 0.05
+    histories = []
+    for module_class in (_NoForward, _NoBatchIdx):  # the probe measures alike with and without batch_idx
+        torch.manual_seed(0)
+        probe = PrecisionProbe(every_n_steps=2)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="PrecisionProbe")  # a probe that stops warns
+            make_trainer(StablePrecision("bf16-mixed"), max_steps=4, callbacks=[probe]).fit(module_class())
+        histories.append(probe.history)
+    assert len(histories[1]) >= 2 and histories[1] == histories[0]
+
+
 def test_preflight_falls_back_before_the_first_fp16_step() -> None:
     preflight = AMPPreflight()
     with quiet():
