@@ -241,7 +241,20 @@ class StablePrecision(StableFrontEnd, Precision):
                 " resume exactly. Call plugin.setup_optimizers(optimizer) after fabric.setup, before fabric.load.",
             )
         if not self._bound:
-            stepper.setup_optimizers(self._module(), [optimizer], list(self._schedulers))
+            try:
+                stepper.setup_optimizers(self._module(), [optimizer], list(self._schedulers))
+            except KeyError as error:
+                if not self._rounded:
+                    raise
+                # The checkpoint's masters cover every optimizer's parameters, and only this one is bound: the
+                # others were not set up before fabric.load either. The file is right; the load order is not.
+                raise RuntimeError(
+                    f"{self!r}: fabric.load ran before the optimizers were set up: the checkpoint's FP32 master"
+                    f" weights cover parameters that {type(optimizer).__name__}, the first optimizer to step, does"
+                    " not update, and the optimizers' state was loaded in 16 bits. Call"
+                    " plugin.setup_optimizers(*optimizers) with every optimizer, after fabric.setup and before"
+                    " fabric.load."
+                ) from error
         else:
             stepper.check_eps([optimizer])
             stepper.keeper.adopt_optimizer_(optimizer)

@@ -714,6 +714,21 @@ def test_state_loaded_before_the_masters_are_bound_is_named_as_the_likely_cause(
         state["optimizer"].step()
 
 
+def test_two_optimizers_loaded_before_their_masters_are_bound_name_the_missing_call(tmp_path) -> None:
+    # FP32 masters saved for G and D; resumed without setup_optimizers, D's first step binds D alone, and the masters
+    # loaded for G have no optimizer yet: that is the load order, not a file "from a different model".
+    plugin, fabric, state = _gan("bf16-true", "g,d")
+    _gan_steps(fabric, state, 2)
+    fabric.save(tmp_path / "gan.pt", state)
+    plugin, fabric, state = _gan("bf16-true", "")
+    fabric.load(tmp_path / "gan.pt", state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the rounded-state warning: tested above
+        with pytest.raises(RuntimeError, match=r"fabric\.load ran before.*plugin\.setup_optimizers\(\*optimizers\)"
+                                               r" with every optimizer, after fabric\.setup and before fabric\.load"):
+            _gan_steps(fabric, state, 1)
+
+
 def _saved_run(directory: Any, prefix: str, steps: int, rows: slice) -> list[Any]:
     """``prefix-step=N.pt`` for N in 1..steps: a 32-true AdamW loop on TinyMLP that pins the batch ``rows`` (which
     rows a run pins is what tells runs apart)."""
