@@ -55,9 +55,11 @@ class StablePrecision(StableFrontEnd, Precision):
 
     In the loop, ``fabric.backward(loss)`` scales the loss; ``optimizer.step()`` unscales, checks the gradients for
     inf/NaN (agreed across ranks), steps or skips and counts, updates the scale and refreshes the 16-bit weights from
-    the FP32 masters; ``fabric.clip_gradients`` (by norm or value) clips the true gradients, and on an overflowing step
-    clips nothing and returns a norm of 0 instead of raising (the step is skipped). Fabric refuses a plain
-    ``loss.backward()`` with this plugin, in every mode.
+    the FP32 masters; ``fabric.clip_gradients`` (by norm or value) clips the true gradients, and on a step whose
+    gradients hold inf/NaN clips nothing and returns a norm of 0 instead of raising (the step is skipped; in FP16 a
+    loss spike that takes the scaled gradients past 65504 is such a step: its norm is lost with them). A finite spike
+    that SpikeGuard skips returns its real norm, in every mode. Fabric refuses a plain ``loss.backward()`` with this
+    plugin, in every mode.
 
     Fabric shows a precision plugin each optimizer only at its step, so some things are the loop's to say
     (``docs/plugin.md``, "Lightning Fabric"):
