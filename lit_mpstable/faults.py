@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterable, Mapping
+from functools import cached_property
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -108,6 +109,14 @@ class FaultInjector(pl.Callback):
         self._step = -1
         self._transient_done: set[int] = set()
         self._restore: list[tuple[torch.Tensor, torch.Tensor]] = []  # (batch tensor, its first element)
+
+    @cached_property  # the constructor's arguments: Lightning reads the key at every hook of every step
+    def state_key(self) -> str:
+        # Two injectors coexist (faults on different ranks need one each): the arguments tell them apart, so a
+        # resumed run's injectors find their own entries.
+        return type(self).__qualname__ + repr(dict(
+            schedule=dict(sorted(self.schedule.items())), module=self.module,
+            ranks=None if self.ranks is None else sorted(self.ranks), loss_spike_factor=self.loss_spike_factor))
 
     # ------------------------------------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

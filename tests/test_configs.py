@@ -512,6 +512,21 @@ def test_the_main_job_runs_both_precisions_side_by_side(tmp_path: Path) -> None:
     assert (tmp_path / "builtin" / "report.md").exists() and (tmp_path / "stable" / "report.md").exists()
 
 
+@pytest.mark.slow
+def test_a_main_job_too_short_for_its_faults_fails_before_training_with_the_overrides(tmp_path: Path) -> None:
+    # The showcase injects faults at steps 260 and 320; a quick try with fewer steps is refused before any training,
+    # naming the key and overrides that work (Hydra refuses a plain compare.faults.schedule={...}: not in struct).
+    [result] = run_batch([["trainer.max_steps=100", f"hydra.run.dir={tmp_path}"]], cwd=tmp_path)
+    stderr = result["stderr"]
+    assert result["code"] == 2, stderr[-2000:]
+    assert "trainer.max_steps=100" in stderr and "compare.faults.schedule" in stderr, stderr[-2000:]
+    assert "Traceback" not in stderr and "GPU available" not in result["stdout"] + stderr
+    drop, *move = re.findall(r"'([~+]compare\.faults[^']*)'", stderr)
+    assert drop == "~compare.faults" and "faults" not in _compose(["experiment=showcase", drop]).compare
+    schedule = _compose(["experiment=showcase", "trainer.max_steps=100", *move]).compare.faults.schedule
+    assert sorted(schedule.values()) == ["loss_spike", "transient"] and max(schedule) < 100
+
+
 @pytest.mark.parametrize("registered", [True, False])
 def test_the_readme_hydra_recipe_composes_with_or_without_register_configs(registered: bool, tmp_path,
                                                                             monkeypatch) -> None:

@@ -135,6 +135,28 @@ def _check_run_settings(cfg: DictConfig) -> None:
         raise _BadConfig(str(error)) from error
 
 
+def _check_fault_schedule(cfg: DictConfig) -> None:
+    # The showcase's faults sit at fixed steps on purpose: after SpikeGuard's warmup, after the storm and the bad batch,
+    # each meeting the remedy it shows. Scaled to a shorter run they would land in the warmup or the storm and show
+    # something else, so a run too short for them is refused, before the first of its two fits rather than at the
+    # FaultInjector's setup, with the overrides that work (Hydra refuses compare.faults.schedule={...}: not in struct).
+    faults = cfg.compare.get("faults")
+    max_steps = cfg.trainer.get("max_steps")
+    schedule = {} if faults is None else dict(faults.get("schedule") or {})
+    late = sorted(step for step in schedule if isinstance(max_steps, int) and 0 <= max_steps <= step)
+    if not late:
+        return
+    steps = sorted(schedule)
+    moved = {step * max_steps // (steps[-1] + 1): schedule[step] for step in steps}  # the same order, in the run
+    fixes = [f"run trainer.max_steps={steps[-1] + 1} or more", "drop the faults ('~compare.faults')"]
+    if len(moved) == len(schedule):
+        fixes.append("schedule them within the run: '~compare.faults.schedule' '+compare.faults.schedule={"
+                     + ", ".join(f"{step}: {kind}" for step, kind in moved.items()) + "}'")
+    raise _BadConfig(f"trainer.max_steps={max_steps}: the experiment's faults (compare.faults.schedule="
+                     f"{schedule!r}) include steps {late} that a run of {max_steps} steps never reaches; "
+                     + ", or ".join(fixes) + ".")
+
+
 def _check_scaler_choice(node: DictConfig) -> None:
     # The scaler group chooses a scaler by name (scaler=adaptive), as StablePrecision(scaler="adaptive") does: the same
     # rule holds (refused outside FP16; the constructor refuses the node's instance too), said here before anything
@@ -362,6 +384,7 @@ def _app(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         if cfg.get("compare"):
+            _check_fault_schedule(cfg)
             summary = compare(cfg, out_dir, run)
         else:
             summary = run(cfg, out_dir)
@@ -369,7 +392,8 @@ def _app(cfg: DictConfig) -> None:
         # A bad value in a config: the constructor's (or the name check's) message names the argument, the value and
         # what is allowed; a traceback would bury it.
         cause = error.__cause__ or error
-        print(f"lit_mpstable.app.train: invalid configuration: {type(cause).__name__}: {cause}", file=sys.stderr)
+        kind = "" if isinstance(cause, _BadConfig) else f"{type(cause).__name__}: "  # ours: the message says it all
+        print(f"lit_mpstable.app.train: invalid configuration: {kind}{cause}", file=sys.stderr)
         sys.exit(2)
     if cfg.get("compare"):
         print_comparison(summary, out_dir)

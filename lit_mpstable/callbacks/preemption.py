@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.multiprocessing import ProcessExitedException
 
 from lit_mpstable.callbacks._common import check, run_trainer
 from lit_mpstable.callbacks._resume import (
@@ -121,7 +122,12 @@ class PreemptionCheckpoint(pl.Callback):
     into a temporary file in the same folder, fsync-ed and ``os.replace``-d (a signal or kill during writing leaves the
     previous checkpoint loadable), and the run stops: ``exit=True`` raises ``SystemExit(128 + signum)`` (143 for
     SIGTERM, 138 for SIGUSR1: the status a requeueing launcher expects), else ``trainer.should_stop`` (which
-    ``min_epochs``/``min_steps`` can overrule).
+    ``min_epochs``/``min_steps`` can overrule). Under ``ddp_spawn``/``ddp_fork`` the ranks are children of the
+    launching process, where torch reports their exit as a crash (``ProcessExitedException``); it exits with their
+    status too. That process runs no hook before the ranks start, so it has no handler: a signal sent to it as well
+    (a scheduler signalling every process of the job) ends it at once, and torch's parent-death signal (SIGINT) then
+    ends the ranks before any checkpoint. There, signal the ranks only, or run one process per rank (``srun``,
+    ``torchrun``).
 
     The checkpoint holds, beyond Lightning's own content (weights, optimizers, LR schedulers, loops, the plugin's
     ``state_dict``, every callback's ``state_dict``), per rank: the RNG states (torch, CUDA, numpy, Python), the
@@ -258,6 +264,15 @@ class PreemptionCheckpoint(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_handlers()  # Lightning skips the teardown hooks when fit ends by an exception (our exit too)
+        status = getattr(exception, "exit_code", None)
+        if self.exit and isinstance(exception, ProcessExitedException) and status in {128 + s for s in self.signals}:
+            # The launching process of ddp_spawn / ddp_fork: the ranks are its children and left with the signal's
+            # status (after the checkpoint, or at the fit's end), which torch reports here as a crash (status 1 and a
+            # traceback). Leave with theirs, the one a requeueing scheduler waits for. Nothing of the fit ran in this
+            # process (no logger, no strategy state to finalize), so ending the exception hooks here loses nothing.
+            rank_zero_info(f"{type(self).__name__}: the ranks left with status {status} (on"
+                           f" {signal.Signals(status - 128).name}); the launching process exits with it too.")
+            raise SystemExit(status) from None
 
     def _restore_handlers(self) -> None:
         self._active = False

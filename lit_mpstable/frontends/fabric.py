@@ -37,6 +37,7 @@ from lit_mpstable.core.fingerprint import (
 )
 from lit_mpstable.core.guards.ladder import REASONS, Ladder, Rung, classify, ladder_of
 from lit_mpstable.core.guards.triage import any_rank, needs_triage, state_finite
+from lit_mpstable.core.layout.fsdp import fsdp_units
 from lit_mpstable.core.replicas import default_replicas
 from lit_mpstable.core.step.stepper import check_optimizer
 from lit_mpstable.core.weights.master import zero_grad_reaches_model
@@ -55,9 +56,11 @@ class StablePrecision(StableFrontEnd, Precision):
 
     In the loop, ``fabric.backward(loss)`` scales the loss; ``optimizer.step()`` unscales, checks the gradients for
     inf/NaN (agreed across ranks), steps or skips and counts, updates the scale and refreshes the 16-bit weights from
-    the FP32 masters; ``fabric.clip_gradients`` (by norm or value) clips the true gradients, and on an overflowing step
-    clips nothing and returns a norm of 0 instead of raising (the step is skipped). Fabric refuses a plain
-    ``loss.backward()`` with this plugin, in every mode.
+    the FP32 masters; ``fabric.clip_gradients`` (by norm or value) clips the true gradients, and on a step whose
+    gradients hold inf/NaN clips nothing and returns a norm of 0 instead of raising (the step is skipped; in FP16 a
+    loss spike that takes the scaled gradients past 65504 is such a step: its norm is lost with them). A finite spike
+    that SpikeGuard skips returns its real norm, in every mode. Fabric refuses a plain ``loss.backward()`` with this
+    plugin, in every mode.
 
     Fabric shows a precision plugin each optimizer only at its step, so some things are the loop's to say
     (``docs/plugin.md``, "Lightning Fabric"):
@@ -241,12 +244,44 @@ class StablePrecision(StableFrontEnd, Precision):
                 " resume exactly. Call plugin.setup_optimizers(optimizer) after fabric.setup, before fabric.load.",
             )
         if not self._bound:
-            stepper.setup_optimizers(self._module(), [optimizer], list(self._schedulers))
+            try:
+                stepper.setup_optimizers(self._module(), [optimizer], list(self._schedulers))
+            except KeyError as error:
+                if not self._rounded:
+                    raise
+                # The checkpoint's masters cover every optimizer's parameters, and only this one is bound: the
+                # others were not set up before fabric.load either. The file is right; the load order is not.
+                raise RuntimeError(
+                    f"{self!r}: fabric.load ran before the optimizers were set up: the checkpoint's FP32 master"
+                    f" weights cover parameters that {type(optimizer).__name__}, the first optimizer to step, does"
+                    " not update, and the optimizers' state was loaded in 16 bits. Call"
+                    " plugin.setup_optimizers(*optimizers) with every optimizer, after fabric.setup and before"
+                    " fabric.load."
+                ) from error
         else:
             stepper.check_eps([optimizer])
             stepper.keeper.adopt_optimizer_(optimizer)
+        if stepper.master_mode == "fp32" and not stepper.fsdp2 and fsdp_units(self._module()):
+            optimizer.register_state_dict_pre_hook(self._refuse_sharded_save)
         self._bound, self._bound_names = (*self._bound, optimizer), (*self._bound_names, name)
         self._show_notes()
+
+    def _refuse_sharded_save(self, optimizer: Optimizer) -> None:
+        """Refuse ``fabric.save`` of an optimizer that updates FP32 masters beside FSDP2's 16-bit shards, by name:
+        torch's sharded optimizer state dict (``torch.distributed.checkpoint``), which the strategy's save calls in
+        whatever order the state lists it, knows only the model's parameters and would fail with a bare
+        ``KeyError: 0``. Any other ``optimizer.state_dict()`` (the plugin's fingerprint, a loop's own) goes on."""
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__") != "torch.distributed.checkpoint.state_dict":
+            frame = frame.f_back
+        if frame is None:
+            return
+        raise NotImplementedError(
+            f"{self!r}: fabric.save of {type(optimizer).__name__}, which updates FP32 master weights kept beside"
+            " FSDP2's 16-bit shards (the model was sharded after its conversion), is not supported: torch's sharded"
+            " optimizer state dict knows only the model's parameters. To checkpoint, train in"
+            f" {self.precision.replace('-true', '-mixed')!r} with fully_shard(..., mp_policy=plugin.mp_policy): FSDP2"
+            " then keeps FP32 shards and computes in 16 bits. The model and the plugin save without the optimizer.")
 
     def _optimizer_name(self, optimizer: Optimizer) -> str:
         """What names ``optimizer`` in the fingerprint: the model's name of the first parameter it updates (a GAN's

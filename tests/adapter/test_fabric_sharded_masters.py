@@ -191,3 +191,36 @@ def test_fsdp2_shards_are_no_replicas_and_a_loaded_shard_is_followed(master_weig
         assert [report["followed"] for report in ranks] == [[], ["fc2.weight"]]
         assert torch.equal(ranks[1]["loaded"], torch.full_like(ranks[1]["loaded"], 0.5))
         assert torch.equal(ranks[0]["loaded"], ranks[0]["after"]["fc2.weight"])
+
+
+def _save_job(fabric: Any, plugin: StablePrecision, model: Any, optimizer: Any, folder: str) -> dict[str, Any]:
+    """One step, then fabric.save with the optimizer (before and after the plugin in the state) and without it; what
+    each save raised (None: saved)."""
+    fabric.backward(_loss(model, _batch(1, fabric.global_rank)))
+    optimizer.step()
+    optimizer.zero_grad()
+    states = {"optimizer_first": {"model": model, "optimizer": optimizer, "precision": plugin},
+              "plugin_first": {"precision": plugin, "model": model, "optimizer": optimizer},
+              "no_optimizer": {"model": model, "precision": plugin}}
+    report: dict[str, Any] = {}
+    for name, state in states.items():
+        try:
+            fabric.save(Path(folder) / name, state)
+            report[name] = None
+        except Exception as error:  # noqa: BLE001  (the test reads it)
+            report[name] = (type(error).__name__, str(error))
+    return report
+
+
+def test_saving_the_optimizer_of_fp32_masters_over_fsdp2_is_refused_naming_what_works(tmp_path: Path) -> None:
+    # Before: fabric.save died inside torch's sharded optimizer state dict with a bare "KeyError: 0" (it knows only
+    # the model's parameters; the optimizer updates the masters), after training. The model and the plugin still save.
+    ranks = _run(tmp_path, partial(_save_job, folder=str(tmp_path / "ckpt")))
+    for report in ranks:
+        assert "error" not in report, report["error"]
+        for order in ("optimizer_first", "plugin_first"):
+            kind, message = report[order]
+            assert kind == "NotImplementedError", (order, kind, message)
+            assert "StablePrecision('bf16-true')" in message and "FSDP2" in message, message
+            assert "'bf16-mixed'" in message and "mp_policy=plugin.mp_policy" in message, message
+        assert report["no_optimizer"] is None, report["no_optimizer"]

@@ -146,6 +146,23 @@ def test_state_dict_round_trips():
         other.load_state_dict({"injected": []})
 
 
+def test_two_injectors_in_one_trainer_keep_their_own_state(tmp_path):
+    """Faults on different ranks need one injector each (``ranks`` is per injector): Lightning accepts two only with
+    distinct state keys, and each one's state comes back to it from the checkpoint."""
+    first, second = FaultInjector({1: "nan_batch"}, ranks=[0]), FaultInjector({2: "loss_spike"})
+    plugin = StablePrecision("32-true")
+    trainer = make_trainer(plugin, callbacks=[first, second])
+    with quiet():
+        trainer.fit(PoisonModule())
+    trainer.save_checkpoint(tmp_path / "two.ckpt")
+    saved = torch.load(tmp_path / "two.ckpt", weights_only=True)["callbacks"]
+    assert first.state_key != second.state_key
+    assert saved[first.state_key]["injected"] == [[1, "nan_batch"]]
+    assert saved[second.state_key]["injected"] == [[2, "loss_spike"]]
+    # The key follows the arguments, not the instance: a resumed run's injectors find their entries.
+    assert FaultInjector({2: "loss_spike"}).state_key == second.state_key
+
+
 @pytest.mark.parametrize(
     "args, kwargs, error, words",
     [

@@ -265,6 +265,21 @@ def _signalled_after_the_last_boundary(ckpt_dir: Path) -> None:
     (ckpt_dir / "code_after_fit_ran").write_text("yes")
 
 
+def _forks_two_ranks(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    run(tmp_path / "ranks", 8, [PreemptionCheckpoint(tmp_path / "ckpt"), SignalAt(2, signal.SIGTERM, rank=1)])
+
+
+def test_a_forking_launcher_leaves_with_the_ranks_status(tmp_path) -> None:
+    """Under ddp_fork (ddp_spawn alike) the ranks are child processes: the launching process, the one a scheduler
+    waits on, exits with their 143 too, not 1 with torch's ProcessExitedException."""
+    child = multiprocessing.get_context("fork").Process(target=_forks_two_ranks, args=(tmp_path,))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 128 + signal.SIGTERM
+    assert torch.load(tmp_path / "ckpt" / "preemption.ckpt", weights_only=True)["global_step"] == 4
+
+
 def test_a_signal_after_the_last_boundary_is_handed_on_not_swallowed(tmp_path) -> None:
     child = multiprocessing.get_context("fork").Process(target=_signalled_after_the_last_boundary, args=(tmp_path,))
     child.start()
