@@ -181,6 +181,53 @@ def test_a_transient_fault_on_a_step_that_overflows_anyway_is_transient_at_the_b
     assert ours.loss_scale == clean_plugin.loss_scale == 2.0**10 and ours.overflow_count == 1
 
 
+class _Metered(PoisonModule):
+    """Counts its rows and averages its outputs in ``torchmetrics`` metrics updated by ``training_step`` (logged per
+    epoch), as Lightning's docs show."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torchmetrics = pytest.importorskip("torchmetrics")
+        self.rows, self.mean_output = torchmetrics.SumMetric(), torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x).float()
+        self.rows.update(torch.tensor(float(len(x))))
+        self.mean_output(out)
+        self.log("mean_output", self.mean_output, on_step=False, on_epoch=True)
+        return torch.nn.functional.mse_loss(out, y)
+
+    def on_train_epoch_end(self) -> None:  # before Lightning computes and resets the logged metric
+        self.epoch_mean = self.mean_output.compute()
+
+
+@pytest.mark.parametrize("schedule", [{2: "transient"}, {1: "nan_batch"}])
+def test_torchmetrics_count_a_triaged_batch_once(schedule):
+    """A replay runs ``training_step`` again: the metrics it updates start from their state at the step's start, so
+    an applied replay counts its batch once (the clean run's values), and a batch left skipped counts as without
+    FaultTriage (its rejected execution's update)."""
+    torch.manual_seed(0)
+    clean = _Metered()
+    fit(clean, [FaultInjector(schedule)] if "nan_batch" in schedule.values() else [])
+    torch.manual_seed(0)
+    module, triage = _Metered(), FaultTriage()
+    fit(module, [triage, FaultInjector(schedule)])
+    assert triage.replays_run >= 1 and len(triage.events) == 1
+    assert float(module.rows.compute()) == float(clean.rows.compute()) == 64.0
+    torch.testing.assert_close(module.epoch_mean, clean.epoch_mean, equal_nan=True)
+
+
+def test_clean_steps_add_no_host_read_with_torchmetrics():
+    def reads(callbacks) -> list[str]:
+        torch.manual_seed(0)
+        with HostReads() as seen:
+            fit(_Metered(), callbacks)
+        return seen.ops
+
+    assert reads([FaultTriage()]) == reads([])
+
+
 def with_batchnorm(module: PoisonModule) -> PoisonModule:
     """``module`` with a BatchNorm after fc1: running statistics that every training forward changes."""
     module.model.fc1 = torch.nn.Sequential(module.model.fc1, torch.nn.BatchNorm1d(32))
