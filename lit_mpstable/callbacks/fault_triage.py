@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, cast
@@ -52,7 +53,8 @@ class FaultTriage(PluginCallback):
 
     On every training batch it keeps what a replay needs: a reference to the batch, its index, the torch RNG states
     (CPU, and CUDA where initialised) and references to what ``training_step`` had logged: host copies of a few KiB,
-    no device copy and no host read. A clean step costs nothing more: its verdict is the plugin's
+    no host read; where the module holds ``torchmetrics.Metric`` modules, device copies of their states too (a few
+    small tensors: ~4 us each on a CPU). A clean step costs nothing more: its verdict is the plugin's
     ``last_step_skipped``, read after the sync the skip decision already made.
 
     A rejected step is triaged when the loss scale does not explain it: its loss was non-finite (the scale only
@@ -78,11 +80,13 @@ class FaultTriage(PluginCallback):
     The plugin counts what happened: the rejected execution as a skipped step, an applied replay as a step of its
     own. What ``training_step`` logs (``self.log``) is what the executions that count logged: a rejected replay logs
     nothing; an applied replay's values replace the rejected execution's, in the step's value and in the epoch
-    aggregates, as if the step had run once (a ``torchmetrics.Metric`` the module updates and logs is its own: it
-    keeps both updates). Every event goes into :attr:`events`, a rank-zero message and ``mp/triage_events``, and the
-    checkpoint. Distributed runs decide alike on every rank: the trigger and each replay's verdict are reduced (any
-    rank's non-finite value counts), the blamed names agreed, before anything is done; every rank replays together. A
-    ``torch.compile``'d module runs its as-is replay eagerly (it is traced); the other replays run compiled.
+    aggregates, as if the step had run once; a ``torchmetrics.Metric`` of the module counts the batch once too (each
+    replay updates it from its state at the step's start; a batch left skipped keeps the rejected execution's
+    update, as without this callback). Every event goes into :attr:`events`, a rank-zero message and
+    ``mp/triage_events``, and the checkpoint. Distributed runs decide alike on every rank: the trigger and each
+    replay's verdict are reduced (any rank's non-finite value counts), the blamed names agreed, before anything is
+    done; every rank replays together. A ``torch.compile``'d module runs its as-is replay eagerly (it is traced); the
+    other replays run compiled.
 
     A run that cannot be replayed says so once and classifies nothing: manual optimization (the step is the user's
     own code), gradient accumulation (only the last of the step's batches is at hand) or a ``training_step`` that
@@ -135,6 +139,8 @@ class FaultTriage(PluginCallback):
         self._step = -1
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self._step_logs: _StepLogs | None = None
+        self._metrics: list[Any] = []  # the module's torchmetrics.Metric modules (found at the train start)
+        self._metric_states: _MetricStates | None = None
         self._schedules: list[int | None] = []  # each LR scheduler's last_epoch at the batch start
         self._lrs: list[Any] = []  # the optimizer's learning rates at the batch start, by group
         self._ladder: Ladder | None = None
@@ -171,6 +177,7 @@ class FaultTriage(PluginCallback):
             rank_zero_warn(f"FaultTriage cannot replay steps in this run: {reason}. Rejected steps stay skipped and"
                            " nothing is classified.")
         self.cannot_replay = reason
+        self._metrics = _metrics_of(pl_module) if reason is None else []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -179,6 +186,7 @@ class FaultTriage(PluginCallback):
         # References and host copies only (the RNG states are small host tensors): nothing waits for the device.
         self._batch, self._batch_idx, self._rng = batch, batch_idx, rng_state()
         self._step_logs = _StepLogs(trainer)
+        self._metric_states = _MetricStates(self._metrics) if self._metrics else None
         self._schedules = [getattr(config.scheduler, "last_epoch", None) for config in trainer.lr_scheduler_configs]
         self._lrs = [group["lr"] for group in trainer.optimizers[0].param_groups] if trainer.optimizers else []
         self._step = self._global_step.completed
@@ -302,6 +310,35 @@ class _StepLogs:
             pl_module._current_fx_name, connector._current_fx = hooks
 
 
+class _MetricStates:
+    """The states of ``torchmetrics.Metric`` modules, copied (device copies of their tensors, no host read): a replay
+    runs ``training_step`` from the states the step started with, so the metrics it updates count the batch once.
+    Taken at every batch start while the module holds metrics (a few small copies a step: a metric's sums and counts;
+    a list state is copied as a list, its tensors never written in place)."""
+
+    def __init__(self, metrics: Sequence[Any]) -> None:
+        self.states = [(metric, {name: _copied(value) for name, value in metric.metric_state.items()})
+                       for metric in metrics]
+
+    def restore(self) -> None:
+        """Put the copied states back (copies again: a replay's update may write them in place)."""
+        for metric, state in self.states:
+            for name, value in state.items():
+                setattr(metric, name, _copied(value))
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else list(value)
+
+
+def _metrics_of(pl_module: pl.LightningModule) -> list[Any]:
+    """The ``torchmetrics.Metric`` modules of ``pl_module`` (none without torchmetrics imported: a module holding a
+    metric has imported it)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    metric = getattr(torchmetrics, "Metric", None)
+    return [m for m in pl_module.modules() if isinstance(m, metric)] if metric is not None else []
+
+
 class _TrainerReplay:
     """The Trainer's side of a triage (:class:`~lit_mpstable.core.guards.triage.ReplayHost`): replays through
     ``training_step``, steps through the plugin, snapshots from ScaleCheckpoint."""
@@ -313,6 +350,9 @@ class _TrainerReplay:
         self.can_fp32 = bool(self.plugin.can_fallback)  # FSDP2 fixed the precision at fully_shard
         self.checkpoint = next((c for c in run_trainer(trainer).callbacks if isinstance(c, ScaleCheckpoint)), None)
         self.held_logs: list[Callable[[], None]] = []  # the last replay's self.log calls: made if its step is applied
+        # The metrics as the rejected execution left them: where a rejected replay puts them back (a batch that stays
+        # skipped counts in them as without FaultTriage).
+        self.rejected_metrics = _MetricStates(triage._metrics) if triage._metric_states is not None else None
 
     def full_precision(self) -> AbstractContextManager:
         return self.plugin.full_precision()
@@ -324,6 +364,8 @@ class _TrainerReplay:
         assert triage._rng is not None
         triage.replays_run += 1
         restore_rng(triage._rng)
+        if triage._metric_states is not None:  # its training_step updates them from where the step started
+            triage._metric_states.restore()
         self.optimizer.zero_grad(set_to_none=True)
         pl_module.zero_grad(set_to_none=True)
         with traced(pl_module, trace) as tracer, held_logs(pl_module) as self.held_logs:
@@ -361,6 +403,8 @@ class _TrainerReplay:
         if getattr(self.plugin, "spike_guard", None) is not None:
             self.plugin.spike_guard.forget_()  # a rejected replay's loss and norm never enter the statistics
         self.plugin.stepper.restore_buffers_()  # the next replay starts from the buffers as the step did
+        if self.rejected_metrics is not None:
+            self.rejected_metrics.restore()
 
     def has_snapshot(self) -> bool:
         return self.checkpoint is not None and self.checkpoint.snapshot_step is not None

@@ -12,6 +12,7 @@ from helpers import HostReads, make_trainer
 from trainer_pkg import NAME, ScaleCheckpoint, StablePrecision, pl
 
 from lit_mpstable.callbacks import FaultTriage
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.step.step_guard import STATE_SHARES
 from lit_mpstable.faults import FaultInjector
 
@@ -160,6 +161,71 @@ def test_a_transient_fault_leaves_the_loss_scale_of_a_fault_free_run(precision):
     assert [e["kind"] for e in triage.events] == ["transient", "transient"]
     assert plugin.loss_scale == clean_plugin.loss_scale and plugin.overflow_count == 2
     assert plugin.scaler.state_dict()["_growth_tracker"] == clean_plugin.scaler.state_dict()["_growth_tracker"]
+
+
+def test_a_transient_fault_on_a_step_that_overflows_anyway_is_transient_at_the_backed_off_scale():
+    """Step 0 overflows at its loss scale (2**40) with or without the fault. The as-is replay, at the scale the undone
+    backoff restored, overflows again: the scaler's business, not a precision fault (its FP32 replay came out clean
+    and moved a layer to FP32 for good). The backoff stands, and the as-is replay at the backed-off scale decides."""
+
+    def plugin():
+        return StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30))
+
+    clean_plugin = fit(seeded(), [], plugin=plugin())
+    assert clean_plugin.skipped_steps == 1  # the fault-free run overflows at step 0 too
+    triage = FaultTriage()
+    ours = fit(seeded(), [triage, FaultInjector({0: "transient"})], plugin=plugin())
+    assert [(e["step"], e["kind"], e["action"]) for e in triage.events] == [(0, "transient", "use_replay")]
+    assert triage.events[0]["replays"] == ["as_is:overflow", "as_is:clean"] and triage.replays_run == 2
+    assert not ours.fallback_active and not ours.islands.names
+    assert ours.loss_scale == clean_plugin.loss_scale == 2.0**10 and ours.overflow_count == 1
+
+
+class _Metered(PoisonModule):
+    """Counts its rows and averages its outputs in ``torchmetrics`` metrics updated by ``training_step`` (logged per
+    epoch), as Lightning's docs show."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torchmetrics = pytest.importorskip("torchmetrics")
+        self.rows, self.mean_output = torchmetrics.SumMetric(), torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x).float()
+        self.rows.update(torch.tensor(float(len(x))))
+        self.mean_output(out)
+        self.log("mean_output", self.mean_output, on_step=False, on_epoch=True)
+        return torch.nn.functional.mse_loss(out, y)
+
+    def on_train_epoch_end(self) -> None:  # before Lightning computes and resets the logged metric
+        self.epoch_mean = self.mean_output.compute()
+
+
+@pytest.mark.parametrize("schedule", [{2: "transient"}, {1: "nan_batch"}])
+def test_torchmetrics_count_a_triaged_batch_once(schedule):
+    """A replay runs ``training_step`` again: the metrics it updates start from their state at the step's start, so
+    an applied replay counts its batch once (the clean run's values), and a batch left skipped counts as without
+    FaultTriage (its rejected execution's update)."""
+    torch.manual_seed(0)
+    clean = _Metered()
+    fit(clean, [FaultInjector(schedule)] if "nan_batch" in schedule.values() else [])
+    torch.manual_seed(0)
+    module, triage = _Metered(), FaultTriage()
+    fit(module, [triage, FaultInjector(schedule)])
+    assert triage.replays_run >= 1 and len(triage.events) == 1
+    assert float(module.rows.compute()) == float(clean.rows.compute()) == 64.0
+    torch.testing.assert_close(module.epoch_mean, clean.epoch_mean, equal_nan=True)
+
+
+def test_clean_steps_add_no_host_read_with_torchmetrics():
+    def reads(callbacks) -> list[str]:
+        torch.manual_seed(0)
+        with HostReads() as seen:
+            fit(_Metered(), callbacks)
+        return seen.ops
+
+    assert reads([FaultTriage()]) == reads([])
 
 
 def with_batchnorm(module: PoisonModule) -> PoisonModule:

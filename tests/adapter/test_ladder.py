@@ -215,6 +215,25 @@ def test_every_decision_is_logged_with_rung_reason_and_what_remained(caplog):
     assert lines[-1].startswith("ladder at step 2: unexplained -> replay (use_replay, replay verdict 'transient';")
 
 
+@pytest.mark.parametrize("event, then", [
+    ("transient", "ladder at step 3: unexplained -> replay (use_replay, replay verdict 'transient';"),
+    ("storm", "ladder at step 2: unexplained -> fallback (fallback, replay verdict 'precision';"),
+])
+def test_a_replayed_step_logs_the_replay_then_what_its_verdict_did(caplog, event, then):
+    """The decision to replay is logged as a replay under way (not as its outcome, ``use_replay``, nor with rungs said
+    to remain that the verdict may pass over); the verdict's line follows with the rung that acted."""
+    plugin = StablePrecision("16-mixed", scaler=DynamicLossScaler("cpu", init_scale=2.0**8))
+    torch.manual_seed(0)
+    with caplog.at_level("INFO", logger="lit_mpstable.ladder"), quiet():
+        make_trainer(plugin, callbacks=[FaultTriage(), ScaleCheckpoint(every_n_steps=2), *faults(event)],
+                     max_steps=5).fit(PoisonModule(lr=0.01))
+    lines = [r.getMessage() for r in caplog.records if r.name == "lit_mpstable.ladder"]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(then[:then.index(" -> ")] + " -> replay (replaying the step;"), lines[0]
+    assert "use_replay" not in lines[0] and lines[0].endswith("the replay's verdict decides what follows."), lines[0]
+    assert lines[1].startswith(then), lines[1]
+
+
 def test_the_plugin_lists_the_ladder_events_with_no_face():
     """``plugin.ladder_events`` is the plugin's on both Trainer packages' classes, not something the first face to
     decide a step adds: a run with no face lists none. Its skipped step is counted (``skipped_steps``), not listed: the

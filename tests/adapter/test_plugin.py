@@ -198,6 +198,47 @@ def test_a_batch_the_user_skips_moves_the_lr_schedule_as_lightning_does(precisio
             assert torch.equal(mine, theirs)
 
 
+class _SkipsWindowEnds(_Exact):
+    """``training_step`` returns None on the last micro-batch of every second window (accumulating two)."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 4 == 1 else super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        pass
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_a_none_that_ends_an_accumulation_window_steps_on_its_gradients_as_lightning_does(precision: str) -> None:
+    """Lightning steps the optimizer after a None from a window's last micro-batch, on the gradients the earlier ones
+    accumulated; its 16-mixed drops them (GradScaler's step is skipped). The same weights after every batch, and the
+    same schedule."""
+
+    def fit(plugin=None, **kwargs):
+        module, weights = _SkipsWindowEnds(), []
+
+        class Record(pl.Callback):
+            def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+                weights.append(pl_module.model.fc2.weight.detach().clone())
+
+        trainer = make_trainer(plugin, max_steps=4, accumulate_grad_batches=2, callbacks=[Record()], **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module)
+        return weights, trainer.lr_scheduler_configs[0].scheduler
+
+    ours, schedule = fit(StablePrecision(precision))
+    if precision == "16-mixed":  # Lightning's 16-mixed autocasts to BF16 on the CPU: nothing to compare with
+        assert torch.equal(ours[1], ours[0]) and not torch.equal(ours[3], ours[1])  # window 0 dropped, window 1 not
+        assert schedule.last_epoch == 4
+        return
+    builtin, builtin_schedule = fit(precision=precision)
+    assert schedule.last_epoch == builtin_schedule.last_epoch == 4
+    assert not torch.equal(builtin[1], builtin[0])  # Lightning stepped on window 0's first micro-batch
+    for mine, theirs in zip(ours, builtin, strict=True):
+        assert torch.equal(mine, theirs)
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
 def test_fused_optimizer_skips_are_detected(optimizer: str) -> None:
     module = make_module(optimizer=optimizer, scheduler=True, poison_steps={2}, lr=1e-3)

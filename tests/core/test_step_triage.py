@@ -9,6 +9,7 @@ from helpers import HostReads, TinyMLP, regression_data
 from torch import nn
 
 from lit_mpstable.core.guards.spike import SpikeGuard
+from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.step.stepper import PrecisionStepper
 from lit_mpstable.core.step.triage_loop import StateSnapshot, StepTriage
 from lit_mpstable.faults import StateSnapshot as PublicSnapshot
@@ -175,6 +176,20 @@ def test_a_transient_fault_leaves_the_loss_scale_of_a_fault_free_run():
     assert kinds(loop) == [(2, "transient", "use_replay")]
     assert loop.stepper.loss_scale == plain.stepper.loss_scale == 2.0**16 and loop.stepper.overflow_count == 1
     assert_same_weights(plain, loop)
+
+
+def test_a_transient_fault_on_a_step_that_overflows_anyway_is_transient_at_the_backed_off_scale():
+    # Step 0 overflows at 2**40 with or without the fault: the as-is replay at the restored scale overflows again, the
+    # scaler's backoff stands and the replay at 2**10 decides (before: FP32 replay clean, "precision", fc2 in FP32).
+    def loop(**kwargs) -> Loop:
+        scaler = DynamicLossScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
+        return Loop("16-mixed", scaler=scaler, **kwargs).train(3)
+
+    plain, faulted = loop(triage=False), loop(transient=0)
+    assert kinds(faulted) == [(0, "transient", "use_replay")]
+    assert faulted.triage.events[0]["replays"] == ["as_is:overflow", "as_is:clean"]
+    assert not faulted.stepper.fallback_active and faulted.triage.replays_run == 2
+    assert faulted.stepper.loss_scale == plain.stepper.loss_scale == 2.0**10 and faulted.stepper.overflow_count == 1
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])

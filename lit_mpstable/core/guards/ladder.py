@@ -409,11 +409,16 @@ class Ladder:
 
 
 def describe(event: dict[str, Any]) -> str:
-    """The decision's log line: the step, the fault, the rung that acted and why, and the rungs that remained."""
+    """The decision's log line: the step, the fault, the rung that acted and why, and the rungs that remained. A
+    replay not yet concluded is said to be under way: its verdict names the rung that acts (any of them, not only
+    those left above the replay rung), in a line of its own when it concludes."""
+    head = f"ladder at step {event['step']}: {event['fault']} -> {event['rung']}"
+    why = f"{event['by']}: {event['reason']}"
+    if event["rung"] == Rung.REPLAY.value and "verdict" not in event:
+        return f"{head} (replaying the step; {why}); the replay's verdict decides what follows."
     verdict = f", replay verdict {event['verdict']!r}" if "verdict" in event else ""
     left = ", ".join(event["remaining"]) or "none"
-    return (f"ladder at step {event['step']}: {event['fault']} -> {event['rung']} ({event['action']}{verdict};"
-            f" {event['by']}: {event['reason']}); remaining: {left}.")
+    return f"{head} ({event['action']}{verdict}; {why}); remaining: {left}."
 
 
 def ladder_of(host: Any) -> Ladder:

@@ -21,6 +21,13 @@ from lit_mpstable.core.tensors import local_view
 TriageKind = Literal["transient", "precision", "data", "state"]
 
 
+class ScalerState(Protocol):
+    """What triage asks of a loss scaler besides its scale: GradScaler's state dict, to put a backoff back."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 class TriagePlugin(Protocol):
     """What triage reads of, and calls on, the precision object whose step was rejected: a
     :class:`~lit_mpstable.core.step.stepper.PrecisionStepper`, or a front end showing its state. ``spike_guard``
@@ -31,7 +38,7 @@ class TriagePlugin(Protocol):
     @property
     def stats(self) -> Mapping[str, object]: ...
     @property
-    def scaler(self) -> object: ...  # compared with None only
+    def scaler(self) -> ScalerState | None: ...
     @property
     def loss_scale(self) -> float: ...
 
@@ -46,6 +53,7 @@ class Replay(Enum):
     """The replay ladder, climbed one rung per replay until one is clean; :func:`next_replay` is its transition.
 
     - ``AS_IS``: the same batch, RNG and precision. Clean: the fault came and went (a flipped bit): ``"transient"``.
+      Overflowing at the loss scale (its gradients only): tried again at the scale the scaler backs off to.
     - ``FP32``: the same batch in FP32 (FP8 and autocast off). Clean, and the weights and optimizer state it started
       from finite: low precision made it: ``"precision"``.
     - ``SNAPSHOT``: the same batch from the last snapshot. Clean: the weights or the optimizer state had gone bad
@@ -99,10 +107,11 @@ def check_budget(call: str, max_replays: int, replay_budget: object, budget_wind
 
 
 def replays_spent(events: Sequence[dict[str, Any]], step: int, window: int) -> int:
-    """Replays run by the events of the steps in ``(step - window, step]``: their rungs, less those that ran nothing
-    (``snapshot:none``, ``fp32:unavailable``). Computed from the events, so a resumed run keeps its budget."""
+    """Replays run by the events of the steps in ``(step - window, step]``: their rungs (an as-is rung tried again
+    after an overflow counts twice), less those that ran nothing (``snapshot:none``, ``fp32:unavailable``). Computed
+    from the events, so a resumed run keeps its budget."""
     return sum(1 for event in events if step - window < event["step"] <= step
-               for outcome in event["replays"] if outcome.endswith((":clean", ":nonfinite")))
+               for outcome in event["replays"] if outcome.endswith((":clean", ":nonfinite", ":overflow")))
 
 
 def budget_note(who: str, step: int, spent: int, max_replays: int, budget: int, window: int) -> str:
@@ -150,6 +159,14 @@ def replay_finite(module: nn.Module, optimizer: Optimizer, loss: torch.Tensor | 
     if loss is None or not tensors:
         return loss is not None
     return bool(all_finite([t.detach() for t in tensors], tensors[0].device))
+
+
+def replay_overflowed(module: nn.Module, optimizer: Optimizer, loss: torch.Tensor | None) -> bool:
+    """Whether a replay's inf/NaN is all in its gradients (its loss, the weights and the optimizer state finite): what
+    an overflow of the scaled gradients looks like. One host read (events only)."""
+    if loss is None or not bool(torch.isfinite(loss).all()):
+        return False
+    return state_finite(module, [optimizer])
 
 
 def state_finite(module: nn.Module, optimizers: Sequence[Optimizer]) -> bool:
@@ -280,17 +297,26 @@ def climb(host: ReplayHost[Backup], max_replays: int) -> tuple[TriageKind, list[
     """Replay up the ladder until a replay is clean (on every rank) or the rungs run out; a clean replay's step is
     applied (after a rollback for the snapshot's rung). The FP32 rung is clean only if the state it started from was
     finite too: inf/NaN in the weights or optimizer state is no precision's doing, so a fault there goes on to the
-    snapshot's rung (``"state"``) in every weight mode. Returns the kind, the outcome of each rung tried, where
-    inf/NaN first appeared in the as-is replay, and extras for the event (``restored_step``). An exception in the
-    snapshot's rung (the replay, its check or its step) restores the state it replaced before it propagates: the
-    weights and the optimizer never stay at the snapshot's step while the counters say the current one."""
+    snapshot's rung (``"state"``) in every weight mode. An as-is replay that overflows (inf/NaN in its gradients
+    only, at a scale above 1, after the rejected execution's backoff was undone) is the scaler's: its backoff stands,
+    and the as-is rung is tried once more at that scale (``"as_is:overflow"``), which decides; without this the FP32
+    replay of a step that overflows routinely comes out clean and a layer falls back for good. Returns the kind, the
+    outcome of each rung tried, where inf/NaN first appeared in the as-is replay, and extras for the event
+    (``restored_step``). An exception in the snapshot's rung (the replay, its check or its step) restores the state it
+    replaced before it propagates: the weights and the optimizer never stay at the snapshot's step while the counters
+    say the current one."""
     outcomes: list[str] = []
     traced: list[str] = []
     extra: dict[str, object] = {}
     # What triage explains (a non-finite loss, an overflow at scale 1) was not the loss scale's doing: the backoff the
     # rejected execution caused is undone, so the replays run, and the run goes on, at the scale it ran at (a "state"
     # verdict's rollback then brings the snapshot's). Without this every transient fault halves the scale for good.
-    host.plugin.undo_backoff_()
+    # The backed-off scaler state is kept (a host read, events only): an as-is replay that overflows at the restored
+    # scale shows the step would have overflowed without the fault too, and then the backoff goes back in place.
+    scaler = host.plugin.scaler
+    backed_off = scaler.state_dict() if scaler is not None else None
+    if not host.plugin.undo_backoff_():
+        backed_off = None
     replay: Replay | TriageKind = Replay.AS_IS
     while isinstance(replay, Replay):
         backup = None
@@ -312,10 +338,17 @@ def climb(host: ReplayHost[Backup], max_replays: int) -> tuple[TriageKind, list[
         try:
             with host.full_precision() if replay is Replay.FP32 else nullcontext():
                 loss, names = host.replay(trace=replay is Replay.AS_IS)
-                bad = state_bad or not replay_finite(host.module, host.optimizer, loss) or \
-                    replay_spikes(host.plugin, host.module, loss)
-                clean = not host.any_rank([bad])[0]
-                outcomes.append(f"{replay.name.lower()}:{'clean' if clean else 'nonfinite'}")
+                finite = replay_finite(host.module, host.optimizer, loss)
+                bad = state_bad or not finite or replay_spikes(host.plugin, host.module, loss)
+                # After an undone backoff, an as-is replay whose inf/NaN is all in its gradients overflowed at the scale
+                # the step ran at: the fault-free step would have overflowed too.
+                may_overflow = backed_off is not None and replay is Replay.AS_IS
+                scale_only = may_overflow and not finite and replay_overflowed(host.module, host.optimizer, loss)
+                agreed = host.any_rank([bad, bad and not scale_only])
+                clean = not agreed[0]
+                overflowed = may_overflow and not clean and not agreed[1] and host.plugin.loss_scale > 1.0
+                verdict = "clean" if clean else "overflow" if overflowed else "nonfinite"
+                outcomes.append(f"{replay.name.lower()}:{verdict}")
                 if replay is Replay.AS_IS:
                     traced = names
                 if clean and replay is Replay.SNAPSHOT:
@@ -330,6 +363,11 @@ def climb(host: ReplayHost[Backup], max_replays: int) -> tuple[TriageKind, list[
             raise
         if not clean and backup is not None:
             host.leave_snapshot(backup)  # the trial from the snapshot is undone
+        if overflowed:  # the scaler's business: its backoff stands, and an as-is replay at that scale decides
+            assert scaler is not None and backed_off is not None
+            scaler.load_state_dict(backed_off)
+            backed_off = None
+            continue
         replay = next_replay(replay, clean, max_replays)
     return replay, outcomes, traced, extra
 
