@@ -298,6 +298,36 @@ def test_torchao_mxfp8_keeps_the_parameters_an_optimizer_holds() -> None:
     step()
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_torchao_mxfp8_emulated_under_autocast_is_refused_naming_what_runs(autocast_dtype: torch.dtype) -> None:
+    """torchao's MXFP8 linear runs above autocast, so a 16-bit activation meets the FP32 weight, and its emulated
+    matmul (any device but a Blackwell GPU) multiplies operands of two dtypes: torch's own error, from inside
+    torchao, at the first forward of a ``*-mixed`` run. The layer refuses before torchao's code runs."""
+    pytest.importorskip("torchao.prototype.moe_training.config")
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    convert_to_fp8(model, FP8Config(recipe="mxfp8", backend="torchao", format="e4m3", filter=["1"]))
+    x = torch.randn(32, 32)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        with pytest.raises(RuntimeError, match=r"backend='torchao'.*'1'.*backend='native'") as refused:
+            model(x)
+    assert str(autocast_dtype) in str(refused.value)
+    model(x).square().mean().backward()  # one dtype (32-true, or *-true): torchao's emulation runs
+    assert model[1].weight.grad is not None
+
+
+def test_torchao_mxfp8_refuses_rows_its_weight_gradient_cannot_block() -> None:
+    """torchao casts the weight gradient's operands in 32-row blocks along the tokens and does not pad: an assertion
+    from inside its backward, on a batch of 16. The layer refuses at the forward that would need it."""
+    pytest.importorskip("torchao.prototype.moe_training.config")
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    convert_to_fp8(model, FP8Config(recipe="mxfp8", backend="torchao", format="e4m3", filter=["1"]))
+    with pytest.raises(RuntimeError, match=r"'1' gets a torch.float32 input of 16 rows.*32-row multiples"):
+        model(torch.randn(16, 32))
+    with torch.no_grad():
+        assert model(torch.randn(16, 32)).shape == (16, 32)  # no weight gradient: any rows
+    model(torch.randn(2, 16, 32)).square().mean().backward()
+
+
 # ---------------------------------------------------------------------------- the same numbers as torchao
 def _exact_operand(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The FP8 operand both libraries use, dequantised exactly (float64): the correctly rounded fp32 scale
