@@ -41,7 +41,8 @@ class TorchaoBackend(FP8Backend):
     - ``recipe="mxfp8"``: torchao's ``MXFP8TrainingOpConfig`` through ``quantize_``: the layer stays an ``nn.Linear``
       whose parameters hold an ``MXFP8TrainingWeightWrapperTensor``. torchao makes new Parameters; their contents
       are swapped into the original ones (``torch.utils.swap_tensors``), and back on revert, so the objects that
-      optimizers hold stay the ones the model computes with. Each forward first refuses what torchao's linear cannot
+      optimizers hold stay the ones the model computes with. A layer with a bias is refused (torchao's linear leaves
+      the bias out, silently). Each forward first refuses what torchao's linear cannot
       compute (:func:`_check_operands`: 16-bit operands, an emulated ``*-mixed`` step, a row count its weight
       gradient cannot block), naming the way out, instead of an error from inside torchao.
     - ``"blockwise"``, ``"mxfp4"``, ``"nvfp4"``: refused, with the reason (:data:`_TORCHAO_REFUSALS`), naming
@@ -52,7 +53,8 @@ class TorchaoBackend(FP8Backend):
     Raises:
         ModuleNotFoundError: torchao is not installed.
         ValueError: ``recipe="blockwise"``, ``"mxfp4"`` or ``"nvfp4"``, or ``"mxfp8"`` with a torchao that has no
-            MXFP8 training config (FP8Config itself refuses ``recipe="delayed"``: torchao removed delayed scaling).
+            MXFP8 training config (FP8Config itself refuses ``recipe="delayed"``: torchao removed delayed scaling);
+            at conversion, ``"mxfp8"`` layers with a bias.
     """
 
     name: ClassVar[str] = "torchao"
@@ -146,6 +148,14 @@ class TorchaoBackend(FP8Backend):
         from torchao.quantization import quantize_
         from torchao.quantization.quantize_.common import KernelPreference
 
+        if biased := [name for name, layer in originals.items() if getattr(layer, "bias", None) is not None]:
+            version = sys.modules["torchao"].__version__
+            raise ValueError(
+                f"FP8Config(recipe='mxfp8', backend='torchao'): layers {biased} have a bias, which torchao {version}'s"
+                " MXFP8 training linear leaves out (its output lacks it and it gets no gradient). Use"
+                " backend='native' (exact MXFP8 emulation, bias included), or keep these layers out of FP8"
+                " (FP8Config(filter=...) or keep_high_precision=[...])."
+            )
         hardware_mx = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)  # Blackwell
         emulate = self.config.emulate if self.config.emulate is not None else not hardware_mx
         preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
