@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import math
 import sys
 from typing import Any, ClassVar
 
@@ -39,7 +41,10 @@ class TorchaoBackend(FP8Backend):
     - ``recipe="mxfp8"``: torchao's ``MXFP8TrainingOpConfig`` through ``quantize_``: the layer stays an ``nn.Linear``
       whose parameters hold an ``MXFP8TrainingWeightWrapperTensor``. torchao makes new Parameters; their contents
       are swapped into the original ones (``torch.utils.swap_tensors``), and back on revert, so the objects that
-      optimizers hold stay the ones the model computes with.
+      optimizers hold stay the ones the model computes with. A layer with a bias is refused (torchao's linear leaves
+      the bias out, silently). Each forward first refuses what torchao's linear cannot
+      compute (:func:`_check_operands`: 16-bit operands, an emulated ``*-mixed`` step, a row count its weight
+      gradient cannot block), naming the way out, instead of an error from inside torchao.
     - ``"blockwise"``, ``"mxfp4"``, ``"nvfp4"``: refused, with the reason (:data:`_TORCHAO_REFUSALS`), naming
       ``backend="native"`` (exact emulation).
 
@@ -48,7 +53,8 @@ class TorchaoBackend(FP8Backend):
     Raises:
         ModuleNotFoundError: torchao is not installed.
         ValueError: ``recipe="blockwise"``, ``"mxfp4"`` or ``"nvfp4"``, or ``"mxfp8"`` with a torchao that has no
-            MXFP8 training config (FP8Config itself refuses ``recipe="delayed"``: torchao removed delayed scaling).
+            MXFP8 training config (FP8Config itself refuses ``recipe="delayed"``: torchao removed delayed scaling);
+            at conversion, ``"mxfp8"`` layers with a bias.
     """
 
     name: ClassVar[str] = "torchao"
@@ -142,6 +148,14 @@ class TorchaoBackend(FP8Backend):
         from torchao.quantization import quantize_
         from torchao.quantization.quantize_.common import KernelPreference
 
+        if biased := [name for name, layer in originals.items() if getattr(layer, "bias", None) is not None]:
+            version = sys.modules["torchao"].__version__
+            raise ValueError(
+                f"FP8Config(recipe='mxfp8', backend='torchao'): layers {biased} have a bias, which torchao {version}'s"
+                " MXFP8 training linear leaves out (its output lacks it and it gets no gradient). Use"
+                " backend='native' (exact MXFP8 emulation, bias included), or keep these layers out of FP8"
+                " (FP8Config(filter=...) or keep_high_precision=[...])."
+            )
         hardware_mx = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)  # Blackwell
         emulate = self.config.emulate if self.config.emulate is not None else not hardware_mx
         preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
@@ -153,9 +167,12 @@ class TorchaoBackend(FP8Backend):
                 wrapped = getattr(layer, key)
                 torch.utils.swap_tensors(original, wrapped)  # the original object now holds torchao's wrapper
                 setattr(layer, key, original)
-            # The model's state dict keeps plain tensors, so checkpoints load with weights_only=True and into the
-            # plain model (a wrapper subclass would need torchao and an unsafe load).
-            setattr(layer, _HOOK, layer.register_state_dict_post_hook(_plain_state))
+            setattr(layer, _HOOKS, (
+                # The model's state dict keeps plain tensors, so checkpoints load with weights_only=True and into the
+                # plain model (a wrapper subclass would need torchao and an unsafe load).
+                layer.register_state_dict_post_hook(_plain_state),
+                layer.register_forward_pre_hook(functools.partial(_check_operands, name, emulate), with_kwargs=True),
+            ))
 
     @classmethod
     def revert_(cls, model: nn.Module, names: list[str]) -> None:
@@ -168,12 +185,42 @@ class TorchaoBackend(FP8Backend):
                     if _mx_wrapped(param):
                         plain = nn.Parameter(_unwrap(param), requires_grad=param.requires_grad)
                         torch.utils.swap_tensors(param, plain)
-                if (handle := getattr(layer, _HOOK, None)) is not None:
+                for handle in layer.__dict__.pop(_HOOKS, ()):
                     handle.remove()
-                    delattr(layer, _HOOK)
 
 
-_HOOK = "_lit_mpstable_plain_state_hook"
+_HOOKS = "_lit_mpstable_mx_hooks"
+_MX_DTYPES = (torch.bfloat16, torch.float32)
+"""The operand dtypes torchao's MX cast takes (``to_mx`` asserts them)."""
+_MX_BLOCK = 32
+"""torchao's MXFP8 block, along the reduction dim of each GEMM (the tokens for the weight gradient)."""
+
+
+def _check_operands(name: str, emulated: bool, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse, before torchao's code runs, what its MXFP8 training linear cannot compute (else a torch error or an
+    assertion from inside torchao, in the forward or the backward). It overrides ``F.linear`` above autocast, so
+    under ``*-mixed`` a 16-bit activation meets the FP32 weight as they are. A Python check of dtypes and shapes, no
+    host sync; under ``torch.compile`` a guard."""
+    x, weight = args[0] if args else kwargs["input"], layer.weight  # torchao's wrapper has its tensor's dtype
+    rows = math.prod(x.shape[:-1])
+    if x.dtype not in _MX_DTYPES or weight.dtype not in _MX_DTYPES:
+        why = "casts bfloat16 and float32 only (so neither '16-mixed' nor '16-true')"
+        instead = ", 'bf16-true' or '32-true'"
+    elif emulated and x.dtype != weight.dtype:
+        why = ("emulated (torchao's MX kernels need a Blackwell GPU) multiplies operands of one dtype only (so not"
+               " 'bf16-mixed', where autocast does not reach it)")
+        instead = ", 'bf16-true' or '32-true'"
+    elif rows % _MX_BLOCK and torch.is_grad_enabled():
+        why = (f"casts the weight gradient's operands in blocks of {_MX_BLOCK} rows (tokens: batch x sequence), which"
+               " it does not pad")
+        instead = f", or {_MX_BLOCK}-row multiples"
+    else:
+        return
+    raise RuntimeError(
+        f"FP8Config(recipe='mxfp8', backend='torchao'): layer {name!r} gets a {x.dtype} input of {rows} rows for its"
+        f" {weight.dtype} weight; torchao's MXFP8 training linear {why}. Use backend='native' (exact MXFP8 emulation"
+        f" in every precision, padding as the hardware pads){instead}."
+    )
 
 
 def _mx_wrapped(tensor: Any) -> bool:

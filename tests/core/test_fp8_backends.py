@@ -46,6 +46,7 @@ from lit_mpstable.fp8.config import AmaxComputeAlgo, FP8BackendName, FP8Format, 
 from lit_mpstable.fp8.quant import compute_scale
 from lit_mpstable.fp8.swap import collect_fp8_stats_
 from lit_mpstable.fp8.te_backend import TransformerEngineBackend
+from lit_mpstable.fp8.torchao_backend import TorchaoBackend
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U = 2.0**-24  # fp32 unit roundoff
@@ -268,7 +269,7 @@ def test_torchao_real_run_on_cpu() -> None:
 
 def test_torchao_mxfp8_keeps_the_parameters_an_optimizer_holds() -> None:
     pytest.importorskip("torchao.prototype.moe_training.config")
-    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32, bias=False), nn.Linear(32, 32))
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     x = torch.randn(32, 32)
@@ -286,7 +287,7 @@ def test_torchao_mxfp8_keeps_the_parameters_an_optimizer_holds() -> None:
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)  # plain tensors: a checkpoint loads safely, into a plain model too
     buffer.seek(0)
-    nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)).load_state_dict(
+    nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32, bias=False), nn.Linear(32, 32)).load_state_dict(
         torch.load(buffer, weights_only=True)
     )
     before = model[1].weight.detach().clone()
@@ -296,6 +297,49 @@ def test_torchao_mxfp8_keeps_the_parameters_an_optimizer_holds() -> None:
     assert not backend.is_fp8_layer(model[1]) and all(a is b for a, b in zip(model.parameters(), params))
     assert type(model[1].weight) is nn.Parameter and type(model[1].weight.data) is torch.Tensor
     step()
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_torchao_mxfp8_emulated_under_autocast_is_refused_naming_what_runs(autocast_dtype: torch.dtype) -> None:
+    """torchao's MXFP8 linear runs above autocast, so a 16-bit activation meets the FP32 weight, and its emulated
+    matmul (any device but a Blackwell GPU) multiplies operands of two dtypes: torch's own error, from inside
+    torchao, at the first forward of a ``*-mixed`` run. The layer refuses before torchao's code runs."""
+    pytest.importorskip("torchao.prototype.moe_training.config")
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32, bias=False))
+    convert_to_fp8(model, FP8Config(recipe="mxfp8", backend="torchao", format="e4m3", filter=["1"]))
+    x = torch.randn(32, 32)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        with pytest.raises(RuntimeError, match=r"backend='torchao'.*'1'.*backend='native'") as refused:
+            model(x)
+    assert str(autocast_dtype) in str(refused.value)
+    model(x).square().mean().backward()  # one dtype (32-true, or *-true): torchao's emulation runs
+    assert model[1].weight.grad is not None
+
+
+def test_torchao_mxfp8_refuses_rows_its_weight_gradient_cannot_block() -> None:
+    """torchao casts the weight gradient's operands in 32-row blocks along the tokens and does not pad: an assertion
+    from inside its backward, on a batch of 16. The layer refuses at the forward that would need it."""
+    pytest.importorskip("torchao.prototype.moe_training.config")
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32, bias=False))
+    convert_to_fp8(model, FP8Config(recipe="mxfp8", backend="torchao", format="e4m3", filter=["1"]))
+    with pytest.raises(RuntimeError, match=r"'1' gets a torch.float32 input of 16 rows.*32-row multiples"):
+        model(torch.randn(16, 32))
+    with torch.no_grad():
+        assert model(torch.randn(16, 32)).shape == (16, 32)  # no weight gradient: any rows
+    model(torch.randn(2, 16, 32)).square().mean().backward()
+
+
+def test_torchao_mxfp8_refuses_a_layer_with_a_bias_it_would_leave_out() -> None:
+    """torchao 0.18's MXFP8 linear multiplies input and weight and returns that: the bias is neither added nor given
+    a gradient, silently. The conversion refuses such a layer, naming it."""
+    pytest.importorskip("torchao.prototype.moe_training.config")
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32, bias=False))
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match=r"\['1'\] have a bias.*backend='native'"):
+        convert_to_fp8(model, FP8Config(recipe="mxfp8", backend="torchao", format="e4m3", filter=["1", "2"]))
+    assert all(type(p) is nn.Parameter for p in params)  # refused before torchao wrapped anything
+    convert_to_fp8(model, FP8Config(recipe="mxfp8", backend="torchao", format="e4m3", filter=["2"]))
+    assert TorchaoBackend.is_fp8_layer(model[2])
 
 
 # ---------------------------------------------------------------------------- the same numbers as torchao
