@@ -725,6 +725,14 @@ class StablePrecision(StableFrontEnd, Precision):
         "stochastic": "the stochastic-rounding random stream restarts from a new seed",
     }
 
+    # What a resume without the plugin's state loses, by the FP8 state it holds (FP8Linear.fp8_state_dict's keys).
+    _LOST_FP8: ClassVar[dict[str, str]] = {
+        "amax_history": "the FP8 layers' amax histories and scales (delayed scaling) restart from none, so the first"
+                        " steps scale by other amaxes",
+        "sr_counter": "the FP8 layers' stochastic-rounding step counters restart at 0, so the first steps' rounding"
+                      " noise repeats",
+    }
+
     def _check_resume(self, optimizer: Optimizer) -> None:
         """Warn when ``optimizer`` meets its first step with state (loaded from a checkpoint) while the plugin's own
         state was never loaded: a resume that left the plugin out of ``fabric.load``, as litgpt's state dict does.
@@ -732,10 +740,12 @@ class StablePrecision(StableFrontEnd, Precision):
         moments = pop_saved_mark(optimizer)
         if self._state_loaded or not (optimizer.state or moments):
             return
+        fp8_state = {key.rpartition(".")[2] for key in self.layout.state_dict()["fp8"]}
         lost = "; ".join(text for text in (
             self._LOST.get(self.stepper.master_mode or ""),
             moments and f"the {moments!r} Adam moments (exp_avg, exp_avg_sq), which the plugin's state keeps and the"
                         " optimizer's does not, restart at 0",
+            *(text for key, text in self._LOST_FP8.items() if key in fp8_state),
         ) if text)
         if not lost:
             return

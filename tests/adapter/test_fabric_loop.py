@@ -723,3 +723,34 @@ def test_optimizer_zero_grad_drops_the_model_gradients_a_discarded_backward_left
             optimizer.zero_grad()
         results.append(torch.cat([p.detach().float().flatten() for p in model.parameters()]))
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("recipe, lost", [("delayed", "amax histories"),
+                                          ("nvfp4", "stochastic-rounding step counters")])
+def test_resuming_fp8_without_the_plugins_state_warns_naming_the_fp8_state(recipe: str, lost: str,
+                                                                           tmp_path: Path) -> None:
+    # bf16-mixed holds no masters and Adam keeps its moments: only the FP8 layers' own state (delayed scaling's amax
+    # histories, NVFP4's rounding counters) was lost by a litgpt-style resume, and nothing said so.
+    from lit_mpstable.fp8 import FP8Config
+
+    def run(load: Path | None = None, save: Path | None = None) -> None:
+        plugin = StablePrecision("bf16-mixed", fp8=FP8Config(recipe=recipe))
+        fabric = quiet_fabric(plugin)
+        torch.manual_seed(0)
+        model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                                 torch.nn.ReLU(), torch.nn.Linear(32, 1)))
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        plugin.setup_optimizers(opt)
+        state = {"model": model, "optimizer": opt}
+        if load is not None:
+            fabric.load(load, state)
+        for _ in range(2):
+            opt.zero_grad()
+            fabric.backward(F.mse_loss(model(torch.randn(32, 32)).float(), torch.randn(32, 1)))
+            opt.step()
+        if save is not None:
+            fabric.save(save, state)
+
+    run(save=tmp_path / "litgpt.pt")
+    with pytest.warns(UserWarning, match=rf"plugin's own state was not loaded.*{lost}.*'precision': plugin"):
+        run(load=tmp_path / "litgpt.pt")
