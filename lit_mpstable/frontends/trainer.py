@@ -81,6 +81,7 @@ class TrainerPrecision(StableFrontEnd):
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         module = lightning_module(model, self._pl)
+        self._fingerprint_saves(getattr(module, "_trainer", None))
         self._check_finetuning(module)
         self.stepper.setup_optimizers(module, optimizers, [config.scheduler for config in lr_schedulers])
         # The strategy has wrapped the model (DDP broadcast the first rank's weights): the masters, compensation and
@@ -215,9 +216,19 @@ class TrainerPrecision(StableFrontEnd):
         # Lightning loads checkpoints with a callable map_location, which torch.load refuses for tensor subclasses:
         # torchao's 8-bit/4-bit/FP8 optimizer states go in flat (plain tensors) and are rebuilt on load.
         flatten_optimizer_states_(checkpoint.get("optimizer_states", []))
-        if type(self).__qualname__ in checkpoint:  # the numeric fingerprint, of the tensors as written
+
+    def _fingerprint_(self, checkpoint: dict[str, Any]) -> None:
+        """The numeric fingerprint of ``checkpoint`` as it goes to the file (:class:`_FingerprintedDump`)."""
+        if type(self).__qualname__ in checkpoint:
             checkpoint[type(self).__qualname__][FINGERPRINT] = self.fingerprint.capture(
                 checkpoint_trees(checkpoint, type(self).__qualname__), self.stepper.manifest(), self._pinned_pass())
+
+    def _fingerprint_saves(self, trainer: Any | None) -> None:
+        """Have ``trainer``'s checkpoints fingerprinted once every ``on_save_checkpoint`` hook edited them (once a
+        Trainer)."""
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        if connector is not None and not isinstance(connector.__dict__.get("dump_checkpoint"), _FingerprintedDump):
+            connector.dump_checkpoint = _FingerprintedDump(connector, self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before load_state_dict. A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under
@@ -300,6 +311,23 @@ class TrainerPrecision(StableFrontEnd):
             self._loaded_weights = checkpoint.get("state_dict")
 
         return CheckpointCheck(self.fingerprint, type(self).__qualname__, self.stepper.manifest, reload)
+
+
+class _FingerprintedDump:
+    """A Trainer's ``dump_checkpoint`` that adds the plugin's numeric fingerprint to the dict it returns. Lightning
+    calls the plugin's ``on_save_checkpoint`` first, then the callbacks' and the LightningModule's, which may rewrite
+    the dict (``EMAWeightAveraging`` puts the averaged weights in ``state_dict``; a fine-tuning module leaves its
+    frozen layers out): the checksums must describe the tensors the file gets. Every strategy writes (or shards) the
+    dict this returns, on every rank; a ``CheckpointIO`` is called on rank zero only and not by the sharded
+    strategies. A class, not a closure: the Trainer pickles (``ddp_spawn``)."""
+
+    def __init__(self, connector: Any, plugin: TrainerPrecision) -> None:
+        self.connector, self.plugin = connector, plugin
+
+    def __call__(self, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = type(self.connector).dump_checkpoint(self.connector, weights_only)
+        self.plugin._fingerprint_(checkpoint)
+        return checkpoint
 
 
 def _training_step_loss(net: Any, data: Any) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""The Trainer's numeric fingerprint beside the user's hooks: a callback or module ``on_save_checkpoint`` that edits
+the state dict, a ``training_step`` that reads the loop's step and epoch, metrics updated in ``training_step``, and
+one plugin reused for a second Trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_trainer
+from torch import nn
+from trainer_pkg import StablePrecision, pl
+
+from lit_mpstable.app.fault_demos import TinyMLP, regression_data
+from lit_mpstable.core.fingerprint import KEY, FingerprintMismatch
+
+
+class Net(pl.LightningModule):
+    """TinyMLP regression, AdamW, four batches of 16 an epoch."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TinyMLP()
+        self.x, self.y = regression_data(64, seed=seed)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x).float(), y)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=16)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _fit(model: Net, directory: Path, max_steps: int, ckpt_path: Path | None = None, callbacks: list[Any] = (),
+         plugin: Any = None) -> Any:  # type: ignore[assignment]
+    plugin = plugin or StablePrecision("bf16-mixed")
+    saving = pl.callbacks.ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=-1)
+    trainer = make_trainer(plugin, max_steps=max_steps, enable_checkpointing=True, callbacks=[saving, *callbacks])
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return plugin
+
+
+def _actions(plugin: Any) -> list[str]:
+    return [event["action"] for event in plugin.fingerprint.events]
+
+
+# ------------------------------------------------------------------ on_save_checkpoint edits the state dict
+class DropsFrozen(Net):
+    """A frozen first layer left out of the file (a slim fine-tuning checkpoint), loaded non-strictly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.fc1.requires_grad_(False)
+        self.strict_loading = False
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        for key in [key for key in checkpoint["state_dict"] if key.startswith("model.fc1.")]:
+            del checkpoint["state_dict"][key]
+
+
+def _ema() -> list[Any]:
+    ema = getattr(pl.callbacks, "EMAWeightAveraging", None)
+    if ema is None:
+        pytest.skip("this Lightning has no EMAWeightAveraging")
+    return [ema(decay=0.9)]
+
+
+@pytest.mark.parametrize("edit", ["ema", "drops_frozen"])
+def test_a_checkpoint_edited_by_on_save_checkpoint_hooks_resumes(tmp_path, edit) -> None:
+    make, callbacks = (Net, _ema) if edit == "ema" else (DropsFrozen, list)
+    _fit(make(), tmp_path, 4, callbacks=callbacks())
+    saved = torch.load(tmp_path / "epoch=0-step=4.ckpt", weights_only=True)
+    assert ("current_model_state" in saved) == (edit == "ema")  # the hook ran: the file holds what it wrote
+    assert not any("fc1" in path for path in saved["StablePrecision"][KEY]["checksums"]) or edit == "ema"
+    # Before: FingerprintMismatch (the checksums were of the dict before the hooks edited it: EMA's averaged weights
+    # replace the model's; the dropped keys "missing from the loaded checkpoint").
+    plugin = _fit(make(), tmp_path, 6, ckpt_path=tmp_path / "epoch=0-step=4.ckpt", callbacks=callbacks())
+    assert _actions(plugin) == ["passed", "passed"]  # checksums and manifest, then the pinned micro-batch
+
+
+@pytest.mark.parametrize("edit", ["ema", "drops_frozen"])
+def test_a_corrupted_checkpoint_edited_by_hooks_is_still_refused(tmp_path, edit) -> None:
+    make, callbacks = (Net, _ema) if edit == "ema" else (DropsFrozen, list)
+    _fit(make(), tmp_path, 4, callbacks=callbacks())
+    path = tmp_path / "epoch=0-step=4.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["state_dict"]["model.fc2.weight"][0, 0] += 1.0
+    torch.save(checkpoint, path)
+    with pytest.raises(FingerprintMismatch, match=r"checksum of weight `state_dict\['model.fc2.weight'\]` differs"):
+        _fit(make(), tmp_path, 6, ckpt_path=path, callbacks=callbacks())
