@@ -260,19 +260,39 @@ class TrainerPrecision(StableFrontEnd):
         weights, self._loaded_weights = getattr(self, "_loaded_weights", None), None
         with recast_from(self.stepper.layout.module, weights):
             super().load_state_dict(state_dict)
-        state = getattr(self._trainer(), "state", None)
-        if getattr(getattr(state, "fn", None), "value", "fit") != "fit":
+        if not self._fitting():
             # validate/test/predict run on the checkpoint's 16-bit weights: its masters (or compensation), waiting for
             # optimizers no evaluation binds, must not reach a later fit of another model on this Trainer.
             self.stepper.forget_pending_weights_()
 
+    def _fitting(self) -> bool:
+        """Whether the Trainer runs ``fit`` (or none is attached: a direct call)."""
+        state = getattr(self._trainer(), "state", None)
+        return getattr(getattr(state, "fn", None), "value", "fit") == "fit"
+
     # ------------------------------------------------------------------------------------- the fingerprint
     def _check_fingerprint(self, fingerprint: dict[str, Any] | None, state: dict[str, Any], *, loaded: bool) -> None:
-        # Checksums and manifest were checked in on_load_checkpoint; the pinned pass once the plugin's state is in.
-        if loaded and (loss := self._pinned_pass()) is not None:
-            self._checkpoint_check().verify_pinned_(loss, self.load_state_dict)
-        elif loaded:
-            self.fingerprint.pending = None  # no pass to recompute (manual optimization): checksums and manifest only
+        # Checksums and manifest were checked in on_load_checkpoint; the pinned pass once the plugin's state is in. Not
+        # under manual optimization (no pass to recompute), nor in validate/test/predict: the pass measures a training
+        # step, which evaluation never runs (its training_step may read self.optimizers(), which it has not).
+        if not loaded:
+            return
+        loss = self._pinned_pass() if self._fitting() else None
+        if loss is None:
+            self.fingerprint.pending = None  # checksums and manifest only
+            return
+        if (pending := self.fingerprint.pending) is not None:
+            self._restore_loops(pending["checkpoint"])
+        self._checkpoint_check().verify_pinned_(loss, self.load_state_dict)
+
+    def _restore_loops(self, checkpoint: dict[str, Any]) -> None:
+        """The fit loop's progress from ``checkpoint``, so the load's pinned pass runs at the save's ``global_step`` and
+        ``current_epoch`` (a ``training_step`` may weigh its loss by them). Lightning restores the plugin's state
+        before the loops, and loads them from the same dict right after this (again, to the same values)."""
+        trainer = self._trainer()
+        loops = checkpoint.get("loops")
+        if trainer is not None and isinstance(loops, dict) and "fit_loop" in loops:
+            trainer.fit_loop.load_state_dict(loops["fit_loop"])
 
     def _pinned_pass(self) -> Callable[[Any], torch.Tensor] | None:
         """The pinned micro-batch's measurement: ``training_step``'s loss, or ``None`` under manual optimization,

@@ -94,3 +94,51 @@ def test_a_corrupted_checkpoint_edited_by_hooks_is_still_refused(tmp_path, edit)
     torch.save(checkpoint, path)
     with pytest.raises(FingerprintMismatch, match=r"checksum of weight `state_dict\['model.fc2.weight'\]` differs"):
         _fit(make(), tmp_path, 6, ckpt_path=path, callbacks=callbacks())
+
+
+# ------------------------------------------------------------------ the loop's step and epoch; outside fit
+class WarmsUp(Net):
+    """A loss weight warmed up over the steps and raised each epoch (KL annealing, an auxiliary-loss warmup)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        weight = min(1.0, (self.global_step + 1) / 10) * (1 + self.current_epoch)
+        return super().training_step(batch, batch_idx) * weight
+
+
+def test_a_training_step_that_reads_the_step_and_epoch_resumes(tmp_path) -> None:
+    _fit(WarmsUp(), tmp_path, 6)
+    # Before: FingerprintMismatch (the load's pinned pass ran at global_step 0, epoch 0: another loss weight).
+    plugin = _fit(WarmsUp(), tmp_path, 8, ckpt_path=tmp_path / "epoch=1-step=6.ckpt")
+    assert _actions(plugin) == ["passed", "passed"]
+    assert not any(event["notes"] for event in plugin.fingerprint.events)
+
+
+class LogsTheLR(Net):
+    """``training_step`` reads the optimizer (there is none outside fit) and counts its calls."""
+
+    calls = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        LogsTheLR.calls += 1
+        self.log("lr", self.optimizers().param_groups[0]["lr"])
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", super().training_step(batch, batch_idx))
+
+    test_step = validation_step
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0])
+
+    val_dataloader = test_dataloader = predict_dataloader = Net.train_dataloader
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_evaluation_from_a_checkpoint_runs_no_pinned_pass(tmp_path, stage) -> None:
+    _fit(LogsTheLR(), tmp_path, 2)
+    plugin = StablePrecision("bf16-mixed")
+    LogsTheLR.calls = 0
+    getattr(make_trainer(plugin), stage)(LogsTheLR(), ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
+    assert LogsTheLR.calls == 0  # before: the load's pinned pass ran training_step (and failed on self.optimizers())
+    assert _actions(plugin) == ["passed"] and not plugin.fingerprint.events[0]["notes"]
