@@ -492,15 +492,19 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
     One forward and backward in the run's precision (``forward_context``), the module in eval mode, the RNG forked and
     seeded (:data:`PIN_SEED`); gradients through ``torch.autograd.grad``, so ``.grad`` is untouched (FSDP2's sharded
     parameters: :func:`_sharded_grads`, and the norm over every rank: collective). Afterwards every buffer (BatchNorm
-    statistics, FP8 amax histories, stochastic-rounding counters) and every public Python attribute of the modules
-    holding a list, dict, set or number is restored in place, so the run goes on exactly as without the pass."""
+    statistics, FP8 amax histories, stochastic-rounding counters), every tensor attribute of the modules (a
+    torchmetrics ``Metric``'s states), every attribute holding a number or None (its private ``_update_count`` and
+    ``_computed``) and every public one holding a list, dict or set is restored, the objects themselves and their
+    values in place, so the run goes on exactly as without the pass."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     versions = [p._version for p in params]  # an in-place write during the pass bumps it
     device = params[0].device if params else torch.device("cpu")
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     attributes = [(sub, name, copy.copy(value)) for sub in module.modules() for name, value in vars(sub).items()
-                  if not name.startswith("_") and isinstance(value, (list, dict, set, int, float))]
+                  if _restored(name, value)]
+    tensors = [(sub, name, value, value._version, value.detach().clone()) for sub in module.modules()
+               for name, value in vars(sub).items() if isinstance(value, torch.Tensor) and not value.is_meta]
     training = module.training
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         torch.manual_seed(PIN_SEED)
@@ -519,6 +523,11 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
                     buffer.copy_(saved)
             for sub, name, value in attributes:
                 _restore(sub, name, value)
+            for sub, name, tensor, version, saved in tensors:
+                if tensor._version != version:  # summed into in place (a SumMetric's `+=`)
+                    with torch.no_grad():
+                        tensor.copy_(saved)
+                setattr(sub, name, tensor)  # rebound (``self.total = self.total + x``)
     written = [n for (n, p), v in zip(named, versions, strict=True) if p._version != v]
     if written:
         raise PinnedPassWrote(f"the pinned micro-batch's pass wrote to {written[:5]} in place (the loss function"
@@ -613,6 +622,14 @@ def _sharded_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         norm = torch.linalg.vector_norm(torch.stack([norm, *(n.float().to(norm.device)
                                                              for n in torch._foreach_norm(plain))]))
     return norm
+
+
+def _restored(name: str, value: object) -> bool:
+    """Whether :func:`pinned_pass` puts a module attribute back: a number or None (private ones too: a metric's update
+    counter, its cached result), or a public list, dict or set (the module's own ``_parameters``, ``_buffers`` and
+    hooks are not the pass's to touch)."""
+    return value is None or isinstance(value, (int, float)) or (
+        not name.startswith("_") and isinstance(value, (list, dict, set)))
 
 
 def _restore(owner: object, name: str, saved: object) -> None:

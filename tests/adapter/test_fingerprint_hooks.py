@@ -142,3 +142,32 @@ def test_evaluation_from_a_checkpoint_runs_no_pinned_pass(tmp_path, stage) -> No
     getattr(make_trainer(plugin), stage)(LogsTheLR(), ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
     assert LogsTheLR.calls == 0  # before: the load's pinned pass ran training_step (and failed on self.optimizers())
     assert _actions(plugin) == ["passed"] and not plugin.fingerprint.events[0]["notes"]
+
+
+# ------------------------------------------------------------------ metrics updated in training_step
+class CountsRows(Net):
+    """torchmetrics updated in ``training_step``, Lightning's usual pattern."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torchmetrics = pytest.importorskip("torchmetrics")
+        self.rows = torchmetrics.SumMetric()
+        self.accuracy = torchmetrics.classification.BinaryAccuracy()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.model(x).float()
+        self.rows.update(torch.tensor(float(len(x))))
+        self.accuracy.update(out[:, 0], (y[:, 0] > 0).long())
+        return nn.functional.mse_loss(out, y)
+
+
+def test_saves_leave_the_metrics_updated_in_training_step_as_without_them(tmp_path) -> None:
+    without = CountsRows()
+    make_trainer(StablePrecision("bf16-mixed"), max_steps=4).fit(without)
+    saving = CountsRows()
+    _fit(saving, tmp_path, 4)  # two saves, each with a pinned pass through training_step
+    assert float(without.rows.compute()) == 64.0
+    # Before: 72 rows (the pinned pass's 4 rows at each save counted) and another accuracy.
+    assert float(saving.rows.compute()) == 64.0 and saving.rows._update_count == without.rows._update_count == 4
+    assert torch.equal(saving.accuracy.compute(), without.accuracy.compute())
