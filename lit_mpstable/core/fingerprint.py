@@ -717,6 +717,16 @@ class Fingerprint:
         """A loaded fingerprint whose pinned pass is still owed (the front end runs it when the model is loaded)."""
         self._unpinned: set[str] = set()  # why saves of this run hold no pinned loss, by exception type: warned once
         self._typed = True  # the pinned batch's containers are the loader's (a checkpoint's are plain: adopt)
+        self.shared = False
+        """Whether this run's :meth:`pin` broadcast rank 0's rows (``rank_zero``), kept or not (too large): a front end
+        that pins at every batch until one is kept makes that collective once."""
+
+    def start_run(self) -> None:
+        """A new run with the same owner (a plugin reused for another Trainer's fit): nothing pinned (its first training
+        batch pins its own rows), no load's pass pending, the once-a-run warnings due again. :attr:`events` stays, the
+        record of every load checked."""
+        self.batch, self.pending, self._typed, self.shared = None, None, True, False
+        self._unpinned.clear()
 
     @property
     def pinning(self) -> bool:
@@ -767,6 +777,7 @@ class Fingerprint:
         if self.batch is None:
             pinned = pin_batch(batch)
             self.batch = from_rank_zero(pinned) if rank_zero else pinned
+            self.shared = self.shared or rank_zero
         elif not self._typed:
             self.batch = _typed_like(self.batch, batch)
         self._typed = True

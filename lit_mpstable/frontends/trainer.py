@@ -53,8 +53,6 @@ class TrainerPrecision(StableFrontEnd):
         wrapper = getattr(getattr(trainer, "strategy", None), "model", None)
         return wrapper if isinstance(wrapper, nn.parallel.DistributedDataParallel) else None
 
-    _pinned_across_ranks = False  # several processes: the one collective pin was made
-
     def convert_input(self, data: Any) -> Any:
         if self.fingerprint.pinning and getattr(trainer := self._trainer(), "training", False):
             # The first training batch, as loaded: the fingerprint's pinned micro-batch. On several ranks rank 0's
@@ -63,8 +61,7 @@ class TrainerPrecision(StableFrontEnd):
             # After a load the checkpoint's rows stay, retyped as this batch (its namedtuples): no broadcast.
             if getattr(trainer, "world_size", 1) < 2 or self.fingerprint.batch is not None:
                 self.fingerprint.pin(data)
-            elif not self._pinned_across_ranks:
-                self._pinned_across_ranks = True
+            elif not self.fingerprint.shared:
                 self.fingerprint.pin(data, rank_zero=True)
         data = self.stepper.convert_input(data)
         if self.stepper.fp8_budget.pending:
@@ -82,6 +79,8 @@ class TrainerPrecision(StableFrontEnd):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         module = lightning_module(model, self._pl)
         self._fingerprint_saves(getattr(module, "_trainer", None))
+        if self._fitting():  # before a resume's state loads: a plugin reused for another fit pins that fit's rows
+            self.fingerprint.start_run()
         self._check_finetuning(module)
         self.stepper.setup_optimizers(module, optimizers, [config.scheduler for config in lr_schedulers])
         # The strategy has wrapped the model (DDP broadcast the first rank's weights): the masters, compensation and

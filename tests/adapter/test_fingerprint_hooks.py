@@ -171,3 +171,14 @@ def test_saves_leave_the_metrics_updated_in_training_step_as_without_them(tmp_pa
     # Before: 72 rows (the pinned pass's 4 rows at each save counted) and another accuracy.
     assert float(saving.rows.compute()) == 64.0 and saving.rows._update_count == without.rows._update_count == 4
     assert torch.equal(saving.accuracy.compute(), without.accuracy.compute())
+
+
+# ------------------------------------------------------------------ one plugin, two Trainers
+def test_a_plugin_reused_for_a_second_trainer_pins_that_fits_rows(tmp_path) -> None:
+    plugin = StablePrecision("bf16-mixed")
+    _fit(Net(), tmp_path / "one", 2, plugin=plugin)
+    second = Net(seed=1)  # other data: a sweep over data sets with one plugin
+    _fit(second, tmp_path / "two", 2, plugin=plugin)
+    pinned = torch.load(tmp_path / "two" / "epoch=0-step=2.ckpt", weights_only=True)["StablePrecision"][KEY]["pinned"]
+    assert torch.equal(pinned["batch"][0], second.x[:4])  # before: the first run's rows
+    assert torch.equal(plugin.fingerprint.batch[0], second.x[:4])
