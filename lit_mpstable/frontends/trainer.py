@@ -280,18 +280,31 @@ class TrainerPrecision(StableFrontEnd):
         if loss is None:
             self.fingerprint.pending = None  # checksums and manifest only
             return
-        if (pending := self.fingerprint.pending) is not None:
-            self._restore_loops(pending["checkpoint"])
-        self._checkpoint_check().verify_pinned_(loss, self.load_state_dict)
+        pending = self.fingerprint.pending
+        with self._step_and_epoch_of(pending["checkpoint"] if pending is not None else {}):
+            self._checkpoint_check().verify_pinned_(loss, self.load_state_dict)
 
-    def _restore_loops(self, checkpoint: dict[str, Any]) -> None:
-        """The fit loop's progress from ``checkpoint``, so the load's pinned pass runs at the save's ``global_step`` and
-        ``current_epoch`` (a ``training_step`` may weigh its loss by them). Lightning restores the plugin's state
-        before the loops, and loads them from the same dict right after this (again, to the same values)."""
+    @contextmanager
+    def _step_and_epoch_of(self, checkpoint: dict[str, Any]) -> Generator[None, None, None]:
+        """Within the block the Trainer's ``global_step`` and ``current_epoch`` are ``checkpoint``'s, as at its save (a
+        ``training_step`` may weigh its loss by them); afterwards the fit loop's counters are what they were. Lightning
+        restores the plugin's state before the loops (at a resume, from step 0; in ``ScaleCheckpoint``'s restored-state
+        rung, mid-fit, which takes only some counters from the file afterwards), so the load's pinned pass would run
+        at another step than the save's."""
         trainer = self._trainer()
-        loops = checkpoint.get("loops")
-        if trainer is not None and isinstance(loops, dict) and "fit_loop" in loops:
-            trainer.fit_loop.load_state_dict(loops["fit_loop"])
+        saved = ((checkpoint.get("loops") or {}).get("fit_loop") or {}) if trainer is not None else {}
+        counters = {} if not saved else {
+            "epoch_progress": trainer.fit_loop.epoch_progress,
+            "epoch_loop.automatic_optimization.optim_progress":
+                trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress}
+        live = {key: counter.state_dict() for key, counter in counters.items() if key in saved}
+        for key in live:
+            counters[key].load_state_dict(saved[key])
+        try:
+            yield
+        finally:
+            for key, state in live.items():
+                counters[key].load_state_dict(state)
 
     def _pinned_pass(self) -> Callable[[Any], torch.Tensor] | None:
         """The pinned micro-batch's measurement: ``training_step``'s loss, or ``None`` under manual optimization,

@@ -182,3 +182,28 @@ def test_a_plugin_reused_for_a_second_trainer_pins_that_fits_rows(tmp_path) -> N
     pinned = torch.load(tmp_path / "two" / "epoch=0-step=2.ckpt", weights_only=True)["StablePrecision"][KEY]["pinned"]
     assert torch.equal(pinned["batch"][0], second.x[:4])  # before: the first run's rows
     assert torch.equal(plugin.fingerprint.batch[0], second.x[:4])
+
+
+class _LoadsEarlierFileAt(pl.Callback):
+    """At one step, the restored-state rung's in-process load of an earlier file (mid-fit, as ScaleCheckpoint does)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path, self.seen = step, path, None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == self.step and self.seen is None:  # once: the run passes the step again after it
+            from lit_mpstable.callbacks._restored import load_in_process
+
+            batches = trainer.fit_loop.epoch_loop.batch_progress
+            before = batches.state_dict()
+            restored = load_in_process(trainer, torch.load(self.path, weights_only=True), self.path)
+            self.seen = (restored, trainer.current_epoch, batches.state_dict() == before)
+
+
+def test_a_mid_fit_load_runs_the_pinned_pass_at_the_files_step(tmp_path) -> None:
+    loads = _LoadsEarlierFileAt(5, tmp_path / "epoch=0-step=2.ckpt")
+    plugin = _fit(WarmsUp(), tmp_path, 6, callbacks=[loads])
+    # Before: FingerprintMismatch (the pass ran at global_step 5, epoch 1; the file was saved at step 2, epoch 0).
+    assert _actions(plugin) == ["passed"] * 2
+    # The file's step is taken by the rung itself; the pass leaves the loop's epoch and batch position as they were.
+    assert loads.seen == (2, 1, True)
