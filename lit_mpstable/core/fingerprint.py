@@ -953,6 +953,24 @@ def checkpoint_trees(checkpoint: Mapping[str, Any], plugin_key: str) -> dict[str
             "plugin": plugin}
 
 
+def _without_added_weights(saved: Mapping[str, int], trees: dict[str, object]) -> tuple[dict[str, object], list[str]]:
+    """``(trees without the model weights the save did not checksum, a note naming them)``. Lightning runs the
+    LightningModule's ``on_load_checkpoint`` on the loaded dict before the plugin sees it, and a module that leaves a
+    frozen layer out of its files puts its own tensors back there (to load strictly): they are not the file's, and
+    nothing of the file's saved tensors changed. Weights the save held and the load lacks are still differences."""
+    state = trees.get("state_dict")
+    if not isinstance(state, Mapping):
+        return trees, []
+    added = [key for key, value in state.items() if type(value) in _PLAIN and f"state_dict[{key!r}]" not in saved]
+    if not added:
+        return trees, []
+    named = ", ".join(f"`state_dict[{key!r}]`" for key in added[:5]) + (f" and {len(added) - 5} more" if len(
+        added) > 5 else "")
+    return {**trees, "state_dict": {key: value for key, value in state.items() if key not in added}}, [
+        f"weights {named} were not in the saved checkpoint (put into the loaded dict by a load hook, such as the"
+        " LightningModule's on_load_checkpoint): not compared"]
+
+
 class CheckpointCheck:
     """Checks a Trainer checkpoint dict at load (``on_load_checkpoint``: before anything of it is restored but the
     model's weights) and, with ``on_mismatch="previous"``, swaps the dict's contents for the newest earlier checkpoint
@@ -976,9 +994,10 @@ class CheckpointCheck:
         saved, _ = self.fingerprint.split(checkpoint.get(self.plugin_key), call=f"{self.plugin_key}.load_state_dict")
         if saved is None:
             return
-        trees = {**checkpoint_trees(checkpoint, self.plugin_key), **(loaded or {})}
+        trees, added = _without_added_weights(saved["checksums"], {**checkpoint_trees(checkpoint, self.plugin_key),
+                                                                   **(loaded or {})})
         differences, notes = self.fingerprint.check(saved, trees, self.live())
-        if self.fingerprint.react(str(path), differences, notes):
+        if self.fingerprint.react(str(path), differences, notes + added):
             self.fall_back_(checkpoint, path, differences)  # it owes the fallback's pinned pass, under its own path
         else:
             self._loaded(checkpoint, path)

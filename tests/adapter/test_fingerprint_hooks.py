@@ -64,6 +64,17 @@ class DropsFrozen(Net):
             del checkpoint["state_dict"][key]
 
 
+class PutsFrozenBack(DropsFrozen):
+    """... and puts the model's own frozen layer back into the loaded dict (so it loads strictly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.strict_loading = True
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"].update({k: v for k, v in self.state_dict().items() if k.startswith("model.fc1.")})
+
+
 def _ema() -> list[Any]:
     ema = getattr(pl.callbacks, "EMAWeightAveraging", None)
     if ema is None:
@@ -84,9 +95,19 @@ def test_a_checkpoint_edited_by_on_save_checkpoint_hooks_resumes(tmp_path, edit)
     assert _actions(plugin) == ["passed", "passed"]  # checksums and manifest, then the pinned micro-batch
 
 
-@pytest.mark.parametrize("edit", ["ema", "drops_frozen"])
+def test_weights_a_load_hook_puts_into_the_dict_are_noted_not_refused(tmp_path) -> None:
+    _fit(PutsFrozenBack(), tmp_path, 4)
+    # Before: FingerprintMismatch ("weight `state_dict['model.fc1.weight']` was not in the saved checkpoint").
+    plugin = _fit(PutsFrozenBack(), tmp_path, 6, ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
+    assert _actions(plugin) == ["passed", "passed"]
+    (note,) = plugin.fingerprint.events[0]["notes"]
+    assert "`state_dict['model.fc1.weight']`, `state_dict['model.fc1.bias']`" in note and "not compared" in note
+
+
+@pytest.mark.parametrize("edit", ["ema", "drops_frozen", "puts_frozen_back"])
 def test_a_corrupted_checkpoint_edited_by_hooks_is_still_refused(tmp_path, edit) -> None:
-    make, callbacks = (Net, _ema) if edit == "ema" else (DropsFrozen, list)
+    make, callbacks = {"ema": (Net, _ema), "drops_frozen": (DropsFrozen, list),
+                       "puts_frozen_back": (PutsFrozenBack, list)}[edit]
     _fit(make(), tmp_path, 4, callbacks=callbacks())
     path = tmp_path / "epoch=0-step=4.ckpt"
     checkpoint = torch.load(path, weights_only=True)
