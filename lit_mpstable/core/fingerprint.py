@@ -702,9 +702,9 @@ class Fingerprint:
 
     A front end calls :meth:`pin` with the first training batch, :meth:`capture` when a checkpoint is written,
     :meth:`check_checksums` / :meth:`check_manifest` / :meth:`check_pinned` when one is read, and :meth:`react` with
-    their differences. ``on_mismatch``: ``"raise"`` (:class:`FingerprintMismatch`), ``"warn"`` (a ``UserWarning``;
-    the load goes on), ``"previous"`` (the front end loads the newest earlier checkpoint that passes; the differences
-    are kept in :attr:`events`)."""
+    their differences; :meth:`start_run` when the same owner starts another run. ``on_mismatch``: ``"raise"``
+    (:class:`FingerprintMismatch`), ``"warn"`` (a ``UserWarning``; the load goes on), ``"previous"`` (the front end
+    loads the newest earlier checkpoint that passes; the differences are kept in :attr:`events`)."""
 
     def __init__(self, on_mismatch: OnMismatch = "raise", *, owner: str = "StablePrecision") -> None:
         self.on_mismatch = check_on_mismatch(owner, on_mismatch)
