@@ -492,15 +492,19 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
     One forward and backward in the run's precision (``forward_context``), the module in eval mode, the RNG forked and
     seeded (:data:`PIN_SEED`); gradients through ``torch.autograd.grad``, so ``.grad`` is untouched (FSDP2's sharded
     parameters: :func:`_sharded_grads`, and the norm over every rank: collective). Afterwards every buffer (BatchNorm
-    statistics, FP8 amax histories, stochastic-rounding counters) and every public Python attribute of the modules
-    holding a list, dict, set or number is restored in place, so the run goes on exactly as without the pass."""
+    statistics, FP8 amax histories, stochastic-rounding counters), every tensor attribute of the modules (a
+    torchmetrics ``Metric``'s states), every attribute holding a number or None (its private ``_update_count`` and
+    ``_computed``) and every public one holding a list, dict or set is restored, the objects themselves and their
+    values in place, so the run goes on exactly as without the pass."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     versions = [p._version for p in params]  # an in-place write during the pass bumps it
     device = params[0].device if params else torch.device("cpu")
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     attributes = [(sub, name, copy.copy(value)) for sub in module.modules() for name, value in vars(sub).items()
-                  if not name.startswith("_") and isinstance(value, (list, dict, set, int, float))]
+                  if _restored(name, value)]
+    tensors = [(sub, name, value, value._version, value.detach().clone()) for sub in module.modules()
+               for name, value in vars(sub).items() if isinstance(value, torch.Tensor) and not value.is_meta]
     training = module.training
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         torch.manual_seed(PIN_SEED)
@@ -519,6 +523,11 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
                     buffer.copy_(saved)
             for sub, name, value in attributes:
                 _restore(sub, name, value)
+            for sub, name, tensor, version, saved in tensors:
+                if tensor._version != version:  # summed into in place (a SumMetric's `+=`)
+                    with torch.no_grad():
+                        tensor.copy_(saved)
+                setattr(sub, name, tensor)  # rebound (``self.total = self.total + x``)
     written = [n for (n, p), v in zip(named, versions, strict=True) if p._version != v]
     if written:
         raise PinnedPassWrote(f"the pinned micro-batch's pass wrote to {written[:5]} in place (the loss function"
@@ -615,6 +624,14 @@ def _sharded_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return norm
 
 
+def _restored(name: str, value: object) -> bool:
+    """Whether :func:`pinned_pass` puts a module attribute back: a number or None (private ones too: a metric's update
+    counter, its cached result), or a public list, dict or set (the module's own ``_parameters``, ``_buffers`` and
+    hooks are not the pass's to touch)."""
+    return value is None or isinstance(value, (int, float)) or (
+        not name.startswith("_") and isinstance(value, (list, dict, set)))
+
+
 def _restore(owner: object, name: str, saved: object) -> None:
     """Put ``saved`` back as ``owner.name``: containers in place (other references see it), numbers by assignment."""
     live = getattr(owner, name, None)
@@ -685,9 +702,9 @@ class Fingerprint:
 
     A front end calls :meth:`pin` with the first training batch, :meth:`capture` when a checkpoint is written,
     :meth:`check_checksums` / :meth:`check_manifest` / :meth:`check_pinned` when one is read, and :meth:`react` with
-    their differences. ``on_mismatch``: ``"raise"`` (:class:`FingerprintMismatch`), ``"warn"`` (a ``UserWarning``;
-    the load goes on), ``"previous"`` (the front end loads the newest earlier checkpoint that passes; the differences
-    are kept in :attr:`events`)."""
+    their differences; :meth:`start_run` when the same owner starts another run. ``on_mismatch``: ``"raise"``
+    (:class:`FingerprintMismatch`), ``"warn"`` (a ``UserWarning``; the load goes on), ``"previous"`` (the front end
+    loads the newest earlier checkpoint that passes; the differences are kept in :attr:`events`)."""
 
     def __init__(self, on_mismatch: OnMismatch = "raise", *, owner: str = "StablePrecision") -> None:
         self.on_mismatch = check_on_mismatch(owner, on_mismatch)
@@ -700,6 +717,16 @@ class Fingerprint:
         """A loaded fingerprint whose pinned pass is still owed (the front end runs it when the model is loaded)."""
         self._unpinned: set[str] = set()  # why saves of this run hold no pinned loss, by exception type: warned once
         self._typed = True  # the pinned batch's containers are the loader's (a checkpoint's are plain: adopt)
+        self.shared = False
+        """Whether this run's :meth:`pin` broadcast rank 0's rows (``rank_zero``), kept or not (too large): a front end
+        that pins at every batch until one is kept makes that collective once."""
+
+    def start_run(self) -> None:
+        """A new run with the same owner (a plugin reused for another Trainer's fit): nothing pinned (its first training
+        batch pins its own rows), no load's pass pending, the once-a-run warnings due again. :attr:`events` stays, the
+        record of every load checked."""
+        self.batch, self.pending, self._typed, self.shared = None, None, True, False
+        self._unpinned.clear()
 
     @property
     def pinning(self) -> bool:
@@ -750,6 +777,7 @@ class Fingerprint:
         if self.batch is None:
             pinned = pin_batch(batch)
             self.batch = from_rank_zero(pinned) if rank_zero else pinned
+            self.shared = self.shared or rank_zero
         elif not self._typed:
             self.batch = _typed_like(self.batch, batch)
         self._typed = True
@@ -925,6 +953,24 @@ def checkpoint_trees(checkpoint: Mapping[str, Any], plugin_key: str) -> dict[str
             "plugin": plugin}
 
 
+def _without_added_weights(saved: Mapping[str, int], trees: dict[str, object]) -> tuple[dict[str, object], list[str]]:
+    """``(trees without the model weights the save did not checksum, a note naming them)``. Lightning runs the
+    LightningModule's ``on_load_checkpoint`` on the loaded dict before the plugin sees it, and a module that leaves a
+    frozen layer out of its files puts its own tensors back there (to load strictly): they are not the file's, and
+    nothing of the file's saved tensors changed. Weights the save held and the load lacks are still differences."""
+    state = trees.get("state_dict")
+    if not isinstance(state, Mapping):
+        return trees, []
+    added = [key for key, value in state.items() if type(value) in _PLAIN and f"state_dict[{key!r}]" not in saved]
+    if not added:
+        return trees, []
+    named = ", ".join(f"`state_dict[{key!r}]`" for key in added[:5]) + (f" and {len(added) - 5} more" if len(
+        added) > 5 else "")
+    return {**trees, "state_dict": {key: value for key, value in state.items() if key not in added}}, [
+        f"weights {named} were not in the saved checkpoint (put into the loaded dict by a load hook, such as the"
+        " LightningModule's on_load_checkpoint): not compared"]
+
+
 class CheckpointCheck:
     """Checks a Trainer checkpoint dict at load (``on_load_checkpoint``: before anything of it is restored but the
     model's weights) and, with ``on_mismatch="previous"``, swaps the dict's contents for the newest earlier checkpoint
@@ -948,9 +994,10 @@ class CheckpointCheck:
         saved, _ = self.fingerprint.split(checkpoint.get(self.plugin_key), call=f"{self.plugin_key}.load_state_dict")
         if saved is None:
             return
-        trees = {**checkpoint_trees(checkpoint, self.plugin_key), **(loaded or {})}
+        trees, added = _without_added_weights(saved["checksums"], {**checkpoint_trees(checkpoint, self.plugin_key),
+                                                                   **(loaded or {})})
         differences, notes = self.fingerprint.check(saved, trees, self.live())
-        if self.fingerprint.react(str(path), differences, notes):
+        if self.fingerprint.react(str(path), differences, notes + added):
             self.fall_back_(checkpoint, path, differences)  # it owes the fallback's pinned pass, under its own path
         else:
             self._loaded(checkpoint, path)

@@ -53,8 +53,6 @@ class TrainerPrecision(StableFrontEnd):
         wrapper = getattr(getattr(trainer, "strategy", None), "model", None)
         return wrapper if isinstance(wrapper, nn.parallel.DistributedDataParallel) else None
 
-    _pinned_across_ranks = False  # several processes: the one collective pin was made
-
     def convert_input(self, data: Any) -> Any:
         if self.fingerprint.pinning and getattr(trainer := self._trainer(), "training", False):
             # The first training batch, as loaded: the fingerprint's pinned micro-batch. On several ranks rank 0's
@@ -63,8 +61,7 @@ class TrainerPrecision(StableFrontEnd):
             # After a load the checkpoint's rows stay, retyped as this batch (its namedtuples): no broadcast.
             if getattr(trainer, "world_size", 1) < 2 or self.fingerprint.batch is not None:
                 self.fingerprint.pin(data)
-            elif not self._pinned_across_ranks:
-                self._pinned_across_ranks = True
+            elif not self.fingerprint.shared:
                 self.fingerprint.pin(data, rank_zero=True)
         data = self.stepper.convert_input(data)
         if self.stepper.fp8_budget.pending:
@@ -81,6 +78,9 @@ class TrainerPrecision(StableFrontEnd):
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         module = lightning_module(model, self._pl)
+        self._fingerprint_saves(getattr(module, "_trainer", None))
+        if self._fitting():  # before a resume's state loads: a plugin reused for another fit pins that fit's rows
+            self.fingerprint.start_run()
         self._check_finetuning(module)
         self.stepper.setup_optimizers(module, optimizers, [config.scheduler for config in lr_schedulers])
         # The strategy has wrapped the model (DDP broadcast the first rank's weights): the masters, compensation and
@@ -215,9 +215,19 @@ class TrainerPrecision(StableFrontEnd):
         # Lightning loads checkpoints with a callable map_location, which torch.load refuses for tensor subclasses:
         # torchao's 8-bit/4-bit/FP8 optimizer states go in flat (plain tensors) and are rebuilt on load.
         flatten_optimizer_states_(checkpoint.get("optimizer_states", []))
-        if type(self).__qualname__ in checkpoint:  # the numeric fingerprint, of the tensors as written
+
+    def _fingerprint_(self, checkpoint: dict[str, Any]) -> None:
+        """The numeric fingerprint of ``checkpoint`` as it goes to the file (:class:`_FingerprintedDump`)."""
+        if type(self).__qualname__ in checkpoint:
             checkpoint[type(self).__qualname__][FINGERPRINT] = self.fingerprint.capture(
                 checkpoint_trees(checkpoint, type(self).__qualname__), self.stepper.manifest(), self._pinned_pass())
+
+    def _fingerprint_saves(self, trainer: Any | None) -> None:
+        """Have ``trainer``'s checkpoints fingerprinted once every ``on_save_checkpoint`` hook edited them (once a
+        Trainer)."""
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        if connector is not None and not isinstance(connector.__dict__.get("dump_checkpoint"), _FingerprintedDump):
+            connector.dump_checkpoint = _FingerprintedDump(connector, self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before load_state_dict. A checkpoint of Lightning's own "16-mixed" keeps GradScaler state under
@@ -249,19 +259,52 @@ class TrainerPrecision(StableFrontEnd):
         weights, self._loaded_weights = getattr(self, "_loaded_weights", None), None
         with recast_from(self.stepper.layout.module, weights):
             super().load_state_dict(state_dict)
-        state = getattr(self._trainer(), "state", None)
-        if getattr(getattr(state, "fn", None), "value", "fit") != "fit":
+        if not self._fitting():
             # validate/test/predict run on the checkpoint's 16-bit weights: its masters (or compensation), waiting for
             # optimizers no evaluation binds, must not reach a later fit of another model on this Trainer.
             self.stepper.forget_pending_weights_()
 
+    def _fitting(self) -> bool:
+        """Whether the Trainer runs ``fit`` (or none is attached: a direct call)."""
+        state = getattr(self._trainer(), "state", None)
+        return getattr(getattr(state, "fn", None), "value", "fit") == "fit"
+
     # ------------------------------------------------------------------------------------- the fingerprint
     def _check_fingerprint(self, fingerprint: dict[str, Any] | None, state: dict[str, Any], *, loaded: bool) -> None:
-        # Checksums and manifest were checked in on_load_checkpoint; the pinned pass once the plugin's state is in.
-        if loaded and (loss := self._pinned_pass()) is not None:
+        # Checksums and manifest were checked in on_load_checkpoint; the pinned pass once the plugin's state is in. Not
+        # under manual optimization (no pass to recompute), nor in validate/test/predict: the pass measures a training
+        # step, which evaluation never runs (its training_step may read self.optimizers(), which it has not).
+        if not loaded:
+            return
+        loss = self._pinned_pass() if self._fitting() else None
+        if loss is None:
+            self.fingerprint.pending = None  # checksums and manifest only
+            return
+        pending = self.fingerprint.pending
+        with self._step_and_epoch_of(pending["checkpoint"] if pending is not None else {}):
             self._checkpoint_check().verify_pinned_(loss, self.load_state_dict)
-        elif loaded:
-            self.fingerprint.pending = None  # no pass to recompute (manual optimization): checksums and manifest only
+
+    @contextmanager
+    def _step_and_epoch_of(self, checkpoint: dict[str, Any]) -> Generator[None, None, None]:
+        """Within the block the Trainer's ``global_step`` and ``current_epoch`` are ``checkpoint``'s, as at its save (a
+        ``training_step`` may weigh its loss by them); afterwards the fit loop's counters are what they were. Lightning
+        restores the plugin's state before the loops (at a resume, from step 0; in ``ScaleCheckpoint``'s restored-state
+        rung, mid-fit, which takes only some counters from the file afterwards), so the load's pinned pass would run
+        at another step than the save's."""
+        trainer = self._trainer()
+        saved = ((checkpoint.get("loops") or {}).get("fit_loop") or {}) if trainer is not None else {}
+        counters = {} if not saved else {
+            "epoch_progress": trainer.fit_loop.epoch_progress,
+            "epoch_loop.automatic_optimization.optim_progress":
+                trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress}
+        live = {key: counter.state_dict() for key, counter in counters.items() if key in saved}
+        for key in live:
+            counters[key].load_state_dict(saved[key])
+        try:
+            yield
+        finally:
+            for key, state in live.items():
+                counters[key].load_state_dict(state)
 
     def _pinned_pass(self) -> Callable[[Any], torch.Tensor] | None:
         """The pinned micro-batch's measurement: ``training_step``'s loss, or ``None`` under manual optimization,
@@ -300,6 +343,23 @@ class TrainerPrecision(StableFrontEnd):
             self._loaded_weights = checkpoint.get("state_dict")
 
         return CheckpointCheck(self.fingerprint, type(self).__qualname__, self.stepper.manifest, reload)
+
+
+class _FingerprintedDump:
+    """A Trainer's ``dump_checkpoint`` that adds the plugin's numeric fingerprint to the dict it returns. Lightning
+    calls the plugin's ``on_save_checkpoint`` first, then the callbacks' and the LightningModule's, which may rewrite
+    the dict (``EMAWeightAveraging`` puts the averaged weights in ``state_dict``; a fine-tuning module leaves its
+    frozen layers out): the checksums must describe the tensors the file gets. Every strategy writes (or shards) the
+    dict this returns, on every rank; a ``CheckpointIO`` is called on rank zero only and not by the sharded
+    strategies. A class, not a closure: the Trainer pickles (``ddp_spawn``)."""
+
+    def __init__(self, connector: Any, plugin: TrainerPrecision) -> None:
+        self.connector, self.plugin = connector, plugin
+
+    def __call__(self, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = type(self.connector).dump_checkpoint(self.connector, weights_only)
+        self.plugin._fingerprint_(checkpoint)
+        return checkpoint
 
 
 def _training_step_loss(net: Any, data: Any) -> torch.Tensor:

@@ -753,3 +753,36 @@ def test_a_manual_optimization_fit_saves_and_resumes_with_checksums_and_no_pinne
     _corrupt(path, lambda c: c["state_dict"]["model.fc1.weight"].mul_(2))
     with pytest.raises(FingerprintMismatch, match=r"state_dict\['model.fc1.weight'\]"):
         fit(StablePrecision("bf16-mixed"), 4, ckpt_path=path)
+
+
+class _Accumulates(nn.Module):
+    """State a metric keeps outside buffers: a tensor attribute summed in place, one rebound, a private counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.total, self.last = torch.zeros(()), torch.zeros(())
+        self._updates = 0
+        self._cached: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        self.total += out.detach().sum()
+        self.last = out.detach().sum()
+        self._updates += 1
+        self._cached = out.detach()
+        return out
+
+
+def test_the_pinned_pass_puts_back_tensor_attributes_and_private_counters() -> None:
+    """A torchmetrics Metric's states are plain tensor attributes (and its counters private): a pass through the
+    training step updated them at every save (train metrics changed by checkpointing)."""
+    from contextlib import nullcontext
+
+    from lit_mpstable.core.fingerprint import pinned_pass
+
+    module = _Accumulates()
+    total = module.total
+    pinned_pass(module, lambda net, x: net(x).pow(2).sum(), torch.randn(3, 4), forward_context=nullcontext)
+    assert module.total is total and float(total) == 0.0  # before: the pass's sum
+    assert float(module.last) == 0.0 and module._updates == 0 and module._cached is None
