@@ -344,8 +344,11 @@ def manifest(layout: Any, *, precision: str, master_weights: str | None, optimiz
         layer = module.get_submodule(name) if module is not None else None
         # A layer's own recipe where it has one (a per-layer map, a Recipe object: its name and all its fields).
         recipe = layer.fp8_config.recipe if isinstance(layer, FP8Linear) else getattr(config, "recipe", None)
+        layer_config = layer.fp8_config if isinstance(layer, FP8Linear) else (
+            config.for_layer(name) if config is not None else None)
         entry: dict[str, Any] = {"recipe": str(getattr(recipe, "name", recipe)), "recipe_fields": str(recipe),
-                                 "format": fields["format"] if fields else None}
+                                 "format": fields["format"] if fields else None,
+                                 "per_tensor": layer_config is None or layer_config.spec.per_tensor}
         if isinstance(layer, FP8Linear):
             entry["sr_key"] = getattr(layer, "sr_seed", None)
             signs = getattr(layer, "rht_signs", None)
@@ -371,8 +374,9 @@ _BASE = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "16-true
 def _layer_format(entry: Mapping[str, Any] | None, base: str) -> str:
     if entry is None:
         return base
-    return str(entry["recipe"]) if entry["recipe"] in ("mxfp4", "nvfp4", "mxfp8", "blockwise") else (
-        f"fp8 {entry['recipe']} ({entry['format']})")
+    # A manifest written before "per_tensor" was recorded: only the built-in block recipes' names say it.
+    per_tensor = entry.get("per_tensor", entry["recipe"] not in ("mxfp4", "nvfp4", "mxfp8", "blockwise"))
+    return f"fp8 {entry['recipe']} ({entry['format']})" if per_tensor else str(entry["recipe"])
 
 
 def _fallen(manifest: Mapping[str, Any], name: str) -> bool:

@@ -786,3 +786,16 @@ def test_the_pinned_pass_puts_back_tensor_attributes_and_private_counters() -> N
     pinned_pass(module, lambda net, x: net(x).pow(2).sum(), torch.randn(3, 4), forward_context=nullcontext)
     assert module.total is total and float(total) == 0.0  # before: the pass's sum
     assert float(module.last) == 0.0 and module._updates == 0 and module._cached is None
+
+
+def test_a_custom_block_recipe_is_named_as_itself_in_the_manifest_difference(tmp_path) -> None:
+    # The description once tested the recipe's name against the built-in block recipes: a custom NVFP4 recipe read
+    # "fp8 nv2 (hybrid)", a per-tensor FP8 recipe it is not.
+    from trainer_pkg import StablePrecision
+
+    from lit_mpstable.fp8 import FP8Config, recipe
+
+    _fit(StablePrecision("bf16-mixed", fp8="nvfp4"), 2, tmp_path)
+    custom = FP8Config(recipe=recipe("nvfp4", name="nv2", stochastic_rounding=()))
+    with pytest.raises(FingerprintMismatch, match=r"trained `model.fc2` in nvfp4, this run has it in nv2\b"):
+        _fit(StablePrecision("bf16-mixed", fp8=custom), 3, ckpt_path=_checkpoints(tmp_path)[-1])
