@@ -493,9 +493,10 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
     """The loss and gradient norm of ``batch``: ``tensor([loss, grad_norm])`` (float64, on the module's device).
     ``batch`` is as the data loader gave it; ``dtype``: what a ``*-true`` run casts its floating inputs to now.
 
-    One forward and backward in the run's precision (``forward_context``), the module in eval mode, the RNG forked and
-    seeded (:data:`PIN_SEED`); gradients through ``torch.autograd.grad``, so ``.grad`` is untouched (FSDP2's sharded
-    parameters: :func:`_sharded_grads`, and the norm over every rank: collective). Afterwards every buffer (BatchNorm
+    One forward and backward in the run's precision (``forward_context``), with gradients whatever the caller's grad
+    mode (a save from the validation loop), the module in eval mode, the RNG forked and seeded (:data:`PIN_SEED`);
+    gradients through ``torch.autograd.grad``, so ``.grad`` is untouched (FSDP2's sharded parameters:
+    :func:`_sharded_grads`, and the norm over every rank: collective). Afterwards every buffer (BatchNorm
     statistics, FP8 amax histories, stochastic-rounding counters), every tensor attribute of the modules (a
     torchmetrics ``Metric``'s states), every attribute holding a number or None (its private ``_update_count`` and
     ``_computed``) and every public one holding a list, dict or set is restored, the objects themselves and their
@@ -514,12 +515,15 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
         torch.manual_seed(PIN_SEED)
         module.eval()
         try:
-            with forward_context():
-                loss = loss_fn(module, to_device(batch, device, dtype))
-            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-                raise RuntimeError("the pinned micro-batch's loss is not a differentiable tensor")
-            grads = _sharded_grads(loss, params, module) if _is_sharded(params) else torch.autograd.grad(
-                loss, params, allow_unused=True)
+            # A save from the validation loop (ModelCheckpoint at a mid-epoch validation's end) runs under no_grad or
+            # inference_mode: the pass is a training step's, with its graph.
+            with torch.inference_mode(False), torch.enable_grad():
+                with forward_context():
+                    loss = loss_fn(module, to_device(batch, device, dtype))
+                if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                    raise RuntimeError("the pinned micro-batch's loss is not a differentiable tensor")
+                grads = _sharded_grads(loss, params, module) if _is_sharded(params) else torch.autograd.grad(
+                    loss, params, allow_unused=True)
         finally:
             module.train(training)
             with torch.no_grad():

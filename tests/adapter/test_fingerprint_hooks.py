@@ -4,6 +4,7 @@ one plugin reused for a second Trainer."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +229,34 @@ def test_a_mid_fit_load_runs_the_pinned_pass_at_the_files_step(tmp_path) -> None
     assert _actions(plugin) == ["passed"] * 2
     # The file's step is taken by the rung itself; the pass leaves the loop's epoch and batch position as they were.
     assert loads.seen == (2, 1, True)
+
+
+# ------------------------------------------------------------------ a checkpoint saved from the validation loop
+class Validated(Net):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.model(x).float(), y))
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self.train_dataloader()
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_a_checkpoint_saved_after_mid_epoch_validation_carries_the_pinned_loss(inference_mode: bool,
+                                                                               tmp_path: Path) -> None:
+    # ModelCheckpoint saves in on_validation_end when validation runs within the epoch, under no_grad or
+    # inference_mode: the pinned pass had no graph there and the file went without its pinned loss.
+    saving = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)
+    trainer = make_trainer(StablePrecision("bf16-mixed"), max_steps=4, enable_checkpointing=True, callbacks=[saving],
+                           val_check_interval=2, inference_mode=inference_mode)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no pinned loss")
+        trainer.fit(Validated())
+    paths = sorted(tmp_path.glob("*.ckpt"))
+    assert len(paths) == 2
+    for path in paths:
+        pinned = torch.load(path, weights_only=True)["StablePrecision"][KEY]["pinned"]
+        assert pinned and torch.isfinite(torch.tensor(pinned["loss"])), pinned
+    plugin = StablePrecision("bf16-mixed")
+    make_trainer(plugin, max_steps=6, val_check_interval=2).fit(Validated(), ckpt_path=paths[-1])
+    assert _actions(plugin) == ["passed", "passed"]  # checksums and manifest, then the pinned pass
