@@ -208,11 +208,13 @@ class _SkipsWindowEnds(_Exact):
         pass
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
-def test_a_none_that_ends_an_accumulation_window_steps_on_its_gradients_as_lightning_does(precision: str) -> None:
+@pytest.mark.parametrize("precision, clip", [("32-true", None), ("bf16-mixed", None), ("16-mixed", None),
+                                             ("32-true", 1e-3), ("bf16-mixed", 1e-3), ("16-mixed", 1e-3)])
+def test_a_none_that_ends_an_accumulation_window_steps_on_its_gradients_as_lightning_does(precision: str,
+                                                                                          clip: float | None) -> None:
     """Lightning steps the optimizer after a None from a window's last micro-batch, on the gradients the earlier ones
-    accumulated; its 16-mixed drops them (GradScaler's step is skipped). The same weights after every batch, and the
-    same schedule."""
+    accumulated, clipped as any step's (``gradient_clip_val``); its 16-mixed drops them (GradScaler's step is
+    skipped). The same weights after every batch, and the same schedule."""
 
     def fit(plugin=None, **kwargs):
         module, weights = _SkipsWindowEnds(), []
@@ -221,7 +223,8 @@ def test_a_none_that_ends_an_accumulation_window_steps_on_its_gradients_as_light
             def on_train_batch_end(self, trainer, pl_module, *args) -> None:
                 weights.append(pl_module.model.fc2.weight.detach().clone())
 
-        trainer = make_trainer(plugin, max_steps=4, accumulate_grad_batches=2, callbacks=[Record()], **kwargs)
+        trainer = make_trainer(plugin, max_steps=4, accumulate_grad_batches=2, callbacks=[Record()],
+                               gradient_clip_val=clip, **kwargs)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(module)
