@@ -195,7 +195,10 @@ class AMPPreflight(PluginCallback):
         try:
             if forward is None:
                 raise TypeError(how)
-            reference, low = self._forwards(pl_module, plugin, batch, forward)
+            # Eagerly: a compiled model would compile a graph for each forward of the check (FP32, the copy) that
+            # training never runs again.
+            with torch.compiler.set_stance("force_eager"):
+                reference, low = self._forwards(pl_module, plugin, batch, forward)
             result = compare_outputs(reference, low, atol=atol, rtol=rtol)
         except Exception as error:  # a failed check must not stop training: say why and go on
             rank_zero_warn(f"AMPPreflight skipped: the check on the first batch ({how}) failed ({error!r}); pass"

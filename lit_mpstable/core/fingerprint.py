@@ -516,8 +516,10 @@ def pinned_pass(module: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Ten
         module.eval()
         try:
             # A save from the validation loop (ModelCheckpoint at a mid-epoch validation's end) runs under no_grad or
-            # inference_mode: the pass is a training step's, with its graph.
-            with torch.inference_mode(False), torch.enable_grad():
+            # inference_mode: the pass is a training step's, with its graph. Eagerly: on a compiled model its rows and
+            # eval mode would compile a graph of their own, and the rows' batch size would make Dynamo compile the
+            # training graph again, dynamic in the batch.
+            with torch.inference_mode(False), torch.enable_grad(), torch.compiler.set_stance("force_eager"):
                 with forward_context():
                     loss = loss_fn(module, to_device(batch, device, dtype))
                 if not isinstance(loss, torch.Tensor) or not loss.requires_grad:

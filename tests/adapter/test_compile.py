@@ -381,6 +381,31 @@ def test_lightning_rollback_and_resume_on_a_compiled_module(tmp_path) -> None:
     assert losses == pytest.approx(eager_losses, rel=TOL["fp16"])
 
 
+def test_checkpoints_the_preflight_and_the_probe_add_no_graph_to_a_compiled_module(tmp_path) -> None:
+    # The fingerprint's pinned pass (4 rows, eval mode), AMPPreflight's FP32 forward and PrecisionProbe's recomputes
+    # measure the model; compiled, each added graphs, and the pinned rows' batch size made Dynamo compile the training
+    # graph again, dynamic in the batch. They run eagerly: the same graphs and losses as a run that measures nothing.
+    from lit_mpstable.callbacks import AMPPreflight, PrecisionProbe
+
+    def run(saving: bool) -> tuple[int, list[float]]:
+        log = LossLog()
+        with counting() as backend, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            module = CompiledNet(backend)
+            g = torch.Generator().manual_seed(1)
+            module.data = [(torch.randn(8, 16, 16, generator=g), torch.randn(8, 16, 16, generator=g)) for _ in range(6)]
+            saves = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+            extra = [AMPPreflight(), PrecisionProbe(every_n_steps=2), saves] if saving else []
+            make_trainer(StablePrecision("bf16-mixed"), max_steps=6, callbacks=[log, *extra],
+                         enable_checkpointing=saving).fit(torch.compile(module, backend=backend))
+            return backend.frame_count, log.losses
+
+    (graphs, losses), (clean_graphs, clean_losses) = run(saving=True), run(saving=False)
+    assert len(list(tmp_path.glob("*.ckpt"))) == 3
+    assert graphs == clean_graphs and losses == clean_losses
+
+
 def test_lightning_op_policy_auto_logs_its_decision_once_on_a_compiled_module(monkeypatch, caplog) -> None:
     monkeypatch.setattr(policy_module, "measure_calls", measure_attention_fp32)
     plugin = StablePrecision("bf16-mixed", op_policy="auto")

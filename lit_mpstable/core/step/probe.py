@@ -91,7 +91,8 @@ def measure(
     present = dict(module.named_modules()) if layout.fp8_layers else {}
     fp8_layers = [name for name in layout.fp8_layers if name in present]
     mastered = set(keeper.fp32_weights()) if keeper.exposes_grads else set()  # the gradients go into the masters
-    with _forked_rng(where):
+    # Eagerly: on a compiled model the FP32 copy and the probe's recomputes would each compile graphs of their own.
+    with _forked_rng(where), torch.compiler.set_stance("force_eager"):
         reference = _fp32_grads(module, loss_fn, batch, names, start, where, keeper, layout.islands)
         if recompute:
             run = _run_grads(module, loss_fn, batch, names, start, loss_scale, layout=layout,
