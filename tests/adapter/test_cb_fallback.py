@@ -246,3 +246,45 @@ def test_the_nonfinite_loss_check_reads_the_loss_late_and_asks_the_batch_only_af
     assert step((torch.tensor(float("-inf")), clean))[0] is True
     assert step((torch.tensor(1.0), clean))[0] is True
     assert fallback.state_dict()["previous_nonfinite"] is False
+
+
+def test_module_mode_on_a_tied_head_moves_it_with_its_embedding_and_training_recovers() -> None:
+    # 16-true, GPT-2's tie: the head computes x * 1e5 / 1e5 (inf in FP16, harmless in FP32). The module fallback must
+    # take the embedding sharing its weight along; before, the next forward died of a dtype error.
+    from torch import nn
+
+    class AmplifyingHead(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x * 1e5) / 1e5
+
+    class TiedLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.ModuleDict({"emb": nn.Embedding(32, 16), "body": nn.Linear(16, 16),
+                                        "head": AmplifyingHead(16, 32, bias=False)})
+            self.model.head.weight = self.model.emb.weight
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            logits = self.model.head(self.model.body(self.model.emb(x)))
+            return nn.functional.cross_entropy(logits.float().reshape(-1, 32), y.reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            tokens = torch.randint(0, 32, (16, 7), generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]),
+                                               batch_size=4)
+
+    plugin = StablePrecision("16-true")
+    fallback = PrecisionFallback(patience=2, mode="module")
+    recorder = Recorder()
+    module = TiedLM()
+    with quiet():
+        make_trainer(plugin, max_steps=5, callbacks=[BlameFirstNonfinite(), fallback, recorder]).fit(module)
+    (decision,) = fallback.decisions
+    assert decision["modules"] == ["model.head"] and "with ['model.emb']" in decision["effect"]
+    assert sorted(plugin.islands.names) == ["model.emb", "model.head"] and plugin.compute_dtype == torch.float16
+    assert recorder.skipped == [True, True, False, False, False]  # recovered from the step after the fallback
+    assert module.model.head.weight is module.model.emb.weight and module.model.emb.weight.dtype == torch.float32

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from lit_mpstable.core.layout.islands import FP32Islands
+from lit_mpstable.core.layout.islands import FP32Islands, tied_modules
 
 Pair = namedtuple("Pair", "a b")
 
@@ -65,3 +65,14 @@ def test_a_deep_copy_of_the_model_has_its_own_islands() -> None:
     assert root(x).dtype == torch.bfloat16 and twin(x).dtype == torch.float32
     expected = nn.functional.linear(x, twin[0].weight, twin[0].bias)
     assert torch.equal(twin(x), expected) and not torch.equal(root(x).float(), expected)
+
+
+def test_tied_modules_follow_a_chain_of_shared_parameters_and_name_the_root() -> None:
+    # a and b share a weight, b and c a bias: an island on a takes b, and through b c (a parameter has one dtype).
+    root = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4), "c": nn.Linear(4, 4), "d": nn.Linear(4, 4)})
+    root["b"].weight = root["a"].weight
+    root["c"].bias = root["b"].bias
+    assert tied_modules(root, {"a": root["a"]}) == {"b": "a.weight", "c": "b.bias"}
+    assert tied_modules(root, {"d": root["d"]}) == {}
+    root.table = root["d"].weight  # the root itself holds it too
+    assert tied_modules(root, {"d": root["d"]}) == {"": "d.weight"}

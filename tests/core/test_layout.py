@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from fp8_stand_ins import install_transformer_engine
@@ -239,3 +241,102 @@ def test_keep_high_precision_before_attach_raises_runtime_error_naming_the_order
     layout = PrecisionLayout(torch.bfloat16, cast_parameters=False, fp8=FP8Config(recipe="delayed"))
     with pytest.raises(RuntimeError, match=r"keep_high_precision_\(\['0'\]\) before attach\(module\)"):
         layout.keep_high_precision_(["0"])
+
+
+# ------------------------------------------------------------------------------------------------- tied weights
+class _TiedLM(nn.Module):
+    """GPT-2's tie: the head's weight is the embedding's ``Parameter``, one tensor in two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(tokens)))
+
+
+@pytest.mark.parametrize("island, other", [("head", "emb"), ("emb", "head")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_island_on_a_tied_weight_takes_the_modules_sharing_it_along(island, other, dtype) -> None:
+    # A parameter has one dtype: with the island's weight FP32, the other user of it must run as an island too, or
+    # its forward meets an FP32 weight with 16-bit inputs (the embedding emits FP32 into the 16-bit body).
+    model = _TiedLM()
+    layout = PrecisionLayout(dtype, cast_parameters=True, fp32_modules=[island])
+    with pytest.warns(UserWarning, match=rf"\['{island}'\] takes '{other}' \(holds '{island}\.weight'\) into FP32 too"):
+        layout.attach(model, "cpu")
+    assert sorted(layout.islands.names) == ["emb", "head"] and model.head.weight is model.emb.weight
+    assert model.emb.weight.dtype == torch.float32 and model.body.weight.dtype == dtype
+    assert model(torch.tensor([[1, 2, 3]])).dtype == dtype  # the islands' outputs go back down
+
+
+def test_a_module_fallback_on_a_tied_weight_moves_the_modules_sharing_it_and_restores_them() -> None:
+    model = _TiedLM()
+    layout = PrecisionLayout(torch.bfloat16, cast_parameters=True)
+    layout.attach(model, "cpu")
+    action = layout.fallback(["head"])
+    assert action == "['head'] now run in FP32, with ['emb'] (they share 'head.weight', and a parameter has one dtype)"
+    assert sorted(layout.islands.names) == ["emb", "head"] and layout.fp32_modules == ["head"]
+    model(torch.tensor([[1, 2, 3]])).float().sum().backward()
+    layout.restore()
+    assert layout.islands.names == [] and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+class _RootTied(nn.Module):
+    """The root holds the head's weight itself (an embedding table read with ``F.embedding``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 32, bias=False)
+        self.table = self.head.weight
+        self.body = nn.Linear(16, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(nn.functional.embedding(tokens, self.table)))
+
+
+def test_a_weight_tied_to_the_root_refuses_the_island_and_the_module_fallback_climbs_globally() -> None:
+    # The root cannot be an island (its caller's code runs outside it): at setup that is an error naming the tie and
+    # what works; mid-run the fallback takes the ladder's next rung instead of crashing the next forward.
+    layout = PrecisionLayout(torch.bfloat16, cast_parameters=True, fp32_modules=["head"])
+    with pytest.raises(ValueError, match=r"\['head'\]: 'head\.weight' is a parameter of the root module _RootTied"
+                                         r" too.*'\*-mixed' precision.*untie"):
+        layout.validate(_RootTied())
+    PrecisionLayout(torch.bfloat16, cast_parameters=False, fp32_modules=["head"]).validate(_RootTied())  # mixed
+    model = _RootTied()
+    layout = PrecisionLayout(torch.bfloat16, cast_parameters=True)
+    layout.attach(model, "cpu")
+    action = layout.fallback(["head"])
+    assert action.startswith("the whole model now computes in FP32 (['head'] cannot run in FP32 alone: 'head.weight'")
+    assert layout.fp32_modules == [] and layout.compute_dtype == torch.float32
+    assert model(torch.tensor([[1, 2, 3]])).dtype == torch.float32
+
+
+@pytest.mark.parametrize("master_weights", [True, "kahan", "stochastic", False])
+@pytest.mark.parametrize("when", ["setup", "fallback"])
+def test_a_tied_head_trains_as_an_island_in_every_weight_mode(master_weights, when) -> None:
+    from lit_mpstable.core.step.stepper import PrecisionStepper
+
+    torch.manual_seed(0)
+    model = _TiedLM()
+    stepper = PrecisionStepper("bf16-true", master_weights=master_weights, device="cpu",
+                               fp32_modules=["head"] if when == "setup" else ())
+    with pytest.warns(UserWarning, match="into FP32 too") if when == "setup" else contextlib.nullcontext():
+        stepper.setup_module(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepper.setup_optimizers(model, [opt])
+    tokens = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(0))
+    before = model.emb.weight.detach().clone()
+    for step in range(3):
+        with stepper.forward_context():
+            logits = model(stepper.convert_input(tokens[:, :-1])).float()
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+        stepper.scale_loss(loss).backward()
+        stepper.step(opt)
+        opt.zero_grad()
+        if step == 0 and when == "fallback":
+            stepper.fallback(["head"])
+    assert model.head.weight is model.emb.weight and model.emb.weight.dtype == torch.float32
+    assert stepper.skipped_steps == 0 and not torch.equal(model.emb.weight, before.float())

@@ -40,6 +40,31 @@ def match_modules(root: nn.Module, specs: Iterable[type[nn.Module] | str]) -> di
     return matched
 
 
+def tied_modules(root: nn.Module, islands: dict[str, nn.Module]) -> dict[str, str]:
+    """The modules of ``root`` outside ``islands`` that hold one of their parameters too (a tied weight: GPT-2's head
+    is its embedding's ``Parameter``), and those sharing with them in turn, each with the qualified name of the
+    parameter it shares; the root module is named ``""``.
+
+    A parameter has one dtype: where islands hold theirs in FP32 and the rest of the model in 16 bits, such a module
+    would meet an FP32 weight with 16-bit inputs (or emit FP32 into 16-bit layers), so it runs as an island too.
+    """
+    shared = {id(p): name for island, module in islands.items() for name, p in module.named_parameters(prefix=island)}
+    inside = {id(m) for module in islands.values() for m in module.modules()}
+    tied: dict[str, str] = {}
+    grown = True
+    while grown:  # a module taken along may share another of its parameters further
+        grown = False
+        for name, module in root.named_modules():
+            held = [shared[id(p)] for p in module.parameters(recurse=False) if id(p) in shared]
+            if id(module) in inside or not held:
+                continue
+            tied[name], grown = held[0], True
+            inside.update(id(m) for m in module.modules())
+            shared.update({id(p): qualified for qualified, p in module.named_parameters(prefix=name)
+                           if id(p) not in shared})
+    return tied
+
+
 def _checked(specs: Iterable[Any]) -> list[type[nn.Module] | str]:
     specs = [specs] if isinstance(specs, (str, type)) else list(specs)
     for spec in specs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, ContextManager
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_mpstable.base.validate import check_keys
-from lit_mpstable.core.layout.islands import FP32Islands, match_modules
+from lit_mpstable.core.layout.islands import FP32Islands, match_modules, tied_modules
 from lit_mpstable.fp8 import FP8Config, convert_from_fp8, fp8_backend
 from lit_mpstable.fp8.budget import keep_high_precision_
 from lit_mpstable.fp8.swap import no_fp8_layers_message, select_fp8_modules
@@ -24,9 +25,11 @@ class PrecisionLayout:
 
     The ladder a global fallback climbs, one rung per call: FP8 layers back to the base precision, then the whole
     model to FP32 (FP8 included). A module fallback takes the named modules one rung up: an FP8 layer back to the
-    base precision, any other module into an FP32 island. Parameters are cast in place (``param.data``) and FP8
-    layers of every backend share the ``Parameter`` objects of the layers they replace, so optimizers and master
-    weights stay bound through every fallback and restore.
+    base precision, any other module into an FP32 island. Where parameters are cast (``*-true``), an island takes
+    along every module sharing a parameter with it (a tied embedding and head: one ``Parameter`` has one dtype), and
+    a module whose parameter the root module holds too climbs the global ladder instead. Parameters are cast in
+    place (``param.data``) and FP8 layers of every backend share the ``Parameter`` objects of the layers they
+    replace, so optimizers and master weights stay bound through every fallback and restore.
 
     FP8 goes through the backend seam only (:class:`~lit_mpstable.fp8.FP8Backend`, built here, so a backend refuses
     what it cannot do when the plugin is constructed). The layers to run in FP8 are selected once per model, on the
@@ -123,14 +126,30 @@ class PrecisionLayout:
             self.fp8_backend.sync_(self.module, self._fp8_layers, group)
 
     def validate(self, module: nn.Module) -> None:
-        """Check the user's islands and the FP8 filter against ``module`` without changing it.
+        """Check the user's islands and the FP8 filter against ``module`` without changing it; warns about the
+        modules an island takes along because they share a parameter with it (``*-true`` only).
 
         Raises:
-            ValueError: an island pattern or FP8 filter entry matches nothing, or ``fp8`` is set and no layer of
+            ValueError: an island pattern or FP8 filter entry matches nothing, an island shares a parameter with the
+                root module in a ``*-true`` mode (the root cannot be an island), or ``fp8`` is set and no layer of
                 ``module`` is eligible (FP8 would silently do nothing).
         """
         if self._user_islands:
-            match_modules(module, self._user_islands)
+            islands = match_modules(module, self._user_islands)
+            tied = tied_modules(module, islands) if self.cast_parameters else {}
+            call, dtype = f"fp32_modules={list(self._user_islands)!r}", str(self.dtype).removeprefix("torch.")
+            if "" in tied:
+                raise ValueError(
+                    f"{call}: {tied['']!r} is a parameter of the root module {type(module).__name__} too, and a"
+                    f" parameter has one dtype: with the island's FP32 the root's own use of it meets {dtype}"
+                    " activations, and the root cannot be an island (its caller's code runs outside it). Use a"
+                    " '*-mixed' precision (parameters stay FP32 there, islands share them freely), or untie the"
+                    " parameter.")
+            if tied:
+                together = ", ".join(f"{name!r} (holds {param!r})" for name, param in tied.items())
+                warnings.warn(f"{call} takes {together} into FP32 too: a parameter has one dtype, and the island"
+                              f" holds it in FP32. List them in fp32_modules to say so, or untie the weights to keep"
+                              f" them in {dtype}.", stacklevel=2)
         if self.fp8 is not None and not select_fp8_modules(module, self.fp8):
             raise ValueError(no_fp8_layers_message(module, self.fp8))
 
@@ -158,9 +177,10 @@ class PrecisionLayout:
 
     def _apply_layout(self) -> None:
         assert self.module is not None
-        # The islands in force are derived, never edited: the user's specs plus the modules moved by fallbacks.
+        # The islands in force are derived, never edited: the user's specs plus the modules moved by fallbacks, and
+        # the modules sharing their parameters.
         self.islands.detach()
-        self.islands = FP32Islands([*self._user_islands, *self.fp32_modules])
+        self.islands = FP32Islands(self._island_specs())
         dtype = self.compute_dtype
         if self.cast_parameters:
             islands = match_modules(self.module, self.islands.specs) if self.islands.specs else {}
@@ -214,10 +234,20 @@ class PrecisionLayout:
             fp8_layers = set(self.fp8_layers)
             out_of_fp8 = [name for name in modules if name in fp8_layers and name not in self.fp8_removed]
             islands = [name for name in modules if name not in fp8_layers and name not in self.fp32_modules]
+            tied_before = self._tied()
             self.fp8_removed.extend(out_of_fp8)
             self.fp32_modules.extend(islands)
+            tied = {name: param for name, param in self._tied().items() if name not in tied_before}
+            if "" in tied:
+                # The root cannot be an island (its caller's code runs outside it): the ladder's next rung instead.
+                self._set_fallbacks(saved)
+                return (f"{self.fallback(None)} ({islands} cannot run in FP32 alone: {tied['']!r} is a parameter of"
+                        " the root module too, and a parameter has one dtype)")
             parts = [f"{out_of_fp8} left FP8"] if out_of_fp8 else []
-            parts += [f"{islands} now run in FP32"] if islands else []
+            if islands:
+                together = (f", with {list(tied)} (they share {', '.join(map(repr, tied.values()))}, and a parameter"
+                            " has one dtype)") if tied else ""
+                parts.append(f"{islands} now run in FP32{together}")
             action = "; ".join(parts) or "nothing new to move"
         self._apply_or_refuse(saved, f"fallback({modules!r})")
         return action
@@ -247,11 +277,25 @@ class PrecisionLayout:
         return [name for name, param in self.module.named_parameters()
                 if id(param) in now and now[id(param)][1] != configured[id(param)][1] == self.dtype]
 
+    def _island_specs(self, fallbacks: bool = True) -> list[type[nn.Module] | str]:
+        """The FP32 islands the fallbacks now set (``fallbacks=False``: none) make: the user's, the modules moved, and
+        where parameters are cast, the modules sharing a parameter with them (the root never: refused before)."""
+        specs = [*self._user_islands, *(self.fp32_modules if fallbacks else [])]
+        return [*specs, *self._tied(specs)]
+
+    def _tied(self, specs: list[type[nn.Module] | str] | None = None) -> dict[str, str]:
+        """:func:`tied_modules` of the islands ``specs`` (default: those in force) where parameters are cast."""
+        assert self.module is not None  # islands are matched in an attached model
+        specs = [*self._user_islands, *self.fp32_modules] if specs is None else specs
+        if not self.cast_parameters or not specs:
+            return {}
+        return tied_modules(self.module, match_modules(self.module, specs))
+
     def _planned_dtypes(self, fallbacks: bool = True) -> dict[int, tuple[nn.Parameter, torch.dtype]]:
         """The dtype each floating parameter will have once the fallbacks now set (``fallbacks=False``: none) are
         applied."""
         assert self.module is not None  # planned only for an attached model
-        islands = match_modules(self.module, [*self._user_islands, *(self.fp32_modules if fallbacks else [])])
+        islands = match_modules(self.module, self._island_specs(fallbacks))
         inside = {id(p) for island in islands.values() for p in island.parameters()}
         plan = {}
         for param in self.module.parameters():
