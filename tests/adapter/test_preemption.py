@@ -386,7 +386,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
                                   " decisions are history (each face's own remedies are in its state)",
                         "ladder_events": "the ladder's decisions (history, as the ladder)",
                         "fingerprint": "the numeric fingerprint's keeper: its pinned batch is in the plugin state's"
-                                       " 'fingerprint' entry (on_save_checkpoint), the rest config or load events",
+                                       " 'fingerprint' entry (added to each saved dict), the rest config or loads",
                         "findings": "the callbacks' latest results, measured anew after a resume (the probe step a"
                                     " fallback counted is PrecisionFallback's last_probe_step)",
                         "precision_schedule": "no schedule in this run (falsy runner, nothing to save); with one its"
