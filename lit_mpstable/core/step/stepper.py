@@ -612,7 +612,8 @@ class PrecisionStepper:
         scaler = self.scaler
         scale = scaler.get_scale if scaler is not None else lambda: 1.0  # called on due steps only
         fp8 = self.fp8 is not None and bool(self.layout.fp8_layers)
-        updates, warning = observer.observe(module, self.named_grads, self.step_count, scale, fp8=fp8)
+        updates, warning = observer.observe(module, self.named_grads, self.step_count, scale, fp8=fp8,
+                                            owed=self._owed_factors)
         self.stats.update(updates)
         if warning is not None:
             self.warnings.add_once(*warning, per=self.step_count)
@@ -1078,6 +1079,21 @@ class PrecisionStepper:
         # The keeper's FP32 weights hold the gradients where the model's show a copy of them (exposes_grads).
         held = self.keeper.fp32_weights() if self.keeper.exposes_grads else {}
         return [(name, shard_view(held.get(name, param))) for name, param in module.named_parameters()]
+
+    def _owed_factors(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> the factor a deferring keeper's step still owes its gradient (compact weights: the
+        unscale, times a clip's factor, applied in the step's FP32 chunks), for :meth:`named_grads`' readers that
+        take the gradients as true values (the telemetry, the probe); empty where the gradients are true already. Device
+        tensors, nothing read."""
+        module, keeper = self.layout.module, self.keeper
+        if module is None or not keeper.defers_unscale:
+            return {}
+        owed: dict[int, torch.Tensor] = {}
+        for optimizer in self.optimizers:
+            view = keeper.grads(optimizer)
+            if view.multiplier is not None:
+                owed.update((id(holder), view.multiplier) for holder in view.holders)
+        return {name: owed[id(param)] for name, param in module.named_parameters() if id(param) in owed}
 
     def fallback(self, modules: Iterable[str] | None = None) -> str:
         """One rung up the precision ladder, globally or for the named modules; returns what was done.
