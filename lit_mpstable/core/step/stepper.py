@@ -1170,7 +1170,8 @@ class PrecisionStepper:
         """Recompute a step's gradients in FP32 on the same batch and weights and measure what the run's precision cost.
 
         Call it after the backward and the stepper's ``unscale_``, before ``step``: the run's gradients are then the
-        true ones (scaled backward, unscaled; the FP32 masters where there are any: :meth:`named_grads`).
+        true ones (scaled backward, unscaled; the FP32 masters where there are any: :meth:`named_grads`; compact
+        weights' still-scaled ones measured times the factor their step owes them, in FP32).
         The FP32 reference runs on a deep copy of ``module`` (tensor attributes that are not graph leaves, such as a
         metric updated with the loss, copied detached): FP8 layers back to ``nn.Linear``, everything cast to FP32,
         the FP32 masters as weights where they exist (with master_weights="kahan" the 16-bit weights plus their
@@ -1205,7 +1206,7 @@ class PrecisionStepper:
             RuntimeError: ``module`` holds sharded (DTensor) parameters, or ``loss_fn`` returned no differentiable loss.
         """
         return probe.measure(module, loss_fn, batch, layout=self.layout, keeper=self.keeper,
-                             named_grads=self.named_grads, scale=lambda: self.loss_scale,
+                             named_grads=self.named_grads, owed=self._owed_factors(), scale=lambda: self.loss_scale,
                              forward_context=self.forward_context, device=self.device, recompute=recompute,
                              start=start, step=step)
 
