@@ -4,7 +4,7 @@ device tensors), and who is to blame after an overflow."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Union
@@ -110,14 +110,16 @@ def grad_stats(
     scale: float | torch.Tensor = 1.0,
     formats: Sequence[str] = DEFAULT_FORMATS,
     per_module: bool = False,
+    owed: Mapping[str, torch.Tensor] | None = None,
 ) -> GradStats:
     """Norm, amax and the fraction of gradient elements that would underflow or overflow in each format.
 
-    The gradients are taken as they are (unscaled); ``scale`` is the factor they would be multiplied by before the
-    cast, e.g. the current loss scale. An element flushes to zero in a format when ``|g * scale|`` is at most half
-    its smallest subnormal, and overflows when ``|g * scale|`` exceeds its largest finite value (the rules of
-    :mod:`lit_mpstable.core.formats`); the comparison is ``|g| > threshold / scale`` in float32, exact for power-of-two
-    scales. Fractions count the nonzero elements (inf included, NaN excluded); with none they are 0.
+    The gradients are taken as they are (unscaled), or times the factor ``owed`` names for them; ``scale`` is the
+    factor they would be multiplied by before the cast, e.g. the current loss scale. An element flushes to zero in a
+    format when ``|g * scale|`` is at most half its smallest subnormal, and overflows when ``|g * scale|`` exceeds its
+    largest finite value (the rules of :mod:`lit_mpstable.core.formats`); the comparison is ``|g| > threshold /
+    scale`` in float32, exact for power-of-two scales. Fractions count the nonzero elements (inf included, NaN
+    excluded); with none they are 0.
 
     Args:
         params: a module, or ``(name, parameter)`` pairs such as ``module.named_parameters()``. Parameters without a
@@ -125,6 +127,9 @@ def grad_stats(
         scale: a Python float or a device tensor (no host sync either way).
         formats: format ids from :data:`lit_mpstable.core.formats.FORMATS`.
         per_module: also compute the statistics per owning module (grouped by qualified name), at no extra pass.
+        owed: parameter name -> the factor its gradient still owes (0-dim tensors: compact weights keep the gradients
+            scaled until the step unscales them in FP32): the gradient is measured times it, in FP32, as the step will
+            apply it.
 
     Raises:
         ValueError: a format id is unknown.
@@ -144,10 +149,13 @@ def grad_stats(
     # Clamped so an inf gradient still counts as overflowing when max / scale rounds to inf (scale < 1).
     thresholds = (torch.tensor(bounds, dtype=torch.float32, device=device) / divisor).clamp(max=_FP32_MAX).unbind()
 
+    owed = owed or {}
     norms, amaxes, counts = [], [], []
-    for _, grad in grads:
+    for name, grad in grads:
         # float32 before comparing: a 0-dim float32 threshold would otherwise be rounded to the grad's 16-bit dtype.
         absolute = grad.detach().to(device, torch.float32).abs()
+        if (factor := owed.get(name)) is not None:
+            absolute.mul_(factor.to(device))  # abs() made it a copy of its own
         if absolute.numel() == 0:
             absolute = absolute.new_zeros(1)
         norms.append(torch.linalg.vector_norm(absolute))
@@ -213,11 +221,12 @@ class GradTelemetry:
         """The first step after ``step`` that :meth:`is_due`."""
         return ((step + 1) // self.every_n_steps + 1) * self.every_n_steps - 1
 
-    def maybe_compute(self, params: NamedParams, step: int, *, scale: float | torch.Tensor = 1.0) -> GradStats | None:
+    def maybe_compute(self, params: NamedParams, step: int, *, scale: float | torch.Tensor = 1.0,
+                      owed: Mapping[str, torch.Tensor] | None = None) -> GradStats | None:
         """Compute, store in ``latest`` and return :func:`grad_stats` when ``step`` is due; else return None."""
         if not self.is_due(step):
             return None
-        self.latest = grad_stats(params, scale=scale, formats=self.formats, per_module=self.per_module)
+        self.latest = grad_stats(params, scale=scale, formats=self.formats, per_module=self.per_module, owed=owed)
         return self.latest
 
 
@@ -268,13 +277,14 @@ class GradObserver:
 
     def observe(
         self, module: nn.Module, named_grads: Callable[[], NamedGrads], step: int, scale: Callable[[], float],
-        *, fp8: bool = False,
+        *, fp8: bool = False, owed: Callable[[], Mapping[str, torch.Tensor]] | None = None,
     ) -> tuple[dict[str, Any], tuple[str, str] | None]:
         """Call on unscaled gradients, before hooks and clipping. Returns ``(stats updates, warning or None)``, a
         warning as ``(key, message)``: the key names its cause (the same module and direction: the same key).
 
-        ``scale`` is called (and may sync) only on due steps; ``fp8`` adds the FP8 layers' saturation/underflow,
-        through the FP8 backend seam (any backend's layers; one that records none says so once).
+        ``scale`` is called (and may sync) only on due steps, as is ``owed``: the factors gradients still owe
+        (:func:`grad_stats`; compact weights defer the unscale to the step); ``fp8`` adds the FP8 layers'
+        saturation/underflow, through the FP8 backend seam (any backend's layers; one that records none says so once).
         """
         updates: dict[str, Any] = {}
         warning: tuple[str, str] | None = None
@@ -304,7 +314,7 @@ class GradObserver:
         if telemetry is None:
             return updates, warning
         if telemetry.is_due(step):
-            stats = telemetry.maybe_compute(named_grads(), step, scale=scale())
+            stats = telemetry.maybe_compute(named_grads(), step, scale=scale(), owed=owed() if owed else None)
             assert stats is not None  # is_due(step) just held
             values = stats.to_floats()
             fmt = telemetry.formats[0]

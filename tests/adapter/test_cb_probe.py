@@ -347,3 +347,18 @@ def test_a_module_that_cannot_be_copied_is_named_without_advising_loss_fn() -> N
         make_trainer(StablePrecision("bf16-mixed"), max_steps=2, callbacks=[probe]).fit(Locked())
     messages = [str(w.message) for w in record if "PrecisionProbe stops" in str(w.message)]
     assert len(messages) == 1 and "cannot be deep-copied" in messages[0] and "loss_fn" not in messages[0]
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_16_true_compact_weights_are_probed_on_their_true_gradients(mode: str) -> None:
+    # Compact weights keep the gradients scaled until the step: read as true ones, the probe's error was ~ the loss
+    # scale and the fallback moved every layer to FP32.
+    from trainer_pkg import PrecisionFallback, PrecisionProbe, StablePrecision
+
+    probe = PrecisionProbe(every_n_steps=1)
+    fallback = PrecisionFallback(max_grad_error=0.5, grad_error_patience=2)
+    module = _fit(StablePrecision("16-true", master_weights=mode), [probe, fallback], steps=4)
+    assert len(probe.history) == 4 and all(r["loss_scale"] == 2.0**15 for r in probe.history)
+    # FP16 rounding (a ReLU the 16-bit weights flip against the FP32 ones can make a few %), not ~32768
+    assert max(r["rel_error"] for r in probe.history) < 0.1 and min(r["cosine"] for r in probe.history) > 0.99
+    assert fallback.decisions == [] and {p.dtype for p in module.parameters()} == {torch.float16}

@@ -291,3 +291,43 @@ def test_adaptive_fields_are_refused_by_name(key: str, value) -> None:
     scaler = AdaptiveLossScaler("cpu")
     with pytest.raises((ValueError, TypeError), match=key):
         scaler.load_state_dict({**scaler.state_dict(), key: value})
+
+
+# ----------------------------------------------------------------------------------- with compact 16-bit weights
+def _stepper_scales(master_weights, *, with_norm: bool = False, steps: int = 4) -> tuple[list[float], list[float]]:
+    """16-true, scaler='adaptive': the scale after each step, and each step's largest unscaled gradient magnitude."""
+    from lit_mpstable.core.step.stepper import PrecisionStepper
+
+    torch.manual_seed(0)
+    model = TinyMLP().half().float()  # FP16 values: the masters start where the compact weights do
+    stepper = PrecisionStepper("16-true", master_weights=master_weights, scaler="adaptive", device="cpu",
+                               telemetry_every_n_steps=None)
+    stepper.setup_module(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper.setup_optimizers(model, [optimizer])
+    if with_norm:
+        stepper.want_grad_norm_()  # the check becomes the norm's pass (SpikeScore's indicators)
+    x, y = regression_data(16)
+    scales, amaxes = [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with stepper.forward_context():
+            loss = nn.functional.mse_loss(model(stepper.convert_input(x)).float(), y) * 2.0**-4
+        stepper.scale_loss(loss).backward()
+        amaxes.append(max(p.grad.float().abs().max().item() for p in model.parameters()) / stepper.loss_scale)
+        with HostReads() as reads:
+            stepper.step(optimizer)
+        assert reads.ops == ["_local_scalar_dense"]  # the skip decision's one sync, nothing for the amax
+        scales.append(stepper.loss_scale)
+    return scales, amaxes
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_compact_weights_scale_follows_the_amax_as_fp32_masters_do(mode: str, with_norm: bool) -> None:
+    # Compact weights check the gradients without unscaling them (the step unscales in FP32); the adaptive scaler
+    # still measures their amax there, so the scale follows the gradients as with FP32 masters.
+    scales, amaxes = _stepper_scales(mode, with_norm=with_norm)
+    expected = [2.0 ** math.floor(math.log2(65504 / (2 * amax))) for amax in amaxes]  # amax * s * headroom <= max
+    assert scales[0] == expected[0] > 2.0**17, (scales, expected)  # far above the initial 2**15: the amax is small
+    assert scales == _stepper_scales(True, with_norm=with_norm)[0]

@@ -265,3 +265,44 @@ def test_an_overflow_storm_arms_one_tracer_and_blames_each_step_by_it():
     other = TinyMLP()
     observer.blame(other, list(other.named_parameters()))
     assert observer.tracer is not tracers[0] and observer.tracer.model is other
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_16_true_compact_weights_report_the_true_gradients_as_fp32_masters_do(mode: str) -> None:
+    """16-true with compact weights keeps the gradients scaled until the step unscales them in FP32; the telemetry
+    reads them as the step will, so it reports what FP32 masters (which hold the unscaled FP32 copy) report, and the
+    norm is the scaled gradients' divided by the loss scale."""
+    from helpers import mse_backward
+
+    from lit_mpstable.core.step.stepper import PrecisionStepper
+
+    keys = ("grad_norm", "grad_amax", "grad_underflow_frac", "grad_overflow_frac", "grad_zero_frac")
+    seen = {}
+    for master in (True, mode):
+        torch.manual_seed(0)
+        model = TinyMLP()
+        stepper = PrecisionStepper("16-true", master_weights=master, telemetry_every_n_steps=1, device="cpu")
+        stepper.setup_module(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        stepper.setup_optimizers(model, [optimizer])
+        mse_backward(stepper, model, *regression_data(16))
+        scaled = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        scale = stepper.loss_scale
+        stepper.step(optimizer)
+        seen[master] = stepper.stats
+    assert scale == 2.0**15 and seen[mode]["grad_overflow_frac"] == 0.0  # not the scaled gradients times the scale
+    assert seen[mode]["grad_norm"] == pytest.approx(torch.linalg.vector_norm(scaled).item() / scale, rel=1e-6)
+    assert {k: seen[mode][k] for k in keys} == pytest.approx({k: seen[True][k] for k in keys}, rel=1e-6)
+    assert seen[mode]["grad_underflow_per_module"] == seen[True]["grad_underflow_per_module"]
+
+
+def test_owed_factors_are_applied_in_fp32_before_measuring() -> None:
+    # Still-scaled FP16 gradients owing 1/S read as the unscaled FP32 ones: 2**-20 * S is representable, but the
+    # unscaled value in FP16 would be subnormal (rounded); the forecast at scale S counts it as FP16 keeps it.
+    scale = 2.0**12
+    true = torch.tensor([2.0**-20, 3.0, -(2.0**-3), 0.0])
+    owed = {"p0": torch.tensor(1 / scale)}
+    scaled = grad_stats(_params((true * scale).half()), scale=scale, formats=["fp16", "bf16"], owed=owed).to_floats()
+    expected = grad_stats(_params(true), scale=scale, formats=["fp16", "bf16"]).to_floats()
+    assert scaled == expected
+    assert scaled["amax"] == 3.0 and scaled["overflow_frac"]["fp16"] == 0.0

@@ -12,7 +12,7 @@ from lit_mpstable.base.validate import bool_arg, choice_arg, int_arg, real_arg
 from lit_mpstable.core.formats import FormatName, get_format
 from lit_mpstable.core.scaling.loss_scaler import DynamicLossScaler
 from lit_mpstable.core.scaling.scaler_state import GRADSCALER_KEYS, SCALE_FLOOR
-from lit_mpstable.core.tensors import amax_per_tensor
+from lit_mpstable.core.tensors import GradPass, amax_per_tensor
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -45,9 +45,11 @@ class AdaptiveLossScaler(DynamicLossScaler):
     gradients grow, but raises it only once a large amax has left the window, so one quiet step cannot lift the
     scale into overflow. Steps whose gradients are all zero (or absent) keep the scale.
 
-    The amax costs one extra read of the gradients (a single multi-tensor kernel on CUDA) and stays on the device;
-    the only host synchronisation is the skip decision GradScaler makes. With sharded (DTensor) gradients it is this
-    rank's until :meth:`sync_found_inf_` takes the MAX over the ranks: call it in distributed runs (the plugin does).
+    The amax costs one extra read of the gradients (a single multi-tensor kernel on CUDA), made where the step checks
+    them (``unscale_``, or :meth:`check_` for compact 16-bit weights, which unscale in their own step), and stays on
+    the device; the only host synchronisation is the skip decision GradScaler makes. With sharded (DTensor) gradients
+    it is this rank's until :meth:`sync_found_inf_` takes the MAX over the ranks: call it in distributed runs (the
+    plugin does).
 
     On inf/NaN the step is skipped, as in GradScaler, and the scale backs off: by ``backoff_factor``, and faster on
     consecutive overflows (``backoff_factor**2``, then ``**4``, at most ``**8``), since an overflowing step measures
@@ -165,9 +167,28 @@ class AdaptiveLossScaler(DynamicLossScaler):
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
-        # The amax of the still-scaled gradients (GradScaler's fused-optimizer path passes inv_scale=1 and leaves them
-        # scaled, so measuring before unscaling is the same on both paths). One extra read of the gradients; folding
-        # it into the inf check would save nothing, as GradScaler's kernel checks in the pass that unscales in place.
+        # Measured before unscaling (GradScaler's fused-optimizer path passes inv_scale=1 and leaves them scaled, so
+        # it is the same on both paths). Folding it into the inf check would save nothing, as GradScaler's kernel
+        # checks in the pass that unscales in place.
+        self._measure_amax_(optimizer, found_inf.device)
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    def check_(self, optimizer: torch.optim.Optimizer) -> None:
+        # Compact 16-bit weights check without unscaling (their step unscales in FP32): the amax is measured here.
+        super().check_(optimizer)
+        if self._enabled and self._scale is not None:
+            self._measure_amax_(optimizer, self._scale.device)
+
+    def _check_by_pass_(self, optimizer: torch.optim.Optimizer, *, unscale: bool) -> GradPass | None:
+        # The check read off the gradient norm's pass (a SpikeGuard or SpikeScore wants the norm): the amax too.
+        measured = super()._check_by_pass_(optimizer, unscale=unscale)
+        if measured is not None and self._scale is not None:
+            self._measure_amax_(optimizer, self._scale.device)
+        return measured
+
+    def _measure_amax_(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        """Take the amax of ``optimizer``'s still-scaled gradients into this iteration's (the max over optimizers),
+        on ``device``: one extra read of the gradients, wherever the step's check made it (unscaling or not)."""
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -177,9 +198,8 @@ class AdaptiveLossScaler(DynamicLossScaler):
         for grads in by_device.values():
             # Sharded (DTensor) gradients: this rank's shard; sync_found_inf_ takes the MAX across ranks.
             grads = [_local(grad) for grad in grads]
-            amax = amax_per_tensor(grads).max().to(found_inf.device, non_blocking=True)
+            amax = amax_per_tensor(grads).max().to(device, non_blocking=True)
             self._step_amax = amax if self._step_amax is None else torch.maximum(self._step_amax, amax)
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
 
     def _sync_values(self, device: torch.device) -> list[torch.Tensor]:
         amax = self._step_amax if self._step_amax is not None else torch.zeros((), device=device)

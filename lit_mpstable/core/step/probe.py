@@ -59,6 +59,7 @@ def measure(
     layout: PrecisionLayout,
     keeper: WeightKeeper,
     named_grads: Callable[[], list[tuple[str, torch.Tensor]]],
+    owed: Mapping[str, torch.Tensor],
     scale: Callable[[], float],
     forward_context: Callable[[], AbstractContextManager[object]],
     device: str,
@@ -68,8 +69,9 @@ def measure(
 ) -> dict[str, Any]:
     """:meth:`PrecisionStepper.measure <lit_mpstable.core.step.stepper.PrecisionStepper.measure>` over the
     stepper's parts: its ``layout`` (the model, FP8 layers, FP32 islands), ``keeper`` (the FP32 weights),
-    ``named_grads`` (the run's gradients, read unless ``recompute``), the loss ``scale``, its ``forward_context``
-    and ``device`` (where the RNG lives without a model)."""
+    ``named_grads`` (the run's gradients, read unless ``recompute``) and the factors they still ``owe`` (by name:
+    compact weights unscale in the step), the loss ``scale``, its ``forward_context`` and ``device`` (where the RNG
+    lives without a model)."""
     if module is not layout.module:
         raise ValueError(
             f"measure(module={type(module).__name__}): the stepper was set up with another module"
@@ -83,22 +85,25 @@ def measure(
         names = [name for name, p in params.items() if p.requires_grad]
         run: list[torch.Tensor | None] = []
     else:
-        holders = [(name, holder) for name, holder in named_grads() if holder.grad is not None]
-        names, run = [name for name, _ in holders], [holder.grad for _, holder in holders]
+        grads = [(name, grad) for name, holder in named_grads() if (grad := holder.grad) is not None]
+        names = [name for name, _ in grads]
+        # A gradient the step still unscales is measured as it will step: times its factor, in FP32 (a copy).
+        run = [grad if (factor := owed.get(name)) is None else grad.float() * factor for name, grad in grads]
     loss_scale = scale()
     where = next(iter(params.values())).device if params else torch.device("cpu")
     start = start if start is not None else forward_state(layout, device)
     present = dict(module.named_modules()) if layout.fp8_layers else {}
     fp8_layers = [name for name in layout.fp8_layers if name in present]
-    mastered = set(keeper.fp32_weights()) if keeper.exposes_grads else set()  # the gradients go into the masters
+    # The gradients unscaled in FP32: those that go into the masters, and all of a keeper that unscales in its step.
+    in_fp32 = set(names) if keeper.defers_unscale else set(keeper.fp32_weights()) if keeper.exposes_grads else set()
     # Eagerly: on a compiled model the FP32 copy and the probe's recomputes would each compile graphs of their own.
     with _forked_rng(where), torch.compiler.set_stance("force_eager"):
         reference = _fp32_grads(module, loss_fn, batch, names, start, where, keeper, layout.islands)
         if recompute:
             run = _run_grads(module, loss_fn, batch, names, start, loss_scale, layout=layout,
-                             forward_context=forward_context, mastered=mastered, keep_fp8=True)
+                             forward_context=forward_context, in_fp32=in_fp32, keep_fp8=True)
         base = _run_grads(module, loss_fn, batch, names, start, loss_scale, layout=layout,
-                          forward_context=forward_context, mastered=mastered, keep_fp8=False) if fp8_layers else []
+                          forward_context=forward_context, in_fp32=in_fp32, keep_fp8=False) if fp8_layers else []
 
     owners = [name.rpartition(".")[0] for name in names]
     modules = {owner: i for i, owner in enumerate(dict.fromkeys(owners))}  # in order of their first parameter
@@ -155,12 +160,12 @@ def _fp32_grads(
 
 def _run_grads(
     module: nn.Module, loss_fn: LossFn, batch: object, names: Sequence[str], start: dict[str, Any], scale: float, *,
-    layout: PrecisionLayout, forward_context: Callable[[], AbstractContextManager[object]], mastered: set[str],
+    layout: PrecisionLayout, forward_context: Callable[[], AbstractContextManager[object]], in_fp32: set[str],
     keep_fp8: bool,
 ) -> list[torch.Tensor | None]:
     """Gradients of ``names`` in the run's precision (``forward_context``) on a copy of ``module`` (with its FP8
     layers at ``start``'s scaling state, or without FP8), scaled backward, unscaled as the step unscales them
-    (in FP32 where the gradient goes into a master: ``mastered``)."""
+    (in FP32 where the step unscales in FP32, into a master or in a compact step: ``in_fp32``)."""
     low = _copy(module, {})
     if not keep_fp8:
         convert_from_fp8(low)
@@ -177,7 +182,7 @@ def _run_grads(
         scaled = loss * torch.tensor(scale, dtype=torch.float32, device=loss.device)
         grads = torch.autograd.grad(scaled, [params[n] for n in names], allow_unused=True)
     inv_scale = torch.tensor(1.0 / scale, dtype=torch.float32, device=device)
-    return [_unscaled(g, inv_scale, fp32=name in mastered) for name, g in zip(names, grads)]
+    return [_unscaled(g, inv_scale, fp32=name in in_fp32) for name, g in zip(names, grads)]
 
 
 def _copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
@@ -216,8 +221,8 @@ def _unscaled(grad: torch.Tensor | None, inv_scale: torch.Tensor, *, fp32: bool)
         return None
     if fp32 or grad.dtype == torch.float32:
         return grad.float() * inv_scale  # into the FP32 master (or an FP32 parameter), unscaled there
-    # 16-bit gradients without a master ("16-true" without masters, kahan, stochastic) are unscaled in place: the
-    # product rounds to their dtype (small values may flush there too).
+    # 16-bit gradients without a master ("16-true" without masters) are unscaled in place: the product rounds to
+    # their dtype (small values may flush there too).
     return (grad.float() * inv_scale).to(grad.dtype)
 
 

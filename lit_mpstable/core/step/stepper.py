@@ -612,7 +612,8 @@ class PrecisionStepper:
         scaler = self.scaler
         scale = scaler.get_scale if scaler is not None else lambda: 1.0  # called on due steps only
         fp8 = self.fp8 is not None and bool(self.layout.fp8_layers)
-        updates, warning = observer.observe(module, self.named_grads, self.step_count, scale, fp8=fp8)
+        updates, warning = observer.observe(module, self.named_grads, self.step_count, scale, fp8=fp8,
+                                            owed=self._owed_factors)
         self.stats.update(updates)
         if warning is not None:
             self.warnings.add_once(*warning, per=self.step_count)
@@ -1080,6 +1081,21 @@ class PrecisionStepper:
         held = self.keeper.fp32_weights() if self.keeper.exposes_grads else {}
         return [(name, shard_view(held.get(name, param))) for name, param in module.named_parameters()]
 
+    def _owed_factors(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> the factor a deferring keeper's step still owes its gradient (compact weights: the
+        unscale, times a clip's factor, applied in the step's FP32 chunks), for :meth:`named_grads`' readers that
+        take the gradients as true values (the telemetry, the probe); empty where the gradients are true already. Device
+        tensors, nothing read."""
+        module, keeper = self.layout.module, self.keeper
+        if module is None or not keeper.defers_unscale:
+            return {}
+        owed: dict[int, torch.Tensor] = {}
+        for optimizer in self.optimizers:
+            view = keeper.grads(optimizer)
+            if view.multiplier is not None:
+                owed.update((id(holder), view.multiplier) for holder in view.holders)
+        return {name: owed[id(param)] for name, param in module.named_parameters() if id(param) in owed}
+
     def fallback(self, modules: Iterable[str] | None = None) -> str:
         """One rung up the precision ladder, globally or for the named modules; returns what was done.
 
@@ -1155,7 +1171,8 @@ class PrecisionStepper:
         """Recompute a step's gradients in FP32 on the same batch and weights and measure what the run's precision cost.
 
         Call it after the backward and the stepper's ``unscale_``, before ``step``: the run's gradients are then the
-        true ones (scaled backward, unscaled; the FP32 masters where there are any: :meth:`named_grads`).
+        true ones (scaled backward, unscaled; the FP32 masters where there are any: :meth:`named_grads`; compact
+        weights' still-scaled ones measured times the factor their step owes them, in FP32).
         The FP32 reference runs on a deep copy of ``module`` (tensor attributes that are not graph leaves, such as a
         metric updated with the loss, copied detached): FP8 layers back to ``nn.Linear``, everything cast to FP32,
         the FP32 masters as weights where they exist (with master_weights="kahan" the 16-bit weights plus their
@@ -1190,7 +1207,7 @@ class PrecisionStepper:
             RuntimeError: ``module`` holds sharded (DTensor) parameters, or ``loss_fn`` returned no differentiable loss.
         """
         return probe.measure(module, loss_fn, batch, layout=self.layout, keeper=self.keeper,
-                             named_grads=self.named_grads, scale=lambda: self.loss_scale,
+                             named_grads=self.named_grads, owed=self._owed_factors(), scale=lambda: self.loss_scale,
                              forward_context=self.forward_context, device=self.device, recompute=recompute,
                              start=start, step=step)
 
