@@ -82,8 +82,9 @@ def copy_quantized_state(value: torch.Tensor, device: torch.device | None) -> to
 
 
 def flatten_optimizer_states_(optimizer_states: Iterable[StateDict]) -> int:
-    """Replace, in these ``optimizer.state_dict()`` results, every allowed tensor-subclass state by its flat form
-    (the live optimizer is not touched: the dicts are the state dicts' own); returns how many were replaced."""
+    """Replace, in these ``optimizer.state_dict()`` results, every allowed tensor-subclass state by its flat form;
+    returns how many were replaced. The live optimizer keeps its states: ``state_dict()`` hands out the optimizer's
+    own per-parameter dicts, so each one that changes is replaced by a new dict, never written into."""
     return _replace_states_(optimizer_states, lambda v: isinstance(v, torch.Tensor) and _qualname(type(v)) in _ALLOWED,
                             _flatten)
 
@@ -101,11 +102,12 @@ def _replace_states_(optimizer_states: Iterable[StateDict], pick: Callable[[obje
                      convert: Callable[[Any], object]) -> int:
     count = 0
     for optimizer_state in optimizer_states:
-        for state in optimizer_state.get("state", {}).values():
-            for key, value in list(state.items()):
-                if pick(value):
-                    state[key] = convert(value)
-                    count += 1
+        states = optimizer_state.get("state", {})
+        for index, state in states.items():
+            picked = [key for key, value in state.items() if pick(value)]
+            if picked:
+                states[index] = {**state, **{key: convert(state[key]) for key in picked}}
+                count += len(picked)
     return count
 
 
