@@ -37,10 +37,11 @@ def nonfinite_entries(snapshot: dict[str, Any], limit: int = 5) -> list[str]:
         _floating(state.get("state", {}), f"optimizer {index} state ", named)
     bad_floats = [path for path, value in named if isinstance(value, float) and not math.isfinite(value)]
     tensors = [(path, value) for path, value in named if isinstance(value, torch.Tensor)]
-    finite = bool(all_finite([t for _, t in tensors], torch.device("cpu"))) if tensors else True
+    cpu = torch.device("cpu")
+    finite = bool(all_finite([t for _, t in tensors], cpu)) if tensors else True
     if finite:
         return bad_floats[:limit]
-    bad = bad_floats + [path for path, t in tensors if not bool(torch.isfinite(t).all())]
+    bad = bad_floats + [path for path, t in tensors if not bool(all_finite([t], cpu))]  # FP8 too: no isfinite there
     return bad[:limit]
 
 

@@ -82,8 +82,9 @@ def copy_quantized_state(value: torch.Tensor, device: torch.device | None) -> to
 
 
 def flatten_optimizer_states_(optimizer_states: Iterable[StateDict]) -> int:
-    """Replace, in these ``optimizer.state_dict()`` results, every allowed tensor-subclass state by its flat form
-    (the live optimizer is not touched: the dicts are the state dicts' own); returns how many were replaced."""
+    """Replace, in these ``optimizer.state_dict()`` results, every allowed tensor-subclass state by its flat form;
+    returns how many were replaced. The live optimizer keeps its states: ``state_dict()`` hands out the optimizer's
+    own per-parameter dicts, so each one that changes is replaced by a new dict, never written into."""
     return _replace_states_(optimizer_states, lambda v: isinstance(v, torch.Tensor) and _qualname(type(v)) in _ALLOWED,
                             _flatten)
 
@@ -97,15 +98,47 @@ def unflatten_optimizer_states_(optimizer_states: Iterable[StateDict]) -> int:
     return _replace_states_(optimizer_states, lambda v: isinstance(v, dict) and _MARK in v, _rebuild)
 
 
+def flat_optimizer_state(optimizer_state: StateDict) -> StateDict | None:
+    """``optimizer_state`` (an ``optimizer.state_dict()``) with its allowed tensor-subclass states flat, as a new dict
+    sharing everything else, or None where it holds none: for ``Optimizer.register_state_dict_post_hook``, so every
+    save of the optimizer writes them flat."""
+    return _with_states_replaced(optimizer_state, flatten_optimizer_states_)
+
+
+def rebuilt_optimizer_state(optimizer_state: StateDict) -> StateDict | None:
+    """``optimizer_state`` with the states :func:`flat_optimizer_state` stored flat rebuilt, as a new dict (the one
+    given, a snapshot to load again perhaps, is not changed), or None where none is flat: for
+    ``Optimizer.register_load_state_dict_pre_hook``, which runs before ``load_state_dict`` casts each state tensor to
+    its parameter's dtype (a flat state's integer codes with them).
+
+    Raises:
+        ValueError: a flat state names a class outside the allow-list.
+    """
+    return _with_states_replaced(optimizer_state, unflatten_optimizer_states_)
+
+
+def holds_flat_state(state: Mapping[str, object]) -> bool:
+    """Whether one parameter's live optimizer ``state`` holds a state stored flat: loaded without
+    :func:`rebuilt_optimizer_state`, so no longer what the optimizer steps with."""
+    return any(isinstance(value, dict) and _MARK in value for value in state.values())
+
+
+def _with_states_replaced(optimizer_state: StateDict, replace_: Callable[[Iterable[StateDict]], int]
+                          ) -> StateDict | None:
+    copied = {**optimizer_state, "state": dict(optimizer_state.get("state", {}))}
+    return copied if replace_([copied]) else None
+
+
 def _replace_states_(optimizer_states: Iterable[StateDict], pick: Callable[[object], bool],
                      convert: Callable[[Any], object]) -> int:
     count = 0
     for optimizer_state in optimizer_states:
-        for state in optimizer_state.get("state", {}).values():
-            for key, value in list(state.items()):
-                if pick(value):
-                    state[key] = convert(value)
-                    count += 1
+        states = optimizer_state.get("state", {})
+        for index, state in states.items():
+            picked = [key for key, value in state.items() if pick(value)]
+            if picked:
+                states[index] = {**state, **{key: convert(state[key]) for key in picked}}
+                count += len(picked)
     return count
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, _GeneratorContextManager
 from pathlib import Path
 from types import FrameType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -22,8 +22,11 @@ from lit_mpstable.core.checkpoints import (
     SHARD_INDEX,
     SHARDED_META,
     earlier_sharded_checkpoints,
+    flat_optimizer_state,
+    holds_flat_state,
     is_sharded_checkpoint,
     read_sharded_meta,
+    rebuilt_optimizer_state,
 )
 from lit_mpstable.core.fingerprint import KEY as FINGERPRINT
 from lit_mpstable.core.fingerprint import (
@@ -44,6 +47,9 @@ from lit_mpstable.core.weights.master import zero_grad_reaches_model
 from lit_mpstable.core.weights.moment_keeper import pop_saved_mark
 from lit_mpstable.frontends.clip_targets import clip_targets
 from lit_mpstable.frontends.common import ARGS_DOC, StableFrontEnd
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -233,6 +239,15 @@ class StablePrecision(StableFrontEnd, Precision):
 
     def _bind(self, optimizer: Optimizer) -> None:
         stepper = self.stepper
+        if any(holds_flat_state(s) for s in optimizer.state.values()):
+            raise RuntimeError(
+                f"{self!r}: {type(optimizer).__name__}'s state was loaded (fabric.load) before the plugin set the"
+                " optimizer up: the checkpoint stores torchao's quantized states flat, and only an optimizer set up"
+                " first rebuilds them. Call plugin.setup_optimizers(optimizer) after fabric.setup, before fabric.load.")
+        # Lightning loads with a callable map_location, which torch.load refuses for tensor subclasses: torchao's
+        # 8-bit/4-bit/FP8 states are saved flat (plain tensors) and rebuilt before load_state_dict casts them.
+        optimizer.register_state_dict_post_hook(_flat_states)
+        optimizer.register_load_state_dict_pre_hook(_rebuilt_states)
         name = self._optimizer_name(optimizer)  # before the masters take the model's parameters' place in it
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         if stepper.master_mode == "fp32" and any(v.dtype in _LOW_PRECISION for v in state):
@@ -807,6 +822,14 @@ def _unwrapped(value: Any) -> Any:
     if isinstance(value, _FabricModule):
         return value.module
     return value.optimizer if isinstance(value, _FabricOptimizer) else value
+
+
+def _flat_states(optimizer: Optimizer, state: StateDict) -> StateDict | None:
+    return flat_optimizer_state(state)
+
+
+def _rebuilt_states(optimizer: Optimizer, state: StateDict) -> StateDict | None:
+    return rebuilt_optimizer_state(state)
 
 
 def _optimizers_given_to_setup(frame: FrameType | None) -> list[Optimizer]:

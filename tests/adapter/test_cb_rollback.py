@@ -221,6 +221,30 @@ def test_non_finite_optimizer_state_rolls_back() -> None:
         (4, "non-finite weights or optimizer state", 2)]
 
 
+class _CorruptFP8Moments(pl.Callback):
+    """inf in the FP8 first moment of fc1's weight (its first block's amax; the store's own tensor) at the end of
+    step 4, before ScaleCheckpoint's snapshot of it: the weights are still finite."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step == 4:
+            moments = trainer.precision_plugin.state_dict()["masters"]["optimizer_state"]["moments"]
+            moments["model.fc1.weight"][0]["tensors"]["amax"][0] = float("inf")
+
+
+def test_non_finite_fp8_moments_roll_back_and_are_named() -> None:
+    # The snapshot check reads the FP8 moments' E4M3 codes, which torch's isfinite and aminmax refuse: finding the
+    # bad entry by name raised NotImplementedError instead of rolling back.
+    checkpoint = ScaleCheckpoint(every_n_steps=2)
+    plugin = StablePrecision("bf16-true", optimizer_state="fp8")
+    with pytest.warns(UserWarning, match=r"plugin state masters\['optimizer_state'\]\['moments'\]"
+                      r"\['model.fc1.weight'\]\[0\]\['tensors'\]\['amax'\]\)"):
+        make_trainer(plugin, max_steps=5, callbacks=[_CorruptFP8Moments(), checkpoint]).fit(
+            PoisonModule(optimizer="adamw"))
+    assert [(e["step"], e["restored_step"]) for e in checkpoint.events] == [(4, 2)]
+    moments = plugin.state_dict()["masters"]["optimizer_state"]["moments"]
+    assert torch.isfinite(moments["model.fc1.weight"][0]["tensors"]["amax"]).all()  # step 2's, stepped on
+
+
 def test_snapshots_live_off_the_accelerator_by_default() -> None:
     checkpoint = ScaleCheckpoint(every_n_steps=2)
     with quiet():

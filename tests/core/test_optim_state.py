@@ -173,6 +173,35 @@ def test_fp8_non_finite_value_makes_only_its_block_nan() -> None:
     assert torch.isfinite(out[:BLOCK_SIZE]).all()
 
 
+# FP8 codes the finite check meets: each format's largest normal and smallest subnormal (finite), its non-finite codes.
+_FP8_EDGES = [
+    (torch.float8_e4m3fn, 448.0, True), (torch.float8_e4m3fn, 2.0**-9, True), (torch.float8_e4m3fn, math.nan, False),
+    (torch.float8_e5m2, 57344.0, True), (torch.float8_e5m2, 2.0**-16, True), (torch.float8_e5m2, math.inf, False),
+    (torch.float8_e5m2, -math.inf, False), (torch.float8_e5m2, math.nan, False),
+]
+
+
+@pytest.mark.parametrize(("dtype", "value", "finite"), _FP8_EDGES)
+def test_the_finite_check_reads_fp8_codes(dtype: torch.dtype, value: float, finite: bool) -> None:
+    # ScaleCheckpoint's snapshot check reads every floating tensor of the plugin's state, FP8 moments' E4M3 codes
+    # included; torch reduces no FP8 dtype ("aminmax_cpu" not implemented for 'Float8_e4m3fn').
+    from lit_mpstable.core.guards.triage import all_finite
+
+    codes = torch.tensor([1.0, value, -2.0]).to(dtype)
+    assert bool(all_finite([torch.ones(2), codes], torch.device("cpu"))) is finite
+
+
+def test_fp8_moments_pass_the_finite_check_until_a_block_goes_bad() -> None:
+    from lit_mpstable.core.guards.triage import all_finite
+
+    x = torch.randn(2 * BLOCK_SIZE)
+    state = quantize_moment(x, "fp8")
+    assert state["codes"].dtype == torch.float8_e4m3fn
+    assert bool(all_finite(list(state.values()), torch.device("cpu")))
+    x[BLOCK_SIZE] = float("inf")
+    assert not bool(all_finite(list(quantize_moment(x, "fp8").values()), torch.device("cpu")))  # its block's amax
+
+
 def test_fp8_slices_must_be_block_aligned() -> None:
     store = MomentStore("fp8", (300,))
     store.read(128, 300)
