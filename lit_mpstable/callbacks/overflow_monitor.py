@@ -139,6 +139,13 @@ class OverflowMonitor(PluginCallback):
             self.attention_logits.remove()
             self.attention_logits = None
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Disarm the attention recorder: an exception that passed torch's forward hooks (a KeyboardInterrupt) left
+        ``F.scaled_dot_product_attention`` wrapped, for every later call in the process."""
+        if self.attention_logits is not None:
+            self.attention_logits.remove()
+            self.attention_logits = None
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Before a logging step's optimizer step: copy the parameters (update ratio), arm the attention hooks."""
         if self.indicators is None and self.attention_logits is None:  # nothing to prepare: no per-step work

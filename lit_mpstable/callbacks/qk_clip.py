@@ -96,6 +96,11 @@ class QKClip(pl.Callback):
             self.recorder.remove()
             self.recorder = None
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """As :meth:`on_fit_end`: an exception that passed torch's forward hooks (a KeyboardInterrupt) left
+        ``F.scaled_dot_product_attention`` wrapped, for every later call in the process."""
+        self.on_fit_end(trainer, pl_module)
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.recorder is not None:
             self.recorder.armed = True

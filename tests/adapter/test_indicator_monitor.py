@@ -267,3 +267,45 @@ def test_a_step_skipped_for_inf_nan_is_no_spike_and_leaves_the_windows_seeing():
     for monitor in (clean, overflowed):
         state = monitor.state_dict()["indicators"]["spike_score"]
         assert state["spikes"] == 0.0 and all(torch.isfinite(torch.tensor(state["history"])).flatten())
+
+
+class GroupedBlock(nn.Module):
+    """Llama's attention layout: 4 query heads share 2 key/value heads (``enable_gqa``); ``stop`` raises after the
+    attention when set."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d // 2), nn.Linear(d, d // 2)
+        self.stop: BaseException | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q = self.q_proj(x).view(b, t, 4, d // 4).transpose(1, 2)
+        k, v = (proj(x).view(b, t, 2, d // 4).transpose(1, 2) for proj in (self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.stop is not None:
+            raise self.stop
+        return out.transpose(1, 2).reshape(b, t, d)
+
+
+def test_grouped_query_attention_is_measured_per_query_head():
+    """It once died at the first logging step: 4 query heads met 2 key heads in q.k^T."""
+    task = AttentionTask()
+    task.block = GroupedBlock()
+    monitor = OverflowMonitor(log_every_n_steps=2, attention=True)
+    _, rows = _fit(monitor, 2, task)
+    assert len(monitor.latest_attention["block"]) == 4  # one value a query head (the values: test_indicators.py)
+    assert rows[1]["mp/attn_logit_max"] == max(monitor.latest_attention["block"])
+
+
+class _Stop(BaseException):
+    """Passes torch's forward hooks, as a KeyboardInterrupt does; Lightning hands it to on_exception, then raises it."""
+
+
+def test_a_fit_that_raises_in_a_watched_forward_leaves_torchs_function_in_place():
+    task = AttentionTask()
+    task.block = GroupedBlock()
+    task.block.stop = _Stop()
+    with pytest.raises(_Stop):
+        _fit(OverflowMonitor(log_every_n_steps=1, attention=True), 2, task)
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention

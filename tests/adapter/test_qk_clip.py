@@ -148,3 +148,19 @@ def test_state_round_trips_and_is_checked():
     assert int(other.heads_clipped) == 7
     with pytest.raises(ValueError):
         other.load_state_dict({"heads_clipped": -1})
+
+
+class _Stop(BaseException):
+    """Passes torch's forward hooks, as a KeyboardInterrupt does; Lightning hands it to on_exception, then raises it."""
+
+
+class _Stopping(_Fused):
+    def forward(self, x):
+        super().forward(x)
+        raise _Stop
+
+
+def test_a_fit_that_raises_in_a_clipped_forward_leaves_torchs_function_in_place():
+    with pytest.raises(_Stop):
+        make_trainer(max_steps=1, callbacks=[QKClip()]).fit(_Task(_Stopping()))
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention

@@ -368,3 +368,57 @@ def test_two_recorders_on_one_model_both_record_and_the_function_is_restored():
         model(x)
         assert F.scaled_dot_product_attention is original
     assert torch.equal(first.take()["0"], second.take()["0"])
+
+
+class _GroupedQueryAttention(nn.Module):
+    """Llama's layout: 4 query heads share 2 key/value heads (``enable_gqa``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def qkv(self, x):
+        return (self.q_proj(x).view(2, 6, 4, 2).transpose(1, 2), self.k_proj(x).view(2, 6, 2, 2).transpose(1, 2),
+                self.v_proj(x).view(2, 6, 2, 2).transpose(1, 2))
+
+    def forward(self, x):
+        return F.scaled_dot_product_attention(*self.qkv(x), is_causal=True, enable_gqa=True)
+
+
+def test_attention_logits_of_grouped_query_attention_are_per_query_head():
+    torch.manual_seed(0)
+    model = nn.Sequential(_GroupedQueryAttention())
+    rec = AttentionLogits(model)
+    rec.armed = True
+    x = torch.randn(2, 6, 8)
+    model(x)
+    q, k, _ = model[0].qkv(x)
+    k = k.repeat_interleave(2, dim=1)  # query heads 0, 1 read key head 0; 2, 3 read key head 1 (as SDPA does)
+    want = _reference_logits(q, k, torch.ones(6, 6, dtype=torch.bool).tril()).amax(dim=(0, 2, 3))
+    assert torch.allclose(rec.take()["0"], want, atol=1e-5)
+
+
+class _Failing(_SdpaAttention):
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def forward(self, x):
+        super().forward(x)
+        raise self.error
+
+
+def test_a_forward_that_raises_leaves_the_function_restored():
+    """An exception restores torch's function at once (the leaving hook always runs); a KeyboardInterrupt, which
+    skips torch's hooks, when the recorder is disarmed (the callbacks do it in on_exception)."""
+    original = torch._C._nn.scaled_dot_product_attention  # torch's own, whatever F holds
+    for error in (RuntimeError("out of memory"), KeyboardInterrupt()):
+        model = nn.Sequential(_Failing(error))
+        rec = AttentionLogits(model)
+        rec.armed = True
+        with pytest.raises(type(error)):
+            model(torch.randn(2, 6, 8))
+        if isinstance(error, KeyboardInterrupt):
+            rec.armed = False
+        assert F.scaled_dot_product_attention is original
+        rec.remove()

@@ -188,10 +188,14 @@ class SpikeScore:
 def _masked_logit_max(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask: torch.Tensor | None,
                       is_causal: bool) -> torch.Tensor:
     """Per head, the largest scaled logit q.k * scale over the pairs the mask allows. ``q``: (..., H, L, d), ``k``:
-    (..., H, S, d); returns (H,). A boolean mask allows where True; a float mask is added, as SDPA does.
+    (..., H, S, d), or (..., H / G, S, d) with grouped keys (SDPA's ``enable_gqa``: query heads g*G to g*G + G - 1
+    read key head g); returns (H,). A boolean mask allows where True; a float mask is added, as SDPA does.
 
     One product q.k^T, edited in place: the causal mask is added as a cached 0/-inf bias, and a positive scale is
     applied to the maxima (rounding is monotone, so max(x) * s == max(x * s)) rather than to every logit."""
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    if kv_heads != heads:  # each key head repeated for its group of query heads, as SDPA's enable_gqa does
+        k = k.unsqueeze(-3).expand(*k.shape[:-2], heads // kv_heads, *k.shape[-2:]).flatten(-4, -3)
     # In FP32 whatever autocast is on (an FP16 product would make a logit above 65504 inf); contiguous q and k: a
     # batched product of strided views (q, k sliced from one qkv projection) is several times slower on CPUs.
     with torch.autocast(q.device.type, enabled=False):
@@ -238,9 +242,9 @@ class AttentionLogits:
     - ``F.scaled_dot_product_attention`` called inside the forward of a module in ``sdpa_modules`` (names; default:
       every module with a ``qkv`` child or ``q_proj`` and ``k_proj`` children, the layouts :class:`QKClip` repairs):
       while such a module runs on an armed step, ``torch.nn.functional.scaled_dot_product_attention`` is wrapped to
-      record q.k*scale of its q and k (with its ``attn_mask``, ``is_causal`` and ``scale``) before attending. Code that
-      imported the function under another name (``from torch.nn.functional import scaled_dot_product_attention``) is
-      not seen.
+      record q.k*scale of its q and k (with its ``attn_mask``, ``is_causal`` and ``scale``; grouped keys, its
+      ``enable_gqa``, per query head) before attending. Code that imported the function under another name
+      (``from torch.nn.functional import scaled_dot_product_attention``) is not seen.
 
     It measures only while :attr:`armed` (a logging step, or every step for QKClip); :meth:`take` returns the maxima
     since the last take, per module name, as device tensors of shape (heads,), maxed over micro-batches.
@@ -278,12 +282,14 @@ class AttentionLogits:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
+            _SDPA.leave(self, every=True)  # a forward that raised past torch's hooks (KeyboardInterrupt) never left
             return
         for name, module in self._mha:
             self._handles.append(module.register_forward_pre_hook(self._mha_hook(name), with_kwargs=True))
         for name, module in self._sdpa:
             self._handles.append(module.register_forward_pre_hook(self._enter(name)))
-            self._handles.append(module.register_forward_hook(self._leave))
+            # always_call: a forward that raises (an OOM, a KeyboardInterrupt) must not leave torch's function wrapped
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
 
     def remove(self) -> None:
         """Disarm (remove the hooks); the recorder can be armed again."""
@@ -333,11 +339,13 @@ class _SdpaTap:
             self.real = F.scaled_dot_product_attention
             torch.nn.functional.scaled_dot_product_attention = self.sdpa  # type: ignore[assignment]
 
-    def leave(self, recorder: AttentionLogits) -> None:
+    def leave(self, recorder: AttentionLogits, *, every: bool = False) -> None:
+        """``recorder``'s innermost module returned; ``every``: all of its modules are left (it was disarmed)."""
         for index in range(len(self.active) - 1, -1, -1):
             if self.active[index][0] is recorder:
                 del self.active[index]
-                break
+                if not every:
+                    break
         if not self.active and self.real is not None:
             torch.nn.functional.scaled_dot_product_attention = self.real
             self.real = None
