@@ -220,6 +220,24 @@ def test_adam_lag_with_the_step_counts_on_the_gpu_matches_a_plain_computation():
     assert opt.state[model.weight]["step"].is_cuda and lags.tolist() == pytest.approx(want)
 
 
+def test_adam_lag_reads_torchaos_quantized_second_moments():
+    """torchao's 8-bit Adams keep exp_avg_sq as an OptimState8bit (codes and scales, which the multi-tensor ops do not
+    take: measure raised NotImplementedError); its lag is read from the dequantized moment."""
+    subclass_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
+    model, opt, _, _ = _adam_run()
+    state = opt.state[model[0].weight]
+    quantized = subclass_8bit.OptimState8bit.zeros(state["exp_avg_sq"].shape, signed=False, block_size=32)
+    quantized.copy_(state["exp_avg_sq"])  # as torchao's AdamW8bit keeps it (its step compiles: seconds on a CPU)
+    state["exp_avg_sq"] = quantized
+    _, lags, _ = Indicators(lag_threshold=0.5).measure(opt)
+    want = []
+    for p in model.parameters():
+        v = opt.state[p]["exp_avg_sq"]
+        v_hat = (v.dequantize() if v is quantized else v) / (1 - 0.99 ** float(opt.state[p]["step"]))
+        want.append(float((p.grad.square() < 0.5 * v_hat).float().mean()))
+    assert lags.tolist() == pytest.approx(want) and lags[0] > 0
+
+
 def test_measure_without_snapshot_or_adam_state_gives_zeros():
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -433,6 +433,8 @@ def _entries(optimizers: Optimizers) -> list[tuple[Optimizer, dict[str, Any], to
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
+    if type(t).dequantize is not torch.Tensor.dequantize:  # torchao's 8-bit, 4-bit and FP8 optimizer states hold
+        t = t.dequantize()  # codes and scales, which the multi-tensor ops do not take (and .float() keeps them)
     return t if t.dtype == torch.float32 and type(t) is torch.Tensor else t.float()
 
 
