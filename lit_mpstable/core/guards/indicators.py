@@ -253,7 +253,7 @@ class AttentionLogits:
     def __init__(self, model: nn.Module, sdpa_modules: Sequence[str] | None = None) -> None:
         named = dict(model.named_modules())
         if sdpa_modules is None:
-            sdpa_modules = [name for name, module in named.items() if _has_qk_projections(module)
+            sdpa_modules = [name for name, module in named.items() if has_qk_projections(module)
                             and not isinstance(module, nn.MultiheadAttention)]
         unknown = [name for name in sdpa_modules if name not in named]
         _check(not unknown, f"AttentionLogits(sdpa_modules={list(sdpa_modules)!r})",
@@ -367,7 +367,9 @@ class _SdpaTap:
 _SDPA = _SdpaTap()
 
 
-def _has_qk_projections(module: nn.Module) -> bool:
+def has_qk_projections(module: nn.Module) -> bool:
+    """Whether ``module`` has an ``nn.Linear`` child ``qkv``, or children ``q_proj`` and ``k_proj``: an attention
+    layout :class:`AttentionLogits` watches by default."""
     children = dict(module.named_children())
     return isinstance(children.get("qkv"), nn.Linear) or (
         isinstance(children.get("q_proj"), nn.Linear) and isinstance(children.get("k_proj"), nn.Linear))
