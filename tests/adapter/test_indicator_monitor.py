@@ -309,3 +309,32 @@ def test_a_fit_that_raises_in_a_watched_forward_leaves_torchs_function_in_place(
     with pytest.raises(_Stop):
         _fit(OverflowMonitor(log_every_n_steps=1, attention=True), 2, task)
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+def _lag_run(**plugin_kwargs) -> tuple[list[dict[str, float]], list[str]]:
+    logged = Logged()
+    monitor = OverflowMonitor(log_every_n_steps=2, indicators=Indicators(spike_score=False))
+    trainer = make_trainer(StablePrecision("bf16-true", **plugin_kwargs), max_steps=4, callbacks=[monitor, logged])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(AttentionTask())
+    return logged.rows, [str(w.message) for w in caught if "adam_lag_frac" in str(w.message)]
+
+
+@pytest.mark.parametrize("state", ["bf16", "fp8"])
+def test_adam_lag_reads_the_moments_the_weight_keeper_holds(state):
+    """With BF16/FP8 moments the keeper steps Adam itself and optimizer.state holds none: the lag read 0.0 at every
+    logging step, so its warning could never fire."""
+    reference, _ = _lag_run(master_weights=True)
+    rows, notes = _lag_run(master_weights=True, optimizer_state=state)
+    assert reference[3]["mp/adam_lag_frac"] > 0 and notes == []
+    assert rows[3]["mp/adam_lag_frac"] == pytest.approx(reference[3]["mp/adam_lag_frac"], abs=0.05)
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_adam_lag_that_cannot_be_measured_is_not_logged_and_says_why(mode):
+    """Compact weights free each gradient as they step it: the lag, g^2 against v_hat after the step, has no g. It
+    logged 0.0 ('no lag'); now it is left out, with one warning."""
+    rows, notes = _lag_run(master_weights=mode)
+    assert "mp/adam_lag_frac" not in rows[1] and "mp/update_ratio_max" in rows[3] and "mp/adam_lag_frac" not in rows[3]
+    assert len(notes) == 1 and mode in notes[0], notes

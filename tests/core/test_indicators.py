@@ -238,6 +238,40 @@ def test_adam_lag_reads_torchaos_quantized_second_moments():
     assert lags.tolist() == pytest.approx(want) and lags[0] > 0
 
 
+def test_adam_lag_reads_second_moments_kept_outside_the_optimizer():
+    """BF16/FP8 moments live in the weight keeper, not in optimizer.state: given as ``moments`` (by parameter id, each
+    with its step count), they are measured as the optimizer's own would be."""
+    model, opt, _, _ = _adam_run()
+    indicators = Indicators(lag_threshold=0.5)
+    _, want, want_total = indicators.measure(opt)
+    kept = {id(p): (opt.state[p].pop("exp_avg_sq").flatten(), int(opt.state[p].pop("step")))  # flat, as stores keep it
+            for p in model.parameters()}
+    _, lags, total = indicators.measure(opt)
+    assert float(total) == 0.0 and indicators.lag_unmeasured is not None  # none in the optimizer's state
+    _, lags, total = indicators.measure(opt, moments=kept)
+    assert lags.tolist() == pytest.approx(want.tolist()) and float(total) == pytest.approx(float(want_total))
+    assert float(total) > 0
+    assert indicators.lag_unmeasured is None
+
+
+def test_measure_says_why_it_measured_no_adam_lag():
+    """An optimizer without Adam's second moment (SGD), or parameters that hold no gradient after the step (compact
+    weights free each one as they step it), measure no lag: ``lag_unmeasured`` says why (a logged 0 read as 'no
+    lag')."""
+    model, opt, _, _ = _adam_run()
+    indicators = Indicators()
+    indicators.measure(opt)
+    assert indicators.lag_unmeasured is None
+    opt.zero_grad()
+    indicators.measure(opt)
+    assert "holds a gradient" in indicators.lag_unmeasured
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    sgd.step()
+    indicators.measure(sgd)
+    assert "exp_avg_sq" in indicators.lag_unmeasured
+
+
 def test_measure_without_snapshot_or_adam_state_gives_zeros():
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

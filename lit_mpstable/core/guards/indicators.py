@@ -15,7 +15,10 @@ Four statistics (DESIGN "Fingerprints and leading indicators"):
 - **Adam lag** (``mp/adam_lag_frac``): the fraction of coordinates whose squared gradient is below ``lag_threshold``
   times Adam's bias-corrected second moment, g^2 < threshold * v_hat (arXiv 2506.04805: spikes follow a regime where
   v_hat lags, g^2 << v_hat, so a later rise of g meets a stale, small denominator). Read from the optimizer's
-  ``exp_avg_sq`` and ``step`` after the step; optimizers without them (SGD) are skipped.
+  ``exp_avg_sq`` and ``step`` after the step (or from a weight keeper's BF16/FP8 moments, given to
+  :meth:`Indicators.measure`), and the gradient the parameter still holds; parameters without them (SGD's, or
+  compact weights', whose step frees each gradient) are skipped. Where none is left, the fraction is no value:
+  :attr:`Indicators.lag_unmeasured` says why (OverflowMonitor then does not log it).
 - **attention logit** (``mp/attn_logit_max``): the largest q.k/sqrt(d) per head, for modules that opt in through
   :class:`AttentionLogits` (``nn.MultiheadAttention`` and callers of ``F.scaled_dot_product_attention``).
 - **SpikeScore** (``mp/spike_score``): OLMo-core's definition. A step is a spike when its loss or its gradient norm
@@ -38,7 +41,7 @@ infinitely many times it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -492,6 +495,9 @@ class Indicators:
         """Logging steps judged so far (the Adam-lag rule waits for ``baseline`` of them: Adam's first steps lag)."""
         self.above = {"update_ratio": False, "adam_lag": False}
         """Whether each indicator was above its limit at the last logging step (a warning fires on each crossing)."""
+        self.lag_unmeasured: str | None = None
+        """Why the last :meth:`measure` measured the Adam lag of no parameter (its 0 is then no value); None where
+        it measured one."""
         self._before: list[torch.Tensor] | None = None
 
     # -- device side
@@ -517,10 +523,15 @@ class Indicators:
         """Copy the optimizer's parameters before the step of a logging step (the update ratio's 'before')."""
         self._before = [p.detach().clone() for p in _params(optimizer)]
 
-    def measure(self, optimizer: Optimizers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def measure(self, optimizer: Optimizers, moments: Mapping[int, tuple[torch.Tensor, Any]] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After the step: per parameter tensor, the update ratio (0 without a snapshot, or where the tensor was all
         zeros before the step: it has none) and the Adam-lag fraction (0 where no Adam state), and the global lag
-        fraction; device tensors, nothing read.
+        fraction; device tensors, nothing read. Where no parameter's lag could be measured, :attr:`lag_unmeasured`
+        says why (decided on the host, from what the parameters and states hold).
+
+        ``moments``: Adam's second moment (any shape of the parameter's size) and step count by parameter id, for
+        parameters whose moments a weight keeper holds outside ``optimizer.state`` (BF16/FP8 moments).
 
         Seven multi-tensor (``torch._foreach_*``) passes over all parameters, no per-parameter arithmetic: three for
         the update ratio (the update is p_before - p_after, computed in the snapshot's own memory), four for the lag
@@ -542,16 +553,24 @@ class Indicators:
         # slow on CPUs). The non-positive differences are made 0 and the positive 1 (clamp, sign: NaN gives 0, not
         # lagging, as a comparison would) and counted as a squared norm (exact below 2**22 coordinates a tensor).
         used, grads, seconds, steps, betas = [], [], [], [], []
+        adam = 0  # parameters with Adam's second moment and step count
         for i, (opt, group, p) in enumerate(entries):
             state = opt.state.get(p, {})
-            v, step = state.get("exp_avg_sq"), state.get("step")
-            if p.grad is None or v is None or step is None or v.shape != p.shape:
+            v, step = moments[id(p)] if moments is not None and id(p) in moments else (state.get("exp_avg_sq"),
+                                                                                          state.get("step"))
+            if v is None or step is None or v.numel() != p.numel():
+                continue
+            adam += 1
+            if p.grad is None:
                 continue
             used.append(i)
             grads.append(_fp32(p.grad.detach()))
-            seconds.append(_fp32(v))
+            seconds.append(_fp32(v).view(p.shape))
             steps.append(step)
             betas.append(float(group.get("betas", (0.9, 0.999))[1]))
+        self.lag_unmeasured = (
+            None if used else "no parameter holds a gradient after the optimizer step" if adam
+            else "the optimizer's state holds no Adam second moment (exp_avg_sq) and step count")
         lag = torch.zeros(len(params), device=device)
         if grads:
             where = steps[0].device if isinstance(steps[0], torch.Tensor) else torch.device("cpu")
