@@ -293,8 +293,8 @@ class OverflowMonitor(PluginCallback):
         stepped: dict[str, torch.Tensor] = dict(pl_module.named_parameters())
         if self._plugin.master is not None:
             stepped.update(self._plugin.master.fp32_weights())
-        return {id(stepped[name]): (v.read(), moments.steps[name]) for name, (_, v) in moments.stores.items()
-                if name in stepped}
+        return {id(stepped[name]): (v.read().view(stepped[name].shape), moments.steps[name])  # stores are flat
+                for name, (_, v) in moments.stores.items() if name in stepped}
 
     def _lag_note(self) -> str:
         assert self.indicators is not None and self.indicators.lag_unmeasured is not None

@@ -530,7 +530,7 @@ class Indicators:
         fraction; device tensors, nothing read. Where no parameter's lag could be measured, :attr:`lag_unmeasured`
         says why (decided on the host, from what the parameters and states hold).
 
-        ``moments``: Adam's second moment (any shape of the parameter's size) and step count by parameter id, for
+        ``moments``: Adam's second moment (of the parameter's shape) and step count by parameter id, for
         parameters whose moments a weight keeper holds outside ``optimizer.state`` (BF16/FP8 moments).
 
         Seven multi-tensor (``torch._foreach_*``) passes over all parameters, no per-parameter arithmetic: three for
@@ -558,14 +558,14 @@ class Indicators:
             state = opt.state.get(p, {})
             v, step = moments[id(p)] if moments is not None and id(p) in moments else (state.get("exp_avg_sq"),
                                                                                           state.get("step"))
-            if v is None or step is None or v.numel() != p.numel():
+            if v is None or step is None or v.shape != p.shape:
                 continue
             adam += 1
             if p.grad is None:
                 continue
             used.append(i)
             grads.append(_fp32(p.grad.detach()))
-            seconds.append(_fp32(v).view(p.shape))
+            seconds.append(_fp32(v))
             steps.append(step)
             betas.append(float(group.get("betas", (0.9, 0.999))[1]))
         self.lag_unmeasured = (
