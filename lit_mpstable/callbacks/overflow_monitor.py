@@ -29,6 +29,8 @@ from lit_mpstable.callbacks._common import (
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
 from lit_mpstable.core.guards.growth_stats import WEIGHT_FLUSH_LIMIT
 from lit_mpstable.core.guards.indicators import AttentionLogits, Indicators, parameter_names
+from lit_mpstable.core.weights.moment_keeper import AdamMoments
+from lit_mpstable.frontends.common import StableFrontEnd
 
 ATTENTION_WARN = 100.0
 """A head whose max attention logit passes it is named in a warning (QKClip's default threshold)."""
@@ -49,7 +51,10 @@ class OverflowMonitor(PluginCallback):
     names picks the SDPA callers). They are device-side statistics measured on logging steps (the parameters are
     copied before a logging step's optimizer step for the update ratio; the SpikeScore's windows advance each step
     without a host read) and read in one host read per logging step, after a MAX all-reduce (the same values, so the
-    same warnings, on every rank). A warning names the layer and the indicator.
+    same warnings, on every rank). A warning names the layer and the indicator. ``mp/adam_lag_frac`` reads the moments
+    wherever they are (the optimizer's state, torchao's quantized states, StablePrecision's BF16/FP8 moments); where
+    no parameter's lag can be measured (SGD; ``master_weights="kahan"``/``"stochastic"``, whose step frees each
+    gradient) it is not logged, and one warning says why.
 
     The window lives in a torchmetrics ring buffer (:class:`WindowedCounts`: overflows, skipped steps and steps
     per stepping batch, summed across processes); per step the callback only writes three scalars into it. The
@@ -113,6 +118,8 @@ class OverflowMonitor(PluginCallback):
         self._stats_step: Any = None  # the plugin's stats_step at the last batch end: telemetry is looked at once
         self.growth_warned: set[str] = set()
         """Layers already named by a growth warning (the plugin's ``runaway_layers()``)."""
+        self.lag_warned = False
+        """Whether the warning that ``mp/adam_lag_frac`` cannot be measured (and is not logged) was given."""
 
     @cached_property  # the constructor's arguments: Lightning reads the key at every hook of every step
     def state_key(self) -> str:
@@ -135,6 +142,13 @@ class OverflowMonitor(PluginCallback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_end(trainer, pl_module)
+        if self.attention_logits is not None:
+            self.attention_logits.remove()
+            self.attention_logits = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Disarm the attention recorder: an exception that passed torch's forward hooks (a KeyboardInterrupt) left
+        ``F.scaled_dot_product_attention`` wrapped, for every later call in the process."""
         if self.attention_logits is not None:
             self.attention_logits.remove()
             self.attention_logits = None
@@ -219,7 +233,7 @@ class OverflowMonitor(PluginCallback):
         parts, names = [], []
         if self.indicators is not None:
             optimizers = trainer.optimizers
-            ratios, lags, lag_total = self.indicators.measure(optimizers)
+            ratios, lags, lag_total = self.indicators.measure(optimizers, self._kept_moments(pl_module))
             names = parameter_names(pl_module, optimizers)
             parts += [ratios.float(), lags.float(), lag_total.float().reshape(1)]
             if self.indicators.spike_score is not None:
@@ -242,7 +256,11 @@ class OverflowMonitor(PluginCallback):
             values = values[2 * n + 1:]
             if n:
                 metrics["mp/update_ratio_max"] = max(ratio_v)
-                metrics["mp/adam_lag_frac"] = lag_total_v
+                if self.indicators.lag_unmeasured is None:  # else its 0 would read as 'no lag'
+                    metrics["mp/adam_lag_frac"] = lag_total_v
+                elif not self.lag_warned:
+                    self.lag_warned = True
+                    rank_zero_warn(f"OverflowMonitor: mp/adam_lag_frac is not logged: {self._lag_note()}.")
             if self.indicators.spike_score is not None:
                 metrics["mp/spike_score"], values = values[0], values[1:]
             warnings += self.indicators.judge(ratio_v, lag_v, lag_total_v, names, trainer.global_step)
@@ -261,6 +279,30 @@ class OverflowMonitor(PluginCallback):
         for text in warnings:
             rank_zero_warn(f"OverflowMonitor at step {trainer.global_step}, leading indicator: {text}. A loss spike may"
                            " follow: consider a lower learning rate or QKClip (docs/spikes-and-triage.md).")
+
+    def _kept_moments(self, pl_module: pl.LightningModule) -> dict[int, tuple[torch.Tensor, int]] | None:
+        """Adam's second moments (FP32 values) and step counts that StablePrecision's weight keeper holds outside the
+        optimizer (``optimizer_state="bf16"``/``"fp8"``), by the id of the parameter the optimizer steps (the FP32
+        master, or the model's own); None where the optimizer's state holds them."""
+        if not isinstance(self._plugin, StableFrontEnd):
+            return None
+        keeper = self._plugin.stepper.keeper
+        moments = getattr(keeper, "moments", None)  # FP32 masters' and compact weights' (not the protocol's)
+        if not isinstance(moments, AdamMoments):
+            return None
+        stepped: dict[str, torch.Tensor] = dict(pl_module.named_parameters())
+        if self._plugin.master is not None:
+            stepped.update(self._plugin.master.fp32_weights())
+        return {id(stepped[name]): (v.read().view(stepped[name].shape), moments.steps[name])  # stores are flat
+                for name, (_, v) in moments.stores.items() if name in stepped}
+
+    def _lag_note(self) -> str:
+        assert self.indicators is not None and self.indicators.lag_unmeasured is not None
+        mode = self._plugin.stepper.keeper.mode if isinstance(self._plugin, StableFrontEnd) else None
+        if mode in ("kahan", "stochastic"):
+            return (f"master_weights={mode!r} frees each gradient as it steps it, so the lag (g^2 against Adam's v_hat"
+                    " after the step) has no g to read; master_weights=True measures it")
+        return self.indicators.lag_unmeasured
 
     def _warn_growth(self, trainer: pl.Trainer) -> None:
         """Warn once per new set of layers the plugin's growth monitor names (``runaway_layers``)."""

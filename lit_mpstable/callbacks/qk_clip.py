@@ -14,7 +14,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lit_mpstable.callbacks._common import check, strict_keys
-from lit_mpstable.core.guards.indicators import AttentionLogits, qk_weights
+from lit_mpstable.core.guards.indicators import AttentionLogits, has_qk_projections, qk_weights
+
+HEAD_COUNTS = ("n_heads", "num_heads", "n_head", "num_attention_heads")
+"""The int attributes a module's head count is read from, in this order (the zoo's, torch's, nanoGPT's, Hugging
+Face's)."""
 
 
 class QKClip(pl.Callback):
@@ -30,9 +34,13 @@ class QKClip(pl.Callback):
     - ``nn.MultiheadAttention``: the first and second ``embed_dim`` rows of ``in_proj_weight`` (or ``q_proj_weight``,
       ``k_proj_weight``), ``head_dim`` rows a head;
     - a module with an ``nn.Linear`` child ``qkv`` (rows: all of q, then k, then v; ``head_dim`` rows a head, as
-      ``lit_mpstable.app.zoo.GPT``'s blocks) or children ``q_proj`` and ``k_proj``, and an int attribute ``n_heads`` or
-      ``num_heads``, calling ``F.scaled_dot_product_attention`` in its forward. Grouped keys (fewer key than query
-      heads) are refused.
+      ``lit_mpstable.app.zoo.GPT``'s blocks) or children ``q_proj`` and ``k_proj``, and an int head count (an
+      attribute of :data:`HEAD_COUNTS`: ``n_heads``, ``num_heads``, ``n_head`` or ``num_attention_heads``), calling
+      ``F.scaled_dot_product_attention`` in its forward. Grouped keys (fewer key than query heads) are refused.
+
+    A module with such projections that it cannot clip (no head count, grouped keys), or a model with no attention
+    module it recognises, is named in a warning at fit start: ``OverflowMonitor(attention=True)`` records the logits
+    of every module with those projections, so it may log logits above the threshold that QKClip leaves alone.
 
     It edits the module's parameters in place: the weights the optimizer steps. Under ``StablePrecision`` with FP32
     master weights the optimizer steps copies, which would overwrite the edit: QKClip then warns once and does
@@ -76,10 +84,16 @@ class QKClip(pl.Callback):
         for name in chosen:
             target = _target(named[name]) if name in named else None
             check(target is not None, f"QKClip(modules=[..., {name!r}, ...])",
-                  "is not an nn.MultiheadAttention nor a module with a qkv (or q_proj and k_proj) nn.Linear and"
-                  " n_heads/num_heads" + ("" if name in named else ": no module has that name") + ".")
+                  "is not an nn.MultiheadAttention nor a module with a qkv (or q_proj and k_proj) nn.Linear and an"
+                  f" int {' / '.join(HEAD_COUNTS)}" + ("" if name in named else ": no module has that name") + ".")
             assert target is not None
             self.targets[name] = target
+        if self.modules is None:
+            unclipped = {n: m for n, m in named.items() if has_qk_projections(m) and n not in self.targets}
+            if unclipped or not self.targets:
+                rank_zero_warn(_unclipped_note(unclipped, list(self.targets)))
+            if not self.targets:
+                return
         stepped = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
         if any(id(t.weights[0]) not in stepped for t in self.targets.values()):
             self._inactive = True
@@ -95,6 +109,11 @@ class QKClip(pl.Callback):
         if self.recorder is not None:
             self.recorder.remove()
             self.recorder = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """As :meth:`on_fit_end`: an exception that passed torch's forward hooks (a KeyboardInterrupt) left
+        ``F.scaled_dot_product_attention`` wrapped, for every later call in the process."""
+        self.on_fit_end(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.recorder is not None:
@@ -150,8 +169,8 @@ def _target(module: nn.Module) -> _Target | None:
         base = module.in_proj_weight if module.in_proj_weight is not None else module.q_proj_weight
         assert base is not None
         return _Target(q, k, heads, [base])
-    heads = getattr(module, "n_heads", getattr(module, "num_heads", None))
-    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+    heads = _head_count(module)
+    if heads is None:
         return None
     children = dict(module.named_children())
     qkv, q_proj, k_proj = children.get("qkv"), children.get("q_proj"), children.get("k_proj")
@@ -167,3 +186,30 @@ def _target(module: nn.Module) -> _Target | None:
         k = [k_proj.weight] + ([k_proj.bias] if k_proj.bias is not None else [])
         return _Target(q, k, heads, [q_proj.weight, k_proj.weight])
     return None
+
+
+def _head_count(module: nn.Module) -> int | None:
+    heads = next((getattr(module, name) for name in HEAD_COUNTS if hasattr(module, name)), None)
+    return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads >= 1 else None
+
+
+def _unclipped_note(unclipped: dict[str, nn.Module], clipped: list[str]) -> str:
+    """The fit-start warning: the modules with q/k projections QKClip cannot clip, each with its cause."""
+    causes = []
+    for name, module in unclipped.items():
+        children = dict(module.named_children())
+        q_proj, k_proj = children.get("q_proj"), children.get("k_proj")
+        if (_head_count(module) is not None and isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear)
+                and q_proj.out_features != k_proj.out_features):
+            causes.append(f"{name!r}: grouped keys (a key head serves several query heads, so its W_k rows cannot be"
+                          " rescaled per query head)")
+        else:
+            causes.append(f"{name!r}: no int head count (an attribute {' / '.join(HEAD_COUNTS)}); set one on it,"
+                          " e.g. self.n_heads = n_heads")
+    if clipped:
+        return f"QKClip clips {clipped} but not " + "; ".join(causes) + "."
+    if causes:
+        return "QKClip does nothing: it can clip no attention module of the model; " + "; ".join(causes) + "."
+    return ("QKClip does nothing: the model has no nn.MultiheadAttention and no module calling"
+            " F.scaled_dot_product_attention with an nn.Linear child qkv (q, then k, then v rows) or children q_proj"
+            " and k_proj, and an int head count (an attribute " + " / ".join(HEAD_COUNTS) + ").")

@@ -267,3 +267,74 @@ def test_a_step_skipped_for_inf_nan_is_no_spike_and_leaves_the_windows_seeing():
     for monitor in (clean, overflowed):
         state = monitor.state_dict()["indicators"]["spike_score"]
         assert state["spikes"] == 0.0 and all(torch.isfinite(torch.tensor(state["history"])).flatten())
+
+
+class GroupedBlock(nn.Module):
+    """Llama's attention layout: 4 query heads share 2 key/value heads (``enable_gqa``); ``stop`` raises after the
+    attention when set."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d // 2), nn.Linear(d, d // 2)
+        self.stop: BaseException | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q = self.q_proj(x).view(b, t, 4, d // 4).transpose(1, 2)
+        k, v = (proj(x).view(b, t, 2, d // 4).transpose(1, 2) for proj in (self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.stop is not None:
+            raise self.stop
+        return out.transpose(1, 2).reshape(b, t, d)
+
+
+def test_grouped_query_attention_is_measured_per_query_head():
+    """It once died at the first logging step: 4 query heads met 2 key heads in q.k^T."""
+    task = AttentionTask()
+    task.block = GroupedBlock()
+    monitor = OverflowMonitor(log_every_n_steps=2, attention=True)
+    _, rows = _fit(monitor, 2, task)
+    assert len(monitor.latest_attention["block"]) == 4  # one value a query head (the values: test_indicators.py)
+    assert rows[1]["mp/attn_logit_max"] == max(monitor.latest_attention["block"])
+
+
+class _Stop(BaseException):
+    """Passes torch's forward hooks, as a KeyboardInterrupt does; Lightning hands it to on_exception, then raises it."""
+
+
+def test_a_fit_that_raises_in_a_watched_forward_leaves_torchs_function_in_place():
+    task = AttentionTask()
+    task.block = GroupedBlock()
+    task.block.stop = _Stop()
+    with pytest.raises(_Stop):
+        _fit(OverflowMonitor(log_every_n_steps=1, attention=True), 2, task)
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+def _lag_run(**plugin_kwargs) -> tuple[list[dict[str, float]], list[str]]:
+    logged = Logged()
+    monitor = OverflowMonitor(log_every_n_steps=2, indicators=Indicators(spike_score=False))
+    trainer = make_trainer(StablePrecision("bf16-true", **plugin_kwargs), max_steps=4, callbacks=[monitor, logged])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(AttentionTask())
+    return logged.rows, [str(w.message) for w in caught if "adam_lag_frac" in str(w.message)]
+
+
+@pytest.mark.parametrize("state", ["bf16", "fp8"])
+def test_adam_lag_reads_the_moments_the_weight_keeper_holds(state):
+    """With BF16/FP8 moments the keeper steps Adam itself and optimizer.state holds none: the lag read 0.0 at every
+    logging step, so its warning could never fire."""
+    reference, _ = _lag_run(master_weights=True)
+    rows, notes = _lag_run(master_weights=True, optimizer_state=state)
+    assert reference[3]["mp/adam_lag_frac"] > 0 and notes == []
+    assert rows[3]["mp/adam_lag_frac"] == pytest.approx(reference[3]["mp/adam_lag_frac"], abs=0.05)
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_adam_lag_that_cannot_be_measured_is_not_logged_and_says_why(mode):
+    """Compact weights free each gradient as they step it: the lag, g^2 against v_hat after the step, has no g. It
+    logged 0.0 ('no lag'); now it is left out, with one warning."""
+    rows, notes = _lag_run(master_weights=mode)
+    assert "mp/adam_lag_frac" not in rows[1] and "mp/update_ratio_max" in rows[3] and "mp/adam_lag_frac" not in rows[3]
+    assert len(notes) == 1 and mode in notes[0], notes

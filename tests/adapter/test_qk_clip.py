@@ -148,3 +148,72 @@ def test_state_round_trips_and_is_checked():
     assert int(other.heads_clipped) == 7
     with pytest.raises(ValueError):
         other.load_state_dict({"heads_clipped": -1})
+
+
+class _Stop(BaseException):
+    """Passes torch's forward hooks, as a KeyboardInterrupt does; Lightning hands it to on_exception, then raises it."""
+
+
+class _Stopping(_Fused):
+    def forward(self, x):
+        super().forward(x)
+        raise _Stop
+
+
+def test_a_fit_that_raises_in_a_clipped_forward_leaves_torchs_function_in_place():
+    with pytest.raises(_Stop):
+        make_trainer(max_steps=1, callbacks=[QKClip()]).fit(_Task(_Stopping()))
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+class _HeadsAs(nn.Module):
+    """_Fused's layout (2 heads) with the head count under the attribute ``name`` (nanoGPT's is ``n_head``)."""
+
+    def __init__(self, name):
+        super().__init__()
+        setattr(self, name, 2)
+        self.qkv = nn.Linear(8, 24)
+
+    def qk(self, x):
+        q, k, _ = self.qkv(x).view(*x.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return q, k
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
+
+
+@pytest.mark.parametrize("name", ["n_head", "num_attention_heads"])
+def test_nanogpts_and_hugging_faces_head_counts_are_read(name):
+    attention = _HeadsAs(name)
+    task = _Task(attention)
+    clip = QKClip(threshold=1e-3)
+    make_trainer(max_steps=1, callbacks=[clip]).fit(task)
+    assert list(clip.targets) == ["attention"] and int(clip.heads_clipped) == 2
+    assert _head_max(attention, task.x).max() <= 1e-3 * (1 + 1e-4)
+
+
+class _Grouped(nn.Module):
+    """Grouped keys: 2 query heads share 1 key head."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads = 2
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, 2, 4).transpose(1, 2)
+        k, v = (proj(x).view(b, t, 1, 4).transpose(1, 2) for proj in (self.k_proj, self.v_proj))
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2).reshape(b, t, 8)
+
+
+@pytest.mark.parametrize(("layout", "cause"), [(lambda: _HeadsAs("heads"), "n_heads"), (_Grouped, "grouped keys")],
+                         ids=["no head count", "grouped keys"])
+def test_an_attention_module_it_cannot_clip_is_named_in_one_warning(layout, cause):
+    """It used to say nothing and clip nothing, while OverflowMonitor(attention=True) logged the module's logits."""
+    task = _Task(layout())
+    with pytest.warns(UserWarning, match="QKClip does nothing") as caught:
+        make_trainer(max_steps=2, callbacks=[QKClip(threshold=1e-3)]).fit(task)
+    texts = [str(w.message) for w in caught if "QKClip" in str(w.message)]
+    assert len(texts) == 1 and "'attention'" in texts[0] and cause in texts[0], texts

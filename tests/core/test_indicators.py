@@ -220,6 +220,57 @@ def test_adam_lag_with_the_step_counts_on_the_gpu_matches_a_plain_computation():
     assert opt.state[model.weight]["step"].is_cuda and lags.tolist() == pytest.approx(want)
 
 
+def test_adam_lag_reads_torchaos_quantized_second_moments():
+    """torchao's 8-bit Adams keep exp_avg_sq as an OptimState8bit (codes and scales, which the multi-tensor ops do not
+    take: measure raised NotImplementedError); its lag is read from the dequantized moment."""
+    subclass_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
+    model, opt, _, _ = _adam_run()
+    state = opt.state[model[0].weight]
+    quantized = subclass_8bit.OptimState8bit.zeros(state["exp_avg_sq"].shape, signed=False, block_size=32)
+    quantized.copy_(state["exp_avg_sq"])  # as torchao's AdamW8bit keeps it (its step compiles: seconds on a CPU)
+    state["exp_avg_sq"] = quantized
+    _, lags, _ = Indicators(lag_threshold=0.5).measure(opt)
+    want = []
+    for p in model.parameters():
+        v = opt.state[p]["exp_avg_sq"]
+        v_hat = (v.dequantize() if v is quantized else v) / (1 - 0.99 ** float(opt.state[p]["step"]))
+        want.append(float((p.grad.square() < 0.5 * v_hat).float().mean()))
+    assert lags.tolist() == pytest.approx(want) and lags[0] > 0
+
+
+def test_adam_lag_reads_second_moments_kept_outside_the_optimizer():
+    """BF16/FP8 moments live in the weight keeper, not in optimizer.state: given as ``moments`` (by parameter id, each
+    with its step count), they are measured as the optimizer's own would be."""
+    model, opt, _, _ = _adam_run()
+    indicators = Indicators(lag_threshold=0.5)
+    _, want, want_total = indicators.measure(opt)
+    kept = {id(p): (opt.state[p].pop("exp_avg_sq"), int(opt.state[p].pop("step"))) for p in model.parameters()}
+    _, lags, total = indicators.measure(opt)
+    assert float(total) == 0.0 and indicators.lag_unmeasured is not None  # none in the optimizer's state
+    _, lags, total = indicators.measure(opt, moments=kept)
+    assert lags.tolist() == pytest.approx(want.tolist()) and float(total) == pytest.approx(float(want_total))
+    assert float(total) > 0
+    assert indicators.lag_unmeasured is None
+
+
+def test_measure_says_why_it_measured_no_adam_lag():
+    """An optimizer without Adam's second moment (SGD), or parameters that hold no gradient after the step (compact
+    weights free each one as they step it), measure no lag: ``lag_unmeasured`` says why (a logged 0 read as 'no
+    lag')."""
+    model, opt, _, _ = _adam_run()
+    indicators = Indicators()
+    indicators.measure(opt)
+    assert indicators.lag_unmeasured is None
+    opt.zero_grad()
+    indicators.measure(opt)
+    assert "holds a gradient" in indicators.lag_unmeasured
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    sgd.step()
+    indicators.measure(sgd)
+    assert "exp_avg_sq" in indicators.lag_unmeasured
+
+
 def test_measure_without_snapshot_or_adam_state_gives_zeros():
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -368,3 +419,57 @@ def test_two_recorders_on_one_model_both_record_and_the_function_is_restored():
         model(x)
         assert F.scaled_dot_product_attention is original
     assert torch.equal(first.take()["0"], second.take()["0"])
+
+
+class _GroupedQueryAttention(nn.Module):
+    """Llama's layout: 4 query heads share 2 key/value heads (``enable_gqa``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def qkv(self, x):
+        return (self.q_proj(x).view(2, 6, 4, 2).transpose(1, 2), self.k_proj(x).view(2, 6, 2, 2).transpose(1, 2),
+                self.v_proj(x).view(2, 6, 2, 2).transpose(1, 2))
+
+    def forward(self, x):
+        return F.scaled_dot_product_attention(*self.qkv(x), is_causal=True, enable_gqa=True)
+
+
+def test_attention_logits_of_grouped_query_attention_are_per_query_head():
+    torch.manual_seed(0)
+    model = nn.Sequential(_GroupedQueryAttention())
+    rec = AttentionLogits(model)
+    rec.armed = True
+    x = torch.randn(2, 6, 8)
+    model(x)
+    q, k, _ = model[0].qkv(x)
+    k = k.repeat_interleave(2, dim=1)  # query heads 0, 1 read key head 0; 2, 3 read key head 1 (as SDPA does)
+    want = _reference_logits(q, k, torch.ones(6, 6, dtype=torch.bool).tril()).amax(dim=(0, 2, 3))
+    assert torch.allclose(rec.take()["0"], want, atol=1e-5)
+
+
+class _Failing(_SdpaAttention):
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def forward(self, x):
+        super().forward(x)
+        raise self.error
+
+
+def test_a_forward_that_raises_leaves_the_function_restored():
+    """An exception restores torch's function at once (the leaving hook always runs); a KeyboardInterrupt, which
+    skips torch's hooks, when the recorder is disarmed (the callbacks do it in on_exception)."""
+    original = torch._C._nn.scaled_dot_product_attention  # torch's own, whatever F holds
+    for error in (RuntimeError("out of memory"), KeyboardInterrupt()):
+        model = nn.Sequential(_Failing(error))
+        rec = AttentionLogits(model)
+        rec.armed = True
+        with pytest.raises(type(error)):
+            model(torch.randn(2, 6, 8))
+        if isinstance(error, KeyboardInterrupt):
+            rec.armed = False
+        assert F.scaled_dot_product_attention is original
+        rec.remove()

@@ -15,7 +15,10 @@ Four statistics (DESIGN "Fingerprints and leading indicators"):
 - **Adam lag** (``mp/adam_lag_frac``): the fraction of coordinates whose squared gradient is below ``lag_threshold``
   times Adam's bias-corrected second moment, g^2 < threshold * v_hat (arXiv 2506.04805: spikes follow a regime where
   v_hat lags, g^2 << v_hat, so a later rise of g meets a stale, small denominator). Read from the optimizer's
-  ``exp_avg_sq`` and ``step`` after the step; optimizers without them (SGD) are skipped.
+  ``exp_avg_sq`` and ``step`` after the step (or from a weight keeper's BF16/FP8 moments, given to
+  :meth:`Indicators.measure`), and the gradient the parameter still holds; parameters without them (SGD's, or
+  compact weights', whose step frees each gradient) are skipped. Where none is left, the fraction is no value:
+  :attr:`Indicators.lag_unmeasured` says why (OverflowMonitor then does not log it).
 - **attention logit** (``mp/attn_logit_max``): the largest q.k/sqrt(d) per head, for modules that opt in through
   :class:`AttentionLogits` (``nn.MultiheadAttention`` and callers of ``F.scaled_dot_product_attention``).
 - **SpikeScore** (``mp/spike_score``): OLMo-core's definition. A step is a spike when its loss or its gradient norm
@@ -38,7 +41,7 @@ infinitely many times it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -188,10 +191,14 @@ class SpikeScore:
 def _masked_logit_max(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask: torch.Tensor | None,
                       is_causal: bool) -> torch.Tensor:
     """Per head, the largest scaled logit q.k * scale over the pairs the mask allows. ``q``: (..., H, L, d), ``k``:
-    (..., H, S, d); returns (H,). A boolean mask allows where True; a float mask is added, as SDPA does.
+    (..., H, S, d), or (..., H / G, S, d) with grouped keys (SDPA's ``enable_gqa``: query heads g*G to g*G + G - 1
+    read key head g); returns (H,). A boolean mask allows where True; a float mask is added, as SDPA does.
 
     One product q.k^T, edited in place: the causal mask is added as a cached 0/-inf bias, and a positive scale is
     applied to the maxima (rounding is monotone, so max(x) * s == max(x * s)) rather than to every logit."""
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    if kv_heads != heads:  # each key head repeated for its group of query heads, as SDPA's enable_gqa does
+        k = k.unsqueeze(-3).expand(*k.shape[:-2], heads // kv_heads, *k.shape[-2:]).flatten(-4, -3)
     # In FP32 whatever autocast is on (an FP16 product would make a logit above 65504 inf); contiguous q and k: a
     # batched product of strided views (q, k sliced from one qkv projection) is several times slower on CPUs.
     with torch.autocast(q.device.type, enabled=False):
@@ -238,9 +245,9 @@ class AttentionLogits:
     - ``F.scaled_dot_product_attention`` called inside the forward of a module in ``sdpa_modules`` (names; default:
       every module with a ``qkv`` child or ``q_proj`` and ``k_proj`` children, the layouts :class:`QKClip` repairs):
       while such a module runs on an armed step, ``torch.nn.functional.scaled_dot_product_attention`` is wrapped to
-      record q.k*scale of its q and k (with its ``attn_mask``, ``is_causal`` and ``scale``) before attending. Code that
-      imported the function under another name (``from torch.nn.functional import scaled_dot_product_attention``) is
-      not seen.
+      record q.k*scale of its q and k (with its ``attn_mask``, ``is_causal`` and ``scale``; grouped keys, its
+      ``enable_gqa``, per query head) before attending. Code that imported the function under another name
+      (``from torch.nn.functional import scaled_dot_product_attention``) is not seen.
 
     It measures only while :attr:`armed` (a logging step, or every step for QKClip); :meth:`take` returns the maxima
     since the last take, per module name, as device tensors of shape (heads,), maxed over micro-batches.
@@ -249,7 +256,7 @@ class AttentionLogits:
     def __init__(self, model: nn.Module, sdpa_modules: Sequence[str] | None = None) -> None:
         named = dict(model.named_modules())
         if sdpa_modules is None:
-            sdpa_modules = [name for name, module in named.items() if _has_qk_projections(module)
+            sdpa_modules = [name for name, module in named.items() if has_qk_projections(module)
                             and not isinstance(module, nn.MultiheadAttention)]
         unknown = [name for name in sdpa_modules if name not in named]
         _check(not unknown, f"AttentionLogits(sdpa_modules={list(sdpa_modules)!r})",
@@ -278,12 +285,14 @@ class AttentionLogits:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
+            _SDPA.leave(self, every=True)  # a forward that raised past torch's hooks (KeyboardInterrupt) never left
             return
         for name, module in self._mha:
             self._handles.append(module.register_forward_pre_hook(self._mha_hook(name), with_kwargs=True))
         for name, module in self._sdpa:
             self._handles.append(module.register_forward_pre_hook(self._enter(name)))
-            self._handles.append(module.register_forward_hook(self._leave))
+            # always_call: a forward that raises (an OOM, a KeyboardInterrupt) must not leave torch's function wrapped
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
 
     def remove(self) -> None:
         """Disarm (remove the hooks); the recorder can be armed again."""
@@ -333,11 +342,13 @@ class _SdpaTap:
             self.real = F.scaled_dot_product_attention
             torch.nn.functional.scaled_dot_product_attention = self.sdpa  # type: ignore[assignment]
 
-    def leave(self, recorder: AttentionLogits) -> None:
+    def leave(self, recorder: AttentionLogits, *, every: bool = False) -> None:
+        """``recorder``'s innermost module returned; ``every``: all of its modules are left (it was disarmed)."""
         for index in range(len(self.active) - 1, -1, -1):
             if self.active[index][0] is recorder:
                 del self.active[index]
-                break
+                if not every:
+                    break
         if not self.active and self.real is not None:
             torch.nn.functional.scaled_dot_product_attention = self.real
             self.real = None
@@ -359,7 +370,9 @@ class _SdpaTap:
 _SDPA = _SdpaTap()
 
 
-def _has_qk_projections(module: nn.Module) -> bool:
+def has_qk_projections(module: nn.Module) -> bool:
+    """Whether ``module`` has an ``nn.Linear`` child ``qkv``, or children ``q_proj`` and ``k_proj``: an attention
+    layout :class:`AttentionLogits` watches by default."""
     children = dict(module.named_children())
     return isinstance(children.get("qkv"), nn.Linear) or (
         isinstance(children.get("q_proj"), nn.Linear) and isinstance(children.get("k_proj"), nn.Linear))
@@ -425,6 +438,8 @@ def _entries(optimizers: Optimizers) -> list[tuple[Optimizer, dict[str, Any], to
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
+    if type(t).dequantize is not torch.Tensor.dequantize:  # torchao's 8-bit, 4-bit and FP8 optimizer states hold
+        t = t.dequantize()  # codes and scales, which the multi-tensor ops do not take (and .float() keeps them)
     return t if t.dtype == torch.float32 and type(t) is torch.Tensor else t.float()
 
 
@@ -480,6 +495,9 @@ class Indicators:
         """Logging steps judged so far (the Adam-lag rule waits for ``baseline`` of them: Adam's first steps lag)."""
         self.above = {"update_ratio": False, "adam_lag": False}
         """Whether each indicator was above its limit at the last logging step (a warning fires on each crossing)."""
+        self.lag_unmeasured: str | None = None
+        """Why the last :meth:`measure` measured the Adam lag of no parameter (its 0 is then no value); None where
+        it measured one."""
         self._before: list[torch.Tensor] | None = None
 
     # -- device side
@@ -505,10 +523,15 @@ class Indicators:
         """Copy the optimizer's parameters before the step of a logging step (the update ratio's 'before')."""
         self._before = [p.detach().clone() for p in _params(optimizer)]
 
-    def measure(self, optimizer: Optimizers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def measure(self, optimizer: Optimizers, moments: Mapping[int, tuple[torch.Tensor, Any]] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After the step: per parameter tensor, the update ratio (0 without a snapshot, or where the tensor was all
         zeros before the step: it has none) and the Adam-lag fraction (0 where no Adam state), and the global lag
-        fraction; device tensors, nothing read.
+        fraction; device tensors, nothing read. Where no parameter's lag could be measured, :attr:`lag_unmeasured`
+        says why (decided on the host, from what the parameters and states hold).
+
+        ``moments``: Adam's second moment (of the parameter's shape) and step count by parameter id, for
+        parameters whose moments a weight keeper holds outside ``optimizer.state`` (BF16/FP8 moments).
 
         Seven multi-tensor (``torch._foreach_*``) passes over all parameters, no per-parameter arithmetic: three for
         the update ratio (the update is p_before - p_after, computed in the snapshot's own memory), four for the lag
@@ -530,16 +553,24 @@ class Indicators:
         # slow on CPUs). The non-positive differences are made 0 and the positive 1 (clamp, sign: NaN gives 0, not
         # lagging, as a comparison would) and counted as a squared norm (exact below 2**22 coordinates a tensor).
         used, grads, seconds, steps, betas = [], [], [], [], []
+        adam = 0  # parameters with Adam's second moment and step count
         for i, (opt, group, p) in enumerate(entries):
             state = opt.state.get(p, {})
-            v, step = state.get("exp_avg_sq"), state.get("step")
-            if p.grad is None or v is None or step is None or v.shape != p.shape:
+            v, step = moments[id(p)] if moments is not None and id(p) in moments else (state.get("exp_avg_sq"),
+                                                                                          state.get("step"))
+            if v is None or step is None or v.shape != p.shape:
+                continue
+            adam += 1
+            if p.grad is None:
                 continue
             used.append(i)
             grads.append(_fp32(p.grad.detach()))
             seconds.append(_fp32(v))
             steps.append(step)
             betas.append(float(group.get("betas", (0.9, 0.999))[1]))
+        self.lag_unmeasured = (
+            None if used else "no parameter holds a gradient after the optimizer step" if adam
+            else "the optimizer's state holds no Adam second moment (exp_avg_sq) and step count")
         lag = torch.zeros(len(params), device=device)
         if grads:
             where = steps[0].device if isinstance(steps[0], torch.Tensor) else torch.device("cpu")
