@@ -122,19 +122,15 @@ class TrainerPrecision(StableFrontEnd):
             return self._lbfgs_step(optimizer, model, closure, **kwargs)
         closure_result = closure()
         stepper = self.stepper
-        if closure_result is None and model.automatic_optimization:
-            # training_step returned None: this batch ran no backward (a window's earlier micro-batches may have)
-            return stepper.drop_batch_(optimizer, partial(self._checked_step, optimizer, model, kwargs))
+        if closure_result is None and model.automatic_optimization and not stepper.steps_without_backward(optimizer):
+            stepper.drop_batch_(optimizer)  # training_step returned None: no backward ran, nothing to step
+            return closure_result
         if stepper.skip_requested:  # a callback discarded this batch before backward
             return stepper.discard_(optimizer)
-        return self._checked_step(optimizer, model, kwargs)
-
-    def _checked_step(self, optimizer: Optimizer, model: Any, kwargs: dict[str, Any]) -> Any:
         # Order matters: unscale before on_before_optimizer_step and clipping, so both see true gradient values and
         # the clip threshold means what the user wrote (fused optimizers too: after unscale_ GradScaler hands them
         # found_inf and no grad_scale). With FP32 masters the hooks see them on the 16-bit parameters; whatever a
         # hook changes there goes back into the masters before the step.
-        stepper = self.stepper
         stepper.unscale_(optimizer)
         self._after_closure(model, optimizer)  # type: ignore[attr-defined]
         output = stepper.step(optimizer, **kwargs)

@@ -786,19 +786,20 @@ class PrecisionStepper:
         next one starts where the step did. Returns whether there was a copy to write back. No host read."""
         return self.step_buffers.restore_()
 
-    def drop_batch_(self, optimizer: Optimizer, step: Callable[[], Any] | None = None) -> Any:
-        """The user skipped the batch (``training_step`` returned None), as Lightning's own plugin of the precision
-        would: without a loss scaler ``optimizer`` steps on the gradients the window's earlier micro-batches
-        accumulated (Lightning's 32-true and bf16 step whatever the closure returned), through ``step`` where the
-        front end has its own (its hooks and clipping first, as for any step; else :meth:`step`); with one, or with
-        no gradients (nothing ran backward), they are forgotten (its 16-mixed skips GradScaler's step), nothing is
-        counted, and the LR schedule moves on as in Lightning's run (it holds on the steps this plugin skips).
-        Returns the step's output, if it stepped."""
-        if self.scaler is None and any(g is not None for g in _grads(self.keeper, optimizer)):
-            return step() if step is not None else self.step(optimizer)
+    def steps_without_backward(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` steps though this batch ran no backward (``training_step`` returned None), as
+        Lightning's own plugin of the precision would: without a loss scaler it steps on the gradients the window's
+        earlier micro-batches accumulated (its 32-true and bf16 step whatever the closure returned), hooks and
+        clipping first as for any step; with one (its 16-mixed skips GradScaler's step), or with no gradients, the
+        batch is dropped (:meth:`drop_batch_`)."""
+        return self.scaler is None and any(g is not None for g in _grads(self.keeper, optimizer))
+
+    def drop_batch_(self, optimizer: Optimizer) -> None:
+        """The user skipped the batch (``training_step`` returned None) and nothing steps
+        (:meth:`steps_without_backward`): its gradients forgotten, nothing counted, and ``optimizer``'s LR schedule
+        moves on as in Lightning's own run (it holds on the steps this plugin skips)."""
         self.drop_grads_(optimizer)
         self.schedules.release_(optimizer)
-        return None
 
     def drop_grads_(self, optimizer: Optimizer) -> None:
         """Forget this iteration's gradients of ``optimizer`` without counting a step (nothing ran backward)."""
