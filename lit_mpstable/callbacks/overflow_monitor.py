@@ -29,6 +29,7 @@ from lit_mpstable.callbacks._common import (
 from lit_mpstable.callbacks.precision_fallback import PrecisionFallback
 from lit_mpstable.core.guards.growth_stats import WEIGHT_FLUSH_LIMIT
 from lit_mpstable.core.guards.indicators import AttentionLogits, Indicators, parameter_names
+from lit_mpstable.core.weights.compact import CompactWeights
 from lit_mpstable.core.weights.moment_keeper import AdamMoments
 from lit_mpstable.frontends.common import StableFrontEnd
 
@@ -52,9 +53,9 @@ class OverflowMonitor(PluginCallback):
     copied before a logging step's optimizer step for the update ratio; the SpikeScore's windows advance each step
     without a host read) and read in one host read per logging step, after a MAX all-reduce (the same values, so the
     same warnings, on every rank). A warning names the layer and the indicator. ``mp/adam_lag_frac`` reads the moments
-    wherever they are (the optimizer's state, torchao's quantized states, StablePrecision's BF16/FP8 moments); where
-    no parameter's lag can be measured (SGD; ``master_weights="kahan"``/``"stochastic"``, whose step frees each
-    gradient) it is not logged, and one warning says why.
+    wherever they are (the optimizer's state, torchao's quantized states, StablePrecision's BF16/FP8 moments), and
+    with ``master_weights="kahan"``/``"stochastic"``, whose step frees each gradient, the gradients that step kept
+    for a logging step; where no parameter's lag can be measured (SGD) it is not logged, and one warning says why.
 
     The window lives in a torchmetrics ring buffer (:class:`WindowedCounts`: overflows, skipped steps and steps
     per stepping batch, summed across processes); per step the callback only writes three scalars into it. The
@@ -154,7 +155,8 @@ class OverflowMonitor(PluginCallback):
             self.attention_logits = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """Before a logging step's optimizer step: copy the parameters (update ratio), arm the attention hooks."""
+        """Before a logging step's optimizer step: copy the parameters (update ratio), have compact weights keep the
+        gradients they step with (Adam lag), arm the attention hooks."""
         if self.indicators is None and self.attention_logits is None:  # nothing to prepare: no per-step work
             return
         every = self.log_every_n_steps or self._log_every
@@ -162,6 +164,8 @@ class OverflowMonitor(PluginCallback):
             return
         if self.indicators is not None and self.indicators._before is None:
             self.indicators.snapshot_(trainer.optimizers)
+        if self.indicators is not None and (compact := self._compact()) is not None:
+            compact.keeps_stepped_grads = True
         if self.attention_logits is not None:
             self.attention_logits.armed = True
 
@@ -233,7 +237,10 @@ class OverflowMonitor(PluginCallback):
         parts, names = [], []
         if self.indicators is not None:
             optimizers = trainer.optimizers
-            ratios, lags, lag_total = self.indicators.measure(optimizers, self._kept_moments(pl_module))
+            compact = self._compact()
+            stepped = compact.take_stepped_grads() if compact is not None else None
+            ratios, lags, lag_total = self.indicators.measure(optimizers, self._kept_moments(pl_module), stepped)
+            del stepped  # the FP32 copies of the gradients, before the host read
             names = parameter_names(pl_module, optimizers)
             parts += [ratios.float(), lags.float(), lag_total.float().reshape(1)]
             if self.indicators.spike_score is not None:
@@ -260,7 +267,8 @@ class OverflowMonitor(PluginCallback):
                     metrics["mp/adam_lag_frac"] = lag_total_v
                 elif not self.lag_warned:
                     self.lag_warned = True
-                    rank_zero_warn(f"OverflowMonitor: mp/adam_lag_frac is not logged: {self._lag_note()}.")
+                    rank_zero_warn("OverflowMonitor: mp/adam_lag_frac is not logged:"
+                                   f" {self.indicators.lag_unmeasured}.")
             if self.indicators.spike_score is not None:
                 metrics["mp/spike_score"], values = values[0], values[1:]
             warnings += self.indicators.judge(ratio_v, lag_v, lag_total_v, names, trainer.global_step)
@@ -296,13 +304,10 @@ class OverflowMonitor(PluginCallback):
         return {id(stepped[name]): (v.read().view(stepped[name].shape), moments.steps[name])  # stores are flat
                 for name, (_, v) in moments.stores.items() if name in stepped}
 
-    def _lag_note(self) -> str:
-        assert self.indicators is not None and self.indicators.lag_unmeasured is not None
-        mode = self._plugin.stepper.keeper.mode if isinstance(self._plugin, StableFrontEnd) else None
-        if mode in ("kahan", "stochastic"):
-            return (f"master_weights={mode!r} frees each gradient as it steps it, so the lag (g^2 against Adam's v_hat"
-                    " after the step) has no g to read; master_weights=True measures it")
-        return self.indicators.lag_unmeasured
+    def _compact(self) -> CompactWeights | None:
+        """StablePrecision's compact weights (``master_weights="kahan"``/``"stochastic"``), else None."""
+        keeper = self._plugin.stepper.keeper if isinstance(self._plugin, StableFrontEnd) else None
+        return keeper if isinstance(keeper, CompactWeights) else None
 
     def _warn_growth(self, trainer: pl.Trainer) -> None:
         """Warn once per new set of layers the plugin's growth monitor names (``runaway_layers``)."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import TinyMLP, regression_data, stall_task
 from torch import nn
+from torch.nn import functional as F
 
 from lit_mpstable.core.weights.compact import CompactWeights, quantized_state_classes
 from lit_mpstable.core.weights.compact_rounding import stochastic_round
@@ -716,3 +717,41 @@ def test_cuda_step_has_no_host_sync_and_matches_the_cpu(mode: str) -> None:
         else:  # different generators: one BF16 ulp apart at most
             assert bool(((got - expected).abs() <= torch.finfo(torch.bfloat16).eps * expected.abs()).all()), name
     assert all(v.dtype == torch.bfloat16 for s in opt_cuda.state.values() for k, v in s.items() if k != "step")
+
+
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true"])  # BF16: the fused Adam kernel (without BF16 moments)
+@pytest.mark.parametrize("state", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_a_step_asked_to_keep_its_gradients_hands_over_the_true_ones(mode: str, state: str, precision: str) -> None:
+    """The step frees each gradient; where ``keeps_stepped_grads`` was set, it hands over what it stepped with (Adam's
+    lag compares them with the second moment after the step): the scaled 16-bit gradients unscaled and clipped in FP32,
+    once. Checked against that computation written out, with a clip by value (16-true: scaled gradients)."""
+    from lit_mpstable.core.step.stepper import PrecisionStepper
+
+    torch.manual_seed(0)
+    model = TinyMLP()
+    stepper = PrecisionStepper(precision, master_weights=mode, optimizer_state=state, device="cpu")
+    stepper.setup_module(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)
+    stepper.setup_optimizers(model, [optimizer])
+    keeper = stepper.keeper
+    assert isinstance(keeper, CompactWeights)
+    x, y = regression_data(16)
+    for keep in (False, True):
+        with stepper.forward_context():
+            loss = F.mse_loss(model(stepper.convert_input(x)).float(), y)
+        stepper.scale_loss(loss).backward()
+        stepper.unscale_(optimizer)
+        stepper.clip_grad_value_(optimizer, 1e-3)
+        want = {id(p): (p.grad.float() / stepper.loss_scale).clamp(-1e-3, 1e-3) for p in model.parameters()}
+        keeper.keeps_stepped_grads = keep
+        stepper.step(optimizer)
+        assert all(p.grad is None for p in model.parameters())
+        kept = keeper.take_stepped_grads()
+        if not keep:
+            assert kept == {}
+            continue
+        assert kept.keys() == want.keys() and not keeper.keeps_stepped_grads and keeper.take_stepped_grads() == {}
+        for key, grad in kept.items():
+            assert grad.dtype == torch.float32 and torch.equal(grad, want[key])
+        assert 0 < sum(int((g.abs() == 1e-3).sum()) for g in kept.values()) < sum(g.numel() for g in kept.values())

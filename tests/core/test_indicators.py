@@ -253,6 +253,23 @@ def test_adam_lag_reads_second_moments_kept_outside_the_optimizer():
     assert indicators.lag_unmeasured is None
 
 
+def test_adam_lag_reads_the_gradients_a_step_kept_after_freeing_them():
+    """Compact weights free each gradient as they step it; given as ``grads`` (by parameter id: what the step stepped
+    with), they are measured as gradients the parameters still hold, and win over one a parameter holds."""
+    model, opt, _, _ = _adam_run()
+    indicators = Indicators(lag_threshold=0.5)
+    _, want, want_total = indicators.measure(opt)
+    stepped = {id(p): p.grad for p in model.parameters()}
+    opt.zero_grad()
+    _, lags, total = indicators.measure(opt, grads=stepped)
+    assert lags.tolist() == pytest.approx(want.tolist()) and float(total) == pytest.approx(float(want_total))
+    assert float(total) > 0 and indicators.lag_unmeasured is None
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e6)  # lags nowhere
+    _, lags, _ = indicators.measure(opt, grads=stepped)
+    assert lags.tolist() == pytest.approx(want.tolist())
+
+
 def test_measure_says_why_it_measured_no_adam_lag():
     """An optimizer without Adam's second moment (SGD), or parameters that hold no gradient after the step (compact
     weights free each one as they step it), measure no lag: ``lag_unmeasured`` says why (a logged 0 read as 'no

@@ -16,9 +16,9 @@ Four statistics (DESIGN "Fingerprints and leading indicators"):
   times Adam's bias-corrected second moment, g^2 < threshold * v_hat (arXiv 2506.04805: spikes follow a regime where
   v_hat lags, g^2 << v_hat, so a later rise of g meets a stale, small denominator). Read from the optimizer's
   ``exp_avg_sq`` and ``step`` after the step (or from a weight keeper's BF16/FP8 moments, given to
-  :meth:`Indicators.measure`), and the gradient the parameter still holds; parameters without them (SGD's, or
-  compact weights', whose step frees each gradient) are skipped. Where none is left, the fraction is no value:
-  :attr:`Indicators.lag_unmeasured` says why (OverflowMonitor then does not log it).
+  :meth:`Indicators.measure`), and the gradient the parameter still holds (or, for compact weights, whose step frees
+  each gradient, the one the step kept for a logging step); parameters without them (SGD's) are skipped. Where none is
+  left, the fraction is no value: :attr:`Indicators.lag_unmeasured` says why (OverflowMonitor then does not log it).
 - **attention logit** (``mp/attn_logit_max``): the largest q.k/sqrt(d) per head, for modules that opt in through
   :class:`AttentionLogits` (``nn.MultiheadAttention`` and callers of ``F.scaled_dot_product_attention``).
 - **SpikeScore** (``mp/spike_score``): OLMo-core's definition. A step is a spike when its loss or its gradient norm
@@ -523,15 +523,17 @@ class Indicators:
         """Copy the optimizer's parameters before the step of a logging step (the update ratio's 'before')."""
         self._before = [p.detach().clone() for p in _params(optimizer)]
 
-    def measure(self, optimizer: Optimizers, moments: Mapping[int, tuple[torch.Tensor, Any]] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def measure(self, optimizer: Optimizers, moments: Mapping[int, tuple[torch.Tensor, Any]] | None = None,
+                grads: Mapping[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After the step: per parameter tensor, the update ratio (0 without a snapshot, or where the tensor was all
         zeros before the step: it has none) and the Adam-lag fraction (0 where no Adam state), and the global lag
         fraction; device tensors, nothing read. Where no parameter's lag could be measured, :attr:`lag_unmeasured`
         says why (decided on the host, from what the parameters and states hold).
 
         ``moments``: Adam's second moment (of the parameter's shape) and step count by parameter id, for
-        parameters whose moments a weight keeper holds outside ``optimizer.state`` (BF16/FP8 moments).
+        parameters whose moments a weight keeper holds outside ``optimizer.state`` (BF16/FP8 moments). ``grads``: the
+        gradient each parameter was stepped with (true values: unscaled, clipped) by parameter id, for parameters whose
+        step freed it (compact weights' :meth:`~lit_mpstable.core.weights.compact.CompactWeights.take_stepped_grads`).
 
         Seven multi-tensor (``torch._foreach_*``) passes over all parameters, no per-parameter arithmetic: three for
         the update ratio (the update is p_before - p_after, computed in the snapshot's own memory), four for the lag
@@ -552,7 +554,7 @@ class Indicators:
         # v is subtracted, never multiplied (Adam's second moments are often subnormal, and subnormal products are
         # slow on CPUs). The non-positive differences are made 0 and the positive 1 (clamp, sign: NaN gives 0, not
         # lagging, as a comparison would) and counted as a squared norm (exact below 2**22 coordinates a tensor).
-        used, grads, seconds, steps, betas = [], [], [], [], []
+        used, stepped, seconds, steps, betas = [], [], [], [], []
         adam = 0  # parameters with Adam's second moment and step count
         for i, (opt, group, p) in enumerate(entries):
             state = opt.state.get(p, {})
@@ -561,10 +563,11 @@ class Indicators:
             if v is None or step is None or v.shape != p.shape:
                 continue
             adam += 1
-            if p.grad is None:
+            grad = grads[id(p)] if grads is not None and id(p) in grads else p.grad
+            if grad is None:
                 continue
             used.append(i)
-            grads.append(_fp32(p.grad.detach()))
+            stepped.append(_fp32(grad.detach()))
             seconds.append(_fp32(v))
             steps.append(step)
             betas.append(float(group.get("betas", (0.9, 0.999))[1]))
@@ -572,16 +575,16 @@ class Indicators:
             None if used else "no parameter holds a gradient after the optimizer step" if adam
             else "the optimizer's state holds no Adam second moment (exp_avg_sq) and step count")
         lag = torch.zeros(len(params), device=device)
-        if grads:
+        if stepped:
             where = steps[0].device if isinstance(steps[0], torch.Tensor) else torch.device("cpu")
             decayed = torch.tensor(betas, device=where) ** _step_counts(steps, where)  # beta2^t
             factors = decayed.sub_(1).mul_(1 / self.lag_threshold)  # -(1 - beta2^t) / threshold
             # v + g * g * factor in one pass where the factors are in host memory (read as scalars: no device sync);
             # where the optimizer keeps its step counts on the accelerator (a capturable Adam) they scale g first
             if factors.device.type == "cpu":
-                lagging = torch._foreach_addcmul(seconds, grads, grads, factors)
+                lagging = torch._foreach_addcmul(seconds, stepped, stepped, factors)
             else:
-                lagging = torch._foreach_addcmul(seconds, grads, torch._foreach_mul(grads, list(factors.unbind())))
+                lagging = torch._foreach_addcmul(seconds, stepped, torch._foreach_mul(stepped, list(factors.unbind())))
             torch._foreach_clamp_min_(lagging, 0.0)
             torch._foreach_sign_(lagging)
             counts = torch.stack(torch._foreach_norm(lagging)).square_().round_().to(device)

@@ -190,6 +190,11 @@ class CompactWeights(Keeper):
             if all(optimizer is not o for o in self._optimizers):
                 self.bind_new_(optimizer)
         self._pending: dict[int, list[Any]] = {}  # per optimizer this iteration: [multiplier, clip value]
+        self.keeps_stepped_grads = False
+        """Set before a step to keep the gradients it steps with (OverflowMonitor does on a logging step: Adam's lag
+        compares them with the second moment after the step, and the step frees them); :meth:`take_stepped_grads`
+        hands them over and clears it. Until then the 16-bit gradients stay allocated, as they were before the step."""
+        self._stepped: dict[int, tuple[torch.Tensor, torch.Tensor | None, float | None]] = {}  # by parameter id
         self.moments: AdamMoments | None = None
         if optimizer_state != "fp32":
             self.moments = AdamMoments(optimizer_state, seed=self.seed, owner=owner)
@@ -781,9 +786,24 @@ class CompactWeights(Keeper):
 
     def _update(self, optimizer: Optimizer, kwargs: Kwargs) -> Callable[[], object]:
         multiplier, clip = self._pending.pop(id(optimizer), [None, None])
-        if self.moments is not None:
-            return lambda: self._moment_step_(optimizer, multiplier, clip, kwargs)
-        return lambda: self.step_(optimizer, grad_multiplier=multiplier, clip_value=clip, **kwargs)
+
+        def update() -> object:
+            if self.keeps_stepped_grads:  # references, no copy: each path of the step reads a gradient, never writes it
+                self._stepped.update((id(p), (p.grad, multiplier, clip)) for group in optimizer.param_groups
+                                     for p in group["params"] if p.grad is not None)
+            if self.moments is not None:
+                return self._moment_step_(optimizer, multiplier, clip, kwargs)
+            return self.step_(optimizer, grad_multiplier=multiplier, clip_value=clip, **kwargs)
+
+        return update
+
+    def take_stepped_grads(self) -> dict[int, torch.Tensor]:
+        """The gradients the steps since :attr:`keeps_stepped_grads` was set stepped with, as the step saw them (FP32,
+        unscaled and clipped), by parameter id; then stops keeping them. Empty where nothing was kept (a skipped
+        step). One FP32 copy of the kept gradients, on the logging step only."""
+        stepped, self._stepped, self.keeps_stepped_grads = self._stepped, {}, False
+        return {key: transform(grad.to(torch.float32, copy=True), multiplier, clip)
+                for key, (grad, multiplier, clip) in stepped.items()}
 
     def _done_(self, optimizer: Optimizer, *, stepped: bool) -> None:
         self._pending.pop(id(optimizer), None)  # a dropped step's factors
