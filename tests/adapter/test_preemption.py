@@ -451,7 +451,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
                         "latest_attention": "the last logging step's per-head readings (measured anew)",
                         "attention_warned": "warned-once names; with attention on, the callback's 'attention_warned'"
                                             " entry",
-                        "growth_warned": _MSG, "window": _CONFIG, "warn_rate": _CONFIG,
+                        "growth_warned": _MSG, "lag_warned": _MSG, "window": _CONFIG, "warn_rate": _CONFIG,
                         "log_every_n_steps": _CONFIG,
                         "latest_measured": "the values last logged (report; measured again at the next due step)",
                         "_steps": "counter baseline, reset from the plugin's restored counters at train start",
