@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lit_mpstable.callbacks._common import (
     PluginCallback,
     StepMetrics,
+    _PropertyStep,
     agreed_names,
     any_rank,
     check,
@@ -327,6 +328,22 @@ class _MetricStates:
                 setattr(metric, name, _copied(value))
 
 
+@contextmanager
+def _at_step(triage: FaultTriage) -> Generator[None, None, None]:
+    """Within the block ``trainer.global_step`` is the replayed step's: the replay runs from the batch end, after
+    Lightning counted the rejected execution, and a ``training_step`` may weigh its loss by the step (a warmup,
+    annealing). Where the counter is Lightning's property (not found as an object), it stays."""
+    counter = triage._global_step
+    if counter is None or isinstance(counter, _PropertyStep):
+        yield
+        return
+    counted, counter.completed = counter.completed, triage._step
+    try:
+        yield
+    finally:
+        counter.completed = counted
+
+
 def _copied(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else list(value)
 
@@ -368,7 +385,7 @@ class _TrainerReplay:
             triage._metric_states.restore()
         self.optimizer.zero_grad(set_to_none=True)
         pl_module.zero_grad(set_to_none=True)
-        with traced(pl_module, trace) as tracer, held_logs(pl_module) as self.held_logs:
+        with traced(pl_module, trace) as tracer, held_logs(pl_module) as self.held_logs, _at_step(triage):
             # In the precision the replay runs in: a '*-true' batch is 16-bit, and the FP32 replay needs it in FP32.
             output = self.trainer.strategy.training_step(
                 *training_step_args(pl_module, self.plugin.convert_input(self.batch), triage._batch_idx))

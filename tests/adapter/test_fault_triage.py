@@ -150,6 +150,33 @@ def test_transient_uses_the_replay_and_matches_a_fault_free_run():
         torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
 
 
+class _StepWeighted(PoisonModule):
+    """A loss weighted by the step (a warmup of an auxiliary loss, KL annealing), and the steps its forward saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(self.global_step)
+        return super().training_step(batch, batch_idx) * min(1.0, (self.global_step + 1) / 4)
+
+
+def test_a_replay_runs_at_the_step_it_replays():
+    # The replay runs from the batch end, after Lightning counted the rejected step: its training_step saw the next
+    # global_step, and a step-weighted loss was replayed as another step's.
+    torch.manual_seed(0)
+    clean = _StepWeighted()
+    fit(clean, [])
+    torch.manual_seed(0)
+    module, triage = _StepWeighted(), FaultTriage()
+    fit(module, [triage, FaultInjector({2: "transient"})])
+    assert [(e["step"], e["kind"]) for e in triage.events] == [(2, "transient")]
+    assert module.seen == [0, 1, 2, 2, 3] and clean.seen == [0, 1, 2, 3]
+    for name, value in weights(clean).items():
+        torch.testing.assert_close(weights(module)[name], value, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
 def test_a_transient_fault_leaves_the_loss_scale_of_a_fault_free_run(precision):
     # The rejected execution's overflow was the fault's, not the scale's: its backoff is undone (the loss scale once
