@@ -688,3 +688,17 @@ def test_a_spike_soon_after_a_load_restores_the_checkpoint_before(tmp_path) -> N
         9, "restored", "restore", str(paths[-2]), 7)
     assert (skip["step"], skip["fault"], skip["rung"]) == (9, "spike", "skip")
     assert trainer.global_step == 12 and checkpoint.rollbacks == 1
+
+
+def test_a_skipped_bad_batch_in_the_growth_samples_is_no_reason_to_roll_back() -> None:
+    # The growth monitor samples the forward of step 2, whose inf input is skipped as a data fault: its row holds an
+    # inf amax (a layer with a non-finite amax is named: diagnostics). Before, the snapshot check took that row for
+    # training state and rolled the healthy model back at every snapshot until max_rollbacks stopped the fit.
+    module = PoisonModule(optimizer="adamw", lr=1e-2, inf_input_steps=(2,))
+    checkpoint = ScaleCheckpoint(every_n_steps=2, max_rollbacks=1)
+    plugin = StablePrecision("bf16-mixed", growth_every_n_steps=2)
+    with quiet():
+        make_trainer(plugin, max_steps=8, callbacks=[checkpoint]).fit(module)
+    assert checkpoint.rollbacks == 0 and checkpoint.snapshot_step == 8
+    assert [(e["step"], e["action"]) for e in plugin.ladder_events] == [(2, "skip")]
+    assert not math.isfinite(plugin.state_dict()["growth"]["layers"]["model.fc1"]["rows"][:, 0].max().item())
