@@ -14,6 +14,11 @@ from lit_mpstable.core.checkpoints import copy_state
 from lit_mpstable.core.guards.triage import all_finite
 from lit_mpstable.core.guards.triage import state_finite as core_state_finite
 
+DIAGNOSTICS = ("growth",)
+"""Plugin-state entries that are the run's record, not state a step computes with: a rollback keeps their live values
+(``restore_state``), so a snapshot's copy is never restored, and the growth monitor's rows hold a non-finite amax by
+design (the sample of an overflowing or bad batch, whose layer it names). The finite check leaves them out."""
+
 
 def layout_key(plugin: PrecisionView) -> tuple:
     """What a precision fallback changes, as far as the plugin's public state shows it."""
@@ -27,12 +32,14 @@ def state_finite(module: torch.nn.Module, optimizers: list[Any]) -> bool:
 
 
 def nonfinite_entries(snapshot: dict[str, Any], limit: int = 5) -> list[str]:
-    """Where ``snapshot`` holds inf/NaN (weights, FP32 masters, compensation, loss scale, optimizer state), named as
-    in the state dicts; empty when every floating value is finite. One reduction over all tensors (one host sync
-    for a snapshot on the accelerator); the names are only looked up when something is not finite."""
+    """Where ``snapshot`` holds inf/NaN (weights, FP32 masters, compensation, loss scale, FP8 scaling state, optimizer
+    state), named as in the state dicts; empty when every floating value is finite (the plugin's :data:`DIAGNOSTICS`
+    are not checked). One reduction over all tensors (one host sync for a snapshot on the accelerator); the names are
+    only looked up when something is not finite."""
     named: list[tuple[str, Any]] = []
     _floating(snapshot["model"], "weights ", named)
-    _floating(snapshot["plugin"], "plugin state ", named)
+    plugin = {key: value for key, value in snapshot["plugin"].items() if key not in DIAGNOSTICS}
+    _floating(plugin, "plugin state ", named)
     for index, state in enumerate(snapshot["optimizers"]):
         _floating(state.get("state", {}), f"optimizer {index} state ", named)
     bad_floats = [path for path, value in named if isinstance(value, float) and not math.isfinite(value)]

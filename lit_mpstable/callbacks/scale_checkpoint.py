@@ -17,6 +17,7 @@ from lit_mpstable.callbacks._common import (
     is_int,
     is_number,
     run_ladder,
+    run_trainer,
     strict_keys,
     watch_step,
 )
@@ -79,7 +80,8 @@ class ScaleCheckpoint(PluginCallback):
 
     Raises:
         ValueError: an argument is out of range (``restored_window`` an int >= 0, ``lr_factor`` in (0, 1]); at train
-            start, the state holds inf/NaN; a second instance with another ``every_n_steps``.
+            start, the state holds inf/NaN; a second instance with another ``every_n_steps``; at setup, a
+            ``WeightAveraging`` callback (``EMAWeightAveraging``) listed before it or ``FaultTriage`` (:meth:`setup`).
     """
 
     foreign_note = ("it snapshots and rolls back non-finite weights or optimizer state; skipping a batch needs"
@@ -176,6 +178,27 @@ class ScaleCheckpoint(PluginCallback):
         at = trainer.global_step if step is None else step
         self._roll_back(trainer, pl_module, dict(step=at, kind=kind, loss=None, zscore=None))
         return self._snapshot["step"]
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a weight-averaging callback (Lightning's ``WeightAveraging``, ``EMAWeightAveraging``) listed before a
+        callback that rolls inf/NaN weights back at batch end (this one, or ``FaultTriage``, whose ``"state"`` verdict
+        calls :meth:`roll_back`): callbacks run in list order and none reorders them, so it would average the NaN in
+        before the rollback, and its average, every later checkpoint and the model at fit end would hold NaN."""
+        callbacks = list(run_trainer(trainer).callbacks)
+        if stage != "fit" or self not in callbacks:
+            return
+        rolling = [cb for cb in callbacks if cb is self or _is_a(cb, "FaultTriage")]
+        last = max(callbacks.index(cb) for cb in rolling)
+        averaging = [type(cb).__name__ for cb in callbacks[:last] if _is_a(cb, "WeightAveraging")]
+        if averaging:
+            names = [type(cb).__name__ for cb in rolling]
+            works = ", ".join(f"{name}(...)" for name in names + averaging)
+            raise ValueError(
+                f"ScaleCheckpoint: {type(callbacks[last]).__name__} is listed after {averaging[0]}, which averages the"
+                f" weights at batch end: callbacks run in list order (none reorders them), so a NaN that"
+                f" {' or '.join(names)} rolls back would be averaged in first, and the average, every later checkpoint"
+                f" and the model at fit end would hold NaN. List {averaging[0]} after {' and '.join(names)}:"
+                f" callbacks=[{works}].")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -386,6 +409,12 @@ def _scale_schedule(scheduler: object, ratio: float) -> None:
             setattr(scheduler, attribute, [v * ratio for v in values])
     for child in getattr(scheduler, "_schedulers", None) or []:
         _scale_schedule(child, ratio)
+
+
+def _is_a(callback: object, name: str) -> bool:
+    """Whether ``callback``'s class, or one it derives from, is called ``name``: on either Trainer package's tree
+    (``lightning.pytorch`` or ``pytorch_lightning``), and without importing the one the run does not use."""
+    return any(cls.__name__ == name for cls in type(callback).__mro__)
 
 
 def _groups_key(trainer: pl.Trainer) -> tuple[int, ...]:

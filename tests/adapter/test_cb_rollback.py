@@ -12,7 +12,7 @@ import pytest
 import torch
 from cb_helpers import PoisonModule, Recorder, fp16_scaler_plugin, quiet
 from helpers import make_trainer
-from trainer_pkg import ScaleCheckpoint, StablePrecision, pl
+from trainer_pkg import FaultTriage, ScaleCheckpoint, StablePrecision, pl
 
 from lit_mpstable import SpikeGuard
 
@@ -688,3 +688,41 @@ def test_a_spike_soon_after_a_load_restores_the_checkpoint_before(tmp_path) -> N
         9, "restored", "restore", str(paths[-2]), 7)
     assert (skip["step"], skip["fault"], skip["rung"]) == (9, "spike", "skip")
     assert trainer.global_step == 12 and checkpoint.rollbacks == 1
+
+
+def test_a_skipped_bad_batch_in_the_growth_samples_is_no_reason_to_roll_back() -> None:
+    # The growth monitor samples the forward of step 2, whose inf input is skipped as a data fault: its row holds an
+    # inf amax (a layer with a non-finite amax is named: diagnostics). Before, the snapshot check took that row for
+    # training state and rolled the healthy model back at every snapshot until max_rollbacks stopped the fit.
+    module = PoisonModule(optimizer="adamw", lr=1e-2, inf_input_steps=(2,))
+    checkpoint = ScaleCheckpoint(every_n_steps=2, max_rollbacks=1)
+    plugin = StablePrecision("bf16-mixed", growth_every_n_steps=2)
+    with quiet():
+        make_trainer(plugin, max_steps=8, callbacks=[checkpoint]).fit(module)
+    assert checkpoint.rollbacks == 0 and checkpoint.snapshot_step == 8
+    assert [(e["step"], e["action"]) for e in plugin.ladder_events] == [(2, "skip")]
+    assert not math.isfinite(plugin.state_dict()["growth"]["layers"]["model.fc1"]["rows"][:, 0].max().item())
+
+
+@pytest.mark.parametrize("order", [("ema", "checkpoint", "triage"), ("checkpoint", "ema", "triage")])
+def test_weight_averaging_before_a_rollback_is_refused_naming_the_order_that_works(order) -> None:
+    # EMA averages the weights at batch end; listed before the callback that rolls a NaN back (ScaleCheckpoint, or
+    # FaultTriage's "state" verdict), it took the NaN in first: the run "recovered", but its average, every later
+    # checkpoint and the final model (EMA copies the average in at fit end) were NaN.
+    made = {"ema": pl.callbacks.EMAWeightAveraging(), "checkpoint": ScaleCheckpoint(every_n_steps=2),
+            "triage": FaultTriage()}
+    trainer = make_trainer(StablePrecision("bf16-mixed"), max_steps=6,
+                           callbacks=[_NanWeight(3), *(made[name] for name in order)])
+    with quiet(), pytest.raises(ValueError, match="listed after EMAWeightAveraging") as refused:
+        trainer.fit(PoisonModule(optimizer="adamw", lr=1e-2))
+    assert "callbacks=[ScaleCheckpoint(...), FaultTriage(...), EMAWeightAveraging(...)]" in str(refused.value)
+
+
+def test_weight_averaging_after_the_rollback_keeps_a_finite_average() -> None:
+    module, ema = PoisonModule(optimizer="adamw", lr=1e-2), pl.callbacks.EMAWeightAveraging()
+    checkpoint = ScaleCheckpoint(every_n_steps=2)
+    with quiet():
+        make_trainer(StablePrecision("bf16-mixed"), max_steps=6,
+                     callbacks=[_NanWeight(3), checkpoint, FaultTriage(), ema]).fit(module)
+    assert checkpoint.rollbacks == 1
+    assert all(torch.isfinite(p).all() for p in module.parameters())  # the average, copied in at fit end
