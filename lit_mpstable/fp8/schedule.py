@@ -210,6 +210,7 @@ class ScheduleRunner:
         """One entry per switch: ``{"step", "milestone", "layers", "formats"}`` (the report's timeline reads it)."""
         self.model: nn.Module | None = None
         self._live: set[int] = set()  # milestones whose switch is in the layers now
+        self._base: dict[str, Recipe] = {}  # each target layer's recipe before any milestone
 
     def __bool__(self) -> bool:
         return bool(self.milestones)
@@ -269,6 +270,7 @@ class ScheduleRunner:
     def _resolve_targets(self, model: nn.Module) -> None:
         layers = {name: module for name, module in model.named_modules() if hasattr(module, "fp8_config")}
         planned = {name: module.fp8_config.spec for name, module in layers.items()}  # each layer's recipe, in order
+        self._base = dict(planned)
         for index, milestone in enumerate(self.milestones):
             call = f"PrecisionSchedule(at={milestone.at!r}, layers={list(milestone.layers)!r})"
             names = [n for n in layers if any(fnmatch.fnmatchcase(n, p) for p in milestone.layers)]
@@ -310,14 +312,11 @@ class ScheduleRunner:
         return done
 
     def _apply(self, index: int, step: int, record: bool = True) -> str:
-        assert self.model is not None  # every caller has a model
-        milestone = self.milestones[index]
         if index not in self._live:
-            for name in self.targets[index]:
-                module: Any = self.model.get_submodule(name)  # an FP8Linear (checked at bind)
-                module.set_recipe_(milestone.switched(module.fp8_config.spec))
             self._live.add(index)
+            self._switch(self.targets[index])
         self.applied[index] = step
+        milestone = self.milestones[index]
         formats = milestone.changes
         event = {"step": step, "milestone": index, "layers": len(self.targets[index]), "formats": formats,
                  "at": milestone.describe()}
@@ -325,6 +324,28 @@ class ScheduleRunner:
             self.events.append(event)
         roles = ", ".join(f"{r}->{f}" for r, f in formats.items())
         return f"precision schedule at step {step}: {roles} on {len(self.targets[index])} FP8 layer(s)"
+
+    def sync_(self) -> None:
+        """Switch every target layer that computes in FP8 now to the recipe the milestones in force give it: a layer
+        a fallback had taken out of FP8 missed the switches made meanwhile, and comes back (``restore_precision``,
+        a rollback across the fallback) in its configured recipe."""
+        if self.model is not None:
+            self._switch(list(self._base))
+
+    def _switch(self, names: list[str]) -> None:
+        """Put the named layers in their scheduled recipe; a layer that left FP8 (a fallback) is skipped, and
+        :meth:`sync_` switches it when it returns."""
+        assert self.model is not None  # every caller has a model
+        for name in names:
+            module: Any = self.model.get_submodule(name)
+            if not callable(getattr(module, "set_recipe_", None)):
+                continue  # an FP8Linear at bind, a plain nn.Linear while a fallback holds it out of FP8
+            spec = self._base[name]
+            for index in sorted(self._live):
+                if name in self.targets[index]:
+                    spec = self.milestones[index].switched(spec)
+            if module.fp8_config.spec != spec:
+                module.set_recipe_(spec)
 
     # ------------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

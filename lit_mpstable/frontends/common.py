@@ -148,6 +148,7 @@ class StableFrontEnd:
         own = ("schedule", "on_fingerprint_mismatch")  # the front end's own; the rest is the stepper's
         self.stepper = PrecisionStepper(**{k: v for k, v in args.items() if k not in own}, owner=type(self).__name__)
         self.precision_schedule = schedule_runner(schedule, self.stepper.fp8)
+        self.stepper.layout.after_fp8_swap = self.precision_schedule.sync_
         # Lightning reads the attribute; the stepper resolved "auto", so it is one of Lightning's own spellings.
         self.precision: LightningPrecision = cast(LightningPrecision, self.stepper.precision)
         self.master_weights = master_weights
