@@ -14,10 +14,11 @@ recompiles the layers' graphs once (the recipe is guarded), with no graph break.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -331,6 +332,24 @@ class ScheduleRunner:
         a rollback across the fallback) in its configured recipe."""
         if self.model is not None:
             self._switch(list(self._base))
+
+    @contextlib.contextmanager
+    def rewound(self, state: Any) -> Iterator[None]:
+        """The layers in the recipes of ``state`` (:meth:`state_dict` of an earlier point of this run: a rollback's
+        snapshot) inside the block, where the snapshot's FP8 state is loaded (its keys follow the recipe it was
+        taken in), then back in the recipes of the milestones in force: the schedule follows the step count, which
+        a rollback keeps, and a milestone the snapshot predates switches the loaded state as it did the first time.
+        Anything else (no model bound, another schedule's state) leaves the layers as they are."""
+        if self.model is None or not isinstance(state, Mapping) or state.get("milestones") != self.signature:
+            yield
+            return
+        live, self._live = self._live, {i for i, step in enumerate(state.get("applied", ())) if step is not None}
+        try:
+            self.sync_()
+            yield
+        finally:
+            self._live = live
+            self.sync_()
 
     def _switch(self, names: list[str]) -> None:
         """Put the named layers in their scheduled recipe; a layer that left FP8 (a fallback) is skipped, and
