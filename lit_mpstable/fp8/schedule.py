@@ -19,7 +19,7 @@ import copy
 import fnmatch
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 import torch
@@ -211,7 +211,7 @@ class ScheduleRunner:
         """One entry per switch: ``{"step", "milestone", "layers", "formats"}`` (the report's timeline reads it)."""
         self.model: nn.Module | None = None
         self._live: set[int] = set()  # milestones whose switch is in the layers now
-        self._base: dict[str, Recipe] = {}  # each target layer's recipe before any milestone
+        self._base: dict[str, Any] = {}  # each target layer's FP8Config before any milestone (its recipe as given)
 
     def __bool__(self) -> bool:
         return bool(self.milestones)
@@ -271,7 +271,7 @@ class ScheduleRunner:
     def _resolve_targets(self, model: nn.Module) -> None:
         layers = {name: module for name, module in model.named_modules() if hasattr(module, "fp8_config")}
         planned = {name: module.fp8_config.spec for name, module in layers.items()}  # each layer's recipe, in order
-        self._base = dict(planned)
+        self._base = {name: module.fp8_config for name, module in layers.items()}
         for index, milestone in enumerate(self.milestones):
             call = f"PrecisionSchedule(at={milestone.at!r}, layers={list(milestone.layers)!r})"
             names = [n for n in layers if any(fnmatch.fnmatchcase(n, p) for p in milestone.layers)]
@@ -359,12 +359,12 @@ class ScheduleRunner:
             module: Any = self.model.get_submodule(name)
             if not callable(getattr(module, "set_recipe_", None)):
                 continue  # an FP8Linear at bind, a plain nn.Linear while a fallback holds it out of FP8
-            spec = self._base[name]
+            config = base = self._base[name]
             for index in sorted(self._live):
                 if name in self.targets[index]:
-                    spec = self.milestones[index].switched(spec)
-            if module.fp8_config.spec != spec:
-                module.set_recipe_(spec)
+                    config = replace(base, recipe=self.milestones[index].switched(config.spec))
+            if module.fp8_config != config:
+                module.set_recipe_(config)
 
     # ------------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -373,7 +373,8 @@ class ScheduleRunner:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output: the milestones applied in the checkpoint are applied again (now if
-        bound, else at :meth:`bind`), so a resume past a milestone runs the switched formats.
+        bound, else at :meth:`bind`), so a resume past a milestone runs the switched formats; loaded in process
+        (the restored-state rung's earlier file), the milestones applied since the file's save are undone first.
 
         Raises:
             ValueError: the checkpoint's schedule differs from this one (both named), or a field is malformed.
@@ -390,12 +391,13 @@ class ScheduleRunner:
                     v is None or isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
                 raise ValueError(f"precision schedule state[{key!r}]={values!r}: one step (int >= 0) or None per"
                                  " milestone.")
-        if self._live:
-            raise ValueError("precision schedule: state loaded after milestones were applied in this process; load"
-                             " the checkpoint before training.")
         self.steps = [s if s is not None else self.steps[i] for i, s in enumerate(state["steps"])]
         self.applied = list(state["applied"])
         if self.model is not None:
+            # Loaded in process (an earlier file of the run): the layers take the file's milestones, those it
+            # predates are undone, and they switch again when the run's step count reaches them.
+            self._live = {i for i in self._live if self.applied[i] is not None}
+            self.sync_()
             self._reapply()
 
 
