@@ -269,7 +269,7 @@ class _NaNWeightAt(pl.Callback):
 def test_a_rollback_to_the_snapshot_before_the_choice_keeps_the_choice() -> None:
     """ScaleCheckpoint's train-start snapshot holds every layer in NVFP4, taken before the probe moved some back at
     the first batch: a rollback to it keeps the run's choice, and the state of the layers it moved is not loaded."""
-    from lit_mpstable.callbacks import ScaleCheckpoint
+    from trainer_pkg import ScaleCheckpoint
 
     torch.manual_seed(0)
     module, checkpoint = Stack(), ScaleCheckpoint()
