@@ -33,11 +33,28 @@ def earlier_checkpoint(plugin: Any, path: str | Path, loaded_step: int
     unchecked): ``(its path, the loaded dict, {rejected path: its differences})``, else ``(None, None, why)``
     (:func:`~lit_mpstable.core.fingerprint.earlier_checkpoint`)."""
     fingerprint = getattr(plugin, "fingerprint", None)
-    check = None if fingerprint is None else CheckpointCheck(fingerprint, type(plugin).__qualname__,
-                                                             plugin.stepper.manifest, lambda checkpoint: None)
-    return earlier_passing(path, loaded_step,
-                           (lambda c: []) if check is None else (lambda c: check.differences(c, required=False)),
-                           step_of=_global_step, required=TRAINING_KEYS)
+
+    def differences(checkpoint: dict[str, Any]) -> list[str]:
+        if fingerprint is None:
+            return []
+        check = CheckpointCheck(fingerprint, type(plugin).__qualname__, lambda: _manifest_as_of(plugin, checkpoint),
+                                lambda checkpoint: None)
+        return check.differences(checkpoint, required=False)
+
+    return earlier_passing(path, loaded_step, differences, step_of=_global_step, required=TRAINING_KEYS)
+
+
+def _manifest_as_of(plugin: Any, checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+    """This run's manifest with the FP8 layers in the recipes its precision schedule had at ``checkpoint``'s save:
+    an earlier file of the run differs from the live layers only by the switches made since, which its load puts
+    back from the file's schedule state (a file of another schedule is compared with the live layers, and named)."""
+    schedule = getattr(plugin, "precision_schedule", None)
+    state = checkpoint.get(type(plugin).__qualname__)
+    saved = state.get("precision_schedule") if isinstance(state, Mapping) else None
+    if not schedule or saved is None:
+        return plugin.stepper.manifest()
+    with schedule.rewound(saved):
+        return plugin.stepper.manifest()
 
 
 def load_in_process(trainer: pl.Trainer, checkpoint: dict[str, Any], path: str | Path) -> int:

@@ -14,11 +14,12 @@ recompiles the layers' graphs once (the recipe is guarded), with no graph break.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 import torch
@@ -210,6 +211,7 @@ class ScheduleRunner:
         """One entry per switch: ``{"step", "milestone", "layers", "formats"}`` (the report's timeline reads it)."""
         self.model: nn.Module | None = None
         self._live: set[int] = set()  # milestones whose switch is in the layers now
+        self._base: dict[str, Any] = {}  # each target layer's FP8Config before any milestone (its recipe as given)
 
     def __bool__(self) -> bool:
         return bool(self.milestones)
@@ -269,6 +271,7 @@ class ScheduleRunner:
     def _resolve_targets(self, model: nn.Module) -> None:
         layers = {name: module for name, module in model.named_modules() if hasattr(module, "fp8_config")}
         planned = {name: module.fp8_config.spec for name, module in layers.items()}  # each layer's recipe, in order
+        self._base = {name: module.fp8_config for name, module in layers.items()}
         for index, milestone in enumerate(self.milestones):
             call = f"PrecisionSchedule(at={milestone.at!r}, layers={list(milestone.layers)!r})"
             names = [n for n in layers if any(fnmatch.fnmatchcase(n, p) for p in milestone.layers)]
@@ -310,14 +313,11 @@ class ScheduleRunner:
         return done
 
     def _apply(self, index: int, step: int, record: bool = True) -> str:
-        assert self.model is not None  # every caller has a model
-        milestone = self.milestones[index]
         if index not in self._live:
-            for name in self.targets[index]:
-                module: Any = self.model.get_submodule(name)  # an FP8Linear (checked at bind)
-                module.set_recipe_(milestone.switched(module.fp8_config.spec))
             self._live.add(index)
+            self._switch(self.targets[index])
         self.applied[index] = step
+        milestone = self.milestones[index]
         formats = milestone.changes
         event = {"step": step, "milestone": index, "layers": len(self.targets[index]), "formats": formats,
                  "at": milestone.describe()}
@@ -326,6 +326,46 @@ class ScheduleRunner:
         roles = ", ".join(f"{r}->{f}" for r, f in formats.items())
         return f"precision schedule at step {step}: {roles} on {len(self.targets[index])} FP8 layer(s)"
 
+    def sync_(self) -> None:
+        """Switch every target layer that computes in FP8 now to the recipe the milestones in force give it: a layer
+        a fallback had taken out of FP8 missed the switches made meanwhile, and comes back (``restore_precision``,
+        a rollback across the fallback) in its configured recipe."""
+        if self.model is not None:
+            self._switch(list(self._base))
+
+    @contextlib.contextmanager
+    def rewound(self, state: Any) -> Iterator[None]:
+        """The layers in the recipes of ``state`` (:meth:`state_dict` of an earlier point of this run: a rollback's
+        snapshot) inside the block, where the snapshot's FP8 state is loaded (its keys follow the recipe it was
+        taken in), then back in the recipes of the milestones in force: the schedule follows the step count, which
+        a rollback keeps, and a milestone the snapshot predates switches the loaded state as it did the first time.
+        Anything else (no model bound, another schedule's state) leaves the layers as they are."""
+        if self.model is None or not isinstance(state, Mapping) or state.get("milestones") != self.signature:
+            yield
+            return
+        live, self._live = self._live, {i for i, step in enumerate(state.get("applied", ())) if step is not None}
+        try:
+            self.sync_()
+            yield
+        finally:
+            self._live = live
+            self.sync_()
+
+    def _switch(self, names: list[str]) -> None:
+        """Put the named layers in their scheduled recipe; a layer that left FP8 (a fallback) is skipped, and
+        :meth:`sync_` switches it when it returns."""
+        assert self.model is not None  # every caller has a model
+        for name in names:
+            module: Any = self.model.get_submodule(name)
+            if not callable(getattr(module, "set_recipe_", None)):
+                continue  # an FP8Linear at bind, a plain nn.Linear while a fallback holds it out of FP8
+            config = base = self._base[name]
+            for index in sorted(self._live):
+                if name in self.targets[index]:
+                    config = replace(base, recipe=self.milestones[index].switched(config.spec))
+            if module.fp8_config != config:
+                module.set_recipe_(config)
+
     # ------------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """``{"milestones": [descriptions], "steps": resolved steps, "applied": steps applied at}`` (plain values)."""
@@ -333,7 +373,8 @@ class ScheduleRunner:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output: the milestones applied in the checkpoint are applied again (now if
-        bound, else at :meth:`bind`), so a resume past a milestone runs the switched formats.
+        bound, else at :meth:`bind`), so a resume past a milestone runs the switched formats; loaded in process
+        (the restored-state rung's earlier file), the milestones applied since the file's save are undone first.
 
         Raises:
             ValueError: the checkpoint's schedule differs from this one (both named), or a field is malformed.
@@ -350,12 +391,13 @@ class ScheduleRunner:
                     v is None or isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
                 raise ValueError(f"precision schedule state[{key!r}]={values!r}: one step (int >= 0) or None per"
                                  " milestone.")
-        if self._live:
-            raise ValueError("precision schedule: state loaded after milestones were applied in this process; load"
-                             " the checkpoint before training.")
         self.steps = [s if s is not None else self.steps[i] for i, s in enumerate(state["steps"])]
         self.applied = list(state["applied"])
         if self.model is not None:
+            # Loaded in process (an earlier file of the run): the layers take the file's milestones, those it
+            # predates are undone, and they switch again when the run's step count reaches them.
+            self._live = {i for i in self._live if self.applied[i] is not None}
+            self.sync_()
             self._reapply()
 
 

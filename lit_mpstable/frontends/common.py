@@ -148,6 +148,7 @@ class StableFrontEnd:
         own = ("schedule", "on_fingerprint_mismatch")  # the front end's own; the rest is the stepper's
         self.stepper = PrecisionStepper(**{k: v for k, v in args.items() if k not in own}, owner=type(self).__name__)
         self.precision_schedule = schedule_runner(schedule, self.stepper.fp8)
+        self.stepper.layout.after_fp8_swap = self.precision_schedule.sync_
         # Lightning reads the attribute; the stepper resolved "auto", so it is one of Lightning's own spellings.
         self.precision: LightningPrecision = cast(LightningPrecision, self.stepper.precision)
         self.master_weights = master_weights
@@ -357,9 +358,11 @@ class StableFrontEnd:
     def restore_state(self, state: dict[str, Any]) -> None:
         """Load numeric state from :meth:`state_dict` (a rollback): scale, masters, layout, FP8 histories; the
         event counters (steps, overflows, skips; the scaler's too) keep their live values, and so does the precision
-        schedule (its milestones follow the step count, which a rollback keeps)."""
+        schedule (its milestones follow the step count, which a rollback keeps): the FP8 layers take the state's
+        recipes while their FP8 state is loaded, then the milestones in force again."""
         own = (FINGERPRINT, "precision_schedule")
-        self.stepper.load_state_dict({k: v for k, v in state.items() if k not in own}, keep_counters=True)
+        with self.precision_schedule.rewound(state.get("precision_schedule")):
+            self.stepper.load_state_dict({k: v for k, v in state.items() if k not in own}, keep_counters=True)
 
     def want_grad_norm_(self) -> None:
         """Keep each step's gradient norm, measured by the gradient check's one pass, for :meth:`take_grad_norm` (the

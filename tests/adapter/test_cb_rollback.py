@@ -726,3 +726,33 @@ def test_weight_averaging_after_the_rollback_keeps_a_finite_average() -> None:
                      callbacks=[_NanWeight(3), checkpoint, FaultTriage(), ema]).fit(module)
     assert checkpoint.rollbacks == 1
     assert all(torch.isfinite(p).all() for p in module.parameters())  # the average, copied in at fit end
+
+
+def _scheduled() -> StablePrecision:
+    from lit_mpstable.fp8 import FP8Config, PrecisionSchedule
+
+    return StablePrecision("32-true", fp8=FP8Config(recipe="nvfp4"), schedule=PrecisionSchedule(at=3, recipe="current"))
+
+
+def test_the_restored_rung_takes_the_runs_own_file_written_before_a_schedule_switch(tmp_path) -> None:
+    # Before: every file written before the switch at step 3 was refused ("checkpoint trained `model.fc2` in nvfp4,
+    # this run has it in fp8 current"), compared with the live switched layers, and the rung stopped the run.
+    from helpers import make_module
+
+    torch.manual_seed(0)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    with quiet():
+        make_trainer(_scheduled(), max_steps=LOADED, enable_checkpointing=True,
+                     callbacks=[_WrongLRAtSave(LOADED), saver]).fit(make_module(optimizer="adamw", lr=1e-2))
+    paths = sorted(tmp_path.glob("*.ckpt"), key=lambda p: int(p.stem.rpartition("=")[2]))
+    torch.manual_seed(0)
+    plugin, checkpoint = _scheduled(), ScaleCheckpoint(every_n_steps=50, restored_window=5)
+    module = make_module(optimizer="adamw", lr=1e-2)
+    trainer = make_trainer(plugin, max_steps=LOADED + 4, callbacks=[checkpoint])
+    with quiet():
+        trainer.fit(module, ckpt_path=paths[-1])
+    assert [(e["action"], e.get("checkpoint"), e.get("reason")) for e in checkpoint.events] == [
+        ("restore_previous", str(paths[-2]), None)]
+    assert trainer.global_step == LOADED + 4 and plugin.precision_schedule.applied == [3]
+    assert module.model.fc2.fp8_config.spec.name == "current"
+    assert all(torch.isfinite(p).all() for p in module.parameters())

@@ -364,3 +364,45 @@ def test_a_rollback_under_a_schedule_keeps_the_switched_formats(flip_at):
     assert all(p.isfinite().all() for p in trainer.lightning_module.parameters())
     assert formats.fprop[4:] == ["bf16"] * (len(formats.fprop) - 4) and formats.fprop[:4] == ["nvfp4"] * 4
     assert plugin.precision_schedule.applied == [4]
+
+
+class _Recipes(pl.Callback):
+    """The last layer's recipe at each step's end; ``fallback_at``/``restore_at``: a module fallback of it and the
+    plugin's ``restore_precision()`` at those steps' ends (as PrecisionFallback or FaultTriage's verdict do)."""
+
+    def __init__(self, fallback_at: int = -1, restore_at: int = -1) -> None:
+        self.fallback_at, self.restore_at = fallback_at, restore_at
+        self.names: list[str | None] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        layer = pl_module.net[2]
+        self.names.append(layer.fp8_config.spec.name if hasattr(layer, "fp8_config") else None)
+        if trainer.global_step == self.fallback_at:
+            trainer.precision_plugin.fallback(["net.2"], reason="test")
+        if trainer.global_step == self.restore_at:
+            trainer.precision_plugin.restore_precision()
+
+
+def test_a_milestone_skips_a_fallen_back_layer_and_a_restore_brings_it_back_switched():
+    plugin = StablePrecision("bf16-mixed", fp8=FP8Config(recipe="nvfp4", keep_high_precision=[]),
+                             schedule=PrecisionSchedule(at=3, recipe="current"))
+    recipes = _Recipes(fallback_at=2, restore_at=5)
+    trainer = _fit(plugin, callbacks=[recipes])
+    assert trainer.global_step == 8 and plugin.precision_schedule.applied == [3]
+    assert recipes.names == ["nvfp4", "nvfp4", None, None, None, "current", "current", "current"]
+    assert trainer.lightning_module.net[0].fp8_config.spec.name == "current"
+
+
+def test_a_rollback_to_a_snapshot_before_a_recipe_switch_loads_it_in_the_recipe_it_was_taken_in():
+    """The snapshot of step 4 holds the NVFP4 layers' state (an SR counter); the switch to 'current' at 5 drops it.
+    A NaN at 6 rolls back to that snapshot: its FP8 state is loaded into the layers put back in NVFP4 first, and the
+    run goes on in 'current' (the milestone follows the step count, which a rollback keeps)."""
+    from lit_mpstable.callbacks import ScaleCheckpoint
+
+    plugin = StablePrecision("bf16-mixed", fp8=FP8Config(recipe="nvfp4", keep_high_precision=[]),
+                             schedule=PrecisionSchedule(at=5, recipe="current"))
+    checkpoint, recipes = ScaleCheckpoint(every_n_steps=4), _Recipes()
+    trainer = _fit(plugin, callbacks=[checkpoint, _FlipAt(6), recipes])
+    assert checkpoint.rollbacks == 1 and trainer.global_step == 8
+    assert all(p.isfinite().all() for p in trainer.lightning_module.parameters())
+    assert recipes.names == ["nvfp4"] * 5 + ["current"] * 3 and plugin.precision_schedule.applied == [5]

@@ -73,6 +73,9 @@ class PrecisionLayout:
         self.find_ddp: Callable[[], nn.parallel.DistributedDataParallel | None] | None = None
         """Returns the ``DistributedDataParallel`` wrapping :attr:`module` now, or ``None`` (set by a front end that
         knows its strategy): a recast of ``*-true`` parameters rebuilds its reducer."""
+        self.after_fp8_swap: Callable[[], object] | None = None
+        """Called after layers were swapped back into FP8 (a restore or a rollback across a fallback), which come back
+        in the configured recipe: a precision schedule switches them to the recipe it has them in by now."""
 
     # ----------------------------------------------------------------------------------------------- reading
     @property
@@ -208,6 +211,8 @@ class PrecisionLayout:
         for name in converted:
             setattr(module.get_submodule(name), _SWAPPED, True)
         self._fp8_layers = wanted
+        if converted and self.after_fp8_swap is not None:
+            self.after_fp8_swap()
 
     def fallback(self, modules: Iterable[str] | None = None) -> str:
         """One rung up the ladder, globally (``modules=None``) or for the named modules; returns what was done."""

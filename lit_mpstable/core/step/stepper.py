@@ -926,6 +926,8 @@ class PrecisionStepper:
             state = {**state, "spike_guard": {}}  # saved before SpikeGuard existed: no statistics to restore
         if isinstance(state, dict) and "fp8_budget" not in state:
             state = {**state, "fp8_budget": {}}  # saved before the probe's budget was part of the state
+        if keep_counters and isinstance(state, dict) and not state["fp8_budget"] and self.fp8_budget.layers:
+            state = self._with_budget_choice(state)
         if isinstance(state, dict) and "growth" not in state:
             state = {**state, "growth": {}}  # saved before the growth samples were checkpointed: the fit restarts
         if isinstance(state, dict) and RECAST not in state:
@@ -1131,6 +1133,17 @@ class PrecisionStepper:
             yield
         finally:
             layout.load_state_dict(saved)
+
+    def _with_budget_choice(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A rollback's snapshot taken before the probe's choice (the train start's) with the run's choice in it: the
+        choice is made once a run and stays (loaded as a resume loads it), and the snapshot's FP8 state of the layers
+        it moved back to the base precision is left out (they have none now)."""
+        kept = [f"{name}." for name in self.fp8_budget.layers or ()]
+        layout = state.get("layout")
+        if isinstance(layout, dict) and isinstance(layout.get("fp8"), dict):
+            fp8 = {key: value for key, value in layout["fp8"].items() if not key.startswith(tuple(kept))}
+            layout = {**layout, "fp8": fp8}
+        return {**state, "fp8_budget": self.fp8_budget.state_dict(), "layout": layout}
 
     def choose_high_precision_(self, loss_fn: LossFn, batch: object) -> list[str]:
         """``FP8Config(keep_high_precision=HighPrecisionBudget(by="probe"))``: measure each FP8 layer's weight-gradient
