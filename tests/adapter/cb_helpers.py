@@ -14,6 +14,30 @@ from lit_mpstable.app import fault_demos
 from lit_mpstable.app.fault_demos import PoisonTask
 
 
+class TiedLM(pl.LightningModule):
+    """A tiny language model whose head is its embedding's ``Parameter`` (GPT-2's tie), on 6-token sequences of 32
+    symbols, AdamW; ``head``: the head's class (an ``nn.Linear``)."""
+
+    def __init__(self, head: type[torch.nn.Linear] = torch.nn.Linear) -> None:
+        super().__init__()
+        self.model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(32, 16), "body": torch.nn.Linear(16, 16),
+                                          "head": head(16, 32, bias=False)})
+        self.model.head.weight = self.model.emb.weight
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model.head(self.model.body(self.model.emb(x)))
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, 32), y.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        tokens = torch.randint(0, 32, (16, 7), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]),
+                                           batch_size=4)
+
+
 class PoisonModule(PoisonTask, pl.LightningModule):
     """:class:`~lit_mpstable.app.fault_demos.PoisonTask` on the Trainer package under test."""
 

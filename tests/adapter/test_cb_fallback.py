@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cb_helpers import BlameFirstNonfinite, PoisonModule, Recorder, quiet
+from cb_helpers import BlameFirstNonfinite, PoisonModule, Recorder, TiedLM, quiet
 from helpers import make_trainer
 from trainer_pkg import PrecisionFallback, StablePrecision, pl
 
@@ -257,30 +257,10 @@ def test_module_mode_on_a_tied_head_moves_it_with_its_embedding_and_training_rec
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x * 1e5) / 1e5
 
-    class TiedLM(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = nn.ModuleDict({"emb": nn.Embedding(32, 16), "body": nn.Linear(16, 16),
-                                        "head": AmplifyingHead(16, 32, bias=False)})
-            self.model.head.weight = self.model.emb.weight
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            logits = self.model.head(self.model.body(self.model.emb(x)))
-            return nn.functional.cross_entropy(logits.float().reshape(-1, 32), y.reshape(-1))
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-        def train_dataloader(self):
-            tokens = torch.randint(0, 32, (16, 7), generator=torch.Generator().manual_seed(0))
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]),
-                                               batch_size=4)
-
     plugin = StablePrecision("16-true")
     fallback = PrecisionFallback(patience=2, mode="module")
     recorder = Recorder()
-    module = TiedLM()
+    module = TiedLM(AmplifyingHead)
     with quiet():
         make_trainer(plugin, max_steps=5, callbacks=[BlameFirstNonfinite(), fallback, recorder]).fit(module)
     (decision,) = fallback.decisions

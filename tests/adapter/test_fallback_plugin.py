@@ -8,7 +8,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import make_module, make_trainer
-from torch import nn
 
 from lit_mpstable import StablePrecision
 
@@ -156,28 +155,9 @@ def test_resume_with_a_global_fallback_active_is_exact(master_weights, tmp_path)
 def test_a_tied_head_as_an_island_or_a_fallback_trains_and_says_what_moved(precision: str) -> None:
     # GPT-2's tie (head.weight is emb.weight) with the README's fp32_modules=["model.head"], or a module fallback
     # onto that head mid-run: both modules run in FP32 together in the *-true modes; *-mixed keeps the island as is.
+    from cb_helpers import TiedLM
     from trainer_pkg import StablePrecision as Plugin
     from trainer_pkg import pl as trainer_pl
-
-    class TiedLM(trainer_pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = nn.ModuleDict({"emb": nn.Embedding(32, 16), "body": nn.Linear(16, 16),
-                                        "head": nn.Linear(16, 32, bias=False)})
-            self.model.head.weight = self.model.emb.weight
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            logits = self.model.head(self.model.body(self.model.emb(x)))
-            return nn.functional.cross_entropy(logits.float().reshape(-1, 32), y.reshape(-1))
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-        def train_dataloader(self):
-            tokens = torch.randint(0, 32, (16, 7), generator=torch.Generator().manual_seed(0))
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]),
-                                               batch_size=4)
 
     class HeadFallback(trainer_pl.Callback):
         def on_train_batch_end(self, trainer, *args) -> None:

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from cb_helpers import NanWeight
 from helpers import make_trainer
 from lightning.fabric import Fabric
 from torch import nn
@@ -254,18 +255,6 @@ def test_data_parallel_ranks_choose_the_same_layers_from_their_own_batches(tmp_p
         assert torch.equal(value, ranks[1]["params"][key]), key
 
 
-class _NaNWeightAt(pl.Callback):
-    """A NaN written into the first layer's weight at the start of optimizer step ``step`` (a bit flip)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
-            with torch.no_grad():
-                pl_module.net[0].weight.view(-1)[0] = float("nan")
-
-
 def test_a_rollback_to_the_snapshot_before_the_choice_keeps_the_choice() -> None:
     """ScaleCheckpoint's train-start snapshot holds every layer in NVFP4, taken before the probe moved some back at
     the first batch: a rollback to it keeps the run's choice, and the state of the layers it moved is not loaded."""
@@ -274,7 +263,7 @@ def test_a_rollback_to_the_snapshot_before_the_choice_keeps_the_choice() -> None
     torch.manual_seed(0)
     module, checkpoint = Stack(), ScaleCheckpoint()
     plugin = StablePrecision("bf16-mixed", fp8=budget_config("nvfp4"))
-    trainer = make_trainer(plugin, max_steps=4, callbacks=[checkpoint, _NaNWeightAt(2)])
+    trainer = make_trainer(plugin, max_steps=4, callbacks=[checkpoint, NanWeight(2)])
     trainer.fit(module)
     kept = plugin.fp8_high_precision_layers
     assert kept and checkpoint.rollbacks == 1 and trainer.global_step == 4
