@@ -429,7 +429,7 @@ NOT_STATE: dict[str, dict[str, str]] = {
     },
     "PrecisionLayout": {"dtype": _CONFIG, "cast_parameters": _SETUP, "fp8": _CONFIG, "fp8_backend": _CONFIG,
                         "_user_islands": _CONFIG, "module": _SETUP, "device_type": _SETUP, "after_recast": _SETUP,
-                        "find_ddp": _SETUP,
+                        "find_ddp": _SETUP, "after_fp8_swap": _SETUP,
                         "_fp8_selected": "selected from the model at its first attach (FP8 state: layout.fp8)",
                         "_fp8_layers": "the selection minus fp8_removed (FP8 state: layout.fp8)"},
     "FP32Islands": {"specs": "the user's islands plus layout.fp32_modules", "device_type": _SETUP,
