@@ -37,24 +37,11 @@ def earlier_checkpoint(plugin: Any, path: str | Path, loaded_step: int
     def differences(checkpoint: dict[str, Any]) -> list[str]:
         if fingerprint is None:
             return []
-        check = CheckpointCheck(fingerprint, type(plugin).__qualname__, lambda: _manifest_as_of(plugin, checkpoint),
+        check = CheckpointCheck(fingerprint, type(plugin).__qualname__, lambda: plugin.manifest_as_of(checkpoint),
                                 lambda checkpoint: None)
         return check.differences(checkpoint, required=False)
 
     return earlier_passing(path, loaded_step, differences, step_of=_global_step, required=TRAINING_KEYS)
-
-
-def _manifest_as_of(plugin: Any, checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
-    """This run's manifest with the FP8 layers in the recipes its precision schedule had at ``checkpoint``'s save:
-    an earlier file of the run differs from the live layers only by the switches made since, which its load puts
-    back from the file's schedule state (a file of another schedule is compared with the live layers, and named)."""
-    schedule = getattr(plugin, "precision_schedule", None)
-    state = checkpoint.get(type(plugin).__qualname__)
-    saved = state.get("precision_schedule") if isinstance(state, Mapping) else None
-    if not schedule or saved is None:
-        return plugin.stepper.manifest()
-    with schedule.rewound(saved):
-        return plugin.stepper.manifest()
 
 
 def load_in_process(trainer: pl.Trainer, checkpoint: dict[str, Any], path: str | Path) -> int:

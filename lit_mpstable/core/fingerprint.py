@@ -987,15 +987,20 @@ class CheckpointCheck:
     of its directory that passes, reloading what was restored from it already (``reload``)."""
 
     def __init__(self, fingerprint: Fingerprint, plugin_key: str, live: Callable[[], Mapping[str, Any]],
-                 reload: Callable[[dict[str, Any]], None]) -> None:
-        """``live``: this run's :func:`manifest` when called (``PrecisionStepper.manifest``)."""
+                 reload: Callable[[dict[str, Any]], None],
+                 live_as_of: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None) -> None:
+        """``live``: this run's :func:`manifest` when called (``PrecisionStepper.manifest``); ``live_as_of``: the
+        manifest an earlier checkpoint of the run is compared with (a precision schedule's switches since undone)."""
         self.fingerprint, self.plugin_key, self.live, self.reload = fingerprint, plugin_key, live, reload
+        self.live_as_of = live_as_of
 
     def differences(self, checkpoint: Mapping[str, Any], *, required: bool = True,
                     run_of: Mapping[str, Any] | None = None) -> list[str]:
+        as_of = self.live_as_of
         return self.fingerprint.candidate_differences(
-            checkpoint.get(self.plugin_key), lambda _: checkpoint_trees(checkpoint, self.plugin_key), self.live,
-            call=self.plugin_key, required=required, run_of=run_of)
+            checkpoint.get(self.plugin_key), lambda _: checkpoint_trees(checkpoint, self.plugin_key),
+            self.live if as_of is None else lambda: as_of(checkpoint), call=self.plugin_key, required=required,
+            run_of=run_of)
 
     def verify_(self, checkpoint: dict[str, Any], path: str | Path | None,
                 loaded: Mapping[str, object] | None = None) -> None:

@@ -4,7 +4,7 @@ dict, all read from one :class:`~lit_mpstable.core.step.stepper.PrecisionStepper
 from __future__ import annotations
 
 import inspect
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import _GeneratorContextManager, contextmanager
 from typing import Any, Literal, cast
 
@@ -354,6 +354,18 @@ class StableFrontEnd:
     def fp8_high_precision_layers(self) -> list[str] | None:
         """The layers ``HighPrecisionBudget(by="probe")`` moved back to the base precision (None until chosen)."""
         return self.stepper.fp8_high_precision_layers
+
+    def manifest_as_of(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """This run's precision manifest with the FP8 layers in the recipes its precision schedule had when
+        ``checkpoint`` (a Trainer checkpoint dict of this run) was saved: an earlier file of the run differs from the
+        live layers only by the switches made since, which its load puts back from the file's schedule state. A file
+        without schedule state, or of another schedule, is compared with the live layers (and the difference named)."""
+        state = checkpoint.get(type(self).__qualname__)
+        saved = state.get("precision_schedule") if isinstance(state, Mapping) else None
+        if not self.precision_schedule or saved is None:
+            return self.stepper.manifest()
+        with self.precision_schedule.rewound(saved):
+            return self.stepper.manifest()
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """Load numeric state from :meth:`state_dict` (a rollback): scale, masters, layout, FP8 histories; the

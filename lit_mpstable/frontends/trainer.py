@@ -342,7 +342,8 @@ class TrainerPrecision(StableFrontEnd):
             unflatten_optimizer_states_(checkpoint.get("optimizer_states", []))
             self._loaded_weights = checkpoint.get("state_dict")
 
-        return CheckpointCheck(self.fingerprint, type(self).__qualname__, self.stepper.manifest, reload)
+        return CheckpointCheck(self.fingerprint, type(self).__qualname__, self.stepper.manifest, reload,
+                               self.manifest_as_of)
 
 
 class _FingerprintedDump:

@@ -756,3 +756,34 @@ def test_the_restored_rung_takes_the_runs_own_file_written_before_a_schedule_swi
     assert trainer.global_step == LOADED + 4 and plugin.precision_schedule.applied == [3]
     assert module.model.fc2.fp8_config.spec.name == "current"
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_previous_takes_the_runs_own_file_written_before_a_schedule_switch(tmp_path) -> None:
+    # on_fingerprint_mismatch="previous" compared each earlier file with the live, switched layers: with the files
+    # after the switch at step 3 corrupt, every earlier one was refused ("checkpoint trained `model.fc2` in nvfp4,
+    # this run has it in fp8 current") and the resume failed.
+    from helpers import make_module
+
+    from lit_mpstable.fp8 import FP8Config, PrecisionSchedule
+
+    def plugin() -> StablePrecision:
+        return StablePrecision("32-true", fp8=FP8Config(recipe="nvfp4"), on_fingerprint_mismatch="previous",
+                               schedule=PrecisionSchedule(at=3, recipe="current"))
+
+    torch.manual_seed(0)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    with quiet():
+        make_trainer(plugin(), max_steps=5, enable_checkpointing=True, callbacks=[saver]).fit(
+            make_module(optimizer="adamw", lr=1e-2))
+    paths = sorted(tmp_path.glob("*.ckpt"), key=lambda p: int(p.stem.rpartition("=")[2]))
+    for path in paths[-2:]:  # the files of steps 4 and 5, written in the switched recipe, corrupt
+        checkpoint = torch.load(path, weights_only=False)
+        next(iter(checkpoint["state_dict"].values())).view(-1)[0] += 1
+        torch.save(checkpoint, path)
+    torch.manual_seed(0)
+    resumed = plugin()
+    with quiet():
+        make_trainer(resumed, max_steps=7).fit(make_module(optimizer="adamw", lr=1e-2), ckpt_path=paths[-1])
+    assert [(e["action"], e.get("fallback")) for e in resumed.fingerprint.events] == [
+        ("previous", str(paths[2])), ("passed", None)]
+    assert resumed.precision_schedule.applied == [3]
